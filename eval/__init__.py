@@ -1,0 +1,1 @@
+"""occult_hf.eval."""

@@ -1,0 +1,45 @@
+"""PyTorch reference for the local expert computation: the specification the Triton kernels match.
+
+gather rows by local expert -> x @ gate_up^T -> act(gate) * up -> @ down^T -> * routing weight ->
+fp32 accumulation into one output row per received row. Autograd through plain PyTorch ops gives
+the gradients (input, both weights, routing weight) that the Triton backward must reproduce.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .layout import ExpertSegments
+
+
+def expert_mlp_reference(
+    x_RH: torch.Tensor,
+    segments: ExpertSegments,
+    pair_weight_N: torch.Tensor,
+    gate_up_proj_L2IH: torch.Tensor,
+    down_proj_LHI: torch.Tensor,
+    act_fn: Callable[[torch.Tensor], torch.Tensor] = F.silu,
+) -> torch.Tensor:
+    """Returns `[R, H]` in `x_RH.dtype`: the weighted sum of each row's local experts' outputs.
+
+    `gate_up_proj_L2IH` is `[L, 2I, H]` (gate rows first, then up, as transformers 5 stores it);
+    `down_proj_LHI` is `[L, H, I]`; `pair_weight_N` is `[N]` in segment order.
+    """
+    out_RH = torch.zeros(segments.num_rows, x_RH.shape[1], dtype=torch.float32, device=x_RH.device)
+    offsets = segments.expert_offsets.tolist()
+    for expert in range(segments.num_local_experts):
+        start, end = offsets[expert], offsets[expert + 1]
+        if start == end:
+            continue
+        rows_n = segments.pair_row[start:end]
+        gate, up = F.linear(x_RH[rows_n], gate_up_proj_L2IH[expert]).chunk(2, dim=-1)
+        y_nH = F.linear(act_fn(gate) * up, down_proj_LHI[expert])
+        y_nH = y_nH.float() * pair_weight_N[start:end, None].float()
+        out_RH = out_RH.index_add(0, rows_n, y_nH)
+    return out_RH.to(x_RH.dtype)
+
+
+__all__ = ["expert_mlp_reference"]

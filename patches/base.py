@@ -1,0 +1,138 @@
+"""The contract every model-family adapter fulfils, and the registry that finds one for a model.
+
+An adapter says, for one model family, where its MoE blocks are, how its router scores and
+selects experts, how its expert weights are laid out and what its shared experts add. `OccultMoE`,
+routing-profile collection and pruning read a model only through this interface, so that adding a
+family means adding one file in `patches/` that subclasses `MoEAdapter` and calls `register_adapter`.
+
+Shape legend: T tokens, H hidden, E routed experts, k experts per token, I expert width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class RouterOutput:
+    """What the model's own router decided for a batch of tokens.
+
+    Attributes:
+        logits_TE: `[T, E]` router logits (what transformers records as `router_logits`).
+        topk_weights_Tk: `[T, k]` routing weights as the model applies them (after its normalisation
+            and scaling).
+        topk_ids_Tk: `[T, k]` int64 expert ids.
+        aux_loss: the block-level auxiliary loss some families (remote-code DeepSeek-MoE) attach to
+            their output in training, else None.
+    """
+
+    logits_TE: torch.Tensor
+    topk_weights_Tk: torch.Tensor
+    topk_ids_Tk: torch.Tensor
+    aux_loss: torch.Tensor | None = None
+
+
+class MoEAdapter:
+    """How one model family's MoE blocks work. Subclasses set the class attributes and methods."""
+
+    #: registry key, lowercase (e.g. "olmoe")
+    name: str = ""
+    #: `config.model_type` values this adapter serves
+    model_types: tuple[str, ...] = ()
+    #: class names of the MoE blocks this adapter replaces
+    block_class_names: tuple[str, ...] = ()
+
+    # ----- model structure --------------------------------------------------------------
+    def num_experts(self, config) -> int:
+        raise NotImplementedError
+
+    def top_k(self, config) -> int:
+        raise NotImplementedError
+
+    def iter_moe_blocks(self, model: nn.Module) -> Iterator[tuple[int, str, nn.Module]]:
+        """Yield `(decoder layer index, module path, block)` for every MoE block (dense layers skipped)."""
+        for name, module in model.named_modules():
+            if type(module).__name__ in self.block_class_names:
+                yield _layer_index(name), name, module
+
+    def router(self, block: nn.Module) -> nn.Module:
+        """The router module instance (kept as is so transformers' `router_logits` capture works)."""
+        return block.gate
+
+    # ----- routing ----------------------------------------------------------------------
+    def route(self, block: nn.Module, x_TH: torch.Tensor) -> RouterOutput:
+        """Run the block's own router module on `[T, H]` tokens."""
+        raise NotImplementedError
+
+    def select(self, block: nn.Module, logits_TE: torch.Tensor, allowed_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's own top-k selection and weight rule, restricted to experts where `allowed_TE` is True.
+
+        Returns `(topk_weights_Tk, topk_ids_Tk)`. With `allowed_TE` all True this equals `route`.
+        Used by router-mode collaboration pruning.
+        """
+        raise NotImplementedError
+
+    def renormalize(self, block: nn.Module, logits_TE: torch.Tensor, topk_ids_Tk: torch.Tensor) -> torch.Tensor:
+        """Routing weights for a given expert choice, by the model's own rule (similarity pruning)."""
+        raise NotImplementedError
+
+    def observe(self, router: nn.Module, inputs: tuple, output) -> tuple[torch.Tensor, torch.Tensor]:
+        """From a forward hook on `router`: `(logits_TE, topk_ids_Tk)` for routing-profile collection."""
+        logits, _, ids = output
+        return logits, ids
+
+    # ----- experts ----------------------------------------------------------------------
+    def expert_weights(self, block: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(gate_up_proj [E, 2I, H], down_proj [E, H, I])` of the routed experts, original order."""
+        return block.experts.gate_up_proj, block.experts.down_proj
+
+    def act_fn(self, block: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        return block.experts.act_fn
+
+    def shared_output(self, block: nn.Module, x_TH: torch.Tensor) -> torch.Tensor | None:
+        """What the block's shared experts add for `[T, H]` tokens, as the model defines it; None if none."""
+        return None
+
+
+_ADAPTERS: dict[str, MoEAdapter] = {}
+
+
+def register_adapter(adapter: MoEAdapter) -> MoEAdapter:
+    """Add an adapter to the registry; names are unique and lowercase."""
+    if not adapter.name or adapter.name != adapter.name.lower():
+        raise ValueError(f"adapter name must be a non-empty lowercase string, got {adapter.name!r}")
+    if adapter.name in _ADAPTERS:
+        raise ValueError(f"an adapter named {adapter.name!r} is already registered")
+    _ADAPTERS[adapter.name] = adapter
+    return adapter
+
+
+def registered_adapters() -> dict[str, MoEAdapter]:
+    return dict(_ADAPTERS)
+
+
+def adapter_for(model_or_config) -> MoEAdapter:
+    """The adapter serving a model (or its config), by `config.model_type`; a clear error otherwise."""
+    config = getattr(model_or_config, "config", model_or_config)
+    model_type = getattr(config, "model_type", None)
+    for adapter in _ADAPTERS.values():
+        if model_type in adapter.model_types:
+            return adapter
+    supported = sorted(t for a in _ADAPTERS.values() for t in a.model_types)
+    raise ValueError(f"occult_hf does not support model_type {model_type!r}; supported model types: {supported}")
+
+
+def _layer_index(module_path: str) -> int:
+    """The decoder-layer index in a path like `model.layers.3.mlp`."""
+    parts = module_path.split(".")
+    for before, part in zip(parts, parts[1:]):
+        if before == "layers" and part.isdigit():
+            return int(part)
+    raise ValueError(f"cannot find a decoder-layer index in module path {module_path!r}")
+
+
+__all__ = ["MoEAdapter", "RouterOutput", "register_adapter", "registered_adapters", "adapter_for"]

@@ -1,0 +1,164 @@
+"""`OccultConfig`: the user-facing settings of occult_hf, serialisable onto a transformers config.
+
+The config holds only plain data (no process groups, devices or tensors) so that it can live
+on `PretrainedConfig.occult_config` as a dict and survive `save_pretrained`/`from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+DISPATCH_MODES = ("dedup", "per_expert")
+EXPERT_BACKENDS = ("auto", "triton", "torch")
+PRUNE_MODES = ("router", "similarity")
+
+
+@dataclass
+class OccultConfig:
+    """Settings for replacing a model's MoE blocks with `OccultMoE`.
+
+    Every field validates in `__post_init__`; errors name the field, its value and the rule it broke.
+    """
+
+    placement: Any = field(
+        default="contiguous",
+        metadata={
+            "help": 'Expert placement: "contiguous", a path to an occult_placement.json, a `Placement`, '
+            "or its JSON dict."
+        },
+    )
+    num_devices: int | None = field(
+        default=None,
+        metadata={
+            "help": "Devices in the expert-parallel group. Under torch.distributed it must equal the EP group "
+            "size (None: take it from the group); in one process it is the number of logical devices "
+            "(None: 1, or the placement's device count)."
+        },
+    )
+    prune: str | None = field(
+        default=None,
+        metadata={"help": 'Collaboration pruning: None (exact), "router" or "similarity".'},
+    )
+    max_devices_per_token: int | None = field(
+        default=None,
+        metadata={"help": "N_d: the most devices one token may use when pruning is on (>= 1)."},
+    )
+    profile: str | None = field(
+        default=None,
+        metadata={"help": "Path to a routing profile (.safetensors); needed by similarity pruning."},
+    )
+    dispatch: str = field(
+        default="dedup",
+        metadata={
+            "help": '"dedup": one row per (token, destination device), local outputs pre-summed (Occult); '
+            '"per_expert": one row per (token, expert) pair (the usual all-to-all baseline).'
+        },
+    )
+    expert_backend: str = field(
+        default="auto",
+        metadata={"help": '"auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".'},
+    )
+    deterministic: bool = field(
+        default=False,
+        metadata={"help": "Use the deterministic (atomic-free) reduction in the Triton expert kernels."},
+    )
+
+    def __post_init__(self) -> None:
+        from .placement import Placement  # local import: placement imports nothing from here
+
+        if isinstance(self.placement, dict):
+            self.placement = Placement.from_dict(self.placement)
+        elif isinstance(self.placement, os.PathLike):
+            self.placement = os.fspath(self.placement)
+        if not isinstance(self.placement, (str, Placement)):
+            raise TypeError(
+                f"OccultConfig.placement must be 'contiguous', a path, a Placement or a dict, "
+                f"got {type(self.placement).__name__}"
+            )
+        if self.num_devices is not None and (not isinstance(self.num_devices, int) or self.num_devices < 1):
+            raise ValueError(f"OccultConfig.num_devices must be a positive integer, got {self.num_devices!r}")
+        if isinstance(self.placement, Placement) and self.num_devices not in (None, self.placement.num_devices):
+            raise ValueError(
+                f"OccultConfig.num_devices ({self.num_devices}) does not match the placement's "
+                f"num_devices ({self.placement.num_devices})"
+            )
+        if self.prune is not None and self.prune not in PRUNE_MODES:
+            raise ValueError(f"OccultConfig.prune must be None or one of {PRUNE_MODES}, got {self.prune!r}")
+        if self.prune is not None and self.max_devices_per_token is None:
+            raise ValueError(f"OccultConfig.prune={self.prune!r} needs max_devices_per_token (N_d) to be set")
+        if self.max_devices_per_token is not None:
+            n_d = self.max_devices_per_token
+            if not isinstance(n_d, int) or n_d < 1:
+                raise ValueError(f"OccultConfig.max_devices_per_token (N_d) must be an integer >= 1, got {n_d!r}")
+            if self.num_devices is not None and n_d > self.num_devices:
+                raise ValueError(
+                    f"OccultConfig.max_devices_per_token (N_d={n_d}) cannot exceed num_devices ({self.num_devices})"
+                )
+            if self.prune is None:
+                raise ValueError(
+                    f"OccultConfig.max_devices_per_token={n_d} is set but prune is None; "
+                    f"choose prune='router' or 'similarity'"
+                )
+        if self.prune == "similarity" and self.profile is None:
+            raise ValueError("OccultConfig.prune='similarity' needs a routing profile: set OccultConfig.profile")
+        if self.dispatch not in DISPATCH_MODES:
+            raise ValueError(f"OccultConfig.dispatch must be one of {DISPATCH_MODES}, got {self.dispatch!r}")
+        if self.expert_backend not in EXPERT_BACKENDS:
+            raise ValueError(
+                f"OccultConfig.expert_backend must be one of {EXPERT_BACKENDS}, got {self.expert_backend!r}"
+            )
+
+    @property
+    def is_exact(self) -> bool:
+        """True when the replaced model computes the same function as the original (no pruning)."""
+        return self.prune is None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe dict; a `Placement` is stored inline so that the dict is self-contained."""
+        from .placement import Placement
+
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        if isinstance(self.placement, Placement):
+            data["placement"] = self.placement.to_dict()
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "OccultConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"OccultConfig got unknown keys {unknown}; valid keys are {sorted(known)}")
+        return cls(**data)
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    def save(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json_string() + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "OccultConfig":
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+    @classmethod
+    def coerce(cls, value: "OccultConfig | dict | str | os.PathLike") -> "OccultConfig":
+        """Accept what `from_pretrained(occult_config=...)` accepts: a config, a dict or a JSON file path."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            return cls.from_dict(value)
+        if isinstance(value, (str, os.PathLike)):
+            if not os.path.isfile(value):
+                raise FileNotFoundError(f"occult_config path {os.fspath(value)!r} is not a file")
+            return cls.load(value)
+        raise TypeError(
+            f"occult_config must be an OccultConfig, a dict or a path to a JSON file, got {type(value).__name__}"
+        )
+
+
+__all__ = ["OccultConfig", "DISPATCH_MODES", "EXPERT_BACKENDS", "PRUNE_MODES"]
