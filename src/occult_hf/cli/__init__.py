@@ -1,0 +1,31 @@
+"""The `occult` command line. Each subcommand lives in its own module with a `register(subparsers)`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+#: subcommand modules of this package, in the order `occult --help` lists them
+SUBCOMMANDS: tuple[str, ...] = ()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="occult",
+        description="Occult expert parallelism for Hugging Face MoE models: profile routing, place experts, "
+        "report communication, benchmark and evaluate.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name in SUBCOMMANDS:
+        importlib.import_module(f"{__name__}.{name}").register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
