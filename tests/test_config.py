@@ -1,0 +1,61 @@
+"""OccultConfig validation and JSON round trip."""
+
+import json
+
+import pytest
+
+from occult_hf import OccultConfig, Placement
+
+
+def test_json_round_trip_with_inline_placement(tmp_path):
+    placement = Placement.contiguous(num_experts=6, num_devices=4, layers=[0, 2])
+    config = OccultConfig(placement=placement, prune="router", max_devices_per_token=2, dispatch="per_expert")
+    path = tmp_path / "occult.json"
+    config.save(path)
+    loaded = OccultConfig.coerce(str(path))
+    assert loaded == config
+    assert isinstance(loaded.placement, Placement) and loaded.placement.capacities(2) == [2, 1, 2, 1]
+    assert OccultConfig.coerce(json.loads(path.read_text())) == config
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_devices": 0}, "num_devices must be a positive integer"),
+        ({"prune": "router", "max_devices_per_token": 0}, "must be an integer >= 1"),
+        ({"prune": "router", "max_devices_per_token": 5, "num_devices": 4}, "cannot exceed num_devices (4)"),
+        ({"prune": "router"}, "needs max_devices_per_token"),
+        ({"max_devices_per_token": 2}, "prune is None"),
+        ({"prune": "similarity", "max_devices_per_token": 1}, "needs a routing profile"),
+        ({"prune": "random", "max_devices_per_token": 1}, "OccultConfig.prune must be None or one of"),
+        ({"dispatch": "all"}, "OccultConfig.dispatch must be one of"),
+        ({"expert_backend": "cuda"}, "OccultConfig.expert_backend must be one of"),
+        ({"placement": Placement.contiguous(8, 2, [0]), "num_devices": 4}, "does not match the placement"),
+    ],
+)
+def test_bad_settings_name_the_problem(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        OccultConfig(**kwargs)
+
+
+def test_unknown_keys_and_missing_file_are_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="unknown keys \\['n_d'\\]"):
+        OccultConfig.from_dict({"n_d": 2})
+    with pytest.raises(FileNotFoundError, match="is not a file"):
+        OccultConfig.coerce(str(tmp_path / "absent.json"))
+
+
+def test_placement_validation_errors():
+    with pytest.raises(ValueError, match="maps 3 experts, expected num_experts=4"):
+        Placement(4, 2, {0: [0, 1, 0]})
+    with pytest.raises(ValueError, match="outside \\[0, 2\\)"):
+        Placement(4, 2, {0: [0, 1, 2, 0]})
+    placement = Placement.contiguous(8, 4, [1, 3])
+    with pytest.raises(ValueError, match="num_experts=8 but the model has 6"):
+        placement.validate_for(6, [1, 3])
+    with pytest.raises(ValueError, match="lacks MoE layers \\[2\\]"):
+        placement.validate_for(8, [1, 2, 3])
+    with pytest.raises(ValueError, match="num_devices=4 but the expert-parallel group has 2"):
+        placement.validate_for(8, [1], num_devices=2)
+    assert placement.local_slot(1) == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert placement.experts_on(3, 2) == [4, 5]

@@ -1,0 +1,38 @@
+"""The wheel maps kernels/, patches/ and eval/ into the occult_hf namespace (DESIGN.md §5)."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(REPO)],
+        check=True,
+    )
+    (whl,) = out.glob("occult_hf-*.whl")
+    return whl
+
+
+def test_wheel_holds_every_subpackage(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for module in ("config.py", "kernels/layout.py", "kernels/expert_mlp_reference.py", "patches/base.py", "eval/__init__.py"):
+        assert f"occult_hf/{module}" in names, f"occult_hf/{module} missing from {wheel.name}"
+    assert not any(n.startswith(("kernels/", "patches/", "eval/", "tests/")) for n in names), "top-level leak"
+
+
+def test_wheel_declares_console_script_and_extras(wheel):
+    with zipfile.ZipFile(wheel) as zf:
+        dist_info = next(n.split("/")[0] for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        metadata = zf.read(f"{dist_info}/METADATA").decode()
+        entry_points = zf.read(f"{dist_info}/entry_points.txt").decode()
+    assert "occult = occult_hf.cli:main" in entry_points
+    assert "Requires-Dist: transformers<6,>=5.17" in metadata
+    assert 'Provides-Extra: eval' in metadata
