@@ -1,0 +1,264 @@
+"""Tiny randomly initialised models of every supported family, for tests.
+
+Every family is a real transformers `*ForCausalLM` (the remote-code DeepSeek-MoE is our faithful
+stand-in in `tests/remote_deepseek/`, loaded through `trust_remote_code` like the published one),
+small enough that forward + backward of a 2x16 batch takes milliseconds.
+
+    from tiny_models import FAMILIES, tiny_config, tiny_model
+    model = tiny_model("deepseek_v3", seed=1, num_experts=6)   # E=6: a device count of 4 does not divide it
+
+Conventions (same for every family):
+- fp32, returned in `eval()` mode, as `from_pretrained` returns a model; call `.train()` for training
+  tests (only the remote DeepSeek-MoE behaves differently in training: its token-by-expert path and
+  its auxiliary loss).
+- `num_experts=` and `top_k=` are family-independent overrides, translated to the family's own config
+  field names; any other keyword is passed to the config as is (e.g. `topk_method="group_limited_greedy"`
+  for DeepSeek-V2, `norm_topk_prob=False`).
+- Routers get decisive random weights (std 1/sqrt(hidden)), so that routing is far from ties and
+  does not flip under fp32 reordering; DeepSeek-V3's `e_score_correction_bias` is random and non-zero.
+- Router auxiliary losses are on where the model has one (OLMoE, Qwen2/3-MoE: `output_router_logits=True`
+  and a non-zero `router_aux_loss_coef`; remote DeepSeek-MoE: `aux_loss_alpha` > 0, in training).
+- Dense layers: Qwen2-MoE layer 1 is dense (`mlp_only_layers=[1]`); DeepSeek-V2/V3 and the remote
+  DeepSeek-MoE have a dense first layer (`first_k_dense_replace=1`). `MOE_LAYERS[family]` lists the
+  decoder layers that hold MoE blocks in the default config.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+
+FAMILIES = ("olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "deepseek_remote")
+
+REMOTE_CODE_DIR = Path(__file__).resolve().parent / "remote_deepseek"
+
+_COMMON = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    initializer_range=0.05,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+
+_DEEPSEEK_HF_COMMON = dict(
+    num_hidden_layers=3,
+    num_key_value_heads=4,
+    first_k_dense_replace=1,
+    moe_intermediate_size=16,
+    n_shared_experts=1,
+    kv_lora_rank=16,
+    q_lora_rank=None,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=8,
+    n_group=2,
+    topk_group=1,
+)
+
+# family -> (config class name or None for the remote model, default fields)
+_DEFAULTS: dict[str, dict] = {
+    "olmoe": dict(
+        _COMMON,
+        num_hidden_layers=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        output_router_logits=True,
+        router_aux_loss_coef=0.02,
+    ),
+    "qwen2_moe": dict(
+        _COMMON,
+        num_hidden_layers=3,
+        mlp_only_layers=[1],
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        output_router_logits=True,
+        router_aux_loss_coef=0.02,
+    ),
+    "qwen3_moe": dict(
+        _COMMON,
+        num_hidden_layers=2,
+        head_dim=8,
+        moe_intermediate_size=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        output_router_logits=True,
+        router_aux_loss_coef=0.02,
+    ),
+    "deepseek_v2": dict(
+        _COMMON,
+        **_DEEPSEEK_HF_COMMON,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        topk_method="greedy",
+        routed_scaling_factor=1.5,
+        norm_topk_prob=False,
+    ),
+    "deepseek_v3": dict(
+        _COMMON,
+        **_DEEPSEEK_HF_COMMON,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+    ),
+    "deepseek_remote": dict(
+        _COMMON,
+        num_hidden_layers=3,
+        num_key_value_heads=4,
+        first_k_dense_replace=1,
+        moe_layer_freq=1,
+        moe_intermediate_size=16,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        scoring_func="softmax",
+        aux_loss_alpha=0.01,
+        seq_aux=True,
+    ),
+}
+
+_CONFIG_CLASS = {
+    "olmoe": "OlmoeConfig",
+    "qwen2_moe": "Qwen2MoeConfig",
+    "qwen3_moe": "Qwen3MoeConfig",
+    "deepseek_v2": "DeepseekV2Config",
+    "deepseek_v3": "DeepseekV3Config",
+}
+
+# the family's config field names for the family-independent overrides
+_FIELD_NAMES = {
+    "olmoe": {"num_experts": "num_experts", "top_k": "num_experts_per_tok"},
+    "qwen2_moe": {"num_experts": "num_experts", "top_k": "num_experts_per_tok"},
+    "qwen3_moe": {"num_experts": "num_experts", "top_k": "num_experts_per_tok"},
+    "deepseek_v2": {"num_experts": "n_routed_experts", "top_k": "num_experts_per_tok"},
+    "deepseek_v3": {"num_experts": "n_routed_experts", "top_k": "num_experts_per_tok"},
+    "deepseek_remote": {"num_experts": "n_routed_experts", "top_k": "num_experts_per_tok"},
+}
+
+MOE_LAYERS = {
+    "olmoe": (0, 1),
+    "qwen2_moe": (0, 2),
+    "qwen3_moe": (0, 1),
+    "deepseek_v2": (1, 2),
+    "deepseek_v3": (1, 2),
+    "deepseek_remote": (1, 2),
+}
+
+
+def _check_family(family: str) -> None:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown tiny-model family {family!r}; valid families: {list(FAMILIES)}")
+
+
+def _config_fields(family: str, overrides: dict) -> dict:
+    fields = dict(_DEFAULTS[family])
+    for generic, own in _FIELD_NAMES[family].items():
+        if generic in overrides and own in overrides and generic != own:
+            raise ValueError(f"give either {generic}= or {own}= for family {family!r}, not both")
+    for key, value in overrides.items():
+        fields[_FIELD_NAMES[family].get(key, key)] = value
+    return fields
+
+
+def tiny_config(family: str, **overrides):
+    """The tiny config of `family` (a transformers `PretrainedConfig`), with `overrides` applied."""
+    _check_family(family)
+    fields = _config_fields(family, overrides)
+    if family == "deepseek_remote":
+        return _remote_config_class()(**fields)
+    config = getattr(transformers, _CONFIG_CLASS[family])(**fields)
+    config._attn_implementation = "eager"
+    return config
+
+
+def tiny_model(family: str, seed: int = 0, **overrides):
+    """A tiny random fp32 `*ForCausalLM` of `family` in eval mode; same `seed` and overrides, same weights.
+
+    The global torch RNG is left as it was.
+    """
+    config = tiny_config(family, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if family == "deepseek_remote":
+            model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=True)
+        else:
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        _decisive_routers(model, config.hidden_size)
+    return model.float().eval()
+
+
+def _decisive_routers(model: torch.nn.Module, hidden_size: int) -> None:
+    """Router weights ~ N(0, 1/hidden) so logits are O(1); V3's correction bias random and non-zero."""
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith("mlp.gate") and isinstance(getattr(module, "weight", None), torch.Tensor):
+                module.weight.normal_(0.0, 1.0 / math.sqrt(hidden_size))
+            bias = getattr(module, "e_score_correction_bias", None)
+            if isinstance(bias, torch.Tensor):
+                bias.uniform_(-0.3, 0.3)
+
+
+def tiny_batch(vocab_size: int = 128, batch: int = 2, seq: int = 16, seed: int = 0) -> torch.Tensor:
+    """`[batch, seq]` random token ids (avoids the pad/bos/eos ids 0-2)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab_size, (batch, seq), generator=generator)
+
+
+# ----- the remote-code DeepSeek-MoE stand-in ---------------------------------------------------
+_REMOTE_FILES = ("configuration_deepseek.py", "modeling_deepseek.py")
+
+
+def remote_model_dir() -> Path:
+    """A directory laid out like the published deepseek-moe-16b repo (code files + config.json with
+    `auto_map`), so `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` loads it offline.
+
+    Written once per process into a temporary directory (the tests tree stays read-only).
+    """
+    global _REMOTE_DIR
+    if _REMOTE_DIR is None:
+        target = Path(tempfile.mkdtemp(prefix="occult_remote_deepseek_"))
+        for name in _REMOTE_FILES:
+            shutil.copy(REMOTE_CODE_DIR / name, target / name)
+        config = dict(_DEFAULTS["deepseek_remote"])
+        config.update(
+            model_type="deepseek",
+            architectures=["DeepseekForCausalLM"],
+            auto_map={
+                "AutoConfig": "configuration_deepseek.DeepseekConfig",
+                "AutoModel": "modeling_deepseek.DeepseekModel",
+                "AutoModelForCausalLM": "modeling_deepseek.DeepseekForCausalLM",
+            },
+            torch_dtype="float32",
+        )
+        (target / "config.json").write_text(json.dumps(config, indent=2))
+        _REMOTE_DIR = target
+    return _REMOTE_DIR
+
+
+_REMOTE_DIR: Path | None = None
+
+
+def _remote_config_class():
+    """`DeepseekConfig` as transformers' dynamic-module loader imports it from the remote directory."""
+    return type(transformers.AutoConfig.from_pretrained(remote_model_dir(), trust_remote_code=True))
+
+
+__all__ = ["FAMILIES", "MOE_LAYERS", "tiny_config", "tiny_model", "tiny_batch", "remote_model_dir"]
