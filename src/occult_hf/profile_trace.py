@@ -1,0 +1,209 @@
+"""Routing profiles from recorded trace files (`.npz`, as in `../shared/data/routing/`).
+
+Two kinds of file are understood:
+
+* **Per-token expert ids**: `topk_ids` `[T, k]` (one MoE layer) or `[T, L, k]` (layers 0..L-1), or
+  arrays named `<part>_experts` `[T, L, k]` (e.g. Mixtral's `prefill_experts` and
+  `decode_experts`, concatenated in file order: every token the model routed). An optional `[T]`
+  row mask drops whole tokens: `is_warmup_dummy` (True = drop), or `valid` / `mask` / `row_mask`
+  (True = keep). A negative id marks a missing entry: the (token, layer) row holding it is left
+  out of that layer only (the token still counts at the layers where its row is complete), and
+  `meta["dropped_rows"]` says how many rows each layer lost. Such a profile holds every kept
+  token's top-k set as its sample (exact CT) and no router-logit Gram matrix.
+* **Pair counts**: `coact` `[L, E, E]` and `freq` `[L, E]`, optional `layer_valid` `[L]` and a
+  JSON `meta` string with `top_k` and `n_tokens`. It gives a profile without samples (pairwise
+  cut and load can be measured, exact CT cannot).
+
+Shape legend: T tokens, L layers, E routed experts, k experts per token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import torch
+
+from .profile import LayerRouting, RoutingProfile
+from .routing_stats import LayerAccumulator
+
+#: row-mask keys: name -> True when the mask marks rows to keep (False: rows to drop)
+ROW_MASK_KEYS = {"is_warmup_dummy": False, "valid": True, "mask": True, "row_mask": True}
+
+_EXPECTED_KEYS = (
+    "'topk_ids' [T, k] or [T, L, k] (optional [T] row mask: "
+    + ", ".join(repr(k) for k in ROW_MASK_KEYS)
+    + "), arrays named '<part>_experts' [T, L, k], or pair counts 'coact' [L, E, E] with 'freq' [L, E]"
+)
+
+
+def profile_from_trace(
+    path: str | os.PathLike,
+    *,
+    key: str | list[str] | None = None,
+    layer: int | None = None,
+    num_experts: int | None = None,
+    top_k: int | None = None,
+    model_type: str | None = None,
+    sample_size: int | None = None,
+    seed: int = 0,
+) -> RoutingProfile:
+    """Build a `RoutingProfile` from a trace file.
+
+    Args:
+        path: the `.npz` file.
+        key: the id array(s) to read (default: `topk_ids`, else every `*_experts` array).
+        layer: decoder-layer index of a single-layer `[T, k]` trace (default 0).
+        num_experts: `E`; default: the meta JSON's `n_experts`, else the largest id + 1 (recorded
+            in `meta["num_experts_inferred"]`: an expert never chosen in the trace would be missed).
+        top_k: `k` of a pair-count file without a meta JSON (id traces take it from their shape).
+        model_type: recorded in the profile (traces do not say which transformers class made them).
+        sample_size: keep a uniform sample of this many tokens per layer (default None: all).
+        seed: seed of that sample.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"trace file {path!r} is not a file")
+    with np.load(path, allow_pickle=False) as npz:
+        arrays = {name: npz[name] for name in npz.files}
+    file_meta = _file_meta(arrays)
+    source = {"source": f"trace:{os.path.basename(path)}"}
+    if key is None and "coact" in arrays and "freq" in arrays:
+        return _from_pair_counts(arrays, file_meta, num_experts, top_k, model_type, source)
+    keys = _id_keys(arrays, key, path)
+    ids_TLk, layers = _stack_ids(arrays, keys, layer, path)
+    keep_T = _row_mask(arrays, ids_TLk.shape[0], path)
+    if num_experts is None and "n_experts" in file_meta:
+        num_experts = int(file_meta["n_experts"])
+    inferred = num_experts is None
+    if inferred:
+        num_experts = int(ids_TLk.max()) + 1
+    _check_ids(ids_TLk, num_experts, path)
+    k = ids_TLk.shape[2]
+    result_layers, dropped = {}, {}
+    for position, layer_index in enumerate(layers):
+        rows_Tk = ids_TLk[:, position, :]
+        complete_T = (rows_Tk >= 0).all(axis=1)
+        dropped[str(layer_index)] = int((keep_T & ~complete_T).sum())
+        accumulator = LayerAccumulator(num_experts, k, sample_size=sample_size, seed=seed)
+        accumulator.update(torch.from_numpy(rows_Tk[keep_T & complete_T].astype(np.int64)))
+        result_layers[layer_index] = accumulator.to_layer_routing()
+    meta = {
+        **source,
+        "trace_keys": keys,
+        "tokens_in_file": int(ids_TLk.shape[0]),
+        "tokens_masked_out": int((~keep_T).sum()),
+        "dropped_rows": dropped,
+        "num_experts_inferred": inferred,
+    }
+    return RoutingProfile(num_experts, k, result_layers, model_type=model_type, meta=meta)
+
+
+def _file_meta(arrays: dict[str, np.ndarray]) -> dict:
+    if "meta" not in arrays:
+        return {}
+    try:
+        return dict(json.loads(str(arrays["meta"])))
+    except (json.JSONDecodeError, TypeError, ValueError):
+        return {}
+
+
+def _id_keys(arrays: dict[str, np.ndarray], key, path: str) -> list[str]:
+    if key is not None:
+        keys = [key] if isinstance(key, str) else list(key)
+        unknown = [k for k in keys if k not in arrays]
+        if unknown:
+            raise KeyError(f"trace file {path!r} has no array {unknown}; its arrays are {sorted(arrays)}")
+        return keys
+    if "topk_ids" in arrays:
+        return ["topk_ids"]
+    parts = [name for name in arrays if name.endswith("_experts")]
+    if parts:
+        return parts
+    raise ValueError(f"trace file {path!r} has arrays {sorted(arrays)}; expected {_EXPECTED_KEYS}")
+
+
+def _stack_ids(arrays, keys: list[str], layer: int | None, path: str) -> tuple[np.ndarray, list[int]]:
+    """`[T, L, k]` ids of the chosen arrays (concatenated over tokens) and their layer indices."""
+    shapes = {k: arrays[k].shape for k in keys}
+    for name, shape in shapes.items():
+        if arrays[name].dtype.kind not in "iu" or len(shape) not in (2, 3):
+            raise ValueError(
+                f"trace array {name!r} in {path!r} must be integer [T, k] or [T, L, k], "
+                f"got {arrays[name].dtype} {list(shape)}"
+            )
+    if len({shape[1:] for shape in shapes.values()}) != 1:
+        raise ValueError(f"trace arrays {keys} in {path!r} disagree on their [L, k] shape: {shapes}")
+    ids = np.concatenate([arrays[k] for k in keys]).astype(np.int64)
+    if ids.ndim == 2:
+        return ids[:, None, :], [0 if layer is None else int(layer)]
+    if layer is not None:
+        raise ValueError(
+            f"layer={layer} applies to single-layer [T, k] traces; {keys} in {path!r} hold {ids.shape[1]} layers"
+        )
+    return ids, list(range(ids.shape[1]))
+
+
+def _row_mask(arrays, num_rows: int, path: str) -> np.ndarray:
+    """`[T]` bool, True for rows to keep."""
+    present = [name for name in ROW_MASK_KEYS if name in arrays]
+    if len(present) > 1:
+        raise ValueError(f"trace file {path!r} has several row masks {present}; keep one")
+    if not present:
+        return np.ones(num_rows, dtype=bool)
+    name = present[0]
+    mask = np.asarray(arrays[name]).astype(bool)
+    if mask.shape != (num_rows,):
+        raise ValueError(f"row mask {name!r} in {path!r} has shape {list(mask.shape)}, expected [T={num_rows}]")
+    return mask if ROW_MASK_KEYS[name] else ~mask
+
+
+def _check_ids(ids_TLk: np.ndarray, num_experts: int, path: str) -> None:
+    if ids_TLk.max() >= num_experts:
+        raise ValueError(f"trace {path!r} holds expert id {int(ids_TLk.max())} but num_experts={num_experts}")
+    if ids_TLk.shape[2] > num_experts:
+        raise ValueError(f"trace {path!r} has top_k={ids_TLk.shape[2]} > num_experts={num_experts}")
+    sorted_ids = np.sort(ids_TLk, axis=2)
+    repeated = ((sorted_ids[..., 1:] == sorted_ids[..., :-1]) & (sorted_ids[..., 1:] >= 0)).any(axis=2)
+    if repeated.any():
+        token, layer_position = np.argwhere(repeated)[0]
+        raise ValueError(
+            f"trace {path!r} repeats an expert within one token's top-k ({int(repeated.sum())} rows; first: "
+            f"token {int(token)}, layer position {int(layer_position)}: {ids_TLk[token, layer_position].tolist()})"
+        )
+
+
+def _from_pair_counts(arrays, file_meta, num_experts, top_k, model_type, source) -> RoutingProfile:
+    coact_LEE, freq_LE = arrays["coact"].astype(np.int64), arrays["freq"].astype(np.int64)
+    if coact_LEE.ndim != 3 or freq_LE.shape != coact_LEE.shape[:2] or coact_LEE.shape[1] != coact_LEE.shape[2]:
+        raise ValueError(
+            f"pair-count trace needs 'coact' [L, E, E] and 'freq' [L, E], got {list(coact_LEE.shape)} and "
+            f"{list(freq_LE.shape)}"
+        )
+    file_experts = coact_LEE.shape[1]
+    if num_experts is not None and num_experts != file_experts:
+        raise ValueError(f"num_experts={num_experts} given but the pair counts are for E={file_experts}")
+    if top_k is None:
+        if "top_k" not in file_meta:
+            raise ValueError("pair-count trace has no 'top_k' in its meta JSON; pass top_k=")
+        top_k = int(file_meta["top_k"])
+    valid_L = arrays["layer_valid"].astype(bool) if "layer_valid" in arrays else np.ones(len(freq_LE), dtype=bool)
+    layers = {}
+    for l in np.flatnonzero(valid_L):
+        coact, freq = coact_LEE[l], freq_LE[l]
+        if not (coact == coact.T).all() or np.diagonal(coact).any():
+            raise ValueError(f"pair counts of layer {l} are not symmetric with a zero diagonal")
+        if not (coact.sum(axis=1) == freq * (top_k - 1)).all():
+            raise ValueError(
+                f"pair counts of layer {l} disagree with top_k={top_k}: each expert's row of 'coact' must sum to "
+                f"freq * (top_k - 1)"
+            )
+        if freq.sum() % top_k:
+            raise ValueError(f"'freq' of layer {l} sums to {int(freq.sum())}, not a multiple of top_k={top_k}")
+        layers[int(l)] = LayerRouting(coactivation=coact, expert_counts=freq, token_count=int(freq.sum()) // top_k)
+    meta = {**source, "file_meta": file_meta, "invalid_layers_skipped": np.flatnonzero(~valid_L).tolist()}
+    return RoutingProfile(file_experts, top_k, layers, model_type=model_type, meta=meta)
+
+
+__all__ = ["profile_from_trace", "ROW_MASK_KEYS"]
