@@ -25,6 +25,7 @@ Conventions (same for every family):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -183,7 +184,8 @@ def tiny_config(family: str, **overrides):
     _check_family(family)
     fields = _config_fields(family, overrides)
     if family == "deepseek_remote":
-        return _remote_config_class()(**fields)
+        # through AutoConfig so the config carries `auto_map`, as a config of the published model does
+        return transformers.AutoConfig.from_pretrained(remote_model_dir(), trust_remote_code=True, **fields)
     config = getattr(transformers, _CONFIG_CLASS[family])(**fields)
     config._attn_implementation = "eager"
     return config
@@ -203,6 +205,17 @@ def tiny_model(family: str, seed: int = 0, **overrides):
             model = transformers.AutoModelForCausalLM.from_config(config)
         _decisive_routers(model, config.hidden_size)
     return model.float().eval()
+
+
+def tiny_checkpoint(family: str, directory, seed: int = 0, **overrides) -> Path:
+    """Save `tiny_model(family, seed, **overrides)` with `save_pretrained` into `directory` and return it.
+
+    For the remote DeepSeek-MoE the directory also gets the two code files and `auto_map`, like the
+    published repo, so `AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)` loads it.
+    """
+    directory = Path(directory)
+    tiny_model(family, seed=seed, **overrides).save_pretrained(directory)
+    return directory
 
 
 def _decisive_routers(model: torch.nn.Module, hidden_size: int) -> None:
@@ -227,38 +240,38 @@ _REMOTE_FILES = ("configuration_deepseek.py", "modeling_deepseek.py")
 
 
 def remote_model_dir() -> Path:
-    """A directory laid out like the published deepseek-moe-16b repo (code files + config.json with
-    `auto_map`), so `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` loads it offline.
+    """A directory laid out like the published deepseek-moe-16b repo without its weights (the two code
+    files + config.json with `auto_map`): `AutoConfig.from_pretrained(dir, trust_remote_code=True)` and
+    `AutoModelForCausalLM.from_config` work offline. For a directory with weights use `tiny_checkpoint`.
 
-    Written once per process into a temporary directory (the tests tree stays read-only).
+    It lives in the system temp directory under a name that hashes the stand-in's code, so every
+    process (and spawned EP rank) shares one copy and transformers' module cache does not grow.
     """
-    global _REMOTE_DIR
-    if _REMOTE_DIR is None:
-        target = Path(tempfile.mkdtemp(prefix="occult_remote_deepseek_"))
-        for name in _REMOTE_FILES:
-            shutil.copy(REMOTE_CODE_DIR / name, target / name)
-        config = dict(_DEFAULTS["deepseek_remote"])
-        config.update(
-            model_type="deepseek",
-            architectures=["DeepseekForCausalLM"],
-            auto_map={
-                "AutoConfig": "configuration_deepseek.DeepseekConfig",
-                "AutoModel": "modeling_deepseek.DeepseekModel",
-                "AutoModelForCausalLM": "modeling_deepseek.DeepseekForCausalLM",
-            },
-            torch_dtype="float32",
-        )
-        (target / "config.json").write_text(json.dumps(config, indent=2))
-        _REMOTE_DIR = target
-    return _REMOTE_DIR
+    sources = {name: (REMOTE_CODE_DIR / name).read_bytes() for name in _REMOTE_FILES}
+    config = dict(_DEFAULTS["deepseek_remote"])
+    config.update(
+        model_type="deepseek",
+        architectures=["DeepseekForCausalLM"],
+        auto_map={
+            "AutoConfig": "configuration_deepseek.DeepseekConfig",
+            "AutoModel": "modeling_deepseek.DeepseekModel",
+            "AutoModelForCausalLM": "modeling_deepseek.DeepseekForCausalLM",
+        },
+        torch_dtype="float32",
+    )
+    config_json = json.dumps(config, indent=2, sort_keys=True).encode()
+    digest = hashlib.sha256(b"".join(sources.values()) + config_json).hexdigest()[:12]
+    target = Path(tempfile.gettempdir()) / f"occult_remote_deepseek_{digest}"
+    if not target.is_dir():
+        staging = Path(tempfile.mkdtemp(prefix="occult_remote_deepseek_staging_"))
+        for name, data in sources.items():
+            (staging / name).write_bytes(data)
+        (staging / "config.json").write_bytes(config_json)
+        try:
+            staging.rename(target)
+        except OSError:  # another process created it first
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
 
 
-_REMOTE_DIR: Path | None = None
-
-
-def _remote_config_class():
-    """`DeepseekConfig` as transformers' dynamic-module loader imports it from the remote directory."""
-    return type(transformers.AutoConfig.from_pretrained(remote_model_dir(), trust_remote_code=True))
-
-
-__all__ = ["FAMILIES", "MOE_LAYERS", "tiny_config", "tiny_model", "tiny_batch", "remote_model_dir"]
+__all__ = ["FAMILIES", "MOE_LAYERS", "tiny_config", "tiny_model", "tiny_batch", "tiny_checkpoint", "remote_model_dir"]
