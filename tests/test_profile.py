@@ -1,0 +1,269 @@
+"""Routing profiles: streaming counts, reservoir sample, trace import, safetensors round trip,
+collection through the real routers of every supported family, compatibility errors."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from occult_hf import routing_stats
+from occult_hf.profile import LayerRouting, RoutingProfile
+from occult_hf.routing_stats import LayerAccumulator, ReservoirSample
+
+ROUTING = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "routing"
+QWEN_TRACE = ROUTING / "qwen15moe_a27b_chat_gptq_int4_gsm8k25_layer0_trace.npz"
+MIXTRAL_TRACE = ROUTING / "mixtral8x7b_instruct_fp8_humaneval0_raw_prefill_decode_trace.npz"
+OLMOE_PAIRS = ROUTING / "olmoe1b7b0125__runB_2025-03-07__wikitext2_8192tok_coact.npz"
+
+
+def random_topk(num_tokens: int, num_experts: int, top_k: int, seed: int = 0) -> torch.Tensor:
+    """`[T, k]` distinct expert ids per row."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(num_tokens)])
+
+
+def brute_force_counts(topk_Tk: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    coactivation = np.zeros((num_experts, num_experts), dtype=np.int64)
+    counts = np.zeros(num_experts, dtype=np.int64)
+    for row in topk_Tk:
+        for e in row:
+            counts[e] += 1
+        for i, j in itertools.permutations(row, 2):
+            coactivation[i, j] += 1
+    return coactivation, counts
+
+
+def assert_counts_consistent(routing: LayerRouting, top_k: int) -> None:
+    """The invariants every profile layer obeys, whatever made it."""
+    c = routing.coactivation
+    assert (c == c.T).all() and not np.diagonal(c).any()
+    assert (c.sum(axis=1) == routing.expert_counts * (top_k - 1)).all()
+    assert routing.expert_counts.sum() == routing.token_count * top_k
+    if routing.topk_sample is not None:
+        s = np.sort(routing.topk_sample, axis=1)
+        assert (s[:, 1:] != s[:, :-1]).all(), "a sampled token repeats an expert"
+
+
+# ----- accumulation ----------------------------------------------------------------------------
+def test_accumulator_matches_brute_force_and_excludes_masked_tokens():
+    E, k = 7, 3
+    ids_Tk = random_topk(50, E, k, seed=1)
+    logits_TE = torch.randn(50, E, generator=torch.Generator().manual_seed(2))
+    mask_T = torch.rand(50, generator=torch.Generator().manual_seed(3)) > 0.3
+    acc = LayerAccumulator(E, k, sample_size=None)
+    acc.update(ids_Tk[:20], logits_TE[:20], mask_T[:20])
+    acc.update(ids_Tk[20:], logits_TE[20:].half(), mask_T[20:])  # any float dtype
+    routing = acc.to_layer_routing()
+    kept = ids_Tk[mask_T].numpy()
+    coactivation, counts = brute_force_counts(kept, E)
+    np.testing.assert_array_equal(routing.coactivation, coactivation)
+    np.testing.assert_array_equal(routing.expert_counts, counts)
+    assert routing.token_count == int(mask_T.sum())
+    np.testing.assert_array_equal(routing.topk_sample, kept)  # sample_size=None keeps all, in order
+    expected_gram = torch.cat([logits_TE[:20][mask_T[:20]], logits_TE[20:].half().double()[mask_T[20:]]]).double()
+    np.testing.assert_allclose(routing.logit_gram, (expected_gram.T @ expected_gram).numpy(), rtol=1e-12)
+    assert_counts_consistent(routing, k)
+
+
+def test_accumulator_chunking_does_not_change_counts(monkeypatch):
+    ids_Tk, logits_TE = random_topk(40, 6, 2, seed=4), torch.randn(40, 6)
+    whole = LayerAccumulator(6, 2, sample_size=0)
+    whole.update(ids_Tk, logits_TE)
+    monkeypatch.setattr(routing_stats, "_CHUNK_TOKENS", 7)
+    chunked = LayerAccumulator(6, 2, sample_size=0)
+    chunked.update(ids_Tk, logits_TE)
+    np.testing.assert_array_equal(whole.coactivation(), chunked.coactivation())
+    np.testing.assert_allclose(whole.logit_gram(), chunked.logit_gram(), rtol=1e-12)
+    assert chunked.to_layer_routing().topk_sample is None
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda acc: acc.update(torch.zeros(4, 3, dtype=torch.long)), r"shape \[T, top_k=2\]"),
+        (lambda acc: acc.update(torch.zeros(4, 2, dtype=torch.long), torch.zeros(4, 5)), r"\[T=4, E=6\]"),
+        (lambda acc: acc.update(torch.zeros(4, 2, dtype=torch.long), None, torch.ones(3)), r"\[T=4\]"),
+    ],
+)
+def test_accumulator_rejects_bad_shapes(call, message):
+    with pytest.raises(ValueError, match=message):
+        call(LayerAccumulator(6, 2))
+
+
+def test_accumulator_rejects_logits_in_some_batches_only():
+    acc = LayerAccumulator(6, 2)
+    acc.update(random_topk(4, 6, 2), torch.zeros(4, 6))
+    with pytest.raises(ValueError, match="every batch of a layer or for none"):
+        acc.update(random_topk(4, 6, 2))
+
+
+def test_reservoir_is_bounded_deterministic_and_uniform():
+    stream = torch.arange(2000).reshape(-1, 1)
+    batches = [stream[a:b] for a, b in [(0, 1), (1, 300), (300, 1100), (1100, 1101), (1101, 2000)]]
+    inclusion = np.zeros(10)
+    for seed in range(300):
+        sample = ReservoirSample(200, seed=seed)
+        for batch in batches:
+            sample.add(batch)
+        rows = sample.rows()[:, 0]
+        assert len(rows) == 200 and len(set(rows.tolist())) == 200
+        assert (np.diff(rows) > 0).all(), "the sample is returned in stream order"
+        inclusion += np.bincount(rows // 200, minlength=10)
+    # each tenth of the stream holds 10% of the sampled rows: 6000 expected, sd about 73
+    assert np.abs(inclusion - 6000).max() < 350, inclusion
+    again = ReservoirSample(200, seed=7)
+    for batch in batches:
+        again.add(batch)
+    first = ReservoirSample(200, seed=7)
+    for batch in batches:
+        first.add(batch)
+    np.testing.assert_array_equal(first.rows(), again.rows())
+    assert first.rows_seen == 2000
+
+
+def test_reservoir_rejects_bad_capacity():
+    with pytest.raises(ValueError, match="sample_size must be None"):
+        ReservoirSample(-1)
+
+
+# ----- traces ----------------------------------------------------------------------------------
+def test_qwen_trace_drops_warmup_rows_and_keeps_every_real_token():
+    profile = RoutingProfile.from_trace(QWEN_TRACE)
+    raw = np.load(QWEN_TRACE)
+    real = raw["topk_ids"][~raw["is_warmup_dummy"]].astype(np.int64)
+    assert (profile.num_experts, profile.top_k, sorted(profile.layers)) == (60, 4, [0])
+    routing = profile.layer(0)
+    assert routing.token_count == 4384 == len(real)
+    np.testing.assert_array_equal(routing.topk_sample, real)
+    coactivation, counts = brute_force_counts(real, 60)
+    np.testing.assert_array_equal(routing.coactivation, coactivation)
+    np.testing.assert_array_equal(routing.expert_counts, counts)
+    assert routing.logit_gram is None
+    assert profile.meta["num_experts_inferred"] is True and profile.meta["tokens_masked_out"] == 16640
+
+
+def test_mixtral_trace_drops_rows_with_missing_entries_per_layer():
+    profile = RoutingProfile.from_trace(MIXTRAL_TRACE)
+    raw = np.load(MIXTRAL_TRACE)
+    ids = np.concatenate([raw["prefill_experts"], raw["decode_experts"]])  # [218, 32, 2]
+    assert (profile.num_experts, profile.top_k, sorted(profile.layers)) == (8, 2, list(range(32)))
+    assert profile.meta["trace_keys"] == ["prefill_experts", "decode_experts"]
+    for layer in (0, 5, 31):
+        complete = (ids[:, layer] >= 0).all(axis=1)
+        routing = profile.layer(layer)
+        assert routing.token_count == complete.sum() == 218 - profile.meta["dropped_rows"][str(layer)]
+        np.testing.assert_array_equal(routing.topk_sample, ids[complete, layer])
+        assert_counts_consistent(routing, 2)
+    assert sum(profile.meta["dropped_rows"].values()) == 122 + 77
+    decode_only = RoutingProfile.from_trace(MIXTRAL_TRACE, key="decode_experts")
+    assert decode_only.layer(0).token_count == (raw["decode_experts"][:, 0] >= 0).all(axis=1).sum()
+
+
+def test_olmoe_pair_counts_become_a_profile_without_samples():
+    profile = RoutingProfile.from_trace(OLMOE_PAIRS)
+    raw = np.load(OLMOE_PAIRS)
+    assert (profile.num_experts, profile.top_k, len(profile.layers)) == (64, 8, 16)
+    assert not profile.has_samples
+    np.testing.assert_array_equal(profile.layer(3).coactivation, raw["coact"][3])
+    np.testing.assert_array_equal(profile.layer(3).expert_counts, raw["freq"][3])
+    assert profile.layer(3).token_count == 8192
+    assert_counts_consistent(profile.layer(3), 8)
+    with pytest.raises(ValueError, match="has no router-logit Gram matrix"):
+        profile.similarity(3)
+
+
+def test_trace_errors_say_what_was_expected(tmp_path):
+    odd = tmp_path / "odd.npz"
+    np.savez(odd, experts_per_token=np.zeros((3, 2), dtype=np.int64))
+    with pytest.raises(ValueError, match=r"expected 'topk_ids' \[T, k\] or \[T, L, k\]"):
+        RoutingProfile.from_trace(odd)
+    repeated = tmp_path / "repeated.npz"
+    np.savez(repeated, topk_ids=np.array([[0, 1], [2, 2]]))
+    with pytest.raises(ValueError, match=r"repeats an expert .* token 1"):
+        RoutingProfile.from_trace(repeated)
+    too_big = tmp_path / "too_big.npz"
+    np.savez(too_big, topk_ids=np.array([[0, 5]]))
+    with pytest.raises(ValueError, match="expert id 5 but num_experts=4"):
+        RoutingProfile.from_trace(too_big, num_experts=4)
+    with pytest.raises(KeyError, match="its arrays are"):
+        RoutingProfile.from_trace(too_big, key="ids")
+    bad_mask = tmp_path / "bad_mask.npz"
+    np.savez(bad_mask, topk_ids=np.array([[0, 1]]), valid=np.array([True, False]))
+    with pytest.raises(ValueError, match=r"row mask 'valid' .* expected \[T=1\]"):
+        RoutingProfile.from_trace(bad_mask)
+
+
+def test_single_layer_trace_layer_index_and_sample_size(tmp_path):
+    path = tmp_path / "t.npz"
+    np.savez(path, topk_ids=random_topk(500, 10, 3).numpy().astype(np.int16), valid=np.arange(500) % 5 != 0)
+    profile = RoutingProfile.from_trace(path, layer=7, num_experts=12, sample_size=50, seed=3)
+    assert sorted(profile.layers) == [7] and profile.num_experts == 12
+    routing = profile.layer(7)
+    assert routing.token_count == 400 and routing.topk_sample.shape == (50, 3)
+    assert profile.meta["num_experts_inferred"] is False
+
+
+# ----- files -----------------------------------------------------------------------------------
+def make_profile(with_logits: bool = True) -> RoutingProfile:
+    layers = {}
+    for layer in (1, 3):
+        acc = LayerAccumulator(6, 2, sample_size=30, seed=0)
+        logits = torch.randn(80, 6, generator=torch.Generator().manual_seed(layer)) if with_logits else None
+        acc.update(random_topk(80, 6, 2, seed=layer), logits)
+        layers[layer] = acc.to_layer_routing()
+    return RoutingProfile(6, 2, layers, model_type="olmoe", meta={"source": "unit test", "note": [1, 2]})
+
+
+def test_safetensors_round_trip(tmp_path):
+    profile = make_profile()
+    path = tmp_path / "p.safetensors"
+    profile.save(path)
+    loaded = RoutingProfile.load(path)
+    assert (loaded.num_experts, loaded.top_k, loaded.model_type, loaded.meta) == (6, 2, "olmoe", profile.meta)
+    for layer in (1, 3):
+        a, b = profile.layer(layer), loaded.layer(layer)
+        assert a.token_count == b.token_count == 80
+        for name in ("coactivation", "expert_counts", "logit_gram", "topk_sample"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+            assert getattr(b, name).dtype == (np.float64 if name == "logit_gram" else np.int64)
+    from safetensors import safe_open
+
+    with safe_open(str(path), "np") as f:
+        assert {"layer.1.coactivation", "layer.1.expert_counts", "layer.1.logit_gram", "layer.1.token_count",
+                "layer.1.topk_sample"} <= set(f.keys())
+
+
+def test_similarity_is_cosine_of_logit_columns():
+    logits = torch.randn(100, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    logits[:, 4] = 0.0  # an expert whose logits are all zero
+    acc = LayerAccumulator(5, 2, sample_size=0)
+    acc.update(torch.topk(logits, 2).indices, logits)
+    similarity = RoutingProfile(5, 2, {0: acc.to_layer_routing()}).similarity(0)
+    expected = torch.nn.functional.cosine_similarity(logits.T[:, None, :], logits.T[None, :, :], dim=-1).numpy()
+    np.testing.assert_allclose(similarity[:4, :4], expected[:4, :4], rtol=1e-12)
+    assert (similarity[4, :4] == 0).all() and similarity[4, 4] == 1.0
+
+
+def test_load_rejects_files_that_are_not_profiles(tmp_path):
+    from safetensors.numpy import save_file
+
+    path = tmp_path / "weights.safetensors"
+    save_file({"w": np.zeros(2)}, str(path))
+    with pytest.raises(ValueError, match="lacks the 'occult_profile' entry"):
+        RoutingProfile.load(path)
+    with pytest.raises(FileNotFoundError):
+        RoutingProfile.load(tmp_path / "missing.safetensors")
+
+
+def test_profile_validates_shapes():
+    routing = make_profile().layer(1)
+    with pytest.raises(ValueError, match=r"coactivation has shape \(6, 6\), expected \[7, 7\]"):
+        RoutingProfile(7, 2, {0: routing})
+    with pytest.raises(ValueError, match=r"expected \[N, top_k=3\]"):
+        RoutingProfile(6, 3, {0: routing})
+    with pytest.raises(KeyError, match=r"covers layers \[1, 3\]"):
+        make_profile().layer(2)
