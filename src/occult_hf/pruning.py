@@ -1,0 +1,475 @@
+"""Collaboration pruning (DESIGN.md §4): limit every token to at most `N_d` devices.
+
+Shape legend: T tokens, E routed experts, k experts per token, D devices.
+
+Pruning changes the model (fine-tune afterwards); `OccultMoE` calls the pruner right after the
+model's own router and dispatches what it returns, so one process with `D` logical devices and an
+EP group of `D` ranks prune identically (the pruner only sees the token's routing and the
+placement, never the rank).
+
+**A token's device set.** Its top-k experts are walked in descending routing weight (the weight the
+model applies, `RouterOutput.topk_weights_Tk`; routers such as DeepSeek-V2's return their top-k
+unsorted, so the order comes from the weights, not from the slot order) and their devices are
+collected until `N_d` distinct devices are held. *Ties*: experts of equal weight are walked in
+increasing device id, so when two devices compete for the last place the lower id wins. In
+vectorised form: a device's score is the largest weight among the token's experts on it, and the
+`N_d` best-scoring devices are kept, equal scores ordered by device id.
+
+**Policies** (registry `PRUNING_POLICIES`, lowercase names):
+
+- ``router``: re-select the top-k among the experts on the token's devices with the model's own
+  selection and weight rule (`MoEAdapter.select` with the mask; DeepSeek-V3's group limit and
+  correction bias apply to the masked scores).
+- ``similarity``: each selected expert outside the token's devices is replaced by the most similar
+  (`S[l]`, cosine of router-logit columns from a routing profile) expert inside them that the token
+  does not already use. Replacements are made in descending weight order (equal weights: lower slot
+  first), so the heaviest dropped expert picks first; among equally similar candidates the lower
+  expert id wins. The replacement *keeps the replaced expert's score*: it takes the dropped expert's
+  router score in its slot. Every supported family computes a slot's weight from the k selected
+  scores alone (softmax or sigmoid score, then optional `norm_topk_prob` normalisation over the k
+  scores and `routed_scaling_factor`), so applying the model's rule to the kept scores gives back
+  exactly the router's own weights: the weights are returned unchanged (and their gradient reaches
+  the router through the dropped expert's logit, the logit that chose the slot).
+
+Under both policies a token whose top-k already spans at most `N_d` devices keeps the router's own
+ids and weights untouched (a DeepSeek-V3 group limit re-applied to masked scores could otherwise
+move such a token), and `N_d >= min(k, D)` returns the router's outputs themselves.
+
+**Auxiliary loss.** transformers' `load_balancing_loss_func` (OLMoE, Qwen2-MoE, Qwen3-MoE) recomputes
+the top-k from the recorded `router_logits` (softmax, then top-k). So that it sees the routing
+actually dispatched, the pruner replaces this layer's recorded logits, for the current forward only,
+by *effective logits*: for every pruned token the logits of experts outside its devices are `-inf`
+(router mode: softmax-then-top-k of them is exactly the re-selection), and in similarity mode each
+replacement carries the logit of the expert it replaced (the kept score), so their top-k is exactly
+the dispatched set. The expert-frequency term therefore counts dispatched experts and the
+probability term is the router's distribution restricted to the token's devices; unpruned tokens
+keep their raw logits. The remote-code DeepSeek-MoE computes its auxiliary loss inside its own gate,
+before pruning: there it sees the unpruned top-k.
+
+**Statistics.** Under `no_grad` and without host synchronisation each pruner accumulates the
+fraction of routing weight that lay on experts outside the token's devices (what pruning removes or
+hands to a replacement) and the number of pruned tokens; `OccultCallback` reads them with
+`pop_stats()`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from typing import Callable
+
+import torch
+
+from occult_hf.patches.base import MoEAdapter, RouterOutput
+
+# ----- the device set of each token -----------------------------------------------------------
+
+
+def token_device_sets(
+    topk_ids_Tk: torch.Tensor,
+    topk_weights_Tk: torch.Tensor,
+    device_of_E: torch.Tensor,
+    num_devices: int,
+    max_devices_per_token: int,
+) -> torch.Tensor:
+    """`[T, D]` bool: the devices each token may use, by the walk described in the module docstring.
+
+    Args:
+        topk_ids_Tk: `[T, k]` int64 expert ids chosen by the router (any slot order).
+        topk_weights_Tk: `[T, k]` routing weights of those experts; the walk order is descending weight.
+        device_of_E: `[E]` int64 device of every expert (same device as the ids).
+        num_devices: `D`.
+        max_devices_per_token: `N_d >= 1`.
+
+    A row holds at most `N_d` True entries, all among the devices of the token's own top-k experts.
+    """
+    num_tokens = topk_ids_Tk.shape[0]
+    device_Tk = device_of_E[topk_ids_Tk]
+    # a device's score: the largest weight among the token's experts on it (-inf where it has none)
+    score_TD = torch.full((num_tokens, num_devices), float("-inf"), dtype=torch.float32, device=topk_ids_Tk.device)
+    score_TD.scatter_reduce_(1, device_Tk, topk_weights_Tk.detach().float(), reduce="amax")
+    used_TD = torch.zeros(num_tokens, num_devices, dtype=torch.bool, device=topk_ids_Tk.device)
+    used_TD.scatter_(1, device_Tk, True)
+    # a stable descending sort keeps equal scores in increasing device id: the tie rule
+    best_TD = torch.sort(score_TD, dim=1, descending=True, stable=True).indices
+    keep_TD = torch.zeros_like(used_TD).scatter_(1, best_TD[:, :max_devices_per_token], True)
+    return keep_TD & used_TD
+
+
+# ----- policies ----------------------------------------------------------------------------------
+
+
+def prune_router(
+    adapter: MoEAdapter,
+    block: torch.nn.Module,
+    routing: RouterOutput,
+    allowed_TE: torch.Tensor,
+    similarity_EE: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Re-select with the model's own rule among the allowed experts.
+
+    Returns `(topk_weights_Tk, topk_ids_Tk, aux_logits_TE)`; `aux_logits_TE` are the effective logits
+    the auxiliary loss sees (see the module docstring).
+    """
+    weights_Tk, ids_Tk = adapter.select(block, routing.logits_TE, allowed_TE)
+    fits_T = allowed_TE.gather(1, routing.topk_ids_Tk).all(dim=1)
+    weights_Tk = torch.where(fits_T[:, None], routing.topk_weights_Tk, weights_Tk.to(routing.topk_weights_Tk.dtype))
+    ids_Tk = torch.where(fits_T[:, None], routing.topk_ids_Tk, ids_Tk.to(routing.topk_ids_Tk.dtype))
+    aux_logits_TE = routing.logits_TE.masked_fill(~(allowed_TE | fits_T[:, None]), float("-inf"))
+    return weights_Tk, ids_Tk, aux_logits_TE
+
+
+def prune_similarity(
+    adapter: MoEAdapter,
+    block: torch.nn.Module,
+    routing: RouterOutput,
+    allowed_TE: torch.Tensor,
+    similarity_EE: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Replace every expert outside the token's devices by its most similar unused expert inside them.
+
+    Returns `(topk_weights_Tk, topk_ids_Tk, aux_logits_TE)`; the weights are the router's own (the
+    replacement keeps the replaced expert's score).
+    """
+    ids_Tk = routing.topk_ids_Tk
+    num_tokens, top_k = ids_Tk.shape
+    inside_Tk = allowed_TE.gather(1, ids_Tk)
+    # candidates: allowed experts the token does not use yet
+    candidate_TE = allowed_TE.clone()
+    candidate_TE.scatter_(1, ids_Tk, False)
+    # slots in descending weight; a stable sort keeps equal weights in slot order
+    slot_order_Tk = torch.sort(routing.topk_weights_Tk.detach(), dim=1, descending=True, stable=True).indices
+    new_ids_Tk = ids_Tk.clone()
+    rows_T = torch.arange(num_tokens, device=ids_Tk.device)
+    for rank in range(top_k):
+        slot_T = slot_order_Tk[:, rank]
+        expert_T = ids_Tk[rows_T, slot_T]
+        outside_T = ~inside_Tk[rows_T, slot_T]
+        similarity_TE = similarity_EE[expert_T].masked_fill(~candidate_TE, float("-inf"))
+        replacement_T = similarity_TE.argmax(dim=1)  # first maximum: the lower expert id wins ties
+        new_ids_Tk[rows_T, slot_T] = torch.where(outside_T, replacement_T, expert_T)
+        candidate_TE[rows_T, replacement_T] &= ~outside_T
+    # the replacement carries the replaced expert's logit (its kept score) for the auxiliary loss
+    fits_T = inside_Tk.all(dim=1)
+    aux_logits_TE = routing.logits_TE.masked_fill(~(allowed_TE | fits_T[:, None]), float("-inf"))
+    aux_logits_TE = aux_logits_TE.scatter(1, new_ids_Tk, routing.logits_TE.gather(1, ids_Tk))
+    return routing.topk_weights_Tk, new_ids_Tk, aux_logits_TE
+
+
+PruningPolicy = Callable[
+    [MoEAdapter, torch.nn.Module, RouterOutput, torch.Tensor, "torch.Tensor | None"],
+    "tuple[torch.Tensor, torch.Tensor, torch.Tensor]",
+]
+
+#: pruning policies by name; a policy needing a similarity table is listed in `NEEDS_SIMILARITY`
+PRUNING_POLICIES: dict[str, PruningPolicy] = {"router": prune_router, "similarity": prune_similarity}
+NEEDS_SIMILARITY = frozenset({"similarity"})
+
+
+def pruning_policy(name: str) -> PruningPolicy:
+    try:
+        return PRUNING_POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown pruning policy {name!r}; valid policies: {sorted(PRUNING_POLICIES)}") from None
+
+
+# ----- the pruner OccultMoE calls --------------------------------------------------------------
+
+
+class CollaborationPruner:
+    """Prunes one MoE layer's routing to at most `max_devices_per_token` devices per token.
+
+    `pruner(block, router_output) -> (topk_weights_Tk, topk_ids_Tk)`. `max_devices_per_token` may be
+    changed between steps (the `OccultCallback` schedule does); values `>= min(k, D)` switch pruning
+    off (the router's outputs are returned as they are).
+
+    Args:
+        policy: a name in `PRUNING_POLICIES`.
+        adapter: the model family's adapter.
+        layer_idx: the decoder-layer index (for messages).
+        device_of_E: `[E]` device of every expert at this layer (a list or an int tensor).
+        num_devices: `D`.
+        top_k: `k`, experts per token.
+        max_devices_per_token: `N_d`.
+        similarity_EE: `[E, E]` similarity table, required by the `similarity` policy.
+    """
+
+    def __init__(
+        self,
+        policy: str,
+        adapter: MoEAdapter,
+        layer_idx: int,
+        device_of_E,
+        num_devices: int,
+        top_k: int,
+        max_devices_per_token: int,
+        similarity_EE: torch.Tensor | None = None,
+    ) -> None:
+        self.policy_name = policy
+        self._policy = pruning_policy(policy)
+        self.adapter = adapter
+        self.layer_idx = int(layer_idx)
+        self.device_of_E = torch.as_tensor(device_of_E, dtype=torch.int64)
+        if self.device_of_E.dim() != 1:
+            raise ValueError(f"device_of_E must be a 1-D list of expert devices, got shape {tuple(self.device_of_E.shape)}")
+        if not isinstance(num_devices, int) or num_devices < 1:
+            raise ValueError(f"num_devices must be a positive integer, got {num_devices!r}")
+        if self.device_of_E.numel() and not 0 <= int(self.device_of_E.min()) <= int(self.device_of_E.max()) < num_devices:
+            raise ValueError(f"layer {layer_idx}: device_of_E holds device ids outside [0, num_devices={num_devices})")
+        num_experts = self.device_of_E.numel()
+        if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be an integer in [1, E={num_experts}], got {top_k!r}")
+        self.num_devices = num_devices
+        self.top_k = top_k
+        if policy in NEEDS_SIMILARITY:
+            if similarity_EE is None:
+                raise ValueError(
+                    f"pruning policy {policy!r} needs a similarity table: set OccultConfig.profile to a routing "
+                    f"profile collected from this model (`occult profile`)"
+                )
+            if tuple(similarity_EE.shape) != (num_experts, num_experts):
+                raise ValueError(
+                    f"layer {layer_idx}: similarity table has shape {tuple(similarity_EE.shape)}, "
+                    f"expected [{num_experts}, {num_experts}]"
+                )
+            # an undefined similarity (NaN) ranks below every real one but stays a valid candidate
+            similarity_EE = torch.nan_to_num(torch.as_tensor(similarity_EE, dtype=torch.float32), nan=-2.0)
+        self.similarity_EE = similarity_EE
+        self._capacity_sorted_D = torch.sort(torch.bincount(self.device_of_E, minlength=num_devices)).values
+        self.max_devices_per_token = max_devices_per_token
+        self._removed_weight = None  # float64 scalar tensor: sum over tokens of the removed weight fraction
+        self._pruned_tokens = None  # int64 scalar tensor
+        self._tokens = 0
+        self._warned_recording = False
+
+    # ----- N_d ------------------------------------------------------------------------------
+    @property
+    def max_devices_per_token(self) -> int:
+        return self._max_devices_per_token
+
+    @max_devices_per_token.setter
+    def max_devices_per_token(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= self.num_devices:
+            raise ValueError(
+                f"max_devices_per_token (N_d) must be an integer in [1, num_devices={self.num_devices}], got {value!r}"
+            )
+        fewest_experts = int(self._capacity_sorted_D[:value].sum())
+        if value < min(self.top_k, self.num_devices) and fewest_experts < self.top_k:
+            raise ValueError(
+                f"max_devices_per_token (N_d={value}) leaves some tokens of layer {self.layer_idx} only "
+                f"{fewest_experts} experts (the {value} smallest devices of the placement hold "
+                f"{self._capacity_sorted_D[:value].tolist()}), fewer than top_k={self.top_k}; use N_d with at "
+                f"least top_k experts on any N_d devices"
+            )
+        self._max_devices_per_token = value
+
+    @property
+    def active(self) -> bool:
+        """False when `N_d >= min(k, D)`: no token can span more than `N_d` devices, nothing is pruned."""
+        return self._max_devices_per_token < min(self.top_k, self.num_devices)
+
+    # ----- forward ------------------------------------------------------------------------------
+    def __call__(self, block: torch.nn.Module, routing: RouterOutput) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(topk_weights_Tk, topk_ids_Tk)` to dispatch: at most `N_d` devices per token."""
+        if routing.topk_ids_Tk.shape[1] != self.top_k:
+            raise ValueError(
+                f"layer {self.layer_idx}: the router chose {routing.topk_ids_Tk.shape[1]} experts per token but the "
+                f"pruner was built for top_k={self.top_k}"
+            )
+        if not self.active:
+            self._record(routing, None, None)
+            return routing.topk_weights_Tk, routing.topk_ids_Tk
+        device_of_E = self.device_of_E.to(routing.topk_ids_Tk.device)
+        allowed_TD = token_device_sets(
+            routing.topk_ids_Tk, routing.topk_weights_Tk, device_of_E, self.num_devices, self._max_devices_per_token
+        )
+        allowed_TE = allowed_TD.index_select(1, device_of_E)
+        similarity_EE = None
+        if self.similarity_EE is not None:
+            similarity_EE = self.similarity_EE = self.similarity_EE.to(routing.logits_TE.device)
+        weights_Tk, ids_Tk, aux_logits_TE = self._policy(self.adapter, block, routing, allowed_TE, similarity_EE)
+        self._record(routing, allowed_TE, aux_logits_TE)
+        return weights_Tk, ids_Tk
+
+    @torch.no_grad()
+    def _record(self, routing: RouterOutput, allowed_TE: torch.Tensor | None, aux_logits_TE) -> None:
+        num_tokens = routing.topk_ids_Tk.shape[0]
+        self._tokens += num_tokens
+        if allowed_TE is None:
+            return
+        weights_Tk = routing.topk_weights_Tk.detach().double()
+        inside_Tk = allowed_TE.gather(1, routing.topk_ids_Tk)
+        removed_T = (weights_Tk * ~inside_Tk).sum(1) / weights_Tk.sum(1).clamp_min(torch.finfo(torch.float64).tiny)
+        pruned = (~inside_Tk).any(1).sum()
+        if self._removed_weight is None or self._removed_weight.device != removed_T.device:
+            self._removed_weight = torch.zeros((), dtype=torch.float64, device=removed_T.device)
+            self._pruned_tokens = torch.zeros((), dtype=torch.int64, device=removed_T.device)
+        self._removed_weight += removed_T.sum()
+        self._pruned_tokens += pruned
+        if not _replace_recorded_router_logits(routing.logits_TE, aux_logits_TE) and not self._warned_recording:
+            self._warned_recording = True
+            warnings.warn(
+                f"layer {self.layer_idx}: transformers is recording router_logits but not the tensor the adapter "
+                f"{self.adapter.name!r} returned as RouterOutput.logits_TE, so the auxiliary loss sees unpruned routing",
+                stacklevel=3,
+            )
+
+    def pop_stats(self) -> dict[str, float]:
+        """Statistics since the last call, then reset (reads device tensors: call at logging time).
+
+        `tokens`: tokens routed; `removed_weight_fraction`: mean over tokens of the fraction of routing
+        weight on experts outside the token's devices; `pruned_token_fraction`: tokens that lost an expert.
+        """
+        tokens = self._tokens
+        removed = float(self._removed_weight) if self._removed_weight is not None else 0.0
+        pruned = int(self._pruned_tokens) if self._pruned_tokens is not None else 0
+        self._tokens, self._removed_weight, self._pruned_tokens = 0, None, None
+        return {
+            "tokens": tokens,
+            "removed_weight_fraction": removed / tokens if tokens else 0.0,
+            "pruned_token_fraction": pruned / tokens if tokens else 0.0,
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"CollaborationPruner(policy={self.policy_name!r}, layer={self.layer_idx}, "
+            f"max_devices_per_token={self._max_devices_per_token}, num_devices={self.num_devices}, top_k={self.top_k})"
+        )
+
+
+def _replace_recorded_router_logits(raw_logits_TE: torch.Tensor, aux_logits_TE: torch.Tensor) -> bool:
+    """Swap `raw_logits_TE` for `aux_logits_TE` in transformers' `router_logits` record of this forward.
+
+    transformers records `router_logits` with a forward hook on the router module into a per-forward
+    collector; the auxiliary loss reads that record. Returns False only when a record is being made
+    but does not hold `raw_logits_TE`; True when it was replaced or nothing records router logits.
+    """
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # a transformers without the collector records nothing we could replace
+        return True
+    collected = _active_collector.get()
+    if collected is None or "router_logits" not in collected:
+        return True
+    record = collected["router_logits"]
+    for position in range(len(record) - 1, -1, -1):
+        if record[position] is raw_logits_TE:
+            record[position] = aux_logits_TE
+            return True
+    return False
+
+
+# ----- construction from an OccultConfig ----------------------------------------------------------
+
+
+def build_pruner(
+    occult_config,
+    adapter: MoEAdapter,
+    block: torch.nn.Module,
+    layer_idx: int,
+    device_of_E,
+    *,
+    num_devices: int,
+    top_k: int,
+    profile=None,
+) -> CollaborationPruner | None:
+    """The pruner of one MoE layer, or None when `occult_config.prune` is None (exact mode).
+
+    Args:
+        occult_config: the `OccultConfig` (`prune`, `max_devices_per_token`, `profile`).
+        adapter, block, layer_idx: the family adapter, the MoE block and its decoder-layer index.
+        device_of_E: `[E]` device of every expert at this layer (the placement the dispatch uses).
+        num_devices: `D`, the EP group size or the number of logical devices.
+        top_k: `k` of the model.
+        profile: a loaded `RoutingProfile` to take the similarity table from; None loads
+            `occult_config.profile` (once per file for all layers: `load_pruning_profile` caches it).
+    """
+    if occult_config.prune is None:
+        return None
+    similarity_EE = None
+    if occult_config.prune in NEEDS_SIMILARITY:
+        if profile is None:
+            if occult_config.profile is None:
+                raise ValueError(
+                    f"OccultConfig.prune={occult_config.prune!r} needs a routing profile: set OccultConfig.profile"
+                )
+            profile = load_pruning_profile(occult_config.profile)
+        check_profile_for_pruning(profile, adapter, layer_idx, num_experts=len(device_of_E), top_k=top_k)
+        similarity_EE = torch.as_tensor(profile.similarity(layer_idx), dtype=torch.float32)
+    pruner = CollaborationPruner(
+        occult_config.prune,
+        adapter,
+        layer_idx,
+        device_of_E,
+        num_devices,
+        top_k,
+        occult_config.max_devices_per_token,
+        similarity_EE,
+    )
+    parameter = next(block.parameters(), None)
+    if parameter is not None and parameter.device.type != "meta":
+        pruner.device_of_E = pruner.device_of_E.to(parameter.device)
+    return pruner
+
+
+def check_profile_for_pruning(profile, adapter: MoEAdapter, layer_idx: int, num_experts: int, top_k: int) -> None:
+    """Raise a clear error when `profile` cannot give layer `layer_idx`'s similarity table for this model."""
+    source = profile.meta.get("source")
+    if profile.model_type is not None and adapter.model_types and profile.model_type not in adapter.model_types:
+        raise ValueError(
+            f"routing profile (source {source!r}) is from model_type {profile.model_type!r} but the model is served by "
+            f"adapter {adapter.name!r} (model types {list(adapter.model_types)})"
+        )
+    if profile.num_experts != num_experts:
+        raise ValueError(
+            f"routing profile (source {source!r}) is for num_experts={profile.num_experts} but the model has "
+            f"{num_experts} routed experts at layer {layer_idx}"
+        )
+    if profile.top_k != top_k:
+        raise ValueError(
+            f"routing profile (source {source!r}) is for top_k={profile.top_k} but the model routes each token to "
+            f"top_k={top_k} experts"
+        )
+    if layer_idx not in profile.layers:
+        raise ValueError(
+            f"routing profile (source {source!r}) has no MoE layer {layer_idx}; it covers layers {sorted(profile.layers)}"
+        )
+
+
+def load_pruning_profile(path: str | os.PathLike):
+    """Load a routing profile once per file version: every layer's pruner shares the same object."""
+    path = os.path.realpath(os.fspath(path))
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"OccultConfig.profile {path!r} is not a file")
+    stat = os.stat(path)
+    return _load_profile_cached(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_profile_cached(path: str, mtime_ns: int, size: int):
+    from occult_hf.profile import RoutingProfile
+
+    return RoutingProfile.load(path)
+
+
+def pruners_of(model: torch.nn.Module) -> dict[int, CollaborationPruner]:
+    """Decoder-layer index -> the `CollaborationPruner` of every pruned MoE block of `model`."""
+    found = {}
+    for module in model.modules():
+        pruner = getattr(module, "pruner", None)
+        if isinstance(pruner, CollaborationPruner):
+            found[pruner.layer_idx] = pruner
+    return found
+
+
+__all__ = [
+    "CollaborationPruner",
+    "PRUNING_POLICIES",
+    "build_pruner",
+    "check_profile_for_pruning",
+    "load_pruning_profile",
+    "pruners_of",
+    "pruning_policy",
+    "token_device_sets",
+]
