@@ -7,7 +7,7 @@ import importlib
 import sys
 
 #: subcommand modules of this package, in the order `occult --help` lists them
-SUBCOMMANDS: tuple[str, ...] = ()
+SUBCOMMANDS: tuple[str, ...] = ("eval",)
 
 
 def build_parser() -> argparse.ArgumentParser:

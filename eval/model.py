@@ -1,0 +1,218 @@
+"""`occult-hf`: lm-eval's Hugging Face model with the MoE blocks replaced by Occult's, as deployed.
+
+    lm_eval.simple_evaluate(
+        model="occult-hf",
+        model_args="pretrained=allenai/OLMoE-1B-7B-0924,placement=placement.json,num_devices=8,"
+                   "prune=router,max_devices_per_token=2",
+        tasks=["occult23"], task_manager=occult_hf.eval.make_task_manager(), batch_size=8)
+
+`model_args` are everything lm-eval's `hf` model takes, plus the Occult settings: either
+`occult_config=PATH` (an `OccultConfig` JSON file) or its fields one by one (`placement=`,
+`num_devices=`, `prune=`, `max_devices_per_token=`, `profile=`, `dispatch=`, `expert_backend=`).
+With none of them, a checkpoint saved with an `occult_config` runs with it, any other with the
+default `OccultConfig()` (exact, contiguous placement).
+
+Under `torchrun` (WORLD_SIZE > 1) the processes form one expert-parallel group: each rank holds its
+experts, evaluates its share of the documents (lm-eval splits documents by rank), and every rank
+runs the same number of forwards (`ForwardLockstep`); rank 0 returns the results, equal to the
+one-process result. lm-eval's own data-parallel path (accelerate) is not used: it would give every
+rank a full model.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import transformers
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+from lm_eval.models.utils_hf import get_dtype
+
+from occult_hf.config import OccultConfig
+
+from .lockstep import ForwardLockstep
+
+logger = logging.getLogger(__name__)
+
+#: `OccultConfig` fields that may be given one by one in `model_args`
+OCCULT_FIELDS = ("placement", "num_devices", "prune", "max_devices_per_token", "profile", "dispatch", "expert_backend")
+
+#: `hf` model_args about building the model some other way; they contradict "as it will run"
+UNSUPPORTED_HF_ARGS = (
+    "parallelize", "tp_plan", "peft", "delta", "autogptq", "gptqmodel", "gguf_file",
+    "max_memory_per_gpu", "max_cpu_memory", "offload_folder",
+)  # fmt: skip
+
+#: arguments of `HFLM.__init__` that this class handles itself (the rest are passed on to HFLM)
+_HANDLED_HERE = {"self", "pretrained", "kwargs", "device", "dtype", "backend", *UNSUPPORTED_HF_ARGS}
+_HFLM_ARGS = frozenset(inspect.signature(HFLM.__init__).parameters) - _HANDLED_HERE
+
+
+def resolve_occult_config(occult_config: Any, fields: dict[str, Any]) -> OccultConfig | None:
+    """The `OccultConfig` that `model_args` ask for, or None when they name no Occult setting."""
+    given = {name: value for name, value in fields.items() if value is not None}
+    if occult_config is not None and given:
+        raise ValueError(
+            f"occult-hf: give either occult_config={occult_config!r} or the individual settings "
+            f"{sorted(given)}, not both"
+        )
+    if occult_config is not None:
+        return OccultConfig.coerce(occult_config)
+    return OccultConfig(**given) if given else None
+
+
+def _ep_world(device: str | None) -> tuple[int, int]:
+    """(rank, world size) of the expert-parallel group: the default process group, started here under torchrun."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        backend = "nccl" if str(device or "cuda").startswith("cuda") and torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend=backend)
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _resolve_device(device: str | None, world_size: int) -> torch.device:
+    """lm-eval's rule (a CUDA request without CUDA falls back to CPU), plus one GPU per local rank under EP."""
+    requested = device or "cuda"
+    if requested.startswith("cuda") and not torch.cuda.is_available():
+        logger.info("occult-hf: device=%r requested but CUDA is not available; using cpu", requested)
+        return torch.device("cpu")
+    if requested == "cuda" and world_size > 1:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device(requested)
+
+
+def load_occult_model(
+    pretrained: str,
+    occult_config: OccultConfig | None,
+    *,
+    device: torch.device,
+    dtype: str | torch.dtype | None,
+    group: dist.ProcessGroup | None,
+    **load_kwargs: Any,
+) -> tuple[transformers.PreTrainedModel, OccultConfig]:
+    """Load `pretrained` and replace its MoE blocks; returns the model on `device` and the config it runs with."""
+    from occult_hf.integration import apply_occult
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(pretrained, dtype=get_dtype(dtype), **load_kwargs)
+    if occult_config is None:
+        saved = getattr(model.config, "occult_config", None)
+        occult_config = OccultConfig.coerce(saved) if saved is not None else OccultConfig()
+    model = apply_occult(model, occult_config, group=group) or model
+    return model.to(device).eval(), occult_config
+
+
+@register_model("occult-hf")
+class OccultHFLM(HFLM):
+    """lm-eval's `HFLM` evaluating an Occult model (see the module docstring for `model_args`)."""
+
+    def __init__(
+        self,
+        pretrained: str,
+        occult_config: str | None = None,
+        placement: str | None = None,
+        num_devices: int | None = None,
+        prune: str | None = None,
+        max_devices_per_token: int | None = None,
+        profile: str | None = None,
+        dispatch: str | None = None,
+        expert_backend: str | None = None,
+        device: str | None = "cuda",
+        dtype: str | torch.dtype | None = "auto",
+        backend: str = "default",
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(pretrained, str):
+            raise TypeError(
+                f"occult-hf: pretrained must be a model path or hub id (str), got {type(pretrained).__name__}; "
+                f"to evaluate a model object, apply_occult() it and pass it to lm-eval's HFLM"
+            )
+        if backend not in ("default", "causal"):
+            raise ValueError(f"occult-hf: backend must be 'default' or 'causal' (MoE decoders), got {backend!r}")
+        unsupported = sorted(name for name in kwargs if name in UNSUPPORTED_HF_ARGS and kwargs[name] not in (None, False))
+        if unsupported:
+            raise ValueError(
+                f"occult-hf: model_args {unsupported} are not supported: the model is loaded and its MoE "
+                f"blocks replaced by occult_hf, exactly as it runs in deployment"
+            )
+        settings = dict(placement=placement, num_devices=num_devices, prune=prune,
+                        max_devices_per_token=max_devices_per_token, profile=profile,
+                        dispatch=dispatch, expert_backend=expert_backend)  # fmt: skip
+        requested_config = resolve_occult_config(occult_config, settings)
+
+        rank, world_size = _ep_world(device)
+        batch_size = kwargs.get("batch_size", 1)
+        if world_size > 1 and str(batch_size).startswith("auto"):
+            raise ValueError(
+                f"occult-hf: batch_size={batch_size!r} is not supported under expert parallelism "
+                f"(world size {world_size}): its out-of-memory retries differ between ranks; give an integer"
+            )
+        self._ep_group = dist.group.WORLD if world_size > 1 else None
+        hflm_kwargs = {name: value for name, value in kwargs.items() if name in _HFLM_ARGS}
+        load_kwargs = {name: value for name, value in kwargs.items() if name not in _HFLM_ARGS and name not in UNSUPPORTED_HF_ARGS}
+        for shared in ("revision", "trust_remote_code", "subfolder"):
+            if shared in hflm_kwargs:
+                load_kwargs[shared] = hflm_kwargs[shared]
+
+        model, self.occult_config = load_occult_model(
+            pretrained, requested_config, device=_resolve_device(device, world_size), dtype=dtype,
+            group=self._ep_group, **load_kwargs,
+        )  # fmt: skip
+        hflm_kwargs.setdefault("tokenizer", pretrained)
+        super().__init__(pretrained=model, backend="causal", **hflm_kwargs)
+        # HFLM treats a model object as single-process; this class owns the EP group instead
+        self._rank, self._world_size = rank, world_size
+        self.pretrained = pretrained
+        self._lockstep = None
+        if world_size > 1:
+            idle_token = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eot_token_id
+            self._lockstep = ForwardLockstep(self.model, self._ep_group, self.device, idle_token)
+
+    # ----- collectives: every rank drains its forwards before it meets the others ------------
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._lockstep is None:
+            return super().all_gather(tensor)
+        self._lockstep.drain()
+        tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor, group=self._ep_group)
+        return torch.cat(parts)
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        if self._lockstep is None:
+            return super().gather_object(obj, dst)
+        self._lockstep.drain()
+        gathered = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, gathered, dst=dst, group=self._ep_group)
+        return gathered
+
+    def barrier(self) -> None:
+        """A no-op under EP: lm-eval calls it after each request type only on ranks that had requests of
+        that type, so it cannot be a collective; ranks meet in the next `all_gather`/`gather_object`."""
+        if self._lockstep is None:
+            super().barrier()
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        """HFLM pads rolling windows across ranks with an `all_gather` that a rank without rolling requests
+        never reaches; under EP the lockstep makes that padding unnecessary, so it runs as one process."""
+        world_size, self._world_size = self._world_size, 1
+        try:
+            return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
+        finally:
+            self._world_size = world_size
+
+    def get_model_info(self) -> dict:
+        info = super().get_model_info()
+        info["occult_config"] = self.occult_config.to_dict()
+        info["expert_parallel_world_size"] = self.world_size
+        return info
+
+
+__all__ = ["OccultHFLM", "OCCULT_FIELDS", "UNSUPPORTED_HF_ARGS", "resolve_occult_config", "load_occult_model"]
