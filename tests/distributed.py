@@ -1,0 +1,138 @@
+"""Run a function on a real multi-process `gloo` world, for CPU tests of expert parallelism.
+
+    from distributed import run_world
+
+    def check(rank, world_size, scale):          # module-level, so spawned processes can import it
+        ...                                      # the default process group is already initialised
+        return {"rank": rank}                    # anything picklable comes back
+
+    results = run_world(check, 2, 3.0)           # [result of rank 0, result of rank 1]
+
+Each rank is a fresh `spawn`ed process (no forked torch state) with `torch.distributed` initialised
+on the gloo backend through a file store in a private temporary directory, one CPU thread, and
+`OCCULT_TEST_RANK` set. If any rank raises, `run_world` raises `WorldError` with every failed
+rank's traceback, after giving the other ranks a short grace period to finish or fail on their own
+(a rank blocked in a collective with a dead peer is then killed). A world that runs past
+`timeout_s` is killed and reported with the ranks still running, so a deadlock fails a test
+instead of hanging the suite.
+
+Group many checks into one world: starting a process that imports torch and transformers costs
+seconds on a 2-core machine, while a collective on a tiny tensor costs microseconds.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+#: seconds a world may run before it is killed (override per call with timeout_s)
+DEFAULT_TIMEOUT_S = 240.0
+#: seconds the surviving ranks get to finish after one rank failed
+FAILURE_GRACE_S = 10.0
+
+
+class WorldError(RuntimeError):
+    """A spawned world failed: a rank raised, died or the world ran past its timeout."""
+
+
+def _rank_main(rank, world_size, init_file, fn, args, results, env) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    os.environ["OCCULT_TEST_RANK"] = str(rank)
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=float(env.get("OCCULT_TEST_COLLECTIVE_TIMEOUT_S", 120))),
+        )
+        try:
+            value = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, value))
+    except BaseException:  # report everything, including KeyboardInterrupt and SystemExit
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S, env: dict | None = None) -> list:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return the per-rank results in rank order.
+
+    `fn` and `args` must be picklable (define `fn` at module level). `env` adds environment variables in
+    the children (e.g. `{"OCCULT_TEST_COLLECTIVE_TIMEOUT_S": "20"}` shortens the collective timeout).
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    child_env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    with tempfile.TemporaryDirectory(prefix="occult_world_") as tmp:
+        init_file = os.path.join(tmp, "store")
+        processes = [
+            context.Process(
+                target=_rank_main,
+                args=(rank, world_size, init_file, fn, args, results, child_env),
+                name=f"occult-test-rank{rank}",
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for process in processes:
+            process.start()
+        try:
+            outcome = _collect(processes, results, world_size, timeout_s)
+        finally:
+            for process in processes:
+                if process.is_alive():
+                    process.kill()
+                process.join(timeout=5)
+    failures = {rank: text for rank, (ok, text) in outcome.items() if not ok}
+    if failures:
+        report = "\n".join(f"--- rank {rank} ---\n{text}" for rank, text in sorted(failures.items()))
+        raise WorldError(f"{len(failures)} of {world_size} ranks of {getattr(fn, '__name__', fn)} failed:\n{report}")
+    return [outcome[rank][1] for rank in range(world_size)]
+
+
+def _collect(processes, results, world_size: int, timeout_s: float) -> dict[int, tuple[bool, Any]]:
+    """Gather one (ok, value) per rank; dead, hung or abandoned ranks get a failure text."""
+    outcome: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(outcome) < world_size:
+        if any(not ok for ok, _ in outcome.values()):
+            deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+        try:
+            rank, ok, value = results.get(timeout=0.2)
+            outcome[rank] = (ok, value)
+            continue
+        except queue.Empty:
+            pass
+        for rank, process in enumerate(processes):
+            if rank not in outcome and not process.is_alive() and process.exitcode is not None:
+                # give the queue a moment: a rank that just reported may not be read yet
+                try:
+                    r, ok, value = results.get(timeout=1.0)
+                    outcome[r] = (ok, value)
+                except queue.Empty:
+                    outcome[rank] = (False, f"process exited with code {process.exitcode} without reporting")
+        if time.monotonic() > deadline:
+            for rank in range(world_size):
+                if rank not in outcome:
+                    reason = "still running (a peer failed)" if any(not ok for ok, _ in outcome.values()) else (
+                        f"still running after {timeout_s:.0f}s: deadlock or too slow"
+                    )
+                    outcome[rank] = (False, reason)
+    return outcome
+
+
+__all__ = ["run_world", "WorldError", "DEFAULT_TIMEOUT_S"]
