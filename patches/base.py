@@ -65,7 +65,11 @@ class MoEAdapter:
 
     # ----- routing ----------------------------------------------------------------------
     def route(self, block: nn.Module, x_TH: torch.Tensor) -> RouterOutput:
-        """Run the block's own router module on `[T, H]` tokens."""
+        """Run the block's own router module on `[T, H]` tokens (or the block's `[B, S, H]` input).
+
+        Pass the block input's own shape where the router needs the sequence structure (the remote
+        DeepSeek-MoE's sequence-level auxiliary loss); `RouterOutput` tensors are always `[T, ...]`.
+        """
         raise NotImplementedError
 
     def select(self, block: nn.Module, logits_TE: torch.Tensor, allowed_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,6 +96,23 @@ class MoEAdapter:
 
     def act_fn(self, block: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         return block.experts.act_fn
+
+    def experts_module(self, block: nn.Module) -> nn.Module:
+        """The submodule that holds the routed experts (what the runtime replaces by its local experts)."""
+        return block.experts
+
+    def expert_state_dict(
+        self, block: nn.Module, gate_up_proj_E2IH: torch.Tensor, down_proj_EHI: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """The routed experts' entries of `block.state_dict()` (keys relative to the block) holding the
+        given weights in the family's own layout: what a vanilla checkpoint stores for them."""
+        return {"experts.gate_up_proj": gate_up_proj_E2IH, "experts.down_proj": down_proj_EHI}
+
+    def attach_aux_loss(self, block: nn.Module, routed_TH: torch.Tensor, aux_loss: torch.Tensor | None) -> torch.Tensor:
+        """Attach `RouterOutput.aux_loss` to the routed output as the model does (identity without one)."""
+        if aux_loss is None:
+            return routed_TH
+        raise NotImplementedError(f"adapter {self.name!r} returned an aux_loss but does not say how to attach it")
 
     def shared_output(self, block: nn.Module, x_TH: torch.Tensor) -> torch.Tensor | None:
         """What the block's shared experts add for `[T, H]` tokens, as the model defines it; None if none."""
