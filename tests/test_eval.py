@@ -1,0 +1,332 @@
+"""The lm-eval hook: occult23's task names, the CoQA metrics shim, result tables and `--compare`,
+the EP forward lockstep, and `occult-hf` against lm-eval's stock `hf` on tiny models of every family,
+in one process and on a 2-rank gloo EP world.
+
+Everything runs offline: local JSONL tasks (one multiple-choice, one generate-until), a word-level
+tokenizer built here, tiny checkpoints saved to a temporary directory, `HF_HUB_OFFLINE=1` and a
+temporary `HF_DATASETS_CACHE`. lm-eval is heavy to import, so one process evaluates everything and
+one spawned world runs every family's EP checks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval", reason="the lm-eval hook needs the eval extra: pip install 'occult_hf[eval]'")
+
+import lm_eval  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from distributed import run_world  # noqa: E402
+from lm_eval.api.registry import get_model  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+from tiny_models import FAMILIES, tiny_checkpoint  # noqa: E402
+
+import occult_hf.eval as occult_eval  # noqa: E402
+from occult_hf.cli import main as occult_main  # noqa: E402
+from occult_hf.eval.lockstep import ForwardLockstep  # noqa: E402
+from occult_hf.eval.model import resolve_occult_config  # noqa: E402
+from occult_hf.eval.report import compare_table, headline_scores, markdown_table  # noqa: E402
+from occult_hf.eval.squad_metrics_shim import compute_exact, compute_f1  # noqa: E402
+
+# ----- offline fixtures: tokenizer, local tasks, tiny checkpoints -------------------------------------
+
+VOCAB_SIZE = 128  # the tiny models' vocabulary
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>", ".")  # ids 0-2 match the tiny configs' pad/bos/eos
+WORDS = (
+    "red blue green fox dog cat runs jumps over under big small quick slow river tree sky sun moon star "
+    "day night yes no maybe one two three four five apple pear plum stone house road city town king queen "
+    "bird fish swims flies eats sees likes has is was"
+).split()
+MC_DOCS, GEN_DOCS = 10, 7  # 7 generation prompts: 4 and 3 per rank, so lm-eval pads and ranks' forwards differ
+BATCH_SIZE = 4
+NUM_DEVICES = 2  # logical devices in one process, real ranks under EP
+EVAL_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def build_tokenizer(directory: Path) -> None:
+    """A word-level tokenizer over exactly the tiny models' 128 ids (filler words after the real ones)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = list(SPECIAL_TOKENS) + WORDS
+    tokens += [f"w{i}" for i in range(VOCAB_SIZE - len(tokens))]
+    word_level = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
+    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=word_level, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
+    )
+    tokenizer.save_pretrained(directory)
+
+
+def write_local_tasks(directory: Path) -> None:
+    """`occ_mc` (multiple_choice, acc) and `occ_gen` (generate_until, exact_match) over local JSONL files."""
+    rng = random.Random(0)
+    sentence = lambda lo, hi: " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))  # noqa: E731
+    with open(directory / "mc.jsonl", "w") as f:
+        for _ in range(MC_DOCS):
+            doc = {"question": sentence(4, 9), "choices": [sentence(1, 3) for _ in range(3)], "label": rng.randrange(3)}
+            f.write(json.dumps(doc) + "\n")
+    with open(directory / "gen.jsonl", "w") as f:
+        for _ in range(GEN_DOCS):
+            f.write(json.dumps({"prompt": sentence(4, 9), "answer": rng.choice(WORDS)}) + "\n")
+    common = "dataset_path: json\ntest_split: test\n"
+    (directory / "occ_mc.yaml").write_text(
+        f"task: occ_mc\n{common}dataset_kwargs:\n  data_files:\n    test: {directory / 'mc.jsonl'}\n"
+        "output_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\n"
+        "doc_to_target: label\nmetric_list:\n  - metric: acc\n"
+    )
+    (directory / "occ_gen.yaml").write_text(
+        f"task: occ_gen\n{common}dataset_kwargs:\n  data_files:\n    test: {directory / 'gen.jsonl'}\n"
+        "output_type: generate_until\ndoc_to_text: '{{prompt}}'\ndoc_to_target: answer\n"
+        "generation_kwargs:\n  until: ['.']\n  max_gen_toks: 6\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n"
+    )
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict:
+    """Offline settings for this module, the local task folder and one tiny checkpoint per family."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    root = tmp_path_factory.mktemp("eval_assets")
+    cache = root / "hf_datasets_cache"
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in {**EVAL_ENV, "HF_DATASETS_CACHE": str(cache)}.items():
+            patch.setenv(name, value)
+        # datasets and huggingface_hub read these at import time, possibly before this module ran
+        patch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+        patch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+        patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        tasks = root / "tasks"
+        tasks.mkdir()
+        write_local_tasks(tasks)
+        models = {}
+        for family in FAMILIES:
+            # a published checkpoint does not record router logits at inference; with it on, transformers'
+            # OLMoE/Qwen aux-loss code fails during cached generation (the mask and the step disagree)
+            models[family] = tiny_checkpoint(family, root / family, seed=3, output_router_logits=False)
+            build_tokenizer(models[family])
+        yield {"root": root, "tasks": tasks, "cache": cache, "models": models}
+
+
+@pytest.fixture(scope="module")
+def local_task_manager(assets) -> TaskManager:
+    return TaskManager(include_path=str(assets["tasks"]), include_defaults=False)
+
+
+def model_args(assets, family: str, **occult) -> dict:
+    args = {"pretrained": str(assets["models"][family]), "device": "cpu", "dtype": "float32"}
+    if family == "deepseek_remote":
+        args["trust_remote_code"] = True
+    return args | occult
+
+
+PRUNED = {"num_devices": NUM_DEVICES, "prune": "router", "max_devices_per_token": 1}
+
+
+def outputs(results: dict) -> dict:
+    """What a run produced, per task and document: metrics and the raw model responses."""
+    per_task = {}
+    for task, samples in results["samples"].items():
+        per_task[task] = {
+            "metrics": {k: v for k, v in results["results"][task].items() if isinstance(v, (int, float))},
+            "resps": {s["doc_id"]: s["resps"] for s in samples},
+        }
+    return per_task
+
+
+def evaluate(model: str, args: dict, task_manager: TaskManager) -> dict:
+    results = lm_eval.simple_evaluate(
+        model=model, model_args=args, tasks=["occ_mc", "occ_gen"], batch_size=BATCH_SIZE,
+        task_manager=task_manager, bootstrap_iters=0, log_samples=True,
+    )  # fmt: skip
+    return None if results is None else outputs(results)
+
+
+def flat_loglikelihoods(run: dict) -> list[float]:
+    return [resp[0][0] for doc in sorted(run["occ_mc"]["resps"]) for resp in run["occ_mc"]["resps"][doc]]
+
+
+def assert_same_outputs(actual: dict, expected: dict) -> None:
+    """Same metrics, same generations, loglikelihoods equal to fp32 reordering (1e-5)."""
+    assert actual["occ_gen"]["resps"] == expected["occ_gen"]["resps"]
+    assert flat_loglikelihoods(actual) == pytest.approx(flat_loglikelihoods(expected), rel=1e-5, abs=1e-5)
+    greedy = lambda run: [r[0][1] for d in sorted(run["occ_mc"]["resps"]) for r in run["occ_mc"]["resps"][d]]  # noqa: E731
+    assert greedy(actual) == greedy(expected)
+    for task in ("occ_mc", "occ_gen"):
+        assert actual[task]["metrics"] == expected[task]["metrics"]
+
+
+# ----- occult23 and the CoQA shim ---------------------------------------------------------------------
+
+
+def test_occult23_resolves_to_23_lm_eval_tasks():
+    """All 23 names exist in lm-eval 0.4.13's index (no data downloaded) and the group lists exactly them."""
+    assert lm_eval.__version__ == "0.4.13"
+    manager = occult_eval.make_task_manager()
+    names = occult_eval.suite_tasks()
+    assert len(names) == 23 and len(set(names)) == 23
+    missing = [name for name in names if name not in manager.all_tasks]
+    assert not missing, f"not in lm-eval 0.4.13: {missing}"
+    assert "occult23" in manager.all_groups
+    assert manager.task_index["occult23"].cfg["task"] == list(names)
+    # the choices docs/eval.md explains
+    assert {"wsc273", "qasper_bool", "mnli", "rte", "logiqa", "mmlu", "coqa"} <= set(names)
+
+
+def test_squad_metrics_match_hand_computed_values():
+    assert compute_exact("The Cat!", "cat") == 1  # case, punctuation and articles do not count
+    assert compute_exact("a red fox", "red foxes") == 0
+    assert compute_f1("the quick brown fox", "quick fox jumps") == pytest.approx(2 / 3)  # P = R = 2/3
+    assert compute_f1("Hello, World", "hello world world") == pytest.approx(0.8)  # P = 2/3, R = 1
+    assert compute_f1("", "") == 1 and compute_f1("", "something") == 0  # "no answer" only matches itself
+    assert compute_f1("x y z", "a b c") == 0
+
+
+def test_coqa_task_loads_and_scores_with_the_shim(assets):
+    """lm-eval's own CoQA task (its utils.py imports transformers.data.metrics.squad_metrics) on a local doc."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    import transformers.data.metrics.squad_metrics as squad_metrics
+
+    assert squad_metrics.compute_f1 is compute_f1
+    coqa_yaml = Path(lm_eval.__file__).parent / "tasks" / "coqa" / "default.yaml"
+    config = load_yaml(coqa_yaml, resolve_func=True)  # imports the task's utils.py
+    doc = {
+        "story": "The cat sat on the mat.",
+        "questions": {"input_text": ["Where did the cat sit?", "What color is it?"]},
+        "answers": {"input_text": ["on the mat", "Black"]},
+        "additional_answers": {"0": {"input_text": ["the mat", "black cat"]}},
+    }
+    data = assets["root"] / "coqa.jsonl"
+    data.write_text(json.dumps(doc) + "\n")
+    config |= {"dataset_path": "json", "dataset_kwargs": {"data_files": {"validation": str(data), "train": str(data)}}}
+    task = TaskManager(include_defaults=False).load([config])["tasks"]["coqa"]
+    loaded_doc = next(iter(task.validation_docs()))
+    assert task.doc_to_text(loaded_doc).endswith("Q: What color is it?\n\nA:")
+    assert task.doc_to_target(loaded_doc) == ["Black", "black cat"]
+    # golds {"Black", "black cat"}, each scored against the other: EM (0 + 1) / 2, F1 (2/3 + 1) / 2
+    scores = task.process_results(loaded_doc, ["black\nQ: and then?"])
+    assert scores["em"] == pytest.approx(0.5)
+    assert scores["f1"] == pytest.approx(5 / 6)
+
+
+# ----- result tables ----------------------------------------------------------------------------------
+
+
+def suite_like_results(acc_shift: float = 0.0) -> dict:
+    """A results dict shaped like an occult23 run: a metric-less group, a group with its own acc, CoQA."""
+    return {
+        "results": {
+            "occult23": {"alias": "occult23"},
+            "winogrande": {"acc,none": 0.6 + acc_shift, "acc_stderr,none": 0.01},
+            "mmlu": {"acc,none": 0.5 + acc_shift, "acc_stderr,none": 0.004},
+            "mmlu_stem": {"acc,none": 0.4},
+            "qasper_bool": {"f1,none": 0.7},
+            "coqa": {"em,none": 0.55, "f1,none": 0.65, "em_stderr,none": "N/A"},
+            "gsm8k_like": {"exact_match,flexible-extract": 0.2, "exact_match,strict-match": 0.1},
+        },
+        "group_subtasks": {
+            "occult23": ["winogrande", "mmlu", "qasper_bool", "coqa", "gsm8k_like"],
+            "mmlu": ["mmlu_stem"],
+            "mmlu_stem": [],
+        },
+    }
+
+
+def test_headline_rows_expand_metricless_groups_only():
+    rows = [(s.task, s.metric, s.value) for s in headline_scores(suite_like_results())]
+    assert rows == [
+        ("winogrande", "acc", 0.6),
+        ("mmlu", "acc", 0.5),
+        ("qasper_bool", "f1", 0.7),
+        ("coqa", "em", 0.55),
+        ("coqa", "f1", 0.65),
+        ("gsm8k_like", "exact_match", 0.2),  # no "none" filter: the first one reported
+    ]
+    table = markdown_table(suite_like_results())
+    assert "| winogrande | acc | 60.00 | 1.00 |" in table
+    assert "| **Average** (6 rows) | | 53.33 | |" in table
+
+
+def test_compare_prints_deltas_and_average(tmp_path, capsys):
+    path_a, path_b = tmp_path / "a.json", tmp_path / "b.json"
+    path_a.write_text(json.dumps(suite_like_results()))
+    path_b.write_text(json.dumps(suite_like_results(acc_shift=-0.03)))
+    assert occult_main(["eval", "--compare", str(path_a), str(path_b), "--labels", "standard", "pruned"]) == 0
+    printed = capsys.readouterr().out
+    assert "| Task | Metric | standard | pruned | Δ (pruned − standard) |" in printed
+    assert "| winogrande | acc | 60.00 | 57.00 | -3.00 |" in printed
+    assert "| coqa | f1 | 65.00 | 65.00 | +0.00 |" in printed
+    assert "| **Average** (6 shared rows) | | 53.33 | 52.33 | -1.00 |" in printed  # two of six rows moved by 3
+    assert compare_table(suite_like_results(), {"results": {}}).count("–") >= 6
+
+
+def test_compare_rejects_a_file_without_results(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"config": {}}))
+    with pytest.raises(ValueError, match="no top-level 'results' key"):
+        occult_main(["eval", "--compare", str(bad), str(bad)])
+
+
+# ----- model_args validation -------------------------------------------------------------------------
+
+
+def test_occult_settings_resolve_from_a_file_or_fields(tmp_path):
+    assert resolve_occult_config(None, {"placement": None}) is None
+    config = resolve_occult_config(None, {"num_devices": 4, "prune": "router", "max_devices_per_token": 2})
+    assert (config.num_devices, config.prune, config.max_devices_per_token) == (4, "router", 2)
+    config.save(tmp_path / "occult.json")
+    assert resolve_occult_config(str(tmp_path / "occult.json"), {}) == config
+    with pytest.raises(ValueError, match="either occult_config=.* or the individual settings \\['num_devices'\\]"):
+        resolve_occult_config(str(tmp_path / "occult.json"), {"num_devices": 2})
+    with pytest.raises(ValueError, match="max_devices_per_token"):
+        resolve_occult_config(None, {"prune": "router"})
+
+
+def test_unsupported_hf_args_are_rejected(assets):
+    with pytest.raises(ValueError, match="model_args \\['peft'\\] are not supported"):
+        get_model("occult-hf")(pretrained=str(assets["models"]["olmoe"]), device="cpu", peft="some/adapter")
+
+
+# ----- the lockstep protocol on a stand-in EP module ----------------------------------------------------
+
+
+class CollectiveEveryForward(torch.nn.Module):
+    """Stands in for an EP model: every forward is an all_reduce (as every MoE layer's exchange is)."""
+
+    def forward(self, input_ids, use_cache=None):
+        total = input_ids.sum().reshape(1).float()
+        dist.all_reduce(total)
+        return total
+
+
+def lockstep_world(rank: int, world_size: int) -> dict:
+    model = CollectiveEveryForward()
+    lockstep = ForwardLockstep(model, dist.group.WORLD, torch.device("cpu"), idle_token_id=0)
+    values = [[1, 2, 3], [10, 20, 30, 40, 50]][rank]  # rank 1 has two more forwards than rank 0
+    sums = [model(input_ids=torch.tensor([[v]])).item() for v in values]
+    lockstep.drain()
+    counts = (lockstep.real_forwards, lockstep.idle_forwards)
+    lockstep.drain()  # a second meeting with nothing left to run: no forwards
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, counts)
+    return {"sums": sums, "counts": counts, "gathered": gathered, "after": lockstep.total_forwards}
+
+
+def test_lockstep_pairs_forwards_and_drains_unequal_ranks():
+    rank0, rank1 = run_world(lockstep_world, 2, timeout_s=60)
+    # rank 0's idle forwards contribute token 0, so rank 1's last two sums are its own values
+    assert rank0["sums"] == [11.0, 22.0, 33.0] and rank1["sums"] == [11.0, 22.0, 33.0, 40.0, 50.0]
+    assert rank0["counts"] == (3, 2) and rank1["counts"] == (5, 0)
+    assert rank0["after"] == rank1["after"] == 5
