@@ -64,7 +64,7 @@ def case(request) -> Case:
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
+    return float((actual - expected).detach().norm() / expected.detach().norm().clamp_min(1e-30))
 
 
 # ----- structure -----------------------------------------------------------------------------

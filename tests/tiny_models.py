@@ -18,6 +18,10 @@ Conventions (same for every family):
   does not flip under fp32 reordering; DeepSeek-V3's `e_score_correction_bias` is random and non-zero.
 - Router auxiliary losses are on where the model has one (OLMoE, Qwen2/3-MoE: `output_router_logits=True`
   and a non-zero `router_aux_loss_coef`; remote DeepSeek-MoE: `aux_loss_alpha` > 0, in training).
+- `generate()` with a padded `attention_mask` on OLMoE/Qwen2/Qwen3 needs `output_router_logits=False`
+  passed to `generate`: transformers (5.17 and 5.24) computes the load-balancing loss at every
+  decoding step and fails on the mask's shape when router logits are on.
+- Attention is transformers' default, so `save_pretrained` -> `from_pretrained` gives identical logits.
 - Dense layers: Qwen2-MoE layer 1 is dense (`mlp_only_layers=[1]`); DeepSeek-V2/V3 and the remote
   DeepSeek-MoE have a dense first layer (`first_k_dense_replace=1`). `MOE_LAYERS[family]` lists the
   decoder layers that hold MoE blocks in the default config.
@@ -186,9 +190,7 @@ def tiny_config(family: str, **overrides):
     if family == "deepseek_remote":
         # through AutoConfig so the config carries `auto_map`, as a config of the published model does
         return transformers.AutoConfig.from_pretrained(remote_model_dir(), trust_remote_code=True, **fields)
-    config = getattr(transformers, _CONFIG_CLASS[family])(**fields)
-    config._attn_implementation = "eager"
-    return config
+    return getattr(transformers, _CONFIG_CLASS[family])(**fields)
 
 
 def tiny_model(family: str, seed: int = 0, **overrides):
