@@ -267,3 +267,126 @@ def test_profile_validates_shapes():
         RoutingProfile(6, 3, {0: routing})
     with pytest.raises(KeyError, match=r"covers layers \[1, 3\]"):
         make_profile().layer(2)
+
+
+# ----- collection through the real routers ---------------------------------------------------
+from tiny_models import FAMILIES, MOE_LAYERS, tiny_batch, tiny_config, tiny_model  # noqa: E402
+
+from occult_hf.profile_collect import ProfileCollector  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_model(request):
+    return request.param, tiny_model(request.param)
+
+
+def test_collection_counts_real_tokens_only_in_every_family(family_model):
+    family, model = family_model
+    ids_BS = tiny_batch(batch=3, seq=12, seed=5)
+    mask_BS = torch.ones_like(ids_BS)
+    mask_BS[1, 7:] = 0  # right padding
+    mask_BS[2, 3:] = 0
+    with ProfileCollector(model, sample_size=20, seed=1) as padded:
+        model(input_ids=ids_BS, attention_mask=mask_BS)
+    # the same real tokens, one unpadded sequence per forward
+    with ProfileCollector(model, sample_size=None) as unpadded:
+        for row, length in enumerate(mask_BS.sum(1).tolist()):
+            model(input_ids=ids_BS[row : row + 1, :length])
+    profile, reference = padded.profile(source="test"), unpadded.profile()
+    top_k = tiny_config(family).num_experts_per_tok
+    assert sorted(profile.layers) == list(MOE_LAYERS[family])
+    assert (profile.num_experts, profile.top_k, profile.model_type) == (8, top_k, model.config.model_type)
+    for layer in MOE_LAYERS[family]:
+        routing, expected = profile.layer(layer), reference.layer(layer)
+        assert routing.token_count == 12 + 7 + 3
+        assert_counts_consistent(routing, top_k)
+        np.testing.assert_array_equal(routing.coactivation, expected.coactivation)
+        np.testing.assert_array_equal(routing.expert_counts, expected.expert_counts)
+        np.testing.assert_allclose(routing.logit_gram, expected.logit_gram, rtol=1e-4)
+        assert routing.topk_sample.shape == (20, top_k)
+        # every sampled set is one of the real tokens' sets
+        real_sets = {tuple(sorted(row)) for row in expected.topk_sample.tolist()}
+        assert {tuple(sorted(row)) for row in routing.topk_sample.tolist()} <= real_sets
+    profile.check_compatible(model)
+    similarity = profile.similarity(MOE_LAYERS[family][0])
+    assert similarity.shape == (8, 8) and np.allclose(similarity, similarity.T)
+
+
+@pytest.mark.filterwarnings("ignore:.*gradient_checkpointing_enable:FutureWarning")
+def test_checkpoint_recomputation_and_generation_count_each_token_once():
+    model = tiny_model("olmoe")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids_BS = tiny_batch(batch=2, seq=10)
+    with ProfileCollector(model) as collector:
+        model(input_ids=ids_BS, labels=ids_BS).loss.backward()  # backward re-runs every router
+    assert collector.token_count == 20
+    # (transformers' own aux loss breaks under generation with a padded mask: leave router logits off)
+    model = tiny_model("olmoe", output_router_logits=False)
+    mask_BS = torch.ones(2, 6, dtype=torch.long)
+    mask_BS[0, :2] = 0  # left padding, as generation uses
+    with ProfileCollector(model) as collector:
+        model.generate(input_ids=ids_BS[:, :6], attention_mask=mask_BS, max_new_tokens=3, do_sample=False,
+                       pad_token_id=0)
+    # prompt tokens that are not padding, then one new token per row per step (the last one is not fed back)
+    assert collector.token_count == 10 + 2 * 2
+
+
+class ByteTokenizer:
+    """Token ids = UTF-8 bytes offset past the special ids, as a transformers tokenizer returns them."""
+
+    pad_token_id = 0
+
+    def __call__(self, text, verbose=True):
+        return {"input_ids": [b % 125 + 3 for b in text.encode("utf-8")]}
+
+
+def test_collect_over_text_file_and_dataset(tmp_path):
+    import datasets
+
+    model = tiny_model("qwen3_moe")
+    documents = ["abcdefghij" * 3, "short", "", "0123456789"]
+    path = tmp_path / "docs.txt"
+    path.write_text("\n".join(documents))
+    from_file = RoutingProfile.collect(model, path, ByteTokenizer(), batch_size=2, max_length=8, progress=False)
+    assert from_file.layer(0).token_count == 30 + 5 + 10  # long documents are split into windows, none cut
+    assert "docs.txt" in from_file.meta["source"]
+    dataset = datasets.Dataset.from_dict({"body": documents})
+    from_dataset = RoutingProfile.collect(
+        model, dataset, ByteTokenizer(), batch_size=3, max_length=8, text_column="body", progress=False
+    )
+    np.testing.assert_array_equal(from_dataset.layer(1).coactivation, from_file.layer(1).coactivation)
+    limited = RoutingProfile.collect(model, path, ByteTokenizer(), max_tokens=12, progress=False)
+    assert limited.layer(0).token_count == 12
+    token_ids = [[5, 6, 7, 8], [9, 10]]
+    assert RoutingProfile.collect(model, token_ids, progress=False).layer(0).token_count == 6
+    with pytest.raises(ValueError, match="the data holds text: pass tokenizer="):
+        RoutingProfile.collect(model, documents, progress=False)
+    with pytest.raises(KeyError, match=r"no column 'text'; its columns are \['body'\]"):
+        RoutingProfile.collect(model, dataset, ByteTokenizer(), progress=False)
+    assert model.training is False
+
+
+def test_incompatible_profiles_are_clear_errors(tmp_path):
+    model = tiny_model("olmoe")
+    with ProfileCollector(model) as collector:
+        model(input_ids=tiny_batch())
+    profile = collector.profile()
+    path = tmp_path / "olmoe.safetensors"
+    profile.save(path)
+    assert sorted(RoutingProfile.load(path, model=model).layers) == [0, 1]
+    with pytest.raises(ValueError, match=r"num_experts=8 but the model \(olmoe\) has 6 routed experts"):
+        RoutingProfile.load(path, model=tiny_config("olmoe", num_experts=6))
+    with pytest.raises(ValueError, match=r"top_k=2 but the model \(olmoe\) routes each token to top_k=3"):
+        profile.check_compatible(tiny_config("olmoe", top_k=3))
+    with pytest.raises(ValueError, match=r"lacks the model's MoE layers \[2\]"):
+        profile.check_compatible(tiny_model("olmoe", num_hidden_layers=3))
+    with pytest.raises(ValueError, match=r"layers \[1\] that are not MoE layers"):
+        profile.check_compatible(tiny_model("olmoe", num_hidden_layers=1))
+    partial = RoutingProfile(8, 2, {0: profile.layer(0)})
+    partial.check_compatible(model, require_all_layers=False)
+    with pytest.raises(ValueError, match=r"occult_hf does not support model_type 'llama'"):
+        profile.check_compatible(__import__("transformers").LlamaConfig())
+    with pytest.raises(ValueError, match="needs a 2-D"):
+        with ProfileCollector(model):
+            model(input_ids=tiny_batch(), attention_mask=torch.ones(2, 1, 16, 16))
