@@ -1,0 +1,297 @@
+"""The local expert computation in Triton, forward and backward (DESIGN.md §3 step 5).
+
+Shape legend: R received rows, N (row, local expert) pairs in segment order, L local experts,
+H hidden, I expert width.
+
+    out[r] = sum over pairs p of row r: w[p] * down_e(SiLU(gate_e x[r]) * up_e x[r])
+
+Forward, two grouped GEMMs over the expert segments (`triton_expert_mlp_kernels.py`):
+1. `gate_up_kernel` gathers x rows by `pair_row` and writes h [N, I] = SiLU(gate) * up (and, when a
+   gradient is needed, the pre-activations gu [N, 2I] that the backward reads instead of recomputing
+   a GEMM);
+2. `scatter_gemm_kernel` multiplies h by down_e, scales by w[p] and reduces into one fp32 row per
+   received row, either by atomic adds in the GEMM epilogue (fast mode; the sum order, hence the last
+   bits, vary between runs) or, in deterministic mode, by writing y [N, H] in fp32 and summing each
+   row's pairs in pair order (`segment_sum_kernel`, through a row -> pairs index built on the device).
+
+Backward: `dgate_up_kernel` (g = dout[row] @ down_e, then d gu and the pair-weight gradient from the
+saved pre-activations), `scatter_gemm_kernel` again for dx = d gu @ gate_up_e reduced per row, and
+`segment_outer_kernel` for both weight gradients (one program per output tile reduces a whole expert
+segment, so weight gradients are deterministic in both modes).
+
+Memory: h [N, I] in x's dtype; with a gradient also gu [N, 2I]; deterministic mode adds y [N, H] fp32
+for the duration of the reduction. No host synchronisation: tile schedules are derived on the device
+from `expert_offsets` inside each kernel (only the first call per shape autotunes, which syncs).
+
+On CPU the kernels run only under the Triton interpreter (`TRITON_INTERPRET=1` set before triton is
+first imported in the process), which is for tests; use `expert_mlp_reference` otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from . import triton_expert_mlp_kernels as _kernels
+from .layout import ExpertSegments
+
+#: allocator of every buffer the kernels must fill completely (tests swap in a NaN-filled one)
+_empty = torch.empty
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _rows_per_expert_bucket(num_pairs: int, num_experts: int) -> int:
+    """Autotuning key for the segment lengths: mean pairs per expert, rounded up to a power of two."""
+    return min(triton.next_power_of_2(max(1, num_pairs // max(1, num_experts))), 1 << 16)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs get full fp32 products (the tests' 1e-4 bar); tf32 would change the function.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """What every kernel launch of one call shares (tensors already validated and contiguous)."""
+
+    pair_row_N: torch.Tensor
+    expert_offsets: torch.Tensor
+    num_rows: int
+    deterministic: bool
+    rows_per_expert: int
+    block_experts: int
+    # row -> pairs index (deterministic mode): pairs sorted by row, and each row's range in it
+    row_pairs_N: torch.Tensor | None
+    row_offsets: torch.Tensor | None
+
+    @property
+    def num_pairs(self) -> int:
+        return self.pair_row_N.shape[0]
+
+    @property
+    def num_experts(self) -> int:
+        return self.expert_offsets.shape[0] - 1
+
+    def m_tiles_bound(self, block_m: int) -> int:
+        """Upper bound on sum_e cdiv(count_e, block_m), known without reading the counts."""
+        return triton.cdiv(self.num_pairs, block_m) + min(self.num_experts, self.num_pairs)
+
+
+def _gate_up(plan: _Launch, x_RH, gate_up_L2IH, save_gu: bool):
+    """h [N, I] and, when `save_gu`, the pre-activations gu [N, 2I] (else None)."""
+    num_pairs, intermediate = plan.num_pairs, gate_up_L2IH.shape[1] // 2
+    h_NI = _empty(num_pairs, intermediate, dtype=x_RH.dtype, device=x_RH.device)
+    gu_N2I = _empty(num_pairs, 2 * intermediate, dtype=x_RH.dtype, device=x_RH.device) if save_gu else None
+    grid = lambda meta: (plan.m_tiles_bound(meta["BLOCK_M"]) * triton.cdiv(intermediate, meta["BLOCK_N"]),)  # noqa: E731
+    _kernels.gate_up_kernel[grid](
+        x_RH, plan.pair_row_N, plan.expert_offsets, gate_up_L2IH, h_NI, gu_N2I if save_gu else h_NI,
+        plan.num_experts, x_RH.shape[1], intermediate, plan.rows_per_expert,
+        x_RH.stride(0), *gate_up_L2IH.stride(),
+        SAVE_GU=save_gu, DOT_PRECISION=_dot_precision(x_RH.dtype), BLOCK_E=plan.block_experts,
+    )  # fmt: skip
+    return h_NI, gu_N2I
+
+
+def _scatter_gemm(plan: _Launch, a_NK, b_LKO, scale_N, out_dtype):
+    """out [R, O] = per row r, sum over its pairs p of scale[p] * (a[p] @ b[e(p)]), reduced in fp32.
+
+    `b_LKO` is any strided view with B_e = b[e] of shape [K, O]; `scale_N` may be None.
+    """
+    num_out = b_LKO.shape[2]
+    device = a_NK.device
+    atomic = not plan.deterministic
+    if atomic:
+        target = torch.zeros(plan.num_rows, num_out, dtype=torch.float32, device=device)
+    else:
+        target = _empty(plan.num_pairs, num_out, dtype=torch.float32, device=device)
+    grid = lambda meta: (plan.m_tiles_bound(meta["BLOCK_M"]) * triton.cdiv(num_out, meta["BLOCK_N"]),)  # noqa: E731
+    _kernels.scatter_gemm_kernel[grid](
+        a_NK, plan.pair_row_N, plan.expert_offsets, b_LKO, a_NK if scale_N is None else scale_N, target,
+        plan.num_experts, a_NK.shape[1], num_out, plan.rows_per_expert,
+        a_NK.stride(0), *b_LKO.stride(), target.stride(0),
+        HAS_SCALE=scale_N is not None, ATOMIC=atomic, DOT_PRECISION=_dot_precision(a_NK.dtype),
+        BLOCK_E=plan.block_experts,
+    )  # fmt: skip
+    if atomic:
+        return target.to(out_dtype)
+    out = _empty(plan.num_rows, num_out, dtype=out_dtype, device=device)
+    grid = lambda meta: (plan.num_rows, triton.cdiv(num_out, meta["BLOCK_H"]))  # noqa: E731
+    _kernels.segment_sum_kernel[grid](
+        target, plan.row_pairs_N, plan.row_offsets, out, num_out, target.stride(0), out.stride(0)
+    )
+    return out
+
+
+def _dgate_up(plan: _Launch, dout_RH, down_LHI, gu_N2I, pair_weight_N):
+    """d gu [N, 2I] and the pair-weight gradient [N] (fp32)."""
+    intermediate = down_LHI.shape[2]
+    dgu_N2I = _empty(gu_N2I.shape, dtype=gu_N2I.dtype, device=gu_N2I.device)
+    # One partial sum per N tile; sized for the smallest BLOCK_N any config may pick, zeros elsewhere.
+    min_block_n = min(config.kwargs["BLOCK_N"] for config in _kernels.dgate_up_kernel.configs)
+    partial_NP = torch.zeros(plan.num_pairs, triton.cdiv(intermediate, min_block_n), dtype=torch.float32, device=dout_RH.device)
+    grid = lambda meta: (plan.m_tiles_bound(meta["BLOCK_M"]) * triton.cdiv(intermediate, meta["BLOCK_N"]),)  # noqa: E731
+    _kernels.dgate_up_kernel[grid](
+        dout_RH, plan.pair_row_N, plan.expert_offsets, down_LHI, gu_N2I, pair_weight_N, dgu_N2I, partial_NP,
+        plan.num_experts, dout_RH.shape[1], intermediate, plan.rows_per_expert,
+        dout_RH.stride(0), *down_LHI.stride(), partial_NP.stride(0),
+        DOT_PRECISION=_dot_precision(dout_RH.dtype), BLOCK_E=plan.block_experts,
+    )  # fmt: skip
+    return dgu_N2I, partial_NP.sum(dim=1)
+
+
+def _segment_outer(plan: _Launch, a, b, *, gather_a: bool, gather_b: bool, scale_N, out_dtype):
+    """C [L, M, O]: C_e = sum over pairs p of expert e of a[row_a(p)]^T (scale[p] b[row_b(p)])."""
+    num_m, num_out = a.shape[1], b.shape[1]
+    c_LMO = _empty(plan.num_experts, num_m, num_out, dtype=out_dtype, device=a.device)
+    grid = lambda meta: (plan.num_experts * triton.cdiv(num_m, meta["BLOCK_M"]) * triton.cdiv(num_out, meta["BLOCK_N"]),)  # noqa: E731
+    _kernels.segment_outer_kernel[grid](
+        a, b, plan.pair_row_N, plan.expert_offsets, a if scale_N is None else scale_N, c_LMO,
+        plan.num_experts, num_m, num_out, plan.rows_per_expert,
+        a.stride(0), b.stride(0), c_LMO.stride(0), c_LMO.stride(1),
+        GATHER_A=gather_a, GATHER_B=gather_b, HAS_SCALE=scale_N is not None,
+        DOT_PRECISION=_dot_precision(a.dtype),
+    )  # fmt: skip
+    return c_LMO
+
+
+class _ExpertMLPFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_RH, pair_weight_N, gate_up_L2IH, down_LHI, plan: _Launch, save_for_backward: bool):
+        ctx.plan = plan
+        if plan.num_pairs == 0:  # nothing to launch: every row is served by no pair
+            ctx.save_for_backward(x_RH, pair_weight_N, gate_up_L2IH, down_LHI)
+            return torch.zeros_like(x_RH)
+        h_NI, gu_N2I = _gate_up(plan, x_RH, gate_up_L2IH, save_gu=save_for_backward)
+        out_RH = _scatter_gemm(plan, h_NI, down_LHI.transpose(1, 2), pair_weight_N, x_RH.dtype)
+        if save_for_backward:
+            ctx.save_for_backward(x_RH, pair_weight_N, gate_up_L2IH, down_LHI, h_NI, gu_N2I)
+        return out_RH
+
+    @staticmethod
+    def backward(ctx, dout_RH):
+        plan: _Launch = ctx.plan
+        need_dx, need_dweight, need_dgate_up, need_ddown = ctx.needs_input_grad[:4]
+        if plan.num_pairs == 0:
+            return tuple(torch.zeros_like(t) if need else None for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad)) + (None, None)
+        x_RH, pair_weight_N, gate_up_L2IH, down_LHI, h_NI, gu_N2I = ctx.saved_tensors
+        dout_RH = dout_RH.contiguous()
+        dx = dweight = dgate_up = ddown = None
+        if need_dx or need_dweight or need_dgate_up:
+            dgu_N2I, dweight_N = _dgate_up(plan, dout_RH, down_LHI, gu_N2I, pair_weight_N)
+            if need_dweight:
+                dweight = dweight_N.to(pair_weight_N.dtype)
+            if need_dx:
+                dx = _scatter_gemm(plan, dgu_N2I, gate_up_L2IH, None, x_RH.dtype)
+            if need_dgate_up:
+                dgate_up = _segment_outer(plan, dgu_N2I, x_RH, gather_a=False, gather_b=True, scale_N=None, out_dtype=gate_up_L2IH.dtype)
+        if need_ddown:
+            ddown = _segment_outer(plan, dout_RH, h_NI, gather_a=True, gather_b=False, scale_N=pair_weight_N, out_dtype=down_LHI.dtype)
+        return dx, dweight, dgate_up, ddown, None, None
+
+
+def _check_inputs(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI) -> None:
+    """Shapes, dtypes and devices (never values: reading them would synchronise with the device)."""
+    if x_RH.dim() != 2:
+        raise ValueError(f"x_RH must be [R, H], got shape {tuple(x_RH.shape)}")
+    rows, hidden = x_RH.shape
+    if rows != segments.num_rows:
+        raise ValueError(f"x_RH has {rows} rows but segments.num_rows is {segments.num_rows}; they must be equal")
+    if gate_up_proj_L2IH.dim() != 3 or gate_up_proj_L2IH.shape[2] != hidden or gate_up_proj_L2IH.shape[1] % 2:
+        raise ValueError(f"gate_up_proj must be [L, 2I, H={hidden}], got shape {tuple(gate_up_proj_L2IH.shape)}")
+    num_experts, intermediate = gate_up_proj_L2IH.shape[0], gate_up_proj_L2IH.shape[1] // 2
+    if tuple(down_proj_LHI.shape) != (num_experts, hidden, intermediate):
+        raise ValueError(
+            f"down_proj must be [L, H, I] = {[num_experts, hidden, intermediate]} to match gate_up_proj, "
+            f"got {list(down_proj_LHI.shape)}"
+        )
+    if segments.num_local_experts != num_experts:
+        raise ValueError(
+            f"segments.expert_offsets describes {segments.num_local_experts} local experts but the weights hold {num_experts}"
+        )
+    if tuple(pair_weight_N.shape) != (segments.num_pairs,):
+        raise ValueError(f"pair_weight_N must be [N={segments.num_pairs}], got shape {tuple(pair_weight_N.shape)}")
+    for name, tensor in (("gate_up_proj", gate_up_proj_L2IH), ("down_proj", down_proj_LHI)):
+        if tensor.dtype != x_RH.dtype:
+            raise ValueError(f"{name} dtype {tensor.dtype} differs from x_RH dtype {x_RH.dtype}; cast one of them")
+    if x_RH.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"x_RH dtype must be float32, bfloat16 or float16, got {x_RH.dtype}")
+    for name, tensor in (("segments.pair_row", segments.pair_row), ("segments.expert_offsets", segments.expert_offsets)):
+        if tensor.dtype != torch.int64:
+            raise ValueError(f"{name} must be int64, got {tensor.dtype}")
+    tensors = {
+        "x_RH": x_RH, "pair_weight_N": pair_weight_N, "gate_up_proj": gate_up_proj_L2IH, "down_proj": down_proj_LHI,
+        "segments.pair_row": segments.pair_row, "segments.expert_offsets": segments.expert_offsets,
+    }  # fmt: skip
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) != 1:
+        raise ValueError(f"all inputs must be on one device, got {devices}")
+    if x_RH.device.type != "cuda" and not _interpreting():
+        raise ValueError(
+            f"expert_mlp_triton runs on CUDA tensors (got {x_RH.device}); on CPU set TRITON_INTERPRET=1 "
+            "(slow, for tests) or use expert_mlp_reference"
+        )
+
+
+def _row_index(pair_row_N: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row -> pairs CSR on the device: pairs sorted by row (stable: pair order within a row) and
+    row_offsets [R + 1]. searchsorted instead of bincount, which would synchronise."""
+    sorted_rows_N, row_pairs_N = torch.sort(pair_row_N, stable=True)
+    boundaries = torch.arange(num_rows + 1, dtype=torch.int64, device=pair_row_N.device)
+    return row_pairs_N, torch.searchsorted(sorted_rows_N, boundaries)
+
+
+def expert_mlp_triton(
+    x_RH: torch.Tensor,
+    segments: ExpertSegments,
+    pair_weight_N: torch.Tensor,
+    gate_up_proj_L2IH: torch.Tensor,
+    down_proj_LHI: torch.Tensor,
+    deterministic: bool = False,
+) -> torch.Tensor:
+    """The local expert computation (SiLU experts); same function as `expert_mlp_reference`.
+
+    Args:
+        x_RH: `[R, H]` received rows (float32, bfloat16 or float16).
+        segments: pairs grouped by local expert (`pair_row` `[N]` int64, `expert_offsets` `[L + 1]`
+            int64 on x's device; offsets must be non-decreasing from 0 to N and rows in [0, R), which
+            is not checked, since checking would synchronise).
+        pair_weight_N: `[N]` routing weight of each pair, in segment order (any float dtype).
+        gate_up_proj_L2IH: `[L, 2I, H]`, gate rows first, x's dtype.
+        down_proj_LHI: `[L, H, I]`, x's dtype.
+        deterministic: sum each row's pairs in a fixed order (bitwise repeatable, one extra [N, H] fp32
+            buffer); otherwise fp32 atomic adds (fastest; last bits vary between runs).
+
+    Returns:
+        `[R, H]` in x's dtype; rows served by no pair are zero. Differentiable with respect to x,
+        pair_weight and both weights (Triton backward kernels).
+    """
+    _check_inputs(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI)
+    rows = x_RH.shape[0]
+    num_pairs = segments.num_pairs
+    row_pairs_N = row_offsets = None
+    if deterministic:
+        row_pairs_N, row_offsets = _row_index(segments.pair_row, rows)
+    plan = _Launch(
+        pair_row_N=segments.pair_row.contiguous(),
+        expert_offsets=segments.expert_offsets.contiguous(),
+        num_rows=rows,
+        deterministic=deterministic,
+        rows_per_expert=_rows_per_expert_bucket(num_pairs, segments.num_local_experts),
+        block_experts=triton.next_power_of_2(max(2, segments.num_local_experts)),
+        row_pairs_N=row_pairs_N,
+        row_offsets=row_offsets,
+    )
+    inputs = (x_RH, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI)
+    save = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    return _ExpertMLPFunction.apply(
+        x_RH.contiguous(), pair_weight_N.contiguous(), gate_up_proj_L2IH, down_proj_LHI, plan, save
+    )
+
+
+__all__ = ["expert_mlp_triton"]

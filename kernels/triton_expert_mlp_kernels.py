@@ -1,0 +1,410 @@
+"""Triton kernels of the local expert computation; `triton_expert_mlp.py` launches them.
+
+Shape legend: N (row, local expert) pairs in segment order (grouped by expert), R received rows,
+L local experts, H hidden, I expert width, K the reduction length of a GEMM, BM/BN/BK block sizes.
+
+Every grouped GEMM maps its programs to (expert, M tile) on the device: `_expert_of_tile` turns the
+expert offsets into a tile schedule inside each program (a cumulative sum over L values), so no host
+sync and no schedule tensor is needed, and autotuning may change BLOCK_M freely. Grids are sized by
+the upper bound `cdiv(N, BM) + min(L, N)` M tiles; programs past the last tile return at once.
+
+Kernels:
+- `gate_up_kernel`     h[p] = SiLU(x[row p] @ gate_e^T) * (x[row p] @ up_e^T), gathering rows of x;
+                       optionally saves the pre-activations gu[p] = [gate, up] for the backward.
+- `scatter_gemm_kernel` y[p] = scale[p] * (a[p] @ B_e), either atomically added in fp32 into
+                       out[row p] (fast mode) or written per pair for `segment_sum_kernel`.
+- `segment_sum_kernel` out[r] = sum of y over the pairs of row r, in pair order (deterministic); rows
+                       served by no pair get zeros.
+- `dgate_up_kernel`    backward of the gate/up/SiLU stage: g[p] = dout[row p] @ down_e, then
+                       d gu[p] from g, the pair weight and the saved pre-activations, and the pair
+                       weight's gradient partial sums <h[p], g[p]> per N tile.
+- `segment_outer_kernel` weight gradients: C_e = sum over the pairs p of expert e of
+                       A[row_a(p)]^T B[row_b(p)] (optionally scaled by the pair weight); one program
+                       owns one output tile and the whole reduction, so it is deterministic.
+
+Under `TRITON_INTERPRET=1` (which must be set before triton is first imported in the process:
+triton.language's own library functions are `@triton.jit`'d at import) the kernels get one small
+config, so the interpreter runs no tuning and tiny test shapes still span several tiles.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) candidates for Hopper, tuned per (H, I, rows per
+# expert). Every candidate is valid for every shape (masks cover ragged edges); the tuner only picks.
+# gate_up holds two accumulators (gate and up), so its BLOCK_N counts twice.
+_GATE_UP_HOPPER = [(128, 128, 64, 3, 8), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 3, 8), (64, 64, 64, 4, 4)]
+_GEMM_HOPPER = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (64, 256, 64, 3, 8)]
+_OUTER_HOPPER = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4), (256, 128, 64, 3, 8)]
+_SEGMENT_SUM_HOPPER = [(512, 4), (1024, 4), (2048, 8)]
+
+
+def _gemm_configs(candidates: list[tuple[int, int, int, int, int]]) -> list[triton.Config]:
+    if INTERPRETED:  # one small config: no tuning runs, and tiny test shapes still span several tiles
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=1, num_stages=1)]
+    return [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_stages=stages, num_warps=warps)
+        for m, n, k, stages, warps in candidates
+    ]
+
+
+def _segment_sum_configs() -> list[triton.Config]:
+    if INTERPRETED:
+        return [triton.Config({"BLOCK_H": 16}, num_warps=1, num_stages=1)]
+    return [triton.Config({"BLOCK_H": h}, num_warps=warps) for h, warps in _SEGMENT_SUM_HOPPER]
+
+
+def _even_k(args: dict) -> bool:
+    return args["K"] % args["BLOCK_K"] == 0
+
+
+@triton.jit
+def _expert_of_tile(expert_offsets_ptr, num_experts, tile_m, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Global M tile -> (expert, first pair of the tile, end of the expert's segment).
+
+    Expert e owns cdiv(count_e, BLOCK_M) consecutive tiles (none when empty). Returns
+    expert == num_experts for tiles past the last one.
+    """
+    e = tl.arange(0, BLOCK_E)
+    valid = e < num_experts
+    starts = tl.load(expert_offsets_ptr + e, mask=valid, other=0)
+    ends = tl.load(expert_offsets_ptr + e + 1, mask=valid, other=0)
+    tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    tiles_end = tl.cumsum(tiles, 0)
+    expert = tl.sum((tiles_end <= tile_m).to(tl.int32), 0)
+    mine = e == expert
+    first_tile = tl.sum(tl.where(mine, tiles_end - tiles, 0), 0)
+    row_start = tl.sum(tl.where(mine, starts, 0), 0) + (tile_m - first_tile) * BLOCK_M
+    segment_end = tl.sum(tl.where(mine, ends, 0), 0)
+    return expert, row_start, segment_end
+
+
+@triton.jit
+def _tile_rows(row_start, segment_end, BLOCK_M: tl.constexpr):
+    """Pair indices of an M tile, their mask, and a clamped copy safe to load through without a mask
+    (lanes past the segment repeat its last pair; they are computed but never stored)."""
+    offs_m = row_start + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < segment_end
+    return offs_m, mask_m, tl.minimum(offs_m, segment_end - 1)
+
+
+@triton.jit
+def _silu_parts(gate):
+    """sigmoid(gate) and SiLU(gate) = gate * sigmoid(gate), in fp32."""
+    sig = tl.sigmoid(gate)
+    return sig, gate * sig
+
+
+@triton.autotune(configs=_gemm_configs(_GATE_UP_HOPPER), key=["K", "I", "ROWS_PER_EXPERT"])
+@triton.heuristics({"EVEN_K": _even_k})
+@triton.jit
+def gate_up_kernel(
+    x_ptr,  # [R, K=H], unit stride along H
+    pair_row_ptr,  # [N] int64
+    expert_offsets_ptr,  # [L + 1] int64
+    w_ptr,  # [L, 2I, H]: gate rows, then up rows
+    h_ptr,  # [N, I] out: SiLU(gate) * up
+    gu_ptr,  # [N, 2I] out when SAVE_GU: gate and up pre-activations
+    num_experts,
+    K,
+    I,
+    ROWS_PER_EXPERT,  # autotuning key only
+    stride_x_row,
+    stride_w_expert,
+    stride_w_out,
+    stride_w_k,
+    SAVE_GU: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(I, BLOCK_N)
+    expert, row_start, segment_end = _expert_of_tile(expert_offsets_ptr, num_experts, pid // tiles_n, BLOCK_M, BLOCK_E)
+    if expert >= num_experts:
+        return
+    offs_m, mask_m, safe_m = _tile_rows(row_start, segment_end, BLOCK_M)
+    rows_M = tl.load(pair_row_ptr + safe_m)
+    offs_n = (pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+
+    x_ptrs = x_ptr + rows_M[:, None] * stride_x_row + offs_k[None, :]  # [BM, BK]
+    gate_ptrs = (
+        w_ptr
+        + expert.to(tl.int64) * stride_w_expert
+        + tl.minimum(offs_n, I - 1)[None, :] * stride_w_out
+        + offs_k[:, None] * stride_w_k
+    )  # [BK, BN]
+    up_ptrs = gate_ptrs + I * stride_w_out
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+            gate_w = tl.load(gate_ptrs)
+            up_w = tl.load(up_ptrs)
+        else:
+            mask_k = offs_k < K - k * BLOCK_K
+            x = tl.load(x_ptrs, mask=mask_k[None, :], other=0.0)
+            gate_w = tl.load(gate_ptrs, mask=mask_k[:, None], other=0.0)
+            up_w = tl.load(up_ptrs, mask=mask_k[:, None], other=0.0)
+        acc_gate = tl.dot(x, gate_w, acc_gate, input_precision=DOT_PRECISION)
+        acc_up = tl.dot(x, up_w, acc_up, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K * stride_w_k
+        up_ptrs += BLOCK_K * stride_w_k
+
+    # Round the pre-activations to the storage dtype first, as the reference does, so that the forward
+    # and the backward (which reads them back) see the same values.
+    gate = acc_gate.to(h_ptr.dtype.element_ty)
+    up = acc_up.to(h_ptr.dtype.element_ty)
+    mask_out = mask_m[:, None] & mask_n[None, :]
+    if SAVE_GU:
+        gu_ptrs = gu_ptr + offs_m[:, None] * (2 * I) + offs_n[None, :]
+        tl.store(gu_ptrs, gate, mask=mask_out)
+        tl.store(gu_ptrs + I, up, mask=mask_out)
+    _, silu = _silu_parts(gate.to(tl.float32))
+    h = silu * up.to(tl.float32)
+    tl.store(h_ptr + offs_m[:, None] * I + offs_n[None, :], h.to(h_ptr.dtype.element_ty), mask=mask_out)
+
+
+@triton.autotune(
+    configs=_gemm_configs(_GEMM_HOPPER), key=["K", "N_OUT", "ROWS_PER_EXPERT"], reset_to_zero=["out_ptr"]
+)
+@triton.heuristics({"EVEN_K": _even_k})
+@triton.jit
+def scatter_gemm_kernel(
+    a_ptr,  # [N, K] in segment order, unit stride along K
+    pair_row_ptr,  # [N] int64
+    expert_offsets_ptr,  # [L + 1] int64
+    b_ptr,  # B_e = b[e] as [K, N_OUT] through the strides
+    scale_ptr,  # [N] pair weights when HAS_SCALE
+    out_ptr,  # ATOMIC: fp32 [R, N_OUT], accumulated; else [N, N_OUT], one row per pair
+    num_experts,
+    K,
+    N_OUT,
+    ROWS_PER_EXPERT,  # autotuning key only
+    stride_a_row,
+    stride_b_expert,
+    stride_b_k,
+    stride_b_n,
+    stride_out_row,
+    HAS_SCALE: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N_OUT, BLOCK_N)
+    expert, row_start, segment_end = _expert_of_tile(expert_offsets_ptr, num_experts, pid // tiles_n, BLOCK_M, BLOCK_E)
+    if expert >= num_experts:
+        return
+    offs_m, mask_m, safe_m = _tile_rows(row_start, segment_end, BLOCK_M)
+    offs_n = (pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N_OUT
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = a_ptr + safe_m[:, None].to(tl.int64) * stride_a_row + offs_k[None, :]  # [BM, BK]
+    b_ptrs = (
+        b_ptr
+        + expert.to(tl.int64) * stride_b_expert
+        + offs_k[:, None] * stride_b_k
+        + tl.minimum(offs_n, N_OUT - 1)[None, :] * stride_b_n
+    )  # [BK, BN]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            mask_k = offs_k < K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=mask_k[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=mask_k[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_b_k
+
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + safe_m).to(tl.float32)[:, None]
+    mask_out = mask_m[:, None] & mask_n[None, :]
+    if ATOMIC:
+        rows_M = tl.load(pair_row_ptr + safe_m)
+        tl.atomic_add(out_ptr + rows_M[:, None] * stride_out_row + offs_n[None, :], acc, mask=mask_out, sem="relaxed")
+    else:
+        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_out_row + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
+
+
+@triton.autotune(configs=_segment_sum_configs(), key=["H"])
+@triton.jit
+def segment_sum_kernel(
+    y_ptr,  # [N, H] per-pair rows
+    row_pairs_ptr,  # [N] int64: pairs sorted by row (stable)
+    row_offsets_ptr,  # [R + 1] int64: pairs of row r are row_pairs[row_offsets[r]:row_offsets[r + 1]]
+    out_ptr,  # [R, H]
+    H,
+    stride_y_row,
+    stride_out_row,
+    BLOCK_H: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    first = tl.load(row_offsets_ptr + row)
+    last = tl.load(row_offsets_ptr + row + 1)
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in range(first, last):
+        pair = tl.load(row_pairs_ptr + j)
+        acc += tl.load(y_ptr + pair * stride_y_row + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out_row + offs_h, acc.to(out_ptr.dtype.element_ty), mask=mask_h)
+
+
+@triton.autotune(configs=_gemm_configs(_GEMM_HOPPER), key=["K", "I", "ROWS_PER_EXPERT"])
+@triton.heuristics({"EVEN_K": _even_k})
+@triton.jit
+def dgate_up_kernel(
+    dout_ptr,  # [R, K=H], unit stride along H
+    pair_row_ptr,  # [N] int64
+    expert_offsets_ptr,  # [L + 1] int64
+    w_ptr,  # down projection [L, H, I]
+    gu_ptr,  # [N, 2I] saved pre-activations
+    pair_weight_ptr,  # [N]
+    dgu_ptr,  # [N, 2I] out
+    dweight_partial_ptr,  # [N, P] fp32 out: column n holds <h[p], g[p]> over N tile n (P >= tiles)
+    num_experts,
+    K,
+    I,
+    ROWS_PER_EXPERT,  # autotuning key only
+    stride_dout_row,
+    stride_w_expert,
+    stride_w_k,
+    stride_w_n,
+    stride_partial_row,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(I, BLOCK_N)
+    tile_n = pid % tiles_n
+    expert, row_start, segment_end = _expert_of_tile(expert_offsets_ptr, num_experts, pid // tiles_n, BLOCK_M, BLOCK_E)
+    if expert >= num_experts:
+        return
+    offs_m, mask_m, safe_m = _tile_rows(row_start, segment_end, BLOCK_M)
+    rows_M = tl.load(pair_row_ptr + safe_m)
+    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+
+    dout_ptrs = dout_ptr + rows_M[:, None] * stride_dout_row + offs_k[None, :]  # [BM, BK]
+    w_ptrs = (
+        w_ptr
+        + expert.to(tl.int64) * stride_w_expert
+        + offs_k[:, None] * stride_w_k
+        + tl.minimum(offs_n, I - 1)[None, :] * stride_w_n
+    )  # [BK, BN]
+    g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            dout = tl.load(dout_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            mask_k = offs_k < K - k * BLOCK_K
+            dout = tl.load(dout_ptrs, mask=mask_k[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=mask_k[:, None], other=0.0)
+        g = tl.dot(dout, w, g, input_precision=DOT_PRECISION)
+        dout_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_w_k
+
+    mask_out = mask_m[:, None] & mask_n[None, :]
+    gu_ptrs = gu_ptr + offs_m[:, None] * (2 * I) + offs_n[None, :]
+    gate = tl.load(gu_ptrs, mask=mask_out, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptrs + I, mask=mask_out, other=0.0).to(tl.float32)
+    sig, silu = _silu_parts(gate)
+    # d out / d pair_weight[p] = <y[p], dout[row p]> = <h[p], dout[row p] @ down_e> = <h[p], g[p]>
+    partial = tl.sum(tl.where(mask_out, silu * up * g, 0.0), axis=1)
+    tl.store(dweight_partial_ptr + offs_m * stride_partial_row + tile_n, partial, mask=mask_m)
+    dh = g * tl.load(pair_weight_ptr + safe_m).to(tl.float32)[:, None]
+    dgate = dh * up * sig * (1.0 + gate * (1.0 - sig))
+    dup = dh * silu
+    dgu_ptrs = dgu_ptr + offs_m[:, None] * (2 * I) + offs_n[None, :]
+    tl.store(dgu_ptrs, dgate.to(dgu_ptr.dtype.element_ty), mask=mask_out)
+    tl.store(dgu_ptrs + I, dup.to(dgu_ptr.dtype.element_ty), mask=mask_out)
+
+
+@triton.autotune(configs=_gemm_configs(_OUTER_HOPPER), key=["M", "N_OUT", "ROWS_PER_EXPERT"])
+@triton.jit
+def segment_outer_kernel(
+    a_ptr,  # rows of A; row p (or pair_row[p] when GATHER_A) holds A's M values, unit stride
+    b_ptr,  # rows of B; row p (or pair_row[p] when GATHER_B) holds B's N_OUT values, unit stride
+    pair_row_ptr,  # [N] int64
+    expert_offsets_ptr,  # [L + 1] int64
+    scale_ptr,  # [N] pair weights when HAS_SCALE (applied to B)
+    c_ptr,  # [L, M, N_OUT] out
+    num_experts,
+    M,
+    N_OUT,
+    ROWS_PER_EXPERT,  # autotuning key only
+    stride_a_row,
+    stride_b_row,
+    stride_c_expert,
+    stride_c_m,
+    GATHER_A: tl.constexpr,
+    GATHER_B: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N_OUT, BLOCK_N)
+    expert = pid // (tiles_m * tiles_n)
+    tile = pid % (tiles_m * tiles_n)
+    offs_m = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    safe_m = tl.minimum(offs_m, M - 1)
+    safe_n = tl.minimum(offs_n, N_OUT - 1)
+    segment_start = tl.load(expert_offsets_ptr + expert)
+    segment_end = tl.load(expert_offsets_ptr + expert + 1)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(segment_start, segment_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < segment_end
+        safe_k = tl.minimum(offs_k, segment_end - 1)
+        if GATHER_A:
+            rows_a = tl.load(pair_row_ptr + safe_k)
+        else:
+            rows_a = safe_k
+        if GATHER_B:
+            rows_b = tl.load(pair_row_ptr + safe_k)
+        else:
+            rows_b = safe_k
+        a = tl.load(a_ptr + rows_a[None, :] * stride_a_row + safe_m[:, None], mask=mask_k[None, :], other=0.0)  # [BM, BK]
+        b = tl.load(b_ptr + rows_b[:, None] * stride_b_row + safe_n[None, :], mask=mask_k[:, None], other=0.0)  # [BK, BN]
+        if HAS_SCALE:
+            b = (b.to(tl.float32) * tl.load(scale_ptr + safe_k).to(tl.float32)[:, None]).to(b_ptr.dtype.element_ty)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+    mask_out = (offs_m < M)[:, None] & (offs_n < N_OUT)[None, :]
+    c_ptrs = c_ptr + expert.to(tl.int64) * stride_c_expert + offs_m[:, None] * stride_c_m + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_out)

@@ -1,0 +1,246 @@
+"""Triton expert MLP (forward and backward) against the PyTorch reference.
+
+CPU tests run the kernels under the Triton interpreter. The interpreter must be chosen before
+triton is first imported in a process (triton.language's own library functions are `@triton.jit`'d
+at import), and another test file may import triton first; so the interpreted tests run in a child
+pytest process started with TRITON_INTERPRET=1 (`test_interpreted_kernels_in_child_process`), and
+nothing here sets the variable in the parent process. A session started with TRITON_INTERPRET=1 runs
+them directly. Interpreted kernels use 16-wide blocks, so the tiny shapes below still span several
+tiles. Every buffer the kernels must fill is allocated NaN-poisoned (`_empty` swapped), so an
+unwritten element shows up as NaN.
+
+`gpu` tests run compiled kernels in bf16 at real shapes (skipped without CUDA or when interpreting).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from occult_hf.kernels import ExpertSegments, expert_mlp_grouped_mm, expert_mlp_reference
+from occult_hf.kernels import triton_expert_mlp
+from occult_hf.kernels.triton_expert_mlp import expert_mlp_triton
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+REPO = Path(__file__).resolve().parents[1]
+
+@pytest.mark.skipif(INTERPRETING, reason="this process already interprets the kernels")
+def test_interpreted_kernels_in_child_process():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    command = [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-m", "not gpu", "-p", "no:cacheprovider"]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"interpreted kernel tests failed:\n{result.stdout[-6000:]}\n{result.stderr[-3000:]}"
+    assert " passed" in result.stdout and " failed" not in result.stdout
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Tensors of one local expert computation; `pairs` lists (row, local expert)."""
+
+    x_RH: torch.Tensor
+    segments: ExpertSegments
+    pair_weight_N: torch.Tensor
+    gate_up_L2IH: torch.Tensor
+    down_LHI: torch.Tensor
+
+    def inputs(self, dtype: torch.dtype, requires_grad: bool = True):
+        tensors = [t.detach().to(dtype).requires_grad_(requires_grad) for t in (self.x_RH, self.pair_weight_N, self.gate_up_L2IH, self.down_LHI)]
+        return tensors[0], tensors[1], tensors[2], tensors[3]
+
+
+def make_problem(rows, hidden, inter, experts, pairs, seed=0, device="cpu") -> Problem:
+    generator = torch.Generator().manual_seed(seed)
+    pair_row = torch.tensor([r for r, _ in pairs], dtype=torch.int64)
+    pair_expert = torch.tensor([e for _, e in pairs], dtype=torch.int64)
+    segments, order = ExpertSegments.from_pairs(pair_row, pair_expert, rows, experts)
+    weight = torch.rand(len(pairs), generator=generator)[order] if pairs else torch.zeros(0)
+    tensors = dict(
+        x_RH=torch.randn(rows, hidden, generator=generator),
+        pair_weight_N=weight,
+        gate_up_L2IH=torch.randn(experts, 2 * inter, hidden, generator=generator) / math.sqrt(hidden),
+        down_LHI=torch.randn(experts, hidden, inter, generator=generator) / math.sqrt(inter),
+    )
+    segments = ExpertSegments(segments.pair_row.to(device), segments.expert_offsets.to(device), rows)
+    return Problem(segments=segments, **{k: v.to(device) for k, v in tensors.items()})
+
+
+def random_pairs(rows, experts, per_row, seed):
+    generator = torch.Generator().manual_seed(seed + 1)
+    return [(r, int(e)) for r in range(rows) for e in torch.randperm(experts, generator=generator)[:per_row]]
+
+
+# name -> (R, H, I, L, pairs): what each case stresses is in the comment.
+CASES = {
+    # H, I not multiples of the 16-wide blocks (masked K and N edges); every row on 2 of 3 experts
+    "odd_sizes": (11, 40, 24, 3, random_pairs(11, 3, 2, seed=1)),
+    # experts 1 and 3 own no pair: the on-device tile schedule must skip them; H = 32 takes the unmasked-K path
+    "empty_experts": (9, 32, 16, 5, [(r, e) for r in range(9) for e in (0, 2, 4) if (r + e) % 2 == 0] + [(4, 0)]),
+    # one received row, served by every local expert
+    "single_row": (1, 24, 20, 3, [(0, 0), (0, 1), (0, 2)]),
+    # rows 1, 2, 5..10 are served by no pair and must come out zero
+    "unserved_rows": (12, 24, 16, 2, [(0, 0), (3, 0), (3, 1), (4, 1), (11, 0)]),
+    # 40 pairs on one expert: several M tiles and a ragged last tile per segment, multi-chunk weight-grad reduction
+    "long_segment": (40, 16, 32, 2, [(r, 1) for r in range(40)] + [(r, 0) for r in range(0, 40, 7)]),
+    # one local expert (L = 1) with k = 1
+    "one_expert": (6, 16, 16, 1, [(r, 0) for r in range(6)]),
+}
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.double(), expected.double()
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+def run_with_grads(fn, problem: Problem, dtype: torch.dtype, grad_out: torch.Tensor, **kwargs):
+    x, weight, gate_up, down = problem.inputs(dtype)
+    out = fn(x, problem.segments, weight, gate_up, down, **kwargs)
+    out.backward(grad_out.to(dtype))
+    return out.detach(), [t.grad for t in (x, weight, gate_up, down)]
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    """Kernels interpreted on CPU, with every buffer they must fill NaN-poisoned."""
+    if not INTERPRETING:
+        pytest.skip("runs in the TRITON_INTERPRET=1 child process of test_interpreted_kernels_in_child_process")
+
+    def poisoned_empty(*shape, dtype=None, device=None):
+        return torch.empty(*shape, dtype=dtype, device=device).fill_(math.nan)
+
+    monkeypatch.setattr(triton_expert_mlp, "_empty", poisoned_empty)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_and_gradients_match_reference(interpreted, case, deterministic):
+    rows, hidden, inter, experts, pairs = CASES[case]
+    problem = make_problem(rows, hidden, inter, experts, pairs)
+    grad_out = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(7))
+    out, grads = run_with_grads(expert_mlp_triton, problem, torch.float32, grad_out, deterministic=deterministic)
+    ref_out, ref_grads = run_with_grads(expert_mlp_reference, problem, torch.float64, grad_out)
+
+    assert out.dtype == torch.float32 and not out.isnan().any()
+    assert rel_err(out, ref_out) <= 1e-4
+    served = torch.zeros(rows, dtype=torch.bool)
+    served[problem.segments.pair_row] = True
+    assert (out[~served] == 0).all(), "rows served by no pair must be zero"
+    for name, grad, ref in zip(("x", "pair_weight", "gate_up_proj", "down_proj"), grads, ref_grads):
+        assert grad is not None and grad.dtype == torch.float32 and not grad.isnan().any(), name
+        assert rel_err(grad, ref) <= 1e-4, f"d {name}: rel. error {rel_err(grad, ref):.2e}"
+
+
+def test_no_pairs_gives_zero_output_and_zero_gradients(interpreted):
+    problem = make_problem(4, 16, 16, 2, [])
+    out, grads = run_with_grads(expert_mlp_triton, problem, torch.float32, torch.ones(4, 16))
+    assert torch.equal(out, torch.zeros(4, 16))
+    assert all(torch.count_nonzero(g) == 0 for g in grads)
+
+
+def test_deterministic_mode_is_bitwise_repeatable(interpreted):
+    rows, hidden, inter, experts, pairs = CASES["odd_sizes"]
+    problem = make_problem(rows, hidden, inter, experts, pairs, seed=3)
+    grad_out = torch.randn(rows, hidden)
+    first = run_with_grads(expert_mlp_triton, problem, torch.float32, grad_out, deterministic=True)
+    second = run_with_grads(expert_mlp_triton, problem, torch.float32, grad_out, deterministic=True)
+    assert torch.equal(first[0], second[0])
+    assert all(torch.equal(a, b) for a, b in zip(first[1], second[1]))
+
+
+def test_inference_forward_skips_saving_and_matches(interpreted):
+    rows, hidden, inter, experts, pairs = CASES["odd_sizes"]
+    problem = make_problem(rows, hidden, inter, experts, pairs, seed=5)
+    with torch.no_grad():
+        out = expert_mlp_triton(*_args(problem))
+    assert rel_err(out, expert_mlp_reference(*_args(problem, torch.float64))) <= 1e-4
+
+
+def _args(problem: Problem, dtype=torch.float32):
+    x, weight, gate_up, down = problem.inputs(dtype, requires_grad=False)
+    return x, problem.segments, weight, gate_up, down
+
+
+def test_grouped_mm_reference_matches_loop_reference():
+    rows, hidden, inter, experts, pairs = CASES["empty_experts"]
+    problem = make_problem(rows, hidden, inter, experts, pairs, seed=2)
+    grad_out = torch.randn(rows, hidden)
+    out, grads = run_with_grads(expert_mlp_grouped_mm, problem, torch.float32, grad_out)
+    ref_out, ref_grads = run_with_grads(expert_mlp_reference, problem, torch.float64, grad_out)
+    assert rel_err(out, ref_out) <= 1e-5
+    assert all(rel_err(g, r) <= 1e-5 for g, r in zip(grads, ref_grads))
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda a: {**a, "x_RH": a["x_RH"][:-1]}, "segments.num_rows is"),
+        (lambda a: {**a, "down_proj_LHI": a["down_proj_LHI"][:, :, :-1]}, "down_proj must be"),
+        (lambda a: {**a, "pair_weight_N": a["pair_weight_N"][:-1]}, "pair_weight_N must be"),
+        (lambda a: {**a, "gate_up_proj_L2IH": a["gate_up_proj_L2IH"].double()}, "gate_up_proj dtype"),
+        (lambda a: {**a, "gate_up_proj_L2IH": a["gate_up_proj_L2IH"][:1], "down_proj_LHI": a["down_proj_LHI"][:1]}, "local experts"),
+    ],
+)
+def test_bad_inputs_name_the_problem(mutate, message):
+    rows, hidden, inter, experts, pairs = CASES["single_row"]
+    x, segments, weight, gate_up, down = _args(make_problem(rows, hidden, inter, experts, pairs))
+    args = dict(x_RH=x, segments=segments, pair_weight_N=weight, gate_up_proj_L2IH=gate_up, down_proj_LHI=down)
+    with pytest.raises(ValueError, match=message):
+        expert_mlp_triton(**mutate(args))
+
+
+def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    rows, hidden, inter, experts, pairs = CASES["single_row"]
+    with pytest.raises(ValueError, match="runs on CUDA tensors"):
+        expert_mlp_triton(*_args(make_problem(rows, hidden, inter, experts, pairs)))
+
+
+# --- compiled kernels on a GPU -------------------------------------------------------------------
+
+
+def _routed_problem(tokens, hidden, inter, experts, top_k, device, seed=0) -> Problem:
+    """Every token routed to top-k of the experts (the single-device layout: R = T, N = T * k)."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    logits = torch.randn(tokens, experts, generator=generator, device=device)
+    weights_Tk, ids_Tk = logits.softmax(-1).topk(top_k, dim=-1)
+    rows = torch.arange(tokens, device=device).repeat_interleave(top_k)
+    segments, order = ExpertSegments.from_pairs(rows, ids_Tk.reshape(-1), tokens, experts)
+    return Problem(
+        x_RH=torch.randn(tokens, hidden, generator=generator, device=device),
+        segments=segments,
+        pair_weight_N=weights_Tk.reshape(-1)[order],
+        gate_up_L2IH=torch.randn(experts, 2 * inter, hidden, generator=generator, device=device) / math.sqrt(hidden),
+        down_LHI=torch.randn(experts, hidden, inter, generator=generator, device=device) / math.sqrt(inter),
+    )
+
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(
+    INTERPRETING or not torch.cuda.is_available(), reason="needs a CUDA device and compiled kernels"
+)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("shape", [(2048, 1024, 64, 8), (2048, 1408, 60, 4)], ids=["olmoe", "qwen1.5"])
+def test_bf16_real_shapes_match_fp32_reference(shape, deterministic):
+    hidden, inter, experts, top_k = shape
+    problem = _routed_problem(4096, hidden, inter, experts, top_k, "cuda")
+    grad_out = torch.randn(4096, hidden, device="cuda")
+    out, grads = run_with_grads(expert_mlp_triton, problem, torch.bfloat16, grad_out, deterministic=deterministic)
+    ref_out, ref_grads = run_with_grads(expert_mlp_reference, problem, torch.float32, grad_out)
+    assert out.dtype == torch.bfloat16 and not out.isnan().any()
+    assert rel_err(out, ref_out) <= 1e-2
+    for name, grad, ref in zip(("x", "pair_weight", "gate_up_proj", "down_proj"), grads, ref_grads):
+        assert not grad.isnan().any(), name
+        assert rel_err(grad, ref) <= 1e-2, f"d {name}: rel. error {rel_err(grad, ref):.2e}"
+    if deterministic:
+        again = run_with_grads(expert_mlp_triton, problem, torch.bfloat16, grad_out, deterministic=True)
+        assert torch.equal(out, again[0]) and all(torch.equal(a, b) for a, b in zip(grads, again[1]))
