@@ -92,6 +92,13 @@ def write_local_tasks(directory: Path) -> None:
     )
 
 
+def skip_environment_report(setattr_=setattr) -> None:
+    """simple_evaluate records `pip list` output etc. (~1 s of subprocesses per call); not needed here."""
+    import lm_eval.evaluator
+
+    setattr_(lm_eval.evaluator, "add_env_info", lambda results: None)
+
+
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> dict:
     """Offline settings for this module, the local task folder and one tiny checkpoint per family."""
@@ -107,6 +114,7 @@ def assets(tmp_path_factory) -> dict:
         patch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
         patch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
         patch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        skip_environment_report(patch.setattr)
         tasks = root / "tasks"
         tasks.mkdir()
         write_local_tasks(tasks)
@@ -330,3 +338,98 @@ def test_lockstep_pairs_forwards_and_drains_unequal_ranks():
     assert rank0["sums"] == [11.0, 22.0, 33.0] and rank1["sums"] == [11.0, 22.0, 33.0, 40.0, 50.0]
     assert rank0["counts"] == (3, 2) and rank1["counts"] == (5, 0)
     assert rank0["after"] == rank1["after"] == 5
+
+
+# ----- occult-hf on tiny models of every family ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def runs(assets, local_task_manager):
+    """`runs(model, family, **occult)`: that evaluation's outputs, computed once and shared by the tests."""
+    done: dict = {}
+
+    def run(model: str, family: str, **occult) -> dict:
+        key = (model, family, tuple(sorted(occult.items())))
+        if key not in done:
+            done[key] = evaluate(model, model_args(assets, family, **occult), local_task_manager)
+        return done[key]
+
+    return run
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_occult_hf_equals_stock_hf_in_exact_mode(family, runs):
+    assert_same_outputs(runs("occult-hf", family, num_devices=NUM_DEVICES), runs("hf", family))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pruning_changes_results_only_when_it_drops_devices(family, runs):
+    stock = runs("hf", family)
+    pruned = flat_loglikelihoods(runs("occult-hf", family, **PRUNED))
+    assert max(abs(a - b) for a, b in zip(pruned, flat_loglikelihoods(stock))) > 1e-3
+    # N_d = D keeps every token's devices, so the model is the exact one
+    unpruned = dict(PRUNED, max_devices_per_token=NUM_DEVICES)
+    assert_same_outputs(runs("occult-hf", family, **unpruned), stock)
+
+
+def forward_batch_sizes(lm) -> list[int]:
+    """Record the batch dimension of every top-level forward of `lm.model`."""
+    sizes: list[int] = []
+
+    def record(module, args, kwargs):
+        input_ids = args[0] if args else kwargs["input_ids"]
+        sizes.append(input_ids.shape[0])
+
+    lm.model.register_forward_pre_hook(record, with_kwargs=True)
+    return sizes
+
+
+def test_batch_size_is_honoured(assets, local_task_manager):
+    sizes = {}
+    for model, batch_size in (("hf", BATCH_SIZE), ("occult-hf", BATCH_SIZE), ("occult-hf", 1)):
+        occult = {"num_devices": NUM_DEVICES} if model == "occult-hf" else {}
+        lm = get_model(model).create_from_arg_obj(model_args(assets, "qwen3_moe", **occult), {"batch_size": batch_size})
+        sizes[model, batch_size] = forward_batch_sizes(lm)
+        lm_eval.simple_evaluate(model=lm, tasks=["occ_mc"], task_manager=local_task_manager, bootstrap_iters=0)
+    assert sizes["occult-hf", BATCH_SIZE] == sizes["hf", BATCH_SIZE]
+    assert max(sizes["occult-hf", BATCH_SIZE]) == BATCH_SIZE and set(sizes["occult-hf", 1]) == {1}
+
+
+# ----- the same under 2-rank gloo expert parallelism -----------------------------------------------------
+
+
+def ep_world(rank: int, world_size: int, assets: dict) -> dict:
+    """Every family, exact and pruned, through occult-hf on this EP world; rank 0 returns the outputs."""
+    import occult_hf.eval  # noqa: F401  (registers occult-hf in this spawned process)
+
+    skip_environment_report()
+    task_manager = TaskManager(include_path=str(assets["tasks"]), include_defaults=False)
+    report = {}
+    for family in FAMILIES:
+        for label, occult in (("exact", {"num_devices": world_size}), ("pruned", PRUNED)):
+            lm = get_model("occult-hf").create_from_arg_obj(model_args(assets, family, **occult), {"batch_size": BATCH_SIZE})
+            results = lm_eval.simple_evaluate(
+                model=lm, tasks=["occ_mc", "occ_gen"], task_manager=task_manager, bootstrap_iters=0, log_samples=True
+            )
+            report[family, label] = {
+                "outputs": None if results is None else outputs(results),
+                "forwards": (lm._lockstep.real_forwards, lm._lockstep.idle_forwards),
+                "world": (lm.rank, lm.world_size),
+            }
+    return report
+
+
+def test_expert_parallel_results_equal_one_process(assets, runs):
+    paths = {"tasks": assets["tasks"], "models": assets["models"]}
+    env = {**EVAL_ENV, "HF_DATASETS_CACHE": str(assets["cache"])}
+    rank0, rank1 = run_world(ep_world, NUM_DEVICES, paths, env=env, timeout_s=240)
+    idle_forwards = 0
+    for family in FAMILIES:
+        for label, expected in (("exact", runs("hf", family)), ("pruned", runs("occult-hf", family, **PRUNED))):
+            first, second = rank0[family, label], rank1[family, label]
+            assert first["world"] == (0, NUM_DEVICES) and second["world"] == (1, NUM_DEVICES)
+            assert second["outputs"] is None  # results come out once, on rank 0
+            assert_same_outputs(first["outputs"], expected)
+            assert sum(first["forwards"]) == sum(second["forwards"]), (family, label)
+            idle_forwards += first["forwards"][1] + second["forwards"][1]
+    assert idle_forwards > 0  # the ranks' own forward counts did differ, so the lockstep was needed
