@@ -313,3 +313,49 @@ def test_expert_state_dict_is_the_blocks_own_layout(case):
         assert set(rebuilt) == set(own)
         for key, value in rebuilt.items():
             assert torch.equal(value, own[key]), key
+
+
+# ----- the remote-code DeepSeek-MoE stand-in -------------------------------------------------
+def test_remote_stand_in_loads_like_the_published_repo(tmp_path):
+    from tiny_models import tiny_checkpoint
+
+    model = tiny_model("deepseek_remote", seed=5)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_checkpoint("deepseek_remote", tmp_path / "ckpt", seed=5), trust_remote_code=True
+    )
+    assert type(reloaded).__name__ == "DeepseekForCausalLM" and reloaded.config.model_type == "deepseek"
+    input_ids = tiny_batch()
+    eval_logits = model(input_ids=input_ids).logits
+    # same weights; loaded (memory-mapped) tensors may take another BLAS path, hence not bit equality
+    assert rel_err(reloaded(input_ids=input_ids).logits, eval_logits) <= 1e-6
+    train_logits = model.train()(input_ids=input_ids).logits  # repeat_interleave path, same function
+    assert rel_err(train_logits, eval_logits) <= 1e-5
+
+
+@pytest.mark.parametrize("seq_aux", [True, False], ids=["sequence", "token"])
+def test_remote_balance_loss_is_the_published_formula(seq_aux):
+    """alpha * sum_i f_i * P_i with f_i = E/(k*T) * (times expert i was chosen), P_i = mean score,
+    per sequence and averaged over sequences when seq_aux, else over the whole batch."""
+    model = tiny_model("deepseek_remote", seed=2, seq_aux=seq_aux, aux_loss_alpha=0.03).train()
+    adapter = adapter_for(model)
+    _, _, block = next(adapter.iter_moe_blocks(model))
+    x_BSH = torch.randn(3, 10, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    routed = adapter.route(block, x_BSH)
+    num_experts, top_k = adapter.num_experts(model.config), adapter.top_k(model.config)
+    probs_BSE = routed.logits_TE.double().softmax(-1).view(3, 10, num_experts)
+    ids_BN = routed.topk_ids_Tk.view(3, -1)
+    groups = [(probs_BSE[b], ids_BN[b]) for b in range(3)] if seq_aux else [(probs_BSE.view(-1, num_experts), ids_BN.view(-1))]
+    losses = []
+    for probs_SE, ids_N in groups:
+        counts_E = torch.bincount(ids_N, minlength=num_experts).double()
+        fraction_E = counts_E * num_experts / (probs_SE.shape[0] * top_k)
+        losses.append(0.03 * (fraction_E * probs_SE.mean(0)).sum())
+    assert float(routed.aux_loss.detach()) == pytest.approx(float(sum(losses) / len(losses)), rel=1e-5)
+
+
+def test_remote_route_takes_flat_tokens_as_one_sequence():
+    case = _CACHE.get("deepseek_remote") or Case("deepseek_remote", {})
+    block, x_BSH = next(case.each_block())
+    flat = case.adapter.route(block, x_BSH.reshape(-1, x_BSH.shape[-1]))
+    shaped = case.adapter.route(block, x_BSH)
+    assert torch.equal(flat.topk_ids_Tk, shaped.topk_ids_Tk) and torch.equal(flat.logits_TE, shaped.logits_TE)
