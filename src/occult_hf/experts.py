@@ -1,0 +1,217 @@
+"""Local expert computation (DESIGN.md §3 step 5) with a backend switch, and the module holding the weights.
+
+Shape legend: R received rows, N (row, local expert) pairs, L local experts, H hidden, I expert width.
+
+`local_experts()` computes, for every received row, the weighted sum of its local experts' outputs
+(gather -> gate/up GEMM -> act(gate) * up -> down GEMM -> * routing weight -> fp32 scatter-add). It
+only sees local tensors and the `ExpertSegments` layout that `dispatch()` produced. Backends
+(registry `EXPERT_BACKENDS`):
+
+- ``torch``: `grouped_mm` (one grouped GEMM per projection over the contiguous expert segments)
+  where PyTorch has a kernel for the dtype and device (CUDA, compute capability >= 8.0, bf16,
+  16-byte aligned rows), else the portable reference `expert_mlp_reference` (one GEMM per expert).
+- ``triton``: `occult_hf.kernels.triton_expert_mlp.expert_mlp_triton` (fused gather/scatter, SiLU
+  experts only; imported on first use).
+- ``auto``: ``triton`` on CUDA when Triton imports and the activation is SiLU, else ``torch``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import EXPERT_BACKENDS
+from .kernels.expert_mlp_reference import expert_mlp_reference
+from .kernels.layout import ExpertSegments
+
+_SILU_TYPES = (nn.SiLU,)
+_SILU_TYPE_NAMES = ("SiLU", "SiLUActivation")
+
+
+def local_experts(
+    x_RH: torch.Tensor,
+    segments: ExpertSegments,
+    pair_weight_N: torch.Tensor,
+    gate_up_proj_L2IH: torch.Tensor,
+    down_proj_LHI: torch.Tensor,
+    act_fn: Callable[[torch.Tensor], torch.Tensor] = F.silu,
+    backend: str = "auto",
+    deterministic: bool = False,
+) -> torch.Tensor:
+    """`[R, H]` in `x_RH.dtype`: `out[r] = sum over pairs p of row r of w_p * MLP_{expert(p)}(x[r])`.
+
+    Args:
+        x_RH: `[R, H]` received rows.
+        segments: pairs grouped by local expert (see `ExpertSegments`).
+        pair_weight_N: `[N]` routing weights in segment order (any float dtype; multiplied in fp32).
+        gate_up_proj_L2IH: `[L, 2I, H]` (gate rows first), `down_proj_LHI`: `[L, H, I]`.
+        act_fn: the experts' activation.
+        backend: "auto", "torch" or "triton".
+        deterministic: Triton only: fixed-order (atomic-free) reduction.
+    """
+    if backend not in EXPERT_BACKENDS:
+        raise ValueError(f"expert backend must be one of {EXPERT_BACKENDS}, got {backend!r}")
+    if backend == "triton" and not is_silu(act_fn):
+        raise ValueError(
+            f"expert_backend='triton' computes SiLU experts only, but this model's expert activation is "
+            f"{_describe(act_fn)}; use expert_backend='torch' (or 'auto', which falls back to it)"
+        )
+    if backend == "triton" or (backend == "auto" and _auto_uses_triton(x_RH, act_fn)):
+        expert_mlp_triton = _triton_expert_mlp()
+        return expert_mlp_triton(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, deterministic=deterministic)
+    if grouped_mm_supported(x_RH, gate_up_proj_L2IH, down_proj_LHI):
+        return expert_mlp_grouped_mm(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn)
+    return expert_mlp_reference(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn)
+
+
+def expert_mlp_grouped_mm(
+    x_RH: torch.Tensor,
+    segments: ExpertSegments,
+    pair_weight_N: torch.Tensor,
+    gate_up_proj_L2IH: torch.Tensor,
+    down_proj_LHI: torch.Tensor,
+    act_fn: Callable[[torch.Tensor], torch.Tensor] = F.silu,
+) -> torch.Tensor:
+    """`local_experts` with PyTorch's grouped GEMM: same function as `expert_mlp_reference`, no host sync."""
+    offsets_L = segments.expert_offsets[1:].to(torch.int32)
+    x_NH = x_RH[segments.pair_row]
+    gate_up_N2I = _grouped_mm(x_NH, gate_up_proj_L2IH.transpose(-2, -1), offsets_L)
+    gate_NI, up_NI = gate_up_N2I.chunk(2, dim=-1)
+    y_NH = _grouped_mm(act_fn(gate_NI) * up_NI, down_proj_LHI.transpose(-2, -1), offsets_L)
+    y_NH = y_NH.float() * pair_weight_N[:, None].float()
+    out_RH = torch.zeros(segments.num_rows, x_RH.shape[1], dtype=torch.float32, device=x_RH.device)
+    return out_RH.index_add(0, segments.pair_row, y_NH).to(x_RH.dtype)
+
+
+def grouped_mm_supported(x_RH: torch.Tensor, gate_up_proj_L2IH: torch.Tensor, down_proj_LHI: torch.Tensor) -> bool:
+    """True where PyTorch's grouped GEMM has a kernel: CUDA (SM >= 8.0), bf16 and 16-byte aligned rows."""
+    if _grouped_mm_function() is None or not x_RH.is_cuda or x_RH.dtype != torch.bfloat16:
+        return False
+    if gate_up_proj_L2IH.dtype != torch.bfloat16 or down_proj_LHI.dtype != torch.bfloat16:
+        return False
+    if torch.cuda.get_device_capability(x_RH.device) < (8, 0):
+        return False
+    hidden, width = down_proj_LHI.shape[1], down_proj_LHI.shape[2]
+    return hidden % 8 == 0 and width % 8 == 0  # 16-byte rows in bf16
+
+
+def is_silu(act_fn) -> bool:
+    """Whether `act_fn` is SiLU (torch's function or module, or transformers' `SiLUActivation`)."""
+    return act_fn is F.silu or isinstance(act_fn, _SILU_TYPES) or type(act_fn).__name__ in _SILU_TYPE_NAMES
+
+
+class LocalExperts(nn.Module):
+    """The routed experts this rank computes: `[L, 2I, H]` / `[L, H, I]` in local-slot order.
+
+    Under expert parallelism over `D` ranks each expert's weight gradient collects the contributions
+    of all ranks' tokens (through the reverse all-to-all), while DDP averages the gradients of the
+    replicated parameters over the ranks. `grad_scale = 1/D` puts the experts on the same footing,
+    so EP training equals single-process training on all ranks' batches with the mean of the ranks'
+    losses as the loss.
+
+    Attributes:
+        gate_up_proj: `[L, 2I, H]` parameter (gate rows first).
+        down_proj: `[L, H, I]` parameter.
+        expert_ids: `[L]` int64 non-persistent buffer, the global id of each local expert.
+    """
+
+    def __init__(
+        self,
+        gate_up_proj_L2IH: nn.Parameter,
+        down_proj_LHI: nn.Parameter,
+        expert_ids_L: torch.Tensor,
+        act_fn: Callable[[torch.Tensor], torch.Tensor],
+        backend: str = "auto",
+        deterministic: bool = False,
+        grad_scale: float = 1.0,
+    ) -> None:
+        super().__init__()
+        if backend not in EXPERT_BACKENDS:
+            raise ValueError(f"expert backend must be one of {EXPERT_BACKENDS}, got {backend!r}")
+        if backend == "triton" and not is_silu(act_fn):
+            raise ValueError(
+                f"expert_backend='triton' computes SiLU experts only, but this model's expert activation is "
+                f"{_describe(act_fn)}; use expert_backend='torch' (or 'auto', which falls back to it)"
+            )
+        self.gate_up_proj = gate_up_proj_L2IH
+        self.down_proj = down_proj_LHI
+        self.register_buffer("expert_ids", expert_ids_L.long(), persistent=False)
+        self.act_fn = act_fn
+        self.backend = backend
+        self.deterministic = deterministic
+        self.grad_scale = grad_scale
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.gate_up_proj.shape[0]
+
+    def forward(self, x_RH: torch.Tensor, segments: ExpertSegments, pair_weight_N: torch.Tensor) -> torch.Tensor:
+        gate_up_L2IH, down_LHI = self.gate_up_proj, self.down_proj
+        if self.grad_scale != 1.0:
+            gate_up_L2IH = _ScaleGrad.apply(gate_up_L2IH, self.grad_scale)
+            down_LHI = _ScaleGrad.apply(down_LHI, self.grad_scale)
+        return local_experts(
+            x_RH, segments, pair_weight_N, gate_up_L2IH, down_LHI, self.act_fn, self.backend, self.deterministic
+        )
+
+    def extra_repr(self) -> str:
+        experts, width2, hidden = self.gate_up_proj.shape
+        return f"local_experts={experts}, hidden={hidden}, width={width2 // 2}, backend={self.backend!r}, grad_scale={self.grad_scale:g}"
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity in forward; multiplies the gradient by `scale` in backward (the expert weights' 1/D)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+def _auto_uses_triton(x_RH: torch.Tensor, act_fn) -> bool:
+    return x_RH.is_cuda and is_silu(act_fn) and _triton_importable()
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_importable() -> bool:
+    try:
+        _triton_expert_mlp()
+    except ImportError:
+        return False
+    return True
+
+
+def _triton_expert_mlp():
+    """The Triton entry point, imported on first use (Triton is optional and slow to import)."""
+    try:
+        from .kernels.triton_expert_mlp import expert_mlp_triton
+    except ImportError as error:
+        raise ImportError(
+            f"expert_backend='triton' needs the triton package ({error}); install it with `pip install triton` "
+            f"or use expert_backend='torch'"
+        ) from error
+    return expert_mlp_triton
+
+
+@functools.lru_cache(maxsize=1)
+def _grouped_mm_function():
+    return getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def _grouped_mm(a_NK: torch.Tensor, b_LKO: torch.Tensor, offsets_L: torch.Tensor) -> torch.Tensor:
+    return _grouped_mm_function()(a_NK, b_LKO, offs=offsets_L)
+
+
+def _describe(act_fn) -> str:
+    return getattr(act_fn, "__name__", None) or type(act_fn).__name__
+
+
+__all__ = ["local_experts", "expert_mlp_grouped_mm", "grouped_mm_supported", "is_silu", "LocalExperts"]

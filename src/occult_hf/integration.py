@@ -1,0 +1,470 @@
+"""Putting `OccultMoE` into a transformers model, taking it out, saving, loading, training, generating.
+
+- `apply_occult(model, occult_config, group=None)` replaces every MoE block of a loaded model (one
+  model instance; nothing in transformers' classes changes) and `unapply_occult(model)` puts the
+  original blocks back with their (trained) weights.
+- `install()` / `uninstall()` wrap `PreTrainedModel.from_pretrained` so that it accepts
+  `occult_config=` (an `OccultConfig`, a dict or a JSON path) and re-applies the setup stored in a
+  checkpoint's config. transformers raises `TypeError` on unknown `from_pretrained` keywords and
+  has no loading hook a plugin can register, so a thin, reversible wrapper of that one classmethod
+  is the smallest change that makes `AutoModelForCausalLM.from_pretrained(..., occult_config=...)`
+  work: it pops the keyword, calls the original, and applies the config to the returned model.
+- On the replaced model, per instance: `save_pretrained` writes a vanilla checkpoint (all experts, in
+  original order, gathered from the EP ranks) plus `occult_placement.json`, with `occult_config` on
+  the config; under EP `generate` always runs with `synced_gpus=True`, so ranks that finish early
+  keep stepping (their forwards take part in the all-to-alls) until every rank is done.
+
+Training under EP (the EP group is the data-parallel group): expert parameters and the runtime's
+buffers are listed in `model._ddp_params_and_buffers_to_ignore`, so DDP neither broadcasts nor
+all-reduces them; `LocalExperts` scales expert gradients by 1/D; and every `OccultMoE` owns a
+one-element `ep_grad_norm_carrier` parameter whose gradient, set at the end of each backward, is the
+norm of the other ranks' expert gradients of that layer. With it, any per-rank
+`clip_grad_norm_(model.parameters())` (HF Trainer's included) computes the global 2-norm and every
+rank applies the same clipping factor.
+
+Saving under EP is collective: `save_pretrained` gathers the experts to EP rank 0, which writes. HF
+Trainer calls `save_pretrained` on rank 0 only; add `OccultCheckpointCallback` to the Trainer: it
+gathers a snapshot of the experts on all ranks whenever the Trainer is about to save (and at the end
+of training), and rank 0's `save_pretrained` writes from that snapshot while it is current. A save
+that needs a gather the other ranks never join fails after `OCCULT_SAVE_TIMEOUT_S` seconds (default
+300) with an error that says so, instead of hanging.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import types
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import OccultConfig
+from .dispatch import ExpertParallelGroup
+from .moe import OccultMoE
+from .patches import adapter_for
+from .placement import Placement
+
+logger = logging.getLogger(__name__)
+
+#: environment variable: seconds a collective save waits for the other EP ranks before failing
+SAVE_TIMEOUT_ENV = "OCCULT_SAVE_TIMEOUT_S"
+_DEFAULT_SAVE_TIMEOUT_S = 300.0
+_STATE_ATTR = "_occult_state"
+_DDP_IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
+_INSTANCE_METHODS = ("save_pretrained", "generate")
+
+
+@dataclass
+class _OccultState:
+    """What `apply_occult` did to one model, kept on the model so that it can be undone."""
+
+    occult_config: OccultConfig  # placement resolved to a `Placement`
+    ep: ExpertParallelGroup
+    block_paths: list[str]
+    save_group: Any = None  # gloo group of the EP ranks for gathers at save time (EP only)
+    ddp_ignore_before: list[str] | None = None
+    snapshot: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None  # EP rank 0: path -> full weights
+    snapshot_versions: tuple[int, ...] | None = None
+    instance_methods: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def placement(self) -> Placement:
+        return self.occult_config.placement
+
+
+# ----- apply / unapply ------------------------------------------------------------------------
+
+
+def apply_occult(model: nn.Module, occult_config: OccultConfig | dict | str | None = None, group=None) -> nn.Module:
+    """Replace every MoE block of `model` by an `OccultMoE` (in place) and return `model`.
+
+    Args:
+        model: a loaded transformers model of a supported family.
+        occult_config: an `OccultConfig`, a dict, a JSON path, or None for the defaults (exact,
+            contiguous placement, dedup dispatch).
+        group: the expert-parallel process group; None means the default group when
+            `torch.distributed` is initialised, else one process with `num_devices` logical devices.
+
+    Under EP every rank must call this (it creates a process group for saving) with the same config.
+    """
+    config = OccultConfig.coerce(OccultConfig() if occult_config is None else occult_config)
+    if getattr(model, _STATE_ATTR, None) is not None:
+        raise ValueError(f"{type(model).__name__} already has occult_hf applied; call unapply_occult(model) first")
+    adapter = adapter_for(model)
+    blocks = list(adapter.iter_moe_blocks(model))
+    if not blocks:
+        raise ValueError(
+            f"found no MoE block ({', '.join(adapter.block_class_names)}) in {type(model).__name__}; "
+            f"is it already replaced or a model without routed experts?"
+        )
+    num_experts = adapter.num_experts(model.config)
+    layers = [layer for layer, _, _ in blocks]
+    placement = _load_placement(config.placement)
+    ep = ExpertParallelGroup.resolve(
+        group, config.num_devices if config.num_devices is not None else getattr(placement, "num_devices", None)
+    )
+    if placement is None:
+        placement = Placement.contiguous(num_experts, ep.num_devices, layers)
+    placement.validate_for(num_experts, layers, ep.num_devices)
+    config = replace(config, placement=placement, num_devices=ep.num_devices)
+
+    pruners = _build_pruners(config, adapter, blocks, placement, ep, adapter.top_k(model.config))
+    state = _OccultState(occult_config=config, ep=ep, block_paths=[path for _, path, _ in blocks])
+    for (layer, path, block), pruner in zip(blocks, pruners):
+        _set_submodule(model, path, OccultMoE(block, adapter, layer, placement, config, ep, pruner))
+
+    if ep.is_distributed:
+        state.save_group = _new_save_group(ep)
+        state.ddp_ignore_before = getattr(model, _DDP_IGNORE_ATTR, None)
+        setattr(model, _DDP_IGNORE_ATTR, sorted(set(state.ddp_ignore_before or []) | set(_runtime_state_names(model, state))))
+        state.instance_methods["generate"] = types.MethodType(_generate_in_lockstep, model)
+    state.instance_methods["save_pretrained"] = types.MethodType(_save_pretrained, model)
+    for name, method in state.instance_methods.items():
+        model.__dict__[name] = method
+    model.__dict__[_STATE_ATTR] = state
+    model.config.occult_config = config.to_dict()
+    return model
+
+
+def unapply_occult(model: nn.Module) -> nn.Module:
+    """Put the original MoE blocks back, with the current expert weights of all ranks; return `model`.
+
+    Under EP every rank must call it (the experts are all-gathered: every rank gets the full model).
+    """
+    state = _state(model)
+    for path in state.block_paths:
+        module = model.get_submodule(path)
+        gate_up_E2IH, down_EHI = _gather_full_experts(module, state, to_all=True)
+        _set_submodule(model, path, module.restore(gate_up_E2IH, down_EHI))
+    for name in state.instance_methods:
+        model.__dict__.pop(name, None)
+    if state.ep.is_distributed:
+        if state.ddp_ignore_before is None:
+            model.__dict__.pop(_DDP_IGNORE_ATTR, None)
+        else:
+            setattr(model, _DDP_IGNORE_ATTR, state.ddp_ignore_before)
+    del model.__dict__[_STATE_ATTR]
+    if hasattr(model.config, "occult_config"):
+        del model.config.occult_config
+    return model
+
+
+def occult_modules(model: nn.Module) -> dict[str, OccultMoE]:
+    """`{module path: OccultMoE}` of a model with occult_hf applied, in layer order."""
+    state = _state(model)
+    return {path: model.get_submodule(path) for path in state.block_paths}
+
+
+def occult_config_of(model: nn.Module) -> OccultConfig:
+    """The resolved `OccultConfig` of a replaced model (placement as a `Placement`, num_devices set)."""
+    return _state(model).occult_config
+
+
+def reset_counters(model: nn.Module) -> None:
+    """Zero every `OccultMoE`'s rows/pairs/bytes counters."""
+    for module in occult_modules(model).values():
+        module.reset_counters()
+
+
+def _state(model: nn.Module) -> _OccultState:
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        raise ValueError(f"{type(model).__name__} does not have occult_hf applied (see occult_hf.apply_occult)")
+    return state
+
+
+def _load_placement(value) -> Placement | None:
+    """The configured placement, or None for 'contiguous' (built once the device count is known)."""
+    if isinstance(value, Placement):
+        return value
+    if value == "contiguous":
+        return None
+    if os.path.isfile(value) or os.path.isdir(value):
+        return Placement.load(value)
+    raise ValueError(
+        f"OccultConfig.placement={value!r} is neither 'contiguous' nor an existing occult_placement.json "
+        f"(or a directory holding one)"
+    )
+
+
+def _build_pruners(config, adapter, blocks, placement, ep, top_k) -> list:
+    if config.prune is None:
+        return [None] * len(blocks)
+    from .pruning import build_pruner
+
+    pruners = []
+    for layer, _, block in blocks:
+        device_of_E = torch.tensor(placement.device_of(layer), dtype=torch.int64)
+        pruners.append(
+            build_pruner(config, adapter, block, layer, device_of_E, num_devices=ep.num_devices, top_k=top_k)
+        )
+    return pruners
+
+
+def _set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent_path, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    setattr(parent, name, module)
+
+
+def _runtime_state_names(model: nn.Module, state: _OccultState) -> list[str]:
+    """Fully qualified names of the per-rank parameters and buffers that DDP must leave alone."""
+    names = []
+    for path in state.block_paths:
+        module = model.get_submodule(path)
+        names += [f"{path}.experts.{name}" for name, _ in module.experts.named_parameters()]
+        names += [f"{path}.experts.{name}" for name, _ in module.experts.named_buffers()]
+        names += [f"{path}.{name}" for name in module.runtime_state_names()]
+    return names
+
+
+# ----- from_pretrained ------------------------------------------------------------------------
+
+_UNSET = object()
+
+
+def install() -> None:
+    """Let `PreTrainedModel.from_pretrained` take `occult_config=` and restore saved occult setups.
+
+    Idempotent; `uninstall()` puts the original classmethod back. Loading a checkpoint whose config
+    holds `occult_config` applies it (pass `occult_config=None` to load the vanilla model).
+    """
+    from transformers import PreTrainedModel
+
+    current = PreTrainedModel.__dict__["from_pretrained"]
+    if getattr(current.__func__, "__occult_original__", None) is not None:
+        return
+    original = current.__func__
+
+    @functools.wraps(original)
+    def from_pretrained(cls, *args, **kwargs):
+        occult_config = kwargs.pop("occult_config", _UNSET)
+        model = original(cls, *args, **kwargs)
+        return _apply_on_load(model, occult_config)
+
+    from_pretrained.__occult_original__ = current
+    PreTrainedModel.from_pretrained = classmethod(from_pretrained)
+
+
+def uninstall() -> None:
+    """Undo `install()` (no-op when not installed)."""
+    from transformers import PreTrainedModel
+
+    current = PreTrainedModel.__dict__["from_pretrained"]
+    original = getattr(current.__func__, "__occult_original__", None)
+    if original is not None:
+        PreTrainedModel.from_pretrained = original
+
+
+def is_installed() -> bool:
+    from transformers import PreTrainedModel
+
+    return getattr(PreTrainedModel.__dict__["from_pretrained"].__func__, "__occult_original__", None) is not None
+
+
+def _apply_on_load(model, occult_config):
+    """Apply `occult_config`, else the config's stored `occult_config` (AutoModel passes a keyword that
+    names an existing config attribute to the config, so both routes end here)."""
+    if occult_config is _UNSET:
+        occult_config = getattr(model.config, "occult_config", None)
+    if occult_config is None:
+        if hasattr(model.config, "occult_config"):
+            del model.config.occult_config
+        return model
+    return apply_occult(model, occult_config)
+
+
+# ----- generate ---------------------------------------------------------------------------------
+
+
+def _generate_in_lockstep(model, *args, **kwargs):
+    """`generate` with `synced_gpus=True`: every forward of an EP model is a collective."""
+    if kwargs.get("synced_gpus") is False:
+        logger.warning("occult_hf: generate(synced_gpus=False) would hang under expert parallelism; using True")
+    kwargs["synced_gpus"] = True
+    return type(model).generate(model, *args, **kwargs)
+
+
+# ----- saving -----------------------------------------------------------------------------------
+
+
+def _save_pretrained(model, save_directory, *args, **kwargs):
+    """`save_pretrained` of a replaced model: a vanilla checkpoint plus `occult_placement.json`.
+
+    Under EP every rank must call it unless `snapshot_experts(model)` ran since the last weight
+    update (what `OccultCheckpointCallback` does for HF Trainer); EP rank 0 writes.
+    """
+    state = _state(model)
+    if kwargs.get("state_dict") is not None:
+        raise ValueError(
+            "save_pretrained(state_dict=...) is not supported on an occult_hf model: its state dict holds each "
+            "rank's local experts; call save_pretrained without state_dict to write the vanilla checkpoint"
+        )
+    kwargs.pop("state_dict", None)
+    is_main_process = kwargs.pop("is_main_process", True)
+    full_experts = _full_experts_for_save(model, state)
+    if full_experts is None or not is_main_process:
+        return None
+    state_dict = _vanilla_state_dict(model, state, full_experts)
+    result = type(model).save_pretrained(model, save_directory, *args, state_dict=state_dict, **kwargs)
+    state.placement.save(os.path.join(save_directory, "occult_placement.json"))
+    return result
+
+
+def snapshot_experts(model: nn.Module) -> None:
+    """Collective: gather every layer's experts to EP rank 0 (CPU) for a later rank-0-only save.
+
+    The snapshot serves `save_pretrained` until the expert weights change (checked with the local
+    parameters' version counters).
+    """
+    state = _state(model)
+    if not state.ep.is_distributed:
+        return
+    snapshot = {}
+    for path in state.block_paths:
+        weights = _gather_full_experts(model.get_submodule(path), state, to_all=False)
+        if weights is not None:
+            snapshot[path] = weights
+    state.snapshot = snapshot if state.ep.rank == 0 else None
+    state.snapshot_versions = _expert_versions(model, state)
+
+
+def _full_experts_for_save(model, state) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
+    """`{path: (gate_up [E, 2I, H], down [E, H, I])}` on the writing rank (EP rank 0), None elsewhere."""
+    if not state.ep.is_distributed:
+        return {path: _gather_full_experts(model.get_submodule(path), state, to_all=False) for path in state.block_paths}
+    if state.snapshot_versions is not None and state.snapshot_versions == _expert_versions(model, state):
+        return state.snapshot
+    full = {}
+    for path in state.block_paths:
+        full[path] = _gather_full_experts(model.get_submodule(path), state, to_all=False)
+    return full if state.ep.rank == 0 else None
+
+
+def _expert_versions(model, state) -> tuple[int, ...]:
+    versions = []
+    for path in state.block_paths:
+        experts = model.get_submodule(path).experts
+        versions += [experts.gate_up_proj._version, experts.down_proj._version]
+    return tuple(versions)
+
+
+def _vanilla_state_dict(model, state, full_experts) -> dict[str, torch.Tensor]:
+    """`model.state_dict()` with each block's local experts replaced by the family's vanilla entries."""
+    state_dict = model.state_dict()
+    for path in state.block_paths:
+        module = model.get_submodule(path)
+        for name in list(state_dict):
+            if name.startswith(f"{path}.experts.") or name in {f"{path}.{n}" for n in module.runtime_state_names()}:
+                del state_dict[name]
+        for key, value in module.place_full_experts(*full_experts[path]).items():
+            state_dict[f"{path}.{key}"] = value
+    return state_dict
+
+
+def _new_save_group(ep: ExpertParallelGroup):
+    timeout_s = float(os.environ.get(SAVE_TIMEOUT_ENV, _DEFAULT_SAVE_TIMEOUT_S))
+    ranks = dist.get_process_group_ranks(ep.group)
+    return dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout_s), use_local_synchronization=True)
+
+
+@torch.no_grad()
+def _gather_full_experts(module: OccultMoE, state: _OccultState, to_all: bool):
+    """The layer's full `(gate_up [E, 2I, H], down [E, H, I])` in original expert order.
+
+    One process: the local weights themselves. EP: a gloo gather to EP rank 0 (`to_all=False`; other
+    ranks get None) or an all-gather (`to_all=True`), through CPU, padded to the largest capacity.
+    """
+    experts = module.experts
+    if not state.ep.is_distributed:
+        return experts.gate_up_proj.detach(), experts.down_proj.detach()
+    placement, layer = state.placement, module.layer_idx
+    capacity = max(placement.capacities(layer))
+    gathered = []
+    for weight_L in (experts.gate_up_proj, experts.down_proj):
+        padded = torch.zeros((capacity, *weight_L.shape[1:]), dtype=weight_L.dtype)
+        padded[: weight_L.shape[0]] = weight_L.detach().cpu()
+        parts = [torch.empty_like(padded) for _ in range(state.ep.num_devices)]
+        try:
+            if to_all:
+                dist.all_gather(parts, padded, group=state.save_group)
+            else:
+                dst = dist.get_global_rank(state.save_group, 0)
+                dist.gather(padded, parts if state.ep.rank == 0 else None, dst=dst, group=state.save_group)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"occult_hf: gathering the experts of layer {layer} from the EP ranks failed ({error}). Under expert "
+                f"parallelism save_pretrained/unapply_occult are collective: call them on every rank; with HF Trainer "
+                f"(which saves on rank 0 only) add occult_hf.OccultCheckpointCallback() to the Trainer's callbacks"
+            ) from error
+        if not to_all and state.ep.rank != 0:
+            gathered.append(None)
+            continue
+        full = torch.empty((placement.num_experts, *weight_L.shape[1:]), dtype=weight_L.dtype)
+        for device in range(state.ep.num_devices):
+            ids = placement.experts_on(layer, device)
+            full[ids] = parts[device][: len(ids)]
+        gathered.append(full)
+    if gathered[0] is None:
+        return None
+    return gathered[0], gathered[1]
+
+
+# ----- HF Trainer -------------------------------------------------------------------------------
+
+
+def _trainer_callback_base():
+    from transformers import TrainerCallback
+
+    return TrainerCallback
+
+
+class OccultCheckpointCallback(_trainer_callback_base()):
+    """HF Trainer callback for checkpoints under expert parallelism.
+
+    The Trainer saves on rank 0 only, but the experts live on all ranks. This callback runs on every
+    rank at the points where the Trainer decides to save (step and epoch ends with `should_save`,
+    evaluations under `save_strategy="best"`) and at the end of training, and gathers a snapshot of the
+    experts to rank 0, from which rank 0's `save_pretrained` writes the vanilla checkpoint. Outside EP
+    it does nothing.
+    """
+
+    def _snapshot(self, model) -> None:
+        if model is not None and getattr(model, _STATE_ATTR, None) is not None:
+            snapshot_experts(model)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if control.should_save:
+            self._snapshot(model)
+
+    def on_epoch_end(self, args, state, control, model=None, **kwargs):
+        if control.should_save:
+            self._snapshot(model)
+
+    def on_evaluate(self, args, state, control, model=None, **kwargs):
+        if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
+            self._snapshot(model)
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        self._snapshot(model)
+
+
+__all__ = [
+    "apply_occult",
+    "unapply_occult",
+    "occult_modules",
+    "occult_config_of",
+    "reset_counters",
+    "snapshot_experts",
+    "install",
+    "uninstall",
+    "is_installed",
+    "OccultCheckpointCallback",
+    "SAVE_TIMEOUT_ENV",
+]

@@ -1,0 +1,252 @@
+"""`OccultMoE`: the replacement MoE block (DESIGN.md §3): route, (prune), dispatch, local experts, combine.
+
+Shape legend: B batch, S sequence, T = B*S tokens on this rank, H hidden, E routed experts, k experts
+per token, D devices, L local experts.
+
+The block is built from the model's own block and its family adapter and keeps both:
+- the original block object (not registered as a child, so it adds no parameters), which the
+  adapter routes with and which `restore()` hands back, weights written back, for `unapply_occult`;
+- the block's own children except its routed experts (the router module instance, shared experts,
+  gates), its direct parameters and buffers, registered here under the same names, so that
+  transformers' `router_logits` capture still finds the router and the state-dict keys of
+  everything but the routed experts are the vanilla ones;
+- `experts`, a `LocalExperts` with this rank's experts only (`[L, 2I, H]`, `[L, H, I]` in local-slot
+  order). In one process it holds all E experts in original order (the block's own fused
+  parameters when the family stores them fused, so nothing is copied). Routed-expert parameters of
+  the original block that the runtime does not share are emptied (their storage released) until
+  `restore()` refills them.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import OccultConfig
+from .dispatch import DispatchPlan, ExpertParallelGroup, combine, dispatch
+from .experts import LocalExperts
+from .placement import Placement
+
+
+class OccultMoE(nn.Module):
+    """An MoE block that dispatches one copy of a token per destination device (or per expert).
+
+    After each forward: `last_topk_ids_Tk` (`[T, k]` int64, detached) is the routing actually
+    dispatched (after pruning), and the non-persistent int64 buffers `rows_sent` `[D]`, `pairs_sent`
+    `[D]` and `bytes_sent` `[D]` have accumulated, per destination device, the rows this rank sent,
+    the (token, expert) pairs they carried and the bytes of the dispatch (activations and routing
+    metadata; the combine returns the same rows, activations only). `forwards` counts the forwards
+    since `reset_counters()`. In one process the destinations are the logical devices.
+    """
+
+    def __init__(
+        self,
+        block: nn.Module,
+        adapter,
+        layer_idx: int,
+        placement: Placement,
+        occult_config: OccultConfig,
+        ep: ExpertParallelGroup,
+        pruner: Callable | None = None,
+    ) -> None:
+        super().__init__()
+        if placement.num_devices != ep.num_devices:
+            raise ValueError(
+                f"placement is for num_devices={placement.num_devices} but the expert-parallel group has "
+                f"{ep.num_devices} devices"
+            )
+        self._original = (block,)  # a tuple hides the block from nn.Module registration
+        self.adapter = adapter
+        self.layer_idx = int(layer_idx)
+        self.dispatch_mode = occult_config.dispatch
+        self.ep = ep
+        self.pruner = pruner
+        self.last_topk_ids_Tk: torch.Tensor | None = None
+
+        experts_module = adapter.experts_module(block)
+        for name, child in block.named_children():
+            if child is not experts_module:
+                self.add_module(name, child)
+        for name, param in block.named_parameters(recurse=False):
+            self.register_parameter(name, param)
+        for name, buffer in block.named_buffers(recurse=False):
+            self.register_buffer(name, buffer, persistent=name not in block._non_persistent_buffers_set)
+
+        device_of_E = placement.device_of(layer_idx)
+        num_experts = placement.num_experts
+        if ep.is_distributed:
+            expert_ids = placement.experts_on(layer_idx, ep.rank)
+            local_index_E = placement.local_slot(layer_idx)
+        else:
+            expert_ids = list(range(num_experts))
+            local_index_E = expert_ids
+        gate_up_E2IH, down_EHI = adapter.expert_weights(block)
+        if gate_up_E2IH.shape[0] != num_experts:
+            raise ValueError(
+                f"layer {layer_idx} has {gate_up_E2IH.shape[0]} routed experts but the placement is for "
+                f"num_experts={num_experts}"
+            )
+        self.experts = LocalExperts(
+            _local_parameter(gate_up_E2IH, expert_ids, num_experts),
+            _local_parameter(down_EHI, expert_ids, num_experts),
+            torch.tensor(expert_ids, dtype=torch.int64),
+            adapter.act_fn(block),
+            backend=occult_config.expert_backend,
+            deterministic=occult_config.deterministic,
+            grad_scale=1.0 / ep.num_devices if ep.is_distributed else 1.0,
+        )
+        device = gate_up_E2IH.device
+        self.register_buffer("device_of_E", torch.tensor(device_of_E, dtype=torch.int64, device=device), persistent=False)
+        self.register_buffer("local_index_E", torch.tensor(local_index_E, dtype=torch.int64, device=device), persistent=False)
+        for name in ("rows_sent", "pairs_sent", "bytes_sent"):
+            self.register_buffer(name, torch.zeros(ep.num_devices, dtype=torch.int64, device=device), persistent=False)
+        self.register_buffer("forwards", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
+        if ep.is_distributed:
+            self.ep_grad_norm_carrier = nn.Parameter(
+                torch.zeros(1, dtype=torch.float32, device=device), requires_grad=self.experts.gate_up_proj.requires_grad
+            )
+            self._carrier_update_queued = False
+        self._release_unshared_expert_storage()
+
+    # ----- forward ----------------------------------------------------------------------
+    @property
+    def original_block(self) -> nn.Module:
+        return self._original[0]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        block = self.original_block
+        shape = hidden_states.shape
+        x_TH = hidden_states.reshape(-1, shape[-1])
+        routing = self.adapter.route(block, hidden_states)
+        topk_weights_Tk, topk_ids_Tk = routing.topk_weights_Tk, routing.topk_ids_Tk
+        if self.pruner is not None:
+            topk_weights_Tk, topk_ids_Tk = self.pruner(block, routing)
+        self.last_topk_ids_Tk = topk_ids_Tk.detach()
+
+        sent = dispatch(
+            x_TH,
+            topk_ids_Tk,
+            topk_weights_Tk,
+            self.device_of_E,
+            self.local_index_E,
+            self.experts.num_local_experts,
+            self.ep,
+            self.dispatch_mode,
+        )
+        out_RH = self.experts(sent.x_RH, sent.segments, sent.pair_weight_N)
+        routed_TH = combine(out_RH, sent.plan)
+        self._count(sent.plan)
+
+        routed_TH = self.adapter.attach_aux_loss(block, routed_TH, routing.aux_loss)
+        shared_TH = self.adapter.shared_output(block, x_TH)
+        out_TH = routed_TH if shared_TH is None else routed_TH + shared_TH
+        if self.ep.is_distributed and torch.is_grad_enabled() and self.ep_grad_norm_carrier.requires_grad:
+            out_TH = _OnBackward.apply(out_TH, self._queue_carrier_update)
+        return out_TH.reshape(shape)
+
+    # ----- the global gradient norm under EP ---------------------------------------------
+    def _queue_carrier_update(self) -> None:
+        """Called in every rank's backward through this layer: update the carrier once the backward ends."""
+        if not self._carrier_update_queued:
+            self._carrier_update_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._update_carrier)
+
+    @torch.no_grad()
+    def _update_carrier(self) -> None:
+        """Set `ep_grad_norm_carrier.grad` to the 2-norm of the other ranks' expert gradients of this layer.
+
+        `clip_grad_norm_` over one rank's parameters then sums the squares of the (identical) replicated
+        gradients, this rank's expert gradients and the carrier: the global norm, the same on every rank.
+        """
+        self._carrier_update_queued = False
+        carrier = self.ep_grad_norm_carrier
+        local_sq = torch.zeros((), dtype=torch.float32, device=carrier.device)
+        for param in (self.experts.gate_up_proj, self.experts.down_proj):
+            if param.grad is not None:
+                local_sq += param.grad.float().square().sum()
+        total_sq = local_sq.clone()
+        dist.all_reduce(total_sq, group=self.ep.group)
+        carrier.grad = (total_sq - local_sq).clamp_min(0).sqrt().reshape(1).to(carrier.dtype)
+
+    def runtime_state_names(self) -> list[str]:
+        """Names (relative to this module) of the runtime's own per-rank buffers and parameters, which
+        are not part of a checkpoint and which DDP must not synchronise."""
+        names = ["device_of_E", "local_index_E", "rows_sent", "pairs_sent", "bytes_sent", "forwards"]
+        return names + (["ep_grad_norm_carrier"] if self.ep.is_distributed else [])
+
+    # ----- statistics -------------------------------------------------------------------
+    @torch.no_grad()
+    def _count(self, plan: DispatchPlan) -> None:
+        rows_D, pairs_D = plan.send_counts_D2.unbind(1)
+        self.rows_sent.add_(rows_D)
+        self.pairs_sent.add_(pairs_D)
+        self.bytes_sent.add_(rows_D * plan.row_bytes)
+        self.forwards.add_(1)
+
+    @torch.no_grad()
+    def reset_counters(self) -> None:
+        for buffer in (self.rows_sent, self.pairs_sent, self.bytes_sent, self.forwards):
+            buffer.zero_()
+
+    # ----- weights ----------------------------------------------------------------------
+    @torch.no_grad()
+    def place_full_experts(self, gate_up_E2IH: torch.Tensor, down_EHI: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The vanilla state-dict entries (keys relative to the block) of the routed experts, given the
+        full `[E, 2I, H]` / `[E, H, I]` weights in original expert order."""
+        return self.adapter.expert_state_dict(self.original_block, gate_up_E2IH, down_EHI)
+
+    @torch.no_grad()
+    def restore(self, gate_up_E2IH: torch.Tensor, down_EHI: torch.Tensor) -> nn.Module:
+        """The original block with the given full expert weights written back into its own parameters."""
+        block = self.original_block
+        for key, value in self.place_full_experts(gate_up_E2IH, down_EHI).items():
+            param = block.get_parameter(key)
+            if param is not value:
+                param.data = value.detach().to(device=self.experts.gate_up_proj.device, dtype=param.dtype).clone()
+        return block
+
+    def _release_unshared_expert_storage(self) -> None:
+        """Empty the original block's routed-expert parameters that `self.experts` does not share."""
+        block = self.original_block
+        shared = {id(self.experts.gate_up_proj), id(self.experts.down_proj)}
+        keys = self.adapter.expert_state_dict(block, *self.adapter.expert_weights(block)).keys()
+        for key in keys:
+            param = block.get_parameter(key)
+            if id(param) not in shared:
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+    def extra_repr(self) -> str:
+        return (
+            f"layer={self.layer_idx}, adapter={self.adapter.name!r}, dispatch={self.dispatch_mode!r}, "
+            f"devices={self.ep.num_devices}, rank={self.ep.rank}, distributed={self.ep.is_distributed}, "
+            f"pruned={self.pruner is not None}"
+        )
+
+
+class _OnBackward(torch.autograd.Function):
+    """Identity; calls `callback()` when the gradient passes through in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, callback) -> torch.Tensor:
+        ctx.callback = callback
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.callback()
+        return grad, None
+
+
+def _local_parameter(weight_E: torch.Tensor, expert_ids: list[int], num_experts: int) -> nn.Parameter:
+    """This rank's experts of a `[E, ...]` expert weight as a parameter; the weight itself when it is
+    already a parameter holding exactly these experts in this order (one process, fused layout)."""
+    if isinstance(weight_E, nn.Parameter) and expert_ids == list(range(num_experts)):
+        return weight_E
+    index = torch.tensor(expert_ids, dtype=torch.int64, device=weight_E.device)
+    return nn.Parameter(weight_E.detach().index_select(0, index).clone(), requires_grad=weight_E.requires_grad)
+
+
+__all__ = ["OccultMoE"]
