@@ -342,7 +342,7 @@ def test_remote_balance_loss_is_the_published_formula(seq_aux):
     x_BSH = torch.randn(3, 10, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     routed = adapter.route(block, x_BSH)
     num_experts, top_k = adapter.num_experts(model.config), adapter.top_k(model.config)
-    probs_BSE = routed.logits_TE.double().softmax(-1).view(3, 10, num_experts)
+    probs_BSE = routed.logits_TE.detach().double().softmax(-1).view(3, 10, num_experts)
     ids_BN = routed.topk_ids_Tk.view(3, -1)
     groups = [(probs_BSE[b], ids_BN[b]) for b in range(3)] if seq_aux else [(probs_BSE.view(-1, num_experts), ids_BN.view(-1))]
     losses = []
