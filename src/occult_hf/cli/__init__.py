@@ -7,7 +7,7 @@ import importlib
 import sys
 
 #: subcommand modules of this package, in the order `occult --help` lists them
-SUBCOMMANDS: tuple[str, ...] = ("eval",)
+SUBCOMMANDS: tuple[str, ...] = ("demo", "profile", "place", "report", "eval", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

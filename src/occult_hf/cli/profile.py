@@ -1,0 +1,136 @@
+"""`occult profile`: record a routing profile from a model over text, or import a trace file."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from ..profile_collect import DEFAULT_SAMPLE_SIZE
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "profile",
+        help="record a routing profile (model + text or dataset, or --from-trace)",
+        description="Record per-layer routing statistics (co-activation, expert counts, router-logit Gram "
+        "matrix, a uniform sample of per-token top-k sets) through forward hooks on the model's own routers, "
+        "or import a recorded trace (.npz). Writes a .safetensors profile.",
+    )
+    parser.add_argument("model", nargs="?", help="model id or local directory (transformers from_pretrained)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--text", help="text file, one document per line (see --separator)")
+    source.add_argument("--dataset", help="datasets name or a directory saved with save_to_disk")
+    source.add_argument("--from-trace", metavar="TRACE", help="routing trace .npz (topk_ids [T,k] or pair counts)")
+    parser.add_argument("--out", required=True, help="output profile path (.safetensors)")
+    group = parser.add_argument_group("text and dataset options")
+    group.add_argument("--separator", default="\n", help="document separator in --text (default: newline)")
+    group.add_argument("--dataset-config", default=None, help="dataset configuration name")
+    group.add_argument("--split", default="train", help="dataset split (default: train)")
+    group.add_argument("--column", default="text", help="dataset column with text or token ids (default: text)")
+    group.add_argument("--batch-size", type=int, default=8)
+    group.add_argument("--max-length", type=int, default=512, help="tokens per window; longer documents are split")
+    group.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens")
+    group.add_argument("--device", default="cpu", help="torch device for the model (default: cpu)")
+    group.add_argument("--dtype", default="auto", help="torch dtype for the model weights (default: auto)")
+    group.add_argument("--trust-remote-code", action="store_true", help="allow remote-code models (DeepSeek-MoE)")
+    trace = parser.add_argument_group("trace options")
+    trace.add_argument("--trace-key", action="append", help="id array(s) to read (default: topk_ids or *_experts)")
+    trace.add_argument("--layer", type=int, default=None, help="decoder-layer index of a single-layer trace (default 0)")
+    trace.add_argument("--num-experts", type=int, default=None, help="E (default: from the file or largest id + 1)")
+    trace.add_argument("--model-type", default=None, help="model_type to record in the profile")
+    parser.add_argument(
+        "--sample-size", type=int, default=None,
+        help=f"tokens kept per layer in the top-k sample (default: {DEFAULT_SAMPLE_SIZE} for models, all for traces)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the token sample")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..profile import RoutingProfile
+
+    if args.from_trace:
+        if args.model:
+            raise SystemExit("occult profile: give MODEL or --from-trace, not both")
+        profile = RoutingProfile.from_trace(
+            args.from_trace,
+            key=args.trace_key,
+            layer=args.layer,
+            num_experts=args.num_experts,
+            model_type=args.model_type,
+            sample_size=args.sample_size,
+            seed=args.seed,
+        )
+    else:
+        if not args.model:
+            raise SystemExit("occult profile: MODEL is required with --text or --dataset")
+        model, tokenizer = _load_model(args)
+        data = args.text if args.text else _load_dataset(args)
+        profile = RoutingProfile.collect(
+            model,
+            data,
+            tokenizer,
+            batch_size=args.batch_size,
+            max_length=args.max_length,
+            sample_size=DEFAULT_SAMPLE_SIZE if args.sample_size is None else args.sample_size,
+            seed=args.seed,
+            max_tokens=args.max_tokens,
+            text_column=args.column,
+            separator=args.separator,
+            source=f"{args.model} on {args.text or args.dataset}",
+        )
+    profile.save(args.out)
+    print(describe_profile(profile))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def describe_profile(profile) -> str:
+    """One paragraph: what the profile holds."""
+    layers = sorted(profile.layers)
+    tokens = sorted({r.token_count for r in profile.layers.values()})
+    samples = [0 if r.topk_sample is None else len(r.topk_sample) for r in profile.layers.values()]
+    token_text = str(tokens[0]) if len(tokens) == 1 else f"{tokens[0]}-{tokens[-1]}"
+    return (
+        f"routing profile: {profile.meta.get('source')} | model_type {profile.model_type} | E={profile.num_experts} "
+        f"k={profile.top_k} | {len(layers)} MoE layers {_ranges(layers)} | tokens per layer {token_text} | "
+        f"top-k sample {min(samples)}-{max(samples)} tokens per layer"
+        + ("" if profile.has_samples else " (pair counts only: exact CT cannot be measured)")
+    )
+
+
+def _ranges(values: list[int]) -> str:
+    """`[0-3, 5]` for [0, 1, 2, 3, 5]."""
+    parts, start = [], None
+    for i, v in enumerate(values):
+        if start is None:
+            start = v
+        if i + 1 == len(values) or values[i + 1] != v + 1:
+            parts.append(str(start) if start == v else f"{start}-{v}")
+            start = None
+    return "[" + ", ".join(parts) + "]"
+
+
+def _load_model(args: argparse.Namespace):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype, None)
+    if dtype is None:
+        raise SystemExit(f"occult profile: --dtype {args.dtype!r} is not a torch dtype (e.g. float32, bfloat16)")
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, trust_remote_code=args.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    return model.to(args.device), tokenizer
+
+
+def _load_dataset(args: argparse.Namespace):
+    import datasets
+
+    if os.path.isdir(args.dataset):
+        data = datasets.load_from_disk(args.dataset)
+        if isinstance(data, datasets.DatasetDict):
+            if args.split not in data:
+                raise SystemExit(f"occult profile: split {args.split!r} not in {args.dataset!r}; splits: {list(data)}")
+            data = data[args.split]
+        return data
+    return datasets.load_dataset(args.dataset, args.dataset_config, split=args.split)

@@ -1,0 +1,86 @@
+"""`occult report`: per-layer communication and balance of placements on a routing profile, with plots."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+from ..placement import available_planners
+from .place import add_option_argument, parse_options
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "report",
+        help="per-layer CT, remote copies and load balance of placements, with PNG plots",
+        description="Measure placements on a routing profile: per layer, mean CT and its bound, remote copies, "
+        "split co-activation pairs, load balance against its floor and the slowest device. Placements come "
+        "from files, or are planned here with --devices and --methods. (To see everything run end to end "
+        "without a model download, try `occult demo`.)",
+    )
+    parser.add_argument("profile", help="routing profile (.safetensors from `occult profile`)")
+    parser.add_argument("placements", nargs="*", help="occult_placement.json files to measure")
+    parser.add_argument("--devices", type=int, default=None, help="plan placements for D devices here")
+    parser.add_argument(
+        "--methods",
+        default=",".join(available_planners()),
+        help=f"comma-separated methods to plan with --devices (default: {','.join(available_planners())})",
+    )
+    add_option_argument(parser)
+    parser.add_argument("--plots", default="occult_report", help="directory for the PNG plots (default: occult_report)")
+    parser.add_argument("--no-plots", action="store_true", help="print the table only")
+    parser.add_argument("--heatmap-layer", type=int, default=None, help="layer of the co-activation heatmap")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..profile import RoutingProfile
+
+    if not args.placements and args.devices is None:
+        raise SystemExit("occult report: give placement files, or --devices D to plan placements here")
+    profile = RoutingProfile.load(args.profile)
+    placements = load_placements(args.placements)
+    if args.devices is not None:
+        placements.update(plan_methods(profile, args.devices, args.methods.split(","), parse_options(args.option)))
+    print_report(profile, placements, None if args.no_plots else args.plots, args.heatmap_layer)
+    return 0
+
+
+def load_placements(paths: list[str]) -> dict:
+    """Placement files by a unique display name: their method, else their file name."""
+    from ..placement import Placement
+
+    named = {}
+    for path in paths:
+        placement = Placement.load(path)
+        name = placement.meta.get("method") or os.path.splitext(os.path.basename(path))[0]
+        while name in named:
+            name = f"{name}'"
+        named[name] = placement
+    return named
+
+
+def plan_methods(profile, num_devices: int, methods: list[str], options: dict) -> dict:
+    """Plan with each method; `options` go to the methods that accept them."""
+    from ..placement import get_planner, plan_placement
+
+    valid = {method: {f.name for f in dataclasses.fields(get_planner(method).options_class)} for method in methods}
+    unused = set(options) - set().union(*valid.values())
+    if unused:
+        raise SystemExit(f"occult report: no method in {methods} has option(s) {sorted(unused)}")
+    return {
+        method: plan_placement(profile, num_devices, method, **{k: v for k, v in options.items() if k in fields})
+        for method, fields in valid.items()
+    }
+
+
+def print_report(profile, placements: dict, plot_dir: str | None, heatmap_layer: int | None = None) -> None:
+    from ..report import write_report
+    from .profile import describe_profile
+
+    table, paths = write_report(profile, placements, plot_dir, heatmap_layer)
+    print(describe_profile(profile))
+    print(table)
+    for path in paths:
+        print(f"wrote {path}")

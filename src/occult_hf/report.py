@@ -1,0 +1,242 @@
+"""What a placement does to communication and balance, as a table and PNG plots.
+
+`evaluate_placements` measures named placements on a routing profile (through
+`occult_hf.metrics.evaluate_placement`); `format_table` prints one row per (layer, placement)
+with CT and its bounds, remote copies, load balance against its floor and the slowest device,
+then the means over layers; `plot_cost_by_layer` and `plot_coactivation` draw the per-layer cost
+by method and the co-activation matrix in each placement's device order.
+
+Shape legend: E routed experts, D devices.
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from dataclasses import dataclass
+
+import numpy as np
+
+from .metrics import LayerMetrics, evaluate_placement, summarize
+from .placement import Placement
+from .profile import RoutingProfile
+
+
+@dataclass(frozen=True)
+class PlacementResult:
+    """One named placement measured on one profile."""
+
+    name: str
+    placement: Placement
+    per_layer: dict[int, LayerMetrics]
+
+    @property
+    def summary(self) -> dict[str, float | None]:
+        return summarize(self.per_layer)
+
+
+def evaluate_placements(profile: RoutingProfile, placements: dict[str, Placement]) -> list[PlacementResult]:
+    """Measure each named placement on `profile` (its sample when it has one, else its pair counts)."""
+    if not placements:
+        raise ValueError("evaluate_placements needs at least one placement")
+    return [PlacementResult(name, p, evaluate_placement(profile, p)) for name, p in placements.items()]
+
+
+# ----- table -----------------------------------------------------------------------------------
+_COLUMNS = (
+    ("layer", 5),
+    ("placement", 12),
+    ("D", 3),
+    ("CT", 6),
+    ("bound", 5),
+    ("remote", 6),
+    ("cut/tok", 7),
+    ("balance", 7),
+    ("floor", 5),
+    ("slowest", 7),
+    ("max recv", 8),
+)
+
+
+def _fmt(value, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _row(cells: list[str]) -> str:
+    return "  ".join(cell.rjust(width) if i != 1 else cell.ljust(width) for i, (cell, (_, width)) in enumerate(zip(cells, _COLUMNS)))
+
+
+def format_table(profile: RoutingProfile, results: list[PlacementResult]) -> str:
+    """Per-layer rows for every placement, then the means over layers.
+
+    Columns: CT (mean devices per token, on the profile's token sample; "-" without one), its
+    bound `lower-upper` for the placement's capacities, remote copies per token (tokens on ranks in
+    contiguous chunks), split co-activation pairs per token, load balance (max/mean device load)
+    and its floor (the best any placement with these capacities can do), the slowest device as
+    `d<id>` with its load over the mean, and the rows the busiest receiving rank gets.
+    """
+    lines = [_row([name for name, _ in _COLUMNS]), _row(["-" * width for _, width in _COLUMNS])]
+    for layer in sorted(profile.layers):
+        for result in results:
+            m = result.per_layer[layer]
+            lines.append(
+                _row(
+                    [
+                        str(layer),
+                        result.name,
+                        str(result.placement.num_devices),
+                        _fmt(m.ct),
+                        f"{m.ct_lower}-{m.ct_upper}",
+                        _fmt(m.remote_copies),
+                        _fmt(m.cut_per_token),
+                        _fmt(m.balance),
+                        _fmt(m.balance_floor),
+                        f"d{m.slowest_device} {m.load_D[m.slowest_device] / m.load_D.mean():.2f}",
+                        "-" if m.max_received_rows is None else str(m.max_received_rows),
+                    ]
+                )
+            )
+    lines.append(_row(["-" * width for _, width in _COLUMNS]))
+    lines.extend(_summary_rows(results))
+    return "\n".join(lines)
+
+
+def format_summary(results: list[PlacementResult]) -> str:
+    """The table's header and its rows of means over layers (one per placement)."""
+    header = [_row([name for name, _ in _COLUMNS]), _row(["-" * width for _, width in _COLUMNS])]
+    return "\n".join(header + _summary_rows(results))
+
+
+def _summary_rows(results: list[PlacementResult]) -> list[str]:
+    """Means over layers; the slowest column holds the worst layer's balance."""
+    rows = []
+    for result in results:
+        s = result.summary
+        rows.append(
+            _row(
+                [
+                    "mean",
+                    result.name,
+                    str(result.placement.num_devices),
+                    _fmt(s["ct"]),
+                    _fmt(s["ct_lower"], 1),
+                    _fmt(s["remote_copies"]),
+                    _fmt(s["cut_per_token"]),
+                    _fmt(s["balance"]),
+                    _fmt(s["balance_floor"]),
+                    f"worst {s['worst_balance']:.2f}",
+                    "-" if s["max_received_rows"] is None else str(int(s["max_received_rows"])),
+                ]
+            )
+        )
+    return rows
+
+
+# ----- plots -----------------------------------------------------------------------------------
+def _figure(width: float, height: float):
+    """A matplotlib Figure without pyplot (no global backend or state is touched)."""
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def plot_cost_by_layer(profile: RoutingProfile, results: list[PlacementResult], path: str | os.PathLike) -> str:
+    """Two panels over layers: CT by placement with the CT lower bound (split pairs per token when the
+    profile has no token sample), and load balance by placement with its floor. Returns the path."""
+    from matplotlib.ticker import MaxNLocator
+
+    layers = sorted(profile.layers)
+    fig = _figure(max(6.0, 0.25 * len(layers) + 4), 6.5)
+    cost_axes, balance_axes = fig.subplots(2, 1, sharex=True)
+    use_ct = profile.has_samples
+    for result in results:
+        metrics = [result.per_layer[l] for l in layers]
+        cost = [m.ct if use_ct else m.cut_per_token for m in metrics]
+        cost_axes.plot(layers, cost, marker="o", markersize=3, label=result.name)
+        balance_axes.plot(layers, [m.balance for m in metrics], marker="o", markersize=3, label=result.name)
+    first = [results[0].per_layer[l] for l in layers]
+    if use_ct:
+        cost_axes.plot(layers, [m.ct_lower for m in first], "k--", linewidth=1, label="CT lower bound")
+    balance_axes.plot(layers, [m.balance_floor for m in first], "k--", linewidth=1, label="balance floor")
+    cost_axes.set_ylabel("mean CT (devices per token)" if use_ct else "split co-activation pairs per token")
+    balance_axes.set_ylabel("load balance (max / mean)")
+    balance_axes.set_xlabel("MoE layer")
+    balance_axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    devices = sorted({r.placement.num_devices for r in results})
+    source = textwrap.shorten(str(profile.meta.get("source") or "routing profile"), width=70, placeholder="...")
+    cost_axes.set_title(
+        f"{source}\nE={profile.num_experts}, k={profile.top_k}, D={','.join(map(str, devices))}", fontsize=9
+    )
+    for axes in (cost_axes, balance_axes):
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=8)
+    fig.savefig(path, dpi=110)
+    return os.fspath(path)
+
+
+def plot_coactivation(
+    profile: RoutingProfile, results: list[PlacementResult], layer: int, path: str | os.PathLike
+) -> str:
+    """Co-activation per token at `layer`, experts ordered by device (then id) for each placement,
+    with device blocks outlined: mass inside the blocks stays on one device. Returns the path."""
+    routing = profile.layer(layer)
+    coactivation_EE = routing.coactivation / max(routing.token_count, 1)
+    fig = _figure(3.4 * len(results) + 0.8, 3.7)
+    axes_list = np.atleast_1d(fig.subplots(1, len(results)))
+    vmax = float(coactivation_EE.max()) or 1.0
+    for axes, result in zip(axes_list, results):
+        device_of_E = np.asarray(result.placement.device_of(layer))
+        order_E = np.lexsort((np.arange(len(device_of_E)), device_of_E))
+        image = axes.imshow(coactivation_EE[np.ix_(order_E, order_E)], cmap="viridis", vmin=0, vmax=vmax)
+        edges = np.cumsum(np.bincount(device_of_E, minlength=result.placement.num_devices))[:-1] - 0.5
+        start = -0.5
+        for end in list(edges) + [len(device_of_E) - 0.5]:
+            axes.add_patch(_block(start, end))
+            start = end
+        m = result.per_layer[layer]
+        axes.set_title(f"{result.name}: intra-device {m.intra_device_ratio:.0%}", fontsize=9)
+        axes.set_xticks([])
+        axes.set_yticks([])
+        axes.set_xlabel("experts by device")
+    fig.colorbar(image, ax=list(axes_list), shrink=0.8, label="co-activations per token")
+    fig.suptitle(f"layer {layer} co-activation ordered by placement", fontsize=10)
+    fig.savefig(path, dpi=110)
+    return os.fspath(path)
+
+
+def _block(start: float, end: float):
+    from matplotlib.patches import Rectangle
+
+    return Rectangle((start, start), end - start, end - start, fill=False, edgecolor="white", linewidth=1.2)
+
+
+def write_report(
+    profile: RoutingProfile,
+    placements: dict[str, Placement],
+    plot_dir: str | os.PathLike | None,
+    heatmap_layer: int | None = None,
+) -> tuple[str, list[str]]:
+    """Evaluate, format the table and (with `plot_dir`) write both plots. Returns `(table, plot paths)`.
+
+    The heatmap shows `heatmap_layer` (default: the profile's first layer).
+    """
+    results = evaluate_placements(profile, placements)
+    table = format_table(profile, results)
+    paths: list[str] = []
+    if plot_dir is not None:
+        os.makedirs(plot_dir, exist_ok=True)
+        layer = min(profile.layers) if heatmap_layer is None else int(heatmap_layer)
+        paths.append(plot_cost_by_layer(profile, results, os.path.join(plot_dir, "ct_by_layer.png")))
+        paths.append(plot_coactivation(profile, results, layer, os.path.join(plot_dir, f"coactivation_layer{layer}.png")))
+    return table, paths
+
+
+__all__ = [
+    "PlacementResult",
+    "evaluate_placements",
+    "format_summary",
+    "format_table",
+    "plot_cost_by_layer",
+    "plot_coactivation",
+    "write_report",
+]

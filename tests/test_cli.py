@@ -1,0 +1,140 @@
+"""`occult profile / place / report / demo` through `occult_hf.cli.main`, in temporary directories."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from occult_hf.cli import main
+from occult_hf.placement import Placement
+from occult_hf.profile import RoutingProfile
+
+ROUTING = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "routing"
+QWEN_TRACE = ROUTING / "qwen15moe_a27b_chat_gptq_int4_gsm8k25_layer0_trace.npz"
+OLMOE_PAIRS = ROUTING / "olmoe1b7b0125__runB_2025-03-07__wikitext2_8192tok_coact.npz"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def is_png(path: Path) -> bool:
+    return path.is_file() and path.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_trace_to_profile_to_placement_to_report(tmp_path, capsys):
+    profile_path, placement_path = tmp_path / "qwen.safetensors", tmp_path / "occult_placement.json"
+    assert main(["profile", "--from-trace", str(QWEN_TRACE), "--out", str(profile_path), "--model-type", "qwen2_moe"]) == 0
+    profile = RoutingProfile.load(profile_path)
+    assert (profile.num_experts, profile.top_k, profile.model_type) == (60, 4, "qwen2_moe")
+    assert "tokens per layer 4384" in capsys.readouterr().out
+
+    assert main(["place", str(profile_path), "--devices", "8", "--method", "occult", "--out", str(placement_path)]) == 0
+    placement = Placement.load(placement_path)
+    assert placement.num_devices == 8 and placement.meta["method"] == "occult"
+    assert sorted(placement.capacities(0)) == [7, 7, 7, 7, 8, 8, 8, 8]  # E=60 on 8 devices
+    printed = capsys.readouterr().out
+    assert " mean  contiguous " in printed and " mean  occult " in printed
+
+    plots = tmp_path / "plots"
+    assert main(["report", str(profile_path), str(placement_path), "--devices", "8", "--methods", "contiguous,refined",
+                 "--option", "max_load_ratio=1.2", "--plots", str(plots)]) == 0
+    printed = capsys.readouterr().out
+    rows = {line.split()[1]: line.split() for line in printed.splitlines() if line.startswith("    0  ")}
+    assert sorted(rows) == ["contiguous", "occult", "refined"]
+    ct = {name: float(row[3]) for name, row in rows.items()}
+    assert ct["refined"] < ct["contiguous"] and ct["occult"] < ct["contiguous"]  # real routing has structure
+    assert rows["refined"][4] == "1-4"  # CT bound for capacities 7-8 and k=4
+    assert is_png(plots / "ct_by_layer.png") and is_png(plots / "coactivation_layer0.png")
+
+
+def test_pair_count_profile_reports_cut_without_ct(tmp_path, capsys):
+    profile_path = tmp_path / "olmoe.safetensors"
+    main(["profile", "--from-trace", str(OLMOE_PAIRS), "--out", str(profile_path)])
+    assert "pair counts only" in capsys.readouterr().out
+    main(["report", str(profile_path), "--devices", "4", "--methods", "contiguous,occult", "--no-plots"])
+    printed = capsys.readouterr().out
+    layer_rows = [line.split() for line in printed.splitlines() if line.split()[:1] == ["15"]]
+    assert [row[1] for row in layer_rows] == ["contiguous", "occult"]
+    assert all(row[3] == "-" and float(row[6]) > 0 for row in layer_rows)  # CT unknown, cut per token known
+
+
+def test_profile_command_on_a_saved_model_with_text_and_dataset(tmp_path, capsys):
+    import datasets
+    from tiny_models import tiny_model
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model_dir = tmp_path / "tiny-olmoe"
+    tiny_model("olmoe").save_pretrained(model_dir)
+    words = ["the", "train", "left", "at", "nine", "bread", "rises", "slowly"]
+    vocab = {"[PAD]": 0, "[UNK]": 3, **{w: i + 4 for i, w in enumerate(words)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]").save_pretrained(model_dir)
+    text = tmp_path / "docs.txt"
+    documents = ["the train left at nine", "bread rises slowly", "", "the bread left the train at nine nine"]
+    text.write_text("\n".join(documents))
+
+    out = tmp_path / "p.safetensors"
+    assert main(["profile", str(model_dir), "--text", str(text), "--out", str(out), "--max-length", "4",
+                 "--batch-size", "2", "--sample-size", "6"]) == 0
+    profile = RoutingProfile.load(out)
+    assert sorted(profile.layers) == [0, 1] and profile.model_type == "olmoe"
+    assert profile.layer(0).token_count == 5 + 3 + 8
+    assert profile.layer(1).topk_sample.shape == (6, 2)
+    assert "tiny-olmoe on" in profile.meta["source"]
+
+    dataset_dir = tmp_path / "dataset"
+    datasets.Dataset.from_dict({"body": documents}).save_to_disk(str(dataset_dir))
+    out_ds = tmp_path / "d.safetensors"
+    main(["profile", str(model_dir), "--dataset", str(dataset_dir), "--column", "body", "--out", str(out_ds),
+          "--max-length", "4"])
+    np.testing.assert_array_equal(RoutingProfile.load(out_ds).layer(1).coactivation, profile.layer(1).coactivation)
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["report", "PROFILE"], "give placement files, or --devices D"),
+        (["profile", "some/model", "--from-trace", "TRACE", "--out", "x"], "give MODEL or --from-trace, not both"),
+        (["profile", "--text", "docs.txt", "--out", "x"], "MODEL is required with --text or --dataset"),
+        (["place", "PROFILE", "--devices", "2", "--option", "max_load_ratio"], "--option expects NAME=VALUE"),
+    ],
+)
+def test_command_line_errors_say_what_to_do(argv, message, tmp_path):
+    argv = [str(tmp_path / "p.safetensors") if a == "PROFILE" else a for a in argv]
+    if argv[0] == "place":
+        RoutingProfile.from_trace(QWEN_TRACE).save(argv[1])
+    with pytest.raises(SystemExit, match=message):
+        main(argv)
+
+
+def test_unknown_planner_option_is_named(tmp_path):
+    path = tmp_path / "p.safetensors"
+    RoutingProfile.from_trace(QWEN_TRACE).save(path)
+    with pytest.raises(SystemExit, match=r"no method in \['contiguous'\] has option\(s\) \['seed'\]"):
+        main(["report", str(path), "--devices", "4", "--methods", "contiguous", "--option", "seed=1"])
+
+
+def test_demo_main_job_runs_end_to_end(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "occult demo: a random OlmoeForCausalLM built in-process" in printed
+    assert "the routing structure is planted" in printed.lower()
+    rows = [line.split() for line in printed.splitlines() if line[:5].strip().isdigit()]
+    assert sorted({(int(r[0]), r[1]) for r in rows}) == [
+        (layer, method) for layer in range(4) for method in ("contiguous", "occult", "refined")
+    ]
+    means = {line.split()[1]: line.split() for line in printed.splitlines() if line.startswith(" mean ")}
+    ct = {name: float(row[3]) for name, row in means.items()}
+    # planted co-activation groups: both collaboration-aware planners beat contiguous on held-out tokens
+    assert ct["occult"] < ct["contiguous"] and ct["refined"] < ct["contiguous"]
+    assert float(means["refined"][7]) < float(means["occult"][7])  # ... and refined keeps devices more even
+    for name in ("profile_plan.safetensors", "profile_held_out.safetensors"):
+        assert RoutingProfile.load(out / name).model_type == "olmoe"
+    for method in ("contiguous", "occult", "refined"):
+        assert json.loads((out / f"placement_{method}.json").read_text())["num_devices"] == 8
+    assert is_png(out / "ct_by_layer.png") and is_png(out / "coactivation_layer0.png")
