@@ -22,6 +22,8 @@ Conventions (same for every family):
   passed to `generate`: transformers (5.17 and 5.24) computes the load-balancing loss at every
   decoding step and fails on the mask's shape when router logits are on.
 - Attention is transformers' default, so `save_pretrained` -> `from_pretrained` gives identical logits.
+- DeepSeek-V2/V3 use 2 of `n_group` expert groups (`topk_group=2`), `n_group` = 4 for E=8 (3 for
+  E=6, else 2) unless given, so group-limited routing really limits.
 - Dense layers: Qwen2-MoE layer 1 is dense (`mlp_only_layers=[1]`); DeepSeek-V2/V3 and the remote
   DeepSeek-MoE have a dense first layer (`first_k_dense_replace=1`). `MOE_LAYERS[family]` lists the
   decoder layers that hold MoE blocks in the default config.
@@ -68,8 +70,7 @@ _DEEPSEEK_HF_COMMON = dict(
     qk_nope_head_dim=8,
     qk_rope_head_dim=8,
     v_head_dim=8,
-    n_group=2,
-    topk_group=1,
+    topk_group=2,  # n_group: see _expert_groups
 )
 
 # family -> (config class name or None for the remote model, default fields)
@@ -180,7 +181,17 @@ def _config_fields(family: str, overrides: dict) -> dict:
             raise ValueError(f"give either {generic}= or {own}= for family {family!r}, not both")
     for key, value in overrides.items():
         fields[_FIELD_NAMES[family].get(key, key)] = value
+    if family in ("deepseek_v2", "deepseek_v3") and "n_group" not in overrides:
+        fields["n_group"] = _expert_groups(fields["n_routed_experts"])
     return fields
+
+
+def _expert_groups(num_experts: int) -> int:
+    """DeepSeek-V2/V3 tiny configs: the largest of 4, 3, 2 groups that splits E into groups of >= 2."""
+    for groups in (4, 3, 2):
+        if num_experts % groups == 0 and num_experts // groups >= 2:
+            return groups
+    raise ValueError(f"tiny DeepSeek configs need num_experts divisible into 2, 3 or 4 groups of >= 2; got {num_experts}")
 
 
 def tiny_config(family: str, **overrides):
