@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import triton
@@ -146,7 +147,7 @@ def _dgate_up(plan: _Launch, dout_RH, down_LHI, gu_N2I, pair_weight_N):
 
 
 def _segment_outer(plan: _Launch, a, b, *, gather_a: bool, gather_b: bool, scale_N, out_dtype):
-    """C [L, M, O]: C_e = sum over pairs p of expert e of a[row_a(p)]^T (scale[p] b[row_b(p)])."""
+    """C [L, M, O]: C_e = sum over pairs p of expert e of (scale[p] a[row_a(p)])^T b[row_b(p)]."""
     num_m, num_out = a.shape[1], b.shape[1]
     c_LMO = _empty(plan.num_experts, num_m, num_out, dtype=out_dtype, device=a.device)
     grid = lambda meta: (plan.num_experts * triton.cdiv(num_m, meta["BLOCK_M"]) * triton.cdiv(num_out, meta["BLOCK_N"]),)  # noqa: E731
@@ -246,6 +247,22 @@ def _row_index(pair_row_N: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, t
     return row_pairs_N, torch.searchsorted(sorted_rows_N, boundaries)
 
 
+def _plan(segments: ExpertSegments, deterministic: bool) -> _Launch:
+    row_pairs_N = row_offsets = None
+    if deterministic:
+        row_pairs_N, row_offsets = _row_index(segments.pair_row, segments.num_rows)
+    return _Launch(
+        pair_row_N=segments.pair_row.contiguous(),
+        expert_offsets=segments.expert_offsets.contiguous(),
+        num_rows=segments.num_rows,
+        deterministic=deterministic,
+        rows_per_expert=_rows_per_expert_bucket(segments.num_pairs, segments.num_local_experts),
+        block_experts=triton.next_power_of_2(max(2, segments.num_local_experts)),
+        row_pairs_N=row_pairs_N,
+        row_offsets=row_offsets,
+    )
+
+
 def expert_mlp_triton(
     x_RH: torch.Tensor,
     segments: ExpertSegments,
@@ -272,21 +289,7 @@ def expert_mlp_triton(
         pair_weight and both weights (Triton backward kernels).
     """
     _check_inputs(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI)
-    rows = x_RH.shape[0]
-    num_pairs = segments.num_pairs
-    row_pairs_N = row_offsets = None
-    if deterministic:
-        row_pairs_N, row_offsets = _row_index(segments.pair_row, rows)
-    plan = _Launch(
-        pair_row_N=segments.pair_row.contiguous(),
-        expert_offsets=segments.expert_offsets.contiguous(),
-        num_rows=rows,
-        deterministic=deterministic,
-        rows_per_expert=_rows_per_expert_bucket(num_pairs, segments.num_local_experts),
-        block_experts=triton.next_power_of_2(max(2, segments.num_local_experts)),
-        row_pairs_N=row_pairs_N,
-        row_offsets=row_offsets,
-    )
+    plan = _plan(segments, deterministic)
     inputs = (x_RH, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI)
     save = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     return _ExpertMLPFunction.apply(
@@ -294,4 +297,49 @@ def expert_mlp_triton(
     )
 
 
-__all__ = ["expert_mlp_triton"]
+def expert_mlp_triton_stages(
+    x_RH: torch.Tensor,
+    segments: ExpertSegments,
+    pair_weight_N: torch.Tensor,
+    gate_up_proj_L2IH: torch.Tensor,
+    down_proj_LHI: torch.Tensor,
+    deterministic: bool = False,
+) -> dict[str, tuple[Callable[[], object], float]]:
+    """The stages of `expert_mlp_triton`'s forward and backward as separate zero-argument callables,
+    each with its FLOP count, for timing one by one (benchmarks). Inputs of later stages (h, gu, a
+    random dout, d gu) are prepared once here with the same kernels."""
+    _check_inputs(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI)
+    if segments.num_pairs == 0:
+        raise ValueError("expert_mlp_triton_stages needs at least one pair (segments.num_pairs is 0)")
+    x_RH, pair_weight_N = x_RH.detach().contiguous(), pair_weight_N.detach().contiguous()
+    gate_up_L2IH, down_LHI = gate_up_proj_L2IH.detach(), down_proj_LHI.detach()
+    plan = _plan(segments, deterministic)
+    pairs, hidden, inter = plan.num_pairs, x_RH.shape[1], down_LHI.shape[2]
+    h_NI, gu_N2I = _gate_up(plan, x_RH, gate_up_L2IH, save_gu=True)
+    dout_RH = torch.randn_like(x_RH)
+    dgu_N2I, _ = _dgate_up(plan, dout_RH, down_LHI, gu_N2I, pair_weight_N)
+    gemm = 2.0 * pairs * hidden * inter  # FLOPs of one [N, H] x [H, I] product
+    stages = {
+        "fwd: gather + gate_up GEMM + SiLU*up": (lambda: _gate_up(plan, x_RH, gate_up_L2IH, save_gu=False), 2 * gemm),
+        "fwd: same, saving gate/up for bwd": (lambda: _gate_up(plan, x_RH, gate_up_L2IH, save_gu=True), 2 * gemm),
+        "fwd: down GEMM + weighted row reduce": (
+            lambda: _scatter_gemm(plan, h_NI, down_LHI.transpose(1, 2), pair_weight_N, x_RH.dtype),
+            gemm,
+        ),
+        "bwd: dout @ down + SiLU bwd + d weight": (lambda: _dgate_up(plan, dout_RH, down_LHI, gu_N2I, pair_weight_N), gemm),
+        "bwd: dx GEMM + row reduce": (lambda: _scatter_gemm(plan, dgu_N2I, gate_up_L2IH, None, x_RH.dtype), 2 * gemm),
+        "bwd: d gate_up_proj": (
+            lambda: _segment_outer(plan, dgu_N2I, x_RH, gather_a=False, gather_b=True, scale_N=None, out_dtype=gate_up_L2IH.dtype),
+            2 * gemm,
+        ),
+        "bwd: d down_proj": (
+            lambda: _segment_outer(plan, dout_RH, h_NI, gather_a=True, gather_b=False, scale_N=pair_weight_N, out_dtype=down_LHI.dtype),
+            gemm,
+        ),
+    }
+    if deterministic:
+        stages["row -> pairs index"] = (lambda: _row_index(segments.pair_row, segments.num_rows), 0.0)
+    return stages
+
+
+__all__ = ["expert_mlp_triton", "expert_mlp_triton_stages"]

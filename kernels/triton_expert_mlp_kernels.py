@@ -101,7 +101,7 @@ def _silu_parts(gate):
     return sig, gate * sig
 
 
-@triton.autotune(configs=_gemm_configs(_GATE_UP_HOPPER), key=["K", "I", "ROWS_PER_EXPERT"])
+@triton.autotune(configs=_gemm_configs(_GATE_UP_HOPPER), key=["K", "I", "ROWS_PER_EXPERT", "SAVE_GU"])
 @triton.heuristics({"EVEN_K": _even_k})
 @triton.jit
 def gate_up_kernel(
@@ -179,7 +179,7 @@ def gate_up_kernel(
 
 
 @triton.autotune(
-    configs=_gemm_configs(_GEMM_HOPPER), key=["K", "N_OUT", "ROWS_PER_EXPERT"], reset_to_zero=["out_ptr"]
+    configs=_gemm_configs(_GEMM_HOPPER), key=["K", "N_OUT", "ROWS_PER_EXPERT", "ATOMIC"], reset_to_zero=["out_ptr"]
 )
 @triton.heuristics({"EVEN_K": _even_k})
 @triton.jit
@@ -356,7 +356,7 @@ def segment_outer_kernel(
     b_ptr,  # rows of B; row p (or pair_row[p] when GATHER_B) holds B's N_OUT values, unit stride
     pair_row_ptr,  # [N] int64
     expert_offsets_ptr,  # [L + 1] int64
-    scale_ptr,  # [N] pair weights when HAS_SCALE (applied to B)
+    scale_ptr,  # [N] pair weights when HAS_SCALE (applied to A)
     c_ptr,  # [L, M, N_OUT] out
     num_experts,
     M,
@@ -401,8 +401,8 @@ def segment_outer_kernel(
             rows_b = safe_k
         a = tl.load(a_ptr + rows_a[None, :] * stride_a_row + safe_m[:, None], mask=mask_k[None, :], other=0.0)  # [BM, BK]
         b = tl.load(b_ptr + rows_b[:, None] * stride_b_row + safe_n[None, :], mask=mask_k[:, None], other=0.0)  # [BK, BN]
-        if HAS_SCALE:
-            b = (b.to(tl.float32) * tl.load(scale_ptr + safe_k).to(tl.float32)[:, None]).to(b_ptr.dtype.element_ty)
+        if HAS_SCALE:  # on A, which the tensor cores may read from registers (B must stay in shared memory)
+            a = (a.to(tl.float32) * tl.load(scale_ptr + safe_k).to(tl.float32)[None, :]).to(a_ptr.dtype.element_ty)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
     mask_out = (offs_m < M)[:, None] & (offs_n < N_OUT)[None, :]

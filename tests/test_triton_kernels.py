@@ -201,6 +201,37 @@ def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
         expert_mlp_triton(*_args(make_problem(rows, hidden, inter, experts, pairs)))
 
 
+def test_bench_experts_harness_on_a_tiny_shape(interpreted, tmp_path):
+    """`occult bench experts` end to end on CPU (wall-clock timer, interpreted kernels): every
+    implementation computes the same function, and the tables and plot come out."""
+    from occult_hf.benchmarks import experts as bench
+
+    shape = bench.ExpertShape(hidden=32, intermediate=16, num_experts=4, top_k=2, family="olmoe")
+    result = bench.run_benchmark(
+        {"tiny": shape}, [24], list(bench.IMPLEMENTATIONS), device=torch.device("cpu"), dtype=torch.float32,
+        timer=bench.wall_timer(repeats=1), breakdown=("tiny", 24), dense_size=64, progress=False,
+    )  # fmt: skip
+    measured = {m.implementation: m for m in result["measurements"]}
+    assert set(measured) == set(bench.IMPLEMENTATIONS)
+    for m in measured.values():
+        assert m.fwd_rel_err <= 1e-5 and m.fwd_ms > 0 and m.fwd_bwd_ms > 0, m
+    assert "| tiny (32/16/4/2) | 24 | triton |" in result["tables"]["results"]
+    assert set(result["breakdowns"]) == {"atomic", "deterministic"}
+    assert "bwd: d down_proj" in result["tables"]["breakdown (atomic)"]
+    bench.plot(result["measurements"], tmp_path / "experts.png")
+    assert (tmp_path / "experts.png").stat().st_size > 0
+
+
+def test_bench_cli_parses_and_refuses_without_cuda(monkeypatch):
+    from occult_hf.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "experts", "--shapes", "olmoe-1b-7b", "--tokens", "4096", "--breakdown", "none"])
+    assert args.shapes == ["olmoe-1b-7b"] and args.tokens == [4096]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        args.func(args)
+
+
 # --- compiled kernels on a GPU -------------------------------------------------------------------
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks behind `occult bench <name>` (one module per benchmark; see `occult_hf.cli.bench`)."""

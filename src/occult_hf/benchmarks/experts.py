@@ -1,0 +1,456 @@
+"""`occult bench experts`: the local expert computation on one GPU, our Triton kernels against the
+PyTorch grouped_mm path and transformers' own experts modules, on the same routing and weights.
+
+Shape legend: T tokens, k experts per token, E experts, H hidden, I expert width, N = T*k pairs.
+
+Per model shape and token count T: x [T, H], expert weights (std 1/sqrt(fan-in)) and routing (top-k
+of the softmax of Gaussian logits, weights not renormalised) are drawn once; every implementation
+computes the same function of them:
+- `triton`: layout (pairs sorted by expert on the device) + `expert_mlp_triton` (fp32 atomics);
+- `triton_det`: the same in deterministic mode (per-row segmented reduction);
+- `torch_grouped_mm`: layout + `expert_mlp_grouped_mm` (gather, two grouped GEMMs, `index_add`);
+- `hf_grouped_mm`, `hf_eager`: the family's transformers experts module, with
+  `config._experts_implementation` set as transformers does (the baseline is `hf_grouped_mm`).
+Times are `triton.testing.do_bench` medians: forward under `no_grad`; fwd+bwd = forward + backward of
+a random upstream gradient into x, the routing weights and both expert weights. FLOPs: 6 N H I
+forward, 18 N H I forward + backward. The dense bf16 GEMM rate (8192^3 `torch.matmul`) is measured
+in the same run. `stage breakdown` times each Triton kernel stage alone (`expert_mlp_triton_stages`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from occult_hf.kernels import ExpertSegments, expert_mlp_grouped_mm, expert_mlp_reference
+
+HELP = "expert kernels: Triton vs PyTorch grouped_mm vs transformers' experts modules"
+DESCRIPTION = __doc__.split("\n\n", 1)[1]
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """One model's expert layer; `family` picks transformers' experts module (`HF_EXPERTS`)."""
+
+    hidden: int
+    intermediate: int
+    num_experts: int
+    top_k: int
+    family: str
+
+    def label(self) -> str:
+        return f"{self.hidden}/{self.intermediate}/{self.num_experts}/{self.top_k}"
+
+
+SHAPES: dict[str, ExpertShape] = {
+    "olmoe-1b-7b": ExpertShape(2048, 1024, 64, 8, "olmoe"),
+    "qwen1.5-moe-a2.7b": ExpertShape(2048, 1408, 60, 4, "qwen2_moe"),
+    # DeepSeek-MoE-16B is remote code with no transformers experts module; DeepseekV2Experts has its
+    # layout and math (SiLU experts, [E, 2I, H] / [E, H, I] weights).
+    "deepseek-moe-16b": ExpertShape(2048, 1408, 64, 6, "deepseek_v2"),
+}
+
+
+@dataclass(frozen=True)
+class HFExperts:
+    """How to build transformers' experts module of one family."""
+
+    module: str
+    experts_class: str
+    config_class: str
+    config_kwargs: Callable[[ExpertShape], dict]
+
+
+HF_EXPERTS: dict[str, HFExperts] = {
+    "olmoe": HFExperts(
+        "transformers.models.olmoe.modeling_olmoe", "OlmoeExperts", "OlmoeConfig",
+        lambda s: dict(hidden_size=s.hidden, intermediate_size=s.intermediate, num_experts=s.num_experts, num_experts_per_tok=s.top_k),
+    ),
+    "qwen2_moe": HFExperts(
+        "transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2MoeExperts", "Qwen2MoeConfig",
+        lambda s: dict(hidden_size=s.hidden, moe_intermediate_size=s.intermediate, num_experts=s.num_experts, num_experts_per_tok=s.top_k),
+    ),
+    "deepseek_v2": HFExperts(
+        "transformers.models.deepseek_v2.modeling_deepseek_v2", "DeepseekV2Experts", "DeepseekV2Config",
+        lambda s: dict(hidden_size=s.hidden, moe_intermediate_size=s.intermediate, n_routed_experts=s.num_experts, num_experts_per_tok=s.top_k),
+    ),
+}  # fmt: skip
+
+IMPLEMENTATIONS = ("triton", "triton_det", "torch_grouped_mm", "hf_grouped_mm", "hf_eager")
+BASELINE = "hf_grouped_mm"
+DEFAULT_TOKENS = (4096, 16384, 65536)
+
+
+def hf_experts_module(shape: ExpertShape, device, dtype) -> torch.nn.Module:
+    """transformers' experts module of the shape's family, random weights, on `device` in `dtype`."""
+    import importlib
+
+    import transformers
+
+    if shape.family not in HF_EXPERTS:
+        raise ValueError(f"ExpertShape.family {shape.family!r} is not one of {sorted(HF_EXPERTS)}")
+    spec = HF_EXPERTS[shape.family]
+    config = getattr(transformers, spec.config_class)(hidden_act="silu", num_hidden_layers=1, **spec.config_kwargs(shape))
+    with torch.device(device):
+        module = getattr(importlib.import_module(spec.module), spec.experts_class)(config)
+    expected = (shape.num_experts, 2 * shape.intermediate, shape.hidden)
+    if tuple(module.gate_up_proj.shape) != expected:
+        raise RuntimeError(f"{spec.experts_class} built gate_up_proj {tuple(module.gate_up_proj.shape)}, expected {expected}")
+    generator = torch.Generator(device=device).manual_seed(1)
+    with torch.no_grad():
+        for weight in (module.gate_up_proj, module.down_proj):
+            weight.normal_(0.0, 1.0 / math.sqrt(weight.shape[-1]), generator=generator)
+    return module.to(dtype)
+
+
+def segments_from_topk(topk_ids_Tk: torch.Tensor, num_experts: int) -> tuple[ExpertSegments, torch.Tensor]:
+    """All E experts local (one device): pairs (t, topk_ids[t, j]) grouped by expert, rows ascending
+    within an expert, without a host sync. Returns the segments and `order_N`, the position of each
+    pair in the flattened [T*k] routing tensors."""
+    tokens, top_k = topk_ids_Tk.shape
+    sorted_experts_N, order_N = torch.sort(topk_ids_Tk.reshape(-1), stable=True)
+    boundaries = torch.arange(num_experts + 1, device=topk_ids_Tk.device, dtype=sorted_experts_N.dtype)
+    offsets = torch.searchsorted(sorted_experts_N, boundaries)
+    return ExpertSegments(order_N // top_k, offsets, tokens), order_N
+
+
+def _layout_then(kernel: Callable, **kwargs) -> Callable:
+    def forward(module, x_TH, topk_ids_Tk, topk_weights_Tk):
+        segments, order_N = segments_from_topk(topk_ids_Tk, module.gate_up_proj.shape[0])
+        return kernel(x_TH, segments, topk_weights_Tk.reshape(-1)[order_N], module.gate_up_proj, module.down_proj, **kwargs)
+
+    return forward
+
+
+def _hf(implementation: str) -> Callable:
+    def forward(module, x_TH, topk_ids_Tk, topk_weights_Tk):
+        module.config._experts_implementation = implementation
+        return module(x_TH, topk_ids_Tk, topk_weights_Tk)
+
+    return forward
+
+
+def implementation_fn(name: str) -> Callable:
+    """name -> forward(experts_module, x_TH, topk_ids_Tk, topk_weights_Tk) -> [T, H]."""
+    if name in ("triton", "triton_det"):
+        from occult_hf.kernels.triton_expert_mlp import expert_mlp_triton
+
+        return _layout_then(expert_mlp_triton, deterministic=name == "triton_det")
+    if name == "torch_grouped_mm":
+        return _layout_then(expert_mlp_grouped_mm)
+    if name in ("hf_grouped_mm", "hf_eager"):
+        return _hf(name.removeprefix("hf_"))
+    raise ValueError(f"implementation {name!r} is not one of {list(IMPLEMENTATIONS)}")
+
+
+def cuda_timer(warmup_ms: float, rep_ms: float) -> Callable:
+    import triton.testing
+
+    def timer(fn, grad_to_none=None) -> float:
+        return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none, return_mode="median")
+
+    return timer
+
+
+def wall_timer(repeats: int = 3) -> Callable:
+    """Median wall-clock ms after one warm-up call; for CPU dry runs of the harness only."""
+
+    def timer(fn, grad_to_none=None) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            for tensor in grad_to_none or ():
+                tensor.grad = None
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+
+    return timer
+
+
+@dataclass
+class Measurement:
+    shape: str
+    tokens: int
+    implementation: str
+    fwd_ms: float | None
+    fwd_bwd_ms: float | None
+    fwd_rel_err: float | None  # forward output vs the fp32 reference
+
+    def flops(self, shape: ExpertShape, backward: bool) -> float:
+        return (18.0 if backward else 6.0) * self.tokens * shape.top_k * shape.hidden * shape.intermediate
+
+
+def routing(shape: ExpertShape, tokens: int, device, dtype, seed: int):
+    """x [T, H], topk_ids [T, k], topk_weights [T, k] (softmax over E, top-k, not renormalised)."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    x_TH = torch.randn(tokens, shape.hidden, generator=generator, device=device).to(dtype)
+    logits_TE = torch.randn(tokens, shape.num_experts, generator=generator, device=device)
+    topk_weights_Tk, topk_ids_Tk = logits_TE.softmax(dim=-1).topk(shape.top_k, dim=-1)
+    return x_TH, topk_ids_Tk, topk_weights_Tk.to(dtype)
+
+
+def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.float() - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+def measure_case(shape_name, shape, tokens, implementations, module, timer, seed, eager_max_tokens, log) -> list[Measurement]:
+    device, dtype = module.gate_up_proj.device, module.gate_up_proj.dtype
+    x_TH, ids_Tk, weights_Tk = routing(shape, tokens, device, dtype, seed)
+    segments, order_N = segments_from_topk(ids_Tk, shape.num_experts)
+    with torch.no_grad():
+        reference = expert_mlp_reference(
+            x_TH.float(), segments, weights_Tk.reshape(-1)[order_N].float(),
+            module.gate_up_proj.float(), module.down_proj.float(),
+        )  # fmt: skip
+    grad_out_TH = torch.randn_like(x_TH)
+    results = []
+    for name in implementations:
+        if name == "hf_eager" and tokens > eager_max_tokens:
+            results.append(Measurement(shape_name, tokens, name, None, None, None))
+            continue
+        forward = implementation_fn(name)
+        with torch.no_grad():
+            rel_err = _rel_err(forward(module, x_TH, ids_Tk, weights_Tk), reference)
+            fwd_ms = timer(lambda: forward(module, x_TH, ids_Tk, weights_Tk))
+        leaves = [x_TH.requires_grad_(), weights_Tk.requires_grad_(), module.gate_up_proj, module.down_proj]
+
+        def step():
+            forward(module, x_TH, ids_Tk, weights_Tk).backward(grad_out_TH)
+
+        fwd_bwd_ms = timer(step, grad_to_none=leaves)
+        for leaf in leaves:
+            leaf.grad = None
+        x_TH.requires_grad_(False)
+        weights_Tk.requires_grad_(False)
+        results.append(Measurement(shape_name, tokens, name, fwd_ms, fwd_bwd_ms, rel_err))
+        log(f"{shape_name} T={tokens} {name}: fwd {fwd_ms:.3f} ms, fwd+bwd {fwd_bwd_ms:.3f} ms, rel. err {rel_err:.1e}")
+    return results
+
+
+def stage_breakdown(shape: ExpertShape, tokens: int, module, timer, seed: int, deterministic: bool) -> list[tuple[str, float, float]]:
+    """(stage, ms, FLOPs) of each Triton stage alone, plus the layout, on the benchmark's routing."""
+    from occult_hf.kernels.triton_expert_mlp import expert_mlp_triton_stages
+
+    x_TH, ids_Tk, weights_Tk = routing(shape, tokens, module.gate_up_proj.device, module.gate_up_proj.dtype, seed)
+    segments, order_N = segments_from_topk(ids_Tk, shape.num_experts)
+    with torch.no_grad():
+        stages = expert_mlp_triton_stages(
+            x_TH, segments, weights_Tk.reshape(-1)[order_N], module.gate_up_proj, module.down_proj, deterministic
+        )
+        rows = [("layout: sort pairs by expert", timer(lambda: segments_from_topk(ids_Tk, shape.num_experts)), 0.0)]
+        rows += [(name, timer(fn), flops) for name, (fn, flops) in stages.items()]
+    return rows
+
+
+def dense_gemm_tflops(device, dtype, timer, size: int = 8192) -> float:
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    return 2.0 * size**3 / timer(lambda: a @ b) / 1e9
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def _markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def results_table(measurements: list[Measurement], shapes: dict[str, ExpertShape], dense_tflops: float) -> str:
+    baseline = {(m.shape, m.tokens): m for m in measurements if m.implementation == BASELINE}
+    rows = []
+    for m in measurements:
+        shape = shapes[m.shape]
+        base = baseline.get((m.shape, m.tokens))
+        cells = [f"{m.shape} ({shape.label()})", str(m.tokens), m.implementation]
+        for ms, base_ms, backward in ((m.fwd_ms, base and base.fwd_ms, False), (m.fwd_bwd_ms, base and base.fwd_bwd_ms, True)):
+            tflops = None if ms is None else m.flops(shape, backward) / ms / 1e9
+            cells += [
+                _fmt(ms, ".3f"),
+                _fmt(tflops, ".0f"),
+                _fmt(None if tflops is None else 100 * tflops / dense_tflops, ".0f"),
+                _fmt(None if ms is None or not base_ms else base_ms / ms, ".2f"),
+            ]
+        cells.append(_fmt(m.fwd_rel_err, ".1e"))
+        rows.append(cells)
+    header = ["model (H/I/E/k)", "T", "implementation",
+              "fwd ms", "fwd TFLOP/s", "fwd % dense", f"fwd x vs {BASELINE}",
+              "fwd+bwd ms", "fwd+bwd TFLOP/s", "fwd+bwd % dense", f"fwd+bwd x vs {BASELINE}",
+              "fwd rel. err vs fp32"]  # fmt: skip
+    return _markdown(header, rows)
+
+
+def breakdown_table(rows: list[tuple[str, float, float]], dense_tflops: float) -> str:
+    cells = []
+    for name, ms, flops in rows:
+        tflops = flops / ms / 1e9 if flops else None
+        cells.append([name, f"{ms:.3f}", _fmt(tflops, ".0f"), _fmt(None if tflops is None else 100 * tflops / dense_tflops, ".0f")])
+    cells.append(["sum of stages (fwd training: saving gate/up)", f"{_stage_sum(rows, training=True):.3f}", "", ""])
+    return _markdown(["stage", "ms", "TFLOP/s", "% dense"], cells)
+
+
+def _stage_sum(rows, training: bool) -> float:
+    skipped = "fwd: gather + gate_up GEMM + SiLU*up" if training else "fwd: same, saving gate/up for bwd"
+    return sum(ms for name, ms, _ in rows if name != skipped)
+
+
+def plot(measurements: list[Measurement], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys(m.shape for m in measurements))
+    tokens = sorted({m.tokens for m in measurements})
+    implementations = list(dict.fromkeys(m.implementation for m in measurements))
+    fig, axes = plt.subplots(len(shapes), 2, figsize=(12, 3.2 * len(shapes)), squeeze=False)
+    width = 0.8 / len(implementations)
+    for row, shape in enumerate(shapes):
+        for col, (attr, title) in enumerate((("fwd_ms", "forward"), ("fwd_bwd_ms", "forward + backward"))):
+            ax = axes[row][col]
+            for i, name in enumerate(implementations):
+                values = []
+                for t in tokens:
+                    match = [m for m in measurements if (m.shape, m.tokens, m.implementation) == (shape, t, name)]
+                    values.append(getattr(match[0], attr) if match and getattr(match[0], attr) is not None else float("nan"))
+                ax.bar([j + i * width for j in range(len(tokens))], values, width, label=name)
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tokens))], [f"T={t}" for t in tokens])
+            ax.set_yscale("log")
+            ax.set_ylabel("ms (log)")
+            ax.set_title(f"{shape}: {title}")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_benchmark(
+    shapes: dict[str, ExpertShape],
+    tokens: list[int],
+    implementations: list[str],
+    *,
+    device,
+    dtype=torch.bfloat16,
+    timer: Callable,
+    eager_max_tokens: int = 16384,
+    breakdown: tuple[str, int] | None = None,
+    seed: int = 0,
+    dense_size: int = 8192,
+    progress: bool = True,
+) -> dict:
+    """Measures every (shape, T, implementation); returns the results and the markdown tables."""
+    from tqdm.auto import tqdm
+
+    for name in implementations:
+        implementation_fn(name)  # validates the name before any work
+    dense = dense_gemm_tflops(device, dtype, timer, dense_size)
+    measurements: list[Measurement] = []
+    breakdowns: dict[str, list] = {}
+    cases = [(name, t) for name in shapes for t in tokens]
+    bar = tqdm(cases, desc="occult bench experts", disable=not progress)
+    log = bar.write if progress else (lambda message: None)
+    for shape_name, t in bar:
+        shape = shapes[shape_name]
+        module = hf_experts_module(shape, device, dtype)
+        measurements += measure_case(shape_name, shape, t, implementations, module, timer, seed, eager_max_tokens, log)
+        if breakdown == (shape_name, t):
+            for deterministic in (False, True):
+                mode = "deterministic" if deterministic else "atomic"
+                breakdowns[mode] = stage_breakdown(shape, t, module, timer, seed, deterministic)
+        del module
+    tables = {"results": results_table(measurements, shapes, dense)}
+    for mode, rows in breakdowns.items():
+        tables[f"breakdown ({mode})"] = breakdown_table(rows, dense)
+    return {"dense_tflops": dense, "measurements": measurements, "breakdowns": breakdowns, "tables": tables}
+
+
+def machine_line(device) -> str:
+    import transformers
+    import triton
+
+    gpu = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else platform.processor() or "cpu"
+    return (
+        f"{datetime.date.today().isoformat()}, {gpu}, torch {torch.__version__}, triton {triton.__version__}, "
+        f"transformers {transformers.__version__}"
+    )
+
+
+def report(result: dict, device, breakdown: tuple[str, int] | None) -> str:
+    parts = [
+        f"Machine: {machine_line(device)}. Dense bf16 GEMM (8192^3 torch.matmul): {result['dense_tflops']:.0f} TFLOP/s.",
+        result["tables"]["results"],
+    ]
+    for name, table in result["tables"].items():
+        if name != "results" and breakdown:
+            parts.append(f"Triton stages alone, {breakdown[0]} T={breakdown[1]}, {name}:\n\n{table}")
+    return "\n\n".join(parts) + "\n"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES), help="model shapes (default: all)")
+    parser.add_argument("--tokens", nargs="+", type=int, default=list(DEFAULT_TOKENS), help="token counts T (default: %(default)s)")
+    parser.add_argument(
+        "--implementations", nargs="+", choices=IMPLEMENTATIONS, default=list(IMPLEMENTATIONS),
+        help=f"what to time (default: all; ratios are against {BASELINE})",
+    )  # fmt: skip
+    parser.add_argument("--eager-max-tokens", type=int, default=16384, help="skip hf_eager above this T (it is slow)")
+    parser.add_argument(
+        "--breakdown", default="olmoe-1b-7b:16384",
+        help="SHAPE:T whose Triton stages are also timed one by one, or 'none' (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument("--out", default="occult_bench", help="directory for experts.md, experts.json, experts.png")
+    parser.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up (ms)")
+    parser.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition time (ms)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _parse_breakdown(value: str, shapes: list[str]) -> tuple[str, int] | None:
+    if value == "none":
+        return None
+    name, _, tokens = value.rpartition(":")
+    if name not in shapes or not tokens.isdigit():
+        raise SystemExit(f"--breakdown {value!r} must be SHAPE:T with SHAPE one of {shapes}, or 'none'")
+    return name, int(tokens)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        raise SystemExit("occult bench experts needs a CUDA GPU (torch.cuda.is_available() is False)")
+    if min(args.tokens) < 1:
+        raise SystemExit(f"--tokens must be positive, got {args.tokens}")
+    breakdown = _parse_breakdown(args.breakdown, args.shapes)
+    device = torch.device("cuda")
+    result = run_benchmark(
+        {name: SHAPES[name] for name in args.shapes}, args.tokens, args.implementations,
+        device=device, timer=cuda_timer(args.warmup_ms, args.rep_ms),
+        eager_max_tokens=args.eager_max_tokens, breakdown=breakdown, seed=args.seed,
+    )  # fmt: skip
+    text = report(result, device, breakdown)
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "experts.md").write_text(text)
+    payload = {
+        "machine": machine_line(device),
+        "dense_tflops": result["dense_tflops"],
+        "measurements": [asdict(m) for m in result["measurements"]],
+        "breakdowns": result["breakdowns"],
+    }
+    (out / "experts.json").write_text(json.dumps(payload, indent=1))
+    plot(result["measurements"], out / "experts.png")
+    print(f"wrote {out / 'experts.md'}, {out / 'experts.json'}, {out / 'experts.png'}")
+    return 0
