@@ -1,0 +1,495 @@
+"""Communication and balance metrics of an expert placement (DESIGN.md §2).
+
+Everything here is exact and vectorised over tokens (numpy): a metric reads per-token top-k
+sets (a profile's sample or a trace), per-expert counts or the co-activation matrix, and a
+device map, and never loops over tokens in Python.
+
+* **CT** (`communication_cost`): distinct devices holding a token's k experts. Bounds for the
+  placement's capacities: `ceil(k / max capacity) <= CT <= min(k, D)` (`ct_bounds`).
+* **Remote copies** (`communication_volume`): CT minus one when the token's own rank is among its
+  devices. Tokens are given to ranks in contiguous equal chunks (`token_ranks`), as expert
+  parallelism's data-parallel sharding does; the volume reports every rank's sent and received
+  rows, because an all-to-all ends when its largest rank ends.
+* **Device load** (`device_load`, `load_balance`, `load_floor`): tokens x experts routed to a
+  device's experts; balance = max / mean over devices; `load_floor` is the smallest max device
+  load any placement with these capacities can reach (a giant expert can push it above the mean).
+* **Pairwise cut** (`pairwise_cut`) and **intra-device collaboration ratio**
+  (`intra_device_ratio`): from co-activation counts only, for profiles without a token sample.
+* **Drift** (`coactivation_spearman`, `profile_drift`): how much routing changed between two
+  profiles, and what that costs a placement planned on the old one.
+
+`evaluate_layer` / `evaluate_placement` gather all of these for a profile and a placement.
+
+Shape legend: N tokens (a sample or a trace), k experts per token, E routed experts, D devices,
+R ranks of the expert-parallel group (R = D: each rank is one device).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:  # imported lazily at run time: the planners import this module
+    from .placement.placement import Placement
+    from .profile import LayerRouting, RoutingProfile
+
+
+# ----- input checks --------------------------------------------------------------------------
+def check_topk_ids(topk_ids_Nk: np.ndarray, num_experts: int, name: str = "topk_ids") -> np.ndarray:
+    """Return `topk_ids_Nk` as int64 `[N, k]` or raise: integer, 2-D, ids in [0, E), distinct per row."""
+    ids = np.asarray(topk_ids_Nk)
+    if ids.ndim != 2 or ids.dtype.kind not in "iu":
+        raise ValueError(f"{name} must be an integer array [N, k], got {ids.dtype} with shape {list(ids.shape)}")
+    if ids.shape[1] > num_experts:
+        raise ValueError(f"{name} has k={ids.shape[1]} experts per token but num_experts={num_experts}")
+    if ids.size and (ids.min() < 0 or ids.max() >= num_experts):
+        raise ValueError(
+            f"{name} holds expert ids in [{int(ids.min())}, {int(ids.max())}]; they must lie in [0, num_experts={num_experts})"
+        )
+    ids = ids.astype(np.int64, copy=False)
+    if ids.shape[1] > 1 and ids.size:
+        sorted_ids = np.sort(ids, axis=1)
+        repeated_N = (sorted_ids[:, 1:] == sorted_ids[:, :-1]).any(axis=1)
+        if repeated_N.any():
+            first = int(np.flatnonzero(repeated_N)[0])
+            raise ValueError(
+                f"{name} repeats an expert within a token's top-k ({int(repeated_N.sum())} rows; first: row {first} = "
+                f"{ids[first].tolist()})"
+            )
+    return ids
+
+
+def check_device_map(device_of_E: np.ndarray, num_experts: int, num_devices: int) -> np.ndarray:
+    """Return `device_of_E` as int64 `[E]` or raise: one device id in [0, D) per expert."""
+    devices = np.asarray(device_of_E)
+    if devices.shape != (num_experts,) or devices.dtype.kind not in "iu":
+        raise ValueError(
+            f"device map must be an integer array [E={num_experts}], got {devices.dtype} with shape {list(devices.shape)}"
+        )
+    if num_experts and (devices.min() < 0 or devices.max() >= num_devices):
+        raise ValueError(
+            f"device map uses device ids in [{int(devices.min())}, {int(devices.max())}]; "
+            f"they must lie in [0, num_devices={num_devices})"
+        )
+    return devices.astype(np.int64, copy=False)
+
+
+def check_square(matrix_EE: np.ndarray, num_experts: int, name: str = "coactivation") -> np.ndarray:
+    matrix = np.asarray(matrix_EE)
+    if matrix.shape != (num_experts, num_experts):
+        raise ValueError(f"{name} must have shape [E, E] = [{num_experts}, {num_experts}], got {list(matrix.shape)}")
+    return matrix
+
+
+# ----- CT --------------------------------------------------------------------------------------
+def device_hits(topk_ids_Nk: np.ndarray, device_of_E: np.ndarray, num_devices: int) -> np.ndarray:
+    """`[N, D]` int64: how many of token n's k experts device d holds (rows sum to k)."""
+    num_tokens = topk_ids_Nk.shape[0]
+    device_Nk = device_of_E[topk_ids_Nk]
+    flat = (np.arange(num_tokens, dtype=np.int64)[:, None] * num_devices + device_Nk).ravel()
+    return np.bincount(flat, minlength=num_tokens * num_devices).reshape(num_tokens, num_devices)
+
+
+def communication_cost(topk_ids_Nk: np.ndarray, device_of_E: np.ndarray, num_devices: int) -> np.ndarray:
+    """`[N]` int64 CT of each token: the number of distinct devices holding its k experts.
+
+    Args:
+        topk_ids_Nk: `[N, k]` expert ids, distinct within a row.
+        device_of_E: `[E]` device of each expert.
+        num_devices: `D`.
+    """
+    num_experts = len(np.asarray(device_of_E))
+    ids = check_topk_ids(topk_ids_Nk, num_experts)
+    devices = check_device_map(device_of_E, num_experts, num_devices)
+    return (device_hits(ids, devices, num_devices) > 0).sum(axis=1)
+
+
+def mean_ct(topk_ids_Nk: np.ndarray, device_of_E: np.ndarray, num_devices: int) -> float:
+    """Mean CT over tokens (the per-layer number DESIGN.md reports)."""
+    return float(communication_cost(topk_ids_Nk, device_of_E, num_devices).mean())
+
+
+def ct_bounds(top_k: int, capacities_D: np.ndarray) -> tuple[int, int]:
+    """`(lower, upper)` bounds on any token's CT for devices holding `capacities_D` experts.
+
+    `lower = ceil(k / max capacity)`: a token needs at least that many devices to hold k experts
+    (the paper's `ceil(k*D/E)` for equal groups); `upper = min(k, D)`. A bound over all
+    placements, not a promise for one: report it beside what a placement achieves.
+    """
+    capacities = np.asarray(capacities_D)
+    if capacities.ndim != 1 or len(capacities) == 0 or capacities.min() < 1:
+        raise ValueError(f"capacities must be a non-empty [D] array of positive counts, got {capacities.tolist()}")
+    return math.ceil(top_k / int(capacities.max())), min(top_k, len(capacities))
+
+
+# ----- remote copies ---------------------------------------------------------------------------
+def token_ranks(num_tokens: int, num_ranks: int) -> np.ndarray:
+    """`[N]` source rank of each token: contiguous equal chunks (sizes differ by at most one), rank 0 first.
+
+    This is how expert parallelism shards a batch: every rank is also a data-parallel rank that
+    owns a contiguous slice of the tokens. Token n goes to rank `n * R // N`.
+    """
+    return np.arange(num_tokens, dtype=np.int64) * num_ranks // max(num_tokens, 1)
+
+
+@dataclass(frozen=True)
+class CommunicationVolume:
+    """Dispatch traffic of one MoE layer with one copy per (token, destination device).
+
+    Attributes:
+        ct_mean: mean CT over tokens.
+        remote_copies_mean: mean over tokens of copies that leave the token's rank.
+        sent_rows_R: `[R]` rows each rank sends to other ranks (combine returns as many).
+        received_rows_R: `[R]` rows each rank receives from other ranks.
+    """
+
+    ct_mean: float
+    remote_copies_mean: float
+    sent_rows_R: np.ndarray
+    received_rows_R: np.ndarray
+
+    @property
+    def max_sent_rows(self) -> int:
+        """Rows of the slowest sender."""
+        return int(self.sent_rows_R.max())
+
+    @property
+    def max_received_rows(self) -> int:
+        """Rows of the slowest receiver."""
+        return int(self.received_rows_R.max())
+
+
+def communication_volume(
+    topk_ids_Nk: np.ndarray,
+    device_of_E: np.ndarray,
+    num_devices: int,
+    source_rank_N: np.ndarray | None = None,
+) -> CommunicationVolume:
+    """CT, remote copies and per-rank rows of dispatching `topk_ids_Nk` under `device_of_E`.
+
+    Args:
+        topk_ids_Nk: `[N, k]` expert ids.
+        device_of_E: `[E]` device of each expert.
+        num_devices: `D` (= ranks R).
+        source_rank_N: `[N]` rank holding each token; default `token_ranks(N, D)` (contiguous equal chunks).
+
+    A token's remote copies are its CT minus one when its own rank holds one of its experts (that
+    copy never crosses a link). Bytes per token and direction = remote copies x hidden x bytes per element.
+    """
+    num_experts = len(np.asarray(device_of_E))
+    ids = check_topk_ids(topk_ids_Nk, num_experts)
+    devices = check_device_map(device_of_E, num_experts, num_devices)
+    num_tokens = ids.shape[0]
+    if num_tokens == 0:
+        raise ValueError("communication_volume needs at least one token")
+    if source_rank_N is None:
+        source_rank_N = token_ranks(num_tokens, num_devices)
+    source_rank_N = np.asarray(source_rank_N, dtype=np.int64)
+    if source_rank_N.shape != (num_tokens,) or source_rank_N.min() < 0 or source_rank_N.max() >= num_devices:
+        raise ValueError(f"source_rank_N must be [N={num_tokens}] ranks in [0, {num_devices}), got shape {list(source_rank_N.shape)}")
+    reached_ND = device_hits(ids, devices, num_devices) > 0
+    remote_ND = reached_ND.copy()
+    remote_ND[np.arange(num_tokens), source_rank_N] = False
+    remote_N = remote_ND.sum(axis=1)
+    sent_R = np.bincount(source_rank_N, weights=remote_N, minlength=num_devices).astype(np.int64)
+    received_R = remote_ND.sum(axis=0).astype(np.int64)
+    return CommunicationVolume(float(reached_ND.sum(axis=1).mean()), float(remote_N.mean()), sent_R, received_R)
+
+
+# ----- load ------------------------------------------------------------------------------------
+def expert_load(topk_ids_Nk: np.ndarray, num_experts: int) -> np.ndarray:
+    """`[E]` int64 tokens routed to each expert."""
+    ids = check_topk_ids(topk_ids_Nk, num_experts)
+    return np.bincount(ids.ravel(), minlength=num_experts)
+
+
+def device_load(expert_load_E: np.ndarray, device_of_E: np.ndarray, num_devices: int) -> np.ndarray:
+    """`[D]` float64 load of each device: sum of its experts' loads (tokens x experts it computes)."""
+    load = np.asarray(expert_load_E, dtype=np.float64)
+    devices = check_device_map(device_of_E, len(load), num_devices)
+    return np.bincount(devices, weights=load, minlength=num_devices)
+
+
+def load_balance(load_D: np.ndarray) -> float:
+    """max / mean of `[D]` device loads (1.0 = perfectly even; a device at 2.0 takes twice as long)."""
+    load = np.asarray(load_D, dtype=np.float64)
+    mean = load.mean()
+    if mean <= 0:
+        raise ValueError("load_balance needs a positive total load")
+    return float(load.max() / mean)
+
+
+def load_floor(expert_load_E: np.ndarray, capacities_D: np.ndarray) -> float:
+    """A lower bound on the largest device load of any placement with these capacities.
+
+    `max(mean device load, max_e (load_e + sum of the (c_min - 1) smallest other loads))`, where
+    `c_min` is the smallest capacity: the device holding expert e holds at least `c_min - 1` other
+    experts. When one expert alone exceeds the mean (a giant expert) this floor, not the mean, is
+    the best balance any placement can reach; `load_floor / mean` is then the balance bound.
+    """
+    load = np.sort(np.asarray(expert_load_E, dtype=np.float64))
+    capacities = np.asarray(capacities_D)
+    if int(capacities.sum()) != len(load):
+        raise ValueError(f"capacities sum to {int(capacities.sum())} but there are {len(load)} experts")
+    mean = load.sum() / len(capacities)
+    companions = int(capacities.min()) - 1
+    # the heaviest expert with the lightest companions is the largest of the per-expert bounds
+    return float(max(mean, load[-1] + load[:companions].sum()))
+
+
+# ----- co-activation metrics ------------------------------------------------------------------
+def _same_device_EE(device_of_E: np.ndarray) -> np.ndarray:
+    return device_of_E[:, None] == device_of_E[None, :]
+
+
+def pairwise_cut(coactivation_EE: np.ndarray, device_of_E: np.ndarray, num_devices: int) -> int:
+    """Co-activations split across devices: `sum_{i<j, dev i != dev j} C[i, j]`.
+
+    For a token whose experts put `n_d` on device d this counts `(k^2 - sum_d n_d^2) / 2` pairs, so
+    it falls with CT; it is what can be measured without per-token samples. Divide by the token
+    count for split pairs per token.
+    """
+    devices = check_device_map(device_of_E, len(device_of_E), num_devices)
+    coactivation = check_square(coactivation_EE, len(devices))
+    return int(np.asarray(coactivation, dtype=np.int64)[~_same_device_EE(devices)].sum() // 2)
+
+
+def intra_device_ratio(coactivation_EE: np.ndarray, device_of_E: np.ndarray, num_devices: int) -> float:
+    """Fraction of all co-activations whose two experts share a device (the paper's intra-device collaboration)."""
+    devices = check_device_map(device_of_E, len(device_of_E), num_devices)
+    coactivation = np.asarray(check_square(coactivation_EE, len(devices)), dtype=np.float64)
+    total = coactivation.sum() - np.trace(coactivation)
+    if total <= 0:
+        return 0.0
+    same = _same_device_EE(devices)
+    np.fill_diagonal(same, False)
+    return float(coactivation[same].sum() / total)
+
+
+# ----- drift -----------------------------------------------------------------------------------
+def _average_ranks(values: np.ndarray) -> np.ndarray:
+    """1-based ranks with ties given their average rank (as Spearman's rho needs)."""
+    order = np.argsort(values, kind="stable")
+    sorted_values = values[order]
+    starts = np.flatnonzero(np.concatenate([[True], sorted_values[1:] != sorted_values[:-1]]))
+    ends = np.concatenate([starts[1:], [len(values)]])
+    ranks = np.empty(len(values), dtype=np.float64)
+    ranks[order] = np.repeat((starts + ends + 1) / 2.0, ends - starts)
+    return ranks
+
+
+def coactivation_spearman(coactivation_a_EE: np.ndarray, coactivation_b_EE: np.ndarray) -> float:
+    """Spearman rank correlation of the `E(E-1)/2` expert-pair co-activation counts of two profiles.
+
+    1.0: the same pairs are frequent in both; near 0: a placement planned on one says little about
+    the other. Ties get average ranks. NaN when one side is constant.
+    """
+    a, b = np.asarray(coactivation_a_EE), np.asarray(coactivation_b_EE)
+    if a.shape != b.shape or a.ndim != 2 or a.shape[0] != a.shape[1]:
+        raise ValueError(f"co-activation matrices must both be [E, E], got {list(a.shape)} and {list(b.shape)}")
+    upper = np.triu_indices(a.shape[0], k=1)
+    ranks_a, ranks_b = _average_ranks(a[upper].astype(np.float64)), _average_ranks(b[upper].astype(np.float64))
+    if ranks_a.std() == 0 or ranks_b.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(ranks_a, ranks_b)[0, 1])
+
+
+def routing_cost(routing: "LayerRouting", device_of_E: np.ndarray, num_devices: int) -> tuple[str, float]:
+    """`("ct", mean CT on the sample)` when the layer has a token sample, else `("cut", split pairs per token)`."""
+    if routing.topk_sample is not None and len(routing.topk_sample):
+        return "ct", mean_ct(routing.topk_sample, device_of_E, num_devices)
+    tokens = max(int(routing.token_count), 1)
+    return "cut", pairwise_cut(routing.coactivation, device_of_E, num_devices) / tokens
+
+
+@dataclass(frozen=True)
+class LayerDrift:
+    """Drift of one layer from profile A (planned on) to profile B (measured on).
+
+    Attributes:
+        spearman: rank correlation of the co-activation counts of A and B.
+        cost_name: "ct" (mean CT on B's sample) or "cut" (split pairs per token on B).
+        transferred: cost on B of the placement planned on A.
+        native: cost on B of the placement planned on B (what re-profiling would give).
+        contiguous: cost on B of contiguous placement (what placement gives at all).
+    """
+
+    spearman: float
+    cost_name: str
+    transferred: float
+    native: float
+    contiguous: float
+
+
+def profile_drift(
+    profile_a: "RoutingProfile",
+    profile_b: "RoutingProfile",
+    num_devices: int,
+    method: str = "refined",
+    progress: bool = False,
+    **options: Any,
+) -> dict[int, LayerDrift]:
+    """Per shared layer: co-activation Spearman of A vs B, and B's cost of placements planned on A and on B."""
+    from .placement import Placement, plan_placement
+
+    if profile_a.num_experts != profile_b.num_experts:
+        raise ValueError(f"profiles differ in num_experts: {profile_a.num_experts} vs {profile_b.num_experts}")
+    shared = sorted(set(profile_a.layers) & set(profile_b.layers))
+    if not shared:
+        raise ValueError(f"profiles share no layer: {sorted(profile_a.layers)} vs {sorted(profile_b.layers)}")
+    planned_a = plan_placement(profile_a, num_devices, method, layers=shared, progress=progress, **options)
+    planned_b = plan_placement(profile_b, num_devices, method, layers=shared, progress=progress, **options)
+    contiguous = Placement.contiguous(profile_a.num_experts, num_devices, shared)
+    result = {}
+    for layer in shared:
+        routing_b = profile_b.layer(layer)
+        costs = {
+            name: routing_cost(routing_b, np.asarray(p.device_of(layer)), num_devices)
+            for name, p in (("transferred", planned_a), ("native", planned_b), ("contiguous", contiguous))
+        }
+        result[layer] = LayerDrift(
+            spearman=coactivation_spearman(profile_a.layer(layer).coactivation, routing_b.coactivation),
+            cost_name=costs["native"][0],
+            **{name: value for name, (_, value) in costs.items()},
+        )
+    return result
+
+
+# ----- a placement on a profile ---------------------------------------------------------------
+@dataclass(frozen=True)
+class LayerMetrics:
+    """Every metric of one placement on one profile layer.
+
+    CT fields are None when the layer has no token sample (pair counts only). Loads are
+    tokens x experts: from the sample when there is one (so CT, load and rows describe the same
+    tokens), else from the profile's expert counts.
+
+    Attributes:
+        ct: mean CT over the sample's tokens.
+        ct_lower, ct_upper: `ct_bounds` for this placement's capacities.
+        remote_copies: mean remote copies per token (tokens on ranks as `token_ranks`).
+        max_sent_rows, max_received_rows: rows of the slowest sending and receiving rank.
+        mean_received_rows: mean over ranks of received rows.
+        cut_per_token: split co-activation pairs per token (`pairwise_cut / token_count`).
+        intra_device_ratio: fraction of co-activations kept on one device.
+        load_D: `[D]` device loads.
+        balance: max / mean of `load_D`.
+        balance_floor: `load_floor / mean`: the best balance any placement with these capacities can reach.
+        slowest_device: the device with the largest load.
+    """
+
+    ct: float | None
+    ct_lower: int
+    ct_upper: int
+    remote_copies: float | None
+    max_sent_rows: int | None
+    max_received_rows: int | None
+    mean_received_rows: float | None
+    cut_per_token: float
+    intra_device_ratio: float
+    load_D: np.ndarray
+    balance: float
+    balance_floor: float
+    slowest_device: int
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["load_D"] = self.load_D.tolist()
+        return out
+
+
+def evaluate_layer(routing: "LayerRouting", device_of_E: np.ndarray, num_devices: int, top_k: int) -> LayerMetrics:
+    """All metrics of `device_of_E` on one profile layer (see `LayerMetrics`)."""
+    num_experts = len(routing.expert_counts)
+    devices = check_device_map(device_of_E, num_experts, num_devices)
+    capacities_D = np.bincount(devices, minlength=num_devices)
+    ct_lower, ct_upper = ct_bounds(top_k, capacities_D)
+    sample = routing.topk_sample
+    if sample is not None and len(sample):
+        volume = communication_volume(sample, devices, num_devices)
+        load_E = expert_load(sample, num_experts)
+        ct, remote = volume.ct_mean, volume.remote_copies_mean
+        sent, received = volume.max_sent_rows, volume.max_received_rows
+        mean_received = float(volume.received_rows_R.mean())
+    else:
+        load_E = np.asarray(routing.expert_counts)
+        ct = remote = sent = received = mean_received = None
+    load_D = device_load(load_E, devices, num_devices)
+    return LayerMetrics(
+        ct=ct,
+        ct_lower=ct_lower,
+        ct_upper=ct_upper,
+        remote_copies=remote,
+        max_sent_rows=sent,
+        max_received_rows=received,
+        mean_received_rows=mean_received,
+        cut_per_token=pairwise_cut(routing.coactivation, devices, num_devices) / max(int(routing.token_count), 1),
+        intra_device_ratio=intra_device_ratio(routing.coactivation, devices, num_devices),
+        load_D=load_D,
+        balance=load_balance(load_D),
+        balance_floor=load_floor(load_E, capacities_D) / float(load_D.mean()),
+        slowest_device=int(load_D.argmax()),
+    )
+
+
+def evaluate_placement(profile: "RoutingProfile", placement: "Placement") -> dict[int, LayerMetrics]:
+    """`evaluate_layer` for every profile layer; the placement must cover them and match E."""
+    placement.validate_for(profile.num_experts, profile.layers)
+    return {
+        layer: evaluate_layer(routing, np.asarray(placement.device_of(layer)), placement.num_devices, profile.top_k)
+        for layer, routing in profile.layers.items()
+    }
+
+
+def summarize(per_layer: dict[int, LayerMetrics]) -> dict[str, float | None]:
+    """Overall numbers: means over layers (CT, cut, balance) and the worst layer's balance and received rows."""
+    metrics = list(per_layer.values())
+    if not metrics:
+        raise ValueError("summarize needs at least one layer")
+
+    def mean_of(name: str) -> float | None:
+        values = [getattr(m, name) for m in metrics]
+        return None if any(v is None for v in values) else float(np.mean(values))
+
+    received = [m.max_received_rows for m in metrics]
+    return {
+        "ct": mean_of("ct"),
+        "ct_lower": mean_of("ct_lower"),
+        "cut_per_token": mean_of("cut_per_token"),
+        "intra_device_ratio": mean_of("intra_device_ratio"),
+        "remote_copies": mean_of("remote_copies"),
+        "balance": mean_of("balance"),
+        "worst_balance": float(max(m.balance for m in metrics)),
+        "balance_floor": mean_of("balance_floor"),
+        "max_received_rows": None if None in received else float(max(received)),
+    }
+
+
+__all__ = [
+    "CommunicationVolume",
+    "LayerDrift",
+    "LayerMetrics",
+    "check_device_map",
+    "check_topk_ids",
+    "coactivation_spearman",
+    "communication_cost",
+    "communication_volume",
+    "ct_bounds",
+    "device_hits",
+    "device_load",
+    "evaluate_layer",
+    "evaluate_placement",
+    "expert_load",
+    "intra_device_ratio",
+    "load_balance",
+    "load_floor",
+    "mean_ct",
+    "pairwise_cut",
+    "profile_drift",
+    "routing_cost",
+    "summarize",
+    "token_ranks",
+]

@@ -1,0 +1,175 @@
+"""Placement objectives with incremental move and swap deltas, for local search (`refined`).
+
+An objective holds the current device map and answers, for every candidate at once,
+
+    move_delta_ED[e, b]    change of the cost if expert e moves to device b
+    swap_delta(e, f)     = move_delta_ED[e, dev f] + move_delta_ED[f, dev e] + swap_correction_EE[e, f]
+
+(the correction accounts for what e and f share; it is only meaningful for dev e != dev f).
+Applying a move or swap updates the internal state from the touched part only.
+
+* `SampleCT`: total CT over a token sample (sum over tokens of distinct devices). State: per
+  token per device counts `hits_ND`. Moving e from a to b changes a token's CT by
+  `-[hits[n, a] == 1] + [hits[n, b] == 0]` for the tokens holding e, so the deltas are sums over
+  those tokens, kept in `[E, D]` tables `zero_ED` (tokens of e with no expert on b) and
+  `lonely_ED` (tokens of e with exactly one expert on b), and `lonely_pair_EE[e, f]` (tokens
+  holding e and f in which e is alone on its device). A swap touches only the tokens of e and f:
+  their old contribution to the tables is subtracted and the new one added.
+* `PairwiseCut`: co-activations split across devices (for profiles without a sample). State:
+  `affinity_ED[e, d] = sum_{g on d} C[e, g]`.
+
+Costs and deltas are integers held in float64 (exact far beyond any sample size used here).
+
+Shape legend: N sampled tokens, k experts per token, E experts, D devices, R touched tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class SampleCT:
+    """Total CT of a top-k sample under the current device map (lower is better)."""
+
+    name = "ct"
+
+    def __init__(self, topk_ids_Nk: np.ndarray, device_of_E: np.ndarray, num_devices: int) -> None:
+        self.ids_Nk = np.ascontiguousarray(topk_ids_Nk, dtype=np.int64)
+        self.num_tokens, self.top_k = self.ids_Nk.shape
+        self.num_devices = num_devices
+        self.device_of_E = np.array(device_of_E, dtype=np.int64)
+        self.num_experts = len(self.device_of_E)
+        # tokens holding each expert, CSR: tokens_of(e) = token_index[start[e]:start[e + 1]]
+        flat_ids = self.ids_Nk.ravel()
+        order = np.argsort(flat_ids, kind="stable")
+        self._token_index = (order // self.top_k).astype(np.int64)
+        self._start = np.concatenate([[0], np.cumsum(np.bincount(flat_ids, minlength=self.num_experts))])
+        self.reset(self.device_of_E)
+
+    def tokens_of(self, expert: int) -> np.ndarray:
+        return self._token_index[self._start[expert] : self._start[expert + 1]]
+
+    def reset(self, device_of_E: np.ndarray) -> None:
+        """Rebuild every table from scratch for `device_of_E`."""
+        self.device_of_E = np.array(device_of_E, dtype=np.int64)
+        device_Nk = self.device_of_E[self.ids_Nk]
+        flat = (np.arange(self.num_tokens)[:, None] * self.num_devices + device_Nk).ravel()
+        self.hits_ND = np.bincount(flat, minlength=self.num_tokens * self.num_devices).reshape(
+            self.num_tokens, self.num_devices
+        )
+        self.cost = float((self.hits_ND > 0).sum())
+        self.zero_ED, self.lonely_ED, self.lonely_pair_EE = self._tables(np.arange(self.num_tokens))
+
+    def _tables(self, rows_R: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Contribution of tokens `rows_R` to `zero_ED`, `lonely_ED` and `lonely_pair_EE`."""
+        E, D, k = self.num_experts, self.num_devices, self.top_k
+        ids_Rk = self.ids_Nk[rows_R]
+        hits_RD = self.hits_ND[rows_R]
+        # every (expert slot, device) pair: index e * D + b, weight from the token's row
+        slot_device = (ids_Rk[:, :, None] * D + np.arange(D)).reshape(-1)
+        zero_ED = np.bincount(
+            slot_device, weights=np.broadcast_to((hits_RD == 0)[:, None, :], (len(rows_R), k, D)).reshape(-1), minlength=E * D
+        ).reshape(E, D)
+        lonely_RD = hits_RD == 1
+        lonely_ED = np.bincount(
+            slot_device, weights=np.broadcast_to(lonely_RD[:, None, :], (len(rows_R), k, D)).reshape(-1), minlength=E * D
+        ).reshape(E, D)
+        # e alone on its own device in the token, paired with every expert f of the token
+        alone_Rk = np.take_along_axis(lonely_RD, self.device_of_E[ids_Rk], axis=1)
+        pair = (ids_Rk[:, :, None] * E + ids_Rk[:, None, :]).reshape(-1)
+        lonely_pair_EE = np.bincount(
+            pair, weights=np.broadcast_to(alone_Rk[:, :, None], (len(rows_R), k, k)).reshape(-1), minlength=E * E
+        ).reshape(E, E)
+        return zero_ED, lonely_ED, lonely_pair_EE
+
+    def move_delta_ED(self) -> np.ndarray:
+        own_lonely_E = self.lonely_ED[np.arange(self.num_experts), self.device_of_E]
+        return self.zero_ED - own_lonely_E[:, None]
+
+    def swap_correction_EE(self) -> np.ndarray:
+        return self.lonely_pair_EE + self.lonely_pair_EE.T
+
+    def _alone_Rk(self, rows_R: np.ndarray) -> np.ndarray:
+        """`[R, k]` int64: 1 where the slot's expert is the only one of the token on its device."""
+        hits_RD = self.hits_ND[rows_R]
+        device_Rk = self.device_of_E[self.ids_Nk[rows_R]]
+        return (np.take_along_axis(hits_RD, device_Rk, axis=1) == 1).astype(np.int64)
+
+    def _relocate(self, experts: list[int], targets: list[int], delta: float) -> None:
+        """Move `experts` to `targets`; update the tables from the tokens of those experts only.
+
+        Only the two devices involved change their counts, so `zero_ED` and `lonely_ED` change in
+        those two columns, and `lonely_pair_EE` only in the rows of slots whose lonely flag flipped.
+        """
+        E, k = self.num_experts, self.top_k
+        columns = np.array(sorted({int(self.device_of_E[e]) for e in experts} | set(int(t) for t in targets)))
+        rows_R = np.unique(np.concatenate([self.tokens_of(e) for e in experts]))
+        hits_before_RC = self.hits_ND[np.ix_(rows_R, columns)]
+        alone_before_Rk = self._alone_Rk(rows_R)
+        for expert, target in zip(experts, targets):
+            tokens = self.tokens_of(expert)
+            self.hits_ND[tokens, self.device_of_E[expert]] -= 1
+            self.hits_ND[tokens, target] += 1
+        for expert, target in zip(experts, targets):
+            self.device_of_E[expert] = target
+        hits_after_RC = self.hits_ND[np.ix_(rows_R, columns)]
+        ids_Rk = self.ids_Nk[rows_R]
+        slot_column = (ids_Rk[:, :, None] * len(columns) + np.arange(len(columns))).reshape(-1)
+        for table, level in ((self.zero_ED, 0), (self.lonely_ED, 1)):
+            change_RC = (hits_after_RC == level).astype(np.int64) - (hits_before_RC == level)
+            weights = np.broadcast_to(change_RC[:, None, :], (len(rows_R), k, len(columns))).reshape(-1)
+            table[:, columns] += np.bincount(slot_column, weights=weights, minlength=E * len(columns)).reshape(E, len(columns))
+        flipped_Rk = self._alone_Rk(rows_R) - alone_before_Rk
+        row, slot = np.nonzero(flipped_Rk)
+        if len(row):
+            pair = (ids_Rk[row, slot][:, None] * E + ids_Rk[row]).reshape(-1)
+            weights = np.repeat(flipped_Rk[row, slot], k).astype(np.float64)
+            self.lonely_pair_EE += np.bincount(pair, weights=weights, minlength=E * E).reshape(E, E)
+        self.cost += delta
+
+    def apply_move(self, expert: int, device: int, delta: float) -> None:
+        self._relocate([expert], [device], delta)
+
+    def apply_swap(self, first: int, second: int, delta: float) -> None:
+        self._relocate([first, second], [self.device_of_E[second], self.device_of_E[first]], delta)
+
+
+class PairwiseCut:
+    """Co-activations whose two experts sit on different devices (lower is better)."""
+
+    name = "cut"
+
+    def __init__(self, coactivation_EE: np.ndarray, device_of_E: np.ndarray, num_devices: int) -> None:
+        self.coactivation_EE = np.asarray(coactivation_EE, dtype=np.float64)
+        self.num_experts = len(self.coactivation_EE)
+        self.num_devices = num_devices
+        self.reset(device_of_E)
+
+    def reset(self, device_of_E: np.ndarray) -> None:
+        self.device_of_E = np.array(device_of_E, dtype=np.int64)
+        one_hot_ED = np.zeros((self.num_experts, self.num_devices))
+        one_hot_ED[np.arange(self.num_experts), self.device_of_E] = 1.0
+        self.affinity_ED = self.coactivation_EE @ one_hot_ED
+        internal = self.affinity_ED[np.arange(self.num_experts), self.device_of_E].sum()
+        self.cost = float((self.coactivation_EE.sum() - internal) / 2)
+
+    def move_delta_ED(self) -> np.ndarray:
+        own_E = self.affinity_ED[np.arange(self.num_experts), self.device_of_E]
+        return own_E[:, None] - self.affinity_ED
+
+    def swap_correction_EE(self) -> np.ndarray:
+        return 2.0 * self.coactivation_EE
+
+    def apply_move(self, expert: int, device: int, delta: float) -> None:
+        self.affinity_ED[:, self.device_of_E[expert]] -= self.coactivation_EE[:, expert]
+        self.affinity_ED[:, device] += self.coactivation_EE[:, expert]
+        self.device_of_E[expert] = device
+        self.cost += delta
+
+    def apply_swap(self, first: int, second: int, delta: float) -> None:
+        first_device, second_device = self.device_of_E[first], self.device_of_E[second]
+        self.apply_move(first, second_device, 0.0)
+        self.apply_move(second, first_device, delta)
+
+
+__all__ = ["SampleCT", "PairwiseCut"]
