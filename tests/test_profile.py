@@ -383,6 +383,8 @@ def test_incompatible_profiles_are_clear_errors(tmp_path):
         profile.check_compatible(tiny_model("olmoe", num_hidden_layers=3))
     with pytest.raises(ValueError, match=r"layers \[1\] that are not MoE layers"):
         profile.check_compatible(tiny_model("olmoe", num_hidden_layers=1))
+    with pytest.raises(ValueError, match=r"layers \[1\] that are not MoE layers .* model MoE layers \[0, 2\]"):
+        RoutingProfile(8, 2, {0: profile.layer(0), 1: profile.layer(1)}).check_compatible(tiny_config("qwen2_moe"))
     partial = RoutingProfile(8, 2, {0: profile.layer(0)})
     partial.check_compatible(model, require_all_layers=False)
     with pytest.raises(ValueError, match=r"occult_hf does not support model_type 'llama'"):

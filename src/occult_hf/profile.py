@@ -138,10 +138,9 @@ class RoutingProfile:
     def check_compatible(self, model_or_config, require_all_layers: bool = True) -> None:
         """Raise a clear error when this profile does not describe `model_or_config`'s MoE layers.
 
-        Compares the routed-expert count, top-k and layer set (read through the family adapter).
-        With a model the MoE layers are found by its adapter; with a config, the profile's layers
-        must lie in `[0, num_hidden_layers)`. `require_all_layers=False` accepts a profile that
-        covers only some of the model's MoE layers.
+        Compares the routed-expert count, top-k and MoE layer set, read through the family adapter
+        (for a config, from a weightless skeleton of the model on the meta device).
+        `require_all_layers=False` accepts a profile that covers only some of the model's MoE layers.
         """
         from torch import nn
 
@@ -162,11 +161,8 @@ class RoutingProfile:
                 f"top_k={top_k} experts"
             )
         profile_layers = set(self.layers)
-        if isinstance(model_or_config, nn.Module):
-            model_layers = {index for index, _, _ in adapter.iter_moe_blocks(model_or_config)}
-        else:
-            model_layers = set(range(config.num_hidden_layers))
-            require_all_layers = False  # a config alone does not say which layers are MoE layers
+        model = model_or_config if isinstance(model_or_config, nn.Module) else _skeleton(config)
+        model_layers = {index for index, _, _ in adapter.iter_moe_blocks(model)}
         extra = sorted(profile_layers - model_layers)
         if extra:
             raise ValueError(
@@ -250,6 +246,20 @@ class RoutingProfile:
         if model is not None:
             profile.check_compatible(model)
         return profile
+
+
+def _skeleton(config):
+    """The model of `config` on the meta device (no memory, no weights): its module tree only.
+
+    Remote-code configs (with an `auto_map`) were already loaded with trust_remote_code.
+    """
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(
+            config, trust_remote_code=bool(getattr(config, "auto_map", None))
+        )
 
 
 def _check_shape(what: str, array: np.ndarray, expected: tuple[int, ...]) -> None:

@@ -42,7 +42,9 @@ def run(args: argparse.Namespace) -> int:
     profile = RoutingProfile.load(args.profile)
     placements = load_placements(args.placements)
     if args.devices is not None:
-        placements.update(plan_methods(profile, args.devices, args.methods.split(","), parse_options(args.option)))
+        planned = plan_methods(profile, args.devices, args.methods.split(","), parse_options(args.option))
+        for name, placement in planned.items():
+            placements[_unique(name, placements)] = placement
     print_report(profile, placements, None if args.no_plots else args.plots, args.heatmap_layer)
     return 0
 
@@ -55,10 +57,15 @@ def load_placements(paths: list[str]) -> dict:
     for path in paths:
         placement = Placement.load(path)
         name = placement.meta.get("method") or os.path.splitext(os.path.basename(path))[0]
-        while name in named:
-            name = f"{name}'"
-        named[name] = placement
+        named[_unique(name, named)] = placement
     return named
+
+
+def _unique(name: str, taken: dict) -> str:
+    """`name`, primed until no placement in `taken` has it (two files of one method stay apart)."""
+    while name in taken:
+        name = f"{name}'"
+    return name
 
 
 def plan_methods(profile, num_devices: int, methods: list[str], options: dict) -> dict:
