@@ -10,10 +10,12 @@ Routed experts are an `nn.ModuleList` of `DeepseekMLP(gate_proj, up_proj, down_p
 `shared_experts(x)` (present when `n_shared_experts` is not None) are added to every token. Layer i
 is MoE iff `i >= first_k_dense_replace and i % moe_layer_freq == 0`.
 
-For the runtime: the expert list's parameters stay the source of truth. `expert_weights` stacks
-them into the fused `[E, 2I, H]` / `[E, H, I]` layout (a differentiable copy, so gradients reach the
-list); `expert_state_dict` turns fused weights back into the list's `experts.{e}.*.weight` keys for
-a vanilla checkpoint; `attach_aux_loss` must be applied to the routed output whenever `route`
+For the runtime: the expert list's parameters are the model's source of truth. `expert_weights`
+stacks them into the fused `[E, 2I, H]` / `[E, H, I]` layout (a differentiable copy: gradients reach
+the list when it is used directly; a runtime that instead copies it into its own fused parameters
+owns the weights from then on and must write them back with `expert_state_dict` to save or restore);
+`expert_state_dict` turns fused weights back into the list's `experts.{e}.*.weight` keys for a
+vanilla checkpoint; `expert_parameters(block, e)` gives one expert's own parameters; `attach_aux_loss` must be applied to the routed output whenever `route`
 returned an `aux_loss` (training), exactly where the published block calls `AddAuxiliaryLoss`.
 `route` should get the block's `[B, S, H]` input: the sequence-level aux loss averages per sequence
 (a `[T, H]` input is treated as one sequence).
