@@ -54,10 +54,15 @@ class MoEAdapter:
         raise NotImplementedError
 
     def iter_moe_blocks(self, model: nn.Module) -> Iterator[tuple[int, str, nn.Module]]:
-        """Yield `(decoder layer index, module path, block)` for every MoE block (dense layers skipped)."""
+        """Yield `(decoder layer index, module path, block)` for every MoE block (dense layers skipped).
+
+        In a model with occult_hf applied, an `OccultMoE` stands for the block it replaced: its
+        `original_block` is yielded (the block this adapter routes with), under the OccultMoE's path.
+        """
         for name, module in model.named_modules():
-            if type(module).__name__ in self.block_class_names:
-                yield _layer_index(name), name, module
+            block = getattr(module, "original_block", module)
+            if type(block).__name__ in self.block_class_names:
+                yield _layer_index(name), name, block
 
     def router(self, block: nn.Module) -> nn.Module:
         """The router module instance (kept as is so transformers' `router_logits` capture works)."""
