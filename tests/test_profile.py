@@ -9,9 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import transformers
+
+from tiny_models import FAMILIES, MOE_LAYERS, tiny_batch, tiny_config, tiny_model
 
 from occult_hf import routing_stats
 from occult_hf.profile import LayerRouting, RoutingProfile
+from occult_hf.profile_collect import ProfileCollector
 from occult_hf.routing_stats import LayerAccumulator, ReservoirSample
 
 ROUTING = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "routing"
@@ -270,11 +274,6 @@ def test_profile_validates_shapes():
 
 
 # ----- collection through the real routers ---------------------------------------------------
-from tiny_models import FAMILIES, MOE_LAYERS, tiny_batch, tiny_config, tiny_model  # noqa: E402
-
-from occult_hf.profile_collect import ProfileCollector  # noqa: E402
-
-
 @pytest.fixture(scope="module", params=FAMILIES)
 def family_model(request):
     return request.param, tiny_model(request.param)
@@ -388,7 +387,7 @@ def test_incompatible_profiles_are_clear_errors(tmp_path):
     partial = RoutingProfile(8, 2, {0: profile.layer(0)})
     partial.check_compatible(model, require_all_layers=False)
     with pytest.raises(ValueError, match=r"occult_hf does not support model_type 'llama'"):
-        profile.check_compatible(__import__("transformers").LlamaConfig())
+        profile.check_compatible(transformers.LlamaConfig())
     with pytest.raises(ValueError, match="needs a 2-D"):
         with ProfileCollector(model):
             model(input_ids=tiny_batch(), attention_mask=torch.ones(2, 1, 16, 16))
