@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 
 #: subcommand modules of this package, in the order `occult --help` lists them
 SUBCOMMANDS: tuple[str, ...] = ("demo", "profile", "place", "report", "eval", "bench")
@@ -26,6 +25,3 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

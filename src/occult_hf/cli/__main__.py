@@ -1,0 +1,7 @@
+"""`python -m occult_hf.cli ...` (what `torchrun -m` launches) runs the `occult` command line."""
+
+import sys
+
+from . import main
+
+sys.exit(main())
