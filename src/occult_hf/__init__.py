@@ -1,8 +1,46 @@
-"""occult_hf: Occult (arXiv 2505.13345) expert parallelism for Hugging Face Transformers."""
+"""occult_hf: Occult (arXiv 2505.13345) expert parallelism for Hugging Face Transformers.
+
+Importing the package lets `AutoModelForCausalLM.from_pretrained(..., occult_config=...)` replace a
+model's MoE blocks (see `integration.install`, the one wrapper this package puts on transformers;
+`occult_hf.uninstall()` removes it).
+"""
 
 from .config import OccultConfig
-from .placement import Placement
+from .integration import (
+    OccultCheckpointCallback,
+    apply_occult,
+    install,
+    occult_config_of,
+    occult_modules,
+    reset_counters,
+    snapshot_experts,
+    uninstall,
+    unapply_occult,
+)
+from .moe import OccultMoE
+from .placement import Placement, available_planners, plan_placement
+from .profile import LayerRouting, RoutingProfile
 
 __version__ = "0.1.0"
 
-__all__ = ["OccultConfig", "Placement", "__version__"]
+install()
+
+__all__ = [
+    "LayerRouting",
+    "OccultCheckpointCallback",
+    "OccultConfig",
+    "OccultMoE",
+    "Placement",
+    "RoutingProfile",
+    "__version__",
+    "apply_occult",
+    "available_planners",
+    "install",
+    "occult_config_of",
+    "occult_modules",
+    "plan_placement",
+    "reset_counters",
+    "snapshot_experts",
+    "unapply_occult",
+    "uninstall",
+]
