@@ -181,6 +181,9 @@ def test_olmoe_pair_counts_become_a_profile_without_samples():
 
 
 def test_trace_errors_say_what_was_expected(tmp_path):
+    # real files of other kinds (per-expert frequencies only) are refused with the expected layouts
+    with pytest.raises(ValueError, match=r"has arrays \['act__.*expected 'topk_ids'.*'coact' \[L, E, E\]"):
+        RoutingProfile.from_trace(ROUTING / "qwen3_30b_a3b_expert_activation_freq.npz")
     odd = tmp_path / "odd.npz"
     np.savez(odd, experts_per_token=np.zeros((3, 2), dtype=np.int64))
     with pytest.raises(ValueError, match=r"expected 'topk_ids' \[T, k\] or \[T, L, k\]"):

@@ -121,7 +121,9 @@ def _id_keys(arrays: dict[str, np.ndarray], key, path: str) -> list[str]:
     parts = [name for name in arrays if name.endswith("_experts")]
     if parts:
         return parts
-    raise ValueError(f"trace file {path!r} has arrays {sorted(arrays)}; expected {_EXPECTED_KEYS}")
+    names = sorted(arrays)
+    shown = names if len(names) <= 8 else names[:8] + [f"... {len(names) - 8} more"]
+    raise ValueError(f"trace file {path!r} has arrays {shown}; expected {_EXPECTED_KEYS}")
 
 
 def _stack_ids(arrays, keys: list[str], layer: int | None, path: str) -> tuple[np.ndarray, list[int]]:
