@@ -1,0 +1,442 @@
+"""`OccultCallback`: pruning-aware fine-tuning with the Hugging Face `Trainer` (DESIGN.md §4).
+
+What it does, all optional except the logging:
+
+- **Logs** (into the Trainer's `logs`, so every logger transformers supports shows them), per MoE
+  layer and averaged over layers, over the forwards since the previous log: `CT` (distinct devices
+  per token of the routing actually dispatched), remote copies (CT minus one when the token's own
+  device is among them: its EP rank, or in one process the `metrics.token_ranks` convention),
+  device load balance (max / mean of tokens x experts per device) and the fraction of routing weight
+  that pruning removed (`CollaborationPruner.pop_stats`). Under torch.distributed the sums are
+  reduced over all ranks first.
+- **N_d schedule**: `max_devices_per_token` of every live pruner goes from `start` (default: no
+  pruning) to `target` (default: the model's `OccultConfig.max_devices_per_token`) over
+  `schedule_steps` optimizer steps, so the model is eased into the constraint.
+- **MoE-only training**: `train_moe_only=True` freezes every parameter outside the MoE blocks
+  (the paper fine-tunes only the routers and experts).
+- **Drift watch**: a `ProfileCollector` accumulates a routing profile from the training batches
+  themselves (the routers' own decisions, before pruning: what a new placement should serve; no
+  extra forward); every `check_every` steps the callback logs the CT of the current placement
+  against a placement re-planned on that recent profile, then starts a new window. At every save it
+  writes the recent profile (`occult_recent_profile.safetensors`) and the re-planned placement
+  (`occult_placement_replanned.json`) beside the checkpoint.
+
+Shape legend: T tokens, k experts per token, E routed experts, D devices.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from transformers import TrainerCallback
+
+from .moe import OccultMoE
+from .pruning import pruners_of
+
+RECENT_PROFILE_FILENAME = "occult_recent_profile.safetensors"
+REPLANNED_PLACEMENT_FILENAME = "occult_placement_replanned.json"
+LOG_PREFIX = "occult/"
+
+
+# ----- the N_d schedule --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeviceLimitSchedule:
+    """`N_d` as a function of the optimizer step: `start` at step 0, `target` from `steps` on.
+
+    In between it falls linearly and is rounded up, so each smaller `N_d` starts only once the line
+    has passed it: `N_d(step) = target + ceil((start - target) * (1 - step / steps))`.
+    """
+
+    start: int
+    target: int
+    steps: int
+
+    def __post_init__(self) -> None:
+        for name in ("start", "target"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"N_d schedule {name} must be an integer >= 1, got {value!r}")
+        if self.start < self.target:
+            raise ValueError(
+                f"N_d schedule start ({self.start}) must be >= target ({self.target}): the schedule tightens the limit"
+            )
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
+            raise ValueError(f"N_d schedule steps must be an integer >= 0, got {self.steps!r}")
+
+    def at(self, step: int) -> int:
+        if step >= self.steps:
+            return self.target
+        remaining = 1.0 - step / self.steps
+        return self.target + math.ceil((self.start - self.target) * remaining - 1e-9)
+
+
+# ----- per-window routing statistics of the dispatched routing -------------------------------------
+
+
+class _DispatchMeter:
+    """On-device sums over the forwards of one `OccultMoE` since the last read (no host sync).
+
+    Fed by a forward hook with `OccultMoE.last_topk_ids_Tk`, the routing actually dispatched.
+    """
+
+    def __init__(self, module: OccultMoE) -> None:
+        self.module = module
+        self.tokens = 0
+        self._sums = None  # float64 [3 + D]: CT sum, remote-copies sum, pair count, then load per device
+
+    @torch.no_grad()
+    def update(self, module: OccultMoE, inputs, output) -> None:
+        ids_Tk = module.last_topk_ids_Tk
+        if ids_Tk is None or not module.training:  # evaluation forwards are not training traffic
+            return
+        num_tokens, top_k = ids_Tk.shape
+        num_devices = module.ep.num_devices
+        device_Tk = module.device_of_E[ids_Tk]
+        hit_TD = torch.zeros(num_tokens, num_devices, dtype=torch.bool, device=ids_Tk.device)
+        hit_TD.scatter_(1, device_Tk, True)
+        if module.ep.is_distributed:
+            home_T = torch.full((num_tokens,), module.ep.rank, dtype=torch.int64, device=ids_Tk.device)
+        else:  # metrics.token_ranks: contiguous equal chunks of the batch, as EP's data-parallel sharding
+            home_T = torch.arange(num_tokens, device=ids_Tk.device) * num_devices // max(num_tokens, 1)
+        ct_T = hit_TD.sum(1)
+        remote_T = ct_T - hit_TD.gather(1, home_T[:, None]).squeeze(1).long()
+        load_D = torch.bincount(device_Tk.reshape(-1), minlength=num_devices)
+        sums = torch.cat([torch.stack([ct_T.sum(), remote_T.sum(), load_D.sum()]), load_D]).double()
+        self._sums = sums if self._sums is None else self._sums + sums
+        self.tokens += num_tokens
+
+    def pop(self, num_devices: int, device: torch.device) -> torch.Tensor:
+        """`[4 + D]` float64: tokens, CT sum, remote sum, pairs, load per device; then reset."""
+        sums = self._sums if self._sums is not None else torch.zeros(3 + num_devices, dtype=torch.float64)
+        out = torch.cat([torch.tensor([float(self.tokens)], dtype=torch.float64), sums.cpu()]).to(device)
+        self.tokens, self._sums = 0, None
+        return out
+
+
+# ----- the callback --------------------------------------------------------------------------------
+
+
+class OccultCallback(TrainerCallback):
+    """Logging, `N_d` schedule, MoE-only training and drift watch for a model with `OccultMoE` blocks.
+
+    Args:
+        target_devices_per_token: the final `N_d`; None: the pruners' own value (the model's
+            `OccultConfig.max_devices_per_token`). Needs a model built with `prune` set.
+        start_devices_per_token: `N_d` at step 0; None: no pruning (`D`).
+        schedule_steps: optimizer steps from start to target (0: target from the first step).
+        train_moe_only: freeze every parameter outside the MoE blocks.
+        check_every: run the drift check every this many optimizer steps (0: only at saves).
+        planner: placement method for the re-planned placement (`placement.available_planners()`).
+        planner_options: keyword options of that planner.
+        sample_size: tokens per layer kept in the recent profile's top-k sample.
+        per_layer: also log every layer's numbers (keys `occult/<name>/layer_<l>`).
+
+    Put it first among the callbacks (`trainer.callback_handler.callbacks.insert(0, cb)` or
+    `cb.attach(trainer)`) when reporting integrations (TensorBoard, W&B, ...) must see its numbers:
+    `Trainer` calls `on_log` of its reporting callbacks before user callbacks.
+    """
+
+    def __init__(
+        self,
+        target_devices_per_token: int | None = None,
+        start_devices_per_token: int | None = None,
+        schedule_steps: int = 0,
+        train_moe_only: bool = False,
+        check_every: int = 0,
+        planner: str = "refined",
+        planner_options: dict | None = None,
+        sample_size: int = 4096,
+        per_layer: bool = True,
+    ) -> None:
+        from .placement import get_planner
+
+        get_planner(planner)  # a clear error now rather than at the first check
+        if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 0:
+            raise ValueError(f"OccultCallback check_every must be an integer >= 0 (0: only at saves), got {check_every!r}")
+        if isinstance(schedule_steps, bool) or not isinstance(schedule_steps, int) or schedule_steps < 0:
+            raise ValueError(f"OccultCallback schedule_steps must be an integer >= 0, got {schedule_steps!r}")
+        self.target_devices_per_token = target_devices_per_token
+        self.start_devices_per_token = start_devices_per_token
+        self.schedule_steps = schedule_steps
+        self.train_moe_only = train_moe_only
+        self.check_every = check_every
+        self.planner = planner
+        self.planner_options = dict(planner_options or {})
+        self.sample_size = sample_size
+        self.per_layer = per_layer
+
+        self.schedule: DeviceLimitSchedule | None = None
+        self.current_devices_per_token: int | None = None  # N_d of the pruners now
+        self.recent_profile = None
+        self.replanned_placement = None
+        self._model = None
+        self._blocks: dict[int, OccultMoE] = {}
+        self._meters: dict[int, _DispatchMeter] = {}
+        self._handles: list = []
+        self._collector = None
+        self._pending_logs: dict[str, float] = {}
+
+    def attach(self, trainer) -> "OccultCallback":
+        """Register this callback first in `trainer`, so that reporting integrations see its numbers."""
+        callbacks = trainer.callback_handler.callbacks
+        if self in callbacks:
+            callbacks.remove(self)
+        callbacks.insert(0, self)
+        return self
+
+    # ----- setup ----------------------------------------------------------------------------
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        if model is not None and self.train_moe_only:
+            self._freeze_outside_moe(model)  # before the Trainer builds its optimizer
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is None:
+            raise ValueError("OccultCallback needs the model: the Trainer passes it to callbacks as `model`")
+        self._bind(model)
+        if self.train_moe_only:
+            self._freeze_outside_moe(model)
+        self._setup_schedule()
+        self._apply_schedule(state.global_step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._collector is not None:
+            self._collector.detach()
+            self._collector = None
+
+    def _bind(self, model) -> None:
+        from .profile_collect import ProfileCollector
+
+        blocks = {m.layer_idx: m for m in model.modules() if isinstance(m, OccultMoE)}
+        if not blocks:
+            raise ValueError(
+                f"OccultCallback found no OccultMoE blocks in {type(model).__name__}: load the model with "
+                f"occult_config=... or call occult_hf.apply_occult(model, config) first"
+            )
+        self.on_train_end(None, None, None)  # a second train() call re-binds cleanly
+        self._model, self._blocks = model, blocks
+        self._meters = {layer: _DispatchMeter(block) for layer, block in blocks.items()}
+        for layer, block in blocks.items():
+            self._handles.append(block.register_forward_hook(self._meters[layer].update))
+        self._collector = ProfileCollector(_transformers_model(model), sample_size=self.sample_size).attach()
+
+    def _freeze_outside_moe(self, model) -> None:
+        moe_parameters = {id(p) for m in model.modules() if isinstance(m, OccultMoE) for p in m.parameters()}
+        if not moe_parameters:
+            raise ValueError("OccultCallback(train_moe_only=True) found no OccultMoE blocks to train")
+        for parameter in model.parameters():
+            if id(parameter) not in moe_parameters:
+                parameter.requires_grad_(False)
+
+    # ----- N_d schedule ---------------------------------------------------------------------
+    def _setup_schedule(self) -> None:
+        pruners = pruners_of(self._model)
+        wants_schedule = self.target_devices_per_token is not None or self.start_devices_per_token is not None
+        if not pruners:
+            if wants_schedule:
+                raise ValueError(
+                    "OccultCallback got an N_d schedule but the model has no pruners: build it with "
+                    "OccultConfig(prune='router' or 'similarity', max_devices_per_token=...)"
+                )
+            self.schedule = None
+            return
+        num_devices = max(p.num_devices for p in pruners.values())
+        target = self.target_devices_per_token
+        if target is None:
+            if self.schedule is not None:  # a second train(): keep the first run's target
+                target = self.schedule.target
+            else:
+                target = min(p.max_devices_per_token for p in pruners.values())
+        start = num_devices if self.start_devices_per_token is None else self.start_devices_per_token
+        if target > num_devices or start > num_devices:
+            raise ValueError(
+                f"OccultCallback N_d schedule (start {start}, target {target}) exceeds num_devices={num_devices}"
+            )
+        self.schedule = DeviceLimitSchedule(start=start, target=target, steps=self.schedule_steps)
+
+    def _apply_schedule(self, step: int) -> None:
+        if self.schedule is None:
+            return
+        value = self.schedule.at(step)
+        for pruner in pruners_of(self._model).values():
+            pruner.max_devices_per_token = value
+        self.current_devices_per_token = value
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._apply_schedule(state.global_step)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.check_every and state.global_step % self.check_every == 0:
+            self._pending_logs.update(self._drift_check())
+
+    # ----- logging --------------------------------------------------------------------------
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or self._model is None:
+            return
+        added = self._routing_logs()
+        added.update(self._pending_logs)
+        self._pending_logs = {}
+        if self.schedule is not None:
+            added[LOG_PREFIX + "max_devices_per_token"] = float(self.current_devices_per_token)
+        logs.update(added)
+        # the Trainer stored a copy of `logs` in the history before calling on_log
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(added)
+
+    def _routing_logs(self) -> dict[str, float]:
+        """Per-layer and mean CT, remote copies, load balance and removed weight since the last log."""
+        pruners = pruners_of(self._model)
+        layers = sorted(self._meters)
+        num_devices = next(iter(self._blocks.values())).ep.num_devices
+        reduce_device = _reduction_device(self._blocks)
+        rows = []
+        for layer in layers:
+            meter_row = self._meters[layer].pop(num_devices, reduce_device)
+            stats = pruners[layer].pop_stats() if layer in pruners else None
+            pruned = [stats["removed_weight_fraction"] * stats["tokens"], float(stats["tokens"])] if stats else [0.0, 0.0]
+            rows.append(torch.cat([meter_row, torch.tensor(pruned, dtype=torch.float64, device=reduce_device)]))
+        table = torch.stack(rows)  # [layers, 4 + D + 2]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(table)
+        table = table.cpu().numpy()
+        per_layer: dict[str, dict[int, float]] = {}
+        for layer, row in zip(layers, table):
+            tokens, ct_sum, remote_sum, _pairs = row[:4]
+            load_D, (removed_sum, pruned_tokens) = row[4 : 4 + num_devices], row[4 + num_devices :]
+            if tokens == 0:
+                continue
+            values = {
+                "ct": ct_sum / tokens,
+                "remote_copies": remote_sum / tokens,
+                "load_balance": float(load_D.max() / load_D.mean()) if load_D.sum() > 0 else float("nan"),
+            }
+            if layer in pruners:
+                values["removed_weight"] = removed_sum / pruned_tokens if pruned_tokens else 0.0
+            for name, value in values.items():
+                per_layer.setdefault(name, {})[layer] = float(value)
+        logs = {}
+        for name, by_layer in per_layer.items():
+            logs[LOG_PREFIX + name] = float(np.mean(list(by_layer.values())))
+            if self.per_layer:
+                logs.update({f"{LOG_PREFIX}{name}/layer_{layer}": value for layer, value in by_layer.items()})
+        return logs
+
+    # ----- drift watch ----------------------------------------------------------------------
+    def _drift_check(self) -> dict[str, float]:
+        """Plan on the recent window's profile, compare CTs on it, start a new window."""
+        from .metrics import evaluate_placement
+        from .placement import Placement, plan_placement
+
+        profile = self._recent_window_profile()
+        if profile is None:
+            return {}
+        num_devices = next(iter(self._blocks.values())).ep.num_devices
+        current = Placement(
+            num_experts=profile.num_experts,
+            num_devices=num_devices,
+            layers={layer: block.device_of_E.tolist() for layer, block in self._blocks.items()},
+        )
+        replanned = plan_placement(profile, num_devices, self.planner, progress=False, **self.planner_options)
+        replanned.meta.update({"source": "OccultCallback drift watch", "tokens": profile.meta.get("tokens")})
+        self.recent_profile, self.replanned_placement = profile, replanned
+        current_metrics = evaluate_placement(profile, current)
+        replanned_metrics = evaluate_placement(profile, replanned)
+        logs = {
+            LOG_PREFIX + "drift/ct_current": float(np.mean([m.ct for m in current_metrics.values()])),
+            LOG_PREFIX + "drift/ct_replanned": float(np.mean([m.ct for m in replanned_metrics.values()])),
+            LOG_PREFIX + "drift/balance_current": float(np.mean([m.balance for m in current_metrics.values()])),
+            LOG_PREFIX + "drift/balance_replanned": float(np.mean([m.balance for m in replanned_metrics.values()])),
+        }
+        return logs
+
+    def _recent_window_profile(self):
+        """The profile of the training tokens since the last check (all ranks), then a fresh window."""
+        from .profile_collect import ProfileCollector
+
+        collector = self._collector
+        local_tokens = collector.token_count
+        total_tokens = _sum_over_ranks(local_tokens)
+        if total_tokens == 0:
+            return None
+        profile = collector.profile(source="OccultCallback training window") if local_tokens else None
+        profile = _merge_profiles_over_ranks(profile, collector)
+        profile.meta["tokens"] = int(total_tokens)
+        collector.detach()
+        self._collector = ProfileCollector(_transformers_model(self._model), sample_size=self.sample_size).attach()
+        return profile
+
+    def on_save(self, args, state, control, **kwargs):
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        if self._model is None:
+            return
+        if self.recent_profile is None:
+            self._pending_logs.update(self._drift_check())
+        if self.recent_profile is None or not state.is_world_process_zero:
+            return
+        checkpoint_dir = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        os.makedirs(checkpoint_dir, exist_ok=True)
+        self.recent_profile.save(os.path.join(checkpoint_dir, RECENT_PROFILE_FILENAME))
+        self.replanned_placement.save(os.path.join(checkpoint_dir, REPLANNED_PLACEMENT_FILENAME))
+
+
+# ----- helpers ---------------------------------------------------------------------------------------
+
+
+def _transformers_model(model):
+    """The transformers model inside a PEFT wrapper (the profile collector binds its forward arguments)."""
+    get_base_model = getattr(model, "get_base_model", None)
+    return get_base_model() if callable(get_base_model) else model
+
+
+def _reduction_device(blocks: dict[int, OccultMoE]) -> torch.device:
+    """Where cross-rank reductions run: the blocks' device (CUDA under NCCL, CPU under gloo)."""
+    block = next(iter(blocks.values()))
+    if block.ep.is_distributed and dist.get_backend(block.ep.group) == "gloo":
+        return torch.device("cpu")
+    return block.device_of_E.device
+
+
+def _sum_over_ranks(value: int) -> int:
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return int(value)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, int(value))
+    return int(sum(gathered))
+
+
+def _merge_profiles_over_ranks(profile, collector):
+    """Sum the ranks' window profiles (counts, Gram matrices) and pool their samples."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return profile
+    from .profile import LayerRouting, RoutingProfile
+
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, profile)
+    profiles = [p for p in gathered if p is not None]
+    first = profiles[0]
+    layers = {}
+    for layer in first.layers:
+        parts = [p.layer(layer) for p in profiles]
+        samples = [r.topk_sample for r in parts if r.topk_sample is not None]
+        grams = [r.logit_gram for r in parts]
+        layers[layer] = LayerRouting(
+            coactivation=sum(r.coactivation for r in parts),
+            expert_counts=sum(r.expert_counts for r in parts),
+            token_count=sum(r.token_count for r in parts),
+            logit_gram=None if any(g is None for g in grams) else sum(grams),
+            topk_sample=np.concatenate(samples) if samples else None,
+        )
+    return RoutingProfile(first.num_experts, first.top_k, layers, first.model_type, dict(first.meta))
+
+
+__all__ = ["OccultCallback", "DeviceLimitSchedule", "RECENT_PROFILE_FILENAME", "REPLANNED_PLACEMENT_FILENAME"]

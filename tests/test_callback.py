@@ -1,0 +1,145 @@
+"""`OccultCallback` with the real HF `Trainer` on a tiny OLMoE (E=16, k=4, D=4 logical devices).
+
+- The N_d schedule: its values step by step, its validation.
+- A short Trainer run on a learnable toy task (next token = current token + 1) with router pruning
+  eased from no pruning (N_d=4) to N_d=1, MoE-only training and a drift check every 3 steps: the loss
+  falls, the routers (and only MoE parameters) change, every logged CT is at most the logged N_d and
+  ends at exactly 1, the removed router weight is 0 before pruning starts and positive after, drift
+  numbers are logged and the recent profile and re-planned placement are written at each save.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+import occult_hf  # noqa: F401
+from occult_hf.callback import (
+    RECENT_PROFILE_FILENAME,
+    REPLANNED_PLACEMENT_FILENAME,
+    DeviceLimitSchedule,
+    OccultCallback,
+)
+from occult_hf.config import OccultConfig
+from occult_hf.integration import apply_occult
+from occult_hf.moe import OccultMoE
+from occult_hf.placement import Placement
+from occult_hf.profile import RoutingProfile
+
+SIZES = dict(num_experts=16, top_k=4)
+
+
+def test_schedule_eases_from_start_to_target():
+    schedule = DeviceLimitSchedule(start=4, target=1, steps=6)
+    assert [schedule.at(step) for step in range(9)] == [4, 4, 3, 3, 2, 2, 1, 1, 1]
+    assert [DeviceLimitSchedule(start=3, target=3, steps=4).at(s) for s in range(5)] == [3] * 5
+    assert DeviceLimitSchedule(start=4, target=2, steps=0).at(0) == 2
+
+
+def test_schedule_and_callback_validation():
+    with pytest.raises(ValueError, match=r"start \(1\) must be >= target \(2\)"):
+        DeviceLimitSchedule(start=1, target=2, steps=3)
+    with pytest.raises(ValueError, match="N_d schedule target must be an integer >= 1, got 0"):
+        DeviceLimitSchedule(start=2, target=0, steps=3)
+    with pytest.raises(ValueError, match="steps must be an integer >= 0, got -1"):
+        OccultCallback(schedule_steps=-1)
+    with pytest.raises(ValueError, match="check_every must be an integer >= 0"):
+        OccultCallback(check_every=1.5)
+    with pytest.raises(ValueError, match="unknown placement method 'best'; valid methods"):
+        OccultCallback(planner="best")
+    exact = apply_occult(tiny_model("olmoe", **SIZES), OccultConfig(num_devices=4))
+    callback = OccultCallback(target_devices_per_token=1)
+    with pytest.raises(ValueError, match="got an N_d schedule but the model has no pruners"):
+        callback.on_train_begin(None, _State(), None, model=exact)
+    with pytest.raises(ValueError, match="found no OccultMoE blocks"):
+        OccultCallback().on_train_begin(None, _State(), None, model=tiny_model("olmoe"))
+    pruned = apply_occult(tiny_model("olmoe", **SIZES), OccultConfig(num_devices=4, prune="router", max_devices_per_token=2))
+    with pytest.raises(ValueError, match=r"exceeds num_devices=4"):
+        OccultCallback(start_devices_per_token=5).on_train_begin(None, _State(), None, model=pruned)
+
+
+class _State:
+    global_step = 0
+
+
+class NextTokenData(torch.utils.data.Dataset):
+    """Sequences counting up from a random start: each token is the previous one plus one."""
+
+    def __init__(self, size: int, seq: int = 16, vocab: int = 128) -> None:
+        generator = torch.Generator().manual_seed(0)
+        starts = torch.randint(3, vocab - seq, (size,), generator=generator)
+        self.input_ids = starts[:, None] + torch.arange(seq)[None, :]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def __getitem__(self, index):
+        return {"input_ids": self.input_ids[index], "labels": self.input_ids[index]}
+
+
+def test_trainer_run_with_schedule_drift_and_moe_only_training(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    model = apply_occult(
+        tiny_model("olmoe", **SIZES).train(), OccultConfig(num_devices=4, prune="router", max_devices_per_token=1)
+    )
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    moe_names = {f"{path}.{name}" for path, m in model.named_modules() if isinstance(m, OccultMoE) for name, _ in m.named_parameters()}
+    callback = OccultCallback(schedule_steps=6, train_moe_only=True, check_every=3)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=12,
+        per_device_train_batch_size=8,
+        learning_rate=2e-2,
+        warmup_steps=0,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_steps=6,
+        save_only_model=True,
+        report_to=[],
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=NextTokenData(96))
+    callback.attach(trainer)
+    assert trainer.callback_handler.callbacks[0] is callback
+    trainer.train()
+
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [entry["step"] for entry in logs] == list(range(1, 13))
+    losses = [entry["loss"] for entry in logs]
+    assert max(losses[-3:]) < 0.8 * losses[0], losses
+
+    limits = [entry["occult/max_devices_per_token"] for entry in logs]
+    assert limits == [4.0, 4.0, 3.0, 3.0, 2.0, 2.0] + [1.0] * 6
+    for entry in logs:
+        assert entry["occult/ct"] <= entry["occult/max_devices_per_token"] + 1e-9, entry
+        for layer in (0, 1):
+            assert entry[f"occult/ct/layer_{layer}"] <= entry["occult/max_devices_per_token"] + 1e-9
+        assert entry["occult/load_balance"] >= 1.0
+        assert 0.0 <= entry["occult/remote_copies"] < entry["occult/ct"]
+    assert logs[0]["occult/ct"] > 2.0 and logs[0]["occult/removed_weight"] == 0.0
+    assert logs[-1]["occult/ct"] == 1.0 and logs[-1]["occult/removed_weight"] > 0.2
+
+    drift_steps = [entry["step"] for entry in logs if "occult/drift/ct_current" in entry]
+    assert drift_steps == [3, 6, 9, 12]
+    for entry in logs:
+        if "occult/drift/ct_current" in entry:
+            assert 1.0 <= entry["occult/drift/ct_replanned"] <= 4.0 and 1.0 <= entry["occult/drift/ct_current"] <= 4.0
+
+    changed = {name for name, p in model.named_parameters() if not torch.equal(p.detach(), before[name])}
+    assert changed and changed <= moe_names, sorted(changed - moe_names)
+    assert any(name.endswith("mlp.gate.weight") for name in changed), "the routers must receive gradients"
+
+    for step in (6, 12):
+        checkpoint = tmp_path / f"checkpoint-{step}"
+        profile = RoutingProfile.load(checkpoint / RECENT_PROFILE_FILENAME)
+        assert profile.num_experts == 16 and sorted(profile.layers) == [0, 1]
+        assert profile.layer(0).token_count == 3 * 8 * 16  # one window: 3 steps of 8 sequences x 16 tokens
+        placement = Placement.load(checkpoint / REPLANNED_PLACEMENT_FILENAME)
+        assert placement.num_devices == 4 and sorted(placement.layers) == [0, 1]
+        assert os.path.isfile(checkpoint / "occult_placement.json")
