@@ -98,6 +98,7 @@ def test_profile_command_on_a_saved_model_with_text_and_dataset(tmp_path, capsys
     "argv, message",
     [
         (["report", "PROFILE"], "give placement files, or --devices D"),
+        (["report"], "run `occult demo`"),
         (["profile", "some/model", "--from-trace", "TRACE", "--out", "x"], "give MODEL or --from-trace, not both"),
         (["profile", "--text", "docs.txt", "--out", "x"], "MODEL is required with --text or --dataset"),
         (["place", "PROFILE", "--devices", "2", "--option", "max_load_ratio"], "--option expects NAME=VALUE"),

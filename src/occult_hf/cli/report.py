@@ -19,7 +19,7 @@ def register(subparsers) -> None:
         "from files, or are planned here with --devices and --methods. (To see everything run end to end "
         "without a model download, try `occult demo`.)",
     )
-    parser.add_argument("profile", help="routing profile (.safetensors from `occult profile`)")
+    parser.add_argument("profile", nargs="?", help="routing profile (.safetensors from `occult profile`)")
     parser.add_argument("placements", nargs="*", help="occult_placement.json files to measure")
     parser.add_argument("--devices", type=int, default=None, help="plan placements for D devices here")
     parser.add_argument(
@@ -37,6 +37,11 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..profile import RoutingProfile
 
+    if args.profile is None:
+        raise SystemExit(
+            "occult report: give a routing PROFILE (make one with `occult profile`); "
+            "to see profile, placement and report run end to end on an embedded default, run `occult demo`"
+        )
     if not args.placements and args.devices is None:
         raise SystemExit("occult report: give placement files, or --devices D to plan placements here")
     profile = RoutingProfile.load(args.profile)
