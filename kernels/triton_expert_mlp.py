@@ -57,6 +57,17 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+#: How pair outputs are reduced into rows. "atomic": fp32 atomic adds in the GEMM epilogue into an
+#: fp32 [R, O] buffer (sum order varies between runs). "rows_fp32": each pair's fp32 output written
+#: to [N, O] and each row's pairs summed in pair order. "rows_io": the same with the pair outputs
+#: rounded to x's dtype before the fp32 sum (half the bytes; the reference rounds the down
+#: projection's output to x's dtype too). Both "rows" modes are bitwise repeatable.
+REDUCE_MODES = ("atomic", "rows_fp32", "rows_io")
+#: reduce mode of `deterministic=True` and `deterministic=False`
+DETERMINISTIC_REDUCE = "rows_fp32"
+FAST_REDUCE = "atomic"
+
+
 @dataclass(frozen=True)
 class _Launch:
     """What every kernel launch of one call shares (tensors already validated and contiguous)."""
@@ -64,7 +75,7 @@ class _Launch:
     pair_row_N: torch.Tensor
     expert_offsets: torch.Tensor
     num_rows: int
-    deterministic: bool
+    reduce: str
     rows_per_expert: int
     block_experts: int
     # row -> pairs index (deterministic mode): pairs sorted by row, and each row's range in it
@@ -106,11 +117,12 @@ def _scatter_gemm(plan: _Launch, a_NK, b_LKO, scale_N, out_dtype):
     """
     num_out = b_LKO.shape[2]
     device = a_NK.device
-    atomic = not plan.deterministic
+    atomic = plan.reduce == "atomic"
     if atomic:
         target = torch.zeros(plan.num_rows, num_out, dtype=torch.float32, device=device)
     else:
-        target = _empty(plan.num_pairs, num_out, dtype=torch.float32, device=device)
+        pair_dtype = torch.float32 if plan.reduce == "rows_fp32" else out_dtype
+        target = _empty(plan.num_pairs, num_out, dtype=pair_dtype, device=device)
     grid = lambda meta: (plan.m_tiles_bound(meta["BLOCK_M"]) * triton.cdiv(num_out, meta["BLOCK_N"]),)  # noqa: E731
     _kernels.scatter_gemm_kernel[grid](
         a_NK, plan.pair_row_N, plan.expert_offsets, b_LKO, a_NK if scale_N is None else scale_N, target,
@@ -241,21 +253,25 @@ def _check_inputs(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LH
 
 def _row_index(pair_row_N: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Row -> pairs CSR on the device: pairs sorted by row (stable: pair order within a row) and
-    row_offsets [R + 1]. searchsorted instead of bincount, which would synchronise."""
-    sorted_rows_N, row_pairs_N = torch.sort(pair_row_N, stable=True)
-    boundaries = torch.arange(num_rows + 1, dtype=torch.int64, device=pair_row_N.device)
+    row_offsets [R + 1]. searchsorted instead of bincount, which would synchronise; 32-bit keys
+    sort about twice as fast as 64-bit ones."""
+    key_dtype = torch.int32 if num_rows < 2**31 else torch.int64
+    sorted_rows_N, row_pairs_N = torch.sort(pair_row_N.to(key_dtype), stable=True)
+    boundaries = torch.arange(num_rows + 1, dtype=key_dtype, device=pair_row_N.device)
     return row_pairs_N, torch.searchsorted(sorted_rows_N, boundaries)
 
 
-def _plan(segments: ExpertSegments, deterministic: bool) -> _Launch:
+def _plan(segments: ExpertSegments, reduce: str) -> _Launch:
+    if reduce not in REDUCE_MODES:
+        raise ValueError(f"reduce mode {reduce!r} is not one of {REDUCE_MODES}")
     row_pairs_N = row_offsets = None
-    if deterministic:
+    if reduce != "atomic":
         row_pairs_N, row_offsets = _row_index(segments.pair_row, segments.num_rows)
     return _Launch(
         pair_row_N=segments.pair_row.contiguous(),
         expert_offsets=segments.expert_offsets.contiguous(),
         num_rows=segments.num_rows,
-        deterministic=deterministic,
+        reduce=reduce,
         rows_per_expert=_rows_per_expert_bucket(segments.num_pairs, segments.num_local_experts),
         block_experts=triton.next_power_of_2(max(2, segments.num_local_experts)),
         row_pairs_N=row_pairs_N,
@@ -270,6 +286,8 @@ def expert_mlp_triton(
     gate_up_proj_L2IH: torch.Tensor,
     down_proj_LHI: torch.Tensor,
     deterministic: bool = False,
+    *,
+    reduce: str | None = None,
 ) -> torch.Tensor:
     """The local expert computation (SiLU experts); same function as `expert_mlp_reference`.
 
@@ -281,15 +299,19 @@ def expert_mlp_triton(
         pair_weight_N: `[N]` routing weight of each pair, in segment order (any float dtype).
         gate_up_proj_L2IH: `[L, 2I, H]`, gate rows first, x's dtype.
         down_proj_LHI: `[L, H, I]`, x's dtype.
-        deterministic: sum each row's pairs in a fixed order (bitwise repeatable, one extra [N, H] fp32
-            buffer); otherwise fp32 atomic adds (fastest; last bits vary between runs).
+        deterministic: sum each row's pairs in a fixed order from fp32 pair outputs (bitwise
+            repeatable for a given tuned configuration; one extra [N, H] fp32 buffer); otherwise the
+            fastest reduction (`FAST_REDUCE`, see `REDUCE_MODES`).
+        reduce: one of `REDUCE_MODES`, overriding the choice `deterministic` makes (benchmarks, tests).
 
     Returns:
         `[R, H]` in x's dtype; rows served by no pair are zero. Differentiable with respect to x,
         pair_weight and both weights (Triton backward kernels).
     """
     _check_inputs(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI)
-    plan = _plan(segments, deterministic)
+    if reduce is None:
+        reduce = DETERMINISTIC_REDUCE if deterministic else FAST_REDUCE
+    plan = _plan(segments, reduce)
     inputs = (x_RH, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI)
     save = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     return _ExpertMLPFunction.apply(
@@ -303,17 +325,17 @@ def expert_mlp_triton_stages(
     pair_weight_N: torch.Tensor,
     gate_up_proj_L2IH: torch.Tensor,
     down_proj_LHI: torch.Tensor,
-    deterministic: bool = False,
+    reduce: str = FAST_REDUCE,
 ) -> dict[str, tuple[Callable[[], object], float]]:
     """The stages of `expert_mlp_triton`'s forward and backward as separate zero-argument callables,
-    each with its FLOP count, for timing one by one (benchmarks). Inputs of later stages (h, gu, a
-    random dout, d gu) are prepared once here with the same kernels."""
+    each with its FLOP count, for timing one by one (benchmarks); `reduce` is one of `REDUCE_MODES`.
+    Inputs of later stages (h, gu, a random dout, d gu) are prepared once here with the same kernels."""
     _check_inputs(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI)
     if segments.num_pairs == 0:
         raise ValueError("expert_mlp_triton_stages needs at least one pair (segments.num_pairs is 0)")
     x_RH, pair_weight_N = x_RH.detach().contiguous(), pair_weight_N.detach().contiguous()
     gate_up_L2IH, down_LHI = gate_up_proj_L2IH.detach(), down_proj_LHI.detach()
-    plan = _plan(segments, deterministic)
+    plan = _plan(segments, reduce)
     pairs, hidden, inter = plan.num_pairs, x_RH.shape[1], down_LHI.shape[2]
     h_NI, gu_N2I = _gate_up(plan, x_RH, gate_up_L2IH, save_gu=True)
     dout_RH = torch.randn_like(x_RH)
@@ -337,9 +359,9 @@ def expert_mlp_triton_stages(
             gemm,
         ),
     }
-    if deterministic:
-        stages["row -> pairs index"] = (lambda: _row_index(segments.pair_row, segments.num_rows), 0.0)
+    if reduce != "atomic":
+        stages = {"row -> pairs index (once per call)": (lambda: _row_index(segments.pair_row, segments.num_rows), 0.0), **stages}
     return stages
 
 
-__all__ = ["expert_mlp_triton", "expert_mlp_triton_stages"]
+__all__ = ["REDUCE_MODES", "expert_mlp_triton", "expert_mlp_triton_stages"]

@@ -39,10 +39,10 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) candidates for Hopper, tuned per (H, I, rows per
 # expert). Every candidate is valid for every shape (masks cover ragged edges); the tuner only picks.
 # gate_up holds two accumulators (gate and up), so its BLOCK_N counts twice.
-_GATE_UP_HOPPER = [(128, 128, 64, 3, 8), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 3, 8), (64, 64, 64, 4, 4)]
+_GATE_UP_HOPPER = [(128, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 3, 8), (64, 64, 64, 4, 4)]
 _GEMM_HOPPER = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (64, 256, 64, 3, 8)]
 _OUTER_HOPPER = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4), (256, 128, 64, 3, 8)]
-_SEGMENT_SUM_HOPPER = [(512, 4), (1024, 4), (2048, 8)]
+_SEGMENT_SUM_HOPPER = [(256, 2), (512, 4), (1024, 8)]
 
 
 def _gemm_configs(candidates: list[tuple[int, int, int, int, int]]) -> list[triton.Config]:
@@ -144,7 +144,7 @@ def gate_up_kernel(
         + expert.to(tl.int64) * stride_w_expert
         + tl.minimum(offs_n, I - 1)[None, :] * stride_w_out
         + offs_k[:, None] * stride_w_k
-    )  # [BK, BN]
+    )  # [BK, BN]; the clamp is along the strided output dimension (valid addresses, no mask needed)
     up_ptrs = gate_ptrs + I * stride_w_out
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -219,21 +219,18 @@ def scatter_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
 
     a_ptrs = a_ptr + safe_m[:, None].to(tl.int64) * stride_a_row + offs_k[None, :]  # [BM, BK]
-    b_ptrs = (
-        b_ptr
-        + expert.to(tl.int64) * stride_b_expert
-        + offs_k[:, None] * stride_b_k
-        + tl.minimum(offs_n, N_OUT - 1)[None, :] * stride_b_n
-    )  # [BK, BN]
+    # N is masked, not clamped: a clamped index along a unit-stride dimension hides contiguity from
+    # the compiler and turns 16-byte loads into scalar ones (B_e is N-contiguous for dx).
+    b_ptrs = b_ptr + expert.to(tl.int64) * stride_b_expert + offs_k[:, None] * stride_b_k + offs_n[None, :] * stride_b_n
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
+            b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
         else:
             mask_k = offs_k < K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=mask_k[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=mask_k[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_b_k
@@ -261,15 +258,21 @@ def segment_sum_kernel(
     stride_out_row,
     BLOCK_H: tl.constexpr,
 ):
+    # PAIRS rows are loaded at once (independent loads in flight) and summed in a fixed tree order;
+    # PAIRS is the same in every config, so the tuner's choice never changes the bits of the result.
+    PAIRS: tl.constexpr = 8
     row = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
     first = tl.load(row_offsets_ptr + row)
     last = tl.load(row_offsets_ptr + row + 1)
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for j in range(first, last):
-        pair = tl.load(row_pairs_ptr + j)
-        acc += tl.load(y_ptr + pair * stride_y_row + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+    for j in range(first, last, PAIRS):
+        offs_j = j + tl.arange(0, PAIRS)
+        mask_j = offs_j < last
+        pairs = tl.load(row_pairs_ptr + offs_j, mask=mask_j, other=0)
+        y = tl.load(y_ptr + pairs[:, None] * stride_y_row + offs_h[None, :], mask=mask_j[:, None] & mask_h[None, :], other=0.0)
+        acc += tl.sum(y.to(tl.float32), axis=0)
     tl.store(out_ptr + row * stride_out_row + offs_h, acc.to(out_ptr.dtype.element_ty), mask=mask_h)
 
 
@@ -314,21 +317,17 @@ def dgate_up_kernel(
     offs_k = tl.arange(0, BLOCK_K)
 
     dout_ptrs = dout_ptr + rows_M[:, None] * stride_dout_row + offs_k[None, :]  # [BM, BK]
-    w_ptrs = (
-        w_ptr
-        + expert.to(tl.int64) * stride_w_expert
-        + offs_k[:, None] * stride_w_k
-        + tl.minimum(offs_n, I - 1)[None, :] * stride_w_n
-    )  # [BK, BN]
+    # down_e is I-contiguous: mask N rather than clamp it (see scatter_gemm_kernel)
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_w_expert + offs_k[:, None] * stride_w_k + offs_n[None, :] * stride_w_n
     g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             dout = tl.load(dout_ptrs)
-            w = tl.load(w_ptrs)
+            w = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
         else:
             mask_k = offs_k < K - k * BLOCK_K
             dout = tl.load(dout_ptrs, mask=mask_k[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=mask_k[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         g = tl.dot(dout, w, g, input_precision=DOT_PRECISION)
         dout_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_w_k
@@ -381,8 +380,8 @@ def segment_outer_kernel(
     tile = pid % (tiles_m * tiles_n)
     offs_m = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    safe_m = tl.minimum(offs_m, M - 1)
-    safe_n = tl.minimum(offs_n, N_OUT - 1)
+    mask_m = offs_m < M
+    mask_n = offs_n < N_OUT
     segment_start = tl.load(expert_offsets_ptr + expert)
     segment_end = tl.load(expert_offsets_ptr + expert + 1)
 
@@ -399,12 +398,13 @@ def segment_outer_kernel(
             rows_b = tl.load(pair_row_ptr + safe_k)
         else:
             rows_b = safe_k
-        a = tl.load(a_ptr + rows_a[None, :] * stride_a_row + safe_m[:, None], mask=mask_k[None, :], other=0.0)  # [BM, BK]
-        b = tl.load(b_ptr + rows_b[:, None] * stride_b_row + safe_n[None, :], mask=mask_k[:, None], other=0.0)  # [BK, BN]
+        # M and N are the unit-stride dimensions here: masked, not clamped (see scatter_gemm_kernel)
+        a = tl.load(a_ptr + rows_a[None, :] * stride_a_row + offs_m[:, None], mask=mask_k[None, :] & mask_m[:, None], other=0.0)
+        b = tl.load(b_ptr + rows_b[:, None] * stride_b_row + offs_n[None, :], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         if HAS_SCALE:  # on A, which the tensor cores may read from registers (B must stay in shared memory)
             a = (a.to(tl.float32) * tl.load(scale_ptr + safe_k).to(tl.float32)[None, :]).to(a_ptr.dtype.element_ty)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
-    mask_out = (offs_m < M)[:, None] & (offs_n < N_OUT)[None, :]
+    mask_out = mask_m[:, None] & mask_n[None, :]
     c_ptrs = c_ptr + expert.to(tl.int64) * stride_c_expert + offs_m[:, None] * stride_c_m + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_out)

@@ -26,7 +26,7 @@ import torch
 
 from occult_hf.kernels import ExpertSegments, expert_mlp_grouped_mm, expert_mlp_reference
 from occult_hf.kernels import triton_expert_mlp
-from occult_hf.kernels.triton_expert_mlp import expert_mlp_triton
+from occult_hf.kernels.triton_expert_mlp import REDUCE_MODES, expert_mlp_triton
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 REPO = Path(__file__).resolve().parents[1]
@@ -117,13 +117,13 @@ def interpreted(monkeypatch):
     monkeypatch.setattr(triton_expert_mlp, "_empty", poisoned_empty)
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("reduce", REDUCE_MODES)
 @pytest.mark.parametrize("case", list(CASES))
-def test_forward_and_gradients_match_reference(interpreted, case, deterministic):
+def test_forward_and_gradients_match_reference(interpreted, case, reduce):
     rows, hidden, inter, experts, pairs = CASES[case]
     problem = make_problem(rows, hidden, inter, experts, pairs)
     grad_out = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(7))
-    out, grads = run_with_grads(expert_mlp_triton, problem, torch.float32, grad_out, deterministic=deterministic)
+    out, grads = run_with_grads(expert_mlp_triton, problem, torch.float32, grad_out, reduce=reduce)
     ref_out, ref_grads = run_with_grads(expert_mlp_reference, problem, torch.float64, grad_out)
 
     assert out.dtype == torch.float32 and not out.isnan().any()
@@ -215,9 +215,10 @@ def test_bench_experts_harness_on_a_tiny_shape(interpreted, tmp_path):
     assert set(measured) == set(bench.IMPLEMENTATIONS)
     for m in measured.values():
         assert m.fwd_rel_err <= 1e-5 and m.fwd_ms > 0 and m.fwd_bwd_ms > 0, m
-    assert "| tiny (32/16/4/2) | 24 | triton |" in result["tables"]["results"]
-    assert set(result["breakdowns"]) == {"atomic", "deterministic"}
-    assert "bwd: d down_proj" in result["tables"]["breakdown (atomic)"]
+    assert "| tiny (32/16/4/2) | 24 | triton_atomic |" in result["tables"]["results"]
+    assert set(result["breakdowns"]) == set(REDUCE_MODES)
+    assert "bwd: d down_proj" in result["tables"]["reduce=atomic"]
+    assert "row -> pairs index" in result["tables"]["reduce=rows_io"]
     bench.plot(result["measurements"], tmp_path / "experts.png")
     assert (tmp_path / "experts.png").stat().st_size > 0
 
@@ -259,19 +260,19 @@ needs_cuda = pytest.mark.skipif(
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("reduce", REDUCE_MODES)
 @pytest.mark.parametrize("shape", [(2048, 1024, 64, 8), (2048, 1408, 60, 4)], ids=["olmoe", "qwen1.5"])
-def test_bf16_real_shapes_match_fp32_reference(shape, deterministic):
+def test_bf16_real_shapes_match_fp32_reference(shape, reduce):
     hidden, inter, experts, top_k = shape
     problem = _routed_problem(4096, hidden, inter, experts, top_k, "cuda")
     grad_out = torch.randn(4096, hidden, device="cuda")
-    out, grads = run_with_grads(expert_mlp_triton, problem, torch.bfloat16, grad_out, deterministic=deterministic)
+    out, grads = run_with_grads(expert_mlp_triton, problem, torch.bfloat16, grad_out, reduce=reduce)
     ref_out, ref_grads = run_with_grads(expert_mlp_reference, problem, torch.float32, grad_out)
     assert out.dtype == torch.bfloat16 and not out.isnan().any()
     assert rel_err(out, ref_out) <= 1e-2
     for name, grad, ref in zip(("x", "pair_weight", "gate_up_proj", "down_proj"), grads, ref_grads):
         assert not grad.isnan().any(), name
         assert rel_err(grad, ref) <= 1e-2, f"d {name}: rel. error {rel_err(grad, ref):.2e}"
-    if deterministic:
-        again = run_with_grads(expert_mlp_triton, problem, torch.bfloat16, grad_out, deterministic=True)
+    if reduce != "atomic":  # bitwise repeatable
+        again = run_with_grads(expert_mlp_triton, problem, torch.bfloat16, grad_out, reduce=reduce)
         assert torch.equal(out, again[0]) and all(torch.equal(a, b) for a, b in zip(grads, again[1]))

@@ -6,8 +6,9 @@ Shape legend: T tokens, k experts per token, E experts, H hidden, I expert width
 Per model shape and token count T: x [T, H], expert weights (std 1/sqrt(fan-in)) and routing (top-k
 of the softmax of Gaussian logits, weights not renormalised) are drawn once; every implementation
 computes the same function of them:
-- `triton`: layout (pairs sorted by expert on the device) + `expert_mlp_triton` (fp32 atomics);
-- `triton_det`: the same in deterministic mode (per-row segmented reduction);
+- `triton_<reduce>`: layout (pairs sorted by expert on the device) + `expert_mlp_triton` with each
+  reduction of pair outputs into rows (`REDUCE_MODES`: fp32 atomics; per-row sums of fp32 pair outputs,
+  which is `deterministic=True`; per-row sums of pair outputs in x's dtype);
 - `torch_grouped_mm`: layout + `expert_mlp_grouped_mm` (gather, two grouped GEMMs, `index_add`);
 - `hf_grouped_mm`, `hf_eager`: the family's transformers experts module, with
   `config._experts_implementation` set as transformers does (the baseline is `hf_grouped_mm`).
@@ -86,7 +87,7 @@ HF_EXPERTS: dict[str, HFExperts] = {
     ),
 }  # fmt: skip
 
-IMPLEMENTATIONS = ("triton", "triton_det", "torch_grouped_mm", "hf_grouped_mm", "hf_eager")
+IMPLEMENTATIONS = ("triton_atomic", "triton_rows_fp32", "triton_rows_io", "torch_grouped_mm", "hf_grouped_mm", "hf_eager")
 BASELINE = "hf_grouped_mm"
 DEFAULT_TOKENS = (4096, 16384, 65536)
 
@@ -142,10 +143,12 @@ def _hf(implementation: str) -> Callable:
 
 def implementation_fn(name: str) -> Callable:
     """name -> forward(experts_module, x_TH, topk_ids_Tk, topk_weights_Tk) -> [T, H]."""
-    if name in ("triton", "triton_det"):
-        from occult_hf.kernels.triton_expert_mlp import expert_mlp_triton
+    if name.startswith("triton_"):
+        from occult_hf.kernels.triton_expert_mlp import REDUCE_MODES, expert_mlp_triton
 
-        return _layout_then(expert_mlp_triton, deterministic=name == "triton_det")
+        reduce = name.removeprefix("triton_")
+        if reduce in REDUCE_MODES:
+            return _layout_then(expert_mlp_triton, reduce=reduce)
     if name == "torch_grouped_mm":
         return _layout_then(expert_mlp_grouped_mm)
     if name in ("hf_grouped_mm", "hf_eager"):
@@ -239,19 +242,23 @@ def measure_case(shape_name, shape, tokens, implementations, module, timer, seed
     return results
 
 
-def stage_breakdown(shape: ExpertShape, tokens: int, module, timer, seed: int, deterministic: bool) -> list[tuple[str, float, float]]:
-    """(stage, ms, FLOPs) of each Triton stage alone, plus the layout, on the benchmark's routing."""
-    from occult_hf.kernels.triton_expert_mlp import expert_mlp_triton_stages
+def stage_breakdown(shape: ExpertShape, tokens: int, module, timer, seed: int) -> dict[str, list[tuple[str, float, float]]]:
+    """reduce mode -> (stage, ms, FLOPs) of each Triton stage alone, on the benchmark's routing: every
+    stage for the first mode, the stages that depend on the reduction for the others."""
+    from occult_hf.kernels.triton_expert_mlp import REDUCE_MODES, expert_mlp_triton_stages
 
     x_TH, ids_Tk, weights_Tk = routing(shape, tokens, module.gate_up_proj.device, module.gate_up_proj.dtype, seed)
     segments, order_N = segments_from_topk(ids_Tk, shape.num_experts)
+    breakdowns = {}
     with torch.no_grad():
-        stages = expert_mlp_triton_stages(
-            x_TH, segments, weights_Tk.reshape(-1)[order_N], module.gate_up_proj, module.down_proj, deterministic
-        )
-        rows = [("layout: sort pairs by expert", timer(lambda: segments_from_topk(ids_Tk, shape.num_experts)), 0.0)]
-        rows += [(name, timer(fn), flops) for name, (fn, flops) in stages.items()]
-    return rows
+        for i, reduce in enumerate(REDUCE_MODES):
+            stages = expert_mlp_triton_stages(
+                x_TH, segments, weights_Tk.reshape(-1)[order_N], module.gate_up_proj, module.down_proj, reduce
+            )
+            rows = [("layout: sort pairs by expert", timer(lambda: segments_from_topk(ids_Tk, shape.num_experts)), 0.0)] if i == 0 else []
+            rows += [(name, timer(fn), flops) for name, (fn, flops) in stages.items() if i == 0 or "row" in name]
+            breakdowns[reduce] = rows
+    return breakdowns
 
 
 def dense_gemm_tflops(device, dtype, timer, size: int = 8192) -> float:
@@ -299,13 +306,7 @@ def breakdown_table(rows: list[tuple[str, float, float]], dense_tflops: float) -
     for name, ms, flops in rows:
         tflops = flops / ms / 1e9 if flops else None
         cells.append([name, f"{ms:.3f}", _fmt(tflops, ".0f"), _fmt(None if tflops is None else 100 * tflops / dense_tflops, ".0f")])
-    cells.append(["sum of stages (fwd training: saving gate/up)", f"{_stage_sum(rows, training=True):.3f}", "", ""])
     return _markdown(["stage", "ms", "TFLOP/s", "% dense"], cells)
-
-
-def _stage_sum(rows, training: bool) -> float:
-    skipped = "fwd: gather + gate_up GEMM + SiLU*up" if training else "fwd: same, saving gate/up for bwd"
-    return sum(ms for name, ms, _ in rows if name != skipped)
 
 
 def plot(measurements: list[Measurement], path: Path) -> None:
@@ -368,13 +369,11 @@ def run_benchmark(
         module = hf_experts_module(shape, device, dtype)
         measurements += measure_case(shape_name, shape, t, implementations, module, timer, seed, eager_max_tokens, log)
         if breakdown == (shape_name, t):
-            for deterministic in (False, True):
-                mode = "deterministic" if deterministic else "atomic"
-                breakdowns[mode] = stage_breakdown(shape, t, module, timer, seed, deterministic)
+            breakdowns = stage_breakdown(shape, t, module, timer, seed)
         del module
     tables = {"results": results_table(measurements, shapes, dense)}
     for mode, rows in breakdowns.items():
-        tables[f"breakdown ({mode})"] = breakdown_table(rows, dense)
+        tables[f"reduce={mode}"] = breakdown_table(rows, dense)
     return {"dense_tflops": dense, "measurements": measurements, "breakdowns": breakdowns, "tables": tables}
 
 
@@ -389,11 +388,42 @@ def machine_line(device) -> str:
     )
 
 
-def report(result: dict, device, breakdown: tuple[str, int] | None) -> str:
+#: (shape, T, forward speed-up, forward + backward speed-up, fraction of the dense rate) that the
+#: default Triton path must reach against BASELINE (issue 4)
+TARGET = ("olmoe-1b-7b", 16384, 1.6, 1.4, 0.55)
+
+
+def target_lines(measurements: list[Measurement], shapes: dict[str, ExpertShape], dense_tflops: float) -> list[str]:
+    from occult_hf.kernels.triton_expert_mlp import DETERMINISTIC_REDUCE, FAST_REDUCE
+
+    shape_name, tokens, fwd_goal, fwd_bwd_goal, rate_goal = TARGET
+    found = {m.implementation: m for m in measurements if (m.shape, m.tokens) == (shape_name, tokens)}
+    base = found.get(BASELINE)
+    lines = []
+    for label, reduce in (("default (deterministic=False)", FAST_REDUCE), ("deterministic=True", DETERMINISTIC_REDUCE)):
+        ours = found.get(f"triton_{reduce}")
+        if ours is None or base is None:
+            continue
+        shape = shapes[shape_name]
+        fwd_x, fwd_bwd_x = base.fwd_ms / ours.fwd_ms, base.fwd_bwd_ms / ours.fwd_bwd_ms
+        fwd_rate = ours.flops(shape, False) / ours.fwd_ms / 1e9 / dense_tflops
+        fwd_bwd_rate = ours.flops(shape, True) / ours.fwd_bwd_ms / 1e9 / dense_tflops
+        lines.append(
+            f"- {shape_name} T={tokens}, triton_{reduce} ({label}): forward {fwd_x:.2f}x {BASELINE} (target {fwd_goal}x), "
+            f"forward+backward {fwd_bwd_x:.2f}x (target {fwd_bwd_goal}x), {100 * fwd_rate:.0f}% (forward) and "
+            f"{100 * fwd_bwd_rate:.0f}% (forward+backward) of the dense bf16 GEMM rate (target {100 * rate_goal:.0f}%)"
+        )
+    return lines
+
+
+def report(result: dict, shapes: dict[str, ExpertShape], device, breakdown: tuple[str, int] | None) -> str:
     parts = [
         f"Machine: {machine_line(device)}. Dense bf16 GEMM (8192^3 torch.matmul): {result['dense_tflops']:.0f} TFLOP/s.",
         result["tables"]["results"],
     ]
+    targets = target_lines(result["measurements"], shapes, result["dense_tflops"])
+    if targets:
+        parts.append("Targets:\n" + "\n".join(targets))
     for name, table in result["tables"].items():
         if name != "results" and breakdown:
             parts.append(f"Triton stages alone, {breakdown[0]} T={breakdown[1]}, {name}:\n\n{table}")
@@ -439,7 +469,7 @@ def run(args: argparse.Namespace) -> int:
         device=device, timer=cuda_timer(args.warmup_ms, args.rep_ms),
         eager_max_tokens=args.eager_max_tokens, breakdown=breakdown, seed=args.seed,
     )  # fmt: skip
-    text = report(result, device, breakdown)
+    text = report(result, {name: SHAPES[name] for name in args.shapes}, device, breakdown)
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
