@@ -350,7 +350,7 @@ def _full_experts_for_save(model, state) -> dict[str, tuple[torch.Tensor, torch.
 def _expert_versions(model, state) -> tuple[int, ...]:
     versions = []
     for path in state.block_paths:
-        experts = model.get_submodule(path).experts
+        experts = model.get_submodule(path).local_experts
         versions += [experts.gate_up_proj._version, experts.down_proj._version]
     return tuple(versions)
 
@@ -381,7 +381,7 @@ def _gather_full_experts(module: OccultMoE, state: _OccultState, to_all: bool):
     One process: the local weights themselves. EP: a gloo gather to EP rank 0 (`to_all=False`; other
     ranks get None) or an all-gather (`to_all=True`), through CPU, padded to the largest capacity.
     """
-    experts = module.experts
+    experts = module.local_experts
     if not state.ep.is_distributed:
         return experts.gate_up_proj.detach(), experts.down_proj.detach()
     placement, layer = state.placement, module.layer_idx

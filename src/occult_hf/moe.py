@@ -116,6 +116,16 @@ class OccultMoE(nn.Module):
     def original_block(self) -> nn.Module:
         return self._original[0]
 
+    @property
+    def local_experts(self) -> LocalExperts:
+        """The `LocalExperts`, also when PEFT has wrapped `experts`: LoRA on the fused expert weights
+        (`target_parameters`) puts `ParamWrapper`s around it, whose forward applies the adapters, so
+        the forward calls `self.experts` while attributes are read here."""
+        experts = self.experts
+        while not isinstance(experts, LocalExperts):
+            experts = experts.base_layer
+        return experts
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         block = self.original_block
         shape = hidden_states.shape
@@ -132,7 +142,7 @@ class OccultMoE(nn.Module):
             topk_weights_Tk,
             self.device_of_E,
             self.local_index_E,
-            self.experts.num_local_experts,
+            self.local_experts.num_local_experts,
             self.ep,
             self.dispatch_mode,
         )
@@ -164,7 +174,7 @@ class OccultMoE(nn.Module):
         self._carrier_update_queued = False
         carrier = self.ep_grad_norm_carrier
         local_sq = torch.zeros((), dtype=torch.float32, device=carrier.device)
-        for param in (self.experts.gate_up_proj, self.experts.down_proj):
+        for param in self.experts.parameters():  # the expert weights and any PEFT adapters on them
             if param.grad is not None:
                 local_sq += param.grad.float().square().sum()
         total_sq = local_sq.clone()
@@ -205,7 +215,7 @@ class OccultMoE(nn.Module):
         for key, value in self.place_full_experts(gate_up_E2IH, down_EHI).items():
             param = block.get_parameter(key)
             if param is not value:
-                param.data = value.detach().to(device=self.experts.gate_up_proj.device, dtype=param.dtype).clone()
+                param.data = value.detach().to(device=self.local_experts.gate_up_proj.device, dtype=param.dtype).clone()
         return block
 
     def _release_unshared_expert_storage(self) -> None:
