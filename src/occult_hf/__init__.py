@@ -20,6 +20,7 @@ from .integration import (
 from .moe import OccultMoE
 from .placement import Placement, available_planners, plan_placement
 from .profile import LayerRouting, RoutingProfile
+from .profile_collect import ProfileCollector
 
 __version__ = "0.1.0"
 
@@ -31,6 +32,7 @@ __all__ = [
     "OccultConfig",
     "OccultMoE",
     "Placement",
+    "ProfileCollector",
     "RoutingProfile",
     "__version__",
     "apply_occult",

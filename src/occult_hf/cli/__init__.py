@@ -22,6 +22,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    """Run a subcommand; bad input (a wrong file, an incompatible profile) ends in one clear line."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, KeyError) as error:
+        parser.exit(2, f"occult {args.command}: error: {error}\n")
 
