@@ -21,6 +21,7 @@ rank a full model.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -33,6 +34,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils_hf import get_dtype
 
+from occult_hf import integration
 from occult_hf.config import OccultConfig
 
 from .lockstep import ForwardLockstep
@@ -95,18 +97,34 @@ def load_occult_model(
     *,
     device: torch.device,
     dtype: str | torch.dtype | None,
-    group: dist.ProcessGroup | None,
     **load_kwargs: Any,
-) -> tuple[transformers.PreTrainedModel, OccultConfig]:
-    """Load `pretrained` and replace its MoE blocks; returns the model on `device` and the config it runs with."""
-    from occult_hf.integration import apply_occult
+) -> transformers.PreTrainedModel:
+    """Load `pretrained` through occult_hf's `from_pretrained(occult_config=...)`, on `device`, in eval mode.
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(pretrained, dtype=get_dtype(dtype), **load_kwargs)
+    `occult_config=None` means the checkpoint's saved `occult_config`, else `OccultConfig()`. Under
+    torch.distributed the EP group is the default group (every rank loads, each keeps its experts).
+    """
+    integration.install()  # idempotent: what `import occult_hf` sets up
     if occult_config is None:
-        saved = getattr(model.config, "occult_config", None)
+        config_kwargs = {k: load_kwargs[k] for k in ("revision", "trust_remote_code", "subfolder") if k in load_kwargs}
+        saved = getattr(transformers.AutoConfig.from_pretrained(pretrained, **config_kwargs), "occult_config", None)
         occult_config = OccultConfig.coerce(saved) if saved is not None else OccultConfig()
-    model = apply_occult(model, occult_config, group=group) or model
-    return model.to(device).eval(), occult_config
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        pretrained, occult_config=occult_config, dtype=get_dtype(dtype), device_map={"": str(device)}, **load_kwargs
+    )
+    return model.eval()
+
+
+@contextlib.contextmanager
+def _class_generate(model: torch.nn.Module):
+    """Let `model.generate` be its class's method for the duration (the runtime sets a per-instance
+    `generate` under EP that forces `synced_gpus=True`); the instance method is put back after."""
+    instance_generate = model.__dict__.pop("generate", None)
+    try:
+        yield
+    finally:
+        if instance_generate is not None:
+            model.__dict__["generate"] = instance_generate
 
 
 @register_model("occult-hf")
@@ -161,10 +179,9 @@ class OccultHFLM(HFLM):
             if shared in hflm_kwargs:
                 load_kwargs[shared] = hflm_kwargs[shared]
 
-        model, self.occult_config = load_occult_model(
-            pretrained, requested_config, device=_resolve_device(device, world_size), dtype=dtype,
-            group=self._ep_group, **load_kwargs,
-        )  # fmt: skip
+        model = load_occult_model(
+            pretrained, requested_config, device=_resolve_device(device, world_size), dtype=dtype, **load_kwargs
+        )
         hflm_kwargs.setdefault("tokenizer", pretrained)
         super().__init__(pretrained=model, backend="causal", **hflm_kwargs)
         # HFLM treats a model object as single-process; this class owns the EP group instead
@@ -199,6 +216,16 @@ class OccultHFLM(HFLM):
         if self._lockstep is None:
             super().barrier()
 
+    def _model_generate(self, context, max_length, stop, **generation_kwargs):
+        """Under EP, `ForwardLockstep` already pairs every forward of generation across ranks (and across
+        generate calls, batches and request types). The runtime's EP `generate` forces `synced_gpus=True`,
+        whose per-step all_reduce would interleave with the lockstep's votes, so the class's own
+        `generate` (synced_gpus off) runs here."""
+        if self._lockstep is None:
+            return super()._model_generate(context, max_length, stop, **generation_kwargs)
+        with _class_generate(self.model):
+            return super()._model_generate(context, max_length, stop, **generation_kwargs)
+
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
         """HFLM pads rolling windows across ranks with an `all_gather` that a rank without rolling requests
         never reaches; under EP the lockstep makes that padding unnecessary, so it runs as one process."""
@@ -210,7 +237,7 @@ class OccultHFLM(HFLM):
 
     def get_model_info(self) -> dict:
         info = super().get_model_info()
-        info["occult_config"] = self.occult_config.to_dict()
+        info["occult_config"] = integration.occult_config_of(self.model).to_dict()
         info["expert_parallel_world_size"] = self.world_size
         return info
 
