@@ -6,20 +6,21 @@ H hidden, I expert width.
     out[r] = sum over pairs p of row r: w[p] * down_e(SiLU(gate_e x[r]) * up_e x[r])
 
 Forward, two grouped GEMMs over the expert segments (`triton_expert_mlp_kernels.py`):
-1. `gate_up_kernel` gathers x rows by `pair_row` and writes h [N, I] = SiLU(gate) * up (and, when a
-   gradient is needed, the pre-activations gu [N, 2I] that the backward reads instead of recomputing
-   a GEMM);
-2. `scatter_gemm_kernel` multiplies h by down_e, scales by w[p] and reduces into one fp32 row per
-   received row, either by atomic adds in the GEMM epilogue (fast mode; the sum order, hence the last
-   bits, vary between runs) or, in deterministic mode, by writing y [N, H] in fp32 and summing each
-   row's pairs in pair order (`segment_sum_kernel`, through a row -> pairs index built on the device).
+1. `gate_up_kernel` gathers x rows by `pair_row` and writes hw [N, I] = w[p] * SiLU(gate) * up (the
+   pair weight is a per-row scalar, so it can be applied before the down projection; then neither the
+   down GEMM nor the down_proj gradient needs a scale), and, when a gradient is needed, the
+   pre-activations gu [N, 2I] that the backward reads instead of recomputing a GEMM;
+2. `scatter_gemm_kernel` multiplies hw by down_e and reduces into one fp32 row per received row (see
+   `REDUCE_MODES`): by atomic adds in the GEMM epilogue (the default; the sum order, hence the last
+   bits, vary between runs) or by writing the pair outputs y [N, H] and summing each row's pairs in
+   pair order (`segment_sum_kernel`, through a row -> pairs index built on the device).
 
 Backward: `dgate_up_kernel` (g = dout[row] @ down_e, then d gu and the pair-weight gradient from the
 saved pre-activations), `scatter_gemm_kernel` again for dx = d gu @ gate_up_e reduced per row, and
 `segment_outer_kernel` for both weight gradients (one program per output tile reduces a whole expert
 segment, so weight gradients are deterministic in both modes).
 
-Memory: h [N, I] in x's dtype; with a gradient also gu [N, 2I]; deterministic mode adds y [N, H] fp32
+Memory: hw [N, I] in x's dtype; with a gradient also gu [N, 2I]; deterministic mode adds y [N, H] fp32
 for the duration of the reduction. No host synchronisation: tile schedules are derived on the device
 from `expert_offsets` inside each kernel (only the first call per shape autotunes, which syncs).
 
@@ -95,25 +96,25 @@ class _Launch:
         return triton.cdiv(self.num_pairs, block_m) + min(self.num_experts, self.num_pairs)
 
 
-def _gate_up(plan: _Launch, x_RH, gate_up_L2IH, save_gu: bool):
-    """h [N, I] and, when `save_gu`, the pre-activations gu [N, 2I] (else None)."""
+def _gate_up(plan: _Launch, x_RH, gate_up_L2IH, pair_weight_N, save_gu: bool):
+    """hw [N, I] = w * SiLU(gate) * up and, when `save_gu`, the pre-activations gu [N, 2I] (else None)."""
     num_pairs, intermediate = plan.num_pairs, gate_up_L2IH.shape[1] // 2
-    h_NI = _empty(num_pairs, intermediate, dtype=x_RH.dtype, device=x_RH.device)
+    hw_NI = _empty(num_pairs, intermediate, dtype=x_RH.dtype, device=x_RH.device)
     gu_N2I = _empty(num_pairs, 2 * intermediate, dtype=x_RH.dtype, device=x_RH.device) if save_gu else None
     grid = lambda meta: (plan.m_tiles_bound(meta["BLOCK_M"]) * triton.cdiv(intermediate, meta["BLOCK_N"]),)  # noqa: E731
     _kernels.gate_up_kernel[grid](
-        x_RH, plan.pair_row_N, plan.expert_offsets, gate_up_L2IH, h_NI, gu_N2I if save_gu else h_NI,
+        x_RH, plan.pair_row_N, plan.expert_offsets, gate_up_L2IH, pair_weight_N, hw_NI, gu_N2I if save_gu else hw_NI,
         plan.num_experts, x_RH.shape[1], intermediate, plan.rows_per_expert,
         x_RH.stride(0), *gate_up_L2IH.stride(),
         SAVE_GU=save_gu, DOT_PRECISION=_dot_precision(x_RH.dtype), BLOCK_E=plan.block_experts,
     )  # fmt: skip
-    return h_NI, gu_N2I
+    return hw_NI, gu_N2I
 
 
-def _scatter_gemm(plan: _Launch, a_NK, b_LKO, scale_N, out_dtype):
-    """out [R, O] = per row r, sum over its pairs p of scale[p] * (a[p] @ b[e(p)]), reduced in fp32.
+def _scatter_gemm(plan: _Launch, a_NK, b_LKO, out_dtype):
+    """out [R, O] = per row r, sum over its pairs p of a[p] @ b[e(p)], reduced in fp32.
 
-    `b_LKO` is any strided view with B_e = b[e] of shape [K, O]; `scale_N` may be None.
+    `b_LKO` is any strided view with B_e = b[e] of shape [K, O].
     """
     num_out = b_LKO.shape[2]
     device = a_NK.device
@@ -125,10 +126,10 @@ def _scatter_gemm(plan: _Launch, a_NK, b_LKO, scale_N, out_dtype):
         target = _empty(plan.num_pairs, num_out, dtype=pair_dtype, device=device)
     grid = lambda meta: (plan.m_tiles_bound(meta["BLOCK_M"]) * triton.cdiv(num_out, meta["BLOCK_N"]),)  # noqa: E731
     _kernels.scatter_gemm_kernel[grid](
-        a_NK, plan.pair_row_N, plan.expert_offsets, b_LKO, a_NK if scale_N is None else scale_N, target,
+        a_NK, plan.pair_row_N, plan.expert_offsets, b_LKO, target,
         plan.num_experts, a_NK.shape[1], num_out, plan.rows_per_expert,
         a_NK.stride(0), *b_LKO.stride(), target.stride(0),
-        HAS_SCALE=scale_N is not None, ATOMIC=atomic, DOT_PRECISION=_dot_precision(a_NK.dtype),
+        ATOMIC=atomic, DOT_PRECISION=_dot_precision(a_NK.dtype),
         BLOCK_E=plan.block_experts,
     )  # fmt: skip
     if atomic:
@@ -158,16 +159,16 @@ def _dgate_up(plan: _Launch, dout_RH, down_LHI, gu_N2I, pair_weight_N):
     return dgu_N2I, partial_NP.sum(dim=1)
 
 
-def _segment_outer(plan: _Launch, a, b, *, gather_a: bool, gather_b: bool, scale_N, out_dtype):
-    """C [L, M, O]: C_e = sum over pairs p of expert e of (scale[p] a[row_a(p)])^T b[row_b(p)]."""
+def _segment_outer(plan: _Launch, a, b, *, gather_a: bool, gather_b: bool, out_dtype):
+    """C [L, M, O]: C_e = sum over pairs p of expert e of a[row_a(p)]^T b[row_b(p)]."""
     num_m, num_out = a.shape[1], b.shape[1]
     c_LMO = _empty(plan.num_experts, num_m, num_out, dtype=out_dtype, device=a.device)
     grid = lambda meta: (plan.num_experts * triton.cdiv(num_m, meta["BLOCK_M"]) * triton.cdiv(num_out, meta["BLOCK_N"]),)  # noqa: E731
     _kernels.segment_outer_kernel[grid](
-        a, b, plan.pair_row_N, plan.expert_offsets, a if scale_N is None else scale_N, c_LMO,
+        a, b, plan.pair_row_N, plan.expert_offsets, c_LMO,
         plan.num_experts, num_m, num_out, plan.rows_per_expert,
         a.stride(0), b.stride(0), c_LMO.stride(0), c_LMO.stride(1),
-        GATHER_A=gather_a, GATHER_B=gather_b, HAS_SCALE=scale_N is not None,
+        GATHER_A=gather_a, GATHER_B=gather_b,
         DOT_PRECISION=_dot_precision(a.dtype),
     )  # fmt: skip
     return c_LMO
@@ -180,10 +181,10 @@ class _ExpertMLPFunction(torch.autograd.Function):
         if plan.num_pairs == 0:  # nothing to launch: every row is served by no pair
             ctx.save_for_backward(x_RH, pair_weight_N, gate_up_L2IH, down_LHI)
             return torch.zeros_like(x_RH)
-        h_NI, gu_N2I = _gate_up(plan, x_RH, gate_up_L2IH, save_gu=save_for_backward)
-        out_RH = _scatter_gemm(plan, h_NI, down_LHI.transpose(1, 2), pair_weight_N, x_RH.dtype)
+        hw_NI, gu_N2I = _gate_up(plan, x_RH, gate_up_L2IH, pair_weight_N, save_gu=save_for_backward)
+        out_RH = _scatter_gemm(plan, hw_NI, down_LHI.transpose(1, 2), x_RH.dtype)
         if save_for_backward:
-            ctx.save_for_backward(x_RH, pair_weight_N, gate_up_L2IH, down_LHI, h_NI, gu_N2I)
+            ctx.save_for_backward(x_RH, pair_weight_N, gate_up_L2IH, down_LHI, hw_NI, gu_N2I)
         return out_RH
 
     @staticmethod
@@ -192,7 +193,7 @@ class _ExpertMLPFunction(torch.autograd.Function):
         need_dx, need_dweight, need_dgate_up, need_ddown = ctx.needs_input_grad[:4]
         if plan.num_pairs == 0:
             return tuple(torch.zeros_like(t) if need else None for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad)) + (None, None)
-        x_RH, pair_weight_N, gate_up_L2IH, down_LHI, h_NI, gu_N2I = ctx.saved_tensors
+        x_RH, pair_weight_N, gate_up_L2IH, down_LHI, hw_NI, gu_N2I = ctx.saved_tensors
         dout_RH = dout_RH.contiguous()
         dx = dweight = dgate_up = ddown = None
         if need_dx or need_dweight or need_dgate_up:
@@ -200,11 +201,11 @@ class _ExpertMLPFunction(torch.autograd.Function):
             if need_dweight:
                 dweight = dweight_N.to(pair_weight_N.dtype)
             if need_dx:
-                dx = _scatter_gemm(plan, dgu_N2I, gate_up_L2IH, None, x_RH.dtype)
+                dx = _scatter_gemm(plan, dgu_N2I, gate_up_L2IH, x_RH.dtype)
             if need_dgate_up:
-                dgate_up = _segment_outer(plan, dgu_N2I, x_RH, gather_a=False, gather_b=True, scale_N=None, out_dtype=gate_up_L2IH.dtype)
+                dgate_up = _segment_outer(plan, dgu_N2I, x_RH, gather_a=False, gather_b=True, out_dtype=gate_up_L2IH.dtype)
         if need_ddown:
-            ddown = _segment_outer(plan, dout_RH, h_NI, gather_a=True, gather_b=False, scale_N=pair_weight_N, out_dtype=down_LHI.dtype)
+            ddown = _segment_outer(plan, dout_RH, hw_NI, gather_a=True, gather_b=False, out_dtype=down_LHI.dtype)
         return dx, dweight, dgate_up, ddown, None, None
 
 
@@ -329,7 +330,7 @@ def expert_mlp_triton_stages(
 ) -> dict[str, tuple[Callable[[], object], float]]:
     """The stages of `expert_mlp_triton`'s forward and backward as separate zero-argument callables,
     each with its FLOP count, for timing one by one (benchmarks); `reduce` is one of `REDUCE_MODES`.
-    Inputs of later stages (h, gu, a random dout, d gu) are prepared once here with the same kernels."""
+    Inputs of later stages (hw, gu, a random dout, d gu) are prepared once here with the same kernels."""
     _check_inputs(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI)
     if segments.num_pairs == 0:
         raise ValueError("expert_mlp_triton_stages needs at least one pair (segments.num_pairs is 0)")
@@ -337,25 +338,22 @@ def expert_mlp_triton_stages(
     gate_up_L2IH, down_LHI = gate_up_proj_L2IH.detach(), down_proj_LHI.detach()
     plan = _plan(segments, reduce)
     pairs, hidden, inter = plan.num_pairs, x_RH.shape[1], down_LHI.shape[2]
-    h_NI, gu_N2I = _gate_up(plan, x_RH, gate_up_L2IH, save_gu=True)
+    hw_NI, gu_N2I = _gate_up(plan, x_RH, gate_up_L2IH, pair_weight_N, save_gu=True)
     dout_RH = torch.randn_like(x_RH)
     dgu_N2I, _ = _dgate_up(plan, dout_RH, down_LHI, gu_N2I, pair_weight_N)
     gemm = 2.0 * pairs * hidden * inter  # FLOPs of one [N, H] x [H, I] product
     stages = {
-        "fwd: gather + gate_up GEMM + SiLU*up": (lambda: _gate_up(plan, x_RH, gate_up_L2IH, save_gu=False), 2 * gemm),
-        "fwd: same, saving gate/up for bwd": (lambda: _gate_up(plan, x_RH, gate_up_L2IH, save_gu=True), 2 * gemm),
-        "fwd: down GEMM + weighted row reduce": (
-            lambda: _scatter_gemm(plan, h_NI, down_LHI.transpose(1, 2), pair_weight_N, x_RH.dtype),
-            gemm,
-        ),
+        "fwd: gather + gate_up GEMM + w*SiLU*up": (lambda: _gate_up(plan, x_RH, gate_up_L2IH, pair_weight_N, save_gu=False), 2 * gemm),
+        "fwd: same, saving gate/up for bwd": (lambda: _gate_up(plan, x_RH, gate_up_L2IH, pair_weight_N, save_gu=True), 2 * gemm),
+        "fwd: down GEMM + row reduce": (lambda: _scatter_gemm(plan, hw_NI, down_LHI.transpose(1, 2), x_RH.dtype), gemm),
         "bwd: dout @ down + SiLU bwd + d weight": (lambda: _dgate_up(plan, dout_RH, down_LHI, gu_N2I, pair_weight_N), gemm),
-        "bwd: dx GEMM + row reduce": (lambda: _scatter_gemm(plan, dgu_N2I, gate_up_L2IH, None, x_RH.dtype), 2 * gemm),
+        "bwd: dx GEMM + row reduce": (lambda: _scatter_gemm(plan, dgu_N2I, gate_up_L2IH, x_RH.dtype), 2 * gemm),
         "bwd: d gate_up_proj": (
-            lambda: _segment_outer(plan, dgu_N2I, x_RH, gather_a=False, gather_b=True, scale_N=None, out_dtype=gate_up_L2IH.dtype),
+            lambda: _segment_outer(plan, dgu_N2I, x_RH, gather_a=False, gather_b=True, out_dtype=gate_up_L2IH.dtype),
             2 * gemm,
         ),
         "bwd: d down_proj": (
-            lambda: _segment_outer(plan, dout_RH, h_NI, gather_a=True, gather_b=False, scale_N=pair_weight_N, out_dtype=down_LHI.dtype),
+            lambda: _segment_outer(plan, dout_RH, hw_NI, gather_a=True, gather_b=False, out_dtype=down_LHI.dtype),
             gemm,
         ),
     }

@@ -9,9 +9,11 @@ sync and no schedule tensor is needed, and autotuning may change BLOCK_M freely.
 the upper bound `cdiv(N, BM) + min(L, N)` M tiles; programs past the last tile return at once.
 
 Kernels:
-- `gate_up_kernel`     h[p] = SiLU(x[row p] @ gate_e^T) * (x[row p] @ up_e^T), gathering rows of x;
-                       optionally saves the pre-activations gu[p] = [gate, up] for the backward.
-- `scatter_gemm_kernel` y[p] = scale[p] * (a[p] @ B_e), either atomically added in fp32 into
+- `gate_up_kernel`     hw[p] = w[p] * SiLU(x[row p] @ gate_e^T) * (x[row p] @ up_e^T), gathering rows
+                       of x (the pair weight w is a per-row scalar, so applying it here instead of
+                       after the down projection leaves both later GEMMs plain); optionally saves the
+                       pre-activations gu[p] = [gate, up] for the backward.
+- `scatter_gemm_kernel` y[p] = a[p] @ B_e, either atomically added in fp32 into
                        out[row p] (fast mode) or written per pair for `segment_sum_kernel`.
 - `segment_sum_kernel` out[r] = sum of y over the pairs of row r, in pair order (deterministic); rows
                        served by no pair get zeros.
@@ -19,7 +21,7 @@ Kernels:
                        d gu[p] from g, the pair weight and the saved pre-activations, and the pair
                        weight's gradient partial sums <h[p], g[p]> per N tile.
 - `segment_outer_kernel` weight gradients: C_e = sum over the pairs p of expert e of
-                       A[row_a(p)]^T B[row_b(p)] (optionally scaled by the pair weight); one program
+                       A[row_a(p)]^T B[row_b(p)]; one program
                        owns one output tile and the whole reduction, so it is deterministic.
 
 Under `TRITON_INTERPRET=1` (which must be set before triton is first imported in the process:
@@ -38,9 +40,17 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) candidates for Hopper, tuned per (H, I, rows per
 # expert). Every candidate is valid for every shape (masks cover ragged edges); the tuner only picks.
-# gate_up holds two accumulators (gate and up), so its BLOCK_N counts twice.
-_GATE_UP_HOPPER = [(128, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 3, 8), (64, 64, 64, 4, 4)]
-_GEMM_HOPPER = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (64, 256, 64, 3, 8)]
+# gate_up holds two accumulators (gate and up), so its BLOCK_N counts twice; dgate_up's epilogue holds
+# about five fp32 tiles, so it gets no 256-wide N.
+_GATE_UP_HOPPER = [
+    (128, 128, 64, 3, 8), (128, 128, 64, 4, 8), (256, 64, 64, 3, 8), (256, 64, 64, 4, 8),
+    (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4),
+]  # fmt: skip
+_GEMM_HOPPER = [
+    (128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
+    (64, 256, 64, 3, 8),
+]  # fmt: skip
+_DGATE_UP_HOPPER = [(128, 128, 64, 3, 8), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 3, 8), (64, 64, 64, 4, 4)]
 _OUTER_HOPPER = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4), (256, 128, 64, 3, 8)]
 _SEGMENT_SUM_HOPPER = [(256, 2), (512, 4), (1024, 8)]
 
@@ -109,7 +119,8 @@ def gate_up_kernel(
     pair_row_ptr,  # [N] int64
     expert_offsets_ptr,  # [L + 1] int64
     w_ptr,  # [L, 2I, H]: gate rows, then up rows
-    h_ptr,  # [N, I] out: SiLU(gate) * up
+    pair_weight_ptr,  # [N]
+    hw_ptr,  # [N, I] out: pair_weight * SiLU(gate) * up
     gu_ptr,  # [N, 2I] out when SAVE_GU: gate and up pre-activations
     num_experts,
     K,
@@ -166,16 +177,16 @@ def gate_up_kernel(
 
     # Round the pre-activations to the storage dtype first, as the reference does, so that the forward
     # and the backward (which reads them back) see the same values.
-    gate = acc_gate.to(h_ptr.dtype.element_ty)
-    up = acc_up.to(h_ptr.dtype.element_ty)
+    gate = acc_gate.to(hw_ptr.dtype.element_ty)
+    up = acc_up.to(hw_ptr.dtype.element_ty)
     mask_out = mask_m[:, None] & mask_n[None, :]
     if SAVE_GU:
         gu_ptrs = gu_ptr + offs_m[:, None] * (2 * I) + offs_n[None, :]
         tl.store(gu_ptrs, gate, mask=mask_out)
         tl.store(gu_ptrs + I, up, mask=mask_out)
     _, silu = _silu_parts(gate.to(tl.float32))
-    h = silu * up.to(tl.float32)
-    tl.store(h_ptr + offs_m[:, None] * I + offs_n[None, :], h.to(h_ptr.dtype.element_ty), mask=mask_out)
+    h = silu * up.to(tl.float32) * tl.load(pair_weight_ptr + safe_m).to(tl.float32)[:, None]
+    tl.store(hw_ptr + offs_m[:, None] * I + offs_n[None, :], h.to(hw_ptr.dtype.element_ty), mask=mask_out)
 
 
 @triton.autotune(
@@ -188,7 +199,6 @@ def scatter_gemm_kernel(
     pair_row_ptr,  # [N] int64
     expert_offsets_ptr,  # [L + 1] int64
     b_ptr,  # B_e = b[e] as [K, N_OUT] through the strides
-    scale_ptr,  # [N] pair weights when HAS_SCALE
     out_ptr,  # ATOMIC: fp32 [R, N_OUT], accumulated; else [N, N_OUT], one row per pair
     num_experts,
     K,
@@ -199,7 +209,6 @@ def scatter_gemm_kernel(
     stride_b_k,
     stride_b_n,
     stride_out_row,
-    HAS_SCALE: tl.constexpr,
     ATOMIC: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_E: tl.constexpr,
@@ -235,8 +244,6 @@ def scatter_gemm_kernel(
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_b_k
 
-    if HAS_SCALE:
-        acc = acc * tl.load(scale_ptr + safe_m).to(tl.float32)[:, None]
     mask_out = mask_m[:, None] & mask_n[None, :]
     if ATOMIC:
         rows_M = tl.load(pair_row_ptr + safe_m)
@@ -276,7 +283,7 @@ def segment_sum_kernel(
     tl.store(out_ptr + row * stride_out_row + offs_h, acc.to(out_ptr.dtype.element_ty), mask=mask_h)
 
 
-@triton.autotune(configs=_gemm_configs(_GEMM_HOPPER), key=["K", "I", "ROWS_PER_EXPERT"])
+@triton.autotune(configs=_gemm_configs(_DGATE_UP_HOPPER), key=["K", "I", "ROWS_PER_EXPERT"])
 @triton.heuristics({"EVEN_K": _even_k})
 @triton.jit
 def dgate_up_kernel(
@@ -355,7 +362,6 @@ def segment_outer_kernel(
     b_ptr,  # rows of B; row p (or pair_row[p] when GATHER_B) holds B's N_OUT values, unit stride
     pair_row_ptr,  # [N] int64
     expert_offsets_ptr,  # [L + 1] int64
-    scale_ptr,  # [N] pair weights when HAS_SCALE (applied to A)
     c_ptr,  # [L, M, N_OUT] out
     num_experts,
     M,
@@ -367,7 +373,6 @@ def segment_outer_kernel(
     stride_c_m,
     GATHER_A: tl.constexpr,
     GATHER_B: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -401,8 +406,6 @@ def segment_outer_kernel(
         # M and N are the unit-stride dimensions here: masked, not clamped (see scatter_gemm_kernel)
         a = tl.load(a_ptr + rows_a[None, :] * stride_a_row + offs_m[:, None], mask=mask_k[None, :] & mask_m[:, None], other=0.0)
         b = tl.load(b_ptr + rows_b[:, None] * stride_b_row + offs_n[None, :], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if HAS_SCALE:  # on A, which the tensor cores may read from registers (B must stay in shared memory)
-            a = (a.to(tl.float32) * tl.load(scale_ptr + safe_k).to(tl.float32)[None, :]).to(a_ptr.dtype.element_ty)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
     mask_out = mask_m[:, None] & mask_n[None, :]
