@@ -225,19 +225,20 @@ def load_balance(load_D: np.ndarray) -> float:
 def load_floor(expert_load_E: np.ndarray, capacities_D: np.ndarray) -> float:
     """A lower bound on the largest device load of any placement with these capacities.
 
-    `max(mean device load, max_e (load_e + sum of the (c_min - 1) smallest other loads))`, where
-    `c_min` is the smallest capacity: the device holding expert e holds at least `c_min - 1` other
-    experts. When one expert alone exceeds the mean (a giant expert) this floor, not the mean, is
-    the best balance any placement can reach; `load_floor / mean` is then the balance bound.
+    The largest of three bounds: the mean device load; the heaviest expert plus the `c_min - 1`
+    lightest other experts (its device holds at least `c_min` experts); and the `c_max` lightest
+    experts together (a device of the largest capacity holds at least those). When one expert is
+    a giant, or E % D devices must take one expert more of nearly equal ones, this floor exceeds
+    the mean: `load_floor / mean` is then the best balance any placement can reach.
     """
     load = np.sort(np.asarray(expert_load_E, dtype=np.float64))
     capacities = np.asarray(capacities_D)
     if int(capacities.sum()) != len(load):
         raise ValueError(f"capacities sum to {int(capacities.sum())} but there are {len(load)} experts")
     mean = load.sum() / len(capacities)
-    companions = int(capacities.min()) - 1
-    # the heaviest expert with the lightest companions is the largest of the per-expert bounds
-    return float(max(mean, load[-1] + load[:companions].sum()))
+    giant = load[-1] + load[: int(capacities.min()) - 1].sum()
+    largest_device = load[: int(capacities.max())].sum()
+    return float(max(mean, giant, largest_device))
 
 
 # ----- co-activation metrics ------------------------------------------------------------------

@@ -89,42 +89,48 @@ class SampleCT:
     def swap_correction_EE(self) -> np.ndarray:
         return self.lonely_pair_EE + self.lonely_pair_EE.T
 
-    def _alone_Rk(self, rows_R: np.ndarray) -> np.ndarray:
-        """`[R, k]` int64: 1 where the slot's expert is the only one of the token on its device."""
-        hits_RD = self.hits_ND[rows_R]
-        device_Rk = self.device_of_E[self.ids_Nk[rows_R]]
-        return (np.take_along_axis(hits_RD, device_Rk, axis=1) == 1).astype(np.int64)
-
     def _relocate(self, experts: list[int], targets: list[int], delta: float) -> None:
         """Move `experts` to `targets`; update the tables from the tokens of those experts only.
 
-        Only the two devices involved change their counts, so `zero_ED` and `lonely_ED` change in
-        those two columns, and `lonely_pair_EE` only in the rows of slots whose lonely flag flipped.
+        Only the devices involved (`columns`) change their counts, so `zero_ED` and `lonely_ED`
+        change in those columns only, and `lonely_pair_EE` only in the rows of slots on those
+        devices whose "alone on its device" flag flipped.
         """
         E, k = self.num_experts, self.top_k
-        columns = np.array(sorted({int(self.device_of_E[e]) for e in experts} | set(int(t) for t in targets)))
-        rows_R = np.unique(np.concatenate([self.tokens_of(e) for e in experts]))
-        hits_before_RC = self.hits_ND[np.ix_(rows_R, columns)]
-        alone_before_Rk = self._alone_Rk(rows_R)
+        columns_C = np.array(sorted({int(self.device_of_E[e]) for e in experts} | {int(t) for t in targets}))
+        column_of_D = np.full(self.num_devices, -1)
+        column_of_D[columns_C] = np.arange(len(columns_C))
+        touched_N = np.zeros(self.num_tokens, dtype=bool)
+        for expert in experts:
+            touched_N[self.tokens_of(expert)] = True
+        rows_R = np.flatnonzero(touched_N)
+        ids_Rk = self.ids_Nk[rows_R]
+        hits_before_RC = self.hits_ND[np.ix_(rows_R, columns_C)]
+        column_before_Rk = column_of_D[self.device_of_E[ids_Rk]]
         for expert, target in zip(experts, targets):
             tokens = self.tokens_of(expert)
             self.hits_ND[tokens, self.device_of_E[expert]] -= 1
             self.hits_ND[tokens, target] += 1
         for expert, target in zip(experts, targets):
             self.device_of_E[expert] = target
-        hits_after_RC = self.hits_ND[np.ix_(rows_R, columns)]
-        ids_Rk = self.ids_Nk[rows_R]
-        slot_column = (ids_Rk[:, :, None] * len(columns) + np.arange(len(columns))).reshape(-1)
+        hits_after_RC = self.hits_ND[np.ix_(rows_R, columns_C)]
+        column_after_Rk = column_of_D[self.device_of_E[ids_Rk]]
+        experts_Rk = ids_Rk.reshape(-1)
         for table, level in ((self.zero_ED, 0), (self.lonely_ED, 1)):
-            change_RC = (hits_after_RC == level).astype(np.int64) - (hits_before_RC == level)
-            weights = np.broadcast_to(change_RC[:, None, :], (len(rows_R), k, len(columns))).reshape(-1)
-            table[:, columns] += np.bincount(slot_column, weights=weights, minlength=E * len(columns)).reshape(E, len(columns))
-        flipped_Rk = self._alone_Rk(rows_R) - alone_before_Rk
-        row, slot = np.nonzero(flipped_Rk)
-        if len(row):
+            change_RC = (hits_after_RC == level).astype(np.float64) - (hits_before_RC == level)
+            for position, column in enumerate(columns_C):
+                weights = np.repeat(change_RC[:, position], k)
+                table[:, column] += np.bincount(experts_Rk, weights=weights, minlength=E)
+        # a slot's device lies among the columns before the step exactly when it does after it
+        row, slot = np.nonzero(column_before_Rk >= 0)
+        flipped = (hits_after_RC[row, column_after_Rk[row, slot]] == 1).astype(np.int64) - (
+            hits_before_RC[row, column_before_Rk[row, slot]] == 1
+        )
+        changed = flipped != 0
+        if changed.any():
+            row, slot, flipped = row[changed], slot[changed], flipped[changed]
             pair = (ids_Rk[row, slot][:, None] * E + ids_Rk[row]).reshape(-1)
-            weights = np.repeat(flipped_Rk[row, slot], k).astype(np.float64)
-            self.lonely_pair_EE += np.bincount(pair, weights=weights, minlength=E * E).reshape(E, E)
+            self.lonely_pair_EE += np.bincount(pair, weights=np.repeat(flipped, k).astype(np.float64), minlength=E * E).reshape(E, E)
         self.cost += delta
 
     def apply_move(self, expert: int, device: int, delta: float) -> None:

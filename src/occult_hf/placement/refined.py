@@ -9,9 +9,10 @@ expert more) minimising
 
 subject to `max_d load_d <= max_load_ratio * max(mean load, load_floor)`, where `load_d` sums the
 profile's expert counts (tokens x experts) on device d and `load_floor` (metrics.load_floor) is
-the smallest max load any placement with these capacities can reach. The floor matters when one
-expert alone exceeds the mean (a giant expert): then the mean is unattainable and the constraint
-is relative to what is attainable; `LayerPlan.balance_bound_loose` says so.
+a lower bound on the max load of any placement with these capacities (the heaviest expert plus
+its lightest possible companions). It exceeds the mean when one expert is a giant (real OLMoE
+layer 0 on arXiv: one expert in 98% of tokens): then a max/mean of 1.10 is unattainable, the limit
+is relative to the floor instead, and `LayerPlan.balance_bound_loose` says so.
 
 Method (iterated local search, deterministic for a seed):
 
@@ -66,7 +67,7 @@ class RefinedOptions:
     seed: int = 0
     objective: str = "auto"
     search_rounds: int = 40
-    kick_swaps: int = 3
+    kick_swaps: int = 8
     max_sample_tokens: int | None = 16384
 
     def __post_init__(self) -> None:
@@ -85,14 +86,17 @@ class RefinedOptions:
 
 
 class _Search:
-    """Device map, loads and objective of one layer's search, with the feasible steps."""
+    """Device map, loads and objective of one layer's search, with the feasible steps.
 
-    def __init__(self, objective, load_E: np.ndarray, capacities_D: np.ndarray, limit: float) -> None:
+    Expert loads come scaled so that the device-load limit is 1: a step is feasible when no device
+    it touches ends above 1.
+    """
+
+    def __init__(self, objective, load_E: np.ndarray, capacities_D: np.ndarray) -> None:
         self.objective = objective
-        self.load_E = load_E
+        self.load_E = np.asarray(load_E, dtype=np.float64)
         self.num_devices = len(capacities_D)
         self.small, self.large = int(capacities_D.min()), int(capacities_D.max())
-        self.limit = limit
         self.sync()
 
     @property
@@ -104,23 +108,24 @@ class _Search:
         self.count_D = np.bincount(self.device_of_E, minlength=self.num_devices)
 
     def swap_deltas(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`[E, E]` objective deltas of swaps, and the loads the two devices would have after them."""
+        """`[E, E]` objective deltas of swaps, and loads of e's and of f's device after them."""
         device_E = self.device_of_E
         move_ED = self.objective.move_delta_ED()
         toward_EE = move_ED[:, device_E]  # [e, f]: e moves to f's device
         delta_EE = toward_EE + toward_EE.T + self.objective.swap_correction_EE()
-        own_load_EE = self.load_D[device_E][:, None] - self.load_E[:, None] + self.load_E[None, :]
         delta_EE[device_E[:, None] == device_E[None, :]] = np.inf
-        return delta_EE, own_load_EE, own_load_EE.T
+        own_EE = self.load_D[device_E][:, None] - self.load_E[:, None] + self.load_E[None, :]
+        return delta_EE, own_EE, own_EE.T
 
-    def move_deltas(self) -> tuple[np.ndarray, np.ndarray]:
-        """`[E, D]` objective deltas of moves from a larger to a smaller device, and the target's new load."""
+    def move_deltas(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`[E, D]` objective deltas of moves from a larger to a smaller device; `[E, D]` target
+        loads and `[E]` source loads after them."""
         delta_ED = self.objective.move_delta_ED().astype(np.float64, copy=True)
         allowed_ED = (self.count_D[self.device_of_E] == self.large)[:, None] & (self.count_D == self.small)[None, :]
         delta_ED[~allowed_ED] = np.inf
         if self.small == self.large:
             delta_ED[:] = np.inf
-        return delta_ED, self.load_D[None, :] + self.load_E[:, None]
+        return delta_ED, self.load_D[None, :] + self.load_E[:, None], self.load_D[self.device_of_E] - self.load_E
 
     def apply_swap(self, first: int, second: int, delta: float) -> None:
         self.objective.apply_swap(first, second, delta)
@@ -130,73 +135,85 @@ class _Search:
         self.objective.apply_move(expert, device, delta)
         self.sync()
 
+    def feasible_steps(self) -> tuple[np.ndarray, np.ndarray]:
+        """Swap `[E, E]` and move `[E, D]` objective deltas, infinite where a step breaks a load limit."""
+        swap_EE, load_a_EE, load_b_EE = self.swap_deltas()
+        swap_EE[(load_a_EE > 1.0) | (load_b_EE > 1.0)] = np.inf
+        move_ED, target_load_ED, _ = self.move_deltas()
+        move_ED[target_load_ED > 1.0] = np.inf
+        return swap_EE, move_ED
+
+    def _take(self, swap_EE: np.ndarray, move_ED: np.ndarray) -> float:
+        """Apply the better of the best swap and the best move; return its objective delta."""
+        best_swap, best_move = int(np.argmin(swap_EE)), int(np.argmin(move_ED))
+        swap_delta, move_delta = swap_EE.flat[best_swap], move_ED.flat[best_move]
+        if swap_delta <= move_delta:
+            self.apply_swap(*divmod(best_swap, swap_EE.shape[1]), swap_delta)
+            return swap_delta
+        self.apply_move(*divmod(best_move, move_ED.shape[1]), move_delta)
+        return move_delta
+
     # ----- phases -----------------------------------------------------------------------------
     def descend(self) -> None:
-        """Best-improvement steps within the load limit until none gains."""
+        """Best-improvement steps within the load limits until none gains."""
         while True:
-            swap_EE, load_a_EE, load_b_EE = self.swap_deltas()
-            swap_EE[(load_a_EE > self.limit) | (load_b_EE > self.limit)] = np.inf
-            move_ED, target_load_ED = self.move_deltas()
-            move_ED[target_load_ED > self.limit] = np.inf
-            best_swap, best_move = int(np.argmin(swap_EE)), int(np.argmin(move_ED))
-            swap_gain, move_gain = swap_EE.flat[best_swap], move_ED.flat[best_move]
-            if min(swap_gain, move_gain) > -_MIN_GAIN:
+            swap_EE, move_ED = self.feasible_steps()
+            if min(swap_EE.min(), move_ED.min()) > -_MIN_GAIN:
                 return
-            if swap_gain <= move_gain:
-                self.apply_swap(*divmod(best_swap, swap_EE.shape[1]), swap_gain)
-            else:
-                self.apply_move(*divmod(best_move, move_ED.shape[1]), move_gain)
+            self._take(swap_EE, move_ED)
 
-    def overload(self, load) -> np.ndarray:
-        return np.maximum(np.asarray(load) - self.limit, 0.0)
+    @staticmethod
+    def overload(load: np.ndarray) -> np.ndarray:
+        return np.maximum(load - 1.0, 0.0)
 
     def repair(self) -> bool:
-        """Reduce the total overload above the limit; True when no device is left over it."""
+        """Reduce the total overload above the limits; True when no device is left over one."""
         while self.overload(self.load_D).sum() > 0:
-            device_E = self.device_of_E
             swap_EE, load_a_EE, load_b_EE = self.swap_deltas()
-            before_E = self.overload(self.load_D[device_E])
-            swap_relief_EE = (
-                self.overload(load_a_EE) + self.overload(load_b_EE) - before_E[:, None] - before_E[None, :]
-            )
+            before_E = self.overload(self.load_D[self.device_of_E])
+            swap_relief_EE = self.overload(load_a_EE) + self.overload(load_b_EE) - before_E[:, None] - before_E[None, :]
             swap_relief_EE[~np.isfinite(swap_EE)] = np.inf
-            move_ED, target_load_ED = self.move_deltas()
-            move_relief_ED = self.overload(target_load_ED) - self.overload(self.load_D)[None, :]
-            move_relief_ED += self.overload(self.load_D[device_E] - self.load_E)[:, None] - before_E[:, None]
+            move_ED, target_load_ED, source_load_E = self.move_deltas()
+            move_relief_ED = (
+                self.overload(target_load_ED) - self.overload(self.load_D)[None, :]
+                + (self.overload(source_load_E) - before_E)[:, None]
+            )
             move_relief_ED[~np.isfinite(move_ED)] = np.inf
             best_relief = min(swap_relief_EE.min(), move_relief_ED.min())
             if best_relief >= 0:
                 return False
             # among the steps with the largest relief, the best for the objective
-            swap_pick = np.where(swap_relief_EE == best_relief, swap_EE, np.inf)
-            move_pick = np.where(move_relief_ED == best_relief, move_ED, np.inf)
-            best_swap, best_move = int(np.argmin(swap_pick)), int(np.argmin(move_pick))
-            if swap_pick.flat[best_swap] <= move_pick.flat[best_move]:
-                self.apply_swap(*divmod(best_swap, swap_pick.shape[1]), swap_pick.flat[best_swap])
-            else:
-                self.apply_move(*divmod(best_move, move_pick.shape[1]), move_pick.flat[best_move])
+            self._take(
+                np.where(swap_relief_EE == best_relief, swap_EE, np.inf),
+                np.where(move_relief_ED == best_relief, move_ED, np.inf),
+            )
         return True
 
+    def accept_reached_load(self) -> float:
+        """Raise the limit to the largest load now reached (after a failed repair); return the factor."""
+        factor = float(max(self.load_D.max(), 1.0))
+        self.load_E = self.load_E / factor
+        self.sync()
+        return factor
+
     def kick(self, rng: np.random.Generator, swaps: int) -> None:
-        """Random feasible swaps (within the load limit), whatever they do to the objective."""
+        """Random feasible swaps (within the load limits), whatever they do to the objective."""
         for _ in range(swaps):
-            swap_EE, load_a_EE, load_b_EE = self.swap_deltas()
-            feasible = np.isfinite(swap_EE) & (load_a_EE <= self.limit) & (load_b_EE <= self.limit)
-            candidates = np.flatnonzero(np.triu(feasible, k=1))
+            swap_EE, _ = self.feasible_steps()
+            candidates = np.flatnonzero(np.triu(np.isfinite(swap_EE), k=1))
             if len(candidates) == 0:
                 return
             pick = int(candidates[rng.integers(len(candidates))])
             self.apply_swap(*divmod(pick, swap_EE.shape[1]), swap_EE.flat[pick])
 
 
-def initial_assignment(
-    coactivation_EE: np.ndarray, load_E: np.ndarray, capacities_D: np.ndarray, limit: float
-) -> np.ndarray:
+def initial_assignment(coactivation_EE: np.ndarray, load_E: np.ndarray, capacities_D: np.ndarray) -> np.ndarray:
     """Balanced greedy by co-activation: heaviest expert first, to the device it collaborates with most.
 
-    Among devices with room left and load + this expert's load within `limit` (if none: any device
-    with room, the lightest; repair fixes it), pick the largest co-activation with the experts
-    already there; ties to the lighter, then lower-id device.
+    `load_E` is scaled so that a device's load limit is 1. Among devices with room left that stay
+    within the limit (if none: the lightest device with room; `repair` fixes it), pick the largest
+    co-activation with the experts already there; ties to the lighter, then lower-id device. With
+    zero co-activation this is longest-processing-time-first balancing under capacities.
     """
     num_experts, num_devices = len(load_E), len(capacities_D)
     device_of_E = np.full(num_experts, -1, dtype=np.int64)
@@ -205,7 +222,7 @@ def initial_assignment(
     count_D = np.zeros(num_devices, dtype=np.int64)
     for expert in np.argsort(-load_E, kind="stable"):
         room_D = count_D < capacities_D
-        fits_D = room_D & (load_D + load_E[expert] <= limit)
+        fits_D = room_D & (load_D + load_E[expert] <= 1.0)
         if fits_D.any():
             # lexicographic: most affinity, then least load, then lowest id
             order = np.lexsort((np.arange(num_devices), load_D, -affinity_ED[expert]))
@@ -254,32 +271,31 @@ def refine_layer(
     num_experts = len(load_E)
     rng = np.random.default_rng(options.seed)
     capacities_D = balanced_capacities(num_experts, num_devices)
+    use_sample = options.objective == "ct" or (options.objective == "auto" and sample is not None)
+    if use_sample and sample is None:
+        raise ValueError("refined option objective='ct' needs a profile layer with a top-k sample; use 'cut' or 'auto'")
+    if sample is not None and options.max_sample_tokens is not None and len(sample) > options.max_sample_tokens:
+        sample = sample[np.sort(rng.choice(len(sample), options.max_sample_tokens, replace=False))]
     mean_load = load_E.sum() / num_devices
     attainable = load_floor(load_E, capacities_D)
     balance_bound = attainable / mean_load if mean_load > 0 else 1.0
-    limit = options.max_load_ratio * attainable
-    start_E = initial_assignment(coactivation, load_E, capacities_D, limit)
-    use_sample = options.objective == "ct" or (options.objective == "auto" and sample is not None)
+    limit = options.max_load_ratio * attainable if attainable > 0 else 1.0  # no load at all: any map is balanced
+    scaled_load_E = load_E / limit
+    start_E = initial_assignment(coactivation, scaled_load_E, capacities_D)
     if use_sample:
-        if sample is None:
-            raise ValueError("refined option objective='ct' needs a profile layer with a top-k sample; use 'cut' or 'auto'")
-        if options.max_sample_tokens is not None and len(sample) > options.max_sample_tokens:
-            keep = np.sort(rng.choice(len(sample), options.max_sample_tokens, replace=False))
-            sample = sample[keep]
         objective = SampleCT(sample, start_E, num_devices)
     else:
         objective = PairwiseCut(coactivation, start_E, num_devices)
-    search = _Search(objective, load_E, capacities_D, limit)
+    search = _Search(objective, scaled_load_E, capacities_D)
     limit_reached = search.repair()
     if not limit_reached:
-        reached = float(search.load_D.max())
+        limit *= search.accept_reached_load()
         warnings.warn(
-            f"refined placement: could not bring every device under max_load_ratio={options.max_load_ratio} x "
-            f"{attainable:.6g} (load floor); keeping max load {reached:.6g} "
-            f"(balance {reached / mean_load:.3f}) as the limit",
+            f"refined placement: could not bring every device under max_load_ratio={options.max_load_ratio} x the "
+            f"load floor {attainable:.6g}; keeping the max load reached, {limit:.6g} (balance "
+            f"{limit / mean_load:.3f}), as the limit",
             stacklevel=2,
         )
-        search.limit = reached
     search.descend()
     best_E, best_cost = search.device_of_E.copy(), objective.cost
     for _ in range(options.search_rounds):
@@ -294,7 +310,7 @@ def refine_layer(
         device_of_E=best_E,
         objective=objective.name,
         cost=float(best_cost),
-        load_limit=float(search.limit),
+        load_limit=float(limit),
         balance_bound=float(balance_bound),
         balance_bound_loose=bool(balance_bound > 1.0 + 1e-12),
         limit_reached=limit_reached,
