@@ -8,7 +8,7 @@
 
 `model_args` are everything lm-eval's `hf` model takes, plus the Occult settings: either
 `occult_config=PATH` (an `OccultConfig` JSON file) or its fields one by one (`placement=`,
-`num_devices=`, `prune=`, `max_devices_per_token=`, `profile=`, `dispatch=`, `expert_backend=`).
+`num_devices=`, `prune=`, `max_devices_per_token=`, ...: every `OccultConfig` field).
 With none of them, a checkpoint saved with an `occult_config` runs with it, any other with the
 default `OccultConfig()` (exact, contiguous placement).
 
@@ -22,6 +22,7 @@ rank a full model.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import os
@@ -41,8 +42,8 @@ from .lockstep import ForwardLockstep
 
 logger = logging.getLogger(__name__)
 
-#: `OccultConfig` fields that may be given one by one in `model_args`
-OCCULT_FIELDS = ("placement", "num_devices", "prune", "max_devices_per_token", "profile", "dispatch", "expert_backend")
+#: `OccultConfig` fields, each of which may be given in `model_args` instead of `occult_config=PATH`
+OCCULT_FIELDS = tuple(f.name for f in dataclasses.fields(OccultConfig))
 
 #: `hf` model_args about building the model some other way; they contradict "as it will run"
 UNSUPPORTED_HF_ARGS = (
@@ -115,6 +116,27 @@ def load_occult_model(
     return model.eval()
 
 
+class _DropModelObjectWarnings(logging.Filter):
+    """HFLM warns that a model object "assumes single-process" and that "many arguments may be ignored";
+    occult-hf passes a model object by design and owns the distributed setup, so those two are noise."""
+
+    _PREFIXES = ("`pretrained` model kwarg is not of type `str`", "Passed an already-initialized model")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self._PREFIXES)
+
+
+@contextlib.contextmanager
+def _without_model_object_warnings():
+    hflm_logger = logging.getLogger(HFLM.__module__)
+    quiet = _DropModelObjectWarnings()
+    hflm_logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        hflm_logger.removeFilter(quiet)
+
+
 @contextlib.contextmanager
 def _class_generate(model: torch.nn.Module):
     """Let `model.generate` be its class's method for the duration (the runtime sets a per-instance
@@ -129,19 +151,17 @@ def _class_generate(model: torch.nn.Module):
 
 @register_model("occult-hf")
 class OccultHFLM(HFLM):
-    """lm-eval's `HFLM` evaluating an Occult model (see the module docstring for `model_args`)."""
+    """lm-eval's `HFLM` evaluating an Occult model.
+
+    Args (`model_args`): everything `HFLM` takes, plus `occult_config` (an `OccultConfig` JSON path) or
+    any of the `OccultConfig` fields (`OCCULT_FIELDS`: placement, num_devices, prune,
+    max_devices_per_token, profile, dispatch, expert_backend, deterministic), not both.
+    """
 
     def __init__(
         self,
         pretrained: str,
         occult_config: str | None = None,
-        placement: str | None = None,
-        num_devices: int | None = None,
-        prune: str | None = None,
-        max_devices_per_token: int | None = None,
-        profile: str | None = None,
-        dispatch: str | None = None,
-        expert_backend: str | None = None,
         device: str | None = "cuda",
         dtype: str | torch.dtype | None = "auto",
         backend: str = "default",
@@ -160,9 +180,7 @@ class OccultHFLM(HFLM):
                 f"occult-hf: model_args {unsupported} are not supported: the model is loaded and its MoE "
                 f"blocks replaced by occult_hf, exactly as it runs in deployment"
             )
-        settings = dict(placement=placement, num_devices=num_devices, prune=prune,
-                        max_devices_per_token=max_devices_per_token, profile=profile,
-                        dispatch=dispatch, expert_backend=expert_backend)  # fmt: skip
+        settings = {name: kwargs.pop(name, None) for name in OCCULT_FIELDS}
         requested_config = resolve_occult_config(occult_config, settings)
 
         rank, world_size = _ep_world(device)
@@ -183,7 +201,8 @@ class OccultHFLM(HFLM):
             pretrained, requested_config, device=_resolve_device(device, world_size), dtype=dtype, **load_kwargs
         )
         hflm_kwargs.setdefault("tokenizer", pretrained)
-        super().__init__(pretrained=model, backend="causal", **hflm_kwargs)
+        with _without_model_object_warnings():
+            super().__init__(pretrained=model, backend="causal", **hflm_kwargs)
         # HFLM treats a model object as single-process; this class owns the EP group instead
         self._rank, self._world_size = rank, world_size
         self.pretrained = pretrained

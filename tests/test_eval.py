@@ -11,10 +11,7 @@ one spawned world runs every family's EP checks.
 from __future__ import annotations
 
 import json
-import math
-import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -132,6 +129,13 @@ def assets(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
+def full_task_manager(assets) -> TaskManager:
+    """`make_task_manager` over lm-eval's ~10k task YAMLs, occult23 and the local tasks (indexing takes
+    seconds, so the tests that need the full index share this one)."""
+    return occult_eval.make_task_manager(assets["tasks"])
+
+
+@pytest.fixture(scope="module")
 def local_task_manager(assets) -> TaskManager:
     return TaskManager(include_path=str(assets["tasks"]), include_defaults=False)
 
@@ -185,10 +189,10 @@ def assert_same_outputs(actual: dict, expected: dict) -> None:
 # ----- occult23 and the CoQA shim ---------------------------------------------------------------------
 
 
-def test_occult23_resolves_to_23_lm_eval_tasks():
+def test_occult23_resolves_to_23_lm_eval_tasks(full_task_manager):
     """All 23 names exist in lm-eval 0.4.13's index (no data downloaded) and the group lists exactly them."""
     assert lm_eval.__version__ == "0.4.13"
-    manager = occult_eval.make_task_manager()
+    manager = full_task_manager
     names = occult_eval.suite_tasks()
     assert len(names) == 23 and len(set(names)) == 23
     missing = [name for name in names if name not in manager.all_tasks]
@@ -310,12 +314,28 @@ def test_occult_settings_resolve_from_a_file_or_fields(tmp_path):
         resolve_occult_config(None, {"prune": "router"})
 
 
+def test_occult_model_args_reach_the_model(assets, tmp_path):
+    """Fields given in a model_args string (as lm-eval's CLI passes them) configure the runtime."""
+    from occult_hf.integration import occult_config_of
+    from occult_hf.placement import Placement
+
+    # experts interleaved over the two devices: not the contiguous default
+    placement = Placement(num_experts=8, num_devices=2, layers={layer: [e % 2 for e in range(8)] for layer in (0, 1)})
+    placement.save(tmp_path / "occult_placement.json")
+    arg_string = f"pretrained={assets['models']['olmoe']},placement={tmp_path / 'occult_placement.json'},num_devices=2,dispatch=per_expert,dtype=float32"
+    lm = get_model("occult-hf").create_from_arg_string(arg_string, {"device": "cpu", "batch_size": 2})
+    running = occult_config_of(lm.model)
+    assert (running.num_devices, running.dispatch, lm.batch_size) == (2, "per_expert", 2)
+    assert running.placement.device_of(1) == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert lm.get_model_info()["occult_config"]["dispatch"] == "per_expert"
+
+
 def test_unsupported_hf_args_are_rejected(assets):
     with pytest.raises(ValueError, match="model_args \\['peft'\\] are not supported"):
         get_model("occult-hf")(pretrained=str(assets["models"]["olmoe"]), device="cpu", peft="some/adapter")
 
 
-# ----- the lockstep protocol on a stand-in EP module ----------------------------------------------------
+# ----- the lockstep protocol on a stand-in EP module (run in the EP world below) -----------------------
 
 
 class CollectiveEveryForward(torch.nn.Module):
@@ -327,7 +347,7 @@ class CollectiveEveryForward(torch.nn.Module):
         return total
 
 
-def lockstep_world(rank: int, world_size: int) -> dict:
+def lockstep_check(rank: int, world_size: int) -> dict:
     model = CollectiveEveryForward()
     lockstep = ForwardLockstep(model, dist.group.WORLD, torch.device("cpu"), idle_token_id=0)
     values = [[1, 2, 3], [10, 20, 30, 40, 50]][rank]  # rank 1 has two more forwards than rank 0
@@ -340,8 +360,8 @@ def lockstep_world(rank: int, world_size: int) -> dict:
     return {"sums": sums, "counts": counts, "gathered": gathered, "after": lockstep.total_forwards}
 
 
-def test_lockstep_pairs_forwards_and_drains_unequal_ranks():
-    rank0, rank1 = run_world(lockstep_world, 2, timeout_s=60)
+def test_lockstep_pairs_forwards_and_drains_unequal_ranks(ep_reports):
+    rank0, rank1 = (report["lockstep"] for report in ep_reports)
     # rank 0's idle forwards contribute token 0, so rank 1's last two sums are its own values
     assert rank0["sums"] == [11.0, 22.0, 33.0] and rank1["sums"] == [11.0, 22.0, 33.0, 40.0, 50.0]
     assert rank0["counts"] == (3, 2) and rank1["counts"] == (5, 0)
@@ -407,19 +427,19 @@ def test_batch_size_is_honoured(assets, local_task_manager):
 
 
 def ep_world(rank: int, world_size: int, assets: dict) -> dict:
-    """Every family, exact and pruned, through occult-hf on this EP world; rank 0 returns the outputs."""
+    """The lockstep check, then every family, exact and pruned, through occult-hf on this EP world."""
     import occult_hf.eval  # noqa: F401  (registers occult-hf in this spawned process)
 
+    report = {"lockstep": lockstep_check(rank, world_size)}
     skip_environment_report()
     task_manager = TaskManager(include_path=str(assets["tasks"]), include_defaults=False)
-    report = {}
     for family in FAMILIES:
         for label, occult in (("exact", {"num_devices": world_size}), ("pruned", PRUNED)):
             lm = get_model("occult-hf").create_from_arg_obj(model_args(assets, family, **occult), {"batch_size": BATCH_SIZE})
             results = lm_eval.simple_evaluate(
                 model=lm, tasks=["occ_mc", "occ_gen"], task_manager=task_manager, bootstrap_iters=0, log_samples=True
             )
-            report[family, label] = {
+            report["families", family, label] = {
                 "outputs": None if results is None else outputs(results),
                 "forwards": (lm._lockstep.real_forwards, lm._lockstep.idle_forwards),
                 "world": (lm.rank, lm.world_size),
@@ -427,17 +447,61 @@ def ep_world(rank: int, world_size: int, assets: dict) -> dict:
     return report
 
 
-def test_expert_parallel_results_equal_one_process(assets, runs):
+@pytest.fixture(scope="module")
+def ep_reports(assets) -> list[dict]:
+    """One spawned 2-rank gloo world (starting one costs seconds) for all EP checks; per-rank reports."""
     paths = {"tasks": assets["tasks"], "models": assets["models"]}
     env = {**EVAL_ENV, "HF_DATASETS_CACHE": str(assets["cache"])}
-    rank0, rank1 = run_world(ep_world, NUM_DEVICES, paths, env=env, timeout_s=240)
+    return run_world(ep_world, NUM_DEVICES, paths, env=env, timeout_s=240)
+
+
+def test_expert_parallel_results_equal_one_process(ep_reports, runs):
+    rank0, rank1 = ep_reports
     idle_forwards = 0
     for family in FAMILIES:
         for label, expected in (("exact", runs("hf", family)), ("pruned", runs("occult-hf", family, **PRUNED))):
-            first, second = rank0[family, label], rank1[family, label]
+            first, second = rank0["families", family, label], rank1["families", family, label]
             assert first["world"] == (0, NUM_DEVICES) and second["world"] == (1, NUM_DEVICES)
             assert second["outputs"] is None  # results come out once, on rank 0
             assert_same_outputs(first["outputs"], expected)
             assert sum(first["forwards"]) == sum(second["forwards"]), (family, label)
             idle_forwards += first["forwards"][1] + second["forwards"][1]
     assert idle_forwards > 0  # the ranks' own forward counts did differ, so the lockstep was needed
+
+
+# ----- the command lines ----------------------------------------------------------------------------------
+
+
+def test_occult_eval_writes_results_json_and_table(assets, runs, full_task_manager, tmp_path, capsys, monkeypatch):
+    def shared_manager(include_path):
+        assert include_path == str(assets["tasks"])
+        return full_task_manager
+
+    monkeypatch.setattr(occult_eval, "make_task_manager", shared_manager)
+    out = tmp_path / "run"
+    argv = ["eval", str(assets["models"]["qwen3_moe"]), "--tasks", "occ_mc,occ_gen", "--include-path", str(assets["tasks"]),
+            "--num-devices", str(NUM_DEVICES), "--device", "cpu", "--dtype", "float32", "--batch-size", str(BATCH_SIZE),
+            "--bootstrap-iters", "0", "--output-dir", str(out)]  # fmt: skip
+    assert occult_main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    acc = runs("hf", "qwen3_moe")["occ_mc"]["metrics"]["acc,none"]
+    assert results["results"]["occ_mc"]["acc,none"] == acc
+    assert results["config"]["model"] == "occult-hf" and results["config"]["occult_config"]["num_devices"] == NUM_DEVICES
+    table = (out / "results.md").read_text()
+    assert f"| occ_mc | acc | {100 * acc:.2f} |" in table and "| occ_gen | exact_match |" in table
+    assert table in capsys.readouterr().out
+
+
+def test_lm_eval_command_line_finds_occult_hf(assets, runs, tmp_path, monkeypatch):
+    """`python -m occult_hf.eval run --model occult-hf ...` is lm-eval's own CLI with occult-hf registered."""
+    from occult_hf.eval.__main__ import main as lm_eval_main
+
+    model_args = f"pretrained={assets['models']['olmoe']},num_devices={NUM_DEVICES},dtype=float32"
+    argv = ["python -m occult_hf.eval", "run", "--model", "occult-hf", "--model_args", model_args, "--tasks", "occ_mc",
+            "--include_path", str(assets["tasks"]), "--device", "cpu", "--batch_size", str(BATCH_SIZE),
+            "--output_path", str(tmp_path)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    lm_eval_main()
+    (written,) = tmp_path.rglob("results_*.json")
+    results = json.loads(written.read_text())
+    assert results["results"]["occ_mc"]["acc,none"] == runs("hf", "olmoe")["occ_mc"]["metrics"]["acc,none"]
