@@ -20,6 +20,8 @@ What it does, all optional except the logging:
   against a placement re-planned on that recent profile, then starts a new window. At every save it
   writes the recent profile (`occult_recent_profile.safetensors`) and the re-planned placement
   (`occult_placement_replanned.json`) beside the checkpoint.
+- **PEFT under EP**: at every save it rewrites the checkpoint's adapter with the expert adapters of
+  all ranks gathered (`peft_support.save_peft_model`; the Trainer writes rank 0's alone).
 
 Shape legend: T tokens, k experts per token, E routed experts, D devices.
 """
@@ -377,13 +379,18 @@ class OccultCallback(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+        from .peft_support import has_distributed_expert_adapters, save_peft_model
+
         if self._model is None:
             return
+        checkpoint_dir = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if has_distributed_expert_adapters(self._model):
+            # the Trainer saved rank 0's own expert adapters; every rank joins to write all experts'
+            save_peft_model(self._model, checkpoint_dir)
         if self.recent_profile is None:
             self._pending_logs.update(self._drift_check())
         if self.recent_profile is None or not state.is_world_process_zero:
             return
-        checkpoint_dir = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         os.makedirs(checkpoint_dir, exist_ok=True)
         self.recent_profile.save(os.path.join(checkpoint_dir, RECENT_PROFILE_FILENAME))
         self.replanned_placement.save(os.path.join(checkpoint_dir, REPLANNED_PLACEMENT_FILENAME))

@@ -1,0 +1,217 @@
+"""PEFT (LoRA) on models with `OccultMoE` blocks, in one process and under expert parallelism.
+
+Shape legend: E routed experts, L experts of this rank, r LoRA rank, i/o the adapter's in/out features.
+
+**How peft adapts fused experts.** `LoraConfig(target_parameters=["mlp.experts.gate_up_proj",
+"mlp.experts.down_proj"])` wraps the module holding a 3-D expert parameter in a `ParamWrapper`
+(nested once per targeted parameter). Its forward registers a parametrization `W + scale * B A` on
+the parameter, runs the wrapped module, and removes it. One wrapper adapts all experts of the
+parameter: `lora_A.weight` is `[n * r, i]` with rows grouped by expert (expert-major, `(n, r, i)`)
+and `lora_B.weight` is `[o, r * n]` with columns interleaved (expert-minor, `(o, r, n)`), `n` being
+the parameter's first dimension.
+
+**One process.** `OccultMoE.experts` (`LocalExperts`) holds all `E` experts in original order as
+`gate_up_proj [E, 2I, H]` / `down_proj [E, H, I]` at the stock module path (`...mlp.experts`), and
+reads them inside its forward, so peft wraps them exactly as on the stock model: the same targets,
+the same adapter tensors; an adapter saved here loads into plain transformers + peft and back.
+Attention (`target_modules=["q_proj", ...]`) is untouched by occult_hf.
+
+**Expert parallelism.** On each rank the wrapped parameters hold the rank's `L` experts, so the
+expert adapters are rank-local like the expert weights (`n = L`), and their gradients get the same
+1/D scale (the parametrized weight goes through `LocalExperts`' gradient scaling). This module adds
+what peft cannot know:
+
+- `prepare_peft_model`: DDP must neither broadcast nor average the rank-local tensors (expert
+  weights, expert adapters, the runtime's buffers): they are listed in the PEFT model's
+  `_ddp_params_and_buffers_to_ignore` under their PEFT names; the runtime's global grad-norm
+  carrier is made trainable again (peft freezes every non-adapter parameter).
+- loading: a load-state-dict pre-hook on every `OccultMoE` cuts an adapter saved with all `E`
+  experts down to this rank's experts, so `load_peft_model` (`PeftModel.from_pretrained`) takes
+  the same adapter directory in one process and on any EP layout.
+- `save_peft_model` (collective: every rank calls it): gathers the expert adapters of all ranks
+  into original expert order; rank 0 writes a standard peft adapter directory. `OccultCallback`
+  does this at every Trainer checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .moe import OccultMoE
+
+_DDP_IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
+_HOOK_ATTR = "_occult_adapter_slicing_hook"
+#: LoRA factors of a `ParamWrapper`: name -> the dimension that holds (expert, rank) pairs, and whether
+#: the expert index is the slower (expert-major) or the faster (expert-minor) of the two
+_FACTOR_LAYOUT = {"lora_A": (0, "expert_major"), "lora_B": (1, "expert_minor")}
+
+
+def is_peft_model(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+# ----- the rank-local expert adapters ---------------------------------------------------------
+
+
+def _expert_adapter_factors(model: nn.Module) -> Iterator[tuple[str, OccultMoE, str, torch.Tensor]]:
+    """`(qualified name, block, factor name, parameter)` of every LoRA factor on an OccultMoE's experts."""
+    for path, module in model.named_modules():
+        if not isinstance(module, OccultMoE):
+            continue
+        for name, param in module.experts.named_parameters(prefix=f"{path}.experts"):
+            factor = _factor_of(name)
+            if factor is not None:
+                yield name, module, factor, param
+
+
+def _factor_of(name: str) -> str | None:
+    """"lora_A" or "lora_B" for a name like `...experts.base_layer.lora_A.default.weight`, else None."""
+    for part in name.split("."):
+        if part in _FACTOR_LAYOUT:
+            return part
+    return None
+
+
+def _select_experts(factor: str, tensor: torch.Tensor, num_experts: int, expert_ids: torch.Tensor) -> torch.Tensor:
+    """The rows (lora_A) or columns (lora_B) of `expert_ids` from a factor covering `num_experts` experts."""
+    dim, order = _FACTOR_LAYOUT[factor]
+    size = tensor.shape[dim]
+    if size % num_experts:
+        raise ValueError(f"a {factor} factor with {size} (expert, rank) entries cannot cover {num_experts} experts")
+    rank = size // num_experts
+    shape = (num_experts, rank) if order == "expert_major" else (rank, num_experts)
+    split = tensor.unflatten(dim, shape)
+    expert_dim = dim if order == "expert_major" else dim + 1
+    return split.index_select(expert_dim, expert_ids.to(tensor.device)).flatten(dim, dim + 1)
+
+
+def _place_experts(factor: str, parts: list[torch.Tensor], ids: list[torch.Tensor], num_experts: int) -> torch.Tensor:
+    """Inverse of `_select_experts`: the factor of all experts from each device's part and expert ids."""
+    dim, order = _FACTOR_LAYOUT[factor]
+    rank = parts[0].shape[dim] // len(ids[0])
+    shape_of = (lambda n: (n, rank)) if order == "expert_major" else (lambda n: (rank, n))
+    expert_dim = dim if order == "expert_major" else dim + 1
+    first = parts[0].unflatten(dim, shape_of(len(ids[0])))
+    full_shape = list(first.shape)
+    full_shape[expert_dim] = num_experts
+    full = first.new_zeros(full_shape)
+    for part, part_ids in zip(parts, ids):
+        full.index_copy_(expert_dim, part_ids.to(full.device), part.unflatten(dim, shape_of(len(part_ids))))
+    return full.flatten(dim, dim + 1)
+
+
+def _slice_to_local_experts(module: OccultMoE, state_dict, prefix, *args) -> None:
+    """Load pre-hook: factors saved for all E experts are cut to this rank's experts (in place)."""
+    num_experts = module.device_of_E.numel()
+    expert_ids = module.local_experts.expert_ids
+    local_shapes = {
+        name: param.shape for name, param in module.experts.named_parameters(prefix=f"{prefix}experts")
+    }
+    for key in list(state_dict):
+        factor = _factor_of(key) if key.startswith(f"{prefix}experts.") else None
+        if factor is None or key not in local_shapes or state_dict[key].shape == local_shapes[key]:
+            continue
+        state_dict[key] = _select_experts(factor, state_dict[key], num_experts, expert_ids)
+
+
+def _register_slicing_hooks(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, OccultMoE) and module.ep.is_distributed and _HOOK_ATTR not in module.__dict__:
+            module.__dict__[_HOOK_ATTR] = module.register_load_state_dict_pre_hook(_slice_to_local_experts)
+
+
+# ----- user entry points ----------------------------------------------------------------------
+
+
+def prepare_peft_model(peft_model: nn.Module) -> nn.Module:
+    """Make a PEFT-wrapped occult model ready for EP training (no-op in one process); returns it.
+
+    Sets `_ddp_params_and_buffers_to_ignore` on the PEFT model (the rank-local parameters and
+    buffers of every `OccultMoE`'s experts, adapters included, and the runtime's own state, under
+    their names in the PEFT model) and makes the grad-norm carriers trainable.
+    """
+    ignore = set(peft_model.__dict__.get(_DDP_IGNORE_ATTR) or [])
+    for path, module in peft_model.named_modules():
+        if not isinstance(module, OccultMoE) or not module.ep.is_distributed:
+            continue
+        ignore |= {name for name, _ in module.experts.named_parameters(prefix=f"{path}.experts")}
+        ignore |= {name for name, _ in module.experts.named_buffers(prefix=f"{path}.experts")}
+        ignore |= {f"{path}.{name}" for name in module.runtime_state_names()}
+        module.ep_grad_norm_carrier.requires_grad_(True)
+    if ignore:
+        peft_model.__dict__[_DDP_IGNORE_ATTR] = sorted(ignore)
+    return peft_model
+
+
+def get_peft_model(model: nn.Module, peft_config, **kwargs) -> nn.Module:
+    """`peft.get_peft_model` for an occult model, then `prepare_peft_model`."""
+    import peft
+
+    _register_slicing_hooks(model)
+    return prepare_peft_model(peft.get_peft_model(model, peft_config, **kwargs))
+
+
+def load_peft_model(model: nn.Module, adapter_path: str | os.PathLike, **kwargs) -> nn.Module:
+    """`PeftModel.from_pretrained(model, adapter_path)` for an occult model (any EP layout: an
+    adapter saved for all experts is cut to each rank's experts), then `prepare_peft_model`."""
+    from peft import PeftModel
+
+    _register_slicing_hooks(model)
+    return prepare_peft_model(PeftModel.from_pretrained(model, os.fspath(adapter_path), **kwargs))
+
+
+def gathered_adapter_state_dict(peft_model: nn.Module) -> dict[str, torch.Tensor]:
+    """`peft_model.state_dict()` with every expert adapter factor covering all E experts in original
+    order (collective under EP: every rank must call it; every rank gets the full result)."""
+    state_dict = peft_model.state_dict()
+    for name, module, factor, param in _expert_adapter_factors(peft_model):
+        if not module.ep.is_distributed:  # one process: all experts, original order already
+            continue
+        num_experts, expert_ids = module.device_of_E.numel(), module.local_experts.expert_ids
+        group, num_devices = module.ep.group, module.ep.num_devices
+        ids = [(module.device_of_E == device).nonzero().flatten() for device in range(num_devices)]
+        dim, _ = _FACTOR_LAYOUT[factor]
+        rank = param.shape[dim] // len(expert_ids)
+        capacity = max(len(i) for i in ids)
+        padded = param.detach().new_zeros(param.shape[:dim] + (capacity * rank,) + param.shape[dim + 1 :])
+        padded.narrow(dim, 0, param.shape[dim]).copy_(param.detach())
+        parts = [torch.empty_like(padded) for _ in range(num_devices)]
+        dist.all_gather(parts, padded, group=group)
+        parts = [part.narrow(dim, 0, len(i) * rank) for part, i in zip(parts, ids)]
+        state_dict[name] = _place_experts(factor, parts, ids, num_experts)
+    return state_dict
+
+
+def save_peft_model(peft_model: nn.Module, directory: str | os.PathLike, **kwargs) -> None:
+    """Save the adapters with every expert adapter gathered over the EP ranks (collective under EP:
+    call it on every rank); EP rank 0 (the main process in one process) writes a standard peft
+    adapter directory that loads in one process, under EP, and into plain transformers + peft."""
+    state_dict = gathered_adapter_state_dict(peft_model)
+    is_main = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    kwargs.setdefault("is_main_process", is_main)
+    peft_model.save_pretrained(os.fspath(directory), state_dict=state_dict, **kwargs)
+
+
+def has_distributed_expert_adapters(model: nn.Module) -> bool:
+    """True when `model` carries LoRA factors on the experts of an EP (distributed) `OccultMoE`."""
+    return any(module.ep.is_distributed for _, module, _, _ in _expert_adapter_factors(model))
+
+
+__all__ = [
+    "gathered_adapter_state_dict",
+    "get_peft_model",
+    "has_distributed_expert_adapters",
+    "is_peft_model",
+    "load_peft_model",
+    "prepare_peft_model",
+    "save_peft_model",
+]
