@@ -106,9 +106,9 @@ def apply_occult(model: nn.Module, occult_config: OccultConfig | dict | str | No
     num_experts = adapter.num_experts(model.config)
     layers = [layer for layer, _, _ in blocks]
     placement = _load_placement(config.placement)
-    ep = ExpertParallelGroup.resolve(
-        group, config.num_devices if config.num_devices is not None else getattr(placement, "num_devices", None)
-    )
+    ep = ExpertParallelGroup.resolve(group, config.num_devices)
+    if not ep.is_distributed and config.num_devices is None and placement is not None:
+        ep = ExpertParallelGroup(num_devices=placement.num_devices)  # one process: the placement's logical devices
     if placement is None:
         placement = Placement.contiguous(num_experts, ep.num_devices, layers)
     placement.validate_for(num_experts, layers, ep.num_devices)

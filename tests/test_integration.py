@@ -1,0 +1,412 @@
+"""Integration: from_pretrained(occult_config=...), save -> reload, unapply, generate, Trainer, errors.
+
+One process: `from_pretrained` with an OccultConfig / dict / JSON path, through the Auto class and
+the model class; a saved replaced model reloads as the vanilla model in plain transformers and as
+the same occult setup with occult_hf; `unapply_occult` returns the trained original blocks; pruning
+is wired in; clear errors.
+
+A 2-rank gloo world: greedy `generate()` of every family with different prompt lengths and
+different `max_new_tokens` per rank returns the reference tokens (ranks finish at different steps);
+save -> reload round trips under EP after a training step (vanilla weights in plain transformers, the
+placement restored with occult_hf, and loading the saved directory under EP); `unapply_occult`
+under EP; a rank-0-only save without a snapshot fails with a clear error instead of hanging; errors
+for a world size that differs from num_devices.
+
+A 2-rank HF Trainer run (torchrun-like environment, DDP through accelerate, default gradient
+clipping, checkpointing with OccultCheckpointCallback) gives the same per-step losses, gradient
+norms and final weights as a single-process Trainer run on the same data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from distributed import run_world
+from tiny_models import FAMILIES, MOE_LAYERS, tiny_batch, tiny_checkpoint, tiny_model
+
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _installed():
+    from occult_hf.integration import install
+
+    install()
+    yield
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.detach().double(), expected.detach().double()
+    return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-12))
+
+
+def shuffled_placement(family: str, num_experts: int, num_devices: int):
+    import numpy as np
+
+    from occult_hf import Placement
+
+    base = (np.arange(num_experts) * num_devices // num_experts).tolist()
+    layers = {layer: np.random.default_rng(layer).permutation(base).tolist() for layer in MOE_LAYERS[family]}
+    return Placement(num_experts, num_devices, layers, {"method": "shuffled"})
+
+
+def load(directory, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, **kwargs).float().eval()
+
+
+def train_one_step(model, ids, lr=0.05):
+    """One SGD step on `ids` so that saved weights differ from the initial ones (under EP through DDP,
+    which averages the replicated parameters' gradients and leaves the experts to the runtime)."""
+    model.train()
+    if torch.distributed.is_initialized():
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(model)  # kept alive through backward: its hooks average the gradients
+        ddp(input_ids=ids, labels=ids).loss.backward()
+    else:
+        model(input_ids=ids, labels=ids).loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= lr * p.grad
+                p.grad = None
+    model.eval()
+
+
+def is_replaced(model) -> bool:
+    return any(type(m).__name__ == "OccultMoE" for m in model.modules())
+
+
+# ----- one process ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("form", ["object", "dict", "json"])
+def test_from_pretrained_accepts_occult_config(tmp_path, form):
+    from transformers import OlmoeForCausalLM
+
+    from occult_hf import OccultConfig
+    from occult_hf.integration import occult_config_of
+
+    checkpoint = tiny_checkpoint("olmoe", tmp_path / "ckpt", seed=1)
+    config = OccultConfig(placement=shuffled_placement("olmoe", 8, 2), dispatch="per_expert", num_devices=2)
+    value = {"object": config, "dict": config.to_dict(), "json": str(tmp_path / "occult.json")}[form]
+    config.save(tmp_path / "occult.json")
+    ids = tiny_batch()
+    vanilla = load(checkpoint)
+    for model in (load(checkpoint, occult_config=value), OlmoeForCausalLM.from_pretrained(checkpoint, occult_config=value).eval()):
+        assert is_replaced(model) and occult_config_of(model) == config
+        assert rel_err(model(ids).logits, vanilla(ids).logits) <= TOLERANCE
+    assert not is_replaced(vanilla)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_remote"])
+def test_save_reload_round_trip_one_process(tmp_path, family):
+    """Fused experts with a checkpoint conversion mapping (Qwen2-MoE), and the remote ModuleList experts."""
+    from occult_hf import OccultConfig, Placement
+    from occult_hf.integration import apply_occult, occult_config_of, uninstall
+
+    placement = shuffled_placement(family, 8, 3)
+    model = apply_occult(tiny_model(family, seed=2), OccultConfig(placement=placement))
+    ids = tiny_batch(seed=4)
+    train_one_step(model, ids)
+    expected = model(ids).logits
+    model.save_pretrained(tmp_path / "saved")
+
+    saved_config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert saved_config["occult_config"]["placement"]["layers"] == {str(k): v for k, v in placement.layers.items()}
+    assert Placement.load(tmp_path / "saved") == placement
+    # the weight files hold exactly what a vanilla model of this class saves
+    tiny_model(family, seed=2).save_pretrained(tmp_path / "vanilla")
+    assert _checkpoint_shapes(tmp_path / "saved") == _checkpoint_shapes(tmp_path / "vanilla")
+
+    with_occult = load(tmp_path / "saved")
+    assert is_replaced(with_occult) and occult_config_of(with_occult).placement == placement
+    assert rel_err(with_occult(ids).logits, expected) <= TOLERANCE
+    without = load(tmp_path / "saved", occult_config=None)
+    assert not is_replaced(without) and rel_err(without(ids).logits, expected) <= TOLERANCE
+    uninstall()  # plain transformers
+    plain = load(tmp_path / "saved")
+    assert not is_replaced(plain) and rel_err(plain(ids).logits, expected) <= TOLERANCE
+
+
+def _checkpoint_shapes(directory: Path) -> dict[str, tuple]:
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            shapes.update({key: tuple(f.get_slice(key).get_shape()) for key in f.keys()})
+    return shapes
+
+
+@pytest.mark.parametrize("family", ["olmoe", "deepseek_remote"])
+def test_unapply_returns_the_trained_original_blocks(family):
+    from occult_hf import OccultConfig
+    from occult_hf.integration import apply_occult, unapply_occult
+
+    model = tiny_model(family, seed=5)
+    blocks = {name: module for name, module in model.named_modules() if name.endswith("mlp")}
+    apply_occult(model, OccultConfig(num_devices=2))
+    ids = tiny_batch(seed=6)
+    train_one_step(model, ids)
+    expected = model(ids).logits
+    unapply_occult(model)
+    assert not is_replaced(model) and not hasattr(model.config, "occult_config")
+    assert all(model.get_submodule(name) is block for name, block in blocks.items())
+    assert "save_pretrained" not in model.__dict__
+    assert rel_err(model(ids).logits, expected) <= TOLERANCE
+
+
+def test_pruning_is_applied_after_routing():
+    """prune='router' with N_d=1 on 2 logical devices: each token's experts sit on one device."""
+    from occult_hf import OccultConfig
+    from occult_hf.integration import apply_occult, occult_modules
+
+    model = apply_occult(
+        tiny_model("olmoe", seed=1), OccultConfig(num_devices=2, prune="router", max_devices_per_token=1)
+    )
+    model(tiny_batch())
+    for module in occult_modules(model).values():
+        devices_Tk = module.device_of_E[module.last_topk_ids_Tk]
+        assert torch.all(devices_Tk == devices_Tk[:, :1])
+        assert int(module.rows_sent.sum()) == module.last_topk_ids_Tk.shape[0]  # one row per token
+
+
+def test_counters_report_rows_pairs_and_bytes():
+    from occult_hf import OccultConfig
+    from occult_hf.integration import apply_occult, occult_modules, reset_counters
+
+    model = apply_occult(tiny_model("olmoe", seed=1), OccultConfig(num_devices=4, dispatch="per_expert"))
+    model(tiny_batch())
+    model(tiny_batch(seed=1))
+    for module in occult_modules(model).values():
+        hidden, top_k = model.config.hidden_size, model.config.num_experts_per_tok
+        assert int(module.forwards) == 2 and int(module.rows_sent.sum()) == 2 * 32 * top_k
+        assert torch.equal(module.pairs_sent, module.rows_sent)
+        assert torch.equal(module.bytes_sent, module.rows_sent * (hidden * 4 + 1 * (4 + 4)))
+    reset_counters(model)
+    assert all(int(m.rows_sent.sum()) == 0 and int(m.forwards) == 0 for m in occult_modules(model).values())
+
+
+def test_clear_errors(tmp_path):
+    import transformers
+
+    from occult_hf import OccultConfig, Placement
+    from occult_hf.integration import apply_occult, unapply_occult
+
+    model = tiny_model("olmoe", seed=0)
+    with pytest.raises(ValueError, match="placement is for num_experts=16 but the model has 8"):
+        apply_occult(model, OccultConfig(placement=Placement.contiguous(16, 2, [0, 1])))
+    with pytest.raises(ValueError, match=r"placement lacks MoE layers \[1\]"):
+        apply_occult(model, OccultConfig(placement=Placement.contiguous(8, 2, [0])))
+    with pytest.raises(ValueError, match="neither 'contiguous' nor an existing occult_placement.json"):
+        apply_occult(model, OccultConfig(placement=str(tmp_path / "missing.json")))
+    with pytest.raises(ValueError, match="does not have occult_hf applied"):
+        unapply_occult(model)
+    apply_occult(model, OccultConfig())
+    with pytest.raises(ValueError, match="already has occult_hf applied"):
+        apply_occult(model, OccultConfig())
+    with pytest.raises(ValueError, match="state_dict=...\\) is not supported"):
+        model.save_pretrained(tmp_path / "x", state_dict={})
+    llama = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    )
+    with pytest.raises(ValueError, match=r"does not support model_type 'llama'; supported model types: \[.*'olmoe'.*\]"):
+        apply_occult(llama, OccultConfig())
+    with pytest.raises(FileNotFoundError, match="is not a file"):
+        load(tiny_checkpoint("olmoe", tmp_path / "c"), occult_config=str(tmp_path / "nope.json"))
+
+
+def test_install_is_reversible(tmp_path):
+    """Without the wrapper transformers rejects the keyword; install() twice wraps once; uninstall() undoes it."""
+    from transformers import OlmoeForCausalLM, PreTrainedModel
+
+    from occult_hf.integration import install, is_installed, uninstall
+
+    checkpoint = tiny_checkpoint("olmoe", tmp_path / "ckpt")
+    original = PreTrainedModel.__dict__["from_pretrained"].__func__.__occult_original__
+    install()
+    assert is_installed() and PreTrainedModel.__dict__["from_pretrained"].__func__.__occult_original__ is original
+    uninstall()
+    assert not is_installed() and PreTrainedModel.__dict__["from_pretrained"] is original
+    with pytest.raises(TypeError):
+        OlmoeForCausalLM.from_pretrained(checkpoint, occult_config={})
+    install()
+    assert is_replaced(OlmoeForCausalLM.from_pretrained(checkpoint, occult_config={}))
+
+
+# ----- a 2-rank world ----------------------------------------------------------------------------------
+PROMPTS = {0: (5, 4), 1: (9, 7)}  # rank -> (prompt length, max_new_tokens)
+
+
+def _generate_prompt(rank: int) -> torch.Tensor:
+    length, _ = PROMPTS[rank]
+    return tiny_batch(batch=1, seq=length, seed=40 + rank)
+
+
+def _reference_generations() -> dict:
+    refs = {}
+    for family in FAMILIES:
+        model = tiny_model(family, seed=7)
+        for rank, (_, new_tokens) in PROMPTS.items():
+            refs[(family, rank)] = model.generate(_generate_prompt(rank), max_new_tokens=new_tokens, do_sample=False)
+    return refs
+
+
+def _check_generate(rank, world_size, references):
+    from occult_hf import OccultConfig
+    from occult_hf.integration import apply_occult
+
+    for family in FAMILIES:
+        model = apply_occult(tiny_model(family, seed=7), OccultConfig(placement=shuffled_placement(family, 8, world_size)))
+        tokens = model.generate(_generate_prompt(rank), max_new_tokens=PROMPTS[rank][1], do_sample=False, synced_gpus=False)
+        assert torch.equal(tokens, references[(family, rank)]), f"{family} rank {rank}: {tokens} != {references[(family, rank)]}"
+
+
+def _check_save_round_trip(rank, world_size, directory, family):
+    import torch.distributed as dist
+
+    from occult_hf import OccultConfig, Placement
+    from occult_hf.integration import apply_occult, occult_config_of, uninstall, unapply_occult
+
+    placement = shuffled_placement(family, 8, world_size)
+    model = apply_occult(tiny_model(family, seed=8), OccultConfig(placement=placement))
+    train_one_step(model, tiny_batch(seed=60 + rank))  # each rank its own batch: expert grads from both
+    ids = tiny_batch(seed=70)
+    expected = model(ids).logits
+    target = Path(directory) / family
+    model.save_pretrained(target)  # collective: rank 0 writes
+    dist.barrier()
+    assert Placement.load(target) == placement
+
+    reloaded = load(target)  # under EP: the saved setup, this rank's experts
+    assert occult_config_of(reloaded).placement == placement and reloaded.get_submodule(
+        f"model.layers.{MOE_LAYERS[family][0]}.mlp"
+    ).ep.is_distributed
+    assert rel_err(reloaded(ids).logits, expected) <= TOLERANCE
+    vanilla = load(target, occult_config=None)
+    assert not is_replaced(vanilla) and rel_err(vanilla(ids).logits, expected) <= TOLERANCE
+
+    unapply_occult(model)  # all-gather: every rank gets the full trained model
+    assert not is_replaced(model) and rel_err(model(ids).logits, expected) <= TOLERANCE
+    dist.barrier()
+
+
+def _check_rank0_only_save_fails_clearly(rank, world_size, directory):
+    import torch.distributed as dist
+
+    from occult_hf import OccultConfig
+    from occult_hf.integration import apply_occult, snapshot_experts
+
+    model = apply_occult(tiny_model("olmoe", seed=9), OccultConfig())
+    snapshot_experts(model)  # what OccultCheckpointCallback does on every rank
+    if rank == 0:
+        model.save_pretrained(Path(directory) / "from_snapshot")  # rank 0 alone: the snapshot is current
+    dist.barrier()
+    assert (Path(directory) / "from_snapshot" / "config.json").is_file()
+    train_one_step(model, tiny_batch(seed=rank))  # the snapshot is stale now
+    if rank == 0:
+        with pytest.raises(RuntimeError, match="collective: call them on every rank.*OccultCheckpointCallback"):
+            model.save_pretrained(Path(directory) / "stale")
+    dist.barrier()
+
+
+def _check_errors(rank, world_size):
+    from occult_hf import OccultConfig, Placement
+    from occult_hf.integration import apply_occult
+
+    with pytest.raises(ValueError, match=r"num_devices \(4\) must equal the expert-parallel group size \(2\)"):
+        apply_occult(tiny_model("olmoe"), OccultConfig(num_devices=4))
+    with pytest.raises(ValueError, match="placement is for num_devices=4 but the expert-parallel group has 2"):
+        apply_occult(tiny_model("olmoe"), OccultConfig(placement=Placement.contiguous(8, 4, [0, 1])))
+
+
+def _ep_world(rank, world_size, references, directory):
+    from occult_hf.integration import install
+
+    install()
+    _check_errors(rank, world_size)
+    _check_generate(rank, world_size, references)
+    for family in ("qwen2_moe", "deepseek_remote"):
+        _check_save_round_trip(rank, world_size, directory, family)
+    _check_rank0_only_save_fails_clearly(rank, world_size, directory)
+
+
+def test_generate_save_load_and_errors_on_2_ranks(tmp_path):
+    run_world(_ep_world, 2, _reference_generations(), str(tmp_path), env={"OCCULT_SAVE_TIMEOUT_S": "5"})
+
+
+# ----- HF Trainer -----------------------------------------------------------------------------------
+TRAIN_STEPS = 3
+
+
+def _trainer_dataset():
+    ids = tiny_batch(batch=4 * TRAIN_STEPS, seq=16, seed=90)
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def _run_trainer(output_dir: str, per_device_batch: int, model, callbacks=()):
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(
+        output_dir=output_dir,
+        per_device_train_batch_size=per_device_batch,
+        max_steps=TRAIN_STEPS,
+        learning_rate=0.05,
+        optim="sgd",  # Adam's g / sqrt(v) would magnify fp32 rounding in near-zero gradients past 1e-5
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=TRAIN_STEPS,
+        save_only_model=True,
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=_trainer_dataset(), callbacks=list(callbacks))
+    trainer.train()
+    trainer.save_model(os.path.join(output_dir, "final"))
+    return [(log["loss"], log["grad_norm"]) for log in trainer.state.log_history if "loss" in log]
+
+
+def _trainer_model():
+    return tiny_model("olmoe", seed=11, output_router_logits=False)
+
+
+def _single_process_trainer(rank, world_size, output_dir):
+    return _run_trainer(output_dir, 4, _trainer_model())
+
+
+def _ep_trainer(rank, world_size, output_dir):
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT="29511",
+    )
+    from occult_hf import OccultConfig
+    from occult_hf.integration import OccultCheckpointCallback, apply_occult
+
+    model = apply_occult(_trainer_model(), OccultConfig(placement=shuffled_placement("olmoe", 8, world_size)))
+    return _run_trainer(output_dir, 2, model, callbacks=[OccultCheckpointCallback()])
+
+
+def test_trainer_on_2_ranks_equals_single_process(tmp_path):
+    (reference,) = run_world(_single_process_trainer, 1, str(tmp_path / "single"))
+    ep_logs = run_world(_ep_trainer, 2, str(tmp_path / "ep"))
+    assert len(reference) == len(ep_logs[0]) == len(ep_logs[1]) == TRAIN_STEPS
+    for step, (loss, norm) in enumerate(reference):
+        for rank_logs in ep_logs:  # each rank's norm sums its own experts and the carrier: equal up to rounding
+            ep_loss, ep_norm = rank_logs[step]
+            assert abs(ep_loss - loss) <= 1e-5 * abs(loss) and abs(ep_norm - norm) <= 1e-5 * norm, (step, rank_logs)
+    assert reference[0][1] > 1.0, "gradient clipping at 1.0 should be active in this test"
+    single = load(tmp_path / "single" / "final")
+    for directory in (tmp_path / "ep" / "final", tmp_path / "ep" / f"checkpoint-{TRAIN_STEPS}"):
+        saved = load(directory, occult_config=None)
+        reference_weights = dict(single.named_parameters())
+        for name, param in saved.named_parameters():
+            assert rel_err(param, reference_weights[name]) <= 1e-5, name
