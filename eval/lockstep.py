@@ -31,13 +31,23 @@ class ForwardLockstep:
         group: the EP process group.
         device: where the vote tensor lives (the model's device: NCCL needs a CUDA tensor).
         idle_token_id: the token of the one-token idle forward (`[1, 1]` input).
+        autocast_dtype: the autocast dtype real forwards run under (None: none), so that idle forwards
+            exchange activations of the same dtype.
     """
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup, device: torch.device, idle_token_id: int):
+    def __init__(
+        self,
+        model: nn.Module,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        idle_token_id: int,
+        autocast_dtype: torch.dtype | None = None,
+    ):
         self.model = model
         self.group = group
         self.device = torch.device(device)
         self.idle_input_ids_11 = torch.tensor([[idle_token_id]], dtype=torch.long, device=self.device)
+        self.autocast_dtype = autocast_dtype
         self.real_forwards = 0
         self.idle_forwards = 0
         self._draining = False
@@ -59,7 +69,8 @@ class ForwardLockstep:
         """Run idle forwards until every rank of the group has called `drain()`; all return in the same round."""
         self._draining = True
         try:
-            with torch.no_grad():
+            autocast = torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
+            with torch.no_grad(), autocast:
                 while self._vote(False) > 0:
                     self.model(input_ids=self.idle_input_ids_11, use_cache=False)
                     self.idle_forwards += 1

@@ -209,7 +209,9 @@ class OccultHFLM(HFLM):
         self._lockstep = None
         if world_size > 1:
             idle_token = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eot_token_id
-            self._lockstep = ForwardLockstep(self.model, self._ep_group, self.device, idle_token)
+            self._lockstep = ForwardLockstep(
+                self.model, self._ep_group, self.device, idle_token, autocast_dtype=self.mixed_precision_dtype
+            )
 
     # ----- collectives: every rank drains its forwards before it meets the others ------------
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
