@@ -1,6 +1,8 @@
 """`OccultCallback` with the real HF `Trainer` on a tiny OLMoE (E=16, k=4, D=4 logical devices).
 
 - The N_d schedule: its values step by step, its validation.
+- Under 2-rank gloo EP the logged numbers (reduced over ranks) and the drift check (profiles merged
+  over ranks) equal one process on the concatenated batch with the same 2 logical devices.
 - A short Trainer run on a learnable toy task (next token = current token + 1) with router pruning
   eased from no pruning (N_d=4) to N_d=1, MoE-only training and a drift check every 3 steps: the loss
   falls, the routers (and only MoE parameters) change, every logged CT is at most the logged N_d and
@@ -14,7 +16,8 @@ import os
 
 import pytest
 import torch
-from tiny_models import tiny_model
+from distributed import run_world
+from tiny_models import tiny_batch, tiny_model
 
 import occult_hf  # noqa: F401
 from occult_hf.callback import (
@@ -62,7 +65,12 @@ def test_schedule_and_callback_validation():
 
 
 class _State:
-    global_step = 0
+    """The parts of `TrainerState` the callback reads."""
+
+    def __init__(self, global_step: int = 0) -> None:
+        self.global_step = global_step
+        self.log_history = []
+        self.is_world_process_zero = True
 
 
 class NextTokenData(torch.utils.data.Dataset):
@@ -143,3 +151,39 @@ def test_trainer_run_with_schedule_drift_and_moe_only_training(tmp_path):
         placement = Placement.load(checkpoint / REPLANNED_PLACEMENT_FILENAME)
         assert placement.num_devices == 4 and sorted(placement.layers) == [0, 1]
         assert os.path.isfile(checkpoint / "occult_placement.json")
+
+
+def _logs_after_one_step(model, batches, check_every: int = 1) -> dict[str, float]:
+    callback = OccultCallback(check_every=check_every, sample_size=1024)
+    state = _State()
+    callback.on_train_begin(None, state, None, model=model)
+    for batch in batches:
+        model(input_ids=batch, labels=batch).loss.backward()
+    state.global_step = 1
+    callback.on_step_end(None, state, None)
+    logs = {}
+    callback.on_log(None, state, None, logs=logs)
+    callback.on_train_end(None, state, None)
+    return logs
+
+
+def _callback_under_ep(rank, world_size):
+    import torch.distributed as dist
+
+    config = OccultConfig(num_devices=world_size, prune="router", max_devices_per_token=1)
+    batches = [tiny_batch(batch=2, seq=8, seed=30 + r) for r in range(world_size)]
+    one_process = [dist.new_group([r]) for r in range(world_size)]
+    reference = apply_occult(tiny_model("olmoe", **SIZES).train(), config, group=one_process[rank])
+    # one forward of the concatenated batch: its token chunks are the ranks' tokens (metrics.token_ranks)
+    expected = _logs_after_one_step(reference, [torch.cat(batches)])
+    model = apply_occult(tiny_model("olmoe", **SIZES).train(), config)
+    return expected, _logs_after_one_step(model, [batches[rank]])
+
+
+@pytest.mark.world_size(2)
+def test_logs_under_expert_parallelism_equal_one_process():
+    for expected, logs in run_world(_callback_under_ep, 2):
+        assert "occult/drift/ct_replanned" in expected and "occult/remote_copies" in expected
+        assert sorted(logs) == sorted(expected)
+        for key, value in expected.items():
+            assert logs[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
