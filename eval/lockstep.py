@@ -8,12 +8,12 @@ appear, which depends on the data.
 
 The protocol: before each forward every rank votes in one `all_reduce` (1 = "I run a real forward",
 0 = "I am only waiting"). A rank that has run out of work and must reach a collective of its own
-(lm-eval's `all_gather` / `gather_object`) first calls `drain()`: it votes 0 and, while the sum is
-positive, runs an idle forward of one token so that the busy ranks' exchanges find a partner. When
-every rank votes 0 all of them are in `drain()` together, and they leave it in the same round.
-Because each rank's sequence of `drain()` calls is the same (lm-eval calls `all_gather` once per
-task and `gather_object` once or twice at the end on every rank), the k-th drain of one rank is
-always paired with the k-th drain of the others.
+(lm-eval's `all_gather`, `barrier`, `gather_object`) first calls `drain()`: it votes 0 and, while
+the sum is positive, runs an idle forward of one token so that the busy ranks' exchanges find a
+partner. When every rank votes 0 all of them are in `drain()` together, and they leave it in the
+same round. Because every rank makes the same sequence of those calls (lm-eval's evaluator calls
+them in the same order on every rank), the k-th drain of one rank is paired with the k-th drain of
+the others.
 """
 
 from __future__ import annotations

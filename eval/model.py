@@ -232,10 +232,11 @@ class OccultHFLM(HFLM):
         return gathered
 
     def barrier(self) -> None:
-        """A no-op under EP: lm-eval calls it after each request type only on ranks that had requests of
-        that type, so it cannot be a collective; ranks meet in the next `all_gather`/`gather_object`."""
+        """Under EP a drain: it returns, on every rank in the same round, once all ranks have reached it."""
         if self._lockstep is None:
             super().barrier()
+        else:
+            self._lockstep.drain()
 
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
         """Under EP, `ForwardLockstep` already pairs every forward of generation across ranks (and across
@@ -246,15 +247,6 @@ class OccultHFLM(HFLM):
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
         with _class_generate(self.model):
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
-
-    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
-        """HFLM pads rolling windows across ranks with an `all_gather` that a rank without rolling requests
-        never reaches; under EP the lockstep makes that padding unnecessary, so it runs as one process."""
-        world_size, self._world_size = self._world_size, 1
-        try:
-            return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
-        finally:
-            self._world_size = world_size
 
     def get_model_info(self) -> dict:
         info = super().get_model_info()
