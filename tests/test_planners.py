@@ -208,6 +208,12 @@ def test_plan_placement_over_a_profile(tmp_path):
     placement = plan_placement(profile, 4, progress=False, **FAST)
     assert sorted(placement.layers) == [3, 7] and placement.meta["method"] == "refined"
     assert placement.meta["options"]["search_rounds"] == 4
+    score = placement.meta["profile_metrics"]["3"]
+    routing = profile.layer(3)
+    assert score["ct"] == pytest.approx(metrics.mean_ct(routing.topk_sample, np.array(placement.device_of(3)), 4), abs=1e-4)
+    assert score["slowest_device_load"] == metrics.device_load(
+        metrics.expert_load(routing.topk_sample, 16), np.array(placement.device_of(3)), 4
+    ).max()
     placement.save(tmp_path)
     assert Placement.load(tmp_path).layers == placement.layers
     only = plan_placement(profile, 4, "occult", layers=[7], progress=False)

@@ -144,27 +144,51 @@ def plan_placement(
         layers: the profile layers to plan (default: all).
         progress: show a tqdm bar over layers.
         **options: the planner's options (e.g. `max_load_ratio=1.1, seed=0` for "refined").
+
+    `placement.meta["profile_metrics"]` records, per layer, how the placement scores on the
+    profile it was planned on (`_layer_score`): CT or cut, and the slowest device's load and rows,
+    not only means.
     """
     from tqdm.auto import tqdm
+
+    from ..metrics import evaluate_layer
 
     spec = get_planner(method)
     planner_options = spec.make_options(**options)
     check_device_count(profile.num_experts, num_devices)
     chosen = sorted(profile.layers) if layers is None else [int(l) for l in layers]
-    maps = {}
-    for layer in tqdm(chosen, desc=f"placement {method} D={num_devices}", unit="layer", disable=not progress):
+    maps, scores = {}, {}
+    bar = tqdm(chosen, desc=f"placement {method} D={num_devices}", unit="layer", disable=not progress)
+    for layer in bar:
         routing = profile.layer(layer)
-        device_of_E = spec.plan_layer(
-            routing.coactivation, routing.expert_counts, routing.topk_sample, num_devices, planner_options
+        device_of_E = np.asarray(
+            spec.plan_layer(routing.coactivation, routing.expert_counts, routing.topk_sample, num_devices, planner_options)
         )
-        maps[layer] = np.asarray(device_of_E).tolist()
+        maps[layer] = device_of_E.tolist()
+        scores[str(layer)] = _layer_score(evaluate_layer(routing, device_of_E, num_devices, profile.top_k))
+        bar.set_postfix({k: v for k, v in scores[str(layer)].items() if k in ("ct", "cut_per_token", "balance")})
     meta = {
         "method": method,
         "options": dataclasses.asdict(planner_options),
         "profile_source": profile.meta.get("source"),
         "model_type": profile.model_type,
+        "profile_metrics": scores,
     }
     return Placement(profile.num_experts, int(num_devices), maps, meta)
+
+
+def _layer_score(m) -> dict[str, float | int | bool | None]:
+    """The JSON-safe summary of a `metrics.LayerMetrics` kept in a placement's meta."""
+    return {
+        "ct": None if m.ct is None else round(m.ct, 4),
+        "ct_lower": m.ct_lower,
+        "cut_per_token": round(m.cut_per_token, 4),
+        "balance": round(m.balance, 4),
+        "balance_floor": round(m.balance_floor, 4),
+        "balance_bound_loose": bool(m.balance_floor > 1.0 + 1e-9),
+        "slowest_device_load": float(m.load_D.max()),
+        "max_received_rows": m.max_received_rows,
+    }
 
 
 __all__ = [

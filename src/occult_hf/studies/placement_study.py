@@ -307,6 +307,7 @@ def speed_study(routing_dir: Path, result: StudyResult, progress: bool, num_devi
                 "plan CPU s": cpu,
             })
             result.series.setdefault(f"speed_ct_{num_experts}", {})[method] = [m.ct for m in per_layer.values()]
+            result.series.setdefault(f"speed_balance_{num_experts}", {})[method] = [m.balance for m in per_layer.values()]
     result.tables[title] = rows
     result.notes[title] = [
         f"D={num_devices}. Wall time shares {os.cpu_count()} cores with whatever else runs (load average "
@@ -318,24 +319,23 @@ def speed_study(routing_dir: Path, result: StudyResult, progress: bool, num_devi
 
 # ----- figure ------------------------------------------------------------------------------------
 def plot(result: StudyResult, path: Path) -> None:
-    """Per-layer cut / CT by method (one panel per case) and per-layer balance on OLMoE."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Per-layer cut / CT by method, and per-layer load balance beside them, one panel each."""
+    from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend alone
 
     panels = [
         (key, label)
         for key, label in (
+            ("olmoe_cut_D4", "OLMoE-0125 pair counts, D=4: split pairs / token"),
             ("olmoe_cut_D8", "OLMoE-0125 pair counts, D=8: split pairs / token"),
             ("olmoe_balance_D8", "OLMoE-0125, D=8: load balance (max/mean)"),
-            ("olmoe_cut_D4", "OLMoE-0125 pair counts, D=4: split pairs / token"),
-            ("speed_ct_128", "E=128, 48 layers (Qwen3 loads, synthetic), D=8: held-out CT"),
+            ("speed_ct_128", "E=128, 48 layers (Qwen3 loads, synthetic co-activation), D=8: held-out CT"),
+            ("speed_balance_128", "E=128, 48 layers, D=8: held-out load balance (max/mean)"),
         )
         if key in result.series
     ]
-    figure, axes = plt.subplots(len(panels), 1, figsize=(9, 3.2 * len(panels)), squeeze=False)
-    for axis, (key, label) in zip(axes[:, 0], panels):
+    figure = Figure(figsize=(9, 3.2 * len(panels)))
+    for index, (key, label) in enumerate(panels):
+        axis = figure.add_subplot(len(panels), 1, index + 1)
         for method, values in result.series[key].items():
             axis.plot(range(len(values)), values, marker="o", markersize=3, label=method)
         axis.set_title(label)
@@ -344,7 +344,6 @@ def plot(result: StudyResult, path: Path) -> None:
         axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
-    plt.close(figure)
 
 
 def run_placement_study(
