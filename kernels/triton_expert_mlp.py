@@ -11,17 +11,18 @@ Forward, two grouped GEMMs over the expert segments (`triton_expert_mlp_kernels.
    down GEMM nor the down_proj gradient needs a scale), and, when a gradient is needed, the
    pre-activations gu [N, 2I] that the backward reads instead of recomputing a GEMM;
 2. `scatter_gemm_kernel` multiplies hw by down_e and reduces into one fp32 row per received row (see
-   `REDUCE_MODES`): by atomic adds in the GEMM epilogue (the default; the sum order, hence the last
-   bits, vary between runs) or by writing the pair outputs y [N, H] and summing each row's pairs in
-   pair order (`segment_sum_kernel`, through a row -> pairs index built on the device).
+   `REDUCE_MODES`): by writing the pair outputs y [N, H] (in x's dtype by default, in fp32 when
+   `deterministic=True`) and summing each row's pairs in fp32 in pair order (`segment_sum_kernel`,
+   through a row -> pairs index built on the device), or by fp32 atomic adds in the GEMM epilogue
+   (`reduce="atomic"`; the sum order, hence the last bits, vary between runs).
 
 Backward: `dgate_up_kernel` (g = dout[row] @ down_e, then d gu and the pair-weight gradient from the
 saved pre-activations), `scatter_gemm_kernel` again for dx = d gu @ gate_up_e reduced per row, and
 `segment_outer_kernel` for both weight gradients (one program per output tile reduces a whole expert
 segment, so weight gradients are deterministic in both modes).
 
-Memory: hw [N, I] in x's dtype; with a gradient also gu [N, 2I]; deterministic mode adds y [N, H] fp32
-for the duration of the reduction. No host synchronisation: tile schedules are derived on the device
+Memory: hw [N, I] in x's dtype; with a gradient also gu [N, 2I]; the row reductions add y [N, H] (x's
+dtype, or fp32 when deterministic) for the duration of the reduction. No host synchronisation: tile schedules are derived on the device
 from `expert_offsets` inside each kernel (only the first call per shape autotunes, which syncs).
 
 On CPU the kernels run only under the Triton interpreter (`TRITON_INTERPRET=1` set before triton is
@@ -60,13 +61,16 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 #: How pair outputs are reduced into rows. "atomic": fp32 atomic adds in the GEMM epilogue into an
 #: fp32 [R, O] buffer (sum order varies between runs). "rows_fp32": each pair's fp32 output written
-#: to [N, O] and each row's pairs summed in pair order. "rows_io": the same with the pair outputs
-#: rounded to x's dtype before the fp32 sum (half the bytes; the reference rounds the down
+#: to [N, O] and each row's pairs summed in fp32 in pair order. "rows_io": the same with the pair
+#: outputs rounded to x's dtype before the fp32 sum (half the bytes; the reference rounds the down
 #: projection's output to x's dtype too). Both "rows" modes are bitwise repeatable.
 REDUCE_MODES = ("atomic", "rows_fp32", "rows_io")
-#: reduce mode of `deterministic=True` and `deterministic=False`
+#: reduce mode of `deterministic=True`: fp32 pair outputs, fixed order
 DETERMINISTIC_REDUCE = "rows_fp32"
-FAST_REDUCE = "atomic"
+#: reduce mode of `deterministic=False`: on the H200 (docs/bench_experts_h200.md) rows_io was as fast
+#: as or faster than atomics at T >= 16384 (1.88x vs 1.72x transformers' grouped_mm forward on
+#: OLMoE, T=16384) and within 6% at T=4096; it is repeatable as well.
+FAST_REDUCE = "rows_io"
 
 
 @dataclass(frozen=True)
@@ -302,7 +306,8 @@ def expert_mlp_triton(
         down_proj_LHI: `[L, H, I]`, x's dtype.
         deterministic: sum each row's pairs in a fixed order from fp32 pair outputs (bitwise
             repeatable for a given tuned configuration; one extra [N, H] fp32 buffer); otherwise the
-            fastest reduction (`FAST_REDUCE`, see `REDUCE_MODES`).
+            fastest reduction measured (`FAST_REDUCE`: pair outputs in x's dtype, fp32 sums, also
+            repeatable; see `REDUCE_MODES`).
         reduce: one of `REDUCE_MODES`, overriding the choice `deterministic` makes (benchmarks, tests).
 
     Returns:

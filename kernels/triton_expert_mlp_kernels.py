@@ -14,7 +14,7 @@ Kernels:
                        after the down projection leaves both later GEMMs plain); optionally saves the
                        pre-activations gu[p] = [gate, up] for the backward.
 - `scatter_gemm_kernel` y[p] = a[p] @ B_e, either atomically added in fp32 into
-                       out[row p] (fast mode) or written per pair for `segment_sum_kernel`.
+                       out[row p] (`reduce="atomic"`) or written per pair for `segment_sum_kernel`.
 - `segment_sum_kernel` out[r] = sum of y over the pairs of row r, in pair order (deterministic); rows
                        served by no pair get zeros.
 - `dgate_up_kernel`    backward of the gate/up/SiLU stage: g[p] = dout[row p] @ down_e, then
@@ -283,7 +283,11 @@ def segment_sum_kernel(
     tl.store(out_ptr + row * stride_out_row + offs_h, acc.to(out_ptr.dtype.element_ty), mask=mask_h)
 
 
-@triton.autotune(configs=_gemm_configs(_DGATE_UP_HOPPER), key=["K", "I", "ROWS_PER_EXPERT"])
+# Configs differ in BLOCK_N, hence in how many partial-sum columns they write: the tuner must zero the
+# buffer before each trial and before the real run, or a trial's columns would linger in the sum.
+@triton.autotune(
+    configs=_gemm_configs(_DGATE_UP_HOPPER), key=["K", "I", "ROWS_PER_EXPERT"], reset_to_zero=["dweight_partial_ptr"]
+)
 @triton.heuristics({"EVEN_K": _even_k})
 @triton.jit
 def dgate_up_kernel(
