@@ -5,6 +5,7 @@ model's MoE blocks (see `integration.install`, the one wrapper this package puts
 `occult_hf.uninstall()` removes it).
 """
 
+from .callback import OccultCallback
 from .config import OccultConfig
 from .integration import (
     OccultCheckpointCallback,
@@ -28,6 +29,7 @@ install()
 
 __all__ = [
     "LayerRouting",
+    "OccultCallback",
     "OccultCheckpointCallback",
     "OccultConfig",
     "OccultMoE",
