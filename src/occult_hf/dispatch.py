@@ -27,6 +27,7 @@ expert (`L = E`, local index = global id) and `num_devices` is logical, so the p
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -68,6 +69,13 @@ class ExpertParallelGroup:
         """
         if group is None and dist.is_available() and dist.is_initialized():
             group = dist.group.WORLD
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if group is None and launched > 1:
+            raise RuntimeError(
+                f"this process was launched as one of WORLD_SIZE={launched} ranks but torch.distributed is not "
+                f"initialised yet; call torch.distributed.init_process_group() before loading the model (or pass "
+                f"group=) so that its experts are spread over the ranks"
+            )
         size = dist.get_world_size(group) if group is not None else 1
         if size > 1:
             if num_devices is not None and num_devices != size:
