@@ -47,7 +47,10 @@ class ExpertSegments:
         # Stable sort by (expert, row): key = expert * R + row fits int64 for any realistic R.
         key_N = pair_expert.to(torch.int64) * max(num_rows, 1) + pair_row.to(torch.int64)
         order_N = torch.argsort(key_N, stable=True)
-        counts_L = torch.bincount(pair_expert.to(torch.int64), minlength=num_local_experts)
+        # a scatter-add histogram: unlike bincount (which reads the maximum on the host), no CUDA sync
+        pair_expert = pair_expert.to(torch.int64)
+        counts_L = torch.zeros(num_local_experts, dtype=torch.int64, device=pair_row.device)
+        counts_L.scatter_add_(0, pair_expert, torch.ones_like(pair_expert))
         offsets = torch.zeros(num_local_experts + 1, dtype=torch.int64, device=pair_row.device)
         offsets[1:] = torch.cumsum(counts_L, 0)
         return cls(pair_row.to(torch.int64)[order_N], offsets, num_rows), order_N
