@@ -172,7 +172,18 @@ def qwen_study(routing_dir: Path, devices: tuple[int, ...], result: StudyResult,
         plan_counts_E = plan_half.layer(0).expert_counts.astype(np.float64)
         balanced_E = initial_assignment(np.zeros((60, 60)), plan_counts_E / plan_counts_E.sum(), balanced_capacities(60, num_devices))
         drift_floor.append(f"D={num_devices}: {load_balance(device_load(held_counts, balanced_E, num_devices)):.3f}")
+    seed_spread = []
+    for num_devices in devices:
+        cts = [
+            evaluate_placement(held_out, plan_placement(plan_half, num_devices, "refined", progress=False, seed=seed))[0].ct
+            for seed in range(5)
+        ]
+        occult_ct = next(r["CT held-out"] for r in rows if r["D"] == num_devices and r["method"] == "occult")
+        seed_spread.append(
+            f"D={num_devices}: {min(cts):.3f}-{max(cts):.3f} ({sum(ct < occult_ct for ct in cts)}/5 below occult's {occult_ct:.3f})"
+        )
     result.notes[title] = [
+        "refined's held-out CT over seeds 0-4: " + ", ".join(seed_spread) + ".",
         "CT bound: ceil(k / largest capacity) - min(k, D) for the placement's capacities (E=60: D=8 gives 8/7 experts per device).",
         "Balance = max/mean device load (tokens x experts) on the held-out half; its floor is 1.000 (no expert exceeds the mean).",
         "Routing drifts between the halves (prefill, then decoding): a placement planned for load balance alone "
