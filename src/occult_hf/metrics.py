@@ -78,6 +78,7 @@ def check_device_map(device_of_E: np.ndarray, num_experts: int, num_devices: int
 
 
 def check_square(matrix_EE: np.ndarray, num_experts: int, name: str = "coactivation") -> np.ndarray:
+    """Return `matrix_EE` as an array or raise when it is not `[E, E]`."""
     matrix = np.asarray(matrix_EE)
     if matrix.shape != (num_experts, num_experts):
         raise ValueError(f"{name} must have shape [E, E] = [{num_experts}, {num_experts}], got {list(matrix.shape)}")
