@@ -272,7 +272,7 @@ def _check_save_round_trip(rank, world_size, directory, family):
     import torch.distributed as dist
 
     from occult_hf import OccultConfig, Placement
-    from occult_hf.integration import apply_occult, occult_config_of, uninstall, unapply_occult
+    from occult_hf.integration import apply_occult, occult_config_of, unapply_occult
 
     placement = shuffled_placement(family, 8, world_size)
     model = apply_occult(tiny_model(family, seed=8), OccultConfig(placement=placement))

@@ -183,7 +183,7 @@ def dispatch(
         device_S, token_S = flat_S // num_tokens, flat_S % num_tokens
         serves_SW = dest_Tk[token_S] == device_S[:, None]
         slot_SW = torch.where(serves_SW, local_Tk[token_S], -1)
-        weight_SW = torch.where(serves_SW, topk_weights_Tk[token_S], torch.zeros((), dtype=topk_weights_Tk.dtype))
+        weight_SW = torch.where(serves_SW, topk_weights_Tk[token_S], 0.0)
     else:
         order_S = torch.argsort(dest_Tk.reshape(-1), stable=True)
         token_S = order_S // top_k

@@ -57,7 +57,6 @@ SAVE_TIMEOUT_ENV = "OCCULT_SAVE_TIMEOUT_S"
 _DEFAULT_SAVE_TIMEOUT_S = 300.0
 _STATE_ATTR = "_occult_state"
 _DDP_IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
-_INSTANCE_METHODS = ("save_pretrained", "generate")
 
 
 @dataclass
@@ -360,8 +359,9 @@ def _vanilla_state_dict(model, state, full_experts) -> dict[str, torch.Tensor]:
     state_dict = model.state_dict()
     for path in state.block_paths:
         module = model.get_submodule(path)
+        runtime_names = {f"{path}.{name}" for name in module.runtime_state_names()}
         for name in list(state_dict):
-            if name.startswith(f"{path}.experts.") or name in {f"{path}.{n}" for n in module.runtime_state_names()}:
+            if name.startswith(f"{path}.experts.") or name in runtime_names:
                 del state_dict[name]
         for key, value in module.place_full_experts(*full_experts[path]).items():
             state_dict[f"{path}.{key}"] = value
