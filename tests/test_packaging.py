@@ -21,8 +21,20 @@ def wheel(tmp_path_factory) -> Path:
     return whl
 
 
+def _source_packages() -> list[str]:
+    """Installed module paths of every package in the source tree, by the package_dir mapping."""
+    roots = {"src/occult_hf": "occult_hf", "kernels": "occult_hf/kernels", "patches": "occult_hf/patches", "eval": "occult_hf/eval"}
+    found = []
+    for root, installed in roots.items():
+        for init in (REPO / root).rglob("__init__.py"):
+            found.append(f"{installed}/{init.parent.relative_to(REPO / root).as_posix()}/__init__.py".replace("/./", "/"))
+    return found
+
+
 def test_wheel_holds_every_subpackage(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
+    missing = [p for p in _source_packages() if p not in names]
+    assert not missing, f"packages absent from {wheel.name} (add them to setup.cfg): {missing}"
     for module in ("config.py", "kernels/layout.py", "kernels/expert_mlp_reference.py", "patches/base.py", "eval/__init__.py"):
         assert f"occult_hf/{module}" in names, f"occult_hf/{module} missing from {wheel.name}"
     assert not any(n.startswith(("kernels/", "patches/", "eval/", "tests/")) for n in names), "top-level leak"
