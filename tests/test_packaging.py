@@ -1,5 +1,6 @@
 """The wheel maps kernels/, patches/ and eval/ into the occult_hf namespace (DESIGN.md §5)."""
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -12,9 +13,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
+    # build from a clean copy: setuptools reuses a checkout's build/ folder, which can hide a package
+    # missing from setup.cfg behind files copied there by an earlier build
+    source = tmp_path_factory.mktemp("source") / "occult_hf"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", ".git", "docs", ".whl", ".gl", ".devdata"))
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(REPO)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(source)],
         check=True,
     )
     (whl,) = out.glob("occult_hf-*.whl")
