@@ -33,7 +33,14 @@ from occult_hf.patches import adapter_for
 from occult_hf.patches.base import RouterOutput
 from occult_hf.placement import Placement
 from occult_hf.profile import RoutingProfile
-from occult_hf.pruning import CollaborationPruner, build_pruner, prune_similarity, pruners_of, token_device_sets
+from occult_hf.pruning import (
+    CollaborationPruner,
+    build_pruner,
+    load_pruning_profile,
+    prune_similarity,
+    pruners_of,
+    token_device_sets,
+)
 
 NUM_EXPERTS, TOP_K, NUM_DEVICES = 16, 4, 4
 SIZES = dict(num_experts=NUM_EXPERTS, top_k=TOP_K)
@@ -341,8 +348,9 @@ def test_similarity_needs_a_profile_of_this_model(profile_paths, tmp_path):
     profile.save(tmp_path / "partial.safetensors")
     with pytest.raises(ValueError, match=rf"has no MoE layer {layer}; it covers layers \[1\]"):
         build(tmp_path / "partial.safetensors")
-    # the same file serves every layer from one load
+    # one load serves every layer (and every model) while the file is unchanged
     assert build(profile_paths("olmoe")).similarity_EE.shape == (NUM_EXPERTS, NUM_EXPERTS)
+    assert load_pruning_profile(profile_paths("olmoe")) is load_pruning_profile(profile_paths("olmoe"))
 
 
 def test_pruners_are_found_and_switch_off_at_full_device_limit(profile_paths):

@@ -74,7 +74,8 @@ def _expert_adapter_factors(model: nn.Module) -> Iterator[tuple[str, OccultMoE, 
 
 
 def _factor_of(name: str) -> str | None:
-    """"lora_A" or "lora_B" for a name like `...experts.base_layer.lora_A.default.weight`, else None."""
+    """The LoRA factor (`lora_A` or `lora_B`) a name like `...experts.base_layer.lora_A.default.weight`
+    belongs to, or None for any other tensor."""
     for part in name.split("."):
         if part in _FACTOR_LAYOUT:
             return part
