@@ -280,15 +280,16 @@ class CollaborationPruner:
         if not self.active:
             self._record(routing, None, None)
             return routing.topk_weights_Tk, routing.topk_ids_Tk
-        device_of_E = self.device_of_E.to(routing.topk_ids_Tk.device)
+        if self.device_of_E.device != routing.topk_ids_Tk.device:  # once: the model moved after building
+            self.device_of_E = self.device_of_E.to(routing.topk_ids_Tk.device)
+        device_of_E = self.device_of_E
         allowed_TD = token_device_sets(
             routing.topk_ids_Tk, routing.topk_weights_Tk, device_of_E, self.num_devices, self._max_devices_per_token
         )
         allowed_TE = allowed_TD.index_select(1, device_of_E)
-        similarity_EE = None
-        if self.similarity_EE is not None:
-            similarity_EE = self.similarity_EE = self.similarity_EE.to(routing.logits_TE.device)
-        weights_Tk, ids_Tk, aux_logits_TE = self._policy(self.adapter, block, routing, allowed_TE, similarity_EE)
+        if self.similarity_EE is not None and self.similarity_EE.device != routing.logits_TE.device:
+            self.similarity_EE = self.similarity_EE.to(routing.logits_TE.device)
+        weights_Tk, ids_Tk, aux_logits_TE = self._policy(self.adapter, block, routing, allowed_TE, self.similarity_EE)
         self._record(routing, allowed_TE, aux_logits_TE)
         return weights_Tk, ids_Tk
 
@@ -408,8 +409,10 @@ def build_pruner(
         similarity_EE,
     )
     parameter = next(block.parameters(), None)
-    if parameter is not None and parameter.device.type != "meta":
+    if parameter is not None and parameter.device.type != "meta":  # else moved at the first forward
         pruner.device_of_E = pruner.device_of_E.to(parameter.device)
+        if pruner.similarity_EE is not None:
+            pruner.similarity_EE = pruner.similarity_EE.to(parameter.device)
     return pruner
 
 
