@@ -91,7 +91,7 @@ class _DispatchMeter:
     def __init__(self, module: OccultMoE) -> None:
         self.module = module
         self.tokens = 0
-        self._sums = None  # float64 [3 + D]: CT sum, remote-copies sum, pair count, then load per device
+        self._sums = None  # float64 [2 + D]: CT sum, remote-copies sum, then tokens x experts per device
 
     @torch.no_grad()
     def update(self, module: OccultMoE, inputs, output) -> None:
@@ -110,13 +110,13 @@ class _DispatchMeter:
         ct_T = hit_TD.sum(1)
         remote_T = ct_T - hit_TD.gather(1, home_T[:, None]).squeeze(1).long()
         load_D = torch.bincount(device_Tk.reshape(-1), minlength=num_devices)
-        sums = torch.cat([torch.stack([ct_T.sum(), remote_T.sum(), load_D.sum()]), load_D]).double()
+        sums = torch.cat([torch.stack([ct_T.sum(), remote_T.sum()]), load_D]).double()
         self._sums = sums if self._sums is None else self._sums + sums
         self.tokens += num_tokens
 
     def pop(self, num_devices: int, device: torch.device) -> torch.Tensor:
-        """`[4 + D]` float64: tokens, CT sum, remote sum, pairs, load per device; then reset."""
-        sums = self._sums if self._sums is not None else torch.zeros(3 + num_devices, dtype=torch.float64)
+        """`[3 + D]` float64: tokens, CT sum, remote-copies sum, load per device; then reset."""
+        sums = self._sums if self._sums is not None else torch.zeros(2 + num_devices, dtype=torch.float64)
         out = torch.cat([torch.tensor([float(self.tokens)], dtype=torch.float64), sums.cpu()]).to(device)
         self.tokens, self._sums = 0, None
         return out
@@ -304,16 +304,16 @@ class OccultCallback(TrainerCallback):
         for layer in layers:
             meter_row = self._meters[layer].pop(num_devices, reduce_device)
             stats = pruners[layer].pop_stats() if layer in pruners else None
-            pruned = [stats["removed_weight_fraction"] * stats["tokens"], float(stats["tokens"])] if stats else [0.0, 0.0]
-            rows.append(torch.cat([meter_row, torch.tensor(pruned, dtype=torch.float64, device=reduce_device)]))
-        table = torch.stack(rows)  # [layers, 4 + D + 2]
+            removed = [stats["removed_weight_fraction"] * stats["tokens"], float(stats["tokens"])] if stats else [0.0, 0.0]
+            rows.append(torch.cat([meter_row, torch.tensor(removed, dtype=torch.float64, device=reduce_device)]))
+        table = torch.stack(rows)  # [layers, 3 + D + 2]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(table)
         table = table.cpu().numpy()
         per_layer: dict[str, dict[int, float]] = {}
         for layer, row in zip(layers, table):
-            tokens, ct_sum, remote_sum, _pairs = row[:4]
-            load_D, (removed_sum, pruned_tokens) = row[4 : 4 + num_devices], row[4 + num_devices :]
+            tokens, ct_sum, remote_sum = row[:3]
+            load_D, (removed_sum, pruner_tokens) = row[3 : 3 + num_devices], row[3 + num_devices :]
             if tokens == 0:
                 continue
             values = {
@@ -322,7 +322,7 @@ class OccultCallback(TrainerCallback):
                 "load_balance": float(load_D.max() / load_D.mean()) if load_D.sum() > 0 else float("nan"),
             }
             if layer in pruners:
-                values["removed_weight"] = removed_sum / pruned_tokens if pruned_tokens else 0.0
+                values["removed_weight"] = removed_sum / pruner_tokens if pruner_tokens else 0.0
             for name, value in values.items():
                 per_layer.setdefault(name, {})[layer] = float(value)
         logs = {}
