@@ -266,6 +266,9 @@ def measure(shape_name: str, tokens: int, args, device, dtype, rank: int, world:
     for mode in MODES:
         if mode.name not in args.modes:
             continue
+        if (mode.max_devices_per_token or 0) > world:
+            log(f"{shape_name} T={tokens} {mode.name}: skipped, N_d exceeds the {world} rank(s)")
+            continue
         if mode == TRANSFORMERS_EP:
             rows.append(_measure_transformers_ep(config, shape_name, tokens, args, device, dtype, rank, world))
             log(f"{shape_name} T={tokens} {mode.name}: fwd {rows[-1].fwd_ms:.2f} ms")
