@@ -387,7 +387,8 @@ def transformers_ep_block(config, args, dtype, rank: int) -> torch.nn.Module:
 
 
 def _measure_transformers_ep(config, shape_name, tokens, args, device, dtype, rank, world) -> Row:
-    block = transformers_ep_block(config, args, dtype, rank)
+    # transformers 5.17 leaves a one-rank tensor-parallel load on the CPU
+    block = transformers_ep_block(config, args, dtype, rank).to(device)
     generator = torch.Generator(device=device).manual_seed(args.seed)  # the same batch on every rank
     hidden = torch.randn(1, tokens, config.hidden_size, generator=generator, device=device).to(dtype)
     x_grad = hidden.clone().requires_grad_(True)
