@@ -19,7 +19,7 @@ from tiny_models import tiny_batch, tiny_model
 
 import occult_hf  # noqa: F401
 from occult_hf.config import OccultConfig
-from occult_hf.integration import apply_occult
+from occult_hf.integration import OccultCheckpointCallback, apply_occult
 from occult_hf.peft_support import (
     _place_experts,
     _select_experts,
@@ -162,6 +162,10 @@ def _ep_lora(rank, world_size, adapter_dir, out_dir):
         check(f"grad {name}", param.grad, expected)
     if not any(".experts." in name and "lora_" in name for name in ignored):
         failures.append("expert adapters are not in the DDP ignore list")
+
+    # the Trainer hands the PEFT wrapper to callbacks: the checkpoint callback leaves it to PEFT's save
+    control = type("Control", (), {"should_save": True})()
+    OccultCheckpointCallback().on_step_end(None, None, control, model=model)
 
     # one optimizer step on both, then the gathered EP save against the one-process save
     for module in (reference, model):

@@ -436,7 +436,9 @@ class OccultCheckpointCallback(_trainer_callback_base()):
     """
 
     def _snapshot(self, model) -> None:
-        if model is not None and getattr(model, _STATE_ATTR, None) is not None:
+        # Only the model apply_occult replaced: a PEFT wrapper forwards attribute reads to it, but the
+        # Trainer saves a PEFT model's adapters alone (OccultCallback gathers the expert adapters).
+        if model is not None and _STATE_ATTR in vars(model):
             snapshot_experts(model)
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
