@@ -20,11 +20,6 @@ from ._routing import check_allowed, topk_ids_among_allowed
 from .base import MoEAdapter, RouterOutput
 
 
-def config_field(config, name: str):
-    """`config.<name>`, or an error naming the model type and the missing field (never a guess)."""
-    if not hasattr(config, name):
-        raise ValueError(f"{getattr(config, 'model_type', type(config).__name__)} config has no field {name!r}")
-    return getattr(config, name)
 
 
 class FusedExpertsAdapter(MoEAdapter):
@@ -82,4 +77,4 @@ class SoftmaxTopKAdapter(FusedExpertsAdapter):
         return weights_Tk.to(logits_TE.dtype)
 
 
-__all__ = ["config_field", "FusedExpertsAdapter", "SoftmaxTopKAdapter"]
+__all__ = ["FusedExpertsAdapter", "SoftmaxTopKAdapter"]

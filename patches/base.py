@@ -17,6 +17,13 @@ import torch
 from torch import nn
 
 
+def config_field(config, name: str):
+    """`config.<name>`, or an error naming the model type and the missing field (never a guess)."""
+    if not hasattr(config, name):
+        raise ValueError(f"{getattr(config, 'model_type', type(config).__name__)} config has no field {name!r}")
+    return getattr(config, name)
+
+
 @dataclass(frozen=True)
 class RouterOutput:
     """What the model's own router decided for a batch of tokens.
@@ -47,11 +54,16 @@ class MoEAdapter:
     block_class_names: tuple[str, ...] = ()
 
     # ----- model structure --------------------------------------------------------------
+    #: the config field holding the number of routed experts (e.g. "num_experts", "n_routed_experts")
+    num_experts_field: str = ""
+    #: the config field holding k, the experts per token
+    top_k_field: str = "num_experts_per_tok"
+
     def num_experts(self, config) -> int:
-        raise NotImplementedError
+        return config_field(config, self.num_experts_field)
 
     def top_k(self, config) -> int:
-        raise NotImplementedError
+        return config_field(config, self.top_k_field)
 
     def iter_moe_blocks(self, model: nn.Module) -> Iterator[tuple[int, str, nn.Module]]:
         """Yield `(decoder layer index, module path, block)` for every MoE block (dense layers skipped).
@@ -161,4 +173,4 @@ def _layer_index(module_path: str) -> int:
     raise ValueError(f"cannot find a decoder-layer index in module path {module_path!r}")
 
 
-__all__ = ["MoEAdapter", "RouterOutput", "register_adapter", "registered_adapters", "adapter_for"]
+__all__ = ["MoEAdapter", "RouterOutput", "config_field", "register_adapter", "registered_adapters", "adapter_for"]

@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._routing import check_allowed, topk_ids_among_allowed
-from ._transformers_moe import config_field
 from .base import MoEAdapter, RouterOutput, register_adapter
 
 
@@ -57,11 +56,7 @@ class DeepseekRemoteAdapter(MoEAdapter):
     model_types = ("deepseek",)
     block_class_names = ("DeepseekMoE",)
 
-    def num_experts(self, config) -> int:
-        return config_field(config, "n_routed_experts")
-
-    def top_k(self, config) -> int:
-        return config_field(config, "num_experts_per_tok")
+    num_experts_field = "n_routed_experts"
 
     def router(self, block: nn.Module) -> nn.Module:
         return block.gate

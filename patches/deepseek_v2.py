@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ._routing import allowed_group_scores, check_groups, kept_groups_expert_mask, topk_ids_among_allowed
-from ._transformers_moe import FusedExpertsAdapter, config_field
+from ._transformers_moe import FusedExpertsAdapter
 from .base import register_adapter
 
 TOPK_METHODS = ("greedy", "group_limited_greedy")
@@ -24,11 +24,7 @@ class DeepseekV2Adapter(FusedExpertsAdapter):
     model_types = ("deepseek_v2",)
     block_class_names = ("DeepseekV2Moe",)
 
-    def num_experts(self, config) -> int:
-        return config_field(config, "n_routed_experts")
-
-    def top_k(self, config) -> int:
-        return config_field(config, "num_experts_per_tok")
+    num_experts_field = "n_routed_experts"
 
     def _choose(self, router, logits_TE, allowed_TE):
         probs_TE = logits_TE.softmax(dim=-1, dtype=torch.float32)

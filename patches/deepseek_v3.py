@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ._routing import allowed_group_scores, check_groups, kept_groups_expert_mask, topk_ids_among_allowed
-from ._transformers_moe import FusedExpertsAdapter, config_field
+from ._transformers_moe import FusedExpertsAdapter
 from .base import register_adapter
 
 
@@ -27,11 +27,7 @@ class DeepseekV3Adapter(FusedExpertsAdapter):
     model_types = ("deepseek_v3",)
     block_class_names = ("DeepseekV3MoE",)
 
-    def num_experts(self, config) -> int:
-        return config_field(config, "n_routed_experts")
-
-    def top_k(self, config) -> int:
-        return config_field(config, "num_experts_per_tok")
+    num_experts_field = "n_routed_experts"
 
     def _choose(self, router, logits_TE, allowed_TE):
         check_groups(router.num_experts, router.num_group, router.topk_group, router.top_k, "DeepSeek-V3 router")

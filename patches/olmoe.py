@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._transformers_moe import SoftmaxTopKAdapter, config_field
+from ._transformers_moe import SoftmaxTopKAdapter
 from .base import register_adapter
 
 
@@ -11,14 +11,7 @@ class OlmoeAdapter(SoftmaxTopKAdapter):
     model_types = ("olmoe",)
     block_class_names = ("OlmoeSparseMoeBlock",)
 
-    def num_experts(self, config) -> int:
-        return config_field(config, "num_experts")
-
-    def top_k(self, config) -> int:
-        return config_field(config, "num_experts_per_tok")
-
-    def shared_output(self, block, x_TH):
-        return None
+    num_experts_field = "num_experts"
 
 
 ADAPTER = register_adapter(OlmoeAdapter())

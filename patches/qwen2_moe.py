@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ._transformers_moe import SoftmaxTopKAdapter, config_field
+from ._transformers_moe import SoftmaxTopKAdapter
 from .base import register_adapter
 
 
@@ -15,11 +15,7 @@ class Qwen2MoeAdapter(SoftmaxTopKAdapter):
     model_types = ("qwen2_moe",)
     block_class_names = ("Qwen2MoeSparseMoeBlock",)
 
-    def num_experts(self, config) -> int:
-        return config_field(config, "num_experts")
-
-    def top_k(self, config) -> int:
-        return config_field(config, "num_experts_per_tok")
+    num_experts_field = "num_experts"
 
     def shared_output(self, block, x_TH):
         return torch.sigmoid(block.shared_expert_gate(x_TH)) * block.shared_expert(x_TH)

@@ -3,7 +3,7 @@ shared experts; layers in `mlp_only_layers` or off the `decoder_sparse_step` are
 
 from __future__ import annotations
 
-from ._transformers_moe import SoftmaxTopKAdapter, config_field
+from ._transformers_moe import SoftmaxTopKAdapter
 from .base import register_adapter
 
 
@@ -12,14 +12,7 @@ class Qwen3MoeAdapter(SoftmaxTopKAdapter):
     model_types = ("qwen3_moe",)
     block_class_names = ("Qwen3MoeSparseMoeBlock",)
 
-    def num_experts(self, config) -> int:
-        return config_field(config, "num_experts")
-
-    def top_k(self, config) -> int:
-        return config_field(config, "num_experts_per_tok")
-
-    def shared_output(self, block, x_TH):
-        return None
+    num_experts_field = "num_experts"
 
 
 ADAPTER = register_adapter(Qwen3MoeAdapter())
