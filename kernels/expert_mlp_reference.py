@@ -11,6 +11,8 @@ projections, no host sync): the fast PyTorch path on GPU and the baseline the ke
 
 from __future__ import annotations
 
+import functools
+
 from typing import Callable
 
 import torch
@@ -46,6 +48,12 @@ def expert_mlp_reference(
     return out_RH.to(x_RH.dtype)
 
 
+@functools.lru_cache(maxsize=1)
+def grouped_mm_op() -> Callable | None:
+    """PyTorch's grouped GEMM (`F.grouped_mm`, or `torch._grouped_mm` before it was public), or None."""
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
 def expert_mlp_grouped_mm(
     x_RH: torch.Tensor,
     segments: ExpertSegments,
@@ -59,7 +67,7 @@ def expert_mlp_grouped_mm(
     Gathers the pair rows `[N, H]`, runs the two grouped GEMMs over the expert segments, and
     reduces the weighted pair outputs into one fp32 row per received row with `index_add`.
     """
-    grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    grouped_mm = grouped_mm_op()
     if grouped_mm is None:
         raise RuntimeError(f"expert_mlp_grouped_mm needs torch.nn.functional.grouped_mm (torch {torch.__version__} has none)")
     offsets_L = segments.expert_offsets[1:].to(torch.int32)  # end of each expert's segment
@@ -71,4 +79,4 @@ def expert_mlp_grouped_mm(
     return out_RH.index_add(0, segments.pair_row, y_NH).to(x_RH.dtype)
 
 
-__all__ = ["expert_mlp_grouped_mm", "expert_mlp_reference"]
+__all__ = ["expert_mlp_grouped_mm", "expert_mlp_reference", "grouped_mm_op"]

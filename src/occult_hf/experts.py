@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import EXPERT_BACKENDS
-from .kernels.expert_mlp_reference import expert_mlp_reference
+from .kernels.expert_mlp_reference import expert_mlp_grouped_mm, expert_mlp_reference, grouped_mm_op
 from .kernels.layout import ExpertSegments
 
 _SILU_TYPES = (nn.SiLU,)
@@ -68,28 +68,9 @@ def local_experts(
     return expert_mlp_reference(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn)
 
 
-def expert_mlp_grouped_mm(
-    x_RH: torch.Tensor,
-    segments: ExpertSegments,
-    pair_weight_N: torch.Tensor,
-    gate_up_proj_L2IH: torch.Tensor,
-    down_proj_LHI: torch.Tensor,
-    act_fn: Callable[[torch.Tensor], torch.Tensor] = F.silu,
-) -> torch.Tensor:
-    """`local_experts` with PyTorch's grouped GEMM: same function as `expert_mlp_reference`, no host sync."""
-    offsets_L = segments.expert_offsets[1:].to(torch.int32)
-    x_NH = x_RH[segments.pair_row]
-    gate_up_N2I = _grouped_mm(x_NH, gate_up_proj_L2IH.transpose(-2, -1), offsets_L)
-    gate_NI, up_NI = gate_up_N2I.chunk(2, dim=-1)
-    y_NH = _grouped_mm(act_fn(gate_NI) * up_NI, down_proj_LHI.transpose(-2, -1), offsets_L)
-    y_NH = y_NH.float() * pair_weight_N[:, None].float()
-    out_RH = torch.zeros(segments.num_rows, x_RH.shape[1], dtype=torch.float32, device=x_RH.device)
-    return out_RH.index_add(0, segments.pair_row, y_NH).to(x_RH.dtype)
-
-
 def grouped_mm_supported(x_RH: torch.Tensor, gate_up_proj_L2IH: torch.Tensor, down_proj_LHI: torch.Tensor) -> bool:
     """True where PyTorch's grouped GEMM has a kernel: CUDA (SM >= 8.0), bf16 and 16-byte aligned rows."""
-    if _grouped_mm_function() is None or not x_RH.is_cuda or x_RH.dtype != torch.bfloat16:
+    if grouped_mm_op() is None or not x_RH.is_cuda or x_RH.dtype != torch.bfloat16:
         return False
     if gate_up_proj_L2IH.dtype != torch.bfloat16 or down_proj_LHI.dtype != torch.bfloat16:
         return False
@@ -199,15 +180,6 @@ def _triton_expert_mlp():
             f"or use expert_backend='torch'"
         ) from error
     return expert_mlp_triton
-
-
-@functools.lru_cache(maxsize=1)
-def _grouped_mm_function():
-    return getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-
-
-def _grouped_mm(a_NK: torch.Tensor, b_LKO: torch.Tensor, offsets_L: torch.Tensor) -> torch.Tensor:
-    return _grouped_mm_function()(a_NK, b_LKO, offs=offsets_L)
 
 
 def _describe(act_fn) -> str:
