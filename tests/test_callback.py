@@ -16,6 +16,7 @@ import os
 
 import pytest
 import torch
+from transformers import TrainerControl
 from distributed import run_world
 from tiny_models import tiny_batch, tiny_model
 
@@ -155,15 +156,15 @@ def test_trainer_run_with_schedule_drift_and_moe_only_training(tmp_path):
 
 def _logs_after_one_step(model, batches, check_every: int = 1) -> dict[str, float]:
     callback = OccultCallback(check_every=check_every, sample_size=1024)
-    state = _State()
-    callback.on_train_begin(None, state, None, model=model)
+    state, control = _State(), TrainerControl()
+    callback.on_train_begin(None, state, control, model=model)
     for batch in batches:
         model(input_ids=batch, labels=batch).loss.backward()
     state.global_step = 1
-    callback.on_step_end(None, state, None)
+    callback.on_step_end(None, state, control, model=model)
     logs = {}
-    callback.on_log(None, state, None, logs=logs)
-    callback.on_train_end(None, state, None)
+    callback.on_log(None, state, control, logs=logs)
+    callback.on_train_end(None, state, control, model=model)
     return logs
 
 

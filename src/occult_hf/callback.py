@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
+from .integration import OccultCheckpointCallback
 from .moe import OccultMoE
 from .pruning import pruners_of
 
@@ -125,8 +126,11 @@ class _DispatchMeter:
 # ----- the callback --------------------------------------------------------------------------------
 
 
-class OccultCallback(TrainerCallback):
+class OccultCallback(OccultCheckpointCallback):
     """Logging, `N_d` schedule, MoE-only training and drift watch for a model with `OccultMoE` blocks.
+
+    It also does what `OccultCheckpointCallback` does (snapshot the experts on every rank before the
+    Trainer's rank-0 save under EP), so one callback serves a pruning-aware fine-tuning run.
 
     Args:
         target_devices_per_token: the final `N_d`; None: the pruners' own value (the model's
@@ -208,6 +212,7 @@ class OccultCallback(TrainerCallback):
         self._apply_schedule(state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs):
+        super().on_train_end(args, state, control, **kwargs)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -277,6 +282,7 @@ class OccultCallback(TrainerCallback):
         self._apply_schedule(state.global_step)
 
     def on_step_end(self, args, state, control, **kwargs):
+        super().on_step_end(args, state, control, **kwargs)
         if self.check_every and state.global_step % self.check_every == 0:
             self._pending_logs.update(self._drift_check())
 
