@@ -23,12 +23,16 @@ def check_allowed(allowed_TE: torch.Tensor, logits_TE: torch.Tensor, top_k: int)
         raise ValueError(
             f"allowed_TE has shape {tuple(allowed_TE.shape)}; it must match logits_TE {tuple(logits_TE.shape)}"
         )
-    fewest = int(allowed_TE.sum(dim=-1).min()) if allowed_TE.shape[0] else top_k
-    if fewest < top_k:
-        raise ValueError(
-            f"allowed_TE leaves some token only {fewest} allowed experts; each token needs at least "
-            f"top_k={top_k} (allow more devices or experts per token)"
-        )
+    if not allowed_TE.shape[0]:
+        return
+    fewest = allowed_TE.sum(dim=-1).min()
+    message = f"allowed_TE leaves some token fewer than top_k={top_k} allowed experts (allow more devices or experts per token)"
+    if allowed_TE.is_cuda:
+        # reading `fewest` on the host would stall the stream once per MoE layer and forward: the
+        # device checks it and fails the launch with this message instead
+        torch._assert_async(fewest >= top_k, message)
+    elif int(fewest) < top_k:
+        raise ValueError(f"{message}; one token has {int(fewest)}")
 
 
 def topk_ids_among_allowed(scores_TE: torch.Tensor, allowed_TE: torch.Tensor, top_k: int, *, sorted: bool) -> torch.Tensor:
