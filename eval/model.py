@@ -137,18 +137,6 @@ def _without_model_object_warnings():
         hflm_logger.removeFilter(quiet)
 
 
-@contextlib.contextmanager
-def _class_generate(model: torch.nn.Module):
-    """Let `model.generate` be its class's method for the duration (the runtime sets a per-instance
-    `generate` under EP that forces `synced_gpus=True`); the instance method is put back after."""
-    instance_generate = model.__dict__.pop("generate", None)
-    try:
-        yield
-    finally:
-        if instance_generate is not None:
-            model.__dict__["generate"] = instance_generate
-
-
 @register_model("occult-hf")
 class OccultHFLM(HFLM):
     """lm-eval's `HFLM` evaluating an Occult model.
@@ -245,7 +233,7 @@ class OccultHFLM(HFLM):
         `generate` (synced_gpus off) runs here."""
         if self._lockstep is None:
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
-        with _class_generate(self.model):
+        with integration.lockstep_managed_by_caller(self.model):
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
     def get_model_info(self) -> dict:

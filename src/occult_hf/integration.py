@@ -32,6 +32,7 @@ that needs a gather the other ranks never join fails after `OCCULT_SAVE_TIMEOUT_
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -71,6 +72,7 @@ class _OccultState:
     snapshot: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None  # EP rank 0: path -> full weights
     snapshot_versions: tuple[int, ...] | None = None
     instance_methods: dict[str, Any] = field(default_factory=dict)
+    caller_keeps_lockstep: bool = False  # see `lockstep_managed_by_caller`
 
     @property
     def placement(self) -> Placement:
@@ -282,8 +284,26 @@ def _apply_on_load(model, occult_config):
 # ----- generate ---------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def lockstep_managed_by_caller(model: nn.Module):
+    """Within the block, `model.generate` is transformers' own, without the forced `synced_gpus=True`.
+
+    For callers that keep the EP ranks in step themselves (the lm-eval hook votes before every forward
+    and pads ranks that run out of work): `synced_gpus`'s per-step all-reduce would interleave with the
+    caller's own collectives.
+    """
+    state = _state(model)
+    previous, state.caller_keeps_lockstep = state.caller_keeps_lockstep, True
+    try:
+        yield model
+    finally:
+        state.caller_keeps_lockstep = previous
+
+
 def _generate_in_lockstep(model, *args, **kwargs):
     """`generate` with `synced_gpus=True`: every forward of an EP model is a collective."""
+    if _state(model).caller_keeps_lockstep:
+        return type(model).generate(model, *args, **kwargs)
     if kwargs.get("synced_gpus") is False:
         logger.warning("occult_hf: generate(synced_gpus=False) would hang under expert parallelism; using True")
     kwargs["synced_gpus"] = True
@@ -467,6 +487,7 @@ __all__ = [
     "install",
     "uninstall",
     "is_installed",
+    "lockstep_managed_by_caller",
     "OccultCheckpointCallback",
     "SAVE_TIMEOUT_ENV",
 ]
