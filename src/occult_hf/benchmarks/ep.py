@@ -175,19 +175,26 @@ def trace_logits(trace_ids_Nk: np.ndarray, num_experts: int, tokens: int, rank: 
     return logits_TE.scatter(1, ids_Tk, 8.0 + ranks_k.expand_as(ids_Tk))
 
 
-def load_trace(path: str, num_experts: int, top_k: int) -> np.ndarray:
+def load_trace(path: str) -> np.ndarray:
+    """`[N, k]` int64 expert ids of a routing trace, warm-up dummy rows dropped."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"routing trace {path!r} is not a file")
     with np.load(path) as data:
         if "topk_ids" not in data:
             raise ValueError(f"routing trace {path!r} has no 'topk_ids' array (keys: {sorted(data.files)})")
         ids = data["topk_ids"].astype(np.int64)
         if "is_warmup_dummy" in data:
             ids = ids[~data["is_warmup_dummy"].astype(bool)]
-    if ids.shape[1] != top_k or ids.max() >= num_experts:
-        raise ValueError(
-            f"routing trace {path!r} is [T, {ids.shape[1]}] with ids up to {ids.max()}; the shape needs "
-            f"k={top_k} and ids < E={num_experts}"
-        )
     return ids
+
+
+def trace_fits(trace_ids_Nk: np.ndarray | None, shape: ExpertShape) -> bool:
+    """Whether a trace was recorded on a model with this shape's E and k (its ids span exactly E)."""
+    return (
+        trace_ids_Nk is not None
+        and trace_ids_Nk.shape[1] == shape.top_k
+        and int(trace_ids_Nk.max()) + 1 == shape.num_experts
+    )
 
 
 def refined_placement(routing_ids_Tk: torch.Tensor, shape: ExpertShape, world: int) -> Placement:
@@ -245,7 +252,7 @@ def _max_and_mean(value: float, device) -> tuple[float, float]:
 
 
 # ----- one case --------------------------------------------------------------------------------
-def measure(shape_name: str, tokens: int, args, device, dtype, rank: int, world: int, log) -> list[Row]:
+def measure(shape_name: str, tokens: int, trace, args, device, dtype, rank: int, world: int, log) -> list[Row]:
     shape = SHAPES[shape_name]
     if args.hidden or args.intermediate:  # shrink the matrices, keep E, k and the routing
         shape = replace(shape, hidden=args.hidden or shape.hidden, intermediate=args.intermediate or shape.intermediate)
@@ -254,8 +261,7 @@ def measure(shape_name: str, tokens: int, args, device, dtype, rank: int, world:
     generator = torch.Generator(device=device).manual_seed(args.seed + 7 * rank)
     x_TH = torch.randn(tokens, shape.hidden, generator=generator, device=device).to(dtype)
 
-    trace = _trace_for(shape, args)
-    if trace is not None:
+    if trace_fits(trace, shape):
         logits_TE = trace_logits(trace, shape.num_experts, tokens, rank, device, args.seed)
         routing_name = "Qwen1.5 trace"
     else:
@@ -275,11 +281,10 @@ def measure(shape_name: str, tokens: int, args, device, dtype, rank: int, world:
             continue
         block = build_block(config, shape, device, dtype, args.seed)
         family_adapter = adapter if logits_TE is None else ReplayAdapter(adapter, logits_TE)
-        ids_Tk = family_adapter.route(block, x_TH).topk_ids_Tk
         if mode.placement == "contiguous":
             placement = Placement.contiguous(shape.num_experts, world, [0])
         else:
-            placement = refined_placement(ids_Tk, shape, world)
+            placement = refined_placement(family_adapter.route(block, x_TH).topk_ids_Tk, shape, world)
         occult_config = OccultConfig(
             placement=placement,
             num_devices=world,
@@ -300,16 +305,6 @@ def measure(shape_name: str, tokens: int, args, device, dtype, rank: int, world:
         log(f"{shape_name} T={tokens} {mode.name}: fwd {rows[-1].fwd_ms:.2f} ms")
         del layer, block
     return rows
-
-
-def _trace_for(shape: ExpertShape, args) -> np.ndarray | None:
-    if args.trace is None or not os.path.isfile(args.trace):
-        return None
-    with np.load(args.trace) as data:
-        k = data["topk_ids"].shape[1]
-    if k != shape.top_k or shape.num_experts != 60:
-        return None
-    return load_trace(args.trace, shape.num_experts, shape.top_k)
 
 
 def _measure_layer(layer: OccultMoE, x_TH, shape_name, tokens, routing_name, mode: Mode, args, device, world) -> Row:
@@ -451,7 +446,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384], help="tokens per rank")
     parser.add_argument("--modes", nargs="+", default=[m.name for m in MODES], choices=[m.name for m in MODES])
-    parser.add_argument("--trace", default=DEFAULT_TRACE, help="Qwen1.5-MoE routing trace replayed for the E=60 shape")
+    parser.add_argument(
+        "--trace",
+        default=None,
+        help=f"routing trace (.npz, topk_ids [T, k]) replayed for the shape with its E and k "
+        f"(default: {DEFAULT_TRACE} when present, else every shape uses its router)",
+    )
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--expert-backend", default="auto", choices=["auto", "triton", "torch"])
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default: bf16 on GPU, fp32 on CPU")
@@ -476,10 +476,15 @@ def run(args: argparse.Namespace) -> int:
         if rank == 0:
             print(message, flush=True)
 
+    if args.trace is None and not os.path.isfile(DEFAULT_TRACE):
+        log(f"no routing trace at {DEFAULT_TRACE}: every shape routes with its own (random) router")
+        trace = None
+    else:
+        trace = load_trace(args.trace or DEFAULT_TRACE)
     rows = []
     for shape_name in args.shapes:
         for tokens in args.tokens:
-            rows.extend(measure(shape_name, tokens, args, device, dtype, rank, world, log))
+            rows.extend(measure(shape_name, tokens, trace, args, device, dtype, rank, world, log))
     if rank == 0:
         table = results_table(rows, world)
         stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
