@@ -111,11 +111,6 @@ class OccultConfig:
                 f"OccultConfig.expert_backend must be one of {EXPERT_BACKENDS}, got {self.expert_backend!r}"
             )
 
-    @property
-    def is_exact(self) -> bool:
-        """True when the replaced model computes the same function as the original (no pruning)."""
-        return self.prune is None
-
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict; a `Placement` is stored inline so that the dict is self-contained."""
         from .placement import Placement
