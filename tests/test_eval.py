@@ -492,6 +492,30 @@ def test_occult_eval_writes_results_json_and_table(assets, runs, full_task_manag
     assert table in capsys.readouterr().out
 
 
+def test_occult_eval_of_a_directory_occult_hf_saved(assets, runs, local_task_manager, tmp_path, monkeypatch):
+    """A fine-tune's or a run's output carries its occult_config; evaluating it used to fail JSON-dumping
+    the OccultConfig object that the loader put on the transformers config."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from occult_hf import OccultConfig, apply_occult
+
+    source = assets["models"]["olmoe"]
+    saved = tmp_path / "saved"
+    model = AutoModelForCausalLM.from_pretrained(source, occult_config=None, dtype=torch.float32)
+    apply_occult(model, OccultConfig(num_devices=NUM_DEVICES)).save_pretrained(saved)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, saved / name)
+    monkeypatch.setattr(occult_eval, "make_task_manager", lambda include_path: local_task_manager)
+    out = tmp_path / "run"
+    argv = ["eval", str(saved), "--tasks", "occ_mc", "--device", "cpu", "--dtype", "float32", "--bootstrap-iters", "0",
+            "--batch-size", str(BATCH_SIZE), "--output-dir", str(out)]  # fmt: skip
+    assert occult_main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["results"]["occ_mc"]["acc,none"] == runs("hf", "olmoe")["occ_mc"]["metrics"]["acc,none"]
+
+
 def test_lm_eval_command_line_finds_occult_hf(assets, runs, tmp_path, monkeypatch):
     """`python -m occult_hf.eval run --model occult-hf ...` is lm-eval's own CLI with occult-hf registered."""
     from occult_hf.eval.__main__ import main as lm_eval_main

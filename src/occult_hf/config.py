@@ -14,6 +14,7 @@ from typing import Any
 DISPATCH_MODES = ("dedup", "per_expert")
 EXPERT_BACKENDS = ("auto", "triton", "torch")
 PRUNE_MODES = ("router", "similarity")
+_MISSING = object()
 
 
 @dataclass
@@ -112,13 +113,55 @@ class OccultConfig:
             )
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-safe dict; a `Placement` is stored inline so that the dict is self-contained."""
+        """A JSON-native dict (str/int/bool/None/list/dict only), as `PretrainedConfig.to_dict` gives.
+
+        A `Placement` is stored inline so that the dict is self-contained; this is what sits on the
+        transformers config as `config.occult_config` (like `quantization_config`).
+        """
         from .placement import Placement
 
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         if isinstance(self.placement, Placement):
             data["placement"] = self.placement.to_dict()
-        return data
+        return json.loads(json.dumps(data))  # a deep copy, and a TypeError here rather than in a log call
+
+    def to_diff_dict(self) -> dict[str, Any]:
+        """`to_dict` without the fields that hold their default value (HF's `to_diff_dict`)."""
+        defaults = OccultConfig().to_dict()
+        return {name: value for name, value in self.to_dict().items() if defaults.get(name, _MISSING) != value}
+
+    def to_json_string(self, use_diff: bool = False) -> str:
+        """The config as JSON (every field, or only the non-default ones with `use_diff=True`)."""
+        data = self.to_diff_dict() if use_diff else self.to_dict()
+        return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+    def to_json_file(self, json_file_path: str | os.PathLike, use_diff: bool = False) -> None:
+        """Write `to_json_string` to a file (HF's name for `save`)."""
+        with open(json_file_path, "w") as f:
+            f.write(self.to_json_string(use_diff=use_diff))
+
+    @classmethod
+    def from_json_file(cls, json_file_path: str | os.PathLike) -> "OccultConfig":
+        return cls.load(json_file_path)
+
+    def __iter__(self):
+        """`dict(config)` gives `to_dict()`, as for HF's quantization configs."""
+        yield from self.to_dict().items()
+
+    def __repr__(self) -> str:
+        """`OccultConfig {JSON}` like HF configs, with an inline placement summarised (a placement of
+        many layers x experts would flood a log line)."""
+        from .placement import Placement
+
+        data = self.to_dict()
+        if isinstance(self.placement, Placement):
+            p = self.placement
+            layers = sorted(p.layers)
+            data["placement"] = (
+                f"<Placement num_experts={p.num_experts} num_devices={p.num_devices} "
+                f"layers={len(layers)} [{layers[0]}..{layers[-1]}]>" if layers else "<Placement without layers>"
+            )
+        return f"{type(self).__name__} {json.dumps(data, sort_keys=True)}"
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "OccultConfig":
@@ -128,12 +171,8 @@ class OccultConfig:
             raise ValueError(f"OccultConfig got unknown keys {unknown}; valid keys are {sorted(known)}")
         return cls(**data)
 
-    def to_json_string(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
     def save(self, path: str | os.PathLike) -> None:
-        with open(path, "w") as f:
-            f.write(self.to_json_string() + "\n")
+        self.to_json_file(path)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "OccultConfig":

@@ -233,40 +233,62 @@ _UNSET = object()
 def install() -> None:
     """Let `PreTrainedModel.from_pretrained` take `occult_config=` and restore saved occult setups.
 
-    Idempotent; `uninstall()` puts the original classmethod back. Loading a checkpoint whose config
+    Idempotent; `uninstall()` puts the original classmethods back. Loading a checkpoint whose config
     holds `occult_config` applies it (pass `occult_config=None` to load the vanilla model).
+
+    Two classmethods are wrapped: `PreTrainedModel.from_pretrained` (pops the keyword, applies the
+    config to the loaded model) and `PreTrainedConfig.from_dict`. The Auto classes load the config
+    first and hand it every keyword that names one of its attributes, so for a checkpoint that
+    occult_hf saved, `occult_config=<OccultConfig>` lands on the config, which transformers then
+    JSON-dumps (its "Model config ..." log line, `save_pretrained`). The second wrapper turns the
+    object into its JSON-native dict there, as transformers does for `quantization_config`.
     """
-    from transformers import PreTrainedModel
+    from transformers import PreTrainedConfig, PreTrainedModel
 
-    current = PreTrainedModel.__dict__["from_pretrained"]
-    if getattr(current.__func__, "__occult_original__", None) is not None:
+    if is_installed():
         return
-    original = current.__func__
 
-    @functools.wraps(original)
-    def from_pretrained(cls, *args, **kwargs):
+    def from_pretrained(original, cls, *args, **kwargs):
         occult_config = kwargs.pop("occult_config", _UNSET)
         model = original(cls, *args, **kwargs)
         return _apply_on_load(model, occult_config)
 
-    from_pretrained.__occult_original__ = current
-    PreTrainedModel.from_pretrained = classmethod(from_pretrained)
+    def from_dict(original, cls, *args, **kwargs):
+        if isinstance(kwargs.get("occult_config"), OccultConfig):
+            kwargs["occult_config"] = kwargs["occult_config"].to_dict()
+        return original(cls, *args, **kwargs)
+
+    _wrap_classmethod(PreTrainedModel, "from_pretrained", from_pretrained)
+    _wrap_classmethod(PreTrainedConfig, "from_dict", from_dict)
 
 
 def uninstall() -> None:
     """Undo `install()` (no-op when not installed)."""
-    from transformers import PreTrainedModel
+    from transformers import PreTrainedConfig, PreTrainedModel
 
-    current = PreTrainedModel.__dict__["from_pretrained"]
-    original = getattr(current.__func__, "__occult_original__", None)
-    if original is not None:
-        PreTrainedModel.from_pretrained = original
+    for owner, name in ((PreTrainedModel, "from_pretrained"), (PreTrainedConfig, "from_dict")):
+        original = getattr(owner.__dict__[name].__func__, "__occult_original__", None)
+        if original is not None:
+            setattr(owner, name, original)
 
 
 def is_installed() -> bool:
     from transformers import PreTrainedModel
 
     return getattr(PreTrainedModel.__dict__["from_pretrained"].__func__, "__occult_original__", None) is not None
+
+
+def _wrap_classmethod(owner, name: str, wrapper) -> None:
+    """Replace `owner.name` (a classmethod) by `wrapper(original_function, cls, ...)`; keep the original."""
+    current = owner.__dict__[name]
+    original = current.__func__
+
+    @functools.wraps(original)
+    def wrapped(cls, *args, **kwargs):
+        return wrapper(original, cls, *args, **kwargs)
+
+    wrapped.__occult_original__ = current
+    setattr(owner, name, classmethod(wrapped))
 
 
 def _apply_on_load(model, occult_config):
