@@ -59,8 +59,11 @@ def test_pair_count_profile_reports_cut_without_ct(tmp_path, capsys):
     assert all(row[3] == "-" and float(row[6]) > 0 for row in layer_rows)  # CT unknown, cut per token known
 
 
-def test_profile_command_on_a_saved_model_with_text_and_dataset(tmp_path, capsys):
-    import datasets
+DOCUMENTS = ["the train left at nine", "bread rises slowly", "", "the bread left the train at nine nine"]
+
+
+def tiny_model_dir(tmp_path):
+    """A saved tiny OLMoE with a word-level tokenizer over the words of DOCUMENTS."""
     from tiny_models import tiny_model
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -72,8 +75,15 @@ def test_profile_command_on_a_saved_model_with_text_and_dataset(tmp_path, capsys
     backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]").save_pretrained(model_dir)
+    return model_dir
+
+
+def test_profile_command_on_a_saved_model_with_text_and_dataset(tmp_path, capsys):
+    import datasets
+
+    model_dir = tiny_model_dir(tmp_path)
     text = tmp_path / "docs.txt"
-    documents = ["the train left at nine", "bread rises slowly", "", "the bread left the train at nine nine"]
+    documents = DOCUMENTS
     text.write_text("\n".join(documents))
 
     out = tmp_path / "p.safetensors"
@@ -92,6 +102,47 @@ def test_profile_command_on_a_saved_model_with_text_and_dataset(tmp_path, capsys
           "--max-length", "4"])
     np.testing.assert_array_equal(RoutingProfile.load(out_ds).layer(1).coactivation, profile.layer(1).coactivation)
     capsys.readouterr()
+
+
+def test_profile_reads_local_files_and_dataset_configs_through_datasets(tmp_path, capsys):
+    """JSON Lines, CSV and Parquet files are parsed (not read as raw lines), `--text-column` picks the
+    column, `--dataset-config` selects a configuration of a local dataset directory; structured files
+    given to `--text` and configurations given for a single file are errors."""
+    import datasets
+
+    model_dir = tiny_model_dir(tmp_path)
+    documents = [d for d in DOCUMENTS if d]
+    common = ["--max-length", "4", "--sample-size", "0"]
+    text = tmp_path / "docs.txt"
+    text.write_text("\n".join(documents))
+    assert main(["profile", str(model_dir), "--text", str(text), "--out", str(tmp_path / "t.safetensors"), *common]) == 0
+    expected = RoutingProfile.load(tmp_path / "t.safetensors").layer(1).coactivation
+    table = datasets.Dataset.from_dict({"id": list(range(len(documents))), "body": documents})
+    table.to_json(tmp_path / "docs.jsonl")
+    table.to_csv(tmp_path / "docs.csv", index=False)
+    table.to_parquet(tmp_path / "docs.parquet")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "README.md").write_text(
+        "---\nconfigs:\n- config_name: other\n  data_files: other.jsonl\n- config_name: docs\n  data_files: docs.jsonl\n---\n"
+    )
+    datasets.Dataset.from_dict({"body": ["slowly slowly"] * 3}).to_json(repo / "other.jsonl")
+    table.to_json(repo / "docs.jsonl")
+    sources = [["docs.jsonl"], ["docs.csv"], ["docs.parquet"], ["repo", "--dataset-config", "docs"]]
+    for i, source in enumerate(sources):
+        out = tmp_path / f"p{i}.safetensors"
+        argv = ["profile", str(model_dir), "--dataset", str(tmp_path / source[0]), *source[1:], "--text-column", "body"]
+        assert main([*argv, "--out", str(out), *common]) == 0, source
+        np.testing.assert_array_equal(RoutingProfile.load(out).layer(1).coactivation, expected, err_msg=str(source))
+    errors = [
+        (["--text", str(tmp_path / "docs.jsonl")], "is a json file, which --text would read as raw lines"),
+        (["--dataset", str(tmp_path / "docs.jsonl"), "--text-column", "body", "--dataset-config", "x"], "has no configurations"),
+        (["--dataset", str(tmp_path / "docs.csv")], "text column 'text' is not in"),
+    ]
+    for argv, message in errors:
+        with pytest.raises(SystemExit):
+            main(["profile", str(model_dir), *argv, "--out", str(tmp_path / "x.safetensors")])
+        assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

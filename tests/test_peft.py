@@ -7,6 +7,8 @@
   (expert adapters cut to each rank's experts); EP logits and adapter gradients equal the
   one-process run; after an optimizer step the gathered save equals the one-process save and
   reloads in one process to the same logits.
+- 2-rank gloo EP with plain `peft.get_peft_model` and DDP: each rank keeps its own experts and the
+  gradients equal those of the occult helper's PEFT model.
 - The adapter layout helpers: cutting to local experts and placing back is the identity.
 """
 
@@ -118,6 +120,39 @@ def test_lora_one_process_matches_stock_trains_saves_and_reloads(tmp_path):
 # ----- expert parallelism -------------------------------------------------------------------------
 
 
+def _plain_peft_under_ddp(rank, world_size, config, batch, check, failures):
+    """Plain `peft.get_peft_model` (no occult helper) then DDP: rank-local experts must stay this rank's
+    (DDP used to broadcast rank 0's over them) and the gradients, the grad-norm carriers' included,
+    equal those of the occult helper's PEFT model."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    models = {}
+    for label, wrap in (("helper", get_peft_model), ("plain", peft.get_peft_model)):
+        model = wrap(apply_occult(tiny_model("olmoe", **SIZES).train(), config), lora_config())
+        randomize_adapters(model, seed=3)
+        models[label] = model
+    local = {name: p.detach().clone() for name, p in models["plain"].named_parameters() if ".experts." in name}
+    for label, model in models.items():
+        ddp = DistributedDataParallel(model)
+        ddp(input_ids=batch, labels=batch).loss.backward()
+    for name, param in models["plain"].named_parameters():
+        if name in local and not torch.equal(param.detach(), local[name]):
+            failures.append(f"plain peft: DDP overwrote this rank's {name}")
+    helper = dict(models["helper"].named_parameters())
+    carriers = [name for name in helper if name.endswith("ep_grad_norm_carrier")]
+    for name, param in models["plain"].named_parameters():
+        if helper[name].grad is None:
+            if param.grad is not None:
+                failures.append(f"plain peft: unexpected gradient on {name}")
+            continue
+        if param.grad is None:
+            failures.append(f"plain peft: no gradient on {name}")
+        else:
+            check(f"plain peft grad {name}", param.grad, helper[name].grad)
+    if not carriers or any(helper[name].grad is None for name in carriers):
+        failures.append("plain peft: grad-norm carriers got no gradient")
+
+
 def _ep_lora(rank, world_size, adapter_dir, out_dir):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -162,6 +197,8 @@ def _ep_lora(rank, world_size, adapter_dir, out_dir):
         check(f"grad {name}", param.grad, expected)
     if not any(".experts." in name and "lora_" in name for name in ignored):
         failures.append("expert adapters are not in the DDP ignore list")
+
+    _plain_peft_under_ddp(rank, world_size, config, batches[rank], check, failures)
 
     # the Trainer hands the PEFT wrapper to callbacks: the checkpoint callback leaves it to PEFT's save
     control = type("Control", (), {"should_save": True})()

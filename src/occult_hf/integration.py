@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import OccultConfig
+from .ddp_ignore import RankLocalStateNames
 from .dispatch import ExpertParallelGroup
 from .moe import OccultMoE
 from .patches import adapter_for
@@ -123,7 +124,8 @@ def apply_occult(model: nn.Module, occult_config: OccultConfig | dict | str | No
     if ep.is_distributed:
         state.save_group = _new_save_group(ep)
         state.ddp_ignore_before = getattr(model, _DDP_IGNORE_ATTR, None)
-        setattr(model, _DDP_IGNORE_ATTR, sorted(set(state.ddp_ignore_before or []) | set(_runtime_state_names(model, state))))
+        # computed when DDP reads it, so that a later wrapper (plain peft.get_peft_model) is covered too
+        setattr(model, _DDP_IGNORE_ATTR, RankLocalStateNames(model, state.ddp_ignore_before))
         state.instance_methods["generate"] = types.MethodType(_generate_in_lockstep, model)
     state.instance_methods["save_pretrained"] = types.MethodType(_save_pretrained, model)
     for name, method in state.instance_methods.items():
@@ -212,17 +214,6 @@ def _set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
     parent_path, _, name = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     setattr(parent, name, module)
-
-
-def _runtime_state_names(model: nn.Module, state: _OccultState) -> list[str]:
-    """Fully qualified names of the per-rank parameters and buffers that DDP must leave alone."""
-    names = []
-    for path in state.block_paths:
-        module = model.get_submodule(path)
-        names += [f"{path}.experts.{name}" for name, _ in module.experts.named_parameters()]
-        names += [f"{path}.experts.{name}" for name, _ in module.experts.named_buffers()]
-        names += [f"{path}.{name}" for name in module.runtime_state_names()]
-    return names
 
 
 # ----- from_pretrained ------------------------------------------------------------------------

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .ddp_ignore import enable_grad_norm_carriers, rank_local_names
 from .moe import OccultMoE
 
 _DDP_IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
@@ -140,14 +141,8 @@ def prepare_peft_model(peft_model: nn.Module) -> nn.Module:
     buffers of every `OccultMoE`'s experts, adapters included, and the runtime's own state, under
     their names in the PEFT model) and makes the grad-norm carriers trainable.
     """
-    ignore = set(peft_model.__dict__.get(_DDP_IGNORE_ATTR) or [])
-    for path, module in peft_model.named_modules():
-        if not isinstance(module, OccultMoE) or not module.ep.is_distributed:
-            continue
-        ignore |= {name for name, _ in module.experts.named_parameters(prefix=f"{path}.experts")}
-        ignore |= {name for name, _ in module.experts.named_buffers(prefix=f"{path}.experts")}
-        ignore |= {f"{path}.{name}" for name in module.runtime_state_names()}
-        module.ep_grad_norm_carrier.requires_grad_(True)
+    ignore = set(peft_model.__dict__.get(_DDP_IGNORE_ATTR) or []) | set(rank_local_names(peft_model))
+    enable_grad_norm_carriers(peft_model)
     if ignore:
         peft_model.__dict__[_DDP_IGNORE_ATTR] = sorted(ignore)
     return peft_model

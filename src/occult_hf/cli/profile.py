@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 from ..profile_collect import DEFAULT_SAMPLE_SIZE
 
@@ -18,15 +17,22 @@ def register(subparsers) -> None:
     )
     parser.add_argument("model", nargs="?", help="model id or local directory (transformers from_pretrained)")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--text", help="text file, one document per line (see --separator)")
-    source.add_argument("--dataset", help="datasets name or a directory saved with save_to_disk")
+    source.add_argument("--text", help="plain text file, one document per line (see --separator)")
+    source.add_argument(
+        "--dataset",
+        help="a local .txt/.json/.jsonl/.csv/.parquet file, a directory saved with save_to_disk, a local dataset "
+        "directory or a hub dataset name (read with datasets.load_dataset; see --text-column, --dataset-config)",
+    )
     source.add_argument("--from-trace", metavar="TRACE", help="routing trace .npz (topk_ids [T,k] or pair counts)")
     parser.add_argument("--out", required=True, help="output profile path (.safetensors)")
     group = parser.add_argument_group("text and dataset options")
     group.add_argument("--separator", default="\n", help="document separator in --text (default: newline)")
-    group.add_argument("--dataset-config", default=None, help="dataset configuration name")
+    group.add_argument("--dataset-config", default=None, help="dataset configuration name (hub or local dataset directory)")
     group.add_argument("--split", default="train", help="dataset split (default: train)")
-    group.add_argument("--column", default="text", help="dataset column with text or token ids (default: text)")
+    group.add_argument(
+        "--text-column", "--column", dest="column", default="text",
+        help="dataset column with text or token ids (default: text; --column is a deprecated alias)",
+    )
     group.add_argument("--batch-size", type=int, default=8)
     group.add_argument("--max-length", type=int, default=512, help="tokens per window; longer documents are split")
     group.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens")
@@ -65,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.model:
             raise SystemExit("occult profile: MODEL is required with --text or --dataset")
         model, tokenizer = _load_model(args)
-        data = args.text if args.text else _load_dataset(args)
+        data = _check_plain_text(args.text) if args.text else _load_dataset(args)
         profile = RoutingProfile.collect(
             model,
             data,
@@ -124,13 +130,19 @@ def _load_model(args: argparse.Namespace):
 
 
 def _load_dataset(args: argparse.Namespace):
-    import datasets
+    from ..text_data import load_text_dataset
 
-    if os.path.isdir(args.dataset):
-        data = datasets.load_from_disk(args.dataset)
-        if isinstance(data, datasets.DatasetDict):
-            if args.split not in data:
-                raise SystemExit(f"occult profile: split {args.split!r} not in {args.dataset!r}; splits: {list(data)}")
-            data = data[args.split]
-        return data
-    return datasets.load_dataset(args.dataset, args.dataset_config, split=args.split)
+    return load_text_dataset(args.dataset, config=args.dataset_config, split=args.split, text_column=args.column)
+
+
+def _check_plain_text(path: str) -> str:
+    """`--text` reads raw lines: a structured file there would be profiled as raw JSON/CSV text."""
+    from ..text_data import data_file_builder
+
+    builder = data_file_builder(path)
+    if builder not in (None, "text"):
+        raise ValueError(
+            f"--text {path!r} is a {builder} file, which --text would read as raw lines; "
+            f"use --dataset {path} --text-column COLUMN"
+        )
+    return path

@@ -1,0 +1,89 @@
+"""Text data as Hugging Face users pass it: a local file, a `save_to_disk` directory or a hub dataset.
+
+    data = load_text_dataset("train.jsonl", text_column="text")          # .txt .json .jsonl .csv .parquet
+    data = load_text_dataset("saved_dir", split="validation")             # Dataset(Dict).save_to_disk
+    data = load_text_dataset("wikitext", config="wikitext-2-raw-v1")      # hub (or a local dataset repo)
+
+Everything goes through `datasets` (`load_dataset` with the builder that the file's extension names,
+or `load_from_disk`), so JSON Lines are parsed rather than read as raw lines, and the text column is
+checked by name. `occult profile` and the fine-tune entry point (`python -m occult_hf.finetune`) use it.
+"""
+
+from __future__ import annotations
+
+import os
+
+#: file extension -> the `datasets` packaged builder that reads it
+DATA_FILE_BUILDERS = {
+    ".txt": "text",
+    ".text": "text",
+    ".json": "json",
+    ".jsonl": "json",
+    ".csv": "csv",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+}
+_SAVE_TO_DISK_MARKERS = ("dataset_dict.json", "state.json")
+
+
+def data_file_builder(path: str | os.PathLike) -> str | None:
+    """The `datasets` builder for a local data file (by extension, `.gz` etc. looked through), or None."""
+    name = os.fspath(path).lower()
+    for compression in (".gz", ".bz2", ".xz", ".zst"):
+        name = name.removesuffix(compression)
+    return DATA_FILE_BUILDERS.get(os.path.splitext(name)[1])
+
+
+def is_save_to_disk_directory(path: str | os.PathLike) -> bool:
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, m)) for m in _SAVE_TO_DISK_MARKERS)
+
+
+def load_text_dataset(source: str | os.PathLike, config: str | None = None, split: str = "train", text_column: str = "text"):
+    """A `datasets.Dataset` (one split) with a column `text_column`, from a file, a directory or the hub.
+
+    Args:
+        source: a local data file (`DATA_FILE_BUILDERS`), a directory written by `save_to_disk`, a local
+            dataset directory (data files, optionally with configurations) or a hub dataset name.
+        config: the dataset configuration (`load_dataset(path, name=config)`); an error for a single file
+            or a `save_to_disk` directory, which have none.
+        split: the split to take.
+        text_column: the column holding the text (or token-id lists); an error lists the columns if absent.
+    """
+    import datasets
+
+    path = os.fspath(source)
+    if os.path.isfile(path):
+        builder = data_file_builder(path)
+        if builder is None:
+            raise ValueError(
+                f"data file {path!r} has an extension datasets cannot read; use one of {sorted(DATA_FILE_BUILDERS)}"
+            )
+        _no_config(config, path, "a single data file")
+        data = datasets.load_dataset(builder, data_files={split: path}, split=split)
+    elif is_save_to_disk_directory(path):
+        _no_config(config, path, "a save_to_disk directory")
+        data = datasets.load_from_disk(path)
+        if isinstance(data, datasets.DatasetDict):
+            if split not in data:
+                raise ValueError(f"split {split!r} is not in {path!r}; its splits are {list(data)}")
+            data = data[split]
+    else:
+        if not os.path.isdir(path) and os.path.splitext(path)[1].lower() in DATA_FILE_BUILDERS:
+            raise FileNotFoundError(f"data file {path!r} does not exist")
+        data = datasets.load_dataset(path, config, split=split)
+    if text_column not in data.column_names:
+        raise ValueError(
+            f"text column {text_column!r} is not in {path!r}; its columns are {data.column_names} (set --text-column)"
+        )
+    return data
+
+
+def _no_config(config: str | None, path: str, what: str) -> None:
+    if config is not None:
+        raise ValueError(
+            f"dataset config {config!r} was given for {path!r}, {what}, which has no configurations; "
+            f"drop --dataset-config (it selects a configuration of a hub dataset or a local dataset directory)"
+        )
+
+
+__all__ = ["DATA_FILE_BUILDERS", "data_file_builder", "is_save_to_disk_directory", "load_text_dataset"]
