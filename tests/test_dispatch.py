@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from distributed import WorldError, run_world
-from occult_hf.dispatch import ExpertParallelGroup, combine, dispatch
+from occult_hf.dispatch import ExchangeError, ExpertParallelGroup, TokenRouting, build_dispatcher
 from occult_hf.experts import LocalExperts, expert_mlp_grouped_mm, local_experts
 from occult_hf.kernels.expert_mlp_reference import expert_mlp_reference
 from occult_hf.placement import Placement
@@ -67,12 +67,17 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-12))
 
 
-def one_process_moe(x_TH, ids_Tk, weights_Tk, gate_up_E2IH, down_EHI, device_of_E, num_devices, mode):
+def one_process_dispatcher(device_of_E, num_experts: int, num_devices: int, mode: str):
     ep = ExpertParallelGroup(num_devices=num_devices)
-    num_experts = gate_up_E2IH.shape[0]
-    sent = dispatch(x_TH, ids_Tk, weights_Tk, torch.tensor(device_of_E), torch.arange(num_experts), num_experts, ep, mode)
+    return build_dispatcher("auto", ep, list(device_of_E), list(range(num_experts)), num_experts, mode=mode)
+
+
+def one_process_moe(x_TH, ids_Tk, weights_Tk, gate_up_E2IH, down_EHI, device_of_E, num_devices, mode):
+    dispatcher = one_process_dispatcher(device_of_E, gate_up_E2IH.shape[0], num_devices, mode)
+    assert dispatcher.name == "local"
+    sent = dispatcher.dispatch(x_TH, TokenRouting(ids_Tk, weights_Tk))
     out_RH = local_experts(sent.x_RH, sent.segments, sent.pair_weight_N, gate_up_E2IH, down_EHI, F.silu, backend="torch")
-    return combine(out_RH, sent.plan), sent
+    return dispatcher.combine(out_RH, sent.plan), sent
 
 
 # ----- single process -----------------------------------------------------------------------------
@@ -98,10 +103,12 @@ def test_dispatch_one_process(num_experts, top_k, num_devices, num_tokens, mode)
     out_TH, sent = one_process_moe(leaves[0], ids_Tk, leaves[1], leaves[2], leaves[3], device_of_E, num_devices, mode)
     plan = sent.plan
 
-    # counts: pairs sum to T*k; rows are the CT count (dedup) or T*k (per_expert), per device too
+    # counts (per logical device): pairs sum to T*k; rows are the CT count (dedup) or T*k (per_expert);
+    # in one process the rows computed are the tokens (dedup) or one per pair (per_expert): static sizes
     expected_rows = ct_count(ids_Tk.numpy(), device_of_E) if mode == "dedup" else num_tokens * top_k
     assert sum(plan.send_pairs) == num_tokens * top_k
-    assert sum(plan.send_rows) == expected_rows == sent.x_RH.shape[0]
+    assert sum(plan.send_rows) == expected_rows
+    assert sent.x_RH.shape[0] == (num_tokens if mode == "dedup" else num_tokens * top_k)
     hits_TD = np.zeros((num_tokens, num_devices), dtype=int)
     np.add.at(hits_TD, (np.repeat(np.arange(num_tokens), top_k), device_of_E[ids_Tk.numpy().reshape(-1)]), 1)
     per_device = (hits_TD > 0).sum(0) if mode == "dedup" else hits_TD.sum(0)
@@ -113,7 +120,7 @@ def test_dispatch_one_process(num_experts, top_k, num_devices, num_tokens, mode)
     for start, end in zip(offsets, offsets[1:]):
         rows = sent.segments.pair_row[start:end]
         assert torch.all(rows[1:] > rows[:-1])
-    if num_devices == 1 and mode == "dedup":  # one device: every token sent once, unchanged
+    if mode == "dedup":  # one process: the tokens themselves are the rows
         assert torch.equal(sent.x_RH, x_TH)
 
     # output and gradients against the naive loop
@@ -133,17 +140,16 @@ def test_dispatch_one_process(num_experts, top_k, num_devices, num_tokens, mode)
 
 
 @pytest.mark.parametrize("mode", ["dedup", "per_expert"])
-def test_round_trip_returns_input_times_fan_out(mode):
-    """combine(dispatch(x)) with identity experts gives x times the rows per token (CT or k)."""
+def test_round_trip_returns_input_times_rows_per_token(mode):
+    """combine(dispatch(x)) with identity experts gives x times the rows per token: one in one process
+    (dedup), k (per_expert). Over real ranks the fan-out is CT (the 4-rank world checks that)."""
     num_experts, top_k, num_devices = 10, 4, 4
     x_TH, ids_Tk, weights_Tk = make_routing(23, num_experts, top_k, seed=3)
     device_of_E = np.arange(num_experts) * num_devices // num_experts
-    ep = ExpertParallelGroup(num_devices=num_devices)
-    sent = dispatch(x_TH, ids_Tk, weights_Tk, torch.tensor(device_of_E), torch.arange(num_experts), num_experts, ep, mode)
-    fan_out_T = torch.tensor(
-        [len({int(device_of_E[e]) for e in row}) if mode == "dedup" else top_k for row in ids_Tk.tolist()]
-    )
-    torch.testing.assert_close(combine(sent.x_RH, sent.plan), x_TH * fan_out_T[:, None].float(), rtol=1e-6, atol=0)
+    dispatcher = one_process_dispatcher(device_of_E, num_experts, num_devices, mode)
+    sent = dispatcher.dispatch(x_TH, TokenRouting(ids_Tk, weights_Tk))
+    fan_out = 1 if mode == "dedup" else top_k
+    torch.testing.assert_close(dispatcher.combine(sent.x_RH, sent.plan), x_TH * fan_out, rtol=1e-6, atol=0)
 
 
 def test_dedup_equals_per_expert_and_sends_fewer_rows():
@@ -160,10 +166,9 @@ def test_dedup_equals_per_expert_and_sends_fewer_rows():
 
 
 def test_bad_mode_and_backend_are_rejected():
-    x_TH, ids_Tk, weights_Tk = make_routing(3, 4, 2, seed=0)
     ep = ExpertParallelGroup(num_devices=2)
     with pytest.raises(ValueError, match="dispatch mode must be one of"):
-        dispatch(x_TH, ids_Tk, weights_Tk, torch.tensor([0, 0, 1, 1]), torch.arange(4), 4, ep, "broadcast")
+        build_dispatcher("auto", ep, [0, 0, 1, 1], range(4), 4, mode="broadcast")
     gate_up_E2IH, down_EHI = make_experts(4)
     with pytest.raises(ValueError, match="expert backend must be one of"):
         LocalExperts(torch.nn.Parameter(gate_up_E2IH), torch.nn.Parameter(down_EHI), torch.arange(4), F.silu, backend="cuda")
@@ -178,8 +183,7 @@ def test_grouped_mm_path_matches_reference_forward():
     num_experts, top_k = 5, 2
     x_TH, ids_Tk, weights_Tk = make_routing(19, num_experts, top_k, seed=11)
     gate_up_E2IH, down_EHI = make_experts(num_experts)
-    ep = ExpertParallelGroup(num_devices=2)
-    sent = dispatch(x_TH, ids_Tk, weights_Tk, torch.tensor([0, 0, 1, 1, 1]), torch.arange(num_experts), num_experts, ep)
+    sent = one_process_dispatcher([0, 0, 1, 1, 1], num_experts, 2, "dedup").dispatch(x_TH, TokenRouting(ids_Tk, weights_Tk))
     args = (sent.x_RH, sent.segments, sent.pair_weight_N, gate_up_E2IH, down_EHI, F.silu)
     try:
         grouped = expert_mlp_grouped_mm(*args)
@@ -203,27 +207,36 @@ def _world_inputs(rank: int, top_k: int):
     return make_routing(WORLD_TOKENS[rank], WORLD_EXPERTS, top_k, seed=1000 + rank)
 
 
-def _check_ep_against_naive(rank, world_size, mode, top_k):
+def _check_ep_against_naive(rank, world_size, mode, top_k, chunks):
+    """`chunks` None: `dispatch()`, the experts, `combine()`; else `run()` with that many chunks (the
+    pipelined path the model uses; the ranks' token counts differ, so they must agree on the chunk count)."""
     placement = Placement(WORLD_EXPERTS, world_size, {0: WORLD_DEVICE_OF_E})
     ep = ExpertParallelGroup.resolve(None, world_size)
     assert ep.is_distributed and ep.rank == rank
     gate_up_E2IH, down_EHI = make_experts(WORLD_EXPERTS)
     local_ids = placement.experts_on(0, rank)
-    local_gate_up = gate_up_E2IH[local_ids].clone().requires_grad_()
-    local_down = down_EHI[local_ids].clone().requires_grad_()
+    experts = LocalExperts(
+        torch.nn.Parameter(gate_up_E2IH[local_ids].clone()), torch.nn.Parameter(down_EHI[local_ids].clone()),
+        torch.tensor(local_ids), F.silu, backend="torch",
+    )  # fmt: skip
+    local_gate_up, local_down = experts.gate_up_proj, experts.down_proj
     x_TH, ids_Tk, weights_Tk = _world_inputs(rank, top_k)
     x_TH.requires_grad_()
     weights_Tk.requires_grad_()
 
-    sent = dispatch(
-        x_TH, ids_Tk, weights_Tk, torch.tensor(WORLD_DEVICE_OF_E), torch.tensor(placement.local_slot(0)), len(local_ids), ep, mode
-    )
+    dispatcher = build_dispatcher("auto", ep, WORLD_DEVICE_OF_E, placement.local_slot(0), len(local_ids), mode=mode, chunks=chunks)
+    assert dispatcher.name == "all_to_all"
+    if chunks is None:
+        sent = dispatcher.dispatch(x_TH, TokenRouting(ids_Tk, weights_Tk))
+        out_RH = experts(sent.x_RH, sent.segments, sent.pair_weight_N)
+        out_TH, plan = dispatcher.combine(out_RH, sent.plan), sent.plan
+        assert sent.x_RH.shape[0] == sum(plan.recv_splits)
+    else:
+        out_TH, plan = dispatcher.run(x_TH, TokenRouting(ids_Tk, weights_Tk), experts)
     # rows received are what the others sent here
-    received = torch.tensor(sent.plan.send_rows)
+    received = torch.tensor(plan.send_rows)
     torch.distributed.all_reduce(received)
-    assert sent.x_RH.shape[0] == sum(sent.plan.recv_rows) == int(received[rank])
-    out_RH = local_experts(sent.x_RH, sent.segments, sent.pair_weight_N, local_gate_up, local_down, F.silu, backend="torch")
-    out_TH = combine(out_RH, sent.plan)
+    assert sum(plan.recv_splits) == int(received[rank]) and plan.send_rows == plan.send_splits
     probe_TH = torch.randn(out_TH.shape, generator=torch.Generator().manual_seed(rank))
     (out_TH * probe_TH).sum().backward()
 
@@ -263,15 +276,15 @@ def _replay_trace(rank, world_size, trace_ids_Nk, trace_weights_Nk):
         device_of_E = np.array(placement.device_of(0))
         rows = {}
         for mode in ("dedup", "per_expert"):
-            sent = dispatch(
-                x_TH, ids_Tk, weights_Tk, torch.tensor(device_of_E), torch.tensor(placement.local_slot(0)),
-                placement.capacities(0)[rank], ep, mode,
+            dispatcher = build_dispatcher(
+                "all_to_all", ep, device_of_E.tolist(), placement.local_slot(0), placement.capacities(0)[rank], mode=mode
             )
+            sent = dispatcher.dispatch(x_TH, TokenRouting(ids_Tk, weights_Tk))
             rows[mode] = sum(sent.plan.send_rows)
             remote = rows[mode] - sent.plan.send_rows[rank]
             # identity experts: the round trip returns each token times its fan-out
             fan_out_T = torch.tensor([len({int(device_of_E[e]) for e in row}) if mode == "dedup" else 4 for row in ids_Tk.tolist()])
-            torch.testing.assert_close(combine(sent.x_RH, sent.plan), x_TH * fan_out_T[:, None].float(), rtol=1e-6, atol=0)
+            torch.testing.assert_close(dispatcher.combine(sent.x_RH, sent.plan), x_TH * fan_out_T[:, None].float(), rtol=1e-6, atol=0)
             if mode == "dedup":
                 assert rows[mode] == ct_count(ids_Tk.numpy(), device_of_E)  # independent CT count
                 volume = communication_volume(trace_ids_Nk.astype(np.int64), device_of_E, world_size, source_N)
@@ -285,7 +298,8 @@ def _replay_trace(rank, world_size, trace_ids_Nk, trace_weights_Nk):
 def _dispatch_world(rank, world_size, trace):
     for mode in ("dedup", "per_expert"):
         for top_k in (1, 3):
-            _check_ep_against_naive(rank, world_size, mode, top_k)
+            for chunks in (None, 1, 3):
+                _check_ep_against_naive(rank, world_size, mode, top_k, chunks)
     return _replay_trace(rank, world_size, *trace) if trace is not None else None
 
 

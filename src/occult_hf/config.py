@@ -58,6 +58,28 @@ class OccultConfig:
             '"per_expert": one row per (token, expert) pair (the usual all-to-all baseline).'
         },
     )
+    dispatcher: str = field(
+        default="auto",
+        metadata={
+            "help": 'How rows move between devices: "auto" (the fastest registered implementation that serves the '
+            'EP group: "local" in one process, "all_to_all" under torch.distributed), or a registered name '
+            "(occult_hf.dispatch.dispatcher_names()). Orthogonal to `dispatch`."
+        },
+    )
+    dispatch_chunks: int | None = field(
+        default=None,
+        metadata={
+            "help": "Chunks a rank's tokens are split into so that the exchange of one chunk overlaps the experts of "
+            "another (torch.distributed dispatchers; None: chosen from the token count, 1 below 1024 tokens)."
+        },
+    )
+    exchange_timeout_s: float | None = field(
+        default=None,
+        metadata={
+            "help": "Seconds any wait on a peer rank in the EP exchange may take before it fails with an error naming "
+            "the layer and the operation (None: $OCCULT_EXCHANGE_TIMEOUT_S, else 300)."
+        },
+    )
     expert_backend: str = field(
         default="auto",
         metadata={"help": '"auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".'},
@@ -107,6 +129,27 @@ class OccultConfig:
             raise ValueError("OccultConfig.prune='similarity' needs a routing profile: set OccultConfig.profile")
         if self.dispatch not in DISPATCH_MODES:
             raise ValueError(f"OccultConfig.dispatch must be one of {DISPATCH_MODES}, got {self.dispatch!r}")
+        if not isinstance(self.dispatcher, str) or self.dispatcher != self.dispatcher.lower() or not self.dispatcher:
+            raise ValueError(f"OccultConfig.dispatcher must be 'auto' or a lowercase registered name, got {self.dispatcher!r}")
+        if self.dispatcher != "auto":
+            from .dispatch import dispatcher_names  # local import: dispatch imports this module
+
+            if self.dispatcher not in dispatcher_names():
+                raise ValueError(
+                    f"OccultConfig.dispatcher must be 'auto' or one of {dispatcher_names()}, got {self.dispatcher!r}"
+                )
+        if self.dispatch_chunks is not None and (
+            not isinstance(self.dispatch_chunks, int) or isinstance(self.dispatch_chunks, bool) or self.dispatch_chunks < 1
+        ):
+            raise ValueError(f"OccultConfig.dispatch_chunks must be None or an integer >= 1, got {self.dispatch_chunks!r}")
+        if self.exchange_timeout_s is not None and (
+            isinstance(self.exchange_timeout_s, bool)
+            or not isinstance(self.exchange_timeout_s, (int, float))
+            or not self.exchange_timeout_s > 0
+        ):
+            raise ValueError(
+                f"OccultConfig.exchange_timeout_s must be None or a number of seconds > 0, got {self.exchange_timeout_s!r}"
+            )
         if self.expert_backend not in EXPERT_BACKENDS:
             raise ValueError(
                 f"OccultConfig.expert_backend must be one of {EXPERT_BACKENDS}, got {self.expert_backend!r}"

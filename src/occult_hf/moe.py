@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import OccultConfig
-from .dispatch import DispatchPlan, ExpertParallelGroup, combine, dispatch
+from .dispatch import DispatchPlan, ExpertParallelGroup, TokenDispatcher, TokenRouting, build_dispatcher
 from .experts import LocalExperts
 from .placement import Placement
 
@@ -99,6 +99,18 @@ class OccultMoE(nn.Module):
             grad_scale=1.0 / ep.num_devices if ep.is_distributed else 1.0,
         )
         device = gate_up_E2IH.device
+        self.dispatcher: TokenDispatcher = build_dispatcher(
+            occult_config.dispatcher,
+            ep,
+            device_of_E,
+            local_index_E,
+            self.experts.num_local_experts,
+            mode=self.dispatch_mode,
+            chunks=occult_config.dispatch_chunks,
+            timeout_s=occult_config.exchange_timeout_s,
+            layer=f"layer {self.layer_idx}",
+            device=device,
+        )
         self.register_buffer("device_of_E", torch.tensor(device_of_E, dtype=torch.int64, device=device), persistent=False)
         self.register_buffer("local_index_E", torch.tensor(local_index_E, dtype=torch.int64, device=device), persistent=False)
         for name in ("rows_sent", "pairs_sent", "bytes_sent"):
@@ -136,19 +148,8 @@ class OccultMoE(nn.Module):
             topk_weights_Tk, topk_ids_Tk = self.pruner(block, routing)
         self.last_topk_ids_Tk = topk_ids_Tk.detach()
 
-        sent = dispatch(
-            x_TH,
-            topk_ids_Tk,
-            topk_weights_Tk,
-            self.device_of_E,
-            self.local_index_E,
-            self.local_experts.num_local_experts,
-            self.ep,
-            self.dispatch_mode,
-        )
-        out_RH = self.experts(sent.x_RH, sent.segments, sent.pair_weight_N)
-        routed_TH = combine(out_RH, sent.plan)
-        self._count(sent.plan)
+        routed_TH, plan = self.dispatcher.run(x_TH, TokenRouting(topk_ids_Tk, topk_weights_Tk), self.experts)
+        self._count(plan)
 
         routed_TH = self.adapter.attach_aux_loss(block, routed_TH, routing.aux_loss)
         shared_TH = self.adapter.shared_output(block, x_TH)
@@ -190,7 +191,7 @@ class OccultMoE(nn.Module):
     # ----- statistics -------------------------------------------------------------------
     @torch.no_grad()
     def _count(self, plan: DispatchPlan) -> None:
-        rows_D, pairs_D = plan.send_counts_D2.unbind(1)
+        rows_D, pairs_D = plan.counts_D2.unbind(1)
         self.rows_sent.add_(rows_D)
         self.pairs_sent.add_(pairs_D)
         self.bytes_sent.add_(rows_D * plan.row_bytes)
@@ -231,6 +232,7 @@ class OccultMoE(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"layer={self.layer_idx}, adapter={self.adapter.name!r}, dispatch={self.dispatch_mode!r}, "
+            f"dispatcher={self.dispatcher.name!r}, "
             f"devices={self.ep.num_devices}, rank={self.ep.rank}, distributed={self.ep.is_distributed}, "
             f"pruned={self.pruner is not None}"
         )

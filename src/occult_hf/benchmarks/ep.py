@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from occult_hf.benchmarks.experts import HF_EXPERTS, SHAPES, ExpertShape, machine_line
 from occult_hf.config import OccultConfig
-from occult_hf.dispatch import ExpertParallelGroup, combine, dispatch
+from occult_hf.dispatch import ExpertParallelGroup, TokenRouting
 from occult_hf.metrics import mean_ct
 from occult_hf.moe import OccultMoE
 from occult_hf.patches import adapter_for
@@ -338,11 +338,8 @@ def _measure_layer(layer: OccultMoE, x_TH, shape_name, tokens, routing_name, mod
 
     def exchange():
         with torch.no_grad():
-            sent = dispatch(
-                x_TH, topk_ids_Tk, weights_Tk, layer.device_of_E, layer.local_index_E,
-                layer.experts.num_local_experts, layer.ep, layer.dispatch_mode,
-            )  # fmt: skip
-            combine(sent.x_RH, sent.plan)
+            sent = layer.dispatcher.dispatch(x_TH, TokenRouting(topk_ids_Tk, weights_Tk))
+            layer.dispatcher.combine(sent.x_RH, sent.plan)
 
     fwd_ms = timed(forward, args.iterations, device)
     fwd_bwd_ms = timed(forward_backward, args.iterations, device)

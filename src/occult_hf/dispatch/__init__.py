@@ -1,0 +1,72 @@
+"""Expert-parallel dispatch and combine: the only place where occult_hf communicates (DESIGN.md §3).
+
+- `plan`: the pure dispatch plan (the paper's BRIM): destinations, send order, per-row metadata,
+  expert layout; no communication.
+- `base`: the `TokenDispatcher` interface (`dispatch(x_TH, routing) -> Dispatched` with a frozen
+  `DispatchPlan`; `combine(out_RH, plan) -> [T, H]`; `run()` around the local experts), the packed
+  row format and the registry of implementations (unique lowercase names).
+- `local` ("local"): one process, logical devices, no host synchronisation.
+- `all_to_all` ("all_to_all"): all-to-all-v over `torch.distributed`: rows and metadata in one
+  collective per direction and chunk, chunks overlapping the experts, bounded waits
+  (`OccultConfig.exchange_timeout_s` / `$OCCULT_EXCHANGE_TIMEOUT_S`).
+
+`OccultConfig.dispatcher` names the implementation ("auto": the supported one of highest priority).
+A new implementation (e.g. a symmetric-memory one) is a module here whose class is decorated with
+`register_dispatcher` and imported below; "auto" prefers it where its `supports(ep, device)` is true
+and its `priority` is higher.
+"""
+
+from . import all_to_all, local  # noqa: F401  (register the implementations)
+from .all_to_all import AllToAllDispatcher, ExchangeError
+from .base import (
+    DEFAULT_EXCHANGE_TIMEOUT_S,
+    EXCHANGE_TIMEOUT_ENV,
+    DispatchPlan,
+    Dispatched,
+    RowFormat,
+    TokenDispatcher,
+    TokenRouting,
+    default_chunks,
+    dispatcher_class,
+    dispatcher_names,
+    register_dispatcher,
+)
+from .group import ExpertParallelGroup
+from .local import LocalDispatcher
+
+
+def build_dispatcher(
+    name: str,
+    ep: ExpertParallelGroup,
+    device_of_E,
+    local_index_E,
+    num_local_experts: int,
+    mode: str = "dedup",
+    chunks: int | None = None,
+    timeout_s: float | None = None,
+    layer: str = "layer",
+    device=None,
+) -> TokenDispatcher:
+    """The dispatcher `name` ("auto" or a registered name) for one layer; see `TokenDispatcher` for the arguments."""
+    cls = dispatcher_class(name, ep, device)
+    return cls(ep, device_of_E, local_index_E, num_local_experts, mode=mode, chunks=chunks, timeout_s=timeout_s, layer=layer)
+
+
+__all__ = [
+    "DEFAULT_EXCHANGE_TIMEOUT_S",
+    "EXCHANGE_TIMEOUT_ENV",
+    "AllToAllDispatcher",
+    "DispatchPlan",
+    "Dispatched",
+    "ExchangeError",
+    "ExpertParallelGroup",
+    "LocalDispatcher",
+    "RowFormat",
+    "TokenDispatcher",
+    "TokenRouting",
+    "build_dispatcher",
+    "default_chunks",
+    "dispatcher_class",
+    "dispatcher_names",
+    "register_dispatcher",
+]

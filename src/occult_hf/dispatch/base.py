@@ -1,0 +1,316 @@
+"""The dispatcher interface (DESIGN.md §3), its frozen results, the wire row format and the registry.
+
+Shape legend: see `occult_hf.dispatch.plan`.
+
+A `TokenDispatcher` owns all communication of one MoE layer: `dispatch(x_TH, routing)` returns the
+received rows in expert layout and a frozen `DispatchPlan`; `combine(out_RH, plan)` returns the
+pre-summed rows to their tokens and sums a token's partial outputs in fp32. `run(x_TH, routing,
+experts)` is the whole exchange around the local experts; implementations may override it to
+overlap the exchange of one chunk of tokens with the experts of another.
+
+Implementations register under a unique lowercase name (`register_dispatcher`); `OccultConfig.dispatcher`
+picks one, or "auto" the available one of highest `priority` whose `supports(ep, device)` is true.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Sequence
+
+import torch
+
+from ..kernels.layout import ExpertSegments
+from .group import ExpertParallelGroup
+from .plan import check_mode
+
+#: environment variable that bounds every wait on a peer in the exchange (seconds)
+EXCHANGE_TIMEOUT_ENV = "OCCULT_EXCHANGE_TIMEOUT_S"
+#: the bound when neither OccultConfig.exchange_timeout_s nor the environment variable is set
+DEFAULT_EXCHANGE_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class TokenRouting:
+    """What the router decided (the adapter's `RouterOutput` has the same two fields and also qualifies).
+
+    Attributes:
+        topk_ids_Tk: `[T, k]` int64 expert ids in `[0, E)`.
+        topk_weights_Tk: `[T, k]` routing weights as the model applies them (differentiable).
+    """
+
+    topk_ids_Tk: torch.Tensor
+    topk_weights_Tk: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DispatchPlan:
+    """What `combine()` needs to undo a `dispatch()`, and what the dispatch sent.
+
+    Attributes:
+        mode: "dedup" or "per_expert".
+        num_tokens: `T` on this rank.
+        counts_D2: `[D, 2]` int64 on the tokens' device: rows and (token, expert) pairs sent to each
+            device (logical devices in one process); computed on the device, read only by statistics.
+        row_bytes: bytes of one dispatched row on the wire: `H` activations plus W (slot, weight)
+            entries, aligned as `RowFormat` packs them.
+        ep: the group the rows were exchanged in.
+        layer: the layer's name in error messages (e.g. "layer 3").
+        token_of_row_S: `[S]` int64 source token of each sent row (distributed), None in one process.
+        send_splits: rows sent to each rank (host ints; distributed only, else None).
+        recv_splits: rows received from each rank (host ints; distributed only, else None).
+        num_pairs: `N`, (received row, local expert) pairs computed here (host int, or None in one
+            process where it is `T * k`).
+    """
+
+    mode: str
+    num_tokens: int
+    counts_D2: torch.Tensor
+    row_bytes: int
+    ep: ExpertParallelGroup
+    layer: str = "layer"
+    token_of_row_S: torch.Tensor | None = None
+    send_splits: tuple[int, ...] | None = None
+    recv_splits: tuple[int, ...] | None = None
+    num_pairs: int | None = None
+
+    @property
+    def send_rows(self) -> tuple[int, ...]:
+        """Rows sent to each device (reads the device counts on the host: for tests and reports)."""
+        return tuple(int(v) for v in self.counts_D2[:, 0].tolist())
+
+    @property
+    def send_pairs(self) -> tuple[int, ...]:
+        """(token, expert) pairs sent to each device (a host read, like `send_rows`)."""
+        return tuple(int(v) for v in self.counts_D2[:, 1].tolist())
+
+
+@dataclass(frozen=True)
+class Dispatched:
+    """The result of `dispatch()`: what the local experts consume, and the plan to undo it.
+
+    Attributes:
+        x_RH: `[R, H]` received rows (x dtype).
+        segments: (row, local expert) pairs grouped by local expert (`ExpertSegments`).
+        pair_weight_N: `[N]` routing weight of each pair, in segment order (router dtype; differentiable).
+        plan: `DispatchPlan` for `combine()`.
+    """
+
+    x_RH: torch.Tensor
+    segments: ExpertSegments
+    pair_weight_N: torch.Tensor
+    plan: DispatchPlan
+
+
+#: the local expert computation: `experts(x_RH, segments, pair_weight_N) -> out_RH`
+ExpertsFn = Callable[[torch.Tensor, ExpertSegments, torch.Tensor], torch.Tensor]
+
+
+class RowFormat:
+    """Several per-row fields packed into one `[rows, row_bytes]` uint8 block, so they travel in one collective.
+
+    Each field is `(dtype, width)`; it sits at an offset aligned to its element size and the row
+    size is a multiple of the largest element size, so every field is a strided view of the block
+    (no copy to unpack). The dispatch packs `[x (H, x dtype) | slots (W, int32) | weights (W)]`, its
+    backward `[grad x | grad weights]`.
+    """
+
+    def __init__(self, fields: Sequence[tuple[torch.dtype, int]]) -> None:
+        self.fields = tuple(fields)
+        offset, offsets, align = 0, [], 1
+        for dtype, width in self.fields:
+            size = _itemsize(dtype)
+            offset = -(-offset // size) * size
+            offsets.append(offset)
+            offset += size * width
+            align = max(align, size)
+        self.offsets = tuple(offsets)
+        self.row_bytes = -(-offset // align) * align
+
+    def pack(self, *tensors: torch.Tensor) -> torch.Tensor:
+        """`[rows, row_bytes]` uint8 holding each `[rows, width]` tensor in its field."""
+        rows = tensors[0].shape[0]
+        block = torch.empty(rows, self.row_bytes, dtype=torch.uint8, device=tensors[0].device)
+        for view, tensor, (_, width) in zip(self.unpack(block), tensors, self.fields):
+            view.copy_(tensor.reshape(rows, width))
+        return block
+
+    def unpack(self, block: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The fields of a packed block as `[rows, width]` views in their dtypes."""
+        views = []
+        for (dtype, width), offset in zip(self.fields, self.offsets):
+            size = _itemsize(dtype)
+            views.append(block[:, offset : offset + size * width].view(dtype))
+        return tuple(views)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def dispatch_format(hidden: int, x_dtype: torch.dtype, width: int, weight_dtype: torch.dtype) -> RowFormat:
+    """The forward row: activations, W int32 local slots, W routing weights."""
+    return RowFormat([(x_dtype, hidden), (torch.int32, width), (weight_dtype, width)])
+
+
+class TokenDispatcher:
+    """Moves a layer's tokens to the devices of their experts and back (one implementation per registry name).
+
+    Attributes:
+        name: registry key (class attribute).
+        priority: "auto" picks the supported implementation of highest priority (class attribute).
+        ep: the expert-parallel group.
+        mode: "dedup" (one row per (token, destination device)) or "per_expert" (one per (token, expert)).
+        num_local_experts: `L`, experts computed on this rank (E in one process).
+        chunks: token chunks per forward (None: chosen from T by `default_chunks`); used by
+            implementations that overlap the exchange with the experts.
+        timeout_s: bound on every wait on a peer, seconds.
+        layer: the layer's name in error messages.
+    """
+
+    name: ClassVar[str] = ""
+    priority: ClassVar[int] = 0
+
+    def __init__(
+        self,
+        ep: ExpertParallelGroup,
+        device_of_E: Sequence[int],
+        local_index_E: Sequence[int],
+        num_local_experts: int,
+        mode: str = "dedup",
+        chunks: int | None = None,
+        timeout_s: float | None = None,
+        layer: str = "layer",
+    ) -> None:
+        check_mode(mode)
+        self.ep = ep
+        self.mode = mode
+        self.num_local_experts = int(num_local_experts)
+        self.chunks = chunks
+        self.timeout_s = resolve_timeout(timeout_s)
+        self.layer = layer
+        self._device_of_E = torch.as_tensor(list(device_of_E), dtype=torch.int64)
+        self._local_index_E = torch.as_tensor(list(local_index_E), dtype=torch.int64)
+        self._placement_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @classmethod
+    def supports(cls, ep: ExpertParallelGroup, device: torch.device | None = None) -> bool:
+        """Whether this implementation can serve `ep` on `device` (used by "auto")."""
+        raise NotImplementedError
+
+    def placement_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(device_of_E, local_index_E)` `[E]` int64 on `device` (copied there once, then cached)."""
+        cached = self._placement_cache.get(device)
+        if cached is None:
+            cached = (self._device_of_E.to(device), self._local_index_E.to(device))
+            self._placement_cache[device] = cached
+        return cached
+
+    def dispatch(self, x_TH: torch.Tensor, routing) -> Dispatched:
+        """Send each token to the devices of its experts; return the received rows in expert layout."""
+        raise NotImplementedError
+
+    def combine(self, out_RH: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        """`[T, H]` in `out_RH.dtype`: each received row's (weighted, pre-summed) output returned to its
+        token and a token's partial outputs summed in fp32."""
+        raise NotImplementedError
+
+    def run(self, x_TH: torch.Tensor, routing, experts: ExpertsFn) -> tuple[torch.Tensor, DispatchPlan]:
+        """`(out_TH, plan)`: dispatch, the local experts, combine. Overlapping implementations override this."""
+        sent = self.dispatch(x_TH, routing)
+        out_RH = experts(sent.x_RH, sent.segments, sent.pair_weight_N)
+        return self.combine(out_RH, sent.plan), sent.plan
+
+    def extra_repr(self) -> str:
+        return f"{self.name!r}, mode={self.mode!r}, chunks={self.chunks}, timeout_s={self.timeout_s:g}"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.extra_repr()})"
+
+
+#: the most chunks `default_chunks` (OccultConfig.dispatch_chunks=None) splits a rank's tokens into
+MAX_AUTO_CHUNKS = 4
+
+
+def default_chunks(num_tokens: int) -> int:
+    """Chunks of a rank's T tokens when `OccultConfig.dispatch_chunks` is None: one below 1024 tokens
+    (latency-bound: more launches would cost more than the overlap gains), then one per 2048 tokens, at most 4."""
+    if num_tokens < 1024:
+        return 1
+    return max(2, min(MAX_AUTO_CHUNKS, num_tokens // 2048))
+
+
+def resolve_timeout(timeout_s: float | None) -> float:
+    """The exchange timeout: the explicit value, else `$OCCULT_EXCHANGE_TIMEOUT_S`, else 300 s."""
+    if timeout_s is None:
+        raw = os.environ.get(EXCHANGE_TIMEOUT_ENV)
+        if raw is None:
+            return DEFAULT_EXCHANGE_TIMEOUT_S
+        try:
+            timeout_s = float(raw)
+        except ValueError:
+            raise ValueError(f"{EXCHANGE_TIMEOUT_ENV}={raw!r} must be a number of seconds > 0") from None
+        if not timeout_s > 0:
+            raise ValueError(f"{EXCHANGE_TIMEOUT_ENV}={raw!r} must be a number of seconds > 0")
+    return float(timeout_s)
+
+
+# ----- registry ---------------------------------------------------------------------------------
+_DISPATCHERS: dict[str, type[TokenDispatcher]] = {}
+
+
+def register_dispatcher(cls: type[TokenDispatcher]) -> type[TokenDispatcher]:
+    """Class decorator: register `cls` under `cls.name` (unique, lowercase, not "auto")."""
+    name = cls.name
+    if not isinstance(name, str) or not name or name != name.lower() or name == "auto":
+        raise ValueError(f"dispatcher name must be a non-empty lowercase string other than 'auto', got {name!r}")
+    if name in _DISPATCHERS and _DISPATCHERS[name] is not cls:
+        raise ValueError(
+            f"dispatcher {name!r} is already registered by {_DISPATCHERS[name].__qualname__}; choose another name"
+        )
+    _DISPATCHERS[name] = cls
+    return cls
+
+
+def dispatcher_names() -> tuple[str, ...]:
+    """The registered names, sorted (what `OccultConfig.dispatcher` accepts besides "auto")."""
+    return tuple(sorted(_DISPATCHERS))
+
+
+def dispatcher_class(name: str, ep: ExpertParallelGroup, device: torch.device | None = None) -> type[TokenDispatcher]:
+    """The class registered as `name`; "auto": the supported one of highest priority for `ep` on `device`."""
+    if name == "auto":
+        candidates = sorted(_DISPATCHERS.values(), key=lambda cls: -cls.priority)
+        for cls in candidates:
+            if cls.supports(ep, device):
+                return cls
+        raise RuntimeError(f"no registered dispatcher supports {ep} on {device}; registered: {dispatcher_names()}")
+    if name not in _DISPATCHERS:
+        raise ValueError(f"OccultConfig.dispatcher must be 'auto' or one of {dispatcher_names()}, got {name!r}")
+    cls = _DISPATCHERS[name]
+    if not cls.supports(ep, device):
+        where = "torch.distributed ranks" if ep.is_distributed else "one process"
+        raise ValueError(
+            f"OccultConfig.dispatcher={name!r} cannot serve {ep.num_devices} devices in {where} on {device}; "
+            f"use 'auto' or one of {dispatcher_names()}"
+        )
+    return cls
+
+
+__all__ = [
+    "DEFAULT_EXCHANGE_TIMEOUT_S",
+    "MAX_AUTO_CHUNKS",
+    "EXCHANGE_TIMEOUT_ENV",
+    "DispatchPlan",
+    "Dispatched",
+    "ExpertsFn",
+    "RowFormat",
+    "TokenDispatcher",
+    "TokenRouting",
+    "default_chunks",
+    "dispatch_format",
+    "dispatcher_class",
+    "dispatcher_names",
+    "register_dispatcher",
+    "resolve_timeout",
+]
