@@ -42,7 +42,7 @@ class WorldError(RuntimeError):
     """A spawned world failed: a rank raised, died or the world ran past its timeout."""
 
 
-def _rank_main(rank, world_size, init_file, fn, args, results, env) -> None:
+def _rank_main(rank, world_size, init_file, fn, args, results, env, backend="gloo") -> None:
     import torch
     import torch.distributed as dist
 
@@ -50,8 +50,10 @@ def _rank_main(rank, world_size, init_file, fn, args, results, env) -> None:
     os.environ["OCCULT_TEST_RANK"] = str(rank)
     torch.set_num_threads(1)
     try:
+        if backend == "nccl":  # one GPU per rank (GPU tests)
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=world_size,
@@ -66,11 +68,19 @@ def _rank_main(rank, world_size, init_file, fn, args, results, env) -> None:
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S, env: dict | None = None) -> list:
+def run_world(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    env: dict | None = None,
+    backend: str = "gloo",
+) -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return the per-rank results in rank order.
 
     `fn` and `args` must be picklable (define `fn` at module level). `env` adds environment variables in
     the children (e.g. `{"OCCULT_TEST_COLLECTIVE_TIMEOUT_S": "20"}` shortens the collective timeout).
+    `backend="nccl"` (GPU tests) gives rank r the GPU `cuda:r`.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
@@ -82,7 +92,7 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
         processes = [
             context.Process(
                 target=_rank_main,
-                args=(rank, world_size, init_file, fn, args, results, child_env),
+                args=(rank, world_size, init_file, fn, args, results, child_env, backend),
                 name=f"occult-test-rank{rank}",
                 daemon=True,
             )

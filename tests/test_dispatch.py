@@ -197,6 +197,85 @@ def test_expert_parallel_group_resolution():
     assert ExpertParallelGroup.resolve(None, 4).num_devices == 4 and not ExpertParallelGroup.resolve(None, 4).is_distributed
 
 
+# host reads that wait for the device on CUDA (expert_mlp_reference, the CPU specification of the
+# expert kernels, reads its segment offsets on purpose; the GPU kernels do not)
+_HOST_READS = ("tolist", "item", "nonzero", "__bool__", "__int__", "__float__")
+
+
+@pytest.mark.parametrize("mode", ["dedup", "per_expert"])
+def test_one_process_block_reads_nothing_on_the_host(monkeypatch, mode):
+    """Route, dispatch, experts (layout), combine and the counters of an `OccultMoE` with 3 logical devices,
+    forward and backward, without one data-dependent host read: the CPU stand-in for the GPU test that
+    runs under `torch.cuda.set_sync_debug_mode("error")` (tests/test_gpu_dispatch.py)."""
+    import sys
+
+    from tiny_models import tiny_model
+
+    from occult_hf import OccultConfig
+    from occult_hf.integration import apply_occult, occult_modules
+
+    model = apply_occult(tiny_model("olmoe", seed=2), OccultConfig(num_devices=3, dispatch=mode, expert_backend="torch"))
+    block = next(iter(occult_modules(model).values()))
+    hidden = torch.randn(2, 9, model.config.hidden_size, requires_grad=True)
+    expected = block(hidden)
+
+    def forbid(name):
+        original = getattr(torch.Tensor, name)
+
+        def guarded(self, *args, **kwargs):
+            if sys._getframe(1).f_code.co_name != "expert_mlp_reference":
+                raise AssertionError(f"Tensor.{name} read a tensor on the host in the one-process forward")
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, guarded)
+
+    for name in _HOST_READS:
+        forbid(name)
+    monkeypatch.setattr(torch, "nonzero", lambda *a, **k: (_ for _ in ()).throw(AssertionError("torch.nonzero")))
+    out = block(hidden)
+    out.square().sum().backward()
+    monkeypatch.undo()
+    assert torch.equal(out, expected) and hidden.grad is not None
+
+
+def test_dispatcher_registry_and_config_errors():
+    from occult_hf import OccultConfig
+    from occult_hf.dispatch import TokenDispatcher, dispatcher_class, dispatcher_names, register_dispatcher
+
+    assert {"local", "all_to_all"} <= set(dispatcher_names())
+    assert dispatcher_class("auto", ExpertParallelGroup(num_devices=4)).name == "local"
+    with pytest.raises(ValueError, match=r"OccultConfig.dispatcher must be 'auto' or one of \(.*'all_to_all'.*'local'"):
+        OccultConfig(dispatcher="nvshmem")
+    with pytest.raises(ValueError, match="cannot serve 2 devices in one process"):
+        dispatcher_class("all_to_all", ExpertParallelGroup(num_devices=2))
+    with pytest.raises(ValueError, match="dispatch_chunks must be None or an integer >= 1, got 0"):
+        OccultConfig(dispatch_chunks=0)
+    with pytest.raises(ValueError, match="exchange_timeout_s must be None or a number of seconds > 0"):
+        OccultConfig(exchange_timeout_s=-1)
+
+    class Duplicate(TokenDispatcher):
+        name = "local"
+
+    with pytest.raises(ValueError, match="dispatcher 'local' is already registered"):
+        register_dispatcher(Duplicate)
+    Duplicate.name = "Local"
+    with pytest.raises(ValueError, match="lowercase"):
+        register_dispatcher(Duplicate)
+
+
+def test_row_format_packs_fields_aligned_and_round_trips():
+    from occult_hf.dispatch import RowFormat
+
+    row_format = RowFormat([(torch.bfloat16, 3), (torch.int32, 2), (torch.float32, 2)])
+    assert row_format.offsets == (0, 8, 16) and row_format.row_bytes == 24  # bf16 x 3 = 6 bytes, padded to 8
+    x, slots, weights = torch.randn(5, 3).bfloat16(), torch.arange(10, dtype=torch.int32).reshape(5, 2), torch.rand(5, 2)
+    block = row_format.pack(x, slots, weights)
+    assert block.dtype == torch.uint8 and block.shape == (5, 24)
+    for unpacked, original in zip(row_format.unpack(block), (x, slots, weights)):
+        assert torch.equal(unpacked, original)
+    assert all(t.shape[0] == 0 for t in row_format.unpack(row_format.pack(x[:0], slots[:0], weights[:0])))
+
+
 # ----- a 4-rank world ----------------------------------------------------------------------------------
 WORLD_EXPERTS = 7
 WORLD_DEVICE_OF_E = [2, 0, 3, 1, 0, 2, 1]  # capacities [2, 2, 2, 1]: uneven, not contiguous
@@ -322,6 +401,30 @@ def test_dispatch_in_a_4_rank_world():
         dedup = sum(r[name]["dedup"] for r in reports)
         per_expert = sum(r[name]["per_expert"] for r in reports)
         assert dedup < per_expert == 4384 * 4
+
+
+def _stalled_peer_world(rank, world_size):
+    """Rank 1 never reaches the layer: rank 0's count exchange must fail within the timeout, naming the layer."""
+    import time
+
+    if rank == 1:
+        time.sleep(6)
+        return None
+    ep = ExpertParallelGroup.resolve(None, world_size)
+    dispatcher = build_dispatcher("all_to_all", ep, [0, 1], [0, 0], 1, timeout_s=1.5, layer="layer 7")
+    x_TH, ids_Tk, weights_Tk = make_routing(4, 2, 1, seed=0)
+    started = time.monotonic()
+    try:
+        dispatcher.dispatch(x_TH, TokenRouting(ids_Tk, weights_Tk))
+    except ExchangeError as error:
+        return str(error), time.monotonic() - started
+    raise AssertionError("the exchange with a stalled peer returned")
+
+
+def test_a_stalled_peer_fails_the_exchange_within_the_timeout():
+    message, waited = run_world(_stalled_peer_world, 2, timeout_s=120)[0]
+    assert "layer 7: the count exchange failed or did not finish within 1.5 s" in message
+    assert "OCCULT_EXCHANGE_TIMEOUT_S" in message and waited < 5
 
 
 # ----- the harness itself ------------------------------------------------------------------------------

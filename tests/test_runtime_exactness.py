@@ -15,8 +15,10 @@ The parent checks that the ranks together covered every parameter of the referen
 Also per case: each rank holds only its own experts (the original block's expert storage is
 released), and in dedup mode the rows sent equal the CT count of the dispatched routing.
 
-World 2 (E=8): 6 families x {dedup, per_expert} x {contiguous, shuffled per layer}.
-World 4 (E=6, so D does not divide E): 6 families x {(dedup, shuffled), (per_expert, contiguous)}.
+World 2 (E=8): 6 families x {dedup, per_expert} x {contiguous with one chunk, shuffled per layer
+with 3 chunks (the pipelined exchange)}.
+World 4 (E=6, so D does not divide E): 6 families x {(dedup, shuffled, 2 chunks), (per_expert,
+contiguous, chunks chosen from T)}. The one CPU dispatcher under torch.distributed is "all_to_all".
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ SEED = 3
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    actual, expected = actual.detach().double(), expected.detach().double()
+    actual, expected = actual.detach().double().cpu(), expected.detach().double().cpu()
     return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-12))
 
 
@@ -77,20 +79,22 @@ def reference(family: str, num_experts: int, num_devices: int) -> dict:
     return {"outputs": outputs, "grads": grads, "grad_norm": norm}
 
 
-def _check_case(rank, world_size, family, num_experts, mode, placement_kind, ref) -> set[str]:
-    """Run one case on this rank; return the reference parameter names it compared."""
+def _check_case(rank, world_size, family, num_experts, mode, placement_kind, chunks, ref, device="cpu") -> set[str]:
+    """Run one case on this rank (on `device`: the GPU test runs it under NCCL); return the reference
+    parameter names it compared."""
     from torch.nn.parallel import DistributedDataParallel
 
     from occult_hf import OccultConfig
     from occult_hf.integration import apply_occult, occult_modules
 
-    where = f"[{family} E={num_experts} D={world_size} {mode} {placement_kind} rank {rank}]"
+    where = f"[{family} E={num_experts} D={world_size} {mode} {placement_kind} chunks={chunks} rank {rank}]"
     placement = placement_for(family, num_experts, world_size, placement_kind)
-    model = tiny_model(family, seed=SEED, num_experts=num_experts).train()
+    model = tiny_model(family, seed=SEED, num_experts=num_experts).to(device).train()
     full_parameters = sum(p.numel() for p in model.parameters())
-    apply_occult(model, OccultConfig(placement=placement, dispatch=mode))
+    apply_occult(model, OccultConfig(placement=placement, dispatch=mode, dispatch_chunks=chunks))
+    assert all(m.dispatcher.name == "all_to_all" for m in occult_modules(model).values())
     ddp = DistributedDataParallel(model)
-    ids = rank_batch(rank)
+    ids = rank_batch(rank).to(device)
     out = ddp(input_ids=ids, labels=ids)
     out.loss.backward()
 
@@ -119,7 +123,7 @@ def _check_case(rank, world_size, family, num_experts, mode, placement_kind, ref
         for param in (experts.gate_up_proj, experts.down_proj):
             local_elements += param.numel()
             filled = torch.full((num_experts, *param.shape[1:]), float("nan"))
-            filled[local_ids] = param.grad if param.grad is not None else torch.zeros_like(param)
+            filled[local_ids] = (param.grad if param.grad is not None else torch.zeros_like(param)).cpu()
             full.append(filled)
         for key, grad in module.place_full_experts(*full).items():
             known = ~torch.isnan(grad)
@@ -129,9 +133,9 @@ def _check_case(rank, world_size, family, num_experts, mode, placement_kind, ref
                 compared.add(name)
         assert all(p.numel() == 0 for p in _original_expert_parameters(module)), f"{where} expert storage kept"
         if mode == "dedup":
-            device_of_E = module.device_of_E
-            ct_rows = int((torch.zeros(module.last_topk_ids_Tk.shape[0], world_size, dtype=torch.bool).scatter_(
-                1, device_of_E[module.last_topk_ids_Tk], True)).sum())
+            device_of_E, topk_ids_Tk = module.device_of_E.cpu(), module.last_topk_ids_Tk.cpu()
+            ct_rows = int((torch.zeros(topk_ids_Tk.shape[0], world_size, dtype=torch.bool).scatter_(
+                1, device_of_E[topk_ids_Tk], True)).sum())
             assert int(module.rows_sent.sum()) == ct_rows, f"{where} rows sent != CT count"
 
     # every rank holds only its share of the experts
@@ -148,17 +152,21 @@ def _original_expert_parameters(module):
     return list(module.adapter.experts_module(module.original_block).parameters())
 
 
-def _exactness_world(rank, world_size, cases, references):
+def _exactness_world(rank, world_size, cases, references, on_gpu=False):
     covered = {}
-    for family, num_experts, mode, placement_kind in cases:
-        names = _check_case(rank, world_size, family, num_experts, mode, placement_kind, references[(family, num_experts)])
-        covered[(family, num_experts, mode, placement_kind)] = names
+    device = f"cuda:{rank}" if on_gpu else "cpu"
+    for family, num_experts, mode, placement_kind, chunks in cases:
+        ref = references[(family, num_experts)]
+        names = _check_case(rank, world_size, family, num_experts, mode, placement_kind, chunks, ref, device)
+        covered[(family, num_experts, mode, placement_kind, chunks)] = names
     return covered
 
 
-def _run(world_size: int, num_experts: int, cases):
-    references = {(family, num_experts): reference(family, num_experts, world_size) for family in FAMILIES}
-    covered = run_world(_exactness_world, world_size, cases, references)
+def _run(world_size: int, num_experts: int, cases, on_gpu: bool = False):
+    """Run `cases` in one world (NCCL on GPUs `cuda:0..` when `on_gpu`, else gloo) against the CPU reference."""
+    families = sorted({case[0] for case in cases})
+    references = {(family, num_experts): reference(family, num_experts, world_size) for family in families}
+    covered = run_world(_exactness_world, world_size, cases, references, on_gpu, backend="nccl" if on_gpu else "gloo")
     for case in cases:
         union = set().union(*(rank_result[case] for rank_result in covered))
         missing = set(references[(case[0], num_experts)]["grads"]) - union
@@ -166,15 +174,20 @@ def _run(world_size: int, num_experts: int, cases):
 
 
 def test_exact_on_2_ranks_all_families_modes_and_placements():
+    chunks_of = {"contiguous": 1, "shuffled": 3}
     cases = [
-        (family, 8, mode, kind) for family in FAMILIES for mode in ("dedup", "per_expert") for kind in ("contiguous", "shuffled")
+        (family, 8, mode, kind, chunks_of[kind])
+        for family in FAMILIES
+        for mode in ("dedup", "per_expert")
+        for kind in ("contiguous", "shuffled")
     ]
     _run(2, 8, cases)
 
 
 def test_exact_on_4_ranks_with_uneven_expert_counts():
     """E=6 on 4 ranks: two ranks hold 2 experts, two hold 1."""
-    cases = [(family, 6, "dedup", "shuffled") for family in FAMILIES] + [(family, 6, "per_expert", "contiguous") for family in FAMILIES]
+    cases = [(family, 6, "dedup", "shuffled", 2) for family in FAMILIES]
+    cases += [(family, 6, "per_expert", "contiguous", None) for family in FAMILIES]
     _run(4, 6, cases)
 
 
