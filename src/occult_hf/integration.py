@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .collectives import GradNormCarrier
 from .config import OccultConfig
 from .ddp_ignore import RankLocalStateNames
 from .dispatch import ExpertParallelGroup
@@ -118,8 +119,9 @@ def apply_occult(model: nn.Module, occult_config: OccultConfig | dict | str | No
 
     pruners = _build_pruners(config, adapter, blocks, placement, ep, adapter.top_k(model.config))
     state = _OccultState(occult_config=config, ep=ep, block_paths=[path for _, path, _ in blocks])
+    grad_norm = GradNormCarrier(ep.group) if ep.is_distributed else None  # one all-reduce per backward
     for (layer, path, block), pruner in zip(blocks, pruners):
-        _set_submodule(model, path, OccultMoE(block, adapter, layer, placement, config, ep, pruner))
+        _set_submodule(model, path, OccultMoE(block, adapter, layer, placement, config, ep, pruner, grad_norm))
 
     if ep.is_distributed:
         state.save_group = _new_save_group(ep)

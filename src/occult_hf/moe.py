@@ -22,9 +22,9 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from .collectives import GradNormCarrier
 from .config import OccultConfig
 from .dispatch import DispatchPlan, ExpertParallelGroup, TokenDispatcher, TokenRouting, build_dispatcher
 from .experts import LocalExperts
@@ -51,6 +51,7 @@ class OccultMoE(nn.Module):
         occult_config: OccultConfig,
         ep: ExpertParallelGroup,
         pruner: Callable | None = None,
+        grad_norm: GradNormCarrier | None = None,
     ) -> None:
         super().__init__()
         if placement.num_devices != ep.num_devices:
@@ -120,7 +121,9 @@ class OccultMoE(nn.Module):
             self.ep_grad_norm_carrier = nn.Parameter(
                 torch.zeros(1, dtype=torch.float32, device=device), requires_grad=self.experts.gate_up_proj.requires_grad
             )
-            self._carrier_update_queued = False
+            # one all-reduce per backward for all layers that share `grad_norm` (a model's layers do)
+            self._grad_norm = grad_norm if grad_norm is not None else GradNormCarrier(ep.group)
+            self._grad_norm.register(self)
         self._release_unshared_expert_storage()
 
     # ----- forward ----------------------------------------------------------------------
@@ -155,32 +158,8 @@ class OccultMoE(nn.Module):
         shared_TH = self.adapter.shared_output(block, x_TH)
         out_TH = routed_TH if shared_TH is None else routed_TH + shared_TH
         if self.ep.is_distributed and torch.is_grad_enabled() and self.ep_grad_norm_carrier.requires_grad:
-            out_TH = _OnBackward.apply(out_TH, self._queue_carrier_update)
+            out_TH = _OnBackward.apply(out_TH, self._grad_norm.queue)
         return out_TH.reshape(shape)
-
-    # ----- the global gradient norm under EP ---------------------------------------------
-    def _queue_carrier_update(self) -> None:
-        """Called in every rank's backward through this layer: update the carrier once the backward ends."""
-        if not self._carrier_update_queued:
-            self._carrier_update_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._update_carrier)
-
-    @torch.no_grad()
-    def _update_carrier(self) -> None:
-        """Set `ep_grad_norm_carrier.grad` to the 2-norm of the other ranks' expert gradients of this layer.
-
-        `clip_grad_norm_` over one rank's parameters then sums the squares of the (identical) replicated
-        gradients, this rank's expert gradients and the carrier: the global norm, the same on every rank.
-        """
-        self._carrier_update_queued = False
-        carrier = self.ep_grad_norm_carrier
-        local_sq = torch.zeros((), dtype=torch.float32, device=carrier.device)
-        for param in self.experts.parameters():  # the expert weights and any PEFT adapters on them
-            if param.grad is not None:
-                local_sq += param.grad.float().square().sum()
-        total_sq = local_sq.clone()
-        dist.all_reduce(total_sq, group=self.ep.group)
-        carrier.grad = (total_sq - local_sq).clamp_min(0).sqrt().reshape(1).to(carrier.dtype)
 
     def runtime_state_names(self) -> list[str]:
         """Names (relative to this module) of the runtime's own per-rank buffers and parameters, which

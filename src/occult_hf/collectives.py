@@ -1,0 +1,98 @@
+"""The collectives of expert parallelism outside the token exchange (which lives in `occult_hf.dispatch`).
+
+- `gather_rows`: THE gather of per-rank blocks of unequal length (the experts of a layer for a save
+  or `unapply_occult`, the experts' PEFT adapter factors): padded to the largest block, one
+  `all_gather` (every rank gets every block) or one `gather` to group rank 0, trimmed again.
+- `GradNormCarrier`: the global gradient norm under EP with one all-reduce per backward for all
+  layers (not one per layer). Each `OccultMoE` owns a one-element `ep_grad_norm_carrier` parameter;
+  at the end of every backward its gradient is set to the 2-norm of the OTHER ranks' expert
+  gradients of that layer, so that `clip_grad_norm_` over one rank's parameters (replicated
+  gradients, which DDP made identical, this rank's experts, and the carriers) sees the global norm,
+  the same on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def gather_rows(
+    local: torch.Tensor, dim: int, lengths: Sequence[int], group, to_all: bool, what: str = "a gather"
+) -> list[torch.Tensor] | None:
+    """Every rank's block of `local`, whose length along `dim` is `lengths[rank]` on group rank `rank`.
+
+    Returns the blocks in group-rank order (each trimmed to its length), on every rank with
+    `to_all=True`, else on group rank 0 only (None elsewhere). Collective: every rank of `group` must
+    call it with the same `lengths`, `dim` and `to_all`. Errors name `what` and the rule that callers
+    must follow.
+    """
+    capacity = max(lengths)
+    shape = list(local.shape)
+    shape[dim] = capacity
+    padded = local.new_zeros(shape)
+    padded.narrow(dim, 0, local.shape[dim]).copy_(local)
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    parts = [torch.empty_like(padded) for _ in range(size)] if to_all or rank == 0 else None
+    try:
+        if to_all:
+            dist.all_gather(parts, padded, group=group)
+        else:
+            dist.gather(padded, parts, dst=dist.get_global_rank(group, 0), group=group)
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"occult_hf: {what} over the EP ranks failed ({error}); it is collective: call it on every rank of the "
+            f"expert-parallel group"
+        ) from error
+    if parts is None:
+        return None
+    return [part.narrow(dim, 0, length) for part, length in zip(parts, lengths)]
+
+
+class GradNormCarrier:
+    """Sets the `ep_grad_norm_carrier` gradients of a model's EP layers with one all-reduce per backward.
+
+    Layers `register()` at construction and call `queue()` when the gradient passes through them in
+    backward; the first call of a backward queues `update()` on the autograd engine, which runs once
+    the backward has finished: the squared norms of every registered layer's local expert gradients
+    go into one vector, one `all_reduce` sums it over the group, and each carrier gets
+    `sqrt(total - local)` of its layer.
+    """
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self.layers: list[nn.Module] = []
+        self._queued = False
+
+    def register(self, layer: nn.Module) -> None:
+        self.layers.append(layer)
+
+    def queue(self) -> None:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.update)
+
+    @torch.no_grad()
+    def update(self) -> None:
+        self._queued = False
+        if not self.layers:
+            return
+        device = self.layers[0].ep_grad_norm_carrier.device
+        local_sq = torch.zeros(len(self.layers), dtype=torch.float32, device=device)
+        for index, layer in enumerate(self.layers):
+            for param in layer.experts.parameters():  # the expert weights and any PEFT adapters on them
+                if param.grad is not None:
+                    local_sq[index] += param.grad.float().square().sum().to(device)
+        total_sq = local_sq.clone()
+        dist.all_reduce(total_sq, group=self.group)  # one per backward, all layers
+        other = (total_sq - local_sq).clamp_min(0).sqrt()
+        for index, layer in enumerate(self.layers):
+            carrier = layer.ep_grad_norm_carrier
+            if carrier.requires_grad:
+                carrier.grad = other[index].reshape(1).to(carrier.dtype)
+
+
+__all__ = ["GradNormCarrier", "gather_rows"]
