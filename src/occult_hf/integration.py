@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import GradNormCarrier
+from .collectives import GradNormCarrier, gather_rows
 from .config import OccultConfig
 from .ddp_ignore import RankLocalStateNames
 from .dispatch import ExpertParallelGroup
@@ -420,31 +420,22 @@ def _gather_full_experts(module: OccultMoE, state: _OccultState, to_all: bool):
     if not state.ep.is_distributed:
         return experts.gate_up_proj.detach(), experts.down_proj.detach()
     placement, layer = state.placement, module.layer_idx
-    capacity = max(placement.capacities(layer))
     gathered = []
     for weight_L in (experts.gate_up_proj, experts.down_proj):
-        padded = torch.zeros((capacity, *weight_L.shape[1:]), dtype=weight_L.dtype)
-        padded[: weight_L.shape[0]] = weight_L.detach().cpu()
-        parts = [torch.empty_like(padded) for _ in range(state.ep.num_devices)]
         try:
-            if to_all:
-                dist.all_gather(parts, padded, group=state.save_group)
-            else:
-                dst = dist.get_global_rank(state.save_group, 0)
-                dist.gather(padded, parts if state.ep.rank == 0 else None, dst=dst, group=state.save_group)
+            parts = gather_rows(weight_L.detach().cpu(), 0, placement.capacities(layer), state.save_group, to_all)
         except RuntimeError as error:
             raise RuntimeError(
                 f"occult_hf: gathering the experts of layer {layer} from the EP ranks failed ({error}). Under expert "
                 f"parallelism save_pretrained/unapply_occult are collective: call them on every rank; with HF Trainer "
                 f"(which saves on rank 0 only) add occult_hf.OccultCheckpointCallback() to the Trainer's callbacks"
             ) from error
-        if not to_all and state.ep.rank != 0:
+        if parts is None:  # gathered to EP rank 0
             gathered.append(None)
             continue
         full = torch.empty((placement.num_experts, *weight_L.shape[1:]), dtype=weight_L.dtype)
-        for device in range(state.ep.num_devices):
-            ids = placement.experts_on(layer, device)
-            full[ids] = parts[device][: len(ids)]
+        for device, part in enumerate(parts):
+            full[placement.experts_on(layer, device)] = part
         gathered.append(full)
     if gathered[0] is None:
         return None

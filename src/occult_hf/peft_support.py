@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .collectives import gather_rows
 from .ddp_ignore import enable_grad_norm_carriers, rank_local_names
 from .moe import OccultMoE
 
@@ -177,12 +178,8 @@ def gathered_adapter_state_dict(peft_model: nn.Module) -> dict[str, torch.Tensor
         ids = [(module.device_of_E == device).nonzero().flatten() for device in range(num_devices)]
         dim, _ = _FACTOR_LAYOUT[factor]
         rank = param.shape[dim] // len(expert_ids)
-        capacity = max(len(i) for i in ids)
-        padded = param.detach().new_zeros(param.shape[:dim] + (capacity * rank,) + param.shape[dim + 1 :])
-        padded.narrow(dim, 0, param.shape[dim]).copy_(param.detach())
-        parts = [torch.empty_like(padded) for _ in range(num_devices)]
-        dist.all_gather(parts, padded, group=group)
-        parts = [part.narrow(dim, 0, len(i) * rank) for part, i in zip(parts, ids)]
+        lengths = [len(i) * rank for i in ids]
+        parts = gather_rows(param.detach(), dim, lengths, group, to_all=True, what=f"gathering the expert adapter {name}")
         state_dict[name] = _place_experts(factor, parts, ids, num_experts)
     return state_dict
 

@@ -107,8 +107,10 @@ class AllToAllDispatcher(TokenDispatcher):
         inputs = []
         for chunk in chunks:  # the gathers stay in autograd: their backward is the scatter-add of the row gradients
             inputs += [x_TH[chunk.start + chunk.order.token_S], chunk.order.weight_SW]
-        params = [p for p in _parameters_of(experts) if p.requires_grad] if torch.is_grad_enabled() else []
-        pipeline = _Pipeline(self, chunks, row_format, experts, track=torch.is_grad_enabled())
+        grad = torch.is_grad_enabled()
+        params = [p for p in _parameters_of(experts) if p.requires_grad] if grad else []
+        track = grad and (bool(params) or any(t.requires_grad for t in inputs))
+        pipeline = _Pipeline(self, chunks, row_format, experts, track=track)
         outs_SH = _PipelineFunction.apply(pipeline, len(inputs), *inputs, *params)
         out_TH = torch.zeros(num_tokens, x_TH.shape[1], dtype=torch.float32, device=x_TH.device)
         for chunk, out_SH in zip(chunks, outs_SH):
