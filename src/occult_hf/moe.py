@@ -26,7 +26,14 @@ from torch import nn
 
 from .collectives import GradNormCarrier
 from .config import OccultConfig
-from .dispatch import DispatchPlan, ExpertParallelGroup, TokenDispatcher, TokenRouting, build_dispatcher
+from .dispatch import (
+    DispatchPlan,
+    ExpertParallelGroup,
+    TokenDispatcher,
+    TokenRouting,
+    build_dispatcher,
+    dispatcher_class,
+)
 from .experts import LocalExperts
 from .placement import Placement
 
@@ -100,18 +107,18 @@ class OccultMoE(nn.Module):
             grad_scale=1.0 / ep.num_devices if ep.is_distributed else 1.0,
         )
         device = gate_up_E2IH.device
-        self.dispatcher: TokenDispatcher = build_dispatcher(
-            occult_config.dispatcher,
-            ep,
-            device_of_E,
-            local_index_E,
-            self.experts.num_local_experts,
+        self._dispatcher_settings = dict(
+            name=occult_config.dispatcher,
+            ep=ep,
+            device_of_E=device_of_E,
+            local_index_E=local_index_E,
+            num_local_experts=self.experts.num_local_experts,
             mode=self.dispatch_mode,
             chunks=occult_config.dispatch_chunks,
             timeout_s=occult_config.exchange_timeout_s,
             layer=f"layer {self.layer_idx}",
-            device=device,
         )
+        self.dispatcher: TokenDispatcher = build_dispatcher(**self._dispatcher_settings, device=device)
         self.register_buffer("device_of_E", torch.tensor(device_of_E, dtype=torch.int64, device=device), persistent=False)
         self.register_buffer("local_index_E", torch.tensor(local_index_E, dtype=torch.int64, device=device), persistent=False)
         for name in ("rows_sent", "pairs_sent", "bytes_sent"):
@@ -125,6 +132,16 @@ class OccultMoE(nn.Module):
             self._grad_norm = grad_norm if grad_norm is not None else GradNormCarrier(ep.group)
             self._grad_norm.register(self)
         self._release_unshared_expert_storage()
+
+    def _apply(self, fn, recurse=True):
+        """`.to()`/`.cuda()`: with `dispatcher="auto"`, choose again for the new device (a model is often
+        built on the CPU and moved to its GPU afterwards, where a device-specific implementation may serve)."""
+        module = super()._apply(fn, recurse)
+        if self._dispatcher_settings["name"] == "auto":
+            device = self.device_of_E.device
+            if not isinstance(self.dispatcher, dispatcher_class("auto", self.ep, device)):
+                self.dispatcher = build_dispatcher(**self._dispatcher_settings, device=device)
+        return module
 
     # ----- forward ----------------------------------------------------------------------
     @property

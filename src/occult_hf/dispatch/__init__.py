@@ -10,7 +10,8 @@
   collective per direction and chunk, chunks overlapping the experts, bounded waits
   (`OccultConfig.exchange_timeout_s` / `$OCCULT_EXCHANGE_TIMEOUT_S`).
 
-`OccultConfig.dispatcher` names the implementation ("auto": the supported one of highest priority).
+`OccultConfig.dispatcher` names the implementation ("auto": the supported one of highest priority,
+chosen when `OccultMoE` is built and again when it moves to another device, e.g. `.cuda()`).
 A new implementation (e.g. a symmetric-memory one) is a module here whose class is decorated with
 `register_dispatcher` and imported below; "auto" prefers it where its `supports(ep, device)` is true
 and its `priority` is higher.

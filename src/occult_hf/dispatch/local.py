@@ -32,7 +32,7 @@ class LocalDispatcher(TokenDispatcher):
         segments, pick_N = local_pairs(local_Tk, self.num_local_experts, self.mode)
         pair_weight_N = weights_Tk.reshape(-1)[pick_N]
         # "dedup": the tokens are the rows; "per_expert": row t*k + j is token t's copy for its slot j
-        x_RH = x_TH if self.mode == "dedup" else x_TH.repeat_interleave(top_k, dim=0)
+        x_RH = x_TH if self.mode == "dedup" else x_TH[:, None].expand(-1, top_k, -1).reshape(-1, x_TH.shape[1])
         row_format = dispatch_format(x_TH.shape[1], x_TH.dtype, routing_width(self.mode, top_k), weights_Tk.dtype)
         plan = DispatchPlan(
             mode=self.mode,
