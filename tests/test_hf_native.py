@@ -61,3 +61,114 @@ def test_from_pretrained_with_an_occult_config_object_and_info_logging(tmp_path,
     assert AutoConfig.from_pretrained(tmp_path / "again").occult_config["prune"] == "router"
     with torch.no_grad():
         assert torch.isfinite(model(tiny_batch()).logits).all()
+
+
+# ----- Trainer under expert parallelism: checkpoints in any callback order, resume ---------------------
+RESUME_STEPS, SAVE_STEPS = 4, 2
+
+
+def _trainer_args(output_dir: str):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=output_dir, per_device_train_batch_size=2, max_steps=RESUME_STEPS, learning_rate=0.01,
+        lr_scheduler_type="linear", warmup_steps=1, logging_steps=1, save_strategy="steps", save_steps=SAVE_STEPS,
+        report_to="none", use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0,
+    )  # fmt: skip  (AdamW and a linear schedule: resuming must restore both)
+
+
+def _ep_model(world_size: int):
+    from occult_hf import OccultConfig, Placement, apply_occult
+
+    layers = {0: [1, 0, 0, 1, 1, 0, 1, 0], 1: [0, 1, 1, 0, 0, 1, 0, 1]}  # not contiguous: slots != expert ids
+    placement = Placement(8, world_size, layers)
+    return apply_occult(tiny_model("olmoe", seed=11, output_router_logits=False), OccultConfig(placement=placement))
+
+
+def _losses(trainer) -> dict[int, float]:
+    return {log["step"]: log["loss"] for log in trainer.state.log_history if "loss" in log}
+
+
+def _resume_world(rank, world_size, root):
+    """Run 1: OccultCallback put first with `attach` (it used to skip the expert snapshot, so rank 0's save
+    waited for a gather no rank joined), 4 steps, checkpoint at step 2. Run 2: no callback, resumed from
+    that checkpoint. Returns run 2's losses and weights against run 1's."""
+    import os
+
+    from transformers import Trainer
+
+    from occult_hf import OccultCallback
+
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT="29517",
+    )  # fmt: skip
+    data = [{"input_ids": row, "labels": row} for row in tiny_batch(batch=2 * world_size * RESUME_STEPS, seq=16, seed=5)]
+    full_model = _ep_model(world_size)
+    callback = OccultCallback()
+    trainer = Trainer(model=full_model, args=_trainer_args(f"{root}/full"), train_dataset=data, callbacks=[callback])
+    callback.attach(trainer)
+    trainer.train()
+    resumed_model = _ep_model(world_size)
+    resumed = Trainer(model=resumed_model, args=_trainer_args(f"{root}/resumed"), train_dataset=data)
+    resumed.train(resume_from_checkpoint=f"{root}/full/checkpoint-{SAVE_STEPS}")
+    full_weights = dict(full_model.named_parameters())
+    weight_errors = {  # (the grad-norm carriers' values are never read: only their gradients are)
+        name: float((param.detach() - full_weights[name].detach()).abs().max())
+        for name, param in resumed_model.named_parameters() if not name.endswith("ep_grad_norm_carrier")
+    }
+    return {"full": _losses(trainer), "resumed": _losses(resumed), "weight_errors": weight_errors}
+
+
+@pytest.mark.world_size(2)
+def test_trainer_checkpoints_with_attach_and_resume_equals_uninterrupted_run(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from distributed import run_world
+
+    reports = run_world(_resume_world, 2, str(tmp_path), env={"OCCULT_SAVE_TIMEOUT_S": "30"}, timeout_s=400)
+    for rank, report in enumerate(reports):
+        full, resumed = report["full"], report["resumed"]
+        assert sorted(full) == sorted(resumed) == list(range(1, RESUME_STEPS + 1)), (rank, report)  # 1-2 restored
+        for step in (3, 4):
+            assert resumed[step] == pytest.approx(full[step], rel=1e-6), (rank, step, full, resumed)
+        worst = max(report["weight_errors"].items(), key=lambda item: item[1])
+        assert worst[1] <= 1e-6, (rank, worst)
+    # the checkpoints are vanilla: plain transformers loads all 8 experts of every layer
+    for directory in (tmp_path / "full" / f"checkpoint-{SAVE_STEPS}", tmp_path / "resumed" / f"checkpoint-{RESUME_STEPS}"):
+        model = AutoModelForCausalLM.from_pretrained(directory, occult_config=None)
+        assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 8
+
+
+# ----- the fine-tune entry point (HfArgumentParser, datasets, launcher checks) ---------------------------
+
+
+def test_finetune_entry_point_parses_trainer_flags_and_checks_data_and_launch(tmp_path, monkeypatch):
+    import datasets
+    from transformers import AutoConfig
+
+    from occult_hf.finetune import main as finetune
+    from tiny_models import save_tiny_tokenizer, tiny_checkpoint, tiny_sentences
+
+    model_dir = save_tiny_tokenizer(tiny_checkpoint("olmoe", tmp_path / "model", seed=4, output_router_logits=False))
+    datasets.Dataset.from_dict({"body": tiny_sentences(40, seed=1)}).to_parquet(tmp_path / "train.parquet")
+    common = ["--model_name_or_path", str(model_dir), "--train_file", str(tmp_path / "train.parquet"),
+              "--text_column", "body", "--seq_len", "16", "--per_device_train_batch_size", "2", "--use_cpu",
+              "--report_to", "none", "--disable_tqdm", "true", "--max_steps", "2", "--save_steps", "1",
+              "--learning-rate", "1e-3", "--check_every", "0"]  # fmt: skip
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match="num_devices=2 but this launch runs 1 process.*--logical_devices"):
+        finetune([*common, "--output_dir", str(tmp_path / "x"), "--num_devices", "2"])
+    with pytest.raises(ValueError, match=r"holds \d+ tokens, shorter than one sequence of --seq_len 100000"):
+        finetune([*common, "--output_dir", str(tmp_path / "x"), "--num_devices", "2", "--logical_devices", "--seq_len", "100000"])
+    out = tmp_path / "out"
+    assert finetune([*common, "--output_dir", str(out), "--num_devices", "2", "--logical_devices",
+                     "--max_devices_per_token", "1"]) == 0  # fmt: skip
+    saved = AutoConfig.from_pretrained(out).occult_config
+    assert saved["num_devices"] == 2 and saved["prune"] == "router" and saved["max_devices_per_token"] == 1
+    assert (out / "checkpoint-2" / "occult_rank0-of-1.pt").is_file() and (out / "tokenizer.json").is_file()
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a launcher started 2 processes, but no process group exists
+    with pytest.raises(RuntimeError, match="WORLD_SIZE=2: .*torch.distributed is not initialised"):
+        from occult_hf import OccultConfig, apply_occult
+
+        apply_occult(tiny_model("olmoe"), OccultConfig(num_devices=2))

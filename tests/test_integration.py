@@ -304,14 +304,14 @@ def _check_rank0_only_save_fails_clearly(rank, world_size, directory):
     from occult_hf.integration import apply_occult, snapshot_experts
 
     model = apply_occult(tiny_model("olmoe", seed=9), OccultConfig())
-    snapshot_experts(model)  # what OccultCheckpointCallback does on every rank
+    snapshot_experts(model)  # what the Trainer save hook (trainer_ep) does on every rank
     if rank == 0:
         model.save_pretrained(Path(directory) / "from_snapshot")  # rank 0 alone: the snapshot is current
     dist.barrier()
     assert (Path(directory) / "from_snapshot" / "config.json").is_file()
     train_one_step(model, tiny_batch(seed=rank))  # the snapshot is stale now
     if rank == 0:
-        with pytest.raises(RuntimeError, match="collective: call them on every rank.*OccultCheckpointCallback"):
+        with pytest.raises(RuntimeError, match="collective: call them on every rank.*hooks Trainer.save_model"):
             model.save_pretrained(Path(directory) / "stale")
     dist.barrier()
 

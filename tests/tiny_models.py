@@ -248,6 +248,36 @@ def tiny_batch(vocab_size: int = 128, batch: int = 2, seq: int = 16, seed: int =
     return torch.randint(3, vocab_size, (batch, seq), generator=generator)
 
 
+TOKENIZER_WORDS = (
+    "the a one two three red blue green fox dog cat river tree sky sun moon star day night runs jumps "
+    "swims flies eats sees over under big small quick slow house road city town king queen bird fish is was"
+).split()
+
+
+def save_tiny_tokenizer(directory, vocab_size: int = 128) -> Path:
+    """Save a word-level fast tokenizer over exactly `vocab_size` ids into `directory` (pad/bos/eos = 0/1/2
+    as in the tiny configs; `TOKENIZER_WORDS` are real words, the rest fillers) and return it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = ["<pad>", "<bos>", "<eos>", "<unk>", ".", ",", *TOKENIZER_WORDS]
+    tokens += [f"w{i}" for i in range(vocab_size - len(tokens))]
+    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
+    ).save_pretrained(directory)
+    return Path(directory)
+
+
+def tiny_sentences(count: int, seed: int = 0) -> list[str]:
+    """`count` random sentences of 6-24 `TOKENIZER_WORDS`."""
+    import random
+
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(TOKENIZER_WORDS) for _ in range(rng.randint(6, 24))) for _ in range(count)]
+
+
 # ----- the remote-code DeepSeek-MoE stand-in ---------------------------------------------------
 _REMOTE_FILES = ("configuration_deepseek.py", "modeling_deepseek.py")
 

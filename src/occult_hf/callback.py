@@ -20,8 +20,10 @@ What it does, all optional except the logging:
   against a placement re-planned on that recent profile, then starts a new window. At every save it
   writes the recent profile (`occult_recent_profile.safetensors`) and the re-planned placement
   (`occult_placement_replanned.json`) beside the checkpoint.
-- **PEFT under EP**: at every save it rewrites the checkpoint's adapter with the expert adapters of
-  all ranks gathered (`peft_support.save_peft_model`; the Trainer writes rank 0's alone).
+
+Checkpoints under EP (the experts gathered for rank 0's vanilla checkpoint, a PEFT model's expert
+adapters gathered, per-rank optimizer state for `resume_from_checkpoint`) need no callback: importing
+occult_hf hooks the Trainer's save and resume themselves (`occult_hf.trainer_ep`).
 
 Shape legend: T tokens, k experts per token, E routed experts, D devices.
 """
@@ -129,8 +131,8 @@ class _DispatchMeter:
 class OccultCallback(OccultCheckpointCallback):
     """Logging, `N_d` schedule, MoE-only training and drift watch for a model with `OccultMoE` blocks.
 
-    It also does what `OccultCheckpointCallback` does (snapshot the experts on every rank before the
-    Trainer's rank-0 save under EP), so one callback serves a pruning-aware fine-tuning run.
+    Checkpoints need no callback (see `occult_hf.trainer_ep`); it still extends
+    `OccultCheckpointCallback` so that code passing it where that class is expected keeps working.
 
     Args:
         target_devices_per_token: the final `N_d`; None: the pruners' own value (the model's
@@ -385,14 +387,9 @@ class OccultCallback(OccultCheckpointCallback):
     def on_save(self, args, state, control, **kwargs):
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-        from .peft_support import has_distributed_expert_adapters, save_peft_model
-
         if self._model is None:
             return
         checkpoint_dir = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        if has_distributed_expert_adapters(self._model):
-            # the Trainer saved rank 0's own expert adapters; every rank joins to write all experts'
-            save_peft_model(self._model, checkpoint_dir)
         if self.recent_profile is None:
             self._pending_logs.update(self._drift_check())
         if self.recent_profile is None or not state.is_world_process_zero:

@@ -23,9 +23,9 @@ norm of the other ranks' expert gradients of that layer. With it, any per-rank
 rank applies the same clipping factor.
 
 Saving under EP is collective: `save_pretrained` gathers the experts to EP rank 0, which writes. HF
-Trainer calls `save_pretrained` on rank 0 only; add `OccultCheckpointCallback` to the Trainer: it
-gathers a snapshot of the experts on all ranks whenever the Trainer is about to save (and at the end
-of training), and rank 0's `save_pretrained` writes from that snapshot while it is current. A save
+Trainer calls `save_pretrained` on rank 0 only; `occult_hf.trainer_ep` (installed with `install()`)
+hooks the Trainer's `save_model`, which every rank runs, to gather a snapshot of the experts first,
+and rank 0's `save_pretrained` writes from that snapshot while it is current. A save
 that needs a gather the other ranks never join fails after `OCCULT_SAVE_TIMEOUT_S` seconds (default
 300) with an error that says so, instead of hanging.
 """
@@ -49,6 +49,7 @@ from .collectives import GradNormCarrier, gather_rows
 from .config import OccultConfig
 from .ddp_ignore import RankLocalStateNames
 from .dispatch import ExpertParallelGroup
+from .launch import check_process_group_started
 from .moe import OccultMoE
 from .patches import adapter_for
 from .placement import Placement
@@ -97,6 +98,8 @@ def apply_occult(model: nn.Module, occult_config: OccultConfig | dict | str | No
     Under EP every rank must call this (it creates a process group for saving) with the same config.
     """
     config = OccultConfig.coerce(OccultConfig() if occult_config is None else occult_config)
+    if group is None:
+        check_process_group_started()  # torchrun/accelerate started several processes: each must be a rank
     if getattr(model, _STATE_ATTR, None) is not None:
         raise ValueError(f"{type(model).__name__} already has occult_hf applied; call unapply_occult(model) first")
     adapter = adapter_for(model)
@@ -253,12 +256,18 @@ def install() -> None:
 
     _wrap_classmethod(PreTrainedModel, "from_pretrained", from_pretrained)
     _wrap_classmethod(PreTrainedConfig, "from_dict", from_dict)
+    from .trainer_ep import install_trainer_hooks  # Trainer checkpoints and resume under EP
+
+    install_trainer_hooks()
 
 
 def uninstall() -> None:
     """Undo `install()` (no-op when not installed)."""
     from transformers import PreTrainedConfig, PreTrainedModel
 
+    from .trainer_ep import uninstall_trainer_hooks
+
+    uninstall_trainer_hooks()
     for owner, name in ((PreTrainedModel, "from_pretrained"), (PreTrainedConfig, "from_dict")):
         original = getattr(owner.__dict__[name].__func__, "__occult_original__", None)
         if original is not None:
@@ -332,7 +341,7 @@ def _save_pretrained(model, save_directory, *args, **kwargs):
     """`save_pretrained` of a replaced model: a vanilla checkpoint plus `occult_placement.json`.
 
     Under EP every rank must call it unless `snapshot_experts(model)` ran since the last weight
-    update (what `OccultCheckpointCallback` does for HF Trainer); EP rank 0 writes.
+    update (what the Trainer hook in `trainer_ep` does); EP rank 0 writes.
     """
     state = _state(model)
     if kwargs.get("state_dict") is not None:
@@ -428,7 +437,7 @@ def _gather_full_experts(module: OccultMoE, state: _OccultState, to_all: bool):
             raise RuntimeError(
                 f"occult_hf: gathering the experts of layer {layer} from the EP ranks failed ({error}). Under expert "
                 f"parallelism save_pretrained/unapply_occult are collective: call them on every rank; with HF Trainer "
-                f"(which saves on rank 0 only) add occult_hf.OccultCheckpointCallback() to the Trainer's callbacks"
+                f"(which saves on rank 0 only) import occult_hf before building the Trainer: it hooks Trainer.save_model"
             ) from error
         if parts is None:  # gathered to EP rank 0
             gathered.append(None)
@@ -452,35 +461,13 @@ def _trainer_callback_base():
 
 
 class OccultCheckpointCallback(_trainer_callback_base()):
-    """HF Trainer callback for checkpoints under expert parallelism.
+    """Kept for compatibility; checkpoints under expert parallelism no longer need a callback.
 
-    The Trainer saves on rank 0 only, but the experts live on all ranks. This callback runs on every
-    rank at the points where the Trainer decides to save (step and epoch ends with `should_save`,
-    evaluations under `save_strategy="best"`) and at the end of training, and gathers a snapshot of the
-    experts to rank 0, from which rank 0's `save_pretrained` writes the vanilla checkpoint. Outside EP
-    it does nothing.
+    It used to gather the experts for rank 0's save when `control.should_save` was set, which failed
+    when it ran before `DefaultFlowCallback` (`OccultCallback.attach` put it there). Importing
+    occult_hf now hooks the Trainer's save and resume themselves (`occult_hf.trainer_ep`), on every
+    rank, whatever the callbacks and their order.
     """
-
-    def _snapshot(self, model) -> None:
-        # Only the model apply_occult replaced: a PEFT wrapper forwards attribute reads to it, but the
-        # Trainer saves a PEFT model's adapters alone (OccultCallback gathers the expert adapters).
-        if model is not None and _STATE_ATTR in vars(model):
-            snapshot_experts(model)
-
-    def on_step_end(self, args, state, control, model=None, **kwargs):
-        if control.should_save:
-            self._snapshot(model)
-
-    def on_epoch_end(self, args, state, control, model=None, **kwargs):
-        if control.should_save:
-            self._snapshot(model)
-
-    def on_evaluate(self, args, state, control, model=None, **kwargs):
-        if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
-            self._snapshot(model)
-
-    def on_train_end(self, args, state, control, model=None, **kwargs):
-        self._snapshot(model)
 
 
 __all__ = [

@@ -1,0 +1,180 @@
+"""Fine-tune an MoE model with Occult (pruning-aware SFT) through HF `Trainer`: `python -m occult_hf.finetune`.
+
+    python -m occult_hf.finetune --model_name_or_path allenai/OLMoE-1B-7B-0924 --train_file train.jsonl \
+        --output_dir sft_pruned --num_devices 8 --logical_devices --prune router --max_devices_per_token 2 \
+        --max_steps 200 --bf16
+    torchrun --nproc-per-node 8 -m occult_hf.finetune ... --num_devices 8          # expert parallelism
+    accelerate launch --num_processes 2 --cpu -m occult_hf.finetune ... --num_devices 2 --use_cpu
+
+Arguments are parsed by `transformers.HfArgumentParser` into `ModelArguments`, `DataArguments`,
+`OccultArguments` and `TrainingArguments`, so every Trainer flag works (`--learning_rate`,
+`--save_steps`, `--resume_from_checkpoint`, `--report_to`, ...; `--flag_name` and `--flag-name` are
+both accepted), and a JSON file of them may be given instead (`python -m occult_hf.finetune args.json`).
+
+The data (`--train_file`: a .txt/.json/.jsonl/.csv/.parquet file, a `save_to_disk` directory, a local
+dataset directory or a hub dataset; `--dataset_config`, `--text_column`) is read with `datasets`,
+tokenised, joined with EOS and cut into `--seq_len` blocks. Under `torchrun` or `accelerate launch` the
+processes form the EP group (`--num_devices` must equal their number); in one process `--num_devices N`
+> 1 needs `--logical_devices` (N logical devices: pruning plans for N devices, no EP runs), so that a
+launch that quietly started one process is an error rather than a run that looks like EP.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+from .config import PRUNE_MODES
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str = field(metadata={"help": "A checkpoint directory or hub id (from_pretrained)."})
+    dtype: str = field(default="auto", metadata={"help": "Weights dtype: auto, float32, bfloat16, float16."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Allow the checkpoint's own modelling code."})
+
+
+@dataclass
+class DataArguments:
+    train_file: str = field(
+        metadata={
+            "help": "Training text: a local .txt/.json/.jsonl/.csv/.parquet file, a save_to_disk directory, a local "
+            "dataset directory or a hub dataset name (read with datasets)."
+        }
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
+    split: str = field(default="train", metadata={"help": "Dataset split."})
+    text_column: str = field(default="text", metadata={"help": "Column holding the text."})
+    seq_len: int = field(default=1024, metadata={"help": "Tokens per training sequence (documents are packed)."})
+
+
+@dataclass
+class OccultArguments:
+    num_devices: int | None = field(
+        default=None,
+        metadata={"help": "Devices of the EP group: the number of processes (default), or logical devices in one process."},
+    )
+    logical_devices: bool = field(
+        default=False,
+        metadata={"help": "Allow num_devices > 1 in one process (logical devices; no expert parallelism runs)."},
+    )
+    placement: str = field(default="contiguous", metadata={"help": "'contiguous' or an occult_placement.json."})
+    prune: str = field(default="router", metadata={"help": "Collaboration pruning: router, similarity or none."})
+    max_devices_per_token: int = field(default=2, metadata={"help": "N_d: the most devices per token when pruning."})
+    profile: str | None = field(default=None, metadata={"help": "Routing profile, needed by --prune similarity."})
+    schedule_fraction: float = field(
+        default=0.25, metadata={"help": "Fraction of max_steps over which N_d eases from no pruning to its target."}
+    )
+    check_every: int = field(default=100, metadata={"help": "Drift watch every this many steps (0: only at saves)."})
+    lora: bool = field(default=False, metadata={"help": "LoRA on attention and the fused experts (else MoE-only full FT)."})
+    lora_rank: int = field(default=16, metadata={"help": "LoRA rank r (lora_alpha = 2 r)."})
+    per_layer_metrics: bool = field(default=False, metadata={"help": "Also log every layer's occult/ metrics."})
+
+    def __post_init__(self) -> None:
+        if self.prune not in (*PRUNE_MODES, "none"):
+            raise ValueError(f"--prune must be one of {(*PRUNE_MODES, 'none')}, got {self.prune!r}")
+        if not 0.0 <= self.schedule_fraction <= 1.0:
+            raise ValueError(f"--schedule_fraction must be in [0, 1], got {self.schedule_fraction}")
+
+
+def parse_arguments(argv: list[str] | None = None):
+    """`(ModelArguments, DataArguments, OccultArguments, TrainingArguments)` from argv or one JSON file."""
+    from transformers import HfArgumentParser, TrainingArguments
+
+    parser = HfArgumentParser((ModelArguments, DataArguments, OccultArguments, TrainingArguments))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        return parser.parse_json_file(argv[0])
+    return parser.parse_args_into_dataclasses(args=argv)
+
+
+def packed_dataset(data, tokenizer, seq_len: int, text_column: str, training_args):
+    """Tokenise, join with EOS, cut into `seq_len` blocks; an error when not one block fits."""
+    if tokenizer.eos_token is None:
+        raise ValueError("the tokenizer has no eos_token to join documents with")
+
+    def tokenize(batch):
+        return tokenizer([text + tokenizer.eos_token for text in batch[text_column]])
+
+    def pack(batch):
+        ids = [token for document in batch["input_ids"] for token in document]
+        return {"input_ids": [ids[s : s + seq_len] for s in range(0, len(ids) - seq_len + 1, seq_len)]}
+
+    with training_args.main_process_first():
+        tokens = data.map(tokenize, batched=True, remove_columns=data.column_names)
+        total = sum(len(ids) for ids in tokens["input_ids"])
+        if total < seq_len:
+            raise ValueError(
+                f"the training data holds {total} tokens, shorter than one sequence of --seq_len {seq_len}; "
+                f"give more text or a smaller --seq_len"
+            )
+        return tokens.map(pack, batched=True, batch_size=None, remove_columns=tokens.column_names)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, Trainer
+
+    from . import OccultCallback, OccultConfig
+    from .launch import check_launch
+    from .text_data import load_text_dataset
+
+    model_args, data_args, occult_args, training_args = parse_arguments(argv)
+    # TrainingArguments (built above) has initialised torch.distributed under torchrun/accelerate
+    num_devices = check_launch(occult_args.num_devices, occult_args.logical_devices)
+    pruned = occult_args.prune != "none"
+    occult_config = OccultConfig(
+        placement=occult_args.placement,
+        num_devices=num_devices,
+        prune=occult_args.prune if pruned else None,
+        max_devices_per_token=occult_args.max_devices_per_token if pruned else None,
+        profile=occult_args.profile,
+    )
+    data = load_text_dataset(
+        data_args.train_file, config=data_args.dataset_config, split=data_args.split, text_column=data_args.text_column
+    )
+    dtype = model_args.dtype if model_args.dtype == "auto" else getattr(torch, model_args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_args.model_name_or_path, dtype=dtype, occult_config=occult_config,
+        trust_remote_code=model_args.trust_remote_code,
+    )  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    train_dataset = packed_dataset(data, tokenizer, data_args.seq_len, data_args.text_column, training_args)
+    if occult_args.lora:
+        from peft import LoraConfig
+
+        from .peft_support import get_peft_model
+
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=occult_args.lora_rank, lora_alpha=2 * occult_args.lora_rank,
+                target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+            ),
+        )  # fmt: skip
+    steps = max(training_args.max_steps, 0)
+    callback = OccultCallback(
+        schedule_steps=int(steps * occult_args.schedule_fraction) if pruned else 0,
+        train_moe_only=not occult_args.lora,
+        check_every=occult_args.check_every,
+        per_layer=occult_args.per_layer_metrics,
+    )
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_dataset,
+        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+        processing_class=tokenizer,
+        callbacks=[callback],
+    )
+    callback.attach(trainer)  # first in line, so that reporting integrations see its numbers
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model()  # every rank: vanilla checkpoint (+ placement, occult_config) or the gathered adapter
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
