@@ -23,6 +23,7 @@ contiguous, chunks chosen from T)}. The one CPU dispatcher under torch.distribut
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -95,8 +96,15 @@ def _check_case(rank, world_size, family, num_experts, mode, placement_kind, chu
     assert all(m.dispatcher.name == "all_to_all" for m in occult_modules(model).values())
     ddp = DistributedDataParallel(model)
     ids = rank_batch(rank).to(device)
-    out = ddp(input_ids=ids, labels=ids)
-    out.loss.backward()
+    with _counting_collectives() as forward_calls:
+        out = ddp(input_ids=ids, labels=ids)
+    with _counting_collectives() as backward_calls:
+        out.loss.backward()
+    # per MoE layer: one count exchange, then one exchange per direction and chunk (rows and their
+    # metadata packed together); backward one per direction and chunk; one grad-norm all-reduce per backward
+    layers, group_chunks = len(occult_modules(model)), chunks or 1
+    assert forward_calls == {"all_to_all_single": layers * (1 + 2 * group_chunks)}, f"{where} {forward_calls}"
+    assert backward_calls == {"all_to_all_single": layers * 2 * group_chunks, "all_reduce": 1}, f"{where} {backward_calls}"
 
     expected = ref["outputs"][rank]
     assert rel_err(out.logits, expected["logits"]) <= TOLERANCE, f"{where} logits"
@@ -145,6 +153,29 @@ def _check_case(rank, world_size, family, num_experts, mode, placement_kind, chu
     norm = math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters() if p.grad is not None))
     assert abs(norm - ref["grad_norm"]) <= TOLERANCE * ref["grad_norm"], f"{where} grad norm {norm} vs {ref['grad_norm']}"
     return compared
+
+
+@contextlib.contextmanager
+def _counting_collectives():
+    """Count the calls of the torch.distributed collectives the runtime uses (DDP's reducer is not among them)."""
+    import torch.distributed as dist
+
+    calls, originals = {}, {name: getattr(dist, name) for name in ("all_to_all_single", "all_reduce", "all_gather")}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in originals:
+        setattr(dist, name, counted(name))
+    try:
+        yield calls
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
 
 
 def _original_expert_parameters(module):

@@ -103,7 +103,8 @@ class AllToAllDispatcher(TokenDispatcher):
         else:
             chunks, counts_D2 = self._plan(routing, self.chunks, self.chunks)
         weights_Tk = routing.topk_weights_Tk
-        row_format = dispatch_format(x_TH.shape[1], x_TH.dtype, routing_width(self.mode, routing.topk_ids_Tk.shape[1]), weights_Tk.dtype)
+        width = routing_width(self.mode, routing.topk_ids_Tk.shape[1])
+        row_format = dispatch_format(x_TH.shape[1], x_TH.dtype, width, weights_Tk.dtype)
         inputs = []
         for chunk in chunks:  # the gathers stay in autograd: their backward is the scatter-add of the row gradients
             inputs += [x_TH[chunk.start + chunk.order.token_S], chunk.order.weight_SW]
@@ -112,9 +113,11 @@ class AllToAllDispatcher(TokenDispatcher):
         track = grad and (bool(params) or any(t.requires_grad for t in inputs))
         pipeline = _Pipeline(self, chunks, row_format, experts, track=track)
         outs_SH = _PipelineFunction.apply(pipeline, len(inputs), *inputs, *params)
-        out_TH = torch.zeros(num_tokens, x_TH.shape[1], dtype=torch.float32, device=x_TH.device)
+        parts = []  # chunks hold disjoint token ranges: sum each chunk's partial outputs (fp32), then concatenate
         for chunk, out_SH in zip(chunks, outs_SH):
-            out_TH = out_TH.index_add(0, chunk.start + chunk.order.token_S, out_SH.float())
+            out_cH = torch.zeros(chunk.end - chunk.start, x_TH.shape[1], dtype=torch.float32, device=x_TH.device)
+            parts.append(out_cH.index_add(0, chunk.order.token_S, out_SH.float()))
+        out_TH = torch.cat(parts) if len(parts) > 1 else parts[0]
         return out_TH.to(x_TH.dtype), self._result_plan(routing, chunks, counts_D2, row_format)
 
     # ----- planning ------------------------------------------------------------------------------
