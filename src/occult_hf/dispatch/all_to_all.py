@@ -17,7 +17,9 @@ Per layer and forward:
    gradients of the rows and of their routing weights; again issued so that chunk c's expert
    backward overlaps the other chunks' exchanges. The experts' parameter gradients accumulate
    through a nested (reentrant) autograd call, as in reentrant activation checkpointing.
-`combine()` sums a token's partial outputs in fp32.
+`combine()` sums a token's partial outputs in fp32. Activation checkpointing (non-reentrant, and
+reentrant) recomputes the layer, exchanges included, on every rank alike; a second backward through
+one forward (`retain_graph=True`) is refused with an error.
 
 **Bounded waits.** Every wait on a peer finishes or fails within the exchange timeout
 (`OccultConfig.exchange_timeout_s`, else the environment variable `OCCULT_EXCHANGE_TIMEOUT_S`, else
@@ -311,6 +313,11 @@ class _Pipeline:
 
     def backward(self, grads_SH: list[torch.Tensor | None]) -> list[torch.Tensor]:
         d = self.dispatcher
+        if len(self.saved) != len(self.chunks):
+            raise RuntimeError(
+                f"{d.layer}: a second backward through the same expert-parallel forward (retain_graph=True) is not "
+                f"supported: the experts' graph of each chunk is released by the first backward"
+            )
         grads = _gradient_format(self.row_format)
         hidden = self.row_format.fields[0][1]
         outgoing = []
