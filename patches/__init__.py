@@ -4,7 +4,7 @@
 their routing rules is in docs/models.md.
 """
 
-from . import deepseek_remote, deepseek_v2, deepseek_v3, olmoe, qwen2_moe, qwen3_moe  # noqa: F401  (registration)
+from . import deepseek, deepseek_v2, deepseek_v3, olmoe, qwen2_moe, qwen3_moe  # noqa: F401  (registration)
 from .base import MoEAdapter, RouterOutput, adapter_for, register_adapter, registered_adapters
 
 __all__ = ["MoEAdapter", "RouterOutput", "adapter_for", "register_adapter", "registered_adapters"]

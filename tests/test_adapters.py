@@ -22,7 +22,7 @@ CASES = {family: (family, {}) for family in FAMILIES}
 CASES.update(
     {
         "deepseek_v2-group_limited": ("deepseek_v2", {"topk_method": "group_limited_greedy"}),
-        "deepseek_remote-norm-token_aux": ("deepseek_remote", {"norm_topk_prob": True, "seq_aux": False}),
+        "deepseek-norm-token_aux": ("deepseek", {"norm_topk_prob": True, "seq_aux": False}),
         "olmoe-norm": ("olmoe", {"norm_topk_prob": True}),
         "qwen2_moe-E6": ("qwen2_moe", {"num_experts": 6, "top_k": 3}),
         "deepseek_v3-E6": ("deepseek_v3", {"num_experts": 6}),
@@ -104,11 +104,8 @@ def test_unsupported_model_names_the_supported_types():
 
 # ----- routing -------------------------------------------------------------------------------
 def _router_call(case, block, x_BSH):
-    """What the block's router module itself returns, as (logits or None, weights, ids)."""
+    """What the block's router module itself returns: (logits, weights, ids)."""
     router = case.adapter.router(block)
-    if case.family == "deepseek_remote":
-        ids_Tk, weights_Tk, _ = router(x_BSH)
-        return None, weights_Tk, ids_Tk
     return router(x_BSH.reshape(-1, x_BSH.shape[-1]))
 
 
@@ -125,12 +122,8 @@ def test_route_runs_the_blocks_own_router(case, training):
             logits_TE, weights_Tk, ids_Tk = _router_call(case, block, x_BSH)
             assert torch.equal(routed.topk_ids_Tk, ids_Tk)
             assert torch.equal(routed.topk_weights_Tk, weights_Tk)
-            if logits_TE is not None:
-                assert torch.equal(routed.logits_TE, logits_TE)
-            else:  # the remote gate does not return logits: they must be the ones its softmax ranked
-                probs_TE = routed.logits_TE.softmax(-1)
-                assert torch.equal(probs_TE.topk(ids_Tk.shape[-1]).indices.sort(-1).values, ids_Tk.sort(-1).values)
-            has_aux = case.family == "deepseek_remote" and training
+            assert torch.equal(routed.logits_TE, logits_TE)
+            has_aux = case.family == "deepseek" and training
             assert (routed.aux_loss is not None) == has_aux
     finally:
         case.model.eval()
@@ -206,7 +199,7 @@ def _reference_select(case, block, logits_TE, allowed_TE):
         chosen = sorted(allowed, key=lambda e: -float(choice[e]))[:top_k]  # noqa: B023
         weights = {e: float(score[e]) for e in chosen}
         normalise = router.norm_topk_prob if case.family != "deepseek_v2" else False
-        if case.family == "deepseek_remote":
+        if case.family == "deepseek":
             normalise = normalise and top_k > 1
         if normalise:
             total = sum(weights.values())
@@ -292,8 +285,6 @@ def test_block_output_and_gradients_rebuilt_from_the_adapter(case, training):
             actual = _rebuild_block_output(case.adapter, block, x_ours)
             actual_grads = torch.autograd.grad((actual * probe_BSH).sum(), [x_ours, *block.parameters()], allow_unused=True)
             assert rel_err(actual, expected) <= 1e-5
-            if case.family == "deepseek_remote" and not training:
-                continue  # the published eval path (`moe_infer`) runs under no_grad: no gradient to compare
             names = ["input", *(name for name, _ in block.named_parameters())]
             for name, got, want in zip(names, actual_grads, expected_grads):
                 if want is None:
@@ -315,28 +306,12 @@ def test_expert_state_dict_is_the_blocks_own_layout(case):
             assert torch.equal(value, own[key]), key
 
 
-# ----- the remote-code DeepSeek-MoE stand-in -------------------------------------------------
-def test_remote_stand_in_loads_like_the_published_repo(tmp_path):
-    from tiny_models import tiny_checkpoint
-
-    model = tiny_model("deepseek_remote", seed=5)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
-        tiny_checkpoint("deepseek_remote", tmp_path / "ckpt", seed=5), trust_remote_code=True
-    )
-    assert type(reloaded).__name__ == "DeepseekForCausalLM" and reloaded.config.model_type == "deepseek"
-    input_ids = tiny_batch()
-    eval_logits = model(input_ids=input_ids).logits
-    # same weights; loaded (memory-mapped) tensors may take another BLAS path, hence not bit equality
-    assert rel_err(reloaded(input_ids=input_ids).logits, eval_logits) <= 1e-6
-    train_logits = model.train()(input_ids=input_ids).logits  # repeat_interleave path, same function
-    assert rel_err(train_logits, eval_logits) <= 1e-5
-
-
+# ----- DeepSeek-MoE's balance loss ------------------------------------------------------------
 @pytest.mark.parametrize("seq_aux", [True, False], ids=["sequence", "token"])
-def test_remote_balance_loss_is_the_published_formula(seq_aux):
+def test_deepseek_balance_loss_is_the_published_formula(seq_aux):
     """alpha * sum_i f_i * P_i with f_i = E/(k*T) * (times expert i was chosen), P_i = mean score,
     per sequence and averaged over sequences when seq_aux, else over the whole batch."""
-    model = tiny_model("deepseek_remote", seed=2, seq_aux=seq_aux, aux_loss_alpha=0.03).train()
+    model = tiny_model("deepseek", seed=2, seq_aux=seq_aux, aux_loss_alpha=0.03).train()
     adapter = adapter_for(model)
     _, _, block = next(adapter.iter_moe_blocks(model))
     x_BSH = torch.randn(3, 10, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
@@ -353,8 +328,8 @@ def test_remote_balance_loss_is_the_published_formula(seq_aux):
     assert float(routed.aux_loss.detach()) == pytest.approx(float(sum(losses) / len(losses)), rel=1e-5)
 
 
-def test_remote_route_takes_flat_tokens_as_one_sequence():
-    case = _CACHE.get("deepseek_remote") or Case("deepseek_remote", {})
+def test_deepseek_route_takes_flat_tokens_as_one_sequence():
+    case = _CACHE.get("deepseek") or Case("deepseek", {})
     block, x_BSH = next(case.each_block())
     flat = case.adapter.route(block, x_BSH.reshape(-1, x_BSH.shape[-1]))
     shaped = case.adapter.route(block, x_BSH)

@@ -142,8 +142,6 @@ def local_task_manager(assets) -> TaskManager:
 
 def model_args(assets, family: str, **occult) -> dict:
     args = {"pretrained": str(assets["models"][family]), "device": "cpu", "dtype": "float32"}
-    if family == "deepseek_remote":
-        args["trust_remote_code"] = True
     return args | occult
 
 

@@ -18,7 +18,7 @@ def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def _run(model, input_ids):
-    model.train()  # the remote DeepSeek-MoE's eval path defines no gradients
+    model.train()  # DeepSeek-MoE trains its balance loss only in training mode
     out = model(input_ids=input_ids, labels=input_ids)
     out.loss.backward()
     router_grads = [p.grad for n, p in model.named_parameters() if n.endswith("gate.weight")]

@@ -58,7 +58,7 @@ def shuffled_placement(family: str, num_experts: int, num_devices: int):
 def load(directory, **kwargs):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, **kwargs).float().eval()
+    return AutoModelForCausalLM.from_pretrained(directory, **kwargs).float().eval()
 
 
 def train_one_step(model, ids, lr=0.05):
@@ -104,9 +104,9 @@ def test_from_pretrained_accepts_occult_config(tmp_path, form):
     assert not is_replaced(vanilla)
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_remote"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek"])
 def test_save_reload_round_trip_one_process(tmp_path, family):
-    """Fused experts with a checkpoint conversion mapping (Qwen2-MoE), and the remote ModuleList experts."""
+    """Fused experts with transformers' checkpoint conversion (Qwen2-MoE) and with occult_hf's own (DeepSeek-MoE)."""
     from occult_hf import OccultConfig, Placement
     from occult_hf.integration import apply_occult, occult_config_of, uninstall
 
@@ -144,7 +144,7 @@ def _checkpoint_shapes(directory: Path) -> dict[str, tuple]:
     return shapes
 
 
-@pytest.mark.parametrize("family", ["olmoe", "deepseek_remote"])
+@pytest.mark.parametrize("family", ["olmoe", "deepseek"])
 def test_unapply_returns_the_trained_original_blocks(family):
     from occult_hf import OccultConfig
     from occult_hf.integration import apply_occult, unapply_occult
@@ -332,7 +332,7 @@ def _ep_world(rank, world_size, references, directory):
     install()
     _check_errors(rank, world_size)
     _check_generate(rank, world_size, references)
-    for family in ("qwen2_moe", "deepseek_remote"):
+    for family in ("qwen2_moe", "deepseek"):
         _check_save_round_trip(rank, world_size, directory, family)
     _check_rank0_only_save_fails_clearly(rank, world_size, directory)
 

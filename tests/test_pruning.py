@@ -192,18 +192,9 @@ def _forward_backward(model, input_ids):
     if expert_grads:
         return out.logits.detach(), out.loss.detach(), grads, expert_grads
     for layer, _, block in adapter.iter_moe_blocks(model):
-        experts = adapter.experts_module(block)
-        if hasattr(experts, "gate_up_proj"):  # transformers 5 fused experts
-            expert_grads[layer] = (experts.gate_up_proj.grad, experts.down_proj.grad)
-        else:  # the remote DeepSeek-MoE's expert list: gate rows first, as the fused layout
-            gate_up = [torch.cat([_grad(e.gate_proj.weight), _grad(e.up_proj.weight)]) for e in experts]
-            expert_grads[layer] = (torch.stack(gate_up), torch.stack([_grad(e.down_proj.weight) for e in experts]))
+        experts = adapter.experts_module(block)  # every family: transformers 5 fused experts
+        expert_grads[layer] = (experts.gate_up_proj.grad, experts.down_proj.grad)
     return out.logits.detach(), out.loss.detach(), grads, expert_grads
-
-
-def _grad(param: torch.Tensor) -> torch.Tensor:
-    """An expert that no token reached has no gradient: zero, as in the fused layout."""
-    return param.grad if param.grad is not None else torch.zeros_like(param)
 
 
 def assert_close(actual, expected, what):

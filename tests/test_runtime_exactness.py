@@ -8,8 +8,7 @@ the gradients of each rank's loss (what DDP training on the ranks' batches means
 single-process training on the concatenated batch gives when the loss is the mean of the ranks'
 losses). Checked per rank, relative error <= 1e-5 in fp32: logits, loss, aux loss, the gradient of
 every replicated parameter, the gradient of every local expert (mapped to the vanilla checkpoint
-entries through the family adapter, so the ModuleList experts of the remote DeepSeek-MoE are
-compared entry by entry), and the global gradient norm that `clip_grad_norm_` sees on each rank.
+entries through the family adapter), and the global gradient norm that `clip_grad_norm_` sees on each rank.
 The parent checks that the ranks together covered every parameter of the reference.
 
 Also per case: each rank holds only its own experts (the original block's expert storage is

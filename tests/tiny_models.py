@@ -1,49 +1,42 @@
 """Tiny randomly initialised models of every supported family, for tests.
 
-Every family is a real transformers `*ForCausalLM` (the remote-code DeepSeek-MoE is our faithful
-stand-in in `tests/remote_deepseek/`, loaded through `trust_remote_code` like the published one),
-small enough that forward + backward of a 2x16 batch takes milliseconds.
+Every family is a real transformers `*ForCausalLM` (DeepSeek-MoE, `deepseek`, is occult_hf's native
+class, registered with the Auto classes when occult_hf is imported), small enough that forward +
+backward of a 2x16 batch takes milliseconds.
 
     from tiny_models import FAMILIES, tiny_config, tiny_model
     model = tiny_model("deepseek_v3", seed=1, num_experts=6)   # E=6: a device count of 4 does not divide it
 
 Conventions (same for every family):
 - fp32, returned in `eval()` mode, as `from_pretrained` returns a model; call `.train()` for training
-  tests (only the remote DeepSeek-MoE behaves differently in training: its token-by-expert path and
-  its auxiliary loss).
+  tests (only DeepSeek-MoE behaves differently in training: its auxiliary loss).
 - `num_experts=` and `top_k=` are family-independent overrides, translated to the family's own config
   field names; any other keyword is passed to the config as is (e.g. `topk_method="group_limited_greedy"`
   for DeepSeek-V2, `norm_topk_prob=False`).
 - Routers get decisive random weights (std 1/sqrt(hidden)), so that routing is far from ties and
   does not flip under fp32 reordering; DeepSeek-V3's `e_score_correction_bias` is random and non-zero.
 - Router auxiliary losses are on where the model has one (OLMoE, Qwen2/3-MoE: `output_router_logits=True`
-  and a non-zero `router_aux_loss_coef`; remote DeepSeek-MoE: `aux_loss_alpha` > 0, in training).
+  and a non-zero `router_aux_loss_coef`; DeepSeek-MoE: `aux_loss_alpha` > 0, in training).
 - `generate()` with a padded `attention_mask` on OLMoE/Qwen2/Qwen3 needs `output_router_logits=False`
   passed to `generate`: transformers (5.17 and 5.24) computes the load-balancing loss at every
   decoding step and fails on the mask's shape when router logits are on.
 - Attention is transformers' default, so `save_pretrained` -> `from_pretrained` gives identical logits.
 - DeepSeek-V2/V3 use 2 of `n_group` expert groups (`topk_group=2`), `n_group` = 4 for E=8 (3 for
   E=6, else 2) unless given, so group-limited routing really limits.
-- Dense layers: Qwen2-MoE layer 1 is dense (`mlp_only_layers=[1]`); DeepSeek-V2/V3 and the remote
+- Dense layers: Qwen2-MoE layer 1 is dense (`mlp_only_layers=[1]`); DeepSeek-V2/V3 and
   DeepSeek-MoE have a dense first layer (`first_k_dense_replace=1`). `MOE_LAYERS[family]` lists the
   decoder layers that hold MoE blocks in the default config.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 import transformers
 
-FAMILIES = ("olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "deepseek_remote")
-
-REMOTE_CODE_DIR = Path(__file__).resolve().parent / "remote_deepseek"
+FAMILIES = ("olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "deepseek")
 
 _COMMON = dict(
     vocab_size=128,
@@ -73,7 +66,7 @@ _DEEPSEEK_HF_COMMON = dict(
     topk_group=2,  # n_group: see _expert_groups
 )
 
-# family -> (config class name or None for the remote model, default fields)
+# family -> default config fields
 _DEFAULTS: dict[str, dict] = {
     "olmoe": dict(
         _COMMON,
@@ -124,7 +117,8 @@ _DEFAULTS: dict[str, dict] = {
         norm_topk_prob=True,
         routed_scaling_factor=2.5,
     ),
-    "deepseek_remote": dict(
+    # the published deepseek-moe-16b config.json's fields, tiny
+    "deepseek": dict(
         _COMMON,
         num_hidden_layers=3,
         num_key_value_heads=4,
@@ -138,6 +132,7 @@ _DEFAULTS: dict[str, dict] = {
         scoring_func="softmax",
         aux_loss_alpha=0.01,
         seq_aux=True,
+        rope_theta=10000.0,
     ),
 }
 
@@ -147,7 +142,7 @@ _CONFIG_CLASS = {
     "qwen3_moe": "Qwen3MoeConfig",
     "deepseek_v2": "DeepseekV2Config",
     "deepseek_v3": "DeepseekV3Config",
-}
+}  # DeepSeek-MoE ("deepseek") through AutoConfig: its class is occult_hf's
 
 # the family's config field names for the family-independent overrides
 _FIELD_NAMES = {
@@ -156,7 +151,7 @@ _FIELD_NAMES = {
     "qwen3_moe": {"num_experts": "num_experts", "top_k": "num_experts_per_tok"},
     "deepseek_v2": {"num_experts": "n_routed_experts", "top_k": "num_experts_per_tok"},
     "deepseek_v3": {"num_experts": "n_routed_experts", "top_k": "num_experts_per_tok"},
-    "deepseek_remote": {"num_experts": "n_routed_experts", "top_k": "num_experts_per_tok"},
+    "deepseek": {"num_experts": "n_routed_experts", "top_k": "num_experts_per_tok"},
 }
 
 MOE_LAYERS = {
@@ -165,7 +160,7 @@ MOE_LAYERS = {
     "qwen3_moe": (0, 1),
     "deepseek_v2": (1, 2),
     "deepseek_v3": (1, 2),
-    "deepseek_remote": (1, 2),
+    "deepseek": (1, 2),
 }
 
 
@@ -198,9 +193,10 @@ def tiny_config(family: str, **overrides):
     """The tiny config of `family` (a transformers `PretrainedConfig`), with `overrides` applied."""
     _check_family(family)
     fields = _config_fields(family, overrides)
-    if family == "deepseek_remote":
-        # through AutoConfig so the config carries `auto_map`, as a config of the published model does
-        return transformers.AutoConfig.from_pretrained(remote_model_dir(), trust_remote_code=True, **fields)
+    if family == "deepseek":
+        import occult_hf  # noqa: F401  (registers model_type "deepseek")
+
+        return transformers.AutoConfig.for_model("deepseek", **fields)
     return getattr(transformers, _CONFIG_CLASS[family])(**fields)
 
 
@@ -212,20 +208,13 @@ def tiny_model(family: str, seed: int = 0, **overrides):
     config = tiny_config(family, **overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        if family == "deepseek_remote":
-            model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=True)
-        else:
-            model = transformers.AutoModelForCausalLM.from_config(config)
+        model = transformers.AutoModelForCausalLM.from_config(config)
         _decisive_routers(model, config.hidden_size)
     return model.float().eval()
 
 
 def tiny_checkpoint(family: str, directory, seed: int = 0, **overrides) -> Path:
-    """Save `tiny_model(family, seed, **overrides)` with `save_pretrained` into `directory` and return it.
-
-    For the remote DeepSeek-MoE the directory also gets the two code files and `auto_map`, like the
-    published repo, so `AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)` loads it.
-    """
+    """Save `tiny_model(family, seed, **overrides)` with `save_pretrained` into `directory` and return it."""
     directory = Path(directory)
     tiny_model(family, seed=seed, **overrides).save_pretrained(directory)
     return directory
@@ -278,43 +267,4 @@ def tiny_sentences(count: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(TOKENIZER_WORDS) for _ in range(rng.randint(6, 24))) for _ in range(count)]
 
 
-# ----- the remote-code DeepSeek-MoE stand-in ---------------------------------------------------
-_REMOTE_FILES = ("configuration_deepseek.py", "modeling_deepseek.py")
-
-
-def remote_model_dir() -> Path:
-    """A directory laid out like the published deepseek-moe-16b repo without its weights (the two code
-    files + config.json with `auto_map`): `AutoConfig.from_pretrained(dir, trust_remote_code=True)` and
-    `AutoModelForCausalLM.from_config` work offline. For a directory with weights use `tiny_checkpoint`.
-
-    It lives in the system temp directory under a name that hashes the stand-in's code, so every
-    process (and spawned EP rank) shares one copy and transformers' module cache does not grow.
-    """
-    sources = {name: (REMOTE_CODE_DIR / name).read_bytes() for name in _REMOTE_FILES}
-    config = dict(_DEFAULTS["deepseek_remote"])
-    config.update(
-        model_type="deepseek",
-        architectures=["DeepseekForCausalLM"],
-        auto_map={
-            "AutoConfig": "configuration_deepseek.DeepseekConfig",
-            "AutoModel": "modeling_deepseek.DeepseekModel",
-            "AutoModelForCausalLM": "modeling_deepseek.DeepseekForCausalLM",
-        },
-        torch_dtype="float32",
-    )
-    config_json = json.dumps(config, indent=2, sort_keys=True).encode()
-    digest = hashlib.sha256(b"".join(sources.values()) + config_json).hexdigest()[:12]
-    target = Path(tempfile.gettempdir()) / f"occult_remote_deepseek_{digest}"
-    if not target.is_dir():
-        staging = Path(tempfile.mkdtemp(prefix="occult_remote_deepseek_staging_"))
-        for name, data in sources.items():
-            (staging / name).write_bytes(data)
-        (staging / "config.json").write_bytes(config_json)
-        try:
-            staging.rename(target)
-        except OSError:  # another process created it first
-            shutil.rmtree(staging, ignore_errors=True)
-    return target
-
-
-__all__ = ["FAMILIES", "MOE_LAYERS", "tiny_config", "tiny_model", "tiny_batch", "tiny_checkpoint", "remote_model_dir"]
+__all__ = ["FAMILIES", "MOE_LAYERS", "tiny_config", "tiny_model", "tiny_batch", "tiny_checkpoint"]

@@ -2,7 +2,8 @@
 
 Importing the package lets `AutoModelForCausalLM.from_pretrained(..., occult_config=...)` replace a
 model's MoE blocks (see `integration.install`, the one wrapper this package puts on transformers;
-`occult_hf.uninstall()` removes it).
+`occult_hf.uninstall()` removes it). It also registers the native model classes of `occult_hf.models`
+(DeepSeek-MoE, `model_type "deepseek"`) with transformers' Auto classes.
 """
 
 from .callback import OccultCallback
@@ -18,6 +19,7 @@ from .integration import (
     uninstall,
     unapply_occult,
 )
+from .models import register_models
 from .moe import OccultMoE
 from .placement import Placement, available_planners, plan_placement
 from .profile import LayerRouting, RoutingProfile
@@ -26,6 +28,7 @@ from .profile_collect import ProfileCollector
 __version__ = "0.1.0"
 
 install()
+register_models()
 
 __all__ = [
     "LayerRouting",
