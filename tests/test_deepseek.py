@@ -100,9 +100,13 @@ def test_published_style_config_loads_without_remote_code(tmp_path):
         rope_scaling=None,
     )
     (directory / "config.json").write_text(json.dumps(config))
+    for name in ("configuration_deepseek.py", "modeling_deepseek.py"):  # remote code that cannot import
+        (directory / name).write_text('raise ImportError("transformers 5 cannot import the published code")\n')
 
     model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()  # no trust_remote_code
     assert type(model) is DeepseekMoeForCausalLM
+    trusting = transformers.AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True)
+    assert type(trusting) is DeepseekMoeForCausalLM, "the registered native class must win over auto_map"
     assert model.config.rope_parameters["rope_theta"] == 10000
     ids = tiny_batch()
     assert rel_err(model(input_ids=ids).logits, reference(input_ids=ids).logits) <= 1e-6
