@@ -33,7 +33,7 @@ class RouterOutput:
         topk_weights_Tk: `[T, k]` routing weights as the model applies them (after its normalisation
             and scaling).
         topk_ids_Tk: `[T, k]` int64 expert ids.
-        aux_loss: the block-level auxiliary loss some families (remote-code DeepSeek-MoE) attach to
+        aux_loss: the block-level auxiliary loss some families (DeepSeek-MoE) attach to
             their output in training, else None.
     """
 
@@ -84,8 +84,8 @@ class MoEAdapter:
     def route(self, block: nn.Module, x_TH: torch.Tensor) -> RouterOutput:
         """Run the block's own router module on `[T, H]` tokens (or the block's `[B, S, H]` input).
 
-        Pass the block input's own shape where the router needs the sequence structure (the remote
-        DeepSeek-MoE's sequence-level auxiliary loss); `RouterOutput` tensors are always `[T, ...]`.
+        Pass the block input's own shape where the router needs the sequence structure (DeepSeek-MoE's
+        sequence-level auxiliary loss); `RouterOutput` tensors are always `[T, ...]`.
         """
         raise NotImplementedError
 

@@ -43,8 +43,8 @@ by *effective logits*: for every pruned token the logits of experts outside its 
 replacement carries the logit of the expert it replaced (the kept score), so their top-k is exactly
 the dispatched set. The expert-frequency term therefore counts dispatched experts and the
 probability term is the router's distribution restricted to the token's devices; unpruned tokens
-keep their raw logits. The remote-code DeepSeek-MoE computes its auxiliary loss inside its own gate,
-before pruning: there it sees the unpruned top-k.
+keep their raw logits. DeepSeek-MoE computes its balance loss from its own router's choice (the
+adapter's `route`), before pruning: there it sees the unpruned top-k.
 
 **Statistics.** Under `no_grad` and without host synchronisation each pruner accumulates the
 fraction of routing weight that lay on experts outside the token's devices (what pruning removes or

@@ -38,7 +38,7 @@ def register(subparsers) -> None:
     group.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens")
     group.add_argument("--device", default="cpu", help="torch device for the model (default: cpu)")
     group.add_argument("--dtype", default="auto", help="torch dtype for the model weights (default: auto)")
-    group.add_argument("--trust-remote-code", action="store_true", help="allow remote-code models (DeepSeek-MoE)")
+    group.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own modelling code (not needed for DeepSeek-MoE: occult_hf has it natively)")
     trace = parser.add_argument_group("trace options")
     trace.add_argument("--trace-key", action="append", help="id array(s) to read (default: topk_ids or *_experts)")
     trace.add_argument("--layer", type=int, default=None, help="decoder-layer index of a single-layer trace (default 0)")
