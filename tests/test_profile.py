@@ -304,7 +304,10 @@ def test_collection_counts_real_tokens_only_in_every_family(family_model):
         assert_counts_consistent(routing, top_k)
         np.testing.assert_array_equal(routing.coactivation, expected.coactivation)
         np.testing.assert_array_equal(routing.expert_counts, expected.expert_counts)
-        np.testing.assert_allclose(routing.logit_gram, expected.logit_gram, rtol=1e-4)
+        # padded and unpadded forwards round differently in fp32: entries near zero (sums that
+        # cancel) need an absolute tolerance on the matrix's own scale
+        scale = np.abs(expected.logit_gram).max()
+        np.testing.assert_allclose(routing.logit_gram, expected.logit_gram, rtol=1e-4, atol=1e-6 * scale)
         assert routing.topk_sample.shape == (20, top_k)
         # every sampled set is one of the real tokens' sets
         real_sets = {tuple(sorted(row)) for row in expected.topk_sample.tolist()}
