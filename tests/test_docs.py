@@ -46,6 +46,7 @@ HUB_STAND_INS = {
     "Qwen/Qwen3-30B-A3B": "qwen3_moe",
     "deepseek-ai/DeepSeek-V2-Lite": "deepseek_v2",
     "deepseek-ai/DeepSeek-V3": "deepseek_v3",
+    "deepseek-ai/deepseek-moe-16b-base": "deepseek",
 }
 
 
