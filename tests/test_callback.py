@@ -97,7 +97,7 @@ def test_trainer_run_with_schedule_drift_and_moe_only_training(tmp_path):
     )
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     moe_names = {f"{path}.{name}" for path, m in model.named_modules() if isinstance(m, OccultMoE) for name, _ in m.named_parameters()}
-    callback = OccultCallback(schedule_steps=6, train_moe_only=True, check_every=3)
+    callback = OccultCallback(schedule_steps=6, train_moe_only=True, check_every=3, per_layer=True)
     args = TrainingArguments(
         output_dir=str(tmp_path),
         max_steps=12,
@@ -129,6 +129,7 @@ def test_trainer_run_with_schedule_drift_and_moe_only_training(tmp_path):
         assert entry["occult/ct"] <= entry["occult/max_devices_per_token"] + 1e-9, entry
         for layer in (0, 1):
             assert entry[f"occult/ct/layer_{layer}"] <= entry["occult/max_devices_per_token"] + 1e-9
+        assert entry["occult/ct/max"] == max(entry[f"occult/ct/layer_{layer}"] for layer in (0, 1))
         assert entry["occult/load_balance"] >= 1.0
         assert 0.0 <= entry["occult/remote_copies"] < entry["occult/ct"]
     assert logs[0]["occult/ct"] > 2.0 and logs[0]["occult/removed_weight"] == 0.0

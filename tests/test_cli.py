@@ -29,7 +29,7 @@ def test_trace_to_profile_to_placement_to_report(tmp_path, capsys):
     assert (profile.num_experts, profile.top_k, profile.model_type) == (60, 4, "qwen2_moe")
     assert "tokens per layer 4384" in capsys.readouterr().out
 
-    assert main(["place", str(profile_path), "--devices", "8", "--method", "occult", "--out", str(placement_path)]) == 0
+    assert main(["place", str(profile_path), "--num-devices", "8", "--method", "occult", "--out", str(placement_path)]) == 0
     placement = Placement.load(placement_path)
     assert placement.num_devices == 8 and placement.meta["method"] == "occult"
     assert sorted(placement.capacities(0)) == [7, 7, 7, 7, 8, 8, 8, 8]  # E=60 on 8 devices
@@ -37,7 +37,7 @@ def test_trace_to_profile_to_placement_to_report(tmp_path, capsys):
     assert " mean  contiguous " in printed and " mean  occult " in printed
 
     plots = tmp_path / "plots"
-    assert main(["report", str(profile_path), str(placement_path), "--devices", "8", "--methods", "contiguous,refined",
+    assert main(["report", str(profile_path), str(placement_path), "--num-devices", "8", "--methods", "contiguous,refined",
                  "--option", "max_load_ratio=1.2", "--plots", str(plots)]) == 0
     printed = capsys.readouterr().out
     rows = {line.split()[1]: line.split() for line in printed.splitlines() if line.startswith("    0  ")}
@@ -52,7 +52,7 @@ def test_pair_count_profile_reports_cut_without_ct(tmp_path, capsys):
     profile_path = tmp_path / "olmoe.safetensors"
     main(["profile", "--from-trace", str(OLMOE_PAIRS), "--out", str(profile_path)])
     assert "pair counts only" in capsys.readouterr().out
-    main(["report", str(profile_path), "--devices", "4", "--methods", "contiguous,occult", "--no-plots"])
+    main(["report", str(profile_path), "--num-devices", "4", "--methods", "contiguous,occult", "--no-plots"])
     printed = capsys.readouterr().out
     layer_rows = [line.split() for line in printed.splitlines() if line.split()[:1] == ["15"]]
     assert [row[1] for row in layer_rows] == ["contiguous", "occult"]
@@ -148,11 +148,11 @@ def test_profile_reads_local_files_and_dataset_configs_through_datasets(tmp_path
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["report", "PROFILE"], "give placement files, or --devices D"),
+        (["report", "PROFILE"], "give placement files, or --num-devices D"),
         (["report"], "run `occult demo`"),
         (["profile", "some/model", "--from-trace", "TRACE", "--out", "x"], "give MODEL or --from-trace, not both"),
         (["profile", "--text", "docs.txt", "--out", "x"], "MODEL is required with --text or --dataset"),
-        (["place", "PROFILE", "--devices", "2", "--option", "max_load_ratio"], "--option expects NAME=VALUE"),
+        (["place", "PROFILE", "--num-devices", "2", "--option", "max_load_ratio"], "--option expects NAME=VALUE"),
     ],
 )
 def test_command_line_errors_say_what_to_do(argv, message, tmp_path):
@@ -167,7 +167,7 @@ def test_unknown_planner_option_is_named(tmp_path):
     path = tmp_path / "p.safetensors"
     RoutingProfile.from_trace(QWEN_TRACE).save(path)
     with pytest.raises(SystemExit, match=r"no method in \['contiguous'\] has option\(s\) \['seed'\]"):
-        main(["report", str(path), "--devices", "4", "--methods", "contiguous", "--option", "seed=1"])
+        main(["report", str(path), "--num-devices", "4", "--methods", "contiguous", "--option", "seed=1"])
 
 
 def test_demo_main_job_runs_end_to_end(tmp_path, capsys):

@@ -2,7 +2,8 @@
 
 Each document runs in its own temporary workspace, its blocks in order (a later block may use an
 earlier block's files), each block in a fresh process: python blocks with this interpreter, bash
-blocks with `bash -e` where `python` is this interpreter and `occult` is `python -m occult_hf.cli`.
+blocks with `bash -e` where `python` is this interpreter, `occult` is `python -m occult_hf.cli`, and
+`torchrun` / `accelerate` are those of this interpreter (multi-process blocks run on CPU with gloo).
 The workspace holds tiny random models under the hub ids the docs use (`allenai/OLMoE-1B-7B-0924`
 is a directory there, so `from_pretrained` loads it locally), a word-level tokenizer, and small text
 files (`corpus.txt`, `train.txt`, `train.jsonl`, `heldout.txt`); the hub is offline.
@@ -157,7 +158,9 @@ def _environment(tmp_path: Path) -> dict:
 BASH_PRELUDE = """set -eo pipefail
 python() { "$OCCULT_DOC_PYTHON" "$@"; }
 occult() { "$OCCULT_DOC_PYTHON" -m occult_hf.cli "$@"; }
-export -f python occult
+torchrun() { "$OCCULT_DOC_PYTHON" -m torch.distributed.run "$@"; }
+accelerate() { "$OCCULT_DOC_PYTHON" -m accelerate.commands.accelerate_cli "$@"; }
+export -f python occult torchrun accelerate
 """
 
 

@@ -470,24 +470,31 @@ def test_expert_parallel_results_equal_one_process(ep_reports, runs):
 # ----- the command lines ----------------------------------------------------------------------------------
 
 
-def test_occult_eval_writes_results_json_and_table(assets, runs, full_task_manager, tmp_path, capsys, monkeypatch):
+def lm_eval_results_file(output_path: Path) -> dict:
+    """The one `<output_path>/<model>/results_<time>.json` that lm-eval's layout puts there."""
+    (written,) = output_path.rglob("results_*.json")
+    return json.loads(written.read_text())
+
+
+def test_occult_eval_writes_lm_eval_layout_and_table(assets, runs, full_task_manager, tmp_path, capsys, monkeypatch):
     def shared_manager(include_path):
         assert include_path == str(assets["tasks"])
         return full_task_manager
 
     monkeypatch.setattr(occult_eval, "make_task_manager", shared_manager)
     out = tmp_path / "run"
-    argv = ["eval", str(assets["models"]["qwen3_moe"]), "--tasks", "occ_mc,occ_gen", "--include-path", str(assets["tasks"]),
-            "--num-devices", str(NUM_DEVICES), "--device", "cpu", "--dtype", "float32", "--batch-size", str(BATCH_SIZE),
-            "--bootstrap-iters", "0", "--output-dir", str(out)]  # fmt: skip
+    argv = ["eval", str(assets["models"]["qwen3_moe"]), "--tasks", "occ_mc,occ_gen", "--include_path", str(assets["tasks"]),
+            "--num-devices", str(NUM_DEVICES), "--device", "cpu", "--dtype", "float32", "--batch_size", str(BATCH_SIZE),
+            "--bootstrap_iters", "0", "--output_path", str(out), "--log_samples"]  # fmt: skip
     assert occult_main(argv) == 0
-    results = json.loads((out / "results.json").read_text())
+    results = lm_eval_results_file(out)
     acc = runs("hf", "qwen3_moe")["occ_mc"]["metrics"]["acc,none"]
     assert results["results"]["occ_mc"]["acc,none"] == acc
     assert results["config"]["model"] == "occult-hf" and results["config"]["occult_config"]["num_devices"] == NUM_DEVICES
-    table = (out / "results.md").read_text()
-    assert f"| occ_mc | acc | {100 * acc:.2f} |" in table and "| occ_gen | exact_match |" in table
-    assert table in capsys.readouterr().out
+    assert len(list(out.rglob("samples_occ_mc_*.jsonl"))) == 1
+    printed = capsys.readouterr().out
+    assert "|occ_mc |" in printed.replace("  ", " ") or "occ_mc" in printed  # lm-eval's make_table
+    assert f"{acc:.4f}" in printed
 
 
 def test_occult_eval_of_a_directory_occult_hf_saved(assets, runs, local_task_manager, tmp_path, monkeypatch):
@@ -507,10 +514,10 @@ def test_occult_eval_of_a_directory_occult_hf_saved(assets, runs, local_task_man
         shutil.copy(source / name, saved / name)
     monkeypatch.setattr(occult_eval, "make_task_manager", lambda include_path: local_task_manager)
     out = tmp_path / "run"
-    argv = ["eval", str(saved), "--tasks", "occ_mc", "--device", "cpu", "--dtype", "float32", "--bootstrap-iters", "0",
-            "--batch-size", str(BATCH_SIZE), "--output-dir", str(out)]  # fmt: skip
+    argv = ["eval", str(saved), "--tasks", "occ_mc", "--device", "cpu", "--dtype", "float32", "--bootstrap_iters", "0",
+            "--batch_size", str(BATCH_SIZE), "--output_path", str(out)]  # fmt: skip
     assert occult_main(argv) == 0
-    results = json.loads((out / "results.json").read_text())
+    results = lm_eval_results_file(out)
     assert results["results"]["occ_mc"]["acc,none"] == runs("hf", "olmoe")["occ_mc"]["metrics"]["acc,none"]
 
 

@@ -18,6 +18,7 @@ from importlib import resources
 
 import numpy as np
 import torch
+from .devices import add_num_devices_argument
 
 #: embedded text: one document per line, written for occult_hf (Apache-2.0, like the package)
 DEMO_TEXT = "demo_text.npz"
@@ -31,7 +32,7 @@ def register(subparsers) -> None:
         help="the main job: profile a tiny in-process OLMoE, plan placements, print the report (no download)",
         description=__doc__.split("\n\n")[0],
     )
-    parser.add_argument("--devices", type=int, default=8, help="devices D to plan for (default: 8)")
+    add_num_devices_argument(parser, help="devices D to plan for (default: 8)", default=8)
     parser.add_argument("--out", default="occult_demo", help="directory for profiles, placements and plots")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model weights and token samples")
     parser.add_argument("--no-plots", action="store_true", help="print the table only")
@@ -127,7 +128,7 @@ def _run(args: argparse.Namespace) -> int:
         path = os.path.join(args.out, f"profile_{name}.safetensors")
         profile.save(path)
         profiles[name] = RoutingProfile.load(path, model=model)  # the file path users take
-    placements = plan_methods(profiles["plan"], args.devices, available_planners(), {})
+    placements = plan_methods(profiles["plan"], args.num_devices, available_planners(), {})
     for method, placement in placements.items():
         placement.save(os.path.join(args.out, f"placement_{method}.json"))
     tokens = {name: p.layer(min(p.layers)).token_count for name, p in profiles.items()}
@@ -136,7 +137,7 @@ def _run(args: argparse.Namespace) -> int:
         f"{config.num_hidden_layers} MoE layers, hidden {config.hidden_size}) whose router rows were drawn in "
         f"{config.num_experts // 4} groups of 4 (shuffled), fed the bytes of an embedded "
         f"{sum(len(d) for d in documents)}-character snippet through its real routers.\n"
-        f"Placements for D={args.devices} planned on {tokens['plan']} tokens (even lines), measured below on "
+        f"Placements for D={args.num_devices} planned on {tokens['plan']} tokens (even lines), measured below on "
         f"{tokens['held_out']} held-out tokens (odd lines). The routing structure is planted: these numbers show the "
         f"code path, not the savings on a real checkpoint (profile one with `occult profile MODEL --text FILE` or "
         f"import a trace with `occult profile --from-trace`)."

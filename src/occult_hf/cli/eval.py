@@ -1,20 +1,22 @@
 """`occult eval`: run the occult23 suite (or any lm-eval tasks) on an Occult model, or compare two runs.
 
-    occult eval MODEL --placement placement.json --num-devices 8 --output-dir runs/pruned
-    torchrun --nproc-per-node 8 --no-python occult eval MODEL --num-devices 8 --batch-size 8
-    occult eval --compare runs/standard/results.json runs/pruned/results.json --labels standard pruned
+    occult eval MODEL --placement placement.json --num-devices 8 --output_path runs/pruned
+    torchrun --nproc-per-node 8 --no-python occult eval MODEL --num-devices 8 --batch_size 8
+    occult eval --compare runs/standard/MODEL/results_*.json runs/pruned/MODEL/results_*.json --labels standard pruned
 
-A run writes `results.json` (lm-eval's result dict) and `results.md` (the headline table) into
-`--output-dir` and prints the table; under torchrun only rank 0 writes.
+lm-eval's flags keep lm-eval's spellings (`--output_path`, `--batch_size`, `--model_args`,
+`--num_fewshot`, `--bootstrap_iters`, `--include_path`, `--log_samples`, `--trust_remote_code`;
+the older dashed spellings are deprecated aliases), and a run writes lm-eval's output layout:
+`<output_path>/<model name>/results_<time>.json` (and `samples_<task>_<time>.jsonl` with
+`--log_samples`), then prints lm-eval's `make_table`. Under torchrun only rank 0 writes.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 from occult_hf.config import DISPATCH_MODES, PRUNE_MODES
+from .devices import add_num_devices_argument
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -31,23 +33,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     occult = parser.add_argument_group("Occult settings (either --occult-config or the fields)")
     occult.add_argument("--occult-config", help="an OccultConfig JSON file")
     occult.add_argument("--placement", help="'contiguous' or an occult_placement.json")
-    occult.add_argument("--num-devices", type=int, help="devices in the EP group (logical devices in one process)")
+    add_num_devices_argument(occult, help="devices in the EP group (logical devices in one process)")
     occult.add_argument("--prune", choices=PRUNE_MODES, help="collaboration pruning mode")
     occult.add_argument("--max-devices-per-token", type=int, help="N_d for pruning")
     occult.add_argument("--profile", help="routing profile (.safetensors), for similarity pruning")
     occult.add_argument("--dispatch", choices=DISPATCH_MODES, help="EP dispatch mode")
     run = parser.add_argument_group("lm-eval settings")
-    run.add_argument("--batch-size", default="1", help="an integer, or 'auto' in one process (default: 1)")
-    run.add_argument("--device", default=None, help="e.g. cuda, cuda:0, cpu (default: cuda, one GPU per rank under torchrun)")
+    run.add_argument("--batch_size", "--batch-size", dest="batch_size", default="1", help="an integer, or 'auto' in one process (default: 1)")
+    run.add_argument("--device", default="auto", help="auto (CUDA when available, else CPU), cuda, cuda:0 or cpu (default: auto; one GPU per rank under torchrun)")
     run.add_argument("--dtype", default="auto", help="model dtype, e.g. bfloat16 (default: the checkpoint's)")
     run.add_argument("--limit", type=float, default=None, help="documents per task (testing only); < 1 means a fraction")
-    run.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: each task's own)")
-    run.add_argument("--bootstrap-iters", type=int, default=100000, help="bootstrap iterations for stderrs (0: none)")
-    run.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own modelling code")
-    run.add_argument("--include-path", help="a folder of extra lm-eval task YAMLs")
-    run.add_argument("--model-args", default="", help="more occult-hf/hf model_args as k=v,k=v")
-    run.add_argument("--log-samples", action="store_true", help="also write every document's inputs and outputs")
-    run.add_argument("--output-dir", default="occult_eval", help="where results.json and results.md go (default: occult_eval)")
+    run.add_argument("--num_fewshot", "--num-fewshot", dest="num_fewshot", type=int, default=None, help="few-shot examples (default: each task's own)")
+    run.add_argument("--bootstrap_iters", "--bootstrap-iters", dest="bootstrap_iters", type=int, default=100000, help="bootstrap iterations for stderrs (0: none)")
+    run.add_argument("--trust_remote_code", "--trust-remote-code", dest="trust_remote_code", action="store_true", help="allow the checkpoint's own modelling code")
+    run.add_argument("--include_path", "--include-path", dest="include_path", help="a folder of extra lm-eval task YAMLs")
+    run.add_argument("--model_args", "--model-args", dest="model_args", default="", help="more occult-hf/hf model_args as k=v,k=v")
+    run.add_argument("--log_samples", "--log-samples", dest="log_samples", action="store_true", help="also write every document's inputs and outputs")
+    run.add_argument(
+        "--output_path", "--output-dir", dest="output_path", default="occult_eval",
+        help="lm-eval's output folder: results go to OUTPUT_PATH/<model name>/results_<time>.json (default: occult_eval)",
+    )
     parser.set_defaults(func=main)
 
 
@@ -59,7 +64,7 @@ def _batch_size(value: str) -> int | str:
     except ValueError:
         size = 0
     if size < 1:
-        raise SystemExit(f"occult eval: --batch-size must be a positive integer or 'auto', got {value!r}")
+        raise SystemExit(f"occult eval: --batch_size must be a positive integer or 'auto', got {value!r}")
     return size
 
 
@@ -81,41 +86,43 @@ def _model_args(args: argparse.Namespace) -> dict:
     extra = simple_parse_args_string(args.model_args)
     clash = sorted(set(extra) & set(model_args))
     if clash:
-        raise SystemExit(f"occult eval: {clash} given both as options and in --model-args; give each once")
+        raise SystemExit(f"occult eval: {clash} given both as options and in --model_args; give each once")
     return model_args | extra
 
 
 def _evaluate(args: argparse.Namespace) -> int:
     import lm_eval
-    from lm_eval.utils import handle_non_serializable
+    from lm_eval.loggers import EvaluationTracker
+    from lm_eval.utils import make_table
 
-    from occult_hf.eval import make_task_manager, markdown_table, parse_task_list
+    from occult_hf.cli.devices import resolve_device
+    from occult_hf.eval import make_task_manager, parse_task_list
 
+    tracker = EvaluationTracker(output_path=args.output_path)
     results = lm_eval.simple_evaluate(
         model="occult-hf",
         model_args=_model_args(args),
         tasks=parse_task_list(args.tasks),
         batch_size=_batch_size(args.batch_size),
-        device=args.device,
+        device=str(resolve_device(args.device, command="occult eval")),
         limit=args.limit,
         num_fewshot=args.num_fewshot,
         bootstrap_iters=args.bootstrap_iters,
         log_samples=args.log_samples,
         task_manager=make_task_manager(args.include_path),
+        evaluation_tracker=tracker,
     )
     if results is None:  # ranks other than 0 under torchrun
         return 0
-    output_dir = Path(args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
     samples = results.pop("samples", None)
-    for name, payload in (("results.json", results), ("samples.json", samples)):
-        if payload is not None:
-            text = json.dumps(payload, indent=2, default=handle_non_serializable, ensure_ascii=False)
-            (output_dir / name).write_text(text + "\n")
-    table = markdown_table(results)
-    (output_dir / "results.md").write_text(table + "\n")
-    print(table)
-    print(f"\nwrote {output_dir / 'results.json'} and {output_dir / 'results.md'}")
+    tracker.save_results_aggregated(results=results, samples=samples)
+    if args.log_samples and samples:
+        for task_name in results["configs"]:
+            tracker.save_results_samples(task_name=task_name, samples=samples[task_name])
+    print(make_table(results))
+    if "groups" in results:
+        print(make_table(results, "groups"))
+    print(f"wrote {tracker.date_id} results under {args.output_path}")
     return 0
 
 

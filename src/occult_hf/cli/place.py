@@ -6,6 +6,7 @@ import argparse
 import json
 
 from ..placement import PLACEMENT_FILENAME, available_planners
+from .devices import add_num_devices_argument
 
 
 def register(subparsers) -> None:
@@ -16,7 +17,7 @@ def register(subparsers) -> None:
         "occult_placement.json. Prints the plan's CT, remote copies and load balance beside contiguous placement.",
     )
     parser.add_argument("profile", help="routing profile (.safetensors from `occult profile`)")
-    parser.add_argument("--devices", type=int, required=True, help="devices D in the expert-parallel group")
+    add_num_devices_argument(parser, help="devices D in the expert-parallel group (required)")
     parser.add_argument(
         "--method", default="refined", choices=available_planners(), help="placement method (default: refined)"
     )
@@ -55,11 +56,13 @@ def run(args: argparse.Namespace) -> int:
     from ..profile import RoutingProfile
     from ..report import evaluate_placements, format_summary
 
+    if args.num_devices is None:
+        raise SystemExit("occult place: --num-devices D is required (the devices of the expert-parallel group)")
     profile = RoutingProfile.load(args.profile)
-    placement = plan_placement(profile, args.devices, args.method, **parse_options(args.option))
+    placement = plan_placement(profile, args.num_devices, args.method, **parse_options(args.option))
     placement.meta["profile"] = args.profile
     placement.save(args.out)
-    named = {"contiguous": Placement.contiguous(profile.num_experts, args.devices, profile.layers)}
+    named = {"contiguous": Placement.contiguous(profile.num_experts, args.num_devices, profile.layers)}
     named[args.method] = placement
     print(format_summary(evaluate_placements(profile, named)))
     print(f"wrote {args.out}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..profile_collect import DEFAULT_SAMPLE_SIZE
+from .devices import resolve_device
 
 
 def register(subparsers) -> None:
@@ -36,7 +37,7 @@ def register(subparsers) -> None:
     group.add_argument("--batch-size", type=int, default=8)
     group.add_argument("--max-length", type=int, default=512, help="tokens per window; longer documents are split")
     group.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens")
-    group.add_argument("--device", default="cpu", help="torch device for the model (default: cpu)")
+    group.add_argument("--device", default="auto", help="auto (CUDA when available, else CPU), cpu or cuda[:N] (default: auto)")
     group.add_argument("--dtype", default="auto", help="torch dtype for the model weights (default: auto)")
     group.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own modelling code (not needed for DeepSeek-MoE: occult_hf has it natively)")
     trace = parser.add_argument_group("trace options")
@@ -126,7 +127,7 @@ def _load_model(args: argparse.Namespace):
         raise SystemExit(f"occult profile: --dtype {args.dtype!r} is not a torch dtype (e.g. float32, bfloat16)")
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, trust_remote_code=args.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
-    return model.to(args.device), tokenizer
+    return model.to(resolve_device(args.device, "occult profile")), tokenizer
 
 
 def _load_dataset(args: argparse.Namespace):

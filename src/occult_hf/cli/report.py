@@ -8,6 +8,7 @@ import os
 
 from ..placement import available_planners
 from .place import add_option_argument, parse_options
+from .devices import add_num_devices_argument
 
 
 def register(subparsers) -> None:
@@ -16,16 +17,16 @@ def register(subparsers) -> None:
         help="per-layer CT, remote copies and load balance of placements, with PNG plots",
         description="Measure placements on a routing profile: per layer, mean CT and its bound, remote copies, "
         "split co-activation pairs, load balance against its floor and the slowest device. Placements come "
-        "from files, or are planned here with --devices and --methods. (To see everything run end to end "
+        "from files, or are planned here with --num-devices and --methods. (To see everything run end to end "
         "without a model download, try `occult demo`.)",
     )
     parser.add_argument("profile", nargs="?", help="routing profile (.safetensors from `occult profile`)")
     parser.add_argument("placements", nargs="*", help="occult_placement.json files to measure")
-    parser.add_argument("--devices", type=int, default=None, help="plan placements for D devices here")
+    add_num_devices_argument(parser, help="plan placements for D devices here", default=None)
     parser.add_argument(
         "--methods",
         default=",".join(available_planners()),
-        help=f"comma-separated methods to plan with --devices (default: {','.join(available_planners())})",
+        help=f"comma-separated methods to plan with --num-devices (default: {','.join(available_planners())})",
     )
     add_option_argument(parser)
     parser.add_argument("--plots", default="occult_report", help="directory for the PNG plots (default: occult_report)")
@@ -42,12 +43,12 @@ def run(args: argparse.Namespace) -> int:
             "occult report: give a routing PROFILE (make one with `occult profile`); "
             "to see profile, placement and report run end to end on an embedded default, run `occult demo`"
         )
-    if not args.placements and args.devices is None:
-        raise SystemExit("occult report: give placement files, or --devices D to plan placements here")
+    if not args.placements and args.num_devices is None:
+        raise SystemExit("occult report: give placement files, or --num-devices D to plan placements here")
     profile = RoutingProfile.load(args.profile)
     placements = load_placements(args.placements)
-    if args.devices is not None:
-        planned = plan_methods(profile, args.devices, args.methods.split(","), parse_options(args.option))
+    if args.num_devices is not None:
+        planned = plan_methods(profile, args.num_devices, args.methods.split(","), parse_options(args.option))
         for name, placement in planned.items():
             placements[_unique(name, placements)] = placement
     print_report(profile, placements, None if args.no_plots else args.plots, args.heatmap_layer)

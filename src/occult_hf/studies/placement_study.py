@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--routing-dir", default="../shared/data/routing", help="folder of the real routing .npz files")
     parser.add_argument("--out-dir", default="docs", help="where placement_study.png goes")
-    parser.add_argument("--devices", type=int, nargs="+", default=[4, 8], help="expert-parallel group sizes")
+    parser.add_argument("--num-devices", "--devices", dest="devices", type=int, nargs="+", default=[4, 8], help="expert-parallel group sizes (--devices: deprecated alias)")
     parser.add_argument("--no-speed", action="store_true", help="skip the planner speed cases")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     args = parser.parse_args(argv)
