@@ -40,7 +40,7 @@ from occult_hf.config import OccultConfig
 
 from .lockstep import ForwardLockstep
 
-logger = logging.getLogger(__name__)
+logger = transformers.utils.logging.get_logger(__name__)
 
 #: `OccultConfig` fields, each of which may be given in `model_args` instead of `occult_config=PATH`
 OCCULT_FIELDS = tuple(f.name for f in dataclasses.fields(OccultConfig))

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import os
 import types
 from dataclasses import dataclass, field, replace
@@ -44,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers.utils import logging as hf_logging
 
 from .collectives import GradNormCarrier, gather_rows
 from .config import OccultConfig
@@ -54,7 +54,7 @@ from .moe import OccultMoE
 from .patches import adapter_for
 from .placement import Placement
 
-logger = logging.getLogger(__name__)
+logger = hf_logging.get_logger(__name__)
 
 #: environment variable: seconds a collective save waits for the other EP ranks before failing
 SAVE_TIMEOUT_ENV = "OCCULT_SAVE_TIMEOUT_S"
