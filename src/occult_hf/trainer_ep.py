@@ -15,7 +15,8 @@ model without occult_hf applied the wrappers only call the original):
   the Trainer's files, every rank writes `occult_rank{r}-of-{D}.pt` beside them: its rank-local
   expert weights (the vanilla `model.safetensors` holds all experts, but resuming must restore each
   rank's own in its own slots) and its optimizer state (`optimizer.pt` is rank 0's: its expert
-  moments are rank 0's experts').
+  moments are rank 0's experts'). For a PEFT model only the optimizer state: its weights resume
+  from the gathered adapter files (cut to each rank's experts by `peft_support`'s load hooks).
 - `_load_from_checkpoint` and `_load_optimizer_and_scheduler` (every rank, on
   `resume_from_checkpoint`): the model's non-expert weights come from the vanilla checkpoint, the
   experts and the optimizer state from this rank's file; the scheduler is the Trainer's own (it is
@@ -97,11 +98,13 @@ def _save_model(original, trainer, output_dir=None, _internal_call=False):
 def _save_optimizer_and_scheduler(original, trainer, output_dir):
     result = original(trainer, output_dir)
     model = _occult_model(trainer.model)
-    if model is None or model is not trainer.model:  # PEFT models resume through peft's adapter files
+    if model is None:
         return result
     os.makedirs(output_dir, exist_ok=True)
     path = _rank_file(output_dir, model)
-    payload = {"experts": _expert_state(model), "optimizer": trainer.optimizer.state_dict(), "world": _ep_rank_world(model)}
+    # a PEFT model's weights resume from its (gathered) adapter files; its optimizer state is per rank too
+    experts = _expert_state(model) if model is trainer.model else {}
+    payload = {"experts": experts, "optimizer": trainer.optimizer.state_dict(), "world": _ep_rank_world(model)}
     temporary = f"{path}.tmp{os.getpid()}"
     torch.save(payload, temporary)
     os.replace(temporary, path)
@@ -173,7 +176,7 @@ def _runtime_names(model) -> set[str]:
 def _load_optimizer_and_scheduler(original, trainer, checkpoint):
     result = original(trainer, checkpoint)
     model = _occult_model(trainer.model)
-    if checkpoint is None or model is None or model is not trainer.model:
+    if checkpoint is None or model is None:
         return result
     trainer.optimizer.load_state_dict(_read_rank_file(checkpoint, model)["optimizer"])
     return result
