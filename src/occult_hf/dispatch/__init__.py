@@ -17,7 +17,7 @@ A new implementation (e.g. a symmetric-memory one) is a module here whose class 
 and its `priority` is higher.
 """
 
-from . import all_to_all, local  # noqa: F401  (register the implementations)
+from . import all_to_all, local, static  # noqa: F401  (register the implementations)
 from .all_to_all import AllToAllDispatcher, ExchangeError
 from .base import (
     DEFAULT_EXCHANGE_TIMEOUT_S,

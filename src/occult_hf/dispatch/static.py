@@ -1,0 +1,442 @@
+"""Static-capacity dispatchers: no host synchronisation, CUDA-graph capturable ("symm_mem", "padded").
+
+Shape legend: see `occult_hf.dispatch.plan`; in addition `C_S` rows of the send block and `C_R` rows
+of the receive block (static capacities), `B` bytes of one packed row.
+
+`AllToAllDispatcher` learns its split sizes on the host (one read per layer), so it can neither run
+without a host synchronisation nor be captured in a CUDA graph. The dispatchers here size every
+buffer from `T`, `k`, `D` and the mode alone, as DeepEP's low-latency mode does, and keep the
+counts on the device:
+
+- dedup: a device receives at most one row per (token, device) from each rank, so `C_R = D * T`;
+  per_expert: at most `k` rows per token, `C_R = D * T * k`.
+- Rows to send are laid out by destination device on the device (`_send_layout`); a position
+  nobody fills is a *phantom* row: token index `T` (a zero row appended to `x`), every routing slot
+  -1, weight 0.
+- The received rows carry their routing slots; a row that is phantom, or beyond what its peer sent,
+  has no valid slot. The (row, local expert) pairs are all `C_R * W` (row, slot) entries, the invalid
+  ones sorted past the last local expert's segment (`expert_offsets[L]` is the valid count, known
+  only on the device): the Triton expert kernels bound their grids by `N` and skip tiles past
+  `expert_offsets[L]`, and rows served by no pair come out zero.
+- The combine is the reverse exchange with the reverse counts; the per-token sum is an fp32
+  `index_add` into `T + 1` rows (the last, phantom, dropped).
+
+Two transports move the `[C_S, B]` send block:
+
+- **"symm_mem"**: torch's symmetric memory over NVSHMEM, `torch.ops.symm_mem.all_to_all_vdev`: the
+  split sizes stay in device memory and the kernels that move the rows are launched by the device
+  (the receiver pulls exactly what each peer sent). Rows are packed by destination (`C_S = T *
+  min(D, k)` dedup, `T * k` per_expert). Two sets of symmetric buffers per row width alternate, so
+  that a rank never overwrites a send buffer that a peer may still read (the op's own barrier
+  separates uses of one set).
+- **"padded"**: one `all_to_all_single` with equal splits over any `torch.distributed` backend
+  (NCCL, gloo): each destination gets a fixed slot of `C_R / D` rows whether full or not. It sends
+  more bytes than needed at large T, and nothing extra at decode sizes; it needs no NVSHMEM.
+
+Both produce the same function as the other dispatchers (same pairs, same fp32 combine), with
+gradients through a reverse exchange of the same static sizes.
+
+Set-up for "symm_mem" (what a first probe got wrong, "Detected use of TeamManager on multiple
+devices"): each rank binds its GPU with `torch.cuda.set_device(local_rank)` before anything touches
+CUDA or allocates symmetric memory, and the NVSHMEM backend is chosen before the first symmetric
+allocation of the process (`symm_mem.set_backend("NVSHMEM")`, done here on first use). Every rank
+must pass the same number of tokens per forward (the symmetric buffers are sized from it, like
+DeepEP's `num_max_dispatch_tokens_per_rank`); a larger T allocates larger buffers on all ranks.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+from ..kernels.layout import ExpertSegments
+from .base import DispatchPlan, Dispatched, RowFormat, TokenDispatcher, dispatch_format, register_dispatcher
+from .plan import destinations, device_counts
+
+#: symmetric row widths are padded to a multiple of this many bytes, and buffers hold at least
+#: `_MIN_BUFFER_BYTES`: the all-to-all-v kernel launches min(ceil(buffer bytes / 64 KiB), 64) blocks,
+#: splits each peer's bytes evenly over its `blocks / D` blocks and asserts that the division is exact
+#: (torch 2.11), so with 64 blocks every peer's bytes must divide by 64 / D
+_ROW_ALIGN = 64
+_MIN_BUFFER_BYTES = 64 * 64 * 1024
+
+
+def _row_align(num_devices: int) -> int:
+    return math.lcm(_ROW_ALIGN, max(64 // num_devices, 1))
+
+
+@dataclass(frozen=True)
+class StaticPlan(DispatchPlan):
+    """`DispatchPlan` of a static dispatcher: the layout lives on the device.
+
+    Attributes (beyond `DispatchPlan`):
+        token_S: `[C_S]` int64 source token of each send-block row, `T` for a phantom row.
+        send_counts_D: `[D]` int64 rows sent to each device (device memory).
+        recv_counts_D: `[D]` int64 rows received from each device ("symm_mem"), None ("padded").
+    """
+
+    token_S: torch.Tensor | None = None
+    send_counts_D: torch.Tensor | None = None
+    recv_counts_D: torch.Tensor | None = None
+
+
+class StaticDispatcher(TokenDispatcher):
+    """Common plan and autograd of the static dispatchers; subclasses provide the transport."""
+
+    #: "packed": rows to device d start at the exclusive prefix sum of the counts; "padded": at d * C_R / D
+    layout: ClassVar[str] = "packed"
+
+    # ----- capacities ----------------------------------------------------------------------------
+    def per_peer_capacity(self, num_tokens: int, top_k: int) -> int:
+        """Most rows one rank can send to one device."""
+        return num_tokens if self.mode == "dedup" else num_tokens * top_k
+
+    def send_capacity(self, num_tokens: int, top_k: int) -> int:
+        """`C_S`."""
+        if self.layout == "padded":
+            return self.ep.num_devices * self.per_peer_capacity(num_tokens, top_k)
+        if self.mode == "dedup":
+            return num_tokens * min(self.ep.num_devices, top_k)
+        return num_tokens * top_k
+
+    def recv_capacity(self, num_tokens: int, top_k: int) -> int:
+        """`C_R` (every rank must have the same T)."""
+        return self.ep.num_devices * self.per_peer_capacity(num_tokens, top_k)
+
+    # ----- the interface -------------------------------------------------------------------------
+    def dispatch(self, x_TH: torch.Tensor, routing) -> Dispatched:
+        ids_Tk, weights_Tk = routing.topk_ids_Tk, routing.topk_weights_Tk
+        num_tokens, top_k = ids_Tk.shape
+        hidden = x_TH.shape[1]
+        device_of_E, local_index_E = self.placement_on(ids_Tk.device)
+        dest_Tk, local_Tk = destinations(ids_Tk, device_of_E, local_index_E)
+        counts_D2 = device_counts(dest_Tk, self.ep.num_devices, self.mode, [(0, num_tokens)])[0]
+        send_counts_D = counts_D2[:, 0].contiguous()
+
+        token_S, slot_SW, weight_SW = self._send_layout(dest_Tk, local_Tk, weights_Tk, send_counts_D)
+        x_pad_TH = torch.cat([x_TH, x_TH.new_zeros(1, hidden)])  # row T: the phantom rows' source
+        x_SH = x_pad_TH[token_S]
+        width = slot_SW.shape[1]
+        row_format = dispatch_format(hidden, x_TH.dtype, width, weights_Tk.dtype)
+        capacity_R = self.recv_capacity(num_tokens, top_k)
+        x_RH, slot_RW, weight_RW, recv_counts_D = _StaticDispatchExchange.apply(
+            x_SH, weight_SW, slot_SW, self, row_format, send_counts_D, capacity_R
+        )
+        if recv_counts_D is not None:  # rows past what each peer sent are stale buffer contents
+            slot_RW = torch.where(_received_mask(recv_counts_D, capacity_R)[:, None], slot_RW, -1)
+        segments, pick_N = _static_pairs(slot_RW, self.num_local_experts)
+        plan = StaticPlan(
+            mode=self.mode,
+            num_tokens=num_tokens,
+            counts_D2=counts_D2,
+            row_bytes=row_format.row_bytes,
+            ep=self.ep,
+            layer=self.layer,
+            token_S=token_S,
+            send_counts_D=send_counts_D,
+            recv_counts_D=recv_counts_D,
+        )
+        return Dispatched(x_RH=x_RH, segments=segments, pair_weight_N=weight_RW.reshape(-1)[pick_N], plan=plan)
+
+    def combine(self, out_RH: torch.Tensor, plan: StaticPlan) -> torch.Tensor:
+        out_SH = _StaticCombineExchange.apply(out_RH, self, plan.send_counts_D, plan.recv_counts_D, plan.token_S.shape[0])
+        out_TH = torch.zeros(plan.num_tokens + 1, out_RH.shape[1], dtype=torch.float32, device=out_RH.device)
+        return out_TH.index_add(0, plan.token_S, out_SH.float())[: plan.num_tokens].to(out_RH.dtype)
+
+    # ----- the plan on the device ----------------------------------------------------------------
+    def _send_layout(self, dest_Tk, local_Tk, weights_Tk, send_counts_D):
+        """`(token_S, slot_SW, weight_SW)` of the `C_S` send-block rows, sorted by destination then token."""
+        num_tokens, top_k = dest_Tk.shape
+        num_devices = self.ep.num_devices
+        device = dest_Tk.device
+        capacity_S = self.send_capacity(num_tokens, top_k)
+        if self.layout == "padded":
+            base_D = torch.arange(num_devices, device=device) * self.per_peer_capacity(num_tokens, top_k)
+        else:
+            base_D = torch.cumsum(send_counts_D, 0) - send_counts_D
+        dest_pad_Tk = torch.cat([dest_Tk, dest_Tk.new_full((1, top_k), -1)])
+        local_pad_Tk = torch.cat([local_Tk, local_Tk.new_zeros(1, top_k)])
+        weights_pad_Tk = torch.cat([weights_Tk, weights_Tk.new_zeros(1, top_k)])
+        if self.mode == "dedup":
+            hit_TD = torch.zeros(num_tokens, num_devices, dtype=torch.bool, device=device).scatter_(1, dest_Tk, True)
+            rank_TD = torch.cumsum(hit_TD.long(), 0) - 1
+            pos_TD = torch.where(hit_TD, base_D[None, :] + rank_TD, capacity_S)
+            source_TD = torch.arange(num_tokens, device=device)[:, None].expand(num_tokens, num_devices)
+            device_TD = torch.arange(num_devices, device=device)[None, :].expand(num_tokens, num_devices)
+            token_S = _place(pos_TD, source_TD, capacity_S, fill=num_tokens)
+            device_S = _place(pos_TD, device_TD, capacity_S, fill=-2)
+            serves_SW = dest_pad_Tk[token_S] == device_S[:, None]
+            slot_SW = torch.where(serves_SW, local_pad_Tk[token_S], -1)
+            weight_SW = torch.where(serves_SW, weights_pad_Tk[token_S], 0.0)
+        else:
+            dest_M = dest_Tk.reshape(-1)  # M = T * k (token, slot) entries, each one row
+            onehot_MD = torch.nn.functional.one_hot(dest_M, num_devices)
+            rank_M = (torch.cumsum(onehot_MD, 0) * onehot_MD).sum(1) - 1
+            pos_M = base_D[dest_M] + rank_M
+            entry_S = _place(pos_M, torch.arange(dest_M.shape[0], device=device), capacity_S, fill=dest_M.shape[0])
+            token_S = entry_S // top_k
+            valid_S = entry_S < dest_M.shape[0]
+            safe_S = entry_S.clamp(max=dest_M.shape[0] - 1) if dest_M.shape[0] else entry_S
+            slot_SW = torch.where(valid_S, local_Tk.reshape(-1)[safe_S], -1)[:, None]
+            weight_SW = torch.where(valid_S, weights_Tk.reshape(-1)[safe_S], 0.0)[:, None]
+        return token_S, slot_SW.to(torch.int32), weight_SW
+
+    # ----- the transport -------------------------------------------------------------------------
+    def exchange(self, block: torch.Tensor, counts_D: torch.Tensor, out_rows: int):
+        """Move the rows of `[rows, B]` uint8 `block` (`counts_D[d]` rows for device d, laid out as
+        `layout` says); returns `([out_rows, B] received block, [D] received counts or None)`."""
+        raise NotImplementedError
+
+
+def _place(pos, values, capacity: int, fill: int) -> torch.Tensor:
+    """`[capacity]` int64: `values` written at `pos` (entries at `pos == capacity` are dropped), `fill` elsewhere."""
+    out = torch.full((capacity + 1,), fill, dtype=torch.int64, device=pos.device)
+    return out.scatter_(0, pos.reshape(-1), values.reshape(-1).long())[:capacity]
+
+
+def _received_mask(recv_counts_D: torch.Tensor, capacity: int) -> torch.Tensor:
+    """`[C_R]` bool: the rows of a packed receive block that peers filled in this exchange."""
+    return torch.arange(capacity, device=recv_counts_D.device) < recv_counts_D.sum()
+
+
+def _static_pairs(slot_RW: torch.Tensor, num_local_experts: int) -> tuple[ExpertSegments, torch.Tensor]:
+    """`(segments, pick_N)` over all `N = R * W` (row, slot) entries: valid pairs grouped by local expert
+    (rows ascending), invalid ones after `expert_offsets[L]` with row `R` (outside every row's range)."""
+    num_rows, width = slot_RW.shape
+    slot_N = slot_RW.reshape(-1).long()
+    valid_N = slot_N >= 0
+    row_N = torch.arange(slot_N.shape[0], device=slot_RW.device) // max(width, 1)
+    expert_N = torch.where(valid_N, slot_N, num_local_experts)
+    order_N = torch.argsort(expert_N * (num_rows + 1) + row_N, stable=True)
+    counts_L = torch.zeros(num_local_experts + 1, dtype=torch.int64, device=slot_RW.device)
+    counts_L.scatter_add_(0, expert_N, torch.ones_like(expert_N))
+    offsets = torch.zeros(num_local_experts + 1, dtype=torch.int64, device=slot_RW.device)
+    offsets[1:] = torch.cumsum(counts_L[:num_local_experts], 0)
+    pair_row_N = torch.where(valid_N, row_N, num_rows)[order_N]
+    return ExpertSegments(pair_row_N, offsets, num_rows), order_N
+
+
+def _gradient_format(row_format: RowFormat) -> RowFormat:
+    (x_dtype, hidden), _, (weight_dtype, width) = row_format.fields
+    return RowFormat([(x_dtype, hidden), (weight_dtype, width)])
+
+
+class _StaticDispatchExchange(torch.autograd.Function):
+    """Rows and their routing metadata in one exchange; backward: the packed gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, x_SH, weight_SW, slot_SW, dispatcher: StaticDispatcher, row_format: RowFormat, send_counts_D, capacity_R):
+        block_RB, recv_counts_D = dispatcher.exchange(row_format.pack(x_SH, slot_SW, weight_SW), send_counts_D, capacity_R)
+        x_RH, slot_RW, weight_RW = row_format.unpack(block_RB)
+        ctx.dispatcher, ctx.row_format, ctx.rows_S = dispatcher, row_format, x_SH.shape[0]
+        ctx.recv_counts_D = recv_counts_D
+        ctx.mark_non_differentiable(slot_RW)
+        if recv_counts_D is not None:
+            ctx.mark_non_differentiable(recv_counts_D)
+        return x_RH, slot_RW, weight_RW, recv_counts_D
+
+    @staticmethod
+    def backward(ctx, grad_x_RH, _grad_slot, grad_weight_RW, _grad_counts):
+        grads = _gradient_format(ctx.row_format)
+        (x_dtype, hidden), (weight_dtype, width) = grads.fields
+        rows = (grad_x_RH if grad_x_RH is not None else grad_weight_RW).shape[0]
+        block = torch.zeros(rows, grads.row_bytes, dtype=torch.uint8, device=(grad_x_RH if grad_x_RH is not None else grad_weight_RW).device)
+        view_x, view_w = grads.unpack(block)
+        if grad_x_RH is not None:
+            view_x.copy_(grad_x_RH)
+        if grad_weight_RW is not None:
+            view_w.copy_(grad_weight_RW)
+        back, _ = ctx.dispatcher.exchange(block, ctx.recv_counts_D, ctx.rows_S)
+        grad_x_SH, grad_weight_SW = grads.unpack(back)
+        return grad_x_SH, grad_weight_SW, None, None, None, None, None
+
+
+class _StaticCombineExchange(torch.autograd.Function):
+    """The pre-summed rows back to their senders; backward sends the output gradients the other way."""
+
+    @staticmethod
+    def forward(ctx, out_RH, dispatcher: StaticDispatcher, send_counts_D, recv_counts_D, rows_S: int):
+        ctx.dispatcher, ctx.send_counts_D, ctx.rows_R = dispatcher, send_counts_D, out_RH.shape[0]
+        back, _ = dispatcher.exchange(_as_bytes(out_RH), recv_counts_D, rows_S)
+        return back.view(out_RH.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_SH):
+        there, _ = ctx.dispatcher.exchange(_as_bytes(grad_SH.contiguous()), ctx.send_counts_D, ctx.rows_R)
+        return there.view(grad_SH.dtype), None, None, None, None
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+# ----- "padded": one equal-split all_to_all_single ---------------------------------------------
+@register_dispatcher
+class PaddedDispatcher(StaticDispatcher):
+    """Static capacity over any `torch.distributed` backend: each destination gets `C_R / D` rows."""
+
+    name = "padded"
+    priority = 1
+    layout = "padded"
+
+    @classmethod
+    def supports(cls, ep, device=None) -> bool:
+        return ep.is_distributed
+
+    def exchange(self, block, counts_D, out_rows):
+        out = block.new_empty((out_rows, block.shape[1]))
+        dist.all_to_all_single(out, block.contiguous(), group=self.ep.group)
+        return out, None
+
+
+# ----- "symm_mem": NVSHMEM all-to-all-v with the splits in device memory -------------------------
+@functools.lru_cache(maxsize=1)
+def nvshmem_usable() -> bool:
+    """Whether this torch build has NVSHMEM symmetric memory and a CUDA device to use it on."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        return bool(symm_mem.is_nvshmem_available()) and hasattr(torch.ops.symm_mem, "all_to_all_vdev")
+    except (ImportError, AttributeError, RuntimeError):
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def _vdev_takes_in_out_splits() -> bool:
+    """Older torch: `all_to_all_vdev(input, out, in_out_splits[3, D], group)`; newer: separate `in_splits[D]`
+    and `out_splits_offsets[2, D]`."""
+    return len(torch.ops.symm_mem.all_to_all_vdev.default._schema.arguments) == 4
+
+
+def all_to_all_vdev(send, recv, in_splits_D, out_splits, group_name: str) -> torch.Tensor:
+    """`torch.ops.symm_mem.all_to_all_vdev` on symmetric tensors, either signature: rows `in_splits_D[d]` of
+    `send` go to rank d; returns the `[D]` rows received from each rank (a view of `out_splits`)."""
+    if _vdev_takes_in_out_splits():  # out_splits is [3, D]: input splits, output splits, output offsets
+        out_splits[0].copy_(in_splits_D)
+        torch.ops.symm_mem.all_to_all_vdev(send, recv, out_splits, group_name)
+        return out_splits[1]
+    torch.ops.symm_mem.all_to_all_vdev(send, recv, in_splits_D, out_splits, group_name)
+    return out_splits[0]
+
+
+class _SymmetricBuffers:
+    """Two alternating sets of symmetric buffers for one (rows, row width): `[rows, B]` uint8 in/out, `[D]`
+    int64 input splits and the op's `[2, D]` output splits and offsets (`[3, D]` in/out splits, older torch)."""
+
+    def __init__(self, rows: int, width: int, num_devices: int, group_name: str, device: torch.device) -> None:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        self.sets = []
+        for _ in range(2):
+            tensors = (
+                symm_mem.empty(rows, width, dtype=torch.uint8, device=device),
+                symm_mem.empty(rows, width, dtype=torch.uint8, device=device),
+                symm_mem.empty(num_devices, dtype=torch.int64, device=device),  # input splits
+                symm_mem.empty(3 if _vdev_takes_in_out_splits() else 2, num_devices, dtype=torch.int64, device=device),
+            )
+            for tensor in tensors:
+                symm_mem.rendezvous(tensor, group_name)
+            self.sets.append(tensors)
+        self.uses = 0
+
+    def next(self):
+        self.uses += 1
+        return self.sets[self.uses % 2]
+
+
+#: symmetric buffers of the process, by (group name, device, rows, padded row width): shared by every
+#: layer, since each exchange finishes (on the stream) before the next layer's begins
+_BUFFERS: dict[tuple, _SymmetricBuffers] = {}
+
+
+def release_symmetric_buffers() -> None:
+    """Drop the cached symmetric buffers (every rank must call it at the same point: frees are collective)."""
+    _BUFFERS.clear()
+
+
+def _ensure_nvshmem_backend(device: torch.device) -> None:
+    """Choose NVSHMEM for this process's symmetric memory (torch's default is its own "CUDA" backend, which
+    has no all-to-all-v); possible only before the process's first symmetric allocation."""
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    if symm_mem.get_backend(device) == "NVSHMEM":
+        return
+    try:
+        symm_mem.set_backend("NVSHMEM")
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"OccultConfig.dispatcher='symm_mem' needs the NVSHMEM symmetric-memory backend, but this process "
+            f"already uses backend {symm_mem.get_backend(device)!r} (chosen at its first symmetric allocation): {error}"
+        ) from error
+
+
+@register_dispatcher
+class SymmMemDispatcher(StaticDispatcher):
+    """Device-initiated all-to-all-v over NVSHMEM symmetric memory (`torch.ops.symm_mem.all_to_all_vdev`)."""
+
+    name = "symm_mem"
+    priority = 5  # below "all_to_all" until measurements say otherwise (docs/bench_ep_h200_2gpu.md)
+    layout = "packed"
+
+    @classmethod
+    def supports(cls, ep, device=None) -> bool:
+        return (
+            ep.is_distributed
+            and (device is None or torch.device(device).type == "cuda")
+            and "nccl" in str(dist.get_backend(ep.group))
+            and nvshmem_usable()
+        )
+
+    def exchange(self, block, counts_D, out_rows):
+        device = block.device
+        if torch.cuda.current_device() != device.index:
+            raise RuntimeError(
+                f"{self.layer}: dispatcher 'symm_mem' got tensors on {device} but the current CUDA device is "
+                f"{torch.cuda.current_device()}; call torch.cuda.set_device(local_rank) before anything else "
+                f"(NVSHMEM binds one device per process)"
+            )
+        rows_in, width = block.shape
+        align = _row_align(self.ep.num_devices)
+        padded = -(-width // align) * align
+        rows = max(rows_in, out_rows, -(-_MIN_BUFFER_BYTES // padded))
+        group_name = self.ep.group.group_name
+        key = (group_name, device, rows, padded)
+        buffers = _BUFFERS.get(key)
+        if buffers is None:
+            _ensure_nvshmem_backend(device)
+            _enable_group(group_name)
+            buffers = _BUFFERS[key] = _SymmetricBuffers(rows, padded, self.ep.num_devices, group_name, device)
+        send, recv, in_splits, out_splits = buffers.next()
+        send[:rows_in, :width].copy_(block)
+        in_splits.copy_(counts_D)
+        received_D = all_to_all_vdev(send, recv, in_splits, out_splits, group_name)
+        return recv[:out_rows, :width].clone(), received_D.clone()
+
+
+def _enable_group(group_name: str) -> None:
+    """Older torch needs symmetric memory enabled per group (newer ones deprecate the call as a no-op)."""
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+            symm_mem.enable_symm_mem_for_group(group_name)
+
+
+__all__ = [
+    "PaddedDispatcher",
+    "StaticDispatcher",
+    "StaticPlan",
+    "SymmMemDispatcher",
+    "all_to_all_vdev",
+    "nvshmem_usable",
+    "release_symmetric_buffers",
+]

@@ -1,0 +1,144 @@
+"""The static-capacity dispatchers (`occult_hf.dispatch.static`): no host read, same function as one process.
+
+Two gloo ranks run "padded" (the real transport) and the packed layout that "symm_mem" uses, through
+a stand-in for `all_to_all_vdev` that has its semantics (splits read from device memory, rows packed
+by source, stale bytes past what peers sent), and compare the output, the input and routing-weight
+gradients and the expert-weight gradients in fp32 with one process computing every expert on the
+concatenation of both ranks' tokens. Cases stress: dedup and per_expert, E not divisible by D, a
+token whose experts all sit on one device, a rank whose tokens never leave it, k = E.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from distributed import run_world
+
+HIDDEN, WIDTH = 8, 6
+
+
+def _reference(x_TH, ids_Tk, w_Tk, gate_up_E2IH, down_EHI):
+    """out[t] = sum_j w[t, j] * MLP_{ids[t, j]}(x[t]), plain autograd."""
+    gate, up = (torch.einsum("th,eih->tei", x_TH, gate_up_E2IH)).chunk(2, dim=-1)
+    mlp_TEH = torch.einsum("tei,ehi->teh", F.silu(gate) * up, down_EHI)
+    picked_TkH = mlp_TEH.gather(1, ids_Tk[:, :, None].expand(-1, -1, x_TH.shape[1]))
+    return (w_Tk[:, :, None] * picked_TkH).sum(1)
+
+
+def _case(seed, num_tokens, num_experts, top_k, world):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(world, num_tokens, HIDDEN, generator=g)
+    scores = torch.randn(world, num_tokens, num_experts, generator=g)
+    ids = scores.topk(top_k, dim=-1).indices
+    if num_tokens > 2:  # rank 0's first token: the lowest experts (device 0); rank 1's last: the highest
+        ids[0, 0] = torch.arange(top_k)
+        ids[1, -1] = num_experts - 1 - torch.arange(top_k)
+    w = torch.rand(world, num_tokens, top_k, generator=g)
+    gate_up = torch.randn(num_experts, 2 * WIDTH, HIDDEN, generator=g) / HIDDEN**0.5
+    down = torch.randn(num_experts, HIDDEN, WIDTH, generator=g) / WIDTH**0.5
+    upstream = torch.randn(world, num_tokens, HIDDEN, generator=g)
+    return x, ids, w, gate_up, down, upstream
+
+
+def _vdev_like(dispatcher, block, counts_D, out_rows):
+    """What `all_to_all_vdev` does, over gloo: split sizes from device memory, rows packed by source,
+    the rest of the receive buffer stale (NaN bytes)."""
+    recv_counts = torch.empty_like(counts_D)
+    dist.all_to_all_single(recv_counts, counts_D, group=dispatcher.ep.group)
+    send, recv = counts_D.tolist(), recv_counts.tolist()
+    out = torch.full((out_rows, block.shape[1]), 0xFF, dtype=torch.uint8, device=block.device)
+    received = torch.empty(sum(recv), block.shape[1], dtype=torch.uint8, device=block.device)
+    dist.all_to_all_single(received, block[: sum(send)].contiguous(), recv, send, group=dispatcher.ep.group)
+    out[: sum(recv)] = received
+    return out, recv_counts
+
+
+def _world(rank, world, cases, device="cpu"):
+    from occult_hf.dispatch import ExpertParallelGroup, TokenRouting, build_dispatcher
+    from occult_hf.dispatch import static
+    from occult_hf.kernels import expert_mlp_reference
+    from occult_hf.placement import Placement
+
+    class PackedStandIn(static.StaticDispatcher):  # "symm_mem"'s layout, testable on gloo
+        name = ""
+        layout = "packed"
+        exchange = _vdev_like
+
+    ep = ExpertParallelGroup.resolve(num_devices=world)
+    errors = []
+    for name, mode, seed, num_tokens, num_experts, top_k in cases:
+        x, ids, w, gate_up, down, upstream = (t.to(device) for t in _case(seed, num_tokens, num_experts, top_k, world))
+        placement = Placement.contiguous(num_experts, world, [0])
+        device_of_E, local_index_E = placement.device_of(0), placement.local_slot(0)
+        mine = torch.tensor(placement.experts_on(0, rank), device=x.device)
+        if name == "packed":
+            dispatcher = PackedStandIn(ep, device_of_E, local_index_E, len(mine), mode=mode)
+        else:
+            dispatcher = build_dispatcher(name, ep, device_of_E, local_index_E, len(mine), mode=mode, device=x.device)
+        gate_up_L = gate_up[mine].clone().requires_grad_()
+        down_L = down[mine].clone().requires_grad_()
+        x_r = x[rank].clone().requires_grad_()
+        w_r = w[rank].clone().requires_grad_()
+
+        def experts(x_RH, segments, pair_weight_N):
+            return expert_mlp_reference(x_RH, segments, pair_weight_N, gate_up_L, down_L)
+
+        out, _ = dispatcher.run(x_r, TokenRouting(ids[rank], w_r), experts)
+        out.backward(upstream[rank])
+
+        x_all = x.reshape(-1, HIDDEN).clone().requires_grad_()
+        w_all = w.reshape(-1, top_k).clone().requires_grad_()
+        gate_up_ref, down_ref = gate_up.clone().requires_grad_(), down.clone().requires_grad_()
+        ref = _reference(x_all, ids.reshape(-1, top_k), w_all, gate_up_ref, down_ref)
+        ref.backward(upstream.reshape(-1, HIDDEN))
+        span = slice(rank * num_tokens, (rank + 1) * num_tokens)
+        checks = {
+            "out": (out, ref[span]),
+            "grad x": (x_r.grad, x_all.grad[span]),
+            "grad w": (w_r.grad, w_all.grad[span]),
+            "grad gate_up": (gate_up_L.grad, gate_up_ref.grad[mine]),
+            "grad down": (down_L.grad, down_ref.grad[mine]),
+        }
+        for what, (got, want) in checks.items():
+            if not torch.allclose(got, want, atol=1e-5, rtol=1e-5):
+                errors.append(f"{name}/{mode}/seed {seed}: {what} differs by {(got - want).abs().max().item():.3g}")
+    return errors
+
+
+CASES = [
+    # dispatcher, mode, seed, T, E, k
+    ("padded", "dedup", 0, 7, 6, 2),
+    ("padded", "per_expert", 1, 5, 5, 3),  # E not divisible by D
+    ("packed", "dedup", 2, 7, 6, 2),
+    ("packed", "per_expert", 3, 6, 5, 3),
+    ("packed", "dedup", 4, 4, 4, 4),  # k = E: every token reaches every device
+    ("padded", "dedup", 5, 1, 8, 2),  # decode: one token per rank
+    ("packed", "dedup", 6, 1, 8, 2),
+]
+
+
+@pytest.mark.world_size(2)
+def test_static_dispatchers_match_one_process():
+    errors = run_world(_world, 2, CASES)
+    assert errors == [[], []]
+
+
+def test_static_pairs_put_invalid_entries_past_the_last_segment():
+    from occult_hf.dispatch.static import _static_pairs
+
+    slot_RW = torch.tensor([[1, -1], [-1, -1], [0, 1]], dtype=torch.int32)
+    segments, pick_N = _static_pairs(slot_RW, num_local_experts=2)
+    assert segments.expert_offsets.tolist() == [0, 1, 3]
+    assert segments.pair_row[:3].tolist() == [2, 0, 2]
+    assert (segments.pair_row[3:] == 3).all()  # rows of invalid entries: R, outside every row's range
+    assert pick_N[:3].tolist() == [4, 0, 5]
+
+
+def test_symm_mem_is_registered_but_not_offered_without_nvshmem():
+    from occult_hf.dispatch import ExpertParallelGroup, dispatcher_names
+    from occult_hf.dispatch.static import SymmMemDispatcher
+
+    assert {"symm_mem", "padded"} <= set(dispatcher_names())
+    if not torch.cuda.is_available():
+        assert not SymmMemDispatcher.supports(ExpertParallelGroup(num_devices=2, group=object(), rank=0), "cpu")
