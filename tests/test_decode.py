@@ -1,0 +1,80 @@
+"""Greedy decoding on static buffers (`occult_hf.decode`): the tokens of a plain greedy loop, and a
+decode step (one process and 2-rank EP with the static "padded" dispatcher) that never reads the device
+on the host, which is what lets it run as one CUDA graph on the GPU."""
+
+import pytest
+import torch
+
+from distributed import run_world
+from tiny_models import tiny_model
+
+NEW_TOKENS = 6
+
+
+def _decode_checks(model, prompt_BP):
+    """Tokens of the static decoder and of `generate` for `prompt_BP`, and whether a step is free of host reads."""
+    from occult_hf.decode import GreedyDecoder, HostSyncError, no_host_sync
+
+    decoder = GreedyDecoder(model, batch_size=prompt_BP.shape[0], max_length=prompt_BP.shape[1] + NEW_TOKENS + 1, graph=False)
+    ours = decoder.generate(prompt_BP, NEW_TOKENS).tokens
+    decoder.prefill(prompt_BP)
+    try:
+        with torch.no_grad(), no_host_sync():
+            decoder.step()
+        sync_free = True
+    except HostSyncError as error:
+        sync_free = str(error)
+    return ours, sync_free
+
+
+@torch.no_grad()
+def _generate(model, prompt_BP):
+    """Greedy tokens recomputing the whole sequence at every step (no cache, no EOS handling)."""
+    sequence = prompt_BP
+    for _ in range(NEW_TOKENS):
+        sequence = torch.cat([sequence, model(sequence).logits[:, -1:].argmax(-1)], dim=1)
+    return sequence[:, prompt_BP.shape[1] :]
+
+
+def test_no_host_sync_catches_host_reads():
+    from occult_hf.decode import HostSyncError, no_host_sync
+
+    t = torch.arange(4)
+    with pytest.raises(HostSyncError):
+        with no_host_sync():
+            t.sum().item()
+    with pytest.raises(HostSyncError):
+        with no_host_sync():
+            t[t > 1]
+    with no_host_sync():
+        torch.where(t > 1, t, 0).cumsum(0)
+
+
+def test_static_decoder_matches_generate_one_process():
+    from occult_hf import apply_occult
+
+    model = tiny_model("olmoe").eval()
+    prompt = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(0))
+    expected = _generate(model, prompt)
+    apply_occult(model, {"num_devices": 2})
+    ours, sync_free = _decode_checks(model, prompt)
+    assert torch.equal(ours, expected)
+    assert sync_free is True, sync_free
+
+
+def _ep_world(rank, world):
+    from occult_hf import apply_occult
+    from occult_hf.decode import use_dispatcher
+
+    model = tiny_model("olmoe").eval()
+    prompts = torch.randint(0, model.config.vocab_size, (world, 1, 4), generator=torch.Generator().manual_seed(1))
+    expected = _generate(model, prompts[rank])
+    apply_occult(model)
+    with use_dispatcher(model, "padded"):
+        ours, sync_free = _decode_checks(model, prompts[rank])
+    return torch.equal(ours, expected), sync_free
+
+
+@pytest.mark.world_size(2)
+def test_static_decoder_under_ep_padded_dispatcher():
+    assert run_world(_ep_world, 2) == [(True, True), (True, True)]
