@@ -1,0 +1,215 @@
+"""`occult bench model`: a small model at a real MoE shape on one device, occult_hf against stock transformers.
+
+Shape legend: B sequences, S sequence length, T = B*S tokens, H hidden, V vocabulary.
+
+Per shape (`--shapes`, the real OLMoE-1B-7B and Qwen1.5-MoE-A2.7B layer shapes: attention, router,
+experts, shared experts as the checkpoints have them) a randomly initialised transformers causal LM
+with `--layers` decoder layers (default 4) is built in bf16 on the GPU, then:
+
+- **stock**: the model as transformers runs it (its default attention and experts implementation,
+  named in the table);
+- **occult**: a copy with `apply_occult(model, {"num_devices": 1})` (one process, every expert
+  local: the "local" dispatcher and the default expert backend, Triton on CUDA).
+
+Timed (`triton.testing.do_bench` medians, CUDA events) on the decoder without the LM head
+(`model.model`, so that the vocabulary's matmul and loss, which both share, do not dilute the
+comparison): forward under `no_grad`, and forward + backward of a random upstream gradient of the
+last hidden state. The two models compute the same function (same weights, same routing), and the
+table gives each one's time and the speed-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+HELP = "a few-layer model at a real MoE shape on one device: occult_hf (one process) vs stock transformers"
+DESCRIPTION = __doc__.split("\n\n", 1)[1]
+
+#: transformers config of each real model (the MoE layer and attention as in the checkpoint)
+MODEL_SHAPES: dict[str, tuple[str, dict]] = {
+    "olmoe-1b-7b": (
+        "OlmoeConfig",
+        dict(hidden_size=2048, intermediate_size=1024, num_experts=64, num_experts_per_tok=8, num_attention_heads=16,
+             num_key_value_heads=16, vocab_size=50304, max_position_embeddings=4096),
+    ),
+    "qwen1.5-moe-a2.7b": (
+        "Qwen2MoeConfig",
+        dict(hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+             num_experts=60, num_experts_per_tok=4, num_attention_heads=16, num_key_value_heads=16, vocab_size=151936,
+             decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=8192),
+    ),
+}  # fmt: skip
+
+#: speed-up occult_hf must reach against stock transformers at 16,384 tokens (issue 10)
+TARGET_SPEEDUP = 1.4
+
+
+def model_config(shape: str, layers: int, hidden: int | None = None, intermediate: int | None = None):
+    """The transformers config of `shape` with `layers` decoder layers (hidden/intermediate overridable for dry runs)."""
+    import transformers
+
+    class_name, kwargs = MODEL_SHAPES[shape]
+    kwargs = dict(kwargs, num_hidden_layers=layers)
+    if hidden:
+        kwargs.update(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=4)
+    if intermediate:
+        for key in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+            if key in kwargs:
+                kwargs[key] = intermediate
+    return getattr(transformers, class_name)(**kwargs)
+
+
+def build_model(config, device, dtype, seed: int = 0):
+    """A randomly initialised causal LM of `config` (std 0.02 for every weight, 1/sqrt(fan-in) for experts)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+@dataclass
+class ModelRow:
+    shape: str
+    tokens: int
+    layers: int
+    implementation: str
+    fwd_ms: float
+    fwd_bwd_ms: float
+    stock_experts: str
+
+
+def _timer(device, warmup_ms: float, rep_ms: float):
+    if torch.device(device).type == "cuda":
+        import triton.testing
+
+        return lambda fn: triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+    def wall(fn):  # CPU dry runs of the harness
+        import time
+
+        fn()
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+
+    return wall
+
+
+def time_decoder(model, ids_BS, timer) -> tuple[float, float]:
+    """(forward ms, forward+backward ms) of `model.model` on `ids_BS`."""
+    decoder = model.model
+
+    def forward():
+        with torch.no_grad():
+            decoder(input_ids=ids_BS)
+
+    hidden = decoder(input_ids=ids_BS).last_hidden_state
+    upstream = torch.randn_like(hidden)
+    del hidden
+
+    def forward_backward():
+        decoder(input_ids=ids_BS).last_hidden_state.backward(upstream)
+        for param in decoder.parameters():
+            param.grad = None
+
+    return timer(forward), timer(forward_backward)
+
+
+def profile_forward(model, ids_BS, top: int) -> str:
+    """The `top` CUDA kernels of one forward of `model.model` by total device time (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        model.model(input_ids=ids_BS)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            model.model(input_ids=ids_BS)
+            torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60)
+
+
+def measure(shape: str, args, device, dtype) -> list[ModelRow]:
+    from occult_hf import apply_occult
+
+    config = model_config(shape, args.layers, args.hidden, args.intermediate)
+    stock = build_model(config, device, dtype, args.seed)
+    experts_impl = str(getattr(stock.config, "_experts_implementation", None) or "default")
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    ids_BS = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator, device=device)
+    timer = _timer(device, args.warmup_ms, args.rep_ms)
+    occult = apply_occult(copy.deepcopy(stock), {"num_devices": 1})
+    with torch.no_grad():  # the same function: report the difference
+        diff = (occult.model(input_ids=ids_BS).last_hidden_state.float() - stock.model(input_ids=ids_BS).last_hidden_state.float()).abs().max().item()
+    print(f"{shape}: max |occult - stock| of the last hidden state = {diff:.3g} ({dtype})", flush=True)
+    rows = []
+    for name, model in (("stock", stock), ("occult", occult)):
+        if args.profile:
+            print(f"{shape} {name}: forward, top CUDA kernels\n{profile_forward(model, ids_BS, args.profile)}", flush=True)
+        fwd, fwd_bwd = time_decoder(model, ids_BS, timer)
+        rows.append(ModelRow(shape, args.batch * args.seq, args.layers, name, fwd, fwd_bwd, experts_impl))
+        print(f"{shape} {name}: fwd {fwd:.2f} ms, fwd+bwd {fwd_bwd:.2f} ms", flush=True)
+    del stock, occult
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def results_table(rows: list[ModelRow]) -> str:
+    lines = [
+        "| shape | tokens | layers | stock experts impl. | stock fwd ms | occult fwd ms | fwd speed-up | stock fwd+bwd ms | occult fwd+bwd ms | fwd+bwd speed-up |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    by_shape: dict[str, dict[str, ModelRow]] = {}
+    for row in rows:
+        by_shape.setdefault(row.shape, {})[row.implementation] = row
+    for shape, pair in by_shape.items():
+        stock, occult = pair["stock"], pair["occult"]
+        lines.append(
+            f"| {shape} | {stock.tokens} | {stock.layers} | {stock.stock_experts} | {stock.fwd_ms:.2f} | {occult.fwd_ms:.2f} | "
+            f"{stock.fwd_ms / occult.fwd_ms:.2f}x | {stock.fwd_bwd_ms:.2f} | {occult.fwd_bwd_ms:.2f} | "
+            f"{stock.fwd_bwd_ms / occult.fwd_bwd_ms:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shapes", nargs="+", default=list(MODEL_SHAPES), choices=list(MODEL_SHAPES))
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=4, help="sequences (B)")
+    parser.add_argument("--seq", type=int, default=4096, help="sequence length (S); T = B*S tokens")
+    parser.add_argument("--hidden", type=int, default=None, help="override H (CPU dry runs)")
+    parser.add_argument("--intermediate", type=int, default=None, help="override the expert/MLP widths (CPU dry runs)")
+    parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default: bf16 on GPU, fp32 on CPU")
+    parser.add_argument("--warmup-ms", type=float, default=100.0)
+    parser.add_argument("--rep-ms", type=float, default=500.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", type=int, default=0, help="print the N costliest CUDA kernels of one forward of each")
+    parser.add_argument("--out", default="docs", help="directory for bench_model_<device>.md/.json")
+
+
+def run(args: argparse.Namespace) -> int:
+    from occult_hf.benchmarks.experts import machine_line
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    rows = []
+    for shape in args.shapes:
+        rows.extend(measure(shape, args, device, dtype))
+    table = results_table(rows)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    header = f"`occult bench model`, one process, {dtype}, {stamp}, {machine_line(device)}"
+    print(f"\n{header}\n\n{table}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"bench_model_{device.type}.md").write_text(f"{header}\n\n{table}\n")
+    (out / f"bench_model_{device.type}.json").write_text(json.dumps({"header": header, "rows": [asdict(r) for r in rows]}, indent=1))
+    return 0
