@@ -1,41 +1,49 @@
-"""`occult bench ep`: one expert-parallel MoE layer under torchrun, Occult against the per-expert all-to-all.
+"""`occult bench ep`: one expert-parallel MoE layer under torchrun, every dispatcher and dispatch mode.
 
 Shape legend: T tokens per rank, H hidden, E routed experts, k experts per token, D ranks.
 
 Launch with `torchrun --nproc-per-node D -m occult_hf.cli bench ep ...` (NCCL on GPUs, gloo on CPUs).
-Each rank builds the same real transformers MoE block (OLMoE, Qwen2-MoE with its sigmoid-gated shared
-expert, DeepSeek-V2 greedy with two shared experts for DeepSeek-MoE-16B), bf16 on GPU, and feeds its
-own T tokens. Routing is replayed from the real Qwen1.5-MoE trace (`--trace`, tiled to D*T tokens,
-rank r reading the window that starts at r*T) for the shape with its expert count, and comes from the
-block's own (random) router for the other shapes: a random router has no co-activation structure, so
-placement can only balance load there, and the table says which routing each row used. Replayed ids
-enter through router logits built from the trace (trace ids highest), so the model's own selection
-rule and pruning operate on them.
+Each rank builds the same one-layer transformers causal LM of the shape (OLMoE, Qwen2-MoE with its
+sigmoid-gated shared expert, DeepSeek-V2 greedy with two shared experts for DeepSeek-MoE-16B), bf16
+on GPU, and every case converts a copy of it with `apply_occult` (the builder the models use, so the
+timed layer is the model's own `OccultMoE`), then feeds its own T tokens to that layer. Routing is
+replayed from the real Qwen1.5-MoE trace (`--trace`, tiled to D*T tokens, rank r reading the window
+that starts at r*T) for the shape with its E and k, and comes from the layer's own (random) router for
+the other shapes: a random router has no co-activation structure, so placement can only balance
+load there, and the table says which routing each row used. Replayed ids enter through router
+logits built from the trace (trace ids highest), so the model's own selection rule and pruning
+operate on them.
 
-Modes, each a fresh block with the same weights: `transformers_ep`, transformers' own expert
-parallelism as shipped (a one-layer checkpoint of the shape loaded with
-`DistributedConfig(tp_plan="auto", enable_expert_parallel=True)`: every rank holds E/D experts, all
-ranks see the same batch and the experts' outputs are all-reduced, so the group processes T tokens per
-step, not D*T; it routes with its own router, and its communication does not depend on routing);
-`per_expert` + contiguous placement (the baseline
-that transformers' all-to-all EP, Tutel and Megatron's alltoall dispatcher implement), `dedup` +
-contiguous, `dedup` + refined placement (planned on the first half of the replayed routing), and
-`dedup` + refined pruned to N_d=2 and N_d=1 (router mode). Per mode: forward and forward+backward time
-of the layer (median over iterations, ranks aligned by a barrier before each), the exchange alone
-(dispatch + combine with the experts skipped), bytes each rank sends to other ranks (dispatch and
-combine, mean and max over ranks), the achieved bandwidth of the exchange against a uniform
-`all_to_all_single` of the same per-rank volume measured in the same run, group tokens per second
-(D*T / layer time) and the ratio to `per_expert` + contiguous.
+Cases (`--dispatchers` x `--modes`, plus `transformers_ep`): each registered torch.distributed
+dispatcher ("all_to_all": host-read splits, packed rows, chunked overlap; "symm_mem": NVSHMEM
+all-to-all-v, splits on the device; "padded": static equal-split all-to-all) with `per_expert` +
+contiguous placement (one row per (token, expert), the baseline of transformers' all-to-all EP,
+Tutel and Megatron), `dedup` + contiguous, `dedup` + refined placement (planned on the first half of
+the replayed routing) and `dedup` + refined pruned to N_d devices. `transformers_ep`: transformers'
+own expert parallelism as shipped (a one-layer checkpoint of the shape loaded with
+`DistributedConfig(ep_size=D, fsdp_size=D, ep_implementation="all_to_all")` on transformers >= 5.21,
+each rank its own batch; `DistributedConfig(tp_plan="auto", enable_expert_parallel=True)` before, all
+ranks one batch), timed on its MoE block with the decoder layer's parameters gathered.
+
+Per case: forward and forward+backward of the layer (median over iterations, ranks aligned by a
+barrier before each; the slowest rank's time); the same layer with the exchange skipped (every
+collective of the dispatcher replaced by the result it returned in a recorded run: the same
+compute, no communication; so `fwd / skipped fwd` is what the exchange still costs after overlap);
+the exchange alone (dispatch + combine, experts skipped); bytes each rank sends to other ranks
+(dispatch rows with their metadata and combine rows; mean and max over ranks); the exchange's GB/s
+against a uniform `all_to_all_single` of the same per-rank volume in the same run; group tokens per
+second and the ratio to `per_expert` + contiguous on the same dispatcher.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
-import importlib
 import json
 import os
 import statistics
+import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -46,19 +54,19 @@ import torch.distributed as dist
 
 from occult_hf.benchmarks.experts import HF_EXPERTS, SHAPES, ExpertShape, machine_line
 from occult_hf.config import OccultConfig
-from occult_hf.dispatch import ExpertParallelGroup, TokenRouting
+from occult_hf.dispatch import TokenRouting, dispatcher_class
 from occult_hf.metrics import mean_ct
-from occult_hf.moe import OccultMoE
-from occult_hf.patches import adapter_for
 from occult_hf.placement import Placement, plan_placement
 from occult_hf.profile import RoutingProfile
 from occult_hf.routing_stats import LayerAccumulator
 
-HELP = "expert-parallel MoE layer under torchrun: dedup/placement/pruning vs the per-expert all-to-all"
+HELP = "expert-parallel MoE layer under torchrun: every dispatcher and dispatch mode vs transformers' EP"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
 DEFAULT_TRACE = "../shared/data/routing/qwen15moe_a27b_chat_gptq_int4_gsm8k25_layer0_trace.npz"
-BASELINE = "per_expert+contiguous"
+BASELINE_MODE = "per_expert+contiguous"
+TRANSFORMERS_EP = "transformers_ep"
+DISPATCHERS = ("all_to_all", "symm_mem", "padded")
 
 
 @dataclass(frozen=True)
@@ -75,9 +83,7 @@ class Mode:
         return f"{self.dispatch}+{self.placement}{pruned}"
 
 
-TRANSFORMERS_EP = Mode("transformers_ep", "contiguous")
 MODES = (
-    TRANSFORMERS_EP,
     Mode("per_expert", "contiguous"),
     Mode("dedup", "contiguous"),
     Mode("dedup", "refined"),
@@ -102,24 +108,29 @@ class Row:
     shape: str
     tokens_per_rank: int
     routing: str
+    dispatcher: str
     mode: str
     fwd_ms: float
     fwd_bwd_ms: float
+    skipped_fwd_ms: float
+    skipped_fwd_bwd_ms: float
     exchange_ms: float
     ct: float
     sent_mb_mean: float
     sent_mb_max: float
     bandwidth_gbs: float
     peak_gbs: float
+    group_tokens: int
+    note: str = ""
 
-    def group_tokens(self, world: int) -> int:
-        """Tokens the whole group processes per step (transformers' EP shares one batch)."""
-        return self.tokens_per_rank * (1 if self.mode == TRANSFORMERS_EP.name else world)
+    @property
+    def case(self) -> str:
+        return f"{TRANSFORMERS_EP} ({self.mode})" if self.dispatcher == TRANSFORMERS_EP else f"{self.dispatcher}: {self.mode}"
 
-    def speedup_over(self, base: "Row", world: int, backward: bool) -> float:
+    def speedup_over(self, base: "Row", backward: bool) -> float:
         """Group tokens per second relative to `base`, forward or forward+backward."""
         mine, theirs = (self.fwd_bwd_ms, base.fwd_bwd_ms) if backward else (self.fwd_ms, base.fwd_ms)
-        return (self.group_tokens(world) / mine) / (base.group_tokens(world) / theirs)
+        return (self.group_tokens / mine) / (base.group_tokens / theirs)
 
 
 # ----- the layer -------------------------------------------------------------------------------
@@ -128,19 +139,34 @@ def build_config(shape: ExpertShape):
 
     spec = HF_EXPERTS[shape.family]
     extra = BLOCKS[shape.family][2]
-    return getattr(transformers, spec.config_class)(hidden_act="silu", num_hidden_layers=1, **spec.config_kwargs(shape), **extra)
+    return getattr(transformers, spec.config_class)(
+        hidden_act="silu", num_hidden_layers=1, vocab_size=256, num_attention_heads=16, num_key_value_heads=16,
+        **spec.config_kwargs(shape), **extra,
+    )  # fmt: skip
 
 
-def build_block(config, shape: ExpertShape, device, dtype, seed: int) -> torch.nn.Module:
-    """The family's MoE block with weights drawn from `seed` (the same on every rank and for every mode)."""
-    module, class_name, _ = BLOCKS[shape.family]
+def build_model(config, device, dtype, seed: int) -> torch.nn.Module:
+    """The one-layer causal LM of `config`, weights drawn from `seed` (the same on every rank and for every case)."""
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)
     with torch.device(device):
-        block = getattr(importlib.import_module(module), class_name)(config)
+        model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
-        for param in block.parameters():
+        for param in model.parameters():
             param.normal_(0.0, param.shape[-1] ** -0.5)
-    return block.to(dtype)
+    return model.to(dtype)
+
+
+def occult_layer(model, occult_config: OccultConfig, logits_TE):
+    """A copy of `model` converted by `apply_occult`; returns its one `OccultMoE` (replaying `logits_TE` if given)."""
+    from occult_hf.integration import apply_occult, occult_modules
+
+    converted = apply_occult(copy.deepcopy(model), occult_config)
+    (layer,) = occult_modules(converted).values()
+    if logits_TE is not None:
+        layer.adapter = ReplayAdapter(layer.adapter, logits_TE)
+    return converted, layer
 
 
 class ReplayAdapter:
@@ -251,13 +277,77 @@ def _max_and_mean(value: float, device) -> tuple[float, float]:
     return max(values), sum(values) / len(values)
 
 
+# ----- skipping the exchange --------------------------------------------------------------------
+class _Received:
+    """A finished exchange replayed: `.wait()` returns what the recorded one received."""
+
+    def __init__(self, out) -> None:
+        self.out = out
+
+    def wait(self):
+        return self.out
+
+
+class ExchangeRecorder:
+    """Records every collective a dispatcher makes (`exchange`, and the count exchange where it has one),
+    then replays their results in the same order without communicating: the layer's compute alone."""
+
+    METHODS = ("exchange", "_exchange_counts")
+
+    def __init__(self, dispatcher) -> None:
+        self.dispatcher = dispatcher
+        self.calls: dict[str, list] = {name: [] for name in self.METHODS}
+        self.position = dict.fromkeys(self.METHODS, 0)
+        self.replaying = False
+        for name in self.METHODS:
+            if hasattr(dispatcher, name):
+                setattr(dispatcher, name, self._wrap(name, getattr(dispatcher, name)))
+
+    def _wrap(self, name, original):
+        def method(*args, **kwargs):
+            if self.replaying:
+                calls = self.calls[name]
+                result = calls[self.position[name] % len(calls)]
+                self.position[name] += 1
+                return _Received(result.out) if hasattr(result, "wait") else result
+            result = original(*args, **kwargs)
+            self.calls[name].append(result)
+            return result
+
+        return method
+
+    def replay(self) -> None:
+        """Replay from the first recorded call (call before each replayed run)."""
+        self.replaying = True
+        self.position = dict.fromkeys(self.METHODS, 0)
+
+    def restore(self) -> None:
+        for name in self.METHODS:
+            self.dispatcher.__dict__.pop(name, None)
+
+
 # ----- one case --------------------------------------------------------------------------------
+def cases(args, world: int) -> list[tuple[str, Mode]]:
+    """(dispatcher, mode) pairs to run: every mode on every requested dispatcher that serves this group."""
+    chosen = []
+    for name in args.dispatchers:
+        for mode in MODES:
+            if mode.name not in args.modes or (mode.max_devices_per_token or 0) > world:
+                continue
+            if mode.max_devices_per_token and name != "all_to_all":
+                continue  # pruning changes the routing, not the transport: one dispatcher shows it
+            if name == "padded" and mode.name != "dedup+refined":
+                continue  # the static fallback: one row per shape and T
+            chosen.append((name, mode))
+    return chosen
+
+
 def measure(shape_name: str, tokens: int, trace, args, device, dtype, rank: int, world: int, log) -> list[Row]:
     shape = SHAPES[shape_name]
     if args.hidden or args.intermediate:  # shrink the matrices, keep E, k and the routing
         shape = replace(shape, hidden=args.hidden or shape.hidden, intermediate=args.intermediate or shape.intermediate)
     config = build_config(shape)
-    adapter = adapter_for(config)
+    model = build_model(config, device, dtype, args.seed)
     generator = torch.Generator(device=device).manual_seed(args.seed + 7 * rank)
     x_TH = torch.randn(tokens, shape.hidden, generator=generator, device=device).to(dtype)
 
@@ -269,45 +359,68 @@ def measure(shape_name: str, tokens: int, trace, args, device, dtype, rank: int,
         routing_name = "random router"
 
     rows: list[Row] = []
-    for mode in MODES:
-        if mode.name not in args.modes:
+    refined = None
+    ep_device = device if torch.device(device).type == "cuda" else None
+    for dispatcher, mode in cases(args, world):
+        try:
+            dispatcher_class(dispatcher, _group_of(world), ep_device)
+        except ValueError as error:
+            log(f"{shape_name} T={tokens} {dispatcher}: skipped ({error})")
             continue
-        if (mode.max_devices_per_token or 0) > world:
-            log(f"{shape_name} T={tokens} {mode.name}: skipped, N_d exceeds the {world} rank(s)")
-            continue
-        if mode == TRANSFORMERS_EP:
-            rows.append(_measure_transformers_ep(config, shape_name, tokens, args, device, dtype, rank, world))
-            log(f"{shape_name} T={tokens} {mode.name}: fwd {rows[-1].fwd_ms:.2f} ms")
-            continue
-        block = build_block(config, shape, device, dtype, args.seed)
-        family_adapter = adapter if logits_TE is None else ReplayAdapter(adapter, logits_TE)
         if mode.placement == "contiguous":
             placement = Placement.contiguous(shape.num_experts, world, [0])
         else:
-            placement = refined_placement(family_adapter.route(block, x_TH).topk_ids_Tk, shape, world)
+            if refined is None:
+                _, probe = occult_layer(model, OccultConfig(num_devices=world), logits_TE)
+                refined = refined_placement(probe.adapter.route(probe.original_block, x_TH[None]).topk_ids_Tk, shape, world)
+                del probe
+            placement = refined
         occult_config = OccultConfig(
             placement=placement,
             num_devices=world,
             dispatch=mode.dispatch,
+            dispatcher=dispatcher,
             prune="router" if mode.max_devices_per_token else None,
             max_devices_per_token=mode.max_devices_per_token,
             expert_backend=args.expert_backend,
         )
-        ep = ExpertParallelGroup.resolve(num_devices=world)
-        pruner = None
-        if mode.max_devices_per_token:
-            from occult_hf.pruning import build_pruner
+        converted, layer = occult_layer(model, occult_config, logits_TE)
+        try:
+            rows.append(_measure_layer(layer, x_TH, shape_name, tokens, routing_name, dispatcher, mode, args, device, world))
+            log(f"{shape_name} T={tokens} {rows[-1].case}: fwd {rows[-1].fwd_ms:.2f} ms (skipped exchange {rows[-1].skipped_fwd_ms:.2f})")
+        except Exception as error:  # noqa: BLE001 - one failing case is a row that says so, not a lost run
+            log(f"{shape_name} T={tokens} {dispatcher}: {mode.name} FAILED: {type(error).__name__}: {error}")
+            rows.append(_failed_row(shape_name, tokens, routing_name, dispatcher, mode.name, world, f"{type(error).__name__}: {str(error)[:120]}"))
+        del converted, layer
+        if dispatcher == "symm_mem":
+            from occult_hf.dispatch.static import release_symmetric_buffers
 
-            device_of_E = torch.tensor(placement.device_of(0), dtype=torch.int64)
-            pruner = build_pruner(occult_config, adapter, block, 0, device_of_E, num_devices=world, top_k=shape.top_k)
-        layer = OccultMoE(block, family_adapter, 0, placement, occult_config, ep, pruner)
-        rows.append(_measure_layer(layer, x_TH, shape_name, tokens, routing_name, mode, args, device, world))
-        log(f"{shape_name} T={tokens} {mode.name}: fwd {rows[-1].fwd_ms:.2f} ms")
-        del layer, block
+            release_symmetric_buffers()
+    if TRANSFORMERS_EP in args.modes:
+        try:
+            rows.append(_measure_transformers_ep(config, shape_name, tokens, args, device, dtype, rank, world))
+            log(f"{shape_name} T={tokens} {TRANSFORMERS_EP}: fwd {rows[-1].fwd_ms:.2f} ms")
+        except Exception as error:  # noqa: BLE001
+            log(f"{shape_name} T={tokens} {TRANSFORMERS_EP} FAILED: {type(error).__name__}: {error}")
+            rows.append(_failed_row(shape_name, tokens, "own router", TRANSFORMERS_EP, "all_to_all", world, f"{type(error).__name__}: {str(error)[:120]}"))
+    del model
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
     return rows
 
 
-def _measure_layer(layer: OccultMoE, x_TH, shape_name, tokens, routing_name, mode: Mode, args, device, world) -> Row:
+def _group_of(world: int):
+    from occult_hf.dispatch import ExpertParallelGroup
+
+    return ExpertParallelGroup.resolve(num_devices=world)
+
+
+def _failed_row(shape_name, tokens, routing, dispatcher, mode, world, note) -> Row:
+    nan = float("nan")
+    return Row(shape_name, tokens, routing, dispatcher, mode, nan, nan, nan, nan, nan, nan, nan, nan, nan, nan, tokens * world, note)
+
+
+def _measure_layer(layer, x_TH, shape_name, tokens, routing_name, dispatcher: str, mode: Mode, args, device, world) -> Row:
     hidden = x_TH[None]  # [1, T, H]: the block's input shape
 
     def forward():
@@ -319,6 +432,8 @@ def _measure_layer(layer: OccultMoE, x_TH, shape_name, tokens, routing_name, mod
 
     def forward_backward():
         layer(x_grad).backward(upstream)
+        for param in layer.parameters():
+            param.grad = None
 
     layer.reset_counters()
     forward()
@@ -344,44 +459,72 @@ def _measure_layer(layer: OccultMoE, x_TH, shape_name, tokens, routing_name, mod
     fwd_ms = timed(forward, args.iterations, device)
     fwd_bwd_ms = timed(forward_backward, args.iterations, device)
     exchange_ms = timed(exchange, args.iterations, device)
+
+    skipped = []
+    for fn in (forward, forward_backward):
+        recorder = ExchangeRecorder(layer.dispatcher)
+        fn()  # recorded
+        _synchronize(device)
+
+        def replayed(fn=fn, recorder=recorder):
+            recorder.replay()
+            fn()
+
+        skipped.append(timed(replayed, args.iterations, device))
+        recorder.restore()
+
     sent_max, sent_mean = _max_and_mean(remote_bytes / 1e6, device)
-    ct_max, ct_mean = _max_and_mean(ct, device)
+    _, ct_mean = _max_and_mean(ct, device)
     peak = uniform_all_to_all_gbs(int(sent_max * 1e6), args.iterations, device, world)
     exchange_max, _ = _max_and_mean(exchange_ms, device)
     bandwidth = sent_max * 1e6 / (exchange_max / 1e3) / 1e9 if world > 1 else float("nan")
     fwd_max, _ = _max_and_mean(fwd_ms, device)
     fwd_bwd_max, _ = _max_and_mean(fwd_bwd_ms, device)
-    return Row(shape_name, tokens, routing_name, mode.name, fwd_max, fwd_bwd_max, exchange_max, ct_mean,
-               sent_mean, sent_max, bandwidth, peak)  # fmt: skip
+    skipped_fwd, _ = _max_and_mean(skipped[0], device)
+    skipped_fwd_bwd, _ = _max_and_mean(skipped[1], device)
+    return Row(shape_name, tokens, routing_name, dispatcher, mode.name, fwd_max, fwd_bwd_max, skipped_fwd, skipped_fwd_bwd,
+               exchange_max, ct_mean, sent_mean, sent_max, bandwidth, peak, tokens * world)  # fmt: skip
 
 
-def transformers_ep_block(config, args, dtype, rank: int) -> torch.nn.Module:
-    """The MoE block of a one-layer checkpoint loaded with transformers' own expert parallelism."""
-    import tempfile
+# ----- transformers' own expert parallelism -----------------------------------------------------
+def _transformers_ep_config(world: int):
+    """`(DistributedConfig, each rank its own batch?)` of transformers' EP over `world` ranks."""
+    import inspect
 
-    from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
+
+    if "ep_size" in inspect.signature(DistributedConfig).parameters:  # transformers >= 5.21
+        return DistributedConfig(ep_size=world, fsdp_size=world, ep_implementation="all_to_all"), True
+    return DistributedConfig(tp_plan="auto", enable_expert_parallel=True), False
+
+
+def transformers_ep_model(config, args, dtype, rank: int, world: int):
+    """A one-layer checkpoint of the shape loaded with transformers' own expert parallelism."""
+    from transformers import AutoModelForCausalLM
 
     holder = [tempfile.mkdtemp(prefix="occult_bench_ep_") if rank == 0 else None]
     if dist.is_initialized():
         dist.broadcast_object_list(holder, src=0)
     path = holder[0]
     if rank == 0:
-        small = type(config).from_dict({**config.to_dict(), "vocab_size": 256})
         torch.manual_seed(args.seed)
-        AutoModelForCausalLM.from_config(small).save_pretrained(path)
+        AutoModelForCausalLM.from_config(config).save_pretrained(path)
     if dist.is_initialized():
         dist.barrier()
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, distributed_config=DistributedConfig(tp_plan="auto", enable_expert_parallel=True)
-    )
-    return model.model.layers[0].mlp
+    distributed_config, own_batch = _transformers_ep_config(world)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, distributed_config=distributed_config)
+    return model, own_batch
 
 
 def _measure_transformers_ep(config, shape_name, tokens, args, device, dtype, rank, world) -> Row:
-    # transformers 5.17 leaves a one-rank tensor-parallel load on the CPU
-    block = transformers_ep_block(config, args, dtype, rank).to(device)
-    generator = torch.Generator(device=device).manual_seed(args.seed)  # the same batch on every rank
+    model, own_batch = transformers_ep_model(config, args, dtype, rank, world)
+    model = model.to(device)  # transformers 5.17 left a one-rank tensor-parallel load on the CPU
+    decoder_layer = model.model.layers[0]
+    if hasattr(decoder_layer, "unshard"):  # FSDP2: gather the layer's own parameters (router) once
+        decoder_layer.unshard()
+    block = decoder_layer.mlp
+    seed = args.seed + (7 * rank if own_batch else 0)  # 5.17's EP: every rank the same batch
+    generator = torch.Generator(device=device).manual_seed(seed)
     hidden = torch.randn(1, tokens, config.hidden_size, generator=generator, device=device).to(dtype)
     x_grad = hidden.clone().requires_grad_(True)
     upstream = torch.randn_like(hidden)
@@ -391,29 +534,40 @@ def _measure_transformers_ep(config, shape_name, tokens, args, device, dtype, ra
             block(hidden)
 
     def forward_backward():
-        block(x_grad).backward(upstream)
+        out = block(x_grad)
+        (out[0] if isinstance(out, tuple) else out).backward(upstream)
+        for param in block.parameters():
+            param.grad = None
 
     fwd_ms, _ = _max_and_mean(timed(forward, args.iterations, device), device)
     fwd_bwd_ms, _ = _max_and_mean(timed(forward_backward, args.iterations, device), device)
-    # all-reduce of the [T, H] output: a ring sends 2 (D-1)/D of it per rank
-    sent_mb = 2 * (world - 1) / world * hidden.numel() * hidden.element_size() / 1e6
     nan = float("nan")
-    return Row(shape_name, tokens, "own router", TRANSFORMERS_EP.name, fwd_ms, fwd_bwd_ms, nan, nan, sent_mb, sent_mb, nan, nan)
+    group = tokens * world if own_batch else tokens
+    note = "" if own_batch else "all ranks one batch (transformers < 5.21)"
+    return Row(shape_name, tokens, "own router", TRANSFORMERS_EP, "all_to_all", fwd_ms, fwd_bwd_ms, nan, nan, nan, nan, nan, nan, nan, nan, group, note)
 
 
 # ----- report ----------------------------------------------------------------------------------
-def results_table(rows: list[Row], world: int) -> str:
-    header = ["shape", "T/rank", "routing", "mode", "CT", "fwd ms", "fwd+bwd ms", "exchange ms",
-              "sent MB mean/max", "exch. GB/s", "a2a peak GB/s", "group Mtok/s fwd", "group tok/s vs base fwd", "fwd+bwd"]  # fmt: skip
+def results_table(rows: list[Row]) -> str:
+    header = ["shape", "T/rank", "routing", "dispatcher: mode", "CT", "fwd ms", "fwd+bwd ms", "fwd / skipped exch.",
+              "fwd+bwd / skipped", "exchange ms", "sent MB mean/max", "exch. GB/s", "a2a GB/s same volume",
+              "group Mtok/s fwd", "vs per_expert fwd", "fwd+bwd", "vs transformers EP fwd", "fwd+bwd"]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    baselines = {(r.shape, r.tokens_per_rank): r for r in rows if r.mode == BASELINE}
+    baselines = {(r.shape, r.tokens_per_rank, r.dispatcher): r for r in rows if r.mode == BASELINE_MODE}
+    theirs = {(r.shape, r.tokens_per_rank): r for r in rows if r.dispatcher == TRANSFORMERS_EP}
     for r in rows:
-        base = baselines.get((r.shape, r.tokens_per_rank))
-        ratio = f"{r.speedup_over(base, world, backward=False):.2f}x" if base else "-"
-        ratio_bwd = f"{r.speedup_over(base, world, backward=True):.2f}x" if base else "-"
-        cells = [r.shape, str(r.tokens_per_rank), r.routing, r.mode, f"{r.ct:.2f}", f"{r.fwd_ms:.2f}",
-                 f"{r.fwd_bwd_ms:.2f}", f"{r.exchange_ms:.2f}", f"{r.sent_mb_mean:.1f}/{r.sent_mb_max:.1f}",
-                 f"{r.bandwidth_gbs:.0f}", f"{r.peak_gbs:.0f}", f"{r.group_tokens(world) / r.fwd_ms / 1e3:.2f}", ratio, ratio_bwd]  # fmt: skip
+        base = baselines.get((r.shape, r.tokens_per_rank, r.dispatcher))
+        hf = theirs.get((r.shape, r.tokens_per_rank))
+
+        def ratio(other, backward):
+            return f"{r.speedup_over(other, backward):.2f}x" if other is not None and r is not other else "-"
+
+        cells = [r.shape, str(r.tokens_per_rank), r.routing, r.case + (f" ({r.note})" if r.note else ""), f"{r.ct:.2f}",
+                 f"{r.fwd_ms:.2f}", f"{r.fwd_bwd_ms:.2f}", f"{r.fwd_ms / r.skipped_fwd_ms:.2f}",
+                 f"{r.fwd_bwd_ms / r.skipped_fwd_bwd_ms:.2f}", f"{r.exchange_ms:.2f}",
+                 f"{r.sent_mb_mean:.1f}/{r.sent_mb_max:.1f}", f"{r.bandwidth_gbs:.0f}", f"{r.peak_gbs:.0f}",
+                 f"{r.group_tokens / r.fwd_ms / 1e3:.2f}", ratio(base, False), ratio(base, True),
+                 ratio(hf, False), ratio(hf, True)]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -424,25 +578,44 @@ def plot(rows: list[Row], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cases = sorted({(r.shape, r.tokens_per_rank) for r in rows})
-    modes = [m.name for m in MODES if any(r.mode == m.name for r in rows)]
-    fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(cases)), 4))
-    width = 0.8 / max(len(modes), 1)
-    for i, mode in enumerate(modes):
-        values = [next((r.fwd_ms for r in rows if (r.shape, r.tokens_per_rank) == c and r.mode == mode), 0.0) for c in cases]
-        ax.bar([j + i * width for j in range(len(cases))], values, width, label=mode)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))], [f"{s}\nT={t}" for s, t in cases], fontsize=8)
-    ax.set_ylabel("forward ms (slowest rank)")
-    ax.legend(fontsize=7)
+    shown = [r for r in rows if r.fwd_ms == r.fwd_ms]
+    cases_ = sorted({(r.shape, r.tokens_per_rank) for r in shown})
+    labels = list(dict.fromkeys(r.case for r in shown))
+    fig, axes = plt.subplots(len(cases_), 1, figsize=(10, 2.2 * max(len(cases_), 1)), squeeze=False)
+    for ax, case in zip(axes[:, 0], cases_):
+        values = [next((r.fwd_ms for r in shown if (r.shape, r.tokens_per_rank) == case and r.case == label), 0.0) for label in labels]
+        skipped = [next((r.skipped_fwd_ms for r in shown if (r.shape, r.tokens_per_rank) == case and r.case == label), 0.0) for label in labels]
+        ax.barh(range(len(labels)), values, color="tab:blue", label="forward")
+        ax.barh(range(len(labels)), np.nan_to_num(skipped), height=0.4, color="tab:orange", label="exchange skipped")
+        ax.set_yticks(range(len(labels)), labels, fontsize=6)
+        ax.set_title(f"{case[0]}, T={case[1]} per rank", fontsize=8)
+        ax.set_xlabel("ms (slowest rank)", fontsize=7)
+    axes[0, 0].legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def save_results(rows: list[Row], world: int, dtype, device, out: Path) -> None:
+    """Print the table and write `bench_ep_<D>x<device>.md/.json/.png` under `out`."""
+    table = results_table(rows)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    header = f"`occult bench ep`, {world} rank(s), {dtype}, {stamp}, {machine_line(device)}"
+    print(f"\n{header}\n\n{table}", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    suffix = f"_{world}x{torch.device(device).type}"
+    (out / f"bench_ep{suffix}.md").write_text(f"{header}\n\n{table}\n")
+    (out / f"bench_ep{suffix}.json").write_text(json.dumps({"header": header, "rows": [asdict(r) for r in rows]}, indent=1))
+    plot(rows, out / f"bench_ep{suffix}.png")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384], help="tokens per rank")
-    parser.add_argument("--modes", nargs="+", default=[m.name for m in MODES], choices=[m.name for m in MODES])
+    parser.add_argument("--tokens", nargs="+", type=int, default=[128, 4096, 16384], help="tokens per rank")
+    parser.add_argument("--dispatchers", nargs="+", default=list(DISPATCHERS), choices=list(DISPATCHERS))
+    parser.add_argument(
+        "--modes", nargs="+", default=[m.name for m in MODES] + [TRANSFORMERS_EP], choices=[m.name for m in MODES] + [TRANSFORMERS_EP]
+    )
     parser.add_argument(
         "--trace",
         default=None,
@@ -460,10 +633,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if "WORLD_SIZE" in os.environ and not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+        if torch.cuda.is_available():
+            local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(local)  # before anything touches CUDA: NVSHMEM binds one device per process
+            dist.init_process_group("nccl", device_id=local)
+        else:
+            dist.init_process_group("gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -482,17 +657,8 @@ def run(args: argparse.Namespace) -> int:
     for shape_name in args.shapes:
         for tokens in args.tokens:
             rows.extend(measure(shape_name, tokens, trace, args, device, dtype, rank, world, log))
-    if rank == 0:
-        table = results_table(rows, world)
-        stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-        header = f"`occult bench ep`, {world} rank(s), {dtype}, {stamp}, {machine_line(device)}"
-        print(f"\n{header}\n\n{table}")
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        suffix = f"_{world}x{device.type}"
-        (out / f"bench_ep{suffix}.md").write_text(f"{header}\n\n{table}\n")
-        (out / f"bench_ep{suffix}.json").write_text(json.dumps({"header": header, "rows": [asdict(r) for r in rows]}, indent=1))
-        plot(rows, out / f"bench_ep{suffix}.png")
+            if rank == 0:  # after every shape and T: a later failure keeps what was measured
+                save_results(rows, world, dtype, device, Path(args.out))
     if dist.is_initialized():
         dist.barrier()
     return 0
