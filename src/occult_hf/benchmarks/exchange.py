@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -147,12 +146,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from occult_hf.dispatch.static import _MIN_BUFFER_BYTES, _enable_group, _row_align, _ensure_nvshmem_backend, all_to_all_vdev, nvshmem_usable, _vdev_takes_in_out_splits
 
-    if not dist.is_initialized():
-        local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(local)
-        dist.init_process_group("nccl", device_id=local)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device())
+    from occult_hf.benchmarks.ep import init_from_torchrun
+
+    rank, world, device = init_from_torchrun()
     group_name = dist.group.WORLD.group_name
     results: dict[str, list[tuple[int, float]]] = {}
     notes = []

@@ -25,14 +25,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import statistics
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from occult_hf.benchmarks.ep import timed
 
 HELP = "the whole OLMoE-1B-7B model under EP (torchrun) vs a data-parallel replica: fwd, fwd+bwd, decode, memory"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
@@ -52,25 +51,6 @@ class RealRow:
     decode_graphed: bool
     decode_dispatcher: str
     tokens_agree: bool | None = None
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(fn, iterations: int, device) -> float:
-    fn()
-    times = []
-    for _ in range(iterations):
-        if dist.is_initialized():
-            dist.barrier()
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def _slowest(value: float, device) -> float:
@@ -100,9 +80,9 @@ def measure(model, setup: str, ids_BS, prompt_1P, args, device, decode_with: str
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    fwd_bwd = _timed(forward_backward, args.iterations, device)
+    fwd_bwd = timed(forward_backward, args.iterations, device)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-    fwd = _timed(forward, args.iterations, device)
+    fwd = timed(forward, args.iterations, device)
     with use_dispatcher(model, decode_with) if decode_with else _nothing():
         decoder = GreedyDecoder(model, 1, prompt_1P.shape[1] + args.new_tokens + 1, graph=None if args.graph else False)
         result = decoder.generate(prompt_1P, args.new_tokens)
@@ -159,20 +139,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from occult_hf import apply_occult
+    from occult_hf.benchmarks.ep import init_from_torchrun
     from occult_hf.benchmarks.experts import machine_line
     from occult_hf.benchmarks.model import build_model, model_config
     from occult_hf.decode import use_dispatcher
 
-    if "WORLD_SIZE" in os.environ and not dist.is_initialized():
-        if torch.cuda.is_available():
-            local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-            torch.cuda.set_device(local)  # before anything touches CUDA: NVSHMEM binds one device per process
-            dist.init_process_group("nccl", device_id=local)
-        else:
-            dist.init_process_group("gloo")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    rank, world, device = init_from_torchrun()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     # OLMoE-1B-7B's own config.json values (newer transformers changed OlmoeConfig's defaults)
     config = model_config("olmoe-1b-7b", args.layers or 16, args.hidden, args.hidden // 2 if args.hidden else None)
