@@ -101,7 +101,7 @@ class OccultConfig:
                 f"OccultConfig.placement must be 'contiguous', a path, a Placement or a dict, "
                 f"got {type(self.placement).__name__}"
             )
-        if self.num_devices is not None and (not isinstance(self.num_devices, int) or self.num_devices < 1):
+        if self.num_devices is not None and (_not_int(self.num_devices) or self.num_devices < 1):
             raise ValueError(f"OccultConfig.num_devices must be a positive integer, got {self.num_devices!r}")
         if isinstance(self.placement, Placement) and self.num_devices not in (None, self.placement.num_devices):
             raise ValueError(
@@ -114,7 +114,7 @@ class OccultConfig:
             raise ValueError(f"OccultConfig.prune={self.prune!r} needs max_devices_per_token (N_d) to be set")
         if self.max_devices_per_token is not None:
             n_d = self.max_devices_per_token
-            if not isinstance(n_d, int) or n_d < 1:
+            if _not_int(n_d) or n_d < 1:
                 raise ValueError(f"OccultConfig.max_devices_per_token (N_d) must be an integer >= 1, got {n_d!r}")
             if self.num_devices is not None and n_d > self.num_devices:
                 raise ValueError(
@@ -150,6 +150,15 @@ class OccultConfig:
             raise ValueError(
                 f"OccultConfig.exchange_timeout_s must be None or a number of seconds > 0, got {self.exchange_timeout_s!r}"
             )
+        if not isinstance(self.deterministic, bool):
+            raise TypeError(
+                f"OccultConfig.deterministic must be True or False, got {type(self.deterministic).__name__} "
+                f"{self.deterministic!r}"
+            )
+        if isinstance(self.profile, os.PathLike):
+            self.profile = os.fspath(self.profile)
+        if self.profile is not None and not isinstance(self.profile, str):
+            raise TypeError(f"OccultConfig.profile must be None or a path, got {type(self.profile).__name__}")
         if self.expert_backend not in EXPERT_BACKENDS:
             raise ValueError(
                 f"OccultConfig.expert_backend must be one of {EXPERT_BACKENDS}, got {self.expert_backend!r}"
@@ -179,9 +188,10 @@ class OccultConfig:
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
     def to_json_file(self, json_file_path: str | os.PathLike, use_diff: bool = False) -> None:
-        """Write `to_json_string` to a file (HF's name for `save`)."""
-        with open(json_file_path, "w") as f:
-            f.write(self.to_json_string(use_diff=use_diff))
+        """Write `to_json_string` to a file atomically (temporary file, rename; HF's name for `save`)."""
+        from .atomic import atomic_write_text
+
+        atomic_write_text(json_file_path, self.to_json_string(use_diff=use_diff))
 
     @classmethod
     def from_json_file(cls, json_file_path: str | os.PathLike) -> "OccultConfig":
@@ -215,12 +225,24 @@ class OccultConfig:
         return cls(**data)
 
     def save(self, path: str | os.PathLike) -> None:
+        """Write the JSON form atomically (see `to_json_file`)."""
         self.to_json_file(path)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "OccultConfig":
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
+        """Read a JSON file written by `save`; errors name the file."""
+        path = os.fspath(path)
+        try:
+            with open(path, "rb") as f:
+                data = json.loads(f.read().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ValueError(f"occult_config {path!r} is not valid JSON: {error}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"occult_config {path!r} must hold a JSON object, got {type(data).__name__}")
+        try:
+            return cls.from_dict(data)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"occult_config {path!r}: {error}") from None
 
     @classmethod
     def coerce(cls, value: "OccultConfig | dict | str | os.PathLike") -> "OccultConfig":
@@ -236,6 +258,11 @@ class OccultConfig:
         raise TypeError(
             f"occult_config must be an OccultConfig, a dict or a path to a JSON file, got {type(value).__name__}"
         )
+
+
+def _not_int(value: Any) -> bool:
+    """True unless `value` is an `int` (a bool is not a device count: `True` would mean 1)."""
+    return isinstance(value, bool) or not isinstance(value, int)
 
 
 __all__ = ["OccultConfig", "DISPATCH_MODES", "EXPERT_BACKENDS", "PRUNE_MODES"]

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import numpy as np
+
+from ..atomic import atomic_write_text, json_text, to_json_native
 
 PLACEMENT_FILENAME = "occult_placement.json"
 
@@ -34,16 +37,27 @@ class Placement:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_experts, int) or self.num_experts < 1:
-            raise ValueError(f"Placement.num_experts must be a positive integer, got {self.num_experts!r}")
-        if not isinstance(self.num_devices, int) or self.num_devices < 1:
-            raise ValueError(f"Placement.num_devices must be a positive integer, got {self.num_devices!r}")
+        self.num_experts = _strict_int(self.num_experts, "Placement.num_experts", minimum=1)
+        self.num_devices = _strict_int(self.num_devices, "Placement.num_devices", minimum=1)
         if self.num_devices > self.num_experts:
             raise ValueError(
                 f"Placement.num_devices ({self.num_devices}) exceeds num_experts ({self.num_experts}): "
                 f"some device would hold no expert"
             )
-        self.layers = {int(layer): [int(d) for d in devices] for layer, devices in self.layers.items()}
+        if not isinstance(self.layers, dict):
+            raise TypeError(f"Placement.layers must be a dict layer -> device list, got {type(self.layers).__name__}")
+        layers: dict[int, list[int]] = {}
+        for layer, devices in self.layers.items():
+            index = _strict_int(layer, "Placement.layers key", minimum=0)
+            if index in layers:
+                raise ValueError(f"Placement.layers names layer {index} twice")
+            where = f"Placement.layers[{index}]"
+            if isinstance(devices, np.ndarray):
+                devices = devices.tolist()
+            if not isinstance(devices, (list, tuple)):
+                raise TypeError(f"{where} must be a list of device ids, got {type(devices).__name__}")
+            layers[index] = [_strict_int(d, f"{where}[{e}]") for e, d in enumerate(devices)]
+        self.layers = layers
         for layer, devices in self.layers.items():
             if len(devices) != self.num_experts:
                 raise ValueError(
@@ -54,6 +68,8 @@ class Placement:
                 raise ValueError(
                     f"Placement layer {layer} uses device ids {sorted(set(bad))} outside [0, {self.num_devices})"
                 )
+        if not isinstance(self.meta, dict):
+            raise TypeError(f"Placement.meta must be a dict, got {type(self.meta).__name__}")
 
     # ----- construction -------------------------------------------------------------------
     @classmethod
@@ -63,34 +79,88 @@ class Placement:
         return cls(num_experts, num_devices, {int(l): list(devices) for l in layers}, {"method": "contiguous"})
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Placement":
-        missing = {"num_experts", "num_devices", "layers"} - set(data)
+    def from_dict(cls, data: dict[str, Any], source: str | None = None) -> "Placement":
+        """Parse the JSON form strictly (DESIGN.md §6); errors name `source` (a file) and the JSON path.
+
+        Integers only (no floats, no booleans), layer keys in canonical decimal ("0", never "00" or
+        " 0"), known top-level keys only. The optional `"replicas"` and `"slots_per_device"` are
+        checked for form here (see `_parse_replicas`).
+        """
+        where = f"placement {source!r}: " if source else "placement: "
+        try:
+            return cls._from_dict(data)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{where}{error}") from None
+
+    @classmethod
+    def _from_dict(cls, data: Any) -> "Placement":
+        if not isinstance(data, dict):
+            raise _SchemaError(f"$ must be a JSON object, got {_json_type(data)}")
+        missing = sorted(_REQUIRED_KEYS - set(data))
         if missing:
-            raise ValueError(f"placement JSON lacks keys {sorted(missing)}")
-        return cls(int(data["num_experts"]), int(data["num_devices"]), dict(data["layers"]), dict(data.get("meta", {})))
+            raise _SchemaError(f"$ lacks keys {missing}")
+        unknown = sorted(set(data) - _REQUIRED_KEYS - _OPTIONAL_KEYS)
+        if unknown:
+            raise _SchemaError(f"$ has unknown keys {unknown}; valid keys are {sorted(_REQUIRED_KEYS | _OPTIONAL_KEYS)}")
+        num_experts = _json_int(data["num_experts"], "$.num_experts", minimum=1)
+        num_devices = _json_int(data["num_devices"], "$.num_devices", minimum=1)
+        raw_layers = data["layers"]
+        if not isinstance(raw_layers, dict) or not raw_layers:
+            raise _SchemaError(f"$.layers must be a non-empty JSON object, got {_json_type(raw_layers)}")
+        layers = {}
+        for key, devices in raw_layers.items():
+            path = f"$.layers[{key!r}]"
+            layer = _canonical_index(key, path)
+            if not isinstance(devices, list):
+                raise _SchemaError(f"{path} must be a list of device ids, got {_json_type(devices)}")
+            if len(devices) != num_experts:
+                raise _SchemaError(f"{path} maps {len(devices)} experts, expected num_experts={num_experts}")
+            for e, d in enumerate(devices):
+                _json_int(d, f"{path}[{e}]", minimum=0, below=num_devices, below_name="num_devices")
+            layers[layer] = list(devices)
+        meta = data.get("meta", {})
+        if not isinstance(meta, dict):
+            raise _SchemaError(f"$.meta must be a JSON object, got {_json_type(meta)}")
+        _parse_replicas(data, num_experts, num_devices, layers)
+        return cls(num_experts, num_devices, layers, dict(meta))
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "num_experts": self.num_experts,
             "num_devices": self.num_devices,
             "layers": {str(l): list(d) for l, d in sorted(self.layers.items())},
-            "meta": self.meta,
+            "meta": to_json_native(self.meta, "$.meta"),
         }
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write `occult_placement.json`; a directory path gets the standard file name."""
+        """Write `occult_placement.json` atomically; a directory path gets the standard file name.
+
+        The text is serialised in memory (numpy scalars in `meta` converted to JSON numbers), parsed
+        back and checked against this placement before it replaces the old file.
+        """
         if os.path.isdir(path):
             path = os.path.join(path, PLACEMENT_FILENAME)
-        with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
-            f.write("\n")
+        text = json_text(self.to_dict())
+        if Placement.from_dict(json.loads(text)).layers != self.layers:  # pragma: no cover - a serialiser bug
+            raise RuntimeError(f"placement {os.fspath(path)!r}: the serialised placement does not read back equal")
+        atomic_write_text(path, text)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Placement":
+        """Read an `occult_placement.json` (or a directory holding one) strictly; see `from_dict`."""
+        path = os.fspath(path)
         if os.path.isdir(path):
             path = os.path.join(path, PLACEMENT_FILENAME)
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"placement {path!r} is not a file")
+        try:
+            with open(path, "rb") as f:
+                data = json.loads(f.read().decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ValueError(f"placement {path!r} is not valid JSON: {error}") from None
+        except _SchemaError as error:
+            raise ValueError(f"placement {path!r}: {error}") from None
+        return cls.from_dict(data, source=path)
 
     # ----- queries ------------------------------------------------------------------------
     def device_of(self, layer: int) -> list[int]:
@@ -119,8 +189,15 @@ class Placement:
         """`[D]` number of experts each device holds at `layer`."""
         return np.bincount(self.device_of(layer), minlength=self.num_devices).tolist()
 
-    def validate_for(self, num_experts: int, layers: Iterable[int], num_devices: int | None = None) -> None:
-        """Raise a clear error when this placement does not fit a model (expert count, layers, devices)."""
+    def validate_for(
+        self, num_experts: int, layers: Iterable[int], num_devices: int | None = None, exact: bool = True
+    ) -> None:
+        """Raise a clear error when this placement does not fit a model (expert count, layers, devices).
+
+        `exact=True` (for a model): the placement names exactly `layers`, no more (DESIGN.md §6: an
+        extra layer would be written back on save as if the model had it). `exact=False` (for a
+        profile that covers some layers): it covers at least `layers`.
+        """
         if num_experts != self.num_experts:
             raise ValueError(
                 f"placement is for num_experts={self.num_experts} but the model has {num_experts} routed experts"
@@ -129,11 +206,105 @@ class Placement:
             raise ValueError(
                 f"placement is for num_devices={self.num_devices} but the expert-parallel group has {num_devices}"
             )
-        missing = sorted(set(int(l) for l in layers) - set(self.layers))
+        wanted = set(int(l) for l in layers)
+        missing = sorted(wanted - set(self.layers))
         if missing:
             raise ValueError(
                 f"placement lacks MoE layers {missing}; it covers layers {sorted(self.layers)}"
             )
+        extra = sorted(set(self.layers) - wanted)
+        if exact and extra:
+            raise ValueError(
+                f"placement names layers {extra} that are not MoE layers of the model; it must name exactly the "
+                f"model's MoE layers {sorted(wanted)}"
+            )
+
+
+_REQUIRED_KEYS = frozenset({"num_experts", "num_devices", "layers"})
+_OPTIONAL_KEYS = frozenset({"meta", "replicas", "slots_per_device"})
+_CANONICAL_INDEX = re.compile(r"(0|[1-9][0-9]*)")
+
+
+class _SchemaError(ValueError):
+    """A placement file that breaks the schema; the message starts with the JSON path."""
+
+
+def _json_type(value: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), f"{type(value).__name__} {value!r}"
+    )
+
+
+def _json_int(value: Any, path: str, minimum: int | None = None, below: int | None = None, below_name: str = "") -> int:
+    """A JSON integer: `int` but not `bool` (json gives 1.0 as float, true as bool: both rejected)."""
+    if type(value) is not int:
+        raise _SchemaError(f"{path} must be an integer, got {_json_type(value)}")
+    if minimum is not None and value < minimum:
+        raise _SchemaError(f"{path} must be >= {minimum}, got {value}")
+    if below is not None and value >= below:
+        raise _SchemaError(f"{path} is {value}, outside [0, {below_name}={below})")
+    return value
+
+
+def _strict_int(value: Any, what: str, minimum: int | None = None) -> int:
+    """An `int` or numpy integer (planners return numpy), never a float or a bool."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{what} must be an integer, got {type(value).__name__} {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {int(value)}")
+    return int(value)
+
+
+def _canonical_index(key: str, path: str) -> int:
+    if not _CANONICAL_INDEX.fullmatch(key):
+        raise _SchemaError(f"{path}: layer key must be a decimal layer index in canonical form (\"3\", not \"03\")")
+    return int(key)
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _SchemaError(f"key {key!r} appears twice in one JSON object")
+        out[key] = value
+    return out
+
+
+def _parse_replicas(data: dict[str, Any], num_experts: int, num_devices: int, layers: dict[int, list[int]]) -> None:
+    """Check the optional `"replicas"` / `"slots_per_device"` fields of DESIGN.md §6 for form.
+
+    `"replicas": {"<layer>": {"<expert>": [device, ...]}}`: extra homes of an expert beyond its device
+    in `"layers"`. This `Placement` keeps one home per expert, which computes the same function
+    (replicas hold identical weights; they only spread load), so a file with replicas is rejected
+    here rather than silently run with fewer homes than planned.
+    """
+    if "slots_per_device" in data:
+        _json_int(data["slots_per_device"], "$.slots_per_device", minimum=1)
+    replicas = data.get("replicas")
+    if replicas is None:
+        return
+    if not isinstance(replicas, dict):
+        raise _SchemaError(f"$.replicas must be a JSON object, got {_json_type(replicas)}")
+    for key, experts in replicas.items():
+        path = f"$.replicas[{key!r}]"
+        layer = _canonical_index(key, path)
+        if layer not in layers:
+            raise _SchemaError(f"{path}: layer {layer} is not in $.layers")
+        if not isinstance(experts, dict):
+            raise _SchemaError(f"{path} must be a JSON object expert -> devices, got {_json_type(experts)}")
+        for expert_key, homes in experts.items():
+            expert_path = f"{path}[{expert_key!r}]"
+            expert = _canonical_index(expert_key, expert_path)
+            if expert >= num_experts:
+                raise _SchemaError(f"{expert_path}: expert {expert} is outside [0, num_experts={num_experts})")
+            if not isinstance(homes, list) or not homes:
+                raise _SchemaError(f"{expert_path} must be a non-empty list of device ids, got {_json_type(homes)}")
+            for i, d in enumerate(homes):
+                _json_int(d, f"{expert_path}[{i}]", minimum=0, below=num_devices, below_name="num_devices")
+            if len(set(homes)) != len(homes) or layers[layer][expert] in homes:
+                raise _SchemaError(f"{expert_path} repeats a device or the expert's own device in $.layers")
+    if replicas:
+        raise _SchemaError("$.replicas: this version of occult_hf runs one home per expert; replicas are not supported")
 
 
 __all__ = ["Placement", "PLACEMENT_FILENAME"]
