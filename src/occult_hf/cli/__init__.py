@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import sys
+import traceback
 
 #: subcommand modules of this package, in the order `occult --help` lists them
 SUBCOMMANDS: tuple[str, ...] = ("demo", "profile", "place", "report", "eval", "bench")
@@ -15,18 +18,73 @@ def build_parser() -> argparse.ArgumentParser:
         description="Occult expert parallelism for Hugging Face MoE models: profile routing, place experts, "
         "report communication, benchmark and evaluate.",
     )
+    parser.add_argument(
+        "--debug", action="store_true",
+        help="show the full traceback of an error (anywhere on the command line; default: one line)",
+    )
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMANDS:
         importlib.import_module(f"{__name__}.{name}").register(subparsers)
     return parser
 
 
+#: errors that mean "bad input" (a wrong file, setting or model): reported without their type name
+INPUT_ERRORS = (ValueError, TypeError, KeyError, OSError)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run a subcommand; bad input (a wrong file, an incompatible profile) ends in one clear line."""
+    """Run a subcommand; an error ends in one line on stderr and exit code 2 (`--debug`: the traceback).
+
+    The library's errors name the file, setting or rank at fault, so one line is what the user needs;
+    `--debug` (accepted anywhere on the command line) re-raises with the full traceback.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("OCCULT_DEBUG", "") not in ("", "0")
+    argv = [arg for arg in argv if arg != "--debug"]
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, KeyError) as error:
-        parser.exit(2, f"occult {args.command}: error: {error}\n")
+    except KeyboardInterrupt:
+        raise
+    except Exception as error:  # noqa: BLE001 - every error becomes one line unless --debug
+        if debug:
+            traceback.print_exc()
+            parser.exit(2)
+        parser.exit(2, f"occult {args.command}: error: {one_line(error)} (--debug shows the traceback)\n")
+
+
+def check_output_dir(path: str, option: str = "--out") -> None:
+    """Fail before a long run when the output directory `path` cannot be made (an existing file)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise FileExistsError(f"{option} {path!r} is an existing file; give a directory (it is created if missing)")
+
+
+def check_model_source(name: str, option: str = "MODEL") -> None:
+    """Fail at once on a local model directory that does not exist, instead of minutes of Hub retries.
+
+    `name` is taken as local when it exists, starts with `/`, `.` or `~`, ends with a separator, or
+    is not a valid Hub id (`org/name`); a valid Hub id that is not a directory is left to transformers.
+    """
+    if os.path.isdir(name):
+        return
+    if os.path.exists(name):
+        raise NotADirectoryError(f"{option} {name!r} is a file; expected a model directory or a Hub model id")
+    local = name.startswith(("/", ".", "~")) or name.endswith(os.sep)
+    if not local:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(name)
+        except HFValidationError:
+            local = True
+    if local:
+        raise FileNotFoundError(f"{option} {name!r}: model directory does not exist (and it is not a Hub model id)")
+
+
+def one_line(error: BaseException) -> str:
+    """The error's message on one line; its type name too unless it is an ordinary input error."""
+    raw = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
+    text = " ".join(raw.split()) or repr(error)
+    return text if isinstance(error, INPUT_ERRORS) else f"{type(error).__name__}: {text}"
 

@@ -109,7 +109,9 @@ def _run(args: argparse.Namespace) -> int:
     from ..profile import RoutingProfile
     from .report import plan_methods, print_report
     from ..placement import available_planners
+    from . import check_output_dir
 
+    check_output_dir(args.out)
     os.makedirs(args.out, exist_ok=True)
     documents = load_demo_documents()
     model = build_demo_model(seed=args.seed)

@@ -54,8 +54,13 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..atomic import check_writable_dir
     from ..profile import RoutingProfile
+    from . import check_model_source
 
+    check_writable_dir(args.out, "--out")  # before the run, not after it
+    if args.model:
+        check_model_source(args.model)
     if args.from_trace:
         if args.model:
             raise SystemExit("occult profile: give MODEL or --from-trace, not both")
