@@ -157,3 +157,125 @@ def _failing_write(path):
         with open(tmp, "w") as f:
             f.write("{")  # half a file
         raise RuntimeError("disk full")
+
+
+# ----- the command line: one line naming the file, exit code 2, no traceback ---------------------
+
+PROFILE_TRACE = {"topk_ids": np.array([[0, 1], [2, 3], [1, 2]], dtype=np.int64)}
+
+
+def _write_inputs(tmp_path):
+    """The bad files the command-line cases point at, by name."""
+    files = {
+        "empty.safetensors": b"",
+        "garbage.safetensors": b"\x13\x00\x00\x00\x00\x00\x00\x00{not a header at all",
+        "corrupt.npz": b"PK\x03\x04 this zip is cut short",
+        "existing_file": b"x",
+        "bad_placement.json": json.dumps(_placement(num_devices=2.7)).encode(),
+        "docs.txt": b"hello world\n",
+    }
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    np.savez(tmp_path / "negative.npz", topk_ids=-np.ones((4, 2), dtype=np.int64))
+    np.savez(tmp_path / "good.npz", **PROFILE_TRACE)
+    from occult_hf.profile import RoutingProfile
+
+    RoutingProfile.from_trace(tmp_path / "good.npz").save(tmp_path / "good.safetensors")
+
+
+# (what the user did, argv with {tmp} for the temporary directory, words the one line must contain)
+CLI_CASES = [
+    ("profile from an empty .safetensors", ["place", "{tmp}/empty.safetensors", "--devices", "2", "--out", "{tmp}/p.json"],
+     "{tmp}/empty.safetensors"),
+    ("garbage .safetensors profile", ["report", "{tmp}/garbage.safetensors", "--devices", "2", "--no-plots"],
+     "{tmp}/garbage.safetensors"),
+    ("corrupt .npz trace", ["profile", "--from-trace", "{tmp}/corrupt.npz", "--out", "{tmp}/p.safetensors"],
+     "{tmp}/corrupt.npz"),
+    ("trace whose ids are all negative", ["profile", "--from-trace", "{tmp}/negative.npz", "--out", "{tmp}/p.safetensors"],
+     "{tmp}/negative.npz"),
+    ("negative --layer", ["profile", "--from-trace", "{tmp}/good.npz", "--layer", "-3", "--out", "{tmp}/p.safetensors"],
+     "layer"),
+    ("--out in a missing directory, before the run",
+     ["profile", "{tmp}", "--text", "{tmp}/docs.txt", "--out", "{tmp}/missing/p.safetensors"], "{tmp}/missing"),
+    ("a model directory that does not exist",
+     ["profile", "{tmp}/no_such_model", "--text", "{tmp}/docs.txt", "--out", "{tmp}/p.safetensors"],
+     "{tmp}/no_such_model"),
+    ("demo --out at an existing file", ["demo", "--out", "{tmp}/existing_file"], "{tmp}/existing_file"),
+    ("placement with a float device count", ["report", "{tmp}/good.safetensors", "{tmp}/bad_placement.json", "--no-plots"],
+     "$.num_devices must be an integer"),
+    ("bench ep --tokens 0", ["bench", "ep", "--tokens", "0"], "--tokens"),
+]
+
+
+@pytest.mark.parametrize("case, argv, words", CLI_CASES, ids=[c[0] for c in CLI_CASES])
+def test_command_line_bad_inputs(tmp_path, capsys, case, argv, words):
+    from occult_hf.cli import main
+
+    _write_inputs(tmp_path)
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, (case, err)
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err and lines[-1].startswith("occult "), (case, err)  # argparse adds a usage line
+    assert words.replace("{tmp}", str(tmp_path)) in lines[-1], (case, lines[-1])
+
+
+def test_debug_shows_the_traceback(tmp_path, capsys):
+    from occult_hf.cli import main
+
+    _write_inputs(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["report", str(tmp_path / "good.safetensors"), str(tmp_path / "bad_placement.json"), "--no-plots", "--debug"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback (most recent call last)" in err and "$.num_devices" in err
+
+
+# ----- remote code ---------------------------------------------------------------------------------
+
+
+def test_a_config_auto_map_never_runs_remote_code(tmp_path):
+    """`RoutingProfile.load(path, model=config)` builds a skeleton of the config's model; a checkpoint's
+    `auto_map` must not make that import the checkpoint's own Python."""
+    import transformers
+
+    from occult_hf.profile import RoutingProfile
+    from tiny_models import tiny_config
+
+    marker = tmp_path / "REMOTE_CODE_RAN"
+    checkpoint = tmp_path / "checkpoint"
+    config = tiny_config("olmoe")
+    config.auto_map = {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"}
+    config.save_pretrained(checkpoint)
+    (checkpoint / "evil.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\n"
+        "from transformers import OlmoeConfig as EvilConfig, OlmoeForCausalLM as EvilModel\n"
+    )
+    loaded = transformers.AutoConfig.from_pretrained(checkpoint)  # the native class: no code runs here
+    assert loaded.auto_map and not marker.exists()
+
+    trace = tmp_path / "trace.npz"
+    np.savez(trace, topk_ids=np.stack([np.arange(8) % 8, (np.arange(8) + 1) % 8], axis=1))
+    profile_path = tmp_path / "profile.safetensors"
+    profile = RoutingProfile.from_trace(trace)
+    profile.layers = {0: profile.layers[0], 1: profile.layers[0]}  # the tiny OLMoE's two MoE layers
+    profile.save(profile_path)
+    RoutingProfile.load(profile_path, model=loaded)
+    assert not marker.exists(), "occult_hf ran a checkpoint's remote code without trust_remote_code"
+
+
+def test_similarity_profile_with_extra_layers_is_rejected_by_apply_occult(tmp_path):
+    from occult_hf.integration import apply_occult
+    from occult_hf.profile import LayerRouting, RoutingProfile
+    from tiny_models import tiny_model
+
+    def layer():
+        return LayerRouting(np.zeros((8, 8), dtype=np.int64), np.ones(8, dtype=np.int64), 4, logit_gram=np.eye(8))
+
+    path = tmp_path / "similarity.safetensors"
+    RoutingProfile(8, 2, {0: layer(), 1: layer(), 5: layer()}, model_type="olmoe").save(path)
+    model = tiny_model("olmoe")
+    with pytest.raises(ValueError, match=re.escape("routing profile has layers [5] that are not MoE layers of the model")):
+        apply_occult(model, OccultConfig(prune="similarity", max_devices_per_token=1, num_devices=2, profile=str(path)))
+    assert not hasattr(model.config, "occult_config")  # the model is left as it was

@@ -83,6 +83,13 @@ def atomic_write_json(path: str | os.PathLike, value: Any, indent: int | None = 
     atomic_write_text(path, json_text(value, indent=indent, sort_keys=sort_keys))
 
 
+def atomic_save_figure(figure, path: str | os.PathLike, **savefig_kwargs) -> None:
+    """`figure.savefig` through `atomic_path` (the format from the target's extension, default PNG)."""
+    fmt = os.path.splitext(os.fspath(path))[1].lstrip(".").lower() or "png"
+    with atomic_path(path) as tmp:
+        figure.savefig(tmp, format=fmt, **savefig_kwargs)
+
+
 def check_writable_dir(path: str | os.PathLike, what: str = "output") -> str:
     """Raise `FileNotFoundError` naming `path` when its directory does not exist (check before long runs)."""
     path = os.fspath(path)
@@ -135,5 +142,6 @@ __all__ = [
     "atomic_write_text",
     "atomic_write_json",
     "atomic_path",
+    "atomic_save_figure",
     "check_writable_dir",
 ]

@@ -13,22 +13,26 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .agreement import bounded, save_timeout_s
+
 
 def gather_rows(
-    local: torch.Tensor, dim: int, lengths: Sequence[int], group, to_all: bool, what: str = "a gather"
+    local: torch.Tensor, dim: int, lengths: Sequence[int], group, to_all: bool, what: str = "a gather",
+    timeout_s: float | None = None,
 ) -> list[torch.Tensor] | None:
     """Every rank's block of `local`, whose length along `dim` is `lengths[rank]` on group rank `rank`.
 
     Returns the blocks in group-rank order (each trimmed to its length), on every rank with
     `to_all=True`, else on group rank 0 only (None elsewhere). Collective: every rank of `group` must
-    call it with the same `lengths`, `dim` and `to_all`. Errors name `what` and the rule that callers
-    must follow.
+    call it with the same `lengths`, `dim` and `to_all`. The wait is bounded by `timeout_s` (None:
+    `$OCCULT_SAVE_TIMEOUT_S`, else 300 s); errors name `what` and the rule that callers must follow.
     """
     capacity = max(lengths)
     shape = list(local.shape)
@@ -37,16 +41,11 @@ def gather_rows(
     padded.narrow(dim, 0, local.shape[dim]).copy_(local)
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     parts = [torch.empty_like(padded) for _ in range(size)] if to_all or rank == 0 else None
-    try:
-        if to_all:
-            dist.all_gather(parts, padded, group=group)
-        else:
-            dist.gather(padded, parts, dst=dist.get_global_rank(group, 0), group=group)
-    except RuntimeError as error:
-        raise RuntimeError(
-            f"occult_hf: {what} over the EP ranks failed ({error}); it is collective: call it on every rank of the "
-            f"expert-parallel group"
-        ) from error
+    if to_all:
+        start = functools.partial(dist.all_gather, parts, padded, group=group, async_op=True)
+    else:
+        start = functools.partial(dist.gather, padded, parts, dst=dist.get_global_rank(group, 0), group=group, async_op=True)
+    bounded(what, None, save_timeout_s() if timeout_s is None else timeout_s, start)  # EPPeerError on a stall
     if parts is None:
         return None
     return [part.narrow(dim, 0, length) for part, length in zip(parts, lengths)]

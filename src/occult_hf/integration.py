@@ -27,7 +27,12 @@ Trainer calls `save_pretrained` on rank 0 only; `occult_hf.trainer_ep` (installe
 hooks the Trainer's `save_model`, which every rank runs, to gather a snapshot of the experts first,
 and rank 0's `save_pretrained` writes from that snapshot while it is current. A save
 that needs a gather the other ranks never join fails after `OCCULT_SAVE_TIMEOUT_S` seconds (default
-300) with an error that says so, instead of hanging.
+300) with an error that says so, instead of hanging; before it gathers, and at `apply_occult`, the ranks
+check that they agree on the whole EP configuration (`occult_hf.agreement`).
+
+A save is atomic per file and ordered: every file is first written into a staging directory inside
+`save_directory` (a failure there leaves the previous checkpoint untouched), then renamed into place,
+`occult_placement.json` first and `config.json` (which holds the placement inline) last.
 """
 
 from __future__ import annotations
@@ -35,9 +40,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
+import shutil
+import tempfile
 import types
 from dataclasses import dataclass, field, replace
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -45,6 +52,7 @@ import torch.distributed as dist
 from torch import nn
 from transformers.utils import logging as hf_logging
 
+from .agreement import SAVE_TIMEOUT_ENV, bounded, check_agreement, effective_setup, save_timeout_s
 from .collectives import GradNormCarrier, gather_rows
 from .config import OccultConfig
 from .ddp_ignore import RankLocalStateNames
@@ -52,13 +60,10 @@ from .dispatch import ExpertParallelGroup
 from .launch import check_process_group_started
 from .moe import OccultMoE
 from .patches import adapter_for
-from .placement import Placement
+from .placement import PLACEMENT_FILENAME, Placement
 
 logger = hf_logging.get_logger(__name__)
 
-#: environment variable: seconds a collective save waits for the other EP ranks before failing
-SAVE_TIMEOUT_ENV = "OCCULT_SAVE_TIMEOUT_S"
-_DEFAULT_SAVE_TIMEOUT_S = 300.0
 _STATE_ATTR = "_occult_state"
 _DDP_IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
 
@@ -71,6 +76,7 @@ class _OccultState:
     ep: ExpertParallelGroup
     block_paths: list[str]
     save_group: Any = None  # gloo group of the EP ranks for gathers at save time (EP only)
+    save_timeout_s: float = 0.0  # the save group's bound on every wait (EP only)
     ddp_ignore_before: list[str] | None = None
     snapshot: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None  # EP rank 0: path -> full weights
     snapshot_versions: tuple[int, ...] | None = None
@@ -120,14 +126,21 @@ def apply_occult(model: nn.Module, occult_config: OccultConfig | dict | str | No
     placement.validate_for(num_experts, layers, ep.num_devices)
     config = replace(config, placement=placement, num_devices=ep.num_devices)
 
-    pruners = _build_pruners(config, adapter, blocks, placement, ep, adapter.top_k(model.config))
     state = _OccultState(occult_config=config, ep=ep, block_paths=[path for _, path, _ in blocks])
+    if ep.is_distributed:  # before anything changes: a disagreeing group leaves every model as it was
+        state.save_timeout_s = save_timeout_s()
+        state.save_group = _new_save_group(ep)
+        _check_ranks_agree(state, _first_expert_weight(blocks[0][2]), "apply_occult")
+    if config.prune == "similarity":  # the profile must describe exactly this model's MoE layers
+        from .pruning import load_pruning_profile
+
+        load_pruning_profile(config.profile).check_compatible(model)
+    pruners = _build_pruners(config, adapter, blocks, placement, ep, adapter.top_k(model.config))
     grad_norm = GradNormCarrier(ep.group) if ep.is_distributed else None  # one all-reduce per backward
     for (layer, path, block), pruner in zip(blocks, pruners):
         _set_submodule(model, path, OccultMoE(block, adapter, layer, placement, config, ep, pruner, grad_norm))
 
     if ep.is_distributed:
-        state.save_group = _new_save_group(ep)
         state.ddp_ignore_before = getattr(model, _DDP_IGNORE_ATTR, None)
         # computed when DDP reads it, so that a later wrapper (plain peft.get_peft_model) is covered too
         setattr(model, _DDP_IGNORE_ATTR, RankLocalStateNames(model, state.ddp_ignore_before))
@@ -146,6 +159,7 @@ def unapply_occult(model: nn.Module) -> nn.Module:
     Under EP every rank must call it (the experts are all-gathered: every rank gets the full model).
     """
     state = _state(model)
+    _check_model_ranks_agree(model, state, "unapply_occult")
     for path in state.block_paths:
         module = model.get_submodule(path)
         gate_up_E2IH, down_EHI = _gather_full_experts(module, state, to_all=True)
@@ -185,6 +199,24 @@ def _state(model: nn.Module) -> _OccultState:
     if state is None:
         raise ValueError(f"{type(model).__name__} does not have occult_hf applied (see occult_hf.apply_occult)")
     return state
+
+
+def _check_ranks_agree(state: _OccultState, expert_weight: torch.Tensor, operation: str) -> None:
+    """Collective (EP only): every rank holds the same effective EP setup, else an error on every rank."""
+    if not state.ep.is_distributed:
+        return
+    setup = effective_setup(state.occult_config, state.block_paths, expert_weight)
+    check_agreement(setup, state.save_group, operation, state.save_timeout_s)
+
+
+def _first_expert_weight(block: nn.Module) -> torch.Tensor:
+    """A routed-expert weight of `block` (its dtype and device are part of the setup the ranks compare)."""
+    return next(getattr(block, "experts", block).parameters())
+
+
+def _check_model_ranks_agree(model: nn.Module, state: _OccultState, operation: str) -> None:
+    expert_weight = model.get_submodule(state.block_paths[0]).local_experts.gate_up_proj
+    _check_ranks_agree(state, expert_weight, operation)
 
 
 def _load_placement(value) -> Placement | None:
@@ -355,9 +387,41 @@ def _save_pretrained(model, save_directory, *args, **kwargs):
     if full_experts is None or not is_main_process:
         return None
     state_dict = _vanilla_state_dict(model, state, full_experts)
-    result = type(model).save_pretrained(model, save_directory, *args, state_dict=state_dict, **kwargs)
-    state.placement.save(os.path.join(save_directory, "occult_placement.json"))
+    if os.path.isfile(save_directory):
+        raise FileExistsError(f"save_pretrained: {os.fspath(save_directory)!r} is a file, expected a directory")
+    os.makedirs(save_directory, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".occult_save-", dir=save_directory)
+    try:
+        state.placement.save(os.path.join(staging, PLACEMENT_FILENAME))
+        result = type(model).save_pretrained(model, staging, *args, state_dict=state_dict, **kwargs)
+        _publish(staging, os.fspath(save_directory))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return result
+
+
+#: weight files transformers writes (and removes when stale): model.safetensors, shards, their index
+_WEIGHT_FILE = re.compile(r"(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?")
+
+
+def _publish(staging: str, target: str) -> None:
+    """Move a complete save from `staging` into `target`: placement first, config last, then drop stale shards.
+
+    Every file is whole before the first rename, so a failure while writing leaves `target` as it
+    was; the renames themselves take microseconds (a crash among them can leave whole files of two
+    saves, which load: weights are always in the original expert order).
+    """
+    names = sorted(os.listdir(staging))
+    last = [n for n in ("config.json",) if n in names]
+    first = [n for n in (PLACEMENT_FILENAME,) if n in names]
+    for name in first + [n for n in names if n not in first and n not in last] + last:
+        source, destination = os.path.join(staging, name), os.path.join(target, name)
+        if os.path.isdir(source):
+            shutil.rmtree(destination, ignore_errors=True)
+        os.replace(source, destination)
+    for name in os.listdir(target):  # what transformers' own save removes: weights of an older sharding
+        if _WEIGHT_FILE.fullmatch(name) and name not in names and os.path.isfile(os.path.join(target, name)):
+            os.remove(os.path.join(target, name))
 
 
 def snapshot_experts(model: nn.Module) -> None:
@@ -369,6 +433,7 @@ def snapshot_experts(model: nn.Module) -> None:
     state = _state(model)
     if not state.ep.is_distributed:
         return
+    _check_model_ranks_agree(model, state, "snapshot_experts")
     snapshot = {}
     for path in state.block_paths:
         weights = _gather_full_experts(model.get_submodule(path), state, to_all=False)
@@ -384,6 +449,7 @@ def _full_experts_for_save(model, state) -> dict[str, tuple[torch.Tensor, torch.
         return {path: _gather_full_experts(model.get_submodule(path), state, to_all=False) for path in state.block_paths}
     if state.snapshot_versions is not None and state.snapshot_versions == _expert_versions(model, state):
         return state.snapshot
+    _check_model_ranks_agree(model, state, "save_pretrained")
     full = {}
     for path in state.block_paths:
         full[path] = _gather_full_experts(model.get_submodule(path), state, to_all=False)
@@ -413,9 +479,13 @@ def _vanilla_state_dict(model, state, full_experts) -> dict[str, torch.Tensor]:
 
 
 def _new_save_group(ep: ExpertParallelGroup):
-    timeout_s = float(os.environ.get(SAVE_TIMEOUT_ENV, _DEFAULT_SAVE_TIMEOUT_S))
+    """A gloo group of the EP ranks for the agreement check and the expert gathers (CPU tensors).
+
+    Its own timeout is the process group's: ranks may reach `apply_occult` minutes apart (loading
+    weights); each wait on it is bounded by `OCCULT_SAVE_TIMEOUT_S` instead (`agreement.bounded`).
+    """
     ranks = dist.get_process_group_ranks(ep.group)
-    return dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout_s), use_local_synchronization=True)
+    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
 
 
 @torch.no_grad()
@@ -431,14 +501,10 @@ def _gather_full_experts(module: OccultMoE, state: _OccultState, to_all: bool):
     placement, layer = state.placement, module.layer_idx
     gathered = []
     for weight_L in (experts.gate_up_proj, experts.down_proj):
-        try:
-            parts = gather_rows(weight_L.detach().cpu(), 0, placement.capacities(layer), state.save_group, to_all)
-        except RuntimeError as error:
-            raise RuntimeError(
-                f"occult_hf: gathering the experts of layer {layer} from the EP ranks failed ({error}). Under expert "
-                f"parallelism save_pretrained/unapply_occult are collective: call them on every rank; with HF Trainer "
-                f"(which saves on rank 0 only) import occult_hf before building the Trainer: it hooks Trainer.save_model"
-            ) from error
+        parts = gather_rows(
+            weight_L.detach().cpu(), 0, placement.capacities(layer), state.save_group, to_all,
+            what=f"gathering the experts (save_pretrained/unapply_occult) of layer {layer}", timeout_s=state.save_timeout_s,
+        )
         if parts is None:  # gathered to EP rank 0
             gathered.append(None)
             continue

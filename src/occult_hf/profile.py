@@ -135,12 +135,14 @@ class RoutingProfile:
         np.fill_diagonal(similarity, 1.0)
         return similarity
 
-    def check_compatible(self, model_or_config, require_all_layers: bool = True) -> None:
+    def check_compatible(self, model_or_config, require_all_layers: bool = True, trust_remote_code: bool = False) -> None:
         """Raise a clear error when this profile does not describe `model_or_config`'s MoE layers.
 
         Compares the routed-expert count, top-k and MoE layer set, read through the family adapter
         (for a config, from a weightless skeleton of the model on the meta device).
         `require_all_layers=False` accepts a profile that covers only some of the model's MoE layers.
+        `trust_remote_code` is passed to transformers to build that skeleton: only what the caller
+        says, never implied by the config's `auto_map` (a checkpoint must not run its code unasked).
         """
         from torch import nn
 
@@ -161,7 +163,7 @@ class RoutingProfile:
                 f"top_k={top_k} experts"
             )
         profile_layers = set(self.layers)
-        model = model_or_config if isinstance(model_or_config, nn.Module) else _skeleton(config)
+        model = model_or_config if isinstance(model_or_config, nn.Module) else _skeleton(config, trust_remote_code)
         model_layers = {index for index, _, _ in adapter.iter_moe_blocks(model)}
         extra = sorted(profile_layers - model_layers)
         if extra:
@@ -178,8 +180,15 @@ class RoutingProfile:
 
     # ----- files --------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> None:
-        """Write the profile as safetensors (format in the module docstring)."""
-        from safetensors.numpy import save_file
+        """Write the profile as safetensors (format in the module docstring), atomically.
+
+        The file is serialised in memory, read back (header and tensors) and then written through a
+        temporary file and a rename: a failure leaves the previous file whole.
+        """
+        from safetensors.numpy import load as load_bytes
+        from safetensors.numpy import save as save_bytes
+
+        from .atomic import atomic_write_bytes, json_text
 
         tensors: dict[str, np.ndarray] = {}
         for l, r in self.layers.items():
@@ -199,67 +208,143 @@ class RoutingProfile:
             "source": self.meta.get("source"),
             "meta": self.meta,
         }
-        save_file(tensors, os.fspath(path), metadata={PROFILE_METADATA_KEY: json.dumps(header)})
+        data = save_bytes(tensors, metadata={PROFILE_METADATA_KEY: json_text(header, indent=None).strip()})
+        atomic_write_bytes(path, data, validate=lambda b: load_bytes(b))
 
     @classmethod
-    def load(cls, path: str | os.PathLike, model=None) -> "RoutingProfile":
-        """Read a profile written by `save`; with `model` (or its config) also `check_compatible`."""
-        from safetensors import safe_open
+    def load(cls, path: str | os.PathLike, model=None, trust_remote_code: bool = False) -> "RoutingProfile":
+        """Read a profile written by `save`; with `model` (or its config) also `check_compatible`.
 
+        Every error names the file: not a safetensors file (empty, truncated, garbage), no or a bad
+        occult header, missing, unexpected or ill-typed tensors, negative counts.
+        """
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"routing profile {path!r} is not a file")
-        with safe_open(path, "np") as f:
+        from safetensors import SafetensorError
+
+        try:
+            profile = cls._read(path)
+        except (ValueError, TypeError, KeyError, SafetensorError) as error:
+            message = error.args[0] if isinstance(error, KeyError) and error.args else error
+            raise ValueError(f"routing profile {path!r}: {message}") from None
+        if model is not None:
+            profile.check_compatible(model, trust_remote_code=trust_remote_code)
+        return profile
+
+    @classmethod
+    def _read(cls, path: str) -> "RoutingProfile":
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            handle = safe_open(path, "np")
+        except (SafetensorError, OSError, ValueError) as error:
+            raise ValueError(f"not a readable safetensors file ({' '.join(str(error).split())})") from None
+        with handle as f:
             header_text = (f.metadata() or {}).get(PROFILE_METADATA_KEY)
             if header_text is None:
                 raise ValueError(
-                    f"{path!r} is not an occult_hf routing profile: its safetensors metadata lacks the "
+                    f"not an occult_hf routing profile: its safetensors metadata lacks the "
                     f"{PROFILE_METADATA_KEY!r} entry (make one with `occult profile`)"
                 )
-            header = json.loads(header_text)
+            try:
+                header = json.loads(header_text)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"metadata {PROFILE_METADATA_KEY!r} is not valid JSON ({error})") from None
+            if not isinstance(header, dict):
+                raise ValueError(f"metadata {PROFILE_METADATA_KEY!r} must be a JSON object")
             if header.get("format") != PROFILE_FORMAT:
-                raise ValueError(f"{path!r} has profile format {header.get('format')!r}, expected {PROFILE_FORMAT!r}")
+                raise ValueError(f"profile format {header.get('format')!r}, expected {PROFILE_FORMAT!r}")
+            num_experts = _header_int(header, "num_experts", 1)
+            top_k = _header_int(header, "top_k", 1)
+            layer_list = header.get("layers")
+            if not isinstance(layer_list, list) or not layer_list:
+                raise ValueError("header 'layers' must be a non-empty list of layer indices")
+            for l in layer_list:
+                if type(l) is not int or l < 0:
+                    raise ValueError(f"header 'layers' holds {l!r}; layer indices are integers >= 0")
+            if len(set(layer_list)) != len(layer_list):
+                raise ValueError(f"header 'layers' repeats a layer: {layer_list}")
+            meta = header.get("meta") or {}
+            if not isinstance(meta, dict):
+                raise ValueError("header 'meta' must be a JSON object")
+            model_type = header.get("model_type")
+            if model_type is not None and not isinstance(model_type, str):
+                raise ValueError(f"header 'model_type' must be a string or null, got {model_type!r}")
             names = set(f.keys())
+            expected = {f"layer.{l}.{n}" for l in layer_list for n in _TENSOR_DTYPES}
+            unexpected = sorted(names - expected)
+            if unexpected:
+                raise ValueError(f"holds tensors {unexpected[:5]} of no layer listed in its header {layer_list}")
             layers = {}
-            for l in header["layers"]:
+            for l in layer_list:
                 def get(name: str, l=l):
                     key = f"layer.{l}.{name}"
-                    return f.get_tensor(key) if key in names else None
+                    if key not in names:
+                        return None
+                    tensor = f.get_tensor(key)
+                    if tensor.dtype != _TENSOR_DTYPES[name]:
+                        raise ValueError(f"tensor {key!r} has dtype {tensor.dtype}, expected {_TENSOR_DTYPES[name]}")
+                    if name != "logit_gram" and tensor.size and tensor.min() < 0:
+                        raise ValueError(f"tensor {key!r} holds negative values")
+                    return tensor
 
                 for required in ("coactivation", "expert_counts", "token_count"):
                     if get(required) is None:
-                        raise ValueError(f"routing profile {path!r} lacks tensor 'layer.{l}.{required}'")
+                        raise ValueError(f"lacks tensor 'layer.{l}.{required}'")
+                token_count = get("token_count")
+                if token_count.shape != ():
+                    raise ValueError(f"tensor 'layer.{l}.token_count' must be a scalar, got shape {list(token_count.shape)}")
+                sample = get("topk_sample")
+                if sample is not None and sample.size and sample.max() >= num_experts:
+                    raise ValueError(f"tensor 'layer.{l}.topk_sample' holds expert ids >= num_experts={num_experts}")
                 layers[int(l)] = LayerRouting(
                     coactivation=get("coactivation"),
                     expert_counts=get("expert_counts"),
-                    token_count=int(get("token_count")),
+                    token_count=int(token_count),
                     logit_gram=get("logit_gram"),
-                    topk_sample=get("topk_sample"),
+                    topk_sample=sample,
                 )
-        profile = cls(
-            num_experts=int(header["num_experts"]),
-            top_k=int(header["top_k"]),
-            layers=layers,
-            model_type=header.get("model_type"),
-            meta=dict(header.get("meta") or {}),
-        )
-        if model is not None:
-            profile.check_compatible(model)
-        return profile
+        return cls(num_experts=num_experts, top_k=top_k, layers=layers, model_type=model_type, meta=dict(meta))
 
 
-def _skeleton(config):
+#: the tensors of one profile layer and their dtypes
+_TENSOR_DTYPES = {
+    "coactivation": np.dtype(np.int64),
+    "expert_counts": np.dtype(np.int64),
+    "token_count": np.dtype(np.int64),
+    "logit_gram": np.dtype(np.float64),
+    "topk_sample": np.dtype(np.int64),
+}
+
+
+def _header_int(header: dict, key: str, minimum: int) -> int:
+    value = header.get(key)
+    if type(value) is not int or value < minimum:
+        raise ValueError(f"header {key!r} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _skeleton(config, trust_remote_code: bool = False):
     """The model of `config` on the meta device (no memory, no weights): its module tree only.
 
-    Remote-code configs (with an `auto_map`) were already loaded with trust_remote_code.
+    `trust_remote_code` is only what the caller passed: a config's `auto_map` names code that would
+    run on import, so it never switches remote code on by itself.
     """
     import torch
     import transformers
 
-    with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(
-            config, trust_remote_code=bool(getattr(config, "auto_map", None))
-        )
+    try:
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except ValueError as error:
+        if trust_remote_code or not getattr(config, "auto_map", None):
+            raise
+        raise ValueError(
+            f"checking a routing profile against a {getattr(config, 'model_type', None)!r} config needs the model's "
+            f"remote code (its auto_map), which occult_hf does not run unasked: pass the loaded model instead of its "
+            f"config, or trust_remote_code=True ({' '.join(str(error).split())[:200]})"
+        ) from None
 
 
 def _check_shape(what: str, array: np.ndarray, expected: tuple[int, ...]) -> None:

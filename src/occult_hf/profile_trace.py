@@ -65,17 +65,27 @@ def profile_from_trace(
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"trace file {path!r} is not a file")
-    with np.load(path, allow_pickle=False) as npz:
-        arrays = {name: npz[name] for name in npz.files}
-    file_meta = _file_meta(arrays)
+    if layer is not None and (isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < 0):
+        raise ValueError(f"trace file {path!r}: layer={layer!r} must be a decoder-layer index (an integer >= 0)")
+    arrays = _load_arrays(path)
+    file_meta = _file_meta(arrays, path)
     source = {"source": f"trace:{os.path.basename(path)}"}
     if key is None and "coact" in arrays and "freq" in arrays:
         return _from_pair_counts(arrays, file_meta, num_experts, top_k, model_type, source)
     keys = _id_keys(arrays, key, path)
     ids_TLk, layers = _stack_ids(arrays, keys, layer, path)
     keep_T = _row_mask(arrays, ids_TLk.shape[0], path)
+    usable_L = (keep_T[:, None] & (ids_TLk >= 0).all(axis=2)).sum(axis=0)
+    if ids_TLk.shape[0] == 0 or not usable_L.all():
+        empty = [layers[i] for i in np.flatnonzero(usable_L == 0).tolist()] or layers
+        raise ValueError(
+            f"trace file {path!r} has no usable token at layers {empty}: every row is masked out or holds a negative "
+            f"(missing) expert id, so a profile of it would be empty"
+        )
     if num_experts is None and "n_experts" in file_meta:
-        num_experts = int(file_meta["n_experts"])
+        num_experts = file_meta["n_experts"]
+        if type(num_experts) is not int or num_experts < 1:
+            raise ValueError(f"trace file {path!r}: meta 'n_experts' must be an integer >= 1, got {num_experts!r}")
     inferred = num_experts is None
     if inferred:
         num_experts = int(ids_TLk.max()) + 1
@@ -100,13 +110,31 @@ def profile_from_trace(
     return RoutingProfile(num_experts, k, result_layers, model_type=model_type, meta=meta)
 
 
-def _file_meta(arrays: dict[str, np.ndarray]) -> dict:
+def _load_arrays(path: str) -> dict[str, np.ndarray]:
+    """Every array of an `.npz`; a corrupt, truncated or pickled file is a `ValueError` naming it."""
+    import zipfile
+    import zlib
+
+    try:
+        npz = np.load(path, allow_pickle=False)
+        if not isinstance(npz, np.lib.npyio.NpzFile):
+            raise ValueError("it holds one array, not an .npz archive of named arrays")
+        with npz:
+            return {name: npz[name] for name in npz.files}
+    except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, KeyError) as error:
+        raise ValueError(f"trace file {path!r} is not a readable .npz archive ({' '.join(str(error).split())})") from None
+
+
+def _file_meta(arrays: dict[str, np.ndarray], path: str) -> dict:
     if "meta" not in arrays:
         return {}
     try:
-        return dict(json.loads(str(arrays["meta"])))
-    except (json.JSONDecodeError, TypeError, ValueError):
-        return {}
+        meta = json.loads(str(arrays["meta"]))
+    except (json.JSONDecodeError, TypeError, ValueError) as error:
+        raise ValueError(f"trace file {path!r}: its 'meta' array is not JSON ({error})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"trace file {path!r}: its 'meta' array must hold a JSON object")
+    return meta
 
 
 def _id_keys(arrays: dict[str, np.ndarray], key, path: str) -> list[str]:

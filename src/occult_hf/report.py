@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .atomic import atomic_save_figure
 from .metrics import LayerMetrics, evaluate_placement, summarize
 from .placement import Placement
 from .profile import RoutingProfile
@@ -170,7 +171,7 @@ def plot_cost_by_layer(profile: RoutingProfile, results: list[PlacementResult], 
     for axes in (cost_axes, balance_axes):
         axes.grid(alpha=0.3)
         axes.legend(fontsize=8)
-    fig.savefig(path, dpi=110)
+    atomic_save_figure(fig, path, dpi=110)
     return os.fspath(path)
 
 
@@ -200,7 +201,7 @@ def plot_coactivation(
         axes.set_xlabel("experts by device")
     fig.colorbar(image, ax=list(axes_list), shrink=0.8, label="co-activations per token")
     fig.suptitle(f"layer {layer} co-activation ordered by placement", fontsize=10)
-    fig.savefig(path, dpi=110)
+    atomic_save_figure(fig, path, dpi=110)
     return os.fspath(path)
 
 

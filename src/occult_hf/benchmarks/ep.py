@@ -52,6 +52,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from occult_hf.atomic import atomic_save_figure, atomic_write_text
 from occult_hf.benchmarks.experts import HF_EXPERTS, SHAPES, ExpertShape, machine_line
 from occult_hf.config import OccultConfig
 from occult_hf.dispatch import TokenRouting, dispatcher_class
@@ -592,7 +593,7 @@ def plot(rows: list[Row], path: Path) -> None:
         ax.set_xlabel("ms (slowest rank)", fontsize=7)
     axes[0, 0].legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    atomic_save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -604,14 +605,16 @@ def save_results(rows: list[Row], world: int, dtype, device, out: Path) -> None:
     print(f"\n{header}\n\n{table}", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     suffix = f"_{world}x{torch.device(device).type}"
-    (out / f"bench_ep{suffix}.md").write_text(f"{header}\n\n{table}\n")
-    (out / f"bench_ep{suffix}.json").write_text(json.dumps({"header": header, "rows": [asdict(r) for r in rows]}, indent=1))
+    atomic_write_text(out / f"bench_ep{suffix}.md", f"{header}\n\n{table}\n")
+    atomic_write_text(out / f"bench_ep{suffix}.json", json.dumps({"header": header, "rows": [asdict(r) for r in rows]}, indent=1))
     plot(rows, out / f"bench_ep{suffix}.png")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..cli import positive_int
+
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--tokens", nargs="+", type=int, default=[128, 4096, 16384], help="tokens per rank")
+    parser.add_argument("--tokens", nargs="+", type=positive_int, default=[128, 4096, 16384], help="tokens per rank")
     parser.add_argument("--dispatchers", nargs="+", default=list(DISPATCHERS), choices=list(DISPATCHERS))
     parser.add_argument(
         "--modes", nargs="+", default=[m.name for m in MODES] + [TRANSFORMERS_EP], choices=[m.name for m in MODES] + [TRANSFORMERS_EP]
@@ -622,7 +625,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"routing trace (.npz, topk_ids [T, k]) replayed for the shape with its E and k "
         f"(default: {DEFAULT_TRACE} when present, else every shape uses its router)",
     )
-    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--iterations", type=positive_int, default=20)
     parser.add_argument("--expert-backend", default="auto", choices=["auto", "triton", "torch"])
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default: bf16 on GPU, fp32 on CPU")
     parser.add_argument("--hidden", type=int, default=None, help="override H (CPU dry runs), keeping E, k and routing")

@@ -33,6 +33,7 @@ from typing import Callable
 
 import torch
 
+from occult_hf.atomic import atomic_save_figure, atomic_write_text
 from occult_hf.kernels import ExpertSegments, expert_mlp_grouped_mm, expert_mlp_reference
 
 HELP = "expert kernels: Triton vs PyTorch grouped_mm vs transformers' experts modules"
@@ -335,7 +336,7 @@ def plot(measurements: list[Measurement], path: Path) -> None:
             ax.set_title(f"{shape}: {title}")
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -473,14 +474,14 @@ def run(args: argparse.Namespace) -> int:
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "experts.md").write_text(text)
+    atomic_write_text(out / "experts.md", text)
     payload = {
         "machine": machine_line(device),
         "dense_tflops": result["dense_tflops"],
         "measurements": [asdict(m) for m in result["measurements"]],
         "breakdowns": result["breakdowns"],
     }
-    (out / "experts.json").write_text(json.dumps(payload, indent=1))
+    atomic_write_text(out / "experts.json", json.dumps(payload, indent=1))
     plot(result["measurements"], out / "experts.png")
     print(f"wrote {out / 'experts.md'}, {out / 'experts.json'}, {out / 'experts.png'}")
     return 0

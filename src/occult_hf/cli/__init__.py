@@ -54,6 +54,28 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"occult {args.command}: error: {one_line(error)} (--debug shows the traceback)\n")
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (`--tokens 0` is an error at parse time, not a crash later)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0 (a layer index)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
 def check_output_dir(path: str, option: str = "--out") -> None:
     """Fail before a long run when the output directory `path` cannot be made (an existing file)."""
     if os.path.exists(path) and not os.path.isdir(path):

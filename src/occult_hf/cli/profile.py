@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..profile_collect import DEFAULT_SAMPLE_SIZE
+from . import non_negative_int
 from .devices import resolve_device
 
 
@@ -42,7 +43,7 @@ def register(subparsers) -> None:
     group.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own modelling code (not needed for DeepSeek-MoE: occult_hf has it natively)")
     trace = parser.add_argument_group("trace options")
     trace.add_argument("--trace-key", action="append", help="id array(s) to read (default: topk_ids or *_experts)")
-    trace.add_argument("--layer", type=int, default=None, help="decoder-layer index of a single-layer trace (default 0)")
+    trace.add_argument("--layer", type=non_negative_int, default=None, help="decoder-layer index of a single-layer trace (default 0)")
     trace.add_argument("--num-experts", type=int, default=None, help="E (default: from the file or largest id + 1)")
     trace.add_argument("--model-type", default=None, help="model_type to record in the profile")
     parser.add_argument(

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..atomic import atomic_save_figure
 from ..metrics import device_load, evaluate_placement, expert_load, load_balance, load_floor, profile_drift, summarize
 from ..placement import Placement, balanced_capacities, plan_placement
 from ..placement.refined import initial_assignment
@@ -354,7 +355,7 @@ def plot(result: StudyResult, path: Path) -> None:
         axis.grid(alpha=0.3)
         axis.legend()
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    atomic_save_figure(figure, path, dpi=120)
 
 
 def run_placement_study(

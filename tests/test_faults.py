@@ -1,0 +1,253 @@
+"""Fault injection: ranks that disagree, peers that stall or die, saves that are interrupted.
+
+One 2-rank gloo world (every wait on a peer bounded by a 3 s `OCCULT_SAVE_TIMEOUT_S` and
+`OCCULT_EXCHANGE_TIMEOUT_S`, the world by `run_world`'s timeout) and an in-process save test:
+
+- a placement, dispatch mode, pruning setting or dtype that differs between the ranks: a clear
+  error on both ranks at `apply_occult` naming the field (and the layers whose placement differs);
+- a peer that raises and stays alive while the other saves, and a peer that stops after the
+  configuration check of a save and goes on to a barrier: an error naming the operation and the
+  layer within the timeout, not after the process group's 30 minutes; the same two faults while the
+  other rank is in a forward: the EP exchange's `ExchangeError` naming the layer;
+- a peer killed in the middle of a forward: the other rank fails within seconds;
+- a save interrupted while writing each of its files: the previous checkpoint is byte-for-byte
+  unchanged, loads, and equals the original model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from distributed import WorldError, run_world
+from tiny_models import tiny_batch, tiny_model
+
+TIMEOUT_ENV = {"OCCULT_SAVE_TIMEOUT_S": "3", "OCCULT_EXCHANGE_TIMEOUT_S": "3"}
+
+
+def _shuffled(num_experts=8, num_devices=2, layers=(0, 1), seed=0):
+    import numpy as np
+
+    from occult_hf import Placement
+
+    base = (np.arange(num_experts) * num_devices // num_experts).tolist()
+    maps = {layer: np.random.default_rng(seed + layer).permutation(base).tolist() for layer in layers}
+    return Placement(num_experts, num_devices, maps, {"method": "shuffled"})
+
+
+# ----- one 2-rank world: disagreement, stalled peers, a dead peer -------------------------------------
+
+
+def _expect_mismatch(rank, config_of_rank, model_of_rank, *words):
+    from occult_hf.agreement import EPConfigMismatchError
+    from occult_hf.integration import apply_occult
+
+    with pytest.raises(EPConfigMismatchError) as error:
+        apply_occult(model_of_rank(rank), config_of_rank(rank))
+    message = str(error.value)
+    for word in words:
+        assert word in message, f"rank {rank}: {word!r} not in {message!r}"
+
+
+def _mismatch_cases(rank):
+    from occult_hf import OccultConfig, Placement
+
+    olmoe = lambda r: tiny_model("olmoe", seed=1)  # noqa: E731
+    placements = [Placement.contiguous(8, 2, [0, 1]), _shuffled()]
+    _expect_mismatch(rank, lambda r: OccultConfig(placement=placements[r]), olmoe,
+                     "disagree at apply_occult on placement (expert -> device maps differ at layers [0, 1])")
+    _expect_mismatch(rank, lambda r: OccultConfig(dispatch=("dedup", "per_expert")[r]), olmoe,
+                     "dispatch (rank 0 'dedup', rank 1 'per_expert')")
+    _expect_mismatch(rank, lambda r: OccultConfig(prune=(None, "router")[r], max_devices_per_token=(None, 1)[r]), olmoe,
+                     "max_devices_per_token (rank 0 None, rank 1 1)", "prune (rank 0 None, rank 1 'router')")
+    _expect_mismatch(rank, lambda r: OccultConfig(), lambda r: olmoe(r).to((torch.float32, torch.float64)[r]),
+                     "dtype (rank 0 'torch.float32', rank 1 'torch.float64')")
+
+
+def _stalled_peer_cases(rank, directory):
+    import torch.distributed as dist
+
+    from occult_hf import OccultConfig
+    from occult_hf.agreement import EPPeerError
+    from occult_hf.integration import _check_model_ranks_agree, _state, apply_occult
+
+    # a peer that raises, catches it and stays alive: the saving rank fails within the timeout
+    model = apply_occult(tiny_model("olmoe", seed=2), OccultConfig(placement=_shuffled()))
+    start = time.monotonic()
+    if rank == 0:
+        with pytest.raises(EPPeerError, match=r"configuration check at save_pretrained failed on rank 0: an EP peer did "
+                                              r"not join within 3 s \(OCCULT_SAVE_TIMEOUT_S\)"):
+            model.save_pretrained(Path(directory) / "raised")
+        assert time.monotonic() - start < 30
+    else:
+        try:
+            raise RuntimeError("rank 1: bad batch")  # the user's code catches it and carries on
+        except RuntimeError:
+            pass
+    dist.barrier()
+
+    # a peer that stops early (after the save's configuration check) and calls a barrier
+    model = apply_occult(tiny_model("olmoe", seed=3), OccultConfig(placement=_shuffled(seed=5)))
+    start = time.monotonic()
+    if rank == 0:
+        with pytest.raises(EPPeerError, match=r"gathering the experts \(save_pretrained/unapply_occult\) of layer 0 "
+                                              r"failed on rank 0"):
+            model.save_pretrained(Path(directory) / "stopped")
+        assert time.monotonic() - start < 30
+    else:
+        _check_model_ranks_agree(model, _state(model), "save_pretrained")  # then stops: no gather
+    dist.barrier()
+    assert not (Path(directory) / "stopped" / "config.json").exists()
+
+    # the shared padded gather (PEFT adapters, saves) is bounded the same way
+    from occult_hf.collectives import gather_rows
+
+    group = dist.new_group([0, 1])
+    if rank == 0:
+        with pytest.raises(EPPeerError, match="expert adapters of layer 3 failed on rank 0: an EP peer did not join"):
+            gather_rows(torch.ones(2, 3), 0, [2, 1], group, to_all=True, what="gathering the expert adapters of layer 3")
+    dist.barrier()
+
+
+def _stalled_exchange_cases(rank):
+    """The same two faults in the middle of a forward: the EP exchange's own bound (OCCULT_EXCHANGE_TIMEOUT_S).
+
+    Each case runs on a fresh EP group: a timed-out exchange leaves its group unusable.
+    """
+    import torch.distributed as dist
+
+    from occult_hf import OccultConfig
+    from occult_hf.dispatch.all_to_all import ExchangeError
+    from occult_hf.integration import apply_occult
+
+    for case in ("raises and stays alive", "stops early and calls a barrier"):
+        model = apply_occult(tiny_model("olmoe", seed=4), OccultConfig(placement=_shuffled()), group=dist.new_group([0, 1]))
+        start = time.monotonic()
+        if rank == 0:
+            with pytest.raises(ExchangeError, match=r"layer 0: the .* did not finish within 3 s"):
+                model(tiny_batch(seed=0))
+            assert time.monotonic() - start < 30, case
+        elif case == "raises and stays alive":
+            try:
+                raise RuntimeError("rank 1: bad batch")
+            except RuntimeError:
+                time.sleep(6)  # alive, busy elsewhere, never joins the forward
+        dist.barrier()  # "stops early": rank 1 is here while rank 0 is in its forward
+
+
+def _killed_peer_case(rank, report_file):
+    """Last: rank 1 dies (exit code 17) between two MoE layers of a forward; rank 0 must fail fast."""
+    from occult_hf import OccultConfig
+    from occult_hf.integration import apply_occult
+
+    model = apply_occult(tiny_model("olmoe", seed=4), OccultConfig(placement=_shuffled()))
+    ids = tiny_batch(seed=rank)
+    model(ids)  # one good forward on both ranks
+    if rank == 1:
+        block = model.get_submodule("model.layers.1.mlp")
+        block.register_forward_pre_hook(lambda *_: os._exit(17))  # dies between layer 0 and layer 1
+    start = time.monotonic()
+    try:
+        model(ids)
+    except Exception as error:  # noqa: BLE001 - what the surviving rank sees is the point
+        Path(report_file).write_text(f"{time.monotonic() - start:.1f}s {type(error).__name__}: {error}")
+        raise
+    raise AssertionError(f"rank {rank}: the forward with a dead peer returned")
+
+
+def _fault_world(rank, world_size, directory):
+    from occult_hf.integration import install
+
+    install()
+    _mismatch_cases(rank)
+    _stalled_peer_cases(rank, directory)
+    _stalled_exchange_cases(rank)
+    _killed_peer_case(rank, os.path.join(directory, "rank0.txt"))
+
+
+@pytest.mark.world_size(2)
+def test_disagreeing_stalled_and_dead_peers_fail_clearly(tmp_path):
+    """One world for every case (a world start costs more than all the checks); it ends with rank 1's death,
+    so every earlier check passed on rank 1 if it exited with code 17 and on rank 0 if it wrote its report."""
+    with pytest.raises(WorldError) as error:
+        run_world(_fault_world, 2, str(tmp_path), env=TIMEOUT_ENV, timeout_s=300)
+    message = str(error.value)
+    assert "--- rank 1 ---\nprocess exited with code 17" in message, message[-4000:]
+    report = (tmp_path / "rank0.txt").read_text()  # what rank 0 saw when its peer died mid-forward
+    assert float(report.split("s ", 1)[0]) < 30, report
+
+
+# ----- interrupted saves (one process: the writing rank) ------------------------------------------
+
+
+def _tree_digest(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
+
+
+def _fail_on(monkeypatch, target: str):
+    """Make the writer of one file of a save raise, as a full disk or a killed writer would."""
+    import transformers
+    from transformers import modeling_utils
+
+    from occult_hf.placement import Placement
+
+    def boom(*args, **kwargs):
+        raise OSError(f"injected failure writing {target}")
+
+    if target == "model.safetensors":
+        monkeypatch.setattr(modeling_utils, "safe_save_file", boom)
+    elif target == "config.json":
+        monkeypatch.setattr(transformers.PretrainedConfig, "save_pretrained", boom)
+    elif target == "generation_config.json":
+        monkeypatch.setattr(transformers.GenerationConfig, "save_pretrained", boom)
+    elif target == "occult_placement.json":
+        monkeypatch.setattr(Placement, "save", boom)
+    elif target == "rename of config.json":
+        import occult_hf.integration as integration
+
+        real = os.replace
+
+        def replace(source, destination):
+            if os.path.basename(destination) == "config.json":
+                raise OSError("injected failure renaming config.json")
+            return real(source, destination)
+
+        monkeypatch.setattr(integration.os, "replace", replace)
+
+
+def test_interrupted_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from occult_hf import OccultConfig
+    from occult_hf.integration import apply_occult, install, occult_config_of
+
+    install()
+    ids = tiny_batch(seed=1)
+    original = apply_occult(tiny_model("olmoe", seed=5), OccultConfig(placement=_shuffled(num_devices=2)))
+    original.save_pretrained(tmp_path)
+    before, expected = _tree_digest(tmp_path), original(ids).logits
+
+    changed = apply_occult(tiny_model("olmoe", seed=6), OccultConfig(placement=_shuffled(num_devices=4, seed=9)))
+    for target in ("occult_placement.json", "model.safetensors", "config.json", "generation_config.json"):
+        with monkeypatch.context() as patch:
+            _fail_on(patch, target)
+            with pytest.raises(OSError, match=f"injected failure writing {target}"):
+                changed.save_pretrained(tmp_path)
+        assert _tree_digest(tmp_path) == before, target  # not one byte changed, no staging directory left
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert occult_config_of(reloaded).placement == occult_config_of(original).placement
+    assert torch.allclose(reloaded(ids).logits, expected, rtol=1e-6, atol=1e-7)
+
+    # Interrupted among the renames (placement and weights new, config old): every file is whole, and the
+    # checkpoint loads with the setup its config names (weights are in the original expert order).
+    with monkeypatch.context() as patch:
+        _fail_on(patch, "rename of config.json")
+        with pytest.raises(OSError, match="injected failure renaming config.json"):
+            changed.save_pretrained(tmp_path)
+    assert set(_tree_digest(tmp_path)) == set(before)
+    assert occult_config_of(AutoModelForCausalLM.from_pretrained(tmp_path)).placement == occult_config_of(original).placement
