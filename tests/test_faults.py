@@ -76,32 +76,29 @@ def _stalled_peer_cases(rank, directory):
     from occult_hf.agreement import EPPeerError
     from occult_hf.integration import _check_model_ranks_agree, _state, apply_occult
 
-    # a peer that raises, catches it and stays alive: the saving rank fails within the timeout
-    model = apply_occult(tiny_model("olmoe", seed=2), OccultConfig(placement=_shuffled()))
-    start = time.monotonic()
-    if rank == 0:
-        with pytest.raises(EPPeerError, match=r"configuration check at save_pretrained failed on rank 0: an EP peer did "
-                                              r"not join within 3 s \(OCCULT_SAVE_TIMEOUT_S\)"):
-            model.save_pretrained(Path(directory) / "raised")
-        assert time.monotonic() - start < 30
-    else:
+    def rank0_saves(seed, name, error_pattern, rank1_does):
+        model = apply_occult(tiny_model("olmoe", seed=seed), OccultConfig(placement=_shuffled(seed=seed)))
+        start = time.monotonic()
+        if rank == 0:
+            with pytest.raises(EPPeerError, match=error_pattern):
+                model.save_pretrained(Path(directory) / name)
+            assert time.monotonic() - start < 30, name
+        else:
+            rank1_does(model)
+        dist.barrier()
+
+    def raise_and_carry_on(model):
         try:
             raise RuntimeError("rank 1: bad batch")  # the user's code catches it and carries on
         except RuntimeError:
             pass
-    dist.barrier()
 
+    # a peer that raises, catches it and stays alive: the saving rank fails within the timeout
+    rank0_saves(2, "raised", r"configuration check at save_pretrained failed on rank 0: an EP peer did not join within "
+                r"3 s \(OCCULT_SAVE_TIMEOUT_S\)", raise_and_carry_on)
     # a peer that stops early (after the save's configuration check) and calls a barrier
-    model = apply_occult(tiny_model("olmoe", seed=3), OccultConfig(placement=_shuffled(seed=5)))
-    start = time.monotonic()
-    if rank == 0:
-        with pytest.raises(EPPeerError, match=r"gathering the experts \(save_pretrained/unapply_occult\) of layer 0 "
-                                              r"failed on rank 0"):
-            model.save_pretrained(Path(directory) / "stopped")
-        assert time.monotonic() - start < 30
-    else:
-        _check_model_ranks_agree(model, _state(model), "save_pretrained")  # then stops: no gather
-    dist.barrier()
+    rank0_saves(3, "stopped", r"gathering the experts \(save_pretrained/unapply_occult\) of layer 0 failed on rank 0",
+                lambda model: _check_model_ranks_agree(model, _state(model), "save_pretrained"))
     assert not (Path(directory) / "stopped" / "config.json").exists()
 
     # the shared padded gather (PEFT adapters, saves) is bounded the same way

@@ -54,26 +54,23 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"occult {args.command}: error: {one_line(error)} (--debug shows the traceback)\n")
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (`--tokens 0` is an error at parse time, not a crash later)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0 (a layer index)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+#: argparse types: `--tokens 0` or `--layer -3` is an error at parse time, not a crash or a useless file later
+positive_int = _int_at_least(1)
+non_negative_int = _int_at_least(0)
 
 
 def check_output_dir(path: str, option: str = "--out") -> None:
