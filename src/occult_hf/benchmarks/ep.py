@@ -384,6 +384,7 @@ def measure(shape_name: str, tokens: int, trace, args, device, dtype, rank: int,
             prune="router" if mode.max_devices_per_token else None,
             max_devices_per_token=mode.max_devices_per_token,
             expert_backend=args.expert_backend,
+            dispatch_chunks=args.chunks,
         )
         converted, layer = occult_layer(model, occult_config, logits_TE)
         try:
@@ -597,11 +598,13 @@ def plot(rows: list[Row], path: Path) -> None:
     plt.close(fig)
 
 
-def save_results(rows: list[Row], world: int, dtype, device, out: Path) -> None:
+def save_results(rows: list[Row], world: int, dtype, device, out: Path, chunks: int | None = None) -> None:
     """Print the table and write `bench_ep_<D>x<device>.md/.json/.png` under `out`."""
     table = results_table(rows)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    header = f"`occult bench ep`, {world} rank(s), {dtype}, {stamp}, {machine_line(device)}"
+    header = (
+        f"`occult bench ep`, {world} rank(s), {dtype}, dispatch_chunks={chunks or 'auto'}, {stamp}, {machine_line(device)}"
+    )
     print(f"\n{header}\n\n{table}", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     suffix = f"_{world}x{torch.device(device).type}"
@@ -624,6 +627,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"routing trace (.npz, topk_ids [T, k]) replayed for the shape with its E and k "
         f"(default: {DEFAULT_TRACE} when present, else every shape uses its router)",
+    )
+    parser.add_argument(
+        "--chunks", type=positive_int, default=None, help="OccultConfig.dispatch_chunks for every layer (default: chosen from T per rank)"
     )
     parser.add_argument("--iterations", type=positive_int, default=20)
     parser.add_argument("--expert-backend", default="auto", choices=["auto", "triton", "torch"])
@@ -668,7 +674,7 @@ def run(args: argparse.Namespace) -> int:
         for tokens in args.tokens:
             rows.extend(measure(shape_name, tokens, trace, args, device, dtype, rank, world, log))
             if rank == 0:  # after every shape and T: a later failure keeps what was measured
-                save_results(rows, world, dtype, device, Path(args.out))
+                save_results(rows, world, dtype, device, Path(args.out), args.chunks)
     if dist.is_initialized():
         dist.barrier()
     return 0
