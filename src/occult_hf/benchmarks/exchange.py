@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from occult_hf.atomic import atomic_write_text
+
 HELP = "raw exchange between ranks (NCCL all_to_all_single, NVSHMEM all_to_all_vdev): per-call cost and GB/s"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
@@ -142,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
         print(text)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "exchange_model.md").write_text(text + "\n")
+        atomic_write_text(out / "exchange_model.md", text + "\n")
         return 0
     from occult_hf.dispatch.static import _MIN_BUFFER_BYTES, _enable_group, _row_align, _ensure_nvshmem_backend, all_to_all_vdev, nvshmem_usable, _vdev_takes_in_out_splits
 
@@ -231,8 +233,8 @@ def run(args: argparse.Namespace) -> int:
         print("\n" + text, flush=True)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"bench_exchange_{world}xcuda.md").write_text(text + "\n")
-        (out / f"bench_exchange_{world}xcuda.json").write_text(json.dumps({"header": header, "fits": fits, "notes": notes}, indent=1))
+        atomic_write_text(out / f"bench_exchange_{world}xcuda.md", text + "\n")
+        atomic_write_text(out / f"bench_exchange_{world}xcuda.json", json.dumps({"header": header, "fits": fits, "notes": notes}, indent=1))
     dist.barrier()
     return 0
 

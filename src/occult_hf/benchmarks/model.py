@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from occult_hf.atomic import atomic_write_text
+
 HELP = "a few-layer model at a real MoE shape on one device: occult_hf (one process) vs stock transformers"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
@@ -210,6 +212,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n{header}\n\n{table}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"bench_model_{device.type}.md").write_text(f"{header}\n\n{table}\n")
-    (out / f"bench_model_{device.type}.json").write_text(json.dumps({"header": header, "rows": [asdict(r) for r in rows]}, indent=1))
+    atomic_write_text(out / f"bench_model_{device.type}.md", f"{header}\n\n{table}\n")
+    atomic_write_text(out / f"bench_model_{device.type}.json", json.dumps({"header": header, "rows": [asdict(r) for r in rows]}, indent=1))
     return 0

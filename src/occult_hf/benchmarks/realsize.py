@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from occult_hf.atomic import atomic_write_text
 from occult_hf.benchmarks.ep import timed
 
 HELP = "the whole OLMoE-1B-7B model under EP (torchrun) vs a data-parallel replica: fwd, fwd+bwd, decode, memory"
@@ -172,8 +173,8 @@ def run(args: argparse.Namespace) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         suffix = f"_{world}x{device.type}"
-        (out / f"bench_realsize{suffix}.md").write_text(f"{header}\n\n{table}\n")
-        (out / f"bench_realsize{suffix}.json").write_text(json.dumps({"header": header, "rows": [asdict(r) for r in rows]}, indent=1))
+        atomic_write_text(out / f"bench_realsize{suffix}.md", f"{header}\n\n{table}\n")
+        atomic_write_text(out / f"bench_realsize{suffix}.json", json.dumps({"header": header, "rows": [asdict(r) for r in rows]}, indent=1))
 
     def agree(tokens) -> bool | None:
         if replica_tokens is None:
