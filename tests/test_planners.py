@@ -41,7 +41,8 @@ def layer_inputs(num_experts: int, top_k: int, num_groups: int, num_tokens: int 
 def plan(method: str, coactivation, counts, sample, num_devices: int, **options) -> np.ndarray:
     spec = get_planner(method)
     options = {**FAST, **options} if method == "refined" else options
-    return spec.plan_layer(coactivation, counts, sample, num_devices, spec.make_options(**options))
+    result = spec.plan_layer(coactivation, counts, sample, num_devices, spec.make_options(**options))
+    return np.asarray(getattr(result, "device_of_E", result))
 
 
 # ----- registry ----------------------------------------------------------------------------------

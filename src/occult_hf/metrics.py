@@ -86,10 +86,25 @@ def check_square(matrix_EE: np.ndarray, num_experts: int, name: str = "coactivat
 
 
 # ----- CT --------------------------------------------------------------------------------------
-def device_hits(topk_ids_Nk: np.ndarray, device_of_E: np.ndarray, num_devices: int) -> np.ndarray:
-    """`[N, D]` int64: how many of token n's k experts device d holds (rows sum to k)."""
+def pair_devices(
+    topk_ids_Nk: np.ndarray, device_of_E: np.ndarray, num_devices: int, home_table_EM: np.ndarray | None = None
+) -> np.ndarray:
+    """`[N, k]` int64 device serving each (token, expert) pair: `device_of_E[ids]`, or with replicas
+    (`home_table_EM` `[E, M]`, M > 1) the replica rule `placement.replicas.resolve_homes` with the
+    token's position as its index."""
+    if home_table_EM is None or np.asarray(home_table_EM).shape[1] == 1:
+        return device_of_E[topk_ids_Nk]
+    from .placement.replicas import resolve_homes_np
+
+    return resolve_homes_np(topk_ids_Nk, home_table_EM, num_devices)
+
+
+def device_hits(
+    topk_ids_Nk: np.ndarray, device_of_E: np.ndarray, num_devices: int, home_table_EM: np.ndarray | None = None
+) -> np.ndarray:
+    """`[N, D]` int64: how many of token n's k pairs device d serves (rows sum to k)."""
     num_tokens = topk_ids_Nk.shape[0]
-    device_Nk = device_of_E[topk_ids_Nk]
+    device_Nk = pair_devices(topk_ids_Nk, device_of_E, num_devices, home_table_EM)
     flat = (np.arange(num_tokens, dtype=np.int64)[:, None] * num_devices + device_Nk).ravel()
     return np.bincount(flat, minlength=num_tokens * num_devices).reshape(num_tokens, num_devices)
 
@@ -168,6 +183,7 @@ def communication_volume(
     device_of_E: np.ndarray,
     num_devices: int,
     source_rank_N: np.ndarray | None = None,
+    home_table_EM: np.ndarray | None = None,
 ) -> CommunicationVolume:
     """CT, remote copies and per-rank rows of dispatching `topk_ids_Nk` under `device_of_E`.
 
@@ -176,6 +192,7 @@ def communication_volume(
         device_of_E: `[E]` device of each expert.
         num_devices: `D` (= ranks R).
         source_rank_N: `[N]` rank holding each token; default `token_ranks(N, D)` (contiguous equal chunks).
+        home_table_EM: `[E, M]` homes of each expert when the placement has replicas (`pair_devices`).
 
     A token's remote copies are its CT minus one when its own rank holds one of its experts (that
     copy never crosses a link). Bytes per token and direction = remote copies x hidden x bytes per element.
@@ -191,7 +208,7 @@ def communication_volume(
     source_rank_N = np.asarray(source_rank_N, dtype=np.int64)
     if source_rank_N.shape != (num_tokens,) or source_rank_N.min() < 0 or source_rank_N.max() >= num_devices:
         raise ValueError(f"source_rank_N must be [N={num_tokens}] ranks in [0, {num_devices}), got shape {list(source_rank_N.shape)}")
-    reached_ND = device_hits(ids, devices, num_devices) > 0
+    reached_ND = device_hits(ids, devices, num_devices, home_table_EM) > 0
     remote_ND = reached_ND.copy()
     remote_ND[np.arange(num_tokens), source_rank_N] = False
     remote_N = remote_ND.sum(axis=1)
@@ -403,23 +420,73 @@ class LayerMetrics:
         return out
 
 
-def evaluate_layer(routing: "LayerRouting", device_of_E: np.ndarray, num_devices: int, top_k: int) -> LayerMetrics:
-    """All metrics of `device_of_E` on one profile layer (see `LayerMetrics`)."""
+def replica_device_load(
+    topk_ids_Nk: np.ndarray | None,
+    expert_load_E: np.ndarray,
+    device_of_E: np.ndarray,
+    num_devices: int,
+    home_table_EM: np.ndarray | None = None,
+    token_weight_N: np.ndarray | None = None,
+) -> np.ndarray:
+    """`[D]` float64 device loads (pairs served) under a placement that may have replicas.
+
+    With a token sample: the pairs each device serves under the replica rule (`pair_devices`),
+    each token weighted by `token_weight_N` (default 1). Without one (counts only): each expert's
+    load split evenly over its homes, what the rule's balanced pick gives tokens that visit none
+    of them (an estimate: tokens that visit a home send it more).
+    """
+    if home_table_EM is None or np.asarray(home_table_EM).shape[1] == 1:
+        if topk_ids_Nk is None:
+            return device_load(expert_load_E, device_of_E, num_devices)
+        device_Nk = device_of_E[topk_ids_Nk]
+    elif topk_ids_Nk is None:
+        homes_EM = np.asarray(home_table_EM)
+        share_E = np.asarray(expert_load_E, dtype=np.float64) / (homes_EM >= 0).sum(1)
+        held = homes_EM >= 0
+        return np.bincount(homes_EM[held], weights=np.broadcast_to(share_E[:, None], homes_EM.shape)[held], minlength=num_devices)
+    else:
+        device_Nk = pair_devices(topk_ids_Nk, device_of_E, num_devices, home_table_EM)
+    weights = None
+    if token_weight_N is not None:
+        weights = np.repeat(np.asarray(token_weight_N, dtype=np.float64), device_Nk.shape[1])
+    return np.bincount(device_Nk.ravel(), weights=weights, minlength=num_devices).astype(np.float64)
+
+
+def evaluate_layer(
+    routing: "LayerRouting",
+    device_of_E: np.ndarray,
+    num_devices: int,
+    top_k: int,
+    home_table_EM: np.ndarray | None = None,
+) -> LayerMetrics:
+    """All metrics of `device_of_E` on one profile layer (see `LayerMetrics`).
+
+    With replicas (`home_table_EM` `[E, M]`, `Placement.home_table`) CT, rows and loads follow the
+    replica rule; the pairwise cut and intra-device ratio stay those of the primary map, and the
+    balance floor is the mean (replicas can split any expert).
+    """
     num_experts = len(routing.expert_counts)
     devices = check_device_map(device_of_E, num_experts, num_devices)
-    capacities_D = np.bincount(devices, minlength=num_devices)
+    replicated = home_table_EM is not None and np.asarray(home_table_EM).shape[1] > 1
+    if replicated:
+        homes_EM = np.asarray(home_table_EM)
+        capacities_D = np.bincount(homes_EM[homes_EM >= 0], minlength=num_devices)
+    else:
+        capacities_D = np.bincount(devices, minlength=num_devices)
     ct_lower, ct_upper = ct_bounds(top_k, capacities_D)
     sample = routing.topk_sample
     if sample is not None and len(sample):
-        volume = communication_volume(sample, devices, num_devices)
+        volume = communication_volume(sample, devices, num_devices, home_table_EM=home_table_EM)
         load_E = expert_load(sample, num_experts)
         ct, remote = volume.ct_mean, volume.remote_copies_mean
         sent, received = volume.max_sent_rows, volume.max_received_rows
         mean_received = float(volume.received_rows_R.mean())
     else:
+        sample = None
         load_E = np.asarray(routing.expert_counts)
         ct = remote = sent = received = mean_received = None
-    load_D = device_load(load_E, devices, num_devices)
+    load_D = replica_device_load(sample, load_E, devices, num_devices, home_table_EM)
+    floor = float(load_D.mean()) if replicated else load_floor(load_E, capacities_D)
     return LayerMetrics(
         ct=ct,
         ct_lower=ct_lower,
@@ -432,7 +499,7 @@ def evaluate_layer(routing: "LayerRouting", device_of_E: np.ndarray, num_devices
         intra_device_ratio=intra_device_ratio(routing.coactivation, devices, num_devices),
         load_D=load_D,
         balance=load_balance(load_D),
-        balance_floor=load_floor(load_E, capacities_D) / float(load_D.mean()),
+        balance_floor=floor / float(load_D.mean()),
         slowest_device=int(load_D.argmax()),
     )
 
@@ -441,7 +508,13 @@ def evaluate_placement(profile: "RoutingProfile", placement: "Placement") -> dic
     """`evaluate_layer` for every profile layer; the placement must cover them and match E."""
     placement.validate_for(profile.num_experts, profile.layers, exact=False)
     return {
-        layer: evaluate_layer(routing, np.asarray(placement.device_of(layer)), placement.num_devices, profile.top_k)
+        layer: evaluate_layer(
+            routing,
+            np.asarray(placement.device_of(layer)),
+            placement.num_devices,
+            profile.top_k,
+            placement.home_table(layer) if placement.has_replicas else None,
+        )
         for layer, routing in profile.layers.items()
     }
 
@@ -489,8 +562,10 @@ __all__ = [
     "load_balance",
     "load_floor",
     "mean_ct",
+    "pair_devices",
     "pairwise_cut",
     "profile_drift",
+    "replica_device_load",
     "routing_cost",
     "summarize",
     "token_ranks",

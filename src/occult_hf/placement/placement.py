@@ -1,8 +1,12 @@
 """`Placement`: per MoE layer, which device holds each routed expert (DESIGN.md §2, §6).
 
-A device's local experts are its experts in increasing global id; `local_slot(l)[e]` is the
-position of expert `e` among its device's experts. The runtime, the planners and the metrics all
-read placements through this class so that the slot convention lives in one place.
+An expert has one *primary* home (`layers[l][e]`) and, optionally, extra homes on other devices
+(`replicas[l][e]`, within `slots_per_device`): its *homes* are all of them, in increasing device id.
+A device's local slots are the experts with a home on it, in increasing global id;
+`slot_table(l)[e, d]` is expert `e`'s slot on device `d` (-1: no home there) and `local_slot(l)[e]`
+its slot on its primary device. The runtime, the planners and the metrics all read placements
+through this class so that the slot convention lives in one place; which home serves a
+(token, expert) pair is decided by `placement.replicas.resolve_homes` (the one routing rule).
 """
 
 from __future__ import annotations
@@ -27,14 +31,20 @@ class Placement:
     Attributes:
         num_experts: `E`, routed experts per layer.
         num_devices: `D`, devices in the expert-parallel group.
-        layers: decoder-layer index -> list of `E` device ids (`layers[l][e]` is the device of expert `e`).
+        layers: decoder-layer index -> list of `E` device ids (`layers[l][e]` is the primary device of expert `e`).
         meta: free-form JSON-safe information (method, profile, scores).
+        replicas: decoder-layer index -> {expert: [extra devices]}: homes beyond the primary one (a
+            device at most once per expert, never the primary). Empty: one home per expert.
+        slots_per_device: the expert slots per device the plan assumed (None: not stated); every
+            device's slots (primary and extra homes) must fit in it.
     """
 
     num_experts: int
     num_devices: int
     layers: dict[int, list[int]]
     meta: dict[str, Any] = field(default_factory=dict)
+    replicas: dict[int, dict[int, list[int]]] = field(default_factory=dict)
+    slots_per_device: int | None = None
 
     def __post_init__(self) -> None:
         self.num_experts = _strict_int(self.num_experts, "Placement.num_experts", minimum=1)
@@ -70,6 +80,48 @@ class Placement:
                 )
         if not isinstance(self.meta, dict):
             raise TypeError(f"Placement.meta must be a dict, got {type(self.meta).__name__}")
+        self._check_replicas()
+
+    def _check_replicas(self) -> None:
+        """Normalise `replicas` to int keys and sorted device lists; check them against the layers and slots."""
+        if not isinstance(self.replicas, dict):
+            raise ValueError(f"Placement.replicas must map layer -> {{expert: [devices]}}, got {type(self.replicas).__name__}")
+        normalised = {}
+        for layer, extra in self.replicas.items():
+            layer = int(layer)
+            if layer not in self.layers:
+                raise ValueError(f"Placement replicas name layer {layer}, which is not among its layers {sorted(self.layers)}")
+            if not isinstance(extra, dict):
+                raise ValueError(f"Placement replicas of layer {layer} must map expert -> [devices], got {type(extra).__name__}")
+            homes = {}
+            for expert, devices in extra.items():
+                expert = int(expert)
+                if not 0 <= expert < self.num_experts:
+                    raise ValueError(
+                        f"Placement replicas of layer {layer} name expert {expert} outside [0, num_experts={self.num_experts})"
+                    )
+                devices = sorted(int(d) for d in devices)
+                primary = self.layers[layer][expert]
+                if len(set(devices)) != len(devices) or primary in devices or not all(0 <= d < self.num_devices for d in devices):
+                    raise ValueError(
+                        f"Placement replicas of layer {layer} expert {expert}: {devices} must be distinct device ids in "
+                        f"[0, {self.num_devices}) other than its primary device {primary}"
+                    )
+                if devices:
+                    homes[expert] = devices
+            if homes:
+                normalised[layer] = homes
+        self.replicas = normalised
+        if self.slots_per_device is not None:
+            if not isinstance(self.slots_per_device, int) or isinstance(self.slots_per_device, bool) or self.slots_per_device < 1:
+                raise ValueError(f"Placement.slots_per_device must be a positive integer or None, got {self.slots_per_device!r}")
+            for layer in self.layers:
+                used = max(self.capacities(layer))
+                if used > self.slots_per_device:
+                    raise ValueError(
+                        f"Placement layer {layer} puts {used} experts on one device, more than slots_per_device="
+                        f"{self.slots_per_device}"
+                    )
 
     # ----- construction -------------------------------------------------------------------
     @classmethod
@@ -121,16 +173,25 @@ class Placement:
         meta = data.get("meta", {})
         if not isinstance(meta, dict):
             raise _SchemaError(f"$.meta must be a JSON object, got {_json_type(meta)}")
-        _parse_replicas(data, num_experts, num_devices, layers)
-        return cls(num_experts, num_devices, layers, dict(meta))
+        replicas, slots = _parse_replicas(data, num_experts, num_devices, layers)
+        return cls(num_experts, num_devices, layers, dict(meta), replicas=replicas, slots_per_device=slots)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        """The JSON form (DESIGN.md §6); "replicas" and "slots_per_device" only when set, so that a
+        placement without replicas writes exactly the format of earlier versions."""
+        out: dict[str, Any] = {
             "num_experts": self.num_experts,
             "num_devices": self.num_devices,
             "layers": {str(l): list(d) for l, d in sorted(self.layers.items())},
-            "meta": to_json_native(self.meta, "$.meta"),
         }
+        if self.replicas:
+            out["replicas"] = {
+                str(l): {str(e): list(d) for e, d in sorted(extra.items())} for l, extra in sorted(self.replicas.items())
+            }
+        if self.slots_per_device is not None:
+            out["slots_per_device"] = self.slots_per_device
+        out["meta"] = to_json_native(self.meta, "$.meta")
+        return out
 
     def save(self, path: str | os.PathLike) -> None:
         """Write `occult_placement.json` atomically; a directory path gets the standard file name.
@@ -172,22 +233,44 @@ class Placement:
                 f"placement has no entry for layer {layer}; it covers layers {sorted(self.layers)}"
             ) from None
 
+    @property
+    def has_replicas(self) -> bool:
+        """True when some expert of some layer has more than one home."""
+        return bool(self.replicas)
+
+    def homes(self, layer: int) -> list[list[int]]:
+        """`[E]` lists of the devices holding each expert at `layer` (primary and replicas), increasing."""
+        extra = self.replicas.get(int(layer), {})
+        return [sorted([d, *extra.get(e, [])]) for e, d in enumerate(self.device_of(layer))]
+
+    def home_table(self, layer: int) -> np.ndarray:
+        """`[E, M]` int64 homes of each expert in increasing device id, padded with -1 (M: most homes of an expert)."""
+        from .replicas import home_table_from
+
+        return home_table_from(self.device_of(layer), self.replicas.get(int(layer)))
+
+    def slot_table(self, layer: int) -> np.ndarray:
+        """`[E, D]` int64 local slot of expert e on device d (-1 where d holds no copy of e).
+
+        A device's slots hold the experts with a home on it in increasing global id."""
+        held_ED = np.zeros((self.num_experts, self.num_devices), dtype=bool)
+        for expert, devices in enumerate(self.homes(layer)):
+            held_ED[expert, devices] = True
+        slots_ED = np.cumsum(held_ED, axis=0) - 1
+        return np.where(held_ED, slots_ED, -1).astype(np.int64)
+
     def experts_on(self, layer: int, device: int) -> list[int]:
-        """Global ids of the experts `device` holds at `layer`, in local-slot order (increasing id)."""
-        return [e for e, d in enumerate(self.device_of(layer)) if d == device]
+        """Global ids of the experts `device` holds at `layer` (primary or replica), in local-slot order (increasing id)."""
+        return [e for e, devices in enumerate(self.homes(layer)) if device in devices]
 
     def local_slot(self, layer: int) -> list[int]:
-        """`[E]` position of each expert among the experts of its own device."""
-        seen = [0] * self.num_devices
-        slots = []
-        for d in self.device_of(layer):
-            slots.append(seen[d])
-            seen[d] += 1
-        return slots
+        """`[E]` position of each expert among the slots of its primary device."""
+        slots_ED = self.slot_table(layer)
+        return [int(slots_ED[e, d]) for e, d in enumerate(self.device_of(layer))]
 
     def capacities(self, layer: int) -> list[int]:
-        """`[D]` number of experts each device holds at `layer`."""
-        return np.bincount(self.device_of(layer), minlength=self.num_devices).tolist()
+        """`[D]` number of expert slots each device uses at `layer` (primary and replica homes)."""
+        return [int(n) for n in (self.slot_table(layer) >= 0).sum(axis=0)]
 
     def validate_for(
         self, num_experts: int, layers: Iterable[int], num_devices: int | None = None, exact: bool = True
@@ -270,21 +353,24 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _parse_replicas(data: dict[str, Any], num_experts: int, num_devices: int, layers: dict[int, list[int]]) -> None:
+def _parse_replicas(
+    data: dict[str, Any], num_experts: int, num_devices: int, layers: dict[int, list[int]]
+) -> tuple[dict[int, dict[int, list[int]]], int | None]:
     """Check the optional `"replicas"` / `"slots_per_device"` fields of DESIGN.md §6 for form.
 
     `"replicas": {"<layer>": {"<expert>": [device, ...]}}`: extra homes of an expert beyond its device
-    in `"layers"`. This `Placement` keeps one home per expert, which computes the same function
-    (replicas hold identical weights; they only spread load), so a file with replicas is rejected
-    here rather than silently run with fewer homes than planned.
+    in `"layers"`; `"slots_per_device"`: the capacity the plan assumed. Returns `(replicas with int
+    keys, slots_per_device or None)`; `Placement.__post_init__` checks the slots against the homes.
     """
+    slots = None
     if "slots_per_device" in data:
-        _json_int(data["slots_per_device"], "$.slots_per_device", minimum=1)
+        slots = _json_int(data["slots_per_device"], "$.slots_per_device", minimum=1)
     replicas = data.get("replicas")
     if replicas is None:
-        return
+        return {}, slots
     if not isinstance(replicas, dict):
         raise _SchemaError(f"$.replicas must be a JSON object, got {_json_type(replicas)}")
+    parsed: dict[int, dict[int, list[int]]] = {}
     for key, experts in replicas.items():
         path = f"$.replicas[{key!r}]"
         layer = _canonical_index(key, path)
@@ -303,8 +389,8 @@ def _parse_replicas(data: dict[str, Any], num_experts: int, num_devices: int, la
                 _json_int(d, f"{expert_path}[{i}]", minimum=0, below=num_devices, below_name="num_devices")
             if len(set(homes)) != len(homes) or layers[layer][expert] in homes:
                 raise _SchemaError(f"{expert_path} repeats a device or the expert's own device in $.layers")
-    if replicas:
-        raise _SchemaError("$.replicas: this version of occult_hf runs one home per expert; replicas are not supported")
+            parsed.setdefault(layer, {})[expert] = list(homes)
+    return parsed, slots
 
 
 __all__ = ["Placement", "PLACEMENT_FILENAME"]

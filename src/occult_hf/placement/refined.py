@@ -34,12 +34,13 @@ Shape legend: E experts, D devices, N sampled tokens, k experts per token.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..metrics import load_floor
 from .objectives import PairwiseCut, SampleCT
+from .robust import count_scenarios, scenario_loads, token_scenarios
 from .registry import balanced_capacities, check_layer_inputs, register_planner
 
 #: objective values are integers held in float64: a step must gain at least this much
@@ -61,6 +62,13 @@ class RefinedOptions:
         kick_swaps: random swaps per perturbation.
         max_sample_tokens: use at most this many sample tokens (a seeded uniform subset) to bound time
             and memory on very large samples; None: all.
+        robust_resamples: B block-bootstrap resamples of each profile whose loads must also stay within
+            the limit (0: only the profile(s) themselves); the limit then holds at about the
+            `1 - 1/(B + 2)` quantile of a new sample of the same kind (`placement.robust`).
+        robust_blocks: contiguous blocks the sample is cut into for the bootstrap.
+        num_redundant_experts: R redundant expert slots (as DeepSeek's EPLB): R extra homes of hot
+            experts, `ceil((E + R) / D)` slots per device, placed jointly with the others (see
+            "Replicas" in the module docstring).
     """
 
     max_load_ratio: float = 1.10
@@ -69,13 +77,18 @@ class RefinedOptions:
     search_rounds: int = 40
     kick_swaps: int = 8
     max_sample_tokens: int | None = 16384
+    robust_resamples: int = 0
+    robust_blocks: int = 32
+    num_redundant_experts: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_load_ratio, (int, float)) or not self.max_load_ratio >= 1.0:
             raise ValueError(f"refined option max_load_ratio must be a number >= 1.0, got {self.max_load_ratio!r}")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"refined option objective must be one of {OBJECTIVES}, got {self.objective!r}")
-        for name in ("seed", "search_rounds", "kick_swaps"):
+        if not isinstance(self.robust_blocks, int) or isinstance(self.robust_blocks, bool) or self.robust_blocks < 1:
+            raise ValueError(f"refined option robust_blocks must be an integer >= 1, got {self.robust_blocks!r}")
+        for name in ("seed", "search_rounds", "kick_swaps", "robust_resamples", "num_redundant_experts"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"refined option {name} must be an integer >= 0, got {value!r}")
@@ -88,15 +101,18 @@ class RefinedOptions:
 class _Search:
     """Device map, loads and objective of one layer's search, with the feasible steps.
 
-    Expert loads come scaled so that the device-load limit is 1: a step is feasible when no device
-    it touches ends above 1.
+    Expert loads come as `[S, E]` scenarios (S = 1: the profile; more with robust balance or several
+    profiles), each scaled so that its device-load limit is 1: a step is feasible when no device it
+    touches ends above 1 in any scenario.
     """
 
-    def __init__(self, objective, load_E: np.ndarray, capacities_D: np.ndarray) -> None:
+    def __init__(self, objective, load_SE: np.ndarray, capacities_D: np.ndarray, group_E: np.ndarray | None = None) -> None:
         self.objective = objective
-        self.load_E = np.asarray(load_E, dtype=np.float64)
+        self.load_SE = np.atleast_2d(np.asarray(load_SE, dtype=np.float64))
         self.num_devices = len(capacities_D)
         self.small, self.large = int(capacities_D.min()), int(capacities_D.max())
+        # copies of one expert (same group) never share a device; None: every item is its own group
+        self.group_E = group_E
         self.sync()
 
     @property
@@ -104,28 +120,42 @@ class _Search:
         return self.objective.device_of_E
 
     def sync(self) -> None:
-        self.load_D = np.bincount(self.device_of_E, weights=self.load_E, minlength=self.num_devices)
+        one_hot_ED = np.zeros((len(self.device_of_E), self.num_devices))
+        one_hot_ED[np.arange(len(self.device_of_E)), self.device_of_E] = 1.0
+        self.load_SD = self.load_SE @ one_hot_ED
         self.count_D = np.bincount(self.device_of_E, minlength=self.num_devices)
+        if self.group_E is not None:
+            # [E, D] copies of e's group on device d, e itself excluded
+            group_GD = np.zeros((int(self.group_E.max()) + 1, self.num_devices))
+            np.add.at(group_GD, (self.group_E, self.device_of_E), 1.0)
+            self.siblings_ED = group_GD[self.group_E] - one_hot_ED
 
     def swap_deltas(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`[E, E]` objective deltas of swaps, and loads of e's and of f's device after them."""
+        """`[E, E]` objective deltas of swaps, and `[S, E, E]` loads of e's and of f's device after them."""
         device_E = self.device_of_E
         move_ED = self.objective.move_delta_ED()
         toward_EE = move_ED[:, device_E]  # [e, f]: e moves to f's device
         delta_EE = toward_EE + toward_EE.T + self.objective.swap_correction_EE()
         delta_EE[device_E[:, None] == device_E[None, :]] = np.inf
-        own_EE = self.load_D[device_E][:, None] - self.load_E[:, None] + self.load_E[None, :]
-        return delta_EE, own_EE, own_EE.T
+        if self.group_E is not None:  # e onto f's device, f onto e's: no copy of the same expert there
+            same_EE = self.group_E[:, None] == self.group_E[None, :]
+            clash_EE = self.siblings_ED[:, device_E] - same_EE > 0
+            delta_EE[clash_EE | clash_EE.T | same_EE] = np.inf
+        own_SEE = self.load_SD[:, device_E][:, :, None] - self.load_SE[:, :, None] + self.load_SE[:, None, :]
+        return delta_EE, own_SEE, own_SEE.transpose(0, 2, 1)
 
     def move_deltas(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`[E, D]` objective deltas of moves from a larger to a smaller device; `[E, D]` target
-        loads and `[E]` source loads after them."""
+        """`[E, D]` objective deltas of moves from a larger to a smaller device; `[S, E, D]` target
+        loads and `[S, E]` source loads after them."""
         delta_ED = self.objective.move_delta_ED().astype(np.float64, copy=True)
         allowed_ED = (self.count_D[self.device_of_E] == self.large)[:, None] & (self.count_D == self.small)[None, :]
         delta_ED[~allowed_ED] = np.inf
         if self.small == self.large:
             delta_ED[:] = np.inf
-        return delta_ED, self.load_D[None, :] + self.load_E[:, None], self.load_D[self.device_of_E] - self.load_E
+        if self.group_E is not None:
+            delta_ED[self.siblings_ED > 0] = np.inf
+        target_SED = self.load_SD[:, None, :] + self.load_SE[:, :, None]
+        return delta_ED, target_SED, self.load_SD[:, self.device_of_E] - self.load_SE
 
     def apply_swap(self, first: int, second: int, delta: float) -> None:
         self.objective.apply_swap(first, second, delta)
@@ -137,10 +167,10 @@ class _Search:
 
     def feasible_steps(self) -> tuple[np.ndarray, np.ndarray]:
         """Swap `[E, E]` and move `[E, D]` objective deltas, infinite where a step breaks a load limit."""
-        swap_EE, load_a_EE, load_b_EE = self.swap_deltas()
-        swap_EE[(load_a_EE > 1.0) | (load_b_EE > 1.0)] = np.inf
-        move_ED, target_load_ED, _ = self.move_deltas()
-        move_ED[target_load_ED > 1.0] = np.inf
+        swap_EE, load_a_SEE, load_b_SEE = self.swap_deltas()
+        swap_EE[(load_a_SEE.max(0) > 1.0) | (load_b_SEE.max(0) > 1.0)] = np.inf
+        move_ED, target_load_SED, _ = self.move_deltas()
+        move_ED[target_load_SED.max(0) > 1.0] = np.inf
         return swap_EE, move_ED
 
     def _take(self, swap_EE: np.ndarray, move_ED: np.ndarray) -> float:
@@ -167,20 +197,22 @@ class _Search:
         return np.maximum(load - 1.0, 0.0)
 
     def repair(self) -> bool:
-        """Reduce the total overload above the limits; True when no device is left over one."""
-        while self.overload(self.load_D).sum() > 0:
-            swap_EE, load_a_EE, load_b_EE = self.swap_deltas()
-            before_E = self.overload(self.load_D[self.device_of_E])
-            swap_relief_EE = self.overload(load_a_EE) + self.overload(load_b_EE) - before_E[:, None] - before_E[None, :]
+        """Reduce the total overload (over scenarios) above the limits; True when no device is left over one."""
+        while self.overload(self.load_SD).sum() > 0:
+            swap_EE, load_a_SEE, load_b_SEE = self.swap_deltas()
+            before_SE = self.overload(self.load_SD[:, self.device_of_E])
+            swap_relief_EE = (
+                self.overload(load_a_SEE) + self.overload(load_b_SEE) - before_SE[:, :, None] - before_SE[:, None, :]
+            ).sum(0)
             swap_relief_EE[~np.isfinite(swap_EE)] = np.inf
-            move_ED, target_load_ED, source_load_E = self.move_deltas()
+            move_ED, target_load_SED, source_load_SE = self.move_deltas()
             move_relief_ED = (
-                self.overload(target_load_ED) - self.overload(self.load_D)[None, :]
-                + (self.overload(source_load_E) - before_E)[:, None]
-            )
+                self.overload(target_load_SED) - self.overload(self.load_SD)[:, None, :]
+                + (self.overload(source_load_SE) - before_SE)[:, :, None]
+            ).sum(0)
             move_relief_ED[~np.isfinite(move_ED)] = np.inf
             best_relief = min(swap_relief_EE.min(), move_relief_ED.min())
-            if best_relief >= 0:
+            if best_relief >= -1e-12:
                 return False
             # among the steps with the largest relief, the best for the objective
             self._take(
@@ -191,8 +223,8 @@ class _Search:
 
     def accept_reached_load(self) -> float:
         """Raise the limit to the largest load now reached (after a failed repair); return the factor."""
-        factor = float(max(self.load_D.max(), 1.0))
-        self.load_E = self.load_E / factor
+        factor = float(max(self.load_SD.max(), 1.0))
+        self.load_SE = self.load_SE / factor
         self.sync()
         return factor
 
@@ -207,30 +239,41 @@ class _Search:
             self.apply_swap(*divmod(pick, swap_EE.shape[1]), swap_EE.flat[pick])
 
 
-def initial_assignment(coactivation_EE: np.ndarray, load_E: np.ndarray, capacities_D: np.ndarray) -> np.ndarray:
+def initial_assignment(
+    coactivation_EE: np.ndarray, load_E: np.ndarray, capacities_D: np.ndarray, group_E: np.ndarray | None = None
+) -> np.ndarray:
     """Balanced greedy by co-activation: heaviest expert first, to the device it collaborates with most.
 
-    `load_E` is scaled so that a device's load limit is 1. Among devices with room left that stay
-    within the limit (if none: the lightest device with room; `repair` fixes it), pick the largest
-    co-activation with the experts already there; ties to the lighter, then lower-id device. With
-    zero co-activation this is longest-processing-time-first balancing under capacities.
+    `load_E` (`[E]`, or `[S, E]` scenarios) is scaled so that a device's load limit is 1. Among
+    devices with room left that stay within the limit in every scenario (if none: the lightest
+    device with room; `repair` fixes it), pick the largest co-activation with the experts already
+    there; ties to the lighter, then lower-id device. With zero co-activation this is
+    longest-processing-time-first balancing under capacities. `group_E`: items of one group (copies
+    of one expert) go to different devices.
     """
-    num_experts, num_devices = len(load_E), len(capacities_D)
+    load_SE = np.atleast_2d(np.asarray(load_E, dtype=np.float64))
+    num_experts, num_devices = load_SE.shape[1], len(capacities_D)
     device_of_E = np.full(num_experts, -1, dtype=np.int64)
     affinity_ED = np.zeros((num_experts, num_devices))
-    load_D = np.zeros(num_devices)
+    load_SD = np.zeros((len(load_SE), num_devices))
     count_D = np.zeros(num_devices, dtype=np.int64)
-    for expert in np.argsort(-load_E, kind="stable"):
+    taken_GD = None if group_E is None else np.zeros((int(group_E.max()) + 1, num_devices), dtype=bool)
+    for expert in np.argsort(-load_SE.max(0), kind="stable"):
         room_D = count_D < capacities_D
-        fits_D = room_D & (load_D + load_E[expert] <= 1.0)
+        if taken_GD is not None and (room_D & ~taken_GD[group_E[expert]]).any():
+            room_D &= ~taken_GD[group_E[expert]]
+        fits_D = room_D & (load_SD + load_SE[:, expert : expert + 1] <= 1.0).all(0)
+        worst_D = load_SD.max(0)
         if fits_D.any():
             # lexicographic: most affinity, then least load, then lowest id
-            order = np.lexsort((np.arange(num_devices), load_D, -affinity_ED[expert]))
+            order = np.lexsort((np.arange(num_devices), worst_D, -affinity_ED[expert]))
             device = int(next(d for d in order if fits_D[d]))
         else:
-            device = int(np.flatnonzero(room_D)[np.argmin(load_D[room_D])])
+            device = int(np.flatnonzero(room_D)[np.argmin(worst_D[room_D])])
         device_of_E[expert] = device
-        load_D[device] += load_E[expert]
+        if taken_GD is not None:
+            taken_GD[group_E[expert], device] = True
+        load_SD[:, device] += load_SE[:, expert]
         count_D[device] += 1
         affinity_ED[:, device] += coactivation_EE[:, expert]
     return device_of_E
@@ -248,6 +291,9 @@ class LayerPlan:
         balance_bound: max(mean, load_floor) / mean: the best balance any placement can reach.
         balance_bound_loose: True when a giant expert makes `balance_bound` exceed 1 (the mean is unattainable).
         limit_reached: False when repair could not bring every device under the requested limit.
+        replicas: `{expert: [extra devices]}` chosen for the redundant slots (empty without them).
+        slots_per_device: expert slots per device the plan assumed (None without redundant slots).
+        scenarios: load scenarios the limit was held on (profiles x (1 + resamples)).
     """
 
     device_of_E: np.ndarray
@@ -257,6 +303,36 @@ class LayerPlan:
     balance_bound: float
     balance_bound_loose: bool
     limit_reached: bool
+    replicas: dict = field(default_factory=dict)
+    slots_per_device: int | None = None
+    scenarios: int = 1
+
+
+def replication_counts(load_SE: np.ndarray, redundant: int, num_devices: int) -> np.ndarray:
+    """`[E]` copies of each expert for `redundant` extra slots: each goes, as in EPLB, to the expert
+    whose load per copy is largest (in its worst scenario, relative to that scenario's mean); at most
+    one copy per device."""
+    share_SE = load_SE / np.maximum(load_SE.sum(1, keepdims=True), 1e-12)
+    worst_E = share_SE.max(0)
+    copies_E = np.ones(load_SE.shape[1], dtype=np.int64)
+    for _ in range(redundant):
+        per_copy_E = np.where(copies_E < num_devices, worst_E / copies_E, -1.0)
+        copies_E[int(np.argmax(per_copy_E))] += 1
+    return copies_E
+
+
+def copy_items(copies_E: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`([E, C] item id of copy c of expert e (-1: none), [I] expert of each item)`: copy 0 of e is item e,
+    further copies follow after the E experts."""
+    num_experts = len(copies_E)
+    item_of_EC = np.full((num_experts, int(copies_E.max())), -1, dtype=np.int64)
+    item_of_EC[:, 0] = np.arange(num_experts)
+    group = list(range(num_experts))
+    for expert in range(num_experts):
+        for copy in range(1, int(copies_E[expert])):
+            item_of_EC[expert, copy] = len(group)
+            group.append(expert)
+    return item_of_EC, np.array(group, dtype=np.int64)
 
 
 def refine_layer(
@@ -265,8 +341,17 @@ def refine_layer(
     topk_sample_Nk: np.ndarray | None,
     num_devices: int,
     options: RefinedOptions = RefinedOptions(),
+    *,
+    membership_PN: np.ndarray | None = None,
+    counts_PE: np.ndarray | None = None,
 ) -> LayerPlan:
-    """Run the refined search on one layer (see the module docstring) and report the result."""
+    """Run the refined search on one layer (see the module docstring) and report the result.
+
+    Several profiles (pooled into the co-activation, counts and sample given): `membership_PN`
+    `[P, N]` marks each profile's tokens in the pooled sample, or, without a sample, `counts_PE`
+    `[P, E]` gives each profile's expert counts. The load limit then holds for each of them (and
+    their resamples), not only for the pooled mean.
+    """
     coactivation, load_E, sample = check_layer_inputs(coactivation_EE, expert_counts_E, topk_sample_Nk, num_devices)
     num_experts = len(load_E)
     rng = np.random.default_rng(options.seed)
@@ -274,26 +359,51 @@ def refine_layer(
     use_sample = options.objective == "ct" or (options.objective == "auto" and sample is not None)
     if use_sample and sample is None:
         raise ValueError("refined option objective='ct' needs a profile layer with a top-k sample; use 'cut' or 'auto'")
+    if sample is not None:
+        membership_PN = np.ones((1, len(sample)), dtype=bool) if membership_PN is None else np.asarray(membership_PN, dtype=bool)
+        if membership_PN.ndim != 2 or membership_PN.shape[1] != len(sample):
+            raise ValueError(f"membership_PN must be [P, N={len(sample)}], got shape {list(membership_PN.shape)}")
     if sample is not None and options.max_sample_tokens is not None and len(sample) > options.max_sample_tokens:
-        sample = sample[np.sort(rng.choice(len(sample), options.max_sample_tokens, replace=False))]
-    mean_load = load_E.sum() / num_devices
-    attainable = load_floor(load_E, capacities_D)
-    balance_bound = attainable / mean_load if mean_load > 0 else 1.0
-    limit = options.max_load_ratio * attainable if attainable > 0 else 1.0  # no load at all: any map is balanced
-    scaled_load_E = load_E / limit
-    start_E = initial_assignment(coactivation, scaled_load_E, capacities_D)
+        keep = np.sort(rng.choice(len(sample), options.max_sample_tokens, replace=False))
+        sample, membership_PN = sample[keep], membership_PN[:, keep]
+    weights_SN = None
+    if sample is not None:
+        weights_SN = token_scenarios(membership_PN, options.robust_resamples, options.robust_blocks, rng)
+        load_SE = scenario_loads(sample, weights_SN, num_experts)
+    else:
+        load_SE = count_scenarios(load_E if counts_PE is None else counts_PE, options.robust_resamples, rng)
+    replicas, slots, group_I = {}, None, None
+    if options.num_redundant_experts:
+        copies_E = replication_counts(load_SE, options.num_redundant_experts, num_devices)
+        slots = -(-(num_experts + options.num_redundant_experts) // num_devices)
+        item_of_EC, group_I = copy_items(copies_E)
+        if sample is not None:
+            # copy (n mod copies) of an expert serves token n: the rule's balanced pick, up to the order of homes
+            sample = item_of_EC[sample, np.arange(len(sample))[:, None] % copies_E[sample]]
+            load_SE = scenario_loads(sample, weights_SN, len(group_I))
+        else:
+            load_SE = load_SE[:, group_I] / copies_E[group_I]
+        coactivation = coactivation[np.ix_(group_I, group_I)] / np.outer(copies_E[group_I], copies_E[group_I])
+        capacities_D = balanced_capacities(len(group_I), num_devices)
+    mean_S = load_SE.sum(1) / num_devices
+    attainable_S = np.array([load_floor(row, capacities_D) for row in load_SE])
+    balance_bound = float(attainable_S[0] / mean_S[0]) if mean_S[0] > 0 else 1.0
+    limit_S = np.where(attainable_S > 0, options.max_load_ratio * attainable_S, 1.0)  # no load: any map is balanced
+    scaled_SE = load_SE / limit_S[:, None]
+    start_E = initial_assignment(coactivation, scaled_SE, capacities_D, group_I)
     if use_sample:
         objective = SampleCT(sample, start_E, num_devices)
     else:
         objective = PairwiseCut(coactivation, start_E, num_devices)
-    search = _Search(objective, scaled_load_E, capacities_D)
+    search = _Search(objective, scaled_SE, capacities_D, group_I)
     limit_reached = search.repair()
+    limit = float(limit_S[0])
     if not limit_reached:
         limit *= search.accept_reached_load()
         warnings.warn(
             f"refined placement: could not bring every device under max_load_ratio={options.max_load_ratio} x the "
-            f"load floor {attainable:.6g}; keeping the max load reached, {limit:.6g} (balance "
-            f"{limit / mean_load:.3f}), as the limit",
+            f"load floor in all {len(load_SE)} load scenario(s); keeping the max load reached ({limit:.6g} on the "
+            f"profile, balance {limit / mean_S[0]:.3f}) as the limit",
             stacklevel=2,
         )
     search.descend()
@@ -306,6 +416,10 @@ def refine_layer(
         else:
             objective.reset(best_E)
             search.sync()
+    if group_I is not None:  # items -> homes: the lowest device is the primary one
+        homes = [sorted(best_E[group_I == e].tolist()) for e in range(num_experts)]
+        best_E = np.array([h[0] for h in homes], dtype=np.int64)
+        replicas = {e: h[1:] for e, h in enumerate(homes) if len(h) > 1}
     return LayerPlan(
         device_of_E=best_E,
         objective=objective.name,
@@ -314,16 +428,25 @@ def refine_layer(
         balance_bound=float(balance_bound),
         balance_bound_loose=bool(balance_bound > 1.0 + 1e-12),
         limit_reached=limit_reached,
+        replicas=replicas,
+        slots_per_device=slots,
+        scenarios=len(load_SE),
     )
 
 
-@register_planner("refined", RefinedOptions, "exact CT (or pairwise cut) by local search under a load-balance limit (default)")
+@register_planner(
+    "refined",
+    RefinedOptions,
+    "exact CT (or pairwise cut) by local search under a load-balance limit, robust and replicated on request (default)",
+    multi_profile=True,
+)
 def plan_refined_layer(
     coactivation_EE: np.ndarray,
     expert_counts_E: np.ndarray,
     topk_sample_Nk: np.ndarray | None,
     num_devices: int,
     options: RefinedOptions,
-) -> np.ndarray:
-    """`[E]` int64 device map from `refine_layer`."""
-    return refine_layer(coactivation_EE, expert_counts_E, topk_sample_Nk, num_devices, options).device_of_E
+    **profiles,
+) -> LayerPlan:
+    """The `LayerPlan` of `refine_layer` (its `device_of_E` and, with redundant slots, its replicas)."""
+    return refine_layer(coactivation_EE, expert_counts_E, topk_sample_Nk, num_devices, options, **profiles)

@@ -3,6 +3,7 @@
 A planner is a per-layer function on plain arrays,
 
     plan_layer(coactivation_EE, expert_counts_E, topk_sample_Nk | None, num_devices, options) -> device_of_E
+                                                                        (or a plan with device_of_E, replicas)
 
 plus a frozen options dataclass (validated in `__post_init__`). Keeping the core on arrays makes
 each planner testable without a profile; `plan_placement` runs it over a profile's layers with a
@@ -41,6 +42,7 @@ class PlannerSpec:
     plan_layer: PlanLayer
     options_class: type
     description: str
+    multi_profile: bool = False
 
     def make_options(self, **options: Any):
         """The planner's options dataclass from keyword arguments; unknown names are a clear error."""
@@ -56,15 +58,21 @@ class PlannerSpec:
 _PLANNERS: dict[str, PlannerSpec] = {}
 
 
-def register_planner(name: str, options_class: type = NoOptions, description: str = "") -> Callable[[PlanLayer], PlanLayer]:
-    """Decorator registering `plan_layer` under a unique lowercase `name`."""
+def register_planner(
+    name: str, options_class: type = NoOptions, description: str = "", multi_profile: bool = False
+) -> Callable[[PlanLayer], PlanLayer]:
+    """Decorator registering `plan_layer` under a unique lowercase `name`.
+
+    `plan_layer` returns the `[E]` device map, or an object with `device_of_E` (and optionally
+    `replicas` `{expert: [extra devices]}` and `slots_per_device`). `multi_profile`: it accepts
+    `membership_PN` / `counts_PE` keywords to bound each of several profiles."""
     if not isinstance(name, str) or not name or name != name.lower() or not name.replace("_", "").isalnum():
         raise ValueError(f"placement method names are lowercase letters, digits and '_', got {name!r}")
     if name in _PLANNERS:
         raise ValueError(f"placement method {name!r} is already registered; registered methods: {sorted(_PLANNERS)}")
 
     def decorate(plan_layer: PlanLayer) -> PlanLayer:
-        _PLANNERS[name] = PlannerSpec(name, plan_layer, options_class, description)
+        _PLANNERS[name] = PlannerSpec(name, plan_layer, options_class, description, multi_profile)
         return plan_layer
 
     return decorate
@@ -126,28 +134,88 @@ def check_layer_inputs(
 
 
 # ----- over a profile --------------------------------------------------------------------------
+def pool_profiles(profiles) -> tuple["RoutingProfile", list[str], list["RoutingProfile"]]:
+    """One profile or several (a sequence, or a dict by name) -> `(pooled, names, profiles)`.
+
+    The pooled profile sums co-activation, counts and token counts and concatenates the samples
+    (kept only when every profile has one) over the layers all profiles share.
+    """
+    from ..profile import LayerRouting, RoutingProfile
+
+    if isinstance(profiles, RoutingProfile):
+        return profiles, ["profile"], [profiles]
+    if isinstance(profiles, dict):
+        names, items = [str(n) for n in profiles], list(profiles.values())
+    else:
+        items = list(profiles)
+        names = [str(p.meta.get("source") or f"profile {i}") for i, p in enumerate(items)]
+    if not items or not all(isinstance(p, RoutingProfile) for p in items):
+        raise ValueError("plan_placement needs a RoutingProfile, or a non-empty list or dict of RoutingProfiles")
+    if len(items) == 1:
+        return items[0], names, items
+    first = items[0]
+    for name, other in zip(names, items):
+        if (other.num_experts, other.top_k) != (first.num_experts, first.top_k):
+            raise ValueError(
+                f"profiles differ in (num_experts, top_k): {names[0]} has {(first.num_experts, first.top_k)}, "
+                f"{name} has {(other.num_experts, other.top_k)}"
+            )
+    shared = sorted(set.intersection(*(set(p.layers) for p in items)))
+    if not shared:
+        raise ValueError(f"the profiles {names} share no MoE layer")
+    with_samples = all(p.has_samples for p in items)
+    layers = {}
+    for layer in shared:
+        routings = [p.layer(layer) for p in items]
+        layers[layer] = LayerRouting(
+            coactivation=sum(np.asarray(r.coactivation, dtype=np.int64) for r in routings),
+            expert_counts=sum(np.asarray(r.expert_counts, dtype=np.int64) for r in routings),
+            token_count=int(sum(int(r.token_count) for r in routings)),
+            topk_sample=np.concatenate([r.topk_sample for r in routings]) if with_samples else None,
+        )
+    pooled = RoutingProfile(first.num_experts, first.top_k, layers, first.model_type, {"source": "pooled: " + ", ".join(names)})
+    return pooled, names, items
+
+
+def _profile_inputs(items: list["RoutingProfile"], layer: int, pooled_routing) -> dict[str, np.ndarray]:
+    """`membership_PN` (with a pooled sample) or `counts_PE` for a planner that bounds each profile."""
+    if pooled_routing.topk_sample is not None:
+        sizes = [len(p.layer(layer).topk_sample) for p in items]
+        owner_N = np.repeat(np.arange(len(items)), sizes)
+        return {"membership_PN": owner_N[None, :] == np.arange(len(items))[:, None]}
+    return {"counts_PE": np.stack([np.asarray(p.layer(layer).expert_counts, dtype=np.float64) for p in items])}
+
+
 def plan_placement(
-    profile: "RoutingProfile",
+    profile: "RoutingProfile | list[RoutingProfile] | dict[str, RoutingProfile]",
     num_devices: int,
     method: str = "refined",
     *,
     layers: Iterable[int] | None = None,
     progress: bool = True,
+    cross_validate: int = 0,
     **options: Any,
 ) -> Placement:
     """Plan a placement for every layer of `profile` (or `layers`) with the named method.
 
     Args:
-        profile: a `RoutingProfile` (co-activation, expert counts and, when present, the top-k sample).
+        profile: a `RoutingProfile` (co-activation, expert counts and, when present, the top-k
+            sample), or several (a list, or a dict by name: domains, prefill and decode, before and
+            after a fine-tune). Several are pooled for the objective, and a planner that supports
+            it ("refined") holds its load limit on each of them: the worst, not the pooled mean.
         num_devices: `D`, devices of the expert-parallel group (1 <= D <= E).
         method: a registered planner name (`available_planners()`); default "refined".
-        layers: the profile layers to plan (default: all).
+        layers: the profile layers to plan (default: all the profiles share).
         progress: show a tqdm bar over layers.
+        cross_validate: K >= 2: also estimate the held-out figures by K-fold cross-validation on
+            the profile's sample (`placement.validation.cross_validate`), kept in
+            `meta["expected_held_out"]`; 0: skip.
         **options: the planner's options (e.g. `max_load_ratio=1.1, seed=0` for "refined").
 
     `placement.meta["profile_metrics"]` records, per layer, how the placement scores on the
     profile it was planned on (`_layer_score`): CT or cut, and the slowest device's load and rows,
-    not only means.
+    not only means; with several profiles `meta["worst_profile"]` adds each layer's worst
+    profile and its balance.
     """
     from tqdm.auto import tqdm
 
@@ -155,26 +223,55 @@ def plan_placement(
 
     spec = get_planner(method)
     planner_options = spec.make_options(**options)
-    check_device_count(profile.num_experts, num_devices)
-    chosen = sorted(profile.layers) if layers is None else [int(l) for l in layers]
-    maps, scores = {}, {}
+    pooled, names, items = pool_profiles(profile)
+    check_device_count(pooled.num_experts, num_devices)
+    chosen = sorted(pooled.layers) if layers is None else [int(l) for l in layers]
+    maps, replicas, slots, scores, worst = {}, {}, None, {}, {}
     bar = tqdm(chosen, desc=f"placement {method} D={num_devices}", unit="layer", disable=not progress)
     for layer in bar:
-        routing = profile.layer(layer)
-        device_of_E = np.asarray(
-            spec.plan_layer(routing.coactivation, routing.expert_counts, routing.topk_sample, num_devices, planner_options)
-        )
+        routing = pooled.layer(layer)
+        extra = _profile_inputs(items, layer, routing) if spec.multi_profile and len(items) > 1 else {}
+        result = spec.plan_layer(routing.coactivation, routing.expert_counts, routing.topk_sample, num_devices, planner_options, **extra)
+        device_of_E = np.asarray(getattr(result, "device_of_E", result))
         maps[layer] = device_of_E.tolist()
-        scores[str(layer)] = _layer_score(evaluate_layer(routing, device_of_E, num_devices, profile.top_k))
+        if getattr(result, "replicas", None):
+            replicas[layer] = {int(e): [int(d) for d in ds] for e, ds in result.replicas.items()}
+        if getattr(result, "slots_per_device", None):
+            slots = max(slots or 0, int(result.slots_per_device))
+        home_table = _home_table(device_of_E, replicas.get(layer))
+        scores[str(layer)] = _layer_score(evaluate_layer(routing, device_of_E, num_devices, pooled.top_k, home_table))
+        if len(items) > 1:
+            per_profile = {
+                name: evaluate_layer(p.layer(layer), device_of_E, num_devices, pooled.top_k, home_table).balance
+                for name, p in zip(names, items)
+            }
+            name = max(per_profile, key=per_profile.get)
+            worst[str(layer)] = {"profile": name, "balance": round(per_profile[name], 4)}
         bar.set_postfix({k: v for k, v in scores[str(layer)].items() if k in ("ct", "cut_per_token", "balance")})
     meta = {
         "method": method,
         "options": dataclasses.asdict(planner_options),
-        "profile_source": profile.meta.get("source"),
-        "model_type": profile.model_type,
+        "profile_source": pooled.meta.get("source"),
+        "model_type": pooled.model_type,
         "profile_metrics": scores,
     }
-    return Placement(profile.num_experts, int(num_devices), maps, meta)
+    if len(items) > 1:
+        meta["profiles"] = names
+        meta["worst_profile"] = worst
+    placement = Placement(pooled.num_experts, int(num_devices), maps, meta, replicas=replicas, slots_per_device=slots)
+    if cross_validate:
+        from .validation import cross_validate as run_cross_validation
+
+        meta["expected_held_out"] = run_cross_validation(
+            items, num_devices, method, folds=cross_validate, layers=chosen, **options
+        )
+    return placement
+
+
+def _home_table(device_of_E: np.ndarray, replicas: dict | None) -> np.ndarray | None:
+    from .replicas import home_table_from
+
+    return home_table_from(device_of_E, replicas) if replicas else None
 
 
 def _layer_score(m) -> dict[str, float | int | bool | None]:
@@ -199,5 +296,6 @@ __all__ = [
     "check_layer_inputs",
     "get_planner",
     "plan_placement",
+    "pool_profiles",
     "register_planner",
 ]

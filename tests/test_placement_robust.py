@@ -1,0 +1,194 @@
+"""Placement beyond one sample: the replica routing rule, the replica file format, metrics with
+replicas, robust (bootstrap) load limits, several profiles, cross-validated held-out estimates."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from occult_hf import metrics
+from occult_hf.placement import Placement, RefinedOptions, plan_placement, refine_layer
+from occult_hf.placement.replicas import home_table_from, resolve_homes, resolve_homes_np
+from occult_hf.placement.robust import block_bootstrap_weights, scenario_loads, stated_quantile, token_scenarios
+from occult_hf.placement.validation import cross_validate, profile_from_sample
+from occult_hf.profile import LayerRouting, RoutingProfile
+from occult_hf.studies.placement_study import structured_topk
+
+ROUTING = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "routing"
+DOMAINS = ROUTING / "olmoe_mixtral_domain_expert_counts_layers0_7_15.npz"
+FAST = {"search_rounds": 2}
+
+
+# ----- the routing rule ------------------------------------------------------------------------
+def test_rule_by_hand():
+    # E=4, D=3: expert 0 on {0, 2}, expert 1 on 1, expert 2 on 2, expert 3 on {0, 1}
+    table = home_table_from([0, 1, 2, 0], {0: [2], 3: [1]})
+    assert table.tolist() == [[0, 2], [1, -1], [2, -1], [0, 1]]
+    ids = np.array([[0, 2], [0, 1], [0, 1], [3, 1], [3, 0], [3, 0]])
+    dest = resolve_homes_np(ids, table, 3)
+    # token 0 visits 2 (expert 2): expert 0 goes to its home 2; tokens 1, 2: expert 0 has no home on
+    # device 1 -> balanced pick homes[n % 2]; token 3 visits 1: expert 3 there; tokens 4, 5: no
+    # single-home expert -> balanced picks
+    assert dest.tolist() == [[2, 2], [2, 1], [0, 1], [1, 1], [0, 0], [1, 2]]
+    assert (resolve_homes_np(ids, table, 3, token_index_N=np.zeros(6, dtype=np.int64))[[1, 4]] == [[0, 1], [0, 0]]).all()
+
+
+def test_rule_without_replicas_is_the_device_map_and_torch_equals_numpy():
+    rng = np.random.default_rng(0)
+    ids = structured_topk(300, 16, 4, 4, seed=1)
+    device_of_E = rng.integers(0, 4, 16)
+    assert (resolve_homes_np(ids, home_table_from(device_of_E, None), 4) == device_of_E[ids]).all()
+    table = home_table_from(device_of_E, {3: [(device_of_E[3] + 1) % 4], 7: [(device_of_E[7] + 2) % 4]})
+    dest = resolve_homes(torch.from_numpy(ids), torch.from_numpy(table), 4)
+    assert (dest.numpy() == resolve_homes_np(ids, table, 4)).all()
+    # every pair lands on one of its expert's homes
+    assert ((table[ids] == dest.numpy()[..., None]).any(-1)).all()
+
+
+# ----- the file format ------------------------------------------------------------------------
+def test_replica_format_round_trip_and_backward_compatible(tmp_path):
+    plain = Placement(4, 2, {0: [0, 0, 1, 1]})
+    assert "replicas" not in plain.to_dict() and "slots_per_device" not in plain.to_dict()
+    assert plain.homes(0) == [[0], [0], [1], [1]] and not plain.has_replicas
+    placement = Placement(4, 2, {0: [0, 0, 1, 1], 3: [1, 1, 0, 0]}, replicas={0: {"2": [0]}}, slots_per_device=3)
+    path = tmp_path / "p.json"
+    placement.save(path)
+    data = json.loads(path.read_text())
+    assert data["replicas"] == {"0": {"2": [0]}} and data["slots_per_device"] == 3
+    loaded = Placement.load(path)
+    assert loaded.replicas == {0: {2: [0]}} and loaded.slots_per_device == 3
+    assert loaded.homes(0) == [[0], [0], [0, 1], [1]] and loaded.homes(3) == [[1], [1], [0], [0]]
+    assert loaded.experts_on(0, 0) == [0, 1, 2] and loaded.capacities(0) == [3, 2]
+    assert loaded.slot_table(0).tolist() == [[0, -1], [1, -1], [2, 0], [-1, 1]]
+    assert loaded.local_slot(0) == [0, 1, 0, 1]
+
+
+@pytest.mark.parametrize(
+    "replicas, slots, message",
+    [
+        ({0: {2: [1]}}, None, r"other than its primary device 1"),
+        ({0: {2: [5]}}, None, r"in \[0, 2\)"),
+        ({0: {9: [0]}}, None, r"expert 9 outside"),
+        ({4: {2: [0]}}, None, r"layer 4, which is not among"),
+        ({0: {2: [0]}}, 2, r"puts 3 experts on one device, more than slots_per_device=2"),
+    ],
+)
+def test_replica_format_errors(replicas, slots, message):
+    with pytest.raises(ValueError, match=message):
+        Placement(4, 2, {0: [0, 0, 1, 1]}, replicas=replicas, slots_per_device=slots)
+
+
+# ----- metrics with replicas ---------------------------------------------------------------------
+def test_metrics_follow_the_rule():
+    ids = np.array([[0, 2], [0, 1], [0, 1], [3, 1]])
+    routing = profile_from_sample({0: ids}, 4, "hand").layer(0)
+    table = home_table_from([0, 1, 2, 0], {0: [2], 3: [1]})
+    m = metrics.evaluate_layer(routing, np.array([0, 1, 2, 0]), 3, 2, table)
+    # devices per token: {2}, {2, 1}, {0, 1}, {1}
+    assert m.ct == pytest.approx(6 / 4)
+    assert m.load_D.tolist() == [1.0, 4.0, 3.0]
+    assert m.balance_floor == 1.0
+    plain = metrics.evaluate_layer(routing, np.array([0, 1, 2, 0]), 3, 2)
+    assert plain.ct == pytest.approx(2.0) and plain.load_D.tolist() == [4.0, 3.0, 1.0]
+    # counts only: an expert's load splits evenly over its homes
+    load = metrics.replica_device_load(None, np.array([4.0, 2.0, 2.0, 2.0]), np.array([0, 1, 2, 0]), 3, table)
+    assert load.tolist() == [3.0, 3.0, 4.0]
+
+
+# ----- robust scenarios --------------------------------------------------------------------------
+def test_bootstrap_weights_resample_whole_blocks():
+    rng = np.random.default_rng(0)
+    weights = block_bootstrap_weights(100, 5, 10, rng)
+    assert weights.shape == (5, 100) and (weights.sum(1) == 100).all()
+    assert (weights.reshape(5, 10, 10) == weights.reshape(5, 10, 10)[:, :, :1]).all()  # constant within a block
+    member = np.zeros((2, 100), dtype=bool)
+    member[0, :60], member[1, 60:] = True, True
+    rows = token_scenarios(member, 3, 4, rng)
+    assert rows.shape == (8, 100) and (rows[4:, :60] == 0).all() and (rows[:4, 60:] == 0).all()
+    assert stated_quantile(18) == pytest.approx(0.95)
+
+
+def test_robust_limit_holds_on_every_resample():
+    ids = structured_topk(1200, 16, 4, 4, popularity_E=np.linspace(1, 3, 16), seed=2)
+    routing = profile_from_sample({0: ids}, 16, "t").layer(0)
+    options = RefinedOptions(robust_resamples=6, robust_blocks=12, seed=3, **FAST)
+    plan = refine_layer(routing.coactivation, routing.expert_counts, routing.topk_sample, 4, options)
+    assert plan.scenarios == 7 and plan.limit_reached
+    weights = token_scenarios(np.ones((1, len(ids)), dtype=bool), 6, 12, np.random.default_rng(3))
+    loads = scenario_loads(ids, weights, 16)
+    # the same resamples as the planner drew (same seed, same draw order, no token subset)
+    for load_E in loads:
+        floor = metrics.load_floor(load_E, np.full(4, 4))
+        assert metrics.device_load(load_E, plan.device_of_E, 4).max() <= 1.10 * floor + 1e-9
+
+
+# ----- replicas in the planner -------------------------------------------------------------------
+def test_replicas_fill_the_redundant_slots_and_split_a_giant():
+    popularity = np.ones(16)
+    popularity[5] = 30.0  # one expert in most tokens: without replicas its device is a straggler
+    ids = structured_topk(1500, 16, 4, 4, popularity_E=popularity, seed=4)
+    profile = profile_from_sample({0: ids}, 16, "giant")
+    plain = plan_placement(profile, 4, progress=False, **FAST)
+    replicated = plan_placement(profile, 4, progress=False, num_redundant_experts=4, **FAST)
+    assert replicated.slots_per_device == 5 and max(replicated.capacities(0)) <= 5
+    assert sum(len(v) for v in replicated.replicas[0].values()) == 4
+    assert len(replicated.homes(0)[5]) >= 2
+    before = metrics.evaluate_placement(profile, plain)[0]
+    after = metrics.evaluate_placement(profile, replicated)[0]
+    assert after.balance < before.balance - 0.1
+
+
+# ----- several profiles --------------------------------------------------------------------------
+def _counts_profile(counts_E: np.ndarray, name: str) -> RoutingProfile:
+    num_experts = len(counts_E)
+    routing = LayerRouting(np.zeros((num_experts, num_experts), dtype=np.int64), counts_E.astype(np.int64), int(counts_E.sum()))
+    return RoutingProfile(num_experts, 2, {0: routing}, meta={"source": name})
+
+
+def test_several_profiles_bound_the_worst_not_the_mean():
+    rng = np.random.default_rng(5)
+    a = rng.integers(50, 100, 16).astype(np.float64)
+    b = a[::-1].copy()
+    a[:4] *= 4
+    b[-4:] *= 4  # the two profiles are hot on different experts
+    profiles = {"a": _counts_profile(a, "a"), "b": _counts_profile(b, "b")}
+    pooled = _counts_profile(a + b, "pooled")
+    both = plan_placement(profiles, 4, progress=False, **FAST)
+    assert both.meta["profiles"] == ["a", "b"] and set(both.meta["worst_profile"]["0"]) == {"profile", "balance"}
+    worst = max(metrics.evaluate_placement(p, both)[0].balance for p in profiles.values())
+    floors = [metrics.load_floor(c, np.full(4, 4)) / (c.sum() / 4) for c in (a, b)]
+    assert worst <= 1.10 * max(floors) + 1e-9
+    assert worst == pytest.approx(both.meta["worst_profile"]["0"]["balance"], abs=1e-4)
+    only_pooled = plan_placement(pooled, 4, progress=False, **FAST)
+    assert worst <= max(metrics.evaluate_placement(p, only_pooled)[0].balance for p in profiles.values())
+
+
+# ----- cross-validation ----------------------------------------------------------------------------
+def test_cross_validation_reports_held_out_figures():
+    ids = structured_topk(800, 16, 4, 4, seed=6)
+    profile = profile_from_sample({0: ids, 1: ids[::-1].copy()}, 16, "cv")
+    placement = plan_placement(profile, 4, progress=False, cross_validate=2, **FAST)
+    expected = placement.meta["expected_held_out"]
+    assert expected["folds"] == 2 and set(expected["layers"]) == {"0", "1"}
+    assert set(expected["mean"]) == {"ct", "balance", "balance_worst", "balance_floor"}
+    assert 1.0 <= expected["mean"]["ct"] <= 4.0 and expected["mean"]["balance"] >= 1.0
+    counts_only = _counts_profile(np.arange(1, 17, dtype=np.float64), "counts")
+    assert "skipped" in cross_validate(counts_only, 4, folds=2)
+    with pytest.raises(ValueError, match="folds must be an integer >= 2"):
+        cross_validate(profile, 4, folds=1)
+
+
+# ----- real domain loads ---------------------------------------------------------------------------
+@pytest.mark.skipif(not DOMAINS.is_file(), reason=f"real OLMoE domain loads not found at {DOMAINS} (../shared is not shipped)")
+def test_six_olmoe_domains_worst_balance_with_replicas():
+    with np.load(DOMAINS) as npz:
+        counts = {k.split("__")[-1]: npz[k] for k in npz.files if k.startswith("olmoe__expert_counts__")}
+    assert len(counts) == 6
+    profiles = {name: _counts_profile(c[0], name) for name, c in counts.items()}  # layer 0: one giant expert
+    placement = plan_placement(profiles, 8, progress=False, num_redundant_experts=8, **FAST)
+    worst = max(metrics.evaluate_placement(p, placement)[0].balance for p in profiles.values())
+    assert worst <= 1.15
