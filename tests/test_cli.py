@@ -195,3 +195,25 @@ def test_demo_main_job_runs_end_to_end(tmp_path, capsys):
     for method in ("contiguous", "occult", "refined"):
         assert json.loads((out / f"placement_{method}.json").read_text())["num_devices"] == 8
     assert is_png(out / "ct_by_layer.png") and is_png(out / "coactivation_layer0.png")
+
+
+def test_place_several_profiles_with_replicas_prints_the_promises(tmp_path, capsys):
+    from occult_hf.placement.validation import profile_from_sample
+    from occult_hf.studies.placement_study import structured_topk
+
+    paths = []
+    for name, seed in (("prefill", 0), ("decode", 1)):
+        popularity = np.linspace(1, 4, 16)[:: 1 if seed == 0 else -1]
+        profile = profile_from_sample({0: structured_topk(400, 16, 4, 4, popularity, seed=seed)}, 16, name)
+        paths.append(tmp_path / f"{name}.safetensors")
+        profile.save(paths[-1])
+    out = tmp_path / "occult_placement.json"
+    argv = ["place", *map(str, paths), "--num-devices", "4", "--option", "num_redundant_experts=4", "--option", "search_rounds=2", "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "expected held-out (2-fold cross-validation" in printed and "worst of 2 profiles: layer 0" in printed
+    assert "slots per device" in printed
+    placement = Placement.load(out)
+    assert placement.slots_per_device == 5 and placement.has_replicas
+    assert main(["report", str(paths[0]), str(out), "--no-plots"]) == 0
+    assert "expected held-out (2-fold" in capsys.readouterr().out

@@ -124,6 +124,11 @@ def apply_occult(model: nn.Module, occult_config: OccultConfig | dict | str | No
     if placement is None:
         placement = Placement.contiguous(num_experts, ep.num_devices, layers)
     placement.validate_for(num_experts, layers, ep.num_devices)
+    if placement.has_replicas:  # the dispatch plan does not route to replicas yet (issue 14, runtime part)
+        raise NotImplementedError(
+            f"OccultConfig.placement has replicated experts (layers {sorted(placement.replicas)}); the runtime "
+            f"serves one home per expert for now: plan without num_redundant_experts to run it"
+        )
     config = replace(config, placement=placement, num_devices=ep.num_devices)
 
     state = _OccultState(occult_config=config, ep=ep, block_paths=[path for _, path, _ in blocks])

@@ -133,6 +133,35 @@ def _summary_rows(results: list[PlacementResult]) -> list[str]:
     return rows
 
 
+def format_promises(results: list[PlacementResult]) -> str:
+    """What each placement's planner promised beyond its profile, from its meta: the expected held-out
+    figures by cross-validation, the worst of several profiles, and the replicas. Empty when none."""
+    lines = []
+    for result in results:
+        placement, meta = result.placement, result.placement.meta
+        expected = meta.get("expected_held_out")
+        if expected and "skipped" in expected:
+            lines.append(f"{result.name}: no held-out estimate ({expected['skipped']})")
+        elif expected:
+            m = expected["mean"]
+            lines.append(
+                f"{result.name}: expected held-out ({expected['folds']}-fold cross-validation on its profile, mean over "
+                f"layers): CT {_fmt(m['ct'])}, balance {_fmt(m['balance'])} (worst fold and layer "
+                f"{_fmt(m['balance_worst'])}; held-out floor {_fmt(m['balance_floor'])})"
+            )
+        worst = meta.get("worst_profile")
+        if worst:
+            cells = ", ".join(f"layer {l} {w['profile']} {w['balance']:.2f}" for l, w in worst.items())
+            lines.append(f"{result.name}: worst of {len(meta.get('profiles', []))} profiles: {cells}")
+        if placement.has_replicas:
+            extra = {l: sum(len(d) for d in r.values()) for l, r in placement.replicas.items()}
+            lines.append(
+                f"{result.name}: replicas in {len(extra)} layers ({min(extra.values())}-{max(extra.values())} extra homes "
+                f"per layer), {placement.slots_per_device or '-'} slots per device"
+            )
+    return "\n".join(lines)
+
+
 # ----- plots -----------------------------------------------------------------------------------
 def _figure(width: float, height: float):
     """A matplotlib Figure without pyplot (no global backend or state is touched)."""
@@ -223,6 +252,9 @@ def write_report(
     """
     results = evaluate_placements(profile, placements)
     table = format_table(profile, results)
+    promises = format_promises(results)
+    if promises:
+        table = f"{table}\n{promises}"
     paths: list[str] = []
     if plot_dir is not None:
         os.makedirs(plot_dir, exist_ok=True)
@@ -235,6 +267,7 @@ def write_report(
 __all__ = [
     "PlacementResult",
     "evaluate_placements",
+    "format_promises",
     "format_summary",
     "format_table",
     "plot_cost_by_layer",

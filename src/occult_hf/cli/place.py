@@ -16,12 +16,18 @@ def register(subparsers) -> None:
         description="Plan, for every MoE layer of a routing profile, which device holds each expert, and write "
         "occult_placement.json. Prints the plan's CT, remote copies and load balance beside contiguous placement.",
     )
-    parser.add_argument("profile", help="routing profile (.safetensors from `occult profile`)")
+    parser.add_argument(
+        "profile",
+        nargs="+",
+        help="routing profile (.safetensors from `occult profile`); several (domains, prefill and decode, before "
+        "and after a fine-tune) are pooled for CT and refined holds its load limit on each of them",
+    )
     add_num_devices_argument(parser, help="devices D in the expert-parallel group (required)")
     parser.add_argument(
         "--method", default="refined", choices=available_planners(), help="placement method (default: refined)"
     )
     add_option_argument(parser)
+    add_cross_validate_argument(parser, default=2)
     parser.add_argument("--out", default=PLACEMENT_FILENAME, help=f"output path (default: {PLACEMENT_FILENAME})")
     parser.set_defaults(func=run)
 
@@ -34,6 +40,17 @@ def add_option_argument(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=VALUE",
         help="planner option, repeatable (e.g. max_load_ratio=1.05, seed=1 for refined); values are JSON "
         "(numbers, true/false, null) or plain strings",
+    )
+
+
+def add_cross_validate_argument(parser: argparse.ArgumentParser, default: int) -> None:
+    parser.add_argument(
+        "--cross-validate",
+        type=int,
+        default=default,
+        metavar="K",
+        help=f"estimate held-out CT and balance by K-fold cross-validation on the profile's token sample, "
+        f"K >= 2 (re-plans K times); 0 skips (default: {default})",
     )
 
 
@@ -58,12 +75,23 @@ def run(args: argparse.Namespace) -> int:
 
     if args.num_devices is None:
         raise SystemExit("occult place: --num-devices D is required (the devices of the expert-parallel group)")
-    profile = RoutingProfile.load(args.profile)
-    placement = plan_placement(profile, args.num_devices, args.method, **parse_options(args.option))
-    placement.meta["profile"] = args.profile
+    from ..placement import pool_profiles
+    from ..report import format_promises
+
+    profiles = {path: RoutingProfile.load(path) for path in args.profile}
+    source = next(iter(profiles.values())) if len(profiles) == 1 else profiles
+    placement = plan_placement(
+        source, args.num_devices, args.method, cross_validate=args.cross_validate, **parse_options(args.option)
+    )
+    placement.meta["profile"] = args.profile[0] if len(args.profile) == 1 else list(args.profile)
     placement.save(args.out)
-    named = {"contiguous": Placement.contiguous(profile.num_experts, args.num_devices, profile.layers)}
+    pooled = pool_profiles(source)[0]
+    named = {"contiguous": Placement.contiguous(pooled.num_experts, args.num_devices, sorted(placement.layers))}
     named[args.method] = placement
-    print(format_summary(evaluate_placements(profile, named)))
+    results = evaluate_placements(pooled, named)
+    print(format_summary(results))
+    promises = format_promises(results)
+    if promises:
+        print(promises)
     print(f"wrote {args.out}")
     return 0

@@ -7,7 +7,7 @@ import dataclasses
 import os
 
 from ..placement import available_planners
-from .place import add_option_argument, parse_options
+from .place import add_cross_validate_argument, add_option_argument, parse_options
 from .devices import add_num_devices_argument
 
 
@@ -29,6 +29,7 @@ def register(subparsers) -> None:
         help=f"comma-separated methods to plan with --num-devices (default: {','.join(available_planners())})",
     )
     add_option_argument(parser)
+    add_cross_validate_argument(parser, default=0)
     parser.add_argument("--plots", default="occult_report", help="directory for the PNG plots (default: occult_report)")
     parser.add_argument("--no-plots", action="store_true", help="print the table only")
     parser.add_argument("--heatmap-layer", type=int, default=None, help="layer of the co-activation heatmap")
@@ -48,7 +49,9 @@ def run(args: argparse.Namespace) -> int:
     profile = RoutingProfile.load(args.profile)
     placements = load_placements(args.placements)
     if args.num_devices is not None:
-        planned = plan_methods(profile, args.num_devices, args.methods.split(","), parse_options(args.option))
+        planned = plan_methods(
+            profile, args.num_devices, args.methods.split(","), parse_options(args.option), args.cross_validate
+        )
         for name, placement in planned.items():
             placements[_unique(name, placements)] = placement
     print_report(profile, placements, None if args.no_plots else args.plots, args.heatmap_layer)
@@ -74,8 +77,9 @@ def _unique(name: str, taken: dict) -> str:
     return name
 
 
-def plan_methods(profile, num_devices: int, methods: list[str], options: dict) -> dict:
-    """Plan with each method; `options` go to the methods that accept them."""
+def plan_methods(profile, num_devices: int, methods: list[str], options: dict, cross_validate: int = 0) -> dict:
+    """Plan with each method; `options` go to the methods that accept them; `cross_validate` K >= 2 adds
+    each plan's expected held-out figures."""
     from ..placement import get_planner, plan_placement
 
     valid = {method: {f.name for f in dataclasses.fields(get_planner(method).options_class)} for method in methods}
@@ -83,7 +87,9 @@ def plan_methods(profile, num_devices: int, methods: list[str], options: dict) -
     if unused:
         raise SystemExit(f"occult report: no method in {methods} has option(s) {sorted(unused)}")
     return {
-        method: plan_placement(profile, num_devices, method, **{k: v for k, v in options.items() if k in fields})
+        method: plan_placement(
+            profile, num_devices, method, cross_validate=cross_validate, **{k: v for k, v in options.items() if k in fields}
+        )
         for method, fields in valid.items()
     }
 
