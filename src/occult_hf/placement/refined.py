@@ -40,6 +40,7 @@ import numpy as np
 
 from ..metrics import load_floor
 from .objectives import PairwiseCut, SampleCT
+from .replicas import home_table_from, resolve_homes_np
 from .robust import count_scenarios, scenario_loads, token_scenarios
 from .registry import balanced_capacities, check_layer_inputs, register_planner
 
@@ -69,6 +70,8 @@ class RefinedOptions:
         num_redundant_experts: R redundant expert slots (as DeepSeek's EPLB): R extra homes of hot
             experts, `ceil((E + R) / D)` slots per device, placed jointly with the others (see
             "Replicas" in the module docstring).
+        replica_rounds: with replicas and a token sample, re-plan the copies this many times on the
+            loads the replica rule really gives (tokens use a copy on a device they already visit).
     """
 
     max_load_ratio: float = 1.10
@@ -80,6 +83,7 @@ class RefinedOptions:
     robust_resamples: int = 0
     robust_blocks: int = 32
     num_redundant_experts: int = 0
+    replica_rounds: int = 2
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_load_ratio, (int, float)) or not self.max_load_ratio >= 1.0:
@@ -88,7 +92,7 @@ class RefinedOptions:
             raise ValueError(f"refined option objective must be one of {OBJECTIVES}, got {self.objective!r}")
         if not isinstance(self.robust_blocks, int) or isinstance(self.robust_blocks, bool) or self.robust_blocks < 1:
             raise ValueError(f"refined option robust_blocks must be an integer >= 1, got {self.robust_blocks!r}")
-        for name in ("seed", "search_rounds", "kick_swaps", "robust_resamples", "num_redundant_experts"):
+        for name in ("seed", "search_rounds", "kick_swaps", "robust_resamples", "num_redundant_experts", "replica_rounds"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"refined option {name} must be an integer >= 0, got {value!r}")
@@ -335,6 +339,71 @@ def copy_items(copies_E: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return item_of_EC, np.array(group, dtype=np.int64)
 
 
+def _search(coactivation, sample, scaled_SE, start_E, capacities_D, group_I, num_devices, options, rng):
+    """Repair, descent and perturbation rounds from `start_E`; `(best map, its cost, objective name,
+    factor the limit had to be raised by (1.0: reached))`."""
+    if sample is not None and options.objective != "cut":
+        objective = SampleCT(sample, start_E, num_devices)
+    else:
+        objective = PairwiseCut(coactivation, start_E, num_devices)
+    search = _Search(objective, scaled_SE, capacities_D, group_I)
+    factor = 1.0 if search.repair() else search.accept_reached_load()
+    search.descend()
+    best_E, best_cost = search.device_of_E.copy(), objective.cost
+    for _ in range(options.search_rounds):
+        search.kick(rng, options.kick_swaps)
+        search.descend()
+        if objective.cost <= best_cost:
+            best_E, best_cost = search.device_of_E.copy(), objective.cost
+        else:
+            objective.reset(best_E)
+            search.sync()
+    return best_E, best_cost, objective.name, factor
+
+
+def _homes_of(item_device_I: np.ndarray, group_I: np.ndarray, num_experts: int) -> list[list[int]]:
+    return [sorted(item_device_I[group_I == e].tolist()) for e in range(num_experts)]
+
+
+def _rule_items(item_device_I, group_I, sample_Nk, num_devices):
+    """`[N, k]` item serving each pair under the replica rule for the homes of `item_device_I`, and the
+    total CT the rule gives."""
+    num_experts = int(group_I.max()) + 1
+    homes = _homes_of(item_device_I, group_I, num_experts)
+    table = home_table_from([h[0] for h in homes], {e: h[1:] for e, h in enumerate(homes) if len(h) > 1})
+    dest_Nk = resolve_homes_np(sample_Nk, table, num_devices)
+    item_at_ED = np.full((num_experts, num_devices), -1, dtype=np.int64)
+    item_at_ED[group_I, item_device_I] = np.arange(len(group_I))
+    sorted_Nk = np.sort(dest_Nk, axis=1)
+    ct = float((1 + (sorted_Nk[:, 1:] != sorted_Nk[:, :-1]).sum(1)).sum())
+    return item_at_ED[sample_Nk, dest_Nk], ct
+
+
+def _replica_rounds(best_I, best_cost, sample_Nk, weights_SN, group_I, coactivation, limit_S, capacities_D, num_devices, options, rng):
+    """Re-plan the copies on the loads the replica rule really gives (a token goes to a copy on a device it
+    already visits, not to copy `n mod copies`), `replica_rounds` times; keep the map with the lowest
+    worst-scenario overload, then the lowest CT, under the rule."""
+
+    def score(item_device_I):
+        items_Nk, ct = _rule_items(item_device_I, group_I, sample_Nk, num_devices)
+        load_SI = scenario_loads(items_Nk, weights_SN, len(group_I))
+        one_hot_ID = np.zeros((len(group_I), num_devices))
+        one_hot_ID[np.arange(len(group_I)), item_device_I] = 1.0
+        over = float(np.maximum((load_SI @ one_hot_ID) / limit_S[:, None] - 1.0, 0.0).max())
+        return (round(over, 9), ct), items_Nk, load_SI
+
+    best_key, items_Nk, load_SI = score(best_I)
+    current = best_I
+    for _ in range(options.replica_rounds):
+        current, _, _, _ = _search(
+            coactivation, items_Nk, load_SI / limit_S[:, None], current, capacities_D, group_I, num_devices, options, rng
+        )
+        key, items_Nk, load_SI = score(current)
+        if key < best_key:
+            best_key, best_I = key, current
+    return best_I, best_key[1]
+
+
 def refine_layer(
     coactivation_EE: np.ndarray,
     expert_counts_E: np.ndarray,
@@ -372,7 +441,7 @@ def refine_layer(
         load_SE = scenario_loads(sample, weights_SN, num_experts)
     else:
         load_SE = count_scenarios(load_E if counts_PE is None else counts_PE, options.robust_resamples, rng)
-    replicas, slots, group_I = {}, None, None
+    original_sample, replicas, slots, group_I = sample, {}, None, None
     if options.num_redundant_experts:
         copies_E = replication_counts(load_SE, options.num_redundant_experts, num_devices)
         slots = -(-(num_experts + options.num_redundant_experts) // num_devices)
@@ -389,40 +458,30 @@ def refine_layer(
     attainable_S = np.array([load_floor(row, capacities_D) for row in load_SE])
     balance_bound = float(attainable_S[0] / mean_S[0]) if mean_S[0] > 0 else 1.0
     limit_S = np.where(attainable_S > 0, options.max_load_ratio * attainable_S, 1.0)  # no load: any map is balanced
-    scaled_SE = load_SE / limit_S[:, None]
-    start_E = initial_assignment(coactivation, scaled_SE, capacities_D, group_I)
-    if use_sample:
-        objective = SampleCT(sample, start_E, num_devices)
-    else:
-        objective = PairwiseCut(coactivation, start_E, num_devices)
-    search = _Search(objective, scaled_SE, capacities_D, group_I)
-    limit_reached = search.repair()
-    limit = float(limit_S[0])
+    start_E = initial_assignment(coactivation, load_SE / limit_S[:, None], capacities_D, group_I)
+    best_E, best_cost, name, factor = _search(
+        coactivation, sample, load_SE / limit_S[:, None], start_E, capacities_D, group_I, num_devices, options, rng
+    )
+    if group_I is not None and original_sample is not None:
+        best_E, best_cost = _replica_rounds(
+            best_E, best_cost, original_sample, weights_SN, group_I, coactivation, limit_S, capacities_D, num_devices, options, rng
+        )
+    limit_reached = factor == 1.0
+    limit = float(limit_S[0]) * factor
     if not limit_reached:
-        limit *= search.accept_reached_load()
         warnings.warn(
             f"refined placement: could not bring every device under max_load_ratio={options.max_load_ratio} x the "
             f"load floor in all {len(load_SE)} load scenario(s); keeping the max load reached ({limit:.6g} on the "
             f"profile, balance {limit / mean_S[0]:.3f}) as the limit",
             stacklevel=2,
         )
-    search.descend()
-    best_E, best_cost = search.device_of_E.copy(), objective.cost
-    for _ in range(options.search_rounds):
-        search.kick(rng, options.kick_swaps)
-        search.descend()
-        if objective.cost <= best_cost:
-            best_E, best_cost = search.device_of_E.copy(), objective.cost
-        else:
-            objective.reset(best_E)
-            search.sync()
     if group_I is not None:  # items -> homes: the lowest device is the primary one
-        homes = [sorted(best_E[group_I == e].tolist()) for e in range(num_experts)]
+        homes = _homes_of(best_E, group_I, num_experts)
         best_E = np.array([h[0] for h in homes], dtype=np.int64)
         replicas = {e: h[1:] for e, h in enumerate(homes) if len(h) > 1}
     return LayerPlan(
         device_of_E=best_E,
-        objective=objective.name,
+        objective=name,
         cost=float(best_cost),
         load_limit=float(limit),
         balance_bound=float(balance_bound),
