@@ -268,18 +268,24 @@ def _check_generate(rank, world_size, references):
         assert torch.equal(tokens, references[(family, rank)]), f"{family} rank {rank}: {tokens} != {references[(family, rank)]}"
 
 
-def _check_save_round_trip(rank, world_size, directory, family):
+def _check_save_round_trip(rank, world_size, directory, family, replicated=False):
+    """Train a step, save (collective), reload under EP and as the vanilla model, unapply. `replicated`:
+    experts 0 and 1 have a second home (DESIGN.md §6); the step must keep the copies identical, else the
+    saved (one copy per expert) model would differ from the trained one on the other copy's tokens."""
     import torch.distributed as dist
 
     from occult_hf import OccultConfig, Placement
     from occult_hf.integration import apply_occult, occult_config_of, unapply_occult
 
     placement = shuffled_placement(family, 8, world_size)
+    if replicated:
+        extra = {l: {e: [(d[e] + 1) % world_size] for e in (0, 1)} for l, d in placement.layers.items()}
+        placement = Placement(8, world_size, placement.layers, {"method": "replicated"}, replicas=extra)
     model = apply_occult(tiny_model(family, seed=8), OccultConfig(placement=placement))
     train_one_step(model, tiny_batch(seed=60 + rank))  # each rank its own batch: expert grads from both
     ids = tiny_batch(seed=70)
     expected = model(ids).logits
-    target = Path(directory) / family
+    target = Path(directory) / (f"{family}_replicated" if replicated else family)
     model.save_pretrained(target)  # collective: rank 0 writes
     dist.barrier()
     assert Placement.load(target) == placement
@@ -334,6 +340,7 @@ def _ep_world(rank, world_size, references, directory):
     _check_generate(rank, world_size, references)
     for family in ("qwen2_moe", "deepseek"):
         _check_save_round_trip(rank, world_size, directory, family)
+    _check_save_round_trip(rank, world_size, directory, "olmoe", replicated=True)
     _check_rank0_only_save_fails_clearly(rank, world_size, directory)
 
 

@@ -18,6 +18,9 @@ World 2 (E=8): 6 families x {dedup, per_expert} x {contiguous with one chunk, sh
 with 3 chunks (the pipelined exchange)}.
 World 4 (E=6, so D does not divide E): 6 families x {(dedup, shuffled, 2 chunks), (per_expert,
 contiguous, chunks chosen from T)}. The one CPU dispatcher under torch.distributed is "all_to_all".
+Replicated experts (the shuffled map plus a second home for experts 0..D-1, DESIGN.md §6): every
+family in dedup mode on 2 ranks, and on 4 ranks alternately dedup and per_expert; each rank's copy
+must carry the expert's full gradient (the sum over its holders) and the norm counts it once.
 """
 
 from __future__ import annotations
@@ -52,12 +55,13 @@ def placement_for(family: str, num_experts: int, num_devices: int, kind: str):
     if kind == "contiguous":
         return Placement.contiguous(num_experts, num_devices, layers)
     base = np.arange(num_experts) * num_devices // num_experts
-    return Placement(
-        num_experts,
-        num_devices,
-        {layer: np.random.default_rng(10 * layer + num_experts).permutation(base).tolist() for layer in layers},
-        {"method": "shuffled"},
-    )
+    maps = {layer: np.random.default_rng(10 * layer + num_experts).permutation(base).tolist() for layer in layers}
+    if kind == "shuffled":
+        return Placement(num_experts, num_devices, maps, {"method": "shuffled"})
+    # "replicated": the shuffled map, and experts 0..D-1 get an extra home on the next device (copies
+    # that must serve pairs, receive summed gradients and stay identical)
+    replicas = {layer: {e: [(maps[layer][e] + 1) % num_devices] for e in range(num_devices)} for layer in layers}
+    return Placement(num_experts, num_devices, maps, {"method": "replicated"}, replicas=replicas)
 
 
 def reference(family: str, num_experts: int, num_devices: int) -> dict:
@@ -86,6 +90,7 @@ def _check_case(rank, world_size, family, num_experts, mode, placement_kind, chu
 
     from occult_hf import OccultConfig
     from occult_hf.integration import apply_occult, occult_modules
+    from occult_hf.placement import resolve_homes
 
     where = f"[{family} E={num_experts} D={world_size} {mode} {placement_kind} chunks={chunks} rank {rank}]"
     placement = placement_for(family, num_experts, world_size, placement_kind)
@@ -140,9 +145,9 @@ def _check_case(rank, world_size, family, num_experts, mode, placement_kind, chu
                 compared.add(name)
         assert all(p.numel() == 0 for p in _original_expert_parameters(module)), f"{where} expert storage kept"
         if mode == "dedup":
-            device_of_E, topk_ids_Tk = module.device_of_E.cpu(), module.last_topk_ids_Tk.cpu()
-            ct_rows = int((torch.zeros(topk_ids_Tk.shape[0], world_size, dtype=torch.bool).scatter_(
-                1, device_of_E[topk_ids_Tk], True)).sum())
+            topk_ids_Tk = module.last_topk_ids_Tk.cpu()
+            dest_Tk = resolve_homes(topk_ids_Tk, torch.from_numpy(placement.home_table(module.layer_idx)), world_size)
+            ct_rows = int((torch.zeros(topk_ids_Tk.shape[0], world_size, dtype=torch.bool).scatter_(1, dest_Tk, True)).sum())
             assert int(module.rows_sent.sum()) == ct_rows, f"{where} rows sent != CT count"
 
     # every rank holds only its share of the experts
@@ -211,6 +216,7 @@ def test_exact_on_2_ranks_all_families_modes_and_placements():
         for mode in ("dedup", "per_expert")
         for kind in ("contiguous", "shuffled")
     ]
+    cases += [(family, 8, "dedup", "replicated", 2) for family in FAMILIES]
     _run(2, 8, cases)
 
 
@@ -218,6 +224,7 @@ def test_exact_on_4_ranks_with_uneven_expert_counts():
     """E=6 on 4 ranks: two ranks hold 2 experts, two hold 1."""
     cases = [(family, 6, "dedup", "shuffled", 2) for family in FAMILIES]
     cases += [(family, 6, "per_expert", "contiguous", None) for family in FAMILIES]
+    cases += [(family, 6, mode, "replicated", 1) for family, mode in zip(FAMILIES, ("dedup", "per_expert") * len(FAMILIES))]
     _run(4, 6, cases)
 
 

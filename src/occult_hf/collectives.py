@@ -9,6 +9,10 @@
   gradients of that layer, so that `clip_grad_norm_` over one rank's parameters (replicated
   gradients, which DDP made identical, this rank's experts, and the carriers) sees the global norm,
   the same on every rank.
+- `sum_replica_grads` (run by `GradNormCarrier` at the end of every backward, before the norms): with
+  replicated experts each copy's gradient covers only the pairs it served; one batched all-reduce of
+  every layer's per-backward contributions gives each holder the expert's full gradient, so the
+  copies stay identical. The copies count once in the global norm (`copy_weight_L`).
 """
 
 from __future__ import annotations
@@ -79,13 +83,21 @@ class GradNormCarrier:
         self._queued = False
         if not self.layers:
             return
+        sum_replica_grads([layer for layer in self.layers if getattr(layer, "num_replicated", 0)], self.group)
         device = self.layers[0].ep_grad_norm_carrier.device
         local_sq = torch.zeros(len(self.layers), dtype=torch.float32, device=device)
+        counted_sq = torch.zeros(len(self.layers), dtype=torch.float32, device=device)
         for index, layer in enumerate(self.layers):
+            weight_L = getattr(layer, "copy_weight_L", None)
+            weights = {id(layer.local_experts.gate_up_proj), id(layer.local_experts.down_proj)}
             for param in layer.experts.parameters():  # the expert weights and any PEFT adapters on them
                 if param.grad is not None:
-                    local_sq[index] += param.grad.float().square().sum().to(device)
-        total_sq = local_sq.clone()
+                    square = param.grad.float().square()
+                    local_sq[index] += square.sum().to(device)
+                    if weight_L is not None and id(param) in weights:  # a copy counts 1 / its homes
+                        square = square.reshape(len(weight_L), -1).sum(1) * weight_L.to(square.device)
+                    counted_sq[index] += square.sum().to(device)
+        total_sq = counted_sq
         dist.all_reduce(total_sq, group=self.group)  # one per backward, all layers
         other = (total_sq - local_sq).clamp_min(0).sqrt()
         for index, layer in enumerate(self.layers):
@@ -94,4 +106,40 @@ class GradNormCarrier:
                 carrier.grad = other[index].reshape(1).to(carrier.dtype)
 
 
-__all__ = ["GradNormCarrier", "gather_rows"]
+@torch.no_grad()
+def sum_replica_grads(layers: list[nn.Module], group) -> None:
+    """Give every holder of a replicated expert the gradient of all its copies; one all-reduce for all layers.
+
+    Each layer (an `OccultMoE` with `num_replicated > 0`) recorded in `replica_pending` its copies'
+    gradient contributions of this backward (`[num_replicated, ...]` per expert weight, rows in the
+    layer's replicated-expert order, zero where this rank holds no copy). The all-reduce sums them
+    over the group; each holder adds what the OTHER copies contributed to its own `.grad`, so
+    gradient accumulation over several backwards stays exact. Collective: every rank calls it once
+    per backward with the same layers.
+    """
+    if not layers:
+        return
+    blocks = []
+    for layer in layers:
+        experts = layer.local_experts
+        for index, param in enumerate((experts.gate_up_proj, experts.down_proj)):
+            pending = layer.replica_pending[index]
+            if pending is None:
+                pending = torch.zeros((layer.num_replicated, *param.shape[1:]), dtype=torch.float32, device=param.device)
+            blocks.append((layer, index, param, pending))
+    flat = torch.cat([pending.reshape(-1) for _, _, _, pending in blocks])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for layer, index, param, pending in blocks:
+        total = flat[offset : offset + pending.numel()].view_as(pending)
+        offset += pending.numel()
+        layer.replica_pending[index] = None
+        slots, rows = layer.replica_slots.to(param.device), layer.replica_rows.to(param.device)
+        if len(slots) == 0 or not param.requires_grad:
+            continue
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        param.grad.index_add_(0, slots, (total - pending)[rows].to(param.grad.dtype))
+
+
+__all__ = ["GradNormCarrier", "gather_rows", "sum_replica_grads"]

@@ -124,10 +124,11 @@ def apply_occult(model: nn.Module, occult_config: OccultConfig | dict | str | No
     if placement is None:
         placement = Placement.contiguous(num_experts, ep.num_devices, layers)
     placement.validate_for(num_experts, layers, ep.num_devices)
-    if placement.has_replicas:  # the dispatch plan does not route to replicas yet (issue 14, runtime part)
+    if placement.has_replicas and config.prune is not None:  # pruning picks devices by the primary homes only
         raise NotImplementedError(
-            f"OccultConfig.placement has replicated experts (layers {sorted(placement.replicas)}); the runtime "
-            f"serves one home per expert for now: plan without num_redundant_experts to run it"
+            f"OccultConfig.prune={config.prune!r} with a placement that has replicated experts (layers "
+            f"{sorted(placement.replicas)}) is not supported: pruning limits a token to N_d devices of the primary "
+            f"map, and the replica rule could send a pair elsewhere; plan without num_redundant_experts to prune"
         )
     config = replace(config, placement=placement, num_devices=ep.num_devices)
 

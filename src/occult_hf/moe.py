@@ -19,8 +19,10 @@ The block is built from the model's own block and its family adapter and keeps b
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -85,12 +87,16 @@ class OccultMoE(nn.Module):
 
         device_of_E = placement.device_of(layer_idx)
         num_experts = placement.num_experts
-        if ep.is_distributed:
+        homes = placement.homes(layer_idx)
+        replicated = any(len(h) > 1 for h in homes)
+        if ep.is_distributed:  # this rank's slots: every expert with a home here (primary or replica)
             expert_ids = placement.experts_on(layer_idx, ep.rank)
             local_index_E = placement.local_slot(layer_idx)
-        else:
+            slot_ED = placement.slot_table(layer_idx)
+        else:  # one process computes every expert once; the devices are logical
             expert_ids = list(range(num_experts))
             local_index_E = expert_ids
+            slot_ED = np.repeat(np.arange(num_experts)[:, None], ep.num_devices, axis=1)
         gate_up_E2IH, down_EHI = adapter.expert_weights(block)
         if gate_up_E2IH.shape[0] != num_experts:
             raise ValueError(
@@ -117,8 +123,27 @@ class OccultMoE(nn.Module):
             chunks=occult_config.dispatch_chunks,
             timeout_s=occult_config.exchange_timeout_s,
             layer=f"layer {self.layer_idx}",
+            home_table_EM=placement.home_table(layer_idx) if replicated else None,
+            slot_ED=slot_ED if replicated else None,
         )
         self.dispatcher: TokenDispatcher = build_dispatcher(**self._dispatcher_settings, device=device)
+        # replicated experts: which local slots are copies of an expert with several homes, and where
+        # its gradient goes in the layer's batched sum over the holders (`collectives.sum_replica_grads`)
+        replicated_E = [e for e, h in enumerate(homes) if len(h) > 1]
+        self.num_replicated = len(replicated_E) if ep.is_distributed else 0
+        row_of = {e: i for i, e in enumerate(replicated_E)}
+        held = [(slot, row_of[e]) for slot, e in enumerate(expert_ids) if e in row_of] if ep.is_distributed else []
+        self.replica_slots = torch.tensor([s for s, _ in held], dtype=torch.int64)
+        self.replica_rows = torch.tensor([r for _, r in held], dtype=torch.int64)
+        # 1 / homes of each local slot: the global gradient norm counts an expert once, not once per copy
+        self.copy_weight_L = torch.tensor(
+            [1.0 / len(homes[e]) if ep.is_distributed else 1.0 for e in expert_ids], dtype=torch.float32
+        )
+        self.replica_pending: list[torch.Tensor | None] = [None, None]
+        if self.num_replicated:
+            for index, param in enumerate((self.experts.gate_up_proj, self.experts.down_proj)):
+                if param.requires_grad:
+                    param.register_hook(partial(self._record_replica_grad, index))
         self.register_buffer("device_of_E", torch.tensor(device_of_E, dtype=torch.int64, device=device), persistent=False)
         self.register_buffer("local_index_E", torch.tensor(local_index_E, dtype=torch.int64, device=device), persistent=False)
         for name in ("rows_sent", "pairs_sent", "bytes_sent"):
@@ -183,6 +208,19 @@ class OccultMoE(nn.Module):
         are not part of a checkpoint and which DDP must not synchronise."""
         names = ["device_of_E", "local_index_E", "rows_sent", "pairs_sent", "bytes_sent", "forwards"]
         return names + (["ep_grad_norm_carrier"] if self.ep.is_distributed else [])
+
+    def _record_replica_grad(self, index: int, grad_L: torch.Tensor | None) -> None:
+        """Parameter hook: keep this backward's contribution to the replicated copies' gradients
+        (`[num_replicated, ...]` fp32), which `collectives.sum_replica_grads` sums over the holders.
+        (The pipelined dispatcher's outer Function hands the parameters None: their gradients come from
+        its inner backward, which calls this hook with them.)"""
+        if grad_L is None:
+            return
+        slots, rows = self.replica_slots.to(grad_L.device), self.replica_rows.to(grad_L.device)
+        part = torch.zeros((self.num_replicated, *grad_L.shape[1:]), dtype=torch.float32, device=grad_L.device)
+        part.index_add_(0, rows, grad_L.detach()[slots].float())
+        pending = self.replica_pending[index]
+        self.replica_pending[index] = part if pending is None else pending + part
 
     # ----- statistics -------------------------------------------------------------------
     @torch.no_grad()

@@ -47,10 +47,15 @@ def build_dispatcher(
     timeout_s: float | None = None,
     layer: str = "layer",
     device=None,
+    home_table_EM=None,
+    slot_ED=None,
 ) -> TokenDispatcher:
     """The dispatcher `name` ("auto" or a registered name) for one layer; see `TokenDispatcher` for the arguments."""
     cls = dispatcher_class(name, ep, device)
-    return cls(ep, device_of_E, local_index_E, num_local_experts, mode=mode, chunks=chunks, timeout_s=timeout_s, layer=layer)
+    return cls(
+        ep, device_of_E, local_index_E, num_local_experts, mode=mode, chunks=chunks, timeout_s=timeout_s, layer=layer,
+        home_table_EM=home_table_EM, slot_ED=slot_ED,
+    )
 
 
 __all__ = [

@@ -128,8 +128,7 @@ class AllToAllDispatcher(TokenDispatcher):
         `max_chunks`, the same on every rank), plan each chunk's rows. Returns the chunks and `[D, 2]` counts."""
         ids_Tk, weights_Tk = routing.topk_ids_Tk, routing.topk_weights_Tk
         num_tokens = ids_Tk.shape[0]
-        device_of_E, local_index_E = self.placement_on(ids_Tk.device)
-        dest_Tk, local_Tk = destinations(ids_Tk, device_of_E, local_index_E)
+        dest_Tk, local_Tk = destinations(ids_Tk, *self.placement_on(ids_Tk.device))
         bounds = chunk_bounds(num_tokens, min(num_chunks, max_chunks))
         counts_CD2 = device_counts(dest_Tk, self.ep.num_devices, self.mode, bounds)
         splits, num_chunks = self._exchange_counts(counts_CD2, len(bounds), max_chunks)

@@ -166,6 +166,11 @@ class TokenDispatcher:
             implementations that overlap the exchange with the experts.
         timeout_s: bound on every wait on a peer, seconds.
         layer: the layer's name in error messages.
+
+    Construction also takes the layer's placement: `device_of_E` and `local_index_E` (`[E]`: device and
+    slot there of each expert), and with replicated experts `home_table_EM` (`[E, M]` homes, -1 padded)
+    and `slot_ED` (`[E, D]` slot of each expert on each device, -1 where it has no home), which make
+    `plan.destinations` apply the replica routing rule.
     """
 
     name: ClassVar[str] = ""
@@ -181,6 +186,8 @@ class TokenDispatcher:
         chunks: int | None = None,
         timeout_s: float | None = None,
         layer: str = "layer",
+        home_table_EM: Sequence[Sequence[int]] | None = None,
+        slot_ED: Sequence[Sequence[int]] | None = None,
     ) -> None:
         check_mode(mode)
         self.ep = ep
@@ -191,18 +198,25 @@ class TokenDispatcher:
         self.layer = layer
         self._device_of_E = torch.as_tensor(list(device_of_E), dtype=torch.int64)
         self._local_index_E = torch.as_tensor(list(local_index_E), dtype=torch.int64)
-        self._placement_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        if (home_table_EM is None) != (slot_ED is None):
+            raise ValueError("a dispatcher with replicated experts needs both home_table_EM and slot_ED")
+        self._replicas = None
+        if home_table_EM is not None:
+            self._replicas = (torch.as_tensor(home_table_EM, dtype=torch.int64), torch.as_tensor(slot_ED, dtype=torch.int64))
+        self._placement_cache: dict[torch.device, tuple] = {}
 
     @classmethod
     def supports(cls, ep: ExpertParallelGroup, device: torch.device | None = None) -> bool:
         """Whether this implementation can serve `ep` on `device` (used by "auto")."""
         raise NotImplementedError
 
-    def placement_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(device_of_E, local_index_E)` `[E]` int64 on `device` (copied there once, then cached)."""
+    def placement_on(self, device: torch.device) -> tuple:
+        """`(device_of_E, local_index_E, home_table_EM, slot_ED)` int64 on `device` (copied there once, then
+        cached): the arguments of `plan.destinations`; the last two are None without replicas."""
         cached = self._placement_cache.get(device)
         if cached is None:
-            cached = (self._device_of_E.to(device), self._local_index_E.to(device))
+            replicas = (None, None) if self._replicas is None else tuple(t.to(device) for t in self._replicas)
+            cached = (self._device_of_E.to(device), self._local_index_E.to(device), *replicas)
             self._placement_cache[device] = cached
         return cached
 

@@ -27,6 +27,7 @@ import torch
 
 from ..config import DISPATCH_MODES
 from ..kernels.layout import ExpertSegments
+from ..placement.replicas import resolve_homes
 
 
 def check_mode(mode: str) -> None:
@@ -40,10 +41,25 @@ def routing_width(mode: str, top_k: int) -> int:
     return top_k if mode == "dedup" else 1
 
 
-def destinations(topk_ids_Tk: torch.Tensor, device_of_E: torch.Tensor, local_index_E: torch.Tensor):
-    """`(dest_Tk, local_Tk)`: `[T, k]` int64 device of each chosen expert and its slot on that device."""
+def destinations(
+    topk_ids_Tk: torch.Tensor,
+    device_of_E: torch.Tensor,
+    local_index_E: torch.Tensor,
+    home_table_EM: torch.Tensor | None = None,
+    slot_ED: torch.Tensor | None = None,
+):
+    """`(dest_Tk, local_Tk)`: `[T, k]` int64 device serving each (token, expert) pair and the expert's slot there.
+
+    Without replicas the expert's one device (`device_of_E`) and slot (`local_index_E`). With replicated
+    experts (`home_table_EM` `[E, M]` homes, `slot_ED` `[E, D]` slot of expert e on device d) each pair
+    goes to the home `placement.replicas.resolve_homes` picks (the one routing rule, shared with the
+    metrics), with the token's position on this rank as its index.
+    """
     ids_Tk = topk_ids_Tk.long()
-    return device_of_E[ids_Tk], local_index_E[ids_Tk]
+    if home_table_EM is None:
+        return device_of_E[ids_Tk], local_index_E[ids_Tk]
+    dest_Tk = resolve_homes(ids_Tk, home_table_EM, slot_ED.shape[1])
+    return dest_Tk, slot_ED[ids_Tk, dest_Tk]
 
 
 def chunk_bounds(num_tokens: int, num_chunks: int) -> list[tuple[int, int]]:
