@@ -192,3 +192,31 @@ def test_six_olmoe_domains_worst_balance_with_replicas():
     placement = plan_placement(profiles, 8, progress=False, num_redundant_experts=8, **FAST)
     worst = max(metrics.evaluate_placement(p, placement)[0].balance for p in profiles.values())
     assert worst <= 1.15
+
+
+# ----- objective "slowest" -------------------------------------------------------------------------
+def test_slowest_objective_lowers_the_slowest_device_and_keeps_the_limit(tmp_path):
+    from occult_hf.placement.slowest import StepCosts, costs_from_bench, device_times
+
+    popularity = np.linspace(1, 3, 16)
+    ids = structured_topk(800, 16, 4, 4, popularity_E=popularity, seed=8)
+    routing = profile_from_sample({0: ids}, 16, "t").layer(0)
+    costs = {"pair_cost_s": 1e-7, "byte_cost_s": 5e-11, "row_bytes": 4096}  # communication-heavy: rows matter
+    ct_plan = refine_layer(routing.coactivation, routing.expert_counts, ids, 4, RefinedOptions(**FAST, **costs))
+    slow_plan = refine_layer(
+        routing.coactivation, routing.expert_counts, ids, 4, RefinedOptions(objective="slowest", **FAST, **costs)
+    )
+    assert slow_plan.objective == "slowest"
+    times = {name: device_times(ids, plan.device_of_E, 4, StepCosts(**costs)).max() for name, plan in (("ct", ct_plan), ("slow", slow_plan))}
+    assert times["slow"] <= times["ct"]
+    floor = metrics.load_floor(routing.expert_counts, np.full(4, 4))
+    assert metrics.device_load(routing.expert_counts, slow_plan.device_of_E, 4).max() <= 1.10 * floor + 1e-9
+    with pytest.raises(ValueError, match="needs a profile layer with a top-k sample"):
+        refine_layer(routing.coactivation, routing.expert_counts, None, 4, RefinedOptions(objective="slowest"))
+    with pytest.raises(ValueError, match="byte_cost_s must be a number >= 0"):
+        RefinedOptions(byte_cost_s=-1.0)
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"rows": [{"shape": "qwen1.5-moe-a2.7b", "mode": "dedup+refined", "tokens_per_rank": 1000,
+                                           "fwd_ms": 5.0, "exchange_ms": 1.0, "bandwidth_gbs": 100.0}]}))
+    read = costs_from_bench(str(bench))
+    assert read.pair_cost_s == pytest.approx(4e-3 / 4000) and read.byte_cost_s == pytest.approx(1e-11)

@@ -42,12 +42,20 @@ from ..metrics import load_floor
 from .objectives import PairwiseCut, SampleCT
 from .replicas import home_table_from, resolve_homes_np
 from .robust import count_scenarios, scenario_loads, token_scenarios
+from .slowest import StepCosts, slowest_descent
+
+
+def metrics_ct_total(sample_Nk: np.ndarray, device_of_E: np.ndarray, num_devices: int) -> float:
+    """Total CT of the sample under `device_of_E`."""
+    from ..metrics import communication_cost
+
+    return float(communication_cost(sample_Nk, device_of_E, num_devices).sum())
 from .registry import balanced_capacities, check_layer_inputs, register_planner
 
 #: objective values are integers held in float64: a step must gain at least this much
 _MIN_GAIN = 0.5
 
-OBJECTIVES = ("auto", "ct", "cut")
+OBJECTIVES = ("auto", "ct", "cut", "slowest")
 
 
 @dataclass(frozen=True)
@@ -57,8 +65,9 @@ class RefinedOptions:
     Attributes:
         max_load_ratio: largest allowed max device load / max(mean load, load floor) (>= 1).
         seed: seed of the perturbations (same inputs and seed -> same placement).
-        objective: "ct" (exact CT on the sample), "cut" (pairwise cut of co-activation counts) or
-            "auto" (ct when the profile has a sample, else cut).
+        objective: "ct" (exact CT on the sample), "cut" (pairwise cut of co-activation counts),
+            "auto" (ct when the profile has a sample, else cut) or "slowest" (the ct search, then a
+            descent on the slowest device's modelled time: `placement.slowest`; needs a sample).
         search_rounds: perturbation rounds of the iterated local search (0: one descent only).
         kick_swaps: random swaps per perturbation.
         max_sample_tokens: use at most this many sample tokens (a seeded uniform subset) to bound time
@@ -72,6 +81,9 @@ class RefinedOptions:
             "Replicas" in the module docstring).
         replica_rounds: with replicas and a token sample, re-plan the copies this many times on the
             loads the replica rule really gives (tokens use a copy on a device they already visit).
+        pair_cost_s, byte_cost_s, row_bytes: the costs of objective "slowest" (seconds per
+            (token, expert) pair, per received byte; bytes per row); `slowest.costs_from_bench` reads
+            them from an `occult bench ep` JSON file.
     """
 
     max_load_ratio: float = 1.10
@@ -84,12 +96,18 @@ class RefinedOptions:
     robust_blocks: int = 32
     num_redundant_experts: int = 0
     replica_rounds: int = 2
+    pair_cost_s: float = StepCosts.pair_cost_s
+    byte_cost_s: float = StepCosts.byte_cost_s
+    row_bytes: int = StepCosts.row_bytes
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_load_ratio, (int, float)) or not self.max_load_ratio >= 1.0:
             raise ValueError(f"refined option max_load_ratio must be a number >= 1.0, got {self.max_load_ratio!r}")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"refined option objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        StepCosts(self.pair_cost_s, self.byte_cost_s, self.row_bytes)  # validates the costs
+        if self.objective == "slowest" and self.num_redundant_experts:
+            raise ValueError("refined option objective='slowest' does not support num_redundant_experts yet; use 'auto'")
         if not isinstance(self.robust_blocks, int) or isinstance(self.robust_blocks, bool) or self.robust_blocks < 1:
             raise ValueError(f"refined option robust_blocks must be an integer >= 1, got {self.robust_blocks!r}")
         for name in ("seed", "search_rounds", "kick_swaps", "robust_resamples", "num_redundant_experts", "replica_rounds"):
@@ -425,9 +443,11 @@ def refine_layer(
     num_experts = len(load_E)
     rng = np.random.default_rng(options.seed)
     capacities_D = balanced_capacities(num_experts, num_devices)
-    use_sample = options.objective == "ct" or (options.objective == "auto" and sample is not None)
+    use_sample = options.objective in ("ct", "slowest") or (options.objective == "auto" and sample is not None)
     if use_sample and sample is None:
-        raise ValueError("refined option objective='ct' needs a profile layer with a top-k sample; use 'cut' or 'auto'")
+        raise ValueError(
+            f"refined option objective={options.objective!r} needs a profile layer with a top-k sample; use 'cut' or 'auto'"
+        )
     if sample is not None:
         membership_PN = np.ones((1, len(sample)), dtype=bool) if membership_PN is None else np.asarray(membership_PN, dtype=bool)
         if membership_PN.ndim != 2 or membership_PN.shape[1] != len(sample):
@@ -466,6 +486,11 @@ def refine_layer(
         best_E, best_cost = _replica_rounds(
             best_E, best_cost, original_sample, weights_SN, group_I, coactivation, limit_S, capacities_D, num_devices, options, rng
         )
+    if options.objective == "slowest":
+        costs = StepCosts(options.pair_cost_s, options.byte_cost_s, options.row_bytes)
+        best_E = slowest_descent(sample, best_E, num_devices, costs, load_SE / (limit_S[:, None] * factor))
+        best_cost = float(metrics_ct_total(sample, best_E, num_devices))
+        name = "slowest"
     limit_reached = factor == 1.0
     limit = float(limit_S[0]) * factor
     if not limit_reached:

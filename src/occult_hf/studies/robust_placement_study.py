@@ -108,6 +108,29 @@ def qwen_rows(routing_dir: Path) -> tuple[list[dict[str, Any]], dict[str, list[f
     return rows, series
 
 
+def slowest_rows(routing_dir: Path) -> list[dict[str, Any]]:
+    """Objective "slowest" against "auto" (CT) on the Qwen halves: the modelled time of the slowest device."""
+    from ..placement.slowest import StepCosts, device_times
+
+    parts = qwen_parts(routing_dir)
+    rows = []
+    for num_devices in (4, 8):
+        for name, options in (("refined (CT)", {}), ("refined slowest, default costs", {"objective": "slowest"}),
+                              ("refined slowest, 10x byte cost", {"objective": "slowest", "byte_cost_s": 2.5e-11})):
+            placement, cpu = _plan(parts["first"], num_devices, options)
+            costs = StepCosts(**{k: v for k, v in options.items() if k != "objective"})
+            device_of_E = np.asarray(placement.device_of(0))
+            planned, held = (
+                device_times(parts[p].layer(0).topk_sample, device_of_E, num_devices, costs).max() * 1e6
+                for p in ("first", "held_out")
+            )
+            s = summarize(evaluate_placement(parts["held_out"], placement))
+            rows.append({"D": num_devices, "method": name, "slowest device us, planning half": planned,
+                         "slowest device us, held-out": held, "CT held-out": s["ct"], "balance held-out": s["balance"],
+                         "plan CPU s": round(cpu, 1)})
+    return rows
+
+
 def domain_profiles(routing_dir: Path) -> dict[str, RoutingProfile]:
     """The six OLMoE-1B-7B-0924 domains as counts-only profiles of layers 0, 7, 15 (no co-activation)."""
     with np.load(routing_dir / OLMOE_DOMAINS) as npz:
@@ -187,8 +210,12 @@ def plot(series: dict[str, list], domain_table: list[dict[str, Any]], path: Path
     fig.savefig(path, dpi=110)
 
 
-def run(routing_dir: Path, out_dir: Path | None) -> StudyResult:
+def run(routing_dir: Path, out_dir: Path | None, only_slowest: bool = False) -> StudyResult:
     result = StudyResult()
+    title = "Objective slowest on the Qwen halves (modelled per-device time, costs of `placement.slowest`)"
+    result.tables[title] = slowest_rows(routing_dir)
+    if only_slowest:
+        return result
     qwen, series = qwen_rows(routing_dir)
     title = "Qwen1.5-MoE layer 0: planned on the first half, measured on the held-out second half"
     result.tables[title] = qwen
@@ -209,8 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--routing-dir", type=Path, default=Path("../shared/data/routing"))
     parser.add_argument("--out-dir", type=Path, default=None, help="where to write robust_placement_study.png")
+    parser.add_argument("--only-slowest", action="store_true", help="only the slowest-device table")
     args = parser.parse_args(argv)
-    print(run(args.routing_dir, args.out_dir).markdown())
+    print(run(args.routing_dir, args.out_dir, args.only_slowest).markdown())
     return 0
 
 
