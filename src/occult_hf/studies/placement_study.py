@@ -32,14 +32,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from ..atomic import atomic_save_figure
 from ..metrics import device_load, evaluate_placement, expert_load, load_balance, load_floor, profile_drift, summarize
 from ..placement import Placement, balanced_capacities, plan_placement
 from ..placement.refined import initial_assignment
+from ..placement.validation import profile_from_sample
 from ..profile import RoutingProfile
-from ..routing_stats import LayerAccumulator
 
 QWEN_TRACE = "qwen15moe_a27b_chat_gptq_int4_gsm8k25_layer0_trace.npz"
 OLMOE_PAIRS = "olmoe1b7b0125__runB_2025-03-07__wikitext2_8192tok_coact.npz"
@@ -86,15 +85,8 @@ def structured_topk(
 
 
 def profile_from_topk(layers_topk: dict[int, np.ndarray], num_experts: int, source: str) -> RoutingProfile:
-    """A `RoutingProfile` holding every given token (as its sample) per layer, counted by `LayerAccumulator`."""
-    layers = {}
-    top_k = None
-    for layer, ids_Nk in layers_topk.items():
-        top_k = ids_Nk.shape[1]
-        accumulator = LayerAccumulator(num_experts, top_k, sample_size=None)
-        accumulator.update(torch.from_numpy(np.ascontiguousarray(ids_Nk, dtype=np.int64)))
-        layers[layer] = accumulator.to_layer_routing()
-    return RoutingProfile(num_experts, int(top_k), layers, meta={"source": source})
+    """A `RoutingProfile` holding every given token (as its sample) per layer (`validation.profile_from_sample`)."""
+    return profile_from_sample(layers_topk, num_experts, source)
 
 
 def qwen_halves(routing_dir: Path) -> tuple[RoutingProfile, RoutingProfile]:
