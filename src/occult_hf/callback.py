@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
+from .dispatch.plan import destinations
 from .integration import OccultCheckpointCallback
 from .moe import OccultMoE
 from .pruning import pruners_of
@@ -103,7 +104,8 @@ class _DispatchMeter:
             return
         num_tokens, top_k = ids_Tk.shape
         num_devices = module.ep.num_devices
-        device_Tk = module.device_of_E[ids_Tk]
+        # the device serving each pair, replicas included (the dispatch plan's own rule)
+        device_Tk, _ = destinations(ids_Tk, *module.dispatcher.placement_on(ids_Tk.device))
         hit_TD = torch.zeros(num_tokens, num_devices, dtype=torch.bool, device=ids_Tk.device)
         hit_TD.scatter_(1, device_Tk, True)
         if module.ep.is_distributed:
