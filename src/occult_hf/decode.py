@@ -84,11 +84,11 @@ def use_dispatcher(model: torch.nn.Module, name: str):
     before = [layer.dispatcher for layer in layers]
     try:
         for layer, old in zip(layers, before):
-            device_of_E, local_index_E = old.placement_on(torch.device("cpu"))
+            device_of_E, local_index_E, home_table_EM, slot_ED = old.placement_on(torch.device("cpu"))
             layer.dispatcher = build_dispatcher(
                 name, old.ep, device_of_E.tolist(), local_index_E.tolist(), old.num_local_experts,
                 mode=old.mode, chunks=old.chunks, timeout_s=old.timeout_s, layer=old.layer,
-                device=layer.local_experts.gate_up_proj.device,
+                device=layer.local_experts.gate_up_proj.device, home_table_EM=home_table_EM, slot_ED=slot_ED,
             )  # fmt: skip
         yield model
     finally:

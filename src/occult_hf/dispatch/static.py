@@ -114,8 +114,7 @@ class StaticDispatcher(TokenDispatcher):
         ids_Tk, weights_Tk = routing.topk_ids_Tk, routing.topk_weights_Tk
         num_tokens, top_k = ids_Tk.shape
         hidden = x_TH.shape[1]
-        device_of_E, local_index_E = self.placement_on(ids_Tk.device)
-        dest_Tk, local_Tk = destinations(ids_Tk, device_of_E, local_index_E)
+        dest_Tk, local_Tk = destinations(ids_Tk, *self.placement_on(ids_Tk.device))
         counts_D2 = device_counts(dest_Tk, self.ep.num_devices, self.mode, [(0, num_tokens)])[0]
         send_counts_D = counts_D2[:, 0].contiguous()
 
