@@ -70,7 +70,8 @@ class OccultConfig:
         default=None,
         metadata={
             "help": "Chunks a rank's tokens are split into so that the exchange of one chunk overlaps the experts of "
-            "another (torch.distributed dispatchers; None: chosen from the token count, 1 below 1024 tokens)."
+            "another (torch.distributed dispatchers; None: occult_hf.dispatch.DEFAULT_CHUNKS, which is 1: on two H200s "
+            "4 chunks measured slower than 1, see docs/bench_ep_h200_2gpu.md)."
         },
     )
     exchange_timeout_s: float | None = field(

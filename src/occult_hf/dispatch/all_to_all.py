@@ -41,13 +41,12 @@ import torch
 import torch.distributed as dist
 
 from .base import (
-    MAX_AUTO_CHUNKS,
     DispatchPlan,
     Dispatched,
     ExpertsFn,
     RowFormat,
     TokenDispatcher,
-    default_chunks,
+    DEFAULT_CHUNKS,
     dispatch_format,
     register_dispatcher,
 )
@@ -99,11 +98,8 @@ class AllToAllDispatcher(TokenDispatcher):
 
     def run(self, x_TH: torch.Tensor, routing, experts: ExpertsFn) -> tuple[torch.Tensor, DispatchPlan]:
         """Dispatch, experts and combine for C chunks, the exchange of one overlapping the experts of another."""
-        num_tokens = x_TH.shape[0]
-        if self.chunks is None:  # chosen from this rank's T; the group runs the largest count any rank chose
-            chunks, counts_D2 = self._plan(routing, default_chunks(num_tokens), MAX_AUTO_CHUNKS)
-        else:
-            chunks, counts_D2 = self._plan(routing, self.chunks, self.chunks)
+        num_chunks = self.chunks or DEFAULT_CHUNKS
+        chunks, counts_D2 = self._plan(routing, num_chunks, num_chunks)
         weights_Tk = routing.topk_weights_Tk
         width = routing_width(self.mode, routing.topk_ids_Tk.shape[1])
         row_format = dispatch_format(x_TH.shape[1], x_TH.dtype, width, weights_Tk.dtype)

@@ -162,7 +162,7 @@ class TokenDispatcher:
         ep: the expert-parallel group.
         mode: "dedup" (one row per (token, destination device)) or "per_expert" (one per (token, expert)).
         num_local_experts: `L`, experts computed on this rank (E in one process).
-        chunks: token chunks per forward (None: chosen from T by `default_chunks`); used by
+        chunks: token chunks per forward (None: `DEFAULT_CHUNKS`); used by
             implementations that overlap the exchange with the experts.
         timeout_s: bound on every wait on a peer, seconds.
         layer: the layer's name in error messages.
@@ -242,16 +242,11 @@ class TokenDispatcher:
         return f"{type(self).__name__}({self.extra_repr()})"
 
 
-#: the most chunks `default_chunks` (OccultConfig.dispatch_chunks=None) splits a rank's tokens into
-MAX_AUTO_CHUNKS = 4
-
-
-def default_chunks(num_tokens: int) -> int:
-    """Chunks of a rank's T tokens when `OccultConfig.dispatch_chunks` is None: one below 1024 tokens
-    (latency-bound: more launches would cost more than the overlap gains), then one per 2048 tokens, at most 4."""
-    if num_tokens < 1024:
-        return 1
-    return max(2, min(MAX_AUTO_CHUNKS, num_tokens // 2048))
+#: token chunks per forward when `OccultConfig.dispatch_chunks` is None. One: on two H200s (NCCL, bf16,
+#: Qwen1.5 trace, T=16384 per rank, 2026-11-30, `occult bench ep --chunks 1` vs `--chunks 4`, docs/bench_ep_h200_2gpu.md)
+#: four chunks made the dedup layer 1.52x slower in forward and 1.37x in forward+backward: the per-chunk packing and
+#: the smaller grouped GEMMs cost more than the overlap hides. Overlap stays available by setting the field.
+DEFAULT_CHUNKS = 1
 
 
 def resolve_timeout(timeout_s: float | None) -> float:
@@ -312,8 +307,8 @@ def dispatcher_class(name: str, ep: ExpertParallelGroup, device: torch.device | 
 
 
 __all__ = [
+    "DEFAULT_CHUNKS",
     "DEFAULT_EXCHANGE_TIMEOUT_S",
-    "MAX_AUTO_CHUNKS",
     "EXCHANGE_TIMEOUT_ENV",
     "DispatchPlan",
     "Dispatched",
@@ -321,7 +316,6 @@ __all__ = [
     "RowFormat",
     "TokenDispatcher",
     "TokenRouting",
-    "default_chunks",
     "dispatch_format",
     "dispatcher_class",
     "dispatcher_names",
