@@ -1,0 +1,157 @@
+"""`occult train` and the learned-routing studies on CPU: a generated three-domain corpus, a few steps.
+
+The always-on tests use text generated here (three domains with different vocabularies, documents
+separated by U+001E lines, gzip-compressed like ../shared/data/corpus); the shipped tiny checkpoint
+is checked as it is in the package.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from occult_hf.training import PreparedData, get_recipe, prepare_data, tiny_checkpoint_path, train
+from occult_hf.training.data import SEPARATOR, split_documents
+from occult_hf.training.evaluate import capture_routing, load_entropy, perplexity, random_topk, removed_weight, routing_structure
+
+VOCABS = {
+    "python_docs": "the function returns a list of values when called with an argument see also module class".split(),
+    "python_stdlib_code": "def return self if else for in import from class None True False raise yield lambda".split(),
+    "kernel_docs": "the driver registers a device interrupt memory page kernel module bus clock power".split(),
+}
+
+
+def write_corpus(directory: Path, docs: int = 24, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    for domain, words in VOCABS.items():
+        documents = []
+        for d in range(docs):
+            lines = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 10))) for _ in range(rng.randint(3, 8))]
+            documents.append(f"{domain} document {d}\n" + "\n".join(lines))
+        with gzip.open(directory / f"{domain}.txt.gz", "wt", encoding="utf-8") as f:
+            f.write(f"\n{SEPARATOR}\n".join(documents) + "\n")
+    return directory
+
+
+TINY = dict(max_steps=3, batch_size=2, seq_len=32, vocab_size=300, warmup_steps=1, max_chars_per_domain=None)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("training")
+    corpus = write_corpus(root / "corpus")
+    recipe = get_recipe("tiny", **TINY)
+    return prepare_data(corpus, root / "data", vocab_size=recipe.vocab_size, heldout_fraction=0.25, cache_dir=root / "hf_cache")
+
+
+@pytest.fixture(scope="module")
+def trained(prepared, tmp_path_factory) -> tuple[Path, dict]:
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("tiny_ckpt")
+    log = train(get_recipe("tiny", **TINY), prepared, out, eval_tokens=256, progress=False)
+    return out, log
+
+
+def test_documents_split_on_the_record_separator_line():
+    assert split_documents(f"a\nb\n{SEPARATOR}\nc\n{SEPARATOR}\n\n{SEPARATOR}\nd x\n") == ["a\nb", "c", "d x"]
+
+
+def test_prepared_data_holds_out_the_last_documents_of_every_domain(prepared):
+    data = PreparedData(prepared)
+    assert data.domains == list(VOCABS)
+    for domain in VOCABS:
+        row = data.meta["domains"][domain]
+        assert (row["train"]["documents"], row["heldout"]["documents"]) == (18, 6)  # the last ceil(24 * 0.25)
+        held = data.heldout_texts(domain)
+        assert [t.split("\n")[0] for t in held] == [f"{domain} document {d}" for d in range(18, 24)]
+        tokenizer = data.tokenizer()
+        stream = data.stream("heldout", domain)
+        assert len(stream) == row["heldout"]["tokens"] and stream[-1] == tokenizer.eos_token_id
+        # the stream is the held-out documents, each followed by <eos>
+        assert tokenizer.decode(stream[: list(stream).index(tokenizer.eos_token_id)]) == held[0]
+        windows = data.windows("heldout", domain, 16)
+        assert windows.shape == (len(stream) // 16, 16)
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
+
+
+def test_tiny_recipe_trains_profiles_and_evaluates(trained, prepared):
+    from transformers import OlmoeForCausalLM
+
+    from occult_hf.placement import plan_placement
+    from occult_hf.profile import RoutingProfile
+
+    out, log = trained
+    assert log["steps"] == 3 and log["tokens_seen"] == 3 * 2 * 32
+    assert len(log["loss_history"]) == 3 and all(math.isfinite(h["loss"]) for h in log["loss_history"])
+    assert (out / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((out / "recipe.json").read_text())["max_steps"] == 3
+    model = OlmoeForCausalLM.from_pretrained(out).eval()
+    data = PreparedData(prepared)
+    windows = data.windows("heldout", "kernel_docs", 32)
+    # perplexity is exp of the mean next-token NLL, recomputed here by hand
+    ids = torch.as_tensor(windows)
+    logits = model(input_ids=ids).logits
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    assert perplexity(model, windows, batch_size=3) == pytest.approx(math.exp(float(nll)), rel=1e-5)
+    assert log["heldout_perplexity"]["kernel_docs"] == pytest.approx(perplexity(model, data.windows("heldout", "kernel_docs", 32, 256)), rel=1e-5)
+    profile = RoutingProfile.collect(model, windows.tolist(), max_length=32, progress=False)
+    assert sorted(profile.layers) == [0, 1, 2, 3] and profile.layer(0).token_count == windows.size
+    routing = capture_routing(model, windows)
+    assert np.array_equal(np.sort(routing[0][0], 1), np.sort(profile.layer(0).topk_sample, 1)) or profile.layer(0).topk_sample.shape[0] < windows.size
+    placement = plan_placement(profile, 8, "refined", progress=False)
+    removed, pruned = removed_weight(*routing[0], placement.device_of(0), 8, 1)
+    assert 0.0 < removed < 1.0 and 0.0 < pruned <= 1.0
+    assert removed_weight(*routing[0], placement.device_of(0), 8, 4) == (0.0, 0.0)  # N_d = k: nothing pruned
+
+
+def test_routing_structure_of_a_random_router_is_flat():
+    ids = random_topk(20_000, 32, 4, seed=1)
+    assert load_entropy(ids, 32) > 0.999
+    skewed = np.where(ids < 16, ids, ids % 4)  # experts 4..15 and 0..3 double: a skewed load
+    assert load_entropy(np.sort(skewed, 1), 32) < 0.95
+    s = routing_structure({0: (ids, np.ones_like(ids, dtype=np.float32))}, 32)
+    assert s["mean"]["top10_pair_share"] == pytest.approx(s["mean"]["top10_pair_share_random"], abs=0.02)
+
+
+def test_occult_train_command_prepares_trains_and_writes_its_files(tmp_path):
+    from occult_hf.cli import main
+
+    corpus = write_corpus(tmp_path / "corpus", docs=8)
+    out = tmp_path / "ckpt"
+    assert main(["train", "--recipe", "tiny", "--corpus-dir", str(corpus), "--out", str(out), "--max-steps", "2"]) == 0
+    for name in ("model.safetensors", "tokenizer.json", "recipe.json", "train_log.json", "loss_curve.png", "data/data.json"):
+        assert (out / name).is_file(), name
+    with pytest.raises(SystemExit):
+        main(["train", "--recipe", "nope", "--out", str(out)])
+
+
+def test_shipped_tiny_checkpoint_is_small_self_describing_and_learned():
+    from transformers import AutoTokenizer, OlmoeForCausalLM
+
+    from occult_hf.cli.demo import load_demo_documents
+
+    path = Path(str(tiny_checkpoint_path()))
+    assert sum(f.stat().st_size for f in path.iterdir()) <= 8 * 2**20
+    recipe = json.loads((path / "recipe.json").read_text())
+    assert recipe == get_recipe("tiny").to_dict()  # made by the tiny recipe as it stands
+    log = json.loads((path / "train_log.json").read_text())
+    assert log["steps"] == recipe["max_steps"]
+    model = OlmoeForCausalLM.from_pretrained(path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    text = " ".join(load_demo_documents())
+    ids = tokenizer(text)["input_ids"]
+    windows = np.array([ids[i : i + 128] for i in range(0, len(ids) - 128, 128)])
+    torch.manual_seed(0)
+    untrained = OlmoeForCausalLM(model.config).eval()
+    # learned: better than an untrained model of the same config, and routing far from uniform
+    assert perplexity(model, windows) < 0.5 * perplexity(untrained, windows)
+    s = routing_structure(capture_routing(model, windows), model.config.num_experts)["mean"]
+    assert s["top10_pair_share"] > 1.5 * s["top10_pair_share_random"]
