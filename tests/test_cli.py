@@ -177,19 +177,23 @@ def test_unknown_planner_option_is_named(tmp_path):
 
 def test_demo_main_job_runs_end_to_end(tmp_path, capsys):
     out = tmp_path / "demo"
-    assert main(["demo", "--out", str(out)]) == 0
+    assert main(["demo", "--out", str(out), "--tokens", "4096"]) == 0
     printed = capsys.readouterr().out
-    assert "occult demo: a random OlmoeForCausalLM built in-process" in printed
-    assert "the routing structure is planted" in printed.lower()
-    rows = [line.split() for line in printed.splitlines() if line[:5].strip().isdigit()]
+    assert "occult demo: an OlmoeForCausalLM trained from scratch by `occult train --recipe tiny`" in printed
+    assert "text it never trained on" in printed
+    rows = [line.split() for line in printed.splitlines() if line[:5].strip().isdigit() and len(line.split()) > 5]
     assert sorted({(int(r[0]), r[1]) for r in rows}) == [
         (layer, method) for layer in range(4) for method in ("contiguous", "occult", "refined")
     ]
     means = {line.split()[1]: line.split() for line in printed.splitlines() if line.startswith(" mean ")}
     ct = {name: float(row[3]) for name, row in means.items()}
-    # planted co-activation groups: both collaboration-aware planners beat contiguous on held-out tokens
+    # learned routing has co-activation structure: the collaboration-aware planners beat contiguous held out
     assert ct["occult"] < ct["contiguous"] and ct["refined"] < ct["contiguous"]
-    assert float(means["refined"][7]) < float(means["occult"][7])  # ... and refined keeps devices more even
+    pruning = json.loads((out / "pruning.json").read_text())
+    for method in ("contiguous", "occult", "refined"):
+        removed = [pruning[f"{method}/N_d={n}"]["removed_weight"] for n in (1, 2, 3, 4)]
+        assert removed[0] > removed[1] > removed[2] > removed[3] == 0.0  # fewer devices, more weight removed; N_d = k none
+    assert pruning["refined/N_d=2"]["removed_weight"] < pruning["contiguous/N_d=2"]["removed_weight"]
     for name in ("profile_plan.safetensors", "profile_held_out.safetensors"):
         assert RoutingProfile.load(out / name).model_type == "olmoe"
     for method in ("contiguous", "occult", "refined"):

@@ -1,97 +1,76 @@
-"""`occult demo`: the main job, end to end on an embedded default (no download, no GPU).
+"""`occult demo`: the main job, end to end on a model with learned routing (no download, no GPU).
 
-It builds a real `OlmoeForCausalLM` from a small config in-process, profiles its routing over
-the bytes of an embedded text snippet through the same router hooks `occult profile` uses,
-saves and reloads the profile, plans placements with every registered method on the even lines
-and measures them on the odd lines (held-out tokens), then prints the per-layer table and writes
-the plots. The model's weights are random except for its router rows, which are drawn around
-`E / group_size` shared directions (experts shuffled), so that routing has co-activation groups
-for placement to find, as real routers do. The numbers show the code path at work, not what a
-real checkpoint saves; for that, profile a real model or import a real trace.
+It loads the small `OlmoeForCausalLM` that ships inside the package (`occult_hf/data/tiny_olmoe`:
+trained from scratch by `occult train --recipe tiny` on the project's three text domains, with its
+BPE tokenizer, `recipe.json` and `train_log.json` beside the weights), profiles its routing through
+the same router hooks `occult profile` uses on text the model never trained on (this package's own
+Python sources: the even-numbered files plan, the odd-numbered ones are held out), saves and reloads
+the profile, plans placements with every registered method, and prints per layer the held-out CT,
+bounds, remote copies and device load, then the routing weight that collaboration pruning to each
+`N_d` would remove under each placement. `--model DIR` runs the same on another OLMoE checkpoint
+with a tokenizer (for example one made by `occult train`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from importlib import resources
+from pathlib import Path
 
 import numpy as np
 import torch
+
 from .devices import add_num_devices_argument
 
-#: embedded text: one document per line, written for occult_hf (Apache-2.0, like the package)
+#: embedded prose snippet (one document per line, written for occult_hf, Apache-2.0 like the package)
 DEMO_TEXT = "demo_text.npz"
-#: token ids 0-2 are pad/bos/eos; byte b is token b + 3
-_BYTE_OFFSET = 3
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "demo",
-        help="the main job: profile a tiny in-process OLMoE, plan placements, print the report (no download)",
+        help="the main job: profile the shipped tiny trained OLMoE, plan placements, print the report (no download)",
         description=__doc__.split("\n\n")[0],
     )
     add_num_devices_argument(parser, help="devices D to plan for (default: 8)", default=8)
     parser.add_argument("--out", default="occult_demo", help="directory for profiles, placements and plots")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the model weights and token samples")
+    parser.add_argument("--model", default=None, help="an OLMoE checkpoint directory with its tokenizer (default: the shipped tiny model)")
+    parser.add_argument("--tokens", type=int, default=12_288, help="tokens to profile in each of the plan and held-out halves")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the profile's token sample")
     parser.add_argument("--no-plots", action="store_true", help="print the table only")
     parser.set_defaults(func=run)
 
 
 def load_demo_documents() -> list[str]:
-    """The embedded snippet's non-blank lines."""
+    """The embedded prose snippet's non-blank lines."""
     with resources.as_file(resources.files("occult_hf") / "data" / DEMO_TEXT) as path:
         with np.load(path, allow_pickle=False) as data:
             text = str(data["text"])
     return [line for line in text.split("\n") if line.strip()]
 
 
-def byte_token_ids(document: str) -> list[int]:
-    """UTF-8 bytes as token ids (the demo model has no tokenizer to download)."""
-    return [b + _BYTE_OFFSET for b in document.encode("utf-8")]
+def package_sources() -> list[str]:
+    """The text of this package's own `.py` files, in sorted path order (they ship in every install)."""
+    root = Path(str(resources.files("occult_hf")))
+    return [path.read_text(encoding="utf-8") for path in sorted(root.rglob("*.py")) if "__pycache__" not in path.parts]
 
 
-def build_demo_model(
-    seed: int = 0, num_experts: int = 32, top_k: int = 4, group_size: int = 4, num_layers: int = 4
-) -> torch.nn.Module:
-    """A small random `OlmoeForCausalLM` whose router rows form co-activation groups.
-
-    At every layer, expert e's router row is `direction[group(e)] + 0.6 * noise`, with `group` a
-    seeded shuffle of `E / group_size` equal groups: experts of one group score alike and are
-    chosen together, and contiguous placement does not line up with the groups.
-    """
-    from transformers import OlmoeConfig, OlmoeForCausalLM
-
-    if num_experts % group_size:
-        raise ValueError(f"num_experts ({num_experts}) must be a multiple of group_size ({group_size})")
-    config = OlmoeConfig(
-        vocab_size=256 + _BYTE_OFFSET,
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=1024,
-        num_experts=num_experts,
-        num_experts_per_tok=top_k,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
+def describe_checkpoint(path: str | os.PathLike) -> str:
+    """One sentence: what the model is, from its `recipe.json` and `train_log.json` when present."""
+    path = Path(path)
+    recipe_file, log_file = path / "recipe.json", path / "train_log.json"
+    if not (recipe_file.is_file() and log_file.is_file()):
+        return f"the OLMoE checkpoint {path}"
+    recipe, log = json.loads(recipe_file.read_text()), json.loads(log_file.read_text())
+    ppl = ", ".join(f"{d} {v:.1f}" for d, v in log.get("heldout_perplexity", {}).items())
+    return (
+        f"an OlmoeForCausalLM trained from scratch by `occult train --recipe {recipe['name']}` "
+        f"({log['parameters'] / 1e6:.2f}M parameters, E={recipe['num_experts']}, k={recipe['top_k']}, "
+        f"{recipe['num_layers']} layers at hidden {recipe['hidden_size']}, {log['tokens_seen'] / 1e3:.0f}k tokens of "
+        f"{' + '.join(recipe['train_domains'])}, final training loss {log['final_loss']:.2f}; held-out perplexity {ppl})"
     )
-    generator = torch.Generator().manual_seed(seed)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = OlmoeForCausalLM(config).eval()
-    hidden = config.hidden_size
-    with torch.no_grad():
-        for layer in model.model.layers:
-            group_E = torch.randperm(num_experts, generator=generator) // group_size
-            directions = torch.randn(num_experts // group_size, hidden, generator=generator)
-            noise = torch.randn(num_experts, hidden, generator=generator)
-            layer.mlp.gate.weight.copy_((directions[group_E] + 0.6 * noise) / hidden**0.5)
-    return model
 
 
 def run(args: argparse.Namespace) -> int:
@@ -105,45 +84,88 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
 
 
+def _token_windows(texts: list[str], tokenizer, max_tokens: int, seq_len: int = 128) -> list[list[int]]:
+    """Consecutive `seq_len` windows of the texts' tokens (each text ends with eos), up to `max_tokens`."""
+    stream: list[int] = []
+    for text in texts:
+        stream += tokenizer(text, verbose=False)["input_ids"] + [tokenizer.eos_token_id]
+        if len(stream) >= max_tokens:
+            break
+    stream = stream[:max_tokens]
+    return [stream[i : i + seq_len] for i in range(0, len(stream), seq_len)]
+
+
 def _run(args: argparse.Namespace) -> int:
-    from ..profile import RoutingProfile
-    from .report import plan_methods, print_report
+    from transformers import AutoTokenizer, OlmoeForCausalLM
+
     from ..placement import available_planners
+    from ..profile import RoutingProfile
+    from ..training import tiny_checkpoint_path
+    from ..training.evaluate import capture_routing, removed_weight
     from . import check_output_dir
+    from .report import plan_methods, print_report
 
     check_output_dir(args.out)
     os.makedirs(args.out, exist_ok=True)
-    documents = load_demo_documents()
-    model = build_demo_model(seed=args.seed)
+    with resources.as_file(tiny_checkpoint_path()) if args.model is None else _nullpath(args.model) as path:
+        if not (Path(path) / "config.json").is_file():
+            raise FileNotFoundError(f"--model {os.fspath(path)!r} is not a checkpoint directory (no config.json)")
+        model = OlmoeForCausalLM.from_pretrained(path).eval()
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        about = describe_checkpoint(path)
     config = model.config
-    splits = {"plan": documents[0::2], "held_out": documents[1::2]}
+    sources = package_sources()
+    splits = {"plan": sources[0::2], "held_out": sources[1::2]}
+    windows = {name: _token_windows(texts, tokenizer, args.tokens) for name, texts in splits.items()}
     profiles = {}
-    for name, docs in splits.items():
+    for name, wins in windows.items():
         profile = RoutingProfile.collect(
-            model,
-            [byte_token_ids(d) for d in docs],
-            batch_size=8,
-            max_length=256,
-            seed=args.seed,
-            source=f"occult demo: tiny OLMoE on the {'even' if name == 'plan' else 'odd'} lines of the embedded snippet",
-        )
-        path = os.path.join(args.out, f"profile_{name}.safetensors")
-        profile.save(path)
-        profiles[name] = RoutingProfile.load(path, model=model)  # the file path users take
+            model, wins, batch_size=16, max_length=128, seed=args.seed,
+            source=f"occult demo: the shipped tiny OLMoE on the {'even' if name == 'plan' else 'odd'}-numbered occult_hf source files",
+        )  # fmt: skip
+        file = os.path.join(args.out, f"profile_{name}.safetensors")
+        profile.save(file)
+        profiles[name] = RoutingProfile.load(file, model=model)  # the file path users take
     placements = plan_methods(profiles["plan"], args.num_devices, available_planners(), {})
     for method, placement in placements.items():
         placement.save(os.path.join(args.out, f"placement_{method}.json"))
     tokens = {name: p.layer(min(p.layers)).token_count for name, p in profiles.items()}
     print(
-        f"occult demo: a random OlmoeForCausalLM built in-process (E={config.num_experts}, k={config.num_experts_per_tok}, "
-        f"{config.num_hidden_layers} MoE layers, hidden {config.hidden_size}) whose router rows were drawn in "
-        f"{config.num_experts // 4} groups of 4 (shuffled), fed the bytes of an embedded "
-        f"{sum(len(d) for d in documents)}-character snippet through its real routers.\n"
-        f"Placements for D={args.num_devices} planned on {tokens['plan']} tokens (even lines), measured below on "
-        f"{tokens['held_out']} held-out tokens (odd lines). The routing structure is planted: these numbers show the "
-        f"code path, not the savings on a real checkpoint (profile one with `occult profile MODEL --text FILE` or "
-        f"import a trace with `occult profile --from-trace`)."
+        f"occult demo: {about}.\n"
+        f"Its routing was profiled through its real routers on text it never trained on: occult_hf's own Python sources. "
+        f"Placements for D={args.num_devices} planned on {tokens['plan']} tokens (even-numbered files), measured below on "
+        f"{tokens['held_out']} held-out tokens (odd-numbered files)."
     )
     print_report(profiles["held_out"], placements, None if args.no_plots else args.out)
-    print(f"profiles and placements in {args.out}/")
+    routing = capture_routing(model, np.array([w for w in windows["held_out"] if len(w) == 128]))
+    k, num_devices = config.num_experts_per_tok, args.num_devices
+    print(f"\nCollaboration pruning to N_d devices per token (D={num_devices}), held-out tokens, mean over layers: "
+          f"routing weight removed / tokens that lose an expert")  # fmt: skip
+    header = f"{'N_d':>3}  " + "  ".join(f"{m:>17}" for m in placements)
+    print(header + "\n" + "-" * len(header))
+    pruning = {}
+    for n_d in range(1, min(k, num_devices) + 1):
+        cells = []
+        for method, placement in placements.items():
+            per_layer = [removed_weight(ids, w, placement.device_of(l), num_devices, n_d) for l, (ids, w) in routing.items()]
+            removed, pruned = float(np.mean([r[0] for r in per_layer])), float(np.mean([r[1] for r in per_layer]))
+            pruning[f"{method}/N_d={n_d}"] = {"removed_weight": removed, "tokens_pruned": pruned}
+            cells.append(f"{removed:8.3f} / {pruned:6.3f}")
+        print(f"{n_d:>3}  " + "  ".join(f"{c:>17}" for c in cells))
+    with open(os.path.join(args.out, "pruning.json"), "w") as f:
+        json.dump(pruning, f, indent=1)
+    print(f"profiles, placements and pruning.json in {args.out}/")
     return 0
+
+
+class _nullpath:
+    """`with` over a plain path (the same shape as `resources.as_file`)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __enter__(self) -> str:
+        return self.path
+
+    def __exit__(self, *exc) -> None:
+        return None
