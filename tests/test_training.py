@@ -28,14 +28,14 @@ VOCABS = {
 }
 
 
-def write_corpus(directory: Path, docs: int = 24, seed: int = 0) -> Path:
+def write_corpus(directory: Path, docs: int = 24, seed: int = 0, lines: tuple[int, int] = (3, 8)) -> Path:
     rng = random.Random(seed)
     directory.mkdir(parents=True, exist_ok=True)
     for domain, words in VOCABS.items():
         documents = []
         for d in range(docs):
-            lines = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 10))) for _ in range(rng.randint(3, 8))]
-            documents.append(f"{domain} document {d}\n" + "\n".join(lines))
+            text = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 10))) for _ in range(rng.randint(*lines))]
+            documents.append(f"{domain} document {d}\n" + "\n".join(text))
         with gzip.open(directory / f"{domain}.txt.gz", "wt", encoding="utf-8") as f:
             f.write(f"\n{SEPARATOR}\n".join(documents) + "\n")
     return directory
@@ -98,9 +98,10 @@ def test_tiny_recipe_trains_profiles_and_evaluates(trained, prepared):
     windows = data.windows("heldout", "kernel_docs", 32)
     # perplexity is exp of the mean next-token NLL, recomputed here by hand
     ids = torch.as_tensor(windows)
-    logits = model(input_ids=ids).logits
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
     nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-    assert perplexity(model, windows, batch_size=3) == pytest.approx(math.exp(float(nll)), rel=1e-5)
+    assert perplexity(model, windows, batch_size=3) == pytest.approx(math.exp(nll.item()), rel=1e-5)
     assert log["heldout_perplexity"]["kernel_docs"] == pytest.approx(perplexity(model, data.windows("heldout", "kernel_docs", 32, 256)), rel=1e-5)
     profile = RoutingProfile.collect(model, windows.tolist(), max_length=32, progress=False)
     assert sorted(profile.layers) == [0, 1, 2, 3] and profile.layer(0).token_count == windows.size
@@ -124,7 +125,7 @@ def test_routing_structure_of_a_random_router_is_flat():
 def test_occult_train_command_prepares_trains_and_writes_its_files(tmp_path):
     from occult_hf.cli import main
 
-    corpus = write_corpus(tmp_path / "corpus", docs=8)
+    corpus = write_corpus(tmp_path / "corpus", docs=40, lines=(20, 30))  # 2 held-out documents: > 128 tokens
     out = tmp_path / "ckpt"
     assert main(["train", "--recipe", "tiny", "--corpus-dir", str(corpus), "--out", str(out), "--max-steps", "2"]) == 0
     for name in ("model.safetensors", "tokenizer.json", "recipe.json", "train_log.json", "loss_curve.png", "data/data.json"):
@@ -155,3 +156,25 @@ def test_shipped_tiny_checkpoint_is_small_self_describing_and_learned():
     assert perplexity(model, windows) < 0.5 * perplexity(untrained, windows)
     s = routing_structure(capture_routing(model, windows), model.config.num_experts)["mean"]
     assert s["top10_pair_share"] > 1.5 * s["top10_pair_share_random"]
+
+
+def test_transfer_study_on_the_tiny_models_profiles(trained, prepared):
+    from transformers import OlmoeForCausalLM
+
+    from occult_hf.profile import RoutingProfile
+    from occult_hf.studies.transfer import markdown, transfer_study
+
+    model = OlmoeForCausalLM.from_pretrained(trained[0]).eval()
+    data = PreparedData(prepared)
+    domains = ["python_docs", "kernel_docs"]
+    train_p, held_p = {}, {}
+    for target, split in ((train_p, "train"), (held_p, "heldout")):
+        for d in domains:
+            target[d] = RoutingProfile.collect(model, data.windows(split, d, 32).tolist(), max_length=32, progress=False)
+    rows = transfer_study(train_p, held_p, methods=("contiguous", "occult"), devices=(4,))
+    assert len(rows) == 2 * 2 * 2  # methods x sources x targets
+    for r in rows:
+        if r["source"] == r["target"] or r["method"] == "contiguous":
+            assert r["ct_ratio"] == pytest.approx(1.0)  # the oracle itself; contiguous ignores the profile
+        assert 1.0 <= r["ct"] <= 4.0 and r["balance"] >= 1.0
+    assert "Goal (CT on an unseen domain within 10% of the oracle)" in markdown(rows)

@@ -223,10 +223,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def markdown(report: dict) -> str:
     tasks = report["tasks"]
-    head = "| run | " + " | ".join(f"{t} {'acc' if t == 'occ_nextline' else 'word ppl'}" for t in tasks) + " |"
+    head = "| run | " + " | ".join(f"{t} {'acc / acc_norm' if t == 'occ_nextline' else 'word ppl'}" for t in tasks) + " |"
     lines = [head, "|---|" + "---:|" * len(tasks)]
     for run, r in report["runs"].items():
-        cells = [f"{r[t]['acc']:.3f}" if t == "occ_nextline" else f"{r[t]['word_perplexity']:.3f}" for t in tasks]
+        cells = [f"{r[t]['acc']:.3f} / {r[t]['acc_norm']:.3f}" if t == "occ_nextline" else f"{r[t]['word_perplexity']:.4g}" for t in tasks]
         lines.append(f"| {run} | " + " | ".join(cells) + " |")
     lines += ["", "| task | lm-eval word ppl (1 process, exact) | own word ppl | relative difference | largest per-document loglikelihood difference | own token ppl |",
               "|---|---:|---:|---:|---:|---:|"]  # fmt: skip

@@ -20,6 +20,9 @@ same code path on CPU in a minute, with the tiny recipe and a few steps, to test
    numbers (the placement planned before fine-tuning against one re-planned on the fine-tuned
    routing, both measured on held-out B) and what the callback's drift watch logged.
 
+The Occult blocks use `expert_backend="auto"` (Triton on CUDA); the environment variable
+`OCCULT_STUDY_EXPERT_BACKEND=torch` selects the PyTorch path instead.
+
 Results land in OUT: `quality_results.json`, the loss curve, and `profiles.tar.gz` (the transfer
 study's profiles). The CPU side (`python -m occult_hf.studies.report_quality`) turns them into
 the tables and plots of docs/quality.md.
@@ -145,6 +148,7 @@ def _occult_model(work: Path, checkpoint: Path, mode: str | None, n_d: int | Non
         prune=mode,
         max_devices_per_token=n_d,
         profile=str(work / "profiles" / f"train_{FT_DOMAIN}.safetensors") if mode == "similarity" else None,
+        expert_backend=os.environ.get("OCCULT_STUDY_EXPERT_BACKEND", "auto"),
     )
     return apply_occult(model, config)
 
@@ -257,7 +261,7 @@ def variant(name: str, data_dir: Path, work: Path, micro: bool) -> dict:
         callback = OccultCallback(schedule_steps=s["ft_steps"] // 4 if mode else 0, check_every=s["drift_every"], per_layer=False,
                                   planner_options=REFINED)  # fmt: skip
         log = train(ft, data_dir, work / f"ft_{spec}", model=model, train_domains=(FT_DOMAIN,),
-                    trainer_callbacks=[callback], eval_tokens=s["eval_tokens"], progress=False, save=False,
+                    trainer_callbacks=[callback], eval_tokens=s["eval_tokens"], progress=True, save=False,
                     logging_steps=max(1, s["ft_steps"] // 10))  # fmt: skip
         result["train"] = {k: log[k] for k in ("steps", "tokens_seen", "wall_s", "final_loss", "loss_history")}
         result["callback_logs"] = [{k: v for k, v in h.items() if k.startswith("occult/") or k in ("step", "loss")}
