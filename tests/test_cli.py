@@ -181,7 +181,8 @@ def test_demo_main_job_runs_end_to_end(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "occult demo: an OlmoeForCausalLM trained from scratch by `occult train --recipe tiny`" in printed
     assert "text it never trained on" in printed
-    rows = [line.split() for line in printed.splitlines() if line[:5].strip().isdigit() and len(line.split()) > 5]
+    methods = ("contiguous", "occult", "refined")
+    rows = [r for r in (line.split() for line in printed.splitlines()) if len(r) > 5 and r[0].isdigit() and r[1] in methods]
     assert sorted({(int(r[0]), r[1]) for r in rows}) == [
         (layer, method) for layer in range(4) for method in ("contiguous", "occult", "refined")
     ]
