@@ -102,6 +102,7 @@ def _run(args: argparse.Namespace) -> int:
     from ..profile import RoutingProfile
     from ..training import tiny_checkpoint_path
     from ..training.evaluate import capture_routing, removed_weight
+    from ..atomic import atomic_write_json
     from . import check_output_dir
     from .report import plan_methods, print_report
 
@@ -152,8 +153,7 @@ def _run(args: argparse.Namespace) -> int:
             pruning[f"{method}/N_d={n_d}"] = {"removed_weight": removed, "tokens_pruned": pruned}
             cells.append(f"{removed:8.3f} / {pruned:6.3f}")
         print(f"{n_d:>3}  " + "  ".join(f"{c:>17}" for c in cells))
-    with open(os.path.join(args.out, "pruning.json"), "w") as f:
-        json.dump(pruning, f, indent=1)
+    atomic_write_json(os.path.join(args.out, "pruning.json"), pruning)
     print(f"profiles, placements and pruning.json in {args.out}/")
     return 0
 

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from ..atomic import atomic_write_json, atomic_write_text
+
 NUM_DEVICES = 2
 PRUNED = {"prune": "router", "max_devices_per_token": 1}
 MAX_LENGTH = 256
@@ -54,11 +56,11 @@ def build_tasks(data, directory: Path, docs_per_domain: int = 12, max_chars: int
     names, mc = [], []
     for domain in data.domains:
         texts = [t for t in data.heldout_texts(domain) if t.strip()]
-        with open(directory / f"ppl_{domain}.jsonl", "w", encoding="utf-8") as f:
-            for text in texts[:docs_per_domain]:
-                f.write(json.dumps({"text": _first_lines(text, max_chars)}) + "\n")
+        atomic_write_text(directory / f"ppl_{domain}.jsonl",
+                          "".join(json.dumps({"text": _first_lines(t, max_chars)}) + "\n" for t in texts[:docs_per_domain]))  # fmt: skip
         name = f"occ_ppl_{domain}"
-        (directory / f"{name}.yaml").write_text(
+        atomic_write_text(
+            directory / f"{name}.yaml",
             f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {directory / f'ppl_{domain}.jsonl'}\n"
             "test_split: test\noutput_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
             "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n"
@@ -76,10 +78,9 @@ def build_tasks(data, directory: Path, docs_per_domain: int = 12, max_chars: int
             order = list(range(4))
             rng.shuffle(order)
             mc.append({"context": context, "choices": [choices[j] for j in order], "label": order.index(0)})
-    with open(directory / "nextline.jsonl", "w", encoding="utf-8") as f:
-        for item in mc:
-            f.write(json.dumps(item) + "\n")
-    (directory / "occ_nextline.yaml").write_text(
+    atomic_write_text(directory / "nextline.jsonl", "".join(json.dumps(item) + "\n" for item in mc))
+    atomic_write_text(
+        directory / "occ_nextline.yaml",
         f"task: occ_nextline\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {directory / 'nextline.jsonl'}\n"
         "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{context}}\n'\ndoc_to_choice: '{{choices}}'\n"
         "target_delimiter: ''\ndoc_to_target: label\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n"
@@ -165,7 +166,7 @@ def _rank_worker(args) -> int:
     for label, occult in (("exact", {"num_devices": NUM_DEVICES}), ("pruned", {"num_devices": NUM_DEVICES, **PRUNED})):
         results[label] = run_lm_eval(args.model, args.tasks_dir, tasks, occult)
     if int(os.environ.get("RANK", "0")) == 0:
-        Path(args.result).write_text(json.dumps(results))
+        atomic_write_json(args.result, results)
     return 0
 
 
@@ -214,9 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         for task in own
     }  # fmt: skip
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "evalhook.json").write_text(json.dumps(report, indent=1))
+    atomic_write_json(args.out_dir / "evalhook.json", report)
     table = markdown(report)
-    (args.out_dir / "evalhook.md").write_text(table + "\n")
+    atomic_write_text(args.out_dir / "evalhook.md", table + "\n")
     print(table)
     return 0
 

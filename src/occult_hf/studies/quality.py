@@ -81,9 +81,9 @@ def _recipe(work: Path, micro: bool):
 
 
 def _write_json(path: Path, data) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=float))
-    os.replace(tmp, path)
+    from ..atomic import atomic_write_json
+
+    atomic_write_json(path, data)
 
 
 # ----- 1. pretrain ------------------------------------------------------------------------------
@@ -297,8 +297,12 @@ def _run_stage(args: list[str], gpu: str | None, log: Path) -> subprocess.Popen:
     env = dict(os.environ)
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
-    return subprocess.Popen([sys.executable, "-m", "occult_hf.studies.quality", *args], env=env,
-                            stdout=open(log, "a"), stderr=subprocess.STDOUT)  # fmt: skip
+    log_fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)  # a log, appended to (not a result file)
+    try:
+        return subprocess.Popen([sys.executable, "-m", "occult_hf.studies.quality", *args], env=env,
+                                stdout=log_fd, stderr=subprocess.STDOUT)  # fmt: skip
+    finally:
+        os.close(log_fd)
 
 
 def _assemble(data: Path, work: Path, out: Path, micro: bool, timings: dict, variants: list) -> None:

@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..atomic import atomic_save_figure, atomic_write_text
 from .quality import FORGET_DOMAIN, FT_DOMAIN
 
 
@@ -103,7 +104,7 @@ def plot(results: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    atomic_save_figure(fig, path, dpi=110)
 
 
 def render(results: dict) -> str:
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     results = json.loads((args.results / "quality_results.json").read_text())
     text = render(results)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "quality_tables.md").write_text(text + "\n")
+    atomic_write_text(args.out_dir / "quality_tables.md", text + "\n")
     if any(v["variant"] == "plain" for v in results["variants"]):
         plot(results, args.out_dir / "quality_ppl.png")
     print(text)

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..atomic import atomic_save_figure, atomic_write_json, atomic_write_text
+
 METHODS = ("contiguous", "occult", "refined")
 DEVICES = (4, 8)
 
@@ -105,7 +107,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_xlabel("measured on (held-out)", fontsize=8)
         ax.set_ylabel("profiled on", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    atomic_save_figure(fig, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,9 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     train, held = load_profiles(args.profiles)
     rows = transfer_study(train, held, devices=tuple(int(d) for d in args.devices.split(",")))
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "transfer.json").write_text(json.dumps(rows, indent=1))
+    atomic_write_json(args.out_dir / "transfer.json", rows)
     table = markdown(rows)
-    (args.out_dir / "transfer.md").write_text(table + "\n")
+    atomic_write_text(args.out_dir / "transfer.md", table + "\n")
     plot(rows, args.out_dir / "transfer.png")
     print(table)
     return 0

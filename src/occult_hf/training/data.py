@@ -24,6 +24,7 @@ Shape legend: N tokens of a stream, W windows, S sequence length.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -150,6 +151,7 @@ def prepare_data(
     The tokenizer is trained on the training documents of every domain (never on held-out ones), so
     that a domain the model itself does not train on is still tokenized well.
     """
+    from ..atomic import atomic_write_bytes, atomic_write_json, atomic_write_text
     from .recipes import DOMAINS
 
     out = Path(out_dir)
@@ -168,13 +170,13 @@ def prepare_data(
         row = {}
         for split, docs in (("train", train), ("heldout", heldout)):
             stream_N = token_stream(docs, tokenizer)
-            np.save(out / f"{split}_{domain}.npy", stream_N)
+            buffer = io.BytesIO()
+            np.save(buffer, stream_N)
+            atomic_write_bytes(out / f"{split}_{domain}.npy", buffer.getvalue())
             row[split] = {"documents": len(docs), "chars": int(sum(len(t) for t in docs["text"])), "tokens": int(len(stream_N))}
-        with open(out / f"heldout_{domain}.jsonl", "w", encoding="utf-8") as f:
-            for text in heldout["text"]:
-                f.write(json.dumps({"text": text}) + "\n")
+        atomic_write_text(out / f"heldout_{domain}.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in heldout["text"]))
         summary["domains"][domain] = row
-    (out / "data.json").write_text(json.dumps(summary, indent=2))
+    atomic_write_json(out / "data.json", summary, indent=2)
     return out
 
 

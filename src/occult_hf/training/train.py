@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..atomic import atomic_save_figure, atomic_write_json, atomic_write_text
 from .data import PreparedData, pack
 from .recipes import Recipe
 
@@ -188,8 +189,8 @@ def train(
     if save:
         model.save_pretrained(out)
         data.tokenizer().save_pretrained(out)
-    (out / "recipe.json").write_text(recipe.to_json())
-    (out / "train_log.json").write_text(json.dumps(log, indent=1))
+    atomic_write_text(out / "recipe.json", recipe.to_json())
+    atomic_write_json(out / "train_log.json", log)
     plot_loss_curve(log, out / "loss_curve.png")
     return log
 
@@ -212,5 +213,5 @@ def plot_loss_curve(log: dict, path: str | os.PathLike) -> None:
     ax.set_title(f"recipe {recipe['name']}: {log['tokens_seen'] / 1e6:.2f}M tokens, {log['wall_s']:.0f} s on {log['device']}\n"
                  f"held-out perplexity: {ppl}", fontsize=8)  # fmt: skip
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    atomic_save_figure(fig, path, dpi=110)
     plt.close(fig)
