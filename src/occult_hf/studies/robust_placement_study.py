@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from ..atomic import atomic_save_figure
 from ..metrics import evaluate_placement, summarize
 from ..placement import Placement, plan_placement
 from ..placement.robust import stated_quantile
@@ -207,7 +208,7 @@ def plot(series: dict[str, list], domain_table: list[dict[str, Any]], path: Path
     axes[2].set_xlabel("worst domain's balance, D=8")
     axes[2].set_title("OLMoE-0924, six domains", fontsize=9)
     axes[2].legend(fontsize=7)
-    fig.savefig(path, dpi=110)
+    atomic_save_figure(fig, path, dpi=110)
 
 
 def run(routing_dir: Path, out_dir: Path | None, only_slowest: bool = False) -> StudyResult:
