@@ -13,10 +13,8 @@ import transformers
 
 from tiny_models import FAMILIES, MOE_LAYERS, tiny_batch, tiny_config, tiny_model
 
-from occult_hf import routing_stats
-from occult_hf.profile import LayerRouting, RoutingProfile
-from occult_hf.profile_collect import ProfileCollector
-from occult_hf.routing_stats import LayerAccumulator, ReservoirSample
+from occult_hf.profile import LayerAccumulator, LayerRouting, ProfileCollector, ReservoirSample, RoutingProfile
+from occult_hf.profile import stats as routing_stats
 
 ROUTING = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "routing"
 QWEN_TRACE = ROUTING / "qwen15moe_a27b_chat_gptq_int4_gsm8k25_layer0_trace.npz"
@@ -299,7 +297,7 @@ def test_collection_counts_real_tokens_only_in_every_family(family_model):
     with ProfileCollector(model, sample_size=None) as unpadded:
         for row, length in enumerate(mask_BS.sum(1).tolist()):
             model(input_ids=ids_BS[row : row + 1, :length])
-    profile, reference = padded.profile(source="test"), unpadded.profile()
+    profile, reference = RoutingProfile.from_collector(padded, source="test"), RoutingProfile.from_collector(unpadded)
     top_k = tiny_config(family).num_experts_per_tok
     assert sorted(profile.layers) == list(MOE_LAYERS[family])
     assert (profile.num_experts, profile.top_k, profile.model_type) == (8, top_k, model.config.model_type)
@@ -381,7 +379,7 @@ def test_incompatible_profiles_are_clear_errors(tmp_path):
     model = tiny_model("olmoe")
     with ProfileCollector(model) as collector:
         model(input_ids=tiny_batch())
-    profile = collector.profile()
+    profile = RoutingProfile.from_collector(collector)
     path = tmp_path / "olmoe.safetensors"
     profile.save(path)
     assert sorted(RoutingProfile.load(path, model=model).layers) == [0, 1]

@@ -23,7 +23,7 @@ from .models import register_models
 from .moe import OccultMoE
 from .placement import Placement, available_planners, plan_placement
 from .profile import LayerRouting, RoutingProfile
-from .profile_collect import ProfileCollector
+from .profile import ProfileCollector
 
 __version__ = "0.1.0"
 

@@ -42,6 +42,7 @@ from transformers import TrainerCallback
 from .dispatch.plan import destinations
 from .integration import OccultCheckpointCallback
 from .moe import OccultMoE
+from .profile import ProfileCollector, RoutingProfile
 from .pruning import pruners_of
 
 RECENT_PROFILE_FILENAME = "occult_recent_profile.safetensors"
@@ -227,8 +228,6 @@ class OccultCallback(OccultCheckpointCallback):
             self._collector = None
 
     def _bind(self, model) -> None:
-        from .profile_collect import ProfileCollector
-
         blocks = {m.layer_idx: m for m in model.modules() if isinstance(m, OccultMoE)}
         if not blocks:
             raise ValueError(
@@ -375,15 +374,13 @@ class OccultCallback(OccultCheckpointCallback):
 
     def _recent_window_profile(self):
         """The profile of the training tokens since the last check (all ranks), then a fresh window."""
-        from .profile_collect import ProfileCollector
-
         collector = self._collector
         local_tokens = collector.token_count
         total_tokens = _sum_over_ranks(local_tokens)
         if total_tokens == 0:
             return None
-        profile = collector.profile(source="OccultCallback training window") if local_tokens else None
-        profile = _merge_profiles_over_ranks(profile, collector)
+        profile = RoutingProfile.from_collector(collector, source="OccultCallback training window") if local_tokens else None
+        profile = _merge_profiles_over_ranks(profile)
         profile.meta["tokens"] = int(total_tokens)
         collector.detach()
         self._collector = ProfileCollector(_transformers_model(self._model), sample_size=self.sample_size).attach()
@@ -429,29 +426,13 @@ def _sum_over_ranks(value: int) -> int:
     return int(sum(gathered))
 
 
-def _merge_profiles_over_ranks(profile, collector):
+def _merge_profiles_over_ranks(profile):
     """Sum the ranks' window profiles (counts, Gram matrices) and pool their samples."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return profile
-    from .profile import LayerRouting, RoutingProfile
-
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, profile)
-    profiles = [p for p in gathered if p is not None]
-    first = profiles[0]
-    layers = {}
-    for layer in first.layers:
-        parts = [p.layer(layer) for p in profiles]
-        samples = [r.topk_sample for r in parts if r.topk_sample is not None]
-        grams = [r.logit_gram for r in parts]
-        layers[layer] = LayerRouting(
-            coactivation=sum(r.coactivation for r in parts),
-            expert_counts=sum(r.expert_counts for r in parts),
-            token_count=sum(r.token_count for r in parts),
-            logit_gram=None if any(g is None for g in grams) else sum(grams),
-            topk_sample=np.concatenate(samples) if samples else None,
-        )
-    return RoutingProfile(first.num_experts, first.top_k, layers, first.model_type, dict(first.meta))
+    return RoutingProfile.merge([p for p in gathered if p is not None])
 
 
 __all__ = ["OccultCallback", "DeviceLimitSchedule", "RECENT_PROFILE_FILENAME", "REPLANNED_PLACEMENT_FILENAME"]

@@ -59,7 +59,7 @@ from occult_hf.dispatch import TokenRouting, dispatcher_class
 from occult_hf.metrics import mean_ct
 from occult_hf.placement import Placement, plan_placement
 from occult_hf.profile import RoutingProfile
-from occult_hf.routing_stats import LayerAccumulator
+from occult_hf.profile import LayerAccumulator
 
 HELP = "expert-parallel MoE layer under torchrun: every dispatcher and dispatch mode vs transformers' EP"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..profile_collect import DEFAULT_SAMPLE_SIZE
+from ..profile import DEFAULT_SAMPLE_SIZE
 from . import non_negative_int
 from .devices import resolve_device
 

@@ -25,8 +25,7 @@ import os
 import numpy as np
 import torch
 
-from .profile import LayerRouting, RoutingProfile
-from .routing_stats import LayerAccumulator
+from .stats import LayerAccumulator, LayerRouting
 
 #: row-mask keys: name -> True when the mask marks rows to keep (False: rows to drop)
 ROW_MASK_KEYS = {"is_warmup_dummy": False, "valid": True, "mask": True, "row_mask": True}
@@ -38,7 +37,7 @@ _EXPECTED_KEYS = (
 )
 
 
-def profile_from_trace(
+def read_trace(
     path: str | os.PathLike,
     *,
     key: str | list[str] | None = None,
@@ -48,8 +47,8 @@ def profile_from_trace(
     model_type: str | None = None,
     sample_size: int | None = None,
     seed: int = 0,
-) -> RoutingProfile:
-    """Build a `RoutingProfile` from a trace file.
+) -> dict:
+    """The `RoutingProfile` fields of a trace file (`RoutingProfile.from_trace` calls this).
 
     Args:
         path: the `.npz` file.
@@ -107,7 +106,7 @@ def profile_from_trace(
         "dropped_rows": dropped,
         "num_experts_inferred": inferred,
     }
-    return RoutingProfile(num_experts, k, result_layers, model_type=model_type, meta=meta)
+    return dict(num_experts=num_experts, top_k=k, layers=result_layers, model_type=model_type, meta=meta)
 
 
 def _load_arrays(path: str) -> dict[str, np.ndarray]:
@@ -204,7 +203,7 @@ def _check_ids(ids_TLk: np.ndarray, num_experts: int, path: str) -> None:
         )
 
 
-def _from_pair_counts(arrays, file_meta, num_experts, top_k, model_type, source) -> RoutingProfile:
+def _from_pair_counts(arrays, file_meta, num_experts, top_k, model_type, source) -> dict:
     coact_LEE, freq_LE = arrays["coact"].astype(np.int64), arrays["freq"].astype(np.int64)
     if coact_LEE.ndim != 3 or freq_LE.shape != coact_LEE.shape[:2] or coact_LEE.shape[1] != coact_LEE.shape[2]:
         raise ValueError(
@@ -233,7 +232,7 @@ def _from_pair_counts(arrays, file_meta, num_experts, top_k, model_type, source)
             raise ValueError(f"'freq' of layer {l} sums to {int(freq.sum())}, not a multiple of top_k={top_k}")
         layers[int(l)] = LayerRouting(coactivation=coact, expert_counts=freq, token_count=int(freq.sum()) // top_k)
     meta = {**source, "file_meta": file_meta, "invalid_layers_skipped": np.flatnonzero(~valid_L).tolist()}
-    return RoutingProfile(file_experts, top_k, layers, model_type=model_type, meta=meta)
+    return dict(num_experts=file_experts, top_k=top_k, layers=layers, model_type=model_type, meta=meta)
 
 
-__all__ = ["profile_from_trace", "ROW_MASK_KEYS"]
+__all__ = ["read_trace", "ROW_MASK_KEYS"]

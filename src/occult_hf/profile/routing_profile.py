@@ -2,8 +2,11 @@
 
 A `RoutingProfile` is made three ways, all through the same `LayerAccumulator` counting:
 `RoutingProfile.collect` (forward hooks on a model's own routers over a text file or a dataset),
-`ProfileCollector` (the same hooks around forwards you run yourself, e.g. training batches) and
-`RoutingProfile.from_trace` (a recorded `.npz` trace). It is saved as safetensors:
+`RoutingProfile.from_collector` (a `ProfileCollector`: the same hooks around forwards you run
+yourself, e.g. training batches) and `RoutingProfile.from_trace` (a recorded `.npz` trace);
+`RoutingProfile.merge` sums profiles of disjoint token streams (e.g. the ranks of a job). The
+makers (`collect.py`, `trace.py`) return the profile's fields and never import this module, so
+the profile package has no import cycle. It is saved as safetensors:
 
     layer.{l}.coactivation  [E, E] int64   tokens whose top-k holds both i and j (zero diagonal)
     layer.{l}.expert_counts [E]    int64   tokens routed to each expert
@@ -26,28 +29,13 @@ from typing import Any
 
 import numpy as np
 
+from .collect import collect_routing
+from .stats import LayerRouting
+from .trace import read_trace
+
 #: metadata key and format tag of profile files
 PROFILE_METADATA_KEY = "occult_profile"
 PROFILE_FORMAT = "occult_hf.routing_profile/1"
-
-
-@dataclass
-class LayerRouting:
-    """Routing statistics of one MoE layer.
-
-    Attributes:
-        coactivation: `[E, E]` int64, tokens whose top-k holds both i and j; symmetric, zero diagonal.
-        expert_counts: `[E]` int64, tokens routed to each expert.
-        token_count: tokens observed.
-        logit_gram: `[E, E]` float64 Gram matrix of the router logits (sum over tokens of l l^T), or None.
-        topk_sample: `[N, k]` int64 uniform sample of real per-token expert sets, or None (pair counts only).
-    """
-
-    coactivation: np.ndarray
-    expert_counts: np.ndarray
-    token_count: int
-    logit_gram: np.ndarray | None = None
-    topk_sample: np.ndarray | None = None
 
 
 @dataclass
@@ -91,18 +79,51 @@ class RoutingProfile:
 
         `data`: a path to a text file, a list of strings or of token-id lists, or a `datasets.Dataset`.
         Options (`batch_size`, `max_length`, `sample_size`, `seed`, `max_tokens`, `text_column`,
-        `separator`, `progress`) are documented on `occult_hf.profile_collect.collect_profile`.
+        `separator`, `progress`, `source`) are documented on `occult_hf.profile.collect.collect_routing`.
         """
-        from .profile_collect import collect_profile
+        return cls(**collect_routing(model, data, tokenizer=tokenizer, **options))
 
-        return collect_profile(model, data, tokenizer=tokenizer, **options)
+    @classmethod
+    def from_collector(cls, collector, source: str | None = None, **meta: Any) -> "RoutingProfile":
+        """The profile a `ProfileCollector` has accumulated so far; `source` and `meta` go into its metadata."""
+        return cls(**collector.routing_fields(source, **meta))
 
     @classmethod
     def from_trace(cls, path: str | os.PathLike, **options) -> "RoutingProfile":
-        """A profile from a recorded routing trace (`.npz`); see `occult_hf.profile_trace.profile_from_trace`."""
-        from .profile_trace import profile_from_trace
+        """A profile from a recorded routing trace (`.npz`); options on `occult_hf.profile.trace.read_trace`."""
+        return cls(**read_trace(path, **options))
 
-        return profile_from_trace(path, **options)
+    @classmethod
+    def merge(cls, profiles: "list[RoutingProfile]") -> "RoutingProfile":
+        """One profile of the union of disjoint token streams: counts and Gram matrices summed, samples pooled.
+
+        The profiles must agree on `num_experts`, `top_k` and layers; the first one's `model_type`
+        and `meta` are kept. A layer's Gram matrix survives only when every profile has one.
+        """
+        profiles = list(profiles)
+        if not profiles:
+            raise ValueError("RoutingProfile.merge needs at least one profile")
+        first = profiles[0]
+        for other in profiles[1:]:
+            if (other.num_experts, other.top_k, sorted(other.layers)) != (first.num_experts, first.top_k, sorted(first.layers)):
+                raise ValueError(
+                    f"RoutingProfile.merge: profiles disagree: num_experts/top_k/layers "
+                    f"{first.num_experts}/{first.top_k}/{sorted(first.layers)} vs "
+                    f"{other.num_experts}/{other.top_k}/{sorted(other.layers)}"
+                )
+        layers = {}
+        for layer in first.layers:
+            parts = [p.layer(layer) for p in profiles]
+            samples = [r.topk_sample for r in parts if r.topk_sample is not None]
+            grams = [r.logit_gram for r in parts]
+            layers[layer] = LayerRouting(
+                coactivation=sum(r.coactivation for r in parts),
+                expert_counts=sum(r.expert_counts for r in parts),
+                token_count=sum(r.token_count for r in parts),
+                logit_gram=None if any(g is None for g in grams) else sum(grams),
+                topk_sample=np.concatenate(samples) if samples else None,
+            )
+        return cls(first.num_experts, first.top_k, layers, first.model_type, dict(first.meta))
 
     # ----- queries ------------------------------------------------------------------------
     def layer(self, layer: int) -> LayerRouting:
@@ -188,7 +209,7 @@ class RoutingProfile:
         from safetensors.numpy import load as load_bytes
         from safetensors.numpy import save as save_bytes
 
-        from .atomic import atomic_write_bytes, json_text
+        from ..atomic import atomic_write_bytes, json_text
 
         tensors: dict[str, np.ndarray] = {}
         for l, r in self.layers.items():

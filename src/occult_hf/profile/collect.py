@@ -1,0 +1,304 @@
+"""Routing collection: forward hooks on a model's own router modules.
+
+`ProfileCollector` hooks every MoE router that the model family's adapter names and feeds what
+each router decided to one `LayerAccumulator` per layer. It works around any forward you run
+(profiling text, evaluation, training batches) without changing the model's outputs. Padding
+is excluded through the `attention_mask` the forward receives. `collect_routing` drives it over
+a text file, a list of documents or a `datasets` column, with a tqdm bar. Both give the fields
+of a `RoutingProfile` (`RoutingProfile.collect` and `RoutingProfile.from_collector` build it), so
+this module does not depend on the profile class.
+
+Shape legend: B batch, S sequence, T = B*S tokens as routers see them, E experts, k top-k.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from .stats import LayerAccumulator
+
+DEFAULT_SAMPLE_SIZE = 8192
+
+
+class ProfileCollector:
+    """Accumulate a routing profile from the forwards of `module` while attached.
+
+        with ProfileCollector(model) as collector:
+            model(input_ids=ids_BS, attention_mask=mask_BS)   # any number of forwards
+        profile = RoutingProfile.from_collector(collector, source="my data")
+
+    Counting rules: a token counts when the forward's `attention_mask` is 1 for it (no mask: every
+    token counts); each MoE layer counts once per forward of `module`, so routers re-run outside
+    it (activation-checkpoint recomputation during backward, direct calls of sub-modules) are not
+    counted twice. Run forwards through `module` itself.
+
+    Args:
+        module: a supported transformers model (`*ForCausalLM` or its base model).
+        sample_size: tokens kept per layer in the uniform top-k sample (0: none).
+        seed: seed of that sample; the same token stream and seed give the same profile.
+    """
+
+    def __init__(self, module: nn.Module, sample_size: int = DEFAULT_SAMPLE_SIZE, seed: int = 0) -> None:
+        from occult_hf.patches.base import adapter_for
+
+        self.module = module
+        self.config = module.config
+        self.adapter = adapter_for(self.config)
+        num_experts, top_k = self.adapter.num_experts(self.config), self.adapter.top_k(self.config)
+        self._routers = {index: self.adapter.router(block) for index, _, block in self.adapter.iter_moe_blocks(module)}
+        if not self._routers:
+            raise ValueError(
+                f"found no MoE blocks in {type(module).__name__} (model_type {self.config.model_type!r}) "
+                f"through the {self.adapter.name!r} adapter"
+            )
+        self.accumulators = {
+            index: LayerAccumulator(num_experts, top_k, sample_size=sample_size, seed=seed) for index in self._routers
+        }
+        self.sample_size, self.seed = sample_size, seed
+        self._forward_signature = inspect.signature(module.forward)
+        self._handles: list = []
+        self._in_forward = False
+        self._attention_mask_BS: torch.Tensor | None = None
+        self._counted_this_forward: set[int] = set()
+
+    # ----- hooks --------------------------------------------------------------------------
+    def attach(self) -> "ProfileCollector":
+        if self._handles:
+            raise RuntimeError("ProfileCollector is already attached")
+        self._handles.append(self.module.register_forward_pre_hook(self._on_forward_start, with_kwargs=True))
+        self._handles.append(self.module.register_forward_hook(self._on_forward_end, always_call=True))
+        for index, router in self._routers.items():
+            self._handles.append(router.register_forward_hook(self._router_hook(index)))
+        return self
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._in_forward = False
+
+    def __enter__(self) -> "ProfileCollector":
+        return self.attach()
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    def _on_forward_start(self, module, args, kwargs) -> None:
+        bound = self._forward_signature.bind_partial(*args, **kwargs).arguments
+        mask = bound.get("attention_mask")
+        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
+            shape = list(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise ValueError(
+                f"ProfileCollector needs a 2-D [batch, seq] attention_mask to leave out padding, got {shape}"
+            )
+        self._attention_mask_BS = mask
+        self._counted_this_forward = set()
+        self._in_forward = True
+
+    def _on_forward_end(self, module, args, output) -> None:
+        self._in_forward = False
+        self._attention_mask_BS = None
+
+    def _router_hook(self, layer: int):
+        def hook(router, inputs, output) -> None:
+            if not self._in_forward or layer in self._counted_this_forward:
+                return
+            self._counted_this_forward.add(layer)
+            logits_TE, topk_ids_Tk = self.adapter.observe(router, inputs, output)
+            mask_T = _token_mask(self._attention_mask_BS, topk_ids_Tk.shape[0])
+            self.accumulators[layer].update(topk_ids_Tk, logits_TE, mask_T)
+
+        return hook
+
+    # ----- result -------------------------------------------------------------------------
+    @property
+    def token_count(self) -> int:
+        """Tokens counted so far (the same at every layer)."""
+        return next(iter(self.accumulators.values())).token_count
+
+    def routing_fields(self, source: str | None = None, **meta: Any) -> dict[str, Any]:
+        """The `RoutingProfile` fields accumulated so far; `source` and `meta` go into its metadata."""
+        first = next(iter(self.accumulators.values()))
+        if first.token_count == 0:
+            raise ValueError("ProfileCollector has counted no tokens: run forwards through the module while attached")
+        return dict(
+            num_experts=first.num_experts,
+            top_k=first.top_k,
+            layers={index: acc.to_layer_routing() for index, acc in self.accumulators.items()},
+            model_type=self.config.model_type,
+            meta={
+                "source": source,
+                "model": getattr(self.config, "_name_or_path", "") or type(self.module).__name__,
+                "sample_size": self.sample_size,
+                "seed": self.seed,
+                **meta,
+            },
+        )
+
+
+def _token_mask(attention_mask_BS: torch.Tensor | None, num_tokens: int) -> torch.Tensor | None:
+    """`[T]` bool mask of the tokens a router saw, from the forward's `[B, L]` attention mask.
+
+    A router sees the `B * S` tokens of this forward; with a KV cache the mask also covers the `L - S`
+    cached positions, which are its first columns.
+    """
+    if attention_mask_BS is None:
+        return None
+    batch, length = attention_mask_BS.shape
+    if num_tokens == batch * length:
+        return attention_mask_BS.reshape(-1).bool()
+    if num_tokens % batch == 0 and num_tokens // batch <= length:
+        return attention_mask_BS[:, length - num_tokens // batch :].reshape(-1).bool()
+    raise ValueError(
+        f"router saw {num_tokens} tokens, which does not fit the attention_mask of shape [{batch}, {length}]"
+    )
+
+
+# ----- driving a model over data ------------------------------------------------------------
+def collect_routing(
+    model: nn.Module,
+    data,
+    tokenizer=None,
+    *,
+    batch_size: int = 8,
+    max_length: int = 512,
+    sample_size: int = DEFAULT_SAMPLE_SIZE,
+    seed: int = 0,
+    max_tokens: int | None = None,
+    text_column: str = "text",
+    separator: str = "\n",
+    progress: bool = True,
+    source: str | None = None,
+) -> dict[str, Any]:
+    """The `RoutingProfile` fields of `model`'s routing over `data` (`RoutingProfile.collect` calls this).
+
+    Args:
+        model: a supported transformers model; run in eval mode under `torch.no_grad` (its mode is
+            restored afterwards). The language-model head is skipped (the base model is run).
+        data: a text-file path (documents split by `separator`; blank ones skipped), a `datasets`
+            dataset (column `text_column`, holding strings or token-id lists), or an iterable of
+            strings or of token-id sequences.
+        tokenizer: turns strings into token ids (not needed for token-id data).
+        batch_size: sequences per forward.
+        max_length: a document longer than this is cut into consecutive windows of `max_length`
+            tokens (every token is profiled; none is truncated away).
+        sample_size: tokens kept per layer in the uniform top-k sample.
+        seed: seed of the sample.
+        max_tokens: stop after this many tokens (None: all of `data`).
+        progress: show a tqdm bar.
+        source: what to record as the profile's source (default: a description of `data`).
+    """
+    from tqdm.auto import tqdm
+
+    for name, value in (("batch_size", batch_size), ("max_length", max_length)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ValueError(f"max_tokens must be None or a positive integer, got {max_tokens!r}")
+    documents, total = _documents(data, text_column, separator)
+    base = getattr(model, "base_model", model)
+    device = next(model.parameters()).device
+    pad_id = getattr(tokenizer, "pad_token_id", None) or 0
+    was_training = model.training
+    model.eval()
+    collector = ProfileCollector(base, sample_size=sample_size, seed=seed)
+    bar = tqdm(total=total, unit="doc", desc="profiling routing", disable=not progress)
+    try:
+        with collector, torch.no_grad():
+            windows = _windows(documents, tokenizer, max_length, max_tokens, bar)
+            for batch in _batches(windows, batch_size):
+                input_ids_BS, attention_mask_BS = _pad(batch, pad_id)
+                base(input_ids=input_ids_BS.to(device), attention_mask=attention_mask_BS.to(device), use_cache=False)
+                bar.set_postfix(tokens=collector.token_count)
+    finally:
+        bar.close()
+        model.train(was_training)
+    return collector.routing_fields(
+        source=source or _describe(data, text_column),
+        batch_size=batch_size,
+        max_length=max_length,
+        max_tokens=max_tokens,
+    )
+
+
+def _documents(data, text_column: str, separator: str) -> tuple[Iterable, int | None]:
+    """The documents of `data` (strings or token-id sequences) and their number when known."""
+    if isinstance(data, (str, os.PathLike)):
+        path = os.fspath(data)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"text file {path!r} is not a file")
+        with open(path, encoding="utf-8") as f:
+            documents = [doc for doc in f.read().split(separator) if doc.strip()]
+        if not documents:
+            raise ValueError(f"text file {path!r} holds no non-blank document (separator {separator!r})")
+        return documents, len(documents)
+    column_names = getattr(data, "column_names", None)
+    if column_names is not None:  # a datasets.Dataset
+        if text_column not in column_names:
+            raise KeyError(f"dataset has no column {text_column!r}; its columns are {list(column_names)}")
+        return data[text_column], len(data)
+    if isinstance(data, torch.Tensor):
+        raise TypeError("pass token ids as a list of sequences (e.g. tensor.tolist()), not one tensor")
+    return data, (len(data) if hasattr(data, "__len__") else None)
+
+
+def _windows(documents: Iterable, tokenizer, max_length: int, max_tokens: int | None, bar) -> Iterator[list[int]]:
+    """Token-id windows of at most `max_length`, in document order, stopping at `max_tokens`."""
+    remaining = max_tokens
+    for document in documents:
+        if isinstance(document, str):
+            if tokenizer is None:
+                raise ValueError("the data holds text: pass tokenizer= (or give token-id sequences)")
+            ids = tokenizer(document, verbose=False)["input_ids"]
+        else:
+            ids = [int(i) for i in document]
+        for start in range(0, len(ids), max_length):
+            window = ids[start : start + max_length]
+            if remaining is not None:
+                window = window[:remaining]
+                remaining -= len(window)
+            if window:
+                yield window
+            if remaining == 0:
+                bar.update(1)
+                return
+        bar.update(1)
+
+
+def _batches(windows: Iterator[list[int]], batch_size: int) -> Iterator[list[list[int]]]:
+    batch: list[list[int]] = []
+    for window in windows:
+        batch.append(window)
+        if len(batch) == batch_size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _pad(batch: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded `[B, S]` input ids and their attention mask (1 = real token)."""
+    length = max(len(ids) for ids in batch)
+    input_ids_BS = torch.full((len(batch), length), pad_id, dtype=torch.long)
+    attention_mask_BS = torch.zeros(len(batch), length, dtype=torch.long)
+    for row, ids in enumerate(batch):
+        input_ids_BS[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        attention_mask_BS[row, : len(ids)] = 1
+    return input_ids_BS, attention_mask_BS
+
+
+def _describe(data, text_column: str) -> str:
+    if isinstance(data, (str, os.PathLike)):
+        return f"text file {os.path.basename(os.fspath(data))}"
+    if getattr(data, "column_names", None) is not None:
+        name = getattr(getattr(data, "info", None), "dataset_name", None) or "dataset"
+        return f"{name} column {text_column!r} ({len(data)} rows)"
+    return f"{type(data).__name__} of documents"
+
+
+__all__ = ["ProfileCollector", "collect_routing", "DEFAULT_SAMPLE_SIZE"]

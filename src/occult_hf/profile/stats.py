@@ -1,0 +1,201 @@
+"""Streaming accumulation of one MoE layer's routing statistics (DESIGN.md §2, §6).
+
+`LayerAccumulator.update(topk_ids_Tk, logits_TE, token_mask_T)` is the one place where routing
+decisions become profile statistics. Forward hooks (`ProfileCollector`), trace import and a Trainer
+callback all feed it, so every profile is counted the same way. Memory is bounded: three `[E, E]`
+matrices, `[E]` counts and a fixed-size token sample, however many tokens stream through.
+
+Shape legend: T tokens in a batch, E routed experts, k experts per token, N sampled tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+#: tokens per step inside `LayerAccumulator.update` (bounds temporary memory, not the result)
+_CHUNK_TOKENS = 16384
+
+
+@dataclass
+class LayerRouting:
+    """Routing statistics of one MoE layer.
+
+    Attributes:
+        coactivation: `[E, E]` int64, tokens whose top-k holds both i and j; symmetric, zero diagonal.
+        expert_counts: `[E]` int64, tokens routed to each expert.
+        token_count: tokens observed.
+        logit_gram: `[E, E]` float64 Gram matrix of the router logits (sum over tokens of l l^T), or None.
+        topk_sample: `[N, k]` int64 uniform sample of real per-token expert sets, or None (pair counts only).
+    """
+
+    coactivation: np.ndarray
+    expert_counts: np.ndarray
+    token_count: int
+    logit_gram: np.ndarray | None = None
+    topk_sample: np.ndarray | None = None
+
+
+class ReservoirSample:
+    """A uniform sample without replacement of at most `capacity` rows from a stream of `[T, k]` batches.
+
+    Each streamed row draws a key uniform in [0, 1) from a generator seeded with `seed`; the sample
+    holds the rows with the `capacity` smallest keys seen so far, which is a uniform sample of the
+    stream. The same stream in the same order with the same seed gives the same sample, and two
+    layers fed the same token stream with the same seed sample the same tokens. `capacity=None`
+    keeps every row (used for trace files, whose tokens are all wanted).
+
+    The rows stay on the device they arrive on; keys are drawn on the CPU (device-independent).
+    """
+
+    def __init__(self, capacity: int | None, seed: int = 0) -> None:
+        if capacity is not None and (not isinstance(capacity, int) or capacity < 0):
+            raise ValueError(f"sample_size must be None (keep all) or an integer >= 0, got {capacity!r}")
+        self.capacity = capacity
+        self._generator = torch.Generator().manual_seed(int(seed))
+        self._keys_N: torch.Tensor | None = None  # float64
+        self._order_N: torch.Tensor | None = None  # int64 stream position of each kept row
+        self._rows_Nk: torch.Tensor | None = None
+        self._seen = 0
+
+    def add(self, rows_Tk: torch.Tensor) -> None:
+        """Offer a batch of rows (in stream order) to the sample."""
+        num_rows = rows_Tk.shape[0]
+        order_T = torch.arange(self._seen, self._seen + num_rows, device=rows_Tk.device)
+        self._seen += num_rows
+        if self.capacity == 0 or num_rows == 0:
+            return
+        keys_T = torch.rand(num_rows, generator=self._generator, dtype=torch.float64).to(rows_Tk.device)
+        if self._rows_Nk is None:
+            keys_N, order_N, rows_Nk = keys_T, order_T, rows_Tk
+        else:
+            keys_N = torch.cat([self._keys_N, keys_T])
+            order_N = torch.cat([self._order_N, order_T])
+            rows_Nk = torch.cat([self._rows_Nk, rows_Tk.to(self._rows_Nk.device)])
+        if self.capacity is not None and keys_N.shape[0] > self.capacity:
+            keep_N = torch.topk(keys_N, self.capacity, largest=False, sorted=False).indices
+            keys_N, order_N, rows_Nk = keys_N[keep_N], order_N[keep_N], rows_Nk[keep_N]
+        self._keys_N, self._order_N, self._rows_Nk = keys_N, order_N, rows_Nk
+
+    @property
+    def rows_seen(self) -> int:
+        return self._seen
+
+    def rows(self) -> np.ndarray | None:
+        """`[N, k]` int64 sampled rows in stream order, or None when the sample is empty."""
+        if self._rows_Nk is None:
+            return None
+        order = torch.argsort(self._order_N)
+        return self._rows_Nk[order].to("cpu", torch.int64).numpy()
+
+
+class LayerAccumulator:
+    """Routing statistics of one MoE layer, accumulated batch by batch.
+
+    Args:
+        num_experts: `E`.
+        top_k: `k`.
+        sample_size: size of the uniform token sample of top-k sets (0: none; None: keep all).
+        seed: seed of the sample's random keys.
+    """
+
+    def __init__(self, num_experts: int, top_k: int, sample_size: int | None = 8192, seed: int = 0) -> None:
+        if not isinstance(num_experts, int) or num_experts < 1:
+            raise ValueError(f"num_experts must be a positive integer, got {num_experts!r}")
+        if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be an integer in [1, num_experts={num_experts}], got {top_k!r}")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.token_count = 0
+        self.sample = ReservoirSample(sample_size, seed)
+        self._pairs_EE: torch.Tensor | None = None  # int64, diagonal = per-expert counts
+        self._gram_EE: torch.Tensor | None = None  # float64
+        self._has_logits: bool | None = None
+
+    @torch.no_grad()
+    def update(
+        self,
+        topk_ids_Tk: torch.Tensor,
+        logits_TE: torch.Tensor | None = None,
+        token_mask_T: torch.Tensor | None = None,
+    ) -> None:
+        """Add one batch.
+
+        Args:
+            topk_ids_Tk: `[T, k]` integer expert ids, distinct within a row.
+            logits_TE: `[T, E]` router logits (any float dtype), or None when unknown (trace files).
+                Give them for every batch or for none.
+            token_mask_T: `[T]` bool, True for tokens to count (padding False), or None for all.
+        """
+        if topk_ids_Tk.dim() != 2 or topk_ids_Tk.shape[1] != self.top_k:
+            raise ValueError(
+                f"topk_ids must have shape [T, top_k={self.top_k}], got {tuple(topk_ids_Tk.shape)}"
+            )
+        has_logits = logits_TE is not None
+        if self._has_logits is not None and has_logits != self._has_logits:
+            raise ValueError("router logits must be given for every batch of a layer or for none")
+        self._has_logits = has_logits
+        if has_logits and tuple(logits_TE.shape) != (topk_ids_Tk.shape[0], self.num_experts):
+            raise ValueError(
+                f"logits must have shape [T={topk_ids_Tk.shape[0]}, E={self.num_experts}], got {tuple(logits_TE.shape)}"
+            )
+        topk_ids_Tk = topk_ids_Tk.detach().long()
+        if token_mask_T is not None:
+            if token_mask_T.shape != (topk_ids_Tk.shape[0],):
+                raise ValueError(
+                    f"token mask must have shape [T={topk_ids_Tk.shape[0]}], got {tuple(token_mask_T.shape)}"
+                )
+            keep_T = token_mask_T.to(device=topk_ids_Tk.device, dtype=torch.bool)
+            topk_ids_Tk = topk_ids_Tk[keep_T]
+            logits_TE = logits_TE[keep_T.to(logits_TE.device)] if has_logits else None
+        num_tokens = topk_ids_Tk.shape[0]
+        device = topk_ids_Tk.device
+        if self._pairs_EE is None:
+            self._pairs_EE = torch.zeros(self.num_experts, self.num_experts, dtype=torch.int64, device=device)
+        if has_logits and self._gram_EE is None:
+            self._gram_EE = torch.zeros(self.num_experts, self.num_experts, dtype=torch.float64, device=device)
+        # chunks bound the temporaries ([T, k, k] pair ids, [T, E] fp64 logits) for huge training batches
+        for start in range(0, num_tokens, _CHUNK_TOKENS):
+            ids_Tk = topk_ids_Tk[start : start + _CHUNK_TOKENS]
+            # every ordered pair (i, j) of a token's experts, i == j included: the diagonal counts experts
+            pair_ids = (ids_Tk[:, :, None] * self.num_experts + ids_Tk[:, None, :]).reshape(-1)
+            pairs_EE = torch.bincount(pair_ids, minlength=self.num_experts**2).view(self.num_experts, self.num_experts)
+            self._pairs_EE += pairs_EE.to(self._pairs_EE.device)
+            if has_logits:
+                chunk_TE = logits_TE[start : start + _CHUNK_TOKENS].detach().to(torch.float64)
+                self._gram_EE += (chunk_TE.T @ chunk_TE).to(self._gram_EE.device)
+        self.sample.add(topk_ids_Tk)
+        self.token_count += num_tokens
+
+    def expert_counts(self) -> np.ndarray:
+        """`[E]` int64 tokens routed to each expert so far."""
+        if self._pairs_EE is None:
+            return np.zeros(self.num_experts, dtype=np.int64)
+        return torch.diagonal(self._pairs_EE).cpu().numpy().copy()
+
+    def coactivation(self) -> np.ndarray:
+        """`[E, E]` int64 tokens whose top-k holds both i and j; symmetric, zero diagonal."""
+        if self._pairs_EE is None:
+            return np.zeros((self.num_experts, self.num_experts), dtype=np.int64)
+        pairs = self._pairs_EE.cpu().numpy().copy()
+        np.fill_diagonal(pairs, 0)
+        return pairs
+
+    def logit_gram(self) -> np.ndarray | None:
+        """`[E, E]` float64 sum over counted tokens of `logits logits^T`, or None without logits."""
+        return None if self._gram_EE is None else self._gram_EE.cpu().numpy().copy()
+
+    def to_layer_routing(self) -> LayerRouting:
+        """The statistics as a `LayerRouting` (a snapshot; accumulation may continue)."""
+        return LayerRouting(
+            coactivation=self.coactivation(),
+            expert_counts=self.expert_counts(),
+            token_count=self.token_count,
+            logit_gram=self.logit_gram(),
+            topk_sample=self.sample.rows(),
+        )
+
+
+__all__ = ["LayerRouting", "ReservoirSample", "LayerAccumulator"]
