@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from occult_hf import metrics
+from occult_hf.drift import profile_drift
 from occult_hf.placement import Placement, balanced_capacities
 from occult_hf.profile import LayerRouting, RoutingProfile
 from occult_hf.studies.placement_study import profile_from_topk, structured_topk
@@ -168,9 +169,9 @@ def test_profile_drift_same_and_shifted_routing():
     E, k, D = 16, 4, 4
     first = profile_from_topk({0: structured_topk(1500, E, k, D, seed=1)}, E, "a")
     shifted = profile_from_topk({0: structured_topk(1500, E, k, D, seed=2)}, E, "b")  # other hidden groups
-    same = metrics.profile_drift(first, first, D, search_rounds=2)[0]
+    same = profile_drift(first, first, D, search_rounds=2)[0]
     assert same.spearman == pytest.approx(1.0) and same.transferred == same.native and same.cost_name == "ct"
-    drift = metrics.profile_drift(first, shifted, D, search_rounds=2)[0]
+    drift = profile_drift(first, shifted, D, search_rounds=2)[0]
     assert drift.spearman < 0.5
     assert drift.native < drift.transferred  # the placement planned on other routing pays for it
 

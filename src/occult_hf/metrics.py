@@ -15,8 +15,12 @@ device map, and never loops over tokens in Python.
   load any placement with these capacities can reach (a giant expert can push it above the mean).
 * **Pairwise cut** (`pairwise_cut`) and **intra-device collaboration ratio**
   (`intra_device_ratio`): from co-activation counts only, for profiles without a token sample.
-* **Drift** (`coactivation_spearman`, `profile_drift`): how much routing changed between two
-  profiles, and what that costs a placement planned on the old one.
+* **Drift** (`coactivation_spearman`, `routing_cost`): how much routing changed between two
+  profiles; `drift.profile_drift` adds what that costs a placement planned on the old one (it runs
+  the planners, which use this module, so it lives outside it).
+
+Input checks (`check_topk_ids`, `check_device_map`, `check_square`) live in `checks.py`, shared
+with the planners.
 
 `evaluate_layer` / `evaluate_placement` gather all of these for a profile and a placement.
 
@@ -32,57 +36,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-if TYPE_CHECKING:  # imported lazily at run time: the planners import this module
+from .checks import check_device_map, check_square, check_topk_ids
+
+if TYPE_CHECKING:  # annotations only: the planners import this module, so it imports no planner
     from .placement.placement import Placement
     from .profile import LayerRouting, RoutingProfile
-
-
-# ----- input checks --------------------------------------------------------------------------
-def check_topk_ids(topk_ids_Nk: np.ndarray, num_experts: int, name: str = "topk_ids") -> np.ndarray:
-    """Return `topk_ids_Nk` as int64 `[N, k]` or raise: integer, 2-D, ids in [0, E), distinct per row."""
-    ids = np.asarray(topk_ids_Nk)
-    if ids.ndim != 2 or ids.dtype.kind not in "iu":
-        raise ValueError(f"{name} must be an integer array [N, k], got {ids.dtype} with shape {list(ids.shape)}")
-    if ids.shape[1] > num_experts:
-        raise ValueError(f"{name} has k={ids.shape[1]} experts per token but num_experts={num_experts}")
-    if ids.size and (ids.min() < 0 or ids.max() >= num_experts):
-        raise ValueError(
-            f"{name} holds expert ids in [{int(ids.min())}, {int(ids.max())}]; they must lie in [0, num_experts={num_experts})"
-        )
-    ids = ids.astype(np.int64, copy=False)
-    if ids.shape[1] > 1 and ids.size:
-        sorted_ids = np.sort(ids, axis=1)
-        repeated_N = (sorted_ids[:, 1:] == sorted_ids[:, :-1]).any(axis=1)
-        if repeated_N.any():
-            first = int(np.flatnonzero(repeated_N)[0])
-            raise ValueError(
-                f"{name} repeats an expert within a token's top-k ({int(repeated_N.sum())} rows; first: row {first} = "
-                f"{ids[first].tolist()})"
-            )
-    return ids
-
-
-def check_device_map(device_of_E: np.ndarray, num_experts: int, num_devices: int) -> np.ndarray:
-    """Return `device_of_E` as int64 `[E]` or raise: one device id in [0, D) per expert."""
-    devices = np.asarray(device_of_E)
-    if devices.shape != (num_experts,) or devices.dtype.kind not in "iu":
-        raise ValueError(
-            f"device map must be an integer array [E={num_experts}], got {devices.dtype} with shape {list(devices.shape)}"
-        )
-    if num_experts and (devices.min() < 0 or devices.max() >= num_devices):
-        raise ValueError(
-            f"device map uses device ids in [{int(devices.min())}, {int(devices.max())}]; "
-            f"they must lie in [0, num_devices={num_devices})"
-        )
-    return devices.astype(np.int64, copy=False)
-
-
-def check_square(matrix_EE: np.ndarray, num_experts: int, name: str = "coactivation") -> np.ndarray:
-    """Return `matrix_EE` as an array or raise when it is not `[E, E]`."""
-    matrix = np.asarray(matrix_EE)
-    if matrix.shape != (num_experts, num_experts):
-        raise ValueError(f"{name} must have shape [E, E] = [{num_experts}, {num_experts}], got {list(matrix.shape)}")
-    return matrix
 
 
 # ----- CT --------------------------------------------------------------------------------------
@@ -324,59 +282,6 @@ def routing_cost(routing: "LayerRouting", device_of_E: np.ndarray, num_devices: 
     return "cut", pairwise_cut(routing.coactivation, device_of_E, num_devices) / tokens
 
 
-@dataclass(frozen=True)
-class LayerDrift:
-    """Drift of one layer from profile A (planned on) to profile B (measured on).
-
-    Attributes:
-        spearman: rank correlation of the co-activation counts of A and B.
-        cost_name: "ct" (mean CT on B's sample) or "cut" (split pairs per token on B).
-        transferred: cost on B of the placement planned on A.
-        native: cost on B of the placement planned on B (what re-profiling would give).
-        contiguous: cost on B of contiguous placement (what placement gives at all).
-    """
-
-    spearman: float
-    cost_name: str
-    transferred: float
-    native: float
-    contiguous: float
-
-
-def profile_drift(
-    profile_a: "RoutingProfile",
-    profile_b: "RoutingProfile",
-    num_devices: int,
-    method: str = "refined",
-    progress: bool = False,
-    **options: Any,
-) -> dict[int, LayerDrift]:
-    """Per shared layer: co-activation Spearman of A vs B, and B's cost of placements planned on A and on B."""
-    from .placement import Placement, plan_placement
-
-    if profile_a.num_experts != profile_b.num_experts:
-        raise ValueError(f"profiles differ in num_experts: {profile_a.num_experts} vs {profile_b.num_experts}")
-    shared = sorted(set(profile_a.layers) & set(profile_b.layers))
-    if not shared:
-        raise ValueError(f"profiles share no layer: {sorted(profile_a.layers)} vs {sorted(profile_b.layers)}")
-    planned_a = plan_placement(profile_a, num_devices, method, layers=shared, progress=progress, **options)
-    planned_b = plan_placement(profile_b, num_devices, method, layers=shared, progress=progress, **options)
-    contiguous = Placement.contiguous(profile_a.num_experts, num_devices, shared)
-    result = {}
-    for layer in shared:
-        routing_b = profile_b.layer(layer)
-        costs = {
-            name: routing_cost(routing_b, np.asarray(p.device_of(layer)), num_devices)
-            for name, p in (("transferred", planned_a), ("native", planned_b), ("contiguous", contiguous))
-        }
-        result[layer] = LayerDrift(
-            spearman=coactivation_spearman(profile_a.layer(layer).coactivation, routing_b.coactivation),
-            cost_name=costs["native"][0],
-            **{name: value for name, (_, value) in costs.items()},
-        )
-    return result
-
-
 # ----- a placement on a profile ---------------------------------------------------------------
 @dataclass(frozen=True)
 class LayerMetrics:
@@ -545,7 +450,6 @@ def summarize(per_layer: dict[int, LayerMetrics]) -> dict[str, float | None]:
 
 __all__ = [
     "CommunicationVolume",
-    "LayerDrift",
     "LayerMetrics",
     "check_device_map",
     "check_topk_ids",
@@ -564,7 +468,6 @@ __all__ = [
     "mean_ct",
     "pair_devices",
     "pairwise_cut",
-    "profile_drift",
     "replica_device_load",
     "routing_cost",
     "summarize",

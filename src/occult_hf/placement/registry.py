@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 
-from ..metrics import check_square, check_topk_ids
+from ..checks import check_square, check_topk_ids
+from ..metrics import evaluate_layer
 from .placement import Placement
 
 if TYPE_CHECKING:
@@ -218,8 +219,6 @@ def plan_placement(
     profile and its balance.
     """
     from tqdm.auto import tqdm
-
-    from ..metrics import evaluate_layer
 
     spec = get_planner(method)
     planner_options = spec.make_options(**options)

@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 
 from ..atomic import atomic_save_figure
-from ..metrics import device_load, evaluate_placement, expert_load, load_balance, load_floor, profile_drift, summarize
+from ..drift import profile_drift
+from ..metrics import device_load, evaluate_placement, expert_load, load_balance, load_floor, summarize
 from ..placement import Placement, balanced_capacities, plan_placement
 from ..placement.refined import initial_assignment
 from ..placement.validation import profile_from_sample

@@ -1,0 +1,62 @@
+"""Input checks for routing arrays, shared by the metrics and the placement planners.
+
+Each returns its input as the array type the callers compute with, or raises a `ValueError` that
+names the input, what it holds and the rule it broke.
+
+Shape legend: N tokens, k experts per token, E routed experts, D devices.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+# ----- input checks --------------------------------------------------------------------------
+def check_topk_ids(topk_ids_Nk: np.ndarray, num_experts: int, name: str = "topk_ids") -> np.ndarray:
+    """Return `topk_ids_Nk` as int64 `[N, k]` or raise: integer, 2-D, ids in [0, E), distinct per row."""
+    ids = np.asarray(topk_ids_Nk)
+    if ids.ndim != 2 or ids.dtype.kind not in "iu":
+        raise ValueError(f"{name} must be an integer array [N, k], got {ids.dtype} with shape {list(ids.shape)}")
+    if ids.shape[1] > num_experts:
+        raise ValueError(f"{name} has k={ids.shape[1]} experts per token but num_experts={num_experts}")
+    if ids.size and (ids.min() < 0 or ids.max() >= num_experts):
+        raise ValueError(
+            f"{name} holds expert ids in [{int(ids.min())}, {int(ids.max())}]; they must lie in [0, num_experts={num_experts})"
+        )
+    ids = ids.astype(np.int64, copy=False)
+    if ids.shape[1] > 1 and ids.size:
+        sorted_ids = np.sort(ids, axis=1)
+        repeated_N = (sorted_ids[:, 1:] == sorted_ids[:, :-1]).any(axis=1)
+        if repeated_N.any():
+            first = int(np.flatnonzero(repeated_N)[0])
+            raise ValueError(
+                f"{name} repeats an expert within a token's top-k ({int(repeated_N.sum())} rows; first: row {first} = "
+                f"{ids[first].tolist()})"
+            )
+    return ids
+
+
+def check_device_map(device_of_E: np.ndarray, num_experts: int, num_devices: int) -> np.ndarray:
+    """Return `device_of_E` as int64 `[E]` or raise: one device id in [0, D) per expert."""
+    devices = np.asarray(device_of_E)
+    if devices.shape != (num_experts,) or devices.dtype.kind not in "iu":
+        raise ValueError(
+            f"device map must be an integer array [E={num_experts}], got {devices.dtype} with shape {list(devices.shape)}"
+        )
+    if num_experts and (devices.min() < 0 or devices.max() >= num_devices):
+        raise ValueError(
+            f"device map uses device ids in [{int(devices.min())}, {int(devices.max())}]; "
+            f"they must lie in [0, num_devices={num_devices})"
+        )
+    return devices.astype(np.int64, copy=False)
+
+
+def check_square(matrix_EE: np.ndarray, num_experts: int, name: str = "coactivation") -> np.ndarray:
+    """Return `matrix_EE` as an array or raise when it is not `[E, E]`."""
+    matrix = np.asarray(matrix_EE)
+    if matrix.shape != (num_experts, num_experts):
+        raise ValueError(f"{name} must have shape [E, E] = [{num_experts}, {num_experts}], got {list(matrix.shape)}")
+    return matrix
+
+
+__all__ = ["check_topk_ids", "check_device_map", "check_square"]

@@ -1,0 +1,72 @@
+"""Routing drift: what a change of routing costs a placement planned on the old routing.
+
+`profile_drift(profile_a, profile_b, D)` plans placements on A and on B and measures both (and
+contiguous placement) on B, per shared layer, beside the co-activation rank correlation of A and B
+(`metrics.coactivation_spearman`). It runs the planners, which import `metrics`, so it lives in
+its own module above both (DESIGN.md §9 defines drift).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .metrics import coactivation_spearman, routing_cost
+from .placement import Placement, plan_placement
+from .profile import RoutingProfile
+
+
+@dataclass(frozen=True)
+class LayerDrift:
+    """Drift of one layer from profile A (planned on) to profile B (measured on).
+
+    Attributes:
+        spearman: rank correlation of the co-activation counts of A and B.
+        cost_name: "ct" (mean CT on B's sample) or "cut" (split pairs per token on B).
+        transferred: cost on B of the placement planned on A.
+        native: cost on B of the placement planned on B (what re-profiling would give).
+        contiguous: cost on B of contiguous placement (what placement gives at all).
+    """
+
+    spearman: float
+    cost_name: str
+    transferred: float
+    native: float
+    contiguous: float
+
+
+def profile_drift(
+    profile_a: RoutingProfile,
+    profile_b: RoutingProfile,
+    num_devices: int,
+    method: str = "refined",
+    progress: bool = False,
+    **options: Any,
+) -> dict[int, LayerDrift]:
+    """Per shared layer: co-activation Spearman of A vs B, and B's cost of placements planned on A and on B."""
+    if profile_a.num_experts != profile_b.num_experts:
+        raise ValueError(f"profiles differ in num_experts: {profile_a.num_experts} vs {profile_b.num_experts}")
+    shared = sorted(set(profile_a.layers) & set(profile_b.layers))
+    if not shared:
+        raise ValueError(f"profiles share no layer: {sorted(profile_a.layers)} vs {sorted(profile_b.layers)}")
+    planned_a = plan_placement(profile_a, num_devices, method, layers=shared, progress=progress, **options)
+    planned_b = plan_placement(profile_b, num_devices, method, layers=shared, progress=progress, **options)
+    contiguous = Placement.contiguous(profile_a.num_experts, num_devices, shared)
+    result = {}
+    for layer in shared:
+        routing_b = profile_b.layer(layer)
+        costs = {
+            name: routing_cost(routing_b, np.asarray(p.device_of(layer)), num_devices)
+            for name, p in (("transferred", planned_a), ("native", planned_b), ("contiguous", contiguous))
+        }
+        result[layer] = LayerDrift(
+            spearman=coactivation_spearman(profile_a.layer(layer).coactivation, routing_b.coactivation),
+            cost_name=costs["native"][0],
+            **{name: value for name, (_, value) in costs.items()},
+        )
+    return result
+
+
+__all__ = ["LayerDrift", "profile_drift"]
