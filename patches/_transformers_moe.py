@@ -11,6 +11,7 @@ Shape legend: T tokens, H hidden, E routed experts, k experts per token, I exper
 
 from __future__ import annotations
 
+import abc
 from typing import Callable
 
 import torch
@@ -20,10 +21,11 @@ from ._routing import check_allowed, topk_ids_among_allowed
 from .base import MoEAdapter, RouterOutput
 
 
-
-
 class FusedExpertsAdapter(MoEAdapter):
-    """Families whose block has `gate` (3-tuple router) and `experts` (fused transformers 5 experts)."""
+    """Families whose block has `gate` (3-tuple router) and `experts` (fused transformers 5 experts).
+
+    Subclasses give the family's selection rule (`_choose`) and weight rule (`renormalize`).
+    """
 
     def router(self, block: nn.Module) -> nn.Module:
         return block.gate
@@ -42,9 +44,9 @@ class FusedExpertsAdapter(MoEAdapter):
         topk_ids_Tk = self._choose(router, logits_TE, allowed_TE)
         return self.renormalize(block, logits_TE, topk_ids_Tk), topk_ids_Tk
 
+    @abc.abstractmethod
     def _choose(self, router: nn.Module, logits_TE: torch.Tensor, allowed_TE: torch.Tensor) -> torch.Tensor:
         """`[T, k]` expert ids by the family's rule, among allowed experts."""
-        raise NotImplementedError
 
     def experts_module(self, block: nn.Module) -> nn.Module:
         return block.experts
@@ -62,7 +64,8 @@ class FusedExpertsAdapter(MoEAdapter):
 class SoftmaxTopKAdapter(FusedExpertsAdapter):
     """OLMoE / Qwen2-MoE / Qwen3-MoE routers: fp32 softmax over all E logits, top-k of the
     probabilities (sorted), divided by their sum when `norm_topk_prob`, cast to the logits' dtype.
-    Restricted to allowed experts, the softmax still runs over all E logits."""
+    Restricted to allowed experts, the softmax still runs over all E logits. OLMoE and Qwen3-MoE are
+    instances of this class that differ only in their names."""
 
     def _choose(self, router, logits_TE, allowed_TE):
         probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float)

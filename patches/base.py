@@ -3,13 +3,16 @@
 An adapter says, for one model family, where its MoE blocks are, how its router scores and
 selects experts, how its expert weights are laid out and what its shared experts add. `OccultMoE`,
 routing-profile collection and pruning read a model only through this interface, so that adding a
-family means adding one file in `patches/` that subclasses `MoEAdapter` and calls `register_adapter`.
+family means adding one file in `patches/` that registers an adapter instance (of an existing class,
+such as `SoftmaxTopKAdapter`, or of a subclass of `MoEAdapter` it defines); `patches/__init__.py`
+imports every module of the folder, so nothing else names the family (docs/models.md walks through it).
 
 Shape legend: T tokens, H hidden, E routed experts, k experts per token, I expert width.
 """
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -43,22 +46,45 @@ class RouterOutput:
     aux_loss: torch.Tensor | None = None
 
 
-class MoEAdapter:
-    """How one model family's MoE blocks work. Subclasses set the class attributes and methods."""
+class MoEAdapter(abc.ABC):
+    """How one model family's MoE blocks work: the contract, with no behaviour of its own.
 
-    #: registry key, lowercase (e.g. "olmoe")
-    name: str = ""
-    #: `config.model_type` values this adapter serves
-    model_types: tuple[str, ...] = ()
-    #: class names of the MoE blocks this adapter replaces
-    block_class_names: tuple[str, ...] = ()
+    An adapter is an instance: its names are constructor arguments, its behaviour the methods a
+    subclass implements (`FusedExpertsAdapter` in `_transformers_moe.py` does so for transformers
+    5's fused-experts layout). Families whose behaviour is the same share one class and differ only
+    in the names they are built with. Only three things here are not abstract, because they follow
+    from the names or from having nothing to add: `num_experts`/`top_k` (config fields),
+    `iter_moe_blocks` (block class names), and the no-op `shared_output`/`attach_aux_loss` of a
+    family without shared experts or block-level auxiliary loss.
+
+    Args:
+        name: registry key, lowercase (e.g. "olmoe").
+        block_class_names: class names of the MoE blocks this adapter replaces.
+        num_experts_field: the config field holding the number of routed experts
+            (e.g. "num_experts", "n_routed_experts").
+        top_k_field: the config field holding k, the experts per token.
+        model_types: `config.model_type` values this adapter serves (default: `(name,)`).
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        block_class_names: tuple[str, ...],
+        num_experts_field: str,
+        top_k_field: str = "num_experts_per_tok",
+        model_types: tuple[str, ...] | None = None,
+    ) -> None:
+        self.name = name
+        self.model_types = tuple(model_types) if model_types is not None else (name,)
+        self.block_class_names = tuple(block_class_names)
+        self.num_experts_field = num_experts_field
+        self.top_k_field = top_k_field
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, model_types={self.model_types}, blocks={self.block_class_names})"
 
     # ----- model structure --------------------------------------------------------------
-    #: the config field holding the number of routed experts (e.g. "num_experts", "n_routed_experts")
-    num_experts_field: str = ""
-    #: the config field holding k, the experts per token
-    top_k_field: str = "num_experts_per_tok"
-
     def num_experts(self, config) -> int:
         return config_field(config, self.num_experts_field)
 
@@ -76,60 +102,60 @@ class MoEAdapter:
             if type(block).__name__ in self.block_class_names:
                 yield _layer_index(name), name, block
 
+    @abc.abstractmethod
     def router(self, block: nn.Module) -> nn.Module:
         """The router module instance (kept as is so transformers' `router_logits` capture works)."""
-        return block.gate
 
     # ----- routing ----------------------------------------------------------------------
+    @abc.abstractmethod
     def route(self, block: nn.Module, x_TH: torch.Tensor) -> RouterOutput:
         """Run the block's own router module on `[T, H]` tokens (or the block's `[B, S, H]` input).
 
         Pass the block input's own shape where the router needs the sequence structure (DeepSeek-MoE's
         sequence-level auxiliary loss); `RouterOutput` tensors are always `[T, ...]`.
         """
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def select(self, block: nn.Module, logits_TE: torch.Tensor, allowed_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's own top-k selection and weight rule, restricted to experts where `allowed_TE` is True.
 
         Returns `(topk_weights_Tk, topk_ids_Tk)`. With `allowed_TE` all True this equals `route`.
         Used by router-mode collaboration pruning.
         """
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def renormalize(self, block: nn.Module, logits_TE: torch.Tensor, topk_ids_Tk: torch.Tensor) -> torch.Tensor:
-        """Routing weights for a given expert choice, by the model's own rule (similarity pruning)."""
-        raise NotImplementedError
+        """`[T, k]` routing weights for a given expert choice, by the model's own rule (similarity pruning)."""
 
+    @abc.abstractmethod
     def observe(self, router: nn.Module, inputs: tuple, output) -> tuple[torch.Tensor, torch.Tensor]:
         """From a forward hook on `router`: `(logits_TE, topk_ids_Tk)` for routing-profile collection."""
-        logits, _, ids = output
-        return logits, ids
-
-    # ----- experts ----------------------------------------------------------------------
-    def expert_weights(self, block: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(gate_up_proj [E, 2I, H], down_proj [E, H, I])` of the routed experts, original order."""
-        return block.experts.gate_up_proj, block.experts.down_proj
-
-    def act_fn(self, block: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-        return block.experts.act_fn
-
-    def experts_module(self, block: nn.Module) -> nn.Module:
-        """The submodule that holds the routed experts (what the runtime replaces by its local experts)."""
-        return block.experts
-
-    def expert_state_dict(
-        self, block: nn.Module, gate_up_proj_E2IH: torch.Tensor, down_proj_EHI: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
-        """The routed experts' entries of `block.state_dict()` (keys relative to the block) holding the
-        given weights in the family's own layout: what a vanilla checkpoint stores for them."""
-        return {"experts.gate_up_proj": gate_up_proj_E2IH, "experts.down_proj": down_proj_EHI}
 
     def attach_aux_loss(self, block: nn.Module, routed_TH: torch.Tensor, aux_loss: torch.Tensor | None) -> torch.Tensor:
         """Attach `RouterOutput.aux_loss` to the routed output as the model does (identity without one)."""
         if aux_loss is None:
             return routed_TH
         raise NotImplementedError(f"adapter {self.name!r} returned an aux_loss but does not say how to attach it")
+
+    # ----- experts ----------------------------------------------------------------------
+    @abc.abstractmethod
+    def experts_module(self, block: nn.Module) -> nn.Module:
+        """The submodule that holds the routed experts (what the runtime replaces by its local experts)."""
+
+    @abc.abstractmethod
+    def expert_weights(self, block: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(gate_up_proj [E, 2I, H], down_proj [E, H, I])` of the routed experts, original order."""
+
+    @abc.abstractmethod
+    def act_fn(self, block: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The experts' activation (applied to the gate half of `gate_up_proj`'s output)."""
+
+    @abc.abstractmethod
+    def expert_state_dict(
+        self, block: nn.Module, gate_up_proj_E2IH: torch.Tensor, down_proj_EHI: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """The routed experts' entries of `block.state_dict()` (keys relative to the block) holding the
+        given weights in the family's own layout: what a vanilla checkpoint stores for them."""
 
     def shared_output(self, block: nn.Module, x_TH: torch.Tensor) -> torch.Tensor | None:
         """What the block's shared experts add for `[T, H]` tokens, as the model defines it; None if none."""
@@ -140,11 +166,19 @@ _ADAPTERS: dict[str, MoEAdapter] = {}
 
 
 def register_adapter(adapter: MoEAdapter) -> MoEAdapter:
-    """Add an adapter to the registry; names are unique and lowercase."""
+    """Add an adapter to the registry; names are unique and lowercase, model types served once."""
+    if not isinstance(adapter, MoEAdapter):
+        raise TypeError(f"register_adapter needs a MoEAdapter instance, got {type(adapter).__name__}")
     if not adapter.name or adapter.name != adapter.name.lower():
         raise ValueError(f"adapter name must be a non-empty lowercase string, got {adapter.name!r}")
     if adapter.name in _ADAPTERS:
         raise ValueError(f"an adapter named {adapter.name!r} is already registered")
+    for other in _ADAPTERS.values():
+        shared = sorted(set(other.model_types) & set(adapter.model_types))
+        if shared:
+            raise ValueError(f"adapter {adapter.name!r} serves model types {shared} that adapter {other.name!r} already serves")
+    if not adapter.block_class_names or not adapter.num_experts_field:
+        raise ValueError(f"adapter {adapter.name!r} needs block_class_names and num_experts_field")
     _ADAPTERS[adapter.name] = adapter
     return adapter
 

@@ -25,12 +25,6 @@ from .base import RouterOutput, register_adapter
 
 
 class DeepseekAdapter(FusedExpertsAdapter):
-    name = "deepseek"
-    model_types = ("deepseek",)
-    block_class_names = ("DeepseekMoeBlock",)
-
-    num_experts_field = "n_routed_experts"
-
     def route(self, block, x_TH):
         batch_size = x_TH.shape[0] if x_TH.dim() == 3 else 1
         logits_TE, topk_weights_Tk, topk_ids_Tk = self.router(block)(x_TH)
@@ -62,4 +56,6 @@ class DeepseekAdapter(FusedExpertsAdapter):
         return block.shared_experts(x_TH)
 
 
-ADAPTER = register_adapter(DeepseekAdapter())
+ADAPTER = register_adapter(
+    DeepseekAdapter(name="deepseek", block_class_names=("DeepseekMoeBlock",), num_experts_field="n_routed_experts")
+)

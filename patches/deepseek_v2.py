@@ -20,12 +20,6 @@ TOPK_METHODS = ("greedy", "group_limited_greedy")
 
 
 class DeepseekV2Adapter(FusedExpertsAdapter):
-    name = "deepseek_v2"
-    model_types = ("deepseek_v2",)
-    block_class_names = ("DeepseekV2Moe",)
-
-    num_experts_field = "n_routed_experts"
-
     def _choose(self, router, logits_TE, allowed_TE):
         probs_TE = logits_TE.softmax(dim=-1, dtype=torch.float32)
         if router.topk_method == "greedy":
@@ -48,4 +42,10 @@ class DeepseekV2Adapter(FusedExpertsAdapter):
         return block.shared_experts(x_TH)
 
 
-ADAPTER = register_adapter(DeepseekV2Adapter())
+ADAPTER = register_adapter(
+    DeepseekV2Adapter(
+        name="deepseek_v2",
+        block_class_names=("DeepseekV2Moe",),
+        num_experts_field="n_routed_experts",
+    )
+)

@@ -23,12 +23,6 @@ from .base import register_adapter
 
 
 class DeepseekV3Adapter(FusedExpertsAdapter):
-    name = "deepseek_v3"
-    model_types = ("deepseek_v3",)
-    block_class_names = ("DeepseekV3MoE",)
-
-    num_experts_field = "n_routed_experts"
-
     def _choose(self, router, logits_TE, allowed_TE):
         check_groups(router.num_experts, router.num_group, router.topk_group, router.top_k, "DeepSeek-V3 router")
         choice_TE = logits_TE.sigmoid() + router.e_score_correction_bias
@@ -48,4 +42,10 @@ class DeepseekV3Adapter(FusedExpertsAdapter):
         return block.shared_experts(x_TH)
 
 
-ADAPTER = register_adapter(DeepseekV3Adapter())
+ADAPTER = register_adapter(
+    DeepseekV3Adapter(
+        name="deepseek_v3",
+        block_class_names=("DeepseekV3MoE",),
+        num_experts_field="n_routed_experts",
+    )
+)

@@ -11,14 +11,14 @@ from .base import register_adapter
 
 
 class Qwen2MoeAdapter(SoftmaxTopKAdapter):
-    name = "qwen2_moe"
-    model_types = ("qwen2_moe",)
-    block_class_names = ("Qwen2MoeSparseMoeBlock",)
-
-    num_experts_field = "num_experts"
-
     def shared_output(self, block, x_TH):
         return torch.sigmoid(block.shared_expert_gate(x_TH)) * block.shared_expert(x_TH)
 
 
-ADAPTER = register_adapter(Qwen2MoeAdapter())
+ADAPTER = register_adapter(
+    Qwen2MoeAdapter(
+        name="qwen2_moe",
+        block_class_names=("Qwen2MoeSparseMoeBlock",),
+        num_experts_field="num_experts",
+    )
+)

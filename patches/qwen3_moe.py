@@ -1,18 +1,9 @@
 """Qwen3-MoE (`Qwen3MoeForCausalLM`): softmax top-k router (usually `norm_topk_prob=True`), no
 shared experts; layers in `mlp_only_layers` or off the `decoder_sparse_step` are dense."""
 
-from __future__ import annotations
-
 from ._transformers_moe import SoftmaxTopKAdapter
 from .base import register_adapter
 
-
-class Qwen3MoeAdapter(SoftmaxTopKAdapter):
-    name = "qwen3_moe"
-    model_types = ("qwen3_moe",)
-    block_class_names = ("Qwen3MoeSparseMoeBlock",)
-
-    num_experts_field = "num_experts"
-
-
-ADAPTER = register_adapter(Qwen3MoeAdapter())
+ADAPTER = register_adapter(
+    SoftmaxTopKAdapter(name="qwen3_moe", block_class_names=("Qwen3MoeSparseMoeBlock",), num_experts_field="num_experts")
+)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import transformers
 
 from occult_hf.patches import adapter_for, registered_adapters
-from tiny_models import FAMILIES, MOE_LAYERS, tiny_batch, tiny_model
+from tiny_models import FAMILIES, MOE_LAYERS, TINY_FAMILIES, tiny_batch, tiny_model
 
 CASES = {family: (family, {}) for family in FAMILIES}
 CASES.update(
@@ -80,7 +80,8 @@ def test_iter_moe_blocks_skips_dense_layers(case):
     for index, path, block in case.blocks:
         assert path == f"model.layers.{index}.mlp"
         assert case.model.get_submodule(path) is block
-    assert len(case.model.model.layers) > len(indices) or case.family in ("olmoe", "qwen3_moe")
+    every_layer_moe = MOE_LAYERS[case.family] == tuple(range(len(case.model.model.layers)))
+    assert len(case.model.model.layers) > len(indices) or every_layer_moe
 
 
 def test_expert_count_and_top_k_come_from_the_config(case):
@@ -171,23 +172,23 @@ def _reference_select(case, block, logits_TE, allowed_TE):
     logits_TE = logits_TE.detach().double()
     tokens, num_experts = logits_TE.shape
     top_k = router.top_k
-    method = getattr(router, "topk_method", None) if case.family == "deepseek_v2" else None
+    rule = TINY_FAMILIES[case.family].routing
+    groups = rule.groups
+    if groups == "topk_method":
+        groups = "max" if router.topk_method == "group_limited_greedy" else None
     choices = []
     for t in range(tokens):
         allowed = [e for e in range(num_experts) if allowed_TE[t, e]]
-        if case.family == "deepseek_v3":
-            score = logits_TE[t].sigmoid()
-            choice = score + router.e_score_correction_bias.double()
-        else:
-            score = choice = logits_TE[t].softmax(-1)
-        if case.family == "deepseek_v3" or method == "group_limited_greedy":
+        score = logits_TE[t].sigmoid() if rule.score == "sigmoid" else logits_TE[t].softmax(-1)
+        choice = score + router.e_score_correction_bias.double() if rule.biased_choice else score
+        if groups is not None:
             per_group = num_experts // router.num_group
             group_of = lambda e: e // per_group  # noqa: E731
             group_score = {}
             for g in range(router.num_group):
                 members = sorted((float(choice[e]) for e in allowed if group_of(e) == g), reverse=True)
                 if members:
-                    group_score[g] = members[0] if method else sum(members[:2])
+                    group_score[g] = members[0] if groups == "max" else sum(members[:2])
             ranked = sorted(group_score, key=lambda g: (-group_score[g], g))
             kept, reach = [], 0
             for g in ranked:
@@ -198,13 +199,13 @@ def _reference_select(case, block, logits_TE, allowed_TE):
             allowed = [e for e in allowed if group_of(e) in kept]
         chosen = sorted(allowed, key=lambda e: -float(choice[e]))[:top_k]  # noqa: B023
         weights = {e: float(score[e]) for e in chosen}
-        normalise = router.norm_topk_prob if case.family != "deepseek_v2" else False
-        if case.family == "deepseek":
+        normalise = rule.normalize if isinstance(rule.normalize, bool) else getattr(router, rule.normalize)
+        if not rule.normalize_single:
             normalise = normalise and top_k > 1
         if normalise:
             total = sum(weights.values())
             weights = {e: w / total for e, w in weights.items()}
-        scale = getattr(router, "routed_scaling_factor", 1.0) if case.family.startswith("deepseek_v") else 1.0
+        scale = router.routed_scaling_factor if rule.scale else 1.0
         choices.append({e: w * scale for e, w in weights.items()})
     return choices
 

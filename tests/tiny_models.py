@@ -26,6 +26,11 @@ Conventions (same for every family):
 - Dense layers: Qwen2-MoE layer 1 is dense (`mlp_only_layers=[1]`); DeepSeek-V2/V3 and
   DeepSeek-MoE have a dense first layer (`first_k_dense_replace=1`). `MOE_LAYERS[family]` lists the
   decoder layers that hold MoE blocks in the default config.
+
+A family is one `TINY_FAMILIES` entry (config fields, MoE layers, the router's rule); the config
+class comes from its adapter's model type, the override names from the adapter's config fields,
+the routers from the adapter. Adding a family to occult_hf adds `patches/<family>.py` and one
+entry here (docs/models.md).
 """
 
 from __future__ import annotations
@@ -33,10 +38,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import transformers
 
-FAMILIES = ("olmoe", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "deepseek")
+from occult_hf.patches import adapter_for, registered_adapters
 
 _COMMON = dict(
     vocab_size=128,
@@ -66,102 +74,147 @@ _DEEPSEEK_HF_COMMON = dict(
     topk_group=2,  # n_group: see _expert_groups
 )
 
-# family -> default config fields
-_DEFAULTS: dict[str, dict] = {
-    "olmoe": dict(
-        _COMMON,
-        num_hidden_layers=2,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=False,
-        output_router_logits=True,
-        router_aux_loss_coef=0.02,
+@dataclass(frozen=True)
+class RoutingRule:
+    """What a family's router does, written independently of its adapter, for the float64 reference
+    of `test_adapters` (the model's own rule restricted to allowed experts).
+
+    Attributes:
+        score: "softmax" over all E logits, or "sigmoid".
+        biased_choice: choose on score + `router.e_score_correction_bias` (weights stay unbiased).
+        groups: expert-group limit before top-k: None, "max" (a group scores its best member),
+            "top2_sum" (its two best), or "topk_method" ("max" when `router.topk_method` is
+            "group_limited_greedy", else none).
+        normalize: divide the chosen weights by their sum: True, False, or the router attribute that says.
+        normalize_single: False when a single expert (k=1) is never divided by its sum.
+        scale: multiply by `router.routed_scaling_factor`.
+    """
+
+    score: str = "softmax"
+    biased_choice: bool = False
+    groups: str | None = None
+    normalize: bool | str = "norm_topk_prob"
+    normalize_single: bool = True
+    scale: bool = False
+
+
+@dataclass(frozen=True)
+class TinyFamily:
+    """The one entry a model family needs here (its adapter, in `patches/`, says the rest).
+
+    Attributes:
+        config: the tiny config's fields (the family's own field names).
+        moe_layers: the decoder layers that hold MoE blocks with these fields (checked against the
+            adapter's `iter_moe_blocks`, so it is written out, not derived).
+        routing: the router's rule, for the reference in `test_adapters`.
+        derived: fields computed from the others unless given as overrides (e.g. DeepSeek's `n_group`).
+    """
+
+    config: dict
+    moe_layers: tuple[int, ...]
+    routing: RoutingRule = RoutingRule()
+    derived: Callable[[dict], dict] | None = None
+
+
+def _deepseek_groups(fields: dict) -> dict:
+    return {"n_group": _expert_groups(fields["n_routed_experts"])}
+
+
+# family (= adapter name) -> its tiny config
+TINY_FAMILIES: dict[str, TinyFamily] = {
+    "olmoe": TinyFamily(
+        dict(
+            _COMMON,
+            num_hidden_layers=2,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            output_router_logits=True,
+            router_aux_loss_coef=0.02,
+        ),
+        moe_layers=(0, 1),
     ),
-    "qwen2_moe": dict(
-        _COMMON,
-        num_hidden_layers=3,
-        mlp_only_layers=[1],
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=False,
-        output_router_logits=True,
-        router_aux_loss_coef=0.02,
+    "qwen2_moe": TinyFamily(
+        dict(
+            _COMMON,
+            num_hidden_layers=3,
+            mlp_only_layers=[1],
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            output_router_logits=True,
+            router_aux_loss_coef=0.02,
+        ),
+        moe_layers=(0, 2),
     ),
-    "qwen3_moe": dict(
-        _COMMON,
-        num_hidden_layers=2,
-        head_dim=8,
-        moe_intermediate_size=16,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        output_router_logits=True,
-        router_aux_loss_coef=0.02,
+    "qwen3_moe": TinyFamily(
+        dict(
+            _COMMON,
+            num_hidden_layers=2,
+            head_dim=8,
+            moe_intermediate_size=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            output_router_logits=True,
+            router_aux_loss_coef=0.02,
+        ),
+        moe_layers=(0, 1),
     ),
-    "deepseek_v2": dict(
-        _COMMON,
-        **_DEEPSEEK_HF_COMMON,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        topk_method="greedy",
-        routed_scaling_factor=1.5,
-        norm_topk_prob=False,
+    "deepseek_v2": TinyFamily(
+        dict(
+            _COMMON,
+            **_DEEPSEEK_HF_COMMON,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            topk_method="greedy",
+            routed_scaling_factor=1.5,
+            norm_topk_prob=False,
+        ),
+        moe_layers=(1, 2),
+        routing=RoutingRule(groups="topk_method", normalize=False, scale=True),
+        derived=_deepseek_groups,
     ),
-    "deepseek_v3": dict(
-        _COMMON,
-        **_DEEPSEEK_HF_COMMON,
-        n_routed_experts=8,
-        num_experts_per_tok=3,
-        norm_topk_prob=True,
-        routed_scaling_factor=2.5,
+    "deepseek_v3": TinyFamily(
+        dict(
+            _COMMON,
+            **_DEEPSEEK_HF_COMMON,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+        ),
+        moe_layers=(1, 2),
+        routing=RoutingRule(score="sigmoid", biased_choice=True, groups="top2_sum", scale=True),
+        derived=_deepseek_groups,
     ),
     # the published deepseek-moe-16b config.json's fields, tiny
-    "deepseek": dict(
-        _COMMON,
-        num_hidden_layers=3,
-        num_key_value_heads=4,
-        first_k_dense_replace=1,
-        moe_layer_freq=1,
-        moe_intermediate_size=16,
-        n_shared_experts=1,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=False,
-        scoring_func="softmax",
-        aux_loss_alpha=0.01,
-        seq_aux=True,
-        rope_theta=10000.0,
+    "deepseek": TinyFamily(
+        dict(
+            _COMMON,
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            first_k_dense_replace=1,
+            moe_layer_freq=1,
+            moe_intermediate_size=16,
+            n_shared_experts=1,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            scoring_func="softmax",
+            aux_loss_alpha=0.01,
+            seq_aux=True,
+            rope_theta=10000.0,
+        ),
+        moe_layers=(1, 2),
+        routing=RoutingRule(normalize_single=False),
     ),
 }
 
-_CONFIG_CLASS = {
-    "olmoe": "OlmoeConfig",
-    "qwen2_moe": "Qwen2MoeConfig",
-    "qwen3_moe": "Qwen3MoeConfig",
-    "deepseek_v2": "DeepseekV2Config",
-    "deepseek_v3": "DeepseekV3Config",
-}  # DeepSeek-MoE ("deepseek") through AutoConfig: its class is occult_hf's
-
-# the family's config field names for the family-independent overrides
-_FIELD_NAMES = {
-    "olmoe": {"num_experts": "num_experts", "top_k": "num_experts_per_tok"},
-    "qwen2_moe": {"num_experts": "num_experts", "top_k": "num_experts_per_tok"},
-    "qwen3_moe": {"num_experts": "num_experts", "top_k": "num_experts_per_tok"},
-    "deepseek_v2": {"num_experts": "n_routed_experts", "top_k": "num_experts_per_tok"},
-    "deepseek_v3": {"num_experts": "n_routed_experts", "top_k": "num_experts_per_tok"},
-    "deepseek": {"num_experts": "n_routed_experts", "top_k": "num_experts_per_tok"},
-}
-
-MOE_LAYERS = {
-    "olmoe": (0, 1),
-    "qwen2_moe": (0, 2),
-    "qwen3_moe": (0, 1),
-    "deepseek_v2": (1, 2),
-    "deepseek_v3": (1, 2),
-    "deepseek": (1, 2),
-}
+FAMILIES = tuple(TINY_FAMILIES)
+MOE_LAYERS = {family: entry.moe_layers for family, entry in TINY_FAMILIES.items()}
 
 
 def _check_family(family: str) -> None:
@@ -170,14 +223,16 @@ def _check_family(family: str) -> None:
 
 
 def _config_fields(family: str, overrides: dict) -> dict:
-    fields = dict(_DEFAULTS[family])
-    for generic, own in _FIELD_NAMES[family].items():
+    entry, adapter = TINY_FAMILIES[family], registered_adapters()[family]
+    field_names = {"num_experts": adapter.num_experts_field, "top_k": adapter.top_k_field}
+    fields = dict(entry.config)
+    for generic, own in field_names.items():
         if generic in overrides and own in overrides and generic != own:
             raise ValueError(f"give either {generic}= or {own}= for family {family!r}, not both")
     for key, value in overrides.items():
-        fields[_FIELD_NAMES[family].get(key, key)] = value
-    if family in ("deepseek_v2", "deepseek_v3") and "n_group" not in overrides:
-        fields["n_group"] = _expert_groups(fields["n_routed_experts"])
+        fields[field_names.get(key, key)] = value
+    if entry.derived is not None:
+        fields.update({key: value for key, value in entry.derived(fields).items() if key not in overrides})
     return fields
 
 
@@ -193,11 +248,7 @@ def tiny_config(family: str, **overrides):
     """The tiny config of `family` (a transformers `PretrainedConfig`), with `overrides` applied."""
     _check_family(family)
     fields = _config_fields(family, overrides)
-    if family == "deepseek":
-        import occult_hf  # noqa: F401  (registers model_type "deepseek")
-
-        return transformers.AutoConfig.for_model("deepseek", **fields)
-    return getattr(transformers, _CONFIG_CLASS[family])(**fields)
+    return transformers.AutoConfig.for_model(registered_adapters()[family].model_types[0], **fields)
 
 
 def tiny_model(family: str, seed: int = 0, **overrides):
@@ -221,12 +272,16 @@ def tiny_checkpoint(family: str, directory, seed: int = 0, **overrides) -> Path:
 
 
 def _decisive_routers(model: torch.nn.Module, hidden_size: int) -> None:
-    """Router weights ~ N(0, 1/hidden) so logits are O(1); V3's correction bias random and non-zero."""
+    """Router weights ~ N(0, 1/hidden) so logits are O(1); V3's correction bias random and non-zero.
+
+    The routers are the ones the family's adapter names, in module order."""
+    adapter = adapter_for(model)
     with torch.no_grad():
-        for name, module in model.named_modules():
-            if name.endswith("mlp.gate") and isinstance(getattr(module, "weight", None), torch.Tensor):
-                module.weight.normal_(0.0, 1.0 / math.sqrt(hidden_size))
-            bias = getattr(module, "e_score_correction_bias", None)
+        for _, _, block in adapter.iter_moe_blocks(model):
+            router = adapter.router(block)
+            if isinstance(getattr(router, "weight", None), torch.Tensor):
+                router.weight.normal_(0.0, 1.0 / math.sqrt(hidden_size))
+            bias = getattr(router, "e_score_correction_bias", None)
             if isinstance(bias, torch.Tensor):
                 bias.uniform_(-0.3, 0.3)
 
@@ -267,4 +322,4 @@ def tiny_sentences(count: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(TOKENIZER_WORDS) for _ in range(rng.randint(6, 24))) for _ in range(count)]
 
 
-__all__ = ["FAMILIES", "MOE_LAYERS", "tiny_config", "tiny_model", "tiny_batch", "tiny_checkpoint"]
+__all__ = ["FAMILIES", "MOE_LAYERS", "TINY_FAMILIES", "TinyFamily", "RoutingRule", "tiny_config", "tiny_model", "tiny_batch", "tiny_checkpoint"]
