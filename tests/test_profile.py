@@ -400,3 +400,23 @@ def test_incompatible_profiles_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="needs a 2-D"):
         with ProfileCollector(model):
             model(input_ids=tiny_batch(), attention_mask=torch.ones(2, 1, 16, 16))
+
+
+@pytest.mark.skipif(not MIXTRAL_TRACE.is_file(), reason=f"real Mixtral trace not found at {MIXTRAL_TRACE} (../shared)")
+def test_real_mixtral_routing_fits_the_8x7b_architecture_and_its_placement_is_exact():
+    """The recorded Mixtral-8x7B routing describes the published 8x7B architecture as the mixtral adapter
+    reads it (E=8, k=2, MoE layers 0..31; the config is built on the meta device, no weights), and a
+    placement planned on it runs a tiny 32-layer Mixtral exactly on 4 logical devices."""
+    from occult_hf import OccultConfig, apply_occult, plan_placement
+
+    profile = RoutingProfile.from_trace(MIXTRAL_TRACE, model_type="mixtral")
+    profile.check_compatible(transformers.MixtralConfig())  # num_local_experts=8, num_experts_per_tok=2, 32 layers
+    placement = plan_placement(profile, 4, "occult")
+    model = tiny_model("mixtral", seed=2, num_hidden_layers=32)
+    input_ids = tiny_batch(model.config.vocab_size, batch=2, seq=8)
+    with torch.no_grad():
+        expected = model(input_ids=input_ids).logits
+    occult = apply_occult(tiny_model("mixtral", seed=2, num_hidden_layers=32), OccultConfig(placement=placement))
+    with torch.no_grad():
+        actual = occult(input_ids=input_ids).logits
+    assert float((actual - expected).norm() / expected.norm()) <= 1e-5

@@ -211,6 +211,19 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
         moe_layers=(1, 2),
         routing=RoutingRule(normalize_single=False),
     ),
+    "mixtral": TinyFamily(
+        dict(
+            _COMMON,
+            intermediate_size=16,
+            num_hidden_layers=2,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            output_router_logits=True,
+            router_aux_loss_coef=0.02,
+        ),
+        moe_layers=(0, 1),
+        routing=RoutingRule(normalize=True),
+    ),
 }
 
 FAMILIES = tuple(TINY_FAMILIES)
