@@ -39,7 +39,7 @@ def test_bench_ep_two_gloo_ranks(tmp_path):
     assert (tmp_path / "bench_ep_2xcpu.png").stat().st_size > 0
     # one copy per destination device sends less than one copy per expert on real routing
     assert rows["dedup+contiguous"]["sent_mb_max"] < rows["per_expert+contiguous"]["sent_mb_max"]
-    # the refined placement (planned on held-out half of the trace) keeps more collaboration local
+    # the refined placement (planned on the first half of the trace, measured on the replay) keeps more collaboration local
     assert rows["dedup+refined"]["ct"] < rows["dedup+contiguous"]["ct"]
     assert rows["dedup+refined+Nd=1"]["ct"] == 1.0
     assert 1.0 <= rows["dedup+refined+Nd=2"]["ct"] <= 2.0

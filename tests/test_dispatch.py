@@ -398,6 +398,7 @@ def _load_qwen_trace():
     return data["topk_ids"][keep].astype(np.int64), data["topk_weights"][keep].astype(np.float32)
 
 
+@pytest.mark.world_size(4)
 def test_dispatch_in_a_4_rank_world():
     """4 gloo ranks: exact against the naive loop (values and gradients), then the real Qwen trace replayed."""
     trace = _load_qwen_trace()
@@ -429,6 +430,7 @@ def _stalled_peer_world(rank, world_size):
     raise AssertionError("the exchange with a stalled peer returned")
 
 
+@pytest.mark.world_size(2)
 def test_a_stalled_peer_fails_the_exchange_within_the_timeout():
     message, waited = run_world(_stalled_peer_world, 2, timeout_s=120)[0]
     assert "layer 7: the count exchange failed or did not finish within 1.5 s" in message
@@ -449,11 +451,13 @@ def _sleep_on_rank_one(rank, world_size):
         time.sleep(60)
 
 
+@pytest.mark.world_size(2)
 def test_harness_reports_child_exceptions():
     with pytest.raises(WorldError, match="(?s)rank 1 ---.*ValueError: rank one refuses"):
         run_world(_fail_on_rank_one, 2)
 
 
+@pytest.mark.world_size(2)
 def test_harness_times_out_instead_of_hanging():
     with pytest.raises(WorldError, match="still running after 8s"):
         run_world(_sleep_on_rank_one, 2, timeout_s=8)

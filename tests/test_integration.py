@@ -344,6 +344,7 @@ def _ep_world(rank, world_size, references, directory):
     _check_rank0_only_save_fails_clearly(rank, world_size, directory)
 
 
+@pytest.mark.world_size(2)
 def test_generate_save_load_and_errors_on_2_ranks(tmp_path):
     run_world(_ep_world, 2, _reference_generations(), str(tmp_path), env={"OCCULT_SAVE_TIMEOUT_S": "5"})
 
@@ -402,6 +403,7 @@ def _ep_trainer(rank, world_size, output_dir):
     return _run_trainer(output_dir, 2, model, callbacks=[OccultCheckpointCallback()])
 
 
+@pytest.mark.world_size(2)
 def test_trainer_on_2_ranks_equals_single_process(tmp_path):
     (reference,) = run_world(_single_process_trainer, 1, str(tmp_path / "single"))
     ep_logs = run_world(_ep_trainer, 2, str(tmp_path / "ep"))

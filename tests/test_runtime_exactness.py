@@ -210,6 +210,7 @@ def _run(world_size: int, num_experts: int, cases, on_gpu: bool = False):
         assert not missing, f"{case}: parameters never compared: {sorted(missing)[:5]}"
 
 
+@pytest.mark.world_size(2)
 def test_exact_on_2_ranks_all_families_modes_and_placements():
     chunks_of = {"contiguous": 1, "shuffled": 3}
     cases = [
@@ -222,6 +223,7 @@ def test_exact_on_2_ranks_all_families_modes_and_placements():
     _run(2, 8, cases)
 
 
+@pytest.mark.world_size(4)
 def test_exact_on_4_ranks_with_uneven_expert_counts():
     """E=6 on 4 ranks: two ranks hold 2 experts, two hold 1."""
     cases = [(family, 6, "dedup", "shuffled", 2) for family in FAMILIES]

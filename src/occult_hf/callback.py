@@ -93,8 +93,7 @@ class _DispatchMeter:
     Fed by a forward hook with `OccultMoE.last_topk_ids_Tk`, the routing actually dispatched.
     """
 
-    def __init__(self, module: OccultMoE) -> None:
-        self.module = module
+    def __init__(self) -> None:
         self.tokens = 0
         self._sums = None  # float64 [2 + D]: CT sum, remote-copies sum, then tokens x experts per device
 
@@ -115,7 +114,9 @@ class _DispatchMeter:
             home_T = torch.arange(num_tokens, device=ids_Tk.device) * num_devices // max(num_tokens, 1)
         ct_T = hit_TD.sum(1)
         remote_T = ct_T - hit_TD.gather(1, home_T[:, None]).squeeze(1).long()
-        load_D = torch.bincount(device_Tk.reshape(-1), minlength=num_devices)
+        device_N = device_Tk.reshape(-1)  # scatter_add, not bincount: bincount reads its output size on the host
+        load_D = torch.zeros(num_devices, dtype=torch.int64, device=ids_Tk.device)
+        load_D.scatter_add_(0, device_N, torch.ones_like(device_N))
         sums = torch.cat([torch.stack([ct_T.sum(), remote_T.sum()]), load_D]).double()
         self._sums = sums if self._sums is None else self._sums + sums
         self.tokens += num_tokens
@@ -236,7 +237,7 @@ class OccultCallback(OccultCheckpointCallback):
             )
         self.on_train_end(None, None, None)  # a second train() call re-binds cleanly
         self._model, self._blocks = model, blocks
-        self._meters = {layer: _DispatchMeter(block) for layer, block in blocks.items()}
+        self._meters = {layer: _DispatchMeter() for layer in blocks}
         for layer, block in blocks.items():
             self._handles.append(block.register_forward_hook(self._meters[layer].update))
         self._collector = ProfileCollector(_transformers_model(model), sample_size=self.sample_size).attach()

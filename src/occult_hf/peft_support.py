@@ -53,14 +53,6 @@ _HOOK_ATTR = "_occult_adapter_slicing_hook"
 _FACTOR_LAYOUT = {"lora_A": (0, "expert_major"), "lora_B": (1, "expert_minor")}
 
 
-def is_peft_model(model) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
-
-
 # ----- the rank-local expert adapters ---------------------------------------------------------
 
 
@@ -203,7 +195,6 @@ __all__ = [
     "gathered_adapter_state_dict",
     "get_peft_model",
     "has_distributed_expert_adapters",
-    "is_peft_model",
     "load_peft_model",
     "prepare_peft_model",
     "save_peft_model",
