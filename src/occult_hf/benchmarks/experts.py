@@ -57,7 +57,7 @@ class ExpertShape:
 SHAPES: dict[str, ExpertShape] = {
     "olmoe-1b-7b": ExpertShape(2048, 1024, 64, 8, "olmoe"),
     "qwen1.5-moe-a2.7b": ExpertShape(2048, 1408, 60, 4, "qwen2_moe"),
-    # DeepSeek-MoE-16B is remote code with no transformers experts module; DeepseekV2Experts has its
+    # DeepSeek-MoE-16B's native class (occult_hf.models.deepseek) reuses DeepseekV2Experts: the same
     # layout and math (SiLU experts, [E, 2I, H] / [E, H, I] weights).
     "deepseek-moe-16b": ExpertShape(2048, 1408, 64, 6, "deepseek_v2"),
 }
