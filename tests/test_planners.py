@@ -275,7 +275,7 @@ def test_bad_inputs(method):
 def test_bad_refined_options_and_profile_calls():
     with pytest.raises(ValueError, match="max_load_ratio must be a number >= 1.0, got 0.9"):
         RefinedOptions(max_load_ratio=0.9)
-    with pytest.raises(ValueError, match=r"objective must be one of \('auto', 'ct', 'cut'\), got 'exact'"):
+    with pytest.raises(ValueError, match=r"objective must be one of \('auto', 'ct', 'cut', 'slowest'\), got 'exact'"):
         RefinedOptions(objective="exact")
     with pytest.raises(ValueError, match="search_rounds must be an integer >= 0, got -1"):
         RefinedOptions(search_rounds=-1)
