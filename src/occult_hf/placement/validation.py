@@ -22,7 +22,7 @@ from ..profile import RoutingProfile
 
 def profile_from_sample(layers_topk: dict[int, np.ndarray], num_experts: int, source: str) -> RoutingProfile:
     """A `RoutingProfile` holding every given token (as its sample) per layer, counted by `LayerAccumulator`."""
-    from ..routing_stats import LayerAccumulator
+    from ..profile.stats import LayerAccumulator
 
     layers = {}
     top_k = None

@@ -196,7 +196,7 @@ def _profile_from_ids(ids_by_layer: dict, num_experts: int, source: str):
     import torch
 
     from ..profile import RoutingProfile
-    from ..routing_stats import LayerAccumulator
+    from ..profile.stats import LayerAccumulator
 
     layers = {}
     for layer, ids_Nk in ids_by_layer.items():

@@ -105,7 +105,7 @@ def load_entropy(topk_ids_Nk: np.ndarray, num_experts: int) -> float:
 
 def top_pair_share(topk_ids_Nk: np.ndarray, num_experts: int, fraction: float = 0.1) -> float:
     """Share of all co-activations (token, expert pair) that fall on the top `fraction` of expert pairs."""
-    from ..routing_stats import LayerAccumulator
+    from ..profile.stats import LayerAccumulator
 
     acc = LayerAccumulator(num_experts, topk_ids_Nk.shape[1], sample_size=None)
     acc.update(torch.from_numpy(topk_ids_Nk))
