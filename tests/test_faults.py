@@ -74,7 +74,9 @@ def _stalled_peer_cases(rank, directory):
 
     from occult_hf import OccultConfig
     from occult_hf.agreement import EPPeerError
-    from occult_hf.integration import _check_model_ranks_agree, _state, apply_occult
+    from occult_hf._state import state_of
+    from occult_hf.checkpointing import check_model_ranks_agree
+    from occult_hf.integration import apply_occult
 
     def rank0_saves(seed, name, error_pattern, rank1_does):
         model = apply_occult(tiny_model("olmoe", seed=seed), OccultConfig(placement=_shuffled(seed=seed)))
@@ -98,7 +100,7 @@ def _stalled_peer_cases(rank, directory):
                 r"3 s \(OCCULT_SAVE_TIMEOUT_S\)", raise_and_carry_on)
     # a peer that stops early (after the save's configuration check) and calls a barrier
     rank0_saves(3, "stopped", r"gathering the experts \(save_pretrained/unapply_occult\) of layer 0 failed on rank 0",
-                lambda model: _check_model_ranks_agree(model, _state(model), "save_pretrained"))
+                lambda model: check_model_ranks_agree(model, state_of(model), "save_pretrained"))
     assert not (Path(directory) / "stopped" / "config.json").exists()
 
     # the shared padded gather (PEFT adapters, saves) is bounded the same way
@@ -205,7 +207,7 @@ def _fail_on(monkeypatch, target: str):
     elif target == "occult_placement.json":
         monkeypatch.setattr(Placement, "save", boom)
     elif target == "rename of config.json":
-        import occult_hf.integration as integration
+        import occult_hf.checkpointing as checkpointing
 
         real = os.replace
 
@@ -214,7 +216,7 @@ def _fail_on(monkeypatch, target: str):
                 raise OSError("injected failure renaming config.json")
             return real(source, destination)
 
-        monkeypatch.setattr(integration.os, "replace", replace)
+        monkeypatch.setattr(checkpointing.os, "replace", replace)
 
 
 def test_interrupted_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):

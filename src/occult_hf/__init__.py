@@ -1,21 +1,20 @@
 """occult_hf: Occult (arXiv 2505.13345) expert parallelism for Hugging Face Transformers.
 
 Importing the package lets `AutoModelForCausalLM.from_pretrained(..., occult_config=...)` replace a
-model's MoE blocks (see `integration.install`, the one wrapper this package puts on transformers;
-`occult_hf.uninstall()` removes it). It also registers the native model classes of `occult_hf.models`
+model's MoE blocks (see `integration.install`; every wrapper this package puts on transformers is in
+`_transformers_compat`; `occult_hf.uninstall()` removes them). It also registers the native model classes of `occult_hf.models`
 (DeepSeek-MoE, `model_type "deepseek"`) with transformers' Auto classes.
 """
 
-from .callback import OccultCallback
+from .callback import OccultCallback, OccultCheckpointCallback
+from .checkpointing import snapshot_experts
 from .config import OccultConfig
 from .integration import (
-    OccultCheckpointCallback,
     apply_occult,
     install,
     occult_config_of,
     occult_modules,
     reset_counters,
-    snapshot_experts,
     uninstall,
     unapply_occult,
 )

@@ -40,7 +40,6 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from .dispatch.plan import destinations
-from .integration import OccultCheckpointCallback
 from .moe import OccultMoE
 from .profile import ProfileCollector, RoutingProfile
 from .pruning import pruners_of
@@ -48,6 +47,16 @@ from .pruning import pruners_of
 RECENT_PROFILE_FILENAME = "occult_recent_profile.safetensors"
 REPLANNED_PLACEMENT_FILENAME = "occult_placement_replanned.json"
 LOG_PREFIX = "occult/"
+
+
+class OccultCheckpointCallback(TrainerCallback):
+    """Kept for compatibility; checkpoints under expert parallelism no longer need a callback.
+
+    It used to gather the experts for rank 0's save when `control.should_save` was set, which failed
+    when it ran before `DefaultFlowCallback` (`OccultCallback.attach` put it there). Importing
+    occult_hf now hooks the Trainer's save and resume themselves (`occult_hf.trainer_ep`), on every
+    rank, whatever the callbacks and their order.
+    """
 
 
 # ----- the N_d schedule --------------------------------------------------------------------------
@@ -436,4 +445,4 @@ def _merge_profiles_over_ranks(profile):
     return RoutingProfile.merge([p for p in gathered if p is not None])
 
 
-__all__ = ["OccultCallback", "DeviceLimitSchedule", "RECENT_PROFILE_FILENAME", "REPLANNED_PLACEMENT_FILENAME"]
+__all__ = ["OccultCallback", "OccultCheckpointCallback", "DeviceLimitSchedule", "RECENT_PROFILE_FILENAME", "REPLANNED_PLACEMENT_FILENAME"]

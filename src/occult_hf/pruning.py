@@ -63,6 +63,8 @@ import torch
 
 from occult_hf.patches.base import MoEAdapter, RouterOutput
 
+from ._transformers_compat import replace_recorded_router_logits
+
 # ----- the device set of each token -----------------------------------------------------------
 
 
@@ -308,7 +310,7 @@ class CollaborationPruner:
             self._pruned_tokens = torch.zeros((), dtype=torch.int64, device=removed_T.device)
         self._removed_weight += removed_T.sum()
         self._pruned_tokens += pruned
-        if not _replace_recorded_router_logits(routing.logits_TE, aux_logits_TE) and not self._warned_recording:
+        if not replace_recorded_router_logits(routing.logits_TE, aux_logits_TE) and not self._warned_recording:
             self._warned_recording = True
             warnings.warn(
                 f"layer {self.layer_idx}: transformers is recording router_logits but not the tensor the adapter "
@@ -337,28 +339,6 @@ class CollaborationPruner:
             f"CollaborationPruner(policy={self.policy_name!r}, layer={self.layer_idx}, "
             f"max_devices_per_token={self._max_devices_per_token}, num_devices={self.num_devices}, top_k={self.top_k})"
         )
-
-
-def _replace_recorded_router_logits(raw_logits_TE: torch.Tensor, aux_logits_TE: torch.Tensor) -> bool:
-    """Swap `raw_logits_TE` for `aux_logits_TE` in transformers' `router_logits` record of this forward.
-
-    transformers records `router_logits` with a forward hook on the router module into a per-forward
-    collector; the auxiliary loss reads that record. Returns False only when a record is being made
-    but does not hold `raw_logits_TE`; True when it was replaced or nothing records router logits.
-    """
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # a transformers without the collector records nothing we could replace
-        return True
-    collected = _active_collector.get()
-    if collected is None or "router_logits" not in collected:
-        return True
-    record = collected["router_logits"]
-    for position in range(len(record) - 1, -1, -1):
-        if record[position] is raw_logits_TE:
-            record[position] = aux_logits_TE
-            return True
-    return False
 
 
 # ----- construction from an OccultConfig ----------------------------------------------------------

@@ -2,8 +2,9 @@
 
 Under expert parallelism each rank holds only its experts, while the Trainer writes the model, the
 optimizer and the scheduler from rank 0 alone. Three `Trainer` methods that every rank runs at a
-save or a resume are wrapped (by `integration.install()`, so importing occult_hf is enough; for a
-model without occult_hf applied the wrappers only call the original):
+save or a resume are wrapped (by `integration.install()`, through
+`_transformers_compat.wrap_trainer_methods`, so importing occult_hf is enough; for a model without
+occult_hf applied the wrappers only call the original):
 
 - `save_model` (every rank, at each checkpoint and in the user's final `trainer.save_model()`):
   first `snapshot_experts` gathers all experts to rank 0 (collective), so that rank 0's
@@ -27,17 +28,18 @@ One process (logical devices) uses the same files with `r=0, D=1` (its experts a
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 
 import torch
 from torch import nn
 
+from ._state import STATE_ATTR
+from ._transformers_compat import unwrap_trainer_methods, wrap_trainer_methods
+from .checkpointing import snapshot_experts
 from .moe import OccultMoE
 
 RANK_FILE = "occult_rank{rank}-of-{world}.pt"
-_STATE_ATTR = "_occult_state"
 _WRAPPED = ("save_model", "_save_optimizer_and_scheduler", "_load_from_checkpoint", "_load_optimizer_and_scheduler")
 
 
@@ -45,7 +47,7 @@ def _occult_model(model) -> nn.Module | None:
     """The transformers model with occult_hf applied inside `model` (a DDP/accelerate/PEFT wrapper or itself)."""
     seen = 0
     while model is not None and seen < 8:
-        if _STATE_ATTR in vars(model):
+        if STATE_ATTR in vars(model):
             return model
         model = getattr(model, "module", None) or _peft_base(model)
         seen += 1
@@ -58,7 +60,7 @@ def _peft_base(model):
 
 
 def _ep_rank_world(model) -> tuple[int, int]:
-    state = vars(model)[_STATE_ATTR]
+    state = vars(model)[STATE_ATTR]
     return (state.ep.rank, state.ep.num_devices) if state.ep.is_distributed else (0, 1)
 
 
@@ -81,7 +83,6 @@ def _rank_file(directory: str, model: nn.Module) -> str:
 
 
 def _save_model(original, trainer, output_dir=None, _internal_call=False):
-    from .integration import snapshot_experts
     from .peft_support import has_distributed_expert_adapters, save_peft_model
 
     model = _occult_model(trainer.model)
@@ -187,34 +188,16 @@ def _load_optimizer_and_scheduler(original, trainer, checkpoint):
 
 def install_trainer_hooks() -> None:
     """Wrap the four `Trainer` methods (idempotent; `uninstall_trainer_hooks` puts them back)."""
-    from transformers import Trainer
-
-    hooks = {
+    wrap_trainer_methods({
         "save_model": _save_model,
         "_save_optimizer_and_scheduler": _save_optimizer_and_scheduler,
         "_load_from_checkpoint": _load_from_checkpoint,
         "_load_optimizer_and_scheduler": _load_optimizer_and_scheduler,
-    }
-    for name, hook in hooks.items():
-        current = Trainer.__dict__[name]
-        if getattr(current, "__occult_original__", None) is not None:
-            continue
-
-        def wrapped(trainer, *args, __hook=hook, __original=current, **kwargs):
-            return __hook(__original, trainer, *args, **kwargs)
-
-        functools.update_wrapper(wrapped, current)
-        wrapped.__occult_original__ = current
-        setattr(Trainer, name, wrapped)
+    })
 
 
 def uninstall_trainer_hooks() -> None:
-    from transformers import Trainer
-
-    for name in _WRAPPED:
-        original = getattr(Trainer.__dict__[name], "__occult_original__", None)
-        if original is not None:
-            setattr(Trainer, name, original)
+    unwrap_trainer_methods(_WRAPPED)
 
 
 __all__ = ["RANK_FILE", "install_trainer_hooks", "uninstall_trainer_hooks"]

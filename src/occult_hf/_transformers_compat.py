@@ -1,0 +1,151 @@
+"""Every reach of occult_hf into transformers internals, in one place.
+
+transformers offers no plugin hook for any of these, so each is the smallest reversible change that
+works; when transformers changes, this is the file to read.
+
+- `install_loading_hooks(on_load)`: `PreTrainedModel.from_pretrained` raises `TypeError` on unknown
+  keywords and has no loading hook a plugin can register, so a thin, reversible wrapper of that
+  classmethod pops `occult_config=`, calls the original and hands the loaded model to `on_load`
+  (`integration.install` registers the function that applies the config). A second wrapper, of
+  `PreTrainedConfig.from_dict`, keeps the keyword JSON-native when the Auto classes pass it to the
+  config. `uninstall_loading_hooks()` puts the originals back.
+- `wrap_trainer_methods(hooks)`: `Trainer` methods that every rank runs at a save or a resume (some of
+  them private: `_save_optimizer_and_scheduler`, `_load_from_checkpoint`, ...) are wrapped so that
+  `hook(original, trainer, ...)` runs instead (`trainer_ep` provides the hooks);
+  `unwrap_trainer_methods(names)` puts them back.
+- `replace_recorded_router_logits(raw, aux)`: transformers records `router_logits` with a forward
+  hook on the router into a private per-forward collector
+  (`transformers.utils.output_capturing._active_collector`), and the auxiliary loss reads that
+  record; collaboration pruning swaps in the logits of the pruned routing.
+
+Every wrapper keeps the original as `__occult_original__`, which is how "installed" is recognised.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+
+from .config import OccultConfig
+
+#: `from_pretrained` was called without `occult_config=` (None means: load the vanilla model)
+UNSET: Any = object()
+
+
+# ----- from_pretrained ------------------------------------------------------------------------------
+
+
+def install_loading_hooks(on_load: Callable[[Any, Any], Any]) -> None:
+    """Let `PreTrainedModel.from_pretrained` take `occult_config=`; idempotent.
+
+    Two classmethods are wrapped: `PreTrainedModel.from_pretrained` (pops the keyword, `UNSET` when
+    absent, calls the original and returns `on_load(model, occult_config)`) and
+    `PreTrainedConfig.from_dict`. The Auto classes load the config first and hand it every keyword
+    that names one of its attributes, so for a checkpoint that occult_hf saved,
+    `occult_config=<OccultConfig>` lands on the config, which transformers then JSON-dumps (its
+    "Model config ..." log line, `save_pretrained`). The second wrapper turns the object into its
+    JSON-native dict there, as transformers does for `quantization_config`.
+    """
+    from transformers import PreTrainedConfig, PreTrainedModel
+
+    if loading_hooks_installed():
+        return
+
+    def from_pretrained(original, cls, *args, **kwargs):
+        occult_config = kwargs.pop("occult_config", UNSET)
+        model = original(cls, *args, **kwargs)
+        return on_load(model, occult_config)
+
+    def from_dict(original, cls, *args, **kwargs):
+        if isinstance(kwargs.get("occult_config"), OccultConfig):
+            kwargs["occult_config"] = kwargs["occult_config"].to_dict()
+        return original(cls, *args, **kwargs)
+
+    _wrap_classmethod(PreTrainedModel, "from_pretrained", from_pretrained)
+    _wrap_classmethod(PreTrainedConfig, "from_dict", from_dict)
+
+
+def uninstall_loading_hooks() -> None:
+    """Undo `install_loading_hooks` (no-op when not installed)."""
+    from transformers import PreTrainedConfig, PreTrainedModel
+
+    for owner, name in ((PreTrainedModel, "from_pretrained"), (PreTrainedConfig, "from_dict")):
+        original = getattr(owner.__dict__[name].__func__, "__occult_original__", None)
+        if original is not None:
+            setattr(owner, name, original)
+
+
+def loading_hooks_installed() -> bool:
+    from transformers import PreTrainedModel
+
+    return getattr(PreTrainedModel.__dict__["from_pretrained"].__func__, "__occult_original__", None) is not None
+
+
+def _wrap_classmethod(owner, name: str, wrapper) -> None:
+    """Replace `owner.name` (a classmethod) by `wrapper(original_function, cls, ...)`; keep the original."""
+    current = owner.__dict__[name]
+    original = current.__func__
+
+    @functools.wraps(original)
+    def wrapped(cls, *args, **kwargs):
+        return wrapper(original, cls, *args, **kwargs)
+
+    wrapped.__occult_original__ = current
+    setattr(owner, name, classmethod(wrapped))
+
+
+# ----- Trainer ----------------------------------------------------------------------------------------
+
+
+def wrap_trainer_methods(hooks: dict[str, Callable]) -> None:
+    """Make each `Trainer.<name>` call `hooks[name](original, trainer, ...)`; idempotent per method."""
+    from transformers import Trainer
+
+    for name, hook in hooks.items():
+        current = Trainer.__dict__[name]
+        if getattr(current, "__occult_original__", None) is not None:
+            continue
+
+        def wrapped(trainer, *args, __hook=hook, __original=current, **kwargs):
+            return __hook(__original, trainer, *args, **kwargs)
+
+        functools.update_wrapper(wrapped, current)
+        wrapped.__occult_original__ = current
+        setattr(Trainer, name, wrapped)
+
+
+def unwrap_trainer_methods(names) -> None:
+    """Put the original `Trainer.<name>` back for each wrapped name (no-op for the others)."""
+    from transformers import Trainer
+
+    for name in names:
+        original = getattr(Trainer.__dict__[name], "__occult_original__", None)
+        if original is not None:
+            setattr(Trainer, name, original)
+
+
+# ----- the recorded router logits -------------------------------------------------------------------
+
+
+def replace_recorded_router_logits(raw_logits_TE: torch.Tensor, aux_logits_TE: torch.Tensor) -> bool:
+    """Swap `raw_logits_TE` for `aux_logits_TE` in transformers' `router_logits` record of this forward.
+
+    transformers records `router_logits` with a forward hook on the router module into a per-forward
+    collector; the auxiliary loss reads that record. Returns False only when a record is being made
+    but does not hold `raw_logits_TE`; True when it was replaced or nothing records router logits.
+    """
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # a transformers without the collector records nothing we could replace
+        return True
+    collected = _active_collector.get()
+    if collected is None or "router_logits" not in collected:
+        return True
+    record = collected["router_logits"]
+    for position in range(len(record) - 1, -1, -1):
+        if record[position] is raw_logits_TE:
+            record[position] = aux_logits_TE
+            return True
+    return False
