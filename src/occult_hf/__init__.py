@@ -3,7 +3,9 @@
 Importing the package lets `AutoModelForCausalLM.from_pretrained(..., occult_config=...)` replace a
 model's MoE blocks (see `integration.install`; every wrapper this package puts on transformers is in
 `_transformers_compat`; `occult_hf.uninstall()` removes them). It also registers the native model classes of `occult_hf.models`
-(DeepSeek-MoE, `model_type "deepseek"`) with transformers' Auto classes.
+(DeepSeek-MoE, `model_type "deepseek"`) with transformers' Auto classes, and, on transformers >= 5.23,
+Occult as transformers' own expert-parallel implementation `DistributedConfig(ep_implementation="occult")`
+(`occult_hf.hf_ep`).
 """
 
 from .callback import OccultCallback, OccultCheckpointCallback
@@ -18,6 +20,7 @@ from .integration import (
     uninstall,
     unapply_occult,
 )
+from .hf_ep import apply_occult_ep, register_ep_implementation
 from .models import register_models
 from .moe import OccultMoE
 from .placement import Placement, available_planners, plan_placement
@@ -28,6 +31,7 @@ __version__ = "0.1.0"
 
 install()
 register_models()
+register_ep_implementation()
 
 __all__ = [
     "LayerRouting",
@@ -40,6 +44,7 @@ __all__ = [
     "RoutingProfile",
     "__version__",
     "apply_occult",
+    "apply_occult_ep",
     "available_planners",
     "install",
     "occult_config_of",

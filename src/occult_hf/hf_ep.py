@@ -1,0 +1,516 @@
+"""Occult inside transformers' own expert parallelism: `DistributedConfig(ep_implementation="occult")`.
+
+Shape legend: T tokens on this rank, H hidden, E routed experts, L = E / D experts per rank, D ranks of the
+EP mesh dimension, k experts per token, P stored expert positions (P = E), R received rows, N pairs.
+
+Since 5.23, transformers shards a MoE model's routed experts whole over the `ep` dimension of its
+device mesh (`Shard(0)`: rank r holds stored experts `[r * L, (r + 1) * L)`), composes that with
+FSDP2 (`fsdp_size`), data-parallel replicas (`dp_replicate_size`) and its Trainer, and lets an
+`EPImplementation`, named by `DistributedConfig.ep_implementation` in `EPImplementationInterface`,
+bring each experts module its tokens. Importing occult_hf registers `OccultEP` there as "occult"
+(`register_ep_implementation`, a no-op on transformers < 5.23, where the registry does not exist):
+
+- one row per (token, destination rank), the rank's local experts' outputs summed before the return
+  trip: the project's own dispatcher (`occult_hf.dispatch`, `OccultConfig.dispatcher`) and expert
+  kernels (`occult_hf.experts.local_experts`), the same code as the `occult_config` path, on the
+  rank's local slice of transformers' expert parameters;
+- gradients of the tokens, the routing weights and the expert weights come back through the
+  dispatcher's reverse exchange; transformers' FSDP2 then reduces and scales the expert gradients
+  exactly as it does for its own "all_to_all".
+
+**Placement.** An equal-capacity co-activation placement is a permutation of the expert ids.
+`apply_occult_ep(model, occult_config)` (what `from_pretrained(..., distributed_config=...,
+occult_config=...)` calls) stores the experts in placement order, so that transformers' contiguous
+`Shard(0)` gives rank d exactly the experts the placement puts on device d: the rows move between the
+EP ranks in one all-to-all per expert tensor (each rank holds its own share plus, briefly, the share
+it receives; never the full layer). The routers are not touched: the ids they return are the
+original ones, and `OccultEP` maps them through the placement (`device_of_E`, `local_index_E`),
+which keeps group-limited routers exact (DeepSeek-V3 chooses among contiguous groups of expert ids:
+permuting the router's rows would change which experts form a group) and keeps `router_logits`, the
+auxiliary loss and routing profiles in original expert order. `save_pretrained` restores the
+original order on the gathered state dict, so checkpoints stay vanilla. Collaboration pruning
+(`OccultConfig.prune`) acts on the router's output through the family adapter (a forward hook on the
+router module, removed by `remove_occult_ep`). Placements with unequal capacities or replicated
+experts need the `occult_config` path, which serves them; here they are a clear error.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import types
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import OccultConfig
+from .dispatch import ExpertParallelGroup, TokenDispatcher, TokenRouting, build_dispatcher
+from .experts import local_experts
+from .patches import adapter_for
+from .placement import Placement
+
+#: the name under which `OccultEP` is registered in transformers' `EPImplementationInterface`
+EP_IMPLEMENTATION_NAME = "occult"
+#: the first transformers release with `EPImplementationInterface`
+MIN_TRANSFORMERS_VERSION = "5.23"
+
+_STATE_ATTR = "_occult_ep_state"
+_EP_ATTR = "_occult_ep"
+_OTHER_PATH = (
+    "use the occult_config path instead: from_pretrained(..., occult_config=OccultConfig(...)) without "
+    "distributed_config (occult_hf's own EP group over torch.distributed)"
+)
+
+
+@functools.lru_cache(maxsize=1)
+def transformers_ep_available() -> bool:
+    """Whether the installed transformers has the expert-parallel registry (`EPImplementationInterface`, >= 5.23)."""
+    try:
+        from transformers.distributed.expert_parallel import EPImplementation, EPImplementationInterface  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _ep_base() -> type:
+    if transformers_ep_available():
+        from transformers.distributed.expert_parallel import EPImplementation
+
+        return EPImplementation
+    return object
+
+
+class OccultEP(_ep_base()):
+    """Occult's dispatch as a transformers `EPImplementation` (one instance per experts module).
+
+    transformers calls it with `(hidden_states [T, H], top_k_index [T, k] int64 original expert ids,
+    top_k_weights [T, k])`, this rank's batch, inside a context where the experts module's parameters
+    are this rank's local `[L, 2I, H]` / `[L, H, I]` slices; it returns `[T, H]`, each token's weighted
+    sum over its k experts. Until `apply_occult_ep` configures it, it runs the contiguous placement
+    with `OccultConfig()`'s defaults (dedup dispatch).
+
+    Attributes:
+        ep: the EP mesh dimension as occult_hf's `ExpertParallelGroup`.
+        num_experts: `E`.
+        stored_experts_P: `[E]` the expert id stored at each position of the sharded expert dimension
+            (identity until a placement permutes them); rank d holds positions `[d * L, (d + 1) * L)`.
+        occult_config: the settings it runs with.
+        dispatcher: the `TokenDispatcher`, built by the first forward on the batch's device (and again after
+            the placement, the settings or the device change).
+        rows_sent, pairs_sent: `[D]` int64 counters (rows and (token, expert) pairs this rank sent to
+            each rank), accumulated without host synchronisation; `reset_counters()` zeroes them.
+    """
+
+    def __init__(self, experts: nn.Module, ep_mesh, tp_mesh) -> None:
+        if not transformers_ep_available():
+            raise ImportError(
+                f"ep_implementation={EP_IMPLEMENTATION_NAME!r} needs transformers >= {MIN_TRANSFORMERS_VERSION} "
+                f"(EPImplementationInterface); {_OTHER_PATH}"
+            )
+        super().__init__(experts, ep_mesh, tp_mesh)
+        if tp_mesh.size() > 1:
+            raise NotImplementedError(
+                f"DistributedConfig(ep_implementation={EP_IMPLEMENTATION_NAME!r}) with tp_size={tp_mesh.size()} is not "
+                f"supported: it needs every rank to hold its own batch (tp_size=1; shard the dense part with fsdp_size); "
+                f'use ep_implementation="all_to_all" with tensor parallelism, or {_OTHER_PATH}'
+            )
+        _check_fused_layout(experts)
+        self._experts = (experts,)  # a tuple: no module registration, no reference from an nn.Module tree
+        self.ep = ExpertParallelGroup(num_devices=ep_mesh.size(), group=ep_mesh.get_group(), rank=ep_mesh.get_local_rank())
+        self.num_experts = self.num_local_experts * self.ep.num_devices
+        self.stored_experts_P = list(range(self.num_experts))
+        self.occult_config = OccultConfig()
+        self.layer_name = "experts"
+        self.compute = ShardExperts(experts)
+        # transformers builds this on the meta device, before the weights load: the dispatcher and the
+        # counters are made on the device of the first batch (and again if the model moves)
+        self.dispatcher: TokenDispatcher | None = None
+        self.rows_sent = torch.zeros(self.ep.num_devices, dtype=torch.int64)
+        self.pairs_sent = torch.zeros(self.ep.num_devices, dtype=torch.int64)
+        setattr(experts, _EP_ATTR, self)  # how `apply_occult_ep` finds the instance transformers built
+
+    @property
+    def experts(self) -> nn.Module:
+        return self._experts[0]
+
+    def device_of_E(self) -> list[int]:
+        """`[E]` the rank that holds each expert (from `stored_experts_P`)."""
+        device_of_E = [0] * self.num_experts
+        for position, expert in enumerate(self.stored_experts_P):
+            device_of_E[expert] = position // self.num_local_experts
+        return device_of_E
+
+    def _build_dispatcher(self, device: torch.device) -> TokenDispatcher:
+        local_index_E = [0] * self.num_experts
+        for position, expert in enumerate(self.stored_experts_P):
+            local_index_E[expert] = position % self.num_local_experts
+        config = self.occult_config
+        self.compute.backend, self.compute.deterministic = config.expert_backend, config.deterministic
+        return build_dispatcher(
+            config.dispatcher,
+            self.ep,
+            self.device_of_E(),
+            local_index_E,
+            self.num_local_experts,
+            mode=config.dispatch,
+            chunks=config.dispatch_chunks,
+            timeout_s=config.exchange_timeout_s,
+            layer=self.layer_name,
+            device=device,
+        )
+
+    def configure(self, occult_config: OccultConfig, stored_experts_P: list[int], layer_name: str) -> None:
+        """Run with these settings and this stored expert order (the weights must already be in it)."""
+        self.occult_config, self.stored_experts_P, self.layer_name = occult_config, list(stored_experts_P), layer_name
+        self.dispatcher = None  # rebuilt by the next forward
+
+    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        device = hidden_states.device
+        if self.dispatcher is None or self.rows_sent.device != device:
+            self.dispatcher = self._build_dispatcher(device)
+            self.rows_sent, self.pairs_sent = self.rows_sent.to(device), self.pairs_sent.to(device)
+        out_TH, plan = self.dispatcher.run(hidden_states, TokenRouting(top_k_index, top_k_weights), self.compute)
+        with torch.no_grad():
+            rows_D, pairs_D = plan.counts_D2.unbind(1)
+            self.rows_sent.add_(rows_D)
+            self.pairs_sent.add_(pairs_D)
+        return out_TH
+
+    @torch.no_grad()
+    def reset_counters(self) -> None:
+        self.rows_sent.zero_()
+        self.pairs_sent.zero_()
+
+
+class ShardExperts(nn.Module):
+    """The local expert computation on transformers' experts module: `(x_RH, segments, pair_weight_N) -> out_RH`.
+
+    Reads the module's `gate_up_proj` / `down_proj` / `act_fn` at call time: inside transformers'
+    EP forward they are this rank's local slices (`[L, 2I, H]`, `[L, H, I]`), differentiable views of
+    the sharded parameters, so the gradients reach transformers' (and FSDP2's) parameters. The
+    dispatcher hands the weights to its autograd function as inputs (`parameters()`), which is how it
+    knows to track the experts' graph when nothing else needs a gradient (frozen dense part).
+    """
+
+    def __init__(self, experts: nn.Module) -> None:
+        super().__init__()
+        self._experts = (experts,)  # not a child: its parameters are transformers' (and FSDP's), not ours
+        self.backend = "auto"
+        self.deterministic = False
+
+    def parameters(self, recurse: bool = True):
+        experts = self._experts[0]
+        return iter((experts.gate_up_proj, experts.down_proj))
+
+    def forward(self, x_RH, segments, pair_weight_N):
+        experts = self._experts[0]
+        gate_up_L2IH, down_LHI = _local(experts.gate_up_proj), _local(experts.down_proj)
+        return local_experts(
+            x_RH, segments, pair_weight_N, gate_up_L2IH, down_LHI, experts.act_fn, self.backend, self.deterministic
+        )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a DTensor (a plain tensor as it is)."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
+def _check_fused_layout(experts: nn.Module) -> None:
+    """The transformers 5 fused-experts layout the Occult kernels compute (gate rows first, no biases)."""
+    missing = [name for name in ("gate_up_proj", "down_proj", "act_fn") if not hasattr(experts, name)]
+    if missing or getattr(experts, "is_transposed", False) or getattr(experts, "has_bias", False):
+        raise NotImplementedError(
+            f"ep_implementation={EP_IMPLEMENTATION_NAME!r} computes fused experts (gate_up_proj [E, 2I, H], down_proj "
+            f"[E, H, I], no biases); {type(experts).__name__} differs ({', '.join(missing) or 'transposed or biased'}): "
+            f"use ep_implementation='all_to_all' for this model"
+        )
+
+
+# ----- registration ------------------------------------------------------------------------------
+
+
+def register_ep_implementation() -> bool:
+    """Register `OccultEP` as "occult" in transformers' `EPImplementationInterface`; False (nothing done)
+    on transformers < 5.23. Idempotent; refuses to replace a different implementation of that name."""
+    if not transformers_ep_available():
+        return False
+    from transformers.distributed.expert_parallel import EPImplementationInterface
+
+    current = EPImplementationInterface._global_mapping.get(EP_IMPLEMENTATION_NAME)
+    if current is not None and current is not OccultEP:
+        raise ValueError(
+            f"transformers' EPImplementationInterface already has an implementation named {EP_IMPLEMENTATION_NAME!r} "
+            f"({current.__module__}.{current.__qualname__}); occult_hf will not replace it"
+        )
+    EPImplementationInterface.register(EP_IMPLEMENTATION_NAME, OccultEP)
+    return True
+
+
+# ----- configuring a loaded model ------------------------------------------------------------------
+
+
+@dataclass
+class _OccultEPState:
+    """What `apply_occult_ep` did to one model, kept on it so that it can be undone or redone."""
+
+    occult_config: OccultConfig  # placement resolved to a `Placement`
+    blocks: list[tuple[int, str, nn.Module, OccultEP]]
+    hooks: list[Any] = field(default_factory=list)
+    instance_methods: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def placement(self) -> Placement:
+        return self.occult_config.placement
+
+
+def uses_occult_ep(model: nn.Module) -> bool:
+    """Whether transformers built `OccultEP` for `model`'s experts (`DistributedConfig(ep_implementation="occult")`)."""
+    return any(isinstance(getattr(m, _EP_ATTR, None), OccultEP) for m in model.modules())
+
+
+def occult_ep_layers(model: nn.Module) -> dict[int, OccultEP]:
+    """`{decoder layer: OccultEP}` of a model loaded with `ep_implementation="occult"`, in layer order."""
+    return {layer: impl for layer, _, _, impl in _ep_blocks(model)}
+
+
+def _ep_blocks(model: nn.Module) -> list[tuple[int, str, nn.Module, OccultEP]]:
+    adapter = adapter_for(model)
+    blocks = []
+    for layer, path, block in adapter.iter_moe_blocks(model):
+        impl = getattr(adapter.experts_module(block), _EP_ATTR, None)
+        if not isinstance(impl, OccultEP):
+            raise ValueError(
+                f"{path}.experts is not served by ep_implementation={EP_IMPLEMENTATION_NAME!r}: load the model with "
+                f"from_pretrained(..., distributed_config=DistributedConfig(ep_size=D, fsdp_size=D, "
+                f"ep_implementation={EP_IMPLEMENTATION_NAME!r}))"
+            )
+        blocks.append((layer, path, block, impl))
+    if not blocks:
+        raise ValueError(f"found no MoE block in {type(model).__name__}")
+    return blocks
+
+
+def apply_occult_ep(model: nn.Module, occult_config: OccultConfig | dict | str | None = None) -> nn.Module:
+    """Configure a model loaded with `DistributedConfig(ep_implementation="occult")`: placement, pruning,
+    dispatch settings; return `model`. Collective: every rank of the world calls it with the same config.
+
+    The placement (`OccultConfig.placement`) must give every device `E / D` experts in every layer and
+    no replicas. The expert weights are moved between the EP ranks into placement order (one
+    all-to-all per expert tensor and layer); calling it again with another placement moves them again.
+    `save_pretrained` writes them in original order.
+    """
+    config = OccultConfig.coerce(OccultConfig() if occult_config is None else occult_config)
+    blocks = _ep_blocks(model)
+    state = getattr(model, _STATE_ATTR, None)
+    if state is not None:
+        _remove_hooks(model, state)
+    first = blocks[0][3]
+    ep, num_experts, per_rank = first.ep, first.num_experts, first.num_local_experts
+    if config.num_devices not in (None, ep.num_devices):
+        raise ValueError(
+            f"OccultConfig.num_devices ({config.num_devices}) must equal DistributedConfig.ep_size ({ep.num_devices})"
+        )
+    layers = [layer for layer, _, _, _ in blocks]
+    placement = _resolve_placement(config.placement, num_experts, ep.num_devices, layers)
+    _check_equal_capacities(placement, layers, per_rank)
+    config = replace(config, placement=placement, num_devices=ep.num_devices)
+    adapter = adapter_for(model)
+    new_state = _OccultEPState(occult_config=config, blocks=blocks)
+    for layer, path, block, impl in blocks:
+        stored_P = [e for d in range(ep.num_devices) for e in placement.experts_on(layer, d)]
+        if stored_P != impl.stored_experts_P:
+            _check_rows_movable(model, impl)
+            _move_expert_rows(impl, stored_P)
+        impl.configure(config, stored_P, f"layer {layer}")
+        pruner = _build_pruner(config, adapter, block, layer, placement, ep.num_devices, adapter.top_k(model.config))
+        if pruner is not None:
+            new_state.hooks.append(adapter.router(block).register_forward_hook(_pruning_hook(block, adapter, pruner)))
+    new_state.instance_methods["gather_sharded_state_dict_for_save"] = types.MethodType(_gather_in_original_order, model)
+    for name, method in new_state.instance_methods.items():
+        model.__dict__[name] = method
+    model.__dict__[_STATE_ATTR] = new_state
+    model.config.occult_config = config.to_dict()
+    return model
+
+
+def remove_occult_ep(model: nn.Module) -> nn.Module:
+    """Undo `apply_occult_ep`: experts back in original order (collective), no pruning, default settings."""
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        raise ValueError(f"{type(model).__name__} has no apply_occult_ep configuration to remove")
+    _remove_hooks(model, state)
+    for layer, _, _, impl in state.blocks:
+        identity = list(range(impl.num_experts))
+        if impl.stored_experts_P != identity:
+            _move_expert_rows(impl, identity)
+        impl.configure(OccultConfig(), identity, f"layer {layer}")
+    del model.__dict__[_STATE_ATTR]
+    if hasattr(model.config, "occult_config"):
+        del model.config.occult_config
+    return model
+
+
+def occult_ep_config_of(model: nn.Module) -> OccultConfig:
+    """The resolved `OccultConfig` (placement as a `Placement`) of a model configured by `apply_occult_ep`."""
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        raise ValueError(f"{type(model).__name__} has no apply_occult_ep configuration")
+    return state.occult_config
+
+
+def _remove_hooks(model: nn.Module, state: _OccultEPState) -> None:
+    for handle in state.hooks:
+        handle.remove()
+    state.hooks.clear()
+    for name in state.instance_methods:
+        model.__dict__.pop(name, None)
+
+
+def _resolve_placement(value, num_experts: int, num_devices: int, layers: list[int]) -> Placement:
+    if isinstance(value, Placement):
+        placement = value
+    elif value == "contiguous":
+        return Placement.contiguous(num_experts, num_devices, layers)
+    elif os.path.isfile(value) or os.path.isdir(value):
+        placement = Placement.load(value)
+    else:
+        raise ValueError(
+            f"OccultConfig.placement={value!r} is neither 'contiguous' nor an existing occult_placement.json "
+            f"(or a directory holding one)"
+        )
+    placement.validate_for(num_experts, layers, num_devices)
+    return placement
+
+
+def _check_equal_capacities(placement: Placement, layers: list[int], per_rank: int) -> None:
+    """transformers' `Shard(0)` gives every rank `E / D` experts: only such placements (no replicas) fit."""
+    if placement.has_replicas:
+        raise ValueError(
+            f"OccultConfig.placement replicates experts (layers {sorted(placement.replicas)}); "
+            f"DistributedConfig(ep_implementation={EP_IMPLEMENTATION_NAME!r}) holds each expert once (transformers' "
+            f"Shard(0)): plan without num_redundant_experts, or {_OTHER_PATH}"
+        )
+    for layer in layers:
+        capacities = placement.capacities(layer)
+        if any(c != per_rank for c in capacities):
+            raise ValueError(
+                f"OccultConfig.placement gives the devices {capacities} experts at layer {layer}; "
+                f"DistributedConfig(ep_implementation={EP_IMPLEMENTATION_NAME!r}) shards experts evenly "
+                f"(transformers' Shard(0): E/D = {per_rank} per rank): plan a placement with equal capacities, or "
+                f"{_OTHER_PATH}, which serves any capacities"
+            )
+
+
+def _check_rows_movable(model: nn.Module, impl: OccultEP) -> None:
+    """Moving expert rows between EP ranks needs each EP rank to hold its whole `[L, ...]` share."""
+    distributed_config = getattr(model.config, "distributed_config", None)
+    efsdp = getattr(distributed_config, "efsdp_size", 1)
+    if efsdp != 1:
+        raise NotImplementedError(
+            f"a non-contiguous OccultConfig.placement with DistributedConfig(fsdp_size * tp_size / ep_size = "
+            f"efsdp_size = {efsdp}) is not supported: FSDP2 splits each rank's experts further; set ep_size = "
+            f"fsdp_size * tp_size (dp_replicate_size for more data parallelism), use placement='contiguous', or {_OTHER_PATH}"
+        )
+
+
+@torch.no_grad()
+def _move_expert_rows(impl: OccultEP, stored_P: list[int]) -> None:
+    """Store the experts in order `stored_P` (position -> expert id) instead of `impl.stored_experts_P`,
+    moving rows between the EP ranks: rank r sends each rank q the rows q needs from r's share, in one
+    `all_to_all_single` per expert tensor. Collective over the EP group."""
+    per_rank, rank, num_devices = impl.num_local_experts, impl.ep.rank, impl.ep.num_devices
+    position_of = {e: p for p, e in enumerate(impl.stored_experts_P)}
+    send_rows, send_splits, recv_splits, recv_order = [], [], [], []
+    for q in range(num_devices):  # what q needs from r, in q's slot order
+        wanted = [position_of[e] for e in stored_P[q * per_rank : (q + 1) * per_rank]]
+        mine = [p - rank * per_rank for p in wanted if p // per_rank == rank]
+        send_rows += mine
+        send_splits.append(len(mine))
+    wanted_here = [position_of[e] for e in stored_P[rank * per_rank : (rank + 1) * per_rank]]
+    for s in range(num_devices):  # what r receives from s, in r's slot order
+        from_s = [slot for slot, p in enumerate(wanted_here) if p // per_rank == s]
+        recv_order += from_s
+        recv_splits.append(len(from_s))
+    for name in ("gate_up_proj", "down_proj"):
+        local = _local(getattr(impl.experts, name))
+        shape = local.shape
+        send = local.reshape(per_rank, -1)[torch.tensor(send_rows, dtype=torch.int64, device=local.device)].contiguous()
+        received = send.new_empty((per_rank, send.shape[1]))
+        dist.all_to_all_single(received, send, recv_splits, send_splits, group=impl.ep.group)
+        ordered = torch.empty_like(received)
+        ordered[torch.tensor(recv_order, dtype=torch.int64, device=local.device)] = received
+        local.copy_(ordered.reshape(shape))
+    impl.stored_experts_P = list(stored_P)
+
+
+def _build_pruner(config, adapter, block, layer, placement, num_devices, top_k):
+    if config.prune is None:
+        return None
+    from .pruning import build_pruner
+
+    device_of_E = torch.tensor(placement.device_of(layer), dtype=torch.int64)
+    return build_pruner(config, adapter, block, layer, device_of_E, num_devices=num_devices, top_k=top_k)
+
+
+def _pruning_hook(block: nn.Module, adapter, pruner):
+    """A forward hook on the router: its `(logits, weights, ids)` with the routing pruned to N_d devices
+    (the logits unchanged, so `router_logits` capture and auxiliary losses see the router's own output)."""
+    from .patches import RouterOutput
+
+    def hook(router, inputs, output):
+        logits_TE, topk_weights_Tk, topk_ids_Tk = output
+        weights_Tk, ids_Tk = pruner(block, RouterOutput(logits_TE=logits_TE, topk_weights_Tk=topk_weights_Tk, topk_ids_Tk=topk_ids_Tk))
+        return logits_TE, weights_Tk, ids_Tk
+
+    return hook
+
+
+def _gather_in_original_order(model, model_to_save, state_dict, distributed_config, *, save_on_this_rank=True):
+    """transformers' gather of the sharded state dict for `save_pretrained`, with every layer's experts put
+    back in original expert order (so the checkpoint is vanilla)."""
+    gathered = type(model).gather_sharded_state_dict_for_save(
+        model, model_to_save, state_dict, distributed_config, save_on_this_rank=save_on_this_rank
+    )
+    state = getattr(model, _STATE_ATTR)
+    prefix = _prefix_of(model, model_to_save)
+    for _, path, block, impl in state.blocks:
+        order_P = torch.tensor(impl.stored_experts_P, dtype=torch.int64)
+        if torch.equal(order_P, torch.arange(order_P.numel())):
+            continue
+        original_E = torch.argsort(order_P)  # stored position of each original expert
+        experts_path = f"{path}.experts"
+        for name in ("gate_up_proj", "down_proj"):
+            key = f"{prefix}{experts_path}.{name}"
+            if key in gathered:
+                value = gathered[key]
+                gathered[key] = value.index_select(0, original_E.to(value.device))
+    return gathered
+
+
+def _prefix_of(model: nn.Module, model_to_save: nn.Module) -> str:
+    """Key prefix of `model`'s modules in `model_to_save`'s state dict ('' when they are the same model)."""
+    if model_to_save is model:
+        return ""
+    for name, module in model_to_save.named_modules():
+        if module is model:
+            return f"{name}." if name else ""
+    return ""
+
+
+__all__ = [
+    "EP_IMPLEMENTATION_NAME",
+    "MIN_TRANSFORMERS_VERSION",
+    "OccultEP",
+    "ShardExperts",
+    "apply_occult_ep",
+    "occult_ep_config_of",
+    "occult_ep_layers",
+    "register_ep_implementation",
+    "remove_occult_ep",
+    "transformers_ep_available",
+    "uses_occult_ep",
+]

@@ -1,0 +1,160 @@
+"""`DistributedConfig(ep_implementation="occult")`: Occult inside transformers' own expert parallelism (issue 18).
+
+Exactness against the single-process transformers model on the concatenation of the ranks' batches
+(relative error <= 1e-5, fp32): each rank's logits and loss (router aux loss included), and every
+parameter's gradient (FSDP2 averages over the ranks, as the mean of the ranks' losses). Checked on 2
+gloo ranks with `DistributedConfig(ep_size=2, fsdp_size=2)` (transformers' mesh builds on gloo CPU:
+`ep_size` must divide `fsdp_size * tp_size`, so 2 ranks of EP come with FSDP2 over the dense part)
+for OLMoE, Qwen2-MoE and DeepSeek-V3, with the contiguous placement and with a shuffled
+equal-capacity placement applied by `apply_occult_ep` (expert rows moved between the ranks), whose
+`save_pretrained` writes a vanilla checkpoint (the original checkpoint's expert tensors, bit for bit,
+and plain transformers' logits). Rows sent equal the CT count (one row per (token, destination rank)).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from distributed import run_world
+from tiny_models import MOE_LAYERS, tiny_batch, tiny_checkpoint
+
+from occult_hf.hf_ep import transformers_ep_available
+
+pytestmark = pytest.mark.skipif(
+    not transformers_ep_available(), reason="transformers < 5.23 has no EPImplementationInterface"
+)
+
+TOLERANCE = 1e-5
+EP_FAMILIES = ("olmoe", "qwen2_moe", "deepseek_v3")
+NUM_EXPERTS = 8
+
+
+def rel_err(actual, expected: torch.Tensor) -> float:
+    actual, expected = torch.as_tensor(actual), torch.as_tensor(expected)
+    actual, expected = actual.detach().double().cpu(), expected.detach().double().cpu()
+    return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-12))
+
+
+def rank_batch(rank: int) -> torch.Tensor:
+    return tiny_batch(seed=700 + rank)
+
+
+def shuffled_placement(family: str, num_devices: int = 2):
+    """An equal-capacity placement that moves experts across devices in every MoE layer."""
+    from occult_hf import Placement
+
+    base = np.arange(NUM_EXPERTS) * num_devices // NUM_EXPERTS
+    maps = {layer: np.random.default_rng(31 + layer).permutation(base).tolist() for layer in MOE_LAYERS[family]}
+    return Placement(NUM_EXPERTS, num_devices, maps, {"method": "shuffled"})
+
+
+def _load_ep(path, **distributed):
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    config = DistributedConfig(ep_implementation="occult", **distributed)
+    return AutoModelForCausalLM.from_pretrained(path, distributed_config=config, dtype=torch.float32)
+
+
+def _step(model, ids: torch.Tensor) -> dict:
+    """Forward + backward of one batch; the full gradients in original expert order (collective)."""
+    from occult_hf.hf_ep import occult_ep_layers
+
+    model.zero_grad(set_to_none=True)
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    order = {f"layers.{layer}.mlp.experts.": impl.stored_experts_P for layer, impl in occult_ep_layers(model).items()}
+    grads = {}
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            continue
+        grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+        for prefix, stored_P in order.items():
+            if prefix in name:  # stored position p holds expert stored_P[p]
+                grad = grad[torch.argsort(torch.tensor(stored_P))]
+        grads[name] = grad.detach().numpy().copy()  # numpy: tensors through the result queue need the child alive
+    return {"logits": out.logits.detach().numpy().copy(), "loss": float(out.loss.detach()), "grads": grads}
+
+
+def _ep_world(rank, world_size, checkpoints, out_dir):
+    import os
+
+    from occult_hf import OccultConfig, apply_occult_ep
+    from occult_hf.hf_ep import occult_ep_layers
+
+    results = {}
+    for family, path in checkpoints.items():
+        model = _load_ep(path, ep_size=2, fsdp_size=2)
+        ids = rank_batch(rank)
+        found = {"contiguous": _step(model, ids)}
+        apply_occult_ep(model, OccultConfig(placement=shuffled_placement(family)))
+        for impl in occult_ep_layers(model).values():
+            impl.reset_counters()
+        found["shuffled"] = _step(model, ids)
+        found["rows_sent"] = {layer: impl.rows_sent.tolist() for layer, impl in occult_ep_layers(model).items()}
+        model.save_pretrained(os.path.join(out_dir, family))  # collective
+        results[family] = found
+    return results
+
+
+def _reference(path) -> dict:
+    """The single-process model on both ranks' batches: per-rank logits/losses, gradients of their mean."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, occult_config=None)
+    outs = [model(rank_batch(r), labels=rank_batch(r)) for r in range(2)]
+    ((outs[0].loss + outs[1].loss) / 2).backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    return {"model": model, "logits": [o.logits.detach() for o in outs], "loss": [float(o.loss) for o in outs], "grads": grads}
+
+
+def _ct_rows(model, family: str, placement, rank: int) -> dict[int, list[int]]:
+    """Rows rank `rank` sends each device per MoE layer: its tokens' distinct devices (the CT count)."""
+    adapter_routes = {}
+    from occult_hf.patches import adapter_for
+
+    adapter = adapter_for(model)
+    captured = {}
+    handles = []
+    for layer, _, block in adapter.iter_moe_blocks(model):
+        handles.append(adapter.router(block).register_forward_hook(lambda m, i, o, layer=layer: captured.__setitem__(layer, o[2])))
+    with torch.no_grad():
+        model(rank_batch(rank))
+    for handle in handles:
+        handle.remove()
+    for layer, ids_Tk in captured.items():
+        device_Tk = torch.tensor(placement.device_of(layer))[ids_Tk]
+        hit_TD = torch.zeros(ids_Tk.shape[0], placement.num_devices, dtype=torch.bool).scatter_(1, device_Tk, True)
+        adapter_routes[layer] = hit_TD.sum(0).tolist()
+    return adapter_routes
+
+
+@pytest.mark.world_size(2)
+def test_occult_ep_equals_the_single_process_model(tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    checkpoints = {family: str(tiny_checkpoint(family, tmp_path / family, seed=4, num_experts=NUM_EXPERTS)) for family in EP_FAMILIES}
+    results = run_world(_ep_world, 2, checkpoints, str(tmp_path / "saved"), timeout_s=400)
+    for family, path in checkpoints.items():
+        ref = _reference(path)
+        for rank, found in enumerate(r[family] for r in results):
+            for kind in ("contiguous", "shuffled"):
+                run = found[kind]
+                where = f"{family} rank {rank} {kind}"
+                assert rel_err(run["logits"], ref["logits"][rank]) <= TOLERANCE, where
+                assert abs(run["loss"] - ref["loss"][rank]) <= TOLERANCE * abs(ref["loss"][rank]), where
+                assert run["grads"].keys() == ref["grads"].keys(), where
+                for name, grad in ref["grads"].items():
+                    assert rel_err(run["grads"][name], grad) <= TOLERANCE, f"{where}: gradient of {name}"
+            assert found["rows_sent"] == _ct_rows(ref["model"], family, shuffled_placement(family), rank), family
+        # the save after the shuffled placement: a vanilla checkpoint, equal to the one loaded
+        saved, original = load_file(str(tmp_path / "saved" / family / "model.safetensors")), load_file(f"{path}/model.safetensors")
+        assert saved.keys() == original.keys(), family
+        for key, value in original.items():
+            assert torch.equal(saved[key], value), f"{family}: {key} differs from the loaded checkpoint"
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path / "saved" / family, dtype=torch.float32, occult_config=None)
+        with torch.no_grad():
+            assert rel_err(plain(rank_batch(0)).logits, ref["logits"][0]) <= TOLERANCE, family
