@@ -3,10 +3,13 @@
 Shape legend: R received rows, N (row, local expert) pairs in segment order, L local experts,
 H hidden, I expert width.
 
-    out[r] = sum over pairs p of row r: w[p] * down_e(SiLU(gate_e x[r]) * up_e x[r])
+    out[r] = sum over pairs p of row r: w[p] * down_e(act(gate_e x[r]) * up_e x[r])
+
+with act one of `ACTIVATIONS` (SiLU, GELU-tanh); `activation_name(act_fn)` maps a model's activation
+module or function to its name and refuses, naming it, one the kernels do not implement.
 
 Forward, two grouped GEMMs over the expert segments (`triton_expert_mlp_kernels.py`):
-1. `gate_up_kernel` gathers x rows by `pair_row` and writes hw [N, I] = w[p] * SiLU(gate) * up (the
+1. `gate_up_kernel` gathers x rows by `pair_row` and writes hw [N, I] = w[p] * act(gate) * up (the
    pair weight is a per-row scalar, so it can be applied before the down projection; then neither the
    down GEMM nor the down_proj gradient needs a scale), and, when a gradient is needed, the
    pre-activations gu [N, 2I] that the backward reads instead of recomputing a GEMM;
@@ -16,14 +19,18 @@ Forward, two grouped GEMMs over the expert segments (`triton_expert_mlp_kernels.
    through a row -> pairs index built on the device), or by fp32 atomic adds in the GEMM epilogue
    (`reduce="atomic"`; the sum order, hence the last bits, vary between runs).
 
-Backward: `dgate_up_kernel` (g = dout[row] @ down_e, then d gu and the pair-weight gradient from the
-saved pre-activations), `scatter_gemm_kernel` again for dx = d gu @ gate_up_e reduced per row, and
-`segment_outer_kernel` for both weight gradients (one program per output tile reduces a whole expert
-segment, so weight gradients are deterministic in both modes).
+Backward: `dgate_up_kernel` (g = dout[row] @ down_e, then d gu, the pair-weight gradient and hw again
+from the saved pre-activations), `scatter_gemm_kernel` again for dx = d gu @ gate_up_e reduced per
+row, and `segment_outer_kernel` for both weight gradients (one program per output tile reduces a whole
+expert segment, so weight gradients are deterministic in both modes).
 
-Memory: hw [N, I] in x's dtype; with a gradient also gu [N, 2I]; the row reductions add y [N, H] (x's
-dtype, or fp32 when deterministic) for the duration of the reduction. No host synchronisation: tile schedules are derived on the device
-from `expert_offsets` inside each kernel (only the first call per shape autotunes, which syncs).
+Memory kept for the backward: the pre-activations gu [N, 2I] in x's dtype (plus the inputs, which
+autograd keeps anyway, and the layout's index tensors); nothing else. hw [N, I], which the down_proj
+gradient needs, is recomputed by the backward's first kernel from gu (an extra [N, I] store there)
+instead of being kept from the forward: with k = 8, I = 1024, bf16 that is 16 KiB per token less.
+The forward's transient buffers: hw [N, I], and during each row reduction y [N, H] (x's dtype, or fp32
+when deterministic). No host synchronisation: tile schedules are derived on the device from
+`expert_offsets` inside each kernel (only the first call per shape autotunes, which syncs).
 
 On CPU the kernels run only under the Triton interpreter (`TRITON_INTERPRET=1` set before triton is
 first imported in the process), which is for tests; use `expert_mlp_reference` otherwise.
@@ -39,7 +46,9 @@ import torch
 import triton
 
 from . import triton_expert_mlp_kernels as _kernels
+from .activations import ACTIVATIONS, activation_name
 from .layout import ExpertSegments
+
 
 #: allocator of every buffer the kernels must fill completely (tests swap in a NaN-filled one)
 _empty = torch.empty
@@ -81,6 +90,7 @@ class _Launch:
     expert_offsets: torch.Tensor
     num_rows: int
     reduce: str
+    activation: int  # constexpr code of the activation (`_kernels.ACTIVATIONS`)
     rows_per_expert: int
     block_experts: int
     # row -> pairs index (deterministic mode): pairs sorted by row, and each row's range in it
@@ -101,7 +111,7 @@ class _Launch:
 
 
 def _gate_up(plan: _Launch, x_RH, gate_up_L2IH, pair_weight_N, save_gu: bool):
-    """hw [N, I] = w * SiLU(gate) * up and, when `save_gu`, the pre-activations gu [N, 2I] (else None)."""
+    """hw [N, I] = w * act(gate) * up and, when `save_gu`, the pre-activations gu [N, 2I] (else None)."""
     num_pairs, intermediate = plan.num_pairs, gate_up_L2IH.shape[1] // 2
     hw_NI = _empty(num_pairs, intermediate, dtype=x_RH.dtype, device=x_RH.device)
     gu_N2I = _empty(num_pairs, 2 * intermediate, dtype=x_RH.dtype, device=x_RH.device) if save_gu else None
@@ -110,7 +120,7 @@ def _gate_up(plan: _Launch, x_RH, gate_up_L2IH, pair_weight_N, save_gu: bool):
         x_RH, plan.pair_row_N, plan.expert_offsets, gate_up_L2IH, pair_weight_N, hw_NI, gu_N2I if save_gu else hw_NI,
         plan.num_experts, x_RH.shape[1], intermediate, plan.rows_per_expert,
         x_RH.stride(0), *gate_up_L2IH.stride(),
-        SAVE_GU=save_gu, DOT_PRECISION=_dot_precision(x_RH.dtype), BLOCK_E=plan.block_experts,
+        SAVE_GU=save_gu, ACTIVATION=plan.activation, DOT_PRECISION=_dot_precision(x_RH.dtype), BLOCK_E=plan.block_experts,
     )  # fmt: skip
     return hw_NI, gu_N2I
 
@@ -146,21 +156,24 @@ def _scatter_gemm(plan: _Launch, a_NK, b_LKO, out_dtype):
     return out
 
 
-def _dgate_up(plan: _Launch, dout_RH, down_LHI, gu_N2I, pair_weight_N):
-    """d gu [N, 2I] and the pair-weight gradient [N] (fp32)."""
+def _dgate_up(plan: _Launch, dout_RH, down_LHI, gu_N2I, pair_weight_N, write_hw: bool):
+    """d gu [N, 2I], the pair-weight gradient [N] (fp32) and, when `write_hw`, hw [N, I] (else None)."""
     intermediate = down_LHI.shape[2]
     dgu_N2I = _empty(gu_N2I.shape, dtype=gu_N2I.dtype, device=gu_N2I.device)
+    hw_NI = _empty(plan.num_pairs, intermediate, dtype=gu_N2I.dtype, device=gu_N2I.device) if write_hw else None
     # One partial sum per N tile; sized for the smallest BLOCK_N any config may pick, zeros elsewhere.
     min_block_n = min(config.kwargs["BLOCK_N"] for config in _kernels.dgate_up_kernel.configs)
     partial_NP = torch.zeros(plan.num_pairs, triton.cdiv(intermediate, min_block_n), dtype=torch.float32, device=dout_RH.device)
     grid = lambda meta: (plan.m_tiles_bound(meta["BLOCK_M"]) * triton.cdiv(intermediate, meta["BLOCK_N"]),)  # noqa: E731
     _kernels.dgate_up_kernel[grid](
-        dout_RH, plan.pair_row_N, plan.expert_offsets, down_LHI, gu_N2I, pair_weight_N, dgu_N2I, partial_NP,
+        dout_RH, plan.pair_row_N, plan.expert_offsets, down_LHI, gu_N2I, pair_weight_N, dgu_N2I,
+        hw_NI if write_hw else dgu_N2I, partial_NP,
         plan.num_experts, dout_RH.shape[1], intermediate, plan.rows_per_expert,
         dout_RH.stride(0), *down_LHI.stride(), partial_NP.stride(0),
-        DOT_PRECISION=_dot_precision(dout_RH.dtype), BLOCK_E=plan.block_experts,
+        WRITE_HW=write_hw, ACTIVATION=plan.activation, DOT_PRECISION=_dot_precision(dout_RH.dtype),
+        BLOCK_E=plan.block_experts,
     )  # fmt: skip
-    return dgu_N2I, partial_NP.sum(dim=1)
+    return dgu_N2I, partial_NP.sum(dim=1), hw_NI
 
 
 def _segment_outer(plan: _Launch, a, b, *, gather_a: bool, gather_b: bool, out_dtype):
@@ -187,8 +200,8 @@ class _ExpertMLPFunction(torch.autograd.Function):
             return torch.zeros_like(x_RH)
         hw_NI, gu_N2I = _gate_up(plan, x_RH, gate_up_L2IH, pair_weight_N, save_gu=save_for_backward)
         out_RH = _scatter_gemm(plan, hw_NI, down_LHI.transpose(1, 2), x_RH.dtype)
-        if save_for_backward:
-            ctx.save_for_backward(x_RH, pair_weight_N, gate_up_L2IH, down_LHI, hw_NI, gu_N2I)
+        if save_for_backward:  # hw is not kept: the backward recomputes it from gu
+            ctx.save_for_backward(x_RH, pair_weight_N, gate_up_L2IH, down_LHI, gu_N2I)
         return out_RH
 
     @staticmethod
@@ -197,17 +210,18 @@ class _ExpertMLPFunction(torch.autograd.Function):
         need_dx, need_dweight, need_dgate_up, need_ddown = ctx.needs_input_grad[:4]
         if plan.num_pairs == 0:
             return tuple(torch.zeros_like(t) if need else None for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad)) + (None, None)
-        x_RH, pair_weight_N, gate_up_L2IH, down_LHI, hw_NI, gu_N2I = ctx.saved_tensors
+        x_RH, pair_weight_N, gate_up_L2IH, down_LHI, gu_N2I = ctx.saved_tensors
         dout_RH = dout_RH.contiguous()
         dx = dweight = dgate_up = ddown = None
-        if need_dx or need_dweight or need_dgate_up:
-            dgu_N2I, dweight_N = _dgate_up(plan, dout_RH, down_LHI, gu_N2I, pair_weight_N)
-            if need_dweight:
-                dweight = dweight_N.to(pair_weight_N.dtype)
-            if need_dx:
-                dx = _scatter_gemm(plan, dgu_N2I, gate_up_L2IH, x_RH.dtype)
-            if need_dgate_up:
-                dgate_up = _segment_outer(plan, dgu_N2I, x_RH, gather_a=False, gather_b=True, out_dtype=gate_up_L2IH.dtype)
+        # one kernel gives d gu (for dx, d gate_up), the pair-weight gradient and hw (for d down)
+        dgu_N2I, dweight_N, hw_NI = _dgate_up(plan, dout_RH, down_LHI, gu_N2I, pair_weight_N, write_hw=need_ddown)
+        if need_dweight:
+            dweight = dweight_N.to(pair_weight_N.dtype)
+        if need_dx:
+            dx = _scatter_gemm(plan, dgu_N2I, gate_up_L2IH, x_RH.dtype)
+        if need_dgate_up:
+            dgate_up = _segment_outer(plan, dgu_N2I, x_RH, gather_a=False, gather_b=True, out_dtype=gate_up_L2IH.dtype)
+        del dgu_N2I
         if need_ddown:
             ddown = _segment_outer(plan, dout_RH, hw_NI, gather_a=True, gather_b=False, out_dtype=down_LHI.dtype)
         return dx, dweight, dgate_up, ddown, None, None
@@ -266,7 +280,7 @@ def _row_index(pair_row_N: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, t
     return row_pairs_N, torch.searchsorted(sorted_rows_N, boundaries)
 
 
-def _plan(segments: ExpertSegments, reduce: str) -> _Launch:
+def _plan(segments: ExpertSegments, reduce: str, activation: str = "silu") -> _Launch:
     if reduce not in REDUCE_MODES:
         raise ValueError(f"reduce mode {reduce!r} is not one of {REDUCE_MODES}")
     row_pairs_N = row_offsets = None
@@ -277,6 +291,7 @@ def _plan(segments: ExpertSegments, reduce: str) -> _Launch:
         expert_offsets=segments.expert_offsets.contiguous(),
         num_rows=segments.num_rows,
         reduce=reduce,
+        activation=_kernels.ACTIVATIONS[activation],
         rows_per_expert=_rows_per_expert_bucket(segments.num_pairs, segments.num_local_experts),
         block_experts=triton.next_power_of_2(max(2, segments.num_local_experts)),
         row_pairs_N=row_pairs_N,
@@ -293,8 +308,9 @@ def expert_mlp_triton(
     deterministic: bool = False,
     *,
     reduce: str | None = None,
+    activation: str = "silu",
 ) -> torch.Tensor:
-    """The local expert computation (SiLU experts); same function as `expert_mlp_reference`.
+    """The local expert computation; same function as `expert_mlp_reference` with the same activation.
 
     Args:
         x_RH: `[R, H]` received rows (float32, bfloat16 or float16).
@@ -309,15 +325,19 @@ def expert_mlp_triton(
             fastest reduction measured (`FAST_REDUCE`: pair outputs in x's dtype, fp32 sums, also
             repeatable; see `REDUCE_MODES`).
         reduce: one of `REDUCE_MODES`, overriding the choice `deterministic` makes (benchmarks, tests).
+        activation: the experts' activation, one of `ACTIVATIONS` ("silu", "gelu_tanh"); map a model's
+            `act_fn` with `activation_name`.
 
     Returns:
         `[R, H]` in x's dtype; rows served by no pair are zero. Differentiable with respect to x,
         pair_weight and both weights (Triton backward kernels).
     """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} is not one of the Triton kernels' activations {ACTIVATIONS}")
     _check_inputs(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI)
     if reduce is None:
         reduce = DETERMINISTIC_REDUCE if deterministic else FAST_REDUCE
-    plan = _plan(segments, reduce)
+    plan = _plan(segments, reduce, activation)
     inputs = (x_RH, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI)
     save = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     return _ExpertMLPFunction.apply(
@@ -345,13 +365,16 @@ def expert_mlp_triton_stages(
     pairs, hidden, inter = plan.num_pairs, x_RH.shape[1], down_LHI.shape[2]
     hw_NI, gu_N2I = _gate_up(plan, x_RH, gate_up_L2IH, pair_weight_N, save_gu=True)
     dout_RH = torch.randn_like(x_RH)
-    dgu_N2I, _ = _dgate_up(plan, dout_RH, down_LHI, gu_N2I, pair_weight_N)
+    dgu_N2I, _, _ = _dgate_up(plan, dout_RH, down_LHI, gu_N2I, pair_weight_N, write_hw=False)
     gemm = 2.0 * pairs * hidden * inter  # FLOPs of one [N, H] x [H, I] product
     stages = {
         "fwd: gather + gate_up GEMM + w*SiLU*up": (lambda: _gate_up(plan, x_RH, gate_up_L2IH, pair_weight_N, save_gu=False), 2 * gemm),
         "fwd: same, saving gate/up for bwd": (lambda: _gate_up(plan, x_RH, gate_up_L2IH, pair_weight_N, save_gu=True), 2 * gemm),
         "fwd: down GEMM + row reduce": (lambda: _scatter_gemm(plan, hw_NI, down_LHI.transpose(1, 2), x_RH.dtype), gemm),
-        "bwd: dout @ down + SiLU bwd + d weight": (lambda: _dgate_up(plan, dout_RH, down_LHI, gu_N2I, pair_weight_N), gemm),
+        "bwd: dout @ down + act bwd + d weight + hw": (
+            lambda: _dgate_up(plan, dout_RH, down_LHI, gu_N2I, pair_weight_N, write_hw=True),
+            gemm,
+        ),
         "bwd: dx GEMM + row reduce": (lambda: _scatter_gemm(plan, dgu_N2I, gate_up_L2IH, x_RH.dtype), 2 * gemm),
         "bwd: d gate_up_proj": (
             lambda: _segment_outer(plan, dgu_N2I, x_RH, gather_a=False, gather_b=True, out_dtype=gate_up_L2IH.dtype),
@@ -367,4 +390,4 @@ def expert_mlp_triton_stages(
     return stages
 
 
-__all__ = ["REDUCE_MODES", "expert_mlp_triton", "expert_mlp_triton_stages"]
+__all__ = ["ACTIVATIONS", "REDUCE_MODES", "activation_name", "expert_mlp_triton", "expert_mlp_triton_stages"]

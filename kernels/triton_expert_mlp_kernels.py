@@ -6,23 +6,34 @@ L local experts, H hidden, I expert width, K the reduction length of a GEMM, BM/
 Every grouped GEMM maps its programs to (expert, M tile) on the device: `_expert_of_tile` turns the
 expert offsets into a tile schedule inside each program (a cumulative sum over L values), so no host
 sync and no schedule tensor is needed, and autotuning may change BLOCK_M freely. Grids are sized by
-the upper bound `cdiv(N, BM) + min(L, N)` M tiles; programs past the last tile return at once.
+the upper bound `cdiv(N, BM) + min(L, N)` M tiles; programs past the last tile return at once. The
+three row-major grouped GEMMs share one K loop (`_gemm_k_loop`); they differ only in how they address
+their operands and in their epilogues.
 
 Kernels:
-- `gate_up_kernel`     hw[p] = w[p] * SiLU(x[row p] @ gate_e^T) * (x[row p] @ up_e^T), gathering rows
+- `gate_up_kernel`     hw[p] = w[p] * act(x[row p] @ gate_e^T) * (x[row p] @ up_e^T), gathering rows
                        of x (the pair weight w is a per-row scalar, so applying it here instead of
                        after the down projection leaves both later GEMMs plain); optionally saves the
-                       pre-activations gu[p] = [gate, up] for the backward.
+                       pre-activations gu[p] = [gate, up] for the backward. Gate and up columns are
+                       interleaved in one [BK, 2 BN] weight tile, so one dot computes both and the
+                       epilogue splits them without moving data between threads.
 - `scatter_gemm_kernel` y[p] = a[p] @ B_e, either atomically added in fp32 into
                        out[row p] (`reduce="atomic"`) or written per pair for `segment_sum_kernel`.
 - `segment_sum_kernel` out[r] = sum of y over the pairs of row r, in pair order (deterministic); rows
                        served by no pair get zeros.
-- `dgate_up_kernel`    backward of the gate/up/SiLU stage: g[p] = dout[row p] @ down_e, then
-                       d gu[p] from g, the pair weight and the saved pre-activations, and the pair
-                       weight's gradient partial sums <h[p], g[p]> per N tile.
+- `dgate_up_kernel`    backward of the gate/up/activation stage: g[p] = dout[row p] @ down_e, then
+                       d gu[p] from g, the pair weight and the saved pre-activations, the pair
+                       weight's gradient partial sums <h[p], g[p]> per N tile, and hw[p] again (the
+                       down_proj gradient's operand: recomputed here from gu instead of being kept
+                       from the forward). `EPI_SPLIT = 2` runs this epilogue on two column halves of
+                       the tile one after the other, so fewer fp32 tiles are live at once and a
+                       wider tile fits the registers.
 - `segment_outer_kernel` weight gradients: C_e = sum over the pairs p of expert e of
                        A[row_a(p)]^T B[row_b(p)]; one program
                        owns one output tile and the whole reduction, so it is deterministic.
+
+Activations (`ACTIVATIONS`, a constexpr code in every kernel that applies one): SiLU and GELU with
+the tanh approximation, each with its derivative for the backward.
 
 Under `TRITON_INTERPRET=1` (which must be set before triton is first imported in the process:
 triton.language's own library functions are `@triton.jit`'d at import) the kernels get one small
@@ -36,38 +47,64 @@ import os
 import triton
 import triton.language as tl
 
+from .activations import ACTIVATIONS as _ACTIVATION_NAMES
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) candidates for Hopper, tuned per (H, I, rows per
-# expert). Every candidate is valid for every shape (masks cover ragged edges); the tuner only picks.
-# gate_up holds two accumulators (gate and up), so its BLOCK_N counts twice; dgate_up's epilogue holds
-# about five fp32 tiles, so it gets no 256-wide N.
+#: activation name -> the constexpr code `_activation` branches on
+ACTIVATIONS = {name: code for code, name in enumerate(_ACTIVATION_NAMES)}
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps[, extra constexprs]) candidates for Hopper, tuned
+# per (H, I, rows per expert). Every candidate is valid for every shape (masks cover ragged edges); the
+# tuner only picks. gate_up's BLOCK_N counts twice (gate and up columns share one tile). dgate_up's
+# epilogue holds about five fp32 tiles: the wide tiles only come with EPI_SPLIT = 2. The (64, 64, 128)
+# and (64, 128, 128) candidates are for small T (a handful of rows per expert: the weights dominate).
 _GATE_UP_HOPPER = [
-    (128, 128, 64, 3, 8), (128, 128, 64, 4, 8), (256, 64, 64, 3, 8), (256, 64, 64, 4, 8),
-    (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4),
+    (128, 128, 64, 3, 8), (128, 128, 64, 4, 8), (256, 64, 64, 3, 8), (128, 64, 64, 4, 4), (64, 64, 128, 3, 4),
 ]  # fmt: skip
 _GEMM_HOPPER = [
-    (128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
-    (64, 256, 64, 3, 8),
+    (128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 8), (64, 128, 64, 4, 4), (64, 128, 128, 3, 4),
 ]  # fmt: skip
-_DGATE_UP_HOPPER = [(128, 128, 64, 3, 8), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 3, 8), (64, 64, 64, 4, 4)]
-_OUTER_HOPPER = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4), (256, 128, 64, 3, 8)]
+_DGATE_UP_HOPPER = [
+    (128, 128, 64, 3, 8, {"EPI_SPLIT": 1}), (128, 128, 64, 3, 8, {"EPI_SPLIT": 2}),
+    (128, 256, 64, 3, 8, {"EPI_SPLIT": 2}), (128, 64, 64, 4, 4, {"EPI_SPLIT": 1}), (64, 128, 64, 4, 4, {"EPI_SPLIT": 1}),
+]  # fmt: skip
+_OUTER_HOPPER = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (256, 128, 64, 3, 8)]
 _SEGMENT_SUM_HOPPER = [(256, 2), (512, 4), (1024, 8)]
+#: the one config of each kernel under the interpreter (extra constexprs beside the 16-wide blocks)
+_INTERPRETED_EXTRA = {"dgate_up": {"EPI_SPLIT": 2}}
 
 
-def _gemm_configs(candidates: list[tuple[int, int, int, int, int]]) -> list[triton.Config]:
+def _gemm_configs(candidates: list[tuple], kernel: str = "") -> list[triton.Config]:
     if INTERPRETED:  # one small config: no tuning runs, and tiny test shapes still span several tiles
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=1, num_stages=1)]
-    return [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_stages=stages, num_warps=warps)
-        for m, n, k, stages, warps in candidates
-    ]
+        extra = _INTERPRETED_EXTRA.get(kernel, {})
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, **extra}, num_warps=1, num_stages=1)]
+    configs = []
+    for m, n, k, stages, warps, *extra in candidates:
+        configs.append(triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, **(extra[0] if extra else {})}, num_stages=stages, num_warps=warps))
+    return configs
 
 
 def _segment_sum_configs() -> list[triton.Config]:
     if INTERPRETED:
         return [triton.Config({"BLOCK_H": 16}, num_warps=1, num_stages=1)]
     return [triton.Config({"BLOCK_H": h}, num_warps=warps) for h, warps in _SEGMENT_SUM_HOPPER]
+
+
+def _bench_config(kernel_call, quantiles):
+    """The autotuner's timing of one config: a short `do_bench` (5 ms warm-up, 25 ms of repeats; the
+    tuner runs once per shape key, and a benchmark run tunes dozens of keys). A config that fails to
+    compile or launch for any reason is reported and timed as infinitely slow, so one bad candidate on
+    some compiler version costs its place in the ranking, never the run."""
+    import warnings
+
+    from triton.testing import do_bench
+
+    try:
+        return do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
+    except Exception as error:  # noqa: BLE001 - any failure of a candidate only disqualifies it
+        warnings.warn(f"Triton expert kernels: a tuning candidate failed and is skipped: {type(error).__name__}: {error}")
+        return [float("inf")] * len(quantiles)
 
 
 def _even_k(args: dict) -> bool:
@@ -105,13 +142,52 @@ def _tile_rows(row_start, segment_end, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _silu_parts(gate):
-    """sigmoid(gate) and SiLU(gate) = gate * sigmoid(gate), in fp32."""
-    sig = tl.sigmoid(gate)
-    return sig, gate * sig
+def _gemm_k_loop(a_ptrs, b_ptrs, mask_b_n, K, stride_b_k, acc, DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """acc += A @ B over the whole reduction: the K loop every row-major grouped GEMM here shares.
+
+    a_ptrs: [BM, BK] pointers to A's first K block (unit stride along K; rows may be gathered);
+    b_ptrs: [BK, BN] pointers to B's first K block, `stride_b_k` apart along K; mask_b_n: [BN], the
+    valid B columns. B's columns are masked, never clamped: a clamped index along a unit-stride
+    dimension hides contiguity from the compiler and turns 16-byte loads into scalar ones.
+    """
+    offs_k = tl.arange(0, BLOCK_K)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs, mask=mask_b_n[None, :], other=0.0)
+        else:
+            mask_k = offs_k < K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=mask_k[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_b_n[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_b_k
+    return acc
 
 
-@triton.autotune(configs=_gemm_configs(_GATE_UP_HOPPER), key=["K", "I", "ROWS_PER_EXPERT", "SAVE_GU"])
+@triton.jit
+def _activation(gate, ACTIVATION: tl.constexpr):
+    """act(gate) and act'(gate) in fp32 (`ACTIVATIONS`: 0 SiLU, 1 GELU with the tanh approximation)."""
+    if ACTIVATION == 0:
+        sig = tl.sigmoid(gate)
+        act = gate * sig
+        dact = sig * (1.0 + gate * (1.0 - sig))
+    else:
+        # tanh(u) = 2 sigmoid(2u) - 1 (portable: no libdevice call, runs under the interpreter)
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
+        act = 0.5 * gate * (1.0 + t)
+        dact = 0.5 * (1.0 + t) + 0.5 * gate * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * gate * gate)
+    return act, dact
+
+
+@triton.jit
+def _column_halves(t, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BM, BN] -> its left and right [BM, BN/2] halves."""
+    return tl.split(tl.permute(tl.reshape(t, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+
+
+@triton.autotune(configs=_gemm_configs(_GATE_UP_HOPPER), key=["K", "I", "ROWS_PER_EXPERT", "SAVE_GU"], do_bench=_bench_config)
 @triton.heuristics({"EVEN_K": _even_k})
 @triton.jit
 def gate_up_kernel(
@@ -120,7 +196,7 @@ def gate_up_kernel(
     expert_offsets_ptr,  # [L + 1] int64
     w_ptr,  # [L, 2I, H]: gate rows, then up rows
     pair_weight_ptr,  # [N]
-    hw_ptr,  # [N, I] out: pair_weight * SiLU(gate) * up
+    hw_ptr,  # [N, I] out: pair_weight * act(gate) * up
     gu_ptr,  # [N, 2I] out when SAVE_GU: gate and up pre-activations
     num_experts,
     K,
@@ -131,6 +207,7 @@ def gate_up_kernel(
     stride_w_out,
     stride_w_k,
     SAVE_GU: tl.constexpr,
+    ACTIVATION: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -145,35 +222,20 @@ def gate_up_kernel(
         return
     offs_m, mask_m, safe_m = _tile_rows(row_start, segment_end, BLOCK_M)
     rows_M = tl.load(pair_row_ptr + safe_m)
-    offs_n = (pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_start = (pid % tiles_n) * BLOCK_N
+    offs_n = n_start + tl.arange(0, BLOCK_N)
     mask_n = offs_n < I
+    # One [BK, 2 BN] weight tile with gate and up columns interleaved: column 2c is gate row n_start + c,
+    # column 2c + 1 up row I + n_start + c, so the accumulator splits into gate and up in registers.
+    cols = tl.arange(0, 2 * BLOCK_N)
+    col_n = n_start + cols // 2
+    w_rows = col_n + (cols % 2) * I
     offs_k = tl.arange(0, BLOCK_K)
-
     x_ptrs = x_ptr + rows_M[:, None] * stride_x_row + offs_k[None, :]  # [BM, BK]
-    gate_ptrs = (
-        w_ptr
-        + expert.to(tl.int64) * stride_w_expert
-        + tl.minimum(offs_n, I - 1)[None, :] * stride_w_out
-        + offs_k[:, None] * stride_w_k
-    )  # [BK, BN]; the clamp is along the strided output dimension (valid addresses, no mask needed)
-    up_ptrs = gate_ptrs + I * stride_w_out
-    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            x = tl.load(x_ptrs)
-            gate_w = tl.load(gate_ptrs)
-            up_w = tl.load(up_ptrs)
-        else:
-            mask_k = offs_k < K - k * BLOCK_K
-            x = tl.load(x_ptrs, mask=mask_k[None, :], other=0.0)
-            gate_w = tl.load(gate_ptrs, mask=mask_k[:, None], other=0.0)
-            up_w = tl.load(up_ptrs, mask=mask_k[:, None], other=0.0)
-        acc_gate = tl.dot(x, gate_w, acc_gate, input_precision=DOT_PRECISION)
-        acc_up = tl.dot(x, up_w, acc_up, input_precision=DOT_PRECISION)
-        x_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K * stride_w_k
-        up_ptrs += BLOCK_K * stride_w_k
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_w_expert + w_rows[None, :] * stride_w_out + offs_k[:, None] * stride_w_k
+    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+    acc = _gemm_k_loop(x_ptrs, w_ptrs, col_n < I, K, stride_w_k, acc, DOT_PRECISION, BLOCK_K, EVEN_K)
+    acc_gate, acc_up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
 
     # Round the pre-activations to the storage dtype first, as the reference does, so that the forward
     # and the backward (which reads them back) see the same values.
@@ -184,13 +246,16 @@ def gate_up_kernel(
         gu_ptrs = gu_ptr + offs_m[:, None] * (2 * I) + offs_n[None, :]
         tl.store(gu_ptrs, gate, mask=mask_out)
         tl.store(gu_ptrs + I, up, mask=mask_out)
-    _, silu = _silu_parts(gate.to(tl.float32))
-    h = silu * up.to(tl.float32) * tl.load(pair_weight_ptr + safe_m).to(tl.float32)[:, None]
+    act, _ = _activation(gate.to(tl.float32), ACTIVATION)
+    h = act * up.to(tl.float32) * tl.load(pair_weight_ptr + safe_m).to(tl.float32)[:, None]
     tl.store(hw_ptr + offs_m[:, None] * I + offs_n[None, :], h.to(hw_ptr.dtype.element_ty), mask=mask_out)
 
 
 @triton.autotune(
-    configs=_gemm_configs(_GEMM_HOPPER), key=["K", "N_OUT", "ROWS_PER_EXPERT", "ATOMIC"], reset_to_zero=["out_ptr"]
+    configs=_gemm_configs(_GEMM_HOPPER),
+    key=["K", "N_OUT", "ROWS_PER_EXPERT", "ATOMIC"],
+    reset_to_zero=["out_ptr"],
+    do_bench=_bench_config,
 )
 @triton.heuristics({"EVEN_K": _even_k})
 @triton.jit
@@ -226,23 +291,10 @@ def scatter_gemm_kernel(
     offs_n = (pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N_OUT
     offs_k = tl.arange(0, BLOCK_K)
-
     a_ptrs = a_ptr + safe_m[:, None].to(tl.int64) * stride_a_row + offs_k[None, :]  # [BM, BK]
-    # N is masked, not clamped: a clamped index along a unit-stride dimension hides contiguity from
-    # the compiler and turns 16-byte loads into scalar ones (B_e is N-contiguous for dx).
     b_ptrs = b_ptr + expert.to(tl.int64) * stride_b_expert + offs_k[:, None] * stride_b_k + offs_n[None, :] * stride_b_n
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
-        else:
-            mask_k = offs_k < K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=mask_k[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_b_k
+    acc = _gemm_k_loop(a_ptrs, b_ptrs, mask_n, K, stride_b_k, acc, DOT_PRECISION, BLOCK_K, EVEN_K)
 
     mask_out = mask_m[:, None] & mask_n[None, :]
     if ATOMIC:
@@ -253,7 +305,7 @@ def scatter_gemm_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
 
 
-@triton.autotune(configs=_segment_sum_configs(), key=["H"])
+@triton.autotune(configs=_segment_sum_configs(), key=["H"], do_bench=_bench_config)
 @triton.jit
 def segment_sum_kernel(
     y_ptr,  # [N, H] per-pair rows
@@ -283,10 +335,36 @@ def segment_sum_kernel(
     tl.store(out_ptr + row * stride_out_row + offs_h, acc.to(out_ptr.dtype.element_ty), mask=mask_h)
 
 
+@triton.jit
+def _dgate_up_epilogue(
+    g, offs_m, mask_m, offs_n, mask_n, w_M, gu_ptr, dgu_ptr, hw_ptr, I, WRITE_HW: tl.constexpr, ACTIVATION: tl.constexpr
+):
+    """From g = dout[row] @ down_e over a [BM, BN'] tile: store d gate, d up (and hw when WRITE_HW);
+    return the pair-weight gradient's partial sums <act(gate) * up, g> over the tile's columns [BM]."""
+    mask_out = mask_m[:, None] & mask_n[None, :]
+    gu_ptrs = gu_ptr + offs_m[:, None] * (2 * I) + offs_n[None, :]
+    gate = tl.load(gu_ptrs, mask=mask_out, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptrs + I, mask=mask_out, other=0.0).to(tl.float32)
+    act, dact = _activation(gate, ACTIVATION)
+    h = act * up
+    # d out / d pair_weight[p] = <y[p], dout[row p]> = <h[p], dout[row p] @ down_e> = <h[p], g[p]>
+    partial = tl.sum(tl.where(mask_out, h * g, 0.0), axis=1)
+    dh = g * w_M[:, None]
+    dgu_ptrs = dgu_ptr + offs_m[:, None] * (2 * I) + offs_n[None, :]
+    tl.store(dgu_ptrs, (dh * up * dact).to(dgu_ptr.dtype.element_ty), mask=mask_out)
+    tl.store(dgu_ptrs + I, (dh * act).to(dgu_ptr.dtype.element_ty), mask=mask_out)
+    if WRITE_HW:  # the same product, in the same order, as gate_up_kernel's forward: the same bits
+        tl.store(hw_ptr + offs_m[:, None] * I + offs_n[None, :], (h * w_M[:, None]).to(hw_ptr.dtype.element_ty), mask=mask_out)
+    return partial
+
+
 # Configs differ in BLOCK_N, hence in how many partial-sum columns they write: the tuner must zero the
 # buffer before each trial and before the real run, or a trial's columns would linger in the sum.
 @triton.autotune(
-    configs=_gemm_configs(_DGATE_UP_HOPPER), key=["K", "I", "ROWS_PER_EXPERT"], reset_to_zero=["dweight_partial_ptr"]
+    configs=_gemm_configs(_DGATE_UP_HOPPER, "dgate_up"),
+    key=["K", "I", "ROWS_PER_EXPERT", "WRITE_HW"],
+    reset_to_zero=["dweight_partial_ptr"],
+    do_bench=_bench_config,
 )
 @triton.heuristics({"EVEN_K": _even_k})
 @triton.jit
@@ -298,6 +376,7 @@ def dgate_up_kernel(
     gu_ptr,  # [N, 2I] saved pre-activations
     pair_weight_ptr,  # [N]
     dgu_ptr,  # [N, 2I] out
+    hw_ptr,  # [N, I] out when WRITE_HW: pair_weight * act(gate) * up, as the forward computed it
     dweight_partial_ptr,  # [N, P] fp32 out: column n holds <h[p], g[p]> over N tile n (P >= tiles)
     num_experts,
     K,
@@ -308,11 +387,14 @@ def dgate_up_kernel(
     stride_w_k,
     stride_w_n,
     stride_partial_row,
+    WRITE_HW: tl.constexpr,
+    ACTIVATION: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    EPI_SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -326,40 +408,30 @@ def dgate_up_kernel(
     offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
-
     dout_ptrs = dout_ptr + rows_M[:, None] * stride_dout_row + offs_k[None, :]  # [BM, BK]
-    # down_e is I-contiguous: mask N rather than clamp it (see scatter_gemm_kernel)
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_w_expert + offs_k[:, None] * stride_w_k + offs_n[None, :] * stride_w_n
     g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            dout = tl.load(dout_ptrs)
-            w = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
-        else:
-            mask_k = offs_k < K - k * BLOCK_K
-            dout = tl.load(dout_ptrs, mask=mask_k[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        g = tl.dot(dout, w, g, input_precision=DOT_PRECISION)
-        dout_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_w_k
+    g = _gemm_k_loop(dout_ptrs, w_ptrs, mask_n, K, stride_w_k, g, DOT_PRECISION, BLOCK_K, EVEN_K)
 
-    mask_out = mask_m[:, None] & mask_n[None, :]
-    gu_ptrs = gu_ptr + offs_m[:, None] * (2 * I) + offs_n[None, :]
-    gate = tl.load(gu_ptrs, mask=mask_out, other=0.0).to(tl.float32)
-    up = tl.load(gu_ptrs + I, mask=mask_out, other=0.0).to(tl.float32)
-    sig, silu = _silu_parts(gate)
-    # d out / d pair_weight[p] = <y[p], dout[row p]> = <h[p], dout[row p] @ down_e> = <h[p], g[p]>
-    partial = tl.sum(tl.where(mask_out, silu * up * g, 0.0), axis=1)
+    w_M = tl.load(pair_weight_ptr + safe_m).to(tl.float32)
+    if EPI_SPLIT == 2:  # two column halves one after the other: fewer fp32 tiles live at once
+        g_left, g_right = _column_halves(g, BLOCK_M, BLOCK_N)
+        offs_left = tile_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+        partial = _dgate_up_epilogue(
+            g_left, offs_m, mask_m, offs_left, offs_left < I, w_M, gu_ptr, dgu_ptr, hw_ptr, I, WRITE_HW, ACTIVATION
+        )
+        offs_right = offs_left + BLOCK_N // 2
+        partial += _dgate_up_epilogue(
+            g_right, offs_m, mask_m, offs_right, offs_right < I, w_M, gu_ptr, dgu_ptr, hw_ptr, I, WRITE_HW, ACTIVATION
+        )
+    else:
+        partial = _dgate_up_epilogue(g, offs_m, mask_m, offs_n, mask_n, w_M, gu_ptr, dgu_ptr, hw_ptr, I, WRITE_HW, ACTIVATION)
     tl.store(dweight_partial_ptr + offs_m * stride_partial_row + tile_n, partial, mask=mask_m)
-    dh = g * tl.load(pair_weight_ptr + safe_m).to(tl.float32)[:, None]
-    dgate = dh * up * sig * (1.0 + gate * (1.0 - sig))
-    dup = dh * silu
-    dgu_ptrs = dgu_ptr + offs_m[:, None] * (2 * I) + offs_n[None, :]
-    tl.store(dgu_ptrs, dgate.to(dgu_ptr.dtype.element_ty), mask=mask_out)
-    tl.store(dgu_ptrs + I, dup.to(dgu_ptr.dtype.element_ty), mask=mask_out)
 
 
-@triton.autotune(configs=_gemm_configs(_OUTER_HOPPER), key=["M", "N_OUT", "ROWS_PER_EXPERT"])
+@triton.autotune(
+    configs=_gemm_configs(_OUTER_HOPPER), key=["M", "N_OUT", "ROWS_PER_EXPERT", "GATHER_A"], do_bench=_bench_config
+)
 @triton.jit
 def segment_outer_kernel(
     a_ptr,  # rows of A; row p (or pair_row[p] when GATHER_A) holds A's M values, unit stride

@@ -23,9 +23,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from occult_hf.kernels import ExpertSegments, expert_mlp_grouped_mm, expert_mlp_reference
 from occult_hf.kernels import triton_expert_mlp
+from occult_hf.kernels import triton_expert_mlp_kernels as kernels
+from occult_hf.kernels.activations import activation_name
 from occult_hf.kernels.triton_expert_mlp import REDUCE_MODES, expert_mlp_triton
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -136,6 +139,64 @@ def test_forward_and_gradients_match_reference(interpreted, case, reduce):
         assert rel_err(grad, ref) <= 1e-4, f"d {name}: rel. error {rel_err(grad, ref):.2e}"
 
 
+def _gelu_tanh(t):
+    return F.gelu(t, approximate="tanh")
+
+
+@pytest.mark.parametrize("case", ["odd_sizes", "long_segment"])
+def test_gelu_tanh_activation_matches_reference(interpreted, case):
+    """The activation is the model's: GELU (tanh approximation) forward and derivative in every kernel."""
+    rows, hidden, inter, experts, pairs = CASES[case]
+    problem = make_problem(rows, hidden, inter, experts, pairs, seed=4)
+    grad_out = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(8))
+    out, grads = run_with_grads(expert_mlp_triton, problem, torch.float32, grad_out, activation="gelu_tanh")
+    ref_out, ref_grads = run_with_grads(expert_mlp_reference, problem, torch.float64, grad_out, act_fn=_gelu_tanh)
+    assert rel_err(out, ref_out) <= 1e-4
+    for name, grad, ref in zip(("x", "pair_weight", "gate_up_proj", "down_proj"), grads, ref_grads):
+        assert rel_err(grad, ref) <= 1e-4, f"d {name}: rel. error {rel_err(grad, ref):.2e}"
+
+
+def test_dgate_up_epilogue_on_the_whole_tile(interpreted, monkeypatch):
+    """The interpreter's dgate_up config runs its epilogue on two column halves (EPI_SPLIT=2, the
+    path of the wide tiles); this checks the one-piece epilogue (EPI_SPLIT=1) too."""
+    import triton
+
+    whole = triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "EPI_SPLIT": 1}, num_warps=1, num_stages=1)
+    monkeypatch.setattr(kernels.dgate_up_kernel, "configs", [whole])
+    monkeypatch.setattr(kernels.dgate_up_kernel, "cache", {})
+    rows, hidden, inter, experts, pairs = CASES["odd_sizes"]
+    problem = make_problem(rows, hidden, inter, experts, pairs, seed=6)
+    grad_out = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(9))
+    _, grads = run_with_grads(expert_mlp_triton, problem, torch.float32, grad_out)
+    _, ref_grads = run_with_grads(expert_mlp_reference, problem, torch.float64, grad_out)
+    assert all(rel_err(g, r) <= 1e-4 for g, r in zip(grads, ref_grads))
+
+
+def test_backward_keeps_only_the_pre_activations(interpreted):
+    """Beyond its inputs the forward saves gu [N, 2I] alone: hw [N, I] is recomputed by the backward."""
+    rows, hidden, inter, experts, pairs = CASES["odd_sizes"]
+    problem = make_problem(rows, hidden, inter, experts, pairs)
+    x, weight, gate_up, down = problem.inputs(torch.float32)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        expert_mlp_triton(x, problem.segments, weight, gate_up, down)
+    inputs = {t.data_ptr() for t in (x, weight, gate_up, down)}
+    extra = [tuple(t.shape) for t in saved if t.data_ptr() not in inputs]
+    assert extra == [(len(pairs), 2 * inter)], extra
+
+
+def test_activation_names():
+    from transformers.activations import ACT2FN
+
+    assert activation_name(F.silu) == activation_name(torch.nn.SiLU()) == activation_name(ACT2FN["silu"]) == "silu"
+    assert activation_name(ACT2FN["gelu_pytorch_tanh"]) == activation_name(torch.nn.GELU(approximate="tanh")) == "gelu_tanh"
+    for unsupported in (F.gelu, torch.nn.GELU(), ACT2FN["relu"]):
+        with pytest.raises(ValueError, match="implement the activations .* not this model's expert activation"):
+            activation_name(unsupported)
+    with pytest.raises(ValueError, match="not one of the Triton kernels' activations"):
+        expert_mlp_triton(*_args(make_problem(*CASES["single_row"])), activation="relu")
+
+
 def test_no_pairs_gives_zero_output_and_zero_gradients(interpreted):
     problem = make_problem(4, 16, 16, 2, [])
     out, grads = run_with_grads(expert_mlp_triton, problem, torch.float32, torch.ones(4, 16))
@@ -207,18 +268,29 @@ def test_bench_experts_harness_on_a_tiny_shape(interpreted, tmp_path):
     from occult_hf.benchmarks import experts as bench
 
     shape = bench.ExpertShape(hidden=32, intermediate=16, num_experts=4, top_k=2, family="olmoe")
+    ours = [name for name in bench.IMPLEMENTATIONS if name not in bench.PEERS]
     result = bench.run_benchmark(
-        {"tiny": shape}, [24], list(bench.IMPLEMENTATIONS), device=torch.device("cpu"), dtype=torch.float32,
+        {"tiny": shape}, [24], [*ours, "sonic_moe"], device=torch.device("cpu"), dtype=torch.float32,
         timer=bench.wall_timer(repeats=1), breakdown=("tiny", 24), dense_size=64, progress=False,
     )  # fmt: skip
     measured = {m.implementation: m for m in result["measurements"]}
-    assert set(measured) == set(bench.IMPLEMENTATIONS)
-    for m in measured.values():
-        assert m.fwd_rel_err <= 1e-5 and m.fwd_ms > 0 and m.fwd_bwd_ms > 0, m
-    assert "| tiny (32/16/4/2) | 24 | triton_atomic |" in result["tables"]["results"]
-    assert set(result["breakdowns"]) == set(REDUCE_MODES)
-    assert "bwd: d down_proj" in result["tables"]["reduce=atomic"]
-    assert "row -> pairs index" in result["tables"]["reduce=rows_io"]
+    assert set(measured) == {*ours, "sonic_moe"}
+    for name in ours:
+        m = measured[name]
+        assert m.fwd_rel_err <= 1e-5 and m.fwd_ms > 0 and m.fwd_bwd_ms > 0 and m.saved_bytes > 0, m
+    # the kernels keep gu [N, 2I] (fp32 here); transformers' grouped_mm keeps several [N, *] tensors more
+    pairs = 24 * shape.top_k
+    # (+ what the bench's layout adds: the pair weights in segment order [N] fp32, and the int64 order
+    # that indexing the routing weights saves for its own backward)
+    assert measured["triton_rows_io"].saved_bytes == pairs * (2 * shape.intermediate + 1) * 4 + pairs * 8
+    assert measured["hf_grouped_mm"].saved_bytes > measured["triton_rows_io"].saved_bytes
+    # a peer that cannot run here gets a row that says why (SonicMoE is not installable on CPU)
+    assert measured["sonic_moe"].fwd_ms is None and "sonic-moe" in measured["sonic_moe"].note
+    table = result["tables"]["results"]
+    assert "| tiny (32/16/4/2) | 24 | triton_atomic |" in table and "- note 1: sonic_moe: " in table
+    assert set(result["breakdowns"]) == {"rows_io", "rows_fp32"}
+    assert "bwd: d down_proj" in result["tables"]["reduce=rows_io"]
+    assert "row -> pairs index" in result["tables"]["reduce=rows_fp32"]
     bench.plot(result["measurements"], tmp_path / "experts.png")
     assert (tmp_path / "experts.png").stat().st_size > 0
 

@@ -10,9 +10,11 @@ only sees local tensors and the `ExpertSegments` layout that `dispatch()` produc
 - ``torch``: `grouped_mm` (one grouped GEMM per projection over the contiguous expert segments)
   where PyTorch has a kernel for the dtype and device (CUDA, compute capability >= 8.0, bf16,
   16-byte aligned rows), else the portable reference `expert_mlp_reference` (one GEMM per expert).
-- ``triton``: `occult_hf.kernels.triton_expert_mlp.expert_mlp_triton` (fused gather/scatter, SiLU
-  experts only; imported on first use).
-- ``auto``: ``triton`` on CUDA when Triton imports and the activation is SiLU, else ``torch``.
+- ``triton``: `occult_hf.kernels.triton_expert_mlp.expert_mlp_triton` (fused gather/scatter; the
+  model's activation passed by name, for the activations the kernels implement:
+  `occult_hf.kernels.activations.ACTIVATIONS`, SiLU and GELU-tanh; any other is refused by name;
+  imported on first use).
+- ``auto``: ``triton`` on CUDA when Triton imports and the kernels implement the activation, else ``torch``.
 """
 
 from __future__ import annotations
@@ -25,11 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import EXPERT_BACKENDS
+from .kernels.activations import activation_name, triton_supports
 from .kernels.expert_mlp_reference import expert_mlp_grouped_mm, expert_mlp_reference, grouped_mm_op
 from .kernels.layout import ExpertSegments
-
-_SILU_TYPES = (nn.SiLU,)
-_SILU_TYPE_NAMES = ("SiLU", "SiLUActivation")
 
 
 def local_experts(
@@ -55,14 +55,12 @@ def local_experts(
     """
     if backend not in EXPERT_BACKENDS:
         raise ValueError(f"expert backend must be one of {EXPERT_BACKENDS}, got {backend!r}")
-    if backend == "triton" and not is_silu(act_fn):
-        raise ValueError(
-            f"expert_backend='triton' computes SiLU experts only, but this model's expert activation is "
-            f"{_describe(act_fn)}; use expert_backend='torch' (or 'auto', which falls back to it)"
-        )
     if backend == "triton" or (backend == "auto" and _auto_uses_triton(x_RH, act_fn)):
+        activation = activation_name(act_fn)  # ValueError naming an activation the kernels lack
         expert_mlp_triton = _triton_expert_mlp()
-        return expert_mlp_triton(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, deterministic=deterministic)
+        return expert_mlp_triton(
+            x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, deterministic=deterministic, activation=activation
+        )
     if grouped_mm_supported(x_RH, gate_up_proj_L2IH, down_proj_LHI):
         return expert_mlp_grouped_mm(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn)
     return expert_mlp_reference(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn)
@@ -78,11 +76,6 @@ def grouped_mm_supported(x_RH: torch.Tensor, gate_up_proj_L2IH: torch.Tensor, do
         return False
     hidden, width = down_proj_LHI.shape[1], down_proj_LHI.shape[2]
     return hidden % 8 == 0 and width % 8 == 0  # 16-byte rows in bf16
-
-
-def is_silu(act_fn) -> bool:
-    """Whether `act_fn` is SiLU (torch's function or module, or transformers' `SiLUActivation`)."""
-    return act_fn is F.silu or isinstance(act_fn, _SILU_TYPES) or type(act_fn).__name__ in _SILU_TYPE_NAMES
 
 
 class LocalExperts(nn.Module):
@@ -113,11 +106,8 @@ class LocalExperts(nn.Module):
         super().__init__()
         if backend not in EXPERT_BACKENDS:
             raise ValueError(f"expert backend must be one of {EXPERT_BACKENDS}, got {backend!r}")
-        if backend == "triton" and not is_silu(act_fn):
-            raise ValueError(
-                f"expert_backend='triton' computes SiLU experts only, but this model's expert activation is "
-                f"{_describe(act_fn)}; use expert_backend='torch' (or 'auto', which falls back to it)"
-            )
+        if backend == "triton":
+            activation_name(act_fn)  # refuse, naming it, an activation the kernels lack, at build time
         self.gate_up_proj = gate_up_proj_L2IH
         self.down_proj = down_proj_LHI
         self.register_buffer("expert_ids", expert_ids_L.long(), persistent=False)
@@ -158,7 +148,7 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 def _auto_uses_triton(x_RH: torch.Tensor, act_fn) -> bool:
-    return x_RH.is_cuda and is_silu(act_fn) and _triton_importable()
+    return x_RH.is_cuda and triton_supports(act_fn) and _triton_importable()
 
 
 @functools.lru_cache(maxsize=1)
@@ -182,8 +172,4 @@ def _triton_expert_mlp():
     return expert_mlp_triton
 
 
-def _describe(act_fn) -> str:
-    return getattr(act_fn, "__name__", None) or type(act_fn).__name__
-
-
-__all__ = ["local_experts", "expert_mlp_grouped_mm", "grouped_mm_supported", "is_silu", "LocalExperts"]
+__all__ = ["local_experts", "expert_mlp_grouped_mm", "grouped_mm_supported", "LocalExperts"]
