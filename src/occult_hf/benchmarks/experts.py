@@ -44,7 +44,7 @@ import torch
 from occult_hf.atomic import atomic_save_figure, atomic_write_text
 from occult_hf.kernels import ExpertSegments, expert_mlp_grouped_mm, expert_mlp_reference
 
-HELP = "expert kernels: Triton vs PyTorch grouped_mm vs transformers' experts modules"
+HELP = "expert kernels: Triton vs PyTorch grouped_mm vs transformers' experts modules vs Liger-Kernel / SonicMoE"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
 
