@@ -348,3 +348,16 @@ def test_bf16_real_shapes_match_fp32_reference(shape, reduce):
     if reduce != "atomic":  # bitwise repeatable
         again = run_with_grads(expert_mlp_triton, problem, torch.bfloat16, grad_out, reduce=reduce)
         assert torch.equal(out, again[0]) and all(torch.equal(a, b) for a, b in zip(grads, again[1]))
+
+
+@gpu
+@needs_cuda
+def test_bf16_gelu_tanh_matches_fp32_reference():
+    """The GELU-tanh kernels (compiled, bf16, OLMoE shape) against the fp32 reference with the same activation."""
+    problem = _routed_problem(4096, 2048, 1024, 64, 8, "cuda", seed=1)
+    grad_out = torch.randn(4096, 2048, device="cuda")
+    out, grads = run_with_grads(expert_mlp_triton, problem, torch.bfloat16, grad_out, activation="gelu_tanh")
+    ref_out, ref_grads = run_with_grads(expert_mlp_reference, problem, torch.float32, grad_out, act_fn=_gelu_tanh)
+    assert rel_err(out, ref_out) <= 1e-2
+    for name, grad, ref in zip(("x", "pair_weight", "gate_up_proj", "down_proj"), grads, ref_grads):
+        assert rel_err(grad, ref) <= 1e-2, f"d {name}: rel. error {rel_err(grad, ref):.2e}"
