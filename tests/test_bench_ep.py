@@ -16,10 +16,18 @@ TRACE = REPO.parent / "shared/data/routing/qwen15moe_a27b_chat_gptq_int4_gsm8k25
 @pytest.mark.world_size(2)
 @pytest.mark.skipif(not TRACE.is_file(), reason=f"real routing trace {TRACE} not present")
 def test_bench_ep_two_gloo_ranks(tmp_path):
+    from occult_hf.benchmarks.ep import MODES, TRANSFORMERS_EP
+    from occult_hf.placement import Placement
+
+    # a placement file with a replicated expert (mode dedup+file; issue 14's replicas in the benchmark)
+    contiguous = Placement.contiguous(60, 2, [0])
+    Placement(60, 2, {0: contiguous.device_of(0)}, replicas={0: {0: [1], 59: [0]}}).save(tmp_path / "replicated.json")
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "occult_hf.cli",
         "bench", "ep", "--shapes", "qwen1.5-moe-a2.7b", "--tokens", "256", "--hidden", "32",
         "--intermediate", "16", "--iterations", "1", "--trace", str(TRACE), "--out", str(tmp_path),
+        "--modes", *[m.name for m in MODES], TRANSFORMERS_EP, "dedup+replicated", "dedup+file",
+        "--placement", str(tmp_path / "replicated.json"),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
@@ -32,7 +40,7 @@ def test_bench_ep_two_gloo_ranks(tmp_path):
     assert cases == {
         ("all_to_all", "per_expert+contiguous"), ("all_to_all", "dedup+contiguous"), ("all_to_all", "dedup+refined"),
         ("all_to_all", "dedup+refined+Nd=2"), ("all_to_all", "dedup+refined+Nd=1"), ("padded", "dedup+refined"),
-        ("transformers_ep", "all_to_all"),
+        ("transformers_ep", "all_to_all"), ("all_to_all", "dedup+replicated"), ("all_to_all", "dedup+file"),
     }  # fmt: skip
     assert all(r["note"] == "" for r in results), [r["note"] for r in results]
     rows = {r["mode"]: r for r in results if r["dispatcher"] == "all_to_all"}
@@ -42,6 +50,10 @@ def test_bench_ep_two_gloo_ranks(tmp_path):
     # the refined placement (planned on the first half of the trace, measured on the replay) keeps more collaboration local
     assert rows["dedup+refined"]["ct"] < rows["dedup+contiguous"]["ct"]
     assert rows["dedup+refined+Nd=1"]["ct"] == 1.0
+    # replicas: refined with one redundant slot per rank; the file's copies of experts 0 and 59 on both ranks
+    # serve some pairs on the device the token visits anyway, so CT is below the file's primary map's
+    assert rows["dedup+replicated"]["ct"] < rows["dedup+contiguous"]["ct"]
+    assert rows["dedup+file"]["ct"] < rows["dedup+contiguous"]["ct"]
     assert 1.0 <= rows["dedup+refined+Nd=2"]["ct"] <= 2.0
     # the layer with its exchange skipped was timed for every case
     assert all(r["skipped_fwd_ms"] > 0 and r["skipped_fwd_bwd_ms"] > 0 for r in rows.values())

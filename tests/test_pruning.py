@@ -10,7 +10,11 @@ What each group of tests pins down:
   uses more than N_d devices, pruning actually changed tokens, the router still gets gradients.
 - N_d = min(k, D) equals the stock transformers model (logits, loss, every gradient; fp32 <= 1e-5).
 - The auxiliary loss sees the dispatched routing (top-k of the recorded router logits = dispatched).
-- 2-rank gloo EP: pruned forward and gradients equal one process with the same 2 logical devices.
+- 2-rank gloo EP: pruned forward and gradients equal one process with the same 2 logical devices,
+  also with replicated experts.
+- Replicas (`token_device_sets_replicated`): the literal walk where an expert is served by any held
+  home and a new home is one the token uses anyway; without replicas it is `token_device_sets`; the
+  pruned routing's pairs, dispatched by the replica rule on the token's devices, span at most N_d.
 - Bad input: N_d < 1 or > D, too few experts on N_d devices, similarity without a profile, a
   profile of another model (expert count, top-k, layers, model type).
 """
@@ -40,6 +44,7 @@ from occult_hf.pruning import (
     prune_similarity,
     pruners_of,
     token_device_sets,
+    token_device_sets_replicated,
 )
 
 NUM_EXPERTS, TOP_K, NUM_DEVICES = 16, 4, 4
@@ -154,6 +159,77 @@ def test_similarity_replacement_rule():
     assert ids.tolist() == [[0, 3, 1, 2]]  # 6 takes 1 (lower of two zeros), 4 the remaining 3
 
 
+def literal_walk_replicated(ids, weights, homes, n_d):
+    """The definition with replicas, one token at a time: experts by (descending weight, primary device);
+    an expert is served when one of its homes is held; else (while fewer than N_d are held) add its home on
+    a device of one of the token's single-home experts (the one whose best expert weighs most), else its lowest."""
+    used = {}  # device -> best weight of the token's single-home experts on it
+    for e, w in zip(ids, weights):
+        if len(homes[e]) == 1:
+            used[homes[e][0]] = max(used.get(homes[e][0], float("-inf")), w)
+    kept = []
+    for j in sorted(range(len(ids)), key=lambda j: (-weights[j], homes[ids[j]][0])):
+        options = homes[ids[j]]
+        if any(d in kept for d in options) or len(kept) >= n_d:
+            continue
+        scored = [d for d in options if d in used]
+        kept.append(max(scored, key=lambda d: (used[d], -d)) if scored else options[0])
+    return sorted(kept)
+
+
+def test_token_device_sets_with_replicas_match_the_literal_walk():
+    from occult_hf.placement.replicas import home_table_from
+
+    generator = torch.Generator().manual_seed(1)
+    device_of_E = [0, 0, 1, 1, 2, 2, 3, 3, 0, 1, 2, 3]
+    replicas = {0: [2], 3: [0, 3], 6: [1]}  # expert 3 on devices 0, 1, 3
+    table_EM = torch.from_numpy(home_table_from(device_of_E, replicas))
+    homes = [[d for d in row if d >= 0] for row in table_EM.tolist()]
+    ids_Tk = torch.stack([torch.randperm(12, generator=generator)[:5] for _ in range(300)])
+    weights_Tk = torch.randint(1, 4, (300, 5), generator=generator).float() / 4
+    for n_d in (1, 2, 3, 4):
+        chosen_TD = token_device_sets_replicated(ids_Tk, weights_Tk, table_EM, 4, n_d)
+        for t in range(300):
+            expected = literal_walk_replicated(ids_Tk[t].tolist(), weights_Tk[t].tolist(), homes, n_d)
+            assert chosen_TD[t].nonzero().flatten().tolist() == expected, (t, n_d)
+        # without replicas the walk is the plain one
+        plain_EM = torch.tensor(device_of_E)[:, None]
+        assert torch.equal(
+            token_device_sets_replicated(ids_Tk, weights_Tk, plain_EM, 4, n_d),
+            token_device_sets(ids_Tk, weights_Tk, torch.tensor(device_of_E), 4, n_d),
+        )
+
+
+def replicated_placement(family: str, num_devices: int = NUM_DEVICES) -> Placement:
+    """`shuffled_placement` plus an extra home for experts 0..D-1 on the next device."""
+    base = shuffled_placement(family, num_devices)
+    replicas = {
+        layer: {e: [(base.device_of(layer)[e] + 1) % num_devices] for e in range(num_devices)} for layer in MOE_LAYERS[family]
+    }
+    return Placement(NUM_EXPERTS, num_devices, {l: base.device_of(l) for l in MOE_LAYERS[family]}, replicas=replicas)
+
+
+@pytest.mark.parametrize("family", ["olmoe", "deepseek_v3"])
+def test_pruning_with_replicas_keeps_every_pair_on_n_d_devices(family, profile_paths):
+    from occult_hf.dispatch.plan import destinations
+
+    for mode in MODES:
+        for n_d in (1, 2):
+            config = pruned_config(family, mode, n_d, profile_paths)
+            config = OccultConfig(**{**config.to_dict(), "placement": replicated_placement(family)})
+            model = apply_occult(tiny_model(family, **SIZES).train(), config)
+            block = next(m for m in model.modules() if isinstance(m, OccultMoE))
+            routing = adapter_for(model).route(block.original_block, torch.randn(64, 32, generator=torch.Generator().manual_seed(n_d)))
+            pruned = block.pruner.route(block.original_block, routing)
+            assert pruned.devices_TD is not None and int(pruned.devices_TD.sum(1).max()) <= n_d
+            dest_Tk, _ = destinations(pruned.topk_ids_Tk, *block.dispatcher.placement_on(torch.device("cpu")), visited_TD=pruned.devices_TD)
+            assert bool(pruned.devices_TD.gather(1, dest_Tk).all()), (mode, n_d)  # every pair on the token's devices
+            assert int(torch.zeros(64, NUM_DEVICES, dtype=torch.bool).scatter_(1, dest_Tk, True).sum(1).max()) <= n_d
+            # a replica counts: some token's pair is served by a copy that is not its expert's primary home
+            assert bool((dest_Tk != block.device_of_E[pruned.topk_ids_Tk]).any()) or n_d == 1
+            model(input_ids=tiny_batch(batch=2, seq=16, seed=1), labels=tiny_batch(batch=2, seq=16, seed=1)).loss.backward()
+
+
 # ----- every family, both policies -----------------------------------------------------------------
 
 
@@ -245,9 +321,9 @@ def _ep_matches_one_process(rank, world_size, profile_paths_by_family):
     one_process_groups = [dist.new_group([r]) for r in range(world_size)]
     failures = []
     for family, profile_path in profile_paths_by_family.items():
-        for mode in MODES:
+        for mode, make_placement in [(m, shuffled_placement) for m in MODES] + [("router", replicated_placement)]:
             config = OccultConfig(
-                placement=shuffled_placement(family, world_size),
+                placement=make_placement(family, world_size),
                 prune=mode,
                 max_devices_per_token=1,
                 profile=profile_path if mode == "similarity" else None,
@@ -280,7 +356,7 @@ def _ep_matches_one_process(rank, world_size, profile_paths_by_family):
             for what, (actual, expected) in checks.items():
                 error = float((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30))
                 if error > RTOL:
-                    failures.append(f"{family} {mode} {what}: {error:.3g}")
+                    failures.append(f"{family} {mode} {make_placement.__name__} {what}: {error:.3g}")
     return failures
 
 

@@ -103,12 +103,6 @@ def apply_occult(model: nn.Module, occult_config: OccultConfig | dict | str | No
     if placement is None:
         placement = Placement.contiguous(num_experts, ep.num_devices, layers)
     placement.validate_for(num_experts, layers, ep.num_devices)
-    if placement.has_replicas and config.prune is not None:  # pruning picks devices by the primary homes only
-        raise NotImplementedError(
-            f"OccultConfig.prune={config.prune!r} with a placement that has replicated experts (layers "
-            f"{sorted(placement.replicas)}) is not supported: pruning limits a token to N_d devices of the primary "
-            f"map, and the replica rule could send a pair elsewhere; plan without num_redundant_experts to prune"
-        )
     config = replace(config, placement=placement, num_devices=ep.num_devices)
 
     state = OccultState(occult_config=config, ep=ep, block_paths=[path for _, path, _ in blocks])
@@ -206,8 +200,9 @@ def _build_pruners(config, adapter, blocks, placement, ep, top_k) -> list:
     pruners = []
     for layer, _, block in blocks:
         device_of_E = torch.tensor(placement.device_of(layer), dtype=torch.int64)
+        homes = placement.home_table(layer) if placement.has_replicas else None  # replicas: a pair's home among the N_d devices
         pruners.append(
-            build_pruner(config, adapter, block, layer, device_of_E, num_devices=ep.num_devices, top_k=top_k)
+            build_pruner(config, adapter, block, layer, device_of_E, num_devices=ep.num_devices, top_k=top_k, home_table_EM=homes)
         )
     return pruners
 

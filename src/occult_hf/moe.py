@@ -20,7 +20,7 @@ The block is built from the model's own block and its family adapter and keeps b
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,6 +38,9 @@ from .dispatch import (
 )
 from .experts import LocalExperts
 from .placement import Placement
+
+if TYPE_CHECKING:
+    from .pruning import CollaborationPruner
 
 
 class OccultMoE(nn.Module):
@@ -59,7 +62,7 @@ class OccultMoE(nn.Module):
         placement: Placement,
         occult_config: OccultConfig,
         ep: ExpertParallelGroup,
-        pruner: Callable | None = None,
+        pruner: "CollaborationPruner | None" = None,
         grad_norm: GradNormCarrier | None = None,
     ) -> None:
         super().__init__()
@@ -188,12 +191,13 @@ class OccultMoE(nn.Module):
         shape = hidden_states.shape
         x_TH = hidden_states.reshape(-1, shape[-1])
         routing = self.adapter.route(block, hidden_states)
-        topk_weights_Tk, topk_ids_Tk = routing.topk_weights_Tk, routing.topk_ids_Tk
+        # pruning may also limit each token's devices (with replicas: which home serves a pair)
+        dispatched = TokenRouting(routing.topk_ids_Tk, routing.topk_weights_Tk)
         if self.pruner is not None:
-            topk_weights_Tk, topk_ids_Tk = self.pruner(block, routing)
-        self.last_topk_ids_Tk = topk_ids_Tk.detach()
+            dispatched = self.pruner.route(block, routing)
+        self.last_topk_ids_Tk = dispatched.topk_ids_Tk.detach()
 
-        routed_TH, plan = self.dispatcher.run(x_TH, TokenRouting(topk_ids_Tk, topk_weights_Tk), self.experts)
+        routed_TH, plan = self.dispatcher.run(x_TH, dispatched, self.experts)
         self._count(plan)
 
         routed_TH = self.adapter.attach_aux_loss(block, routed_TH, routing.aux_loss)

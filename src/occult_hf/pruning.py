@@ -59,8 +59,10 @@ import os
 import warnings
 from typing import Callable
 
+import numpy as np
 import torch
 
+from occult_hf.dispatch import TokenRouting
 from occult_hf.patches.base import MoEAdapter, RouterOutput
 
 from ._transformers_compat import replace_recorded_router_logits
@@ -97,6 +99,66 @@ def token_device_sets(
     best_TD = torch.sort(score_TD, dim=1, descending=True, stable=True).indices
     keep_TD = torch.zeros_like(used_TD).scatter_(1, best_TD[:, :max_devices_per_token], True)
     return keep_TD & used_TD
+
+
+def token_device_sets_replicated(
+    topk_ids_Tk: torch.Tensor,
+    topk_weights_Tk: torch.Tensor,
+    home_table_EM: torch.Tensor,
+    num_devices: int,
+    max_devices_per_token: int,
+) -> torch.Tensor:
+    """`[T, D]` bool: the devices each token may use when some experts have several homes (replicas).
+
+    The same walk as `token_device_sets` (descending weight; equal weights in increasing id of the
+    expert's lowest home), where an expert is already served when one of its homes is held. Otherwise,
+    while fewer than `N_d` devices are held, one of its homes is added: a home on a device the token
+    uses anyway (a device of one of its single-home experts, the best-scoring one), else its lowest
+    home. Without replicas this is `token_device_sets`. A row holds at most `N_d` True entries, and
+    every expert of the token with a home among them is served there (`replicas.resolve_homes` with
+    these devices as `visited_TD`), so the token's CT is at most `N_d`.
+
+    Args:
+        topk_ids_Tk, topk_weights_Tk: as in `token_device_sets`.
+        home_table_EM: `[E, M]` int64 homes of each expert, increasing, -1 padded (`Placement.home_table`).
+        num_devices: `D`.
+        max_devices_per_token: `N_d >= 1`.
+    """
+    ids_Tk = topk_ids_Tk.long()
+    num_tokens, top_k = ids_Tk.shape
+    homes_TkM = home_table_EM[ids_Tk]
+    held_TkM = homes_TkM >= 0
+    first_Tk = homes_TkM[..., 0]
+    single_Tk = held_TkM.sum(-1) == 1
+    weights_Tk = topk_weights_Tk.detach().float()
+    # devices the token uses anyway, scored by the largest weight of its single-home experts there
+    score_TD = torch.full((num_tokens, num_devices + 1), float("-inf"), dtype=torch.float32, device=ids_Tk.device)
+    score_TD.scatter_reduce_(1, torch.where(single_Tk, first_Tk, num_devices), weights_Tk, reduce="amax")
+    score_TD = score_TD[:, :num_devices]
+    # walk order: descending weight, equal weights in increasing lowest home (two stable sorts)
+    by_device_Tk = torch.sort(first_Tk, dim=1, stable=True).indices
+    by_weight_Tk = torch.sort(weights_Tk.gather(1, by_device_Tk), dim=1, descending=True, stable=True).indices
+    order_Tk = by_device_Tk.gather(1, by_weight_Tk)
+    chosen_TD = torch.zeros(num_tokens, num_devices, dtype=torch.bool, device=ids_Tk.device)
+    count_T = torch.zeros(num_tokens, dtype=torch.int64, device=ids_Tk.device)
+    rows_T = torch.arange(num_tokens, device=ids_Tk.device)
+    for step in range(top_k):
+        slot_T = order_Tk[:, step]
+        homes_TM, held_TM = homes_TkM[rows_T, slot_T], held_TkM[rows_T, slot_T]
+        served_T = (chosen_TD.gather(1, homes_TM.clamp_min(0)) & held_TM).any(1)
+        score_TM = score_TD.gather(1, homes_TM.clamp_min(0)).masked_fill(~held_TM, float("-inf"))
+        best_T = score_TM.max(1)
+        pick_T = torch.where(best_T.values > float("-inf"), homes_TM.gather(1, best_T.indices[:, None])[:, 0], homes_TM[:, 0])
+        add_T = ~served_T & (count_T < max_devices_per_token)
+        chosen_TD |= torch.nn.functional.one_hot(pick_T, num_devices).bool() & add_T[:, None]
+        count_T += add_T
+    return chosen_TD
+
+
+def allowed_experts(devices_TD: torch.Tensor, home_table_EM: torch.Tensor) -> torch.Tensor:
+    """`[T, E]` bool: experts with a home on one of each token's devices (`home_table_EM` `[E, M]`, -1 padded)."""
+    held_EM = home_table_EM >= 0
+    return (devices_TD[:, home_table_EM.clamp_min(0)] & held_EM).any(-1)
 
 
 # ----- policies ----------------------------------------------------------------------------------
@@ -195,6 +257,10 @@ class CollaborationPruner:
         top_k: `k`, experts per token.
         max_devices_per_token: `N_d`.
         similarity_EE: `[E, E]` similarity table, required by the `similarity` policy.
+        home_table_EM: `[E, M]` homes of each expert when the layer has replicated experts
+            (`Placement.home_table`, M > 1), else None: the device walk then counts an expert as served
+            by any of its homes (`token_device_sets_replicated`), and `route` returns the token's devices
+            so that the dispatch keeps every pair on them.
     """
 
     def __init__(
@@ -207,6 +273,7 @@ class CollaborationPruner:
         top_k: int,
         max_devices_per_token: int,
         similarity_EE: torch.Tensor | None = None,
+        home_table_EM=None,
     ) -> None:
         self.policy_name = policy
         self._policy = pruning_policy(policy)
@@ -238,6 +305,16 @@ class CollaborationPruner:
             # an undefined similarity (NaN) ranks below every real one but stays a valid candidate
             similarity_EE = torch.nan_to_num(torch.as_tensor(similarity_EE, dtype=torch.float32), nan=-2.0)
         self.similarity_EE = similarity_EE
+        self.home_table_EM = None
+        if home_table_EM is not None and len(home_table_EM[0]) > 1:
+            self.home_table_EM = torch.as_tensor(np.asarray(home_table_EM), dtype=torch.int64)
+            holds_primary_E = (self.home_table_EM == self.device_of_E[:, None]).any(1)
+            if self.home_table_EM.shape[0] != num_experts or not bool(holds_primary_E.all()):
+                raise ValueError(
+                    f"layer {layer_idx}: home_table_EM must be [E={num_experts}, M] homes that include each expert's "
+                    f"device in device_of_E (Placement.home_table), got shape {tuple(self.home_table_EM.shape)}"
+                )
+        # the N_d smallest primary capacities bound the experts any N_d devices hold from below (replicas only add)
         self._capacity_sorted_D = torch.sort(torch.bincount(self.device_of_E, minlength=num_devices)).values
         self.max_devices_per_token = max_devices_per_token
         self._removed_weight = None  # float64 scalar tensor: sum over tokens of the removed weight fraction
@@ -274,6 +351,12 @@ class CollaborationPruner:
     # ----- forward ------------------------------------------------------------------------------
     def __call__(self, block: torch.nn.Module, routing: RouterOutput) -> tuple[torch.Tensor, torch.Tensor]:
         """`(topk_weights_Tk, topk_ids_Tk)` to dispatch: at most `N_d` devices per token."""
+        pruned = self.route(block, routing)
+        return pruned.topk_weights_Tk, pruned.topk_ids_Tk
+
+    def route(self, block: torch.nn.Module, routing: RouterOutput):
+        """The `dispatch.TokenRouting` to dispatch: ids and weights, and with replicated experts (while
+        pruning is active) `devices_TD`, each token's devices, on which the dispatch keeps its pairs."""
         if routing.topk_ids_Tk.shape[1] != self.top_k:
             raise ValueError(
                 f"layer {self.layer_idx}: the router chose {routing.topk_ids_Tk.shape[1]} experts per token but the "
@@ -281,19 +364,27 @@ class CollaborationPruner:
             )
         if not self.active:
             self._record(routing, None, None)
-            return routing.topk_weights_Tk, routing.topk_ids_Tk
+            return TokenRouting(routing.topk_ids_Tk, routing.topk_weights_Tk)
         if self.device_of_E.device != routing.topk_ids_Tk.device:  # once: the model moved after building
             self.device_of_E = self.device_of_E.to(routing.topk_ids_Tk.device)
+            if self.home_table_EM is not None:
+                self.home_table_EM = self.home_table_EM.to(routing.topk_ids_Tk.device)
         device_of_E = self.device_of_E
-        allowed_TD = token_device_sets(
-            routing.topk_ids_Tk, routing.topk_weights_Tk, device_of_E, self.num_devices, self._max_devices_per_token
-        )
-        allowed_TE = allowed_TD.index_select(1, device_of_E)
+        if self.home_table_EM is None:
+            allowed_TD = token_device_sets(
+                routing.topk_ids_Tk, routing.topk_weights_Tk, device_of_E, self.num_devices, self._max_devices_per_token
+            )
+            allowed_TE = allowed_TD.index_select(1, device_of_E)
+        else:
+            allowed_TD = token_device_sets_replicated(
+                routing.topk_ids_Tk, routing.topk_weights_Tk, self.home_table_EM, self.num_devices, self._max_devices_per_token
+            )
+            allowed_TE = allowed_experts(allowed_TD, self.home_table_EM)
         if self.similarity_EE is not None and self.similarity_EE.device != routing.logits_TE.device:
             self.similarity_EE = self.similarity_EE.to(routing.logits_TE.device)
         weights_Tk, ids_Tk, aux_logits_TE = self._policy(self.adapter, block, routing, allowed_TE, self.similarity_EE)
         self._record(routing, allowed_TE, aux_logits_TE)
-        return weights_Tk, ids_Tk
+        return TokenRouting(ids_Tk, weights_Tk, None if self.home_table_EM is None else allowed_TD)
 
     @torch.no_grad()
     def _record(self, routing: RouterOutput, allowed_TE: torch.Tensor | None, aux_logits_TE) -> None:
@@ -354,6 +445,7 @@ def build_pruner(
     num_devices: int,
     top_k: int,
     profile=None,
+    home_table_EM=None,
 ) -> CollaborationPruner | None:
     """The pruner of one MoE layer, or None when `occult_config.prune` is None (exact mode).
 
@@ -365,6 +457,7 @@ def build_pruner(
         top_k: `k` of the model.
         profile: a loaded `RoutingProfile` to take the similarity table from; None loads
             `occult_config.profile` (once per file for all layers: `load_pruning_profile` caches it).
+        home_table_EM: `[E, M]` homes of each expert when the layer has replicas (`Placement.home_table`).
     """
     if occult_config.prune is None:
         return None
@@ -387,10 +480,13 @@ def build_pruner(
         top_k,
         occult_config.max_devices_per_token,
         similarity_EE,
+        home_table_EM,
     )
     parameter = next(block.parameters(), None)
     if parameter is not None and parameter.device.type != "meta":  # else moved at the first forward
         pruner.device_of_E = pruner.device_of_E.to(parameter.device)
+        if pruner.home_table_EM is not None:
+            pruner.home_table_EM = pruner.home_table_EM.to(parameter.device)
         if pruner.similarity_EE is not None:
             pruner.similarity_EE = pruner.similarity_EE.to(parameter.device)
     return pruner
@@ -455,4 +551,5 @@ __all__ = [
     "pruners_of",
     "pruning_policy",
     "token_device_sets",
+    "token_device_sets_replicated",
 ]

@@ -19,7 +19,9 @@ dispatcher ("all_to_all": host-read splits, packed rows, chunked overlap; "symm_
 all-to-all-v, splits on the device; "padded": static equal-split all-to-all) with `per_expert` +
 contiguous placement (one row per (token, expert), the baseline of transformers' all-to-all EP,
 Tutel and Megatron), `dedup` + contiguous, `dedup` + refined placement (planned on the first half of
-the replayed routing) and `dedup` + refined pruned to N_d devices. `transformers_ep`: transformers'
+the replayed routing) and `dedup` + refined pruned to N_d devices; on request (`--modes`) `dedup` +
+replicated (refined with one redundant expert slot per rank: hot experts get a second home) and
+`dedup` + file (`--placement occult_placement.json`, replicas allowed). `transformers_ep`: transformers'
 own expert parallelism as shipped (a one-layer checkpoint of the shape loaded with
 `DistributedConfig(ep_size=D, fsdp_size=D, ep_implementation="all_to_all")` on transformers >= 5.21,
 each rank its own batch; `DistributedConfig(tp_plan="auto", enable_expert_parallel=True)` before, all
@@ -56,7 +58,6 @@ from occult_hf.atomic import atomic_save_figure, atomic_write_text
 from occult_hf.benchmarks.experts import HF_EXPERTS, SHAPES, ExpertShape, machine_line
 from occult_hf.config import OccultConfig
 from occult_hf.dispatch import TokenRouting, dispatcher_class
-from occult_hf.metrics import mean_ct
 from occult_hf.placement import Placement, plan_placement
 from occult_hf.profile import RoutingProfile
 from occult_hf.profile import LayerAccumulator
@@ -91,6 +92,9 @@ MODES = (
     Mode("dedup", "refined", 2),
     Mode("dedup", "refined", 1),
 )
+#: on request (`--modes`): refined with one redundant expert slot per rank (replicated hot experts, issue 14),
+#: and the placement file given by `--placement` (replicas allowed)
+EXTRA_MODES = (Mode("dedup", "replicated"), Mode("dedup", "file"))
 
 #: the MoE block of each family, and what the real checkpoints add to the routed experts
 BLOCKS = {
@@ -224,12 +228,13 @@ def trace_fits(trace_ids_Nk: np.ndarray | None, shape: ExpertShape) -> bool:
     )
 
 
-def refined_placement(routing_ids_Tk: torch.Tensor, shape: ExpertShape, world: int) -> Placement:
-    """A refined placement planned on the first half of the routing that rank 0 sees (broadcast)."""
+def refined_placement(routing_ids_Tk: torch.Tensor, shape: ExpertShape, world: int, redundant: int = 0) -> Placement:
+    """A refined placement planned on the first half of the routing that rank 0 sees (broadcast); `redundant`
+    extra expert slots (`num_redundant_experts`) for replicas."""
     accumulator = LayerAccumulator(shape.num_experts, shape.top_k, sample_size=None)
     accumulator.update(routing_ids_Tk[: routing_ids_Tk.shape[0] // 2].cpu())
     profile = RoutingProfile(shape.num_experts, shape.top_k, {0: accumulator.to_layer_routing()}, model_type=shape.family)
-    placement = plan_placement(profile, world, "refined", progress=False)
+    placement = plan_placement(profile, world, "refined", progress=False, num_redundant_experts=redundant)
     holder = [placement.to_dict()]
     if dist.is_initialized():
         dist.broadcast_object_list(holder, src=0)
@@ -332,9 +337,11 @@ def cases(args, world: int) -> list[tuple[str, Mode]]:
     """(dispatcher, mode) pairs to run: every mode on every requested dispatcher that serves this group."""
     chosen = []
     for name in args.dispatchers:
-        for mode in MODES:
+        for mode in MODES + EXTRA_MODES:
             if mode.name not in args.modes or (mode.max_devices_per_token or 0) > world:
                 continue
+            if mode.placement == "file" and getattr(args, "placement", None) is None:
+                raise ValueError("bench ep mode dedup+file needs --placement FILE (an occult_placement.json)")
             if mode.max_devices_per_token and name != "all_to_all":
                 continue  # pruning changes the routing, not the transport: one dispatcher shows it
             if name == "padded" and mode.name != "dedup+refined":
@@ -360,7 +367,7 @@ def measure(shape_name: str, tokens: int, trace, args, device, dtype, rank: int,
         routing_name = "random router"
 
     rows: list[Row] = []
-    refined = None
+    planned = {}  # placement name -> Placement, planned once per shape and T
     ep_device = device if torch.device(device).type == "cuda" else None
     for dispatcher, mode in cases(args, world):
         try:
@@ -370,12 +377,17 @@ def measure(shape_name: str, tokens: int, trace, args, device, dtype, rank: int,
             continue
         if mode.placement == "contiguous":
             placement = Placement.contiguous(shape.num_experts, world, [0])
+        elif mode.placement == "file":
+            placement = Placement.load(args.placement)
+            placement = Placement(placement.num_experts, placement.num_devices, {0: placement.device_of(min(placement.layers))},
+                                  placement.meta, replicas={0: placement.replicas.get(min(placement.layers), {})})
         else:
-            if refined is None:
+            if mode.placement not in planned:
                 _, probe = occult_layer(model, OccultConfig(num_devices=world), logits_TE)
-                refined = refined_placement(probe.adapter.route(probe.original_block, x_TH[None]).topk_ids_Tk, shape, world)
+                ids_Tk = probe.adapter.route(probe.original_block, x_TH[None]).topk_ids_Tk
+                planned[mode.placement] = refined_placement(ids_Tk, shape, world, world if mode.placement == "replicated" else 0)
                 del probe
-            placement = refined
+            placement = planned[mode.placement]
         occult_config = OccultConfig(
             placement=placement,
             num_devices=world,
@@ -440,22 +452,22 @@ def _measure_layer(layer, x_TH, shape_name, tokens, routing_name, dispatcher: st
     layer.reset_counters()
     forward()
     rows_sent_D = layer.rows_sent.clone()
-    topk_ids_Tk = layer.last_topk_ids_Tk
     row_bytes = int(layer.bytes_sent.sum().item() // max(int(layer.rows_sent.sum().item()), 1))
     own = layer.ep.rank
     remote_rows = int(rows_sent_D.sum().item() - rows_sent_D[own].item()) if world > 1 else 0
     # dispatch sends rows with metadata; combine returns activations only
     remote_bytes = remote_rows * (row_bytes + x_TH.shape[1] * x_TH.element_size())
-    ct = mean_ct(topk_ids_Tk.cpu().numpy(), layer.device_of_E.cpu().numpy(), world)
-
     routing = layer.adapter.route(layer.original_block, hidden)
-    weights_Tk = routing.topk_weights_Tk
+    dispatched = TokenRouting(routing.topk_ids_Tk, routing.topk_weights_Tk)
     if layer.pruner is not None:
-        weights_Tk, _ = layer.pruner(layer.original_block, routing)
+        dispatched = layer.pruner.route(layer.original_block, routing)
+    # CT from the devices the dispatch serves each pair on (with replicas: the replica rule's home)
+    dest_Tk, _ = layer.dispatcher.destinations_of(dispatched)
+    ct = float(torch.zeros(dest_Tk.shape[0], world, dtype=torch.bool, device=dest_Tk.device).scatter_(1, dest_Tk, True).sum(1).float().mean())
 
     def exchange():
         with torch.no_grad():
-            sent = layer.dispatcher.dispatch(x_TH, TokenRouting(topk_ids_Tk, weights_Tk))
+            sent = layer.dispatcher.dispatch(x_TH, dispatched)
             layer.dispatcher.combine(sent.x_RH, sent.plan)
 
     fwd_ms = timed(forward, args.iterations, device)
@@ -620,7 +632,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", nargs="+", type=positive_int, default=[128, 4096, 16384], help="tokens per rank")
     parser.add_argument("--dispatchers", nargs="+", default=list(DISPATCHERS), choices=list(DISPATCHERS))
     parser.add_argument(
-        "--modes", nargs="+", default=[m.name for m in MODES] + [TRANSFORMERS_EP], choices=[m.name for m in MODES] + [TRANSFORMERS_EP]
+        "--modes", nargs="+", default=[m.name for m in MODES] + [TRANSFORMERS_EP],
+        choices=[m.name for m in MODES + EXTRA_MODES] + [TRANSFORMERS_EP],
+        help="cases to run (default: all but dedup+replicated and dedup+file, which run on request)",
+    )
+    parser.add_argument(
+        "--placement", default=None,
+        help="occult_placement.json for mode dedup+file (its lowest layer is the benchmark's layer; replicas allowed)",
     )
     parser.add_argument(
         "--trace",

@@ -50,7 +50,7 @@ from .base import (
     dispatch_format,
     register_dispatcher,
 )
-from .plan import SendOrder, chunk_bounds, destinations, device_counts, received_pairs, routing_width, send_order
+from .plan import SendOrder, chunk_bounds, device_counts, received_pairs, routing_width, send_order
 
 
 class ExchangeError(RuntimeError):
@@ -124,7 +124,7 @@ class AllToAllDispatcher(TokenDispatcher):
         `max_chunks`, the same on every rank), plan each chunk's rows. Returns the chunks and `[D, 2]` counts."""
         ids_Tk, weights_Tk = routing.topk_ids_Tk, routing.topk_weights_Tk
         num_tokens = ids_Tk.shape[0]
-        dest_Tk, local_Tk = destinations(ids_Tk, *self.placement_on(ids_Tk.device))
+        dest_Tk, local_Tk = self.destinations_of(routing)
         bounds = chunk_bounds(num_tokens, min(num_chunks, max_chunks))
         counts_CD2 = device_counts(dest_Tk, self.ep.num_devices, self.mode, bounds)
         splits, num_chunks = self._exchange_counts(counts_CD2, len(bounds), max_chunks)

@@ -22,7 +22,7 @@ import torch
 
 from ..kernels.layout import ExpertSegments
 from .group import ExpertParallelGroup
-from .plan import check_mode
+from .plan import check_mode, destinations
 
 #: environment variable that bounds every wait on a peer in the exchange (seconds)
 EXCHANGE_TIMEOUT_ENV = "OCCULT_EXCHANGE_TIMEOUT_S"
@@ -37,10 +37,13 @@ class TokenRouting:
     Attributes:
         topk_ids_Tk: `[T, k]` int64 expert ids in `[0, E)`.
         topk_weights_Tk: `[T, k]` routing weights as the model applies them (differentiable).
+        devices_TD: `[T, D]` bool devices each token is limited to (collaboration pruning with
+            replicated experts: a pair goes to its expert's home among them), or None.
     """
 
     topk_ids_Tk: torch.Tensor
     topk_weights_Tk: torch.Tensor
+    devices_TD: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -219,6 +222,12 @@ class TokenDispatcher:
             cached = (self._device_of_E.to(device), self._local_index_E.to(device), *replicas)
             self._placement_cache[device] = cached
         return cached
+
+    def destinations_of(self, routing) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(dest_Tk, local_Tk)` of `plan.destinations` for `routing`, with its `devices_TD` when it carries one
+        (a `TokenRouting` from pruning with replicas; the adapter's `RouterOutput` has none)."""
+        ids_Tk = routing.topk_ids_Tk
+        return destinations(ids_Tk, *self.placement_on(ids_Tk.device), visited_TD=getattr(routing, "devices_TD", None))
 
     def dispatch(self, x_TH: torch.Tensor, routing) -> Dispatched:
         """Send each token to the devices of its experts; return the received rows in expert layout."""

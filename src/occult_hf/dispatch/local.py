@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .base import DispatchPlan, Dispatched, TokenDispatcher, dispatch_format, register_dispatcher
-from .plan import destinations, device_counts, local_pairs, routing_width
+from .plan import device_counts, local_pairs, routing_width
 
 
 @register_dispatcher
@@ -26,7 +26,7 @@ class LocalDispatcher(TokenDispatcher):
     def dispatch(self, x_TH: torch.Tensor, routing) -> Dispatched:
         ids_Tk, weights_Tk = routing.topk_ids_Tk, routing.topk_weights_Tk
         num_tokens, top_k = ids_Tk.shape
-        dest_Tk, local_Tk = destinations(ids_Tk, *self.placement_on(ids_Tk.device))
+        dest_Tk, local_Tk = self.destinations_of(routing)
         counts_D2 = device_counts(dest_Tk, self.ep.num_devices, self.mode, [(0, num_tokens)])[0]
         segments, pick_N = local_pairs(local_Tk, self.num_local_experts, self.mode)
         pair_weight_N = weights_Tk.reshape(-1)[pick_N]

@@ -57,7 +57,7 @@ import torch.distributed as dist
 
 from ..kernels.layout import ExpertSegments
 from .base import DispatchPlan, Dispatched, RowFormat, TokenDispatcher, dispatch_format, register_dispatcher
-from .plan import destinations, device_counts
+from .plan import device_counts
 
 #: symmetric row widths are padded to a multiple of this many bytes, and buffers hold at least
 #: `_MIN_BUFFER_BYTES`: the all-to-all-v kernel launches min(ceil(buffer bytes / 64 KiB), 64) blocks,
@@ -114,7 +114,7 @@ class StaticDispatcher(TokenDispatcher):
         ids_Tk, weights_Tk = routing.topk_ids_Tk, routing.topk_weights_Tk
         num_tokens, top_k = ids_Tk.shape
         hidden = x_TH.shape[1]
-        dest_Tk, local_Tk = destinations(ids_Tk, *self.placement_on(ids_Tk.device))
+        dest_Tk, local_Tk = self.destinations_of(routing)
         counts_D2 = device_counts(dest_Tk, self.ep.num_devices, self.mode, [(0, num_tokens)])[0]
         send_counts_D = counts_D2[:, 0].contiguous()
 

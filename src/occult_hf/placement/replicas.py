@@ -4,7 +4,9 @@ With replicated experts a placement gives some experts several homes. Every cons
 dispatch plan of the runtime, the metrics, the planner) must agree on which home serves a pair,
 so the rule lives here once, as a pure function on tensors:
 
-1. the token's *visited* devices are the homes of its single-home experts (it goes there anyway);
+1. the token's *visited* devices are the homes of its single-home experts (it goes there anyway),
+   plus any devices the caller says it visits (`visited_TD`: collaboration pruning passes the
+   token's N_d devices, so that every pair stays on them);
 2. a pair whose expert has a home on a visited device goes to the lowest such device (a replica
    on a device the token already visits costs no extra copy of the token: it cuts CT and load);
 3. otherwise to `homes[token_index % number of homes]`: deterministic, and it spreads the expert's
@@ -30,6 +32,7 @@ def resolve_homes(
     home_table_EM: torch.Tensor,
     num_devices: int,
     token_index_T: torch.Tensor | None = None,
+    visited_TD: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`[T, k]` int64 device serving each (token, expert) pair under the replica rule (module docstring).
 
@@ -39,6 +42,8 @@ def resolve_homes(
             (`Placement.home_table`); every row holds at least one home.
         num_devices: `D`.
         token_index_T: `[T]` int64 index of each token for the balanced rule (default `arange(T)`).
+        visited_TD: `[T, D]` bool devices each token visits anyway besides its single-home experts'
+            (None: none). A pair whose expert has a home there goes to the lowest such home.
     """
     ids_Tk = topk_ids_Tk.long()
     num_tokens, top_k = ids_Tk.shape
@@ -48,9 +53,11 @@ def resolve_homes(
     num_homes_Tk = (homes_TkM >= 0).sum(-1)
     first_Tk = homes_TkM[..., 0]
     # visited devices: the homes of single-home experts (column D collects the others and is dropped)
-    visited_TD = torch.zeros(num_tokens, num_devices + 1, dtype=torch.bool, device=ids_Tk.device)
-    visited_TD.scatter_(1, torch.where(num_homes_Tk == 1, first_Tk, num_devices), True)
-    on_visited_TkM = (homes_TkM >= 0) & visited_TD.gather(
+    visited_TD1 = torch.zeros(num_tokens, num_devices + 1, dtype=torch.bool, device=ids_Tk.device)
+    if visited_TD is not None:
+        visited_TD1[:, :num_devices] = visited_TD
+    visited_TD1.scatter_(1, torch.where(num_homes_Tk == 1, first_Tk, num_devices), True)
+    on_visited_TkM = (homes_TkM >= 0) & visited_TD1.gather(
         1, homes_TkM.clamp_min(0).reshape(num_tokens, -1)
     ).reshape(homes_TkM.shape)
     if token_index_T is None:
