@@ -8,7 +8,9 @@ gloo ranks with `DistributedConfig(ep_size=2, fsdp_size=2)` (transformers' mesh 
 for OLMoE, Qwen2-MoE and DeepSeek-V3, with the contiguous placement and with a shuffled
 equal-capacity placement applied by `apply_occult_ep` (expert rows moved between the ranks), whose
 `save_pretrained` writes a vanilla checkpoint (the original checkpoint's expert tensors, bit for bit,
-and plain transformers' logits). Rows sent equal the CT count (one row per (token, destination rank)).
+and plain transformers' logits; `from_pretrained(saved, distributed_config=...)` restores the placement
+from the saved `occult_config`). Rows sent equal the CT count (one row per (token, destination rank)). Collaboration pruning (router
+mode, N_d = 1) gives the logits of occult_hf's own path in one process with the same placement.
 """
 
 from __future__ import annotations
@@ -95,19 +97,42 @@ def _ep_world(rank, world_size, checkpoints, out_dir):
         found["shuffled"] = _step(model, ids)
         found["rows_sent"] = {layer: impl.rows_sent.tolist() for layer, impl in occult_ep_layers(model).items()}
         model.save_pretrained(os.path.join(out_dir, family))  # collective
+        if family == "deepseek_v3":  # the saved occult_config comes back with from_pretrained(distributed_config=...)
+            again = _load_ep(os.path.join(out_dir, family), ep_size=2, fsdp_size=2)
+            found["reloaded_order"] = {layer: impl.stored_experts_P for layer, impl in occult_ep_layers(again).items()}
+            with torch.no_grad():
+                found["reloaded_logits"] = again(ids).logits.numpy().copy()
+        if family == "olmoe":  # collaboration pruning through the adapter, on the router's output
+            apply_occult_ep(model, OccultConfig(placement=shuffled_placement(family), prune="router", max_devices_per_token=1))
+            for impl in occult_ep_layers(model).values():
+                impl.reset_counters()
+            with torch.no_grad():
+                found["pruned_logits"] = model(ids).logits.numpy().copy()
+            found["pruned_rows"] = {layer: impl.rows_sent.tolist() for layer, impl in occult_ep_layers(model).items()}
         results[family] = found
     return results
 
 
-def _reference(path) -> dict:
-    """The single-process model on both ranks' batches: per-rank logits/losses, gradients of their mean."""
+def _reference(path, world_size: int = 2) -> dict:
+    """The single-process model on every rank's batch: per-rank logits/losses, gradients of their mean."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, occult_config=None)
-    outs = [model(rank_batch(r), labels=rank_batch(r)) for r in range(2)]
-    ((outs[0].loss + outs[1].loss) / 2).backward()
+    outs = [model(rank_batch(r), labels=rank_batch(r)) for r in range(world_size)]
+    (sum(o.loss for o in outs) / world_size).backward()
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
     return {"model": model, "logits": [o.logits.detach() for o in outs], "loss": [float(o.loss) for o in outs], "grads": grads}
+
+
+def check_equal_to_reference(found: dict, ref: dict, rank: int, what: str) -> None:
+    for kind in ("contiguous", "shuffled"):
+        run = found[kind]
+        where = f"{what} rank {rank} {kind}"
+        assert rel_err(run["logits"], ref["logits"][rank]) <= TOLERANCE, where
+        assert abs(run["loss"] - ref["loss"][rank]) <= TOLERANCE * abs(ref["loss"][rank]), where
+        assert run["grads"].keys() == ref["grads"].keys(), where
+        for name, grad in ref["grads"].items():
+            assert rel_err(run["grads"][name], grad) <= TOLERANCE, f"{where}: gradient of {name}"
 
 
 def _ct_rows(model, family: str, placement, rank: int) -> dict[int, list[int]]:
@@ -141,20 +166,88 @@ def test_occult_ep_equals_the_single_process_model(tmp_path):
     for family, path in checkpoints.items():
         ref = _reference(path)
         for rank, found in enumerate(r[family] for r in results):
-            for kind in ("contiguous", "shuffled"):
-                run = found[kind]
-                where = f"{family} rank {rank} {kind}"
-                assert rel_err(run["logits"], ref["logits"][rank]) <= TOLERANCE, where
-                assert abs(run["loss"] - ref["loss"][rank]) <= TOLERANCE * abs(ref["loss"][rank]), where
-                assert run["grads"].keys() == ref["grads"].keys(), where
-                for name, grad in ref["grads"].items():
-                    assert rel_err(run["grads"][name], grad) <= TOLERANCE, f"{where}: gradient of {name}"
+            check_equal_to_reference(found, ref, rank, family)
             assert found["rows_sent"] == _ct_rows(ref["model"], family, shuffled_placement(family), rank), family
         # the save after the shuffled placement: a vanilla checkpoint, equal to the one loaded
         saved, original = load_file(str(tmp_path / "saved" / family / "model.safetensors")), load_file(f"{path}/model.safetensors")
         assert saved.keys() == original.keys(), family
         for key, value in original.items():
             assert torch.equal(saved[key], value), f"{family}: {key} differs from the loaded checkpoint"
+        if family == "deepseek_v3":
+            placement = shuffled_placement(family)
+            for rank, found in enumerate(r[family] for r in results):
+                assert found["reloaded_order"] == {l: [e for d in range(2) for e in placement.experts_on(l, d)] for l in MOE_LAYERS[family]}
+                assert rel_err(found["reloaded_logits"], ref["logits"][rank]) <= TOLERANCE
+        if family == "olmoe":
+            for rank, found in enumerate(r[family] for r in results):
+                assert rel_err(found["pruned_logits"], _pruned_reference(path, rank)) <= TOLERANCE
+                tokens = rank_batch(rank).numel()
+                assert all(sum(rows) == tokens for rows in found["pruned_rows"].values())  # N_d = 1: one row per token
         plain = AutoModelForCausalLM.from_pretrained(tmp_path / "saved" / family, dtype=torch.float32, occult_config=None)
         with torch.no_grad():
             assert rel_err(plain(rank_batch(0)).logits, ref["logits"][0]) <= TOLERANCE, family
+
+
+def _pruned_reference(path, rank: int):
+    """occult_hf's own path in one process (2 logical devices), same placement and pruning."""
+    from transformers import AutoModelForCausalLM
+
+    from occult_hf import OccultConfig
+
+    config = OccultConfig(placement=shuffled_placement("olmoe"), prune="router", max_devices_per_token=1)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, occult_config=config)
+    with torch.no_grad():
+        return model(rank_batch(rank)).logits
+
+
+def test_placements_transformers_cannot_shard_are_errors_that_name_the_other_path():
+    from occult_hf import Placement
+    from occult_hf.hf_ep import _check_equal_capacities
+
+    uneven = Placement(NUM_EXPERTS, 2, {0: [0, 0, 0, 1, 1, 1, 1, 1]})
+    with pytest.raises(ValueError, match=r"gives the devices \[3, 5\] experts at layer 0.*occult_config path"):
+        _check_equal_capacities(uneven, [0], 4)
+    replicated = Placement.from_dict(
+        {"num_experts": 8, "num_devices": 2, "layers": {"0": [0, 0, 0, 0, 1, 1, 1, 1]}, "replicas": {"0": {"0": [1]}}}
+    )
+    with pytest.raises(ValueError, match="replicates experts.*occult_config path"):
+        _check_equal_capacities(replicated, [0], 4)
+
+
+def test_apply_occult_ep_needs_a_model_loaded_with_the_occult_implementation():
+    from tiny_models import tiny_model
+
+    from occult_hf import apply_occult_ep
+
+    with pytest.raises(ValueError, match="ep_implementation='occult'"):
+        apply_occult_ep(tiny_model("olmoe"))
+
+
+def test_occult_is_registered_in_transformers_ep_registry():
+    from transformers.distributed.expert_parallel import EPImplementationInterface
+
+    from occult_hf.hf_ep import OccultEP, register_ep_implementation
+
+    assert EPImplementationInterface()["occult"] is OccultEP
+    assert register_ep_implementation()  # idempotent
+
+
+def _replicas_world(rank, world_size, path):
+    from occult_hf import OccultConfig, apply_occult_ep
+
+    model = _load_ep(path, dp_replicate_size=2, fsdp_size=2, ep_size=2)  # two EP groups, {0, 1} and {2, 3}
+    found = {"contiguous": _step(model, rank_batch(rank))}
+    apply_occult_ep(model, OccultConfig(placement=shuffled_placement("olmoe")))  # within each EP group
+    found["shuffled"] = _step(model, rank_batch(rank))
+    return found
+
+
+@pytest.mark.world_size(4)
+def test_occult_ep_with_data_parallel_replicas(tmp_path):
+    """`dp_replicate_size=2` (HSDP): two EP groups of 2 ranks; the experts' gradients are summed over the
+    replicas by FSDP2 and equal the single-process model's on the four batches."""
+    path = str(tiny_checkpoint("olmoe", tmp_path / "olmoe", seed=5, num_experts=NUM_EXPERTS))
+    results = run_world(_replicas_world, 4, path, timeout_s=400)
+    ref = _reference(path, world_size=4)
+    for rank, found in enumerate(results):
+        check_equal_to_reference(found, ref, rank, "olmoe, dp_replicate_size=2")

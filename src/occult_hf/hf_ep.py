@@ -37,7 +37,6 @@ experts need the `occult_config` path, which serves them; here they are a clear 
 from __future__ import annotations
 
 import functools
-import os
 import types
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -49,6 +48,7 @@ from torch import nn
 from .config import OccultConfig
 from .dispatch import ExpertParallelGroup, TokenDispatcher, TokenRouting, build_dispatcher
 from .experts import local_experts
+from .integration import _load_placement
 from .patches import adapter_for
 from .placement import Placement
 
@@ -337,6 +337,24 @@ def apply_occult_ep(model: nn.Module, occult_config: OccultConfig | dict | str |
     return model
 
 
+def apply_on_load(model: nn.Module, occult_config) -> nn.Module | None:
+    """`from_pretrained(..., occult_config=...)` on a model that transformers' own EP sharded: configure
+    `ep_implementation="occult"` (returns the model), refuse another EP implementation with an error
+    that says what to do, or None when transformers did not shard the experts (the `occult_config`
+    path applies)."""
+    if uses_occult_ep(model):
+        return apply_occult_ep(model, occult_config)
+    distributed_config = getattr(model.config, "distributed_config", None)
+    if getattr(distributed_config, "ep_size", 1) > 1:
+        raise ValueError(
+            f"occult_config with DistributedConfig(ep_size={distributed_config.ep_size}, "
+            f"ep_implementation={distributed_config.ep_implementation!r}): set ep_implementation="
+            f"{EP_IMPLEMENTATION_NAME!r} to run Occult inside transformers' expert parallelism, or pass "
+            f"occult_config=None to load without Occult (a checkpoint saved with occult_hf stores its occult_config)"
+        )
+    return None
+
+
 def remove_occult_ep(model: nn.Module) -> nn.Module:
     """Undo `apply_occult_ep`: experts back in original order (collective), no pruning, default settings."""
     state = getattr(model, _STATE_ATTR, None)
@@ -371,17 +389,9 @@ def _remove_hooks(model: nn.Module, state: _OccultEPState) -> None:
 
 
 def _resolve_placement(value, num_experts: int, num_devices: int, layers: list[int]) -> Placement:
-    if isinstance(value, Placement):
-        placement = value
-    elif value == "contiguous":
+    placement = _load_placement(value)  # None: contiguous
+    if placement is None:
         return Placement.contiguous(num_experts, num_devices, layers)
-    elif os.path.isfile(value) or os.path.isdir(value):
-        placement = Placement.load(value)
-    else:
-        raise ValueError(
-            f"OccultConfig.placement={value!r} is neither 'contiguous' nor an existing occult_placement.json "
-            f"(or a directory holding one)"
-        )
     placement.validate_for(num_experts, layers, num_devices)
     return placement
 
@@ -507,6 +517,7 @@ __all__ = [
     "OccultEP",
     "ShardExperts",
     "apply_occult_ep",
+    "apply_on_load",
     "occult_ep_config_of",
     "occult_ep_layers",
     "register_ep_implementation",

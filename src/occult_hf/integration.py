@@ -242,14 +242,18 @@ def is_installed() -> bool:
 
 def _apply_on_load(model, occult_config):
     """Apply `occult_config`, else the config's stored `occult_config` (AutoModel passes a keyword that
-    names an existing config attribute to the config, so both routes end here)."""
+    names an existing config attribute to the config, so both routes end here): through `apply_occult`,
+    or, for a model whose experts transformers' own EP sharded, `hf_ep.apply_on_load`."""
     if occult_config is UNSET:
         occult_config = getattr(model.config, "occult_config", None)
     if occult_config is None:
         if hasattr(model.config, "occult_config"):
             del model.config.occult_config
         return model
-    return apply_occult(model, occult_config)
+    from .hf_ep import apply_on_load  # transformers' own EP (DistributedConfig(ep_implementation="occult"))
+
+    configured = apply_on_load(model, occult_config)
+    return apply_occult(model, occult_config) if configured is None else configured
 
 
 # ----- generate ---------------------------------------------------------------------------------
