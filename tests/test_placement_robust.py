@@ -215,6 +215,17 @@ def test_slowest_objective_lowers_the_slowest_device_and_keeps_the_limit(tmp_pat
         refine_layer(routing.coactivation, routing.expert_counts, None, 4, RefinedOptions(objective="slowest"))
     with pytest.raises(ValueError, match="byte_cost_s must be a number >= 0"):
         RefinedOptions(byte_cost_s=-1.0)
+    # with replicas: the descent works on the copies and is kept only when the rule's own times confirm it
+    replicated = {}
+    for objective in ("auto", "slowest"):
+        plan = refine_layer(
+            routing.coactivation, routing.expert_counts, ids, 4,
+            RefinedOptions(objective=objective, num_redundant_experts=4, **FAST, **costs),
+        )  # fmt: skip
+        table = home_table_from(plan.device_of_E, plan.replicas)
+        assert sum(len(r) for r in plan.replicas.values()) == 4 and (np.bincount(table[table >= 0], minlength=4) == 5).all()
+        replicated[objective] = device_times(ids, plan.device_of_E, 4, StepCosts(**costs), table).max()
+    assert replicated["slowest"] <= replicated["auto"]
     bench = tmp_path / "bench.json"
     bench.write_text(json.dumps({"rows": [{"shape": "qwen1.5-moe-a2.7b", "mode": "dedup+refined", "tokens_per_rank": 1000,
                                            "fwd_ms": 5.0, "exchange_ms": 1.0, "bandwidth_gbs": 100.0}]}))

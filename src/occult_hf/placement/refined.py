@@ -42,7 +42,8 @@ from ..metrics import load_floor
 from .objectives import PairwiseCut, SampleCT
 from .replicas import home_table_from, resolve_homes_np
 from .robust import count_scenarios, scenario_loads, token_scenarios
-from .slowest import StepCosts, slowest_descent
+from .registry import balanced_capacities, check_layer_inputs, register_planner
+from .slowest import StepCosts, device_times, slowest_descent
 
 
 def metrics_ct_total(sample_Nk: np.ndarray, device_of_E: np.ndarray, num_devices: int) -> float:
@@ -50,7 +51,6 @@ def metrics_ct_total(sample_Nk: np.ndarray, device_of_E: np.ndarray, num_devices
     from ..metrics import communication_cost
 
     return float(communication_cost(sample_Nk, device_of_E, num_devices).sum())
-from .registry import balanced_capacities, check_layer_inputs, register_planner
 
 #: objective values are integers held in float64: a step must gain at least this much
 _MIN_GAIN = 0.5
@@ -106,8 +106,6 @@ class RefinedOptions:
         if self.objective not in OBJECTIVES:
             raise ValueError(f"refined option objective must be one of {OBJECTIVES}, got {self.objective!r}")
         StepCosts(self.pair_cost_s, self.byte_cost_s, self.row_bytes)  # validates the costs
-        if self.objective == "slowest" and self.num_redundant_experts:
-            raise ValueError("refined option objective='slowest' does not support num_redundant_experts yet; use 'auto'")
         if not isinstance(self.robust_blocks, int) or isinstance(self.robust_blocks, bool) or self.robust_blocks < 1:
             raise ValueError(f"refined option robust_blocks must be an integer >= 1, got {self.robust_blocks!r}")
         for name in ("seed", "search_rounds", "kick_swaps", "robust_resamples", "num_redundant_experts", "replica_rounds"):
@@ -422,6 +420,29 @@ def _replica_rounds(best_I, best_cost, sample_Nk, weights_SN, group_I, coactivat
     return best_I, best_key[1]
 
 
+def _slowest_with_replicas(item_device_I, sample_Nk, weights_SN, group_I, limit_S, costs, num_devices):
+    """Objective "slowest" with replicas: descend on the copies, each pair on the copy the replica rule serves it
+    on now; keep the result when the rule's own times confirm a lower slowest device and the rule's loads stay
+    within the limits (or no further above them than before). Returns `(item devices, total CT under the rule)`."""
+    num_experts = int(group_I.max()) + 1
+
+    def under_rule(devices_I):
+        items_Nk, total_ct = _rule_items(devices_I, group_I, sample_Nk, num_devices)
+        homes = _homes_of(devices_I, group_I, num_experts)
+        table = home_table_from([h[0] for h in homes], {e: h[1:] for e, h in enumerate(homes) if len(h) > 1})
+        load_SD = scenario_loads(items_Nk, weights_SN, len(group_I)) @ np.eye(num_devices)[devices_I]
+        slowest = float(device_times(sample_Nk, table[:, 0], num_devices, costs, table).max())
+        return items_Nk, total_ct, slowest, float((load_SD / limit_S[:, None]).max())
+
+    items_Nk, ct, slowest, over = under_rule(item_device_I)
+    scaled_SI = scenario_loads(items_Nk, weights_SN, len(group_I)) / limit_S[:, None]
+    trial_I = slowest_descent(items_Nk, item_device_I, num_devices, costs, scaled_SI, group_E=group_I)
+    _, trial_ct, trial_slowest, trial_over = under_rule(trial_I)
+    if trial_slowest < slowest and trial_over <= max(over, 1.0) + 1e-12:
+        return trial_I, trial_ct
+    return item_device_I, ct
+
+
 def refine_layer(
     coactivation_EE: np.ndarray,
     expert_counts_E: np.ndarray,
@@ -488,8 +509,13 @@ def refine_layer(
         )
     if options.objective == "slowest":
         costs = StepCosts(options.pair_cost_s, options.byte_cost_s, options.row_bytes)
-        best_E = slowest_descent(sample, best_E, num_devices, costs, load_SE / (limit_S[:, None] * factor))
-        best_cost = float(metrics_ct_total(sample, best_E, num_devices))
+        if group_I is None:
+            best_E = slowest_descent(sample, best_E, num_devices, costs, load_SE / (limit_S[:, None] * factor))
+            best_cost = float(metrics_ct_total(sample, best_E, num_devices))
+        else:
+            best_E, best_cost = _slowest_with_replicas(
+                best_E, original_sample, weights_SN, group_I, limit_S * factor, costs, num_devices
+            )
         name = "slowest"
     limit_reached = factor == 1.0
     limit = float(limit_S[0]) * factor

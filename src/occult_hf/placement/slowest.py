@@ -12,6 +12,11 @@ of the slowest device with an expert elsewhere (and, with unequal capacities, ev
 scored exactly on the sample's tokens; the best one that lowers the maximum (ties: lower total CT)
 and keeps the load limit is applied, until none does.
 
+With replicated experts the descent works on the copies (`group_I`: copies of one expert never share
+a device), the sample's pairs mapped to the copy the replica rule serves them on; the rule's choice
+moves with the copies, so `refined` keeps the result only when the rule's own times
+(`device_times(..., home_table_EM=...)`) confirm the gain.
+
 Default costs: one H200 (`docs/bench_ep_h200_1gpu.md`, Qwen1.5-MoE shape, T=16384, dedup+refined:
 forward minus exchange over the 65,536 pairs: about 8.7e-8 s per pair) and NVLink all-to-all at about
 400 GB/s (2.5e-12 s per byte), rows of H=2048 bf16 (4096 bytes). `costs_from_bench` reads them from
@@ -118,9 +123,23 @@ class _Times:
         self.pairs_D, self.rows_D, self.ct = pairs_D, rows_D, ct
 
 
-def device_times(ids_Nk: np.ndarray, device_of_E: np.ndarray, num_devices: int, costs: StepCosts = StepCosts()) -> np.ndarray:
-    """`[D]` modelled time of each device (seconds) for the tokens `ids_Nk` under `device_of_E`."""
-    times = _Times(np.ascontiguousarray(ids_Nk, dtype=np.int64), device_of_E, num_devices, costs)
+def device_times(
+    ids_Nk: np.ndarray,
+    device_of_E: np.ndarray,
+    num_devices: int,
+    costs: StepCosts = StepCosts(),
+    home_table_EM: np.ndarray | None = None,
+) -> np.ndarray:
+    """`[D]` modelled time of each device (seconds) for the tokens `ids_Nk` under `device_of_E`, or with
+    replicas (`home_table_EM` `[E, M]`) under the replica rule (`metrics.pair_devices`)."""
+    ids_Nk = np.ascontiguousarray(ids_Nk, dtype=np.int64)
+    if home_table_EM is not None and np.asarray(home_table_EM).shape[1] > 1:
+        from ..metrics import pair_devices
+
+        # one pseudo-expert per (token, slot) pair, on the device the rule serves it on
+        device_Nk = pair_devices(ids_Nk, np.asarray(device_of_E), num_devices, home_table_EM)
+        ids_Nk, device_of_E = np.arange(device_Nk.size).reshape(device_Nk.shape), device_Nk.ravel()
+    times = _Times(ids_Nk, device_of_E, num_devices, costs)
     return times.time_D(times.pairs_D, times.rows_D)
 
 
@@ -131,11 +150,14 @@ def slowest_descent(
     costs: StepCosts,
     scaled_load_SE: np.ndarray,
     max_steps: int = 200,
+    group_E: np.ndarray | None = None,
 ) -> np.ndarray:
     """Descend on the slowest device's modelled time from `device_of_E` (module docstring).
 
     `scaled_load_SE` `[S, E]`: the load scenarios scaled so that the limit is 1; a step that puts a
-    device above 1 in any scenario is not taken. Returns the `[E]` device map.
+    device above 1 in any scenario is not taken. `group_E` `[E]` (copies of replicated experts: the
+    "experts" here are copies): no step puts two copies of one group on a device. Returns the `[E]`
+    device map.
     """
     times = _Times(np.ascontiguousarray(ids_Nk, dtype=np.int64), device_of_E, num_devices, costs)
     capacities = np.bincount(times.device_of_E, minlength=num_devices)
@@ -151,6 +173,8 @@ def slowest_descent(
             if small != large and count_D[slowest] == large:
                 candidates += [[(int(expert), int(d))] for d in np.flatnonzero(count_D == small)]
             for moves in candidates:
+                if group_E is not None and not _groups_apart(moves, times.device_of_E, group_E):
+                    continue
                 trial_SD = load_SD.copy()
                 for moved, target in moves:
                     trial_SD[:, times.device_of_E[moved]] -= scaled_load_SE[:, moved]
@@ -165,6 +189,20 @@ def slowest_descent(
             break
         times.apply(*best)
     return times.device_of_E
+
+
+def _groups_apart(moves: list[tuple[int, int]], device_of_E: np.ndarray, group_E: np.ndarray) -> bool:
+    """True when after `moves` no device holds two items of one group."""
+    after_E = device_of_E.copy()
+    for item, target in moves:
+        after_E[item] = target
+    touched = np.isin(group_E, [group_E[item] for item, _ in moves])
+    pairs = set()
+    for group, device in zip(group_E[touched].tolist(), after_E[touched].tolist()):
+        if (group, device) in pairs:
+            return False
+        pairs.add((group, device))
+    return True
 
 
 __all__ = ["StepCosts", "costs_from_bench", "device_times", "slowest_descent"]
