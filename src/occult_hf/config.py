@@ -11,7 +11,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-DISPATCH_MODES = ("dedup", "per_expert")
+from .dispatch import dispatcher_names
+from .dispatch.plan import DISPATCH_MODES  # owned by the dispatch plan; kept importable from here
 EXPERT_BACKENDS = ("auto", "triton", "torch")
 PRUNE_MODES = ("router", "similarity")
 _MISSING = object()
@@ -133,8 +134,6 @@ class OccultConfig:
         if not isinstance(self.dispatcher, str) or self.dispatcher != self.dispatcher.lower() or not self.dispatcher:
             raise ValueError(f"OccultConfig.dispatcher must be 'auto' or a lowercase registered name, got {self.dispatcher!r}")
         if self.dispatcher != "auto":
-            from .dispatch import dispatcher_names  # local import: dispatch imports this module
-
             if self.dispatcher not in dispatcher_names():
                 raise ValueError(
                     f"OccultConfig.dispatcher must be 'auto' or one of {dispatcher_names()}, got {self.dispatcher!r}"

@@ -35,6 +35,8 @@ import torch
 from torch import nn
 from transformers.utils import logging as hf_logging
 
+from occult_hf.patches import adapter_for
+
 from ._state import STATE_ATTR, OccultState, state_of
 from ._transformers_compat import (
     UNSET,
@@ -58,7 +60,6 @@ from .ddp_ignore import RankLocalStateNames
 from .dispatch import ExpertParallelGroup
 from .launch import check_process_group_started
 from .moe import OccultMoE
-from .patches import adapter_for
 from .placement import Placement
 from .trainer_ep import install_trainer_hooks, uninstall_trainer_hooks
 

@@ -25,9 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import DISPATCH_MODES
-from ..kernels.layout import ExpertSegments
+from occult_hf.kernels.layout import ExpertSegments
+
 from ..placement.replicas import resolve_homes
+
+#: the dispatch modes (`OccultConfig.dispatch`): one row per (token, device), or per (token, expert) pair
+DISPATCH_MODES = ("dedup", "per_expert")
 
 
 def check_mode(mode: str) -> None:
