@@ -13,7 +13,7 @@ from .registry import (
     available_planners,
     balanced_capacities,
     get_planner,
-    plan_placement,
+    plan_profiles,
     pool_profiles,
     register_planner,
 )
@@ -22,6 +22,7 @@ from .registry import (
 from . import contiguous, occult, refined  # noqa: E402,F401  (isort: skip)
 from .refined import LayerPlan, RefinedOptions, refine_layer  # noqa: E402
 from .replicas import resolve_homes  # noqa: E402
+from .planning import plan_placement  # noqa: E402
 
 __all__ = [
     "LayerPlan",
@@ -33,6 +34,7 @@ __all__ = [
     "balanced_capacities",
     "get_planner",
     "plan_placement",
+    "plan_profiles",
     "refine_layer",
     "register_planner",
 ]

@@ -1,4 +1,4 @@
-"""Placement planners: a registry of named methods and `plan_placement` over a routing profile.
+"""Placement planners: a registry of named methods and `plan_profiles` over a routing profile.
 
 A planner is a per-layer function on plain arrays,
 
@@ -6,8 +6,9 @@ A planner is a per-layer function on plain arrays,
                                                                         (or a plan with device_of_E, replicas)
 
 plus a frozen options dataclass (validated in `__post_init__`). Keeping the core on arrays makes
-each planner testable without a profile; `plan_placement` runs it over a profile's layers with a
-progress bar and returns a `Placement`. Planners register themselves with `register_planner`.
+each planner testable without a profile; `plan_profiles` runs it over a profile's layers with a
+progress bar and returns a `Placement` (`planning.plan_placement`, the entry point, adds the
+optional held-out estimate). Planners register themselves with `register_planner`.
 
 Shape legend: E routed experts, D devices, N sampled tokens, k experts per token.
 """
@@ -187,17 +188,18 @@ def _profile_inputs(items: list["RoutingProfile"], layer: int, pooled_routing) -
     return {"counts_PE": np.stack([np.asarray(p.layer(layer).expert_counts, dtype=np.float64) for p in items])}
 
 
-def plan_placement(
+def plan_profiles(
     profile: "RoutingProfile | list[RoutingProfile] | dict[str, RoutingProfile]",
     num_devices: int,
     method: str = "refined",
     *,
     layers: Iterable[int] | None = None,
     progress: bool = True,
-    cross_validate: int = 0,
     **options: Any,
 ) -> Placement:
     """Plan a placement for every layer of `profile` (or `layers`) with the named method.
+
+    `plan_placement` is this plus the optional cross-validation (`placement.planning`).
 
     Args:
         profile: a `RoutingProfile` (co-activation, expert counts and, when present, the top-k
@@ -208,9 +210,6 @@ def plan_placement(
         method: a registered planner name (`available_planners()`); default "refined".
         layers: the profile layers to plan (default: all the profiles share).
         progress: show a tqdm bar over layers.
-        cross_validate: K >= 2: also estimate the held-out figures by K-fold cross-validation on
-            the profile's sample (`placement.validation.cross_validate`), kept in
-            `meta["expected_held_out"]`; 0: skip.
         **options: the planner's options (e.g. `max_load_ratio=1.1, seed=0` for "refined").
 
     `placement.meta["profile_metrics"]` records, per layer, how the placement scores on the
@@ -257,14 +256,7 @@ def plan_placement(
     if len(items) > 1:
         meta["profiles"] = names
         meta["worst_profile"] = worst
-    placement = Placement(pooled.num_experts, int(num_devices), maps, meta, replicas=replicas, slots_per_device=slots)
-    if cross_validate:
-        from .validation import cross_validate as run_cross_validation
-
-        meta["expected_held_out"] = run_cross_validation(
-            items, num_devices, method, folds=cross_validate, layers=chosen, **options
-        )
-    return placement
+    return Placement(pooled.num_experts, int(num_devices), maps, meta, replicas=replicas, slots_per_device=slots)
 
 
 def _home_table(device_of_E: np.ndarray, replicas: dict | None) -> np.ndarray | None:
@@ -294,7 +286,7 @@ __all__ = [
     "balanced_capacities",
     "check_layer_inputs",
     "get_planner",
-    "plan_placement",
+    "plan_profiles",
     "pool_profiles",
     "register_planner",
 ]

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..profile import RoutingProfile
+from .registry import plan_profiles
 
 
 def profile_from_sample(layers_topk: dict[int, np.ndarray], num_experts: int, source: str) -> RoutingProfile:
@@ -57,7 +58,7 @@ def cross_validate(
     layers: Iterable[int] | None = None,
     **options: Any,
 ) -> dict[str, Any]:
-    """Expected held-out figures of `plan_placement(profiles, num_devices, method, **options)`.
+    """Expected held-out figures of `plan_profiles(profiles, num_devices, method, **options)`.
 
     Returns a JSON-safe dict: `folds`; per layer (`"layers"`) the held-out CT (mean over folds;
     None without samples), balance (mean over folds of the worst profile's held-out balance),
@@ -66,7 +67,6 @@ def cross_validate(
     `{"folds": K, "skipped": reason}`.
     """
     from ..metrics import evaluate_layer
-    from .registry import plan_placement
 
     items = [profiles] if isinstance(profiles, RoutingProfile) else list(profiles)
     if not isinstance(folds, int) or folds < 2:
@@ -80,7 +80,7 @@ def cross_validate(
     per_layer: dict[int, dict[str, list[float]]] = {l: {"ct": [], "balance": [], "balance_floor": []} for l in chosen}
     for index in range(folds):
         parts = [_fold(p, chosen, folds, index) for p in items]
-        planned = plan_placement([t for t, _ in parts], num_devices, method, layers=chosen, progress=False, **options)
+        planned = plan_profiles([t for t, _ in parts], num_devices, method, layers=chosen, progress=False, **options)
         for layer in chosen:
             home_table = planned.home_table(layer) if planned.has_replicas else None
             device_of_E = np.asarray(planned.device_of(layer))
