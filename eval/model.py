@@ -37,10 +37,11 @@ from lm_eval.models.utils_hf import get_dtype
 
 from occult_hf import integration
 from occult_hf.config import OccultConfig
+from occult_hf.logging_utils import get_logger
 
 from .lockstep import ForwardLockstep
 
-logger = transformers.utils.logging.get_logger(__name__)
+logger = get_logger(__name__)
 
 #: `OccultConfig` fields, each of which may be given in `model_args` instead of `occult_config=PATH`
 OCCULT_FIELDS = tuple(f.name for f in dataclasses.fields(OccultConfig))

@@ -33,7 +33,6 @@ from dataclasses import replace
 
 import torch
 from torch import nn
-from transformers.utils import logging as hf_logging
 
 from occult_hf.patches import adapter_for
 
@@ -59,11 +58,12 @@ from .config import OccultConfig
 from .ddp_ignore import RankLocalStateNames
 from .dispatch import ExpertParallelGroup
 from .launch import check_process_group_started
+from .logging_utils import get_logger
 from .moe import OccultMoE
 from .placement import Placement
 from .trainer_ep import install_trainer_hooks, uninstall_trainer_hooks
 
-logger = hf_logging.get_logger(__name__)
+logger = get_logger(__name__)
 
 _DDP_IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
 
