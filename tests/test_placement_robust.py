@@ -231,3 +231,17 @@ def test_slowest_objective_lowers_the_slowest_device_and_keeps_the_limit(tmp_pat
                                            "fwd_ms": 5.0, "exchange_ms": 1.0, "bandwidth_gbs": 100.0}]}))
     read = costs_from_bench(str(bench))
     assert read.pair_cost_s == pytest.approx(4e-3 / 4000) and read.byte_cost_s == pytest.approx(1e-11)
+
+
+def test_best_replica_split_by_hand():
+    """The fluid bound the study reports for a domain left out of planning: the best any split of the
+    replicated experts' loads over their homes can do (single-home experts stay put)."""
+    from occult_hf.studies.robust_placement_study import best_replica_split
+
+    table = home_table_from([0, 0, 1], {0: [1]})  # expert 0 on devices 0 and 1
+    # 10 + 6 + 2 = 18 over 2 devices: 3 of expert 0's load to device 0 levels both at 9
+    assert best_replica_split(np.array([10.0, 6.0, 2.0]), table, 2) == pytest.approx(1.0)
+    # a single-home expert of 20 on device 0: all of expert 0 goes to device 1 (12), max 20 / mean 16
+    assert best_replica_split(np.array([10.0, 20.0, 2.0]), table, 2) == pytest.approx(1.25)
+    # without replicas the split is the placement's own balance
+    assert best_replica_split(np.array([10.0, 6.0, 2.0]), home_table_from([0, 0, 1], None), 2) == pytest.approx(16 / 9)

@@ -9,9 +9,15 @@ prints Markdown tables and writes `robust_placement_study.png`:
    second half (decode only), D=4 and D=8: today's `refined`; robust (block-bootstrap
    resamples); robust with the planning half given as two profiles (prefill, decode); 8
    redundant slots; and the cross-validated estimate the planner gives of each before deploying.
+   The held-out balance of one plan is one draw (plans of equal CT differ on new tokens by chance):
+   every Qwen row also gives the mean and the worst over seeds 0-4.
 2. OLMoE-1B-7B-0924 per-domain expert loads (six domains, layers 0, 7, 15, D=8): the worst
    domain's balance for plans made on one domain, on the pooled mix, on all six as several
-   profiles, and with 8 redundant slots; and each domain left out of planning, measured on it.
+   profiles, and with 8 redundant slots, beside the bound no placement without replicas can beat
+   (the largest of the six domains' load floors); and each domain left out of planning, measured
+   on it, with the best any split of that plan's replicas over their homes could give
+   (`best_replica_split`: a bound for every replica routing rule).
+3. Objective "slowest" against CT, without and with 8 redundant slots (times under the replica rule).
 
 Shape legend: N tokens, k experts per token, E experts, D devices.
 """
@@ -27,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from ..atomic import atomic_save_figure
-from ..metrics import evaluate_placement, summarize
+from ..metrics import evaluate_placement, load_floor, summarize
 from ..placement import Placement, plan_placement
 from ..placement.robust import stated_quantile
 from ..placement.validation import cross_validate, profile_from_sample
@@ -36,6 +42,7 @@ from .placement_study import OLMOE_DOMAINS, QWEN_TRACE, StudyResult
 
 ROBUST = {"robust_resamples": 16}
 DOMAIN_LAYERS = (0, 7, 15)
+SEEDS = (0, 1, 2, 3, 4)
 
 
 def qwen_parts(routing_dir: Path) -> dict[str, RoutingProfile]:
@@ -43,12 +50,19 @@ def qwen_parts(routing_dir: Path) -> dict[str, RoutingProfile]:
     with np.load(routing_dir / QWEN_TRACE) as npz:
         keep = ~npz["is_warmup_dummy"]
         ids_Nk, segment_N = npz["topk_ids"][keep].astype(np.int64), npz["segment"][keep]
+        prompt_N = npz["token_idx"][keep]
     half = len(ids_Nk) // 2
     prefill_N = segment_N[:half] <= 4  # segment 4 is the batched prefill (3: its warm-up tail), then one decode step each
+    decode_ids_Nk, decode_prompt_N = ids_Nk[:half][~prefill_N], prompt_N[:half][~prefill_N]
     return {
         "first": profile_from_sample({0: ids_Nk[:half]}, 60, f"{QWEN_TRACE} first half"),
         "prefill": profile_from_sample({0: ids_Nk[:half][prefill_N]}, 60, "first half, prefill tokens"),
-        "decode": profile_from_sample({0: ids_Nk[:half][~prefill_N]}, 60, "first half, decode tokens"),
+        "decode": profile_from_sample({0: decode_ids_Nk}, 60, "first half, decode tokens"),
+        # decode steps interleave the 25 prompts (one token each per step); ordered by prompt, contiguous
+        # bootstrap blocks are prompts, as in a profile collected document by document
+        "decode_by_prompt": profile_from_sample(
+            {0: decode_ids_Nk[np.argsort(decode_prompt_N, kind="stable")]}, 60, "first half, decode tokens by prompt"
+        ),
         "held_out": profile_from_sample({0: ids_Nk[half:]}, 60, f"{QWEN_TRACE} second half"),
     }
 
@@ -64,6 +78,7 @@ def _plan(profiles, num_devices: int, options: dict) -> tuple[Placement, float]:
 def qwen_rows(routing_dir: Path) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
     parts = qwen_parts(routing_dir)
     both = {"prefill": parts["prefill"], "decode": parts["decode"]}
+    by_prompt = {"prefill": parts["prefill"], "decode": parts["decode_by_prompt"]}
     cases = [
         ("contiguous", None, None),
         ("refined (today)", parts["first"], {}),
@@ -73,6 +88,7 @@ def qwen_rows(routing_dir: Path) -> tuple[list[dict[str, Any]], dict[str, list[f
         ("refined + 8 redundant", parts["first"], {"num_redundant_experts": 8}),
         ("refined + 8 redundant, prefill+decode profiles", both, {"num_redundant_experts": 8}),
         ("refined robust + 8 redundant, prefill+decode profiles", both, {**ROBUST, "num_redundant_experts": 8}),
+        ("refined robust (blocks = prompts, B=8), prefill+decode profiles", by_prompt, {"robust_resamples": 8, "robust_blocks": 25}),
     ]
     rows, series = [], {}
     for num_devices in (4, 8):
@@ -80,9 +96,12 @@ def qwen_rows(routing_dir: Path) -> tuple[list[dict[str, Any]], dict[str, list[f
         for name, profiles, options in cases:
             if profiles is None:
                 placement, cpu = Placement.contiguous(60, num_devices, [0]), 0.0
+                seeded = [placement]
             else:
                 placement, cpu = _plan(profiles, num_devices, options)
+                seeded = [placement] + [_plan(profiles, num_devices, {**options, "seed": s})[0] for s in SEEDS[1:]]
             held = summarize(evaluate_placement(parts["held_out"], placement))
+            over_seeds = [summarize(evaluate_placement(parts["held_out"], p)) for p in seeded]
             planned = summarize(evaluate_placement(parts["first"], placement))
             expected = None
             if profiles is not None:
@@ -92,6 +111,7 @@ def qwen_rows(routing_dir: Path) -> tuple[list[dict[str, Any]], dict[str, list[f
                     expected = cross_validate(items, num_devices, folds=2, **options)["mean"]
             if name == "refined (today)":
                 reference = held["ct"]
+                reference_mean = float(np.mean([s["ct"] for s in over_seeds]))
             rows.append(
                 {
                     "D": num_devices,
@@ -100,6 +120,10 @@ def qwen_rows(routing_dir: Path) -> tuple[list[dict[str, Any]], dict[str, list[f
                     "CT vs today": "-" if reference is None else f"{100 * (held['ct'] / reference - 1):+.1f}%",
                     "balance held-out": held["balance"],
                     "held-out floor": held["balance_floor"],
+                    "seeds 0-4: CT vs today / balance mean / worst": "-" if reference is None else (
+                        f"{100 * (np.mean([s['ct'] for s in over_seeds]) / reference_mean - 1):+.1f}% / "
+                        f"{np.mean([s['balance'] for s in over_seeds]):.3f} / {max(s['balance'] for s in over_seeds):.3f}"
+                    ),
                     "balance planning half": planned["balance"],
                     "expected by 2-fold CV (CT / balance)": "-" if expected is None else f"{expected['ct']:.3f} / {expected['balance']:.3f}",
                     "plan CPU s": round(cpu, 1),
@@ -117,12 +141,15 @@ def slowest_rows(routing_dir: Path) -> list[dict[str, Any]]:
     rows = []
     for num_devices in (4, 8):
         for name, options in (("refined (CT)", {}), ("refined slowest, default costs", {"objective": "slowest"}),
-                              ("refined slowest, 10x byte cost", {"objective": "slowest", "byte_cost_s": 2.5e-11})):
+                              ("refined slowest, 10x byte cost", {"objective": "slowest", "byte_cost_s": 2.5e-11}),
+                              ("refined + 8 redundant (CT)", {"num_redundant_experts": 8}),
+                              ("refined slowest + 8 redundant, default costs", {"objective": "slowest", "num_redundant_experts": 8})):
             placement, cpu = _plan(parts["first"], num_devices, options)
-            costs = StepCosts(**{k: v for k, v in options.items() if k != "objective"})
+            costs = StepCosts(**{k: v for k, v in options.items() if k in ("pair_cost_s", "byte_cost_s", "row_bytes")})
             device_of_E = np.asarray(placement.device_of(0))
+            table = placement.home_table(0) if placement.has_replicas else None
             planned, held = (
-                device_times(parts[p].layer(0).topk_sample, device_of_E, num_devices, costs).max() * 1e6
+                device_times(parts[p].layer(0).topk_sample, device_of_E, num_devices, costs, table).max() * 1e6
                 for p in ("first", "held_out")
             )
             s = summarize(evaluate_placement(parts["held_out"], placement))
@@ -146,6 +173,36 @@ def domain_profiles(routing_dir: Path) -> dict[str, RoutingProfile]:
     return profiles
 
 
+def best_replica_split(load_E: np.ndarray, home_table_EM: np.ndarray, num_devices: int, sweeps: int = 200) -> float:
+    """The lowest max / mean device load any split of the replicated experts' loads over their homes reaches.
+
+    Single-home experts stay where they are; each replicated expert's load may be divided among its homes
+    in any proportion (a fluid bound: per-token routing can only do worse), so no replica routing rule,
+    static or load-aware, can balance `load_E` better under this placement. Computed by cyclic
+    water-filling (each expert in turn levels its homes), which converges to the least-squares split, the
+    one that also minimises the maximum.
+    """
+    homes = [row[row >= 0] for row in np.asarray(home_table_EM)]
+    load_D = np.zeros(num_devices)
+    share = {}
+    for expert, devices in enumerate(homes):
+        if len(devices) == 1:
+            load_D[devices[0]] += load_E[expert]
+        else:
+            share[expert] = np.zeros(num_devices)
+    for _ in range(sweeps if share else 0):
+        for expert, part_D in share.items():
+            load_D -= part_D
+            base = np.sort(load_D[homes[expert]])
+            prefix = np.cumsum(base)
+            levels = (load_E[expert] + prefix) / np.arange(1, len(base) + 1)
+            level = levels[np.flatnonzero(levels >= base)[-1]]
+            part_D[:] = 0.0
+            part_D[homes[expert]] = np.maximum(level - load_D[homes[expert]], 0.0)
+            load_D += part_D
+    return float(load_D.max() / load_D.mean())
+
+
 def _worst(placement: Placement, profiles: dict[str, RoutingProfile]) -> dict[int, tuple[str, float]]:
     out = {}
     for layer in DOMAIN_LAYERS:
@@ -162,6 +219,12 @@ def domain_rows(routing_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str,
         {l: LayerRouting(np.zeros((64, 64), dtype=np.int64), sum(p.layer(l).expert_counts for p in profiles.values()), 1) for l in DOMAIN_LAYERS},
         meta={"source": "pooled"},
     )
+    floors = {}  # the bound for every placement without replicas: no plan beats a domain's own load floor
+    for layer in DOMAIN_LAYERS:
+        floor = {n: load_floor(p.layer(layer).expert_counts, np.full(8, 8)) / (p.layer(layer).expert_counts.sum() / 8) for n, p in profiles.items()}
+        name = max(floor, key=floor.get)
+        floors[layer] = (name, floor[name])
+    rows = [{"plan (D=8)": "bound without replicas (largest domain load floor)", **{f"worst domain, layer {l}": f"{b:.3f} ({d})" for l, (d, b) in floors.items()}}]
     cases = [("contiguous", None, {})]
     cases += [(f"balanced on {name} only", profile, {}) for name, profile in profiles.items()]
     cases += [
@@ -169,7 +232,6 @@ def domain_rows(routing_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str,
         ("six domains as several profiles", profiles, {}),
         ("six domains + 8 redundant slots", profiles, {"num_redundant_experts": 8}),
     ]
-    rows = []
     for name, source, options in cases:
         placement = Placement.contiguous(64, 8, DOMAIN_LAYERS) if source is None else _plan(source, 8, options)[0]
         worst = _worst(placement, profiles)
@@ -180,7 +242,14 @@ def domain_rows(routing_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str,
             rest = {n: p for n, p in profiles.items() if n != left}
             placement = _plan(rest, 8, options)[0]
             worst = _worst(placement, {left: profiles[left]})
-            left_rows.append({"plan on the other five": label, "left out": left, **{f"layer {l}": worst[l][1] for l in DOMAIN_LAYERS}})
+            row = {"plan on the other five": label, "left out": left, **{f"layer {l}": worst[l][1] for l in DOMAIN_LAYERS}}
+            split = [
+                best_replica_split(profiles[left].layer(l).expert_counts.astype(np.float64), placement.home_table(l), 8)
+                if placement.has_replicas else None
+                for l in DOMAIN_LAYERS
+            ]
+            row["best split of its replicas, layers 0 / 7 / 15"] = "-" if split[0] is None else " / ".join(f"{b:.3f}" for b in split)
+            left_rows.append(row)
     return rows, left_rows
 
 
@@ -199,6 +268,7 @@ def plot(series: dict[str, list], domain_table: list[dict[str, Any]], path: Path
         ax.set_ylabel("held-out balance (max / mean)")
         ax.set_title(f"Qwen1.5-MoE layer 0, {label}", fontsize=9)
         ax.grid(alpha=0.3)
+    domain_table = domain_table[1:]  # bars for the plans; the bound row is in the table
     names = [row["plan (D=8)"] for row in domain_table]
     for offset, layer in enumerate(DOMAIN_LAYERS):
         values = [float(row[f"worst domain, layer {layer}"].split()[0]) for row in domain_table]
