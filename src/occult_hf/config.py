@@ -90,6 +90,15 @@ class OccultConfig:
         default=False,
         metadata={"help": "Use the deterministic (atomic-free) reduction in the Triton expert kernels."},
     )
+    logical_devices: bool = field(
+        default=False,
+        metadata={
+            "help": "Allow num_devices > 1 in the only process a launcher (torchrun, accelerate launch) started: "
+            "the devices are then logical (pruning plans for them; no expert parallelism runs). Without it such a "
+            "launch is an error, since it usually means the launcher ran fewer processes than intended. A plain "
+            "`python` process needs no flag: one process with logical devices is its normal mode."
+        },
+    )
 
     def __post_init__(self) -> None:
         from .placement import Placement  # local import: placement imports nothing from here
@@ -127,6 +136,8 @@ class OccultConfig:
                     f"OccultConfig.max_devices_per_token={n_d} is set but prune is None; "
                     f"choose prune='router' or 'similarity'"
                 )
+        if not isinstance(self.logical_devices, bool):
+            raise TypeError(f"OccultConfig.logical_devices must be True or False, got {self.logical_devices!r}")
         if self.prune == "similarity" and self.profile is None:
             raise ValueError("OccultConfig.prune='similarity' needs a routing profile: set OccultConfig.profile")
         if self.dispatch not in DISPATCH_MODES:

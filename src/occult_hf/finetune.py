@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         prune=occult_args.prune if pruned else None,
         max_devices_per_token=occult_args.max_devices_per_token if pruned else None,
         profile=occult_args.profile,
+        logical_devices=occult_args.logical_devices,
     )
     data = load_text_dataset(
         data_args.train_file, config=data_args.dataset_config, split=data_args.split, text_column=data_args.text_column

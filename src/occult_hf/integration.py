@@ -57,7 +57,7 @@ from .collectives import GradNormCarrier
 from .config import OccultConfig
 from .ddp_ignore import RankLocalStateNames
 from .dispatch import ExpertParallelGroup
-from .launch import check_process_group_started
+from .launch import check_logical_devices, check_process_group_started
 from .logging_utils import get_logger
 from .moe import OccultMoE
 from .placement import Placement
@@ -101,6 +101,8 @@ def apply_occult(model: nn.Module, occult_config: OccultConfig | dict | str | No
     ep = ExpertParallelGroup.resolve(group, config.num_devices)
     if not ep.is_distributed and config.num_devices is None and placement is not None:
         ep = ExpertParallelGroup(num_devices=placement.num_devices)  # one process: the placement's logical devices
+    if not ep.is_distributed:  # a launcher that ran fewer processes than devices: an error unless asked for
+        check_logical_devices(ep.num_devices, config.logical_devices)
     if placement is None:
         placement = Placement.contiguous(num_experts, ep.num_devices, layers)
     placement.validate_for(num_experts, layers, ep.num_devices)

@@ -39,6 +39,40 @@ def check_process_group_started() -> None:
         )
 
 
+#: environment variables by which a launcher marks the processes it starts (torchrun sets the first
+#: three; `accelerate launch` sets ACCELERATE_USE_CPU even when it falls back to one plain process)
+LAUNCHER_ENV = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "WORLD_SIZE", "ACCELERATE_USE_CPU")
+
+
+def launcher_env() -> str | None:
+    """`NAME=value` of the first launcher variable set in this process's environment, or None."""
+    for name in LAUNCHER_ENV:
+        if os.environ.get(name):
+            return f"{name}={os.environ[name]}"
+    return None
+
+
+def check_logical_devices(num_devices: int, logical_devices: bool = False, setting: str = "OccultConfig.num_devices") -> None:
+    """A launcher started this process as the only one, yet `num_devices > 1`: an error unless asked for.
+
+    Every entry that builds an EP model calls this (`apply_occult`, and through it
+    `from_pretrained(occult_config=...)`, `occult eval`, the fine-tune entry point). A plain `python`
+    process (no launcher variable) keeps its logical devices: that is the documented one-process mode.
+    """
+    if num_devices <= 1 or logical_devices or running_world_size() > 1:
+        return
+    launched = launcher_env()
+    if launched is None:
+        return
+    raise ValueError(
+        f"{setting}={num_devices} but this launch runs 1 process ({launched}): the {num_devices} devices would be "
+        f"logical and no expert parallelism would run. Start {num_devices} processes (torchrun --nproc-per-node "
+        f"{num_devices} ..., or accelerate launch --num_processes {num_devices} ...; on CPU with a multi-CPU "
+        f"accelerate config or use_cpu=True in TrainingArguments), or ask for {num_devices} logical devices in this "
+        f"one process explicitly with OccultConfig(logical_devices=True) (--logical_devices in the fine-tune entry)"
+    )
+
+
 def check_launch(num_devices: int | None, logical_devices: bool = False) -> int:
     """The EP size to use, checked against the processes that really run.
 
@@ -67,4 +101,12 @@ def check_launch(num_devices: int | None, logical_devices: bool = False) -> int:
     return num_devices
 
 
-__all__ = ["check_launch", "check_process_group_started", "launched_world_size", "running_world_size"]
+__all__ = [
+    "LAUNCHER_ENV",
+    "check_launch",
+    "check_logical_devices",
+    "check_process_group_started",
+    "launched_world_size",
+    "launcher_env",
+    "running_world_size",
+]
