@@ -1,9 +1,16 @@
-"""Tables from lm-eval result JSON: one run as markdown, and two runs side by side with deltas.
+"""Tables from lm-eval result JSON: one run's headline rows, and two runs side by side with deltas.
 
 Each task gets one row per *headline* metric: the metrics in `HEADLINE_METRICS` where the suite
 names them (CoQA's EM and F1, QASPER's F1), else the first of `PREFERRED_METRICS` the task reports,
 else every metric it reports. Groups that report a metric of their own (MMLU) are one row; groups
-that do not (`occult23` itself) are replaced by their members. Values are shown in points (x100).
+that do not (`occult23` itself) are replaced by their members.
+
+Both tables are generated from results files, the lm-eval way: `markdown_table` is lm-eval's own
+`make_table` over a results dict cut down to the headline rows (`headline_results`), followed by
+the mean of those rows; `compare_table` is written by the same table writer `make_table` uses
+(pytablewriter's `MarkdownTableWriter`), with values as lm-eval prints them (4 decimals, 0-1 scale).
+`occult eval --headline RESULTS` and `occult eval --compare A B` print them; RESULTS may be a
+`results_*.json` or an lm-eval output folder (its newest `results_*.json`).
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 #: tasks whose table rows are not simply "acc"
@@ -28,8 +36,20 @@ class Score:
     stderr: float | None
 
 
+def results_file(path: str | os.PathLike) -> Path:
+    """`path` itself, or for a folder (lm-eval's `--output_path`) its newest `results_*.json`, at any depth."""
+    path = Path(path)
+    if path.is_dir():
+        found = sorted(path.rglob("results_*.json"), key=lambda p: (p.stat().st_mtime, p.name))
+        if not found:
+            raise FileNotFoundError(f"{os.fspath(path)!r} holds no results_*.json (lm-eval's output layout)")
+        return found[-1]
+    return path
+
+
 def load_results(path: str | os.PathLike) -> dict[str, Any]:
-    """An lm-eval results JSON (ours or lm-eval's own `results_*.json`); must hold `results`."""
+    """An lm-eval results JSON (ours or lm-eval's own `results_*.json`, or a folder holding one); must hold `results`."""
+    path = results_file(path)
     with open(path) as f:
         data = json.load(f)
     if not isinstance(data, dict) or "results" not in data:
@@ -82,47 +102,90 @@ def headline_scores(results: dict[str, Any]) -> list[Score]:
     return scores
 
 
-def _points(value: float | None, signed: bool = False) -> str:
-    if value is None or math.isnan(value):
-        return "–"
-    return f"{100 * value:+.2f}" if signed else f"{100 * value:.2f}"
-
-
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def _value(value: float | None, signed: bool = False) -> str:
+    """A value as lm-eval's `make_table` prints it (4 decimals); an en dash where there is none."""
+    if value is None or math.isnan(value):
+        return "–"
+    return f"{value:+.4f}" if signed else f"{value:.4f}"
+
+
+def headline_results(results: dict[str, Any]) -> dict[str, Any]:
+    """`results` cut down to its headline rows, in lm-eval's result layout (for lm-eval's `make_table`).
+
+    Each headline task keeps only its headline metric(s) and their stderrs, its alias, version,
+    n-shot and higher-is-better entries; groups replaced by their members disappear.
+    """
+    per_task = results["results"]
+    rows: dict[str, dict[str, Any]] = {}
+    for score in headline_scores(results):
+        task = per_task[score.task]
+        row = rows.setdefault(score.task, {"alias": task["alias"]} if "alias" in task else {})
+        filters = [key.partition(",")[2] for key in task if key.partition(",")[0] == score.metric]
+        chosen = "none" if "none" in filters else filters[0]  # the filter `headline_scores` read
+        for key in (f"{score.metric},{chosen}", f"{score.metric}_stderr,{chosen}"):
+            if key in task:
+                row[key] = task[key]
+    keep = set(rows)
+    return {
+        "results": rows,
+        "versions": {k: v for k, v in results.get("versions", {}).items() if k in keep},
+        "n-shot": {k: v for k, v in results.get("n-shot", {}).items() if k in keep},
+        "higher_is_better": {k: v for k, v in results.get("higher_is_better", {}).items() if k in keep},
+    }
+
+
 def markdown_table(results: dict[str, Any]) -> str:
-    """One run: task, metric, value and stderr in points, then the mean over the rows."""
+    """One run's headline rows: lm-eval's `make_table`, then the mean over the rows."""
+    from lm_eval.utils import make_table
+
     scores = headline_scores(results)
-    lines = ["| Task | Metric | Value | Stderr |", "|---|---|---:|---:|"]
-    lines += [f"| {s.task} | {s.metric} | {_points(s.value)} | {_points(s.stderr)} |" for s in scores]
-    lines.append(f"| **Average** ({len(scores)} rows) | | {_points(_mean([s.value for s in scores]))} | |")
-    return "\n".join(lines)
+    table = make_table(headline_results(results)).rstrip("\n")
+    return f"{table}\n\nAverage over the {len(scores)} headline rows: {_value(_mean([s.value for s in scores]))}"
 
 
 def compare_table(a: dict[str, Any], b: dict[str, Any], labels: tuple[str, str] = ("A", "B")) -> str:
-    """Two runs side by side: per row A, B and B - A in points; the average over rows both runs have."""
+    """Two runs side by side: per headline row A, B and B - A; the average over the rows both runs have."""
+    from pytablewriter import MarkdownTableWriter
+
     scores_a = {(s.task, s.metric): s.value for s in headline_scores(a)}
     scores_b = {(s.task, s.metric): s.value for s in headline_scores(b)}
     keys = list(scores_a) + [k for k in scores_b if k not in scores_a]
     shared = [k for k in keys if k in scores_a and k in scores_b]
     label_a, label_b = labels
-    lines = [
-        f"| Task | Metric | {label_a} | {label_b} | Δ ({label_b} − {label_a}) |",
-        "|---|---|---:|---:|---:|",
-    ]
+    values = []
     for key in keys:
         value_a, value_b = scores_a.get(key), scores_b.get(key)
         delta = value_b - value_a if key in shared else None
-        lines.append(f"| {key[0]} | {key[1]} | {_points(value_a)} | {_points(value_b)} | {_points(delta, signed=True)} |")
+        values.append([key[0], key[1], _value(value_a), _value(value_b), _value(delta, signed=True)])
     mean_a = _mean([scores_a[k] for k in shared])
     mean_b = _mean([scores_b[k] for k in shared])
     delta = None if mean_a is None else mean_b - mean_a
-    lines.append(
-        f"| **Average** ({len(shared)} shared rows) | | {_points(mean_a)} | {_points(mean_b)} | {_points(delta, signed=True)} |"
-    )
-    return "\n".join(lines)
+    values.append([f"Average ({len(shared)} shared rows)", "", _value(mean_a), _value(mean_b), _value(delta, signed=True)])
+    writer = MarkdownTableWriter()
+    writer.headers = ["Tasks", "Metric", label_a, label_b, f"Δ ({label_b} − {label_a})"]
+    writer.value_matrix = values
+    return writer.dumps().rstrip("\n")
 
 
-__all__ = ["Score", "HEADLINE_METRICS", "PREFERRED_METRICS", "load_results", "headline_scores", "markdown_table", "compare_table"]
+def table_rows(table: str) -> list[list[str]]:
+    """The cells of a markdown table's body rows, stripped (for tests and scripts reading our tables)."""
+    lines = [line for line in table.splitlines() if line.startswith("|")]
+    return [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines[2:]]
+
+
+__all__ = [
+    "Score",
+    "HEADLINE_METRICS",
+    "PREFERRED_METRICS",
+    "compare_table",
+    "headline_results",
+    "headline_scores",
+    "load_results",
+    "markdown_table",
+    "results_file",
+    "table_rows",
+]

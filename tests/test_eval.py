@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -271,22 +272,54 @@ def test_headline_rows_expand_metricless_groups_only():
         ("coqa", "f1", 0.65),
         ("gsm8k_like", "exact_match", 0.2),  # no "none" filter: the first one reported
     ]
+
+
+def test_headline_table_is_lm_evals_make_table_of_the_headline_rows(tmp_path, capsys):
+    from lm_eval.utils import make_table
+
+    from occult_hf.eval.report import headline_results, table_rows
+
+    cut = headline_results(suite_like_results())
+    assert set(cut["results"]) == {"winogrande", "mmlu", "qasper_bool", "coqa", "gsm8k_like"}  # no groups, no members of mmlu
+    assert cut["results"]["gsm8k_like"] == {"exact_match,flexible-extract": 0.2}  # only the filter the row reads
     table = markdown_table(suite_like_results())
-    assert "| winogrande | acc | 60.00 | 1.00 |" in table
-    assert "| **Average** (6 rows) | | 53.33 | |" in table
+    assert table.startswith(make_table(cut).rstrip("\n"))  # lm-eval's own table
+    rows = {(r[0] or "coqa", r[4]): (r[6], r[8]) for r in table_rows(table.split("\n\n")[0])}
+    assert rows[("winogrande", "acc")] == ("0.60", "0.010") and rows[("coqa", "f1")][0] == "0.65"
+    assert len(rows) == 6 and table.endswith("Average over the 6 headline rows: 0.5333")
+    # the command, on an lm-eval output folder: its newest results_*.json
+    run = tmp_path / "out" / "model"
+    run.mkdir(parents=True)
+    (run / "results_2026-01-01T00-00-00.json").write_text(json.dumps(suite_like_results(acc_shift=-0.5)))
+    time.sleep(0.01)
+    (run / "results_2026-01-02T00-00-00.json").write_text(json.dumps(suite_like_results()))
+    assert occult_main(["eval", "--headline", str(tmp_path / "out")]) == 0
+    assert capsys.readouterr().out.strip() == table
 
 
 def test_compare_prints_deltas_and_average(tmp_path, capsys):
+    from occult_hf.eval.report import table_rows
+
     path_a, path_b = tmp_path / "a.json", tmp_path / "b.json"
     path_a.write_text(json.dumps(suite_like_results()))
     path_b.write_text(json.dumps(suite_like_results(acc_shift=-0.03)))
     assert occult_main(["eval", "--compare", str(path_a), str(path_b), "--labels", "standard", "pruned"]) == 0
     printed = capsys.readouterr().out
-    assert "| Task | Metric | standard | pruned | Δ (pruned − standard) |" in printed
-    assert "| winogrande | acc | 60.00 | 57.00 | -3.00 |" in printed
-    assert "| coqa | f1 | 65.00 | 65.00 | +0.00 |" in printed
-    assert "| **Average** (6 shared rows) | | 53.33 | 52.33 | -1.00 |" in printed  # two of six rows moved by 3
-    assert compare_table(suite_like_results(), {"results": {}}).count("–") >= 6
+    header = [cell.strip() for cell in printed.splitlines()[0].strip("|").split("|")]
+    assert header == ["Tasks", "Metric", "standard", "pruned", "Δ (pruned − standard)"]
+    rows = {(r[0], r[1]): [float(v) for v in r[2:]] for r in table_rows(printed)}
+    assert rows[("winogrande", "acc")] == pytest.approx([0.60, 0.57, -0.03])
+    assert rows[("coqa", "f1")] == pytest.approx([0.65, 0.65, 0.0])
+    assert rows[("Average (6 shared rows)", "")] == pytest.approx([0.5333, 0.5233, -0.01], abs=1e-4)  # two of six rows moved
+    missing = table_rows(compare_table(suite_like_results(), {"results": {}}))
+    assert sum(row.count("–") for row in missing) >= 6
+    with pytest.raises(SystemExit):
+        occult_main(["eval", "--compare", str(path_a), str(path_b), "--headline", str(path_a)])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SystemExit):
+        occult_main(["eval", "--headline", str(empty)])
+    assert "holds no results_*.json" in capsys.readouterr().err
 
 
 def test_compare_rejects_a_file_without_results(tmp_path, capsys):

@@ -2,13 +2,17 @@
 
     occult eval MODEL --placement placement.json --num-devices 8 --output_path runs/pruned
     torchrun --nproc-per-node 8 --no-python occult eval MODEL --num-devices 8 --batch_size 8
-    occult eval --compare runs/standard/MODEL/results_*.json runs/pruned/MODEL/results_*.json --labels standard pruned
+    occult eval --headline runs/pruned
+    occult eval --compare runs/standard runs/pruned --labels standard pruned
 
 lm-eval's flags keep lm-eval's spellings (`--output_path`, `--batch_size`, `--model_args`,
 `--num_fewshot`, `--bootstrap_iters`, `--include_path`, `--log_samples`, `--trust_remote_code`;
 the older dashed spellings are deprecated aliases), and a run writes lm-eval's output layout:
 `<output_path>/<model name>/results_<time>.json` (and `samples_<task>_<time>.jsonl` with
-`--log_samples`), then prints lm-eval's `make_table`. Under torchrun only rank 0 writes.
+`--log_samples`), then prints lm-eval's `make_table` and the headline rows (the paper's table, also
+lm-eval's `make_table`, and their mean). Under torchrun only rank 0 writes. `--headline RESULTS`
+prints the headline rows of a finished run and `--compare A B` two runs side by side, each from a
+`results_*.json` or an `--output_path` folder (its newest `results_*.json`).
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("pretrained", nargs="?", help="model directory or hub id (not with --compare)")
-    parser.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="print two runs side by side with per-task deltas (B - A) and the average")
+    parser.add_argument("pretrained", nargs="?", help="model directory or hub id (not with --compare / --headline)")
+    parser.add_argument("--compare", nargs=2, metavar=("A", "B"),
+                        help="print two runs' headline rows side by side with deltas (B - A) and the average; each a results_*.json or an --output_path folder")
+    parser.add_argument("--headline", metavar="RESULTS", help="print one run's headline rows (lm-eval's make_table) and their mean; a results_*.json or an --output_path folder")
     parser.add_argument("--labels", nargs=2, metavar=("A", "B"), default=("A", "B"), help="column names for --compare")
     parser.add_argument("--tasks", default="occult23", help="'occult23' or comma-separated lm-eval task names (default: occult23)")
     occult = parser.add_argument_group("Occult settings (either --occult-config or the fields)")
@@ -122,19 +128,25 @@ def _evaluate(args: argparse.Namespace) -> int:
     print(make_table(results))
     if "groups" in results:
         print(make_table(results, "groups"))
+    from occult_hf.eval.report import markdown_table
+
+    print("Headline rows (occult eval --headline):\n" + markdown_table(results))
     print(f"wrote {tracker.date_id} results under {args.output_path}")
     return 0
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.compare:
-        if args.pretrained:
-            raise SystemExit("occult eval: give a model to evaluate or --compare A.json B.json, not both")
-        from occult_hf.eval.report import compare_table, load_results
+    if args.compare or args.headline:
+        if args.pretrained or (args.compare and args.headline):
+            raise SystemExit("occult eval: give one of a model to evaluate, --compare A B or --headline RESULTS")
+        from occult_hf.eval.report import compare_table, load_results, markdown_table
 
-        path_a, path_b = args.compare
-        print(compare_table(load_results(path_a), load_results(path_b), labels=tuple(args.labels)))
+        if args.headline:
+            print(markdown_table(load_results(args.headline)))
+        else:
+            path_a, path_b = args.compare
+            print(compare_table(load_results(path_a), load_results(path_b), labels=tuple(args.labels)))
         return 0
     if not args.pretrained:
-        raise SystemExit("occult eval: give a model directory or hub id, or --compare A.json B.json")
+        raise SystemExit("occult eval: give a model directory or hub id, --compare A B or --headline RESULTS")
     return _evaluate(args)
