@@ -228,6 +228,13 @@ def test_pruning_with_replicas_keeps_every_pair_on_n_d_devices(family, profile_p
             # a replica counts: some token's pair is served by a copy that is not its expert's primary home
             assert bool((dest_Tk != block.device_of_E[pruned.topk_ids_Tk]).any()) or n_d == 1
             model(input_ids=tiny_batch(batch=2, seq=16, seed=1), labels=tiny_batch(batch=2, seq=16, seed=1)).loss.backward()
+            # the callback's routing statistics follow the dispatch: no token over N_d devices there either
+            from occult_hf.callback import _DispatchMeter
+
+            meter = _DispatchMeter()
+            meter.update(block, None, None)
+            tokens, ct_sum = meter.pop(NUM_DEVICES, torch.device("cpu"))[:2].tolist()
+            assert block.last_devices_TD is not None and ct_sum <= n_d * tokens
 
 
 # ----- every family, both policies -----------------------------------------------------------------

@@ -113,8 +113,10 @@ class _DispatchMeter:
             return
         num_tokens, top_k = ids_Tk.shape
         num_devices = module.ep.num_devices
-        # the device serving each pair, replicas included (the dispatch plan's own rule)
-        device_Tk, _ = destinations(ids_Tk, *module.dispatcher.placement_on(ids_Tk.device))
+        # the device serving each pair, replicas included (the dispatch plan's own rule, on the pruned devices)
+        device_Tk, _ = destinations(
+            ids_Tk, *module.dispatcher.placement_on(ids_Tk.device), visited_TD=getattr(module, "last_devices_TD", None)
+        )
         hit_TD = torch.zeros(num_tokens, num_devices, dtype=torch.bool, device=ids_Tk.device)
         hit_TD.scatter_(1, device_Tk, True)
         if module.ep.is_distributed:

@@ -47,7 +47,8 @@ class OccultMoE(nn.Module):
     """An MoE block that dispatches one copy of a token per destination device (or per expert).
 
     After each forward: `last_topk_ids_Tk` (`[T, k]` int64, detached) is the routing actually
-    dispatched (after pruning), and the non-persistent int64 buffers `rows_sent` `[D]`, `pairs_sent`
+    dispatched (after pruning), `last_devices_TD` (`[T, D]` bool or None) the devices pruning limited
+    each token to when the layer has replicated experts, and the non-persistent int64 buffers `rows_sent` `[D]`, `pairs_sent`
     `[D]` and `bytes_sent` `[D]` have accumulated, per destination device, the rows this rank sent,
     the (token, expert) pairs they carried and the bytes of the dispatch (activations and routing
     metadata; the combine returns the same rows, activations only). `forwards` counts the forwards
@@ -78,6 +79,7 @@ class OccultMoE(nn.Module):
         self.ep = ep
         self.pruner = pruner
         self.last_topk_ids_Tk: torch.Tensor | None = None
+        self.last_devices_TD: torch.Tensor | None = None
 
         experts_module = adapter.experts_module(block)
         for name, child in block.named_children():
@@ -196,6 +198,7 @@ class OccultMoE(nn.Module):
         if self.pruner is not None:
             dispatched = self.pruner.route(block, routing)
         self.last_topk_ids_Tk = dispatched.topk_ids_Tk.detach()
+        self.last_devices_TD = dispatched.devices_TD
 
         routed_TH, plan = self.dispatcher.run(x_TH, dispatched, self.experts)
         self._count(plan)
