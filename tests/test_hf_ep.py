@@ -251,3 +251,73 @@ def test_occult_ep_with_data_parallel_replicas(tmp_path):
     ref = _reference(path, world_size=4)
     for rank, found in enumerate(results):
         check_equal_to_reference(found, ref, rank, "olmoe, dp_replicate_size=2")
+
+
+TRAIN_STEPS = 2
+
+
+def _train(model, output_dir: str, per_device_batch: int):
+    """`Trainer` for TRAIN_STEPS SGD steps on 8 fixed rows; the logged (loss, grad_norm) per step; final save."""
+    import os
+
+    from transformers import Trainer, TrainingArguments
+
+    rows = tiny_batch(batch=4 * TRAIN_STEPS, seq=16, seed=90)
+    args = TrainingArguments(
+        output_dir=output_dir, per_device_train_batch_size=per_device_batch, max_steps=TRAIN_STEPS, learning_rate=0.05,
+        optim="sgd", logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0, disable_tqdm=True,
+        dataloader_num_workers=0,
+    )  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in rows])
+    trainer.train()
+    trainer.save_model(os.path.join(output_dir, "final"))  # every rank: FSDP2 gathers, rank 0 writes
+    return [(log["loss"], log["grad_norm"]) for log in trainer.state.log_history if "loss" in log]
+
+
+def _trainer_world(rank, world_size, path, out_dir):
+    import os
+
+    from occult_hf import OccultConfig
+
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT="29517",
+    )  # fmt: skip
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    config = DistributedConfig(ep_size=2, fsdp_size=2, ep_implementation="occult")
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, distributed_config=config,
+        occult_config=OccultConfig(placement=shuffled_placement("olmoe")),
+    )  # fmt: skip
+    return _train(model, os.path.join(out_dir, "occult"), per_device_batch=2)
+
+
+def _single_trainer(rank, world_size, path, out_dir):
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, occult_config=None)
+    return _train(model, os.path.join(out_dir, "single"), per_device_batch=4)
+
+
+@pytest.mark.world_size(2)
+def test_trainer_with_occult_ep_equals_single_process_training(tmp_path):
+    """HF Trainer on a model loaded with `ep_implementation="occult"` (FSDP2 dense part, shuffled
+    placement): per-step losses and gradient norms, and the saved final weights (a vanilla checkpoint,
+    original expert order), equal single-process training on the same global batches."""
+    from transformers import AutoModelForCausalLM
+
+    path = str(tiny_checkpoint("olmoe", tmp_path / "olmoe", seed=11, num_experts=NUM_EXPERTS, output_router_logits=False))
+    (reference,) = run_world(_single_trainer, 1, path, str(tmp_path))
+    ep_logs = run_world(_trainer_world, 2, path, str(tmp_path), timeout_s=400)
+    assert len(reference) == TRAIN_STEPS and all(logs == ep_logs[0] for logs in ep_logs)
+    for (loss, norm), (ep_loss, ep_norm) in zip(reference, ep_logs[0]):
+        assert abs(ep_loss - loss) <= TOLERANCE * abs(loss) and abs(ep_norm - norm) <= TOLERANCE * norm, (reference, ep_logs)
+    single = AutoModelForCausalLM.from_pretrained(tmp_path / "single" / "final", occult_config=None)
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "occult" / "final", occult_config=None)
+    reference_weights = dict(single.named_parameters())
+    for name, param in trained.named_parameters():
+        assert rel_err(param, reference_weights[name]) <= TOLERANCE, name
