@@ -447,13 +447,11 @@ def _move_expert_rows(impl: OccultEP, stored_P: list[int]) -> None:
         recv_splits.append(len(from_s))
     for name in ("gate_up_proj", "down_proj"):
         local = _local(getattr(impl.experts, name))
-        shape = local.shape
         send = local.reshape(per_rank, -1)[torch.tensor(send_rows, dtype=torch.int64, device=local.device)].contiguous()
         received = send.new_empty((per_rank, send.shape[1]))
         dist.all_to_all_single(received, send, recv_splits, send_splits, group=impl.ep.group)
-        ordered = torch.empty_like(received)
-        ordered[torch.tensor(recv_order, dtype=torch.int64, device=local.device)] = received
-        local.copy_(ordered.reshape(shape))
+        del send
+        local.view(per_rank, -1).index_copy_(0, torch.tensor(recv_order, dtype=torch.int64, device=local.device), received)
     impl.stored_experts_P = list(stored_P)
 
 
