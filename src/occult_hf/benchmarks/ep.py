@@ -127,6 +127,7 @@ class Row:
     peak_gbs: float
     group_tokens: int
     note: str = ""
+    wire_ms: float = float("nan")
 
     @property
     def case(self) -> str:
@@ -322,6 +323,24 @@ class ExchangeRecorder:
 
         return method
 
+    def wire(self, device):
+        """A function that re-issues, back to back, the row exchanges recorded (`all_to_all_single` with the
+        same split sizes and bytes, buffers allocated once): the wire time of the layer's exchanges alone."""
+        calls = []
+        for pending in self.calls["exchange"]:
+            if not hasattr(pending, "send_splits"):
+                return None  # a transport without host split sizes (the static dispatchers)
+            out = pending.out
+            send = out.new_empty((sum(pending.send_splits), *out.shape[1:]))
+            recv = out.new_empty((sum(pending.recv_splits), *out.shape[1:]))
+            calls.append((recv, send, list(pending.recv_splits), list(pending.send_splits)))
+
+        def run():
+            for recv, send, recv_splits, send_splits in calls:
+                dist.all_to_all_single(recv, send, output_split_sizes=recv_splits, input_split_sizes=send_splits)
+
+        return run
+
     def replay(self) -> None:
         """Replay from the first recorded call (call before each replayed run)."""
         self.replaying = True
@@ -475,10 +494,15 @@ def _measure_layer(layer, x_TH, shape_name, tokens, routing_name, dispatcher: st
     exchange_ms = timed(exchange, args.iterations, device)
 
     skipped = []
+    wire_ms = float("nan")
     for fn in (forward, forward_backward):
         recorder = ExchangeRecorder(layer.dispatcher)
         fn()  # recorded
         _synchronize(device)
+        if fn is forward and world > 1:
+            wire = recorder.wire(device)
+            if wire is not None:
+                wire_ms = timed(wire, args.iterations, device)
 
         def replayed(fn=fn, recorder=recorder):
             recorder.replay()
@@ -496,8 +520,89 @@ def _measure_layer(layer, x_TH, shape_name, tokens, routing_name, dispatcher: st
     fwd_bwd_max, _ = _max_and_mean(fwd_bwd_ms, device)
     skipped_fwd, _ = _max_and_mean(skipped[0], device)
     skipped_fwd_bwd, _ = _max_and_mean(skipped[1], device)
+    wire_max, _ = _max_and_mean(wire_ms, device)
+    if args.profile:
+        profile_layer(layer, x_TH, f"{shape_name} T={tokens} {dispatcher}: {mode.name}", Path(args.out), device)
     return Row(shape_name, tokens, routing_name, dispatcher, mode.name, fwd_max, fwd_bwd_max, skipped_fwd, skipped_fwd_bwd,
-               exchange_max, ct_mean, sent_mean, sent_max, bandwidth, peak, tokens * world)  # fmt: skip
+               exchange_max, ct_mean, sent_mean, sent_max, bandwidth, peak, tokens * world, wire_ms=wire_max)  # fmt: skip
+
+
+# ----- where the time goes ------------------------------------------------------------------------
+def profile_layer(layer, x_TH, label: str, out: Path, device) -> None:
+    """One forward and one forward+backward of `layer` under `torch.profiler`: per `occult::` stage (the
+    dispatcher's named ranges) its host time and the device time of the kernels it launched, the GPU's
+    busy time (union of kernel intervals) against the wall time, and the costliest kernels. Rank 0 prints
+    the summary and appends it to `<out>/bench_ep_profile.md`."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    hidden = x_TH[None]
+    x_grad = hidden.detach().clone().requires_grad_(True)
+    upstream = torch.randn_like(hidden)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == "cuda" else [])
+
+    def step(backward: bool):
+        if backward:
+            layer(x_grad).backward(upstream)
+            for param in layer.parameters():
+                param.grad = None
+        else:
+            with torch.no_grad():
+                layer(hidden)
+
+    sections = []
+    for backward in (False, True):
+        step(backward)  # warm
+        if dist.is_initialized():
+            dist.barrier()
+        _synchronize(device)
+        name = "forward+backward" if backward else "forward"
+        with profile(activities=activities) as prof:
+            with record_function(f"bench::{name}"):
+                step(backward)
+                _synchronize(device)
+        sections.append(_profile_summary(prof, name))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        text = f"### {label}\n\n" + "\n\n".join(sections) + "\n"
+        print(text, flush=True)
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "bench_ep_profile.md", "a") as handle:
+            handle.write(text + "\n")
+
+
+def _device_us(event) -> float:
+    return float(getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0) or 0.0)
+
+
+def _profile_summary(prof, name: str) -> str:
+    events = prof.events()
+    kernels = [e for e in events if getattr(e, "device_type", None) is not None and str(e.device_type).endswith("CUDA")]
+    spans = sorted((k.time_range.start, k.time_range.end) for k in kernels)
+    busy, last = 0.0, None
+    for start, end in spans:
+        if last is None or start > last:
+            busy += end - start
+            last = end
+        elif end > last:
+            busy += end - last
+            last = end
+    wall = next((e.cpu_time_total for e in events if e.name == f"bench::{name}"), float("nan"))
+    lines = [
+        f"**{name}**: wall {wall / 1e3:.2f} ms (host, to the last kernel), GPU busy {busy / 1e3:.2f} ms "
+        f"(union of kernel intervals, all streams), {len(kernels)} kernels",
+        "",
+        "| stage | calls | host ms | device ms (its kernels) |",
+        "|---|---|---|---|",
+    ]
+    stages = [e for e in prof.key_averages() if e.key.startswith("occult::")]
+    for e in sorted(stages, key=lambda e: -_device_us(e)):
+        lines.append(f"| {e.key[len('occult::'):]} | {e.count} | {e.cpu_time_total / 1e3:.3f} | {_device_us(e) / 1e3:.3f} |")
+    by_kernel: dict[str, list[float]] = {}
+    for k in kernels:
+        by_kernel.setdefault(k.name, []).append(k.time_range.end - k.time_range.start)
+    lines += ["", "| kernel | calls | device ms |", "|---|---|---|"]
+    for kname, times in sorted(by_kernel.items(), key=lambda item: -sum(item[1]))[:14]:
+        lines.append(f"| `{kname[:90]}` | {len(times)} | {sum(times) / 1e3:.3f} |")
+    return "\n".join(lines)
 
 
 # ----- transformers' own expert parallelism -----------------------------------------------------
@@ -564,7 +669,7 @@ def _measure_transformers_ep(config, shape_name, tokens, args, device, dtype, ra
 # ----- report ----------------------------------------------------------------------------------
 def results_table(rows: list[Row]) -> str:
     header = ["shape", "T/rank", "routing", "dispatcher: mode", "CT", "fwd ms", "fwd+bwd ms", "fwd / skipped exch.",
-              "fwd+bwd / skipped", "exchange ms", "sent MB mean/max", "exch. GB/s", "a2a GB/s same volume",
+              "fwd+bwd / skipped", "exchange ms", "wire ms", "sent MB mean/max", "exch. GB/s", "wire GB/s", "a2a GB/s same volume",
               "group Mtok/s fwd", "vs per_expert fwd", "fwd+bwd", "vs transformers EP fwd", "fwd+bwd"]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     baselines = {(r.shape, r.tokens_per_rank, r.dispatcher): r for r in rows if r.mode == BASELINE_MODE}
@@ -578,8 +683,9 @@ def results_table(rows: list[Row]) -> str:
 
         cells = [r.shape, str(r.tokens_per_rank), r.routing, r.case + (f" ({r.note})" if r.note else ""), f"{r.ct:.2f}",
                  f"{r.fwd_ms:.2f}", f"{r.fwd_bwd_ms:.2f}", f"{r.fwd_ms / r.skipped_fwd_ms:.2f}",
-                 f"{r.fwd_bwd_ms / r.skipped_fwd_bwd_ms:.2f}", f"{r.exchange_ms:.2f}",
-                 f"{r.sent_mb_mean:.1f}/{r.sent_mb_max:.1f}", f"{r.bandwidth_gbs:.0f}", f"{r.peak_gbs:.0f}",
+                 f"{r.fwd_bwd_ms / r.skipped_fwd_bwd_ms:.2f}", f"{r.exchange_ms:.2f}", f"{r.wire_ms:.2f}",
+                 f"{r.sent_mb_mean:.1f}/{r.sent_mb_max:.1f}", f"{r.bandwidth_gbs:.0f}",
+                 f"{r.sent_mb_max / r.wire_ms:.0f}", f"{r.peak_gbs:.0f}",
                  f"{r.group_tokens / r.fwd_ms / 1e3:.2f}", ratio(base, False), ratio(base, True),
                  ratio(hf, False), ratio(hf, True)]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
@@ -630,7 +736,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--tokens", nargs="+", type=positive_int, default=[128, 4096, 16384], help="tokens per rank")
-    parser.add_argument("--dispatchers", nargs="+", default=list(DISPATCHERS), choices=list(DISPATCHERS))
+    parser.add_argument(
+        "--dispatchers", nargs="+", default=list(DISPATCHERS), help=f"registered torch.distributed dispatchers (default: {DISPATCHERS})"
+    )
     parser.add_argument(
         "--modes", nargs="+", default=[m.name for m in MODES] + [TRANSFORMERS_EP],
         choices=[m.name for m in MODES + EXTRA_MODES] + [TRANSFORMERS_EP],
@@ -650,6 +758,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--chunks", type=positive_int, default=None, help="OccultConfig.dispatch_chunks for every layer (default: chosen from T per rank)"
     )
     parser.add_argument("--iterations", type=positive_int, default=20)
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="also profile one forward and one forward+backward of every case (torch.profiler): time per dispatcher "
+        "stage, GPU busy time, costliest kernels; appended to <out>/bench_ep_profile.md",
+    )  # fmt: skip
     parser.add_argument("--expert-backend", default="auto", choices=["auto", "triton", "torch"])
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default: bf16 on GPU, fp32 on CPU")
     parser.add_argument("--hidden", type=int, default=None, help="override H (CPU dry runs), keeping E, k and routing")
