@@ -200,11 +200,14 @@ class OccultMoE(nn.Module):
         self.last_topk_ids_Tk = dispatched.topk_ids_Tk.detach()
         self.last_devices_TD = dispatched.devices_TD
 
-        routed_TH, plan = self.dispatcher.run(x_TH, dispatched, self.experts)
+        shared = []  # the shared experts need no exchange: the dispatcher issues them while its rows are on the wire
+        routed_TH, plan = self.dispatcher.run(
+            x_TH, dispatched, self.experts, concurrent=lambda: shared.append(self.adapter.shared_output(block, x_TH))
+        )
         self._count(plan)
 
         routed_TH = self.adapter.attach_aux_loss(block, routed_TH, routing.aux_loss)
-        shared_TH = self.adapter.shared_output(block, x_TH)
+        shared_TH = shared[0]
         out_TH = routed_TH if shared_TH is None else routed_TH + shared_TH
         if self.ep.is_distributed and torch.is_grad_enabled() and self.ep_grad_norm_carrier.requires_grad:
             out_TH = _OnBackward.apply(out_TH, self._grad_norm.queue)

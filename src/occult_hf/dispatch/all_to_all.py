@@ -3,29 +3,37 @@
 Shape legend: see `occult_hf.dispatch.plan`.
 
 Per layer and forward:
-1. **Plan** on the tokens' device (`plan.py`), for C chunks of the rank's tokens.
-2. **Counts**: one small all-to-all of the `[D, C, 2]` row/pair counts (and each rank's chunk
-   count, so ranks with different T agree on C), read once on the host: the layer's only host
-   synchronisation (the split sizes).
-3. **Exchange**, per chunk: the rows and their routing metadata (int32 local slots, routing
-   weights in the router's dtype, exact) packed into one uint8 block (`RowFormat`) and sent in ONE
-   `all_to_all_single`; the experts' pre-summed outputs come back in one more. All chunks' dispatch
-   exchanges are issued asynchronously first; then chunk c's experts run while later chunks'
-   dispatch and earlier chunks' combine are on the wire.
-4. **Backward** (one autograd node for the whole pipeline): per chunk, one exchange of the output
-   gradients to the expert ranks, the experts' backward, and one reverse exchange of the packed
-   gradients of the rows and of their routing weights; again issued so that chunk c's expert
-   backward overlaps the other chunks' exchanges. The experts' parameter gradients accumulate
-   through a nested (reentrant) autograd call, as in reentrant activation checkpointing.
-`combine()` sums a token's partial outputs in fp32. Activation checkpointing (non-reentrant, and
-reentrant) recomputes the layer, exchanges included, on every rank alike; a second backward through
-one forward (`retain_graph=True`) is refused with an error.
+1. **Plan** on the tokens' device (`plan.send_layout`): the send layout of each chunk of the rank's
+   tokens (rows by destination device, then token; each row's int32 local slots and routing weights;
+   each token's row positions), with one 1-D scan and no atomics.
+2. **Counts**: one small all-to-all of the `[D, C, 2]` row/pair counts (and each rank's chunk count, so
+   ranks with different T agree on C), copied to pinned host memory behind it and read once (the
+   layer's only host synchronisation: the split sizes; the host spins on that copy's event rather than
+   `Work.wait(timeout)`, which sleeps in 1 ms steps).
+3. **Exchange**: the rows gathered straight into a packed uint8 block (`RowFormat`: activations, slots,
+   weights; one `index_select` into the block, no intermediate copy) and sent in ONE
+   `all_to_all_single`. Work that needs no exchange (the shared experts, `run(concurrent=...)`) is
+   queued while it is on the wire. The receiver groups the (row, local expert) pairs by expert (one
+   sort of N keys); the experts take the received rows as a view of the block. The pre-summed outputs return in
+   one more `all_to_all_single`, into a buffer with one extra zero row, and each token's rows are
+   summed by a gather through its row positions (fp32 accumulation, fixed order, no atomics).
+   With C > 1 chunks all chunks' dispatch exchanges are issued first, then chunk c's experts run while
+   later chunks' dispatch and earlier chunks' combine are on the wire.
+4. **Backward**: the output gradient gathered per row and sent in one exchange, the experts' backward,
+   the row and routing-weight gradients packed in one reverse exchange and summed per token by the same
+   gather. With one chunk these are three autograd nodes (dispatch, experts, combine); with several, one
+   node for the pipeline, whose experts' parameter gradients accumulate through a nested (reentrant)
+   autograd call, as in reentrant activation checkpointing.
+Activation checkpointing (non-reentrant, and reentrant) recomputes the layer, exchanges included, on
+every rank alike; a second backward through one chunked forward (`retain_graph=True`) is refused with
+an error.
 
 **Bounded waits.** Every wait on a peer finishes or fails within the exchange timeout
 (`OccultConfig.exchange_timeout_s`, else the environment variable `OCCULT_EXCHANGE_TIMEOUT_S`, else
 300 s) with an `ExchangeError` naming the layer and the operation. The count exchange, which every
 rank reaches at every layer before any row moves, always waits with that bound on the host (its
-result is read there anyway), so a stalled, dead or desynchronised peer is reported there. Row
+result is read there anyway; on CUDA by spinning on the copy's event until the deadline), so a
+stalled, dead or desynchronised peer is reported there. Row
 exchanges of CPU tensors (gloo) also wait with the bound; on CUDA they only make the compute
 stream wait for the communication stream (a host wait would cost the overlap), and a peer that
 dies in the middle of one is caught by the process group's own timeout (NCCL watchdog).
@@ -33,6 +41,7 @@ dies in the middle of one is caught by the process group's own timeout (NCCL wat
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Sequence
@@ -41,16 +50,18 @@ import torch
 import torch.distributed as dist
 
 from .base import (
+    DEFAULT_CHUNKS,
     DispatchPlan,
     Dispatched,
     ExpertsFn,
     RowFormat,
     TokenDispatcher,
-    DEFAULT_CHUNKS,
     dispatch_format,
     register_dispatcher,
+    stage,
+    sum_token_rows,
 )
-from .plan import SendOrder, chunk_bounds, device_counts, received_pairs, routing_width, send_order
+from .plan import SendLayout, chunk_bounds, received_pairs, routing_width, send_layout
 
 
 class ExchangeError(RuntimeError):
@@ -59,14 +70,36 @@ class ExchangeError(RuntimeError):
 
 @dataclass(frozen=True)
 class _Chunk:
-    """One chunk's plan on this rank: tokens `[start, end)`, its send order and split sizes."""
+    """One chunk's plan on this rank: tokens `[start, end)`, its `S` rows (sliced from the send layout) and
+    split sizes.
+
+    Attributes:
+        token_S: `[S]` int64 source token of each row, relative to `start`.
+        slot_SW: `[S, W]` int32 local slots on the destination (-1: served elsewhere).
+        weight_SW: `[S, W]` routing weights (differentiable).
+        row_TJ: `[end - start, J]` int64 rows of each token, `S` where it has fewer (a zero row there).
+    """
 
     start: int
     end: int
-    order: SendOrder
+    token_S: torch.Tensor
+    slot_SW: torch.Tensor
+    weight_SW: torch.Tensor
+    row_TJ: torch.Tensor
     send_splits: tuple[int, ...]
     recv_splits: tuple[int, ...]
     num_pairs: int
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.send_splits)
+
+
+@dataclass(frozen=True)
+class AllToAllPlan(DispatchPlan):
+    """`DispatchPlan` of "all_to_all" with the one chunk `dispatch()` made (what `combine()` needs)."""
+
+    chunk: _Chunk | None = None
 
 
 @register_dispatcher
@@ -79,117 +112,125 @@ class AllToAllDispatcher(TokenDispatcher):
         return ep.is_distributed
 
     # ----- the interface ---------------------------------------------------------------------
-    def dispatch(self, x_TH: torch.Tensor, routing) -> Dispatched:
+    def dispatch(self, x_TH: torch.Tensor, routing, concurrent=None) -> Dispatched:
         (chunk,), counts_D2 = self._plan(routing, num_chunks=1, max_chunks=1)
-        weights_Tk = routing.topk_weights_Tk
-        row_format = dispatch_format(x_TH.shape[1], x_TH.dtype, chunk.order.slot_SW.shape[1], weights_Tk.dtype)
-        x_SH = x_TH[chunk.order.token_S]
-        x_RH, slot_RW, weight_RW = _DispatchExchange.apply(
-            x_SH, chunk.order.weight_SW, chunk.order.slot_SW, self, row_format, chunk.send_splits, chunk.recv_splits
-        )
-        segments, pick_N = received_pairs(slot_RW, chunk.num_pairs, self.num_local_experts)
-        plan = self._result_plan(routing, [chunk], counts_D2, row_format, token_of_row_S=chunk.order.token_S)
-        return Dispatched(x_RH=x_RH, segments=segments, pair_weight_N=weight_RW.reshape(-1)[pick_N], plan=plan)
+        row_format = self._row_format(x_TH, routing)
+        with stage("pack"):
+            block = _pack_rows(row_format, x_TH, chunk)
+        pending = self.exchange(block, chunk.send_splits, chunk.recv_splits, "dispatch")
+        if concurrent is not None:  # its kernels queue before the stream waits for the exchange: they overlap it
+            with stage("concurrent"):
+                concurrent()
+        x_RH, slot_RW, weight_RW = _DispatchExchange.apply(x_TH, chunk.weight_SW, self, chunk, row_format, pending)
+        with stage("received layout"):
+            segments, pick_N = received_pairs(slot_RW, chunk.num_pairs, self.num_local_experts)
+            pair_weight_N = weight_RW.reshape(-1)[pick_N]
+        plan = self._result_plan(routing, [chunk], counts_D2, row_format, chunk=chunk)
+        return Dispatched(x_RH=x_RH, segments=segments, pair_weight_N=pair_weight_N, plan=plan)
 
     def combine(self, out_RH: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-        out_SH = _CombineExchange.apply(out_RH, self, plan.recv_splits, plan.send_splits)
-        out_TH = torch.zeros(plan.num_tokens, out_RH.shape[1], dtype=torch.float32, device=out_RH.device)
-        return out_TH.index_add(0, plan.token_of_row_S, out_SH.float()).to(out_RH.dtype)
+        return _CombineExchange.apply(out_RH, self, plan.chunk)
 
-    def run(self, x_TH: torch.Tensor, routing, experts: ExpertsFn) -> tuple[torch.Tensor, DispatchPlan]:
-        """Dispatch, experts and combine for C chunks, the exchange of one overlapping the experts of another."""
+    def run(self, x_TH: torch.Tensor, routing, experts: ExpertsFn, concurrent=None) -> tuple[torch.Tensor, DispatchPlan]:
+        """Dispatch, experts and combine; with C > 1 chunks, the exchange of one overlapping the experts of another.
+        `concurrent` (see `TokenDispatcher.run`) is issued while the (first) dispatch is on the wire."""
         num_chunks = self.chunks or DEFAULT_CHUNKS
+        if num_chunks == 1:  # three autograd nodes: the exchanges' backward runs in the reverse order by itself
+            sent = self.dispatch(x_TH, routing, concurrent)
+            with stage("experts"):
+                out_RH = experts(sent.x_RH, sent.segments, sent.pair_weight_N)
+            return self.combine(out_RH, sent.plan), sent.plan
         chunks, counts_D2 = self._plan(routing, num_chunks, num_chunks)
-        weights_Tk = routing.topk_weights_Tk
-        width = routing_width(self.mode, routing.topk_ids_Tk.shape[1])
-        row_format = dispatch_format(x_TH.shape[1], x_TH.dtype, width, weights_Tk.dtype)
-        inputs = []
-        for chunk in chunks:  # the gathers stay in autograd: their backward is the scatter-add of the row gradients
-            inputs += [x_TH[chunk.start + chunk.order.token_S], chunk.order.weight_SW]
+        row_format = self._row_format(x_TH, routing)
+        weights = [chunk.weight_SW for chunk in chunks]
         grad = torch.is_grad_enabled()
         params = [p for p in _parameters_of(experts) if p.requires_grad] if grad else []
-        track = grad and (bool(params) or any(t.requires_grad for t in inputs))
+        track = grad and (bool(params) or x_TH.requires_grad or any(w.requires_grad for w in weights))
         pipeline = _Pipeline(self, chunks, row_format, experts, track=track)
-        outs_SH = _PipelineFunction.apply(pipeline, len(inputs), *inputs, *params)
-        parts = []  # chunks hold disjoint token ranges: sum each chunk's partial outputs (fp32), then concatenate
-        for chunk, out_SH in zip(chunks, outs_SH):
-            out_cH = torch.zeros(chunk.end - chunk.start, x_TH.shape[1], dtype=torch.float32, device=x_TH.device)
-            parts.append(out_cH.index_add(0, chunk.order.token_S, out_SH.float()))
-        out_TH = torch.cat(parts) if len(parts) > 1 else parts[0]
-        return out_TH.to(x_TH.dtype), self._result_plan(routing, chunks, counts_D2, row_format)
+        out_TH = _PipelineFunction.apply(pipeline, x_TH, len(weights), *weights, *params)
+        if concurrent is not None:
+            concurrent()
+        return out_TH, self._result_plan(routing, chunks, counts_D2, row_format)
+
+    def _row_format(self, x_TH: torch.Tensor, routing) -> RowFormat:
+        width = routing_width(self.mode, routing.topk_ids_Tk.shape[1])
+        return dispatch_format(x_TH.shape[1], x_TH.dtype, width, routing.topk_weights_Tk.dtype)
 
     # ----- planning ------------------------------------------------------------------------------
     def _plan(self, routing, num_chunks: int, max_chunks: int) -> tuple[list[_Chunk], torch.Tensor]:
-        """Split the tokens into (at most) `num_chunks` chunks, agree with the group on the chunk count (at most
-        `max_chunks`, the same on every rank), plan each chunk's rows. Returns the chunks and `[D, 2]` counts."""
+        """Split the tokens into (at most) `num_chunks` chunks, lay out each chunk's rows on the device, agree
+        with the group on the chunk count (at most `max_chunks`, the same on every rank) and learn the split
+        sizes (the one host read). Returns the chunks and the `[D, 2]` counts."""
         ids_Tk, weights_Tk = routing.topk_ids_Tk, routing.topk_weights_Tk
         num_tokens = ids_Tk.shape[0]
-        dest_Tk, local_Tk = self.destinations_of(routing)
-        bounds = chunk_bounds(num_tokens, min(num_chunks, max_chunks))
-        counts_CD2 = device_counts(dest_Tk, self.ep.num_devices, self.mode, bounds)
-        splits, num_chunks = self._exchange_counts(counts_CD2, len(bounds), max_chunks)
-        bounds += [(num_tokens, num_tokens)] * (num_chunks - len(bounds))  # empty chunks: join the group's exchanges
-        chunks = []
-        for (start, end), (send_splits, recv_splits, num_pairs) in zip(bounds, splits):
-            order = send_order(
-                dest_Tk[start:end], local_Tk[start:end], weights_Tk[start:end], self.ep.num_devices, self.mode, sum(send_splits)
-            )
-            chunks.append(_Chunk(start, end, order, send_splits, recv_splits, num_pairs))
+        num_devices = self.ep.num_devices
+        with stage("plan"):
+            dest_Tk, local_Tk = self.destinations_of(routing)
+            bounds = chunk_bounds(num_tokens, min(num_chunks, max_chunks))
+            layouts = [
+                send_layout(dest_Tk[a:b], local_Tk[a:b], weights_Tk[a:b], num_devices, self.mode) for a, b in bounds
+            ]
+            counts_CD2 = torch.stack([layout.counts_D2 for layout in layouts])
+        with stage("count exchange"):
+            splits, group_chunks = self._exchange_counts(counts_CD2, len(bounds), max_chunks).result()
+        with stage("plan"):
+            empty = send_layout(dest_Tk[:0], local_Tk[:0], weights_Tk[:0], num_devices, self.mode)
+            chunks = []
+            for index, (send_splits, recv_splits, num_pairs) in enumerate(splits):
+                # chunks the group runs beyond this rank's: empty, but they join the group's exchanges
+                (start, end), layout = (bounds[index], layouts[index]) if index < len(bounds) else ((num_tokens, num_tokens), empty)
+                chunks.append(_slice_chunk(start, end, layout, send_splits, recv_splits, num_pairs))
         return chunks, counts_CD2.sum(0)
 
-    def _exchange_counts(self, counts_CD2: torch.Tensor, num_chunks: int, max_chunks: int):
-        """One all-to-all of every chunk's row/pair counts per destination, plus this rank's chunk count;
-        one host read. Returns per chunk `(send_splits, recv_splits, recv_pairs)` and the group's chunk count."""
+    def _exchange_counts(self, counts_CD2: torch.Tensor, num_chunks: int, max_chunks: int) -> "_PendingCounts":
+        """Start one all-to-all of every chunk's row/pair counts per destination, plus this rank's chunk count;
+        `.result()` reads it on the host (the layer's one host synchronisation) and returns per chunk
+        `(send_splits, recv_splits, recv_pairs)` and the group's chunk count."""
         num_devices = self.ep.num_devices
         send_DX = torch.zeros(num_devices, 2 * max_chunks + 1, dtype=torch.int64, device=counts_CD2.device)
         send_DX[:, : 2 * num_chunks] = counts_CD2.transpose(0, 1).reshape(num_devices, -1)
         send_DX[:, -1] = num_chunks
         recv_DX = torch.empty_like(send_DX)
         work = self._collective("count exchange", dist.all_to_all_single, recv_DX, send_DX, group=self.ep.group, async_op=True)
-        self._wait(work, "count exchange", on_host=True)
-        both = torch.cat([send_DX, recv_DX]).tolist()  # the one host read of the layer
-        send, recv = both[:num_devices], both[num_devices:]
-        group_chunks = max(row[-1] for row in recv)
-        splits = [
-            (
-                tuple(send[d][2 * c] for d in range(num_devices)),
-                tuple(recv[d][2 * c] for d in range(num_devices)),
-                sum(recv[d][2 * c + 1] for d in range(num_devices)),
-            )
-            for c in range(group_chunks)
-        ]
-        return splits, group_chunks
+        return _PendingCounts(self, work, send_DX, recv_DX)
 
-    def _result_plan(self, routing, chunks, counts_D2, row_format: RowFormat, token_of_row_S=None) -> DispatchPlan:
-        return DispatchPlan(
+    def _result_plan(self, routing, chunks, counts_D2, row_format: RowFormat, chunk: _Chunk | None = None) -> "AllToAllPlan":
+        return AllToAllPlan(
             mode=self.mode,
             num_tokens=routing.topk_ids_Tk.shape[0],
             counts_D2=counts_D2,
             row_bytes=row_format.row_bytes,
             ep=self.ep,
             layer=self.layer,
-            token_of_row_S=token_of_row_S,
+            token_of_row_S=None if chunk is None else chunk.token_S,
             send_splits=tuple(map(sum, zip(*(c.send_splits for c in chunks)))),
             recv_splits=tuple(map(sum, zip(*(c.recv_splits for c in chunks)))),
             num_pairs=sum(c.num_pairs for c in chunks),
+            chunk=chunk,
         )
 
     # ----- communication -----------------------------------------------------------------------
-    def exchange(self, block: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], what: str) -> "_Pending":
-        """Start one `all_to_all_single` of `block`'s rows (split along dim 0); `.wait()` gives the received block."""
-        out = block.new_empty((sum(recv_splits), *block.shape[1:]))
+    def exchange(
+        self, block: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], what: str, zero_row: bool = False
+    ) -> "_Pending":
+        """Start one `all_to_all_single` of `block`'s rows (split along dim 0); `.wait()` gives the received
+        block, with one extra zero row at the end when `zero_row` (what a combine's gather points absent rows at)."""
+        rows = sum(recv_splits)
+        out = block.new_empty((rows + int(zero_row), *block.shape[1:]))
+        if zero_row:
+            out[rows].zero_()
         block = block.contiguous()
         work = self._collective(
             what,
             dist.all_to_all_single,
-            out,
+            out[:rows],
             block,
             output_split_sizes=list(recv_splits),
             input_split_sizes=list(send_splits),
             group=self.ep.group,
             async_op=True,
         )
-        return _Pending(self, work, out, block, what)
+        return _Pending(self, work, out, block, what, tuple(send_splits), tuple(recv_splits))
 
     def _collective(self, what: str, fn, *args, **kwargs):
         try:
@@ -197,27 +238,87 @@ class AllToAllDispatcher(TokenDispatcher):
         except RuntimeError as error:
             raise ExchangeError(f"{self.layer}: the {what} could not start: {error}") from error
 
+    def _timeout_error(self, what: str, error) -> ExchangeError:
+        return ExchangeError(
+            f"{self.layer}: the {what} failed or did not finish within {self.timeout_s:g} s "
+            f"(OccultConfig.exchange_timeout_s or $OCCULT_EXCHANGE_TIMEOUT_S): a peer rank is stalled, "
+            f"dead or running a different model: {error}"
+        )
+
     def _wait(self, work, what: str, on_host: bool) -> None:
-        """Wait for a collective: with the exchange timeout on the host for CPU tensors and for reads on the
-        host; on CUDA otherwise a stream-ordered wait (see the module docstring)."""
+        """Wait for a collective: with the exchange timeout on the host for CPU tensors; on CUDA a
+        stream-ordered wait (see the module docstring)."""
         try:
             if on_host:
                 work.wait(timeout=timedelta(seconds=self.timeout_s))
             else:
                 work.wait()
         except RuntimeError as error:
-            raise ExchangeError(
-                f"{self.layer}: the {what} failed or did not finish within {self.timeout_s:g} s "
-                f"(OccultConfig.exchange_timeout_s or $OCCULT_EXCHANGE_TIMEOUT_S): a peer rank is stalled, "
-                f"dead or running a different model: {error}"
-            ) from error
+            raise self._timeout_error(what, error) from error
+
+
+class _PendingCounts:
+    """The count exchange in flight. On CUDA its result is copied to pinned host memory behind the
+    collective and the host spins on that copy's event (bounded by the timeout): `Work.wait(timeout)`
+    would instead sleep in 1 ms steps, and a blocking `.tolist()` would also wait for every kernel
+    queued after it."""
+
+    def __init__(self, dispatcher: AllToAllDispatcher, work, send_DX: torch.Tensor, recv_DX: torch.Tensor) -> None:
+        self.dispatcher, self.work, self.send_DX = dispatcher, work, send_DX
+        self._result = None
+        if recv_DX.is_cuda:
+            dispatcher._wait(work, "count exchange", on_host=False)  # the stream waits for the collective
+            both = torch.cat([send_DX, recv_DX])
+            self.host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            self.host.copy_(both, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host, self.event, self.recv_DX = None, None, recv_DX
+
+    def result(self):
+        if self._result is None:
+            d = self.dispatcher
+            num_devices = d.ep.num_devices
+            if self.event is not None:
+                deadline = time.monotonic() + d.timeout_s
+                while not self.event.query():
+                    if time.monotonic() > deadline:
+                        raise d._timeout_error("count exchange", "timed out")
+                both = self.host.tolist()
+            else:
+                d._wait(self.work, "count exchange", on_host=True)
+                both = torch.cat([self.send_DX, self.recv_DX]).tolist()
+            send, recv = both[:num_devices], both[num_devices:]
+            group_chunks = max(row[-1] for row in recv)
+            splits = [
+                (
+                    tuple(send[p][2 * c] for p in range(num_devices)),
+                    tuple(recv[p][2 * c] for p in range(num_devices)),
+                    sum(recv[p][2 * c + 1] for p in range(num_devices)),
+                )
+                for c in range(group_chunks)
+            ]
+            self._result = splits, group_chunks
+        return self._result
+
+
+def _slice_chunk(start, end, layout: SendLayout, send_splits, recv_splits, num_pairs) -> _Chunk:
+    """The chunk's `S` real rows of its layout (the first S: the layout is packed), absent rows pointed at row S."""
+    rows = sum(send_splits)
+    row_TJ = torch.where(layout.row_TJ < rows, layout.row_TJ, rows)
+    return _Chunk(
+        start, end, layout.token_S[:rows], layout.slot_SW[:rows], layout.weight_SW[:rows], row_TJ,
+        tuple(send_splits), tuple(recv_splits), num_pairs,
+    )  # fmt: skip
 
 
 class _Pending:
     """A started exchange: `.wait()` returns the received block (keeps the send block alive until then)."""
 
-    def __init__(self, dispatcher: AllToAllDispatcher, work, out: torch.Tensor, block: torch.Tensor, what: str):
+    def __init__(self, dispatcher: AllToAllDispatcher, work, out: torch.Tensor, block: torch.Tensor, what: str, send_splits, recv_splits):
         self.dispatcher, self.work, self.out, self.block, self.what = dispatcher, work, out, block, what
+        self.send_splits, self.recv_splits = send_splits, recv_splits
 
     def wait(self) -> torch.Tensor:
         self.dispatcher._wait(self.work, self.what, on_host=not self.out.is_cuda)
@@ -231,50 +332,75 @@ def _gradient_format(row_format: RowFormat) -> RowFormat:
     return RowFormat([(x_dtype, hidden), (weight_dtype, width)])
 
 
+def _pack_rows(row_format: RowFormat, x_TH: torch.Tensor, chunk: _Chunk) -> torch.Tensor:
+    """`[S, B]` uint8: each row's activations gathered straight into its field (one `index_select`, no
+    intermediate copy), its local slots and routing weights beside them."""
+    block = torch.empty(chunk.num_rows, row_format.row_bytes, dtype=torch.uint8, device=x_TH.device)
+    view_x, view_slot, view_weight = row_format.unpack(block)
+    torch.index_select(x_TH.detach()[chunk.start : chunk.end], 0, chunk.token_S, out=view_x)  # the gradient: `_DispatchExchange`
+    view_slot.copy_(chunk.slot_SW)
+    view_weight.copy_(chunk.weight_SW.detach())
+    return block
+
+
+def _pack_grads(grads: RowFormat, rows: int, grad_x, grad_weight, device) -> torch.Tensor:
+    """Pack the gradients of rows and weights; an absent gradient is zeros (every rank runs the same exchanges)."""
+    block = torch.empty(rows, grads.row_bytes, dtype=torch.uint8, device=device)
+    view_x, view_w = grads.unpack(block)
+    for view, grad in ((view_x, grad_x), (view_w, grad_weight)):
+        if grad is None:
+            view.zero_()
+        else:
+            view.copy_(grad)
+    return block
+
+
 class _DispatchExchange(torch.autograd.Function):
-    """Rows and routing metadata in one exchange; backward: their gradients packed in one reverse exchange."""
+    """Rows and routing metadata in one exchange; backward: their gradients packed in one reverse exchange,
+    each token's row gradients summed by a gather."""
 
     @staticmethod
-    def forward(ctx, x_SH, weight_SW, slot_SW, dispatcher, row_format, send_splits, recv_splits):
-        ctx.dispatcher, ctx.row_format, ctx.splits, ctx.device = dispatcher, row_format, (send_splits, recv_splits), x_SH.device
-        block = dispatcher.exchange(row_format.pack(x_SH, slot_SW, weight_SW), send_splits, recv_splits, "dispatch").wait()
-        x_RH, slot_RW, weight_RW = row_format.unpack(block)
+    def forward(ctx, x_TH, weight_SW, dispatcher: AllToAllDispatcher, chunk: _Chunk, row_format: RowFormat, pending: "_Pending"):
+        """`pending`: the exchange of the packed rows, already started (see `AllToAllDispatcher.dispatch`)."""
+        ctx.dispatcher, ctx.chunk, ctx.row_format, ctx.num_tokens = dispatcher, chunk, row_format, x_TH.shape[0]
+        with stage("dispatch exchange"):
+            received = pending.wait()
+        x_RH, slot_RW, weight_RW = row_format.unpack(received)
         ctx.mark_non_differentiable(slot_RW)
         return x_RH, slot_RW, weight_RW
 
     @staticmethod
     def backward(ctx, grad_x_RH, _grad_slot, grad_weight_RW):
-        send_splits, recv_splits = ctx.splits
+        chunk = ctx.chunk
         grads = _gradient_format(ctx.row_format)
-        block = _pack_grads(grads, sum(recv_splits), grad_x_RH, grad_weight_RW, ctx.device)
-        grad_x_SH, grad_weight_SW = grads.unpack(ctx.dispatcher.exchange(block, recv_splits, send_splits, "dispatch backward").wait())
-        return grad_x_SH, grad_weight_SW, None, None, None, None, None
+        with stage("dispatch backward exchange"):
+            device = (grad_x_RH if grad_x_RH is not None else grad_weight_RW).device
+            block = _pack_grads(grads, sum(chunk.recv_splits), grad_x_RH, grad_weight_RW, device)
+            back = ctx.dispatcher.exchange(block, chunk.recv_splits, chunk.send_splits, "dispatch backward", zero_row=True).wait()
+        grad_x_pad_SH, grad_weight_pad_SW = grads.unpack(back)
+        with stage("dispatch backward sum"):
+            grad_x_TH = sum_token_rows(grad_x_pad_SH, chunk.row_TJ) if ctx.needs_input_grad[0] else None
+        return grad_x_TH, grad_weight_pad_SW[: chunk.num_rows], None, None, None, None
 
 
 class _CombineExchange(torch.autograd.Function):
-    """The pre-summed rows back to their source ranks; backward sends the output gradients the other way."""
+    """The pre-summed rows back to their source ranks and each token's rows summed (fp32, by a gather); backward
+    sends each row its token's output gradient (a gather) the other way."""
 
     @staticmethod
-    def forward(ctx, out_RH, dispatcher, recv_splits, send_splits):
-        ctx.dispatcher, ctx.splits = dispatcher, (recv_splits, send_splits)
-        return dispatcher.exchange(out_RH, recv_splits, send_splits, "combine").wait()
+    def forward(ctx, out_RH, dispatcher: AllToAllDispatcher, chunk: _Chunk):
+        ctx.dispatcher, ctx.chunk = dispatcher, chunk
+        with stage("combine exchange"):
+            back = dispatcher.exchange(out_RH, chunk.recv_splits, chunk.send_splits, "combine", zero_row=True).wait()
+        with stage("combine sum"):
+            return sum_token_rows(back, chunk.row_TJ)
 
     @staticmethod
-    def backward(ctx, grad_SH):
-        recv_splits, send_splits = ctx.splits
-        return ctx.dispatcher.exchange(grad_SH, send_splits, recv_splits, "combine backward").wait(), None, None, None
-
-
-def _pack_grads(grads: RowFormat, rows: int, grad_x, grad_weight, device) -> torch.Tensor:
-    """Pack the gradients of rows and weights; an absent gradient is zeros (every rank runs the same exchanges)."""
-    (x_dtype, hidden), (weight_dtype, width) = grads.fields
-    block = torch.zeros(rows, grads.row_bytes, dtype=torch.uint8, device=device)
-    view_x, view_w = grads.unpack(block)
-    if grad_x is not None:
-        view_x.copy_(grad_x)
-    if grad_weight is not None:
-        view_w.copy_(grad_weight)
-    return block
+    def backward(ctx, grad_TH):
+        chunk = ctx.chunk
+        with stage("combine backward exchange"):
+            grad_SH = grad_TH.index_select(0, chunk.token_S)
+            return ctx.dispatcher.exchange(grad_SH, chunk.send_splits, chunk.recv_splits, "combine backward").wait(), None, None
 
 
 class _Pipeline:
@@ -282,15 +408,15 @@ class _Pipeline:
 
     def __init__(self, dispatcher: AllToAllDispatcher, chunks: list[_Chunk], row_format: RowFormat, experts: ExpertsFn, track: bool):
         self.dispatcher, self.chunks, self.row_format, self.experts, self.track = dispatcher, chunks, row_format, experts, track
-        self.saved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = []
+        self.saved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.device = None
 
-    def forward(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
         d = self.dispatcher
-        self.device = rows[0].device
+        self.device = x_TH.device
         dispatches = [
-            d.exchange(self.row_format.pack(x_SH, c.order.slot_SW, weight_SW), c.send_splits, c.recv_splits, f"dispatch of chunk {i}")
-            for i, (c, x_SH, weight_SW) in enumerate(zip(self.chunks, rows[0::2], rows[1::2]))
+            d.exchange(_pack_rows(self.row_format, x_TH, c), c.send_splits, c.recv_splits, f"dispatch of chunk {i}")
+            for i, c in enumerate(self.chunks)
         ]
         combines = []
         for i, (chunk, pending) in enumerate(zip(self.chunks, dispatches)):
@@ -303,10 +429,13 @@ class _Pipeline:
                 self.saved.append((x_RH, weight_RW, out_RH))
             else:
                 out_RH = self.experts(x_RH, segments, weight_RW.reshape(-1)[pick_N])
-            combines.append(d.exchange(out_RH.detach(), chunk.recv_splits, chunk.send_splits, f"combine of chunk {i}"))
-        return [pending.wait() for pending in combines]
+            combines.append(d.exchange(out_RH.detach(), chunk.recv_splits, chunk.send_splits, f"combine of chunk {i}", zero_row=True))
+        out_TH = x_TH.new_empty(x_TH.shape)
+        for chunk, pending in zip(self.chunks, combines):
+            sum_token_rows(pending.wait(), chunk.row_TJ, out_TH[chunk.start : chunk.end])
+        return out_TH
 
-    def backward(self, grads_SH: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    def backward(self, grad_TH: torch.Tensor, x_needs_grad: bool) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         d = self.dispatcher
         if len(self.saved) != len(self.chunks):
             raise RuntimeError(
@@ -314,42 +443,44 @@ class _Pipeline:
                 f"supported: the experts' graph of each chunk is released by the first backward"
             )
         grads = _gradient_format(self.row_format)
-        hidden = self.row_format.fields[0][1]
-        outgoing = []
-        for i, (chunk, grad_SH) in enumerate(zip(self.chunks, grads_SH)):
-            if grad_SH is None:
-                grad_SH = torch.zeros(sum(chunk.send_splits), hidden, dtype=self.row_format.fields[0][0], device=self.device)
-            outgoing.append(d.exchange(grad_SH, chunk.send_splits, chunk.recv_splits, f"combine backward of chunk {i}"))
+        outgoing = [
+            d.exchange(grad_TH[c.start : c.end].index_select(0, c.token_S), c.send_splits, c.recv_splits, f"combine backward of chunk {i}")
+            for i, c in enumerate(self.chunks)
+        ]
         returning = []
         for i, (chunk, pending, (x_RH, weight_RW, out_RH)) in enumerate(zip(self.chunks, outgoing, self.saved)):
             grad_out_RH = pending.wait()
             if out_RH.requires_grad:
                 torch.autograd.backward(out_RH, grad_out_RH)  # experts' backward: parameter grads accumulate
             block = _pack_grads(grads, sum(chunk.recv_splits), x_RH.grad, weight_RW.grad, self.device)
-            returning.append(d.exchange(block, chunk.recv_splits, chunk.send_splits, f"dispatch backward of chunk {i}"))
+            returning.append(d.exchange(block, chunk.recv_splits, chunk.send_splits, f"dispatch backward of chunk {i}", zero_row=True))
         self.saved = []
-        result = []
-        for pending in returning:
-            result += list(grads.unpack(pending.wait()))
-        return result
+        grad_x_TH = torch.empty_like(grad_TH) if x_needs_grad else None
+        grad_weights = []
+        for chunk, pending in zip(self.chunks, returning):
+            grad_x_pad_SH, grad_weight_pad_SW = grads.unpack(pending.wait())
+            if grad_x_TH is not None:
+                sum_token_rows(grad_x_pad_SH, chunk.row_TJ, grad_x_TH[chunk.start : chunk.end])
+            grad_weights.append(grad_weight_pad_SW[: chunk.num_rows])
+        return grad_x_TH, grad_weights
 
 
 class _PipelineFunction(torch.autograd.Function):
-    """`(x_SH, weight_SW) per chunk, *expert params -> out_SH per chunk`; see `_Pipeline`."""
+    """`x_TH, weight_SW per chunk, *expert params -> out_TH`; see `_Pipeline`."""
 
     @staticmethod
-    def forward(ctx, pipeline: _Pipeline, num_rows_inputs: int, *inputs):
-        ctx.pipeline, ctx.num_rows_inputs, ctx.num_params = pipeline, num_rows_inputs, len(inputs) - num_rows_inputs
-        return tuple(pipeline.forward(list(inputs[:num_rows_inputs])))
+    def forward(ctx, pipeline: _Pipeline, x_TH, num_weights: int, *inputs):
+        ctx.pipeline, ctx.num_weights, ctx.num_params = pipeline, num_weights, len(inputs) - num_weights
+        return pipeline.forward(x_TH)
 
     @staticmethod
-    def backward(ctx, *grads_SH):
-        grads = ctx.pipeline.backward(list(grads_SH))
-        return (None, None, *grads, *([None] * ctx.num_params))
+    def backward(ctx, grad_TH):
+        grad_x_TH, grad_weights = ctx.pipeline.backward(grad_TH.contiguous(), ctx.needs_input_grad[1])
+        return (None, grad_x_TH, None, *grad_weights, *([None] * ctx.num_params))
 
 
 def _parameters_of(experts) -> list[torch.nn.Parameter]:
     return list(experts.parameters()) if isinstance(experts, torch.nn.Module) else []
 
 
-__all__ = ["AllToAllDispatcher", "ExchangeError"]
+__all__ = ["AllToAllDispatcher", "AllToAllPlan", "ExchangeError"]

@@ -238,9 +238,18 @@ class TokenDispatcher:
         token and a token's partial outputs summed in fp32."""
         raise NotImplementedError
 
-    def run(self, x_TH: torch.Tensor, routing, experts: ExpertsFn) -> tuple[torch.Tensor, DispatchPlan]:
-        """`(out_TH, plan)`: dispatch, the local experts, combine. Overlapping implementations override this."""
+    def run(
+        self, x_TH: torch.Tensor, routing, experts: ExpertsFn, concurrent: Callable[[], None] | None = None
+    ) -> tuple[torch.Tensor, DispatchPlan]:
+        """`(out_TH, plan)`: dispatch, the local experts, combine. Overlapping implementations override this.
+
+        `concurrent`: work that does not depend on the exchange (the shared experts), called once; an
+        implementation that can issues it while the dispatch is on the wire (so its kernels overlap the
+        transfer), the others after the dispatch.
+        """
         sent = self.dispatch(x_TH, routing)
+        if concurrent is not None:
+            concurrent()
         out_RH = experts(sent.x_RH, sent.segments, sent.pair_weight_N)
         return self.combine(out_RH, sent.plan), sent.plan
 
@@ -256,6 +265,20 @@ class TokenDispatcher:
 #: four chunks made the dedup layer 1.52x slower in forward and 1.37x in forward+backward: the per-chunk packing and
 #: the smaller grouped GEMMs cost more than the overlap hides. Overlap stays available by setting the field.
 DEFAULT_CHUNKS = 1
+
+
+def sum_token_rows(rows_pad_SH: torch.Tensor, row_TJ: torch.Tensor, out_TH: torch.Tensor | None = None) -> torch.Tensor:
+    """`[T, H]` in the rows' dtype: each token's rows summed, `out[t] = sum_j rows_pad_SH[row_TJ[t, j]]`,
+    accumulated in fp32 and rounded once (torch reduces bf16/fp16 in fp32). `rows_pad_SH` ends with a zero
+    row that a token's absent rows point at. A gather and a reduction in a fixed order: no atomics (an
+    fp32 `index_add_` of the rows cost 47% of transformers' experts call on the H200, BASELINES.md)."""
+    return torch.sum(rows_pad_SH[row_TJ], dim=1, out=out_TH)
+
+
+def stage(name: str):
+    """A named range (`occult::<name>`) around one step of the exchange, for `torch.profiler` traces
+    (`occult bench ep --profile` sums the device time of each); nearly free when no profiler runs."""
+    return torch.profiler.record_function(f"occult::{name}")
 
 
 def resolve_timeout(timeout_s: float | None) -> float:
@@ -330,4 +353,6 @@ __all__ = [
     "dispatcher_names",
     "register_dispatcher",
     "resolve_timeout",
+    "stage",
+    "sum_token_rows",
 ]

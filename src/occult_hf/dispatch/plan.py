@@ -11,9 +11,11 @@ dispatcher); the functions themselves never read a tensor on the host, so the on
 
 - `destinations`: the device and local slot of every (token, slot).
 - `device_counts`: rows and pairs per destination device, per chunk of tokens (`[C, D, 2]`).
-- `send_order`: the rows to send, sorted by destination device then token (one per (token,
-  destination) in "dedup", one per (token, slot) in "per_expert"), each with W (local slot, weight)
-  entries, slot -1 and weight 0 where the slot is served on another device.
+- `send_layout`: the rows to send, laid out by destination device then token (one per (token,
+  destination) in "dedup", one per (token, slot) in "per_expert") in a block of static capacity, each
+  with W (local slot, weight) entries (slot -1 and weight 0 where the slot is served on another
+  device), each token's row positions (what the combine sums through) and the counts; static shapes,
+  no host read, no atomics.
 - `received_pairs`: on the receiver, the (row, local expert) pairs of the received rows grouped by
   local expert (`ExpertSegments`), plus where each pair's weight sits in the received `[R, W]` block.
 - `local_pairs`: the same layout in one process, where every expert is local and nothing moves.
@@ -78,68 +80,126 @@ def device_counts(dest_Tk: torch.Tensor, num_devices: int, mode: str, bounds: li
     """`[C, D, 2]` int64 on the tokens' device: rows and (token, expert) pairs each chunk sends to each device.
 
     Rows are the distinct (token, device) pairs in "dedup" mode (summed over devices: the chunk's CT
-    count) and the (token, expert) pairs in "per_expert" mode.
+    count) and the (token, expert) pairs in "per_expert" mode. Comparisons and sums, no atomics (a
+    scatter-add of T*k ones into D counters serialises on the GPU).
     """
     check_mode(mode)
-    num_tokens = dest_Tk.shape[0]
-    device = dest_Tk.device
-    chunk_T = torch.zeros(num_tokens, dtype=torch.int64, device=device)
-    for index, (start, end) in enumerate(bounds[1:], start=1):
-        chunk_T[start:end] = index
-    key_Tk = chunk_T[:, None] * num_devices + dest_Tk  # (chunk, device) of every (token, slot)
-    pairs_CD = count(key_Tk.reshape(-1), len(bounds) * num_devices)
-    if mode == "dedup":
-        hit_TD = torch.zeros(num_tokens, num_devices, dtype=torch.bool, device=device).scatter_(1, dest_Tk, True)
-        rows_CD = torch.zeros(len(bounds), num_devices, dtype=torch.int64, device=device)
-        rows_CD.index_add_(0, chunk_T, hit_TD.long())
-        rows_CD = rows_CD.reshape(-1)
-    else:
-        rows_CD = pairs_CD
-    return torch.stack([rows_CD, pairs_CD], dim=1).reshape(len(bounds), num_devices, 2)
+    devices_D = torch.arange(num_devices, device=dest_Tk.device)
+    counts = []
+    for start, end in bounds:
+        hit_TkD = dest_Tk[start:end, :, None] == devices_D  # [T_c, k, D]
+        pairs_D = hit_TkD.sum((0, 1))
+        rows_D = hit_TkD.any(1).sum(0) if mode == "dedup" else pairs_D
+        counts.append(torch.stack([rows_D, pairs_D], dim=1))
+    return torch.stack(counts)
 
 
 @dataclass(frozen=True)
-class SendOrder:
-    """The rows one chunk of tokens sends, sorted by destination device, then token.
+class SendLayout:
+    """The rows one group of tokens sends, laid out by destination device, then token, in a block of
+    `C_S` (capacity) rows; built on the device with static shapes (no host read).
 
     Attributes:
-        token_S: `[S]` int64 source token of each row (index into the chunk's tokens).
-        slot_SW: `[S, W]` int32 local slot of the expert on the destination; -1 where that routing
-            slot is served on another device.
-        weight_SW: `[S, W]` routing weight (the router's dtype, differentiable); 0 where the slot is -1.
+        token_S: `[C_S]` int64 source token of each row (index into the tokens given); `T` (one past the
+            last token) for a position no row fills.
+        slot_SW: `[C_S, W]` int32 local slot of the expert on the destination; -1 where that routing slot
+            is served on another device (and in unfilled positions).
+        weight_SW: `[C_S, W]` routing weight (the router's dtype, differentiable); 0 where the slot is -1.
+        row_TJ: `[T, J]` int64 position of each token's rows (J = min(D, k) in "dedup": the token's j-th
+            destination device in device order; J = k in "per_expert": its slot j); `C_S` where the
+            token has fewer than J rows. The combine sums a token's rows through it (a gather, no atomics).
+        counts_D2: `[D, 2]` int64 rows and (token, expert) pairs sent to each device.
     """
 
     token_S: torch.Tensor
     slot_SW: torch.Tensor
     weight_SW: torch.Tensor
+    row_TJ: torch.Tensor
+    counts_D2: torch.Tensor
+
+    @property
+    def capacity(self) -> int:
+        return self.token_S.shape[0]
 
 
-def send_order(
+def send_capacity(num_tokens: int, top_k: int, num_devices: int, mode: str) -> int:
+    """`C_S` of the packed layout: at most min(D, k) rows per token in "dedup", exactly k in "per_expert"."""
+    return num_tokens * (min(num_devices, top_k) if mode == "dedup" else top_k)
+
+
+def send_layout(
     dest_Tk: torch.Tensor,
     local_Tk: torch.Tensor,
     weights_Tk: torch.Tensor,
     num_devices: int,
     mode: str,
-    num_rows: int,
-) -> SendOrder:
-    """The send order of `T` tokens; `num_rows` (S) is the sum of their rows over devices, known on the host."""
+    base_D: torch.Tensor | None = None,
+    capacity: int | None = None,
+) -> SendLayout:
+    """The send layout of `T` tokens (see `SendLayout`): one pass of cumulative sums and scatters.
+
+    Rows to device d start at `base_D[d]` (None: packed, the exclusive prefix sum of the rows per
+    device, so the `S` real rows are the block's first S); `capacity` (None: `send_capacity`) is `C_S`.
+    Rows for one device keep token order, so the combine's per-token sum order is fixed (deterministic).
+    """
     check_mode(mode)
     num_tokens, top_k = dest_Tk.shape
+    device = dest_Tk.device
+    if capacity is None:
+        capacity = send_capacity(num_tokens, top_k, num_devices, mode)
+    token_Tk = torch.arange(num_tokens, device=device)[:, None]
     if mode == "dedup":
-        token_Tk = torch.arange(num_tokens, device=dest_Tk.device)[:, None]
-        hit_DT = torch.zeros(num_devices * num_tokens, dtype=torch.bool, device=dest_Tk.device)
+        # one flat device-major mask: its running count is each row's packed position (one 1-D scan; a
+        # scan down the T axis of a [T, D] tensor runs one thread per column and cost 1.5 ms at T=16384)
+        hit_DT = torch.zeros(num_devices * num_tokens, dtype=torch.bool, device=device)
         hit_DT.scatter_(0, (dest_Tk * num_tokens + token_Tk).reshape(-1), True)
-        flat_S = compact(hit_DT, num_rows)
-        device_S, token_S = flat_S // max(num_tokens, 1), flat_S % max(num_tokens, 1)
-        serves_SW = dest_Tk[token_S] == device_S[:, None]
-        slot_SW = torch.where(serves_SW, local_Tk[token_S], -1)
-        weight_SW = torch.where(serves_SW, weights_Tk[token_S], 0.0)
+        hit_DT = hit_DT.view(num_devices, num_tokens)
+        rows_D = hit_DT.sum(1)
+        pairs_D = (dest_Tk.reshape(1, -1) == torch.arange(num_devices, device=device)[:, None]).sum(1)
+        pos_DT = torch.cumsum(hit_DT.view(-1), 0).view(num_devices, num_tokens) - 1
+        if base_D is not None:  # rows to device d start at base_D[d] instead of the packed offset
+            pos_DT = pos_DT + (base_D - (torch.cumsum(rows_D, 0) - rows_D))[:, None]
+        pos_DT = torch.where(hit_DT, pos_DT, capacity)
+        token_S = _place(pos_DT, token_Tk.reshape(1, -1).expand_as(pos_DT), capacity, num_tokens)
+        device_S = _place(pos_DT, torch.arange(num_devices, device=device)[:, None].expand_as(pos_DT), capacity, -1)
+        dest_pad_Tk = torch.cat([dest_Tk, dest_Tk.new_full((1, top_k), -2)])
+        serves_SW = dest_pad_Tk[token_S] == device_S[:, None]
+        local_pad_Tk = torch.cat([local_Tk, local_Tk.new_zeros(1, top_k)])
+        weights_pad_Tk = torch.cat([weights_Tk, weights_Tk.new_zeros(1, top_k)])
+        slot_SW = torch.where(serves_SW, local_pad_Tk[token_S], -1)
+        weight_SW = torch.where(serves_SW, weights_pad_Tk[token_S], 0.0)
+        width = min(num_devices, top_k)  # J: a token's j-th destination device, in device order
+        j_DT = torch.where(hit_DT, torch.cumsum(hit_DT, 0) - 1, width)  # a scan over D for each of T columns
+        row_TJ = torch.full((num_tokens, width + 1), capacity, dtype=torch.int64, device=device)
+        row_TJ = row_TJ.scatter_(1, j_DT.t(), pos_DT.t())[:, :width]
     else:
-        order_S = torch.argsort(dest_Tk.reshape(-1), stable=True)
-        token_S = order_S // top_k
-        slot_SW = local_Tk.reshape(-1)[order_S, None]
-        weight_SW = weights_Tk.reshape(-1)[order_S, None]
-    return SendOrder(token_S=token_S, slot_SW=slot_SW.to(torch.int32), weight_SW=weight_SW)
+        num_entries = num_tokens * top_k  # M: (token, slot) entries, one row each
+        dest_M = dest_Tk.reshape(-1)
+        key_M = dest_M * num_entries + torch.arange(num_entries, device=device)
+        hit_DM = torch.zeros(num_devices * num_entries, dtype=torch.bool, device=device).scatter_(0, key_M, True)
+        pairs_D = rows_D = hit_DM.view(num_devices, num_entries).sum(1)
+        pos_M = torch.cumsum(hit_DM, 0)[key_M] - 1
+        if base_D is not None:
+            pos_M = pos_M + (base_D - (torch.cumsum(rows_D, 0) - rows_D))[dest_M]
+        entry_S = _place(pos_M, torch.arange(num_entries, device=device), capacity, num_entries)
+        token_S = entry_S // top_k
+        valid_S = entry_S < num_entries
+        safe_S = entry_S.clamp(max=max(num_entries - 1, 0))
+        if num_entries:
+            slot_SW = torch.where(valid_S, local_Tk.reshape(-1)[safe_S], -1)[:, None]
+            weight_SW = torch.where(valid_S, weights_Tk.reshape(-1)[safe_S], 0.0)[:, None]
+        else:
+            slot_SW = torch.full((capacity, 1), -1, dtype=torch.int64, device=device)
+            weight_SW = weights_Tk.new_zeros(capacity, 1)
+        row_TJ = pos_M.reshape(num_tokens, top_k)
+    counts_D2 = torch.stack([rows_D, pairs_D], dim=1)
+    return SendLayout(token_S=token_S, slot_SW=slot_SW.to(torch.int32), weight_SW=weight_SW, row_TJ=row_TJ, counts_D2=counts_D2)
+
+
+def _place(pos, values, capacity: int, fill: int) -> torch.Tensor:
+    """`[capacity]` int64: `values` written at `pos` (entries at `pos == capacity` land in a dropped slot), `fill` elsewhere."""
+    out = torch.full((capacity + 1,), fill, dtype=torch.int64, device=pos.device)
+    return out.scatter_(0, pos.reshape(-1), values.reshape(-1).long())[:capacity]
 
 
 def received_pairs(slot_RW: torch.Tensor, num_pairs: int, num_local_experts: int):
@@ -171,12 +231,6 @@ def local_pairs(local_Tk: torch.Tensor, num_local_experts: int, mode: str):
     return segments, order_N
 
 
-def count(values_M: torch.Tensor, size: int) -> torch.Tensor:
-    """`[size]` int64 histogram of values in `[0, size)`; unlike `bincount`, no host sync on CUDA."""
-    counts = torch.zeros(size, dtype=torch.int64, device=values_M.device)
-    return counts.scatter_add_(0, values_M.long(), torch.ones_like(values_M, dtype=torch.int64))
-
-
 def compact(mask_M: torch.Tensor, count: int) -> torch.Tensor:
     """`[count]` int64 positions of the True entries of a flat mask, in increasing order.
 
@@ -191,15 +245,15 @@ def compact(mask_M: torch.Tensor, count: int) -> torch.Tensor:
 
 
 __all__ = [
-    "SendOrder",
+    "SendLayout",
     "check_mode",
     "chunk_bounds",
     "compact",
-    "count",
     "destinations",
     "device_counts",
     "local_pairs",
     "received_pairs",
     "routing_width",
-    "send_order",
+    "send_capacity",
+    "send_layout",
 ]

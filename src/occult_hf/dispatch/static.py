@@ -18,8 +18,8 @@ counts on the device:
   ones sorted past the last local expert's segment (`expert_offsets[L]` is the valid count, known
   only on the device): the Triton expert kernels bound their grids by `N` and skip tiles past
   `expert_offsets[L]`, and rows served by no pair come out zero.
-- The combine is the reverse exchange with the reverse counts; the per-token sum is an fp32
-  `index_add` into `T + 1` rows (the last, phantom, dropped).
+- The combine is the reverse exchange with the reverse counts; each token's rows are summed (fp32
+  accumulation) through a gather of its rows (`SendLayout.row_TJ`), no atomics.
 
 Two transports move the `[C_S, B]` send block:
 
@@ -56,8 +56,8 @@ import torch
 import torch.distributed as dist
 
 from ..kernels.layout import ExpertSegments
-from .base import DispatchPlan, Dispatched, RowFormat, TokenDispatcher, dispatch_format, register_dispatcher
-from .plan import device_counts
+from .base import DispatchPlan, Dispatched, RowFormat, TokenDispatcher, dispatch_format, register_dispatcher, sum_token_rows
+from .plan import SendLayout, send_layout
 
 #: symmetric row widths are padded to a multiple of this many bytes, and buffers hold at least
 #: `_MIN_BUFFER_BYTES`: the all-to-all-v kernel launches min(ceil(buffer bytes / 64 KiB), 64) blocks,
@@ -79,11 +79,13 @@ class StaticPlan(DispatchPlan):
         token_S: `[C_S]` int64 source token of each send-block row, `T` for a phantom row.
         send_counts_D: `[D]` int64 rows sent to each device (device memory).
         recv_counts_D: `[D]` int64 rows received from each device ("symm_mem"), None ("padded").
+        row_TJ: `[T, J]` int64 send-block rows of each token (`C_S` where absent), see `plan.SendLayout`.
     """
 
     token_S: torch.Tensor | None = None
     send_counts_D: torch.Tensor | None = None
     recv_counts_D: torch.Tensor | None = None
+    row_TJ: torch.Tensor | None = None
 
 
 class StaticDispatcher(TokenDispatcher):
@@ -115,10 +117,10 @@ class StaticDispatcher(TokenDispatcher):
         num_tokens, top_k = ids_Tk.shape
         hidden = x_TH.shape[1]
         dest_Tk, local_Tk = self.destinations_of(routing)
-        counts_D2 = device_counts(dest_Tk, self.ep.num_devices, self.mode, [(0, num_tokens)])[0]
+        layout = self._send_layout(dest_Tk, local_Tk, weights_Tk)
+        counts_D2 = layout.counts_D2
         send_counts_D = counts_D2[:, 0].contiguous()
-
-        token_S, slot_SW, weight_SW = self._send_layout(dest_Tk, local_Tk, weights_Tk, send_counts_D)
+        token_S, slot_SW, weight_SW = layout.token_S, layout.slot_SW, layout.weight_SW
         x_pad_TH = torch.cat([x_TH, x_TH.new_zeros(1, hidden)])  # row T: the phantom rows' source
         x_SH = x_pad_TH[token_S]
         width = slot_SW.shape[1]
@@ -140,63 +142,30 @@ class StaticDispatcher(TokenDispatcher):
             token_S=token_S,
             send_counts_D=send_counts_D,
             recv_counts_D=recv_counts_D,
+            row_TJ=layout.row_TJ,
         )
         return Dispatched(x_RH=x_RH, segments=segments, pair_weight_N=weight_RW.reshape(-1)[pick_N], plan=plan)
 
     def combine(self, out_RH: torch.Tensor, plan: StaticPlan) -> torch.Tensor:
         out_SH = _StaticCombineExchange.apply(out_RH, self, plan.send_counts_D, plan.recv_counts_D, plan.token_S.shape[0])
-        out_TH = torch.zeros(plan.num_tokens + 1, out_RH.shape[1], dtype=torch.float32, device=out_RH.device)
-        return out_TH.index_add(0, plan.token_S, out_SH.float())[: plan.num_tokens].to(out_RH.dtype)
+        out_pad_SH = torch.cat([out_SH, out_SH.new_zeros(1, out_SH.shape[1])])  # row C_S: where absent rows point
+        return sum_token_rows(out_pad_SH, plan.row_TJ)
 
     # ----- the plan on the device ----------------------------------------------------------------
-    def _send_layout(self, dest_Tk, local_Tk, weights_Tk, send_counts_D):
-        """`(token_S, slot_SW, weight_SW)` of the `C_S` send-block rows, sorted by destination then token."""
+    def _send_layout(self, dest_Tk, local_Tk, weights_Tk) -> SendLayout:
+        """The `C_S`-row send layout (`plan.send_layout`), rows to device d at `layout`'s offset."""
         num_tokens, top_k = dest_Tk.shape
-        num_devices = self.ep.num_devices
-        device = dest_Tk.device
-        capacity_S = self.send_capacity(num_tokens, top_k)
+        base_D = None
         if self.layout == "padded":
-            base_D = torch.arange(num_devices, device=device) * self.per_peer_capacity(num_tokens, top_k)
-        else:
-            base_D = torch.cumsum(send_counts_D, 0) - send_counts_D
-        dest_pad_Tk = torch.cat([dest_Tk, dest_Tk.new_full((1, top_k), -1)])
-        local_pad_Tk = torch.cat([local_Tk, local_Tk.new_zeros(1, top_k)])
-        weights_pad_Tk = torch.cat([weights_Tk, weights_Tk.new_zeros(1, top_k)])
-        if self.mode == "dedup":
-            hit_TD = torch.zeros(num_tokens, num_devices, dtype=torch.bool, device=device).scatter_(1, dest_Tk, True)
-            rank_TD = torch.cumsum(hit_TD.long(), 0) - 1
-            pos_TD = torch.where(hit_TD, base_D[None, :] + rank_TD, capacity_S)
-            source_TD = torch.arange(num_tokens, device=device)[:, None].expand(num_tokens, num_devices)
-            device_TD = torch.arange(num_devices, device=device)[None, :].expand(num_tokens, num_devices)
-            token_S = _place(pos_TD, source_TD, capacity_S, fill=num_tokens)
-            device_S = _place(pos_TD, device_TD, capacity_S, fill=-2)
-            serves_SW = dest_pad_Tk[token_S] == device_S[:, None]
-            slot_SW = torch.where(serves_SW, local_pad_Tk[token_S], -1)
-            weight_SW = torch.where(serves_SW, weights_pad_Tk[token_S], 0.0)
-        else:
-            dest_M = dest_Tk.reshape(-1)  # M = T * k (token, slot) entries, each one row
-            onehot_MD = torch.nn.functional.one_hot(dest_M, num_devices)
-            rank_M = (torch.cumsum(onehot_MD, 0) * onehot_MD).sum(1) - 1
-            pos_M = base_D[dest_M] + rank_M
-            entry_S = _place(pos_M, torch.arange(dest_M.shape[0], device=device), capacity_S, fill=dest_M.shape[0])
-            token_S = entry_S // top_k
-            valid_S = entry_S < dest_M.shape[0]
-            safe_S = entry_S.clamp(max=dest_M.shape[0] - 1) if dest_M.shape[0] else entry_S
-            slot_SW = torch.where(valid_S, local_Tk.reshape(-1)[safe_S], -1)[:, None]
-            weight_SW = torch.where(valid_S, weights_Tk.reshape(-1)[safe_S], 0.0)[:, None]
-        return token_S, slot_SW.to(torch.int32), weight_SW
+            base_D = torch.arange(self.ep.num_devices, device=dest_Tk.device) * self.per_peer_capacity(num_tokens, top_k)
+        capacity_S = self.send_capacity(num_tokens, top_k)
+        return send_layout(dest_Tk, local_Tk, weights_Tk, self.ep.num_devices, self.mode, base_D=base_D, capacity=capacity_S)
 
     # ----- the transport -------------------------------------------------------------------------
     def exchange(self, block: torch.Tensor, counts_D: torch.Tensor, out_rows: int):
         """Move the rows of `[rows, B]` uint8 `block` (`counts_D[d]` rows for device d, laid out as
         `layout` says); returns `([out_rows, B] received block, [D] received counts or None)`."""
         raise NotImplementedError
-
-
-def _place(pos, values, capacity: int, fill: int) -> torch.Tensor:
-    """`[capacity]` int64: `values` written at `pos` (entries at `pos == capacity` are dropped), `fill` elsewhere."""
-    out = torch.full((capacity + 1,), fill, dtype=torch.int64, device=pos.device)
-    return out.scatter_(0, pos.reshape(-1), values.reshape(-1).long())[:capacity]
 
 
 def _received_mask(recv_counts_D: torch.Tensor, capacity: int) -> torch.Tensor:
