@@ -801,8 +801,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         trace = load_trace(args.trace or DEFAULT_TRACE)
     rows = []
-    for shape_name in args.shapes:
-        for tokens in args.tokens:
+    for tokens in args.tokens:  # every shape at the first T first: a run cut short keeps whole comparisons
+        for shape_name in args.shapes:
             rows.extend(measure(shape_name, tokens, trace, args, device, dtype, rank, world, log))
             if rank == 0:  # after every shape and T: a later failure keeps what was measured
                 save_results(rows, world, dtype, device, Path(args.out), args.chunks)
