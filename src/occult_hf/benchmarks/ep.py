@@ -575,7 +575,12 @@ def _device_us(event) -> float:
 
 def _profile_summary(prof, name: str) -> str:
     events = prof.events()
-    kernels = [e for e in events if getattr(e, "device_type", None) is not None and str(e.device_type).endswith("CUDA")]
+    kernels = [  # device events that are kernels, not the device-side spans of named ranges (which cover their kernels)
+        e for e in events
+        if str(getattr(e, "device_type", "")).endswith("CUDA")
+        and not getattr(e, "is_user_annotation", False)
+        and not e.name.startswith(("bench::", "occult::", "nccl:"))
+    ]  # fmt: skip
     spans = sorted((k.time_range.start, k.time_range.end) for k in kernels)
     busy, last = 0.0, None
     for start, end in spans:
@@ -588,7 +593,9 @@ def _profile_summary(prof, name: str) -> str:
     wall = next((e.cpu_time_total for e in events if e.name == f"bench::{name}"), float("nan"))
     lines = [
         f"**{name}**: wall {wall / 1e3:.2f} ms (host, to the last kernel), GPU busy {busy / 1e3:.2f} ms "
-        f"(union of kernel intervals, all streams), {len(kernels)} kernels",
+        f"(union of kernel intervals, all streams), {len(kernels)} kernels, {sum(k.time_range.end - k.time_range.start for k in kernels) / 1e3:.2f} ms summed",
+        "",
+        "(each stage twice: its host range, and its device-side range with host ms 0)",
         "",
         "| stage | calls | host ms | device ms (its kernels) |",
         "|---|---|---|---|",
