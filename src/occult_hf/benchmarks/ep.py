@@ -33,8 +33,11 @@ collective of the dispatcher replaced by the result it returned in a recorded ru
 compute, no communication; so `fwd / skipped fwd` is what the exchange still costs after overlap);
 the exchange alone (dispatch + combine, experts skipped); bytes each rank sends to other ranks
 (dispatch rows with their metadata and combine rows; mean and max over ranks); the exchange's GB/s
-against a uniform `all_to_all_single` of the same per-rank volume in the same run; group tokens per
-second and the ratio to `per_expert` + contiguous on the same dispatcher.
+against a uniform `all_to_all_single` of the same per-rank volume in the same run; the wire alone (the
+forward's recorded row exchanges re-issued back to back with the same split sizes); group tokens per
+second and the ratio to `per_expert` + contiguous on the same dispatcher. `--profile` adds, per case,
+a `torch.profiler` summary of one forward and one forward+backward: host and device time of each
+dispatcher stage (`occult::*` ranges) and the costliest kernels.
 """
 
 from __future__ import annotations
