@@ -88,3 +88,25 @@ def test_quality_stages_in_process_micro(tmp_path):
     # a variant that fails reports its error in its result file instead of losing it
     quality.worker("router-7", data, work, True, work / "variants" / "bad.json")
     assert "error" in json.loads((work / "variants" / "bad.json").read_text())
+
+
+def test_report_compares_fine_tunes_with_plain_and_no_fine_tune_with_the_base():
+    from occult_hf.studies.report_quality import quality_table
+
+    def row(name, ppl_b, fine_tuned, n_d):
+        mode = None if name == "plain" else name.split("-")[-2]
+        return {"variant": name, "mode": mode, "max_devices_per_token": n_d, "fine_tuned": fine_tuned, "ct": 2.0,
+                "remote_copies": 1.5, "bytes_per_token": 100.0, "removed_weight": 0.1,
+                "perplexity": {"python_stdlib_code": ppl_b, "python_docs": 50.0, "kernel_docs": 80.0}}  # fmt: skip
+
+    results = {
+        "base": {"heldout_perplexity": {"python_stdlib_code": 100.0}},
+        "variants": [row("plain", 50.0, True, None), row("router-2", 50.4, True, 2), row("router-1", 52.0, True, 1),
+                     row("noft-router-2", 102.0, False, 2), {"variant": "similarity-2", "error": "stalled"}],
+    }  # fmt: skip
+    table, goals = quality_table(results)
+    cells = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]] for line in table.splitlines()[2:]}
+    assert cells["router-2"][4] == "1.0080" and cells["noft-router-2"][4] == "1.0200"  # vs plain / vs base
+    assert "stalled" in cells["similarity-2"][3]  # a worker that did not deliver is a row that says so
+    assert goals["router N_d=2 fine-tuned within 1% of plain fine-tuning"] == (pytest.approx(1.008), True)
+    assert goals["router N_d=1 fine-tuned within 1% of plain fine-tuning"][1] is False
