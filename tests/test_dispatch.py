@@ -5,7 +5,8 @@ dense MLP, E not divisible by D, k = E, no tokens; outputs and gradients against
 expert) loop. A 4-rank gloo world: the same against the naive loop with uneven token counts (one
 rank with none), an uneven placement of E=7 experts, gradients of inputs, routing weights and
 expert weights, and the real Qwen1.5-MoE routing trace replayed through the dispatcher (rows sent
-equal the CT count; dedup sends fewer rows than per_expert). Also the test harness itself.
+equal the CT count; dedup sends fewer rows than per_expert). The send layout against a loop (packed
+and padded, both modes) and the fp32 per-token row sum. Also the test harness itself.
 
 Shape legend: T tokens, H hidden, E experts, k experts per token, D devices, I expert width.
 """
@@ -269,6 +270,82 @@ def test_chunks_cover_the_tokens():
     assert chunk_bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]
     assert chunk_bounds(2, 3) == [(0, 1), (1, 2)]  # never an empty chunk of its own (the group pads with empty ones)
     assert chunk_bounds(0, 4) == [(0, 0)]
+
+
+def _naive_layout(dest_Tk, local_Tk, weights_Tk, num_devices, mode, base_D, capacity):
+    """The send layout by loops: rows by device, then token (then slot in "per_expert")."""
+    num_tokens, top_k = dest_Tk.shape
+    width = top_k if mode == "dedup" else 1
+    token_S = [num_tokens] * capacity
+    slot_SW = [[-1] * width for _ in range(capacity)]
+    weight_SW = [[0.0] * width for _ in range(capacity)]
+    row_TJ = [[capacity] * (min(num_devices, top_k) if mode == "dedup" else top_k) for _ in range(num_tokens)]
+    counts = [[0, 0] for _ in range(num_devices)]
+    for d in range(num_devices):
+        position = base_D[d]
+        for t in range(num_tokens):
+            slots = [j for j in range(top_k) if dest_Tk[t, j] == d]
+            counts[d][1] += len(slots)
+            rows = [slots] if mode == "dedup" and slots else [[j] for j in slots] if mode == "per_expert" else []
+            for served in rows:
+                token_S[position] = t
+                for j in served:
+                    column = j if mode == "dedup" else 0
+                    slot_SW[position][column] = int(local_Tk[t, j])
+                    weight_SW[position][column] = float(weights_Tk[t, j])
+                    if mode == "per_expert":
+                        row_TJ[t][j] = position
+                if mode == "dedup":
+                    row_TJ[t][sum(1 for e in range(d) if (dest_Tk[t] == e).any())] = position
+                counts[d][0] += 1
+                position += 1
+    return token_S, slot_SW, weight_SW, row_TJ, counts
+
+
+@pytest.mark.parametrize("mode", ["dedup", "per_expert"])
+@pytest.mark.parametrize("padded", [False, True], ids=["packed", "padded"])
+@pytest.mark.parametrize("num_devices,top_k", [(3, 2), (4, 4), (2, 1), (5, 3)])
+def test_send_layout_matches_a_naive_layout(mode, padded, num_devices, top_k):
+    """`plan.send_layout` (scans and scatters, no loops) equals the loop: positions, slots, weights, each
+    token's row positions and the counts; several experts of a token may share a device."""
+    from occult_hf.dispatch.plan import send_capacity, send_layout
+
+    num_tokens = 9
+    generator = torch.Generator().manual_seed(num_devices * 10 + top_k)
+    dest_Tk = torch.randint(0, num_devices, (num_tokens, top_k), generator=generator)
+    local_Tk = torch.randint(0, 6, (num_tokens, top_k), generator=generator)
+    weights_Tk = torch.rand(num_tokens, top_k, generator=generator)
+    per_peer = num_tokens * (1 if mode == "dedup" else top_k)
+    if padded:
+        capacity, base_D = num_devices * per_peer, [d * per_peer for d in range(num_devices)]
+    else:
+        capacity = send_capacity(num_tokens, top_k, num_devices, mode)
+        rows_D = [
+            int(((dest_Tk == d).any(1) if mode == "dedup" else (dest_Tk == d)).sum()) for d in range(num_devices)
+        ]  # fmt: skip
+        base_D = [sum(rows_D[:d]) for d in range(num_devices)]
+    layout = send_layout(
+        dest_Tk, local_Tk, weights_Tk, num_devices, mode,
+        base_D=torch.tensor(base_D) if padded else None, capacity=capacity if padded else None,
+    )  # fmt: skip
+    token_S, slot_SW, weight_SW, row_TJ, counts = _naive_layout(dest_Tk, local_Tk, weights_Tk, num_devices, mode, base_D, capacity)
+    assert layout.capacity == capacity
+    assert layout.token_S.tolist() == token_S
+    assert layout.slot_SW.tolist() == slot_SW and layout.slot_SW.dtype == torch.int32
+    torch.testing.assert_close(layout.weight_SW, torch.tensor(weight_SW))
+    assert layout.row_TJ.tolist() == row_TJ
+    assert layout.counts_D2.tolist() == counts
+
+
+def test_sum_token_rows_sums_each_tokens_rows_in_fp32_through_a_zero_row():
+    from occult_hf.dispatch.base import sum_token_rows
+
+    rows_pad_SH = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [0.0, 0.0]], dtype=torch.bfloat16)
+    row_TJ = torch.tensor([[0, 2], [1, 3], [3, 3]])  # token 2 has no rows: the zero row
+    out_TH = sum_token_rows(rows_pad_SH, row_TJ)
+    assert out_TH.dtype == torch.bfloat16 and out_TH.tolist() == [[6.0, 8.0], [3.0, 4.0], [0.0, 0.0]]
+    big = torch.tensor([[256.0], [1.0], [1.0], [0.0]], dtype=torch.bfloat16)  # 256 + 1 + 1 = 258 exactly in fp32
+    assert sum_token_rows(big, torch.tensor([[0, 1, 2]])).item() == 258.0  # bf16 pairwise would give 256
 
 
 def test_row_format_packs_fields_aligned_and_round_trips():
