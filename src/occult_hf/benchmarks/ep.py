@@ -781,16 +781,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="docs", help="directory for bench_ep.md/.json/.png (rank 0)")
 
 
-def init_from_torchrun() -> tuple[int, int, torch.device]:
+def init_from_torchrun(timeout: datetime.timedelta | None = None) -> tuple[int, int, torch.device]:
     """`(rank, world size, device)`; under torchrun, the process group (NCCL on GPUs, gloo on CPUs) set up with
-    this rank's GPU bound first (NVSHMEM binds one device per process at its first use)."""
+    this rank's GPU bound first (NVSHMEM binds one device per process at its first use); `timeout` bounds
+    every collective (None: torch's default)."""
     if "WORLD_SIZE" in os.environ and not dist.is_initialized():
         if torch.cuda.is_available():
             local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(local)
-            dist.init_process_group("nccl", device_id=local)
+            dist.init_process_group("nccl", device_id=local, timeout=timeout)
         else:
-            dist.init_process_group("gloo")
+            dist.init_process_group("gloo", timeout=timeout)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
