@@ -36,12 +36,17 @@ mean CT (devices per token, over MoE layers and ranks) is given.
 
 **Fine-tuning** (`--experiment finetune`): tokens per second per full optimizer step (forward,
 backward, `torch.optim.AdamW` step) at a global batch of `--finetune-batch` sequences (8) of
-`--finetune-seq` tokens split over the D ranks, fp32 master weights under bf16 autocast, peak memory
-per GPU beside each row. Rows: occult_hf EP exact and pruned to N_d = 1 (under DDP for the
-replicated parameters, as `apply_occult` arranges), FSDP2 (`torch.distributed.fsdp.fully_shard` on
-every decoder layer and the root with a bf16 `MixedPrecisionPolicy`, the wrapping accelerate's FSDP2
-plugin applies), DDP replicas, and MegaBlocks where importable. A row whose fp32 weights, gradients
-and AdamW states alone exceed a GPU's memory is not started and says so.
+`--finetune-seq` tokens split over the D ranks, peak memory per GPU beside each row. Precision as a
+transformers user fine-tunes a bf16 checkpoint (`from_pretrained(dtype=torch.bfloat16)` and
+`Trainer(bf16=True)`, docs/runtime.md): bf16 weights, gradients and AdamW states under bf16 autocast
+(fp32 on CPU). fp32 master weights are not used: under autocast both transformers' experts and
+occult_hf's would then compute in fp32 (autocast does not cover grouped GEMMs or Triton kernels), and
+neither Qwen1.5-MoE nor DeepSeek-MoE would fit two GPUs. Rows: occult_hf EP exact and pruned to
+N_d = 1 (under DDP for the replicated parameters, as `apply_occult` arranges), FSDP2
+(`torch.distributed.fsdp.fully_shard` on every decoder layer, then the root, the wrapping accelerate's
+FSDP2 plugin applies), DDP replicas, and MegaBlocks where importable. A row whose weights, gradients
+and AdamW states alone would take more than `TRAINING_MEMORY_FRACTION` of a GPU is not started and
+says so.
 
 A row that cannot run says why in its `reason` instead of ending the run; results are written after
 every row (`paper_comparison_<D>x<device>.md/.json/.png` under `--out`), with the command, the
@@ -189,7 +194,7 @@ PREFILL_ROWS = (
 FINETUNE_ROWS = (
     ("occult_exact", "occult_hf EP, exact, {method} placement (DDP for replicated parameters)"),
     ("occult_pruned", "occult_hf EP, pruned to N_d=1 (router), {method} placement"),
-    ("fsdp2", "FSDP2 (fully_shard per decoder layer + root, bf16 MixedPrecisionPolicy)"),
+    ("fsdp2", "FSDP2 (fully_shard per decoder layer + root)"),
     ("ddp", "DDP, a full replica per GPU"),
     ("megablocks", "MegaBlocks dMoE"),
 )
@@ -359,11 +364,13 @@ class Context:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def peaks(self) -> list[float]:
-        """Peak GiB allocated on every rank's GPU since the last reset (rank order; [] on CPU)."""
+    def peaks(self, set_aside_gib: float = 0.0) -> list[float]:
+        """Peak GiB allocated on every rank's GPU since the last reset, less `set_aside_gib` that the row does
+        not use (the stock model kept for the next rows); rank order, [] on CPU."""
         if not self.cuda:
             return []
-        mine = torch.tensor([torch.cuda.max_memory_allocated(self.device) / 2**30], dtype=torch.float64, device=self.device)
+        peak_gib = torch.cuda.max_memory_allocated(self.device) / 2**30 - set_aside_gib
+        mine = torch.tensor([peak_gib], dtype=torch.float64, device=self.device)
         if not dist.is_initialized():
             return [mine.item()]
         gathered = [torch.zeros_like(mine) for _ in range(self.world)]
@@ -396,8 +403,8 @@ def megablocks_reason() -> str | None:
     """Why the MegaBlocks rows cannot run here (None: they could)."""
     if importlib.util.find_spec("megablocks") is None:
         return (
-            "megablocks is not installed (it builds CUDA extensions from source with nvcc, and the GPU machine "
-            "has no network: carry a wheel built for its torch/CUDA to run this row)"
+            "megablocks is not importable (not in the GPU machine's image, which has no network: its CUDA "
+            "extensions and those of its dependencies would have to be built there from carried sources)"
         )
     return "megablocks is importable, but this command has no dMoE wrapper for whole transformers models yet"
 
@@ -500,6 +507,7 @@ def prefill(ctx: Context, spec: PaperModel, config, trace_Nk, routing: str) -> N
     _detach(handles)
     placement = planned_placement(recorder, config, world, args.placement_method)
     del recorder
+    stock_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
 
     # 2. occult_hf rows: a converted copy of the stock model each
     for key, (fields, exact) in OCCULT_PREFILL.items():
@@ -518,8 +526,8 @@ def prefill(ctx: Context, spec: PaperModel, config, trace_Nk, routing: str) -> N
             error = ctx.max(rel_err(last_logits(converted, own_BS), reference_own))
             ct = ctx.mean(_mean_ct(converted, world))
             ms = ctx.max(timed(lambda: last_logits(converted, own_BS), args.iterations, device))
-            result = row(key, tokens=tokens * world, ms=ms, tokens_per_s=tokens * world / ms * 1e3, peak_gib=ctx.peaks(),
-                         ct=ct, max_rel_err=error)  # fmt: skip
+            result = row(key, tokens=tokens * world, ms=ms, tokens_per_s=tokens * world / ms * 1e3,
+                         peak_gib=ctx.peaks(set_aside_gib=stock_gib), ct=ct, max_rel_err=error)  # fmt: skip
             if not exact or (key == "occult_nd2" and world > 2):
                 result.setup += " (changes the model)"
             ctx.add(result)
@@ -627,9 +635,8 @@ def parameter_counts(config) -> tuple[int, int]:
     return total, experts
 
 
-#: bytes per parameter in training: fp32 weights, gradients and AdamW's two moments (16), plus the bf16
-#: copies autocast keeps of the weights during a forward (2)
-TRAINING_BYTES_PER_PARAMETER = 18
+#: tensors per parameter in training: weights, gradients and AdamW's two moments, all in the weights' dtype
+TRAINING_TENSORS_PER_PARAMETER = 4
 #: the part of a GPU's memory those may take; the rest is for activations. A rank that runs out of memory
 #: mid-step leaves its peers in a collective until --collective-timeout-s, so a doubtful row is not started
 TRAINING_MEMORY_FRACTION = 0.8
@@ -650,22 +657,23 @@ def finetune(ctx: Context, spec: PaperModel, config, trace_Nk, routing: str) -> 
     total, experts = parameter_counts(config)
     per_rank_params = {"occult": total - experts + math.ceil(experts / world), "fsdp2": math.ceil(total / world), "ddp": total}
     gpu_gib = torch.cuda.get_device_properties(device).total_memory / 2**30 if ctx.cuda else float("inf")
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
 
     def row(key, **values) -> PaperRow:
         return PaperRow("finetune", spec.name, key, setups[key], routing, paper=PAPER_FINETUNE.get(key, "-"), **values)
 
     def too_big(kind: str) -> str | None:
-        need = per_rank_params[kind] * TRAINING_BYTES_PER_PARAMETER / 2**30
+        need = per_rank_params[kind] * TRAINING_TENSORS_PER_PARAMETER * dtype.itemsize / 2**30
         if need > TRAINING_MEMORY_FRACTION * gpu_gib:
             return (
-                f"not started: {per_rank_params[kind] / 1e9:.2f}B parameters per GPU need {need:.0f} GiB for fp32 weights, "
-                f"gradients, AdamW states and autocast's bf16 copies before any activation, over "
-                f"{TRAINING_MEMORY_FRACTION:.0%} of the GPU's {gpu_gib:.0f} GiB"
+                f"not started: {per_rank_params[kind] / 1e9:.2f}B parameters per GPU need {need:.0f} GiB for {dtype} "
+                f"weights, gradients and AdamW states before any activation, over {TRAINING_MEMORY_FRACTION:.0%} "
+                f"of the GPU's {gpu_gib:.0f} GiB"
             )
         return None
 
     def fresh():
-        model = build_model(config, device, torch.float32, args.seed).train()
+        model = build_model(config, device, dtype, args.seed).train()
         handles = TraceReplay(trace_Nk, rank, args.seed).attach(model) if trace_Nk is not None else []
         return model, handles
 
@@ -694,7 +702,6 @@ def finetune(ctx: Context, spec: PaperModel, config, trace_Nk, routing: str) -> 
         model = wrapped = None
         try:
             ctx.free()
-            ctx.reset_peak()
             if kind == "occult" and placement is None:
                 placement = plan()
             model, handles = fresh()
@@ -706,6 +713,8 @@ def finetune(ctx: Context, spec: PaperModel, config, trace_Nk, routing: str) -> 
                 wrapped = _fsdp2(model) if world > 1 else model
             else:
                 wrapped = _ddp(model, device) if world > 1 else model
+            ctx.free()
+            ctx.reset_peak()  # from here: the training step's memory (not the full model built before apply_occult)
             optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-5)
 
             def step() -> torch.Tensor:
@@ -738,13 +747,13 @@ def _ddp(model, device):
 
 
 def _fsdp2(model):
-    """FSDP2 as accelerate's plugin wraps a transformers model: every decoder layer, then the root."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    """FSDP2 as accelerate's plugin wraps a transformers model: every decoder layer, then the root
+    (gradients reduced in the weights' dtype, as DDP does)."""
+    from torch.distributed.fsdp import fully_shard
 
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(layer)
+    fully_shard(model)
     return model
 
 
