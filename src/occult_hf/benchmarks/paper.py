@@ -530,6 +530,8 @@ def prefill(ctx: Context, spec: PaperModel, config, trace_Nk, routing: str) -> N
                          peak_gib=ctx.peaks(set_aside_gib=stock_gib), ct=ct, max_rel_err=error)  # fmt: skip
             if not exact or (key == "occult_nd2" and world > 2):
                 result.setup += " (changes the model)"
+            elif key == "occult_nd2":
+                result.setup += f" (at D={world} no token is pruned: N_d >= D is the exact model)"
             ctx.add(result)
             _detach(handles)
         except Exception as error:  # noqa: BLE001 - a row that fails says why; the run goes on
