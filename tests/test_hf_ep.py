@@ -321,3 +321,33 @@ def test_trainer_with_occult_ep_equals_single_process_training(tmp_path):
     reference_weights = dict(single.named_parameters())
     for name, param in trained.named_parameters():
         assert rel_err(param, reference_weights[name]) <= TOLERANCE, name
+
+
+def test_older_transformers_without_the_registry_import_and_load_as_before(tmp_path):
+    """On transformers < 5.23 (no `EPImplementationInterface`, simulated by deleting it from
+    `transformers.distributed.expert_parallel` before occult_hf is imported) occult_hf imports, registers
+    nothing, and the occult_config path loads as before."""
+    import subprocess
+    import sys
+
+    path = tiny_checkpoint("olmoe", tmp_path / "olmoe", seed=2)
+    code = f"""
+from transformers.distributed import expert_parallel
+del expert_parallel.EPImplementationInterface, expert_parallel.EPImplementation   # what an older transformers lacks
+import occult_hf
+from occult_hf.hf_ep import OccultEP, register_ep_implementation, transformers_ep_available
+assert not transformers_ep_available() and register_ep_implementation() is False
+assert OccultEP.__mro__[1] is object
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({str(path)!r}, occult_config={{"num_devices": 2}})
+assert len(occult_hf.occult_modules(model)) == 2
+try:
+    OccultEP(None, None, None)
+except ImportError as error:
+    assert "transformers >= 5.23" in str(error) and "occult_config path" in str(error)
+else:
+    raise AssertionError("OccultEP built without the registry")
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

@@ -69,10 +69,10 @@ _OTHER_PATH = (
 def transformers_ep_available() -> bool:
     """Whether the installed transformers has the expert-parallel registry (`EPImplementationInterface`, >= 5.23)."""
     try:
-        from transformers.distributed.expert_parallel import EPImplementation, EPImplementationInterface  # noqa: F401
+        from transformers.distributed import expert_parallel
     except ImportError:
         return False
-    return True
+    return all(hasattr(expert_parallel, name) for name in ("EPImplementation", "EPImplementationInterface"))
 
 
 def _ep_base() -> type:

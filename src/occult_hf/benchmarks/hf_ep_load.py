@@ -1,0 +1,150 @@
+"""Peak host memory per rank while loading an MoE checkpoint under expert parallelism, by path.
+
+    torchrun --nproc-per-node 4 -m occult_hf.benchmarks.hf_ep_load --out DIR     # CPU (gloo) or GPUs
+
+Rank 0 writes an OLMoE checkpoint whose routed experts are `--expert-mb` MB in fp32 (16 experts, 2
+layers, hidden 256; the expert width sized to that) and every rank loads it, once per case:
+
+- `hf_ep_contiguous`: `from_pretrained(..., distributed_config=DistributedConfig(ep_size=D, fsdp_size=D,
+  ep_implementation="occult"))`: transformers reads each rank's contiguous share of the experts from
+  the safetensors files (shard-on-read);
+- `hf_ep_placement`: the same with `occult_config=OccultConfig(placement=<a shuffled equal-capacity
+  placement>)`: then the expert rows move between the ranks into placement order;
+- `occult_config`: `from_pretrained(..., occult_config=OccultConfig(placement=...))` under a plain process
+  group (occult_hf's own EP path), which today reads the whole checkpoint on every rank and then
+  releases the experts the rank does not hold.
+
+Per rank: the peak resident set during the load (`VmHWM` after resetting it through
+`/proc/self/clear_refs`, Linux only) minus the resident set before it, and what stays resident
+afterwards (anonymous memory, and file pages of the memory-mapped checkpoint). One rank's share of the
+experts is `expert MB / D`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from occult_hf.atomic import atomic_write_text
+
+CASES = ("hf_ep_contiguous", "hf_ep_placement", "occult_config")
+NUM_EXPERTS, LAYERS, HIDDEN = 16, 2, 256
+
+
+def _status_mb() -> dict[str, float]:
+    values = {}
+    with open("/proc/self/status") as status:
+        for line in status:
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+                values[key] = int(value.split()[0]) / 1024
+    return values
+
+
+def _checkpoint(expert_mb: float, rank: int) -> tuple[str, int]:
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    width = max(8, int(expert_mb * 2**20 / (LAYERS * NUM_EXPERTS * 3 * HIDDEN * 4)))
+    holder = [tempfile.mkdtemp(prefix="occult_hf_ep_load_") if rank == 0 else None]
+    dist.broadcast_object_list(holder, src=0)
+    if rank == 0:
+        config = OlmoeConfig(
+            vocab_size=128, hidden_size=HIDDEN, intermediate_size=width, num_hidden_layers=LAYERS, num_attention_heads=4,
+            num_key_value_heads=4, num_experts=NUM_EXPERTS, num_experts_per_tok=2, max_position_embeddings=64,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )  # fmt: skip
+        OlmoeForCausalLM(config).save_pretrained(holder[0])
+    dist.barrier()
+    return holder[0], width
+
+
+def _placement(world: int):
+    from occult_hf import Placement
+
+    base = np.arange(NUM_EXPERTS) * world // NUM_EXPERTS
+    maps = {layer: np.random.default_rng(3 + layer).permutation(base).tolist() for layer in range(LAYERS)}
+    return Placement(NUM_EXPERTS, world, maps, {"method": "shuffled"})
+
+
+def measure(case: str, path: str, world: int) -> dict:
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    from occult_hf import OccultConfig
+
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # reset VmHWM to the current resident set
+    before = _status_mb()
+    if case == "occult_config":
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, occult_config=OccultConfig(placement=_placement(world)))
+    else:
+        config = DistributedConfig(ep_size=world, fsdp_size=world, ep_implementation="occult")
+        placement = _placement(world) if case == "hf_ep_placement" else "contiguous"
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, distributed_config=config, occult_config=OccultConfig(placement=placement)
+        )
+    gc.collect()
+    after = _status_mb()
+    del model
+    gc.collect()
+    dist.barrier()
+    return {
+        "case": case,
+        "peak_mb": after["VmHWM"] - before["VmRSS"],
+        "anon_mb": after["RssAnon"] - before["RssAnon"],
+        "file_mb": after["RssFile"] - before["RssFile"],
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser.add_argument("--expert-mb", type=float, default=384.0, help="fp32 size of all routed experts")
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    parser.add_argument("--out", default="occult_bench")
+    args = parser.parse_args(argv)
+
+    import occult_hf  # noqa: F401  (registers ep_implementation="occult")
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    path, width = _checkpoint(args.expert_mb, rank)
+    expert_mb = LAYERS * NUM_EXPERTS * 3 * HIDDEN * width * 4 / 2**20
+    rows = [measure(case, path, world) for case in args.cases]
+    gathered = [None] * world
+    dist.all_gather_object(gathered, rows)
+    if rank == 0:
+        lines = [
+            f"{world} ranks, experts {expert_mb:.0f} MB (fp32), one rank's share {expert_mb / world:.0f} MB, "
+            f"checkpoint {sum(f.stat().st_size for f in Path(path).glob('*.safetensors')) / 2**20:.0f} MB",
+            "",
+            "| case | peak during load, MB (max over ranks) | in shares | resident after: anon / file MB |",
+            "|---|---|---|---|",
+        ]
+        for index, case in enumerate(args.cases):
+            per_rank = [g[index] for g in gathered]
+            peak = max(r["peak_mb"] for r in per_rank)
+            anon = max(r["anon_mb"] for r in per_rank)
+            mapped = max(r["file_mb"] for r in per_rank)
+            lines.append(f"| {case} | {peak:.0f} | {peak / (expert_mb / world):.1f} | {anon:.0f} / {mapped:.0f} |")
+        text = "\n".join(lines)
+        print(text, flush=True)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / "hf_ep_load.md", text + "\n")
+        atomic_write_text(out / "hf_ep_load.json", json.dumps(gathered, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
