@@ -59,3 +59,33 @@ def test_placement_validation_errors():
         placement.validate_for(8, [1], num_devices=2)
     assert placement.local_slot(1) == [0, 1, 0, 1, 0, 1, 0, 1]
     assert placement.experts_on(3, 2) == [4, 5]
+
+
+def test_the_registries_own_the_names_the_config_accepts(monkeypatch):
+    """OccultConfig asks the pruning-policy and expert-backend registries: a newly registered name is
+    accepted, a policy that reads the similarity table needs a profile, and the registries refuse a
+    duplicate or a badly formed name."""
+    from occult_hf import experts, pruning
+
+    monkeypatch.setattr(pruning, "PRUNING_POLICIES", dict(pruning.PRUNING_POLICIES))
+    monkeypatch.setattr(pruning, "NEEDS_SIMILARITY", set(pruning.NEEDS_SIMILARITY))
+    monkeypatch.setattr(experts, "_BACKENDS", dict(experts._BACKENDS))
+    import occult_hf.config as config_module
+
+    monkeypatch.setattr(config_module, "NEEDS_SIMILARITY", pruning.NEEDS_SIMILARITY)
+    with pytest.raises(ValueError, match="OccultConfig.prune must be None or one of"):
+        OccultConfig(prune="nearest", max_devices_per_token=1)
+    pruning.register_pruning_policy("nearest", pruning.prune_similarity, needs_similarity=True)
+    with pytest.raises(ValueError, match=r"OccultConfig.prune='nearest' needs a routing profile"):
+        OccultConfig(prune="nearest", max_devices_per_token=1)
+    assert OccultConfig(prune="nearest", max_devices_per_token=1, profile="p.safetensors").prune == "nearest"
+    with pytest.raises(ValueError, match="pruning policy 'router' is already registered"):
+        pruning.register_pruning_policy("router", pruning.prune_router)
+    with pytest.raises(ValueError, match="lowercase"):
+        pruning.register_pruning_policy("Router2", pruning.prune_router)
+
+    experts.register_expert_backend("mine", experts._BACKENDS["torch"])
+    assert OccultConfig(expert_backend="mine").expert_backend == "mine"
+    for name in ("torch", "auto", "Mine"):
+        with pytest.raises(ValueError, match="expert backend"):
+            experts.register_expert_backend(name, experts._BACKENDS["torch"])

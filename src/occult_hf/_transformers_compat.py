@@ -3,12 +3,12 @@
 transformers offers no plugin hook for any of these, so each is the smallest reversible change that
 works; when transformers changes, this is the file to read.
 
-- `install_loading_hooks(on_load)`: `PreTrainedModel.from_pretrained` raises `TypeError` on unknown
-  keywords and has no loading hook a plugin can register, so a thin, reversible wrapper of that
-  classmethod pops `occult_config=`, calls the original and hands the loaded model to `on_load`
-  (`integration.install` registers the function that applies the config). A second wrapper, of
-  `PreTrainedConfig.from_dict`, keeps the keyword JSON-native when the Auto classes pass it to the
-  config. `uninstall_loading_hooks()` puts the originals back.
+- `install_loading_hooks(on_load, config_value)`: `PreTrainedModel.from_pretrained` raises
+  `TypeError` on unknown keywords and has no loading hook a plugin can register, so a thin, reversible
+  wrapper of that classmethod pops `occult_config=`, calls the original and hands the loaded model to
+  `on_load` (`integration.install` registers the function that applies the config). A second
+  wrapper, of `PreTrainedConfig.from_dict`, stores `config_value(occult_config)` (JSON-native) when
+  the Auto classes pass the keyword to the config. `uninstall_loading_hooks()` puts the originals back.
 - `wrap_trainer_methods(hooks)`: `Trainer` methods that every rank runs at a save or a resume (some of
   them private: `_save_optimizer_and_scheduler`, `_load_from_checkpoint`, ...) are wrapped so that
   `hook(original, trainer, ...)` runs instead (`trainer_ep` provides the hooks);
@@ -19,6 +19,7 @@ works; when transformers changes, this is the file to read.
   record; collaboration pruning swaps in the logits of the pruned routing.
 
 Every wrapper keeps the original as `__occult_original__`, which is how "installed" is recognised.
+This module imports nothing else from occult_hf: what to do is passed in by the caller.
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ from typing import Any, Callable
 
 import torch
 
-from .config import OccultConfig
-
 #: `from_pretrained` was called without `occult_config=` (None means: load the vanilla model)
 UNSET: Any = object()
 
@@ -37,7 +36,7 @@ UNSET: Any = object()
 # ----- from_pretrained ------------------------------------------------------------------------------
 
 
-def install_loading_hooks(on_load: Callable[[Any, Any], Any]) -> None:
+def install_loading_hooks(on_load: Callable[[Any, Any], Any], config_value: Callable[[Any], Any]) -> None:
     """Let `PreTrainedModel.from_pretrained` take `occult_config=`; idempotent.
 
     Two classmethods are wrapped: `PreTrainedModel.from_pretrained` (pops the keyword, `UNSET` when
@@ -45,8 +44,9 @@ def install_loading_hooks(on_load: Callable[[Any, Any], Any]) -> None:
     `PreTrainedConfig.from_dict`. The Auto classes load the config first and hand it every keyword
     that names one of its attributes, so for a checkpoint that occult_hf saved,
     `occult_config=<OccultConfig>` lands on the config, which transformers then JSON-dumps (its
-    "Model config ..." log line, `save_pretrained`). The second wrapper turns the object into its
-    JSON-native dict there, as transformers does for `quantization_config`.
+    "Model config ..." log line, `save_pretrained`). The second wrapper stores
+    `config_value(occult_config)` there instead: the caller turns its object into a JSON-native dict,
+    as transformers does for `quantization_config`.
     """
     from transformers import PreTrainedConfig, PreTrainedModel
 
@@ -59,8 +59,8 @@ def install_loading_hooks(on_load: Callable[[Any, Any], Any]) -> None:
         return on_load(model, occult_config)
 
     def from_dict(original, cls, *args, **kwargs):
-        if isinstance(kwargs.get("occult_config"), OccultConfig):
-            kwargs["occult_config"] = kwargs["occult_config"].to_dict()
+        if "occult_config" in kwargs:
+            kwargs["occult_config"] = config_value(kwargs["occult_config"])
         return original(cls, *args, **kwargs)
 
     _wrap_classmethod(PreTrainedModel, "from_pretrained", from_pretrained)

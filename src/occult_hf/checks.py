@@ -1,4 +1,5 @@
-"""Input checks for routing arrays, shared by the metrics and the placement planners.
+"""Input checks for routing arrays and the device count, shared by the metrics, the planners, the
+pruner, the config and the launcher.
 
 Each returns its input as the array type the callers compute with, or raises a `ValueError` that
 names the input, what it holds and the rule it broke.
@@ -12,6 +13,16 @@ import numpy as np
 
 
 # ----- input checks --------------------------------------------------------------------------
+def check_num_devices(num_devices, setting: str = "num_devices") -> int:
+    """Return `num_devices` as an int or raise: a positive integer (Python or numpy, not a bool).
+
+    The one check of the device count; `setting` names it in the error (e.g. "OccultConfig.num_devices").
+    """
+    if isinstance(num_devices, bool) or not isinstance(num_devices, (int, np.integer)) or num_devices < 1:
+        raise ValueError(f"{setting} must be a positive integer, got {num_devices!r}")
+    return int(num_devices)
+
+
 def check_topk_ids(topk_ids_Nk: np.ndarray, num_experts: int, name: str = "topk_ids") -> np.ndarray:
     """Return `topk_ids_Nk` as int64 `[N, k]` or raise: integer, 2-D, ids in [0, E), distinct per row."""
     ids = np.asarray(topk_ids_Nk)

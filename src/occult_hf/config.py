@@ -2,6 +2,10 @@
 
 The config holds only plain data (no process groups, devices or tensors) so that it can live
 on `PretrainedConfig.occult_config` as a dict and survive `save_pretrained`/`from_pretrained`.
+
+Names come from the registries that own them: dispatchers (`dispatch.dispatcher_names`), dispatch
+modes (`dispatch.plan.DISPATCH_MODES`), expert backends (`experts.register_expert_backend`) and
+pruning policies (`pruning.register_pruning_policy`); validation asks them.
 """
 
 from __future__ import annotations
@@ -11,10 +15,15 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .checks import check_num_devices
 from .dispatch import dispatcher_names
 from .dispatch.plan import DISPATCH_MODES  # owned by the dispatch plan; kept importable from here
-EXPERT_BACKENDS = ("auto", "triton", "torch")
-PRUNE_MODES = ("router", "similarity")
+from .experts import expert_backend_names
+from .pruning import NEEDS_SIMILARITY, pruning_policy_names
+
+# the names each registry owns, as built in (kept importable from here); validation asks the registries
+EXPERT_BACKENDS = expert_backend_names()
+PRUNE_MODES = pruning_policy_names()
 _MISSING = object()
 
 
@@ -112,15 +121,15 @@ class OccultConfig:
                 f"OccultConfig.placement must be 'contiguous', a path, a Placement or a dict, "
                 f"got {type(self.placement).__name__}"
             )
-        if self.num_devices is not None and (_not_int(self.num_devices) or self.num_devices < 1):
-            raise ValueError(f"OccultConfig.num_devices must be a positive integer, got {self.num_devices!r}")
+        if self.num_devices is not None:
+            check_num_devices(self.num_devices, "OccultConfig.num_devices")
         if isinstance(self.placement, Placement) and self.num_devices not in (None, self.placement.num_devices):
             raise ValueError(
                 f"OccultConfig.num_devices ({self.num_devices}) does not match the placement's "
                 f"num_devices ({self.placement.num_devices})"
             )
-        if self.prune is not None and self.prune not in PRUNE_MODES:
-            raise ValueError(f"OccultConfig.prune must be None or one of {PRUNE_MODES}, got {self.prune!r}")
+        if self.prune is not None and self.prune not in pruning_policy_names():
+            raise ValueError(f"OccultConfig.prune must be None or one of {pruning_policy_names()}, got {self.prune!r}")
         if self.prune is not None and self.max_devices_per_token is None:
             raise ValueError(f"OccultConfig.prune={self.prune!r} needs max_devices_per_token (N_d) to be set")
         if self.max_devices_per_token is not None:
@@ -138,8 +147,8 @@ class OccultConfig:
                 )
         if not isinstance(self.logical_devices, bool):
             raise TypeError(f"OccultConfig.logical_devices must be True or False, got {self.logical_devices!r}")
-        if self.prune == "similarity" and self.profile is None:
-            raise ValueError("OccultConfig.prune='similarity' needs a routing profile: set OccultConfig.profile")
+        if self.prune in NEEDS_SIMILARITY and self.profile is None:
+            raise ValueError(f"OccultConfig.prune={self.prune!r} needs a routing profile: set OccultConfig.profile")
         if self.dispatch not in DISPATCH_MODES:
             raise ValueError(f"OccultConfig.dispatch must be one of {DISPATCH_MODES}, got {self.dispatch!r}")
         if not isinstance(self.dispatcher, str) or self.dispatcher != self.dispatcher.lower() or not self.dispatcher:
@@ -170,9 +179,9 @@ class OccultConfig:
             self.profile = os.fspath(self.profile)
         if self.profile is not None and not isinstance(self.profile, str):
             raise TypeError(f"OccultConfig.profile must be None or a path, got {type(self.profile).__name__}")
-        if self.expert_backend not in EXPERT_BACKENDS:
+        if self.expert_backend not in expert_backend_names():
             raise ValueError(
-                f"OccultConfig.expert_backend must be one of {EXPERT_BACKENDS}, got {self.expert_backend!r}"
+                f"OccultConfig.expert_backend must be one of {expert_backend_names()}, got {self.expert_backend!r}"
             )
 
     def to_dict(self) -> dict[str, Any]:

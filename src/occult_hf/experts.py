@@ -5,7 +5,8 @@ Shape legend: R received rows, N (row, local expert) pairs, L local experts, H h
 `local_experts()` computes, for every received row, the weighted sum of its local experts' outputs
 (gather -> gate/up GEMM -> act(gate) * up -> down GEMM -> * routing weight -> fp32 scatter-add). It
 only sees local tensors and the `ExpertSegments` layout that `dispatch()` produced. Backends
-(registry `EXPERT_BACKENDS`):
+(`register_expert_backend`, names in `expert_backend_names()`; each takes the same arguments,
+`ExpertBackend`):
 
 - ``torch``: `grouped_mm` (one grouped GEMM per projection over the contiguous expert segments)
   where PyTorch has a kernel for the dtype and device (CUDA, compute capability >= 8.0, bf16,
@@ -26,10 +27,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import EXPERT_BACKENDS
-from .kernels.activations import activation_name, triton_supports
-from .kernels.expert_mlp_reference import expert_mlp_grouped_mm, expert_mlp_reference, grouped_mm_op
-from .kernels.layout import ExpertSegments
+from occult_hf.kernels.activations import activation_name, triton_supports
+from occult_hf.kernels.expert_mlp_reference import expert_mlp_grouped_mm, expert_mlp_reference, grouped_mm_op
+from occult_hf.kernels.layout import ExpertSegments
+
+#: `(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn, deterministic) -> [R, H]`
+ExpertBackend = Callable[..., torch.Tensor]
+
+_BACKENDS: dict[str, ExpertBackend] = {}
+
+
+def register_expert_backend(name: str, backend: ExpertBackend) -> ExpertBackend:
+    """Register an expert backend under `name` (unique, lowercase, not "auto", which picks among them)."""
+    if not isinstance(name, str) or not name or name != name.lower() or name == "auto":
+        raise ValueError(f"an expert backend name must be a non-empty lowercase string other than 'auto', got {name!r}")
+    if name in _BACKENDS:
+        raise ValueError(f"expert backend {name!r} is already registered; registered: {sorted(_BACKENDS)}")
+    _BACKENDS[name] = backend
+    return backend
+
+
+def expert_backend_names() -> tuple[str, ...]:
+    """What `OccultConfig.expert_backend` accepts: "auto" and every registered backend."""
+    return ("auto", *_BACKENDS)
+
+
+def check_expert_backend(backend: str) -> None:
+    if backend not in expert_backend_names():
+        raise ValueError(f"expert backend must be one of {expert_backend_names()}, got {backend!r}")
 
 
 def local_experts(
@@ -50,20 +75,33 @@ def local_experts(
         pair_weight_N: `[N]` routing weights in segment order (any float dtype; multiplied in fp32).
         gate_up_proj_L2IH: `[L, 2I, H]` (gate rows first), `down_proj_LHI`: `[L, H, I]`.
         act_fn: the experts' activation.
-        backend: "auto", "torch" or "triton".
+        backend: "auto" or a registered backend (`expert_backend_names()`: "triton", "torch").
         deterministic: Triton only: fixed-order (atomic-free) reduction.
     """
-    if backend not in EXPERT_BACKENDS:
-        raise ValueError(f"expert backend must be one of {EXPERT_BACKENDS}, got {backend!r}")
-    if backend == "triton" or (backend == "auto" and _auto_uses_triton(x_RH, act_fn)):
-        activation = activation_name(act_fn)  # ValueError naming an activation the kernels lack
-        expert_mlp_triton = _triton_expert_mlp()
-        return expert_mlp_triton(
-            x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, deterministic=deterministic, activation=activation
-        )
+    check_expert_backend(backend)
+    if backend == "auto":
+        backend = "triton" if _auto_uses_triton(x_RH, act_fn) else "torch"
+    return _BACKENDS[backend](x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn, deterministic)
+
+
+def _torch_backend(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn, deterministic):
+    """PyTorch's grouped GEMM where it has a kernel, else the portable reference (`deterministic` is Triton's)."""
     if grouped_mm_supported(x_RH, gate_up_proj_L2IH, down_proj_LHI):
         return expert_mlp_grouped_mm(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn)
     return expert_mlp_reference(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn)
+
+
+def _triton_backend(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn, deterministic):
+    """The fused Triton kernels, given the model's activation by name."""
+    activation = activation_name(act_fn)  # ValueError naming an activation the kernels lack
+    expert_mlp_triton = _triton_expert_mlp()
+    return expert_mlp_triton(
+        x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, deterministic=deterministic, activation=activation
+    )
+
+
+register_expert_backend("triton", _triton_backend)
+register_expert_backend("torch", _torch_backend)
 
 
 def grouped_mm_supported(x_RH: torch.Tensor, gate_up_proj_L2IH: torch.Tensor, down_proj_LHI: torch.Tensor) -> bool:
@@ -104,8 +142,7 @@ class LocalExperts(nn.Module):
         grad_scale: float = 1.0,
     ) -> None:
         super().__init__()
-        if backend not in EXPERT_BACKENDS:
-            raise ValueError(f"expert backend must be one of {EXPERT_BACKENDS}, got {backend!r}")
+        check_expert_backend(backend)
         if backend == "triton":
             activation_name(act_fn)  # refuse, naming it, an activation the kernels lack, at build time
         self.gate_up_proj = gate_up_proj_L2IH
@@ -163,7 +200,7 @@ def _triton_importable() -> bool:
 def _triton_expert_mlp():
     """The Triton entry point, imported on first use (Triton is optional and slow to import)."""
     try:
-        from .kernels.triton_expert_mlp import expert_mlp_triton
+        from occult_hf.kernels.triton_expert_mlp import expert_mlp_triton
     except ImportError as error:
         raise ImportError(
             f"expert_backend='triton' needs the triton package ({error}); install it with `pip install triton` "
@@ -172,4 +209,4 @@ def _triton_expert_mlp():
     return expert_mlp_triton
 
 
-__all__ = ["local_experts", "expert_mlp_grouped_mm", "grouped_mm_supported", "LocalExperts"]
+__all__ = ["expert_backend_names", "register_expert_backend", "local_experts", "expert_mlp_grouped_mm", "grouped_mm_supported", "LocalExperts"]

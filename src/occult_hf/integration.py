@@ -61,6 +61,7 @@ from .launch import check_logical_devices, check_process_group_started
 from .logging_utils import get_logger
 from .moe import OccultMoE
 from .placement import Placement
+from .pruning import NEEDS_SIMILARITY, build_pruner, load_pruning_profile
 from .trainer_ep import install_trainer_hooks, uninstall_trainer_hooks
 
 logger = get_logger(__name__)
@@ -113,9 +114,7 @@ def apply_occult(model: nn.Module, occult_config: OccultConfig | dict | str | No
         state.save_timeout_s = save_timeout_s()
         state.save_group = new_save_group(ep)
         check_ranks_agree(state, _first_expert_weight(blocks[0][2]), "apply_occult")
-    if config.prune == "similarity":  # the profile must describe exactly this model's MoE layers
-        from .pruning import load_pruning_profile
-
+    if config.prune in NEEDS_SIMILARITY:  # the profile must describe exactly this model's MoE layers
         load_pruning_profile(config.profile).check_compatible(model)
     pruners = _build_pruners(config, adapter, blocks, placement, ep, adapter.top_k(model.config))
     grad_norm = GradNormCarrier(ep.group) if ep.is_distributed else None  # one all-reduce per backward
@@ -198,8 +197,6 @@ def _load_placement(value) -> Placement | None:
 def _build_pruners(config, adapter, blocks, placement, ep, top_k) -> list:
     if config.prune is None:
         return [None] * len(blocks)
-    from .pruning import build_pruner
-
     pruners = []
     for layer, _, block in blocks:
         device_of_E = torch.tensor(placement.device_of(layer), dtype=torch.int64)
@@ -229,7 +226,7 @@ def install() -> None:
     """
     if is_installed():
         return
-    install_loading_hooks(_apply_on_load)
+    install_loading_hooks(_apply_on_load, _json_native)
     install_trainer_hooks()  # Trainer checkpoints and resume under EP
 
 
@@ -241,6 +238,11 @@ def uninstall() -> None:
 
 def is_installed() -> bool:
     return loading_hooks_installed()
+
+
+def _json_native(occult_config):
+    """What the config stores for an `occult_config=` keyword: an `OccultConfig` as its dict, anything else as given."""
+    return occult_config.to_dict() if isinstance(occult_config, OccultConfig) else occult_config
 
 
 def _apply_on_load(model, occult_config):

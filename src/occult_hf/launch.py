@@ -13,6 +13,8 @@ import os
 
 import torch.distributed as dist
 
+from .checks import check_num_devices
+
 
 def launched_world_size() -> int:
     """The process count the launcher announced (`WORLD_SIZE`, set by torchrun and accelerate), or 1."""
@@ -87,8 +89,7 @@ def check_launch(num_devices: int | None, logical_devices: bool = False) -> int:
     world = running_world_size()
     if num_devices is None:
         return world
-    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
-        raise ValueError(f"num_devices must be a positive integer, got {num_devices!r}")
+    check_num_devices(num_devices)
     if world > 1 and num_devices != world:
         raise ValueError(f"num_devices={num_devices} but this launch runs {world} processes (one EP rank each); make them equal")
     if world == 1 and num_devices > 1 and not logical_devices:

@@ -66,6 +66,7 @@ from occult_hf.dispatch import TokenRouting
 from occult_hf.patches.base import MoEAdapter, RouterOutput
 
 from ._transformers_compat import replace_recorded_router_logits
+from .checks import check_num_devices
 
 # ----- the device set of each token -----------------------------------------------------------
 
@@ -226,9 +227,27 @@ PruningPolicy = Callable[
     "tuple[torch.Tensor, torch.Tensor, torch.Tensor]",
 ]
 
-#: pruning policies by name; a policy needing a similarity table is listed in `NEEDS_SIMILARITY`
-PRUNING_POLICIES: dict[str, PruningPolicy] = {"router": prune_router, "similarity": prune_similarity}
-NEEDS_SIMILARITY = frozenset({"similarity"})
+#: the pruning policies by name (`register_pruning_policy`); `OccultConfig.prune` names one of them
+PRUNING_POLICIES: dict[str, PruningPolicy] = {}
+#: the registered policies that need a similarity table (so a routing profile: `OccultConfig.profile`)
+NEEDS_SIMILARITY: set[str] = set()
+
+
+def register_pruning_policy(name: str, policy: PruningPolicy, needs_similarity: bool = False) -> PruningPolicy:
+    """Register `policy` under `name` (unique, lowercase); `needs_similarity`: it reads `S[l]`."""
+    if not isinstance(name, str) or not name or name != name.lower():
+        raise ValueError(f"a pruning policy name must be a non-empty lowercase string, got {name!r}")
+    if name in PRUNING_POLICIES:
+        raise ValueError(f"pruning policy {name!r} is already registered; registered: {sorted(PRUNING_POLICIES)}")
+    PRUNING_POLICIES[name] = policy
+    if needs_similarity:
+        NEEDS_SIMILARITY.add(name)
+    return policy
+
+
+def pruning_policy_names() -> tuple[str, ...]:
+    """The registered pruning policies, in registration order (what `OccultConfig.prune` accepts)."""
+    return tuple(PRUNING_POLICIES)
 
 
 def pruning_policy(name: str) -> PruningPolicy:
@@ -236,6 +255,10 @@ def pruning_policy(name: str) -> PruningPolicy:
         return PRUNING_POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown pruning policy {name!r}; valid policies: {sorted(PRUNING_POLICIES)}") from None
+
+
+register_pruning_policy("router", prune_router)
+register_pruning_policy("similarity", prune_similarity, needs_similarity=True)
 
 
 # ----- the pruner OccultMoE calls --------------------------------------------------------------
@@ -282,8 +305,7 @@ class CollaborationPruner:
         self.device_of_E = torch.as_tensor(device_of_E, dtype=torch.int64)
         if self.device_of_E.dim() != 1:
             raise ValueError(f"device_of_E must be a 1-D list of expert devices, got shape {tuple(self.device_of_E.shape)}")
-        if not isinstance(num_devices, int) or num_devices < 1:
-            raise ValueError(f"num_devices must be a positive integer, got {num_devices!r}")
+        num_devices = check_num_devices(num_devices)
         if self.device_of_E.numel() and not 0 <= int(self.device_of_E.min()) <= int(self.device_of_E.max()) < num_devices:
             raise ValueError(f"layer {layer_idx}: device_of_E holds device ids outside [0, num_devices={num_devices})")
         num_experts = self.device_of_E.numel()
@@ -463,11 +485,7 @@ def build_pruner(
         return None
     similarity_EE = None
     if occult_config.prune in NEEDS_SIMILARITY:
-        if profile is None:
-            if occult_config.profile is None:
-                raise ValueError(
-                    f"OccultConfig.prune={occult_config.prune!r} needs a routing profile: set OccultConfig.profile"
-                )
+        if profile is None:  # OccultConfig checked that a policy needing it names one
             profile = load_pruning_profile(occult_config.profile)
         check_profile_for_pruning(profile, adapter, layer_idx, num_experts=len(device_of_E), top_k=top_k)
         similarity_EE = torch.as_tensor(profile.similarity(layer_idx), dtype=torch.float32)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 
-from ..checks import check_square, check_topk_ids
+from ..checks import check_num_devices, check_square, check_topk_ids
 from ..metrics import evaluate_layer
 from .placement import Placement
 
@@ -102,8 +102,7 @@ def balanced_capacities(num_experts: int, num_devices: int) -> np.ndarray:
 
 
 def check_device_count(num_experts: int, num_devices: int) -> None:
-    if not isinstance(num_devices, (int, np.integer)) or isinstance(num_devices, bool) or num_devices < 1:
-        raise ValueError(f"num_devices must be a positive integer, got {num_devices!r}")
+    check_num_devices(num_devices)
     if num_devices > num_experts:
         raise ValueError(
             f"num_devices ({num_devices}) exceeds num_experts ({num_experts}): some device would hold no expert"
