@@ -12,7 +12,7 @@ import torch
 
 from occult_hf import metrics
 from occult_hf.placement import Placement, RefinedOptions, plan_placement, refine_layer
-from occult_hf.placement.replicas import home_table_from, resolve_homes, resolve_homes_np
+from occult_hf.replica_routing import home_table_from, resolve_homes, resolve_homes_np
 from occult_hf.placement.robust import block_bootstrap_weights, scenario_loads, stated_quantile, token_scenarios
 from occult_hf.placement.validation import cross_validate, profile_from_sample
 from occult_hf.profile import LayerRouting, RoutingProfile

@@ -45,11 +45,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from occult_hf.patches import adapter_for
+
 from .config import OccultConfig
 from .dispatch import ExpertParallelGroup, TokenDispatcher, TokenRouting, build_dispatcher
 from .experts import local_experts
-from .integration import _load_placement
-from .patches import adapter_for
 from .placement import Placement
 
 #: the name under which `OccultEP` is registered in transformers' `EPImplementationInterface`
@@ -389,7 +389,7 @@ def _remove_hooks(model: nn.Module, state: _OccultEPState) -> None:
 
 
 def _resolve_placement(value, num_experts: int, num_devices: int, layers: list[int]) -> Placement:
-    placement = _load_placement(value)  # None: contiguous
+    placement = Placement.from_setting(value)  # None: contiguous
     if placement is None:
         return Placement.contiguous(num_experts, num_devices, layers)
     placement.validate_for(num_experts, layers, num_devices)
@@ -467,7 +467,7 @@ def _build_pruner(config, adapter, block, layer, placement, num_devices, top_k):
 def _pruning_hook(block: nn.Module, adapter, pruner):
     """A forward hook on the router: its `(logits, weights, ids)` with the routing pruned to N_d devices
     (the logits unchanged, so `router_logits` capture and auxiliary losses see the router's own output)."""
-    from .patches import RouterOutput
+    from occult_hf.patches import RouterOutput
 
     def hook(router, inputs, output):
         logits_TE, topk_weights_Tk, topk_ids_Tk = output

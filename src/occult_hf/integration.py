@@ -57,6 +57,7 @@ from .collectives import GradNormCarrier
 from .config import OccultConfig
 from .ddp_ignore import RankLocalStateNames
 from .dispatch import ExpertParallelGroup
+from .hf_ep import apply_on_load  # transformers' own EP (DistributedConfig(ep_implementation="occult"))
 from .launch import check_logical_devices, check_process_group_started
 from .logging_utils import get_logger
 from .moe import OccultMoE
@@ -98,7 +99,7 @@ def apply_occult(model: nn.Module, occult_config: OccultConfig | dict | str | No
         )
     num_experts = adapter.num_experts(model.config)
     layers = [layer for layer, _, _ in blocks]
-    placement = _load_placement(config.placement)
+    placement = Placement.from_setting(config.placement)
     ep = ExpertParallelGroup.resolve(group, config.num_devices)
     if not ep.is_distributed and config.num_devices is None and placement is not None:
         ep = ExpertParallelGroup(num_devices=placement.num_devices)  # one process: the placement's logical devices
@@ -180,20 +181,6 @@ def _first_expert_weight(block: nn.Module) -> torch.Tensor:
     return next(getattr(block, "experts", block).parameters())
 
 
-def _load_placement(value) -> Placement | None:
-    """The configured placement, or None for 'contiguous' (built once the device count is known)."""
-    if isinstance(value, Placement):
-        return value
-    if value == "contiguous":
-        return None
-    if os.path.isfile(value) or os.path.isdir(value):
-        return Placement.load(value)
-    raise ValueError(
-        f"OccultConfig.placement={value!r} is neither 'contiguous' nor an existing occult_placement.json "
-        f"(or a directory holding one)"
-    )
-
-
 def _build_pruners(config, adapter, blocks, placement, ep, top_k) -> list:
     if config.prune is None:
         return [None] * len(blocks)
@@ -255,8 +242,6 @@ def _apply_on_load(model, occult_config):
         if hasattr(model.config, "occult_config"):
             del model.config.occult_config
         return model
-    from .hf_ep import apply_on_load  # transformers' own EP (DistributedConfig(ep_implementation="occult"))
-
     configured = apply_on_load(model, occult_config)
     return apply_occult(model, occult_config) if configured is None else configured
 

@@ -20,7 +20,8 @@ from typing import Callable, ClassVar, Sequence
 
 import torch
 
-from ..kernels.layout import ExpertSegments
+from occult_hf.kernels.layout import ExpertSegments
+
 from .group import ExpertParallelGroup
 from .plan import check_mode, destinations
 

@@ -55,7 +55,8 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from ..kernels.layout import ExpertSegments
+from occult_hf.kernels.layout import ExpertSegments
+
 from .base import DispatchPlan, Dispatched, RowFormat, TokenDispatcher, dispatch_format, register_dispatcher, sum_token_rows
 from .plan import SendLayout, send_layout
 

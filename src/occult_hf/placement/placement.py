@@ -6,7 +6,7 @@ A device's local slots are the experts with a home on it, in increasing global i
 `slot_table(l)[e, d]` is expert `e`'s slot on device `d` (-1: no home there) and `local_slot(l)[e]`
 its slot on its primary device. The runtime, the planners and the metrics all read placements
 through this class so that the slot convention lives in one place; which home serves a
-(token, expert) pair is decided by `placement.replicas.resolve_homes` (the one routing rule).
+(token, expert) pair is decided by `occult_hf.replica_routing.resolve_homes` (the one routing rule).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from ..atomic import atomic_write_text, json_text, to_json_native
+from ..replica_routing import home_table_from
 
 PLACEMENT_FILENAME = "occult_placement.json"
 
@@ -223,6 +224,21 @@ class Placement:
             raise ValueError(f"placement {path!r}: {error}") from None
         return cls.from_dict(data, source=path)
 
+    @classmethod
+    def from_setting(cls, value) -> "Placement | None":
+        """`OccultConfig.placement` resolved: a `Placement` as it is, None for "contiguous" (built once
+        the device count is known), or the file (or directory holding one) it names."""
+        if isinstance(value, Placement):
+            return value
+        if value == "contiguous":
+            return None
+        if os.path.isfile(value) or os.path.isdir(value):
+            return cls.load(value)
+        raise ValueError(
+            f"OccultConfig.placement={value!r} is neither 'contiguous' nor an existing occult_placement.json "
+            f"(or a directory holding one)"
+        )
+
     # ----- queries ------------------------------------------------------------------------
     def device_of(self, layer: int) -> list[int]:
         """`[E]` device of each expert at `layer`."""
@@ -245,8 +261,6 @@ class Placement:
 
     def home_table(self, layer: int) -> np.ndarray:
         """`[E, M]` int64 homes of each expert in increasing device id, padded with -1 (M: most homes of an expert)."""
-        from .replicas import home_table_from
-
         return home_table_from(self.device_of(layer), self.replicas.get(int(layer)))
 
     def slot_table(self, layer: int) -> np.ndarray:

@@ -40,7 +40,7 @@ import numpy as np
 
 from ..metrics import load_floor
 from .objectives import PairwiseCut, SampleCT
-from .replicas import home_table_from, resolve_homes_np
+from ..replica_routing import home_table_from, resolve_homes_np
 from .robust import count_scenarios, scenario_loads, token_scenarios
 from .registry import balanced_capacities, check_layer_inputs, register_planner
 from .slowest import StepCosts, device_times, slowest_descent

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..checks import check_num_devices, check_square, check_topk_ids
 from ..metrics import evaluate_layer
+from ..replica_routing import home_table_from
 from .placement import Placement
 
 if TYPE_CHECKING:
@@ -259,8 +260,6 @@ def plan_profiles(
 
 
 def _home_table(device_of_E: np.ndarray, replicas: dict | None) -> np.ndarray | None:
-    from .replicas import home_table_from
-
     return home_table_from(device_of_E, replicas) if replicas else None
 
 

@@ -1,0 +1,151 @@
+"""The package's structure: no import cycle, and no import that resolves only in the installed layout.
+
+Both read the source files of the package as installed (`occult_hf` and the `package_dir`-mapped
+`occult_hf.kernels`, `occult_hf.patches`, `occult_hf.eval`, wherever the install puts them), parse
+them, and never import them.
+
+An import inside a function counts: a lazy import that dodges a cycle is still a cycle (the modules
+still depend on each other; fix the layering instead). Importing `occult_hf.a.b` counts as importing
+`occult_hf.a` too (Python runs that package's `__init__` first), except for the importer's own
+packages and the root `occult_hf`.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+#: the installed package and the subpackages setup.cfg maps from top-level folders
+ROOT_PACKAGES = ("occult_hf", "occult_hf.kernels", "occult_hf.patches", "occult_hf.eval")
+
+
+def _package_files() -> dict[str, Path]:
+    """`{module name: source file}` for every module of the installed package."""
+    modules = {}
+    for package in ROOT_PACKAGES:
+        (location,) = importlib.util.find_spec(package).submodule_search_locations
+        root = Path(location)
+        for path in sorted(root.rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join((package, *parts))] = path
+    return modules
+
+
+def _runtime_imports(tree: ast.Module):
+    """Import statements that run (module level or inside functions), skipping `if TYPE_CHECKING:` blocks."""
+    def visit(node):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and getattr(child.test, "id", getattr(child.test, "attr", None)) == "TYPE_CHECKING":
+                yield from (i for stmt in child.orelse for i in visit_stmt(stmt))
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                yield child
+            yield from visit(child)
+
+    def visit_stmt(stmt):
+        if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            yield stmt
+        yield from visit(stmt)
+
+    yield from visit(tree)
+
+
+def _absolute(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def import_graph() -> dict[str, set[str]]:
+    """`{module: modules of the package it imports}`; `from pkg import mod` counts as importing `pkg.mod`."""
+    files = _package_files()
+    graph: dict[str, set[str]] = {name: set() for name in files}
+    for module, path in files.items():
+        is_package = path.name == "__init__.py"
+        for node in _runtime_imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                source = _absolute(module, is_package, node)
+                targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in files else source for a in node.names]
+            for target in targets:
+                while target and target not in files:  # `import occult_hf.x.y` where y is a name
+                    target = target.rpartition(".")[0]
+                if not target.startswith("occult_hf"):
+                    continue
+                # importing occult_hf.a.b runs occult_hf.a's __init__ first: that is an edge too
+                # (except to the root package and to the importer's own packages, already being imported)
+                parts = target.split(".")
+                for end in range(2, len(parts) + 1):
+                    name = ".".join(parts[:end])
+                    if name != module and not module.startswith(name + "."):
+                        graph[module].add(name)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, found, counter = {}, {}, [], set(), [], [0]
+
+    def strongconnect(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            strongconnect(v)
+    return found
+
+
+def test_the_package_has_no_import_cycle():
+    """How to see a failure's cycle: the message lists each strongly connected set of modules and the
+    imports among them (`import_graph()` in this file builds the graph)."""
+    graph = import_graph()
+    assert "occult_hf.kernels.layout" in graph and "occult_hf.patches.base" in graph  # mapped folders are read
+    assert "occult_hf.patches" in graph["occult_hf.integration"]  # and connected to their importers
+    cycles = _cycles(graph)
+    detail = "\n".join(
+        " <-> ".join(c) + "\n" + "\n".join(f"    {a} -> {b}" for a in c for b in sorted(graph[a] & set(c))) for c in cycles
+    )
+    assert not cycles, f"import cycles (lazy imports inside functions count too):\n{detail}"
+
+
+def test_relative_imports_stay_inside_their_source_folder():
+    """`from .kernels import x` in src/occult_hf/ works only installed (kernels/ is a top-level folder
+    that setup.cfg maps into occult_hf); so does `from ..config import x` in patches/. Imports that
+    cross a mapped folder use the absolute name (`occult_hf.kernels`, `occult_hf.config`)."""
+    wrong = []
+    for module, path in _package_files().items():
+        for node in _runtime_imports(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom) or not node.level:
+                continue
+            folder = path.parent
+            for _ in range(node.level - 1):
+                folder = folder.parent
+            candidate = folder.joinpath(*node.module.split(".")) if node.module else folder
+            if not (candidate.with_suffix(".py").is_file() or (candidate / "__init__.py").is_file()):
+                wrong.append(f"{path}:{node.lineno}: from {'.' * node.level}{node.module or ''} import ...")
+    assert not wrong, "relative imports that resolve only in the installed layout:\n" + "\n".join(wrong)
