@@ -40,7 +40,9 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from .dispatch.plan import destinations
+from .metrics import ct_and_remote_T, device_hits_TD, evaluate_placement, load_balance, token_ranks_T
 from .moe import OccultMoE
+from .placement import Placement, get_planner, plan_placement
 from .profile import ProfileCollector, RoutingProfile
 from .pruning import pruners_of
 
@@ -111,23 +113,19 @@ class _DispatchMeter:
         ids_Tk = module.last_topk_ids_Tk
         if ids_Tk is None or not module.training:  # evaluation forwards are not training traffic
             return
-        num_tokens, top_k = ids_Tk.shape
+        num_tokens = ids_Tk.shape[0]
         num_devices = module.ep.num_devices
         # the device serving each pair, replicas included (the dispatch plan's own rule, on the pruned devices)
         device_Tk, _ = destinations(
             ids_Tk, *module.dispatcher.placement_on(ids_Tk.device), visited_TD=getattr(module, "last_devices_TD", None)
         )
-        hit_TD = torch.zeros(num_tokens, num_devices, dtype=torch.bool, device=ids_Tk.device)
-        hit_TD.scatter_(1, device_Tk, True)
+        hits_TD = device_hits_TD(device_Tk, num_devices)
         if module.ep.is_distributed:
             home_T = torch.full((num_tokens,), module.ep.rank, dtype=torch.int64, device=ids_Tk.device)
-        else:  # metrics.token_ranks: contiguous equal chunks of the batch, as EP's data-parallel sharding
-            home_T = torch.arange(num_tokens, device=ids_Tk.device) * num_devices // max(num_tokens, 1)
-        ct_T = hit_TD.sum(1)
-        remote_T = ct_T - hit_TD.gather(1, home_T[:, None]).squeeze(1).long()
-        device_N = device_Tk.reshape(-1)  # scatter_add, not bincount: bincount reads its output size on the host
-        load_D = torch.zeros(num_devices, dtype=torch.int64, device=ids_Tk.device)
-        load_D.scatter_add_(0, device_N, torch.ones_like(device_N))
+        else:  # contiguous equal chunks of the batch, as EP's data-parallel sharding
+            home_T = token_ranks_T(num_tokens, num_devices, ids_Tk.device)
+        ct_T, remote_T = ct_and_remote_T(hits_TD, home_T)
+        load_D = hits_TD.sum(0)  # tokens x experts per device
         sums = torch.cat([torch.stack([ct_T.sum(), remote_T.sum()]), load_D]).double()
         self._sums = sums if self._sums is None else self._sums + sums
         self.tokens += num_tokens
@@ -180,8 +178,6 @@ class OccultCallback(OccultCheckpointCallback):
         sample_size: int = 4096,
         per_layer: bool = False,
     ) -> None:
-        from .placement import get_planner
-
         get_planner(planner)  # a clear error now rather than at the first check
         if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 0:
             raise ValueError(f"OccultCallback check_every must be an integer >= 0 (0: only at saves), got {check_every!r}")
@@ -342,7 +338,7 @@ class OccultCallback(OccultCheckpointCallback):
             values = {
                 "ct": ct_sum / tokens,
                 "remote_copies": remote_sum / tokens,
-                "load_balance": float(load_D.max() / load_D.mean()) if load_D.sum() > 0 else float("nan"),
+                "load_balance": load_balance(load_D) if load_D.sum() > 0 else float("nan"),
             }
             if layer in pruners:
                 values["removed_weight"] = removed_sum / pruner_tokens if pruner_tokens else 0.0
@@ -359,9 +355,6 @@ class OccultCallback(OccultCheckpointCallback):
     # ----- drift watch ----------------------------------------------------------------------
     def _drift_check(self) -> dict[str, float]:
         """Plan on the recent window's profile, compare CTs on it, start a new window."""
-        from .metrics import evaluate_placement
-        from .placement import Placement, plan_placement
-
         profile = self._recent_window_profile()
         if profile is None:
             return {}

@@ -4,6 +4,11 @@ Everything here is exact and vectorised over tokens (numpy): a metric reads per-
 sets (a profile's sample or a trace), per-expert counts or the co-activation matrix, and a
 device map, and never loops over tokens in Python.
 
+The per-token counts every CT figure rests on (`device_hits_TD`: pairs each device serves;
+`ct_and_remote_T`: CT and remote copies; `token_ranks_T`: the tokens' ranks) are torch functions,
+the one implementation: the numpy metrics here wrap them, and `OccultCallback` runs them on the
+training device without a host sync.
+
 * **CT** (`communication_cost`): distinct devices holding a token's k experts. Bounds for the
   placement's capacities: `ceil(k / max capacity) <= CT <= min(k, D)` (`ct_bounds`).
 * **Remote copies** (`communication_volume`): CT minus one when the token's own rank is among its
@@ -35,6 +40,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 from .checks import check_device_map, check_square, check_topk_ids
 from .replica_routing import resolve_homes_np
@@ -56,14 +62,33 @@ def pair_devices(
     return resolve_homes_np(topk_ids_Nk, home_table_EM, num_devices)
 
 
+def device_hits_TD(device_Tk: torch.Tensor, num_devices: int) -> torch.Tensor:
+    """`[T, D]` int64: how many of token t's k pairs device d serves (rows sum to k).
+
+    `device_Tk` `[T, k]` int64 serving device of each pair (`pair_devices`, or the dispatch plan's
+    `destinations`); computed on its device, with no host synchronisation.
+    """
+    hits_TD = torch.zeros(device_Tk.shape[0], num_devices, dtype=torch.int64, device=device_Tk.device)
+    return hits_TD.scatter_add_(1, device_Tk, torch.ones_like(device_Tk))
+
+
+def ct_and_remote_T(hits_TD: torch.Tensor, source_rank_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`([T] CT, [T] remote copies)` int64 from `device_hits_TD` and each token's own rank `[T]` int64.
+
+    Remote copies are CT minus one when the token's own rank is among its devices (that copy never
+    crosses a link).
+    """
+    reached_TD = hits_TD > 0
+    ct_T = reached_TD.sum(1)
+    return ct_T, ct_T - reached_TD.gather(1, source_rank_T[:, None]).squeeze(1).long()
+
+
 def device_hits(
     topk_ids_Nk: np.ndarray, device_of_E: np.ndarray, num_devices: int, home_table_EM: np.ndarray | None = None
 ) -> np.ndarray:
-    """`[N, D]` int64: how many of token n's k pairs device d serves (rows sum to k)."""
-    num_tokens = topk_ids_Nk.shape[0]
+    """`[N, D]` int64: how many of token n's k pairs device d serves (rows sum to k); `device_hits_TD`."""
     device_Nk = pair_devices(topk_ids_Nk, device_of_E, num_devices, home_table_EM)
-    flat = (np.arange(num_tokens, dtype=np.int64)[:, None] * num_devices + device_Nk).ravel()
-    return np.bincount(flat, minlength=num_tokens * num_devices).reshape(num_tokens, num_devices)
+    return device_hits_TD(torch.from_numpy(np.ascontiguousarray(device_Nk, dtype=np.int64)), num_devices).numpy()
 
 
 def communication_cost(topk_ids_Nk: np.ndarray, device_of_E: np.ndarray, num_devices: int) -> np.ndarray:
@@ -99,13 +124,18 @@ def ct_bounds(top_k: int, capacities_D: np.ndarray) -> tuple[int, int]:
 
 
 # ----- remote copies ---------------------------------------------------------------------------
-def token_ranks(num_tokens: int, num_ranks: int) -> np.ndarray:
-    """`[N]` source rank of each token: contiguous equal chunks (sizes differ by at most one), rank 0 first.
+def token_ranks_T(num_tokens: int, num_ranks: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """`[T]` int64 source rank of each token: contiguous equal chunks (sizes differ by at most one), rank 0 first.
 
     This is how expert parallelism shards a batch: every rank is also a data-parallel rank that
-    owns a contiguous slice of the tokens. Token n goes to rank `n * R // N`.
+    owns a contiguous slice of the tokens. Token t goes to rank `t * R // T`. Built on `device`.
     """
-    return np.arange(num_tokens, dtype=np.int64) * num_ranks // max(num_tokens, 1)
+    return torch.arange(num_tokens, dtype=torch.int64, device=device) * num_ranks // max(num_tokens, 1)
+
+
+def token_ranks(num_tokens: int, num_ranks: int) -> np.ndarray:
+    """`[N]` int64 `token_ranks_T` as a numpy array."""
+    return token_ranks_T(num_tokens, num_ranks).numpy()
 
 
 @dataclass(frozen=True)
@@ -165,13 +195,13 @@ def communication_volume(
     source_rank_N = np.asarray(source_rank_N, dtype=np.int64)
     if source_rank_N.shape != (num_tokens,) or source_rank_N.min() < 0 or source_rank_N.max() >= num_devices:
         raise ValueError(f"source_rank_N must be [N={num_tokens}] ranks in [0, {num_devices}), got shape {list(source_rank_N.shape)}")
-    reached_ND = device_hits(ids, devices, num_devices, home_table_EM) > 0
-    remote_ND = reached_ND.copy()
-    remote_ND[np.arange(num_tokens), source_rank_N] = False
-    remote_N = remote_ND.sum(axis=1)
+    hits_ND = torch.from_numpy(device_hits(ids, devices, num_devices, home_table_EM))
+    ct_N, remote_N = (t.numpy() for t in ct_and_remote_T(hits_ND, torch.from_numpy(source_rank_N)))
     sent_R = np.bincount(source_rank_N, weights=remote_N, minlength=num_devices).astype(np.int64)
-    received_R = remote_ND.sum(axis=0).astype(np.int64)
-    return CommunicationVolume(float(reached_ND.sum(axis=1).mean()), float(remote_N.mean()), sent_R, received_R)
+    # a device receives the tokens that reach it, less those of its own rank (they never cross a link)
+    own_N = ct_N - remote_N
+    received_R = ((hits_ND > 0).sum(0).numpy() - np.bincount(source_rank_N, weights=own_N, minlength=num_devices)).astype(np.int64)
+    return CommunicationVolume(float(ct_N.mean()), float(remote_N.mean()), sent_R, received_R)
 
 
 # ----- load ------------------------------------------------------------------------------------
@@ -455,8 +485,10 @@ __all__ = [
     "coactivation_spearman",
     "communication_cost",
     "communication_volume",
+    "ct_and_remote_T",
     "ct_bounds",
     "device_hits",
+    "device_hits_TD",
     "device_load",
     "evaluate_layer",
     "evaluate_placement",
@@ -471,4 +503,5 @@ __all__ = [
     "routing_cost",
     "summarize",
     "token_ranks",
+    "token_ranks_T",
 ]
