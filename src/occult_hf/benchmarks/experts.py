@@ -138,13 +138,11 @@ def hf_experts_module(shape: ExpertShape, device, dtype) -> torch.nn.Module:
 
 def segments_from_topk(topk_ids_Tk: torch.Tensor, num_experts: int) -> tuple[ExpertSegments, torch.Tensor]:
     """All E experts local (one device): pairs (t, topk_ids[t, j]) grouped by expert, rows ascending
-    within an expert, without a host sync. Returns the segments and `order_N`, the position of each
-    pair in the flattened [T*k] routing tensors."""
+    within an expert (`ExpertSegments.from_pairs`, the runtime's layout). Returns the segments and
+    `order_N`, the position of each pair in the flattened [T*k] routing tensors."""
     tokens, top_k = topk_ids_Tk.shape
-    sorted_experts_N, order_N = torch.sort(topk_ids_Tk.reshape(-1), stable=True)
-    boundaries = torch.arange(num_experts + 1, device=topk_ids_Tk.device, dtype=sorted_experts_N.dtype)
-    offsets = torch.searchsorted(sorted_experts_N, boundaries)
-    return ExpertSegments(order_N // top_k, offsets, tokens), order_N
+    row_N = torch.arange(tokens * top_k, device=topk_ids_Tk.device) // top_k
+    return ExpertSegments.from_pairs(row_N, topk_ids_Tk.reshape(-1), tokens, num_experts)
 
 
 def _layout_then(kernel: Callable, **kwargs) -> Callable:

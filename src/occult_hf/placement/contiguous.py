@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .placement import contiguous_devices
 from .registry import NoOptions, check_layer_inputs, register_planner
 
 
@@ -17,5 +18,4 @@ def plan_contiguous_layer(
 ) -> np.ndarray:
     """`[E]` int64 device map `e * D // E` (capacities differ by at most one); the routing is only validated."""
     check_layer_inputs(coactivation_EE, expert_counts_E, topk_sample_Nk, num_devices)
-    num_experts = len(expert_counts_E)
-    return np.arange(num_experts, dtype=np.int64) * num_devices // num_experts
+    return contiguous_devices(len(expert_counts_E), num_devices)

@@ -25,6 +25,11 @@ from ..replica_routing import home_table_from
 PLACEMENT_FILENAME = "occult_placement.json"
 
 
+def contiguous_devices(num_experts: int, num_devices: int) -> np.ndarray:
+    """`[E]` int64 device map `e * D // E`: what every EP framework does (capacities differ by at most one)."""
+    return np.arange(num_experts, dtype=np.int64) * num_devices // num_experts
+
+
 @dataclass
 class Placement:
     """Expert -> device maps for a set of MoE layers.
@@ -128,7 +133,7 @@ class Placement:
     @classmethod
     def contiguous(cls, num_experts: int, num_devices: int, layers: Iterable[int]) -> "Placement":
         """Expert `e` on device `e * D // E`: what every framework does; capacities differ by at most one."""
-        devices = [e * num_devices // num_experts for e in range(num_experts)]
+        devices = contiguous_devices(num_experts, num_devices).tolist()
         return cls(num_experts, num_devices, {int(l): list(devices) for l in layers}, {"method": "contiguous"})
 
     @classmethod
@@ -407,4 +412,4 @@ def _parse_replicas(
     return parsed, slots
 
 
-__all__ = ["Placement", "PLACEMENT_FILENAME"]
+__all__ = ["Placement", "PLACEMENT_FILENAME", "contiguous_devices"]
