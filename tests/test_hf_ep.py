@@ -4,8 +4,8 @@ Exactness against the single-process transformers model on the concatenation of 
 (relative error <= 1e-5, fp32): each rank's logits and loss (router aux loss included), and every
 parameter's gradient (FSDP2 averages over the ranks, as the mean of the ranks' losses). Checked on 2
 gloo ranks with `DistributedConfig(ep_size=2, fsdp_size=2)` (transformers' mesh builds on gloo CPU:
-`ep_size` must divide `fsdp_size * tp_size`, so 2 ranks of EP come with FSDP2 over the dense part)
-for OLMoE, Qwen2-MoE and DeepSeek-V3, with the contiguous placement and with a shuffled
+`ep_size` must divide `fsdp_size * tp_size`, so 2 ranks of EP come with FSDP2 or tensor parallelism
+over the dense part; both are tested, the latter on the one batch the TP group shares) for OLMoE, Qwen2-MoE and DeepSeek-V3, with the contiguous placement and with a shuffled
 equal-capacity placement applied by `apply_occult_ep` (expert rows moved between the ranks), whose
 `save_pretrained` writes a vanilla checkpoint (the original checkpoint's expert tensors, bit for bit,
 and plain transformers' logits; `from_pretrained(saved, distributed_config=...)` restores the placement
@@ -351,3 +351,28 @@ print("ok")
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+def _tensor_parallel_world(rank, world_size, checkpoints):
+    from occult_hf import OccultConfig, apply_occult_ep
+
+    results = {}
+    for family, path in checkpoints.items():
+        model = _load_ep(path, tp_size=2, tp_plan="auto", ep_size=2)  # the TP group is the EP group: one shared batch
+        found = {"contiguous": _step(model, rank_batch(0))}
+        apply_occult_ep(model, OccultConfig(placement=shuffled_placement(family)))
+        found["shuffled"] = _step(model, rank_batch(0))
+        results[family] = found
+    return results
+
+
+@pytest.mark.world_size(2)
+def test_occult_ep_with_tensor_parallelism(tmp_path):
+    """EP over the TP group (`tp_size=2, tp_plan="auto", ep_size=2`: the dense part tensor-parallel, both
+    ranks one batch, each dispatching half of its rows): equal to the single-process model on that batch."""
+    checkpoints = {family: str(tiny_checkpoint(family, tmp_path / family, seed=6, num_experts=NUM_EXPERTS)) for family in EP_FAMILIES}
+    results = run_world(_tensor_parallel_world, 2, checkpoints, timeout_s=400)
+    for family, path in checkpoints.items():
+        ref = _reference(path, world_size=1)
+        for rank, found in enumerate(r[family] for r in results):
+            check_equal_to_reference(found, ref, 0, f"{family} (tensor parallel, rank {rank})")

@@ -89,7 +89,9 @@ class OccultEP(_ep_base()):
     transformers calls it with `(hidden_states [T, H], top_k_index [T, k] int64 original expert ids,
     top_k_weights [T, k])`, this rank's batch, inside a context where the experts module's parameters
     are this rank's local `[L, 2I, H]` / `[L, H, I]` slices; it returns `[T, H]`, each token's weighted
-    sum over its k experts. Until `apply_occult_ep` configures it, it runs the contiguous placement
+    sum over its k experts. With tensor parallelism (`tp_size > 1`) the ranks of a TP group hold the same
+    batch: each dispatches a disjoint row slice of it and the outputs are gathered over the group, as
+    transformers' `AllToAllEP` does. Until `apply_occult_ep` configures it, it runs the contiguous placement
     with `OccultConfig()`'s defaults (dedup dispatch).
 
     Attributes:
@@ -111,12 +113,6 @@ class OccultEP(_ep_base()):
                 f"(EPImplementationInterface); {_OTHER_PATH}"
             )
         super().__init__(experts, ep_mesh, tp_mesh)
-        if tp_mesh.size() > 1:
-            raise NotImplementedError(
-                f"DistributedConfig(ep_implementation={EP_IMPLEMENTATION_NAME!r}) with tp_size={tp_mesh.size()} is not "
-                f"supported: it needs every rank to hold its own batch (tp_size=1; shard the dense part with fsdp_size); "
-                f'use ep_implementation="all_to_all" with tensor parallelism, or {_OTHER_PATH}'
-            )
         _check_fused_layout(experts)
         self._experts = (experts,)  # a tuple: no module registration, no reference from an nn.Module tree
         self.ep = ExpertParallelGroup(num_devices=ep_mesh.size(), group=ep_mesh.get_group(), rank=ep_mesh.get_local_rank())
@@ -172,7 +168,13 @@ class OccultEP(_ep_base()):
         if self.dispatcher is None or self.rows_sent.device != device:
             self.dispatcher = self._build_dispatcher(device)
             self.rows_sent, self.pairs_sent = self.rows_sent.to(device), self.pairs_sent.to(device)
+        num_tokens, hidden = hidden_states.shape
+        sliced = self.tp_mesh.size() > 1
+        if sliced:  # the TP group shares the batch: each of its ranks dispatches a disjoint slice of it
+            hidden_states, top_k_index, top_k_weights = (_tp_slice(t, self.tp_mesh) for t in (hidden_states, top_k_index, top_k_weights))
         out_TH, plan = self.dispatcher.run(hidden_states, TokenRouting(top_k_index, top_k_weights), self.compute)
+        if sliced:
+            out_TH = _tp_gather(out_TH, self.tp_mesh, num_tokens, hidden)
         with torch.no_grad():
             rows_D, pairs_D = plan.counts_D2.unbind(1)
             self.rows_sent.add_(rows_D)
@@ -211,6 +213,22 @@ class ShardExperts(nn.Module):
         return local_experts(
             x_RH, segments, pair_weight_N, gate_up_L2IH, down_LHI, experts.act_fn, self.backend, self.deterministic
         )
+
+
+def _tp_slice(t_T: torch.Tensor, tp_mesh) -> torch.Tensor:
+    """This rank's row slice of a tensor the TP group holds whole (`Replicate -> Shard(0)`: a local chunk,
+    whose backward all-gathers the row gradients), as transformers' `AllToAllEP` slices it."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    return DTensor.from_local(t_T, tp_mesh, [Replicate()], run_check=False).redistribute(tp_mesh, [Shard(0)]).to_local()
+
+
+def _tp_gather(out_tH: torch.Tensor, tp_mesh, num_tokens: int, hidden: int) -> torch.Tensor:
+    """`[T, H]` on every rank of the TP group from each rank's `[t, H]` slice (`Shard(0) -> Replicate`)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    sharded = DTensor.from_local(out_tH.contiguous(), tp_mesh, [Shard(0)], shape=(num_tokens, hidden), stride=(hidden, 1))
+    return sharded.full_tensor()
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
