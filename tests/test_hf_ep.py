@@ -67,15 +67,15 @@ def _step(model, ids: torch.Tensor) -> dict:
     model.zero_grad(set_to_none=True)
     out = model(ids, labels=ids)
     out.loss.backward()
-    order = {f"layers.{layer}.mlp.experts.": impl.stored_experts_P for layer, impl in occult_ep_layers(model).items()}
+    orders = {f"layers.{layer}.mlp.experts.": impl.expert_order for layer, impl in occult_ep_layers(model).items()}
     grads = {}
     for name, param in model.named_parameters():
         if param.grad is None:
             continue
         grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
-        for prefix, stored_P in order.items():
-            if prefix in name:  # stored position p holds expert stored_P[p]
-                grad = grad[torch.argsort(torch.tensor(stored_P))]
+        for prefix, order in orders.items():
+            if prefix in name:  # stored position p holds expert order[p]
+                grad = grad[torch.argsort(torch.tensor(order))]
         grads[name] = grad.detach().numpy().copy()  # numpy: tensors through the result queue need the child alive
     return {"logits": out.logits.detach().numpy().copy(), "loss": float(out.loss.detach()), "grads": grads}
 
@@ -99,7 +99,7 @@ def _ep_world(rank, world_size, checkpoints, out_dir):
         model.save_pretrained(os.path.join(out_dir, family))  # collective
         if family == "deepseek_v3":  # the saved occult_config comes back with from_pretrained(distributed_config=...)
             again = _load_ep(os.path.join(out_dir, family), ep_size=2, fsdp_size=2)
-            found["reloaded_order"] = {layer: impl.stored_experts_P for layer, impl in occult_ep_layers(again).items()}
+            found["reloaded_order"] = {layer: impl.expert_order for layer, impl in occult_ep_layers(again).items()}
             with torch.no_grad():
                 found["reloaded_logits"] = again(ids).logits.numpy().copy()
         if family == "olmoe":  # collaboration pruning through the adapter, on the router's output

@@ -1,7 +1,7 @@
 """Occult inside transformers' own expert parallelism: `DistributedConfig(ep_implementation="occult")`.
 
-Shape legend: T tokens on this rank, H hidden, E routed experts, L = E / D experts per rank, D ranks of the
-EP mesh dimension, k experts per token, P stored expert positions (P = E), R received rows, N pairs.
+Shape legend (docs/conventions.md): T tokens on this rank, H hidden, E routed experts, L = E / D experts per
+rank, D ranks of the EP mesh dimension, k experts per token, R received rows, N (row, local expert) pairs.
 
 Since 5.23, transformers shards a MoE model's routed experts whole over the `ep` dimension of its
 device mesh (`Shard(0)`: rank r holds stored experts `[r * L, (r + 1) * L)`), composes that with
@@ -97,7 +97,7 @@ class OccultEP(_ep_base()):
     Attributes:
         ep: the EP mesh dimension as occult_hf's `ExpertParallelGroup`.
         num_experts: `E`.
-        stored_experts_P: `[E]` the expert id stored at each position of the sharded expert dimension
+        expert_order: `[E]` the expert id stored at each position of the sharded expert dimension
             (identity until a placement permutes them); rank d holds positions `[d * L, (d + 1) * L)`.
         occult_config: the settings it runs with.
         dispatcher: the `TokenDispatcher`, built by the first forward on the batch's device (and again after
@@ -117,7 +117,7 @@ class OccultEP(_ep_base()):
         self._experts = (experts,)  # a tuple: no module registration, no reference from an nn.Module tree
         self.ep = ExpertParallelGroup(num_devices=ep_mesh.size(), group=ep_mesh.get_group(), rank=ep_mesh.get_local_rank())
         self.num_experts = self.num_local_experts * self.ep.num_devices
-        self.stored_experts_P = list(range(self.num_experts))
+        self.expert_order = list(range(self.num_experts))
         self.occult_config = OccultConfig()
         self.layer_name = "experts"
         self.compute = ShardExperts(experts)
@@ -133,15 +133,15 @@ class OccultEP(_ep_base()):
         return self._experts[0]
 
     def device_of_E(self) -> list[int]:
-        """`[E]` the rank that holds each expert (from `stored_experts_P`)."""
+        """`[E]` the rank that holds each expert (from `expert_order`)."""
         device_of_E = [0] * self.num_experts
-        for position, expert in enumerate(self.stored_experts_P):
+        for position, expert in enumerate(self.expert_order):
             device_of_E[expert] = position // self.num_local_experts
         return device_of_E
 
     def _build_dispatcher(self, device: torch.device) -> TokenDispatcher:
         local_index_E = [0] * self.num_experts
-        for position, expert in enumerate(self.stored_experts_P):
+        for position, expert in enumerate(self.expert_order):
             local_index_E[expert] = position % self.num_local_experts
         config = self.occult_config
         self.compute.backend, self.compute.deterministic = config.expert_backend, config.deterministic
@@ -158,9 +158,9 @@ class OccultEP(_ep_base()):
             device=device,
         )
 
-    def configure(self, occult_config: OccultConfig, stored_experts_P: list[int], layer_name: str) -> None:
+    def configure(self, occult_config: OccultConfig, expert_order: list[int], layer_name: str) -> None:
         """Run with these settings and this stored expert order (the weights must already be in it)."""
-        self.occult_config, self.stored_experts_P, self.layer_name = occult_config, list(stored_experts_P), layer_name
+        self.occult_config, self.expert_order, self.layer_name = occult_config, list(expert_order), layer_name
         self.dispatcher = None  # rebuilt by the next forward
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -215,19 +215,19 @@ class ShardExperts(nn.Module):
         )
 
 
-def _tp_slice(t_T: torch.Tensor, tp_mesh) -> torch.Tensor:
+def _tp_slice(tensor: torch.Tensor, tp_mesh) -> torch.Tensor:
     """This rank's row slice of a tensor the TP group holds whole (`Replicate -> Shard(0)`: a local chunk,
     whose backward all-gathers the row gradients), as transformers' `AllToAllEP` slices it."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    return DTensor.from_local(t_T, tp_mesh, [Replicate()], run_check=False).redistribute(tp_mesh, [Shard(0)]).to_local()
+    return DTensor.from_local(tensor, tp_mesh, [Replicate()], run_check=False).redistribute(tp_mesh, [Shard(0)]).to_local()
 
 
-def _tp_gather(out_tH: torch.Tensor, tp_mesh, num_tokens: int, hidden: int) -> torch.Tensor:
-    """`[T, H]` on every rank of the TP group from each rank's `[t, H]` slice (`Shard(0) -> Replicate`)."""
+def _tp_gather(out_TH: torch.Tensor, tp_mesh, num_tokens: int, hidden: int) -> torch.Tensor:
+    """`[num_tokens, H]` on every rank of the TP group from each rank's `[T, H]` slice (`Shard(0) -> Replicate`)."""
     from torch.distributed.tensor import DTensor, Shard
 
-    sharded = DTensor.from_local(out_tH.contiguous(), tp_mesh, [Shard(0)], shape=(num_tokens, hidden), stride=(hidden, 1))
+    sharded = DTensor.from_local(out_TH.contiguous(), tp_mesh, [Shard(0)], shape=(num_tokens, hidden), stride=(hidden, 1))
     return sharded.full_tensor()
 
 
@@ -339,11 +339,11 @@ def apply_occult_ep(model: nn.Module, occult_config: OccultConfig | dict | str |
     adapter = adapter_for(model)
     new_state = _OccultEPState(occult_config=config, blocks=blocks)
     for layer, path, block, impl in blocks:
-        stored_P = [e for d in range(ep.num_devices) for e in placement.experts_on(layer, d)]
-        if stored_P != impl.stored_experts_P:
+        order = [e for d in range(ep.num_devices) for e in placement.experts_on(layer, d)]
+        if order != impl.expert_order:
             _check_rows_movable(model, impl)
-            _move_expert_rows(impl, stored_P)
-        impl.configure(config, stored_P, f"layer {layer}")
+            _move_expert_rows(impl, order)
+        impl.configure(config, order, f"layer {layer}")
         pruner = _build_pruner(config, adapter, block, layer, placement, ep.num_devices, adapter.top_k(model.config))
         if pruner is not None:
             new_state.hooks.append(adapter.router(block).register_forward_hook(_pruning_hook(block, adapter, pruner)))
@@ -381,7 +381,7 @@ def remove_occult_ep(model: nn.Module) -> nn.Module:
     _remove_hooks(model, state)
     for layer, _, _, impl in state.blocks:
         identity = list(range(impl.num_experts))
-        if impl.stored_experts_P != identity:
+        if impl.expert_order != identity:
             _move_expert_rows(impl, identity)
         impl.configure(OccultConfig(), identity, f"layer {layer}")
     del model.__dict__[_STATE_ATTR]
@@ -446,19 +446,19 @@ def _check_rows_movable(model: nn.Module, impl: OccultEP) -> None:
 
 
 @torch.no_grad()
-def _move_expert_rows(impl: OccultEP, stored_P: list[int]) -> None:
-    """Store the experts in order `stored_P` (position -> expert id) instead of `impl.stored_experts_P`,
+def _move_expert_rows(impl: OccultEP, order: list[int]) -> None:
+    """Store the experts in `order` (stored position -> expert id) instead of `impl.expert_order`,
     moving rows between the EP ranks: rank r sends each rank q the rows q needs from r's share, in one
     `all_to_all_single` per expert tensor. Collective over the EP group."""
     per_rank, rank, num_devices = impl.num_local_experts, impl.ep.rank, impl.ep.num_devices
-    position_of = {e: p for p, e in enumerate(impl.stored_experts_P)}
+    position_of = {e: p for p, e in enumerate(impl.expert_order)}
     send_rows, send_splits, recv_splits, recv_order = [], [], [], []
     for q in range(num_devices):  # what q needs from r, in q's slot order
-        wanted = [position_of[e] for e in stored_P[q * per_rank : (q + 1) * per_rank]]
+        wanted = [position_of[e] for e in order[q * per_rank : (q + 1) * per_rank]]
         mine = [p - rank * per_rank for p in wanted if p // per_rank == rank]
         send_rows += mine
         send_splits.append(len(mine))
-    wanted_here = [position_of[e] for e in stored_P[rank * per_rank : (rank + 1) * per_rank]]
+    wanted_here = [position_of[e] for e in order[rank * per_rank : (rank + 1) * per_rank]]
     for s in range(num_devices):  # what r receives from s, in r's slot order
         from_s = [slot for slot, p in enumerate(wanted_here) if p // per_rank == s]
         recv_order += from_s
@@ -470,7 +470,7 @@ def _move_expert_rows(impl: OccultEP, stored_P: list[int]) -> None:
         dist.all_to_all_single(received, send, recv_splits, send_splits, group=impl.ep.group)
         del send
         local.view(per_rank, -1).index_copy_(0, torch.tensor(recv_order, dtype=torch.int64, device=local.device), received)
-    impl.stored_experts_P = list(stored_P)
+    impl.expert_order = list(order)
 
 
 def _build_pruner(config, adapter, block, layer, placement, num_devices, top_k):
@@ -504,10 +504,10 @@ def _gather_in_original_order(model, model_to_save, state_dict, distributed_conf
     state = getattr(model, _STATE_ATTR)
     prefix = _prefix_of(model, model_to_save)
     for _, path, block, impl in state.blocks:
-        order_P = torch.tensor(impl.stored_experts_P, dtype=torch.int64)
-        if torch.equal(order_P, torch.arange(order_P.numel())):
+        order_E = torch.tensor(impl.expert_order, dtype=torch.int64)
+        if torch.equal(order_E, torch.arange(order_E.numel())):
             continue
-        original_E = torch.argsort(order_P)  # stored position of each original expert
+        original_E = torch.argsort(order_E)  # stored position of each original expert
         experts_path = f"{path}.experts"
         for name in ("gate_up_proj", "down_proj"):
             key = f"{prefix}{experts_path}.{name}"
