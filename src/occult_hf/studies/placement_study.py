@@ -1,8 +1,14 @@
 """Placement study: contiguous vs the paper's Algorithm 1 (`occult`) vs `refined` on real routing.
 
+    python -m occult_hf.studies.placement_study                      # the project's own routing
     python -m occult_hf.studies.placement_study --routing-dir ../shared/data/routing --out-dir docs
 
-prints Markdown tables and writes `placement_study.png` (per-layer CT / cut by method):
+prints Markdown tables and, with `--out-dir`, writes `placement_study.png` (per-layer CT / cut by
+method). Without `--routing-dir` it runs on the routing that ships in the package
+(`studies.tiny_routing`: the learned tiny OLMoE, E=32, k=4, 4 layers, on held-out text of its
+three training domains): plan on one half of the tokens, measure every layer on the other half, and
+the drift between the halves. With `--routing-dir` (the session's third-party traces, not part of
+the project) it runs the studies below:
 
 1. Qwen1.5-MoE-A2.7B layer 0 (real trace, E=60, k=4): plan on the first half of the real tokens,
    measure CT, remote copies, rows received by the slowest rank and load balance on the held-out
@@ -330,6 +336,9 @@ def plot(result: StudyResult, path: Path) -> None:
     panels = [
         (key, label)
         for key, label in (
+            ("tiny_ct_D4", "learned tiny OLMoE, D=4: held-out CT"),
+            ("tiny_ct_D8", "learned tiny OLMoE, D=8: held-out CT"),
+            ("tiny_balance_D8", "learned tiny OLMoE, D=8: held-out load balance (max/mean)"),
             ("olmoe_cut_D4", "OLMoE-0125 pair counts, D=4: split pairs / token"),
             ("olmoe_cut_D8", "OLMoE-0125 pair counts, D=8: split pairs / token"),
             ("olmoe_balance_D8", "OLMoE-0125, D=8: load balance (max/mean)"),
@@ -351,14 +360,66 @@ def plot(result: StudyResult, path: Path) -> None:
     atomic_save_figure(figure, path, dpi=120)
 
 
+def tiny_study(devices: tuple[int, ...], result: StudyResult, progress: bool, trace: str | os.PathLike | None = None) -> None:
+    """The methods on the project's own learned routing (`studies.tiny_routing`), every layer, held out."""
+    from . import tiny_routing
+
+    plan_half, held_out = tiny_routing.plan_and_held_out(trace)
+    title = (
+        f"Learned tiny OLMoE (E={plan_half.num_experts}, k={plan_half.top_k}, {len(plan_half.layers)} layers), "
+        f"held-out text of its domains: plan on {plan_half.layer(0).token_count:,} tokens, measure on the other "
+        f"{held_out.layer(0).token_count:,}"
+    )
+    rows = []
+    for num_devices in devices:
+        for method in METHODS:
+            placement, _, cpu = _timed_plan(plan_half, num_devices, method, progress)
+            per_layer = evaluate_placement(held_out, placement)
+            held, planned = summarize(per_layer), summarize(evaluate_placement(plan_half, placement))
+            rows.append({
+                "D": num_devices,
+                "method": method,
+                "CT held-out (mean over layers)": held["ct"],
+                "CT plan half": planned["ct"],
+                "remote copies": held["remote_copies"],
+                "balance held-out (mean)": held["balance"],
+                "balance held-out (worst layer)": held["worst_balance"],
+                "plan CPU s": cpu,
+            })
+            result.series.setdefault(f"tiny_ct_D{num_devices}", {})[method] = [m.ct for m in per_layer.values()]
+            result.series.setdefault(f"tiny_balance_D{num_devices}", {})[method] = [m.balance for m in per_layer.values()]
+    result.tables[title] = rows
+    drift = []
+    for num_devices in devices:
+        per_layer = list(profile_drift(plan_half, held_out, num_devices).values())
+        drift.append(
+            f"D={num_devices}: co-activation Spearman {np.mean([r.spearman for r in per_layer]):.3f}, CT transferred "
+            f"{np.mean([r.transferred for r in per_layer]):.3f} vs re-planned on the held-out half "
+            f"{np.mean([r.native for r in per_layer]):.3f} (means over layers)"
+        )
+    result.notes[title] = [
+        "Routing recorded from the shipped checkpoint `occult_hf/data/tiny_olmoe` (`occult train --recipe tiny`) on "
+        "documents it never trained on; 128-token windows alternate between the halves, so both hold every domain.",
+        "Drift between the halves (refined planner): " + "; ".join(drift) + ".",
+    ]
+
+
 def run_placement_study(
-    routing_dir: str | os.PathLike = "../shared/data/routing",
-    out_dir: str | os.PathLike = "docs",
+    routing_dir: str | os.PathLike | None = None,
+    out_dir: str | os.PathLike | None = None,
     devices: tuple[int, ...] = (4, 8),
     speed: bool = True,
     progress: bool = True,
 ) -> StudyResult:
-    """Run every study, write `placement_study.png` under `out_dir`, return the tables."""
+    """Run the studies (on the shipped routing when `routing_dir` is None), write `placement_study.png`
+    under `out_dir` when one is given, return the tables."""
+    if routing_dir is None:
+        result = StudyResult()
+        tiny_study(devices, result, progress)
+        if out_dir is not None:
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            plot(result, Path(out_dir) / "placement_study.png")
+        return result
     routing_dir = Path(routing_dir)
     missing = [name for name in (QWEN_TRACE, OLMOE_PAIRS, OLMOE_DOMAINS, QWEN3_FREQ) if not (routing_dir / name).is_file()]
     if missing:
@@ -370,23 +431,28 @@ def run_placement_study(
     drift_study(routing_dir, devices, result)
     if speed:
         speed_study(routing_dir, result, progress)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    plot(result, out_dir / "placement_study.png")
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        plot(result, Path(out_dir) / "placement_study.png")
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--routing-dir", default="../shared/data/routing", help="folder of the real routing .npz files")
-    parser.add_argument("--out-dir", default="docs", help="where placement_study.png goes")
+    parser.add_argument(
+        "--routing-dir", default=None,
+        help="folder of the third-party routing .npz files (../shared/data/routing); default: the routing that ships "
+        "in the package (the learned tiny OLMoE on held-out text)",
+    )
+    parser.add_argument("--out-dir", default=None, help="where placement_study.png goes (default: no figure)")
     parser.add_argument("--num-devices", "--devices", dest="devices", type=int, nargs="+", default=[4, 8], help="expert-parallel group sizes (--devices: deprecated alias)")
     parser.add_argument("--no-speed", action="store_true", help="skip the planner speed cases")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     args = parser.parse_args(argv)
     result = run_placement_study(args.routing_dir, args.out_dir, tuple(args.devices), not args.no_speed, not args.no_progress)
     print(result.markdown())
-    print(f"figure: {Path(args.out_dir) / 'placement_study.png'}")
+    if args.out_dir is not None:
+        print(f"figure: {Path(args.out_dir) / 'placement_study.png'}")
     return 0
 
 
