@@ -362,6 +362,17 @@ def _tensor_parallel_world(rank, world_size, checkpoints):
         found = {"contiguous": _step(model, rank_batch(0))}
         apply_occult_ep(model, OccultConfig(placement=shuffled_placement(family)))
         found["shuffled"] = _step(model, rank_batch(0))
+        if family == "olmoe":  # ranks that ask for different placements: an error everywhere, nothing moved
+            from occult_hf.agreement import EPConfigMismatchError
+            from occult_hf.hf_ep import occult_ep_layers
+
+            before = {layer: impl.expert_order for layer, impl in occult_ep_layers(model).items()}
+            wanted = shuffled_placement(family) if rank == 0 else "contiguous"
+            try:
+                apply_occult_ep(model, OccultConfig(placement=wanted))
+            except EPConfigMismatchError as error:
+                found["mismatch"] = str(error)
+            found["unchanged"] = before == {layer: impl.expert_order for layer, impl in occult_ep_layers(model).items()}
         results[family] = found
     return results
 
@@ -376,3 +387,5 @@ def test_occult_ep_with_tensor_parallelism(tmp_path):
         ref = _reference(path, world_size=1)
         for rank, found in enumerate(r[family] for r in results):
             check_equal_to_reference(found, ref, 0, f"{family} (tensor parallel, rank {rank})")
+            if family == "olmoe":
+                assert "placement" in found.get("mismatch", "") and found["unchanged"], found.get("mismatch")

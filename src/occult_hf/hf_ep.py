@@ -47,6 +47,7 @@ from torch import nn
 
 from occult_hf.patches import adapter_for
 
+from .agreement import check_agreement, effective_setup, save_timeout_s
 from .config import OccultConfig
 from .dispatch import ExpertParallelGroup, TokenDispatcher, TokenRouting, build_dispatcher
 from .experts import local_experts
@@ -277,6 +278,7 @@ class _OccultEPState:
 
     occult_config: OccultConfig  # placement resolved to a `Placement`
     blocks: list[tuple[int, str, nn.Module, OccultEP]]
+    agreement_group: Any = None  # a gloo group of the whole world for the configuration check
     hooks: list[Any] = field(default_factory=list)
     instance_methods: dict[str, Any] = field(default_factory=dict)
 
@@ -314,7 +316,9 @@ def _ep_blocks(model: nn.Module) -> list[tuple[int, str, nn.Module, OccultEP]]:
 
 def apply_occult_ep(model: nn.Module, occult_config: OccultConfig | dict | str | None = None) -> nn.Module:
     """Configure a model loaded with `DistributedConfig(ep_implementation="occult")`: placement, pruning,
-    dispatch settings; return `model`. Collective: every rank of the world calls it with the same config.
+    dispatch settings; return `model`. Collective: every rank of the world calls it with the same config
+    (checked first: ranks that disagree all raise `EPConfigMismatchError`, naming the fields, and nothing
+    changes).
 
     The placement (`OccultConfig.placement`) must give every device `E / D` experts in every layer and
     no replicas. The expert weights are moved between the EP ranks into placement order (one
@@ -324,8 +328,6 @@ def apply_occult_ep(model: nn.Module, occult_config: OccultConfig | dict | str |
     config = OccultConfig.coerce(OccultConfig() if occult_config is None else occult_config)
     blocks = _ep_blocks(model)
     state = getattr(model, _STATE_ATTR, None)
-    if state is not None:
-        _remove_hooks(model, state)
     first = blocks[0][3]
     ep, num_experts, per_rank = first.ep, first.num_experts, first.num_local_experts
     if config.num_devices not in (None, ep.num_devices):
@@ -336,15 +338,23 @@ def apply_occult_ep(model: nn.Module, occult_config: OccultConfig | dict | str |
     placement = _resolve_placement(config.placement, num_experts, ep.num_devices, layers)
     _check_equal_capacities(placement, layers, per_rank)
     config = replace(config, placement=placement, num_devices=ep.num_devices)
+    # before anything changes: ranks that disagree would exchange rows for different placements
+    group = state.agreement_group if state is not None else dist.new_group(backend="gloo", use_local_synchronization=True)
+    setup = effective_setup(config, [path for _, path, _, _ in blocks], _local(first.experts.gate_up_proj))
+    check_agreement(setup, group, "apply_occult_ep", save_timeout_s())
     adapter = adapter_for(model)
-    new_state = _OccultEPState(occult_config=config, blocks=blocks)
-    for layer, path, block, impl in blocks:
-        order = [e for d in range(ep.num_devices) for e in placement.experts_on(layer, d)]
-        if order != impl.expert_order:
-            _check_rows_movable(model, impl)
-            _move_expert_rows(impl, order)
-        impl.configure(config, order, f"layer {layer}")
-        pruner = _build_pruner(config, adapter, block, layer, placement, ep.num_devices, adapter.top_k(model.config))
+    orders = {layer: [e for d in range(ep.num_devices) for e in placement.experts_on(layer, d)] for layer in layers}
+    if any(orders[layer] != impl.expert_order for layer, _, _, impl in blocks):
+        _check_rows_movable(model, first)
+    top_k = adapter.top_k(model.config)
+    pruners = [_build_pruner(config, adapter, block, layer, placement, ep.num_devices, top_k) for layer, _, block, _ in blocks]
+    if state is not None:  # every check passed: replace the previous configuration
+        _remove_hooks(model, state)
+    new_state = _OccultEPState(occult_config=config, blocks=blocks, agreement_group=group)
+    for (layer, _, block, impl), pruner in zip(blocks, pruners):
+        if orders[layer] != impl.expert_order:
+            _move_expert_rows(impl, orders[layer])
+        impl.configure(config, orders[layer], f"layer {layer}")
         if pruner is not None:
             new_state.hooks.append(adapter.router(block).register_forward_hook(_pruning_hook(block, adapter, pruner)))
     new_state.instance_methods["gather_sharded_state_dict_for_save"] = types.MethodType(_gather_in_original_order, model)
