@@ -149,29 +149,30 @@ def send_layout(
         capacity = send_capacity(num_tokens, top_k, num_devices, mode)
     token_Tk = torch.arange(num_tokens, device=device)[:, None]
     if mode == "dedup":
-        # one flat device-major mask: its running count is each row's packed position (one 1-D scan; a
-        # scan down the T axis of a [T, D] tensor runs one thread per column and cost 1.5 ms at T=16384)
-        hit_DT = torch.zeros(num_devices * num_tokens, dtype=torch.bool, device=device)
-        hit_DT.scatter_(0, (dest_Tk * num_tokens + token_Tk).reshape(-1), True)
-        hit_DT = hit_DT.view(num_devices, num_tokens)
+        # one flat device-major mask (entry q = d * T + t): its running count is each row's packed position
+        # (one 1-D scan; a scan down the T axis of a [T, D] tensor runs one thread per column and cost 1.5 ms
+        # at T=16384); every per-row field is then one gather from a per-(device, token) table
+        num_entries = num_devices * num_tokens
+        hit_Q = torch.zeros(num_entries, dtype=torch.bool, device=device)
+        hit_Q.scatter_(0, (dest_Tk * num_tokens + token_Tk).reshape(-1), True)
+        hit_DT = hit_Q.view(num_devices, num_tokens)
         rows_D = hit_DT.sum(1)
-        pairs_D = (dest_Tk.reshape(1, -1) == torch.arange(num_devices, device=device)[:, None]).sum(1)
-        pos_DT = torch.cumsum(hit_DT.view(-1), 0).view(num_devices, num_tokens) - 1
+        pos_Q = torch.cumsum(hit_Q, 0) - 1
         if base_D is not None:  # rows to device d start at base_D[d] instead of the packed offset
-            pos_DT = pos_DT + (base_D - (torch.cumsum(rows_D, 0) - rows_D))[:, None]
-        pos_DT = torch.where(hit_DT, pos_DT, capacity)
-        token_S = _place(pos_DT, token_Tk.reshape(1, -1).expand_as(pos_DT), capacity, num_tokens)
-        device_S = _place(pos_DT, torch.arange(num_devices, device=device)[:, None].expand_as(pos_DT), capacity, -1)
-        dest_pad_Tk = torch.cat([dest_Tk, dest_Tk.new_full((1, top_k), -2)])
-        serves_SW = dest_pad_Tk[token_S] == device_S[:, None]
-        local_pad_Tk = torch.cat([local_Tk, local_Tk.new_zeros(1, top_k)])
-        weights_pad_Tk = torch.cat([weights_Tk, weights_Tk.new_zeros(1, top_k)])
-        slot_SW = torch.where(serves_SW, local_pad_Tk[token_S], -1)
-        weight_SW = torch.where(serves_SW, weights_pad_Tk[token_S], 0.0)
+            pos_Q = (pos_Q.view(num_devices, num_tokens) + (base_D - (torch.cumsum(rows_D, 0) - rows_D))[:, None]).view(-1)
+        pos_Q = torch.where(hit_Q, pos_Q, capacity)
+        entry_S = _place(pos_Q, torch.arange(num_entries, device=device), capacity, num_entries)  # Q: unfilled
+        match_DTk = dest_Tk == torch.arange(num_devices, device=device)[:, None, None]  # [D, T, k]
+        pairs_D = match_DTk.sum((1, 2))
+        slot_QW = torch.where(match_DTk, local_Tk, -1).view(num_entries, top_k)
+        weight_QW = torch.where(match_DTk, weights_Tk, 0.0).view(num_entries, top_k)
+        slot_SW = torch.cat([slot_QW, slot_QW.new_full((1, top_k), -1)])[entry_S]
+        weight_SW = torch.cat([weight_QW, weight_QW.new_zeros(1, top_k)])[entry_S]
+        token_S = torch.where(entry_S < num_entries, entry_S % max(num_tokens, 1), num_tokens)
         width = min(num_devices, top_k)  # J: a token's j-th destination device, in device order
         j_DT = torch.where(hit_DT, torch.cumsum(hit_DT, 0) - 1, width)  # a scan over D for each of T columns
         row_TJ = torch.full((num_tokens, width + 1), capacity, dtype=torch.int64, device=device)
-        row_TJ = row_TJ.scatter_(1, j_DT.t(), pos_DT.t())[:, :width]
+        row_TJ = row_TJ.scatter_(1, j_DT.t(), pos_Q.view(num_devices, num_tokens).t())[:, :width]
     else:
         num_entries = num_tokens * top_k  # M: (token, slot) entries, one row each
         dest_M = dest_Tk.reshape(-1)
@@ -203,15 +204,21 @@ def _place(pos, values, capacity: int, fill: int) -> torch.Tensor:
 
 
 def received_pairs(slot_RW: torch.Tensor, num_pairs: int, num_local_experts: int):
-    """`(segments, pick_N)` for received rows: pairs grouped by local expert, and `[N]` int64 positions
-    in the flattened `[R * W]` routing block of each pair (so `weight_RW.reshape(-1)[pick_N]` are the
-    pair weights in segment order). `num_pairs` (N) is known on the host from the count exchange."""
+    """`(segments, pick_N)` for received rows: pairs grouped by local expert (rows ascending within one), and
+    `[N]` int64 positions in the flattened `[R * W]` routing block of each pair (so
+    `weight_RW.reshape(-1)[pick_N]` are the pair weights in segment order). `num_pairs` (N) is known on
+    the host from the count exchange. One sort of all `R * W` entries, the empty ones keyed past the last
+    expert, and the segment offsets by a binary search of the sorted keys: no compaction, no atomics."""
     num_rows, width = slot_RW.shape
-    flat_N = compact((slot_RW >= 0).reshape(-1), num_pairs)
-    pair_row_N = flat_N // max(width, 1)
-    pair_expert_N = slot_RW.reshape(-1)[flat_N].long()
-    segments, order_N = ExpertSegments.from_pairs(pair_row_N, pair_expert_N, num_rows, num_local_experts)
-    return segments, flat_N[order_N]
+    slot_M = slot_RW.reshape(-1).long()  # M = R * W entries, entry m = row * W + slot position
+    num_entries = slot_M.shape[0]
+    entry_M = torch.arange(num_entries, device=slot_RW.device)
+    key_M = torch.where(slot_M >= 0, slot_M, num_local_experts) * num_entries + entry_M
+    key_sorted_M, order_M = torch.sort(key_M)
+    pick_N = order_M[:num_pairs]
+    bounds_L = torch.arange(num_local_experts + 1, device=slot_RW.device) * num_entries
+    offsets = torch.searchsorted(key_sorted_M[:num_pairs], bounds_L)
+    return ExpertSegments(pick_N // max(width, 1), offsets, num_rows), pick_N
 
 
 def local_pairs(local_Tk: torch.Tensor, num_local_experts: int, mode: str):
@@ -220,35 +227,19 @@ def local_pairs(local_Tk: torch.Tensor, num_local_experts: int, mode: str):
     "dedup": the rows are the tokens themselves (`R = T`), each served by its k pairs, so a token's
     experts are summed (in fp32) by the expert kernel. "per_expert": one row per (token, slot) in
     token-major order (`R = T * k`, row `t * k + j`), as the per-expert baseline sends them. `pick_N`
-    indexes the flattened `[T * k]` routing weights, in segment order.
+    indexes the flattened `[T * k]` routing weights, in segment order. The same grouping as
+    `received_pairs` (every entry valid).
     """
     check_mode(mode)
     num_tokens, top_k = local_Tk.shape
-    flat_N = torch.arange(num_tokens * top_k, device=local_Tk.device)
-    pair_row_N = flat_N // top_k if mode == "dedup" else flat_N
-    num_rows = num_tokens if mode == "dedup" else num_tokens * top_k
-    segments, order_N = ExpertSegments.from_pairs(pair_row_N, local_Tk.reshape(-1), num_rows, num_local_experts)
-    return segments, order_N
-
-
-def compact(mask_M: torch.Tensor, count: int) -> torch.Tensor:
-    """`[count]` int64 positions of the True entries of a flat mask, in increasing order.
-
-    `count` (the number of True entries) is already known on the host, so unlike `nonzero` this
-    needs no device-to-host synchronisation: True entries scatter their position to their rank,
-    False entries to a discarded extra slot.
-    """
-    index_M = torch.arange(mask_M.shape[0], device=mask_M.device)
-    target_M = torch.where(mask_M, torch.cumsum(mask_M, 0) - 1, count)
-    out = torch.empty(count + 1, dtype=torch.int64, device=mask_M.device)
-    return out.scatter_(0, target_M, index_M)[:count]
+    slot_RW = local_Tk if mode == "dedup" else local_Tk.reshape(-1, 1)
+    return received_pairs(slot_RW, num_tokens * top_k, num_local_experts)
 
 
 __all__ = [
     "SendLayout",
     "check_mode",
     "chunk_bounds",
-    "compact",
     "destinations",
     "device_counts",
     "local_pairs",
