@@ -87,3 +87,5 @@ def test_studies_default_to_the_shipped_routing(tmp_path):
     rows = robust_placement_study.tiny_rows(devices=(4,))
     assert [r["method"] for r in rows][:2] == ["contiguous", "refined (today)"]
     assert rows[1]["CT held-out"] < rows[0]["CT held-out"]
+    with pytest.raises(SystemExit):  # the figure belongs to the --routing-dir tables: never silently ignored
+        robust_placement_study.main(["--out-dir", str(tmp_path)])

@@ -368,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, default=None, help="where to write robust_placement_study.png")
     parser.add_argument("--only-slowest", action="store_true", help="only the slowest-device table")
     args = parser.parse_args(argv)
+    if args.routing_dir is None and (args.out_dir is not None or args.only_slowest):
+        flag = "--out-dir" if args.out_dir is not None else "--only-slowest"
+        parser.error(f"{flag} belongs to the Qwen and OLMoE tables, which need --routing-dir (the shipped tiny routing prints one table, no figure)")
     print(run(args.routing_dir, args.out_dir, args.only_slowest).markdown())
     return 0
 
