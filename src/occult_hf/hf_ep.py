@@ -52,6 +52,7 @@ from .config import OccultConfig
 from .dispatch import ExpertParallelGroup, TokenDispatcher, TokenRouting, build_dispatcher
 from .experts import local_experts
 from .placement import Placement
+from .pruning import pruner_for_placement
 
 #: the name under which `OccultEP` is registered in transformers' `EPImplementationInterface`
 EP_IMPLEMENTATION_NAME = "occult"
@@ -347,7 +348,10 @@ def apply_occult_ep(model: nn.Module, occult_config: OccultConfig | dict | str |
     if any(orders[layer] != impl.expert_order for layer, _, _, impl in blocks):
         _check_rows_movable(model, first)
     top_k = adapter.top_k(model.config)
-    pruners = [_build_pruner(config, adapter, block, layer, placement, ep.num_devices, top_k) for layer, _, block, _ in blocks]
+    pruners = [
+        pruner_for_placement(config, adapter, block, layer, placement, num_devices=ep.num_devices, top_k=top_k)
+        for layer, _, block, _ in blocks
+    ]
     if state is not None:  # every check passed: replace the previous configuration
         _remove_hooks(model, state)
     new_state = _OccultEPState(occult_config=config, blocks=blocks, agreement_group=group)
@@ -481,15 +485,6 @@ def _move_expert_rows(impl: OccultEP, order: list[int]) -> None:
         del send
         local.view(per_rank, -1).index_copy_(0, torch.tensor(recv_order, dtype=torch.int64, device=local.device), received)
     impl.expert_order = list(order)
-
-
-def _build_pruner(config, adapter, block, layer, placement, num_devices, top_k):
-    if config.prune is None:
-        return None
-    from .pruning import build_pruner
-
-    device_of_E = torch.tensor(placement.device_of(layer), dtype=torch.int64)
-    return build_pruner(config, adapter, block, layer, device_of_E, num_devices=num_devices, top_k=top_k)
 
 
 def _pruning_hook(block: nn.Module, adapter, pruner):

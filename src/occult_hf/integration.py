@@ -62,7 +62,7 @@ from .launch import check_logical_devices, check_process_group_started
 from .logging_utils import get_logger
 from .moe import OccultMoE
 from .placement import Placement
-from .pruning import NEEDS_SIMILARITY, build_pruner, load_pruning_profile
+from .pruning import NEEDS_SIMILARITY, load_pruning_profile, pruner_for_placement
 from .trainer_ep import install_trainer_hooks, uninstall_trainer_hooks
 
 logger = get_logger(__name__)
@@ -117,7 +117,11 @@ def apply_occult(model: nn.Module, occult_config: OccultConfig | dict | str | No
         check_ranks_agree(state, _first_expert_weight(blocks[0][2]), "apply_occult")
     if config.prune in NEEDS_SIMILARITY:  # the profile must describe exactly this model's MoE layers
         load_pruning_profile(config.profile).check_compatible(model)
-    pruners = _build_pruners(config, adapter, blocks, placement, ep, adapter.top_k(model.config))
+    top_k = adapter.top_k(model.config)
+    pruners = [
+        pruner_for_placement(config, adapter, block, layer, placement, num_devices=ep.num_devices, top_k=top_k)
+        for layer, _, block in blocks
+    ]
     grad_norm = GradNormCarrier(ep.group) if ep.is_distributed else None  # one all-reduce per backward
     for (layer, path, block), pruner in zip(blocks, pruners):
         _set_submodule(model, path, OccultMoE(block, adapter, layer, placement, config, ep, pruner, grad_norm))
@@ -179,19 +183,6 @@ def reset_counters(model: nn.Module) -> None:
 def _first_expert_weight(block: nn.Module) -> torch.Tensor:
     """A routed-expert weight of `block` (its dtype and device are part of the setup the ranks compare)."""
     return next(getattr(block, "experts", block).parameters())
-
-
-def _build_pruners(config, adapter, blocks, placement, ep, top_k) -> list:
-    if config.prune is None:
-        return [None] * len(blocks)
-    pruners = []
-    for layer, _, block in blocks:
-        device_of_E = torch.tensor(placement.device_of(layer), dtype=torch.int64)
-        homes = placement.home_table(layer) if placement.has_replicas else None  # replicas: a pair's home among the N_d devices
-        pruners.append(
-            build_pruner(config, adapter, block, layer, device_of_E, num_devices=ep.num_devices, top_k=top_k, home_table_EM=homes)
-        )
-    return pruners
 
 
 def _set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:

@@ -510,6 +510,21 @@ def build_pruner(
     return pruner
 
 
+def pruner_for_placement(
+    occult_config, adapter: MoEAdapter, block: torch.nn.Module, layer_idx: int, placement, *, num_devices: int, top_k: int
+) -> CollaborationPruner | None:
+    """`build_pruner` for layer `layer_idx` of `placement` (a `Placement`): its primary devices, and its
+    homes when it replicates experts (a pair then goes to its expert's home among the token's N_d
+    devices); None when `occult_config.prune` is None."""
+    if occult_config.prune is None:
+        return None
+    device_of_E = torch.tensor(placement.device_of(layer_idx), dtype=torch.int64)
+    homes_EM = placement.home_table(layer_idx) if placement.has_replicas else None
+    return build_pruner(
+        occult_config, adapter, block, layer_idx, device_of_E, num_devices=num_devices, top_k=top_k, home_table_EM=homes_EM
+    )
+
+
 def check_profile_for_pruning(profile, adapter: MoEAdapter, layer_idx: int, num_experts: int, top_k: int) -> None:
     """Raise a clear error when `profile` cannot give layer `layer_idx`'s similarity table for this model."""
     source = profile.meta.get("source")
@@ -564,6 +579,7 @@ __all__ = [
     "CollaborationPruner",
     "PRUNING_POLICIES",
     "build_pruner",
+    "pruner_for_placement",
     "check_profile_for_pruning",
     "load_pruning_profile",
     "pruners_of",
