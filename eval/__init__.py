@@ -1,7 +1,8 @@
 """occult_hf.eval: the lm-evaluation-harness hook (needs the `eval` extra: `pip install occult_hf[eval]`).
 
 Installed as `occult_hf.eval`: setup.cfg's `package_dir` maps this top-level `eval/` folder into the
-package; it imports the core as `occult_hf.*` and nothing in `src/occult_hf` imports it relatively.
+package; it imports the core as `occult_hf.*` and nothing in `src/occult_hf` imports it relatively
+(tests/test_structure.py checks).
 
 Importing this package has two documented effects, both needed for lm-eval to run Occult models:
 - it registers the `occult-hf` model type in lm-eval's model registry (lm-eval 0.4.13 discovers

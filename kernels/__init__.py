@@ -5,7 +5,7 @@ so that importing this package never needs triton.
 
 Installed as `occult_hf.kernels`: setup.cfg's `package_dir` maps this top-level `kernels/` folder
 into the package, so code in `src/occult_hf` imports it as `occult_hf.kernels`, never by a
-relative path.
+relative path (tests/test_structure.py checks).
 """
 
 from .expert_mlp_reference import expert_mlp_grouped_mm, expert_mlp_reference

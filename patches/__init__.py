@@ -2,7 +2,7 @@
 
 Installed as `occult_hf.patches` (setup.cfg `package_dir` maps this top-level `patches/` folder
 into the package), so code inside `src/occult_hf` imports it as `occult_hf.patches`, never by a
-relative path. Every module of this folder whose name does not start with `_` (and is not `base`)
+relative path (tests/test_structure.py checks). Every module of this folder whose name does not start with `_` (and is not `base`)
 is a family file and is imported here, which registers its adapter: adding a family is adding
 `patches/<family>.py` and nothing else (docs/models.md). `adapter_for(model_or_config)` finds the
 adapter by `config.model_type`.

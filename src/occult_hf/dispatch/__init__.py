@@ -1,4 +1,8 @@
-"""Expert-parallel dispatch and combine: the only place where occult_hf communicates (DESIGN.md §3).
+"""Expert-parallel dispatch and combine: the only code that moves tokens between ranks (DESIGN.md §3).
+
+The other collectives (experts gathered for a save, the global gradient norm, the ranks' agreement
+check, the callback's metric reductions) live in `collectives`, `checkpointing`, `agreement` and
+`callback`.
 
 - `plan`: the pure dispatch plan (the paper's BRIM): destinations, send order, per-row metadata,
   expert layout; no communication.
