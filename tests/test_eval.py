@@ -391,6 +391,7 @@ def lockstep_check(rank: int, world_size: int) -> dict:
     return {"sums": sums, "counts": counts, "gathered": gathered, "after": lockstep.total_forwards}
 
 
+@pytest.mark.world_size(NUM_DEVICES)  # ep_reports runs the EP world
 def test_lockstep_pairs_forwards_and_drains_unequal_ranks(ep_reports):
     rank0, rank1 = (report["lockstep"] for report in ep_reports)
     # rank 0's idle forwards contribute token 0, so rank 1's last two sums are its own values
@@ -486,6 +487,7 @@ def ep_reports(assets) -> list[dict]:
     return run_world(ep_world, NUM_DEVICES, paths, env=env, timeout_s=240)
 
 
+@pytest.mark.world_size(NUM_DEVICES)  # ep_reports runs the EP world
 def test_expert_parallel_results_equal_one_process(ep_reports, runs):
     rank0, rank1 = ep_reports
     idle_forwards = 0

@@ -14,6 +14,7 @@ from test_static_dispatch import CASES, _world
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.world_size(2),
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs for a 2-rank NCCL world"),
 ]
 
