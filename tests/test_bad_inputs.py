@@ -291,6 +291,8 @@ def test_every_file_the_package_writes_goes_through_occult_hf_atomic():
     allowed = {
         "src/occult_hf/atomic.py": "the atomic writers themselves",
         "src/occult_hf/trainer_ep.py": "torch.save to a temporary file, then os.replace",
+        "src/occult_hf/benchmarks/hf_ep_load.py": "writes /proc/self/clear_refs, a kernel control file, not an output",
+        "src/occult_hf/studies/tiny_routing.py": "np.savez into an in-memory buffer that atomic_write_bytes writes",
     }
     writer = re.compile(r"""open\([^)]*["'][wax]b?["']|\.write_text\(|\.write_bytes\(|\.savefig\(|json\.dump\(|np\.savez|"""
                         r"""\bsave_file\(|torch\.save\(""")

@@ -568,8 +568,9 @@ def profile_layer(layer, x_TH, label: str, out: Path, device) -> None:
         text = f"### {label}\n\n" + "\n\n".join(sections) + "\n"
         print(text, flush=True)
         out.mkdir(parents=True, exist_ok=True)
-        with open(out / "bench_ep_profile.md", "a") as handle:
-            handle.write(text + "\n")
+        path = out / "bench_ep_profile.md"
+        earlier = path.read_text() if path.exists() else ""
+        atomic_write_text(path, earlier + text + "\n")  # appended: the file keeps every profiled run
 
 
 def _device_us(event) -> float:
