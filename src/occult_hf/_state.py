@@ -47,3 +47,13 @@ def state_of(model: nn.Module) -> OccultState:
     if state is None:
         raise ValueError(f"{type(model).__name__} does not have occult_hf applied (see occult_hf.apply_occult)")
     return state
+
+
+def attach_state(model: nn.Module, attr: str, state, occult_config: OccultConfig) -> None:
+    """Put `state` and its per-instance methods on the model, and the config on `model.config` as
+    JSON-native data (so that transformers can log and save it). Shared by both ways of applying occult
+    (`apply_occult` and transformers' EP registry), whose states differ but attach alike."""
+    for name, method in state.instance_methods.items():
+        model.__dict__[name] = method
+    model.__dict__[attr] = state
+    model.config.occult_config = occult_config.to_dict()

@@ -47,6 +47,7 @@ from torch import nn
 
 from occult_hf.patches import adapter_for
 
+from ._state import attach_state
 from .agreement import check_agreement, effective_setup, save_timeout_s
 from .config import OccultConfig
 from .dispatch import ExpertParallelGroup, TokenDispatcher, TokenRouting, build_dispatcher
@@ -362,10 +363,7 @@ def apply_occult_ep(model: nn.Module, occult_config: OccultConfig | dict | str |
         if pruner is not None:
             new_state.hooks.append(adapter.router(block).register_forward_hook(_pruning_hook(block, adapter, pruner)))
     new_state.instance_methods["gather_sharded_state_dict_for_save"] = types.MethodType(_gather_in_original_order, model)
-    for name, method in new_state.instance_methods.items():
-        model.__dict__[name] = method
-    model.__dict__[_STATE_ATTR] = new_state
-    model.config.occult_config = config.to_dict()
+    attach_state(model, _STATE_ATTR, new_state, config)
     return model
 
 

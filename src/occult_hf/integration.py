@@ -36,7 +36,7 @@ from torch import nn
 
 from occult_hf.patches import adapter_for
 
-from ._state import STATE_ATTR, OccultState, state_of
+from ._state import STATE_ATTR, OccultState, attach_state, state_of
 from ._transformers_compat import (
     UNSET,
     install_loading_hooks,
@@ -132,10 +132,7 @@ def apply_occult(model: nn.Module, occult_config: OccultConfig | dict | str | No
         setattr(model, _DDP_IGNORE_ATTR, RankLocalStateNames(model, state.ddp_ignore_before))
         state.instance_methods["generate"] = types.MethodType(_generate_in_lockstep, model)
     state.instance_methods["save_pretrained"] = types.MethodType(save_pretrained, model)
-    for name, method in state.instance_methods.items():
-        model.__dict__[name] = method
-    model.__dict__[STATE_ATTR] = state
-    model.config.occult_config = config.to_dict()
+    attach_state(model, STATE_ATTR, state, config)
     return model
 
 

@@ -646,16 +646,20 @@ def transformers_ep_model(config, args, dtype, rank: int, world: int):
     return model, own_batch
 
 
-def _measure_transformers_ep(config, shape_name, tokens, args, device, dtype, rank, world) -> Row:
-    model, own_batch = transformers_ep_model(config, args, dtype, rank, world)
-    model = model.to(device)  # transformers 5.17 left a one-rank tensor-parallel load on the CPU
+def first_moe_block(model):
+    """The first decoder layer's MoE block of a model that transformers' EP sharded; under FSDP2 the
+    layer's own parameters (the router) are gathered once, so that the timing sees only the experts' path."""
     decoder_layer = model.model.layers[0]
-    if hasattr(decoder_layer, "unshard"):  # FSDP2: gather the layer's own parameters (router) once
+    if hasattr(decoder_layer, "unshard"):
         decoder_layer.unshard()
-    block = decoder_layer.mlp
-    seed = args.seed + (7 * rank if own_batch else 0)  # 5.17's EP: every rank the same batch
+    return decoder_layer.mlp
+
+
+def time_block(block, hidden_size: int, tokens: int, seed: int, iterations: int, device, dtype) -> tuple[float, float]:
+    """Forward and forward+backward ms (the slowest rank) of one MoE block on random hidden states of
+    `tokens` rows; gradients are cleared after every step so that no step pays for accumulation."""
     generator = torch.Generator(device=device).manual_seed(seed)
-    hidden = torch.randn(1, tokens, config.hidden_size, generator=generator, device=device).to(dtype)
+    hidden = torch.randn(1, tokens, hidden_size, generator=generator, device=device).to(dtype)
     x_grad = hidden.clone().requires_grad_(True)
     upstream = torch.randn_like(hidden)
 
@@ -666,11 +670,20 @@ def _measure_transformers_ep(config, shape_name, tokens, args, device, dtype, ra
     def forward_backward():
         out = block(x_grad)
         (out[0] if isinstance(out, tuple) else out).backward(upstream)
+        x_grad.grad = None
         for param in block.parameters():
             param.grad = None
 
-    fwd_ms, _ = _max_and_mean(timed(forward, args.iterations, device), device)
-    fwd_bwd_ms, _ = _max_and_mean(timed(forward_backward, args.iterations, device), device)
+    fwd_ms, _ = _max_and_mean(timed(forward, iterations, device), device)
+    fwd_bwd_ms, _ = _max_and_mean(timed(forward_backward, iterations, device), device)
+    return fwd_ms, fwd_bwd_ms
+
+
+def _measure_transformers_ep(config, shape_name, tokens, args, device, dtype, rank, world) -> Row:
+    model, own_batch = transformers_ep_model(config, args, dtype, rank, world)
+    model = model.to(device)  # transformers 5.17 left a one-rank tensor-parallel load on the CPU
+    seed = args.seed + (7 * rank if own_batch else 0)  # 5.17's EP: every rank the same batch
+    fwd_ms, fwd_bwd_ms = time_block(first_moe_block(model), config.hidden_size, tokens, seed, args.iterations, device, dtype)
     nan = float("nan")
     group = tokens * world if own_batch else tokens
     note = "" if own_batch else "all ranks one batch (transformers < 5.21)"

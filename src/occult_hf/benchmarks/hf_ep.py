@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from occult_hf.atomic import atomic_write_text
-from occult_hf.benchmarks.ep import _max_and_mean, build_config, init_from_torchrun, timed
+from occult_hf.benchmarks.ep import build_config, first_moe_block, init_from_torchrun, time_block
 from occult_hf.benchmarks.experts import SHAPES
 
 CASES = ("occult", "occult_per_expert", "all_to_all", "all_reduce")
@@ -90,34 +90,14 @@ def measure_case(case: str, path: str, config, tokens_list, args, device, dtype,
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, distributed_config=distributed_config).to(device)
     if case == "occult_per_expert":
         apply_occult_ep(model, OccultConfig(dispatch="per_expert"))
-    decoder_layer = model.model.layers[0]
-    if hasattr(decoder_layer, "unshard"):  # FSDP2: gather the layer's own parameters (router) once
-        decoder_layer.unshard()
-    block = decoder_layer.mlp
+    block = first_moe_block(model)
     rows = []
     for tokens in tokens_list:
         seed = args.seed + (7 * rank if own_batch else 0)
-        generator = torch.Generator(device=device).manual_seed(seed)
-        hidden = torch.randn(1, tokens, config.hidden_size, generator=generator, device=device).to(dtype)
-        x_grad = hidden.clone().requires_grad_(True)
-        upstream = torch.randn_like(hidden)
-
-        def forward():
-            with torch.no_grad():
-                block(hidden)
-
-        def forward_backward():
-            out = block(x_grad)
-            (out[0] if isinstance(out, tuple) else out).backward(upstream)
-            x_grad.grad = None
-            for param in block.parameters():
-                param.grad = None
-
-        fwd_ms, _ = _max_and_mean(timed(forward, args.iterations, device), device)
-        fwd_bwd_ms, _ = _max_and_mean(timed(forward_backward, args.iterations, device), device)
+        fwd_ms, fwd_bwd_ms = time_block(block, config.hidden_size, tokens, seed, args.iterations, device, dtype)
         note = "" if own_batch else "all ranks one batch"
         rows.append(Row(case, tokens, tokens * world if own_batch else tokens, fwd_ms, fwd_bwd_ms, note))
-    del model, block, decoder_layer
+    del model, block
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
