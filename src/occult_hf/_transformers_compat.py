@@ -6,9 +6,13 @@ works; when transformers changes, this is the file to read.
 - `install_loading_hooks(on_load, config_value)`: `PreTrainedModel.from_pretrained` raises
   `TypeError` on unknown keywords and has no loading hook a plugin can register, so a thin, reversible
   wrapper of that classmethod pops `occult_config=`, calls the original and hands the loaded model to
-  `on_load` (`integration.install` registers the function that applies the config). A second
+  `on_load` (`integration.install` registers the function that applies the config), inside an
+  optional `load_scope` context. A second
   wrapper, of `PreTrainedConfig.from_dict`, stores `config_value(occult_config)` (JSON-native) when
   the Auto classes pass the keyword to the config. `uninstall_loading_hooks()` puts the originals back.
+- `intercept_state_dict_loading(intercept)`: for one `from_pretrained`, the lazily opened checkpoint
+  state dict passes through `intercept` before transformers loads it (per-rank expert loading,
+  `ep_loading`): transformers has no loading filter a plugin can register.
 - `wrap_trainer_methods(hooks)`: `Trainer` methods that every rank runs at a save or a resume (some of
   them private: `_save_optimizer_and_scheduler`, `_load_from_checkpoint`, ...) are wrapped so that
   `hook(original, trainer, ...)` runs instead (`trainer_ep` provides the hooks);
@@ -24,6 +28,7 @@ This module imports nothing else from occult_hf: what to do is passed in by the 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable
 
@@ -36,7 +41,11 @@ UNSET: Any = object()
 # ----- from_pretrained ------------------------------------------------------------------------------
 
 
-def install_loading_hooks(on_load: Callable[[Any, Any], Any], config_value: Callable[[Any], Any]) -> None:
+def install_loading_hooks(
+    on_load: Callable[[Any, Any], Any],
+    config_value: Callable[[Any], Any],
+    load_scope: Callable[[Any, dict], Any] | None = None,
+) -> None:
     """Let `PreTrainedModel.from_pretrained` take `occult_config=`; idempotent.
 
     Two classmethods are wrapped: `PreTrainedModel.from_pretrained` (pops the keyword, `UNSET` when
@@ -46,7 +55,8 @@ def install_loading_hooks(on_load: Callable[[Any, Any], Any], config_value: Call
     `occult_config=<OccultConfig>` lands on the config, which transformers then JSON-dumps (its
     "Model config ..." log line, `save_pretrained`). The second wrapper stores
     `config_value(occult_config)` there instead: the caller turns its object into a JSON-native dict,
-    as transformers does for `quantization_config`.
+    as transformers does for `quantization_config`. `load_scope(occult_config, kwargs)`, when given,
+    returns the context manager the original `from_pretrained` runs in (per-rank expert loading).
     """
     from transformers import PreTrainedConfig, PreTrainedModel
 
@@ -55,7 +65,9 @@ def install_loading_hooks(on_load: Callable[[Any, Any], Any], config_value: Call
 
     def from_pretrained(original, cls, *args, **kwargs):
         occult_config = kwargs.pop("occult_config", UNSET)
-        model = original(cls, *args, **kwargs)
+        scope = contextlib.nullcontext() if load_scope is None else load_scope(occult_config, kwargs)
+        with scope:
+            model = original(cls, *args, **kwargs)
         return on_load(model, occult_config)
 
     def from_dict(original, cls, *args, **kwargs):
@@ -65,6 +77,35 @@ def install_loading_hooks(on_load: Callable[[Any, Any], Any], config_value: Call
 
     _wrap_classmethod(PreTrainedModel, "from_pretrained", from_pretrained)
     _wrap_classmethod(PreTrainedConfig, "from_dict", from_dict)
+
+
+@contextlib.contextmanager
+def intercept_state_dict_loading(intercept: Callable[[Any, dict], tuple[dict, Any]]):
+    """Within the block, transformers' loading of a checkpoint's tensors into a model goes through `intercept`.
+
+    transformers opens the safetensors files lazily (`{key: safe_open(...).get_slice(key)}`) and
+    hands that dict to `modeling_utils.convert_and_load_state_dict_in_model`, with no hook to filter
+    it; this swaps that module-level name for the block's duration. `intercept(model, state_dict)`
+    returns `(state_dict to load, after)`; `after(model, loading_info)`, unless None, runs once that
+    load returns, while the files are still open (the slices are readable), before transformers
+    allocates and initialises the keys still in `loading_info.missing_keys`.
+    """
+    import transformers.modeling_utils as modeling_utils
+
+    original = modeling_utils.convert_and_load_state_dict_in_model
+
+    def wrapped(*, model, state_dict, **kwargs):
+        state_dict, after = intercept(model, state_dict)
+        loading_info, disk_offload_index = original(model=model, state_dict=state_dict, **kwargs)
+        if after is not None:
+            after(model, loading_info)
+        return loading_info, disk_offload_index
+
+    modeling_utils.convert_and_load_state_dict_in_model = wrapped
+    try:
+        yield
+    finally:
+        modeling_utils.convert_and_load_state_dict_in_model = original
 
 
 def uninstall_loading_hooks() -> None:

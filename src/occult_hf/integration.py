@@ -57,6 +57,7 @@ from .collectives import GradNormCarrier
 from .config import OccultConfig
 from .ddp_ignore import RankLocalStateNames
 from .dispatch import ExpertParallelGroup
+from .ep_loading import load_scope
 from .hf_ep import apply_on_load  # transformers' own EP (DistributedConfig(ep_implementation="occult"))
 from .launch import check_logical_devices, check_process_group_started
 from .logging_utils import get_logger
@@ -201,7 +202,7 @@ def install() -> None:
     """
     if is_installed():
         return
-    install_loading_hooks(_apply_on_load, _json_native)
+    install_loading_hooks(_apply_on_load, _json_native, load_scope)
     install_trainer_hooks()  # Trainer checkpoints and resume under EP
 
 

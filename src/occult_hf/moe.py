@@ -39,6 +39,9 @@ from .dispatch import (
 from .experts import LocalExperts
 from .placement import Placement
 
+#: where `ep_loading` leaves a block's local experts, read per rank: (expert ids, gate_up [L,2I,H], down [L,H,I])
+LOADED_EXPERTS_ATTR = "_occult_loaded_experts"
+
 if TYPE_CHECKING:
     from .pruning import CollaborationPruner
 
@@ -108,9 +111,23 @@ class OccultMoE(nn.Module):
                 f"layer {layer_idx} has {gate_up_E2IH.shape[0]} routed experts but the placement is for "
                 f"num_experts={num_experts}"
             )
+        loaded = block.__dict__.pop(LOADED_EXPERTS_ATTR, None)  # this rank's experts, read per rank at load
+        if gate_up_E2IH.is_meta:
+            if loaded is None or loaded[0] != list(expert_ids):
+                raise ValueError(
+                    f"layer {layer_idx}: the routed experts are on the meta device and the experts read at load "
+                    f"({None if loaded is None else loaded[0]}) are not this rank's {list(expert_ids)}: load with "
+                    f"from_pretrained(..., occult_config=<the same OccultConfig>) on every rank"
+                )
+            gate_up_local = nn.Parameter(loaded[1], requires_grad=gate_up_E2IH.requires_grad)
+            down_local = nn.Parameter(loaded[2], requires_grad=down_EHI.requires_grad)
+            gate_up_E2IH = loaded[1]  # its device is where the runtime's buffers go
+        else:
+            gate_up_local = _local_parameter(gate_up_E2IH, expert_ids, num_experts)
+            down_local = _local_parameter(down_EHI, expert_ids, num_experts)
         self.experts = LocalExperts(
-            _local_parameter(gate_up_E2IH, expert_ids, num_experts),
-            _local_parameter(down_EHI, expert_ids, num_experts),
+            gate_up_local,
+            down_local,
             torch.tensor(expert_ids, dtype=torch.int64),
             adapter.act_fn(block),
             backend=occult_config.expert_backend,

@@ -1,0 +1,230 @@
+"""Per-rank loading of the routed experts on the `occult_config` path: each rank reads only its own.
+
+Without it, `from_pretrained(path, occult_config=...)` under torch.distributed builds the full model on
+every rank (every expert of every layer) and `apply_occult` then keeps this rank's share: the peak per
+rank is the whole checkpoint, which is impossible for the models EP exists for. With it, while
+transformers loads the checkpoint (`_transformers_compat.intercept_state_dict_loading`):
+
+1. the routed experts' checkpoint keys are taken out of the lazily opened safetensors state dict, so
+   transformers never reads them, and the model's expert parameters are taken off its missing-key
+   list, so they stay on the meta device (never allocated, never randomly initialised);
+2. while the files are still open, this rank reads, per MoE layer, exactly the experts its placement
+   puts on it (primary and replica homes, local-slot order) with `safe_open(...).get_slice`, and hands
+   them to `OccultMoE` (which takes them instead of slicing the full weights).
+
+Checkpoint layouts, per layer (the experts module's keys, with or without the base-model prefix):
+transformers 5's fused `experts.gate_up_proj` `[E, 2I, H]` / `experts.down_proj` `[E, H, I]` (what
+`save_pretrained` of a model built from a config writes), and the per-expert layout of published
+checkpoints, `experts.{e}.gate_proj/up_proj/down_proj.weight` (Mixtral: `w1/w3/w2`), `[I, H]` / `[I, H]`
+/ `[H, I]`; gate_up is gate then up, as transformers' own conversion concatenates them.
+
+Anything else (another layout or key, shapes that disagree with the model, `device_map`/`tp_plan`/
+`distributed_config`, no process group, a `.bin` checkpoint, an `occult_config` only stored in the
+checkpoint's config) falls back to the full load with a logged reason: never a silently wrong model.
+
+Shape legend: E routed experts, L local experts (slots), I expert width, H hidden.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from occult_hf.patches import adapter_for
+
+from ._transformers_compat import UNSET, intercept_state_dict_loading
+from .config import OccultConfig
+from .logging_utils import get_logger
+from .moe import LOADED_EXPERTS_ATTR
+from .placement import Placement
+
+logger = get_logger(__name__)
+
+
+_PER_EXPERT = re.compile(r"(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_FUSED = ("gate_up_proj", "down_proj")
+
+
+@dataclass
+class _LayerPlan:
+    """The checkpoint keys of one MoE layer's routed experts and what this rank reads of them."""
+
+    block: torch.nn.Module
+    adapter: object
+    layer: int
+    model_prefix: str  # the experts module's path in the model, e.g. "model.layers.0.mlp.experts"
+    expert_ids: list[int]
+    keys: dict[str, str] = field(default_factory=dict)  # rest of the key ("3.gate_proj.weight") -> full key
+
+
+@dataclass
+class LoadReport:
+    """What the last per-rank load read: `{layer: expert ids}` and the expert bytes read (on this rank)."""
+
+    experts_read: dict[int, list[int]] = field(default_factory=dict)
+    expert_bytes_read: int = 0
+    fallback_reason: str | None = None
+
+
+#: the report of the last `from_pretrained` with `occult_config=` in this process (for tests and benchmarks)
+last_report = LoadReport()
+
+
+def load_scope(occult_config, kwargs: dict):
+    """The context `from_pretrained` runs in: per-rank expert loading when it applies, else nothing."""
+    global last_report
+    last_report = LoadReport()
+    reason = _unsupported_call(occult_config, kwargs)
+    if reason is not None:
+        _fall_back(reason, occult_config)
+        return contextlib.nullcontext()
+    return intercept_state_dict_loading(ExpertLoader(OccultConfig.coerce(occult_config)))
+
+
+def _fall_back(reason: str, occult_config) -> None:
+    last_report.fallback_reason = reason
+    if occult_config not in (UNSET, None) and torch.distributed.is_available() and torch.distributed.is_initialized():
+        logger.warning("occult_hf: every rank loads all experts (per-rank expert loading off: %s)", reason)
+
+
+def _unsupported_call(occult_config, kwargs: dict) -> str | None:
+    if occult_config is UNSET or occult_config is None:
+        return "no occult_config= keyword"
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return "torch.distributed is not initialised"
+    if torch.distributed.get_world_size() < 2:
+        return "one rank"
+    for name in ("distributed_config", "device_map", "tp_plan", "device_mesh", "state_dict", "quantization_config"):
+        if kwargs.get(name) is not None:
+            return f"from_pretrained({name}=...) is given"
+    config = OccultConfig.coerce(occult_config)
+    if config.num_devices not in (None, torch.distributed.get_world_size()):
+        return f"OccultConfig.num_devices={config.num_devices} differs from the world size"
+    return None
+
+
+class ExpertLoader:
+    """`intercept(model, state_dict) -> (state_dict, after)` for `intercept_state_dict_loading`."""
+
+    def __init__(self, occult_config: OccultConfig) -> None:
+        self.occult_config = occult_config
+
+    def __call__(self, model, state_dict):
+        try:
+            plans = self._plan(model, state_dict)
+        except _Unsupported as error:
+            _fall_back(str(error), self.occult_config)
+            return state_dict, None
+        skipped = {full for plan in plans for full in plan.keys.values()}
+        kept = {key: value for key, value in state_dict.items() if key not in skipped}
+
+        def after(model, loading_info) -> None:
+            for plan in plans:
+                self._read_local(plan, state_dict)
+            prefixes = tuple(plan.model_prefix + "." for plan in plans)
+            for name, param in model.named_parameters():
+                if name.startswith(prefixes):
+                    loading_info.missing_keys.discard(name)
+                    param._is_hf_initialized = True  # stays on meta: transformers neither allocates nor inits it
+
+        return kept, after
+
+    # ----- planning (before transformers reads anything) -------------------------------------
+    def _plan(self, model, state_dict) -> list[_LayerPlan]:
+        if not all(hasattr(value, "get_shape") for value in state_dict.values()):
+            raise _Unsupported("the checkpoint is not safetensors opened lazily")
+        try:
+            adapter = adapter_for(model)
+        except ValueError as error:
+            raise _Unsupported(str(error)) from None
+        blocks = list(adapter.iter_moe_blocks(model))
+        if not blocks:
+            raise _Unsupported("no MoE block")
+        num_experts = adapter.num_experts(model.config)
+        world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+        placement = Placement.from_setting(self.occult_config.placement)
+        layers = [layer for layer, _, _ in blocks]
+        if placement is None:
+            placement = Placement.contiguous(num_experts, world, layers)
+        try:
+            placement.validate_for(num_experts, layers, world)
+        except ValueError as error:  # apply_occult raises it again, with the full message, after the full load
+            raise _Unsupported(f"the placement does not fit: {error}") from None
+        prefix = model.base_model_prefix + "."
+        plans, by_prefix = [], {}
+        for layer, path, block in blocks:
+            experts = adapter.experts_module(block)
+            child = next((name for name, module in block.named_children() if module is experts), None)
+            if child is None:
+                raise _Unsupported(f"layer {layer}: the experts module is not a direct child of the block")
+            plan = _LayerPlan(block, adapter, layer, f"{path}.{child}", placement.experts_on(layer, rank))
+            plans.append(plan)
+            by_prefix[plan.model_prefix + "."] = plan
+            if plan.model_prefix.startswith(prefix):
+                by_prefix[plan.model_prefix[len(prefix) :] + "."] = plan
+        for key in state_dict:
+            for key_prefix, plan in by_prefix.items():
+                if key.startswith(key_prefix):
+                    plan.keys[key[len(key_prefix) :]] = key
+                    break
+        for layer, plan in zip(layers, plans):
+            self._check_layout(layer, plan, adapter, num_experts, state_dict)
+        return plans
+
+    @staticmethod
+    def _check_layout(layer, plan: _LayerPlan, adapter, num_experts: int, state_dict) -> None:
+        gate_up_E2IH, down_EHI = adapter.expert_weights(plan.block)
+        want = {"gate": (gate_up_E2IH.shape[1] // 2, gate_up_E2IH.shape[2]), "down": tuple(down_EHI.shape[1:])}
+        want["up"] = want["gate"]
+        rests = set(plan.keys)
+        if rests == set(_FUSED):
+            shapes = {name: tuple(state_dict[plan.keys[name]].get_shape()) for name in _FUSED}
+            if shapes != {"gate_up_proj": tuple(gate_up_E2IH.shape), "down_proj": tuple(down_EHI.shape)}:
+                raise _Unsupported(f"layer {layer}: fused expert shapes {shapes} differ from the model's")
+            return
+        seen = set()
+        for rest in rests:
+            match = _PER_EXPERT.fullmatch(rest)
+            if match is None:
+                raise _Unsupported(f"layer {layer}: unrecognised expert key {plan.keys[rest]!r}")
+            expert, part = int(match.group(1)), _PART[match.group(2)]
+            shape = tuple(state_dict[plan.keys[rest]].get_shape())
+            if shape != want[part] or expert >= num_experts or (expert, part) in seen:
+                raise _Unsupported(f"layer {layer}: expert key {plan.keys[rest]!r} has shape {shape}, want {want[part]}")
+            seen.add((expert, part))
+        if len(seen) != 3 * num_experts:
+            raise _Unsupported(f"layer {layer}: {len(seen)} per-expert tensors, want 3 x {num_experts}")
+
+    # ----- reading (while transformers still has the files open) --------------------------------
+    def _read_local(self, plan: _LayerPlan, state_dict) -> None:
+        gate_up_E2IH, down_EHI = plan.adapter.expert_weights(plan.block)  # on meta: dtypes only
+        dtype = gate_up_E2IH.dtype
+        gate_up, down = [], []
+        for expert in plan.expert_ids:
+            if set(plan.keys) == set(_FUSED):
+                gate_up.append(state_dict[plan.keys["gate_up_proj"]][expert : expert + 1][0])
+                down.append(state_dict[plan.keys["down_proj"]][expert : expert + 1][0])
+            else:
+                parts = {}
+                for rest, full in plan.keys.items():
+                    match = _PER_EXPERT.fullmatch(rest)
+                    if int(match.group(1)) == expert:
+                        parts[_PART[match.group(2)]] = state_dict[full][:]
+                gate_up.append(torch.cat([parts["gate"], parts["up"]], dim=0))
+                down.append(parts["down"])
+        gate_up_L2IH = torch.stack(gate_up).to(dtype)
+        down_LHI = torch.stack(down).to(down_EHI.dtype)
+        setattr(plan.block, LOADED_EXPERTS_ATTR, (list(plan.expert_ids), gate_up_L2IH, down_LHI))
+        last_report.experts_read[plan.layer] = list(plan.expert_ids)
+        last_report.expert_bytes_read += sum(t.numel() * t.element_size() for t in gate_up + down)
+
+
+class _Unsupported(Exception):
+    """This checkpoint or call cannot be loaded per rank; the message is the logged reason."""
+
+
+__all__ = ["load_scope", "ExpertLoader", "LoadReport", "LOADED_EXPERTS_ATTR"]
