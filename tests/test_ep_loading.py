@@ -68,7 +68,7 @@ def _placement(model, kind: str, num_devices: int):
 def _world(rank: int, world_size: int, directories: list[str]) -> list[dict]:
     import occult_hf
     from occult_hf import ep_loading
-    from occult_hf.integration import occult_modules
+    from occult_hf.integration import occult_modules, unapply_occult
     from transformers import AutoModelForCausalLM
 
     results = []
@@ -100,8 +100,12 @@ def _world(rank: int, world_size: int, directories: list[str]) -> list[dict]:
             for name, param in model.named_parameters()
             if name in eager_params and not name.startswith(expert_prefixes)
         )
+        unapply_occult(model)  # collective: every rank gets the full original blocks back
+        with torch.no_grad():
+            restored_err = float((model(ids).logits - want).abs().max())
         results.append(
             dict(
+                restored_err=restored_err,
                 family=family,
                 max_err=float((got - want).abs().max()),
                 weights_equal=bool(weights_equal),
@@ -128,7 +132,7 @@ def test_each_rank_reads_only_its_experts_and_equals_the_eager_model(tmp_path):
     for rank, results in enumerate(run_world(_world, 2, directories)):
         for (family, layout, kind, per_rank), result in zip(CASES, results):
             case = json.dumps(result, default=str)
-            assert result["max_err"] <= 1e-5 and result["weights_equal"] and result["dense_equal"], case
+            assert result["max_err"] <= 1e-5 and result["restored_err"] <= 1e-5 and result["weights_equal"] and result["dense_equal"], case
             if per_rank:  # read exactly this rank's experts (replicas included), never the full tensors
                 assert result["fallback"] is None and result["meta_only"], case
                 assert result["experts_read"] == result["want_read"] and result["experts_read"], case

@@ -276,8 +276,14 @@ class OccultMoE(nn.Module):
         block = self.original_block
         for key, value in self.place_full_experts(gate_up_E2IH, down_EHI).items():
             param = block.get_parameter(key)
-            if param is not value:
-                param.data = value.detach().to(device=self.local_experts.gate_up_proj.device, dtype=param.dtype).clone()
+            if param is value:
+                continue
+            new = value.detach().to(device=self.local_experts.gate_up_proj.device, dtype=param.dtype).clone()
+            if param.is_meta:  # read per rank at load (`ep_loading`): never allocated, so a new parameter
+                owner_path, _, name = key.rpartition(".")
+                setattr(block.get_submodule(owner_path), name, nn.Parameter(new, requires_grad=param.requires_grad))
+            else:
+                param.data = new
         return block
 
     def _release_unshared_expert_storage(self) -> None:

@@ -11,8 +11,8 @@ layers, hidden 256; the expert width sized to that) and every rank loads it, onc
 - `hf_ep_placement`: the same with `occult_config=OccultConfig(placement=<a shuffled equal-capacity
   placement>)`: then the expert rows move between the ranks into placement order;
 - `occult_config`: `from_pretrained(..., occult_config=OccultConfig(placement=...))` under a plain process
-  group (occult_hf's own EP path), which today reads the whole checkpoint on every rank and then
-  releases the experts the rank does not hold.
+  group (occult_hf's own EP path): each rank reads only the experts its placement puts on it
+  (`occult_hf.ep_loading`); the full expert tensors stay on the meta device.
 
 Per rank: the peak resident set during the load (`VmHWM` after resetting it through
 `/proc/self/clear_refs`, Linux only) minus the resident set before it, and what stays resident
