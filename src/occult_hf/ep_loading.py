@@ -19,7 +19,7 @@ checkpoints, `experts.{e}.gate_proj/up_proj/down_proj.weight` (Mixtral: `w1/w3/w
 / `[H, I]`; gate_up is gate then up, as transformers' own conversion concatenates them.
 
 Anything else (another layout or key, shapes that disagree with the model, `device_map`/`tp_plan`/
-`distributed_config`, no process group, a `.bin` checkpoint, an `occult_config` only stored in the
+no process group, a `.bin` checkpoint, an `occult_config` only stored in the
 checkpoint's config) falls back to the full load with a logged reason: never a silently wrong model.
 
 Shape legend: E routed experts, L local experts (slots), I expert width, H hidden.
@@ -78,6 +78,9 @@ def load_scope(occult_config, kwargs: dict):
     """The context `from_pretrained` runs in: per-rank expert loading when it applies, else nothing."""
     global last_report
     last_report = LoadReport()
+    if kwargs.get("distributed_config") is not None:  # transformers' EP reads each rank's share itself
+        last_report.fallback_reason = "transformers' EP (distributed_config=) loads the experts"
+        return contextlib.nullcontext()
     reason = _unsupported_call(occult_config, kwargs)
     if reason is not None:
         _fall_back(reason, occult_config)
@@ -98,7 +101,7 @@ def _unsupported_call(occult_config, kwargs: dict) -> str | None:
         return "torch.distributed is not initialised"
     if torch.distributed.get_world_size() < 2:
         return "one rank"
-    for name in ("distributed_config", "device_map", "tp_plan", "device_mesh", "state_dict", "quantization_config"):
+    for name in ("device_map", "tp_plan", "device_mesh", "state_dict", "quantization_config"):
         if kwargs.get(name) is not None:
             return f"from_pretrained({name}=...) is given"
     config = OccultConfig.coerce(occult_config)
