@@ -4,9 +4,9 @@ On 2 gloo ranks, `from_pretrained(path, occult_config=...)` must give the same m
 single-process load (logits, every local expert weight bit for bit) while each rank reads only the
 experts its placement puts on it (replicas included) and the full expert tensors stay on the meta
 device; both checkpoint layouts (per-expert keys as `save_pretrained` and published checkpoints
-store them, transformers 5's fused `gate_up_proj`/`down_proj`). A layout the loader does not know
-(Mixtral's `block_sparse_moe.experts.{e}.w1`, renamed by transformers at load) falls back to the full
-load with a reason, and is still exact.
+store them, Mixtral's `block_sparse_moe.experts.{e}.w1` renamed by transformers at load included;
+transformers 5's fused `gate_up_proj`/`down_proj`). A checkpoint it cannot read per rank (`.bin`)
+falls back to the full load with a reason, and is still exact.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from tiny_models import tiny_batch, tiny_checkpoint
 CASES = [  # (family, checkpoint layout, placement kind, loaded per rank)
     ("olmoe", "per_expert", "contiguous", True),
     ("qwen2_moe", "fused", "replicated", True),  # shared experts; replicas read on both holders
-    ("mixtral", "per_expert", "contiguous", False),  # keys renamed by transformers: falls back
+    ("mixtral", "per_expert", "contiguous", True),  # w1/w3/w2 under block_sparse_moe, renamed by transformers
+    ("olmoe", "bin", "contiguous", False),  # not safetensors: falls back
 ]
 
 
@@ -128,6 +129,11 @@ def test_each_rank_reads_only_its_experts_and_equals_the_eager_model(tmp_path):
         directory = tiny_checkpoint(family, tmp_path / f"{family}_{layout}")
         if layout == "fused":
             _fuse_checkpoint(directory)
+        if layout == "bin":
+            from safetensors.torch import load_file
+
+            torch.save(load_file(directory / "model.safetensors"), directory / "pytorch_model.bin")
+            (directory / "model.safetensors").unlink()
         directories.append(str(directory))
     for rank, results in enumerate(run_world(_world, 2, directories)):
         for (family, layout, kind, per_rank), result in zip(CASES, results):

@@ -85,8 +85,9 @@ def intercept_state_dict_loading(intercept: Callable[[Any, dict], tuple[dict, An
 
     transformers opens the safetensors files lazily (`{key: safe_open(...).get_slice(key)}`) and
     hands that dict to `modeling_utils.convert_and_load_state_dict_in_model`, with no hook to filter
-    it; this swaps that module-level name for the block's duration. `intercept(model, state_dict)`
-    returns `(state_dict to load, after)`; `after(model, loading_info)`, unless None, runs once that
+    it; this swaps that module-level name for the block's duration. `intercept(model, state_dict,
+    rename)` (`rename(key)`: the checkpoint key after transformers' key renamings for this model, such
+    as Mixtral's `block_sparse_moe` -> `mlp`, but before its weight converters) returns `(state_dict to load, after)`; `after(model, loading_info)`, unless None, runs once that
     load returns, while the files are still open (the slices are readable), before transformers
     allocates and initialises the keys still in `loading_info.missing_keys`.
     """
@@ -95,7 +96,7 @@ def intercept_state_dict_loading(intercept: Callable[[Any, dict], tuple[dict, An
     original = modeling_utils.convert_and_load_state_dict_in_model
 
     def wrapped(*, model, state_dict, **kwargs):
-        state_dict, after = intercept(model, state_dict)
+        state_dict, after = intercept(model, state_dict, _renamer(kwargs.get("load_config")))
         loading_info, disk_offload_index = original(model=model, state_dict=state_dict, **kwargs)
         if after is not None:
             after(model, loading_info)
@@ -106,6 +107,15 @@ def intercept_state_dict_loading(intercept: Callable[[Any, dict], tuple[dict, An
         yield
     finally:
         modeling_utils.convert_and_load_state_dict_in_model = original
+
+
+def _renamer(load_config) -> Callable[[str], str]:
+    """`rename(key)`: transformers' `WeightRenaming`s of this load applied to a checkpoint key."""
+    from transformers.core_model_loading import WeightRenaming, apply_renamings
+
+    mapping = getattr(load_config, "weight_mapping", None) or []
+    renamings = [entry for entry in mapping if isinstance(entry, WeightRenaming)]
+    return lambda key: apply_renamings(key, renamings)
 
 
 def uninstall_loading_hooks() -> None:

@@ -12,7 +12,8 @@ transformers loads the checkpoint (`_transformers_compat.intercept_state_dict_lo
    puts on it (primary and replica homes, local-slot order) with `safe_open(...).get_slice`, and hands
    them to `OccultMoE` (which takes them instead of slicing the full weights).
 
-Checkpoint layouts, per layer (the experts module's keys, with or without the base-model prefix):
+Checkpoint layouts, per layer (the experts module's keys, with or without the base-model prefix, after
+transformers' key renamings for the family):
 transformers 5's fused `experts.gate_up_proj` `[E, 2I, H]` / `experts.down_proj` `[E, H, I]` (what
 `save_pretrained` of a model built from a config writes), and the per-expert layout of published
 checkpoints, `experts.{e}.gate_proj/up_proj/down_proj.weight` (Mixtral: `w1/w3/w2`), `[I, H]` / `[I, H]`
@@ -116,9 +117,9 @@ class ExpertLoader:
     def __init__(self, occult_config: OccultConfig) -> None:
         self.occult_config = occult_config
 
-    def __call__(self, model, state_dict):
+    def __call__(self, model, state_dict, rename):
         try:
-            plans = self._plan(model, state_dict)
+            plans = self._plan(model, state_dict, rename)
         except _Unsupported as error:
             _fall_back(str(error), self.occult_config)
             return state_dict, None
@@ -137,7 +138,7 @@ class ExpertLoader:
         return kept, after
 
     # ----- planning (before transformers reads anything) -------------------------------------
-    def _plan(self, model, state_dict) -> list[_LayerPlan]:
+    def _plan(self, model, state_dict, rename) -> list[_LayerPlan]:
         if not all(hasattr(value, "get_shape") for value in state_dict.values()):
             raise _Unsupported("the checkpoint is not safetensors opened lazily")
         try:
@@ -170,9 +171,10 @@ class ExpertLoader:
             if plan.model_prefix.startswith(prefix):
                 by_prefix[plan.model_prefix[len(prefix) :] + "."] = plan
         for key in state_dict:
+            renamed = rename(key)  # e.g. Mixtral's `block_sparse_moe.experts.0.w1` -> `mlp.experts.0.w1`
             for key_prefix, plan in by_prefix.items():
-                if key.startswith(key_prefix):
-                    plan.keys[key[len(key_prefix) :]] = key
+                if renamed.startswith(key_prefix):
+                    plan.keys[renamed[len(key_prefix) :]] = key
                     break
         for layer, plan in zip(layers, plans):
             self._check_layout(layer, plan, adapter, num_experts, state_dict)
