@@ -25,6 +25,7 @@ CASES = [  # (family, checkpoint layout, placement kind, loaded per rank)
     ("olmoe", "per_expert", "contiguous", True),
     ("qwen2_moe", "fused", "replicated", True),  # shared experts; replicas read on both holders
     ("mixtral", "per_expert", "contiguous", True),  # w1/w3/w2 under block_sparse_moe, renamed by transformers
+    ("deepseek_v3", "fused", "shuffled", True),  # dense first layer, group-limited router, shared experts
     ("olmoe", "bin", "contiguous", False),  # not safetensors: falls back
 ]
 
@@ -62,6 +63,8 @@ def _placement(model, kind: str, num_devices: int):
         return Placement.contiguous(num_experts, num_devices, layers)
     base = np.arange(num_experts) * num_devices // num_experts
     maps = {layer: np.random.default_rng(7 + layer).permutation(base).tolist() for layer in layers}
+    if kind == "shuffled":
+        return Placement(num_experts, num_devices, maps, {"method": "shuffled"})
     replicas = {layer: {e: [(maps[layer][e] + 1) % num_devices] for e in range(2)} for layer in layers}
     return Placement(num_experts, num_devices, maps, {"method": "replicated"}, replicas=replicas)
 
