@@ -104,12 +104,22 @@ def _world(rank: int, world_size: int, directories: list[str]) -> list[dict]:
             for name, param in model.named_parameters()
             if name in eager_params and not name.startswith(expert_prefixes)
         )
+        saved_report = None
+        if family == "olmoe" and per_rank:  # a checkpoint saved under EP stores its occult_config: read per rank without the keyword
+            model.save_pretrained(f"{directory}_ep")  # collective; rank 0 writes
+            torch.distributed.barrier()
+            reloaded = AutoModelForCausalLM.from_pretrained(f"{directory}_ep", dtype=torch.float32)
+            with torch.no_grad():
+                reloaded_err = float((reloaded(ids).logits - want).abs().max())
+            saved_report = (ep_loading.last_report.fallback_reason, ep_loading.last_report.experts_read, reloaded_err)
+            del reloaded
         unapply_occult(model)  # collective: every rank gets the full original blocks back
         with torch.no_grad():
             restored_err = float((model(ids).logits - want).abs().max())
         results.append(
             dict(
                 restored_err=restored_err,
+                saved_report=saved_report,
                 family=family,
                 max_err=float((got - want).abs().max()),
                 weights_equal=bool(weights_equal),
@@ -146,5 +156,8 @@ def test_each_rank_reads_only_its_experts_and_equals_the_eager_model(tmp_path):
                 assert result["fallback"] is None and result["meta_only"], case
                 assert result["experts_read"] == result["want_read"] and result["experts_read"], case
                 assert result["bytes_read"] == result["local_bytes"], case
+                if family == "olmoe":
+                    fallback, read, err = result["saved_report"]
+                    assert fallback is None and read == result["want_read"] and err <= 1e-5, case
             else:  # a layout it does not know: the full load, with the reason logged
                 assert result["fallback"] and not result["meta_only"] and not result["experts_read"], case

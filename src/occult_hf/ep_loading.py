@@ -20,8 +20,7 @@ checkpoints, `experts.{e}.gate_proj/up_proj/down_proj.weight` (Mixtral: `w1/w3/w
 / `[H, I]`; gate_up is gate then up, as transformers' own conversion concatenates them.
 
 Anything else (another layout or key, shapes that disagree with the model, `device_map`/`tp_plan`/
-no process group, a `.bin` checkpoint, an `occult_config` only stored in the
-checkpoint's config) falls back to the full load with a logged reason: never a silently wrong model.
+no process group, a `.bin` checkpoint) falls back to the full load with a logged reason: never a silently wrong model.
 
 Shape legend: E routed experts, L local experts (slots), I expert width, H hidden.
 """
@@ -86,18 +85,19 @@ def load_scope(occult_config, kwargs: dict):
     if reason is not None:
         _fall_back(reason, occult_config)
         return contextlib.nullcontext()
-    return intercept_state_dict_loading(ExpertLoader(OccultConfig.coerce(occult_config)))
+    # UNSET: the checkpoint's config may hold the occult_config (`_apply_on_load` applies it); read there
+    return intercept_state_dict_loading(ExpertLoader(occult_config if occult_config is UNSET else OccultConfig.coerce(occult_config)))
 
 
 def _fall_back(reason: str, occult_config) -> None:
     last_report.fallback_reason = reason
-    if occult_config not in (UNSET, None) and torch.distributed.is_available() and torch.distributed.is_initialized():
+    if occult_config is not UNSET and occult_config is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
         logger.warning("occult_hf: every rank loads all experts (per-rank expert loading off: %s)", reason)
 
 
 def _unsupported_call(occult_config, kwargs: dict) -> str | None:
-    if occult_config is UNSET or occult_config is None:
-        return "no occult_config= keyword"
+    if occult_config is None:
+        return "occult_config=None"
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return "torch.distributed is not initialised"
     if torch.distributed.get_world_size() < 2:
@@ -105,7 +105,10 @@ def _unsupported_call(occult_config, kwargs: dict) -> str | None:
     for name in ("device_map", "tp_plan", "device_mesh", "state_dict", "quantization_config"):
         if kwargs.get(name) is not None:
             return f"from_pretrained({name}=...) is given"
-    config = OccultConfig.coerce(occult_config)
+    return None if occult_config is UNSET else _unsupported_config(OccultConfig.coerce(occult_config))
+
+
+def _unsupported_config(config: OccultConfig) -> str | None:
     if config.num_devices not in (None, torch.distributed.get_world_size()):
         return f"OccultConfig.num_devices={config.num_devices} differs from the world size"
     return None
@@ -118,6 +121,16 @@ class ExpertLoader:
         self.occult_config = occult_config
 
     def __call__(self, model, state_dict, rename):
+        if self.occult_config is UNSET:  # no keyword: the occult_config the checkpoint's config stores, if any
+            stored = getattr(model.config, "occult_config", None)
+            if stored is None:
+                last_report.fallback_reason = "a vanilla load (no occult_config)"
+                return state_dict, None
+            self.occult_config = OccultConfig.coerce(stored)
+            reason = _unsupported_config(self.occult_config)
+            if reason is not None:
+                _fall_back(reason, self.occult_config)
+                return state_dict, None
         try:
             plans = self._plan(model, state_dict, rename)
         except _Unsupported as error:
