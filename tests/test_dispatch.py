@@ -276,9 +276,9 @@ def _naive_layout(dest_Tk, local_Tk, weights_Tk, num_devices, mode, base_D, capa
     """The send layout by loops: rows by device, then token (then slot in "per_expert")."""
     num_tokens, top_k = dest_Tk.shape
     width = top_k if mode == "dedup" else 1
-    token_S = [num_tokens] * capacity
-    slot_SW = [[-1] * width for _ in range(capacity)]
-    weight_SW = [[0.0] * width for _ in range(capacity)]
+    token_O = [num_tokens] * capacity
+    slot_OW = [[-1] * width for _ in range(capacity)]
+    weight_OW = [[0.0] * width for _ in range(capacity)]
     row_TJ = [[capacity] * (min(num_devices, top_k) if mode == "dedup" else top_k) for _ in range(num_tokens)]
     counts = [[0, 0] for _ in range(num_devices)]
     for d in range(num_devices):
@@ -288,18 +288,18 @@ def _naive_layout(dest_Tk, local_Tk, weights_Tk, num_devices, mode, base_D, capa
             counts[d][1] += len(slots)
             rows = [slots] if mode == "dedup" and slots else [[j] for j in slots] if mode == "per_expert" else []
             for served in rows:
-                token_S[position] = t
+                token_O[position] = t
                 for j in served:
                     column = j if mode == "dedup" else 0
-                    slot_SW[position][column] = int(local_Tk[t, j])
-                    weight_SW[position][column] = float(weights_Tk[t, j])
+                    slot_OW[position][column] = int(local_Tk[t, j])
+                    weight_OW[position][column] = float(weights_Tk[t, j])
                     if mode == "per_expert":
                         row_TJ[t][j] = position
                 if mode == "dedup":
                     row_TJ[t][sum(1 for e in range(d) if (dest_Tk[t] == e).any())] = position
                 counts[d][0] += 1
                 position += 1
-    return token_S, slot_SW, weight_SW, row_TJ, counts
+    return token_O, slot_OW, weight_OW, row_TJ, counts
 
 
 @pytest.mark.parametrize("mode", ["dedup", "per_expert"])
@@ -328,11 +328,11 @@ def test_send_layout_matches_a_naive_layout(mode, padded, num_devices, top_k):
         dest_Tk, local_Tk, weights_Tk, num_devices, mode,
         base_D=torch.tensor(base_D) if padded else None, capacity=capacity if padded else None,
     )  # fmt: skip
-    token_S, slot_SW, weight_SW, row_TJ, counts = _naive_layout(dest_Tk, local_Tk, weights_Tk, num_devices, mode, base_D, capacity)
+    token_O, slot_OW, weight_OW, row_TJ, counts = _naive_layout(dest_Tk, local_Tk, weights_Tk, num_devices, mode, base_D, capacity)
     assert layout.capacity == capacity
-    assert layout.token_S.tolist() == token_S
-    assert layout.slot_SW.tolist() == slot_SW and layout.slot_SW.dtype == torch.int32
-    torch.testing.assert_close(layout.weight_SW, torch.tensor(weight_SW))
+    assert layout.token_O.tolist() == token_O
+    assert layout.slot_OW.tolist() == slot_OW and layout.slot_OW.dtype == torch.int32
+    torch.testing.assert_close(layout.weight_OW, torch.tensor(weight_OW))
     assert layout.row_TJ.tolist() == row_TJ
     assert layout.counts_D2.tolist() == counts
 
@@ -340,9 +340,9 @@ def test_send_layout_matches_a_naive_layout(mode, padded, num_devices, top_k):
 def test_sum_token_rows_sums_each_tokens_rows_in_fp32_through_a_zero_row():
     from occult_hf.dispatch.base import sum_token_rows
 
-    rows_pad_SH = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [0.0, 0.0]], dtype=torch.bfloat16)
+    rows_pad_OH = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [0.0, 0.0]], dtype=torch.bfloat16)
     row_TJ = torch.tensor([[0, 2], [1, 3], [3, 3]])  # token 2 has no rows: the zero row
-    out_TH = sum_token_rows(rows_pad_SH, row_TJ)
+    out_TH = sum_token_rows(rows_pad_OH, row_TJ)
     assert out_TH.dtype == torch.bfloat16 and out_TH.tolist() == [[6.0, 8.0], [3.0, 4.0], [0.0, 0.0]]
     big = torch.tensor([[256.0], [1.0], [1.0], [0.0]], dtype=torch.bfloat16)  # 256 + 1 + 1 = 258 exactly in fp32
     assert sum_token_rows(big, torch.tensor([[0, 1, 2]])).item() == 258.0  # bf16 pairwise would give 256

@@ -70,21 +70,21 @@ class ExchangeError(RuntimeError):
 
 @dataclass(frozen=True)
 class _Chunk:
-    """One chunk's plan on this rank: tokens `[start, end)`, its `S` rows (sliced from the send layout) and
+    """One chunk's plan on this rank: tokens `[start, end)`, its `O` rows (sliced from the send layout) and
     split sizes.
 
     Attributes:
-        token_S: `[S]` int64 source token of each row, relative to `start`.
-        slot_SW: `[S, W]` int32 local slots on the destination (-1: served elsewhere).
-        weight_SW: `[S, W]` routing weights (differentiable).
-        row_TJ: `[end - start, J]` int64 rows of each token, `S` where it has fewer (a zero row there).
+        token_O: `[O]` int64 source token of each row, relative to `start`.
+        slot_OW: `[O, W]` int32 local slots on the destination (-1: served elsewhere).
+        weight_OW: `[O, W]` routing weights (differentiable).
+        row_TJ: `[end - start, J]` int64 rows of each token, `O` where it has fewer (a zero row there).
     """
 
     start: int
     end: int
-    token_S: torch.Tensor
-    slot_SW: torch.Tensor
-    weight_SW: torch.Tensor
+    token_O: torch.Tensor
+    slot_OW: torch.Tensor
+    weight_OW: torch.Tensor
     row_TJ: torch.Tensor
     send_splits: tuple[int, ...]
     recv_splits: tuple[int, ...]
@@ -121,7 +121,7 @@ class AllToAllDispatcher(TokenDispatcher):
         if concurrent is not None:  # its kernels queue before the stream waits for the exchange: they overlap it
             with stage("concurrent"):
                 concurrent()
-        x_RH, slot_RW, weight_RW = _DispatchExchange.apply(x_TH, chunk.weight_SW, self, chunk, row_format, pending)
+        x_RH, slot_RW, weight_RW = _DispatchExchange.apply(x_TH, chunk.weight_OW, self, chunk, row_format, pending)
         with stage("received layout"):
             segments, pick_N = received_pairs(slot_RW, chunk.num_pairs, self.num_local_experts)
             pair_weight_N = weight_RW.reshape(-1)[pick_N]
@@ -142,7 +142,7 @@ class AllToAllDispatcher(TokenDispatcher):
             return self.combine(out_RH, sent.plan), sent.plan
         chunks, counts_D2 = self._plan(routing, num_chunks, num_chunks)
         row_format = self._row_format(x_TH, routing)
-        weights = [chunk.weight_SW for chunk in chunks]
+        weights = [chunk.weight_OW for chunk in chunks]
         grad = torch.is_grad_enabled()
         params = [p for p in _parameters_of(experts) if p.requires_grad] if grad else []
         track = grad and (bool(params) or x_TH.requires_grad or any(w.requires_grad for w in weights))
@@ -202,7 +202,7 @@ class AllToAllDispatcher(TokenDispatcher):
             row_bytes=row_format.row_bytes,
             ep=self.ep,
             layer=self.layer,
-            token_of_row_S=None if chunk is None else chunk.token_S,
+            token_of_row_O=None if chunk is None else chunk.token_O,
             send_splits=tuple(map(sum, zip(*(c.send_splits for c in chunks)))),
             recv_splits=tuple(map(sum, zip(*(c.recv_splits for c in chunks)))),
             num_pairs=sum(c.num_pairs for c in chunks),
@@ -304,11 +304,11 @@ class _PendingCounts:
 
 
 def _slice_chunk(start, end, layout: SendLayout, send_splits, recv_splits, num_pairs) -> _Chunk:
-    """The chunk's `S` real rows of its layout (the first S: the layout is packed), absent rows pointed at row S."""
+    """The chunk's `O` real rows of its layout (the first O: the layout is packed), absent rows pointed at row O."""
     rows = sum(send_splits)
     row_TJ = torch.where(layout.row_TJ < rows, layout.row_TJ, rows)
     return _Chunk(
-        start, end, layout.token_S[:rows], layout.slot_SW[:rows], layout.weight_SW[:rows], row_TJ,
+        start, end, layout.token_O[:rows], layout.slot_OW[:rows], layout.weight_OW[:rows], row_TJ,
         tuple(send_splits), tuple(recv_splits), num_pairs,
     )  # fmt: skip
 
@@ -333,13 +333,13 @@ def _gradient_format(row_format: RowFormat) -> RowFormat:
 
 
 def _pack_rows(row_format: RowFormat, x_TH: torch.Tensor, chunk: _Chunk) -> torch.Tensor:
-    """`[S, B]` uint8: each row's activations gathered straight into its field (one `index_select`, no
+    """`[O, U]` uint8: each row's activations gathered straight into its field (one `index_select`, no
     intermediate copy), its local slots and routing weights beside them."""
     block = torch.empty(chunk.num_rows, row_format.row_bytes, dtype=torch.uint8, device=x_TH.device)
     view_x, view_slot, view_weight = row_format.unpack(block)
-    torch.index_select(x_TH.detach()[chunk.start : chunk.end], 0, chunk.token_S, out=view_x)  # the gradient: `_DispatchExchange`
-    view_slot.copy_(chunk.slot_SW)
-    view_weight.copy_(chunk.weight_SW.detach())
+    torch.index_select(x_TH.detach()[chunk.start : chunk.end], 0, chunk.token_O, out=view_x)  # the gradient: `_DispatchExchange`
+    view_slot.copy_(chunk.slot_OW)
+    view_weight.copy_(chunk.weight_OW.detach())
     return block
 
 
@@ -360,7 +360,7 @@ class _DispatchExchange(torch.autograd.Function):
     each token's row gradients summed by a gather."""
 
     @staticmethod
-    def forward(ctx, x_TH, weight_SW, dispatcher: AllToAllDispatcher, chunk: _Chunk, row_format: RowFormat, pending: "_Pending"):
+    def forward(ctx, x_TH, weight_OW, dispatcher: AllToAllDispatcher, chunk: _Chunk, row_format: RowFormat, pending: "_Pending"):
         """`pending`: the exchange of the packed rows, already started (see `AllToAllDispatcher.dispatch`)."""
         ctx.dispatcher, ctx.chunk, ctx.row_format, ctx.num_tokens = dispatcher, chunk, row_format, x_TH.shape[0]
         with stage("dispatch exchange"):
@@ -377,10 +377,10 @@ class _DispatchExchange(torch.autograd.Function):
             device = (grad_x_RH if grad_x_RH is not None else grad_weight_RW).device
             block = _pack_grads(grads, sum(chunk.recv_splits), grad_x_RH, grad_weight_RW, device)
             back = ctx.dispatcher.exchange(block, chunk.recv_splits, chunk.send_splits, "dispatch backward", zero_row=True).wait()
-        grad_x_pad_SH, grad_weight_pad_SW = grads.unpack(back)
+        grad_x_pad_OH, grad_weight_pad_OW = grads.unpack(back)
         with stage("dispatch backward sum"):
-            grad_x_TH = sum_token_rows(grad_x_pad_SH, chunk.row_TJ) if ctx.needs_input_grad[0] else None
-        return grad_x_TH, grad_weight_pad_SW[: chunk.num_rows], None, None, None, None
+            grad_x_TH = sum_token_rows(grad_x_pad_OH, chunk.row_TJ) if ctx.needs_input_grad[0] else None
+        return grad_x_TH, grad_weight_pad_OW[: chunk.num_rows], None, None, None, None
 
 
 class _CombineExchange(torch.autograd.Function):
@@ -399,8 +399,8 @@ class _CombineExchange(torch.autograd.Function):
     def backward(ctx, grad_TH):
         chunk = ctx.chunk
         with stage("combine backward exchange"):
-            grad_SH = grad_TH.index_select(0, chunk.token_S)
-            return ctx.dispatcher.exchange(grad_SH, chunk.send_splits, chunk.recv_splits, "combine backward").wait(), None, None
+            grad_OH = grad_TH.index_select(0, chunk.token_O)
+            return ctx.dispatcher.exchange(grad_OH, chunk.send_splits, chunk.recv_splits, "combine backward").wait(), None, None
 
 
 class _Pipeline:
@@ -444,7 +444,7 @@ class _Pipeline:
             )
         grads = _gradient_format(self.row_format)
         outgoing = [
-            d.exchange(grad_TH[c.start : c.end].index_select(0, c.token_S), c.send_splits, c.recv_splits, f"combine backward of chunk {i}")
+            d.exchange(grad_TH[c.start : c.end].index_select(0, c.token_O), c.send_splits, c.recv_splits, f"combine backward of chunk {i}")
             for i, c in enumerate(self.chunks)
         ]
         returning = []
@@ -458,15 +458,15 @@ class _Pipeline:
         grad_x_TH = torch.empty_like(grad_TH) if x_needs_grad else None
         grad_weights = []
         for chunk, pending in zip(self.chunks, returning):
-            grad_x_pad_SH, grad_weight_pad_SW = grads.unpack(pending.wait())
+            grad_x_pad_OH, grad_weight_pad_OW = grads.unpack(pending.wait())
             if grad_x_TH is not None:
-                sum_token_rows(grad_x_pad_SH, chunk.row_TJ, grad_x_TH[chunk.start : chunk.end])
-            grad_weights.append(grad_weight_pad_SW[: chunk.num_rows])
+                sum_token_rows(grad_x_pad_OH, chunk.row_TJ, grad_x_TH[chunk.start : chunk.end])
+            grad_weights.append(grad_weight_pad_OW[: chunk.num_rows])
         return grad_x_TH, grad_weights
 
 
 class _PipelineFunction(torch.autograd.Function):
-    """`x_TH, weight_SW per chunk, *expert params -> out_TH`; see `_Pipeline`."""
+    """`x_TH, weight_OW per chunk, *expert params -> out_TH`; see `_Pipeline`."""
 
     @staticmethod
     def forward(ctx, pipeline: _Pipeline, x_TH, num_weights: int, *inputs):

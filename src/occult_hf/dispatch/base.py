@@ -60,7 +60,7 @@ class DispatchPlan:
             entries, aligned as `RowFormat` packs them.
         ep: the group the rows were exchanged in.
         layer: the layer's name in error messages (e.g. "layer 3").
-        token_of_row_S: `[S]` int64 source token of each sent row (distributed), None in one process.
+        token_of_row_O: `[O]` int64 source token of each sent row (distributed), None in one process.
         send_splits: rows sent to each rank (host ints; distributed only, else None).
         recv_splits: rows received from each rank (host ints; distributed only, else None).
         num_pairs: `N`, (received row, local expert) pairs computed here (host int, or None in one
@@ -73,7 +73,7 @@ class DispatchPlan:
     row_bytes: int
     ep: ExpertParallelGroup
     layer: str = "layer"
-    token_of_row_S: torch.Tensor | None = None
+    token_of_row_O: torch.Tensor | None = None
     send_splits: tuple[int, ...] | None = None
     recv_splits: tuple[int, ...] | None = None
     num_pairs: int | None = None
@@ -268,12 +268,12 @@ class TokenDispatcher:
 DEFAULT_CHUNKS = 1
 
 
-def sum_token_rows(rows_pad_SH: torch.Tensor, row_TJ: torch.Tensor, out_TH: torch.Tensor | None = None) -> torch.Tensor:
-    """`[T, H]` in the rows' dtype: each token's rows summed, `out[t] = sum_j rows_pad_SH[row_TJ[t, j]]`,
-    accumulated in fp32 and rounded once (torch reduces bf16/fp16 in fp32). `rows_pad_SH` ends with a zero
+def sum_token_rows(rows_pad_OH: torch.Tensor, row_TJ: torch.Tensor, out_TH: torch.Tensor | None = None) -> torch.Tensor:
+    """`[T, H]` in the rows' dtype: each token's rows summed, `out[t] = sum_j rows_pad_OH[row_TJ[t, j]]`,
+    accumulated in fp32 and rounded once (torch reduces bf16/fp16 in fp32). `rows_pad_OH` ends with a zero
     row that a token's absent rows point at. A gather and a reduction in a fixed order: no atomics (an
     fp32 `index_add_` of the rows cost 47% of transformers' experts call on the H200, BASELINES.md)."""
-    return torch.sum(rows_pad_SH[row_TJ], dim=1, out=out_TH)
+    return torch.sum(rows_pad_OH[row_TJ], dim=1, out=out_TH)
 
 
 def stage(name: str):

@@ -1,10 +1,12 @@
 """The dispatch plan (the paper's BRIM, DESIGN.md §3 step 3): pure tensor functions, no communication.
 
-Shape legend: T tokens on this rank, k experts per token, E routed experts, D devices of the EP group,
-S rows this rank sends, R rows it receives, W routing slots carried per row (k in "dedup", 1 in
-"per_expert"), N (received row, local expert) pairs, L local experts, C chunks of tokens.
+Shape legend (docs/conventions.md): T tokens on this rank, k experts per token, E routed experts, D
+devices of the EP group, O rows this rank sends, R rows it receives, W routing slots carried per row
+(k in "dedup", 1 in "per_expert"), N (received row, local expert) pairs, L local experts, M homes of
+one expert, C chunks of tokens, J rows of one token; local to this file: Q (device, token) entries
+(`D * T`) and F flat (row, routing slot) entries (`T * k` sent in "per_expert", `R * W` received).
 
-Everything here runs on the tokens' device. Sizes that depend on the routing (S, N) are passed in by
+Everything here runs on the tokens' device. Sizes that depend on the routing (O, N) are passed in by
 the caller, who learnt them from the count exchange (the one host read of the torch.distributed
 dispatcher); the functions themselves never read a tensor on the host, so the one-process path
 (`local_pairs`, whose sizes are static: `T` rows and `T * k` pairs) has no host synchronisation.
@@ -97,33 +99,33 @@ def device_counts(dest_Tk: torch.Tensor, num_devices: int, mode: str, bounds: li
 @dataclass(frozen=True)
 class SendLayout:
     """The rows one group of tokens sends, laid out by destination device, then token, in a block of
-    `C_S` (capacity) rows; built on the device with static shapes (no host read).
+    `C_O` (capacity) rows; built on the device with static shapes (no host read).
 
     Attributes:
-        token_S: `[C_S]` int64 source token of each row (index into the tokens given); `T` (one past the
+        token_O: `[C_O]` int64 source token of each row (index into the tokens given); `T` (one past the
             last token) for a position no row fills.
-        slot_SW: `[C_S, W]` int32 local slot of the expert on the destination; -1 where that routing slot
+        slot_OW: `[C_O, W]` int32 local slot of the expert on the destination; -1 where that routing slot
             is served on another device (and in unfilled positions).
-        weight_SW: `[C_S, W]` routing weight (the router's dtype, differentiable); 0 where the slot is -1.
+        weight_OW: `[C_O, W]` routing weight (the router's dtype, differentiable); 0 where the slot is -1.
         row_TJ: `[T, J]` int64 position of each token's rows (J = min(D, k) in "dedup": the token's j-th
-            destination device in device order; J = k in "per_expert": its slot j); `C_S` where the
+            destination device in device order; J = k in "per_expert": its slot j); `C_O` where the
             token has fewer than J rows. The combine sums a token's rows through it (a gather, no atomics).
         counts_D2: `[D, 2]` int64 rows and (token, expert) pairs sent to each device.
     """
 
-    token_S: torch.Tensor
-    slot_SW: torch.Tensor
-    weight_SW: torch.Tensor
+    token_O: torch.Tensor
+    slot_OW: torch.Tensor
+    weight_OW: torch.Tensor
     row_TJ: torch.Tensor
     counts_D2: torch.Tensor
 
     @property
     def capacity(self) -> int:
-        return self.token_S.shape[0]
+        return self.token_O.shape[0]
 
 
 def send_capacity(num_tokens: int, top_k: int, num_devices: int, mode: str) -> int:
-    """`C_S` of the packed layout: at most min(D, k) rows per token in "dedup", exactly k in "per_expert"."""
+    """`C_O` of the packed layout: at most min(D, k) rows per token in "dedup", exactly k in "per_expert"."""
     return num_tokens * (min(num_devices, top_k) if mode == "dedup" else top_k)
 
 
@@ -139,7 +141,7 @@ def send_layout(
     """The send layout of `T` tokens (see `SendLayout`): one pass of cumulative sums and scatters.
 
     Rows to device d start at `base_D[d]` (None: packed, the exclusive prefix sum of the rows per
-    device, so the `S` real rows are the block's first S); `capacity` (None: `send_capacity`) is `C_S`.
+    device, so the `O` real rows are the block's first O); `capacity` (None: `send_capacity`) is `C_O`.
     Rows for one device keep token order, so the combine's per-token sum order is fixed (deterministic).
     """
     check_mode(mode)
@@ -161,40 +163,40 @@ def send_layout(
         if base_D is not None:  # rows to device d start at base_D[d] instead of the packed offset
             pos_Q = (pos_Q.view(num_devices, num_tokens) + (base_D - (torch.cumsum(rows_D, 0) - rows_D))[:, None]).view(-1)
         pos_Q = torch.where(hit_Q, pos_Q, capacity)
-        entry_S = _place(pos_Q, torch.arange(num_entries, device=device), capacity, num_entries)  # Q: unfilled
+        entry_O = _place(pos_Q, torch.arange(num_entries, device=device), capacity, num_entries)  # value D * T: unfilled
         match_DTk = dest_Tk == torch.arange(num_devices, device=device)[:, None, None]  # [D, T, k]
         pairs_D = match_DTk.sum((1, 2))
         slot_QW = torch.where(match_DTk, local_Tk, -1).view(num_entries, top_k)
         weight_QW = torch.where(match_DTk, weights_Tk, 0.0).view(num_entries, top_k)
-        slot_SW = torch.cat([slot_QW, slot_QW.new_full((1, top_k), -1)])[entry_S]
-        weight_SW = torch.cat([weight_QW, weight_QW.new_zeros(1, top_k)])[entry_S]
-        token_S = torch.where(entry_S < num_entries, entry_S % max(num_tokens, 1), num_tokens)
+        slot_OW = torch.cat([slot_QW, slot_QW.new_full((1, top_k), -1)])[entry_O]
+        weight_OW = torch.cat([weight_QW, weight_QW.new_zeros(1, top_k)])[entry_O]
+        token_O = torch.where(entry_O < num_entries, entry_O % max(num_tokens, 1), num_tokens)
         width = min(num_devices, top_k)  # J: a token's j-th destination device, in device order
         j_DT = torch.where(hit_DT, torch.cumsum(hit_DT, 0) - 1, width)  # a scan over D for each of T columns
         row_TJ = torch.full((num_tokens, width + 1), capacity, dtype=torch.int64, device=device)
         row_TJ = row_TJ.scatter_(1, j_DT.t(), pos_Q.view(num_devices, num_tokens).t())[:, :width]
     else:
-        num_entries = num_tokens * top_k  # M: (token, slot) entries, one row each
-        dest_M = dest_Tk.reshape(-1)
-        key_M = dest_M * num_entries + torch.arange(num_entries, device=device)
-        hit_DM = torch.zeros(num_devices * num_entries, dtype=torch.bool, device=device).scatter_(0, key_M, True)
-        pairs_D = rows_D = hit_DM.view(num_devices, num_entries).sum(1)
-        pos_M = torch.cumsum(hit_DM, 0)[key_M] - 1
+        num_entries = num_tokens * top_k  # F = T * k (token, slot) entries, one row each
+        dest_F = dest_Tk.reshape(-1)
+        key_F = dest_F * num_entries + torch.arange(num_entries, device=device)
+        hit_DF = torch.zeros(num_devices * num_entries, dtype=torch.bool, device=device).scatter_(0, key_F, True)
+        pairs_D = rows_D = hit_DF.view(num_devices, num_entries).sum(1)
+        pos_F = torch.cumsum(hit_DF, 0)[key_F] - 1
         if base_D is not None:
-            pos_M = pos_M + (base_D - (torch.cumsum(rows_D, 0) - rows_D))[dest_M]
-        entry_S = _place(pos_M, torch.arange(num_entries, device=device), capacity, num_entries)
-        token_S = entry_S // top_k
-        valid_S = entry_S < num_entries
-        safe_S = entry_S.clamp(max=max(num_entries - 1, 0))
+            pos_F = pos_F + (base_D - (torch.cumsum(rows_D, 0) - rows_D))[dest_F]
+        entry_O = _place(pos_F, torch.arange(num_entries, device=device), capacity, num_entries)
+        token_O = entry_O // top_k
+        valid_O = entry_O < num_entries
+        safe_O = entry_O.clamp(max=max(num_entries - 1, 0))
         if num_entries:
-            slot_SW = torch.where(valid_S, local_Tk.reshape(-1)[safe_S], -1)[:, None]
-            weight_SW = torch.where(valid_S, weights_Tk.reshape(-1)[safe_S], 0.0)[:, None]
+            slot_OW = torch.where(valid_O, local_Tk.reshape(-1)[safe_O], -1)[:, None]
+            weight_OW = torch.where(valid_O, weights_Tk.reshape(-1)[safe_O], 0.0)[:, None]
         else:
-            slot_SW = torch.full((capacity, 1), -1, dtype=torch.int64, device=device)
-            weight_SW = weights_Tk.new_zeros(capacity, 1)
-        row_TJ = pos_M.reshape(num_tokens, top_k)
+            slot_OW = torch.full((capacity, 1), -1, dtype=torch.int64, device=device)
+            weight_OW = weights_Tk.new_zeros(capacity, 1)
+        row_TJ = pos_F.reshape(num_tokens, top_k)
     counts_D2 = torch.stack([rows_D, pairs_D], dim=1)
-    return SendLayout(token_S=token_S, slot_SW=slot_SW.to(torch.int32), weight_SW=weight_SW, row_TJ=row_TJ, counts_D2=counts_D2)
+    return SendLayout(token_O=token_O, slot_OW=slot_OW.to(torch.int32), weight_OW=weight_OW, row_TJ=row_TJ, counts_D2=counts_D2)
 
 
 def _place(pos, values, capacity: int, fill: int) -> torch.Tensor:
@@ -210,14 +212,14 @@ def received_pairs(slot_RW: torch.Tensor, num_pairs: int, num_local_experts: int
     the host from the count exchange. One sort of all `R * W` entries, the empty ones keyed past the last
     expert, and the segment offsets by a binary search of the sorted keys: no compaction, no atomics."""
     num_rows, width = slot_RW.shape
-    slot_M = slot_RW.reshape(-1).long()  # M = R * W entries, entry m = row * W + slot position
-    num_entries = slot_M.shape[0]
-    entry_M = torch.arange(num_entries, device=slot_RW.device)
-    key_M = torch.where(slot_M >= 0, slot_M, num_local_experts) * num_entries + entry_M
-    key_sorted_M, order_M = torch.sort(key_M)
-    pick_N = order_M[:num_pairs]
+    slot_F = slot_RW.reshape(-1).long()  # F = R * W entries, entry f = row * W + slot position
+    num_entries = slot_F.shape[0]
+    entry_F = torch.arange(num_entries, device=slot_RW.device)
+    key_F = torch.where(slot_F >= 0, slot_F, num_local_experts) * num_entries + entry_F
+    key_sorted_F, order_F = torch.sort(key_F)
+    pick_N = order_F[:num_pairs]
     bounds_L = torch.arange(num_local_experts + 1, device=slot_RW.device) * num_entries
-    offsets = torch.searchsorted(key_sorted_M[:num_pairs], bounds_L)
+    offsets = torch.searchsorted(key_sorted_F[:num_pairs], bounds_L)
     return ExpertSegments(pick_N // max(width, 1), offsets, num_rows), pick_N
 
 

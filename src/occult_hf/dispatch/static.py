@@ -1,7 +1,7 @@
 """Static-capacity dispatchers: no host synchronisation, CUDA-graph capturable ("symm_mem", "padded").
 
-Shape legend: see `occult_hf.dispatch.plan`; in addition `C_S` rows of the send block and `C_R` rows
-of the receive block (static capacities), `B` bytes of one packed row.
+Shape legend: see `occult_hf.dispatch.plan`; in addition `C_O` rows of the send block and `C_R` rows
+of the receive block (static capacities), `U` bytes of one packed row.
 
 `AllToAllDispatcher` learns its split sizes on the host (one read per layer), so it can neither run
 without a host synchronisation nor be captured in a CUDA graph. The dispatchers here size every
@@ -21,11 +21,11 @@ counts on the device:
 - The combine is the reverse exchange with the reverse counts; each token's rows are summed (fp32
   accumulation) through a gather of its rows (`SendLayout.row_TJ`), no atomics.
 
-Two transports move the `[C_S, B]` send block:
+Two transports move the `[C_O, U]` send block:
 
 - **"symm_mem"**: torch's symmetric memory over NVSHMEM, `torch.ops.symm_mem.all_to_all_vdev`: the
   split sizes stay in device memory and the kernels that move the rows are launched by the device
-  (the receiver pulls exactly what each peer sent). Rows are packed by destination (`C_S = T *
+  (the receiver pulls exactly what each peer sent). Rows are packed by destination (`C_O = T *
   min(D, k)` dedup, `T * k` per_expert). Two sets of symmetric buffers per row width alternate, so
   that a rank never overwrites a send buffer that a peer may still read (the op's own barrier
   separates uses of one set).
@@ -77,13 +77,13 @@ class StaticPlan(DispatchPlan):
     """`DispatchPlan` of a static dispatcher: the layout lives on the device.
 
     Attributes (beyond `DispatchPlan`):
-        token_S: `[C_S]` int64 source token of each send-block row, `T` for a phantom row.
+        token_O: `[C_O]` int64 source token of each send-block row, `T` for a phantom row.
         send_counts_D: `[D]` int64 rows sent to each device (device memory).
         recv_counts_D: `[D]` int64 rows received from each device ("symm_mem"), None ("padded").
-        row_TJ: `[T, J]` int64 send-block rows of each token (`C_S` where absent), see `plan.SendLayout`.
+        row_TJ: `[T, J]` int64 send-block rows of each token (`C_O` where absent), see `plan.SendLayout`.
     """
 
-    token_S: torch.Tensor | None = None
+    token_O: torch.Tensor | None = None
     send_counts_D: torch.Tensor | None = None
     recv_counts_D: torch.Tensor | None = None
     row_TJ: torch.Tensor | None = None
@@ -101,7 +101,7 @@ class StaticDispatcher(TokenDispatcher):
         return num_tokens if self.mode == "dedup" else num_tokens * top_k
 
     def send_capacity(self, num_tokens: int, top_k: int) -> int:
-        """`C_S`."""
+        """`C_O`."""
         if self.layout == "padded":
             return self.ep.num_devices * self.per_peer_capacity(num_tokens, top_k)
         if self.mode == "dedup":
@@ -121,14 +121,14 @@ class StaticDispatcher(TokenDispatcher):
         layout = self._send_layout(dest_Tk, local_Tk, weights_Tk)
         counts_D2 = layout.counts_D2
         send_counts_D = counts_D2[:, 0].contiguous()
-        token_S, slot_SW, weight_SW = layout.token_S, layout.slot_SW, layout.weight_SW
+        token_O, slot_OW, weight_OW = layout.token_O, layout.slot_OW, layout.weight_OW
         x_pad_TH = torch.cat([x_TH, x_TH.new_zeros(1, hidden)])  # row T: the phantom rows' source
-        x_SH = x_pad_TH[token_S]
-        width = slot_SW.shape[1]
+        x_OH = x_pad_TH[token_O]
+        width = slot_OW.shape[1]
         row_format = dispatch_format(hidden, x_TH.dtype, width, weights_Tk.dtype)
         capacity_R = self.recv_capacity(num_tokens, top_k)
         x_RH, slot_RW, weight_RW, recv_counts_D = _StaticDispatchExchange.apply(
-            x_SH, weight_SW, slot_SW, self, row_format, send_counts_D, capacity_R
+            x_OH, weight_OW, slot_OW, self, row_format, send_counts_D, capacity_R
         )
         if recv_counts_D is not None:  # rows past what each peer sent are stale buffer contents
             slot_RW = torch.where(_received_mask(recv_counts_D, capacity_R)[:, None], slot_RW, -1)
@@ -140,7 +140,7 @@ class StaticDispatcher(TokenDispatcher):
             row_bytes=row_format.row_bytes,
             ep=self.ep,
             layer=self.layer,
-            token_S=token_S,
+            token_O=token_O,
             send_counts_D=send_counts_D,
             recv_counts_D=recv_counts_D,
             row_TJ=layout.row_TJ,
@@ -148,24 +148,24 @@ class StaticDispatcher(TokenDispatcher):
         return Dispatched(x_RH=x_RH, segments=segments, pair_weight_N=weight_RW.reshape(-1)[pick_N], plan=plan)
 
     def combine(self, out_RH: torch.Tensor, plan: StaticPlan) -> torch.Tensor:
-        out_SH = _StaticCombineExchange.apply(out_RH, self, plan.send_counts_D, plan.recv_counts_D, plan.token_S.shape[0])
-        out_pad_SH = torch.cat([out_SH, out_SH.new_zeros(1, out_SH.shape[1])])  # row C_S: where absent rows point
-        return sum_token_rows(out_pad_SH, plan.row_TJ)
+        out_OH = _StaticCombineExchange.apply(out_RH, self, plan.send_counts_D, plan.recv_counts_D, plan.token_O.shape[0])
+        out_pad_OH = torch.cat([out_OH, out_OH.new_zeros(1, out_OH.shape[1])])  # row C_O: where absent rows point
+        return sum_token_rows(out_pad_OH, plan.row_TJ)
 
     # ----- the plan on the device ----------------------------------------------------------------
     def _send_layout(self, dest_Tk, local_Tk, weights_Tk) -> SendLayout:
-        """The `C_S`-row send layout (`plan.send_layout`), rows to device d at `layout`'s offset."""
+        """The `C_O`-row send layout (`plan.send_layout`), rows to device d at `layout`'s offset."""
         num_tokens, top_k = dest_Tk.shape
         base_D = None
         if self.layout == "padded":
             base_D = torch.arange(self.ep.num_devices, device=dest_Tk.device) * self.per_peer_capacity(num_tokens, top_k)
-        capacity_S = self.send_capacity(num_tokens, top_k)
-        return send_layout(dest_Tk, local_Tk, weights_Tk, self.ep.num_devices, self.mode, base_D=base_D, capacity=capacity_S)
+        capacity_O = self.send_capacity(num_tokens, top_k)
+        return send_layout(dest_Tk, local_Tk, weights_Tk, self.ep.num_devices, self.mode, base_D=base_D, capacity=capacity_O)
 
     # ----- the transport -------------------------------------------------------------------------
     def exchange(self, block: torch.Tensor, counts_D: torch.Tensor, out_rows: int):
-        """Move the rows of `[rows, B]` uint8 `block` (`counts_D[d]` rows for device d, laid out as
-        `layout` says); returns `([out_rows, B] received block, [D] received counts or None)`."""
+        """Move the rows of `[rows, U]` uint8 `block` (`counts_D[d]` rows for device d, laid out as
+        `layout` says); returns `([out_rows, U] received block, [D] received counts or None)`."""
         raise NotImplementedError
 
 
@@ -200,10 +200,10 @@ class _StaticDispatchExchange(torch.autograd.Function):
     """Rows and their routing metadata in one exchange; backward: the packed gradients back the same way."""
 
     @staticmethod
-    def forward(ctx, x_SH, weight_SW, slot_SW, dispatcher: StaticDispatcher, row_format: RowFormat, send_counts_D, capacity_R):
-        block_RB, recv_counts_D = dispatcher.exchange(row_format.pack(x_SH, slot_SW, weight_SW), send_counts_D, capacity_R)
-        x_RH, slot_RW, weight_RW = row_format.unpack(block_RB)
-        ctx.dispatcher, ctx.row_format, ctx.rows_S = dispatcher, row_format, x_SH.shape[0]
+    def forward(ctx, x_OH, weight_OW, slot_OW, dispatcher: StaticDispatcher, row_format: RowFormat, send_counts_D, capacity_R):
+        block_RU, recv_counts_D = dispatcher.exchange(row_format.pack(x_OH, slot_OW, weight_OW), send_counts_D, capacity_R)
+        x_RH, slot_RW, weight_RW = row_format.unpack(block_RU)
+        ctx.dispatcher, ctx.row_format, ctx.rows_O = dispatcher, row_format, x_OH.shape[0]
         ctx.recv_counts_D = recv_counts_D
         ctx.mark_non_differentiable(slot_RW)
         if recv_counts_D is not None:
@@ -221,24 +221,24 @@ class _StaticDispatchExchange(torch.autograd.Function):
             view_x.copy_(grad_x_RH)
         if grad_weight_RW is not None:
             view_w.copy_(grad_weight_RW)
-        back, _ = ctx.dispatcher.exchange(block, ctx.recv_counts_D, ctx.rows_S)
-        grad_x_SH, grad_weight_SW = grads.unpack(back)
-        return grad_x_SH, grad_weight_SW, None, None, None, None, None
+        back, _ = ctx.dispatcher.exchange(block, ctx.recv_counts_D, ctx.rows_O)
+        grad_x_OH, grad_weight_OW = grads.unpack(back)
+        return grad_x_OH, grad_weight_OW, None, None, None, None, None
 
 
 class _StaticCombineExchange(torch.autograd.Function):
     """The pre-summed rows back to their senders; backward sends the output gradients the other way."""
 
     @staticmethod
-    def forward(ctx, out_RH, dispatcher: StaticDispatcher, send_counts_D, recv_counts_D, rows_S: int):
+    def forward(ctx, out_RH, dispatcher: StaticDispatcher, send_counts_D, recv_counts_D, rows_O: int):
         ctx.dispatcher, ctx.send_counts_D, ctx.rows_R = dispatcher, send_counts_D, out_RH.shape[0]
-        back, _ = dispatcher.exchange(_as_bytes(out_RH), recv_counts_D, rows_S)
+        back, _ = dispatcher.exchange(_as_bytes(out_RH), recv_counts_D, rows_O)
         return back.view(out_RH.dtype)
 
     @staticmethod
-    def backward(ctx, grad_SH):
-        there, _ = ctx.dispatcher.exchange(_as_bytes(grad_SH.contiguous()), ctx.send_counts_D, ctx.rows_R)
-        return there.view(grad_SH.dtype), None, None, None, None
+    def backward(ctx, grad_OH):
+        there, _ = ctx.dispatcher.exchange(_as_bytes(grad_OH.contiguous()), ctx.send_counts_D, ctx.rows_R)
+        return there.view(grad_OH.dtype), None, None, None, None
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -297,7 +297,7 @@ def all_to_all_vdev(send, recv, in_splits_D, out_splits, group_name: str) -> tor
 
 
 class _SymmetricBuffers:
-    """Two alternating sets of symmetric buffers for one (rows, row width): `[rows, B]` uint8 in/out, `[D]`
+    """Two alternating sets of symmetric buffers for one (rows, row width): `[rows, U]` uint8 in/out, `[D]`
     int64 input splits and the op's `[2, D]` output splits and offsets (`[3, D]` in/out splits, older torch)."""
 
     def __init__(self, rows: int, width: int, num_devices: int, group_name: str, device: torch.device) -> None:
