@@ -1,9 +1,11 @@
-"""Trainer save/resume under EP started by `accelerate launch` (2 CPU processes, gloo), not only by torchrun.
+"""Trainer save/resume under EP started by the real launchers (2 CPU processes, gloo): the two launches of
+docs/finetune.md at a smaller size (that document's test skips them for this one).
 
 `tests/test_hf_native.py` checks resume = uninterrupted run in a torchrun-like world (`run_world`).
-Here the real launcher starts the fine-tune entry point twice: 4 steps with a checkpoint at step 2,
-then a second run resumed from that checkpoint. Both runs must be two EP ranks (one expert shard per
-rank in the checkpoint) and the resumed losses must equal the uninterrupted ones step for step.
+Here `torchrun` starts the fine-tune entry point for 4 steps with a checkpoint at step 2, then
+`accelerate launch` resumes from that checkpoint. Both runs must be two EP ranks (one expert shard per
+rank in the checkpoint) and the resumed losses must equal the uninterrupted ones step for step, so a
+checkpoint written under one launcher resumes under the other.
 
 accelerate's own `--cpu` flag starts one process whatever `--num_processes` says (its CPU path is
 for `--num_cpu_threads_per_process`, or multi-CPU through MPI/oneCCL, neither here), so on a CPU
@@ -32,17 +34,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(tmp_path, args: list[str]) -> None:
+def _launch(tmp_path, launcher: str, args: list[str]) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
            "HF_HOME": str(tmp_path / "hf_home"),  # no user accelerate config file: the flags say everything
            "OCCULT_SAVE_TIMEOUT_S": "60"}  # fmt: skip
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "--main_process_port", str(_free_port()), "-m", "occult_hf.finetune", *args]  # fmt: skip
+    launchers = {
+        "torchrun": ["torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port())],
+        "accelerate": ["accelerate.commands.accelerate_cli", "launch", "--multi_gpu", "--num_processes", "2",
+                       "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                       "--main_process_port", str(_free_port())],
+    }  # fmt: skip
+    command = [sys.executable, "-m", *launchers[launcher], "-m", "occult_hf.finetune", *args]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, f"accelerate launch failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    assert done.returncode == 0, f"{launcher} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
 
 
 def _losses(checkpoint) -> dict[int, float]:
@@ -51,7 +57,7 @@ def _losses(checkpoint) -> dict[int, float]:
 
 
 @pytest.mark.world_size(2)
-def test_accelerate_launch_resume_equals_uninterrupted_run(tmp_path):
+def test_resume_under_accelerate_launch_equals_uninterrupted_torchrun_run(tmp_path):
     import datasets
 
     from tiny_models import save_tiny_tokenizer, tiny_checkpoint, tiny_sentences
@@ -64,11 +70,11 @@ def test_accelerate_launch_resume_equals_uninterrupted_run(tmp_path):
               "--num_devices", "2", "--prune", "router", "--max_devices_per_token", "1", "--check_every", "0",
               "--seed", "0"]  # fmt: skip
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    _launch(tmp_path, [*common, "--output_dir", str(full)])
+    _launch(tmp_path, "torchrun", [*common, "--output_dir", str(full)])
     # two EP ranks ran: one expert shard per rank beside the Trainer's files (one process would write -of-1)
     for rank in (0, 1):
         assert (full / f"checkpoint-{SAVE_STEPS}" / f"occult_rank{rank}-of-2.pt").is_file(), sorted(os.listdir(full / f"checkpoint-{SAVE_STEPS}"))
-    _launch(tmp_path, [*common, "--output_dir", str(resumed), "--resume_from_checkpoint", str(full / f"checkpoint-{SAVE_STEPS}")])
+    _launch(tmp_path, "accelerate", [*common, "--output_dir", str(resumed), "--resume_from_checkpoint", str(full / f"checkpoint-{SAVE_STEPS}")])
     expected, got = _losses(full / f"checkpoint-{STEPS}"), _losses(resumed / f"checkpoint-{STEPS}")
     assert sorted(expected) == sorted(got) == list(range(1, STEPS + 1)), (expected, got)
     for step in range(SAVE_STEPS + 1, STEPS + 1):
