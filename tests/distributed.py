@@ -25,6 +25,7 @@ test module's import in every rank, while a collective on a tiny tensor costs mi
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -46,7 +47,7 @@ class WorldError(RuntimeError):
     """A spawned world failed: a rank raised, died or the world ran past its timeout."""
 
 
-def _rank_main(rank, world_size, init_file, fn, args, results, env, backend="gloo") -> None:
+def _rank_main(rank, world_size, init_file, call, results, env, backend="gloo") -> None:
     import torch
     import torch.distributed as dist
 
@@ -65,6 +66,7 @@ def _rank_main(rank, world_size, init_file, fn, args, results, env, backend="glo
             timeout=timedelta(seconds=float(env.get("OCCULT_TEST_COLLECTIVE_TIMEOUT_S", 120))),
         )
         try:
+            fn, args = pickle.loads(call)
             value = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
@@ -92,13 +94,16 @@ def run_world(
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(PRELOADED)
     results = context.Queue()
+    # by value: a tensor argument handed to the fork server as-is travels as a file descriptor, and
+    # the server takes at most a few hundred
+    call = pickle.dumps((fn, args))
     child_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     with tempfile.TemporaryDirectory(prefix="occult_world_") as tmp:
         init_file = os.path.join(tmp, "store")
         processes = [
             context.Process(
                 target=_rank_main,
-                args=(rank, world_size, init_file, fn, args, results, child_env, backend),
+                args=(rank, world_size, init_file, call, results, child_env, backend),
                 name=f"occult-test-rank{rank}",
                 daemon=True,
             )
