@@ -452,7 +452,7 @@ def _replay_trace(rank, world_size, trace_ids_Nk, trace_weights_Nk):
             if mode == "dedup":
                 assert rows[mode] == ct_count(ids_Tk.numpy(), device_of_E)  # independent CT count
                 volume = communication_volume(trace_ids_Nk.astype(np.int64), device_of_E, world_size, source_N)
-                assert remote == int(volume.sent_rows_R[rank])  # the metrics module's remote copies
+                assert remote == int(volume.sent_rows_D[rank])  # the metrics module's remote copies
         assert rows["per_expert"] == ids_Tk.shape[0] * 4
         assert rows["dedup"] < rows["per_expert"]
         report[name] = rows

@@ -70,9 +70,13 @@ def test_remote_copies_hand_case():
     # remote copies per token: 2, 1, 2, 1, 1, 2
     assert volume.remote_copies_mean == pytest.approx(9 / 6)
     assert volume.ct_mean == 2.0
-    assert volume.sent_rows_R.tolist() == [3, 3, 3]
-    assert volume.received_rows_R.tolist() == [2, 4, 3]
+    assert volume.sent_rows_D.tolist() == [3, 3, 3]
+    assert volume.received_rows_D.tolist() == [2, 4, 3]
     assert (volume.max_sent_rows, volume.max_received_rows) == (3, 4)
+    with pytest.warns(FutureWarning, match="sent_rows_D"):  # the names before the one shape legend still read
+        assert volume.sent_rows_R is volume.sent_rows_D
+    with pytest.warns(FutureWarning, match="received_rows_D"):
+        assert volume.received_rows_R is volume.received_rows_D
 
 
 def test_remote_copies_match_a_python_loop():
@@ -86,7 +90,7 @@ def test_remote_copies_match_a_python_loop():
             sent[source] += 1
             received[device] += 1
     volume = metrics.communication_volume(topk_Nk, devices_E, D, source_rank_N=source_N)
-    assert volume.sent_rows_R.tolist() == sent.tolist() and volume.received_rows_R.tolist() == received.tolist()
+    assert volume.sent_rows_D.tolist() == sent.tolist() and volume.received_rows_D.tolist() == received.tolist()
     assert volume.remote_copies_mean == pytest.approx(sent.sum() / 101)
 
 
@@ -207,7 +211,7 @@ def test_real_qwen_trace_metrics_are_consistent():
     m = metrics.evaluate_placement(profile, placement)[0]
     volume = metrics.communication_volume(routing.topk_sample, np.array(placement.device_of(0)), 8)
     assert m.ct_lower == 1 and m.ct_upper == 4 and 1 <= m.ct <= 4
-    assert volume.received_rows_R.sum() == volume.sent_rows_R.sum() == round(m.remote_copies * 4384)
+    assert volume.received_rows_D.sum() == volume.sent_rows_D.sum() == round(m.remote_copies * 4384)
     assert m.remote_copies < m.ct  # tokens whose own rank holds one of their experts save a copy
     assert m.load_D.sum() == 4384 * 4
 

@@ -29,13 +29,15 @@ with the planners.
 
 `evaluate_layer` / `evaluate_placement` gather all of these for a profile and a placement.
 
-Shape legend: N tokens (a sample or a trace), k experts per token, E routed experts, D devices,
-R ranks of the expert-parallel group (R = D: each rank is one device).
+Shape legend (docs/conventions.md): N tokens (a sample or a trace), k experts per token, E routed
+experts, D devices of the EP group (each rank is one device, so per-rank figures are `_D` too), M
+homes of one expert.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -123,12 +125,17 @@ def ct_bounds(top_k: int, capacities_D: np.ndarray) -> tuple[int, int]:
     return math.ceil(top_k / int(capacities.max())), min(top_k, len(capacities))
 
 
+def _renamed(value, old: str, new: str):
+    warnings.warn(f"CommunicationVolume.{old} is deprecated: use {new} (one shape legend: D is the EP ranks)", FutureWarning, stacklevel=3)
+    return value
+
+
 # ----- remote copies ---------------------------------------------------------------------------
 def token_ranks_T(num_tokens: int, num_ranks: int, device: torch.device | str | None = None) -> torch.Tensor:
     """`[T]` int64 source rank of each token: contiguous equal chunks (sizes differ by at most one), rank 0 first.
 
     This is how expert parallelism shards a batch: every rank is also a data-parallel rank that
-    owns a contiguous slice of the tokens. Token t goes to rank `t * R // T`. Built on `device`.
+    owns a contiguous slice of the tokens. Token t goes to rank `t * D // T`. Built on `device`.
     """
     return torch.arange(num_tokens, dtype=torch.int64, device=device) * num_ranks // max(num_tokens, 1)
 
@@ -145,24 +152,37 @@ class CommunicationVolume:
     Attributes:
         ct_mean: mean CT over tokens.
         remote_copies_mean: mean over tokens of copies that leave the token's rank.
-        sent_rows_R: `[R]` rows each rank sends to other ranks (combine returns as many).
-        received_rows_R: `[R]` rows each rank receives from other ranks.
+        sent_rows_D: `[D]` rows each rank sends to other ranks (combine returns as many).
+        received_rows_D: `[D]` rows each rank receives from other ranks.
+
+    `sent_rows_R` / `received_rows_R` (the names before the package's one shape legend, where `R` is
+    received rows) still read the same arrays, with a `FutureWarning`.
     """
 
     ct_mean: float
     remote_copies_mean: float
-    sent_rows_R: np.ndarray
-    received_rows_R: np.ndarray
+    sent_rows_D: np.ndarray
+    received_rows_D: np.ndarray
+
+    @property
+    def sent_rows_R(self) -> np.ndarray:
+        """Deprecated name of `sent_rows_D`."""
+        return _renamed(self.sent_rows_D, "sent_rows_R", "sent_rows_D")
+
+    @property
+    def received_rows_R(self) -> np.ndarray:
+        """Deprecated name of `received_rows_D`."""
+        return _renamed(self.received_rows_D, "received_rows_R", "received_rows_D")
 
     @property
     def max_sent_rows(self) -> int:
         """Rows of the slowest sender."""
-        return int(self.sent_rows_R.max())
+        return int(self.sent_rows_D.max())
 
     @property
     def max_received_rows(self) -> int:
         """Rows of the slowest receiver."""
-        return int(self.received_rows_R.max())
+        return int(self.received_rows_D.max())
 
 
 def communication_volume(
@@ -177,7 +197,7 @@ def communication_volume(
     Args:
         topk_ids_Nk: `[N, k]` expert ids.
         device_of_E: `[E]` device of each expert.
-        num_devices: `D` (= ranks R).
+        num_devices: `D` (= ranks: each rank is one device).
         source_rank_N: `[N]` rank holding each token; default `token_ranks(N, D)` (contiguous equal chunks).
         home_table_EM: `[E, M]` homes of each expert when the placement has replicas (`pair_devices`).
 
@@ -197,11 +217,11 @@ def communication_volume(
         raise ValueError(f"source_rank_N must be [N={num_tokens}] ranks in [0, {num_devices}), got shape {list(source_rank_N.shape)}")
     hits_ND = torch.from_numpy(device_hits(ids, devices, num_devices, home_table_EM))
     ct_N, remote_N = (t.numpy() for t in ct_and_remote_T(hits_ND, torch.from_numpy(source_rank_N)))
-    sent_R = np.bincount(source_rank_N, weights=remote_N, minlength=num_devices).astype(np.int64)
+    sent_D = np.bincount(source_rank_N, weights=remote_N, minlength=num_devices).astype(np.int64)
     # a device receives the tokens that reach it, less those of its own rank (they never cross a link)
     own_N = ct_N - remote_N
-    received_R = ((hits_ND > 0).sum(0).numpy() - np.bincount(source_rank_N, weights=own_N, minlength=num_devices)).astype(np.int64)
-    return CommunicationVolume(float(ct_N.mean()), float(remote_N.mean()), sent_R, received_R)
+    received_D = ((hits_ND > 0).sum(0).numpy() - np.bincount(source_rank_N, weights=own_N, minlength=num_devices)).astype(np.int64)
+    return CommunicationVolume(float(ct_N.mean()), float(remote_N.mean()), sent_D, received_D)
 
 
 # ----- load ------------------------------------------------------------------------------------
@@ -414,7 +434,7 @@ def evaluate_layer(
         load_E = expert_load(sample, num_experts)
         ct, remote = volume.ct_mean, volume.remote_copies_mean
         sent, received = volume.max_sent_rows, volume.max_received_rows
-        mean_received = float(volume.received_rows_R.mean())
+        mean_received = float(volume.received_rows_D.mean())
     else:
         sample = None
         load_E = np.asarray(routing.expert_counts)
