@@ -241,8 +241,8 @@ def drift(work: Path, model, data, recipe, measured: dict, max_tokens: int) -> d
     return result
 
 
-def measure_ids(model, windows_WS) -> dict:
-    """Dispatched expert ids per layer over `windows_WS` (through the Occult blocks)."""
+def measure_ids(model, windows_BS) -> dict:
+    """Dispatched expert ids per layer over `windows_BS` (through the Occult blocks)."""
     import torch
 
     from ..integration import occult_modules
@@ -251,7 +251,7 @@ def measure_ids(model, windows_WS) -> dict:
     blocks = list(occult_modules(model).values())
     captured = {i: [] for i in range(len(blocks))}
     handles = [b.register_forward_hook(lambda m, i_, o, i=i: captured[i].append(m.last_topk_ids_Tk.cpu())) for i, b in enumerate(blocks)]
-    mean_nll(model, windows_WS)
+    mean_nll(model, windows_BS)
     for handle in handles:
         handle.remove()
     return {i: torch.cat(c).numpy() for i, c in captured.items()}

@@ -19,7 +19,7 @@ Files in a prepared directory:
     heldout_<domain>.jsonl     {"text": ...} per held-out document
     data.json                  documents, characters and tokens per split and domain; the settings
 
-Shape legend: N tokens of a stream, W windows, S sequence length.
+Shape legend (docs/conventions.md): N tokens of a stream, B windows (sequences), S sequence length.
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ class PreparedData:
         return np.load(self.path / f"{split}_{domain}.npy").astype(np.int64)
 
     def windows(self, split: str, domain: str, seq_len: int, max_tokens: int | None = None) -> np.ndarray:
-        """`[W, S]` non-overlapping windows of the stream (the remainder shorter than S dropped)."""
+        """`[B, S]` non-overlapping windows of the stream (the remainder shorter than S dropped)."""
         return pack(self.stream(split, domain), seq_len, max_tokens)
 
     def heldout_texts(self, domain: str) -> list[str]:
@@ -220,7 +220,7 @@ class PreparedData:
 
 
 def pack(stream_N: np.ndarray, seq_len: int, max_tokens: int | None = None) -> np.ndarray:
-    """`[W, S]` consecutive windows of `stream_N` (W = N // S, or fewer under `max_tokens`)."""
+    """`[B, S]` consecutive windows of `stream_N` (B = N // S, or fewer under `max_tokens`)."""
     count = len(stream_N) // seq_len
     if max_tokens is not None:
         count = min(count, max(1, max_tokens // seq_len))

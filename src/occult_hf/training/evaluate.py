@@ -1,6 +1,6 @@
 """Held-out perplexity and learned-routing statistics of a trained model (DESIGN.md §9).
 
-- `perplexity`: exp of the mean next-token negative log-likelihood over non-overlapping `[W, S]`
+- `perplexity`: exp of the mean next-token negative log-likelihood over non-overlapping `[B, S]`
   windows of a held-out stream; every token is predicted at most once (the first token of each
   window has no context inside the window and is not scored).
 - `capture_routing`: the top-k expert ids and routing weights each MoE layer's router chose for
@@ -9,7 +9,8 @@
   the co-activation mass sits in the most frequent pairs, each beside the same numbers for a
   uniformly random router on as many tokens.
 
-Shape legend: W windows, S sequence length, B batch, N tokens, k experts per token, E experts.
+Shape legend (docs/conventions.md): B windows (sequences; a batch of them), S sequence length, N tokens,
+k experts per token, E experts.
 """
 
 from __future__ import annotations
@@ -25,15 +26,15 @@ def _device_of(model) -> torch.device:
 
 
 @torch.no_grad()
-def mean_nll(model, windows_WS: np.ndarray, batch_size: int = 16) -> tuple[float, int]:
+def mean_nll(model, windows_BS: np.ndarray, batch_size: int = 16) -> tuple[float, int]:
     """(mean next-token NLL in nats, tokens scored) over the windows; the model's mode is restored."""
     device = _device_of(model)
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
     try:
-        for start in range(0, len(windows_WS), batch_size):
-            ids_BS = torch.as_tensor(windows_WS[start : start + batch_size], dtype=torch.long, device=device)
+        for start in range(0, len(windows_BS), batch_size):
+            ids_BS = torch.as_tensor(windows_BS[start : start + batch_size], dtype=torch.long, device=device)
             logits_BSV = model(input_ids=ids_BS, use_cache=False).logits.float()
             nll = torch.nn.functional.cross_entropy(
                 logits_BSV[:, :-1].reshape(-1, logits_BSV.shape[-1]), ids_BS[:, 1:].reshape(-1), reduction="sum"
@@ -45,9 +46,9 @@ def mean_nll(model, windows_WS: np.ndarray, batch_size: int = 16) -> tuple[float
     return total / max(count, 1), count
 
 
-def perplexity(model, windows_WS: np.ndarray, batch_size: int = 16) -> float:
+def perplexity(model, windows_BS: np.ndarray, batch_size: int = 16) -> float:
     """exp(mean next-token NLL) over the windows (module docstring)."""
-    return float(math.exp(mean_nll(model, windows_WS, batch_size)[0]))
+    return float(math.exp(mean_nll(model, windows_BS, batch_size)[0]))
 
 
 def _routers(model) -> dict[int, torch.nn.Module]:
@@ -57,7 +58,7 @@ def _routers(model) -> dict[int, torch.nn.Module]:
 
 
 @torch.no_grad()
-def capture_routing(model, windows_WS: np.ndarray, batch_size: int = 16) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+def capture_routing(model, windows_BS: np.ndarray, batch_size: int = 16) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """Per layer, (`[N, k]` int64 expert ids, `[N, k]` float32 routing weights) of every window token."""
     captured: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     handles = []
@@ -76,8 +77,8 @@ def capture_routing(model, windows_WS: np.ndarray, batch_size: int = 16) -> dict
     model.eval()
     try:
         base = getattr(model, "model", model)
-        for start in range(0, len(windows_WS), batch_size):
-            ids_BS = torch.as_tensor(windows_WS[start : start + batch_size], dtype=torch.long, device=device)
+        for start in range(0, len(windows_BS), batch_size):
+            ids_BS = torch.as_tensor(windows_BS[start : start + batch_size], dtype=torch.long, device=device)
             base(input_ids=ids_BS, use_cache=False)
     finally:
         model.train(was_training)

@@ -1,7 +1,7 @@
 """Train an `OlmoeForCausalLM` from scratch with `Trainer` (what `occult train` runs).
 
 The run: seed everything, build the recipe's model, pack the prepared training streams of the
-recipe's domains into `[W, S]` windows, shuffle them with the seed, and train with `Trainer`
+recipe's domains into `[B, S]` windows, shuffle them with the seed, and train with `Trainer`
 (AdamW, warm-up then cosine decay to 10%, gradient clipping at 1.0, tqdm progress). Under a
 `time_budget_s` the run measures its step time after a few steps and shortens the schedule to the
 steps that fit (the cosine then ends at the last step that runs, rather than being cut). The
@@ -27,25 +27,25 @@ from .recipes import Recipe
 
 
 class PackedWindows(torch.utils.data.Dataset):
-    """`[W, S]` token windows as causal-LM examples (`labels` = `input_ids`; the model shifts)."""
+    """`[B, S]` token windows as causal-LM examples (`labels` = `input_ids`; the model shifts)."""
 
-    def __init__(self, windows_WS: np.ndarray) -> None:
-        self.windows_WS = torch.from_numpy(np.ascontiguousarray(windows_WS, dtype=np.int64))
+    def __init__(self, windows_BS: np.ndarray) -> None:
+        self.windows_BS = torch.from_numpy(np.ascontiguousarray(windows_BS, dtype=np.int64))
 
     def __len__(self) -> int:
-        return self.windows_WS.shape[0]
+        return self.windows_BS.shape[0]
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        ids_S = self.windows_WS[index]
+        ids_S = self.windows_BS[index]
         return {"input_ids": ids_S, "labels": ids_S}
 
 
 def training_windows(data: PreparedData, recipe: Recipe, domains: tuple[str, ...] | None = None) -> np.ndarray:
-    """The shuffled `[W, S]` windows of the training streams of `domains` (default: the recipe's)."""
+    """The shuffled `[B, S]` windows of the training streams of `domains` (default: the recipe's)."""
     windows = [pack(data.stream("train", d), recipe.seq_len) for d in (domains or recipe.train_domains)]
-    windows_WS = np.concatenate(windows)
-    order = np.random.default_rng(recipe.seed).permutation(len(windows_WS))
-    return windows_WS[order]
+    windows_BS = np.concatenate(windows)
+    order = np.random.default_rng(recipe.seed).permutation(len(windows_BS))
+    return windows_BS[order]
 
 
 class _Schedule:
@@ -123,7 +123,7 @@ def train(
     set_seed(recipe.seed)
     if model is None:
         model = OlmoeForCausalLM.from_pretrained(base_model) if base_model is not None else build_model(recipe)
-    windows_WS = training_windows(data, recipe, train_domains)
+    windows_BS = training_windows(data, recipe, train_domains)
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         model = model.cuda()
@@ -155,7 +155,7 @@ def train(
     trainer = Trainer(
         model=model,
         args=args,
-        train_dataset=PackedWindows(windows_WS),
+        train_dataset=PackedWindows(windows_BS),
         optimizers=(optimizer, scheduler),
         callbacks=[_time_budget_callback(schedule, recipe.time_budget_s), *(trainer_callbacks or [])],
     )
@@ -173,7 +173,7 @@ def train(
         "recipe": recipe.to_dict(),
         "steps": steps,
         "tokens_seen": steps * recipe.batch_size * recipe.seq_len,
-        "train_windows": int(len(windows_WS)),
+        "train_windows": int(len(windows_BS)),
         "wall_s": round(wall_s, 1),
         "device": torch.cuda.get_device_name() if use_cuda else "cpu",
         "loss_history": [{"step": h["step"], "loss": h["loss"]} for h in history],
