@@ -185,11 +185,11 @@ def test_trace_errors_say_what_was_expected(tmp_path):
     # real files of other kinds (per-expert frequencies only) are refused with the expected layouts
     frequencies = ROUTING / "qwen3_30b_a3b_expert_activation_freq.npz"
     if frequencies.is_file():  # real routing data the project does not ship
-        with pytest.raises(ValueError, match=r"has arrays \['act__.*expected 'topk_ids'.*'coact' \[L, E, E\]"):
+        with pytest.raises(ValueError, match=r"has arrays \['act__.*expected 'topk_ids'.*'coact' \[Z, E, E\]"):
             RoutingProfile.from_trace(frequencies)
     odd = tmp_path / "odd.npz"
     np.savez(odd, experts_per_token=np.zeros((3, 2), dtype=np.int64))
-    with pytest.raises(ValueError, match=r"expected 'topk_ids' \[T, k\] or \[T, L, k\]"):
+    with pytest.raises(ValueError, match=r"expected 'topk_ids' \[T, k\] or \[T, Z, k\]"):
         RoutingProfile.from_trace(odd)
     repeated = tmp_path / "repeated.npz"
     np.savez(repeated, topk_ids=np.array([[0, 1], [2, 2]]))

@@ -20,18 +20,18 @@ from test_training import write_corpus  # noqa: E402  (the generated three-domai
 
 
 def test_shipped_trace_matches_the_shipped_checkpoint():
-    ids_TLk, domain_T, split_T, meta = tiny_routing.load()
+    ids_TZk, domain_T, split_T, meta = tiny_routing.load()
     config = OlmoeConfig.from_pretrained(str(tiny_checkpoint_path()))
-    assert ids_TLk.shape[1:] == (config.num_hidden_layers, config.num_experts_per_tok)
+    assert ids_TZk.shape[1:] == (config.num_hidden_layers, config.num_experts_per_tok)
     assert meta["n_experts"] == config.num_experts and meta["top_k"] == config.num_experts_per_tok
-    assert 0 <= ids_TLk.min() and ids_TLk.max() < config.num_experts
+    assert 0 <= ids_TZk.min() and ids_TZk.max() < config.num_experts
     # distinct experts per (token, layer), as a top-k router gives
-    assert (np.sort(ids_TLk, axis=2)[:, :, 1:] != np.sort(ids_TLk, axis=2)[:, :, :-1]).all()
+    assert (np.sort(ids_TZk, axis=2)[:, :, 1:] != np.sort(ids_TZk, axis=2)[:, :, :-1]).all()
     for domain in range(len(meta["domains"])):  # both halves hold every domain
         for part in (tiny_routing.PLAN, tiny_routing.HELD_OUT):
             assert ((domain_T == domain) & (split_T == part)).sum() >= 512
     # learned routing: far from a router that learned nothing (uniform load ~ 1.0, top-10% pairs ~ 10%)
-    layer0_Nk = ids_TLk[:, 0]
+    layer0_Nk = ids_TZk[:, 0]
     assert load_entropy(layer0_Nk, config.num_experts) < 0.97
     assert top_pair_share(layer0_Nk, config.num_experts) > 0.2
 
@@ -58,8 +58,8 @@ def test_record_is_the_models_routing_of_held_out_text(tmp_path):
     arrays = tiny_routing.record(corpus, tokens_per_domain=256, seq_len=64)
     path = tmp_path / "trace.npz"
     tiny_routing.save(arrays, path)
-    ids_TLk, domain_T, split_T, meta = tiny_routing.load(path)
-    assert ids_TLk.shape == (768, 4, 4) and list(split_T[:128]) == [0] * 64 + [1] * 64
+    ids_TZk, domain_T, split_T, meta = tiny_routing.load(path)
+    assert ids_TZk.shape == (768, 4, 4) and list(split_T[:128]) == [0] * 64 + [1] * 64
     assert meta["domains"] == ["python_docs", "python_stdlib_code", "kernel_docs"]
     # the first window of the first domain is the first held-out document's tokens, routed by the model
     model = OlmoeForCausalLM.from_pretrained(str(tiny_checkpoint_path())).eval()
@@ -69,8 +69,8 @@ def test_record_is_the_models_routing_of_held_out_text(tmp_path):
     assert len(first) == 64
     with torch.no_grad():
         routing = capture_routing(model, np.asarray([first]))
-    expected_TLk = np.stack([routing[layer][0] for layer in range(4)], axis=1)
-    np.testing.assert_array_equal(ids_TLk[:64], expected_TLk)
+    expected_TZk = np.stack([routing[layer][0] for layer in range(4)], axis=1)
+    np.testing.assert_array_equal(ids_TZk[:64], expected_TZk)
     np.testing.assert_allclose(arrays["topk_weights"][:64, 0].astype(np.float32), routing[0][1], atol=1e-3)
     with pytest.raises(ValueError, match="tokens_per_domain=100 must be at least 2 \\* seq_len"):
         tiny_routing.record(corpus, tokens_per_domain=100, seq_len=64)

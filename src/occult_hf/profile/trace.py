@@ -2,19 +2,19 @@
 
 Two kinds of file are understood:
 
-* **Per-token expert ids**: `topk_ids` `[T, k]` (one MoE layer) or `[T, L, k]` (layers 0..L-1), or
-  arrays named `<part>_experts` `[T, L, k]` (e.g. Mixtral's `prefill_experts` and
+* **Per-token expert ids**: `topk_ids` `[T, k]` (one MoE layer) or `[T, Z, k]` (layers 0..Z-1), or
+  arrays named `<part>_experts` `[T, Z, k]` (e.g. Mixtral's `prefill_experts` and
   `decode_experts`, concatenated in file order: every token the model routed). An optional `[T]`
   row mask drops whole tokens: `is_warmup_dummy` (True = drop), or `valid` / `mask` / `row_mask`
   (True = keep). A negative id marks a missing entry: the (token, layer) row holding it is left
   out of that layer only (the token still counts at the layers where its row is complete), and
   `meta["dropped_rows"]` says how many rows each layer lost. Such a profile holds every kept
   token's top-k set as its sample (exact CT) and no router-logit Gram matrix.
-* **Pair counts**: `coact` `[L, E, E]` and `freq` `[L, E]`, optional `layer_valid` `[L]` and a
+* **Pair counts**: `coact` `[Z, E, E]` and `freq` `[Z, E]`, optional `layer_valid` `[Z]` and a
   JSON `meta` string with `top_k` and `n_tokens`. It gives a profile without samples (pairwise
   cut and load can be measured, exact CT cannot).
 
-Shape legend: T tokens, L layers, E routed experts, k experts per token.
+Shape legend (docs/conventions.md): T tokens, Z layers, E routed experts, k experts per token.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from .stats import LayerAccumulator, LayerRouting
 ROW_MASK_KEYS = {"is_warmup_dummy": False, "valid": True, "mask": True, "row_mask": True}
 
 _EXPECTED_KEYS = (
-    "'topk_ids' [T, k] or [T, L, k] (optional [T] row mask: "
+    "'topk_ids' [T, k] or [T, Z, k] (optional [T] row mask: "
     + ", ".join(repr(k) for k in ROW_MASK_KEYS)
-    + "), arrays named '<part>_experts' [T, L, k], or pair counts 'coact' [L, E, E] with 'freq' [L, E]"
+    + "), arrays named '<part>_experts' [T, Z, k], or pair counts 'coact' [Z, E, E] with 'freq' [Z, E]"
 )
 
 
@@ -72,11 +72,11 @@ def read_trace(
     if key is None and "coact" in arrays and "freq" in arrays:
         return _from_pair_counts(arrays, file_meta, num_experts, top_k, model_type, source)
     keys = _id_keys(arrays, key, path)
-    ids_TLk, layers = _stack_ids(arrays, keys, layer, path)
-    keep_T = _row_mask(arrays, ids_TLk.shape[0], path)
-    usable_L = (keep_T[:, None] & (ids_TLk >= 0).all(axis=2)).sum(axis=0)
-    if ids_TLk.shape[0] == 0 or not usable_L.all():
-        empty = [layers[i] for i in np.flatnonzero(usable_L == 0).tolist()] or layers
+    ids_TZk, layers = _stack_ids(arrays, keys, layer, path)
+    keep_T = _row_mask(arrays, ids_TZk.shape[0], path)
+    usable_Z = (keep_T[:, None] & (ids_TZk >= 0).all(axis=2)).sum(axis=0)
+    if ids_TZk.shape[0] == 0 or not usable_Z.all():
+        empty = [layers[i] for i in np.flatnonzero(usable_Z == 0).tolist()] or layers
         raise ValueError(
             f"trace file {path!r} has no usable token at layers {empty}: every row is masked out or holds a negative "
             f"(missing) expert id, so a profile of it would be empty"
@@ -87,12 +87,12 @@ def read_trace(
             raise ValueError(f"trace file {path!r}: meta 'n_experts' must be an integer >= 1, got {num_experts!r}")
     inferred = num_experts is None
     if inferred:
-        num_experts = int(ids_TLk.max()) + 1
-    _check_ids(ids_TLk, num_experts, path)
-    k = ids_TLk.shape[2]
+        num_experts = int(ids_TZk.max()) + 1
+    _check_ids(ids_TZk, num_experts, path)
+    k = ids_TZk.shape[2]
     result_layers, dropped = {}, {}
     for position, layer_index in enumerate(layers):
-        rows_Tk = ids_TLk[:, position, :]
+        rows_Tk = ids_TZk[:, position, :]
         complete_T = (rows_Tk >= 0).all(axis=1)
         dropped[str(layer_index)] = int((keep_T & ~complete_T).sum())
         accumulator = LayerAccumulator(num_experts, k, sample_size=sample_size, seed=seed)
@@ -101,7 +101,7 @@ def read_trace(
     meta = {
         **source,
         "trace_keys": keys,
-        "tokens_in_file": int(ids_TLk.shape[0]),
+        "tokens_in_file": int(ids_TZk.shape[0]),
         "tokens_masked_out": int((~keep_T).sum()),
         "dropped_rows": dropped,
         "num_experts_inferred": inferred,
@@ -154,16 +154,16 @@ def _id_keys(arrays: dict[str, np.ndarray], key, path: str) -> list[str]:
 
 
 def _stack_ids(arrays, keys: list[str], layer: int | None, path: str) -> tuple[np.ndarray, list[int]]:
-    """`[T, L, k]` ids of the chosen arrays (concatenated over tokens) and their layer indices."""
+    """`[T, Z, k]` ids of the chosen arrays (concatenated over tokens) and their layer indices."""
     shapes = {k: arrays[k].shape for k in keys}
     for name, shape in shapes.items():
         if arrays[name].dtype.kind not in "iu" or len(shape) not in (2, 3):
             raise ValueError(
-                f"trace array {name!r} in {path!r} must be integer [T, k] or [T, L, k], "
+                f"trace array {name!r} in {path!r} must be integer [T, k] or [T, Z, k], "
                 f"got {arrays[name].dtype} {list(shape)}"
             )
     if len({shape[1:] for shape in shapes.values()}) != 1:
-        raise ValueError(f"trace arrays {keys} in {path!r} disagree on their [L, k] shape: {shapes}")
+        raise ValueError(f"trace arrays {keys} in {path!r} disagree on their [Z, k] shape: {shapes}")
     ids = np.concatenate([arrays[k] for k in keys]).astype(np.int64)
     if ids.ndim == 2:
         return ids[:, None, :], [0 if layer is None else int(layer)]
@@ -188,39 +188,39 @@ def _row_mask(arrays, num_rows: int, path: str) -> np.ndarray:
     return mask if ROW_MASK_KEYS[name] else ~mask
 
 
-def _check_ids(ids_TLk: np.ndarray, num_experts: int, path: str) -> None:
-    if ids_TLk.max() >= num_experts:
-        raise ValueError(f"trace {path!r} holds expert id {int(ids_TLk.max())} but num_experts={num_experts}")
-    if ids_TLk.shape[2] > num_experts:
-        raise ValueError(f"trace {path!r} has top_k={ids_TLk.shape[2]} > num_experts={num_experts}")
-    sorted_ids = np.sort(ids_TLk, axis=2)
+def _check_ids(ids_TZk: np.ndarray, num_experts: int, path: str) -> None:
+    if ids_TZk.max() >= num_experts:
+        raise ValueError(f"trace {path!r} holds expert id {int(ids_TZk.max())} but num_experts={num_experts}")
+    if ids_TZk.shape[2] > num_experts:
+        raise ValueError(f"trace {path!r} has top_k={ids_TZk.shape[2]} > num_experts={num_experts}")
+    sorted_ids = np.sort(ids_TZk, axis=2)
     repeated = ((sorted_ids[..., 1:] == sorted_ids[..., :-1]) & (sorted_ids[..., 1:] >= 0)).any(axis=2)
     if repeated.any():
         token, layer_position = np.argwhere(repeated)[0]
         raise ValueError(
             f"trace {path!r} repeats an expert within one token's top-k ({int(repeated.sum())} rows; first: "
-            f"token {int(token)}, layer position {int(layer_position)}: {ids_TLk[token, layer_position].tolist()})"
+            f"token {int(token)}, layer position {int(layer_position)}: {ids_TZk[token, layer_position].tolist()})"
         )
 
 
 def _from_pair_counts(arrays, file_meta, num_experts, top_k, model_type, source) -> dict:
-    coact_LEE, freq_LE = arrays["coact"].astype(np.int64), arrays["freq"].astype(np.int64)
-    if coact_LEE.ndim != 3 or freq_LE.shape != coact_LEE.shape[:2] or coact_LEE.shape[1] != coact_LEE.shape[2]:
+    coact_ZEE, freq_ZE = arrays["coact"].astype(np.int64), arrays["freq"].astype(np.int64)
+    if coact_ZEE.ndim != 3 or freq_ZE.shape != coact_ZEE.shape[:2] or coact_ZEE.shape[1] != coact_ZEE.shape[2]:
         raise ValueError(
-            f"pair-count trace needs 'coact' [L, E, E] and 'freq' [L, E], got {list(coact_LEE.shape)} and "
-            f"{list(freq_LE.shape)}"
+            f"pair-count trace needs 'coact' [Z, E, E] and 'freq' [Z, E], got {list(coact_ZEE.shape)} and "
+            f"{list(freq_ZE.shape)}"
         )
-    file_experts = coact_LEE.shape[1]
+    file_experts = coact_ZEE.shape[1]
     if num_experts is not None and num_experts != file_experts:
         raise ValueError(f"num_experts={num_experts} given but the pair counts are for E={file_experts}")
     if top_k is None:
         if "top_k" not in file_meta:
             raise ValueError("pair-count trace has no 'top_k' in its meta JSON; pass top_k=")
         top_k = int(file_meta["top_k"])
-    valid_L = arrays["layer_valid"].astype(bool) if "layer_valid" in arrays else np.ones(len(freq_LE), dtype=bool)
+    valid_Z = arrays["layer_valid"].astype(bool) if "layer_valid" in arrays else np.ones(len(freq_ZE), dtype=bool)
     layers = {}
-    for l in np.flatnonzero(valid_L):
-        coact, freq = coact_LEE[l], freq_LE[l]
+    for l in np.flatnonzero(valid_Z):
+        coact, freq = coact_ZEE[l], freq_ZE[l]
         if not (coact == coact.T).all() or np.diagonal(coact).any():
             raise ValueError(f"pair counts of layer {l} are not symmetric with a zero diagonal")
         if not (coact.sum(axis=1) == freq * (top_k - 1)).all():
@@ -231,7 +231,7 @@ def _from_pair_counts(arrays, file_meta, num_experts, top_k, model_type, source)
         if freq.sum() % top_k:
             raise ValueError(f"'freq' of layer {l} sums to {int(freq.sum())}, not a multiple of top_k={top_k}")
         layers[int(l)] = LayerRouting(coactivation=coact, expert_counts=freq, token_count=int(freq.sum()) // top_k)
-    meta = {**source, "file_meta": file_meta, "invalid_layers_skipped": np.flatnonzero(~valid_L).tolist()}
+    meta = {**source, "file_meta": file_meta, "invalid_layers_skipped": np.flatnonzero(~valid_Z).tolist()}
     return dict(num_experts=file_experts, top_k=top_k, layers=layers, model_type=model_type, meta=meta)
 
 

@@ -25,7 +25,7 @@ the project) it runs the studies below:
 Synthetic routing (`structured_topk`) is only used where no real per-token data exists; every
 table says which routing it uses.
 
-Shape legend: N tokens, k experts per token, E experts, D devices, L layers.
+Shape legend (docs/conventions.md): N tokens, k experts per token, E experts, D devices, Z layers.
 """
 
 from __future__ import annotations
@@ -290,17 +290,17 @@ def drift_study(routing_dir: Path, devices: tuple[int, ...], result: StudyResult
 def speed_study(routing_dir: Path, result: StudyResult, progress: bool, num_devices: int = 8) -> None:
     title = "Planner speed and per-layer CT on synthetic 8,192-token samples with real per-layer loads"
     with np.load(routing_dir / OLMOE_PAIRS) as npz:
-        olmoe_freq_LE = npz["freq"].astype(np.float64)
+        olmoe_freq_ZE = npz["freq"].astype(np.float64)
     with np.load(routing_dir / QWEN3_FREQ) as npz:
-        qwen3_act_LE = npz["act__gsm_en_he_500_20250921_115824__English"].astype(np.float64)
+        qwen3_act_ZE = npz["act__gsm_en_he_500_20250921_115824__English"].astype(np.float64)
     rows = []
-    for name, popularity_LE, num_groups in (
-        ("E=64, k=8, 16 layers (OLMoE-0125 loads)", olmoe_freq_LE, 8),
-        ("E=128, k=8, 48 layers (Qwen3-30B-A3B loads)", qwen3_act_LE, 16),
+    for name, popularity_ZE, num_groups in (
+        ("E=64, k=8, 16 layers (OLMoE-0125 loads)", olmoe_freq_ZE, 8),
+        ("E=128, k=8, 48 layers (Qwen3-30B-A3B loads)", qwen3_act_ZE, 16),
     ):
-        num_layers, num_experts = popularity_LE.shape
+        num_layers, num_experts = popularity_ZE.shape
         tokens = {
-            l: structured_topk(16384, num_experts, 8, num_groups, popularity_LE[l], seed=100 + l) for l in range(num_layers)
+            l: structured_topk(16384, num_experts, 8, num_groups, popularity_ZE[l], seed=100 + l) for l in range(num_layers)
         }
         plan_half = profile_from_topk({l: t[:8192] for l, t in tokens.items()}, num_experts, f"synthetic, {name}")
         held_out = profile_from_topk({l: t[8192:] for l, t in tokens.items()}, num_experts, f"synthetic, {name}")

@@ -9,8 +9,8 @@ the learned checkpoint that ships in the package (`occult_hf/data/tiny_olmoe`, m
 with the checkpoint's own tokenizer), and ships the result as `occult_hf/data/tiny_olmoe_routing.npz`
 in the trace format `occult profile --from-trace` reads (`profile.trace`):
 
-    topk_ids  [T, L, k] int16   expert ids of every token at MoE layers 0..L-1 (E=32, k=4, L=4)
-    topk_weights [T, L, k] float16  their routing weights (the router's softmax probabilities)
+    topk_ids  [T, Z, k] int16   expert ids of every token at MoE layers 0..Z-1 (E=32, k=4, Z=4)
+    topk_weights [T, Z, k] float16  their routing weights (the router's softmax probabilities)
     domain    [T] int8          index into meta["domains"]
     split     [T] int8          0 = planning half, 1 = held-out half (128-token windows alternate,
                                 per domain, so both halves hold every domain)
@@ -22,7 +22,8 @@ given. Regenerate (needs the corpus, which the project does not ship; about a mi
 
     python -m occult_hf.studies.tiny_routing --corpus-dir ../shared/data/corpus --out src/occult_hf/data/tiny_olmoe_routing.npz
 
-Shape legend: T tokens, L layers, k experts per token, E experts, W windows, S sequence length.
+Shape legend (docs/conventions.md): T tokens, Z layers, k experts per token, E experts, B windows
+(sequences), S sequence length.
 """
 
 from __future__ import annotations
@@ -80,19 +81,19 @@ def record(corpus_dir: str | os.PathLike, tokens_per_domain: int = 2048, seq_len
         for index, domain in enumerate(domains):
             _, heldout = split_heldout(documents[domain], recipe.heldout_fraction, recipe.max_chars_per_domain)
             stream = [i for text in heldout["text"] for i in tokenizer(text, verbose=False)["input_ids"] + [tokenizer.eos_token_id]]
-            windows_WS = pack(np.asarray(stream, dtype=np.int64), seq_len, tokens_per_domain)
-            if windows_WS.size < tokens_per_domain - tokens_per_domain % seq_len:
+            windows_BS = pack(np.asarray(stream, dtype=np.int64), seq_len, tokens_per_domain)
+            if windows_BS.size < tokens_per_domain - tokens_per_domain % seq_len:
                 raise ValueError(
                     f"domain {domain!r} has {len(stream)} held-out tokens under {os.fspath(corpus_dir)!r}, "
                     f"fewer than tokens_per_domain={tokens_per_domain}"
                 )
             with torch.no_grad():
-                routing = capture_routing(model, windows_WS, batch_size)
-            ids_TLk = np.stack([routing[layer][0] for layer in sorted(routing)], axis=1)
-            ids_parts.append(ids_TLk.astype(np.int16))
+                routing = capture_routing(model, windows_BS, batch_size)
+            ids_TZk = np.stack([routing[layer][0] for layer in sorted(routing)], axis=1)
+            ids_parts.append(ids_TZk.astype(np.int16))
             weight_parts.append(np.stack([routing[layer][1] for layer in sorted(routing)], axis=1).astype(np.float16))
-            domain_parts.append(np.full(len(ids_TLk), index, dtype=np.int8))
-            split_parts.append((np.arange(len(ids_TLk)) // seq_len % 2).astype(np.int8))
+            domain_parts.append(np.full(len(ids_TZk), index, dtype=np.int8))
+            split_parts.append((np.arange(len(ids_TZk)) // seq_len % 2).astype(np.int8))
     finally:
         torch.set_num_threads(threads)
     meta = {
@@ -127,17 +128,17 @@ def save(arrays: dict[str, np.ndarray], path: str | os.PathLike) -> None:
 
     def validate(data: bytes) -> None:
         with np.load(io.BytesIO(data), allow_pickle=False) as npz:
-            ids_TLk, meta = npz["topk_ids"], json.loads(str(npz["meta"]))
-            rows = {len(ids_TLk), len(npz["domain"]), len(npz["split"])}
-        if ids_TLk.ndim != 3 or len(rows) != 1 or ids_TLk.min() < 0 or ids_TLk.max() >= meta["n_experts"]:
-            raise ValueError(f"trace for {os.fspath(path)!r}: topk_ids {ids_TLk.shape} (ids {ids_TLk.min()}..{ids_TLk.max()}, "
+            ids_TZk, meta = npz["topk_ids"], json.loads(str(npz["meta"]))
+            rows = {len(ids_TZk), len(npz["domain"]), len(npz["split"])}
+        if ids_TZk.ndim != 3 or len(rows) != 1 or ids_TZk.min() < 0 or ids_TZk.max() >= meta["n_experts"]:
+            raise ValueError(f"trace for {os.fspath(path)!r}: topk_ids {ids_TZk.shape} (ids {ids_TZk.min()}..{ids_TZk.max()}, "
                              f"E={meta['n_experts']}) and the [T] arrays ({sorted(rows)} rows) do not fit together")
 
     atomic_write_bytes(path, buffer.getvalue(), validate=validate)
 
 
 def load(path: str | os.PathLike | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
-    """(`topk_ids` `[T, L, k]` int64, `domain` `[T]`, `split` `[T]`, meta) of a trace (default: the shipped one)."""
+    """(`topk_ids` `[T, Z, k]` int64, `domain` `[T]`, `split` `[T]`, meta) of a trace (default: the shipped one)."""
     with resources.as_file(tiny_routing_path()) if path is None else nullcontext(Path(path)) as file:
         with np.load(file, allow_pickle=False) as npz:
             missing = [key for key in ("topk_ids", "domain", "split", "meta") if key not in npz.files]
@@ -151,10 +152,10 @@ def plan_and_held_out(path: str | os.PathLike | None = None) -> tuple[RoutingPro
     """Profiles (every layer, every token as the sample) of the planning half and of the held-out half."""
     from ..placement.validation import profile_from_sample
 
-    ids_TLk, _, split_T, meta = load(path)
+    ids_TZk, _, split_T, meta = load(path)
     return tuple(
         profile_from_sample(
-            {layer: ids_TLk[split_T == part, layer] for layer in range(ids_TLk.shape[1])},
+            {layer: ids_TZk[split_T == part, layer] for layer in range(ids_TZk.shape[1])},
             meta["n_experts"],
             f"{TINY_ROUTING} {name}",
         )
@@ -166,11 +167,11 @@ def domain_profiles(path: str | os.PathLike | None = None, split: int = PLAN) ->
     """One profile per domain of one half (default: the planning half), every layer."""
     from ..placement.validation import profile_from_sample
 
-    ids_TLk, domain_T, split_T, meta = load(path)
+    ids_TZk, domain_T, split_T, meta = load(path)
     profiles = {}
     for index, name in enumerate(meta["domains"]):
         keep_T = (domain_T == index) & (split_T == split)
-        layers = {layer: ids_TLk[keep_T, layer] for layer in range(ids_TLk.shape[1])}
+        layers = {layer: ids_TZk[keep_T, layer] for layer in range(ids_TZk.shape[1])}
         profiles[name] = profile_from_sample(layers, meta["n_experts"], f"{TINY_ROUTING} {name}")
     return profiles
 
