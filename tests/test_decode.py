@@ -11,13 +11,13 @@ from tiny_models import tiny_model
 NEW_TOKENS = 6
 
 
-def _decode_checks(model, prompt_BP):
-    """Tokens of the static decoder and of `generate` for `prompt_BP`, and whether a step is free of host reads."""
+def _decode_checks(model, prompt_BS):
+    """Tokens of the static decoder and of `generate` for `prompt_BS`, and whether a step is free of host reads."""
     from occult_hf.decode import GreedyDecoder, HostSyncError, no_host_sync
 
-    decoder = GreedyDecoder(model, batch_size=prompt_BP.shape[0], max_length=prompt_BP.shape[1] + NEW_TOKENS + 1, graph=False)
-    ours = decoder.generate(prompt_BP, NEW_TOKENS).tokens
-    decoder.prefill(prompt_BP)
+    decoder = GreedyDecoder(model, batch_size=prompt_BS.shape[0], max_length=prompt_BS.shape[1] + NEW_TOKENS + 1, graph=False)
+    ours = decoder.generate(prompt_BS, NEW_TOKENS).tokens
+    decoder.prefill(prompt_BS)
     try:
         with torch.no_grad(), no_host_sync():
             decoder.step()
@@ -28,12 +28,12 @@ def _decode_checks(model, prompt_BP):
 
 
 @torch.no_grad()
-def _generate(model, prompt_BP):
+def _generate(model, prompt_BS):
     """Greedy tokens recomputing the whole sequence at every step (no cache, no EOS handling)."""
-    sequence = prompt_BP
+    sequence = prompt_BS
     for _ in range(NEW_TOKENS):
         sequence = torch.cat([sequence, model(sequence).logits[:, -1:].argmax(-1)], dim=1)
-    return sequence[:, prompt_BP.shape[1] :]
+    return sequence[:, prompt_BS.shape[1] :]
 
 
 def test_no_host_sync_catches_host_reads():

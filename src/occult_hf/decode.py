@@ -1,14 +1,15 @@
 """Small batches: greedy decoding with one CUDA graph per token, and a check that a step never reads the device.
 
-Shape legend: B sequences, P prompt length, M the static cache length, N new tokens.
+Shape legend (docs/conventions.md): B sequences, S prompt positions, A attended positions (the static cache
+length), N new tokens.
 
 Decoding one token per sequence is latency-bound: at batch 1 a step of a 16-layer MoE model does
 little arithmetic but launches hundreds of kernels, each with host work in between. Replaying the
 whole step as one CUDA graph removes the launch and host costs; it needs every size static and no
 host read of device values:
 
-- the KV cache is a transformers `StaticCache` of length M, and the attention mask a static
-  `[B, 1, 1, M]` boolean mask that the step itself extends (transformers takes a 4D mask as is;
+- the KV cache is a transformers `StaticCache` of length A, and the attention mask a static
+  `[B, 1, 1, A]` boolean mask that the step itself extends (transformers takes a 4D mask as is;
   with a 2D mask its mask builder would read the mask on the host);
 - under expert parallelism the layers use a static-capacity dispatcher (`occult_hf.dispatch.static`:
   "symm_mem" with NVSHMEM, else "padded" over NCCL), whose buffers are sized from T and whose
@@ -132,7 +133,7 @@ class GreedyDecoder:
         model: the causal LM (occult_hf applied or not); ranks of an EP group must decode in lockstep
             (same prompt length and token count on every rank).
         batch_size: `B`.
-        max_length: `M`, the static cache length (prompt plus new tokens).
+        max_length: `A`, the static cache length (prompt plus new tokens).
         graph: capture the step in a CUDA graph (None: on CUDA devices).
     """
 
@@ -147,47 +148,47 @@ class GreedyDecoder:
         self.cache = StaticCache(config=model.config, max_cache_len=max_length)
         self.ids_B1 = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)
         self.pos_1 = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.mask_B11M = torch.zeros(batch_size, 1, 1, max_length, dtype=torch.bool, device=self.device)
-        self.tokens_BM = torch.zeros(batch_size, max_length, dtype=torch.long, device=self.device)
-        self._positions_M = torch.arange(max_length, device=self.device)
+        self.mask_B11A = torch.zeros(batch_size, 1, 1, max_length, dtype=torch.bool, device=self.device)
+        self.tokens_BA = torch.zeros(batch_size, max_length, dtype=torch.long, device=self.device)
+        self._positions_A = torch.arange(max_length, device=self.device)
         self._cuda_graph = None
         # the auxiliary router loss wants a 2D padding mask and is no use when decoding
         self._extra = {"output_router_logits": False} if hasattr(model.config, "output_router_logits") else {}
 
     @torch.no_grad()
-    def prefill(self, prompt_BP: torch.Tensor) -> None:
+    def prefill(self, prompt_BS: torch.Tensor) -> None:
         """Run the prompt through the model (eager), fill the cache and set the first new token."""
-        batch, length = prompt_BP.shape
+        batch, length = prompt_BS.shape
         if length >= self.max_length:
             raise ValueError(f"prompt length {length} must be below the static cache length max_length={self.max_length}")
         self.cache.reset()
-        positions_P = torch.arange(length, device=self.device)
-        causal_B1PM = (self._positions_M[None, :] <= positions_P[:, None])[None, None].expand(batch, 1, length, -1)
+        positions_S = torch.arange(length, device=self.device)
+        causal_B1SA = (self._positions_A[None, :] <= positions_S[:, None])[None, None].expand(batch, 1, length, -1)
         logits = self.model(
-            input_ids=prompt_BP, past_key_values=self.cache, cache_position=positions_P,
-            attention_mask=causal_B1PM.contiguous(), use_cache=True, **self._extra,
+            input_ids=prompt_BS, past_key_values=self.cache, cache_position=positions_S,
+            attention_mask=causal_B1SA.contiguous(), use_cache=True, **self._extra,
         ).logits  # fmt: skip
-        self.tokens_BM.zero_()
-        self.tokens_BM[:, :length] = prompt_BP
+        self.tokens_BA.zero_()
+        self.tokens_BA[:, :length] = prompt_BS
         self.ids_B1.copy_(logits[:, -1].argmax(-1, keepdim=True))
         self.pos_1.fill_(length)
-        self.tokens_BM[:, length : length + 1] = self.ids_B1
+        self.tokens_BA[:, length : length + 1] = self.ids_B1
 
     def step(self) -> None:
         """One decode step on the static buffers: the token at `pos` in, the next token written at `pos + 1`."""
-        self.mask_B11M.copy_((self._positions_M <= self.pos_1)[None, None, None].expand_as(self.mask_B11M))
+        self.mask_B11A.copy_((self._positions_A <= self.pos_1)[None, None, None].expand_as(self.mask_B11A))
         logits = self.model(
             input_ids=self.ids_B1, past_key_values=self.cache, cache_position=self.pos_1,
-            attention_mask=self.mask_B11M, use_cache=True, **self._extra,
+            attention_mask=self.mask_B11A, use_cache=True, **self._extra,
         ).logits  # fmt: skip
         next_B1 = logits[:, -1].argmax(-1, keepdim=True)
         self.ids_B1.copy_(next_B1)
         self.pos_1.add_(1)
-        self.tokens_BM.index_copy_(1, self.pos_1.clamp(max=self.max_length - 1), next_B1)
+        self.tokens_BA.index_copy_(1, self.pos_1.clamp(max=self.max_length - 1), next_B1)
 
     @torch.no_grad()
     def _capture(self) -> None:
-        state = (self.ids_B1.clone(), self.pos_1.clone(), self.tokens_BM.clone())
+        state = (self.ids_B1.clone(), self.pos_1.clone(), self.tokens_BA.clone())
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up: allocator, Triton autotuning, communicator set-up
@@ -197,22 +198,22 @@ class GreedyDecoder:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self.step()
-        for buffer, saved in zip((self.ids_B1, self.pos_1, self.tokens_BM), state):
+        for buffer, saved in zip((self.ids_B1, self.pos_1, self.tokens_BA), state):
             buffer.copy_(saved)
         self._cuda_graph = graph
 
     @torch.no_grad()
-    def generate(self, prompt_BP: torch.Tensor, new_tokens: int) -> DecodeResult:
-        """`new_tokens` greedy tokens after `prompt_BP` (the first comes from the prefill); times the steps."""
-        length = prompt_BP.shape[1]
+    def generate(self, prompt_BS: torch.Tensor, new_tokens: int) -> DecodeResult:
+        """`new_tokens` greedy tokens after `prompt_BS` (the first comes from the prefill); times the steps."""
+        length = prompt_BS.shape[1]
         if length + new_tokens > self.max_length:
             raise ValueError(
                 f"prompt length {length} + new_tokens {new_tokens} exceeds the static cache length max_length={self.max_length}"
             )
-        self.prefill(prompt_BP)
+        self.prefill(prompt_BS)
         if self.graph and self._cuda_graph is None:
             self._capture()
-            self.prefill(prompt_BP)  # the capture's warm-up steps advanced the cache
+            self.prefill(prompt_BS)  # the capture's warm-up steps advanced the cache
         _synchronize(self.device)
         start = time.perf_counter()
         for _ in range(new_tokens - 1):
@@ -222,7 +223,7 @@ class GreedyDecoder:
                 self.step()
         _synchronize(self.device)
         elapsed = time.perf_counter() - start
-        tokens = self.tokens_BM[:, length : length + new_tokens].clone()
+        tokens = self.tokens_BA[:, length : length + new_tokens].clone()
         return DecodeResult(tokens=tokens, ms_per_token=elapsed * 1e3 / max(new_tokens - 1, 1), graphed=self._cuda_graph is not None)
 
 
