@@ -9,16 +9,17 @@ vector of expert loads with its own limit (`max_load_ratio` x its own load floor
   a fine-tune): the worst of them is bounded, not their pooled mean;
 * `robust_resamples` block-bootstrap resamples of each of them (`block_bootstrap_weights`): the
   sample's tokens are cut into `robust_blocks` contiguous blocks (tokens of one document or batch
-  are correlated: resampling single tokens would understate the variation), and B resamples draw
-  that many blocks with replacement. A limit met on the sample and on all B resamples is met at
-  about the `1 - 1/(B + 1)` quantile of the load a new sample of the same kind brings
+  are correlated: resampling single tokens would understate the variation), and Q resamples draw
+  that many blocks with replacement. A limit met on the sample and on all Q resamples is met at
+  about the `1 - 1/(Q + 1)` quantile of the load a new sample of the same kind brings
   (`stated_quantile`). Without a token sample (pair counts only) the resamples are Poisson draws of
   the expert counts (independent sampling error per expert).
 
-A scenario is a row of token weights `[S, N]` over the pooled sample when there is one (so the
-replica rule can be applied per token), else a row of expert loads `[S, E]`.
+A scenario is a row of token weights `[Y, N]` over the pooled sample when there is one (so the
+replica rule can be applied per token), else a row of expert loads `[Y, E]`.
 
-Shape legend: S scenarios, N sampled tokens, k experts per token, E experts, P profiles.
+Shape legend (docs/conventions.md): Y load scenarios, N sampled tokens, k experts per token, E experts, P
+profiles; local to this file: Q bootstrap resamples, X blocks of tokens.
 """
 
 from __future__ import annotations
@@ -27,13 +28,13 @@ import numpy as np
 
 
 def stated_quantile(resamples: int) -> float:
-    """The quantile at which a limit met on the sample and on `resamples` resamples holds: `1 - 1/(B + 2)`
-    (B + 1 draws that all stay under the limit: the next one exceeds all of them with probability 1/(B + 2))."""
+    """The quantile at which a limit met on the sample and on `resamples` resamples holds: `1 - 1/(Q + 2)`
+    (Q + 1 draws that all stay under the limit: the next one exceeds all of them with probability 1/(Q + 2))."""
     return 1.0 - 1.0 / (resamples + 2)
 
 
 def block_bootstrap_weights(num_tokens: int, resamples: int, blocks: int, rng: np.random.Generator) -> np.ndarray:
-    """`[B, N]` float64 multiplicity of each token in B block-bootstrap resamples of N tokens.
+    """`[Q, N]` float64 multiplicity of each token in Q block-bootstrap resamples of N tokens.
 
     The tokens (in sample order) are cut into `min(blocks, N)` contiguous blocks of nearly equal
     size; a resample draws that many blocks with replacement, and a token's weight is the number
@@ -41,32 +42,32 @@ def block_bootstrap_weights(num_tokens: int, resamples: int, blocks: int, rng: n
     """
     num_blocks = max(1, min(int(blocks), num_tokens))
     block_of_N = np.arange(num_tokens) * num_blocks // max(num_tokens, 1)
-    draws_BK = rng.integers(num_blocks, size=(resamples, num_blocks))
-    times_BK = np.stack([np.bincount(row, minlength=num_blocks) for row in draws_BK]) if resamples else np.zeros((0, num_blocks))
-    return times_BK[:, block_of_N].astype(np.float64)
+    draws_QX = rng.integers(num_blocks, size=(resamples, num_blocks))
+    times_QX = np.stack([np.bincount(row, minlength=num_blocks) for row in draws_QX]) if resamples else np.zeros((0, num_blocks))
+    return times_QX[:, block_of_N].astype(np.float64)
 
 
 def token_scenarios(
     membership_PN: np.ndarray, resamples: int, blocks: int, rng: np.random.Generator
 ) -> np.ndarray:
-    """`[S, N]` token weights: each profile's indicator row, then its block-bootstrap resamples.
+    """`[Y, N]` token weights: each profile's indicator row, then its block-bootstrap resamples.
 
     `membership_PN` `[P, N]` marks the pooled sample's tokens of each profile; resamples are drawn
-    within a profile (its tokens, in order, cut into `blocks` blocks). S = P x (1 + resamples).
+    within a profile (its tokens, in order, cut into `blocks` blocks). Y = P x (1 + resamples).
     """
     rows = []
     for member_N in np.asarray(membership_PN, dtype=bool):
         rows.append(member_N.astype(np.float64))
         index = np.flatnonzero(member_N)
-        weights_BN = block_bootstrap_weights(len(index), resamples, blocks, rng)
-        full_BN = np.zeros((resamples, len(member_N)))
-        full_BN[:, index] = weights_BN
-        rows.extend(full_BN)
+        weights_QN = block_bootstrap_weights(len(index), resamples, blocks, rng)
+        full_QN = np.zeros((resamples, len(member_N)))
+        full_QN[:, index] = weights_QN
+        rows.extend(full_QN)
     return np.stack(rows)
 
 
 def count_scenarios(counts_PE: np.ndarray, resamples: int, rng: np.random.Generator) -> np.ndarray:
-    """`[S, E]` expert loads: each profile's counts, then `resamples` Poisson draws of them (per profile)."""
+    """`[Y, E]` expert loads: each profile's counts, then `resamples` Poisson draws of them (per profile)."""
     rows = []
     for counts_E in np.atleast_2d(np.asarray(counts_PE, dtype=np.float64)):
         rows.append(counts_E)
@@ -74,11 +75,11 @@ def count_scenarios(counts_PE: np.ndarray, resamples: int, rng: np.random.Genera
     return np.stack(rows)
 
 
-def scenario_loads(topk_ids_Nk: np.ndarray, weights_SN: np.ndarray, num_experts: int) -> np.ndarray:
-    """`[S, E]` expert loads (weighted pairs) of token-weight scenarios."""
+def scenario_loads(topk_ids_Nk: np.ndarray, weights_YN: np.ndarray, num_experts: int) -> np.ndarray:
+    """`[Y, E]` expert loads (weighted pairs) of token-weight scenarios."""
     one_hot_NE = np.zeros((len(topk_ids_Nk), num_experts))
     np.add.at(one_hot_NE, (np.repeat(np.arange(len(topk_ids_Nk)), topk_ids_Nk.shape[1]), topk_ids_Nk.ravel()), 1.0)
-    return np.asarray(weights_SN, dtype=np.float64) @ one_hot_NE
+    return np.asarray(weights_YN, dtype=np.float64) @ one_hot_NE
 
 
 __all__ = ["block_bootstrap_weights", "count_scenarios", "scenario_loads", "stated_quantile", "token_scenarios"]
