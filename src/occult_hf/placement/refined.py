@@ -28,7 +28,9 @@ Method (iterated local search, deterministic for a seed):
 4. *Perturbation*: `search_rounds` times, apply `kick_swaps` random feasible swaps to the best
    map, descend again, keep the result when it is no worse.
 
-Shape legend: E experts, D devices, N sampled tokens, k experts per token.
+Shape legend (docs/conventions.md): E experts, D devices, N sampled tokens, k experts per token, Y load
+scenarios, M most copies (homes) of one expert, P profiles; local to this file: X items (the experts'
+copies, E plus the replicas), Q groups of items (the copies of one expert).
 """
 
 from __future__ import annotations
@@ -121,14 +123,14 @@ class RefinedOptions:
 class _Search:
     """Device map, loads and objective of one layer's search, with the feasible steps.
 
-    Expert loads come as `[S, E]` scenarios (S = 1: the profile; more with robust balance or several
+    Expert loads come as `[Y, E]` scenarios (Y = 1: the profile; more with robust balance or several
     profiles), each scaled so that its device-load limit is 1: a step is feasible when no device it
     touches ends above 1 in any scenario.
     """
 
-    def __init__(self, objective, load_SE: np.ndarray, capacities_D: np.ndarray, group_E: np.ndarray | None = None) -> None:
+    def __init__(self, objective, load_YE: np.ndarray, capacities_D: np.ndarray, group_E: np.ndarray | None = None) -> None:
         self.objective = objective
-        self.load_SE = np.atleast_2d(np.asarray(load_SE, dtype=np.float64))
+        self.load_YE = np.atleast_2d(np.asarray(load_YE, dtype=np.float64))
         self.num_devices = len(capacities_D)
         self.small, self.large = int(capacities_D.min()), int(capacities_D.max())
         # copies of one expert (same group) never share a device; None: every item is its own group
@@ -142,16 +144,16 @@ class _Search:
     def sync(self) -> None:
         one_hot_ED = np.zeros((len(self.device_of_E), self.num_devices))
         one_hot_ED[np.arange(len(self.device_of_E)), self.device_of_E] = 1.0
-        self.load_SD = self.load_SE @ one_hot_ED
+        self.load_YD = self.load_YE @ one_hot_ED
         self.count_D = np.bincount(self.device_of_E, minlength=self.num_devices)
         if self.group_E is not None:
             # [E, D] copies of e's group on device d, e itself excluded
-            group_GD = np.zeros((int(self.group_E.max()) + 1, self.num_devices))
-            np.add.at(group_GD, (self.group_E, self.device_of_E), 1.0)
-            self.siblings_ED = group_GD[self.group_E] - one_hot_ED
+            group_QD = np.zeros((int(self.group_E.max()) + 1, self.num_devices))
+            np.add.at(group_QD, (self.group_E, self.device_of_E), 1.0)
+            self.siblings_ED = group_QD[self.group_E] - one_hot_ED
 
     def swap_deltas(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`[E, E]` objective deltas of swaps, and `[S, E, E]` loads of e's and of f's device after them."""
+        """`[E, E]` objective deltas of swaps, and `[Y, E, E]` loads of e's and of f's device after them."""
         device_E = self.device_of_E
         move_ED = self.objective.move_delta_ED()
         toward_EE = move_ED[:, device_E]  # [e, f]: e moves to f's device
@@ -161,12 +163,12 @@ class _Search:
             same_EE = self.group_E[:, None] == self.group_E[None, :]
             clash_EE = self.siblings_ED[:, device_E] - same_EE > 0
             delta_EE[clash_EE | clash_EE.T | same_EE] = np.inf
-        own_SEE = self.load_SD[:, device_E][:, :, None] - self.load_SE[:, :, None] + self.load_SE[:, None, :]
-        return delta_EE, own_SEE, own_SEE.transpose(0, 2, 1)
+        own_YEE = self.load_YD[:, device_E][:, :, None] - self.load_YE[:, :, None] + self.load_YE[:, None, :]
+        return delta_EE, own_YEE, own_YEE.transpose(0, 2, 1)
 
     def move_deltas(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`[E, D]` objective deltas of moves from a larger to a smaller device; `[S, E, D]` target
-        loads and `[S, E]` source loads after them."""
+        """`[E, D]` objective deltas of moves from a larger to a smaller device; `[Y, E, D]` target
+        loads and `[Y, E]` source loads after them."""
         delta_ED = self.objective.move_delta_ED().astype(np.float64, copy=True)
         allowed_ED = (self.count_D[self.device_of_E] == self.large)[:, None] & (self.count_D == self.small)[None, :]
         delta_ED[~allowed_ED] = np.inf
@@ -174,8 +176,8 @@ class _Search:
             delta_ED[:] = np.inf
         if self.group_E is not None:
             delta_ED[self.siblings_ED > 0] = np.inf
-        target_SED = self.load_SD[:, None, :] + self.load_SE[:, :, None]
-        return delta_ED, target_SED, self.load_SD[:, self.device_of_E] - self.load_SE
+        target_YED = self.load_YD[:, None, :] + self.load_YE[:, :, None]
+        return delta_ED, target_YED, self.load_YD[:, self.device_of_E] - self.load_YE
 
     def apply_swap(self, first: int, second: int, delta: float) -> None:
         self.objective.apply_swap(first, second, delta)
@@ -187,10 +189,10 @@ class _Search:
 
     def feasible_steps(self) -> tuple[np.ndarray, np.ndarray]:
         """Swap `[E, E]` and move `[E, D]` objective deltas, infinite where a step breaks a load limit."""
-        swap_EE, load_a_SEE, load_b_SEE = self.swap_deltas()
-        swap_EE[(load_a_SEE.max(0) > 1.0) | (load_b_SEE.max(0) > 1.0)] = np.inf
-        move_ED, target_load_SED, _ = self.move_deltas()
-        move_ED[target_load_SED.max(0) > 1.0] = np.inf
+        swap_EE, load_a_YEE, load_b_YEE = self.swap_deltas()
+        swap_EE[(load_a_YEE.max(0) > 1.0) | (load_b_YEE.max(0) > 1.0)] = np.inf
+        move_ED, target_load_YED, _ = self.move_deltas()
+        move_ED[target_load_YED.max(0) > 1.0] = np.inf
         return swap_EE, move_ED
 
     def _take(self, swap_EE: np.ndarray, move_ED: np.ndarray) -> float:
@@ -218,17 +220,17 @@ class _Search:
 
     def repair(self) -> bool:
         """Reduce the total overload (over scenarios) above the limits; True when no device is left over one."""
-        while self.overload(self.load_SD).sum() > 0:
-            swap_EE, load_a_SEE, load_b_SEE = self.swap_deltas()
-            before_SE = self.overload(self.load_SD[:, self.device_of_E])
+        while self.overload(self.load_YD).sum() > 0:
+            swap_EE, load_a_YEE, load_b_YEE = self.swap_deltas()
+            before_YE = self.overload(self.load_YD[:, self.device_of_E])
             swap_relief_EE = (
-                self.overload(load_a_SEE) + self.overload(load_b_SEE) - before_SE[:, :, None] - before_SE[:, None, :]
+                self.overload(load_a_YEE) + self.overload(load_b_YEE) - before_YE[:, :, None] - before_YE[:, None, :]
             ).sum(0)
             swap_relief_EE[~np.isfinite(swap_EE)] = np.inf
-            move_ED, target_load_SED, source_load_SE = self.move_deltas()
+            move_ED, target_load_YED, source_load_YE = self.move_deltas()
             move_relief_ED = (
-                self.overload(target_load_SED) - self.overload(self.load_SD)[:, None, :]
-                + (self.overload(source_load_SE) - before_SE)[:, :, None]
+                self.overload(target_load_YED) - self.overload(self.load_YD)[:, None, :]
+                + (self.overload(source_load_YE) - before_YE)[:, :, None]
             ).sum(0)
             move_relief_ED[~np.isfinite(move_ED)] = np.inf
             best_relief = min(swap_relief_EE.min(), move_relief_ED.min())
@@ -243,8 +245,8 @@ class _Search:
 
     def accept_reached_load(self) -> float:
         """Raise the limit to the largest load now reached (after a failed repair); return the factor."""
-        factor = float(max(self.load_SD.max(), 1.0))
-        self.load_SE = self.load_SE / factor
+        factor = float(max(self.load_YD.max(), 1.0))
+        self.load_YE = self.load_YE / factor
         self.sync()
         return factor
 
@@ -264,26 +266,26 @@ def initial_assignment(
 ) -> np.ndarray:
     """Balanced greedy by co-activation: heaviest expert first, to the device it collaborates with most.
 
-    `load_E` (`[E]`, or `[S, E]` scenarios) is scaled so that a device's load limit is 1. Among
+    `load_E` (`[E]`, or `[Y, E]` scenarios) is scaled so that a device's load limit is 1. Among
     devices with room left that stay within the limit in every scenario (if none: the lightest
     device with room; `repair` fixes it), pick the largest co-activation with the experts already
     there; ties to the lighter, then lower-id device. With zero co-activation this is
     longest-processing-time-first balancing under capacities. `group_E`: items of one group (copies
     of one expert) go to different devices.
     """
-    load_SE = np.atleast_2d(np.asarray(load_E, dtype=np.float64))
-    num_experts, num_devices = load_SE.shape[1], len(capacities_D)
+    load_YE = np.atleast_2d(np.asarray(load_E, dtype=np.float64))
+    num_experts, num_devices = load_YE.shape[1], len(capacities_D)
     device_of_E = np.full(num_experts, -1, dtype=np.int64)
     affinity_ED = np.zeros((num_experts, num_devices))
-    load_SD = np.zeros((len(load_SE), num_devices))
+    load_YD = np.zeros((len(load_YE), num_devices))
     count_D = np.zeros(num_devices, dtype=np.int64)
-    taken_GD = None if group_E is None else np.zeros((int(group_E.max()) + 1, num_devices), dtype=bool)
-    for expert in np.argsort(-load_SE.max(0), kind="stable"):
+    taken_QD = None if group_E is None else np.zeros((int(group_E.max()) + 1, num_devices), dtype=bool)
+    for expert in np.argsort(-load_YE.max(0), kind="stable"):
         room_D = count_D < capacities_D
-        if taken_GD is not None and (room_D & ~taken_GD[group_E[expert]]).any():
-            room_D &= ~taken_GD[group_E[expert]]
-        fits_D = room_D & (load_SD + load_SE[:, expert : expert + 1] <= 1.0).all(0)
-        worst_D = load_SD.max(0)
+        if taken_QD is not None and (room_D & ~taken_QD[group_E[expert]]).any():
+            room_D &= ~taken_QD[group_E[expert]]
+        fits_D = room_D & (load_YD + load_YE[:, expert : expert + 1] <= 1.0).all(0)
+        worst_D = load_YD.max(0)
         if fits_D.any():
             # lexicographic: most affinity, then least load, then lowest id
             order = np.lexsort((np.arange(num_devices), worst_D, -affinity_ED[expert]))
@@ -291,9 +293,9 @@ def initial_assignment(
         else:
             device = int(np.flatnonzero(room_D)[np.argmin(worst_D[room_D])])
         device_of_E[expert] = device
-        if taken_GD is not None:
-            taken_GD[group_E[expert], device] = True
-        load_SD[:, device] += load_SE[:, expert]
+        if taken_QD is not None:
+            taken_QD[group_E[expert], device] = True
+        load_YD[:, device] += load_YE[:, expert]
         count_D[device] += 1
         affinity_ED[:, device] += coactivation_EE[:, expert]
     return device_of_E
@@ -328,13 +330,13 @@ class LayerPlan:
     scenarios: int = 1
 
 
-def replication_counts(load_SE: np.ndarray, redundant: int, num_devices: int) -> np.ndarray:
+def replication_counts(load_YE: np.ndarray, redundant: int, num_devices: int) -> np.ndarray:
     """`[E]` copies of each expert for `redundant` extra slots: each goes, as in EPLB, to the expert
     whose load per copy is largest (in its worst scenario, relative to that scenario's mean); at most
     one copy per device."""
-    share_SE = load_SE / np.maximum(load_SE.sum(1, keepdims=True), 1e-12)
-    worst_E = share_SE.max(0)
-    copies_E = np.ones(load_SE.shape[1], dtype=np.int64)
+    share_YE = load_YE / np.maximum(load_YE.sum(1, keepdims=True), 1e-12)
+    worst_E = share_YE.max(0)
+    copies_E = np.ones(load_YE.shape[1], dtype=np.int64)
     for _ in range(redundant):
         per_copy_E = np.where(copies_E < num_devices, worst_E / copies_E, -1.0)
         copies_E[int(np.argmax(per_copy_E))] += 1
@@ -342,27 +344,27 @@ def replication_counts(load_SE: np.ndarray, redundant: int, num_devices: int) ->
 
 
 def copy_items(copies_E: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """`([E, C] item id of copy c of expert e (-1: none), [I] expert of each item)`: copy 0 of e is item e,
+    """`([E, M] item id of copy m of expert e (-1: none), [X] expert of each item)`: copy 0 of e is item e,
     further copies follow after the E experts."""
     num_experts = len(copies_E)
-    item_of_EC = np.full((num_experts, int(copies_E.max())), -1, dtype=np.int64)
-    item_of_EC[:, 0] = np.arange(num_experts)
+    item_of_EM = np.full((num_experts, int(copies_E.max())), -1, dtype=np.int64)
+    item_of_EM[:, 0] = np.arange(num_experts)
     group = list(range(num_experts))
     for expert in range(num_experts):
         for copy in range(1, int(copies_E[expert])):
-            item_of_EC[expert, copy] = len(group)
+            item_of_EM[expert, copy] = len(group)
             group.append(expert)
-    return item_of_EC, np.array(group, dtype=np.int64)
+    return item_of_EM, np.array(group, dtype=np.int64)
 
 
-def _search(coactivation, sample, scaled_SE, start_E, capacities_D, group_I, num_devices, options, rng):
+def _search(coactivation, sample, scaled_YE, start_E, capacities_D, group_X, num_devices, options, rng):
     """Repair, descent and perturbation rounds from `start_E`; `(best map, its cost, objective name,
     factor the limit had to be raised by (1.0: reached))`."""
     if sample is not None and options.objective != "cut":
         objective = SampleCT(sample, start_E, num_devices)
     else:
         objective = PairwiseCut(coactivation, start_E, num_devices)
-    search = _Search(objective, scaled_SE, capacities_D, group_I)
+    search = _Search(objective, scaled_YE, capacities_D, group_X)
     factor = 1.0 if search.repair() else search.accept_reached_load()
     search.descend()
     best_E, best_cost = search.device_of_E.copy(), objective.cost
@@ -377,70 +379,70 @@ def _search(coactivation, sample, scaled_SE, start_E, capacities_D, group_I, num
     return best_E, best_cost, objective.name, factor
 
 
-def _homes_of(item_device_I: np.ndarray, group_I: np.ndarray, num_experts: int) -> list[list[int]]:
-    return [sorted(item_device_I[group_I == e].tolist()) for e in range(num_experts)]
+def _homes_of(item_device_X: np.ndarray, group_X: np.ndarray, num_experts: int) -> list[list[int]]:
+    return [sorted(item_device_X[group_X == e].tolist()) for e in range(num_experts)]
 
 
-def _rule_items(item_device_I, group_I, sample_Nk, num_devices):
-    """`[N, k]` item serving each pair under the replica rule for the homes of `item_device_I`, and the
+def _rule_items(item_device_X, group_X, sample_Nk, num_devices):
+    """`[N, k]` item serving each pair under the replica rule for the homes of `item_device_X`, and the
     total CT the rule gives."""
-    num_experts = int(group_I.max()) + 1
-    homes = _homes_of(item_device_I, group_I, num_experts)
+    num_experts = int(group_X.max()) + 1
+    homes = _homes_of(item_device_X, group_X, num_experts)
     table = home_table_from([h[0] for h in homes], {e: h[1:] for e, h in enumerate(homes) if len(h) > 1})
     dest_Nk = resolve_homes_np(sample_Nk, table, num_devices)
     item_at_ED = np.full((num_experts, num_devices), -1, dtype=np.int64)
-    item_at_ED[group_I, item_device_I] = np.arange(len(group_I))
+    item_at_ED[group_X, item_device_X] = np.arange(len(group_X))
     sorted_Nk = np.sort(dest_Nk, axis=1)
     ct = float((1 + (sorted_Nk[:, 1:] != sorted_Nk[:, :-1]).sum(1)).sum())
     return item_at_ED[sample_Nk, dest_Nk], ct
 
 
-def _replica_rounds(best_I, best_cost, sample_Nk, weights_SN, group_I, coactivation, limit_S, capacities_D, num_devices, options, rng):
+def _replica_rounds(best_X, best_cost, sample_Nk, weights_YN, group_X, coactivation, limit_Y, capacities_D, num_devices, options, rng):
     """Re-plan the copies on the loads the replica rule really gives (a token goes to a copy on a device it
     already visits, not to copy `n mod copies`), `replica_rounds` times; keep the map with the lowest
     worst-scenario overload, then the lowest CT, under the rule."""
 
-    def score(item_device_I):
-        items_Nk, ct = _rule_items(item_device_I, group_I, sample_Nk, num_devices)
-        load_SI = scenario_loads(items_Nk, weights_SN, len(group_I))
-        one_hot_ID = np.zeros((len(group_I), num_devices))
-        one_hot_ID[np.arange(len(group_I)), item_device_I] = 1.0
-        over = float(np.maximum((load_SI @ one_hot_ID) / limit_S[:, None] - 1.0, 0.0).max())
-        return (round(over, 9), ct), items_Nk, load_SI
+    def score(item_device_X):
+        items_Nk, ct = _rule_items(item_device_X, group_X, sample_Nk, num_devices)
+        load_YX = scenario_loads(items_Nk, weights_YN, len(group_X))
+        one_hot_XD = np.zeros((len(group_X), num_devices))
+        one_hot_XD[np.arange(len(group_X)), item_device_X] = 1.0
+        over = float(np.maximum((load_YX @ one_hot_XD) / limit_Y[:, None] - 1.0, 0.0).max())
+        return (round(over, 9), ct), items_Nk, load_YX
 
-    best_key, items_Nk, load_SI = score(best_I)
-    current = best_I
+    best_key, items_Nk, load_YX = score(best_X)
+    current = best_X
     for _ in range(options.replica_rounds):
         current, _, _, _ = _search(
-            coactivation, items_Nk, load_SI / limit_S[:, None], current, capacities_D, group_I, num_devices, options, rng
+            coactivation, items_Nk, load_YX / limit_Y[:, None], current, capacities_D, group_X, num_devices, options, rng
         )
-        key, items_Nk, load_SI = score(current)
+        key, items_Nk, load_YX = score(current)
         if key < best_key:
-            best_key, best_I = key, current
-    return best_I, best_key[1]
+            best_key, best_X = key, current
+    return best_X, best_key[1]
 
 
-def _slowest_with_replicas(item_device_I, sample_Nk, weights_SN, group_I, limit_S, costs, num_devices):
+def _slowest_with_replicas(item_device_X, sample_Nk, weights_YN, group_X, limit_Y, costs, num_devices):
     """Objective "slowest" with replicas: descend on the copies, each pair on the copy the replica rule serves it
     on now; keep the result when the rule's own times confirm a lower slowest device and the rule's loads stay
     within the limits (or no further above them than before). Returns `(item devices, total CT under the rule)`."""
-    num_experts = int(group_I.max()) + 1
+    num_experts = int(group_X.max()) + 1
 
-    def under_rule(devices_I):
-        items_Nk, total_ct = _rule_items(devices_I, group_I, sample_Nk, num_devices)
-        homes = _homes_of(devices_I, group_I, num_experts)
+    def under_rule(devices_X):
+        items_Nk, total_ct = _rule_items(devices_X, group_X, sample_Nk, num_devices)
+        homes = _homes_of(devices_X, group_X, num_experts)
         table = home_table_from([h[0] for h in homes], {e: h[1:] for e, h in enumerate(homes) if len(h) > 1})
-        load_SD = scenario_loads(items_Nk, weights_SN, len(group_I)) @ np.eye(num_devices)[devices_I]
+        load_YD = scenario_loads(items_Nk, weights_YN, len(group_X)) @ np.eye(num_devices)[devices_X]
         slowest = float(device_times(sample_Nk, table[:, 0], num_devices, costs, table).max())
-        return items_Nk, total_ct, slowest, float((load_SD / limit_S[:, None]).max())
+        return items_Nk, total_ct, slowest, float((load_YD / limit_Y[:, None]).max())
 
-    items_Nk, ct, slowest, over = under_rule(item_device_I)
-    scaled_SI = scenario_loads(items_Nk, weights_SN, len(group_I)) / limit_S[:, None]
-    trial_I = slowest_descent(items_Nk, item_device_I, num_devices, costs, scaled_SI, group_E=group_I)
-    _, trial_ct, trial_slowest, trial_over = under_rule(trial_I)
+    items_Nk, ct, slowest, over = under_rule(item_device_X)
+    scaled_YX = scenario_loads(items_Nk, weights_YN, len(group_X)) / limit_Y[:, None]
+    trial_X = slowest_descent(items_Nk, item_device_X, num_devices, costs, scaled_YX, group_E=group_X)
+    _, trial_ct, trial_slowest, trial_over = under_rule(trial_X)
     if trial_slowest < slowest and trial_over <= max(over, 1.0) + 1e-12:
-        return trial_I, trial_ct
-    return item_device_I, ct
+        return trial_X, trial_ct
+    return item_device_X, ct
 
 
 def refine_layer(
@@ -476,58 +478,58 @@ def refine_layer(
     if sample is not None and options.max_sample_tokens is not None and len(sample) > options.max_sample_tokens:
         keep = np.sort(rng.choice(len(sample), options.max_sample_tokens, replace=False))
         sample, membership_PN = sample[keep], membership_PN[:, keep]
-    weights_SN = None
+    weights_YN = None
     if sample is not None:
-        weights_SN = token_scenarios(membership_PN, options.robust_resamples, options.robust_blocks, rng)
-        load_SE = scenario_loads(sample, weights_SN, num_experts)
+        weights_YN = token_scenarios(membership_PN, options.robust_resamples, options.robust_blocks, rng)
+        load_YE = scenario_loads(sample, weights_YN, num_experts)
     else:
-        load_SE = count_scenarios(load_E if counts_PE is None else counts_PE, options.robust_resamples, rng)
-    original_sample, replicas, slots, group_I = sample, {}, None, None
+        load_YE = count_scenarios(load_E if counts_PE is None else counts_PE, options.robust_resamples, rng)
+    original_sample, replicas, slots, group_X = sample, {}, None, None
     if options.num_redundant_experts:
-        copies_E = replication_counts(load_SE, options.num_redundant_experts, num_devices)
+        copies_E = replication_counts(load_YE, options.num_redundant_experts, num_devices)
         slots = -(-(num_experts + options.num_redundant_experts) // num_devices)
-        item_of_EC, group_I = copy_items(copies_E)
+        item_of_EM, group_X = copy_items(copies_E)
         if sample is not None:
             # copy (n mod copies) of an expert serves token n: the rule's balanced pick, up to the order of homes
-            sample = item_of_EC[sample, np.arange(len(sample))[:, None] % copies_E[sample]]
-            load_SE = scenario_loads(sample, weights_SN, len(group_I))
+            sample = item_of_EM[sample, np.arange(len(sample))[:, None] % copies_E[sample]]
+            load_YE = scenario_loads(sample, weights_YN, len(group_X))
         else:
-            load_SE = load_SE[:, group_I] / copies_E[group_I]
-        coactivation = coactivation[np.ix_(group_I, group_I)] / np.outer(copies_E[group_I], copies_E[group_I])
-        capacities_D = balanced_capacities(len(group_I), num_devices)
-    mean_S = load_SE.sum(1) / num_devices
-    attainable_S = np.array([load_floor(row, capacities_D) for row in load_SE])
-    balance_bound = float(attainable_S[0] / mean_S[0]) if mean_S[0] > 0 else 1.0
-    limit_S = np.where(attainable_S > 0, options.max_load_ratio * attainable_S, 1.0)  # no load: any map is balanced
-    start_E = initial_assignment(coactivation, load_SE / limit_S[:, None], capacities_D, group_I)
+            load_YE = load_YE[:, group_X] / copies_E[group_X]
+        coactivation = coactivation[np.ix_(group_X, group_X)] / np.outer(copies_E[group_X], copies_E[group_X])
+        capacities_D = balanced_capacities(len(group_X), num_devices)
+    mean_Y = load_YE.sum(1) / num_devices
+    attainable_Y = np.array([load_floor(row, capacities_D) for row in load_YE])
+    balance_bound = float(attainable_Y[0] / mean_Y[0]) if mean_Y[0] > 0 else 1.0
+    limit_Y = np.where(attainable_Y > 0, options.max_load_ratio * attainable_Y, 1.0)  # no load: any map is balanced
+    start_E = initial_assignment(coactivation, load_YE / limit_Y[:, None], capacities_D, group_X)
     best_E, best_cost, name, factor = _search(
-        coactivation, sample, load_SE / limit_S[:, None], start_E, capacities_D, group_I, num_devices, options, rng
+        coactivation, sample, load_YE / limit_Y[:, None], start_E, capacities_D, group_X, num_devices, options, rng
     )
-    if group_I is not None and original_sample is not None:
+    if group_X is not None and original_sample is not None:
         best_E, best_cost = _replica_rounds(
-            best_E, best_cost, original_sample, weights_SN, group_I, coactivation, limit_S, capacities_D, num_devices, options, rng
+            best_E, best_cost, original_sample, weights_YN, group_X, coactivation, limit_Y, capacities_D, num_devices, options, rng
         )
     if options.objective == "slowest":
         costs = StepCosts(options.pair_cost_s, options.byte_cost_s, options.row_bytes)
-        if group_I is None:
-            best_E = slowest_descent(sample, best_E, num_devices, costs, load_SE / (limit_S[:, None] * factor))
+        if group_X is None:
+            best_E = slowest_descent(sample, best_E, num_devices, costs, load_YE / (limit_Y[:, None] * factor))
             best_cost = float(metrics_ct_total(sample, best_E, num_devices))
         else:
             best_E, best_cost = _slowest_with_replicas(
-                best_E, original_sample, weights_SN, group_I, limit_S * factor, costs, num_devices
+                best_E, original_sample, weights_YN, group_X, limit_Y * factor, costs, num_devices
             )
         name = "slowest"
     limit_reached = factor == 1.0
-    limit = float(limit_S[0]) * factor
+    limit = float(limit_Y[0]) * factor
     if not limit_reached:
         warnings.warn(
             f"refined placement: could not bring every device under max_load_ratio={options.max_load_ratio} x the "
-            f"load floor in all {len(load_SE)} load scenario(s); keeping the max load reached ({limit:.6g} on the "
-            f"profile, balance {limit / mean_S[0]:.3f}) as the limit",
+            f"load floor in all {len(load_YE)} load scenario(s); keeping the max load reached ({limit:.6g} on the "
+            f"profile, balance {limit / mean_Y[0]:.3f}) as the limit",
             stacklevel=2,
         )
-    if group_I is not None:  # items -> homes: the lowest device is the primary one
-        homes = _homes_of(best_E, group_I, num_experts)
+    if group_X is not None:  # items -> homes: the lowest device is the primary one
+        homes = _homes_of(best_E, group_X, num_experts)
         best_E = np.array([h[0] for h in homes], dtype=np.int64)
         replicas = {e: h[1:] for e, h in enumerate(homes) if len(h) > 1}
     return LayerPlan(
@@ -540,7 +542,7 @@ def refine_layer(
         limit_reached=limit_reached,
         replicas=replicas,
         slots_per_device=slots,
-        scenarios=len(load_SE),
+        scenarios=len(load_YE),
     )
 
 

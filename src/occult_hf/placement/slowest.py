@@ -12,7 +12,7 @@ of the slowest device with an expert elsewhere (and, with unequal capacities, ev
 scored exactly on the sample's tokens; the best one that lowers the maximum (ties: lower total CT)
 and keeps the load limit is applied, until none does.
 
-With replicated experts the descent works on the copies (`group_I`: copies of one expert never share
+With replicated experts the descent works on the copies (`group_X`: copies of one expert never share
 a device), the sample's pairs mapped to the copy the replica rule serves them on; the rule's choice
 moves with the copies, so `refined` keeps the result only when the rule's own times
 (`device_times(..., home_table_EM=...)`) confirm the gain.
