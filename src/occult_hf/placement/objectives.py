@@ -20,7 +20,8 @@ Applying a move or swap updates the internal state from the touched part only.
 
 Costs and deltas are integers held in float64 (exact far beyond any sample size used here).
 
-Shape legend: N sampled tokens, k experts per token, E experts, D devices, R touched tokens.
+Shape legend (docs/conventions.md): N sampled tokens, k experts per token, E experts, D devices; local
+to this file: X the tokens a move touches, Q the devices it touches (columns of the hit table).
 """
 
 from __future__ import annotations
@@ -60,25 +61,25 @@ class SampleCT:
         self.cost = float((self.hits_ND > 0).sum())
         self.zero_ED, self.lonely_ED, self.lonely_pair_EE = self._tables(np.arange(self.num_tokens))
 
-    def _tables(self, rows_R: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Contribution of tokens `rows_R` to `zero_ED`, `lonely_ED` and `lonely_pair_EE`."""
+    def _tables(self, rows_X: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Contribution of tokens `rows_X` to `zero_ED`, `lonely_ED` and `lonely_pair_EE`."""
         E, D, k = self.num_experts, self.num_devices, self.top_k
-        ids_Rk = self.ids_Nk[rows_R]
-        hits_RD = self.hits_ND[rows_R]
+        ids_Xk = self.ids_Nk[rows_X]
+        hits_XD = self.hits_ND[rows_X]
         # every (expert slot, device) pair: index e * D + b, weight from the token's row
-        slot_device = (ids_Rk[:, :, None] * D + np.arange(D)).reshape(-1)
+        slot_device = (ids_Xk[:, :, None] * D + np.arange(D)).reshape(-1)
         zero_ED = np.bincount(
-            slot_device, weights=np.broadcast_to((hits_RD == 0)[:, None, :], (len(rows_R), k, D)).reshape(-1), minlength=E * D
+            slot_device, weights=np.broadcast_to((hits_XD == 0)[:, None, :], (len(rows_X), k, D)).reshape(-1), minlength=E * D
         ).reshape(E, D)
-        lonely_RD = hits_RD == 1
+        lonely_XD = hits_XD == 1
         lonely_ED = np.bincount(
-            slot_device, weights=np.broadcast_to(lonely_RD[:, None, :], (len(rows_R), k, D)).reshape(-1), minlength=E * D
+            slot_device, weights=np.broadcast_to(lonely_XD[:, None, :], (len(rows_X), k, D)).reshape(-1), minlength=E * D
         ).reshape(E, D)
         # e alone on its own device in the token, paired with every expert f of the token
-        alone_Rk = np.take_along_axis(lonely_RD, self.device_of_E[ids_Rk], axis=1)
-        pair = (ids_Rk[:, :, None] * E + ids_Rk[:, None, :]).reshape(-1)
+        alone_Xk = np.take_along_axis(lonely_XD, self.device_of_E[ids_Xk], axis=1)
+        pair = (ids_Xk[:, :, None] * E + ids_Xk[:, None, :]).reshape(-1)
         lonely_pair_EE = np.bincount(
-            pair, weights=np.broadcast_to(alone_Rk[:, :, None], (len(rows_R), k, k)).reshape(-1), minlength=E * E
+            pair, weights=np.broadcast_to(alone_Xk[:, :, None], (len(rows_X), k, k)).reshape(-1), minlength=E * E
         ).reshape(E, E)
         return zero_ED, lonely_ED, lonely_pair_EE
 
@@ -97,39 +98,39 @@ class SampleCT:
         devices whose "alone on its device" flag flipped.
         """
         E, k = self.num_experts, self.top_k
-        columns_C = np.array(sorted({int(self.device_of_E[e]) for e in experts} | {int(t) for t in targets}))
+        columns_Q = np.array(sorted({int(self.device_of_E[e]) for e in experts} | {int(t) for t in targets}))
         column_of_D = np.full(self.num_devices, -1)
-        column_of_D[columns_C] = np.arange(len(columns_C))
+        column_of_D[columns_Q] = np.arange(len(columns_Q))
         touched_N = np.zeros(self.num_tokens, dtype=bool)
         for expert in experts:
             touched_N[self.tokens_of(expert)] = True
-        rows_R = np.flatnonzero(touched_N)
-        ids_Rk = self.ids_Nk[rows_R]
-        hits_before_RC = self.hits_ND[np.ix_(rows_R, columns_C)]
-        column_before_Rk = column_of_D[self.device_of_E[ids_Rk]]
+        rows_X = np.flatnonzero(touched_N)
+        ids_Xk = self.ids_Nk[rows_X]
+        hits_before_XQ = self.hits_ND[np.ix_(rows_X, columns_Q)]
+        column_before_Xk = column_of_D[self.device_of_E[ids_Xk]]
         for expert, target in zip(experts, targets):
             tokens = self.tokens_of(expert)
             self.hits_ND[tokens, self.device_of_E[expert]] -= 1
             self.hits_ND[tokens, target] += 1
         for expert, target in zip(experts, targets):
             self.device_of_E[expert] = target
-        hits_after_RC = self.hits_ND[np.ix_(rows_R, columns_C)]
-        column_after_Rk = column_of_D[self.device_of_E[ids_Rk]]
-        experts_Rk = ids_Rk.reshape(-1)
+        hits_after_XQ = self.hits_ND[np.ix_(rows_X, columns_Q)]
+        column_after_Xk = column_of_D[self.device_of_E[ids_Xk]]
+        experts_Xk = ids_Xk.reshape(-1)
         for table, level in ((self.zero_ED, 0), (self.lonely_ED, 1)):
-            change_RC = (hits_after_RC == level).astype(np.float64) - (hits_before_RC == level)
-            for position, column in enumerate(columns_C):
-                weights = np.repeat(change_RC[:, position], k)
-                table[:, column] += np.bincount(experts_Rk, weights=weights, minlength=E)
+            change_XQ = (hits_after_XQ == level).astype(np.float64) - (hits_before_XQ == level)
+            for position, column in enumerate(columns_Q):
+                weights = np.repeat(change_XQ[:, position], k)
+                table[:, column] += np.bincount(experts_Xk, weights=weights, minlength=E)
         # a slot's device lies among the columns before the step exactly when it does after it
-        row, slot = np.nonzero(column_before_Rk >= 0)
-        flipped = (hits_after_RC[row, column_after_Rk[row, slot]] == 1).astype(np.int64) - (
-            hits_before_RC[row, column_before_Rk[row, slot]] == 1
+        row, slot = np.nonzero(column_before_Xk >= 0)
+        flipped = (hits_after_XQ[row, column_after_Xk[row, slot]] == 1).astype(np.int64) - (
+            hits_before_XQ[row, column_before_Xk[row, slot]] == 1
         )
         changed = flipped != 0
         if changed.any():
             row, slot, flipped = row[changed], slot[changed], flipped[changed]
-            pair = (ids_Rk[row, slot][:, None] * E + ids_Rk[row]).reshape(-1)
+            pair = (ids_Xk[row, slot][:, None] * E + ids_Xk[row]).reshape(-1)
             self.lonely_pair_EE += np.bincount(pair, weights=np.repeat(flipped, k).astype(np.float64), minlength=E * E).reshape(E, E)
         self.cost += delta
 
