@@ -1,6 +1,6 @@
 """`occult bench exchange`: the raw exchange between the ranks: per-call cost and per-byte rate.
 
-Shape legend: D ranks, B bytes of one row.
+Shape legend (docs/conventions.md): D ranks, U bytes of one row.
 
 Launch with `torchrun --nproc-per-node D -m occult_hf.cli bench exchange`. For each volume per rank
 (bytes sent to each other rank, `--sizes` in KiB) it times, with the ranks aligned by a barrier:
