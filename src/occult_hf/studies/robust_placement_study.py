@@ -25,7 +25,8 @@ below and, with `--out-dir`, writes `robust_placement_study.png`:
    (`best_replica_split`: a bound for every replica routing rule).
 3. Objective "slowest" against CT, without and with 8 redundant slots (times under the replica rule).
 
-Shape legend: N tokens, k experts per token, E experts, D devices.
+Shape legend (docs/conventions.md): N tokens, k experts per token, E experts, D devices, Z layers, M homes
+of one expert.
 """
 
 from __future__ import annotations
@@ -170,9 +171,9 @@ def domain_profiles(routing_dir: Path) -> dict[str, RoutingProfile]:
     with np.load(routing_dir / OLMOE_DOMAINS) as npz:
         counts = {k.split("__")[-1]: npz[k] for k in npz.files if k.startswith("olmoe__expert_counts__")}
     profiles = {}
-    for name, counts_LE in counts.items():
+    for name, counts_ZE in counts.items():
         layers = {
-            layer: LayerRouting(np.zeros((64, 64), dtype=np.int64), counts_LE[i].astype(np.int64), int(counts_LE[i].sum() // 8))
+            layer: LayerRouting(np.zeros((64, 64), dtype=np.int64), counts_ZE[i].astype(np.int64), int(counts_ZE[i].sum() // 8))
             for i, layer in enumerate(DOMAIN_LAYERS)
         }
         profiles[name] = RoutingProfile(64, 8, layers, meta={"source": f"OLMoE-0924 {name}"})
