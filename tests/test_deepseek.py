@@ -246,15 +246,15 @@ class _PublishedConfig(transformers.PretrainedConfig):
         )  # fmt: skip
 
 
-def _additive_causal_mask(attention_mask_BK, input_shape, inputs_embeds, past_key_values_length, sliding_window=None):
+def _additive_causal_mask(attention_mask_BA, input_shape, inputs_embeds, past_key_values_length, sliding_window=None):
     """`[B, 1, S, past+S]` additive mask (what `_prepare_4d_causal_attention_mask` of transformers 4 gives)."""
     batch, seq = input_shape
     kv_len = past_key_values_length + seq
     device, dtype = inputs_embeds.device, inputs_embeds.dtype
     query_pos = torch.arange(past_key_values_length, kv_len, device=device)[:, None]
     allowed = (torch.arange(kv_len, device=device)[None, :] <= query_pos)[None, None].expand(batch, 1, seq, kv_len)
-    if attention_mask_BK is not None:
-        allowed = allowed & attention_mask_BK[:, None, None, -kv_len:].bool()
+    if attention_mask_BA is not None:
+        allowed = allowed & attention_mask_BA[:, None, None, -kv_len:].bool()
     return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 

@@ -10,6 +10,9 @@ field, and the group all-gathers one fixed-size vector of digests. Equal everywh
 small collective). Otherwise every rank gathers a short summary of each field and raises
 `EPConfigMismatchError` naming the fields that differ and each rank's value.
 
+Shape legend (docs/conventions.md): D ranks; local to this file: F the digest vector's fields
+(`MAX_FIELDS`: the field names' digest, then one per field).
+
 **Bounded waits.** These checks and the save/gather collectives run on occult_hf's own gloo group
 (through CPU, whatever the model's device) and every wait on them is bounded by
 `OCCULT_SAVE_TIMEOUT_S` (default 300 s), not by the job's process-group timeout (30 min for gloo

@@ -1,6 +1,7 @@
 """`AllToAllDispatcher` ("all_to_all"): all-to-all-v over `torch.distributed` (NCCL on GPUs, gloo on CPU).
 
-Shape legend: see `occult_hf.dispatch.plan`.
+Shape legend: see `occult_hf.dispatch.plan`; in addition X the entries of one rank's count message
+(rows and pairs of each chunk, then the chunk count: `2 * max_chunks + 1`).
 
 Per layer and forward:
 1. **Plan** on the tokens' device (`plan.send_layout`): the send layout of each chunk of the rank's
