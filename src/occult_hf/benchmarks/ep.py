@@ -58,9 +58,10 @@ import torch
 import torch.distributed as dist
 
 from occult_hf.atomic import atomic_save_figure, atomic_write_text
-from occult_hf.benchmarks.experts import HF_EXPERTS, SHAPES, ExpertShape, machine_line
+from occult_hf.benchmarks.experts import HF_EXPERTS, machine_line
 from occult_hf.config import OccultConfig
 from occult_hf.dispatch import TokenRouting, dispatcher_class
+from occult_hf.expert_shapes import SHAPES, ExpertShape
 from occult_hf.placement import Placement, plan_placement
 from occult_hf.profile import RoutingProfile
 from occult_hf.profile import LayerAccumulator

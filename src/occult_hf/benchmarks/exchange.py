@@ -103,7 +103,7 @@ def exchange_model(args) -> str:
     import numpy as np
 
     from occult_hf.benchmarks.ep import load_trace, refined_placement
-    from occult_hf.benchmarks.experts import SHAPES
+    from occult_hf.expert_shapes import SHAPES
     from occult_hf.placement import Placement
 
     ids_Nk = load_trace(args.model)

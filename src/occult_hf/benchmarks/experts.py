@@ -42,33 +42,11 @@ from typing import Callable
 import torch
 
 from occult_hf.atomic import atomic_save_figure, atomic_write_text
+from occult_hf.expert_shapes import SHAPES, ExpertShape  # the one table of model shapes (placement reads it too)
 from occult_hf.kernels import ExpertSegments, expert_mlp_grouped_mm, expert_mlp_reference
 
 HELP = "expert kernels: Triton vs PyTorch grouped_mm vs transformers' experts modules vs Liger-Kernel / SonicMoE"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
-
-
-@dataclass(frozen=True)
-class ExpertShape:
-    """One model's expert layer; `family` picks transformers' experts module (`HF_EXPERTS`)."""
-
-    hidden: int
-    intermediate: int
-    num_experts: int
-    top_k: int
-    family: str
-
-    def label(self) -> str:
-        return f"{self.hidden}/{self.intermediate}/{self.num_experts}/{self.top_k}"
-
-
-SHAPES: dict[str, ExpertShape] = {
-    "olmoe-1b-7b": ExpertShape(2048, 1024, 64, 8, "olmoe"),
-    "qwen1.5-moe-a2.7b": ExpertShape(2048, 1408, 60, 4, "qwen2_moe"),
-    # DeepSeek-MoE-16B's native class (occult_hf.models.deepseek) reuses DeepseekV2Experts: the same
-    # layout and math (SiLU experts, [E, 2I, H] / [E, H, I] weights).
-    "deepseek-moe-16b": ExpertShape(2048, 1408, 64, 6, "deepseek_v2"),
-}
 
 
 @dataclass(frozen=True)

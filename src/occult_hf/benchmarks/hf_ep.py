@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from occult_hf.atomic import atomic_write_text
 from occult_hf.benchmarks.ep import build_config, first_moe_block, init_from_torchrun, time_block
-from occult_hf.benchmarks.experts import SHAPES
+from occult_hf.expert_shapes import SHAPES
 
 CASES = ("occult", "occult_per_expert", "all_to_all", "all_reduce")
 

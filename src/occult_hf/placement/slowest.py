@@ -12,7 +12,7 @@ of the slowest device with an expert elsewhere (and, with unequal capacities, ev
 scored exactly on the sample's tokens; the best one that lowers the maximum (ties: lower total CT)
 and keeps the load limit is applied, until none does.
 
-With replicated experts the descent works on the copies (`group_X`: copies of one expert never share
+With replicated experts the descent works on the copies (its items: copies of one expert never share
 a device), the sample's pairs mapped to the copy the replica rule serves them on; the rule's choice
 moves with the copies, so `refined` keeps the result only when the rule's own times
 (`device_times(..., home_table_EM=...)`) confirm the gain.
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..expert_shapes import SHAPES
 from ..metrics import token_ranks
 
 
@@ -55,10 +56,8 @@ def costs_from_bench(path: str, shape: str | None = None, mode: str = "dedup+ref
     rank's pairs; per byte, 1 / the exchange's achieved bandwidth (when it was measured, else the default).
 
     Uses the row of `mode` with the most tokens (of `shape` when given). The shape's k and H come
-    from `occult_hf.benchmarks.ep.SHAPES`.
+    from `occult_hf.expert_shapes.SHAPES`, the table the benchmarks time.
     """
-    from ..benchmarks.experts import SHAPES
-
     with open(path) as f:
         rows = [r for r in json.load(f)["rows"] if r["mode"] == mode and (shape is None or r["shape"] == shape)]
     if not rows:
