@@ -1,7 +1,8 @@
 """The local expert computation in Triton, forward and backward (DESIGN.md §3 step 5).
 
-Shape legend: R received rows, N (row, local expert) pairs in segment order, L local experts,
-H hidden, I expert width.
+Shape legend (docs/conventions.md): R received rows, N (row, local expert) pairs in segment order, L
+local experts, H hidden, I expert width; local to this file: K the reduction length of a GEMM, F its
+output width, Q its output height (`_segment_outer`).
 
     out[r] = sum over pairs p of row r: w[p] * down_e(act(gate_e x[r]) * up_e x[r])
 
@@ -69,8 +70,8 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 #: How pair outputs are reduced into rows. "atomic": fp32 atomic adds in the GEMM epilogue into an
-#: fp32 [R, O] buffer (sum order varies between runs). "rows_fp32": each pair's fp32 output written
-#: to [N, O] and each row's pairs summed in fp32 in pair order. "rows_io": the same with the pair
+#: fp32 [R, F] buffer (sum order varies between runs). "rows_fp32": each pair's fp32 output written
+#: to [N, F] and each row's pairs summed in fp32 in pair order. "rows_io": the same with the pair
 #: outputs rounded to x's dtype before the fp32 sum (half the bytes; the reference rounds the down
 #: projection's output to x's dtype too). Both "rows" modes are bitwise repeatable.
 REDUCE_MODES = ("atomic", "rows_fp32", "rows_io")
@@ -125,12 +126,12 @@ def _gate_up(plan: _Launch, x_RH, gate_up_L2IH, pair_weight_N, save_gu: bool):
     return hw_NI, gu_N2I
 
 
-def _scatter_gemm(plan: _Launch, a_NK, b_LKO, out_dtype):
-    """out [R, O] = per row r, sum over its pairs p of a[p] @ b[e(p)], reduced in fp32.
+def _scatter_gemm(plan: _Launch, a_NK, b_LKF, out_dtype):
+    """out [R, F] = per row r, sum over its pairs p of a[p] @ b[e(p)], reduced in fp32.
 
-    `b_LKO` is any strided view with B_e = b[e] of shape [K, O].
+    `b_LKF` is any strided view with B_e = b[e] of shape [K, F].
     """
-    num_out = b_LKO.shape[2]
+    num_out = b_LKF.shape[2]
     device = a_NK.device
     atomic = plan.reduce == "atomic"
     if atomic:
@@ -140,9 +141,9 @@ def _scatter_gemm(plan: _Launch, a_NK, b_LKO, out_dtype):
         target = _empty(plan.num_pairs, num_out, dtype=pair_dtype, device=device)
     grid = lambda meta: (plan.m_tiles_bound(meta["BLOCK_M"]) * triton.cdiv(num_out, meta["BLOCK_N"]),)  # noqa: E731
     _kernels.scatter_gemm_kernel[grid](
-        a_NK, plan.pair_row_N, plan.expert_offsets, b_LKO, target,
+        a_NK, plan.pair_row_N, plan.expert_offsets, b_LKF, target,
         plan.num_experts, a_NK.shape[1], num_out, plan.rows_per_expert,
-        a_NK.stride(0), *b_LKO.stride(), target.stride(0),
+        a_NK.stride(0), *b_LKF.stride(), target.stride(0),
         ATOMIC=atomic, DOT_PRECISION=_dot_precision(a_NK.dtype),
         BLOCK_E=plan.block_experts,
     )  # fmt: skip
@@ -177,18 +178,18 @@ def _dgate_up(plan: _Launch, dout_RH, down_LHI, gu_N2I, pair_weight_N, write_hw:
 
 
 def _segment_outer(plan: _Launch, a, b, *, gather_a: bool, gather_b: bool, out_dtype):
-    """C [L, M, O]: C_e = sum over pairs p of expert e of a[row_a(p)]^T b[row_b(p)]."""
+    """C [L, Q, F]: C_e = sum over pairs p of expert e of a[row_a(p)]^T b[row_b(p)]."""
     num_m, num_out = a.shape[1], b.shape[1]
-    c_LMO = _empty(plan.num_experts, num_m, num_out, dtype=out_dtype, device=a.device)
+    c_LQF = _empty(plan.num_experts, num_m, num_out, dtype=out_dtype, device=a.device)
     grid = lambda meta: (plan.num_experts * triton.cdiv(num_m, meta["BLOCK_M"]) * triton.cdiv(num_out, meta["BLOCK_N"]),)  # noqa: E731
     _kernels.segment_outer_kernel[grid](
-        a, b, plan.pair_row_N, plan.expert_offsets, c_LMO,
+        a, b, plan.pair_row_N, plan.expert_offsets, c_LQF,
         plan.num_experts, num_m, num_out, plan.rows_per_expert,
-        a.stride(0), b.stride(0), c_LMO.stride(0), c_LMO.stride(1),
+        a.stride(0), b.stride(0), c_LQF.stride(0), c_LQF.stride(1),
         GATHER_A=gather_a, GATHER_B=gather_b,
         DOT_PRECISION=_dot_precision(a.dtype),
     )  # fmt: skip
-    return c_LMO
+    return c_LQF
 
 
 class _ExpertMLPFunction(torch.autograd.Function):

@@ -1,4 +1,6 @@
-"""The package's structure: no import cycle, and no import that resolves only in the installed layout.
+"""The package's structure: no import cycle, no import that resolves only in the installed layout,
+library modules that import no application (benchmarks, studies, the CLI), and shape-suffixed names
+that follow the one legend of docs/conventions.md.
 
 Both read the source files of the package as installed (`occult_hf` and the `package_dir`-mapped
 `occult_hf.kernels`, `occult_hf.patches`, `occult_hf.eval`, wherever the install puts them), parse
@@ -13,13 +15,16 @@ packages and the root `occult_hf`.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
+import re
 from pathlib import Path
 
 #: the installed package and the subpackages setup.cfg maps from top-level folders
 ROOT_PACKAGES = ("occult_hf", "occult_hf.kernels", "occult_hf.patches", "occult_hf.eval")
 
 
+@functools.cache
 def _package_files() -> dict[str, Path]:
     """`{module name: source file}` for every module of the installed package."""
     modules = {}
@@ -61,6 +66,7 @@ def _absolute(module: str, is_package: bool, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
+@functools.cache  # parsed once for every test here (read-only)
 def import_graph() -> dict[str, set[str]]:
     """`{module: modules of the package it imports}`; `from pkg import mod` counts as importing `pkg.mod`."""
     files = _package_files()
@@ -149,3 +155,61 @@ def test_relative_imports_stay_inside_their_source_folder():
             if not (candidate.with_suffix(".py").is_file() or (candidate / "__init__.py").is_file()):
                 wrong.append(f"{path}:{node.lineno}: from {'.' * node.level}{node.module or ''} import ...")
     assert not wrong, "relative imports that resolve only in the installed layout:\n" + "\n".join(wrong)
+
+
+#: the applications on top of the library: commands, benchmarks, studies, the lm-eval hook, the fine-tune
+#: script. They may import the library and each other; no library module imports one of them.
+APPLICATIONS = ("occult_hf.benchmarks", "occult_hf.studies", "occult_hf.cli", "occult_hf.eval", "occult_hf.finetune")
+
+
+def _is_application(module: str) -> bool:
+    return any(module == top or module.startswith(top + ".") for top in APPLICATIONS)
+
+
+def test_library_modules_import_no_application():
+    """A planner that reads a benchmark's table, or a metric that calls a study, makes the library depend
+    on what is built on it: move what both need below both (e.g. `occult_hf.expert_shapes`, the model
+    shapes that the benchmarks time and `placement.slowest` reads)."""
+    graph = import_graph()
+    assert "occult_hf.expert_shapes" in graph["occult_hf.placement.slowest"]  # the rule sees lazy and eager imports alike
+    wrong = sorted(f"{module} -> {target}" for module, targets in graph.items() if not _is_application(module)
+                   for target in targets if _is_application(target))  # fmt: skip
+    assert not wrong, "library modules that import an application (" + ", ".join(APPLICATIONS) + "):\n" + "\n".join(wrong)
+
+
+#: a shape-suffixed name: `x_TH`, `topk_ids_Tk`, `gate_up_proj_E2IH` (constants are all capitals: not matched)
+_SHAPED_NAME = re.compile(r"\b[a-z][a-z0-9_]*?_([A-Z][A-Z0-9]*k?)\b")
+
+
+def _legend_paragraph(text: str, files: dict[str, Path]) -> str:
+    """A file's "Shape legend" paragraph, plus that of the module it points to (`see `occult_hf.x``)."""
+    match = re.search(r"Shape legend(.*?)(?:\n\s*\n|\"\"\")", text, re.S)
+    if not match:
+        return ""
+    paragraph = match.group(1)
+    for ref in re.findall(r"see `(occult_hf[.\w]*)`", paragraph):
+        if ref in files:
+            paragraph += _legend_paragraph(files[ref].read_text(), files)
+    return paragraph
+
+
+def test_shape_letters_follow_the_one_legend():
+    """Every capital letter in a shape suffix is one of docs/conventions.md's table, or one of the letters
+    it leaves for local use and the file's own "Shape legend" says what it means there. (Whether a table
+    letter means the table's thing is for review; a letter that is in no legend is caught here.)"""
+    section = (Path(__file__).parents[1] / "docs" / "conventions.md").read_text().split("## Shape letters", 1)[1]
+    table = set(re.findall(r"^\| `([A-Za-z])` \|", section, re.M))
+    local = set(re.findall(r"`([A-Z])`", re.search(r"Letters left for a file's own use:([^;]*);", section).group(1)))
+    assert {"T", "E", "D", "R", "O"} <= table and local and not local & table
+    files = _package_files()
+    paths = list(files.values()) + sorted(Path(__file__).parent.glob("*.py"))
+    wrong = []
+    for path in paths:
+        text = path.read_text()
+        legend = None
+        for match in _SHAPED_NAME.finditer(text):
+            for letter in sorted(set(re.sub(r"[0-9k]", "", match.group(1))) - table):
+                legend = _legend_paragraph(text, files) if legend is None else legend
+                if letter not in local or not re.search(rf"\b{letter}\b", legend):
+                    wrong.append(f"{path}:{text.count(chr(10), 0, match.start()) + 1}: {match.group(0)} ({letter})")
+    assert not wrong, "shape letters in no legend (docs/conventions.md, or the file's own for F/K/Q/X):\n" + "\n".join(wrong)
