@@ -65,14 +65,15 @@ def _rank_main(rank, world_size, init_file, call, results, env, backend="gloo") 
             world_size=world_size,
             timeout=timedelta(seconds=float(env.get("OCCULT_TEST_COLLECTIVE_TIMEOUT_S", 120))),
         )
-        try:
-            fn, args = pickle.loads(call)
-            value = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
-        results.put((rank, True, value))
+        fn, args = pickle.loads(call)
+        outcome = (rank, True, fn(rank, world_size, *args))
     except BaseException:  # report everything, including KeyboardInterrupt and SystemExit
-        results.put((rank, False, traceback.format_exc()))
+        outcome = (rank, False, traceback.format_exc())
+    # report first, then tear down: NCCL's destroy_process_group flushes the communicator and can block
+    # (pytorch#75097, #141510), which must not keep a finished world from reporting
+    results.put(outcome)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def run_world(
@@ -111,10 +112,14 @@ def run_world(
         ]
         for process in processes:
             process.start()
+        outcome: dict[int, tuple[bool, Any]] = {}
         try:
             outcome = _collect(processes, results, world_size, timeout_s)
         finally:
+            reported = len(outcome) == world_size and all(ok for ok, _ in outcome.values())
             for process in processes:
+                if reported:  # it is tearing down its process group: a moment to exit on its own
+                    process.join(timeout=5)
                 if process.is_alive():
                     process.kill()
                 process.join(timeout=5)

@@ -175,11 +175,13 @@ class AllToAllDispatcher(TokenDispatcher):
         with stage("count exchange"):
             splits, group_chunks = self._exchange_counts(counts_CD2, len(bounds), max_chunks).result()
         with stage("plan"):
-            empty = send_layout(dest_Tk[:0], local_Tk[:0], weights_Tk[:0], num_devices, self.mode)
             chunks = []
             for index, (send_splits, recv_splits, num_pairs) in enumerate(splits):
-                # chunks the group runs beyond this rank's: empty, but they join the group's exchanges
-                (start, end), layout = (bounds[index], layouts[index]) if index < len(bounds) else ((num_tokens, num_tokens), empty)
+                if index < len(bounds):
+                    (start, end), layout = bounds[index], layouts[index]
+                else:  # a chunk the group runs beyond this rank's: empty, but it joins the group's exchanges
+                    (start, end) = (num_tokens, num_tokens)
+                    layout = send_layout(dest_Tk[:0], local_Tk[:0], weights_Tk[:0], num_devices, self.mode)
                 chunks.append(_slice_chunk(start, end, layout, send_splits, recv_splits, num_pairs))
         return chunks, counts_CD2.sum(0)
 
