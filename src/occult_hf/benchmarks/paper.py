@@ -337,6 +337,12 @@ class Context:
         self.host_group = dist.new_group(backend="gloo") if dist.is_initialized() and self.cuda else None
         self.rows: list[PaperRow] = []
         self.progress = None
+        #: the row keys to run (`--rows`; default every row)
+        self.wanted = set(args.rows) if getattr(args, "rows", None) else {key for key, _ in (*PREFILL_ROWS, *FINETUNE_ROWS)}
+
+    def wants(self, *keys: str) -> bool:
+        """Whether any of `keys` is a row to run."""
+        return any(key in self.wanted for key in keys)
 
     def barrier(self) -> None:
         if dist.is_initialized():
@@ -352,12 +358,19 @@ class Context:
         self.log(f"{row.experiment} {row.model} {row.key}: {state}" + (f", {row.ms:.1f} ms" if row.ran else ""))
         if self.progress is not None:
             self.progress.update(1)
-        if self.rank == 0:
+        if self.rank == 0:  # md and JSON after every row (a run cut at its time limit keeps them); the plot per model
+            save_results(self.rows, self.args, self.world, self.device, plot_too=False)
+
+    def save(self) -> None:
+        """Write every output, the plot included (after each model's experiment and at the end)."""
+        if self.rank == 0 and self.rows:
             save_results(self.rows, self.args, self.world, self.device)
 
     def free(self) -> None:
-        gc.collect()
+        """Give a dropped model's GPU memory back before the next row (on a CPU nothing: a full `gc.collect`
+        costs a second there with transformers and peft imported, and tiny models need no room)."""
         if self.cuda:
+            gc.collect()
             torch.cuda.empty_cache()
 
     def reset_peak(self) -> None:
@@ -500,17 +513,21 @@ def prefill(ctx: Context, spec: PaperModel, config, trace_Nk, routing: str) -> N
     handles = hooked(model, 0)
     reference_shared = last_logits(model, shared_BS)
     _detach(handles)
-    handles = hooked(model, rank)
-    ctx.reset_peak()
-    ms = ctx.max(timed(lambda: last_logits(model, own_BS), args.iterations, device))
-    ctx.add(row("stock_1gpu", tokens=tokens, ms=ms, tokens_per_s=tokens / ms * 1e3, peak_gib=ctx.peaks(), max_rel_err=0.0))
-    _detach(handles)
-    placement = planned_placement(recorder, config, world, args.placement_method)
+    if ctx.wants("stock_1gpu"):
+        handles = hooked(model, rank)
+        ctx.reset_peak()
+        ms = ctx.max(timed(lambda: last_logits(model, own_BS), args.iterations, device))
+        ctx.add(row("stock_1gpu", tokens=tokens, ms=ms, tokens_per_s=tokens / ms * 1e3, peak_gib=ctx.peaks(), max_rel_err=0.0))
+        _detach(handles)
+    planned = ("occult_placed", "occult_nd2", "occult_nd1")
+    placement = planned_placement(recorder, config, world, args.placement_method) if ctx.wants(*planned) else None
     del recorder
     stock_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
 
     # 2. occult_hf rows: a converted copy of the stock model each
     for key, (fields, exact) in OCCULT_PREFILL.items():
+        if not ctx.wants(key):
+            continue
         if fields.get("max_devices_per_token", 0) > world:
             ctx.add(row(key, reason=f"N_d={fields['max_devices_per_token']} > D={world}"))
             continue
@@ -541,6 +558,11 @@ def prefill(ctx: Context, spec: PaperModel, config, trace_Nk, routing: str) -> N
             ctx.free()
 
     # 3. rows that load a checkpoint: device_map="auto" (one process) and transformers' EP (every rank)
+    if not ctx.wants("device_map_auto", *HF_EP):
+        del model
+        if ctx.wants("megablocks"):
+            ctx.add(row("megablocks", reason=megablocks_reason()))
+        return
     holder = [tempfile.mkdtemp(prefix="occult_bench_paper_") if rank == 0 else None]
     if dist.is_initialized():
         dist.broadcast_object_list(holder, src=0)
@@ -551,9 +573,12 @@ def prefill(ctx: Context, spec: PaperModel, config, trace_Nk, routing: str) -> N
         del model
         ctx.free()
         ctx.barrier()
-        _device_map_row(ctx, row, checkpoint, dtype, own_BS, reference_own, hooked, last_logits)
+        if ctx.wants("device_map_auto"):
+            _device_map_row(ctx, row, checkpoint, dtype, own_BS, reference_own, hooked, last_logits)
         ctx.barrier()
         for key, (implementation, sizes, shared) in HF_EP.items():
+            if not ctx.wants(key):
+                continue
             _transformers_ep_row(ctx, row, key, implementation, sizes(world), shared, checkpoint, dtype,
                                  shared_BS if shared else own_BS, reference_shared if shared else reference_own,
                                  hooked, last_logits)  # fmt: skip
@@ -562,7 +587,8 @@ def prefill(ctx: Context, spec: PaperModel, config, trace_Nk, routing: str) -> N
         ctx.barrier()
         if rank == 0:
             shutil.rmtree(checkpoint, ignore_errors=True)
-    ctx.add(row("megablocks", reason=megablocks_reason()))
+    if ctx.wants("megablocks"):
+        ctx.add(row("megablocks", reason=megablocks_reason()))
 
 
 def _device_map_row(ctx, row, checkpoint, dtype, ids_BS, reference, hooked, last_logits) -> None:
@@ -693,6 +719,8 @@ def finetune(ctx: Context, spec: PaperModel, config, trace_Nk, routing: str) -> 
         return planned_placement(recorder, config, world, args.placement_method)
 
     for key, _ in FINETUNE_ROWS:
+        if not ctx.wants(key):
+            continue
         if key == "megablocks":
             ctx.add(row(key, reason=megablocks_reason()))
             continue
@@ -831,8 +859,9 @@ def plot(rows: list[PaperRow], path: Path) -> None:
     plt.close(fig)
 
 
-def save_results(rows: list[PaperRow], args, world: int, device) -> None:
-    """Write `paper_comparison_<D>x<device>.md/.json/.png` under `args.out` (rank 0)."""
+def save_results(rows: list[PaperRow], args, world: int, device, plot_too: bool = True) -> None:
+    """Write `paper_comparison_<D>x<device>.md/.json` and, with `plot_too`, `.png` under `args.out` (rank 0;
+    the plot costs about a second per call on a CPU, so rows save without it)."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     header = header_lines(args, world, device)
@@ -841,7 +870,8 @@ def save_results(rows: list[PaperRow], args, world: int, device) -> None:
     stem = out / f"paper_comparison_{world}x{device.type}"
     atomic_write_text(stem.with_suffix(".md"), text)
     atomic_write_text(stem.with_suffix(".json"), json.dumps({"header": header, "rows": [asdict(r) for r in rows]}, indent=1))
-    plot(rows, stem.with_suffix(".png"))
+    if plot_too:
+        plot(rows, stem.with_suffix(".png"))
 
 
 # ----- command line ----------------------------------------------------------------------------
@@ -856,6 +886,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--trace", action="append", default=[], metavar="MODEL=PATH",
         help=f"replay a per-token routing trace (.npz topk_ids [N, k]) in MODEL's routers (default: "
         f"qwen1.5-moe-a2.7b={DEFAULT_TRACE} when present); MODEL=none routes MODEL with its own router",
+    )  # fmt: skip
+    parser.add_argument(
+        "--rows", nargs="+", default=None, metavar="KEY", choices=sorted({key for key, _ in (*PREFILL_ROWS, *FINETUNE_ROWS)}),
+        help="run only these row keys (of either experiment; default all): to re-run the rows a cut run missed",
     )  # fmt: skip
     parser.add_argument("--placement-method", default="refined", help="planner of the placed rows (occult_hf.available_planners())")
     parser.add_argument("--prefill-tokens", type=positive_int, default=None, help="tokens per rank (full: 2^14; tiny: 64)")
@@ -898,7 +932,8 @@ def run(args: argparse.Namespace) -> int:
     rank, world, device = init_from_torchrun(datetime.timedelta(seconds=args.collective_timeout_s))
     ctx = Context(args, rank, world, device)
     experiments = EXPERIMENTS if args.experiment == "all" else (args.experiment,)
-    per_model = (len(PREFILL_ROWS) if "prefill" in experiments else 0) + (len(FINETUNE_ROWS) if "finetune" in experiments else 0)
+    per_model = sum(ctx.wants(key) for key, _ in PREFILL_ROWS) if "prefill" in experiments else 0
+    per_model += sum(ctx.wants(key) for key, _ in FINETUNE_ROWS) if "finetune" in experiments else 0
     ctx.progress = tqdm(total=per_model * len(args.models), desc="occult bench paper", disable=rank != 0)
     for name in args.models:
         spec = PAPER_MODELS[name]
@@ -911,6 +946,7 @@ def run(args: argparse.Namespace) -> int:
                 ctx.log(f"{experiment} {name} stopped: {_error_text(error)}")
                 ctx.add(PaperRow(experiment, name, "all", "(the rows not yet reported)", routing, reason=_error_text(error)))
             ctx.free()
+        ctx.save()
     ctx.progress.close()
     if rank == 0 and ctx.rows:
         print("\n" + (Path(args.out) / f"paper_comparison_{world}x{device.type}.md").read_text(), flush=True)
