@@ -308,7 +308,8 @@ def _naive_layout(dest_Tk, local_Tk, weights_Tk, num_devices, mode, base_D, capa
 def test_send_layout_matches_a_naive_layout(mode, padded, num_devices, top_k):
     """`plan.send_layout` (scans and scatters, no loops) equals the loop: positions, slots, weights, each
     token's row positions and the counts; several experts of a token may share a device."""
-    from occult_hf.dispatch.plan import send_capacity, send_layout
+    from occult_hf.dispatch.plan import device_counts, send_capacity, send_layout
+    from occult_hf.metrics import ct_and_remote_T, device_hits_TD
 
     num_tokens = 9
     generator = torch.Generator().manual_seed(num_devices * 10 + top_k)
@@ -335,6 +336,13 @@ def test_send_layout_matches_a_naive_layout(mode, padded, num_devices, top_k):
     torch.testing.assert_close(layout.weight_OW, torch.tensor(weight_OW))
     assert layout.row_TJ.tolist() == row_TJ
     assert layout.counts_D2.tolist() == counts
+    # the layout counts its rows from its own mask; device_counts (the local dispatcher's) from the one
+    # per-token count the CT metrics read (metrics.device_hits_TD): all three agree, per chunk too
+    assert device_counts(dest_Tk, num_devices, mode, [(0, num_tokens)])[0].tolist() == counts
+    assert device_counts(dest_Tk, num_devices, mode, [(0, 4), (4, num_tokens)]).sum(0).tolist() == counts
+    if mode == "dedup":
+        ct_T, _ = ct_and_remote_T(device_hits_TD(dest_Tk, num_devices), torch.zeros(num_tokens, dtype=torch.int64))
+        assert int(ct_T.sum()) == sum(rows for rows, _ in counts)
 
 
 def test_sum_token_rows_sums_each_tokens_rows_in_fp32_through_a_zero_row():

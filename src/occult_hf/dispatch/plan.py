@@ -31,6 +31,7 @@ import torch
 
 from occult_hf.kernels.layout import ExpertSegments
 
+from ..metrics import device_hits_TD
 from ..replica_routing import resolve_homes
 
 #: the dispatch modes (`OccultConfig.dispatch`): one row per (token, device), or per (token, expert) pair
@@ -81,17 +82,19 @@ def chunk_bounds(num_tokens: int, num_chunks: int) -> list[tuple[int, int]]:
 def device_counts(dest_Tk: torch.Tensor, num_devices: int, mode: str, bounds: list[tuple[int, int]]) -> torch.Tensor:
     """`[C, D, 2]` int64 on the tokens' device: rows and (token, expert) pairs each chunk sends to each device.
 
-    Rows are the distinct (token, device) pairs in "dedup" mode (summed over devices: the chunk's CT
-    count) and the (token, expert) pairs in "per_expert" mode. Comparisons and sums, no atomics (a
-    scatter-add of T*k ones into D counters serialises on the GPU).
+    From the one per-token count, `metrics.device_hits_TD` (the `[T, D]` pairs each device serves, which
+    the CT metrics and `OccultCallback` read too): pairs are its column sums; rows are the devices a
+    token reaches (its CT, summed over tokens: the chunk's CT count) in "dedup" mode and the pairs in
+    "per_expert" mode. `send_layout` returns the same counts as a by-product of packing the rows (it
+    needs the per-(device, token) mask anyway, so it does not count twice); `test_dispatch` checks the
+    two agree.
     """
     check_mode(mode)
-    devices_D = torch.arange(num_devices, device=dest_Tk.device)
     counts = []
     for start, end in bounds:
-        hit_TkD = dest_Tk[start:end, :, None] == devices_D  # [T_c, k, D]
-        pairs_D = hit_TkD.sum((0, 1))
-        rows_D = hit_TkD.any(1).sum(0) if mode == "dedup" else pairs_D
+        hits_TD = device_hits_TD(dest_Tk[start:end].long(), num_devices)
+        pairs_D = hits_TD.sum(0)
+        rows_D = (hits_TD > 0).sum(0) if mode == "dedup" else pairs_D
         counts.append(torch.stack([rows_D, pairs_D], dim=1))
     return torch.stack(counts)
 
@@ -110,7 +113,9 @@ class SendLayout:
         row_TJ: `[T, J]` int64 position of each token's rows (J = min(D, k) in "dedup": the token's j-th
             destination device in device order; J = k in "per_expert": its slot j); `C_O` where the
             token has fewer than J rows. The combine sums a token's rows through it (a gather, no atomics).
-        counts_D2: `[D, 2]` int64 rows and (token, expert) pairs sent to each device.
+        counts_D2: `[D, 2]` int64 rows and (token, expert) pairs sent to each device: what the layout
+            packed, equal to `device_counts` of the same tokens (it is counted from the layout's own
+            per-(device, token) mask instead of a second pass over the tokens).
     """
 
     token_O: torch.Tensor
