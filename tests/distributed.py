@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import socket
 import tempfile
 import time
 import traceback
@@ -161,4 +162,12 @@ def _collect(processes, results, world_size: int, timeout_s: float) -> dict[int,
     return outcome
 
 
-__all__ = ["run_world", "WorldError", "DEFAULT_TIMEOUT_S"]
+def free_port() -> int:
+    """A TCP port free right now, for a launcher's rendezvous: its default 29500 is shared by every
+    launch on the machine, and two concurrent tests on one port would join each other's world."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+__all__ = ["run_world", "free_port", "WorldError", "DEFAULT_TIMEOUT_S"]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -25,13 +24,9 @@ import pytest
 
 pytest.importorskip("accelerate")
 
+from distributed import free_port  # noqa: E402
+
 STEPS, SAVE_STEPS = 4, 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(tmp_path, launcher: str, args: list[str]) -> None:
@@ -41,10 +36,10 @@ def _launch(tmp_path, launcher: str, args: list[str]) -> None:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     launchers = {
-        "torchrun": ["torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port())],
+        "torchrun": ["torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())],
         "accelerate": ["accelerate.commands.accelerate_cli", "launch", "--multi_gpu", "--num_processes", "2",
                        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                       "--main_process_port", str(_free_port())],
+                       "--main_process_port", str(free_port())],
     }  # fmt: skip
     command = [sys.executable, "-m", *launchers[launcher], "-m", "occult_hf.finetune", *args]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)

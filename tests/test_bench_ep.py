@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from distributed import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO.parent / "shared/data/routing/qwen15moe_a27b_chat_gptq_int4_gsm8k25_layer0_trace.npz"
 
@@ -23,7 +25,7 @@ def test_bench_ep_two_gloo_ranks(tmp_path):
     contiguous = Placement.contiguous(60, 2, [0])
     Placement(60, 2, {0: contiguous.device_of(0)}, replicas={0: {0: [1], 59: [0]}}).save(tmp_path / "replicated.json")
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "occult_hf.cli",
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "occult_hf.cli",
         "bench", "ep", "--shapes", "qwen1.5-moe-a2.7b", "--tokens", "256", "--hidden", "32",
         "--intermediate", "16", "--iterations", "1", "--trace", str(TRACE), "--out", str(tmp_path),
         "--modes", *[m.name for m in MODES], TRANSFORMERS_EP, "dedup+replicated", "dedup+file",

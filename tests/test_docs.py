@@ -31,6 +31,8 @@ from pathlib import Path
 
 import pytest
 
+from distributed import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -154,6 +156,7 @@ def _environment(tmp_path: Path) -> dict:
         TOKENIZERS_PARALLELISM="false", MPLBACKEND="Agg", HF_DATASETS_CACHE=str(tmp_path / "datasets_cache"),
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "tests"), env.get("PYTHONPATH")])),
         OCCULT_DOC_PYTHON=sys.executable,
+        PET_MASTER_PORT=str(free_port()),  # torchrun's --master-port, not the 29500 every launch shares
     )  # fmt: skip
     return env
 
