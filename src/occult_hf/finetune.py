@@ -24,7 +24,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from .config import PRUNE_MODES
+from .pruning import pruning_policy_names
 
 
 @dataclass
@@ -71,8 +71,8 @@ class OccultArguments:
     per_layer_metrics: bool = field(default=False, metadata={"help": "Also log every layer's occult/ metrics."})
 
     def __post_init__(self) -> None:
-        if self.prune not in (*PRUNE_MODES, "none"):
-            raise ValueError(f"--prune must be one of {(*PRUNE_MODES, 'none')}, got {self.prune!r}")
+        if self.prune not in (*pruning_policy_names(), "none"):  # the registry's names now, plugins included
+            raise ValueError(f"--prune must be one of {(*pruning_policy_names(), 'none')}, got {self.prune!r}")
         if not 0.0 <= self.schedule_fraction <= 1.0:
             raise ValueError(f"--schedule_fraction must be in [0, 1], got {self.schedule_fraction}")
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import argparse
 
-from occult_hf.config import DISPATCH_MODES, PRUNE_MODES
+from occult_hf.config import DISPATCH_MODES
+from occult_hf.pruning import pruning_policy_names
 from .devices import add_num_devices_argument
 
 
@@ -40,7 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     occult.add_argument("--occult-config", help="an OccultConfig JSON file")
     occult.add_argument("--placement", help="'contiguous' or an occult_placement.json")
     add_num_devices_argument(occult, help="devices in the EP group (logical devices in one process)")
-    occult.add_argument("--prune", choices=PRUNE_MODES, help="collaboration pruning mode")
+    occult.add_argument("--prune", choices=pruning_policy_names(), help="collaboration pruning mode")
     occult.add_argument("--max-devices-per-token", type=int, help="N_d for pruning")
     occult.add_argument("--profile", help="routing profile (.safetensors), for similarity pruning")
     occult.add_argument("--dispatch", choices=DISPATCH_MODES, help="EP dispatch mode")
