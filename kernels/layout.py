@@ -44,16 +44,14 @@ class ExpertSegments:
     def from_pairs(cls, pair_row: torch.Tensor, pair_expert: torch.Tensor, num_rows: int, num_local_experts: int):
         """Group unordered pairs by expert. Returns the segments and the permutation `order_N` that
         sorts the caller's per-pair tensors (weights) into segment order: `weight[order_N]`."""
-        # Stable sort by (expert, row): key = expert * R + row fits int64 for any realistic R.
-        key_N = pair_expert.to(torch.int64) * max(num_rows, 1) + pair_row.to(torch.int64)
-        order_N = torch.argsort(key_N, stable=True)
-        # a scatter-add histogram: unlike bincount (which reads the maximum on the host), no CUDA sync
-        pair_expert = pair_expert.to(torch.int64)
-        counts_L = torch.zeros(num_local_experts, dtype=torch.int64, device=pair_row.device)
-        counts_L.scatter_add_(0, pair_expert, torch.ones_like(pair_expert))
-        offsets = torch.zeros(num_local_experts + 1, dtype=torch.int64, device=pair_row.device)
-        offsets[1:] = torch.cumsum(counts_L, 0)
-        return cls(pair_row.to(torch.int64)[order_N], offsets, num_rows), order_N
+        # Stable sort by (expert, row): key = expert * R + row fits int64 for any realistic R. The expert
+        # offsets are a binary search of the sorted keys (no histogram, no host read of a maximum).
+        rows = max(num_rows, 1)
+        key_N = pair_expert.to(torch.int64) * rows + pair_row.to(torch.int64)
+        key_sorted_N, order_N = torch.sort(key_N, stable=True)
+        bounds = torch.arange(0, (num_local_experts + 1) * rows, rows, dtype=torch.int64, device=pair_row.device)
+        offsets = torch.searchsorted(key_sorted_N, bounds)
+        return cls(key_sorted_N % rows, offsets, num_rows), order_N
 
 
 __all__ = ["ExpertSegments"]

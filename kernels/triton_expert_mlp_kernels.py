@@ -19,8 +19,9 @@ Kernels:
                        epilogue splits them without moving data between threads.
 - `scatter_gemm_kernel` y[p] = a[p] @ B_e, either atomically added in fp32 into
                        out[row p] (`reduce="atomic"`) or written per pair for `segment_sum_kernel`.
-- `segment_sum_kernel` out[r] = sum of y over the pairs of row r, in pair order (deterministic); rows
-                       served by no pair get zeros.
+- `row_table_kernel`   row -> pairs table [R, W] by atomic slot counters (no sort: one launch).
+- `segment_sum_kernel` out[r] = sum of y over the pairs of row r, in pair order (the row's slots ranked
+                       in registers: deterministic); rows served by no pair get zeros.
 - `dgate_up_kernel`    backward of the gate/up/activation stage: g[p] = dout[row p] @ down_e, then
                        d gu[p] from g, the pair weight and the saved pre-activations, the pair
                        weight's gradient partial sums <h[p], g[p]> per N tile, and hw[p] again (the
@@ -57,20 +58,34 @@ ACTIVATIONS = {name: code for code, name in enumerate(_ACTIVATION_NAMES)}
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps[, extra constexprs]) candidates for Hopper, tuned
 # per (H, I, rows per expert). Every candidate is valid for every shape (masks cover ragged edges); the
 # tuner only picks. gate_up's BLOCK_N counts twice (gate and up columns share one tile). dgate_up's
-# epilogue holds about five fp32 tiles: the wide tiles only come with EPI_SPLIT = 2. The (64, 64, 128)
-# and (64, 128, 128) candidates are for small T (a handful of rows per expert: the weights dominate).
+# epilogue holds about five fp32 tiles: the wide tiles only come with EPI_SPLIT = 2. The candidates with
+# BLOCK_M <= `SMALL_M` are for small T (a handful of rows per expert, where streaming the weights is the
+# whole cost): `_prune_by_rows` tunes only the tiles that can win at the call's mean segment length, which
+# also keeps the tuning time of each key down. On the H200 (OLMoE, T = 128,
+# 2026-11-30) the 16- and 32-row tiles streamed the gate/up weights at about 3.6 TB/s (0.150 ms against
+# 0.174 ms for the best 64-row tile); at T = 16384 four stages beat three for the 128x256 GEMM tile
+# (down projection 1.195 vs 1.244 ms, dx 2.08 vs 2.25 ms).
 _GATE_UP_HOPPER = [
     (128, 128, 64, 3, 8), (128, 128, 64, 4, 8), (256, 64, 64, 3, 8), (128, 64, 64, 4, 4), (64, 64, 128, 3, 4),
+    (16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (32, 128, 64, 4, 4),
 ]  # fmt: skip
 _GEMM_HOPPER = [
-    (128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 8), (64, 128, 64, 4, 4), (64, 128, 128, 3, 4),
+    (128, 256, 64, 3, 8), (128, 256, 64, 4, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 8), (64, 128, 64, 4, 4),
+    (64, 128, 128, 3, 4), (16, 128, 128, 4, 4), (32, 128, 128, 4, 4), (32, 64, 128, 4, 4),
 ]  # fmt: skip
 _DGATE_UP_HOPPER = [
     (128, 128, 64, 3, 8, {"EPI_SPLIT": 1}), (128, 128, 64, 3, 8, {"EPI_SPLIT": 2}),
     (128, 256, 64, 3, 8, {"EPI_SPLIT": 2}), (128, 64, 64, 4, 4, {"EPI_SPLIT": 1}), (64, 128, 64, 4, 4, {"EPI_SPLIT": 1}),
+    (32, 128, 64, 4, 4, {"EPI_SPLIT": 1}), (32, 64, 128, 4, 4, {"EPI_SPLIT": 1}),
 ]  # fmt: skip
-_OUTER_HOPPER = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (256, 128, 64, 3, 8)]
+_OUTER_HOPPER = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (256, 128, 64, 3, 8), (64, 128, 64, 4, 4)]
 _SEGMENT_SUM_HOPPER = [(256, 2), (512, 4), (1024, 8)]
+#: row tiles of at most this many rows are small-T candidates
+SMALL_M = 32
+#: mean pairs per expert up to which only tiles of at most 64 rows are tuned (above it, none of <= SMALL_M)
+SMALL_T_ROWS = 64
+#: mean pairs per expert from which only the tiles of at least 128 rows are tuned
+LARGE_T_ROWS = 1024
 #: the one config of each kernel under the interpreter (extra constexprs beside the 16-wide blocks)
 _INTERPRETED_EXTRA = {"dgate_up": {"EPI_SPLIT": 2}}
 
@@ -83,6 +98,22 @@ def _gemm_configs(candidates: list[tuple], kernel: str = "") -> list[triton.Conf
     for m, n, k, stages, warps, *extra in candidates:
         configs.append(triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, **(extra[0] if extra else {})}, num_stages=stages, num_warps=warps))
     return configs
+
+
+def _prune_by_rows(configs, named_args, **kwargs):
+    """The row tiles worth tuning at this call's mean pairs per expert (`ROWS_PER_EXPERT`, a power of two)."""
+    rows = named_args["ROWS_PER_EXPERT"]
+    if rows <= SMALL_T_ROWS:
+        keep = [c for c in configs if c.kwargs["BLOCK_M"] <= 64]
+    elif rows >= LARGE_T_ROWS:
+        keep = [c for c in configs if c.kwargs["BLOCK_M"] >= 128]
+    else:
+        keep = [c for c in configs if c.kwargs["BLOCK_M"] > SMALL_M]
+    return keep or configs
+
+
+#: `prune_configs_by` of the grouped GEMMs whose BLOCK_M runs along the pairs
+_PRUNE_BY_ROWS = {"early_config_prune": _prune_by_rows}
 
 
 def _segment_sum_configs() -> list[triton.Config]:
@@ -187,7 +218,12 @@ def _column_halves(t, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     return tl.split(tl.permute(tl.reshape(t, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
 
 
-@triton.autotune(configs=_gemm_configs(_GATE_UP_HOPPER), key=["K", "I", "ROWS_PER_EXPERT", "SAVE_GU"], do_bench=_bench_config)
+@triton.autotune(
+    configs=_gemm_configs(_GATE_UP_HOPPER),
+    key=["K", "I", "ROWS_PER_EXPERT", "SAVE_GU"],
+    prune_configs_by=_PRUNE_BY_ROWS,
+    do_bench=_bench_config,
+)
 @triton.heuristics({"EVEN_K": _even_k})
 @triton.jit
 def gate_up_kernel(
@@ -254,6 +290,7 @@ def gate_up_kernel(
 @triton.autotune(
     configs=_gemm_configs(_GEMM_HOPPER),
     key=["K", "N_OUT", "ROWS_PER_EXPERT", "ATOMIC"],
+    prune_configs_by=_PRUNE_BY_ROWS,
     reset_to_zero=["out_ptr"],
     do_bench=_bench_config,
 )
@@ -305,33 +342,67 @@ def scatter_gemm_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
 
 
-@triton.autotune(configs=_segment_sum_configs(), key=["H"], do_bench=_bench_config)
+@triton.jit
+def row_table_kernel(
+    pair_row_ptr,  # [N] int64
+    row_count_ptr,  # [R] int32, zeros in; pairs per row out
+    row_pairs_ptr,  # [R, W] int32 out: the first row_count[r] slots of row r hold its pairs, in no set order
+    num_pairs,
+    width,  # W
+    BLOCK: tl.constexpr,
+):
+    """Row -> pairs table without a sort: each pair takes the next free slot of its row by an atomic
+    counter. Slot order varies between runs; `segment_sum_kernel` ranks each row's slots, so the sum
+    order does not. A row with more than W pairs keeps its count (and the first W slots)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < num_pairs
+    rows = tl.load(pair_row_ptr + offs, mask=mask, other=0)
+    slot = tl.atomic_add(row_count_ptr + rows, 1, mask=mask, sem="relaxed")
+    tl.store(row_pairs_ptr + rows * width + slot, offs.to(tl.int32), mask=mask & (slot < width))
+
+
+@triton.autotune(configs=_segment_sum_configs(), key=["H", "BLOCK_W"], do_bench=_bench_config)
 @triton.jit
 def segment_sum_kernel(
     y_ptr,  # [N, H] per-pair rows
-    row_pairs_ptr,  # [N] int64: pairs sorted by row (stable)
-    row_offsets_ptr,  # [R + 1] int64: pairs of row r are row_pairs[row_offsets[r]:row_offsets[r + 1]]
+    row_pairs_ptr,  # [R, W] int32: row_table_kernel's slots
+    row_count_ptr,  # [R] int32
     out_ptr,  # [R, H]
     H,
+    width,  # W (BLOCK_W is W rounded up to a power of two)
     stride_y_row,
     stride_out_row,
+    BLOCK_W: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    # PAIRS rows are loaded at once (independent loads in flight) and summed in a fixed tree order;
-    # PAIRS is the same in every config, so the tuner's choice never changes the bits of the result.
+    """out[r] = the sum of y over the pairs of row r, in ascending pair order (each slot's rank among
+    the row's slots is computed in registers, no sort), PAIRS rows at a time in a fixed tree order: the
+    same bits whatever order the slots were filled in and whatever config the tuner picks. A row with more
+    pairs than its table has slots (pairs given twice for one (row, expert)) comes out NaN, never
+    silently short."""
     PAIRS: tl.constexpr = 8
     row = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
-    first = tl.load(row_offsets_ptr + row)
-    last = tl.load(row_offsets_ptr + row + 1)
+    count = tl.load(row_count_ptr + row)
+    filled = tl.minimum(count, width)
+    offs_w = tl.arange(0, BLOCK_W)
+    slots = tl.load(row_pairs_ptr + row * width + offs_w, mask=offs_w < filled, other=2147483647)
+    # rank of each slot in ascending pair order (pairs are distinct; empty slots, int32 max, rank last)
+    rank = tl.sum((slots[None, :] < slots[:, None]).to(tl.int32), axis=1)
+    offs_j = tl.arange(0, PAIRS)
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for j in range(first, last, PAIRS):
-        offs_j = j + tl.arange(0, PAIRS)
-        mask_j = offs_j < last
-        pairs = tl.load(row_pairs_ptr + offs_j, mask=mask_j, other=0)
-        y = tl.load(y_ptr + pairs[:, None] * stride_y_row + offs_h[None, :], mask=mask_j[:, None] & mask_h[None, :], other=0.0)
+    for j in range(0, filled, PAIRS):
+        # the pairs of ranks j .. j + PAIRS - 1 out of registers: a one-hot select and a sum over the slots
+        pick = rank[None, :] == (j + offs_j)[:, None]  # [PAIRS, BLOCK_W]
+        pairs = tl.sum(tl.where(pick, slots[None, :], 0), axis=1)
+        mask_j = j + offs_j < filled
+        y = tl.load(
+            y_ptr + pairs[:, None].to(tl.int64) * stride_y_row + offs_h[None, :], mask=mask_j[:, None] & mask_h[None, :], other=0.0
+        )
         acc += tl.sum(y.to(tl.float32), axis=0)
+    if count > width:
+        acc = tl.full((BLOCK_H,), float("nan"), tl.float32)
     tl.store(out_ptr + row * stride_out_row + offs_h, acc.to(out_ptr.dtype.element_ty), mask=mask_h)
 
 
@@ -358,12 +429,12 @@ def _dgate_up_epilogue(
     return partial
 
 
-# Configs differ in BLOCK_N, hence in how many partial-sum columns they write: the tuner must zero the
-# buffer before each trial and before the real run, or a trial's columns would linger in the sum.
+# Configs differ in BLOCK_N, hence in how many partial-sum columns they write: the launcher sums only the
+# columns of the config that ran (`best_config`), which every pair's row fills.
 @triton.autotune(
     configs=_gemm_configs(_DGATE_UP_HOPPER, "dgate_up"),
     key=["K", "I", "ROWS_PER_EXPERT", "WRITE_HW"],
-    reset_to_zero=["dweight_partial_ptr"],
+    prune_configs_by=_PRUNE_BY_ROWS,
     do_bench=_bench_config,
 )
 @triton.heuristics({"EVEN_K": _even_k})

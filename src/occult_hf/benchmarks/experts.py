@@ -201,11 +201,13 @@ def cuda_timer(warmup_ms: float, rep_ms: float) -> Callable:
     return timer
 
 
-def wall_timer(repeats: int = 3) -> Callable:
-    """Median wall-clock ms after one warm-up call; for CPU dry runs of the harness only."""
+def wall_timer(repeats: int = 3, warmup: bool = True) -> Callable:
+    """Median wall-clock ms of `repeats` calls, after one warm-up call unless `warmup=False`; for CPU dry
+    runs of the harness only (tests time one call: interpreted kernels take seconds each)."""
 
     def timer(fn, grad_to_none=None) -> float:
-        fn()
+        if warmup:
+            fn()
         times = []
         for _ in range(repeats):
             for tensor in grad_to_none or ():
