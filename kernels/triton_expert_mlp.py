@@ -17,7 +17,7 @@ Forward, two grouped GEMMs over the expert segments (`triton_expert_mlp_kernels.
 2. `scatter_gemm_kernel` multiplies hw by down_e and reduces into one fp32 row per received row (see
    `REDUCE_MODES`): by writing the pair outputs y [N, H] (in x's dtype by default, in fp32 when
    `deterministic=True`) and summing each row's pairs in fp32 in pair order (`segment_sum_kernel`,
-   through a row -> pairs table built on the device by one launch, `row_table_kernel`), or by fp32 atomic adds in the GEMM epilogue
+   through a row -> pairs index built on the device), or by fp32 atomic adds in the GEMM epilogue
    (`reduce="atomic"`; the sum order, hence the last bits, vary between runs).
 
 Backward: `dgate_up_kernel` (g = dout[row] @ down_e, then d gu, the pair-weight gradient and hw again
@@ -94,9 +94,9 @@ class _Launch:
     activation: int  # constexpr code of the activation (`_kernels.ACTIVATIONS`)
     rows_per_expert: int
     block_experts: int
-    # row -> pairs table of the "rows" modes (`_row_table`): [R, W] int32 slots and [R] int32 counts
-    row_pairs_RW: torch.Tensor | None
-    row_count_R: torch.Tensor | None
+    # row -> pairs index (deterministic mode): pairs sorted by row, and each row's range in it
+    row_pairs_N: torch.Tensor | None
+    row_offsets: torch.Tensor | None
 
     @property
     def num_pairs(self) -> int:
@@ -150,12 +150,10 @@ def _scatter_gemm(plan: _Launch, a_NK, b_LKF, out_dtype):
     if atomic:
         return target.to(out_dtype)
     out = _empty(plan.num_rows, num_out, dtype=out_dtype, device=device)
-    width = plan.row_pairs_RW.shape[1]
     grid = lambda meta: (plan.num_rows, triton.cdiv(num_out, meta["BLOCK_H"]))  # noqa: E731
     _kernels.segment_sum_kernel[grid](
-        target, plan.row_pairs_RW, plan.row_count_R, out, num_out, width, target.stride(0), out.stride(0),
-        BLOCK_W=triton.next_power_of_2(width),
-    )  # fmt: skip
+        target, plan.row_pairs_N, plan.row_offsets, out, num_out, target.stride(0), out.stride(0)
+    )
     return out
 
 
@@ -275,40 +273,32 @@ def _check_inputs(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LH
         )
 
 
-def _row_table(pair_row_N: torch.Tensor, num_rows: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row -> pairs table on the device, for the "rows" reduce modes: `[R, W]` int32 slots (the first
-    `row_count[r]` slots of row r hold its pairs, in no set order; `segment_sum_kernel` ranks them) and
-    `[R]` int32 counts. One memset and one launch (`row_table_kernel`), no sort, no host read.
-
-    W = min(L, N): a row has at most one pair per local expert (the layout's pairs are distinct (row,
-    expert) pairs: top-k ids are distinct, and so are a dispatched row's local slots). A row given more
-    pairs than W comes out NaN (`segment_sum_kernel`), not silently short."""
-    width = max(1, min(num_experts, pair_row_N.shape[0]))
-    row_count_R = torch.zeros(num_rows, dtype=torch.int32, device=pair_row_N.device)
-    row_pairs_RW = torch.empty(num_rows, width, dtype=torch.int32, device=pair_row_N.device)
-    block = 16 if _interpreting() else 1024
-    grid = (triton.cdiv(pair_row_N.shape[0], block),)
-    _kernels.row_table_kernel[grid](pair_row_N, row_count_R, row_pairs_RW, pair_row_N.shape[0], width, BLOCK=block)
-    return row_pairs_RW, row_count_R
+def _row_index(pair_row_N: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row -> pairs CSR on the device: pairs sorted by row (stable: pair order within a row) and
+    row_offsets [R + 1]. searchsorted instead of bincount, which would synchronise; 32-bit keys
+    sort about twice as fast as 64-bit ones."""
+    key_dtype = torch.int32 if num_rows < 2**31 else torch.int64
+    sorted_rows_N, row_pairs_N = torch.sort(pair_row_N.to(key_dtype), stable=True)
+    boundaries = torch.arange(num_rows + 1, dtype=key_dtype, device=pair_row_N.device)
+    return row_pairs_N, torch.searchsorted(sorted_rows_N, boundaries)
 
 
 def _plan(segments: ExpertSegments, reduce: str, activation: str = "silu") -> _Launch:
     if reduce not in REDUCE_MODES:
         raise ValueError(f"reduce mode {reduce!r} is not one of {REDUCE_MODES}")
-    pair_row_N = segments.pair_row.contiguous()
-    row_pairs_RW = row_count_R = None
-    if reduce != "atomic" and segments.num_pairs:
-        row_pairs_RW, row_count_R = _row_table(pair_row_N, segments.num_rows, segments.num_local_experts)
+    row_pairs_N = row_offsets = None
+    if reduce != "atomic":
+        row_pairs_N, row_offsets = _row_index(segments.pair_row, segments.num_rows)
     return _Launch(
-        pair_row_N=pair_row_N,
+        pair_row_N=segments.pair_row.contiguous(),
         expert_offsets=segments.expert_offsets.contiguous(),
         num_rows=segments.num_rows,
         reduce=reduce,
         activation=_kernels.ACTIVATIONS[activation],
         rows_per_expert=_rows_per_expert_bucket(segments.num_pairs, segments.num_local_experts),
         block_experts=triton.next_power_of_2(max(2, segments.num_local_experts)),
-        row_pairs_RW=row_pairs_RW,
-        row_count_R=row_count_R,
+        row_pairs_N=row_pairs_N,
+        row_offsets=row_offsets,
     )
 
 
@@ -399,8 +389,7 @@ def expert_mlp_triton_stages(
         ),
     }
     if reduce != "atomic":
-        table = lambda: _row_table(plan.pair_row_N, segments.num_rows, segments.num_local_experts)  # noqa: E731
-        stages = {"row -> pairs table (once per call)": (table, 0.0), **stages}
+        stages = {"row -> pairs index (once per call)": (lambda: _row_index(segments.pair_row, segments.num_rows), 0.0), **stages}
     return stages
 
 

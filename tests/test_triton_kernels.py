@@ -185,6 +185,25 @@ def test_backward_keeps_only_the_pre_activations(interpreted):
     assert extra == [(len(pairs), 2 * inter)], extra
 
 
+def test_tile_pruning_keeps_candidates_for_every_segment_length():
+    """`_prune_by_rows`: short segments tune only tiles of <= 64 rows, long ones only >= 128, and every
+    kernel keeps at least one candidate at every mean segment length."""
+    import triton
+
+    for candidates in (kernels._GATE_UP_HOPPER, kernels._GEMM_HOPPER, kernels._DGATE_UP_HOPPER):
+        configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}) for m, n, k, *_ in candidates]
+        for rows in (1, 16, 64, 128, 512, 1024, 1 << 16):
+            kept = kernels._prune_by_rows(configs, {"ROWS_PER_EXPERT": rows})
+            block_m = {c.kwargs["BLOCK_M"] for c in kept}
+            assert kept and set(kept) <= set(configs), rows
+            if rows <= kernels.SMALL_T_ROWS:
+                assert max(block_m) <= 64 and min(block_m) <= kernels.SMALL_M, (rows, block_m)
+            elif rows >= kernels.LARGE_T_ROWS:
+                assert min(block_m) >= 128, (rows, block_m)
+            else:
+                assert min(block_m) > kernels.SMALL_M, (rows, block_m)
+
+
 def test_activation_names():
     from transformers.activations import ACT2FN
 
@@ -292,7 +311,7 @@ def test_bench_experts_harness_on_a_tiny_shape(interpreted, tmp_path):
     assert "| tiny (32/16/4/2) | 24 | triton_rows_fp32 |" in table and "- note 1: sonic_moe: " in table
     assert set(result["breakdowns"]) == {"rows_io", "rows_fp32"}
     assert "bwd: d down_proj" in result["tables"]["reduce=rows_io"]
-    assert "row -> pairs table" in result["tables"]["reduce=rows_fp32"]
+    assert "row -> pairs index" in result["tables"]["reduce=rows_fp32"]
     bench.plot(result["measurements"], tmp_path / "experts.png")
     assert (tmp_path / "experts.png").stat().st_size > 0
 
