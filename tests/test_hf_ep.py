@@ -10,7 +10,10 @@ equal-capacity placement applied by `apply_occult_ep` (expert rows moved between
 `save_pretrained` writes a vanilla checkpoint (the original checkpoint's expert tensors, bit for bit,
 and plain transformers' logits; `from_pretrained(saved, distributed_config=...)` restores the placement
 from the saved `occult_config`). Rows sent equal the CT count (one row per (token, destination rank)). Collaboration pruning (router
-mode, N_d = 1) gives the logits of occult_hf's own path in one process with the same placement.
+and similarity modes, N_d = 1) gives the logits of occult_hf's own path in one process with the same placement.
+Greedy `generate` under EP (DeepSeek-V3, reloaded placement) gives the single-process tokens. Resuming
+(OLMoE, AdamW): `save_pretrained` + `hf_ep.save_optimizer` after step 1, a fresh `from_pretrained` of that
+checkpoint + `hf_ep.load_optimizer`, then step 2: the same loss and weights as the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ def _step(model, ids: torch.Tensor) -> dict:
     return {"logits": out.logits.detach().numpy().copy(), "loss": float(out.loss.detach()), "grads": grads}
 
 
-def _ep_world(rank, world_size, checkpoints, out_dir):
+def _ep_world(rank, world_size, checkpoints, out_dir, profile):
     import os
 
     from occult_hf import OccultConfig, apply_occult_ep
@@ -102,15 +105,71 @@ def _ep_world(rank, world_size, checkpoints, out_dir):
             found["reloaded_order"] = {layer: impl.expert_order for layer, impl in occult_ep_layers(again).items()}
             with torch.no_grad():
                 found["reloaded_logits"] = again(ids).logits.numpy().copy()
+            # greedy decoding under EP (KV cache, T = 2 tokens per rank per step; generate syncs the ranks)
+            found["generated"] = again.generate(ids[:, :GEN_PROMPT], max_new_tokens=GEN_TOKENS, min_new_tokens=GEN_TOKENS, do_sample=False).numpy()
         if family == "olmoe":  # collaboration pruning through the adapter, on the router's output
-            apply_occult_ep(model, OccultConfig(placement=shuffled_placement(family), prune="router", max_devices_per_token=1))
-            for impl in occult_ep_layers(model).values():
-                impl.reset_counters()
-            with torch.no_grad():
-                found["pruned_logits"] = model(ids).logits.numpy().copy()
-            found["pruned_rows"] = {layer: impl.rows_sent.tolist() for layer, impl in occult_ep_layers(model).items()}
+            for mode in PRUNE_MODES:
+                apply_occult_ep(model, pruned_config(mode, profile))
+                for impl in occult_ep_layers(model).values():
+                    impl.reset_counters()
+                with torch.no_grad():
+                    found[f"pruned_logits_{mode}"] = model(ids).logits.numpy().copy()
+                found[f"pruned_rows_{mode}"] = {layer: impl.rows_sent.tolist() for layer, impl in occult_ep_layers(model).items()}
+            apply_occult_ep(model, OccultConfig(placement=shuffled_placement(family)))
+            found["resume"] = _resume(model, rank, os.path.join(out_dir, "resume"))
         results[family] = found
     return results
+
+
+PRUNE_MODES = ("router", "similarity")
+GEN_PROMPT, GEN_TOKENS = 6, 4
+RESUME_LR = 1e-2
+
+
+def pruned_config(mode: str, profile: str):
+    from occult_hf import OccultConfig
+
+    return OccultConfig(
+        placement=shuffled_placement("olmoe"), prune=mode, max_devices_per_token=1,
+        profile=profile if mode == "similarity" else None,
+    )  # fmt: skip
+
+
+def _adamw_step(model, optimizer, ids) -> float:
+    optimizer.zero_grad(set_to_none=True)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    return float(loss.detach())
+
+
+def _resume(model, rank: int, checkpoint: str) -> dict:
+    """Train 2 AdamW steps; save after step 1 (`save_pretrained` + `hf_ep.save_optimizer`); resume from it
+    in a fresh model (`from_pretrained(checkpoint, distributed_config=...)`, which restores the placement,
+    + `hf_ep.load_optimizer`) and take step 2 again: the loss and the weights after it must be equal."""
+    import os
+
+    from occult_hf import OccultConfig, apply_occult_ep
+    from occult_hf.hf_ep import load_optimizer, reshard, save_optimizer
+
+    batches = [tiny_batch(seed=800 + 10 * step + rank) for step in range(2)]
+    optimizer = torch.optim.AdamW(reshard(model).parameters(), lr=RESUME_LR)  # after forwards: sharded parameters
+    _adamw_step(model, optimizer, batches[0])
+    model.save_pretrained(checkpoint)
+    save_optimizer(model, optimizer, os.path.join(checkpoint, "optimizer"))
+    found = {"loss": _adamw_step(model, optimizer, batches[1])}
+    resumed = _load_ep(checkpoint, ep_size=2, fsdp_size=2)
+    resumed_optimizer = torch.optim.AdamW(resumed.parameters(), lr=RESUME_LR)
+    load_optimizer(resumed, resumed_optimizer, os.path.join(checkpoint, "optimizer"))
+    found["resumed_loss"] = _adamw_step(resumed, resumed_optimizer, batches[1])
+    with torch.no_grad():
+        found["logits"], found["resumed_logits"] = (m(batches[0]).logits.numpy().copy() for m in (model, resumed))
+    apply_occult_ep(resumed, OccultConfig(placement="contiguous"))  # another stored order: the state must not load
+    try:
+        load_optimizer(resumed, resumed_optimizer, os.path.join(checkpoint, "optimizer"))
+    except ValueError as error:
+        found["order_error"] = str(error)
+    return found
 
 
 def _reference(path, world_size: int = 2) -> dict:
@@ -162,7 +221,8 @@ def test_occult_ep_equals_the_single_process_model(tmp_path):
     from transformers import AutoModelForCausalLM
 
     checkpoints = {family: str(tiny_checkpoint(family, tmp_path / family, seed=4, num_experts=NUM_EXPERTS)) for family in EP_FAMILIES}
-    results = run_world(_ep_world, 2, checkpoints, str(tmp_path / "saved"), timeout_s=400)
+    profile = str(_similarity_profile(checkpoints["olmoe"], tmp_path / "olmoe_profile.safetensors"))
+    results = run_world(_ep_world, 2, checkpoints, str(tmp_path / "saved"), profile, timeout_s=400)
     for family, path in checkpoints.items():
         ref = _reference(path)
         for rank, found in enumerate(r[family] for r in results):
@@ -178,26 +238,38 @@ def test_occult_ep_equals_the_single_process_model(tmp_path):
             for rank, found in enumerate(r[family] for r in results):
                 assert found["reloaded_order"] == {l: [e for d in range(2) for e in placement.experts_on(l, d)] for l in MOE_LAYERS[family]}
                 assert rel_err(found["reloaded_logits"], ref["logits"][rank]) <= TOLERANCE
+                prompt = rank_batch(rank)[:, :GEN_PROMPT]
+                with torch.no_grad():
+                    expected = ref["model"].generate(prompt, max_new_tokens=GEN_TOKENS, min_new_tokens=GEN_TOKENS, do_sample=False)
+                assert np.array_equal(found["generated"], expected.numpy()), (rank, found["generated"], expected)
         if family == "olmoe":
-            for rank, found in enumerate(r[family] for r in results):
-                assert rel_err(found["pruned_logits"], _pruned_reference(path, rank)) <= TOLERANCE
-                tokens = rank_batch(rank).numel()
-                assert all(sum(rows) == tokens for rows in found["pruned_rows"].values())  # N_d = 1: one row per token
+            for mode in PRUNE_MODES:
+                single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, occult_config=pruned_config(mode, profile))
+                for rank, found in enumerate(r[family] for r in results):  # occult_hf's own path, 2 logical devices
+                    with torch.no_grad():
+                        expected = single(rank_batch(rank)).logits
+                    assert rel_err(found[f"pruned_logits_{mode}"], expected) <= TOLERANCE, mode
+                    tokens = rank_batch(rank).numel()  # N_d = 1: one row per token
+                    assert all(sum(rows) == tokens for rows in found[f"pruned_rows_{mode}"].values()), mode
+            for rank, found in enumerate(r[family]["resume"] for r in results):
+                assert abs(found["resumed_loss"] - found["loss"]) <= TOLERANCE * abs(found["loss"]), (rank, found)
+                assert rel_err(found["resumed_logits"], found["logits"]) <= TOLERANCE, rank
+                assert "saved with the experts stored in order" in found.get("order_error", ""), found.get("order_error")
         plain = AutoModelForCausalLM.from_pretrained(tmp_path / "saved" / family, dtype=torch.float32, occult_config=None)
         with torch.no_grad():
             assert rel_err(plain(rank_batch(0)).logits, ref["logits"][0]) <= TOLERANCE, family
 
 
-def _pruned_reference(path, rank: int):
-    """occult_hf's own path in one process (2 logical devices), same placement and pruning."""
+def _similarity_profile(path, out):
+    """A routing profile (router-logit Gram matrices for the similarity table) of the checkpoint's model."""
     from transformers import AutoModelForCausalLM
 
-    from occult_hf import OccultConfig
+    from occult_hf import RoutingProfile
 
-    config = OccultConfig(placement=shuffled_placement("olmoe"), prune="router", max_devices_per_token=1)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, occult_config=config)
-    with torch.no_grad():
-        return model(rank_batch(rank)).logits
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, occult_config=None)
+    documents = [tiny_batch(batch=1, seq=32, seed=s)[0].tolist() for s in range(2)]
+    RoutingProfile.collect(model, documents, progress=False).save(out)
+    return out
 
 
 def test_placements_transformers_cannot_shard_are_errors_that_name_the_other_path():

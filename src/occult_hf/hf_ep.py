@@ -520,6 +520,79 @@ def _gather_in_original_order(model, model_to_save, state_dict, distributed_conf
     return gathered
 
 
+# ----- resuming training ------------------------------------------------------------------------
+
+#: written beside the optimizer state by `save_optimizer`: the stored expert order it was saved in
+EXPERT_ORDER_FILE = "occult_expert_order.json"
+
+
+def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, directory) -> None:
+    """Save `optimizer`'s state under `directory` for resuming (collective: every rank calls it).
+
+    transformers 5.24's `Trainer` refuses to checkpoint the optimizer of a model sharded at load time
+    (`DistributedConfig`: "Resuming is not supported ..."), so training on this path resumes from
+    `model.save_pretrained(checkpoint)` (vanilla weights, the placement in `config.json`) plus this:
+    transformers' own sharded optimizer save (`transformers.distributed.checkpoint.save_optimizer_distributed`,
+    torch DCP, each rank its shard). The experts' optimizer state is saved as stored, in placement order;
+    the order is written beside it (`occult_expert_order.json`, `{layer: [expert id at each stored
+    position]}`) and `load_optimizer` checks it, so that state is never loaded into another placement.
+    """
+    import os
+
+    from transformers.distributed.checkpoint import save_optimizer_distributed
+
+    from .atomic import atomic_write_json
+
+    reshard(model)
+    save_optimizer_distributed(model, optimizer, str(directory))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        orders = {str(layer): impl.expert_order for layer, impl in occult_ep_layers(model).items()}
+        atomic_write_json(os.path.join(directory, EXPERT_ORDER_FILE), orders)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, directory) -> None:
+    """Load the state `save_optimizer` wrote into `optimizer` (collective). The model must store its
+    experts in the order they were saved in: load it from the checkpoint saved with the optimizer
+    (`from_pretrained(checkpoint, distributed_config=DistributedConfig(..., ep_implementation="occult"))`
+    restores the placement from its `config.json`), or with the same `OccultConfig.placement`."""
+    import json
+    import os
+
+    from transformers.distributed.checkpoint import load_optimizer_distributed
+
+    path = os.path.join(directory, EXPERT_ORDER_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing: save the optimizer with occult_hf.hf_ep.save_optimizer")
+    with open(path) as handle:
+        saved = {int(layer): order for layer, order in json.load(handle).items()}
+    here = {layer: impl.expert_order for layer, impl in occult_ep_layers(model).items()}
+    if saved != here:
+        layer = next((l for l in sorted(here) if saved.get(l) != here[l]), None)
+        raise ValueError(
+            f"the optimizer state in {directory} was saved with the experts stored in order {saved.get(layer)} at "
+            f"layer {layer}; this model stores {here.get(layer)}: load the model from the checkpoint saved with it "
+            f"(from_pretrained(checkpoint, distributed_config=...) restores its placement) or pass the same "
+            f"OccultConfig.placement"
+        )
+    reshard(model)
+    load_optimizer_distributed(model, optimizer, str(directory))
+
+
+def reshard(model: nn.Module) -> nn.Module:
+    """Put every FSDP2 module of `model` back on its sharded parameters. A forward outside training (transformers
+    sets `reshard_after_forward=False` on some modules) leaves unsharded parameters registered; an optimizer
+    built then, or a sharded optimizer save, would see those instead of the sharded ones (transformers'
+    Trainer does the same before it builds its optimizer). A no-op on sharded modules."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    return model
+
+
 def _prefix_of(model: nn.Module, model_to_save: nn.Module) -> str:
     """Key prefix of `model`'s modules in `model_to_save`'s state dict ('' when they are the same model)."""
     if model_to_save is model:
@@ -538,9 +611,12 @@ __all__ = [
     "apply_occult_ep",
     "apply_on_load",
     "occult_ep_config_of",
+    "load_optimizer",
     "occult_ep_layers",
     "register_ep_implementation",
     "remove_occult_ep",
+    "reshard",
+    "save_optimizer",
     "transformers_ep_available",
     "uses_occult_ep",
 ]
