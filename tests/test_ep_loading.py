@@ -5,8 +5,9 @@ single-process load (logits, every local expert weight bit for bit) while each r
 experts its placement puts on it (replicas included) and the full expert tensors stay on the meta
 device; both checkpoint layouts (per-expert keys as `save_pretrained` and published checkpoints
 store them, Mixtral's `block_sparse_moe.experts.{e}.w1` renamed by transformers at load included;
-transformers 5's fused `gate_up_proj`/`down_proj`). A checkpoint it cannot read per rank (`.bin`)
-falls back to the full load with a reason, and is still exact.
+transformers 5's fused `gate_up_proj`/`down_proj`), with and without a `device_map` that puts the model
+on one device (`"cpu"`, `{"": "cpu"}`: the experts are read onto it). A checkpoint it cannot read per rank
+(`.bin`) falls back to the full load with a reason, and is still exact.
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ import torch
 from distributed import run_world
 from tiny_models import tiny_batch, tiny_checkpoint
 
-CASES = [  # (family, checkpoint layout, placement kind, loaded per rank)
-    ("olmoe", "per_expert", "contiguous", True),
-    ("qwen2_moe", "fused", "replicated", True),  # shared experts; replicas read on both holders
-    ("mixtral", "per_expert", "contiguous", True),  # w1/w3/w2 under block_sparse_moe, renamed by transformers
-    ("deepseek_v3", "fused", "shuffled", True),  # dense first layer, group-limited router, shared experts
-    ("olmoe", "bin", "contiguous", False),  # not safetensors: falls back
+CASES = [  # (family, checkpoint layout, placement kind, loaded per rank, device_map)
+    ("olmoe", "per_expert", "contiguous", True, None),
+    ("qwen2_moe", "fused", "replicated", True, {"": "cpu"}),  # shared experts; replicas read on both holders
+    ("mixtral", "per_expert", "contiguous", True, None),  # w1/w3/w2 under block_sparse_moe, renamed by transformers
+    ("deepseek_v3", "fused", "shuffled", True, "cpu"),  # dense first layer, group-limited router, shared experts
+    ("olmoe", "bin", "contiguous", False, None),  # not safetensors: falls back
 ]
 
 
@@ -76,11 +77,11 @@ def _world(rank: int, world_size: int, directories: list[str]) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     results = []
-    for (family, _, kind, per_rank), directory in zip(CASES, directories):
+    for (family, _, kind, per_rank, device_map), directory in zip(CASES, directories):
         eager = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, occult_config=None)
         placement = _placement(eager, kind, world_size)
         model = AutoModelForCausalLM.from_pretrained(
-            directory, dtype=torch.float32, occult_config=occult_hf.OccultConfig(placement=placement)
+            directory, dtype=torch.float32, occult_config=occult_hf.OccultConfig(placement=placement), device_map=device_map
         )
         report = ep_loading.last_report
         ids = tiny_batch(seed=300 + rank)
@@ -138,7 +139,7 @@ def _world(rank: int, world_size: int, directories: list[str]) -> list[dict]:
 @pytest.mark.world_size(2)
 def test_each_rank_reads_only_its_experts_and_equals_the_eager_model(tmp_path):
     directories = []
-    for family, layout, _, _ in CASES:
+    for family, layout, _, _, _ in CASES:
         directory = tiny_checkpoint(family, tmp_path / f"{family}_{layout}")
         if layout == "fused":
             _fuse_checkpoint(directory)
@@ -149,7 +150,7 @@ def test_each_rank_reads_only_its_experts_and_equals_the_eager_model(tmp_path):
             (directory / "model.safetensors").unlink()
         directories.append(str(directory))
     for rank, results in enumerate(run_world(_world, 2, directories)):
-        for (family, layout, kind, per_rank), result in zip(CASES, results):
+        for (family, layout, kind, per_rank, _), result in zip(CASES, results):
             case = json.dumps(result, default=str)
             assert result["max_err"] <= 1e-5 and result["restored_err"] <= 1e-5 and result["weights_equal"] and result["dense_equal"], case
             if per_rank:  # read exactly this rank's experts (replicas included), never the full tensors
@@ -161,3 +162,15 @@ def test_each_rank_reads_only_its_experts_and_equals_the_eager_model(tmp_path):
                     assert fallback is None and read == result["want_read"] and err <= 1e-5, case
             else:  # a layout it does not know: the full load, with the reason logged
                 assert result["fallback"] and not result["meta_only"] and not result["experts_read"], case
+
+
+def test_device_maps_that_put_the_model_on_one_device_are_read_per_rank():
+    from occult_hf.ep_loading import device_of_map
+
+    for device_map, device in ((None, None), ("cpu", "cpu"), ({"": "cpu"}, "cpu"), ({"": "cuda:1"}, "cuda:1"), (1, "cuda:1"),
+                               ({"model": "cpu", "lm_head": "cpu"}, "cpu"), (torch.device("cpu"), "cpu"), ({"": 0}, "cuda:0")):  # fmt: skip
+        found, reason = device_of_map(device_map)
+        assert reason is None and (found is None if device is None else found == torch.device(device)), device_map
+    for device_map in ("auto", "balanced", {"model": "cpu", "lm_head": "disk"}, {"model": 0, "lm_head": 1}):
+        found, reason = device_of_map(device_map)
+        assert found is None and "does not put the whole model on one device" in reason and "cuda:<local rank>" in reason

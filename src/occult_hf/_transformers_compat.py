@@ -13,6 +13,8 @@ works; when transformers changes, this is the file to read.
 - `intercept_state_dict_loading(intercept)`: for one `from_pretrained`, the lazily opened checkpoint
   state dict passes through `intercept` before transformers loads it (per-rank expert loading,
   `ep_loading`): transformers has no loading filter a plugin can register.
+  `skip_allocator_warmup_for(skipped)` leaves the experts another rank holds out of transformers' CUDA
+  allocator warmup (it would allocate the full model on a `device_map` device).
 - `wrap_trainer_methods(hooks)`: `Trainer` methods that every rank runs at a save or a resume (some of
   them private: `_save_optimizer_and_scheduler`, `_load_from_checkpoint`, ...) are wrapped so that
   `hook(original, trainer, ...)` runs instead (`trainer_ep` provides the hooks);
@@ -107,6 +109,35 @@ def intercept_state_dict_loading(intercept: Callable[[Any, dict], tuple[dict, An
         yield
     finally:
         modeling_utils.convert_and_load_state_dict_in_model = original
+
+
+@contextlib.contextmanager
+def skip_allocator_warmup_for(skipped: Callable[[Any, str], bool]):
+    """Within the block, transformers' CUDA caching-allocator warmup leaves out the parameters for which
+    `skipped(model, name)` is true.
+
+    With a `device_map` on an accelerator, `from_pretrained` first allocates (and frees into the caching
+    allocator) one block the size of every parameter the device map puts there
+    (`modeling_utils.caching_allocator_warmup`), the full routed experts included: a load that reads only
+    this rank's experts would still peak at the whole model on the device. This swaps that module-level
+    name for the block's duration.
+    """
+    import transformers.modeling_utils as modeling_utils
+
+    original = getattr(modeling_utils, "caching_allocator_warmup", None)
+    if original is None:  # a transformers without the warmup
+        yield
+        return
+
+    def wrapped(model, expanded_device_map, *args, **kwargs):
+        kept = {name: device for name, device in expanded_device_map.items() if not skipped(model, name)}
+        return original(model, kept, *args, **kwargs)
+
+    modeling_utils.caching_allocator_warmup = wrapped
+    try:
+        yield
+    finally:
+        modeling_utils.caching_allocator_warmup = original
 
 
 def _renamer(load_config) -> Callable[[str], str]:

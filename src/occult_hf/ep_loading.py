@@ -19,8 +19,11 @@ transformers 5's fused `experts.gate_up_proj` `[E, 2I, H]` / `experts.down_proj`
 checkpoints, `experts.{e}.gate_proj/up_proj/down_proj.weight` (Mixtral: `w1/w3/w2`), `[I, H]` / `[I, H]`
 / `[H, I]`; gate_up is gate then up, as transformers' own conversion concatenates them.
 
-Anything else (another layout or key, shapes that disagree with the model, `device_map`/`tp_plan`/
-no process group, a `.bin` checkpoint) falls back to the full load with a logged reason: never a silently wrong model.
+A `device_map` that puts the whole model on one device (`"cpu"`, `{"": "cuda:1"}`, `1`) is where this
+rank's experts are read to, one expert at a time; transformers' CUDA allocator warmup (one block the size
+of every parameter on the device) leaves the routed experts out. Anything else (a `device_map` that spreads
+the model or offloads it, another layout or key, shapes that disagree with the model, `tp_plan`/no process
+group, a `.bin` checkpoint) falls back to the full load with a logged reason: never a silently wrong model.
 
 Shape legend: E routed experts, L local experts (slots), I expert width, H hidden.
 """
@@ -35,7 +38,7 @@ import torch
 
 from occult_hf.patches import adapter_for
 
-from ._transformers_compat import UNSET, intercept_state_dict_loading
+from ._transformers_compat import UNSET, intercept_state_dict_loading, skip_allocator_warmup_for
 from .config import OccultConfig
 from .logging_utils import get_logger
 from .moe import LOADED_EXPERTS_ATTR
@@ -82,11 +85,74 @@ def load_scope(occult_config, kwargs: dict):
         last_report.fallback_reason = "transformers' EP (distributed_config=) loads the experts"
         return contextlib.nullcontext()
     reason = _unsupported_call(occult_config, kwargs)
+    device, device_reason = device_of_map(kwargs.get("device_map"))
+    reason = reason or device_reason
     if reason is not None:
         _fall_back(reason, occult_config)
         return contextlib.nullcontext()
     # UNSET: the checkpoint's config may hold the occult_config (`_apply_on_load` applies it); read there
-    return intercept_state_dict_loading(ExpertLoader(occult_config if occult_config is UNSET else OccultConfig.coerce(occult_config)))
+    loader = ExpertLoader(occult_config if occult_config is UNSET else OccultConfig.coerce(occult_config), device)
+    scope = contextlib.ExitStack()
+    scope.enter_context(intercept_state_dict_loading(loader))
+    scope.enter_context(skip_allocator_warmup_for(_routed_expert_filter()))
+    return scope
+
+
+def device_of_map(device_map) -> tuple[torch.device | None, str | None]:
+    """`(device, None)` for a `from_pretrained(device_map=...)` that puts the whole model on one device
+    (`None`, `"cpu"`, `"cuda:1"`, `1`, a `torch.device`, `{"": ...}` or a dict whose values are all the same
+    device); `(None, reason)` for one that spreads it (`"auto"`, several devices, `"disk"`). Per-rank expert
+    loading reads this rank's experts onto that device: a rank under EP holds its experts and the whole dense
+    part (DDP), so a map that spreads the model over devices or offloads it is not an EP layout."""
+    if device_map is None:
+        return None, None
+    values = list(device_map.values()) if isinstance(device_map, dict) else [device_map]
+    devices = {_device(value) for value in values}
+    if len(devices) != 1 or None in devices:
+        shown = device_map if not isinstance(device_map, dict) else sorted(map(str, set(values)))
+        return None, (
+            f"device_map={shown!r} does not put the whole model on one device; per-rank expert loading needs "
+            f"this rank's device, e.g. device_map={{'': 'cuda:<local rank>'}}"
+        )
+    return devices.pop(), None
+
+
+def _device(value) -> torch.device | None:
+    """One `device_map` value as a device (an int is an accelerator index, as in transformers); None for
+    "auto"/"balanced"/"sequential"/"disk" and anything that is not a device."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return torch.device("cuda", value)
+    if isinstance(value, str) and value in ("auto", "balanced", "balanced_low_0", "sequential", "disk"):
+        return None
+    try:
+        return torch.device(value)
+    except (RuntimeError, TypeError):
+        return None
+
+
+def _routed_expert_filter():
+    """`skipped(model, name)`: whether parameter `name` belongs to a routed experts module (read per rank,
+    not by transformers); the experts modules' prefixes are found once per model."""
+    prefixes_of = {}
+
+    def skipped(model, name: str) -> bool:
+        if id(model) not in prefixes_of:
+            try:
+                adapter = adapter_for(model)
+                blocks = list(adapter.iter_moe_blocks(model))
+            except ValueError:
+                blocks = []
+            prefixes_of[id(model)] = tuple(
+                f"{path}.{child}."
+                for _, path, block in blocks
+                for child, module in block.named_children()
+                if module is adapter.experts_module(block)
+            )
+        return name.startswith(prefixes_of[id(model)])
+
+    return skipped
 
 
 def _fall_back(reason: str, occult_config) -> None:
@@ -102,7 +168,7 @@ def _unsupported_call(occult_config, kwargs: dict) -> str | None:
         return "torch.distributed is not initialised"
     if torch.distributed.get_world_size() < 2:
         return "one rank"
-    for name in ("device_map", "tp_plan", "device_mesh", "state_dict", "quantization_config"):
+    for name in ("tp_plan", "device_mesh", "state_dict", "quantization_config"):
         if kwargs.get(name) is not None:
             return f"from_pretrained({name}=...) is given"
     return None if occult_config is UNSET else _unsupported_config(OccultConfig.coerce(occult_config))
@@ -117,8 +183,9 @@ def _unsupported_config(config: OccultConfig) -> str | None:
 class ExpertLoader:
     """`intercept(model, state_dict) -> (state_dict, after)` for `intercept_state_dict_loading`."""
 
-    def __init__(self, occult_config: OccultConfig) -> None:
+    def __init__(self, occult_config: OccultConfig, device: torch.device | None = None) -> None:
         self.occult_config = occult_config
+        self.device = device  # from `device_map`: where this rank's experts go (None: where the slices are read, CPU)
 
     def __call__(self, model, state_dict, rename):
         if self.occult_config is UNSET:  # no keyword: the occult_config the checkpoint's config stores, if any
@@ -219,26 +286,27 @@ class ExpertLoader:
 
     # ----- reading (while transformers still has the files open) --------------------------------
     def _read_local(self, plan: _LayerPlan, state_dict) -> None:
-        gate_up_E2IH, down_EHI = plan.adapter.expert_weights(plan.block)  # on meta: dtypes only
-        dtype = gate_up_E2IH.dtype
-        gate_up, down = [], []
-        for expert in plan.expert_ids:
+        gate_up_E2IH, down_EHI = plan.adapter.expert_weights(plan.block)  # on meta: shapes and dtypes only
+        num_local, device = len(plan.expert_ids), self.device or torch.device("cpu")
+        # filled one expert at a time, so that a device_map device never holds more than this rank's share
+        gate_up_L2IH = torch.empty((num_local, *gate_up_E2IH.shape[1:]), dtype=gate_up_E2IH.dtype, device=device)
+        down_LHI = torch.empty((num_local, *down_EHI.shape[1:]), dtype=down_EHI.dtype, device=device)
+        for slot, expert in enumerate(plan.expert_ids):
             if set(plan.keys) == set(_FUSED):
-                gate_up.append(state_dict[plan.keys["gate_up_proj"]][expert : expert + 1][0])
-                down.append(state_dict[plan.keys["down_proj"]][expert : expert + 1][0])
+                gate_up = state_dict[plan.keys["gate_up_proj"]][expert : expert + 1][0]
+                down = state_dict[plan.keys["down_proj"]][expert : expert + 1][0]
             else:
                 parts = {}
                 for rest, full in plan.keys.items():
                     match = _PER_EXPERT.fullmatch(rest)
                     if int(match.group(1)) == expert:
                         parts[_PART[match.group(2)]] = state_dict[full][:]
-                gate_up.append(torch.cat([parts["gate"], parts["up"]], dim=0))
-                down.append(parts["down"])
-        gate_up_L2IH = torch.stack(gate_up).to(dtype)
-        down_LHI = torch.stack(down).to(down_EHI.dtype)
+                gate_up, down = torch.cat([parts["gate"], parts["up"]], dim=0), parts["down"]
+            gate_up_L2IH[slot].copy_(gate_up)
+            down_LHI[slot].copy_(down)
+            last_report.expert_bytes_read += gate_up.numel() * gate_up.element_size() + down.numel() * down.element_size()
         setattr(plan.block, LOADED_EXPERTS_ATTR, (list(plan.expert_ids), gate_up_L2IH, down_LHI))
         last_report.experts_read[plan.layer] = list(plan.expert_ids)
-        last_report.expert_bytes_read += sum(t.numel() * t.element_size() for t in gate_up + down)
 
 
 class _Unsupported(Exception):
