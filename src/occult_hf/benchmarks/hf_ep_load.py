@@ -1,6 +1,6 @@
-"""Peak host memory per rank while loading an MoE checkpoint under expert parallelism, by path.
+"""Peak host and GPU memory per rank while loading an MoE checkpoint under expert parallelism, by path.
 
-    torchrun --nproc-per-node 4 -m occult_hf.benchmarks.hf_ep_load --out DIR     # CPU (gloo) or GPUs
+    torchrun --nproc-per-node 4 -m occult_hf.benchmarks.hf_ep_load --out DIR     # CPU (gloo) or GPUs (NCCL)
 
 Rank 0 writes an OLMoE checkpoint whose routed experts are `--expert-mb` MB in fp32 (16 experts, 2
 layers, hidden 256; the expert width sized to that) and every rank loads it, once per case:
@@ -11,8 +11,15 @@ layers, hidden 256; the expert width sized to that) and every rank loads it, onc
 - `hf_ep_placement`: the same with `occult_config=OccultConfig(placement=<a shuffled equal-capacity
   placement>)`: then the expert rows move between the ranks into placement order;
 - `occult_config`: `from_pretrained(..., occult_config=OccultConfig(placement=...))` under a plain process
-  group (occult_hf's own EP path): each rank reads only the experts its placement puts on it
-  (`occult_hf.ep_loading`); the full expert tensors stay on the meta device.
+  group (occult_hf's own EP path; on GPUs with `device_map={"": "cuda:<local rank>"}`): each rank reads
+  only the experts its placement puts on it (`occult_hf.ep_loading`); the full expert tensors stay on the
+  meta device;
+- `full_model`: `from_pretrained(..., occult_config=None)` (on GPUs with the same `device_map`): the whole
+  model on every rank, what a rank would hold without expert parallelism (the baseline).
+
+With CUDA (`torchrun` on GPUs: NCCL, rank r on `cuda:<local rank>`) the table also gives, per rank,
+`torch.cuda.max_memory_allocated` during the load (after `reset_peak_memory_stats`) minus what was
+allocated before, and what stays allocated after it.
 
 Per rank: the peak resident set during the load (`VmHWM` after resetting it through
 `/proc/self/clear_refs`, Linux only) minus the resident set before it, and what stays resident
@@ -35,7 +42,7 @@ import torch.distributed as dist
 
 from occult_hf.atomic import atomic_write_text
 
-CASES = ("hf_ep_contiguous", "hf_ep_placement", "occult_config")
+CASES = ("hf_ep_contiguous", "hf_ep_placement", "occult_config", "full_model")
 NUM_EXPERTS, LAYERS, HIDDEN = 16, 2, 256
 
 
@@ -74,18 +81,35 @@ def _placement(world: int):
     return Placement(NUM_EXPERTS, world, maps, {"method": "shuffled"})
 
 
+def _gpu() -> torch.device | None:
+    """This rank's GPU under torchrun on CUDA machines (`cuda:<LOCAL_RANK>`), else None."""
+    if not torch.cuda.is_available() or "LOCAL_RANK" not in os.environ:
+        return None
+    return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+
+
 def measure(case: str, path: str, world: int) -> dict:
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
     from occult_hf import OccultConfig
 
+    gpu = _gpu()
+    device_map = None if gpu is None else {"": gpu}
     gc.collect()
+    if gpu is not None:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(gpu)
+        gpu_before = torch.cuda.memory_allocated(gpu)
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")  # reset VmHWM to the current resident set
     before = _status_mb()
     if case == "occult_config":
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, occult_config=OccultConfig(placement=_placement(world)))
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, occult_config=OccultConfig(placement=_placement(world)), device_map=device_map
+        )
+    elif case == "full_model":
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, occult_config=None, device_map=device_map)
     else:
         config = DistributedConfig(ep_size=world, fsdp_size=world, ep_implementation="occult")
         placement = _placement(world) if case == "hf_ep_placement" else "contiguous"
@@ -94,15 +118,19 @@ def measure(case: str, path: str, world: int) -> dict:
         )
     gc.collect()
     after = _status_mb()
-    del model
-    gc.collect()
-    dist.barrier()
-    return {
+    row = {
         "case": case,
         "peak_mb": after["VmHWM"] - before["VmRSS"],
         "anon_mb": after["RssAnon"] - before["RssAnon"],
         "file_mb": after["RssFile"] - before["RssFile"],
     }
+    if gpu is not None:
+        row["gpu_peak_mb"] = (torch.cuda.max_memory_allocated(gpu) - gpu_before) / 2**20
+        row["gpu_after_mb"] = (torch.cuda.memory_allocated(gpu) - gpu_before) / 2**20
+    del model
+    gc.collect()
+    dist.barrier()
+    return row
 
 
 def main(argv=None) -> int:
@@ -114,7 +142,10 @@ def main(argv=None) -> int:
 
     import occult_hf  # noqa: F401  (registers ep_implementation="occult")
 
-    dist.init_process_group("gloo")
+    gpu = _gpu()
+    if gpu is not None:
+        torch.cuda.set_device(gpu)
+    dist.init_process_group("gloo" if gpu is None else "nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     path, width = _checkpoint(args.expert_mb, rank)
     expert_mb = LAYERS * NUM_EXPERTS * 3 * HIDDEN * width * 4 / 2**20
@@ -126,15 +157,25 @@ def main(argv=None) -> int:
             f"{world} ranks, experts {expert_mb:.0f} MB (fp32), one rank's share {expert_mb / world:.0f} MB, "
             f"checkpoint {sum(f.stat().st_size for f in Path(path).glob('*.safetensors')) / 2**20:.0f} MB",
             "",
-            "| case | peak during load, MB (max over ranks) | in shares | resident after: anon / file MB |",
-            "|---|---|---|---|",
+            "| case | host peak during load, MB (max over ranks) | in shares | host resident after: anon / file MB "
+            "| GPU max_memory_allocated during load, MB, per rank | in shares (max) | GPU allocated after, MB, per rank |",
+            "|---|---|---|---|---|---|---|",
         ]
+        share = expert_mb / world
         for index, case in enumerate(args.cases):
             per_rank = [g[index] for g in gathered]
             peak = max(r["peak_mb"] for r in per_rank)
             anon = max(r["anon_mb"] for r in per_rank)
             mapped = max(r["file_mb"] for r in per_rank)
-            lines.append(f"| {case} | {peak:.0f} | {peak / (expert_mb / world):.1f} | {anon:.0f} / {mapped:.0f} |")
+            gpu_cells = ["-", "-", "-"]
+            if "gpu_peak_mb" in per_rank[0]:
+                gpu_peak = [r["gpu_peak_mb"] for r in per_rank]
+                gpu_cells = [
+                    " / ".join(f"{v:.0f}" for v in gpu_peak),
+                    f"{max(gpu_peak) / share:.1f}",
+                    " / ".join(f"{r['gpu_after_mb']:.0f}" for r in per_rank),
+                ]
+            lines.append(f"| {case} | {peak:.0f} | {peak / share:.1f} | {anon:.0f} / {mapped:.0f} | " + " | ".join(gpu_cells) + " |")
         text = "\n".join(lines)
         print(text, flush=True)
         out = Path(args.out)
