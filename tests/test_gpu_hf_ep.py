@@ -3,7 +3,8 @@ transformers' EP mesh (`ep_size=2, fsdp_size=2`, a shuffled placement) against t
 `"all_to_all"`, judged beside transformers' bf16 `"all_to_all"` (skipped without 2 CUDA devices).
 
 Written on the CPU machine (2026-11-30) and not yet run on a GPU: the GPU runs of this session timed
-`occult_hf.benchmarks.hf_ep` only (docs/bench_hf_ep_h200_2gpu.md), which checks no numbers.
+`occult_hf.benchmarks.hf_ep` only (docs/bench_hf_ep_h200_2gpu.md), which checks no numbers. Also runs
+without pytest: `torchrun --nproc-per-node 2 tests/test_gpu_hf_ep.py` (`main`; tests/ on PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -68,12 +69,49 @@ def _rel(actual, expected) -> float:
     return float(np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-12))
 
 
-def test_occult_ep_bf16_tracks_fp32_as_closely_as_transformers_all_to_all(tmp_path):
-    path = str(tiny_checkpoint("olmoe", tmp_path / "olmoe", seed=4, num_experts=NUM_EXPERTS))
-    for rank, found in enumerate(run_world(_gpu_world, 2, path, backend="nccl", timeout_s=400)):
+def check(results: list[dict]) -> list[str]:
+    """Assert each rank's bf16 `"occult"` results against fp32; the table lines of the errors."""
+    lines = []
+    for rank, found in enumerate(results):
         for case in ("occult_triton", "occult_torch"):
             for index, what in enumerate(("logits", "loss", "router gradient")):
                 ours, theirs, reference = found[case][index], found["hf_bf16"][index], found["fp32"][index]
                 error, hf_error = _rel(ours, reference), _rel(theirs, reference)
+                lines.append(f"rank {rank} {case:13} {what:15} rel. error vs fp32 all_to_all {error:.2e} (transformers bf16 {hf_error:.2e})")
                 assert np.isfinite(ours).all(), f"rank {rank} {case}: {what} has NaN/inf"
                 assert error <= max(1e-2, 2 * hf_error), f"rank {rank} {case} {what}: {error:.2e} vs transformers bf16 {hf_error:.2e}"
+    return lines
+
+
+def test_occult_ep_bf16_tracks_fp32_as_closely_as_transformers_all_to_all(tmp_path):
+    path = str(tiny_checkpoint("olmoe", tmp_path / "olmoe", seed=4, num_experts=NUM_EXPERTS))
+    check(run_world(_gpu_world, 2, path, backend="nccl", timeout_s=400))
+
+
+def main() -> None:
+    """The same check under `torchrun --nproc-per-node 2 tests/test_gpu_hf_ep.py` (NCCL), without pytest's
+    fork server: on 2026-11-30 the 2-rank NCCL tests started through `run_world(backend="nccl")` ran into
+    their time limits on nvidia-h200-x2 while torchrun runs worked (docs/bench_ep_h200_2gpu.md)."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    holder = [tempfile.mkdtemp(prefix="occult_gpu_hf_ep_") if rank == 0 else None]
+    dist.broadcast_object_list(holder)
+    if rank == 0:
+        tiny_checkpoint("olmoe", os.path.join(holder[0], "olmoe"), seed=4, num_experts=NUM_EXPERTS)
+    dist.barrier()
+    found = _gpu_world(rank, world, os.path.join(holder[0], "olmoe"))
+    results = [None] * world
+    dist.all_gather_object(results, found)
+    if rank == 0:
+        print("\n".join(check(results)) + "\nok: bf16 'occult' (triton, torch) within max(1e-2, 2x transformers' bf16 error)", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
