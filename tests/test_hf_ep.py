@@ -288,6 +288,23 @@ def test_placements_transformers_cannot_shard_are_errors_that_name_the_other_pat
         _check_equal_capacities(replicated, [0], 4)
 
 
+def test_other_unsupported_combinations_are_errors_that_name_the_alternative():
+    """`occult_config=` with transformers' EP under another implementation, and a permuted placement where
+    FSDP2 splits each rank's experts further (`efsdp_size > 1`)."""
+    from types import SimpleNamespace
+
+    from tiny_models import tiny_model
+
+    from occult_hf.hf_ep import _check_rows_movable, apply_on_load
+
+    model = tiny_model("olmoe")
+    model.config.distributed_config = SimpleNamespace(ep_size=2, ep_implementation="all_to_all", efsdp_size=2)
+    with pytest.raises(ValueError, match="set ep_implementation='occult'.*or pass occult_config=None"):
+        apply_on_load(model, {"placement": "contiguous"})
+    with pytest.raises(NotImplementedError, match=r"efsdp_size = 2\) is not supported.*placement='contiguous'.*occult_config path"):
+        _check_rows_movable(model, None)
+
+
 def test_apply_occult_ep_needs_a_model_loaded_with_the_occult_implementation():
     from tiny_models import tiny_model
 
