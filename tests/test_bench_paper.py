@@ -1,8 +1,9 @@
 """`occult bench paper --scale tiny` on 2 gloo ranks, in one world: every row of both experiments runs or
 says why for one model (Qwen1.5-MoE, on its real trace when ../shared has it), and the rows where the
-other two families differ run for them (DeepSeek-MoE: the native class under transformers' EP and
-under DDP; OLMoE: its routing source and the placed and pruned rows). The exact rows give the stock
-model's logits (timings themselves are not asserted: CPU times say nothing about NVLink)."""
+other two families differ run for them (DeepSeek-MoE: the native class under transformers' EP, through
+the `base_model_ep_plan` occult_hf declares for it, and under DDP; OLMoE: the study model's routing
+the repository ships, and the placed and pruned rows). The exact rows give the stock model's logits
+(timings themselves are not asserted: CPU times say nothing about NVLink)."""
 
 import argparse
 import json
@@ -13,12 +14,14 @@ from distributed import run_world
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO.parent / "shared/data/routing/qwen15moe_a27b_chat_gptq_int4_gsm8k25_layer0_trace.npz"
+STUDY = REPO / "docs/quality_results/study_routing_h200.npz"  # ships: the OLMoE and DeepSeek rows always replay it
 
+HF_EP_ROWS = ("hf_ep_all_to_all", "hf_ep_all_reduce", "hf_ep_occult")
 #: per run in the world: (models, extra arguments); the first runs every row
 RUNS = (
     ("qwen1.5-moe-a2.7b", ["--experiment", "all"]),
-    ("deepseek-moe-16b", ["--rows", "stock_1gpu", "hf_ep_all_to_all", "hf_ep_all_reduce", "occult_placed", "occult_exact", "ddp"]),
-    ("olmoe-1b-7b", ["--experiment", "prefill", "--rows", "stock_1gpu", "occult_placed", "occult_nd1"]),
+    ("deepseek-moe-16b", ["--rows", "stock_1gpu", *HF_EP_ROWS, "occult_placed", "occult_exact", "ddp"]),
+    ("olmoe-1b-7b", ["--experiment", "prefill", "--rows", "stock_1gpu", "occult_contiguous", "occult_placed", "occult_nd1"]),
 )
 
 
@@ -29,7 +32,8 @@ def _bench(rank, world_size, out: str, trace: str | None) -> list:
     paper.add_arguments(parser)
     codes = []
     for model, extra in RUNS:
-        argv = ["--scale", "tiny", "--models", model, "--out", f"{out}/{model}", "--trace", f"qwen1.5-moe-a2.7b={trace or 'none'}", *extra]
+        traces = [f"qwen1.5-moe-a2.7b={trace or 'none'}", f"olmoe-1b-7b={STUDY}", f"deepseek-moe-16b={STUDY}"]
+        argv = ["--scale", "tiny", "--models", model, "--out", f"{out}/{model}", *(f"--trace={t}" for t in traces), *extra]
         codes.append(paper.run(parser.parse_args(argv)))
     return codes
 
@@ -66,11 +70,7 @@ def test_paper_bench_tiny_every_row_runs_or_says_why(tmp_path):
         assert prefill[key]["max_rel_err"] <= 1e-5, (key, prefill[key]["max_rel_err"])
     assert prefill["occult_nd1"]["ct"] == 1.0  # pruned to one device per token
     assert prefill["occult_per_expert"]["ct"] == prefill["occult_contiguous"]["ct"] > 1.0
-    for key in ("hf_ep_all_to_all", "hf_ep_all_reduce", "hf_ep_occult"):
-        if prefill[key]["reason"] == "":
-            assert prefill[key]["max_rel_err"] <= 1e-5, (key, prefill[key]["max_rel_err"])
-        elif transformers_ep_available():
-            pytest.fail(f"qwen {key} did not run: {prefill[key]['reason']}")
+    _check_transformers_ep(prefill, transformers_ep_available())
     assert prefill["megablocks"]["reason"]
     finetune = {k: qwen["finetune", k] for k, _ in FINETUNE_ROWS}
     for key in ("occult_exact", "occult_pruned", "fsdp2", "ddp"):
@@ -83,16 +83,48 @@ def test_paper_bench_tiny_every_row_runs_or_says_why(tmp_path):
         assert prefill["occult_placed"]["ct"] < prefill["occult_contiguous"]["ct"]
         assert prefill["occult_placed"]["routing"].startswith("trace qwen15moe")
 
-    # DeepSeek-MoE (native class): the rows asked for, and only those
+    # DeepSeek-MoE (native class): the rows asked for, and only those; transformers' EP runs it
     deepseek = _rows(tmp_path / "deepseek-moe-16b")
-    assert set(deepseek) == {("prefill", k) for k in ("stock_1gpu", "hf_ep_all_to_all", "hf_ep_all_reduce", "occult_placed")} | {
+    assert set(deepseek) == {("prefill", k) for k in ("stock_1gpu", *HF_EP_ROWS, "occult_placed")} | {
         ("finetune", k) for k in ("occult_exact", "ddp")
     }
     assert deepseek["prefill", "occult_placed"]["max_rel_err"] <= 1e-5
+    _check_transformers_ep({k: deepseek["prefill", k] for k in HF_EP_ROWS}, transformers_ep_available())
+    assert "first 6 of its score-ordered top-8" in deepseek["prefill", "stock_1gpu"]["routing"]
     assert abs(deepseek["finetune", "occult_exact"]["loss"] - deepseek["finetune", "ddp"]["loss"]) < 5e-3
 
-    # OLMoE: placed and pruned rows on its routing source
-    olmoe = _rows(tmp_path / "olmoe-1b-7b")
-    assert set(olmoe) == {("prefill", k) for k in ("stock_1gpu", "occult_placed", "occult_nd1")}
-    assert olmoe["prefill", "occult_placed"]["max_rel_err"] <= 1e-5 and olmoe["prefill", "occult_nd1"]["ct"] == 1.0
-    assert olmoe["prefill", "stock_1gpu"]["routing"].startswith("own router")
+    # OLMoE: the study model's routing, on which the planned placement keeps more collaboration on one device
+    olmoe = {key: row for (_, key), row in _rows(tmp_path / "olmoe-1b-7b").items()}
+    assert set(olmoe) == {"stock_1gpu", "occult_contiguous", "occult_placed", "occult_nd1"}
+    assert olmoe["occult_placed"]["max_rel_err"] <= 1e-5 and olmoe["occult_nd1"]["ct"] == 1.0
+    assert olmoe["occult_placed"]["ct"] < olmoe["occult_contiguous"]["ct"]
+    assert olmoe["stock_1gpu"]["routing"].startswith("trace study_routing_h200.npz (the project's study model")
+
+
+def _check_transformers_ep(rows: dict, available: bool) -> None:
+    """transformers' EP rows give the stock logits, or (transformers < 5.23 only) say why not."""
+    for key in HF_EP_ROWS:
+        if rows[key]["reason"] == "":
+            assert rows[key]["max_rel_err"] <= 1e-5, (key, rows[key]["max_rel_err"])
+        elif available:
+            pytest.fail(f"{key} did not run: {rows[key]['reason']}")
+
+
+def test_paper_routing_fits_a_trace_to_the_model_or_says_why():
+    import numpy as np
+
+    from occult_hf.benchmarks.paper_routing import fit_routing, load_routing, trace_layer
+
+    ids_NLk, meta = load_routing(str(STUDY))
+    assert ids_NLk.shape == (6144, 8, 8) and meta["score_ordered"] and int(ids_NLk.max()) == 63
+    assert fit_routing(ids_NLk, meta, "study", 64, 8)[0] is ids_NLk
+    top6_NLk, adapted = fit_routing(ids_NLk, meta, "study", 64, 6)
+    assert np.array_equal(top6_NLk, ids_NLk[:, :, :6]) and "first 6 of its score-ordered top-8" in adapted
+    with pytest.raises(ValueError, match="score_ordered"):  # a larger k from a file that does not say its order
+        fit_routing(ids_NLk, {}, "unordered", 64, 6)
+    with pytest.raises(ValueError, match="E=60"):
+        fit_routing(ids_NLk, meta, "study", 60, 8)
+    # depth in proportion: OLMoE's 16 layers read every trace layer twice, DeepSeek's 27 all 8 in order
+    assert [trace_layer(i, 16, 8) for i in range(16)] == [i // 2 for i in range(16)]
+    deepseek = [trace_layer(i, 27, 8) for i in range(27)]
+    assert deepseek == sorted(deepseek) and set(deepseek) == set(range(8))

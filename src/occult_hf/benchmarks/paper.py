@@ -11,14 +11,15 @@ checkpoints' `config.json` values written below; DeepSeek-MoE-16B through the pr
 CPU/gloo in seconds, for the tests).
 
 **Routing.** A random router has no co-activation structure, so placement and pruning rows need real
-routing. Where a per-token trace of the model's E and k exists (`--trace MODEL=PATH`; default: the
-real Qwen1.5-MoE-A2.7B GSM8K trace of `../shared/data/routing/` for Qwen1.5), every router of every
-row is replayed from it (`TraceReplay`: a forward hook on the model's own router module replaces
-its logits by ones whose top-k is the trace's set, rank r reading the trace from token r*T, tiled;
-the family's own selection and weight rule then runs on them, in the stock model, in occult_hf's
-blocks and in transformers' EP alike, so all rows of a model route the same tokens the same way).
-Layer 0 of the trace drives every layer. Other models route with their own random routers; the
-`routing` column says which.
+routing. Every router of every row of a model is replayed from a per-token trace (`--trace
+MODEL=PATH`; defaults in `paper_routing`: the real Qwen1.5-MoE-A2.7B GSM8K trace of
+`../shared/data/routing/` for Qwen1.5, the project's `study` model's held-out routing for OLMoE and,
+its top-6, for DeepSeek-MoE; `MODEL=none`: the model's own random router). `TraceReplay`: a forward
+hook on the model's own router module replaces its logits by ones whose top-k is the trace's set,
+rank r reading the trace from token r*T, tiled; the family's own selection and weight rule then runs
+on them, in the stock model, in occult_hf's blocks and in transformers' EP alike, so all rows of a
+model route the same tokens the same way. MoE layer i of M reads trace layer i*L//M (a one-layer
+trace drives every layer). The `routing` column says which routing a row used.
 
 **Prefill** (`--experiment prefill`, 2^14 tokens per rank as B x S): `model(input_ids,
 logits_to_keep=1)` under `no_grad`, bf16 on GPU, median over iterations, the slowest rank. Rows:
@@ -78,8 +79,9 @@ import torch
 import torch.distributed as dist
 
 from occult_hf.atomic import atomic_save_figure, atomic_write_text
-from occult_hf.benchmarks.ep import DEFAULT_TRACE, _max_and_mean, init_from_torchrun, load_trace, timed, trace_logits
+from occult_hf.benchmarks.ep import DEFAULT_TRACE, _max_and_mean, init_from_torchrun, timed, trace_logits
 from occult_hf.benchmarks.model import MODEL_SHAPES
+from occult_hf.benchmarks.paper_routing import STUDY_TRACE, fit_routing, load_routing, trace_layer
 
 HELP = "the paper's whole-model prefill and fine-tuning comparisons (OLMoE, Qwen1.5-MoE, DeepSeek-MoE) under torchrun"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
@@ -220,16 +222,16 @@ class TraceReplay:
     """Forward hooks on every MoE router of a model that replace its choice by a routing trace's.
 
     The hooked router's output `(logits_TE, weights_Tk, ids_Tk)` becomes: logits whose top-k are the
-    trace's expert set of each token (`ep.trace_logits`, rank `window` reading tokens window*T..,
-    tiled), plus zero times the router's own logits (so the router stays in the autograd graph and
+    trace's expert set of each token (`ep.trace_logits`; MoE layer i of M reads trace layer i*L//M of
+    `trace_NLk`, rank `window` reads tokens window*T.., tiled), plus zero times the router's own logits (so the router stays in the autograd graph and
     DDP sees its gradient), and the family's own selection and weight rule applied to them
     (`adapter.select`). Stock blocks, occult_hf's blocks (which keep the router instance) and
     transformers' EP all call the router module, so all of them route alike. Logits are cached per
     (layer, T, device, dtype): the replay costs no host work inside a timed call after the first.
     """
 
-    def __init__(self, trace_Nk: np.ndarray, window: int, seed: int) -> None:
-        self.trace_Nk = trace_Nk
+    def __init__(self, trace_NLk: np.ndarray, window: int, seed: int) -> None:
+        self.trace_NLk = trace_NLk
         self.window = window
         self.seed = seed
         self._cache: dict = {}
@@ -238,18 +240,20 @@ class TraceReplay:
         from occult_hf.patches import adapter_for
 
         adapter = adapter_for(model)
+        blocks = list(adapter.iter_moe_blocks(model))
         handles = []
-        for layer, _, block in adapter.iter_moe_blocks(model):
+        for moe_index, (layer, _, block) in enumerate(blocks):
             router = adapter.router(block)
-            handles.append(router.register_forward_hook(self._hook(adapter, block, layer)))
+            trace_Nk = self.trace_NLk[:, trace_layer(moe_index, len(blocks), self.trace_NLk.shape[1])]
+            handles.append(router.register_forward_hook(self._hook(adapter, block, layer, trace_Nk)))
         return handles
 
-    def _hook(self, adapter, block, layer: int):
+    def _hook(self, adapter, block, layer: int, trace_Nk: np.ndarray):
         def hook(router, inputs, output):
             own_TE = output[0]
             key = (layer, own_TE.shape[0], own_TE.device, own_TE.dtype, self.window)
             if key not in self._cache:
-                replay_TE = trace_logits(self.trace_Nk, own_TE.shape[1], own_TE.shape[0], self.window, own_TE.device, self.seed + layer)
+                replay_TE = trace_logits(trace_Nk, own_TE.shape[1], own_TE.shape[0], self.window, own_TE.device, self.seed + layer)
                 self._cache[key] = replay_TE.to(own_TE.dtype)
             logits_TE = self._cache[key] + 0 * own_TE
             allowed_TE = torch.ones_like(logits_TE, dtype=torch.bool)
@@ -286,21 +290,22 @@ def _detach(handles) -> None:
 
 
 def routing_for(name: str, config, traces: dict[str, str]) -> tuple[np.ndarray | None, str]:
-    """`(trace ids or None, routing label)` for model `name`: its trace when one fits its E and k."""
+    """`(trace ids [N, L, k] or None, routing label)` for model `name`: its trace, fitted to its E and k."""
     from occult_hf.patches import adapter_for
 
     adapter = adapter_for(config)
     num_experts, top_k = adapter.num_experts(config), adapter.top_k(config)
     path = traces.get(name)
     if path is None:
-        return None, f"own router (random weights: no co-activation structure; no per-token trace of E={num_experts}, k={top_k})"
-    ids_Nk = load_trace(path)
-    if ids_Nk.shape[1] != top_k or int(ids_Nk.max()) + 1 != num_experts:
-        raise ValueError(
-            f"--trace {name}={path}: its ids are [N, {ids_Nk.shape[1]}] over {int(ids_Nk.max()) + 1} experts; "
-            f"{name} has k={top_k}, E={num_experts}"
-        )
-    return ids_Nk, f"trace {os.path.basename(path)} replayed ({ids_Nk.shape[0]} real tokens; its layer at every layer)"
+        return None, f"own router (random weights: no co-activation structure; E={num_experts}, k={top_k})"
+    ids_NLk, meta = load_routing(path)
+    try:
+        ids_NLk, adapted = fit_routing(ids_NLk, meta, path, num_experts, top_k)
+    except ValueError as error:
+        raise ValueError(f"--trace {name}={path}: {error}") from error
+    layers = "its one layer at every layer" if ids_NLk.shape[1] == 1 else f"its {ids_NLk.shape[1]} layers in depth order"
+    source = " (the project's study model, E=64 top-8: docs/quality.md)" if meta.get("format", "").startswith("occult_hf.paper_routing") else ""
+    return ids_NLk, f"trace {os.path.basename(path)}{source} replayed ({ids_NLk.shape[0]} real tokens; {layers}{'; ' + adapted if adapted else ''})"
 
 
 # ----- placement -------------------------------------------------------------------------------
@@ -470,7 +475,7 @@ def _mean_ct(model, world: int) -> float:
 
 
 # ----- prefill ---------------------------------------------------------------------------------
-def prefill(ctx: Context, spec: PaperModel, config, trace_Nk, routing: str) -> None:
+def prefill(ctx: Context, spec: PaperModel, config, trace_NLk, routing: str) -> None:
     from occult_hf import OccultConfig, apply_occult
     from occult_hf.benchmarks.model import build_model
 
@@ -492,7 +497,7 @@ def prefill(ctx: Context, spec: PaperModel, config, trace_Nk, routing: str) -> N
         return PaperRow("prefill", spec.name, key, setups[key], routing, paper=spec.paper_prefill.get(key, "-"), **values)
 
     def replay(window: int) -> TraceReplay | None:
-        return TraceReplay(trace_Nk, window, args.seed) if trace_Nk is not None else None
+        return TraceReplay(trace_NLk, window, args.seed) if trace_NLk is not None else None
 
     def hooked(model, window: int) -> list:
         r = replay(window)
@@ -670,7 +675,7 @@ TRAINING_TENSORS_PER_PARAMETER = 4
 TRAINING_MEMORY_FRACTION = 0.8
 
 
-def finetune(ctx: Context, spec: PaperModel, config, trace_Nk, routing: str) -> None:
+def finetune(ctx: Context, spec: PaperModel, config, trace_NLk, routing: str) -> None:
     from occult_hf import OccultConfig, apply_occult
     from occult_hf.benchmarks.model import build_model
 
@@ -702,7 +707,7 @@ def finetune(ctx: Context, spec: PaperModel, config, trace_Nk, routing: str) -> 
 
     def fresh():
         model = build_model(config, device, dtype, args.seed).train()
-        handles = TraceReplay(trace_Nk, rank, args.seed).attach(model) if trace_Nk is not None else []
+        handles = TraceReplay(trace_NLk, rank, args.seed).attach(model) if trace_NLk is not None else []
         return model, handles
 
     # the placement: planned on the routing of the first batch (rank 0), as in the prefill
@@ -884,8 +889,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="full: the checkpoints' configurations; tiny: the same rows on tiny configs (CPU tests)")  # fmt: skip
     parser.add_argument(
         "--trace", action="append", default=[], metavar="MODEL=PATH",
-        help=f"replay a per-token routing trace (.npz topk_ids [N, k]) in MODEL's routers (default: "
-        f"qwen1.5-moe-a2.7b={DEFAULT_TRACE} when present); MODEL=none routes MODEL with its own router",
+        help=f"replay a per-token routing trace (.npz topk_ids [N, k] or [N, L, k]) in MODEL's routers (defaults, when "
+        f"present: qwen1.5-moe-a2.7b={DEFAULT_TRACE}, olmoe-1b-7b and deepseek-moe-16b={STUDY_TRACE}); MODEL=none "
+        "routes MODEL with its own router",
     )  # fmt: skip
     parser.add_argument(
         "--rows", nargs="+", default=None, metavar="KEY", choices=sorted({key for key, _ in (*PREFILL_ROWS, *FINETUNE_ROWS)}),
@@ -911,6 +917,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def parse_traces(entries: list[str]) -> dict[str, str]:
     """`{model: trace path}` from `MODEL=PATH` entries over the defaults; `MODEL=none` removes one."""
     traces = {"qwen1.5-moe-a2.7b": DEFAULT_TRACE} if os.path.isfile(DEFAULT_TRACE) else {}
+    if os.path.isfile(STUDY_TRACE):
+        traces.update({"olmoe-1b-7b": STUDY_TRACE, "deepseek-moe-16b": STUDY_TRACE})
     for entry in entries:
         name, sep, path = entry.partition("=")
         if not sep or name not in PAPER_MODELS:
@@ -938,10 +946,10 @@ def run(args: argparse.Namespace) -> int:
     for name in args.models:
         spec = PAPER_MODELS[name]
         config = spec.config(args.scale)
-        trace_Nk, routing = routing_for(name, config, traces)
+        trace_NLk, routing = routing_for(name, config, traces)
         for experiment in experiments:
             try:
-                (prefill if experiment == "prefill" else finetune)(ctx, spec, config, trace_Nk, routing)
+                (prefill if experiment == "prefill" else finetune)(ctx, spec, config, trace_NLk, routing)
             except Exception as error:  # noqa: BLE001 - the next model still runs
                 ctx.log(f"{experiment} {name} stopped: {_error_text(error)}")
                 ctx.add(PaperRow(experiment, name, "all", "(the rows not yet reported)", routing, reason=_error_text(error)))
