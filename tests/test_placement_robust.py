@@ -245,3 +245,58 @@ def test_best_replica_split_by_hand():
     assert best_replica_split(np.array([10.0, 20.0, 2.0]), table, 2) == pytest.approx(1.25)
     # without replicas the split is the placement's own balance
     assert best_replica_split(np.array([10.0, 6.0, 2.0]), home_table_from([0, 0, 1], None), 2) == pytest.approx(16 / 9)
+
+
+# ----- shrunk loads, replicas re-planned online, load-aware bound ---------------------------------
+def test_shrunk_loads_keep_totals_and_reliability_by_hand():
+    from occult_hf.placement.robust import shrink_toward_mean, split_half_reliability
+
+    loads = np.array([[1.0, 3.0, 8.0], [2.0, 2.0, 2.0]])
+    shrunk = shrink_toward_mean(loads, np.array([0.5, 1.0]))
+    assert shrunk.tolist() == [[2.5, 3.5, 6.0], [2.0, 2.0, 2.0]] and (shrunk.sum(1) == loads.sum(1)).all()
+    ids = np.array([[0, 1], [0, 2], [0, 1], [0, 1], [0, 2], [0, 1]])
+    assert split_half_reliability(ids, 3) == pytest.approx(1.0)  # both halves: expert 0 x3, 1 x2, 2 x1
+    assert split_half_reliability(np.array([[0, 1], [2, 3], [2, 3], [0, 1]]), 4) == 1.0  # no spread: 1.0
+    flipped = np.array([[0, 0]] * 4 + [[1, 1]] * 4)  # the halves disagree: nothing persists
+    assert split_half_reliability(flipped, 2) == 0.0
+    with pytest.raises(ValueError, match="load_reliability must be a number in \\[0, 1\\] or 'auto', got 1.5"):
+        RefinedOptions(load_reliability=1.5)
+    # a fully shrunk profile is flat: any map meets the limit; the plan still covers every expert once
+    ids = structured_topk(400, 16, 4, 4, popularity_E=np.linspace(1, 4, 16), seed=6)
+    routing = profile_from_sample({0: ids}, 16, "t").layer(0)
+    for value in (0.0, "auto"):
+        plan = refine_layer(routing.coactivation, routing.expert_counts, ids, 4, RefinedOptions(load_reliability=value, **FAST))
+        assert np.bincount(plan.device_of_E, minlength=4).tolist() == [4, 4, 4, 4] and plan.limit_reached
+
+
+def test_replan_replicas_keeps_primaries_and_relieves_the_new_hot_expert():
+    from occult_hf.placement.rebalance import replan_replicas
+
+    planned_on = np.full(16, 100.0)
+    planned_on[2] = 900.0  # expert 2 was hot when the plan was made
+    placement = plan_placement(_counts_profile(planned_on, "old"), 4, progress=False, num_redundant_experts=4, **FAST)
+    assert 2 in placement.replicas[0]
+    new = np.full(16, 100.0)
+    new[9] = 1500.0  # a new domain: expert 9 is hot, expert 2 is not
+    window = _counts_profile(new, "new")
+    replanned = replan_replicas(placement, window)
+    assert replanned.layers == placement.layers and replanned.slots_per_device == placement.slots_per_device
+    assert sum(len(v) for v in replanned.replicas[0].values()) <= 4 and len(replanned.homes(0)[9]) >= 3
+    before = metrics.evaluate_placement(window, placement)[0].balance
+    after = metrics.evaluate_placement(window, replanned)[0].balance
+    assert after < before - 0.3
+    assert replanned.meta["replicas_replanned_on"] == "new"
+    with pytest.raises(ValueError, match="no routing for layers \\[3\\]"):
+        replan_replicas(placement, window, layers=[3])
+
+
+def test_load_aware_split_meets_the_target_without_adding_ct_where_it_can():
+    from occult_hf.studies.robust_placement_study import load_aware_split
+
+    table = home_table_from([0, 1, 1], {0: [1]})  # expert 0 on devices 0 and 1; experts 1, 2 on device 1
+    ids = np.array([[0, 1], [0, 2], [0, 1], [0, 2]])
+    # the rule pins expert 0 to device 1 (visited): device 1 serves all 8 pairs, balance 2.0, CT 1
+    assert metrics.replica_device_load(ids, None, np.array([0, 1, 1]), 2, table).tolist() == [0.0, 8.0]
+    ct, balance = load_aware_split(ids, table, 2, 1.0)
+    assert balance == 1.0 and ct == 2.0  # every expert-0 pair moves to device 0, each costs one device
+    assert load_aware_split(ids, table, 2, 2.0) == (1.0, 2.0)  # already under the target: nothing moves

@@ -43,7 +43,7 @@ import numpy as np
 from ..metrics import load_floor
 from .objectives import PairwiseCut, SampleCT
 from ..replica_routing import home_table_from, resolve_homes_np
-from .robust import count_scenarios, scenario_loads, token_scenarios
+from .robust import count_scenarios, scenario_loads, shrink_toward_mean, split_half_reliability, token_scenarios
 from .registry import balanced_capacities, check_layer_inputs, register_planner
 from .slowest import StepCosts, device_times, slowest_descent
 
@@ -78,6 +78,13 @@ class RefinedOptions:
             the limit (0: only the profile(s) themselves); the limit then holds at about the
             `1 - 1/(B + 2)` quantile of a new sample of the same kind (`placement.robust`).
         robust_blocks: contiguous blocks the sample is cut into for the bootstrap.
+        load_reliability: the fraction of each profile's spread of expert loads expected to persist
+            on later tokens: loads (and their resamples') are pulled toward their mean by it before
+            the limit is held (`robust.shrink_toward_mean`), so the limit bounds the loads expected
+            on new tokens rather than the sample's noise (an expert that looks hot in a finite
+            sample is less hot later). 1.0 (default): no shrinkage; "auto": each profile's own
+            split-half reliability (`robust.split_half_reliability`). Needs a token sample (ignored
+            for pair counts).
         num_redundant_experts: R redundant expert slots (as DeepSeek's EPLB): R extra homes of hot
             experts, `ceil((E + R) / D)` slots per device, placed jointly with the others (see
             "Replicas" in the module docstring).
@@ -96,6 +103,7 @@ class RefinedOptions:
     max_sample_tokens: int | None = 16384
     robust_resamples: int = 0
     robust_blocks: int = 32
+    load_reliability: float | str = 1.0
     num_redundant_experts: int = 0
     replica_rounds: int = 2
     pair_cost_s: float = StepCosts.pair_cost_s
@@ -108,6 +116,9 @@ class RefinedOptions:
         if self.objective not in OBJECTIVES:
             raise ValueError(f"refined option objective must be one of {OBJECTIVES}, got {self.objective!r}")
         StepCosts(self.pair_cost_s, self.byte_cost_s, self.row_bytes)  # validates the costs
+        value = self.load_reliability
+        if value != "auto" and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0):
+            raise ValueError(f"refined option load_reliability must be a number in [0, 1] or 'auto', got {value!r}")
         if not isinstance(self.robust_blocks, int) or isinstance(self.robust_blocks, bool) or self.robust_blocks < 1:
             raise ValueError(f"refined option robust_blocks must be an integer >= 1, got {self.robust_blocks!r}")
         for name in ("seed", "search_rounds", "kick_swaps", "robust_resamples", "num_redundant_experts", "replica_rounds"):
@@ -397,14 +408,14 @@ def _rule_items(item_device_X, group_X, sample_Nk, num_devices):
     return item_at_ED[sample_Nk, dest_Nk], ct
 
 
-def _replica_rounds(best_X, best_cost, sample_Nk, weights_YN, group_X, coactivation, limit_Y, capacities_D, num_devices, options, rng):
+def _replica_rounds(best_X, best_cost, sample_Nk, loads_of, group_X, coactivation, limit_Y, capacities_D, num_devices, options, rng):
     """Re-plan the copies on the loads the replica rule really gives (a token goes to a copy on a device it
     already visits, not to copy `n mod copies`), `replica_rounds` times; keep the map with the lowest
     worst-scenario overload, then the lowest CT, under the rule."""
 
     def score(item_device_X):
         items_Nk, ct = _rule_items(item_device_X, group_X, sample_Nk, num_devices)
-        load_YX = scenario_loads(items_Nk, weights_YN, len(group_X))
+        load_YX = loads_of(items_Nk, len(group_X))
         one_hot_XD = np.zeros((len(group_X), num_devices))
         one_hot_XD[np.arange(len(group_X)), item_device_X] = 1.0
         over = float(np.maximum((load_YX @ one_hot_XD) / limit_Y[:, None] - 1.0, 0.0).max())
@@ -422,7 +433,7 @@ def _replica_rounds(best_X, best_cost, sample_Nk, weights_YN, group_X, coactivat
     return best_X, best_key[1]
 
 
-def _slowest_with_replicas(item_device_X, sample_Nk, weights_YN, group_X, limit_Y, costs, num_devices):
+def _slowest_with_replicas(item_device_X, sample_Nk, loads_of, group_X, limit_Y, costs, num_devices):
     """Objective "slowest" with replicas: descend on the copies, each pair on the copy the replica rule serves it
     on now; keep the result when the rule's own times confirm a lower slowest device and the rule's loads stay
     within the limits (or no further above them than before). Returns `(item devices, total CT under the rule)`."""
@@ -432,12 +443,12 @@ def _slowest_with_replicas(item_device_X, sample_Nk, weights_YN, group_X, limit_
         items_Nk, total_ct = _rule_items(devices_X, group_X, sample_Nk, num_devices)
         homes = _homes_of(devices_X, group_X, num_experts)
         table = home_table_from([h[0] for h in homes], {e: h[1:] for e, h in enumerate(homes) if len(h) > 1})
-        load_YD = scenario_loads(items_Nk, weights_YN, len(group_X)) @ np.eye(num_devices)[devices_X]
+        load_YD = loads_of(items_Nk, len(group_X)) @ np.eye(num_devices)[devices_X]
         slowest = float(device_times(sample_Nk, table[:, 0], num_devices, costs, table).max())
         return items_Nk, total_ct, slowest, float((load_YD / limit_Y[:, None]).max())
 
     items_Nk, ct, slowest, over = under_rule(item_device_X)
-    scaled_YX = scenario_loads(items_Nk, weights_YN, len(group_X)) / limit_Y[:, None]
+    scaled_YX = loads_of(items_Nk, len(group_X)) / limit_Y[:, None]
     trial_X = slowest_descent(items_Nk, item_device_X, num_devices, costs, scaled_YX, group_E=group_X)
     _, trial_ct, trial_slowest, trial_over = under_rule(trial_X)
     if trial_slowest < slowest and trial_over <= max(over, 1.0) + 1e-12:
@@ -478,10 +489,19 @@ def refine_layer(
     if sample is not None and options.max_sample_tokens is not None and len(sample) > options.max_sample_tokens:
         keep = np.sort(rng.choice(len(sample), options.max_sample_tokens, replace=False))
         sample, membership_PN = sample[keep], membership_PN[:, keep]
-    weights_YN = None
+    loads_of = None
     if sample is not None:
         weights_YN = token_scenarios(membership_PN, options.robust_resamples, options.robust_blocks, rng)
-        load_YE = scenario_loads(sample, weights_YN, num_experts)
+        reliability_Y = np.full(len(weights_YN), 1.0 if options.load_reliability == "auto" else float(options.load_reliability))
+        if options.load_reliability == "auto":  # each profile's rows (itself, then its resamples): its own reliability
+            per_profile_P = [split_half_reliability(sample[member_N], num_experts) for member_N in membership_PN]
+            reliability_Y = np.repeat(per_profile_P, 1 + options.robust_resamples)
+
+        def loads_of(items_Nk: np.ndarray, num_items: int) -> np.ndarray:
+            """`[Y, X]` scenario loads of the items serving the sample's pairs (shrunk on request)."""
+            return shrink_toward_mean(scenario_loads(items_Nk, weights_YN, num_items), reliability_Y)
+
+        load_YE = loads_of(sample, num_experts)
     else:
         load_YE = count_scenarios(load_E if counts_PE is None else counts_PE, options.robust_resamples, rng)
     original_sample, replicas, slots, group_X = sample, {}, None, None
@@ -492,7 +512,7 @@ def refine_layer(
         if sample is not None:
             # copy (n mod copies) of an expert serves token n: the rule's balanced pick, up to the order of homes
             sample = item_of_EM[sample, np.arange(len(sample))[:, None] % copies_E[sample]]
-            load_YE = scenario_loads(sample, weights_YN, len(group_X))
+            load_YE = loads_of(sample, len(group_X))
         else:
             load_YE = load_YE[:, group_X] / copies_E[group_X]
         coactivation = coactivation[np.ix_(group_X, group_X)] / np.outer(copies_E[group_X], copies_E[group_X])
@@ -507,7 +527,7 @@ def refine_layer(
     )
     if group_X is not None and original_sample is not None:
         best_E, best_cost = _replica_rounds(
-            best_E, best_cost, original_sample, weights_YN, group_X, coactivation, limit_Y, capacities_D, num_devices, options, rng
+            best_E, best_cost, original_sample, loads_of, group_X, coactivation, limit_Y, capacities_D, num_devices, options, rng
         )
     if options.objective == "slowest":
         costs = StepCosts(options.pair_cost_s, options.byte_cost_s, options.row_bytes)
@@ -516,7 +536,7 @@ def refine_layer(
             best_cost = float(metrics_ct_total(sample, best_E, num_devices))
         else:
             best_E, best_cost = _slowest_with_replicas(
-                best_E, original_sample, weights_YN, group_X, limit_Y * factor, costs, num_devices
+                best_E, original_sample, loads_of, group_X, limit_Y * factor, costs, num_devices
             )
         name = "slowest"
     limit_reached = factor == 1.0

@@ -15,6 +15,13 @@ vector of expert loads with its own limit (`max_load_ratio` x its own load floor
   (`stated_quantile`). Without a token sample (pair counts only) the resamples are Poisson draws of
   the expert counts (independent sampling error per expert).
 
+With `load_reliability` the planner also corrects for regression to the mean: an expert that looks hot
+in a finite profile is, on average, less hot on later tokens. Each profile's loads are pulled toward
+their mean by a reliability factor (`shrink_toward_mean`): how much of the spread between experts
+persists on new tokens, given, or estimated by the profile's own *split-half reliability*
+(`split_half_reliability`: the correlation of the expert loads of the first and the second half of
+its tokens, in order, stepped up to the whole sample by Spearman-Brown).
+
 A scenario is a row of token weights `[Y, N]` over the pooled sample when there is one (so the
 replica rule can be applied per token), else a row of expert loads `[Y, E]`.
 
@@ -82,4 +89,41 @@ def scenario_loads(topk_ids_Nk: np.ndarray, weights_YN: np.ndarray, num_experts:
     return np.asarray(weights_YN, dtype=np.float64) @ one_hot_NE
 
 
-__all__ = ["block_bootstrap_weights", "count_scenarios", "scenario_loads", "stated_quantile", "token_scenarios"]
+def split_half_reliability(topk_ids_Nk: np.ndarray, num_experts: int) -> float:
+    """How much of a profile's spread of expert loads persists on later tokens, in [0, 1].
+
+    The tokens in sample order are cut into their first and second half; `r` is the Pearson
+    correlation of the two halves' `[E]` expert loads, and `2 r / (1 + r)` (Spearman-Brown) the
+    reliability of loads measured on the whole sample: the least-squares slope of a new sample's
+    loads on these ones when the noise of the halves is independent. Time order, not random halves,
+    because the tokens a placement serves come later (decode steps after the profiled ones, later
+    documents): a trend inside the profile lowers the figure, as it should. 1.0 when it cannot be
+    estimated (fewer than 4 tokens, or no spread in a half).
+    """
+    ids_Nk = np.asarray(topk_ids_Nk)
+    if len(ids_Nk) < 4:
+        return 1.0
+    half = len(ids_Nk) // 2
+    first_E, second_E = (np.bincount(part.ravel(), minlength=num_experts).astype(np.float64) for part in (ids_Nk[:half], ids_Nk[half:]))
+    if first_E.std() == 0 or second_E.std() == 0:
+        return 1.0
+    r = max(float(np.corrcoef(first_E, second_E)[0, 1]), 0.0)
+    return 2.0 * r / (1.0 + r)
+
+
+def shrink_toward_mean(load_YE: np.ndarray, reliability_Y: np.ndarray) -> np.ndarray:
+    """`[Y, E]` loads pulled toward each row's mean: `mean + reliability x (load - mean)` (totals kept)."""
+    load_YE = np.asarray(load_YE, dtype=np.float64)
+    mean_Y1 = load_YE.mean(1, keepdims=True)
+    return mean_Y1 + np.asarray(reliability_Y, dtype=np.float64)[:, None] * (load_YE - mean_Y1)
+
+
+__all__ = [
+    "block_bootstrap_weights",
+    "count_scenarios",
+    "scenario_loads",
+    "shrink_toward_mean",
+    "split_half_reliability",
+    "stated_quantile",
+    "token_scenarios",
+]

@@ -260,6 +260,96 @@ def domain_rows(routing_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str,
     return rows, left_rows
 
 
+def load_aware_split(topk_ids_Nk: np.ndarray, home_table_EM: np.ndarray, num_devices: int, target: float) -> tuple[float, float]:
+    """`(CT, balance)` of the cheapest load-aware routing of replicated pairs that brings every device under
+    `target` x the mean (or as close as it gets): an offline bound for load-aware replica rules, not a runtime.
+
+    Start from the replica rule; then, one pair at a time, move a pair off the busiest device to another home
+    of its expert with room (load + 1 <= target x mean), choosing the move that adds the least CT: 0 when
+    the token already visits that device, -1 when it also leaves a device it visited for this pair only
+    (ties: the lightest target device). Stops when the busiest device is under the target or no move is left.
+    """
+    from ..replica_routing import resolve_homes_np
+
+    ids_Nk = np.asarray(topk_ids_Nk, dtype=np.int64)
+    homes_EM = np.asarray(home_table_EM)
+    dest_Nk = resolve_homes_np(ids_Nk, homes_EM, num_devices)
+    num_tokens = len(ids_Nk)
+    hits_ND = np.zeros((num_tokens, num_devices), dtype=np.int64)
+    np.add.at(hits_ND, (np.repeat(np.arange(num_tokens), ids_Nk.shape[1]), dest_Nk.ravel()), 1)
+    load_D = np.bincount(dest_Nk.ravel(), minlength=num_devices).astype(np.float64)
+    cap = target * load_D.mean()
+    homes_NkM = homes_EM[ids_Nk]
+    while load_D.max() > cap:
+        busiest = int(np.argmax(load_D))
+        on_n, on_j = np.nonzero(dest_Nk == busiest)
+        best = None
+        for slot in range(homes_NkM.shape[2]):
+            other = homes_NkM[on_n, on_j, slot]
+            ok = (other >= 0) & (other != busiest)
+            ok &= load_D[np.where(other >= 0, other, 0)] + 1 <= cap
+            if not ok.any():
+                continue
+            n, j, d = on_n[ok], on_j[ok], other[ok]
+            delta = (hits_ND[n, d] == 0).astype(np.int64) - (hits_ND[n, busiest] == 1)
+            key = delta * 1e9 + load_D[d]
+            pick = int(np.argmin(key))
+            if best is None or key[pick] < best[0]:
+                best = (key[pick], n[pick], j[pick], d[pick])
+        if best is None:
+            break
+        _, n, j, d = best
+        hits_ND[n, busiest] -= 1
+        hits_ND[n, d] += 1
+        dest_Nk[n, j] = d
+        load_D[busiest] -= 1
+        load_D[d] += 1
+    return float((hits_ND > 0).sum(1).mean()), float(load_D.max() / load_D.mean())
+
+
+def runtime_replica_rows(routing_dir: Path, window_tokens: int = 8192, slot_counts: tuple[int, ...] = (8, 16, 32)) -> list[dict[str, Any]]:
+    """The domain left out of planning, D=8: static replicas (R redundant slots planned on the other five)
+    against the runtime answer, replicas re-planned from a window of the new domain's own routing
+    (`placement.rebalance.replan_replicas`: primaries kept, only the R copies move).
+
+    The window is `window_tokens` tokens drawn (multinomially, seeded) from the left-out domain's expert
+    distribution, what a runtime sees of it before re-planning; every figure is the balance on the whole
+    domain (208,896 tokens). "oracle" re-plans on the whole domain: the best this greedy reaches.
+    """
+    from ..placement.rebalance import replan_replicas
+
+    profiles = domain_profiles(routing_dir)
+    rng = np.random.default_rng(0)
+    rows = []
+    for slots in slot_counts:
+        for left, truth in profiles.items():
+            rest = {n: p for n, p in profiles.items() if n != left}
+            placement = _plan(rest, 8, {"num_redundant_experts": slots})[0]
+            layers = {}
+            for layer in DOMAIN_LAYERS:
+                counts_E = truth.layer(layer).expert_counts
+                drawn_E = rng.multinomial(window_tokens * 8, counts_E / counts_E.sum())
+                layers[layer] = LayerRouting(np.zeros((64, 64), dtype=np.int64), drawn_E.astype(np.int64), window_tokens)
+            window = RoutingProfile(64, 8, layers, meta={"source": f"{left}, {window_tokens}-token window"})
+            start = time.process_time()
+            replanned = replan_replicas(placement, window)
+            cpu = time.process_time() - start
+            oracle = replan_replicas(placement, truth)
+            static_b, runtime_b, oracle_b = (
+                [evaluate_placement(truth, p)[l].balance for l in DOMAIN_LAYERS] for p in (placement, replanned, oracle)
+            )
+            rows.append({
+                "redundant slots": slots,
+                "left out": left,
+                "static (planned on five), layers 0 / 7 / 15": " / ".join(f"{b:.3f}" for b in static_b),
+                f"replicas re-planned on a {window_tokens}-token window": " / ".join(f"{b:.3f}" for b in runtime_b),
+                "oracle (re-planned on the whole domain)": " / ".join(f"{b:.3f}" for b in oracle_b),
+                "worst: static / re-planned": f"{max(static_b):.3f} / {max(runtime_b):.3f}",
+                "re-plan CPU s": round(cpu, 2),
+            })
+    return rows
+
+
 def plot(series: dict[str, list], domain_table: list[dict[str, Any]], path: Path) -> None:
     from matplotlib.figure import Figure
 
