@@ -286,6 +286,15 @@ def test_replan_replicas_keeps_primaries_and_relieves_the_new_hot_expert():
     after = metrics.evaluate_placement(window, replanned)[0].balance
     assert after < before - 0.3
     assert replanned.meta["replicas_replanned_on"] == "new"
+    # with a token sample the loads follow the replica rule: copies of the giant relieve its device
+    popularity = np.ones(16)
+    popularity[5] = 30.0
+    sample = profile_from_sample({0: structured_topk(600, 16, 4, 4, popularity_E=popularity, seed=7)}, 16, "giant")
+    plain = Placement(16, 4, {0: [e // 4 for e in range(16)]}, slots_per_device=5)
+    copied = replan_replicas(plain, sample)
+    assert sum(len(v) for v in copied.replicas[0].values()) <= 4 and max(copied.capacities(0)) <= 5
+    assert copied.layers == plain.layers and len(copied.homes(0)[5]) >= 2
+    assert metrics.evaluate_placement(sample, copied)[0].balance < metrics.evaluate_placement(sample, plain)[0].balance - 0.2
     with pytest.raises(ValueError, match="no routing for layers \\[3\\]"):
         replan_replicas(placement, window, layers=[3])
 
