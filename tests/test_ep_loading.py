@@ -174,3 +174,24 @@ def test_device_maps_that_put_the_model_on_one_device_are_read_per_rank():
     for device_map in ("auto", "balanced", {"model": "cpu", "lm_head": "disk"}, {"model": 0, "lm_head": 1}):
         found, reason = device_of_map(device_map)
         assert found is None and "does not put the whole model on one device" in reason and "cuda:<local rank>" in reason
+
+
+def test_allocator_warmup_leaves_out_the_routed_experts(monkeypatch):
+    """With a device_map on a GPU, transformers first allocates one block the size of every parameter the map
+    puts there (`caching_allocator_warmup`); under per-rank loading the routed experts are left out of it."""
+    import transformers.modeling_utils as modeling_utils
+    from tiny_models import tiny_model
+
+    from occult_hf._transformers_compat import skip_allocator_warmup_for
+    from occult_hf.ep_loading import _routed_expert_filter
+
+    seen = []
+    monkeypatch.setattr(modeling_utils, "caching_allocator_warmup", lambda model, device_map, quantizer: seen.append(device_map))
+    model = tiny_model("qwen2_moe")  # shared experts and a dense layer: only the routed experts are left out
+    names = dict.fromkeys((name for name, _ in model.named_parameters()), "cuda:0")
+    with skip_allocator_warmup_for(_routed_expert_filter()):
+        modeling_utils.caching_allocator_warmup(model, names, None)
+    modeling_utils.caching_allocator_warmup(model, names, None)  # put back after the block
+    routed = {name for name in names if ".mlp.experts." in name}
+    assert routed and set(seen[0]) == set(names) - routed and seen[1] == names
+    assert any("shared_expert" in name for name in seen[0])
