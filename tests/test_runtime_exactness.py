@@ -83,7 +83,7 @@ def reference(family: str, num_experts: int, num_devices: int) -> dict:
     return {"outputs": outputs, "grads": grads, "grad_norm": norm}
 
 
-def _check_case(rank, world_size, family, num_experts, mode, placement_kind, chunks, ref, device="cpu") -> set[str]:
+def _check_case(rank, world_size, family, num_experts, mode, placement_kind, chunks, ref, device="cpu", expert_backend="auto") -> set[str]:
     """Run one case on this rank (on `device`: the GPU test runs it under NCCL); return the reference
     parameter names it compared."""
     from torch.nn.parallel import DistributedDataParallel
@@ -96,7 +96,8 @@ def _check_case(rank, world_size, family, num_experts, mode, placement_kind, chu
     placement = placement_for(family, num_experts, world_size, placement_kind)
     model = tiny_model(family, seed=SEED, num_experts=num_experts).to(device).train()
     full_parameters = sum(p.numel() for p in model.parameters())
-    apply_occult(model, OccultConfig(placement=placement, dispatch=mode, dispatch_chunks=chunks))
+    config = OccultConfig(placement=placement, dispatch=mode, dispatch_chunks=chunks, expert_backend=expert_backend)
+    apply_occult(model, config)
     assert all(m.dispatcher.name == "all_to_all" for m in occult_modules(model).values())
     ddp = DistributedDataParallel(model)
     ids = rank_batch(rank).to(device)
@@ -189,21 +190,22 @@ def _original_expert_parameters(module):
     return list(module.adapter.experts_module(module.original_block).parameters())
 
 
-def _exactness_world(rank, world_size, cases, references, on_gpu=False):
+def _exactness_world(rank, world_size, cases, references, on_gpu=False, expert_backend="auto"):
     covered = {}
     device = f"cuda:{rank}" if on_gpu else "cpu"
     for family, num_experts, mode, placement_kind, chunks in cases:
         ref = references[(family, num_experts)]
-        names = _check_case(rank, world_size, family, num_experts, mode, placement_kind, chunks, ref, device)
+        names = _check_case(rank, world_size, family, num_experts, mode, placement_kind, chunks, ref, device, expert_backend)
         covered[(family, num_experts, mode, placement_kind, chunks)] = names
     return covered
 
 
-def _run(world_size: int, num_experts: int, cases, on_gpu: bool = False):
+def _run(world_size: int, num_experts: int, cases, on_gpu: bool = False, expert_backend: str = "auto"):
     """Run `cases` in one world (NCCL on GPUs `cuda:0..` when `on_gpu`, else gloo) against the CPU reference."""
     families = sorted({case[0] for case in cases})
     references = {(family, num_experts): reference(family, num_experts, world_size) for family in families}
-    covered = run_world(_exactness_world, world_size, cases, references, on_gpu, backend="nccl" if on_gpu else "gloo")
+    backend = "nccl" if on_gpu else "gloo"
+    covered = run_world(_exactness_world, world_size, cases, references, on_gpu, expert_backend, backend=backend)
     for case in cases:
         union = set().union(*(rank_result[case] for rank_result in covered))
         missing = set(references[(case[0], num_experts)]["grads"]) - union
