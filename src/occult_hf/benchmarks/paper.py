@@ -309,8 +309,15 @@ def routing_for(name: str, config, traces: dict[str, str]) -> tuple[np.ndarray |
 
 
 # ----- placement -------------------------------------------------------------------------------
+#: tokens per layer the placement is planned on: the first of rank 0's batch. A replayed trace tiles a few
+#: thousand real tokens (4,384 of Qwen, 6,144 of the study model), so more would mostly be copies, and the
+#: refined planner's time grows with them (about 1 s a layer at 4,096 tokens on one CPU core)
+PLAN_TOKENS = 4096
+
+
 def planned_placement(recorder: RoutingRecorder, config, world: int, method: str):
-    """A placement of `method` planned on the routing rank 0 recorded (every MoE layer), broadcast."""
+    """A placement of `method` planned on the first `PLAN_TOKENS` tokens of the routing rank 0 recorded
+    (every MoE layer), broadcast."""
     from occult_hf.patches import adapter_for
     from occult_hf.placement import Placement, plan_placement
     from occult_hf.profile import LayerAccumulator, RoutingProfile
@@ -322,7 +329,7 @@ def planned_placement(recorder: RoutingRecorder, config, world: int, method: str
         layers = {}
         for layer, chunks in sorted(recorder.ids.items()):
             accumulator = LayerAccumulator(num_experts, top_k, sample_size=None)
-            accumulator.update(torch.cat(chunks).to(torch.int64))
+            accumulator.update(torch.cat(chunks)[:PLAN_TOKENS].to(torch.int64))
             layers[layer] = accumulator.to_layer_routing()
         profile = RoutingProfile(num_experts, top_k, layers, model_type=config.model_type)
         holder = [plan_placement(profile, world, method, progress=False).to_dict()]
@@ -342,6 +349,8 @@ class Context:
         self.host_group = dist.new_group(backend="gloo") if dist.is_initialized() and self.cuda else None
         self.rows: list[PaperRow] = []
         self.progress = None
+        self.placements: dict = {}  # model name -> the Placement its placed rows use (planned once per run)
+        self.started = time.perf_counter()
         #: the row keys to run (`--rows`; default every row)
         self.wanted = set(args.rows) if getattr(args, "rows", None) else {key for key, _ in (*PREFILL_ROWS, *FINETUNE_ROWS)}
 
@@ -360,7 +369,8 @@ class Context:
     def add(self, row: PaperRow) -> None:
         self.rows.append(row)
         state = "ran" if row.ran else f"not run: {row.reason}"
-        self.log(f"{row.experiment} {row.model} {row.key}: {state}" + (f", {row.ms:.1f} ms" if row.ran else ""))
+        elapsed = time.perf_counter() - self.started
+        self.log(f"[{elapsed:6.0f} s] {row.experiment} {row.model} {row.key}: {state}" + (f", {row.ms:.1f} ms" if row.ran else ""))
         if self.progress is not None:
             self.progress.update(1)
         if self.rank == 0:  # md and JSON after every row (a run cut at its time limit keeps them); the plot per model
@@ -421,8 +431,9 @@ def megablocks_reason() -> str | None:
     """Why the MegaBlocks rows cannot run here (None: they could)."""
     if importlib.util.find_spec("megablocks") is None:
         return (
-            "megablocks is not importable (not in the GPU machine's image, which has no network: its CUDA "
-            "extensions and those of its dependencies would have to be built there from carried sources)"
+            "megablocks is not importable (not in the GPU machine's image; its sdists and stanford-stk's and "
+            "grouped_gemm's, about 1.1 MB, could be carried and built there, but this command has no dMoE wrapper "
+            "for whole transformers models: docs/paper_comparison.md, MegaBlocks)"
         )
     return "megablocks is importable, but this command has no dMoE wrapper for whole transformers models yet"
 
@@ -524,8 +535,9 @@ def prefill(ctx: Context, spec: PaperModel, config, trace_NLk, routing: str) -> 
         ms = ctx.max(timed(lambda: last_logits(model, own_BS), args.iterations, device))
         ctx.add(row("stock_1gpu", tokens=tokens, ms=ms, tokens_per_s=tokens / ms * 1e3, peak_gib=ctx.peaks(), max_rel_err=0.0))
         _detach(handles)
-    planned = ("occult_placed", "occult_nd2", "occult_nd1")
-    placement = planned_placement(recorder, config, world, args.placement_method) if ctx.wants(*planned) else None
+    placement = ctx.placements.get(spec.name)
+    if placement is None and ctx.wants("occult_placed", "occult_nd2", "occult_nd1"):
+        placement = ctx.placements[spec.name] = planned_placement(recorder, config, world, args.placement_method)
     del recorder
     stock_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
 
@@ -710,8 +722,9 @@ def finetune(ctx: Context, spec: PaperModel, config, trace_NLk, routing: str) ->
         handles = TraceReplay(trace_NLk, rank, args.seed).attach(model) if trace_NLk is not None else []
         return model, handles
 
-    # the placement: planned on the routing of the first batch (rank 0), as in the prefill
-    placement = None
+    # the placement: the prefill's of this model in this run, else planned on the routing of the first batch
+    # (rank 0) as in the prefill (on a replayed trace both read its first tokens: the same placement)
+    placement = ctx.placements.get(spec.name)
 
     def plan() -> object:
         model, handles = fresh()
@@ -738,7 +751,7 @@ def finetune(ctx: Context, spec: PaperModel, config, trace_NLk, routing: str) ->
         try:
             ctx.free()
             if kind == "occult" and placement is None:
-                placement = plan()
+                placement = ctx.placements[spec.name] = plan()
             model, handles = fresh()
             if kind == "occult":
                 pruned = dict(prune="router", max_devices_per_token=1) if key == "occult_pruned" else {}
