@@ -14,6 +14,7 @@ JSON path of anything it cannot convert.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import math
 import os
@@ -81,6 +82,14 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 def atomic_write_json(path: str | os.PathLike, value: Any, indent: int | None = 1, sort_keys: bool = False) -> None:
     """Serialise `value` as strict JSON in memory (numpy scalars converted) and write it atomically."""
     atomic_write_text(path, json_text(value, indent=indent, sort_keys=sort_keys))
+
+
+def atomic_save_npz(path: str | os.PathLike, validate: Callable[[bytes], None] | None = None, **arrays: np.ndarray) -> None:
+    """`np.savez_compressed(path, **arrays)` atomically: the archive is built in memory, checked by
+    `validate(bytes)` when given, then written."""
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, **arrays)
+    atomic_write_bytes(path, buffer.getvalue(), validate=validate)
 
 
 def atomic_save_figure(figure, path: str | os.PathLike, **savefig_kwargs) -> None:

@@ -30,7 +30,6 @@ quality study's `profiles/heldout_<domain>.safetensors` (its `profiles.tar.gz`).
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 
@@ -112,7 +111,7 @@ def pack_study_trace(profiles_dir: str, tokens_per_domain: int) -> tuple[np.ndar
 
 
 def main(argv: list[str] | None = None) -> int:
-    from occult_hf.atomic import atomic_write_bytes
+    from occult_hf.atomic import atomic_save_npz
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profiles", required=True, help="the quality study's profiles/ (heldout_<domain>.safetensors)")
@@ -120,10 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=STUDY_TRACE)
     args = parser.parse_args(argv)
     ids_NLk, meta = pack_study_trace(args.profiles, args.tokens_per_domain)
-    buffer = io.BytesIO()
-    np.savez_compressed(buffer, topk_ids=ids_NLk, meta=np.array(json.dumps(meta)))
-    atomic_write_bytes(args.out, buffer.getvalue())
-    print(f"{args.out}: topk_ids {ids_NLk.shape} ({len(buffer.getvalue())} bytes)")
+    atomic_save_npz(args.out, topk_ids=ids_NLk, meta=np.array(json.dumps(meta)))
+    print(f"{args.out}: topk_ids {ids_NLk.shape} ({os.path.getsize(args.out)} bytes)")
     return 0
 
 

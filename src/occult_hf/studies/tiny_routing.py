@@ -121,10 +121,7 @@ def record(corpus_dir: str | os.PathLike, tokens_per_domain: int = 2048, seq_len
 
 def save(arrays: dict[str, np.ndarray], path: str | os.PathLike) -> None:
     """Write the trace atomically (compressed `.npz`), after reading the bytes back and checking them."""
-    from ..atomic import atomic_write_bytes
-
-    buffer = io.BytesIO()
-    np.savez_compressed(buffer, **arrays)
+    from ..atomic import atomic_save_npz
 
     def validate(data: bytes) -> None:
         with np.load(io.BytesIO(data), allow_pickle=False) as npz:
@@ -134,7 +131,7 @@ def save(arrays: dict[str, np.ndarray], path: str | os.PathLike) -> None:
             raise ValueError(f"trace for {os.fspath(path)!r}: topk_ids {ids_TZk.shape} (ids {ids_TZk.min()}..{ids_TZk.max()}, "
                              f"E={meta['n_experts']}) and the [T] arrays ({sorted(rows)} rows) do not fit together")
 
-    atomic_write_bytes(path, buffer.getvalue(), validate=validate)
+    atomic_save_npz(path, validate=validate, **arrays)
 
 
 def load(path: str | os.PathLike | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
