@@ -11,7 +11,7 @@ vector of expert loads with its own limit (`max_load_ratio` x its own load floor
   sample's tokens are cut into `robust_blocks` contiguous blocks (tokens of one document or batch
   are correlated: resampling single tokens would understate the variation), and Q resamples draw
   that many blocks with replacement. A limit met on the sample and on all Q resamples is met at
-  about the `1 - 1/(Q + 1)` quantile of the load a new sample of the same kind brings
+  about the `1 - 1/(Q + 2)` quantile of the load a new sample of the same kind brings
   (`stated_quantile`). Without a token sample (pair counts only) the resamples are Poisson draws of
   the expert counts (independent sampling error per expert).
 
