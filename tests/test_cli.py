@@ -222,3 +222,39 @@ def test_place_several_profiles_with_replicas_prints_the_promises(tmp_path, caps
     assert placement.slots_per_device == 5 and placement.has_replicas
     assert main(["report", str(paths[0]), str(out), "--no-plots"]) == 0
     assert "expected held-out (2-fold" in capsys.readouterr().out
+
+
+def test_replan_keeps_primaries_and_moves_the_copies_to_what_is_hot_now(tmp_path, capsys):
+    """`occult replan`: a placement planned with replicas on one profile, re-planned on one where other experts
+    are hot; the primaries stay, the copies move, and the recent load's max device drops."""
+    from occult_hf.metrics import evaluate_placement
+    from occult_hf.placement.validation import profile_from_sample
+    from occult_hf.studies.placement_study import structured_topk
+
+    paths = {}
+    for name, order in (("planned", 1), ("recent", -1)):  # the hot experts of "recent" are the cold ones of "planned"
+        popularity = np.geomspace(1, 30, 16)[::order]
+        paths[name] = tmp_path / f"{name}.safetensors"
+        profile_from_sample({0: structured_topk(600, 16, 4, 4, popularity, seed=order % 3)}, 16, name).save(paths[name])
+    deployed_path, replanned_path = tmp_path / "deployed.json", tmp_path / "replanned.json"
+    argv = ["place", str(paths["planned"]), "--num-devices", "4", "--option", "num_redundant_experts=4",
+            "--cross-validate", "0", "--out", str(deployed_path)]  # fmt: skip
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert main(["replan", str(deployed_path), str(paths["recent"]), "--out", str(replanned_path)]) == 0
+    printed = capsys.readouterr().out
+    assert " mean  deployed " in printed and " mean  replanned " in printed
+    deployed, replanned = Placement.load(deployed_path), Placement.load(replanned_path)
+    assert replanned.device_of(0) == deployed.device_of(0)  # primaries kept
+    copies = sum(map(len, replanned.replicas[0].values()))
+    assert sum(map(len, deployed.replicas[0].values())) == 4 and 0 < copies <= 4  # fewer when one more would not help
+    assert set(replanned.replicas[0]) != set(deployed.replicas[0])  # other experts are copied
+    recent = RoutingProfile.load(paths["recent"])
+    before, after = (evaluate_placement(recent, p)[0] for p in (deployed, replanned))
+    assert after.balance < before.balance, (before.balance, after.balance)
+
+    # a profile of another model (another expert count) is named, not planned on
+    profile_from_sample({0: structured_topk(100, 8, 2, 4, np.ones(8), seed=0)}, 8, "other").save(tmp_path / "other.safetensors")
+    with pytest.raises(SystemExit):
+        main(["replan", str(deployed_path), str(tmp_path / "other.safetensors"), "--out", str(tmp_path / "x.json")])
+    assert "the profile has 8 routed experts but the placement is for num_experts=16" in capsys.readouterr().err

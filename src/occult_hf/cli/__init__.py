@@ -9,7 +9,7 @@ import sys
 import traceback
 
 #: subcommand modules of this package, in the order `occult --help` lists them
-SUBCOMMANDS: tuple[str, ...] = ("demo", "train", "profile", "place", "report", "eval", "bench")
+SUBCOMMANDS: tuple[str, ...] = ("demo", "train", "profile", "place", "replan", "report", "eval", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -105,6 +105,11 @@ def replan_replicas(
     missing = [layer for layer in chosen if layer not in profile.layers]
     if missing:
         raise ValueError(f"replan_replicas: profile has no routing for layers {missing} (it has {sorted(profile.layers)})")
+    if profile.num_experts != placement.num_experts:
+        raise ValueError(
+            f"replan_replicas: the profile has {profile.num_experts} routed experts but the placement is for "
+            f"num_experts={placement.num_experts}: a profile of another model"
+        )
     replicas = {layer: dict(extra) for layer, extra in placement.replicas.items()}
     slots = placement.slots_per_device
     final_slots = slots

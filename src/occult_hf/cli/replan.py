@@ -1,0 +1,43 @@
+"""`occult replan`: re-choose a deployed placement's replicas from recent routing, primaries kept."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..placement import PLACEMENT_FILENAME
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "replan",
+        help="re-choose a placement's replicated experts from recent routing (primary homes kept)",
+        description="Keep every expert's primary device and re-choose only the redundant copies (the replicas) "
+        "from a recent routing profile, e.g. the one OccultCallback saves with each checkpoint: at most R expert "
+        "copies move, where a full re-plan would move most experts. Prints the deployed and the re-planned "
+        "placement measured on the recent profile.",
+    )
+    parser.add_argument("placement", help="the deployed placement (occult_placement.json)")
+    parser.add_argument("profile", help="recent routing profile (.safetensors from `occult profile` or the callback)")
+    parser.add_argument(
+        "--redundant",
+        type=int,
+        default=None,
+        metavar="R",
+        help="extra homes per layer (default: as many as the placement has, or its free slots when it has none)",
+    )
+    parser.add_argument("--out", default=PLACEMENT_FILENAME, help=f"output path (default: {PLACEMENT_FILENAME})")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..placement import Placement
+    from ..placement.rebalance import replan_replicas
+    from ..profile import RoutingProfile
+    from ..report import evaluate_placements, format_summary
+
+    deployed, recent = Placement.load(args.placement), RoutingProfile.load(args.profile)
+    replanned = replan_replicas(deployed, recent, num_redundant=args.redundant)
+    replanned.save(args.out)
+    print(format_summary(evaluate_placements(recent, {"deployed": deployed, "replanned": replanned})))
+    print(f"wrote {args.out}")
+    return 0
