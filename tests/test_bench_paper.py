@@ -113,9 +113,10 @@ def _check_transformers_ep(rows: dict, available: bool) -> None:
 def test_paper_routing_fits_a_trace_to_the_model_or_says_why():
     import numpy as np
 
-    from occult_hf.benchmarks.paper_routing import fit_routing, load_routing, trace_layer
+    from occult_hf.benchmarks.paper_routing import fit_routing, trace_layer
+    from occult_hf.profile.trace import read_trace_ids
 
-    ids_NLk, meta = load_routing(str(STUDY))
+    ids_NLk, _, meta = read_trace_ids(STUDY)
     assert ids_NLk.shape == (6144, 8, 8) and meta["score_ordered"] and int(ids_NLk.max()) == 63
     assert fit_routing(ids_NLk, meta, "study", 64, 8)[0] is ids_NLk
     top6_NLk, adapted = fit_routing(ids_NLk, meta, "study", 64, 6)

@@ -81,7 +81,8 @@ import torch.distributed as dist
 from occult_hf.atomic import atomic_save_figure, atomic_write_text
 from occult_hf.benchmarks.ep import DEFAULT_TRACE, _max_and_mean, init_from_torchrun, timed, trace_logits
 from occult_hf.benchmarks.model import MODEL_SHAPES
-from occult_hf.benchmarks.paper_routing import STUDY_TRACE, fit_routing, load_routing, trace_layer
+from occult_hf.benchmarks.paper_routing import STUDY_TRACE, fit_routing, trace_layer
+from occult_hf.profile.trace import read_trace_ids
 
 HELP = "the paper's whole-model prefill and fine-tuning comparisons (OLMoE, Qwen1.5-MoE, DeepSeek-MoE) under torchrun"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
@@ -298,7 +299,7 @@ def routing_for(name: str, config, traces: dict[str, str]) -> tuple[np.ndarray |
     path = traces.get(name)
     if path is None:
         return None, f"own router (random weights: no co-activation structure; E={num_experts}, k={top_k})"
-    ids_NLk, meta = load_routing(path)
+    ids_NLk, _, meta = read_trace_ids(path)
     try:
         ids_NLk, adapted = fit_routing(ids_NLk, meta, path, num_experts, top_k)
     except ValueError as error:

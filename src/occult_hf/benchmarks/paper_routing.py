@@ -40,27 +40,9 @@ STUDY_TRACE = "docs/quality_results/study_routing_h200.npz"
 STUDY_DOMAINS = ("python_docs", "python_stdlib_code", "kernel_docs")
 
 
-def load_routing(path: str) -> tuple[np.ndarray, dict]:
-    """`(ids [N, L, k] int64, meta)` of a routing trace: `topk_ids` [N, k] (one layer) or [N, L, k],
-    warm-up dummy rows dropped; `meta` the file's JSON `meta` ({} without one)."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"routing trace {path!r} is not a file")
-    with np.load(path, allow_pickle=False) as data:
-        if "topk_ids" not in data:
-            raise ValueError(f"routing trace {path!r} has no 'topk_ids' array (keys: {sorted(data.files)})")
-        ids = data["topk_ids"].astype(np.int64)
-        if "is_warmup_dummy" in data:
-            ids = ids[~data["is_warmup_dummy"].astype(bool)]
-        meta = json.loads(str(data["meta"])) if "meta" in data else {}
-    if ids.ndim == 2:
-        ids = ids[:, None, :]
-    if ids.ndim != 3:
-        raise ValueError(f"routing trace {path!r}: topk_ids must be [N, k] or [N, L, k], got shape {ids.shape}")
-    return ids, meta
-
-
 def fit_routing(ids_NLk: np.ndarray, meta: dict, path: str, num_experts: int, top_k: int) -> tuple[np.ndarray, str]:
-    """`(ids [N, L, top_k], what was adapted)` for a model of `num_experts` and `top_k`.
+    """`(ids [N, L, top_k], what was adapted)` for a model of `num_experts` and `top_k`, from a trace read by
+    `profile.trace.read_trace_ids` (`meta`: the file's meta JSON).
 
     The trace's ids must span exactly `num_experts`. Its k must equal `top_k`, or be larger in a file
     whose `meta` says `score_ordered` (each row in its router's score order): then the first `top_k`

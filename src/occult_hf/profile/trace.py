@@ -62,18 +62,11 @@ def read_trace(
         seed: seed of that sample.
     """
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"trace file {path!r} is not a file")
-    if layer is not None and (isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < 0):
-        raise ValueError(f"trace file {path!r}: layer={layer!r} must be a decoder-layer index (an integer >= 0)")
-    arrays = _load_arrays(path)
-    file_meta = _file_meta(arrays, path)
+    arrays, file_meta = _open(path, layer)
     source = {"source": f"trace:{os.path.basename(path)}"}
     if key is None and "coact" in arrays and "freq" in arrays:
         return _from_pair_counts(arrays, file_meta, num_experts, top_k, model_type, source)
-    keys = _id_keys(arrays, key, path)
-    ids_TZk, layers = _stack_ids(arrays, keys, layer, path)
-    keep_T = _row_mask(arrays, ids_TZk.shape[0], path)
+    keys, ids_TZk, layers, keep_T = _ids_and_mask(arrays, key, layer, path)
     usable_Z = (keep_T[:, None] & (ids_TZk >= 0).all(axis=2)).sum(axis=0)
     if ids_TZk.shape[0] == 0 or not usable_Z.all():
         empty = [layers[i] for i in np.flatnonzero(usable_Z == 0).tolist()] or layers
@@ -107,6 +100,34 @@ def read_trace(
         "num_experts_inferred": inferred,
     }
     return dict(num_experts=num_experts, top_k=k, layers=result_layers, model_type=model_type, meta=meta)
+
+
+def read_trace_ids(
+    path: str | os.PathLike, *, key: str | list[str] | None = None, layer: int | None = None
+) -> tuple[np.ndarray, list[int], dict]:
+    """`(ids [T, Z, k] int64, layer indices, the file's meta)` of a per-token trace, token by token (for
+    replaying routing): the arrays `read_trace` reads (`key`, `layer` as there), its row mask applied."""
+    path = os.fspath(path)
+    arrays, file_meta = _open(path, layer)
+    _, ids_TZk, layers, keep_T = _ids_and_mask(arrays, key, layer, path)
+    return ids_TZk[keep_T], layers, file_meta
+
+
+def _open(path: str, layer: int | None) -> tuple[dict[str, np.ndarray], dict]:
+    """The file's arrays and meta JSON, after checking that it exists and that `layer` is an index."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"trace file {path!r} is not a file")
+    if layer is not None and (isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < 0):
+        raise ValueError(f"trace file {path!r}: layer={layer!r} must be a decoder-layer index (an integer >= 0)")
+    arrays = _load_arrays(path)
+    return arrays, _file_meta(arrays, path)
+
+
+def _ids_and_mask(arrays, key, layer: int | None, path: str) -> tuple[list[str], np.ndarray, list[int], np.ndarray]:
+    """`(keys, ids [T, Z, k], layer indices, keep [T])` of the chosen id arrays."""
+    keys = _id_keys(arrays, key, path)
+    ids_TZk, layers = _stack_ids(arrays, keys, layer, path)
+    return keys, ids_TZk, layers, _row_mask(arrays, ids_TZk.shape[0], path)
 
 
 def _load_arrays(path: str) -> dict[str, np.ndarray]:
@@ -235,4 +256,4 @@ def _from_pair_counts(arrays, file_meta, num_experts, top_k, model_type, source)
     return dict(num_experts=file_experts, top_k=top_k, layers=layers, model_type=model_type, meta=meta)
 
 
-__all__ = ["read_trace", "ROW_MASK_KEYS"]
+__all__ = ["read_trace", "read_trace_ids", "ROW_MASK_KEYS"]
