@@ -11,8 +11,8 @@
 Each rank is a fresh process forked from a `forkserver` that has imported torch, transformers and
 occult_hf once (no torch state of the test process; starting a process that imports them costs
 about 12 s of CPU on a 2-core machine, a fork of the server milliseconds). The rank gets the test
-process's environment as it is at the call, and `torch.distributed` initialised on the gloo backend through a file store in a private temporary directory, one CPU thread, and
-`OCCULT_TEST_RANK` set. If any rank raises, `run_world` raises `WorldError` with every failed
+process's environment as it is at the call, `torch.distributed` initialised on the gloo backend
+through a file store in a private temporary directory, one CPU thread, and `OCCULT_TEST_RANK` set. If any rank raises, `run_world` raises `WorldError` with every failed
 rank's traceback, after giving the other ranks a short grace period to finish or fail on their own
 (a rank blocked in a collective with a dead peer is then killed). A world that runs past
 `timeout_s` is killed and reported with the ranks still running, so a deadlock fails a test
@@ -45,7 +45,7 @@ PRELOADED = ["torch", "torch.distributed", "transformers.modeling_utils", "occul
 
 
 class WorldError(RuntimeError):
-    """A spawned world failed: a rank raised, died or the world ran past its timeout."""
+    """A world failed: a rank raised, died or the world ran past its timeout."""
 
 
 def _rank_main(rank, world_size, init_file, call, results, env, backend="gloo") -> None:
