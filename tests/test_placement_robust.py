@@ -12,7 +12,15 @@ import torch
 
 from occult_hf import metrics
 from occult_hf.placement import Placement, RefinedOptions, plan_placement, refine_layer
-from occult_hf.replica_routing import home_table_from, resolve_homes, resolve_homes_np
+from occult_hf.replica_routing import (
+    home_table_from,
+    load_aware_homes,
+    preference_counts,
+    replica_preferences,
+    replica_shares,
+    resolve_homes,
+    resolve_homes_np,
+)
 from occult_hf.placement.robust import block_bootstrap_weights, scenario_loads, stated_quantile, token_scenarios
 from occult_hf.placement.validation import cross_validate, profile_from_sample
 from occult_hf.profile import LayerRouting, RoutingProfile
@@ -47,6 +55,52 @@ def test_rule_without_replicas_is_the_device_map_and_torch_equals_numpy():
     assert (dest.numpy() == resolve_homes_np(ids, table, 4)).all()
     # every pair lands on one of its expert's homes
     assert ((table[ids] == dest.numpy()[..., None]).any(-1)).all()
+
+
+def test_load_aware_rule_by_hand():
+    # D=2: expert 0 on {0, 1}, expert 1 on 0, expert 2 on 1. Six tokens visit device 0 (expert 1) and
+    # take expert 0 there under the static rule: device 0 serves 12 pairs, device 1 two
+    table = torch.from_numpy(home_table_from([0, 0, 1], {0: [1]}))
+    ids = torch.tensor([[0, 1]] * 6 + [[2, 1]])
+    assert resolve_homes(ids, table, 2)[:, 0].tolist() == [0] * 6 + [2 - 1]
+    homes, pref = replica_preferences(ids, table, 2)
+    counts = preference_counts(ids, pref, 3, 2)
+    assert counts.tolist() == [[6, 0, 0], [7, 0, 0], [1, 0, 0]]
+    # 14 pairs, 7 single-home on device 0 and 1 on device 1: the balanced split gives expert 0's six pairs
+    # to device 1 (loads 7 / 7); device 0 may keep visited pairs up to PIN_SLACK (1%) of the mean above that
+    shares = replica_shares(counts, table, 2)
+    assert shares[1:].tolist() == [[7.0, 0.0], [1.0, 0.0]] and abs(float(shares[0].sum()) - 6) < 1e-9
+    assert 0 < float(shares[0, 0]) <= 0.01 * 7 + 1e-3
+    dest = load_aware_homes(ids, table, 2)
+    assert dest[:, 0].tolist() == [1] * 6 + [1] and torch.bincount(dest.reshape(-1), minlength=2).tolist() == [7, 7]
+
+
+def test_load_aware_rule_over_ranks_equals_one_process_and_balances():
+    """Per-rank application with the gathered counts = the rule on the concatenated batch (the pairs stand in
+    one line, rank by rank); devices within the fluid bound; pairs kept on visited homes where balance allows."""
+    from occult_hf.studies.robust_placement_study import best_replica_split
+
+    rng = np.random.default_rng(4)
+    ids = structured_topk(640, 16, 4, 4, seed=2)
+    device_of_E = np.arange(16) * 4 // 16
+    table_np = home_table_from(device_of_E, {0: [1, 2], 1: [3], 5: [0], 9: [3]})
+    table, ids_t = torch.from_numpy(table_np), torch.from_numpy(ids)
+    whole = load_aware_homes(ids_t, table, 4)
+    assert ((table_np[ids] == whole.numpy()[..., None]).any(-1)).all()  # every pair on one of its homes
+    ranks = torch.tensor_split(ids_t, [100, 350, 400])  # uneven ranks
+    gathered = torch.stack([preference_counts(r, replica_preferences(r, table, 4)[1], 16, 3) for r in ranks])
+    per_rank = torch.cat([load_aware_homes(r, table, 4, lambda _: gathered, rank) for rank, r in enumerate(ranks)])
+    assert torch.equal(per_rank, whole)
+    load = np.bincount(whole.numpy().ravel(), minlength=4)
+    bound = best_replica_split(np.bincount(ids.ravel(), minlength=16).astype(float), table_np, 4)
+    static = np.bincount(resolve_homes_np(ids, table_np, 4).ravel(), minlength=4)
+    assert load.max() / load.mean() <= bound + 0.01 + 4 / load.mean() < static.max() / static.mean()
+    # without replicas it is the device map; with pruning's visited devices no visited pair moves
+    assert torch.equal(load_aware_homes(ids_t, torch.from_numpy(home_table_from(device_of_E, None)), 4), torch.from_numpy(device_of_E[ids]))
+    visited = torch.from_numpy(rng.random((640, 4)) < 0.5)
+    static_v = resolve_homes(ids_t, table, 4, visited_TD=visited)
+    pinned = replica_preferences(ids_t, table, 4, visited)[1] < 3
+    assert torch.equal(load_aware_homes(ids_t, table, 4, visited_TD=visited)[pinned], static_v[pinned])
 
 
 # ----- the file format ------------------------------------------------------------------------

@@ -20,7 +20,9 @@ World 4 (E=6, so D does not divide E): 6 families x {(dedup, shuffled, 2 chunks)
 contiguous, chunks chosen from T)}. The one CPU dispatcher under torch.distributed is "all_to_all".
 Replicated experts (the shuffled map plus a second home for experts 0..D-1, DESIGN.md §6): every
 family in dedup mode on 2 ranks, and on 4 ranks alternately dedup and per_expert; each rank's copy
-must carry the expert's full gradient (the sum over its holders) and the norm counts it once.
+must carry the expert's full gradient (the sum over its holders) and the norm counts it once. The
+same with `replica_choice="load_aware"` (one more all-gather per layer; rows sent checked against
+the rule recomputed from a fresh gather), on 2 ranks in dedup and on 4 in the other mode per family.
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ def placement_for(family: str, num_experts: int, num_devices: int, kind: str):
     maps = {layer: np.random.default_rng(10 * layer + num_experts).permutation(base).tolist() for layer in layers}
     if kind == "shuffled":
         return Placement(num_experts, num_devices, maps, {"method": "shuffled"})
-    # "replicated": the shuffled map, and experts 0..D-1 get an extra home on the next device (copies
+    # "replicated" (also "replicated_load_aware", the same placement with replica_choice="load_aware"):
+    # the shuffled map, and experts 0..D-1 get an extra home on the next device (copies
     # that must serve pairs, receive summed gradients and stay identical)
     replicas = {layer: {e: [(maps[layer][e] + 1) % num_devices] for e in range(num_devices)} for layer in layers}
     return Placement(num_experts, num_devices, maps, {"method": "replicated"}, replicas=replicas)
@@ -91,12 +94,17 @@ def _check_case(rank, world_size, family, num_experts, mode, placement_kind, chu
     from occult_hf import OccultConfig
     from occult_hf.integration import apply_occult, occult_modules
     from occult_hf.placement import resolve_homes
+    from occult_hf.replica_routing import load_aware_homes
 
     where = f"[{family} E={num_experts} D={world_size} {mode} {placement_kind} chunks={chunks} rank {rank}]"
     placement = placement_for(family, num_experts, world_size, placement_kind)
     model = tiny_model(family, seed=SEED, num_experts=num_experts).to(device).train()
     full_parameters = sum(p.numel() for p in model.parameters())
-    config = OccultConfig(placement=placement, dispatch=mode, dispatch_chunks=chunks, expert_backend=expert_backend)
+    load_aware = placement_kind.endswith("load_aware")
+    config = OccultConfig(
+        placement=placement, dispatch=mode, dispatch_chunks=chunks, expert_backend=expert_backend,
+        replica_choice="load_aware" if load_aware else "static",
+    )
     apply_occult(model, config)
     assert all(m.dispatcher.name == "all_to_all" for m in occult_modules(model).values())
     ddp = DistributedDataParallel(model)
@@ -108,7 +116,9 @@ def _check_case(rank, world_size, family, num_experts, mode, placement_kind, chu
     # per MoE layer: one count exchange, then one exchange per direction and chunk (rows and their
     # metadata packed together); backward one per direction and chunk; one grad-norm all-reduce per backward
     layers, group_chunks = len(occult_modules(model)), chunks or 1
-    assert forward_calls == {"all_to_all_single": layers * (1 + 2 * group_chunks)}, f"{where} {forward_calls}"
+    # load-aware replica choice: one all-gather of the per-expert counts per layer
+    expected_calls = {"all_to_all_single": layers * (1 + 2 * group_chunks), **({"all_gather": layers} if load_aware else {})}
+    assert forward_calls == expected_calls, f"{where} {forward_calls}"
     # with replicas one more all-reduce per backward: the copies' gradients summed among holders, all layers at once
     reduces = 1 + int(placement.has_replicas)
     assert backward_calls == {"all_to_all_single": layers * 2 * group_chunks, "all_reduce": reduces}, f"{where} {backward_calls}"
@@ -149,7 +159,11 @@ def _check_case(rank, world_size, family, num_experts, mode, placement_kind, chu
         assert all(p.numel() == 0 for p in _original_expert_parameters(module)), f"{where} expert storage kept"
         if mode == "dedup":
             topk_ids_Tk = module.last_topk_ids_Tk.cpu()
-            dest_Tk = resolve_homes(topk_ids_Tk, torch.from_numpy(placement.home_table(module.layer_idx)), world_size)
+            table_EM = torch.from_numpy(placement.home_table(module.layer_idx))
+            if load_aware:  # the rule again, from a fresh gather of every rank's counts
+                dest_Tk = load_aware_homes(topk_ids_Tk, table_EM, world_size, _gather_all, rank)
+            else:
+                dest_Tk = resolve_homes(topk_ids_Tk, table_EM, world_size)
             ct_rows = int((torch.zeros(topk_ids_Tk.shape[0], world_size, dtype=torch.bool).scatter_(1, dest_Tk, True)).sum())
             assert int(module.rows_sent.sum()) == ct_rows, f"{where} rows sent != CT count"
 
@@ -160,6 +174,14 @@ def _check_case(rank, world_size, family, num_experts, mode, placement_kind, chu
     norm = math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters() if p.grad is not None))
     assert abs(norm - ref["grad_norm"]) <= TOLERANCE * ref["grad_norm"], f"{where} grad norm {norm} vs {ref['grad_norm']}"
     return compared
+
+
+def _gather_all(local: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, local)
+    return torch.stack(parts)
 
 
 @contextlib.contextmanager
@@ -222,6 +244,8 @@ def test_exact_on_2_ranks_all_families_modes_and_placements():
         for kind in ("contiguous", "shuffled")
     ]
     cases += [(family, 8, "dedup", "replicated", 2) for family in FAMILIES]
+    # replica_choice="load_aware": the pairs of a replicated expert split over its homes by the gathered counts
+    cases += [(family, 8, "dedup", "replicated_load_aware", 2) for family in FAMILIES]
     _run(2, 8, cases)
 
 
@@ -231,6 +255,7 @@ def test_exact_on_4_ranks_with_uneven_expert_counts():
     cases = [(family, 6, "dedup", "shuffled", 2) for family in FAMILIES]
     cases += [(family, 6, "per_expert", "contiguous", None) for family in FAMILIES]
     cases += [(family, 6, mode, "replicated", 1) for family, mode in zip(FAMILIES, ("dedup", "per_expert") * len(FAMILIES))]
+    cases += [(family, 6, mode, "replicated_load_aware", 1) for family, mode in zip(FAMILIES, ("per_expert", "dedup") * len(FAMILIES))]
     _run(4, 6, cases)
 
 

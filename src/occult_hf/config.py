@@ -20,6 +20,7 @@ from .dispatch import dispatcher_names
 from .dispatch.plan import DISPATCH_MODES  # owned by the dispatch plan; kept importable from here
 from .experts import expert_backend_names
 from .pruning import NEEDS_SIMILARITY, pruning_policy_names
+from .replica_routing import REPLICA_CHOICES
 
 # the names each registry owns, as built in (kept importable from here); validation asks the registries
 EXPERT_BACKENDS = expert_backend_names()
@@ -89,6 +90,15 @@ class OccultConfig:
         metadata={
             "help": "Seconds any wait on a peer rank in the EP exchange may take before it fails with an error naming "
             "the layer and the operation (None: $OCCULT_EXCHANGE_TIMEOUT_S, else 300)."
+        },
+    )
+    replica_choice: str = field(
+        default="static",
+        metadata={
+            "help": 'Which home of a replicated expert serves a (token, expert) pair: "static" (a home the token '
+            'visits anyway, else round-robin; DESIGN.md §6) or "load_aware" (the same preference, but the batch\'s '
+            "per-expert counts, gathered over the EP group, split each replicated expert's pairs so that the devices "
+            "balance: occult_hf.replica_routing.load_aware_homes). No effect without replicas."
         },
     )
     expert_backend: str = field(
@@ -170,6 +180,8 @@ class OccultConfig:
             raise ValueError(
                 f"OccultConfig.exchange_timeout_s must be None or a number of seconds > 0, got {self.exchange_timeout_s!r}"
             )
+        if self.replica_choice not in REPLICA_CHOICES:
+            raise ValueError(f"OccultConfig.replica_choice must be one of {REPLICA_CHOICES}, got {self.replica_choice!r}")
         if not isinstance(self.deterministic, bool):
             raise TypeError(
                 f"OccultConfig.deterministic must be True or False, got {type(self.deterministic).__name__} "

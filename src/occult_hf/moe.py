@@ -147,6 +147,7 @@ class OccultMoE(nn.Module):
             layer=f"layer {self.layer_idx}",
             home_table_EM=placement.home_table(layer_idx) if replicated else None,
             slot_ED=slot_ED if replicated else None,
+            replica_choice=occult_config.replica_choice,
         )
         self.dispatcher: TokenDispatcher = build_dispatcher(**self._dispatcher_settings, device=device)
         # replicated experts: which local slots are copies of an expert with several homes, and where

@@ -23,8 +23,38 @@ Shape legend: T tokens, k experts per token, E experts, M most homes of one expe
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
+
+
+def replica_preferences(
+    topk_ids_Tk: torch.Tensor,
+    home_table_EM: torch.Tensor,
+    num_devices: int,
+    visited_TD: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(homes_TkM, pref_Tk)`: each pair's homes (`[T, k, M]` int64, -1 padded) and the index in `[0, M)` of
+    its first home on a device the token visits (steps 1 and 2 of the rule), `M` where it has none.
+
+    A single-home expert's pair always has `pref 0` (its one home is visited by construction).
+    """
+    ids_Tk = topk_ids_Tk.long()
+    num_tokens = ids_Tk.shape[0]
+    homes_TkM = home_table_EM[ids_Tk]
+    num_homes_Tk = (homes_TkM >= 0).sum(-1)
+    # visited devices: the homes of single-home experts (column D collects the others and is dropped)
+    visited_TD1 = torch.zeros(num_tokens, num_devices + 1, dtype=torch.bool, device=ids_Tk.device)
+    if visited_TD is not None:
+        visited_TD1[:, :num_devices] = visited_TD
+    visited_TD1.scatter_(1, torch.where(num_homes_Tk == 1, homes_TkM[..., 0], num_devices), True)
+    on_visited_TkM = (homes_TkM >= 0) & visited_TD1.gather(
+        1, homes_TkM.clamp_min(0).reshape(num_tokens, -1)
+    ).reshape(homes_TkM.shape)
+    # the first visited home (homes are in increasing device id), else M
+    pref_Tk = torch.where(on_visited_TkM.any(-1), on_visited_TkM.int().argmax(-1), homes_TkM.shape[-1])
+    return homes_TkM, pref_Tk
 
 
 def resolve_homes(
@@ -46,25 +76,14 @@ def resolve_homes(
             (None: none). A pair whose expert has a home there goes to the lowest such home.
     """
     ids_Tk = topk_ids_Tk.long()
-    num_tokens, top_k = ids_Tk.shape
-    homes_TkM = home_table_EM[ids_Tk]
-    if homes_TkM.shape[-1] == 1:  # no replicas in this layer: the primary map
-        return homes_TkM[..., 0]
+    if home_table_EM.shape[-1] == 1:  # no replicas in this layer: the primary map
+        return home_table_EM[ids_Tk][..., 0]
+    homes_TkM, pref_Tk = replica_preferences(ids_Tk, home_table_EM, num_devices, visited_TD)
     num_homes_Tk = (homes_TkM >= 0).sum(-1)
-    first_Tk = homes_TkM[..., 0]
-    # visited devices: the homes of single-home experts (column D collects the others and is dropped)
-    visited_TD1 = torch.zeros(num_tokens, num_devices + 1, dtype=torch.bool, device=ids_Tk.device)
-    if visited_TD is not None:
-        visited_TD1[:, :num_devices] = visited_TD
-    visited_TD1.scatter_(1, torch.where(num_homes_Tk == 1, first_Tk, num_devices), True)
-    on_visited_TkM = (homes_TkM >= 0) & visited_TD1.gather(
-        1, homes_TkM.clamp_min(0).reshape(num_tokens, -1)
-    ).reshape(homes_TkM.shape)
     if token_index_T is None:
-        token_index_T = torch.arange(num_tokens, device=ids_Tk.device)
+        token_index_T = torch.arange(ids_Tk.shape[0], device=ids_Tk.device)
     balanced_Tk = token_index_T.long()[:, None] % num_homes_Tk
-    # the first visited home (homes are in increasing device id), else the balanced pick
-    choice_Tk = torch.where(on_visited_TkM.any(-1), on_visited_TkM.int().argmax(-1), balanced_Tk)
+    choice_Tk = torch.where(pref_Tk < homes_TkM.shape[-1], pref_Tk, balanced_Tk)
     return homes_TkM.gather(-1, choice_Tk[..., None]).squeeze(-1)
 
 
@@ -81,6 +100,163 @@ def resolve_homes_np(
     ).numpy()
 
 
+#: how a replicated expert's pairs choose among its homes (`OccultConfig.replica_choice`)
+REPLICA_CHOICES = ("static", "load_aware")
+
+#: best-response rounds of the load-aware split (each phase): on the Qwen and OLMoE traces the max load is
+#: within 0.1% of the exact min-max split (`studies.robust_placement_study.best_replica_split`) after these
+SPLIT_ROUNDS = 12
+
+#: how far above the least max load the load-aware split lets a device go to keep a pair on a home its
+#: token visits anyway (a fraction of the mean device load): a little balance buys back most of the CT
+PIN_SLACK = 0.01
+
+
+def preference_counts(topk_ids_Tk: torch.Tensor, pref_Tk: torch.Tensor, num_experts: int, max_homes: int) -> torch.Tensor:
+    """`[E, M + 1]` int64: the pairs of each expert whose first visited home is its m-th, column M: no visited home.
+
+    The one statistic the load-aware rule exchanges (summed over the EP group: E x (M + 1) integers)."""
+    flat = topk_ids_Tk.long().reshape(-1) * (max_homes + 1) + pref_Tk.reshape(-1)
+    counts = torch.zeros(num_experts * (max_homes + 1), dtype=torch.int64, device=topk_ids_Tk.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat)).view(num_experts, max_homes + 1)
+
+
+def _fill(total_E: torch.Tensor, other_EM: torch.Tensor, floor_EM: torch.Tensor, valid_EM: torch.Tensor) -> torch.Tensor:
+    """`[E, M]` shares of each expert's `total_E` over its homes: `max(floor, level - other)` with the level
+    that makes them sum to the total (water-filling above floors; `sum(floor) <= total`). 0 off the homes."""
+    inf = torch.finfo(other_EM.dtype).max
+    start_EM = torch.where(valid_EM, other_EM + floor_EM, inf)  # the level at which a home starts to rise
+    start_sorted, order = torch.sort(start_EM, dim=1)
+    other_sorted, floor_sorted = other_EM.gather(1, order), torch.where(valid_EM, floor_EM, 0.0).gather(1, order)
+    rising = torch.arange(1, other_EM.shape[1] + 1, device=other_EM.device, dtype=other_EM.dtype)
+    floor_after = floor_sorted.sum(1, keepdim=True) - floor_sorted.cumsum(1)  # floors of the homes still at them
+    level_EM = (total_E[:, None] - floor_after + other_sorted.cumsum(1)) / rising
+    ok_EM = (level_EM >= start_sorted) & valid_EM.gather(1, order)
+    last = (ok_EM.long() * torch.arange(1, other_EM.shape[1] + 1, device=other_EM.device)).argmax(1)  # the last ok
+    level_E = level_EM.gather(1, last[:, None])
+    return torch.where(valid_EM, torch.maximum(floor_EM, level_E - other_EM), 0.0)
+
+
+def replica_shares(counts_EM1: torch.Tensor, home_table_EM: torch.Tensor, num_devices: int) -> torch.Tensor:
+    """`[E, M]` float64 pairs each home of each expert should serve, from the group's `preference_counts`.
+
+    Single-home experts serve all their pairs at home. The replicated experts' pairs are split in two
+    phases of `SPLIT_ROUNDS` damped best responses (every expert at once, vectorised: no host read, and
+    dense reductions only, so every rank computes the same bits from the same integers):
+    1. the least max device load: each expert water-fills its pairs over its homes given the other
+       experts' loads (the fluid min-max split);
+    2. the same with floors: a home keeps up to its visited pairs (those need no extra copy of the
+       token) as far as its device stays within `PIN_SLACK` x the mean above phase 1's max load.
+    """
+    counts_EM1 = counts_EM1.to(torch.float64)
+    max_homes = home_table_EM.shape[1]
+    total_E, visited_EM = counts_EM1.sum(1), counts_EM1[:, :max_homes]
+    valid_EM = home_table_EM >= 0
+    replicated_E = valid_EM.sum(1) > 1
+    devices = torch.arange(num_devices, device=home_table_EM.device)
+    on_EMD = ((home_table_EM[..., None] == devices) & valid_EM[..., None]).to(torch.float64)  # [E, M, D]
+    single_EM = torch.zeros_like(visited_EM)
+    single_EM[:, 0] = torch.where(replicated_E, 0.0, total_E)
+    replicated_EM = valid_EM & replicated_E[:, None]
+    shares_EM = torch.where(replicated_EM, total_E[:, None] / valid_EM.sum(1, keepdim=True), 0.0)
+
+    def rounds(shares_EM, floor_of):
+        for _ in range(SPLIT_ROUNDS):
+            load_D = ((single_EM + shares_EM)[..., None] * on_EMD).sum((0, 1))
+            other_EM = (load_D[home_table_EM.clamp_min(0)] - shares_EM)
+            best_EM = _fill(total_E, other_EM, floor_of(other_EM), replicated_EM)
+            shares_EM = 0.5 * (shares_EM + best_EM)
+        return shares_EM
+
+    shares_EM = rounds(shares_EM, torch.zeros_like)
+    load_D = ((single_EM + shares_EM)[..., None] * on_EMD).sum((0, 1))
+    cap = load_D.max() + PIN_SLACK * total_E.sum() / num_devices
+    shares_EM = rounds(shares_EM, lambda other_EM: torch.minimum(visited_EM, (cap - other_EM).clamp_min(0.0)))
+    return torch.where(replicated_EM, shares_EM, single_EM)
+
+
+def _rank_in_group(group_F: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """`[F]` int64: each entry's position among the entries of its group, in entry order (group ids in
+    `[0, num_groups]`; one sort, no host read)."""
+    num_entries = group_F.shape[0]
+    key_F = group_F * num_entries + torch.arange(num_entries, device=group_F.device)
+    sorted_F, order_F = torch.sort(key_F)
+    start_F = torch.searchsorted(sorted_F, group_F * num_entries)
+    position_F = torch.empty_like(order_F).scatter_(0, order_F, torch.arange(num_entries, device=group_F.device))
+    return position_F - start_F
+
+
+def load_aware_homes(
+    topk_ids_Tk: torch.Tensor,
+    home_table_EM: torch.Tensor,
+    num_devices: int,
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    rank: int = 0,
+    visited_TD: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`[T, k]` int64 device serving each pair under the load-aware rule (`replica_choice="load_aware"`).
+
+    The static rule (`resolve_homes`) sends a replicated expert's pairs to a visited home or round-robin,
+    whatever the batch's loads. This one balances the devices on the batch itself:
+
+    1. each rank counts its pairs per (expert, first visited home) (`preference_counts`) and `gather`
+       collects every rank's counts (one all-gather of E x (M + 1) integers per rank per layer, `[G, E,
+       M + 1]` in rank order; None: this process's tokens are the whole batch, as with logical devices);
+    2. every rank derives the same split of each replicated expert's pairs over its homes from their sum
+       (`replica_shares`);
+    3. the pairs are assigned as if the group's pairs stood in one line, rank by rank (`rank`: this one's
+       place; the counts of the ranks before it give its offset), so the split is met to one pair per
+       home, not one per home and rank: of the pairs whose token visits home m, the fraction
+       `a = min(visited, share) / visited` stays there (the g-th stays when `round((g + 1) a) > round(g a)`:
+       evenly spaced); the others and the pairs that visit no home are spread over the homes in
+       proportion to what each home's share leaves after its visited pairs.
+
+    Single-home experts go home, so a layer without replicas routes as `device_of_E[topk_ids]`. With
+    collaboration pruning (`visited_TD`: the token's N_d devices) a pair never leaves a visited home (the
+    pruner keeps every pair on the token's devices), so only pairs that visit none are balanced. The result
+    depends only on the routing (integers), never on a value with a gradient: replicas stay exact.
+    """
+    ids_Tk = topk_ids_Tk.long()
+    if home_table_EM.shape[-1] == 1:
+        return home_table_EM[ids_Tk][..., 0]
+    num_experts, max_homes = home_table_EM.shape
+    homes_TkM, pref_Tk = replica_preferences(ids_Tk, home_table_EM, num_devices, visited_TD)
+    local_EM1 = preference_counts(ids_Tk, pref_Tk, num_experts, max_homes)
+    all_GEM1 = local_EM1[None] if gather is None else gather(local_EM1)
+    counts_EM1, before_EM1 = all_GEM1.sum(0), all_GEM1[:rank].sum(0)
+    shares_EM = replica_shares(counts_EM1, home_table_EM, num_devices)
+    visited_EM = counts_EM1[:, :max_homes].to(torch.float64)
+    # with pruning (`visited_TD`) a pair must stay on the token's devices: every visited home is kept
+    keep_EM = visited_EM if visited_TD is not None else torch.minimum(visited_EM, shares_EM)
+    stay_EM = torch.where(visited_EM > 0, keep_EM / visited_EM.clamp_min(1.0), 1.0)
+
+    def stays(index, rate):  # of the first `index` pairs of a group, how many stay
+        return torch.floor(index * rate + 0.5)
+
+    # 3a: the g-th pair (in the group's line) of (expert e, first visited home m) stays at m
+    ids_F, pref_F = ids_Tk.reshape(-1), pref_Tk.reshape(-1)
+    visits_F = pref_F < max_homes
+    group_F = ids_F * max_homes + pref_F.clamp_max(max_homes - 1)
+    line_F = _rank_in_group(torch.where(visits_F, group_F, num_experts * max_homes), num_experts * max_homes)
+    line_F = line_F + before_EM1[:, :max_homes].reshape(-1)[group_F]
+    rate_F = stay_EM.reshape(-1)[group_F]
+    stays_F = visits_F & (stays(line_F + 1, rate_F) > stays(line_F, rate_F))
+    # 3b: the rest of expert e's pairs, in the line, spread over what the homes' shares leave
+    before_visited_EM = before_EM1[:, :max_homes].to(torch.float64)
+    rest_before_E = before_EM1[:, max_homes] + (before_visited_EM - stays(before_visited_EM, stay_EM)).sum(1).long()
+    rest_total_E = counts_EM1[:, max_homes] + (visited_EM - stays(visited_EM, stay_EM)).sum(1).long()
+    pool_EM = (shares_EM - keep_EM).clamp_min(0.0)
+    pool_EM = torch.where(pool_EM.sum(1, keepdim=True) > 0, pool_EM, shares_EM)  # nothing left: as the shares
+    cumulative_EM = pool_EM.cumsum(1) / pool_EM.sum(1, keepdim=True).clamp_min(1e-300)
+    rest_F = ~stays_F
+    line_F = _rank_in_group(torch.where(rest_F, ids_F, num_experts), num_experts) + rest_before_E[ids_F]
+    position_F = (line_F.to(torch.float64) + 0.5) / rest_total_E[ids_F].clamp_min(1).to(torch.float64)
+    pick_F = (position_F[:, None] >= cumulative_EM[ids_F]).sum(1)
+    pick_F = torch.minimum(pick_F, (homes_TkM.reshape(-1, max_homes) >= 0).sum(1) - 1)
+    choice_F = torch.where(stays_F, pref_F, pick_F)
+    return homes_TkM.reshape(-1, max_homes).gather(1, choice_F[:, None]).view(ids_Tk.shape)
+
+
 def home_table_from(device_of_E: np.ndarray, replicas: dict[int, list[int]] | None) -> np.ndarray:
     """`[E, M]` int64 home table (increasing device ids, -1 padded) of a primary map plus extra homes."""
     device_of_E = np.asarray(device_of_E, dtype=np.int64)
@@ -92,4 +268,13 @@ def home_table_from(device_of_E: np.ndarray, replicas: dict[int, list[int]] | No
     return table
 
 
-__all__ = ["home_table_from", "resolve_homes", "resolve_homes_np"]
+__all__ = [
+    "REPLICA_CHOICES",
+    "home_table_from",
+    "load_aware_homes",
+    "preference_counts",
+    "replica_preferences",
+    "replica_shares",
+    "resolve_homes",
+    "resolve_homes_np",
+]

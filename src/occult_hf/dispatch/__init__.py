@@ -53,12 +53,13 @@ def build_dispatcher(
     device=None,
     home_table_EM=None,
     slot_ED=None,
+    replica_choice: str = "static",
 ) -> TokenDispatcher:
     """The dispatcher `name` ("auto" or a registered name) for one layer; see `TokenDispatcher` for the arguments."""
     cls = dispatcher_class(name, ep, device)
     return cls(
         ep, device_of_E, local_index_E, num_local_experts, mode=mode, chunks=chunks, timeout_s=timeout_s, layer=layer,
-        home_table_EM=home_table_EM, slot_ED=slot_ED,
+        home_table_EM=home_table_EM, slot_ED=slot_ED, replica_choice=replica_choice,
     )
 
 

@@ -23,6 +23,7 @@ import torch
 
 from occult_hf.kernels.layout import ExpertSegments
 
+from ..replica_routing import REPLICA_CHOICES, load_aware_homes
 from .group import ExpertParallelGroup
 from .plan import check_mode, destinations
 
@@ -175,7 +176,8 @@ class TokenDispatcher:
     Construction also takes the layer's placement: `device_of_E` and `local_index_E` (`[E]`: device and
     slot there of each expert), and with replicated experts `home_table_EM` (`[E, M]` homes, -1 padded)
     and `slot_ED` (`[E, D]` slot of each expert on each device, -1 where it has no home), which make
-    `plan.destinations` apply the replica routing rule.
+    `plan.destinations` apply the replica routing rule; `replica_choice` "load_aware" replaces its static
+    choice among homes by `replica_routing.load_aware_homes` (one all-gather of per-expert counts per layer).
     """
 
     name: ClassVar[str] = ""
@@ -193,8 +195,12 @@ class TokenDispatcher:
         layer: str = "layer",
         home_table_EM: Sequence[Sequence[int]] | None = None,
         slot_ED: Sequence[Sequence[int]] | None = None,
+        replica_choice: str = "static",
     ) -> None:
         check_mode(mode)
+        if replica_choice not in REPLICA_CHOICES:
+            raise ValueError(f"replica_choice must be one of {REPLICA_CHOICES}, got {replica_choice!r}")
+        self.replica_choice = replica_choice
         self.ep = ep
         self.mode = mode
         self.num_local_experts = int(num_local_experts)
@@ -229,7 +235,38 @@ class TokenDispatcher:
         """`(dest_Tk, local_Tk)` of `plan.destinations` for `routing`, with its `devices_TD` when it carries one
         (a `TokenRouting` from pruning with replicas; the adapter's `RouterOutput` has none)."""
         ids_Tk = routing.topk_ids_Tk
-        return destinations(ids_Tk, *self.placement_on(ids_Tk.device), visited_TD=getattr(routing, "devices_TD", None))
+        placement = self.placement_on(ids_Tk.device)
+        visited_TD = getattr(routing, "devices_TD", None)
+        if self.replica_choice == "static" or placement[2] is None:
+            return destinations(ids_Tk, *placement, visited_TD=visited_TD)
+        home_table_EM, slot_ED = placement[2:]
+        gather = self._gather_counts if self.ep.is_distributed else None
+        dest_Tk = load_aware_homes(ids_Tk, home_table_EM, slot_ED.shape[1], gather, self.ep.rank, visited_TD)
+        return dest_Tk, slot_ED[ids_Tk.long(), dest_Tk]
+
+    def _gather_counts(self, local_EM1: torch.Tensor) -> torch.Tensor:
+        """`[D, E, M + 1]`: every rank's `replica_routing.preference_counts` (the load-aware rule's one
+        collective), waited for like the exchange: bounded on the host for CPU tensors, stream-ordered on CUDA."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(local_EM1) for _ in range(self.ep.num_devices)]
+        what = "all-gather of the replicated experts' counts (replica_choice='load_aware')"
+        try:
+            work = dist.all_gather(parts, local_EM1.contiguous(), group=self.ep.group, async_op=True)
+            if local_EM1.device.type == "cpu":
+                work.wait(timeout=timedelta(seconds=self.timeout_s))
+            else:
+                work.wait()
+        except RuntimeError as error:
+            from .all_to_all import ExchangeError
+
+            raise ExchangeError(
+                f"{self.layer}: the {what} failed or did not finish within {self.timeout_s:g} s "
+                f"(OccultConfig.exchange_timeout_s or $OCCULT_EXCHANGE_TIMEOUT_S): {error}"
+            ) from error
+        return torch.stack(parts)
 
     def dispatch(self, x_TH: torch.Tensor, routing) -> Dispatched:
         """Send each token to the devices of its experts; return the received rows in expert layout."""
