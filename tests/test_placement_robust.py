@@ -323,6 +323,25 @@ def test_shrunk_loads_keep_totals_and_reliability_by_hand():
         assert np.bincount(plan.device_of_E, minlength=4).tolist() == [4, 4, 4, 4] and plan.limit_reached
 
 
+def test_auto_reliability_is_chosen_by_cross_validation_on_the_profile():
+    """"auto" plans on the first half of the profile's tokens and keeps the factor that holds on the second:
+    steady loads keep 1.0 (no shrinkage); loads whose hot experts cool down inside the profile are shrunk."""
+    from occult_hf.placement.refined import AUTO_RELIABILITIES, cross_validated_reliability
+
+    one = np.ones((1, 800), dtype=bool)
+    steady = structured_topk(800, 16, 4, 4, popularity_E=np.linspace(1, 3, 16), seed=3)
+    assert cross_validated_reliability(steady, one, 16, 4, RefinedOptions(**FAST)) == 1.0
+    hot = np.ones(16)
+    hot[:4] = 4.0
+    first, later = structured_topk(600, 16, 4, 4, popularity_E=hot, seed=3), structured_topk(600, 16, 4, 4, seed=4)
+    cooling = np.concatenate([first[:400], later[:400]])
+    chosen = cross_validated_reliability(cooling, one, 16, 4, RefinedOptions(**FAST))
+    assert chosen < 1.0 and chosen in AUTO_RELIABILITIES
+    routing = profile_from_sample({0: cooling}, 16, "t").layer(0)
+    plan = refine_layer(routing.coactivation, routing.expert_counts, cooling, 4, RefinedOptions(load_reliability="auto", **FAST))
+    assert plan.load_reliability == chosen
+
+
 def test_replan_replicas_keeps_primaries_and_relieves_the_new_hot_expert():
     from occult_hf.placement.rebalance import replan_replicas
 

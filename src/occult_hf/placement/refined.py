@@ -36,14 +36,14 @@ copies, E plus the replicas), Q groups of items (the copies of one expert).
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from ..metrics import load_floor
 from .objectives import PairwiseCut, SampleCT
 from ..replica_routing import home_table_from, resolve_homes_np
-from .robust import count_scenarios, scenario_loads, shrink_toward_mean, split_half_reliability, token_scenarios
+from .robust import count_scenarios, scenario_loads, shrink_toward_mean, token_scenarios
 from .registry import balanced_capacities, check_layer_inputs, register_planner
 from .slowest import StepCosts, device_times, slowest_descent
 
@@ -82,9 +82,10 @@ class RefinedOptions:
             on later tokens: loads (and their resamples') are pulled toward their mean by it before
             the limit is held (`robust.shrink_toward_mean`), so the limit bounds the loads expected
             on new tokens rather than the sample's noise (an expert that looks hot in a finite
-            sample is less hot later). 1.0 (default): no shrinkage; "auto": each profile's own
-            split-half reliability (`robust.split_half_reliability`). Needs a token sample (ignored
-            for pair counts).
+            sample is less hot later). 1.0 (default): no shrinkage; "auto": chosen per layer from the
+            profile alone by cross-validation in time (`cross_validated_reliability`: plan on the first
+            half of each profile's tokens with each of `AUTO_RELIABILITIES`, keep the one whose plan is
+            best balanced on the second halves). Needs a token sample (ignored for pair counts).
         num_redundant_experts: R redundant expert slots (as DeepSeek's EPLB): R extra homes of hot
             experts, `ceil((E + R) / D)` slots per device, placed jointly with the others (see
             "Replicas" in the module docstring).
@@ -327,6 +328,7 @@ class LayerPlan:
         replicas: `{expert: [extra devices]}` chosen for the redundant slots (empty without them).
         slots_per_device: expert slots per device the plan assumed (None without redundant slots).
         scenarios: load scenarios the limit was held on (profiles x (1 + resamples)).
+        load_reliability: the shrinkage factor the loads were planned with (what "auto" chose).
     """
 
     device_of_E: np.ndarray
@@ -339,6 +341,7 @@ class LayerPlan:
     replicas: dict = field(default_factory=dict)
     slots_per_device: int | None = None
     scenarios: int = 1
+    load_reliability: float = 1.0
 
 
 def replication_counts(load_YE: np.ndarray, redundant: int, num_devices: int) -> np.ndarray:
@@ -456,6 +459,62 @@ def _slowest_with_replicas(item_device_X, sample_Nk, loads_of, group_X, limit_Y,
     return item_device_X, ct
 
 
+#: the shrinkage factors `load_reliability="auto"` chooses among (largest first: ties keep the least shrinkage)
+AUTO_RELIABILITIES = (1.0, 0.75, 0.5, 0.25)
+#: seeds of the cross-validation plans: one plan's balance on new tokens is a draw, so each factor is scored by
+#: the mean over these (fixed, so that the choice is the profile's, not the final plan's seed's)
+AUTO_SEEDS = (0, 1, 2)
+#: a smaller factor must beat a larger one's cross-validated worst balance by this much to be chosen
+AUTO_MARGIN = 0.005
+
+
+def cross_validated_reliability(
+    sample_Nk: np.ndarray, membership_PN: np.ndarray, num_experts: int, num_devices: int, options: "RefinedOptions"
+) -> float:
+    """The `load_reliability` of `AUTO_RELIABILITIES` whose plan holds best on later tokens, from the profile alone.
+
+    Each profile's tokens, in sample order, are cut in two: plans are made on the first halves (all
+    profiles, with these options but at most 8 search rounds, seeds `AUTO_SEEDS`) and measured on each
+    second half, under the static replica rule; a factor's score is the worst profile's balance (max /
+    mean device load), averaged over the seeds. The largest factor within `AUTO_MARGIN` of the best
+    score wins. Time order, not random halves: the
+    tokens a placement serves come later, and a drift inside the profile is what the shrinkage must
+    absorb. 1.0 when a profile has fewer than 8 tokens.
+    """
+    membership_PN = np.asarray(membership_PN, dtype=bool)
+    index_P = [np.flatnonzero(member_N) for member_N in membership_PN]
+    if min(len(index) for index in index_P) < 8:
+        return 1.0
+    first_N = np.zeros(len(sample_Nk), dtype=bool)
+    for index in index_P:
+        first_N[index[: len(index) // 2]] = True
+    train_Nk = sample_Nk[first_N]
+    one_hot_NE = np.zeros((len(train_Nk), num_experts))
+    np.put_along_axis(one_hot_NE, train_Nk, 1.0, axis=1)
+    coactivation_EE = one_hot_NE.T @ one_hot_NE
+    np.fill_diagonal(coactivation_EE, 0.0)
+    counts_E = np.bincount(train_Nk.ravel(), minlength=num_experts)
+    later_P = [sample_Nk[index[len(index) // 2 :]] for index in index_P]
+    best = None
+    for reliability in AUTO_RELIABILITIES:
+        scores = []
+        for seed in AUTO_SEEDS:
+            trial = replace(options, load_reliability=reliability, search_rounds=min(options.search_rounds, 8), seed=seed)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # an unreachable limit on a half is part of what is measured
+                plan = refine_layer(coactivation_EE, counts_E, train_Nk, num_devices, trial, membership_PN=membership_PN[:, first_N])
+            table = home_table_from(plan.device_of_E, plan.replicas)
+            worst = 0.0
+            for later_Nk in later_P:
+                load_D = np.bincount(resolve_homes_np(later_Nk, table, num_devices).ravel(), minlength=num_devices)
+                worst = max(worst, float(load_D.max() / load_D.mean()))
+            scores.append(worst)
+        score = float(np.mean(scores))
+        if best is None or score < best[0] - AUTO_MARGIN:
+            best = (score, reliability)
+    return best[1]
+
+
 def refine_layer(
     coactivation_EE: np.ndarray,
     expert_counts_E: np.ndarray,
@@ -492,10 +551,10 @@ def refine_layer(
     loads_of = None
     if sample is not None:
         weights_YN = token_scenarios(membership_PN, options.robust_resamples, options.robust_blocks, rng)
-        reliability_Y = np.full(len(weights_YN), 1.0 if options.load_reliability == "auto" else float(options.load_reliability))
-        if options.load_reliability == "auto":  # each profile's rows (itself, then its resamples): its own reliability
-            per_profile_P = [split_half_reliability(sample[member_N], num_experts) for member_N in membership_PN]
-            reliability_Y = np.repeat(per_profile_P, 1 + options.robust_resamples)
+        reliability = options.load_reliability
+        if reliability == "auto":
+            reliability = cross_validated_reliability(sample, membership_PN, num_experts, num_devices, options)
+        reliability_Y = np.full(len(weights_YN), float(reliability))
 
         def loads_of(items_Nk: np.ndarray, num_items: int) -> np.ndarray:
             """`[Y, X]` scenario loads of the items serving the sample's pairs (shrunk on request)."""
@@ -563,6 +622,7 @@ def refine_layer(
         replicas=replicas,
         slots_per_device=slots,
         scenarios=len(load_YE),
+        load_reliability=float(reliability) if sample is not None else 1.0,
     )
 
 
