@@ -343,6 +343,31 @@ def test_send_layout_matches_a_naive_layout(mode, padded, num_devices, top_k):
     if mode == "dedup":
         ct_T, _ = ct_and_remote_T(device_hits_TD(dest_Tk, num_devices), torch.zeros(num_tokens, dtype=torch.int64))
         assert int(ct_T.sum()) == sum(rows for rows, _ in counts)
+    if not padded:  # the torch.distributed dispatcher's layout, the row count known: the same O rows
+        _check_packed_rows(dest_Tk, local_Tk, weights_Tk, num_devices, mode, layout, counts)
+
+
+def _check_packed_rows(dest_Tk, local_Tk, weights_Tk, num_devices, mode, layout, counts):
+    """`plan.device_match` + `plan.packed_rows` give `send_layout`'s first O rows and counts, and each token's
+    rows (counted from one, 0 absent) sum to what `send_layout`'s row positions sum to."""
+    from occult_hf.dispatch.plan import device_match, packed_rows
+
+    match = device_match(dest_Tk, num_devices, mode)
+    assert match.counts_D2.tolist() == counts
+    rows = sum(r for r, _ in counts)
+    packed = packed_rows(match, local_Tk, weights_Tk, rows)
+    assert packed.token_O.tolist() == layout.token_O[:rows].tolist()
+    assert packed.slot_OW.tolist() == layout.slot_OW[:rows].tolist()
+    torch.testing.assert_close(packed.weight_OW, layout.weight_OW[:rows])
+    values_O = torch.randn(rows, 2, dtype=torch.float64)
+    top_k = dest_Tk.shape[1]
+    width = min(num_devices, top_k) if mode == "dedup" else top_k
+    assert packed.row_TJ.shape == (dest_Tk.shape[0], num_devices if mode == "dedup" and num_devices <= top_k else width)
+    padded_O = torch.cat([values_O, torch.zeros(layout.capacity + 1 - rows, 2, dtype=torch.float64)])
+    expected = padded_O[layout.row_TJ].sum(1)
+    torch.testing.assert_close(torch.cat([torch.zeros(1, 2, dtype=torch.float64), values_O])[packed.row_TJ].sum(1), expected)
+    # each row is referenced exactly once
+    assert sorted(v for v in packed.row_TJ.reshape(-1).tolist() if v) == list(range(1, rows + 1))
 
 
 def test_sum_token_rows_sums_each_tokens_rows_in_fp32_through_a_zero_row():

@@ -4,19 +4,21 @@ Shape legend: see `occult_hf.dispatch.plan`; in addition X the entries of one ra
 (rows and pairs of each chunk, then the chunk count: `2 * max_chunks + 1`).
 
 Per layer and forward:
-1. **Plan** on the tokens' device (`plan.send_layout`): the send layout of each chunk of the rank's
-   tokens (rows by destination device, then token; each row's int32 local slots and routing weights;
-   each token's row positions), with one 1-D scan and no atomics.
-2. **Counts**: one small all-to-all of the `[D, C, 2]` row/pair counts (and each rank's chunk count, so
-   ranks with different T agree on C), copied to pinned host memory behind it and read once (the
-   layer's only host synchronisation: the split sizes; the host spins on that copy's event rather than
-   `Work.wait(timeout)`, which sleeps in 1 ms steps).
+1. **Counts** on the tokens' device (`plan.device_match`: which device serves each (token, slot), and
+   the rows and pairs per device, written straight into the count message): four kernels.
+2. **Count exchange**: one small all-to-all of the `[D, 2]` row/pair counts (with C > 1 chunks, every
+   chunk's, and each rank's chunk count, so ranks with different T agree on C), copied to pinned host
+   memory behind it and read once (the layer's only host synchronisation: the split sizes; the host
+   spins on that copy's event rather than `Work.wait(timeout)`, which sleeps in 1 ms steps).
+   Then the send layout with the row count known (`plan.packed_rows`: rows by destination device, then
+   token; each row's local slots and routing weights; each token's row positions): about ten kernels,
+   no atomics, nothing padded to a capacity.
 3. **Exchange**: the rows gathered straight into a packed uint8 block (`RowFormat`: activations, slots,
    weights; one `index_select` into the block, no intermediate copy) and sent in ONE
    `all_to_all_single`. Work that needs no exchange (the shared experts, `run(concurrent=...)`) is
    queued while it is on the wire. The receiver groups the (row, local expert) pairs by expert (one
    sort of N keys); the experts take the received rows as a view of the block. The pre-summed outputs return in
-   one more `all_to_all_single`, into a buffer with one extra zero row, and each token's rows are
+   one more `all_to_all_single`, into a buffer whose row 0 is zero, and each token's rows are
    summed by a gather through its row positions (fp32 accumulation, fixed order, no atomics).
    With C > 1 chunks all chunks' dispatch exchanges are issued first, then chunk c's experts run while
    later chunks' dispatch and earlier chunks' combine are on the wire.
@@ -62,7 +64,7 @@ from .base import (
     stage,
     sum_token_rows,
 )
-from .plan import SendLayout, chunk_bounds, received_pairs, routing_width, send_layout
+from .plan import chunk_bounds, device_match, packed_rows, received_pairs, routing_width
 
 
 class ExchangeError(RuntimeError):
@@ -76,9 +78,10 @@ class _Chunk:
 
     Attributes:
         token_O: `[O]` int64 source token of each row, relative to `start`.
-        slot_OW: `[O, W]` int32 local slots on the destination (-1: served elsewhere).
+        slot_OW: `[O, W]` int64 local slots on the destination (-1: served elsewhere).
         weight_OW: `[O, W]` routing weights (differentiable).
-        row_TJ: `[end - start, J]` int64 rows of each token, `O` where it has fewer (a zero row there).
+        row_TJ: `[end - start, J]` int64 position plus one of each token's rows, 0 where it has fewer: the
+            rows come back into a block whose row 0 is zero (`plan.PackedRows`).
     """
 
     start: int
@@ -159,43 +162,55 @@ class AllToAllDispatcher(TokenDispatcher):
 
     # ----- planning ------------------------------------------------------------------------------
     def _plan(self, routing, num_chunks: int, max_chunks: int) -> tuple[list[_Chunk], torch.Tensor]:
-        """Split the tokens into (at most) `num_chunks` chunks, lay out each chunk's rows on the device, agree
-        with the group on the chunk count (at most `max_chunks`, the same on every rank) and learn the split
-        sizes (the one host read). Returns the chunks and the `[D, 2]` counts."""
+        """Split the tokens into (at most) `num_chunks` chunks, count each chunk's rows per device on the device,
+        agree with the group on the chunk count (at most `max_chunks`, the same on every rank), learn the split
+        sizes (the one host read) and lay out each chunk's rows. Returns the chunks and the `[D, 2]` counts."""
         ids_Tk, weights_Tk = routing.topk_ids_Tk, routing.topk_weights_Tk
         num_tokens = ids_Tk.shape[0]
         num_devices = self.ep.num_devices
         with stage("plan"):
             dest_Tk, local_Tk = self.destinations_of(routing)
             bounds = chunk_bounds(num_tokens, min(num_chunks, max_chunks))
-            layouts = [
-                send_layout(dest_Tk[a:b], local_Tk[a:b], weights_Tk[a:b], num_devices, self.mode) for a, b in bounds
+            message = _CountMessage(num_devices, len(bounds), max_chunks, ids_Tk.device)
+            matches = [
+                device_match(dest_Tk[a:b], num_devices, self.mode, counts_D2=message.counts_D2(c)) for c, (a, b) in enumerate(bounds)
             ]
-            counts_CD2 = torch.stack([layout.counts_D2 for layout in layouts])
         with stage("count exchange"):
-            splits, group_chunks = self._exchange_counts(counts_CD2, len(bounds), max_chunks).result()
+            splits, group_chunks = self._exchange_counts(message).result()
         with stage("plan"):
             chunks = []
             for index, (send_splits, recv_splits, num_pairs) in enumerate(splits):
                 if index < len(bounds):
-                    (start, end), layout = bounds[index], layouts[index]
+                    (start, end), match = bounds[index], matches[index]
                 else:  # a chunk the group runs beyond this rank's: empty, but it joins the group's exchanges
                     (start, end) = (num_tokens, num_tokens)
-                    layout = send_layout(dest_Tk[:0], local_Tk[:0], weights_Tk[:0], num_devices, self.mode)
-                chunks.append(_slice_chunk(start, end, layout, send_splits, recv_splits, num_pairs))
-        return chunks, counts_CD2.sum(0)
+                    match = device_match(dest_Tk[:0], num_devices, self.mode)
+                whole = (start, end) == (0, num_tokens)  # no slice: its backward would be one more kernel
+                rows = packed_rows(
+                    match, local_Tk if whole else local_Tk[start:end], weights_Tk if whole else weights_Tk[start:end], sum(send_splits)
+                )
+                chunks.append(
+                    _Chunk(start, end, rows.token_O, rows.slot_OW, rows.weight_OW, rows.row_TJ, tuple(send_splits), tuple(recv_splits), num_pairs)
+                )
+        counts_D2 = matches[0].counts_D2 if len(matches) == 1 else torch.stack([m.counts_D2 for m in matches]).sum(0)
+        return chunks, counts_D2
 
-    def _exchange_counts(self, counts_CD2: torch.Tensor, num_chunks: int, max_chunks: int) -> "_PendingCounts":
-        """Start one all-to-all of every chunk's row/pair counts per destination, plus this rank's chunk count;
-        `.result()` reads it on the host (the layer's one host synchronisation) and returns per chunk
-        `(send_splits, recv_splits, recv_pairs)` and the group's chunk count."""
-        num_devices = self.ep.num_devices
-        send_DX = torch.zeros(num_devices, 2 * max_chunks + 1, dtype=torch.int64, device=counts_CD2.device)
-        send_DX[:, : 2 * num_chunks] = counts_CD2.transpose(0, 1).reshape(num_devices, -1)
-        send_DX[:, -1] = num_chunks
-        recv_DX = torch.empty_like(send_DX)
+    def _exchange_counts(self, message: "_CountMessage") -> "_PendingCounts":
+        """Start one all-to-all of the count message (every chunk's row/pair counts per destination, plus this
+        rank's chunk count when the group may run several); `.result()` reads it on the host (the layer's one
+        host synchronisation) and returns per chunk `(send_splits, recv_splits, recv_pairs)` and the group's
+        chunk count."""
+        send_DX, recv_DX = message.both_2DX.unbind(0)
         work = self._collective("count exchange", dist.all_to_all_single, recv_DX, send_DX, group=self.ep.group, async_op=True)
-        return _PendingCounts(self, work, send_DX, recv_DX)
+        return _PendingCounts(self, work, message)
+
+    def _pinned(self, shape) -> torch.Tensor:
+        """A pinned host buffer of `shape` (int64) for the count message, kept per dispatcher and shape."""
+        buffers = self.__dict__.setdefault("_pinned_buffers", {})
+        buffer = buffers.get(tuple(shape))
+        if buffer is None:
+            buffer = buffers[tuple(shape)] = torch.empty(tuple(shape), dtype=torch.int64, pin_memory=True)
+        return buffer
 
     def _result_plan(self, routing, chunks, counts_D2, row_format: RowFormat, chunk: _Chunk | None = None) -> "AllToAllPlan":
         return AllToAllPlan(
@@ -217,16 +232,17 @@ class AllToAllDispatcher(TokenDispatcher):
         self, block: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], what: str, zero_row: bool = False
     ) -> "_Pending":
         """Start one `all_to_all_single` of `block`'s rows (split along dim 0); `.wait()` gives the received
-        block, with one extra zero row at the end when `zero_row` (what a combine's gather points absent rows at)."""
+        block, with one extra zero row **first** when `zero_row` (what a combine's gather points absent rows at:
+        `_Chunk.row_TJ` counts from one)."""
         rows = sum(recv_splits)
         out = block.new_empty((rows + int(zero_row), *block.shape[1:]))
         if zero_row:
-            out[rows].zero_()
+            out[0].zero_()
         block = block.contiguous()
         work = self._collective(
             what,
             dist.all_to_all_single,
-            out[:rows],
+            out[int(zero_row) :],
             block,
             output_split_sizes=list(recv_splits),
             input_split_sizes=list(send_splits),
@@ -260,29 +276,62 @@ class AllToAllDispatcher(TokenDispatcher):
             raise self._timeout_error(what, error) from error
 
 
+class _CountMessage:
+    """The count exchange's buffer, `[2, D, X]` int64 (what this rank sends, then what it receives): with one
+    chunk `X = 2` (rows, pairs per destination); with up to `max_chunks` chunks, every chunk's two counts
+    and then this rank's chunk count (`X = 2 * max_chunks + 1`)."""
+
+    def __init__(self, num_devices: int, num_chunks: int, max_chunks: int, device) -> None:
+        self.max_chunks = max_chunks
+        if max_chunks == 1:
+            self.both_2DX = torch.empty(2, num_devices, 2, dtype=torch.int64, device=device)
+        else:
+            self.both_2DX = torch.zeros(2, num_devices, 2 * max_chunks + 1, dtype=torch.int64, device=device)
+            self.both_2DX[0, :, -1] = num_chunks
+
+    def counts_D2(self, chunk: int) -> torch.Tensor:
+        """The `[D, 2]` slot of chunk `chunk`'s counts in the send half (written by `plan.device_match`)."""
+        return self.both_2DX[0, :, 2 * chunk : 2 * chunk + 2]
+
+    def splits(self, both: list) -> tuple[list, int]:
+        """Per chunk `(send_splits, recv_splits, recv_pairs)` and the group's chunk count, from the host copy."""
+        send, recv = both
+        num_devices = len(send)
+        group_chunks = 1 if self.max_chunks == 1 else max(row[-1] for row in recv)
+        splits = [
+            (
+                tuple(send[p][2 * c] for p in range(num_devices)),
+                tuple(recv[p][2 * c] for p in range(num_devices)),
+                sum(recv[p][2 * c + 1] for p in range(num_devices)),
+            )
+            for c in range(group_chunks)
+        ]
+        return splits, group_chunks
+
+
 class _PendingCounts:
     """The count exchange in flight. On CUDA its result is copied to pinned host memory behind the
     collective and the host spins on that copy's event (bounded by the timeout): `Work.wait(timeout)`
     would instead sleep in 1 ms steps, and a blocking `.tolist()` would also wait for every kernel
-    queued after it."""
+    queued after it. The pinned buffer is the dispatcher's own, reused: its result is read before the
+    layer goes on."""
 
-    def __init__(self, dispatcher: AllToAllDispatcher, work, send_DX: torch.Tensor, recv_DX: torch.Tensor) -> None:
-        self.dispatcher, self.work, self.send_DX = dispatcher, work, send_DX
+    def __init__(self, dispatcher: AllToAllDispatcher, work, message: _CountMessage) -> None:
+        self.dispatcher, self.work, self.message = dispatcher, work, message
         self._result = None
-        if recv_DX.is_cuda:
+        both = message.both_2DX
+        if both.is_cuda:
             dispatcher._wait(work, "count exchange", on_host=False)  # the stream waits for the collective
-            both = torch.cat([send_DX, recv_DX])
-            self.host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            self.host = dispatcher._pinned(both.shape)
             self.host.copy_(both, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
         else:
-            self.host, self.event, self.recv_DX = None, None, recv_DX
+            self.host, self.event = None, None
 
     def result(self):
         if self._result is None:
             d = self.dispatcher
-            num_devices = d.ep.num_devices
             if self.event is not None:
                 deadline = time.monotonic() + d.timeout_s
                 while not self.event.query():
@@ -291,29 +340,9 @@ class _PendingCounts:
                 both = self.host.tolist()
             else:
                 d._wait(self.work, "count exchange", on_host=True)
-                both = torch.cat([self.send_DX, self.recv_DX]).tolist()
-            send, recv = both[:num_devices], both[num_devices:]
-            group_chunks = max(row[-1] for row in recv)
-            splits = [
-                (
-                    tuple(send[p][2 * c] for p in range(num_devices)),
-                    tuple(recv[p][2 * c] for p in range(num_devices)),
-                    sum(recv[p][2 * c + 1] for p in range(num_devices)),
-                )
-                for c in range(group_chunks)
-            ]
-            self._result = splits, group_chunks
+                both = self.message.both_2DX.tolist()
+            self._result = self.message.splits(both)
         return self._result
-
-
-def _slice_chunk(start, end, layout: SendLayout, send_splits, recv_splits, num_pairs) -> _Chunk:
-    """The chunk's `O` real rows of its layout (the first O: the layout is packed), absent rows pointed at row O."""
-    rows = sum(send_splits)
-    row_TJ = torch.where(layout.row_TJ < rows, layout.row_TJ, rows)
-    return _Chunk(
-        start, end, layout.token_O[:rows], layout.slot_OW[:rows], layout.weight_OW[:rows], row_TJ,
-        tuple(send_splits), tuple(recv_splits), num_pairs,
-    )  # fmt: skip
 
 
 class _Pending:
@@ -383,7 +412,7 @@ class _DispatchExchange(torch.autograd.Function):
         grad_x_pad_OH, grad_weight_pad_OW = grads.unpack(back)
         with stage("dispatch backward sum"):
             grad_x_TH = sum_token_rows(grad_x_pad_OH, chunk.row_TJ) if ctx.needs_input_grad[0] else None
-        return grad_x_TH, grad_weight_pad_OW[: chunk.num_rows], None, None, None, None
+        return grad_x_TH, grad_weight_pad_OW[1:], None, None, None, None
 
 
 class _CombineExchange(torch.autograd.Function):
@@ -464,7 +493,7 @@ class _Pipeline:
             grad_x_pad_OH, grad_weight_pad_OW = grads.unpack(pending.wait())
             if grad_x_TH is not None:
                 sum_token_rows(grad_x_pad_OH, chunk.row_TJ, grad_x_TH[chunk.start : chunk.end])
-            grad_weights.append(grad_weight_pad_OW[: chunk.num_rows])
+            grad_weights.append(grad_weight_pad_OW[1:])
         return grad_x_TH, grad_weights
 
 

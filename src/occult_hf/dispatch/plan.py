@@ -18,6 +18,11 @@ dispatcher); the functions themselves never read a tensor on the host, so the on
   with W (local slot, weight) entries (slot -1 and weight 0 where the slot is served on another
   device), each token's row positions (what the combine sums through) and the counts; static shapes,
   no host read, no atomics.
+- `device_match` / `packed_rows`: the same rows when the row count `O` is already known on the host
+  (the torch.distributed dispatcher learns it from the count exchange): a `[D, T, k]` match and the
+  counts before the exchange, then the `O` rows by one `nonzero_static` of the per-(device, token) mask
+  (its order is the packed order) and each token's rows by one scan: about a third of the operator
+  calls of `send_layout`, which must also fill a static capacity.
 - `received_pairs`: on the receiver, the (row, local expert) pairs of the received rows grouped by
   local expert (`ExpertSegments`), plus where each pair's weight sits in the received `[R, W]` block.
 - `local_pairs`: the same layout in one process, where every expert is local and nothing moves.
@@ -25,6 +30,7 @@ dispatcher); the functions themselves never read a tensor on the host, so the on
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -214,18 +220,101 @@ def received_pairs(slot_RW: torch.Tensor, num_pairs: int, num_local_experts: int
     """`(segments, pick_N)` for received rows: pairs grouped by local expert (rows ascending within one), and
     `[N]` int64 positions in the flattened `[R * W]` routing block of each pair (so
     `weight_RW.reshape(-1)[pick_N]` are the pair weights in segment order). `num_pairs` (N) is known on
-    the host from the count exchange. One sort of all `R * W` entries, the empty ones keyed past the last
-    expert, and the segment offsets by a binary search of the sorted keys: no compaction, no atomics."""
-    num_rows, width = slot_RW.shape
-    slot_F = slot_RW.reshape(-1).long()  # F = R * W entries, entry f = row * W + slot position
-    num_entries = slot_F.shape[0]
-    entry_F = torch.arange(num_entries, device=slot_RW.device)
-    key_F = torch.where(slot_F >= 0, slot_F, num_local_experts) * num_entries + entry_F
-    key_sorted_F, order_F = torch.sort(key_F)
+    the host from the count exchange. One stable sort of all `R * W` slots (an empty slot, -1, keyed
+    `L` by a remainder: past the last expert) and the segment offsets by a binary search of the sorted
+    keys: no compaction, no atomics, four kernels."""
+    width = slot_RW.shape[1]
+    key_F = torch.remainder(slot_RW.reshape(-1), num_local_experts + 1)  # F = R * W entries; -1 -> L
+    key_sorted_F, order_F = torch.sort(key_F, stable=True)
     pick_N = order_F[:num_pairs]
-    bounds_L = torch.arange(num_local_experts + 1, device=slot_RW.device) * num_entries
-    offsets = torch.searchsorted(key_sorted_F[:num_pairs], bounds_L)
-    return ExpertSegments(pick_N // max(width, 1), offsets, num_rows), pick_N
+    offsets = torch.searchsorted(key_sorted_F[:num_pairs], _arange(num_local_experts + 1, key_F.device, key_F.dtype))
+    return ExpertSegments(pick_N // max(width, 1), offsets, slot_RW.shape[0]), pick_N
+
+
+@functools.lru_cache(maxsize=64)
+def _arange(n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """`torch.arange(n)`, made once per (n, device, dtype): read only (an operator call saved per use)."""
+    return torch.arange(n, device=device, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class DeviceMatch:
+    """Which device serves each (token, slot), before the count exchange.
+
+    Attributes:
+        match_DTk: `[D, T, k]` bool, `dest_Tk == d`.
+        hit_DT: `[D, T]` bool, the token has a row for device d ("dedup": any of its slots; None in "per_expert").
+        counts_D2: `[D, 2]` int64 rows and (token, expert) pairs sent to each device (`device_counts`).
+    """
+
+    match_DTk: torch.Tensor
+    hit_DT: torch.Tensor | None
+    counts_D2: torch.Tensor
+
+
+def device_match(dest_Tk: torch.Tensor, num_devices: int, mode: str, counts_D2: torch.Tensor | None = None) -> DeviceMatch:
+    """The `DeviceMatch` of `dest_Tk`: three or four kernels. `counts_D2` (optional `[D, 2]` int64): where to write
+    the counts (e.g. the count exchange's send buffer, saving a copy)."""
+    check_mode(mode)
+    match_DTk = dest_Tk[None] == _arange(num_devices, dest_Tk.device, dest_Tk.dtype)[:, None, None]
+    pairs_D = match_DTk.sum((1, 2))
+    hit_DT = match_DTk.any(2) if mode == "dedup" else None
+    rows_D = hit_DT.sum(1) if mode == "dedup" else pairs_D
+    counts_D2 = torch.stack([rows_D, pairs_D], dim=1, out=counts_D2)
+    return DeviceMatch(match_DTk, hit_DT, counts_D2)
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """The `O` rows one group of tokens sends (the real rows of a `SendLayout`, nothing to fill).
+
+    Attributes:
+        token_O: `[O]` int64 source token of each row.
+        slot_OW: `[O, W]` int64 local slot of the expert on the destination; -1 where that routing slot is
+            served on another device.
+        weight_OW: `[O, W]` routing weight (differentiable); 0 where the slot is -1.
+        row_TJ: `[T, J]` int64 position **plus one** of each token's rows (J = D in "dedup" when D <= k, a
+            token's row for device d in column d, else min(D, k) as in `SendLayout`; J = k in "per_expert");
+            0 where the token has no such row: the rows come back into a block whose row 0 is zero.
+    """
+
+    token_O: torch.Tensor
+    slot_OW: torch.Tensor
+    weight_OW: torch.Tensor
+    row_TJ: torch.Tensor
+
+
+def packed_rows(match: DeviceMatch, local_Tk: torch.Tensor, weights_Tk: torch.Tensor, num_rows: int) -> PackedRows:
+    """The `num_rows` (O, known on the host) rows of `match`'s tokens in `send_layout`'s order (by destination
+    device, then token; "per_expert": then slot), with their fields: about ten kernels, no host read.
+    `nonzero_static` of the `[D, T]` (or `[D, T * k]`) mask lists the rows in exactly that order; the running
+    count of the same mask is each row's position."""
+    match_DTk = match.match_DTk
+    num_devices, num_tokens, top_k = match_DTk.shape
+    if match.hit_DT is not None:  # "dedup": one row per (token, device)
+        hit_DT = match.hit_DT
+        row_O2 = torch.nonzero_static(hit_DT, size=num_rows)  # (device, token) of each row
+        device_O, token_O = row_O2.unbind(1)
+        token_O = token_O.contiguous()
+        match_OK = match_DTk[device_O, token_O]  # [O, k]
+        slot_OW = torch.where(match_OK, local_Tk[token_O], -1)
+        weight_OW = torch.where(match_OK, weights_Tk[token_O], 0.0)
+        row_DT = torch.cumsum(hit_DT.view(-1), 0).view(num_devices, num_tokens) * hit_DT  # position + 1; 0: no row
+        if num_devices <= top_k:
+            row_TJ = row_DT.t()
+        else:  # J = k < D columns: a token's j-th destination device in device order
+            j_DT = torch.where(hit_DT, torch.cumsum(hit_DT, 0) - 1, top_k)
+            row_TJ = torch.zeros(num_tokens, top_k + 1, dtype=torch.int64, device=hit_DT.device)
+            row_TJ = row_TJ.scatter_(1, j_DT.t(), row_DT.t())[:, :top_k]
+    else:  # "per_expert": one row per (token, slot), F = T * k entries
+        match_DF = match_DTk.view(num_devices, num_tokens * top_k)
+        entry_O = torch.nonzero_static(match_DF, size=num_rows)[:, 1].contiguous()
+        token_O = entry_O // top_k
+        slot_OW = local_Tk.reshape(-1)[entry_O][:, None]
+        weight_OW = weights_Tk.reshape(-1)[entry_O][:, None]
+        row_F = (torch.cumsum(match_DF.view(-1), 0).view(num_devices, -1) * match_DF).sum(0)  # one device each
+        row_TJ = row_F.view(num_tokens, top_k)
+    return PackedRows(token_O=token_O, slot_OW=slot_OW, weight_OW=weight_OW, row_TJ=row_TJ)
 
 
 def local_pairs(local_Tk: torch.Tensor, num_local_experts: int, mode: str):
@@ -244,12 +333,16 @@ def local_pairs(local_Tk: torch.Tensor, num_local_experts: int, mode: str):
 
 
 __all__ = [
+    "DeviceMatch",
+    "PackedRows",
     "SendLayout",
     "check_mode",
     "chunk_bounds",
     "destinations",
     "device_counts",
+    "device_match",
     "local_pairs",
+    "packed_rows",
     "received_pairs",
     "routing_width",
     "send_capacity",
