@@ -132,6 +132,7 @@ class Row:
     group_tokens: int
     note: str = ""
     wire_ms: float = float("nan")
+    graph_fwd_ms: float = float("nan")  # the forward replayed as one CUDA graph (static dispatchers on CUDA only)
 
     @property
     def case(self) -> str:
@@ -260,6 +261,26 @@ def timed(fn, iterations: int, device) -> float:
         _synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
+
+
+def graphed_ms(fn, iterations: int, device) -> float:
+    """Median ms of `fn` captured once in a CUDA graph and replayed (as `timed` times it). The warm-up runs
+    on a side stream (allocator, Triton autotuning, communicators), as `torch.cuda.graph` asks; every rank
+    captures the same collectives in the same order."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    try:
+        return timed(graph.replay, iterations, device)
+    finally:
+        _synchronize(device)
+        del graph
 
 
 def _synchronize(device) -> None:
@@ -525,10 +546,15 @@ def _measure_layer(layer, x_TH, shape_name, tokens, routing_name, dispatcher: st
     skipped_fwd, _ = _max_and_mean(skipped[0], device)
     skipped_fwd_bwd, _ = _max_and_mean(skipped[1], device)
     wire_max, _ = _max_and_mean(wire_ms, device)
+    graph_ms = float("nan")
+    if torch.device(device).type == "cuda" and layer.dispatcher.graph_capturable:
+        graph_ms = graphed_ms(forward, args.iterations, device)
+    graph_max, _ = _max_and_mean(graph_ms, device)
     if args.profile:
         profile_layer(layer, x_TH, f"{shape_name} T={tokens} {dispatcher}: {mode.name}", Path(args.out), device)
     return Row(shape_name, tokens, routing_name, dispatcher, mode.name, fwd_max, fwd_bwd_max, skipped_fwd, skipped_fwd_bwd,
-               exchange_max, ct_mean, sent_mean, sent_max, bandwidth, peak, tokens * world, wire_ms=wire_max)  # fmt: skip
+               exchange_max, ct_mean, sent_mean, sent_max, bandwidth, peak, tokens * world, wire_ms=wire_max,
+               graph_fwd_ms=graph_max)  # fmt: skip
 
 
 # ----- where the time goes ------------------------------------------------------------------------
@@ -693,7 +719,7 @@ def _measure_transformers_ep(config, shape_name, tokens, args, device, dtype, ra
 
 # ----- report ----------------------------------------------------------------------------------
 def results_table(rows: list[Row]) -> str:
-    header = ["shape", "T/rank", "routing", "dispatcher: mode", "CT", "fwd ms", "fwd+bwd ms", "fwd / skipped exch.",
+    header = ["shape", "T/rank", "routing", "dispatcher: mode", "CT", "fwd ms", "fwd ms, CUDA graph", "fwd+bwd ms", "fwd / skipped exch.",
               "fwd+bwd / skipped", "exchange ms", "wire ms", "sent MB mean/max", "exch. GB/s", "wire GB/s", "a2a GB/s same volume",
               "group Mtok/s fwd", "vs per_expert fwd", "fwd+bwd", "vs transformers EP fwd", "fwd+bwd"]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -707,7 +733,8 @@ def results_table(rows: list[Row]) -> str:
             return f"{r.speedup_over(other, backward):.2f}x" if other is not None and r is not other else "-"
 
         cells = [r.shape, str(r.tokens_per_rank), r.routing, r.case + (f" ({r.note})" if r.note else ""), f"{r.ct:.2f}",
-                 f"{r.fwd_ms:.2f}", f"{r.fwd_bwd_ms:.2f}", f"{r.fwd_ms / r.skipped_fwd_ms:.2f}",
+                 f"{r.fwd_ms:.2f}", "-" if r.graph_fwd_ms != r.graph_fwd_ms else f"{r.graph_fwd_ms:.2f}",
+                 f"{r.fwd_bwd_ms:.2f}", f"{r.fwd_ms / r.skipped_fwd_ms:.2f}",
                  f"{r.fwd_bwd_ms / r.skipped_fwd_bwd_ms:.2f}", f"{r.exchange_ms:.2f}", f"{r.wire_ms:.2f}",
                  f"{r.sent_mb_mean:.1f}/{r.sent_mb_max:.1f}", f"{r.bandwidth_gbs:.0f}",
                  f"{r.sent_mb_max / r.wire_ms:.0f}", f"{r.peak_gbs:.0f}",

@@ -165,6 +165,8 @@ class TokenDispatcher:
     Attributes:
         name: registry key (class attribute).
         priority: "auto" picks the supported implementation of highest priority (class attribute).
+        graph_capturable: a forward reads nothing on the host and keeps every size static, so it can be
+            captured in a CUDA graph (class attribute; `occult bench ep` times such layers replayed too).
         ep: the expert-parallel group.
         mode: "dedup" (one row per (token, destination device)) or "per_expert" (one per (token, expert)).
         num_local_experts: `L`, experts computed on this rank (E in one process).
@@ -182,6 +184,7 @@ class TokenDispatcher:
 
     name: ClassVar[str] = ""
     priority: ClassVar[int] = 0
+    graph_capturable: ClassVar[bool] = False
 
     def __init__(
         self,

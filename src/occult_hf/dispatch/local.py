@@ -18,6 +18,7 @@ from .plan import device_counts, local_pairs, routing_width
 class LocalDispatcher(TokenDispatcher):
     name = "local"
     priority = 100  # the only choice, and the right one, without a process group
+    graph_capturable = True
 
     @classmethod
     def supports(cls, ep, device=None) -> bool:

@@ -94,6 +94,7 @@ class StaticDispatcher(TokenDispatcher):
 
     #: "packed": rows to device d start at the exclusive prefix sum of the counts; "padded": at d * C_R / D
     layout: ClassVar[str] = "packed"
+    graph_capturable = True
 
     # ----- capacities ----------------------------------------------------------------------------
     def per_peer_capacity(self, num_tokens: int, top_k: int) -> int:
