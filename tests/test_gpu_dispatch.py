@@ -6,6 +6,9 @@
 - Two ranks under NCCL, one GPU each, fp32: logits, loss, aux loss, every replicated and every
   expert gradient and the global gradient norm match the one-process reference within 1e-5, for
   both dispatch modes, one chunk and several (the pipelined exchange), two families.
+- Two ranks under NCCL: the "all_to_all" dispatcher's one host read per layer (the split sizes) polls
+  an event and reads pinned memory, so a block's forward and backward make no synchronising CUDA
+  call either (`set_sync_debug_mode("error")`), in both dispatch modes.
 
 Run: `python -m pytest -q -m gpu tests/test_gpu_dispatch.py` (the 2-rank test needs 2 GPUs).
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from distributed import run_world
 from test_runtime_exactness import _run
 from tiny_models import tiny_model
 
@@ -60,3 +64,33 @@ def test_two_ranks_under_nccl_match_one_process_in_fp32():
         for chunks in (1, 3)
     ]
     _run(2, 8, cases, on_gpu=True, expert_backend="torch")
+
+
+def _no_sync_world(rank, world_size):
+    from occult_hf import OccultConfig
+    from occult_hf.integration import apply_occult, occult_modules
+
+    checked = []
+    for mode in ("dedup", "per_expert"):
+        model = tiny_model("olmoe", seed=0).to(f"cuda:{rank}", torch.bfloat16)
+        apply_occult(model, OccultConfig(dispatch=mode, dispatcher="all_to_all", expert_backend="torch"))
+        block = next(iter(occult_modules(model).values()))
+        generator = torch.Generator(device=f"cuda:{rank}").manual_seed(rank)
+        shape = (2, 16 + 5 * rank, model.config.hidden_size)  # the ranks hold different token counts
+        hidden = torch.randn(shape, generator=generator, device=f"cuda:{rank}").to(torch.bfloat16).requires_grad_()
+        block(hidden).float().square().sum().backward()  # warm-up: communicators, the pinned count buffer
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = block(hidden)
+            out.float().square().sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        checked.append((mode, block.dispatcher.name, bool(torch.isfinite(out).all()), int(block.forwards)))
+    return checked
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs for a 2-rank NCCL world")
+def test_two_ranks_all_to_all_block_makes_no_synchronising_cuda_call():
+    for checked in run_world(_no_sync_world, 2, backend="nccl", timeout_s=120):
+        assert checked == [("dedup", "all_to_all", True, 2), ("per_expert", "all_to_all", True, 2)]

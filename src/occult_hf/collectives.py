@@ -95,7 +95,7 @@ class GradNormCarrier:
                     square = param.grad.float().square()
                     local_sq[index] += square.sum().to(device)
                     if weight_L is not None and id(param) in weights:  # a copy counts 1 / its homes
-                        square = square.reshape(len(weight_L), -1).sum(1) * weight_L.to(square.device)
+                        square = square.reshape(len(weight_L), -1).sum(1) * layer.on_device("copy_weight_L", square.device)
                     counted_sq[index] += square.sum().to(device)
         total_sq = counted_sq
         dist.all_reduce(total_sq, group=self.group)  # one per backward, all layers
@@ -134,7 +134,7 @@ def sum_replica_grads(layers: list[nn.Module], group) -> None:
         total = flat[offset : offset + pending.numel()].view_as(pending)
         offset += pending.numel()
         layer.replica_pending[index] = None
-        slots, rows = layer.replica_slots.to(param.device), layer.replica_rows.to(param.device)
+        slots, rows = layer.on_device("replica_slots", param.device), layer.on_device("replica_rows", param.device)
         if len(slots) == 0 or not param.requires_grad:
             continue
         if param.grad is None:

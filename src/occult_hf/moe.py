@@ -237,6 +237,16 @@ class OccultMoE(nn.Module):
         names = ["device_of_E", "local_index_E", "rows_sent", "pairs_sent", "bytes_sent", "forwards"]
         return names + (["ep_grad_norm_carrier"] if self.ep.is_distributed else [])
 
+    def on_device(self, name: str, device: torch.device) -> torch.Tensor:
+        """The host-side index tensor `name` (`copy_weight_L`, `replica_slots`, `replica_rows`: fixed when the
+        block is built) on `device`, copied there once: a copy from pageable host memory in every backward
+        would wait for the GPU (a host synchronisation per layer)."""
+        cache = self.__dict__.setdefault("_device_copies", {})
+        key = (name, torch.device(device))
+        if key not in cache:
+            cache[key] = getattr(self, name).to(device)
+        return cache[key]
+
     def _record_replica_grad(self, index: int, grad_L: torch.Tensor | None) -> None:
         """Parameter hook: keep this backward's contribution to the replicated copies' gradients
         (`[num_replicated, ...]` fp32), which `collectives.sum_replica_grads` sums over the holders.
@@ -244,7 +254,7 @@ class OccultMoE(nn.Module):
         its inner backward, which calls this hook with them.)"""
         if grad_L is None:
             return
-        slots, rows = self.replica_slots.to(grad_L.device), self.replica_rows.to(grad_L.device)
+        slots, rows = self.on_device("replica_slots", grad_L.device), self.on_device("replica_rows", grad_L.device)
         part = torch.zeros((self.num_replicated, *grad_L.shape[1:]), dtype=torch.float32, device=grad_L.device)
         part.index_add_(0, rows, grad_L.detach()[slots].float())
         pending = self.replica_pending[index]
