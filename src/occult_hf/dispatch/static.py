@@ -58,7 +58,7 @@ import torch.distributed as dist
 from occult_hf.kernels.layout import ExpertSegments
 
 from .base import DispatchPlan, Dispatched, RowFormat, TokenDispatcher, dispatch_format, register_dispatcher, sum_token_rows
-from .plan import SendLayout, send_layout
+from .plan import SendLayout, _arange, send_layout
 
 #: symmetric row widths are padded to a multiple of this many bytes, and buffers hold at least
 #: `_MIN_BUFFER_BYTES`: the all-to-all-v kernel launches min(ceil(buffer bytes / 64 KiB), 64) blocks,
@@ -177,18 +177,14 @@ def _received_mask(recv_counts_D: torch.Tensor, capacity: int) -> torch.Tensor:
 
 def _static_pairs(slot_RW: torch.Tensor, num_local_experts: int) -> tuple[ExpertSegments, torch.Tensor]:
     """`(segments, pick_N)` over all `N = R * W` (row, slot) entries: valid pairs grouped by local expert
-    (rows ascending), invalid ones after `expert_offsets[L]` with row `R` (outside every row's range)."""
+    (rows ascending), invalid ones after `expert_offsets[L]` with row `R` (outside every row's range).
+    The same sort as `plan.received_pairs` (an empty slot, -1, keyed `L` by a remainder), over all entries
+    since the valid count is known only on the device."""
     num_rows, width = slot_RW.shape
-    slot_N = slot_RW.reshape(-1).long()
-    valid_N = slot_N >= 0
-    row_N = torch.arange(slot_N.shape[0], device=slot_RW.device) // max(width, 1)
-    expert_N = torch.where(valid_N, slot_N, num_local_experts)
-    order_N = torch.argsort(expert_N * (num_rows + 1) + row_N, stable=True)
-    counts_L = torch.zeros(num_local_experts + 1, dtype=torch.int64, device=slot_RW.device)
-    counts_L.scatter_add_(0, expert_N, torch.ones_like(expert_N))
-    offsets = torch.zeros(num_local_experts + 1, dtype=torch.int64, device=slot_RW.device)
-    offsets[1:] = torch.cumsum(counts_L[:num_local_experts], 0)
-    pair_row_N = torch.where(valid_N, row_N, num_rows)[order_N]
+    key_N = torch.remainder(slot_RW.reshape(-1), num_local_experts + 1)
+    key_sorted_N, order_N = torch.sort(key_N, stable=True)
+    offsets = torch.searchsorted(key_sorted_N, _arange(num_local_experts + 1, key_N.device, key_N.dtype))
+    pair_row_N = torch.where(key_sorted_N < num_local_experts, order_N // max(width, 1), num_rows)
     return ExpertSegments(pair_row_N, offsets, num_rows), order_N
 
 
