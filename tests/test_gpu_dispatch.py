@@ -40,6 +40,12 @@ def test_one_process_block_makes_no_host_sync(mode, backend):
     assert block.dispatcher.name == "local"
     hidden = torch.randn(4, 32, model.config.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     block(hidden).float().square().sum().backward()  # warm-up: kernel compilation and autotuning may synchronise
+    out = _step_without_sync(block, hidden)
+    assert torch.isfinite(out).all() and int(block.forwards) == 2
+
+
+def _step_without_sync(block, hidden):
+    """One forward and backward of `block` with every synchronising CUDA call an error; returns the output."""
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -47,7 +53,7 @@ def test_one_process_block_makes_no_host_sync(mode, backend):
         out.float().square().sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert torch.isfinite(out).all() and int(block.forwards) == 2
+    return out
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs for a 2-rank NCCL world")
@@ -79,13 +85,7 @@ def _no_sync_world(rank, world_size):
         shape = (2, 16 + 5 * rank, model.config.hidden_size)  # the ranks hold different token counts
         hidden = torch.randn(shape, generator=generator, device=f"cuda:{rank}").to(torch.bfloat16).requires_grad_()
         block(hidden).float().square().sum().backward()  # warm-up: communicators, the pinned count buffer
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            out = block(hidden)
-            out.float().square().sum().backward()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        out = _step_without_sync(block, hidden)
         checked.append((mode, block.dispatcher.name, bool(torch.isfinite(out).all()), int(block.forwards)))
     return checked
 

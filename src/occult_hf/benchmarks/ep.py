@@ -264,23 +264,15 @@ def timed(fn, iterations: int, device) -> float:
 
 
 def graphed_ms(fn, iterations: int, device) -> float:
-    """Median ms of `fn` captured once in a CUDA graph and replayed (as `timed` times it). The warm-up runs
-    on a side stream (allocator, Triton autotuning, communicators), as `torch.cuda.graph` asks; every rank
-    captures the same collectives in the same order."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    """Median ms of `fn` captured once in a CUDA graph (`exchange.graphed`) and replayed, as `timed` times it."""
+    from .exchange import graphed
+
+    replay = graphed(fn, device, warmup=2)
     try:
-        return timed(graph.replay, iterations, device)
+        return timed(replay, iterations, device)
     finally:
         _synchronize(device)
-        del graph
+        del replay
 
 
 def _synchronize(device) -> None:

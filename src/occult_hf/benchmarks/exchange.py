@@ -56,11 +56,14 @@ def _timed(fn, iterations: int, device) -> float:
     return t.item()
 
 
-def _graphed(fn, device):
+def graphed(fn, device, warmup: int = 3):
+    """`fn` captured once in a CUDA graph; returns the graph's `replay`. The warm-up runs on a side stream
+    (allocator, Triton autotuning, communicators), as `torch.cuda.graph` asks; every rank must capture the
+    same collectives in the same order."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
-        for _ in range(3):
+        for _ in range(warmup):
             fn()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
@@ -188,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
 
         record("nccl a2a", peer_bytes, _timed(nccl, args.iterations, device))
         try:
-            record("nccl a2a graph", peer_bytes, _timed(_graphed(nccl, device), args.iterations, device))
+            record("nccl a2a graph", peer_bytes, _timed(graphed(nccl, device), args.iterations, device))
         except Exception as error:  # noqa: BLE001
             notes.append(f"nccl graph capture at {kib} KiB failed: {type(error).__name__}: {error}")
         if symm is not None:
@@ -209,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
                     dist.all_to_all_single(expected, inp[: rows * world].contiguous())
                     if not torch.equal(out[: rows * world], expected):
                         notes.append(f"symm_mem vdev at {kib} KiB: received rows differ from NCCL's")
-                record("symm_mem vdev graph", rows * row_bytes, _timed(_graphed(vdev, device), args.iterations, device))
+                record("symm_mem vdev graph", rows * row_bytes, _timed(graphed(vdev, device), args.iterations, device))
             except Exception as error:  # noqa: BLE001
                 notes.append(f"symm_mem vdev at {kib} KiB failed: {type(error).__name__}: {error}")
 
