@@ -77,8 +77,18 @@ def local_experts(
         act_fn: the experts' activation.
         backend: "auto" or a registered backend (`expert_backend_names()`: "triton", "torch").
         deterministic: Triton only: fixed-order (atomic-free) reduction.
+
+    Under `torch.autocast`, rows in another dtype than the weights (fp32 rows from a norm that autocast
+    runs in fp32, bf16 weights) are cast to the weights' dtype and the result back to the rows' dtype,
+    as transformers' grouped_mm experts do: autocast covers neither grouped GEMMs nor Triton kernels.
+    Outside autocast differing dtypes are the caller's error (the backends say so).
     """
     check_expert_backend(backend)
+    if x_RH.dtype != gate_up_proj_L2IH.dtype and torch.is_autocast_enabled(x_RH.device.type):
+        out_RH = local_experts(
+            x_RH.to(gate_up_proj_L2IH.dtype), segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn, backend, deterministic
+        )
+        return out_RH.to(x_RH.dtype)
     if backend == "auto":
         backend = "triton" if _auto_uses_triton(x_RH, act_fn) else "torch"
     return _BACKENDS[backend](x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn, deterministic)

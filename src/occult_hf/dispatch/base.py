@@ -313,8 +313,11 @@ def sum_token_rows(rows_pad_OH: torch.Tensor, row_TJ: torch.Tensor, out_TH: torc
     """`[T, H]` in the rows' dtype: each token's rows summed, `out[t] = sum_j rows_pad_OH[row_TJ[t, j]]`,
     accumulated in fp32 and rounded once (torch reduces bf16/fp16 in fp32). `rows_pad_OH` ends with a zero
     row that a token's absent rows point at. A gather and a reduction in a fixed order: no atomics (an
-    fp32 `index_add_` of the rows cost 47% of transformers' experts call on the H200, BASELINES.md)."""
-    return torch.sum(rows_pad_OH[row_TJ], dim=1, out=out_TH)
+    fp32 `index_add_` of the rows cost 47% of transformers' experts call on the H200, BASELINES.md).
+    The dtype is explicit because CUDA autocast runs `sum` in fp32 otherwise: a bf16 model under
+    `torch.autocast` would get an fp32 block output (the stock block returns its input's dtype), an fp32
+    residual stream, and fp32 rows reaching bf16 expert weights in the next layer."""
+    return torch.sum(rows_pad_OH[row_TJ], dim=1, dtype=rows_pad_OH.dtype, out=out_TH)
 
 
 def stage(name: str):
