@@ -3,13 +3,17 @@ says why for one model (Qwen1.5-MoE, on its real trace when ../shared has it), a
 other two families differ run for them (DeepSeek-MoE: the native class under transformers' EP, through
 the `base_model_ep_plan` occult_hf declares for it, and under DDP; OLMoE: the study model's routing
 the repository ships, and the placed and pruned rows). The exact rows give the stock model's logits
-(timings themselves are not asserted: CPU times say nothing about NVLink)."""
+(timings themselves are not asserted: CPU times say nothing about NVLink). OLMoE's occult fine-tuning rows
+also run as on the GPU: bf16 weights under bf16 autocast with CUDA's autocast policy and the Triton
+kernels' dtype rule reproduced on CPU (`cuda_autocast`), where the first GPU run failed and fp32 on CPU did not."""
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
 import pytest
+from cuda_autocast import cuda_autocast_on_cpu
 from distributed import run_world
 
 REPO = Path(__file__).resolve().parents[1]
@@ -17,11 +21,13 @@ TRACE = REPO.parent / "shared/data/routing/qwen15moe_a27b_chat_gptq_int4_gsm8k25
 STUDY = REPO / "docs/quality_results/study_routing_h200.npz"  # ships: the OLMoE and DeepSeek rows always replay it
 
 HF_EP_ROWS = ("hf_ep_all_to_all", "hf_ep_all_reduce", "hf_ep_occult")
-#: per run in the world: (models, extra arguments); the first runs every row
+#: per run in the world: (output folder, model, extra arguments); the first runs every row
 RUNS = (
-    ("qwen1.5-moe-a2.7b", ["--experiment", "all"]),
-    ("deepseek-moe-16b", ["--rows", "stock_1gpu", *HF_EP_ROWS, "occult_placed", "occult_exact", "ddp"]),
-    ("olmoe-1b-7b", ["--experiment", "prefill", "--rows", "stock_1gpu", "occult_contiguous", "occult_placed", "occult_nd1"]),
+    ("qwen1.5-moe-a2.7b", "qwen1.5-moe-a2.7b", ["--experiment", "all"]),
+    ("deepseek-moe-16b", "deepseek-moe-16b", ["--rows", "stock_1gpu", *HF_EP_ROWS, "occult_placed", "occult_exact", "ddp"]),
+    ("olmoe-1b-7b", "olmoe-1b-7b", ["--experiment", "prefill", "--rows", "stock_1gpu", "occult_contiguous", "occult_placed", "occult_nd1"]),
+    # the GPU's mixed precision (run under cuda_autocast_on_cpu)
+    ("olmoe-bf16", "olmoe-1b-7b", ["--experiment", "finetune", "--rows", "occult_exact", "occult_pruned", "ddp", "--dtype", "bfloat16"]),
 )
 
 
@@ -31,10 +37,11 @@ def _bench(rank, world_size, out: str, trace: str | None) -> list:
     parser = argparse.ArgumentParser()
     paper.add_arguments(parser)
     codes = []
-    for model, extra in RUNS:
+    for folder, model, extra in RUNS:
         traces = [f"qwen1.5-moe-a2.7b={trace or 'none'}", f"olmoe-1b-7b={STUDY}", f"deepseek-moe-16b={STUDY}"]
-        argv = ["--scale", "tiny", "--models", model, "--out", f"{out}/{model}", *(f"--trace={t}" for t in traces), *extra]
-        codes.append(paper.run(parser.parse_args(argv)))
+        argv = ["--scale", "tiny", "--models", model, "--out", f"{out}/{folder}", *(f"--trace={t}" for t in traces), *extra]
+        with cuda_autocast_on_cpu() if "bfloat16" in extra else contextlib.nullcontext():
+            codes.append(paper.run(parser.parse_args(argv)))
     return codes
 
 
@@ -99,6 +106,13 @@ def test_paper_bench_tiny_every_row_runs_or_says_why(tmp_path):
     assert olmoe["occult_placed"]["max_rel_err"] <= 1e-5 and olmoe["occult_nd1"]["ct"] == 1.0
     assert olmoe["occult_placed"]["ct"] < olmoe["occult_contiguous"]["ct"]
     assert olmoe["stock_1gpu"]["routing"].startswith("trace study_routing_h200.npz (the project's study model")
+
+    # OLMoE fine-tuning in bf16 under (CUDA's) autocast: the occult rows run (the first GPU run's rows failed:
+    # "gate_up_proj dtype torch.bfloat16 differs from x_RH dtype torch.float32") and start from DDP's loss
+    bf16 = {key: row for (_, key), row in _rows(tmp_path / "olmoe-bf16").items()}
+    assert set(bf16) == {"occult_exact", "occult_pruned", "ddp"}
+    assert all(row["reason"] == "" for row in bf16.values()), {k: r["reason"] for k, r in bf16.items()}
+    assert abs(bf16["occult_exact"]["loss"] - bf16["ddp"]["loss"]) < 2e-2 and bf16["occult_pruned"]["ct"] == 1.0
 
 
 def _check_transformers_ep(rows: dict, available: bool) -> None:

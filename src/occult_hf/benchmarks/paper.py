@@ -40,9 +40,9 @@ backward, `torch.optim.AdamW` step) at a global batch of `--finetune-batch` sequ
 `--finetune-seq` tokens split over the D ranks, peak memory per GPU beside each row. Precision as a
 transformers user fine-tunes a bf16 checkpoint (`from_pretrained(dtype=torch.bfloat16)` and
 `Trainer(bf16=True)`, docs/runtime.md): bf16 weights, gradients and AdamW states under bf16 autocast
-(fp32 on CPU). fp32 master weights are not used: under autocast both transformers' experts and
-occult_hf's would then compute in fp32 (autocast does not cover grouped GEMMs or Triton kernels), and
-neither Qwen1.5-MoE nor DeepSeek-MoE would fit two GPUs. Rows: occult_hf EP exact and pruned to
+(fp32 weights on CPU unless `--dtype bfloat16`). fp32 master weights are not used: under autocast both
+transformers' experts and occult_hf's would then compute in fp32 (autocast does not cover grouped GEMMs
+or Triton kernels), and neither Qwen1.5-MoE nor DeepSeek-MoE would fit two GPUs. Rows: occult_hf EP exact and pruned to
 N_d = 1 (under DDP for the replicated parameters, as `apply_occult` arranges), FSDP2
 (`torch.distributed.fsdp.fully_shard` on every decoder layer, then the root, the wrapping accelerate's
 FSDP2 plugin applies), DDP replicas, and MegaBlocks where importable. A row whose weights, gradients
@@ -150,6 +150,9 @@ PAPER_MODELS = {
         {"occult_nd2": "Occult (N_d=2 of 4) 0.66x MegaBlocks", "megablocks": "Occult (N_d=2 of 4) 0.66x MegaBlocks"},
     ),
 }  # fmt: skip
+
+#: `--dtype` -> the weights' dtype (None: bf16 on GPU, fp32 on CPU)
+DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 #: per-scale defaults of the sizes (`--prefill-tokens` ... left unset take these)
 SCALE_DEFAULTS = {
@@ -346,6 +349,8 @@ class Context:
     def __init__(self, args, rank: int, world: int, device) -> None:
         self.args, self.rank, self.world, self.device = args, rank, world, device
         self.cuda = device.type == "cuda"
+        #: the weights' dtype (`--dtype`; auto: bf16 on GPU, fp32 on CPU, where the exact rows are compared to 1e-5)
+        self.dtype = DTYPES[getattr(args, "dtype", "auto")] or (torch.bfloat16 if self.cuda else torch.float32)
         # a rank that waits while another works waits on the host (gloo), not in a spinning NCCL kernel
         self.host_group = dist.new_group(backend="gloo") if dist.is_initialized() and self.cuda else None
         self.rows: list[PaperRow] = []
@@ -492,7 +497,7 @@ def prefill(ctx: Context, spec: PaperModel, config, trace_NLk, routing: str) -> 
     from occult_hf.benchmarks.model import build_model
 
     args, rank, world, device = ctx.args, ctx.rank, ctx.world, ctx.device
-    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    dtype = ctx.dtype
     tokens, seq = args.prefill_tokens, args.prefill_seq
     if tokens % seq:
         raise ValueError(f"--prefill-tokens ({tokens}) must be a multiple of --prefill-seq ({seq})")
@@ -703,7 +708,7 @@ def finetune(ctx: Context, spec: PaperModel, config, trace_NLk, routing: str) ->
     total, experts = parameter_counts(config)
     per_rank_params = {"occult": total - experts + math.ceil(experts / world), "fsdp2": math.ceil(total / world), "ddp": total}
     gpu_gib = torch.cuda.get_device_properties(device).total_memory / 2**30 if ctx.cuda else float("inf")
-    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    dtype = ctx.dtype
 
     def row(key, **values) -> PaperRow:
         return PaperRow("finetune", spec.name, key, setups[key], routing, paper=PAPER_FINETUNE.get(key, "-"), **values)
@@ -919,6 +924,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iterations", type=positive_int, default=None, help="timed prefill forwards (full: 3)")
     parser.add_argument("--steps", type=positive_int, default=None, help="timed optimizer steps (full: 3)")
     parser.add_argument("--expert-backend", default="auto", choices=["auto", "triton", "torch"])
+    parser.add_argument(
+        "--dtype", default="auto", choices=list(DTYPES),
+        help="the weights' dtype (auto: bfloat16 on GPU, float32 on CPU); fine-tuning runs under bf16 autocast either way",
+    )  # fmt: skip
     parser.add_argument("--machine-kind", default="unspecified", help="the lent machine kind, for the header (e.g. nvidia-h200-x2)")
     parser.add_argument(
         "--collective-timeout-s", type=positive_int, default=300,
