@@ -1,25 +1,31 @@
 #!/bin/bash
 # occult bench paper on nvidia-h200-x2 (issue 19, docs/paper_comparison.md): one device call.
-#   bash docs/paper_x2.sh 1   # OLMoE-1B-7B and Qwen1.5-MoE-A2.7B, prefill then fine-tuning
-#   bash docs/paper_x2.sh 2   # DeepSeek-MoE-16B, prefill then fine-tuning
+#   bash docs/paper_x2.sh 1   # OLMoE-1B-7B and Qwen1.5-MoE-A2.7B, prefill then fine-tuning (limit 540 s)
+#   bash docs/paper_x2.sh 2   # the occult fine-tuning rows of OLMoE and Qwen1.5 again, with FSDP2 beside them
+#                             # (call 1's failed under bf16 autocast), then DeepSeek-MoE-16B, prefill then
+#                             # fine-tuning (limit 330 s: the re-run at most RERUN_LIMIT of it)
 # from the checkout's root, with carry=[".devdata/paper"] holding the transformers 5.24 wheel and the Qwen
 # trace as qwen_trace.npz (DATA, default .devdata/paper; the study trace is in docs/quality_results/).
-# Env: EXTRA (more `bench paper` arguments, e.g. "--rows ..." to re-run what a cut call missed), MODELS
-# (overrides the call's models), LIMIT (s, default 540: the call's 600 s less install and start),
-# NO_INSTALL=1 (use the installed transformers: the CPU check), ROOT (the checkout, default $PWD), PKG
-# (where the package is assembled, default /tmp/pkg), THREADS (OMP threads per rank, default 4).
-# Results: $OUT/paper/paper_comparison_2x<device>.md/.json after every row, .png after every model;
-# $OUT/log.txt (rows with elapsed seconds), $OUT/log_full.txt (everything, progress bars too).
+# Env: EXTRA (more `bench paper` arguments for every run of the call, e.g. "--scale tiny"), MODELS (overrides
+# the models of the call's main run), RERUN_MODELS (call 2's re-run; "" skips it), RERUN_LIMIT (s, default
+# 150), LIMIT (s: the whole call's runs, default 540 / 330), NO_INSTALL=1 (use the installed transformers: the
+# CPU check), ROOT (the checkout, default $PWD), PKG (where the package is assembled, default /tmp/pkg),
+# THREADS (OMP threads per rank, default 4).
+# Results: $OUT/paper/paper_comparison_2x<device>.md/.json (call 2: $OUT/paper/rerun/ and $OUT/paper/deepseek/)
+# after every row, .png after every model; $OUT/log.txt (rows with elapsed seconds), $OUT/log_full.txt
+# (everything, progress bars too).
 set -u
 CALL=${1:?call number: 1 or 2}
 case $CALL in
-  1) DEFAULT_MODELS="olmoe-1b-7b qwen1.5-moe-a2.7b" ;;
-  2) DEFAULT_MODELS="deepseek-moe-16b" ;;
+  1) DEFAULT_MODELS="olmoe-1b-7b qwen1.5-moe-a2.7b"; DEFAULT_LIMIT=540; DEFAULT_RERUN="" ;;
+  2) DEFAULT_MODELS="deepseek-moe-16b"; DEFAULT_LIMIT=330; DEFAULT_RERUN="olmoe-1b-7b qwen1.5-moe-a2.7b" ;;
   *) echo "call must be 1 or 2, got $CALL"; exit 2 ;;
 esac
 MODELS=${MODELS:-$DEFAULT_MODELS}
+RERUN_MODELS=${RERUN_MODELS-$DEFAULT_RERUN}
+RERUN_LIMIT=${RERUN_LIMIT:-150}
 EXTRA=${EXTRA:-}
-LIMIT=${LIMIT:-540}
+LIMIT=${LIMIT:-$DEFAULT_LIMIT}
 OUT=${OUT:-/tmp/out}
 ROOT=${ROOT:-$PWD}
 DATA=$(cd "${DATA:-$ROOT/.devdata/paper}" && pwd) || exit 1
@@ -34,15 +40,36 @@ rm -rf "$PKG" && mkdir -p "$PKG" && cp -r src/occult_hf "$PKG"/ && for d in kern
 export PYTHONPATH=/tmp/site:$PKG
 # the prefill's checkpoint rows save the model once and load it four times: in RAM when /dev/shm has 80 GB
 if [ "$(df --output=avail -k /dev/shm 2>/dev/null | tail -1)" -gt 80000000 ] 2>/dev/null; then export TMPDIR=/dev/shm; fi
-mkdir -p "$OUT/paper"
+mkdir -p "$OUT/paper" && : > "$OUT/log_full.txt"
 F="Warning\|warn(\|Loading weights\|Writing model\|it/s\]\|s/it\]\|^ *$"
+DEADLINE=$(($(date +%s) + LIMIT))
+
+# bench NAME DIR CAP MODELS ARGS...: one torchrun of `bench paper`, cut at CAP s or the call's deadline
+bench() {
+  local name=$1 dir=$2 cap=$3 models=$4; shift 4
+  local left=$((DEADLINE - $(date +%s)))
+  [ "$cap" -lt "$left" ] && left=$cap
+  if [ "$left" -le 10 ]; then echo "== $name: not started, $left s left of the call's $LIMIT s"; return; fi
+  mkdir -p "$dir"
+  echo "== $name: models $models, args $* $EXTRA, limit $left s"
+  timeout "$left" torchrun --nproc-per-node 2 -m occult_hf.cli bench paper --models $models \
+    --machine-kind nvidia-h200-x2 --trace "qwen1.5-moe-a2.7b=$DATA/qwen_trace.npz" --collective-timeout-s 120 \
+    --out "$dir" "$@" $EXTRA 2>&1 | tee -a "$OUT/log_full.txt" | tr '\r' '\n' | grep -v "$F"
+  echo "== $name: exit status ${PIPESTATUS[0]} (124: cut at $left s; the rows measured are in $dir)"
+}
+
 {
   date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nvidia-smi topo -m | head -3
   python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
-  echo "TMPDIR=${TMPDIR:-/tmp} models: $MODELS extra: $EXTRA limit: $LIMIT s"
-  timeout "$LIMIT" torchrun --nproc-per-node 2 -m occult_hf.cli bench paper --experiment all --models $MODELS \
-    --machine-kind nvidia-h200-x2 --trace "qwen1.5-moe-a2.7b=$DATA/qwen_trace.npz" --collective-timeout-s 120 \
-    --out "$OUT/paper" $EXTRA 2>&1 | tee "$OUT/log_full.txt" | tr '\r' '\n' | grep -v "$F"
-  echo "exit status ${PIPESTATUS[0]} (124: cut at $LIMIT s; the rows measured are in $OUT/paper)"
+  echo "TMPDIR=${TMPDIR:-/tmp} call $CALL: models $MODELS, re-run $RERUN_MODELS, extra: $EXTRA, limit: $LIMIT s"
+  if [ "$CALL" = 1 ]; then
+    bench "call 1" "$OUT/paper" "$LIMIT" "$MODELS" --experiment all
+  else
+    if [ -n "$RERUN_MODELS" ]; then
+      bench "re-run of the occult fine-tuning rows" "$OUT/paper/rerun" "$RERUN_LIMIT" "$RERUN_MODELS" \
+        --experiment finetune --rows occult_exact occult_pruned fsdp2
+    fi
+    bench "call 2" "$OUT/paper/deepseek" "$LIMIT" "$MODELS" --experiment all
+  fi
   date -u
 } 2>&1 | tee "$OUT/log.txt" | tail -c 11000
