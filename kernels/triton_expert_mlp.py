@@ -51,8 +51,38 @@ from .activations import ACTIVATIONS, activation_name
 from .layout import ExpertSegments
 
 
+try:  # Hopper's tensor memory accelerator through host-made descriptors (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: the TMA configs are never tuned
+    TensorDescriptor = None
+
 #: allocator of every buffer the kernels must fill completely (tests swap in a NaN-filled one)
 _empty = torch.empty
+#: mean pairs per expert from which the GEMMs get tensor descriptors and may tune their TMA configs
+#: (below it the weights stream through the small-T tiles, and a descriptor per launch is host time)
+TMA_MIN_ROWS = 128
+
+
+def _descriptor(matrix: torch.Tensor):
+    """A tensor descriptor of a 2-D tensor with a placeholder block (each config's pre-hook sets its
+    own), or None where TMA cannot read it: rows not 16-byte aligned, or a non-unit last stride."""
+    if TensorDescriptor is None or matrix.dim() != 2 or min(matrix.shape) == 0 or matrix.stride(1) != 1:
+        return None
+    if matrix.data_ptr() % 16 or (matrix.stride(0) * matrix.element_size()) % 16:
+        return None
+    return TensorDescriptor(matrix, list(matrix.shape), list(matrix.stride()), [16, 16])
+
+
+def _expert_matrix(w_LKF: torch.Tensor):
+    """(descriptor, B_K_AXIS) of a per-expert operand B_e = w[e] [K, F] as one 2-D matrix: its
+    storage [L * K, F] (axis 0 is K) or, for a transposed view, [L * F, K] (axis 1 is K); (None, 0)
+    when the experts are not dense in memory or TMA cannot read it."""
+    num_experts, k, f = w_LKF.shape
+    if w_LKF.stride() == (k * f, f, 1):
+        return _descriptor(w_LKF.reshape(num_experts * k, f)), 0
+    if w_LKF.stride() == (k * f, 1, k):
+        return _descriptor(w_LKF.transpose(1, 2).reshape(num_experts * f, k)), 1
+    return None, 0
 
 
 def _interpreting() -> bool:
@@ -94,6 +124,7 @@ class _Launch:
     activation: int  # constexpr code of the activation (`_kernels.ACTIVATIONS`)
     rows_per_expert: int
     block_experts: int
+    tma: bool  # long enough segments for the TMA configs (`TMA_MIN_ROWS`)
     # row -> pairs index (deterministic mode): pairs sorted by row, and each row's range in it
     row_pairs_N: torch.Tensor | None
     row_offsets: torch.Tensor | None
@@ -139,12 +170,14 @@ def _scatter_gemm(plan: _Launch, a_NK, b_LKF, out_dtype):
     else:
         pair_dtype = torch.float32 if plan.reduce == "rows_fp32" else out_dtype
         target = _empty(plan.num_pairs, num_out, dtype=pair_dtype, device=device)
+    a_desc, (b_desc, b_k_axis) = (_descriptor(a_NK), _expert_matrix(b_LKF)) if plan.tma else (None, (None, 0))
+    tma_ok = a_desc is not None and b_desc is not None
     grid = lambda meta: (plan.m_tiles_bound(meta["BLOCK_M"]) * triton.cdiv(num_out, meta["BLOCK_N"]),)  # noqa: E731
     _kernels.scatter_gemm_kernel[grid](
-        a_NK, plan.pair_row_N, plan.expert_offsets, b_LKF, target,
+        a_NK, plan.pair_row_N, plan.expert_offsets, b_LKF, target, a_desc if tma_ok else None, b_desc if tma_ok else None,
         plan.num_experts, a_NK.shape[1], num_out, plan.rows_per_expert,
         a_NK.stride(0), *b_LKF.stride(), target.stride(0),
-        ATOMIC=atomic, DOT_PRECISION=_dot_precision(a_NK.dtype),
+        ATOMIC=atomic, TMA_OK=tma_ok, B_K_AXIS=b_k_axis, DOT_PRECISION=_dot_precision(a_NK.dtype),
         BLOCK_E=plan.block_experts,
     )  # fmt: skip
     if atomic:
@@ -166,14 +199,15 @@ def _dgate_up(plan: _Launch, dout_RH, down_LHI, gu_N2I, pair_weight_N, write_hw:
     # fills the columns of its own N tiles for every pair; only those are summed (no zero fill needed).
     min_block_n = min(config.kwargs["BLOCK_N"] for config in _kernels.dgate_up_kernel.configs)
     partial_NP = _empty(plan.num_pairs, triton.cdiv(intermediate, min_block_n), dtype=torch.float32, device=dout_RH.device)
+    b_desc, _ = _expert_matrix(down_LHI) if plan.tma else (None, 0)
     grid = lambda meta: (plan.m_tiles_bound(meta["BLOCK_M"]) * triton.cdiv(intermediate, meta["BLOCK_N"]),)  # noqa: E731
     _kernels.dgate_up_kernel[grid](
         dout_RH, plan.pair_row_N, plan.expert_offsets, down_LHI, gu_N2I, pair_weight_N, dgu_N2I,
-        hw_NI if write_hw else dgu_N2I, partial_NP,
+        hw_NI if write_hw else dgu_N2I, partial_NP, b_desc,
         plan.num_experts, dout_RH.shape[1], intermediate, plan.rows_per_expert,
         dout_RH.stride(0), *down_LHI.stride(), partial_NP.stride(0),
-        WRITE_HW=write_hw, ACTIVATION=plan.activation, DOT_PRECISION=_dot_precision(dout_RH.dtype),
-        BLOCK_E=plan.block_experts,
+        WRITE_HW=write_hw, TMA_OK=b_desc is not None, ACTIVATION=plan.activation,
+        DOT_PRECISION=_dot_precision(dout_RH.dtype), BLOCK_E=plan.block_experts,
     )  # fmt: skip
     tiles_n = triton.cdiv(intermediate, _kernels.dgate_up_kernel.best_config.kwargs["BLOCK_N"])
     return dgu_N2I, partial_NP[:, :tiles_n].sum(dim=1), hw_NI
@@ -183,12 +217,15 @@ def _segment_outer(plan: _Launch, a, b, *, gather_a: bool, gather_b: bool, out_d
     """C [L, Q, F]: C_e = sum over pairs p of expert e of a[row_a(p)]^T b[row_b(p)]."""
     num_m, num_out = a.shape[1], b.shape[1]
     c_LQF = _empty(plan.num_experts, num_m, num_out, dtype=out_dtype, device=a.device)
+    # the operand that is not gathered may come by TMA (its rows are the segment's consecutive pairs)
+    desc = _descriptor(b if gather_a else a) if plan.tma and gather_a != gather_b else None
+    a_desc, b_desc = (None, desc) if gather_a else (desc, None)
     grid = lambda meta: (plan.num_experts * triton.cdiv(num_m, meta["BLOCK_M"]) * triton.cdiv(num_out, meta["BLOCK_N"]),)  # noqa: E731
     _kernels.segment_outer_kernel[grid](
-        a, b, plan.pair_row_N, plan.expert_offsets, c_LQF,
+        a, b, plan.pair_row_N, plan.expert_offsets, c_LQF, a_desc, b_desc,
         plan.num_experts, num_m, num_out, plan.rows_per_expert,
         a.stride(0), b.stride(0), c_LQF.stride(0), c_LQF.stride(1),
-        GATHER_A=gather_a, GATHER_B=gather_b,
+        GATHER_A=gather_a, GATHER_B=gather_b, TMA_OK=desc is not None,
         DOT_PRECISION=_dot_precision(a.dtype),
     )  # fmt: skip
     return c_LQF
@@ -296,6 +333,7 @@ def _plan(segments: ExpertSegments, reduce: str, activation: str = "silu") -> _L
         reduce=reduce,
         activation=_kernels.ACTIVATIONS[activation],
         rows_per_expert=_rows_per_expert_bucket(segments.num_pairs, segments.num_local_experts),
+        tma=segments.num_pairs >= TMA_MIN_ROWS * max(1, segments.num_local_experts),
         block_experts=triton.next_power_of_2(max(2, segments.num_local_experts)),
         row_pairs_N=row_pairs_N,
         row_offsets=row_offsets,

@@ -42,6 +42,7 @@ config, so the interpreter runs no tuning and tiny test shapes still span severa
 
 from __future__ import annotations
 
+import functools
 import os
 
 import triton
@@ -68,16 +69,24 @@ _GATE_UP_HOPPER = [
     (128, 128, 64, 3, 8), (128, 128, 64, 4, 8), (256, 64, 64, 3, 8), (128, 64, 64, 4, 4), (64, 64, 128, 3, 4),
     (16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (32, 128, 64, 4, 4),
 ]  # fmt: skip
+_TMA = {"USE_TMA": True}
 _GEMM_HOPPER = [
     (128, 256, 64, 3, 8), (128, 256, 64, 4, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 8), (64, 128, 64, 4, 4),
     (64, 128, 128, 3, 4), (16, 128, 128, 4, 4), (32, 128, 128, 4, 4), (32, 64, 128, 4, 4),
+    (128, 256, 64, 3, 8, _TMA), (128, 256, 64, 4, 8, _TMA), (256, 128, 64, 3, 8, _TMA), (128, 128, 64, 4, 8, _TMA),
+    (64, 128, 64, 4, 4, _TMA),
 ]  # fmt: skip
 _DGATE_UP_HOPPER = [
     (128, 128, 64, 3, 8, {"EPI_SPLIT": 1}), (128, 128, 64, 3, 8, {"EPI_SPLIT": 2}),
     (128, 256, 64, 3, 8, {"EPI_SPLIT": 2}), (128, 64, 64, 4, 4, {"EPI_SPLIT": 1}), (64, 128, 64, 4, 4, {"EPI_SPLIT": 1}),
     (32, 128, 64, 4, 4, {"EPI_SPLIT": 1}), (32, 64, 128, 4, 4, {"EPI_SPLIT": 1}),
+    (128, 128, 64, 3, 8, {"EPI_SPLIT": 2, **_TMA}), (128, 256, 64, 3, 8, {"EPI_SPLIT": 2, **_TMA}),
+    (128, 128, 64, 4, 8, {"EPI_SPLIT": 1, **_TMA}),
 ]  # fmt: skip
-_OUTER_HOPPER = [(128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (256, 128, 64, 3, 8), (64, 128, 64, 4, 4)]
+_OUTER_HOPPER = [
+    (128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (256, 128, 64, 3, 8), (64, 128, 64, 4, 4),
+    (128, 256, 64, 3, 8, _TMA), (128, 256, 64, 4, 8, _TMA), (128, 128, 64, 4, 8, _TMA), (256, 128, 64, 3, 8, _TMA),
+]  # fmt: skip
 _SEGMENT_SUM_HOPPER = [(256, 2), (512, 4), (1024, 8)]
 #: row tiles of at most this many rows are small-T candidates
 SMALL_M = 32
@@ -90,17 +99,50 @@ _INTERPRETED_EXTRA = {"dgate_up": {"EPI_SPLIT": 2}}
 
 
 def _gemm_configs(candidates: list[tuple], kernel: str = "") -> list[triton.Config]:
+    pre_hook = functools.partial(_set_tma_blocks, kernel) if kernel in _TMA_BLOCKS else None
     if INTERPRETED:  # one small config: no tuning runs, and tiny test shapes still span several tiles
         extra = _INTERPRETED_EXTRA.get(kernel, {})
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, **extra}, num_warps=1, num_stages=1)]
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, **extra}, num_warps=1, num_stages=1, pre_hook=pre_hook)]
     configs = []
     for m, n, k, stages, warps, *extra in candidates:
-        configs.append(triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, **(extra[0] if extra else {})}, num_stages=stages, num_warps=warps))
+        kwargs = {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, **(extra[0] if extra else {})}
+        configs.append(triton.Config(kwargs, num_stages=stages, num_warps=warps, pre_hook=pre_hook))
     return configs
 
 
+#: kernel -> (descriptor argument, its block shape from (BLOCK_M, BLOCK_N, BLOCK_K, the call's arguments))
+_TMA_BLOCKS = {
+    "scatter_gemm": (
+        ("a_desc", lambda m, n, k, args: [m, k]),
+        ("b_desc", lambda m, n, k, args: [k, n] if args["B_K_AXIS"] == 0 else [n, k]),
+    ),
+    "dgate_up": (("b_desc", lambda m, n, k, args: [k, n]),),
+    "segment_outer": (("a_desc", lambda m, n, k, args: [k, m]), ("b_desc", lambda m, n, k, args: [k, n])),
+}
+
+
+def _set_tma_blocks(kernel: str, args: dict) -> None:
+    """Config pre-hook: the call's tensor descriptors (made by the launcher with a placeholder block)
+    get this config's block shape. Every config sets it, TMA or not, so that a descriptor the config
+    does not read still compiles to one signature per config."""
+    m, n, k = args["BLOCK_M"], args["BLOCK_N"], args["BLOCK_K"]
+    for name, block in _TMA_BLOCKS[kernel]:
+        if args.get(name) is not None:
+            args[name].block_shape = block(m, n, k, args)
+
+
+def _prune_tma(configs, named_args, **kwargs):
+    """Without descriptors (`TMA_OK` false: unaligned operands or short segments) the TMA configs
+    would only repeat the pointer ones: not tuned."""
+    if kwargs.get("TMA_OK", named_args.get("TMA_OK", False)):
+        return configs
+    return [c for c in configs if not c.kwargs.get("USE_TMA", False)] or configs
+
+
 def _prune_by_rows(configs, named_args, **kwargs):
-    """The row tiles worth tuning at this call's mean pairs per expert (`ROWS_PER_EXPERT`, a power of two)."""
+    """The row tiles worth tuning at this call's mean pairs per expert (`ROWS_PER_EXPERT`, a power of
+    two), and the TMA configs only where the call has descriptors (`_prune_tma`)."""
+    configs = _prune_tma(configs, named_args, **kwargs)
     rows = named_args["ROWS_PER_EXPERT"]
     if rows <= SMALL_T_ROWS:
         keep = [c for c in configs if c.kwargs["BLOCK_M"] <= 64]
@@ -141,6 +183,17 @@ def _even_k(args: dict) -> bool:
     return args["K"] % args["BLOCK_K"] == 0
 
 
+def _a_tma(args: dict) -> bool:
+    """A through its descriptor: a TMA config (`USE_TMA`) on operands that have descriptors (`TMA_OK`)."""
+    return bool(args.get("USE_TMA", False) and args["TMA_OK"])
+
+
+def _b_tma(args: dict) -> bool:
+    """B through its descriptor: as A, and no K block crosses into the next expert's rows of the
+    flattened weights (`_gemm_k_loop`)."""
+    return _a_tma(args) and (args["EVEN_K"] or args["B_K_AXIS"] == 1)
+
+
 @triton.jit
 def _expert_of_tile(expert_offsets_ptr, num_experts, tile_m, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
     """Global M tile -> (expert, first pair of the tile, end of the expert's segment).
@@ -172,23 +225,44 @@ def _tile_rows(row_start, segment_end, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _gemm_k_loop(a_ptrs, b_ptrs, mask_b_n, K, stride_b_k, acc, DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+def _gemm_k_loop(
+    a_ptrs, b_ptrs, mask_b_n, K, stride_b_k, acc, a_desc, a_row, b_desc, b_row, b_col,
+    DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_K_AXIS: tl.constexpr,
+):  # fmt: skip
     """acc += A @ B over the whole reduction: the K loop every row-major grouped GEMM here shares.
 
     a_ptrs: [BM, BK] pointers to A's first K block (unit stride along K; rows may be gathered);
     b_ptrs: [BK, BN] pointers to B's first K block, `stride_b_k` apart along K; mask_b_n: [BN], the
     valid B columns. B's columns are masked, never clamped: a clamped index along a unit-stride
     dimension hides contiguity from the compiler and turns 16-byte loads into scalar ones.
+
+    A_TMA / B_TMA: load that operand through a host-made tensor descriptor (Hopper's tensor memory
+    accelerator: no per-element address registers) instead of its pointers. A's descriptor is the
+    [N, K] operand itself, its block at (a_row, k). B's descriptor is the [L * rows, cols] weight tensor
+    as one matrix, its block at (b_row, b_col) advanced along B_K_AXIS: 0 when B_e is stored [K, F]
+    (the block is [BK, BN]), 1 when it is stored [F, K] (the block is [BN, BK], transposed for the dot).
+    Rows of a block past the expert's (or the segment's) end read a neighbour's values: along M and N
+    they are computed and never stored; along K the launcher uses B_TMA only where no block crosses
+    (EVEN_K, or K on the descriptor's last axis, whose out-of-bounds elements load as zero).
     """
     offs_k = tl.arange(0, BLOCK_K)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
+        if A_TMA:
+            a = a_desc.load([a_row, k * BLOCK_K])
+        elif EVEN_K:
             a = tl.load(a_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=(offs_k < K - k * BLOCK_K)[None, :], other=0.0)
+        if B_TMA:
+            if B_K_AXIS == 0:
+                b = b_desc.load([b_row + k * BLOCK_K, b_col])
+            else:
+                b = b_desc.load([b_row, b_col + k * BLOCK_K]).T
+        elif EVEN_K:
             b = tl.load(b_ptrs, mask=mask_b_n[None, :], other=0.0)
         else:
-            mask_k = offs_k < K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=mask_k[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_b_n[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=(offs_k < K - k * BLOCK_K)[:, None] & mask_b_n[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_b_k
@@ -269,7 +343,9 @@ def gate_up_kernel(
     x_ptrs = x_ptr + rows_M[:, None] * stride_x_row + offs_k[None, :]  # [BM, BK]
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_w_expert + w_rows[None, :] * stride_w_out + offs_k[:, None] * stride_w_k
     acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-    acc = _gemm_k_loop(x_ptrs, w_ptrs, col_n < I, K, stride_w_k, acc, DOT_PRECISION, BLOCK_K, EVEN_K)
+    acc = _gemm_k_loop(
+        x_ptrs, w_ptrs, col_n < I, K, stride_w_k, acc, x_ptr, 0, w_ptr, 0, 0, DOT_PRECISION, BLOCK_K, EVEN_K, False, False, 0
+    )
     acc_gate, acc_up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
 
     # Round the pre-activations to the storage dtype first, as the reference does, so that the forward
@@ -287,13 +363,13 @@ def gate_up_kernel(
 
 
 @triton.autotune(
-    configs=_gemm_configs(_GEMM_HOPPER),
-    key=["K", "N_OUT", "ROWS_PER_EXPERT", "ATOMIC"],
+    configs=_gemm_configs(_GEMM_HOPPER, "scatter_gemm"),
+    key=["K", "N_OUT", "ROWS_PER_EXPERT", "ATOMIC", "TMA_OK"],
     prune_configs_by=_PRUNE_BY_ROWS,
     reset_to_zero=["out_ptr"],
     do_bench=_bench_config,
 )
-@triton.heuristics({"EVEN_K": _even_k})
+@triton.heuristics({"EVEN_K": _even_k, "A_TMA": _a_tma, "B_TMA": _b_tma})
 @triton.jit
 def scatter_gemm_kernel(
     a_ptr,  # [N, K] in segment order, unit stride along K
@@ -301,6 +377,8 @@ def scatter_gemm_kernel(
     expert_offsets_ptr,  # [L + 1] int64
     b_ptr,  # B_e = b[e] as [K, N_OUT] through the strides
     out_ptr,  # ATOMIC: fp32 [R, N_OUT], accumulated; else [N, N_OUT], one row per pair
+    a_desc,  # TMA_OK: tensor descriptor of a [N, K]; else None
+    b_desc,  # TMA_OK: tensor descriptor of b as one [L * rows, cols] matrix (see B_K_AXIS); else None
     num_experts,
     K,
     N_OUT,
@@ -311,12 +389,17 @@ def scatter_gemm_kernel(
     stride_b_n,
     stride_out_row,
     ATOMIC: tl.constexpr,
+    TMA_OK: tl.constexpr,  # the descriptors exist (aligned operands, dense experts)
+    B_K_AXIS: tl.constexpr,  # 0: b[e] is stored [K, N_OUT]; 1: stored [N_OUT, K] (see _gemm_k_loop)
     DOT_PRECISION: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    A_TMA: tl.constexpr,
+    B_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N_OUT, BLOCK_N)
@@ -324,13 +407,23 @@ def scatter_gemm_kernel(
     if expert >= num_experts:
         return
     offs_m, mask_m, safe_m = _tile_rows(row_start, segment_end, BLOCK_M)
-    offs_n = (pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_start = (pid % tiles_n) * BLOCK_N
+    offs_n = n_start + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N_OUT
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + safe_m[:, None].to(tl.int64) * stride_a_row + offs_k[None, :]  # [BM, BK]
     b_ptrs = b_ptr + expert.to(tl.int64) * stride_b_expert + offs_k[:, None] * stride_b_k + offs_n[None, :] * stride_b_n
+    if B_K_AXIS == 0:  # b's descriptor rows: expert e's K rows, then its N_OUT rows
+        b_row = expert * K
+        b_col = n_start
+    else:
+        b_row = expert * N_OUT + n_start
+        b_col = 0
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = _gemm_k_loop(a_ptrs, b_ptrs, mask_n, K, stride_b_k, acc, DOT_PRECISION, BLOCK_K, EVEN_K)
+    acc = _gemm_k_loop(
+        a_ptrs, b_ptrs, mask_n, K, stride_b_k, acc, a_desc, row_start.to(tl.int32), b_desc, b_row, b_col,
+        DOT_PRECISION, BLOCK_K, EVEN_K, A_TMA, B_TMA, B_K_AXIS,
+    )  # fmt: skip
 
     mask_out = mask_m[:, None] & mask_n[None, :]
     if ATOMIC:
@@ -398,11 +491,11 @@ def _dgate_up_epilogue(
 # columns of the config that ran (`best_config`), which every pair's row fills.
 @triton.autotune(
     configs=_gemm_configs(_DGATE_UP_HOPPER, "dgate_up"),
-    key=["K", "I", "ROWS_PER_EXPERT", "WRITE_HW"],
+    key=["K", "I", "ROWS_PER_EXPERT", "WRITE_HW", "TMA_OK"],
     prune_configs_by=_PRUNE_BY_ROWS,
     do_bench=_bench_config,
 )
-@triton.heuristics({"EVEN_K": _even_k})
+@triton.heuristics({"EVEN_K": _even_k, "B_TMA": lambda args: _a_tma(args) and args["EVEN_K"]})
 @triton.jit
 def dgate_up_kernel(
     dout_ptr,  # [R, K=H], unit stride along H
@@ -414,6 +507,7 @@ def dgate_up_kernel(
     dgu_ptr,  # [N, 2I] out
     hw_ptr,  # [N, I] out when WRITE_HW: pair_weight * act(gate) * up, as the forward computed it
     dweight_partial_ptr,  # [N, P] fp32 out: column n holds <h[p], g[p]> over N tile n (P >= tiles)
+    b_desc,  # TMA_OK: tensor descriptor of the down projection as one [L * H, I] matrix; else None
     num_experts,
     K,
     I,
@@ -424,6 +518,7 @@ def dgate_up_kernel(
     stride_w_n,
     stride_partial_row,
     WRITE_HW: tl.constexpr,
+    TMA_OK: tl.constexpr,  # the descriptor exists
     ACTIVATION: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_E: tl.constexpr,
@@ -432,6 +527,8 @@ def dgate_up_kernel(
     BLOCK_K: tl.constexpr,
     EPI_SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr,
+    B_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(I, BLOCK_N)
@@ -447,7 +544,10 @@ def dgate_up_kernel(
     dout_ptrs = dout_ptr + rows_M[:, None] * stride_dout_row + offs_k[None, :]  # [BM, BK]
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_w_expert + offs_k[:, None] * stride_w_k + offs_n[None, :] * stride_w_n
     g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    g = _gemm_k_loop(dout_ptrs, w_ptrs, mask_n, K, stride_w_k, g, DOT_PRECISION, BLOCK_K, EVEN_K)
+    g = _gemm_k_loop(
+        dout_ptrs, w_ptrs, mask_n, K, stride_w_k, g, dout_ptr, 0, b_desc, expert * K, tile_n * BLOCK_N,
+        DOT_PRECISION, BLOCK_K, EVEN_K, False, B_TMA, 0,
+    )  # fmt: skip
 
     w_M = tl.load(pair_weight_ptr + safe_m).to(tl.float32)
     if EPI_SPLIT == 2:  # two column halves one after the other: fewer fp32 tiles live at once
@@ -465,8 +565,48 @@ def dgate_up_kernel(
     tl.store(dweight_partial_ptr + offs_m * stride_partial_row + tile_n, partial, mask=mask_m)
 
 
+@triton.jit
+def _outer_block(
+    a_ptr, b_ptr, pair_row_ptr, a_desc, b_desc, k0, segment_end, offs_m, mask_m, offs_n, mask_n, stride_a_row, stride_b_row,
+    m_start, n_start, GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, TMA: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The A [BM, BK] and B [BK, BN] operands of `segment_outer_kernel` for the pairs k0 .. k0 + BK.
+
+    TMA (a whole block inside the segment): the operand that is not gathered comes through its
+    descriptor (its rows are consecutive pairs) and no pair needs a mask. Otherwise pointers, with the
+    pairs past the segment's end masked to zero (they belong to the next expert)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    if TMA:
+        mask_k = offs_k >= 0  # all true: a whole block
+        safe_k = offs_k
+    else:
+        mask_k = offs_k < segment_end
+        safe_k = tl.minimum(offs_k, segment_end - 1)
+    if GATHER_A:
+        rows_a = tl.load(pair_row_ptr + safe_k)
+    else:
+        rows_a = safe_k
+    if GATHER_B:
+        rows_b = tl.load(pair_row_ptr + safe_k)
+    else:
+        rows_b = safe_k
+    # M and N are the unit-stride dimensions here: masked, not clamped (see _gemm_k_loop)
+    if TMA and not GATHER_A:
+        a = a_desc.load([k0.to(tl.int32), m_start]).T
+    else:
+        a = tl.load(a_ptr + rows_a[None, :] * stride_a_row + offs_m[:, None], mask=mask_k[None, :] & mask_m[:, None], other=0.0)
+    if TMA and not GATHER_B:
+        b = b_desc.load([k0.to(tl.int32), n_start])
+    else:
+        b = tl.load(b_ptr + rows_b[:, None] * stride_b_row + offs_n[None, :], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+    return a, b
+
+
 @triton.autotune(
-    configs=_gemm_configs(_OUTER_HOPPER), key=["M", "N_OUT", "ROWS_PER_EXPERT", "GATHER_A"], do_bench=_bench_config
+    configs=_gemm_configs(_OUTER_HOPPER, "segment_outer"),
+    key=["M", "N_OUT", "ROWS_PER_EXPERT", "GATHER_A", "TMA_OK"],
+    prune_configs_by={"early_config_prune": _prune_tma},
+    do_bench=_bench_config,
 )
 @triton.jit
 def segment_outer_kernel(
@@ -475,6 +615,8 @@ def segment_outer_kernel(
     pair_row_ptr,  # [N] int64
     expert_offsets_ptr,  # [L + 1] int64
     c_ptr,  # [L, M, N_OUT] out
+    a_desc,  # TMA_OK and not GATHER_A: descriptor of A's rows [N, M], block [BK, BM]; else None
+    b_desc,  # TMA_OK and not GATHER_B: descriptor of B's rows [N, N_OUT], block [BK, BN]; else None
     num_experts,
     M,
     N_OUT,
@@ -485,40 +627,51 @@ def segment_outer_kernel(
     stride_c_m,
     GATHER_A: tl.constexpr,
     GATHER_B: tl.constexpr,
+    TMA_OK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_TMA: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N_OUT, BLOCK_N)
     expert = pid // (tiles_m * tiles_n)
     tile = pid % (tiles_m * tiles_n)
-    offs_m = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_start = (tile // tiles_n) * BLOCK_M
+    n_start = (tile % tiles_n) * BLOCK_N
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_n = n_start + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N_OUT
     segment_start = tl.load(expert_offsets_ptr + expert)
     segment_end = tl.load(expert_offsets_ptr + expert + 1)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(segment_start, segment_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < segment_end
-        safe_k = tl.minimum(offs_k, segment_end - 1)
-        if GATHER_A:
-            rows_a = tl.load(pair_row_ptr + safe_k)
-        else:
-            rows_a = safe_k
-        if GATHER_B:
-            rows_b = tl.load(pair_row_ptr + safe_k)
-        else:
-            rows_b = safe_k
-        # M and N are the unit-stride dimensions here: masked, not clamped (see scatter_gemm_kernel)
-        a = tl.load(a_ptr + rows_a[None, :] * stride_a_row + offs_m[:, None], mask=mask_k[None, :] & mask_m[:, None], other=0.0)
-        b = tl.load(b_ptr + rows_b[:, None] * stride_b_row + offs_n[None, :], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    if USE_TMA and TMA_OK:
+        # whole blocks without masks (the not-gathered operand by TMA), then the segment's ragged tail
+        full_blocks = (segment_end - segment_start) // BLOCK_K
+        full_end = segment_start + full_blocks * BLOCK_K
+        for block in range(0, full_blocks):
+            a, b = _outer_block(
+                a_ptr, b_ptr, pair_row_ptr, a_desc, b_desc, segment_start + block * BLOCK_K, segment_end, offs_m, mask_m, offs_n, mask_n,
+                stride_a_row, stride_b_row, m_start, n_start, GATHER_A, GATHER_B, True, BLOCK_K,
+            )  # fmt: skip
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if full_end < segment_end:
+            a, b = _outer_block(
+                a_ptr, b_ptr, pair_row_ptr, a_desc, b_desc, full_end, segment_end, offs_m, mask_m, offs_n, mask_n,
+                stride_a_row, stride_b_row, m_start, n_start, GATHER_A, GATHER_B, False, BLOCK_K,
+            )  # fmt: skip
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    else:
+        for k0 in range(segment_start, segment_end, BLOCK_K):
+            a, b = _outer_block(
+                a_ptr, b_ptr, pair_row_ptr, a_desc, b_desc, k0, segment_end, offs_m, mask_m, offs_n, mask_n,
+                stride_a_row, stride_b_row, m_start, n_start, GATHER_A, GATHER_B, False, BLOCK_K,
+            )  # fmt: skip
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
     mask_out = mask_m[:, None] & mask_n[None, :]
     c_ptrs = c_ptr + expert.to(tl.int64) * stride_c_expert + offs_m[:, None] * stride_c_m + offs_n[None, :]

@@ -172,6 +172,60 @@ def test_dgate_up_epilogue_on_the_whole_tile(interpreted, monkeypatch):
     assert all(rel_err(g, r) <= 1e-4 for g, r in zip(grads, ref_grads))
 
 
+#: the kernels with TMA configs (`USE_TMA`): their operands may come through tensor descriptors
+TMA_KERNELS = ("scatter_gemm_kernel", "dgate_up_kernel", "segment_outer_kernel")
+
+
+def _only_configs(monkeypatch, use_tma: bool, interpreted: bool) -> None:
+    """Restrict the TMA kernels' candidates to the TMA ones (or to the pointer ones), tuning cache cleared."""
+    import triton
+
+    for name in TMA_KERNELS:
+        tuner = getattr(kernels, name)
+        if interpreted:  # the one interpreted config, with USE_TMA set
+            base = tuner.configs[0]
+            configs = [triton.Config({**base.kwargs, "USE_TMA": use_tma}, num_warps=1, num_stages=1, pre_hook=base.pre_hook)]
+        else:
+            configs = [c for c in tuner.configs if c.kwargs.get("USE_TMA", False) == use_tma]
+        assert configs, name
+        monkeypatch.setattr(tuner, "configs", configs)
+        monkeypatch.setattr(tuner, "cache", {})
+
+
+@pytest.mark.parametrize("case", ["odd_sizes", "empty_experts", "long_segment"])
+def test_tma_configs_match_reference(interpreted, monkeypatch, case):
+    """The TMA configs (operands through tensor descriptors, whole weight-gradient blocks unmasked, the
+    ragged tail by pointers) compute the same function: forced for every kernel that has them, on the
+    edge cases that reach their branches (K not a multiple of the block: A's descriptor zero-fills, B
+    falls back to pointers where a block would cross into the next expert's rows; empty experts; whole
+    weight-gradient blocks and a ragged tail)."""
+    monkeypatch.setattr(triton_expert_mlp, "TMA_MIN_ROWS", 0)
+    _only_configs(monkeypatch, use_tma=True, interpreted=True)
+    rows, hidden, inter, experts, pairs = CASES[case]
+    problem = make_problem(rows, hidden, inter, experts, pairs, seed=5)
+    grad_out = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(10))
+    out, grads = run_with_grads(expert_mlp_triton, problem, torch.float32, grad_out)
+    ref_out, ref_grads = run_with_grads(expert_mlp_reference, problem, torch.float64, grad_out)
+    assert rel_err(out, ref_out) <= 1e-4
+    for name, grad, ref in zip(("x", "pair_weight", "gate_up_proj", "down_proj"), grads, ref_grads):
+        assert rel_err(grad, ref) <= 1e-4, f"d {name}: rel. error {rel_err(grad, ref):.2e}"
+
+
+def test_tma_descriptors_only_where_tma_can_read():
+    """`_descriptor` refuses rows that are not 16-byte aligned and non-unit last strides (the pointer
+    configs run there); `_expert_matrix` reads both weight layouts as one matrix."""
+    assert triton_expert_mlp._descriptor(torch.zeros(4, 8)) is not None
+    assert triton_expert_mlp._descriptor(torch.zeros(4, 6)) is None  # 24-byte rows
+    assert triton_expert_mlp._descriptor(torch.zeros(8, 4).t()) is None
+    assert triton_expert_mlp._descriptor(torch.zeros(4, 9)[:, 1:]) is None  # unaligned start and rows
+    down_LHI = torch.zeros(3, 8, 4)
+    desc, axis = triton_expert_mlp._expert_matrix(down_LHI.transpose(1, 2))  # B_e = down_e^T [I, H]
+    assert axis == 1 and desc.shape == [24, 4]
+    desc, axis = triton_expert_mlp._expert_matrix(down_LHI)  # B_e = down_e [H, I]
+    assert axis == 0 and desc.shape == [24, 4]
+    assert triton_expert_mlp._expert_matrix(down_LHI[:, :, :2])[0] is None
+
+
 def test_backward_keeps_only_the_pre_activations(interpreted):
     """Beyond its inputs the forward saves gu [N, 2I] alone: hw [N, I] is recomputed by the backward."""
     rows, hidden, inter, experts, pairs = CASES["odd_sizes"]
@@ -316,6 +370,28 @@ def test_bench_experts_harness_on_a_tiny_shape(interpreted, tmp_path):
     assert (tmp_path / "experts.png").stat().st_size > 0
 
 
+def test_bench_candidate_comparison_restores_the_tuners(interpreted, monkeypatch):
+    """`--compare-candidates`: a candidate set times the forward, forward + backward and the stages of
+    the kernels with TMA candidates; the kernels' candidates and tuning caches come back as they were.
+    One set (the TMA one) to keep the interpreted test short."""
+    from occult_hf.benchmarks import experts as bench
+
+    monkeypatch.setattr(triton_expert_mlp, "TMA_MIN_ROWS", 0)
+    monkeypatch.setattr(bench, "CANDIDATE_SETS", {"TMA loads only": bench.CANDIDATE_SETS["TMA loads only"]})
+    shape = bench.ExpertShape(hidden=32, intermediate=16, num_experts=4, top_k=2, family="olmoe")
+    module = bench.hf_experts_module(shape, "cpu", torch.float32)
+    before = {name: (getattr(kernels, name).configs, getattr(kernels, name).cache) for name in TMA_KERNELS}
+    rows = bench.candidate_comparison(shape, 8, module, bench.wall_timer(repeats=1, warmup=False), seed=0)
+    assert {label for label, _, _ in rows} == set(bench.CANDIDATE_SETS)
+    assert {what for _, what, _ in rows} >= {"forward", "forward + backward", "bwd: d down_proj", "fwd: down GEMM + row reduce"}
+    assert all(ms > 0 for _, _, ms in rows)
+    for name, (configs, cache) in before.items():
+        assert getattr(kernels, name).configs is configs and getattr(kernels, name).cache is cache
+    table = bench.comparison_table(rows)
+    assert table.splitlines()[0] == "| ms | " + " | ".join(bench.CANDIDATE_SETS) + " |"
+    assert module.gate_up_proj.grad is None
+
+
 def test_bench_cli_parses_and_refuses_without_cuda(monkeypatch):
     from occult_hf.cli import build_parser
 
@@ -369,6 +445,26 @@ def test_bf16_real_shapes_match_fp32_reference(shape, reduce):
     if reduce != "atomic":  # bitwise repeatable
         again = run_with_grads(expert_mlp_triton, problem, torch.bfloat16, grad_out, reduce=reduce)
         assert torch.equal(out, again[0]) and all(torch.equal(a, b) for a, b in zip(grads, again[1]))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("use_tma", [False, True], ids=["pointers", "tma"])
+def test_bf16_tma_and_pointer_configs_match_fp32_reference(monkeypatch, use_tma):
+    """Each kind of candidate compiled and run on its own (the tuner may pick either), OLMoE shape,
+    T = 4096 (512 pairs per expert: descriptors are made); the row modes bitwise repeatable."""
+    _only_configs(monkeypatch, use_tma=use_tma, interpreted=False)
+    problem = _routed_problem(4096, 2048, 1024, 64, 8, "cuda", seed=2)
+    grad_out = torch.randn(4096, 2048, device="cuda")
+    out, grads = run_with_grads(expert_mlp_triton, problem, torch.bfloat16, grad_out)
+    ref_out, ref_grads = run_with_grads(expert_mlp_reference, problem, torch.float32, grad_out)
+    assert rel_err(out, ref_out) <= 1e-2
+    for name, grad, ref in zip(("x", "pair_weight", "gate_up_proj", "down_proj"), grads, ref_grads):
+        assert not grad.isnan().any() and rel_err(grad, ref) <= 1e-2, f"d {name}: rel. error {rel_err(grad, ref):.2e}"
+    if use_tma:
+        assert all(getattr(kernels, name).best_config.kwargs.get("USE_TMA") for name in TMA_KERNELS)
+    again = run_with_grads(expert_mlp_triton, problem, torch.bfloat16, grad_out)
+    assert torch.equal(out, again[0]) and all(torch.equal(a, b) for a, b in zip(grads, again[1]))
 
 
 @gpu

@@ -358,6 +358,62 @@ def stage_breakdown(shape: ExpertShape, tokens: int, module, timer, seed: int) -
     return breakdowns
 
 
+#: candidate sets `candidate_comparison` times against each other: name -> which configs of the kernels
+#: that have TMA candidates (scatter GEMM, dgate_up, weight gradients) are tuned
+CANDIDATE_SETS = {
+    "pointer loads only": lambda config: not config.kwargs.get("USE_TMA", False),
+    "TMA loads only": lambda config: bool(config.kwargs.get("USE_TMA", False)),
+    "all (the default)": lambda config: True,
+}
+
+
+def candidate_comparison(shape: ExpertShape, tokens: int, module, timer, seed: int) -> list[tuple[str, str, float]]:
+    """(candidate set, what, ms): `expert_mlp_triton` forward, forward + backward and the stages of the
+    kernels with TMA candidates, each candidate set tuned afresh in this process (`CANDIDATE_SETS`), so
+    one run times the pointer-load kernels against the tensor-descriptor ones. The kernels' candidates
+    and tuning caches are restored afterwards."""
+    from occult_hf.kernels import triton_expert_mlp_kernels as kernels
+    from occult_hf.kernels.triton_expert_mlp import expert_mlp_triton, expert_mlp_triton_stages
+
+    tuners = [kernels.scatter_gemm_kernel, kernels.dgate_up_kernel, kernels.segment_outer_kernel]
+    saved = [(tuner.configs, tuner.cache) for tuner in tuners]
+    x_TH, ids_Tk, weights_Tk = routing(shape, tokens, module.gate_up_proj.device, module.gate_up_proj.dtype, seed)
+    segments, order_N = segments_from_topk(ids_Tk, shape.num_experts)
+    weight_N = weights_Tk.reshape(-1)[order_N]
+    grad_out_TH = torch.randn_like(x_TH)
+    leaves = [x_TH.requires_grad_(), weight_N.requires_grad_(), module.gate_up_proj, module.down_proj]
+    rows = []
+    try:
+        for label, keep in CANDIDATE_SETS.items():
+            for tuner, (configs, _) in zip(tuners, saved):
+                tuner.configs = [config for config in configs if keep(config)] or configs
+                tuner.cache = {}
+            run = lambda: expert_mlp_triton(x_TH, segments, weight_N, module.gate_up_proj, module.down_proj)  # noqa: E731
+            with torch.no_grad():
+                rows.append((label, "forward", timer(run)))
+            rows.append((label, "forward + backward", timer(lambda: run().backward(grad_out_TH), grad_to_none=leaves)))
+            with torch.no_grad():
+                stages = expert_mlp_triton_stages(x_TH, segments, weight_N, module.gate_up_proj, module.down_proj)
+                for name, (fn, _) in stages.items():
+                    if "GEMM" in name and "gate_up GEMM" not in name or "bwd" in name:
+                        rows.append((label, name, timer(fn)))
+    finally:
+        for tuner, (configs, cache) in zip(tuners, saved):
+            tuner.configs, tuner.cache = configs, cache
+        for leaf in leaves:
+            leaf.grad = None
+    return rows
+
+
+def comparison_table(rows: list[tuple[str, str, float]]) -> str:
+    """One column per candidate set, one row per measured call."""
+    labels = list(dict.fromkeys(label for label, _, _ in rows))
+    whats = list(dict.fromkeys(what for _, what, _ in rows))
+    ms = {(label, what): value for label, what, value in rows}
+    cells = [[what] + [_fmt(ms.get((label, what)), ".3f") for label in labels] for what in whats]
+    return _markdown(["ms", *labels], cells)
+
+
 def dense_gemm_tflops(device, dtype, timer, size: int = 8192) -> float:
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
@@ -609,18 +665,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--breakdown", default="olmoe-1b-7b:16384",
         help="SHAPE:T whose Triton stages are also timed one by one, or 'none' (default: %(default)s)",
     )  # fmt: skip
+    parser.add_argument(
+        "--compare-candidates", default="none",
+        help="SHAPE:T at which the Triton kernels are also tuned and timed with each candidate set "
+        "(pointer loads only, TMA only, all), or 'none' (default)",
+    )  # fmt: skip
     parser.add_argument("--out", default="occult_bench", help="directory for experts.md, experts.json, experts.png")
     parser.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up (ms)")
     parser.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition time (ms)")
     parser.add_argument("--seed", type=int, default=0)
 
 
-def _parse_breakdown(value: str, shapes: list[str]) -> tuple[str, int] | None:
+def _parse_breakdown(value: str, shapes: list[str], flag: str = "--breakdown") -> tuple[str, int] | None:
     if value == "none":
         return None
     name, _, tokens = value.rpartition(":")
     if name not in shapes or not tokens.isdigit():
-        raise SystemExit(f"--breakdown {value!r} must be SHAPE:T with SHAPE one of {shapes}, or 'none'")
+        raise SystemExit(f"{flag} {value!r} must be SHAPE:T with SHAPE one of {shapes}, or 'none'")
     return name, int(tokens)
 
 
@@ -630,6 +691,7 @@ def run(args: argparse.Namespace) -> int:
     if min(args.tokens) < 1:
         raise SystemExit(f"--tokens must be positive, got {args.tokens}")
     breakdown = _parse_breakdown(args.breakdown, args.shapes)
+    compare = _parse_breakdown(args.compare_candidates, args.shapes, "--compare-candidates")
     if args.liger_autotune:
         os.environ["LIGER_FUSED_MOE_AUTOTUNE"] = "1"
     device = torch.device("cuda")
@@ -639,6 +701,12 @@ def run(args: argparse.Namespace) -> int:
         eager_max_tokens=args.eager_max_tokens, breakdown=breakdown, seed=args.seed,
     )  # fmt: skip
     text = report(result, {name: SHAPES[name] for name in args.shapes}, device, breakdown)
+    if compare is not None:
+        shape = SHAPES[compare[0]]
+        module = hf_experts_module(shape, device, torch.bfloat16)
+        rows = candidate_comparison(shape, compare[1], module, cuda_timer(args.warmup_ms, args.rep_ms), args.seed)
+        text += f"\nTriton candidate sets, {compare[0]} T={compare[1]} (each tuned afresh):\n\n{comparison_table(rows)}\n"
+        del module
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
