@@ -492,12 +492,67 @@ def _replay_trace(rank, world_size, trace_ids_Nk, trace_weights_Nk):
     return report
 
 
+#: aten calls (views and allocations excluded) of one "all_to_all" run() with trivial experts, T=128, E=64, k=8,
+#: at most: (forward, forward+backward) per mode. Before the layout moved after the count exchange
+#: (session 4) the same count was dedup 66 / 87, per_expert 55 / 75 (D=2); now 30 / 48 and 27 / 44.
+OPERATOR_BUDGET = {"dedup": (36, 56), "per_expert": (33, 52)}
+_NOT_LAUNCHES = {
+    "aten::view", "aten::reshape", "aten::_reshape_alias", "aten::as_strided", "aten::slice", "aten::select", "aten::t",
+    "aten::transpose", "aten::expand", "aten::unsqueeze", "aten::squeeze", "aten::detach", "aten::alias", "aten::permute",
+    "aten::unbind", "aten::split", "aten::narrow", "aten::lift_fresh", "aten::_unsafe_view", "aten::view_as",
+    "aten::contiguous", "aten::empty_like", "aten::empty", "aten::empty_strided", "aten::result_type", "aten::resolve_conj",
+    "aten::resolve_neg",
+}  # fmt: skip
+
+
+def _count_operators(rank, world_size) -> dict:
+    """Top-level aten calls that launch work (views and allocations excluded) of one `run()` per mode, forward and
+    forward+backward, after a warm-up: what each costs in launches and host time on a GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    num_experts, top_k, num_local = 64, 8, 64 // world_size
+    ep = ExpertParallelGroup.resolve(None, world_size)
+    generator = torch.Generator().manual_seed(rank)
+    ids_Tk = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(128)])
+    counts = {}
+    for mode in ("dedup", "per_expert"):
+        dispatcher = build_dispatcher(
+            "all_to_all", ep, [e // num_local for e in range(num_experts)], [e % num_local for e in range(num_experts)],
+            num_local, mode=mode,
+        )  # fmt: skip
+        for backward in (False, True):
+            x_TH = torch.randn(128, HIDDEN, generator=generator, requires_grad=backward)
+            weights_Tk = torch.rand(128, top_k, generator=generator, requires_grad=backward)
+
+            def step():
+                out_TH, _ = dispatcher.run(x_TH, TokenRouting(ids_Tk, weights_Tk), lambda x_RH, segments, weight_N: x_RH * 2)
+                if backward:
+                    out_TH.sum().backward()
+
+            step()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                step()
+            top = [e for e in prof.events() if e.name.startswith("aten::") and not _under_aten(e)]
+            counts[(mode, backward)] = sum(e.name not in _NOT_LAUNCHES for e in top)
+    return counts
+
+
+def _under_aten(event) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("aten::"):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
 def _dispatch_world(rank, world_size, trace):
     for mode in ("dedup", "per_expert"):
         for top_k in (1, 3):
             for chunks in (None, 1, 3):
                 _check_ep_against_naive(rank, world_size, mode, top_k, chunks)
-    return _replay_trace(rank, world_size, *trace) if trace is not None else None
+    report = _replay_trace(rank, world_size, *trace) if trace is not None else None
+    return report, _count_operators(rank, world_size)
 
 
 def _load_qwen_trace():
@@ -510,9 +565,14 @@ def _load_qwen_trace():
 
 @pytest.mark.world_size(4)
 def test_dispatch_in_a_4_rank_world():
-    """4 gloo ranks: exact against the naive loop (values and gradients), then the real Qwen trace replayed."""
+    """4 gloo ranks: exact against the naive loop (values and gradients), the operator calls of one run() within
+    `OPERATOR_BUDGET`, then the real Qwen trace replayed."""
     trace = _load_qwen_trace()
-    reports = run_world(_dispatch_world, 4, trace)
+    results = run_world(_dispatch_world, 4, trace)
+    reports = [report for report, _ in results]
+    for _, counts in results:
+        for (mode, backward), calls in counts.items():
+            assert 10 < calls <= OPERATOR_BUDGET[mode][int(backward)], (mode, backward, calls)
     if trace is None:
         pytest.skip(f"EP exactness passed; real-trace replay skipped: {QWEN_TRACE} is absent")
     assert trace[0].shape[0] == 4384
