@@ -12,8 +12,11 @@
 #   run(kind="nvidia-h200-x2", carry=[".devdata/fastep"], timeout_s=330, command="cd .devdata/fastep && DATA=$PWD bash docs/bench_ep_x2.sh")
 # Results come back under $OUT (log.txt, exact.txt, ep.txt, realsize.txt and the tables); the last lines printed are the tables.
 # Step limits (seconds): T_EXACT, T_EP, T_REAL; the whole script stops starting steps after T_TOTAL.
+# Session 4's call ran the defaults. DISPATCHERS="all_to_all padded symm_mem" adds the NVSHMEM dispatcher's rows
+# (dedup+refined, with its CUDA-graph replay); REALSIZE="" also times the data-parallel replica (the EP half took
+# 36 s on 2026-11-30).
 set -u
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-4G}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 DATA=${DATA:-$ROOT/.devdata/fastep}
 OUT=${OUT:-/tmp/out}
@@ -46,11 +49,11 @@ OCCULT_TEST_COLLECTIVE_TIMEOUT_S=45 NCCL_DEBUG=WARN bounded ${T_EXACT:-70} pytho
 date -u
 echo "=== 2. bench ep, T = 16384, 128, 4096"
 bounded ${T_EP:-165} torchrun --nproc-per-node 2 -m occult_hf.cli bench ep --shapes qwen1.5-moe-a2.7b olmoe-1b-7b \
-  --tokens 16384 128 4096 --iterations 5 --trace "$DATA/trace.npz" --dispatchers all_to_all padded \
+  --tokens 16384 128 4096 --iterations 5 --trace "$DATA/trace.npz" --dispatchers ${DISPATCHERS:-all_to_all padded} \
   --modes per_expert+contiguous dedup+contiguous dedup+refined transformers_ep --out $R > $OUT/ep.txt 2>&1; echo "rc=$?"; grep -v "$F" $OUT/ep.txt | tail -40
 date -u
 echo "=== 3. bench realsize --skip-replica (OLMoE-1B-7B, 16 layers)"
-bounded ${T_REAL:-150} torchrun --nproc-per-node 2 -m occult_hf.cli bench realsize --skip-replica --iterations 2 --new-tokens 32 --dispatchers \
+bounded ${T_REAL:-150} torchrun --nproc-per-node 2 -m occult_hf.cli bench realsize ${REALSIZE---skip-replica} --iterations 2 --new-tokens 32 --dispatchers \
   --out $R > $OUT/realsize.txt 2>&1; echo "rc=$?"; grep -v "$F" $OUT/realsize.txt | tail -20
 date -u
 } > $OUT/log.txt 2>&1

@@ -380,8 +380,8 @@ def cases(args, world: int) -> list[tuple[str, Mode]]:
                 raise ValueError("bench ep mode dedup+file needs --placement FILE (an occult_placement.json)")
             if mode.max_devices_per_token and name != "all_to_all":
                 continue  # pruning changes the routing, not the transport: one dispatcher shows it
-            if name == "padded" and mode.name != "dedup+refined":
-                continue  # the static fallback: one row per shape and T
+            if name in ("padded", "symm_mem") and mode.name != "dedup+refined":
+                continue  # the static dispatchers (the small-batch, CUDA-graph path): one row per shape and T
             chosen.append((name, mode))
     return chosen
 
