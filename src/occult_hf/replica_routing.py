@@ -108,8 +108,10 @@ REPLICA_CHOICES = ("static", "load_aware")
 SPLIT_ROUNDS = 12
 
 #: how far above the least max load the load-aware split lets a device go to keep a pair on a home its
-#: token visits anyway (a fraction of the mean device load): a little balance buys back most of the CT
-PIN_SLACK = 0.01
+#: token visits anyway (a fraction of the mean device load): a little balance buys back most of the CT that
+#: moving pinned pairs costs. On the Qwen trace (D=8, 8 redundant slots, docs/placement.md) 0.01 / 0.02 / 0.03
+#: read 1.017 / 1.026 / 1.036 balance at CT 2.864 / 2.842 / 2.834 (static rule: 1.111 at 2.832)
+PIN_SLACK = 0.02
 
 
 def preference_counts(topk_ids_Tk: torch.Tensor, pref_Tk: torch.Tensor, num_experts: int, max_homes: int) -> torch.Tensor:
@@ -137,7 +139,9 @@ def _fill(total_E: torch.Tensor, other_EM: torch.Tensor, floor_EM: torch.Tensor,
     return torch.where(valid_EM, torch.maximum(floor_EM, level_E - other_EM), 0.0)
 
 
-def replica_shares(counts_EM1: torch.Tensor, home_table_EM: torch.Tensor, num_devices: int) -> torch.Tensor:
+def replica_shares(
+    counts_EM1: torch.Tensor, home_table_EM: torch.Tensor, num_devices: int, pin_slack: float = PIN_SLACK
+) -> torch.Tensor:
     """`[E, M]` float64 pairs each home of each expert should serve, from the group's `preference_counts`.
 
     Single-home experts serve all their pairs at home. The replicated experts' pairs are split in two
@@ -146,7 +150,7 @@ def replica_shares(counts_EM1: torch.Tensor, home_table_EM: torch.Tensor, num_de
     1. the least max device load: each expert water-fills its pairs over its homes given the other
        experts' loads (the fluid min-max split);
     2. the same with floors: a home keeps up to its visited pairs (those need no extra copy of the
-       token) as far as its device stays within `PIN_SLACK` x the mean above phase 1's max load.
+       token) as far as its device stays within `pin_slack` x the mean above phase 1's max load.
     """
     counts_EM1 = counts_EM1.to(torch.float64)
     max_homes = home_table_EM.shape[1]
@@ -170,7 +174,7 @@ def replica_shares(counts_EM1: torch.Tensor, home_table_EM: torch.Tensor, num_de
 
     shares_EM = rounds(shares_EM, torch.zeros_like)
     load_D = ((single_EM + shares_EM)[..., None] * on_EMD).sum((0, 1))
-    cap = load_D.max() + PIN_SLACK * total_E.sum() / num_devices
+    cap = load_D.max() + pin_slack * total_E.sum() / num_devices
     shares_EM = rounds(shares_EM, lambda other_EM: torch.minimum(visited_EM, (cap - other_EM).clamp_min(0.0)))
     return torch.where(replicated_EM, shares_EM, single_EM)
 
@@ -193,6 +197,7 @@ def load_aware_homes(
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
     rank: int = 0,
     visited_TD: torch.Tensor | None = None,
+    pin_slack: float = PIN_SLACK,
 ) -> torch.Tensor:
     """`[T, k]` int64 device serving each pair under the load-aware rule (`replica_choice="load_aware"`).
 
@@ -224,7 +229,7 @@ def load_aware_homes(
     local_EM1 = preference_counts(ids_Tk, pref_Tk, num_experts, max_homes)
     all_GEM1 = local_EM1[None] if gather is None else gather(local_EM1)
     counts_EM1, before_EM1 = all_GEM1.sum(0), all_GEM1[:rank].sum(0)
-    shares_EM = replica_shares(counts_EM1, home_table_EM, num_devices)
+    shares_EM = replica_shares(counts_EM1, home_table_EM, num_devices, pin_slack)
     visited_EM = counts_EM1[:, :max_homes].to(torch.float64)
     # with pruning (`visited_TD`) a pair must stay on the token's devices: every visited home is kept
     keep_EM = visited_EM if visited_TD is not None else torch.minimum(visited_EM, shares_EM)

@@ -276,7 +276,7 @@ def followup_rows(routing_dir: Path) -> list[dict[str, Any]]:
         ("refined, prefill+decode, shrunk loads (reliability 0.5, ratio 1.06)", both, SHRUNK),
         ("refined, prefill+decode, shrunk loads (reliability auto, ratio 1.06)", both, {**SHRUNK, "load_reliability": "auto"}),
         ("refined robust + 8 redundant, prefill+decode", both, {**ROBUST, "num_redundant_experts": 8}),
-        ("refined + 8 redundant, prefill+decode, shrunk loads", both, {**SHRUNK, "num_redundant_experts": 8}),
+        ("refined + 8 redundant, prefill+decode, shrunk loads (auto)", both, {**SHRUNK, "load_reliability": "auto", "num_redundant_experts": 8}),
     ]
     rows = []
     for num_devices in (4, 8):
@@ -373,6 +373,93 @@ def load_aware_split(topk_ids_Nk: np.ndarray, home_table_EM: np.ndarray, num_dev
         load_D[busiest] -= 1
         load_D[d] += 1
     return float((hits_ND > 0).sum(1).mean()), float(load_D.max() / load_D.mean())
+
+
+def replay_load_aware(
+    topk_ids_Nk: np.ndarray, home_table_EM: np.ndarray, num_devices: int, window: int, pin_slack: float | None = None
+) -> np.ndarray:
+    """`[N, k]` devices serving the pairs under `replica_choice="load_aware"`, computed as the runtime does.
+
+    The tokens, in order, form steps of `window` tokens; a step's tokens are cut into `num_devices` contiguous
+    ranks (`metrics.token_ranks`); each rank counts its pairs (`preference_counts`), the stack of those counts is
+    what the layer's all-gather returns, and each rank calls `load_aware_homes` with it and its rank.
+    """
+    import torch
+
+    from ..replica_routing import PIN_SLACK, load_aware_homes, preference_counts, replica_preferences
+
+    table = torch.from_numpy(np.asarray(home_table_EM, dtype=np.int64))
+    ids = torch.from_numpy(np.asarray(topk_ids_Nk, dtype=np.int64))
+    slack = PIN_SLACK if pin_slack is None else pin_slack
+    out = []
+    for start in range(0, len(ids), window):
+        ranks = torch.tensor_split(ids[start : start + window], num_devices)
+        gathered = torch.stack(
+            [preference_counts(r, replica_preferences(r, table, num_devices)[1], *table.shape) for r in ranks]
+        )
+        out += [load_aware_homes(r, table, num_devices, lambda _: gathered, rank, pin_slack=slack) for rank, r in enumerate(ranks)]
+    return torch.cat(out).numpy()
+
+
+def _ct_and_balance(ids_Nk: np.ndarray, dest_Nk: np.ndarray, num_devices: int, window: int) -> tuple[float, float, float]:
+    """`(CT, balance over all the tokens, mean over steps of a step's balance)` of served devices `dest_Nk`."""
+    hits_ND = np.zeros((len(ids_Nk), num_devices), dtype=bool)
+    np.put_along_axis(hits_ND, dest_Nk, True, axis=1)
+    load_D = np.bincount(dest_Nk.ravel(), minlength=num_devices)
+    steps = []
+    for start in range(0, len(ids_Nk), window):
+        step_D = np.bincount(dest_Nk[start : start + window].ravel(), minlength=num_devices)
+        steps.append(step_D.max() / step_D.mean())
+    return float(hits_ND.sum(1).mean()), float(load_D.max() / load_D.mean()), float(np.mean(steps))
+
+
+RUNTIME_WINDOWS = (2192, 1096, 256)
+
+
+def runtime_rule_rows(routing_dir: Path, num_devices: int = 8) -> list[dict[str, Any]]:
+    """Qwen held-out half, D=8, 8 redundant slots, seeds 0-9: the runtime's replica rules replayed on the
+    held-out tokens, static against load-aware (`replay_load_aware`) per step of 2,192 / 1,096 / 256 tokens
+    (274 / 137 / 32 per rank), with the fluid bound of the placement (`best_replica_split`) and a sweep of
+    the load-aware rule's pin slack. CT is compared with today's `refined` (no replicas) over the same seeds."""
+    from ..replica_routing import resolve_homes_np
+
+    parts = qwen_parts(routing_dir)
+    both = {"prefill": parts["prefill"], "decode": parts["decode"]}
+    held_Nk = parts["held_out"].layer(0).topk_sample
+    today = float(np.mean([
+        summarize(evaluate_placement(parts["held_out"], _plan(parts["first"], num_devices, {"seed": s})[0]))["ct"]
+        for s in FOLLOWUP_SEEDS
+    ]))
+    rows = []
+    for name, options in (
+        ("refined robust + 8 redundant, prefill+decode", {**ROBUST, "num_redundant_experts": 8}),
+        ("refined + 8 redundant, prefill+decode, shrunk loads (auto)", {**SHRUNK, "load_reliability": "auto", "num_redundant_experts": 8}),
+    ):
+        tables = [_plan(both, num_devices, {**options, "seed": s})[0].home_table(0) for s in FOLLOWUP_SEEDS]
+        load_E = np.bincount(held_Nk.ravel(), minlength=60).astype(np.float64)
+        fluid = [best_replica_split(load_E, t, num_devices) for t in tables]
+        rules = [("static (today's rule)", None, None)]
+        rules += [(f"load-aware, steps of {w}", w, None) for w in RUNTIME_WINDOWS]
+        rules += [(f"load-aware, steps of {RUNTIME_WINDOWS[0]}, pin slack {slack}", RUNTIME_WINDOWS[0], slack) for slack in (0.0, 0.01, 0.03)]
+        for rule, window, slack in rules:
+            scores = []
+            for table in tables:
+                if window is None:
+                    scores.append(_ct_and_balance(held_Nk, resolve_homes_np(held_Nk, table, num_devices), num_devices, RUNTIME_WINDOWS[0]))
+                else:
+                    scores.append(_ct_and_balance(held_Nk, replay_load_aware(held_Nk, table, num_devices, window, slack), num_devices, window))
+            ct = float(np.mean([c for c, _, _ in scores]))
+            balance = [b for _, b, _ in scores]
+            rows.append({
+                "plan (D=8, seeds 0-9)": name,
+                "replica rule": rule,
+                "CT held-out, mean (vs today's refined)": f"{ct:.3f} ({100 * (ct / today - 1):+.1f}%)",
+                "balance held-out, mean / worst seed": f"{np.mean(balance):.3f} / {max(balance):.3f}",
+                "seeds <= 1.05 with CT below today's": f"{sum(b <= 1.05 + 1e-9 and c < today for c, b, _ in scores)} / {len(scores)}",
+                "a step's balance, mean": f"{np.mean([w for _, _, w in scores]):.3f}",
+                "fluid bound, mean": f"{np.mean(fluid):.3f}" if window is None else "",
+            })
+    return rows
 
 
 def runtime_replica_rows(routing_dir: Path, window_tokens: int = 8192, slot_counts: tuple[int, ...] = (8, 16, 32)) -> list[dict[str, Any]]:
@@ -492,9 +579,20 @@ def add_followup(result: StudyResult, routing_dir: Path) -> None:
     result.tables[title] = followup_rows(routing_dir)
     result.notes[title] = [
         "shrunk loads: each profile's expert loads pulled halfway toward their mean (load_reliability=0.5) and the "
-        "limit tightened to 1.06; 'auto' estimates the factor from each profile's split-half reliability",
+        "limit tightened to 1.06; 'auto' chooses the factor per layer by cross-validation in time on the planning "
+        "half alone (refined.cross_validated_reliability)",
         "load-aware bound: the cheapest re-routing of replicated pairs (to another home of the expert) that brings "
         "every device under 1.05x the mean on the held-out tokens; an offline bound, not the runtime's rule",
+    ]
+    title = "Qwen1.5-MoE layer 0, D=8, 8 redundant slots: the runtime's replica rules replayed on the held-out half"
+    result.tables[title] = runtime_rule_rows(routing_dir)
+    result.notes[title] = [
+        "replayed as the runtime computes it: each step's tokens cut into 8 contiguous ranks, each rank's counts "
+        "all-gathered, each rank routing its own pairs (replica_routing.load_aware_homes); default pin slack "
+        "0.02 of the mean device load",
+        "'a step's balance': max / mean device load within one step, averaged over the steps (the straggler of each "
+        "step); the fluid bound (best_replica_split) is the least max load any split of the replicas gives over the "
+        "whole half",
     ]
     title = "Qwen1.5-MoE layer 0, D=8: a static plan on tokens of the same kind (the sampling-noise floor)"
     result.tables[title] = static_floor_rows(routing_dir)
