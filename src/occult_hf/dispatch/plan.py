@@ -224,7 +224,7 @@ def received_pairs(slot_RW: torch.Tensor, num_pairs: int, num_local_experts: int
     `L` by a remainder: past the last expert) and the segment offsets by a binary search of the sorted
     keys: no compaction, no atomics, four kernels."""
     width = slot_RW.shape[1]
-    key_F = torch.remainder(slot_RW.reshape(-1), num_local_experts + 1)  # F = R * W entries; -1 -> L
+    key_F = torch.remainder(slot_RW, num_local_experts + 1).reshape(-1)  # F = R * W entries; -1 -> L (a strided view: no copy first)
     key_sorted_F, order_F = torch.sort(key_F, stable=True)
     pick_N = order_F[:num_pairs]
     offsets = torch.searchsorted(key_sorted_F[:num_pairs], _arange(num_local_experts + 1, key_F.device, key_F.dtype))

@@ -181,7 +181,7 @@ def _static_pairs(slot_RW: torch.Tensor, num_local_experts: int) -> tuple[Expert
     The same sort as `plan.received_pairs` (an empty slot, -1, keyed `L` by a remainder), over all entries
     since the valid count is known only on the device."""
     num_rows, width = slot_RW.shape
-    key_N = torch.remainder(slot_RW.reshape(-1), num_local_experts + 1)
+    key_N = torch.remainder(slot_RW, num_local_experts + 1).reshape(-1)
     key_sorted_N, order_N = torch.sort(key_N, stable=True)
     offsets = torch.searchsorted(key_sorted_N, _arange(num_local_experts + 1, key_N.device, key_N.dtype))
     pair_row_N = torch.where(key_sorted_N < num_local_experts, order_N // max(width, 1), num_rows)
