@@ -311,8 +311,9 @@ DEFAULT_CHUNKS = 1
 
 def sum_token_rows(rows_pad_OH: torch.Tensor, row_TJ: torch.Tensor, out_TH: torch.Tensor | None = None) -> torch.Tensor:
     """`[T, H]` in the rows' dtype: each token's rows summed, `out[t] = sum_j rows_pad_OH[row_TJ[t, j]]`,
-    accumulated in fp32 and rounded once (torch reduces bf16/fp16 in fp32). `rows_pad_OH` ends with a zero
-    row that a token's absent rows point at. A gather and a reduction in a fixed order: no atomics (an
+    accumulated in fp32 and rounded once (torch reduces bf16/fp16 in fp32). `rows_pad_OH` has a zero row
+    that a token's absent rows point at (the first in "all_to_all", whose `row_TJ` counts from one; the
+    last in the static dispatchers). A gather and a reduction in a fixed order: no atomics (an
     fp32 `index_add_` of the rows cost 47% of transformers' experts call on the H200, BASELINES.md).
     The dtype is explicit because CUDA autocast runs `sum` in fp32 otherwise: a bf16 model under
     `torch.autocast` would get an fp32 block output (the stock block returns its input's dtype), an fp32
