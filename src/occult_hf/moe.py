@@ -150,23 +150,7 @@ class OccultMoE(nn.Module):
             replica_choice=occult_config.replica_choice,
         )
         self.dispatcher: TokenDispatcher = build_dispatcher(**self._dispatcher_settings, device=device)
-        # replicated experts: which local slots are copies of an expert with several homes, and where
-        # its gradient goes in the layer's batched sum over the holders (`collectives.sum_replica_grads`)
-        replicated_E = [e for e, h in enumerate(homes) if len(h) > 1]
-        self.num_replicated = len(replicated_E) if ep.is_distributed else 0
-        row_of = {e: i for i, e in enumerate(replicated_E)}
-        held = [(slot, row_of[e]) for slot, e in enumerate(expert_ids) if e in row_of] if ep.is_distributed else []
-        self.replica_slots = torch.tensor([s for s, _ in held], dtype=torch.int64)
-        self.replica_rows = torch.tensor([r for _, r in held], dtype=torch.int64)
-        # 1 / homes of each local slot: the global gradient norm counts an expert once, not once per copy
-        self.copy_weight_L = torch.tensor(
-            [1.0 / len(homes[e]) if ep.is_distributed else 1.0 for e in expert_ids], dtype=torch.float32
-        )
-        self.replica_pending: list[torch.Tensor | None] = [None, None]
-        if self.num_replicated:
-            for index, param in enumerate((self.experts.gate_up_proj, self.experts.down_proj)):
-                if param.requires_grad:
-                    param.register_hook(partial(self._record_replica_grad, index))
+        self._track_replicas(homes, expert_ids)
         self.register_buffer("device_of_E", torch.tensor(device_of_E, dtype=torch.int64, device=device), persistent=False)
         self.register_buffer("local_index_E", torch.tensor(local_index_E, dtype=torch.int64, device=device), persistent=False)
         for name in ("rows_sent", "pairs_sent", "bytes_sent"):
@@ -259,6 +243,83 @@ class OccultMoE(nn.Module):
         part.index_add_(0, rows, grad_L.detach()[slots].float())
         pending = self.replica_pending[index]
         self.replica_pending[index] = part if pending is None else pending + part
+
+    def _track_replicas(self, homes: list[list[int]], expert_ids: list[int]) -> None:
+        """Replicated experts: which local slots are copies of an expert with several homes, and where
+        its gradient goes in the layer's batched sum over the holders (`collectives.sum_replica_grads`)."""
+        distributed = self.ep.is_distributed
+        replicated_E = [e for e, h in enumerate(homes) if len(h) > 1]
+        self.num_replicated = len(replicated_E) if distributed else 0
+        row_of = {e: i for i, e in enumerate(replicated_E)}
+        held = [(slot, row_of[e]) for slot, e in enumerate(expert_ids) if e in row_of] if distributed else []
+        self.replica_slots = torch.tensor([s for s, _ in held], dtype=torch.int64)
+        self.replica_rows = torch.tensor([r for _, r in held], dtype=torch.int64)
+        # 1 / homes of each local slot: the global gradient norm counts an expert once, not once per copy
+        self.copy_weight_L = torch.tensor(
+            [1.0 / len(homes[e]) if distributed else 1.0 for e in expert_ids], dtype=torch.float32
+        )
+        self.replica_pending: list[torch.Tensor | None] = [None, None]
+        if self.num_replicated:
+            for index, param in enumerate((self.local_experts.gate_up_proj, self.local_experts.down_proj)):
+                if param.requires_grad:
+                    param.register_hook(partial(self._record_replica_grad, index))
+
+    @torch.no_grad()
+    def set_replicas(self, placement: Placement) -> None:
+        """Give this layer the replicas of `placement`, whose primary homes must be this layer's (what
+        `placement.rebalance.replan_replicas` makes). Collective under EP: every rank calls it.
+
+        Each rank's new slots are its homes under `placement`; a copy it did not hold is copied from the
+        expert's primary holder (one broadcast per replicated expert and weight, every rank joins, in
+        expert order), so every copy equals its primary bit for bit. The dispatcher, the local slots and
+        the replica gradient bookkeeping are rebuilt. The expert parameters are new tensors: an optimizer
+        built before must be rebuilt (re-home between training runs, or while serving).
+        """
+        import torch.distributed as dist
+
+        layer = self.layer_idx
+        if [int(d) for d in placement.device_of(layer)] != self.device_of_E.tolist():
+            raise ValueError(
+                f"layer {layer}: set_replicas needs the layer's primary homes {self.device_of_E.tolist()}, the new placement "
+                f"has {list(placement.device_of(layer))}: only the redundant copies may move (replan_replicas keeps primaries)"
+            )
+        experts = self.experts
+        if not isinstance(experts, LocalExperts):
+            raise ValueError(f"layer {layer}: set_replicas does not support adapters (PEFT) on the routed experts")
+        homes = placement.homes(layer)
+        replicated = any(len(h) > 1 for h in homes)
+        if self.ep.is_distributed:
+            old_ids, new_ids = experts.expert_ids.tolist(), placement.experts_on(layer, self.ep.rank)
+            params = (experts.gate_up_proj, experts.down_proj)
+            weights = [param.new_empty((len(new_ids), *param.shape[1:])) for param in params]
+            for slot, expert in enumerate(new_ids):
+                if expert in old_ids:
+                    for new, param in zip(weights, params):
+                        new[slot] = param[old_ids.index(expert)]
+            for expert in (e for e, h in enumerate(homes) if len(h) > 1):  # from the primary holder, every rank joins
+                primary = int(self.device_of_E[expert])
+                source = dist.get_global_rank(self.ep.group, primary)
+                for new, param in zip(weights, params):
+                    part = param[old_ids.index(expert)].contiguous() if self.ep.rank == primary else param.new_empty(param.shape[1:])
+                    dist.broadcast(part, src=source, group=self.ep.group)
+                    if expert in new_ids:
+                        new[new_ids.index(expert)] = part
+            experts.gate_up_proj = nn.Parameter(weights[0], requires_grad=params[0].requires_grad)
+            experts.down_proj = nn.Parameter(weights[1], requires_grad=params[1].requires_grad)
+            experts.expert_ids = torch.tensor(new_ids, dtype=torch.int64, device=experts.expert_ids.device)
+            self.local_index_E.copy_(torch.as_tensor(placement.local_slot(layer), dtype=torch.int64))
+            slot_ED = placement.slot_table(layer)
+        else:
+            new_ids = experts.expert_ids.tolist()
+            slot_ED = np.repeat(np.arange(len(homes))[:, None], self.ep.num_devices, axis=1)
+        self._dispatcher_settings.update(
+            local_index_E=self.local_index_E.tolist(),
+            num_local_experts=len(new_ids),
+            home_table_EM=placement.home_table(layer) if replicated else None,
+            slot_ED=slot_ED if replicated else None,
+        )
+        self.dispatcher = build_dispatcher(**self._dispatcher_settings, device=self.device_of_E.device)
+        self._track_replicas(homes, new_ids)
 
     # ----- statistics -------------------------------------------------------------------
     @torch.no_grad()
