@@ -28,7 +28,7 @@ def test_bench_ep_two_gloo_ranks(tmp_path):
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "occult_hf.cli",
         "bench", "ep", "--shapes", "qwen1.5-moe-a2.7b", "--tokens", "256", "--hidden", "32",
         "--intermediate", "16", "--iterations", "1", "--trace", str(TRACE), "--out", str(tmp_path),
-        "--modes", *[m.name for m in MODES], TRANSFORMERS_EP, "dedup+replicated", "dedup+file",
+        "--modes", *[m.name for m in MODES], TRANSFORMERS_EP, "dedup+replicated", "dedup+replicated+load_aware", "dedup+file",
         "--placement", str(tmp_path / "replicated.json"),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -43,6 +43,7 @@ def test_bench_ep_two_gloo_ranks(tmp_path):
         ("all_to_all", "per_expert+contiguous"), ("all_to_all", "dedup+contiguous"), ("all_to_all", "dedup+refined"),
         ("all_to_all", "dedup+refined+Nd=2"), ("all_to_all", "dedup+refined+Nd=1"), ("padded", "dedup+refined"),
         ("transformers_ep", "all_to_all"), ("all_to_all", "dedup+replicated"), ("all_to_all", "dedup+file"),
+        ("all_to_all", "dedup+replicated+load_aware"),
     }  # fmt: skip
     assert all(r["note"] == "" for r in results), [r["note"] for r in results]
     rows = {r["mode"]: r for r in results if r["dispatcher"] == "all_to_all"}
@@ -55,6 +56,8 @@ def test_bench_ep_two_gloo_ranks(tmp_path):
     # replicas: refined with one redundant slot per rank; the file's copies of experts 0 and 59 on both ranks
     # serve some pairs on the device the token visits anyway, so CT is below the file's primary map's
     assert rows["dedup+replicated"]["ct"] < rows["dedup+contiguous"]["ct"]
+    # the load-aware rule splits a replicated expert's pairs by the batch's loads, keeping pairs on visited homes
+    assert rows["dedup+replicated+load_aware"]["ct"] < rows["dedup+contiguous"]["ct"]
     assert rows["dedup+file"]["ct"] < rows["dedup+contiguous"]["ct"]
     assert 1.0 <= rows["dedup+refined+Nd=2"]["ct"] <= 2.0
     # the layer with its exchange skipped was timed for every case

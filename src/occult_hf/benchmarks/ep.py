@@ -20,7 +20,8 @@ all-to-all-v, splits on the device; "padded": static equal-split all-to-all) wit
 contiguous placement (one row per (token, expert), the baseline of transformers' all-to-all EP,
 Tutel and Megatron), `dedup` + contiguous, `dedup` + refined placement (planned on the first half of
 the replayed routing) and `dedup` + refined pruned to N_d devices; on request (`--modes`) `dedup` +
-replicated (refined with one redundant expert slot per rank: hot experts get a second home) and
+replicated (refined with one redundant expert slot per rank: hot experts get a second home; `+load_aware`: a
+replicated expert's pairs split over its homes by the batch's loads, `OccultConfig.replica_choice`) and
 `dedup` + file (`--placement occult_placement.json`, replicas allowed). `transformers_ep`: transformers'
 own expert parallelism as shipped (a one-layer checkpoint of the shape loaded with
 `DistributedConfig(ep_size=D, fsdp_size=D, ep_implementation="all_to_all")` on transformers >= 5.21,
@@ -82,11 +83,13 @@ class Mode:
     dispatch: str
     placement: str
     max_devices_per_token: int | None = None
+    replica_choice: str = "static"  # OccultConfig.replica_choice: matters only with replicas
 
     @property
     def name(self) -> str:
         pruned = f"+Nd={self.max_devices_per_token}" if self.max_devices_per_token else ""
-        return f"{self.dispatch}+{self.placement}{pruned}"
+        rule = f"+{self.replica_choice}" if self.replica_choice != "static" else ""
+        return f"{self.dispatch}+{self.placement}{pruned}{rule}"
 
 
 MODES = (
@@ -96,9 +99,10 @@ MODES = (
     Mode("dedup", "refined", 2),
     Mode("dedup", "refined", 1),
 )
-#: on request (`--modes`): refined with one redundant expert slot per rank (replicated hot experts, issue 14),
-#: and the placement file given by `--placement` (replicas allowed)
-EXTRA_MODES = (Mode("dedup", "replicated"), Mode("dedup", "file"))
+#: on request (`--modes`): refined with one redundant expert slot per rank (replicated hot experts, issue 14), its
+#: pairs split over the homes by the static rule or by the batch's loads ("load_aware"), and the placement file
+#: given by `--placement` (replicas allowed)
+EXTRA_MODES = (Mode("dedup", "replicated"), Mode("dedup", "replicated", replica_choice="load_aware"), Mode("dedup", "file"))
 
 #: the MoE block of each family, and what the real checkpoints add to the routed experts
 BLOCKS = {
@@ -433,6 +437,7 @@ def measure(shape_name: str, tokens: int, trace, args, device, dtype, rank: int,
             max_devices_per_token=mode.max_devices_per_token,
             expert_backend=args.expert_backend,
             dispatch_chunks=args.chunks,
+            replica_choice=mode.replica_choice,
         )
         converted, layer = occult_layer(model, occult_config, logits_TE)
         try:
@@ -786,7 +791,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--modes", nargs="+", default=[m.name for m in MODES] + [TRANSFORMERS_EP],
         choices=[m.name for m in MODES + EXTRA_MODES] + [TRANSFORMERS_EP],
-        help="cases to run (default: all but dedup+replicated and dedup+file, which run on request)",
+        help="cases to run (default: all but dedup+replicated[+load_aware] and dedup+file, which run on request)",
     )
     parser.add_argument(
         "--placement", default=None,
