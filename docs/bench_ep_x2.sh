@@ -1,35 +1,61 @@
 #!/bin/bash
-# Issue 10 on `nvidia-h200-x2` in one device call (about 5 minutes of commands; see docs/bench_ep_h200_2gpu.md):
-#   1. the 2-rank NCCL tests of the dispatcher (tests/test_gpu_dispatch.py -k two_ranks: fp32 exactness against one
-#      process, and no synchronising CUDA call in an "all_to_all" block's forward and backward), plus the
-#      one-process no-host-sync check on the torch experts backend;
-#   2. `occult bench ep` at T = 16384, 128 and 4096 tokens per rank (Qwen1.5 trace and OLMoE shapes; "all_to_all" in
-#      every mode, "padded" in dedup+refined with its forward also replayed as a CUDA graph, transformers' EP);
-#   3. `occult bench realsize --skip-replica` (OLMoE-1B-7B, 16 layers, EP only: the replica's figures do not depend on
-#      this code; greedy decode through the CUDA-graph path), if time is left.
+# Issue 10 on `nvidia-h200-x2` in one device call (see docs/bench_ep_h200_2gpu.md). Steps, run in the order of $STEPS:
+#   exact    the 2-rank NCCL tests of the dispatcher (tests/test_gpu_dispatch.py -k two_ranks: fp32 exactness against
+#            one process, and no synchronising CUDA call in an "all_to_all" block's forward and backward), plus the
+#            one-process no-host-sync check on the torch experts backend;
+#   model    `occult bench model` (4 layers at the OLMoE and Qwen1.5 shapes, 16,384 tokens, one process against stock
+#            transformers 5.24): one shape per GPU, both at once (each its own process and GPU);
+#   realsize `occult bench realsize` (OLMoE-1B-7B, 16 layers): the data-parallel replica and EP in the same run (so
+#            their ratio comes from one machine), greedy decode through the CUDA-graph path; REALSIZE=--skip-replica
+#            times EP only;
+#   ep       `occult bench ep` (Qwen1.5 trace and OLMoE shapes) at $TOKENS per rank, $DISPATCHERS x $MODES.
+# PRESET=final (the last call of session 4): STEPS="model realsize ep", ep with the "symm_mem" rows (dedup+refined,
+# with its CUDA-graph replay) beside "all_to_all" dedup+refined, refined with one replica slot per rank (static and
+# load-aware replica rule, issue 14) and transformers' EP, at T = 16384 and 128. Without PRESET: session 4's first
+# call (exact, ep with "all_to_all"/"padded" at 16384/128/4096, realsize --skip-replica).
 # Run from the repository root on the device machine; it needs the transformers 5.24 wheel and the Qwen1.5 trace in
-# $DATA (whl/*.whl, trace.npz; default .devdata/fastep), e.g. with the code copied into .devdata/fastep:
-#   run(kind="nvidia-h200-x2", carry=[".devdata/fastep"], timeout_s=330, command="cd .devdata/fastep && DATA=$PWD bash docs/bench_ep_x2.sh")
-# Results come back under $OUT (log.txt, exact.txt, ep.txt, realsize.txt and the tables); the last lines printed are the tables.
-# Step limits (seconds): T_EXACT, T_EP, T_REAL; the whole script stops starting steps after T_TOTAL.
-# Session 4's call ran the defaults. DISPATCHERS="all_to_all padded symm_mem" adds the NVSHMEM dispatcher's rows
-# (dedup+refined, with its CUDA-graph replay); REALSIZE="" also times the data-parallel replica (the EP half took
-# 36 s on 2026-11-30).
+# $DATA (whl/*.whl, trace.npz; default .devdata/fastep), e.g. the landed code with only the data carried:
+#   run(kind="nvidia-h200-x2", carry=[".devdata/fastep"], timeout_s=450, command="PRESET=final bash docs/bench_ep_x2.sh")
+# Results come back under $OUT: tables.md (every table as the doc shows them, the headers included, and the targets
+# they decide), log.txt (the whole run), one log per step and the json files; the last lines printed are tables.md.
+# Time: every step is limited to min(its limit, time left), and no step starts after T_TOTAL s (default 430 with
+# PRESET=final, else 315); limits T_EXACT, T_MODEL, T_REAL, T_EP. DRY=1: a CPU dry run of the same steps at tiny sizes
+# (no wheel, the current python; 2 gloo ranks), to check the script.
 set -u
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-4G}
+case "${PRESET:-}" in
+  final) : "${STEPS:=model realsize ep}" "${TOKENS:=16384 128}" "${DISPATCHERS:=all_to_all symm_mem}" "${REALSIZE:=}" \
+           "${MODES:=dedup+refined dedup+replicated dedup+replicated+load_aware transformers_ep}" "${T_TOTAL:=430}" ;;
+  "") ;;
+  *) echo "PRESET=$PRESET: not a preset (final, or unset)"; exit 2 ;;
+esac
+: "${STEPS:=exact ep realsize}" "${TOKENS:=16384 128 4096}" "${DISPATCHERS:=all_to_all padded}" "${REALSIZE=--skip-replica}" \
+  "${MODES:=per_expert+contiguous dedup+contiguous dedup+refined transformers_ep}" "${T_TOTAL:=315}" "${DRY:=}"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-8G}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 DATA=${DATA:-$ROOT/.devdata/fastep}
 OUT=${OUT:-/tmp/out}
 START=$(date +%s)
-left() { echo $(( ${T_TOTAL:-315} - ($(date +%s) - START) )); }
+left() { echo $(( T_TOTAL - ($(date +%s) - START) )); }
 cd "$ROOT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$DATA"/whl/*.whl || exit 1
-# the package as the wheel lays it out (kernels/, patches/, eval/ are subpackages), from this checkout
-rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r src/occult_hf /tmp/pkg/ && for d in kernels patches eval; do cp -r $d /tmp/pkg/occult_hf/$d; done
+WORK=$(mktemp -d)  # the wheel's install, the package copy, the raw results (few files come back from $OUT)
+if [ -n "$DRY" ]; then
+  # tiny sizes on CPU: the steps' logic, not their figures
+  EP_SIZE="--hidden 32 --intermediate 16"; MODEL_SIZE="--layers 1 --batch 1 --seq 64 --hidden 64 --intermediate 32"
+  REAL_SIZE="--layers 1 --hidden 64 --batch 1 --seq 32 --prompt 4 --new-tokens 2"; TOKENS_RUN="64"; NGPU=${NGPU:-0}
+  TRACE=${TRACE:-$ROOT/../shared/data/routing/qwen15moe_a27b_chat_gptq_int4_gsm8k25_layer0_trace.npz}
+  export PYTHONPATH=$ROOT/src:$ROOT/tests
+else
+  EP_SIZE=""; MODEL_SIZE=""; REAL_SIZE="--new-tokens 32"; TOKENS_RUN=$TOKENS; NGPU=$(nvidia-smi -L | wc -l)
+  TRACE=$DATA/trace.npz
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $WORK/site "$DATA"/whl/*.whl || exit 1
+  # the package as the wheel lays it out (kernels/, patches/, eval/ are subpackages), from this checkout
+  mkdir -p $WORK/pkg && cp -r src/occult_hf $WORK/pkg/ && for d in kernels patches eval; do cp -r $d $WORK/pkg/occult_hf/$d; done
+  export PYTHONPATH=$WORK/diag:$WORK/site:$WORK/pkg:$ROOT/tests
+fi
 # every Python process (pytest's ranks too) dumps its stacks on SIGUSR1
-mkdir -p /tmp/diag && printf 'import faulthandler, signal\nfaulthandler.register(signal.SIGUSR1, all_threads=True)\n' > /tmp/diag/sitecustomize.py
-export PYTHONPATH=/tmp/diag:/tmp/site:/tmp/pkg:$ROOT/tests
-R=$OUT/r; mkdir -p $R
+mkdir -p $WORK/diag && printf 'import faulthandler, signal\nfaulthandler.register(signal.SIGUSR1, all_threads=True)\n' > $WORK/diag/sitecustomize.py
+R=$WORK/r; mkdir -p $R $OUT
+TORCHRUN="python3 -m torch.distributed.run --nproc-per-node 2"
 F="Warning\|Loading weights\|Writing model\|output = func\|USDT\|warn(\|^|\|^$"
 descendants() { local c; for c in $(ps -o pid= --ppid "$1"); do echo "$c"; descendants "$c"; done; }
 # run "$2..." with a limit of min($1, time left) s; 20 s before it, dump the stacks of it and its children
@@ -41,21 +67,82 @@ bounded() {
   ( sleep $((limit - 20)); for p in $(descendants $pid); do kill -USR1 "$p" 2>/dev/null; done ) & local dog=$!
   wait $pid; local rc=$?; kill $dog 2>/dev/null; return $rc
 }
+
+step_exact() {
+  OCCULT_TEST_COLLECTIVE_TIMEOUT_S=45 NCCL_DEBUG=WARN bounded ${T_EXACT:-70} python3 -m pytest -s -q -m gpu -p no:cacheprovider \
+    tests/test_gpu_dispatch.py -k "two_ranks or (one_process and torch)" > $OUT/exact.txt 2>&1; echo "rc=$?"; grep -v "$F" $OUT/exact.txt | tail -25
+}
+
+step_model() {  # one shape per GPU at once (on one GPU, or on CPU, one after the other)
+  local shapes=(olmoe-1b-7b qwen1.5-moe-a2.7b) i pids=()
+  if [ "$NGPU" -ge 2 ]; then
+    for i in 0 1; do
+      CUDA_VISIBLE_DEVICES=$i bounded ${T_MODEL:-150} python3 -m occult_hf.cli bench model --shapes ${shapes[$i]} $MODEL_SIZE \
+        --out $R/model$i > $OUT/model$i.txt 2>&1 & pids+=($!)
+    done
+    for i in 0 1; do wait ${pids[$i]}; echo "${shapes[$i]} (GPU $i): rc=$?"; done
+  else
+    bounded ${T_MODEL:-150} python3 -m occult_hf.cli bench model --shapes ${shapes[@]} $MODEL_SIZE --out $R/model0 > $OUT/model0.txt 2>&1
+    echo "rc=$?"
+  fi
+  grep -v "$F" $OUT/model*.txt | tail -12
+}
+
+step_realsize() {
+  bounded ${T_REAL:-150} $TORCHRUN -m occult_hf.cli bench realsize $REALSIZE --iterations 3 $REAL_SIZE --dispatchers \
+    --out $R > $OUT/realsize.txt 2>&1; echo "rc=$?"; grep -v "$F" $OUT/realsize.txt | tail -20
+}
+
+step_ep() {
+  bounded ${T_EP:-165} $TORCHRUN -m occult_hf.cli bench ep --shapes qwen1.5-moe-a2.7b olmoe-1b-7b $EP_SIZE \
+    --tokens $TOKENS_RUN --iterations 5 --trace "$TRACE" --dispatchers $DISPATCHERS --modes $MODES --out $R > $OUT/ep.txt 2>&1
+  echo "rc=$?"; grep -v "$F" $OUT/ep.txt | tail -40
+}
+
 {
-date -u; nvidia-smi -L; python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)"
-echo "=== 1. 2-rank NCCL dispatcher tests, one-process no-host-sync (torch experts)"
-OCCULT_TEST_COLLECTIVE_TIMEOUT_S=45 NCCL_DEBUG=WARN bounded ${T_EXACT:-70} python3 -m pytest -s -q -m gpu -p no:cacheprovider \
-  tests/test_gpu_dispatch.py -k "two_ranks or (one_process and torch)" > $OUT/exact.txt 2>&1; echo "rc=$?"; grep -v "$F" $OUT/exact.txt | tail -25
-date -u
-echo "=== 2. bench ep, T = 16384, 128, 4096"
-bounded ${T_EP:-165} torchrun --nproc-per-node 2 -m occult_hf.cli bench ep --shapes qwen1.5-moe-a2.7b olmoe-1b-7b \
-  --tokens 16384 128 4096 --iterations 5 --trace "$DATA/trace.npz" --dispatchers ${DISPATCHERS:-all_to_all padded} \
-  --modes per_expert+contiguous dedup+contiguous dedup+refined transformers_ep --out $R > $OUT/ep.txt 2>&1; echo "rc=$?"; grep -v "$F" $OUT/ep.txt | tail -40
-date -u
-echo "=== 3. bench realsize --skip-replica (OLMoE-1B-7B, 16 layers)"
-bounded ${T_REAL:-150} torchrun --nproc-per-node 2 -m occult_hf.cli bench realsize ${REALSIZE---skip-replica} --iterations 2 --new-tokens 32 --dispatchers \
-  --out $R > $OUT/realsize.txt 2>&1; echo "rc=$?"; grep -v "$F" $OUT/realsize.txt | tail -20
-date -u
+date -u; [ -n "$DRY" ] || nvidia-smi -L; git log -1 --format="commit %h %s" 2>/dev/null | cut -c1-120
+python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"
+echo "STEPS=$STEPS TOKENS=$TOKENS DISPATCHERS=$DISPATCHERS MODES=$MODES REALSIZE=$REALSIZE T_TOTAL=$T_TOTAL DRY=$DRY"
+for s in $STEPS; do
+  echo "=== $s ($(left) s left)"; "step_$s"; date -u
+done
 } > $OUT/log.txt 2>&1
-rm -f $R/bench_realsize_*.json  # few files come back
-cat $R/bench_ep_2xcuda.md $R/bench_realsize_2xcuda.md 2>/dev/null; tail -30 $OUT/log.txt
+# tables.md: every table as written, the model's two halves as one table, then the targets they decide
+python3 - "$R" "$OUT/tables.md" <<'EOF' >> $OUT/log.txt 2>&1
+import json, sys
+from pathlib import Path
+
+r, out = Path(sys.argv[1]), Path(sys.argv[2])
+parts, rows = [], {}
+models = sorted(r.glob("model*/bench_model_*.md"))
+if models:
+    texts = [m.read_text().strip().split("\n") for m in models]
+    parts.append("\n".join(texts[0] + [line for t in texts[1:] for line in t if line.startswith("| ") and not line.startswith("| shape")]))
+    for m in sorted(r.glob("model*/bench_model_*.json")):
+        for row in json.loads(m.read_text())["rows"]:
+            rows.setdefault(row["shape"], {})[row["implementation"]] = row
+for name in ("bench_realsize_*.md", "bench_ep_*.md"):
+    parts += [p.read_text().strip() for p in sorted(r.glob(name))]
+targets = []
+for shape, pair in rows.items():
+    if {"stock", "occult"} <= set(pair):
+        f = pair["stock"]["fwd_ms"] / pair["occult"]["fwd_ms"]
+        b = pair["stock"]["fwd_bwd_ms"] / pair["occult"]["fwd_bwd_ms"]
+        met = "yes" if min(f, b) >= 1.4 else "no"
+        targets.append(f"- 4-layer model, {shape}, one GPU: occult is {f:.2f}x (fwd) / {b:.2f}x (fwd+bwd) stock transformers (target 1.4x: {met})")
+for p in sorted(r.glob("bench_realsize_*.json")):
+    real = json.loads(p.read_text())["rows"]
+    replica = [x for x in real if x["setup"].startswith("stock")]
+    for x in real:
+        if replica and x["setup"].startswith("occult"):
+            f, b = x["fwd_ms"] / replica[0]["fwd_ms"], x["fwd_bwd_ms"] / replica[0]["fwd_bwd_ms"]
+            met = "yes" if max(f, b) < 1 else "no"
+            targets.append(f"- real size, {x['setup']}: {f:.2f}x (fwd) / {b:.2f}x (fwd+bwd) the replica's time, "
+                           f"{x['peak_gib']:.1f} vs {replica[0]['peak_gib']:.1f} GiB (EP faster: {met}); decode {x['decode_ms_per_token']:.2f} ms/token")
+if targets:
+    parts.append("Targets (issue 10) from these tables:\n\n" + "\n".join(targets))
+out.write_text("\n\n".join(parts) + "\n")
+EOF
+for f in $R/bench_ep_*.json $R/bench_realsize_*.json; do [ -f "$f" ] && cp "$f" $OUT/; done
+rm -rf "$WORK"
+cat $OUT/tables.md; tail -30 $OUT/log.txt
