@@ -69,6 +69,8 @@ def test_two_ranks_under_nccl_match_one_process_in_fp32():
         for mode in ("dedup", "per_expert")
         for chunks in (1, 3)
     ]
+    # replicated experts with the load-aware replica choice: its all-gather of counts under NCCL
+    cases += [("olmoe", 8, "dedup", "replicated_load_aware", 2), ("qwen2_moe", 8, "per_expert", "replicated_load_aware", 1)]
     _run(2, 8, cases, on_gpu=True, expert_backend="torch")
 
 

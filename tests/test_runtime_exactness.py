@@ -179,9 +179,10 @@ def _check_case(rank, world_size, family, num_experts, mode, placement_kind, chu
 def _gather_all(local: torch.Tensor) -> torch.Tensor:
     import torch.distributed as dist
 
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, local)
-    return torch.stack(parts)
+    on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else local.device
+    parts = [torch.empty_like(local, device=on) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, local.to(on))
+    return torch.stack(parts).to(local.device)
 
 
 @contextlib.contextmanager
