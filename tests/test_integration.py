@@ -191,6 +191,14 @@ def test_counters_report_rows_pairs_and_bytes():
         assert torch.equal(module.bytes_sent, module.rows_sent * (hidden * 4 + 1 * (4 + 4)))
     reset_counters(model)
     assert all(int(m.rows_sent.sum()) == 0 and int(m.forwards) == 0 for m in occult_modules(model).values())
+    # rows of another size (fp64 activations and weights, fields 8-byte aligned) after the first forward's: their
+    # bytes are theirs
+    from occult_hf.dispatch.base import dispatch_format
+
+    model.double()(tiny_batch())
+    row_bytes = dispatch_format(hidden, torch.float64, 1, torch.float64).row_bytes
+    for module in occult_modules(model).values():
+        assert int(module.forwards) == 1 and torch.equal(module.bytes_sent, module.rows_sent * row_bytes)
 
 
 def test_clear_errors(tmp_path):

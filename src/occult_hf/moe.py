@@ -51,11 +51,13 @@ class OccultMoE(nn.Module):
 
     After each forward: `last_topk_ids_Tk` (`[T, k]` int64, detached) is the routing actually
     dispatched (after pruning), `last_devices_TD` (`[T, D]` bool or None) the devices pruning limited
-    each token to when the layer has replicated experts, and the non-persistent int64 buffers `rows_sent` `[D]`, `pairs_sent`
-    `[D]` and `bytes_sent` `[D]` have accumulated, per destination device, the rows this rank sent,
+    each token to when the layer has replicated experts, and `rows_sent` `[D]`, `pairs_sent`
+    `[D]` and `bytes_sent` `[D]` (int64) have accumulated, per destination device, the rows this rank sent,
     the (token, expert) pairs they carried and the bytes of the dispatch (activations and routing
     metadata; the combine returns the same rows, activations only). `forwards` counts the forwards
     since `reset_counters()`. In one process the destinations are the logical devices.
+    A forward adds the dispatch plan's `[D, 2]` counts to one buffer (`sent_D2`) and one to `forwards`: two
+    kernels (the three counters cost five); the three are views or products of that buffer, made when read.
     """
 
     def __init__(
@@ -153,9 +155,11 @@ class OccultMoE(nn.Module):
         self._track_replicas(homes, expert_ids)
         self.register_buffer("device_of_E", torch.tensor(device_of_E, dtype=torch.int64, device=device), persistent=False)
         self.register_buffer("local_index_E", torch.tensor(local_index_E, dtype=torch.int64, device=device), persistent=False)
-        for name in ("rows_sent", "pairs_sent", "bytes_sent"):
-            self.register_buffer(name, torch.zeros(ep.num_devices, dtype=torch.int64, device=device), persistent=False)
+        # the statistics (see the class docstring): rows and pairs sent, the bytes by row size, the forwards
+        self.register_buffer("sent_D2", torch.zeros(ep.num_devices, 2, dtype=torch.int64, device=device), persistent=False)
+        self.register_buffer("bytes_offset_D", torch.zeros(ep.num_devices, dtype=torch.int64, device=device), persistent=False)
         self.register_buffer("forwards", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
+        self._row_bytes = 0  # the first forward's dispatch row size: bytes_sent = bytes_offset_D + rows_sent * it
         if ep.is_distributed:
             self.ep_grad_norm_carrier = nn.Parameter(
                 torch.zeros(1, dtype=torch.float32, device=device), requires_grad=self.experts.gate_up_proj.requires_grad
@@ -218,7 +222,7 @@ class OccultMoE(nn.Module):
     def runtime_state_names(self) -> list[str]:
         """Names (relative to this module) of the runtime's own per-rank buffers and parameters, which
         are not part of a checkpoint and which DDP must not synchronise."""
-        names = ["device_of_E", "local_index_E", "rows_sent", "pairs_sent", "bytes_sent", "forwards"]
+        names = ["device_of_E", "local_index_E", "sent_D2", "bytes_offset_D", "forwards"]
         return names + (["ep_grad_norm_carrier"] if self.ep.is_distributed else [])
 
     def on_device(self, name: str, device: torch.device) -> torch.Tensor:
@@ -322,17 +326,35 @@ class OccultMoE(nn.Module):
         self._track_replicas(homes, new_ids)
 
     # ----- statistics -------------------------------------------------------------------
-    @torch.no_grad()
     def _count(self, plan: DispatchPlan) -> None:
-        rows_D, pairs_D = plan.counts_D2.unbind(1)
-        self.rows_sent.add_(rows_D)
-        self.pairs_sent.add_(pairs_D)
-        self.bytes_sent.add_(rows_D * plan.row_bytes)
+        """Two kernels per forward (plan.counts_D2 needs no gradient). The row size is the first forward's; a
+        forward with rows of another size (another activation dtype) adds the difference of its bytes to
+        `bytes_offset_D` itself (two kernels more), so a CUDA graph that captured it replays that too."""
+        if not self._row_bytes:
+            self._row_bytes = plan.row_bytes
+        elif plan.row_bytes != self._row_bytes:
+            self.bytes_offset_D.add_(plan.counts_D2[:, 0] * (plan.row_bytes - self._row_bytes))
+        self.sent_D2.add_(plan.counts_D2)
         self.forwards.add_(1)
+
+    @property
+    def rows_sent(self) -> torch.Tensor:
+        """`[D]` int64 (a view of `sent_D2`): rows sent to each device since `reset_counters()`."""
+        return self.sent_D2[:, 0]
+
+    @property
+    def pairs_sent(self) -> torch.Tensor:
+        """`[D]` int64 (a view of `sent_D2`): (token, expert) pairs those rows carried."""
+        return self.sent_D2[:, 1]
+
+    @property
+    def bytes_sent(self) -> torch.Tensor:
+        """`[D]` int64: bytes of those rows (activations and routing metadata), made when read."""
+        return self.bytes_offset_D + self.sent_D2[:, 0] * self._row_bytes
 
     @torch.no_grad()
     def reset_counters(self) -> None:
-        for buffer in (self.rows_sent, self.pairs_sent, self.bytes_sent, self.forwards):
+        for buffer in (self.sent_D2, self.bytes_offset_D, self.forwards):
             buffer.zero_()
 
     # ----- weights ----------------------------------------------------------------------
