@@ -60,6 +60,8 @@ from .base import (
     RowFormat,
     TokenDispatcher,
     dispatch_format,
+    gradient_format,
+    pack_gradients,
     register_dispatcher,
     stage,
     sum_token_rows,
@@ -128,7 +130,7 @@ class AllToAllDispatcher(TokenDispatcher):
         x_RH, slot_RW, weight_RW = _DispatchExchange.apply(x_TH, chunk.weight_OW, self, chunk, row_format, pending)
         with stage("received layout"):
             segments, pick_N = received_pairs(slot_RW, chunk.num_pairs, self.num_local_experts)
-            pair_weight_N = weight_RW.reshape(-1)[pick_N]
+            pair_weight_N = torch.take(weight_RW, pick_N)
         plan = self._result_plan(routing, [chunk], counts_D2, row_format, chunk=chunk)
         return Dispatched(x_RH=x_RH, segments=segments, pair_weight_N=pair_weight_N, plan=plan)
 
@@ -358,12 +360,6 @@ class _Pending:
         return self.out
 
 
-def _gradient_format(row_format: RowFormat) -> RowFormat:
-    """The backward row: the gradients of the activations and of the routing weights."""
-    (x_dtype, hidden), _, (weight_dtype, width) = row_format.fields
-    return RowFormat([(x_dtype, hidden), (weight_dtype, width)])
-
-
 def _pack_rows(row_format: RowFormat, x_TH: torch.Tensor, chunk: _Chunk) -> torch.Tensor:
     """`[O, U]` uint8: each row's activations gathered straight into its field (one `index_select`, no
     intermediate copy), its local slots and routing weights beside them."""
@@ -375,18 +371,6 @@ def _pack_rows(row_format: RowFormat, x_TH: torch.Tensor, chunk: _Chunk) -> torc
     return block
 
 
-def _pack_grads(grads: RowFormat, rows: int, grad_x, grad_weight, device) -> torch.Tensor:
-    """Pack the gradients of rows and weights; an absent gradient is zeros (every rank runs the same exchanges)."""
-    block = torch.empty(rows, grads.row_bytes, dtype=torch.uint8, device=device)
-    view_x, view_w = grads.unpack(block)
-    for view, grad in ((view_x, grad_x), (view_w, grad_weight)):
-        if grad is None:
-            view.zero_()
-        else:
-            view.copy_(grad)
-    return block
-
-
 class _DispatchExchange(torch.autograd.Function):
     """Rows and routing metadata in one exchange; backward: their gradients packed in one reverse exchange,
     each token's row gradients summed by a gather."""
@@ -395,6 +379,7 @@ class _DispatchExchange(torch.autograd.Function):
     def forward(ctx, x_TH, weight_OW, dispatcher: AllToAllDispatcher, chunk: _Chunk, row_format: RowFormat, pending: "_Pending"):
         """`pending`: the exchange of the packed rows, already started (see `AllToAllDispatcher.dispatch`)."""
         ctx.dispatcher, ctx.chunk, ctx.row_format, ctx.num_tokens = dispatcher, chunk, row_format, x_TH.shape[0]
+        ctx.set_materialize_grads(False)  # no zeros for the slots' gradient (nor an unused output's): packed as zeros
         with stage("dispatch exchange"):
             received = pending.wait()
         x_RH, slot_RW, weight_RW = row_format.unpack(received)
@@ -404,10 +389,10 @@ class _DispatchExchange(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_x_RH, _grad_slot, grad_weight_RW):
         chunk = ctx.chunk
-        grads = _gradient_format(ctx.row_format)
+        grads = gradient_format(ctx.row_format)
         with stage("dispatch backward exchange"):
             device = (grad_x_RH if grad_x_RH is not None else grad_weight_RW).device
-            block = _pack_grads(grads, sum(chunk.recv_splits), grad_x_RH, grad_weight_RW, device)
+            block = pack_gradients(grads, sum(chunk.recv_splits), grad_x_RH, grad_weight_RW, device)
             back = ctx.dispatcher.exchange(block, chunk.recv_splits, chunk.send_splits, "dispatch backward", zero_row=True).wait()
         grad_x_pad_OH, grad_weight_pad_OW = grads.unpack(back)
         with stage("dispatch backward sum"):
@@ -457,10 +442,10 @@ class _Pipeline:
             if self.track:
                 x_RH, weight_RW = x_RH.detach().requires_grad_(), weight_RW.detach().requires_grad_()
                 with torch.enable_grad():
-                    out_RH = self.experts(x_RH, segments, weight_RW.reshape(-1)[pick_N])
+                    out_RH = self.experts(x_RH, segments, torch.take(weight_RW, pick_N))
                 self.saved.append((x_RH, weight_RW, out_RH))
             else:
-                out_RH = self.experts(x_RH, segments, weight_RW.reshape(-1)[pick_N])
+                out_RH = self.experts(x_RH, segments, torch.take(weight_RW, pick_N))
             combines.append(d.exchange(out_RH.detach(), chunk.recv_splits, chunk.send_splits, f"combine of chunk {i}", zero_row=True))
         out_TH = x_TH.new_empty(x_TH.shape)
         for chunk, pending in zip(self.chunks, combines):
@@ -474,7 +459,7 @@ class _Pipeline:
                 f"{d.layer}: a second backward through the same expert-parallel forward (retain_graph=True) is not "
                 f"supported: the experts' graph of each chunk is released by the first backward"
             )
-        grads = _gradient_format(self.row_format)
+        grads = gradient_format(self.row_format)
         outgoing = [
             d.exchange(grad_TH[c.start : c.end].index_select(0, c.token_O), c.send_splits, c.recv_splits, f"combine backward of chunk {i}")
             for i, c in enumerate(self.chunks)
@@ -484,7 +469,7 @@ class _Pipeline:
             grad_out_RH = pending.wait()
             if out_RH.requires_grad:
                 torch.autograd.backward(out_RH, grad_out_RH)  # experts' backward: parameter grads accumulate
-            block = _pack_grads(grads, sum(chunk.recv_splits), x_RH.grad, weight_RW.grad, self.device)
+            block = pack_gradients(grads, sum(chunk.recv_splits), x_RH.grad, weight_RW.grad, self.device)
             returning.append(d.exchange(block, chunk.recv_splits, chunk.send_splits, f"dispatch backward of chunk {i}", zero_row=True))
         self.saved = []
         grad_x_TH = torch.empty_like(grad_TH) if x_needs_grad else None

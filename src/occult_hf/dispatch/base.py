@@ -124,8 +124,8 @@ class RowFormat:
     def __init__(self, fields: Sequence[tuple[torch.dtype, int]]) -> None:
         self.fields = tuple(fields)
         offset, offsets, align = 0, [], 1
-        for dtype, width in self.fields:
-            size = _itemsize(dtype)
+        self.sizes = tuple(dtype.itemsize for dtype, _ in self.fields)
+        for (dtype, width), size in zip(self.fields, self.sizes):
             offset = -(-offset // size) * size
             offsets.append(offset)
             offset += size * width
@@ -143,20 +143,34 @@ class RowFormat:
 
     def unpack(self, block: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The fields of a packed block as `[rows, width]` views in their dtypes."""
-        views = []
-        for (dtype, width), offset in zip(self.fields, self.offsets):
-            size = _itemsize(dtype)
-            views.append(block[:, offset : offset + size * width].view(dtype))
-        return tuple(views)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+        return tuple(
+            block[:, offset : offset + size * width].view(dtype)
+            for (dtype, width), offset, size in zip(self.fields, self.offsets, self.sizes)
+        )
 
 
 def dispatch_format(hidden: int, x_dtype: torch.dtype, width: int, weight_dtype: torch.dtype) -> RowFormat:
     """The forward row: activations, W int32 local slots, W routing weights."""
     return RowFormat([(x_dtype, hidden), (torch.int32, width), (weight_dtype, width)])
+
+
+def gradient_format(row_format: RowFormat) -> RowFormat:
+    """The backward row of a `dispatch_format` row: the gradients of the activations and of the routing weights."""
+    (x_dtype, hidden), _, (weight_dtype, width) = row_format.fields
+    return RowFormat([(x_dtype, hidden), (weight_dtype, width)])
+
+
+def pack_gradients(grads: RowFormat, rows: int, grad_x, grad_weight, device) -> torch.Tensor:
+    """The gradients of rows and weights packed in `grads`' rows; an absent gradient (None: the dispatch
+    Functions do not materialise them) is zeros, since every rank runs the same exchanges. Each field is
+    written once: no memset of the whole block first."""
+    block = torch.empty(rows, grads.row_bytes, dtype=torch.uint8, device=device)
+    for view, grad in zip(grads.unpack(block), (grad_x, grad_weight)):
+        if grad is None:
+            view.zero_()
+        else:
+            view.copy_(grad)
+    return block
 
 
 class TokenDispatcher:
@@ -401,6 +415,8 @@ __all__ = [
     "dispatch_format",
     "dispatcher_class",
     "dispatcher_names",
+    "gradient_format",
+    "pack_gradients",
     "register_dispatcher",
     "resolve_timeout",
     "stage",

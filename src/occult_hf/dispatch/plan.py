@@ -219,7 +219,7 @@ def _place(pos, values, capacity: int, fill: int) -> torch.Tensor:
 def received_pairs(slot_RW: torch.Tensor, num_pairs: int, num_local_experts: int):
     """`(segments, pick_N)` for received rows: pairs grouped by local expert (rows ascending within one), and
     `[N]` int64 positions in the flattened `[R * W]` routing block of each pair (so
-    `weight_RW.reshape(-1)[pick_N]` are the pair weights in segment order). `num_pairs` (N) is known on
+    `torch.take(weight_RW, pick_N)` are the pair weights in segment order). `num_pairs` (N) is known on
     the host from the count exchange. One stable sort of all `R * W` slots (an empty slot, -1, keyed
     `L` by a remainder: past the last expert) and the segment offsets by a binary search of the sorted
     keys: no compaction, no atomics, four kernels."""

@@ -58,6 +58,7 @@ import torch.distributed as dist
 from occult_hf.kernels.layout import ExpertSegments
 
 from .base import DispatchPlan, Dispatched, RowFormat, TokenDispatcher, dispatch_format, register_dispatcher, sum_token_rows
+from .base import gradient_format, pack_gradients
 from .plan import SendLayout, _arange, send_layout
 
 #: symmetric row widths are padded to a multiple of this many bytes, and buffers hold at least
@@ -146,7 +147,7 @@ class StaticDispatcher(TokenDispatcher):
             recv_counts_D=recv_counts_D,
             row_TJ=layout.row_TJ,
         )
-        return Dispatched(x_RH=x_RH, segments=segments, pair_weight_N=weight_RW.reshape(-1)[pick_N], plan=plan)
+        return Dispatched(x_RH=x_RH, segments=segments, pair_weight_N=torch.take(weight_RW, pick_N), plan=plan)
 
     def combine(self, out_RH: torch.Tensor, plan: StaticPlan) -> torch.Tensor:
         out_OH = _StaticCombineExchange.apply(out_RH, self, plan.send_counts_D, plan.recv_counts_D, plan.token_O.shape[0])
@@ -188,11 +189,6 @@ def _static_pairs(slot_RW: torch.Tensor, num_local_experts: int) -> tuple[Expert
     return ExpertSegments(pair_row_N, offsets, num_rows), order_N
 
 
-def _gradient_format(row_format: RowFormat) -> RowFormat:
-    (x_dtype, hidden), _, (weight_dtype, width) = row_format.fields
-    return RowFormat([(x_dtype, hidden), (weight_dtype, width)])
-
-
 class _StaticDispatchExchange(torch.autograd.Function):
     """Rows and their routing metadata in one exchange; backward: the packed gradients back the same way."""
 
@@ -202,6 +198,7 @@ class _StaticDispatchExchange(torch.autograd.Function):
         x_RH, slot_RW, weight_RW = row_format.unpack(block_RU)
         ctx.dispatcher, ctx.row_format, ctx.rows_O = dispatcher, row_format, x_OH.shape[0]
         ctx.recv_counts_D = recv_counts_D
+        ctx.set_materialize_grads(False)  # no zeros for the slots' and counts' gradients
         ctx.mark_non_differentiable(slot_RW)
         if recv_counts_D is not None:
             ctx.mark_non_differentiable(recv_counts_D)
@@ -209,15 +206,9 @@ class _StaticDispatchExchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_x_RH, _grad_slot, grad_weight_RW, _grad_counts):
-        grads = _gradient_format(ctx.row_format)
-        (x_dtype, hidden), (weight_dtype, width) = grads.fields
-        rows = (grad_x_RH if grad_x_RH is not None else grad_weight_RW).shape[0]
-        block = torch.zeros(rows, grads.row_bytes, dtype=torch.uint8, device=(grad_x_RH if grad_x_RH is not None else grad_weight_RW).device)
-        view_x, view_w = grads.unpack(block)
-        if grad_x_RH is not None:
-            view_x.copy_(grad_x_RH)
-        if grad_weight_RW is not None:
-            view_w.copy_(grad_weight_RW)
+        grads = gradient_format(ctx.row_format)
+        some = grad_x_RH if grad_x_RH is not None else grad_weight_RW
+        block = pack_gradients(grads, some.shape[0], grad_x_RH, grad_weight_RW, some.device)
         back, _ = ctx.dispatcher.exchange(block, ctx.recv_counts_D, ctx.rows_O)
         grad_x_OH, grad_weight_OW = grads.unpack(back)
         return grad_x_OH, grad_weight_OW, None, None, None, None, None
