@@ -8,28 +8,33 @@
 #   realsize `occult bench realsize` (OLMoE-1B-7B, 16 layers): the data-parallel replica and EP in the same run (so
 #            their ratio comes from one machine), greedy decode through the CUDA-graph path; REALSIZE=--skip-replica
 #            times EP only;
-#   ep       `occult bench ep` (Qwen1.5 trace and OLMoE shapes) at $TOKENS per rank, $DISPATCHERS x $MODES.
-# PRESET=final (the last call of session 4): STEPS="model realsize ep", ep with the "symm_mem" rows (dedup+refined,
-# with its CUDA-graph replay) beside "all_to_all" dedup+refined, refined with one replica slot per rank (static and
-# load-aware replica rule, issue 14) and transformers' EP, at T = 16384 and 128. Without PRESET: session 4's first
-# call (exact, ep with "all_to_all"/"padded" at 16384/128/4096, realsize --skip-replica).
+#   ep       `occult bench ep` (Qwen1.5 trace and OLMoE shapes) at $TOKENS per rank, $DISPATCHERS x $MODES;
+#   replicas `occult bench ep`, "all_to_all" at $REPLICA_TOKENS (default 16384): dedup+refined against refined with one
+#            redundant expert slot per rank (at D=2: E/2 + 1 slots each, the hottest experts get a second home),
+#            its pairs split over the homes by the static and by the load-aware rule (issue 14).
+# PRESET=final (the last call of session 4): STEPS="model realsize ep replicas", ep with the "symm_mem" rows
+# (dedup+refined, with its CUDA-graph replay) beside "all_to_all" dedup+refined and transformers' EP at T = 16384
+# and 128. Without PRESET: session 4's first call (exact, ep with "all_to_all"/"padded" at 16384/128/4096, realsize
+# --skip-replica). `bench ep` saves its table after every case: a hung case keeps the rows before it.
 # Run from the repository root on the device machine; it needs the transformers 5.24 wheel and the Qwen1.5 trace in
 # $DATA (whl/*.whl, trace.npz; default .devdata/fastep), e.g. the landed code with only the data carried:
 #   run(kind="nvidia-h200-x2", carry=[".devdata/fastep"], timeout_s=450, command="PRESET=final bash docs/bench_ep_x2.sh")
 # Results come back under $OUT: tables.md (every table as the doc shows them, the headers included, and the targets
-# they decide), log.txt (the whole run), one log per step and the json files; the last lines printed are tables.md.
+# they decide), log.txt (the run's summary) and raw.tar.gz (each step's whole output, the json/md/png files); the
+# last lines printed are tables.md. (If the call is cut before the end, the steps' logs lie in $OUT untarred.)
 # Time: every step is limited to min(its limit, time left), and no step starts after T_TOTAL s (default 430 with
-# PRESET=final, else 315); limits T_EXACT, T_MODEL, T_REAL, T_EP. DRY=1: a CPU dry run of the same steps at tiny sizes
-# (no wheel, the current python; 2 gloo ranks), to check the script.
+# PRESET=final, else 315); limits T_EXACT, T_MODEL, T_REAL, T_EP, T_REPLICAS. DRY=1: a CPU dry run of the same steps
+# at tiny sizes (no wheel, the current python; 2 gloo ranks), to check the script.
 set -u
 case "${PRESET:-}" in
-  final) : "${STEPS:=model realsize ep}" "${TOKENS:=16384 128}" "${DISPATCHERS:=all_to_all symm_mem}" "${REALSIZE:=}" \
-           "${MODES:=dedup+refined dedup+replicated dedup+replicated+load_aware transformers_ep}" "${T_TOTAL:=430}" ;;
+  final) : "${STEPS:=model realsize ep replicas}" "${TOKENS:=16384 128}" "${DISPATCHERS:=all_to_all symm_mem}" "${REALSIZE:=}" \
+           "${MODES:=dedup+refined transformers_ep}" "${T_TOTAL:=430}" "${T_EP:=130}" ;;
   "") ;;
   *) echo "PRESET=$PRESET: not a preset (final, or unset)"; exit 2 ;;
 esac
 : "${STEPS:=exact ep realsize}" "${TOKENS:=16384 128 4096}" "${DISPATCHERS:=all_to_all padded}" "${REALSIZE=--skip-replica}" \
-  "${MODES:=per_expert+contiguous dedup+contiguous dedup+refined transformers_ep}" "${T_TOTAL:=315}" "${DRY:=}"
+  "${MODES:=per_expert+contiguous dedup+contiguous dedup+refined transformers_ep}" "${T_TOTAL:=315}" "${DRY:=}" \
+  "${REPLICA_TOKENS:=16384}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-8G}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 DATA=${DATA:-$ROOT/.devdata/fastep}
@@ -42,6 +47,7 @@ if [ -n "$DRY" ]; then
   # tiny sizes on CPU: the steps' logic, not their figures
   EP_SIZE="--hidden 32 --intermediate 16"; MODEL_SIZE="--layers 1 --batch 1 --seq 64 --hidden 64 --intermediate 32"
   REAL_SIZE="--layers 1 --hidden 64 --batch 1 --seq 32 --prompt 4 --new-tokens 2"; TOKENS_RUN="64"; NGPU=${NGPU:-0}
+  REPLICA_TOKENS=64
   TRACE=${TRACE:-$ROOT/../shared/data/routing/qwen15moe_a27b_chat_gptq_int4_gsm8k25_layer0_trace.npz}
   export PYTHONPATH=$ROOT/src:$ROOT/tests
 else
@@ -99,6 +105,13 @@ step_ep() {
   echo "rc=$?"; grep -v "$F" $OUT/ep.txt | tail -40
 }
 
+step_replicas() {
+  bounded ${T_REPLICAS:-120} $TORCHRUN -m occult_hf.cli bench ep --shapes qwen1.5-moe-a2.7b olmoe-1b-7b $EP_SIZE \
+    --tokens $REPLICA_TOKENS --iterations 5 --trace "$TRACE" --dispatchers all_to_all \
+    --modes dedup+refined dedup+replicated dedup+replicated+load_aware --out $R/replicas > $OUT/replicas.txt 2>&1
+  echo "rc=$?"; grep -v "$F" $OUT/replicas.txt | tail -20
+}
+
 {
 date -u; [ -n "$DRY" ] || nvidia-smi -L; git log -1 --format="commit %h %s" 2>/dev/null | cut -c1-120
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"
@@ -121,8 +134,8 @@ if models:
     for m in sorted(r.glob("model*/bench_model_*.json")):
         for row in json.loads(m.read_text())["rows"]:
             rows.setdefault(row["shape"], {})[row["implementation"]] = row
-for name in ("bench_realsize_*.md", "bench_ep_*.md"):
-    parts += [p.read_text().strip() for p in sorted(r.glob(name))]
+for name, label in (("bench_realsize_*.md", ""), ("bench_ep_*.md", ""), ("replicas/bench_ep_*.md", "Replicas (issue 14), all_to_all:\n\n")):
+    parts += [label + p.read_text().strip() for p in sorted(r.glob(name))]
 targets = []
 for shape, pair in rows.items():
     if {"stock", "occult"} <= set(pair):
@@ -143,6 +156,7 @@ if targets:
     parts.append("Targets (issue 10) from these tables:\n\n" + "\n".join(targets))
 out.write_text("\n\n".join(parts) + "\n")
 EOF
-for f in $R/bench_ep_*.json $R/bench_realsize_*.json; do [ -f "$f" ] && cp "$f" $OUT/; done
+# few files come back (8): the steps' logs and the raw results in one archive
+(cd $OUT && mv -t $R exact.txt model0.txt model1.txt realsize.txt ep.txt replicas.txt 2>/dev/null; tar czf raw.tar.gz -C $R .)
 rm -rf "$WORK"
 cat $OUT/tables.md; tail -30 $OUT/log.txt

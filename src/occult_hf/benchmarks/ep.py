@@ -390,7 +390,9 @@ def cases(args, world: int) -> list[tuple[str, Mode]]:
     return chosen
 
 
-def measure(shape_name: str, tokens: int, trace, args, device, dtype, rank: int, world: int, log) -> list[Row]:
+def measure(shape_name: str, tokens: int, trace, args, device, dtype, rank: int, world: int, log, saved=None) -> list[Row]:
+    """Every case of one shape and T; `saved(rows)` (optional) after each case, so that a run cut short (a
+    hung collective, the call's time limit) keeps the cases measured before it."""
     shape = SHAPES[shape_name]
     if args.hidden or args.intermediate:  # shrink the matrices, keep E, k and the routing
         shape = replace(shape, hidden=args.hidden or shape.hidden, intermediate=args.intermediate or shape.intermediate)
@@ -451,6 +453,8 @@ def measure(shape_name: str, tokens: int, trace, args, device, dtype, rank: int,
             from occult_hf.dispatch.static import release_symmetric_buffers
 
             release_symmetric_buffers()
+        if saved is not None:
+            saved(rows)
     if TRANSFORMERS_EP in args.modes:
         try:
             rows.append(_measure_transformers_ep(config, shape_name, tokens, args, device, dtype, rank, world))
@@ -765,19 +769,21 @@ def plot(rows: list[Row], path: Path) -> None:
     plt.close(fig)
 
 
-def save_results(rows: list[Row], world: int, dtype, device, out: Path, chunks: int | None = None) -> None:
-    """Print the table and write `bench_ep_<D>x<device>.md/.json/.png` under `out`."""
+def save_results(rows: list[Row], world: int, dtype, device, out: Path, chunks: int | None = None, final: bool = True) -> None:
+    """Write `bench_ep_<D>x<device>.md/.json` under `out`; `final`: also print the table and draw the `.png`."""
     table = results_table(rows)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = (
         f"`occult bench ep`, {world} rank(s), {dtype}, dispatch_chunks={chunks or 'auto'}, {stamp}, {machine_line(device)}"
     )
-    print(f"\n{header}\n\n{table}", flush=True)
+    if final:
+        print(f"\n{header}\n\n{table}", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     suffix = f"_{world}x{torch.device(device).type}"
     atomic_write_text(out / f"bench_ep{suffix}.md", f"{header}\n\n{table}\n")
     atomic_write_text(out / f"bench_ep{suffix}.json", json.dumps({"header": header, "rows": [asdict(r) for r in rows]}, indent=1))
-    plot(rows, out / f"bench_ep{suffix}.png")
+    if final:
+        plot(rows, out / f"bench_ep{suffix}.png")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -853,8 +859,13 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for tokens in args.tokens:  # every shape at the first T first: a run cut short keeps whole comparisons
         for shape_name in args.shapes:
-            rows.extend(measure(shape_name, tokens, trace, args, device, dtype, rank, world, log))
-            if rank == 0:  # after every shape and T: a later failure keeps what was measured
+
+            def saved(shape_rows, before=list(rows)):  # after every case: a later failure or hang keeps what was measured
+                if rank == 0:
+                    save_results(before + shape_rows, world, dtype, device, Path(args.out), args.chunks, final=False)
+
+            rows.extend(measure(shape_name, tokens, trace, args, device, dtype, rank, world, log, saved))
+            if rank == 0:
                 save_results(rows, world, dtype, device, Path(args.out), args.chunks)
     if dist.is_initialized():
         dist.barrier()
