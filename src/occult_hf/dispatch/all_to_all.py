@@ -84,6 +84,8 @@ class _Chunk:
         weight_OW: `[O, W]` routing weights (differentiable).
         row_TJ: `[end - start, J]` int64 position plus one of each token's rows, 0 where it has fewer: the
             rows come back into a block whose row 0 is zero (`plan.PackedRows`).
+        dest_Tk: `[T, k]` int64 device serving each pair, for a chunk of every token (None otherwise): where
+            the routing weights' gradient is gathered from (`_pair_weight_grads`).
     """
 
     start: int
@@ -95,6 +97,7 @@ class _Chunk:
     send_splits: tuple[int, ...]
     recv_splits: tuple[int, ...]
     num_pairs: int
+    dest_Tk: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -127,7 +130,11 @@ class AllToAllDispatcher(TokenDispatcher):
         if concurrent is not None:  # its kernels queue before the stream waits for the exchange: they overlap it
             with stage("concurrent"):
                 concurrent()
-        x_RH, slot_RW, weight_RW = _DispatchExchange.apply(x_TH, chunk.weight_OW, self, chunk, row_format, pending)
+        # the routing weights' gradient gathered per pair from the returned rows where each pair's row is known
+        # (not through weight_OW's where and index, whose backward is a zero fill and an accumulating index_put)
+        direct = chunk.dest_Tk is not None and (self.mode == "per_expert" or self.ep.num_devices <= routing.topk_ids_Tk.shape[1])
+        weights = routing.topk_weights_Tk if direct else chunk.weight_OW
+        x_RH, slot_RW, weight_RW = _DispatchExchange.apply(x_TH, weights, self, chunk, row_format, pending, direct)
         with stage("received layout"):
             segments, pick_N = received_pairs(slot_RW, chunk.num_pairs, self.num_local_experts)
             pair_weight_N = torch.take(weight_RW, pick_N)
@@ -192,8 +199,9 @@ class AllToAllDispatcher(TokenDispatcher):
                     match, local_Tk if whole else local_Tk[start:end], weights_Tk if whole else weights_Tk[start:end], sum(send_splits)
                 )
                 chunks.append(
-                    _Chunk(start, end, rows.token_O, rows.slot_OW, rows.weight_OW, rows.row_TJ, tuple(send_splits), tuple(recv_splits), num_pairs)
-                )
+                    _Chunk(start, end, rows.token_O, rows.slot_OW, rows.weight_OW, rows.row_TJ, tuple(send_splits), tuple(recv_splits),
+                           num_pairs, dest_Tk if whole else None)
+                )  # fmt: skip
         counts_D2 = matches[0].counts_D2 if len(matches) == 1 else torch.stack([m.counts_D2 for m in matches]).sum(0)
         return chunks, counts_D2
 
@@ -376,9 +384,11 @@ class _DispatchExchange(torch.autograd.Function):
     each token's row gradients summed by a gather."""
 
     @staticmethod
-    def forward(ctx, x_TH, weight_OW, dispatcher: AllToAllDispatcher, chunk: _Chunk, row_format: RowFormat, pending: "_Pending"):
-        """`pending`: the exchange of the packed rows, already started (see `AllToAllDispatcher.dispatch`)."""
-        ctx.dispatcher, ctx.chunk, ctx.row_format, ctx.num_tokens = dispatcher, chunk, row_format, x_TH.shape[0]
+    def forward(ctx, x_TH, weights, dispatcher: AllToAllDispatcher, chunk: _Chunk, row_format: RowFormat, pending: "_Pending", direct: bool):
+        """`pending`: the exchange of the packed rows, already started (see `AllToAllDispatcher.dispatch`); `weights`:
+        the routing weights `[T, k]` when `direct` (their gradient by `_pair_weight_grads`), else the rows'
+        `weight_OW` (their gradient the returned rows'). Their values are in the packed rows already."""
+        ctx.dispatcher, ctx.chunk, ctx.row_format, ctx.num_tokens, ctx.direct = dispatcher, chunk, row_format, x_TH.shape[0], direct
         ctx.set_materialize_grads(False)  # no zeros for the slots' gradient (nor an unused output's): packed as zeros
         with stage("dispatch exchange"):
             received = pending.wait()
@@ -397,7 +407,23 @@ class _DispatchExchange(torch.autograd.Function):
         grad_x_pad_OH, grad_weight_pad_OW = grads.unpack(back)
         with stage("dispatch backward sum"):
             grad_x_TH = sum_token_rows(grad_x_pad_OH, chunk.row_TJ) if ctx.needs_input_grad[0] else None
-        return grad_x_TH, grad_weight_pad_OW[1:], None, None, None, None
+            if not ctx.needs_input_grad[1]:
+                grad_weights = None
+            elif ctx.direct:
+                grad_weights = _pair_weight_grads(grad_weight_pad_OW, chunk)
+            else:
+                grad_weights = grad_weight_pad_OW[1:]
+        return grad_x_TH, grad_weights, None, None, None, None, None
+
+
+def _pair_weight_grads(grad_weight_pad_OW: torch.Tensor, chunk: _Chunk) -> torch.Tensor:
+    """`[T, k]`: each (token, slot) pair's routing-weight gradient, read from the one returned row that carried
+    the pair (row 0 of the block is zero, `row_TJ` counts from one): "per_expert" (W = 1) its row is `row_TJ`
+    itself; "dedup" with D <= k (`row_TJ`'s column d is the token's row for device d) its row is
+    `row_TJ[t, dest_Tk[t, j]]`, in column j. One or two gathers: no zero fill, no accumulation."""
+    if grad_weight_pad_OW.shape[1] == 1:
+        return grad_weight_pad_OW[:, 0][chunk.row_TJ]
+    return grad_weight_pad_OW.gather(0, chunk.row_TJ.gather(1, chunk.dest_Tk))
 
 
 class _CombineExchange(torch.autograd.Function):
