@@ -18,7 +18,8 @@ placement without replicas routes exactly as `device_of_E[topk_ids]`.
 `resolve_homes` is torch (the runtime calls it on the tokens' device without host
 synchronisation); `resolve_homes_np` wraps it for the numpy metrics and planners.
 
-Shape legend: T tokens, k experts per token, E experts, M most homes of one expert, D devices.
+Shape legend: T tokens, k experts per token, E experts, M most homes of one expert, D devices,
+F flat entries of any kind (local: the entries `_rank_in_group` ranks within their groups).
 """
 
 from __future__ import annotations

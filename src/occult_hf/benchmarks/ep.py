@@ -268,8 +268,8 @@ def timed(fn, iterations: int, device) -> float:
 
 
 def graphed_ms(fn, iterations: int, device) -> float:
-    """Median ms of `fn` captured once in a CUDA graph (`exchange.graphed`) and replayed, as `timed` times it."""
-    from .exchange import graphed
+    """Median ms of `fn` captured once in a CUDA graph (`cuda_graph.graphed`) and replayed, as `timed` times it."""
+    from .cuda_graph import graphed
 
     replay = graphed(fn, device, warmup=2)
     try:

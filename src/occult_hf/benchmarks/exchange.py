@@ -36,6 +36,8 @@ import torch.distributed as dist
 
 from occult_hf.atomic import atomic_write_text
 
+from .cuda_graph import graphed
+
 HELP = "raw exchange between ranks (NCCL all_to_all_single, NVSHMEM all_to_all_vdev): per-call cost and GB/s"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
@@ -54,22 +56,6 @@ def _timed(fn, iterations: int, device) -> float:
     t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
-
-
-def graphed(fn, device, warmup: int = 3):
-    """`fn` captured once in a CUDA graph; returns the graph's `replay`. The warm-up runs on a side stream
-    (allocator, Triton autotuning, communicators), as `torch.cuda.graph` asks; every rank must capture the
-    same collectives in the same order."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def fit(points: list[tuple[int, float]]) -> tuple[float, float]:

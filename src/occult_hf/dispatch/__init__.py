@@ -22,8 +22,9 @@ and its `priority` is higher.
 """
 
 from . import all_to_all, local, static  # noqa: F401  (register the implementations)
-from .all_to_all import AllToAllDispatcher, ExchangeError
+from .all_to_all import AllToAllDispatcher
 from .base import (
+    ExchangeError,
     DEFAULT_EXCHANGE_TIMEOUT_S,
     EXCHANGE_TIMEOUT_ENV,
     DispatchPlan,

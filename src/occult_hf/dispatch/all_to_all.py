@@ -56,6 +56,7 @@ from .base import (
     DEFAULT_CHUNKS,
     DispatchPlan,
     Dispatched,
+    ExchangeError,
     ExpertsFn,
     RowFormat,
     TokenDispatcher,
@@ -67,10 +68,6 @@ from .base import (
     sum_token_rows,
 )
 from .plan import chunk_bounds, device_match, packed_rows, received_pairs, routing_width
-
-
-class ExchangeError(RuntimeError):
-    """A collective of the expert-parallel exchange failed or did not finish within the exchange timeout."""
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,11 @@ from ..replica_routing import REPLICA_CHOICES, load_aware_homes
 from .group import ExpertParallelGroup
 from .plan import check_mode, destinations
 
+
+class ExchangeError(RuntimeError):
+    """A collective of the expert-parallel exchange failed or did not finish within the exchange timeout."""
+
+
 #: environment variable that bounds every wait on a peer in the exchange (seconds)
 EXCHANGE_TIMEOUT_ENV = "OCCULT_EXCHANGE_TIMEOUT_S"
 #: the bound when neither OccultConfig.exchange_timeout_s nor the environment variable is set
@@ -277,8 +282,6 @@ class TokenDispatcher:
             else:
                 work.wait()
         except RuntimeError as error:
-            from .all_to_all import ExchangeError
-
             raise ExchangeError(
                 f"{self.layer}: the {what} failed or did not finish within {self.timeout_s:g} s "
                 f"(OccultConfig.exchange_timeout_s or $OCCULT_EXCHANGE_TIMEOUT_S): {error}"

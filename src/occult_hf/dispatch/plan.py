@@ -296,9 +296,9 @@ def packed_rows(match: DeviceMatch, local_Tk: torch.Tensor, weights_Tk: torch.Te
         row_O2 = torch.nonzero_static(hit_DT, size=num_rows)  # (device, token) of each row
         device_O, token_O = row_O2.unbind(1)
         token_O = token_O.contiguous()
-        match_OK = match_DTk[device_O, token_O]  # [O, k]
-        slot_OW = torch.where(match_OK, local_Tk[token_O], -1)
-        weight_OW = torch.where(match_OK, weights_Tk[token_O], 0.0)
+        match_Ok = match_DTk[device_O, token_O]  # [O, k]
+        slot_OW = torch.where(match_Ok, local_Tk[token_O], -1)
+        weight_OW = torch.where(match_Ok, weights_Tk[token_O], 0.0)
         row_DT = torch.cumsum(hit_DT.view(-1), 0).view(num_devices, num_tokens) * hit_DT  # position + 1; 0: no row
         if num_devices <= top_k:
             row_TJ = row_DT.t()
