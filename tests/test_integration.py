@@ -199,6 +199,12 @@ def test_counters_report_rows_pairs_and_bytes():
     row_bytes = dispatch_format(hidden, torch.float64, 1, torch.float64).row_bytes
     for module in occult_modules(model).values():
         assert int(module.forwards) == 1 and torch.equal(module.bytes_sent, module.rows_sent * row_bytes)
+    # one device: static counts (every token one row in dedup, all pairs), twice the same T (the kept counts)
+    model = apply_occult(tiny_model("olmoe", seed=1), OccultConfig(num_devices=1))
+    model(tiny_batch())
+    model(tiny_batch(seed=1))
+    for module in occult_modules(model).values():
+        assert module.rows_sent.tolist() == [2 * 32] and module.pairs_sent.tolist() == [2 * 32 * top_k]
 
 
 def test_clear_errors(tmp_path):

@@ -3,7 +3,9 @@
 Nothing is exchanged and every size is static (`R = T` rows in "dedup", `T * k` in "per_expert";
 `N = T * k` pairs), so a forward reads nothing on the host: the block costs route + layout + experts
 + combine. The rows and pairs per logical device (the CT statistics) are computed on the device, the
-same numbers `num_devices` real ranks would send.
+same numbers `num_devices` real ranks would send (`plan.device_match`'s counts: no atomics); with one
+device they are static (T or T * k rows, T * k pairs: no kernel), and with the experts in their own order
+(`local_index_E` the identity) the routing ids are the local slots themselves (no gather).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .base import DispatchPlan, Dispatched, TokenDispatcher, dispatch_format, register_dispatcher
-from .plan import device_counts, local_pairs, routing_width
+from .plan import device_match, local_pairs, routing_width
 
 
 @register_dispatcher
@@ -27,8 +29,12 @@ class LocalDispatcher(TokenDispatcher):
     def dispatch(self, x_TH: torch.Tensor, routing) -> Dispatched:
         ids_Tk, weights_Tk = routing.topk_ids_Tk, routing.topk_weights_Tk
         num_tokens, top_k = ids_Tk.shape
-        dest_Tk, local_Tk = self.destinations_of(routing)
-        counts_D2 = device_counts(dest_Tk, self.ep.num_devices, self.mode, [(0, num_tokens)])[0]
+        if self.ep.num_devices == 1 and self._identity_slots():
+            local_Tk = ids_Tk.long()
+            counts_D2 = self._one_device_counts(num_tokens if self.mode == "dedup" else num_tokens * top_k, num_tokens * top_k, ids_Tk.device)
+        else:
+            dest_Tk, local_Tk = self.destinations_of(routing)
+            counts_D2 = device_match(dest_Tk, self.ep.num_devices, self.mode).counts_D2
         segments, pick_N = local_pairs(local_Tk, self.num_local_experts, self.mode)
         pair_weight_N = weights_Tk.reshape(-1)[pick_N]
         # "dedup": the tokens are the rows; "per_expert": row t*k + j is token t's copy for its slot j
@@ -44,6 +50,29 @@ class LocalDispatcher(TokenDispatcher):
             num_pairs=num_tokens * top_k,
         )
         return Dispatched(x_RH=x_RH, segments=segments, pair_weight_N=pair_weight_N, plan=plan)
+
+    def _identity_slots(self) -> bool:
+        """Whether every expert sits in its own slot (`local_index_E[e] == e`, no replicas): decided once."""
+        identity = self.__dict__.get("_identity")
+        if identity is None:
+            index_E = self._local_index_E
+            identity = self._identity = self._replicas is None and torch.equal(index_E, torch.arange(len(index_E)))
+        return identity
+
+    def _one_device_counts(self, rows: int, pairs: int, device) -> torch.Tensor:
+        """`[1, 2]` int64 `(rows, pairs)` on `device`, kept for the last (rows, pairs) seen (read only: the
+        counters add it); made by two fills (no host-to-device copy, so also inside a CUDA graph capture,
+        where it is not kept)."""
+        key = (rows, pairs, torch.device(device))
+        cached = self.__dict__.get("_counts")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        counts_D2 = torch.empty(1, 2, dtype=torch.int64, device=device)
+        counts_D2[:, 0].fill_(rows)
+        counts_D2[:, 1].fill_(pairs)
+        if not (counts_D2.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self._counts = (key, counts_D2)
+        return counts_D2
 
     def combine(self, out_RH: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         if plan.mode == "dedup":  # one row per token: the expert kernel already summed its k experts in fp32
