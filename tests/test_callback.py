@@ -189,3 +189,19 @@ def test_logs_under_expert_parallelism_equal_one_process():
         assert sorted(logs) == sorted(expected)
         for key, value in expected.items():
             assert logs[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+
+
+def test_logged_ct_is_the_ct_the_dispatch_served_under_load_aware_replicas():
+    """With `replica_choice="load_aware"` a replicated expert's pairs go where the batch's counts send them, not
+    where the static rule would: the logged CT must be the one the dispatch served (its rows, in dedup mode)."""
+    num_experts, num_devices = SIZES["num_experts"], 4
+    device_of_E = [e * num_devices // num_experts for e in range(num_experts)]
+    replicas = {e: [(device_of_E[e] + 1) % num_devices, (device_of_E[e] + 2) % num_devices] for e in range(0, num_experts, 2)}
+    placement = Placement(num_experts, num_devices, {0: device_of_E, 1: device_of_E}, {"method": "test"}, replicas={0: replicas, 1: replicas})
+    model = apply_occult(tiny_model("olmoe", **SIZES).train(), OccultConfig(placement=placement, replica_choice="load_aware"))
+    batch = tiny_batch(batch=4, seq=16, seed=7)
+    logs = _logs_after_one_step(model, [batch])
+    blocks = [m for m in model.modules() if isinstance(m, OccultMoE)]
+    served_ct = [float(block.rows_sent.sum()) / batch.numel() for block in blocks]
+    assert logs["occult/ct"] == pytest.approx(sum(served_ct) / len(served_ct), rel=1e-9)
+    assert logs["occult/ct/max"] == pytest.approx(max(served_ct), rel=1e-9)

@@ -115,10 +115,13 @@ class _DispatchMeter:
             return
         num_tokens = ids_Tk.shape[0]
         num_devices = module.ep.num_devices
-        # the device serving each pair, replicas included (the dispatch plan's own rule, on the pruned devices)
-        device_Tk, _ = destinations(
-            ids_Tk, *module.dispatcher.placement_on(ids_Tk.device), visited_TD=getattr(module, "last_devices_TD", None)
-        )
+        # the device that served each pair, replicas included: as the dispatch recorded it (under
+        # replica_choice="load_aware" only the dispatch knows: its split used the whole group's counts)
+        device_Tk = module.dispatcher.last_destinations_Tk
+        if device_Tk is None or device_Tk.shape != ids_Tk.shape:  # the one-device path plans no destinations
+            device_Tk, _ = destinations(
+                ids_Tk, *module.dispatcher.placement_on(ids_Tk.device), visited_TD=getattr(module, "last_devices_TD", None)
+            )
         hits_TD = device_hits_TD(device_Tk, num_devices)
         if module.ep.is_distributed:
             home_T = torch.full((num_tokens,), module.ep.rank, dtype=torch.int64, device=ids_Tk.device)

@@ -237,6 +237,10 @@ class TokenDispatcher:
         if home_table_EM is not None:
             self._replicas = (torch.as_tensor(home_table_EM, dtype=torch.int64), torch.as_tensor(slot_ED, dtype=torch.int64))
         self._placement_cache: dict[torch.device, tuple] = {}
+        #: `[T, k]` the device that served each pair of the last dispatch planned through `destinations_of`
+        #: (None before one): readers such as the callback's CT meter take it instead of re-deriving it, which
+        #: under `replica_choice="load_aware"` would need the count all-gather again
+        self.last_destinations_Tk: torch.Tensor | None = None
 
     @classmethod
     def supports(cls, ep: ExpertParallelGroup, device: torch.device | None = None) -> bool:
@@ -260,11 +264,14 @@ class TokenDispatcher:
         placement = self.placement_on(ids_Tk.device)
         visited_TD = getattr(routing, "devices_TD", None)
         if self.replica_choice == "static" or placement[2] is None:
-            return destinations(ids_Tk, *placement, visited_TD=visited_TD)
-        home_table_EM, slot_ED = placement[2:]
-        gather = self._gather_counts if self.ep.is_distributed else None
-        dest_Tk = load_aware_homes(ids_Tk, home_table_EM, slot_ED.shape[1], gather, self.ep.rank, visited_TD)
-        return dest_Tk, slot_ED[ids_Tk.long(), dest_Tk]
+            dest_Tk, local_Tk = destinations(ids_Tk, *placement, visited_TD=visited_TD)
+        else:
+            home_table_EM, slot_ED = placement[2:]
+            gather = self._gather_counts if self.ep.is_distributed else None
+            dest_Tk = load_aware_homes(ids_Tk, home_table_EM, slot_ED.shape[1], gather, self.ep.rank, visited_TD)
+            local_Tk = slot_ED[ids_Tk.long(), dest_Tk]
+        self.last_destinations_Tk = dest_Tk.detach()
+        return dest_Tk, local_Tk
 
     def _gather_counts(self, local_EM1: torch.Tensor) -> torch.Tensor:
         """`[D, E, M + 1]`: every rank's `replica_routing.preference_counts` (the load-aware rule's one
