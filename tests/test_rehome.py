@@ -53,6 +53,11 @@ def _check(family: str, rank: int, distributed: bool) -> None:
     ids = tiny_batch(seed=40 + rank)
     with torch.no_grad():
         before = model(input_ids=ids).logits
+    if distributed:  # a backward before the re-homing: the old copies' device-side index tables get made
+        model.train()
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+        model.eval()
     apply_replicas(model, replanned)
     reset_counters(model)
     with torch.no_grad():

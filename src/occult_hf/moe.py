@@ -262,6 +262,7 @@ class OccultMoE(nn.Module):
         self.copy_weight_L = torch.tensor(
             [1.0 / len(homes[e]) if distributed else 1.0 for e in expert_ids], dtype=torch.float32
         )
+        self.__dict__.pop("_device_copies", None)  # `on_device`'s copies are of the tables just replaced
         self.replica_pending: list[torch.Tensor | None] = [None, None]
         if self.num_replicated:
             for index, param in enumerate((self.local_experts.gate_up_proj, self.local_experts.down_proj)):
