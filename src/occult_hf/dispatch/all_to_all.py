@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Sequence
 
 import torch
@@ -257,30 +256,6 @@ class AllToAllDispatcher(TokenDispatcher):
             async_op=True,
         )
         return _Pending(self, work, out, block, what, tuple(send_splits), tuple(recv_splits))
-
-    def _collective(self, what: str, fn, *args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except RuntimeError as error:
-            raise ExchangeError(f"{self.layer}: the {what} could not start: {error}") from error
-
-    def _timeout_error(self, what: str, error) -> ExchangeError:
-        return ExchangeError(
-            f"{self.layer}: the {what} failed or did not finish within {self.timeout_s:g} s "
-            f"(OccultConfig.exchange_timeout_s or $OCCULT_EXCHANGE_TIMEOUT_S): a peer rank is stalled, "
-            f"dead or running a different model: {error}"
-        )
-
-    def _wait(self, work, what: str, on_host: bool) -> None:
-        """Wait for a collective: with the exchange timeout on the host for CPU tensors; on CUDA a
-        stream-ordered wait (see the module docstring)."""
-        try:
-            if on_host:
-                work.wait(timeout=timedelta(seconds=self.timeout_s))
-            else:
-                work.wait()
-        except RuntimeError as error:
-            raise self._timeout_error(what, error) from error
 
 
 class _CountMessage:

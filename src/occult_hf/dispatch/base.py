@@ -17,9 +17,11 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Callable, ClassVar, Sequence
 
 import torch
+import torch.distributed as dist
 
 from occult_hf.kernels.layout import ExpertSegments
 
@@ -276,24 +278,37 @@ class TokenDispatcher:
     def _gather_counts(self, local_EM1: torch.Tensor) -> torch.Tensor:
         """`[D, E, M + 1]`: every rank's `replica_routing.preference_counts` (the load-aware rule's one
         collective), waited for like the exchange: bounded on the host for CPU tensors, stream-ordered on CUDA."""
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
         parts = [torch.empty_like(local_EM1) for _ in range(self.ep.num_devices)]
         what = "all-gather of the replicated experts' counts (replica_choice='load_aware')"
+        work = self._collective(what, dist.all_gather, parts, local_EM1.contiguous(), group=self.ep.group, async_op=True)
+        self._wait(work, what, on_host=local_EM1.device.type == "cpu")
+        return torch.stack(parts)
+
+    # ----- collectives: every wait on a peer bounded, every failure an ExchangeError naming the layer -----
+    def _collective(self, what: str, fn, *args, **kwargs):
+        """Start collective `fn(*args, **kwargs)`; a failure to start is an `ExchangeError` naming `what`."""
         try:
-            work = dist.all_gather(parts, local_EM1.contiguous(), group=self.ep.group, async_op=True)
-            if local_EM1.device.type == "cpu":
+            return fn(*args, **kwargs)
+        except RuntimeError as error:
+            raise ExchangeError(f"{self.layer}: the {what} could not start: {error}") from error
+
+    def _timeout_error(self, what: str, error) -> ExchangeError:
+        return ExchangeError(
+            f"{self.layer}: the {what} failed or did not finish within {self.timeout_s:g} s "
+            f"(OccultConfig.exchange_timeout_s or $OCCULT_EXCHANGE_TIMEOUT_S): a peer rank is stalled, "
+            f"dead or running a different model: {error}"
+        )
+
+    def _wait(self, work, what: str, on_host: bool) -> None:
+        """Wait for a collective: with the exchange timeout on the host for CPU tensors; on CUDA a
+        stream-ordered wait (the host learns of a stalled peer at its next bounded wait)."""
+        try:
+            if on_host:
                 work.wait(timeout=timedelta(seconds=self.timeout_s))
             else:
                 work.wait()
         except RuntimeError as error:
-            raise ExchangeError(
-                f"{self.layer}: the {what} failed or did not finish within {self.timeout_s:g} s "
-                f"(OccultConfig.exchange_timeout_s or $OCCULT_EXCHANGE_TIMEOUT_S): {error}"
-            ) from error
-        return torch.stack(parts)
+            raise self._timeout_error(what, error) from error
 
     def dispatch(self, x_TH: torch.Tensor, routing) -> Dispatched:
         """Send each token to the devices of its experts; return the received rows in expert layout."""
