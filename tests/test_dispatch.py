@@ -308,7 +308,7 @@ def _naive_layout(dest_Tk, local_Tk, weights_Tk, num_devices, mode, base_D, capa
 def test_send_layout_matches_a_naive_layout(mode, padded, num_devices, top_k):
     """`plan.send_layout` (scans and scatters, no loops) equals the loop: positions, slots, weights, each
     token's row positions and the counts; several experts of a token may share a device."""
-    from occult_hf.dispatch.plan import device_counts, send_capacity, send_layout
+    from occult_hf.dispatch.plan import device_match, send_capacity, send_layout
     from occult_hf.metrics import ct_and_remote_T, device_hits_TD
 
     num_tokens = 9
@@ -336,12 +336,16 @@ def test_send_layout_matches_a_naive_layout(mode, padded, num_devices, top_k):
     torch.testing.assert_close(layout.weight_OW, torch.tensor(weight_OW))
     assert layout.row_TJ.tolist() == row_TJ
     assert layout.counts_D2.tolist() == counts
-    # the layout counts its rows from its own mask; device_counts (the local dispatcher's) from the one
-    # per-token count the CT metrics read (metrics.device_hits_TD): all three agree, per chunk too
-    assert device_counts(dest_Tk, num_devices, mode, [(0, num_tokens)])[0].tolist() == counts
-    assert device_counts(dest_Tk, num_devices, mode, [(0, 4), (4, num_tokens)]).sum(0).tolist() == counts
+    # the layout counts its rows from its own mask; device_match (the count exchange's and the local
+    # dispatcher's) from its [D, T, k] match; the CT metrics from the per-token count (metrics.device_hits_TD):
+    # all three agree, per chunk too
+    assert device_match(dest_Tk, num_devices, mode).counts_D2.tolist() == counts
+    chunked = device_match(dest_Tk[:4], num_devices, mode).counts_D2 + device_match(dest_Tk[4:], num_devices, mode).counts_D2
+    assert chunked.tolist() == counts
+    hits_TD = device_hits_TD(dest_Tk, num_devices)
+    assert hits_TD.sum(0).tolist() == [pairs for _, pairs in counts]
     if mode == "dedup":
-        ct_T, _ = ct_and_remote_T(device_hits_TD(dest_Tk, num_devices), torch.zeros(num_tokens, dtype=torch.int64))
+        ct_T, _ = ct_and_remote_T(hits_TD, torch.zeros(num_tokens, dtype=torch.int64))
         assert int(ct_T.sum()) == sum(rows for rows, _ in counts)
     if not padded:  # the torch.distributed dispatcher's layout, the row count known: the same O rows
         _check_packed_rows(dest_Tk, local_Tk, weights_Tk, num_devices, mode, layout, counts)

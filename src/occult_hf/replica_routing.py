@@ -180,9 +180,9 @@ def replica_shares(
     return torch.where(replicated_EM, shares_EM, single_EM)
 
 
-def _rank_in_group(group_F: torch.Tensor, num_groups: int) -> torch.Tensor:
-    """`[F]` int64: each entry's position among the entries of its group, in entry order (group ids in
-    `[0, num_groups]`; one sort, no host read)."""
+def _rank_in_group(group_F: torch.Tensor) -> torch.Tensor:
+    """`[F]` int64: each entry's position among the entries of its group (non-negative group ids), in
+    entry order (one sort, no host read)."""
     num_entries = group_F.shape[0]
     key_F = group_F * num_entries + torch.arange(num_entries, device=group_F.device)
     sorted_F, order_F = torch.sort(key_F)
@@ -243,7 +243,7 @@ def load_aware_homes(
     ids_F, pref_F = ids_Tk.reshape(-1), pref_Tk.reshape(-1)
     visits_F = pref_F < max_homes
     group_F = ids_F * max_homes + pref_F.clamp_max(max_homes - 1)
-    line_F = _rank_in_group(torch.where(visits_F, group_F, num_experts * max_homes), num_experts * max_homes)
+    line_F = _rank_in_group(torch.where(visits_F, group_F, num_experts * max_homes))
     line_F = line_F + before_EM1[:, :max_homes].reshape(-1)[group_F]
     rate_F = stay_EM.reshape(-1)[group_F]
     stays_F = visits_F & (stays(line_F + 1, rate_F) > stays(line_F, rate_F))
@@ -255,7 +255,7 @@ def load_aware_homes(
     pool_EM = torch.where(pool_EM.sum(1, keepdim=True) > 0, pool_EM, shares_EM)  # nothing left: as the shares
     cumulative_EM = pool_EM.cumsum(1) / pool_EM.sum(1, keepdim=True).clamp_min(1e-300)
     rest_F = ~stays_F
-    line_F = _rank_in_group(torch.where(rest_F, ids_F, num_experts), num_experts) + rest_before_E[ids_F]
+    line_F = _rank_in_group(torch.where(rest_F, ids_F, num_experts)) + rest_before_E[ids_F]
     position_F = (line_F.to(torch.float64) + 0.5) / rest_total_E[ids_F].clamp_min(1).to(torch.float64)
     pick_F = (position_F[:, None] >= cumulative_EM[ids_F]).sum(1)
     pick_F = torch.minimum(pick_F, (homes_TkM.reshape(-1, max_homes) >= 0).sum(1) - 1)

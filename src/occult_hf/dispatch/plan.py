@@ -12,7 +12,6 @@ dispatcher); the functions themselves never read a tensor on the host, so the on
 (`local_pairs`, whose sizes are static: `T` rows and `T * k` pairs) has no host synchronisation.
 
 - `destinations`: the device and local slot of every (token, slot).
-- `device_counts`: rows and pairs per destination device, per chunk of tokens (`[C, D, 2]`).
 - `send_layout`: the rows to send, laid out by destination device then token (one per (token,
   destination) in "dedup", one per (token, slot) in "per_expert") in a block of static capacity, each
   with W (local slot, weight) entries (slot -1 and weight 0 where the slot is served on another
@@ -37,7 +36,6 @@ import torch
 
 from occult_hf.kernels.layout import ExpertSegments
 
-from ..metrics import device_hits_TD
 from ..replica_routing import resolve_homes
 
 #: the dispatch modes (`OccultConfig.dispatch`): one row per (token, device), or per (token, expert) pair
@@ -85,26 +83,6 @@ def chunk_bounds(num_tokens: int, num_chunks: int) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:]))
 
 
-def device_counts(dest_Tk: torch.Tensor, num_devices: int, mode: str, bounds: list[tuple[int, int]]) -> torch.Tensor:
-    """`[C, D, 2]` int64 on the tokens' device: rows and (token, expert) pairs each chunk sends to each device.
-
-    From the one per-token count, `metrics.device_hits_TD` (the `[T, D]` pairs each device serves, which
-    the CT metrics and `OccultCallback` read too): pairs are its column sums; rows are the devices a
-    token reaches (its CT, summed over tokens: the chunk's CT count) in "dedup" mode and the pairs in
-    "per_expert" mode. `send_layout` returns the same counts as a by-product of packing the rows (it
-    needs the per-(device, token) mask anyway, so it does not count twice); `test_dispatch` checks the
-    two agree.
-    """
-    check_mode(mode)
-    counts = []
-    for start, end in bounds:
-        hits_TD = device_hits_TD(dest_Tk[start:end].long(), num_devices)
-        pairs_D = hits_TD.sum(0)
-        rows_D = (hits_TD > 0).sum(0) if mode == "dedup" else pairs_D
-        counts.append(torch.stack([rows_D, pairs_D], dim=1))
-    return torch.stack(counts)
-
-
 @dataclass(frozen=True)
 class SendLayout:
     """The rows one group of tokens sends, laid out by destination device, then token, in a block of
@@ -120,7 +98,7 @@ class SendLayout:
             destination device in device order; J = k in "per_expert": its slot j); `C_O` where the
             token has fewer than J rows. The combine sums a token's rows through it (a gather, no atomics).
         counts_D2: `[D, 2]` int64 rows and (token, expert) pairs sent to each device: what the layout
-            packed, equal to `device_counts` of the same tokens (it is counted from the layout's own
+            packed, equal to `device_match`'s of the same tokens (it is counted from the layout's own
             per-(device, token) mask instead of a second pass over the tokens).
     """
 
@@ -244,7 +222,7 @@ class DeviceMatch:
     Attributes:
         match_DTk: `[D, T, k]` bool, `dest_Tk == d`.
         hit_DT: `[D, T]` bool, the token has a row for device d ("dedup": any of its slots; None in "per_expert").
-        counts_D2: `[D, 2]` int64 rows and (token, expert) pairs sent to each device (`device_counts`).
+        counts_D2: `[D, 2]` int64 rows and (token, expert) pairs sent to each device.
     """
 
     match_DTk: torch.Tensor
@@ -339,7 +317,6 @@ __all__ = [
     "check_mode",
     "chunk_bounds",
     "destinations",
-    "device_counts",
     "device_match",
     "local_pairs",
     "packed_rows",
