@@ -198,15 +198,23 @@ def received_pairs(slot_RW: torch.Tensor, num_pairs: int, num_local_experts: int
     """`(segments, pick_N)` for received rows: pairs grouped by local expert (rows ascending within one), and
     `[N]` int64 positions in the flattened `[R * W]` routing block of each pair (so
     `torch.take(weight_RW, pick_N)` are the pair weights in segment order). `num_pairs` (N) is known on
-    the host from the count exchange. One stable sort of all `R * W` slots (an empty slot, -1, keyed
-    `L` by a remainder: past the last expert) and the segment offsets by a binary search of the sorted
-    keys: no compaction, no atomics, four kernels."""
+    the host from the count exchange. One stable sort of all `R * W` slots (`expert_keys`: an empty slot,
+    -1, sorts past the last expert) and the segment offsets by a binary search of the sorted keys: no
+    compaction, no atomics, five kernels."""
     width = slot_RW.shape[1]
-    key_F = torch.remainder(slot_RW, num_local_experts + 1).reshape(-1)  # F = R * W entries; -1 -> L (a strided view: no copy first)
+    key_F = expert_keys(slot_RW, num_local_experts)  # F = R * W entries
     key_sorted_F, order_F = torch.sort(key_F, stable=True)
     pick_N = order_F[:num_pairs]
     offsets = torch.searchsorted(key_sorted_F[:num_pairs], _arange(num_local_experts + 1, key_F.device, key_F.dtype))
     return ExpertSegments(pick_N // max(width, 1), offsets, slot_RW.shape[0]), pick_N
+
+
+def expert_keys(slot_RW: torch.Tensor, num_local_experts: int) -> torch.Tensor:
+    """`[R * W]` sort keys of the (row, slot) entries: the local slot, `L` for an empty slot (-1, by a remainder),
+    so that empty slots sort after every expert. One byte per key while `L < 256`: the stable sort is a radix
+    sort, which makes one pass over 8-bit keys and four over the slots' int32 (the key is then cast once)."""
+    key_F = torch.remainder(slot_RW, num_local_experts + 1).reshape(-1)  # a strided view: no copy first
+    return key_F.to(torch.uint8) if num_local_experts < 256 else key_F
 
 
 @functools.lru_cache(maxsize=64)
@@ -318,6 +326,7 @@ __all__ = [
     "chunk_bounds",
     "destinations",
     "device_match",
+    "expert_keys",
     "local_pairs",
     "packed_rows",
     "received_pairs",

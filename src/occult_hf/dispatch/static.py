@@ -59,7 +59,7 @@ from occult_hf.kernels.layout import ExpertSegments
 
 from .base import DispatchPlan, Dispatched, RowFormat, TokenDispatcher, dispatch_format, register_dispatcher, sum_token_rows
 from .base import gradient_format, pack_gradients
-from .plan import SendLayout, _arange, send_layout
+from .plan import SendLayout, _arange, expert_keys, send_layout
 
 #: symmetric row widths are padded to a multiple of this many bytes, and buffers hold at least
 #: `_MIN_BUFFER_BYTES`: the all-to-all-v kernel launches min(ceil(buffer bytes / 64 KiB), 64) blocks,
@@ -179,10 +179,10 @@ def _received_mask(recv_counts_D: torch.Tensor, capacity: int) -> torch.Tensor:
 def _static_pairs(slot_RW: torch.Tensor, num_local_experts: int) -> tuple[ExpertSegments, torch.Tensor]:
     """`(segments, pick_N)` over all `N = R * W` (row, slot) entries: valid pairs grouped by local expert
     (rows ascending), invalid ones after `expert_offsets[L]` with row `R` (outside every row's range).
-    The same sort as `plan.received_pairs` (an empty slot, -1, keyed `L` by a remainder), over all entries
+    The same sort as `plan.received_pairs` (`plan.expert_keys`: an empty slot, -1, keyed `L`), over all entries
     since the valid count is known only on the device."""
     num_rows, width = slot_RW.shape
-    key_N = torch.remainder(slot_RW, num_local_experts + 1).reshape(-1)
+    key_N = expert_keys(slot_RW, num_local_experts)
     key_sorted_N, order_N = torch.sort(key_N, stable=True)
     offsets = torch.searchsorted(key_sorted_N, _arange(num_local_experts + 1, key_N.device, key_N.dtype))
     pair_row_N = torch.where(key_sorted_N < num_local_experts, order_N // max(width, 1), num_rows)
