@@ -26,6 +26,7 @@ import torch.distributed as dist
 from occult_hf.kernels.layout import ExpertSegments
 
 from ..replica_routing import REPLICA_CHOICES, load_aware_homes
+from . import row_sum
 from .group import ExpertParallelGroup
 from .plan import check_mode, destinations
 
@@ -356,7 +357,11 @@ def sum_token_rows(rows_pad_OH: torch.Tensor, row_TJ: torch.Tensor, out_TH: torc
     fp32 `index_add_` of the rows cost 47% of transformers' experts call on the H200, BASELINES.md).
     The dtype is explicit because CUDA autocast runs `sum` in fp32 otherwise: a bf16 model under
     `torch.autocast` would get an fp32 block output (the stock block returns its input's dtype), an fp32
-    residual stream, and fp32 rows reaching bf16 expert weights in the next layer."""
+    residual stream, and fp32 rows reaching bf16 expert weights in the next layer.
+    Rows that need no gradient (what an exchange returned, inside its autograd Function) on a GPU are summed by
+    one Triton kernel (`row_sum`: fp32 sums rounded once, without the `[T, J, H]` gathered temporary)."""
+    if not (rows_pad_OH.requires_grad and torch.is_grad_enabled()) and row_sum.available(rows_pad_OH):
+        return row_sum.sum_rows(rows_pad_OH, row_TJ, out_TH)
     return torch.sum(rows_pad_OH[row_TJ], dim=1, dtype=rows_pad_OH.dtype, out=out_TH)
 
 
