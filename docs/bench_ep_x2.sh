@@ -14,7 +14,10 @@
 #            its pairs split over the homes by the static and by the load-aware rule (issue 14).
 # PRESET=final (the last call of session 4): STEPS="model realsize ep replicas", ep with the "symm_mem" rows
 # (dedup+refined, with its CUDA-graph replay) beside "all_to_all" dedup+refined and transformers' EP at T = 16384
-# and 128. Without PRESET: session 4's first call (exact, ep with "all_to_all"/"padded" at 16384/128/4096, realsize
+# and 128. PRESET=session5: STEPS="exact realsize ep model", realsize with the replica, EP on the contiguous and
+# the refined (calibrated) placement and a profile of each setup (REALSIZE="--profile"), ep "all_to_all"
+# dedup+refined against transformers' EP at T = 16384 with a profile of each case (EP_EXTRA="--profile").
+# Without PRESET: session 4's first call (exact, ep with "all_to_all"/"padded" at 16384/128/4096, realsize
 # --skip-replica). `bench ep` saves its table after every case: a hung case keeps the rows before it.
 # Run from the repository root on the device machine; it needs the transformers 5.24 wheel and the Qwen1.5 trace in
 # $DATA (whl/*.whl, trace.npz; default .devdata/fastep), e.g. the landed code with only the data carried:
@@ -29,12 +32,14 @@ set -u
 case "${PRESET:-}" in
   final) : "${STEPS:=model realsize ep replicas}" "${TOKENS:=16384 128}" "${DISPATCHERS:=all_to_all symm_mem}" "${REALSIZE:=}" \
            "${MODES:=dedup+refined transformers_ep}" "${T_TOTAL:=430}" "${T_EP:=130}" ;;
+  session5) : "${STEPS:=exact realsize ep model}" "${TOKENS:=16384}" "${DISPATCHERS:=all_to_all}" "${REALSIZE:=--profile}" \
+           "${MODES:=dedup+refined transformers_ep}" "${EP_EXTRA:=--profile}" "${T_TOTAL:=250}" "${T_EP:=75}" ;;
   "") ;;
-  *) echo "PRESET=$PRESET: not a preset (final, or unset)"; exit 2 ;;
+  *) echo "PRESET=$PRESET: not a preset (final, session5, or unset)"; exit 2 ;;
 esac
 : "${STEPS:=exact ep realsize}" "${TOKENS:=16384 128 4096}" "${DISPATCHERS:=all_to_all padded}" "${REALSIZE=--skip-replica}" \
   "${MODES:=per_expert+contiguous dedup+contiguous dedup+refined transformers_ep}" "${T_TOTAL:=315}" "${DRY:=}" \
-  "${REPLICA_TOKENS:=16384}"
+  "${REPLICA_TOKENS:=16384}" "${EP_EXTRA:=}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-8G}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 DATA=${DATA:-$ROOT/.devdata/fastep}
@@ -76,7 +81,7 @@ bounded() {
 
 step_exact() {
   OCCULT_TEST_COLLECTIVE_TIMEOUT_S=45 NCCL_DEBUG=WARN bounded ${T_EXACT:-70} python3 -m pytest -s -q -m gpu -p no:cacheprovider \
-    tests/test_gpu_dispatch.py -k "two_ranks or (one_process and torch)" > $OUT/exact.txt 2>&1; echo "rc=$?"; grep -v "$F" $OUT/exact.txt | tail -25
+    tests/test_gpu_dispatch.py tests/test_row_sum.py -k "two_ranks or (one_process and torch) or gpu_row_sums" > $OUT/exact.txt 2>&1; echo "rc=$?"; grep -v "$F" $OUT/exact.txt | tail -25
 }
 
 step_model() {  # one shape per GPU at once (on one GPU, or on CPU, one after the other)
@@ -101,7 +106,7 @@ step_realsize() {
 
 step_ep() {
   bounded ${T_EP:-165} $TORCHRUN -m occult_hf.cli bench ep --shapes qwen1.5-moe-a2.7b olmoe-1b-7b $EP_SIZE \
-    --tokens $TOKENS_RUN --iterations 5 --trace "$TRACE" --dispatchers $DISPATCHERS --modes $MODES --out $R > $OUT/ep.txt 2>&1
+    --tokens $TOKENS_RUN --iterations 5 --trace "$TRACE" --dispatchers $DISPATCHERS --modes $MODES $EP_EXTRA --out $R > $OUT/ep.txt 2>&1
   echo "rc=$?"; grep -v "$F" $OUT/ep.txt | tail -40
 }
 
@@ -115,7 +120,7 @@ step_replicas() {
 {
 date -u; [ -n "$DRY" ] || nvidia-smi -L; git log -1 --format="commit %h %s" 2>/dev/null | cut -c1-120
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"
-echo "STEPS=$STEPS TOKENS=$TOKENS DISPATCHERS=$DISPATCHERS MODES=$MODES REALSIZE=$REALSIZE T_TOTAL=$T_TOTAL DRY=$DRY"
+echo "STEPS=$STEPS TOKENS=$TOKENS DISPATCHERS=$DISPATCHERS MODES=$MODES REALSIZE=$REALSIZE EP_EXTRA=$EP_EXTRA T_TOTAL=$T_TOTAL DRY=$DRY"
 for s in $STEPS; do
   echo "=== $s ($(left) s left)"; "step_$s"; date -u
 done

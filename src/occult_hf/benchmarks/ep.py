@@ -591,7 +591,7 @@ def profile_layer(layer, x_TH, label: str, out: Path, device) -> None:
             with record_function(f"bench::{name}"):
                 step(backward)
                 _synchronize(device)
-        sections.append(_profile_summary(prof, name))
+        sections.append(profile_summary(prof, name))
     if not dist.is_initialized() or dist.get_rank() == 0:
         text = f"### {label}\n\n" + "\n\n".join(sections) + "\n"
         print(text, flush=True)
@@ -605,7 +605,9 @@ def _device_us(event) -> float:
     return float(getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0) or 0.0)
 
 
-def _profile_summary(prof, name: str) -> str:
+def profile_summary(prof, name: str) -> str:
+    """Markdown of a profiled step recorded inside `record_function(f"bench::{name}")`: its wall and GPU busy time,
+    the device time of each `occult::` stage and the costliest kernels (also `occult bench realsize --profile`)."""
     events = prof.events()
     kernels = [  # device events that are kernels, not the device-side spans of named ranges (which cover their kernels)
         e for e in events

@@ -1,6 +1,6 @@
 """`occult bench realsize`: the whole OLMoE-1B-7B model under expert parallelism against a data-parallel replica.
 
-Shape legend: B sequences, S sequence length, D ranks.
+Shape legend: B sequences, S sequence length, D ranks, E routed experts, L MoE layers.
 
 Launch with `torchrun --nproc-per-node D -m occult_hf.cli bench realsize`. Every rank builds the same
 randomly initialised model with the exact OLMoE-1B-7B configuration (the checkpoint's
@@ -9,8 +9,10 @@ parameters; `--layers` shrinks it for dry runs) in bf16, and feeds its own B x S
 
 1. **replica**: the stock model, all experts on every rank (data parallelism; no gradient
    synchronisation is timed);
-2. **EP**: the same model after `apply_occult(model)` (D ranks, contiguous placement, the default
-   "auto" dispatcher), each rank holding E/D experts.
+2. **EP**: the same model after `apply_occult(model, {"placement": ...})` (D ranks, the default "auto"
+   dispatcher), each rank holding E/D experts, once per `--placements` entry: "contiguous" (experts
+   0..E/D-1 on rank 0, ...) and "refined" (Occult's placement, planned from a routing profile of the same
+   model on `--calibration-tokens` other tokens: the paper's workflow, profile then place).
 
 For each: parameters on this rank, peak memory of the forward+backward, forward and
 forward+backward of `model(input_ids, labels=input_ids).loss` (medians, ranks aligned by a barrier
@@ -18,12 +20,22 @@ before each), and greedy decoding at batch 1 (`--prompt` tokens, then `--new-tok
 `occult_hf.decode.GreedyDecoder`: a static cache and one CUDA graph per token; under EP the layers
 use the static-capacity dispatcher ("symm_mem" where NVSHMEM serves, else "padded"). The
 replica's tokens and EP's must agree (same weights, same prompt).
+
+Why the placement matters here: a randomly initialised model routes very unevenly (its hidden states
+share a large common component, so the router favours the same experts for every token: on the CPU, at
+the real configuration, the busiest expert of a layer gets 4-8x the mean load and one rank of a
+contiguous placement up to 69% of the pairs). Under EP a layer waits for its busiest rank, so the
+placement's load balance decides the step time. Each EP setup prints its routing balance per layer
+(pairs and rows each rank received in one forward, CT); `--profile` adds a `torch.profiler` summary of
+one forward and one forward+backward of every setup (device time per `occult::` stage, GPU busy time,
+costliest kernels).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,13 +44,18 @@ import torch
 import torch.distributed as dist
 
 from occult_hf.atomic import atomic_write_text
-from occult_hf.benchmarks.ep import timed
+from occult_hf.benchmarks.ep import profile_summary, timed
 
 HELP = "the whole OLMoE-1B-7B model under EP (torchrun) vs a data-parallel replica: fwd, fwd+bwd, decode, memory"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
 #: the decode target under EP (issue 10), ms per token at batch 1
 DECODE_TARGET_MS = 20.0
+#: the expert placements an EP setup can use (`--placements`)
+PLACEMENTS = ("contiguous", "refined")
+#: the calibration profile's token sample (the planner's CT objective; the loads count every token) and search rounds
+PLAN_SAMPLE_TOKENS = 4096
+PLAN_ROUNDS = 10
 
 
 @dataclass
@@ -98,6 +115,115 @@ def _dispatcher_of(model) -> str:
     return next(m.dispatcher.name for m in model.modules() if isinstance(m, OccultMoE))
 
 
+def calibrated_placement(model, config, args, device, rank: int, world: int):
+    """Occult's refined placement for `model`, planned on rank 0 from the routing of `--calibration-tokens` tokens
+    that are not the timed ones, in sequences of `--seq` (a `ProfileCollector` on the model's own routers; a random
+    model's routing leans per sequence too, so several sequences show the lean the model itself has), then
+    broadcast. The planner's local search runs `PLAN_ROUNDS` perturbation rounds (4.9 s for 16 layers on the
+    development CPU, against 18.5 s for its default 40)."""
+    from occult_hf.placement import Placement, plan_placement
+    from occult_hf.profile import RoutingProfile
+    from occult_hf.profile_collect import ProfileCollector
+
+    holder = [None]
+    if rank == 0:
+        generator = torch.Generator(device=device).manual_seed(args.seed + 10_000)
+        sequences = max(1, args.calibration_tokens // args.seq)
+        ids_BS = torch.randint(0, config.vocab_size, (sequences, args.seq), generator=generator, device=device)
+        with ProfileCollector(model, sample_size=PLAN_SAMPLE_TOKENS, seed=args.seed) as collector, torch.no_grad():
+            model(input_ids=ids_BS)
+        profile = RoutingProfile.from_collector(collector, source="realsize calibration: random token ids")
+        holder = [plan_placement(profile, world, "refined", progress=False, search_rounds=PLAN_ROUNDS).to_dict()]
+    if dist.is_initialized():
+        dist.broadcast_object_list(holder, src=0)
+    return Placement.from_dict(holder[0])
+
+
+@dataclass
+class LayerBalance:
+    """One layer's routing in one forward under EP, summed over the ranks."""
+
+    layer: int
+    pairs_D: list[int]  # (token, expert) pairs each rank received
+    rows_D: list[int]  # rows each rank received
+    tokens: int  # tokens of all ranks
+
+    @property
+    def busiest_share(self) -> float:
+        """Fraction of the pairs on the busiest rank (1/D: balanced)."""
+        return max(self.pairs_D) / max(sum(self.pairs_D), 1)
+
+    @property
+    def ct(self) -> float:
+        """Devices per token (rows per token)."""
+        return sum(self.rows_D) / max(self.tokens, 1)
+
+
+def routing_balance(model, ids_BS) -> list[LayerBalance]:
+    """Per MoE layer, the pairs and rows each rank received in one forward (the layers' own counters, summed over
+    the ranks: one all-reduce)."""
+    from occult_hf.moe import OccultMoE
+
+    layers = [m for m in model.modules() if isinstance(m, OccultMoE)]
+    for layer in layers:
+        layer.reset_counters()
+    with torch.no_grad():
+        model(input_ids=ids_BS)
+    sent_LD2 = torch.stack([layer.sent_D2 for layer in layers])
+    tokens = torch.tensor([ids_BS.numel()], device=sent_LD2.device)
+    if dist.is_initialized():
+        dist.all_reduce(sent_LD2)
+        dist.all_reduce(tokens)
+    counts = sent_LD2.tolist()
+    for layer in layers:
+        layer.reset_counters()
+    return [
+        LayerBalance(layer.layer_idx, [p for _, p in per_D], [r for r, _ in per_D], int(tokens.item()))
+        for layer, per_D in zip(layers, counts)
+    ]
+
+
+def balance_table(balance: list[LayerBalance]) -> str:
+    ranks = len(balance[0].pairs_D) if balance else 0
+    lines = [
+        "| layer | " + " | ".join(f"pairs to rank {d}" for d in range(ranks)) + " | busiest rank's share | CT |",
+        "|---|" + "---|" * ranks + "---|---|",
+    ]
+    for b in balance:
+        lines.append(f"| {b.layer} | " + " | ".join(str(p) for p in b.pairs_D) + f" | {b.busiest_share:.3f} | {b.ct:.2f} |")
+    if balance:
+        mean_share = sum(b.busiest_share for b in balance) / len(balance)
+        mean_ct = sum(b.ct for b in balance) / len(balance)
+        lines.append(f"| mean | " + " | ".join("" for _ in range(ranks)) + f" | {mean_share:.3f} | {mean_ct:.2f} |")
+    return "\n".join(lines)
+
+
+def profile_steps(model, ids_BS, device) -> str:
+    """`torch.profiler` summaries (`bench ep`'s `profile_summary`) of one forward and one forward+backward."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sections = []
+    for name in ("forward", "forward+backward"):
+        if dist.is_initialized():
+            dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        with profile(activities=activities) as prof:
+            with record_function(f"bench::{name}"):
+                if name == "forward":
+                    with torch.no_grad():
+                        model(input_ids=ids_BS, labels=ids_BS)
+                else:
+                    model(input_ids=ids_BS, labels=ids_BS).loss.backward()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+        for param in model.parameters():
+            param.grad = None
+        sections.append(profile_summary(prof, name))
+    return "\n\n".join(sections)
+
+
 class _nothing:
     def __enter__(self):
         return None
@@ -131,6 +257,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-graph", dest="graph", action="store_false", help="decode without CUDA graphs")
     parser.add_argument("--skip-replica", action="store_true", help="only the EP model (saves memory and time)")
     parser.add_argument(
+        "--placements", nargs="+", default=list(PLACEMENTS), choices=PLACEMENTS,
+        help="EP setups, one per expert placement ('refined': planned on a routing profile of --calibration-tokens tokens)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--calibration-tokens", type=int, default=16384,
+        help="tokens (in sequences of --seq) whose routing the 'refined' placement is planned on; not the timed ones",
+    )  # fmt: skip
+    parser.add_argument("--profile", action="store_true", help="print a torch.profiler summary of one forward and one forward+backward of each setup")
+    parser.add_argument(
         "--dispatchers", nargs="*", default=["symm_mem"],
         help="also time the EP training step with these dispatchers (besides 'auto'); a failing one is reported",
     )  # fmt: skip
@@ -158,7 +293,10 @@ def run(args: argparse.Namespace) -> int:
             print(message, flush=True)
 
     model = build_model(config, device, dtype, args.seed)
-    rows, replica_tokens = [], None
+    placements = {name: None for name in args.placements}
+    if "refined" in placements:  # profiled on the stock model, before anything is timed
+        placements["refined"] = calibrated_placement(model, config, args, device, rank, world)
+    rows, replica_tokens, notes = [], None, []
 
     def save() -> None:  # after every row: a later failure keeps what was measured
         if rank != 0:
@@ -169,11 +307,12 @@ def run(args: argparse.Namespace) -> int:
             f"`occult bench realsize`, {world} rank(s), {dtype}, {config.num_hidden_layers} layers, "
             f"{args.batch} x {args.seq} tokens per rank, decode {args.prompt} + {args.new_tokens} tokens, {stamp}, {machine_line(device)}"
         )
-        print(f"\n{header}\n\n{table}", flush=True)
+        text = "\n\n".join([f"{header}\n\n{table}", *notes])
+        print(f"\n{text}", flush=True)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         suffix = f"_{world}x{device.type}"
-        atomic_write_text(out / f"bench_realsize{suffix}.md", f"{header}\n\n{table}\n")
+        atomic_write_text(out / f"bench_realsize{suffix}.md", f"{text}\n")
         atomic_write_text(out / f"bench_realsize{suffix}.json", json.dumps({"header": header, "rows": [asdict(r) for r in rows]}, indent=1))
 
     def agree(tokens) -> bool | None:
@@ -184,25 +323,46 @@ def run(args: argparse.Namespace) -> int:
             dist.all_reduce(same, op=dist.ReduceOp.MIN)
         return bool(same.item())
 
+    def diagnose(setup: str) -> None:
+        if args.profile:
+            summary = profile_steps(model, ids_BS, device)
+            if rank == 0:
+                notes.append(f"Profile of {setup} (rank 0):\n\n{summary}")
+
     if not args.skip_replica:
-        row, replica_tokens = measure(model, "stock transformers, full replica per GPU (no gradient sync timed)", ids_BS, prompt_1P, args, device, None)
+        setup = "stock transformers, full replica per GPU (no gradient sync timed)"
+        row, replica_tokens = measure(model, setup, ids_BS, prompt_1P, args, device, None)
         rows.append(row)
+        diagnose(setup)
         save()
-    apply_occult(model)
     static = "padded" if world > 1 else None  # the NCCL static path first: it needs no NVSHMEM
-    row, tokens = measure(model, f"occult_hf EP, D={world}, dispatcher 'auto' ({_dispatcher_of(model)})", ids_BS, prompt_1P, args, device, static)
-    row.tokens_agree = agree(tokens)
-    rows.append(row)
-    save()
-    for name in args.dispatchers if world > 1 else []:  # training step and decode through another dispatcher
-        try:
-            with use_dispatcher(model, name):
-                row, tokens = measure(model, f"occult_hf EP, D={world}, dispatcher {name!r}", ids_BS, prompt_1P, args, device, name)
-            row.tokens_agree = agree(tokens)
-            rows.append(row)
-            save()
-        except Exception as error:  # noqa: BLE001 - a dispatcher that cannot serve this group is a line, not a lost run
-            log(f"EP with dispatcher {name!r} failed: {type(error).__name__}: {error}")
+    for index, (name, placement) in enumerate(placements.items()):
+        if index:  # the same weights again (same seed), converted with the next placement
+            del model
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            model = build_model(config, device, dtype, args.seed)
+        apply_occult(model, {"placement": placement} if placement is not None else None)
+        balance = routing_balance(model, ids_BS)
+        mean_share = sum(b.busiest_share for b in balance) / max(len(balance), 1)
+        if rank == 0:
+            notes.append(f"Routing under EP, {name} placement (one forward, all ranks' tokens):\n\n{balance_table(balance)}")
+        setup = f"occult_hf EP, D={world}, {name} placement (busiest rank {mean_share:.0%} of pairs), dispatcher 'auto' ({_dispatcher_of(model)})"
+        row, tokens = measure(model, setup, ids_BS, prompt_1P, args, device, static)
+        row.tokens_agree = agree(tokens)
+        rows.append(row)
+        diagnose(setup)
+        save()
+        for other in args.dispatchers if world > 1 and index == 0 else []:  # training step and decode through another dispatcher
+            try:
+                with use_dispatcher(model, other):
+                    row, tokens = measure(model, f"occult_hf EP, D={world}, {name} placement, dispatcher {other!r}", ids_BS, prompt_1P, args, device, other)
+                row.tokens_agree = agree(tokens)
+                rows.append(row)
+                save()
+            except Exception as error:  # noqa: BLE001 - a dispatcher that cannot serve this group is a line, not a lost run
+                log(f"EP with dispatcher {other!r} failed: {type(error).__name__}: {error}")
     if dist.is_initialized():
         dist.barrier()
     return 0
