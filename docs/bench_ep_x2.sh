@@ -14,8 +14,8 @@
 #            its pairs split over the homes by the static and by the load-aware rule (issue 14).
 # PRESET=final (the last call of session 4): STEPS="model realsize ep replicas", ep with the "symm_mem" rows
 # (dedup+refined, with its CUDA-graph replay) beside "all_to_all" dedup+refined and transformers' EP at T = 16384
-# and 128. PRESET=session5: STEPS="exact realsize ep model", realsize with the replica, EP on the contiguous and
-# the refined (calibrated) placement and a profile of each setup (REALSIZE="--profile"), ep "all_to_all"
+# and 128. PRESET=session5: STEPS="exact realsize ep model", realsize with the replica, EP on the contiguous and on
+# the "oracle" placement (planned on the timed batch: the balance bound) and a profile of each setup, ep "all_to_all"
 # dedup+refined against transformers' EP at T = 16384 with a profile of each case (EP_EXTRA="--profile").
 # Without PRESET: session 4's first call (exact, ep with "all_to_all"/"padded" at 16384/128/4096, realsize
 # --skip-replica). `bench ep` saves its table after every case: a hung case keeps the rows before it.
@@ -32,8 +32,8 @@ set -u
 case "${PRESET:-}" in
   final) : "${STEPS:=model realsize ep replicas}" "${TOKENS:=16384 128}" "${DISPATCHERS:=all_to_all symm_mem}" "${REALSIZE:=}" \
            "${MODES:=dedup+refined transformers_ep}" "${T_TOTAL:=430}" "${T_EP:=130}" ;;
-  session5) : "${STEPS:=exact realsize ep model}" "${TOKENS:=16384}" "${DISPATCHERS:=all_to_all}" "${REALSIZE:=--profile}" \
-           "${MODES:=dedup+refined transformers_ep}" "${EP_EXTRA:=--profile}" "${T_TOTAL:=250}" "${T_EP:=75}" ;;
+  session5) : "${STEPS:=exact realsize ep model}" "${TOKENS:=16384}" "${DISPATCHERS:=all_to_all}" "${REALSIZE:=--profile --placements contiguous oracle}" \
+           "${MODES:=dedup+refined transformers_ep}" "${EP_EXTRA:=--profile}" "${T_TOTAL:=270}" "${T_EP:=75}" ;;
   "") ;;
   *) echo "PRESET=$PRESET: not a preset (final, session5, or unset)"; exit 2 ;;
 esac

@@ -38,3 +38,33 @@ def test_exchange_model_is_labelled_and_dedup_sends_less(tmp_path):
     for devices in ("2", "4"):
         for placement in ("contiguous", "refined"):
             assert sent[(devices, placement, "dedup")] < sent[(devices, placement, "per_expert")]
+
+
+def test_realsize_routing_balance_counts_every_pair():
+    """`bench realsize`'s per-layer routing table (one process, 2 logical devices, contiguous placement): the pairs
+    each device received are the router's own choices counted by home, every token has a row on 1 or 2 devices."""
+    import torch
+
+    from occult_hf import apply_occult
+    from occult_hf.benchmarks.realsize import balance_table, routing_balance
+    from tiny_models import tiny_batch, tiny_model
+
+    model = tiny_model("olmoe")
+    ids_BS = tiny_batch(model.config.vocab_size, batch=2, seq=16)
+    chosen = []  # each layer's router choice, recorded by a hook on the stock routers
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, out: chosen.append(out[2])) for layer in model.model.layers]
+    with torch.no_grad():
+        model(input_ids=ids_BS)
+    for hook in hooks:
+        hook.remove()
+    apply_occult(model, {"num_devices": 2})
+    balance = routing_balance(model, ids_BS)
+    num_experts, top_k = model.config.num_experts, model.config.num_experts_per_tok
+    assert [b.layer for b in balance] == list(range(model.config.num_hidden_layers))
+    for b, ids_Tk in zip(balance, chosen):
+        home_Tk = ids_Tk // (num_experts // 2)  # contiguous: experts 0..E/2-1 on device 0
+        assert b.pairs_D == [int((home_Tk == d).sum()) for d in range(2)] and sum(b.pairs_D) == ids_BS.numel() * top_k
+        assert b.rows_D == [int((home_Tk == d).any(1).sum()) for d in range(2)]
+        assert 1.0 <= b.ct <= 2.0 and 0.5 <= b.busiest_share <= 1.0
+    table = balance_table(balance)
+    assert table.count("\n") == len(balance) + 2 and "| mean |" in table

@@ -605,9 +605,9 @@ def _device_us(event) -> float:
     return float(getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0) or 0.0)
 
 
-def profile_summary(prof, name: str) -> str:
+def profile_summary(prof, name: str, top: int = 14) -> str:
     """Markdown of a profiled step recorded inside `record_function(f"bench::{name}")`: its wall and GPU busy time,
-    the device time of each `occult::` stage and the costliest kernels (also `occult bench realsize --profile`)."""
+    the device time of each `occult::` stage and the `top` costliest kernels (also `occult bench realsize --profile`)."""
     events = prof.events()
     kernels = [  # device events that are kernels, not the device-side spans of named ranges (which cover their kernels)
         e for e in events
@@ -641,7 +641,7 @@ def profile_summary(prof, name: str) -> str:
     for k in kernels:
         by_kernel.setdefault(k.name, []).append(k.time_range.end - k.time_range.start)
     lines += ["", "| kernel | calls | device ms |", "|---|---|---|"]
-    for kname, times in sorted(by_kernel.items(), key=lambda item: -sum(item[1]))[:14]:
+    for kname, times in sorted(by_kernel.items(), key=lambda item: -sum(item[1]))[:top]:
         lines.append(f"| `{kname[:90]}` | {len(times)} | {sum(times) / 1e3:.3f} |")
     return "\n".join(lines)
 

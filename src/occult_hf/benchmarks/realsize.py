@@ -11,8 +11,10 @@ parameters; `--layers` shrinks it for dry runs) in bf16, and feeds its own B x S
    synchronisation is timed);
 2. **EP**: the same model after `apply_occult(model, {"placement": ...})` (D ranks, the default "auto"
    dispatcher), each rank holding E/D experts, once per `--placements` entry: "contiguous" (experts
-   0..E/D-1 on rank 0, ...) and "refined" (Occult's placement, planned from a routing profile of the same
-   model on `--calibration-tokens` other tokens: the paper's workflow, profile then place).
+   0..E/D-1 on rank 0, ...), "refined" (Occult's placement, planned from a routing profile of the same
+   model on `--calibration-tokens` other tokens: the paper's workflow, profile then place) and "oracle"
+   (the same planner on the timed tokens themselves: the best balance a placement gives this batch, a
+   bound rather than a deployable setup). Each planned setup rebuilds the model (same seed, same weights).
 
 For each: parameters on this rank, peak memory of the forward+backward, forward and
 forward+backward of `model(input_ids, labels=input_ids).loss` (medians, ranks aligned by a barrier
@@ -21,14 +23,17 @@ before each), and greedy decoding at batch 1 (`--prompt` tokens, then `--new-tok
 use the static-capacity dispatcher ("symm_mem" where NVSHMEM serves, else "padded"). The
 replica's tokens and EP's must agree (same weights, same prompt).
 
-Why the placement matters here: a randomly initialised model routes very unevenly (its hidden states
-share a large common component, so the router favours the same experts for every token: on the CPU, at
-the real configuration, the busiest expert of a layer gets 4-8x the mean load and one rank of a
-contiguous placement up to 69% of the pairs). Under EP a layer waits for its busiest rank, so the
-placement's load balance decides the step time. Each EP setup prints its routing balance per layer
-(pairs and rows each rank received in one forward, CT); `--profile` adds a `torch.profiler` summary of
-one forward and one forward+backward of every setup (device time per `occult::` stage, GPU busy time,
-costliest kernels).
+Why the placement matters here: a randomly initialised model routes very unevenly, and per sequence (the
+tokens of one sequence share a large common component of their hidden states, so the router sends them
+to the same few experts). On the CPU, at the real configuration, 3 sequences of 4096 tokens, 16 layers:
+the busiest expert of a layer gets 2-8x the mean load; with 2 sequences as the 2 ranks' batches, one rank
+of the contiguous split gets 57% of a layer's pairs on average (up to 66%); the refined placement planned
+on a third sequence gets the same 57-58% (the lean does not carry over from one sequence to another), and
+planned on the two timed sequences themselves 50.6% (at most 51.2%), with CT 1.73 instead of 2.00. Under EP
+a layer waits for its busiest rank, so the balance of the batch decides the step time. Each EP setup
+prints its routing per layer (pairs and rows each rank received in one forward, CT); `--profile` adds a
+`torch.profiler` summary of one forward and one forward+backward of every setup (device time per
+`occult::` stage, GPU busy time, costliest kernels).
 """
 
 from __future__ import annotations
@@ -52,10 +57,12 @@ DESCRIPTION = __doc__.split("\n\n", 1)[1]
 #: the decode target under EP (issue 10), ms per token at batch 1
 DECODE_TARGET_MS = 20.0
 #: the expert placements an EP setup can use (`--placements`)
-PLACEMENTS = ("contiguous", "refined")
+PLACEMENTS = ("contiguous", "refined", "oracle")
 #: the calibration profile's token sample (the planner's CT objective; the loads count every token) and search rounds
 PLAN_SAMPLE_TOKENS = 4096
 PLAN_ROUNDS = 10
+#: kernels listed per profiled step (a whole model launches attention, norms, the LM head and the loss besides the MoE)
+PROFILE_KERNELS = 24
 
 
 @dataclass
@@ -115,28 +122,48 @@ def _dispatcher_of(model) -> str:
     return next(m.dispatcher.name for m in model.modules() if isinstance(m, OccultMoE))
 
 
-def calibrated_placement(model, config, args, device, rank: int, world: int):
-    """Occult's refined placement for `model`, planned on rank 0 from the routing of `--calibration-tokens` tokens
-    that are not the timed ones, in sequences of `--seq` (a `ProfileCollector` on the model's own routers; a random
-    model's routing leans per sequence too, so several sequences show the lean the model itself has), then
-    broadcast. The planner's local search runs `PLAN_ROUNDS` perturbation rounds (4.9 s for 16 layers on the
-    development CPU, against 18.5 s for its default 40)."""
+def planned_placement(model, ids_BS, args, rank: int, world: int, source: str):
+    """Occult's refined placement for `model`, planned on rank 0 from the model's own routing of `ids_BS` (a
+    `ProfileCollector` on its routers; `--max-load-ratio`, `PLAN_ROUNDS` perturbation rounds: 1.5-2.3 s for 16
+    layers on the development CPU, against 18.5 s for the planner's default 40), then broadcast."""
     from occult_hf.placement import Placement, plan_placement
     from occult_hf.profile import RoutingProfile
     from occult_hf.profile_collect import ProfileCollector
 
     holder = [None]
     if rank == 0:
-        generator = torch.Generator(device=device).manual_seed(args.seed + 10_000)
-        sequences = max(1, args.calibration_tokens // args.seq)
-        ids_BS = torch.randint(0, config.vocab_size, (sequences, args.seq), generator=generator, device=device)
         with ProfileCollector(model, sample_size=PLAN_SAMPLE_TOKENS, seed=args.seed) as collector, torch.no_grad():
             model(input_ids=ids_BS)
-        profile = RoutingProfile.from_collector(collector, source="realsize calibration: random token ids")
-        holder = [plan_placement(profile, world, "refined", progress=False, search_rounds=PLAN_ROUNDS).to_dict()]
+        profile = RoutingProfile.from_collector(collector, source=source)
+        placement = plan_placement(profile, world, "refined", progress=False, search_rounds=PLAN_ROUNDS, max_load_ratio=args.max_load_ratio)
+        holder = [placement.to_dict()]
     if dist.is_initialized():
         dist.broadcast_object_list(holder, src=0)
     return Placement.from_dict(holder[0])
+
+
+def placements_to_run(model, config, ids_BS, args, device, rank: int, world: int) -> dict:
+    """`--placements` by name: None for "contiguous" (the default), else a planned `Placement`, all planned on the
+    stock model before anything is timed. "refined": on `--calibration-tokens` other tokens in sequences of
+    `--seq` (the paper's workflow, profile then place); "oracle": on the timed tokens of every rank themselves, so
+    the best balance a placement can give this very batch (an upper bound, not a deployable setup)."""
+    placements = {}
+    for name in args.placements:
+        if name == "contiguous":
+            placements[name] = None
+        elif name == "refined":
+            generator = torch.Generator(device=device).manual_seed(args.seed + 10_000)
+            sequences = max(1, args.calibration_tokens // args.seq)
+            calibration_BS = torch.randint(0, config.vocab_size, (sequences, args.seq), generator=generator, device=device)
+            placements[name] = planned_placement(model, calibration_BS, args, rank, world, "realsize: other random token ids")
+        else:
+            timed_BS = ids_BS
+            if dist.is_initialized():  # every rank's batch, on rank 0
+                parts = [torch.empty_like(ids_BS) for _ in range(world)]
+                dist.all_gather(parts, ids_BS)
+                timed_BS = torch.cat(parts)
+            placements[name] = planned_placement(model, timed_BS, args, rank, world, "realsize: the timed token ids")
+    return placements
 
 
 @dataclass
@@ -220,7 +247,7 @@ def profile_steps(model, ids_BS, device) -> str:
                     torch.cuda.synchronize(device)
         for param in model.parameters():
             param.grad = None
-        sections.append(profile_summary(prof, name))
+        sections.append(profile_summary(prof, name, top=PROFILE_KERNELS))
     return "\n\n".join(sections)
 
 
@@ -258,7 +285,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-replica", action="store_true", help="only the EP model (saves memory and time)")
     parser.add_argument(
         "--placements", nargs="+", default=list(PLACEMENTS), choices=PLACEMENTS,
-        help="EP setups, one per expert placement ('refined': planned on a routing profile of --calibration-tokens tokens)",
+        help="EP setups, one per expert placement ('refined': planned on a routing profile of --calibration-tokens other "
+        "tokens; 'oracle': planned on the timed tokens themselves, the balance a placement could give at best)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-load-ratio", type=float, default=1.02,
+        help="the planned placements' load bound (refined's max_load_ratio): at D=2 the experts are most of a layer, "
+        "so balance matters more than CT",
     )  # fmt: skip
     parser.add_argument(
         "--calibration-tokens", type=int, default=16384,
@@ -293,9 +326,7 @@ def run(args: argparse.Namespace) -> int:
             print(message, flush=True)
 
     model = build_model(config, device, dtype, args.seed)
-    placements = {name: None for name in args.placements}
-    if "refined" in placements:  # profiled on the stock model, before anything is timed
-        placements["refined"] = calibrated_placement(model, config, args, device, rank, world)
+    placements = placements_to_run(model, config, ids_BS, args, device, rank, world)
     rows, replica_tokens, notes = [], None, []
 
     def save() -> None:  # after every row: a later failure keeps what was measured
