@@ -4,6 +4,9 @@
 #   bash docs/paper_x2.sh 2   # the occult fine-tuning rows of OLMoE and Qwen1.5 again, with FSDP2 beside them
 #                             # (call 1's failed under bf16 autocast), then DeepSeek-MoE-16B, prefill then
 #                             # fine-tuning (limit 330 s: the re-run at most RERUN_LIMIT of it)
+#   bash docs/paper_x2.sh megablocks   # MegaBlocks: installs it (the carried wheels, else built from the carried
+#                             # sdists), runs tests/test_gpu_megablocks.py, then per model the megablocks rows with
+#                             # occult_hf's contiguous rows and the baselines beside them, in the same run (limit 420 s)
 # from the checkout's root, with carry=[".devdata/paper"] holding the transformers 5.24 wheel and the Qwen
 # trace as qwen_trace.npz (DATA, default .devdata/paper; the study trace is in docs/quality_results/).
 # Env: EXTRA (more `bench paper` arguments for every run of the call, e.g. "--scale tiny"), MODELS (overrides
@@ -13,13 +16,17 @@
 # THREADS (OMP threads per rank, default 4).
 # Results: $OUT/paper/paper_comparison_2x<device>.md/.json (call 2: $OUT/paper/rerun/ and $OUT/paper/deepseek/)
 # after every row, .png after every model; $OUT/log.txt (rows with elapsed seconds), $OUT/log_full.txt
-# (everything, progress bars too).
+# (everything, progress bars too). Call megablocks: MB_WHEELS (default $DATA/megablocks_whl) holds the wheels of
+# megablocks, stanford-stk and grouped_gemm if built before; otherwise they are built from $DATA/megablocks_src
+# (TORCH_CUDA_ARCH_LIST=9.0) into $OUT/wheels, to carry next time; its .png is left out (the device tool returns
+# 8 files).
 set -u
 CALL=${1:?call number: 1 or 2}
 case $CALL in
   1) DEFAULT_MODELS="olmoe-1b-7b qwen1.5-moe-a2.7b"; DEFAULT_LIMIT=540; DEFAULT_RERUN="" ;;
   2) DEFAULT_MODELS="deepseek-moe-16b"; DEFAULT_LIMIT=330; DEFAULT_RERUN="olmoe-1b-7b qwen1.5-moe-a2.7b" ;;
-  *) echo "call must be 1 or 2, got $CALL"; exit 2 ;;
+  megablocks) DEFAULT_MODELS="olmoe-1b-7b qwen1.5-moe-a2.7b deepseek-moe-16b"; DEFAULT_LIMIT=420; DEFAULT_RERUN="" ;;
+  *) echo "call must be 1, 2 or megablocks, got $CALL"; exit 2 ;;
 esac
 MODELS=${MODELS:-$DEFAULT_MODELS}
 RERUN_MODELS=${RERUN_MODELS-$DEFAULT_RERUN}
@@ -41,6 +48,29 @@ export PYTHONPATH=/tmp/site:$PKG
 # the prefill's checkpoint rows save the model once and load it four times: in RAM when /dev/shm has 80 GB
 if [ "$(df --output=avail -k /dev/shm 2>/dev/null | tail -1)" -gt 80000000 ] 2>/dev/null; then export TMPDIR=/dev/shm; fi
 mkdir -p "$OUT/paper" && : > "$OUT/log_full.txt"
+
+# megablocks_install: MegaBlocks into /tmp/site, from MB_WHEELS if it holds them, else built here (both extensions at once)
+megablocks_install() {
+  local wheels=${MB_WHEELS:-$DATA/megablocks_whl} start=$(date +%s) src
+  if ! ls "$wheels"/megablocks-*.whl > /dev/null 2>&1; then
+    wheels=$OUT/wheels && mkdir -p "$wheels" /tmp/mbsrc
+    for src in "$DATA"/megablocks_src/*.tar.gz; do tar xzf "$src" -C /tmp/mbsrc || return 1; done
+    # megablocks 0.10.0's cumsum passes CUB's debug_synchronous argument, which CUDA 13's CUB (CCCL 3) removed
+    python3 - /tmp/mbsrc/megablocks_*/csrc/cumsum.h <<'PATCH' || return 1
+import re, sys
+text = open(sys.argv[1]).read()
+open(sys.argv[1], "w").write(re.sub(r"stream,\s*debug_synchronous\)\);", "stream));", text))
+PATCH
+    for src in /tmp/mbsrc/*/; do
+      (cd "$src" && TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 -m pip wheel -q --no-deps --no-build-isolation --no-index \
+        -w "$wheels" . > "$src/build.log" 2>&1 || { echo "== build failed in $src:"; tail -40 "$src/build.log"; }) &
+    done
+    wait
+    echo "== MegaBlocks built from the sdists in $(($(date +%s) - start)) s: $(cd "$wheels" && ls)"
+  fi
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$wheels"/*.whl || return 1
+  python3 -c "import megablocks, megablocks_ops, grouped_gemm, stk; print('megablocks', megablocks.__version__, 'imports')"
+}
 F="Warning\|warn(\|Loading weights\|Writing model\|it/s\]\|s/it\]\|^ *$"
 DEADLINE=$(($(date +%s) + LIMIT))
 
@@ -64,6 +94,14 @@ bench() {
   echo "TMPDIR=${TMPDIR:-/tmp} call $CALL: models $MODELS, re-run $RERUN_MODELS, extra: $EXTRA, limit: $LIMIT s"
   if [ "$CALL" = 1 ]; then
     bench "call 1" "$OUT/paper" "$LIMIT" "$MODELS" --experiment all
+  elif [ "$CALL" = megablocks ]; then
+    megablocks_install
+    echo "== tests/test_gpu_megablocks.py"
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_megablocks.py 2>&1 | tail -15
+    # MegaBlocks has no placement (experts contiguous): occult_hf's rows beside it use the contiguous one too
+    bench "megablocks" "$OUT/paper" "$LIMIT" "$MODELS" --experiment all --placement-method contiguous \
+      --rows stock_1gpu occult_contiguous megablocks fsdp2 occult_exact
+    rm -f "$OUT"/paper/*.png
   else
     if [ -n "$RERUN_MODELS" ]; then
       bench "re-run of the occult fine-tuning rows" "$OUT/paper/rerun" "$RERUN_LIMIT" "$RERUN_MODELS" \

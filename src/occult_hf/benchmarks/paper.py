@@ -31,7 +31,7 @@ batch; "all_reduce" with `tp_size=ep_size=D`, one batch shared by the group; and
 per-expert rows and contiguous placement (the Tutel / Megatron baseline), one row per device
 (dedup) with contiguous placement, with a placement planned on the routing it then runs
 (`--placement-method`), and pruned to N_d = 2 and N_d = 1 devices per token (router mode); and
-MegaBlocks dMoE where it is importable. Each row's last-position logits are compared with the stock
+MegaBlocks dMoE where it is importable (`benchmarks/megablocks.py`: its `dMoE` in every MoE block with the model's router and weights). Each row's last-position logits are compared with the stock
 model's on the same batch (`max rel. err.`: exact rows must agree to fp32/bf16 rounding) and its
 mean CT (devices per token, over MoE layers and ranks) is given.
 
@@ -80,6 +80,7 @@ import torch.distributed as dist
 
 from occult_hf.atomic import atomic_save_figure, atomic_write_text
 from occult_hf.benchmarks.ep import DEFAULT_TRACE, _max_and_mean, init_from_torchrun, timed, trace_logits
+from occult_hf.benchmarks.megablocks import MLP_IMPL, apply_megablocks, megablocks_missing
 from occult_hf.benchmarks.model import MODEL_SHAPES
 from occult_hf.benchmarks.paper_routing import STUDY_TRACE, fit_routing, trace_layer
 from occult_hf.profile.trace import read_trace_ids
@@ -184,6 +185,11 @@ class PaperRow:
         return not self.reason
 
 
+#: the MegaBlocks rows (benchmarks/megablocks.py): its dMoE with the model's router and weights
+MEGABLOCKS_SETUP = (
+    f"MegaBlocks dMoE, dropless, mlp_impl={MLP_IMPL!r}, the model's router; per-expert rows, contiguous experts"
+    " (DDP for the replicated parameters in fine-tuning)"
+)
 PREFILL_ROWS = (
     ("stock_1gpu", "stock transformers, one GPU (each GPU its own replica, no communication)"),
     ("device_map_auto", 'stock transformers, from_pretrained(device_map="auto") over {D} GPUs, one process'),
@@ -195,14 +201,14 @@ PREFILL_ROWS = (
     ("occult_placed", "occult_hf EP, dedup, {method} placement"),
     ("occult_nd2", "occult_hf EP, dedup, {method} placement, pruned to N_d=2 (router)"),
     ("occult_nd1", "occult_hf EP, dedup, {method} placement, pruned to N_d=1 (router)"),
-    ("megablocks", "MegaBlocks dMoE"),
+    ("megablocks", MEGABLOCKS_SETUP),
 )
 FINETUNE_ROWS = (
     ("occult_exact", "occult_hf EP, exact, {method} placement (DDP for replicated parameters)"),
     ("occult_pruned", "occult_hf EP, pruned to N_d=1 (router), {method} placement"),
     ("fsdp2", "FSDP2 (fully_shard per decoder layer + root)"),
     ("ddp", "DDP, a full replica per GPU"),
-    ("megablocks", "MegaBlocks dMoE"),
+    ("megablocks", MEGABLOCKS_SETUP),
 )
 
 #: occult_hf rows of the prefill: key -> (OccultConfig fields, exact?)
@@ -433,17 +439,6 @@ def _logits(output) -> torch.Tensor:
     return logits.full_tensor() if hasattr(logits, "full_tensor") else logits
 
 
-def megablocks_reason() -> str | None:
-    """Why the MegaBlocks rows cannot run here (None: they could)."""
-    if importlib.util.find_spec("megablocks") is None:
-        return (
-            "megablocks is not importable (not in the GPU machine's image; its sdists and stanford-stk's and "
-            "grouped_gemm's, about 1.1 MB, could be carried and built there, but this command has no dMoE wrapper "
-            "for whole transformers models: docs/paper_comparison.md, MegaBlocks)"
-        )
-    return "megablocks is importable, but this command has no dMoE wrapper for whole transformers models yet"
-
-
 def transformers_ep_reason(implementation: str) -> str | None:
     """Why transformers' EP row with `implementation` cannot run with the installed transformers (None: it can)."""
     import transformers
@@ -547,44 +542,49 @@ def prefill(ctx: Context, spec: PaperModel, config, trace_NLk, routing: str) -> 
     del recorder
     stock_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
 
-    # 2. occult_hf rows: a converted copy of the stock model each
+    # 2. occult_hf rows and MegaBlocks': a converted copy of the stock model each
+    def converted_row(key: str, convert, with_ct: bool) -> PaperRow:
+        converted = None
+        try:
+            converted = convert(copy.deepcopy(model))
+            handles = hooked(converted, rank)
+            ctx.reset_peak()
+            error = ctx.max(rel_err(last_logits(converted, own_BS), reference_own))
+            ct = ctx.mean(_mean_ct(converted, world)) if with_ct else None
+            ms = ctx.max(timed(lambda: last_logits(converted, own_BS), args.iterations, device))
+            _detach(handles)
+            return row(key, tokens=tokens * world, ms=ms, tokens_per_s=tokens * world / ms * 1e3,
+                       peak_gib=ctx.peaks(set_aside_gib=stock_gib), ct=ct, max_rel_err=error)  # fmt: skip
+        except Exception as error:  # noqa: BLE001 - a row that fails says why; the run goes on
+            return row(key, reason=_error_text(error))
+        finally:
+            converted = None
+            ctx.free()
+
     for key, (fields, exact) in OCCULT_PREFILL.items():
         if not ctx.wants(key):
             continue
         if fields.get("max_devices_per_token", 0) > world:
             ctx.add(row(key, reason=f"N_d={fields['max_devices_per_token']} > D={world}"))
             continue
-        converted = None
-        try:
-            occult_config = OccultConfig(
-                num_devices=world, placement=fields.get("placement", placement), expert_backend=args.expert_backend,
-                **{k: v for k, v in fields.items() if k != "placement"},
-            )  # fmt: skip
-            converted = apply_occult(copy.deepcopy(model), occult_config)
-            handles = hooked(converted, rank)
-            ctx.reset_peak()
-            error = ctx.max(rel_err(last_logits(converted, own_BS), reference_own))
-            ct = ctx.mean(_mean_ct(converted, world))
-            ms = ctx.max(timed(lambda: last_logits(converted, own_BS), args.iterations, device))
-            result = row(key, tokens=tokens * world, ms=ms, tokens_per_s=tokens * world / ms * 1e3,
-                         peak_gib=ctx.peaks(set_aside_gib=stock_gib), ct=ct, max_rel_err=error)  # fmt: skip
-            if not exact or (key == "occult_nd2" and world > 2):
-                result.setup += " (changes the model)"
-            elif key == "occult_nd2":
-                result.setup += f" (at D={world} no token is pruned: N_d >= D is the exact model)"
-            ctx.add(result)
-            _detach(handles)
-        except Exception as error:  # noqa: BLE001 - a row that fails says why; the run goes on
-            ctx.add(row(key, reason=_error_text(error)))
-        finally:
-            converted = None
-            ctx.free()
+        occult_config = OccultConfig(
+            num_devices=world, placement=fields.get("placement", placement), expert_backend=args.expert_backend,
+            **{k: v for k, v in fields.items() if k != "placement"},
+        )  # fmt: skip
+        result = converted_row(key, lambda copied: apply_occult(copied, occult_config), with_ct=True)
+        if result.ran and (not exact or (key == "occult_nd2" and world > 2)):
+            result.setup += " (changes the model)"
+        elif result.ran and key == "occult_nd2":
+            result.setup += f" (at D={world} no token is pruned: N_d >= D is the exact model)"
+        ctx.add(result)
+    if ctx.wants("megablocks"):
+        reason = megablocks_missing()
+        group = dist.group.WORLD if dist.is_initialized() else None
+        ctx.add(row("megablocks", reason=reason) if reason else converted_row("megablocks", lambda copied: apply_megablocks(copied, group), with_ct=False))
 
     # 3. rows that load a checkpoint: device_map="auto" (one process) and transformers' EP (every rank)
     if not ctx.wants("device_map_auto", *HF_EP):
         del model
-        if ctx.wants("megablocks"):
-            ctx.add(row("megablocks", reason=megablocks_reason()))
         return
     holder = [tempfile.mkdtemp(prefix="occult_bench_paper_") if rank == 0 else None]
     if dist.is_initialized():
@@ -610,8 +610,6 @@ def prefill(ctx: Context, spec: PaperModel, config, trace_NLk, routing: str) -> 
         ctx.barrier()
         if rank == 0:
             shutil.rmtree(checkpoint, ignore_errors=True)
-    if ctx.wants("megablocks"):
-        ctx.add(row("megablocks", reason=megablocks_reason()))
 
 
 def _device_map_row(ctx, row, checkpoint, dtype, ids_BS, reference, hooked, last_logits) -> None:
@@ -706,7 +704,8 @@ def finetune(ctx: Context, spec: PaperModel, config, trace_NLk, routing: str) ->
     ids_BS = torch.randint(0, config.vocab_size, (per_rank, args.finetune_seq), generator=generator, device=device)
     setups = {key: text.format(method=args.placement_method) for key, text in FINETUNE_ROWS}
     total, experts = parameter_counts(config)
-    per_rank_params = {"occult": total - experts + math.ceil(experts / world), "fsdp2": math.ceil(total / world), "ddp": total}
+    sharded_experts = total - experts + math.ceil(experts / world)  # EP: the routed experts sharded, the rest replicated
+    per_rank_params = {"occult": sharded_experts, "megablocks": sharded_experts, "fsdp2": math.ceil(total / world), "ddp": total}
     gpu_gib = torch.cuda.get_device_properties(device).total_memory / 2**30 if ctx.cuda else float("inf")
     dtype = ctx.dtype
 
@@ -745,11 +744,9 @@ def finetune(ctx: Context, spec: PaperModel, config, trace_NLk, routing: str) ->
     for key, _ in FINETUNE_ROWS:
         if not ctx.wants(key):
             continue
-        if key == "megablocks":
-            ctx.add(row(key, reason=megablocks_reason()))
-            continue
         kind = "occult" if key.startswith("occult") else key
-        reason = too_big(kind)
+        reason = megablocks_missing() if kind == "megablocks" else None
+        reason = reason or too_big(kind)
         if reason is not None:
             ctx.add(row(key, reason=reason))
             continue
@@ -762,6 +759,9 @@ def finetune(ctx: Context, spec: PaperModel, config, trace_NLk, routing: str) ->
             if kind == "occult":
                 pruned = dict(prune="router", max_devices_per_token=1) if key == "occult_pruned" else {}
                 apply_occult(model, OccultConfig(num_devices=world, placement=placement, expert_backend=args.expert_backend, **pruned))
+                wrapped = _ddp(model, device) if world > 1 else model
+            elif kind == "megablocks":  # its experts are rank-local: the model tells DDP to leave them alone
+                apply_megablocks(model, dist.group.WORLD if world > 1 else None)
                 wrapped = _ddp(model, device) if world > 1 else model
             elif kind == "fsdp2":
                 wrapped = _fsdp2(model) if world > 1 else model
