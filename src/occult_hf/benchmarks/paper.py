@@ -31,7 +31,8 @@ batch; "all_reduce" with `tp_size=ep_size=D`, one batch shared by the group; and
 per-expert rows and contiguous placement (the Tutel / Megatron baseline), one row per device
 (dedup) with contiguous placement, with a placement planned on the routing it then runs
 (`--placement-method`), and pruned to N_d = 2 and N_d = 1 devices per token (router mode); and
-MegaBlocks dMoE where it is importable (`benchmarks/megablocks.py`: its `dMoE` in every MoE block with the model's router and weights). Each row's last-position logits are compared with the stock
+MegaBlocks dMoE where it is importable (`benchmarks/megablocks.py`: its `dMoE` in every MoE block, with
+the model's router and weights). Each row's last-position logits are compared with the stock
 model's on the same batch (`max rel. err.`: exact rows must agree to fp32/bf16 rounding) and its
 mean CT (devices per token, over MoE layers and ranks) is given.
 
