@@ -25,22 +25,24 @@ def _run(model, input_ids):
     return out.logits.detach(), out.loss.detach(), torch.cat([g.flatten() for g in router_grads])
 
 
+def check_bf16_against_fp32(family: str, convert, label: str):
+    """`family`'s tiny model in bf16, converted by `convert(model) -> model`, trained one step (forward and
+    backward) against the fp32 transformers model: its logits, loss and router gradients must be as close to
+    fp32 as transformers' own bf16 model's (within 2x its error, or 1e-2). Returns the converted model."""
+    input_ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0)).cuda()
+    reference = _run(tiny_model(family).cuda(), input_ids)
+    transformers_bf16 = _run(tiny_model(family).cuda().to(torch.bfloat16), input_ids)
+    model = convert(tiny_model(family).cuda().to(torch.bfloat16))
+    converted = _run(model, input_ids)
+    for name, ours, theirs, expected in zip(("logits", "loss", "router gradient"), converted, transformers_bf16, reference):
+        error, hf_error = _rel(ours, expected), _rel(theirs, expected)
+        assert torch.isfinite(ours).all(), f"{name} has NaN/inf"
+        assert error <= max(1e-2, 2 * hf_error), f"{name}: {label} bf16 {error:.2e} vs transformers bf16 {hf_error:.2e}"
+    return model
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_occult_model_tracks_fp32_as_closely_as_transformers_bf16(family, backend):
-    input_ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0)).cuda()
-    logits_32, loss_32, router_grad_32 = _run(tiny_model(family).cuda(), input_ids)
-    logits_hf, loss_hf, router_grad_hf = _run(tiny_model(family).cuda().to(torch.bfloat16), input_ids)
-
-    model = tiny_model(family).cuda().to(torch.bfloat16)
-    occult_hf.apply_occult(model, occult_hf.OccultConfig(num_devices=4, expert_backend=backend))
-    logits, loss, router_grad = _run(model, input_ids)
-
-    for name, ours, theirs, reference in (
-        ("logits", logits, logits_hf, logits_32),
-        ("loss", loss, loss_hf, loss_32),
-        ("router gradient", router_grad, router_grad_hf, router_grad_32),
-    ):
-        error, hf_error = _rel(ours, reference), _rel(theirs, reference)
-        assert torch.isfinite(ours).all(), f"{name} has NaN/inf"
-        assert error <= max(1e-2, 2 * hf_error), f"{name}: occult bf16 {error:.2e} vs transformers bf16 {hf_error:.2e}"
+    config = occult_hf.OccultConfig(num_devices=4, expert_backend=backend)
+    check_bf16_against_fp32(family, lambda model: occult_hf.apply_occult(model, config), "occult")
