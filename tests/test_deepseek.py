@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 
 import occult_hf
 from occult_hf.models.deepseek import DeepseekMoeConfig, DeepseekMoeForCausalLM
+from occult_hf.moe import OccultMoE
 from tiny_models import MOE_LAYERS, tiny_batch, tiny_checkpoint, tiny_config, tiny_model
 
 PUBLISHED_DIR_ENV = "OCCULT_DEEPSEEK_PUBLISHED_DIR"
@@ -216,6 +217,20 @@ def test_balance_loss_is_trained_but_not_reported():
         train_out.loss.backward()
         grads[alpha] = model.model.layers[1].mlp.gate.weight.grad.clone()
     assert rel_err(grads[0.05], grads[0.0]) > 1e-3
+
+
+def test_balance_loss_trains_when_the_model_is_converted_in_eval_mode():
+    """`from_pretrained` returns eval mode: a model converted then and put in training mode afterwards trains
+    the balance loss too (the replaced block follows the mode), so the router's gradient is the stock model's."""
+    ids = tiny_batch(seed=3)
+    stock = tiny_model("deepseek", seed=4, aux_loss_alpha=0.05).train()
+    stock(input_ids=ids, labels=ids).loss.backward()
+    model = occult_hf.apply_occult(tiny_model("deepseek", seed=4, aux_loss_alpha=0.05), occult_hf.OccultConfig(num_devices=2))
+    model.train()(input_ids=ids, labels=ids).loss.backward()
+    gate = "model.layers.1.mlp.gate.weight"
+    assert rel_err(model.get_parameter(gate).grad, stock.get_parameter(gate).grad) <= TOLERANCE
+    model.eval()
+    assert not any(m.original_block.training for m in model.modules() if isinstance(m, OccultMoE))
 
 
 @pytest.mark.parametrize(

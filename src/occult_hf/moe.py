@@ -179,6 +179,14 @@ class OccultMoE(nn.Module):
                 self.dispatcher = build_dispatcher(**self._dispatcher_settings, device=device)
         return module
 
+    def train(self, mode: bool = True) -> "OccultMoE":
+        """Also the replaced block: the adapter routes with it and the family reads its mode (DeepSeek-MoE
+        computes its balance loss only in training). Unregistered, it would keep the mode it had when it was
+        replaced: `from_pretrained` returns eval mode, so a model converted then and trained dropped the loss."""
+        super().train(mode)
+        self.original_block.train(mode)
+        return self
+
     # ----- forward ----------------------------------------------------------------------
     @property
     def original_block(self) -> nn.Module:
