@@ -89,9 +89,20 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _cdiv(a: int, b: int) -> int:
+    """ceil(a / b) in plain Python: `triton.cdiv` is a constexpr function whose call costs microseconds
+    of host time, and the grids call it on every launch."""
+    return -(-a // b)
+
+
+def _next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1), in plain Python (see `_cdiv`)."""
+    return 1 << (n - 1).bit_length()
+
+
 def _rows_per_expert_bucket(num_pairs: int, num_experts: int) -> int:
     """Autotuning key for the segment lengths: mean pairs per expert, rounded up to a power of two."""
-    return min(triton.next_power_of_2(max(1, num_pairs // max(1, num_experts))), 1 << 16)
+    return min(_next_power_of_2(max(1, num_pairs // max(1, num_experts))), 1 << 16)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -139,7 +150,34 @@ class _Launch:
 
     def m_tiles_bound(self, block_m: int) -> int:
         """Upper bound on sum_e cdiv(count_e, block_m), known without reading the counts."""
-        return triton.cdiv(self.num_pairs, block_m) + min(self.num_experts, self.num_pairs)
+        return _cdiv(self.num_pairs, block_m) + min(self.num_experts, self.num_pairs)
+
+
+#: (autotuned kernel, launch key) -> (the tuning cache the choice came from, the config the tuner chose)
+_CHOSEN: dict[tuple, tuple[dict, triton.Config]] = {}
+
+
+def _run_tuned(kernel, grid, key: tuple, *args, **constexprs) -> triton.Config:
+    """Launch the autotuned `kernel`; returns the config that ran. `key` stands for the tuner's own key
+    at this call site (the values the tuner is keyed on, and the tensors' dtypes).
+
+    The first launch per key goes through the autotuner, which tunes once per key; later launches run
+    the config it chose through `kernel.fn` directly. The autotuner's per-call Python (two dicts of every
+    argument, its key with each tensor's dtype as a string, a third dict for the config's pre-hook) is
+    host time on every launch, and at small T the host's time is the call's time
+    (docs/bench_experts_h200.md). A replaced tuning cache (tests and `--compare-candidates` swap in an
+    empty one to re-tune) makes the next launch go through the tuner again."""
+    chosen = _CHOSEN.get((kernel, key))
+    if chosen is None or chosen[0] is not kernel.cache:
+        kernel[grid](*args, **constexprs)
+        _CHOSEN[(kernel, key)] = (kernel.cache, kernel.best_config)
+        return kernel.best_config
+    config = chosen[1]
+    kernel.best_config = config
+    if config.pre_hook is not None:  # the TMA kernels' block shapes (`_kernels._set_tma_blocks`)
+        config.pre_hook({**dict(zip(kernel.arg_names, args)), **constexprs, **config.all_kwargs()})
+    kernel.fn[grid](*args, **constexprs, **config.all_kwargs())
+    return config
 
 
 def _gate_up(plan: _Launch, x_RH, gate_up_L2IH, pair_weight_N, save_gu: bool):
@@ -147,8 +185,9 @@ def _gate_up(plan: _Launch, x_RH, gate_up_L2IH, pair_weight_N, save_gu: bool):
     num_pairs, intermediate = plan.num_pairs, gate_up_L2IH.shape[1] // 2
     hw_NI = _empty(num_pairs, intermediate, dtype=x_RH.dtype, device=x_RH.device)
     gu_N2I = _empty(num_pairs, 2 * intermediate, dtype=x_RH.dtype, device=x_RH.device) if save_gu else None
-    grid = lambda meta: (plan.m_tiles_bound(meta["BLOCK_M"]) * triton.cdiv(intermediate, meta["BLOCK_N"]),)  # noqa: E731
-    _kernels.gate_up_kernel[grid](
+    grid = lambda meta: (plan.m_tiles_bound(meta["BLOCK_M"]) * _cdiv(intermediate, meta["BLOCK_N"]),)  # noqa: E731
+    _run_tuned(
+        _kernels.gate_up_kernel, grid, (x_RH.dtype, x_RH.shape[1], intermediate, plan.rows_per_expert, save_gu),
         x_RH, plan.pair_row_N, plan.expert_offsets, gate_up_L2IH, pair_weight_N, hw_NI, gu_N2I if save_gu else hw_NI,
         plan.num_experts, x_RH.shape[1], intermediate, plan.rows_per_expert,
         x_RH.stride(0), *gate_up_L2IH.stride(),
@@ -172,8 +211,9 @@ def _scatter_gemm(plan: _Launch, a_NK, b_LKF, out_dtype):
         target = _empty(plan.num_pairs, num_out, dtype=pair_dtype, device=device)
     a_desc, (b_desc, b_k_axis) = (_descriptor(a_NK), _expert_matrix(b_LKF)) if plan.tma else (None, (None, 0))
     tma_ok = a_desc is not None and b_desc is not None
-    grid = lambda meta: (plan.m_tiles_bound(meta["BLOCK_M"]) * triton.cdiv(num_out, meta["BLOCK_N"]),)  # noqa: E731
-    _kernels.scatter_gemm_kernel[grid](
+    grid = lambda meta: (plan.m_tiles_bound(meta["BLOCK_M"]) * _cdiv(num_out, meta["BLOCK_N"]),)  # noqa: E731
+    _run_tuned(
+        _kernels.scatter_gemm_kernel, grid, (a_NK.dtype, target.dtype, a_NK.shape[1], num_out, plan.rows_per_expert, atomic, tma_ok),
         a_NK, plan.pair_row_N, plan.expert_offsets, b_LKF, target, a_desc if tma_ok else None, b_desc if tma_ok else None,
         plan.num_experts, a_NK.shape[1], num_out, plan.rows_per_expert,
         a_NK.stride(0), *b_LKF.stride(), target.stride(0),
@@ -183,10 +223,11 @@ def _scatter_gemm(plan: _Launch, a_NK, b_LKF, out_dtype):
     if atomic:
         return target.to(out_dtype)
     out = _empty(plan.num_rows, num_out, dtype=out_dtype, device=device)
-    grid = lambda meta: (plan.num_rows, triton.cdiv(num_out, meta["BLOCK_H"]))  # noqa: E731
-    _kernels.segment_sum_kernel[grid](
-        target, plan.row_pairs_N, plan.row_offsets, out, num_out, target.stride(0), out.stride(0)
-    )
+    grid = lambda meta: (plan.num_rows, _cdiv(num_out, meta["BLOCK_H"]))  # noqa: E731
+    _run_tuned(
+        _kernels.segment_sum_kernel, grid, (target.dtype, num_out),
+        target, plan.row_pairs_N, plan.row_offsets, out, num_out, target.stride(0), out.stride(0),
+    )  # fmt: skip
     return out
 
 
@@ -198,10 +239,11 @@ def _dgate_up(plan: _Launch, dout_RH, down_LHI, gu_N2I, pair_weight_N, write_hw:
     # One partial sum per N tile; sized for the smallest BLOCK_N any config may pick. The config that ran
     # fills the columns of its own N tiles for every pair; only those are summed (no zero fill needed).
     min_block_n = min(config.kwargs["BLOCK_N"] for config in _kernels.dgate_up_kernel.configs)
-    partial_NP = _empty(plan.num_pairs, triton.cdiv(intermediate, min_block_n), dtype=torch.float32, device=dout_RH.device)
+    partial_NP = _empty(plan.num_pairs, _cdiv(intermediate, min_block_n), dtype=torch.float32, device=dout_RH.device)
     b_desc, _ = _expert_matrix(down_LHI) if plan.tma else (None, 0)
-    grid = lambda meta: (plan.m_tiles_bound(meta["BLOCK_M"]) * triton.cdiv(intermediate, meta["BLOCK_N"]),)  # noqa: E731
-    _kernels.dgate_up_kernel[grid](
+    grid = lambda meta: (plan.m_tiles_bound(meta["BLOCK_M"]) * _cdiv(intermediate, meta["BLOCK_N"]),)  # noqa: E731
+    config = _run_tuned(
+        _kernels.dgate_up_kernel, grid, (dout_RH.dtype, dout_RH.shape[1], intermediate, plan.rows_per_expert, write_hw, b_desc is not None),
         dout_RH, plan.pair_row_N, plan.expert_offsets, down_LHI, gu_N2I, pair_weight_N, dgu_N2I,
         hw_NI if write_hw else dgu_N2I, partial_NP, b_desc,
         plan.num_experts, dout_RH.shape[1], intermediate, plan.rows_per_expert,
@@ -209,7 +251,7 @@ def _dgate_up(plan: _Launch, dout_RH, down_LHI, gu_N2I, pair_weight_N, write_hw:
         WRITE_HW=write_hw, TMA_OK=b_desc is not None, ACTIVATION=plan.activation,
         DOT_PRECISION=_dot_precision(dout_RH.dtype), BLOCK_E=plan.block_experts,
     )  # fmt: skip
-    tiles_n = triton.cdiv(intermediate, _kernels.dgate_up_kernel.best_config.kwargs["BLOCK_N"])
+    tiles_n = _cdiv(intermediate, config.kwargs["BLOCK_N"])
     return dgu_N2I, partial_NP[:, :tiles_n].sum(dim=1), hw_NI
 
 
@@ -220,8 +262,9 @@ def _segment_outer(plan: _Launch, a, b, *, gather_a: bool, gather_b: bool, out_d
     # the operand that is not gathered may come by TMA (its rows are the segment's consecutive pairs)
     desc = _descriptor(b if gather_a else a) if plan.tma and gather_a != gather_b else None
     a_desc, b_desc = (None, desc) if gather_a else (desc, None)
-    grid = lambda meta: (plan.num_experts * triton.cdiv(num_m, meta["BLOCK_M"]) * triton.cdiv(num_out, meta["BLOCK_N"]),)  # noqa: E731
-    _kernels.segment_outer_kernel[grid](
+    grid = lambda meta: (plan.num_experts * _cdiv(num_m, meta["BLOCK_M"]) * _cdiv(num_out, meta["BLOCK_N"]),)  # noqa: E731
+    _run_tuned(
+        _kernels.segment_outer_kernel, grid, (a.dtype, b.dtype, num_m, num_out, plan.rows_per_expert, gather_a, desc is not None),
         a, b, plan.pair_row_N, plan.expert_offsets, c_LQF, a_desc, b_desc,
         plan.num_experts, num_m, num_out, plan.rows_per_expert,
         a.stride(0), b.stride(0), c_LQF.stride(0), c_LQF.stride(1),
@@ -334,7 +377,7 @@ def _plan(segments: ExpertSegments, reduce: str, activation: str = "silu") -> _L
         activation=_kernels.ACTIVATIONS[activation],
         rows_per_expert=_rows_per_expert_bucket(segments.num_pairs, segments.num_local_experts),
         tma=segments.num_pairs >= TMA_MIN_ROWS * max(1, segments.num_local_experts),
-        block_experts=triton.next_power_of_2(max(2, segments.num_local_experts)),
+        block_experts=_next_power_of_2(max(2, segments.num_local_experts)),
         row_pairs_N=row_pairs_N,
         row_offsets=row_offsets,
     )

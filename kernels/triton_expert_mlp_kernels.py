@@ -83,8 +83,14 @@ _DGATE_UP_HOPPER = [
     (128, 128, 64, 3, 8, {"EPI_SPLIT": 2, **_TMA}), (128, 256, 64, 3, 8, {"EPI_SPLIT": 2, **_TMA}),
     (128, 128, 64, 4, 8, {"EPI_SPLIT": 1, **_TMA}),
 ]  # fmt: skip
+# The weight gradients reduce along the pairs (BLOCK_K runs along a segment). Where segments are short (a
+# handful of pairs per expert at small T) each program runs one or two K steps and the kernel only writes
+# the [L, M, N] gradient: the candidates with BLOCK_K <= `SMALL_K` and two stages need a fraction of the
+# shared memory of the 64-deep three-stage ones (1 program per SM for 128x256x64 x 3 stages), so several
+# programs per SM overlap their stores. `_prune_by_segment` tunes them only below `LARGE_T_ROWS` pairs per expert.
 _OUTER_HOPPER = [
     (128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (256, 128, 64, 3, 8), (64, 128, 64, 4, 4),
+    (64, 128, 32, 2, 4), (128, 128, 32, 2, 8), (64, 256, 32, 2, 8), (128, 256, 16, 2, 8),
     (128, 256, 64, 3, 8, _TMA), (128, 256, 64, 4, 8, _TMA), (128, 128, 64, 4, 8, _TMA), (256, 128, 64, 3, 8, _TMA),
 ]  # fmt: skip
 _SEGMENT_SUM_HOPPER = [(256, 2), (512, 4), (1024, 8)]
@@ -92,6 +98,8 @@ _SEGMENT_SUM_HOPPER = [(256, 2), (512, 4), (1024, 8)]
 SMALL_M = 32
 #: mean pairs per expert up to which only tiles of at most 64 rows are tuned (above it, none of <= SMALL_M)
 SMALL_T_ROWS = 64
+#: reduction blocks of at most this many pairs are the weight gradients' short-segment candidates
+SMALL_K = 32
 #: mean pairs per expert from which only the tiles of at least 128 rows are tuned
 LARGE_T_ROWS = 1024
 #: the one config of each kernel under the interpreter (extra constexprs beside the 16-wide blocks)
@@ -151,6 +159,16 @@ def _prune_by_rows(configs, named_args, **kwargs):
     else:
         keep = [c for c in configs if c.kwargs["BLOCK_M"] > SMALL_M]
     return keep or configs
+
+
+def _prune_by_segment(configs, named_args, **kwargs):
+    """The weight gradients' candidates worth tuning: those with a short reduction block
+    (BLOCK_K <= `SMALL_K`) only where segments average fewer than `LARGE_T_ROWS` pairs, and the TMA
+    configs only where the call has descriptors (`_prune_tma`)."""
+    configs = _prune_tma(configs, named_args, **kwargs)
+    if named_args["ROWS_PER_EXPERT"] < LARGE_T_ROWS:
+        return configs
+    return [c for c in configs if c.kwargs["BLOCK_K"] > SMALL_K] or configs
 
 
 #: `prune_configs_by` of the grouped GEMMs whose BLOCK_M runs along the pairs
@@ -605,7 +623,7 @@ def _outer_block(
 @triton.autotune(
     configs=_gemm_configs(_OUTER_HOPPER, "segment_outer"),
     key=["M", "N_OUT", "ROWS_PER_EXPERT", "GATHER_A", "TMA_OK"],
-    prune_configs_by={"early_config_prune": _prune_tma},
+    prune_configs_by={"early_config_prune": _prune_by_segment},
     do_bench=_bench_config,
 )
 @triton.jit

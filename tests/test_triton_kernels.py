@@ -211,6 +211,27 @@ def test_tma_configs_match_reference(interpreted, monkeypatch, case):
         assert rel_err(grad, ref) <= 1e-4, f"d {name}: rel. error {rel_err(grad, ref):.2e}"
 
 
+def test_tuned_launches_skip_the_autotuner_until_its_cache_is_replaced(interpreted, monkeypatch):
+    """`_run_tuned`: after the first launch per key the tuner's choice runs without the autotuner (the
+    same bits; with the TMA configs forced, so the direct launch runs the config's descriptor pre-hook
+    too); a replaced tuning cache sends the next launch through the tuner again."""
+    monkeypatch.setattr(triton_expert_mlp, "TMA_MIN_ROWS", 0)
+    _only_configs(monkeypatch, use_tma=True, interpreted=True)
+    tuner = kernels.scatter_gemm_kernel
+    tuned = []
+    autotuner_run = type(tuner).run
+    monkeypatch.setattr(tuner, "run", lambda *args, **kwargs: tuned.append(1) or autotuner_run(tuner, *args, **kwargs))
+    problem = make_problem(*CASES["long_segment"], seed=11)
+    with torch.no_grad():
+        first = expert_mlp_triton(*_args(problem))
+        second = expert_mlp_triton(*_args(problem))
+        assert len(tuned) == 1 and torch.equal(first, second)
+        assert rel_err(second, expert_mlp_reference(*_args(problem, torch.float64))) <= 1e-4
+        monkeypatch.setattr(tuner, "cache", {})
+        expert_mlp_triton(*_args(problem))
+    assert len(tuned) == 2
+
+
 def test_tma_descriptors_only_where_tma_can_read():
     """`_descriptor` refuses rows that are not 16-byte aligned and non-unit last strides (the pointer
     configs run there); `_expert_matrix` reads both weight layouts as one matrix."""
@@ -256,6 +277,20 @@ def test_tile_pruning_keeps_candidates_for_every_segment_length():
                 assert min(block_m) >= 128, (rows, block_m)
             else:
                 assert min(block_m) > kernels.SMALL_M, (rows, block_m)
+
+
+def test_weight_gradient_pruning_keeps_short_reductions_for_short_segments():
+    """`_prune_by_segment`: the short-reduction candidates (BLOCK_K <= SMALL_K) are tuned below
+    LARGE_T_ROWS pairs per expert and dropped from it; the TMA ones only with descriptors."""
+    import triton
+
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, **(extra[0] if extra else {})}) for m, n, k, _, _, *extra in kernels._OUTER_HOPPER]
+    for rows in (1, 16, 128, 512, 1024, 1 << 16):
+        for tma in (False, True):
+            kept = kernels._prune_by_segment(configs, {"ROWS_PER_EXPERT": rows, "TMA_OK": tma})
+            short = {c.kwargs["BLOCK_K"] <= kernels.SMALL_K for c in kept}
+            assert kept and short == ({True, False} if rows < kernels.LARGE_T_ROWS else {False}), (rows, tma)
+            assert any(c.kwargs.get("USE_TMA", False) for c in kept) == tma, (rows, tma)
 
 
 def test_activation_names():
@@ -463,6 +498,23 @@ def test_bf16_tma_and_pointer_configs_match_fp32_reference(monkeypatch, use_tma)
         assert not grad.isnan().any() and rel_err(grad, ref) <= 1e-2, f"d {name}: rel. error {rel_err(grad, ref):.2e}"
     if use_tma:
         assert all(getattr(kernels, name).best_config.kwargs.get("USE_TMA") for name in TMA_KERNELS)
+    again = run_with_grads(expert_mlp_triton, problem, torch.bfloat16, grad_out)
+    assert torch.equal(out, again[0]) and all(torch.equal(a, b) for a, b in zip(grads, again[1]))
+
+
+@gpu
+@needs_cuda
+def test_bf16_small_t_matches_fp32_reference():
+    """T = 128 at the OLMoE shape (16 pairs per expert: the small-T row tiles and the weight gradients'
+    short-reduction candidates are tuned), the default mode; the second call, which launches the
+    tuned configs directly (`_run_tuned`), gives the same bits."""
+    problem = _routed_problem(128, 2048, 1024, 64, 8, "cuda", seed=3)
+    grad_out = torch.randn(128, 2048, device="cuda")
+    out, grads = run_with_grads(expert_mlp_triton, problem, torch.bfloat16, grad_out)
+    ref_out, ref_grads = run_with_grads(expert_mlp_reference, problem, torch.float32, grad_out)
+    assert rel_err(out, ref_out) <= 1e-2
+    for name, grad, ref in zip(("x", "pair_weight", "gate_up_proj", "down_proj"), grads, ref_grads):
+        assert not grad.isnan().any() and rel_err(grad, ref) <= 1e-2, f"d {name}: rel. error {rel_err(grad, ref):.2e}"
     again = run_with_grads(expert_mlp_triton, problem, torch.bfloat16, grad_out)
     assert torch.equal(out, again[0]) and all(torch.equal(a, b) for a, b in zip(grads, again[1]))
 
