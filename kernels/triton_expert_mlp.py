@@ -49,6 +49,7 @@ import triton
 from . import triton_expert_mlp_kernels as _kernels
 from .activations import ACTIVATIONS, activation_name
 from .layout import ExpertSegments
+from .triton_layout import fits_one_program, sort_by_group
 
 
 try:  # Hopper's tensor memory accelerator through host-made descriptors (Triton >= 3.4)
@@ -355,8 +356,12 @@ def _check_inputs(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LH
 
 def _row_index(pair_row_N: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Row -> pairs CSR on the device: pairs sorted by row (stable: pair order within a row) and
-    row_offsets [R + 1]. searchsorted instead of bincount, which would synchronise; 32-bit keys
-    sort about twice as fast as 64-bit ones."""
+    row_offsets [R + 1] (pairs past the segments, whose row is R, fall outside every row's range).
+    Small layouts in one Triton program (`triton_layout`); else torch's sort, and searchsorted
+    instead of bincount, which would synchronise (32-bit keys sort about twice as fast as 64-bit ones)."""
+    if pair_row_N.shape[0] and fits_one_program(pair_row_N.shape[0], num_rows):
+        row_pairs_N, row_offsets, _ = sort_by_group(pair_row_N, num_rows)
+        return row_pairs_N, row_offsets
     key_dtype = torch.int32 if num_rows < 2**31 else torch.int64
     sorted_rows_N, row_pairs_N = torch.sort(pair_row_N.to(key_dtype), stable=True)
     boundaries = torch.arange(num_rows + 1, dtype=key_dtype, device=pair_row_N.device)

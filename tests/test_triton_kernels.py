@@ -232,6 +232,28 @@ def test_tuned_launches_skip_the_autotuner_until_its_cache_is_replaced(interpret
     assert len(tuned) == 2
 
 
+@pytest.mark.parametrize("num_pairs", [1, 37, 300])
+def test_one_program_layout_is_torchs_stable_sort(interpreted, num_pairs):
+    """`sort_by_group` (one Triton program) gives what torch's stable sort and a binary search give:
+    the expert layout (by expert, then row) with the rows in order, and the row index (by row alone,
+    including rows equal to the group count, which sort past every range)."""
+    from occult_hf.kernels.layout import _sort_pairs_torch
+    from occult_hf.kernels.triton_layout import sort_by_group
+
+    generator = torch.Generator().manual_seed(num_pairs)
+    rows, experts = 23, 5
+    pair_row = torch.randint(0, rows, (num_pairs,), generator=generator)
+    pair_expert = torch.randint(0, experts, (num_pairs,), generator=generator)
+    order_N, offsets, pair_row_N = sort_by_group(pair_expert, experts, pair_row, rows)
+    expected = _sort_pairs_torch(pair_row, pair_expert, rows, experts)
+    assert torch.equal(pair_row_N, expected[0]) and torch.equal(offsets, expected[1]) and torch.equal(order_N, expected[2])
+    row_N = torch.randint(0, rows + 1, (num_pairs,), generator=generator)  # row R: a pair past the segments
+    row_pairs_N, row_offsets, _ = sort_by_group(row_N, rows)
+    sorted_N, expected_pairs_N = torch.sort(row_N, stable=True)
+    assert torch.equal(row_pairs_N, expected_pairs_N)
+    assert torch.equal(row_offsets, torch.searchsorted(sorted_N, torch.arange(rows + 1)))
+
+
 def test_tma_descriptors_only_where_tma_can_read():
     """`_descriptor` refuses rows that are not 16-byte aligned and non-unit last strides (the pointer
     configs run there); `_expert_matrix` reads both weight layouts as one matrix."""
@@ -489,15 +511,20 @@ def test_bf16_tma_and_pointer_configs_match_fp32_reference(monkeypatch, use_tma)
     """Each kind of candidate compiled and run on its own (the tuner may pick either), OLMoE shape,
     T = 4096 (512 pairs per expert: descriptors are made); the row modes bitwise repeatable."""
     _only_configs(monkeypatch, use_tma=use_tma, interpreted=False)
-    problem = _routed_problem(4096, 2048, 1024, 64, 8, "cuda", seed=2)
-    grad_out = torch.randn(4096, 2048, device="cuda")
+    _bf16_matches_fp32_and_repeats(_routed_problem(4096, 2048, 1024, 64, 8, "cuda", seed=2))
+    if use_tma:
+        assert all(getattr(kernels, name).best_config.kwargs.get("USE_TMA") for name in TMA_KERNELS)
+
+
+def _bf16_matches_fp32_and_repeats(problem: Problem) -> None:
+    """The default mode in bf16 against the fp32 reference: forward and all four gradients <= 1e-2,
+    never NaN; a second call (the tuned configs launched directly) gives the same bits."""
+    grad_out = torch.randn(problem.x_RH.shape, device=problem.x_RH.device)
     out, grads = run_with_grads(expert_mlp_triton, problem, torch.bfloat16, grad_out)
     ref_out, ref_grads = run_with_grads(expert_mlp_reference, problem, torch.float32, grad_out)
     assert rel_err(out, ref_out) <= 1e-2
     for name, grad, ref in zip(("x", "pair_weight", "gate_up_proj", "down_proj"), grads, ref_grads):
         assert not grad.isnan().any() and rel_err(grad, ref) <= 1e-2, f"d {name}: rel. error {rel_err(grad, ref):.2e}"
-    if use_tma:
-        assert all(getattr(kernels, name).best_config.kwargs.get("USE_TMA") for name in TMA_KERNELS)
     again = run_with_grads(expert_mlp_triton, problem, torch.bfloat16, grad_out)
     assert torch.equal(out, again[0]) and all(torch.equal(a, b) for a, b in zip(grads, again[1]))
 
@@ -506,17 +533,18 @@ def test_bf16_tma_and_pointer_configs_match_fp32_reference(monkeypatch, use_tma)
 @needs_cuda
 def test_bf16_small_t_matches_fp32_reference():
     """T = 128 at the OLMoE shape (16 pairs per expert: the small-T row tiles and the weight gradients'
-    short-reduction candidates are tuned), the default mode; the second call, which launches the
-    tuned configs directly (`_run_tuned`), gives the same bits."""
-    problem = _routed_problem(128, 2048, 1024, 64, 8, "cuda", seed=3)
-    grad_out = torch.randn(128, 2048, device="cuda")
-    out, grads = run_with_grads(expert_mlp_triton, problem, torch.bfloat16, grad_out)
-    ref_out, ref_grads = run_with_grads(expert_mlp_reference, problem, torch.float32, grad_out)
-    assert rel_err(out, ref_out) <= 1e-2
-    for name, grad, ref in zip(("x", "pair_weight", "gate_up_proj", "down_proj"), grads, ref_grads):
-        assert not grad.isnan().any() and rel_err(grad, ref) <= 1e-2, f"d {name}: rel. error {rel_err(grad, ref):.2e}"
-    again = run_with_grads(expert_mlp_triton, problem, torch.bfloat16, grad_out)
-    assert torch.equal(out, again[0]) and all(torch.equal(a, b) for a, b in zip(grads, again[1]))
+    short-reduction candidates are tuned; the layout and the row index sorted by one Triton program),
+    the default mode; the second call, which launches the tuned configs directly (`_run_tuned`), gives
+    the same bits."""
+    from occult_hf.kernels.layout import _sort_pairs_torch
+
+    rows_N = torch.arange(128, device="cuda").repeat_interleave(8)
+    ids_N = torch.randint(0, 64, (1024,), device="cuda")
+    segments, order_N = ExpertSegments.from_pairs(rows_N, ids_N, 128, 64)  # one Triton program at this size
+    expected = _sort_pairs_torch(rows_N, ids_N, 128, 64)
+    assert torch.equal(segments.pair_row, expected[0]) and torch.equal(segments.expert_offsets, expected[1])
+    assert torch.equal(order_N, expected[2])
+    _bf16_matches_fp32_and_repeats(_routed_problem(128, 2048, 1024, 64, 8, "cuda", seed=3))
 
 
 @gpu

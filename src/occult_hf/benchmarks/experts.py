@@ -116,7 +116,8 @@ def hf_experts_module(shape: ExpertShape, device, dtype) -> torch.nn.Module:
 
 def segments_from_topk(topk_ids_Tk: torch.Tensor, num_experts: int) -> tuple[ExpertSegments, torch.Tensor]:
     """All E experts local (one device): pairs (t, topk_ids[t, j]) grouped by expert, rows ascending
-    within an expert (`ExpertSegments.from_pairs`, the runtime's layout). Returns the segments and
+    within an expert (`ExpertSegments.from_pairs`; the runtime's dispatch sorts its received pairs into
+    the same layout, `dispatch.plan.received_pairs`). Returns the segments and
     `order_N`, the position of each pair in the flattened [T*k] routing tensors."""
     tokens, top_k = topk_ids_Tk.shape
     row_N = torch.arange(tokens * top_k, device=topk_ids_Tk.device) // top_k
