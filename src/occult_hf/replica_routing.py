@@ -124,20 +124,26 @@ def preference_counts(topk_ids_Tk: torch.Tensor, pref_Tk: torch.Tensor, num_expe
     return counts.scatter_add_(0, flat, torch.ones_like(flat)).view(num_experts, max_homes + 1)
 
 
-def _fill(total_E: torch.Tensor, other_EM: torch.Tensor, floor_EM: torch.Tensor, valid_EM: torch.Tensor) -> torch.Tensor:
+def _fill(total_E: torch.Tensor, other_EM: torch.Tensor, floor_EM: torch.Tensor, off_EM: torch.Tensor) -> torch.Tensor:
     """`[E, M]` shares of each expert's `total_E` over its homes: `max(floor, level - other)` with the level
-    that makes them sum to the total (water-filling above floors; `sum(floor) <= total`). 0 off the homes."""
-    inf = torch.finfo(other_EM.dtype).max
-    start_EM = torch.where(valid_EM, other_EM + floor_EM, inf)  # the level at which a home starts to rise
-    start_sorted, order = torch.sort(start_EM, dim=1)
-    other_sorted, floor_sorted = other_EM.gather(1, order), torch.where(valid_EM, floor_EM, 0.0).gather(1, order)
-    rising = torch.arange(1, other_EM.shape[1] + 1, device=other_EM.device, dtype=other_EM.dtype)
-    floor_after = floor_sorted.sum(1, keepdim=True) - floor_sorted.cumsum(1)  # floors of the homes still at them
-    level_EM = (total_E[:, None] - floor_after + other_sorted.cumsum(1)) / rising
-    ok_EM = (level_EM >= start_sorted) & valid_EM.gather(1, order)
-    last = (ok_EM.long() * torch.arange(1, other_EM.shape[1] + 1, device=other_EM.device)).argmax(1)  # the last ok
-    level_E = level_EM.gather(1, last[:, None])
-    return torch.where(valid_EM, torch.maximum(floor_EM, level_E - other_EM), 0.0)
+    that makes them sum to the total (water-filling above floors; `sum(floor) <= total`). 0 off the homes
+    (`off_EM`: 0 on a home, +inf elsewhere).
+
+    Without a sort (a few fused-size operators): with `start = other + floor`, a home's share is
+    `max(start, level) - other`, so the level solves `sum_m max(start_m, level) = total + sum_m other_m`. For
+    any set S of homes that sum is at least `|S| level + sum_{m not in S} start_m`, so the level is at most
+    `(total + sum other - sum_{m not in S} start_m) / |S|` for every S, with equality for the homes that rise
+    (those with `start_m <= level`); those are the homes starting no later than some home j, so the level is
+    the least of that bound over the sets `{m: start_m <= start_j}`.
+    """
+    start_EM = other_EM + floor_EM + off_EM
+    rises_EMM = start_EM[:, None, :] <= start_EM[:, :, None]  # [e, j, m]: home m has started when home j starts
+    on_EM = off_EM == 0
+    started_EM = torch.where(rises_EMM, start_EM[:, None, :], 0.0).sum(2)
+    excess_E = total_E + torch.where(on_EM, other_EM - start_EM, 0.0).sum(1)  # total + sum other - sum start
+    level_EM = (excess_E[:, None] + started_EM) / rises_EMM.sum(2)
+    level_E = torch.where(on_EM, level_EM, torch.inf).amin(1, keepdim=True)
+    return torch.where(on_EM, torch.maximum(start_EM, level_E) - other_EM, 0.0)
 
 
 def replica_shares(
@@ -152,32 +158,73 @@ def replica_shares(
        experts' loads (the fluid min-max split);
     2. the same with floors: a home keeps up to its visited pairs (those need no extra copy of the
        token) as far as its device stays within `pin_slack` x the mean above phase 1's max load.
+    About 20 operators a round on `[E, M]` tensors, whatever E, M and D.
     """
     counts_EM1 = counts_EM1.to(torch.float64)
     max_homes = home_table_EM.shape[1]
     total_E, visited_EM = counts_EM1.sum(1), counts_EM1[:, :max_homes]
     valid_EM = home_table_EM >= 0
-    replicated_E = valid_EM.sum(1) > 1
-    devices = torch.arange(num_devices, device=home_table_EM.device)
-    on_EMD = ((home_table_EM[..., None] == devices) & valid_EM[..., None]).to(torch.float64)  # [E, M, D]
-    single_EM = torch.zeros_like(visited_EM)
-    single_EM[:, 0] = torch.where(replicated_E, 0.0, total_E)
-    replicated_EM = valid_EM & replicated_E[:, None]
+    replicated_EM = valid_EM & (valid_EM.sum(1, keepdim=True) > 1)
+    off_EM = torch.where(replicated_EM, 0.0, torch.inf).to(torch.float64)
+    home_EM = home_table_EM.clamp_min(0)
+    on_EMD = (home_table_EM[..., None] == torch.arange(num_devices, device=home_table_EM.device)).to(torch.float64)
+    single_E = torch.where(replicated_EM[:, 0], 0.0, total_E)
+    single_D = (single_E[:, None] * on_EMD[:, 0]).sum(0)  # what no split moves
     shares_EM = torch.where(replicated_EM, total_E[:, None] / valid_EM.sum(1, keepdim=True), 0.0)
 
     def rounds(shares_EM, floor_of):
         for _ in range(SPLIT_ROUNDS):
-            load_D = ((single_EM + shares_EM)[..., None] * on_EMD).sum((0, 1))
-            other_EM = (load_D[home_table_EM.clamp_min(0)] - shares_EM)
-            best_EM = _fill(total_E, other_EM, floor_of(other_EM), replicated_EM)
-            shares_EM = 0.5 * (shares_EM + best_EM)
+            load_D = single_D + (shares_EM[..., None] * on_EMD).sum((0, 1))
+            other_EM = load_D[home_EM] - shares_EM
+            shares_EM = torch.lerp(shares_EM, _fill(total_E, other_EM, floor_of(other_EM), off_EM), 0.5)
         return shares_EM
 
     shares_EM = rounds(shares_EM, torch.zeros_like)
-    load_D = ((single_EM + shares_EM)[..., None] * on_EMD).sum((0, 1))
-    cap = load_D.max() + pin_slack * total_E.sum() / num_devices
+    cap = (single_D + (shares_EM[..., None] * on_EMD).sum((0, 1))).max() + pin_slack * total_E.sum() / num_devices
     shares_EM = rounds(shares_EM, lambda other_EM: torch.minimum(visited_EM, (cap - other_EM).clamp_min(0.0)))
-    return torch.where(replicated_EM, shares_EM, single_EM)
+    return torch.where(replicated_EM, shares_EM, single_E[:, None] * (torch.arange(max_homes, device=home_EM.device) == 0))
+
+
+class GraphedSplit:
+    """`replica_shares` replayed from a CUDA graph: its ~450 small operators become one launch on a GPU.
+
+    The split's inputs have static shapes (`[E, M + 1]` counts, `[E, M]` homes) and it reads nothing on the
+    host, so it is captured once per (device, shapes, D, pin slack) and replayed; the counts and the table are
+    copied into the graph's input buffers first, so a re-homed placement (`rehome.apply_replicas`) needs no
+    new capture. On the GPU the split was ~5-13 ms of launches per layer (docs/placement.md, "GPU rows").
+    Eager where graphs do not apply: on CPU, and inside an enclosing capture (the outer graph holds it then).
+    One instance per dispatcher (a layer): each graph's output buffer is reused by its next replay.
+    """
+
+    def __init__(self) -> None:
+        self._graphs: dict[tuple, tuple] = {}
+
+    def __call__(
+        self, counts_EM1: torch.Tensor, home_table_EM: torch.Tensor, num_devices: int, pin_slack: float = PIN_SLACK
+    ) -> torch.Tensor:
+        if counts_EM1.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return replica_shares(counts_EM1, home_table_EM, num_devices, pin_slack)
+        key = (counts_EM1.device, tuple(counts_EM1.shape), counts_EM1.dtype, tuple(home_table_EM.shape), num_devices, pin_slack)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(counts_EM1, home_table_EM, num_devices, pin_slack)
+        graph, counts_in, table_in, shares_out = self._graphs[key]
+        counts_in.copy_(counts_EM1)
+        table_in.copy_(home_table_EM)
+        graph.replay()
+        return shares_out.clone()
+
+    @staticmethod
+    def _capture(counts_EM1, home_table_EM, num_devices, pin_slack) -> tuple:
+        counts_in, table_in = counts_EM1.clone(), home_table_EM.clone()
+        side = torch.cuda.Stream(counts_EM1.device)
+        side.wait_stream(torch.cuda.current_stream(counts_EM1.device))
+        with torch.cuda.stream(side):  # warm-up outside the capture (lazy initialisation, allocator)
+            replica_shares(counts_in, table_in, num_devices, pin_slack)
+        torch.cuda.current_stream(counts_EM1.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            shares_out = replica_shares(counts_in, table_in, num_devices, pin_slack)
+        return graph, counts_in, table_in, shares_out
 
 
 def _rank_in_group(group_F: torch.Tensor) -> torch.Tensor:
@@ -199,6 +246,7 @@ def load_aware_homes(
     rank: int = 0,
     visited_TD: torch.Tensor | None = None,
     pin_slack: float = PIN_SLACK,
+    split: Callable[..., torch.Tensor] = replica_shares,
 ) -> torch.Tensor:
     """`[T, k]` int64 device serving each pair under the load-aware rule (`replica_choice="load_aware"`).
 
@@ -209,7 +257,8 @@ def load_aware_homes(
        collects every rank's counts (one all-gather of E x (M + 1) integers per rank per layer, `[G, E,
        M + 1]` in rank order; None: this process's tokens are the whole batch, as with logical devices);
     2. every rank derives the same split of each replicated expert's pairs over its homes from their sum
-       (`replica_shares`);
+       (`split`: `replica_shares`, or a `GraphedSplit` of it, which the dispatchers pass: one graph replay
+       on a GPU);
     3. the pairs are assigned as if the group's pairs stood in one line, rank by rank (`rank`: this one's
        place; the counts of the ranks before it give its offset), so the split is met to one pair per
        home, not one per home and rank: of the pairs whose token visits home m, the fraction
@@ -230,7 +279,7 @@ def load_aware_homes(
     local_EM1 = preference_counts(ids_Tk, pref_Tk, num_experts, max_homes)
     all_GEM1 = local_EM1[None] if gather is None else gather(local_EM1)
     counts_EM1, before_EM1 = all_GEM1.sum(0), all_GEM1[:rank].sum(0)
-    shares_EM = replica_shares(counts_EM1, home_table_EM, num_devices, pin_slack)
+    shares_EM = split(counts_EM1, home_table_EM, num_devices, pin_slack)
     visited_EM = counts_EM1[:, :max_homes].to(torch.float64)
     # with pruning (`visited_TD`) a pair must stay on the token's devices: every visited home is kept
     keep_EM = visited_EM if visited_TD is not None else torch.minimum(visited_EM, shares_EM)
@@ -275,6 +324,7 @@ def home_table_from(device_of_E: np.ndarray, replicas: dict[int, list[int]] | No
 
 
 __all__ = [
+    "GraphedSplit",
     "REPLICA_CHOICES",
     "home_table_from",
     "load_aware_homes",
