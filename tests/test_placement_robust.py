@@ -390,3 +390,107 @@ def test_load_aware_split_meets_the_target_without_adding_ct_where_it_can():
     ct, balance = load_aware_split(ids, table, 2, 1.0)
     assert balance == 1.0 and ct == 2.0  # every expert-0 pair moves to device 0, each costs one device
     assert load_aware_split(ids, table, 2, 2.0) == (1.0, 2.0)  # already under the target: nothing moves
+
+
+# ----- replicas planned for the load-aware rule ----------------------------------------------------
+def test_load_aware_mode_bounds_single_home_load_and_links_every_device():
+    """replica_choice="load_aware": every device's load in single-home experts within (1 - shed_margin) x the mean
+    on each profile, and the copies join all devices into one linked group; the static mode leaves neither bound."""
+    from occult_hf.placement.shedding import linked_groups
+    from occult_hf.studies.load_aware_plans import single_home_bound
+
+    popularity = np.linspace(3.0, 1.0, 16)  # the hot experts on the low ids, as structured groups make them
+    ids = structured_topk(1200, 16, 4, 4, popularity_E=popularity, seed=6)
+    profile = profile_from_sample({0: ids}, 16, "hot low ids")
+    load_E = np.bincount(ids.ravel(), minlength=16).astype(float)
+    static = plan_placement(profile, 4, progress=False, num_redundant_experts=4, **FAST)
+    aware = plan_placement(profile, 4, progress=False, num_redundant_experts=4, replica_choice="load_aware", shed_margin=0.2, **FAST)
+    table = aware.home_table(0)
+    assert (table >= 0).sum() == 20 and single_home_bound(load_E, table, 4) <= 0.8 + 1e-9
+    copies = [e for e, row in enumerate(table) for d in row[1:] if d >= 0]
+    assert len(np.unique(linked_groups(table[table >= 0], np.nonzero(table >= 0)[0], 4))) == 1 and len(copies) == 4
+    assert single_home_bound(load_E, static.home_table(0), 4) > 0.85
+
+
+def test_linked_groups_by_hand():
+    from occult_hf.placement.shedding import linked_groups
+
+    # items: experts 0..3 on devices 0..3, copies of experts 0 (on 1) and 2 (on 3): groups {0, 1}, {2, 3}
+    group_X = np.array([0, 1, 2, 3, 0, 2])
+    assert linked_groups(np.array([0, 1, 2, 3, 1, 3]), group_X, 4).tolist() == [0, 0, 2, 2]
+    assert linked_groups(np.array([0, 1, 2, 3, 2, 3]), group_X, 4).tolist() == [0, 1, 0, 0]  # expert 0 on 0 and 2
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"replica_choice": "dynamic"}, r"replica_choice must be one of \('static', 'load_aware'\), got 'dynamic'"),
+    ({"shed_margin": 1.0}, r"shed_margin must be a number in \[0, 1\), got 1.0"),
+])
+def test_load_aware_mode_options_are_checked(options, message):
+    with pytest.raises(ValueError, match=message):
+        RefinedOptions(**options)
+
+
+def test_water_filling_without_a_sort_matches_the_sorted_level():
+    from occult_hf.replica_routing import _fill
+
+    rng = np.random.default_rng(7)
+    other = rng.random((50, 4)) * 10
+    floor = rng.random((50, 4)) * np.array([1.0, 0.0, 2.0, 0.5])
+    valid = rng.random((50, 4)) < 0.8
+    valid[:, 0] = True
+    total = (floor * valid).sum(1) + rng.random(50) * 20
+    off = torch.from_numpy(np.where(valid, 0.0, np.inf))
+    shares = _fill(torch.from_numpy(total), torch.from_numpy(other), torch.from_numpy(floor), off).numpy()
+    for e in range(50):  # the level by bisection: the shares sum to the total, each home at max(floor, level - other)
+        lo, hi = -100.0, 100.0
+        for _ in range(200):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if np.maximum(floor[e], mid - other[e])[valid[e]].sum() < total[e] else (lo, mid)
+        expect = np.where(valid[e], np.maximum(floor[e], lo - other[e]), 0.0)
+        assert np.allclose(shares[e], expect, atol=1e-9)
+
+
+#: operators (launches, as tests/test_dispatch.py counts them) of the load-aware rule at T=512, E=64, k=8, D=8,
+#: 8 replicated experts: the split (`replica_shares`, 2 x SPLIT_ROUNDS rounds; one CUDA graph replay on a GPU,
+#: `GraphedSplit`) and the rest of `load_aware_homes` (eager everywhere). Session 4: 585 + 110 in all.
+LOAD_AWARE_BUDGET = {"split": 450, "rest": 115}
+
+
+def test_load_aware_rule_operator_budget():
+    import collections
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from test_dispatch import _NOT_LAUNCHES, _copies, _under_aten
+
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(64, generator=generator)[:8] for _ in range(512)])
+    table = torch.from_numpy(home_table_from(np.arange(64) * 8 // 64, {e: [(e * 8 // 64 + 1) % 8] for e in range(0, 64, 8)}))
+    counts = preference_counts(ids, replica_preferences(ids, table, 8)[1], 64, 2)
+
+    def launches(fn) -> int:
+        fn()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+        top = [e for e in prof.events() if e.name.startswith("aten::") and not _under_aten(e)]
+        return sum(collections.Counter(e.name for e in top if e.name not in _NOT_LAUNCHES or _copies(e)).values())
+
+    split = launches(lambda: replica_shares(counts, table, 8))
+    whole = launches(lambda: load_aware_homes(ids, table, 8))
+    assert split <= LOAD_AWARE_BUDGET["split"] and whole - split <= LOAD_AWARE_BUDGET["rest"], (split, whole - split)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_graphed_split_equals_the_eager_split_on_the_gpu():
+    """The CUDA graph replay gives the eager split's bits, also after the table changes (re-homed copies)."""
+    from occult_hf.replica_routing import GraphedSplit
+
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.stack([torch.randperm(64, generator=generator)[:8] for _ in range(2048)]).cuda()
+    graphed = GraphedSplit()
+    for shift in (1, 3):
+        table = torch.from_numpy(home_table_from(np.arange(64) * 8 // 64, {e: [(e * 8 // 64 + shift) % 8] for e in range(0, 64, 8)})).cuda()
+        counts = preference_counts(ids, replica_preferences(ids, table, 8)[1], 64, 2)
+        assert torch.equal(graphed(counts, table, 8), replica_shares(counts, table, 8))
+        assert torch.equal(load_aware_homes(ids, table, 8, split=graphed), load_aware_homes(ids, table, 8))

@@ -42,7 +42,8 @@ import numpy as np
 
 from ..metrics import load_floor
 from .objectives import PairwiseCut, SampleCT
-from ..replica_routing import home_table_from, resolve_homes_np
+from ..replica_routing import REPLICA_CHOICES, home_table_from, resolve_homes_np
+from .shedding import link_groups, single_home_rows
 from .robust import count_scenarios, scenario_loads, shrink_toward_mean, token_scenarios
 from .registry import balanced_capacities, check_layer_inputs, register_planner
 from .slowest import StepCosts, device_times, slowest_descent
@@ -91,6 +92,15 @@ class RefinedOptions:
             "Replicas" in the module docstring).
         replica_rounds: with replicas and a token sample, re-plan the copies this many times on the
             loads the replica rule really gives (tokens use a copy on a device they already visit).
+        replica_choice: the runtime rule the replicas are planned for (`OccultConfig.replica_choice`).
+            "static": the load limit holds on the loads the static rule gives (pairs pinned to a visited
+            home, else round-robin). "load_aware": the runtime splits a replicated expert's pairs by the
+            batch's loads, so what bounds a device is the load no split can move, its single-home
+            experts': the limit holds on the even split of the replicas, and each device's single-home
+            load must also stay within `1 - shed_margin` x the mean (`shedding.single_home_rows`), so
+            that a device whose experts run hotter on new tokens can shed the excess through its copies.
+        shed_margin: with replica_choice "load_aware", the fraction of the mean device load kept free of
+            single-home experts on every device, for the drift of loads on tokens the plan has not seen.
         pair_cost_s, byte_cost_s, row_bytes: the costs of objective "slowest" (seconds per
             (token, expert) pair, per received byte; bytes per row); `slowest.costs_from_bench` reads
             them from an `occult bench ep` JSON file.
@@ -107,6 +117,8 @@ class RefinedOptions:
     load_reliability: float | str = 1.0
     num_redundant_experts: int = 0
     replica_rounds: int = 2
+    replica_choice: str = "static"
+    shed_margin: float = 0.15
     pair_cost_s: float = StepCosts.pair_cost_s
     byte_cost_s: float = StepCosts.byte_cost_s
     row_bytes: int = StepCosts.row_bytes
@@ -117,6 +129,10 @@ class RefinedOptions:
         if self.objective not in OBJECTIVES:
             raise ValueError(f"refined option objective must be one of {OBJECTIVES}, got {self.objective!r}")
         StepCosts(self.pair_cost_s, self.byte_cost_s, self.row_bytes)  # validates the costs
+        if self.replica_choice not in REPLICA_CHOICES:
+            raise ValueError(f"refined option replica_choice must be one of {REPLICA_CHOICES}, got {self.replica_choice!r}")
+        if isinstance(self.shed_margin, bool) or not isinstance(self.shed_margin, (int, float)) or not 0.0 <= self.shed_margin < 1.0:
+            raise ValueError(f"refined option shed_margin must be a number in [0, 1), got {self.shed_margin!r}")
         value = self.load_reliability
         if value != "auto" and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0):
             raise ValueError(f"refined option load_reliability must be a number in [0, 1] or 'auto', got {value!r}")
@@ -411,26 +427,25 @@ def _rule_items(item_device_X, group_X, sample_Nk, num_devices):
     return item_at_ED[sample_Nk, dest_Nk], ct
 
 
-def _replica_rounds(best_X, best_cost, sample_Nk, loads_of, group_X, coactivation, limit_Y, capacities_D, num_devices, options, rng):
+def _replica_rounds(best_X, sample_Nk, scaled_rows_of, group_X, coactivation, capacities_D, num_devices, options, rng):
     """Re-plan the copies on the loads the replica rule really gives (a token goes to a copy on a device it
     already visits, not to copy `n mod copies`), `replica_rounds` times; keep the map with the lowest
-    worst-scenario overload, then the lowest CT, under the rule."""
+    worst-row overload, then the lowest CT, under the rule. `scaled_rows_of(items_Nk)`: the `[Y, X]` load rows
+    (each scaled to its limit 1) when the sample's pairs are served by `items_Nk`."""
 
     def score(item_device_X):
         items_Nk, ct = _rule_items(item_device_X, group_X, sample_Nk, num_devices)
-        load_YX = loads_of(items_Nk, len(group_X))
+        scaled_YX = scaled_rows_of(items_Nk)
         one_hot_XD = np.zeros((len(group_X), num_devices))
         one_hot_XD[np.arange(len(group_X)), item_device_X] = 1.0
-        over = float(np.maximum((load_YX @ one_hot_XD) / limit_Y[:, None] - 1.0, 0.0).max())
-        return (round(over, 9), ct), items_Nk, load_YX
+        over = float(np.maximum(scaled_YX @ one_hot_XD - 1.0, 0.0).max())
+        return (round(over, 9), ct), items_Nk, scaled_YX
 
-    best_key, items_Nk, load_YX = score(best_X)
+    best_key, items_Nk, scaled_YX = score(best_X)
     current = best_X
     for _ in range(options.replica_rounds):
-        current, _, _, _ = _search(
-            coactivation, items_Nk, load_YX / limit_Y[:, None], current, capacities_D, group_X, num_devices, options, rng
-        )
-        key, items_Nk, load_YX = score(current)
+        current, _, _, _ = _search(coactivation, items_Nk, scaled_YX, current, capacities_D, group_X, num_devices, options, rng)
+        key, items_Nk, scaled_YX = score(current)
         if key < best_key:
             best_key, best_X = key, current
     return best_X, best_key[1]
@@ -580,14 +595,33 @@ def refine_layer(
     attainable_Y = np.array([load_floor(row, capacities_D) for row in load_YE])
     balance_bound = float(attainable_Y[0] / mean_Y[0]) if mean_Y[0] > 0 else 1.0
     limit_Y = np.where(attainable_Y > 0, options.max_load_ratio * attainable_Y, 1.0)  # no load: any map is balanced
-    start_E = initial_assignment(coactivation, load_YE / limit_Y[:, None], capacities_D, group_X)
+    scaled_YX = load_YE / limit_Y[:, None]
+    load_aware = group_X is not None and options.replica_choice == "load_aware"
+    if load_aware:  # the even split within the limit, and room on every device to shed through copies
+        single_YX, single_limit_Y = single_home_rows(load_YE, copies_E[group_X], num_devices, options.shed_margin)
+        scaled_YX = np.concatenate([scaled_YX, single_YX / single_limit_Y[:, None]])
+    start_E = initial_assignment(coactivation, scaled_YX, capacities_D, group_X)
     best_E, best_cost, name, factor = _search(
-        coactivation, sample, load_YE / limit_Y[:, None], start_E, capacities_D, group_X, num_devices, options, rng
+        coactivation, sample, scaled_YX, start_E, capacities_D, group_X, num_devices, options, rng
     )
     if group_X is not None and original_sample is not None:
+        if load_aware:  # the rows do not depend on which copy serves a pair: the runtime splits by load
+            rows_of = lambda items_Nk: scaled_YX  # noqa: E731
+        else:
+            rows_of = lambda items_Nk: loads_of(items_Nk, len(group_X)) / limit_Y[:, None]  # noqa: E731
         best_E, best_cost = _replica_rounds(
-            best_E, best_cost, original_sample, loads_of, group_X, coactivation, limit_Y, capacities_D, num_devices, options, rng
+            best_E, original_sample, rows_of, group_X, coactivation, capacities_D, num_devices, options, rng
         )
+    if load_aware:  # one linked group: any device's excess can reach every other through the copies
+        if original_sample is not None and options.objective != "cut":
+            objective = SampleCT(_rule_items(best_E, group_X, original_sample, num_devices)[0], best_E, num_devices)
+        else:
+            objective = PairwiseCut(coactivation, best_E, num_devices)
+        search = _Search(objective, scaled_YX / factor, capacities_D, group_X)
+        link_groups(search, group_X, num_devices)
+        best_E = search.device_of_E.copy()
+        if original_sample is not None:
+            best_cost = _rule_items(best_E, group_X, original_sample, num_devices)[1]
     if options.objective == "slowest":
         costs = StepCosts(options.pair_cost_s, options.byte_cost_s, options.row_bytes)
         if group_X is None:
