@@ -222,7 +222,8 @@ class GraphedSplit:
             replica_shares(counts_in, table_in, num_devices, pin_slack)
         torch.cuda.current_stream(counts_EM1.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: the NCCL watchdog thread's event queries during the capture must not invalidate it
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             shares_out = replica_shares(counts_in, table_in, num_devices, pin_slack)
         return graph, counts_in, table_in, shares_out
 
