@@ -635,10 +635,11 @@ def refine_layer(
     limit_reached = factor == 1.0
     limit = float(limit_Y[0]) * factor
     if not limit_reached:
+        single_rule = f" and its single-home load under (1 - shed_margin) x the mean (shed_margin={options.shed_margin})" if load_aware else ""
         warnings.warn(
             f"refined placement: could not bring every device under max_load_ratio={options.max_load_ratio} x the "
-            f"load floor in all {len(load_YE)} load scenario(s); keeping the max load reached ({limit:.6g} on the "
-            f"profile, balance {limit / mean_Y[0]:.3f}) as the limit",
+            f"load floor{single_rule} in all {len(load_YE)} load scenario(s); keeping the max load reached, "
+            f"{factor:.3f}x the limits ({limit:.6g} on the profile, balance {limit / mean_Y[0]:.3f}), as the limit",
             stacklevel=2,
         )
     if group_X is not None:  # items -> homes: the lowest device is the primary one

@@ -1,0 +1,117 @@
+"""Replicas planned for the load-aware runtime rule, replayed on the held-out Qwen half (issue 14's 1.05 goal).
+
+    python -m occult_hf.studies.robust_placement_study --routing-dir ../shared/data/routing --only-load-aware --out-dir docs
+
+For D=4 and D=8, seeds 0-9, three plans with 8 redundant slots made on the planning half (prefill and decode
+as two profiles): the robust plan made for the static rule (the best of the earlier session), and the planner
+mode made for the load-aware rule (`replica_choice="load_aware"`: single-home load within `1 - shed_margin` of
+the mean on every device, copies linked into one group: `placement.shedding`), with the margin at 0.15 (the default) and 0.20.
+Each is replayed on the held-out half under the static rule and under the runtime's load-aware rule at pin
+slack 0.02 (the default), 0.01 and 0 (`robust_placement_study.replay_load_aware`, steps of 2,192 tokens cut
+into D ranks). Beside them two bounds no rule can beat on these tokens: the fluid bound (the best split of the
+replicas, `best_replica_split`) and the busiest device's single-home load (what no split moves).
+
+Shape legend (docs/conventions.md): N tokens, k experts per token, E experts, D devices, M homes of one expert.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..atomic import atomic_save_figure
+from ..metrics import evaluate_placement, summarize
+from ..replica_routing import resolve_homes_np
+
+#: the planner mode for the load-aware rule, as the study runs it
+LOAD_AWARE = {"num_redundant_experts": 8, "replica_choice": "load_aware", "max_load_ratio": 1.05}
+SEEDS = tuple(range(10))
+PIN_SLACKS = (0.02, 0.01, 0.0)
+GOAL = 1.05
+
+
+def single_home_bound(load_E: np.ndarray, home_table_EM: np.ndarray, num_devices: int) -> float:
+    """The busiest device's load in experts with one home / the mean device load: no split of the replicas
+    brings a device below it."""
+    single_E = (home_table_EM >= 0).sum(1) == 1
+    load_D = np.bincount(home_table_EM[single_E, 0], weights=load_E[single_E], minlength=num_devices)
+    return float(load_D.max() / (load_E.sum() / num_devices))
+
+
+def load_aware_plan_rows(routing_dir: Path) -> tuple[list[dict[str, Any]], dict[str, list], float]:
+    """The table (one row per D, plan and rule); for the figure, per plan at D=8 each seed's `(CT, balance)`
+    under the default load-aware rule, and today's refined CT there (seed mean)."""
+    from .robust_placement_study import ROBUST, _ct_and_balance, _plan, best_replica_split, qwen_parts, replay_load_aware
+
+    parts = qwen_parts(routing_dir)
+    both = {"prefill": parts["prefill"], "decode": parts["decode"]}
+    held_Nk = parts["held_out"].layer(0).topk_sample
+    load_E = np.bincount(held_Nk.ravel(), minlength=60).astype(np.float64)
+    window = len(held_Nk)
+    plans = (
+        ("refined robust + 8 redundant, prefill+decode (for the static rule)", {**ROBUST, "num_redundant_experts": 8}),
+        ("refined + 8 redundant for the load-aware rule, margin 0.15", {**LOAD_AWARE, "shed_margin": 0.15}),
+        ("refined + 8 redundant for the load-aware rule, margin 0.20", {**LOAD_AWARE, "shed_margin": 0.20}),
+    )
+    rows, points = [], {}
+    for num_devices in (4, 8):
+        today = float(np.mean([
+            summarize(evaluate_placement(parts["held_out"], _plan(parts["first"], num_devices, {"seed": s})[0]))["ct"] for s in SEEDS
+        ]))
+        for name, options in plans:
+            runs = [_plan(both, num_devices, {**options, "seed": s}) for s in SEEDS]
+            tables = [placement.home_table(0) for placement, _ in runs]
+            fluid = [best_replica_split(load_E, table, num_devices) for table in tables]
+            single = [single_home_bound(load_E, table, num_devices) for table in tables]
+            rules = [("static", None)] + [(f"load-aware, pin slack {slack}", slack) for slack in PIN_SLACKS]
+            for rule, slack in rules:
+                scores = [
+                    _ct_and_balance(
+                        held_Nk,
+                        resolve_homes_np(held_Nk, table, num_devices) if slack is None
+                        else replay_load_aware(held_Nk, table, num_devices, window, slack),
+                        num_devices, window,
+                    )
+                    for table in tables
+                ]
+                ct = [c for c, _, _ in scores]
+                balance = [b for _, b, _ in scores]
+                if num_devices == 8 and slack == PIN_SLACKS[0]:
+                    points[name], today_8 = list(zip(ct, balance)), today
+                rows.append({
+                    "D": num_devices,
+                    "plan (seeds 0-9)": name,
+                    "replica rule": rule,
+                    "CT held-out, mean (vs today's refined)": f"{np.mean(ct):.3f} ({100 * (np.mean(ct) / today - 1):+.1f}%)",
+                    "balance held-out, mean / worst seed": f"{np.mean(balance):.3f} / {max(balance):.3f}",
+                    "seeds <= 1.05 with CT below today's": f"{sum(b <= GOAL + 1e-9 and c < today for c, b in zip(ct, balance))} / {len(SEEDS)}",
+                    "fluid bound, mean / worst / seeds > 1.05": (
+                        f"{np.mean(fluid):.3f} / {max(fluid):.3f} / {sum(f > GOAL for f in fluid)}" if slack is None else ""
+                    ),
+                    "single-home bound, mean / worst": f"{np.mean(single):.3f} / {max(single):.3f}" if slack is None else "",
+                    "plan CPU s (mean)": round(float(np.mean([cpu for _, cpu in runs])), 1) if slack is None else "",
+                })
+    return rows, points, today_8
+
+
+def plot(points: dict[str, list], today: float, path: Path) -> None:
+    """Held-out CT against held-out balance of each seed's plan at D=8 under the default load-aware rule."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.5, 4.2), layout="constrained")
+    ax = fig.subplots()
+    for name, seeds in points.items():
+        ax.scatter([c for c, _ in seeds], [b for _, b in seeds], s=22, label=name.replace("refined ", "").replace(", prefill+decode", ""))
+    ax.axhline(GOAL, color="grey", linestyle=":", linewidth=0.8)
+    ax.axvline(today, color="k", linestyle="--", linewidth=0.8)
+    ax.set_xlabel("held-out CT (dashed: today's refined, seed mean)")
+    ax.set_ylabel("held-out balance under the load-aware rule")
+    ax.set_title("Qwen1.5-MoE layer 0, D=8, 8 redundant slots, seeds 0-9", fontsize=9)
+    ax.legend(fontsize=6)
+    ax.grid(alpha=0.3)
+    atomic_save_figure(fig, path, dpi=110)
+
+
+__all__ = ["LOAD_AWARE", "load_aware_plan_rows", "plot", "single_home_bound"]
