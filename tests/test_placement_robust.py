@@ -416,9 +416,9 @@ def test_linked_groups_by_hand():
     from occult_hf.placement.shedding import linked_groups
 
     # items: experts 0..3 on devices 0..3, copies of experts 0 (on 1) and 2 (on 3): groups {0, 1}, {2, 3}
-    group_X = np.array([0, 1, 2, 3, 0, 2])
-    assert linked_groups(np.array([0, 1, 2, 3, 1, 3]), group_X, 4).tolist() == [0, 0, 2, 2]
-    assert linked_groups(np.array([0, 1, 2, 3, 2, 3]), group_X, 4).tolist() == [0, 1, 0, 0]  # expert 0 on 0 and 2
+    item_expert = np.array([0, 1, 2, 3, 0, 2])
+    assert linked_groups(np.array([0, 1, 2, 3, 1, 3]), item_expert, 4).tolist() == [0, 0, 2, 2]
+    assert linked_groups(np.array([0, 1, 2, 3, 2, 3]), item_expert, 4).tolist() == [0, 1, 0, 0]  # expert 0 on 0 and 2
 
 
 @pytest.mark.parametrize("options, message", [

@@ -600,31 +600,8 @@ def add_followup(result: StudyResult, routing_dir: Path) -> None:
     result.tables[title] = runtime_replica_rows(routing_dir)
 
 
-def add_load_aware(result: StudyResult, routing_dir: Path, out_dir: Path | None) -> None:
-    """The replicas planned for the load-aware rule (`studies.load_aware_plans`), and its figure."""
-    from . import load_aware_plans
-
-    rows, points, today = load_aware_plans.load_aware_plan_rows(routing_dir)
-    title = "Qwen1.5-MoE layer 0, 8 redundant slots: replicas planned for the load-aware rule, replayed on the held-out half"
-    result.tables[title] = rows
-    result.notes[title] = [
-        "load-aware rule replayed as the runtime computes it (one step of 2,192 tokens cut into D ranks); the fluid "
-        "bound and the single-home bound hold for every rule on these tokens: a seed above 1.05 there cannot meet "
-        "the goal with that plan",
-        f"planner mode: {load_aware_plans.LOAD_AWARE} and shed_margin; prefill and decode as two profiles",
-    ]
-    if out_dir is not None:
-        load_aware_plans.plot(points, today, out_dir / "load_aware_placement.png")
-
-
-def run(
-    routing_dir: Path | None, out_dir: Path | None, only_slowest: bool = False, only_followup: bool = False,
-    only_load_aware: bool = False,
-) -> StudyResult:
+def run(routing_dir: Path | None, out_dir: Path | None, only_slowest: bool = False, only_followup: bool = False) -> StudyResult:
     result = StudyResult()
-    if only_load_aware and routing_dir is not None:
-        add_load_aware(result, routing_dir, out_dir)
-        return result
     if only_followup and routing_dir is not None:
         add_followup(result, routing_dir)
         return result
@@ -651,7 +628,6 @@ def run(
         "the held-out half is decode only; the planning half is 2/3 prefill: the shift is in kind, not sampling noise",
     ]
     add_followup(result, routing_dir)
-    add_load_aware(result, routing_dir, out_dir)
     domains, left = domain_rows(routing_dir)
     result.tables["OLMoE-0924 six domains, D=8: worst domain's balance"] = domains
     result.tables["OLMoE-0924, D=8: the domain left out of planning, measured on it"] = left
@@ -673,19 +649,11 @@ def main(argv: list[str] | None = None) -> int:
         "--only-followup", action="store_true",
         help="only the shrunk-loads / load-aware table and the replicas re-planned online (about 5 minutes of CPU)",
     )
-    parser.add_argument(
-        "--only-load-aware", action="store_true",
-        help="only the replicas planned for the load-aware rule (table and, with --out-dir, load_aware_placement.png; "
-        "a few minutes of CPU)",
-    )
     args = parser.parse_args(argv)
-    if args.routing_dir is None and (args.out_dir is not None or args.only_slowest or args.only_followup or args.only_load_aware):
-        flag = (
-            "--out-dir" if args.out_dir is not None else "--only-slowest" if args.only_slowest
-            else "--only-followup" if args.only_followup else "--only-load-aware"
-        )
+    if args.routing_dir is None and (args.out_dir is not None or args.only_slowest or args.only_followup):
+        flag = "--out-dir" if args.out_dir is not None else "--only-slowest" if args.only_slowest else "--only-followup"
         parser.error(f"{flag} belongs to the Qwen and OLMoE tables, which need --routing-dir (the shipped tiny routing prints one table, no figure)")
-    print(run(args.routing_dir, args.out_dir, args.only_slowest, args.only_followup, args.only_load_aware).markdown())
+    print(run(args.routing_dir, args.out_dir, args.only_slowest, args.only_followup).markdown())
     return 0
 
 
