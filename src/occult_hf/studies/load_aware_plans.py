@@ -110,7 +110,7 @@ def plot(points: dict[str, list], today: float, path: Path) -> None:
     ax.set_xlabel("held-out CT (dashed: today's refined, seed mean)")
     ax.set_ylabel("held-out balance under the load-aware rule")
     ax.set_title("Qwen1.5-MoE layer 0, D=8, 8 redundant slots, seeds 0-9", fontsize=9)
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=6, loc="upper left")
     ax.grid(alpha=0.3)
     atomic_save_figure(fig, path, dpi=110)
 
