@@ -105,7 +105,8 @@ step_model() {  # one shape per GPU at once (on one GPU, or on CPU, one after th
 }
 
 step_realsize() {
-  bounded ${T_REAL:-150} $TORCHRUN -m occult_hf.cli bench realsize $REALSIZE --iterations 3 $REAL_SIZE --dispatchers \
+  # no extra training dispatchers unless $REALSIZE names them (`--dispatchers padded symm_mem`: its later flag wins)
+  bounded ${T_REAL:-150} $TORCHRUN -m occult_hf.cli bench realsize --dispatchers $REALSIZE --iterations 3 $REAL_SIZE \
     --out $R > $OUT/realsize.txt 2>&1; echo "rc=$?"; grep -v "$F" $OUT/realsize.txt | tail -20
 }
 
