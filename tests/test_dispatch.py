@@ -433,7 +433,13 @@ def _check_ep_against_naive(rank, world_size, mode, top_k, chunks):
         out_TH, plan = dispatcher.combine(out_RH, sent.plan), sent.plan
         assert sent.x_RH.shape[0] == sum(plan.recv_splits)
     else:
-        out_TH, plan = dispatcher.run(x_TH, TokenRouting(ids_Tk, weights_Tk), experts)
+        started = []  # the count exchanges started; `concurrent` must run after it starts, before the host reads it
+        start_counts = dispatcher._exchange_counts
+        dispatcher._exchange_counts = lambda message: started.append(start_counts(message)) or started[-1]
+        issued = []
+        concurrent = lambda: issued.append(len(started) == 1 and started[0]._result is None)  # noqa: E731
+        out_TH, plan = dispatcher.run(x_TH, TokenRouting(ids_Tk, weights_Tk), experts, concurrent=concurrent)
+        assert issued == [True], issued
     # rows received are what the others sent here
     received = torch.tensor(plan.send_rows)
     torch.distributed.all_reduce(received)

@@ -16,7 +16,8 @@ Per layer and forward:
 3. **Exchange**: the rows gathered straight into a packed uint8 block (`RowFormat`: activations, slots,
    weights; one `index_select` into the block, no intermediate copy) and sent in ONE
    `all_to_all_single`. Work that needs no exchange (the shared experts, `run(concurrent=...)`) is
-   queued while it is on the wire. The receiver groups the (row, local expert) pairs by expert (one
+   queued right behind the count exchange's copy to the host (step 2): the GPU runs it while the host waits
+   for the counts and then issues the layout, the pack and the exchange, instead of idling there. The receiver groups the (row, local expert) pairs by expert (one
    sort of N keys); the experts take the received rows as a view of the block. The pre-summed outputs return in
    one more `all_to_all_single`, into a buffer whose row 0 is zero, and each token's rows are
    summed by a gather through its row positions (fp32 accumulation, fixed order, no atomics).
@@ -118,14 +119,11 @@ class AllToAllDispatcher(TokenDispatcher):
 
     # ----- the interface ---------------------------------------------------------------------
     def dispatch(self, x_TH: torch.Tensor, routing, concurrent=None) -> Dispatched:
-        (chunk,), counts_D2 = self._plan(routing, num_chunks=1, max_chunks=1)
+        (chunk,), counts_D2 = self._plan(routing, num_chunks=1, max_chunks=1, concurrent=concurrent)
         row_format = self._row_format(x_TH, routing)
         with stage("pack"):
             block = _pack_rows(row_format, x_TH, chunk)
         pending = self.exchange(block, chunk.send_splits, chunk.recv_splits, "dispatch")
-        if concurrent is not None:  # its kernels queue before the stream waits for the exchange: they overlap it
-            with stage("concurrent"):
-                concurrent()
         # the routing weights' gradient gathered per pair from the returned rows where each pair's row is known
         # (not through weight_OW's where and index, whose backward is a zero fill and an accumulating index_put)
         direct = chunk.dest_Tk is not None and (self.mode == "per_expert" or self.ep.num_devices <= routing.topk_ids_Tk.shape[1])
@@ -142,14 +140,14 @@ class AllToAllDispatcher(TokenDispatcher):
 
     def run(self, x_TH: torch.Tensor, routing, experts: ExpertsFn, concurrent=None) -> tuple[torch.Tensor, DispatchPlan]:
         """Dispatch, experts and combine; with C > 1 chunks, the exchange of one overlapping the experts of another.
-        `concurrent` (see `TokenDispatcher.run`) is issued while the (first) dispatch is on the wire."""
+        `concurrent` (see `TokenDispatcher.run`) is issued behind the count exchange (`_plan`)."""
         num_chunks = self.chunks or DEFAULT_CHUNKS
         if num_chunks == 1:  # three autograd nodes: the exchanges' backward runs in the reverse order by itself
             sent = self.dispatch(x_TH, routing, concurrent)
             with stage("experts"):
                 out_RH = experts(sent.x_RH, sent.segments, sent.pair_weight_N)
             return self.combine(out_RH, sent.plan), sent.plan
-        chunks, counts_D2 = self._plan(routing, num_chunks, num_chunks)
+        chunks, counts_D2 = self._plan(routing, num_chunks, num_chunks, concurrent=concurrent)
         row_format = self._row_format(x_TH, routing)
         weights = [chunk.weight_OW for chunk in chunks]
         grad = torch.is_grad_enabled()
@@ -157,8 +155,6 @@ class AllToAllDispatcher(TokenDispatcher):
         track = grad and (bool(params) or x_TH.requires_grad or any(w.requires_grad for w in weights))
         pipeline = _Pipeline(self, chunks, row_format, experts, track=track)
         out_TH = _PipelineFunction.apply(pipeline, x_TH, len(weights), *weights, *params)
-        if concurrent is not None:
-            concurrent()
         return out_TH, self._result_plan(routing, chunks, counts_D2, row_format)
 
     def _row_format(self, x_TH: torch.Tensor, routing) -> RowFormat:
@@ -166,10 +162,15 @@ class AllToAllDispatcher(TokenDispatcher):
         return dispatch_format(x_TH.shape[1], x_TH.dtype, width, routing.topk_weights_Tk.dtype)
 
     # ----- planning ------------------------------------------------------------------------------
-    def _plan(self, routing, num_chunks: int, max_chunks: int) -> tuple[list[_Chunk], torch.Tensor]:
+    def _plan(self, routing, num_chunks: int, max_chunks: int, concurrent=None) -> tuple[list[_Chunk], torch.Tensor]:
         """Split the tokens into (at most) `num_chunks` chunks, count each chunk's rows per device on the device,
         agree with the group on the chunk count (at most `max_chunks`, the same on every rank), learn the split
-        sizes (the one host read) and lay out each chunk's rows. Returns the chunks and the `[D, 2]` counts."""
+        sizes (the one host read) and lay out each chunk's rows. Returns the chunks and the `[D, 2]` counts.
+
+        `concurrent` (work that needs no exchange) is issued after the count exchange and its copy to the host are
+        queued, before the host waits for them: the GPU computes it while the host waits and then lays out and
+        sends the rows (with nothing queued there, the GPU idled: 2.3 ms per layer of OLMoE-1B-7B at real size,
+        docs/bench_ep_h200_2gpu.md). Its kernels queue behind the copy, so they do not delay the counts."""
         ids_Tk, weights_Tk = routing.topk_ids_Tk, routing.topk_weights_Tk
         num_tokens = ids_Tk.shape[0]
         num_devices = self.ep.num_devices
@@ -181,7 +182,12 @@ class AllToAllDispatcher(TokenDispatcher):
                 device_match(dest_Tk[a:b], num_devices, self.mode, counts_D2=message.counts_D2(c)) for c, (a, b) in enumerate(bounds)
             ]
         with stage("count exchange"):
-            splits, group_chunks = self._exchange_counts(message).result()
+            counts = self._exchange_counts(message)
+        if concurrent is not None:
+            with stage("concurrent"):
+                concurrent()
+        with stage("count exchange"):
+            splits, group_chunks = counts.result()
         with stage("plan"):
             chunks = []
             for index, (send_splits, recv_splits, num_pairs) in enumerate(splits):

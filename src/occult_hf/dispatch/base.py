@@ -329,8 +329,8 @@ class TokenDispatcher:
         """`(out_TH, plan)`: dispatch, the local experts, combine. Overlapping implementations override this.
 
         `concurrent`: work that does not depend on the exchange (the shared experts), called once; an
-        implementation that can issues it while the dispatch is on the wire (so its kernels overlap the
-        transfer), the others after the dispatch.
+        implementation that can issues it while its exchange is in flight ("all_to_all": right behind the count
+        exchange, so the GPU computes it while the host waits for the counts), the others after the dispatch.
         """
         sent = self.dispatch(x_TH, routing)
         if concurrent is not None:
