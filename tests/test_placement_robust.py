@@ -412,6 +412,25 @@ def test_load_aware_mode_bounds_single_home_load_and_links_every_device():
     assert single_home_bound(load_E, static.home_table(0), 4) > 0.85
 
 
+def test_auto_shed_margin_is_chosen_in_time_under_the_load_aware_rule():
+    """shed_margin="auto": the plan records the margin chosen among AUTO_SHED_MARGINS by plans on the first half
+    measured on the second under the load-aware rule; a profile too small to cut keeps the default; a plan not
+    made for the load-aware rule records none."""
+    from dataclasses import replace
+
+    from occult_hf.placement.refined import AUTO_SHED_MARGINS, cross_validated_margin
+
+    ids = structured_topk(600, 16, 4, 4, popularity_E=np.linspace(3.0, 1.0, 16), seed=8)
+    one_hot = np.zeros((600, 16))
+    np.put_along_axis(one_hot, ids, 1.0, axis=1)
+    coactivation, counts = one_hot.T @ one_hot - np.diag(one_hot.sum(0)), np.bincount(ids.ravel(), minlength=16)
+    options = RefinedOptions(num_redundant_experts=4, replica_choice="load_aware", shed_margin="auto", **FAST)
+    plan = refine_layer(coactivation, counts, ids, 4, options)
+    assert plan.shed_margin in AUTO_SHED_MARGINS and plan.replicas
+    assert cross_validated_margin(ids[:10], np.ones((1, 10), dtype=bool), 16, 4, options) == AUTO_SHED_MARGINS[0]
+    assert refine_layer(coactivation, counts, ids, 4, replace(options, replica_choice="static")).shed_margin is None
+
+
 def test_linked_groups_by_hand():
     from occult_hf.placement.shedding import linked_groups
 
@@ -423,7 +442,7 @@ def test_linked_groups_by_hand():
 
 @pytest.mark.parametrize("options, message", [
     ({"replica_choice": "dynamic"}, r"replica_choice must be one of \('static', 'load_aware'\), got 'dynamic'"),
-    ({"shed_margin": 1.0}, r"shed_margin must be a number in \[0, 1\), got 1.0"),
+    ({"shed_margin": 1.0}, r"shed_margin must be a number in \[0, 1\) or 'auto', got 1.0"),
 ])
 def test_load_aware_mode_options_are_checked(options, message):
     with pytest.raises(ValueError, match=message):

@@ -39,10 +39,12 @@ import warnings
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+import torch
 
 from ..metrics import load_floor
 from .objectives import PairwiseCut, SampleCT
-from ..replica_routing import REPLICA_CHOICES, home_table_from, resolve_homes_np
+from ..replica_routing import REPLICA_CHOICES, home_table_from, load_aware_homes, resolve_homes_np
+from .in_time import choose_in_time
 from .shedding import link_groups, single_home_rows
 from .robust import count_scenarios, scenario_loads, shrink_toward_mean, token_scenarios
 from .registry import balanced_capacities, check_layer_inputs, register_planner
@@ -100,7 +102,10 @@ class RefinedOptions:
             load must also stay within `1 - shed_margin` x the mean (`shedding.single_home_rows`), so
             that a device whose experts run hotter on new tokens can shed the excess through its copies.
         shed_margin: with replica_choice "load_aware", the fraction of the mean device load kept free of
-            single-home experts on every device, for the drift of loads on tokens the plan has not seen.
+            single-home experts on every device, for the drift of loads on tokens the plan has not seen;
+            "auto": chosen per layer from the profile alone by cross-validation in time under the load-aware
+            rule (`cross_validated_margin`, among `AUTO_SHED_MARGINS`). Needs a token sample ("auto" is the
+            default 0.15 without one).
         pair_cost_s, byte_cost_s, row_bytes: the costs of objective "slowest" (seconds per
             (token, expert) pair, per received byte; bytes per row); `slowest.costs_from_bench` reads
             them from an `occult bench ep` JSON file.
@@ -118,7 +123,7 @@ class RefinedOptions:
     num_redundant_experts: int = 0
     replica_rounds: int = 2
     replica_choice: str = "static"
-    shed_margin: float = 0.15
+    shed_margin: float | str = 0.15
     pair_cost_s: float = StepCosts.pair_cost_s
     byte_cost_s: float = StepCosts.byte_cost_s
     row_bytes: int = StepCosts.row_bytes
@@ -131,8 +136,9 @@ class RefinedOptions:
         StepCosts(self.pair_cost_s, self.byte_cost_s, self.row_bytes)  # validates the costs
         if self.replica_choice not in REPLICA_CHOICES:
             raise ValueError(f"refined option replica_choice must be one of {REPLICA_CHOICES}, got {self.replica_choice!r}")
-        if isinstance(self.shed_margin, bool) or not isinstance(self.shed_margin, (int, float)) or not 0.0 <= self.shed_margin < 1.0:
-            raise ValueError(f"refined option shed_margin must be a number in [0, 1), got {self.shed_margin!r}")
+        margin = self.shed_margin
+        if margin != "auto" and (isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0.0 <= margin < 1.0):
+            raise ValueError(f"refined option shed_margin must be a number in [0, 1) or 'auto', got {margin!r}")
         value = self.load_reliability
         if value != "auto" and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0):
             raise ValueError(f"refined option load_reliability must be a number in [0, 1] or 'auto', got {value!r}")
@@ -345,6 +351,8 @@ class LayerPlan:
         slots_per_device: expert slots per device the plan assumed (None without redundant slots).
         scenarios: load scenarios the limit was held on (profiles x (1 + resamples)).
         load_reliability: the shrinkage factor the loads were planned with (what "auto" chose).
+        shed_margin: the single-home margin planned with (what "auto" chose; None unless the replicas were
+            planned for the load-aware rule).
     """
 
     device_of_E: np.ndarray
@@ -358,6 +366,7 @@ class LayerPlan:
     slots_per_device: int | None = None
     scenarios: int = 1
     load_reliability: float = 1.0
+    shed_margin: float | None = None
 
 
 def replication_counts(load_YE: np.ndarray, redundant: int, num_devices: int) -> np.ndarray:
@@ -476,58 +485,63 @@ def _slowest_with_replicas(item_device_X, sample_Nk, loads_of, group_X, limit_Y,
 
 #: the shrinkage factors `load_reliability="auto"` chooses among (largest first: ties keep the least shrinkage)
 AUTO_RELIABILITIES = (1.0, 0.75, 0.5, 0.25)
-#: seeds of the cross-validation plans: one plan's balance on new tokens is a draw, so each factor is scored by
+#: the single-home margins `shed_margin="auto"` chooses among (the default first: ties keep it)
+AUTO_SHED_MARGINS = (0.15, 0.2, 0.1)
+#: seeds of the cross-validation plans: one plan's balance on new tokens is a draw, so each value is scored by
 #: the mean over these (fixed, so that the choice is the profile's, not the final plan's seed's)
 AUTO_SEEDS = (0, 1, 2)
-#: a smaller factor must beat a larger one's cross-validated worst balance by this much to be chosen
+#: a later candidate must beat an earlier one's cross-validated worst balance by this much to be chosen
 AUTO_MARGIN = 0.005
+
+
+def _trial_planner(options: "RefinedOptions", num_devices: int, name: str):
+    """`plan_on` for `in_time.choose_in_time`: `refine_layer` with `name` set to the candidate, at most 8 search
+    rounds, and any other "auto" setting at its default (each is chosen on its own)."""
+    resolved = {
+        "load_reliability": 1.0 if options.load_reliability == "auto" else options.load_reliability,
+        "shed_margin": RefinedOptions.shed_margin if options.shed_margin == "auto" else options.shed_margin,
+    }
+
+    def plan_on(value, seed, coactivation_EE, counts_E, train_Nk, membership_PN):
+        trial = replace(options, **{**resolved, name: value}, search_rounds=min(options.search_rounds, 8), seed=seed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # an unreachable limit on a half is part of what is measured
+            return refine_layer(coactivation_EE, counts_E, train_Nk, num_devices, trial, membership_PN=membership_PN)
+
+    return plan_on
+
+
+def _balance(dest_Nk: np.ndarray, num_devices: int) -> float:
+    load_D = np.bincount(np.asarray(dest_Nk).ravel(), minlength=num_devices)
+    return float(load_D.max() / load_D.mean())
 
 
 def cross_validated_reliability(
     sample_Nk: np.ndarray, membership_PN: np.ndarray, num_experts: int, num_devices: int, options: "RefinedOptions"
 ) -> float:
-    """The `load_reliability` of `AUTO_RELIABILITIES` whose plan holds best on later tokens, from the profile alone.
+    """The `load_reliability` of `AUTO_RELIABILITIES` whose plan holds best on later tokens, from the profile alone
+    (`in_time.choose_in_time`: plans on the first half of each profile's tokens, measured on the second halves
+    under the static replica rule; the largest factor within `AUTO_MARGIN` of the best wins)."""
 
-    Each profile's tokens, in sample order, are cut in two: plans are made on the first halves (all
-    profiles, with these options but at most 8 search rounds, seeds `AUTO_SEEDS`) and measured on each
-    second half, under the static replica rule; a factor's score is the worst profile's balance (max /
-    mean device load), averaged over the seeds. The largest factor within `AUTO_MARGIN` of the best
-    score wins. Time order, not random halves: the
-    tokens a placement serves come later, and a drift inside the profile is what the shrinkage must
-    absorb. 1.0 when a profile has fewer than 8 tokens.
-    """
-    membership_PN = np.asarray(membership_PN, dtype=bool)
-    index_P = [np.flatnonzero(member_N) for member_N in membership_PN]
-    if min(len(index) for index in index_P) < 8:
-        return 1.0
-    first_N = np.zeros(len(sample_Nk), dtype=bool)
-    for index in index_P:
-        first_N[index[: len(index) // 2]] = True
-    train_Nk = sample_Nk[first_N]
-    one_hot_NE = np.zeros((len(train_Nk), num_experts))
-    np.put_along_axis(one_hot_NE, train_Nk, 1.0, axis=1)
-    coactivation_EE = one_hot_NE.T @ one_hot_NE
-    np.fill_diagonal(coactivation_EE, 0.0)
-    counts_E = np.bincount(train_Nk.ravel(), minlength=num_experts)
-    later_P = [sample_Nk[index[len(index) // 2 :]] for index in index_P]
-    best = None
-    for reliability in AUTO_RELIABILITIES:
-        scores = []
-        for seed in AUTO_SEEDS:
-            trial = replace(options, load_reliability=reliability, search_rounds=min(options.search_rounds, 8), seed=seed)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # an unreachable limit on a half is part of what is measured
-                plan = refine_layer(coactivation_EE, counts_E, train_Nk, num_devices, trial, membership_PN=membership_PN[:, first_N])
-            table = home_table_from(plan.device_of_E, plan.replicas)
-            worst = 0.0
-            for later_Nk in later_P:
-                load_D = np.bincount(resolve_homes_np(later_Nk, table, num_devices).ravel(), minlength=num_devices)
-                worst = max(worst, float(load_D.max() / load_D.mean()))
-            scores.append(worst)
-        score = float(np.mean(scores))
-        if best is None or score < best[0] - AUTO_MARGIN:
-            best = (score, reliability)
-    return best[1]
+    def balance_on(plan, later_Nk):
+        return _balance(resolve_homes_np(later_Nk, home_table_from(plan.device_of_E, plan.replicas), num_devices), num_devices)
+
+    plan_on = _trial_planner(options, num_devices, "load_reliability")
+    return choose_in_time(sample_Nk, membership_PN, num_experts, AUTO_RELIABILITIES, plan_on, balance_on, AUTO_SEEDS, AUTO_MARGIN)
+
+
+def cross_validated_margin(
+    sample_Nk: np.ndarray, membership_PN: np.ndarray, num_experts: int, num_devices: int, options: "RefinedOptions"
+) -> float:
+    """The `shed_margin` of `AUTO_SHED_MARGINS` whose plan holds best on later tokens under the load-aware rule
+    (`in_time.choose_in_time`, each second half routed as one batch by `replica_routing.load_aware_homes`)."""
+
+    def balance_on(plan, later_Nk):
+        table = torch.from_numpy(home_table_from(plan.device_of_E, plan.replicas))
+        return _balance(load_aware_homes(torch.from_numpy(later_Nk), table, num_devices).numpy(), num_devices)
+
+    plan_on = _trial_planner(options, num_devices, "shed_margin")
+    return choose_in_time(sample_Nk, membership_PN, num_experts, AUTO_SHED_MARGINS, plan_on, balance_on, AUTO_SEEDS, AUTO_MARGIN)
 
 
 def refine_layer(
@@ -597,8 +611,14 @@ def refine_layer(
     limit_Y = np.where(attainable_Y > 0, options.max_load_ratio * attainable_Y, 1.0)  # no load: any map is balanced
     scaled_YX = load_YE / limit_Y[:, None]
     load_aware = group_X is not None and options.replica_choice == "load_aware"
+    shed_margin = None
     if load_aware:  # the even split within the limit, and room on every device to shed through copies
-        single_YX, single_limit_Y = single_home_rows(load_YE, copies_E[group_X], num_devices, options.shed_margin)
+        shed_margin = options.shed_margin
+        if shed_margin == "auto":
+            shed_margin = RefinedOptions.shed_margin if original_sample is None else cross_validated_margin(
+                original_sample, membership_PN, num_experts, num_devices, replace(options, load_reliability=reliability)
+            )
+        single_YX, single_limit_Y = single_home_rows(load_YE, copies_E[group_X], num_devices, shed_margin)
         scaled_YX = np.concatenate([scaled_YX, single_YX / single_limit_Y[:, None]])
     start_E = initial_assignment(coactivation, scaled_YX, capacities_D, group_X)
     best_E, best_cost, name, factor = _search(
@@ -635,7 +655,7 @@ def refine_layer(
     limit_reached = factor == 1.0
     limit = float(limit_Y[0]) * factor
     if not limit_reached:
-        single_rule = f" and its single-home load under (1 - shed_margin) x the mean (shed_margin={options.shed_margin})" if load_aware else ""
+        single_rule = f" and its single-home load under (1 - shed_margin) x the mean (shed_margin={shed_margin})" if load_aware else ""
         warnings.warn(
             f"refined placement: could not bring every device under max_load_ratio={options.max_load_ratio} x the "
             f"load floor{single_rule} in all {len(load_YE)} load scenario(s); keeping the max load reached, "
@@ -658,6 +678,7 @@ def refine_layer(
         slots_per_device=slots,
         scenarios=len(load_YE),
         load_reliability=float(reliability) if sample is not None else 1.0,
+        shed_margin=shed_margin,
     )
 
 

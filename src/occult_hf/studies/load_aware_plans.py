@@ -5,7 +5,8 @@
 For D=4 and D=8, seeds 0-9, three plans with 8 redundant slots made on the planning half (prefill and decode
 as two profiles): the robust plan made for the static rule (the best of the earlier session), and the planner
 mode made for the load-aware rule (`replica_choice="load_aware"`: single-home load within `1 - shed_margin` of
-the mean on every device, copies linked into one group: `placement.shedding`), with the margin at 0.15 (the default) and 0.20.
+the mean on every device, copies linked into one group: `placement.shedding`), with the margin at 0.15 (the default), 0.20 and "auto" (chosen per seed's plan by cross-validation in time
+on the planning half, `refined.cross_validated_margin`).
 Each is replayed on the held-out half under the static rule and under the runtime's load-aware rule at pin
 slack 0.02 (the default), 0.01 and 0 (`robust_placement_study.replay_load_aware`, steps of 2,192 tokens cut
 into D ranks). Beside them two bounds no rule can beat on these tokens: the fluid bound (the best split of the
@@ -55,6 +56,7 @@ def load_aware_plan_rows(routing_dir: Path) -> tuple[list[dict[str, Any]], dict[
         ("refined robust + 8 redundant, prefill+decode (for the static rule)", {**ROBUST, "num_redundant_experts": 8}),
         ("refined + 8 redundant for the load-aware rule, margin 0.15", {**LOAD_AWARE, "shed_margin": 0.15}),
         ("refined + 8 redundant for the load-aware rule, margin 0.20", {**LOAD_AWARE, "shed_margin": 0.20}),
+        ("refined + 8 redundant for the load-aware rule, margin auto", {**LOAD_AWARE, "shed_margin": "auto"}),
     )
     rows, points = [], {}
     for num_devices in (4, 8):
