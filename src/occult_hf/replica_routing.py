@@ -185,47 +185,88 @@ def replica_shares(
     return torch.where(replicated_EM, shares_EM, single_E[:, None] * (torch.arange(max_homes, device=home_EM.device) == 0))
 
 
-class GraphedSplit:
-    """`replica_shares` replayed from a CUDA graph: its ~450 small operators become one launch on a GPU.
+def _stays(index: torch.Tensor, rate: torch.Tensor) -> torch.Tensor:
+    """Of the first `index` pairs of a group whose fraction `rate` stays, how many stay (evenly spaced)."""
+    return torch.floor(index * rate + 0.5)
 
-    The split's inputs have static shapes (`[E, M + 1]` counts, `[E, M]` homes) and it reads nothing on the
-    host, so it is captured once per (device, shapes, D, pin slack) and replayed; the counts and the table are
-    copied into the graph's input buffers first, so a re-homed placement (`rehome.apply_replicas`) needs no
-    new capture. On the GPU the split was ~5-13 ms of launches per layer (docs/placement.md, "GPU rows").
-    Eager where graphs do not apply: on CPU, and inside an enclosing capture (the outer graph holds it then).
-    One instance per dispatcher (a layer): each graph's output buffer is reused by its next replay.
+
+def expert_routes(
+    all_GEM1: torch.Tensor, home_table_EM: torch.Tensor, num_devices: int, rank: int, pin_slack: float, pinned: bool
+) -> tuple[torch.Tensor, ...]:
+    """The per-expert half of the load-aware rule (steps 2 and 3's tables), from the group's gathered counts.
+
+    Args:
+        all_GEM1: `[G, E, M + 1]` int64 every rank's `preference_counts`, in rank order.
+        home_table_EM, num_devices, pin_slack: as `load_aware_homes`.
+        rank: this rank's place in the group's line.
+        pinned: True when every visited home must keep its pairs (collaboration pruning's `visited_TD`).
+
+    Returns `(stay_EM, offset_EM, rest_before_E, rest_total_E, cumulative_EM)`: the fraction of each (expert,
+    first visited home)'s pairs that stays there; the pairs of that group on the ranks before this one; the
+    pairs of each expert that do not stay, on the ranks before and in all; and the cumulative fractions of those
+    over the homes. Static shapes and no host read: `GraphedRoutes` replays it from a CUDA graph.
+    """
+    max_homes = home_table_EM.shape[1]
+    counts_EM1, before_EM1 = all_GEM1.sum(0), all_GEM1[:rank].sum(0)
+    shares_EM = replica_shares(counts_EM1, home_table_EM, num_devices, pin_slack)
+    visited_EM = counts_EM1[:, :max_homes].to(torch.float64)
+    # with pruning a pair must stay on the token's devices: every visited home is kept
+    keep_EM = visited_EM if pinned else torch.minimum(visited_EM, shares_EM)
+    stay_EM = torch.where(visited_EM > 0, keep_EM / visited_EM.clamp_min(1.0), 1.0)
+    before_visited_EM = before_EM1[:, :max_homes].to(torch.float64)
+    rest_before_E = before_EM1[:, max_homes] + (before_visited_EM - _stays(before_visited_EM, stay_EM)).sum(1).long()
+    rest_total_E = counts_EM1[:, max_homes] + (visited_EM - _stays(visited_EM, stay_EM)).sum(1).long()
+    pool_EM = (shares_EM - keep_EM).clamp_min(0.0)
+    pool_EM = torch.where(pool_EM.sum(1, keepdim=True) > 0, pool_EM, shares_EM)  # nothing left: as the shares
+    cumulative_EM = pool_EM.cumsum(1) / pool_EM.sum(1, keepdim=True).clamp_min(1e-300)
+    return stay_EM, before_EM1[:, :max_homes], rest_before_E, rest_total_E, cumulative_EM
+
+
+class GraphedRoutes:
+    """`expert_routes` replayed from a CUDA graph: its ~480 small operators (the split's rounds and the
+    per-expert tables) become one launch on a GPU.
+
+    Its inputs have static shapes (`[G, E, M + 1]` counts, `[E, M]` homes) and it reads nothing on the host,
+    so it is captured once per (device, shapes, D, rank, pin slack, pinning) and replayed; the counts and the
+    table are copied into the graph's input buffers first, so re-homed copies (`rehome.apply_replicas`) need no
+    new capture. In session 4 these operators cost ~5-13 ms per layer on the GPU (docs/placement.md, "GPU
+    rows"). Eager where graphs do not apply: on CPU, and inside an enclosing capture (the outer graph holds
+    it then). One instance per dispatcher (a layer): the outputs are the graph's own buffers, read by the
+    operators that follow in stream order before the next replay of that layer can overwrite them.
     """
 
     def __init__(self) -> None:
         self._graphs: dict[tuple, tuple] = {}
 
     def __call__(
-        self, counts_EM1: torch.Tensor, home_table_EM: torch.Tensor, num_devices: int, pin_slack: float = PIN_SLACK
-    ) -> torch.Tensor:
-        if counts_EM1.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-            return replica_shares(counts_EM1, home_table_EM, num_devices, pin_slack)
-        key = (counts_EM1.device, tuple(counts_EM1.shape), counts_EM1.dtype, tuple(home_table_EM.shape), num_devices, pin_slack)
+        self, all_GEM1: torch.Tensor, home_table_EM: torch.Tensor, num_devices: int, rank: int, pin_slack: float, pinned: bool
+    ) -> tuple[torch.Tensor, ...]:
+        args = (num_devices, rank, pin_slack, pinned)
+        if all_GEM1.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return expert_routes(all_GEM1, home_table_EM, *args)
+        key = (all_GEM1.device, tuple(all_GEM1.shape), all_GEM1.dtype, tuple(home_table_EM.shape), *args)
         if key not in self._graphs:
-            self._graphs[key] = self._capture(counts_EM1, home_table_EM, num_devices, pin_slack)
-        graph, counts_in, table_in, shares_out = self._graphs[key]
-        counts_in.copy_(counts_EM1)
+            self._graphs[key] = self._capture(all_GEM1, home_table_EM, args)
+        graph, counts_in, table_in, outputs = self._graphs[key]
+        counts_in.copy_(all_GEM1)
         table_in.copy_(home_table_EM)
         graph.replay()
-        return shares_out.clone()
+        return outputs
 
     @staticmethod
-    def _capture(counts_EM1, home_table_EM, num_devices, pin_slack) -> tuple:
-        counts_in, table_in = counts_EM1.clone(), home_table_EM.clone()
-        side = torch.cuda.Stream(counts_EM1.device)
-        side.wait_stream(torch.cuda.current_stream(counts_EM1.device))
+    def _capture(all_GEM1, home_table_EM, args) -> tuple:
+        counts_in, table_in = all_GEM1.clone(), home_table_EM.clone()
+        device = all_GEM1.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # warm-up outside the capture (lazy initialisation, allocator)
-            replica_shares(counts_in, table_in, num_devices, pin_slack)
-        torch.cuda.current_stream(counts_EM1.device).wait_stream(side)
+            expert_routes(counts_in, table_in, *args)
+        torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the NCCL watchdog thread's event queries during the capture must not invalidate it
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            shares_out = replica_shares(counts_in, table_in, num_devices, pin_slack)
-        return graph, counts_in, table_in, shares_out
+            outputs = expert_routes(counts_in, table_in, *args)
+        return graph, counts_in, table_in, outputs
 
 
 def _rank_in_group(group_F: torch.Tensor) -> torch.Tensor:
@@ -247,7 +288,7 @@ def load_aware_homes(
     rank: int = 0,
     visited_TD: torch.Tensor | None = None,
     pin_slack: float = PIN_SLACK,
-    split: Callable[..., torch.Tensor] = replica_shares,
+    routes: Callable[..., tuple[torch.Tensor, ...]] = expert_routes,
 ) -> torch.Tensor:
     """`[T, k]` int64 device serving each pair under the load-aware rule (`replica_choice="load_aware"`).
 
@@ -258,8 +299,8 @@ def load_aware_homes(
        collects every rank's counts (one all-gather of E x (M + 1) integers per rank per layer, `[G, E,
        M + 1]` in rank order; None: this process's tokens are the whole batch, as with logical devices);
     2. every rank derives the same split of each replicated expert's pairs over its homes from their sum
-       (`split`: `replica_shares`, or a `GraphedSplit` of it, which the dispatchers pass: one graph replay
-       on a GPU);
+       (`replica_shares`, within `routes`: `expert_routes`, or the `GraphedRoutes` the dispatchers pass,
+       one graph replay on a GPU);
     3. the pairs are assigned as if the group's pairs stood in one line, rank by rank (`rank`: this one's
        place; the counts of the ranks before it give its offset), so the split is met to one pair per
        home, not one per home and rank: of the pairs whose token visits home m, the fraction
@@ -279,31 +320,16 @@ def load_aware_homes(
     homes_TkM, pref_Tk = replica_preferences(ids_Tk, home_table_EM, num_devices, visited_TD)
     local_EM1 = preference_counts(ids_Tk, pref_Tk, num_experts, max_homes)
     all_GEM1 = local_EM1[None] if gather is None else gather(local_EM1)
-    counts_EM1, before_EM1 = all_GEM1.sum(0), all_GEM1[:rank].sum(0)
-    shares_EM = split(counts_EM1, home_table_EM, num_devices, pin_slack)
-    visited_EM = counts_EM1[:, :max_homes].to(torch.float64)
-    # with pruning (`visited_TD`) a pair must stay on the token's devices: every visited home is kept
-    keep_EM = visited_EM if visited_TD is not None else torch.minimum(visited_EM, shares_EM)
-    stay_EM = torch.where(visited_EM > 0, keep_EM / visited_EM.clamp_min(1.0), 1.0)
-
-    def stays(index, rate):  # of the first `index` pairs of a group, how many stay
-        return torch.floor(index * rate + 0.5)
-
+    tables = routes(all_GEM1, home_table_EM, num_devices, rank, pin_slack, visited_TD is not None)
+    stay_EM, offset_EM, rest_before_E, rest_total_E, cumulative_EM = tables
     # 3a: the g-th pair (in the group's line) of (expert e, first visited home m) stays at m
     ids_F, pref_F = ids_Tk.reshape(-1), pref_Tk.reshape(-1)
     visits_F = pref_F < max_homes
     group_F = ids_F * max_homes + pref_F.clamp_max(max_homes - 1)
-    line_F = _rank_in_group(torch.where(visits_F, group_F, num_experts * max_homes))
-    line_F = line_F + before_EM1[:, :max_homes].reshape(-1)[group_F]
+    line_F = _rank_in_group(torch.where(visits_F, group_F, num_experts * max_homes)) + offset_EM.reshape(-1)[group_F]
     rate_F = stay_EM.reshape(-1)[group_F]
-    stays_F = visits_F & (stays(line_F + 1, rate_F) > stays(line_F, rate_F))
+    stays_F = visits_F & (_stays(line_F + 1, rate_F) > _stays(line_F, rate_F))
     # 3b: the rest of expert e's pairs, in the line, spread over what the homes' shares leave
-    before_visited_EM = before_EM1[:, :max_homes].to(torch.float64)
-    rest_before_E = before_EM1[:, max_homes] + (before_visited_EM - stays(before_visited_EM, stay_EM)).sum(1).long()
-    rest_total_E = counts_EM1[:, max_homes] + (visited_EM - stays(visited_EM, stay_EM)).sum(1).long()
-    pool_EM = (shares_EM - keep_EM).clamp_min(0.0)
-    pool_EM = torch.where(pool_EM.sum(1, keepdim=True) > 0, pool_EM, shares_EM)  # nothing left: as the shares
-    cumulative_EM = pool_EM.cumsum(1) / pool_EM.sum(1, keepdim=True).clamp_min(1e-300)
     rest_F = ~stays_F
     line_F = _rank_in_group(torch.where(rest_F, ids_F, num_experts)) + rest_before_E[ids_F]
     position_F = (line_F.to(torch.float64) + 0.5) / rest_total_E[ids_F].clamp_min(1).to(torch.float64)
@@ -325,9 +351,10 @@ def home_table_from(device_of_E: np.ndarray, replicas: dict[int, list[int]] | No
 
 
 __all__ = [
-    "GraphedSplit",
+    "GraphedRoutes",
     "REPLICA_CHOICES",
     "home_table_from",
+    "expert_routes",
     "load_aware_homes",
     "preference_counts",
     "replica_preferences",

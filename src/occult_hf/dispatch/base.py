@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from occult_hf.kernels.layout import ExpertSegments
 
-from ..replica_routing import REPLICA_CHOICES, GraphedSplit, load_aware_homes
+from ..replica_routing import REPLICA_CHOICES, GraphedRoutes, load_aware_homes
 from . import row_sum
 from .group import ExpertParallelGroup
 from .plan import check_mode, destinations
@@ -226,7 +226,7 @@ class TokenDispatcher:
         if replica_choice not in REPLICA_CHOICES:
             raise ValueError(f"replica_choice must be one of {REPLICA_CHOICES}, got {replica_choice!r}")
         self.replica_choice = replica_choice
-        self._split = GraphedSplit()  # the load-aware split, one CUDA graph replay per layer on a GPU
+        self._routes = GraphedRoutes()  # the load-aware rule's per-expert half: one CUDA graph replay on a GPU
         self.ep = ep
         self.mode = mode
         self.num_local_experts = int(num_local_experts)
@@ -273,7 +273,7 @@ class TokenDispatcher:
             home_table_EM, slot_ED = placement[2:]
             gather = self._gather_counts if self.ep.is_distributed else None
             dest_Tk = load_aware_homes(
-                ids_Tk, home_table_EM, slot_ED.shape[1], gather, self.ep.rank, visited_TD, split=self._split
+                ids_Tk, home_table_EM, slot_ED.shape[1], gather, self.ep.rank, visited_TD, routes=self._routes
             )
             local_Tk = slot_ED[ids_Tk.long(), dest_Tk]
         self.last_destinations_Tk = dest_Tk.detach()

@@ -2,11 +2,12 @@
 
     python -m occult_hf.studies.load_aware_plans --routing-dir ../shared/data/routing --out-dir docs
 
-For D=4 and D=8, seeds 0-9, three plans with 8 redundant slots made on the planning half (prefill and decode
+For D=4 and D=8, seeds 0-9, four plans with 8 redundant slots made on the planning half (prefill and decode
 as two profiles): the robust plan made for the static rule (the best of the earlier session), and the planner
 mode made for the load-aware rule (`replica_choice="load_aware"`: single-home load within `1 - shed_margin` of
-the mean on every device, copies linked into one group: `placement.shedding`), with the margin at 0.15 (the default), 0.20 and "auto" (chosen per seed's plan by cross-validation in time
-on the planning half, `refined.cross_validated_margin`).
+the mean on every device, copies linked into one group: `placement.shedding`) with the margin at 0.15 (the
+default), 0.20 and "auto" (chosen for each plan by cross-validation in time on the planning half,
+`refined.cross_validated_margin`).
 Each is replayed on the held-out half under the static rule and under the runtime's load-aware rule at pin
 slack 0.02 (the default), 0.01 and 0 (`robust_placement_study.replay_load_aware`, steps of 2,192 tokens cut
 into D ranks). Beside them two bounds no rule can beat on these tokens: the fluid bound (the best split of the
