@@ -429,6 +429,14 @@ def test_auto_shed_margin_is_chosen_in_time_under_the_load_aware_rule():
     assert plan.shed_margin in AUTO_SHED_MARGINS and plan.replicas
     assert cross_validated_margin(ids[:10], np.ones((1, 10), dtype=bool), 16, 4, options) == AUTO_SHED_MARGINS[0]
     assert refine_layer(coactivation, counts, ids, 4, replace(options, replica_choice="static")).shed_margin is None
+    # max_load_ratio="auto" the same way: the limit reported is the chosen ratio x the floor, one of the candidates
+    from occult_hf.placement.refined import AUTO_LOAD_RATIOS
+
+    chosen = refine_layer(coactivation, counts, ids, 4, replace(options, max_load_ratio="auto", shed_margin=0.15))
+    fixed = {ratio: refine_layer(coactivation, counts, ids, 4, replace(options, max_load_ratio=ratio, shed_margin=0.15)) for ratio in AUTO_LOAD_RATIOS}
+    assert any(np.array_equal(chosen.device_of_E, plan.device_of_E) and chosen.replicas == plan.replicas for plan in fixed.values())
+    counts_only = refine_layer(coactivation, counts, None, 4, RefinedOptions(max_load_ratio="auto", **FAST))
+    assert counts_only.load_limit == pytest.approx(1.10 * counts.sum() / 4, rel=0.2)
 
 
 def test_linked_groups_by_hand():
@@ -443,6 +451,7 @@ def test_linked_groups_by_hand():
 @pytest.mark.parametrize("options, message", [
     ({"replica_choice": "dynamic"}, r"replica_choice must be one of \('static', 'load_aware'\), got 'dynamic'"),
     ({"shed_margin": 1.0}, r"shed_margin must be a number in \[0, 1\) or 'auto', got 1.0"),
+    ({"max_load_ratio": "best"}, r"max_load_ratio must be a number >= 1.0 or 'auto', got 'best'"),
 ])
 def test_load_aware_mode_options_are_checked(options, message):
     with pytest.raises(ValueError, match=message):

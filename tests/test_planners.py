@@ -273,7 +273,7 @@ def test_bad_inputs(method):
 
 
 def test_bad_refined_options_and_profile_calls():
-    with pytest.raises(ValueError, match="max_load_ratio must be a number >= 1.0, got 0.9"):
+    with pytest.raises(ValueError, match="max_load_ratio must be a number >= 1.0 or 'auto', got 0.9"):
         RefinedOptions(max_load_ratio=0.9)
     with pytest.raises(ValueError, match=r"objective must be one of \('auto', 'ct', 'cut', 'slowest'\), got 'exact'"):
         RefinedOptions(objective="exact")

@@ -68,7 +68,9 @@ class RefinedOptions:
     """Options of the `refined` planner.
 
     Attributes:
-        max_load_ratio: largest allowed max device load / max(mean load, load floor) (>= 1).
+        max_load_ratio: largest allowed max device load / max(mean load, load floor) (>= 1); "auto": chosen
+            per layer among `AUTO_LOAD_RATIOS` by cross-validation in time (`cross_validated_ratio`, under the
+            rule the replicas are planned for; the default 1.10 without a token sample).
         seed: seed of the perturbations (same inputs and seed -> same placement).
         objective: "ct" (exact CT on the sample), "cut" (pairwise cut of co-activation counts),
             "auto" (ct when the profile has a sample, else cut) or "slowest" (the ct search, then a
@@ -111,7 +113,7 @@ class RefinedOptions:
             them from an `occult bench ep` JSON file.
     """
 
-    max_load_ratio: float = 1.10
+    max_load_ratio: float | str = 1.10
     seed: int = 0
     objective: str = "auto"
     search_rounds: int = 40
@@ -129,8 +131,9 @@ class RefinedOptions:
     row_bytes: int = StepCosts.row_bytes
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_load_ratio, (int, float)) or not self.max_load_ratio >= 1.0:
-            raise ValueError(f"refined option max_load_ratio must be a number >= 1.0, got {self.max_load_ratio!r}")
+        ratio = self.max_load_ratio
+        if ratio != "auto" and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio >= 1.0):
+            raise ValueError(f"refined option max_load_ratio must be a number >= 1.0 or 'auto', got {ratio!r}")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"refined option objective must be one of {OBJECTIVES}, got {self.objective!r}")
         StepCosts(self.pair_cost_s, self.byte_cost_s, self.row_bytes)  # validates the costs
@@ -487,6 +490,8 @@ def _slowest_with_replicas(item_device_X, sample_Nk, loads_of, group_X, limit_Y,
 AUTO_RELIABILITIES = (1.0, 0.75, 0.5, 0.25)
 #: the single-home margins `shed_margin="auto"` chooses among (the default first: ties keep it)
 AUTO_SHED_MARGINS = (0.15, 0.2, 0.1)
+#: the load limits `max_load_ratio="auto"` chooses among (the default first: ties keep it)
+AUTO_LOAD_RATIOS = (1.10, 1.06, 1.03)
 #: seeds of the cross-validation plans: one plan's balance on new tokens is a draw, so each value is scored by
 #: the mean over these (fixed, so that the choice is the profile's, not the final plan's seed's)
 AUTO_SEEDS = (0, 1, 2)
@@ -497,10 +502,8 @@ AUTO_MARGIN = 0.005
 def _trial_planner(options: "RefinedOptions", num_devices: int, name: str):
     """`plan_on` for `in_time.choose_in_time`: `refine_layer` with `name` set to the candidate, at most 8 search
     rounds, and any other "auto" setting at its default (each is chosen on its own)."""
-    resolved = {
-        "load_reliability": 1.0 if options.load_reliability == "auto" else options.load_reliability,
-        "shed_margin": RefinedOptions.shed_margin if options.shed_margin == "auto" else options.shed_margin,
-    }
+    defaults = {"load_reliability": 1.0, "shed_margin": RefinedOptions.shed_margin, "max_load_ratio": RefinedOptions.max_load_ratio}
+    resolved = {key: default if getattr(options, key) == "auto" else getattr(options, key) for key, default in defaults.items()}
 
     def plan_on(value, seed, coactivation_EE, counts_E, train_Nk, membership_PN):
         trial = replace(options, **{**resolved, name: value}, search_rounds=min(options.search_rounds, 8), seed=seed)
@@ -530,18 +533,37 @@ def cross_validated_reliability(
     return choose_in_time(sample_Nk, membership_PN, num_experts, AUTO_RELIABILITIES, plan_on, balance_on, AUTO_SEEDS, AUTO_MARGIN)
 
 
+def _load_aware_balance(plan, later_Nk: np.ndarray, num_devices: int) -> float:
+    table = torch.from_numpy(home_table_from(plan.device_of_E, plan.replicas))
+    return _balance(load_aware_homes(torch.from_numpy(later_Nk), table, num_devices).numpy(), num_devices)
+
+
+def cross_validated_ratio(
+    sample_Nk: np.ndarray, membership_PN: np.ndarray, num_experts: int, num_devices: int, options: "RefinedOptions"
+) -> float:
+    """The `max_load_ratio` of `AUTO_LOAD_RATIOS` whose plan holds best on later tokens (`in_time.choose_in_time`),
+    measured under the rule the replicas are planned for (`replica_choice`; without replicas both are the map)."""
+
+    def balance_on(plan, later_Nk):
+        if options.replica_choice == "load_aware":
+            return _load_aware_balance(plan, later_Nk, num_devices)
+        return _balance(resolve_homes_np(later_Nk, home_table_from(plan.device_of_E, plan.replicas), num_devices), num_devices)
+
+    plan_on = _trial_planner(options, num_devices, "max_load_ratio")
+    return choose_in_time(sample_Nk, membership_PN, num_experts, AUTO_LOAD_RATIOS, plan_on, balance_on, AUTO_SEEDS, AUTO_MARGIN)
+
+
 def cross_validated_margin(
     sample_Nk: np.ndarray, membership_PN: np.ndarray, num_experts: int, num_devices: int, options: "RefinedOptions"
 ) -> float:
     """The `shed_margin` of `AUTO_SHED_MARGINS` whose plan holds best on later tokens under the load-aware rule
     (`in_time.choose_in_time`, each second half routed as one batch by `replica_routing.load_aware_homes`)."""
 
-    def balance_on(plan, later_Nk):
-        table = torch.from_numpy(home_table_from(plan.device_of_E, plan.replicas))
-        return _balance(load_aware_homes(torch.from_numpy(later_Nk), table, num_devices).numpy(), num_devices)
-
     plan_on = _trial_planner(options, num_devices, "shed_margin")
-    return choose_in_time(sample_Nk, membership_PN, num_experts, AUTO_SHED_MARGINS, plan_on, balance_on, AUTO_SEEDS, AUTO_MARGIN)
+    return choose_in_time(
+        sample_Nk, membership_PN, num_experts, AUTO_SHED_MARGINS, plan_on,
+        lambda plan, later_Nk: _load_aware_balance(plan, later_Nk, num_devices), AUTO_SEEDS, AUTO_MARGIN,
+    )
 
 
 def refine_layer(
@@ -584,6 +606,10 @@ def refine_layer(
         if reliability == "auto":
             reliability = cross_validated_reliability(sample, membership_PN, num_experts, num_devices, options)
         reliability_Y = np.full(len(weights_YN), float(reliability))
+        ratio = options.max_load_ratio
+        if ratio == "auto":
+            ratio = cross_validated_ratio(sample, membership_PN, num_experts, num_devices, replace(options, load_reliability=reliability))
+        options = replace(options, max_load_ratio=ratio, load_reliability=reliability)  # what was chosen, from here on
 
         def loads_of(items_Nk: np.ndarray, num_items: int) -> np.ndarray:
             """`[Y, X]` scenario loads of the items serving the sample's pairs (shrunk on request)."""
@@ -592,6 +618,8 @@ def refine_layer(
         load_YE = loads_of(sample, num_experts)
     else:
         load_YE = count_scenarios(load_E if counts_PE is None else counts_PE, options.robust_resamples, rng)
+        if options.max_load_ratio == "auto":  # nothing to cross-validate on
+            options = replace(options, max_load_ratio=RefinedOptions.max_load_ratio)
     original_sample, replicas, slots, group_X = sample, {}, None, None
     if options.num_redundant_experts:
         copies_E = replication_counts(load_YE, options.num_redundant_experts, num_devices)

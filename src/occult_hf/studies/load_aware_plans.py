@@ -2,12 +2,12 @@
 
     python -m occult_hf.studies.load_aware_plans --routing-dir ../shared/data/routing --out-dir docs
 
-For D=4 and D=8, seeds 0-9, four plans with 8 redundant slots made on the planning half (prefill and decode
+For D=4 and D=8, seeds 0-9, five plans with 8 redundant slots made on the planning half (prefill and decode
 as two profiles): the robust plan made for the static rule (the best of the earlier session), and the planner
 mode made for the load-aware rule (`replica_choice="load_aware"`: single-home load within `1 - shed_margin` of
 the mean on every device, copies linked into one group: `placement.shedding`) with the margin at 0.15 (the
 default), 0.20 and "auto" (chosen for each plan by cross-validation in time on the planning half,
-`refined.cross_validated_margin`).
+`refined.cross_validated_margin`), and with `max_load_ratio="auto"` too (`refined.cross_validated_ratio`).
 Each is replayed on the held-out half under the static rule and under the runtime's load-aware rule at pin
 slack 0.02 (the default), 0.01 and 0 (`robust_placement_study.replay_load_aware`, steps of 2,192 tokens cut
 into D ranks). Beside them two bounds no rule can beat on these tokens: the fluid bound (the best split of the
@@ -58,6 +58,10 @@ def load_aware_plan_rows(routing_dir: Path) -> tuple[list[dict[str, Any]], dict[
         ("refined + 8 redundant for the load-aware rule, margin 0.15", {**LOAD_AWARE, "shed_margin": 0.15}),
         ("refined + 8 redundant for the load-aware rule, margin 0.20", {**LOAD_AWARE, "shed_margin": 0.20}),
         ("refined + 8 redundant for the load-aware rule, margin auto", {**LOAD_AWARE, "shed_margin": "auto"}),
+        (
+            "refined + 8 redundant for the load-aware rule, margin auto, ratio auto",
+            {**LOAD_AWARE, "shed_margin": "auto", "max_load_ratio": "auto"},
+        ),
     )
     rows, points = [], {}
     for num_devices in (4, 8):
