@@ -514,7 +514,14 @@ def _trial_planner(options: "RefinedOptions", num_devices: int, name: str):
     return plan_on
 
 
-def _balance(dest_Nk: np.ndarray, num_devices: int) -> float:
+def _served_balance(plan, later_Nk: np.ndarray, num_devices: int, replica_choice: str) -> float:
+    """Max / mean device load of `later_Nk`'s pairs served by `plan`'s homes under the runtime's replica rule
+    (`replica_choice`; the load-aware rule routes them as one batch). Without replicas both rules are the map."""
+    table = home_table_from(plan.device_of_E, plan.replicas)
+    if replica_choice == "load_aware":
+        dest_Nk = load_aware_homes(torch.from_numpy(later_Nk), torch.from_numpy(table), num_devices).numpy()
+    else:
+        dest_Nk = resolve_homes_np(later_Nk, table, num_devices)
     load_D = np.bincount(np.asarray(dest_Nk).ravel(), minlength=num_devices)
     return float(load_D.max() / load_D.mean())
 
@@ -526,16 +533,11 @@ def cross_validated_reliability(
     (`in_time.choose_in_time`: plans on the first half of each profile's tokens, measured on the second halves
     under the static replica rule; the largest factor within `AUTO_MARGIN` of the best wins)."""
 
-    def balance_on(plan, later_Nk):
-        return _balance(resolve_homes_np(later_Nk, home_table_from(plan.device_of_E, plan.replicas), num_devices), num_devices)
-
     plan_on = _trial_planner(options, num_devices, "load_reliability")
-    return choose_in_time(sample_Nk, membership_PN, num_experts, AUTO_RELIABILITIES, plan_on, balance_on, AUTO_SEEDS, AUTO_MARGIN)
-
-
-def _load_aware_balance(plan, later_Nk: np.ndarray, num_devices: int) -> float:
-    table = torch.from_numpy(home_table_from(plan.device_of_E, plan.replicas))
-    return _balance(load_aware_homes(torch.from_numpy(later_Nk), table, num_devices).numpy(), num_devices)
+    return choose_in_time(
+        sample_Nk, membership_PN, num_experts, AUTO_RELIABILITIES, plan_on,
+        lambda plan, later_Nk: _served_balance(plan, later_Nk, num_devices, "static"), AUTO_SEEDS, AUTO_MARGIN,
+    )
 
 
 def cross_validated_ratio(
@@ -544,13 +546,11 @@ def cross_validated_ratio(
     """The `max_load_ratio` of `AUTO_LOAD_RATIOS` whose plan holds best on later tokens (`in_time.choose_in_time`),
     measured under the rule the replicas are planned for (`replica_choice`; without replicas both are the map)."""
 
-    def balance_on(plan, later_Nk):
-        if options.replica_choice == "load_aware":
-            return _load_aware_balance(plan, later_Nk, num_devices)
-        return _balance(resolve_homes_np(later_Nk, home_table_from(plan.device_of_E, plan.replicas), num_devices), num_devices)
-
     plan_on = _trial_planner(options, num_devices, "max_load_ratio")
-    return choose_in_time(sample_Nk, membership_PN, num_experts, AUTO_LOAD_RATIOS, plan_on, balance_on, AUTO_SEEDS, AUTO_MARGIN)
+    return choose_in_time(
+        sample_Nk, membership_PN, num_experts, AUTO_LOAD_RATIOS, plan_on,
+        lambda plan, later_Nk: _served_balance(plan, later_Nk, num_devices, options.replica_choice), AUTO_SEEDS, AUTO_MARGIN,
+    )
 
 
 def cross_validated_margin(
@@ -562,7 +562,7 @@ def cross_validated_margin(
     plan_on = _trial_planner(options, num_devices, "shed_margin")
     return choose_in_time(
         sample_Nk, membership_PN, num_experts, AUTO_SHED_MARGINS, plan_on,
-        lambda plan, later_Nk: _load_aware_balance(plan, later_Nk, num_devices), AUTO_SEEDS, AUTO_MARGIN,
+        lambda plan, later_Nk: _served_balance(plan, later_Nk, num_devices, "load_aware"), AUTO_SEEDS, AUTO_MARGIN,
     )
 
 
