@@ -11,10 +11,11 @@ row: `out[r] = sum over pairs p with pair_row[p] == r of pair_weight[p] * MLP_{e
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
+
+from .triton_support import triton_importable
 
 
 @dataclass(frozen=True)
@@ -71,20 +72,11 @@ def _sort_pairs_torch(pair_row: torch.Tensor, pair_expert: torch.Tensor, rows: i
 def _one_program_layout(pair_row: torch.Tensor, num_groups: int) -> bool:
     """Whether the layout is sorted by one Triton program (`triton_layout`): CUDA tensors of a small
     layout, where Triton imports (this package never needs it otherwise)."""
-    if not pair_row.is_cuda or pair_row.shape[0] == 0 or not _triton_importable():
+    if not pair_row.is_cuda or pair_row.shape[0] == 0 or not triton_importable():
         return False
     from .triton_layout import fits_one_program
 
     return fits_one_program(pair_row.shape[0], num_groups)
-
-
-@functools.lru_cache(maxsize=1)
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 __all__ = ["ExpertSegments"]

@@ -39,7 +39,6 @@ first imported in the process), which is for tests; use `expert_mlp_reference` o
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -50,6 +49,7 @@ from . import triton_expert_mlp_kernels as _kernels
 from .activations import ACTIVATIONS, activation_name
 from .layout import ExpertSegments
 from .triton_layout import fits_one_program, sort_by_group
+from .triton_support import interpreting
 
 
 try:  # Hopper's tensor memory accelerator through host-made descriptors (Triton >= 3.4)
@@ -84,10 +84,6 @@ def _expert_matrix(w_LKF: torch.Tensor):
     if w_LKF.stride() == (k * f, 1, k):
         return _descriptor(w_LKF.transpose(1, 2).reshape(num_experts * f, k)), 1
     return None, 0
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -347,7 +343,7 @@ def _check_inputs(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LH
     devices = {name: t.device for name, t in tensors.items()}
     if len(set(devices.values())) != 1:
         raise ValueError(f"all inputs must be on one device, got {devices}")
-    if x_RH.device.type != "cuda" and not _interpreting():
+    if x_RH.device.type != "cuda" and not interpreting():
         raise ValueError(
             f"expert_mlp_triton runs on CUDA tensors (got {x_RH.device}); on CPU set TRITON_INTERPRET=1 "
             "(slow, for tests) or use expert_mlp_reference"

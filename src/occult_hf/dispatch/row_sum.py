@@ -18,25 +18,16 @@ on CPU tensors under `TRITON_INTERPRET=1` (tests).
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
-import os
 
 import torch
 
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+from occult_hf.kernels.triton_support import interpreting, triton_importable
 
 
 def available(rows_pad_OH: torch.Tensor) -> bool:
     """Whether the kernel can sum these rows: Triton is installed, and they are on a GPU (or the interpreter runs)."""
-    return (rows_pad_OH.is_cuda or _interpreting()) and _has_triton()
-
-
-@functools.lru_cache(maxsize=1)
-def _has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return (rows_pad_OH.is_cuda or interpreting()) and triton_importable()
 
 
 @functools.lru_cache(maxsize=2)
@@ -88,7 +79,7 @@ def sum_rows(rows_pad_OH: torch.Tensor, row_TJ: torch.Tensor, out_TH: torch.Tens
     # the largest power of two (at most 16 bytes of elements) dividing every row start: what the loads may vectorise by
     row_align = math.gcd(rows_pad_OH.stride(0), max(16 // rows_pad_OH.element_size(), 1))
     grid = (num_tokens, -(-hidden // block_h))
-    _kernel(_interpreting())[grid](
+    _kernel(interpreting())[grid](
         rows_pad_OH, rows_pad_OH.stride(0), row_TJ, row_TJ.stride(0), row_TJ.stride(1), out_TH, out_TH.stride(0), hidden,
         J=width, ROW_ALIGN=row_align, BLOCK_H=block_h, num_warps=4,
     )  # fmt: skip
