@@ -560,16 +560,11 @@ def _measure_layer(layer, x_TH, shape_name, tokens, routing_name, dispatcher: st
 
 # ----- where the time goes ------------------------------------------------------------------------
 def profile_layer(layer, x_TH, label: str, out: Path, device) -> None:
-    """One forward and one forward+backward of `layer` under `torch.profiler`: per `occult::` stage (the
-    dispatcher's named ranges) its host time and the device time of the kernels it launched, the GPU's
-    busy time (union of kernel intervals) against the wall time, and the costliest kernels. Rank 0 prints
-    the summary and appends it to `<out>/bench_ep_profile.md`."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
+    """One forward and one forward+backward of `layer` under `torch.profiler` (`profile_steps`, each warmed
+    once first). Rank 0 prints the summary and appends it to `<out>/bench_ep_profile.md`."""
     hidden = x_TH[None]
     x_grad = hidden.detach().clone().requires_grad_(True)
     upstream = torch.randn_like(hidden)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == "cuda" else [])
 
     def step(backward: bool):
         if backward:
@@ -580,9 +575,28 @@ def profile_layer(layer, x_TH, label: str, out: Path, device) -> None:
             with torch.no_grad():
                 layer(hidden)
 
+    summary = profile_steps(step, device, warm=True)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        text = f"### {label}\n\n{summary}\n"
+        print(text, flush=True)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / "bench_ep_profile.md"
+        earlier = path.read_text() if path.exists() else ""
+        atomic_write_text(path, earlier + text + "\n")  # appended: the file keeps every profiled run
+
+
+def profile_steps(step, device, *, warm: bool, top: int = 14) -> str:
+    """`profile_summary` of `step(False)` (a forward) and `step(True)` (a forward+backward), each run once more
+    before it when `warm`, the ranks aligned by a barrier and the device idle before each: per `occult::` stage
+    (the dispatcher's named ranges) its host time and the device time of the kernels it launched, the GPU's busy
+    time (union of kernel intervals) against the wall time, and the `top` costliest kernels."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == "cuda" else [])
     sections = []
     for backward in (False, True):
-        step(backward)  # warm
+        if warm:
+            step(backward)
         if dist.is_initialized():
             dist.barrier()
         _synchronize(device)
@@ -591,14 +605,8 @@ def profile_layer(layer, x_TH, label: str, out: Path, device) -> None:
             with record_function(f"bench::{name}"):
                 step(backward)
                 _synchronize(device)
-        sections.append(profile_summary(prof, name))
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        text = f"### {label}\n\n" + "\n\n".join(sections) + "\n"
-        print(text, flush=True)
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / "bench_ep_profile.md"
-        earlier = path.read_text() if path.exists() else ""
-        atomic_write_text(path, earlier + text + "\n")  # appended: the file keeps every profiled run
+        sections.append(profile_summary(prof, name, top=top))
+    return "\n\n".join(sections)
 
 
 def _device_us(event) -> float:

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from occult_hf.atomic import atomic_write_text
-from occult_hf.benchmarks.ep import profile_summary, timed
+from occult_hf.benchmarks.ep import profile_steps, timed
 
 HELP = "the whole OLMoE-1B-7B model under EP (torchrun) vs a data-parallel replica: fwd, fwd+bwd, decode, memory"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
@@ -225,30 +225,20 @@ def balance_table(balance: list[LayerBalance]) -> str:
     return "\n".join(lines)
 
 
-def profile_steps(model, ids_BS, device) -> str:
-    """`torch.profiler` summaries (`bench ep`'s `profile_summary`) of one forward and one forward+backward."""
-    from torch.profiler import ProfilerActivity, profile, record_function
+def profile_model(model, ids_BS, device) -> str:
+    """`bench ep`'s `profile_steps` of one forward and one forward+backward of the model's loss (already warm:
+    the setup was timed before)."""
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    sections = []
-    for name in ("forward", "forward+backward"):
-        if dist.is_initialized():
-            dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        with profile(activities=activities) as prof:
-            with record_function(f"bench::{name}"):
-                if name == "forward":
-                    with torch.no_grad():
-                        model(input_ids=ids_BS, labels=ids_BS)
-                else:
-                    model(input_ids=ids_BS, labels=ids_BS).loss.backward()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-        for param in model.parameters():
-            param.grad = None
-        sections.append(profile_summary(prof, name, top=PROFILE_KERNELS))
-    return "\n\n".join(sections)
+    def step(backward: bool):
+        if backward:
+            model(input_ids=ids_BS, labels=ids_BS).loss.backward()
+            for param in model.parameters():
+                param.grad = None
+        else:
+            with torch.no_grad():
+                model(input_ids=ids_BS, labels=ids_BS)
+
+    return profile_steps(step, device, warm=False, top=PROFILE_KERNELS)
 
 
 class _nothing:
@@ -356,7 +346,7 @@ def run(args: argparse.Namespace) -> int:
 
     def diagnose(setup: str) -> None:
         if args.profile:
-            summary = profile_steps(model, ids_BS, device)
+            summary = profile_model(model, ids_BS, device)
             if rank == 0:
                 notes.append(f"Profile of {setup} (rank 0):\n\n{summary}")
 
