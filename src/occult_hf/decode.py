@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .cuda_graph import capture
+
 #: aten ops whose result needs a device value on the host (a CUDA synchronisation)
 _HOST_READS = {
     "aten::_local_scalar_dense",
@@ -189,15 +191,7 @@ class GreedyDecoder:
     @torch.no_grad()
     def _capture(self) -> None:
         state = (self.ids_B1.clone(), self.pos_1.clone(), self.tokens_BA.clone())
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up: allocator, Triton autotuning, communicator set-up
-            for _ in range(3):
-                self.step()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.step()
+        graph, _ = capture(self.step, self.device, warmup=3)
         for buffer, saved in zip((self.ids_B1, self.pos_1, self.tokens_BA), state):
             buffer.copy_(saved)
         self._cuda_graph = graph

@@ -29,6 +29,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .cuda_graph import capture
+
 
 def replica_preferences(
     topk_ids_Tk: torch.Tensor,
@@ -256,16 +258,10 @@ class GraphedRoutes:
     @staticmethod
     def _capture(all_GEM1, home_table_EM, args) -> tuple:
         counts_in, table_in = all_GEM1.clone(), home_table_EM.clone()
-        device = all_GEM1.device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # warm-up outside the capture (lazy initialisation, allocator)
-            expert_routes(counts_in, table_in, *args)
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
         # thread_local: the NCCL watchdog thread's event queries during the capture must not invalidate it
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            outputs = expert_routes(counts_in, table_in, *args)
+        graph, outputs = capture(
+            lambda: expert_routes(counts_in, table_in, *args), all_GEM1.device, warmup=1, error_mode="thread_local"
+        )
         return graph, counts_in, table_in, outputs
 
 

@@ -268,10 +268,11 @@ def timed(fn, iterations: int, device) -> float:
 
 
 def graphed_ms(fn, iterations: int, device) -> float:
-    """Median ms of `fn` captured once in a CUDA graph (`cuda_graph.graphed`) and replayed, as `timed` times it."""
-    from .cuda_graph import graphed
+    """Median ms of `fn` captured once in a CUDA graph (`occult_hf.cuda_graph.capture`) and replayed, as `timed`
+    times it."""
+    from occult_hf.cuda_graph import capture
 
-    replay = graphed(fn, device, warmup=2)
+    replay = capture(fn, device, warmup=2)[0].replay
     try:
         return timed(replay, iterations, device)
     finally:

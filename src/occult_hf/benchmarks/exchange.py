@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from occult_hf.atomic import atomic_write_text
 
-from .cuda_graph import graphed
+from occult_hf.cuda_graph import capture
 
 HELP = "raw exchange between ranks (NCCL all_to_all_single, NVSHMEM all_to_all_vdev): per-call cost and GB/s"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
 
         record("nccl a2a", peer_bytes, _timed(nccl, args.iterations, device))
         try:
-            record("nccl a2a graph", peer_bytes, _timed(graphed(nccl, device), args.iterations, device))
+            record("nccl a2a graph", peer_bytes, _timed(capture(nccl, device, warmup=3)[0].replay, args.iterations, device))
         except Exception as error:  # noqa: BLE001
             notes.append(f"nccl graph capture at {kib} KiB failed: {type(error).__name__}: {error}")
         if symm is not None:
@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
                     dist.all_to_all_single(expected, inp[: rows * world].contiguous())
                     if not torch.equal(out[: rows * world], expected):
                         notes.append(f"symm_mem vdev at {kib} KiB: received rows differ from NCCL's")
-                record("symm_mem vdev graph", rows * row_bytes, _timed(graphed(vdev, device), args.iterations, device))
+                record("symm_mem vdev graph", rows * row_bytes, _timed(capture(vdev, device, warmup=3)[0].replay, args.iterations, device))
             except Exception as error:  # noqa: BLE001
                 notes.append(f"symm_mem vdev at {kib} KiB failed: {type(error).__name__}: {error}")
 
