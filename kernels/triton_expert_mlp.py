@@ -219,11 +219,18 @@ def _scatter_gemm(plan: _Launch, a_NK, b_LKF, out_dtype):
     )  # fmt: skip
     if atomic:
         return target.to(out_dtype)
-    out = _empty(plan.num_rows, num_out, dtype=out_dtype, device=device)
+    return row_sum(plan, target, out_dtype)
+
+
+def row_sum(plan: _Launch, y_NF: torch.Tensor, out_dtype) -> torch.Tensor:
+    """[R, F] in `out_dtype`: each row's pair rows of y summed in fp32, in pair order (`segment_sum_kernel`,
+    through the plan's row -> pairs index); rows served by no pair are zero. y's rows must be contiguous."""
+    num_out = y_NF.shape[1]
+    out = _empty(plan.num_rows, num_out, dtype=out_dtype, device=y_NF.device)
     grid = lambda meta: (plan.num_rows, _cdiv(num_out, meta["BLOCK_H"]))  # noqa: E731
     _run_tuned(
-        _kernels.segment_sum_kernel, grid, (target.dtype, num_out),
-        target, plan.row_pairs_N, plan.row_offsets, out, num_out, target.stride(0), out.stride(0),
+        _kernels.segment_sum_kernel, grid, (y_NF.dtype, num_out),
+        y_NF, plan.row_pairs_N, plan.row_offsets, out, num_out, y_NF.stride(0), out.stride(0),
     )  # fmt: skip
     return out
 
@@ -307,8 +314,9 @@ class _ExpertMLPFunction(torch.autograd.Function):
         return dx, dweight, dgate_up, ddown, None, None
 
 
-def _check_inputs(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI) -> None:
-    """Shapes, dtypes and devices (never values: reading them would synchronise with the device)."""
+def check_inputs(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, caller: str = "expert_mlp_triton") -> None:
+    """Shapes, dtypes and devices (never values: reading them would synchronise with the device); `caller`
+    is the entry point the errors name."""
     if x_RH.dim() != 2:
         raise ValueError(f"x_RH must be [R, H], got shape {tuple(x_RH.shape)}")
     rows, hidden = x_RH.shape
@@ -345,7 +353,7 @@ def _check_inputs(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LH
         raise ValueError(f"all inputs must be on one device, got {devices}")
     if x_RH.device.type != "cuda" and not interpreting():
         raise ValueError(
-            f"expert_mlp_triton runs on CUDA tensors (got {x_RH.device}); on CPU set TRITON_INTERPRET=1 "
+            f"{caller} runs on CUDA tensors (got {x_RH.device}); on CPU set TRITON_INTERPRET=1 "
             "(slow, for tests) or use expert_mlp_reference"
         )
 
@@ -364,7 +372,7 @@ def _row_index(pair_row_N: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, t
     return row_pairs_N, torch.searchsorted(sorted_rows_N, boundaries)
 
 
-def _plan(segments: ExpertSegments, reduce: str, activation: str = "silu") -> _Launch:
+def plan_launch(segments: ExpertSegments, reduce: str, activation: str = "silu") -> _Launch:
     if reduce not in REDUCE_MODES:
         raise ValueError(f"reduce mode {reduce!r} is not one of {REDUCE_MODES}")
     row_pairs_N = row_offsets = None
@@ -419,10 +427,10 @@ def expert_mlp_triton(
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} is not one of the Triton kernels' activations {ACTIVATIONS}")
-    _check_inputs(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI)
+    check_inputs(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI)
     if reduce is None:
         reduce = DETERMINISTIC_REDUCE if deterministic else FAST_REDUCE
-    plan = _plan(segments, reduce, activation)
+    plan = plan_launch(segments, reduce, activation)
     inputs = (x_RH, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI)
     save = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     return _ExpertMLPFunction.apply(
@@ -441,12 +449,12 @@ def expert_mlp_triton_stages(
     """The stages of `expert_mlp_triton`'s forward and backward as separate zero-argument callables,
     each with its FLOP count, for timing one by one (benchmarks); `reduce` is one of `REDUCE_MODES`.
     Inputs of later stages (hw, gu, a random dout, d gu) are prepared once here with the same kernels."""
-    _check_inputs(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI)
+    check_inputs(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI)
     if segments.num_pairs == 0:
         raise ValueError("expert_mlp_triton_stages needs at least one pair (segments.num_pairs is 0)")
     x_RH, pair_weight_N = x_RH.detach().contiguous(), pair_weight_N.detach().contiguous()
     gate_up_L2IH, down_LHI = gate_up_proj_L2IH.detach(), down_proj_LHI.detach()
-    plan = _plan(segments, reduce)
+    plan = plan_launch(segments, reduce)
     pairs, hidden, inter = plan.num_pairs, x_RH.shape[1], down_LHI.shape[2]
     hw_NI, gu_N2I = _gate_up(plan, x_RH, gate_up_L2IH, pair_weight_N, save_gu=True)
     dout_RH = torch.randn_like(x_RH)

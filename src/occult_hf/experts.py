@@ -15,6 +15,10 @@ only sees local tensors and the `ExpertSegments` layout that `dispatch()` produc
   model's activation passed by name, for the activations the kernels implement:
   `occult_hf.kernels.activations.ACTIVATIONS`, SiLU and GELU-tanh; any other is refused by name;
   imported on first use).
+- ``grouped_mm_fused``: `occult_hf.kernels.grouped_mm_fused.expert_mlp_grouped_mm_fused`: PyTorch's
+  grouped GEMMs (CUTLASS) for the projections and their gradients, Triton kernels for the gather, the
+  activation and the per-row sums (the `triton` backend's activations; where PyTorch's grouped GEMM has a
+  kernel: CUDA, bf16, 16-byte rows).
 - ``auto``: ``triton`` on CUDA when Triton imports and the kernels implement the activation, else ``torch``.
 """
 
@@ -110,8 +114,25 @@ def _triton_backend(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_
     )
 
 
+def _grouped_mm_fused_backend(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn, deterministic):
+    """PyTorch's grouped GEMMs with the Triton kernels around them (both reductions fixed-order: repeatable
+    whatever `deterministic` says)."""
+    activation = activation_name(act_fn)  # ValueError naming an activation the kernels lack
+    if x_RH.is_cuda and not grouped_mm_supported(x_RH, gate_up_proj_L2IH, down_proj_LHI):
+        raise ValueError(
+            f"expert_backend='grouped_mm_fused' needs PyTorch's grouped GEMM kernel: CUDA with compute capability "
+            f">= 8.0, bfloat16 rows and weights, hidden and expert width multiples of 8; got {x_RH.dtype} rows, "
+            f"hidden {down_proj_LHI.shape[1]}, width {down_proj_LHI.shape[2]}: use expert_backend='triton' or 'torch'"
+        )
+    _triton_expert_mlp()  # ImportError naming triton when it is missing
+    from occult_hf.kernels.grouped_mm_fused import expert_mlp_grouped_mm_fused
+
+    return expert_mlp_grouped_mm_fused(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, activation=activation)
+
+
 register_expert_backend("triton", _triton_backend)
 register_expert_backend("torch", _torch_backend)
+register_expert_backend("grouped_mm_fused", _grouped_mm_fused_backend)
 
 
 def grouped_mm_supported(x_RH: torch.Tensor, gate_up_proj_L2IH: torch.Tensor, down_proj_LHI: torch.Tensor) -> bool:
@@ -153,7 +174,7 @@ class LocalExperts(nn.Module):
     ) -> None:
         super().__init__()
         check_expert_backend(backend)
-        if backend == "triton":
+        if backend in ("triton", "grouped_mm_fused"):
             activation_name(act_fn)  # refuse, naming it, an activation the kernels lack, at build time
         self.gate_up_proj = gate_up_proj_L2IH
         self.down_proj = down_proj_LHI

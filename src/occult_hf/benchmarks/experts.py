@@ -79,7 +79,9 @@ PEERS = {
     "liger": "Liger-Kernel's fused MoE (liger_kernel.ops.fused_moe.LigerFusedMoEFunction, Triton)",
     "sonic_moe": "SonicMoE (sonic-moe, CuTe DSL on QuACK's grouped GEMM)",
 }
-IMPLEMENTATIONS = ("triton_rows_io", "triton_rows_fp32", "triton_atomic", "torch_grouped_mm", "hf_grouped_mm", "hf_eager", *PEERS)
+IMPLEMENTATIONS = (
+    "triton_rows_io", "triton_rows_fp32", "triton_atomic", "grouped_mm_fused", "torch_grouped_mm", "hf_grouped_mm", "hf_eager", *PEERS
+)  # fmt: skip
 #: what runs without --implementations (`triton_atomic`, the non-repeatable reduction, only on request)
 DEFAULT_IMPLEMENTATIONS = tuple(name for name in IMPLEMENTATIONS if name != "triton_atomic")
 BASELINE = "hf_grouped_mm"
@@ -186,6 +188,10 @@ def implementation_fn(name: str) -> Callable:
         reduce = name.removeprefix("triton_")
         if reduce in REDUCE_MODES:
             return _layout_then(expert_mlp_triton, reduce=reduce)
+    if name == "grouped_mm_fused":
+        from occult_hf.kernels.grouped_mm_fused import expert_mlp_grouped_mm_fused
+
+        return _layout_then(expert_mlp_grouped_mm_fused)
     if name == "torch_grouped_mm":
         return _layout_then(expert_mlp_grouped_mm)
     if name in ("hf_grouped_mm", "hf_eager"):
@@ -571,9 +577,15 @@ def target_lines(measurements: list[Measurement], shapes: dict[str, ExpertShape]
     base = found.get(BASELINE)
     lines = []
     if base is not None and base.fwd_ms is not None:
-        lines += _every_case_lines(measurements, f"triton_{FAST_REDUCE}")
-    for label, reduce in (("default (deterministic=False)", FAST_REDUCE), ("deterministic=True", DETERMINISTIC_REDUCE)):
-        ours = found.get(f"triton_{reduce}")
+        for ours in (f"triton_{FAST_REDUCE}", "grouped_mm_fused"):
+            lines += _every_case_lines(measurements, ours)
+    labelled = (
+        (f"triton_{FAST_REDUCE}", "default Triton, deterministic=False"),
+        (f"triton_{DETERMINISTIC_REDUCE}", "Triton, deterministic=True"),
+        ("grouped_mm_fused", "CUTLASS grouped GEMMs, Triton around them"),
+    )
+    for name, label in labelled:
+        ours = found.get(name)
         if ours is None or base is None or None in (ours.fwd_ms, ours.fwd_bwd_ms, base.fwd_ms, base.fwd_bwd_ms):
             continue
         shape = shapes[shape_name]
@@ -581,7 +593,7 @@ def target_lines(measurements: list[Measurement], shapes: dict[str, ExpertShape]
         fwd_rate = ours.flops(shape, False) / ours.fwd_ms / 1e9 / dense_tflops
         fwd_bwd_rate = ours.flops(shape, True) / ours.fwd_bwd_ms / 1e9 / dense_tflops
         lines.append(
-            f"- {shape_name} T={tokens}, triton_{reduce} ({label}): forward {fwd_x:.2f}x {BASELINE} (target {fwd_goal}x), "
+            f"- {shape_name} T={tokens}, {name} ({label}): forward {fwd_x:.2f}x {BASELINE} (target {fwd_goal}x), "
             f"forward+backward {fwd_bwd_x:.2f}x (target {fwd_bwd_goal}x), {100 * fwd_rate:.0f}% (forward) and "
             f"{100 * fwd_bwd_rate:.0f}% (forward+backward) of the dense bf16 GEMM rate (target {100 * rate_goal:.0f}% forward)"
         )

@@ -1,0 +1,146 @@
+"""The local expert computation with PyTorch's grouped GEMMs and fused Triton kernels around them.
+
+Shape legend: R received rows, N (row, local expert) pairs in segment order, L local experts, H hidden,
+I expert width.
+
+    out[r] = sum over pairs p of row r: w[p] * down_e(act(gate_e x[r]) * up_e x[r])
+
+`torch._grouped_mm` (`grouped_mm_op()`) runs CUTLASS grouped GEMMs near the dense bf16 rate; in
+transformers' grouped_mm experts and in `expert_mlp_grouped_mm` most of the time goes to the elementwise,
+copy, gather and scatter kernels around them (docs/kernels.md, "grouped_mm_fused"). Here the GEMMs stay
+CUTLASS's and the rest is one Triton pass each (`grouped_mm_fused_kernels.py`):
+
+forward:  x_NH = gather(x, pair_row) -> gu = x_NH @ gate_up_e^T -> hw = w * act(gate) * up
+          -> y_NH = hw @ down_e^T -> out[r] = fp32 sum of row r's pair rows of y (`segment_sum_kernel`)
+backward: dy_NH = gather(dout, pair_row) -> g = dy_NH @ down_e -> d gu, d w and hw from g and the saved
+          gu (one kernel) -> dx = per-row sum of d gu @ gate_up_e; d gate_up_e = d gu^T x_NH (x gathered
+          again), d down_e = dy^T hw: the two weight gradients as grouped GEMMs over the segments of K.
+
+The pair weight is applied in hw (a per-row scalar), so the weight gradient is <act(gate) * up, g>, which
+the backward's elementwise kernel sums from values it holds anyway. Kept for the backward beyond the
+inputs: the pre-activations gu [N, 2I] in x's dtype and the layout's index tensors (as the `triton`
+backend keeps); the gathered rows and hw are recomputed. Pairs past `expert_offsets[L]` (the static
+dispatch's empty slots, row R) are skipped by every kernel and get zero weight gradient.
+
+Runs where `grouped_mm_op()` has a kernel for the operands: CUDA in bf16 (SM >= 8.0, 16-byte rows); on CPU
+PyTorch's fallback runs bf16 and fp32, and the Triton pieces only under `TRITON_INTERPRET=1` (tests).
+Both reductions are in a fixed order, so the result is bitwise repeatable whatever `deterministic` says.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import grouped_mm_fused_kernels as _kernels
+from .activations import ACTIVATIONS
+from .expert_mlp_reference import grouped_mm_op
+from .layout import ExpertSegments
+from .triton_expert_mlp import FAST_REDUCE, _Launch, _cdiv, check_inputs, plan_launch, row_sum
+
+
+def _gather_rows(plan: _Launch, src_RH: torch.Tensor) -> torch.Tensor:
+    """[N, H]: row pair_row[p] of src for every pair of the segments (later rows unwritten)."""
+    hidden = src_RH.shape[1]
+    out_NH = torch.empty(plan.num_pairs, hidden, dtype=src_RH.dtype, device=src_RH.device)
+    block_m, block_n = _kernels.GATHER_BLOCK
+    _kernels.gather_rows_kernel[(_cdiv(plan.num_pairs, block_m), _cdiv(hidden, block_n))](
+        src_RH, plan.pair_row_N, plan.expert_offsets[plan.num_experts:], out_NH, plan.num_pairs, hidden,
+        src_RH.stride(0), out_NH.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
+    )  # fmt: skip
+    return out_NH
+
+
+def _act_mul(plan: _Launch, gu_N2I: torch.Tensor, pair_weight_N: torch.Tensor) -> torch.Tensor:
+    """hw [N, I] = w * act(gate) * up."""
+    intermediate = gu_N2I.shape[1] // 2
+    hw_NI = torch.empty(plan.num_pairs, intermediate, dtype=gu_N2I.dtype, device=gu_N2I.device)
+    block_m, block_n = _kernels.ACT_BLOCK
+    _kernels.act_mul_kernel[(_cdiv(plan.num_pairs, block_m), _cdiv(intermediate, block_n))](
+        gu_N2I, pair_weight_N, plan.expert_offsets[plan.num_experts:], hw_NI, plan.num_pairs, intermediate,
+        ACTIVATION=plan.activation, BLOCK_M=block_m, BLOCK_N=block_n,
+    )  # fmt: skip
+    return hw_NI
+
+
+def _act_mul_backward(plan: _Launch, g_NI, gu_N2I, pair_weight_N, write_hw: bool):
+    """(d gu [N, 2I], the pair-weight gradient [N] in fp32, hw [N, I] when `write_hw` else None)."""
+    intermediate = g_NI.shape[1]
+    dgu_N2I = torch.empty_like(gu_N2I)
+    hw_NI = torch.empty_like(g_NI) if write_hw else None
+    dweight_N = torch.empty(plan.num_pairs, dtype=torch.float32, device=g_NI.device)
+    block_m, block_n = _kernels.ACT_BACKWARD_BLOCK
+    _kernels.act_mul_backward_kernel[(_cdiv(plan.num_pairs, block_m),)](
+        g_NI, gu_N2I, pair_weight_N, plan.expert_offsets[plan.num_experts:], dgu_N2I,
+        hw_NI if write_hw else dgu_N2I, dweight_N, plan.num_pairs, intermediate,
+        WRITE_HW=write_hw, ACTIVATION=plan.activation, BLOCK_M=block_m, BLOCK_N=block_n,
+    )  # fmt: skip
+    return dgu_N2I, dweight_N, hw_NI
+
+
+class _GroupedMMFusedFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_RH, pair_weight_N, gate_up_L2IH, down_LHI, plan: _Launch, ends_L, save_for_backward: bool):
+        ctx.plan, ctx.ends_L = plan, ends_L
+        if plan.num_pairs == 0:  # nothing to launch: every row is served by no pair
+            ctx.save_for_backward(x_RH, pair_weight_N, gate_up_L2IH, down_LHI)
+            return torch.zeros_like(x_RH)
+        grouped_mm = grouped_mm_op()
+        gu_N2I = grouped_mm(_gather_rows(plan, x_RH), gate_up_L2IH.transpose(1, 2), offs=ends_L)
+        y_NH = grouped_mm(_act_mul(plan, gu_N2I, pair_weight_N), down_LHI.transpose(1, 2), offs=ends_L)
+        if save_for_backward:  # the gathered rows and hw are not kept: the backward recomputes them
+            ctx.save_for_backward(x_RH, pair_weight_N, gate_up_L2IH, down_LHI, gu_N2I)
+        return row_sum(plan, y_NH, x_RH.dtype)
+
+    @staticmethod
+    def backward(ctx, dout_RH):
+        plan: _Launch = ctx.plan
+        if plan.num_pairs == 0:
+            return tuple(torch.zeros_like(t) if need else None for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad)) + (None,) * 3
+        need_dx, need_dweight, need_dgate_up, need_ddown = ctx.needs_input_grad[:4]
+        x_RH, pair_weight_N, gate_up_L2IH, down_LHI, gu_N2I = ctx.saved_tensors
+        grouped_mm, ends_L = grouped_mm_op(), ctx.ends_L
+        dy_NH = _gather_rows(plan, dout_RH.contiguous())
+        g_NI = grouped_mm(dy_NH, down_LHI, offs=ends_L)
+        dgu_N2I, dweight_N, hw_NI = _act_mul_backward(plan, g_NI, gu_N2I, pair_weight_N, write_hw=need_ddown)
+        del g_NI
+        dx = dweight = dgate_up = ddown = None
+        if need_dweight:
+            dweight = dweight_N.to(pair_weight_N.dtype)
+        if need_dx:
+            dx = row_sum(plan, grouped_mm(dgu_N2I, gate_up_L2IH, offs=ends_L), x_RH.dtype)
+        if need_dgate_up:  # [L, 2I, H]: segment e of d gu^T times segment e of the gathered rows
+            dgate_up = grouped_mm(dgu_N2I.t(), _gather_rows(plan, x_RH), offs=ends_L)
+        if need_ddown:
+            ddown = grouped_mm(dy_NH.t(), hw_NI, offs=ends_L)
+        return dx, dweight, dgate_up, ddown, None, None, None
+
+
+def expert_mlp_grouped_mm_fused(
+    x_RH: torch.Tensor,
+    segments: ExpertSegments,
+    pair_weight_N: torch.Tensor,
+    gate_up_proj_L2IH: torch.Tensor,
+    down_proj_LHI: torch.Tensor,
+    *,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """The local expert computation; same arguments, result and gradients as `expert_mlp_reference` with
+    the activation given by name (one of `ACTIVATIONS`; `activation_name(act_fn)` maps a model's).
+
+    `[R, H]` in x's dtype; rows served by no pair are zero; differentiable with respect to x, the pair
+    weights and both weights. Needs `grouped_mm_op()` with a kernel for the operands (see the module)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} is not one of the Triton kernels' activations {ACTIVATIONS}")
+    if grouped_mm_op() is None:
+        raise RuntimeError(f"expert_mlp_grouped_mm_fused needs torch.nn.functional.grouped_mm (torch {torch.__version__} has none)")
+    check_inputs(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, caller="expert_mlp_grouped_mm_fused")
+    plan = plan_launch(segments, FAST_REDUCE, activation)
+    ends_L = plan.expert_offsets[1:].to(torch.int32)  # grouped_mm's offsets: the end of each expert's segment
+    inputs = (x_RH, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI)
+    save = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    return _GroupedMMFusedFunction.apply(
+        x_RH.contiguous(), pair_weight_N.contiguous(), gate_up_proj_L2IH, down_proj_LHI, plan, ends_L, save
+    )
+
+
+__all__ = ["expert_mlp_grouped_mm_fused"]
