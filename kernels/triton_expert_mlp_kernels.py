@@ -93,7 +93,9 @@ _OUTER_HOPPER = [
     (64, 128, 32, 2, 4), (128, 128, 32, 2, 8), (64, 256, 32, 2, 8), (128, 256, 16, 2, 8),
     (128, 256, 64, 3, 8, _TMA), (128, 256, 64, 4, 8, _TMA), (128, 128, 64, 4, 8, _TMA), (256, 128, 64, 3, 8, _TMA),
 ]  # fmt: skip
-_SEGMENT_SUM_HOPPER = [(256, 2), (512, 4), (1024, 8)]
+# (BLOCK_H, warps): the wide rows with 4 warps give each thread 16-byte loads of every pair row (at OLMoE,
+# T = 16384 the three narrower ones moved 1.7 TB/s, H200 2026-12-01: 0.36 ms of a 3.3 ms forward)
+_SEGMENT_SUM_HOPPER = [(256, 2), (512, 4), (1024, 8), (1024, 4), (2048, 4), (2048, 8)]
 #: row tiles of at most this many rows are small-T candidates
 SMALL_M = 32
 #: mean pairs per expert up to which only tiles of at most 64 rows are tuned (above it, none of <= SMALL_M)
