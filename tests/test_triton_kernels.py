@@ -652,3 +652,8 @@ def test_grouped_mm_fused_bf16_matches_fp32_reference(shape, tokens):
         assert not grad.isnan().any() and rel_err(grad, ref) <= 1e-2, f"d {name}: rel. error {rel_err(grad, ref):.2e}"
     again = run_with_grads(_grouped_mm_fused, problem, torch.bfloat16, grad_out)
     assert torch.equal(out, again[0]) and all(torch.equal(a, b) for a, b in zip(grads, again[1]))
+    from occult_hf.experts import _auto_backend
+
+    bf16 = [t.to(torch.bfloat16) for t in (problem.x_RH, problem.gate_up_L2IH, problem.down_LHI)]
+    assert _auto_backend(*bf16, F.silu) == "grouped_mm_fused"  # where PyTorch's grouped GEMM has a kernel
+    assert _auto_backend(problem.x_RH, problem.gate_up_L2IH, problem.down_LHI, F.silu) == "triton"  # fp32

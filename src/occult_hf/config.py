@@ -103,7 +103,10 @@ class OccultConfig:
     )
     expert_backend: str = field(
         default="auto",
-        metadata={"help": '"auto" (Triton on CUDA, PyTorch elsewhere), "triton" or "torch".'},
+        metadata={
+            "help": '"auto" (on CUDA: "grouped_mm_fused" in bf16, else "triton"; PyTorch elsewhere), "grouped_mm_fused" '
+            "(PyTorch's grouped GEMMs, Triton kernels around them), \"triton\" or \"torch\"."
+        },
     )
     deterministic: bool = field(
         default=False,
