@@ -26,7 +26,8 @@
 # they decide), log.txt (the run's summary) and raw.tar.gz (each step's whole output, the json/md/png files); the
 # last lines printed are tables.md. (If the call is cut before the end, the steps' logs lie in $OUT untarred.)
 # Time: every step is limited to min(its limit, time left), and no step starts after T_TOTAL s (default 430 with
-# PRESET=final, else 315); limits T_EXACT, T_MODEL, T_REAL, T_EP, T_REPLICAS. DRY=1: a CPU dry run of the same steps
+# PRESET=final, else 315); limits T_EXACT, T_MODEL, T_REAL, T_EP, T_REPLICAS;
+# MODEL_EXTRA: more `bench model` flags (e.g. "--backends auto torch --profile 14"). DRY=1: a CPU dry run of the same steps
 # at tiny sizes (no wheel, the current python; 2 gloo ranks), to check the script.
 set -u
 case "${PRESET:-}" in
@@ -39,7 +40,7 @@ case "${PRESET:-}" in
 esac
 : "${STEPS:=exact ep realsize}" "${TOKENS:=16384 128 4096}" "${DISPATCHERS:=all_to_all padded}" "${REALSIZE=--skip-replica}" \
   "${MODES:=per_expert+contiguous dedup+contiguous dedup+refined transformers_ep}" "${T_TOTAL:=315}" "${DRY:=}" \
-  "${REPLICA_TOKENS:=16384}" "${EP_EXTRA:=}"
+  "${REPLICA_TOKENS:=16384}" "${EP_EXTRA:=}" "${MODEL_EXTRA:=}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-8G}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 DATA=${DATA:-$ROOT/.devdata/fastep}
@@ -93,12 +94,12 @@ step_model() {  # one shape per GPU at once (on one GPU, or on CPU, one after th
   local shapes=(olmoe-1b-7b qwen1.5-moe-a2.7b) i pids=()
   if [ "$NGPU" -ge 2 ]; then
     for i in 0 1; do
-      CUDA_VISIBLE_DEVICES=$i bounded ${T_MODEL:-150} python3 -m occult_hf.cli bench model --shapes ${shapes[$i]} $MODEL_SIZE \
+      CUDA_VISIBLE_DEVICES=$i bounded ${T_MODEL:-150} python3 -m occult_hf.cli bench model --shapes ${shapes[$i]} $MODEL_SIZE $MODEL_EXTRA \
         --out $R/model$i > $OUT/model$i.txt 2>&1 & pids+=($!)
     done
     for i in 0 1; do wait ${pids[$i]}; echo "${shapes[$i]} (GPU $i): rc=$?"; done
   else
-    bounded ${T_MODEL:-150} python3 -m occult_hf.cli bench model --shapes ${shapes[@]} $MODEL_SIZE --out $R/model0 > $OUT/model0.txt 2>&1
+    bounded ${T_MODEL:-150} python3 -m occult_hf.cli bench model --shapes ${shapes[@]} $MODEL_SIZE $MODEL_EXTRA --out $R/model0 > $OUT/model0.txt 2>&1
     echo "rc=$?"
   fi
   grep -v "$F" $OUT/model*.txt | tail -12
@@ -126,7 +127,7 @@ step_replicas() {
 {
 date -u; [ -n "$DRY" ] || nvidia-smi -L; git log -1 --format="commit %h %s" 2>/dev/null | cut -c1-120
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"
-echo "STEPS=$STEPS TOKENS=$TOKENS DISPATCHERS=$DISPATCHERS MODES=$MODES REALSIZE=$REALSIZE EP_EXTRA=$EP_EXTRA T_TOTAL=$T_TOTAL DRY=$DRY"
+echo "STEPS=$STEPS TOKENS=$TOKENS DISPATCHERS=$DISPATCHERS MODES=$MODES REALSIZE=$REALSIZE EP_EXTRA=$EP_EXTRA MODEL_EXTRA=$MODEL_EXTRA T_TOTAL=$T_TOTAL DRY=$DRY"
 for s in $STEPS; do
   echo "=== $s ($(left) s left)"; "step_$s"; date -u
 done
@@ -149,11 +150,11 @@ for name, label in (("bench_realsize_*.md", ""), ("bench_ep_*.md", ""), ("replic
     parts += [label + p.read_text().strip() for p in sorted(r.glob(name))]
 targets = []
 for shape, pair in rows.items():
-    if {"stock", "occult"} <= set(pair):
-        f = pair["stock"]["fwd_ms"] / pair["occult"]["fwd_ms"]
-        b = pair["stock"]["fwd_bwd_ms"] / pair["occult"]["fwd_bwd_ms"]
+    for name in (n for n in pair if n != "stock" and "stock" in pair):
+        f = pair["stock"]["fwd_ms"] / pair[name]["fwd_ms"]
+        b = pair["stock"]["fwd_bwd_ms"] / pair[name]["fwd_bwd_ms"]
         met = "yes" if min(f, b) >= 1.4 else "no"
-        targets.append(f"- 4-layer model, {shape}, one GPU: occult is {f:.2f}x (fwd) / {b:.2f}x (fwd+bwd) stock transformers (target 1.4x: {met})")
+        targets.append(f"- 4-layer model, {shape}, one GPU: {name} is {f:.2f}x (fwd) / {b:.2f}x (fwd+bwd) stock transformers (target 1.4x: {met})")
 for p in sorted(r.glob("bench_realsize_*.json")):
     real = json.loads(p.read_text())["rows"]
     replica = [x for x in real if x["setup"].startswith("stock")]

@@ -22,10 +22,13 @@ def _occult(*args, cwd):
 
 def test_bench_model_dry_run(tmp_path):
     out = _occult("bench", "model", "--shapes", "olmoe-1b-7b", "--layers", "1", "--batch", "1", "--seq", "8",
-                  "--hidden", "32", "--intermediate", "16", "--out", str(tmp_path), cwd=tmp_path)  # fmt: skip
-    assert "| olmoe-1b-7b | 8 | 1 |" in out
+                  "--hidden", "32", "--intermediate", "16", "--backends", "auto", "torch", "--profile", "3",
+                  "--out", str(tmp_path), cwd=tmp_path)  # fmt: skip
+    assert "| olmoe-1b-7b | 8 | 1 | grouped_mm | occult (torch) |" in out
     rows = json.loads((tmp_path / "bench_model_cpu.json").read_text())["rows"]
-    assert [r["implementation"] for r in rows] == ["stock", "occult"]
+    assert [r["implementation"] for r in rows] == ["stock", "occult", "occult (torch)"]
+    # a profile of each model: where the host's time goes, and the MoE block's stages in the occult_hf models
+    assert out.count("| host operator | calls | self host ms |") == 2 * 3 and out.count("| route | 1 |") == 2 * 2
 
 
 @pytest.mark.skipif(not TRACE.is_file(), reason=f"real routing trace {TRACE} not present")

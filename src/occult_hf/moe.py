@@ -36,6 +36,7 @@ from .dispatch import (
     build_dispatcher,
     dispatcher_class,
 )
+from .dispatch.base import stage
 from .experts import LocalExperts
 from .placement import Placement
 
@@ -206,7 +207,8 @@ class OccultMoE(nn.Module):
         block = self.original_block
         shape = hidden_states.shape
         x_TH = hidden_states.reshape(-1, shape[-1])
-        routing = self.adapter.route(block, hidden_states)
+        with stage("route"):
+            routing = self.adapter.route(block, hidden_states)
         # pruning may also limit each token's devices (with replicas: which home serves a pair)
         dispatched = TokenRouting(routing.topk_ids_Tk, routing.topk_weights_Tk)
         if self.pruner is not None:

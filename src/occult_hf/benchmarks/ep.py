@@ -616,7 +616,8 @@ def _device_us(event) -> float:
 
 def profile_summary(prof, name: str, top: int = 14) -> str:
     """Markdown of a profiled step recorded inside `record_function(f"bench::{name}")`: its wall and GPU busy time,
-    the device time of each `occult::` stage and the `top` costliest kernels (also `occult bench realsize --profile`)."""
+    the device time of each `occult::` stage, the `top` costliest kernels and the `top` host operators by their own
+    host time (also `occult bench realsize --profile` and `occult bench model --profile`)."""
     events = prof.events()
     kernels = [  # device events that are kernels, not the device-side spans of named ranges (which cover their kernels)
         e for e in events
@@ -652,6 +653,12 @@ def profile_summary(prof, name: str, top: int = 14) -> str:
     lines += ["", "| kernel | calls | device ms |", "|---|---|---|"]
     for kname, times in sorted(by_kernel.items(), key=lambda item: -sum(item[1]))[:top]:
         lines.append(f"| `{kname[:90]}` | {len(times)} | {sum(times) / 1e3:.3f} |")
+    # where the host's time goes (an operator's own time, its children excluded): the launch and Python overhead
+    # that leaves the GPU idle when wall exceeds busy
+    host = [e for e in prof.key_averages() if e.self_cpu_time_total > 0 and not e.key.startswith(("bench::", "occult::"))]
+    lines += ["", "| host operator | calls | self host ms |", "|---|---|---|"]
+    for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:top]:
+        lines.append(f"| `{e.key[:90]}` | {e.count} | {e.self_cpu_time_total / 1e3:.3f} |")
     return "\n".join(lines)
 
 

@@ -9,13 +9,16 @@ with `--layers` decoder layers (default 4) is built in bf16 on the GPU, then:
 - **stock**: the model as transformers runs it (its default attention and experts implementation,
   named in the table);
 - **occult**: a copy with `apply_occult(model, {"num_devices": 1})` (one process, every expert
-  local: the "local" dispatcher and the default expert backend, Triton on CUDA).
+  local: the "local" dispatcher), one copy per expert backend in `--backends` (default "auto": Triton on
+  CUDA; "torch": PyTorch's grouped GEMMs), so that backends are compared with stock in the same run.
 
 Timed (`triton.testing.do_bench` medians, CUDA events) on the decoder without the LM head
 (`model.model`, so that the vocabulary's matmul and loss, which both share, do not dilute the
 comparison): forward under `no_grad`, and forward + backward of a random upstream gradient of the
-last hidden state. The two models compute the same function (same weights, same routing), and the
-table gives each one's time and the speed-up.
+last hidden state. The models compute the same function (same weights, same routing), and the
+table gives each one's time and the speed-up. `--profile N` adds, per model, a `torch.profiler` summary of one
+forward and one forward+backward (`ep.profile_steps`: wall against GPU busy time, device time per `occult::`
+stage, the N costliest kernels and host operators), which says where a layer's time goes.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pathlib import Path
 import torch
 
 from occult_hf.atomic import atomic_write_text
+from occult_hf.config import EXPERT_BACKENDS
 
 HELP = "a few-layer model at a real MoE shape on one device: occult_hf (one process) vs stock transformers"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
@@ -106,41 +110,35 @@ def _timer(device, warmup_ms: float, rep_ms: float):
     return wall
 
 
-def time_decoder(model, ids_BS, timer) -> tuple[float, float]:
-    """(forward ms, forward+backward ms) of `model.model` on `ids_BS`."""
+def decoder_steps(model, ids_BS):
+    """`step(backward)` of `model.model` on `ids_BS`: a forward under `no_grad`, or a forward + backward of a fixed
+    random upstream gradient of the last hidden state (gradients cleared after it, so no step pays for accumulation)."""
     decoder = model.model
-
-    def forward():
-        with torch.no_grad():
-            decoder(input_ids=ids_BS)
-
     hidden = decoder(input_ids=ids_BS).last_hidden_state
     upstream = torch.randn_like(hidden)
     del hidden
 
-    def forward_backward():
+    def step(backward: bool) -> None:
+        if not backward:
+            with torch.no_grad():
+                decoder(input_ids=ids_BS)
+            return
         decoder(input_ids=ids_BS).last_hidden_state.backward(upstream)
         for param in decoder.parameters():
             param.grad = None
 
-    return timer(forward), timer(forward_backward)
+    return step
 
 
-def profile_forward(model, ids_BS, top: int) -> str:
-    """The `top` CUDA kernels of one forward of `model.model` by total device time (torch profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with torch.no_grad():
-        model.model(input_ids=ids_BS)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-            model.model(input_ids=ids_BS)
-            torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60)
+def time_decoder(model, ids_BS, timer) -> tuple[float, float]:
+    """(forward ms, forward+backward ms) of `model.model` on `ids_BS`."""
+    step = decoder_steps(model, ids_BS)
+    return timer(lambda: step(False)), timer(lambda: step(True))
 
 
 def measure(shape: str, args, device, dtype) -> list[ModelRow]:
     from occult_hf import apply_occult
+    from occult_hf.benchmarks.ep import profile_steps
 
     config = model_config(shape, args.layers, args.hidden, args.intermediate)
     stock = build_model(config, device, dtype, args.seed)
@@ -148,36 +146,44 @@ def measure(shape: str, args, device, dtype) -> list[ModelRow]:
     generator = torch.Generator(device=device).manual_seed(args.seed)
     ids_BS = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator, device=device)
     timer = _timer(device, args.warmup_ms, args.rep_ms)
-    occult = apply_occult(copy.deepcopy(stock), {"num_devices": 1})
-    with torch.no_grad():  # the same function: report the difference
-        diff = (occult.model(input_ids=ids_BS).last_hidden_state.float() - stock.model(input_ids=ids_BS).last_hidden_state.float()).abs().max().item()
-    print(f"{shape}: max |occult - stock| of the last hidden state = {diff:.3g} ({dtype})", flush=True)
+    models = {"stock": stock}
+    for backend in args.backends:
+        models[occult_name(backend)] = apply_occult(copy.deepcopy(stock), {"num_devices": 1, "expert_backend": backend})
     rows = []
-    for name, model in (("stock", stock), ("occult", occult)):
+    for name, model in models.items():
+        if name != "stock":
+            with torch.no_grad():  # the same function: report the difference
+                diff = (model.model(input_ids=ids_BS).last_hidden_state.float() - stock.model(input_ids=ids_BS).last_hidden_state.float()).abs().max().item()
+            print(f"{shape}: max |{name} - stock| of the last hidden state = {diff:.3g} ({dtype})", flush=True)
         if args.profile:
-            print(f"{shape} {name}: forward, top CUDA kernels\n{profile_forward(model, ids_BS, args.profile)}", flush=True)
+            summary = profile_steps(decoder_steps(model, ids_BS), device, warm=True, top=args.profile)
+            print(f"### {shape}, {name}, {args.batch * args.seq} tokens\n\n{summary}\n", flush=True)
         fwd, fwd_bwd = time_decoder(model, ids_BS, timer)
         rows.append(ModelRow(shape, args.batch * args.seq, args.layers, name, fwd, fwd_bwd, experts_impl))
         print(f"{shape} {name}: fwd {fwd:.2f} ms, fwd+bwd {fwd_bwd:.2f} ms", flush=True)
-    del stock, occult
+    del stock, models
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
     return rows
 
 
+def occult_name(backend: str) -> str:
+    """The table's name of the occult_hf model on expert backend `backend` ("occult" for the default, "auto")."""
+    return "occult" if backend == "auto" else f"occult ({backend})"
+
+
 def results_table(rows: list[ModelRow]) -> str:
+    """One line per (shape, occult_hf model) against the stock model of the same shape and run."""
     lines = [
-        "| shape | tokens | layers | stock experts impl. | stock fwd ms | occult fwd ms | fwd speed-up | stock fwd+bwd ms | occult fwd+bwd ms | fwd+bwd speed-up |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | tokens | layers | stock experts impl. | occult_hf | stock fwd ms | occult fwd ms | fwd speed-up | stock fwd+bwd ms | occult fwd+bwd ms | fwd+bwd speed-up |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    by_shape: dict[str, dict[str, ModelRow]] = {}
-    for row in rows:
-        by_shape.setdefault(row.shape, {})[row.implementation] = row
-    for shape, pair in by_shape.items():
-        stock, occult = pair["stock"], pair["occult"]
+    stock_of = {row.shape: row for row in rows if row.implementation == "stock"}
+    for occult in (row for row in rows if row.implementation != "stock"):
+        stock = stock_of[occult.shape]
         lines.append(
-            f"| {shape} | {stock.tokens} | {stock.layers} | {stock.stock_experts} | {stock.fwd_ms:.2f} | {occult.fwd_ms:.2f} | "
-            f"{stock.fwd_ms / occult.fwd_ms:.2f}x | {stock.fwd_bwd_ms:.2f} | {occult.fwd_bwd_ms:.2f} | "
+            f"| {occult.shape} | {stock.tokens} | {stock.layers} | {stock.stock_experts} | {occult.implementation} | {stock.fwd_ms:.2f} | "
+            f"{occult.fwd_ms:.2f} | {stock.fwd_ms / occult.fwd_ms:.2f}x | {stock.fwd_bwd_ms:.2f} | {occult.fwd_bwd_ms:.2f} | "
             f"{stock.fwd_bwd_ms / occult.fwd_bwd_ms:.2f}x |"
         )
     return "\n".join(lines)
@@ -194,7 +200,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-ms", type=float, default=100.0)
     parser.add_argument("--rep-ms", type=float, default=500.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--profile", type=int, default=0, help="print the N costliest CUDA kernels of one forward of each")
+    parser.add_argument("--backends", nargs="+", default=["auto"], choices=list(EXPERT_BACKENDS),
+                        help="occult_hf expert backends (OccultConfig.expert_backend), one occult_hf model each")
+    parser.add_argument("--profile", type=int, default=0,
+                        help="print a profile of one forward and one forward+backward of each model (N costliest kernels)")
     parser.add_argument("--out", default="docs", help="directory for bench_model_<device>.md/.json")
 
 

@@ -332,11 +332,15 @@ class TokenDispatcher:
         implementation that can issues it while its exchange is in flight ("all_to_all": right behind the count
         exchange, so the GPU computes it while the host waits for the counts), the others after the dispatch.
         """
-        sent = self.dispatch(x_TH, routing)
+        with stage("dispatch"):
+            sent = self.dispatch(x_TH, routing)
         if concurrent is not None:
-            concurrent()
-        out_RH = experts(sent.x_RH, sent.segments, sent.pair_weight_N)
-        return self.combine(out_RH, sent.plan), sent.plan
+            with stage("concurrent"):
+                concurrent()
+        with stage("experts"):
+            out_RH = experts(sent.x_RH, sent.segments, sent.pair_weight_N)
+        with stage("combine"):
+            return self.combine(out_RH, sent.plan), sent.plan
 
     def extra_repr(self) -> str:
         return f"{self.name!r}, mode={self.mode!r}, chunks={self.chunks}, timeout_s={self.timeout_s:g}"
