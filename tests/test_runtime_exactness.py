@@ -17,7 +17,9 @@ released), and in dedup mode the rows sent equal the CT count of the dispatched 
 World 2 (E=8): 6 families x {dedup, per_expert} x {contiguous with one chunk, shuffled per layer
 with 3 chunks (the pipelined exchange)}.
 World 4 (E=6, so D does not divide E): 6 families x {(dedup, shuffled, 2 chunks), (per_expert,
-contiguous, chunks chosen from T)}. The one CPU dispatcher under torch.distributed is "all_to_all".
+contiguous, chunks chosen from T)}, on the "all_to_all" dispatcher. The static "padded" dispatcher (no count
+exchange; what `dispatcher="auto"` picks where its padding is cheap): every family in dedup on 2 ranks (shuffled
+and replicated placements alternately), and two families on 4 ranks (dedup and per_expert).
 Replicated experts (the shuffled map plus a second home for experts 0..D-1, DESIGN.md §6): every
 family in dedup mode on 2 ranks, and on 4 ranks alternately dedup and per_expert; each rank's copy
 must carry the expert's full gradient (the sum over its holders) and the norm counts it once. The
@@ -86,9 +88,11 @@ def reference(family: str, num_experts: int, num_devices: int) -> dict:
     return {"outputs": outputs, "grads": grads, "grad_norm": norm}
 
 
-def _check_case(rank, world_size, family, num_experts, mode, placement_kind, chunks, ref, device="cpu", expert_backend="auto") -> set[str]:
-    """Run one case on this rank (on `device`: the GPU test runs it under NCCL); return the reference
-    parameter names it compared."""
+def _check_case(
+    rank, world_size, family, num_experts, mode, placement_kind, chunks, ref, device="cpu", expert_backend="auto", dispatcher="all_to_all"
+) -> set[str]:
+    """Run one case on this rank (on `device`: the GPU test runs it under NCCL) with `dispatcher`; return the
+    reference parameter names it compared."""
     from torch.nn.parallel import DistributedDataParallel
 
     from occult_hf import OccultConfig
@@ -103,21 +107,27 @@ def _check_case(rank, world_size, family, num_experts, mode, placement_kind, chu
     load_aware = placement_kind.endswith("load_aware")
     config = OccultConfig(
         placement=placement, dispatch=mode, dispatch_chunks=chunks, expert_backend=expert_backend,
-        replica_choice="load_aware" if load_aware else "static",
+        replica_choice="load_aware" if load_aware else "static", dispatcher=dispatcher,
     )
     apply_occult(model, config)
-    assert all(m.dispatcher.name == "all_to_all" for m in occult_modules(model).values())
+    assert all(m.dispatcher.name == dispatcher for m in occult_modules(model).values())
     ddp = DistributedDataParallel(model)
     ids = rank_batch(rank).to(device)
     with _counting_collectives() as forward_calls:
         out = ddp(input_ids=ids, labels=ids)
     with _counting_collectives() as backward_calls:
         out.loss.backward()
-    # per MoE layer: one count exchange, then one exchange per direction and chunk (rows and their
-    # metadata packed together); backward one per direction and chunk; one grad-norm all-reduce per backward
+    # per MoE layer: one count exchange ("padded": none, but the ranks' most tokens agreed host to host, one all-reduce
+    # on the gloo host group), then one exchange per direction and chunk (rows and their metadata packed together);
+    # backward one per direction and chunk; one grad-norm all-reduce per backward
     layers, group_chunks = len(occult_modules(model)), chunks or 1
+    padded = dispatcher == "padded"
     # load-aware replica choice: one all-gather of the per-expert counts per layer
-    expected_calls = {"all_to_all_single": layers * (1 + 2 * group_chunks), **({"all_gather": layers} if load_aware else {})}
+    expected_calls = {
+        "all_to_all_single": layers * (int(not padded) + 2 * group_chunks),
+        **({"all_gather": layers} if load_aware else {}),
+        **({"all_reduce": layers} if padded else {}),
+    }
     assert forward_calls == expected_calls, f"{where} {forward_calls}"
     # with replicas one more all-reduce per backward: the copies' gradients summed among holders, all layers at once
     reduces = 1 + int(placement.has_replicas)
@@ -216,10 +226,12 @@ def _original_expert_parameters(module):
 def _exactness_world(rank, world_size, cases, references, on_gpu=False, expert_backend="auto"):
     covered = {}
     device = f"cuda:{rank}" if on_gpu else "cpu"
-    for family, num_experts, mode, placement_kind, chunks in cases:
+    for case in cases:
+        family, num_experts, mode, placement_kind, chunks, *dispatcher = case  # the dispatcher: "all_to_all" unless named
         ref = references[(family, num_experts)]
-        names = _check_case(rank, world_size, family, num_experts, mode, placement_kind, chunks, ref, device, expert_backend)
-        covered[(family, num_experts, mode, placement_kind, chunks)] = names
+        covered[case] = _check_case(
+            rank, world_size, family, num_experts, mode, placement_kind, chunks, ref, device, expert_backend, *dispatcher
+        )
     return covered
 
 
@@ -247,6 +259,8 @@ def test_exact_on_2_ranks_all_families_modes_and_placements():
     cases += [(family, 8, "dedup", "replicated", 2) for family in FAMILIES]
     # replica_choice="load_aware": the pairs of a replicated expert split over its homes by the gathered counts
     cases += [(family, 8, "dedup", "replicated_load_aware", 2) for family in FAMILIES]
+    # "padded" (what "auto" picks where its padding is cheap): static capacities, no count exchange
+    cases += [(family, 8, "dedup", kind, 1, "padded") for family, kind in zip(FAMILIES, ("shuffled", "replicated") * len(FAMILIES))]
     _run(2, 8, cases)
 
 
@@ -257,6 +271,7 @@ def test_exact_on_4_ranks_with_uneven_expert_counts():
     cases += [(family, 6, "per_expert", "contiguous", None) for family in FAMILIES]
     cases += [(family, 6, mode, "replicated", 1) for family, mode in zip(FAMILIES, ("dedup", "per_expert") * len(FAMILIES))]
     cases += [(family, 6, mode, "replicated_load_aware", 1) for family, mode in zip(FAMILIES, ("per_expert", "dedup") * len(FAMILIES))]
+    cases += [(family, 6, mode, "contiguous", 1, "padded") for family, mode in zip(FAMILIES[:2], ("dedup", "per_expert"))]
     _run(4, 6, cases)
 
 

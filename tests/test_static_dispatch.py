@@ -142,3 +142,78 @@ def test_symm_mem_is_registered_but_not_offered_without_nvshmem():
     assert {"symm_mem", "padded"} <= set(dispatcher_names())
     if not torch.cuda.is_available():
         assert not SymmMemDispatcher.supports(ExpertParallelGroup(num_devices=2, group=object(), rank=0), "cpu")
+
+
+def test_auto_takes_padded_where_its_padding_is_cheap():
+    """`dispatcher="auto"` under torch.distributed: "padded" where the padding estimated from the placement (uniform
+    routing) is at most 25% and nothing else rules it out, else "all_to_all"; the estimate of CT is exact."""
+    from itertools import combinations
+
+    from occult_hf.dispatch import PADDED_MAX_OVERHEAD, AutoHints, ExpertParallelGroup, dispatcher_class
+    from occult_hf.dispatch.auto import expected_devices_per_token
+
+    held = [3, 2, 1]  # E=6 on 3 devices, unevenly: CT against every 2-expert choice counted
+    device_of_E = [d for d, n in enumerate(held) for _ in range(n)]
+    choices = list(combinations(range(6), 2))
+    counted = sum(len({device_of_E[e] for e in pair}) for pair in choices) / len(choices)
+    assert expected_devices_per_token(held, 2) == pytest.approx(counted)
+
+    olmoe = lambda devices, **kw: AutoHints(tuple(e * devices // 64 for e in range(64)), 8, "dedup", **kw)  # noqa: E731
+    assert olmoe(2).padding_overhead(2) == pytest.approx(2 / 1.9952 - 1, abs=1e-4)  # 0.2%
+    assert olmoe(8).padding_overhead(8) > PADDED_MAX_OVERHEAD  # 47%
+    ep = lambda devices, host=object(): ExpertParallelGroup(num_devices=devices, group=object(), host_group=host)  # noqa: E731
+    assert dispatcher_class("auto", ep(2), "cpu", olmoe(2)).name == "padded"
+    assert dispatcher_class("auto", ep(4), "cuda", olmoe(4)).name == "padded"  # 9%
+    ruled_out = [
+        (8, olmoe(8)),  # too much padding
+        (2, AutoHints(olmoe(2).device_of_E, 8, "per_expert")),  # a slot of T * k rows per device
+        (2, olmoe(2, chunks=3)),  # the overlap of chunks is "all_to_all"'s
+        (2, olmoe(2, pruned=True)),  # pruning sends fewer rows, a fixed slot would not
+        (2, olmoe(2, expert_backend="torch")),  # its grouped GEMM path on CUDA reads the empty pairs
+        (2, None),  # no hints: by priority
+    ]
+    for devices, hints in ruled_out:
+        assert dispatcher_class("auto", ep(devices), "cuda", hints).name == "all_to_all", hints
+    assert dispatcher_class("auto", ep(2, host=None), "cuda", olmoe(2)).name == "all_to_all"  # T could not be agreed
+    assert dispatcher_class("auto", ep(2), "cpu", olmoe(2, expert_backend="torch")).name == "padded"  # the CPU reference
+    with pytest.raises(ValueError, match="top_k=9 must be between 1 and the number of experts"):
+        expected_devices_per_token([4, 4], 9)
+
+
+def _training_block_world(rank, world):
+    """An EP block of a model with top-4 of 8 experts (padding 1.4% at D=2), the ranks holding different token
+    counts: "auto" takes "padded", whose forward and backward read nothing on the host and equal "all_to_all"'s;
+    "all_to_all" reads its counts (so the guard can fail)."""
+    from host_reads import no_host_reads
+    from tiny_models import tiny_model
+
+    from occult_hf import OccultConfig
+    from occult_hf.integration import apply_occult, occult_modules
+
+    results, computed = {}, {}
+    for dispatcher in ("auto", "all_to_all"):
+        model = apply_occult(tiny_model("olmoe", seed=4, top_k=4).train(), OccultConfig(dispatcher=dispatcher))
+        block = next(iter(occult_modules(model).values()))
+        generator = torch.Generator().manual_seed(rank)
+        hidden = torch.randn(2, 7 + 3 * rank, model.config.hidden_size, generator=generator, requires_grad=True)
+        out = block(hidden)
+        out.square().sum().backward()
+        computed[dispatcher] = (out.detach(), hidden.grad.clone(), block.experts.gate_up_proj.grad.clone())
+        try:
+            with no_host_reads(f"the {block.dispatcher.name} block"):
+                block(hidden).square().sum().backward()
+            read = None
+        except AssertionError as error:
+            read = str(error)
+            torch.distributed.barrier()  # the peer may still be inside its exchange: both end the step alike
+        results[dispatcher] = (block.dispatcher.name, read)
+    results["equal"] = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(computed["auto"], computed["all_to_all"]))
+    return results
+
+
+@pytest.mark.world_size(2)
+def test_auto_training_step_under_ep_reads_nothing_on_the_host():
+    for results in run_world(_training_block_world, 2):
+        assert results["auto"] == ("padded", None) and results["equal"]
+        name, read = results["all_to_all"]
+        assert name == "all_to_all" and read is not None and "read a tensor on the host" in read

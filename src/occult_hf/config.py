@@ -72,8 +72,9 @@ class OccultConfig:
     dispatcher: str = field(
         default="auto",
         metadata={
-            "help": 'How rows move between devices: "auto" (the fastest registered implementation that serves the '
-            'EP group: "local" in one process, "all_to_all" under torch.distributed), or a registered name '
+            "help": 'How rows move between devices: "auto" ("local" in one process; under torch.distributed '
+            '"padded", which reads nothing on the host, where its padding is estimated at most 25% (dedup, one '
+            'chunk, no pruning: occult_hf.dispatch.auto), else "all_to_all"), or a registered name '
             "(occult_hf.dispatch.dispatcher_names()). Orthogonal to `dispatch`."
         },
     )

@@ -115,6 +115,8 @@ def apply_occult(model: nn.Module, occult_config: OccultConfig | dict | str | No
     if ep.is_distributed:  # before anything changes: a disagreeing group leaves every model as it was
         state.save_timeout_s = save_timeout_s()
         state.save_group = new_save_group(ep)
+        # the dispatchers' host-to-host agreements (in program order on every rank, like the saves' gathers)
+        ep = state.ep = replace(ep, host_group=state.save_group)
         check_ranks_agree(state, _first_expert_weight(blocks[0][2]), "apply_occult")
     if config.prune in NEEDS_SIMILARITY:  # the profile must describe exactly this model's MoE layers
         load_pruning_profile(config.profile).check_compatible(model)
@@ -125,7 +127,7 @@ def apply_occult(model: nn.Module, occult_config: OccultConfig | dict | str | No
     ]
     grad_norm = GradNormCarrier(ep.group) if ep.is_distributed else None  # one all-reduce per backward
     for (layer, path, block), pruner in zip(blocks, pruners):
-        _set_submodule(model, path, OccultMoE(block, adapter, layer, placement, config, ep, pruner, grad_norm))
+        _set_submodule(model, path, OccultMoE(block, adapter, layer, placement, config, ep, pruner, grad_norm, top_k=top_k))
 
     if ep.is_distributed:
         state.ddp_ignore_before = getattr(model, _DDP_IGNORE_ATTR, None)

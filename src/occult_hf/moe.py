@@ -29,6 +29,7 @@ from torch import nn
 from .collectives import GradNormCarrier
 from .config import OccultConfig
 from .dispatch import (
+    AutoHints,
     DispatchPlan,
     ExpertParallelGroup,
     TokenDispatcher,
@@ -59,6 +60,8 @@ class OccultMoE(nn.Module):
     since `reset_counters()`. In one process the destinations are the logical devices.
     A forward adds the dispatch plan's `[D, 2]` counts to one buffer (`sent_D2`) and one to `forwards`: two
     kernels (the three counters cost five); the three are views or products of that buffer, made when read.
+    `top_k` (the model's experts per token) is what `dispatcher="auto"` estimates the padded exchange's
+    padding from (`dispatch.auto`).
     """
 
     def __init__(
@@ -71,6 +74,8 @@ class OccultMoE(nn.Module):
         ep: ExpertParallelGroup,
         pruner: "CollaborationPruner | None" = None,
         grad_norm: GradNormCarrier | None = None,
+        *,
+        top_k: int,
     ) -> None:
         super().__init__()
         if placement.num_devices != ep.num_devices:
@@ -151,6 +156,10 @@ class OccultMoE(nn.Module):
             home_table_EM=placement.home_table(layer_idx) if replicated else None,
             slot_ED=slot_ED if replicated else None,
             replica_choice=occult_config.replica_choice,
+            hints=AutoHints(
+                tuple(int(d) for d in device_of_E), top_k, self.dispatch_mode, occult_config.dispatch_chunks,
+                pruned=pruner is not None, expert_backend=occult_config.expert_backend,
+            ),
         )
         self.dispatcher: TokenDispatcher = build_dispatcher(**self._dispatcher_settings, device=device)
         self._track_replicas(homes, expert_ids)
@@ -176,7 +185,7 @@ class OccultMoE(nn.Module):
         module = super()._apply(fn, recurse)
         if self._dispatcher_settings["name"] == "auto":
             device = self.device_of_E.device
-            if not isinstance(self.dispatcher, dispatcher_class("auto", self.ep, device)):
+            if not isinstance(self.dispatcher, dispatcher_class("auto", self.ep, device, self._dispatcher_settings["hints"])):
                 self.dispatcher = build_dispatcher(**self._dispatcher_settings, device=device)
         return module
 

@@ -27,6 +27,7 @@ from occult_hf.kernels.layout import ExpertSegments
 
 from ..replica_routing import REPLICA_CHOICES, GraphedRoutes, load_aware_homes
 from . import row_sum
+from .auto import AutoHints
 from .group import ExpertParallelGroup
 from .plan import check_mode, destinations
 
@@ -419,9 +420,18 @@ def dispatcher_names() -> tuple[str, ...]:
     return tuple(sorted(_DISPATCHERS))
 
 
-def dispatcher_class(name: str, ep: ExpertParallelGroup, device: torch.device | None = None) -> type[TokenDispatcher]:
-    """The class registered as `name`; "auto": the supported one of highest priority for `ep` on `device`."""
+def dispatcher_class(
+    name: str, ep: ExpertParallelGroup, device: torch.device | None = None, hints: AutoHints | None = None
+) -> type[TokenDispatcher]:
+    """The class registered as `name`; "auto": "padded" where `hints` (the layer) make its padding cheap
+    (`auto.AutoHints.prefers_padded`: no host read per layer) and the ranks can agree on their token count host to
+    host (`ep.host_group`), else the supported one of highest priority for `ep` on `device`."""
     if name == "auto":
+        device_type = None if device is None else torch.device(device).type
+        padded = _DISPATCHERS.get("padded")
+        if hints is not None and ep.host_group is not None and padded is not None and padded.supports(ep, device):
+            if hints.prefers_padded(ep.num_devices, device_type):
+                return padded
         candidates = sorted(_DISPATCHERS.values(), key=lambda cls: -cls.priority)
         for cls in candidates:
             if cls.supports(ep, device):

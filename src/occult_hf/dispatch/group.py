@@ -18,11 +18,14 @@ class ExpertParallelGroup:
             devices of a single process.
         group: the `torch.distributed` process group of the EP ranks, or None in one process.
         rank: this process's rank in `group` (0 in one process).
+        host_group: a gloo group of the same ranks for host-to-host agreement without a device synchronisation
+            (the static dispatchers' token count, `static.StaticDispatcher.group_tokens`), or None.
     """
 
     num_devices: int
     group: Any = None
     rank: int = 0
+    host_group: Any = None
 
     @property
     def is_distributed(self) -> bool:

@@ -42,6 +42,9 @@ CUDA or allocates symmetric memory, and the NVSHMEM backend is chosen before the
 allocation of the process (`symm_mem.set_backend("NVSHMEM")`, done here on first use). Every rank
 must pass the same number of tokens per forward (the symmetric buffers are sized from it, like
 DeepEP's `num_max_dispatch_tokens_per_rank`); a larger T allocates larger buffers on all ranks.
+
+The capacities' T is the most tokens any rank passes (`StaticDispatcher.group_tokens`: agreed host to host over
+the EP ranks' gloo group where `apply_occult` made one, else each rank's own, which must then be equal).
 """
 
 from __future__ import annotations
@@ -98,29 +101,49 @@ class StaticDispatcher(TokenDispatcher):
     graph_capturable = True
 
     # ----- capacities ----------------------------------------------------------------------------
-    def per_peer_capacity(self, num_tokens: int, top_k: int) -> int:
-        """Most rows one rank can send to one device."""
-        return num_tokens if self.mode == "dedup" else num_tokens * top_k
+    def per_peer_capacity(self, group_tokens: int, top_k: int) -> int:
+        """Most rows one rank can send to one device, when no rank has more than `group_tokens` tokens."""
+        return group_tokens if self.mode == "dedup" else group_tokens * top_k
 
-    def send_capacity(self, num_tokens: int, top_k: int) -> int:
-        """`C_O`."""
+    def send_capacity(self, num_tokens: int, group_tokens: int, top_k: int) -> int:
+        """`C_O` for this rank's `num_tokens` ("padded": a slot per device sized for the group's most tokens)."""
         if self.layout == "padded":
-            return self.ep.num_devices * self.per_peer_capacity(num_tokens, top_k)
+            return self.ep.num_devices * self.per_peer_capacity(group_tokens, top_k)
         if self.mode == "dedup":
             return num_tokens * min(self.ep.num_devices, top_k)
         return num_tokens * top_k
 
-    def recv_capacity(self, num_tokens: int, top_k: int) -> int:
-        """`C_R` (every rank must have the same T)."""
-        return self.ep.num_devices * self.per_peer_capacity(num_tokens, top_k)
+    def recv_capacity(self, group_tokens: int, top_k: int) -> int:
+        """`C_R`."""
+        return self.ep.num_devices * self.per_peer_capacity(group_tokens, top_k)
+
+    def group_tokens(self, num_tokens: int) -> int:
+        """The most tokens any rank of the group passes to this layer now: the static capacities' T.
+
+        Agreed over `ep.host_group` (a gloo group of the same ranks, made by `apply_occult`): a host-to-host
+        all-reduce of one integer, bounded by the exchange timeout, which waits for the peers' hosts to reach this
+        layer but for no device work (nothing drains from the GPU's queue). So ranks may pass different T (the last
+        batch, per-rank dynamic padding). Without a host group, and inside a CUDA graph capture (whose replays could
+        not repeat it: a captured step's sizes are fixed on every rank alike), each rank's own T, which must then be
+        the same on every rank.
+        """
+        host_group = self.ep.host_group
+        if host_group is None or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            return num_tokens
+        tokens = torch.tensor([num_tokens], dtype=torch.int64)
+        what = "agreement on the most tokens per rank (the static capacities)"
+        work = self._collective(what, dist.all_reduce, tokens, op=dist.ReduceOp.MAX, group=host_group, async_op=True)
+        self._wait(work, what, on_host=True)
+        return tokens.tolist()[0]  # a CPU tensor of the host group: no device read
 
     # ----- the interface -------------------------------------------------------------------------
     def dispatch(self, x_TH: torch.Tensor, routing) -> Dispatched:
         ids_Tk, weights_Tk = routing.topk_ids_Tk, routing.topk_weights_Tk
         num_tokens, top_k = ids_Tk.shape
         hidden = x_TH.shape[1]
+        group_tokens = self.group_tokens(num_tokens)
         dest_Tk, local_Tk = self.destinations_of(routing)
-        layout = self._send_layout(dest_Tk, local_Tk, weights_Tk)
+        layout = self._send_layout(dest_Tk, local_Tk, weights_Tk, group_tokens)
         counts_D2 = layout.counts_D2
         send_counts_D = counts_D2[:, 0].contiguous()
         token_O, slot_OW, weight_OW = layout.token_O, layout.slot_OW, layout.weight_OW
@@ -128,7 +151,7 @@ class StaticDispatcher(TokenDispatcher):
         x_OH = x_pad_TH[token_O]
         width = slot_OW.shape[1]
         row_format = dispatch_format(hidden, x_TH.dtype, width, weights_Tk.dtype)
-        capacity_R = self.recv_capacity(num_tokens, top_k)
+        capacity_R = self.recv_capacity(group_tokens, top_k)
         x_RH, slot_RW, weight_RW, recv_counts_D = _StaticDispatchExchange.apply(
             x_OH, weight_OW, slot_OW, self, row_format, send_counts_D, capacity_R
         )
@@ -155,13 +178,13 @@ class StaticDispatcher(TokenDispatcher):
         return sum_token_rows(out_pad_OH, plan.row_TJ)
 
     # ----- the plan on the device ----------------------------------------------------------------
-    def _send_layout(self, dest_Tk, local_Tk, weights_Tk) -> SendLayout:
+    def _send_layout(self, dest_Tk, local_Tk, weights_Tk, group_tokens: int) -> SendLayout:
         """The `C_O`-row send layout (`plan.send_layout`), rows to device d at `layout`'s offset."""
         num_tokens, top_k = dest_Tk.shape
         base_D = None
         if self.layout == "padded":
-            base_D = torch.arange(self.ep.num_devices, device=dest_Tk.device) * self.per_peer_capacity(num_tokens, top_k)
-        capacity_O = self.send_capacity(num_tokens, top_k)
+            base_D = torch.arange(self.ep.num_devices, device=dest_Tk.device) * self.per_peer_capacity(group_tokens, top_k)
+        capacity_O = self.send_capacity(num_tokens, group_tokens, top_k)
         return send_layout(dest_Tk, local_Tk, weights_Tk, self.ep.num_devices, self.mode, base_D=base_D, capacity=capacity_O)
 
     # ----- the transport -------------------------------------------------------------------------
