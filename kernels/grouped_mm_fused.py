@@ -63,11 +63,12 @@ def _act_mul(plan: _Launch, gu_N2I: torch.Tensor, pair_weight_N: torch.Tensor) -
 
 
 def _act_mul_backward(plan: _Launch, g_NI, gu_N2I, pair_weight_N, write_hw: bool):
-    """(d gu [N, 2I], the pair-weight gradient [N] in fp32, hw [N, I] when `write_hw` else None)."""
+    """(d gu [N, 2I], the pair-weight gradient [N] in the weights' dtype (summed in fp32), hw [N, I] when
+    `write_hw` else None)."""
     intermediate = g_NI.shape[1]
     dgu_N2I = torch.empty_like(gu_N2I)
     hw_NI = torch.empty_like(g_NI) if write_hw else None
-    dweight_N = torch.empty(plan.num_pairs, dtype=torch.float32, device=g_NI.device)
+    dweight_N = torch.empty_like(pair_weight_N)
     block_m, block_n = _kernels.ACT_BACKWARD_BLOCK
     _kernels.act_mul_backward_kernel[(_cdiv(plan.num_pairs, block_m),)](
         g_NI, gu_N2I, pair_weight_N, plan.expert_offsets[plan.num_experts:], dgu_N2I,
@@ -103,9 +104,8 @@ class _GroupedMMFusedFunction(torch.autograd.Function):
         g_NI = grouped_mm(dy_NH, down_LHI, offs=ends_L)
         dgu_N2I, dweight_N, hw_NI = _act_mul_backward(plan, g_NI, gu_N2I, pair_weight_N, write_hw=need_ddown)
         del g_NI
-        dx = dweight = dgate_up = ddown = None
-        if need_dweight:
-            dweight = dweight_N.to(pair_weight_N.dtype)
+        dweight = dweight_N if need_dweight else None
+        dx = dgate_up = ddown = None
         if need_dx:
             dx = row_sum(plan, grouped_mm(dgu_N2I, gate_up_L2IH, offs=ends_L), x_RH.dtype)
         if need_dgate_up:  # [L, 2I, H]: segment e of d gu^T times segment e of the gathered rows

@@ -90,7 +90,7 @@ def act_mul_backward_kernel(
     valid_ptr,  # scalar int64: pairs before it are in the segments (`expert_offsets[L]`)
     dgu_ptr,  # [N, 2I] out
     hw_ptr,  # [N, I] out (WRITE_HW)
-    dweight_ptr,  # [N] fp32 out: zero past the segments
+    dweight_ptr,  # [N] out (summed in fp32, stored in the pair weights' dtype): zero past the segments
     num_pairs,
     I,
     WRITE_HW: tl.constexpr,
@@ -112,7 +112,7 @@ def act_mul_backward_kernel(
         total += _dgate_up_epilogue(
             g.to(tl.float32), rows_M, mask_m, offs_n, mask_n, w_M, gu_ptr, dgu_ptr, hw_ptr, I, WRITE_HW, ACTIVATION
         )
-    tl.store(dweight_ptr + offs_m, total, mask=offs_m < num_pairs)
+    tl.store(dweight_ptr + offs_m, total.to(dweight_ptr.dtype.element_ty), mask=offs_m < num_pairs)
 
 
 __all__ = ["ACT_BACKWARD_BLOCK", "ACT_BLOCK", "GATHER_BLOCK", "act_mul_backward_kernel", "act_mul_kernel", "gather_rows_kernel"]
