@@ -631,6 +631,31 @@ def test_grouped_mm_fused_backend_no_pairs_and_refusals(interpreted):
     assert torch.equal(out, torch.zeros(4, 16)) and all(torch.count_nonzero(g) == 0 for g in grads)
 
 
+def test_auto_backend_rule(monkeypatch):
+    """`expert_backend="auto"` on a (stand-in) CUDA device: grouped_mm_fused whenever a gradient is needed or the
+    segments are long, triton for a forward alone over short segments, triton where grouped_mm has no kernel,
+    torch for an activation the kernels lack."""
+    from types import SimpleNamespace
+
+    from occult_hf import experts
+
+    monkeypatch.setattr(experts, "_triton_importable", lambda: True)
+    supported = {"value": True}
+    monkeypatch.setattr(experts, "grouped_mm_supported", lambda *tensors: supported["value"])
+    cuda_rows = SimpleNamespace(is_cuda=True)
+
+    def pick(pairs_per_expert, needs_grad, act_fn=F.silu):
+        segments = ExpertSegments(torch.zeros(4 * pairs_per_expert, dtype=torch.int64), torch.zeros(5, dtype=torch.int64), 1)
+        return experts._auto_backend(cuda_rows, segments, None, None, act_fn, needs_grad)
+
+    assert pick(16, needs_grad=True) == pick(4096, needs_grad=False) == "grouped_mm_fused"
+    assert pick(16, needs_grad=False) == pick(experts.AUTO_TRITON_BELOW - 1, needs_grad=False) == "triton"
+    assert pick(experts.AUTO_TRITON_BELOW, needs_grad=False) == "grouped_mm_fused"
+    assert pick(16, needs_grad=True, act_fn=torch.relu) == "torch"
+    supported["value"] = False
+    assert pick(4096, needs_grad=True) == "triton"
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("tokens", [128, 4096])
@@ -654,6 +679,8 @@ def test_grouped_mm_fused_bf16_matches_fp32_reference(shape, tokens):
     assert torch.equal(out, again[0]) and all(torch.equal(a, b) for a, b in zip(grads, again[1]))
     from occult_hf.experts import _auto_backend
 
-    bf16 = [t.to(torch.bfloat16) for t in (problem.x_RH, problem.gate_up_L2IH, problem.down_LHI)]
-    assert _auto_backend(*bf16, F.silu) == "grouped_mm_fused"  # where PyTorch's grouped GEMM has a kernel
-    assert _auto_backend(problem.x_RH, problem.gate_up_L2IH, problem.down_LHI, F.silu) == "triton"  # fp32
+    x_RH, gate_up, down = [t.to(torch.bfloat16) for t in (problem.x_RH, problem.gate_up_L2IH, problem.down_LHI)]
+    short = problem.segments.num_pairs < 1024 * problem.segments.num_local_experts  # every case here
+    assert _auto_backend(x_RH, problem.segments, gate_up, down, F.silu, needs_grad=True) == "grouped_mm_fused"
+    assert _auto_backend(x_RH, problem.segments, gate_up, down, F.silu, needs_grad=False) == ("triton" if short else "grouped_mm_fused")
+    assert _auto_backend(problem.x_RH, problem.segments, problem.gate_up_L2IH, problem.down_LHI, F.silu, True) == "triton"  # fp32

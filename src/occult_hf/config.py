@@ -105,7 +105,7 @@ class OccultConfig:
     expert_backend: str = field(
         default="auto",
         metadata={
-            "help": '"auto" (on CUDA: "grouped_mm_fused" in bf16, else "triton"; PyTorch elsewhere), "grouped_mm_fused" '
+            "help": '"auto" (on CUDA: "grouped_mm_fused" in bf16 with gradients or long expert segments, else "triton"; PyTorch elsewhere), "grouped_mm_fused" '
             "(PyTorch's grouped GEMMs, Triton kernels around them), \"triton\" or \"torch\"."
         },
     )
