@@ -1,7 +1,8 @@
 """Local expert computation: the layout, the PyTorch reference and the Triton kernels.
 
-The Triton path (`occult_hf.kernels.triton_expert_mlp.expert_mlp_triton`) is imported from its module,
-so that importing this package never needs triton.
+The Triton paths (`occult_hf.kernels.triton_expert_mlp.expert_mlp_triton`, and
+`occult_hf.kernels.grouped_mm_fused.expert_mlp_grouped_mm_fused`: PyTorch's grouped GEMMs with Triton kernels
+around them) are imported from their modules, so that importing this package never needs triton.
 
 Installed as `occult_hf.kernels`: setup.cfg's `package_dir` maps this top-level `kernels/` folder
 into the package, so code in `src/occult_hf` imports it as `occult_hf.kernels`, never by a
