@@ -110,6 +110,7 @@ class _GroupedMMFusedFunction(torch.autograd.Function):
             dx = row_sum(plan, grouped_mm(dgu_N2I, gate_up_L2IH, offs=ends_L), x_RH.dtype)
         if need_dgate_up:  # [L, 2I, H]: segment e of d gu^T times segment e of the gathered rows
             dgate_up = grouped_mm(dgu_N2I.t(), _gather_rows(plan, x_RH), offs=ends_L)
+        del dgu_N2I  # [N, 2I]: freed before the last GEMM, which lowers the backward's peak
         if need_ddown:
             ddown = grouped_mm(dy_NH.t(), hw_NI, offs=ends_L)
         return dx, dweight, dgate_up, ddown, None, None, None
