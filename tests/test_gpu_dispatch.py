@@ -8,7 +8,8 @@
   both dispatch modes, one chunk and several (the pipelined exchange), two families.
 - Two ranks under NCCL: the "all_to_all" dispatcher's one host read per layer (the split sizes) polls
   an event and reads pinned memory, so a block's forward and backward make no synchronising CUDA
-  call either (`set_sync_debug_mode("error")`), in both dispatch modes.
+  call either (`set_sync_debug_mode("error")`), in both dispatch modes; nor does "padded", which
+  `dispatcher="auto"` takes where its padding is cheap and which reads nothing of the device.
 
 Run: `python -m pytest -q -m gpu tests/test_gpu_dispatch.py` (the 2-rank test needs 2 GPUs).
 """
@@ -71,6 +72,9 @@ def test_two_ranks_under_nccl_match_one_process_in_fp32():
     ]
     # replicated experts with the load-aware replica choice: its all-gather of counts under NCCL
     cases += [("olmoe", 8, "dedup", "replicated_load_aware", 2), ("qwen2_moe", 8, "per_expert", "replicated_load_aware", 1)]
+    # "padded" (what dispatcher="auto" takes where its padding is cheap; fp32 "torch" is the reference, which reads
+    # the static layout's valid pair count on the host): its equal-split exchanges under NCCL
+    cases += [("olmoe", 8, "dedup", "shuffled", 1, "padded"), ("qwen2_moe", 8, "dedup", "replicated", 1, "padded")]
     _run(2, 8, cases, on_gpu=True, expert_backend="torch")
 
 
@@ -79,9 +83,12 @@ def _no_sync_world(rank, world_size):
     from occult_hf.integration import apply_occult, occult_modules
 
     checked = []
-    for mode in ("dedup", "per_expert"):
-        model = tiny_model("olmoe", seed=0).to(f"cuda:{rank}", torch.bfloat16)
-        apply_occult(model, OccultConfig(dispatch=mode, dispatcher="all_to_all", expert_backend="torch"))
+    # "auto" with top-4 of 8 experts (padding 1.4%): "padded" on the default expert backend (the torch backend's
+    # grouped GEMM path cannot take a static layout's empty pairs)
+    settings = [("dedup", "all_to_all", "torch", 2), ("per_expert", "all_to_all", "torch", 2), ("dedup", "auto", "auto", 4)]
+    for mode, dispatcher, backend, top_k in settings:
+        model = tiny_model("olmoe", seed=0, top_k=top_k).to(f"cuda:{rank}", torch.bfloat16)
+        apply_occult(model, OccultConfig(dispatch=mode, dispatcher=dispatcher, expert_backend=backend))
         block = next(iter(occult_modules(model).values()))
         generator = torch.Generator(device=f"cuda:{rank}").manual_seed(rank)
         shape = (2, 16 + 5 * rank, model.config.hidden_size)  # the ranks hold different token counts
@@ -95,4 +102,4 @@ def _no_sync_world(rank, world_size):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs for a 2-rank NCCL world")
 def test_two_ranks_all_to_all_block_makes_no_synchronising_cuda_call():
     for checked in run_world(_no_sync_world, 2, backend="nccl", timeout_s=120):
-        assert checked == [("dedup", "all_to_all", True, 2), ("per_expert", "all_to_all", True, 2)]
+        assert checked == [("dedup", "all_to_all", True, 2), ("per_expert", "all_to_all", True, 2), ("dedup", "padded", True, 2)]
