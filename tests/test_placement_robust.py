@@ -528,3 +528,22 @@ def test_graphed_routes_equal_the_eager_ones_on_the_gpu():
             assert torch.equal(graph_out, eager_out)
         whole = torch.cat([load_aware_homes(r, table, 8, lambda _: gathered, rank, routes=graphed) for rank, r in enumerate(ranks)])
         assert torch.equal(whole, load_aware_homes(ids, table, 8))
+
+
+def test_bench_replicas_times_every_column_and_checks_the_routing_on_cpu(tmp_path):
+    """`occult bench replicas` on the CPU: the eager columns timed, the graph columns absent (no CUDA graph),
+    the table and JSON written; the synthetic map replicates the D hottest experts once each."""
+    import argparse
+
+    from occult_hf.benchmarks.replicas import COLUMNS, run, synthetic_case
+
+    ids, table = synthetic_case(16, 4, 4, 32, "cpu")
+    assert ids.shape == (4, 32, 4) and int((table[:, 1:] >= 0).sum()) == 4
+    args = argparse.Namespace(devices=[4], tokens=[32], iterations=1, device="cpu", out=str(tmp_path))
+    assert run(args) == 0
+    rows = json.loads((tmp_path / "bench_replicas_cpu.json").read_text())["rows"]
+    assert len(rows) == 2 and set(rows[0]["ms"]) == set(COLUMNS)
+    assert all(row["ms"]["rule graphed"] is None and row["ms"]["rule eager"] > 0 for row in rows)
+    assert "| OLMoE (64, 8) | 4 | 32 |" in (tmp_path / "bench_replicas_cpu.md").read_text()
+    with pytest.raises(ValueError, match="occult bench replicas --tokens must be >= 1, got 0"):
+        run(argparse.Namespace(**{**vars(args), "tokens": [0]}))

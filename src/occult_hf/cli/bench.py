@@ -11,7 +11,7 @@ import argparse
 import importlib
 
 #: benchmark modules of `occult_hf.benchmarks`, in the order `occult bench --help` lists them
-BENCHMARKS: tuple[str, ...] = ("experts", "ep", "model", "realsize", "exchange", "paper")
+BENCHMARKS: tuple[str, ...] = ("experts", "ep", "model", "realsize", "exchange", "paper", "replicas")
 
 
 def register(subparsers) -> None:
