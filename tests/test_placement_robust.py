@@ -127,6 +127,27 @@ def test_replica_format_round_trip_and_backward_compatible(tmp_path):
     assert loaded.experts_on(0, 0) == [0, 1, 2] and loaded.capacities(0) == [3, 2]
     assert loaded.slot_table(0).tolist() == [[0, -1], [1, -1], [2, 0], [-1, 1]]
     assert loaded.local_slot(0) == [0, 1, 0, 1]
+    # the load-aware rule's pin slack: per layer, only when set; a file without it reads the runtime default
+    assert "pin_slack" not in placement.to_dict() and loaded.pin_slack_of(0) == PIN_SLACK
+    slack = Placement(4, 2, {0: [0, 0, 1, 1], 3: [1, 1, 0, 0]}, replicas={0: {2: [0]}}, pin_slack={0: 0})
+    slack.save(path)
+    assert json.loads(path.read_text())["pin_slack"] == {"0": 0.0}
+    assert Placement.load(path).pin_slack_of(0) == 0.0 and Placement.load(path).pin_slack_of(3) == PIN_SLACK
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"0": 1.5}, r"\$.pin_slack\['0'\] must be a number in \[0, 1\] \(a fraction of the mean device load\), got 1.5"),
+    ({"0": True}, r"\$.pin_slack\['0'\] must be a number in \[0, 1\].*got True"),
+    ({"0": "0.02"}, r"\$.pin_slack\['0'\] must be a number in \[0, 1\].*got '0.02'"),
+    ({"2": 0.01}, r"\$.pin_slack\['2'\]: layer 2 is not in \$.layers"),
+    ([0.02], r"\$.pin_slack must be a JSON object layer -> number, got an array"),
+])
+def test_pin_slack_format_errors(value, message):
+    data = {"num_experts": 4, "num_devices": 2, "layers": {"0": [0, 0, 1, 1]}, "pin_slack": value}
+    with pytest.raises(ValueError, match=message):
+        Placement.from_dict(data, source="p.json")
+    with pytest.raises(ValueError, match=r"Placement.pin_slack\[0\] must be a number in \[0, 1\]"):
+        Placement(4, 2, {0: [0, 0, 1, 1]}, pin_slack={0: -0.1})
 
 
 @pytest.mark.parametrize(
@@ -424,7 +445,7 @@ def test_auto_shed_margin_is_chosen_in_time_under_the_load_aware_rule():
     one_hot = np.zeros((600, 16))
     np.put_along_axis(one_hot, ids, 1.0, axis=1)
     coactivation, counts = one_hot.T @ one_hot - np.diag(one_hot.sum(0)), np.bincount(ids.ravel(), minlength=16)
-    options = RefinedOptions(num_redundant_experts=4, replica_choice="load_aware", shed_margin="auto", **FAST)
+    options = RefinedOptions(num_redundant_experts=4, replica_choice="load_aware", shed_margin="auto", pin_slack=PIN_SLACK, **FAST)
     plan = refine_layer(coactivation, counts, ids, 4, options)
     assert plan.shed_margin in AUTO_SHED_MARGINS and plan.replicas
     assert cross_validated_margin(ids[:10], np.ones((1, 10), dtype=bool), 16, 4, options) == AUTO_SHED_MARGINS[0]
@@ -437,6 +458,37 @@ def test_auto_shed_margin_is_chosen_in_time_under_the_load_aware_rule():
     assert any(np.array_equal(chosen.device_of_E, plan.device_of_E) and chosen.replicas == plan.replicas for plan in fixed.values())
     counts_only = refine_layer(coactivation, counts, None, 4, RefinedOptions(max_load_ratio="auto", **FAST))
     assert counts_only.load_limit == pytest.approx(1.10 * counts.sum() / 4, rel=0.2)
+
+
+def test_auto_pin_slack_trades_balance_for_ct_only_where_the_limit_needs_it():
+    """pin_slack="auto" (the default for the load-aware rule): the largest slack of AUTO_PIN_SLACKS whose plans hold
+    the later tokens within max_load_ratio, else the best balanced; recorded in the plan and in the placement file,
+    None for a plan made for the static rule. `choose_in_time(enough=...)` takes the first candidate that reaches it."""
+    from dataclasses import replace
+
+    from occult_hf.placement.in_time import choose_in_time
+    from occult_hf.placement.refined import AUTO_PIN_SLACKS, cross_validated_pin_slack
+
+    scores = {"a": 1.10, "b": 1.04, "c": 1.00}
+    pick = lambda enough: choose_in_time(  # noqa: E731
+        np.zeros((40, 1), dtype=int), np.ones((1, 40), dtype=bool), 2, list(scores), lambda value, *_: value,
+        lambda value, later: scores[value], seeds=(0,), margin=0.005, enough=enough,
+    )
+    assert (pick(None), pick(1.05), pick(1.2), pick(0.9)) == ("c", "b", "a", "c")
+    ids = structured_topk(600, 16, 4, 4, popularity_E=np.linspace(3.0, 1.0, 16), seed=8)
+    one_hot = np.zeros((600, 16))
+    np.put_along_axis(one_hot, ids, 1.0, axis=1)
+    coactivation, counts = one_hot.T @ one_hot - np.diag(one_hot.sum(0)), np.bincount(ids.ravel(), minlength=16)
+    options = RefinedOptions(num_redundant_experts=4, replica_choice="load_aware", **FAST)
+    membership = np.ones((1, 600), dtype=bool)
+    assert cross_validated_pin_slack(ids, membership, 16, 4, replace(options, max_load_ratio=3.0)) == AUTO_PIN_SLACKS[0]
+    strict = cross_validated_pin_slack(ids, membership, 16, 4, replace(options, max_load_ratio=1.0))
+    assert strict in AUTO_PIN_SLACKS[1:]  # nothing holds 1.0: the best balanced, never the most slack
+    plan = refine_layer(coactivation, counts, ids, 4, options)
+    assert plan.pin_slack in AUTO_PIN_SLACKS and refine_layer(coactivation, counts, ids, 4, replace(options, replica_choice="static")).pin_slack is None
+    profile = profile_from_sample({0: ids}, 16, "hot low ids")
+    placed = plan_placement(profile, 4, progress=False, num_redundant_experts=4, replica_choice="load_aware", pin_slack=0.01, **FAST)
+    assert placed.pin_slack == {0: 0.01} and Placement.from_dict(placed.to_dict()).pin_slack_of(0) == 0.01
 
 
 def test_linked_groups_by_hand():
@@ -452,6 +504,7 @@ def test_linked_groups_by_hand():
     ({"replica_choice": "dynamic"}, r"replica_choice must be one of \('static', 'load_aware'\), got 'dynamic'"),
     ({"shed_margin": 1.0}, r"shed_margin must be a number in \[0, 1\) or 'auto', got 1.0"),
     ({"max_load_ratio": "best"}, r"max_load_ratio must be a number >= 1.0 or 'auto', got 'best'"),
+    ({"pin_slack": -0.01}, r"pin_slack must be a number in \[0, 1\] or 'auto', got -0.01"),
 ])
 def test_load_aware_mode_options_are_checked(options, message):
     with pytest.raises(ValueError, match=message):

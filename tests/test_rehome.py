@@ -25,11 +25,12 @@ def _placements(family: str, num_experts: int = 8, num_devices: int = 2):
     base = np.arange(num_experts) * num_devices // num_experts
     maps = {layer: np.random.default_rng(layer).permutation(base).tolist() for layer in MOE_LAYERS[family]}
 
-    def with_copies(experts):
+    def with_copies(experts, pin_slack):
         replicas = {layer: {e: [(maps[layer][e] + 1) % num_devices] for e in experts} for layer in maps}
-        return Placement(num_experts, num_devices, maps, {"method": "replicated"}, replicas=replicas)
+        return Placement(num_experts, num_devices, maps, {"method": "replicated"}, replicas=replicas, pin_slack=pin_slack)
 
-    return with_copies([0, 1]), with_copies([5, 6])
+    # the re-planned placement states its own pin slack for the load-aware rule: the rebuilt dispatchers take it
+    return with_copies([0, 1], {}), with_copies([5, 6], {layer: 0.0 for layer in maps})
 
 
 def _rows_under_rule(module, placement, num_devices):
@@ -66,6 +67,7 @@ def _check(family: str, rank: int, distributed: bool) -> None:
     assert model.config.occult_config["placement"]["replicas"] == replanned.to_dict()["replicas"]
     for path, module in occult_modules(model).items():
         assert int(module.rows_sent.sum()) == _rows_under_rule(module, replanned, 2), f"{where} rows of {path}"
+        assert module.dispatcher.pin_slack == replanned.pin_slack_of(module.layer_idx) == 0.0, f"{where} pin slack of {path}"
         if not distributed:
             continue
         experts = module.local_experts

@@ -65,8 +65,9 @@ def placement_for(family: str, num_experts: int, num_devices: int, kind: str):
     # "replicated" (also "replicated_load_aware", the same placement with replica_choice="load_aware"):
     # the shuffled map, and experts 0..D-1 get an extra home on the next device (copies
     # that must serve pairs, receive summed gradients and stay identical)
+    # the first layer carries its own pin slack for the load-aware rule (as a planner's choice), the others the default
     replicas = {layer: {e: [(maps[layer][e] + 1) % num_devices] for e in range(num_devices)} for layer in layers}
-    return Placement(num_experts, num_devices, maps, {"method": "replicated"}, replicas=replicas)
+    return Placement(num_experts, num_devices, maps, {"method": "replicated"}, replicas=replicas, pin_slack={layers[0]: 0.0})
 
 
 def reference(family: str, num_experts: int, num_devices: int) -> dict:
@@ -170,8 +171,10 @@ def _check_case(
         if mode == "dedup":
             topk_ids_Tk = module.last_topk_ids_Tk.cpu()
             table_EM = torch.from_numpy(placement.home_table(module.layer_idx))
-            if load_aware:  # the rule again, from a fresh gather of every rank's counts
-                dest_Tk = load_aware_homes(topk_ids_Tk, table_EM, world_size, _gather_all, rank)
+            if load_aware:  # the rule again, from a fresh gather of every rank's counts, with the layer's pin slack
+                slack = placement.pin_slack_of(module.layer_idx)
+                assert module.dispatcher.pin_slack == slack, f"{where} pin slack of {path}"
+                dest_Tk = load_aware_homes(topk_ids_Tk, table_EM, world_size, _gather_all, rank, pin_slack=slack)
             else:
                 dest_Tk = resolve_homes(topk_ids_Tk, table_EM, world_size)
             ct_rows = int((torch.zeros(topk_ids_Tk.shape[0], world_size, dtype=torch.bool).scatter_(1, dest_Tk, True)).sum())

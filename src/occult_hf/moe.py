@@ -160,6 +160,7 @@ class OccultMoE(nn.Module):
                 tuple(int(d) for d in device_of_E), top_k, self.dispatch_mode, occult_config.dispatch_chunks,
                 pruned=pruner is not None, expert_backend=occult_config.expert_backend,
             ),
+            pin_slack=placement.pin_slack_of(layer_idx),
         )
         self.dispatcher: TokenDispatcher = build_dispatcher(**self._dispatcher_settings, device=device)
         self._track_replicas(homes, expert_ids)
@@ -341,6 +342,7 @@ class OccultMoE(nn.Module):
             num_local_experts=len(new_ids),
             home_table_EM=placement.home_table(layer) if replicated else None,
             slot_ED=slot_ED if replicated else None,
+            pin_slack=placement.pin_slack_of(layer),
         )
         self.dispatcher = build_dispatcher(**self._dispatcher_settings, device=self.device_of_E.device)
         self._track_replicas(homes, new_ids)

@@ -112,7 +112,8 @@ SPLIT_ROUNDS = 8
 
 #: how far above the least max load the load-aware split lets a device go to keep a pair on a home its
 #: token visits anyway (a fraction of the mean device load): a little balance buys back most of the CT that
-#: moving pinned pairs costs. On the Qwen trace (D=8, seed 0 of the robust + 8 redundant plan, docs/placement.md) 0.01 / 0.02 / 0.03
+#: moving pinned pairs costs. The default for a layer whose placement states none (`Placement.pin_slack`: the
+#: planner chooses it per layer, `refined` option `pin_slack`). On the Qwen trace (D=8, seed 0 of the robust + 8 redundant plan, docs/placement.md) 0.01 / 0.02 / 0.03
 #: read about 1.02 / 1.03 / 1.04 balance at CT 2.86 / 2.84 / 2.83 (static rule: 1.111 at 2.832)
 PIN_SLACK = 0.02
 

@@ -43,6 +43,7 @@ from .base import (
 )
 from .group import ExpertParallelGroup
 from .local import LocalDispatcher
+from ..replica_routing import PIN_SLACK
 
 
 def build_dispatcher(
@@ -60,13 +61,14 @@ def build_dispatcher(
     slot_ED=None,
     replica_choice: str = "static",
     hints: AutoHints | None = None,
+    pin_slack: float = PIN_SLACK,
 ) -> TokenDispatcher:
     """The dispatcher `name` ("auto" or a registered name) for one layer; see `TokenDispatcher` for the arguments,
     `auto.AutoHints` for `hints` (what "auto" weighs the padded exchange by; None: by priority alone)."""
     cls = dispatcher_class(name, ep, device, hints)
     return cls(
         ep, device_of_E, local_index_E, num_local_experts, mode=mode, chunks=chunks, timeout_s=timeout_s, layer=layer,
-        home_table_EM=home_table_EM, slot_ED=slot_ED, replica_choice=replica_choice,
+        home_table_EM=home_table_EM, slot_ED=slot_ED, replica_choice=replica_choice, pin_slack=pin_slack,
     )
 
 

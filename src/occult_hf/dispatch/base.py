@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from occult_hf.kernels.layout import ExpertSegments
 
-from ..replica_routing import REPLICA_CHOICES, GraphedRoutes, load_aware_homes
+from ..replica_routing import PIN_SLACK, REPLICA_CHOICES, GraphedRoutes, load_aware_homes
 from . import row_sum
 from .auto import AutoHints
 from .group import ExpertParallelGroup
@@ -202,7 +202,8 @@ class TokenDispatcher:
     slot there of each expert), and with replicated experts `home_table_EM` (`[E, M]` homes, -1 padded)
     and `slot_ED` (`[E, D]` slot of each expert on each device, -1 where it has no home), which make
     `plan.destinations` apply the replica routing rule; `replica_choice` "load_aware" replaces its static
-    choice among homes by `replica_routing.load_aware_homes` (one all-gather of per-expert counts per layer).
+    choice among homes by `replica_routing.load_aware_homes` (one all-gather of per-expert counts per layer),
+    with the layer's `pin_slack` (`Placement.pin_slack_of`: the planner's choice, else `PIN_SLACK`).
     """
 
     name: ClassVar[str] = ""
@@ -222,11 +223,13 @@ class TokenDispatcher:
         home_table_EM: Sequence[Sequence[int]] | None = None,
         slot_ED: Sequence[Sequence[int]] | None = None,
         replica_choice: str = "static",
+        pin_slack: float = PIN_SLACK,
     ) -> None:
         check_mode(mode)
         if replica_choice not in REPLICA_CHOICES:
             raise ValueError(f"replica_choice must be one of {REPLICA_CHOICES}, got {replica_choice!r}")
         self.replica_choice = replica_choice
+        self.pin_slack = float(pin_slack)
         self._routes = GraphedRoutes()  # the load-aware rule's per-expert half: one CUDA graph replay on a GPU
         self.ep = ep
         self.mode = mode
@@ -274,7 +277,7 @@ class TokenDispatcher:
             home_table_EM, slot_ED = placement[2:]
             gather = self._gather_counts if self.ep.is_distributed else None
             dest_Tk = load_aware_homes(
-                ids_Tk, home_table_EM, slot_ED.shape[1], gather, self.ep.rank, visited_TD, routes=self._routes
+                ids_Tk, home_table_EM, slot_ED.shape[1], gather, self.ep.rank, visited_TD, self.pin_slack, routes=self._routes
             )
             local_Tk = slot_ED[ids_Tk.long(), dest_Tk]
         self.last_destinations_Tk = dest_Tk.detach()

@@ -5,7 +5,9 @@ the single-home margin of `shed_margin`) cannot be chosen on the profile's own b
 there. So each profile's tokens, in sample order, are cut in two; plans are made on the first halves (all
 profiles together, each candidate value, a few fixed seeds) and measured on each profile's second half; a
 value's score is the worst profile's balance, averaged over the seeds, and the first value (the candidates
-come in order of preference) within `margin` of the best score wins. Time order, not random halves: the
+come in order of preference) within `margin` of the best score wins. A setting that buys balance with
+something else (the pin slack of the load-aware rule buys it with CT) states the balance that is `enough`:
+then the first value whose score reaches it wins, and the others are not scored. Time order, not random halves: the
 tokens a placement serves come later, and a drift inside the profile is what the setting must absorb.
 
 The planner and the measure come from the caller (`refined.cross_validated_reliability`,
@@ -30,6 +32,7 @@ def choose_in_time(
     balance_on: Callable[[Any, np.ndarray], float],
     seeds: Sequence[int],
     margin: float,
+    enough: float | None = None,
 ) -> Any:
     """The candidate whose plans hold best on each profile's later tokens (module docstring).
 
@@ -43,6 +46,7 @@ def choose_in_time(
         balance_on: `balance_on(plan, later_Nk)` -> max / mean device load of the plan on those tokens.
         seeds: seeds of the trial plans (fixed, so that the choice is the profile's, not the final plan's).
         margin: how much a later candidate's score must beat the best so far by.
+        enough: a score at or below which a candidate wins at once (the earliest such); None: the best wins.
 
     Returns the first candidate when a profile has fewer than 8 tokens.
     """
@@ -67,6 +71,8 @@ def choose_in_time(
             plan = plan_on(value, seed, coactivation_EE, counts_E, train_Nk, membership_PN[:, first_N])
             scores.append(max(balance_on(plan, later_Nk) for later_Nk in later_P))
         score = float(np.mean(scores))
+        if enough is not None and score <= enough:
+            return value
         if best is None or score < best[0] - margin:
             best = (score, value)
     return best[1]

@@ -20,7 +20,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from ..atomic import atomic_write_text, json_text, to_json_native
-from ..replica_routing import home_table_from
+from ..replica_routing import PIN_SLACK, home_table_from
 
 PLACEMENT_FILENAME = "occult_placement.json"
 
@@ -43,6 +43,10 @@ class Placement:
             device at most once per expert, never the primary). Empty: one home per expert.
         slots_per_device: the expert slots per device the plan assumed (None: not stated); every
             device's slots (primary and extra homes) must fit in it.
+        pin_slack: decoder-layer index -> the pin slack of the load-aware replica rule there (a number in
+            [0, 1]: how far above the least max load, as a fraction of the mean device load, a device may
+            keep pairs on a home their token visits anyway; `replica_routing.replica_shares`), as the
+            planner chose it for the layer's replicas. A layer without one uses `replica_routing.PIN_SLACK`.
     """
 
     num_experts: int
@@ -51,6 +55,7 @@ class Placement:
     meta: dict[str, Any] = field(default_factory=dict)
     replicas: dict[int, dict[int, list[int]]] = field(default_factory=dict)
     slots_per_device: int | None = None
+    pin_slack: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.num_experts = _strict_int(self.num_experts, "Placement.num_experts", minimum=1)
@@ -87,6 +92,20 @@ class Placement:
         if not isinstance(self.meta, dict):
             raise TypeError(f"Placement.meta must be a dict, got {type(self.meta).__name__}")
         self._check_replicas()
+        self._check_pin_slack()
+
+    def _check_pin_slack(self) -> None:
+        """Normalise `pin_slack` to int layers and float values; each layer must be one of `layers`, each
+        value a number in [0, 1] (a fraction of the mean device load)."""
+        if not isinstance(self.pin_slack, dict):
+            raise ValueError(f"Placement.pin_slack must map layer -> number, got {type(self.pin_slack).__name__}")
+        normalised = {}
+        for layer, slack in self.pin_slack.items():
+            layer = _strict_int(layer, "Placement.pin_slack key", minimum=0)
+            if layer not in self.layers:
+                raise ValueError(f"Placement.pin_slack names layer {layer}, which is not among its layers {sorted(self.layers)}")
+            normalised[layer] = _fraction(slack, f"Placement.pin_slack[{layer}]")
+        self.pin_slack = normalised
 
     def _check_replicas(self) -> None:
         """Normalise `replicas` to int keys and sorted device lists; check them against the layers and slots."""
@@ -180,11 +199,12 @@ class Placement:
         if not isinstance(meta, dict):
             raise _SchemaError(f"$.meta must be a JSON object, got {_json_type(meta)}")
         replicas, slots = _parse_replicas(data, num_experts, num_devices, layers)
-        return cls(num_experts, num_devices, layers, dict(meta), replicas=replicas, slots_per_device=slots)
+        pin_slack = _parse_pin_slack(data, layers)
+        return cls(num_experts, num_devices, layers, dict(meta), replicas=replicas, slots_per_device=slots, pin_slack=pin_slack)
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON form (DESIGN.md §6); "replicas" and "slots_per_device" only when set, so that a
-        placement without replicas writes exactly the format of earlier versions."""
+        """The JSON form (DESIGN.md §6); "replicas", "slots_per_device" and "pin_slack" only when set, so that
+        a placement without replicas writes exactly the format of earlier versions."""
         out: dict[str, Any] = {
             "num_experts": self.num_experts,
             "num_devices": self.num_devices,
@@ -196,6 +216,8 @@ class Placement:
             }
         if self.slots_per_device is not None:
             out["slots_per_device"] = self.slots_per_device
+        if self.pin_slack:
+            out["pin_slack"] = {str(l): slack for l, slack in sorted(self.pin_slack.items())}
         out["meta"] = to_json_native(self.meta, "$.meta")
         return out
 
@@ -264,6 +286,10 @@ class Placement:
         extra = self.replicas.get(int(layer), {})
         return [sorted([d, *extra.get(e, [])]) for e, d in enumerate(self.device_of(layer))]
 
+    def pin_slack_of(self, layer: int) -> float:
+        """The load-aware replica rule's pin slack at `layer`: the planner's choice, else `replica_routing.PIN_SLACK`."""
+        return self.pin_slack.get(int(layer), PIN_SLACK)
+
     def home_table(self, layer: int) -> np.ndarray:
         """`[E, M]` int64 homes of each expert in increasing device id, padded with -1 (M: most homes of an expert)."""
         return home_table_from(self.device_of(layer), self.replicas.get(int(layer)))
@@ -323,7 +349,7 @@ class Placement:
 
 
 _REQUIRED_KEYS = frozenset({"num_experts", "num_devices", "layers"})
-_OPTIONAL_KEYS = frozenset({"meta", "replicas", "slots_per_device"})
+_OPTIONAL_KEYS = frozenset({"meta", "replicas", "slots_per_device", "pin_slack"})
 _CANONICAL_INDEX = re.compile(r"(0|[1-9][0-9]*)")
 
 
@@ -355,6 +381,13 @@ def _strict_int(value: Any, what: str, minimum: int | None = None) -> int:
     if minimum is not None and value < minimum:
         raise ValueError(f"{what} must be >= {minimum}, got {int(value)}")
     return int(value)
+
+
+def _fraction(value: Any, what: str) -> float:
+    """A number in [0, 1] (an int or float, never a bool), as a float."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{what} must be a number in [0, 1] (a fraction of the mean device load), got {value!r}")
+    return float(value)
 
 
 def _canonical_index(key: str, path: str) -> int:
@@ -410,6 +443,25 @@ def _parse_replicas(
                 raise _SchemaError(f"{expert_path} repeats a device or the expert's own device in $.layers")
             parsed.setdefault(layer, {})[expert] = list(homes)
     return parsed, slots
+
+
+def _parse_pin_slack(data: dict[str, Any], layers: dict[int, list[int]]) -> dict[int, float]:
+    """Check the optional `"pin_slack": {"<layer>": number in [0, 1]}` of DESIGN.md §6 (absent in files of
+    earlier versions: every layer then uses `replica_routing.PIN_SLACK`)."""
+    raw = data.get("pin_slack", {})
+    if not isinstance(raw, dict):
+        raise _SchemaError(f"$.pin_slack must be a JSON object layer -> number, got {_json_type(raw)}")
+    parsed = {}
+    for key, slack in raw.items():
+        path = f"$.pin_slack[{key!r}]"
+        layer = _canonical_index(key, path)
+        if layer not in layers:
+            raise _SchemaError(f"{path}: layer {layer} is not in $.layers")
+        try:
+            parsed[layer] = _fraction(slack, path)
+        except ValueError as error:
+            raise _SchemaError(str(error)) from None
+    return parsed
 
 
 __all__ = ["Placement", "PLACEMENT_FILENAME", "contiguous_devices"]

@@ -98,8 +98,9 @@ def replan_replicas(
             `slots_per_device x D - E` when it states its slots and has none.
         layers: layers to re-plan (default: all of the placement's; others keep their replicas).
 
-    The result keeps `slots_per_device` (default `ceil((E + R) / D)`) and records in
-    `meta["replicas_replanned_on"]` the profile's source.
+    The result keeps `slots_per_device` (default `ceil((E + R) / D)`) and the deployed layers' `pin_slack` (the
+    load-aware rule's setting, not chosen again here), and records in `meta["replicas_replanned_on"]` the
+    profile's source.
     """
     chosen = list(placement.layers) if layers is None else [int(layer) for layer in layers]
     missing = [layer for layer in chosen if layer not in profile.layers]
@@ -132,6 +133,7 @@ def replan_replicas(
     return Placement(
         placement.num_experts, placement.num_devices, dict(placement.layers), meta,
         {layer: extra for layer, extra in replicas.items() if extra}, final_slots,
+        pin_slack={layer: slack for layer, slack in placement.pin_slack.items() if replicas.get(layer)},
     )
 
 

@@ -43,7 +43,7 @@ import torch
 
 from ..metrics import load_floor
 from .objectives import PairwiseCut, SampleCT
-from ..replica_routing import REPLICA_CHOICES, home_table_from, load_aware_homes, resolve_homes_np
+from ..replica_routing import PIN_SLACK, REPLICA_CHOICES, home_table_from, load_aware_homes, resolve_homes_np
 from .in_time import choose_in_time
 from .shedding import link_groups, single_home_rows
 from .robust import count_scenarios, scenario_loads, shrink_toward_mean, token_scenarios
@@ -108,6 +108,13 @@ class RefinedOptions:
             "auto": chosen per layer from the profile alone by cross-validation in time under the load-aware
             rule (`cross_validated_margin`, among `AUTO_SHED_MARGINS`). Needs a token sample ("auto" is the
             default 0.15 without one).
+        pin_slack: with replica_choice "load_aware", the pin slack the runtime's rule uses in this layer (how far
+            above the least max load, as a fraction of the mean device load, a device keeps pairs on a home their
+            token visits anyway: more slack saves CT, less balances better; `replica_routing.replica_shares`),
+            recorded in the placement file. "auto" (default): the largest of `AUTO_PIN_SLACKS` whose plans hold
+            the balance within `max_load_ratio` on later tokens, by cross-validation in time on the profile
+            (`cross_validated_pin_slack`; the least slack's balance is traded for CT only where it holds); without
+            a token sample `replica_routing.PIN_SLACK`.
         pair_cost_s, byte_cost_s, row_bytes: the costs of objective "slowest" (seconds per
             (token, expert) pair, per received byte; bytes per row); `slowest.costs_from_bench` reads
             them from an `occult bench ep` JSON file.
@@ -126,6 +133,7 @@ class RefinedOptions:
     replica_rounds: int = 2
     replica_choice: str = "static"
     shed_margin: float | str = 0.15
+    pin_slack: float | str = "auto"
     pair_cost_s: float = StepCosts.pair_cost_s
     byte_cost_s: float = StepCosts.byte_cost_s
     row_bytes: int = StepCosts.row_bytes
@@ -142,6 +150,9 @@ class RefinedOptions:
         margin = self.shed_margin
         if margin != "auto" and (isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0.0 <= margin < 1.0):
             raise ValueError(f"refined option shed_margin must be a number in [0, 1) or 'auto', got {margin!r}")
+        slack = self.pin_slack
+        if slack != "auto" and (isinstance(slack, bool) or not isinstance(slack, (int, float)) or not 0.0 <= slack <= 1.0):
+            raise ValueError(f"refined option pin_slack must be a number in [0, 1] or 'auto', got {slack!r}")
         value = self.load_reliability
         if value != "auto" and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0):
             raise ValueError(f"refined option load_reliability must be a number in [0, 1] or 'auto', got {value!r}")
@@ -356,6 +367,8 @@ class LayerPlan:
         load_reliability: the shrinkage factor the loads were planned with (what "auto" chose).
         shed_margin: the single-home margin planned with (what "auto" chose; None unless the replicas were
             planned for the load-aware rule).
+        pin_slack: the load-aware rule's pin slack for this layer (what "auto" chose; None unless the replicas
+            were planned for the load-aware rule).
     """
 
     device_of_E: np.ndarray
@@ -370,6 +383,7 @@ class LayerPlan:
     scenarios: int = 1
     load_reliability: float = 1.0
     shed_margin: float | None = None
+    pin_slack: float | None = None
 
 
 def replication_counts(load_YE: np.ndarray, redundant: int, num_devices: int) -> np.ndarray:
@@ -492,6 +506,8 @@ AUTO_RELIABILITIES = (1.0, 0.75, 0.5, 0.25)
 AUTO_SHED_MARGINS = (0.15, 0.2, 0.1)
 #: the load limits `max_load_ratio="auto"` chooses among (the default first: ties keep it)
 AUTO_LOAD_RATIOS = (1.10, 1.06, 1.03)
+#: the pin slacks `pin_slack="auto"` chooses among (the most CT saved first: a later one only where it is needed)
+AUTO_PIN_SLACKS = (PIN_SLACK, 0.01, 0.0)
 #: seeds of the cross-validation plans: one plan's balance on new tokens is a draw, so each value is scored by
 #: the mean over these (fixed, so that the choice is the profile's, not the final plan's seed's)
 AUTO_SEEDS = (0, 1, 2)
@@ -502,7 +518,10 @@ AUTO_MARGIN = 0.005
 def _trial_planner(options: "RefinedOptions", num_devices: int, name: str):
     """`plan_on` for `in_time.choose_in_time`: `refine_layer` with `name` set to the candidate, at most 8 search
     rounds, and any other "auto" setting at its default (each is chosen on its own)."""
-    defaults = {"load_reliability": 1.0, "shed_margin": RefinedOptions.shed_margin, "max_load_ratio": RefinedOptions.max_load_ratio}
+    defaults = {
+        "load_reliability": 1.0, "shed_margin": RefinedOptions.shed_margin, "max_load_ratio": RefinedOptions.max_load_ratio,
+        "pin_slack": PIN_SLACK,
+    }
     resolved = {key: default if getattr(options, key) == "auto" else getattr(options, key) for key, default in defaults.items()}
 
     def plan_on(value, seed, coactivation_EE, counts_E, train_Nk, membership_PN):
@@ -516,10 +535,12 @@ def _trial_planner(options: "RefinedOptions", num_devices: int, name: str):
 
 def _served_balance(plan, later_Nk: np.ndarray, num_devices: int, replica_choice: str) -> float:
     """Max / mean device load of `later_Nk`'s pairs served by `plan`'s homes under the runtime's replica rule
-    (`replica_choice`; the load-aware rule routes them as one batch). Without replicas both rules are the map."""
+    (`replica_choice`; the load-aware rule routes them as one batch, with the plan's pin slack). Without replicas
+    both rules are the map."""
     table = home_table_from(plan.device_of_E, plan.replicas)
     if replica_choice == "load_aware":
-        dest_Nk = load_aware_homes(torch.from_numpy(later_Nk), torch.from_numpy(table), num_devices).numpy()
+        slack = PIN_SLACK if plan.pin_slack is None else plan.pin_slack
+        dest_Nk = load_aware_homes(torch.from_numpy(later_Nk), torch.from_numpy(table), num_devices, pin_slack=slack).numpy()
     else:
         dest_Nk = resolve_homes_np(later_Nk, table, num_devices)
     load_D = np.bincount(np.asarray(dest_Nk).ravel(), minlength=num_devices)
@@ -563,6 +584,27 @@ def cross_validated_margin(
     return choose_in_time(
         sample_Nk, membership_PN, num_experts, AUTO_SHED_MARGINS, plan_on,
         lambda plan, later_Nk: _served_balance(plan, later_Nk, num_devices, "load_aware"), AUTO_SEEDS, AUTO_MARGIN,
+    )
+
+
+def cross_validated_pin_slack(
+    sample_Nk: np.ndarray, membership_PN: np.ndarray, num_experts: int, num_devices: int, options: "RefinedOptions"
+) -> float:
+    """The largest pin slack of `AUTO_PIN_SLACKS` whose plans keep the worst profile's later tokens within
+    `options.max_load_ratio` under the load-aware rule, else the one that balances them best
+    (`in_time.choose_in_time` with `enough`). The slack does not change the plan, only how the runtime splits
+    its replicas' pairs, so each seed's trial plan is made once and replayed under every candidate."""
+    plan_on, plans = _trial_planner(options, num_devices, "pin_slack"), {}
+
+    def same_plan(value, seed, *inputs):
+        if seed not in plans:
+            plans[seed] = plan_on(value, seed, *inputs)
+        return replace(plans[seed], pin_slack=value)
+
+    return choose_in_time(
+        sample_Nk, membership_PN, num_experts, AUTO_PIN_SLACKS, same_plan,
+        lambda plan, later_Nk: _served_balance(plan, later_Nk, num_devices, "load_aware"), AUTO_SEEDS, AUTO_MARGIN,
+        enough=float(options.max_load_ratio),
     )
 
 
@@ -639,12 +681,18 @@ def refine_layer(
     limit_Y = np.where(attainable_Y > 0, options.max_load_ratio * attainable_Y, 1.0)  # no load: any map is balanced
     scaled_YX = load_YE / limit_Y[:, None]
     load_aware = group_X is not None and options.replica_choice == "load_aware"
-    shed_margin = None
+    shed_margin = pin_slack = None
     if load_aware:  # the even split within the limit, and room on every device to shed through copies
         shed_margin = options.shed_margin
         if shed_margin == "auto":
             shed_margin = RefinedOptions.shed_margin if original_sample is None else cross_validated_margin(
                 original_sample, membership_PN, num_experts, num_devices, replace(options, load_reliability=reliability)
+            )
+        pin_slack = options.pin_slack
+        if pin_slack == "auto":
+            pin_slack = PIN_SLACK if original_sample is None else cross_validated_pin_slack(
+                original_sample, membership_PN, num_experts, num_devices,
+                replace(options, load_reliability=reliability, shed_margin=shed_margin),
             )
         single_YX, single_limit_Y = single_home_rows(load_YE, copies_E[group_X], num_devices, shed_margin)
         scaled_YX = np.concatenate([scaled_YX, single_YX / single_limit_Y[:, None]])
@@ -707,6 +755,7 @@ def refine_layer(
         scenarios=len(load_YE),
         load_reliability=float(reliability) if sample is not None else 1.0,
         shed_margin=shed_margin,
+        pin_slack=None if pin_slack is None else float(pin_slack),
     )
 
 

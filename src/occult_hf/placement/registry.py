@@ -67,7 +67,8 @@ def register_planner(
     """Decorator registering `plan_layer` under a unique lowercase `name`.
 
     `plan_layer` returns the `[E]` device map, or an object with `device_of_E` (and optionally
-    `replicas` `{expert: [extra devices]}` and `slots_per_device`). `multi_profile`: it accepts
+    `replicas` `{expert: [extra devices]}`, `slots_per_device` and the load-aware rule's `pin_slack`, kept
+    for layers with replicas). `multi_profile`: it accepts
     `membership_PN` / `counts_PE` keywords to bound each of several profiles."""
     if not isinstance(name, str) or not name or name != name.lower() or not name.replace("_", "").isalnum():
         raise ValueError(f"placement method names are lowercase letters, digits and '_', got {name!r}")
@@ -224,7 +225,7 @@ def plan_profiles(
     pooled, names, items = pool_profiles(profile)
     check_device_count(pooled.num_experts, num_devices)
     chosen = sorted(pooled.layers) if layers is None else [int(l) for l in layers]
-    maps, replicas, slots, scores, worst = {}, {}, None, {}, {}
+    maps, replicas, slots, scores, worst, pin_slack = {}, {}, None, {}, {}, {}
     bar = tqdm(chosen, desc=f"placement {method} D={num_devices}", unit="layer", disable=not progress)
     for layer in bar:
         routing = pooled.layer(layer)
@@ -236,6 +237,8 @@ def plan_profiles(
             replicas[layer] = {int(e): [int(d) for d in ds] for e, ds in result.replicas.items()}
         if getattr(result, "slots_per_device", None):
             slots = max(slots or 0, int(result.slots_per_device))
+        if getattr(result, "pin_slack", None) is not None and layer in replicas:
+            pin_slack[layer] = float(result.pin_slack)
         home_table = _home_table(device_of_E, replicas.get(layer))
         scores[str(layer)] = _layer_score(evaluate_layer(routing, device_of_E, num_devices, pooled.top_k, home_table))
         if len(items) > 1:
@@ -256,7 +259,7 @@ def plan_profiles(
     if len(items) > 1:
         meta["profiles"] = names
         meta["worst_profile"] = worst
-    return Placement(pooled.num_experts, int(num_devices), maps, meta, replicas=replicas, slots_per_device=slots)
+    return Placement(pooled.num_experts, int(num_devices), maps, meta, replicas=replicas, slots_per_device=slots, pin_slack=pin_slack)
 
 
 def _home_table(device_of_E: np.ndarray, replicas: dict | None) -> np.ndarray | None:

@@ -26,15 +26,29 @@ import numpy as np
 
 from ..atomic import atomic_save_figure
 from ..metrics import evaluate_placement, summarize
-from ..replica_routing import resolve_homes_np
+from ..replica_routing import PIN_SLACK, resolve_homes_np
 from .placement_study import StudyResult
 from .robust_placement_study import ROBUST, _ct_and_balance, _plan, best_replica_split, qwen_parts, replay_load_aware
 
 #: the planner mode for the load-aware rule, as the study runs it
-LOAD_AWARE = {"num_redundant_experts": 8, "replica_choice": "load_aware", "max_load_ratio": 1.05}
+LOAD_AWARE = {"num_redundant_experts": 8, "replica_choice": "load_aware", "max_load_ratio": 1.05, "pin_slack": PIN_SLACK}
 SEEDS = tuple(range(10))
 PIN_SLACKS = (0.02, 0.01, 0.0)
 GOAL = 1.05
+
+#: (name, planner options) of the plans compared
+PLANS = (
+    ("refined robust + 8 redundant, prefill+decode (for the static rule)", {**ROBUST, "num_redundant_experts": 8}),
+    ("refined + 8 redundant for the load-aware rule, margin 0.15", {**LOAD_AWARE, "shed_margin": 0.15}),
+    ("refined + 8 redundant for the load-aware rule, margin 0.20", {**LOAD_AWARE, "shed_margin": 0.20}),
+    ("refined + 8 redundant for the load-aware rule, margin auto", {**LOAD_AWARE, "shed_margin": "auto"}),
+    (
+        "refined + 8 redundant for the load-aware rule, margin auto, ratio auto",
+        {**LOAD_AWARE, "shed_margin": "auto", "max_load_ratio": "auto"},
+    ),
+    ("refined + 8 redundant for the load-aware rule, margin 0.15, pin slack auto", {**LOAD_AWARE, "shed_margin": 0.15, "pin_slack": "auto"}),
+    ("refined + 8 redundant for the load-aware rule, margin 0.20, pin slack auto", {**LOAD_AWARE, "shed_margin": 0.20, "pin_slack": "auto"}),
+)
 
 
 def single_home_bound(load_E: np.ndarray, home_table_EM: np.ndarray, num_devices: int) -> float:
@@ -45,7 +59,7 @@ def single_home_bound(load_E: np.ndarray, home_table_EM: np.ndarray, num_devices
     return float(load_D.max() / (load_E.sum() / num_devices))
 
 
-def load_aware_plan_rows(routing_dir: Path) -> tuple[list[dict[str, Any]], dict[str, list], float]:
+def load_aware_plan_rows(routing_dir: Path, plans=PLANS) -> tuple[list[dict[str, Any]], dict[str, list], float]:
     """The table (one row per D, plan and rule); for the figure, per plan at D=8 each seed's `(CT, balance)`
     under the default load-aware rule, and today's refined CT there (seed mean)."""
     parts = qwen_parts(routing_dir)
@@ -53,16 +67,6 @@ def load_aware_plan_rows(routing_dir: Path) -> tuple[list[dict[str, Any]], dict[
     held_Nk = parts["held_out"].layer(0).topk_sample
     load_E = np.bincount(held_Nk.ravel(), minlength=60).astype(np.float64)
     window = len(held_Nk)
-    plans = (
-        ("refined robust + 8 redundant, prefill+decode (for the static rule)", {**ROBUST, "num_redundant_experts": 8}),
-        ("refined + 8 redundant for the load-aware rule, margin 0.15", {**LOAD_AWARE, "shed_margin": 0.15}),
-        ("refined + 8 redundant for the load-aware rule, margin 0.20", {**LOAD_AWARE, "shed_margin": 0.20}),
-        ("refined + 8 redundant for the load-aware rule, margin auto", {**LOAD_AWARE, "shed_margin": "auto"}),
-        (
-            "refined + 8 redundant for the load-aware rule, margin auto, ratio auto",
-            {**LOAD_AWARE, "shed_margin": "auto", "max_load_ratio": "auto"},
-        ),
-    )
     rows, points = [], {}
     for num_devices in (4, 8):
         today = float(np.mean([
@@ -73,20 +77,24 @@ def load_aware_plan_rows(routing_dir: Path) -> tuple[list[dict[str, Any]], dict[
             tables = [placement.home_table(0) for placement, _ in runs]
             fluid = [best_replica_split(load_E, table, num_devices) for table in tables]
             single = [single_home_bound(load_E, table, num_devices) for table in tables]
-            rules = [("static", None)] + [(f"load-aware, pin slack {slack}", slack) for slack in PIN_SLACKS]
-            for rule, slack in rules:
+            chosen = [placement.pin_slack_of(0) for placement, _ in runs]  # the plan's own (auto) or the runtime's
+            if options.get("pin_slack") == "auto":
+                rules = [("static", None), ("load-aware, the plan's pin slack", chosen)]
+            else:
+                rules = [("static", None)] + [(f"load-aware, pin slack {slack}", [slack] * len(runs)) for slack in PIN_SLACKS]
+            for rule, slacks in rules:
                 scores = [
                     _ct_and_balance(
                         held_Nk,
-                        resolve_homes_np(held_Nk, table, num_devices) if slack is None
+                        resolve_homes_np(held_Nk, table, num_devices) if slacks is None
                         else replay_load_aware(held_Nk, table, num_devices, window, slack),
                         num_devices, window,
                     )
-                    for table in tables
+                    for table, slack in zip(tables, slacks or [None] * len(tables))
                 ]
                 ct = [c for c, _, _ in scores]
                 balance = [b for _, b, _ in scores]
-                if num_devices == 8 and slack == PIN_SLACKS[0]:
+                if num_devices == 8 and rule in (f"load-aware, pin slack {PIN_SLACKS[0]}", "load-aware, the plan's pin slack"):
                     points[name], today_8 = list(zip(ct, balance)), today
                 rows.append({
                     "D": num_devices,
@@ -96,10 +104,11 @@ def load_aware_plan_rows(routing_dir: Path) -> tuple[list[dict[str, Any]], dict[
                     "balance held-out, mean / worst seed": f"{np.mean(balance):.3f} / {max(balance):.3f}",
                     "seeds <= 1.05 with CT below today's": f"{sum(b <= GOAL + 1e-9 and c < today for c, b in zip(ct, balance))} / {len(SEEDS)}",
                     "fluid bound, mean / worst / seeds > 1.05": (
-                        f"{np.mean(fluid):.3f} / {max(fluid):.3f} / {sum(f > GOAL for f in fluid)}" if slack is None else ""
+                        f"{np.mean(fluid):.3f} / {max(fluid):.3f} / {sum(f > GOAL for f in fluid)}" if slacks is None else ""
                     ),
-                    "single-home bound, mean / worst": f"{np.mean(single):.3f} / {max(single):.3f}" if slack is None else "",
-                    "plan CPU s (mean)": round(float(np.mean([cpu for _, cpu in runs])), 1) if slack is None else "",
+                    "single-home bound, mean / worst": f"{np.mean(single):.3f} / {max(single):.3f}" if slacks is None else "",
+                    "pin slack (seeds)": "" if slacks is None else ", ".join(f"{v} x{slacks.count(v)}" for v in sorted(set(slacks), reverse=True)),
+                    "plan CPU s (mean)": round(float(np.mean([cpu for _, cpu in runs])), 1) if slacks is None else "",
                 })
     return rows, points, today_8
 
