@@ -19,7 +19,8 @@
 # dedup+refined against transformers' EP at T = 16384 with a profile of each case (EP_EXTRA="--profile").
 # PRESET=session6: the same steps for the host-read-free training path: realsize's EP row under dispatcher "auto" (which
 # takes "padded" at OLMoE D=2) with its profile, beside "all_to_all" in the same run; ep "padded" and "all_to_all"
-# dedup+refined against transformers' EP at T = 16384; exact with the "padded" NCCL cases.
+# dedup+refined against transformers' EP at T = 16384; exact with the "padded" NCCL cases; model with its profile (the
+# MoE block's device time in both models).
 # Without PRESET: session 4's first call (exact, ep with "all_to_all"/"padded" at 16384/128/4096, realsize
 # --skip-replica). `bench ep` saves its table after every case: a hung case keeps the rows before it.
 # Run from the repository root on the device machine; it needs the transformers 5.24 wheel and the Qwen1.5 trace in
@@ -40,7 +41,7 @@ case "${PRESET:-}" in
            "${MODES:=dedup+refined transformers_ep}" "${EP_EXTRA:=--profile}" "${T_TOTAL:=270}" "${T_EP:=75}" ;;
   session6) : "${STEPS:=exact realsize ep model}" "${TOKENS:=16384}" "${DISPATCHERS:=padded all_to_all}" \
            "${REALSIZE:=--profile --placements contiguous --dispatchers all_to_all}" "${MODES:=dedup+refined transformers_ep}" \
-           "${EP_EXTRA:=--profile}" "${T_TOTAL:=400}" "${T_EP:=120}" ;;
+           "${EP_EXTRA:=--profile}" "${MODEL_EXTRA:=--profile 12}" "${T_TOTAL:=400}" "${T_EP:=120}" ;;
   "") ;;
   *) echo "PRESET=$PRESET: not a preset (final, session5, session6, or unset)"; exit 2 ;;
 esac

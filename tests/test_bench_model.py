@@ -27,8 +27,10 @@ def test_bench_model_dry_run(tmp_path):
     assert "| olmoe-1b-7b | 8 | 1 | grouped_mm | occult (torch) |" in out
     rows = json.loads((tmp_path / "bench_model_cpu.json").read_text())["rows"]
     assert [r["implementation"] for r in rows] == ["stock", "occult", "occult (torch)"]
-    # a profile of each model: where the host's time goes, and the MoE block's stages in the occult_hf models
-    assert out.count("| host operator | calls | self host ms |") == 2 * 3 and out.count("| route | 1 |") == 2 * 2
+    # a profile of each model: where the host's time goes, the whole MoE block in every model (stock too), and the
+    # block's stages in the occult_hf models
+    assert out.count("| host operator | calls | self host ms |") == 2 * 3 and out.count("| moe block | 1 |") == 2 * 3
+    assert out.count("| route | 1 |") == 2 * 2
 
 
 @pytest.mark.skipif(not TRACE.is_file(), reason=f"real routing trace {TRACE} not present")

@@ -18,12 +18,14 @@ comparison): forward under `no_grad`, and forward + backward of a random upstrea
 last hidden state. The models compute the same function (same weights, same routing), and the
 table gives each one's time and the speed-up. `--profile N` adds, per model, a `torch.profiler` summary of one
 forward and one forward+backward (`ep.profile_steps`: wall against GPU busy time, device time per `occult::`
-stage, the N costliest kernels and host operators), which says where a layer's time goes.
+stage, with the whole MoE block of either model as `moe block`, the N costliest kernels and host operators), which
+says where a layer's time goes.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import json
@@ -130,6 +132,31 @@ def decoder_steps(model, ids_BS):
     return step
 
 
+@contextlib.contextmanager
+def moe_block_ranges(model):
+    """Inside: every MoE block of `model` (stock transformers' or occult_hf's) runs in a named range `occult::moe
+    block`, so that a profile gives the device time of the whole block in both models, measured rather than by
+    difference (forward only: the autograd engine runs the backward outside it)."""
+    from occult_hf.patches import adapter_for
+
+    open_ranges, hooks = [], []
+
+    def enter(module, args):
+        open_ranges.append(torch.profiler.record_function("occult::moe block").__enter__())
+
+    def leave(module, args, output):
+        open_ranges.pop().__exit__(None, None, None)
+
+    for _, path, _ in adapter_for(model).iter_moe_blocks(model):
+        block = model.get_submodule(path)  # the OccultMoE at that path, or the stock block itself
+        hooks += [block.register_forward_pre_hook(enter), block.register_forward_hook(leave)]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 def time_decoder(model, ids_BS, timer) -> tuple[float, float]:
     """(forward ms, forward+backward ms) of `model.model` on `ids_BS`."""
     step = decoder_steps(model, ids_BS)
@@ -156,7 +183,8 @@ def measure(shape: str, args, device, dtype) -> list[ModelRow]:
                 diff = (model.model(input_ids=ids_BS).last_hidden_state.float() - stock.model(input_ids=ids_BS).last_hidden_state.float()).abs().max().item()
             print(f"{shape}: max |{name} - stock| of the last hidden state = {diff:.3g} ({dtype})", flush=True)
         if args.profile:
-            summary = profile_steps(decoder_steps(model, ids_BS), device, warm=True, top=args.profile)
+            with moe_block_ranges(model):
+                summary = profile_steps(decoder_steps(model, ids_BS), device, warm=True, top=args.profile)
             print(f"### {shape}, {name}, {args.batch * args.seq} tokens\n\n{summary}\n", flush=True)
         fwd, fwd_bwd = time_decoder(model, ids_BS, timer)
         rows.append(ModelRow(shape, args.batch * args.seq, args.layers, name, fwd, fwd_bwd, experts_impl))
