@@ -19,7 +19,8 @@ with 3 chunks (the pipelined exchange)}.
 World 4 (E=6, so D does not divide E): 6 families x {(dedup, shuffled, 2 chunks), (per_expert,
 contiguous, chunks chosen from T)}, on the "all_to_all" dispatcher. The static "padded" dispatcher (no count
 exchange; what `dispatcher="auto"` picks where its padding is cheap): every family in dedup on 2 ranks (shuffled
-and replicated placements alternately), and two families on 4 ranks (dedup and per_expert).
+and replicated placements alternately, and OLMoE with the load-aware replica choice), and two families on 4 ranks
+(dedup and per_expert).
 Replicated experts (the shuffled map plus a second home for experts 0..D-1, DESIGN.md §6): every
 family in dedup mode on 2 ranks, and on 4 ranks alternately dedup and per_expert; each rank's copy
 must carry the expert's full gradient (the sum over its holders) and the norm counts it once. The
@@ -264,6 +265,7 @@ def test_exact_on_2_ranks_all_families_modes_and_placements():
     cases += [(family, 8, "dedup", "replicated_load_aware", 2) for family in FAMILIES]
     # "padded" (what "auto" picks where its padding is cheap): static capacities, no count exchange
     cases += [(family, 8, "dedup", kind, 1, "padded") for family, kind in zip(FAMILIES, ("shuffled", "replicated") * len(FAMILIES))]
+    cases += [("olmoe", 8, "dedup", "replicated_load_aware", 1, "padded")]
     _run(2, 8, cases)
 
 
