@@ -2,7 +2,7 @@
 
     python -m occult_hf.studies.load_aware_plans --routing-dir ../shared/data/routing --out-dir docs
 
-For D=4 and D=8, seeds 0-9, five plans with 8 redundant slots made on the planning half (prefill and decode
+For D=4 and D=8, seeds 0-9, seven plans with 8 redundant slots made on the planning half (prefill and decode
 as two profiles): the robust plan made for the static rule (the best of the earlier session), and the planner
 mode made for the load-aware rule (`replica_choice="load_aware"`: single-home load within `1 - shed_margin` of
 the mean on every device, copies linked into one group: `placement.shedding`) with the margin at 0.15 (the
@@ -10,8 +10,11 @@ default), 0.20 and "auto" (chosen for each plan by cross-validation in time on t
 `refined.cross_validated_margin`), and with `max_load_ratio="auto"` too (`refined.cross_validated_ratio`).
 Each is replayed on the held-out half under the static rule and under the runtime's load-aware rule at pin
 slack 0.02 (the default), 0.01 and 0 (`robust_placement_study.replay_load_aware`, steps of 2,192 tokens cut
-into D ranks). Beside them two bounds no rule can beat on these tokens: the fluid bound (the best split of the
-replicas, `best_replica_split`) and the busiest device's single-home load (what no split moves).
+into D ranks). Two more plans leave the pin slack to the planner (`pin_slack="auto"`, margins 0.15 and 0.20)
+and are replayed with the slack each plan records, as the runtime reads it from the placement file; an oracle,
+planned on the held-out half itself, shows what a plan with the same budget can reach on those tokens. Beside
+them two bounds no rule can beat on these tokens: the fluid bound (the best split of the replicas,
+`best_replica_split`) and the busiest device's single-home load (what no split moves).
 
 Shape legend (docs/conventions.md): N tokens, k experts per token, E experts, D devices, M homes of one expert.
 """
@@ -49,6 +52,11 @@ PLANS = (
     ("refined + 8 redundant for the load-aware rule, margin 0.15, pin slack auto", {**LOAD_AWARE, "shed_margin": 0.15, "pin_slack": "auto"}),
     ("refined + 8 redundant for the load-aware rule, margin 0.20, pin slack auto", {**LOAD_AWARE, "shed_margin": 0.20, "pin_slack": "auto"}),
 )
+#: plans made on the held-out half itself (an oracle no deployment has): whether any plan with this budget can
+#: meet the goals on these tokens, i.e. whether a seed that misses them misses for want of a plan or of foresight
+ORACLE_PLANS = (
+    ("oracle: for the load-aware rule, margin 0.20, pin slack auto, planned on the held-out half itself", {**LOAD_AWARE, "shed_margin": 0.20, "pin_slack": "auto"}),
+)
 
 
 def single_home_bound(load_E: np.ndarray, home_table_EM: np.ndarray, num_devices: int) -> float:
@@ -59,7 +67,7 @@ def single_home_bound(load_E: np.ndarray, home_table_EM: np.ndarray, num_devices
     return float(load_D.max() / (load_E.sum() / num_devices))
 
 
-def load_aware_plan_rows(routing_dir: Path, plans=PLANS) -> tuple[list[dict[str, Any]], dict[str, list], float]:
+def load_aware_plan_rows(routing_dir: Path, plans=PLANS, oracle_plans=ORACLE_PLANS) -> tuple[list[dict[str, Any]], dict[str, list], float]:
     """The table (one row per D, plan and rule); for the figure, per plan at D=8 each seed's `(CT, balance)`
     under the default load-aware rule, and today's refined CT there (seed mean)."""
     parts = qwen_parts(routing_dir)
@@ -72,8 +80,9 @@ def load_aware_plan_rows(routing_dir: Path, plans=PLANS) -> tuple[list[dict[str,
         today = float(np.mean([
             summarize(evaluate_placement(parts["held_out"], _plan(parts["first"], num_devices, {"seed": s})[0]))["ct"] for s in SEEDS
         ]))
-        for name, options in plans:
-            runs = [_plan(both, num_devices, {**options, "seed": s}) for s in SEEDS]
+        cases = [(name, options, both) for name, options in plans] + [(name, options, parts["held_out"]) for name, options in oracle_plans]
+        for name, options, profiles in cases:
+            runs = [_plan(profiles, num_devices, {**options, "seed": s}) for s in SEEDS]
             tables = [placement.home_table(0) for placement, _ in runs]
             fluid = [best_replica_split(load_E, table, num_devices) for table in tables]
             single = [single_home_bound(load_E, table, num_devices) for table in tables]
@@ -159,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["LOAD_AWARE", "load_aware_plan_rows", "plot", "run", "single_home_bound"]
+__all__ = ["LOAD_AWARE", "ORACLE_PLANS", "PLANS", "load_aware_plan_rows", "plot", "run", "single_home_bound"]
 
 
 if __name__ == "__main__":
