@@ -62,3 +62,6 @@ def test_bench_ep_two_gloo_ranks(tmp_path):
     assert 1.0 <= rows["dedup+refined+Nd=2"]["ct"] <= 2.0
     # the layer with its exchange skipped was timed for every case
     assert all(r["skipped_fwd_ms"] > 0 and r["skipped_fwd_bwd_ms"] > 0 for r in rows.values())
+    # the wire alone, re-issued: the host-split exchanges and "padded"'s equal-split blocks
+    padded = next(r for r in results if r["dispatcher"] == "padded")
+    assert padded["wire_ms"] > 0 and rows["dedup+refined"]["wire_ms"] > 0

@@ -326,6 +326,7 @@ class ExchangeRecorder:
     def __init__(self, dispatcher) -> None:
         self.dispatcher = dispatcher
         self.calls: dict[str, list] = {name: [] for name in self.METHODS}
+        self.sent: list[torch.Tensor] = []  # the blocks `exchange` was given (a static transport's send sizes)
         self.position = dict.fromkeys(self.METHODS, 0)
         self.replaying = False
         for name in self.METHODS:
@@ -341,17 +342,25 @@ class ExchangeRecorder:
                 return _Received(result.out) if hasattr(result, "wait") else result
             result = original(*args, **kwargs)
             self.calls[name].append(result)
+            if name == "exchange":
+                self.sent.append(args[0])
             return result
 
         return method
 
     def wire(self, device):
         """A function that re-issues, back to back, the row exchanges recorded (`all_to_all_single` with the
-        same split sizes and bytes, buffers allocated once): the wire time of the layer's exchanges alone."""
+        same split sizes and bytes, buffers allocated once; "padded": its equal-split blocks, padding included):
+        the wire time of the layer's exchanges alone."""
+        from occult_hf.dispatch.static import PaddedDispatcher
+
         calls = []
-        for pending in self.calls["exchange"]:
+        for pending, block in zip(self.calls["exchange"], self.sent):
+            if isinstance(self.dispatcher, PaddedDispatcher):  # equal splits: the same blocks again
+                calls.append((pending[0].new_empty(pending[0].shape), block.new_empty(block.shape), None, None))
+                continue
             if not hasattr(pending, "send_splits"):
-                return None  # a transport without host split sizes (the static dispatchers)
+                return None  # a transport that is no all_to_all_single ("symm_mem": the device reads the splits)
             out = pending.out
             send = out.new_empty((sum(pending.send_splits), *out.shape[1:]))
             recv = out.new_empty((sum(pending.recv_splits), *out.shape[1:]))
