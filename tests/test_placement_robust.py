@@ -600,3 +600,25 @@ def test_bench_replicas_times_every_column_and_checks_the_routing_on_cpu(tmp_pat
     assert "| OLMoE (64, 8) | 4 | 32 |" in (tmp_path / "bench_replicas_cpu.md").read_text()
     with pytest.raises(ValueError, match="occult bench replicas --tokens must be >= 1, got 0"):
         run(argparse.Namespace(**{**vars(args), "tokens": [0]}))
+
+
+def test_dispatcher_routes_with_its_layers_pin_slack():
+    """The load-aware dispatcher passes its layer's pin slack to the rule: with slack 0 it splits a hot replicated
+    expert's pinned pairs, with slack 1 it keeps them on the visited home, each as `load_aware_homes` does."""
+    from types import SimpleNamespace
+
+    from occult_hf.dispatch import ExpertParallelGroup, build_dispatcher
+
+    table = home_table_from([0, 1, 1], {0: [1]})  # expert 0 on devices 0 and 1; experts 1, 2 on device 1
+    slots = [[0, 0], [-1, 1], [-1, 2]]
+    ids = torch.tensor([[0, 1], [0, 2]] * 8)  # every token visits device 1: expert 0's pairs are pinned there
+    routed = {}
+    for slack in (0.0, 1.0):
+        dispatcher = build_dispatcher(
+            "local", ExpertParallelGroup(num_devices=2), [0, 1, 1], [0, 1, 2], 3,
+            home_table_EM=table, slot_ED=slots, replica_choice="load_aware", pin_slack=slack,
+        )
+        dest, _ = dispatcher.destinations_of(SimpleNamespace(topk_ids_Tk=ids))
+        assert torch.equal(dest, load_aware_homes(ids, torch.from_numpy(table), 2, pin_slack=slack))
+        routed[slack] = int((dest == 0).sum())
+    assert routed[1.0] == 0 < routed[0.0]
