@@ -283,9 +283,8 @@ def _naive_layout(dest_Tk, local_Tk, weights_Tk, num_devices, mode, base_D, capa
 
 
 @pytest.mark.parametrize("mode", ["dedup", "per_expert"])
-@pytest.mark.parametrize("padded", [False, True], ids=["packed", "padded"])
 @pytest.mark.parametrize("num_devices,top_k", [(3, 2), (4, 4), (2, 1), (5, 3)])
-def test_send_layout_matches_a_naive_layout(mode, padded, num_devices, top_k):
+def test_send_layout_matches_a_naive_layout(mode, num_devices, top_k):
     """`plan.send_layout` (scans and scatters, no loops) equals the loop: positions, slots, weights, each
     token's row positions and the counts; several experts of a token may share a device."""
     from occult_hf.dispatch.plan import device_match, send_capacity, send_layout
@@ -296,19 +295,10 @@ def test_send_layout_matches_a_naive_layout(mode, padded, num_devices, top_k):
     dest_Tk = torch.randint(0, num_devices, (num_tokens, top_k), generator=generator)
     local_Tk = torch.randint(0, 6, (num_tokens, top_k), generator=generator)
     weights_Tk = torch.rand(num_tokens, top_k, generator=generator)
-    per_peer = num_tokens * (1 if mode == "dedup" else top_k)
-    if padded:
-        capacity, base_D = num_devices * per_peer, [d * per_peer for d in range(num_devices)]
-    else:
-        capacity = send_capacity(num_tokens, top_k, num_devices, mode)
-        rows_D = [
-            int(((dest_Tk == d).any(1) if mode == "dedup" else (dest_Tk == d)).sum()) for d in range(num_devices)
-        ]  # fmt: skip
-        base_D = [sum(rows_D[:d]) for d in range(num_devices)]
-    layout = send_layout(
-        dest_Tk, local_Tk, weights_Tk, num_devices, mode,
-        base_D=torch.tensor(base_D) if padded else None, capacity=capacity if padded else None,
-    )  # fmt: skip
+    capacity = send_capacity(num_tokens, top_k, num_devices, mode)
+    rows_D = [int(((dest_Tk == d).any(1) if mode == "dedup" else (dest_Tk == d)).sum()) for d in range(num_devices)]
+    base_D = [sum(rows_D[:d]) for d in range(num_devices)]
+    layout = send_layout(dest_Tk, local_Tk, weights_Tk, num_devices, mode)
     token_O, slot_OW, weight_OW, row_TJ, counts = _naive_layout(dest_Tk, local_Tk, weights_Tk, num_devices, mode, base_D, capacity)
     assert layout.capacity == capacity
     assert layout.token_O.tolist() == token_O
@@ -327,8 +317,42 @@ def test_send_layout_matches_a_naive_layout(mode, padded, num_devices, top_k):
     if mode == "dedup":
         ct_T, _ = ct_and_remote_T(hits_TD, torch.zeros(num_tokens, dtype=torch.int64))
         assert int(ct_T.sum()) == sum(rows for rows, _ in counts)
-    if not padded:  # the torch.distributed dispatcher's layout, the row count known: the same O rows
-        _check_packed_rows(dest_Tk, local_Tk, weights_Tk, num_devices, mode, layout, counts)
+    # the torch.distributed dispatcher's layout, the row count known: the same O rows
+    _check_packed_rows(dest_Tk, local_Tk, weights_Tk, num_devices, mode, layout, counts)
+
+
+@pytest.mark.parametrize("mode", ["dedup", "per_expert"])
+@pytest.mark.parametrize("num_devices,top_k,group_tokens", [(3, 2, 9), (2, 4, 12), (5, 3, 10)])
+def test_padded_layout_matches_a_naive_layout(mode, num_devices, top_k, group_tokens):
+    """`plan.padded_layout`: device d's slot holds row i for token i ("per_expert": entry i = t * k + j), a phantom
+    (slots -1, weight 0) where the token sends nothing there, token T past this rank's T; each token's rows; the counts."""
+    from occult_hf.dispatch.plan import device_match, padded_layout
+
+    num_tokens = 9
+    generator = torch.Generator().manual_seed(num_devices * 10 + top_k)
+    dest_Tk = torch.randint(0, num_devices, (num_tokens, top_k), generator=generator)
+    local_Tk = torch.randint(0, 6, (num_tokens, top_k), generator=generator)
+    weights_Tk = torch.rand(num_tokens, top_k, generator=generator)
+    layout = padded_layout(dest_Tk, local_Tk, weights_Tk, num_devices, mode, group_tokens)
+    dedup, per_peer = mode == "dedup", group_tokens * (1 if mode == "dedup" else top_k)
+    token_O, slot_OW, weight_OW = [], [], []
+    for d in range(num_devices):
+        for i in range(per_peer):
+            t, own = (i, range(top_k)) if dedup else (i // top_k, [i % top_k])
+            token_O.append(min(t, num_tokens))
+            served = [t < num_tokens and int(dest_Tk[t, j]) == d for j in own]
+            slot_OW.append([int(local_Tk[t, j]) if hit else -1 for j, hit in zip(own, served)])
+            weight_OW.append([float(weights_Tk[t, j]) if hit else 0.0 for j, hit in zip(own, served)])
+    capacity = num_devices * per_peer
+    if dedup:
+        row_TJ = [[d * group_tokens + t if (dest_Tk[t] == d).any() else capacity for d in range(num_devices)] for t in range(num_tokens)]
+    else:
+        row_TJ = [[(int(dest_Tk[t, j]) * group_tokens + t) * top_k + j for j in range(top_k)] for t in range(num_tokens)]
+    assert layout.capacity == capacity and layout.token_O.tolist() == token_O
+    assert layout.slot_OW.tolist() == slot_OW and layout.slot_OW.dtype == torch.int32
+    torch.testing.assert_close(layout.weight_OW, torch.tensor(weight_OW))
+    assert layout.row_TJ.tolist() == row_TJ
+    assert layout.counts_D2.tolist() == device_match(dest_Tk, num_devices, mode).counts_D2.tolist()
 
 
 def _check_packed_rows(dest_Tk, local_Tk, weights_Tk, num_devices, mode, layout, counts):

@@ -12,6 +12,7 @@ dispatcher); the functions themselves never read a tensor on the host, so the on
 (`local_pairs`, whose sizes are static: `T` rows and `T * k` pairs) has no host synchronisation.
 
 - `destinations`: the device and local slot of every (token, slot).
+- `padded_layout`: the "padded" exchange's rows, a fixed slot per device with row i for token i: no scan.
 - `send_layout`: the rows to send, laid out by destination device then token (one per (token,
   destination) in "dedup", one per (token, slot) in "per_expert") in a block of static capacity, each
   with W (local slot, weight) entries (slot -1 and weight 0 where the slot is served on another
@@ -96,7 +97,8 @@ class SendLayout:
         weight_OW: `[C_O, W]` routing weight (the router's dtype, differentiable); 0 where the slot is -1.
         row_TJ: `[T, J]` int64 position of each token's rows (J = min(D, k) in "dedup": the token's j-th
             destination device in device order; J = k in "per_expert": its slot j); `C_O` where the
-            token has fewer than J rows. The combine sums a token's rows through it (a gather, no atomics).
+            token has fewer than J rows (`padded_layout`: J = D in "dedup", column d for device d). The combine
+            sums a token's rows through it (a gather, no atomics).
         counts_D2: `[D, 2]` int64 rows and (token, expert) pairs sent to each device: what the layout
             packed, equal to `device_match`'s of the same tokens (it is counted from the layout's own
             per-(device, token) mask instead of a second pass over the tokens).
@@ -118,26 +120,17 @@ def send_capacity(num_tokens: int, top_k: int, num_devices: int, mode: str) -> i
     return num_tokens * (min(num_devices, top_k) if mode == "dedup" else top_k)
 
 
-def send_layout(
-    dest_Tk: torch.Tensor,
-    local_Tk: torch.Tensor,
-    weights_Tk: torch.Tensor,
-    num_devices: int,
-    mode: str,
-    base_D: torch.Tensor | None = None,
-    capacity: int | None = None,
-) -> SendLayout:
-    """The send layout of `T` tokens (see `SendLayout`): one pass of cumulative sums and scatters.
+def send_layout(dest_Tk: torch.Tensor, local_Tk: torch.Tensor, weights_Tk: torch.Tensor, num_devices: int, mode: str) -> SendLayout:
+    """The packed send layout of `T` tokens (see `SendLayout`): one pass of cumulative sums and scatters.
 
-    Rows to device d start at `base_D[d]` (None: packed, the exclusive prefix sum of the rows per
-    device, so the `O` real rows are the block's first O); `capacity` (None: `send_capacity`) is `C_O`.
-    Rows for one device keep token order, so the combine's per-token sum order is fixed (deterministic).
+    Rows to device d start at the exclusive prefix sum of the rows per device, so the `O` real rows are the
+    block's first O of `C_O = send_capacity(...)`. Rows for one device keep token order, so the combine's per-token
+    sum order is fixed (deterministic).
     """
     check_mode(mode)
     num_tokens, top_k = dest_Tk.shape
     device = dest_Tk.device
-    if capacity is None:
-        capacity = send_capacity(num_tokens, top_k, num_devices, mode)
+    capacity = send_capacity(num_tokens, top_k, num_devices, mode)
     token_Tk = torch.arange(num_tokens, device=device)[:, None]
     if mode == "dedup":
         # one flat device-major mask (entry q = d * T + t): its running count is each row's packed position
@@ -149,8 +142,6 @@ def send_layout(
         hit_DT = hit_Q.view(num_devices, num_tokens)
         rows_D = hit_DT.sum(1)
         pos_Q = torch.cumsum(hit_Q, 0) - 1
-        if base_D is not None:  # rows to device d start at base_D[d] instead of the packed offset
-            pos_Q = (pos_Q.view(num_devices, num_tokens) + (base_D - (torch.cumsum(rows_D, 0) - rows_D))[:, None]).view(-1)
         pos_Q = torch.where(hit_Q, pos_Q, capacity)
         entry_O = _place(pos_Q, torch.arange(num_entries, device=device), capacity, num_entries)  # value D * T: unfilled
         match_DTk = dest_Tk == torch.arange(num_devices, device=device)[:, None, None]  # [D, T, k]
@@ -171,8 +162,6 @@ def send_layout(
         hit_DF = torch.zeros(num_devices * num_entries, dtype=torch.bool, device=device).scatter_(0, key_F, True)
         pairs_D = rows_D = hit_DF.view(num_devices, num_entries).sum(1)
         pos_F = torch.cumsum(hit_DF, 0)[key_F] - 1
-        if base_D is not None:
-            pos_F = pos_F + (base_D - (torch.cumsum(rows_D, 0) - rows_D))[dest_F]
         entry_O = _place(pos_F, torch.arange(num_entries, device=device), capacity, num_entries)
         token_O = entry_O // top_k
         valid_O = entry_O < num_entries
@@ -186,6 +175,44 @@ def send_layout(
         row_TJ = pos_F.reshape(num_tokens, top_k)
     counts_D2 = torch.stack([rows_D, pairs_D], dim=1)
     return SendLayout(token_O=token_O, slot_OW=slot_OW.to(torch.int32), weight_OW=weight_OW, row_TJ=row_TJ, counts_D2=counts_D2)
+
+
+def padded_layout(
+    dest_Tk: torch.Tensor, local_Tk: torch.Tensor, weights_Tk: torch.Tensor, num_devices: int, mode: str, group_tokens: int
+) -> SendLayout:
+    """The send layout of the "padded" exchange: each device gets a slot of `G = group_tokens` rows ("per_expert":
+    `G * k`), `G >= T` the most tokens any rank of the group passes, and row i of every slot belongs to token i
+    ("per_expert": to entry i = t * k + j) whether or not that token sends a row there. Nothing is compacted, so the
+    layout is a few elementwise kernels over `device_match`'s `[D, T, k]` match: no scan, no scatter (a compacted
+    slot cost about twice the operator calls). A position its token does not fill is a phantom (every slot -1,
+    weight 0: no pair on the receiver); positions past this rank's T take token `T` (the zero row). `row_TJ` has D
+    columns in "dedup" (the token's row for device d in column d, `C_O` where it sends none) and k in "per_expert"
+    (each slot's one row).
+    """
+    check_mode(mode)
+    num_tokens, top_k = dest_Tk.shape
+    device = dest_Tk.device
+    match = device_match(dest_Tk, num_devices, mode)
+    slot_DTk = torch.where(match.match_DTk, local_Tk, -1).to(torch.int32)
+    weight_DTk = torch.where(match.match_DTk, weights_Tk, 0.0)
+    if group_tokens > num_tokens:  # the slots' last rows: phantoms past this rank's tokens
+        slot_DTk = torch.nn.functional.pad(slot_DTk, (0, 0, 0, group_tokens - num_tokens), value=-1)
+        weight_DTk = torch.nn.functional.pad(weight_DTk, (0, 0, 0, group_tokens - num_tokens))
+    token_G = _arange(group_tokens, device, torch.int64).clamp(max=num_tokens)
+    token_T = _arange(num_tokens, device, torch.int64)
+    if mode == "dedup":
+        width = top_k
+        token_O = token_G.repeat(num_devices)
+        row_DT = _arange(num_devices, device, torch.int64)[:, None] * group_tokens + token_T
+        row_TJ = torch.where(match.hit_DT, row_DT, num_devices * group_tokens).t()
+    else:
+        width = 1
+        token_O = token_G[:, None].expand(group_tokens, top_k).reshape(-1).repeat(num_devices)
+        row_TJ = (dest_Tk * group_tokens + token_T[:, None]) * top_k + _arange(top_k, device, torch.int64)
+    return SendLayout(
+        token_O=token_O, slot_OW=slot_DTk.reshape(-1, width), weight_OW=weight_DTk.reshape(-1, width), row_TJ=row_TJ,
+        counts_D2=match.counts_D2,
+    )
 
 
 def _place(pos, values, capacity: int, fill: int) -> torch.Tensor:
@@ -329,6 +356,7 @@ __all__ = [
     "expert_keys",
     "local_pairs",
     "packed_rows",
+    "padded_layout",
     "received_pairs",
     "routing_width",
     "send_capacity",

@@ -11,8 +11,9 @@ counts on the device:
 - dedup: a device receives at most one row per (token, device) from each rank, so `C_R = D * T`;
   per_expert: at most `k` rows per token, `C_R = D * T * k`.
 - Rows to send are laid out by destination device on the device (`_send_layout`); a position
-  nobody fills is a *phantom* row: token index `T` (a zero row appended to `x`), every routing slot
-  -1, weight 0.
+  nobody fills is a *phantom* row: every routing slot -1, weight 0, and as activations the zero row
+  appended to `x` (token index `T`), or in "padded", whose slot for device d holds row i for token i
+  (`plan.padded_layout`), the token's own row where it sends none to d (the bytes travel either way).
 - The received rows carry their routing slots; a row that is phantom, or beyond what its peer sent,
   has no valid slot. The (row, local expert) pairs are all `C_R * W` (row, slot) entries, the invalid
   ones sorted past the last local expert's segment (`expert_offsets[L]` is the valid count, known
@@ -62,7 +63,7 @@ from occult_hf.kernels.layout import ExpertSegments
 
 from .base import DispatchPlan, Dispatched, RowFormat, TokenDispatcher, dispatch_format, register_dispatcher, sum_token_rows
 from .base import gradient_format, pack_gradients
-from .plan import SendLayout, _arange, expert_keys, send_layout
+from .plan import SendLayout, _arange, expert_keys, padded_layout, send_layout
 
 #: symmetric row widths are padded to a multiple of this many bytes, and buffers hold at least
 #: `_MIN_BUFFER_BYTES`: the all-to-all-v kernel launches min(ceil(buffer bytes / 64 KiB), 64) blocks,
@@ -81,7 +82,7 @@ class StaticPlan(DispatchPlan):
     """`DispatchPlan` of a static dispatcher: the layout lives on the device.
 
     Attributes (beyond `DispatchPlan`):
-        token_O: `[C_O]` int64 source token of each send-block row, `T` for a phantom row.
+        token_O: `[C_O]` int64 source token of each send-block row (`T`, the zero row, for a phantom past the tokens).
         send_counts_D: `[D]` int64 rows sent to each device (device memory).
         recv_counts_D: `[D]` int64 rows received from each device ("symm_mem"), None ("padded").
         row_TJ: `[T, J]` int64 send-block rows of each token (`C_O` where absent), see `plan.SendLayout`.
@@ -104,14 +105,6 @@ class StaticDispatcher(TokenDispatcher):
     def per_peer_capacity(self, group_tokens: int, top_k: int) -> int:
         """Most rows one rank can send to one device, when no rank has more than `group_tokens` tokens."""
         return group_tokens if self.mode == "dedup" else group_tokens * top_k
-
-    def send_capacity(self, num_tokens: int, group_tokens: int, top_k: int) -> int:
-        """`C_O` for this rank's `num_tokens` ("padded": a slot per device sized for the group's most tokens)."""
-        if self.layout == "padded":
-            return self.ep.num_devices * self.per_peer_capacity(group_tokens, top_k)
-        if self.mode == "dedup":
-            return num_tokens * min(self.ep.num_devices, top_k)
-        return num_tokens * top_k
 
     def recv_capacity(self, group_tokens: int, top_k: int) -> int:
         """`C_R`."""
@@ -179,13 +172,11 @@ class StaticDispatcher(TokenDispatcher):
 
     # ----- the plan on the device ----------------------------------------------------------------
     def _send_layout(self, dest_Tk, local_Tk, weights_Tk, group_tokens: int) -> SendLayout:
-        """The `C_O`-row send layout (`plan.send_layout`), rows to device d at `layout`'s offset."""
-        num_tokens, top_k = dest_Tk.shape
-        base_D = None
+        """The `C_O`-row send layout: `plan.padded_layout` (a slot of `per_peer_capacity` rows per device) or
+        `plan.send_layout` (packed)."""
         if self.layout == "padded":
-            base_D = torch.arange(self.ep.num_devices, device=dest_Tk.device) * self.per_peer_capacity(group_tokens, top_k)
-        capacity_O = self.send_capacity(num_tokens, group_tokens, top_k)
-        return send_layout(dest_Tk, local_Tk, weights_Tk, self.ep.num_devices, self.mode, base_D=base_D, capacity=capacity_O)
+            return padded_layout(dest_Tk, local_Tk, weights_Tk, self.ep.num_devices, self.mode, group_tokens)
+        return send_layout(dest_Tk, local_Tk, weights_Tk, self.ep.num_devices, self.mode)
 
     # ----- the transport -------------------------------------------------------------------------
     def exchange(self, block: torch.Tensor, counts_D: torch.Tensor, out_rows: int):
