@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 #: activation names the Triton kernels implement, forward and derivative (their constexpr code is the
-#: position here: `triton_expert_mlp_kernels._activation`)
+#: position here: `triton_expert_mlp_kernels.apply_activation`)
 ACTIVATIONS = ("silu", "gelu_tanh")
 
 _SILU_CLASSES = ("SiLU", "SiLUActivation")

@@ -35,34 +35,35 @@ from . import grouped_mm_fused_kernels as _kernels
 from .activations import ACTIVATIONS
 from .expert_mlp_reference import grouped_mm_op
 from .layout import ExpertSegments
-from .triton_expert_mlp import FAST_REDUCE, _Launch, _cdiv, check_inputs, plan_launch, row_sum
+from .triton_expert_mlp import FAST_REDUCE, LaunchPlan, check_inputs, plan_launch, row_sum
+from .triton_support import cdiv
 
 
-def _gather_rows(plan: _Launch, src_RH: torch.Tensor) -> torch.Tensor:
+def _gather_rows(plan: LaunchPlan, src_RH: torch.Tensor) -> torch.Tensor:
     """[N, H]: row pair_row[p] of src for every pair of the segments (later rows unwritten)."""
     hidden = src_RH.shape[1]
     out_NH = torch.empty(plan.num_pairs, hidden, dtype=src_RH.dtype, device=src_RH.device)
     block_m, block_n = _kernels.GATHER_BLOCK
-    _kernels.gather_rows_kernel[(_cdiv(plan.num_pairs, block_m), _cdiv(hidden, block_n))](
+    _kernels.gather_rows_kernel[(cdiv(plan.num_pairs, block_m), cdiv(hidden, block_n))](
         src_RH, plan.pair_row_N, plan.expert_offsets[plan.num_experts:], out_NH, plan.num_pairs, hidden,
         src_RH.stride(0), out_NH.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
     )  # fmt: skip
     return out_NH
 
 
-def _act_mul(plan: _Launch, gu_N2I: torch.Tensor, pair_weight_N: torch.Tensor) -> torch.Tensor:
+def _act_mul(plan: LaunchPlan, gu_N2I: torch.Tensor, pair_weight_N: torch.Tensor) -> torch.Tensor:
     """hw [N, I] = w * act(gate) * up."""
     intermediate = gu_N2I.shape[1] // 2
     hw_NI = torch.empty(plan.num_pairs, intermediate, dtype=gu_N2I.dtype, device=gu_N2I.device)
     block_m, block_n = _kernels.ACT_BLOCK
-    _kernels.act_mul_kernel[(_cdiv(plan.num_pairs, block_m), _cdiv(intermediate, block_n))](
+    _kernels.act_mul_kernel[(cdiv(plan.num_pairs, block_m), cdiv(intermediate, block_n))](
         gu_N2I, pair_weight_N, plan.expert_offsets[plan.num_experts:], hw_NI, plan.num_pairs, intermediate,
         ACTIVATION=plan.activation, BLOCK_M=block_m, BLOCK_N=block_n,
     )  # fmt: skip
     return hw_NI
 
 
-def _act_mul_backward(plan: _Launch, g_NI, gu_N2I, pair_weight_N, write_hw: bool):
+def _act_mul_backward(plan: LaunchPlan, g_NI, gu_N2I, pair_weight_N, write_hw: bool):
     """(d gu [N, 2I], the pair-weight gradient [N] in the weights' dtype (summed in fp32), hw [N, I] when
     `write_hw` else None)."""
     intermediate = g_NI.shape[1]
@@ -70,7 +71,7 @@ def _act_mul_backward(plan: _Launch, g_NI, gu_N2I, pair_weight_N, write_hw: bool
     hw_NI = torch.empty_like(g_NI) if write_hw else None
     dweight_N = torch.empty_like(pair_weight_N)
     block_m, block_n = _kernels.ACT_BACKWARD_BLOCK
-    _kernels.act_mul_backward_kernel[(_cdiv(plan.num_pairs, block_m),)](
+    _kernels.act_mul_backward_kernel[(cdiv(plan.num_pairs, block_m),)](
         g_NI, gu_N2I, pair_weight_N, plan.expert_offsets[plan.num_experts:], dgu_N2I,
         hw_NI if write_hw else dgu_N2I, dweight_N, plan.num_pairs, intermediate,
         WRITE_HW=write_hw, ACTIVATION=plan.activation, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -80,7 +81,7 @@ def _act_mul_backward(plan: _Launch, g_NI, gu_N2I, pair_weight_N, write_hw: bool
 
 class _GroupedMMFusedFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_RH, pair_weight_N, gate_up_L2IH, down_LHI, plan: _Launch, ends_L, save_for_backward: bool):
+    def forward(ctx, x_RH, pair_weight_N, gate_up_L2IH, down_LHI, plan: LaunchPlan, ends_L, save_for_backward: bool):
         ctx.plan, ctx.ends_L = plan, ends_L
         if plan.num_pairs == 0:  # nothing to launch: every row is served by no pair
             ctx.save_for_backward(x_RH, pair_weight_N, gate_up_L2IH, down_LHI)
@@ -94,7 +95,7 @@ class _GroupedMMFusedFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout_RH):
-        plan: _Launch = ctx.plan
+        plan: LaunchPlan = ctx.plan
         if plan.num_pairs == 0:
             return tuple(torch.zeros_like(t) if need else None for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad)) + (None,) * 3
         need_dx, need_dweight, need_dgate_up, need_ddown = ctx.needs_input_grad[:4]

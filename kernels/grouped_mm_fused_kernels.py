@@ -16,7 +16,7 @@ backward the autograd of each (docs/kernels.md). These kernels do that work in o
 - `act_mul_backward_kernel` from g[p] = dout[row p] @ down_e: d gu, the pair weight's gradient
                         <act(gate) * up, g> over the whole row in one program (no partial sums), and hw
                         again for the down_proj gradient; the tile arithmetic is the Triton backward's
-                        epilogue (`_dgate_up_epilogue`), so both backends compute the same values.
+                        epilogue (`dgate_up_epilogue`), so both backends compute the same values.
 
 The per-row sum of the pair outputs is the Triton backend's `segment_sum_kernel` (fp32, pair order).
 Elementwise kernels with one fixed tile each (no autotuning: no tuner's host time per call, which at small T
@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_expert_mlp_kernels import INTERPRETED, _activation, _dgate_up_epilogue
+from .triton_expert_mlp_kernels import INTERPRETED, apply_activation, dgate_up_epilogue
 
 #: (BLOCK_M, BLOCK_N) of the elementwise kernels: 4096 elements a program on the GPU
 GATHER_BLOCK = (4, 16) if INTERPRETED else (8, 512)
@@ -76,7 +76,7 @@ def act_mul_kernel(
     gu_ptrs = gu_ptr + offs_m.to(tl.int64)[:, None] * (2 * I) + offs_n[None, :]
     gate = tl.load(gu_ptrs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gu_ptrs + I, mask=mask, other=0.0).to(tl.float32)
-    act, _ = _activation(gate, ACTIVATION)
+    act, _ = apply_activation(gate, ACTIVATION)
     w_M = tl.load(pair_weight_ptr + offs_m, mask=mask_m, other=0.0).to(tl.float32)
     h = act * up * w_M[:, None]
     tl.store(hw_ptr + offs_m.to(tl.int64)[:, None] * I + offs_n[None, :], h.to(hw_ptr.dtype.element_ty), mask=mask)
@@ -109,7 +109,7 @@ def act_mul_backward_kernel(
         offs_n = n_start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < I
         g = tl.load(g_ptr + rows_M[:, None] * I + offs_n[None, :], mask=mask_m[:, None] & mask_n[None, :], other=0.0)
-        total += _dgate_up_epilogue(
+        total += dgate_up_epilogue(
             g.to(tl.float32), rows_M, mask_m, offs_n, mask_n, w_M, gu_ptr, dgu_ptr, hw_ptr, I, WRITE_HW, ACTIVATION
         )
     tl.store(dweight_ptr + offs_m, total.to(dweight_ptr.dtype.element_ty), mask=offs_m < num_pairs)

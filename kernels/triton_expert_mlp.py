@@ -49,7 +49,7 @@ from . import triton_expert_mlp_kernels as _kernels
 from .activations import ACTIVATIONS, activation_name
 from .layout import ExpertSegments
 from .triton_layout import fits_one_program, sort_by_group
-from .triton_support import interpreting
+from .triton_support import cdiv, interpreting, next_power_of_2
 
 
 try:  # Hopper's tensor memory accelerator through host-made descriptors (Triton >= 3.4)
@@ -86,20 +86,9 @@ def _expert_matrix(w_LKF: torch.Tensor):
     return None, 0
 
 
-def _cdiv(a: int, b: int) -> int:
-    """ceil(a / b) in plain Python: `triton.cdiv` is a constexpr function whose call costs microseconds
-    of host time, and the grids call it on every launch."""
-    return -(-a // b)
-
-
-def _next_power_of_2(n: int) -> int:
-    """The smallest power of two >= n (n >= 1), in plain Python (see `_cdiv`)."""
-    return 1 << (n - 1).bit_length()
-
-
 def _rows_per_expert_bucket(num_pairs: int, num_experts: int) -> int:
     """Autotuning key for the segment lengths: mean pairs per expert, rounded up to a power of two."""
-    return min(_next_power_of_2(max(1, num_pairs // max(1, num_experts))), 1 << 16)
+    return min(next_power_of_2(max(1, num_pairs // max(1, num_experts))), 1 << 16)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -122,7 +111,7 @@ FAST_REDUCE = "rows_io"
 
 
 @dataclass(frozen=True)
-class _Launch:
+class LaunchPlan:
     """What every kernel launch of one call shares (tensors already validated and contiguous)."""
 
     pair_row_N: torch.Tensor
@@ -147,7 +136,7 @@ class _Launch:
 
     def m_tiles_bound(self, block_m: int) -> int:
         """Upper bound on sum_e cdiv(count_e, block_m), known without reading the counts."""
-        return _cdiv(self.num_pairs, block_m) + min(self.num_experts, self.num_pairs)
+        return cdiv(self.num_pairs, block_m) + min(self.num_experts, self.num_pairs)
 
 
 #: (autotuned kernel, launch key) -> (the tuning cache the choice came from, the config the tuner chose)
@@ -177,12 +166,12 @@ def _run_tuned(kernel, grid, key: tuple, *args, **constexprs) -> triton.Config:
     return config
 
 
-def _gate_up(plan: _Launch, x_RH, gate_up_L2IH, pair_weight_N, save_gu: bool):
+def _gate_up(plan: LaunchPlan, x_RH, gate_up_L2IH, pair_weight_N, save_gu: bool):
     """hw [N, I] = w * act(gate) * up and, when `save_gu`, the pre-activations gu [N, 2I] (else None)."""
     num_pairs, intermediate = plan.num_pairs, gate_up_L2IH.shape[1] // 2
     hw_NI = _empty(num_pairs, intermediate, dtype=x_RH.dtype, device=x_RH.device)
     gu_N2I = _empty(num_pairs, 2 * intermediate, dtype=x_RH.dtype, device=x_RH.device) if save_gu else None
-    grid = lambda meta: (plan.m_tiles_bound(meta["BLOCK_M"]) * _cdiv(intermediate, meta["BLOCK_N"]),)  # noqa: E731
+    grid = lambda meta: (plan.m_tiles_bound(meta["BLOCK_M"]) * cdiv(intermediate, meta["BLOCK_N"]),)  # noqa: E731
     _run_tuned(
         _kernels.gate_up_kernel, grid, (x_RH.dtype, x_RH.shape[1], intermediate, plan.rows_per_expert, save_gu),
         x_RH, plan.pair_row_N, plan.expert_offsets, gate_up_L2IH, pair_weight_N, hw_NI, gu_N2I if save_gu else hw_NI,
@@ -193,7 +182,7 @@ def _gate_up(plan: _Launch, x_RH, gate_up_L2IH, pair_weight_N, save_gu: bool):
     return hw_NI, gu_N2I
 
 
-def _scatter_gemm(plan: _Launch, a_NK, b_LKF, out_dtype):
+def _scatter_gemm(plan: LaunchPlan, a_NK, b_LKF, out_dtype):
     """out [R, F] = per row r, sum over its pairs p of a[p] @ b[e(p)], reduced in fp32.
 
     `b_LKF` is any strided view with B_e = b[e] of shape [K, F].
@@ -208,7 +197,7 @@ def _scatter_gemm(plan: _Launch, a_NK, b_LKF, out_dtype):
         target = _empty(plan.num_pairs, num_out, dtype=pair_dtype, device=device)
     a_desc, (b_desc, b_k_axis) = (_descriptor(a_NK), _expert_matrix(b_LKF)) if plan.tma else (None, (None, 0))
     tma_ok = a_desc is not None and b_desc is not None
-    grid = lambda meta: (plan.m_tiles_bound(meta["BLOCK_M"]) * _cdiv(num_out, meta["BLOCK_N"]),)  # noqa: E731
+    grid = lambda meta: (plan.m_tiles_bound(meta["BLOCK_M"]) * cdiv(num_out, meta["BLOCK_N"]),)  # noqa: E731
     _run_tuned(
         _kernels.scatter_gemm_kernel, grid, (a_NK.dtype, target.dtype, a_NK.shape[1], num_out, plan.rows_per_expert, atomic, tma_ok),
         a_NK, plan.pair_row_N, plan.expert_offsets, b_LKF, target, a_desc if tma_ok else None, b_desc if tma_ok else None,
@@ -222,12 +211,12 @@ def _scatter_gemm(plan: _Launch, a_NK, b_LKF, out_dtype):
     return row_sum(plan, target, out_dtype)
 
 
-def row_sum(plan: _Launch, y_NF: torch.Tensor, out_dtype) -> torch.Tensor:
+def row_sum(plan: LaunchPlan, y_NF: torch.Tensor, out_dtype) -> torch.Tensor:
     """[R, F] in `out_dtype`: each row's pair rows of y summed in fp32, in pair order (`segment_sum_kernel`,
     through the plan's row -> pairs index); rows served by no pair are zero. y's rows must be contiguous."""
     num_out = y_NF.shape[1]
     out = _empty(plan.num_rows, num_out, dtype=out_dtype, device=y_NF.device)
-    grid = lambda meta: (plan.num_rows, _cdiv(num_out, meta["BLOCK_H"]))  # noqa: E731
+    grid = lambda meta: (plan.num_rows, cdiv(num_out, meta["BLOCK_H"]))  # noqa: E731
     _run_tuned(
         _kernels.segment_sum_kernel, grid, (y_NF.dtype, num_out),
         y_NF, plan.row_pairs_N, plan.row_offsets, out, num_out, y_NF.stride(0), out.stride(0),
@@ -235,7 +224,7 @@ def row_sum(plan: _Launch, y_NF: torch.Tensor, out_dtype) -> torch.Tensor:
     return out
 
 
-def _dgate_up(plan: _Launch, dout_RH, down_LHI, gu_N2I, pair_weight_N, write_hw: bool):
+def _dgate_up(plan: LaunchPlan, dout_RH, down_LHI, gu_N2I, pair_weight_N, write_hw: bool):
     """d gu [N, 2I], the pair-weight gradient [N] (fp32) and, when `write_hw`, hw [N, I] (else None)."""
     intermediate = down_LHI.shape[2]
     dgu_N2I = _empty(gu_N2I.shape, dtype=gu_N2I.dtype, device=gu_N2I.device)
@@ -243,9 +232,9 @@ def _dgate_up(plan: _Launch, dout_RH, down_LHI, gu_N2I, pair_weight_N, write_hw:
     # One partial sum per N tile; sized for the smallest BLOCK_N any config may pick. The config that ran
     # fills the columns of its own N tiles for every pair; only those are summed (no zero fill needed).
     min_block_n = min(config.kwargs["BLOCK_N"] for config in _kernels.dgate_up_kernel.configs)
-    partial_NP = _empty(plan.num_pairs, _cdiv(intermediate, min_block_n), dtype=torch.float32, device=dout_RH.device)
+    partial_NP = _empty(plan.num_pairs, cdiv(intermediate, min_block_n), dtype=torch.float32, device=dout_RH.device)
     b_desc, _ = _expert_matrix(down_LHI) if plan.tma else (None, 0)
-    grid = lambda meta: (plan.m_tiles_bound(meta["BLOCK_M"]) * _cdiv(intermediate, meta["BLOCK_N"]),)  # noqa: E731
+    grid = lambda meta: (plan.m_tiles_bound(meta["BLOCK_M"]) * cdiv(intermediate, meta["BLOCK_N"]),)  # noqa: E731
     config = _run_tuned(
         _kernels.dgate_up_kernel, grid, (dout_RH.dtype, dout_RH.shape[1], intermediate, plan.rows_per_expert, write_hw, b_desc is not None),
         dout_RH, plan.pair_row_N, plan.expert_offsets, down_LHI, gu_N2I, pair_weight_N, dgu_N2I,
@@ -255,18 +244,18 @@ def _dgate_up(plan: _Launch, dout_RH, down_LHI, gu_N2I, pair_weight_N, write_hw:
         WRITE_HW=write_hw, TMA_OK=b_desc is not None, ACTIVATION=plan.activation,
         DOT_PRECISION=_dot_precision(dout_RH.dtype), BLOCK_E=plan.block_experts,
     )  # fmt: skip
-    tiles_n = _cdiv(intermediate, config.kwargs["BLOCK_N"])
+    tiles_n = cdiv(intermediate, config.kwargs["BLOCK_N"])
     return dgu_N2I, partial_NP[:, :tiles_n].sum(dim=1), hw_NI
 
 
-def _segment_outer(plan: _Launch, a, b, *, gather_a: bool, gather_b: bool, out_dtype):
+def _segment_outer(plan: LaunchPlan, a, b, *, gather_a: bool, gather_b: bool, out_dtype):
     """C [L, Q, F]: C_e = sum over pairs p of expert e of a[row_a(p)]^T b[row_b(p)]."""
     num_m, num_out = a.shape[1], b.shape[1]
     c_LQF = _empty(plan.num_experts, num_m, num_out, dtype=out_dtype, device=a.device)
     # the operand that is not gathered may come by TMA (its rows are the segment's consecutive pairs)
     desc = _descriptor(b if gather_a else a) if plan.tma and gather_a != gather_b else None
     a_desc, b_desc = (None, desc) if gather_a else (desc, None)
-    grid = lambda meta: (plan.num_experts * _cdiv(num_m, meta["BLOCK_M"]) * _cdiv(num_out, meta["BLOCK_N"]),)  # noqa: E731
+    grid = lambda meta: (plan.num_experts * cdiv(num_m, meta["BLOCK_M"]) * cdiv(num_out, meta["BLOCK_N"]),)  # noqa: E731
     _run_tuned(
         _kernels.segment_outer_kernel, grid, (a.dtype, b.dtype, num_m, num_out, plan.rows_per_expert, gather_a, desc is not None),
         a, b, plan.pair_row_N, plan.expert_offsets, c_LQF, a_desc, b_desc,
@@ -280,7 +269,7 @@ def _segment_outer(plan: _Launch, a, b, *, gather_a: bool, gather_b: bool, out_d
 
 class _ExpertMLPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_RH, pair_weight_N, gate_up_L2IH, down_LHI, plan: _Launch, save_for_backward: bool):
+    def forward(ctx, x_RH, pair_weight_N, gate_up_L2IH, down_LHI, plan: LaunchPlan, save_for_backward: bool):
         ctx.plan = plan
         if plan.num_pairs == 0:  # nothing to launch: every row is served by no pair
             ctx.save_for_backward(x_RH, pair_weight_N, gate_up_L2IH, down_LHI)
@@ -293,7 +282,7 @@ class _ExpertMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout_RH):
-        plan: _Launch = ctx.plan
+        plan: LaunchPlan = ctx.plan
         need_dx, need_dweight, need_dgate_up, need_ddown = ctx.needs_input_grad[:4]
         if plan.num_pairs == 0:
             return tuple(torch.zeros_like(t) if need else None for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad)) + (None, None)
@@ -372,13 +361,13 @@ def _row_index(pair_row_N: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, t
     return row_pairs_N, torch.searchsorted(sorted_rows_N, boundaries)
 
 
-def plan_launch(segments: ExpertSegments, reduce: str, activation: str = "silu") -> _Launch:
+def plan_launch(segments: ExpertSegments, reduce: str, activation: str = "silu") -> LaunchPlan:
     if reduce not in REDUCE_MODES:
         raise ValueError(f"reduce mode {reduce!r} is not one of {REDUCE_MODES}")
     row_pairs_N = row_offsets = None
     if reduce != "atomic":
         row_pairs_N, row_offsets = _row_index(segments.pair_row, segments.num_rows)
-    return _Launch(
+    return LaunchPlan(
         pair_row_N=segments.pair_row.contiguous(),
         expert_offsets=segments.expert_offsets.contiguous(),
         num_rows=segments.num_rows,
@@ -386,7 +375,7 @@ def plan_launch(segments: ExpertSegments, reduce: str, activation: str = "silu")
         activation=_kernels.ACTIVATIONS[activation],
         rows_per_expert=_rows_per_expert_bucket(segments.num_pairs, segments.num_local_experts),
         tma=segments.num_pairs >= TMA_MIN_ROWS * max(1, segments.num_local_experts),
-        block_experts=_next_power_of_2(max(2, segments.num_local_experts)),
+        block_experts=next_power_of_2(max(2, segments.num_local_experts)),
         row_pairs_N=row_pairs_N,
         row_offsets=row_offsets,
     )
@@ -483,4 +472,7 @@ def expert_mlp_triton_stages(
     return stages
 
 
-__all__ = ["ACTIVATIONS", "REDUCE_MODES", "activation_name", "expert_mlp_triton", "expert_mlp_triton_stages"]
+__all__ = [
+    "ACTIVATIONS", "REDUCE_MODES", "LaunchPlan", "activation_name", "check_inputs", "expert_mlp_triton",
+    "expert_mlp_triton_stages", "plan_launch", "row_sum",
+]  # fmt: skip

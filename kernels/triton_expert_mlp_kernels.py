@@ -52,7 +52,7 @@ from .activations import ACTIVATIONS as _ACTIVATION_NAMES
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-#: activation name -> the constexpr code `_activation` branches on
+#: activation name -> the constexpr code `apply_activation` branches on
 ACTIVATIONS = {name: code for code, name in enumerate(_ACTIVATION_NAMES)}
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps[, extra constexprs]) candidates for Hopper, tuned
@@ -290,7 +290,7 @@ def _gemm_k_loop(
 
 
 @triton.jit
-def _activation(gate, ACTIVATION: tl.constexpr):
+def apply_activation(gate, ACTIVATION: tl.constexpr):
     """act(gate) and act'(gate) in fp32 (`ACTIVATIONS`: 0 SiLU, 1 GELU with the tanh approximation)."""
     if ACTIVATION == 0:
         sig = tl.sigmoid(gate)
@@ -377,7 +377,7 @@ def gate_up_kernel(
         gu_ptrs = gu_ptr + offs_m[:, None] * (2 * I) + offs_n[None, :]
         tl.store(gu_ptrs, gate, mask=mask_out)
         tl.store(gu_ptrs + I, up, mask=mask_out)
-    act, _ = _activation(gate.to(tl.float32), ACTIVATION)
+    act, _ = apply_activation(gate.to(tl.float32), ACTIVATION)
     h = act * up.to(tl.float32) * tl.load(pair_weight_ptr + safe_m).to(tl.float32)[:, None]
     tl.store(hw_ptr + offs_m[:, None] * I + offs_n[None, :], h.to(hw_ptr.dtype.element_ty), mask=mask_out)
 
@@ -485,7 +485,7 @@ def segment_sum_kernel(
 
 
 @triton.jit
-def _dgate_up_epilogue(
+def dgate_up_epilogue(
     g, offs_m, mask_m, offs_n, mask_n, w_M, gu_ptr, dgu_ptr, hw_ptr, I, WRITE_HW: tl.constexpr, ACTIVATION: tl.constexpr
 ):
     """From g = dout[row] @ down_e over a [BM, BN'] tile: store d gate, d up (and hw when WRITE_HW);
@@ -494,7 +494,7 @@ def _dgate_up_epilogue(
     gu_ptrs = gu_ptr + offs_m[:, None] * (2 * I) + offs_n[None, :]
     gate = tl.load(gu_ptrs, mask=mask_out, other=0.0).to(tl.float32)
     up = tl.load(gu_ptrs + I, mask=mask_out, other=0.0).to(tl.float32)
-    act, dact = _activation(gate, ACTIVATION)
+    act, dact = apply_activation(gate, ACTIVATION)
     h = act * up
     # d out / d pair_weight[p] = <y[p], dout[row p]> = <h[p], dout[row p] @ down_e> = <h[p], g[p]>
     partial = tl.sum(tl.where(mask_out, h * g, 0.0), axis=1)
@@ -573,15 +573,15 @@ def dgate_up_kernel(
     if EPI_SPLIT == 2:  # two column halves one after the other: fewer fp32 tiles live at once
         g_left, g_right = _column_halves(g, BLOCK_M, BLOCK_N)
         offs_left = tile_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
-        partial = _dgate_up_epilogue(
+        partial = dgate_up_epilogue(
             g_left, offs_m, mask_m, offs_left, offs_left < I, w_M, gu_ptr, dgu_ptr, hw_ptr, I, WRITE_HW, ACTIVATION
         )
         offs_right = offs_left + BLOCK_N // 2
-        partial += _dgate_up_epilogue(
+        partial += dgate_up_epilogue(
             g_right, offs_m, mask_m, offs_right, offs_right < I, w_M, gu_ptr, dgu_ptr, hw_ptr, I, WRITE_HW, ACTIVATION
         )
     else:
-        partial = _dgate_up_epilogue(g, offs_m, mask_m, offs_n, mask_n, w_M, gu_ptr, dgu_ptr, hw_ptr, I, WRITE_HW, ACTIVATION)
+        partial = dgate_up_epilogue(g, offs_m, mask_m, offs_n, mask_n, w_M, gu_ptr, dgu_ptr, hw_ptr, I, WRITE_HW, ACTIVATION)
     tl.store(dweight_partial_ptr + offs_m * stride_partial_row + tile_n, partial, mask=mask_m)
 
 
