@@ -35,7 +35,7 @@ from . import grouped_mm_fused_kernels as _kernels
 from .activations import ACTIVATIONS
 from .expert_mlp_reference import grouped_mm_op
 from .layout import ExpertSegments
-from .triton_expert_mlp import FAST_REDUCE, LaunchPlan, check_inputs, plan_launch, row_sum
+from .triton_expert_mlp import FAST_REDUCE, LaunchPlan, check_inputs, plan_launch, row_sum, run_tuned
 from .triton_support import cdiv
 
 
@@ -43,10 +43,11 @@ def _gather_rows(plan: LaunchPlan, src_RH: torch.Tensor) -> torch.Tensor:
     """[N, H]: row pair_row[p] of src for every pair of the segments (later rows unwritten)."""
     hidden = src_RH.shape[1]
     out_NH = torch.empty(plan.num_pairs, hidden, dtype=src_RH.dtype, device=src_RH.device)
-    block_m, block_n = _kernels.GATHER_BLOCK
-    _kernels.gather_rows_kernel[(cdiv(plan.num_pairs, block_m), cdiv(hidden, block_n))](
+    grid = lambda meta: (cdiv(plan.num_pairs, meta["BLOCK_M"]), cdiv(hidden, meta["BLOCK_N"]))  # noqa: E731
+    run_tuned(
+        _kernels.gather_rows_kernel, grid, (src_RH.dtype, hidden, plan.rows_per_expert),
         src_RH, plan.pair_row_N, plan.expert_offsets[plan.num_experts:], out_NH, plan.num_pairs, hidden,
-        src_RH.stride(0), out_NH.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
+        src_RH.stride(0), out_NH.stride(0), plan.rows_per_expert,
     )  # fmt: skip
     return out_NH
 

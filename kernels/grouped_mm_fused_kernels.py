@@ -19,8 +19,10 @@ backward the autograd of each (docs/kernels.md). These kernels do that work in o
                         epilogue (`dgate_up_epilogue`), so both backends compute the same values.
 
 The per-row sum of the pair outputs is the Triton backend's `segment_sum_kernel` (fp32, pair order).
-Elementwise kernels with one fixed tile each (no autotuning: no tuner's host time per call, which at small T
-is the call's time). Under `TRITON_INTERPRET=1` the tiles are small, so tiny test shapes span several.
+The elementwise kernels have one fixed tile each; the gather's tile is tuned per (H, size class), and like the
+Triton backend's tuned kernels it runs the chosen config directly after the first call (`run_tuned`: no tuner's
+host time per call, which at small T is the call's time). Under `TRITON_INTERPRET=1` the tiles are small, so
+tiny test shapes span several.
 """
 
 from __future__ import annotations
@@ -28,14 +30,24 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_expert_mlp_kernels import INTERPRETED, apply_activation, dgate_up_epilogue
+from .triton_expert_mlp_kernels import INTERPRETED, apply_activation, bench_config, dgate_up_epilogue
 
-#: (BLOCK_M, BLOCK_N) of the elementwise kernels: 4096 elements a program on the GPU
-GATHER_BLOCK = (4, 16) if INTERPRETED else (8, 512)
+#: (BLOCK_M, BLOCK_N, warps) candidates of the gather, tuned per (H, size class): it moves [N, H] (at OLMoE,
+#: T = 16384, 537 MB written at 2.75 TB/s with the first of them, H200 2026-12-01), and how many rows a program
+#: holds in flight decides how close it gets to copy speed
+_GATHER_HOPPER = [(8, 512, 4), (16, 512, 4), (8, 1024, 4), (16, 1024, 8), (32, 256, 4), (4, 2048, 8)]
+#: (BLOCK_M, BLOCK_N) of the other elementwise kernels: 4096 elements a program on the GPU
 ACT_BLOCK = (4, 16) if INTERPRETED else (16, 256)
 ACT_BACKWARD_BLOCK = (4, 16) if INTERPRETED else (16, 128)
 
 
+def _gather_configs() -> list[triton.Config]:
+    if INTERPRETED:  # one small tile: tiny test shapes span several programs
+        return [triton.Config({"BLOCK_M": 4, "BLOCK_N": 16}, num_warps=1, num_stages=1)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps) for m, n, warps in _GATHER_HOPPER]
+
+
+@triton.autotune(configs=_gather_configs(), key=["H", "ROWS_PER_EXPERT"], do_bench=bench_config)
 @triton.jit
 def gather_rows_kernel(
     src_ptr,  # [R, H]
@@ -46,6 +58,7 @@ def gather_rows_kernel(
     H,
     stride_src,
     stride_out,
+    ROWS_PER_EXPERT,  # autotuning key only: the call's size class
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -115,4 +128,4 @@ def act_mul_backward_kernel(
     tl.store(dweight_ptr + offs_m, total.to(dweight_ptr.dtype.element_ty), mask=offs_m < num_pairs)
 
 
-__all__ = ["ACT_BACKWARD_BLOCK", "ACT_BLOCK", "GATHER_BLOCK", "act_mul_backward_kernel", "act_mul_kernel", "gather_rows_kernel"]
+__all__ = ["ACT_BACKWARD_BLOCK", "ACT_BLOCK", "act_mul_backward_kernel", "act_mul_kernel", "gather_rows_kernel"]

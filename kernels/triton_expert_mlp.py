@@ -143,7 +143,7 @@ class LaunchPlan:
 _CHOSEN: dict[tuple, tuple[dict, triton.Config]] = {}
 
 
-def _run_tuned(kernel, grid, key: tuple, *args, **constexprs) -> triton.Config:
+def run_tuned(kernel, grid, key: tuple, *args, **constexprs) -> triton.Config:
     """Launch the autotuned `kernel`; returns the config that ran. `key` stands for the tuner's own key
     at this call site (the values the tuner is keyed on, and the tensors' dtypes).
 
@@ -172,7 +172,7 @@ def _gate_up(plan: LaunchPlan, x_RH, gate_up_L2IH, pair_weight_N, save_gu: bool)
     hw_NI = _empty(num_pairs, intermediate, dtype=x_RH.dtype, device=x_RH.device)
     gu_N2I = _empty(num_pairs, 2 * intermediate, dtype=x_RH.dtype, device=x_RH.device) if save_gu else None
     grid = lambda meta: (plan.m_tiles_bound(meta["BLOCK_M"]) * cdiv(intermediate, meta["BLOCK_N"]),)  # noqa: E731
-    _run_tuned(
+    run_tuned(
         _kernels.gate_up_kernel, grid, (x_RH.dtype, x_RH.shape[1], intermediate, plan.rows_per_expert, save_gu),
         x_RH, plan.pair_row_N, plan.expert_offsets, gate_up_L2IH, pair_weight_N, hw_NI, gu_N2I if save_gu else hw_NI,
         plan.num_experts, x_RH.shape[1], intermediate, plan.rows_per_expert,
@@ -198,7 +198,7 @@ def _scatter_gemm(plan: LaunchPlan, a_NK, b_LKF, out_dtype):
     a_desc, (b_desc, b_k_axis) = (_descriptor(a_NK), _expert_matrix(b_LKF)) if plan.tma else (None, (None, 0))
     tma_ok = a_desc is not None and b_desc is not None
     grid = lambda meta: (plan.m_tiles_bound(meta["BLOCK_M"]) * cdiv(num_out, meta["BLOCK_N"]),)  # noqa: E731
-    _run_tuned(
+    run_tuned(
         _kernels.scatter_gemm_kernel, grid, (a_NK.dtype, target.dtype, a_NK.shape[1], num_out, plan.rows_per_expert, atomic, tma_ok),
         a_NK, plan.pair_row_N, plan.expert_offsets, b_LKF, target, a_desc if tma_ok else None, b_desc if tma_ok else None,
         plan.num_experts, a_NK.shape[1], num_out, plan.rows_per_expert,
@@ -216,10 +216,11 @@ def row_sum(plan: LaunchPlan, y_NF: torch.Tensor, out_dtype) -> torch.Tensor:
     through the plan's row -> pairs index); rows served by no pair are zero. y's rows must be contiguous."""
     num_out = y_NF.shape[1]
     out = _empty(plan.num_rows, num_out, dtype=out_dtype, device=y_NF.device)
-    grid = lambda meta: (plan.num_rows, cdiv(num_out, meta["BLOCK_H"]))  # noqa: E731
-    _run_tuned(
-        _kernels.segment_sum_kernel, grid, (y_NF.dtype, num_out),
-        y_NF, plan.row_pairs_N, plan.row_offsets, out, num_out, y_NF.stride(0), out.stride(0),
+    grid = lambda meta: (cdiv(plan.num_rows, meta["BLOCK_R"]), cdiv(num_out, meta["BLOCK_H"]))  # noqa: E731
+    run_tuned(
+        _kernels.segment_sum_kernel, grid, (y_NF.dtype, num_out, plan.rows_per_expert),
+        y_NF, plan.row_pairs_N, plan.row_offsets, out, plan.num_rows, num_out, y_NF.stride(0), out.stride(0),
+        plan.rows_per_expert,
     )  # fmt: skip
     return out
 
@@ -235,7 +236,7 @@ def _dgate_up(plan: LaunchPlan, dout_RH, down_LHI, gu_N2I, pair_weight_N, write_
     partial_NP = _empty(plan.num_pairs, cdiv(intermediate, min_block_n), dtype=torch.float32, device=dout_RH.device)
     b_desc, _ = _expert_matrix(down_LHI) if plan.tma else (None, 0)
     grid = lambda meta: (plan.m_tiles_bound(meta["BLOCK_M"]) * cdiv(intermediate, meta["BLOCK_N"]),)  # noqa: E731
-    config = _run_tuned(
+    config = run_tuned(
         _kernels.dgate_up_kernel, grid, (dout_RH.dtype, dout_RH.shape[1], intermediate, plan.rows_per_expert, write_hw, b_desc is not None),
         dout_RH, plan.pair_row_N, plan.expert_offsets, down_LHI, gu_N2I, pair_weight_N, dgu_N2I,
         hw_NI if write_hw else dgu_N2I, partial_NP, b_desc,
@@ -256,7 +257,7 @@ def _segment_outer(plan: LaunchPlan, a, b, *, gather_a: bool, gather_b: bool, ou
     desc = _descriptor(b if gather_a else a) if plan.tma and gather_a != gather_b else None
     a_desc, b_desc = (None, desc) if gather_a else (desc, None)
     grid = lambda meta: (plan.num_experts * cdiv(num_m, meta["BLOCK_M"]) * cdiv(num_out, meta["BLOCK_N"]),)  # noqa: E731
-    _run_tuned(
+    run_tuned(
         _kernels.segment_outer_kernel, grid, (a.dtype, b.dtype, num_m, num_out, plan.rows_per_expert, gather_a, desc is not None),
         a, b, plan.pair_row_N, plan.expert_offsets, c_LQF, a_desc, b_desc,
         plan.num_experts, num_m, num_out, plan.rows_per_expert,
@@ -474,5 +475,5 @@ def expert_mlp_triton_stages(
 
 __all__ = [
     "ACTIVATIONS", "REDUCE_MODES", "LaunchPlan", "activation_name", "check_inputs", "expert_mlp_triton",
-    "expert_mlp_triton_stages", "plan_launch", "row_sum",
+    "expert_mlp_triton_stages", "plan_launch", "row_sum", "run_tuned",
 ]  # fmt: skip

@@ -20,7 +20,7 @@ Kernels:
 - `scatter_gemm_kernel` y[p] = a[p] @ B_e, either atomically added in fp32 into
                        out[row p] (`reduce="atomic"`) or written per pair for `segment_sum_kernel`.
 - `segment_sum_kernel` out[r] = sum of y over the pairs of row r, in pair order (deterministic); rows
-                       served by no pair get zeros.
+                       served by no pair get zeros. Several rows a program, 8 pair rows of each in flight.
 - `dgate_up_kernel`    backward of the gate/up/activation stage: g[p] = dout[row p] @ down_e, then
                        d gu[p] from g, the pair weight and the saved pre-activations, the pair
                        weight's gradient partial sums <h[p], g[p]> per N tile, and hw[p] again (the
@@ -93,9 +93,9 @@ _OUTER_HOPPER = [
     (64, 128, 32, 2, 4), (128, 128, 32, 2, 8), (64, 256, 32, 2, 8), (128, 256, 16, 2, 8),
     (128, 256, 64, 3, 8, _TMA), (128, 256, 64, 4, 8, _TMA), (128, 128, 64, 4, 8, _TMA), (256, 128, 64, 3, 8, _TMA),
 ]  # fmt: skip
-# (BLOCK_H, warps): the wide rows with 4 warps give each thread 16-byte loads of every pair row (at OLMoE,
-# T = 16384 the three narrower ones moved 1.7 TB/s, H200 2026-12-01: 0.36 ms of a 3.3 ms forward)
-_SEGMENT_SUM_HOPPER = [(256, 2), (512, 4), (1024, 8), (1024, 4), (2048, 4), (2048, 8)]
+# (BLOCK_R, BLOCK_H, warps) of the row sum: 2048-4096 elements a load step, so that a thread's share of
+# every pair row is one or two 16-byte loads, and 8 pair rows of each of BLOCK_R rows in flight
+_SEGMENT_SUM_HOPPER = [(1, 2048, 4), (2, 1024, 4), (4, 512, 4), (8, 256, 4), (4, 1024, 8), (8, 512, 8), (16, 256, 8)]
 #: row tiles of at most this many rows are small-T candidates
 SMALL_M = 32
 #: mean pairs per expert up to which only tiles of at most 64 rows are tuned (above it, none of <= SMALL_M)
@@ -178,12 +178,12 @@ _PRUNE_BY_ROWS = {"early_config_prune": _prune_by_rows}
 
 
 def _segment_sum_configs() -> list[triton.Config]:
-    if INTERPRETED:
-        return [triton.Config({"BLOCK_H": 16}, num_warps=1, num_stages=1)]
-    return [triton.Config({"BLOCK_H": h}, num_warps=warps) for h, warps in _SEGMENT_SUM_HOPPER]
+    if INTERPRETED:  # two rows a program: the tests' rows of different pair counts share programs
+        return [triton.Config({"BLOCK_R": 2, "BLOCK_H": 16}, num_warps=1, num_stages=1)]
+    return [triton.Config({"BLOCK_R": r, "BLOCK_H": h}, num_warps=warps) for r, h, warps in _SEGMENT_SUM_HOPPER]
 
 
-def _bench_config(kernel_call, quantiles):
+def bench_config(kernel_call, quantiles):
     """The autotuner's timing of one config: a short `do_bench` (5 ms warm-up, 25 ms of repeats; the
     tuner runs once per shape key, and a benchmark run tunes dozens of keys). A config that fails to
     compile or launch for any reason is reported and timed as infinitely slow, so one bad candidate on
@@ -315,7 +315,7 @@ def _column_halves(t, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     configs=_gemm_configs(_GATE_UP_HOPPER),
     key=["K", "I", "ROWS_PER_EXPERT", "SAVE_GU"],
     prune_configs_by=_PRUNE_BY_ROWS,
-    do_bench=_bench_config,
+    do_bench=bench_config,
 )
 @triton.heuristics({"EVEN_K": _even_k})
 @triton.jit
@@ -387,7 +387,7 @@ def gate_up_kernel(
     key=["K", "N_OUT", "ROWS_PER_EXPERT", "ATOMIC", "TMA_OK"],
     prune_configs_by=_PRUNE_BY_ROWS,
     reset_to_zero=["out_ptr"],
-    do_bench=_bench_config,
+    do_bench=bench_config,
 )
 @triton.heuristics({"EVEN_K": _even_k, "A_TMA": _a_tma, "B_TMA": _b_tma})
 @triton.jit
@@ -454,34 +454,42 @@ def scatter_gemm_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
 
 
-@triton.autotune(configs=_segment_sum_configs(), key=["H"], do_bench=_bench_config)
+@triton.autotune(configs=_segment_sum_configs(), key=["H", "ROWS_PER_EXPERT"], do_bench=bench_config)
 @triton.jit
 def segment_sum_kernel(
     y_ptr,  # [N, H] per-pair rows
     row_pairs_ptr,  # [N] int64: pairs sorted by row (stable)
     row_offsets_ptr,  # [R + 1] int64: pairs of row r are row_pairs[row_offsets[r]:row_offsets[r + 1]]
     out_ptr,  # [R, H]
+    num_rows,
     H,
     stride_y_row,
     stride_out_row,
+    ROWS_PER_EXPERT,  # autotuning key only: the call's size class (a tile that wins at T = 128 may lose at 16384)
+    BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    # PAIRS rows are loaded at once (independent loads in flight) and summed in a fixed tree order;
-    # PAIRS is the same in every config, so the tuner's choice never changes the bits of the result.
+    # BLOCK_R rows a program, PAIRS pair rows of each loaded before any is added: every program puts
+    # BLOCK_R * PAIRS independent row loads in flight after one load of the offsets and one of the pair
+    # indices (one row a program left a chain of three dependent loads per 8 rows read, about 1.7 TB/s on the
+    # H200). The sum runs pair by pair, in pair order, in fp32, whatever the config: the tuner's choice never
+    # changes the bits of the result.
     PAIRS: tl.constexpr = 8
-    row = tl.program_id(0).to(tl.int64)
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = offs_r < num_rows
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
-    first = tl.load(row_offsets_ptr + row)
-    last = tl.load(row_offsets_ptr + row + 1)
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for j in range(first, last, PAIRS):
-        offs_j = j + tl.arange(0, PAIRS)
-        mask_j = offs_j < last
-        pairs = tl.load(row_pairs_ptr + offs_j, mask=mask_j, other=0)
-        y = tl.load(y_ptr + pairs[:, None] * stride_y_row + offs_h[None, :], mask=mask_j[:, None] & mask_h[None, :], other=0.0)
-        acc += tl.sum(y.to(tl.float32), axis=0)
-    tl.store(out_ptr + row * stride_out_row + offs_h, acc.to(out_ptr.dtype.element_ty), mask=mask_h)
+    first_R = tl.load(row_offsets_ptr + offs_r, mask=mask_r, other=0)
+    count_R = tl.load(row_offsets_ptr + offs_r + 1, mask=mask_r, other=0) - first_R
+    acc = tl.zeros((BLOCK_R, BLOCK_H), dtype=tl.float32)
+    for j in range(0, tl.max(count_R, axis=0), PAIRS):
+        for q in tl.static_range(PAIRS):
+            has_R = j + q < count_R
+            pair_R = tl.load(row_pairs_ptr + first_R + j + q, mask=has_R, other=0)
+            y_ptrs = y_ptr + pair_R[:, None] * stride_y_row + offs_h[None, :]
+            acc += tl.load(y_ptrs, mask=has_R[:, None] & mask_h[None, :], other=0.0).to(tl.float32)
+    out_ptrs = out_ptr + offs_r.to(tl.int64)[:, None] * stride_out_row + offs_h[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_r[:, None] & mask_h[None, :])
 
 
 @triton.jit
@@ -513,7 +521,7 @@ def dgate_up_epilogue(
     configs=_gemm_configs(_DGATE_UP_HOPPER, "dgate_up"),
     key=["K", "I", "ROWS_PER_EXPERT", "WRITE_HW", "TMA_OK"],
     prune_configs_by=_PRUNE_BY_ROWS,
-    do_bench=_bench_config,
+    do_bench=bench_config,
 )
 @triton.heuristics({"EVEN_K": _even_k, "B_TMA": lambda args: _a_tma(args) and args["EVEN_K"]})
 @triton.jit
@@ -626,7 +634,7 @@ def _outer_block(
     configs=_gemm_configs(_OUTER_HOPPER, "segment_outer"),
     key=["M", "N_OUT", "ROWS_PER_EXPERT", "GATHER_A", "TMA_OK"],
     prune_configs_by={"early_config_prune": _prune_by_segment},
-    do_bench=_bench_config,
+    do_bench=bench_config,
 )
 @triton.jit
 def segment_outer_kernel(

@@ -93,6 +93,9 @@ CASES = {
     "long_segment": (40, 16, 32, 2, [(r, 1) for r in range(40)] + [(r, 0) for r in range(0, 40, 7)]),
     # one local expert (L = 1) with k = 1
     "one_expert": (6, 16, 16, 1, [(r, 0) for r in range(6)]),
+    # row 0 on all 10 experts (more pairs than the row sum loads at once: two rounds), row 1 on 3 beside it in
+    # one row-sum program, row 2 on 9 alone in the last (its neighbour masked)
+    "wide_rows": (3, 16, 16, 10, [(0, e) for e in range(10)] + [(1, e) for e in (2, 5, 7)] + [(2, e) for e in range(9)]),
 }
 
 
@@ -212,7 +215,7 @@ def test_tma_configs_match_reference(interpreted, monkeypatch, case):
 
 
 def test_tuned_launches_skip_the_autotuner_until_its_cache_is_replaced(interpreted, monkeypatch):
-    """`_run_tuned`: after the first launch per key the tuner's choice runs without the autotuner (the
+    """`run_tuned`: after the first launch per key the tuner's choice runs without the autotuner (the
     same bits; with the TMA configs forced, so the direct launch runs the config's descriptor pre-hook
     too); a replaced tuning cache sends the next launch through the tuner again."""
     monkeypatch.setattr(triton_expert_mlp, "TMA_MIN_ROWS", 0)
@@ -535,7 +538,7 @@ def _bf16_matches_fp32_and_repeats(problem: Problem) -> None:
 def test_bf16_small_t_matches_fp32_reference():
     """T = 128 at the OLMoE shape (16 pairs per expert: the small-T row tiles and the weight gradients'
     short-reduction candidates are tuned; the layout and the row index sorted by one Triton program),
-    the default mode; the second call, which launches the tuned configs directly (`_run_tuned`), gives
+    the default mode; the second call, which launches the tuned configs directly (`run_tuned`), gives
     the same bits."""
     from occult_hf.kernels.layout import _sort_pairs_torch
 

@@ -651,14 +651,18 @@ def tuned_configs_table() -> str:
     """Each Triton kernel's tuned configuration per tuning key, as far as this process tuned them."""
     import sys
 
-    kernels = sys.modules.get("occult_hf.kernels.triton_expert_mlp_kernels")
-    if kernels is None:
-        return ""
+    tuned = {
+        "occult_hf.kernels.triton_expert_mlp_kernels": (
+            "gate_up_kernel", "scatter_gemm_kernel", "segment_sum_kernel", "dgate_up_kernel", "segment_outer_kernel",
+        ),
+        "occult_hf.kernels.grouped_mm_fused_kernels": ("gather_rows_kernel",),
+    }  # fmt: skip
     rows = []
-    for name in ("gate_up_kernel", "scatter_gemm_kernel", "segment_sum_kernel", "dgate_up_kernel", "segment_outer_kernel"):
-        tuner = getattr(kernels, name, None)
-        for key, config in sorted(getattr(tuner, "cache", {}).items(), key=str):
-            rows.append([name, ", ".join(map(str, key)), str(config)])
+    for module_name, names in tuned.items():
+        for name in names:
+            tuner = getattr(sys.modules.get(module_name), name, None)
+            for key, config in sorted(getattr(tuner, "cache", {}).items(), key=str):
+                rows.append([name, ", ".join(map(str, key)), str(config)])
     return _markdown(["kernel", "key", "config"], rows) if rows else ""
 
 
