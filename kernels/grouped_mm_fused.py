@@ -36,6 +36,7 @@ from .activations import ACTIVATIONS
 from .expert_mlp_reference import grouped_mm_op
 from .layout import ExpertSegments
 from .triton_expert_mlp import FAST_REDUCE, LaunchPlan, check_inputs, plan_launch, row_sum, run_tuned
+from .triton_launch import launch
 from .triton_support import cdiv
 
 
@@ -46,7 +47,7 @@ def _gather_rows(plan: LaunchPlan, src_RH: torch.Tensor) -> torch.Tensor:
     grid = lambda meta: (cdiv(plan.num_pairs, meta["BLOCK_M"]), cdiv(hidden, meta["BLOCK_N"]))  # noqa: E731
     run_tuned(
         _kernels.gather_rows_kernel, grid, (src_RH.dtype, hidden, plan.rows_per_expert),
-        src_RH, plan.pair_row_N, plan.expert_offsets[plan.num_experts:], out_NH, plan.num_pairs, hidden,
+        src_RH, plan.pair_row_N, plan.segments_end, out_NH, plan.num_pairs, hidden,
         src_RH.stride(0), out_NH.stride(0), plan.rows_per_expert,
     )  # fmt: skip
     return out_NH
@@ -57,8 +58,9 @@ def _act_mul(plan: LaunchPlan, gu_N2I: torch.Tensor, pair_weight_N: torch.Tensor
     intermediate = gu_N2I.shape[1] // 2
     hw_NI = torch.empty(plan.num_pairs, intermediate, dtype=gu_N2I.dtype, device=gu_N2I.device)
     block_m, block_n = _kernels.ACT_BLOCK
-    _kernels.act_mul_kernel[(cdiv(plan.num_pairs, block_m), cdiv(intermediate, block_n))](
-        gu_N2I, pair_weight_N, plan.expert_offsets[plan.num_experts:], hw_NI, plan.num_pairs, intermediate,
+    launch(
+        _kernels.act_mul_kernel, (cdiv(plan.num_pairs, block_m), cdiv(intermediate, block_n)),
+        gu_N2I, pair_weight_N, plan.segments_end, hw_NI, plan.num_pairs, intermediate,
         ACTIVATION=plan.activation, BLOCK_M=block_m, BLOCK_N=block_n,
     )  # fmt: skip
     return hw_NI
@@ -72,8 +74,9 @@ def _act_mul_backward(plan: LaunchPlan, g_NI, gu_N2I, pair_weight_N, write_hw: b
     hw_NI = torch.empty_like(g_NI) if write_hw else None
     dweight_N = torch.empty_like(pair_weight_N)
     block_m, block_n = _kernels.ACT_BACKWARD_BLOCK
-    _kernels.act_mul_backward_kernel[(cdiv(plan.num_pairs, block_m),)](
-        g_NI, gu_N2I, pair_weight_N, plan.expert_offsets[plan.num_experts:], dgu_N2I,
+    launch(
+        _kernels.act_mul_backward_kernel, (cdiv(plan.num_pairs, block_m),),
+        g_NI, gu_N2I, pair_weight_N, plan.segments_end, dgu_N2I,
         hw_NI if write_hw else dgu_N2I, dweight_N, plan.num_pairs, intermediate,
         WRITE_HW=write_hw, ACTIVATION=plan.activation, BLOCK_M=block_m, BLOCK_N=block_n,
     )  # fmt: skip

@@ -39,15 +39,18 @@ first imported in the process), which is for tests; use `expert_mlp_reference` o
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import triton
+from triton.runtime.jit import JITFunction
 
 from . import triton_expert_mlp_kernels as _kernels
 from .activations import ACTIVATIONS, activation_name
 from .layout import ExpertSegments
+from .triton_launch import launch
 from .triton_layout import fits_one_program, sort_by_group
 from .triton_support import cdiv, interpreting, next_power_of_2
 
@@ -134,6 +137,12 @@ class LaunchPlan:
     def num_experts(self) -> int:
         return self.expert_offsets.shape[0] - 1
 
+    @functools.cached_property
+    def segments_end(self) -> torch.Tensor:
+        """`expert_offsets[L:]`: the one-element view the kernels read the segments' end from (made once per
+        call, not once per launch)."""
+        return self.expert_offsets[self.num_experts :]
+
     def m_tiles_bound(self, block_m: int) -> int:
         """Upper bound on sum_e cdiv(count_e, block_m), known without reading the counts."""
         return cdiv(self.num_pairs, block_m) + min(self.num_experts, self.num_pairs)
@@ -148,7 +157,8 @@ def run_tuned(kernel, grid, key: tuple, *args, **constexprs) -> triton.Config:
     at this call site (the values the tuner is keyed on, and the tensors' dtypes).
 
     The first launch per key goes through the autotuner, which tunes once per key; later launches run
-    the config it chose through `kernel.fn` directly. The autotuner's per-call Python (two dicts of every
+    the config it chose through `kernel.fn` directly (a plain `triton.jit` function without a pre-hook: its
+    compiled kernel, through `triton_launch.launch`). The autotuner's per-call Python (two dicts of every
     argument, its key with each tensor's dtype as a string, a third dict for the config's pre-hook) is
     host time on every launch, and at small T the host's time is the call's time
     (docs/bench_experts_h200.md). A replaced tuning cache (tests and `--compare-candidates` swap in an
@@ -160,6 +170,10 @@ def run_tuned(kernel, grid, key: tuple, *args, **constexprs) -> triton.Config:
         return kernel.best_config
     config = chosen[1]
     kernel.best_config = config
+    if config.pre_hook is None and isinstance(kernel.fn, JITFunction):  # the compiled kernel, directly
+        meta = config.all_kwargs()
+        launch(kernel.fn, grid(meta), *args, **constexprs, **meta)
+        return config
     if config.pre_hook is not None:  # the TMA kernels' block shapes (`_kernels._set_tma_blocks`)
         config.pre_hook({**dict(zip(kernel.arg_names, args)), **constexprs, **config.all_kwargs()})
     kernel.fn[grid](*args, **constexprs, **config.all_kwargs())

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_launch import launch
+
 #: most pairs (and groups) one program sorts; above it the callers use torch's sort. One program runs on one
 #: multiprocessor and a bitonic sort does N log^2 N work: on the H200 (2026-12-01 04:17 UTC, profiler, OLMoE
 #: k = 8) a sort took 17 us at 1024 pairs (T = 128, hidden behind the host's launches) but 275 us at 8192
@@ -92,7 +94,8 @@ def sort_by_group(group_N: torch.Tensor, num_groups: int, minor_N: torch.Tensor 
     offsets = torch.empty(num_groups + 1, dtype=torch.int64, device=device)
     minor_sorted_N = None if minor_N is None else torch.empty(num_pairs, dtype=torch.int64, device=device)
     group_sorted_N = torch.empty(num_pairs, dtype=torch.int64, device=device)
-    sort_by_group_kernel[(1,)](
+    launch(
+        sort_by_group_kernel, (1,),
         group_N, group_N if minor_N is None else minor_N, num_pairs, minor_range, num_groups,
         order_N, offsets, group_sorted_N if minor_sorted_N is None else minor_sorted_N, group_sorted_N,
         HAS_MINOR=minor_N is not None, BLOCK_N=block_n, BLOCK_G=max(32, 1 << num_groups.bit_length()),

@@ -1,0 +1,82 @@
+"""Launching compiled Triton kernels without `JITFunction.run`'s per-call Python.
+
+`kernel[grid](*args)` binds every argument, works out the specialization of each (dtype and 16-byte alignment
+of a tensor, whether an integer is 1 or a multiple of 16), packs the options, hashes all of that into a cache
+key and looks the compiled kernel up, on every call. On the H200 host that is about 50-70 us per launch
+(docs/bench_experts_h200.md), and at small T the host's time is the call's time: a forward + backward of
+`grouped_mm_fused` at T = 128 took about 2 ms to issue for 0.75-1.0 ms of GPU work.
+
+`launch` keeps the `CompiledKernel` of each specialization in a dict under a key it computes with a few
+comparisons per argument (the same distinctions Triton's own specialization makes, `_specialization`), and
+calls the compiled kernel's launcher directly. The first launch of each key, and every launch under the
+interpreter or while Triton's launch hooks are set (a profiler such as proton), goes through
+`kernel[grid]` as before; so the compiled kernel is always the one Triton would pick.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .triton_support import interpreting
+
+try:  # Triton >= 3.4 keeps the launch hooks in `knobs`
+    from triton import knobs
+except ImportError:  # pragma: no cover - older Triton: every launch goes through kernel[grid]
+    knobs = None
+
+#: (kernel, device, argument specializations, constexprs and options) -> (compiled kernel, constexpr names in
+#: parameter order after the positional arguments)
+_COMPILED: dict[tuple, tuple[object, tuple[str, ...]]] = {}
+
+
+def _specialization(value) -> object:
+    """What Triton compiles differently for: a tensor's dtype and whether its address is 16-byte aligned; an
+    integer's width and whether it is 1 or a multiple of 16; anything else (floats, None, bools) by value,
+    which distinguishes at least as much as Triton does."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype, value.data_ptr() % 16 == 0
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value == 1, value % 16 == 0, -(2**31) <= value < 2**31
+    return value
+
+
+def _device_and_stream() -> tuple[int, int]:
+    """The current CUDA device and its current stream's handle, as Triton's launcher takes them."""
+    device = torch.cuda.current_device()
+    return device, torch.cuda.current_stream(device).cuda_stream
+
+
+def _hook_set(hook) -> bool:
+    """Whether a launch hook is installed: not None and, where Triton keeps a chain of hooks (3.9), not empty."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _hooks_set() -> bool:
+    return _hook_set(knobs.runtime.launch_enter_hook) or _hook_set(knobs.runtime.launch_exit_hook)
+
+
+def launch(kernel, grid: tuple[int, ...], *args, **constexprs) -> None:
+    """`kernel[grid](*args, **constexprs)` for a `triton.jit` function (not an autotuner or heuristics wrapper)
+    and a grid of 1-3 ints. `constexprs` may carry options (`num_warps`, `num_stages`) beside the kernel's
+    constexpr parameters; every parameter after the positional `args` must be among them."""
+    if knobs is None or interpreting() or _hooks_set():
+        kernel[grid](*args, **constexprs)
+        return
+    device, stream = _device_and_stream()
+    key = (kernel, device, tuple(map(_specialization, args)), tuple(constexprs.items()))
+    cached = _COMPILED.get(key)
+    if cached is None:
+        compiled = kernel[grid](*args, **constexprs)
+        tail = tuple(kernel.arg_names[len(args) :])
+        if set(tail) <= set(constexprs):  # else a defaulted parameter: this kernel keeps kernel[grid]
+            _COMPILED[key] = (compiled, tail)
+        return
+    compiled, tail = cached
+    grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
+    compiled.run(
+        grid_x, grid_y, grid_z, stream, compiled.function, compiled.packed_metadata, None, None, None,
+        *args, *(constexprs[name] for name in tail),
+    )  # fmt: skip
+
+
+__all__ = ["launch"]
