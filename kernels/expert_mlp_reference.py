@@ -66,17 +66,23 @@ def expert_mlp_grouped_mm(
 
     Gathers the pair rows `[N, H]`, runs the two grouped GEMMs over the expert segments, and
     reduces the weighted pair outputs into one fp32 row per received row with `index_add`.
+
+    Pairs past `expert_offsets[L]` (a static dispatch's empty slots, row `R`: `dispatch.static`) belong to no
+    segment: they read a clamped row, and their GEMM rows, which `grouped_mm` leaves unwritten, are masked out of
+    the result and of every gradient (a mask on the device: the count is never read on the host).
     """
     grouped_mm = grouped_mm_op()
     if grouped_mm is None:
         raise RuntimeError(f"expert_mlp_grouped_mm needs torch.nn.functional.grouped_mm (torch {torch.__version__} has none)")
     offsets_L = segments.expert_offsets[1:].to(torch.int32)  # end of each expert's segment
-    x_NH = x_RH[segments.pair_row]
+    num_rows = segments.num_rows
+    in_segment_N1 = (torch.arange(segments.num_pairs, device=x_RH.device) < segments.expert_offsets[-1])[:, None]
+    x_NH = torch.where(in_segment_N1, x_RH[segments.pair_row.clamp_max(max(num_rows - 1, 0))], 0)
     gate_NI, up_NI = grouped_mm(x_NH, gate_up_proj_L2IH.transpose(1, 2), offs=offsets_L).chunk(2, dim=-1)
     y_NH = grouped_mm(act_fn(gate_NI) * up_NI, down_proj_LHI.transpose(1, 2), offs=offsets_L)
-    y_NH = y_NH.float() * pair_weight_N[:, None].float()
-    out_RH = torch.zeros(segments.num_rows, x_RH.shape[1], dtype=torch.float32, device=x_RH.device)
-    return out_RH.index_add(0, segments.pair_row, y_NH).to(x_RH.dtype)
+    y_NH = torch.where(in_segment_N1, y_NH.float() * pair_weight_N[:, None].float(), 0.0)
+    out_RH = torch.zeros(num_rows + 1, x_RH.shape[1], dtype=torch.float32, device=x_RH.device)  # row R: empty slots
+    return out_RH.index_add(0, segments.pair_row, y_NH)[:num_rows].to(x_RH.dtype)
 
 
 __all__ = ["expert_mlp_grouped_mm", "expert_mlp_reference", "grouped_mm_op"]

@@ -360,14 +360,21 @@ def _args(problem: Problem, dtype=torch.float32):
     return x, problem.segments, weight, gate_up, down
 
 
-def test_grouped_mm_reference_matches_loop_reference():
+@pytest.mark.parametrize("padded", [False, True])
+def test_grouped_mm_reference_matches_loop_reference(padded):
+    """The "torch" backend's grouped_mm path; `padded` adds a static dispatch's empty slots (pairs past the
+    segments, row R), which it once indexed out of range: they must change neither the output nor a gradient."""
     rows, hidden, inter, experts, pairs = CASES["empty_experts"]
     problem = make_problem(rows, hidden, inter, experts, pairs, seed=2)
+    if padded:
+        problem = _padded(problem, extra=5)
     grad_out = torch.randn(rows, hidden)
     out, grads = run_with_grads(expert_mlp_grouped_mm, problem, torch.float32, grad_out)
     ref_out, ref_grads = run_with_grads(expert_mlp_reference, problem, torch.float64, grad_out)
     assert rel_err(out, ref_out) <= 1e-5
-    assert all(rel_err(g, r) <= 1e-5 for g, r in zip(grads, ref_grads))
+    assert all(g is not None and rel_err(g, r) <= 1e-5 for g, r in zip(grads, ref_grads))
+    if padded:
+        assert torch.count_nonzero(grads[1][len(pairs):]) == 0, "pairs past the segments get no weight gradient"
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ Co-activation-aware placements (Occult's) lower CT below the uniform value (the 
 **The rule.** "auto" picks "padded" for a layer when it dispatches in "dedup" mode, in one chunk (the overlap of
 several chunks exists only in "all_to_all"), without collaboration pruning (whose point is to send fewer rows,
 which a fixed slot would not), with an expert backend that skips a static layout's empty pairs (every backend but
-"torch" on CUDA, whose grouped GEMM path would read them), where the ranks can agree on the most tokens any of
+"torch" on CUDA, whose grouped GEMM path gathers and masks every slot, empty or not), where the ranks can agree on the most tokens any of
 them passes host to host (`ExpertParallelGroup.host_group`, a gloo group `apply_occult` makes: ranks may then pass
 different T), and when the estimated overhead is at most `PADDED_MAX_OVERHEAD` (25%); otherwise the registered
 dispatchers by priority ("all_to_all"). The bound: the host
