@@ -207,7 +207,8 @@ def expert_routes(
     Returns `(stay_EM, offset_EM, rest_before_E, rest_total_E, cumulative_EM)`: the fraction of each (expert,
     first visited home)'s pairs that stays there; the pairs of that group on the ranks before this one; the
     pairs of each expert that do not stay, on the ranks before and in all; and the cumulative fractions of those
-    over the homes. Static shapes and no host read: `GraphedRoutes` replays it from a CUDA graph.
+    over the homes. Static shapes and no host read: `GraphedRoutes` replays it from a CUDA graph, and
+    `replica_routes_kernel` computes it in one Triton kernel (what the dispatchers launch on a GPU).
     """
     max_homes = home_table_EM.shape[1]
     counts_EM1, before_EM1 = all_GEM1.sum(0), all_GEM1[:rank].sum(0)
@@ -234,8 +235,10 @@ class GraphedRoutes:
     table are copied into the graph's input buffers first, so re-homed copies (`rehome.apply_replicas`) need no
     new capture. In session 4 these operators cost ~5-13 ms per layer on the GPU (docs/placement.md, "GPU
     rows"). Eager where graphs do not apply: on CPU, and inside an enclosing capture (the outer graph holds
-    it then). One instance per dispatcher (a layer): the outputs are the graph's own buffers, read by the
-    operators that follow in stream order before the next replay of that layer can overwrite them.
+    it then). One instance per layer: the outputs are the graph's own buffers, read by the operators that follow
+    in stream order before the next replay of that layer can overwrite them. The dispatchers launch the one-kernel
+    version instead (`replica_routes_kernel.FusedRoutes`, 11x faster on an H200) and keep this where Triton is
+    missing or the shapes exceed the kernel's.
     """
 
     def __init__(self) -> None:
@@ -296,8 +299,8 @@ def load_aware_homes(
        collects every rank's counts (one all-gather of E x (M + 1) integers per rank per layer, `[G, E,
        M + 1]` in rank order; None: this process's tokens are the whole batch, as with logical devices);
     2. every rank derives the same split of each replicated expert's pairs over its homes from their sum
-       (`replica_shares`, within `routes`: `expert_routes`, or the `GraphedRoutes` the dispatchers pass,
-       one graph replay on a GPU);
+       (`replica_shares`, within `routes`: `expert_routes`, or the `replica_routes_kernel.FusedRoutes` the
+       dispatchers pass, one Triton launch on a GPU);
     3. the pairs are assigned as if the group's pairs stood in one line, rank by rank (`rank`: this one's
        place; the counts of the ranks before it give its offset), so the split is met to one pair per
        home, not one per home and rank: of the pairs whose token visits home m, the fraction

@@ -1,4 +1,4 @@
-"""`occult bench replicas`: the load-aware replica rule of one layer on one GPU, eager against its CUDA graph.
+"""`occult bench replicas`: the load-aware replica rule of one layer on one GPU: eager, its CUDA graph, its Triton kernel.
 
 Shape legend (docs/conventions.md): T tokens per rank, k experts per token, E experts, M most homes of one
 expert, G ranks of the group.
@@ -7,12 +7,13 @@ Under `replica_choice="load_aware"` every layer routes its replicated experts' p
 (`replica_routing.load_aware_homes`): a per-expert half (`expert_routes`: the split's rounds and the tables,
 about 480 small operators) and a per-pair half (about 80). Session 4 measured the whole rule at 8-16 ms per
 layer on two H200s, about 2x the layer; session 5 replays the per-expert half from one CUDA graph per layer
-(`GraphedRoutes`). This times, per layer and in one process, for each case (E, k) x D logical devices x T:
+(`GraphedRoutes`); session 6 computes it in one Triton kernel (`replica_routes_kernel`, what the dispatchers
+launch on a GPU). This times, per layer and in one process, for each case (E, k) x D logical devices x T:
 
 - `static`: the static rule (`resolve_homes`), the baseline every replicated layer pays;
-- `routes eager` / `routes graphed`: the per-expert half alone, eager and replayed;
-- `rule eager` / `rule graphed`: the whole rule for rank 0 as a dispatcher runs it, eager and with the graphed
-  half (what `replica_choice="load_aware"` costs a layer on top of its exchange);
+- `routes eager` / `routes graphed` / `routes kernel`: the per-expert half alone, eager, replayed, one launch;
+- `rule eager` / `rule graphed` / `rule kernel`: the whole rule for rank 0 as a dispatcher runs it, with each
+  half (`rule kernel` is what `replica_choice="load_aware"` costs a layer on top of its exchange);
 - `rule in one graph`: the whole rule captured (the floor a layer captured as a whole would pay).
 
 The G = D ranks' counts are computed from synthetic routing and handed over as if all-gathered (the one
@@ -21,7 +22,8 @@ experts drawn without replacement with weights 1 / (rank + 4) (skewed as real ro
 plus one redundant slot per device for the D hottest experts (second home half the group away). Each time is
 the median of `--iterations` host-timed calls (`bench ep`'s `timed`: synchronised before and after; these calls
 are launch-bound, so the host's time is the layer's). Every case also checks that the graphed rule routes
-exactly as the eager one.
+exactly as the eager one, and counts the pairs the kernel's rule routes elsewhere (its sums run in another order:
+a pair exactly on a rounding tie may move; 0 expected).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 from occult_hf.atomic import atomic_write_json, atomic_write_text
 from occult_hf.benchmarks.ep import timed
 from occult_hf.cuda_graph import capture
+from occult_hf.replica_routes_kernel import fused_expert_routes
 from occult_hf.replica_routing import (
     PIN_SLACK,
     GraphedRoutes,
@@ -52,7 +55,7 @@ DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
 #: (name, E, k) of the routed experts timed
 SHAPES = (("OLMoE", 64, 8), ("Qwen1.5", 60, 4))
-COLUMNS = ("static", "routes eager", "routes graphed", "rule eager", "rule graphed", "rule in one graph")
+COLUMNS = ("static", "routes eager", "routes graphed", "routes kernel", "rule eager", "rule graphed", "rule kernel", "rule in one graph")
 
 
 def synthetic_case(num_experts: int, top_k: int, num_devices: int, tokens: int, device, seed: int = 0):
@@ -67,8 +70,9 @@ def synthetic_case(num_experts: int, top_k: int, num_devices: int, tokens: int, 
     return ids_Nk.view(num_devices, tokens, top_k).to(device), torch.from_numpy(table_EM).to(device)
 
 
-def time_case(num_experts: int, top_k: int, num_devices: int, tokens: int, device, iterations: int) -> dict[str, float | None]:
-    """Per-layer ms of each of `COLUMNS` for rank 0 (None: no CUDA graph on this device)."""
+def time_case(num_experts: int, top_k: int, num_devices: int, tokens: int, device, iterations: int) -> tuple[dict[str, float | None], int | None]:
+    """`(ms, moved)`: per-layer ms of each of `COLUMNS` for rank 0 (None: no CUDA graph or compiled kernel on this
+    device), and the pairs the kernel's rule routes elsewhere than the eager one (None on CPU)."""
     ids_GTk, table_EM = synthetic_case(num_experts, top_k, num_devices, tokens, device)
     max_homes = table_EM.shape[1]
     gathered_GEM1 = torch.stack([
@@ -90,27 +94,36 @@ def time_case(num_experts: int, top_k: int, num_devices: int, tokens: int, devic
         "routes graphed": timed(lambda: graphed(gathered_GEM1, table_EM, *args), iterations, device) if on_gpu else None,
         "rule eager": timed(rule(expert_routes), iterations, device),
         "rule graphed": timed(rule(graphed), iterations, device) if on_gpu else None,
+        "routes kernel": None,
+        "rule kernel": None,
         "rule in one graph": None,
     }
-    if on_gpu:
-        whole, out = capture(rule(expert_routes), device, warmup=2)
-        whole.replay()
-        if not torch.equal(out, eager):
-            raise RuntimeError(f"E={num_experts} D={num_devices} T={tokens}: the rule captured whole routes differently")
-        times["rule in one graph"] = timed(whole.replay, iterations, device)
-    return times
+    if not on_gpu:
+        return times, None
+    moved = int((rule(fused_expert_routes)() != eager).sum())
+    times["routes kernel"] = timed(lambda: fused_expert_routes(gathered_GEM1, table_EM, *args), iterations, device)
+    times["rule kernel"] = timed(rule(fused_expert_routes), iterations, device)
+    whole, out = capture(rule(expert_routes), device, warmup=2)
+    whole.replay()
+    if not torch.equal(out, eager):
+        raise RuntimeError(f"E={num_experts} D={num_devices} T={tokens}: the rule captured whole routes differently")
+    times["rule in one graph"] = timed(whole.replay, iterations, device)
+    return times, moved
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown: one row per case, the columns' ms and the ratios eager / graphed."""
-    head = ["model (E, k)", "D", "T per rank", *(f"{c} ms" for c in COLUMNS), "rule eager / graphed", "rule graphed / static"]
+    """Markdown: one row per case, the columns' ms, the ratios of the rules to the static one, and the pairs the
+    kernel's rule moved."""
+    head = ["model (E, k)", "D", "T per rank", *(f"{c} ms" for c in COLUMNS), "rule eager / graphed", "rule graphed / static", "rule kernel / static", "kernel moved pairs"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     for row in rows:
         t = row["ms"]
         ratio = "-" if t["rule graphed"] is None else f"{t['rule eager'] / t['rule graphed']:.1f}x"
         over = "-" if t["rule graphed"] is None else f"{t['rule graphed'] / t['static']:.1f}x"
-        cells = [f"{row['model']} ({row['E']}, {row['k']})", str(row["D"]), str(row["T"]), *(fmt(t[c]) for c in COLUMNS), ratio, over]
+        kernel = "-" if t["rule kernel"] is None else f"{t['rule kernel'] / t['static']:.2f}x"
+        moved = "-" if row["kernel moved"] is None else str(row["kernel moved"])
+        cells = [f"{row['model']} ({row['E']}, {row['k']})", str(row["D"]), str(row["T"]), *(fmt(t[c]) for c in COLUMNS), ratio, over, kernel, moved]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -128,11 +141,12 @@ def run(args: argparse.Namespace) -> int:
         if value < 1:
             raise ValueError(f"occult bench replicas {name} must be >= 1, got {value}")
     device = torch.device(args.device)
-    rows = [
-        {"model": name, "E": experts, "k": top_k, "D": num_devices, "T": tokens,
-         "ms": time_case(experts, top_k, num_devices, tokens, device, args.iterations)}
-        for name, experts, top_k in SHAPES for num_devices in args.devices for tokens in args.tokens
-    ]  # fmt: skip
+    rows = []
+    for name, experts, top_k in SHAPES:
+        for num_devices in args.devices:
+            for tokens in args.tokens:
+                ms, moved = time_case(experts, top_k, num_devices, tokens, device, args.iterations)
+                rows.append({"model": name, "E": experts, "k": top_k, "D": num_devices, "T": tokens, "ms": ms, "kernel moved": moved})
     from occult_hf.benchmarks.experts import machine_line
 
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

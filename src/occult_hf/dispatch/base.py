@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from occult_hf.kernels.layout import ExpertSegments
 
-from ..replica_routing import PIN_SLACK, REPLICA_CHOICES, GraphedRoutes, load_aware_homes
+from ..replica_routes_kernel import FusedRoutes
+from ..replica_routing import PIN_SLACK, REPLICA_CHOICES, load_aware_homes
 from . import row_sum
 from .auto import AutoHints
 from .group import ExpertParallelGroup
@@ -230,7 +231,7 @@ class TokenDispatcher:
             raise ValueError(f"replica_choice must be one of {REPLICA_CHOICES}, got {replica_choice!r}")
         self.replica_choice = replica_choice
         self.pin_slack = float(pin_slack)
-        self._routes = GraphedRoutes()  # the load-aware rule's per-expert half: one CUDA graph replay on a GPU
+        self._routes = FusedRoutes()  # the load-aware rule's per-expert half: one Triton launch on a GPU
         self.ep = ep
         self.mode = mode
         self.num_local_experts = int(num_local_experts)
