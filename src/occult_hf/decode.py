@@ -79,7 +79,8 @@ def no_host_sync():
 # ----- dispatchers for decoding ------------------------------------------------------------------
 @contextlib.contextmanager
 def use_dispatcher(model: torch.nn.Module, name: str):
-    """Give every `OccultMoE` of `model` the dispatcher `name` (same group, placement and mode) inside the block."""
+    """Give every `OccultMoE` of `model` the dispatcher `name` (same group, placement, mode, replica choice and pin
+    slack) inside the block."""
     from .dispatch import build_dispatcher
     from .moe import OccultMoE
 
@@ -92,6 +93,7 @@ def use_dispatcher(model: torch.nn.Module, name: str):
                 name, old.ep, device_of_E.tolist(), local_index_E.tolist(), old.num_local_experts,
                 mode=old.mode, chunks=old.chunks, timeout_s=old.timeout_s, layer=old.layer,
                 device=layer.local_experts.gate_up_proj.device, home_table_EM=home_table_EM, slot_ED=slot_ED,
+                replica_choice=old.replica_choice, pin_slack=old.pin_slack,
             )  # fmt: skip
         yield model
     finally:
