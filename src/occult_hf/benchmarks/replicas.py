@@ -14,7 +14,8 @@ launch on a GPU). This times, per layer and in one process, for each case (E, k)
 - `routes eager` / `routes graphed` / `routes kernel`: the per-expert half alone, eager, replayed, one launch;
 - `rule eager` / `rule graphed` / `rule kernel`: the whole rule for rank 0 as a dispatcher runs it, with each
   half (`rule kernel` is what `replica_choice="load_aware"` costs a layer on top of its exchange);
-- `rule in one graph`: the whole rule captured (the floor a layer captured as a whole would pay).
+- `rule in one graph` / `rule kernel in one graph`: the whole rule captured, with the eager or the kernel's
+  per-expert half (what a layer captured as a whole pays: graphed decoding).
 
 The G = D ranks' counts are computed from synthetic routing and handed over as if all-gathered (the one
 collective of the rule is not timed: `occult bench ep`'s replica rows time it in place). Routing: each token's k
@@ -55,7 +56,7 @@ DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
 #: (name, E, k) of the routed experts timed
 SHAPES = (("OLMoE", 64, 8), ("Qwen1.5", 60, 4))
-COLUMNS = ("static", "routes eager", "routes graphed", "routes kernel", "rule eager", "rule graphed", "rule kernel", "rule in one graph")
+COLUMNS = ("static", "routes eager", "routes graphed", "routes kernel", "rule eager", "rule graphed", "rule kernel", "rule in one graph", "rule kernel in one graph")
 
 
 def synthetic_case(num_experts: int, top_k: int, num_devices: int, tokens: int, device, seed: int = 0):
@@ -97,17 +98,20 @@ def time_case(num_experts: int, top_k: int, num_devices: int, tokens: int, devic
         "routes kernel": None,
         "rule kernel": None,
         "rule in one graph": None,
+        "rule kernel in one graph": None,
     }
     if not on_gpu:
         return times, None
-    moved = int((rule(fused_expert_routes)() != eager).sum())
+    kernel_routed = rule(fused_expert_routes)()
+    moved = int((kernel_routed != eager).sum())
     times["routes kernel"] = timed(lambda: fused_expert_routes(gathered_GEM1, table_EM, *args), iterations, device)
     times["rule kernel"] = timed(rule(fused_expert_routes), iterations, device)
-    whole, out = capture(rule(expert_routes), device, warmup=2)
-    whole.replay()
-    if not torch.equal(out, eager):
-        raise RuntimeError(f"E={num_experts} D={num_devices} T={tokens}: the rule captured whole routes differently")
-    times["rule in one graph"] = timed(whole.replay, iterations, device)
+    for column, routes, expected in (("rule in one graph", expert_routes, eager), ("rule kernel in one graph", fused_expert_routes, kernel_routed)):
+        whole, out = capture(rule(routes), device, warmup=2)
+        whole.replay()
+        if not torch.equal(out, expected):
+            raise RuntimeError(f"E={num_experts} D={num_devices} T={tokens}: the {column} routes differently from its uncaptured rule")
+        times[column] = timed(whole.replay, iterations, device)
     return times, moved
 
 
