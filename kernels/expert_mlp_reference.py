@@ -68,8 +68,9 @@ def expert_mlp_grouped_mm(
     reduces the weighted pair outputs into one fp32 row per received row with `index_add`.
 
     Pairs past `expert_offsets[L]` (a static dispatch's empty slots, row `R`: `dispatch.static`) belong to no
-    segment: they read a clamped row, and their GEMM rows, which `grouped_mm` leaves unwritten, are masked out of
-    the result and of every gradient (a mask on the device: the count is never read on the host).
+    segment: they read a clamped row, and every `grouped_mm` output, whose rows past the last offset (and those of
+    its input gradient) are left unwritten, is masked by a select (`torch.where`, whose backward selects too: no
+    `0 * garbage`), so they reach neither the result nor a gradient; the count is never read on the host.
     """
     grouped_mm = grouped_mm_op()
     if grouped_mm is None:
@@ -78,9 +79,10 @@ def expert_mlp_grouped_mm(
     num_rows = segments.num_rows
     in_segment_N1 = (torch.arange(segments.num_pairs, device=x_RH.device) < segments.expert_offsets[-1])[:, None]
     x_NH = torch.where(in_segment_N1, x_RH[segments.pair_row.clamp_max(max(num_rows - 1, 0))], 0)
-    gate_NI, up_NI = grouped_mm(x_NH, gate_up_proj_L2IH.transpose(1, 2), offs=offsets_L).chunk(2, dim=-1)
-    y_NH = grouped_mm(act_fn(gate_NI) * up_NI, down_proj_LHI.transpose(1, 2), offs=offsets_L)
-    y_NH = torch.where(in_segment_N1, y_NH.float() * pair_weight_N[:, None].float(), 0.0)
+    gu_N2I = torch.where(in_segment_N1, grouped_mm(x_NH, gate_up_proj_L2IH.transpose(1, 2), offs=offsets_L), 0)
+    gate_NI, up_NI = gu_N2I.chunk(2, dim=-1)
+    y_NH = torch.where(in_segment_N1, grouped_mm(act_fn(gate_NI) * up_NI, down_proj_LHI.transpose(1, 2), offs=offsets_L), 0)
+    y_NH = y_NH.float() * pair_weight_N[:, None].float()
     out_RH = torch.zeros(num_rows + 1, x_RH.shape[1], dtype=torch.float32, device=x_RH.device)  # row R: empty slots
     return out_RH.index_add(0, segments.pair_row, y_NH)[:num_rows].to(x_RH.dtype)
 

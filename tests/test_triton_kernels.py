@@ -14,6 +14,7 @@ unwritten element shows up as NaN.
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import subprocess
@@ -30,6 +31,9 @@ from occult_hf.kernels import triton_expert_mlp
 from occult_hf.kernels import triton_expert_mlp_kernels as kernels
 from occult_hf.kernels.activations import activation_name
 from occult_hf.kernels.triton_expert_mlp import REDUCE_MODES, expert_mlp_triton
+
+expert_mlp_reference_module = importlib.import_module("occult_hf.kernels.expert_mlp_reference")
+GROUPED_MM = expert_mlp_reference_module.grouped_mm_op()  # the real one, before a test patches it
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 REPO = Path(__file__).resolve().parents[1]
@@ -360,14 +364,38 @@ def _args(problem: Problem, dtype=torch.float32):
     return x, problem.segments, weight, gate_up, down
 
 
+class _UnwrittenTail(torch.autograd.Function):
+    """`grouped_mm` as CUDA runs it: rows past the last offset of its output, and of its input's gradient, are left
+    unwritten (here NaN; PyTorch's CPU fallback writes zeros, which would hide a `0 * garbage`)."""
+
+    @staticmethod
+    def forward(ctx, a, b, offs):
+        ctx.save_for_backward(a, b, offs)
+        out = GROUPED_MM(a, b, offs=offs)
+        out[int(offs[-1]):] = float("nan")
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b, offs = ctx.saved_tensors
+        with torch.enable_grad():
+            a_, b_ = a.detach().requires_grad_(), b.detach().requires_grad_()
+            da, db = torch.autograd.grad(GROUPED_MM(a_, b_, offs=offs), (a_, b_), grad)
+        da[int(offs[-1]):] = float("nan")
+        return da, db, None
+
+
 @pytest.mark.parametrize("padded", [False, True])
-def test_grouped_mm_reference_matches_loop_reference(padded):
+def test_grouped_mm_reference_matches_loop_reference(padded, monkeypatch):
     """The "torch" backend's grouped_mm path; `padded` adds a static dispatch's empty slots (pairs past the
-    segments, row R), which it once indexed out of range: they must change neither the output nor a gradient."""
+    segments, row R), which it once indexed out of range and then let `grouped_mm`'s unwritten rows into the weight
+    gradient: they must change neither the output nor a gradient, with those rows NaN."""
     rows, hidden, inter, experts, pairs = CASES["empty_experts"]
     problem = make_problem(rows, hidden, inter, experts, pairs, seed=2)
     if padded:
         problem = _padded(problem, extra=5)
+        unwritten_tail = lambda a, b, offs: _UnwrittenTail.apply(a, b, offs)  # noqa: E731
+        monkeypatch.setattr(expert_mlp_reference_module, "grouped_mm_op", lambda: unwritten_tail)
     grad_out = torch.randn(rows, hidden)
     out, grads = run_with_grads(expert_mlp_grouped_mm, problem, torch.float32, grad_out)
     ref_out, ref_grads = run_with_grads(expert_mlp_reference, problem, torch.float64, grad_out)
