@@ -1,10 +1,12 @@
-"""`replica_routes_kernel`: the load-aware rule's per-expert half in one Triton kernel, against the torch version.
+"""`replica_routes_kernel` / `replica_pairs_kernel`: the load-aware rule's per-expert half in one Triton kernel and
+its per-pair half in a few, against the torch version.
 
 On CPU the kernel runs under the Triton interpreter (`TRITON_INTERPRET=1` when the kernel is first made: it uses only
 Triton builtins). The torch version (`replica_routing.replica_shares` / `expert_routes`) is the reference: the split
 within 1e-9 relative, the integer tables equal, and the routing `load_aware_homes` derives from the tables
-identical, on random and adversarial counts, random routing and the Qwen1.5 trace. The `gpu` test holds the compiled
-kernel to the same on an H200, also inside a CUDA graph capture (graphed decoding).
+identical, on random and adversarial counts, random routing and the Qwen1.5 trace. The per-pair kernels give the torch
+half's integers exactly (preferences, counts, every pair's device). The `gpu` tests hold the compiled kernels to the
+same on an H200, also inside a CUDA graph capture (graphed decoding).
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ import numpy as np
 import pytest
 import torch
 
+from occult_hf.replica_pairs_kernel import fused_assign, fused_preferences_and_counts
 from occult_hf.replica_routes_kernel import fused_expert_routes, fused_routes_and_shares
 from occult_hf.replica_routing import (
     PIN_SLACK,
+    TORCH_PAIRS,
+    PairHalf,
     expert_routes,
     home_table_from,
     load_aware_homes,
@@ -85,15 +90,23 @@ def test_tables_on_random_and_adversarial_counts(interpreted):
     _assert_same_tables(many_counts, many_homes, 64, 1, PIN_SLACK, False)
 
 
-def _same_routing_over_ranks(ids_Tk, table_EM, num_devices, num_ranks, visited_TD=None):
-    """`load_aware_homes` of every rank with the kernel's tables equals the torch rule's, pair by pair."""
+#: the per-pair kernels whatever the device (`FUSED_PAIRS` takes the torch half on CPU)
+KERNEL_PAIRS = PairHalf(fused_preferences_and_counts, fused_assign)
+
+
+def _same_routing_over_ranks(ids_Tk, table_EM, num_devices, num_ranks, visited_TD=None, pairs=None):
+    """`load_aware_homes` of every rank with the kernel's tables (and `pairs`: the per-pair half) equals the torch
+    rule's, pair by pair; with `pairs`, its preferences and counts equal the torch half's too."""
     ranks = torch.tensor_split(ids_Tk, num_ranks)
     visits = [None] * num_ranks if visited_TD is None else torch.tensor_split(visited_TD, num_ranks)
     pref = [replica_preferences(r, table_EM, num_devices, v)[1] for r, v in zip(ranks, visits)]
     gathered = torch.stack([preference_counts(r, p, table_EM.shape[0], table_EM.shape[1]) for r, p in zip(ranks, pref)])
     for rank, (ids, visited) in enumerate(zip(ranks, visits)):
         args = (ids, table_EM, num_devices, lambda _: gathered, rank, visited)
-        assert torch.equal(load_aware_homes(*args, routes=fused_expert_routes), load_aware_homes(*args)), rank
+        if pairs is not None:
+            got_pref, got_counts = pairs.preferences_and_counts(ids, table_EM, num_devices, visited)
+            assert torch.equal(got_pref, pref[rank]) and torch.equal(got_counts, gathered[rank]), rank
+        assert torch.equal(load_aware_homes(*args, routes=fused_expert_routes, pairs=pairs), load_aware_homes(*args)), rank
 
 
 def test_routing_equals_the_torch_rule_on_random_routing(interpreted):
@@ -108,11 +121,48 @@ def test_routing_equals_the_torch_rule_on_random_routing(interpreted):
 
 @pytest.mark.skipif(not QWEN_TRACE.is_file(), reason=f"the Qwen1.5 trace is not at {QWEN_TRACE} (../shared is not shipped)")
 def test_routing_equals_the_torch_rule_on_the_qwen_trace(interpreted):
-    """The real trace (21k tokens, E=60, k=4) at D=8, its 8 hottest experts given a second home, over 4 ranks."""
+    """The real trace (21k tokens, E=60, k=4) at D=8, its 8 hottest experts given a second home, over 4 ranks; both
+    halves in Triton on its first 4000 tokens (the interpreter's scan takes ~1 s per 2000 here)."""
     ids = torch.from_numpy(np.load(QWEN_TRACE)["topk_ids"].astype(np.int64))
     hottest = torch.argsort(torch.bincount(ids.reshape(-1), minlength=60), descending=True)[:8]
     table = _replicated_table(60, 8, {int(e): 1 for e in hottest}, seed=4)
     _same_routing_over_ranks(ids, table, 8, 4)
+    _same_routing_over_ranks(ids[:4000], table, 8, 4, pairs=KERNEL_PAIRS)
+
+
+def test_pair_kernels_equal_the_torch_half_on_random_routing(interpreted):
+    """The per-pair kernels: preferences, counts and every pair's device equal to the torch half's, at T from 1 to
+    past several scan blocks, over 1-3 ranks, pinned (collaboration pruning's devices) and not, M = 2 and 4, and
+    int32 ids."""
+    generator = torch.Generator().manual_seed(5)
+    popularity_E = 1.0 / (torch.randperm(32, generator=generator).double() + 2.0)
+    table = _replicated_table(32, 8, {e: 1 + e % 3 for e in range(0, 32, 3)}, seed=5)  # M = 4: padded homes
+    for tokens, num_ranks in ((1, 1), (37, 1), (300, 3)):
+        ids = torch.multinomial(popularity_E.expand(tokens, -1), 6, generator=generator)
+        _same_routing_over_ranks(ids, table, 8, num_ranks, pairs=KERNEL_PAIRS)
+        _same_routing_over_ranks(ids.int(), table[:, :2].contiguous(), 8, num_ranks, pairs=KERNEL_PAIRS)
+        _same_routing_over_ranks(ids, table, 8, num_ranks, torch.rand(tokens, 8, generator=generator) < 0.3, KERNEL_PAIRS)
+
+
+def test_pair_kernels_on_adversarial_routing(interpreted):
+    """Every pair of the replicated expert in one group (its first home visited by every token), groups left empty
+    (replicated experts no token picks), and every pair visiting no home: the torch half's devices exactly."""
+    table = _replicated_table(8, 4, {0: 2, 7: 1, 5: 1}, seed=6)  # expert 0 on three devices; 5 and 7 picked by nobody
+    single_on = {int(d): e for e, d in enumerate(table[:, 0].tolist()) if e not in (0, 5, 7)}
+    missing = (set(range(4)) - set(table[0].tolist())).pop()  # the one device without a home of expert 0
+    one_group = torch.tensor([[0, single_on[int(table[0, 0])]]]).expand(500, -1).contiguous()
+    nowhere = torch.tensor([[0, single_on[missing]]]).expand(300, -1).contiguous()
+    for ids in (one_group, nowhere):
+        for num_ranks in (1, 2):
+            _same_routing_over_ranks(ids, table, 4, num_ranks, pairs=KERNEL_PAIRS)
+    # truly one group, and truly no visited home
+    assert int(fused_preferences_and_counts(one_group, table, 4)[1][0, 0]) == 500
+    assert int(fused_preferences_and_counts(nowhere, table, 4)[1][0, 3]) == 300
+
+
+def test_pair_kernel_argument_error():
+    with pytest.raises(ValueError, match=r"the home table \[4, 1\] has no replicas \(M < 2\)"):
+        fused_preferences_and_counts(torch.zeros(2, 2, dtype=torch.int64), torch.zeros(4, 1, dtype=torch.int64), 2)
 
 
 @pytest.mark.parametrize(
@@ -146,3 +196,25 @@ def test_compiled_kernel_equals_the_torch_rule_on_the_gpu():
         whole, out = capture(lambda: load_aware_homes(ids, table, 8, routes=routes), ids.device, warmup=1)
         whole.replay()
         assert torch.equal(out, load_aware_homes(ids, table, 8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_pair_kernels_equal_the_torch_half_on_the_gpu():
+    """Compiled: the per-pair kernels give the eager GPU rule's preferences, counts and devices at T = 16384 (1024 scan
+    blocks), over 2 ranks, pinned and not, and inside a CUDA graph capture of the whole rule with both halves' kernels."""
+    from occult_hf.cuda_graph import capture
+    from occult_hf.replica_pairs_kernel import FUSED_PAIRS
+    from occult_hf.replica_routes_kernel import FusedRoutes
+
+    generator = torch.Generator().manual_seed(7)
+    popularity_E = 1.0 / (torch.randperm(64, generator=generator).double() + 4.0)
+    ids = torch.multinomial(popularity_E.expand(16384, -1), 8, generator=generator).cuda()
+    visited = (torch.rand(16384, 8, generator=generator) < 0.3).cuda()
+    table = _replicated_table(64, 8, {e: 1 + e % 3 for e in range(0, 64, 4)}, seed=7).cuda()
+    _same_routing_over_ranks(ids, table, 8, 2, pairs=FUSED_PAIRS)
+    _same_routing_over_ranks(ids, table, 8, 2, visited, FUSED_PAIRS)
+    routes = FusedRoutes()
+    whole, out = capture(lambda: load_aware_homes(ids, table, 8, routes=routes, pairs=FUSED_PAIRS), ids.device, warmup=1)
+    whole.replay()
+    assert torch.equal(out, load_aware_homes(ids, table, 8))

@@ -24,7 +24,7 @@ F flat entries of any kind (local: the entries `_rank_in_group` ranks within the
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -289,6 +289,7 @@ def load_aware_homes(
     visited_TD: torch.Tensor | None = None,
     pin_slack: float = PIN_SLACK,
     routes: Callable[..., tuple[torch.Tensor, ...]] = expert_routes,
+    pairs: PairHalf | None = None,
 ) -> torch.Tensor:
     """`[T, k]` int64 device serving each pair under the load-aware rule (`replica_choice="load_aware"`).
 
@@ -308,6 +309,9 @@ def load_aware_homes(
        evenly spaced); the others and the pairs that visit no home are spread over the homes in
        proportion to what each home's share leaves after its visited pairs.
 
+    Steps 1 and 3 are `pairs` (default `TORCH_PAIRS`; the dispatchers pass `replica_pairs_kernel.FUSED_PAIRS`, a
+    few Triton launches on a GPU instead of ~78 torch operators).
+
     Single-home experts go home, so a layer without replicas routes as `device_of_E[topk_ids]`. With
     collaboration pruning (`visited_TD`: the token's N_d devices) a pair never leaves a visited home (the
     pruner keeps every pair on the token's devices), so only pairs that visit none are balanced. The result
@@ -316,11 +320,29 @@ def load_aware_homes(
     ids_Tk = topk_ids_Tk.long()
     if home_table_EM.shape[-1] == 1:
         return home_table_EM[ids_Tk][..., 0]
-    num_experts, max_homes = home_table_EM.shape
-    homes_TkM, pref_Tk = replica_preferences(ids_Tk, home_table_EM, num_devices, visited_TD)
-    local_EM1 = preference_counts(ids_Tk, pref_Tk, num_experts, max_homes)
+    pairs = TORCH_PAIRS if pairs is None else pairs
+    pref_Tk, local_EM1 = pairs.preferences_and_counts(topk_ids_Tk, home_table_EM, num_devices, visited_TD)
     all_GEM1 = local_EM1[None] if gather is None else gather(local_EM1)
     tables = routes(all_GEM1, home_table_EM, num_devices, rank, pin_slack, visited_TD is not None)
+    return pairs.assign(topk_ids_Tk, pref_Tk, home_table_EM, tables)
+
+
+def preferences_and_counts(
+    topk_ids_Tk: torch.Tensor, home_table_EM: torch.Tensor, num_devices: int, visited_TD: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(pref_Tk, counts_EM1)`: step 1 of `load_aware_homes`, `replica_preferences`' `pref_Tk` and its
+    `preference_counts` (the statistic the group gathers)."""
+    _, pref_Tk = replica_preferences(topk_ids_Tk, home_table_EM, num_devices, visited_TD)
+    return pref_Tk, preference_counts(topk_ids_Tk, pref_Tk, *home_table_EM.shape)
+
+
+def assign_pairs(
+    topk_ids_Tk: torch.Tensor, pref_Tk: torch.Tensor, home_table_EM: torch.Tensor, tables: tuple[torch.Tensor, ...]
+) -> torch.Tensor:
+    """`[T, k]` int64 serving device of each pair: step 3 of `load_aware_homes` from the per-expert half's `tables`
+    (`expert_routes`' five) and the pairs' first visited homes `pref_Tk`."""
+    ids_Tk = topk_ids_Tk.long()
+    num_experts, max_homes = home_table_EM.shape
     stay_EM, offset_EM, rest_before_E, rest_total_E, cumulative_EM = tables
     # 3a: the g-th pair (in the group's line) of (expert e, first visited home m) stays at m
     ids_F, pref_F = ids_Tk.reshape(-1), pref_Tk.reshape(-1)
@@ -334,9 +356,22 @@ def load_aware_homes(
     line_F = _rank_in_group(torch.where(rest_F, ids_F, num_experts)) + rest_before_E[ids_F]
     position_F = (line_F.to(torch.float64) + 0.5) / rest_total_E[ids_F].clamp_min(1).to(torch.float64)
     pick_F = (position_F[:, None] >= cumulative_EM[ids_F]).sum(1)
-    pick_F = torch.minimum(pick_F, (homes_TkM.reshape(-1, max_homes) >= 0).sum(1) - 1)
+    homes_FM = home_table_EM[ids_F]
+    pick_F = torch.minimum(pick_F, (homes_FM >= 0).sum(1) - 1)
     choice_F = torch.where(stays_F, pref_F, pick_F)
-    return homes_TkM.reshape(-1, max_homes).gather(1, choice_F[:, None]).view(ids_Tk.shape)
+    return homes_FM.gather(1, choice_F[:, None]).view(ids_Tk.shape)
+
+
+class PairHalf(NamedTuple):
+    """The per-pair half of the load-aware rule, as two functions around the gather and the per-expert half:
+    `preferences_and_counts` (step 1) and `assign` (step 3). `TORCH_PAIRS` is the reference (and the CPU path);
+    `replica_pairs_kernel.FUSED_PAIRS` runs them as a few Triton launches on a GPU."""
+
+    preferences_and_counts: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    assign: Callable[..., torch.Tensor]
+
+
+TORCH_PAIRS = PairHalf(preferences_and_counts, assign_pairs)
 
 
 def home_table_from(device_of_E: np.ndarray, replicas: dict[int, list[int]] | None) -> np.ndarray:
@@ -352,11 +387,15 @@ def home_table_from(device_of_E: np.ndarray, replicas: dict[int, list[int]] | No
 
 __all__ = [
     "GraphedRoutes",
+    "PairHalf",
     "REPLICA_CHOICES",
+    "TORCH_PAIRS",
+    "assign_pairs",
     "home_table_from",
     "expert_routes",
     "load_aware_homes",
     "preference_counts",
+    "preferences_and_counts",
     "replica_preferences",
     "replica_shares",
     "resolve_homes",

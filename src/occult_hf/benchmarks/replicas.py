@@ -12,8 +12,11 @@ launch on a GPU). This times, per layer and in one process, for each case (E, k)
 
 - `static`: the static rule (`resolve_homes`), the baseline every replicated layer pays;
 - `routes eager` / `routes graphed` / `routes kernel`: the per-expert half alone, eager, replayed, one launch;
-- `rule eager` / `rule graphed` / `rule kernel`: the whole rule for rank 0 as a dispatcher runs it, with each
-  half (`rule kernel` is what `replica_choice="load_aware"` costs a layer on top of its exchange);
+- `rule eager` / `rule graphed` / `rule kernel`: the whole rule for rank 0, with each per-expert half and the torch
+  per-pair half;
+- `rule all kernels`: both halves in Triton (the per-pair half as `replica_pairs_kernel`'s few launches), eager:
+  what `replica_choice="load_aware"` costs a layer of an eager forward on top of its exchange, as the dispatchers
+  run it;
 - `rule in one graph` / `rule kernel in one graph`: the whole rule captured, with the eager or the kernel's
   per-expert half (what a layer captured as a whole pays: graphed decoding).
 
@@ -23,8 +26,8 @@ experts drawn without replacement with weights 1 / (rank + 4) (skewed as real ro
 plus one redundant slot per device for the D hottest experts (second home half the group away). Each time is
 the median of `--iterations` host-timed calls (`bench ep`'s `timed`: synchronised before and after; these calls
 are launch-bound, so the host's time is the layer's). Every case also checks that the graphed rule routes
-exactly as the eager one, and counts the pairs the kernel's rule routes elsewhere (its sums run in another order:
-a pair exactly on a rounding tie may move; 0 expected).
+exactly as the eager one, and counts the pairs the kernels' rules route elsewhere (the per-expert kernel's sums run in
+another order: a pair exactly on a rounding tie may move; 0 expected).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import torch
 from occult_hf.atomic import atomic_write_json, atomic_write_text
 from occult_hf.benchmarks.ep import timed
 from occult_hf.cuda_graph import capture
+from occult_hf.replica_pairs_kernel import FUSED_PAIRS
 from occult_hf.replica_routes_kernel import fused_expert_routes
 from occult_hf.replica_routing import (
     PIN_SLACK,
@@ -56,7 +60,10 @@ DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
 #: (name, E, k) of the routed experts timed
 SHAPES = (("OLMoE", 64, 8), ("Qwen1.5", 60, 4))
-COLUMNS = ("static", "routes eager", "routes graphed", "routes kernel", "rule eager", "rule graphed", "rule kernel", "rule in one graph", "rule kernel in one graph")
+COLUMNS = (
+    "static", "routes eager", "routes graphed", "routes kernel", "rule eager", "rule graphed", "rule kernel", "rule all kernels",
+    "rule in one graph", "rule kernel in one graph",
+)  # fmt: skip
 
 
 def synthetic_case(num_experts: int, top_k: int, num_devices: int, tokens: int, device, seed: int = 0):
@@ -82,8 +89,8 @@ def time_case(num_experts: int, top_k: int, num_devices: int, tokens: int, devic
     ids_Tk, graphed = ids_GTk[0], GraphedRoutes()
     args = (num_devices, 0, PIN_SLACK, False)
 
-    def rule(routes):
-        return lambda: load_aware_homes(ids_Tk, table_EM, num_devices, lambda _: gathered_GEM1, 0, routes=routes)
+    def rule(routes, pairs=None):
+        return lambda: load_aware_homes(ids_Tk, table_EM, num_devices, lambda _: gathered_GEM1, 0, routes=routes, pairs=pairs)
 
     eager = rule(expert_routes)()
     if not torch.equal(rule(graphed)(), eager):
@@ -97,15 +104,19 @@ def time_case(num_experts: int, top_k: int, num_devices: int, tokens: int, devic
         "rule graphed": timed(rule(graphed), iterations, device) if on_gpu else None,
         "routes kernel": None,
         "rule kernel": None,
+        "rule all kernels": None,
         "rule in one graph": None,
         "rule kernel in one graph": None,
     }
     if not on_gpu:
         return times, None
     kernel_routed = rule(fused_expert_routes)()
+    if not torch.equal(rule(fused_expert_routes, FUSED_PAIRS)(), kernel_routed):
+        raise RuntimeError(f"E={num_experts} D={num_devices} T={tokens}: the per-pair kernels route differently from the torch per-pair half")
     moved = int((kernel_routed != eager).sum())
     times["routes kernel"] = timed(lambda: fused_expert_routes(gathered_GEM1, table_EM, *args), iterations, device)
     times["rule kernel"] = timed(rule(fused_expert_routes), iterations, device)
+    times["rule all kernels"] = timed(rule(fused_expert_routes, FUSED_PAIRS), iterations, device)
     for column, routes, expected in (("rule in one graph", expert_routes, eager), ("rule kernel in one graph", fused_expert_routes, kernel_routed)):
         whole, out = capture(rule(routes), device, warmup=2)
         whole.replay()
@@ -118,7 +129,10 @@ def time_case(num_experts: int, top_k: int, num_devices: int, tokens: int, devic
 def table(rows: list[dict]) -> str:
     """Markdown: one row per case, the columns' ms, the ratios of the rules to the static one, and the pairs the
     kernel's rule moved."""
-    head = ["model (E, k)", "D", "T per rank", *(f"{c} ms" for c in COLUMNS), "rule eager / graphed", "rule graphed / static", "rule kernel / static", "kernel moved pairs"]
+    head = [
+        "model (E, k)", "D", "T per rank", *(f"{c} ms" for c in COLUMNS), "rule eager / graphed", "rule graphed / static",
+        "rule kernel / static", "rule all kernels / static", "kernel moved pairs",
+    ]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     for row in rows:
@@ -126,8 +140,9 @@ def table(rows: list[dict]) -> str:
         ratio = "-" if t["rule graphed"] is None else f"{t['rule eager'] / t['rule graphed']:.1f}x"
         over = "-" if t["rule graphed"] is None else f"{t['rule graphed'] / t['static']:.1f}x"
         kernel = "-" if t["rule kernel"] is None else f"{t['rule kernel'] / t['static']:.2f}x"
+        all_kernels = "-" if t["rule all kernels"] is None else f"{t['rule all kernels'] / t['static']:.2f}x"
         moved = "-" if row["kernel moved"] is None else str(row["kernel moved"])
-        cells = [f"{row['model']} ({row['E']}, {row['k']})", str(row["D"]), str(row["T"]), *(fmt(t[c]) for c in COLUMNS), ratio, over, kernel, moved]
+        cells = [f"{row['model']} ({row['E']}, {row['k']})", str(row["D"]), str(row["T"]), *(fmt(t[c]) for c in COLUMNS), ratio, over, kernel, all_kernels, moved]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

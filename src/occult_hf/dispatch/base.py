@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from occult_hf.kernels.layout import ExpertSegments
 
+from ..replica_pairs_kernel import FUSED_PAIRS
 from ..replica_routes_kernel import FusedRoutes
 from ..replica_routing import PIN_SLACK, REPLICA_CHOICES, load_aware_homes
 from . import row_sum
@@ -278,7 +279,8 @@ class TokenDispatcher:
             home_table_EM, slot_ED = placement[2:]
             gather = self._gather_counts if self.ep.is_distributed else None
             dest_Tk = load_aware_homes(
-                ids_Tk, home_table_EM, slot_ED.shape[1], gather, self.ep.rank, visited_TD, self.pin_slack, routes=self._routes
+                ids_Tk, home_table_EM, slot_ED.shape[1], gather, self.ep.rank, visited_TD, self.pin_slack, routes=self._routes,
+                pairs=FUSED_PAIRS,
             )
             local_Tk = slot_ED[ids_Tk.long(), dest_Tk]
         self.last_destinations_Tk = dest_Tk.detach()
