@@ -22,7 +22,13 @@ from occult_hf.replica_routing import (
     resolve_homes,
     resolve_homes_np,
 )
-from occult_hf.placement.robust import block_bootstrap_weights, scenario_loads, stated_quantile, token_scenarios
+from occult_hf.placement.robust import (
+    block_bootstrap_weights,
+    scenario_loads,
+    stated_quantile,
+    time_window_membership,
+    token_scenarios,
+)
 from occult_hf.placement.validation import cross_validate, profile_from_sample
 from occult_hf.profile import LayerRouting, RoutingProfile
 from occult_hf.studies.placement_study import structured_topk
@@ -207,6 +213,29 @@ def test_robust_limit_holds_on_every_resample():
     for load_E in loads:
         floor = metrics.load_floor(load_E, np.full(4, 4))
         assert metrics.device_load(load_E, plan.device_of_E, 4).max() <= 1.10 * floor + 1e-9
+
+
+def test_time_windows_bound_each_window_of_a_drifting_profile():
+    """Experts 0-3 co-activate in the first half of the profile, experts 4-7 in the second: pooled, a device per
+    group is balanced and cuts CT to 1, but each window then loads one device only; with 2 time windows each
+    window must stay within the limit."""
+    rng = np.random.default_rng(0)
+    first_Nk = np.stack([rng.choice(4, 2, replace=False) for _ in range(200)])
+    ids_Nk = np.concatenate([first_Nk, first_Nk + 4])
+    routing = profile_from_sample({0: ids_Nk}, 8, "drift").layer(0)
+    member_PN = np.zeros((2, 5), dtype=bool)
+    member_PN[0, :3], member_PN[1, 3:] = True, True
+    assert time_window_membership(member_PN, 2).tolist() == [
+        [True, True, False, False, False], [False, False, True, False, False],
+        [False, False, False, True, False], [False, False, False, False, True],
+    ]
+
+    def window_balance(windows: int) -> float:
+        plan = refine_layer(routing.coactivation, routing.expert_counts, routing.topk_sample, 2, RefinedOptions(time_windows=windows, **FAST))
+        return max(metrics.device_load(np.bincount(half.ravel(), minlength=8), plan.device_of_E, 2).max() / 200 for half in (first_Nk, first_Nk + 4))
+
+    assert window_balance(1) == pytest.approx(2.0)
+    assert window_balance(2) <= 1.10 + 1e-9
 
 
 # ----- replicas in the planner -------------------------------------------------------------------

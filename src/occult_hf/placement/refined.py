@@ -46,7 +46,7 @@ from .objectives import PairwiseCut, SampleCT
 from ..replica_routing import PIN_SLACK, REPLICA_CHOICES, home_table_from, load_aware_homes, resolve_homes_np
 from .in_time import choose_in_time
 from .shedding import link_groups, single_home_rows
-from .robust import count_scenarios, scenario_loads, shrink_toward_mean, token_scenarios
+from .robust import count_scenarios, scenario_loads, shrink_toward_mean, time_window_membership, token_scenarios
 from .registry import balanced_capacities, check_layer_inputs, register_planner
 from .slowest import StepCosts, device_times, slowest_descent
 
@@ -83,6 +83,10 @@ class RefinedOptions:
             the limit (0: only the profile(s) themselves); the limit then holds at about the
             `1 - 1/(B + 2)` quantile of a new sample of the same kind (`placement.robust`).
         robust_blocks: contiguous blocks the sample is cut into for the bootstrap.
+        time_windows: W consecutive windows each profile's tokens (in sample order) are cut into, each held
+            within the limit (and the single-home rows) as a profile of its own (`robust.time_window_membership`):
+            a profile collected over time drifts, and later tokens resemble its later windows more than its
+            pooled mean. 1 (default): the profiles as given. Needs a token sample (ignored for pair counts).
         load_reliability: the fraction of each profile's spread of expert loads expected to persist
             on later tokens: loads (and their resamples') are pulled toward their mean by it before
             the limit is held (`robust.shrink_toward_mean`), so the limit bounds the loads expected
@@ -128,6 +132,7 @@ class RefinedOptions:
     max_sample_tokens: int | None = 16384
     robust_resamples: int = 0
     robust_blocks: int = 32
+    time_windows: int = 1
     load_reliability: float | str = 1.0
     num_redundant_experts: int = 0
     replica_rounds: int = 2
@@ -156,8 +161,10 @@ class RefinedOptions:
         value = self.load_reliability
         if value != "auto" and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0):
             raise ValueError(f"refined option load_reliability must be a number in [0, 1] or 'auto', got {value!r}")
-        if not isinstance(self.robust_blocks, int) or isinstance(self.robust_blocks, bool) or self.robust_blocks < 1:
-            raise ValueError(f"refined option robust_blocks must be an integer >= 1, got {self.robust_blocks!r}")
+        for name in ("robust_blocks", "time_windows"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"refined option {name} must be an integer >= 1, got {value!r}")
         for name in ("seed", "search_rounds", "kick_swaps", "robust_resamples", "num_redundant_experts", "replica_rounds"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -643,7 +650,8 @@ def refine_layer(
         sample, membership_PN = sample[keep], membership_PN[:, keep]
     loads_of = None
     if sample is not None:
-        weights_YN = token_scenarios(membership_PN, options.robust_resamples, options.robust_blocks, rng)
+        windows_PN = time_window_membership(membership_PN, options.time_windows)
+        weights_YN = token_scenarios(windows_PN, options.robust_resamples, options.robust_blocks, rng)
         reliability = options.load_reliability
         if reliability == "auto":
             reliability = cross_validated_reliability(sample, membership_PN, num_experts, num_devices, options)

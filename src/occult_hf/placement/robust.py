@@ -7,6 +7,10 @@ vector of expert loads with its own limit (`max_load_ratio` x its own load floor
 
 * the profile itself, or each of several profiles (domains, prefill and decode, before and after
   a fine-tune): the worst of them is bounded, not their pooled mean;
+* with `time_windows` W > 1, each profile's tokens in sample order cut into W consecutive windows
+  (`time_window_membership`), each bounded as a profile of its own: a profile collected over time drifts
+  (on the Qwen trace, batched prefill and then decode steps, each part drifting within itself), and the
+  pooled mean of a part hides a drift its windows show;
 * `robust_resamples` block-bootstrap resamples of each of them (`block_bootstrap_weights`): the
   sample's tokens are cut into `robust_blocks` contiguous blocks (tokens of one document or batch
   are correlated: resampling single tokens would understate the variation), and Q resamples draw
@@ -54,6 +58,18 @@ def block_bootstrap_weights(num_tokens: int, resamples: int, blocks: int, rng: n
     draws_QX = rng.integers(num_blocks, size=(resamples, num_blocks))
     times_QX = np.stack([np.bincount(row, minlength=num_blocks) for row in draws_QX]) if resamples else np.zeros((0, num_blocks))
     return times_QX[:, block_of_N].astype(np.float64)
+
+
+def time_window_membership(membership_PN: np.ndarray, windows: int) -> np.ndarray:
+    """`[P x W, N]` bool: each profile's tokens (in sample order) cut into `windows` consecutive windows of nearly
+    equal size, profile by profile (1 window: the profiles as given; a window without tokens bounds nothing)."""
+    rows = []
+    for member_N in np.asarray(membership_PN, dtype=bool):
+        for index in np.array_split(np.flatnonzero(member_N), windows):
+            window_N = np.zeros(len(member_N), dtype=bool)
+            window_N[index] = True
+            rows.append(window_N)
+    return np.stack(rows)
 
 
 def token_scenarios(
@@ -127,5 +143,6 @@ __all__ = [
     "shrink_toward_mean",
     "split_half_reliability",
     "stated_quantile",
+    "time_window_membership",
     "token_scenarios",
 ]

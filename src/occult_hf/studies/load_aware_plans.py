@@ -12,7 +12,9 @@ Each is replayed on the held-out half under the static rule and under the runtim
 slack 0.02 (the default), 0.01 and 0 (`robust_placement_study.replay_load_aware`, steps of 2,192 tokens cut
 into D ranks). Two more plans leave the pin slack to the planner (`pin_slack="auto"`, margins 0.15 and 0.20)
 and are replayed with the slack each plan records, as the runtime reads it from the placement file; an oracle,
-planned on the held-out half itself, shows what a plan with the same budget can reach on those tokens. Beside
+planned on the held-out half itself, shows what a plan with the same budget can reach on those tokens. The last
+two plans cut each profile into 2 consecutive time windows (`time_windows=2`), each bounded as a profile of its
+own: the drift in time treated as several profiles rather than noise. Beside
 them two bounds no rule can beat on these tokens: the fluid bound (the best split of the replicas,
 `best_replica_split`) and the busiest device's single-home load (what no split moves).
 
@@ -51,6 +53,14 @@ PLANS = (
     ),
     ("refined + 8 redundant for the load-aware rule, margin 0.15, pin slack auto", {**LOAD_AWARE, "shed_margin": 0.15, "pin_slack": "auto"}),
     ("refined + 8 redundant for the load-aware rule, margin 0.20, pin slack auto", {**LOAD_AWARE, "shed_margin": 0.20, "pin_slack": "auto"}),
+    (
+        "refined + 8 redundant for the load-aware rule, margin 0.20, 2 time windows per profile",
+        {**LOAD_AWARE, "shed_margin": 0.20, "time_windows": 2},
+    ),
+    (
+        "refined + 8 redundant for the load-aware rule, margin 0.20, pin slack auto, 2 time windows per profile",
+        {**LOAD_AWARE, "shed_margin": 0.20, "pin_slack": "auto", "time_windows": 2},
+    ),
 )
 #: plans made on the held-out half itself (an oracle no deployment has): whether any plan with this budget can
 #: meet the goals on these tokens, i.e. whether a seed that misses them misses for want of a plan or of foresight
