@@ -29,6 +29,7 @@ import torch
 
 from occult_hf.kernels.triton_support import cdiv, interpreting, next_power_of_2, triton_importable
 
+from .replica_routes_kernel import unfused_options
 from .replica_routing import PairHalf, TORCH_PAIRS
 
 #: tokens one `preferences` program holds, and flat entries one block of the scan ranks ([BLOCK_F, BLOCK_F] compares)
@@ -136,11 +137,6 @@ def _kernels(interpret: bool):
     return preferences_kernel, line_kernel
 
 
-def _options(interpret: bool) -> dict:
-    # no fused multiply-adds: a product is rounded before the sum that uses it, as in PyTorch
-    return {} if interpret else {"enable_fp_fusion": False, "num_warps": 4}
-
-
 def fused_preferences_and_counts(
     topk_ids_Tk: torch.Tensor, home_table_EM: torch.Tensor, num_devices: int, visited_TD: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,7 +154,7 @@ def fused_preferences_and_counts(
     _kernels(interpret)[0][(cdiv(num_tokens, BLOCK_T),)](
         ids_Tk, table_EM, visited, pref_Tk, counts_EM1, num_tokens, num_devices, TOP_K=top_k,
         BLOCK_K=next_power_of_2(top_k), NUM_HOMES=num_homes, HAS_VISITED=visited_TD is not None, BLOCK=BLOCK_T,
-        **_options(interpret),
+        **unfused_options(interpret, num_warps=4),
     )  # fmt: skip
     return pref_Tk, counts_EM1
 
@@ -186,7 +182,7 @@ def fused_assign(
         line[(num_blocks,)](
             ids_F, pref_F, table_EM, visit_rank_F, visit_counts_XEM, visit_ends, offset_EM, stay_EM, stays_F, rest_rank_F,
             rest_counts_XE, rest_ends, rest_before_E, rest_total_E, cumulative_EM, dest_F, num_entries, num_experts,
-            NUM_HOMES=num_homes, STAGE=stage, BLOCK=BLOCK_F, **_options(interpret),
+            NUM_HOMES=num_homes, STAGE=stage, BLOCK=BLOCK_F, **unfused_options(interpret, num_warps=4),
         )  # fmt: skip
 
     launch(STAGE_VISITING, visit_counts_XEM, rest_counts_XE)  # the ends are not read yet

@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from occult_hf.kernels.triton_support import interpreting, triton_importable
+from occult_hf.kernels.triton_support import interpreting, next_power_of_2, triton_importable
 
 from .replica_routing import SPLIT_ROUNDS, GraphedRoutes
 
@@ -34,8 +34,11 @@ MAX_HOMES, MAX_EXPERTS = 8, 256
 MAX_ONEHOT = 16384
 
 
-def _next_power_of_two(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+def unfused_options(interpret: bool, num_warps: int) -> dict:
+    """Launch options of the replica rule's kernels (here and `replica_pairs_kernel`): no fused multiply-adds, so a
+    product is rounded before the sum that uses it, as in PyTorch (none under the interpreter, which compiles
+    nothing)."""
+    return {} if interpret else {"enable_fp_fusion": False, "num_warps": num_warps}
 
 
 @functools.lru_cache(maxsize=2)
@@ -171,8 +174,8 @@ def fused_routes_and_shares(
     if not 0 <= rank < num_ranks:
         raise ValueError(f"fused_expert_routes: rank must be in [0, {num_ranks}) (the gathered ranks), got {rank}")
     device = all_GEM1.device
-    block_e, block_m = _next_power_of_two(num_experts), _next_power_of_two(num_homes)
-    block_d = min(_next_power_of_two(num_devices), max(MAX_ONEHOT // (block_e * block_m), 1))
+    block_e, block_m = next_power_of_2(num_experts), next_power_of_2(num_homes)
+    block_d = min(next_power_of_2(num_devices), max(MAX_ONEHOT // (block_e * block_m), 1))
     shares_EM = torch.empty(num_experts, num_homes, dtype=torch.float64, device=device)
     stay_EM, cumulative_EM = torch.empty_like(shares_EM), torch.empty_like(shares_EM)
     offset_EM = torch.empty(num_experts, num_homes, dtype=torch.int64, device=device)
@@ -180,8 +183,7 @@ def fused_routes_and_shares(
     rest_total_E = torch.empty_like(rest_before_E)
     slack = torch.full((1,), float(pin_slack), dtype=torch.float64, device=device)
     interpret = interpreting()
-    # no fused multiply-adds: a product is rounded before the sum that uses it, as in PyTorch
-    options = {} if interpret else {"enable_fp_fusion": False, "num_warps": 8 if block_e * block_m > 512 else 4}
+    options = unfused_options(interpret, num_warps=8 if block_e * block_m > 512 else 4)
     _kernel(interpret)[(1,)](
         all_GEM1.long().contiguous(), home_table_EM.long().contiguous(), slack, shares_EM, stay_EM, offset_EM,
         rest_before_E, rest_total_E, cumulative_EM, num_ranks, rank, num_experts, num_homes, num_devices,
@@ -207,4 +209,4 @@ class FusedRoutes:
         return self._graphed(all_GEM1, home_table_EM, num_devices, rank, pin_slack, pinned)
 
 
-__all__ = ["MAX_EXPERTS", "MAX_HOMES", "FusedRoutes", "fused_expert_routes", "fused_routes_and_shares"]
+__all__ = ["MAX_EXPERTS", "MAX_HOMES", "FusedRoutes", "fused_expert_routes", "fused_routes_and_shares", "unfused_options"]
