@@ -252,9 +252,10 @@ def refined_placement(routing_ids_Tk: torch.Tensor, shape: ExpertShape, world: i
 
 
 # ----- timing ----------------------------------------------------------------------------------
-def timed(fn, iterations: int, device) -> float:
-    """Median ms of `fn` over `iterations`, the ranks aligned by a barrier before each call."""
-    fn()
+def timed(fn, iterations: int, device, warmup: int = 1) -> float:
+    """Median ms of `fn` over `iterations` after `warmup` calls, the ranks aligned by a barrier before each call."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(iterations):
         if dist.is_initialized():
@@ -296,7 +297,8 @@ def uniform_all_to_all_gbs(bytes_per_rank: int, iterations: int, device, world: 
     return chunk * 2 * (world - 1) / (ms / 1e3) / 1e9
 
 
-def _max_and_mean(value: float, device) -> tuple[float, float]:
+def max_and_mean(value: float, device) -> tuple[float, float]:
+    """The largest and the mean of `value` over the ranks (the slowest rank sets a step's time)."""
     if not dist.is_initialized():
         return value, value
     t = torch.tensor([value], dtype=torch.float64, device=device)
@@ -547,20 +549,20 @@ def _measure_layer(layer, x_TH, shape_name, tokens, routing_name, dispatcher: st
         skipped.append(timed(replayed, args.iterations, device))
         recorder.restore()
 
-    sent_max, sent_mean = _max_and_mean(remote_bytes / 1e6, device)
-    _, ct_mean = _max_and_mean(ct, device)
+    sent_max, sent_mean = max_and_mean(remote_bytes / 1e6, device)
+    _, ct_mean = max_and_mean(ct, device)
     peak = uniform_all_to_all_gbs(int(sent_max * 1e6), args.iterations, device, world)
-    exchange_max, _ = _max_and_mean(exchange_ms, device)
+    exchange_max, _ = max_and_mean(exchange_ms, device)
     bandwidth = sent_max * 1e6 / (exchange_max / 1e3) / 1e9 if world > 1 else float("nan")
-    fwd_max, _ = _max_and_mean(fwd_ms, device)
-    fwd_bwd_max, _ = _max_and_mean(fwd_bwd_ms, device)
-    skipped_fwd, _ = _max_and_mean(skipped[0], device)
-    skipped_fwd_bwd, _ = _max_and_mean(skipped[1], device)
-    wire_max, _ = _max_and_mean(wire_ms, device)
+    fwd_max, _ = max_and_mean(fwd_ms, device)
+    fwd_bwd_max, _ = max_and_mean(fwd_bwd_ms, device)
+    skipped_fwd, _ = max_and_mean(skipped[0], device)
+    skipped_fwd_bwd, _ = max_and_mean(skipped[1], device)
+    wire_max, _ = max_and_mean(wire_ms, device)
     graph_ms = float("nan")
     if torch.device(device).type == "cuda" and layer.dispatcher.graph_capturable:
         graph_ms = graphed_ms(forward, args.iterations, device)
-    graph_max, _ = _max_and_mean(graph_ms, device)
+    graph_max, _ = max_and_mean(graph_ms, device)
     if args.profile:
         profile_layer(layer, x_TH, f"{shape_name} T={tokens} {dispatcher}: {mode.name}", Path(args.out), device)
     return Row(shape_name, tokens, routing_name, dispatcher, mode.name, fwd_max, fwd_bwd_max, skipped_fwd, skipped_fwd_bwd,
@@ -729,8 +731,8 @@ def time_block(block, hidden_size: int, tokens: int, seed: int, iterations: int,
         for param in block.parameters():
             param.grad = None
 
-    fwd_ms, _ = _max_and_mean(timed(forward, iterations, device), device)
-    fwd_bwd_ms, _ = _max_and_mean(timed(forward_backward, iterations, device), device)
+    fwd_ms, _ = max_and_mean(timed(forward, iterations, device), device)
+    fwd_bwd_ms, _ = max_and_mean(timed(forward_backward, iterations, device), device)
     return fwd_ms, fwd_bwd_ms
 
 

@@ -27,14 +27,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from occult_hf.atomic import atomic_write_text
+from occult_hf.benchmarks.ep import max_and_mean, timed
 
 from occult_hf.cuda_graph import capture
 
@@ -42,20 +41,9 @@ HELP = "raw exchange between ranks (NCCL all_to_all_single, NVSHMEM all_to_all_v
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
 
-def _timed(fn, iterations: int, device) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iterations):
-        dist.barrier()
-        torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+def _slowest_timed(fn, iterations: int, device) -> float:
+    """`ep.timed` with three warm-up calls (NCCL's first calls set up channels), the slowest rank's figure."""
+    return max_and_mean(timed(fn, iterations, device, warmup=3), device)[0]
 
 
 def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -175,9 +163,9 @@ def run(args: argparse.Namespace) -> int:
         def nccl():
             dist.all_to_all_single(recv, send)
 
-        record("nccl a2a", peer_bytes, _timed(nccl, args.iterations, device))
+        record("nccl a2a", peer_bytes, _slowest_timed(nccl, args.iterations, device))
         try:
-            record("nccl a2a graph", peer_bytes, _timed(capture(nccl, device, warmup=3)[0].replay, args.iterations, device))
+            record("nccl a2a graph", peer_bytes, _slowest_timed(capture(nccl, device, warmup=3)[0].replay, args.iterations, device))
         except Exception as error:  # noqa: BLE001
             notes.append(f"nccl graph capture at {kib} KiB failed: {type(error).__name__}: {error}")
         if symm is not None:
@@ -192,13 +180,13 @@ def run(args: argparse.Namespace) -> int:
                 all_to_all_vdev(inp, out, splits, out_splits, group_name)
 
             try:
-                record("symm_mem vdev", rows * row_bytes, _timed(vdev, args.iterations, device))
+                record("symm_mem vdev", rows * row_bytes, _slowest_timed(vdev, args.iterations, device))
                 if kib == args.sizes[0]:  # check the data once
                     expected = torch.empty(rows * world, row_bytes, dtype=torch.uint8, device=device)
                     dist.all_to_all_single(expected, inp[: rows * world].contiguous())
                     if not torch.equal(out[: rows * world], expected):
                         notes.append(f"symm_mem vdev at {kib} KiB: received rows differ from NCCL's")
-                record("symm_mem vdev graph", rows * row_bytes, _timed(capture(vdev, device, warmup=3)[0].replay, args.iterations, device))
+                record("symm_mem vdev graph", rows * row_bytes, _slowest_timed(capture(vdev, device, warmup=3)[0].replay, args.iterations, device))
             except Exception as error:  # noqa: BLE001
                 notes.append(f"symm_mem vdev at {kib} KiB failed: {type(error).__name__}: {error}")
 

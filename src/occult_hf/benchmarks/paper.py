@@ -80,7 +80,7 @@ import torch
 import torch.distributed as dist
 
 from occult_hf.atomic import atomic_save_figure, atomic_write_text
-from occult_hf.benchmarks.ep import DEFAULT_TRACE, _max_and_mean, init_from_torchrun, timed, trace_logits
+from occult_hf.benchmarks.ep import DEFAULT_TRACE, max_and_mean, init_from_torchrun, timed, trace_logits
 from occult_hf.benchmarks.megablocks import MLP_IMPL, apply_megablocks, megablocks_missing
 from occult_hf.benchmarks.model import MODEL_SHAPES
 from occult_hf.benchmarks.paper_routing import STUDY_TRACE, fit_routing, trace_layer
@@ -419,10 +419,10 @@ class Context:
         return [round(g.item(), 2) for g in gathered]
 
     def mean(self, value: float) -> float:
-        return _max_and_mean(value, self.device)[1]
+        return max_and_mean(value, self.device)[1]
 
     def max(self, value: float) -> float:
-        return _max_and_mean(value, self.device)[0]
+        return max_and_mean(value, self.device)[0]
 
 
 def _error_text(error: BaseException) -> str:

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from occult_hf.atomic import atomic_write_text
-from occult_hf.benchmarks.ep import profile_steps, timed
+from occult_hf.benchmarks.ep import max_and_mean, profile_steps, timed
 
 HELP = "the whole OLMoE-1B-7B model under EP (torchrun) vs a data-parallel replica: fwd, fwd+bwd, decode, memory"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
@@ -78,14 +78,6 @@ class RealRow:
     tokens_agree: bool | None = None
 
 
-def _slowest(value: float, device) -> float:
-    if not dist.is_initialized():
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
 def measure(model, setup: str, ids_BS, prompt_1P, args, device, decode_with: str | None) -> tuple[RealRow, torch.Tensor]:
     """Training-step times and memory of `model` as it is, then greedy decoding through the dispatcher
     `decode_with` (None: no EP, nothing to exchange)."""
@@ -111,8 +103,12 @@ def measure(model, setup: str, ids_BS, prompt_1P, args, device, decode_with: str
     with use_dispatcher(model, decode_with) if decode_with else _nothing():
         decoder = GreedyDecoder(model, 1, prompt_1P.shape[1] + args.new_tokens + 1, graph=None if args.graph else False)
         result = decoder.generate(prompt_1P, args.new_tokens)
-    row = RealRow(setup, params, _slowest(peak, device), _slowest(fwd, device), _slowest(fwd_bwd, device),
-                  _slowest(result.ms_per_token, device), result.graphed, decode_with or "none")  # fmt: skip
+
+    def slowest(value: float) -> float:
+        return max_and_mean(value, device)[0]
+
+    row = RealRow(setup, params, slowest(peak), slowest(fwd), slowest(fwd_bwd),
+                  slowest(result.ms_per_token), result.graphed, decode_with or "none")  # fmt: skip
     return row, result.tokens
 
 
