@@ -28,11 +28,17 @@ class ExpertSegments:
         expert_offsets: `[L + 1]` int64, pairs of local expert `e` are `pair_row[expert_offsets[e]:expert_offsets[e+1]]`;
             `expert_offsets[0] == 0`, `expert_offsets[L] == N`. Empty experts have equal neighbours.
         num_rows: `R`, the number of received rows (rows served by no pair get a zero output row).
+        row_pairs: `[N]` int64 or None: the row -> pairs index the row reductions read (each row's pairs in
+            segment order, ascending), where the layout built it on the way (`from_topk`); else the kernels
+            build it from `pair_row` (`triton_expert_mlp.plan_launch`).
+        row_offsets: `[R + 1]` int64 or None: row r's pairs are `row_pairs[row_offsets[r]:row_offsets[r+1]]`.
     """
 
     pair_row: torch.Tensor
     expert_offsets: torch.Tensor
     num_rows: int
+    row_pairs: torch.Tensor | None = None
+    row_offsets: torch.Tensor | None = None
 
     @property
     def num_pairs(self) -> int:
@@ -57,6 +63,55 @@ class ExpertSegments:
             pair_row_N, offsets, order_N = _sort_pairs_torch(pair_row, pair_expert, rows, num_local_experts)
         return cls(pair_row_N, offsets, num_rows), order_N
 
+    @classmethod
+    def from_topk(cls, topk_ids_Tk: torch.Tensor, topk_weights_Tk: torch.Tensor, num_experts: int):
+        """All `E` experts local (one device): pairs (t, topk_ids[t, j]) grouped by expert, rows ascending within
+        an expert, the same layout as `from_pairs` on `(arange(T k) // k, topk_ids)`. Returns the segments and
+        the routing weights in segment order `[N]` (differentiable with respect to `topk_weights_Tk`).
+
+        On CUDA with Triton, up to `triton_layout.TOPK_MAX_PAIRS` pairs, one launch builds the segments, the
+        row -> pairs index and the weights in segment order (`topk_layout`), instead of an arange, a division,
+        two sorts and an indexing with its backward (at small T the host's time per operator is the call's
+        time). Expert ids must lie in [0, E) (not checked: reading them would synchronise)."""
+        num_tokens, top_k = topk_ids_Tk.shape
+        if not _topk_kernel_layout(topk_ids_Tk, num_experts):
+            row_N = torch.arange(num_tokens * top_k, device=topk_ids_Tk.device) // top_k
+            segments, order_N = cls.from_pairs(row_N, topk_ids_Tk.reshape(-1), num_tokens, num_experts)
+            return segments, topk_weights_Tk.reshape(-1)[order_N]
+        if torch.is_grad_enabled() and topk_weights_Tk.requires_grad:
+            weight_N, *index = _TopkLayout.apply(topk_weights_Tk, topk_ids_Tk, num_experts)
+        else:
+            weight_N, *index = _topk_layout(topk_ids_Tk, topk_weights_Tk.detach(), num_experts)
+        pair_row_N, offsets, row_pairs_N, row_offsets, _ = index
+        return cls(pair_row_N, offsets, num_tokens, row_pairs_N, row_offsets), weight_N
+
+
+def _topk_layout(topk_ids_Tk, topk_weights_Tk, num_experts):
+    """`(weight_N, pair_row_N, expert_offsets, row_pairs_N, row_offsets, order_N)` by `triton_layout.topk_layout`."""
+    from .triton_layout import topk_layout
+
+    order_N, pair_row_N, weight_N, offsets, row_pairs_N, row_offsets = topk_layout(topk_ids_Tk, num_experts, topk_weights_Tk)
+    return weight_N, pair_row_N, offsets, row_pairs_N, row_offsets, order_N
+
+
+class _TopkLayout(torch.autograd.Function):
+    """`_topk_layout` with the weights' gradient: the layout is a permutation of the pairs, so the backward
+    puts each pair's gradient back at its top-k place (one `index_copy_`, no accumulation)."""
+
+    @staticmethod
+    def forward(ctx, topk_weights_Tk, topk_ids_Tk, num_experts: int):
+        outputs = _topk_layout(topk_ids_Tk, topk_weights_Tk, num_experts)
+        ctx.mark_non_differentiable(*outputs[1:])
+        ctx.save_for_backward(outputs[-1])
+        ctx.weights_shape = topk_weights_Tk.shape
+        return outputs
+
+    @staticmethod
+    def backward(ctx, grad_weight_N, *_):
+        (order_N,) = ctx.saved_tensors
+        grad_Tk = grad_weight_N.new_empty(ctx.weights_shape)
+        return grad_Tk.view(-1).index_copy_(0, order_N, grad_weight_N).view(ctx.weights_shape), None, None
+
 
 def _sort_pairs_torch(pair_row: torch.Tensor, pair_expert: torch.Tensor, rows: int, num_local_experts: int):
     """`(pair_row_N, expert_offsets, order_N)` by torch: a stable sort by key = expert * R + row, in 32
@@ -67,6 +122,16 @@ def _sort_pairs_torch(pair_row: torch.Tensor, pair_expert: torch.Tensor, rows: i
     key_sorted_N, order_N = torch.sort(key_N, stable=True)
     bounds = torch.arange(0, (num_local_experts + 1) * rows, rows, dtype=key_dtype, device=pair_row.device)
     return pair_row.to(torch.int64)[order_N], torch.searchsorted(key_sorted_N, bounds), order_N
+
+
+def _topk_kernel_layout(topk_ids_Tk: torch.Tensor, num_experts: int) -> bool:
+    """Whether `from_topk` takes the one-launch Triton layout: CUDA, Triton importable, a non-empty routing of
+    at most `triton_layout.TOPK_MAX_PAIRS` pairs."""
+    if not topk_ids_Tk.is_cuda or topk_ids_Tk.numel() == 0 or not triton_importable():
+        return False
+    from .triton_layout import TOPK_MAX_PAIRS
+
+    return topk_ids_Tk.numel() <= TOPK_MAX_PAIRS
 
 
 def _one_program_layout(pair_row: torch.Tensor, num_groups: int) -> bool:

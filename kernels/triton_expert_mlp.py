@@ -40,11 +40,13 @@ first imported in the process), which is for tests; use `expert_mlp_reference` o
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import triton
+from triton.runtime.autotuner import Heuristics
 from triton.runtime.jit import JITFunction
 
 from . import triton_expert_mlp_kernels as _kernels
@@ -148,8 +150,9 @@ class LaunchPlan:
         return cdiv(self.num_pairs, block_m) + min(self.num_experts, self.num_pairs)
 
 
-#: (autotuned kernel, launch key) -> (the tuning cache the choice came from, the config the tuner chose)
-_CHOSEN: dict[tuple, tuple[dict, triton.Config]] = {}
+#: (autotuned kernel, launch key) -> (the tuning cache the choice came from, the config the tuner chose, the
+#: direct launches of that config by constexprs: `_direct`'s result)
+_CHOSEN: dict[tuple, tuple[dict, triton.Config, dict]] = {}
 
 
 def run_tuned(kernel, grid, key: tuple, *args, **constexprs) -> triton.Config:
@@ -157,27 +160,53 @@ def run_tuned(kernel, grid, key: tuple, *args, **constexprs) -> triton.Config:
     at this call site (the values the tuner is keyed on, and the tensors' dtypes).
 
     The first launch per key goes through the autotuner, which tunes once per key; later launches run
-    the config it chose through `kernel.fn` directly (a plain `triton.jit` function without a pre-hook: its
-    compiled kernel, through `triton_launch.launch`). The autotuner's per-call Python (two dicts of every
-    argument, its key with each tensor's dtype as a string, a third dict for the config's pre-hook) is
-    host time on every launch, and at small T the host's time is the call's time
-    (docs/bench_experts_h200.md). A replaced tuning cache (tests and `--compare-candidates` swap in an
-    empty one to re-tune) makes the next launch go through the tuner again."""
+    the config it chose as a compiled kernel (`triton_launch.launch`), with the values of the kernel's
+    `triton.heuristics` and its defaulted constexprs worked out once per (key, constexprs) (`_direct`), and
+    the config's pre-hook run only where an argument is a tensor descriptor (the hook sets their block
+    shapes). The autotuner's per-call Python (two dicts of every argument, its key with each tensor's dtype
+    as a string, a third dict for the pre-hook) and `JITFunction.run`'s binding are host time on every
+    launch, and at small T the host's time is the call's time (docs/bench_experts_h200.md). A replaced
+    tuning cache (tests and `--compare-candidates` swap in an empty one to re-tune) makes the next launch
+    go through the tuner again."""
     chosen = _CHOSEN.get((kernel, key))
     if chosen is None or chosen[0] is not kernel.cache:
         kernel[grid](*args, **constexprs)
-        _CHOSEN[(kernel, key)] = (kernel.cache, kernel.best_config)
+        _CHOSEN[(kernel, key)] = (kernel.cache, kernel.best_config, {})
         return kernel.best_config
-    config = chosen[1]
+    _, config, directs = chosen
     kernel.best_config = config
-    if config.pre_hook is None and isinstance(kernel.fn, JITFunction):  # the compiled kernel, directly
-        meta = config.all_kwargs()
-        launch(kernel.fn, grid(meta), *args, **constexprs, **meta)
-        return config
-    if config.pre_hook is not None:  # the TMA kernels' block shapes (`_kernels._set_tma_blocks`)
+    constexpr_key = tuple(constexprs.items())
+    if constexpr_key not in directs:
+        directs[constexpr_key] = _direct(kernel, config, args, constexprs)
+    direct = directs[constexpr_key]
+    if config.pre_hook is not None and (direct is None or any(type(arg) is TensorDescriptor for arg in args)):
         config.pre_hook({**dict(zip(kernel.arg_names, args)), **constexprs, **config.all_kwargs()})
-    kernel.fn[grid](*args, **constexprs, **config.all_kwargs())
+    if direct is None:
+        kernel.fn[grid](*args, **constexprs, **config.all_kwargs())
+        return config
+    function, meta = direct
+    launch(function, grid(meta), *args, **constexprs, **meta)
     return config
+
+
+def _direct(kernel, config: triton.Config, args: tuple, constexprs: dict) -> tuple[JITFunction, dict] | None:
+    """(the `triton.jit` function under `kernel`'s heuristics, every parameter after `args` that the call
+    does not pass: the config's kwargs and options, the heuristics' values and the defaulted constexprs),
+    for launching `config` directly; None if `kernel.fn` is not such a chain. The heuristics are evaluated
+    here once, on this call's arguments: they read only values of the tuning key (K), the constexprs and the
+    config (`EVEN_K`, `A_TMA`, `B_TMA` of `triton_expert_mlp_kernels`), all part of the cache key."""
+    function, meta = kernel.fn, config.all_kwargs()
+    named = {**dict(zip(kernel.arg_names, args)), **constexprs, **meta}
+    while isinstance(function, Heuristics):
+        for name, rule in function.values.items():
+            meta[name] = named[name] = rule(named)
+        function = function.fn
+    if not isinstance(function, JITFunction):
+        return None
+    for name, parameter in inspect.signature(function.fn).parameters.items():
+        if name not in named and parameter.default is not inspect.Parameter.empty:
+            meta[name] = parameter.default  # `launch` passes every parameter after the positional ones
+    return function, meta
 
 
 def _gate_up(plan: LaunchPlan, x_RH, gate_up_L2IH, pair_weight_N, save_gu: bool):
@@ -246,8 +275,8 @@ def _dgate_up(plan: LaunchPlan, dout_RH, down_LHI, gu_N2I, pair_weight_N, write_
     hw_NI = _empty(plan.num_pairs, intermediate, dtype=gu_N2I.dtype, device=gu_N2I.device) if write_hw else None
     # One partial sum per N tile; sized for the smallest BLOCK_N any config may pick. The config that ran
     # fills the columns of its own N tiles for every pair; only those are summed (no zero fill needed).
-    min_block_n = min(config.kwargs["BLOCK_N"] for config in _kernels.dgate_up_kernel.configs)
-    partial_NP = _empty(plan.num_pairs, cdiv(intermediate, min_block_n), dtype=torch.float32, device=dout_RH.device)
+    # (`DGATE_UP_MIN_BLOCK_N`: over all candidates, so a subset of them, as `--compare-candidates` tunes, fits too)
+    partial_NP = _empty(plan.num_pairs, cdiv(intermediate, _kernels.DGATE_UP_MIN_BLOCK_N), dtype=torch.float32, device=dout_RH.device)
     b_desc, _ = _expert_matrix(down_LHI) if plan.tma else (None, 0)
     grid = lambda meta: (plan.m_tiles_bound(meta["BLOCK_M"]) * cdiv(intermediate, meta["BLOCK_N"]),)  # noqa: E731
     config = run_tuned(
@@ -379,8 +408,8 @@ def _row_index(pair_row_N: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, t
 def plan_launch(segments: ExpertSegments, reduce: str, activation: str = "silu") -> LaunchPlan:
     if reduce not in REDUCE_MODES:
         raise ValueError(f"reduce mode {reduce!r} is not one of {REDUCE_MODES}")
-    row_pairs_N = row_offsets = None
-    if reduce != "atomic":
+    row_pairs_N, row_offsets = segments.row_pairs, segments.row_offsets  # built by the layout, or None
+    if reduce != "atomic" and row_pairs_N is None:
         row_pairs_N, row_offsets = _row_index(segments.pair_row, segments.num_rows)
     return LaunchPlan(
         pair_row_N=segments.pair_row.contiguous(),

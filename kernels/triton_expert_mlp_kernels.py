@@ -595,6 +595,11 @@ def dgate_up_kernel(
     tl.store(dweight_partial_ptr + offs_m * stride_partial_row + tile_n, partial, mask=mask_m)
 
 
+#: the smallest BLOCK_N of `dgate_up_kernel`'s candidates: the launcher sizes the pair-weight gradient's
+#: per-N-tile partial sums by it once, not per call
+DGATE_UP_MIN_BLOCK_N = min(config.kwargs["BLOCK_N"] for config in dgate_up_kernel.configs)
+
+
 @triton.jit
 def _outer_block(
     a_ptr, b_ptr, pair_row_ptr, a_desc, b_desc, k0, segment_end, offs_m, mask_m, offs_n, mask_n, stride_a_row, stride_b_row,

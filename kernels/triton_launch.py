@@ -23,6 +23,10 @@ try:  # Triton >= 3.4 keeps the launch hooks in `knobs`
     from triton import knobs
 except ImportError:  # pragma: no cover - older Triton: every launch goes through kernel[grid]
     knobs = None
+try:  # host-made tensor descriptors (Triton >= 3.4), an argument kind of the TMA kernels
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: no descriptor is ever passed
+    TensorDescriptor = None
 
 #: (kernel, device, argument specializations, constexprs and options) -> (compiled kernel, constexpr names in
 #: parameter order after the positional arguments)
@@ -31,19 +35,27 @@ _COMPILED: dict[tuple, tuple[object, tuple[str, ...]]] = {}
 
 def _specialization(value) -> object:
     """What Triton compiles differently for: a tensor's dtype and whether its address is 16-byte aligned; an
-    integer's width and whether it is 1 or a multiple of 16; anything else (floats, None, bools) by value,
-    which distinguishes at least as much as Triton does."""
+    integer's width and whether it is 1 or a multiple of 16; a tensor descriptor's dtype, block shape, padding
+    and the 16-divisibility of its shape and strides; anything else (floats, None, bools) by value, which
+    distinguishes at least as much as Triton does."""
+    kind = type(value)
+    if kind is int:
+        return value == 1, value % 16 == 0, -(2**31) <= value < 2**31
     if isinstance(value, torch.Tensor):
         return value.dtype, value.data_ptr() % 16 == 0
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value == 1, value % 16 == 0, -(2**31) <= value < 2**31
+    if kind is TensorDescriptor:
+        return (
+            value.base.dtype, value.base.data_ptr() % 16 == 0, tuple(value.block_shape), value.padding,
+            getattr(value, "round_f32_to_tf32", False), tuple(size % 16 == 0 for size in (*value.shape, *value.strides)),
+        )  # fmt: skip
     return value
 
 
 def _device_and_stream() -> tuple[int, int]:
-    """The current CUDA device and its current stream's handle, as Triton's launcher takes them."""
-    device = torch.cuda.current_device()
-    return device, torch.cuda.current_stream(device).cuda_stream
+    """The current CUDA device and its current stream's handle, as Triton's launcher takes them (through
+    torch's C functions, as Triton's own driver does: `torch.cuda.current_stream` builds a Stream object)."""
+    device = torch._C._cuda_getDevice()
+    return device, torch._C._cuda_getCurrentRawStream(device)
 
 
 def _hook_set(hook) -> bool:

@@ -1,6 +1,7 @@
 """Small layouts in one Triton program: the stable sort of pairs by a group id and the group offsets.
 
-Shape legend: N pairs, G groups (local experts, or received rows), local to this file.
+Shape legend: N pairs, T tokens, k experts per token, E experts; local to this file: G groups (local experts,
+or received rows), X the pairs one program of `topk_layout_kernel` places.
 
 The layout of the expert computation sorts pairs twice on the device: by (local expert, row) to make the
 expert segments (`ExpertSegments.from_pairs`), and by row to make the row -> pairs index that the row
@@ -11,6 +12,15 @@ one program does the whole of one: it packs each pair's sort key with its index 
 plain bitonic sort is stable and yields the permutation), sorts in registers, and finds every group's
 offset by a binary search of the sorted group ids, all groups at once. Larger layouts keep torch's
 sort, whose throughput one program cannot match.
+
+Routing straight from a top-k (`ExpertSegments.from_topk`: pair i is token i // k's slot i % k, so the pairs
+come in row order) needs no comparison sort: a stable counting sort by expert keeps rows ascending within an
+expert. `topk_layout_kernel` does the whole layout in one launch of many programs, up to `TOPK_MAX_PAIRS`:
+each program counts, over all pairs, each expert's pairs and those before its own (the segment offsets and
+its start in each segment), ranks its own pairs among equal experts, and writes their places, rows and
+weights in segment order; the row -> pairs index needs only each row's k places in ascending order, a sort
+of k values. At OLMoE T = 1024 (8192 pairs) that replaces two torch sorts (a dozen radix passes and
+memsets) and about ten small operators around them.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .triton_launch import launch
+from .triton_support import next_power_of_2
 
 #: most pairs (and groups) one program sorts; above it the callers use torch's sort. One program runs on one
 #: multiprocessor and a bitonic sort does N log^2 N work: on the H200 (2026-12-01 04:17 UTC, profiler, OLMoE
@@ -89,11 +100,10 @@ def sort_by_group(group_N: torch.Tensor, num_groups: int, minor_N: torch.Tensor 
             f"got {num_pairs} pairs and {num_groups} groups"
         )
     block_n = max(16, 1 << (num_pairs - 1).bit_length())
-    device = group_N.device
-    order_N = torch.empty(num_pairs, dtype=torch.int64, device=device)
-    offsets = torch.empty(num_groups + 1, dtype=torch.int64, device=device)
-    minor_sorted_N = None if minor_N is None else torch.empty(num_pairs, dtype=torch.int64, device=device)
-    group_sorted_N = torch.empty(num_pairs, dtype=torch.int64, device=device)
+    # one allocation for the outputs and the scratch (each `torch.empty` is host time at small T)
+    index = torch.empty(3 * num_pairs + num_groups + 1, dtype=torch.int64, device=group_N.device)
+    order_N, group_sorted_N, offsets = index[:num_pairs], index[num_pairs : 2 * num_pairs], index[2 * num_pairs : 2 * num_pairs + num_groups + 1]
+    minor_sorted_N = None if minor_N is None else index[2 * num_pairs + num_groups + 1 :]
     launch(
         sort_by_group_kernel, (1,),
         group_N, group_N if minor_N is None else minor_N, num_pairs, minor_range, num_groups,
@@ -104,4 +114,103 @@ def sort_by_group(group_N: torch.Tensor, num_groups: int, minor_N: torch.Tensor 
     return order_N, offsets, minor_sorted_N
 
 
-__all__ = ["MAX_PAIRS", "fits_one_program", "sort_by_group"]
+#: most pairs `topk_layout_kernel` takes: every program counts all pairs for every expert (N x E work
+#: a program, T / `TOPK_ROWS` programs); above it torch's radix sort is faster
+TOPK_MAX_PAIRS = 16384
+#: tokens a program of `topk_layout_kernel` places (its pairs are ranked by a [k R, k R] comparison)
+TOPK_ROWS = 16
+#: pairs a step of the counting loop reads
+_COUNT_BLOCK = 256
+
+
+@triton.jit(do_not_specialize=["num_tokens"])  # read as a tensor value, never as the constant 1
+def topk_layout_kernel(
+    ids_ptr,  # [T * k] expert of each pair (pair i: token i // k), in [0, num_experts)
+    weights_ptr,  # [T * k] routing weight of each pair (HAS_WEIGHTS)
+    num_tokens,
+    num_experts,
+    order_ptr,  # [N] int64 out: the pair (index into ids) at each place of the segment order
+    pair_row_ptr,  # [N] int64 out: its token
+    weight_out_ptr,  # [N] out: its weight (HAS_WEIGHTS)
+    offsets_ptr,  # [num_experts + 1] int64 out: each expert's first place
+    row_pairs_ptr,  # [N] int64 out: each token's k places, ascending
+    row_offsets_ptr,  # [T + 1] int64 out: token t's places are row_pairs[t k : t k + k]
+    TOP_K: tl.constexpr,
+    K_BLOCK: tl.constexpr,  # next power of two >= TOP_K
+    ROWS: tl.constexpr,
+    BLOCK_E: tl.constexpr,  # power of two > num_experts
+    COUNT_BLOCK: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+):
+    PAIRS_X: tl.constexpr = ROWS * K_BLOCK
+    num_pairs = num_tokens * TOP_K
+    row_Tk = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None] + tl.zeros((1, K_BLOCK), dtype=tl.int32)
+    slot_Tk = tl.arange(0, K_BLOCK)[None, :] + tl.zeros((ROWS, 1), dtype=tl.int32)
+    valid_Tk = (row_Tk < num_tokens) & (slot_Tk < TOP_K)
+    pair_Tk = row_Tk.to(tl.int64) * TOP_K + slot_Tk
+    pair_X = tl.reshape(pair_Tk, (PAIRS_X,))
+    valid_X = tl.reshape(valid_Tk, (PAIRS_X,))
+    expert_X = tl.load(ids_ptr + pair_X, mask=valid_X, other=0).to(tl.int32)
+    # per expert: all its pairs, and those before this program's first pair
+    experts = tl.arange(0, BLOCK_E)
+    first_pair = tl.program_id(0).to(tl.int64) * ROWS * TOP_K
+    total_E = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    before_E = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for start in range(0, num_pairs, COUNT_BLOCK):
+        i = start + tl.arange(0, COUNT_BLOCK)
+        ids = tl.load(ids_ptr + i, mask=i < num_pairs, other=-1).to(tl.int32)
+        hit = (ids[:, None] == experts[None, :]).to(tl.int32)
+        total_E += tl.sum(hit, axis=0)
+        before_E += tl.sum(hit * (i < first_pair).to(tl.int32)[:, None], axis=0)
+    ends_E = tl.cumsum(total_E, axis=0)
+    # place = the expert's first place + its pairs before this program + earlier pairs of it in this program
+    start_E = ends_E - total_E + before_E
+    same_XX = (expert_X[:, None] == expert_X[None, :]) & valid_X[None, :]
+    earlier_XX = tl.arange(0, PAIRS_X)[None, :] < tl.arange(0, PAIRS_X)[:, None]
+    rank_X = tl.sum((same_XX & earlier_XX).to(tl.int32), axis=1)
+    place_X = tl.sum(tl.where(expert_X[:, None] == experts[None, :], start_E[None, :], 0), axis=1) + rank_X
+    place_X = place_X.to(tl.int64)
+    tl.store(order_ptr + place_X, pair_X, mask=valid_X)
+    tl.store(pair_row_ptr + place_X, pair_X // TOP_K, mask=valid_X)
+    if HAS_WEIGHTS:
+        tl.store(weight_out_ptr + place_X, tl.load(weights_ptr + pair_X, mask=valid_X), mask=valid_X)
+    # row index: each token's places in ascending order (invalid slots sort last and are not stored)
+    place_Tk = tl.sort(tl.where(valid_Tk, tl.reshape(place_X, (ROWS, K_BLOCK)), 0x7FFFFFFFFFFFFFFF), dim=1)
+    tl.store(row_pairs_ptr + pair_Tk, place_Tk, mask=valid_Tk)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    tl.store(row_offsets_ptr + rows, rows.to(tl.int64) * TOP_K, mask=rows < num_tokens)
+    if tl.program_id(0) == 0:
+        tl.store(offsets_ptr + 1 + experts, ends_E.to(tl.int64), mask=experts < num_experts)
+        tl.store(offsets_ptr, 0)
+        tl.store(row_offsets_ptr + num_tokens, num_pairs.to(tl.int64))
+
+
+def topk_layout(topk_ids_Tk: torch.Tensor, num_experts: int, topk_weights_Tk: torch.Tensor | None = None):
+    """`(order_N, pair_row_N, weight_N, expert_offsets, row_pairs_N, row_offsets)` of pairs straight from a
+    top-k routing (`topk_layout_kernel`; weight_N is None without weights). One launch, one int64 buffer;
+    at most `TOPK_MAX_PAIRS` pairs and, per token, all k experts in [0, num_experts) (not checked:
+    reading them would synchronise)."""
+    num_tokens, top_k = topk_ids_Tk.shape
+    num_pairs = num_tokens * top_k
+    if num_pairs > TOPK_MAX_PAIRS or num_experts >= 1 << 20:
+        raise ValueError(
+            f"topk_layout places at most TOPK_MAX_PAIRS={TOPK_MAX_PAIRS} pairs in one launch; got {num_tokens} tokens x "
+            f"top-{top_k} = {num_pairs} pairs"
+        )
+    index = torch.empty(4 * num_pairs + num_experts + num_tokens + 2, dtype=torch.int64, device=topk_ids_Tk.device)
+    order_N, pair_row_N, row_pairs_N = index[:num_pairs], index[num_pairs : 2 * num_pairs], index[2 * num_pairs : 3 * num_pairs]
+    offsets = index[3 * num_pairs : 3 * num_pairs + num_experts + 1]
+    row_offsets = index[3 * num_pairs + num_experts + 1 : 3 * num_pairs + num_experts + num_tokens + 2]
+    weight_N = None if topk_weights_Tk is None else topk_weights_Tk.new_empty(num_pairs)
+    ids = topk_ids_Tk.contiguous()
+    launch(
+        topk_layout_kernel, (max(1, -(-num_tokens // TOPK_ROWS)),),
+        ids, ids if weight_N is None else topk_weights_Tk.contiguous(), num_tokens, num_experts,
+        order_N, pair_row_N, pair_row_N if weight_N is None else weight_N, offsets, row_pairs_N, row_offsets,
+        TOP_K=top_k, K_BLOCK=next_power_of_2(top_k), ROWS=TOPK_ROWS, BLOCK_E=next_power_of_2(num_experts + 1),
+        COUNT_BLOCK=_COUNT_BLOCK, HAS_WEIGHTS=weight_N is not None, num_warps=4,
+    )  # fmt: skip
+    return order_N, pair_row_N, weight_N, offsets, row_pairs_N, row_offsets
+
+
+__all__ = ["MAX_PAIRS", "TOPK_MAX_PAIRS", "fits_one_program", "sort_by_group", "topk_layout"]

@@ -239,6 +239,26 @@ def test_tuned_launches_skip_the_autotuner_until_its_cache_is_replaced(interpret
     assert len(tuned) == 2
 
 
+@pytest.mark.skipif(INTERPRETING, reason="interpreted kernels are no `triton.jit` functions: no direct launches")
+@pytest.mark.parametrize("tuner", ["gate_up_kernel", "scatter_gemm_kernel", "dgate_up_kernel", "segment_outer_kernel"])
+def test_direct_launch_passes_every_parameter(tuner):
+    """`run_tuned`'s direct launch (`_direct`) gives, beside the call's own arguments, every parameter the
+    compiled kernel takes: the config's, the heuristics' values and the defaulted constexprs (`USE_TMA` of a
+    pointer config); a parameter left out would send every launch back through `JITFunction.run`."""
+    tuner = getattr(kernels, tuner)
+    function = tuner.fn
+    while not hasattr(function, "params"):  # under the heuristics
+        function = function.fn
+    first_constexpr = next(i for i, param in enumerate(function.params) if param.is_constexpr)
+    args = tuple(64 for _ in tuner.arg_names[:first_constexpr])  # what the launchers pass by position
+    call_site = ("ATOMIC", "TMA_OK", "B_K_AXIS", "SAVE_GU", "WRITE_HW", "GATHER_A", "GATHER_B", "ACTIVATION", "DOT_PRECISION", "BLOCK_E")
+    constexprs = {name: 0 for name in tuner.arg_names[first_constexpr:] if name in call_site}
+    for config in tuner.configs:
+        function, meta = triton_expert_mlp._direct(tuner, config, args, constexprs)
+        assert set(function.arg_names[len(args) :]) <= {*constexprs, *meta}
+        assert not meta.get("USE_TMA", False) or config.kwargs.get("USE_TMA")
+
+
 @pytest.mark.parametrize("num_pairs", [1, 37, 300])
 def test_one_program_layout_is_torchs_stable_sort(interpreted, num_pairs):
     """`sort_by_group` (one Triton program) gives what torch's stable sort and a binary search give:
@@ -259,6 +279,30 @@ def test_one_program_layout_is_torchs_stable_sort(interpreted, num_pairs):
     sorted_N, expected_pairs_N = torch.sort(row_N, stable=True)
     assert torch.equal(row_pairs_N, expected_pairs_N)
     assert torch.equal(row_offsets, torch.searchsorted(sorted_N, torch.arange(rows + 1)))
+
+
+@pytest.mark.parametrize("tokens, top_k, experts", [(1, 1, 3), (37, 6, 5), (70, 8, 64)])
+def test_topk_layout_is_the_from_pairs_layout(interpreted, monkeypatch, tokens, top_k, experts):
+    """`ExpertSegments.from_topk` through `topk_layout_kernel` (one launch, several programs: 16 tokens each)
+    gives `from_pairs`'s layout of the same pairs, the row -> pairs index `plan_launch` would build, the
+    weights in segment order, and their gradient put back at the top-k places."""
+    from occult_hf.kernels import layout
+
+    generator = torch.Generator().manual_seed(tokens)
+    ids_Tk = torch.randint(0, experts, (tokens, top_k), generator=generator)
+    weights_Tk = torch.rand(tokens, top_k, generator=generator, dtype=torch.float64).requires_grad_()
+    row_N = torch.arange(tokens * top_k) // top_k
+    expected, order_N = ExpertSegments.from_pairs(row_N, ids_Tk.reshape(-1), tokens, experts)
+    expected_row_pairs_N, expected_row_offsets = triton_expert_mlp._row_index(expected.pair_row, tokens)
+    monkeypatch.setattr(layout, "_topk_kernel_layout", lambda *args: True)
+    segments, weight_N = ExpertSegments.from_topk(ids_Tk, weights_Tk, experts)
+    assert torch.equal(segments.pair_row, expected.pair_row) and torch.equal(segments.expert_offsets, expected.expert_offsets)
+    assert torch.equal(segments.row_pairs, expected_row_pairs_N) and torch.equal(segments.row_offsets, expected_row_offsets)
+    assert segments.num_rows == tokens and torch.equal(weight_N, weights_Tk.detach().reshape(-1)[order_N])
+    upstream_N = torch.randn(weight_N.shape, generator=generator, dtype=torch.float64)
+    (weight_N * upstream_N).sum().backward()
+    expected_grad = torch.zeros(tokens * top_k, dtype=torch.float64).index_add_(0, order_N, upstream_N)
+    assert torch.equal(weights_Tk.grad.reshape(-1), expected_grad)
 
 
 def test_tma_descriptors_only_where_tma_can_read():
@@ -584,6 +628,28 @@ def test_bf16_small_t_matches_fp32_reference():
     assert torch.equal(segments.pair_row, expected[0]) and torch.equal(segments.expert_offsets, expected[1])
     assert torch.equal(order_N, expected[2])
     _bf16_matches_fp32_and_repeats(_routed_problem(128, 2048, 1024, 64, 8, "cuda", seed=3))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("tokens", [128, 1024, 2048])
+@pytest.mark.parametrize("top_k, experts", [(8, 64), (6, 64), (4, 60)], ids=["olmoe", "deepseek", "qwen1.5"])
+def test_topk_layout_on_gpu_is_the_sort_layout(tokens, top_k, experts):
+    """`ExpertSegments.from_topk`'s one launch (compiled, up to 16384 pairs: 128 programs) gives torch's
+    stable-sort layout, the row index torch's sort gives, and the weights in that order."""
+    from occult_hf.kernels.layout import _sort_pairs_torch
+
+    generator = torch.Generator(device="cuda").manual_seed(tokens + top_k)
+    logits_TE = torch.randn(tokens, experts, generator=generator, device="cuda")
+    weights_Tk, ids_Tk = logits_TE.softmax(dim=-1).topk(top_k, dim=-1)
+    segments, weight_N = ExpertSegments.from_topk(ids_Tk, weights_Tk, experts)
+    rows_N = torch.arange(tokens * top_k, device="cuda") // top_k
+    pair_row_N, offsets, order_N = _sort_pairs_torch(rows_N, ids_Tk.reshape(-1), tokens, experts)
+    assert torch.equal(segments.pair_row, pair_row_N) and torch.equal(segments.expert_offsets, offsets)
+    assert torch.equal(weight_N, weights_Tk.reshape(-1)[order_N])
+    sorted_rows_N, row_pairs_N = torch.sort(pair_row_N, stable=True)
+    assert torch.equal(segments.row_pairs, row_pairs_N)
+    assert torch.equal(segments.row_offsets, torch.searchsorted(sorted_rows_N, torch.arange(tokens + 1, device="cuda")))
 
 
 @gpu

@@ -16,7 +16,10 @@ computes the same function of them:
   `LigerFusedMoEFunction`, Triton, the same [E, 2I, H] / [E, H, I] weights), `sonic_moe` (SonicMoE,
   CuTe DSL).
 Times are `triton.testing.do_bench` medians: forward under `no_grad`; fwd+bwd = forward + backward of
-a random upstream gradient into x, the routing weights and both expert weights. FLOPs: 6 N H I
+a random upstream gradient into x, the routing weights and both expert weights. Up to
+`INTERLEAVE_MAX_TOKENS` tokens the implementations of a case are timed in interleaved rounds and each
+row is the median of its rounds (`expert_timing`: at small T a call is host time, and the host's
+speed drifts); beside the plain call, the replay of a CUDA graph of it (device time alone). FLOPs: 6 N H I
 forward, 18 N H I forward + backward. The dense bf16 GEMM rate (8192^3 `torch.matmul`) is measured
 in the same run. "saved for bwd" is the activation memory a forward with gradients leaves for the
 backward, per token (`saved_activation_bytes`). `stage breakdown` times each Triton kernel stage alone
@@ -33,8 +36,6 @@ import json
 import math
 import os
 import platform
-import statistics
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -42,6 +43,9 @@ from typing import Callable
 import torch
 
 from occult_hf.atomic import atomic_save_figure, atomic_write_text
+from occult_hf.benchmarks.expert_timing import (
+    INTERLEAVE_MAX_TOKENS, INTERLEAVE_ROUNDS, cuda_timer, graph_replay_ms, interleaved_ms, wall_timer,
+)  # fmt: skip
 from occult_hf.expert_shapes import SHAPES, ExpertShape  # the one table of model shapes (placement reads it too)
 from occult_hf.kernels import ExpertSegments, expert_mlp_grouped_mm, expert_mlp_reference
 
@@ -127,9 +131,12 @@ def segments_from_topk(topk_ids_Tk: torch.Tensor, num_experts: int) -> tuple[Exp
 
 
 def _layout_then(kernel: Callable, **kwargs) -> Callable:
+    """forward(...) of one of our kernels, the layout included in every call (`ExpertSegments.from_topk`: one
+    Triton launch up to `TOPK_MAX_PAIRS` pairs, torch's sort above), as transformers' modules sort theirs."""
+
     def forward(module, x_TH, topk_ids_Tk, topk_weights_Tk):
-        segments, order_N = segments_from_topk(topk_ids_Tk, module.gate_up_proj.shape[0])
-        return kernel(x_TH, segments, topk_weights_Tk.reshape(-1)[order_N], module.gate_up_proj, module.down_proj, **kwargs)
+        segments, weight_N = ExpertSegments.from_topk(topk_ids_Tk, topk_weights_Tk, module.gate_up_proj.shape[0])
+        return kernel(x_TH, segments, weight_N, module.gate_up_proj, module.down_proj, **kwargs)
 
     return forward
 
@@ -199,34 +206,6 @@ def implementation_fn(name: str) -> Callable:
     raise ValueError(f"implementation {name!r} is not one of {list(IMPLEMENTATIONS)}")
 
 
-def cuda_timer(warmup_ms: float, rep_ms: float) -> Callable:
-    import triton.testing
-
-    def timer(fn, grad_to_none=None) -> float:
-        return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none, return_mode="median")
-
-    return timer
-
-
-def wall_timer(repeats: int = 3, warmup: bool = True) -> Callable:
-    """Median wall-clock ms of `repeats` calls, after one warm-up call unless `warmup=False`; for CPU dry
-    runs of the harness only (tests time one call: interpreted kernels take seconds each)."""
-
-    def timer(fn, grad_to_none=None) -> float:
-        if warmup:
-            fn()
-        times = []
-        for _ in range(repeats):
-            for tensor in grad_to_none or ():
-                tensor.grad = None
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times)
-
-    return timer
-
-
 @dataclass
 class Measurement:
     shape: str
@@ -237,6 +216,9 @@ class Measurement:
     fwd_rel_err: float | None  # forward output vs the fp32 reference
     saved_bytes: int | None = None  # activation memory a forward with gradients keeps for the backward
     note: str | None = None  # why a row has no numbers
+    graph_fwd_ms: float | None = None  # replay of a CUDA graph of the call (`expert_timing.graph_replay_ms`)
+    graph_fwd_bwd_ms: float | None = None
+    graph_note: str | None = None  # why a row has no graph replay time
 
     def flops(self, shape: ExpertShape, backward: bool) -> float:
         return (18.0 if backward else 6.0) * self.tokens * shape.top_k * shape.hidden * shape.intermediate
@@ -286,6 +268,9 @@ def saved_activation_bytes(forward: Callable, inputs: list[torch.Tensor]) -> int
 
 
 def measure_case(shape_name, shape, tokens, implementations, module, timer, seed, eager_max_tokens, log) -> list[Measurement]:
+    """Every implementation on one (shape, T): the forward's error against the fp32 reference and the memory
+    it keeps for the backward, then the plain call's times (interleaved rounds up to `INTERLEAVE_MAX_TOKENS`,
+    `expert_timing`), then the replay of a CUDA graph of each call."""
     device, dtype = module.gate_up_proj.device, module.gate_up_proj.dtype
     x_TH, ids_Tk, weights_Tk = routing(shape, tokens, device, dtype, seed)
     segments, order_N = segments_from_topk(ids_Tk, shape.num_experts)
@@ -294,56 +279,109 @@ def measure_case(shape_name, shape, tokens, implementations, module, timer, seed
             x_TH.float(), segments, weights_Tk.reshape(-1)[order_N].float(),
             module.gate_up_proj.float(), module.down_proj.float(),
         )  # fmt: skip
-    grad_out_TH = torch.randn_like(x_TH)
-    results = []
+    # the bench's own random draws take seeded generators: none reads the default one after a graph capture
+    generator = torch.Generator(device=device).manual_seed(seed + 1)
+    grad_out_TH = torch.randn(x_TH.shape, generator=generator, device=device).to(dtype)
+    leaves = [x_TH, weights_Tk, module.gate_up_proj, module.down_proj]
+    rows: dict[str, Measurement] = {}
+    calls: dict[str, _Calls] = {}
     for name in implementations:
         if name == "hf_eager" and tokens > eager_max_tokens:
-            results.append(Measurement(shape_name, tokens, name, None, None, None, note=f"skipped above T={eager_max_tokens}"))
+            rows[name] = Measurement(shape_name, tokens, name, None, None, None, note=f"skipped above T={eager_max_tokens}")
             continue
         try:
             forward = implementation_fn(name)
         except PeerUnavailable as reason:
-            results.append(Measurement(shape_name, tokens, name, None, None, None, note=str(reason)))
+            rows[name] = Measurement(shape_name, tokens, name, None, None, None, note=str(reason))
             log(f"{shape_name} T={tokens} {name}: not run: {reason}")
             continue
+        calls[name] = _calls(forward, module, x_TH, ids_Tk, weights_Tk, grad_out_TH)
         try:
-            measurement = _measure(forward, module, x_TH, ids_Tk, weights_Tk, grad_out_TH, reference, timer)
+            rel_err, saved = _check(calls[name], leaves, reference)
         except Exception as error:  # noqa: BLE001 - one failing implementation leaves a row that says why
-            message = " ".join(f"{type(error).__name__}: {error}".split())[:300]
-            results.append(Measurement(shape_name, tokens, name, None, None, None, note=f"failed: {message}"))
-            log(f"{shape_name} T={tokens} {name}: failed: {message}")
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            rows[name] = _failed(shape_name, tokens, name, error, log, device)
+            del calls[name]
             continue
         finally:
-            for leaf in (x_TH, weights_Tk, module.gate_up_proj, module.down_proj):
-                leaf.grad = None
-            x_TH.requires_grad_(False)
-            weights_Tk.requires_grad_(False)
-        fwd_ms, fwd_bwd_ms, rel_err, saved = measurement
-        results.append(Measurement(shape_name, tokens, name, fwd_ms, fwd_bwd_ms, rel_err, saved))
-        log(
-            f"{shape_name} T={tokens} {name}: fwd {fwd_ms:.3f} ms, fwd+bwd {fwd_bwd_ms:.3f} ms, rel. err {rel_err:.1e}, "
-            f"saved for bwd {saved / tokens / 1024:.1f} KiB/token"
-        )
-    return results
+            _reset(leaves)
+        rows[name] = Measurement(shape_name, tokens, name, None, None, rel_err, saved)
+    _time_calls(rows, calls, leaves, tokens, timer, log, device)
+    for name in calls:
+        m = rows[name]
+        if m.fwd_ms is not None:
+            log(
+                f"{shape_name} T={tokens} {name}: fwd {m.fwd_ms:.3f} ms, fwd+bwd {m.fwd_bwd_ms:.3f} ms (graph "
+                f"{_fmt(m.graph_fwd_ms, '.3f')} / {_fmt(m.graph_fwd_bwd_ms, '.3f')}), rel. err {m.fwd_rel_err:.1e}, "
+                f"saved for bwd {m.saved_bytes / tokens / 1024:.1f} KiB/token"
+            )
+    return [rows[name] for name in implementations if name in rows]
 
 
-def _measure(forward, module, x_TH, ids_Tk, weights_Tk, grad_out_TH, reference, timer) -> tuple[float, float, float, int]:
-    """One implementation on one case: (fwd ms, fwd+bwd ms, forward rel. error, saved bytes)."""
-    with torch.no_grad():
-        rel_err = _rel_err(forward(module, x_TH, ids_Tk, weights_Tk), reference)
-        fwd_ms = timer(lambda: forward(module, x_TH, ids_Tk, weights_Tk))
-    leaves = [x_TH.requires_grad_(), weights_Tk.requires_grad_(), module.gate_up_proj, module.down_proj]
+@dataclass(frozen=True)
+class _Calls:
+    """One implementation's calls on one case."""
 
-    def step():
-        forward(module, x_TH, ids_Tk, weights_Tk).backward(grad_out_TH)
+    fwd: Callable  # the forward under `no_grad`
+    step: Callable  # forward + backward into x, the routing weights and both expert weights
+    with_grad: Callable  # the forward with gradients (its output and graph; for the saved-memory count)
 
-    fwd_bwd_ms = timer(step, grad_to_none=leaves)
+
+def _calls(forward, module, x_TH, ids_Tk, weights_Tk, grad_out_TH) -> _Calls:
+    def fwd():
+        with torch.no_grad():
+            return forward(module, x_TH, ids_Tk, weights_Tk)
+
+    def with_grad():
+        x_TH.requires_grad_(), weights_Tk.requires_grad_()
+        return forward(module, x_TH, ids_Tk, weights_Tk)
+
+    return _Calls(fwd, lambda: with_grad().backward(grad_out_TH), with_grad)
+
+
+def _check(calls: _Calls, leaves: list[torch.Tensor], reference: torch.Tensor) -> tuple[float, int]:
+    """(forward rel. error against the fp32 reference, bytes a forward with gradients keeps for the backward)."""
+    rel_err = _rel_err(calls.fwd(), reference)
+    return rel_err, saved_activation_bytes(calls.with_grad, leaves)
+
+
+def _reset(leaves: list[torch.Tensor]) -> None:
     for leaf in leaves:
         leaf.grad = None
-    saved = saved_activation_bytes(lambda: forward(module, x_TH, ids_Tk, weights_Tk), leaves)
-    return fwd_ms, fwd_bwd_ms, rel_err, saved
+    leaves[0].requires_grad_(False)
+    leaves[1].requires_grad_(False)
+
+
+def _failed(shape_name, tokens, name, error, log, device) -> Measurement:
+    message = " ".join(f"{type(error).__name__}: {error}".split())[:300]
+    log(f"{shape_name} T={tokens} {name}: failed: {message}")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return Measurement(shape_name, tokens, name, None, None, None, note=f"failed: {message}")
+
+
+def _time_calls(rows: dict, calls: dict[str, _Calls], leaves, tokens: int, timer, log, device) -> None:
+    """The plain calls' times (interleaved rounds at small T) and the graph replays, into `rows`."""
+    rounds = INTERLEAVE_ROUNDS if tokens <= INTERLEAVE_MAX_TOKENS and len(calls) > 1 else 1
+    try:
+        fwd = interleaved_ms({name: (c.fwd, None) for name, c in calls.items()}, timer, rounds)
+        step = interleaved_ms({name: (c.step, leaves) for name, c in calls.items()}, timer, rounds)
+    finally:
+        _reset(leaves)
+    for name, c in calls.items():
+        m = rows[name]
+        error = next((t for t in (fwd[name], step[name]) if isinstance(t, Exception)), None)
+        if error is not None:
+            rows[name] = _failed(m.shape, tokens, name, error, log, device)
+            continue
+        m.fwd_ms, m.fwd_bwd_ms = fwd[name], step[name]
+        if device.type != "cuda":  # CPU dry runs (tests): no graphs
+            continue
+        try:
+            graphs = graph_replay_ms(c.fwd, timer), graph_replay_ms(c.step, timer, grad_to_none=leaves)
+        finally:
+            _reset(leaves)
+        m.graph_fwd_ms, m.graph_fwd_bwd_ms = (t if isinstance(t, float) else None for t in graphs)
+        m.graph_note = next((t for t in graphs if isinstance(t, str)), None)
 
 
 def stage_breakdown(shape: ExpertShape, tokens: int, module, timer, seed: int) -> dict[str, list[tuple[str, float, float]]]:
@@ -456,13 +494,17 @@ def results_table(measurements: list[Measurement], shapes: dict[str, ExpertShape
             ]
         cells.append(_fmt(m.fwd_rel_err, ".1e"))
         cells.append(_fmt(None if m.saved_bytes is None else m.saved_bytes / m.tokens / 1024, ".1f"))
-        key = None if m.note is None else f"{m.implementation}: {m.note}"
-        cells.append("" if key is None else f"note {notes.setdefault(key, len(notes) + 1)}")
+        for ms, base_ms in ((m.graph_fwd_ms, base and base.graph_fwd_ms), (m.graph_fwd_bwd_ms, base and base.graph_fwd_bwd_ms)):
+            ratio = "" if ms is None or not base_ms else f" ({base_ms / ms:.2f}x)"
+            cells.append(_fmt(ms, ".3f") + ratio)
+        why = [f"{m.implementation}: {text}" for text in (m.note, m.graph_note) if text is not None]
+        cells.append(", ".join(f"note {notes.setdefault(key, len(notes) + 1)}" for key in why))
         rows.append(cells)
     header = ["model (H/I/E/k)", "T", "implementation",
               "fwd ms", "fwd TFLOP/s", "fwd % dense", f"fwd x vs {BASELINE}",
               "fwd+bwd ms", "fwd+bwd TFLOP/s", "fwd+bwd % dense", f"fwd+bwd x vs {BASELINE}",
-              "fwd rel. err vs fp32", "saved for bwd KiB/token", ""]  # fmt: skip
+              "fwd rel. err vs fp32", "saved for bwd KiB/token",
+              f"CUDA-graph replay fwd ms (x vs {BASELINE})", "CUDA-graph replay fwd+bwd ms (x)", ""]  # fmt: skip
     table = _markdown(header, rows)
     if notes:
         table += "\n\n" + "\n".join(f"- note {number}: {text}" for text, number in notes.items())
