@@ -335,8 +335,9 @@ class _ExpertMLPFunction(torch.autograd.Function):
         dx = dweight = dgate_up = ddown = None
         # one kernel gives d gu (for dx, d gate_up), the pair-weight gradient and hw (for d down)
         dgu_N2I, dweight_N, hw_NI = _dgate_up(plan, dout_RH, down_LHI, gu_N2I, pair_weight_N, write_hw=need_ddown)
-        if need_dweight:
-            dweight = dweight_N.to(pair_weight_N.dtype)
+        if need_dweight:  # pairs past the segments (a static dispatch's empty slots) have no partial sums: 0
+            dweight = torch.where(_pair_positions(plan.num_pairs, dweight_N.device) < plan.segments_end, dweight_N, 0.0)
+            dweight = dweight.to(pair_weight_N.dtype)
         if need_dx:
             dx = _scatter_gemm(plan, dgu_N2I, gate_up_L2IH, x_RH.dtype)
         if need_dgate_up:
@@ -345,6 +346,12 @@ class _ExpertMLPFunction(torch.autograd.Function):
         if need_ddown:
             ddown = _segment_outer(plan, dout_RH, hw_NI, gather_a=True, gather_b=False, out_dtype=down_LHI.dtype)
         return dx, dweight, dgate_up, ddown, None, None
+
+
+@functools.lru_cache(maxsize=64)
+def _pair_positions(num_pairs: int, device: torch.device) -> torch.Tensor:
+    """`arange(N)` on `device`, made once per (N, device) and only read (an operator call saved per backward)."""
+    return torch.arange(num_pairs, device=device)
 
 
 def check_inputs(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, caller: str = "expert_mlp_triton") -> None:

@@ -684,6 +684,21 @@ def _grouped_mm_fused(*args, **kwargs):
     return expert_mlp_grouped_mm_fused(*args, **kwargs)
 
 
+def test_padded_layout_matches_reference(interpreted):
+    """The static dispatch's layout (pairs past `expert_offsets[L]`, row R) through the Triton backend, which
+    "auto" takes for training at short segments: the padding changes no output and no gradient, and the
+    empty slots' weight gradient is 0 (their partial sums are never written: NaN-poisoned here)."""
+    rows, hidden, inter, experts, pairs = CASES["odd_sizes"]
+    problem = _padded(make_problem(rows, hidden, inter, experts, pairs), extra=5)
+    grad_out = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(7))
+    out, grads = run_with_grads(expert_mlp_triton, problem, torch.float32, grad_out)
+    ref_out, ref_grads = run_with_grads(expert_mlp_reference, problem, torch.float64, grad_out)
+    assert rel_err(out, ref_out) <= 1e-4
+    for name, grad, ref in zip(("x", "pair_weight", "gate_up_proj", "down_proj"), grads, ref_grads):
+        assert not grad.isnan().any() and rel_err(grad, ref) <= 1e-4, name
+    assert torch.count_nonzero(grads[1][len(pairs) :]) == 0
+
+
 @pytest.mark.parametrize("case", [*CASES, "padded"])
 def test_grouped_mm_fused_matches_reference(interpreted, case):
     """fp32 on CPU (PyTorch's grouped_mm fallback, the Triton pieces interpreted) against the fp64 reference:
@@ -736,9 +751,9 @@ def test_grouped_mm_fused_backend_no_pairs_and_refusals(interpreted):
 
 
 def test_auto_backend_rule(monkeypatch):
-    """`expert_backend="auto"` on a (stand-in) CUDA device: grouped_mm_fused whenever a gradient is needed or the
-    segments are long, triton for a forward alone over short segments, triton where grouped_mm has no kernel,
-    torch for an activation the kernels lack."""
+    """`expert_backend="auto"` on a (stand-in) CUDA device: triton over short segments (shorter ones when a
+    gradient is needed), grouped_mm_fused over long ones, triton where grouped_mm has no kernel, torch for an
+    activation the kernels lack."""
     from types import SimpleNamespace
 
     from occult_hf import experts
@@ -752,8 +767,9 @@ def test_auto_backend_rule(monkeypatch):
         segments = ExpertSegments(torch.zeros(4 * pairs_per_expert, dtype=torch.int64), torch.zeros(5, dtype=torch.int64), 1)
         return experts._auto_backend(cuda_rows, segments, None, None, act_fn, needs_grad)
 
-    assert pick(16, needs_grad=True) == pick(4096, needs_grad=False) == "grouped_mm_fused"
+    assert pick(experts.AUTO_TRITON_TRAIN_BELOW, needs_grad=True) == pick(4096, needs_grad=False) == "grouped_mm_fused"
     assert pick(16, needs_grad=False) == pick(experts.AUTO_TRITON_BELOW - 1, needs_grad=False) == "triton"
+    assert pick(16, needs_grad=True) == pick(experts.AUTO_TRITON_TRAIN_BELOW - 1, needs_grad=True) == "triton"
     assert pick(experts.AUTO_TRITON_BELOW, needs_grad=False) == "grouped_mm_fused"
     assert pick(16, needs_grad=True, act_fn=torch.relu) == "torch"
     supported["value"] = False
@@ -785,6 +801,7 @@ def test_grouped_mm_fused_bf16_matches_fp32_reference(shape, tokens):
 
     x_RH, gate_up, down = [t.to(torch.bfloat16) for t in (problem.x_RH, problem.gate_up_L2IH, problem.down_LHI)]
     short = problem.segments.num_pairs < 1024 * problem.segments.num_local_experts  # every case here
-    assert _auto_backend(x_RH, problem.segments, gate_up, down, F.silu, needs_grad=True) == "grouped_mm_fused"
+    training = "triton" if problem.segments.num_pairs < 64 * problem.segments.num_local_experts else "grouped_mm_fused"
+    assert _auto_backend(x_RH, problem.segments, gate_up, down, F.silu, needs_grad=True) == training  # T = 128: triton
     assert _auto_backend(x_RH, problem.segments, gate_up, down, F.silu, needs_grad=False) == ("triton" if short else "grouped_mm_fused")
     assert _auto_backend(problem.x_RH, problem.segments, problem.gate_up_L2IH, problem.down_LHI, F.silu, True) == "triton"  # fp32
