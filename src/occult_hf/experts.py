@@ -19,11 +19,12 @@ only sees local tensors and the `ExpertSegments` layout that `dispatch()` produc
   grouped GEMMs (CUTLASS) for the projections and their gradients, Triton kernels for the gather, the
   activation and the per-row sums (the `triton` backend's activations; where PyTorch's grouped GEMM has a
   kernel: CUDA, bf16, 16-byte rows).
-- ``auto``: on CUDA, when Triton imports and the kernels implement the activation: ``grouped_mm_fused``
-  where PyTorch's grouped GEMM has a kernel (bf16) and a gradient is needed, or the segments average
-  `AUTO_TRITON_BELOW` pairs per expert or more; ``triton`` otherwise; ``torch`` off CUDA. On the H200
-  (docs/kernels.md, "Which backend `auto` picks") ``grouped_mm_fused`` was the faster forward + backward in
-  every measured case, and ``triton`` the faster forward alone at short segments.
+- ``auto``: on CUDA, when Triton imports and the kernels implement the activation: ``triton`` where the
+  segments average fewer than `AUTO_TRITON_BELOW` pairs per expert for a forward alone, or fewer than
+  `AUTO_TRITON_TRAIN_BELOW` when a gradient is needed; ``grouped_mm_fused`` otherwise where PyTorch's
+  grouped GEMM has a kernel (bf16), else ``triton``; ``torch`` off CUDA. On the H200 (docs/kernels.md,
+  "Which backend `auto` picks") the Triton kernels' 16- and 32-row tiles stream the expert weights faster
+  than CUTLASS's tiles at short segments, and CUTLASS's GEMMs are the faster ones at long segments.
 """
 
 from __future__ import annotations
@@ -224,6 +225,12 @@ class _ScaleGrad(torch.autograd.Function):
 #: on the H200 (2026-12-01) their forward was 1.02-1.40x faster than ``grouped_mm_fused``'s at T <= 4096 (up to 512
 #: pairs per expert) and ``grouped_mm_fused``'s faster from OLMoE's and DeepSeek's T = 16384 (2048 and 1536)
 AUTO_TRITON_BELOW = 1024
+#: mean pairs per expert below which "auto" computes a forward + backward with the ``triton`` kernels: on the
+#: H200 (2026-12-01 08:10-08:13 UTC, docs/bench_experts_h200.md) theirs was the faster forward + backward at
+#: T = 128 (8-16 pairs per expert: 0.90 vs 1.01 ms at OLMoE, 0.89 vs 1.26 at Qwen1.5; in a CUDA-graph replay
+#: 0.73 vs 0.98, 0.87 vs 1.22 and 0.95 vs 1.31 at DeepSeek), ``grouped_mm_fused``'s at OLMoE's and DeepSeek's
+#: T = 1024 (128 and 96: 1.41 vs 1.64 ms, 1.43 vs 1.48) and at every T = 4096
+AUTO_TRITON_TRAIN_BELOW = 64
 
 
 def _auto_backend(x_RH, segments: ExpertSegments, gate_up_proj_L2IH, down_proj_LHI, act_fn, needs_grad: bool) -> str:
@@ -232,8 +239,8 @@ def _auto_backend(x_RH, segments: ExpertSegments, gate_up_proj_L2IH, down_proj_L
         return "torch"
     if not grouped_mm_supported(x_RH, gate_up_proj_L2IH, down_proj_LHI):
         return "triton"
-    short = segments.num_pairs < AUTO_TRITON_BELOW * max(1, segments.num_local_experts)
-    return "triton" if short and not needs_grad else "grouped_mm_fused"
+    below = AUTO_TRITON_TRAIN_BELOW if needs_grad else AUTO_TRITON_BELOW
+    return "triton" if segments.num_pairs < below * max(1, segments.num_local_experts) else "grouped_mm_fused"
 
 
 @functools.lru_cache(maxsize=1)
