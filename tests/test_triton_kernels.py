@@ -474,7 +474,7 @@ def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
         expert_mlp_triton(*_args(make_problem(rows, hidden, inter, experts, pairs)))
 
 
-def test_bench_experts_harness_on_a_tiny_shape(interpreted, tmp_path):
+def test_bench_experts_harness_on_a_tiny_shape(interpreted, tmp_path, monkeypatch):
     """`occult bench experts` end to end on CPU (wall-clock timer, interpreted kernels): every
     implementation computes the same function, and the tables and plot come out. One timed call each and
     no `triton_atomic` row (its reduce mode is checked against the reference above): the interpreter
@@ -483,6 +483,7 @@ def test_bench_experts_harness_on_a_tiny_shape(interpreted, tmp_path):
 
     shape = bench.ExpertShape(hidden=32, intermediate=16, num_experts=4, top_k=2, family="olmoe")
     ours = [name for name in bench.IMPLEMENTATIONS if name not in bench.PEERS and name != "triton_atomic"]
+    monkeypatch.setattr(bench, "INTERLEAVE_ROUNDS", 1)  # interpreted calls take seconds; the rounds: test_interleaved_*
     result = bench.run_benchmark(
         {"tiny": shape}, [24], [*ours, "sonic_moe"], device=torch.device("cpu"), dtype=torch.float32,
         timer=bench.wall_timer(repeats=1, warmup=False), breakdown=("tiny", 24), dense_size=64, progress=False,
@@ -508,6 +509,33 @@ def test_bench_experts_harness_on_a_tiny_shape(interpreted, tmp_path):
     assert "row -> pairs index" in result["tables"]["reduce=rows_fp32"]
     bench.plot(result["measurements"], tmp_path / "experts.png")
     assert (tmp_path / "experts.png").stat().st_size > 0
+
+
+def test_interleaved_timing_goes_round_by_round():
+    """`expert_timing.interleaved_ms`: every implementation once per round, in order (A B C, A B C, ...), each
+    round with its share of the timing budget; the median of the rounds; a failing one keeps its exception and
+    leaves the later rounds."""
+    from occult_hf.benchmarks.expert_timing import interleaved_ms
+
+    order, fractions = [], set()
+    times = {"a": iter([3.0, 1.0, 2.0]), "b": iter([5.0, 4.0, 6.0])}
+
+    def timer(fn, grad_to_none=None, fraction=1.0):
+        fractions.add(fraction)
+        return fn()
+
+    def call(name):
+        def fn():
+            order.append(name)
+            if name == "c":
+                raise RuntimeError("no kernel")
+            return next(times[name])
+
+        return fn
+
+    result = interleaved_ms({name: (call(name), None) for name in "abc"}, timer, rounds=3)
+    assert order == ["a", "b", "c", "a", "b", "a", "b"] and fractions == {1 / 3}
+    assert result["a"] == 2.0 and result["b"] == 5.0 and isinstance(result["c"], RuntimeError)
 
 
 def test_bench_candidate_comparison_restores_the_tuners(interpreted, monkeypatch):
