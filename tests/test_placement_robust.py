@@ -520,6 +520,45 @@ def test_auto_pin_slack_trades_balance_for_ct_only_where_the_limit_needs_it():
     assert placed.pin_slack == {0: 0.01} and Placement.from_dict(placed.to_dict()).pin_slack_of(0) == 0.01
 
 
+def test_in_time_choice_judges_a_windowed_plan_on_its_last_window(monkeypatch):
+    """With W time windows the trial plans get each profile's first W - 1 windows (planned with W - 1 windows) and
+    are measured on the last one, in sample order; W = 1 keeps the halves."""
+    from dataclasses import replace
+
+    import occult_hf.placement.refined as refined
+    from occult_hf.placement.in_time import choose_in_time
+
+    order_Nk = np.arange(60)[:, None]  # a token's id is its position: what each side saw is readable
+    membership = np.zeros((2, 60), dtype=bool)
+    membership[0, :30], membership[1, 30:] = True, True
+    for windows, train in ((1, 15), (2, 15), (3, 20)):
+        seen = {}
+
+        def plan_on(value, seed, coactivation, counts, train_Nk, membership_PN):
+            seen["train"] = train_Nk[:, 0].tolist()
+            return value
+
+        def balance_on(plan, later_Nk):
+            seen.setdefault("later", []).append(later_Nk[:, 0].tolist())
+            return 1.0
+
+        choose_in_time(order_Nk, membership, 60, ["only"], plan_on, balance_on, seeds=(0,), margin=0.0, windows=windows)
+        assert seen["train"] == list(range(train)) + list(range(30, 30 + train))
+        assert seen["later"] == [list(range(train, 30)), list(range(30 + train, 60))]
+    trial_windows = []
+    planner = refined.refine_layer
+    monkeypatch.setattr(
+        refined, "refine_layer", lambda *args, **kwargs: trial_windows.append(args[4].time_windows) or planner(*args, **kwargs)
+    )
+    ids = structured_topk(240, 16, 4, 4, popularity_E=np.linspace(3.0, 1.0, 16), seed=8)
+    options = RefinedOptions(num_redundant_experts=4, replica_choice="load_aware", time_windows=3, **FAST)
+    assert refined.cross_validated_pin_slack(ids, np.ones((1, 240), dtype=bool), 16, 4, options) in refined.AUTO_PIN_SLACKS
+    assert trial_windows == [2] * len(refined.AUTO_SEEDS)  # one trial plan per seed, with the earlier two windows
+    trial_windows.clear()
+    refined.cross_validated_margin(ids, np.ones((1, 240), dtype=bool), 16, 4, replace(options, time_windows=1))
+    assert set(trial_windows) == {1}
+
+
 def test_linked_groups_by_hand():
     from occult_hf.placement.shedding import linked_groups
 

@@ -10,6 +10,13 @@ something else (the pin slack of the load-aware rule buys it with CT) states the
 then the first value whose score reaches it wins, and the others are not scored. Time order, not random halves: the
 tokens a placement serves come later, and a drift inside the profile is what the setting must absorb.
 
+A plan made with W time windows per profile (`RefinedOptions.time_windows`) is judged the way it is planned:
+each profile's tokens are cut into W windows (two when W = 1), the trial plans are made on all windows but the
+last, each bounded as a profile of its own (the caller plans them with W - 1 windows), and measured on the
+last. Trial plans that cut their part into W windows again would bound windows smaller than the final plan's:
+on the Qwen trace (D=4, two windows) they read 1.074-1.095 on the later halves (the mean of trial seeds 0-2 at
+pin slacks 0-0.02) where trial plans on whole halves read 1.027-1.044, so every slack failed the limit.
+
 The planner and the measure come from the caller (`refined.cross_validated_reliability`,
 `refined.cross_validated_margin`), so this module imports no planner.
 
@@ -33,6 +40,7 @@ def choose_in_time(
     seeds: Sequence[int],
     margin: float,
     enough: float | None = None,
+    windows: int = 1,
 ) -> Any:
     """The candidate whose plans hold best on each profile's later tokens (module docstring).
 
@@ -47,6 +55,8 @@ def choose_in_time(
         seeds: seeds of the trial plans (fixed, so that the choice is the profile's, not the final plan's).
         margin: how much a later candidate's score must beat the best so far by.
         enough: a score at or below which a candidate wins at once (the earliest such); None: the best wins.
+        windows: the time windows per profile the final plan bounds: the trial plans get the first `W - 1` of
+            `W` windows of each profile's tokens (with W = 1: the first half), and are measured on the last.
 
     Returns the first candidate when a profile has fewer than 8 tokens.
     """
@@ -54,16 +64,17 @@ def choose_in_time(
     index_P = [np.flatnonzero(member_N) for member_N in membership_PN]
     if min(len(index) for index in index_P) < 8:
         return candidates[0]
+    parts = max(int(windows), 2)
     first_N = np.zeros(len(sample_Nk), dtype=bool)
     for index in index_P:
-        first_N[index[: len(index) // 2]] = True
+        first_N[index[: len(index) * (parts - 1) // parts]] = True
     train_Nk = sample_Nk[first_N]
     one_hot_NE = np.zeros((len(train_Nk), num_experts))
     np.put_along_axis(one_hot_NE, train_Nk, 1.0, axis=1)
     coactivation_EE = one_hot_NE.T @ one_hot_NE
     np.fill_diagonal(coactivation_EE, 0.0)
     counts_E = np.bincount(train_Nk.ravel(), minlength=num_experts)
-    later_P = [sample_Nk[index[len(index) // 2 :]] for index in index_P]
+    later_P = [sample_Nk[index[len(index) * (parts - 1) // parts :]] for index in index_P]
     best = None
     for value in candidates:
         scores = []

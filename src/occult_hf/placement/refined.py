@@ -524,7 +524,8 @@ AUTO_MARGIN = 0.005
 
 def _trial_planner(options: "RefinedOptions", num_devices: int, name: str):
     """`plan_on` for `in_time.choose_in_time`: `refine_layer` with `name` set to the candidate, at most 8 search
-    rounds, and any other "auto" setting at its default (each is chosen on its own)."""
+    rounds, one time window fewer (the trial part holds all of the final plan's windows but the last), and any other
+    "auto" setting at its default (each is chosen on its own)."""
     defaults = {
         "load_reliability": 1.0, "shed_margin": RefinedOptions.shed_margin, "max_load_ratio": RefinedOptions.max_load_ratio,
         "pin_slack": PIN_SLACK,
@@ -532,7 +533,10 @@ def _trial_planner(options: "RefinedOptions", num_devices: int, name: str):
     resolved = {key: default if getattr(options, key) == "auto" else getattr(options, key) for key, default in defaults.items()}
 
     def plan_on(value, seed, coactivation_EE, counts_E, train_Nk, membership_PN):
-        trial = replace(options, **{**resolved, name: value}, search_rounds=min(options.search_rounds, 8), seed=seed)
+        trial = replace(
+            options, **{**resolved, name: value}, search_rounds=min(options.search_rounds, 8), seed=seed,
+            time_windows=max(options.time_windows - 1, 1),  # the earlier windows; `choose_in_time` measures the last
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # an unreachable limit on a half is part of what is measured
             return refine_layer(coactivation_EE, counts_E, train_Nk, num_devices, trial, membership_PN=membership_PN)
@@ -565,6 +569,7 @@ def cross_validated_reliability(
     return choose_in_time(
         sample_Nk, membership_PN, num_experts, AUTO_RELIABILITIES, plan_on,
         lambda plan, later_Nk: _served_balance(plan, later_Nk, num_devices, "static"), AUTO_SEEDS, AUTO_MARGIN,
+        windows=options.time_windows,
     )
 
 
@@ -578,6 +583,7 @@ def cross_validated_ratio(
     return choose_in_time(
         sample_Nk, membership_PN, num_experts, AUTO_LOAD_RATIOS, plan_on,
         lambda plan, later_Nk: _served_balance(plan, later_Nk, num_devices, options.replica_choice), AUTO_SEEDS, AUTO_MARGIN,
+        windows=options.time_windows,
     )
 
 
@@ -591,6 +597,7 @@ def cross_validated_margin(
     return choose_in_time(
         sample_Nk, membership_PN, num_experts, AUTO_SHED_MARGINS, plan_on,
         lambda plan, later_Nk: _served_balance(plan, later_Nk, num_devices, "load_aware"), AUTO_SEEDS, AUTO_MARGIN,
+        windows=options.time_windows,
     )
 
 
@@ -611,7 +618,7 @@ def cross_validated_pin_slack(
     return choose_in_time(
         sample_Nk, membership_PN, num_experts, AUTO_PIN_SLACKS, same_plan,
         lambda plan, later_Nk: _served_balance(plan, later_Nk, num_devices, "load_aware"), AUTO_SEEDS, AUTO_MARGIN,
-        enough=float(options.max_load_ratio),
+        enough=float(options.max_load_ratio), windows=options.time_windows,
     )
 
 
