@@ -69,10 +69,10 @@ class ExpertSegments:
         an expert, the same layout as `from_pairs` on `(arange(T k) // k, topk_ids)`. Returns the segments and
         the routing weights in segment order `[N]` (differentiable with respect to `topk_weights_Tk`).
 
-        On CUDA with Triton, up to `triton_layout.TOPK_MAX_PAIRS` pairs, one launch builds the segments, the
-        row -> pairs index and the weights in segment order (`topk_layout`), instead of an arange, a division,
-        two sorts and an indexing with its backward (at small T the host's time per operator is the call's
-        time). Expert ids must lie in [0, E) (not checked: reading them would synchronise)."""
+        On CUDA with Triton, up to `triton_layout.TOPK_MAX_PAIRS` pairs of `TOPK_MAX_EXPERTS` experts, one launch
+        builds the segments, the row -> pairs index and the weights in segment order (`topk_layout`), instead of
+        an arange, a division, two sorts and an indexing with its backward (at small T the host's time per
+        operator is the call's time). Expert ids must lie in [0, E) (not checked: reading them would synchronise)."""
         num_tokens, top_k = topk_ids_Tk.shape
         if not _topk_kernel_layout(topk_ids_Tk, num_experts):
             row_N = torch.arange(num_tokens * top_k, device=topk_ids_Tk.device) // top_k
@@ -126,12 +126,12 @@ def _sort_pairs_torch(pair_row: torch.Tensor, pair_expert: torch.Tensor, rows: i
 
 def _topk_kernel_layout(topk_ids_Tk: torch.Tensor, num_experts: int) -> bool:
     """Whether `from_topk` takes the one-launch Triton layout: CUDA, Triton importable, a non-empty routing of
-    at most `triton_layout.TOPK_MAX_PAIRS` pairs."""
+    at most `triton_layout.TOPK_MAX_PAIRS` pairs over at most `TOPK_MAX_EXPERTS` experts."""
     if not topk_ids_Tk.is_cuda or topk_ids_Tk.numel() == 0 or not triton_importable():
         return False
-    from .triton_layout import TOPK_MAX_PAIRS
+    from .triton_layout import TOPK_MAX_EXPERTS, TOPK_MAX_PAIRS
 
-    return topk_ids_Tk.numel() <= TOPK_MAX_PAIRS
+    return topk_ids_Tk.numel() <= TOPK_MAX_PAIRS and num_experts <= TOPK_MAX_EXPERTS
 
 
 def _one_program_layout(pair_row: torch.Tensor, num_groups: int) -> bool:

@@ -117,6 +117,9 @@ def sort_by_group(group_N: torch.Tensor, num_groups: int, minor_N: torch.Tensor 
 #: most pairs `topk_layout_kernel` takes: every program counts all pairs for every expert (N x E work
 #: a program, T / `TOPK_ROWS` programs); above it torch's radix sort is faster
 TOPK_MAX_PAIRS = 16384
+#: most experts `topk_layout_kernel` takes: its counting step holds [256, E] compares a program, and it has run
+#: on a GPU with 60 and 64 experts (2026-12-01); layers with more experts keep torch's sort
+TOPK_MAX_EXPERTS = 64
 #: tokens a program of `topk_layout_kernel` places (its pairs are ranked by a [k R, k R] comparison)
 TOPK_ROWS = 16
 #: pairs a step of the counting loop reads
@@ -188,14 +191,15 @@ def topk_layout_kernel(
 def topk_layout(topk_ids_Tk: torch.Tensor, num_experts: int, topk_weights_Tk: torch.Tensor | None = None):
     """`(order_N, pair_row_N, weight_N, expert_offsets, row_pairs_N, row_offsets)` of pairs straight from a
     top-k routing (`topk_layout_kernel`; weight_N is None without weights). One launch, one int64 buffer;
-    at most `TOPK_MAX_PAIRS` pairs and, per token, all k experts in [0, num_experts) (not checked:
-    reading them would synchronise)."""
+    at most `TOPK_MAX_PAIRS` pairs of at most `TOPK_MAX_EXPERTS` experts and, per token, all k experts in
+    [0, num_experts) (not checked: reading them would synchronise)."""
     num_tokens, top_k = topk_ids_Tk.shape
     num_pairs = num_tokens * top_k
-    if num_pairs > TOPK_MAX_PAIRS or num_experts >= 1 << 20:
+    if num_pairs > TOPK_MAX_PAIRS or num_experts > TOPK_MAX_EXPERTS:
         raise ValueError(
-            f"topk_layout places at most TOPK_MAX_PAIRS={TOPK_MAX_PAIRS} pairs in one launch; got {num_tokens} tokens x "
-            f"top-{top_k} = {num_pairs} pairs"
+            f"topk_layout places at most TOPK_MAX_PAIRS={TOPK_MAX_PAIRS} pairs of at most TOPK_MAX_EXPERTS="
+            f"{TOPK_MAX_EXPERTS} experts in one launch; got {num_tokens} tokens x top-{top_k} = {num_pairs} pairs "
+            f"of {num_experts} experts"
         )
     index = torch.empty(4 * num_pairs + num_experts + num_tokens + 2, dtype=torch.int64, device=topk_ids_Tk.device)
     order_N, pair_row_N, row_pairs_N = index[:num_pairs], index[num_pairs : 2 * num_pairs], index[2 * num_pairs : 3 * num_pairs]
@@ -213,4 +217,4 @@ def topk_layout(topk_ids_Tk: torch.Tensor, num_experts: int, topk_weights_Tk: to
     return order_N, pair_row_N, weight_N, offsets, row_pairs_N, row_offsets
 
 
-__all__ = ["MAX_PAIRS", "TOPK_MAX_PAIRS", "fits_one_program", "sort_by_group", "topk_layout"]
+__all__ = ["MAX_PAIRS", "TOPK_MAX_EXPERTS", "TOPK_MAX_PAIRS", "fits_one_program", "sort_by_group", "topk_layout"]

@@ -259,6 +259,23 @@ def test_direct_launch_passes_every_parameter(tuner):
         assert not meta.get("USE_TMA", False) or config.kwargs.get("USE_TMA")
 
 
+def test_topk_layout_only_where_it_was_run():
+    """`from_topk` takes the one-launch layout on CUDA up to `TOPK_MAX_PAIRS` pairs of `TOPK_MAX_EXPERTS` experts
+    (the sizes it has run at on a GPU), torch's sort elsewhere."""
+    from types import SimpleNamespace
+
+    from occult_hf.kernels import layout
+    from occult_hf.kernels.triton_layout import TOPK_MAX_EXPERTS, TOPK_MAX_PAIRS
+
+    def ids(numel, is_cuda=True):
+        return SimpleNamespace(is_cuda=is_cuda, numel=lambda: numel)
+
+    assert layout._topk_kernel_layout(ids(TOPK_MAX_PAIRS), TOPK_MAX_EXPERTS)
+    assert not layout._topk_kernel_layout(ids(TOPK_MAX_PAIRS + 1), TOPK_MAX_EXPERTS)
+    assert not layout._topk_kernel_layout(ids(128), TOPK_MAX_EXPERTS + 1)
+    assert not layout._topk_kernel_layout(ids(128, is_cuda=False), 8) and not layout._topk_kernel_layout(ids(0), 8)
+
+
 @pytest.mark.parametrize("num_pairs", [1, 37, 300])
 def test_one_program_layout_is_torchs_stable_sort(interpreted, num_pairs):
     """`sort_by_group` (one Triton program) gives what torch's stable sort and a binary search give:
