@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from occult_hf.kernels.layout import ExpertSegments
 from .base import DispatchPlan, Dispatched, TokenDispatcher, dispatch_format, register_dispatcher
 from .plan import device_match, local_pairs, routing_width
 
@@ -29,14 +30,18 @@ class LocalDispatcher(TokenDispatcher):
     def dispatch(self, x_TH: torch.Tensor, routing) -> Dispatched:
         ids_Tk, weights_Tk = routing.topk_ids_Tk, routing.topk_weights_Tk
         num_tokens, top_k = ids_Tk.shape
-        if self.ep.num_devices == 1 and self._identity_slots():
+        one_device = self.ep.num_devices == 1 and self._identity_slots()
+        if one_device:
             local_Tk = ids_Tk.long()
             counts_D2 = self._one_device_counts(num_tokens if self.mode == "dedup" else num_tokens * top_k, num_tokens * top_k, ids_Tk.device)
         else:
             dest_Tk, local_Tk = self.destinations_of(routing)
             counts_D2 = device_match(dest_Tk, self.ep.num_devices, self.mode).counts_D2
-        segments, pick_N = local_pairs(local_Tk, self.num_local_experts, self.mode)
-        pair_weight_N = weights_Tk.reshape(-1)[pick_N]
+        if one_device and self.mode == "dedup":  # the pairs are the top-k itself: its one-launch layout
+            segments, pair_weight_N = ExpertSegments.from_topk(local_Tk, weights_Tk, self.num_local_experts)
+        else:
+            segments, pick_N = local_pairs(local_Tk, self.num_local_experts, self.mode)
+            pair_weight_N = weights_Tk.reshape(-1)[pick_N]
         # "dedup": the tokens are the rows; "per_expert": row t*k + j is token t's copy for its slot j
         x_RH = x_TH if self.mode == "dedup" else x_TH[:, None].expand(-1, top_k, -1).reshape(-1, x_TH.shape[1])
         row_format = dispatch_format(x_TH.shape[1], x_TH.dtype, routing_width(self.mode, top_k), weights_Tk.dtype)
