@@ -67,6 +67,8 @@ _empty = torch.empty
 #: mean pairs per expert from which the GEMMs get tensor descriptors and may tune their TMA configs
 #: (below it the weights stream through the small-T tiles, and a descriptor per launch is host time)
 TMA_MIN_ROWS = 128
+#: pairs a program of `pair_weight_grad_kernel` sums (a copy-speed pass over [N, I / 64] fp32 partial sums)
+PAIR_WEIGHT_GRAD_BLOCK_M = 64
 
 
 def _descriptor(matrix: torch.Tensor):
@@ -179,7 +181,7 @@ def run_tuned(kernel, grid, key: tuple, *args, **constexprs) -> triton.Config:
     if constexpr_key not in directs:
         directs[constexpr_key] = _direct(kernel, config, args, constexprs)
     direct = directs[constexpr_key]
-    if config.pre_hook is not None and (direct is None or any(type(arg) is TensorDescriptor for arg in args)):
+    if config.pre_hook is not None and (direct is None or TensorDescriptor in map(type, args)):
         config.pre_hook({**dict(zip(kernel.arg_names, args)), **constexprs, **config.all_kwargs()})
     if direct is None:
         kernel.fn[grid](*args, **constexprs, **config.all_kwargs())
@@ -268,8 +270,9 @@ def row_sum(plan: LaunchPlan, y_NF: torch.Tensor, out_dtype) -> torch.Tensor:
     return out
 
 
-def _dgate_up(plan: LaunchPlan, dout_RH, down_LHI, gu_N2I, pair_weight_N, write_hw: bool):
-    """d gu [N, 2I], the pair-weight gradient [N] (fp32) and, when `write_hw`, hw [N, I] (else None)."""
+def _dgate_up(plan: LaunchPlan, dout_RH, down_LHI, gu_N2I, pair_weight_N, write_hw: bool, weight_grad: bool):
+    """d gu [N, 2I], when `weight_grad` the pair-weight gradient [N] in the weights' dtype (summed in fp32, zero
+    for pairs past the segments; else None) and, when `write_hw`, hw [N, I] (else None)."""
     intermediate = down_LHI.shape[2]
     dgu_N2I = _empty(gu_N2I.shape, dtype=gu_N2I.dtype, device=gu_N2I.device)
     hw_NI = _empty(plan.num_pairs, intermediate, dtype=gu_N2I.dtype, device=gu_N2I.device) if write_hw else None
@@ -288,8 +291,15 @@ def _dgate_up(plan: LaunchPlan, dout_RH, down_LHI, gu_N2I, pair_weight_N, write_
         WRITE_HW=write_hw, TMA_OK=b_desc is not None, ACTIVATION=plan.activation,
         DOT_PRECISION=_dot_precision(dout_RH.dtype), BLOCK_E=plan.block_experts,
     )  # fmt: skip
-    tiles_n = cdiv(intermediate, config.kwargs["BLOCK_N"])
-    return dgu_N2I, partial_NP[:, :tiles_n].sum(dim=1), hw_NI
+    if not weight_grad:
+        return dgu_N2I, None, hw_NI
+    dweight_N = _empty(plan.num_pairs, dtype=pair_weight_N.dtype, device=dout_RH.device)
+    launch(
+        _kernels.pair_weight_grad_kernel, (cdiv(plan.num_pairs, PAIR_WEIGHT_GRAD_BLOCK_M),),
+        partial_NP, plan.segments_end, dweight_N, plan.num_pairs, cdiv(intermediate, config.kwargs["BLOCK_N"]),
+        partial_NP.stride(0), BLOCK_M=PAIR_WEIGHT_GRAD_BLOCK_M, BLOCK_P=next_power_of_2(partial_NP.shape[1]),
+    )  # fmt: skip
+    return dgu_N2I, dweight_N, hw_NI
 
 
 def _segment_outer(plan: LaunchPlan, a, b, *, gather_a: bool, gather_b: bool, out_dtype):
@@ -332,12 +342,11 @@ class _ExpertMLPFunction(torch.autograd.Function):
             return tuple(torch.zeros_like(t) if need else None for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad)) + (None, None)
         x_RH, pair_weight_N, gate_up_L2IH, down_LHI, gu_N2I = ctx.saved_tensors
         dout_RH = dout_RH.contiguous()
-        dx = dweight = dgate_up = ddown = None
+        dx = dgate_up = ddown = None
         # one kernel gives d gu (for dx, d gate_up), the pair-weight gradient and hw (for d down)
-        dgu_N2I, dweight_N, hw_NI = _dgate_up(plan, dout_RH, down_LHI, gu_N2I, pair_weight_N, write_hw=need_ddown)
-        if need_dweight:  # pairs past the segments (a static dispatch's empty slots) have no partial sums: 0
-            dweight = torch.where(_pair_positions(plan.num_pairs, dweight_N.device) < plan.segments_end, dweight_N, 0.0)
-            dweight = dweight.to(pair_weight_N.dtype)
+        dgu_N2I, dweight, hw_NI = _dgate_up(
+            plan, dout_RH, down_LHI, gu_N2I, pair_weight_N, write_hw=need_ddown, weight_grad=need_dweight
+        )
         if need_dx:
             dx = _scatter_gemm(plan, dgu_N2I, gate_up_L2IH, x_RH.dtype)
         if need_dgate_up:
@@ -346,12 +355,6 @@ class _ExpertMLPFunction(torch.autograd.Function):
         if need_ddown:
             ddown = _segment_outer(plan, dout_RH, hw_NI, gather_a=True, gather_b=False, out_dtype=down_LHI.dtype)
         return dx, dweight, dgate_up, ddown, None, None
-
-
-@functools.lru_cache(maxsize=64)
-def _pair_positions(num_pairs: int, device: torch.device) -> torch.Tensor:
-    """`arange(N)` on `device`, made once per (N, device) and only read (an operator call saved per backward)."""
-    return torch.arange(num_pairs, device=device)
 
 
 def check_inputs(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, caller: str = "expert_mlp_triton") -> None:
@@ -498,14 +501,14 @@ def expert_mlp_triton_stages(
     pairs, hidden, inter = plan.num_pairs, x_RH.shape[1], down_LHI.shape[2]
     hw_NI, gu_N2I = _gate_up(plan, x_RH, gate_up_L2IH, pair_weight_N, save_gu=True)
     dout_RH = torch.randn_like(x_RH)
-    dgu_N2I, _, _ = _dgate_up(plan, dout_RH, down_LHI, gu_N2I, pair_weight_N, write_hw=False)
+    dgu_N2I, _, _ = _dgate_up(plan, dout_RH, down_LHI, gu_N2I, pair_weight_N, write_hw=False, weight_grad=False)
     gemm = 2.0 * pairs * hidden * inter  # FLOPs of one [N, H] x [H, I] product
     stages = {
         "fwd: gather + gate_up GEMM + w*SiLU*up": (lambda: _gate_up(plan, x_RH, gate_up_L2IH, pair_weight_N, save_gu=False), 2 * gemm),
         "fwd: same, saving gate/up for bwd": (lambda: _gate_up(plan, x_RH, gate_up_L2IH, pair_weight_N, save_gu=True), 2 * gemm),
         "fwd: down GEMM + row reduce": (lambda: _scatter_gemm(plan, hw_NI, down_LHI.transpose(1, 2), x_RH.dtype), gemm),
         "bwd: dout @ down + act bwd + d weight + hw": (
-            lambda: _dgate_up(plan, dout_RH, down_LHI, gu_N2I, pair_weight_N, write_hw=True),
+            lambda: _dgate_up(plan, dout_RH, down_LHI, gu_N2I, pair_weight_N, write_hw=True, weight_grad=True),
             gemm,
         ),
         "bwd: dx GEMM + row reduce": (lambda: _scatter_gemm(plan, dgu_N2I, gate_up_L2IH, x_RH.dtype), 2 * gemm),

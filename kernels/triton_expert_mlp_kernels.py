@@ -28,6 +28,8 @@ Kernels:
                        from the forward). `EPI_SPLIT = 2` runs this epilogue on two column halves of
                        the tile one after the other, so fewer fp32 tiles are live at once and a
                        wider tile fits the registers.
+- `pair_weight_grad_kernel` the pair weight's gradient from `dgate_up_kernel`'s partial sums (zero for
+                       pairs past the segments), in the weights' dtype.
 - `segment_outer_kernel` weight gradients: C_e = sum over the pairs p of expert e of
                        A[row_a(p)]^T B[row_b(p)]; one program
                        owns one output tile and the whole reduction, so it is deterministic.
@@ -598,6 +600,28 @@ def dgate_up_kernel(
 #: the smallest BLOCK_N of `dgate_up_kernel`'s candidates: the launcher sizes the pair-weight gradient's
 #: per-N-tile partial sums by it once, not per call
 DGATE_UP_MIN_BLOCK_N = min(config.kwargs["BLOCK_N"] for config in dgate_up_kernel.configs)
+
+
+@triton.jit
+def pair_weight_grad_kernel(
+    partial_ptr,  # [N, P] fp32: `dgate_up_kernel`'s partial sums, columns [0, tiles) written for pairs in the segments
+    segments_end_ptr,  # [1] int64: expert_offsets[L]; pairs at or past it (a static dispatch's empty slots) get 0
+    out_ptr,  # [N] the pair-weight gradient, in the weights' dtype
+    num_pairs,
+    tiles,  # N tiles of the dgate_up config that ran
+    stride_partial_row,
+    BLOCK_M: tl.constexpr,
+    BLOCK_P: tl.constexpr,  # >= tiles
+):
+    # One launch for what were four operators after `dgate_up_kernel` (a slice sum, a position compare, a
+    # where and a cast): at small T each operator's host time is the call's time, not its device time.
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < num_pairs
+    inside_m = mask_m & (offs_m < tl.load(segments_end_ptr))
+    offs_p = tl.arange(0, BLOCK_P)
+    mask = inside_m[:, None] & (offs_p < tiles)[None, :]
+    partial = tl.load(partial_ptr + offs_m.to(tl.int64)[:, None] * stride_partial_row + offs_p[None, :], mask=mask, other=0.0)
+    tl.store(out_ptr + offs_m, tl.sum(partial, axis=1).to(out_ptr.dtype.element_ty), mask=mask_m)
 
 
 @triton.jit
