@@ -28,9 +28,10 @@ try:  # host-made tensor descriptors (Triton >= 3.4), an argument kind of the TM
 except ImportError:  # pragma: no cover - older Triton: no descriptor is ever passed
     TensorDescriptor = None
 
-#: (kernel, device, argument specializations, constexprs and options) -> (compiled kernel, constexpr names in
-#: parameter order after the positional arguments)
-_COMPILED: dict[tuple, tuple[object, tuple[str, ...]]] = {}
+#: (id of the kernel, device, argument specializations, constexprs and options) -> (compiled kernel, constexpr
+#: names in parameter order after the positional arguments, the kernel). By id: a `JITFunction` hashes through
+#: its `cache_key` property, a microsecond per launch; the kernel is kept in the value, so its id is never reused.
+_COMPILED: dict[tuple, tuple[object, tuple[str, ...], object]] = {}
 
 
 def _specialization(value) -> object:
@@ -90,15 +91,15 @@ def launch(kernel, grid: tuple[int, ...], *args, **constexprs) -> None:
         kernel[grid](*args, **constexprs)
         return
     device, stream = _device_and_stream()
-    key = (kernel, device, _specializations(args), tuple(constexprs.items()))
+    key = (id(kernel), device, _specializations(args), tuple(constexprs.items()))
     cached = _COMPILED.get(key)
     if cached is None:
         compiled = kernel[grid](*args, **constexprs)
         tail = tuple(kernel.arg_names[len(args) :])
         if set(tail) <= set(constexprs):  # else a defaulted parameter: this kernel keeps kernel[grid]
-            _COMPILED[key] = (compiled, tail)
+            _COMPILED[key] = (compiled, tail, kernel)
         return
-    compiled, tail = cached
+    compiled, tail, _ = cached
     grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
     compiled.run(
         grid_x, grid_y, grid_z, stream, compiled.function, compiled.packed_metadata, None, None, None,
