@@ -225,12 +225,14 @@ class _ScaleGrad(torch.autograd.Function):
 #: on the H200 (2026-12-01) their forward was 1.02-1.40x faster than ``grouped_mm_fused``'s at T <= 4096 (up to 512
 #: pairs per expert) and ``grouped_mm_fused``'s faster from OLMoE's and DeepSeek's T = 16384 (2048 and 1536)
 AUTO_TRITON_BELOW = 1024
-#: mean pairs per expert below which "auto" computes a forward + backward with the ``triton`` kernels: on the
-#: H200 (2026-12-01 08:10-08:13 UTC, docs/bench_experts_h200.md) theirs was the faster forward + backward at
-#: T = 128 (8-16 pairs per expert: 0.90 vs 1.01 ms at OLMoE, 0.89 vs 1.26 at Qwen1.5; in a CUDA-graph replay
-#: 0.73 vs 0.98, 0.87 vs 1.22 and 0.95 vs 1.31 at DeepSeek), ``grouped_mm_fused``'s at OLMoE's and DeepSeek's
-#: T = 1024 (128 and 96: 1.41 vs 1.64 ms, 1.43 vs 1.48) and at every T = 4096
-AUTO_TRITON_TRAIN_BELOW = 64
+#: mean pairs per expert below which "auto" computes a forward + backward with the ``triton`` kernels. On the H200
+#: (2026-12-01 08:51-08:55 UTC, one call, docs/bench_experts_h200.md; the backward's host time cut that morning),
+#: plain calls against ``grouped_mm_fused``: faster at every T = 128 (8-16 pairs per expert; 6 of 6, two benches
+#: against transformers 5.17 and 5.24) and at 4 of 6 T = 1024 (OLMoE, 128 pairs: 1.351 vs 1.409 ms twice; Qwen1.5,
+#: 68: 1.270 vs 1.430, 1.267 vs 1.319), slower at DeepSeek's T = 1024 (96: 1.480 vs 1.426, 1.481 vs 1.423), 8.20
+#: against 8.42 ms over those six; ``grouped_mm_fused``'s 10-15% faster at every T = 4096 (273-512 pairs, 08:07 UTC).
+#: 256 lies in the gap no run measured (T = 2048: 136-256 pairs per expert)
+AUTO_TRITON_TRAIN_BELOW = 256
 
 
 def _auto_backend(x_RH, segments: ExpertSegments, gate_up_proj_L2IH, down_proj_LHI, act_fn, needs_grad: bool) -> str:
