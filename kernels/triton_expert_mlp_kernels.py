@@ -519,8 +519,8 @@ def dgate_up_epilogue(
     return partial
 
 
-# Configs differ in BLOCK_N, hence in how many partial-sum columns they write: the launcher sums only the
-# columns of the config that ran (`best_config`), which every pair's row fills.
+# Configs differ in BLOCK_N, hence in how many partial-sum columns they write: `pair_weight_grad_kernel` sums
+# only the columns of the config that ran (`best_config`), which every pair's row fills.
 @triton.autotune(
     configs=_gemm_configs(_DGATE_UP_HOPPER, "dgate_up"),
     key=["K", "I", "ROWS_PER_EXPERT", "WRITE_HW", "TMA_OK"],
