@@ -252,6 +252,13 @@ def test_replan_keeps_primaries_and_moves_the_copies_to_what_is_hot_now(tmp_path
     recent = RoutingProfile.load(paths["recent"])
     before, after = (evaluate_placement(recent, p)[0] for p in (deployed, replanned))
     assert after.balance < before.balance, (before.balance, after.balance)
+    # --replica-choice load_aware: copies chosen for the load-aware rule (fluid bound, then CT), as the library does
+    aware_path = tmp_path / "aware.json"
+    assert main(["replan", str(deployed_path), str(paths["recent"]), "--replica-choice", "load_aware", "--out", str(aware_path)]) == 0
+    from occult_hf.placement.rebalance import replan_replicas
+
+    aware = Placement.load(aware_path)
+    assert aware.replicas == replan_replicas(deployed, recent, replica_choice="load_aware").replicas != replanned.replicas
 
     # a profile of another model (another expert count) is named, not planned on
     profile_from_sample({0: structured_topk(100, 8, 2, 4, np.ones(8), seed=0)}, 8, "other").save(tmp_path / "other.safetensors")

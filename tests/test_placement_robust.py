@@ -430,6 +430,49 @@ def test_replan_replicas_keeps_primaries_and_relieves_the_new_hot_expert():
         replan_replicas(placement, window, layers=[3])
 
 
+def test_fluid_set_loads_is_the_best_split_of_the_replicas():
+    """The densest device set's load per device equals the water-filled split (`best_replica_split`)."""
+    from occult_hf.placement.rebalance import device_subsets, fluid_set_loads
+    from occult_hf.studies.robust_placement_study import best_replica_split
+
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        device_of_E, load_E = rng.integers(0, 4, 12), rng.gamma(1.0, 100.0, 12)
+        table = home_table_from(device_of_E, {int(e): [int(device_of_E[e] + 1 + rng.integers(0, 3)) % 4] for e in rng.choice(12, 3, replace=False)})
+        held_ED = np.zeros((12, 4), dtype=bool)
+        for expert, row in enumerate(table):
+            held_ED[expert, row[row >= 0]] = True
+        fluid = fluid_set_loads(load_E, held_ED, device_subsets(4)).max() / (load_E.sum() / 4)
+        assert fluid == pytest.approx(best_replica_split(load_E, table, 4, sweeps=2000), abs=1e-9)
+    with pytest.raises(ValueError, match="num_devices=17 must be at most 16"):
+        device_subsets(17)
+
+
+def test_replan_for_the_load_aware_rule_puts_copies_where_their_tokens_go():
+    """Copying expert 0 (device 0) onto device 1 or 2, or expert 1 onto either, reaches the same fluid bound;
+    expert 0's tokens also visit device 2 and expert 1's device 1, so the load-aware re-plan takes those two
+    copies (CT 1, balance 1), not the lower device ids. The static rule's balance-only greedy cannot see that: a copy on the visited
+    device gets all its pairs there, so it copies onto the unvisited devices and CT rises."""
+    from occult_hf.placement.rebalance import replan_layer_replicas
+
+    device_of_E = np.array([0, 0, 1, 1, 2, 2])
+    ids_Nk = np.array([[0, 4]] * 100 + [[1, 2]] * 100)
+    load_E = np.bincount(ids_Nk.ravel(), minlength=6).astype(float)
+    aware = replan_layer_replicas(device_of_E, load_E, ids_Nk, 3, 2, 3, replica_choice="load_aware")
+    assert aware == {0: [2], 1: [1]}
+    assert replan_layer_replicas(device_of_E, load_E, ids_Nk, 3, 1, 3, replica_choice="load_aware") == {0: [2]}
+    static = replan_layer_replicas(device_of_E, load_E, ids_Nk, 3, 2, 3)
+    assert static != aware
+
+    def ct(extra):
+        dest_Nk = metrics.pair_devices(ids_Nk, device_of_E, 3, home_table_from(device_of_E, extra))
+        return np.mean([len(set(row)) for row in dest_Nk.tolist()])
+
+    assert ct(aware) == 1.0 and ct(static) > 1.2
+    with pytest.raises(ValueError, match="replica_choice must be one of"):
+        replan_layer_replicas(device_of_E, load_E, ids_Nk, 3, 2, 3, replica_choice="fluid")
+
+
 def test_load_aware_split_meets_the_target_without_adding_ct_where_it_can():
     from occult_hf.studies.robust_placement_study import load_aware_split
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..placement import PLACEMENT_FILENAME
+from ..replica_routing import REPLICA_CHOICES
 
 
 def register(subparsers) -> None:
@@ -25,6 +26,13 @@ def register(subparsers) -> None:
         metavar="R",
         help="extra homes per layer (default: as many as the placement has, or its free slots when it has none)",
     )
+    parser.add_argument(
+        "--replica-choice",
+        choices=REPLICA_CHOICES,
+        default="static",
+        help="the runtime's replica rule (OccultConfig.replica_choice) the copies are chosen for: static balances the "
+        "loads that rule gives; load_aware the best split of the copies' loads, then the least CT (default: static)",
+    )
     parser.add_argument("--out", default=PLACEMENT_FILENAME, help=f"output path (default: {PLACEMENT_FILENAME})")
     parser.set_defaults(func=run)
 
@@ -36,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from ..report import evaluate_placements, format_summary
 
     deployed, recent = Placement.load(args.placement), RoutingProfile.load(args.profile)
-    replanned = replan_replicas(deployed, recent, num_redundant=args.redundant)
+    replanned = replan_replicas(deployed, recent, num_redundant=args.redundant, replica_choice=args.replica_choice)
     replanned.save(args.out)
     print(format_summary(evaluate_placements(recent, {"deployed": deployed, "replanned": replanned})))
     print(f"wrote {args.out}")

@@ -15,7 +15,15 @@ a device with a free slot. Loads are measured as the metrics measure them (`metr
 under the replica rule on the profile's token sample, or each expert's load split evenly over its
 homes for counts-only profiles), so the figure it optimises is the one `occult report` prints.
 
-Shape legend: E experts, D devices, M most homes of one expert, N sampled tokens, k experts per token.
+Under the load-aware rule (`replica_choice="load_aware"`) those static-rule loads are the wrong target: the rule
+splits a copied expert's pairs over its homes by load, keeping a pair on a home its token visits within the pin
+slack. There the greedy adds the copy that lowers the fluid bound the most (the least max device load any split
+of the copies' loads reaches, `fluid_set_loads`), and among equal bounds the one with the least CT on the sample.
+On the held-out Qwen half re-planned every 274-1096 tokens (seeds 0-9, docs/placement.md) the static-rule greedy's
+copies read 1.054-1.090 held-out balance at D=8 at CT up to 1.9% above today's refined, worse than not re-planning;
+these read 1.046-1.056 at CT 0.7-1.3% below it (D=4: 1.026-1.034, 10 of 10 seeds within 1.05 at W=274).
+
+Shape legend: E experts, D devices, M most homes of one expert, N sampled tokens, k experts per token, F sets of devices (local letter: the cuts of the fluid bound).
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from typing import TYPE_CHECKING, Iterable
 import numpy as np
 
 from ..metrics import replica_device_load
-from ..replica_routing import home_table_from
+from ..replica_routing import REPLICA_CHOICES, home_table_from, resolve_homes_np
 from .placement import Placement
 
 if TYPE_CHECKING:
@@ -39,6 +47,7 @@ def replan_layer_replicas(
     num_devices: int,
     num_redundant: int,
     slots_per_device: int,
+    replica_choice: str = "static",
 ) -> dict[int, list[int]]:
     """`{expert: [extra devices]}`: R extra homes for a fixed primary map, chosen greedily on the given loads.
 
@@ -49,6 +58,9 @@ def replan_layer_replicas(
         num_devices: `D`.
         num_redundant: R extra homes to place (fewer when no copy lowers the load any more).
         slots_per_device: expert slots per device (primary and extra homes together).
+        replica_choice: the runtime rule the copies will serve under (`OccultConfig.replica_choice`): "static"
+            balances the loads that rule gives; "load_aware" the fluid bound that rule approaches, with CT as the
+            tie-break (`_replan_for_load_aware`).
     """
     device_of_E = np.asarray(device_of_E, dtype=np.int64)
     load_E = np.asarray(expert_load_E, dtype=np.float64)
@@ -56,6 +68,10 @@ def replan_layer_replicas(
     used_D = np.bincount(device_of_E, minlength=num_devices)
     if used_D.max() > slots_per_device:
         raise ValueError(f"slots_per_device={slots_per_device} is below the {int(used_D.max())} primary homes on one device")
+    if replica_choice not in REPLICA_CHOICES:
+        raise ValueError(f"replan replica_choice must be one of {REPLICA_CHOICES}, got {replica_choice!r}")
+    if replica_choice == "load_aware":
+        return _replan_for_load_aware(device_of_E, load_E, topk_sample_Nk, num_devices, num_redundant, slots_per_device - used_D)
     extra: dict[int, list[int]] = {}
 
     def loads(replicas: dict[int, list[int]]) -> np.ndarray:
@@ -83,11 +99,101 @@ def replan_layer_replicas(
     return extra
 
 
+#: the most devices whose subsets the load-aware re-plan enumerates (2^D - 1 of them)
+MAX_FLUID_DEVICES = 16
+
+
+def device_subsets(num_devices: int) -> np.ndarray:
+    """`[F, D]` bool: every non-empty set of devices (F = 2^D - 1), the cuts of the fluid bound."""
+    if num_devices > MAX_FLUID_DEVICES:
+        raise ValueError(
+            f"the load-aware re-plan enumerates the 2^D - 1 device sets: num_devices={num_devices} must be at most "
+            f"{MAX_FLUID_DEVICES}; use replica_choice='static'"
+        )
+    return ((np.arange(1, 2**num_devices)[:, None] >> np.arange(num_devices)) & 1).astype(bool)
+
+
+def experts_inside(held_ED: np.ndarray, sets_FD: np.ndarray) -> np.ndarray:
+    """`[E, F]` bool: expert e has every home in device set f."""
+    return ~(held_ED[:, None, :] & ~sets_FD[None]).any(2)
+
+
+def fluid_set_loads(load_E: np.ndarray, held_ED: np.ndarray, sets_FD: np.ndarray) -> np.ndarray:
+    """`[F]` load of the experts whose homes all lie in each device set, per device of the set.
+
+    Its maximum is the least max device load any split of the replicated experts' loads over their homes
+    reaches (max-flow min-cut: a set's experts have nowhere else to go, and a split meeting every set's
+    average exists), the balance a load-aware rule approaches when it ignores CT."""
+    return (load_E @ experts_inside(held_ED, sets_FD)) / sets_FD.sum(1)
+
+
+def _replan_for_load_aware(
+    device_of_E: np.ndarray,
+    load_E: np.ndarray,
+    topk_sample_Nk: np.ndarray | None,
+    num_devices: int,
+    num_redundant: int,
+    free_D: np.ndarray,
+) -> dict[int, list[int]]:
+    """R extra homes for the load-aware rule: each step adds the copy that lowers the fluid bound the most
+    (`fluid_set_loads`), and among copies that reach the same bound the one with the lowest CT on the sample
+    under the rule's visited-home preference (a copy on a device its tokens visit anyway cuts CT as well as
+    load); ties: the lower expert and device ids. Stops when no copy lowers the bound or the CT.
+
+    A balance-only greedy on the static rule's loads is the wrong target here: the load-aware rule splits a
+    copied expert's pairs by load, so what bounds it is the fluid split, not the static rule's counts."""
+    sets_FD = device_subsets(num_devices)
+    held_ED = np.zeros((len(device_of_E), num_devices), dtype=bool)
+    held_ED[np.arange(len(device_of_E)), device_of_E] = True
+    free_D = free_D.copy()
+    extra: dict[int, list[int]] = {}
+
+    def ct(trial_ED: np.ndarray) -> float:
+        if topk_sample_Nk is None:
+            return 0.0
+        copies = {e: [int(d) for d in np.flatnonzero(row) if d != device_of_E[e]] for e, row in enumerate(trial_ED) if row.sum() > 1}
+        table_EM = home_table_from(device_of_E, copies) if copies else device_of_E[:, None]
+        dest_Nk = resolve_homes_np(topk_sample_Nk, table_EM, num_devices)
+        hits_ND = np.zeros((len(dest_Nk), num_devices), dtype=bool)
+        np.put_along_axis(hits_ND, dest_Nk, True, axis=1)
+        return float(hits_ND.sum(1).mean())
+
+    inside_EF = experts_inside(held_ED, sets_FD)
+    bound, current_ct = float(fluid_set_loads(load_E, held_ED, sets_FD).max()), ct(held_ED)
+    tolerance = 1e-9 * max(float(load_E.sum()), 1.0)
+    for _ in range(num_redundant):
+        # a copy of e on d takes e out of every set that lacks d: [E, D, F] set loads after each copy
+        base_F = load_E @ inside_EF
+        leaves_EDF = inside_EF[:, None, :] & ~sets_FD.T[None]
+        trial_EDF = (base_F[None, None] - load_E[:, None, None] * leaves_EDF) / sets_FD.sum(1)
+        bound_ED = trial_EDF.max(2)
+        bound_ED[held_ED | (free_D <= 0)[None]] = np.inf
+        least = float(bound_ED.min())
+        if not np.isfinite(least):
+            break
+        best = None
+        for expert, device in zip(*np.nonzero(bound_ED <= least + tolerance)):
+            trial_ED = held_ED.copy()
+            trial_ED[expert, device] = True
+            key = (ct(trial_ED), int(expert), int(device))
+            if best is None or key < best[0]:
+                best = (key, trial_ED)
+        (trial_ct, expert, device), trial_ED = best
+        if least >= bound - tolerance and trial_ct >= current_ct - 1e-12:
+            break  # neither the bound nor the CT improves: keep the slots free
+        held_ED, bound, current_ct = trial_ED, least, trial_ct
+        inside_EF = experts_inside(held_ED, sets_FD)
+        free_D[device] -= 1
+        extra.setdefault(expert, []).append(device)
+    return {expert: sorted(devices) for expert, devices in extra.items()}
+
+
 def replan_replicas(
     placement: Placement,
     profile: "RoutingProfile",
     num_redundant: int | None = None,
     layers: Iterable[int] | None = None,
+    replica_choice: str = "static",
 ) -> Placement:
     """A copy of `placement` with the same primary homes and replicas re-chosen on `profile`'s routing.
 
@@ -97,6 +203,7 @@ def replan_replicas(
         num_redundant: R extra homes per layer; default: as many as `placement` has in that layer, or
             `slots_per_device x D - E` when it states its slots and has none.
         layers: layers to re-plan (default: all of the placement's; others keep their replicas).
+        replica_choice: the runtime's replica rule, which the copies are chosen for (`replan_layer_replicas`).
 
     The result keeps `slots_per_device` (default `ceil((E + R) / D)`) and the deployed layers' `pin_slack` (the
     load-aware rule's setting, not chosen again here), and records in `meta["replicas_replanned_on"]` the
@@ -126,7 +233,7 @@ def replan_replicas(
         routing = profile.layer(layer)
         replicas[layer] = replan_layer_replicas(
             np.asarray(placement.device_of(layer)), routing.expert_counts, routing.topk_sample,
-            placement.num_devices, redundant, layer_slots,
+            placement.num_devices, redundant, layer_slots, replica_choice,
         )
         final_slots = layer_slots if slots is not None else max(final_slots or 0, layer_slots)
     meta = {**placement.meta, "replicas_replanned_on": profile.meta.get("source", "profile")}
@@ -137,4 +244,4 @@ def replan_replicas(
     )
 
 
-__all__ = ["replan_layer_replicas", "replan_replicas"]
+__all__ = ["MAX_FLUID_DEVICES", "device_subsets", "experts_inside", "fluid_set_loads", "replan_layer_replicas", "replan_replicas"]
