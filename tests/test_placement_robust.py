@@ -473,6 +473,28 @@ def test_replan_for_the_load_aware_rule_puts_copies_where_their_tokens_go():
         replan_layer_replicas(device_of_E, load_E, ids_Nk, 3, 2, 3, replica_choice="fluid")
 
 
+def test_online_replay_re_plans_copies_from_past_windows_only():
+    """The online study's replay: without re-plans it is the load-aware rule in steps; re-planned from the
+    preceding window, the copies follow a hot expert that moved (device 3's), and only the first window pays
+    for the old copies; the copies each re-plan adds (at most the 3 redundant slots) are counted."""
+    from occult_hf.studies.online_replicas import copies_added, online_replay, window_scores
+    from occult_hf.studies.robust_placement_study import replay_load_aware
+
+    popularity = np.ones(16)
+    popularity[13] = 12.0  # expert 13 (device 3) is hot in the served tokens; the plan copied expert 0
+    ids = structured_topk(800, 16, 4, 4, popularity_E=popularity, seed=5)
+    plan = Placement(16, 4, {0: [e // 4 for e in range(16)]}, replicas={0: {0: [1, 2, 3]}}, slots_per_device=5)
+    static, moved = online_replay(ids, plan, 4, 200, None, step=100)
+    assert moved == [] and np.array_equal(static, replay_load_aware(ids, plan.home_table(0), 4, 100))
+    replanned, moved = online_replay(ids, plan, 4, 200, 1, "load_aware", step=100)
+    assert len(moved) == 3 and 0 < moved[0] and max(moved) <= 3
+    assert np.array_equal(replanned[:200], static[:200])  # the first window is served by the plan itself
+    later = [window_scores(ids[200:], dest[200:], 4, 200)["balance"] for dest in (static, replanned)]
+    assert later[1] < later[0] - 0.2, later
+    moved_plan = Placement(16, 4, plan.layers, replicas={0: {0: [1], 13: [0, 2]}}, slots_per_device=5)
+    assert copies_added(plan, moved_plan) == 2
+
+
 def test_load_aware_split_meets_the_target_without_adding_ct_where_it_can():
     from occult_hf.studies.robust_placement_study import load_aware_split
 

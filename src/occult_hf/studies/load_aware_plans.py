@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -140,14 +140,20 @@ def plot(points: dict[str, list], today: float, path: Path) -> None:
     ax = fig.subplots()
     for name, seeds in points.items():
         ax.scatter([c for c, _ in seeds], [b for _, b in seeds], s=22, label=name.replace("refined ", "").replace(", prefill+decode", ""))
+    goal_axes(ax, today, "Qwen1.5-MoE layer 0, D=8, 8 redundant slots, seeds 0-9")
+    ax.legend(fontsize=6, loc="upper left")
+    atomic_save_figure(fig, path, dpi=110)
+
+
+def goal_axes(ax, today: float, title: str) -> None:
+    """Lines, labels and grid of a held-out CT against balance scatter: the 1.05 goal (dotted) and today's
+    refined CT (dashed), the two lines a seed must stay below."""
     ax.axhline(GOAL, color="grey", linestyle=":", linewidth=0.8)
     ax.axvline(today, color="k", linestyle="--", linewidth=0.8)
     ax.set_xlabel("held-out CT (dashed: today's refined, seed mean)")
     ax.set_ylabel("held-out balance under the load-aware rule")
-    ax.set_title("Qwen1.5-MoE layer 0, D=8, 8 redundant slots, seeds 0-9", fontsize=9)
-    ax.legend(fontsize=6, loc="upper left")
+    ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    atomic_save_figure(fig, path, dpi=110)
 
 
 def run(routing_dir: Path, out_dir: Path | None) -> StudyResult:
@@ -166,19 +172,27 @@ def run(routing_dir: Path, out_dir: Path | None) -> StudyResult:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main_on_qwen_trace(
+    argv: list[str] | None, doc: str, study: Callable[[Path, Path | None], StudyResult], figure: str
+) -> int:
+    """The command line of a study of the Qwen trace: `--routing-dir` (required: the trace is not shipped) and
+    `--out-dir` (where `study` writes `figure`); prints `study`'s tables."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument(
         "--routing-dir", type=Path, required=True,
         help="folder of the third-party routing .npz files (../shared/data/routing: the Qwen1.5-MoE trace)",
     )
-    parser.add_argument("--out-dir", type=Path, default=None, help="where to write load_aware_placement.png")
+    parser.add_argument("--out-dir", type=Path, default=None, help=f"where to write {figure}")
     args = parser.parse_args(argv)
-    print(run(args.routing_dir, args.out_dir).markdown())
+    print(study(args.routing_dir, args.out_dir).markdown())
     return 0
 
 
-__all__ = ["LOAD_AWARE", "ORACLE_PLANS", "PLANS", "load_aware_plan_rows", "plot", "run", "single_home_bound"]
+def main(argv: list[str] | None = None) -> int:
+    return main_on_qwen_trace(argv, __doc__, run, "load_aware_placement.png")
+
+
+__all__ = ["LOAD_AWARE", "ORACLE_PLANS", "PLANS", "goal_axes", "load_aware_plan_rows", "main_on_qwen_trace", "plot", "run", "single_home_bound"]
 
 
 if __name__ == "__main__":
