@@ -107,6 +107,14 @@ def communication_cost(topk_ids_Nk: np.ndarray, device_of_E: np.ndarray, num_dev
     return (device_hits(ids, devices, num_devices) > 0).sum(axis=1)
 
 
+def served_ct(device_Nk: np.ndarray, num_devices: int) -> float:
+    """Mean CT of tokens whose k pairs are served by the devices `device_Nk` `[N, k]` (a replica rule's choice, or
+    `pair_devices`): the number of distinct devices in each row, averaged."""
+    reached_ND = np.zeros((len(device_Nk), num_devices), dtype=bool)
+    np.put_along_axis(reached_ND, np.asarray(device_Nk, dtype=np.int64), True, axis=1)
+    return float(reached_ND.sum(1).mean())
+
+
 def mean_ct(topk_ids_Nk: np.ndarray, device_of_E: np.ndarray, num_devices: int) -> float:
     """Mean CT over tokens (the per-layer number DESIGN.md reports)."""
     return float(communication_cost(topk_ids_Nk, device_of_E, num_devices).mean())

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 
-from ..metrics import replica_device_load
+from ..metrics import replica_device_load, served_ct
 from ..replica_routing import REPLICA_CHOICES, home_table_from, resolve_homes_np
 from .placement import Placement
 
@@ -153,10 +153,7 @@ def _replan_for_load_aware(
             return 0.0
         copies = {e: [int(d) for d in np.flatnonzero(row) if d != device_of_E[e]] for e, row in enumerate(trial_ED) if row.sum() > 1}
         table_EM = home_table_from(device_of_E, copies) if copies else device_of_E[:, None]
-        dest_Nk = resolve_homes_np(topk_sample_Nk, table_EM, num_devices)
-        hits_ND = np.zeros((len(dest_Nk), num_devices), dtype=bool)
-        np.put_along_axis(hits_ND, dest_Nk, True, axis=1)
-        return float(hits_ND.sum(1).mean())
+        return served_ct(resolve_homes_np(topk_sample_Nk, table_EM, num_devices), num_devices)
 
     inside_EF = experts_inside(held_ED, sets_FD)
     bound, current_ct = float(fluid_set_loads(load_E, held_ED, sets_FD).max()), ct(held_ED)

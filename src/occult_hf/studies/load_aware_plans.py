@@ -104,7 +104,6 @@ def load_aware_plan_rows(routing_dir: Path, plans=PLANS, oracle_plans=ORACLE_PLA
             for rule, slacks in rules:
                 scores = [
                     _ct_and_balance(
-                        held_Nk,
                         resolve_homes_np(held_Nk, table, num_devices) if slacks is None
                         else replay_load_aware(held_Nk, table, num_devices, window, slack),
                         num_devices, window,

@@ -29,13 +29,13 @@ from typing import Any
 import numpy as np
 
 from ..atomic import atomic_save_figure
-from ..metrics import evaluate_placement, summarize
+from ..metrics import evaluate_placement, load_balance, served_ct, summarize
 from ..placement import Placement
 from ..placement.rebalance import replan_replicas
 from ..placement.validation import profile_from_sample
 from .load_aware_plans import GOAL, LOAD_AWARE, SEEDS, goal_axes, main_on_qwen_trace
 from .placement_study import StudyResult
-from .robust_placement_study import _plan, qwen_parts, replay_load_aware
+from .robust_placement_study import _plan, qwen_parts, replay_load_aware, step_balances
 
 #: the best static plan of `load_aware_plans` (8 of 10 seeds meet both goals at D=8, 10 of 10 at D=4)
 STATIC_PLAN = {**LOAD_AWARE, "shed_margin": 0.20, "pin_slack": "auto", "time_windows": 2}
@@ -83,21 +83,15 @@ def online_replay(
     return np.concatenate(dest), moved
 
 
-def window_scores(ids_Nk: np.ndarray, dest_Nk: np.ndarray, num_devices: int, window: int) -> dict[str, float]:
+def window_scores(dest_Nk: np.ndarray, num_devices: int, window: int) -> dict[str, float]:
     """CT, balance over all the tokens, token-weighted mean of the windows' balances, and the worst window's."""
-    hits_ND = np.zeros((len(ids_Nk), num_devices), dtype=bool)
-    np.put_along_axis(hits_ND, dest_Nk, True, axis=1)
-    load_D = np.bincount(dest_Nk.ravel(), minlength=num_devices)
-    balances, sizes = [], []
-    for start in range(0, len(ids_Nk), window):
-        step_D = np.bincount(dest_Nk[start : start + window].ravel(), minlength=num_devices)
-        balances.append(step_D.max() / step_D.mean())
-        sizes.append(len(dest_Nk[start : start + window]))
+    balances = step_balances(dest_Nk, num_devices, window)
+    sizes = np.minimum(window, len(dest_Nk) - np.arange(0, len(dest_Nk), window))
     return {
-        "ct": float(hits_ND.sum(1).mean()),
-        "balance": float(load_D.max() / load_D.mean()),
+        "ct": served_ct(dest_Nk, num_devices),
+        "balance": load_balance(np.bincount(dest_Nk.ravel(), minlength=num_devices)),
         "window mean": float(np.average(balances, weights=sizes)),
-        "worst window": float(max(balances)),
+        "worst window": float(balances.max()),
     }
 
 
@@ -143,7 +137,7 @@ def online_rows(
             for window in windows:
                 for half, ids_Nk in halves.items():
                     runs = [online_replay(ids_Nk, plan, num_devices, window, history, choice) for plan in plans]
-                    scores = [window_scores(ids_Nk, dest, num_devices, window) for dest, _ in runs]
+                    scores = [window_scores(dest, num_devices, window) for dest, _ in runs]
                     found[window, half] = (scores, [m for _, per_plan in runs for m in per_plan])
             # W as the planning half would choose it: the least worst-seed balance there, ties to the larger W
             chosen = min(windows, key=lambda w: (round(max(s["balance"] for s in found[w, "planning"][0]), 3), -w))

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from ..atomic import atomic_save_figure
-from ..metrics import evaluate_placement, load_floor, summarize
+from ..metrics import evaluate_placement, load_balance, load_floor, served_ct, summarize
 from ..placement import Placement, plan_placement
 from ..placement.robust import stated_quantile
 from ..placement.validation import cross_validate, profile_from_sample
@@ -401,16 +401,19 @@ def replay_load_aware(
     return torch.cat(out).numpy()
 
 
-def _ct_and_balance(ids_Nk: np.ndarray, dest_Nk: np.ndarray, num_devices: int, window: int) -> tuple[float, float, float]:
+def step_balances(dest_Nk: np.ndarray, num_devices: int, window: int) -> np.ndarray:
+    """`[S]` the balance of each step of `window` consecutive tokens (the last may be shorter) of served devices
+    `dest_Nk`."""
+    return np.array([
+        load_balance(np.bincount(dest_Nk[start : start + window].ravel(), minlength=num_devices))
+        for start in range(0, len(dest_Nk), window)
+    ])  # fmt: skip
+
+
+def _ct_and_balance(dest_Nk: np.ndarray, num_devices: int, window: int) -> tuple[float, float, float]:
     """`(CT, balance over all the tokens, mean over steps of a step's balance)` of served devices `dest_Nk`."""
-    hits_ND = np.zeros((len(ids_Nk), num_devices), dtype=bool)
-    np.put_along_axis(hits_ND, dest_Nk, True, axis=1)
     load_D = np.bincount(dest_Nk.ravel(), minlength=num_devices)
-    steps = []
-    for start in range(0, len(ids_Nk), window):
-        step_D = np.bincount(dest_Nk[start : start + window].ravel(), minlength=num_devices)
-        steps.append(step_D.max() / step_D.mean())
-    return float(hits_ND.sum(1).mean()), float(load_D.max() / load_D.mean()), float(np.mean(steps))
+    return served_ct(dest_Nk, num_devices), load_balance(load_D), float(step_balances(dest_Nk, num_devices, window).mean())
 
 
 RUNTIME_WINDOWS = (2192, 1096, 256)
@@ -445,9 +448,9 @@ def runtime_rule_rows(routing_dir: Path, num_devices: int = 8) -> list[dict[str,
             scores = []
             for table in tables:
                 if window is None:
-                    scores.append(_ct_and_balance(held_Nk, resolve_homes_np(held_Nk, table, num_devices), num_devices, RUNTIME_WINDOWS[0]))
+                    scores.append(_ct_and_balance(resolve_homes_np(held_Nk, table, num_devices), num_devices, RUNTIME_WINDOWS[0]))
                 else:
-                    scores.append(_ct_and_balance(held_Nk, replay_load_aware(held_Nk, table, num_devices, window, slack), num_devices, window))
+                    scores.append(_ct_and_balance(replay_load_aware(held_Nk, table, num_devices, window, slack), num_devices, window))
             ct = float(np.mean([c for c, _, _ in scores]))
             balance = [b for _, b, _ in scores]
             rows.append({
