@@ -19,6 +19,8 @@ from typing import Callable
 
 import torch
 
+from occult_hf.cuda_graph import capture
+
 #: token counts up to which a case's implementations are timed in interleaved rounds
 INTERLEAVE_MAX_TOKENS = 1024
 #: rounds of the interleaved timing
@@ -75,9 +77,10 @@ def interleaved_ms(calls: dict[str, tuple[Callable, list]], timer: Callable, rou
 
 
 def graph_replay_ms(fn: Callable, timer: Callable, grad_to_none: list | None = None) -> float | str:
-    """ms of replaying a CUDA graph of one `fn()` call (warmed on a side stream first, as PyTorch's graph
-    capture wants), or why there is none: not on CUDA, the call synchronises with the host (checked first,
-    under `torch.cuda.set_sync_debug_mode("error")`), or the capture failed."""
+    """ms of replaying a CUDA graph of one `fn()` call (`cuda_graph.capture`: warmed on a side stream first, the
+    gradients of `grad_to_none` cleared before each call), or why there is none: not on CUDA, the call
+    synchronises with the host (checked first, under `torch.cuda.set_sync_debug_mode("error")`), or the capture
+    failed."""
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return "no CUDA"
 
@@ -96,19 +99,13 @@ def graph_replay_ms(fn: Callable, timer: Callable, grad_to_none: list | None = N
         return f"not captured: the call synchronises with the host ({' '.join(str(error).split())[:100]})"
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            clear()
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    clear()
-    graph = torch.cuda.CUDAGraph()
+
+    def cleared_call():
+        clear()
+        fn()
+
     try:
-        with torch.cuda.graph(graph):
-            fn()
+        graph, _ = capture(cleared_call, torch.cuda.current_device(), warmup=2)
     except Exception as error:  # noqa: BLE001 - the reason is the table's note
         torch.cuda.synchronize()
         return f"not capturable: {type(error).__name__}: {' '.join(str(error).split())[:120]}"
