@@ -64,26 +64,33 @@ class ExpertSegments:
         return cls(pair_row_N, offsets, num_rows), order_N
 
     @classmethod
+    def from_topk_ids(cls, topk_ids_Tk: torch.Tensor, num_experts: int):
+        """All `E` experts local (one device): the layout of `from_topk` by `from_pairs` (torch's sort, or one
+        program's). Returns the segments and `order_N`, each pair's position in the flattened `[T k]` routing
+        tensors (`weights.reshape(-1)[order_N]` are the weights in segment order)."""
+        num_tokens, top_k = topk_ids_Tk.shape
+        row_N = torch.arange(num_tokens * top_k, device=topk_ids_Tk.device) // top_k
+        return cls.from_pairs(row_N, topk_ids_Tk.reshape(-1), num_tokens, num_experts)
+
+    @classmethod
     def from_topk(cls, topk_ids_Tk: torch.Tensor, topk_weights_Tk: torch.Tensor, num_experts: int):
         """All `E` experts local (one device): pairs (t, topk_ids[t, j]) grouped by expert, rows ascending within
-        an expert, the same layout as `from_pairs` on `(arange(T k) // k, topk_ids)`. Returns the segments and
+        an expert, the same layout as `from_topk_ids`. Returns the segments and
         the routing weights in segment order `[N]` (differentiable with respect to `topk_weights_Tk`).
 
         On CUDA with Triton, up to `triton_layout.TOPK_MAX_PAIRS` pairs of `TOPK_MAX_EXPERTS` experts, one launch
         builds the segments, the row -> pairs index and the weights in segment order (`topk_layout`), instead of
         an arange, a division, two sorts and an indexing with its backward (at small T the host's time per
         operator is the call's time). Expert ids must lie in [0, E) (not checked: reading them would synchronise)."""
-        num_tokens, top_k = topk_ids_Tk.shape
         if not _topk_kernel_layout(topk_ids_Tk, num_experts):
-            row_N = torch.arange(num_tokens * top_k, device=topk_ids_Tk.device) // top_k
-            segments, order_N = cls.from_pairs(row_N, topk_ids_Tk.reshape(-1), num_tokens, num_experts)
+            segments, order_N = cls.from_topk_ids(topk_ids_Tk, num_experts)
             return segments, topk_weights_Tk.reshape(-1)[order_N]
         if torch.is_grad_enabled() and topk_weights_Tk.requires_grad:
             weight_N, *index = _TopkLayout.apply(topk_weights_Tk, topk_ids_Tk, num_experts)
         else:
             weight_N, *index = _topk_layout(topk_ids_Tk, topk_weights_Tk.detach(), num_experts)
         pair_row_N, offsets, row_pairs_N, row_offsets, _ = index
-        return cls(pair_row_N, offsets, num_tokens, row_pairs_N, row_offsets), weight_N
+        return cls(pair_row_N, offsets, topk_ids_Tk.shape[0], row_pairs_N, row_offsets), weight_N
 
 
 def _topk_layout(topk_ids_Tk, topk_weights_Tk, num_experts):

@@ -120,16 +120,6 @@ def hf_experts_module(shape: ExpertShape, device, dtype) -> torch.nn.Module:
     return module.to(dtype)
 
 
-def segments_from_topk(topk_ids_Tk: torch.Tensor, num_experts: int) -> tuple[ExpertSegments, torch.Tensor]:
-    """All E experts local (one device): pairs (t, topk_ids[t, j]) grouped by expert, rows ascending
-    within an expert (`ExpertSegments.from_pairs`; the runtime's dispatch sorts its received pairs into
-    the same layout, `dispatch.plan.received_pairs`). Returns the segments and
-    `order_N`, the position of each pair in the flattened [T*k] routing tensors."""
-    tokens, top_k = topk_ids_Tk.shape
-    row_N = torch.arange(tokens * top_k, device=topk_ids_Tk.device) // top_k
-    return ExpertSegments.from_pairs(row_N, topk_ids_Tk.reshape(-1), tokens, num_experts)
-
-
 def _layout_then(kernel: Callable, **kwargs) -> Callable:
     """forward(...) of one of our kernels, the layout included in every call (`ExpertSegments.from_topk`: one
     Triton launch up to `TOPK_MAX_PAIRS` pairs, torch's sort above), as transformers' modules sort theirs."""
@@ -273,7 +263,7 @@ def measure_case(shape_name, shape, tokens, implementations, module, timer, seed
     `expert_timing`), then the replay of a CUDA graph of each call."""
     device, dtype = module.gate_up_proj.device, module.gate_up_proj.dtype
     x_TH, ids_Tk, weights_Tk = routing(shape, tokens, device, dtype, seed)
-    segments, order_N = segments_from_topk(ids_Tk, shape.num_experts)
+    segments, order_N = ExpertSegments.from_topk_ids(ids_Tk, shape.num_experts)
     with torch.no_grad():
         reference = expert_mlp_reference(
             x_TH.float(), segments, weights_Tk.reshape(-1)[order_N].float(),
@@ -390,14 +380,14 @@ def stage_breakdown(shape: ExpertShape, tokens: int, module, timer, seed: int) -
     from occult_hf.kernels.triton_expert_mlp import DETERMINISTIC_REDUCE, FAST_REDUCE, expert_mlp_triton_stages
 
     x_TH, ids_Tk, weights_Tk = routing(shape, tokens, module.gate_up_proj.device, module.gate_up_proj.dtype, seed)
-    segments, order_N = segments_from_topk(ids_Tk, shape.num_experts)
+    segments, order_N = ExpertSegments.from_topk_ids(ids_Tk, shape.num_experts)
     breakdowns = {}
     with torch.no_grad():
         for i, reduce in enumerate((FAST_REDUCE, DETERMINISTIC_REDUCE)):
             stages = expert_mlp_triton_stages(
                 x_TH, segments, weights_Tk.reshape(-1)[order_N], module.gate_up_proj, module.down_proj, reduce
             )
-            rows = [("layout: sort pairs by expert", timer(lambda: segments_from_topk(ids_Tk, shape.num_experts)), 0.0)] if i == 0 else []
+            rows = [("layout: sort pairs by expert", timer(lambda: ExpertSegments.from_topk_ids(ids_Tk, shape.num_experts)), 0.0)] if i == 0 else []
             rows += [(name, timer(fn), flops) for name, (fn, flops) in stages.items() if i == 0 or "row" in name]
             breakdowns[reduce] = rows
     return breakdowns
@@ -423,7 +413,7 @@ def candidate_comparison(shape: ExpertShape, tokens: int, module, timer, seed: i
     tuners = [kernels.scatter_gemm_kernel, kernels.dgate_up_kernel, kernels.segment_outer_kernel]
     saved = [(tuner.configs, tuner.cache) for tuner in tuners]
     x_TH, ids_Tk, weights_Tk = routing(shape, tokens, module.gate_up_proj.device, module.gate_up_proj.dtype, seed)
-    segments, order_N = segments_from_topk(ids_Tk, shape.num_experts)
+    segments, order_N = ExpertSegments.from_topk_ids(ids_Tk, shape.num_experts)
     weight_N = weights_Tk.reshape(-1)[order_N]
     grad_out_TH = torch.randn_like(x_TH)
     leaves = [x_TH.requires_grad_(), weight_N.requires_grad_(), module.gate_up_proj, module.down_proj]
