@@ -82,7 +82,7 @@ class ExpertSegments:
         builds the segments, the row -> pairs index and the weights in segment order (`topk_layout`), instead of
         an arange, a division, two sorts and an indexing with its backward (at small T the host's time per
         operator is the call's time). Expert ids must lie in [0, E) (not checked: reading them would synchronise)."""
-        if not _topk_kernel_layout(topk_ids_Tk, num_experts):
+        if not topk_kernel_applies(topk_ids_Tk, num_experts):
             segments, order_N = cls.from_topk_ids(topk_ids_Tk, num_experts)
             return segments, topk_weights_Tk.reshape(-1)[order_N]
         if torch.is_grad_enabled() and topk_weights_Tk.requires_grad:
@@ -131,7 +131,7 @@ def _sort_pairs_torch(pair_row: torch.Tensor, pair_expert: torch.Tensor, rows: i
     return pair_row.to(torch.int64)[order_N], torch.searchsorted(key_sorted_N, bounds), order_N
 
 
-def _topk_kernel_layout(topk_ids_Tk: torch.Tensor, num_experts: int) -> bool:
+def topk_kernel_applies(topk_ids_Tk: torch.Tensor, num_experts: int) -> bool:
     """Whether `from_topk` takes the one-launch Triton layout: CUDA, Triton importable, a non-empty routing of
     at most `triton_layout.TOPK_MAX_PAIRS` pairs over at most `TOPK_MAX_EXPERTS` experts."""
     if not topk_ids_Tk.is_cuda or topk_ids_Tk.numel() == 0 or not triton_importable():
@@ -151,4 +151,4 @@ def _one_program_layout(pair_row: torch.Tensor, num_groups: int) -> bool:
     return fits_one_program(pair_row.shape[0], num_groups)
 
 
-__all__ = ["ExpertSegments"]
+__all__ = ["ExpertSegments", "topk_kernel_applies"]

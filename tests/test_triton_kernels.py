@@ -270,10 +270,10 @@ def test_topk_layout_only_where_it_was_run():
     def ids(numel, is_cuda=True):
         return SimpleNamespace(is_cuda=is_cuda, numel=lambda: numel)
 
-    assert layout._topk_kernel_layout(ids(TOPK_MAX_PAIRS), TOPK_MAX_EXPERTS)
-    assert not layout._topk_kernel_layout(ids(TOPK_MAX_PAIRS + 1), TOPK_MAX_EXPERTS)
-    assert not layout._topk_kernel_layout(ids(128), TOPK_MAX_EXPERTS + 1)
-    assert not layout._topk_kernel_layout(ids(128, is_cuda=False), 8) and not layout._topk_kernel_layout(ids(0), 8)
+    assert layout.topk_kernel_applies(ids(TOPK_MAX_PAIRS), TOPK_MAX_EXPERTS)
+    assert not layout.topk_kernel_applies(ids(TOPK_MAX_PAIRS + 1), TOPK_MAX_EXPERTS)
+    assert not layout.topk_kernel_applies(ids(128), TOPK_MAX_EXPERTS + 1)
+    assert not layout.topk_kernel_applies(ids(128, is_cuda=False), 8) and not layout.topk_kernel_applies(ids(0), 8)
 
 
 @pytest.mark.parametrize("num_pairs", [1, 37, 300])
@@ -311,7 +311,7 @@ def test_topk_layout_is_the_from_pairs_layout(interpreted, monkeypatch, tokens, 
     row_N = torch.arange(tokens * top_k) // top_k
     expected, order_N = ExpertSegments.from_pairs(row_N, ids_Tk.reshape(-1), tokens, experts)
     expected_row_pairs_N, expected_row_offsets = triton_expert_mlp._row_index(expected.pair_row, tokens)
-    monkeypatch.setattr(layout, "_topk_kernel_layout", lambda *args: True)
+    monkeypatch.setattr(layout, "topk_kernel_applies", lambda *args: True)
     segments, weight_N = ExpertSegments.from_topk(ids_Tk, weights_Tk, experts)
     assert torch.equal(segments.pair_row, expected.pair_row) and torch.equal(segments.expert_offsets, expected.expert_offsets)
     assert torch.equal(segments.row_pairs, expected_row_pairs_N) and torch.equal(segments.row_offsets, expected_row_offsets)
