@@ -495,6 +495,64 @@ def test_online_replay_re_plans_copies_from_past_windows_only():
     assert copies_added(plan, moved_plan) == 2
 
 
+def test_restart_scores_read_the_planning_profiles_halves_only(monkeypatch):
+    """The restarts of `plan_draws` are chosen on the planning data alone: every trial plan is made on the first
+    half of each planning profile and measured on their pooled second halves, nothing else; with the real planner
+    the scores are balances (>= 1), one per candidate seed."""
+    from occult_hf.studies import plan_draws
+
+    first = structured_topk(60, 16, 4, 4, seed=1)
+    second = structured_topk(41, 16, 4, 4, seed=2)
+    profiles = {"a": profile_from_sample({0: first}, 16, "a"), "b": profile_from_sample({0: second}, 16, "b")}
+    options = {"num_redundant_experts": 4, "replica_choice": "load_aware", "time_windows": 2, **FAST}
+    planned, measured = [], []
+    real_plan, real_replay = plan_draws._plan, plan_draws.replay_load_aware
+
+    def plan(profiles_given, num_devices, opts):
+        planned.append(({n: p.layer(0).topk_sample.copy() for n, p in profiles_given.items()}, opts))
+        return real_plan(profiles_given, num_devices, opts)
+
+    def replay(ids_Nk, *args):
+        measured.append(ids_Nk.copy())
+        return real_replay(ids_Nk, *args)
+
+    monkeypatch.setattr(plan_draws, "_plan", plan)
+    monkeypatch.setattr(plan_draws, "replay_load_aware", replay)
+    scores = plan_draws.restart_scores(profiles, 4, options, seeds=[3, 4], pin_slack=0.01)
+    assert scores.shape == (2,) and (scores >= 1.0).all()
+    assert [opts["seed"] for _, opts in planned] == [3, 4]
+    assert all(opts["time_windows"] == 1 and opts["pin_slack"] == 0.01 for _, opts in planned)
+    for samples, _ in planned:
+        assert np.array_equal(samples["a"], first[:30]) and np.array_equal(samples["b"], second[:20])
+    assert len(measured) == 2 and all(np.array_equal(m, np.concatenate([first[30:], second[20:]])) for m in measured)
+    with pytest.raises(ValueError, match="restart scores need a token sample of at least 2 tokens in profile 'c'"):
+        plan_draws.restart_scores({"c": profile_from_sample({0: first[:1]}, 16, "c")}, 4, options, [0], 0.0)
+
+
+def test_restart_seed_takes_the_least_score_among_its_candidates():
+    from occult_hf.studies.plan_draws import restart_seed
+
+    scores = np.array([0.3, 0.1, 0.2, 1.1, 1.0, 1.0])
+    assert [restart_seed(scores, user, 3) for user in (0, 1)] == [1, 4]  # ties to the first candidate
+    assert restart_seed(scores, 5, 1) == 5  # one restart: the user's seed itself
+    with pytest.raises(ValueError, match="restarts must be an integer >= 1, got 0"):
+        restart_seed(scores, 0, 0)
+    with pytest.raises(ValueError, match="user seed 2 with 3 restarts needs scores of seeds up to 8, got 6"):
+        restart_seed(scores, 2, 3)
+
+
+def test_held_out_resamples_draw_whole_contiguous_blocks():
+    from occult_hf.studies.plan_draws import held_out_resamples
+
+    resamples = held_out_resamples(100, 5, 10, seed=3)
+    assert len(resamples) == 5 and all(len(r) == 100 for r in resamples)  # 10 blocks of 10 tokens each
+    for index in resamples:
+        blocks = index.reshape(10, 10)
+        assert (blocks % 10 == np.arange(10)).all()  # each drawn block whole, its tokens in order
+    assert all(np.array_equal(a, b) for a, b in zip(resamples, held_out_resamples(100, 5, 10, seed=3)))
+    assert not all(np.array_equal(a, np.arange(100)) for a in resamples)
+
+
 def test_load_aware_split_meets_the_target_without_adding_ct_where_it_can():
     from occult_hf.studies.robust_placement_study import load_aware_split
 
