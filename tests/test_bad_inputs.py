@@ -93,6 +93,25 @@ def test_placement_names_exactly_the_model_layers():
         Placement.load("/nonexistent/occult_placement.json")
 
 
+def test_a_placement_that_does_not_fit_names_its_file_and_what_it_was_checked_against(tmp_path):
+    """A loaded placement's fit errors name its file, wherever they are raised (apply_occult, occult eval,
+    occult report); measured on a profile, the error speaks of the routing profile, not of a model."""
+    from occult_hf.metrics import evaluate_placement
+    from occult_hf.profile import RoutingProfile
+
+    path = tmp_path / "occult_placement.json"
+    Placement.from_dict(GOOD_PLACEMENT).save(path)
+    placement = Placement.load(path)
+    with pytest.raises(ValueError, match=re.escape(f"placement {str(path)!r} is for num_experts=4 but the model has 8")):
+        placement.validate_for(8, [0, 1])
+    trace = tmp_path / "trace.npz"
+    np.savez(trace, topk_ids=np.stack([np.arange(8) % 8, (np.arange(8) + 1) % 8], axis=1))
+    with pytest.raises(ValueError, match=re.escape(f"placement {str(path)!r} is for num_experts=4 but the routing profile has 8")):
+        evaluate_placement(RoutingProfile.from_trace(trace), placement)
+    with pytest.raises(ValueError, match=re.escape("placement is for num_experts=4 but the model has 8")):
+        Placement.from_dict(GOOD_PLACEMENT).validate_for(8, [0, 1])  # built in memory: no file to name
+
+
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [

@@ -468,7 +468,7 @@ def evaluate_layer(
 
 def evaluate_placement(profile: "RoutingProfile", placement: "Placement") -> dict[int, LayerMetrics]:
     """`evaluate_layer` for every profile layer; the placement must cover them and match E."""
-    placement.validate_for(profile.num_experts, profile.layers, exact=False)
+    placement.validate_for(profile.num_experts, profile.layers, exact=False, against="the routing profile")
     return {
         layer: evaluate_layer(
             routing,

@@ -47,6 +47,9 @@ class Placement:
             [0, 1]: how far above the least max load, as a fraction of the mean device load, a device may
             keep pairs on a home their token visits anyway; `replica_routing.replica_shares`), as the
             planner chose it for the layer's replicas. A layer without one uses `replica_routing.PIN_SLACK`.
+        source: the file it was read from (None when built in memory), for errors only: `validate_for` runs far from
+            the load (apply_occult, `occult eval`, `occult report`), where the user must still learn which file
+            does not fit. Not part of the JSON form nor of equality.
     """
 
     num_experts: int
@@ -56,6 +59,7 @@ class Placement:
     replicas: dict[int, dict[int, list[int]]] = field(default_factory=dict)
     slots_per_device: int | None = None
     pin_slack: dict[int, float] = field(default_factory=dict)
+    source: str | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self.num_experts = _strict_int(self.num_experts, "Placement.num_experts", minimum=1)
@@ -165,9 +169,11 @@ class Placement:
         """
         where = f"placement {source!r}: " if source else "placement: "
         try:
-            return cls._from_dict(data)
+            placement = cls._from_dict(data)
         except (TypeError, ValueError) as error:
             raise ValueError(f"{where}{error}") from None
+        placement.source = source
+        return placement
 
     @classmethod
     def _from_dict(cls, data: Any) -> "Placement":
@@ -318,33 +324,41 @@ class Placement:
         return [int(n) for n in (self.slot_table(layer) >= 0).sum(axis=0)]
 
     def validate_for(
-        self, num_experts: int, layers: Iterable[int], num_devices: int | None = None, exact: bool = True
+        self,
+        num_experts: int,
+        layers: Iterable[int],
+        num_devices: int | None = None,
+        exact: bool = True,
+        against: str = "the model",
     ) -> None:
         """Raise a clear error when this placement does not fit a model (expert count, layers, devices).
 
         `exact=True` (for a model): the placement names exactly `layers`, no more (DESIGN.md §6: an
         extra layer would be written back on save as if the model had it). `exact=False` (for a
-        profile that covers some layers): it covers at least `layers`.
+        profile that covers some layers): it covers at least `layers`. `against` names what the
+        counts come from in the error ("the routing profile"); the placement's file is named when it
+        has one (`source`).
         """
+        placement = f"placement {self.source!r}" if self.source else "placement"
         if num_experts != self.num_experts:
             raise ValueError(
-                f"placement is for num_experts={self.num_experts} but the model has {num_experts} routed experts"
+                f"{placement} is for num_experts={self.num_experts} but {against} has {num_experts} routed experts"
             )
         if num_devices is not None and num_devices != self.num_devices:
             raise ValueError(
-                f"placement is for num_devices={self.num_devices} but the expert-parallel group has {num_devices}"
+                f"{placement} is for num_devices={self.num_devices} but the expert-parallel group has {num_devices}"
             )
         wanted = set(int(l) for l in layers)
         missing = sorted(wanted - set(self.layers))
         if missing:
             raise ValueError(
-                f"placement lacks MoE layers {missing}; it covers layers {sorted(self.layers)}"
+                f"{placement} lacks MoE layers {missing} of {against}; it covers layers {sorted(self.layers)}"
             )
         extra = sorted(set(self.layers) - wanted)
         if exact and extra:
             raise ValueError(
-                f"placement names layers {extra} that are not MoE layers of the model; it must name exactly the "
-                f"model's MoE layers {sorted(wanted)}"
+                f"{placement} names layers {extra} that are not MoE layers of {against}; it must name exactly "
+                f"the MoE layers {sorted(wanted)}"
             )
 
 
