@@ -47,7 +47,7 @@ PLACEMENT_FILES = [
      "$.layers['0'][3] is 2, outside [0, num_devices=2)"),
     ("too few experts", _placement(layers={"0": [0, 1, 1], "1": [0, 1, 0, 1]}), "$.layers['0'] maps 3 experts"),
     ("missing key", _placement(num_devices=_DROP), "$ lacks keys ['num_devices']"),
-    ("typo in a key", _placement(num_device=2), "$ has unknown keys ['num_device']"),
+    ("typo in a key", _placement(num_device=2), "$ has unknown keys ['num_device'] (did you mean 'num_devices'?)"),
     ("layers not an object", _placement(layers=[[0, 0, 1, 1]]), "$.layers must be a non-empty JSON object"),
     ("meta not an object", _placement(meta=[1]), "$.meta must be a JSON object"),
     ("top level a list", [GOOD_PLACEMENT], "$ must be a JSON object, got an array"),

@@ -45,6 +45,18 @@ def test_unknown_keys_and_missing_file_are_clear_errors(tmp_path):
         OccultConfig.coerce(str(tmp_path / "absent.json"))
 
 
+def test_a_misspelt_key_gets_the_nearest_valid_name():
+    """Through every door a key comes in: the constructor, a dict (from_pretrained(occult_config={...})),
+    a JSON file; a key with no near valid name lists the valid keys only."""
+    with pytest.raises(TypeError, match=r"OccultConfig got unknown keys \['num_device'\] \(did you mean 'num_devices'\?\)"):
+        OccultConfig(num_device=2)
+    with pytest.raises(ValueError, match=r"\['max_device_per_token'\] \(did you mean 'max_devices_per_token'\?\)"):
+        OccultConfig.coerce({"max_device_per_token": 1, "prune": "router"})
+    with pytest.raises(ValueError, match=r"unknown keys \['zzz'\]; valid keys are \['deterministic'"):
+        OccultConfig.from_dict({"zzz": 1})
+    assert OccultConfig(num_devices=2) == OccultConfig.coerce({"num_devices": 2})  # the constructor still works
+
+
 def test_placement_validation_errors():
     with pytest.raises(ValueError, match="maps 3 experts, expected num_experts=4"):
         Placement(4, 2, {0: [0, 1, 0]})

@@ -56,8 +56,10 @@ def test_registry_names_and_errors():
         register_planner("Refined2")
     with pytest.raises(ValueError, match=r"'occult' has no option\(s\) \['seed'\]; its options are none"):
         get_planner("occult").make_options(seed=1)
-    with pytest.raises(ValueError, match=r"no option\(s\) \['rounds'\]; its options are \['max_load_ratio'"):
-        get_planner("refined").make_options(rounds=3)
+    with pytest.raises(ValueError, match=r"no option\(s\) \['zzz'\]; its options are \['max_load_ratio'"):
+        get_planner("refined").make_options(zzz=3)
+    with pytest.raises(ValueError, match=r"no option\(s\) \['max_load_ration'\] \(did you mean 'max_load_ratio'\?\)"):
+        get_planner("refined").make_options(max_load_ration=1.05)
 
 
 # ----- constraints -------------------------------------------------------------------------------

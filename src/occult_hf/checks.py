@@ -9,10 +9,21 @@ Shape legend: N tokens, k experts per token, E routed experts, D devices.
 
 from __future__ import annotations
 
+import difflib
+from typing import Iterable
+
 import numpy as np
 
 
 # ----- input checks --------------------------------------------------------------------------
+def did_you_mean(unknown: Iterable[str], valid: Iterable[str]) -> str:
+    """`" (did you mean 'num_devices'?)"`: the closest valid name of each unknown one that has a close one
+    (difflib's ratio >= 0.6), for the errors of keyword and key checks; "" when none is close."""
+    valid = list(valid)
+    close = [match[0] for name in unknown if (match := difflib.get_close_matches(str(name), valid, n=1))]
+    return f" (did you mean {' / '.join(map(repr, close))}?)" if close else ""
+
+
 def check_num_devices(num_devices, setting: str = "num_devices") -> int:
     """Return `num_devices` as an int or raise: a positive integer (Python or numpy, not a bool).
 

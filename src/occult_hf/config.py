@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .checks import check_num_devices
+from .checks import check_num_devices, did_you_mean
 from .dispatch import dispatcher_names
 from .dispatch.plan import DISPATCH_MODES  # owned by the dispatch plan; kept importable from here
 from .experts import expert_backend_names
@@ -122,6 +122,12 @@ class OccultConfig:
             "`python` process needs no flag: one process with logical devices is its normal mode."
         },
     )
+
+    def __new__(cls, *args, **kwargs):
+        """Check the keyword names before the generated `__init__` does, for the nearest valid name of a
+        misspelt one (Python 3.11's own TypeError names only the unknown keyword)."""
+        _check_keys(kwargs, TypeError)
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         from .placement import Placement  # local import: placement imports nothing from here
@@ -254,10 +260,7 @@ class OccultConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "OccultConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"OccultConfig got unknown keys {unknown}; valid keys are {sorted(known)}")
+        _check_keys(data, ValueError)
         return cls(**data)
 
     def save(self, path: str | os.PathLike) -> None:
@@ -294,6 +297,14 @@ class OccultConfig:
         raise TypeError(
             f"occult_config must be an OccultConfig, a dict or a path to a JSON file, got {type(value).__name__}"
         )
+
+
+def _check_keys(data: dict, error: type[Exception]) -> None:
+    """Raise `error` naming the keys of `data` that are not `OccultConfig` fields, with the nearest field names."""
+    known = sorted(f.name for f in fields(OccultConfig))
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise error(f"OccultConfig got unknown keys {unknown}{did_you_mean(unknown, known)}; valid keys are {known}")
 
 
 def _not_int(value: Any) -> bool:

@@ -20,6 +20,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from ..atomic import atomic_write_text, json_text, to_json_native
+from ..checks import did_you_mean
 from ..replica_routing import PIN_SLACK, home_table_from
 
 PLACEMENT_FILENAME = "occult_placement.json"
@@ -184,7 +185,8 @@ class Placement:
             raise _SchemaError(f"$ lacks keys {missing}")
         unknown = sorted(set(data) - _REQUIRED_KEYS - _OPTIONAL_KEYS)
         if unknown:
-            raise _SchemaError(f"$ has unknown keys {unknown}; valid keys are {sorted(_REQUIRED_KEYS | _OPTIONAL_KEYS)}")
+            valid = sorted(_REQUIRED_KEYS | _OPTIONAL_KEYS)
+            raise _SchemaError(f"$ has unknown keys {unknown}{did_you_mean(unknown, valid)}; valid keys are {valid}")
         num_experts = _json_int(data["num_experts"], "$.num_experts", minimum=1)
         num_devices = _json_int(data["num_devices"], "$.num_devices", minimum=1)
         raw_layers = data["layers"]

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 
-from ..checks import check_num_devices, check_square, check_topk_ids
+from ..checks import check_num_devices, check_square, check_topk_ids, did_you_mean
 from ..metrics import evaluate_layer
 from ..replica_routing import home_table_from
 from .placement import Placement
@@ -53,7 +53,8 @@ class PlannerSpec:
         unknown = sorted(set(options) - set(valid))
         if unknown:
             raise ValueError(
-                f"placement method {self.name!r} has no option(s) {unknown}; its options are {valid or 'none'}"
+                f"placement method {self.name!r} has no option(s) {unknown}{did_you_mean(unknown, valid)}; "
+                f"its options are {valid or 'none'}"
             )
         return self.options_class(**options)
 
