@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -170,6 +171,9 @@ def run_tuned(kernel, grid, key: tuple, *args, **constexprs) -> triton.Config:
     launch, and at small T the host's time is the call's time (docs/bench_experts_h200.md). A replaced
     tuning cache (tests and `--compare-candidates` swap in an empty one to re-tune) makes the next launch
     go through the tuner again."""
+    descriptors = TensorDescriptor is not None and TensorDescriptor in map(type, args)
+    if descriptors and args[0].is_cuda:
+        _bind_cuda_context(args[0].device)
     chosen = _CHOSEN.get((kernel, key))
     if chosen is None or chosen[0] is not kernel.cache:
         kernel[grid](*args, **constexprs)
@@ -181,7 +185,7 @@ def run_tuned(kernel, grid, key: tuple, *args, **constexprs) -> triton.Config:
     if constexpr_key not in directs:
         directs[constexpr_key] = _direct(kernel, config, args, constexprs)
     direct = directs[constexpr_key]
-    if config.pre_hook is not None and (direct is None or TensorDescriptor in map(type, args)):
+    if config.pre_hook is not None and (direct is None or descriptors):
         config.pre_hook({**dict(zip(kernel.arg_names, args)), **constexprs, **config.all_kwargs()})
     if direct is None:
         kernel.fn[grid](*args, **constexprs, **config.all_kwargs())
@@ -189,6 +193,25 @@ def run_tuned(kernel, grid, key: tuple, *args, **constexprs) -> triton.Config:
     function, meta = direct
     launch(function, grid(meta), *args, **constexprs, **meta)
     return config
+
+
+#: per thread: the CUDA devices whose primary context `_bind_cuda_context` made current
+_BOUND = threading.local()
+
+
+def _bind_cuda_context(device: torch.device) -> None:
+    """Make the device's primary CUDA context current on this thread (once per thread and device).
+
+    Triton encodes a host tensor descriptor (`cuTensorMapEncodeTiled`) before its launcher makes the context
+    current, and on a thread whose first CUDA work is that launch the encoding fails ("Failed to create tensor
+    map descriptor: invalid device context"). Autograd runs the backward on a thread of its own: seen on the
+    H200 (2026-12-01) in a forward + backward whose dgate_up key had been tuned on the main thread, so the
+    backward's first kernel was a direct launch with a descriptor (a backward that tunes first gets the
+    context from the tuner's timing calls)."""
+    bound = _BOUND.__dict__.setdefault("devices", set())
+    if device.index not in bound:
+        torch.cuda.current_stream(device).query()  # a CUDA runtime call: binds the primary context
+        bound.add(device.index)
 
 
 def _direct(kernel, config: triton.Config, args: tuple, constexprs: dict) -> tuple[JITFunction, dict] | None:

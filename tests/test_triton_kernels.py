@@ -644,6 +644,35 @@ def test_bf16_tma_and_pointer_configs_match_fp32_reference(monkeypatch, use_tma)
         assert all(getattr(kernels, name).best_config.kwargs.get("USE_TMA") for name in TMA_KERNELS)
 
 
+@gpu
+@needs_cuda
+def test_backward_with_descriptors_on_a_fresh_autograd_thread():
+    """A fresh process tunes dgate_up on the main thread (`expert_mlp_triton_stages`), then runs a forward +
+    backward at a size with tensor descriptors: the backward's first kernel, on autograd's own thread, is a
+    direct launch with a descriptor, which failed on the H200 ("invalid device context") before
+    `_bind_cuda_context`."""
+    script = """
+import torch
+from occult_hf.kernels import ExpertSegments
+from occult_hf.kernels.triton_expert_mlp import expert_mlp_triton, expert_mlp_triton_stages
+torch.manual_seed(0)
+x = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)
+ids = torch.randn(4096, 64, device="cuda").topk(8, dim=-1).indices
+segments, order = ExpertSegments.from_topk_ids(ids, 64)
+w = torch.rand(4096 * 8, device="cuda", dtype=torch.bfloat16)[order]
+gate_up = (torch.randn(64, 2048, 2048, device="cuda") / 45).to(torch.bfloat16)
+down = (torch.randn(64, 2048, 1024, device="cuda") / 32).to(torch.bfloat16)
+stages = expert_mlp_triton_stages(x, segments, w, gate_up, down)
+[fn() for name, (fn, _) in stages.items() if name.startswith("bwd")]
+leaves = [t.requires_grad_() for t in (x, w, gate_up, down)]
+expert_mlp_triton(x, segments, w, gate_up, down).backward(torch.randn_like(x))
+assert all(t.grad is not None and t.grad.isfinite().all() for t in leaves)
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
 def _bf16_matches_fp32_and_repeats(problem: Problem) -> None:
     """The default mode in bf16 against the fp32 reference: forward and all four gradients <= 1e-2,
     never NaN; a second call (the tuned configs launched directly) gives the same bits."""
