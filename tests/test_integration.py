@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -205,6 +206,24 @@ def test_counters_report_rows_pairs_and_bytes():
     model(tiny_batch(seed=1))
     for module in occult_modules(model).values():
         assert module.rows_sent.tolist() == [2 * 32] and module.pairs_sent.tolist() == [2 * 32 * top_k]
+
+
+def test_a_bad_occult_config_fails_before_the_checkpoint_is_read(tmp_path):
+    """from_pretrained(occult_config=<bad>) must not read a whole checkpoint (minutes for a real one) and
+    only then reject the config: here the weights file is garbage, so reading it first would fail on it."""
+    import transformers
+
+    import occult_hf  # noqa: F401  (from_pretrained takes occult_config=)
+
+    checkpoint = tiny_checkpoint("olmoe", tmp_path / "checkpoint")
+    (checkpoint / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00not a header")
+    bad = [
+        ({"num_device": 2}, "did you mean 'num_devices'"),
+        ({"num_devices": 2, "prune": "router", "max_devices_per_token": 3}, "cannot exceed num_devices (2)"),
+    ]
+    for occult_config, message in bad:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            transformers.AutoModelForCausalLM.from_pretrained(checkpoint, occult_config=occult_config)
 
 
 def test_clear_errors(tmp_path):

@@ -78,9 +78,14 @@ last_report = LoadReport()
 
 
 def load_scope(occult_config, kwargs: dict):
-    """The context `from_pretrained` runs in: per-rank expert loading when it applies, else nothing."""
+    """The context `from_pretrained` runs in: per-rank expert loading when it applies, else nothing.
+
+    A given `occult_config` is validated first, so a bad one fails before the checkpoint is read (a
+    real checkpoint takes minutes to read; the config is checked again when it is applied)."""
     global last_report
     last_report = LoadReport()
+    if occult_config is not UNSET and occult_config is not None:
+        occult_config = OccultConfig.coerce(occult_config)
     if kwargs.get("distributed_config") is not None:  # transformers' EP reads each rank's share itself
         last_report.fallback_reason = "transformers' EP (distributed_config=) loads the experts"
         return contextlib.nullcontext()
@@ -91,7 +96,7 @@ def load_scope(occult_config, kwargs: dict):
         _fall_back(reason, occult_config)
         return contextlib.nullcontext()
     # UNSET: the checkpoint's config may hold the occult_config (`_apply_on_load` applies it); read there
-    loader = ExpertLoader(occult_config if occult_config is UNSET else OccultConfig.coerce(occult_config), device)
+    loader = ExpertLoader(occult_config, device)
     scope = contextlib.ExitStack()
     scope.enter_context(intercept_state_dict_loading(loader))
     scope.enter_context(skip_allocator_warmup_for(_routed_expert_filter()))
@@ -171,7 +176,7 @@ def _unsupported_call(occult_config, kwargs: dict) -> str | None:
     for name in ("tp_plan", "device_mesh", "state_dict", "quantization_config"):
         if kwargs.get(name) is not None:
             return f"from_pretrained({name}=...) is given"
-    return None if occult_config is UNSET else _unsupported_config(OccultConfig.coerce(occult_config))
+    return None if occult_config is UNSET else _unsupported_config(occult_config)
 
 
 def _unsupported_config(config: OccultConfig) -> str | None:
