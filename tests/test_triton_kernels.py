@@ -871,10 +871,10 @@ def test_grouped_mm_fused_bf16_matches_fp32_reference(shape, tokens):
         assert not grad.isnan().any() and rel_err(grad, ref) <= 1e-2, f"d {name}: rel. error {rel_err(grad, ref):.2e}"
     again = run_with_grads(_grouped_mm_fused, problem, torch.bfloat16, grad_out)
     assert torch.equal(out, again[0]) and all(torch.equal(a, b) for a, b in zip(grads, again[1]))
-    from occult_hf.experts import AUTO_TRITON_TRAIN_BELOW, _auto_backend
+    from occult_hf.experts import AUTO_TRITON_BELOW, AUTO_TRITON_TRAIN_BELOW, _auto_backend
 
     x_RH, gate_up, down = [t.to(torch.bfloat16) for t in (problem.x_RH, problem.gate_up_L2IH, problem.down_LHI)]
-    short = problem.segments.num_pairs < 1024 * problem.segments.num_local_experts  # every case here
+    short = problem.segments.num_pairs < AUTO_TRITON_BELOW * problem.segments.num_local_experts  # every case here
     training = "triton" if problem.segments.num_pairs < AUTO_TRITON_TRAIN_BELOW * problem.segments.num_local_experts else "grouped_mm_fused"
     assert _auto_backend(x_RH, problem.segments, gate_up, down, F.silu, needs_grad=True) == training  # T = 128: triton
     assert _auto_backend(x_RH, problem.segments, gate_up, down, F.silu, needs_grad=False) == ("triton" if short else "grouped_mm_fused")

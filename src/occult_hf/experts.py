@@ -221,18 +221,20 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-#: mean pairs per expert below which "auto" computes a forward without gradient with the ``triton`` kernels:
-#: on the H200 (2026-12-01) their forward was 1.02-1.40x faster than ``grouped_mm_fused``'s at T <= 4096 (up to 512
-#: pairs per expert) and ``grouped_mm_fused``'s faster from OLMoE's and DeepSeek's T = 16384 (2048 and 1536)
-AUTO_TRITON_BELOW = 1024
-#: mean pairs per expert below which "auto" computes a forward + backward with the ``triton`` kernels. On the H200
-#: (2026-12-01 08:51-08:55 UTC, one call, docs/bench_experts_h200.md; the backward's host time cut that morning),
-#: plain calls against ``grouped_mm_fused``: faster at every T = 128 (8-16 pairs per expert; 6 of 6, two benches
-#: against transformers 5.17 and 5.24) and at 4 of 6 T = 1024 (OLMoE, 128 pairs: 1.351 vs 1.409 ms twice; Qwen1.5,
-#: 68: 1.270 vs 1.430, 1.267 vs 1.319), slower at DeepSeek's T = 1024 (96: 1.480 vs 1.426, 1.481 vs 1.423), 8.20
-#: against 8.42 ms over those six; ``grouped_mm_fused``'s 10-15% faster at every T = 4096 (273-512 pairs, 08:07 UTC).
-#: 256 lies in the gap no run measured (T = 2048: 136-256 pairs per expert)
-AUTO_TRITON_TRAIN_BELOW = 256
+#: mean pairs per expert below which "auto" computes a forward without gradient with the ``triton`` kernels. On the
+#: H200 (2026-12-01 10:51-11:03 UTC, docs/bench_experts_h200.md) ``triton``'s plain forward was the faster at every
+#: T = 128 and at Qwen1.5's T = 1024 and 16384 (68 and 1092 pairs: 0.434 vs 0.559, 2.259 vs 2.466 ms), within 4% either
+#: way at T = 1024-2048 (96-256 pairs), and ``grouped_mm_fused``'s the faster at OLMoE's and DeepSeek's T = 16384 (2048
+#: and 1536 pairs: 3.270 vs 3.385, 3.348 vs 3.492 ms): 1280 lies between 1092 and 1536 (it was 1024, which gave
+#: Qwen1.5's T = 16384 to ``grouped_mm_fused``)
+AUTO_TRITON_BELOW = 1280
+#: mean pairs per expert below which "auto" computes a forward + backward with the ``triton`` kernels. Same H200
+#: calls: ``grouped_mm_fused``'s plain forward + backward was 11-16% faster at every T = 2048 (137-256 pairs: OLMoE 1.757
+#: vs 1.961, Qwen1.5 1.619 vs 1.838, DeepSeek 1.900 vs 2.211 ms) and at OLMoE's T = 1024 (128 pairs, 1.487 vs 1.879);
+#: ``triton``'s faster at Qwen1.5's T = 1024 (68 pairs, 1.543 vs 1.970) and within 3% at DeepSeek's T = 1024 (96, 1.450
+#: vs 1.422) and at T = 128 (8-16 pairs; in CUDA-graph replay 0.72-0.95 against 0.98-1.31 ms). It was 256, set before
+#: T = 2048 was measured
+AUTO_TRITON_TRAIN_BELOW = 128
 
 
 def _auto_backend(x_RH, segments: ExpertSegments, gate_up_proj_L2IH, down_proj_LHI, act_fn, needs_grad: bool) -> str:
