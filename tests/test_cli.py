@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,8 @@ from occult_hf.cli import main
 from occult_hf.placement import Placement
 from occult_hf.profile import RoutingProfile
 
-ROUTING = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "routing"
+REPO = Path(__file__).resolve().parents[1]
+ROUTING = REPO / ".." / "shared" / "data" / "routing"
 QWEN_TRACE = ROUTING / "qwen15moe_a27b_chat_gptq_int4_gsm8k25_layer0_trace.npz"
 OLMOE_PAIRS = ROUTING / "olmoe1b7b0125__runB_2025-03-07__wikitext2_8192tok_coact.npz"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -176,9 +178,23 @@ def test_unknown_planner_option_is_named(tmp_path):
 
 
 def test_demo_main_job_runs_end_to_end(tmp_path, capsys):
+    """At its defaults, as README.md and docs/cli.md quote it: the demo's text is a frozen snapshot
+    (`data/demo_sources.json.xz`), not the installed sources, so the quoted figures are what every
+    version and every install (editable or wheel) prints."""
     out = tmp_path / "demo"
-    assert main(["demo", "--out", str(out), "--tokens", "4096"]) == 0
+    assert main(["demo", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
+    cli_doc, readme = (REPO / "docs" / "cli.md").read_text(), (REPO / "README.md").read_text()
+    quoted = [line for line in printed.splitlines() if line.startswith(" mean ") or (" / " in line and line[:5].strip().isdigit())]
+    assert len(quoted) == 3 + 4 and all(line in cli_doc for line in quoted), quoted  # the mean rows, the pruning rows
+    figures = re.search(
+        r"held-out CT is ([\d.]+) \(contiguous\), ([\d.]+) \(occult\) and ([\d.]+) \(refined, which keeps device load at "
+        r"([\d.]+)x the mean where occult reaches ([\d.]+)x\)", " ".join(readme.split())
+    )
+    mean_of = {row.split()[1]: row.split() for row in quoted if row.startswith(" mean ")}
+    assert figures.groups() == (
+        mean_of["contiguous"][3], mean_of["occult"][3], mean_of["refined"][3], mean_of["refined"][7], mean_of["occult"][7]
+    )
     assert "occult demo: an OlmoeForCausalLM trained from scratch by `occult train --recipe tiny`" in printed
     assert "text it never trained on" in printed
     methods = ("contiguous", "occult", "refined")

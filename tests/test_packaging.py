@@ -41,7 +41,8 @@ def test_wheel_holds_every_subpackage(wheel):
     missing = [p for p in _source_packages() if p not in names]
     assert not missing, f"packages absent from {wheel.name} (add them to setup.cfg): {missing}"
     for module in ("config.py", "kernels/layout.py", "kernels/expert_mlp_reference.py", "patches/base.py", "eval/__init__.py",
-                   "data/tiny_olmoe_routing.npz", "data/tiny_olmoe/model.safetensors"):  # the studies' default data
+                   "data/tiny_olmoe_routing.npz", "data/tiny_olmoe/model.safetensors",  # the studies' default data
+                   "data/demo_sources.json.xz"):  # occult demo's text
         assert f"occult_hf/{module}" in names, f"occult_hf/{module} missing from {wheel.name}"
     assert not any(n.startswith(("kernels/", "patches/", "eval/", "tests/")) for n in names), "top-level leak"
 

@@ -4,7 +4,7 @@ It loads the small `OlmoeForCausalLM` that ships inside the package (`occult_hf/
 trained from scratch by `occult train --recipe tiny` on the project's three text domains, with its
 BPE tokenizer, `recipe.json` and `train_log.json` beside the weights), profiles its routing through
 the same router hooks `occult profile` uses on text the model never trained on (this package's own
-Python sources: the even-numbered files plan, the odd-numbered ones are held out), saves and reloads
+Python sources, as a frozen snapshot: the even-numbered files plan, the odd-numbered ones are held out), saves and reloads
 the profile, plans placements with every registered method, and prints per layer the held-out CT,
 bounds, remote copies and device load, then the routing weight that collaboration pruning to each
 `N_d` would remove under each placement. `--model DIR` runs the same on another OLMoE checkpoint
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import lzma
 import os
 from importlib import resources
 from pathlib import Path
@@ -26,6 +27,8 @@ from .devices import add_num_devices_argument
 
 #: embedded prose snippet (one document per line, written for occult_hf, Apache-2.0 like the package)
 DEMO_TEXT = "demo_text.npz"
+#: the demo's text: occult_hf's own `.py` sources frozen at one commit (`snapshot_sources`), lzma-compressed JSON
+DEMO_SOURCES = "demo_sources.json.xz"
 
 
 def register(subparsers) -> None:
@@ -51,10 +54,34 @@ def load_demo_documents() -> list[str]:
     return [line for line in text.split("\n") if line.strip()]
 
 
-def package_sources() -> list[str]:
-    """The text of this package's own `.py` files, in sorted path order (they ship in every install)."""
-    root = Path(str(resources.files("occult_hf")))
-    return [path.read_text(encoding="utf-8") for path in sorted(root.rglob("*.py")) if "__pycache__" not in path.parts]
+def demo_sources() -> list[str]:
+    """The demo's documents: this package's own `.py` files, in sorted path order, as frozen in
+    `data/demo_sources.json.xz` (its `meta` names the commit).
+
+    Frozen because the installed sources are not a fixed text: they change with every commit, and an
+    editable install holds `src/occult_hf` only where a wheel also holds `kernels/`, `patches/` and
+    `eval/`. Read live, they moved the demo's figures, which README.md and docs/cli.md quote, with every
+    change to the code (held-out CT 2.40 -> 2.50 for `occult`, device load 1.35x -> 1.64x for `refined`
+    between two commits of 2026-12-01)."""
+    with resources.as_file(resources.files("occult_hf") / "data" / DEMO_SOURCES) as path:
+        snapshot = json.loads(lzma.decompress(Path(path).read_bytes()))
+    return [text for _, text in snapshot["files"]]
+
+
+def snapshot_sources(root: str | os.PathLike, out: str | os.PathLike, commit: str) -> None:
+    """Freeze the `.py` files under `root` (a checkout's `src/occult_hf` at `commit`) into `out`, in sorted
+    path order, as `demo_sources` reads them. Made once by
+
+        git archive COMMIT src/occult_hf | tar -x -C /tmp/snap
+        python -c "from occult_hf.cli.demo import snapshot_sources as s; s('/tmp/snap/src/occult_hf', 'src/occult_hf/data/demo_sources.json.xz', 'COMMIT')"
+    """
+    from ..atomic import atomic_write_bytes
+
+    root = Path(root)
+    files = [[path.relative_to(root).as_posix(), path.read_text(encoding="utf-8")]
+             for path in sorted(root.rglob("*.py")) if "__pycache__" not in path.parts]  # fmt: skip
+    meta = {"what": "occult_hf's own .py sources (src/occult_hf), the text of `occult demo`", "commit": commit}
+    atomic_write_bytes(out, lzma.compress(json.dumps({"meta": meta, "files": files}).encode("utf-8")))
 
 
 def describe_checkpoint(path: str | os.PathLike) -> str:
@@ -115,7 +142,7 @@ def _run(args: argparse.Namespace) -> int:
         tokenizer = AutoTokenizer.from_pretrained(path)
         about = describe_checkpoint(path)
     config = model.config
-    sources = package_sources()
+    sources = demo_sources()
     splits = {"plan": sources[0::2], "held_out": sources[1::2]}
     windows = {name: _token_windows(texts, tokenizer, args.tokens) for name, texts in splits.items()}
     profiles = {}
@@ -133,7 +160,7 @@ def _run(args: argparse.Namespace) -> int:
     tokens = {name: p.layer(min(p.layers)).token_count for name, p in profiles.items()}
     print(
         f"occult demo: {about}.\n"
-        f"Its routing was profiled through its real routers on text it never trained on: occult_hf's own Python sources. "
+        f"Its routing was profiled through its real routers on text it never trained on: occult_hf's own Python sources (a frozen snapshot). "
         f"Placements for D={args.num_devices} planned on {tokens['plan']} tokens (even-numbered files), measured below on "
         f"{tokens['held_out']} held-out tokens (odd-numbered files)."
     )
