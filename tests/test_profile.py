@@ -375,6 +375,16 @@ def test_collect_over_text_file_and_dataset(tmp_path):
     assert model.training is False
 
 
+def test_token_ids_outside_the_vocabulary_are_named():
+    """Token-id data made by another tokenizer (a dataset column of ids): an id the embedding has no row for
+    must be named, not surface as torch's 'index out of range in self' from inside the model."""
+    model = tiny_model("olmoe")  # vocab_size 128
+    with pytest.raises(ValueError, match=r"document 1: token id 300 at position 2 is outside the model's vocabulary \[0, 128\)"):
+        RoutingProfile.collect(model, [[5, 6], [7, 8, 300]], progress=False)
+    with pytest.raises(ValueError, match=r"document 0: token id -1 at position 0 is outside"):
+        RoutingProfile.collect(model, [[-1, 6]], progress=False)
+
+
 def test_incompatible_profiles_are_clear_errors(tmp_path):
     model = tiny_model("olmoe")
     with ProfileCollector(model) as collector:

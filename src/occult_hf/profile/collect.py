@@ -204,13 +204,14 @@ def collect_routing(
     base = getattr(model, "base_model", model)
     device = next(model.parameters()).device
     pad_id = getattr(tokenizer, "pad_token_id", None) or 0
+    vocab_size = model.get_input_embeddings().num_embeddings
     was_training = model.training
     model.eval()
     collector = ProfileCollector(base, sample_size=sample_size, seed=seed)
     bar = tqdm(total=total, unit="doc", desc="profiling routing", disable=not progress)
     try:
         with collector, torch.no_grad():
-            windows = _windows(documents, tokenizer, max_length, max_tokens, bar)
+            windows = _windows(documents, tokenizer, max_length, max_tokens, bar, vocab_size)
             for batch in _batches(windows, batch_size):
                 input_ids_BS, attention_mask_BS = _pad(batch, pad_id)
                 base(input_ids=input_ids_BS.to(device), attention_mask=attention_mask_BS.to(device), use_cache=False)
@@ -247,16 +248,25 @@ def _documents(data, text_column: str, separator: str) -> tuple[Iterable, int | 
     return data, (len(data) if hasattr(data, "__len__") else None)
 
 
-def _windows(documents: Iterable, tokenizer, max_length: int, max_tokens: int | None, bar) -> Iterator[list[int]]:
-    """Token-id windows of at most `max_length`, in document order, stopping at `max_tokens`."""
+def _windows(
+    documents: Iterable, tokenizer, max_length: int, max_tokens: int | None, bar, vocab_size: int
+) -> Iterator[list[int]]:
+    """Token-id windows of at most `max_length`, in document order, stopping at `max_tokens`; every id
+    in [0, vocab_size) (ids from another tokenizer would fail inside the embedding, unnamed)."""
     remaining = max_tokens
-    for document in documents:
+    for index, document in enumerate(documents):
         if isinstance(document, str):
             if tokenizer is None:
                 raise ValueError("the data holds text: pass tokenizer= (or give token-id sequences)")
             ids = tokenizer(document, verbose=False)["input_ids"]
         else:
             ids = [int(i) for i in document]
+        if ids and not (0 <= min(ids) and max(ids) < vocab_size):
+            position, token = next((p, t) for p, t in enumerate(ids) if not 0 <= t < vocab_size)
+            raise ValueError(
+                f"document {index}: token id {token} at position {position} is outside the model's vocabulary "
+                f"[0, {vocab_size}) (token ids of another tokenizer?)"
+            )
         for start in range(0, len(ids), max_length):
             window = ids[start : start + max_length]
             if remaining is not None:
