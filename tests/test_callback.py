@@ -54,6 +54,12 @@ def test_schedule_and_callback_validation():
         OccultCallback(check_every=1.5)
     with pytest.raises(ValueError, match="unknown placement method 'best'; valid methods"):
         OccultCallback(planner="best")
+    # the drift check measures CT on the recent profile's top-k sample: without one it used to fail at the
+    # first check with numpy's "unsupported operand type(s) for +: 'NoneType'"
+    with pytest.raises(ValueError, match="OccultCallback sample_size must be an integer >= 1, got 0"):
+        OccultCallback(sample_size=0)
+    with pytest.raises(ValueError, match=r"no option\(s\) \['max_load_ration'\]"):  # now, not at the first check
+        OccultCallback(planner_options={"max_load_ration": 1.1})
     exact = apply_occult(tiny_model("olmoe", **SIZES), OccultConfig(num_devices=4))
     callback = OccultCallback(target_devices_per_token=1)
     with pytest.raises(ValueError, match="got an N_d schedule but the model has no pruners"):

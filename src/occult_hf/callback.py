@@ -181,7 +181,12 @@ class OccultCallback(OccultCheckpointCallback):
         sample_size: int = 4096,
         per_layer: bool = False,
     ) -> None:
-        get_planner(planner)  # a clear error now rather than at the first check
+        get_planner(planner).make_options(**(planner_options or {}))  # clear errors now rather than at the first check
+        if isinstance(sample_size, bool) or not isinstance(sample_size, int) or sample_size < 1:
+            raise ValueError(
+                f"OccultCallback sample_size must be an integer >= 1, got {sample_size!r}: the drift check measures CT "
+                f"on the recent profile's top-k sample"
+            )
         if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 0:
             raise ValueError(f"OccultCallback check_every must be an integer >= 0 (0: only at saves), got {check_every!r}")
         if isinstance(schedule_steps, bool) or not isinstance(schedule_steps, int) or schedule_steps < 0:
