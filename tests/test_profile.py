@@ -385,6 +385,17 @@ def test_token_ids_outside_the_vocabulary_are_named():
         RoutingProfile.collect(model, [[-1, 6]], progress=False)
 
 
+def test_data_without_tokens_is_named():
+    """Nothing to profile is the data's fault, not the collector's: the error names the data."""
+    import datasets
+
+    model = tiny_model("olmoe")
+    with pytest.raises(ValueError, match=r"the data \(list of documents\) holds no tokens to profile"):
+        RoutingProfile.collect(model, [], progress=False)
+    with pytest.raises(ValueError, match=r"the data \(dataset column 'text' \(2 rows\)\) holds no tokens to profile"):
+        RoutingProfile.collect(model, datasets.Dataset.from_dict({"text": [[], []]}), progress=False)
+
+
 def test_incompatible_profiles_are_clear_errors(tmp_path):
     model = tiny_model("olmoe")
     with ProfileCollector(model) as collector:

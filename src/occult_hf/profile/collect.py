@@ -219,6 +219,8 @@ def collect_routing(
     finally:
         bar.close()
         model.train(was_training)
+    if collector.token_count == 0:
+        raise ValueError(f"the data ({_describe(data, text_column)}) holds no tokens to profile")
     return collector.routing_fields(
         source=source or _describe(data, text_column),
         batch_size=batch_size,
