@@ -269,6 +269,30 @@ def test_load_rejects_files_that_are_not_profiles(tmp_path):
         RoutingProfile.load(tmp_path / "missing.safetensors")
 
 
+def test_load_rejects_damaged_samples_and_logit_grams(tmp_path):
+    """Damage that keeps a tensor's dtype, shape and range: a top-k row naming one expert twice (a real
+    top-k set never does; CT and the planners would count it as a smaller set) and a non-finite logit
+    Gram (similarity pruning would compare NaN cosines)."""
+    from safetensors.numpy import load_file, save_file
+    from safetensors import safe_open
+
+    path = tmp_path / "p.safetensors"
+    make_profile().save(path)
+    tensors = load_file(str(path))
+    with safe_open(str(path), "np") as f:
+        metadata = f.metadata()
+    sample = tensors["layer.3.topk_sample"].copy()
+    sample[5, 1] = sample[5, 0]
+    save_file({**tensors, "layer.3.topk_sample": sample}, str(path), metadata=metadata)
+    with pytest.raises(ValueError, match=r"tensor 'layer.3.topk_sample' repeats an expert within a token's top-k \(1 rows; first: row 5"):
+        RoutingProfile.load(path)
+    gram = tensors["layer.1.logit_gram"].copy()
+    gram[0, 2] = np.nan
+    save_file({**tensors, "layer.1.logit_gram": gram}, str(path), metadata=metadata)
+    with pytest.raises(ValueError, match=r"tensor 'layer.1.logit_gram' holds non-finite values"):
+        RoutingProfile.load(path)
+
+
 def test_profile_validates_shapes():
     routing = make_profile().layer(1)
     with pytest.raises(ValueError, match=r"coactivation has shape \(6, 6\), expected \[7, 7\]"):

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from ..checks import check_topk_ids
 from .collect import collect_routing
 from .stats import LayerRouting
 from .trace import read_trace
@@ -317,13 +318,16 @@ class RoutingProfile:
                 if token_count.shape != ():
                     raise ValueError(f"tensor 'layer.{l}.token_count' must be a scalar, got shape {list(token_count.shape)}")
                 sample = get("topk_sample")
-                if sample is not None and sample.size and sample.max() >= num_experts:
-                    raise ValueError(f"tensor 'layer.{l}.topk_sample' holds expert ids >= num_experts={num_experts}")
+                if sample is not None and sample.ndim == 2:  # real top-k sets: ids in [0, E), distinct per row
+                    check_topk_ids(sample, num_experts, f"tensor 'layer.{l}.topk_sample'")
+                gram = get("logit_gram")
+                if gram is not None and not np.isfinite(gram).all():
+                    raise ValueError(f"tensor 'layer.{l}.logit_gram' holds non-finite values")
                 layers[int(l)] = LayerRouting(
                     coactivation=get("coactivation"),
                     expert_counts=get("expert_counts"),
                     token_count=int(token_count),
-                    logit_gram=get("logit_gram"),
+                    logit_gram=gram,
                     topk_sample=sample,
                 )
         return cls(num_experts=num_experts, top_k=top_k, layers=layers, model_type=model_type, meta=dict(meta))
