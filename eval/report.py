@@ -50,8 +50,12 @@ def results_file(path: str | os.PathLike) -> Path:
 def load_results(path: str | os.PathLike) -> dict[str, Any]:
     """An lm-eval results JSON (ours or lm-eval's own `results_*.json`, or a folder holding one); must hold `results`."""
     path = results_file(path)
-    with open(path) as f:
-        data = json.load(f)
+    if not path.is_file():
+        raise FileNotFoundError(f"{os.fspath(path)!r} does not exist")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{os.fspath(path)!r} is not valid JSON: {error}") from None
     if not isinstance(data, dict) or "results" not in data:
         raise ValueError(f"{os.fspath(path)!r} is not an lm-eval results file: it has no top-level 'results' key")
     return data

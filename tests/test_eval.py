@@ -329,6 +329,15 @@ def test_compare_rejects_a_file_without_results(tmp_path, capsys):
         occult_main(["eval", "--compare", str(bad), str(bad)])
     assert "bad.json' is not an lm-eval results file: it has no top-level 'results' key" in capsys.readouterr().err
 
+    cut = tmp_path / "cut.json"
+    cut.write_text('{"results": {"arc_easy": {"acc,none": 0.5')  # a results file cut short
+    with pytest.raises(SystemExit):
+        occult_main(["eval", "--headline", str(cut)])
+    assert "cut.json' is not valid JSON: Expecting" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        occult_main(["eval", "--compare", str(tmp_path / "absent.json"), str(cut)])
+    assert "absent.json' does not exist" in capsys.readouterr().err
+
 
 # ----- model_args validation -------------------------------------------------------------------------
 
