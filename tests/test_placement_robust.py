@@ -4,6 +4,7 @@ replicas, robust (bootstrap) load limits, several profiles, cross-validated held
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -252,6 +253,13 @@ def test_replicas_fill_the_redundant_slots_and_split_a_giant():
     before = metrics.evaluate_placement(profile, plain)[0]
     after = metrics.evaluate_placement(profile, replicated)[0]
     assert after.balance < before.balance - 0.1
+    # every expert on every device is E * (D - 1) = 48 copies: one more has no device to go to (it used to fail
+    # in Placement's own check, listing a replica row of 50 device ids)
+    assert len(plan_placement(profile, 4, progress=False, num_redundant_experts=48, **FAST).homes(0)[0]) == 4
+    with pytest.raises(ValueError, match=re.escape(
+        "refined option num_redundant_experts=49 exceeds the 48 redundant copies 16 experts can have on 4 devices"
+    )):
+        plan_placement(profile, 4, progress=False, num_redundant_experts=49, **FAST)
 
 
 # ----- several profiles --------------------------------------------------------------------------

@@ -679,6 +679,11 @@ def refine_layer(
             options = replace(options, max_load_ratio=RefinedOptions.max_load_ratio)
     original_sample, replicas, slots, group_X = sample, {}, None, None
     if options.num_redundant_experts:
+        if options.num_redundant_experts > num_experts * (num_devices - 1):  # at most one home per device
+            raise ValueError(
+                f"refined option num_redundant_experts={options.num_redundant_experts} exceeds the "
+                f"{num_experts * (num_devices - 1)} redundant copies {num_experts} experts can have on {num_devices} devices"
+            )
         copies_E = replication_counts(load_YE, options.num_redundant_experts, num_devices)
         slots = -(-(num_experts + options.num_redundant_experts) // num_devices)
         item_of_EM, group_X = copy_items(copies_E)
