@@ -295,7 +295,7 @@ def test_similarity_profile_with_extra_layers_is_rejected_by_apply_occult(tmp_pa
     path = tmp_path / "similarity.safetensors"
     RoutingProfile(8, 2, {0: layer(), 1: layer(), 5: layer()}, model_type="olmoe").save(path)
     model = tiny_model("olmoe")
-    with pytest.raises(ValueError, match=re.escape("routing profile has layers [5] that are not MoE layers of the model")):
+    with pytest.raises(ValueError, match=re.escape(f"routing profile {str(path)!r} has layers [5] that are not MoE layers of the model")):
         apply_occult(model, OccultConfig(prune="similarity", max_devices_per_token=1, num_devices=2, profile=str(path)))
     assert not hasattr(model.config, "occult_config")  # the model is left as it was
 

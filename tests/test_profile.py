@@ -4,6 +4,7 @@ collection through the real routers of every supported family, compatibility err
 from __future__ import annotations
 
 import itertools
+import re
 from pathlib import Path
 
 import numpy as np
@@ -430,6 +431,11 @@ def test_incompatible_profiles_are_clear_errors(tmp_path):
     assert sorted(RoutingProfile.load(path, model=model).layers) == [0, 1]
     with pytest.raises(ValueError, match=r"num_experts=8 but the model \(olmoe\) has 6 routed experts"):
         RoutingProfile.load(path, model=tiny_config("olmoe", num_experts=6))
+    # a loaded profile's fit errors name its file, also when checked later (apply_occult's similarity profile)
+    with pytest.raises(ValueError, match=re.escape(f"routing profile {str(path)!r} is for top_k=2 but the model")):
+        RoutingProfile.load(path).check_compatible(tiny_config("olmoe", top_k=3))
+    with pytest.raises(ValueError, match=re.escape(f"routing profile {str(path)!r} lacks the model's MoE layers [2]")):
+        RoutingProfile.load(path, model=tiny_model("olmoe", num_hidden_layers=3))
     with pytest.raises(ValueError, match=r"top_k=2 but the model \(olmoe\) routes each token to top_k=3"):
         profile.check_compatible(tiny_config("olmoe", top_k=3))
     with pytest.raises(ValueError, match=r"lacks the model's MoE layers \[2\]"):

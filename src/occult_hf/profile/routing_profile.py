@@ -43,7 +43,9 @@ PROFILE_FORMAT = "occult_hf.routing_profile/1"
 class RoutingProfile:
     """Per-layer `LayerRouting` for one model, keyed by decoder-layer index.
 
-    `meta["source"]` says where the routing came from (a model and data, or a trace file).
+    `meta["source"]` says where the routing came from (a model and data, or a trace file). `path` is the
+    file `load` read it from (None otherwise), for errors only: `check_compatible` may run far from the load
+    (apply_occult's similarity profile) and must still name the file; not part of the file nor of equality.
     """
 
     num_experts: int
@@ -51,6 +53,7 @@ class RoutingProfile:
     layers: dict[int, LayerRouting]
     model_type: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    path: str | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_experts, int) or self.num_experts < 1:
@@ -174,14 +177,15 @@ class RoutingProfile:
         adapter = adapter_for(config)
         model_type = getattr(config, "model_type", None)
         num_experts, top_k = adapter.num_experts(config), adapter.top_k(config)
+        profile = f"routing profile {self.path!r}" if self.path else "routing profile"
         if num_experts != self.num_experts:
             raise ValueError(
-                f"routing profile is for num_experts={self.num_experts} but the model ({model_type}) has "
+                f"{profile} is for num_experts={self.num_experts} but the model ({model_type}) has "
                 f"{num_experts} routed experts per layer"
             )
         if top_k != self.top_k:
             raise ValueError(
-                f"routing profile is for top_k={self.top_k} but the model ({model_type}) routes each token to "
+                f"{profile} is for top_k={self.top_k} but the model ({model_type}) routes each token to "
                 f"top_k={top_k} experts"
             )
         profile_layers = set(self.layers)
@@ -190,13 +194,13 @@ class RoutingProfile:
         extra = sorted(profile_layers - model_layers)
         if extra:
             raise ValueError(
-                f"routing profile has layers {extra} that are not MoE layers of the model ({model_type}); "
+                f"{profile} has layers {extra} that are not MoE layers of the model ({model_type}); "
                 f"profile layers {sorted(profile_layers)}, model MoE layers {sorted(model_layers)}"
             )
         missing = sorted(model_layers - profile_layers)
         if require_all_layers and missing:
             raise ValueError(
-                f"routing profile lacks the model's MoE layers {missing}; profile layers {sorted(profile_layers)}, "
+                f"{profile} lacks the model's MoE layers {missing}; profile layers {sorted(profile_layers)}, "
                 f"model MoE layers {sorted(model_layers)}"
             )
 
@@ -250,6 +254,7 @@ class RoutingProfile:
         except (ValueError, TypeError, KeyError, SafetensorError) as error:
             message = error.args[0] if isinstance(error, KeyError) and error.args else error
             raise ValueError(f"routing profile {path!r}: {message}") from None
+        profile.path = path
         if model is not None:
             profile.check_compatible(model, trust_remote_code=trust_remote_code)
         return profile
