@@ -223,6 +223,9 @@ CLI_CASES = [
     ("placement with a float device count", ["report", "{tmp}/good.safetensors", "{tmp}/bad_placement.json", "--no-plots"],
      "$.num_devices must be an integer"),
     ("bench ep --tokens 0", ["bench", "ep", "--tokens", "0"], "--tokens"),
+    ("demo --tokens 0, before the model loads", ["demo", "--tokens", "0", "--out", "{tmp}/demo"], "--tokens"),
+    ("--text naming a missing .jsonl", ["profile", "{tmp}", "--text", "{tmp}/absent.jsonl", "--out", "{tmp}/p.safetensors"],
+     "{tmp}/absent.jsonl' does not exist"),
 ]
 
 

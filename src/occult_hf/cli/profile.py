@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from ..profile import DEFAULT_SAMPLE_SIZE
 from . import non_negative_int
@@ -77,8 +78,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         if not args.model:
             raise SystemExit("occult profile: MODEL is required with --text or --dataset")
+        text = _check_plain_text(args.text) if args.text else None  # before the model: loading one takes minutes
         model, tokenizer = _load_model(args)
-        data = _check_plain_text(args.text) if args.text else _load_dataset(args)
+        data = text if args.text else _load_dataset(args)
         profile = RoutingProfile.collect(
             model,
             data,
@@ -146,6 +148,8 @@ def _check_plain_text(path: str) -> str:
     """`--text` reads raw lines: a structured file there would be profiled as raw JSON/CSV text."""
     from ..text_data import data_file_builder
 
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--text {path!r} does not exist")
     builder = data_file_builder(path)
     if builder not in (None, "text"):
         raise ValueError(
