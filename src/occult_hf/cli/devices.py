@@ -6,20 +6,21 @@ import argparse
 import warnings
 
 
-def resolve_device(value: str | None, command: str = "occult") -> str:
+def resolve_device(value: str | None) -> str:
     """`--device`: `auto` (or None) is CUDA when available, else CPU, in every command; an explicit CUDA
-    device without CUDA is an error (not a silent fallback, not a traceback)."""
+    device without CUDA is an error (not a silent fallback, not a traceback; the command line's handler
+    prefixes the command's name)."""
     import torch
 
     requested = "auto" if value in (None, "") else str(value)
     if requested == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if requested.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"{command}: --device {requested} but this torch build sees no CUDA device; use --device auto or cpu")
+        raise ValueError(f"--device {requested} but this torch build sees no CUDA device; use --device auto or cpu")
     try:
         torch.device(requested)
     except RuntimeError as error:
-        raise ValueError(f"{command}: --device {requested!r} is not a torch device ({error}); use auto, cpu or cuda[:N]") from error
+        raise ValueError(f"--device {requested!r} is not a torch device ({error}); use auto, cpu or cuda[:N]") from error
     return requested
 
 

@@ -111,7 +111,7 @@ def _evaluate(args: argparse.Namespace) -> int:
         model_args=_model_args(args),
         tasks=parse_task_list(args.tasks),
         batch_size=_batch_size(args.batch_size),
-        device=str(resolve_device(args.device, command="occult eval")),
+        device=str(resolve_device(args.device)),
         limit=args.limit,
         num_fewshot=args.num_fewshot,
         bootstrap_iters=args.bootstrap_iters,

@@ -133,9 +133,10 @@ def _load_model(args: argparse.Namespace):
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype, None)
     if dtype is None:
         raise SystemExit(f"occult profile: --dtype {args.dtype!r} is not a torch dtype (e.g. float32, bfloat16)")
+    device = resolve_device(args.device)  # before the model: loading one takes minutes
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, trust_remote_code=args.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
-    return model.to(resolve_device(args.device, "occult profile")), tokenizer
+    return model.to(device), tokenizer
 
 
 def _load_dataset(args: argparse.Namespace):
