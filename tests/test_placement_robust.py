@@ -13,7 +13,7 @@ import torch
 
 from occult_hf import metrics
 from occult_hf.placement import Placement, RefinedOptions, plan_placement, refine_layer
-from occult_hf.replica_routing import (
+from occult_hf.replicas.routing import (
     PIN_SLACK,
     home_table_from,
     load_aware_homes,
@@ -711,7 +711,7 @@ def test_load_aware_mode_options_are_checked(options, message):
 
 
 def test_water_filling_without_a_sort_matches_the_sorted_level():
-    from occult_hf.replica_routing import _fill
+    from occult_hf.replicas.routing import _fill
 
     rng = np.random.default_rng(7)
     other = rng.random((50, 4)) * 10
@@ -742,7 +742,7 @@ def test_load_aware_rule_operator_budget():
 
     from torch.profiler import ProfilerActivity, profile
 
-    from occult_hf.replica_routing import expert_routes
+    from occult_hf.replicas.routing import expert_routes
     from test_dispatch import _NOT_LAUNCHES, _copies, _under_aten
 
     generator = torch.Generator().manual_seed(0)
@@ -767,7 +767,7 @@ def test_load_aware_rule_operator_budget():
 def test_graphed_routes_equal_the_eager_ones_on_the_gpu():
     """The CUDA graph replay gives the eager tables' bits and the same routing, also after the table changes
     (re-homed copies) and for a rank other than 0 of a gathered group."""
-    from occult_hf.replica_routing import GraphedRoutes, expert_routes
+    from occult_hf.replicas.routing import GraphedRoutes, expert_routes
 
     generator = torch.Generator().manual_seed(1)
     ids = torch.stack([torch.randperm(64, generator=generator)[:8] for _ in range(2048)]).cuda()

@@ -178,7 +178,7 @@ def literal_walk_replicated(ids, weights, homes, n_d):
 
 
 def test_token_device_sets_with_replicas_match_the_literal_walk():
-    from occult_hf.replica_routing import home_table_from
+    from occult_hf.replicas.routing import home_table_from
 
     generator = torch.Generator().manual_seed(1)
     device_of_E = [0, 0, 1, 1, 2, 2, 3, 3, 0, 1, 2, 3]

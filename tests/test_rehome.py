@@ -34,7 +34,7 @@ def _placements(family: str, num_experts: int = 8, num_devices: int = 2):
 
 
 def _rows_under_rule(module, placement, num_devices):
-    from occult_hf.replica_routing import resolve_homes
+    from occult_hf.replicas.routing import resolve_homes
 
     ids = module.last_topk_ids_Tk.cpu()
     dest = resolve_homes(ids, torch.from_numpy(placement.home_table(module.layer_idx)), num_devices)

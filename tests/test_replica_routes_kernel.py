@@ -1,8 +1,8 @@
-"""`replica_routes_kernel` / `replica_pairs_kernel`: the load-aware rule's per-expert half in one Triton kernel and
+"""`replicas.routes_kernel` / `replicas.pairs_kernel`: the load-aware rule's per-expert half in one Triton kernel and
 its per-pair half in a few, against the torch version.
 
 On CPU the kernel runs under the Triton interpreter (`TRITON_INTERPRET=1` when the kernel is first made: it uses only
-Triton builtins). The torch version (`replica_routing.replica_shares` / `expert_routes`) is the reference: the split
+Triton builtins). The torch version (`replicas.routing.replica_shares` / `expert_routes`) is the reference: the split
 within 1e-9 relative, the integer tables equal, and the routing `load_aware_homes` derives from the tables
 identical, on random and adversarial counts, random routing and the Qwen1.5 trace. The per-pair kernels give the torch
 half's integers exactly (preferences, counts, every pair's device). The `gpu` tests hold the compiled kernels to the
@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from occult_hf.replica_pairs_kernel import fused_assign, fused_preferences_and_counts
-from occult_hf.replica_routes_kernel import fused_expert_routes, fused_routes_and_shares
-from occult_hf.replica_routing import (
+from occult_hf.replicas.pairs_kernel import fused_assign, fused_preferences_and_counts
+from occult_hf.replicas.routes_kernel import fused_expert_routes, fused_routes_and_shares
+from occult_hf.replicas.routing import (
     PIN_SLACK,
     TORCH_PAIRS,
     PairHalf,
@@ -184,7 +184,7 @@ def test_compiled_kernel_equals_the_torch_rule_on_the_gpu():
     """Compiled (no fused multiply-adds): the split within 1e-9 of the eager GPU one and the same routing, for
     rank 1 of a gathered group, pinned and not, also launched inside a CUDA graph capture as graphed decoding does."""
     from occult_hf.cuda_graph import capture
-    from occult_hf.replica_routes_kernel import FusedRoutes
+    from occult_hf.replicas.routes_kernel import FusedRoutes
 
     generator = torch.Generator().manual_seed(1)
     ids = torch.stack([torch.randperm(64, generator=generator)[:8] for _ in range(4096)]).cuda()
@@ -204,8 +204,8 @@ def test_compiled_pair_kernels_equal_the_torch_half_on_the_gpu():
     """Compiled: the per-pair kernels give the eager GPU rule's preferences, counts and devices at T = 16384 (1024 scan
     blocks), over 2 ranks, pinned and not, and inside a CUDA graph capture of the whole rule with both halves' kernels."""
     from occult_hf.cuda_graph import capture
-    from occult_hf.replica_pairs_kernel import FUSED_PAIRS
-    from occult_hf.replica_routes_kernel import FusedRoutes
+    from occult_hf.replicas.pairs_kernel import FUSED_PAIRS
+    from occult_hf.replicas.routes_kernel import FusedRoutes
 
     generator = torch.Generator().manual_seed(7)
     popularity_E = 1.0 / (torch.randperm(64, generator=generator).double() + 4.0)

@@ -100,7 +100,7 @@ def _check_case(
     from occult_hf import OccultConfig
     from occult_hf.integration import apply_occult, occult_modules
     from occult_hf.placement import resolve_homes
-    from occult_hf.replica_routing import load_aware_homes
+    from occult_hf.replicas.routing import load_aware_homes
 
     where = f"[{family} E={num_experts} D={world_size} {mode} {placement_kind} chunks={chunks} rank {rank}]"
     placement = placement_for(family, num_experts, world_size, placement_kind)

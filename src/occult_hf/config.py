@@ -20,7 +20,7 @@ from .dispatch import dispatcher_names
 from .dispatch.plan import DISPATCH_MODES  # owned by the dispatch plan; kept importable from here
 from .experts import expert_backend_names
 from .pruning import NEEDS_SIMILARITY, pruning_policy_names
-from .replica_routing import REPLICA_CHOICES
+from .replicas.routing import REPLICA_CHOICES
 
 # the names each registry owns, as built in (kept importable from here); validation asks the registries
 EXPERT_BACKENDS = expert_backend_names()
@@ -99,7 +99,7 @@ class OccultConfig:
             "help": 'Which home of a replicated expert serves a (token, expert) pair: "static" (a home the token '
             'visits anyway, else round-robin; DESIGN.md §6) or "load_aware" (the same preference, but the batch\'s '
             "per-expert counts, gathered over the EP group, split each replicated expert's pairs so that the devices "
-            "balance: occult_hf.replica_routing.load_aware_homes). No effect without replicas."
+            "balance: occult_hf.replicas.routing.load_aware_homes). No effect without replicas."
         },
     )
     expert_backend: str = field(

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from .checks import check_device_map, check_square, check_topk_ids
-from .replica_routing import resolve_homes_np
+from .replicas.routing import resolve_homes_np
 
 if TYPE_CHECKING:  # annotations only: the planners import this module, so it imports no planner
     from .placement.placement import Placement
@@ -57,7 +57,7 @@ def pair_devices(
     topk_ids_Nk: np.ndarray, device_of_E: np.ndarray, num_devices: int, home_table_EM: np.ndarray | None = None
 ) -> np.ndarray:
     """`[N, k]` int64 device serving each (token, expert) pair: `device_of_E[ids]`, or with replicas
-    (`home_table_EM` `[E, M]`, M > 1) the replica rule `replica_routing.resolve_homes` with the
+    (`home_table_EM` `[E, M]`, M > 1) the replica rule `replicas.routing.resolve_homes` with the
     token's position as its index."""
     if home_table_EM is None or np.asarray(home_table_EM).shape[1] == 1:
         return device_of_E[topk_ids_Nk]

@@ -124,7 +124,7 @@ def planned_placement(model, ids_BS, args, rank: int, world: int, source: str):
     layers on the development CPU, against 18.5 s for the planner's default 40), then broadcast."""
     from occult_hf.placement import Placement, plan_placement
     from occult_hf.profile import RoutingProfile
-    from occult_hf.profile_collect import ProfileCollector
+    from occult_hf.profile.collect import ProfileCollector
 
     holder = [None]
     if rank == 0:

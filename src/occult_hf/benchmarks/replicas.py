@@ -4,17 +4,17 @@ Shape legend (docs/conventions.md): T tokens per rank, k experts per token, E ex
 expert, G ranks of the group.
 
 Under `replica_choice="load_aware"` every layer routes its replicated experts' pairs by the batch's loads
-(`replica_routing.load_aware_homes`): a per-expert half (`expert_routes`: the split's rounds and the tables,
+(`replicas.routing.load_aware_homes`): a per-expert half (`expert_routes`: the split's rounds and the tables,
 about 480 small operators) and a per-pair half (about 80). Session 4 measured the whole rule at 8-16 ms per
 layer on two H200s, about 2x the layer; session 5 replays the per-expert half from one CUDA graph per layer
-(`GraphedRoutes`); session 6 computes it in one Triton kernel (`replica_routes_kernel`, what the dispatchers
+(`GraphedRoutes`); session 6 computes it in one Triton kernel (`replicas.routes_kernel`, what the dispatchers
 launch on a GPU). This times, per layer and in one process, for each case (E, k) x D logical devices x T:
 
 - `static`: the static rule (`resolve_homes`), the baseline every replicated layer pays;
 - `routes eager` / `routes graphed` / `routes kernel`: the per-expert half alone, eager, replayed, one launch;
 - `rule eager` / `rule graphed` / `rule kernel`: the whole rule for rank 0, with each per-expert half and the torch
   per-pair half;
-- `rule all kernels`: both halves in Triton (the per-pair half as `replica_pairs_kernel`'s few launches), eager:
+- `rule all kernels`: both halves in Triton (the per-pair half as `replicas.pairs_kernel`'s few launches), eager:
   what `replica_choice="load_aware"` costs a layer of an eager forward on top of its exchange, as the dispatchers
   run it;
 - `rule in one graph` / `rule kernel in one graph`: the whole rule captured, with the eager or the kernel's
@@ -42,9 +42,9 @@ import torch
 from occult_hf.atomic import atomic_write_json, atomic_write_text
 from occult_hf.benchmarks.ep import timed
 from occult_hf.cuda_graph import capture
-from occult_hf.replica_pairs_kernel import FUSED_PAIRS
-from occult_hf.replica_routes_kernel import fused_expert_routes
-from occult_hf.replica_routing import (
+from occult_hf.replicas.pairs_kernel import FUSED_PAIRS
+from occult_hf.replicas.routes_kernel import fused_expert_routes
+from occult_hf.replicas.routing import (
     PIN_SLACK,
     GraphedRoutes,
     expert_routes,

@@ -43,7 +43,7 @@ from .base import (
 )
 from .group import ExpertParallelGroup
 from .local import LocalDispatcher
-from ..replica_routing import PIN_SLACK
+from ..replicas.routing import PIN_SLACK
 
 
 def build_dispatcher(

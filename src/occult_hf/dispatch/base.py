@@ -25,9 +25,9 @@ import torch.distributed as dist
 
 from occult_hf.kernels.layout import ExpertSegments
 
-from ..replica_pairs_kernel import FUSED_PAIRS
-from ..replica_routes_kernel import FusedRoutes
-from ..replica_routing import PIN_SLACK, REPLICA_CHOICES, load_aware_homes
+from ..replicas.pairs_kernel import FUSED_PAIRS
+from ..replicas.routes_kernel import FusedRoutes
+from ..replicas.routing import PIN_SLACK, REPLICA_CHOICES, load_aware_homes
 from . import row_sum
 from .auto import AutoHints
 from .group import ExpertParallelGroup
@@ -204,7 +204,7 @@ class TokenDispatcher:
     slot there of each expert), and with replicated experts `home_table_EM` (`[E, M]` homes, -1 padded)
     and `slot_ED` (`[E, D]` slot of each expert on each device, -1 where it has no home), which make
     `plan.destinations` apply the replica routing rule; `replica_choice` "load_aware" replaces its static
-    choice among homes by `replica_routing.load_aware_homes` (one all-gather of per-expert counts per layer),
+    choice among homes by `replicas.routing.load_aware_homes` (one all-gather of per-expert counts per layer),
     with the layer's `pin_slack` (`Placement.pin_slack_of`: the planner's choice, else `PIN_SLACK`).
     """
 
@@ -287,7 +287,7 @@ class TokenDispatcher:
         return dest_Tk, local_Tk
 
     def _gather_counts(self, local_EM1: torch.Tensor) -> torch.Tensor:
-        """`[D, E, M + 1]`: every rank's `replica_routing.preference_counts` (the load-aware rule's one
+        """`[D, E, M + 1]`: every rank's `replicas.routing.preference_counts` (the load-aware rule's one
         collective), waited for like the exchange: bounded on the host for CPU tensors, stream-ordered on CUDA."""
         parts = [torch.empty_like(local_EM1) for _ in range(self.ep.num_devices)]
         what = "all-gather of the replicated experts' counts (replica_choice='load_aware')"

@@ -37,7 +37,7 @@ import torch
 
 from occult_hf.kernels.layout import ExpertSegments
 
-from ..replica_routing import resolve_homes
+from ..replicas.routing import resolve_homes
 
 #: the dispatch modes (`OccultConfig.dispatch`): one row per (token, device), or per (token, expert) pair
 DISPATCH_MODES = ("dedup", "per_expert")
@@ -66,7 +66,7 @@ def destinations(
 
     Without replicas the expert's one device (`device_of_E`) and slot (`local_index_E`). With replicated
     experts (`home_table_EM` `[E, M]` homes, `slot_ED` `[E, D]` slot of expert e on device d) each pair
-    goes to the home `replica_routing.resolve_homes` picks (the one routing rule, shared with the
+    goes to the home `replicas.routing.resolve_homes` picks (the one routing rule, shared with the
     metrics), with the token's position on this rank as its index; `visited_TD` `[T, D]` bool (pruning
     with replicas: each token's N_d devices) makes a pair take its expert's home among them.
     """

@@ -3,7 +3,7 @@
 Planners are registered by name (`available_planners()`): `contiguous` (the framework default),
 `occult` (the paper's Algorithm 1) and `refined` (exact CT under a load-balance limit; the default
 of `plan_placement`), which can hold that limit on bootstrap resamples and on several profiles at
-once and give hot experts replicas (`occult_hf.replica_routing.resolve_homes` is the one routing rule for them);
+once and give hot experts replicas (`occult_hf.replicas.routing.resolve_homes` is the one routing rule for them);
 `validation.cross_validate` estimates what a plan will do on tokens it has not seen.
 """
 
@@ -21,7 +21,7 @@ from .registry import (
 # planner modules register themselves on import
 from . import contiguous, occult, refined  # noqa: E402,F401  (isort: skip)
 from .refined import LayerPlan, RefinedOptions, refine_layer  # noqa: E402
-from ..replica_routing import resolve_homes  # noqa: E402
+from ..replicas.routing import resolve_homes  # noqa: E402
 from .planning import plan_placement  # noqa: E402
 
 __all__ = [

@@ -6,7 +6,7 @@ A device's local slots are the experts with a home on it, in increasing global i
 `slot_table(l)[e, d]` is expert `e`'s slot on device `d` (-1: no home there) and `local_slot(l)[e]`
 its slot on its primary device. The runtime, the planners and the metrics all read placements
 through this class so that the slot convention lives in one place; which home serves a
-(token, expert) pair is decided by `occult_hf.replica_routing.resolve_homes` (the one routing rule).
+(token, expert) pair is decided by `occult_hf.replicas.routing.resolve_homes` (the one routing rule).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 
 from ..atomic import atomic_write_text, json_text, to_json_native
 from ..checks import did_you_mean
-from ..replica_routing import PIN_SLACK, home_table_from
+from ..replicas.routing import PIN_SLACK, home_table_from
 
 PLACEMENT_FILENAME = "occult_placement.json"
 
@@ -46,8 +46,8 @@ class Placement:
             device's slots (primary and extra homes) must fit in it.
         pin_slack: decoder-layer index -> the pin slack of the load-aware replica rule there (a number in
             [0, 1]: how far above the least max load, as a fraction of the mean device load, a device may
-            keep pairs on a home their token visits anyway; `replica_routing.replica_shares`), as the
-            planner chose it for the layer's replicas. A layer without one uses `replica_routing.PIN_SLACK`.
+            keep pairs on a home their token visits anyway; `replicas.routing.replica_shares`), as the
+            planner chose it for the layer's replicas. A layer without one uses `replicas.routing.PIN_SLACK`.
         source: the file it was read from (None when built in memory), for errors only: `validate_for` runs far from
             the load (apply_occult, `occult eval`, `occult report`), where the user must still learn which file
             does not fit. Not part of the JSON form nor of equality.
@@ -295,7 +295,7 @@ class Placement:
         return [sorted([d, *extra.get(e, [])]) for e, d in enumerate(self.device_of(layer))]
 
     def pin_slack_of(self, layer: int) -> float:
-        """The load-aware replica rule's pin slack at `layer`: the planner's choice, else `replica_routing.PIN_SLACK`."""
+        """The load-aware replica rule's pin slack at `layer`: the planner's choice, else `replicas.routing.PIN_SLACK`."""
         return self.pin_slack.get(int(layer), PIN_SLACK)
 
     def home_table(self, layer: int) -> np.ndarray:
@@ -463,7 +463,7 @@ def _parse_replicas(
 
 def _parse_pin_slack(data: dict[str, Any], layers: dict[int, list[int]]) -> dict[int, float]:
     """Check the optional `"pin_slack": {"<layer>": number in [0, 1]}` of DESIGN.md §6 (absent in files of
-    earlier versions: every layer then uses `replica_routing.PIN_SLACK`)."""
+    earlier versions: every layer then uses `replicas.routing.PIN_SLACK`)."""
     raw = data.get("pin_slack", {})
     if not isinstance(raw, dict):
         raise _SchemaError(f"$.pin_slack must be a JSON object layer -> number, got {_json_type(raw)}")

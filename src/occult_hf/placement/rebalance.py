@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Iterable
 import numpy as np
 
 from ..metrics import replica_device_load, served_ct
-from ..replica_routing import REPLICA_CHOICES, home_table_from, resolve_homes_np
+from ..replicas.routing import REPLICA_CHOICES, home_table_from, resolve_homes_np
 from .placement import Placement
 
 if TYPE_CHECKING:

@@ -43,7 +43,7 @@ import torch
 
 from ..metrics import load_floor
 from .objectives import PairwiseCut, SampleCT
-from ..replica_routing import PIN_SLACK, REPLICA_CHOICES, home_table_from, load_aware_homes, resolve_homes_np
+from ..replicas.routing import PIN_SLACK, REPLICA_CHOICES, home_table_from, load_aware_homes, resolve_homes_np
 from .in_time import choose_in_time
 from .shedding import link_groups, single_home_rows
 from .robust import count_scenarios, scenario_loads, shrink_toward_mean, time_window_membership, token_scenarios
@@ -114,11 +114,11 @@ class RefinedOptions:
             default 0.15 without one).
         pin_slack: with replica_choice "load_aware", the pin slack the runtime's rule uses in this layer (how far
             above the least max load, as a fraction of the mean device load, a device keeps pairs on a home their
-            token visits anyway: more slack saves CT, less balances better; `replica_routing.replica_shares`),
+            token visits anyway: more slack saves CT, less balances better; `replicas.routing.replica_shares`),
             recorded in the placement file. "auto" (default): the largest of `AUTO_PIN_SLACKS` whose plans hold
             the balance within `max_load_ratio` on later tokens, by cross-validation in time on the profile
             (`cross_validated_pin_slack`; the least slack's balance is traded for CT only where it holds); without
-            a token sample `replica_routing.PIN_SLACK`.
+            a token sample `replicas.routing.PIN_SLACK`.
         pair_cost_s, byte_cost_s, row_bytes: the costs of objective "slowest" (seconds per
             (token, expert) pair, per received byte; bytes per row); `slowest.costs_from_bench` reads
             them from an `occult bench ep` JSON file.
@@ -591,7 +591,7 @@ def cross_validated_margin(
     sample_Nk: np.ndarray, membership_PN: np.ndarray, num_experts: int, num_devices: int, options: "RefinedOptions"
 ) -> float:
     """The `shed_margin` of `AUTO_SHED_MARGINS` whose plan holds best on later tokens under the load-aware rule
-    (`in_time.choose_in_time`, each second half routed as one batch by `replica_routing.load_aware_homes`)."""
+    (`in_time.choose_in_time`, each second half routed as one batch by `replicas.routing.load_aware_homes`)."""
 
     plan_on = _trial_planner(options, num_devices, "shed_margin")
     return choose_in_time(

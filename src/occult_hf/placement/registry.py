@@ -23,7 +23,7 @@ import numpy as np
 
 from ..checks import check_num_devices, check_square, check_topk_ids, did_you_mean
 from ..metrics import evaluate_layer
-from ..replica_routing import home_table_from
+from ..replicas.routing import home_table_from
 from .placement import Placement
 
 if TYPE_CHECKING:

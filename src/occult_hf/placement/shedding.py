@@ -1,7 +1,7 @@
 """Replicas planned for the load-aware runtime rule: every device keeps room to shed load through its copies.
 
 Under `replica_choice="load_aware"` the runtime splits each replicated expert's pairs over its homes by the
-batch's own loads (`replica_routing.load_aware_homes`), so a device's load is at least what its single-home
+batch's own loads (`replicas.routing.load_aware_homes`), so a device's load is at least what its single-home
 experts bring: no split moves those pairs. A plan made for the static rule does not bound that part: on the
 Qwen trace (D=8, 8 redundant slots) one seed's plan left a device with 1.20x the mean held-out load in
 single-home experts and no copy, and the load-aware rule could not go below 1.20 there.

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..atomic import atomic_save_figure
 from ..metrics import evaluate_placement, summarize
-from ..replica_routing import PIN_SLACK, resolve_homes_np
+from ..replicas.routing import PIN_SLACK, resolve_homes_np
 from .placement_study import StudyResult
 from .robust_placement_study import ROBUST, _ct_and_balance, _plan, best_replica_split, qwen_parts, replay_load_aware
 

@@ -337,7 +337,7 @@ def load_aware_split(topk_ids_Nk: np.ndarray, home_table_EM: np.ndarray, num_dev
     the token already visits that device, -1 when it also leaves a device it visited for this pair only
     (ties: the lightest target device). Stops when the busiest device is under the target or no move is left.
     """
-    from ..replica_routing import resolve_homes_np
+    from ..replicas.routing import resolve_homes_np
 
     ids_Nk = np.asarray(topk_ids_Nk, dtype=np.int64)
     homes_EM = np.asarray(home_table_EM)
@@ -386,7 +386,7 @@ def replay_load_aware(
     """
     import torch
 
-    from ..replica_routing import PIN_SLACK, load_aware_homes, preference_counts, replica_preferences
+    from ..replicas.routing import PIN_SLACK, load_aware_homes, preference_counts, replica_preferences
 
     table = torch.from_numpy(np.asarray(home_table_EM, dtype=np.int64))
     ids = torch.from_numpy(np.asarray(topk_ids_Nk, dtype=np.int64))
@@ -424,7 +424,7 @@ def runtime_rule_rows(routing_dir: Path, num_devices: int = 8) -> list[dict[str,
     held-out tokens, static against load-aware (`replay_load_aware`) per step of 2,192 / 1,096 / 256 tokens
     (274 / 137 / 32 per rank), with the fluid bound of the placement (`best_replica_split`) and a sweep of
     the load-aware rule's pin slack. CT is compared with today's `refined` (no replicas) over the same seeds."""
-    from ..replica_routing import resolve_homes_np
+    from ..replicas.routing import resolve_homes_np
 
     parts = qwen_parts(routing_dir)
     both = {"prefill": parts["prefill"], "decode": parts["decode"]}
@@ -591,7 +591,7 @@ def add_followup(result: StudyResult, routing_dir: Path) -> None:
     result.tables[title] = runtime_rule_rows(routing_dir)
     result.notes[title] = [
         "replayed as the runtime computes it: each step's tokens cut into 8 contiguous ranks, each rank's counts "
-        "all-gathered, each rank routing its own pairs (replica_routing.load_aware_homes); default pin slack "
+        "all-gathered, each rank routing its own pairs (replicas.routing.load_aware_homes); default pin slack "
         "0.02 of the mean device load",
         "'a step's balance': max / mean device load within one step, averaged over the steps (the straggler of each "
         "step); the fluid bound (best_replica_split) is the least max load any split of the replicas gives over the "

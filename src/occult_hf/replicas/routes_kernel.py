@@ -1,6 +1,6 @@
-"""The load-aware replica rule's per-expert half (`replica_routing.expert_routes`) as ONE Triton kernel.
+"""The load-aware replica rule's per-expert half (`replicas.routing.expert_routes`) as ONE Triton kernel.
 
-Shape legend: see `occult_hf.replica_routing` (G ranks of the group).
+Shape legend: see `occult_hf.replicas.routing` (G ranks of the group).
 
 `expert_routes` is about 480 small operators on `[E, M]` tensors (the split's 2 x `SPLIT_ROUNDS` damped
 water-filling rounds, then the per-expert tables); even replayed from a CUDA graph they are ~480 serial
@@ -26,7 +26,7 @@ import torch
 
 from occult_hf.kernels.triton_support import interpreting, next_power_of_2, triton_importable
 
-from .replica_routing import SPLIT_ROUNDS, GraphedRoutes
+from .routing import SPLIT_ROUNDS, GraphedRoutes
 
 #: the most homes of one expert and the most experts one program holds (registers: BLOCK_E x BLOCK_M entries)
 MAX_HOMES, MAX_EXPERTS = 8, 256
@@ -35,7 +35,7 @@ MAX_ONEHOT = 16384
 
 
 def unfused_options(interpret: bool, num_warps: int) -> dict:
-    """Launch options of the replica rule's kernels (here and `replica_pairs_kernel`): no fused multiply-adds, so a
+    """Launch options of the replica rule's kernels (here and `replicas.pairs_kernel`): no fused multiply-adds, so a
     product is rounded before the sum that uses it, as in PyTorch (none under the interpreter, which compiles
     nothing)."""
     return {} if interpret else {"enable_fp_fusion": False, "num_warps": num_warps}
@@ -150,7 +150,7 @@ def _kernel(interpret: bool):
 def fused_expert_routes(
     all_GEM1: torch.Tensor, home_table_EM: torch.Tensor, num_devices: int, rank: int, pin_slack: float, pinned: bool
 ) -> tuple[torch.Tensor, ...]:
-    """`replica_routing.expert_routes` in one launch: same arguments, same five tables (contiguous)."""
+    """`replicas.routing.expert_routes` in one launch: same arguments, same five tables (contiguous)."""
     return fused_routes_and_shares(all_GEM1, home_table_EM, num_devices, rank, pin_slack, pinned)[0]
 
 

@@ -29,7 +29,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
-from .cuda_graph import capture
+from ..cuda_graph import capture
 
 
 def replica_preferences(
@@ -208,7 +208,7 @@ def expert_routes(
     first visited home)'s pairs that stays there; the pairs of that group on the ranks before this one; the
     pairs of each expert that do not stay, on the ranks before and in all; and the cumulative fractions of those
     over the homes. Static shapes and no host read: `GraphedRoutes` replays it from a CUDA graph, and
-    `replica_routes_kernel` computes it in one Triton kernel (what the dispatchers launch on a GPU).
+    `replicas.routes_kernel` computes it in one Triton kernel (what the dispatchers launch on a GPU).
     """
     max_homes = home_table_EM.shape[1]
     counts_EM1, before_EM1 = all_GEM1.sum(0), all_GEM1[:rank].sum(0)
@@ -237,7 +237,7 @@ class GraphedRoutes:
     rows"). Eager where graphs do not apply: on CPU, and inside an enclosing capture (the outer graph holds
     it then). One instance per layer: the outputs are the graph's own buffers, read by the operators that follow
     in stream order before the next replay of that layer can overwrite them. The dispatchers launch the one-kernel
-    version instead (`replica_routes_kernel.FusedRoutes`, 8-12x faster on an H200) and keep this where Triton is
+    version instead (`replicas.routes_kernel.FusedRoutes`, 8-12x faster on an H200) and keep this where Triton is
     missing or the shapes exceed the kernel's.
     """
 
@@ -300,7 +300,7 @@ def load_aware_homes(
        collects every rank's counts (one all-gather of E x (M + 1) integers per rank per layer, `[G, E,
        M + 1]` in rank order; None: this process's tokens are the whole batch, as with logical devices);
     2. every rank derives the same split of each replicated expert's pairs over its homes from their sum
-       (`replica_shares`, within `routes`: `expert_routes`, or the `replica_routes_kernel.FusedRoutes` the
+       (`replica_shares`, within `routes`: `expert_routes`, or the `replicas.routes_kernel.FusedRoutes` the
        dispatchers pass, one Triton launch on a GPU);
     3. the pairs are assigned as if the group's pairs stood in one line, rank by rank (`rank`: this one's
        place; the counts of the ranks before it give its offset), so the split is met to one pair per
@@ -309,7 +309,7 @@ def load_aware_homes(
        evenly spaced); the others and the pairs that visit no home are spread over the homes in
        proportion to what each home's share leaves after its visited pairs.
 
-    Steps 1 and 3 are `pairs` (default `TORCH_PAIRS`; the dispatchers pass `replica_pairs_kernel.FUSED_PAIRS`, a
+    Steps 1 and 3 are `pairs` (default `TORCH_PAIRS`; the dispatchers pass `replicas.pairs_kernel.FUSED_PAIRS`, a
     few Triton launches on a GPU instead of ~78 torch operators).
 
     Single-home experts go home, so a layer without replicas routes as `device_of_E[topk_ids]`. With
@@ -365,7 +365,7 @@ def assign_pairs(
 class PairHalf(NamedTuple):
     """The per-pair half of the load-aware rule, as two functions around the gather and the per-expert half:
     `preferences_and_counts` (step 1) and `assign` (step 3). `TORCH_PAIRS` is the reference (and the CPU path);
-    `replica_pairs_kernel.FUSED_PAIRS` runs them as a few Triton launches on a GPU."""
+    `replicas.pairs_kernel.FUSED_PAIRS` runs them as a few Triton launches on a GPU."""
 
     preferences_and_counts: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     assign: Callable[..., torch.Tensor]

@@ -1,6 +1,6 @@
-"""The load-aware replica rule's per-pair half (`replica_routing.load_aware_homes`, steps 1 and 3) in Triton.
+"""The load-aware replica rule's per-pair half (`replicas.routing.load_aware_homes`, steps 1 and 3) in Triton.
 
-Shape legend: see `occult_hf.replica_routing` (X blocks of `BLOCK_F` flat entries, local here).
+Shape legend: see `occult_hf.replicas.routing` (X blocks of `BLOCK_F` flat entries, local here).
 
 In torch the per-pair half is ~78 small operators launched from Python (the preferences, the per-(expert, first
 visited home) counts, `_rank_in_group`'s sorts twice, gathers): 1-2 ms of host launches a layer in an eager
@@ -29,8 +29,8 @@ import torch
 
 from occult_hf.kernels.triton_support import cdiv, interpreting, next_power_of_2, triton_importable
 
-from .replica_routes_kernel import unfused_options
-from .replica_routing import PairHalf, TORCH_PAIRS
+from .routes_kernel import unfused_options
+from .routing import PairHalf, TORCH_PAIRS
 
 #: tokens one `preferences` program holds, and flat entries one block of the scan ranks ([BLOCK_F, BLOCK_F] compares)
 BLOCK_T, BLOCK_F = 64, 128
@@ -43,7 +43,7 @@ STAGE_VISITING, STAGE_REST, STAGE_PICK = 0, 1, 2
 def _kernels(interpret: bool):
     """`(preferences, line)`, made on first use (one pair per mode: `triton.jit` decides at decoration whether it is
     interpreted). Only Triton builtins (sums as `tl.reduce` with `tl.sum`'s combine function), as in
-    `replica_routes_kernel`: the interpreter cannot run Triton's jit helpers after Triton was imported without it."""
+    `replicas.routes_kernel`: the interpreter cannot run Triton's jit helpers after Triton was imported without it."""
     import triton
     import triton.language as tl
 
@@ -162,7 +162,7 @@ def fused_preferences_and_counts(
 def fused_assign(
     topk_ids_Tk: torch.Tensor, pref_Tk: torch.Tensor, home_table_EM: torch.Tensor, tables: tuple[torch.Tensor, ...]
 ) -> torch.Tensor:
-    """`[T, k]` int64 serving device of each pair from the per-expert half's `tables` (`replica_routing.assign_pairs`):
+    """`[T, k]` int64 serving device of each pair from the per-expert half's `tables` (`replicas.routing.assign_pairs`):
     three launches of the blocked scan, two cumsums over the blocks and two memsets."""
     ids_F, pref_F = topk_ids_Tk.reshape(-1).contiguous(), pref_Tk.reshape(-1).contiguous()
     table_EM = home_table_EM.long().contiguous()
