@@ -224,6 +224,13 @@ def test_a_bad_occult_config_fails_before_the_checkpoint_is_read(tmp_path):
     for occult_config, message in bad:
         with pytest.raises(ValueError, match=re.escape(message)):
             transformers.AutoModelForCausalLM.from_pretrained(checkpoint, occult_config=occult_config)
+    llama = tmp_path / "llama"  # a model without routed experts: known from its config alone
+    transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    ).save_pretrained(llama)
+    (llama / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00not a header")
+    with pytest.raises(ValueError, match=re.escape("occult_hf does not support model_type 'llama'; supported model types:")):
+        transformers.AutoModelForCausalLM.from_pretrained(llama, occult_config={"num_devices": 2})
 
 
 def test_clear_errors(tmp_path):

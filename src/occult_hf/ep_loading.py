@@ -80,12 +80,16 @@ last_report = LoadReport()
 def load_scope(occult_config, kwargs: dict):
     """The context `from_pretrained` runs in: per-rank expert loading when it applies, else nothing.
 
-    A given `occult_config` is validated first, so a bad one fails before the checkpoint is read (a
-    real checkpoint takes minutes to read; the config is checked again when it is applied)."""
+    A given `occult_config` is validated first, and so is the model type when the config is given (as the
+    Auto classes give it), so a bad one fails before the checkpoint is read (a real checkpoint takes
+    minutes to read; both are checked again when the config is applied)."""
     global last_report
     last_report = LoadReport()
     if occult_config is not UNSET and occult_config is not None:
         occult_config = OccultConfig.coerce(occult_config)
+        config = kwargs.get("config")  # the Auto classes pass the config they read; a model type without a family
+        if config is not None and not isinstance(config, str):  # (no routed experts) is known before the weights
+            adapter_for(config)
     if kwargs.get("distributed_config") is not None:  # transformers' EP reads each rank's share itself
         last_report.fallback_reason = "transformers' EP (distributed_config=) loads the experts"
         return contextlib.nullcontext()
