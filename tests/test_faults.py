@@ -3,8 +3,9 @@
 One 2-rank gloo world (every wait on a peer bounded by a 3 s `OCCULT_SAVE_TIMEOUT_S` and
 `OCCULT_EXCHANGE_TIMEOUT_S`, the world by `run_world`'s timeout) and an in-process save test:
 
-- a placement, dispatch mode, pruning setting or dtype that differs between the ranks: a clear
-  error on both ranks at `apply_occult` naming the field (and the layers whose placement differs);
+- a placement, dispatch mode, pruning setting, dtype or model config that differs between the ranks: a
+  clear error on both ranks at `apply_occult` naming the field (the layers whose placement differs, the
+  model-config keys that differ);
 - a peer that raises and stays alive while the other saves, and a peer that stops after the
   configuration check of a save and goes on to a barrier: an error naming the operation and the
   layer within the timeout, not after the process group's 30 minutes; the same two faults while the
@@ -67,6 +68,13 @@ def _mismatch_cases(rank):
                      "max_devices_per_token (rank 0 None, rank 1 1)", "prune (rank 0 None, rank 1 'router')")
     _expect_mismatch(rank, lambda r: OccultConfig(), lambda r: olmoe(r).to((torch.float32, torch.float64)[r]),
                      "dtype (rank 0 'torch.float32', rank 1 'torch.float64')")
+    # model configs that differ: another intermediate size or norm_topk_prob gave silently different logits,
+    # another k a timeout in the first forward, another hidden size an abort inside gloo
+    other = lambda **kw: lambda r: tiny_model("olmoe", seed=1, **(kw if r == 1 else {}))  # noqa: E731
+    _expect_mismatch(rank, lambda r: OccultConfig(), other(intermediate_size=48, norm_topk_prob=True),
+                     "the model config (intermediate_size: rank 0 64, rank 1 48; norm_topk_prob: rank 0 False, rank 1 True)")
+    _expect_mismatch(rank, lambda r: OccultConfig(), other(top_k=3), "num_experts_per_tok: rank 0 2, rank 1 3")
+    _expect_mismatch(rank, lambda r: OccultConfig(), other(hidden_size=48), "hidden_size: rank 0 32, rank 1 48")
 
 
 def _stalled_peer_cases(rank, directory):

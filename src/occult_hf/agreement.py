@@ -5,7 +5,8 @@ on their own: they exchange rows that the receiver reads with another plan and r
 logits, a save gathers experts to the wrong slots, and mismatched split sizes can abort inside the
 backend. So at `apply_occult` and again before every collective save/gather, each rank hashes its
 *effective* setup (every `OccultConfig` field with the placement resolved, the routing profile's
-content instead of its path, the experts' dtype and device type, the MoE layer paths) field by
+content instead of its path, the experts' dtype and device type, the MoE layer paths and, at
+`apply_occult`, the model's config) field by
 field, and the group all-gathers one fixed-size vector of digests. Equal everywhere: done (one
 small collective). Otherwise every rank gathers a short summary of each field and raises
 `EPConfigMismatchError` naming the fields that differ and each rank's value.
@@ -38,6 +39,15 @@ SAVE_TIMEOUT_ENV = "OCCULT_SAVE_TIMEOUT_S"
 DEFAULT_SAVE_TIMEOUT_S = 300.0
 #: fields in the digest vector (fixed, so that ranks of different versions still compare sizes equal)
 MAX_FIELDS = 48
+#: model-config keys that may differ between ranks: paths, the running library, per-call output switches, and
+#: what `save_pretrained` sets on the writing rank only (`architectures`, `dtype`); the dtype that runs is
+#: compared from the experts' weights. Every other key (sizes, k, routing rules) shapes what the ranks compute
+#: together: a rank with another `hidden_size` aborts the exchange, another `intermediate_size` or `norm_topk_prob`
+#: gives silently different logits
+RANK_LOCAL_CONFIG_KEYS = frozenset({
+    "architectures", "dtype", "torch_dtype", "transformers_version", "occult_config", "use_cache",
+    "output_attentions", "output_hidden_states", "output_router_logits", "return_dict",
+})
 
 
 class EPConfigMismatchError(RuntimeError):
@@ -92,12 +102,16 @@ def bounded(operation: str, layer: int | None, timeout_s: float, start: Callable
 # ----- agreement ---------------------------------------------------------------------------------
 
 
-def effective_setup(occult_config, block_paths: list[str], expert_weight: torch.Tensor | None) -> dict[str, Any]:
+def effective_setup(
+    occult_config, block_paths: list[str], expert_weight: torch.Tensor | None, model_config=None
+) -> dict[str, Any]:
     """The JSON-able facts every EP rank must share, one entry per field compared.
 
     Every `OccultConfig` field is included as it is (new fields are compared without a change here),
     except the placement (its maps, without the free-form `meta`) and the profile (its content's
-    digest: ranks may mount it at different paths).
+    digest: ranks may mount it at different paths). `model_config` (a `PretrainedConfig`, given at
+    `apply_occult` only: a save changes the writing rank's copy) is compared as one field, without the
+    `_`-private and `RANK_LOCAL_CONFIG_KEYS` keys.
     """
     setup: dict[str, Any] = {}
     for f in fields(occult_config):
@@ -111,6 +125,10 @@ def effective_setup(occult_config, block_paths: list[str], expert_weight: torch.
     if expert_weight is not None:
         setup["dtype"] = str(expert_weight.dtype)
         setup["device_type"] = expert_weight.device.type
+    if model_config is not None:
+        setup["model_config"] = {
+            k: v for k, v in model_config.to_dict().items() if not k.startswith("_") and k not in RANK_LOCAL_CONFIG_KEYS
+        }
     return setup
 
 
@@ -130,7 +148,7 @@ def check_agreement(setup: dict[str, Any], group, operation: str, timeout_s: flo
     if bool((rows_DF == rows_DF[0]).all()):
         return
     summaries: list[Any] = [None] * world  # every rank saw the same table: all of them are here
-    dist.all_gather_object(summaries, {name: _summary(setup[name]) for name in names}, group=group)
+    dist.all_gather_object(summaries, {name: _summary(setup[name], name) for name in names}, group=group)
     raise EPConfigMismatchError(_mismatch_message(summaries, operation))
 
 
@@ -144,11 +162,14 @@ def _mismatch_message(summaries: list[dict[str, Any]], operation: str) -> str:
         if name == "placement" and all(isinstance(v, dict) for v in values):
             parts.append(f"placement ({_placement_difference(values)})")
             continue
+        if name == "model_config" and all(isinstance(v, dict) for v in values):
+            parts.append(f"the model config ({_config_difference(values)})")
+            continue
         shown = ", ".join(f"rank {r} {v!r}" if not isinstance(v, dict) else f"rank {r} {v}" for r, v in enumerate(values))
         parts.append(f"{name} ({shown})")
     return (
         f"occult_hf: the expert-parallel ranks disagree at {operation} on {'; '.join(parts)}. Every rank of the EP "
-        f"group must use the same OccultConfig, placement file, routing profile and model dtype; "
+        f"group must use the same OccultConfig, placement file, routing profile, model config and dtype; "
         f"rank {_rank()} stops here instead of computing a wrong model"
     )
 
@@ -168,8 +189,17 @@ def _placement_difference(values: list[dict[str, Any]]) -> str:
     return "; ".join(notes)
 
 
-def _summary(value: Any) -> Any:
-    """What the error shows of a field: short values as they are, a placement per layer, else a digest."""
+_ABSENT = "<absent>"
+
+
+def _config_difference(values: list[dict[str, Any]]) -> str:
+    keys = sorted({k for v in values for k in v if any(w.get(k, _ABSENT) != values[0].get(k, _ABSENT) for w in values)})
+    return "; ".join(f"{k}: " + ", ".join(f"rank {r} {v.get(k, _ABSENT)!r}" for r, v in enumerate(values)) for k in keys)
+
+
+def _summary(value: Any, name: str = "") -> Any:
+    """What the error shows of a field: short values as they are, a placement per layer, the model config's
+    keys with their short values (else digests), else a digest."""
     if isinstance(value, dict) and "layers" in value:  # the placement
         return {
             "num_experts": value.get("num_experts"),
@@ -177,6 +207,8 @@ def _summary(value: Any) -> Any:
             "layers": {str(l): f"{_digest(d):016x}" for l, d in value["layers"].items()},
             "rest": f"{_digest({k: v for k, v in value.items() if k != 'layers'}):016x}",
         }
+    if name == "model_config":
+        return {k: _summary(v) for k, v in value.items()}
     text = _canonical(value)
     return value if len(text) <= 80 else f"<sha256 {hashlib.sha256(text.encode()).hexdigest()[:12]}>"
 

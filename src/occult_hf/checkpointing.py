@@ -51,11 +51,12 @@ def new_save_group(ep: ExpertParallelGroup):
     return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
 
 
-def check_ranks_agree(state: OccultState, expert_weight: torch.Tensor, operation: str) -> None:
-    """Collective (EP only): every rank holds the same effective EP setup, else an error on every rank."""
+def check_ranks_agree(state: OccultState, expert_weight: torch.Tensor, operation: str, model_config=None) -> None:
+    """Collective (EP only): every rank holds the same effective EP setup (and `model_config`, when given),
+    else an error on every rank."""
     if not state.ep.is_distributed:
         return
-    setup = effective_setup(state.occult_config, state.block_paths, expert_weight)
+    setup = effective_setup(state.occult_config, state.block_paths, expert_weight, model_config)
     check_agreement(setup, state.save_group, operation, state.save_timeout_s)
 
 

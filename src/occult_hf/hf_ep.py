@@ -342,7 +342,7 @@ def apply_occult_ep(model: nn.Module, occult_config: OccultConfig | dict | str |
     config = replace(config, placement=placement, num_devices=ep.num_devices)
     # before anything changes: ranks that disagree would exchange rows for different placements
     group = state.agreement_group if state is not None else dist.new_group(backend="gloo", use_local_synchronization=True)
-    setup = effective_setup(config, [path for _, path, _, _ in blocks], _local(first.experts.gate_up_proj))
+    setup = effective_setup(config, [path for _, path, _, _ in blocks], _local(first.experts.gate_up_proj), model.config)
     check_agreement(setup, group, "apply_occult_ep", save_timeout_s())
     adapter = adapter_for(model)
     orders = {layer: [e for d in range(ep.num_devices) for e in placement.experts_on(layer, d)] for layer in layers}

@@ -117,7 +117,7 @@ def apply_occult(model: nn.Module, occult_config: OccultConfig | dict | str | No
         state.save_group = new_save_group(ep)
         # the dispatchers' host-to-host agreements (in program order on every rank, like the saves' gathers)
         ep = state.ep = replace(ep, host_group=state.save_group)
-        check_ranks_agree(state, _first_expert_weight(blocks[0][2]), "apply_occult")
+        check_ranks_agree(state, _first_expert_weight(blocks[0][2]), "apply_occult", model.config)
     if config.prune in NEEDS_SIMILARITY:  # the profile must describe exactly this model's MoE layers
         load_pruning_profile(config.profile).check_compatible(model)
     top_k = adapter.top_k(model.config)
