@@ -37,6 +37,7 @@ def add_option_argument(parser: argparse.ArgumentParser) -> None:
         "--option",
         action="append",
         default=[],
+        type=planner_option,
         metavar="NAME=VALUE",
         help="planner option, repeatable (e.g. max_load_ratio=1.05, seed=1 for refined); values are JSON "
         "(numbers, true/false, null) or plain strings",
@@ -54,18 +55,16 @@ def add_cross_validate_argument(parser: argparse.ArgumentParser, default: int) -
     )
 
 
-def parse_options(pairs: list[str]) -> dict:
-    """`["max_load_ratio=1.05", "objective=ct"]` -> `{"max_load_ratio": 1.05, "objective": "ct"}`."""
-    options = {}
-    for pair in pairs:
-        name, sep, text = pair.partition("=")
-        if not sep or not name:
-            raise SystemExit(f"occult: --option expects NAME=VALUE, got {pair!r}")
-        try:
-            options[name] = json.loads(text)
-        except json.JSONDecodeError:
-            options[name] = text
-    return options
+def planner_option(pair: str) -> tuple[str, object]:
+    """argparse type of `--option`: `"max_load_ratio=1.05"` -> `("max_load_ratio", 1.05)` (JSON, else the text).
+    Checked at parse time, so a malformed pair is reported as the subcommand's usage error."""
+    name, sep, text = pair.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {pair!r}")
+    try:
+        return name, json.loads(text)
+    except json.JSONDecodeError:
+        return name, text
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     profiles = {path: RoutingProfile.load(path) for path in args.profile}
     source = next(iter(profiles.values())) if len(profiles) == 1 else profiles
     placement = plan_placement(
-        source, args.num_devices, args.method, cross_validate=args.cross_validate, **parse_options(args.option)
+        source, args.num_devices, args.method, cross_validate=args.cross_validate, **dict(args.option)
     )
     placement.meta["profile"] = args.profile[0] if len(args.profile) == 1 else list(args.profile)
     placement.save(args.out)

@@ -7,7 +7,7 @@ import dataclasses
 import os
 
 from ..placement import available_planners
-from .place import add_cross_validate_argument, add_option_argument, parse_options
+from .place import add_cross_validate_argument, add_option_argument
 from .devices import add_num_devices_argument
 
 
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     placements = load_placements(args.placements)
     if args.num_devices is not None:
         planned = plan_methods(
-            profile, args.num_devices, args.methods.split(","), parse_options(args.option), args.cross_validate
+            profile, args.num_devices, args.methods.split(","), dict(args.option), args.cross_validate
         )
         for name, placement in planned.items():
             placements[_unique(name, placements)] = placement
