@@ -797,8 +797,15 @@ def test_bench_replicas_times_every_column_and_checks_the_routing_on_cpu(tmp_pat
     assert len(rows) == 2 and set(rows[0]["ms"]) == set(COLUMNS)
     assert all(row["ms"]["rule graphed"] is None and row["ms"]["rule eager"] > 0 for row in rows)
     assert "| OLMoE (64, 8) | 4 | 32 |" in (tmp_path / "bench_replicas_cpu.md").read_text()
-    with pytest.raises(ValueError, match="occult bench replicas --tokens must be >= 1, got 0"):
-        run(argparse.Namespace(**{**vars(args), "tokens": [0]}))
+
+
+def test_bench_replicas_rejects_a_count_below_one_at_parse_time(capsys):
+    from occult_hf.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "replicas", "--device", "cpu", "--tokens", "0"])
+    assert exit_info.value.code == 2
+    assert "occult bench replicas: error: argument --tokens: expected an integer >= 1, got 0" in capsys.readouterr().err
 
 
 def test_dispatcher_routes_with_its_layers_pin_slack():

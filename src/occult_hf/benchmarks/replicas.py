@@ -148,17 +148,16 @@ def table(rows: list[dict]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--devices", nargs="+", type=int, default=[8, 2], help="logical devices D (the group's ranks)")
-    parser.add_argument("--tokens", nargs="+", type=int, default=[16384, 128], help="tokens per rank")
-    parser.add_argument("--iterations", type=int, default=30, help="timed calls per cell (the median is shown)")
+    from occult_hf.cli import positive_int
+
+    parser.add_argument("--devices", nargs="+", type=positive_int, default=[8, 2], help="logical devices D (the group's ranks)")
+    parser.add_argument("--tokens", nargs="+", type=positive_int, default=[16384, 128], help="tokens per rank")
+    parser.add_argument("--iterations", type=positive_int, default=30, help="timed calls per cell (the median is shown)")
     parser.add_argument("--device", default="cuda", help="torch device (cpu: eager columns only, to check the script)")
     parser.add_argument("--out", default="docs", help="folder for bench_replicas_<device>.md / .json")
 
 
 def run(args: argparse.Namespace) -> int:
-    for name, value in (("--iterations", args.iterations), *((("--tokens", t) for t in args.tokens)), *((("--devices", d) for d in args.devices))):
-        if value < 1:
-            raise ValueError(f"occult bench replicas {name} must be >= 1, got {value}")
     device = torch.device(args.device)
     rows = []
     for name, experts, top_k in SHAPES:
