@@ -11,6 +11,7 @@ import gzip
 import json
 import math
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +63,15 @@ def trained(prepared, tmp_path_factory) -> tuple[Path, dict]:
 
 def test_documents_split_on_the_record_separator_line():
     assert split_documents(f"a\nb\n{SEPARATOR}\nc\n{SEPARATOR}\n\n{SEPARATOR}\nd x\n") == ["a\nb", "c", "d x"]
+
+
+@pytest.mark.parametrize("make_dir, message", [(False, "does not exist"), (True, "holds none of")])
+def test_prepare_data_says_whether_the_corpus_directory_is_missing_or_empty(tmp_path, make_dir, message):
+    corpus = tmp_path / "corpus"
+    if make_dir:
+        corpus.mkdir()
+    with pytest.raises(FileNotFoundError, match=re.escape(f"corpus directory '{corpus}' {message}")):
+        prepare_data(corpus, tmp_path / "data", vocab_size=64, heldout_fraction=0.25)
 
 
 def test_prepared_data_holds_out_the_last_documents_of_every_domain(prepared):

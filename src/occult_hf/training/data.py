@@ -156,6 +156,8 @@ def prepare_data(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if not Path(corpus_dir).is_dir():
+        raise FileNotFoundError(f"corpus directory {os.fspath(corpus_dir)!r} does not exist")
     if domains is None:
         domains = tuple(d for d in DOMAINS if any((Path(corpus_dir) / f"{d}{s}").is_file() for s in (".txt.gz", ".txt")))
         if not domains:
