@@ -5,7 +5,8 @@ One 2-rank gloo world (every wait on a peer bounded by a 3 s `OCCULT_SAVE_TIMEOU
 
 - a placement, dispatch mode, pruning setting, dtype or model config that differs between the ranks: a
   clear error on both ranks at `apply_occult` naming the field (the layers whose placement differs, the
-  model-config keys that differ);
+  model-config keys that differ); a rank that fails its own checks there: its error, and on the other
+  rank an error naming it, at once;
 - a peer that raises and stays alive while the other saves, and a peer that stops after the
   configuration check of a save and goes on to a barrier: an error naming the operation and the
   layer within the timeout, not after the process group's 30 minutes; the same two faults while the
@@ -75,6 +76,21 @@ def _mismatch_cases(rank):
                      "the model config (intermediate_size: rank 0 64, rank 1 48; norm_topk_prob: rank 0 False, rank 1 True)")
     _expect_mismatch(rank, lambda r: OccultConfig(), other(top_k=3), "num_experts_per_tok: rank 0 2, rank 1 3")
     _expect_mismatch(rank, lambda r: OccultConfig(), other(hidden_size=48), "hidden_size: rank 0 32, rank 1 48")
+
+    # one rank fails its own checks (a placement for 4 devices, a misspelt config key): it raises its error, and
+    # the other, instead of waiting for it at the agreement for the process group's timeout (30 min), names it
+    from occult_hf.agreement import EPConfigMismatchError
+    from occult_hf.integration import apply_occult
+
+    for bad_config, error in (
+        (OccultConfig(placement=Placement.contiguous(8, 4, [0, 1])), "placement is for num_devices=4 but the expert-parallel group has 2"),
+        ({"dispatch_mode": "dedup"}, "OccultConfig got unknown keys ['dispatch_mode']"),
+    ):
+        start = time.monotonic()
+        expected = (EPConfigMismatchError, "rank 1 of the expert-parallel group failed at apply_occult") if rank == 0 else (ValueError, "")
+        with pytest.raises(expected[0], match=expected[1]) as raised:
+            apply_occult(olmoe(rank), (OccultConfig(), bad_config)[rank])
+        assert error in str(raised.value) and time.monotonic() - start < 30, (rank, str(raised.value))
 
 
 def _stalled_peer_cases(rank, directory):

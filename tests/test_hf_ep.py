@@ -115,6 +115,11 @@ def _ep_world(rank, world_size, checkpoints, out_dir, profile):
                 with torch.no_grad():
                     found[f"pruned_logits_{mode}"] = model(ids).logits.numpy().copy()
                 found[f"pruned_rows_{mode}"] = {layer: impl.rows_sent.tolist() for layer, impl in occult_ep_layers(model).items()}
+            # one rank fails its own checks: it raises its error, the other names it instead of waiting for it
+            try:
+                apply_occult_ep(model, OccultConfig(num_devices=(None, 4)[rank]))
+            except Exception as error:  # noqa: BLE001 - what each rank sees is the point
+                found["one_rank_fails"] = f"{type(error).__name__}: {error}"
             apply_occult_ep(model, OccultConfig(placement=shuffled_placement(family)))
             found["resume"] = _resume(model, rank, os.path.join(out_dir, "resume"))
         results[family] = found
@@ -253,6 +258,11 @@ def test_occult_ep_equals_the_single_process_model(tmp_path):
                     assert rel_err(found[f"pruned_logits_{mode}"], expected) <= TOLERANCE, mode
                     tokens = rank_batch(rank).numel()  # N_d = 1: one row per token
                     assert all(sum(rows) == tokens for rows in found[f"pruned_rows_{mode}"].values()), mode
+            failed = "OccultConfig.num_devices (4) must equal DistributedConfig.ep_size (2)"
+            assert results[0][family]["one_rank_fails"].startswith(
+                f"EPConfigMismatchError: occult_hf: rank 1 of the expert-parallel group failed at apply_occult_ep "
+                f"(ValueError: {failed})"), results[0][family]
+            assert results[1][family]["one_rank_fails"] == f"ValueError: {failed}", results[1][family]
             for rank, found in enumerate(r[family]["resume"] for r in results):
                 assert abs(found["resumed_loss"] - found["loss"]) <= TOLERANCE * abs(found["loss"]), (rank, found)
                 assert rel_err(found["resumed_logits"], found["logits"]) <= TOLERANCE, rank

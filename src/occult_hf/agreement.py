@@ -29,7 +29,7 @@ import json
 import os
 from dataclasses import fields
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,8 @@ SAVE_TIMEOUT_ENV = "OCCULT_SAVE_TIMEOUT_S"
 DEFAULT_SAVE_TIMEOUT_S = 300.0
 #: fields in the digest vector (fixed, so that ranks of different versions still compare sizes equal)
 MAX_FIELDS = 48
+#: the setup entry that carries a rank's own failure (`fail_together`), None on a rank that has a setup
+FAILED = "failed_before_check"
 #: model-config keys that may differ between ranks: paths, the running library, per-call output switches, and
 #: what `save_pretrained` sets on the writing rank only (`architectures`, `dtype`); the dtype that runs is
 #: compared from the experts' weights. Every other key (sizes, k, routing rules) shapes what the ranks compute
@@ -132,8 +134,15 @@ def effective_setup(
     return setup
 
 
-def check_agreement(setup: dict[str, Any], group, operation: str, timeout_s: float) -> None:
-    """Collective: raise `EPConfigMismatchError` on every rank of `group` unless all hold the same `setup`."""
+def check_agreement(
+    setup: dict[str, Any], group, operation: str, timeout_s: float, failed: Exception | None = None
+) -> None:
+    """Collective: raise `EPConfigMismatchError` on every rank of `group` unless all hold the same `setup`.
+
+    `failed`: this rank's own checks raised it before it had a setup (use `fail_together`); every other
+    rank then raises an error naming this rank and its error.
+    """
+    setup = {**setup, FAILED: None if failed is None else f"{type(failed).__name__}: {failed}"}
     names = sorted(setup)
     if len(names) + 1 > MAX_FIELDS:
         raise ValueError(f"check_agreement compares at most {MAX_FIELDS - 1} fields, got {len(names)}")
@@ -149,10 +158,27 @@ def check_agreement(setup: dict[str, Any], group, operation: str, timeout_s: flo
         return
     summaries: list[Any] = [None] * world  # every rank saw the same table: all of them are here
     dist.all_gather_object(summaries, {name: _summary(setup[name], name) for name in names}, group=group)
+    if failed is not None:
+        raise failed
     raise EPConfigMismatchError(_mismatch_message(summaries, operation))
 
 
+def fail_together(error: Exception, group, operation: str, timeout_s: float) -> NoReturn:
+    """Collective: this rank's own checks at `operation` raised `error`; raise it here after telling the ranks of
+    `group`, which reach `check_agreement` with their setups and raise an error naming this rank, instead of
+    waiting for it until the process group's timeout (30 min by default). If every rank failed alike, each raises
+    its own error."""
+    check_agreement({}, group, operation, timeout_s, failed=error)
+    raise error
+
+
 def _mismatch_message(summaries: list[dict[str, Any]], operation: str) -> str:
+    failed = [(r, s[FAILED]) for r, s in enumerate(summaries) if s.get(FAILED)]
+    if failed:
+        return (
+            "; ".join(f"occult_hf: rank {r} of the expert-parallel group failed at {operation} ({text})" for r, text in failed)
+            + f"; rank {_rank()} stops here instead of waiting for it"
+        )
     names = sorted(set().union(*summaries))
     parts = []
     for name in names:
@@ -207,6 +233,8 @@ def _summary(value: Any, name: str = "") -> Any:
             "layers": {str(l): f"{_digest(d):016x}" for l, d in value["layers"].items()},
             "rest": f"{_digest({k: v for k, v in value.items() if k != 'layers'}):016x}",
         }
+    if name == FAILED and value is not None:
+        return value[:2000]
     if name == "model_config":
         return {k: _summary(v) for k, v in value.items()}
     text = _canonical(value)
@@ -243,4 +271,5 @@ __all__ = [
     "bounded",
     "effective_setup",
     "check_agreement",
+    "fail_together",
 ]

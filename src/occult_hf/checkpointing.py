@@ -34,20 +34,20 @@ from torch import nn
 from ._state import OccultState, state_of
 from .agreement import check_agreement, effective_setup
 from .collectives import gather_rows
-from .dispatch import ExpertParallelGroup
 from .moe import OccultMoE
 from .placement import PLACEMENT_FILENAME
 
 # ----- the EP ranks agree, and the group for gathers ------------------------------------------------
 
 
-def new_save_group(ep: ExpertParallelGroup):
-    """A gloo group of the EP ranks for the agreement check and the expert gathers (CPU tensors).
+def new_save_group(ep_group):
+    """A gloo group of the ranks of the process group `ep_group`, for the agreement check and the expert gathers
+    (CPU tensors).
 
     Its own timeout is the process group's: ranks may reach `apply_occult` minutes apart (loading
     weights); each wait on it is bounded by `OCCULT_SAVE_TIMEOUT_S` instead (`agreement.bounded`).
     """
-    ranks = dist.get_process_group_ranks(ep.group)
+    ranks = dist.get_process_group_ranks(ep_group)
     return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
 
 

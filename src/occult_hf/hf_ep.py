@@ -48,7 +48,7 @@ from torch import nn
 from occult_hf.patches import adapter_for
 
 from ._state import attach_state
-from .agreement import check_agreement, effective_setup, save_timeout_s
+from .agreement import check_agreement, effective_setup, fail_together, save_timeout_s
 from .config import OccultConfig
 from .dispatch import ExpertParallelGroup, TokenDispatcher, TokenRouting, build_dispatcher
 from .experts import local_experts
@@ -316,6 +316,27 @@ def _ep_blocks(model: nn.Module) -> list[tuple[int, str, nn.Module, OccultEP]]:
     return blocks
 
 
+def _resolve_ep_setup(model: nn.Module, occult_config):
+    """This rank's own checks of `apply_occult_ep`: `(config resolved, blocks, placement)`."""
+    config = OccultConfig.coerce(OccultConfig() if occult_config is None else occult_config)
+    blocks = _ep_blocks(model)
+    first = blocks[0][3]
+    ep, num_experts, per_rank = first.ep, first.num_experts, first.num_local_experts
+    if config.num_devices not in (None, ep.num_devices):
+        raise ValueError(
+            f"OccultConfig.num_devices ({config.num_devices}) must equal DistributedConfig.ep_size ({ep.num_devices})"
+        )
+    layers = [layer for layer, _, _, _ in blocks]
+    placement = _resolve_placement(config.placement, num_experts, ep.num_devices, layers)
+    _check_equal_capacities(placement, layers, per_rank)
+    return replace(config, placement=placement, num_devices=ep.num_devices), blocks, placement
+
+
+def _agreement_group(state):
+    """A gloo group of the whole world for the configuration check: the one made at the first `apply_occult_ep`."""
+    return state.agreement_group if state is not None else dist.new_group(backend="gloo", use_local_synchronization=True)
+
+
 def apply_occult_ep(model: nn.Module, occult_config: OccultConfig | dict | str | None = None) -> nn.Module:
     """Configure a model loaded with `DistributedConfig(ep_implementation="occult")`: placement, pruning,
     dispatch settings; return `model`. Collective: every rank of the world calls it with the same config
@@ -327,21 +348,18 @@ def apply_occult_ep(model: nn.Module, occult_config: OccultConfig | dict | str |
     all-to-all per expert tensor and layer); calling it again with another placement moves them again.
     `save_pretrained` writes them in original order.
     """
-    config = OccultConfig.coerce(OccultConfig() if occult_config is None else occult_config)
-    blocks = _ep_blocks(model)
     state = getattr(model, _STATE_ATTR, None)
+    try:
+        config, blocks, placement = _resolve_ep_setup(model, occult_config)
+    except Exception as error:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            raise
+        # the other ranks are on their way to the agreement check: meet them there with the error (apply_occult)
+        fail_together(error, _agreement_group(state), "apply_occult_ep", save_timeout_s())
     first = blocks[0][3]
-    ep, num_experts, per_rank = first.ep, first.num_experts, first.num_local_experts
-    if config.num_devices not in (None, ep.num_devices):
-        raise ValueError(
-            f"OccultConfig.num_devices ({config.num_devices}) must equal DistributedConfig.ep_size ({ep.num_devices})"
-        )
-    layers = [layer for layer, _, _, _ in blocks]
-    placement = _resolve_placement(config.placement, num_experts, ep.num_devices, layers)
-    _check_equal_capacities(placement, layers, per_rank)
-    config = replace(config, placement=placement, num_devices=ep.num_devices)
+    ep, layers = first.ep, [layer for layer, _, _, _ in blocks]
     # before anything changes: ranks that disagree would exchange rows for different placements
-    group = state.agreement_group if state is not None else dist.new_group(backend="gloo", use_local_synchronization=True)
+    group = _agreement_group(state)
     setup = effective_setup(config, [path for _, path, _, _ in blocks], _local(first.experts.gate_up_proj), model.config)
     check_agreement(setup, group, "apply_occult_ep", save_timeout_s())
     adapter = adapter_for(model)

@@ -32,6 +32,7 @@ import types
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from occult_hf.patches import adapter_for
@@ -43,7 +44,7 @@ from ._transformers_compat import (
     loading_hooks_installed,
     uninstall_loading_hooks,
 )
-from .agreement import SAVE_TIMEOUT_ENV, save_timeout_s
+from .agreement import SAVE_TIMEOUT_ENV, fail_together, save_timeout_s
 from .callback import OccultCheckpointCallback
 from .checkpointing import (
     check_model_ranks_agree,
@@ -86,35 +87,24 @@ def apply_occult(model: nn.Module, occult_config: OccultConfig | dict | str | No
 
     Under EP every rank must call this (it creates a process group for saving) with the same config.
     """
-    config = OccultConfig.coerce(OccultConfig() if occult_config is None else occult_config)
     if group is None:
         check_process_group_started()  # torchrun/accelerate started several processes: each must be a rank
     if getattr(model, STATE_ATTR, None) is not None:
         raise ValueError(f"{type(model).__name__} already has occult_hf applied; call unapply_occult(model) first")
-    adapter = adapter_for(model)
-    blocks = list(adapter.iter_moe_blocks(model))
-    if not blocks:
-        raise ValueError(
-            f"found no MoE block ({', '.join(adapter.block_class_names)}) in {type(model).__name__}; "
-            f"is it already replaced or a model without routed experts?"
-        )
-    num_experts = adapter.num_experts(model.config)
-    layers = [layer for layer, _, _ in blocks]
-    placement = Placement.from_setting(config.placement)
-    ep = ExpertParallelGroup.resolve(group, config.num_devices)
-    if not ep.is_distributed and config.num_devices is None and placement is not None:
-        ep = ExpertParallelGroup(num_devices=placement.num_devices)  # one process: the placement's logical devices
-    if not ep.is_distributed:  # a launcher that ran fewer processes than devices: an error unless asked for
-        check_logical_devices(ep.num_devices, config.logical_devices)
-    if placement is None:
-        placement = Placement.contiguous(num_experts, ep.num_devices, layers)
-    placement.validate_for(num_experts, layers, ep.num_devices)
-    config = replace(config, placement=placement, num_devices=ep.num_devices)
+    try:
+        config, adapter, blocks, placement, ep = _resolve_setup(model, occult_config, group)
+    except Exception as error:
+        ep_group = ExpertParallelGroup.process_group(group)
+        if ep_group is None or dist.get_world_size(ep_group) == 1:
+            raise
+        # the other ranks are on their way to the agreement check: meet them there with the error, so that
+        # they raise at once instead of waiting for this rank until the process group's timeout
+        fail_together(error, new_save_group(ep_group), "apply_occult", save_timeout_s())
 
     state = OccultState(occult_config=config, ep=ep, block_paths=[path for _, path, _ in blocks])
     if ep.is_distributed:  # before anything changes: a disagreeing group leaves every model as it was
         state.save_timeout_s = save_timeout_s()
-        state.save_group = new_save_group(ep)
+        state.save_group = new_save_group(ep.group)
         # the dispatchers' host-to-host agreements (in program order on every rank, like the saves' gathers)
         ep = state.ep = replace(ep, host_group=state.save_group)
         check_ranks_agree(state, _first_expert_weight(blocks[0][2]), "apply_occult", model.config)
@@ -137,6 +127,31 @@ def apply_occult(model: nn.Module, occult_config: OccultConfig | dict | str | No
     state.instance_methods["save_pretrained"] = types.MethodType(save_pretrained, model)
     attach_state(model, STATE_ATTR, state, config)
     return model
+
+
+def _resolve_setup(model: nn.Module, occult_config, group):
+    """This rank's own checks of `apply_occult`: `(config resolved, adapter, blocks, placement, ep)`."""
+    config = OccultConfig.coerce(OccultConfig() if occult_config is None else occult_config)
+    adapter = adapter_for(model)
+    blocks = list(adapter.iter_moe_blocks(model))
+    if not blocks:
+        raise ValueError(
+            f"found no MoE block ({', '.join(adapter.block_class_names)}) in {type(model).__name__}; "
+            f"is it already replaced or a model without routed experts?"
+        )
+    num_experts = adapter.num_experts(model.config)
+    layers = [layer for layer, _, _ in blocks]
+    placement = Placement.from_setting(config.placement)
+    ep = ExpertParallelGroup.resolve(group, config.num_devices)
+    if not ep.is_distributed and config.num_devices is None and placement is not None:
+        ep = ExpertParallelGroup(num_devices=placement.num_devices)  # one process: the placement's logical devices
+    if not ep.is_distributed:  # a launcher that ran fewer processes than devices: an error unless asked for
+        check_logical_devices(ep.num_devices, config.logical_devices)
+    if placement is None:
+        placement = Placement.contiguous(num_experts, ep.num_devices, layers)
+    placement.validate_for(num_experts, layers, ep.num_devices)
+    config = replace(config, placement=placement, num_devices=ep.num_devices)
+    return config, adapter, blocks, placement, ep
 
 
 def unapply_occult(model: nn.Module) -> nn.Module:

@@ -31,6 +31,13 @@ class ExpertParallelGroup:
     def is_distributed(self) -> bool:
         return self.group is not None
 
+    @staticmethod
+    def process_group(group=None):
+        """`group`, else the default group when `torch.distributed` is initialised, else None."""
+        if group is None and dist.is_available() and dist.is_initialized():
+            return dist.group.WORLD
+        return group
+
     @classmethod
     def resolve(cls, group=None, num_devices: int | None = None) -> "ExpertParallelGroup":
         """The EP group for a model: `group`, else the default group when `torch.distributed` is initialised.
@@ -38,8 +45,7 @@ class ExpertParallelGroup:
         A group of size > 1 must have exactly `num_devices` ranks (None: take its size). Without a
         group, or with a group of one rank, the devices are logical: `num_devices` (None: 1).
         """
-        if group is None and dist.is_available() and dist.is_initialized():
-            group = dist.group.WORLD
+        group = cls.process_group(group)
         launched = int(os.environ.get("WORLD_SIZE", "1"))
         if group is None and launched > 1:
             raise RuntimeError(
