@@ -12,14 +12,15 @@ One 2-rank gloo world (every wait on a peer bounded by a 3 s `OCCULT_SAVE_TIMEOU
   layer within the timeout, not after the process group's 30 minutes; the same two faults while the
   other rank is in a forward: the EP exchange's `ExchangeError` naming the layer;
 - a peer killed in the middle of a forward: the other rank fails within seconds;
-- a save interrupted while writing each of its files: the previous checkpoint is byte-for-byte
-  unchanged, loads, and equals the original model.
+- a save interrupted while writing each of its files, or killed outright: the previous checkpoint is
+  byte-for-byte unchanged, loads, and equals the original model.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -209,7 +210,8 @@ def test_disagreeing_stalled_and_dead_peers_fail_clearly(tmp_path):
 
 
 def _tree_digest(directory: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
+    """File name -> content digest; a directory (a staging directory left behind) as "directory"."""
+    return {p.name: "directory" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
 
 
 def _fail_on(monkeypatch, target: str):
@@ -243,6 +245,23 @@ def _fail_on(monkeypatch, target: str):
         monkeypatch.setattr(checkpointing.os, "replace", replace)
 
 
+def _killed_while_saving(rank, world_size, directory):
+    """A one-rank world whose save is killed outright (os._exit) half way through writing the weights."""
+    from transformers import modeling_utils
+
+    from occult_hf import OccultConfig
+    from occult_hf.integration import apply_occult, install
+
+    def die(tensors, path, *args, **kwargs):
+        Path(path).write_bytes(b"half a file")
+        os._exit(9)
+
+    install()
+    model = apply_occult(tiny_model("olmoe", seed=6), OccultConfig(placement=_shuffled(num_devices=4, seed=9)))
+    modeling_utils.safe_save_file = die
+    model.save_pretrained(directory)
+
+
 def test_interrupted_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
@@ -265,6 +284,14 @@ def test_interrupted_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeyp
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert occult_config_of(reloaded).placement == occult_config_of(original).placement
     assert torch.allclose(reloaded(ids).logits, expected, rtol=1e-6, atol=1e-7)
+
+    # Killed outright while writing: the previous checkpoint is unchanged, and the staging directory is left
+    with pytest.raises(WorldError, match="process exited with code 9"):
+        run_world(_killed_while_saving, 1, str(tmp_path))
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name not in before)
+    assert len(left) == 1 and left[0].startswith(".occult_save-"), left
+    assert {name: digest for name, digest in _tree_digest(tmp_path).items() if name != left[0]} == before
+    shutil.rmtree(tmp_path / left[0])
 
     # Interrupted among the renames (placement and weights new, config old): every file is whole, and the
     # checkpoint loads with the setup its config names (weights are in the original expert order).
