@@ -26,6 +26,7 @@ import dataclasses
 import inspect
 import logging
 import os
+import re
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils_hf import get_dtype
 
 from occult_hf import integration
+from occult_hf.checks import did_you_mean
 from occult_hf.config import OccultConfig
 from occult_hf.logging_utils import get_logger
 
@@ -117,6 +119,17 @@ def load_occult_model(
     return model.eval()
 
 
+def _rejected_model_arg(error: TypeError, load_kwargs: dict[str, Any]) -> str | None:
+    """The name in `load_kwargs` that the model class rejected with `error`, else None.
+
+    Every model_arg that is neither HFLM's nor an Occult setting goes to `from_pretrained`, which hands
+    the names it does not know to the model class; a misspelt Occult setting ends there. Checked after
+    the fact, because which names `from_pretrained` takes depends on the transformers version and model.
+    """
+    rejected = re.search(r"unexpected keyword argument '(\w+)'", str(error))
+    return rejected[1] if rejected is not None and rejected[1] in load_kwargs else None
+
+
 class _DropModelObjectWarnings(logging.Filter):
     """HFLM warns that a model object "assumes single-process" and that "many arguments may be ignored";
     occult-hf passes a model object by design and owns the distributed setup, so those two are noise."""
@@ -186,9 +199,18 @@ class OccultHFLM(HFLM):
             if shared in hflm_kwargs:
                 load_kwargs[shared] = hflm_kwargs[shared]
 
-        model = load_occult_model(
-            pretrained, requested_config, device=_resolve_device(device, world_size), dtype=dtype, **load_kwargs
-        )
+        try:
+            model = load_occult_model(
+                pretrained, requested_config, device=_resolve_device(device, world_size), dtype=dtype, **load_kwargs
+            )
+        except TypeError as error:
+            name = _rejected_model_arg(error, load_kwargs)
+            if name is None:
+                raise
+            raise ValueError(
+                f"occult-hf: model_args {name!r} is not an OccultConfig field, an argument of lm-eval's hf model or "
+                f"of from_pretrained{did_you_mean([name], [*OCCULT_FIELDS, *sorted(_HFLM_ARGS)])}"
+            ) from error
         hflm_kwargs.setdefault("tokenizer", pretrained)
         with _without_model_object_warnings():
             super().__init__(pretrained=model, backend="causal", **hflm_kwargs)

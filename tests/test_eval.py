@@ -375,6 +375,13 @@ def test_unsupported_hf_args_are_rejected(assets):
         get_model("occult-hf")(pretrained=str(assets["models"]["olmoe"]), device="cpu", peft="some/adapter")
 
 
+def test_a_misspelt_model_arg_is_named_with_the_setting_meant(assets):
+    """A misspelt Occult setting reaches from_pretrained, whose model class rejected it without saying
+    that it came from model_args or what was meant."""
+    with pytest.raises(ValueError, match=r"occult-hf: model_args 'placment' is not .* \(did you mean 'placement'\?\)"):
+        get_model("occult-hf").create_from_arg_string(f"pretrained={assets['models']['olmoe']},placment=contiguous", {"device": "cpu"})
+
+
 # ----- the lockstep protocol on a stand-in EP module (run in the EP world below) -----------------------
 
 
