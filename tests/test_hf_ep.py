@@ -120,6 +120,14 @@ def _ep_world(rank, world_size, checkpoints, out_dir, profile):
                 apply_occult_ep(model, OccultConfig(num_devices=(None, 4)[rank]))
             except Exception as error:  # noqa: BLE001 - what each rank sees is the point
                 found["one_rank_fails"] = f"{type(error).__name__}: {error}"
+            # a model config that differs (here on rank 1 only) is named on both ranks
+            before = model.config.norm_topk_prob  # False in the tiny OLMoE
+            model.config.norm_topk_prob = (before, not before)[rank]
+            try:
+                apply_occult_ep(model, OccultConfig(placement=shuffled_placement(family)))
+            except Exception as error:  # noqa: BLE001
+                found["config_differs"] = f"{type(error).__name__}: {error}"
+            model.config.norm_topk_prob = before
             apply_occult_ep(model, OccultConfig(placement=shuffled_placement(family)))
             found["resume"] = _resume(model, rank, os.path.join(out_dir, "resume"))
         results[family] = found
@@ -263,6 +271,10 @@ def test_occult_ep_equals_the_single_process_model(tmp_path):
                 f"EPConfigMismatchError: occult_hf: rank 1 of the expert-parallel group failed at apply_occult_ep "
                 f"(ValueError: {failed})"), results[0][family]
             assert results[1][family]["one_rank_fails"] == f"ValueError: {failed}", results[1][family]
+            for found in (r[family] for r in results):
+                assert found["config_differs"].startswith(
+                    "EPConfigMismatchError: occult_hf: the expert-parallel ranks disagree at apply_occult_ep on the "
+                    "model config (norm_topk_prob: rank 0 False, rank 1 True)"), found
             for rank, found in enumerate(r[family]["resume"] for r in results):
                 assert abs(found["resumed_loss"] - found["loss"]) <= TOLERANCE * abs(found["loss"]), (rank, found)
                 assert rel_err(found["resumed_logits"], found["logits"]) <= TOLERANCE, rank
