@@ -62,6 +62,27 @@ def test_static_decoder_matches_generate_one_process():
     assert sync_free is True, sync_free
 
 
+@pytest.mark.parametrize("family", ["olmoe", "deepseek"])
+def test_static_decoder_passes_the_cache_by_the_models_own_keyword(family):
+    """transformers 5.24 renamed forward's `past_key_values` to `cache` (the old name warns, and goes in 5.40);
+    the decoder passes the name the installed version's forward takes, so it neither warns nor breaks later."""
+    import inspect
+    import warnings
+
+    from occult_hf._transformers_compat import cache_keyword
+    from occult_hf.decode import GreedyDecoder
+
+    model = tiny_model(family).eval()
+    keyword = cache_keyword(model)
+    assert keyword in inspect.signature(model.forward).parameters
+    decoder = GreedyDecoder(model, batch_size=1, max_length=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        decoder.prefill(torch.zeros(1, 3, dtype=torch.long))
+        decoder.step()
+    assert not [w for w in caught if "past_key_values" in str(w.message)], [str(w.message) for w in caught]
+
+
 def _ep_world(rank, world):
     from occult_hf import apply_occult
     from occult_hf.decode import use_dispatcher

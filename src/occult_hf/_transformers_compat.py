@@ -19,6 +19,8 @@ works; when transformers changes, this is the file to read.
   them private: `_save_optimizer_and_scheduler`, `_load_from_checkpoint`, ...) are wrapped so that
   `hook(original, trainer, ...)` runs instead (`trainer_ep` provides the hooks);
   `unwrap_trainer_methods(names)` puts them back.
+- `cache_keyword(model)`: the keyword a model's forward takes its KV cache by (transformers 5.24 renamed
+  `past_key_values` to `cache`; the old name warns and goes in 5.40, and 5.17 knows only the old one).
 - `replace_recorded_router_logits(raw, aux)`: transformers records `router_logits` with a forward
   hook on the router into a private per-forward collector
   (`transformers.utils.output_capturing._active_collector`), and the auxiliary loss reads that
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -231,3 +234,12 @@ def replace_recorded_router_logits(raw_logits_TE: torch.Tensor, aux_logits_TE: t
             record[position] = aux_logits_TE
             return True
     return False
+
+
+# ----- forward keywords -----------------------------------------------------------------------------
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """`"cache"` where the model's forward takes its KV cache by that name (transformers >= 5.24: its
+    `deprecate_kwarg` wrapper keeps the signature, so `inspect` sees the new name), else `"past_key_values"`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._transformers_compat import cache_keyword
 from .cuda_graph import capture
 
 #: aten ops whose result needs a device value on the host (a CUDA synchronisation)
@@ -158,6 +159,7 @@ class GreedyDecoder:
         self._cuda_graph = None
         # the auxiliary router loss wants a 2D padding mask and is no use when decoding
         self._extra = {"output_router_logits": False} if hasattr(model.config, "output_router_logits") else {}
+        self._cache_keyword = cache_keyword(model)
 
     @torch.no_grad()
     def prefill(self, prompt_BS: torch.Tensor) -> None:
@@ -169,7 +171,7 @@ class GreedyDecoder:
         positions_S = torch.arange(length, device=self.device)
         causal_B1SA = (self._positions_A[None, :] <= positions_S[:, None])[None, None].expand(batch, 1, length, -1)
         logits = self.model(
-            input_ids=prompt_BS, past_key_values=self.cache, cache_position=positions_S,
+            input_ids=prompt_BS, **{self._cache_keyword: self.cache}, cache_position=positions_S,
             attention_mask=causal_B1SA.contiguous(), use_cache=True, **self._extra,
         ).logits  # fmt: skip
         self.tokens_BA.zero_()
@@ -182,7 +184,7 @@ class GreedyDecoder:
         """One decode step on the static buffers: the token at `pos` in, the next token written at `pos + 1`."""
         self.mask_B11A.copy_((self._positions_A <= self.pos_1)[None, None, None].expand_as(self.mask_B11A))
         logits = self.model(
-            input_ids=self.ids_B1, past_key_values=self.cache, cache_position=self.pos_1,
+            input_ids=self.ids_B1, **{self._cache_keyword: self.cache}, cache_position=self.pos_1,
             attention_mask=self.mask_B11A, use_cache=True, **self._extra,
         ).logits  # fmt: skip
         next_B1 = logits[:, -1].argmax(-1, keepdim=True)
