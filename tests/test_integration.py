@@ -229,8 +229,9 @@ def test_a_bad_occult_config_fails_before_the_checkpoint_is_read(tmp_path):
         transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
     ).save_pretrained(llama)
     (llama / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00not a header")
-    with pytest.raises(ValueError, match=re.escape("occult_hf does not support model_type 'llama'; supported model types:")):
-        transformers.AutoModelForCausalLM.from_pretrained(llama, occult_config={"num_devices": 2})
+    for model_class in (transformers.AutoModelForCausalLM, transformers.LlamaForCausalLM):  # Auto, and the class itself
+        with pytest.raises(ValueError, match=re.escape("occult_hf does not support model_type 'llama'; supported model types:")):
+            model_class.from_pretrained(llama, occult_config={"num_devices": 2})
 
 
 def test_clear_errors(tmp_path):

@@ -49,7 +49,7 @@ UNSET: Any = object()
 def install_loading_hooks(
     on_load: Callable[[Any, Any], Any],
     config_value: Callable[[Any], Any],
-    load_scope: Callable[[Any, dict], Any] | None = None,
+    load_scope: Callable[[Any, dict, type], Any] | None = None,
 ) -> None:
     """Let `PreTrainedModel.from_pretrained` take `occult_config=`; idempotent.
 
@@ -60,7 +60,7 @@ def install_loading_hooks(
     `occult_config=<OccultConfig>` lands on the config, which transformers then JSON-dumps (its
     "Model config ..." log line, `save_pretrained`). The second wrapper stores
     `config_value(occult_config)` there instead: the caller turns its object into a JSON-native dict,
-    as transformers does for `quantization_config`. `load_scope(occult_config, kwargs)`, when given,
+    as transformers does for `quantization_config`. `load_scope(occult_config, kwargs, cls)`, when given,
     returns the context manager the original `from_pretrained` runs in (per-rank expert loading).
     """
     from transformers import PreTrainedConfig, PreTrainedModel
@@ -70,7 +70,7 @@ def install_loading_hooks(
 
     def from_pretrained(original, cls, *args, **kwargs):
         occult_config = kwargs.pop("occult_config", UNSET)
-        scope = contextlib.nullcontext() if load_scope is None else load_scope(occult_config, kwargs)
+        scope = contextlib.nullcontext() if load_scope is None else load_scope(occult_config, kwargs, cls)
         with scope:
             model = original(cls, *args, **kwargs)
         return on_load(model, occult_config)

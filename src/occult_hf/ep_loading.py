@@ -77,19 +77,17 @@ class LoadReport:
 last_report = LoadReport()
 
 
-def load_scope(occult_config, kwargs: dict):
+def load_scope(occult_config, kwargs: dict, model_class: type | None = None):
     """The context `from_pretrained` runs in: per-rank expert loading when it applies, else nothing.
 
-    A given `occult_config` is validated first, and so is the model type when the config is given (as the
-    Auto classes give it), so a bad one fails before the checkpoint is read (a real checkpoint takes
-    minutes to read; both are checked again when the config is applied)."""
+    A given `occult_config` is validated first, and so is the model type (from the config the Auto classes
+    pass, else from `model_class`'s config class), so a bad one fails before the checkpoint is read (a real
+    checkpoint takes minutes to read; both are checked again when the config is applied)."""
     global last_report
     last_report = LoadReport()
     if occult_config is not UNSET and occult_config is not None:
         occult_config = OccultConfig.coerce(occult_config)
-        config = kwargs.get("config")  # the Auto classes pass the config they read; a model type without a family
-        if config is not None and not isinstance(config, str):  # (no routed experts) is known before the weights
-            adapter_for(config)
+        _check_model_type(kwargs.get("config"), model_class)
     if kwargs.get("distributed_config") is not None:  # transformers' EP reads each rank's share itself
         last_report.fallback_reason = "transformers' EP (distributed_config=) loads the experts"
         return contextlib.nullcontext()
@@ -168,6 +166,16 @@ def _fall_back(reason: str, occult_config) -> None:
     last_report.fallback_reason = reason
     if occult_config is not UNSET and occult_config is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
         logger.warning("occult_hf: every rank loads all experts (per-rank expert loading off: %s)", reason)
+
+
+def _check_model_type(config, model_class: type | None) -> None:
+    """Raise `adapter_for`'s error when the model type has no family (no routed experts), known before the
+    weights: from the config object the Auto classes pass, else from the class's `config_class` (a direct
+    `LlamaForCausalLM.from_pretrained`). A class without a declared model type is left to the load."""
+    if config is None or isinstance(config, str):
+        config = getattr(model_class, "config_class", None)
+    if getattr(config, "model_type", None):
+        adapter_for(config)
 
 
 def _unsupported_call(occult_config, kwargs: dict) -> str | None:
