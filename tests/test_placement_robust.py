@@ -514,7 +514,7 @@ def test_restart_scores_read_the_planning_profiles_halves_only(monkeypatch):
     profiles = {"a": profile_from_sample({0: first}, 16, "a"), "b": profile_from_sample({0: second}, 16, "b")}
     options = {"num_redundant_experts": 4, "replica_choice": "load_aware", "time_windows": 2, **FAST}
     planned, measured = [], []
-    real_plan, real_replay = plan_draws._plan, plan_draws.replay_load_aware
+    real_plan, real_replay = plan_draws.timed_plan, plan_draws.replay_load_aware
 
     def plan(profiles_given, num_devices, opts):
         planned.append(({n: p.layer(0).topk_sample.copy() for n, p in profiles_given.items()}, opts))
@@ -524,7 +524,7 @@ def test_restart_scores_read_the_planning_profiles_halves_only(monkeypatch):
         measured.append(ids_Nk.copy())
         return real_replay(ids_Nk, *args)
 
-    monkeypatch.setattr(plan_draws, "_plan", plan)
+    monkeypatch.setattr(plan_draws, "timed_plan", plan)
     monkeypatch.setattr(plan_draws, "replay_load_aware", replay)
     scores = plan_draws.restart_scores(profiles, 4, options, seeds=[3, 4], pin_slack=0.01)
     assert scores.shape == (2,) and (scores >= 1.0).all()

@@ -33,7 +33,7 @@ from ..atomic import atomic_save_figure
 from ..metrics import evaluate_placement, summarize
 from ..replicas.routing import PIN_SLACK, resolve_homes_np
 from .placement_study import StudyResult
-from .robust_placement_study import ROBUST, _ct_and_balance, _plan, best_replica_split, qwen_parts, replay_load_aware
+from .robust_placement_study import ROBUST, served_ct_and_balance, timed_plan, best_replica_split, qwen_parts, replay_load_aware
 
 #: the planner mode for the load-aware rule, as the study runs it
 LOAD_AWARE = {"num_redundant_experts": 8, "replica_choice": "load_aware", "max_load_ratio": 1.05, "pin_slack": PIN_SLACK}
@@ -88,11 +88,11 @@ def load_aware_plan_rows(routing_dir: Path, plans=PLANS, oracle_plans=ORACLE_PLA
     rows, points = [], {}
     for num_devices in (4, 8):
         today = float(np.mean([
-            summarize(evaluate_placement(parts["held_out"], _plan(parts["first"], num_devices, {"seed": s})[0]))["ct"] for s in SEEDS
+            summarize(evaluate_placement(parts["held_out"], timed_plan(parts["first"], num_devices, {"seed": s})[0]))["ct"] for s in SEEDS
         ]))
         cases = [(name, options, both) for name, options in plans] + [(name, options, parts["held_out"]) for name, options in oracle_plans]
         for name, options, profiles in cases:
-            runs = [_plan(profiles, num_devices, {**options, "seed": s}) for s in SEEDS]
+            runs = [timed_plan(profiles, num_devices, {**options, "seed": s}) for s in SEEDS]
             tables = [placement.home_table(0) for placement, _ in runs]
             fluid = [best_replica_split(load_E, table, num_devices) for table in tables]
             single = [single_home_bound(load_E, table, num_devices) for table in tables]
@@ -103,7 +103,7 @@ def load_aware_plan_rows(routing_dir: Path, plans=PLANS, oracle_plans=ORACLE_PLA
                 rules = [("static", None)] + [(f"load-aware, pin slack {slack}", [slack] * len(runs)) for slack in PIN_SLACKS]
             for rule, slacks in rules:
                 scores = [
-                    _ct_and_balance(
+                    served_ct_and_balance(
                         resolve_homes_np(held_Nk, table, num_devices) if slacks is None
                         else replay_load_aware(held_Nk, table, num_devices, window, slack),
                         num_devices, window,

@@ -35,7 +35,7 @@ from ..placement.rebalance import replan_replicas
 from ..placement.validation import profile_from_sample
 from .load_aware_plans import GOAL, LOAD_AWARE, SEEDS, goal_axes, main_on_qwen_trace
 from .placement_study import StudyResult
-from .robust_placement_study import _plan, qwen_parts, replay_load_aware, step_balances
+from .robust_placement_study import timed_plan, qwen_parts, replay_load_aware, step_balances
 
 #: the best static plan of `load_aware_plans` (8 of 10 seeds meet both goals at D=8, 10 of 10 at D=4)
 STATIC_PLAN = {**LOAD_AWARE, "shed_margin": 0.20, "pin_slack": "auto", "time_windows": 2}
@@ -123,9 +123,9 @@ def online_rows(
     halves = {"planning": parts["first"].layer(0).topk_sample, "held-out": parts["held_out"].layer(0).topk_sample}
     rows, points, today = [], {}, {}
     for num_devices in (8, 4):
-        plans = [_plan(profiles, num_devices, {**STATIC_PLAN, "seed": s})[0] for s in seeds]
+        plans = [timed_plan(profiles, num_devices, {**STATIC_PLAN, "seed": s})[0] for s in seeds]
         today[num_devices] = float(np.mean([
-            summarize(evaluate_placement(parts["held_out"], _plan(parts["first"], num_devices, {"seed": s})[0]))["ct"] for s in seeds
+            summarize(evaluate_placement(parts["held_out"], timed_plan(parts["first"], num_devices, {"seed": s})[0]))["ct"] for s in seeds
         ]))
         for history, choice in variants:
             name = (

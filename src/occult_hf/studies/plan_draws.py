@@ -39,7 +39,7 @@ from ..placement.validation import profile_from_sample
 from ..profile import RoutingProfile
 from .load_aware_plans import GOAL, LOAD_AWARE, goal_axes, main_on_qwen_trace
 from .placement_study import StudyResult
-from .robust_placement_study import _ct_and_balance, _plan, qwen_parts, replay_load_aware
+from .robust_placement_study import served_ct_and_balance, timed_plan, qwen_parts, replay_load_aware
 
 #: the best deployable plan of `load_aware_plans` (its pin slack is set per D from the planner's own choice)
 BEST = {**LOAD_AWARE, "shed_margin": 0.20, "time_windows": 2}
@@ -89,8 +89,8 @@ def restart_scores(
     trial = {**options, "time_windows": max(int(options.get("time_windows", 1)) - 1, 1), "pin_slack": pin_slack}
     scores = []
     for seed in seeds:
-        table = _plan(firsts, num_devices, {**trial, "seed": int(seed)})[0].home_table(0)
-        scores.append(_ct_and_balance(replay_load_aware(later_Nk, table, num_devices, len(later_Nk), pin_slack), num_devices, len(later_Nk))[1])
+        table = timed_plan(firsts, num_devices, {**trial, "seed": int(seed)})[0].home_table(0)
+        scores.append(served_ct_and_balance(replay_load_aware(later_Nk, table, num_devices, len(later_Nk), pin_slack), num_devices, len(later_Nk))[1])
     return np.array(scores)
 
 
@@ -120,7 +120,7 @@ def held_out_resamples(num_tokens: int, resamples: int, blocks: int, seed: int =
 
 def _served(held_Nk: np.ndarray, table_EM: np.ndarray, num_devices: int, pin_slack: float) -> tuple[float, float]:
     """`(CT, balance)` of `held_Nk` under the load-aware rule, one step of all its tokens."""
-    return _ct_and_balance(replay_load_aware(held_Nk, table_EM, num_devices, len(held_Nk), pin_slack), num_devices, len(held_Nk))[:2]
+    return served_ct_and_balance(replay_load_aware(held_Nk, table_EM, num_devices, len(held_Nk), pin_slack), num_devices, len(held_Nk))[:2]
 
 
 def _rate_row(num_devices: int, slack: str, ct_F: np.ndarray, balance_F: np.ndarray, today: float) -> dict[str, Any]:
@@ -168,11 +168,11 @@ def draw_rows(routing_dir: Path, pool=POOL, restarts: int = RESTARTS, resamples:
     index_Q = held_out_resamples(len(held_Nk), resamples, BLOCKS)
     rates, restart_rows, resample_rows, figure = [], [], [], {}
     for num_devices, count in pool.items():
-        today_maps = [_plan(parts["first"], num_devices, {"seed": s})[0].device_of(0) for s in USER_SEEDS]
+        today_maps = [timed_plan(parts["first"], num_devices, {"seed": s})[0].device_of(0) for s in USER_SEEDS]
         today = float(np.mean([mean_ct(held_Nk, m, num_devices) for m in today_maps]))
         today_Q = np.array([np.mean([mean_ct(held_Nk[i], m, num_devices) for m in today_maps]) for i in index_Q])
-        slack = _plan(planning, num_devices, {**BEST, "pin_slack": "auto", "seed": 0})[0].pin_slack_of(0)  # the profile's choice
-        runs = [_plan(planning, num_devices, {**BEST, "pin_slack": slack, "seed": s}) for s in range(count)]
+        slack = timed_plan(planning, num_devices, {**BEST, "pin_slack": "auto", "seed": 0})[0].pin_slack_of(0)  # the profile's choice
+        runs = [timed_plan(planning, num_devices, {**BEST, "pin_slack": slack, "seed": s}) for s in range(count)]
         tables = [placement.home_table(0) for placement, _ in runs]
         served = {value: np.array([_served(held_Nk, t, num_devices, value) for t in tables]) for value in (slack, *OTHER_SLACKS[num_devices])}
         for value, ct_balance in served.items():
@@ -198,7 +198,7 @@ def draw_rows(routing_dir: Path, pool=POOL, restarts: int = RESTARTS, resamples:
                     f"{np.mean([cpu for _, cpu in runs]):.1f} / {np.mean([cpu for _, cpu in runs]) + restarts * trial_cpu:.1f}"
                 ),
             })
-        oracle = [_plan(parts["held_out"], num_devices, {**ORACLE, "seed": s})[0] for s in USER_SEEDS]
+        oracle = [timed_plan(parts["held_out"], num_devices, {**ORACLE, "seed": s})[0] for s in USER_SEEDS]
         deployed = {
             f"one plan (seed s), pin slack {slack}": [(tables[s], slack) for s in USER_SEEDS],
             f"restarts chosen by CV (k={restarts})": [(tables[picks[s]], slack) for s in USER_SEEDS],

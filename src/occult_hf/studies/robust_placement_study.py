@@ -74,7 +74,8 @@ def qwen_parts(routing_dir: Path) -> dict[str, RoutingProfile]:
     }
 
 
-def _plan(profiles, num_devices: int, options: dict) -> tuple[Placement, float]:
+def timed_plan(profiles, num_devices: int, options: dict) -> tuple[Placement, float]:
+    """`(placement, CPU seconds)` of `plan_placement`, its unreachable-limit warning silenced (the tables report it)."""
     start = time.process_time()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # an unreachable limit is reported in the table, not as a warning
@@ -105,8 +106,8 @@ def qwen_rows(routing_dir: Path) -> tuple[list[dict[str, Any]], dict[str, list[f
                 placement, cpu = Placement.contiguous(60, num_devices, [0]), 0.0
                 seeded = [placement]
             else:
-                placement, cpu = _plan(profiles, num_devices, options)
-                seeded = [placement] + [_plan(profiles, num_devices, {**options, "seed": s})[0] for s in SEEDS[1:]]
+                placement, cpu = timed_plan(profiles, num_devices, options)
+                seeded = [placement] + [timed_plan(profiles, num_devices, {**options, "seed": s})[0] for s in SEEDS[1:]]
             held = summarize(evaluate_placement(parts["held_out"], placement))
             over_seeds = [summarize(evaluate_placement(parts["held_out"], p)) for p in seeded]
             planned = summarize(evaluate_placement(parts["first"], placement))
@@ -151,7 +152,7 @@ def slowest_rows(routing_dir: Path) -> list[dict[str, Any]]:
                               ("refined slowest, 10x byte cost", {"objective": "slowest", "byte_cost_s": 2.5e-11}),
                               ("refined + 8 redundant (CT)", {"num_redundant_experts": 8}),
                               ("refined slowest + 8 redundant, default costs", {"objective": "slowest", "num_redundant_experts": 8})):
-            placement, cpu = _plan(parts["first"], num_devices, options)
+            placement, cpu = timed_plan(parts["first"], num_devices, options)
             costs = StepCosts(**{k: v for k, v in options.items() if k in ("pair_cost_s", "byte_cost_s", "row_bytes")})
             device_of_E = np.asarray(placement.device_of(0))
             table = placement.home_table(0) if placement.has_replicas else None
@@ -240,14 +241,14 @@ def domain_rows(routing_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str,
         ("six domains + 8 redundant slots", profiles, {"num_redundant_experts": 8}),
     ]
     for name, source, options in cases:
-        placement = Placement.contiguous(64, 8, DOMAIN_LAYERS) if source is None else _plan(source, 8, options)[0]
+        placement = Placement.contiguous(64, 8, DOMAIN_LAYERS) if source is None else timed_plan(source, 8, options)[0]
         worst = _worst(placement, profiles)
         rows.append({"plan (D=8)": name, **{f"worst domain, layer {l}": f"{b:.3f} ({d})" for l, (d, b) in worst.items()}})
     left_rows = []
     for options, label in (({}, "several profiles"), ({"num_redundant_experts": 8}, "+ 8 redundant slots")):
         for left in profiles:
             rest = {n: p for n, p in profiles.items() if n != left}
-            placement = _plan(rest, 8, options)[0]
+            placement = timed_plan(rest, 8, options)[0]
             worst = _worst(placement, {left: profiles[left]})
             row = {"plan on the other five": label, "left out": left, **{f"layer {l}": worst[l][1] for l in DOMAIN_LAYERS}}
             split = [
@@ -282,7 +283,7 @@ def followup_rows(routing_dir: Path) -> list[dict[str, Any]]:
     for num_devices in (4, 8):
         reference = None
         for name, profiles, options in cases:
-            runs = [_plan(profiles, num_devices, {**options, "seed": s}) for s in FOLLOWUP_SEEDS]
+            runs = [timed_plan(profiles, num_devices, {**options, "seed": s}) for s in FOLLOWUP_SEEDS]
             held = [summarize(evaluate_placement(parts["held_out"], p)) for p, _ in runs]
             ct = float(np.mean([h["ct"] for h in held]))
             reference = ct if reference is None else reference
@@ -317,7 +318,7 @@ def static_floor_rows(routing_dir: Path) -> list[dict[str, Any]]:
     rows = []
     for name, options in (("refined", {}), ("refined + 8 redundant", {"num_redundant_experts": 8}),
                           ("refined + 8 redundant, ratio 1.02", {"num_redundant_experts": 8, "max_load_ratio": 1.02})):
-        plans = [_plan(first, 8, {**options, "seed": s})[0] for s in (0, 1, 2)]
+        plans = [timed_plan(first, 8, {**options, "seed": s})[0] for s in (0, 1, 2)]
         scores = [(summarize(evaluate_placement(first, p)), summarize(evaluate_placement(second, p))) for p in plans]
         rows.append({
             "plan (D=8, on the first 1,096 held-out tokens)": name,
@@ -410,7 +411,7 @@ def step_balances(dest_Nk: np.ndarray, num_devices: int, window: int) -> np.ndar
     ])  # fmt: skip
 
 
-def _ct_and_balance(dest_Nk: np.ndarray, num_devices: int, window: int) -> tuple[float, float, float]:
+def served_ct_and_balance(dest_Nk: np.ndarray, num_devices: int, window: int) -> tuple[float, float, float]:
     """`(CT, balance over all the tokens, mean over steps of a step's balance)` of served devices `dest_Nk`."""
     load_D = np.bincount(dest_Nk.ravel(), minlength=num_devices)
     return served_ct(dest_Nk, num_devices), load_balance(load_D), float(step_balances(dest_Nk, num_devices, window).mean())
@@ -430,7 +431,7 @@ def runtime_rule_rows(routing_dir: Path, num_devices: int = 8) -> list[dict[str,
     both = {"prefill": parts["prefill"], "decode": parts["decode"]}
     held_Nk = parts["held_out"].layer(0).topk_sample
     today = float(np.mean([
-        summarize(evaluate_placement(parts["held_out"], _plan(parts["first"], num_devices, {"seed": s})[0]))["ct"]
+        summarize(evaluate_placement(parts["held_out"], timed_plan(parts["first"], num_devices, {"seed": s})[0]))["ct"]
         for s in FOLLOWUP_SEEDS
     ]))
     rows = []
@@ -438,7 +439,7 @@ def runtime_rule_rows(routing_dir: Path, num_devices: int = 8) -> list[dict[str,
         ("refined robust + 8 redundant, prefill+decode", {**ROBUST, "num_redundant_experts": 8}),
         ("refined + 8 redundant, prefill+decode, shrunk loads (auto)", {**SHRUNK, "load_reliability": "auto", "num_redundant_experts": 8}),
     ):
-        tables = [_plan(both, num_devices, {**options, "seed": s})[0].home_table(0) for s in FOLLOWUP_SEEDS]
+        tables = [timed_plan(both, num_devices, {**options, "seed": s})[0].home_table(0) for s in FOLLOWUP_SEEDS]
         load_E = np.bincount(held_Nk.ravel(), minlength=60).astype(np.float64)
         fluid = [best_replica_split(load_E, t, num_devices) for t in tables]
         rules = [("static (today's rule)", None, None)]
@@ -448,9 +449,9 @@ def runtime_rule_rows(routing_dir: Path, num_devices: int = 8) -> list[dict[str,
             scores = []
             for table in tables:
                 if window is None:
-                    scores.append(_ct_and_balance(resolve_homes_np(held_Nk, table, num_devices), num_devices, RUNTIME_WINDOWS[0]))
+                    scores.append(served_ct_and_balance(resolve_homes_np(held_Nk, table, num_devices), num_devices, RUNTIME_WINDOWS[0]))
                 else:
-                    scores.append(_ct_and_balance(replay_load_aware(held_Nk, table, num_devices, window, slack), num_devices, window))
+                    scores.append(served_ct_and_balance(replay_load_aware(held_Nk, table, num_devices, window, slack), num_devices, window))
             ct = float(np.mean([c for c, _, _ in scores]))
             balance = [b for _, b, _ in scores]
             rows.append({
@@ -482,7 +483,7 @@ def runtime_replica_rows(routing_dir: Path, window_tokens: int = 8192, slot_coun
     for slots in slot_counts:
         for left, truth in profiles.items():
             rest = {n: p for n, p in profiles.items() if n != left}
-            placement = _plan(rest, 8, {"num_redundant_experts": slots})[0]
+            placement = timed_plan(rest, 8, {"num_redundant_experts": slots})[0]
             layers = {}
             for layer in DOMAIN_LAYERS:
                 counts_E = truth.layer(layer).expert_counts
@@ -557,7 +558,7 @@ def tiny_rows(devices: tuple[int, ...] = (4, 8), trace=None) -> list[dict[str, A
             if profiles is None:
                 placement, cpu = Placement.contiguous(first.num_experts, num_devices, layers), 0.0
             else:
-                placement, cpu = _plan(profiles, num_devices, options)
+                placement, cpu = timed_plan(profiles, num_devices, options)
             held = summarize(evaluate_placement(held_out, placement))
             worst = max(
                 ((domain, summarize(evaluate_placement(profile, placement))["worst_balance"]) for domain, profile in domains_held.items()),
