@@ -76,6 +76,11 @@ def planning_halves(profiles: dict[str, RoutingProfile], layer: int = 0) -> tupl
     return firsts, np.concatenate(laters)
 
 
+def _served(tokens_Nk: np.ndarray, table_EM: np.ndarray, num_devices: int, pin_slack: float) -> tuple[float, float]:
+    """`(CT, balance)` of `tokens_Nk` under the load-aware rule, one step of all its tokens."""
+    return served_ct_and_balance(replay_load_aware(tokens_Nk, table_EM, num_devices, len(tokens_Nk), pin_slack), num_devices, len(tokens_Nk))[:2]
+
+
 def restart_scores(
     profiles: dict[str, RoutingProfile], num_devices: int, options: dict, seeds, pin_slack: float
 ) -> np.ndarray:
@@ -90,7 +95,7 @@ def restart_scores(
     scores = []
     for seed in seeds:
         table = timed_plan(firsts, num_devices, {**trial, "seed": int(seed)})[0].home_table(0)
-        scores.append(served_ct_and_balance(replay_load_aware(later_Nk, table, num_devices, len(later_Nk), pin_slack), num_devices, len(later_Nk))[1])
+        scores.append(_served(later_Nk, table, num_devices, pin_slack)[1])
     return np.array(scores)
 
 
@@ -116,11 +121,6 @@ def held_out_resamples(num_tokens: int, resamples: int, blocks: int, seed: int =
         np.concatenate([np.arange(edges[b], edges[b + 1]) for b in rng.integers(num_blocks, size=num_blocks)])
         for _ in range(resamples)
     ]
-
-
-def _served(held_Nk: np.ndarray, table_EM: np.ndarray, num_devices: int, pin_slack: float) -> tuple[float, float]:
-    """`(CT, balance)` of `held_Nk` under the load-aware rule, one step of all its tokens."""
-    return served_ct_and_balance(replay_load_aware(held_Nk, table_EM, num_devices, len(held_Nk), pin_slack), num_devices, len(held_Nk))[:2]
 
 
 def _rate_row(num_devices: int, slack: str, ct_F: np.ndarray, balance_F: np.ndarray, today: float) -> dict[str, Any]:
