@@ -144,6 +144,13 @@ class _DispatchMeter:
 # ----- the callback --------------------------------------------------------------------------------
 
 
+def _check_count(setting: str, value, minimum: int, meaning: str = "", why: str = "") -> None:
+    """Raise unless `value` is an `int` >= `minimum` (a bool is not a count): `OccultCallback <setting> must be an
+    integer >= <minimum><meaning>, got <value><why>`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"OccultCallback {setting} must be an integer >= {minimum}{meaning}, got {value!r}{why}")
+
+
 class OccultCallback(OccultCheckpointCallback):
     """Logging, `N_d` schedule, MoE-only training and drift watch for a model with `OccultMoE` blocks.
 
@@ -182,15 +189,9 @@ class OccultCallback(OccultCheckpointCallback):
         per_layer: bool = False,
     ) -> None:
         get_planner(planner).make_options(**(planner_options or {}))  # clear errors now rather than at the first check
-        if isinstance(sample_size, bool) or not isinstance(sample_size, int) or sample_size < 1:
-            raise ValueError(
-                f"OccultCallback sample_size must be an integer >= 1, got {sample_size!r}: the drift check measures CT "
-                f"on the recent profile's top-k sample"
-            )
-        if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 0:
-            raise ValueError(f"OccultCallback check_every must be an integer >= 0 (0: only at saves), got {check_every!r}")
-        if isinstance(schedule_steps, bool) or not isinstance(schedule_steps, int) or schedule_steps < 0:
-            raise ValueError(f"OccultCallback schedule_steps must be an integer >= 0, got {schedule_steps!r}")
+        _check_count("sample_size", sample_size, 1, why=": the drift check measures CT on the recent profile's top-k sample")
+        _check_count("check_every", check_every, 0, meaning=" (0: only at saves)")
+        _check_count("schedule_steps", schedule_steps, 0)
         self.target_devices_per_token = target_devices_per_token
         self.start_devices_per_token = start_devices_per_token
         self.schedule_steps = schedule_steps
