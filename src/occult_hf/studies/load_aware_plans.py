@@ -33,7 +33,7 @@ from ..atomic import atomic_save_figure
 from ..metrics import evaluate_placement, summarize
 from ..replicas.routing import PIN_SLACK, resolve_homes_np
 from .placement_study import StudyResult
-from .robust_placement_study import ROBUST, served_ct_and_balance, timed_plan, best_replica_split, qwen_parts, replay_load_aware
+from .robust_placement_study import ROBUST, best_replica_split, qwen_parts, replay_load_aware, served_ct_and_balance, timed_plan
 
 #: the planner mode for the load-aware rule, as the study runs it
 LOAD_AWARE = {"num_redundant_experts": 8, "replica_choice": "load_aware", "max_load_ratio": 1.05, "pin_slack": PIN_SLACK}

@@ -35,7 +35,7 @@ from ..placement.rebalance import replan_replicas
 from ..placement.validation import profile_from_sample
 from .load_aware_plans import GOAL, LOAD_AWARE, SEEDS, goal_axes, main_on_qwen_trace
 from .placement_study import StudyResult
-from .robust_placement_study import timed_plan, qwen_parts, replay_load_aware, step_balances
+from .robust_placement_study import qwen_parts, replay_load_aware, step_balances, timed_plan
 
 #: the best static plan of `load_aware_plans` (8 of 10 seeds meet both goals at D=8, 10 of 10 at D=4)
 STATIC_PLAN = {**LOAD_AWARE, "shed_margin": 0.20, "pin_slack": "auto", "time_windows": 2}

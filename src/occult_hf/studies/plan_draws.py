@@ -39,7 +39,7 @@ from ..placement.validation import profile_from_sample
 from ..profile import RoutingProfile
 from .load_aware_plans import GOAL, LOAD_AWARE, goal_axes, main_on_qwen_trace
 from .placement_study import StudyResult
-from .robust_placement_study import served_ct_and_balance, timed_plan, qwen_parts, replay_load_aware
+from .robust_placement_study import qwen_parts, replay_load_aware, served_ct_and_balance, timed_plan
 
 #: the best deployable plan of `load_aware_plans` (its pin slack is set per D from the planner's own choice)
 BEST = {**LOAD_AWARE, "shed_margin": 0.20, "time_windows": 2}
