@@ -78,10 +78,11 @@ class ExpertSegments:
         an expert, the same layout as `from_topk_ids`. Returns the segments and
         the routing weights in segment order `[N]` (differentiable with respect to `topk_weights_Tk`).
 
-        On CUDA with Triton, up to `triton_layout.TOPK_MAX_PAIRS` pairs of `TOPK_MAX_EXPERTS` experts, one launch
-        builds the segments, the row -> pairs index and the weights in segment order (`topk_layout`), instead of
-        an arange, a division, two sorts and an indexing with its backward (at small T the host's time per
-        operator is the call's time). Expert ids must lie in [0, E) (not checked: reading them would synchronise)."""
+        On CUDA with Triton, up to `triton_layout.TOPK_MAX_EXPERTS` experts, one launch (three above
+        `TOPK_ONE_LAUNCH_PAIRS` pairs) builds the segments, the row -> pairs index and the weights in segment
+        order (`topk_layout`), instead of an arange, a division, two sorts and an indexing with its backward (at
+        small T the host's time per operator is the call's time; at large T their three dozen kernels). Expert
+        ids must lie in [0, E) (not checked: reading them would synchronise)."""
         if not topk_kernel_applies(topk_ids_Tk, num_experts):
             segments, order_N = cls.from_topk_ids(topk_ids_Tk, num_experts)
             return segments, topk_weights_Tk.reshape(-1)[order_N]
@@ -132,13 +133,13 @@ def _sort_pairs_torch(pair_row: torch.Tensor, pair_expert: torch.Tensor, rows: i
 
 
 def topk_kernel_applies(topk_ids_Tk: torch.Tensor, num_experts: int) -> bool:
-    """Whether `from_topk` takes the one-launch Triton layout: CUDA, Triton importable, a non-empty routing of
-    at most `triton_layout.TOPK_MAX_PAIRS` pairs over at most `TOPK_MAX_EXPERTS` experts."""
+    """Whether `from_topk` takes the Triton layout (`triton_layout.topk_layout`): CUDA, Triton importable, a
+    non-empty routing over at most `triton_layout.TOPK_MAX_EXPERTS` experts."""
     if not topk_ids_Tk.is_cuda or topk_ids_Tk.numel() == 0 or not triton_importable():
         return False
-    from .triton_layout import TOPK_MAX_EXPERTS, TOPK_MAX_PAIRS
+    from .triton_layout import TOPK_MAX_EXPERTS
 
-    return topk_ids_Tk.numel() <= TOPK_MAX_PAIRS and num_experts <= TOPK_MAX_EXPERTS
+    return num_experts <= TOPK_MAX_EXPERTS
 
 
 def _one_program_layout(pair_row: torch.Tensor, num_groups: int) -> bool:

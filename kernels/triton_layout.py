@@ -15,12 +15,15 @@ sort, whose throughput one program cannot match.
 
 Routing straight from a top-k (`ExpertSegments.from_topk`: pair i is token i // k's slot i % k, so the pairs
 come in row order) needs no comparison sort: a stable counting sort by expert keeps rows ascending within an
-expert. `topk_layout_kernel` does the whole layout in one launch of many programs, up to `TOPK_MAX_PAIRS`:
-each program counts, over all pairs, each expert's pairs and those before its own (the segment offsets and
-its start in each segment), ranks its own pairs among equal experts, and writes their places, rows and
-weights in segment order; the row -> pairs index needs only each row's k places in ascending order, a sort
-of k values. At OLMoE T = 1024 (8192 pairs) that replaces two torch sorts (a dozen radix passes and
-memsets) and about ten small operators around them.
+expert. `topk_layout_kernel` places the pairs of `TOPK_ROWS` tokens a program: it needs, per expert, all its
+pairs (the segment offsets) and those before its own first pair (its start in each segment), ranks its own
+pairs among equal experts, and writes their places, rows and weights in segment order; the row -> pairs index
+needs only each row's k places in ascending order, a sort of k values. Up to `TOPK_ONE_LAUNCH_PAIRS` pairs each
+program counts those over all pairs itself: one launch (at OLMoE T = 1024, 8192 pairs, that replaces two torch
+sorts, a dozen radix passes and memsets, and about ten small operators around them). Counting all pairs in
+every program grows as N^2, so above it two small launches come first: `topk_count_kernel` counts each
+program's pairs per expert and `topk_scan_kernel` turns the counts into each program's pairs before it
+(an exclusive prefix over the programs) and the totals, which the placing programs then read.
 """
 
 from __future__ import annotations
@@ -114,9 +117,9 @@ def sort_by_group(group_N: torch.Tensor, num_groups: int, minor_N: torch.Tensor 
     return order_N, offsets, minor_sorted_N
 
 
-#: most pairs `topk_layout_kernel` takes: every program counts all pairs for every expert (N x E work
-#: a program, T / `TOPK_ROWS` programs); above it torch's radix sort is faster
-TOPK_MAX_PAIRS = 16384
+#: most pairs for which every program of `topk_layout_kernel` counts all pairs itself (one launch; N x E work a
+#: program, T / `TOPK_ROWS` programs); above them `topk_count_kernel` and `topk_scan_kernel` count first
+TOPK_ONE_LAUNCH_PAIRS = 16384
 #: most experts `topk_layout_kernel` takes: its counting step holds [256, E] compares a program, and it has run
 #: on a GPU with 60 and 64 experts (2026-12-01); layers with more experts keep torch's sort
 TOPK_MAX_EXPERTS = 64
@@ -124,6 +127,54 @@ TOPK_MAX_EXPERTS = 64
 TOPK_ROWS = 16
 #: pairs a step of the counting loop reads
 _COUNT_BLOCK = 256
+#: programs' counts a step of `topk_scan_kernel` reads, and the experts one of its programs scans
+_SCAN_PROGRAMS, _SCAN_EXPERTS = 256, 16
+
+
+@triton.jit
+def _program_pairs(num_tokens, TOP_K: tl.constexpr, K_BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """This program's pairs as [ROWS, K_BLOCK] (token, slot) tiles: their indices and which exist."""
+    row_Tk = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None] + tl.zeros((1, K_BLOCK), dtype=tl.int32)
+    slot_Tk = tl.arange(0, K_BLOCK)[None, :] + tl.zeros((ROWS, 1), dtype=tl.int32)
+    return row_Tk.to(tl.int64) * TOP_K + slot_Tk, (row_Tk < num_tokens) & (slot_Tk < TOP_K)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def topk_count_kernel(
+    ids_ptr,  # [T * k] expert of each pair
+    num_tokens,
+    counts_ptr,  # [programs + 1, BLOCK_E] int32 out: row p, program p's pairs per expert
+    TOP_K: tl.constexpr,
+    K_BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    pair_Tk, valid_Tk = _program_pairs(num_tokens, TOP_K, K_BLOCK, ROWS)
+    expert_Tk = tl.load(ids_ptr + pair_Tk, mask=valid_Tk, other=-1).to(tl.int32)
+    experts = tl.arange(0, BLOCK_E)
+    hit = tl.reshape(expert_Tk, (ROWS * K_BLOCK,))[:, None] == experts[None, :]
+    tl.store(counts_ptr + tl.program_id(0) * BLOCK_E + experts, tl.sum(hit.to(tl.int32), axis=0))
+
+
+@triton.jit
+def topk_scan_kernel(
+    counts_ptr,  # [programs + 1, BLOCK_E] int32: in, each program's counts; out, the counts before it (row
+    #              num_programs: the totals)
+    num_programs,
+    BLOCK_E: tl.constexpr,
+    SCAN_PROGRAMS: tl.constexpr,
+    SCAN_EXPERTS: tl.constexpr,
+):
+    experts = tl.program_id(0) * SCAN_EXPERTS + tl.arange(0, SCAN_EXPERTS)
+    carry = tl.zeros((SCAN_EXPERTS,), dtype=tl.int32)
+    for start in range(0, num_programs, SCAN_PROGRAMS):
+        programs = start + tl.arange(0, SCAN_PROGRAMS)
+        ptrs = counts_ptr + programs[:, None] * BLOCK_E + experts[None, :]
+        mask = (programs < num_programs)[:, None]
+        counts = tl.load(ptrs, mask=mask, other=0)
+        tl.store(ptrs, tl.cumsum(counts, axis=0) - counts + carry[None, :], mask=mask)
+        carry += tl.sum(counts, axis=0)
+    tl.store(counts_ptr + num_programs * BLOCK_E + experts, carry)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])  # read as a tensor value, never as the constant 1
@@ -138,33 +189,36 @@ def topk_layout_kernel(
     offsets_ptr,  # [num_experts + 1] int64 out: each expert's first place
     row_pairs_ptr,  # [N] int64 out: each token's k places, ascending
     row_offsets_ptr,  # [T + 1] int64 out: token t's places are row_pairs[t k : t k + k]
+    counts_ptr,  # [programs + 1, BLOCK_E] int32 from `topk_scan_kernel` (COUNTED)
     TOP_K: tl.constexpr,
     K_BLOCK: tl.constexpr,  # next power of two >= TOP_K
     ROWS: tl.constexpr,
     BLOCK_E: tl.constexpr,  # power of two > num_experts
     COUNT_BLOCK: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
+    COUNTED: tl.constexpr,  # each program's pairs before it and the totals are given (`counts_ptr`)
 ):
     PAIRS_X: tl.constexpr = ROWS * K_BLOCK
     num_pairs = num_tokens * TOP_K
-    row_Tk = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None] + tl.zeros((1, K_BLOCK), dtype=tl.int32)
-    slot_Tk = tl.arange(0, K_BLOCK)[None, :] + tl.zeros((ROWS, 1), dtype=tl.int32)
-    valid_Tk = (row_Tk < num_tokens) & (slot_Tk < TOP_K)
-    pair_Tk = row_Tk.to(tl.int64) * TOP_K + slot_Tk
+    pair_Tk, valid_Tk = _program_pairs(num_tokens, TOP_K, K_BLOCK, ROWS)
     pair_X = tl.reshape(pair_Tk, (PAIRS_X,))
     valid_X = tl.reshape(valid_Tk, (PAIRS_X,))
     expert_X = tl.load(ids_ptr + pair_X, mask=valid_X, other=0).to(tl.int32)
     # per expert: all its pairs, and those before this program's first pair
     experts = tl.arange(0, BLOCK_E)
-    first_pair = tl.program_id(0).to(tl.int64) * ROWS * TOP_K
-    total_E = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    before_E = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    for start in range(0, num_pairs, COUNT_BLOCK):
-        i = start + tl.arange(0, COUNT_BLOCK)
-        ids = tl.load(ids_ptr + i, mask=i < num_pairs, other=-1).to(tl.int32)
-        hit = (ids[:, None] == experts[None, :]).to(tl.int32)
-        total_E += tl.sum(hit, axis=0)
-        before_E += tl.sum(hit * (i < first_pair).to(tl.int32)[:, None], axis=0)
+    if COUNTED:
+        before_E = tl.load(counts_ptr + tl.program_id(0) * BLOCK_E + experts)
+        total_E = tl.load(counts_ptr + tl.num_programs(0) * BLOCK_E + experts)
+    else:
+        first_pair = tl.program_id(0).to(tl.int64) * ROWS * TOP_K
+        total_E = tl.zeros((BLOCK_E,), dtype=tl.int32)
+        before_E = tl.zeros((BLOCK_E,), dtype=tl.int32)
+        for start in range(0, num_pairs, COUNT_BLOCK):
+            i = start + tl.arange(0, COUNT_BLOCK)
+            ids = tl.load(ids_ptr + i, mask=i < num_pairs, other=-1).to(tl.int32)
+            hit = (ids[:, None] == experts[None, :]).to(tl.int32)
+            total_E += tl.sum(hit, axis=0)
+            before_E += tl.sum(hit * (i < first_pair).to(tl.int32)[:, None], axis=0)
     ends_E = tl.cumsum(total_E, axis=0)
     # place = the expert's first place + its pairs before this program + earlier pairs of it in this program
     start_E = ends_E - total_E + before_E
@@ -190,31 +244,44 @@ def topk_layout_kernel(
 
 def topk_layout(topk_ids_Tk: torch.Tensor, num_experts: int, topk_weights_Tk: torch.Tensor | None = None):
     """`(order_N, pair_row_N, weight_N, expert_offsets, row_pairs_N, row_offsets)` of pairs straight from a
-    top-k routing (`topk_layout_kernel`; weight_N is None without weights). One launch, one int64 buffer;
-    at most `TOPK_MAX_PAIRS` pairs of at most `TOPK_MAX_EXPERTS` experts and, per token, all k experts in
-    [0, num_experts) (not checked: reading them would synchronise)."""
+    top-k routing (`topk_layout_kernel`; weight_N is None without weights). One launch up to
+    `TOPK_ONE_LAUNCH_PAIRS` pairs, three above; one int64 buffer. At most `TOPK_MAX_EXPERTS` experts and, per
+    token, all k experts in [0, num_experts) (not checked: reading them would synchronise)."""
     num_tokens, top_k = topk_ids_Tk.shape
     num_pairs = num_tokens * top_k
-    if num_pairs > TOPK_MAX_PAIRS or num_experts > TOPK_MAX_EXPERTS:
+    if num_experts > TOPK_MAX_EXPERTS:
         raise ValueError(
-            f"topk_layout places at most TOPK_MAX_PAIRS={TOPK_MAX_PAIRS} pairs of at most TOPK_MAX_EXPERTS="
-            f"{TOPK_MAX_EXPERTS} experts in one launch; got {num_tokens} tokens x top-{top_k} = {num_pairs} pairs "
-            f"of {num_experts} experts"
+            f"topk_layout places the pairs of at most TOPK_MAX_EXPERTS={TOPK_MAX_EXPERTS} experts; got {num_experts}"
         )
-    index = torch.empty(4 * num_pairs + num_experts + num_tokens + 2, dtype=torch.int64, device=topk_ids_Tk.device)
+    num_programs = max(1, -(-num_tokens // TOPK_ROWS))
+    counted = num_pairs > TOPK_ONE_LAUNCH_PAIRS
+    block_e = next_power_of_2(num_experts + 1)
+    counts_int64 = -(-(num_programs + 1) * block_e // 2) if counted else 0  # int32 counts in int64 slots
+    size = 3 * num_pairs + num_experts + num_tokens + 2 + counts_int64
+    index = torch.empty(size, dtype=torch.int64, device=topk_ids_Tk.device)
     order_N, pair_row_N, row_pairs_N = index[:num_pairs], index[num_pairs : 2 * num_pairs], index[2 * num_pairs : 3 * num_pairs]
     offsets = index[3 * num_pairs : 3 * num_pairs + num_experts + 1]
     row_offsets = index[3 * num_pairs + num_experts + 1 : 3 * num_pairs + num_experts + num_tokens + 2]
+    counts = index[3 * num_pairs + num_experts + num_tokens + 2 :].view(torch.int32) if counted else index
     weight_N = None if topk_weights_Tk is None else topk_weights_Tk.new_empty(num_pairs)
     ids = topk_ids_Tk.contiguous()
+    shape = dict(TOP_K=top_k, K_BLOCK=next_power_of_2(top_k), ROWS=TOPK_ROWS, BLOCK_E=block_e)
+    if counted:
+        launch(topk_count_kernel, (num_programs,), ids, num_tokens, counts, **shape, num_warps=4)
+        scan_experts = min(_SCAN_EXPERTS, block_e)
+        launch(
+            topk_scan_kernel, (block_e // scan_experts,), counts, num_programs,
+            BLOCK_E=block_e, SCAN_PROGRAMS=_SCAN_PROGRAMS, SCAN_EXPERTS=scan_experts, num_warps=4,
+        )  # fmt: skip
     launch(
-        topk_layout_kernel, (max(1, -(-num_tokens // TOPK_ROWS)),),
+        topk_layout_kernel, (num_programs,),
         ids, ids if weight_N is None else topk_weights_Tk.contiguous(), num_tokens, num_experts,
-        order_N, pair_row_N, pair_row_N if weight_N is None else weight_N, offsets, row_pairs_N, row_offsets,
-        TOP_K=top_k, K_BLOCK=next_power_of_2(top_k), ROWS=TOPK_ROWS, BLOCK_E=next_power_of_2(num_experts + 1),
-        COUNT_BLOCK=_COUNT_BLOCK, HAS_WEIGHTS=weight_N is not None, num_warps=4,
+        order_N, pair_row_N, pair_row_N if weight_N is None else weight_N, offsets, row_pairs_N, row_offsets, counts,
+        **shape, COUNT_BLOCK=_COUNT_BLOCK, HAS_WEIGHTS=weight_N is not None, COUNTED=counted, num_warps=4,
     )  # fmt: skip
     return order_N, pair_row_N, weight_N, offsets, row_pairs_N, row_offsets
 
 
-__all__ = ["MAX_PAIRS", "TOPK_MAX_EXPERTS", "TOPK_MAX_PAIRS", "fits_one_program", "sort_by_group", "topk_layout"]
+__all__ = [
+    "MAX_PAIRS", "TOPK_MAX_EXPERTS", "TOPK_ONE_LAUNCH_PAIRS", "fits_one_program", "sort_by_group", "topk_layout",
+]  # fmt: skip

@@ -260,18 +260,17 @@ def test_direct_launch_passes_every_parameter(tuner):
 
 
 def test_topk_layout_only_where_it_was_run():
-    """`from_topk` takes the one-launch layout on CUDA up to `TOPK_MAX_PAIRS` pairs of `TOPK_MAX_EXPERTS` experts
-    (the sizes it has run at on a GPU), torch's sort elsewhere."""
+    """`from_topk` takes the Triton layout on CUDA up to `TOPK_MAX_EXPERTS` experts (the most it has run with on
+    a GPU), any number of pairs; torch's sort elsewhere."""
     from types import SimpleNamespace
 
     from occult_hf.kernels import layout
-    from occult_hf.kernels.triton_layout import TOPK_MAX_EXPERTS, TOPK_MAX_PAIRS
+    from occult_hf.kernels.triton_layout import TOPK_MAX_EXPERTS, TOPK_ONE_LAUNCH_PAIRS
 
     def ids(numel, is_cuda=True):
         return SimpleNamespace(is_cuda=is_cuda, numel=lambda: numel)
 
-    assert layout.topk_kernel_applies(ids(TOPK_MAX_PAIRS), TOPK_MAX_EXPERTS)
-    assert not layout.topk_kernel_applies(ids(TOPK_MAX_PAIRS + 1), TOPK_MAX_EXPERTS)
+    assert layout.topk_kernel_applies(ids(TOPK_ONE_LAUNCH_PAIRS + 1), TOPK_MAX_EXPERTS)
     assert not layout.topk_kernel_applies(ids(128), TOPK_MAX_EXPERTS + 1)
     assert not layout.topk_kernel_applies(ids(128, is_cuda=False), 8) and not layout.topk_kernel_applies(ids(0), 8)
 
@@ -298,12 +297,14 @@ def test_one_program_layout_is_torchs_stable_sort(interpreted, num_pairs):
     assert torch.equal(row_offsets, torch.searchsorted(sorted_N, torch.arange(rows + 1)))
 
 
-@pytest.mark.parametrize("tokens, top_k, experts", [(1, 1, 3), (37, 6, 5), (70, 8, 64)])
-def test_topk_layout_is_the_from_pairs_layout(interpreted, monkeypatch, tokens, top_k, experts):
-    """`ExpertSegments.from_topk` through `topk_layout_kernel` (one launch, several programs: 16 tokens each)
-    gives `from_pairs`'s layout of the same pairs, the row -> pairs index `plan_launch` would build, the
-    weights in segment order, and their gradient put back at the top-k places."""
-    from occult_hf.kernels import layout
+@pytest.mark.parametrize("one_launch_pairs", [16384, 0], ids=["one launch", "counted first"])
+@pytest.mark.parametrize("tokens, top_k, experts", [(1, 1, 3), (37, 6, 5), (70, 8, 64), (200, 2, 7)])
+def test_topk_layout_is_the_from_pairs_layout(interpreted, monkeypatch, tokens, top_k, experts, one_launch_pairs):
+    """`ExpertSegments.from_topk` through `topk_layout_kernel` (several programs: 16 tokens each, the last one
+    ragged), in one launch and after `topk_count_kernel` and `topk_scan_kernel` (13 programs: a scan over two
+    steps of 8 programs' counts), gives `from_pairs`'s layout of the same pairs, the row -> pairs index
+    `plan_launch` would build, the weights in segment order, and their gradient put back at the top-k places."""
+    from occult_hf.kernels import layout, triton_layout
 
     generator = torch.Generator().manual_seed(tokens)
     ids_Tk = torch.randint(0, experts, (tokens, top_k), generator=generator)
@@ -312,6 +313,8 @@ def test_topk_layout_is_the_from_pairs_layout(interpreted, monkeypatch, tokens, 
     expected, order_N = ExpertSegments.from_pairs(row_N, ids_Tk.reshape(-1), tokens, experts)
     expected_row_pairs_N, expected_row_offsets = triton_expert_mlp._row_index(expected.pair_row, tokens)
     monkeypatch.setattr(layout, "topk_kernel_applies", lambda *args: True)
+    monkeypatch.setattr(triton_layout, "TOPK_ONE_LAUNCH_PAIRS", one_launch_pairs)
+    monkeypatch.setattr(triton_layout, "_SCAN_PROGRAMS", 8)
     segments, weight_N = ExpertSegments.from_topk(ids_Tk, weights_Tk, experts)
     assert torch.equal(segments.pair_row, expected.pair_row) and torch.equal(segments.expert_offsets, expected.expert_offsets)
     assert torch.equal(segments.row_pairs, expected_row_pairs_N) and torch.equal(segments.row_offsets, expected_row_offsets)
@@ -706,11 +709,12 @@ def test_bf16_small_t_matches_fp32_reference():
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("tokens", [128, 1024, 2048])
+@pytest.mark.parametrize("tokens", [128, 1024, 2048, 4099, 16384])
 @pytest.mark.parametrize("top_k, experts", [(8, 64), (6, 64), (4, 60)], ids=["olmoe", "deepseek", "qwen1.5"])
 def test_topk_layout_on_gpu_is_the_sort_layout(tokens, top_k, experts):
-    """`ExpertSegments.from_topk`'s one launch (compiled, up to 16384 pairs: 128 programs) gives torch's
-    stable-sort layout, the row index torch's sort gives, and the weights in that order."""
+    """`ExpertSegments.from_topk`'s Triton layout (compiled; one launch up to 16384 pairs, 128 programs, then
+    three: count, scan over 257-1024 programs in steps of 256, place; 4099 tokens make a ragged last step)
+    gives torch's stable-sort layout, the row index torch's sort gives, and the weights in that order."""
     from occult_hf.kernels.layout import _sort_pairs_torch
 
     generator = torch.Generator(device="cuda").manual_seed(tokens + top_k)

@@ -121,8 +121,9 @@ def hf_experts_module(shape: ExpertShape, device, dtype) -> torch.nn.Module:
 
 
 def _layout_then(kernel: Callable, **kwargs) -> Callable:
-    """forward(...) of one of our kernels, the layout included in every call (`ExpertSegments.from_topk`: one
-    Triton launch up to `TOPK_MAX_PAIRS` pairs, torch's sort above), as transformers' modules sort theirs."""
+    """forward(...) of one of our kernels, the layout included in every call (`ExpertSegments.from_topk`: one to
+    three Triton launches up to `TOPK_MAX_EXPERTS` experts, torch's sort above), as transformers' modules sort
+    theirs."""
 
     def forward(module, x_TH, topk_ids_Tk, topk_weights_Tk):
         segments, weight_N = ExpertSegments.from_topk(topk_ids_Tk, topk_weights_Tk, module.gate_up_proj.shape[0])
