@@ -57,11 +57,11 @@ def _act_mul(plan: LaunchPlan, gu_N2I: torch.Tensor, pair_weight_N: torch.Tensor
     """hw [N, I] = w * act(gate) * up."""
     intermediate = gu_N2I.shape[1] // 2
     hw_NI = torch.empty(plan.num_pairs, intermediate, dtype=gu_N2I.dtype, device=gu_N2I.device)
-    block_m, block_n = _kernels.ACT_BLOCK
-    launch(
-        _kernels.act_mul_kernel, (cdiv(plan.num_pairs, block_m), cdiv(intermediate, block_n)),
-        gu_N2I, pair_weight_N, plan.segments_end, hw_NI, plan.num_pairs, intermediate,
-        ACTIVATION=plan.activation, BLOCK_M=block_m, BLOCK_N=block_n,
+    grid = lambda meta: (cdiv(plan.num_pairs, meta["BLOCK_M"]), cdiv(intermediate, meta["BLOCK_N"]))  # noqa: E731
+    run_tuned(
+        _kernels.act_mul_kernel, grid, (gu_N2I.dtype, intermediate, plan.rows_per_expert, plan.activation),
+        gu_N2I, pair_weight_N, plan.segments_end, hw_NI, plan.num_pairs, intermediate, plan.rows_per_expert,
+        ACTIVATION=plan.activation,
     )  # fmt: skip
     return hw_NI
 

@@ -19,9 +19,9 @@ backward the autograd of each (docs/kernels.md). These kernels do that work in o
                         epilogue (`dgate_up_epilogue`), so both backends compute the same values.
 
 The per-row sum of the pair outputs is the Triton backend's `segment_sum_kernel` (fp32, pair order).
-The elementwise kernels have one fixed tile each; the gather's tile is tuned per (H, size class), and like the
-Triton backend's tuned kernels it runs the chosen config directly after the first call (`run_tuned`: no tuner's
-host time per call, which at small T is the call's time). Under `TRITON_INTERPRET=1` the tiles are small, so
+The gather's and `act_mul_kernel`'s tiles are tuned per (H or I, size class), the backward's elementwise kernel has
+one fixed tile; like the Triton backend's tuned kernels, the tuned ones run the chosen config directly after the
+first call (`run_tuned`: no tuner's host time per call, which at small T is the call's time). Under `TRITON_INTERPRET=1` the tiles are small, so
 tiny test shapes span several.
 """
 
@@ -36,18 +36,21 @@ from .triton_expert_mlp_kernels import INTERPRETED, apply_activation, bench_conf
 #: rows a program holds in flight decides how close it gets to copy speed. H200, OLMoE T = 16384 (2026-12-01):
 #: 0.195 ms with the first of them (04:16 UTC profile), 0.178-0.183 ms with the tuner's 32 x 256 x 4 (04:58)
 _GATHER_HOPPER = [(8, 512, 4), (16, 512, 4), (8, 1024, 4), (16, 1024, 8), (32, 256, 4), (4, 2048, 8)]
-#: (BLOCK_M, BLOCK_N) of the other elementwise kernels: 4096 elements a program on the GPU
-ACT_BLOCK = (4, 16) if INTERPRETED else (16, 256)
+#: the same for `act_mul_kernel`, per (I, size class). H200 (2026-12-01 12:49 UTC, each tile alone) at OLMoE /
+#: Qwen1.5 / DeepSeek T = 16384: 16 x 256 x 4 (the fixed tile before) 0.224 / 0.164 / 0.241 ms, 8 x 512 x 4
+#: 0.214 / 0.158 / 0.232, 4 x 1024 x 4 0.201 / 0.172 / 0.254; wider tiles or 8 warps were slower everywhere
+_ACT_HOPPER = [(16, 256, 4), (8, 512, 4), (4, 1024, 4)]
+#: (BLOCK_M, BLOCK_N) of the backward's elementwise kernel: 2048 elements a step of its column loop
 ACT_BACKWARD_BLOCK = (4, 16) if INTERPRETED else (16, 128)
 
 
-def _gather_configs() -> list[triton.Config]:
+def _tile_configs(candidates: list[tuple]) -> list[triton.Config]:
     if INTERPRETED:  # one small tile: tiny test shapes span several programs
         return [triton.Config({"BLOCK_M": 4, "BLOCK_N": 16}, num_warps=1, num_stages=1)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps) for m, n, warps in _GATHER_HOPPER]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps) for m, n, warps in candidates]
 
 
-@triton.autotune(configs=_gather_configs(), key=["H", "ROWS_PER_EXPERT"], do_bench=bench_config)
+@triton.autotune(configs=_tile_configs(_GATHER_HOPPER), key=["H", "ROWS_PER_EXPERT"], do_bench=bench_config)
 @triton.jit
 def gather_rows_kernel(
     src_ptr,  # [R, H]
@@ -70,6 +73,7 @@ def gather_rows_kernel(
     tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_out + offs_h[None, :], values, mask=mask)
 
 
+@triton.autotune(configs=_tile_configs(_ACT_HOPPER), key=["I", "ROWS_PER_EXPERT"], do_bench=bench_config)
 @triton.jit
 def act_mul_kernel(
     gu_ptr,  # [N, 2I]: gate columns, then up columns
@@ -78,6 +82,7 @@ def act_mul_kernel(
     hw_ptr,  # [N, I] out
     num_pairs,
     I,
+    ROWS_PER_EXPERT,  # autotuning key only: the call's size class
     ACTIVATION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -128,4 +133,4 @@ def act_mul_backward_kernel(
     tl.store(dweight_ptr + offs_m, total.to(dweight_ptr.dtype.element_ty), mask=offs_m < num_pairs)
 
 
-__all__ = ["ACT_BACKWARD_BLOCK", "ACT_BLOCK", "act_mul_backward_kernel", "act_mul_kernel", "gather_rows_kernel"]
+__all__ = ["ACT_BACKWARD_BLOCK", "act_mul_backward_kernel", "act_mul_kernel", "gather_rows_kernel"]
