@@ -78,8 +78,8 @@ class ExpertSegments:
         an expert, the same layout as `from_topk_ids`. Returns the segments and
         the routing weights in segment order `[N]` (differentiable with respect to `topk_weights_Tk`).
 
-        On CUDA with Triton, up to `triton_layout.TOPK_MAX_EXPERTS` experts, one launch (three above
-        `TOPK_ONE_LAUNCH_PAIRS` pairs) builds the segments, the row -> pairs index and the weights in segment
+        On CUDA with Triton, up to `triton_layout.TOPK_MAX_EXPERTS` experts, one launch (three for more pairs or
+        experts, `triton_layout.one_launch`) builds the segments, the row -> pairs index and the weights in segment
         order (`topk_layout`), instead of an arange, a division, two sorts and an indexing with its backward (at
         small T the host's time per operator is the call's time; at large T their three dozen kernels). Expert
         ids must lie in [0, E) (not checked: reading them would synchronise)."""

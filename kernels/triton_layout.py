@@ -18,10 +18,11 @@ come in row order) needs no comparison sort: a stable counting sort by expert ke
 expert. `topk_layout_kernel` places the pairs of `TOPK_ROWS` tokens a program: it needs, per expert, all its
 pairs (the segment offsets) and those before its own first pair (its start in each segment), ranks its own
 pairs among equal experts, and writes their places, rows and weights in segment order; the row -> pairs index
-needs only each row's k places in ascending order, a sort of k values. Up to `TOPK_ONE_LAUNCH_PAIRS` pairs each
+needs only each row's k places in ascending order, a sort of k values. Where that is cheap (`one_launch`) each
 program counts those over all pairs itself: one launch (at OLMoE T = 1024, 8192 pairs, that replaces two torch
 sorts, a dozen radix passes and memsets, and about ten small operators around them). Counting all pairs in
-every program grows as N^2, so above it two small launches come first: `topk_count_kernel` counts each
+every program grows as N^2 (and as E: one counting step holds [256, E] compares), so elsewhere two small launches
+come first: `topk_count_kernel` counts each
 program's pairs per expert and `topk_scan_kernel` turns the counts into each program's pairs before it
 (an exclusive prefix over the programs) and the totals, which the placing programs then read.
 """
@@ -117,12 +118,17 @@ def sort_by_group(group_N: torch.Tensor, num_groups: int, minor_N: torch.Tensor 
     return order_N, offsets, minor_sorted_N
 
 
-#: most pairs for which every program of `topk_layout_kernel` counts all pairs itself (one launch; N x E work a
-#: program, T / `TOPK_ROWS` programs); above them `topk_count_kernel` and `topk_scan_kernel` count first
-TOPK_ONE_LAUNCH_PAIRS = 16384
-#: most experts `topk_layout_kernel` takes: its counting step holds [256, E] compares a program, and it has run
-#: on a GPU with 60 and 64 experts (2026-12-01); layers with more experts keep torch's sort
-TOPK_MAX_EXPERTS = 64
+#: most pairs x BLOCK_E for which every program of `topk_layout_kernel` counts all pairs itself (one launch);
+#: beyond it, or above `TOPK_ONE_LAUNCH_BLOCK_E`, `topk_count_kernel` and `topk_scan_kernel` count first. H200
+#: (2026-12-01 13:14 UTC, whole `from_topk` calls, k = 8, interleaved): one launch against the three, in us, at
+#: 64 experts (BLOCK_E 128) 1024 / 8192 / 16384 / 32768 pairs: 48 / 57 / 106 / 328 against 103 / 79 / 88 / 109;
+#: at 128 experts 1024 / 8192 pairs: 21 / 109 against 26 / 26; at 256 experts 1024 pairs: 265 against 49
+TOPK_ONE_LAUNCH_WORK = 1 << 20
+#: widest expert block the one launch takes (its [256, BLOCK_E] counting step spills above it)
+TOPK_ONE_LAUNCH_BLOCK_E = 256
+#: most experts `topk_layout` takes: run on a GPU with 60, 64, 128 and 256 experts (2026-12-01); the count kernel
+#: holds [16 k, BLOCK_E] compares a program. Layers with more experts keep torch's sort
+TOPK_MAX_EXPERTS = 256
 #: tokens a program of `topk_layout_kernel` places (its pairs are ranked by a [k R, k R] comparison)
 TOPK_ROWS = 16
 #: pairs a step of the counting loop reads
@@ -242,10 +248,16 @@ def topk_layout_kernel(
         tl.store(row_offsets_ptr + num_tokens, num_pairs.to(tl.int64))
 
 
+def one_launch(num_pairs: int, block_e: int) -> bool:
+    """Whether `topk_layout_kernel` counts the pairs itself (one launch) rather than after `topk_count_kernel` and
+    `topk_scan_kernel`: few pairs of few experts (`TOPK_ONE_LAUNCH_WORK`, `TOPK_ONE_LAUNCH_BLOCK_E`)."""
+    return num_pairs * block_e <= TOPK_ONE_LAUNCH_WORK and block_e <= TOPK_ONE_LAUNCH_BLOCK_E
+
+
 def topk_layout(topk_ids_Tk: torch.Tensor, num_experts: int, topk_weights_Tk: torch.Tensor | None = None):
     """`(order_N, pair_row_N, weight_N, expert_offsets, row_pairs_N, row_offsets)` of pairs straight from a
-    top-k routing (`topk_layout_kernel`; weight_N is None without weights). One launch up to
-    `TOPK_ONE_LAUNCH_PAIRS` pairs, three above; one int64 buffer. At most `TOPK_MAX_EXPERTS` experts and, per
+    top-k routing (`topk_layout_kernel`; weight_N is None without weights). One launch where `one_launch`
+    says, three elsewhere; one int64 buffer. At most `TOPK_MAX_EXPERTS` experts and, per
     token, all k experts in [0, num_experts) (not checked: reading them would synchronise)."""
     num_tokens, top_k = topk_ids_Tk.shape
     num_pairs = num_tokens * top_k
@@ -254,8 +266,8 @@ def topk_layout(topk_ids_Tk: torch.Tensor, num_experts: int, topk_weights_Tk: to
             f"topk_layout places the pairs of at most TOPK_MAX_EXPERTS={TOPK_MAX_EXPERTS} experts; got {num_experts}"
         )
     num_programs = max(1, -(-num_tokens // TOPK_ROWS))
-    counted = num_pairs > TOPK_ONE_LAUNCH_PAIRS
     block_e = next_power_of_2(num_experts + 1)
+    counted = not one_launch(num_pairs, block_e)
     counts_int64 = -(-(num_programs + 1) * block_e // 2) if counted else 0  # int32 counts in int64 slots
     size = 3 * num_pairs + num_experts + num_tokens + 2 + counts_int64
     index = torch.empty(size, dtype=torch.int64, device=topk_ids_Tk.device)
@@ -283,5 +295,6 @@ def topk_layout(topk_ids_Tk: torch.Tensor, num_experts: int, topk_weights_Tk: to
 
 
 __all__ = [
-    "MAX_PAIRS", "TOPK_MAX_EXPERTS", "TOPK_ONE_LAUNCH_PAIRS", "fits_one_program", "sort_by_group", "topk_layout",
+    "MAX_PAIRS", "TOPK_MAX_EXPERTS", "TOPK_ONE_LAUNCH_BLOCK_E", "TOPK_ONE_LAUNCH_WORK", "fits_one_program",
+    "one_launch", "sort_by_group", "topk_layout",
 ]  # fmt: skip

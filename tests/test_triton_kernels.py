@@ -261,18 +261,20 @@ def test_direct_launch_passes_every_parameter(tuner):
 
 def test_topk_layout_only_where_it_was_run():
     """`from_topk` takes the Triton layout on CUDA up to `TOPK_MAX_EXPERTS` experts (the most it has run with on
-    a GPU), any number of pairs; torch's sort elsewhere."""
+    a GPU), any number of pairs; torch's sort elsewhere. One launch only for few pairs of few experts."""
     from types import SimpleNamespace
 
     from occult_hf.kernels import layout
-    from occult_hf.kernels.triton_layout import TOPK_MAX_EXPERTS, TOPK_ONE_LAUNCH_PAIRS
+    from occult_hf.kernels.triton_layout import TOPK_MAX_EXPERTS, one_launch
 
     def ids(numel, is_cuda=True):
         return SimpleNamespace(is_cuda=is_cuda, numel=lambda: numel)
 
-    assert layout.topk_kernel_applies(ids(TOPK_ONE_LAUNCH_PAIRS + 1), TOPK_MAX_EXPERTS)
+    assert layout.topk_kernel_applies(ids(1 << 20), TOPK_MAX_EXPERTS)
     assert not layout.topk_kernel_applies(ids(128), TOPK_MAX_EXPERTS + 1)
     assert not layout.topk_kernel_applies(ids(128, is_cuda=False), 8) and not layout.topk_kernel_applies(ids(0), 8)
+    assert one_launch(8192, 128) and not one_launch(16384, 128)  # 64 experts: T = 1024 / 2048 at k = 8
+    assert one_launch(1024, 256) and not one_launch(8192, 256) and not one_launch(1024, 512)
 
 
 @pytest.mark.parametrize("num_pairs", [1, 37, 300])
@@ -297,9 +299,9 @@ def test_one_program_layout_is_torchs_stable_sort(interpreted, num_pairs):
     assert torch.equal(row_offsets, torch.searchsorted(sorted_N, torch.arange(rows + 1)))
 
 
-@pytest.mark.parametrize("one_launch_pairs", [16384, 0], ids=["one launch", "counted first"])
+@pytest.mark.parametrize("one_launch_work", [1 << 20, 0], ids=["one launch", "counted first"])
 @pytest.mark.parametrize("tokens, top_k, experts", [(1, 1, 3), (37, 6, 5), (70, 8, 64), (200, 2, 7)])
-def test_topk_layout_is_the_from_pairs_layout(interpreted, monkeypatch, tokens, top_k, experts, one_launch_pairs):
+def test_topk_layout_is_the_from_pairs_layout(interpreted, monkeypatch, tokens, top_k, experts, one_launch_work):
     """`ExpertSegments.from_topk` through `topk_layout_kernel` (several programs: 16 tokens each, the last one
     ragged), in one launch and after `topk_count_kernel` and `topk_scan_kernel` (13 programs: a scan over two
     steps of 8 programs' counts), gives `from_pairs`'s layout of the same pairs, the row -> pairs index
@@ -313,7 +315,7 @@ def test_topk_layout_is_the_from_pairs_layout(interpreted, monkeypatch, tokens, 
     expected, order_N = ExpertSegments.from_pairs(row_N, ids_Tk.reshape(-1), tokens, experts)
     expected_row_pairs_N, expected_row_offsets = triton_expert_mlp._row_index(expected.pair_row, tokens)
     monkeypatch.setattr(layout, "topk_kernel_applies", lambda *args: True)
-    monkeypatch.setattr(triton_layout, "TOPK_ONE_LAUNCH_PAIRS", one_launch_pairs)
+    monkeypatch.setattr(triton_layout, "TOPK_ONE_LAUNCH_WORK", one_launch_work)
     monkeypatch.setattr(triton_layout, "_SCAN_PROGRAMS", 8)
     segments, weight_N = ExpertSegments.from_topk(ids_Tk, weights_Tk, experts)
     assert torch.equal(segments.pair_row, expected.pair_row) and torch.equal(segments.expert_offsets, expected.expert_offsets)
@@ -710,11 +712,15 @@ def test_bf16_small_t_matches_fp32_reference():
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("tokens", [128, 1024, 2048, 4099, 16384])
-@pytest.mark.parametrize("top_k, experts", [(8, 64), (6, 64), (4, 60)], ids=["olmoe", "deepseek", "qwen1.5"])
+@pytest.mark.parametrize(
+    "top_k, experts",
+    [(8, 64), (6, 64), (4, 60), (8, 128), (8, 256)],
+    ids=["olmoe", "deepseek", "qwen1.5", "qwen3", "deepseek-v3"],
+)
 def test_topk_layout_on_gpu_is_the_sort_layout(tokens, top_k, experts):
-    """`ExpertSegments.from_topk`'s Triton layout (compiled; one launch up to 16384 pairs, 128 programs, then
-    three: count, scan over 257-1024 programs in steps of 256, place; 4099 tokens make a ragged last step)
-    gives torch's stable-sort layout, the row index torch's sort gives, and the weights in that order."""
+    """`ExpertSegments.from_topk`'s Triton layout (compiled; one launch for few pairs of few experts, else three:
+    count, scan over up to 1024 programs in steps of 256, place; 4099 tokens make a ragged last step) gives
+    torch's stable-sort layout, the row index torch's sort gives, and the weights in that order."""
     from occult_hf.kernels.layout import _sort_pairs_torch
 
     generator = torch.Generator(device="cuda").manual_seed(tokens + top_k)

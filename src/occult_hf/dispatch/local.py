@@ -38,7 +38,7 @@ class LocalDispatcher(TokenDispatcher):
             dest_Tk, local_Tk = self.destinations_of(routing)
             counts_D2 = device_match(dest_Tk, self.ep.num_devices, self.mode).counts_D2
         if one_device and self.mode == "dedup" and topk_kernel_applies(local_Tk, self.num_local_experts):
-            # the pairs are the top-k itself: its one-launch layout (elsewhere received_pairs' 8-bit-key sort)
+            # the pairs are the top-k itself: its Triton layout (elsewhere received_pairs' 8-bit-key sort)
             segments, pair_weight_N = ExpertSegments.from_topk(local_Tk, weights_Tk, self.num_local_experts)
         else:
             segments, pick_N = local_pairs(local_Tk, self.num_local_experts, self.mode)
