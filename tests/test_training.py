@@ -147,8 +147,6 @@ def test_occult_train_command_prepares_trains_and_writes_its_files(tmp_path):
 def test_shipped_tiny_checkpoint_is_small_self_describing_and_learned():
     from transformers import AutoTokenizer, OlmoeForCausalLM
 
-    from occult_hf.cli.demo import load_demo_documents
-
     path = Path(str(tiny_checkpoint_path()))
     assert sum(f.stat().st_size for f in path.iterdir()) <= 8 * 2**20
     recipe = json.loads((path / "recipe.json").read_text())
@@ -157,7 +155,9 @@ def test_shipped_tiny_checkpoint_is_small_self_describing_and_learned():
     assert log["steps"] == recipe["max_steps"]
     model = OlmoeForCausalLM.from_pretrained(path).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    text = " ".join(load_demo_documents())
+    # prose written for this test, never in the training corpus (one document a line)
+    prose = (Path(__file__).parent / "data" / "held_out_prose.txt").read_text()
+    text = " ".join(line for line in prose.splitlines() if line.strip())
     ids = tokenizer(text)["input_ids"]
     windows = np.array([ids[i : i + 128] for i in range(0, len(ids) - 128, 128)])
     torch.manual_seed(0)

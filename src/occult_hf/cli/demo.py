@@ -26,8 +26,6 @@ import torch
 from . import positive_int
 from .devices import add_num_devices_argument
 
-#: embedded prose snippet (one document per line, written for occult_hf, Apache-2.0 like the package)
-DEMO_TEXT = "demo_text.npz"
 #: the demo's text: occult_hf's own `.py` sources frozen at one commit (`snapshot_sources`), lzma-compressed JSON
 DEMO_SOURCES = "demo_sources.json.xz"
 
@@ -45,14 +43,6 @@ def register(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the profile's token sample")
     parser.add_argument("--no-plots", action="store_true", help="print the table only")
     parser.set_defaults(func=run)
-
-
-def load_demo_documents() -> list[str]:
-    """The embedded prose snippet's non-blank lines."""
-    with resources.as_file(resources.files("occult_hf") / "data" / DEMO_TEXT) as path:
-        with np.load(path, allow_pickle=False) as data:
-            text = str(data["text"])
-    return [line for line in text.split("\n") if line.strip()]
 
 
 def demo_sources() -> list[str]:
