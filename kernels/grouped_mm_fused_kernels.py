@@ -21,8 +21,8 @@ backward the autograd of each (docs/kernels.md). These kernels do that work in o
 The per-row sum of the pair outputs is the Triton backend's `segment_sum_kernel` (fp32, pair order).
 The gather's and `act_mul_kernel`'s tiles are tuned per (H or I, size class), the backward's elementwise kernel has
 one fixed tile; like the Triton backend's tuned kernels, the tuned ones run the chosen config directly after the
-first call (`run_tuned`: no tuner's host time per call, which at small T is the call's time). Under `TRITON_INTERPRET=1` the tiles are small, so
-tiny test shapes span several.
+first call (`run_tuned`: no tuner's host time per call, which at small T is the call's time). Under
+`TRITON_INTERPRET=1` the tiles are small, so tiny test shapes span several.
 """
 
 from __future__ import annotations

@@ -22,9 +22,9 @@ needs only each row's k places in ascending order, a sort of k values. Where tha
 program counts those over all pairs itself: one launch (at OLMoE T = 1024, 8192 pairs, that replaces two torch
 sorts, a dozen radix passes and memsets, and about ten small operators around them). Counting all pairs in
 every program grows as N^2 (and as E: one counting step holds [256, E] compares), so elsewhere two small launches
-come first: `topk_count_kernel` counts each
-program's pairs per expert and `topk_scan_kernel` turns the counts into each program's pairs before it
-(an exclusive prefix over the programs) and the totals, which the placing programs then read.
+come first: `topk_count_kernel` counts each program's pairs per expert and `topk_scan_kernel` turns the counts
+into each program's pairs before it (an exclusive prefix over the programs) and the totals, which the placing
+programs then read.
 """
 
 from __future__ import annotations
