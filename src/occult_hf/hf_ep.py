@@ -317,7 +317,8 @@ def _ep_blocks(model: nn.Module) -> list[tuple[int, str, nn.Module, OccultEP]]:
 
 
 def _resolve_ep_setup(model: nn.Module, occult_config):
-    """This rank's own checks of `apply_occult_ep`: `(config resolved, blocks, placement)`."""
+    """This rank's own checks of `apply_occult_ep`: `(config resolved, blocks)`; the resolved config holds the
+    `Placement` and the device count."""
     config = OccultConfig.coerce(OccultConfig() if occult_config is None else occult_config)
     blocks = _ep_blocks(model)
     first = blocks[0][3]
@@ -329,7 +330,7 @@ def _resolve_ep_setup(model: nn.Module, occult_config):
     layers = [layer for layer, _, _, _ in blocks]
     placement = _resolve_placement(config.placement, num_experts, ep.num_devices, layers)
     _check_equal_capacities(placement, layers, per_rank)
-    return replace(config, placement=placement, num_devices=ep.num_devices), blocks, placement
+    return replace(config, placement=placement, num_devices=ep.num_devices), blocks
 
 
 def _agreement_group(state):
@@ -350,7 +351,7 @@ def apply_occult_ep(model: nn.Module, occult_config: OccultConfig | dict | str |
     """
     state = getattr(model, _STATE_ATTR, None)
     try:
-        config, blocks, placement = _resolve_ep_setup(model, occult_config)
+        config, blocks = _resolve_ep_setup(model, occult_config)
     except Exception as error:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             raise
@@ -362,7 +363,7 @@ def apply_occult_ep(model: nn.Module, occult_config: OccultConfig | dict | str |
     group = _agreement_group(state)
     setup = effective_setup(config, [path for _, path, _, _ in blocks], _local(first.experts.gate_up_proj), model.config)
     check_agreement(setup, group, "apply_occult_ep", save_timeout_s())
-    adapter = adapter_for(model)
+    adapter, placement = adapter_for(model), config.placement
     orders = {layer: [e for d in range(ep.num_devices) for e in placement.experts_on(layer, d)] for layer in layers}
     if any(orders[layer] != impl.expert_order for layer, _, _, impl in blocks):
         _check_rows_movable(model, first)

@@ -92,7 +92,7 @@ def apply_occult(model: nn.Module, occult_config: OccultConfig | dict | str | No
     if getattr(model, STATE_ATTR, None) is not None:
         raise ValueError(f"{type(model).__name__} already has occult_hf applied; call unapply_occult(model) first")
     try:
-        config, adapter, blocks, placement, ep = _resolve_setup(model, occult_config, group)
+        config, adapter, blocks, ep = _resolve_setup(model, occult_config, group)
     except Exception as error:
         ep_group = ExpertParallelGroup.process_group(group)
         if ep_group is None or dist.get_world_size(ep_group) == 1:
@@ -110,7 +110,7 @@ def apply_occult(model: nn.Module, occult_config: OccultConfig | dict | str | No
         check_ranks_agree(state, _first_expert_weight(blocks[0][2]), "apply_occult", model.config)
     if config.prune in NEEDS_SIMILARITY:  # the profile must describe exactly this model's MoE layers
         load_pruning_profile(config.profile).check_compatible(model)
-    top_k = adapter.top_k(model.config)
+    top_k, placement = adapter.top_k(model.config), config.placement
     pruners = [
         pruner_for_placement(config, adapter, block, layer, placement, num_devices=ep.num_devices, top_k=top_k)
         for layer, _, block in blocks
@@ -130,7 +130,8 @@ def apply_occult(model: nn.Module, occult_config: OccultConfig | dict | str | No
 
 
 def _resolve_setup(model: nn.Module, occult_config, group):
-    """This rank's own checks of `apply_occult`: `(config resolved, adapter, blocks, placement, ep)`."""
+    """This rank's own checks of `apply_occult`: `(config resolved, adapter, blocks, ep)`; the resolved config holds
+    the `Placement` and the device count."""
     config = OccultConfig.coerce(OccultConfig() if occult_config is None else occult_config)
     adapter = adapter_for(model)
     blocks = list(adapter.iter_moe_blocks(model))
@@ -150,8 +151,7 @@ def _resolve_setup(model: nn.Module, occult_config, group):
     if placement is None:
         placement = Placement.contiguous(num_experts, ep.num_devices, layers)
     placement.validate_for(num_experts, layers, ep.num_devices)
-    config = replace(config, placement=placement, num_devices=ep.num_devices)
-    return config, adapter, blocks, placement, ep
+    return replace(config, placement=placement, num_devices=ep.num_devices), adapter, blocks, ep
 
 
 def unapply_occult(model: nn.Module) -> nn.Module:
