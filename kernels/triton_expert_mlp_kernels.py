@@ -65,10 +65,10 @@ ACTIVATIONS = {name: code for code, name in enumerate(_ACTIVATION_NAMES)}
 # tile takes 241 registers a thread (Triton 3.6, sm_90), so one program runs per multiprocessor and nothing
 # overlaps its epilogue (the gu loads, d gu and hw stores); capped at 128 (`maxnreg`, a few hundred bytes of
 # spills) two programs share a multiprocessor and one's epilogue runs beside the other's K loop: on the H200
-# (2026-12-01) 1.694 -> 1.580 ms at OLMoE T = 16384, 1.265 -> 1.103 at Qwen1.5, 0.308 -> 0.252 at OLMoE T = 2048. The candidates with
-# BLOCK_M <= `SMALL_M` are for small T (a handful of rows per expert, where streaming the weights is the
-# whole cost): `_prune_by_rows` tunes only the tiles that can win at the call's mean segment length, which
-# also keeps the tuning time of each key down. On the H200 (OLMoE, T = 128,
+# (2026-12-01) 1.694 -> 1.580 ms at OLMoE T = 16384, 1.265 -> 1.103 at Qwen1.5, 0.308 -> 0.252 at OLMoE T = 2048.
+# The candidates with BLOCK_M <= `SMALL_M` are for small T (a handful of rows per expert, where streaming the
+# weights is the whole cost): `_prune_by_rows` tunes only the tiles that can win at the call's mean segment
+# length, which also keeps the tuning time of each key down. On the H200 (OLMoE, T = 128,
 # 2026-11-30) the 16- and 32-row tiles streamed the gate/up weights at about 3.6 TB/s (0.150 ms against
 # 0.174 ms for the best 64-row tile); at T = 16384 four stages beat three for the 128x256 GEMM tile
 # (down projection 1.195 vs 1.244 ms, dx 2.08 vs 2.25 ms).

@@ -304,8 +304,9 @@ def test_one_program_layout_is_torchs_stable_sort(interpreted, num_pairs):
 def test_topk_layout_is_the_from_pairs_layout(interpreted, monkeypatch, tokens, top_k, experts, one_launch_work):
     """`ExpertSegments.from_topk` through `topk_layout_kernel` (several programs: 16 tokens each, the last one
     ragged; 200 experts: a 256-wide expert block), in one launch and after `topk_count_kernel` and
-    `topk_scan_kernel` (13 programs: a scan over two steps of 8 programs' counts), gives `from_pairs`'s layout of the same pairs, the row -> pairs index
-    `plan_launch` would build, the weights in segment order, and their gradient put back at the top-k places."""
+    `topk_scan_kernel` (13 programs: a scan over two steps of 8 programs' counts), gives `from_pairs`'s layout of
+    the same pairs, the row -> pairs index `plan_launch` would build, the weights in segment order, and their
+    gradient put back at the top-k places."""
     from occult_hf.kernels import layout, triton_layout
 
     generator = torch.Generator().manual_seed(tokens)
