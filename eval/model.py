@@ -36,10 +36,10 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils_hf import get_dtype
 
-from occult_hf import integration
-from occult_hf.checks import did_you_mean
+from occult_hf.hf.apply import install, lockstep_managed_by_caller, occult_config_of
+from occult_hf.utils.checks import did_you_mean
 from occult_hf.config import OccultConfig
-from occult_hf.logging_utils import get_logger
+from occult_hf.utils.logging import get_logger
 
 from .lockstep import ForwardLockstep
 
@@ -108,7 +108,7 @@ def load_occult_model(
     `occult_config=None` means the checkpoint's saved `occult_config`, else `OccultConfig()`. Under
     torch.distributed the EP group is the default group (every rank loads, each keeps its experts).
     """
-    integration.install()  # idempotent: what `import occult_hf` sets up
+    install()  # idempotent: what `import occult_hf` sets up
     if occult_config is None:
         config_kwargs = {k: load_kwargs[k] for k in ("revision", "trust_remote_code", "subfolder") if k in load_kwargs}
         saved = getattr(transformers.AutoConfig.from_pretrained(pretrained, **config_kwargs), "occult_config", None)
@@ -256,12 +256,12 @@ class OccultHFLM(HFLM):
         `generate` (synced_gpus off) runs here."""
         if self._lockstep is None:
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
-        with integration.lockstep_managed_by_caller(self.model):
+        with lockstep_managed_by_caller(self.model):
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
     def get_model_info(self) -> dict:
         info = super().get_model_info()
-        info["occult_config"] = integration.occult_config_of(self.model).to_dict()
+        info["occult_config"] = occult_config_of(self.model).to_dict()
         info["expert_parallel_world_size"] = self.world_size
         return info
 

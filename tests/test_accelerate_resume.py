@@ -41,7 +41,7 @@ def _launch(tmp_path, launcher: str, args: list[str]) -> None:
                        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                        "--main_process_port", str(free_port())],
     }  # fmt: skip
-    command = [sys.executable, "-m", *launchers[launcher], "-m", "occult_hf.finetune", *args]
+    command = [sys.executable, "-m", *launchers[launcher], "-m", "occult_hf.hf.finetune", *args]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, f"{launcher} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
 

@@ -21,14 +21,14 @@ from distributed import run_world
 from tiny_models import tiny_batch, tiny_model
 
 import occult_hf  # noqa: F401
-from occult_hf.callback import (
+from occult_hf.hf.callback import (
     RECENT_PROFILE_FILENAME,
     REPLANNED_PLACEMENT_FILENAME,
     DeviceLimitSchedule,
     OccultCallback,
 )
 from occult_hf.config import OccultConfig
-from occult_hf.integration import apply_occult
+from occult_hf.hf.apply import apply_occult
 from occult_hf.moe import OccultMoE
 from occult_hf.placement import Placement
 from occult_hf.profile import RoutingProfile

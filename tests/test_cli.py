@@ -224,7 +224,7 @@ def test_demo_main_job_runs_end_to_end(tmp_path, capsys):
 
 def test_place_several_profiles_with_replicas_prints_the_promises(tmp_path, capsys):
     from occult_hf.placement.validation import profile_from_sample
-    from occult_hf.studies.placement_study import structured_topk
+    from occult_hf.eval.studies.placement_study import structured_topk
 
     paths = []
     for name, seed in (("prefill", 0), ("decode", 1)):
@@ -249,7 +249,7 @@ def test_replan_keeps_primaries_and_moves_the_copies_to_what_is_hot_now(tmp_path
     are hot; the primaries stay, the copies move, and the recent load's max device drops."""
     from occult_hf.metrics import evaluate_placement
     from occult_hf.placement.validation import profile_from_sample
-    from occult_hf.studies.placement_study import structured_topk
+    from occult_hf.eval.studies.placement_study import structured_topk
 
     paths = {}
     for name, order in (("planned", 1), ("recent", -1)):  # the hot experts of "recent" are the cold ones of "planned"

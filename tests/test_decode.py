@@ -1,4 +1,4 @@
-"""Greedy decoding on static buffers (`occult_hf.decode`): the tokens of a plain greedy loop, and a
+"""Greedy decoding on static buffers (`occult_hf.hf.decode`): the tokens of a plain greedy loop, and a
 decode step (one process and 2-rank EP with the static "padded" dispatcher) that never reads the device
 on the host, which is what lets it run as one CUDA graph on the GPU."""
 
@@ -13,7 +13,7 @@ NEW_TOKENS = 6
 
 def _decode_checks(model, prompt_BS):
     """Tokens of the static decoder and of `generate` for `prompt_BS`, and whether a step is free of host reads."""
-    from occult_hf.decode import GreedyDecoder, HostSyncError, no_host_sync
+    from occult_hf.hf.decode import GreedyDecoder, HostSyncError, no_host_sync
 
     decoder = GreedyDecoder(model, batch_size=prompt_BS.shape[0], max_length=prompt_BS.shape[1] + NEW_TOKENS + 1, graph=False)
     ours = decoder.generate(prompt_BS, NEW_TOKENS).tokens
@@ -37,7 +37,7 @@ def _generate(model, prompt_BS):
 
 
 def test_no_host_sync_catches_host_reads():
-    from occult_hf.decode import HostSyncError, no_host_sync
+    from occult_hf.hf.decode import HostSyncError, no_host_sync
 
     t = torch.arange(4)
     with pytest.raises(HostSyncError):
@@ -69,8 +69,8 @@ def test_static_decoder_passes_the_cache_by_the_models_own_keyword(family):
     import inspect
     import warnings
 
-    from occult_hf._transformers_compat import cache_keyword
-    from occult_hf.decode import GreedyDecoder
+    from occult_hf.hf.compat import cache_keyword
+    from occult_hf.hf.decode import GreedyDecoder
 
     model = tiny_model(family).eval()
     keyword = cache_keyword(model)
@@ -85,7 +85,7 @@ def test_static_decoder_passes_the_cache_by_the_models_own_keyword(family):
 
 def _ep_world(rank, world):
     from occult_hf import apply_occult
-    from occult_hf.decode import use_dispatcher
+    from occult_hf.hf.decode import use_dispatcher
 
     model = tiny_model("olmoe").eval()
     prompts = torch.randint(0, model.config.vocab_size, (world, 1, 4), generator=torch.Generator().manual_seed(1))
@@ -101,7 +101,7 @@ def test_use_dispatcher_keeps_the_layers_replica_choice_and_pin_slack(monkeypatc
     (before, it fell back to the static rule and the default slack)."""
     import occult_hf.dispatch
     from occult_hf import apply_occult
-    from occult_hf.decode import use_dispatcher
+    from occult_hf.hf.decode import use_dispatcher
     from occult_hf.moe import OccultMoE
 
     model = tiny_model("olmoe").eval()

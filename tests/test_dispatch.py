@@ -207,7 +207,7 @@ def test_one_process_block_reads_nothing_on_the_host(mode):
     from tiny_models import tiny_model
 
     from occult_hf import OccultConfig
-    from occult_hf.integration import apply_occult, occult_modules
+    from occult_hf.hf.apply import apply_occult, occult_modules
 
     model = apply_occult(tiny_model("olmoe", seed=2), OccultConfig(num_devices=3, dispatch=mode, expert_backend="torch"))
     block = next(iter(occult_modules(model).values()))

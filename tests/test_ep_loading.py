@@ -1,4 +1,4 @@
-"""Per-rank expert loading on the `occult_config` path (`occult_hf.ep_loading`).
+"""Per-rank expert loading on the `occult_config` path (`occult_hf.hf.loading`).
 
 On 2 gloo ranks, `from_pretrained(path, occult_config=...)` must give the same model as the eager
 single-process load (logits, every local expert weight bit for bit) while each rank reads only the
@@ -72,8 +72,8 @@ def _placement(model, kind: str, num_devices: int):
 
 def _world(rank: int, world_size: int, directories: list[str]) -> list[dict]:
     import occult_hf
-    from occult_hf import ep_loading
-    from occult_hf.integration import occult_modules, unapply_occult
+    from occult_hf.hf import loading
+    from occult_hf.hf.apply import occult_modules, unapply_occult
     from transformers import AutoModelForCausalLM
 
     results = []
@@ -83,7 +83,7 @@ def _world(rank: int, world_size: int, directories: list[str]) -> list[dict]:
         model = AutoModelForCausalLM.from_pretrained(
             directory, dtype=torch.float32, occult_config=occult_hf.OccultConfig(placement=placement), device_map=device_map
         )
-        report = ep_loading.last_report
+        report = loading.last_report
         ids = tiny_batch(seed=300 + rank)
         with torch.no_grad():
             want, got = eager(ids).logits, model(ids).logits
@@ -112,7 +112,7 @@ def _world(rank: int, world_size: int, directories: list[str]) -> list[dict]:
             reloaded = AutoModelForCausalLM.from_pretrained(f"{directory}_ep", dtype=torch.float32)
             with torch.no_grad():
                 reloaded_err = float((reloaded(ids).logits - want).abs().max())
-            saved_report = (ep_loading.last_report.fallback_reason, ep_loading.last_report.experts_read, reloaded_err)
+            saved_report = (loading.last_report.fallback_reason, loading.last_report.experts_read, reloaded_err)
             del reloaded
         unapply_occult(model)  # collective: every rank gets the full original blocks back
         with torch.no_grad():
@@ -165,7 +165,7 @@ def test_each_rank_reads_only_its_experts_and_equals_the_eager_model(tmp_path):
 
 
 def test_device_maps_that_put_the_model_on_one_device_are_read_per_rank():
-    from occult_hf.ep_loading import device_of_map
+    from occult_hf.hf.loading import device_of_map
 
     for device_map, device in ((None, None), ("cpu", "cpu"), ({"": "cpu"}, "cpu"), ({"": "cuda:1"}, "cuda:1"), (1, "cuda:1"),
                                ({"model": "cpu", "lm_head": "cpu"}, "cpu"), (torch.device("cpu"), "cpu"), ({"": 0}, "cuda:0")):  # fmt: skip
@@ -182,8 +182,8 @@ def test_allocator_warmup_leaves_out_the_routed_experts(monkeypatch):
     import transformers.modeling_utils as modeling_utils
     from tiny_models import tiny_model
 
-    from occult_hf._transformers_compat import skip_allocator_warmup_for
-    from occult_hf.ep_loading import _routed_expert_filter
+    from occult_hf.hf.compat import skip_allocator_warmup_for
+    from occult_hf.hf.loading import _routed_expert_filter
 
     seen = []
     monkeypatch.setattr(modeling_utils, "caching_allocator_warmup", lambda model, device_map, quantizer: seen.append(device_map))

@@ -356,7 +356,7 @@ def test_occult_settings_resolve_from_a_file_or_fields(tmp_path):
 
 def test_occult_model_args_reach_the_model(assets, tmp_path):
     """Fields given in a model_args string (as lm-eval's CLI passes them) configure the runtime."""
-    from occult_hf.integration import occult_config_of
+    from occult_hf.hf.apply import occult_config_of
     from occult_hf.placement import Placement
 
     # experts interleaved over the two devices: not the contiguous default

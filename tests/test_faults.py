@@ -47,8 +47,8 @@ def _shuffled(num_experts=8, num_devices=2, layers=(0, 1), seed=0):
 
 
 def _expect_mismatch(rank, config_of_rank, model_of_rank, *words):
-    from occult_hf.agreement import EPConfigMismatchError
-    from occult_hf.integration import apply_occult
+    from occult_hf.distributed.agreement import EPConfigMismatchError
+    from occult_hf.hf.apply import apply_occult
 
     with pytest.raises(EPConfigMismatchError) as error:
         apply_occult(model_of_rank(rank), config_of_rank(rank))
@@ -80,8 +80,8 @@ def _mismatch_cases(rank):
 
     # one rank fails its own checks (a placement for 4 devices, a misspelt config key): it raises its error, and
     # the other, instead of waiting for it at the agreement for the process group's timeout (30 min), names it
-    from occult_hf.agreement import EPConfigMismatchError
-    from occult_hf.integration import apply_occult
+    from occult_hf.distributed.agreement import EPConfigMismatchError
+    from occult_hf.hf.apply import apply_occult
 
     for bad_config, error in (
         (OccultConfig(placement=Placement.contiguous(8, 4, [0, 1])), "placement is for num_devices=4 but the expert-parallel group has 2"),
@@ -98,10 +98,10 @@ def _stalled_peer_cases(rank, directory):
     import torch.distributed as dist
 
     from occult_hf import OccultConfig
-    from occult_hf.agreement import EPPeerError
-    from occult_hf._state import state_of
-    from occult_hf.checkpointing import check_model_ranks_agree
-    from occult_hf.integration import apply_occult
+    from occult_hf.distributed.agreement import EPPeerError
+    from occult_hf.hf.state import state_of
+    from occult_hf.hf.checkpointing import check_model_ranks_agree
+    from occult_hf.hf.apply import apply_occult
 
     def rank0_saves(seed, name, error_pattern, rank1_does):
         model = apply_occult(tiny_model("olmoe", seed=seed), OccultConfig(placement=_shuffled(seed=seed)))
@@ -129,7 +129,7 @@ def _stalled_peer_cases(rank, directory):
     assert not (Path(directory) / "stopped" / "config.json").exists()
 
     # the shared padded gather (PEFT adapters, saves) is bounded the same way
-    from occult_hf.collectives import gather_rows
+    from occult_hf.distributed.collectives import gather_rows
 
     group = dist.new_group([0, 1])
     if rank == 0:
@@ -147,7 +147,7 @@ def _stalled_exchange_cases(rank):
 
     from occult_hf import OccultConfig
     from occult_hf.dispatch.all_to_all import ExchangeError
-    from occult_hf.integration import apply_occult
+    from occult_hf.hf.apply import apply_occult
 
     for case in ("raises and stays alive", "stops early and calls a barrier"):
         model = apply_occult(tiny_model("olmoe", seed=4), OccultConfig(placement=_shuffled()), group=dist.new_group([0, 1]))
@@ -167,7 +167,7 @@ def _stalled_exchange_cases(rank):
 def _killed_peer_case(rank, report_file):
     """Last: rank 1 dies (exit code 17) between two MoE layers of a forward; rank 0 must fail fast."""
     from occult_hf import OccultConfig
-    from occult_hf.integration import apply_occult
+    from occult_hf.hf.apply import apply_occult
 
     model = apply_occult(tiny_model("olmoe", seed=4), OccultConfig(placement=_shuffled()))
     ids = tiny_batch(seed=rank)
@@ -185,7 +185,7 @@ def _killed_peer_case(rank, report_file):
 
 
 def _fault_world(rank, world_size, directory):
-    from occult_hf.integration import install
+    from occult_hf.hf.apply import install
 
     install()
     _mismatch_cases(rank)
@@ -233,7 +233,7 @@ def _fail_on(monkeypatch, target: str):
     elif target == "occult_placement.json":
         monkeypatch.setattr(Placement, "save", boom)
     elif target == "rename of config.json":
-        import occult_hf.checkpointing as checkpointing
+        import occult_hf.hf.checkpointing as checkpointing
 
         real = os.replace
 
@@ -250,7 +250,7 @@ def _killed_while_saving(rank, world_size, directory):
     from transformers import modeling_utils
 
     from occult_hf import OccultConfig
-    from occult_hf.integration import apply_occult, install
+    from occult_hf.hf.apply import apply_occult, install
 
     def die(tensors, path, *args, **kwargs):
         Path(path).write_bytes(b"half a file")
@@ -266,7 +266,7 @@ def test_interrupted_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeyp
     from transformers import AutoModelForCausalLM
 
     from occult_hf import OccultConfig
-    from occult_hf.integration import apply_occult, install, occult_config_of
+    from occult_hf.hf.apply import apply_occult, install, occult_config_of
 
     install()
     ids = tiny_batch(seed=1)

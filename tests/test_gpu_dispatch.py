@@ -33,7 +33,7 @@ pytestmark = [
 @pytest.mark.parametrize("mode", ["dedup", "per_expert"])
 def test_one_process_block_makes_no_host_sync(mode, backend):
     from occult_hf import OccultConfig
-    from occult_hf.integration import apply_occult, occult_modules
+    from occult_hf.hf.apply import apply_occult, occult_modules
 
     model = tiny_model("olmoe", seed=0).cuda().to(torch.bfloat16)
     apply_occult(model, OccultConfig(num_devices=4, dispatch=mode, expert_backend=backend))
@@ -80,7 +80,7 @@ def test_two_ranks_under_nccl_match_one_process_in_fp32():
 
 def _no_sync_world(rank, world_size):
     from occult_hf import OccultConfig
-    from occult_hf.integration import apply_occult, occult_modules
+    from occult_hf.hf.apply import apply_occult, occult_modules
 
     checked = []
     # "auto" with top-4 of 8 experts (padding 1.4%): "padded" on the default expert backend (the torch backend's

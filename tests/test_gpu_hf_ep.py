@@ -16,7 +16,7 @@ import torch
 from distributed import run_world
 from tiny_models import tiny_checkpoint
 
-from occult_hf.hf_ep import transformers_ep_available
+from occult_hf.hf.native_ep import transformers_ep_available
 from test_hf_ep import NUM_EXPERTS, rank_batch, shuffled_placement
 
 pytestmark = [

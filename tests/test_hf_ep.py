@@ -25,7 +25,7 @@ import torch
 from distributed import run_world
 from tiny_models import MOE_LAYERS, tiny_batch, tiny_checkpoint
 
-from occult_hf.hf_ep import transformers_ep_available
+from occult_hf.hf.native_ep import transformers_ep_available
 
 pytestmark = pytest.mark.skipif(
     not transformers_ep_available(), reason="transformers < 5.23 has no EPImplementationInterface"
@@ -65,7 +65,7 @@ def _load_ep(path, **distributed):
 
 def _step(model, ids: torch.Tensor) -> dict:
     """Forward + backward of one batch; the full gradients in original expert order (collective)."""
-    from occult_hf.hf_ep import occult_ep_layers
+    from occult_hf.hf.native_ep import occult_ep_layers
 
     model.zero_grad(set_to_none=True)
     out = model(ids, labels=ids)
@@ -87,7 +87,7 @@ def _ep_world(rank, world_size, checkpoints, out_dir, profile):
     import os
 
     from occult_hf import OccultConfig, apply_occult_ep
-    from occult_hf.hf_ep import occult_ep_layers
+    from occult_hf.hf.native_ep import occult_ep_layers
 
     results = {}
     for family, path in checkpoints.items():
@@ -163,7 +163,7 @@ def _resume(model, rank: int, checkpoint: str) -> dict:
     import os
 
     from occult_hf import OccultConfig, apply_occult_ep
-    from occult_hf.hf_ep import load_optimizer, reshard, save_optimizer
+    from occult_hf.hf.native_ep import load_optimizer, reshard, save_optimizer
 
     batches = [tiny_batch(seed=800 + 10 * step + rank) for step in range(2)]
     optimizer = torch.optim.AdamW(reshard(model).parameters(), lr=RESUME_LR)  # after forwards: sharded parameters
@@ -298,7 +298,7 @@ def _similarity_profile(path, out):
 
 def test_placements_transformers_cannot_shard_are_errors_that_name_the_other_path():
     from occult_hf import Placement
-    from occult_hf.hf_ep import _check_equal_capacities
+    from occult_hf.hf.native_ep import _check_equal_capacities
 
     uneven = Placement(NUM_EXPERTS, 2, {0: [0, 0, 0, 1, 1, 1, 1, 1]})
     with pytest.raises(ValueError, match=r"gives the devices \[3, 5\] experts at layer 0.*occult_config path"):
@@ -317,7 +317,7 @@ def test_other_unsupported_combinations_are_errors_that_name_the_alternative():
 
     from tiny_models import tiny_model
 
-    from occult_hf.hf_ep import _check_rows_movable, apply_on_load
+    from occult_hf.hf.native_ep import _check_rows_movable, apply_on_load
 
     model = tiny_model("olmoe")
     model.config.distributed_config = SimpleNamespace(ep_size=2, ep_implementation="all_to_all", efsdp_size=2)
@@ -339,7 +339,7 @@ def test_apply_occult_ep_needs_a_model_loaded_with_the_occult_implementation():
 def test_occult_is_registered_in_transformers_ep_registry():
     from transformers.distributed.expert_parallel import EPImplementationInterface
 
-    from occult_hf.hf_ep import OccultEP, register_ep_implementation
+    from occult_hf.hf.native_ep import OccultEP, register_ep_implementation
 
     assert EPImplementationInterface()["occult"] is OccultEP
     assert register_ep_implementation()  # idempotent
@@ -454,7 +454,7 @@ def test_older_transformers_without_the_registry_import_and_load_as_before(tmp_p
 from transformers.distributed import expert_parallel
 del expert_parallel.EPImplementationInterface, expert_parallel.EPImplementation   # what an older transformers lacks
 import occult_hf
-from occult_hf.hf_ep import OccultEP, register_ep_implementation, transformers_ep_available
+from occult_hf.hf.native_ep import OccultEP, register_ep_implementation, transformers_ep_available
 assert not transformers_ep_available() and register_ep_implementation() is False
 assert OccultEP.__mro__[1] is object
 from transformers import AutoModelForCausalLM
@@ -482,8 +482,8 @@ def _tensor_parallel_world(rank, world_size, checkpoints):
         apply_occult_ep(model, OccultConfig(placement=shuffled_placement(family)))
         found["shuffled"] = _step(model, rank_batch(0))
         if family == "olmoe":  # ranks that ask for different placements: an error everywhere, nothing moved
-            from occult_hf.agreement import EPConfigMismatchError
-            from occult_hf.hf_ep import occult_ep_layers
+            from occult_hf.distributed.agreement import EPConfigMismatchError
+            from occult_hf.hf.native_ep import occult_ep_layers
 
             before = {layer: impl.expert_order for layer, impl in occult_ep_layers(model).items()}
             wanted = shuffled_placement(family) if rank == 0 else "contiguous"

@@ -147,7 +147,7 @@ def test_finetune_entry_point_parses_trainer_flags_and_checks_data_and_launch(tm
     import datasets
     from transformers import AutoConfig
 
-    from occult_hf.finetune import main as finetune
+    from occult_hf.hf.finetune import main as finetune
     from tiny_models import save_tiny_tokenizer, tiny_checkpoint, tiny_sentences
 
     model_dir = save_tiny_tokenizer(tiny_checkpoint("olmoe", tmp_path / "model", seed=4, output_router_logits=False))

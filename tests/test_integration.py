@@ -35,7 +35,7 @@ TOLERANCE = 1e-5
 
 @pytest.fixture(autouse=True)
 def _installed():
-    from occult_hf.integration import install
+    from occult_hf.hf.apply import install
 
     install()
     yield
@@ -91,7 +91,7 @@ def test_from_pretrained_accepts_occult_config(tmp_path, form):
     from transformers import OlmoeForCausalLM
 
     from occult_hf import OccultConfig
-    from occult_hf.integration import occult_config_of
+    from occult_hf.hf.apply import occult_config_of
 
     checkpoint = tiny_checkpoint("olmoe", tmp_path / "ckpt", seed=1)
     config = OccultConfig(placement=shuffled_placement("olmoe", 8, 2), dispatch="per_expert", num_devices=2)
@@ -109,7 +109,7 @@ def test_from_pretrained_accepts_occult_config(tmp_path, form):
 def test_save_reload_round_trip_one_process(tmp_path, family):
     """Fused experts with transformers' checkpoint conversion (Qwen2-MoE) and with occult_hf's own (DeepSeek-MoE)."""
     from occult_hf import OccultConfig, Placement
-    from occult_hf.integration import apply_occult, occult_config_of, uninstall
+    from occult_hf.hf.apply import apply_occult, occult_config_of, uninstall
 
     placement = shuffled_placement(family, 8, 3)
     model = apply_occult(tiny_model(family, seed=2), OccultConfig(placement=placement))
@@ -148,7 +148,7 @@ def _checkpoint_shapes(directory: Path) -> dict[str, tuple]:
 @pytest.mark.parametrize("family", ["olmoe", "deepseek"])
 def test_unapply_returns_the_trained_original_blocks(family):
     from occult_hf import OccultConfig
-    from occult_hf.integration import apply_occult, unapply_occult
+    from occult_hf.hf.apply import apply_occult, unapply_occult
 
     model = tiny_model(family, seed=5)
     blocks = {name: module for name, module in model.named_modules() if name.endswith("mlp")}
@@ -166,7 +166,7 @@ def test_unapply_returns_the_trained_original_blocks(family):
 def test_pruning_is_applied_after_routing():
     """prune='router' with N_d=1 on 2 logical devices: each token's experts sit on one device."""
     from occult_hf import OccultConfig
-    from occult_hf.integration import apply_occult, occult_modules
+    from occult_hf.hf.apply import apply_occult, occult_modules
 
     model = apply_occult(
         tiny_model("olmoe", seed=1), OccultConfig(num_devices=2, prune="router", max_devices_per_token=1)
@@ -180,7 +180,7 @@ def test_pruning_is_applied_after_routing():
 
 def test_counters_report_rows_pairs_and_bytes():
     from occult_hf import OccultConfig
-    from occult_hf.integration import apply_occult, occult_modules, reset_counters
+    from occult_hf.hf.apply import apply_occult, occult_modules, reset_counters
 
     model = apply_occult(tiny_model("olmoe", seed=1), OccultConfig(num_devices=4, dispatch="per_expert"))
     model(tiny_batch())
@@ -238,7 +238,7 @@ def test_clear_errors(tmp_path):
     import transformers
 
     from occult_hf import OccultConfig, Placement
-    from occult_hf.integration import apply_occult, unapply_occult
+    from occult_hf.hf.apply import apply_occult, unapply_occult
 
     model = tiny_model("olmoe", seed=0)
     with pytest.raises(ValueError, match="placement is for num_experts=16 but the model has 8"):
@@ -267,7 +267,7 @@ def test_install_is_reversible(tmp_path):
     """Without the wrapper transformers rejects the keyword; install() twice wraps once; uninstall() undoes it."""
     from transformers import OlmoeForCausalLM, PreTrainedModel
 
-    from occult_hf.integration import install, is_installed, uninstall
+    from occult_hf.hf.apply import install, is_installed, uninstall
 
     checkpoint = tiny_checkpoint("olmoe", tmp_path / "ckpt")
     original = PreTrainedModel.__dict__["from_pretrained"].__func__.__occult_original__
@@ -301,7 +301,7 @@ def _reference_generations() -> dict:
 
 def _check_generate(rank, world_size, references):
     from occult_hf import OccultConfig
-    from occult_hf.integration import apply_occult
+    from occult_hf.hf.apply import apply_occult
 
     for family in FAMILIES:
         model = apply_occult(tiny_model(family, seed=7), OccultConfig(placement=shuffled_placement(family, 8, world_size)))
@@ -316,7 +316,7 @@ def _check_save_round_trip(rank, world_size, directory, family, replicated=False
     import torch.distributed as dist
 
     from occult_hf import OccultConfig, Placement
-    from occult_hf.integration import apply_occult, occult_config_of, unapply_occult
+    from occult_hf.hf.apply import apply_occult, occult_config_of, unapply_occult
 
     placement = shuffled_placement(family, 8, world_size)
     if replicated:
@@ -348,7 +348,7 @@ def _check_rank0_only_save_fails_clearly(rank, world_size, directory):
     import torch.distributed as dist
 
     from occult_hf import OccultConfig
-    from occult_hf.integration import apply_occult, snapshot_experts
+    from occult_hf.hf.apply import apply_occult, snapshot_experts
 
     model = apply_occult(tiny_model("olmoe", seed=9), OccultConfig())
     snapshot_experts(model)  # what the Trainer save hook (trainer_ep) does on every rank
@@ -365,7 +365,7 @@ def _check_rank0_only_save_fails_clearly(rank, world_size, directory):
 
 def _check_errors(rank, world_size):
     from occult_hf import OccultConfig, Placement
-    from occult_hf.integration import apply_occult
+    from occult_hf.hf.apply import apply_occult
 
     with pytest.raises(ValueError, match=r"num_devices \(4\) must equal the expert-parallel group size \(2\)"):
         apply_occult(tiny_model("olmoe"), OccultConfig(num_devices=4))
@@ -374,7 +374,7 @@ def _check_errors(rank, world_size):
 
 
 def _ep_world(rank, world_size, references, directory):
-    from occult_hf.integration import install
+    from occult_hf.hf.apply import install
 
     install()
     _check_errors(rank, world_size)
@@ -438,7 +438,7 @@ def _ep_trainer(rank, world_size, output_dir):
         MASTER_ADDR="127.0.0.1", MASTER_PORT="29511",
     )
     from occult_hf import OccultConfig
-    from occult_hf.integration import OccultCheckpointCallback, apply_occult
+    from occult_hf.hf.apply import OccultCheckpointCallback, apply_occult
 
     model = apply_occult(_trainer_model(), OccultConfig(placement=shuffled_placement("olmoe", 8, world_size)))
     return _run_trainer(output_dir, 2, model, callbacks=[OccultCheckpointCallback()])

@@ -10,7 +10,7 @@ import pytest
 from tiny_models import tiny_checkpoint, tiny_model
 
 from occult_hf import OccultConfig, apply_occult, occult_config_of
-from occult_hf.launch import LAUNCHER_ENV
+from occult_hf.hf.launch import LAUNCHER_ENV
 
 
 @pytest.fixture

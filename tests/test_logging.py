@@ -1,5 +1,5 @@
 """occult_hf's loggers follow transformers' verbosity (TRANSFORMERS_VERBOSITY, set_verbosity_*),
-print through transformers' handler, and OCCULT_VERBOSITY / occult_hf.logging_utils.set_verbosity
+print through transformers' handler, and OCCULT_VERBOSITY / occult_hf.utils.logging.set_verbosity
 override the level for occult_hf alone (issue 13: "logging goes through transformers.utils.logging")."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from transformers.utils import logging as hf_logging
 
-from occult_hf import logging_utils
+from occult_hf.utils import logging as logging_utils
 
 
 class _Collect(logging.Handler):
@@ -40,8 +40,8 @@ def collected():
 
 
 def test_occult_loggers_follow_transformers_set_verbosity(collected):
-    log = logging_utils.get_logger("occult_hf.integration")
-    assert log is logging.getLogger("occult_hf.integration")  # the module loggers themselves
+    log = logging_utils.get_logger("occult_hf.hf.apply")
+    assert log is logging.getLogger("occult_hf.hf.apply")  # the module loggers themselves
     hf_logging.set_verbosity_warning()
     log.info("hidden at warning")
     log.warning("shown at warning")
@@ -90,7 +90,7 @@ def test_transformers_verbosity_variable_in_a_fresh_process():
     path = Path(logging_utils.__file__)
     code = (f"import importlib.util, logging; spec = importlib.util.spec_from_file_location('occult_logging', {str(path)!r}); "
             "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
-            "print(logging.getLevelName(m.get_logger('occult_hf.integration').getEffectiveLevel()))")  # fmt: skip
+            "print(logging.getLevelName(m.get_logger('occult_hf.hf.apply').getEffectiveLevel()))")  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "OCCULT_VERBOSITY"}
     out = subprocess.run([sys.executable, "-c", code], env={**env, "TRANSFORMERS_VERBOSITY": "info"},
                          capture_output=True, text=True, timeout=300)  # fmt: skip

@@ -12,7 +12,7 @@ from occult_hf import metrics
 from occult_hf.drift import profile_drift
 from occult_hf.placement import Placement, balanced_capacities
 from occult_hf.profile import LayerRouting, RoutingProfile
-from occult_hf.studies.placement_study import profile_from_topk, structured_topk
+from occult_hf.eval.studies.placement_study import profile_from_topk, structured_topk
 
 ROUTING = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "routing"
 QWEN_TRACE = ROUTING / "qwen15moe_a27b_chat_gptq_int4_gsm8k25_layer0_trace.npz"

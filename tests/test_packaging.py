@@ -16,7 +16,7 @@ def wheel(tmp_path_factory) -> Path:
     # build from a clean copy: setuptools reuses a checkout's build/ folder, which can hide a package
     # missing from setup.cfg behind files copied there by an earlier build
     source = tmp_path_factory.mktemp("source") / "occult_hf"
-    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", ".git", "docs", ".whl", ".gl", ".devdata"))
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", ".git", ".venv", "docs", ".whl", ".gl", ".devdata"))
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(source)],

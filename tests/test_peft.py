@@ -21,8 +21,8 @@ from tiny_models import tiny_batch, tiny_model
 
 import occult_hf  # noqa: F401
 from occult_hf.config import OccultConfig
-from occult_hf.integration import OccultCheckpointCallback, apply_occult
-from occult_hf.peft_support import (
+from occult_hf.hf.apply import OccultCheckpointCallback, apply_occult
+from occult_hf.hf.peft_support import (
     _place_experts,
     _select_experts,
     get_peft_model,
@@ -157,7 +157,7 @@ def _ep_lora(rank, world_size, adapter_dir, out_dir):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from occult_hf.peft_support import _select_experts
+    from occult_hf.hf.peft_support import _select_experts
 
     config = OccultConfig(num_devices=world_size, prune="router", max_devices_per_token=1)
     one_process = [dist.new_group([r]) for r in range(world_size)]

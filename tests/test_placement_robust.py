@@ -32,7 +32,7 @@ from occult_hf.placement.robust import (
 )
 from occult_hf.placement.validation import cross_validate, profile_from_sample
 from occult_hf.profile import LayerRouting, RoutingProfile
-from occult_hf.studies.placement_study import structured_topk
+from occult_hf.eval.studies.placement_study import structured_topk
 
 ROUTING = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "routing"
 DOMAINS = ROUTING / "olmoe_mixtral_domain_expert_counts_layers0_7_15.npz"
@@ -87,7 +87,7 @@ def test_load_aware_rule_by_hand():
 def test_load_aware_rule_over_ranks_equals_one_process_and_balances():
     """Per-rank application with the gathered counts = the rule on the concatenated batch (the pairs stand in
     one line, rank by rank); devices within the fluid bound; pairs kept on visited homes where balance allows."""
-    from occult_hf.studies.robust_placement_study import best_replica_split
+    from occult_hf.eval.studies.robust_placement_study import best_replica_split
 
     rng = np.random.default_rng(4)
     ids = structured_topk(640, 16, 4, 4, seed=2)
@@ -111,7 +111,7 @@ def test_load_aware_rule_over_ranks_equals_one_process_and_balances():
     pinned = replica_preferences(ids_t, table, 4, visited)[1] < 3
     assert torch.equal(load_aware_homes(ids_t, table, 4, visited_TD=visited)[pinned], static_v[pinned])
     # the study's replay (steps cut into ranks, counts gathered) is the rule on each step's tokens
-    from occult_hf.studies.robust_placement_study import replay_load_aware
+    from occult_hf.eval.studies.robust_placement_study import replay_load_aware
 
     replayed = replay_load_aware(ids, table_np, 4, window=320)
     assert (replayed[:320] == load_aware_homes(ids_t[:320], table, 4).numpy()).all()
@@ -356,7 +356,7 @@ def test_slowest_objective_lowers_the_slowest_device_and_keeps_the_limit(tmp_pat
 def test_best_replica_split_by_hand():
     """The fluid bound the study reports for a domain left out of planning: the best any split of the
     replicated experts' loads over their homes can do (single-home experts stay put)."""
-    from occult_hf.studies.robust_placement_study import best_replica_split
+    from occult_hf.eval.studies.robust_placement_study import best_replica_split
 
     table = home_table_from([0, 0, 1], {0: [1]})  # expert 0 on devices 0 and 1
     # 10 + 6 + 2 = 18 over 2 devices: 3 of expert 0's load to device 0 levels both at 9
@@ -441,7 +441,7 @@ def test_replan_replicas_keeps_primaries_and_relieves_the_new_hot_expert():
 def test_fluid_set_loads_is_the_best_split_of_the_replicas():
     """The densest device set's load per device equals the water-filled split (`best_replica_split`)."""
     from occult_hf.placement.rebalance import device_subsets, fluid_set_loads
-    from occult_hf.studies.robust_placement_study import best_replica_split
+    from occult_hf.eval.studies.robust_placement_study import best_replica_split
 
     rng = np.random.default_rng(0)
     for _ in range(4):
@@ -485,8 +485,8 @@ def test_online_replay_re_plans_copies_from_past_windows_only():
     """The online study's replay: without re-plans it is the load-aware rule in steps; re-planned from the
     preceding window, the copies follow a hot expert that moved (device 3's), and only the first window pays
     for the old copies; the copies each re-plan adds (at most the 3 redundant slots) are counted."""
-    from occult_hf.studies.online_replicas import copies_added, online_replay, window_scores
-    from occult_hf.studies.robust_placement_study import replay_load_aware
+    from occult_hf.eval.studies.online_replicas import copies_added, online_replay, window_scores
+    from occult_hf.eval.studies.robust_placement_study import replay_load_aware
 
     popularity = np.ones(16)
     popularity[13] = 12.0  # expert 13 (device 3) is hot in the served tokens; the plan copied expert 0
@@ -507,7 +507,7 @@ def test_restart_scores_read_the_planning_profiles_halves_only(monkeypatch):
     """The restarts of `plan_draws` are chosen on the planning data alone: every trial plan is made on the first
     half of each planning profile and measured on their pooled second halves, nothing else; with the real planner
     the scores are balances (>= 1), one per candidate seed."""
-    from occult_hf.studies import plan_draws
+    from occult_hf.eval.studies import plan_draws
 
     first = structured_topk(60, 16, 4, 4, seed=1)
     second = structured_topk(41, 16, 4, 4, seed=2)
@@ -538,7 +538,7 @@ def test_restart_scores_read_the_planning_profiles_halves_only(monkeypatch):
 
 
 def test_restart_seed_takes_the_least_score_among_its_candidates():
-    from occult_hf.studies.plan_draws import restart_seed
+    from occult_hf.eval.studies.plan_draws import restart_seed
 
     scores = np.array([0.3, 0.1, 0.2, 1.1, 1.0, 1.0])
     assert [restart_seed(scores, user, 3) for user in (0, 1)] == [1, 4]  # ties to the first candidate
@@ -550,7 +550,7 @@ def test_restart_seed_takes_the_least_score_among_its_candidates():
 
 
 def test_held_out_resamples_draw_whole_contiguous_blocks():
-    from occult_hf.studies.plan_draws import held_out_resamples
+    from occult_hf.eval.studies.plan_draws import held_out_resamples
 
     resamples = held_out_resamples(100, 5, 10, seed=3)
     assert len(resamples) == 5 and all(len(r) == 100 for r in resamples)  # 10 blocks of 10 tokens each
@@ -562,7 +562,7 @@ def test_held_out_resamples_draw_whole_contiguous_blocks():
 
 
 def test_load_aware_split_meets_the_target_without_adding_ct_where_it_can():
-    from occult_hf.studies.robust_placement_study import load_aware_split
+    from occult_hf.eval.studies.robust_placement_study import load_aware_split
 
     table = home_table_from([0, 1, 1], {0: [1]})  # expert 0 on devices 0 and 1; experts 1, 2 on device 1
     ids = np.array([[0, 1], [0, 2], [0, 1], [0, 2]])
@@ -578,7 +578,7 @@ def test_load_aware_mode_bounds_single_home_load_and_links_every_device():
     """replica_choice="load_aware": every device's load in single-home experts within (1 - shed_margin) x the mean
     on each profile, and the copies join all devices into one linked group; the static mode leaves neither bound."""
     from occult_hf.placement.shedding import linked_groups
-    from occult_hf.studies.load_aware_plans import single_home_bound
+    from occult_hf.eval.studies.load_aware_plans import single_home_bound
 
     popularity = np.linspace(3.0, 1.0, 16)  # the hot experts on the low ids, as structured groups make them
     ids = structured_topk(1200, 16, 4, 4, popularity_E=popularity, seed=6)

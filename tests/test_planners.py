@@ -22,7 +22,7 @@ from occult_hf.placement import (
 )
 from occult_hf.placement.objectives import PairwiseCut, SampleCT
 from occult_hf.profile import LayerRouting, RoutingProfile
-from occult_hf.studies.placement_study import profile_from_topk, qwen_halves, structured_topk
+from occult_hf.eval.studies.placement_study import profile_from_topk, qwen_halves, structured_topk
 
 ROUTING = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "routing"
 OLMOE_PAIRS = ROUTING / "olmoe1b7b0125__runB_2025-03-07__wikitext2_8192tok_coact.npz"

@@ -31,7 +31,7 @@ from tiny_models import FAMILIES, MOE_LAYERS, tiny_batch, tiny_model
 
 import occult_hf  # noqa: F401  (registers the adapters)
 from occult_hf.config import OccultConfig
-from occult_hf.integration import apply_occult
+from occult_hf.hf.apply import apply_occult
 from occult_hf.moe import OccultMoE
 from occult_hf.patches import adapter_for
 from occult_hf.patches.base import RouterOutput
@@ -229,7 +229,7 @@ def test_pruning_with_replicas_keeps_every_pair_on_n_d_devices(family, profile_p
             assert bool((dest_Tk != block.device_of_E[pruned.topk_ids_Tk]).any()) or n_d == 1
             model(input_ids=tiny_batch(batch=2, seq=16, seed=1), labels=tiny_batch(batch=2, seq=16, seed=1)).loss.backward()
             # the callback's routing statistics follow the dispatch: no token over N_d devices there either
-            from occult_hf.callback import _DispatchMeter
+            from occult_hf.hf.callback import _DispatchMeter
 
             meter = _DispatchMeter()
             meter.update(block, None, None)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from occult_hf.studies.jobs import Job, run_jobs
+from occult_hf.eval.studies.jobs import Job, run_jobs
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_training import write_corpus  # noqa: E402  (the generated three-domain corpus)
@@ -64,7 +64,7 @@ def test_run_jobs_rejects_bad_arguments(tmp_path):
 
 def test_quality_stages_in_process_micro(tmp_path):
     """pretrain -> base -> one pruned fine-tune and one no-fine-tune variant (the worker's own entry)."""
-    from occult_hf.studies import quality
+    from occult_hf.eval.studies import quality
     from occult_hf.training import prepare_data
 
     torch.set_num_threads(1)
@@ -91,7 +91,7 @@ def test_quality_stages_in_process_micro(tmp_path):
 
 
 def test_report_compares_fine_tunes_with_plain_and_no_fine_tune_with_the_base():
-    from occult_hf.studies.report_quality import quality_table
+    from occult_hf.eval.studies.report_quality import quality_table
 
     def row(name, ppl_b, fine_tuned, n_d):
         mode = None if name == "plain" else name.split("-")[-2]

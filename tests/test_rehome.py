@@ -43,8 +43,8 @@ def _rows_under_rule(module, placement, num_devices):
 
 def _check(family: str, rank: int, distributed: bool) -> None:
     from occult_hf import OccultConfig
-    from occult_hf.integration import apply_occult, occult_modules, reset_counters
-    from occult_hf.rehome import apply_replicas
+    from occult_hf.hf.apply import apply_occult, occult_modules, reset_counters
+    from occult_hf.hf.rehome import apply_replicas
 
     deployed, replanned = _placements(family)
     where = f"[{family} rank {rank}]"
@@ -103,8 +103,8 @@ def test_apply_replicas_on_2_ranks_keeps_outputs_and_copies_weights():
 @pytest.mark.parametrize("family", FAMILIES_CHECKED)
 def test_apply_replicas_in_one_process_and_errors(family):
     from occult_hf import OccultConfig, Placement
-    from occult_hf.integration import apply_occult
-    from occult_hf.rehome import apply_replicas
+    from occult_hf.hf.apply import apply_occult
+    from occult_hf.hf.rehome import apply_replicas
 
     _check(family, 0, distributed=False)
     deployed, _ = _placements(family)

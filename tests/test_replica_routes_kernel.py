@@ -183,7 +183,7 @@ def test_kernel_argument_errors(counts, table, rank, message):
 def test_compiled_kernel_equals_the_torch_rule_on_the_gpu():
     """Compiled (no fused multiply-adds): the split within 1e-9 of the eager GPU one and the same routing, for
     rank 1 of a gathered group, pinned and not, also launched inside a CUDA graph capture as graphed decoding does."""
-    from occult_hf.cuda_graph import capture
+    from occult_hf.utils.cuda_graph import capture
     from occult_hf.replicas.routes_kernel import FusedRoutes
 
     generator = torch.Generator().manual_seed(1)
@@ -203,7 +203,7 @@ def test_compiled_kernel_equals_the_torch_rule_on_the_gpu():
 def test_compiled_pair_kernels_equal_the_torch_half_on_the_gpu():
     """Compiled: the per-pair kernels give the eager GPU rule's preferences, counts and devices at T = 16384 (1024 scan
     blocks), over 2 ranks, pinned and not, and inside a CUDA graph capture of the whole rule with both halves' kernels."""
-    from occult_hf.cuda_graph import capture
+    from occult_hf.utils.cuda_graph import capture
     from occult_hf.replicas.pairs_kernel import FUSED_PAIRS
     from occult_hf.replicas.routes_kernel import FusedRoutes
 

@@ -98,7 +98,7 @@ def _check_case(
     from torch.nn.parallel import DistributedDataParallel
 
     from occult_hf import OccultConfig
-    from occult_hf.integration import apply_occult, occult_modules
+    from occult_hf.hf.apply import apply_occult, occult_modules
     from occult_hf.placement import resolve_homes
     from occult_hf.replicas.routing import load_aware_homes
 
@@ -284,7 +284,7 @@ def test_exact_on_4_ranks_with_uneven_expert_counts():
 def test_one_process_with_logical_devices_is_exact(family):
     """No process group: num_devices is logical, every expert is local, the model is unchanged."""
     from occult_hf import OccultConfig
-    from occult_hf.integration import apply_occult, occult_modules
+    from occult_hf.hf.apply import apply_occult, occult_modules
 
     ref = reference(family, 8, 1)
     model = tiny_model(family, seed=SEED, num_experts=8).train()

@@ -188,7 +188,7 @@ def _training_block_world(rank, world):
     from tiny_models import tiny_model
 
     from occult_hf import OccultConfig
-    from occult_hf.integration import apply_occult, occult_modules
+    from occult_hf.hf.apply import apply_occult, occult_modules
 
     results, computed = {}, {}
     for dispatcher in ("auto", "all_to_all"):

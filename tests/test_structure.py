@@ -131,7 +131,7 @@ def test_the_package_has_no_import_cycle():
     imports among them (`import_graph()` in this file builds the graph)."""
     graph = import_graph()
     assert "occult_hf.kernels.layout" in graph and "occult_hf.patches.base" in graph  # mapped folders are read
-    assert "occult_hf.patches" in graph["occult_hf.integration"]  # and connected to their importers
+    assert "occult_hf.patches" in graph["occult_hf.hf.apply"]  # and connected to their importers
     cycles = _cycles(graph)
     detail = "\n".join(
         " <-> ".join(c) + "\n" + "\n".join(f"    {a} -> {b}" for a in c for b in sorted(graph[a] & set(c))) for c in cycles
@@ -159,7 +159,7 @@ def test_relative_imports_stay_inside_their_source_folder():
 
 #: the applications on top of the library: commands, benchmarks, studies, the lm-eval hook, the fine-tune
 #: script. They may import the library and each other; no library module imports one of them.
-APPLICATIONS = ("occult_hf.benchmarks", "occult_hf.studies", "occult_hf.cli", "occult_hf.eval", "occult_hf.finetune")
+APPLICATIONS = ("occult_hf.benchmarks", "occult_hf.eval.studies", "occult_hf.cli", "occult_hf.eval", "occult_hf.hf.finetune")
 
 
 def _is_application(module: str) -> bool:

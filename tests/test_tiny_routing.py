@@ -13,7 +13,7 @@ import torch
 from transformers import OlmoeConfig
 
 from occult_hf.profile import RoutingProfile
-from occult_hf.studies import placement_study, robust_placement_study, tiny_routing
+from occult_hf.eval.studies import placement_study, robust_placement_study, tiny_routing
 from occult_hf.training import tiny_checkpoint_path
 from occult_hf.training.evaluate import load_entropy, top_pair_share
 from test_training import write_corpus  # noqa: E402  (the generated three-domain corpus)

@@ -172,7 +172,7 @@ def test_transfer_study_on_the_tiny_models_profiles(trained, prepared):
     from transformers import OlmoeForCausalLM
 
     from occult_hf.profile import RoutingProfile
-    from occult_hf.studies.transfer import markdown, transfer_study
+    from occult_hf.eval.studies.transfer import markdown, transfer_study
 
     model = OlmoeForCausalLM.from_pretrained(trained[0]).eval()
     data = PreparedData(prepared)

@@ -1,17 +1,17 @@
 """occult_hf: Occult (arXiv 2505.13345) expert parallelism for Hugging Face Transformers.
 
 Importing the package lets `AutoModelForCausalLM.from_pretrained(..., occult_config=...)` replace a
-model's MoE blocks (see `integration.install`; every wrapper this package puts on transformers is in
-`_transformers_compat`; `occult_hf.uninstall()` removes them). It also registers the native model classes of `occult_hf.models`
+model's MoE blocks (see `hf.apply.install`; every wrapper this package puts on transformers is in
+`hf.compat`; `occult_hf.uninstall()` removes them). It also registers the native model classes of `occult_hf.models`
 (DeepSeek-MoE, `model_type "deepseek"`) with transformers' Auto classes, and, on transformers >= 5.23,
 Occult as transformers' own expert-parallel implementation `DistributedConfig(ep_implementation="occult")`
-(`occult_hf.hf_ep`).
+(`occult_hf.hf.native_ep`).
 """
 
-from .callback import OccultCallback, OccultCheckpointCallback
-from .checkpointing import snapshot_experts
+from .hf.callback import OccultCallback, OccultCheckpointCallback
+from .hf.checkpointing import snapshot_experts
 from .config import OccultConfig
-from .integration import (
+from .hf.apply import (
     apply_occult,
     install,
     occult_config_of,
@@ -20,7 +20,7 @@ from .integration import (
     uninstall,
     unapply_occult,
 )
-from .hf_ep import apply_occult_ep, register_ep_implementation
+from .hf.native_ep import apply_occult_ep, register_ep_implementation
 from .models import register_models
 from .moe import OccultMoE
 from .placement import Placement, available_planners, plan_placement

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .checks import check_num_devices, did_you_mean
+from .utils.checks import check_num_devices, did_you_mean
 from .dispatch import dispatcher_names
 from .dispatch.plan import DISPATCH_MODES  # owned by the dispatch plan; kept importable from here
 from .experts import expert_backend_names
@@ -231,7 +231,7 @@ class OccultConfig:
 
     def to_json_file(self, json_file_path: str | os.PathLike, use_diff: bool = False) -> None:
         """Write `to_json_string` to a file atomically (temporary file, rename; HF's name for `save`)."""
-        from .atomic import atomic_write_text
+        from .utils.atomic import atomic_write_text
 
         atomic_write_text(json_file_path, self.to_json_string(use_diff=use_diff))
 

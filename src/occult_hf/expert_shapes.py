@@ -1,7 +1,7 @@
 """The expert layers of the real models that occult_hf measures and models: hidden size, expert width,
 routed experts and top-k of each, by name.
 
-One table, read by the benchmarks (`occult bench experts`, `ep`, `hf_ep`, `exchange`: the shapes they
+One table, read by the benchmarks (`occult bench experts`, `ep`, `hf.native_ep`, `exchange`: the shapes they
 time) and by the placement's slowest-device cost model (`placement.slowest.costs_from_bench` reads a
 benchmark's row by its shape name and needs that shape's k and H). It lives here, below both, so the
 planners do not import a benchmark.

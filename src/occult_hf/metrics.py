@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .checks import check_device_map, check_square, check_topk_ids
+from .utils.checks import check_device_map, check_square, check_topk_ids
 from .replicas.routing import resolve_homes_np
 
 if TYPE_CHECKING:  # annotations only: the planners import this module, so it imports no planner

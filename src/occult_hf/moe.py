@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .collectives import GradNormCarrier
+from .distributed.collectives import GradNormCarrier
 from .config import OccultConfig
 from .dispatch import (
     AutoHints,
@@ -41,7 +41,7 @@ from .dispatch.base import stage
 from .experts import LocalExperts
 from .placement import Placement
 
-#: where `ep_loading` leaves a block's local experts, read per rank: (expert ids, gate_up [L,2I,H], down [L,H,I])
+#: where `hf.loading` leaves a block's local experts, read per rank: (expert ids, gate_up [L,2I,H], down [L,H,I])
 LOADED_EXPERTS_ATTR = "_occult_loaded_experts"
 
 if TYPE_CHECKING:
@@ -395,7 +395,7 @@ class OccultMoE(nn.Module):
             if param is value:
                 continue
             new = value.detach().to(device=self.local_experts.gate_up_proj.device, dtype=param.dtype).clone()
-            if param.is_meta:  # read per rank at load (`ep_loading`): never allocated, so a new parameter
+            if param.is_meta:  # read per rank at load (`hf.loading`): never allocated, so a new parameter
                 owner_path, _, name = key.rpartition(".")
                 setattr(block.get_submodule(owner_path), name, nn.Parameter(new, requires_grad=param.requires_grad))
             else:

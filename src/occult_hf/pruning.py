@@ -65,8 +65,8 @@ import torch
 from occult_hf.dispatch import TokenRouting
 from occult_hf.patches.base import MoEAdapter, RouterOutput
 
-from ._transformers_compat import replace_recorded_router_logits
-from .checks import check_num_devices
+from .hf.compat import replace_recorded_router_logits
+from .utils.checks import check_num_devices
 
 # ----- the device set of each token -----------------------------------------------------------
 

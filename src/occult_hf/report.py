@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .atomic import atomic_save_figure
+from .utils.atomic import atomic_save_figure
 from .metrics import LayerMetrics, evaluate_placement, summarize
 from .placement import Placement
 from .profile import RoutingProfile

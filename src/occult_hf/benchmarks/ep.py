@@ -58,7 +58,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from occult_hf.atomic import atomic_save_figure, atomic_write_text
+from occult_hf.utils.atomic import atomic_save_figure, atomic_write_text
 from occult_hf.benchmarks.experts import HF_EXPERTS, machine_line
 from occult_hf.config import OccultConfig
 from occult_hf.dispatch import TokenRouting, dispatcher_class
@@ -175,7 +175,7 @@ def build_model(config, device, dtype, seed: int) -> torch.nn.Module:
 
 def occult_layer(model, occult_config: OccultConfig, logits_TE):
     """A copy of `model` converted by `apply_occult`; returns its one `OccultMoE` (replaying `logits_TE` if given)."""
-    from occult_hf.integration import apply_occult, occult_modules
+    from occult_hf.hf.apply import apply_occult, occult_modules
 
     converted = apply_occult(copy.deepcopy(model), occult_config)
     (layer,) = occult_modules(converted).values()
@@ -269,9 +269,9 @@ def timed(fn, iterations: int, device, warmup: int = 1) -> float:
 
 
 def graphed_ms(fn, iterations: int, device) -> float:
-    """Median ms of `fn` captured once in a CUDA graph (`occult_hf.cuda_graph.capture`) and replayed, as `timed`
+    """Median ms of `fn` captured once in a CUDA graph (`occult_hf.utils.cuda_graph.capture`) and replayed, as `timed`
     times it."""
-    from occult_hf.cuda_graph import capture
+    from occult_hf.utils.cuda_graph import capture
 
     replay = capture(fn, device, warmup=2)[0].replay
     try:

@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from occult_hf.atomic import atomic_write_text
+from occult_hf.utils.atomic import atomic_write_text
 from occult_hf.benchmarks.ep import max_and_mean, timed
 
-from occult_hf.cuda_graph import capture
+from occult_hf.utils.cuda_graph import capture
 
 HELP = "raw exchange between ranks (NCCL all_to_all_single, NVSHMEM all_to_all_vdev): per-call cost and GB/s"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from occult_hf.cuda_graph import capture
+from occult_hf.utils.cuda_graph import capture
 
 #: token counts up to which a case's implementations are timed in interleaved rounds
 INTERLEAVE_MAX_TOKENS = 1024

@@ -42,7 +42,7 @@ from typing import Callable
 
 import torch
 
-from occult_hf.atomic import atomic_save_figure, atomic_write_text
+from occult_hf.utils.atomic import atomic_save_figure, atomic_write_text
 from occult_hf.benchmarks.expert_timing import (
     INTERLEAVE_MAX_TOKENS, INTERLEAVE_ROUNDS, cuda_timer, graph_replay_ms, interleaved_ms, wall_timer,
 )  # fmt: skip

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from occult_hf.atomic import atomic_write_text
+from occult_hf.utils.atomic import atomic_write_text
 from occult_hf.benchmarks.ep import build_config, first_moe_block, init_from_torchrun, time_block
 from occult_hf.expert_shapes import SHAPES
 
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     import occult_hf  # noqa: F401  (registers ep_implementation="occult")
-    from occult_hf.hf_ep import transformers_ep_available
+    from occult_hf.hf.native_ep import transformers_ep_available
 
     if not transformers_ep_available():
         raise SystemExit("transformers >= 5.23 is needed (EPImplementationInterface)")

@@ -12,7 +12,7 @@ layers, hidden 256; the expert width sized to that) and every rank loads it, onc
   placement>)`: then the expert rows move between the ranks into placement order;
 - `occult_config`: `from_pretrained(..., occult_config=OccultConfig(placement=...))` under a plain process
   group (occult_hf's own EP path; on GPUs with `device_map={"": "cuda:<local rank>"}`): each rank reads
-  only the experts its placement puts on it (`occult_hf.ep_loading`); the full expert tensors stay on the
+  only the experts its placement puts on it (`occult_hf.hf.loading`); the full expert tensors stay on the
   meta device;
 - `full_model`: `from_pretrained(..., occult_config=None)` (on GPUs with the same `device_map`): the whole
   model on every rank, what a rank would hold without expert parallelism (the baseline).
@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from occult_hf.atomic import atomic_write_text
+from occult_hf.utils.atomic import atomic_write_text
 
 CASES = ("hf_ep_contiguous", "hf_ep_placement", "occult_config", "full_model")
 NUM_EXPERTS, LAYERS, HIDDEN = 16, 2, 256

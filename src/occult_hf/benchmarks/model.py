@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from occult_hf.atomic import atomic_write_text
+from occult_hf.utils.atomic import atomic_write_text
 from occult_hf.config import EXPERT_BACKENDS
 
 HELP = "a few-layer model at a real MoE shape on one device: occult_hf (one process) vs stock transformers"

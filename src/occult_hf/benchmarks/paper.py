@@ -79,7 +79,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from occult_hf.atomic import atomic_save_figure, atomic_write_text
+from occult_hf.utils.atomic import atomic_save_figure, atomic_write_text
 from occult_hf.benchmarks.ep import DEFAULT_TRACE, max_and_mean, init_from_torchrun, timed, trace_logits
 from occult_hf.benchmarks.megablocks import MLP_IMPL, apply_megablocks, megablocks_missing
 from occult_hf.benchmarks.model import MODEL_SHAPES
@@ -444,7 +444,7 @@ def transformers_ep_reason(implementation: str) -> str | None:
     """Why transformers' EP row with `implementation` cannot run with the installed transformers (None: it can)."""
     import transformers
 
-    from occult_hf.hf_ep import MIN_TRANSFORMERS_VERSION, transformers_ep_available
+    from occult_hf.hf.native_ep import MIN_TRANSFORMERS_VERSION, transformers_ep_available
 
     if not transformers_ep_available():
         return (

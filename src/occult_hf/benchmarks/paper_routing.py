@@ -93,7 +93,7 @@ def pack_study_trace(profiles_dir: str, tokens_per_domain: int) -> tuple[np.ndar
 
 
 def main(argv: list[str] | None = None) -> int:
-    from occult_hf.atomic import atomic_save_npz
+    from occult_hf.utils.atomic import atomic_save_npz
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profiles", required=True, help="the quality study's profiles/ (heldout_<domain>.safetensors)")

@@ -19,7 +19,7 @@ parameters; `--layers` shrinks it for dry runs) in bf16, and feeds its own B x S
 For each: parameters on this rank, peak memory of the forward+backward, forward and
 forward+backward of `model(input_ids, labels=input_ids).loss` (medians, ranks aligned by a barrier
 before each), and greedy decoding at batch 1 (`--prompt` tokens, then `--new-tokens`) through
-`occult_hf.decode.GreedyDecoder`: a static cache and one CUDA graph per token; under EP the layers
+`occult_hf.hf.decode.GreedyDecoder`: a static cache and one CUDA graph per token; under EP the layers
 use the static-capacity dispatcher ("symm_mem" where NVSHMEM serves, else "padded"). The
 replica's tokens and EP's must agree (same weights, same prompt).
 
@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from occult_hf.atomic import atomic_write_text
+from occult_hf.utils.atomic import atomic_write_text
 from occult_hf.benchmarks.ep import max_and_mean, profile_steps, timed
 
 HELP = "the whole OLMoE-1B-7B model under EP (torchrun) vs a data-parallel replica: fwd, fwd+bwd, decode, memory"
@@ -81,7 +81,7 @@ class RealRow:
 def measure(model, setup: str, ids_BS, prompt_1P, args, device, decode_with: str | None) -> tuple[RealRow, torch.Tensor]:
     """Training-step times and memory of `model` as it is, then greedy decoding through the dispatcher
     `decode_with` (None: no EP, nothing to exchange)."""
-    from occult_hf.decode import GreedyDecoder, use_dispatcher
+    from occult_hf.hf.decode import GreedyDecoder, use_dispatcher
 
     params = sum(p.numel() for p in model.parameters()) / 1e9
 
@@ -297,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
     from occult_hf.benchmarks.ep import init_from_torchrun
     from occult_hf.benchmarks.experts import machine_line
     from occult_hf.benchmarks.model import build_model, model_config
-    from occult_hf.decode import use_dispatcher
+    from occult_hf.hf.decode import use_dispatcher
 
     rank, world, device = init_from_torchrun()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -39,9 +39,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from occult_hf.atomic import atomic_write_json, atomic_write_text
+from occult_hf.utils.atomic import atomic_write_json, atomic_write_text
 from occult_hf.benchmarks.ep import timed
-from occult_hf.cuda_graph import capture
+from occult_hf.utils.cuda_graph import capture
 from occult_hf.replicas.pairs_kernel import FUSED_PAIRS
 from occult_hf.replicas.routes_kernel import fused_expert_routes
 from occult_hf.replicas.routing import (

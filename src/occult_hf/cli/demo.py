@@ -66,7 +66,7 @@ def snapshot_sources(root: str | os.PathLike, out: str | os.PathLike, commit: st
         git archive COMMIT src/occult_hf | tar -x -C /tmp/snap
         python -c "from occult_hf.cli.demo import snapshot_sources as s; s('/tmp/snap/src/occult_hf', 'src/occult_hf/data/demo_sources.json.xz', 'COMMIT')"
     """
-    from ..atomic import atomic_write_bytes
+    from ..utils.atomic import atomic_write_bytes
 
     root = Path(root)
     files = [[path.relative_to(root).as_posix(), path.read_text(encoding="utf-8")]
@@ -120,7 +120,7 @@ def _run(args: argparse.Namespace) -> int:
     from ..profile import RoutingProfile
     from ..training import tiny_checkpoint_path
     from ..training.evaluate import capture_routing, removed_weight
-    from ..atomic import atomic_write_json
+    from ..utils.atomic import atomic_write_json
     from . import check_output_dir
     from .report import plan_methods, print_report
 

@@ -56,7 +56,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..atomic import check_writable_dir
+    from ..utils.atomic import check_writable_dir
     from ..profile import RoutingProfile
     from . import check_model_source
 
@@ -140,14 +140,14 @@ def _load_model(args: argparse.Namespace):
 
 
 def _load_dataset(args: argparse.Namespace):
-    from ..text_data import load_text_dataset
+    from ..hf.text_data import load_text_dataset
 
     return load_text_dataset(args.dataset, config=args.dataset_config, split=args.split, text_column=args.column)
 
 
 def _check_plain_text(path: str) -> str:
     """`--text` reads raw lines: a structured file there would be profiled as raw JSON/CSV text."""
-    from ..text_data import data_file_builder
+    from ..hf.text_data import data_file_builder
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--text {path!r} does not exist")

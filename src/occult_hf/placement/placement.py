@@ -19,8 +19,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from ..atomic import atomic_write_text, json_text, to_json_native
-from ..checks import did_you_mean
+from ..utils.atomic import atomic_write_text, json_text, to_json_native
+from ..utils.checks import did_you_mean
 from ..replicas.routing import PIN_SLACK, home_table_from
 
 PLACEMENT_FILENAME = "occult_placement.json"

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 
-from ..checks import check_num_devices, check_square, check_topk_ids, did_you_mean
+from ..utils.checks import check_num_devices, check_square, check_topk_ids, did_you_mean
 from ..metrics import evaluate_layer
 from ..replicas.routing import home_table_from
 from .placement import Placement

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checks import check_topk_ids
+from ..utils.checks import check_topk_ids
 from .collect import collect_routing
 from .stats import LayerRouting
 from .trace import read_trace
@@ -214,7 +214,7 @@ class RoutingProfile:
         from safetensors.numpy import load as load_bytes
         from safetensors.numpy import save as save_bytes
 
-        from ..atomic import atomic_write_bytes, json_text
+        from ..utils.atomic import atomic_write_bytes, json_text
 
         tensors: dict[str, np.ndarray] = {}
         for l, r in self.layers.items():

@@ -29,7 +29,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
-from ..cuda_graph import capture
+from ..utils.cuda_graph import capture
 
 
 def replica_preferences(

@@ -151,7 +151,7 @@ def prepare_data(
     The tokenizer is trained on the training documents of every domain (never on held-out ones), so
     that a domain the model itself does not train on is still tokenized well.
     """
-    from ..atomic import atomic_write_bytes, atomic_write_json, atomic_write_text
+    from ..utils.atomic import atomic_write_bytes, atomic_write_json, atomic_write_text
     from .recipes import DOMAINS
 
     out = Path(out_dir)

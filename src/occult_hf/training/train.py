@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..atomic import atomic_save_figure, atomic_write_json, atomic_write_text
+from ..utils.atomic import atomic_save_figure, atomic_write_json, atomic_write_text
 from .data import PreparedData, pack
 from .recipes import Recipe
 

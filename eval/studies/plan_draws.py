@@ -1,7 +1,7 @@
 """One plan's held-out figures are a draw: issue 14's D=8 goals seed by seed, restarts chosen on the planning
 half, and the held-out half resampled.
 
-    python -m occult_hf.studies.plan_draws --routing-dir ../shared/data/routing --out-dir docs
+    python -m occult_hf.eval.studies.plan_draws --routing-dir ../shared/data/routing --out-dir docs
 
 Issue 14 asks of a plan with 8 redundant slots at D=8 a held-out balance <= 1.05 and a held-out CT below today's
 refined, for every planner seed. The best deployable plan (`load_aware_plans`: margin 0.20, two time windows per
@@ -33,10 +33,10 @@ from typing import Any
 
 import numpy as np
 
-from ..atomic import atomic_save_figure
-from ..metrics import mean_ct
-from ..placement.validation import profile_from_sample
-from ..profile import RoutingProfile
+from occult_hf.utils.atomic import atomic_save_figure
+from occult_hf.metrics import mean_ct
+from occult_hf.placement.validation import profile_from_sample
+from occult_hf.profile import RoutingProfile
 from .load_aware_plans import GOAL, LOAD_AWARE, goal_axes, main_on_qwen_trace
 from .placement_study import StudyResult
 from .robust_placement_study import qwen_parts, replay_load_aware, served_ct_and_balance, timed_plan

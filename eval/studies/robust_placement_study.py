@@ -1,7 +1,7 @@
 """Placement on tokens it has not seen: robust load limits, several profiles, replicated experts.
 
-    python -m occult_hf.studies.robust_placement_study                 # the project's own routing
-    python -m occult_hf.studies.robust_placement_study --routing-dir ../shared/data/routing --out-dir docs
+    python -m occult_hf.eval.studies.robust_placement_study                 # the project's own routing
+    python -m occult_hf.eval.studies.robust_placement_study --routing-dir ../shared/data/routing --out-dir docs
 
 Without `--routing-dir` it runs on the routing that ships in the package (`studies.tiny_routing`:
 the learned tiny OLMoE, E=32, k=4, 4 layers, on held-out text of its three domains) and prints one
@@ -39,12 +39,12 @@ from typing import Any
 
 import numpy as np
 
-from ..atomic import atomic_save_figure
-from ..metrics import evaluate_placement, load_balance, load_floor, served_ct, summarize
-from ..placement import Placement, plan_placement
-from ..placement.robust import stated_quantile
-from ..placement.validation import cross_validate, profile_from_sample
-from ..profile import LayerRouting, RoutingProfile
+from occult_hf.utils.atomic import atomic_save_figure
+from occult_hf.metrics import evaluate_placement, load_balance, load_floor, served_ct, summarize
+from occult_hf.placement import Placement, plan_placement
+from occult_hf.placement.robust import stated_quantile
+from occult_hf.placement.validation import cross_validate, profile_from_sample
+from occult_hf.profile import LayerRouting, RoutingProfile
 from .placement_study import OLMOE_DOMAINS, QWEN_TRACE, StudyResult
 
 ROBUST = {"robust_resamples": 16}
@@ -143,7 +143,7 @@ def qwen_rows(routing_dir: Path) -> tuple[list[dict[str, Any]], dict[str, list[f
 
 def slowest_rows(routing_dir: Path) -> list[dict[str, Any]]:
     """Objective "slowest" against "auto" (CT) on the Qwen halves: the modelled time of the slowest device."""
-    from ..placement.slowest import StepCosts, device_times
+    from occult_hf.placement.slowest import StepCosts, device_times
 
     parts = qwen_parts(routing_dir)
     rows = []
@@ -338,7 +338,7 @@ def load_aware_split(topk_ids_Nk: np.ndarray, home_table_EM: np.ndarray, num_dev
     the token already visits that device, -1 when it also leaves a device it visited for this pair only
     (ties: the lightest target device). Stops when the busiest device is under the target or no move is left.
     """
-    from ..replicas.routing import resolve_homes_np
+    from occult_hf.replicas.routing import resolve_homes_np
 
     ids_Nk = np.asarray(topk_ids_Nk, dtype=np.int64)
     homes_EM = np.asarray(home_table_EM)
@@ -387,7 +387,7 @@ def replay_load_aware(
     """
     import torch
 
-    from ..replicas.routing import PIN_SLACK, load_aware_homes, preference_counts, replica_preferences
+    from occult_hf.replicas.routing import PIN_SLACK, load_aware_homes, preference_counts, replica_preferences
 
     table = torch.from_numpy(np.asarray(home_table_EM, dtype=np.int64))
     ids = torch.from_numpy(np.asarray(topk_ids_Nk, dtype=np.int64))
@@ -425,7 +425,7 @@ def runtime_rule_rows(routing_dir: Path, num_devices: int = 8) -> list[dict[str,
     held-out tokens, static against load-aware (`replay_load_aware`) per step of 2,192 / 1,096 / 256 tokens
     (274 / 137 / 32 per rank), with the fluid bound of the placement (`best_replica_split`) and a sweep of
     the load-aware rule's pin slack. CT is compared with today's `refined` (no replicas) over the same seeds."""
-    from ..replicas.routing import resolve_homes_np
+    from occult_hf.replicas.routing import resolve_homes_np
 
     parts = qwen_parts(routing_dir)
     both = {"prefill": parts["prefill"], "decode": parts["decode"]}
@@ -475,7 +475,7 @@ def runtime_replica_rows(routing_dir: Path, window_tokens: int = 8192, slot_coun
     distribution, what a runtime sees of it before re-planning; every figure is the balance on the whole
     domain (208,896 tokens). "oracle" re-plans on the whole domain: the best this greedy reaches.
     """
-    from ..placement.rebalance import replan_replicas
+    from occult_hf.placement.rebalance import replan_replicas
 
     profiles = domain_profiles(routing_dir)
     rng = np.random.default_rng(0)

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._transformers_compat import cache_keyword
-from .cuda_graph import capture
+from .compat import cache_keyword
+from ..utils.cuda_graph import capture
 
 #: aten ops whose result needs a device value on the host (a CUDA synchronisation)
 _HOST_READS = {
@@ -82,8 +82,8 @@ def no_host_sync():
 def use_dispatcher(model: torch.nn.Module, name: str):
     """Give every `OccultMoE` of `model` the dispatcher `name` (same group, placement, mode, replica choice and pin
     slack) inside the block."""
-    from .dispatch import build_dispatcher
-    from .moe import OccultMoE
+    from ..dispatch import build_dispatcher
+    from ..moe import OccultMoE
 
     layers = [m for m in model.modules() if isinstance(m, OccultMoE)]
     before = [layer.dispatcher for layer in layers]
@@ -105,8 +105,8 @@ def use_dispatcher(model: torch.nn.Module, name: str):
 def decode_dispatcher_name(model: torch.nn.Module) -> str | None:
     """The static dispatcher for decoding `model` under EP: "symm_mem" where NVSHMEM serves, else "padded";
     None in one process (nothing to exchange)."""
-    from .dispatch import dispatcher_class
-    from .moe import OccultMoE
+    from ..dispatch import dispatcher_class
+    from ..moe import OccultMoE
 
     layer = next((m for m in model.modules() if isinstance(m, OccultMoE)), None)
     if layer is None or not layer.ep.is_distributed:

@@ -2,8 +2,8 @@
 
 Under expert parallelism each rank holds only its experts, while the Trainer writes the model, the
 optimizer and the scheduler from rank 0 alone. Three `Trainer` methods that every rank runs at a
-save or a resume are wrapped (by `integration.install()`, through
-`_transformers_compat.wrap_trainer_methods`, so importing occult_hf is enough; for a model without
+save or a resume are wrapped (by `hf.apply.install()`, through
+`hf.compat.wrap_trainer_methods`, so importing occult_hf is enough; for a model without
 occult_hf applied the wrappers only call the original):
 
 - `save_model` (every rank, at each checkpoint and in the user's final `trainer.save_model()`):
@@ -34,10 +34,10 @@ import os
 import torch
 from torch import nn
 
-from ._state import STATE_ATTR
-from ._transformers_compat import unwrap_trainer_methods, wrap_trainer_methods
+from .state import STATE_ATTR
+from .compat import unwrap_trainer_methods, wrap_trainer_methods
 from .checkpointing import snapshot_experts
-from .moe import OccultMoE
+from ..moe import OccultMoE
 
 RANK_FILE = "occult_rank{rank}-of-{world}.pt"
 _WRAPPED = ("save_model", "_save_optimizer_and_scheduler", "_load_from_checkpoint", "_load_optimizer_and_scheduler")

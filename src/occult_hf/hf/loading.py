@@ -3,7 +3,7 @@
 Without it, `from_pretrained(path, occult_config=...)` under torch.distributed builds the full model on
 every rank (every expert of every layer) and `apply_occult` then keeps this rank's share: the peak per
 rank is the whole checkpoint, which is impossible for the models EP exists for. With it, while
-transformers loads the checkpoint (`_transformers_compat.intercept_state_dict_loading`):
+transformers loads the checkpoint (`hf.compat.intercept_state_dict_loading`):
 
 1. the routed experts' checkpoint keys are taken out of the lazily opened safetensors state dict, so
    transformers never reads them, and the model's expert parameters are taken off its missing-key
@@ -38,11 +38,11 @@ import torch
 
 from occult_hf.patches import adapter_for
 
-from ._transformers_compat import UNSET, intercept_state_dict_loading, skip_allocator_warmup_for
-from .config import OccultConfig
-from .logging_utils import get_logger
-from .moe import LOADED_EXPERTS_ATTR
-from .placement import Placement
+from .compat import UNSET, intercept_state_dict_loading, skip_allocator_warmup_for
+from ..config import OccultConfig
+from ..utils.logging import get_logger
+from ..moe import LOADED_EXPERTS_ATTR
+from ..placement import Placement
 
 logger = get_logger(__name__)
 

@@ -6,18 +6,18 @@ works; when transformers changes, this is the file to read.
 - `install_loading_hooks(on_load, config_value)`: `PreTrainedModel.from_pretrained` raises
   `TypeError` on unknown keywords and has no loading hook a plugin can register, so a thin, reversible
   wrapper of that classmethod pops `occult_config=`, calls the original and hands the loaded model to
-  `on_load` (`integration.install` registers the function that applies the config), inside an
+  `on_load` (`hf.apply.install` registers the function that applies the config), inside an
   optional `load_scope` context. A second
   wrapper, of `PreTrainedConfig.from_dict`, stores `config_value(occult_config)` (JSON-native) when
   the Auto classes pass the keyword to the config. `uninstall_loading_hooks()` puts the originals back.
 - `intercept_state_dict_loading(intercept)`: for one `from_pretrained`, the lazily opened checkpoint
   state dict passes through `intercept` before transformers loads it (per-rank expert loading,
-  `ep_loading`): transformers has no loading filter a plugin can register.
+  `hf.loading`): transformers has no loading filter a plugin can register.
   `skip_allocator_warmup_for(skipped)` leaves the experts another rank holds out of transformers' CUDA
   allocator warmup (it would allocate the full model on a `device_map` device).
 - `wrap_trainer_methods(hooks)`: `Trainer` methods that every rank runs at a save or a resume (some of
   them private: `_save_optimizer_and_scheduler`, `_load_from_checkpoint`, ...) are wrapped so that
-  `hook(original, trainer, ...)` runs instead (`trainer_ep` provides the hooks);
+  `hook(original, trainer, ...)` runs instead (`hf.trainer` provides the hooks);
   `unwrap_trainer_methods(names)` puts them back.
 - `cache_keyword(model)`: the keyword a model's forward takes its KV cache by (transformers 5.24 renamed
   `past_key_values` to `cache`; the old name warns and goes in 5.40, and 5.17 knows only the old one).

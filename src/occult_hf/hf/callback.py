@@ -23,7 +23,7 @@ What it does, all optional except the logging:
 
 Checkpoints under EP (the experts gathered for rank 0's vanilla checkpoint, a PEFT model's expert
 adapters gathered, per-rank optimizer state for `resume_from_checkpoint`) need no callback: importing
-occult_hf hooks the Trainer's save and resume themselves (`occult_hf.trainer_ep`).
+occult_hf hooks the Trainer's save and resume themselves (`occult_hf.hf.trainer`).
 
 Shape legend: T tokens, k experts per token, E routed experts, D devices.
 """
@@ -39,12 +39,12 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-from .dispatch.plan import destinations
-from .metrics import ct_and_remote_T, device_hits_TD, evaluate_placement, load_balance, token_ranks_T
-from .moe import OccultMoE
-from .placement import Placement, get_planner, plan_placement
-from .profile import ProfileCollector, RoutingProfile
-from .pruning import pruners_of
+from ..dispatch.plan import destinations
+from ..metrics import ct_and_remote_T, device_hits_TD, evaluate_placement, load_balance, token_ranks_T
+from ..moe import OccultMoE
+from ..placement import Placement, get_planner, plan_placement
+from ..profile import ProfileCollector, RoutingProfile
+from ..pruning import pruners_of
 
 RECENT_PROFILE_FILENAME = "occult_recent_profile.safetensors"
 REPLANNED_PLACEMENT_FILENAME = "occult_placement_replanned.json"
@@ -56,7 +56,7 @@ class OccultCheckpointCallback(TrainerCallback):
 
     It used to gather the experts for rank 0's save when `control.should_save` was set, which failed
     when it ran before `DefaultFlowCallback` (`OccultCallback.attach` put it there). Importing
-    occult_hf now hooks the Trainer's save and resume themselves (`occult_hf.trainer_ep`), on every
+    occult_hf now hooks the Trainer's save and resume themselves (`occult_hf.hf.trainer`), on every
     rank, whatever the callbacks and their order.
     """
 
@@ -154,7 +154,7 @@ def _check_count(setting: str, value, minimum: int, meaning: str = "", why: str 
 class OccultCallback(OccultCheckpointCallback):
     """Logging, `N_d` schedule, MoE-only training and drift watch for a model with `OccultMoE` blocks.
 
-    Checkpoints need no callback (see `occult_hf.trainer_ep`); it still extends
+    Checkpoints need no callback (see `occult_hf.hf.trainer`); it still extends
     `OccultCheckpointCallback` so that code passing it where that class is expected keeps working.
 
     Args:

@@ -15,9 +15,9 @@ from dataclasses import replace
 
 from torch import nn
 
-from ._state import state_of
+from .state import state_of
 from .checkpointing import check_model_ranks_agree
-from .placement import Placement
+from ..placement import Placement
 
 
 def apply_replicas(model: nn.Module, placement: Placement) -> nn.Module:

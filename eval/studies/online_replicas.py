@@ -1,6 +1,6 @@
 """Replicas re-planned online on the held-out Qwen half: issue 14's 1.05 goal under drift, measured causally.
 
-    python -m occult_hf.studies.online_replicas --routing-dir ../shared/data/routing --out-dir docs
+    python -m occult_hf.eval.studies.online_replicas --routing-dir ../shared/data/routing --out-dir docs
 
 No static plan with 8 redundant slots keeps every seed's held-out balance within 1.05 at D=8 with CT below
 today's refined: the later decoding drifts from the planning half (docs/placement.md). The runtime answer is
@@ -28,11 +28,11 @@ from typing import Any
 
 import numpy as np
 
-from ..atomic import atomic_save_figure
-from ..metrics import evaluate_placement, load_balance, served_ct, summarize
-from ..placement import Placement
-from ..placement.rebalance import replan_replicas
-from ..placement.validation import profile_from_sample
+from occult_hf.utils.atomic import atomic_save_figure
+from occult_hf.metrics import evaluate_placement, load_balance, served_ct, summarize
+from occult_hf.placement import Placement
+from occult_hf.placement.rebalance import replan_replicas
+from occult_hf.placement.validation import profile_from_sample
 from .load_aware_plans import GOAL, LOAD_AWARE, SEEDS, goal_axes, main_on_qwen_trace
 from .placement_study import StudyResult
 from .robust_placement_study import qwen_parts, replay_load_aware, step_balances, timed_plan

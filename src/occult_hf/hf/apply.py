@@ -5,8 +5,8 @@
   original blocks back with their (trained) weights.
 - `install()` / `uninstall()` make `AutoModelForCausalLM.from_pretrained(..., occult_config=...)`
   work and re-apply the setup stored in a checkpoint's config (the wrappers of transformers'
-  classmethods live in `_transformers_compat`), and hook the Trainer's checkpoint save and resume
-  (`trainer_ep`).
+  classmethods live in `hf.compat`), and hook the Trainer's checkpoint save and resume
+  (`hf.trainer`).
 - On the replaced model, per instance: `save_pretrained` is `checkpointing.save_pretrained` (a
   vanilla checkpoint plus `occult_placement.json`, gathered from the EP ranks); under EP `generate`
   always runs with `synced_gpus=True`, so ranks that finish early keep stepping (their forwards take
@@ -37,14 +37,14 @@ from torch import nn
 
 from occult_hf.patches import adapter_for
 
-from ._state import STATE_ATTR, OccultState, attach_state, state_of
-from ._transformers_compat import (
+from .state import STATE_ATTR, OccultState, attach_state, state_of
+from .compat import (
     UNSET,
     install_loading_hooks,
     loading_hooks_installed,
     uninstall_loading_hooks,
 )
-from .agreement import SAVE_TIMEOUT_ENV, fail_together, save_timeout_s
+from ..distributed.agreement import SAVE_TIMEOUT_ENV, fail_together, save_timeout_s
 from .callback import OccultCheckpointCallback
 from .checkpointing import (
     check_model_ranks_agree,
@@ -54,18 +54,18 @@ from .checkpointing import (
     save_pretrained,
     snapshot_experts,
 )
-from .collectives import GradNormCarrier
-from .config import OccultConfig
-from .ddp_ignore import RankLocalStateNames
-from .dispatch import ExpertParallelGroup
-from .ep_loading import load_scope
-from .hf_ep import apply_on_load  # transformers' own EP (DistributedConfig(ep_implementation="occult"))
+from ..distributed.collectives import GradNormCarrier
+from ..config import OccultConfig
+from .ddp import RankLocalStateNames
+from ..dispatch import ExpertParallelGroup
+from .loading import load_scope
+from .native_ep import apply_on_load  # transformers' own EP (DistributedConfig(ep_implementation="occult"))
 from .launch import check_logical_devices, check_process_group_started
-from .logging_utils import get_logger
-from .moe import OccultMoE
-from .placement import Placement
-from .pruning import NEEDS_SIMILARITY, load_pruning_profile, pruner_for_placement
-from .trainer_ep import install_trainer_hooks, uninstall_trainer_hooks
+from ..utils.logging import get_logger
+from ..moe import OccultMoE
+from ..placement import Placement
+from ..pruning import NEEDS_SIMILARITY, load_pruning_profile, pruner_for_placement
+from .trainer import install_trainer_hooks, uninstall_trainer_hooks
 
 logger = get_logger(__name__)
 
@@ -214,8 +214,8 @@ def install() -> None:
 
     Idempotent; `uninstall()` puts the original classmethods back. Loading a checkpoint whose config
     holds `occult_config` applies it (pass `occult_config=None` to load the vanilla model). The
-    wrappers and why they are needed: `_transformers_compat.install_loading_hooks`. The Trainer's
-    checkpoint save and resume under EP are hooked too (`trainer_ep.install_trainer_hooks`).
+    wrappers and why they are needed: `hf.compat.install_loading_hooks`. The Trainer's
+    checkpoint save and resume under EP are hooked too (`hf.trainer.install_trainer_hooks`).
     """
     if is_installed():
         return
@@ -241,7 +241,7 @@ def _json_native(occult_config):
 def _apply_on_load(model, occult_config):
     """Apply `occult_config`, else the config's stored `occult_config` (AutoModel passes a keyword that
     names an existing config attribute to the config, so both routes end here): through `apply_occult`,
-    or, for a model whose experts transformers' own EP sharded, `hf_ep.apply_on_load`."""
+    or, for a model whose experts transformers' own EP sharded, `hf.native_ep.apply_on_load`."""
     if occult_config is UNSET:
         occult_config = getattr(model.config, "occult_config", None)
     if occult_config is None:

@@ -1,7 +1,7 @@
 """What `apply_occult` did to one model instance, kept on the model so that it can be undone.
 
-Shared by model surgery (`integration`, which creates and removes it), checkpointing
-(`checkpointing`, which saves from it) and the Trainer hooks (`trainer_ep`, which find the model
+Shared by model surgery (`hf.apply`, which creates and removes it), checkpointing
+(`checkpointing`, which saves from it) and the Trainer hooks (`hf.trainer`, which find the model
 inside its wrappers by it).
 """
 
@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import OccultConfig
-from .dispatch import ExpertParallelGroup
-from .placement import Placement
+from ..config import OccultConfig
+from ..dispatch import ExpertParallelGroup
+from ..placement import Placement
 
 #: the attribute of the model instance that holds its `OccultState`
 STATE_ATTR = "_occult_state"
@@ -34,7 +34,7 @@ class OccultState:
     snapshot: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None  # EP rank 0: path -> full weights
     snapshot_versions: tuple[int, ...] | None = None
     instance_methods: dict[str, Any] = field(default_factory=dict)
-    caller_keeps_lockstep: bool = False  # see `integration.lockstep_managed_by_caller`
+    caller_keeps_lockstep: bool = False  # see `hf.apply.lockstep_managed_by_caller`
 
     @property
     def placement(self) -> Placement:

@@ -1,6 +1,6 @@
 """Replicas planned for the load-aware runtime rule, replayed on the held-out Qwen half (issue 14's 1.05 goal).
 
-    python -m occult_hf.studies.load_aware_plans --routing-dir ../shared/data/routing --out-dir docs
+    python -m occult_hf.eval.studies.load_aware_plans --routing-dir ../shared/data/routing --out-dir docs
 
 For D=4 and D=8, seeds 0-9, seven plans with 8 redundant slots made on the planning half (prefill and decode
 as two profiles): the robust plan made for the static rule (the best of the earlier session), and the planner
@@ -29,9 +29,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..atomic import atomic_save_figure
-from ..metrics import evaluate_placement, summarize
-from ..replicas.routing import PIN_SLACK, resolve_homes_np
+from occult_hf.utils.atomic import atomic_save_figure
+from occult_hf.metrics import evaluate_placement, summarize
+from occult_hf.replicas.routing import PIN_SLACK, resolve_homes_np
 from .placement_study import StudyResult
 from .robust_placement_study import ROBUST, best_replica_split, qwen_parts, replay_load_aware, served_ct_and_balance, timed_plan
 

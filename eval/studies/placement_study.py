@@ -1,7 +1,7 @@
 """Placement study: contiguous vs the paper's Algorithm 1 (`occult`) vs `refined` on real routing.
 
-    python -m occult_hf.studies.placement_study                      # the project's own routing
-    python -m occult_hf.studies.placement_study --routing-dir ../shared/data/routing --out-dir docs
+    python -m occult_hf.eval.studies.placement_study                      # the project's own routing
+    python -m occult_hf.eval.studies.placement_study --routing-dir ../shared/data/routing --out-dir docs
 
 prints Markdown tables and, with `--out-dir`, writes `placement_study.png` (per-layer CT / cut by
 method). Without `--routing-dir` it runs on the routing that ships in the package
@@ -39,13 +39,13 @@ from typing import Any
 
 import numpy as np
 
-from ..atomic import atomic_save_figure
-from ..drift import profile_drift
-from ..metrics import device_load, evaluate_placement, expert_load, load_balance, load_floor, summarize
-from ..placement import Placement, balanced_capacities, plan_placement
-from ..placement.refined import initial_assignment
-from ..placement.validation import profile_from_sample
-from ..profile import RoutingProfile
+from occult_hf.utils.atomic import atomic_save_figure
+from occult_hf.drift import profile_drift
+from occult_hf.metrics import device_load, evaluate_placement, expert_load, load_balance, load_floor, summarize
+from occult_hf.placement import Placement, balanced_capacities, plan_placement
+from occult_hf.placement.refined import initial_assignment
+from occult_hf.placement.validation import profile_from_sample
+from occult_hf.profile import RoutingProfile
 
 QWEN_TRACE = "qwen15moe_a27b_chat_gptq_int4_gsm8k25_layer0_trace.npz"
 OLMOE_PAIRS = "olmoe1b7b0125__runB_2025-03-07__wikitext2_8192tok_coact.npz"

@@ -14,7 +14,7 @@ study's own computation of the same rolling loglikelihoods (this module's `rolli
 written from lm-eval's windowing rule, run on the plain transformers model) checks lm-eval's
 perplexity.
 
-    python -m occult_hf.studies.evalhook --model CKPT --data DATA --out-dir docs
+    python -m occult_hf.eval.studies.evalhook --model CKPT --data DATA --out-dir docs
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import atomic_write_json, atomic_write_text
+from occult_hf.utils.atomic import atomic_write_json, atomic_write_text
 
 NUM_DEVICES = 2
 PRUNED = {"prune": "router", "max_devices_per_token": 1}
@@ -171,7 +171,7 @@ def _rank_worker(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m occult_hf.studies.evalhook", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m occult_hf.eval.studies.evalhook", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="checkpoint directory with tokenizer (e.g. occult train --recipe tiny)")
     parser.add_argument("--data", type=Path, help="its prepared data directory (held-out splits)")
     parser.add_argument("--out-dir", type=Path, default=Path("."))
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     if args.worker:
         return _rank_worker(args)
-    from ..training import PreparedData
+    from occult_hf.training import PreparedData
 
     data = PreparedData(args.data)
     tasks_dir = args.out_dir / "evalhook_tasks"
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ranks:
         result = args.out_dir / "evalhook_ranks.json"
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks), "--master-port", "29533",
-                   "-m", "occult_hf.studies.evalhook", "--worker", "--model", args.model, "--tasks-dir", str(tasks_dir),
+                   "-m", "occult_hf.eval.studies.evalhook", "--worker", "--model", args.model, "--tasks-dir", str(tasks_dir),
                    "--tasks", ",".join(tasks), "--result", str(result)]  # fmt: skip
         env = {**os.environ, **EVAL_ENV, "OMP_NUM_THREADS": "1"}
         subprocess.run(command, check=True, env=env)

@@ -13,7 +13,7 @@ import os
 
 import torch.distributed as dist
 
-from .checks import check_num_devices
+from ..utils.checks import check_num_devices
 
 
 def launched_world_size() -> int:

@@ -1,15 +1,15 @@
-"""Fine-tune an MoE model with Occult (pruning-aware SFT) through HF `Trainer`: `python -m occult_hf.finetune`.
+"""Fine-tune an MoE model with Occult (pruning-aware SFT) through HF `Trainer`: `python -m occult_hf.hf.finetune`.
 
-    python -m occult_hf.finetune --model_name_or_path allenai/OLMoE-1B-7B-0924 --train_file train.jsonl \
+    python -m occult_hf.hf.finetune --model_name_or_path allenai/OLMoE-1B-7B-0924 --train_file train.jsonl \
         --output_dir sft_pruned --num_devices 8 --logical_devices --prune router --max_devices_per_token 2 \
         --max_steps 200 --bf16
-    torchrun --nproc-per-node 8 -m occult_hf.finetune ... --num_devices 8          # expert parallelism
-    accelerate launch --num_processes 2 --cpu -m occult_hf.finetune ... --num_devices 2 --use_cpu
+    torchrun --nproc-per-node 8 -m occult_hf.hf.finetune ... --num_devices 8          # expert parallelism
+    accelerate launch --num_processes 2 --cpu -m occult_hf.hf.finetune ... --num_devices 2 --use_cpu
 
 Arguments are parsed by `transformers.HfArgumentParser` into `ModelArguments`, `DataArguments`,
 `OccultArguments` and `TrainingArguments`, so every Trainer flag works (`--learning_rate`,
 `--save_steps`, `--resume_from_checkpoint`, `--report_to`, ...; `--flag_name` and `--flag-name` are
-both accepted), and a JSON file of them may be given instead (`python -m occult_hf.finetune args.json`).
+both accepted), and a JSON file of them may be given instead (`python -m occult_hf.hf.finetune args.json`).
 
 The data (`--train_file`: a .txt/.json/.jsonl/.csv/.parquet file, a `save_to_disk` directory, a local
 dataset directory or a hub dataset; `--dataset_config`, `--text_column`) is read with `datasets`,
@@ -24,7 +24,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from .pruning import pruning_policy_names
+from ..pruning import pruning_policy_names
 
 
 @dataclass
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, Trainer
 
-    from . import OccultCallback, OccultConfig
+    from .. import OccultCallback, OccultConfig
     from .launch import check_launch
     from .text_data import load_text_dataset
 

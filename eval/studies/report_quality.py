@@ -1,6 +1,6 @@
-"""Tables and plots of the quality study from `quality_results.json` (made by `occult_hf.studies.quality`).
+"""Tables and plots of the quality study from `quality_results.json` (made by `occult_hf.eval.studies.quality`).
 
-    python -m occult_hf.studies.report_quality RESULTS_DIR --out-dir docs
+    python -m occult_hf.eval.studies.report_quality RESULTS_DIR --out-dir docs
 
 writes `quality.md` (the model, the routing-structure table, the quality table with the goals, the
 drift table) and `quality_ppl.png` into `--out-dir`, and prints the markdown.
@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..atomic import atomic_save_figure, atomic_write_text
+from occult_hf.utils.atomic import atomic_save_figure, atomic_write_text
 from .quality import FORGET_DOMAIN, FT_DOMAIN
 
 
@@ -133,7 +133,7 @@ def render(results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m occult_hf.studies.report_quality", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m occult_hf.eval.studies.report_quality", description=__doc__.split("\n\n")[0])
     parser.add_argument("results", type=Path, help="directory with quality_results.json")
     parser.add_argument("--out-dir", type=Path, default=Path("."))
     args = parser.parse_args(argv)

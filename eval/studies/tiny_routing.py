@@ -20,7 +20,7 @@ in the trace format `occult profile --from-trace` reads (`profile.trace`):
 data of `studies.placement_study` and `studies.robust_placement_study` when no `--routing-dir` is
 given. Regenerate (needs the corpus, which the project does not ship; about a minute of CPU):
 
-    python -m occult_hf.studies.tiny_routing --corpus-dir ../shared/data/corpus --out src/occult_hf/data/tiny_olmoe_routing.npz
+    python -m occult_hf.eval.studies.tiny_routing --corpus-dir ../shared/data/corpus --out src/occult_hf/data/tiny_olmoe_routing.npz
 
 Shape legend (docs/conventions.md): T tokens, Z layers, k experts per token, E experts, B windows
 (sequences), S sequence length.
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..profile import RoutingProfile
+from occult_hf.profile import RoutingProfile
 
 #: the shipped trace, inside the package's data folder
 TINY_ROUTING = "tiny_olmoe_routing.npz"
@@ -61,10 +61,10 @@ def record(corpus_dir: str | os.PathLike, tokens_per_domain: int = 2048, seq_len
     import torch
     from transformers import AutoTokenizer, OlmoeForCausalLM
 
-    from ..training import tiny_checkpoint_path
-    from ..training.data import load_documents, pack, split_heldout
-    from ..training.evaluate import capture_routing
-    from ..training.recipes import get_recipe
+    from occult_hf.training import tiny_checkpoint_path
+    from occult_hf.training.data import load_documents, pack, split_heldout
+    from occult_hf.training.evaluate import capture_routing
+    from occult_hf.training.recipes import get_recipe
 
     if tokens_per_domain < 2 * seq_len:
         raise ValueError(f"tokens_per_domain={tokens_per_domain} must be at least 2 * seq_len ({2 * seq_len}): one window per half")
@@ -108,7 +108,7 @@ def record(corpus_dir: str | os.PathLike, tokens_per_domain: int = 2048, seq_len
         "domains": domains,
         "seq_len": seq_len,
         "split": "128-token windows alternate per domain: split 0 = planning half, 1 = held-out half".replace("128", str(seq_len)),
-        "made_by": "python -m occult_hf.studies.tiny_routing --corpus-dir ../shared/data/corpus",
+        "made_by": "python -m occult_hf.eval.studies.tiny_routing --corpus-dir ../shared/data/corpus",
     }
     return {
         "topk_ids": np.concatenate(ids_parts),
@@ -121,7 +121,7 @@ def record(corpus_dir: str | os.PathLike, tokens_per_domain: int = 2048, seq_len
 
 def save(arrays: dict[str, np.ndarray], path: str | os.PathLike) -> None:
     """Write the trace atomically (compressed `.npz`), after reading the bytes back and checking them."""
-    from ..atomic import atomic_save_npz
+    from occult_hf.utils.atomic import atomic_save_npz
 
     def validate(data: bytes) -> None:
         with np.load(io.BytesIO(data), allow_pickle=False) as npz:
@@ -147,7 +147,7 @@ def load(path: str | os.PathLike | None = None) -> tuple[np.ndarray, np.ndarray,
 
 def plan_and_held_out(path: str | os.PathLike | None = None) -> tuple[RoutingProfile, RoutingProfile]:
     """Profiles (every layer, every token as the sample) of the planning half and of the held-out half."""
-    from ..placement.validation import profile_from_sample
+    from occult_hf.placement.validation import profile_from_sample
 
     ids_TZk, _, split_T, meta = load(path)
     return tuple(
@@ -162,7 +162,7 @@ def plan_and_held_out(path: str | os.PathLike | None = None) -> tuple[RoutingPro
 
 def domain_profiles(path: str | os.PathLike | None = None, split: int = PLAN) -> dict[str, RoutingProfile]:
     """One profile per domain of one half (default: the planning half), every layer."""
-    from ..placement.validation import profile_from_sample
+    from occult_hf.placement.validation import profile_from_sample
 
     ids_TZk, domain_T, split_T, meta = load(path)
     profiles = {}

@@ -8,12 +8,12 @@
   (`check_ranks_agree`) run on a gloo group of the EP ranks made by `new_save_group`.
 
 Saving under EP is collective: `save_pretrained` gathers the experts to EP rank 0, which writes. HF
-Trainer calls `save_pretrained` on rank 0 only; `occult_hf.trainer_ep` (installed with `install()`)
+Trainer calls `save_pretrained` on rank 0 only; `occult_hf.hf.trainer` (installed with `install()`)
 hooks the Trainer's `save_model`, which every rank runs, to gather a snapshot of the experts first,
 and rank 0's `save_pretrained` writes from that snapshot while it is current. A save
 that needs a gather the other ranks never join fails after `OCCULT_SAVE_TIMEOUT_S` seconds (default
 300) with an error that says so, instead of hanging; before it gathers, and at `apply_occult`, the ranks
-check that they agree on the whole EP configuration (`occult_hf.agreement`).
+check that they agree on the whole EP configuration (`occult_hf.distributed.agreement`).
 
 A save is atomic per file and ordered: every file is first written into a staging directory inside
 `save_directory` (a failure there leaves the previous checkpoint untouched), then renamed into place,
@@ -31,11 +31,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._state import OccultState, state_of
-from .agreement import check_agreement, effective_setup
-from .collectives import gather_rows
-from .moe import OccultMoE
-from .placement import PLACEMENT_FILENAME
+from .state import OccultState, state_of
+from ..distributed.agreement import check_agreement, effective_setup
+from ..distributed.collectives import gather_rows
+from ..moe import OccultMoE
+from ..placement import PLACEMENT_FILENAME
 
 # ----- the EP ranks agree, and the group for gathers ------------------------------------------------
 
@@ -101,7 +101,7 @@ def save_pretrained(model, save_directory, *args, **kwargs):
     """`save_pretrained` of a replaced model: a vanilla checkpoint plus `occult_placement.json`.
 
     Under EP every rank must call it unless `snapshot_experts(model)` ran since the last weight
-    update (what the Trainer hook in `trainer_ep` does); EP rank 0 writes.
+    update (what the Trainer hook in `hf.trainer` does); EP rank 0 writes.
     """
     state = state_of(model)
     if kwargs.get("state_dict") is not None:

@@ -3,7 +3,7 @@
 One command runs everything that needs the model (on GPUs when there are any; `--micro` runs the
 same code path on CPU in a minute, with the tiny recipe and a few steps, to test it):
 
-    python -m occult_hf.studies.quality --data DATA --work WORK --out OUT [--micro]
+    python -m occult_hf.eval.studies.quality --data DATA --work WORK --out OUT [--micro]
 
 1. **pretrain** (GPU 0): the `study` recipe from scratch on python_docs + kernel_docs
    (`occult_hf.training.train`); python_stdlib_code stays new to the model.
@@ -21,7 +21,7 @@ same code path on CPU in a minute, with the tiny recipe and a few steps, to test
    numbers (the placement planned before fine-tuning against one re-planned on the fine-tuned
    routing, both measured on held-out B) and what the callback's drift watch logged.
 
-Every stage runs as a worker process under `occult_hf.studies.jobs.run_jobs`: a worker whose log
+Every stage runs as a worker process under `occult_hf.eval.studies.jobs.run_jobs`: a worker whose log
 stops growing for `--stall` seconds is killed and reported, and at `--budget` seconds after the start
 every worker still running is killed, so the command always returns with what it made, exits non-zero
 and names each stalled, failed or cut worker with its last log line. (On the H200 run of 2026-11-30
@@ -34,7 +34,7 @@ The Occult blocks use `expert_backend="torch"` (fp32 weights through PyTorch GEM
 environment variable `OCCULT_STUDY_EXPERT_BACKEND` selects another backend (`auto`, `triton`).
 
 Results land in OUT: `quality_results.json`, the loss curve, and `profiles.tar.gz` (the transfer
-study's profiles). The CPU side (`python -m occult_hf.studies.report_quality`) turns them into
+study's profiles). The CPU side (`python -m occult_hf.eval.studies.report_quality`) turns them into
 the tables and plots of docs/quality.md.
 """
 
@@ -86,7 +86,7 @@ def settings(micro: bool | str) -> dict:
 
 
 def _recipe(work: Path, micro: bool):
-    from ..training import get_recipe
+    from occult_hf.training import get_recipe
 
     s = settings(micro)
     recipe = get_recipe(s["recipe"], **s["pretrain"])
@@ -96,14 +96,14 @@ def _recipe(work: Path, micro: bool):
 
 
 def _write_json(path: Path, data) -> None:
-    from ..atomic import atomic_write_json
+    from occult_hf.utils.atomic import atomic_write_json
 
     atomic_write_json(path, data)
 
 
 # ----- 1. pretrain ------------------------------------------------------------------------------
 def pretrain(data: Path, work: Path, micro: bool) -> None:
-    from ..training import train
+    from occult_hf.training import train
 
     recipe = _recipe(work, micro)
     log = train(recipe, data, work / "base", eval_tokens=settings(micro)["eval_tokens"], progress=True)
@@ -123,10 +123,10 @@ def _load(path: Path):
 
 # ----- 2. base ------------------------------------------------------------------------------------
 def base(data_dir: Path, work: Path, micro: bool) -> None:
-    from ..placement import plan_placement
-    from ..profile import RoutingProfile
-    from ..training import PreparedData
-    from ..training.evaluate import capture_routing, routing_structure
+    from occult_hf.placement import plan_placement
+    from occult_hf.profile import RoutingProfile
+    from occult_hf.training import PreparedData
+    from occult_hf.training.evaluate import capture_routing, routing_structure
 
     s = settings(micro)
     data = PreparedData(data_dir)
@@ -155,8 +155,8 @@ def base(data_dir: Path, work: Path, micro: bool) -> None:
 
 # ----- 3. variants --------------------------------------------------------------------------------
 def _occult_model(work: Path, checkpoint: Path, mode: str | None, n_d: int | None):
-    from ..config import OccultConfig
-    from ..integration import apply_occult
+    from occult_hf.config import OccultConfig
+    from occult_hf.hf.apply import apply_occult
 
     model = _load(checkpoint)
     config = OccultConfig(
@@ -175,10 +175,10 @@ def measure(model, data, recipe, max_tokens: int) -> dict:
     bytes per token (bf16, one direction, per MoE layer) and removed weight; the dispatched ids."""
     import torch
 
-    from ..integration import occult_modules
-    from ..metrics import communication_volume
-    from ..pruning import pruners_of
-    from ..training.evaluate import perplexity
+    from occult_hf.hf.apply import occult_modules
+    from occult_hf.metrics import communication_volume
+    from occult_hf.pruning import pruners_of
+    from occult_hf.training.evaluate import perplexity
 
     out = {"perplexity": {d: perplexity(model, data.windows("heldout", d, recipe.seq_len, max_tokens=max_tokens)) for d in data.domains}}
     blocks = {module.layer_idx if hasattr(module, "layer_idx") else i: module for i, module in enumerate(occult_modules(model).values())}
@@ -187,7 +187,7 @@ def measure(model, data, recipe, max_tokens: int) -> dict:
                for layer, b in blocks.items()]  # fmt: skip
     for pruner in pruners_of(model).values():
         pruner.pop_stats()
-    from ..training.evaluate import mean_nll
+    from occult_hf.training.evaluate import mean_nll
 
     mean_nll(model, data.windows("heldout", FT_DOMAIN, recipe.seq_len, max_tokens=max_tokens))
     for handle in handles:
@@ -212,8 +212,8 @@ def measure(model, data, recipe, max_tokens: int) -> dict:
 def _profile_from_ids(ids_by_layer: dict, num_experts: int, source: str):
     import torch
 
-    from ..profile import RoutingProfile
-    from ..profile.stats import LayerAccumulator
+    from occult_hf.profile import RoutingProfile
+    from occult_hf.profile.stats import LayerAccumulator
 
     layers = {}
     for layer, ids_Nk in ids_by_layer.items():
@@ -226,8 +226,8 @@ def _profile_from_ids(ids_by_layer: dict, num_experts: int, source: str):
 def drift(work: Path, model, data, recipe, measured: dict, max_tokens: int) -> dict:
     """CT on held-out B of the placement planned before fine-tuning vs one re-planned on the
     fine-tuned model's routing of B's training split (both by `refined`, D=4)."""
-    from ..metrics import evaluate_placement
-    from ..placement import Placement, plan_placement
+    from occult_hf.metrics import evaluate_placement
+    from occult_hf.placement import Placement, plan_placement
 
     before = Placement.load(work / "placement_ft.json")
     train_ids = measure_ids(model, data.windows("train", FT_DOMAIN, recipe.seq_len, max_tokens=max_tokens))
@@ -245,8 +245,8 @@ def measure_ids(model, windows_BS) -> dict:
     """Dispatched expert ids per layer over `windows_BS` (through the Occult blocks)."""
     import torch
 
-    from ..integration import occult_modules
-    from ..training.evaluate import mean_nll
+    from occult_hf.hf.apply import occult_modules
+    from occult_hf.training.evaluate import mean_nll
 
     blocks = list(occult_modules(model).values())
     captured = {i: [] for i in range(len(blocks))}
@@ -259,8 +259,8 @@ def measure_ids(model, windows_BS) -> dict:
 
 def variant(name: str, data_dir: Path, work: Path, micro: bool) -> dict:
     """Run one variant (`plain`, `router-2`, `noft-similarity-1`, ...) and return its numbers."""
-    from ..callback import OccultCallback
-    from ..training import PreparedData, train
+    from occult_hf.hf.callback import OccultCallback
+    from occult_hf.training import PreparedData, train
 
     s = settings(micro)
     data = PreparedData(data_dir)
@@ -374,7 +374,7 @@ def pipeline(data: Path, work: Path, out: Path, micro: bool, budget_s: float, st
     out.mkdir(parents=True, exist_ok=True)
     gpus = [str(i) for i in range(torch.cuda.device_count())] or [None]
     s = settings(micro)
-    common = ["-m", "occult_hf.studies.quality", "--data", str(data), "--work", str(work), "--size", s["size"]]
+    common = ["-m", "occult_hf.eval.studies.quality", "--data", str(data), "--work", str(work), "--size", s["size"]]
     timings: dict[str, float] = {}
     problems: list[str] = []
     for stage in ("pretrain", "base"):
@@ -426,7 +426,7 @@ def pipeline(data: Path, work: Path, out: Path, micro: bool, budget_s: float, st
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m occult_hf.studies.quality", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m occult_hf.eval.studies.quality", description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", required=True, type=Path, help="prepared data (occult train --prepare-only)")
     parser.add_argument("--work", required=True, type=Path, help="scratch directory (checkpoints)")
     parser.add_argument("--out", type=Path, default=Path("quality_out"), help="results directory")

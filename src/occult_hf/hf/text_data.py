@@ -6,7 +6,7 @@
 
 Everything goes through `datasets` (`load_dataset` with the builder that the file's extension names,
 or `load_from_disk`), so JSON Lines are parsed rather than read as raw lines, and the text column is
-checked by name. `occult profile` and the fine-tune entry point (`python -m occult_hf.finetune`) use it.
+checked by name. `occult profile` and the fine-tune entry point (`python -m occult_hf.hf.finetune`) use it.
 """
 
 from __future__ import annotations

@@ -42,9 +42,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import gather_rows
-from .ddp_ignore import enable_grad_norm_carriers, rank_local_names
-from .moe import OccultMoE
+from ..distributed.collectives import gather_rows
+from .ddp import enable_grad_norm_carriers, rank_local_names
+from ..moe import OccultMoE
 
 _DDP_IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
 _HOOK_ATTR = "_occult_adapter_slicing_hook"

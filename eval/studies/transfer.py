@@ -6,10 +6,10 @@ device load) on the held-out split of every target domain T (`refined` with the 
 planned on T's own training profile, measured on the same held-out T (DESIGN.md §9). The goal: CT on
 an unseen domain (T != A) within 10% of the oracle (`CT_transfer <= 1.10 * CT_oracle`).
 
-    python -m occult_hf.studies.transfer --profiles DIR --out-dir docs
+    python -m occult_hf.eval.studies.transfer --profiles DIR --out-dir docs
 
 reads `train_<domain>.safetensors` and `heldout_<domain>.safetensors` (written by
-`occult_hf.studies.quality`'s base stage, or by `--model CKPT --data DATA` here) and writes
+`occult_hf.eval.studies.quality`'s base stage, or by `--model CKPT --data DATA` here) and writes
 `transfer.json`, `transfer.md` and `transfer.png`.
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..atomic import atomic_save_figure, atomic_write_json, atomic_write_text
+from occult_hf.utils.atomic import atomic_save_figure, atomic_write_json, atomic_write_text
 
 METHODS = ("contiguous", "occult", "refined")
 DEVICES = (4, 8)
@@ -31,7 +31,7 @@ DEVICES = (4, 8)
 
 def load_profiles(directory: Path) -> tuple[dict, dict]:
     """({domain: training profile}, {domain: held-out profile}) of a profile directory."""
-    from ..profile import RoutingProfile
+    from occult_hf.profile import RoutingProfile
 
     train = {p.stem[len("train_") :]: RoutingProfile.load(p) for p in sorted(directory.glob("train_*.safetensors"))}
     held = {p.stem[len("heldout_") :]: RoutingProfile.load(p) for p in sorted(directory.glob("heldout_*.safetensors"))}
@@ -42,7 +42,7 @@ def load_profiles(directory: Path) -> tuple[dict, dict]:
 
 
 def _mean(profile, placement) -> tuple[float, float]:
-    from ..metrics import evaluate_placement
+    from occult_hf.metrics import evaluate_placement
 
     metrics = evaluate_placement(profile, placement)
     return float(np.mean([m.ct for m in metrics.values()])), float(np.mean([m.balance for m in metrics.values()]))
@@ -50,7 +50,7 @@ def _mean(profile, placement) -> tuple[float, float]:
 
 def transfer_study(train: dict, held: dict, methods=METHODS, devices=DEVICES) -> list[dict]:
     """One row per (D, method, source, target): CT and balance on held-out target, oracle, ratio."""
-    from ..placement import plan_placement
+    from occult_hf.placement import plan_placement
 
     from .quality import REFINED
 
@@ -111,7 +111,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m occult_hf.studies.transfer", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m occult_hf.eval.studies.transfer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--profiles", type=Path, required=True, help="directory of train_<d>/heldout_<d>.safetensors")
     parser.add_argument("--out-dir", type=Path, default=Path("."), help="where transfer.json/.md/.png go")
     parser.add_argument("--devices", default="4,8", help="device counts (default 4,8)")

@@ -47,13 +47,13 @@ from torch import nn
 
 from occult_hf.patches import adapter_for
 
-from ._state import attach_state
-from .agreement import check_agreement, effective_setup, fail_together, save_timeout_s
-from .config import OccultConfig
-from .dispatch import ExpertParallelGroup, TokenDispatcher, TokenRouting, build_dispatcher
-from .experts import local_experts
-from .placement import Placement
-from .pruning import pruner_for_placement
+from .state import attach_state
+from ..distributed.agreement import check_agreement, effective_setup, fail_together, save_timeout_s
+from ..config import OccultConfig
+from ..dispatch import ExpertParallelGroup, TokenDispatcher, TokenRouting, build_dispatcher
+from ..experts import local_experts
+from ..placement import Placement
+from ..pruning import pruner_for_placement
 
 #: the name under which `OccultEP` is registered in transformers' `EPImplementationInterface`
 EP_IMPLEMENTATION_NAME = "occult"
@@ -560,7 +560,7 @@ def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, directory
 
     from transformers.distributed.checkpoint import save_optimizer_distributed
 
-    from .atomic import atomic_write_json
+    from ..utils.atomic import atomic_write_json
 
     reshard(model)
     save_optimizer_distributed(model, optimizer, str(directory))
@@ -583,7 +583,7 @@ def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, directory
 
     path = os.path.join(directory, EXPERT_ORDER_FILE)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} is missing: save the optimizer with occult_hf.hf_ep.save_optimizer")
+        raise FileNotFoundError(f"{path} is missing: save the optimizer with occult_hf.hf.native_ep.save_optimizer")
     with open(path) as handle:
         saved = {int(layer): order for layer, order in json.load(handle).items()}
     here = {layer: impl.expert_order for layer, impl in occult_ep_layers(model).items()}

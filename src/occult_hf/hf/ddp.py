@@ -23,7 +23,7 @@ import weakref
 
 from torch import nn
 
-from .moe import OccultMoE
+from ..moe import OccultMoE
 
 DDP_IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
 #: where `peft.PeftModel` holds the model it wraps (`PeftModel.base_model` is the tuner, `.model` the model)
