@@ -19,6 +19,8 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from occult_hf.registry import Registry
+
 
 def config_field(config, name: str):
     """`config.<name>`, or an error naming the model type and the missing field (never a guess)."""
@@ -162,39 +164,35 @@ class MoEAdapter(abc.ABC):
         return None
 
 
-_ADAPTERS: dict[str, MoEAdapter] = {}
+#: the model families (one adapter per `patches/<family>.py`), by adapter name
+ADAPTERS: Registry[MoEAdapter] = Registry("model family adapter", "the adapter name")
 
 
 def register_adapter(adapter: MoEAdapter) -> MoEAdapter:
-    """Add an adapter to the registry; names are unique and lowercase, model types served once."""
+    """Add an adapter to `ADAPTERS`; names are unique and lowercase, model types served once."""
     if not isinstance(adapter, MoEAdapter):
         raise TypeError(f"register_adapter needs a MoEAdapter instance, got {type(adapter).__name__}")
-    if not adapter.name or adapter.name != adapter.name.lower():
-        raise ValueError(f"adapter name must be a non-empty lowercase string, got {adapter.name!r}")
-    if adapter.name in _ADAPTERS:
-        raise ValueError(f"an adapter named {adapter.name!r} is already registered")
-    for other in _ADAPTERS.values():
+    for name, other in ADAPTERS.items():
         shared = sorted(set(other.model_types) & set(adapter.model_types))
-        if shared:
+        if shared and name != adapter.name:
             raise ValueError(f"adapter {adapter.name!r} serves model types {shared} that adapter {other.name!r} already serves")
     if not adapter.block_class_names or not adapter.num_experts_field:
         raise ValueError(f"adapter {adapter.name!r} needs block_class_names and num_experts_field")
-    _ADAPTERS[adapter.name] = adapter
-    return adapter
+    return ADAPTERS.register(adapter.name, adapter)
 
 
 def registered_adapters() -> dict[str, MoEAdapter]:
-    return dict(_ADAPTERS)
+    return dict(ADAPTERS.items())
 
 
 def adapter_for(model_or_config) -> MoEAdapter:
     """The adapter serving a model (or its config), by `config.model_type`; a clear error otherwise."""
     config = getattr(model_or_config, "config", model_or_config)
     model_type = getattr(config, "model_type", None)
-    for adapter in _ADAPTERS.values():
+    for _, adapter in ADAPTERS.items():
         if model_type in adapter.model_types:
             return adapter
-    supported = sorted(t for a in _ADAPTERS.values() for t in a.model_types)
+    supported = sorted(t for _, a in ADAPTERS.items() for t in a.model_types)
     raise ValueError(f"occult_hf does not support model_type {model_type!r}; supported model types: {supported}")
 
 

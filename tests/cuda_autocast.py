@@ -32,11 +32,11 @@ def _sum_as_cuda_autocast(x, dim, keepdim=False, dtype=None):
 
 @contextlib.contextmanager
 def cuda_autocast_on_cpu():
-    from occult_hf import experts
+    from occult_hf.registry import EXPERT_BACKENDS
 
     library = torch.library.Library("aten", "IMPL")
     library.impl("sum.dim_IntList", _sum_as_cuda_autocast, "AutocastCPU")
-    torch_backend = experts._BACKENDS["torch"]
+    torch_backend = EXPERT_BACKENDS.unregister("torch")
 
     def one_dtype_backend(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn, deterministic):
         for name, tensor in (("gate_up_proj", gate_up_proj_L2IH), ("down_proj", down_proj_LHI)):
@@ -44,9 +44,10 @@ def cuda_autocast_on_cpu():
                 raise ValueError(f"{name} dtype {tensor.dtype} differs from x_RH dtype {x_RH.dtype}; cast one of them")
         return torch_backend(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn, deterministic)
 
-    experts._BACKENDS["torch"] = one_dtype_backend
+    EXPERT_BACKENDS.register("torch", one_dtype_backend)
     try:
         yield
     finally:
-        experts._BACKENDS["torch"] = torch_backend
+        EXPERT_BACKENDS.unregister("torch")
+        EXPERT_BACKENDS.register("torch", torch_backend)
         library._destroy()

@@ -52,7 +52,7 @@ def test_schedule_and_callback_validation():
         OccultCallback(schedule_steps=-1)
     with pytest.raises(ValueError, match="check_every must be an integer >= 0"):
         OccultCallback(check_every=1.5)
-    with pytest.raises(ValueError, match="unknown placement method 'best'; valid methods"):
+    with pytest.raises(ValueError, match=r"the placement method must be one of \[.*'refined'\], got 'best'"):
         OccultCallback(planner="best")
     # the drift check measures CT on the recent profile's top-k sample: without one it used to fail at the
     # first check with numpy's "unsupported operand type(s) for +: 'NoneType'"

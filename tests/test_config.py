@@ -27,7 +27,7 @@ def test_json_round_trip_with_inline_placement(tmp_path):
         ({"prune": "router"}, "needs max_devices_per_token"),
         ({"max_devices_per_token": 2}, "prune is None"),
         ({"prune": "similarity", "max_devices_per_token": 1}, "needs a routing profile"),
-        ({"prune": "random", "max_devices_per_token": 1}, "OccultConfig.prune must be None or one of"),
+        ({"prune": "random", "max_devices_per_token": 1}, "OccultConfig.prune must be one of"),
         ({"dispatch": "all"}, "OccultConfig.dispatch must be one of"),
         ({"expert_backend": "cuda"}, "OccultConfig.expert_backend must be one of"),
         ({"placement": Placement.contiguous(8, 2, [0]), "num_devices": 4}, "does not match the placement"),
@@ -73,31 +73,34 @@ def test_placement_validation_errors():
     assert placement.experts_on(3, 2) == [4, 5]
 
 
-def test_the_registries_own_the_names_the_config_accepts(monkeypatch):
+def test_the_registries_own_the_names_the_config_accepts():
     """OccultConfig asks the pruning-policy and expert-backend registries: a newly registered name is
     accepted, a policy that reads the similarity table needs a profile, and the registries refuse a
-    duplicate or a badly formed name."""
+    duplicate or a badly formed name, and suggest the closest name for a misspelt one."""
     from occult_hf import experts, pruning
+    from occult_hf.registry import EXPERT_BACKENDS, PRUNING_POLICIES
 
-    monkeypatch.setattr(pruning, "PRUNING_POLICIES", dict(pruning.PRUNING_POLICIES))
-    monkeypatch.setattr(pruning, "NEEDS_SIMILARITY", set(pruning.NEEDS_SIMILARITY))
-    monkeypatch.setattr(experts, "_BACKENDS", dict(experts._BACKENDS))
-    import occult_hf.config as config_module
-
-    monkeypatch.setattr(config_module, "NEEDS_SIMILARITY", pruning.NEEDS_SIMILARITY)
-    with pytest.raises(ValueError, match="OccultConfig.prune must be None or one of"):
+    with pytest.raises(ValueError, match=r"OccultConfig.prune must be one of \[None, 'router', 'similarity'\], got 'nearest'"):
         OccultConfig(prune="nearest", max_devices_per_token=1)
     pruning.register_pruning_policy("nearest", pruning.prune_similarity, needs_similarity=True)
-    with pytest.raises(ValueError, match=r"OccultConfig.prune='nearest' needs a routing profile"):
-        OccultConfig(prune="nearest", max_devices_per_token=1)
-    assert OccultConfig(prune="nearest", max_devices_per_token=1, profile="p.safetensors").prune == "nearest"
-    with pytest.raises(ValueError, match="pruning policy 'router' is already registered"):
-        pruning.register_pruning_policy("router", pruning.prune_router)
-    with pytest.raises(ValueError, match="lowercase"):
-        pruning.register_pruning_policy("Router2", pruning.prune_router)
+    experts.register_expert_backend("mine", EXPERT_BACKENDS.get("torch"))
+    try:
+        with pytest.raises(ValueError, match=r"OccultConfig.prune='nearest' needs a routing profile"):
+            OccultConfig(prune="nearest", max_devices_per_token=1)
+        assert OccultConfig(prune="nearest", max_devices_per_token=1, profile="p.safetensors").prune == "nearest"
+        with pytest.raises(ValueError, match="pruning policy 'router' is already registered"):
+            pruning.register_pruning_policy("router", pruning.prune_similarity)
+        with pytest.raises(ValueError, match="lowercase"):
+            pruning.register_pruning_policy("Router2", pruning.prune_router)
+        assert OccultConfig(expert_backend="mine").expert_backend == "mine"
+        for name in ("torch", "auto", "Mine"):
+            with pytest.raises(ValueError, match="expert backend"):
+                experts.register_expert_backend(name, EXPERT_BACKENDS.get("grouped_mm_fused"))
+        with pytest.raises(ValueError, match=r"got 'tritn' \(did you mean 'triton'\?\)"):
+            OccultConfig(expert_backend="tritn")
+    finally:
+        PRUNING_POLICIES.unregister("nearest")
+        EXPERT_BACKENDS.unregister("mine")
+    with pytest.raises(ValueError, match="OccultConfig.expert_backend must be one of"):
+        OccultConfig(expert_backend="mine")
 
-    experts.register_expert_backend("mine", experts._BACKENDS["torch"])
-    assert OccultConfig(expert_backend="mine").expert_backend == "mine"
-    for name in ("torch", "auto", "Mine"):
-        with pytest.raises(ValueError, match="expert backend"):
-            experts.register_expert_backend(name, experts._BACKENDS["torch"])

@@ -393,7 +393,7 @@ def test_bad_device_limits():
     pruner = CollaborationPruner("router", adapter_for(model), 0, [0, 0, 1, 1], num_devices=2, top_k=2, max_devices_per_token=1)
     with pytest.raises(ValueError, match=r"in \[1, num_devices=2\], got 3"):
         pruner.max_devices_per_token = 3
-    with pytest.raises(ValueError, match=r"unknown pruning policy 'nearest'; valid policies: \['router', 'similarity'\]"):
+    with pytest.raises(ValueError, match=r"OccultConfig.prune must be one of \[None, 'router', 'similarity'\], got 'nearest'"):
         CollaborationPruner("nearest", adapter_for(model), 0, [0, 1], num_devices=2, top_k=1, max_devices_per_token=1)
 
 

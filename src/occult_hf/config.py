@@ -3,9 +3,9 @@
 The config holds only plain data (no process groups, devices or tensors) so that it can live
 on `PretrainedConfig.occult_config` as a dict and survive `save_pretrained`/`from_pretrained`.
 
-Names come from the registries that own them: dispatchers (`dispatch.dispatcher_names`), dispatch
-modes (`dispatch.plan.DISPATCH_MODES`), expert backends (`experts.register_expert_backend`) and
-pruning policies (`pruning.register_pruning_policy`); validation asks them.
+A leaf of the package: names are checked against `occult_hf.registry` (dispatchers, expert backends,
+pruning policies), whose built-in names are known without importing the torch-side code that implements
+them, and against the fixed choices defined there (`DISPATCH_MODES`, `REPLICA_CHOICES`).
 """
 
 from __future__ import annotations
@@ -15,16 +15,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .registry import DISPATCH_MODES, DISPATCHERS, EXPERT_BACKENDS, PRUNING_POLICIES, REPLICA_CHOICES
 from .utils.checks import check_num_devices, did_you_mean
-from .dispatch import dispatcher_names
-from .dispatch.plan import DISPATCH_MODES  # owned by the dispatch plan; kept importable from here
-from .experts import expert_backend_names
-from .pruning import NEEDS_SIMILARITY, pruning_policy_names
-from .replicas.routing import REPLICA_CHOICES
-
-# the names each registry owns, as built in (kept importable from here); validation asks the registries
-EXPERT_BACKENDS = expert_backend_names()
-PRUNE_MODES = pruning_policy_names()
 _MISSING = object()
 
 
@@ -148,8 +140,8 @@ class OccultConfig:
                 f"OccultConfig.num_devices ({self.num_devices}) does not match the placement's "
                 f"num_devices ({self.placement.num_devices})"
             )
-        if self.prune is not None and self.prune not in pruning_policy_names():
-            raise ValueError(f"OccultConfig.prune must be None or one of {pruning_policy_names()}, got {self.prune!r}")
+        if self.prune is not None:
+            PRUNING_POLICIES.check(self.prune)
         if self.prune is not None and self.max_devices_per_token is None:
             raise ValueError(f"OccultConfig.prune={self.prune!r} needs max_devices_per_token (N_d) to be set")
         if self.max_devices_per_token is not None:
@@ -167,17 +159,12 @@ class OccultConfig:
                 )
         if not isinstance(self.logical_devices, bool):
             raise TypeError(f"OccultConfig.logical_devices must be True or False, got {self.logical_devices!r}")
-        if self.prune in NEEDS_SIMILARITY and self.profile is None:
+        if self.prune is not None and PRUNING_POLICIES.trait(self.prune, "needs_similarity") and self.profile is None:
             raise ValueError(f"OccultConfig.prune={self.prune!r} needs a routing profile: set OccultConfig.profile")
         if self.dispatch not in DISPATCH_MODES:
             raise ValueError(f"OccultConfig.dispatch must be one of {DISPATCH_MODES}, got {self.dispatch!r}")
-        if not isinstance(self.dispatcher, str) or self.dispatcher != self.dispatcher.lower() or not self.dispatcher:
-            raise ValueError(f"OccultConfig.dispatcher must be 'auto' or a lowercase registered name, got {self.dispatcher!r}")
         if self.dispatcher != "auto":
-            if self.dispatcher not in dispatcher_names():
-                raise ValueError(
-                    f"OccultConfig.dispatcher must be 'auto' or one of {dispatcher_names()}, got {self.dispatcher!r}"
-                )
+            DISPATCHERS.check(self.dispatcher)
         if self.dispatch_chunks is not None and (
             not isinstance(self.dispatch_chunks, int) or isinstance(self.dispatch_chunks, bool) or self.dispatch_chunks < 1
         ):
@@ -201,10 +188,8 @@ class OccultConfig:
             self.profile = os.fspath(self.profile)
         if self.profile is not None and not isinstance(self.profile, str):
             raise TypeError(f"OccultConfig.profile must be None or a path, got {type(self.profile).__name__}")
-        if self.expert_backend not in expert_backend_names():
-            raise ValueError(
-                f"OccultConfig.expert_backend must be one of {expert_backend_names()}, got {self.expert_backend!r}"
-            )
+        if self.expert_backend != "auto":
+            EXPERT_BACKENDS.check(self.expert_backend)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-native dict (str/int/bool/None/list/dict only), as `PretrainedConfig.to_dict` gives.
@@ -312,4 +297,4 @@ def _not_int(value: Any) -> bool:
     return isinstance(value, bool) or not isinstance(value, int)
 
 
-__all__ = ["OccultConfig", "DISPATCH_MODES", "EXPERT_BACKENDS", "PRUNE_MODES"]
+__all__ = ["OccultConfig"]

@@ -40,30 +40,19 @@ from occult_hf.kernels.activations import activation_name, triton_supports
 from occult_hf.kernels.expert_mlp_reference import expert_mlp_grouped_mm, expert_mlp_reference, grouped_mm_op
 from occult_hf.kernels.layout import ExpertSegments
 
+from .registry import EXPERT_BACKENDS
+
 #: `(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn, deterministic) -> [R, H]`
 ExpertBackend = Callable[..., torch.Tensor]
 
-_BACKENDS: dict[str, ExpertBackend] = {}
-
-
 def register_expert_backend(name: str, backend: ExpertBackend) -> ExpertBackend:
-    """Register an expert backend under `name` (unique, lowercase, not "auto", which picks among them)."""
-    if not isinstance(name, str) or not name or name != name.lower() or name == "auto":
-        raise ValueError(f"an expert backend name must be a non-empty lowercase string other than 'auto', got {name!r}")
-    if name in _BACKENDS:
-        raise ValueError(f"expert backend {name!r} is already registered; registered: {sorted(_BACKENDS)}")
-    _BACKENDS[name] = backend
-    return backend
+    """Register an expert backend under `name` in `occult_hf.registry.EXPERT_BACKENDS` ("auto" picks among them)."""
+    return EXPERT_BACKENDS.register(name, backend)
 
 
 def expert_backend_names() -> tuple[str, ...]:
     """What `OccultConfig.expert_backend` accepts: "auto" and every registered backend."""
-    return ("auto", *_BACKENDS)
-
-
-def check_expert_backend(backend: str) -> None:
-    if backend not in expert_backend_names():
-        raise ValueError(f"expert backend must be one of {expert_backend_names()}, got {backend!r}")
+    return ("auto", *EXPERT_BACKENDS.names())
 
 
 def local_experts(
@@ -92,7 +81,6 @@ def local_experts(
     as transformers' grouped_mm experts do: autocast covers neither grouped GEMMs nor Triton kernels.
     Outside autocast differing dtypes are the caller's error (the backends say so).
     """
-    check_expert_backend(backend)
     if x_RH.dtype != gate_up_proj_L2IH.dtype and torch.is_autocast_enabled(x_RH.device.type):
         out_RH = local_experts(
             x_RH.to(gate_up_proj_L2IH.dtype), segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn, backend, deterministic
@@ -101,7 +89,7 @@ def local_experts(
     if backend == "auto":
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x_RH, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI))
         backend = _auto_backend(x_RH, segments, gate_up_proj_L2IH, down_proj_LHI, act_fn, needs_grad)
-    return _BACKENDS[backend](x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn, deterministic)
+    return EXPERT_BACKENDS.get(backend)(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn, deterministic)
 
 
 def _torch_backend(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn, deterministic):
@@ -179,7 +167,8 @@ class LocalExperts(nn.Module):
         grad_scale: float = 1.0,
     ) -> None:
         super().__init__()
-        check_expert_backend(backend)
+        if backend != "auto":
+            EXPERT_BACKENDS.check(backend)
         if backend in ("triton", "grouped_mm_fused"):
             activation_name(act_fn)  # refuse, naming it, an activation the kernels lack, at build time
         self.gate_up_proj = gate_up_proj_L2IH

@@ -15,7 +15,7 @@ increasing device id, so when two devices compete for the last place the lower i
 vectorised form: a device's score is the largest weight among the token's experts on it, and the
 `N_d` best-scoring devices are kept, equal scores ordered by device id.
 
-**Policies** (registry `PRUNING_POLICIES`, lowercase names):
+**Policies** (registry `occult_hf.registry.PRUNING_POLICIES`, lowercase names):
 
 - ``router``: re-select the top-k among the experts on the token's devices with the model's own
   selection and weight rule (`MoEAdapter.select` with the mask; DeepSeek-V3's group limit and
@@ -66,6 +66,7 @@ from occult_hf.dispatch import TokenRouting
 from occult_hf.patches.base import MoEAdapter, RouterOutput
 
 from .hf.compat import replace_recorded_router_logits
+from .registry import PRUNING_POLICIES
 from .utils.checks import check_num_devices
 
 # ----- the device set of each token -----------------------------------------------------------
@@ -227,34 +228,20 @@ PruningPolicy = Callable[
     "tuple[torch.Tensor, torch.Tensor, torch.Tensor]",
 ]
 
-#: the pruning policies by name (`register_pruning_policy`); `OccultConfig.prune` names one of them
-PRUNING_POLICIES: dict[str, PruningPolicy] = {}
-#: the registered policies that need a similarity table (so a routing profile: `OccultConfig.profile`)
-NEEDS_SIMILARITY: set[str] = set()
-
-
 def register_pruning_policy(name: str, policy: PruningPolicy, needs_similarity: bool = False) -> PruningPolicy:
-    """Register `policy` under `name` (unique, lowercase); `needs_similarity`: it reads `S[l]`."""
-    if not isinstance(name, str) or not name or name != name.lower():
-        raise ValueError(f"a pruning policy name must be a non-empty lowercase string, got {name!r}")
-    if name in PRUNING_POLICIES:
-        raise ValueError(f"pruning policy {name!r} is already registered; registered: {sorted(PRUNING_POLICIES)}")
-    PRUNING_POLICIES[name] = policy
-    if needs_similarity:
-        NEEDS_SIMILARITY.add(name)
-    return policy
+    """Register `policy` under `name` in `occult_hf.registry.PRUNING_POLICIES`; `needs_similarity`: it reads `S[l]`
+    (so `OccultConfig.profile` is required)."""
+    return PRUNING_POLICIES.register(name, policy, needs_similarity=needs_similarity)
 
 
 def pruning_policy_names() -> tuple[str, ...]:
-    """The registered pruning policies, in registration order (what `OccultConfig.prune` accepts)."""
-    return tuple(PRUNING_POLICIES)
+    """The registered pruning policies (what `OccultConfig.prune` accepts besides None)."""
+    return PRUNING_POLICIES.names()
 
 
-def pruning_policy(name: str) -> PruningPolicy:
-    try:
-        return PRUNING_POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown pruning policy {name!r}; valid policies: {sorted(PRUNING_POLICIES)}") from None
+def needs_similarity(name: str) -> bool:
+    """Whether policy `name` reads the similarity table of a routing profile."""
+    return bool(PRUNING_POLICIES.trait(name, "needs_similarity"))
 
 
 register_pruning_policy("router", prune_router)
@@ -272,7 +259,7 @@ class CollaborationPruner:
     off (the router's outputs are returned as they are).
 
     Args:
-        policy: a name in `PRUNING_POLICIES`.
+        policy: a registered pruning policy (`pruning_policy_names()`).
         adapter: the model family's adapter.
         layer_idx: the decoder-layer index (for messages).
         device_of_E: `[E]` device of every expert at this layer (a list or an int tensor).
@@ -299,7 +286,7 @@ class CollaborationPruner:
         home_table_EM=None,
     ) -> None:
         self.policy_name = policy
-        self._policy = pruning_policy(policy)
+        self._policy = PRUNING_POLICIES.get(policy)
         self.adapter = adapter
         self.layer_idx = int(layer_idx)
         self.device_of_E = torch.as_tensor(device_of_E, dtype=torch.int64)
@@ -313,7 +300,7 @@ class CollaborationPruner:
             raise ValueError(f"top_k must be an integer in [1, E={num_experts}], got {top_k!r}")
         self.num_devices = num_devices
         self.top_k = top_k
-        if policy in NEEDS_SIMILARITY:
+        if needs_similarity(policy):
             if similarity_EE is None:
                 raise ValueError(
                     f"pruning policy {policy!r} needs a similarity table: set OccultConfig.profile to a routing "
@@ -484,7 +471,7 @@ def build_pruner(
     if occult_config.prune is None:
         return None
     similarity_EE = None
-    if occult_config.prune in NEEDS_SIMILARITY:
+    if needs_similarity(occult_config.prune):
         if profile is None:  # OccultConfig checked that a policy needing it names one
             profile = load_pruning_profile(occult_config.profile)
         check_profile_for_pruning(profile, adapter, layer_idx, num_experts=len(device_of_E), top_k=top_k)
@@ -577,13 +564,14 @@ def pruners_of(model: torch.nn.Module) -> dict[int, CollaborationPruner]:
 
 __all__ = [
     "CollaborationPruner",
-    "PRUNING_POLICIES",
     "build_pruner",
     "pruner_for_placement",
     "check_profile_for_pruning",
     "load_pruning_profile",
     "pruners_of",
-    "pruning_policy",
+    "needs_similarity",
+    "pruning_policy_names",
+    "register_pruning_policy",
     "token_device_sets",
     "token_device_sets_replicated",
 ]

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from occult_hf.utils.atomic import atomic_write_text
-from occult_hf.config import EXPERT_BACKENDS
+from occult_hf.experts import expert_backend_names
 
 HELP = "a few-layer model at a real MoE shape on one device: occult_hf (one process) vs stock transformers"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
@@ -228,7 +228,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-ms", type=float, default=100.0)
     parser.add_argument("--rep-ms", type=float, default=500.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--backends", nargs="+", default=["auto"], choices=list(EXPERT_BACKENDS),
+    parser.add_argument("--backends", nargs="+", default=["auto"], choices=list(expert_backend_names()),
                         help="occult_hf expert backends (OccultConfig.expert_backend), one occult_hf model each")
     parser.add_argument("--profile", type=int, default=0,
                         help="print a profile of one forward and one forward+backward of each model (N costliest kernels)")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 
-from occult_hf.config import DISPATCH_MODES
+from occult_hf.registry import DISPATCH_MODES
 from occult_hf.pruning import pruning_policy_names
 from .devices import add_num_devices_argument
 

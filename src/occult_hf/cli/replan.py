@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..placement import PLACEMENT_FILENAME
-from ..replicas.routing import REPLICA_CHOICES
+from ..registry import REPLICA_CHOICES
 
 
 def register(subparsers) -> None:

@@ -27,7 +27,9 @@ from occult_hf.kernels.layout import ExpertSegments
 
 from ..replicas.pairs_kernel import FUSED_PAIRS
 from ..replicas.routes_kernel import FusedRoutes
-from ..replicas.routing import PIN_SLACK, REPLICA_CHOICES, load_aware_homes
+from ..registry import DISPATCHERS
+from ..registry import REPLICA_CHOICES
+from ..replicas.routing import PIN_SLACK, load_aware_homes
 from . import row_sum
 from .auto import AutoHints
 from .group import ExpertParallelGroup
@@ -405,25 +407,14 @@ def resolve_timeout(timeout_s: float | None) -> float:
 
 
 # ----- registry ---------------------------------------------------------------------------------
-_DISPATCHERS: dict[str, type[TokenDispatcher]] = {}
-
-
 def register_dispatcher(cls: type[TokenDispatcher]) -> type[TokenDispatcher]:
-    """Class decorator: register `cls` under `cls.name` (unique, lowercase, not "auto")."""
-    name = cls.name
-    if not isinstance(name, str) or not name or name != name.lower() or name == "auto":
-        raise ValueError(f"dispatcher name must be a non-empty lowercase string other than 'auto', got {name!r}")
-    if name in _DISPATCHERS and _DISPATCHERS[name] is not cls:
-        raise ValueError(
-            f"dispatcher {name!r} is already registered by {_DISPATCHERS[name].__qualname__}; choose another name"
-        )
-    _DISPATCHERS[name] = cls
-    return cls
+    """Class decorator: register `cls` under `cls.name` in `occult_hf.registry.DISPATCHERS`."""
+    return DISPATCHERS.register(cls.name, cls)
 
 
 def dispatcher_names() -> tuple[str, ...]:
     """The registered names, sorted (what `OccultConfig.dispatcher` accepts besides "auto")."""
-    return tuple(sorted(_DISPATCHERS))
+    return DISPATCHERS.names()
 
 
 def dispatcher_class(
@@ -433,24 +424,23 @@ def dispatcher_class(
     (`auto.AutoHints.prefers_padded`: no host read per layer) and the ranks can agree on their token count host to
     host (`ep.host_group`), else the supported one of highest priority for `ep` on `device`."""
     if name == "auto":
-        device_type = None if device is None else torch.device(device).type
-        padded = _DISPATCHERS.get("padded")
+        registered = dict(DISPATCHERS.items())
+        padded = registered.get("padded")
         if hints is not None and ep.host_group is not None and padded is not None and padded.supports(ep, device):
+            device_type = None if device is None else torch.device(device).type
             if hints.prefers_padded(ep.num_devices, device_type):
                 return padded
-        candidates = sorted(_DISPATCHERS.values(), key=lambda cls: -cls.priority)
-        for cls in candidates:
+        for cls in sorted(registered.values(), key=lambda cls: -cls.priority):
             if cls.supports(ep, device):
                 return cls
         raise RuntimeError(f"no registered dispatcher supports {ep} on {device}; registered: {dispatcher_names()}")
-    if name not in _DISPATCHERS:
-        raise ValueError(f"OccultConfig.dispatcher must be 'auto' or one of {dispatcher_names()}, got {name!r}")
-    cls = _DISPATCHERS[name]
+    cls = DISPATCHERS.get(name)
     if not cls.supports(ep, device):
         where = "torch.distributed ranks" if ep.is_distributed else "one process"
+        servable = [n for n, c in DISPATCHERS.items() if c.supports(ep, device)]
         raise ValueError(
             f"OccultConfig.dispatcher={name!r} cannot serve {ep.num_devices} devices in {where} on {device}; "
-            f"use 'auto' or one of {dispatcher_names()}"
+            f"use 'auto' or one of {servable}"
         )
     return cls
 

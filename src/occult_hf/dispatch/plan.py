@@ -37,10 +37,9 @@ import torch
 
 from occult_hf.kernels.layout import ExpertSegments
 
+from ..registry import DISPATCH_MODES
 from ..replicas.routing import resolve_homes
 
-#: the dispatch modes (`OccultConfig.dispatch`): one row per (token, device), or per (token, expert) pair
-DISPATCH_MODES = ("dedup", "per_expert")
 
 
 def check_mode(mode: str) -> None:

@@ -64,7 +64,7 @@ from .launch import check_logical_devices, check_process_group_started
 from ..utils.logging import get_logger
 from ..moe import OccultMoE
 from ..placement import Placement
-from ..pruning import NEEDS_SIMILARITY, load_pruning_profile, pruner_for_placement
+from ..pruning import load_pruning_profile, needs_similarity, pruner_for_placement
 from .trainer import install_trainer_hooks, uninstall_trainer_hooks
 
 logger = get_logger(__name__)
@@ -108,7 +108,7 @@ def apply_occult(model: nn.Module, occult_config: OccultConfig | dict | str | No
         # the dispatchers' host-to-host agreements (in program order on every rank, like the saves' gathers)
         ep = state.ep = replace(ep, host_group=state.save_group)
         check_ranks_agree(state, _first_expert_weight(blocks[0][2]), "apply_occult", model.config)
-    if config.prune in NEEDS_SIMILARITY:  # the profile must describe exactly this model's MoE layers
+    if config.prune is not None and needs_similarity(config.prune):  # the profile must describe exactly this model's MoE layers
         load_pruning_profile(config.profile).check_compatible(model)
     top_k, placement = adapter.top_k(model.config), config.placement
     pruners = [

@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Iterable
 import numpy as np
 
 from ..metrics import replica_device_load, served_ct
-from ..replicas.routing import REPLICA_CHOICES, home_table_from, resolve_homes_np
+from ..registry import REPLICA_CHOICES
+from ..replicas.routing import home_table_from, resolve_homes_np
 from .placement import Placement
 
 if TYPE_CHECKING:

@@ -43,7 +43,8 @@ import torch
 
 from ..metrics import load_floor
 from .objectives import PairwiseCut, SampleCT
-from ..replicas.routing import PIN_SLACK, REPLICA_CHOICES, home_table_from, load_aware_homes, resolve_homes_np
+from ..registry import REPLICA_CHOICES
+from ..replicas.routing import PIN_SLACK, home_table_from, load_aware_homes, resolve_homes_np
 from .in_time import choose_in_time
 from .shedding import link_groups, single_home_rows
 from .robust import count_scenarios, scenario_loads, shrink_toward_mean, time_window_membership, token_scenarios

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..utils.checks import check_num_devices, check_square, check_topk_ids, did_you_mean
 from ..metrics import evaluate_layer
+from ..registry import Registry
 from ..replicas.routing import home_table_from
 from .placement import Placement
 
@@ -59,7 +60,8 @@ class PlannerSpec:
         return self.options_class(**options)
 
 
-_PLANNERS: dict[str, PlannerSpec] = {}
+#: the placement methods (`plan_placement(method=...)`, `occult place --method`)
+PLANNERS: Registry[PlannerSpec] = Registry("placement method", "the placement method")
 
 
 def register_planner(
@@ -71,13 +73,13 @@ def register_planner(
     `replicas` `{expert: [extra devices]}`, `slots_per_device` and the load-aware rule's `pin_slack`, kept
     for layers with replicas). `multi_profile`: it accepts
     `membership_PN` / `counts_PE` keywords to bound each of several profiles."""
-    if not isinstance(name, str) or not name or name != name.lower() or not name.replace("_", "").isalnum():
+    if not isinstance(name, str) or name != name.lower() or not name.replace("_", "").isalnum():
         raise ValueError(f"placement method names are lowercase letters, digits and '_', got {name!r}")
-    if name in _PLANNERS:
-        raise ValueError(f"placement method {name!r} is already registered; registered methods: {sorted(_PLANNERS)}")
+    if name in PLANNERS:  # refused when the decorator is made, before any planner code runs
+        raise ValueError(f"placement method {name!r} is already registered; registered methods: {list(PLANNERS.names())}")
 
     def decorate(plan_layer: PlanLayer) -> PlanLayer:
-        _PLANNERS[name] = PlannerSpec(name, plan_layer, options_class, description, multi_profile)
+        PLANNERS.register(name, PlannerSpec(name, plan_layer, options_class, description, multi_profile))
         return plan_layer
 
     return decorate
@@ -85,14 +87,11 @@ def register_planner(
 
 def available_planners() -> list[str]:
     """Registered placement method names, sorted."""
-    return sorted(_PLANNERS)
+    return list(PLANNERS.names())
 
 
 def get_planner(name: str) -> PlannerSpec:
-    try:
-        return _PLANNERS[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown placement method {name!r}; valid methods: {available_planners()}") from None
+    return PLANNERS.get(name)
 
 
 # ----- shared helpers of the planners ----------------------------------------------------------

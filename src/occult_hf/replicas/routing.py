@@ -103,9 +103,6 @@ def resolve_homes_np(
     ).numpy()
 
 
-#: how a replicated expert's pairs choose among its homes (`OccultConfig.replica_choice`)
-REPLICA_CHOICES = ("static", "load_aware")
-
 #: best-response rounds of the load-aware split (each phase; each round is a few dozen small operators: on
 #: the Qwen trace, D=8, 8 redundant slots, 8 rounds read within 0.002 of 12 and 4 within 0.013)
 SPLIT_ROUNDS = 8
@@ -388,7 +385,6 @@ def home_table_from(device_of_E: np.ndarray, replicas: dict[int, list[int]] | No
 __all__ = [
     "GraphedRoutes",
     "PairHalf",
-    "REPLICA_CHOICES",
     "TORCH_PAIRS",
     "assign_pairs",
     "home_table_from",
