@@ -192,6 +192,7 @@ def _write_inputs(tmp_path):
         "existing_file": b"x",
         "bad_placement.json": json.dumps(_placement(num_devices=2.7)).encode(),
         "docs.txt": b"hello world\n",
+        "extra_layer.json": json.dumps({"num_experts": 4, "num_devices": 2, "layers": {"0": [0, 0, 1, 1], "1": [0, 1, 0, 1]}}).encode(),
     }
     for name, data in files.items():
         (tmp_path / name).write_bytes(data)
@@ -229,6 +230,16 @@ CLI_CASES = [
     ("demo --tokens 0, before the model loads", ["demo", "--tokens", "0", "--out", "{tmp}/demo"], "--tokens"),
     ("--text naming a missing .jsonl", ["profile", "{tmp}", "--text", "{tmp}/absent.jsonl", "--out", "{tmp}/p.safetensors"],
      "{tmp}/absent.jsonl' does not exist"),
+    ("report without a profile (a usage error: code 2 too)", ["report"], "occult report: give a routing PROFILE"),
+    ("report with a profile but nothing to measure", ["report", "{tmp}/good.safetensors"], "give placement files, or --num-devices"),
+    ("place without --num-devices", ["place", "{tmp}/good.safetensors"], "occult place: --num-devices D is required"),
+    ("profile with MODEL and --from-trace", ["profile", "{tmp}", "--from-trace", "{tmp}/good.npz", "--out", "{tmp}/p.safetensors"],
+     "give MODEL or --from-trace, not both"),
+    ("--from-trace --model-type that no family has",
+     ["profile", "--from-trace", "{tmp}/good.npz", "--model-type", "bogus", "--out", "{tmp}/p.safetensors"],
+     "occult_hf does not support model_type 'bogus'"),
+    ("report of a placement with a layer the profile lacks", ["report", "{tmp}/good.safetensors", "{tmp}/extra_layer.json", "--no-plots"],
+     "names layers [1] that are not MoE layers of the routing profile"),
 ]
 
 
@@ -295,8 +306,9 @@ def test_similarity_profile_with_extra_layers_is_rejected_by_apply_occult(tmp_pa
     from occult_hf.profile import LayerRouting, RoutingProfile
     from tiny_models import tiny_model
 
-    def layer():
-        return LayerRouting(np.zeros((8, 8), dtype=np.int64), np.ones(8, dtype=np.int64), 4, logit_gram=np.eye(8))
+    def layer():  # 4 tokens routed to experts (0, 1), (2, 3), (4, 5), (6, 7)
+        coactivation = np.kron(np.eye(4, dtype=np.int64), np.array([[0, 1], [1, 0]], dtype=np.int64))
+        return LayerRouting(coactivation, np.ones(8, dtype=np.int64), 4, logit_gram=np.eye(8))
 
     path = tmp_path / "similarity.safetensors"
     RoutingProfile(8, 2, {0: layer(), 1: layer(), 5: layer()}, model_type="olmoe").save(path)

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .registry import DISPATCH_MODES, DISPATCHERS, EXPERT_BACKENDS, PRUNING_POLICIES, REPLICA_CHOICES
-from .utils.checks import check_num_devices, did_you_mean
+from .utils.checks import check_num_devices, check_timeout_s, did_you_mean
+from .utils.strict_json import read_json_file
 _MISSING = object()
 
 
@@ -169,14 +170,10 @@ class OccultConfig:
             not isinstance(self.dispatch_chunks, int) or isinstance(self.dispatch_chunks, bool) or self.dispatch_chunks < 1
         ):
             raise ValueError(f"OccultConfig.dispatch_chunks must be None or an integer >= 1, got {self.dispatch_chunks!r}")
-        if self.exchange_timeout_s is not None and (
-            isinstance(self.exchange_timeout_s, bool)
-            or not isinstance(self.exchange_timeout_s, (int, float))
-            or not self.exchange_timeout_s > 0
-        ):
-            raise ValueError(
-                f"OccultConfig.exchange_timeout_s must be None or a number of seconds > 0, got {self.exchange_timeout_s!r}"
-            )
+        if self.exchange_timeout_s is not None and isinstance(self.exchange_timeout_s, str):
+            raise ValueError(f"OccultConfig.exchange_timeout_s must be None or a number, got str {self.exchange_timeout_s!r}")
+        if self.exchange_timeout_s is not None:
+            check_timeout_s(self.exchange_timeout_s, "OccultConfig.exchange_timeout_s")
         if self.replica_choice not in REPLICA_CHOICES:
             raise ValueError(f"OccultConfig.replica_choice must be one of {REPLICA_CHOICES}, got {self.replica_choice!r}")
         if not isinstance(self.deterministic, bool):
@@ -254,17 +251,17 @@ class OccultConfig:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "OccultConfig":
-        """Read a JSON file written by `save`; errors name the file."""
+        """Read a JSON file written by `save`, strictly (`utils.strict_json`); errors name the file.
+
+        A relative `placement` or `profile` path in it names a file beside it, wherever the reader runs.
+        """
         path = os.fspath(path)
-        try:
-            with open(path, "rb") as f:
-                data = json.loads(f.read().decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ValueError(f"occult_config {path!r} is not valid JSON: {error}") from None
+        data = read_json_file(path, "occult_config")
         if not isinstance(data, dict):
             raise ValueError(f"occult_config {path!r} must hold a JSON object, got {type(data).__name__}")
+        directory = os.path.dirname(os.path.abspath(path))
         try:
-            return cls.from_dict(data)
+            return cls.from_dict(_with_paths_resolved(data, lambda name: os.path.join(directory, name)))
         except (TypeError, ValueError) as error:
             raise ValueError(f"occult_config {path!r}: {error}") from None
 
@@ -284,6 +281,84 @@ class OccultConfig:
         )
 
 
+def stored_occult_config(model_config) -> "OccultConfig | None":
+    """The `occult_config` a loaded checkpoint's config stores, None when it stores none.
+
+    transformers reads `config.json` leniently (a key given twice keeps its last value), so a checkpoint
+    directory's `config.json` is read again strictly. A relative `placement` or `profile` path in it
+    names a file of the checkpoint (the directory, or the Hub repository at the same revision), never
+    one in the working directory.
+    """
+    stored = getattr(model_config, "occult_config", None)
+    if stored is None or isinstance(stored, OccultConfig):
+        return stored
+    checkpoint = getattr(model_config, "_name_or_path", "") or ""
+    revision = getattr(model_config, "_commit_hash", None)
+    config_file = _checkpoint_config_file(checkpoint, revision)
+    if config_file is None or _lenient_occult_config(config_file) != stored:  # given as a keyword, not read
+        return OccultConfig.coerce(stored)
+    label = f"checkpoint config {config_file!r}"
+    stored = read_json_file(config_file, "checkpoint config")["occult_config"]
+    if not isinstance(stored, dict):
+        raise ValueError(f"{label}: occult_config must be a JSON object, got {type(stored).__name__}")
+    try:
+        return OccultConfig.from_dict(_with_paths_resolved(stored, lambda name: _checkpoint_file(checkpoint, revision, name, label)))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{label}: {error}") from None
+
+
+def _checkpoint_config_file(checkpoint: str, revision: str | None) -> str | None:
+    """The local `config.json` of a checkpoint directory or of a Hub checkpoint in the cache, else None."""
+    if os.path.isdir(checkpoint):
+        path = os.path.join(checkpoint, "config.json")
+        return path if os.path.isfile(path) else None
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        path = try_to_load_from_cache(checkpoint, "config.json", revision=revision)
+    except ValueError:  # not a Hub id
+        return None
+    return path if isinstance(path, str) else None
+
+
+def _lenient_occult_config(config_file: str):
+    """The `occult_config` entry of `config_file` as transformers read it (last value of a repeated key)."""
+    try:
+        with open(config_file, "rb") as f:
+            return json.loads(f.read()).get("occult_config")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _with_paths_resolved(data: dict, resolve) -> dict:
+    """`data` with a relative `placement` / `profile` path replaced by `resolve(path)`."""
+    out = dict(data)
+    for key in _PATH_FIELDS:
+        value = out.get(key)
+        if isinstance(value, str) and value != "contiguous" and not os.path.isabs(value):
+            out[key] = resolve(value)
+    return out
+
+
+def _checkpoint_file(checkpoint: str, revision: str | None, name: str, label: str) -> str:
+    """The local path of file `name` of the checkpoint `checkpoint` (a directory, or a Hub id at `revision`)."""
+    if os.path.isdir(checkpoint):
+        path = os.path.join(checkpoint, name)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{label} names {name!r}, which is not in the checkpoint directory {checkpoint!r}")
+        return path
+    from transformers.utils import cached_file
+
+    try:
+        return cached_file(checkpoint, name, _commit_hash=revision)
+    except OSError as error:
+        raise FileNotFoundError(f"{label} names {name!r}, which the checkpoint {checkpoint!r} does not hold ({error})") from None
+
+
+#: `OccultConfig` fields that may hold a file path
+_PATH_FIELDS = ("placement", "profile")
+
+
 def _check_keys(data: dict, error: type[Exception]) -> None:
     """Raise `error` naming the keys of `data` that are not `OccultConfig` fields, with the nearest field names."""
     known = sorted(f.name for f in fields(OccultConfig))
@@ -297,4 +372,4 @@ def _not_int(value: Any) -> bool:
     return isinstance(value, bool) or not isinstance(value, int)
 
 
-__all__ = ["OccultConfig"]
+__all__ = ["OccultConfig", "stored_occult_config"]

@@ -37,9 +37,12 @@ class PlacementResult:
 
 
 def evaluate_placements(profile: RoutingProfile, placements: dict[str, Placement]) -> list[PlacementResult]:
-    """Measure each named placement on `profile` (its sample when it has one, else its pair counts)."""
+    """Measure each named placement on `profile` (its sample when it has one, else its pair counts); each must
+    name exactly the profile's layers."""
     if not placements:
         raise ValueError("evaluate_placements needs at least one placement")
+    for placement in placements.values():  # a layer the profile lacks would be reported on nothing
+        placement.validate_for(profile.num_experts, profile.layers, exact=True, against="the routing profile")
     return [PlacementResult(name, p, evaluate_placement(profile, p)) for name, p in placements.items()]
 
 

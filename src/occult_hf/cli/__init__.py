@@ -47,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         raise
+    except SystemExit as error:  # a subcommand's usage error (`raise SystemExit("occult x: ...")`): code 2, as argparse's
+        if isinstance(error.code, str):
+            parser.exit(2, f"{error.code}\n")
+        raise
     except Exception as error:  # noqa: BLE001 - every error becomes one line unless --debug
         if debug:
             traceback.print_exc()

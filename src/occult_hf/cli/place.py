@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from ..placement import PLACEMENT_FILENAME, available_planners
+from ..utils.strict_json import parse_json
 from .devices import add_num_devices_argument
 
 
@@ -62,8 +62,8 @@ def planner_option(pair: str) -> tuple[str, object]:
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {pair!r}")
     try:
-        return name, json.loads(text)
-    except json.JSONDecodeError:
+        return name, parse_json(text, f"--option {name}")
+    except ValueError:  # not JSON (or NaN, Infinity): the plain string, which the planner's option checks judge
         return name, text
 
 

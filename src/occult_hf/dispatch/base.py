@@ -29,6 +29,7 @@ from ..replicas.pairs_kernel import FUSED_PAIRS
 from ..replicas.routes_kernel import FusedRoutes
 from ..registry import DISPATCHERS
 from ..registry import REPLICA_CHOICES
+from ..utils.checks import check_timeout_s
 from ..replicas.routing import PIN_SLACK, load_aware_homes
 from . import row_sum
 from .auto import AutoHints
@@ -392,18 +393,11 @@ def stage(name: str):
 
 
 def resolve_timeout(timeout_s: float | None) -> float:
-    """The exchange timeout: the explicit value, else `$OCCULT_EXCHANGE_TIMEOUT_S`, else 300 s."""
-    if timeout_s is None:
-        raw = os.environ.get(EXCHANGE_TIMEOUT_ENV)
-        if raw is None:
-            return DEFAULT_EXCHANGE_TIMEOUT_S
-        try:
-            timeout_s = float(raw)
-        except ValueError:
-            raise ValueError(f"{EXCHANGE_TIMEOUT_ENV}={raw!r} must be a number of seconds > 0") from None
-        if not timeout_s > 0:
-            raise ValueError(f"{EXCHANGE_TIMEOUT_ENV}={raw!r} must be a number of seconds > 0")
-    return float(timeout_s)
+    """The exchange timeout: the explicit value, else `$OCCULT_EXCHANGE_TIMEOUT_S`, else 300 s (finite, at most a day)."""
+    if timeout_s is not None:
+        return check_timeout_s(timeout_s, "exchange timeout_s")
+    raw = os.environ.get(EXCHANGE_TIMEOUT_ENV)
+    return DEFAULT_EXCHANGE_TIMEOUT_S if raw in (None, "") else check_timeout_s(raw, EXCHANGE_TIMEOUT_ENV)
 
 
 # ----- registry ---------------------------------------------------------------------------------

@@ -34,6 +34,8 @@ from typing import Any, Callable, NoReturn
 import torch
 import torch.distributed as dist
 
+from ..utils.checks import check_timeout_s
+
 #: environment variable: seconds a collective save/gather/agreement check waits for the EP peers
 SAVE_TIMEOUT_ENV = "OCCULT_SAVE_TIMEOUT_S"
 DEFAULT_SAVE_TIMEOUT_S = 300.0
@@ -61,17 +63,11 @@ class EPPeerError(RuntimeError):
 
 
 def save_timeout_s() -> float:
-    """`$OCCULT_SAVE_TIMEOUT_S` (seconds > 0), else 300."""
+    """`$OCCULT_SAVE_TIMEOUT_S` (finite seconds in (0, `MAX_TIMEOUT_S`]), else 300."""
     raw = os.environ.get(SAVE_TIMEOUT_ENV)
     if raw is None or raw == "":
         return DEFAULT_SAVE_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not value > 0:
-        raise ValueError(f"{SAVE_TIMEOUT_ENV}={raw!r} must be a number of seconds > 0")
-    return value
+    return check_timeout_s(raw, SAVE_TIMEOUT_ENV)
 
 
 def bounded(operation: str, layer: int | None, timeout_s: float, start: Callable[[], Any]) -> None:

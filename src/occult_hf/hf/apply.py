@@ -55,7 +55,7 @@ from .checkpointing import (
     snapshot_experts,
 )
 from ..distributed.collectives import GradNormCarrier
-from ..config import OccultConfig
+from ..config import OccultConfig, stored_occult_config
 from .ddp import RankLocalStateNames
 from ..dispatch import ExpertParallelGroup
 from .loading import load_scope
@@ -243,7 +243,7 @@ def _apply_on_load(model, occult_config):
     names an existing config attribute to the config, so both routes end here): through `apply_occult`,
     or, for a model whose experts transformers' own EP sharded, `hf.native_ep.apply_on_load`."""
     if occult_config is UNSET:
-        occult_config = getattr(model.config, "occult_config", None)
+        occult_config = stored_occult_config(model.config)  # strict, relative paths against the checkpoint
     if occult_config is None:
         if hasattr(model.config, "occult_config"):
             del model.config.occult_config

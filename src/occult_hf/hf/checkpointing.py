@@ -15,15 +15,18 @@ that needs a gather the other ranks never join fails after `OCCULT_SAVE_TIMEOUT_
 300) with an error that says so, instead of hanging; before it gathers, and at `apply_occult`, the ranks
 check that they agree on the whole EP configuration (`occult_hf.distributed.agreement`).
 
-A save is atomic per file and ordered: every file is first written into a staging directory inside
-`save_directory` (a failure there leaves the previous checkpoint untouched), then renamed into place,
-`occult_placement.json` first and `config.json` (which holds the placement inline) last.
+A save never tears: every file is first written into a staging directory inside `save_directory` (a
+failure there leaves the previous checkpoint untouched), then published (`_publish`) so that the directory
+loads the previous weights or the new ones whenever the process stops, never a mix: new shards under
+names no old file has, one file (the index, or a single `model.safetensors`) as the commit point, old
+shards removed after it, `config.json` last.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 import tempfile
 
@@ -36,6 +39,8 @@ from ..distributed.agreement import check_agreement, effective_setup
 from ..distributed.collectives import gather_rows
 from ..moe import OccultMoE
 from ..placement import PLACEMENT_FILENAME
+from ..utils.atomic import atomic_write_json
+from ..utils.strict_json import parse_json
 
 # ----- the EP ranks agree, and the group for gathers ------------------------------------------------
 
@@ -128,28 +133,67 @@ def save_pretrained(model, save_directory, *args, **kwargs):
     return result
 
 
-#: weight files transformers writes (and removes when stale): model.safetensors, shards, their index
-_WEIGHT_FILE = re.compile(r"(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?")
+#: weight files of a checkpoint: model.safetensors, shards (under transformers' names or the fresh names `_publish`
+#: gives them, `model-<8 hex>-00001-of-00003.safetensors`) and their index
+_WEIGHT_FILE = re.compile(r"(model|pytorch_model)(-[0-9a-f]{8})?(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?")
+#: the files that decide which weights a directory loads, in transformers' order of preference
+_LOADED_FIRST = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 def _publish(staging: str, target: str) -> None:
-    """Move a complete save from `staging` into `target`: placement first, config last, then drop stale shards.
+    """Move a complete save from `staging` into `target` so that `target` loads the old weights or the new ones,
+    never a mix, whenever the process stops.
 
-    Every file is whole before the first rename, so a failure while writing leaves `target` as it
-    was; the renames themselves take microseconds (a crash among them can leave whole files of two
-    saves, which load: weights are always in the original expert order).
+    1. New shards go in under names no file in `target` has (the old index still names the old shards),
+       and the staged index is rewritten to name them.
+    2. The other files (`occult_placement.json` first).
+    3. The commit: the one file that decides what loads (`_LOADED_FIRST`: a single `model.safetensors`, else
+       the index) is renamed over the old one, and an old file that would still be preferred to it is removed.
+    4. `config.json` (which holds the placement inline).
+    5. The old weight files no longer named by the new save are removed.
+
+    Every file is whole before the first rename, so a failure while writing leaves `target` as it was.
     """
-    names = sorted(os.listdir(staging))
-    last = [n for n in ("config.json",) if n in names]
-    first = [n for n in (PLACEMENT_FILENAME,) if n in names]
-    for name in first + [n for n in names if n not in first and n not in last] + last:
-        source, destination = os.path.join(staging, name), os.path.join(target, name)
-        if os.path.isdir(source):
-            shutil.rmtree(destination, ignore_errors=True)
-        os.replace(source, destination)
-    for name in os.listdir(target):  # what transformers' own save removes: weights of an older sharding
-        if _WEIGHT_FILE.fullmatch(name) and name not in names and os.path.isfile(os.path.join(target, name)):
+    staged = sorted(os.listdir(staging))
+    weights = [n for n in staged if _WEIGHT_FILE.fullmatch(n)]
+    commit = next(n for n in _LOADED_FIRST if n in weights)  # transformers always writes one of them
+    kept = {commit}
+    for index in (n for n in weights if n.endswith(".index.json")):
+        kept |= {index, *_move_shards(staging, target, index)}
+    rest = [n for n in staged if n not in weights and n != "config.json"]
+    for name in sorted(rest, key=lambda n: n != PLACEMENT_FILENAME):
+        _replace(os.path.join(staging, name), os.path.join(target, name))
+    _replace(os.path.join(staging, commit), os.path.join(target, commit))
+    for earlier in _LOADED_FIRST[: _LOADED_FIRST.index(commit)]:  # an old single file would still load first
+        if os.path.isfile(os.path.join(target, earlier)):
+            os.remove(os.path.join(target, earlier))
+    if "config.json" in staged:
+        _replace(os.path.join(staging, "config.json"), os.path.join(target, "config.json"))
+    for name in os.listdir(target):
+        if _WEIGHT_FILE.fullmatch(name) and name not in kept and os.path.isfile(os.path.join(target, name)):
             os.remove(os.path.join(target, name))
+
+
+def _move_shards(staging: str, target: str, index: str) -> set[str]:
+    """Move the shards the staged `index` names into `target`, each under a name no file there has; rewrite the
+    staged index to name them. Returns the names they have in `target`."""
+    with open(os.path.join(staging, index), "rb") as f:
+        data = parse_json(f.read(), f"the staged index {index!r}")
+    taken, token = set(os.listdir(target)), secrets.token_hex(4)
+    renamed = {}
+    for shard in sorted(set(data["weight_map"].values())):
+        prefix, _, numbering = shard.partition("-")  # "model", "00001-of-00003.safetensors"
+        renamed[shard] = shard if shard not in taken else f"{prefix}-{token}-{numbering}"
+        _replace(os.path.join(staging, shard), os.path.join(target, renamed[shard]))
+    data["weight_map"] = {key: renamed[shard] for key, shard in data["weight_map"].items()}
+    atomic_write_json(os.path.join(staging, index), data, indent=2, sort_keys=True)
+    return set(renamed.values())
+
+
+def _replace(source: str, destination: str) -> None:
+    if os.path.isdir(source):
+        shutil.rmtree(destination, ignore_errors=True)
+    os.replace(source, destination)
 
 
 def snapshot_experts(model: nn.Module) -> None:

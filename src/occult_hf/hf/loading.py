@@ -39,7 +39,7 @@ import torch
 from occult_hf.patches import adapter_for
 
 from .compat import UNSET, intercept_state_dict_loading, skip_allocator_warmup_for
-from ..config import OccultConfig
+from ..config import OccultConfig, stored_occult_config
 from ..utils.logging import get_logger
 from ..moe import LOADED_EXPERTS_ATTR
 from ..placement import Placement
@@ -206,11 +206,11 @@ class ExpertLoader:
 
     def __call__(self, model, state_dict, rename):
         if self.occult_config is UNSET:  # no keyword: the occult_config the checkpoint's config stores, if any
-            stored = getattr(model.config, "occult_config", None)
+            stored = stored_occult_config(model.config)  # strict, relative paths against the checkpoint
             if stored is None:
                 last_report.fallback_reason = "a vanilla load (no occult_config)"
                 return state_dict, None
-            self.occult_config = OccultConfig.coerce(stored)
+            self.occult_config = stored
             reason = _unsupported_config(self.occult_config)
             if reason is not None:
                 _fall_back(reason, self.occult_config)

@@ -20,10 +20,15 @@ from typing import Any, Iterable
 import numpy as np
 
 from ..utils.atomic import atomic_write_text, json_text, to_json_native
-from ..utils.checks import did_you_mean
+from ..utils.checks import did_you_mean, shown
+from ..utils.strict_json import read_json_file
 from ..replicas.routing import PIN_SLACK, home_table_from
 
 PLACEMENT_FILENAME = "occult_placement.json"
+#: the largest decoder-layer index a placement may name (DeepSeek-V3 has 61 layers)
+MAX_LAYER_INDEX = 65535
+#: the largest placement file read (65536 layers x 256 experts as JSON is about 60 MB)
+MAX_PLACEMENT_BYTES = 64 * 2**20
 
 
 def contiguous_devices(num_experts: int, num_devices: int) -> np.ndarray:
@@ -92,12 +97,25 @@ class Placement:
             bad = [d for d in devices if not 0 <= d < self.num_devices]
             if bad:
                 raise ValueError(
-                    f"Placement layer {layer} uses device ids {sorted(set(bad))} outside [0, {self.num_devices})"
+                    f"Placement layer {layer} uses device ids {shown(sorted(set(bad)))} outside [0, {self.num_devices})"
                 )
         if not isinstance(self.meta, dict):
             raise TypeError(f"Placement.meta must be a dict, got {type(self.meta).__name__}")
         self._check_replicas()
         self._check_pin_slack()
+        self._check_no_empty_device()
+
+    def _check_no_empty_device(self) -> None:
+        """Every device holds at least one expert at every layer: an empty one would take part in every exchange with
+        nothing to compute, which no plan means (a placement for fewer devices is what was meant)."""
+        for layer, devices in self.layers.items():
+            used = set(devices).union(*self.replicas.get(layer, {}).values())
+            if len(used) < self.num_devices:
+                empty = sorted(set(range(self.num_devices)) - used)
+                raise ValueError(
+                    f"Placement layer {layer} leaves devices {shown(empty)} without an expert; every device of the "
+                    f"{self.num_devices} must hold at least one"
+                )
 
     def _check_pin_slack(self) -> None:
         """Normalise `pin_slack` to int layers and float values; each layer must be one of `layers`, each
@@ -108,7 +126,7 @@ class Placement:
         for layer, slack in self.pin_slack.items():
             layer = _strict_int(layer, "Placement.pin_slack key", minimum=0)
             if layer not in self.layers:
-                raise ValueError(f"Placement.pin_slack names layer {layer}, which is not among its layers {sorted(self.layers)}")
+                raise ValueError(f"Placement.pin_slack names layer {layer}, which is not among its layers {shown(sorted(self.layers))}")
             normalised[layer] = _fraction(slack, f"Placement.pin_slack[{layer}]")
         self.pin_slack = normalised
 
@@ -120,7 +138,7 @@ class Placement:
         for layer, extra in self.replicas.items():
             layer = int(layer)
             if layer not in self.layers:
-                raise ValueError(f"Placement replicas name layer {layer}, which is not among its layers {sorted(self.layers)}")
+                raise ValueError(f"Placement replicas name layer {layer}, which is not among its layers {shown(sorted(self.layers))}")
             if not isinstance(extra, dict):
                 raise ValueError(f"Placement replicas of layer {layer} must map expert -> [devices], got {type(extra).__name__}")
             homes = {}
@@ -194,7 +212,7 @@ class Placement:
             raise _SchemaError(f"$.layers must be a non-empty JSON object, got {_json_type(raw_layers)}")
         layers = {}
         for key, devices in raw_layers.items():
-            path = f"$.layers[{key!r}]"
+            path = f"$.layers[{_key_repr(key)}]"
             layer = _canonical_index(key, path)
             if not isinstance(devices, list):
                 raise _SchemaError(f"{path} must be a list of device ids, got {_json_type(devices)}")
@@ -250,14 +268,7 @@ class Placement:
             path = os.path.join(path, PLACEMENT_FILENAME)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"placement {path!r} is not a file")
-        try:
-            with open(path, "rb") as f:
-                data = json.loads(f.read().decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ValueError(f"placement {path!r} is not valid JSON: {error}") from None
-        except _SchemaError as error:
-            raise ValueError(f"placement {path!r}: {error}") from None
-        return cls.from_dict(data, source=path)
+        return cls.from_dict(read_json_file(path, "placement", max_bytes=MAX_PLACEMENT_BYTES), source=path)
 
     @classmethod
     def from_setting(cls, value) -> "Placement | None":
@@ -281,7 +292,7 @@ class Placement:
             return self.layers[int(layer)]
         except KeyError:
             raise KeyError(
-                f"placement has no entry for layer {layer}; it covers layers {sorted(self.layers)}"
+                f"placement has no entry for layer {layer}; it covers layers {shown(sorted(self.layers))}"
             ) from None
 
     @property
@@ -354,13 +365,13 @@ class Placement:
         missing = sorted(wanted - set(self.layers))
         if missing:
             raise ValueError(
-                f"{placement} lacks MoE layers {missing} of {against}; it covers layers {sorted(self.layers)}"
+                f"{placement} lacks MoE layers {shown(missing)} of {against}; it covers layers {shown(sorted(self.layers))}"
             )
         extra = sorted(set(self.layers) - wanted)
         if exact and extra:
             raise ValueError(
-                f"{placement} names layers {extra} that are not MoE layers of {against}; it must name exactly "
-                f"the MoE layers {sorted(wanted)}"
+                f"{placement} names layers {shown(extra)} that are not MoE layers of {against}; it must name exactly "
+                f"the MoE layers {shown(sorted(wanted))}"
             )
 
 
@@ -406,19 +417,17 @@ def _fraction(value: Any, what: str) -> float:
     return float(value)
 
 
-def _canonical_index(key: str, path: str) -> int:
+def _key_repr(key: str) -> str:
+    """A JSON key as the error's JSON path shows it, cut to 24 characters (a key may be megabytes long)."""
+    return repr(key) if len(key) <= 24 else f"{key[:24]!r}..."
+
+
+def _canonical_index(key: str, path: str, maximum: int = MAX_LAYER_INDEX) -> int:
     if not _CANONICAL_INDEX.fullmatch(key):
         raise _SchemaError(f"{path}: layer key must be a decimal layer index in canonical form (\"3\", not \"03\")")
+    if len(key) > len(str(maximum)) or int(key) > maximum:
+        raise _SchemaError(f"{path}: the index is larger than {maximum}")
     return int(key)
-
-
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _SchemaError(f"key {key!r} appears twice in one JSON object")
-        out[key] = value
-    return out
 
 
 def _parse_replicas(
@@ -440,14 +449,14 @@ def _parse_replicas(
         raise _SchemaError(f"$.replicas must be a JSON object, got {_json_type(replicas)}")
     parsed: dict[int, dict[int, list[int]]] = {}
     for key, experts in replicas.items():
-        path = f"$.replicas[{key!r}]"
+        path = f"$.replicas[{_key_repr(key)}]"
         layer = _canonical_index(key, path)
         if layer not in layers:
             raise _SchemaError(f"{path}: layer {layer} is not in $.layers")
         if not isinstance(experts, dict):
             raise _SchemaError(f"{path} must be a JSON object expert -> devices, got {_json_type(experts)}")
         for expert_key, homes in experts.items():
-            expert_path = f"{path}[{expert_key!r}]"
+            expert_path = f"{path}[{_key_repr(expert_key)}]"
             expert = _canonical_index(expert_key, expert_path)
             if expert >= num_experts:
                 raise _SchemaError(f"{expert_path}: expert {expert} is outside [0, num_experts={num_experts})")
@@ -469,7 +478,7 @@ def _parse_pin_slack(data: dict[str, Any], layers: dict[int, list[int]]) -> dict
         raise _SchemaError(f"$.pin_slack must be a JSON object layer -> number, got {_json_type(raw)}")
     parsed = {}
     for key, slack in raw.items():
-        path = f"$.pin_slack[{key!r}]"
+        path = f"$.pin_slack[{_key_repr(key)}]"
         layer = _canonical_index(key, path)
         if layer not in layers:
             raise _SchemaError(f"{path}: layer {layer} is not in $.layers")

@@ -144,6 +144,7 @@ def pool_profiles(profiles) -> tuple["RoutingProfile", list[str], list["RoutingP
     (kept only when every profile has one) over the layers all profiles share.
     """
     from ..profile import LayerRouting, RoutingProfile
+    from ..profile.routing_profile import check_same_model
 
     if isinstance(profiles, RoutingProfile):
         return profiles, ["profile"], [profiles]
@@ -157,6 +158,7 @@ def pool_profiles(profiles) -> tuple["RoutingProfile", list[str], list["RoutingP
     if len(items) == 1:
         return items[0], names, items
     first = items[0]
+    check_same_model(items, names)
     for name, other in zip(names, items):
         if (other.num_experts, other.top_k) != (first.num_experts, first.top_k):
             raise ValueError(

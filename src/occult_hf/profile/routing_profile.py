@@ -22,7 +22,6 @@ Shape legend: E routed experts, k experts per token, N sampled tokens.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..utils.checks import check_topk_ids
+from ..utils.strict_json import parse_json
 from .collect import collect_routing
 from .stats import LayerRouting
 from .trace import read_trace
@@ -108,6 +108,7 @@ class RoutingProfile:
         if not profiles:
             raise ValueError("RoutingProfile.merge needs at least one profile")
         first = profiles[0]
+        check_same_model(profiles, [str(p.path or p.meta.get("source") or f"profile {i}") for i, p in enumerate(profiles)])
         for other in profiles[1:]:
             if (other.num_experts, other.top_k, sorted(other.layers)) != (first.num_experts, first.top_k, sorted(first.layers)):
                 raise ValueError(
@@ -274,10 +275,7 @@ class RoutingProfile:
                     f"not an occult_hf routing profile: its safetensors metadata lacks the "
                     f"{PROFILE_METADATA_KEY!r} entry (make one with `occult profile`)"
                 )
-            try:
-                header = json.loads(header_text)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"metadata {PROFILE_METADATA_KEY!r} is not valid JSON ({error})") from None
+            header = parse_json(header_text, f"metadata {PROFILE_METADATA_KEY!r}")
             if not isinstance(header, dict):
                 raise ValueError(f"metadata {PROFILE_METADATA_KEY!r} must be a JSON object")
             if header.get("format") != PROFILE_FORMAT:
@@ -335,6 +333,7 @@ class RoutingProfile:
                     logit_gram=gram,
                     topk_sample=sample,
                 )
+                _check_counts(l, layers[int(l)], num_experts, top_k)
         return cls(num_experts=num_experts, top_k=top_k, layers=layers, model_type=model_type, meta=dict(meta))
 
 
@@ -346,6 +345,50 @@ _TENSOR_DTYPES = {
     "logit_gram": np.dtype(np.float64),
     "topk_sample": np.dtype(np.int64),
 }
+
+
+#: the most tokens a profile layer may count (2^48, about 3e14): every count and every sum of E of them stays
+#: far inside int64, so no statistic computed from a profile can overflow
+MAX_PROFILE_TOKENS = 2**48
+
+
+def _check_counts(layer: int, routing: LayerRouting, num_experts: int, top_k: int) -> None:
+    """The counts of one layer of a profile file agree with each other, as counting real top-k sets makes them:
+    `token_count` within `MAX_PROFILE_TOKENS`, every count at most `token_count`, `sum(expert_counts) = top_k *
+    token_count`, a symmetric co-activation with a zero diagonal whose rows sum to `expert_counts * (top_k - 1)`,
+    and a top-k sample of at most `token_count` rows."""
+    tokens, counts_E, coact_EE = routing.token_count, routing.expert_counts, routing.coactivation
+    where = f"layer {layer}"
+    if not 0 <= tokens <= MAX_PROFILE_TOKENS or tokens * top_k * top_k > MAX_PROFILE_TOKENS * 2**14:
+        raise ValueError(f"{where}: token_count {tokens} is outside [0, 2^48] (with top_k^2 = {top_k * top_k}: 2^62)")
+    if counts_E.size and (counts_E.max() > tokens or (coact_EE.size and coact_EE.max() > tokens)):
+        raise ValueError(f"{where}: a count exceeds token_count={tokens} (no expert or pair is chosen by more tokens than exist)")
+    if int(counts_E.sum()) != top_k * tokens:
+        raise ValueError(
+            f"{where}: expert_counts sum to {int(counts_E.sum())}, but token_count={tokens} tokens with top_k={top_k} "
+            f"make {top_k * tokens}"
+        )
+    if not (coact_EE == coact_EE.T).all() or np.diagonal(coact_EE).any():
+        raise ValueError(f"{where}: coactivation must be symmetric with a zero diagonal")
+    if not (coact_EE.sum(axis=1) == counts_E * (top_k - 1)).all():
+        expert = int(np.flatnonzero(coact_EE.sum(axis=1) != counts_E * (top_k - 1))[0])
+        raise ValueError(
+            f"{where}: coactivation row {expert} sums to {int(coact_EE[expert].sum())}, but expert_counts[{expert}]="
+            f"{int(counts_E[expert])} tokens with top_k={top_k} make {int(counts_E[expert]) * (top_k - 1)} pairs"
+        )
+    if routing.topk_sample is not None and len(routing.topk_sample) > tokens:
+        raise ValueError(f"{where}: topk_sample holds {len(routing.topk_sample)} rows, more than token_count={tokens}")
+
+
+def check_same_model(profiles: "list[RoutingProfile]", names: list[str]) -> None:
+    """Raise when profiles to be pooled or merged come from models of different types (each named by `names`):
+    their co-activation would be summed as if one model had routed every token."""
+    types = {name: p.model_type for name, p in zip(names, profiles) if p.model_type is not None}
+    if len(set(types.values())) > 1:
+        raise ValueError(
+            "routing profiles of different models cannot be pooled: "
+            + ", ".join(f"{name} is of model_type {model_type!r}" for name, model_type in list(types.items())[:8])
+        )
 
 
 def _header_int(header: dict, key: str, minimum: int) -> int:
@@ -382,4 +425,4 @@ def _check_shape(what: str, array: np.ndarray, expected: tuple[int, ...]) -> Non
         raise ValueError(f"RoutingProfile {what} has shape {tuple(np.shape(array))}, expected {list(expected)}")
 
 
-__all__ = ["LayerRouting", "RoutingProfile", "PROFILE_METADATA_KEY", "PROFILE_FORMAT"]
+__all__ = ["LayerRouting", "RoutingProfile", "PROFILE_METADATA_KEY", "PROFILE_FORMAT", "MAX_PROFILE_TOKENS", "check_same_model"]

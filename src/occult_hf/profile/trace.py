@@ -19,12 +19,12 @@ Shape legend (docs/conventions.md): T tokens, Z layers, E routed experts, k expe
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
 import torch
 
+from ..utils.strict_json import parse_json
 from .stats import LayerAccumulator, LayerRouting
 
 #: row-mask keys: name -> True when the mask marks rows to keep (False: rows to drop)
@@ -62,6 +62,8 @@ def read_trace(
         seed: seed of that sample.
     """
     path = os.fspath(path)
+    if model_type is not None:
+        _check_model_type(model_type)
     arrays, file_meta = _open(path, layer)
     source = {"source": f"trace:{os.path.basename(path)}"}
     if key is None and "coact" in arrays and "freq" in arrays:
@@ -113,6 +115,18 @@ def read_trace_ids(
     return ids_TZk[keep_T], layers, file_meta
 
 
+def _check_model_type(model_type) -> None:
+    """A model type a profile records must be one occult_hf serves (the error lists them): the profile is
+    checked against models of that type, and a misspelt one would match none."""
+    from types import SimpleNamespace
+
+    from occult_hf.patches import adapter_for
+
+    if not isinstance(model_type, str):
+        raise TypeError(f"model_type must be a string, got {type(model_type).__name__}")
+    adapter_for(SimpleNamespace(model_type=model_type))
+
+
 def _open(path: str, layer: int | None) -> tuple[dict[str, np.ndarray], dict]:
     """The file's arrays and meta JSON, after checking that it exists and that `layer` is an index."""
     if not os.path.isfile(path):
@@ -148,10 +162,7 @@ def _load_arrays(path: str) -> dict[str, np.ndarray]:
 def _file_meta(arrays: dict[str, np.ndarray], path: str) -> dict:
     if "meta" not in arrays:
         return {}
-    try:
-        meta = json.loads(str(arrays["meta"]))
-    except (json.JSONDecodeError, TypeError, ValueError) as error:
-        raise ValueError(f"trace file {path!r}: its 'meta' array is not JSON ({error})") from None
+    meta = parse_json(str(arrays["meta"]), f"trace file {path!r}: its 'meta' array")
     if not isinstance(meta, dict):
         raise ValueError(f"trace file {path!r}: its 'meta' array must hold a JSON object")
     return meta
@@ -237,7 +248,9 @@ def _from_pair_counts(arrays, file_meta, num_experts, top_k, model_type, source)
     if top_k is None:
         if "top_k" not in file_meta:
             raise ValueError("pair-count trace has no 'top_k' in its meta JSON; pass top_k=")
-        top_k = int(file_meta["top_k"])
+        top_k = file_meta["top_k"]
+        if type(top_k) is not int or not 1 <= top_k <= file_experts:
+            raise ValueError(f"pair-count trace: meta 'top_k' must be an integer in [1, {file_experts}], got {top_k!r}")
     valid_Z = arrays["layer_valid"].astype(bool) if "layer_valid" in arrays else np.ones(len(freq_ZE), dtype=bool)
     layers = {}
     for l in np.flatnonzero(valid_Z):

@@ -127,6 +127,12 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
             os.fsync(f.fileno())
         _keep_mode(path, tmp)
         os.replace(tmp, path)
+    except OSError as error:  # "No space left on device" names no file: name the one being written
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        if error.errno is None or error.filename == path:
+            raise
+        raise type(error)(error.errno, error.strerror, path) from error
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)

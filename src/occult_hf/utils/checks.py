@@ -10,9 +10,16 @@ Shape legend: N tokens, k experts per token, E routed experts, D devices.
 from __future__ import annotations
 
 import difflib
-from typing import Iterable
+import math
+from typing import Any, Iterable
 
 import numpy as np
+
+#: the longest wait on a peer rank any timeout setting may ask for (one day): longer is never a bound a user
+#: meant, and torch's process-group timeouts (30 min by default) end such a wait first
+MAX_TIMEOUT_S = 86400.0
+#: items of a list an error message shows before "... and N more"
+SHOWN_ITEMS = 8
 
 
 # ----- input checks --------------------------------------------------------------------------
@@ -22,6 +29,34 @@ def did_you_mean(unknown: Iterable[str], valid: Iterable[str]) -> str:
     valid = list(valid)
     close = [match[0] for name in unknown if (match := difflib.get_close_matches(str(name), valid, n=1))]
     return f" (did you mean {' / '.join(map(repr, close))}?)" if close else ""
+
+
+def shown(items: Iterable[Any], limit: int = SHOWN_ITEMS) -> str:
+    """`[a, b, c]`, or the first `limit` items and `... (N in all)`: a list in an error message of bounded size
+    (a file with 200k extra layers must not make a megabyte of error text)."""
+    items = list(items)
+    if len(items) <= limit:
+        return f"[{', '.join(map(repr, items))}]"
+    return f"[{', '.join(map(repr, items[:limit]))}, ... ({len(items)} in all)]"
+
+
+def check_timeout_s(value: Any, setting: str) -> float:
+    """Return `value` as float seconds or raise naming `setting`: a finite number in (0, `MAX_TIMEOUT_S`].
+
+    Strings (environment variables) are parsed; booleans, NaN, infinities and values past the maximum
+    are errors here instead of an `OverflowError` in the first collective that waits with them.
+    """
+    seconds = value
+    if isinstance(value, str):
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = None
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float, np.integer, np.floating)) or not (
+        math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT_S
+    ):
+        raise ValueError(f"{setting}={value!r} must be a number of seconds in (0, {MAX_TIMEOUT_S:g}]")
+    return float(seconds)
 
 
 def check_num_devices(num_devices, setting: str = "num_devices") -> int:
@@ -81,4 +116,4 @@ def check_square(matrix_EE: np.ndarray, num_experts: int, name: str = "coactivat
     return matrix
 
 
-__all__ = ["check_topk_ids", "check_device_map", "check_square"]
+__all__ = ["check_topk_ids", "check_device_map", "check_square", "check_timeout_s", "shown", "MAX_TIMEOUT_S"]

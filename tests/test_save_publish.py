@@ -1,0 +1,108 @@
+"""A save that stops between any two of its publish steps leaves a directory that loads the old weights or the
+new ones, never a mix (`hf.checkpointing._publish`).
+
+The crash is injected at every step of the publish in turn: the k-th rename or removal in the target directory
+raises a `BaseException` (what a killed process leaves is the same: files moved so far stay, nothing after
+happens). After each, the directory is loaded with plain transformers and through occult_hf, and every tensor
+must come from one of the two saves: all of them from the same one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from tiny_models import tiny_model
+
+SHARD = "150KB"  # the tiny OLMoE (453 kB in fp32) in 4 shards
+
+
+class _Crash(BaseException):
+    """The process stops here (not an Exception: nothing may catch it and carry on)."""
+
+
+def _saved(seed: int, directory, max_shard_size) -> dict[str, torch.Tensor]:
+    from occult_hf import OccultConfig, apply_occult
+
+    model = apply_occult(tiny_model("olmoe", seed=seed), OccultConfig(num_devices=2))
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(directory, **kwargs)
+    return model
+
+
+def _loaded_weights(directory, occult: bool) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    from occult_hf import unapply_occult
+
+    model = AutoModelForCausalLM.from_pretrained(directory, **({} if occult else {"occult_config": None}))
+    if occult:
+        unapply_occult(model)  # the vanilla modules back, with the experts it loaded
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+def _crash_at(monkeypatch, target, step: int) -> list[int]:
+    """From now on, the `step`-th rename or removal of a file directly in `target` raises `_Crash`; returns the
+    counter (one entry per step taken)."""
+    taken: list[int] = []
+    real_replace, real_remove = os.replace, os.remove
+
+    def counted(real):
+        def operation(path, *rest):
+            destination = rest[0] if rest else path
+            if os.path.dirname(os.path.abspath(destination)) == os.path.abspath(target):
+                taken.append(1)
+                if len(taken) == step:
+                    raise _Crash(f"crash at step {step}: {os.path.basename(destination)}")
+            return real(path, *rest)
+
+        return operation
+
+    monkeypatch.setattr(os, "replace", counted(real_replace))
+    monkeypatch.setattr(os, "remove", counted(real_remove))
+    return taken
+
+
+@pytest.mark.parametrize(
+    "old_shards, new_shards",
+    [(SHARD, SHARD), (None, SHARD), (SHARD, None), (SHARD, "100KB")],
+    ids=["sharded over sharded", "sharded over one file", "one file over sharded", "6 shards over 4"],
+)
+def test_a_save_interrupted_between_its_renames_loads_old_or_new_never_mixed(tmp_path, monkeypatch, old_shards, new_shards):
+    from occult_hf.hf.apply import install
+
+    install()
+    pristine, target = tmp_path / "pristine", tmp_path / "checkpoint"
+    _saved(1, pristine, old_shards)
+    old = _loaded_weights(pristine, occult=False)
+    new_model = _saved(2, tmp_path / "reference", new_shards)
+    new = _loaded_weights(tmp_path / "reference", occult=False)
+    distinct = sorted(name for name in old if not torch.equal(old[name], new[name]))  # norms start at 1 in both
+    assert len(distinct) > len(old) // 2
+
+    with monkeypatch.context() as patch:  # how many steps a whole publish takes
+        shutil.copytree(pristine, target)
+        steps = _crash_at(patch, target, step=0)
+        new_model.save_pretrained(target, **({} if new_shards is None else {"max_shard_size": new_shards}))
+    assert len(steps) >= 3
+    shutil.rmtree(target)
+
+    for step in range(1, len(steps) + 1):
+        shutil.copytree(pristine, target)
+        with monkeypatch.context() as patch:
+            _crash_at(patch, target, step)
+            with pytest.raises(_Crash):
+                new_model.save_pretrained(target, **({} if new_shards is None else {"max_shard_size": new_shards}))
+        for occult in (False, True):
+            loaded = _loaded_weights(target, occult)
+            from_old = {name for name in distinct if torch.equal(loaded[name], old[name])}
+            from_new = {name for name in distinct if torch.equal(loaded[name], new[name])}
+            assert from_old == set(distinct) or from_new == set(distinct), (
+                f"crash at step {step} of {len(steps)} ({'occult_hf' if occult else 'vanilla'} load): "
+                f"{len(from_old)} tensors of the old save, {len(from_new)} of the new one, "
+                f"{len(distinct) - len(from_old) - len(from_new)} of neither; files {sorted(os.listdir(target))}"
+            )
+        shutil.rmtree(target)
