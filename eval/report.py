@@ -1,9 +1,15 @@
 """Tables from lm-eval result JSON: one run's headline rows, and two runs side by side with deltas.
 
-Each task gets one row per *headline* metric: the metrics in `HEADLINE_METRICS` where the suite
-names them (CoQA's EM and F1, QASPER's F1), else the first of `PREFERRED_METRICS` the task reports,
-else every metric it reports. Groups that report a metric of their own (MMLU) are one row; groups
-that do not (`occult23` itself) are replaced by their members.
+The *headline rows* are the paper's table, so only a run of the `occult23` suite has them: each of
+its tasks gets one row per headline metric, the metrics in `HEADLINE_METRICS` where the suite names
+them (CoQA's EM and F1, QASPER's F1), else the first of `PREFERRED_METRICS` the task reports, else
+every metric it reports. Groups that report a metric of their own (MMLU) are one row; groups that do
+not (`occult23` itself) are replaced by their members. `compare_table` of two runs without `occult23`
+compares every metric of every task instead.
+
+A mean over rows is printed only where every row is a fraction of documents scored right
+(`FRACTION_METRICS`: accuracy, exact match, F1 on lm-eval's 0-1 scale), as for `occult23`; a mean of
+perplexities and accuracies would mean nothing, so a table with any other metric has no mean.
 
 Both tables are generated from results files, the lm-eval way: `markdown_table` is lm-eval's own
 `make_table` over a results dict cut down to the headline rows (`headline_results`), followed by
@@ -22,10 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .suite import SUITE_NAME
+
 #: tasks whose table rows are not simply "acc"
 HEADLINE_METRICS: dict[str, tuple[str, ...]] = {"qasper_bool": ("f1",), "coqa": ("em", "f1")}
 #: for other tasks, the first of these that the task reports
 PREFERRED_METRICS: tuple[str, ...] = ("acc", "exact_match", "f1", "em")
+#: metrics that are a fraction of documents scored right (0-1, higher is better): a mean over rows of these means something
+FRACTION_METRICS: frozenset[str] = frozenset({"acc", "acc_norm", "exact_match", "f1", "em"})
 
 
 @dataclass(frozen=True)
@@ -84,30 +94,50 @@ def _headline(task: str, reported: dict[str, tuple[float, float | None]]) -> lis
     return list(reported)
 
 
+def has_suite(results: dict[str, Any]) -> bool:
+    """True when `results` holds an `occult23` run (the only run with headline rows)."""
+    return SUITE_NAME in results["results"] or SUITE_NAME in results.get("group_subtasks", {})
+
+
 def headline_scores(results: dict[str, Any]) -> list[Score]:
-    """The table rows of one run, in the order lm-eval ran the tasks."""
+    """The headline rows of an `occult23` run, in the suite's order; an error for any other run."""
+    if not has_suite(results):
+        tasks = ", ".join(results["results"]) or "none"
+        raise ValueError(
+            f"the results hold no {SUITE_NAME} run (tasks: {tasks}): headline rows are the paper's {SUITE_NAME} "
+            f"table; lm-eval's table of this run (every metric) is what `occult eval` printed when it ran"
+        )
     per_task = results["results"]
     group_members: dict[str, list[str]] = results.get("group_subtasks", {})
-    members = {child for children in group_members.values() for child in children}
     scores: list[Score] = []
 
-    def visit(name: str) -> None:
+    def visit(name: str, suite_itself: bool = False) -> None:
         reported = _reported_metrics(per_task.get(name, {}))
-        metrics = _headline(name, reported)
+        metrics = [] if suite_itself else _headline(name, reported)
         if metrics:
             scores.extend(Score(name, m, *reported[m]) for m in metrics)
             return
         for child in group_members.get(name, ()):
             visit(child)
 
-    for name in per_task:
-        if name not in members:
-            visit(name)
+    visit(SUITE_NAME, suite_itself=True)
     return scores
 
 
-def _mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
+def every_score(results: dict[str, Any]) -> list[Score]:
+    """Every metric of every task and group of a run, as rows (what two runs without `occult23` compare on)."""
+    return [
+        Score(task, metric, value, stderr)
+        for task, task_results in results["results"].items()
+        for metric, (value, stderr) in _reported_metrics(task_results).items()
+    ]
+
+
+def mean_of_fractions(scores: list[Score]) -> float | None:
+    """The mean over `scores` when every one is a `FRACTION_METRICS` metric; None otherwise (or when empty)."""
+    if not scores or any(score.metric not in FRACTION_METRICS for score in scores):
+        return None
+    return sum(score.value for score in scores) / len(scores)
 
 
 def _value(value: float | None, signed: bool = False) -> str:
@@ -143,32 +173,37 @@ def headline_results(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def markdown_table(results: dict[str, Any]) -> str:
-    """One run's headline rows: lm-eval's `make_table`, then the mean over the rows."""
+    """One `occult23` run's headline rows: lm-eval's `make_table`, then the mean over the rows (when they
+    are all fractions, as occult23's are)."""
     from lm_eval.utils import make_table
 
     scores = headline_scores(results)
     table = make_table(headline_results(results)).rstrip("\n")
-    return f"{table}\n\nAverage over the {len(scores)} headline rows: {_value(_mean([s.value for s in scores]))}"
+    mean = mean_of_fractions(scores)
+    return table if mean is None else f"{table}\n\nAverage over the {len(scores)} headline rows: {_value(mean)}"
 
 
 def compare_table(a: dict[str, Any], b: dict[str, Any], labels: tuple[str, str] = ("A", "B")) -> str:
-    """Two runs side by side: per headline row A, B and B - A; the average over the rows both runs have."""
+    """Two runs side by side: per row A, B and B - A, then the average over the rows both runs have
+    (when those are all fractions). The rows are the headline rows when both runs are `occult23` runs,
+    else every metric of every task."""
     from pytablewriter import MarkdownTableWriter
 
-    scores_a = {(s.task, s.metric): s.value for s in headline_scores(a)}
-    scores_b = {(s.task, s.metric): s.value for s in headline_scores(b)}
+    rows_of = headline_scores if has_suite(a) and has_suite(b) else every_score
+    scores_a = {(s.task, s.metric): s for s in rows_of(a)}
+    scores_b = {(s.task, s.metric): s for s in rows_of(b)}
     keys = list(scores_a) + [k for k in scores_b if k not in scores_a]
     shared = [k for k in keys if k in scores_a and k in scores_b]
     label_a, label_b = labels
     values = []
     for key in keys:
-        value_a, value_b = scores_a.get(key), scores_b.get(key)
+        value_a, value_b = (scores[key].value if key in scores else None for scores in (scores_a, scores_b))
         delta = value_b - value_a if key in shared else None
         values.append([key[0], key[1], _value(value_a), _value(value_b), _value(delta, signed=True)])
-    mean_a = _mean([scores_a[k] for k in shared])
-    mean_b = _mean([scores_b[k] for k in shared])
-    delta = None if mean_a is None else mean_b - mean_a
-    values.append([f"Average ({len(shared)} shared rows)", "", _value(mean_a), _value(mean_b), _value(delta, signed=True)])
+    mean_a = mean_of_fractions([scores_a[k] for k in shared])
+    mean_b = mean_of_fractions([scores_b[k] for k in shared])
+    if mean_a is not None:
+        values.append([f"Average ({len(shared)} shared rows)", "", _value(mean_a), _value(mean_b), _value(mean_b - mean_a, signed=True)])
     writer = MarkdownTableWriter()
     writer.headers = ["Tasks", "Metric", label_a, label_b, f"Δ ({label_b} − {label_a})"]
     writer.value_matrix = values
@@ -183,13 +218,17 @@ def table_rows(table: str) -> list[list[str]]:
 
 __all__ = [
     "Score",
+    "FRACTION_METRICS",
     "HEADLINE_METRICS",
     "PREFERRED_METRICS",
     "compare_table",
+    "every_score",
+    "has_suite",
     "headline_results",
     "headline_scores",
     "load_results",
     "markdown_table",
+    "mean_of_fractions",
     "results_file",
     "table_rows",
 ]

@@ -322,6 +322,41 @@ def test_compare_prints_deltas_and_average(tmp_path, capsys):
     assert "holds no results_*.json" in capsys.readouterr().err
 
 
+def other_tasks_results(shift: float = 0.0) -> dict:
+    """A run of two tasks outside occult23: a rolling-perplexity task and a multiple-choice one."""
+    return {
+        "results": {
+            "wikitext": {"word_perplexity,none": 1.8e12 + shift, "byte_perplexity,none": 4.2, "bits_per_byte,none": 2.07},
+            "arc_easy": {"acc,none": 0.25 + shift, "acc_stderr,none": 0.01, "acc_norm,none": 0.3},
+        },
+    }
+
+
+def test_headline_rows_and_averages_are_only_for_occult23(tmp_path, capsys):
+    """Issue 32: a run of other tasks printed its whole table again as "headline rows", then a mean of
+    perplexities and accuracies (371193052874.1066)."""
+    from occult_hf.eval.report import table_rows
+
+    with pytest.raises(ValueError, match="the results hold no occult23 run \\(tasks: wikitext, arc_easy\\)"):
+        markdown_table(other_tasks_results())
+    path_a, path_b = tmp_path / "a.json", tmp_path / "b.json"
+    path_a.write_text(json.dumps(other_tasks_results()))
+    path_b.write_text(json.dumps(other_tasks_results(shift=0.5)))
+    with pytest.raises(SystemExit):
+        occult_main(["eval", "--headline", str(path_a)])
+    assert "the results hold no occult23 run" in capsys.readouterr().err
+    # two runs of other tasks compare on every metric, with no mean across metric kinds
+    assert occult_main(["eval", "--compare", str(path_a), str(path_b)]) == 0
+    rows = {(r[0], r[1]): [float(v) for v in r[2:]] for r in table_rows(capsys.readouterr().out)}
+    assert set(rows) == {("wikitext", m) for m in ("word_perplexity", "byte_perplexity", "bits_per_byte")} | {
+        ("arc_easy", "acc"), ("arc_easy", "acc_norm")}
+    assert rows[("arc_easy", "acc")] == pytest.approx([0.25, 0.75, 0.5])
+    # an occult23 run next to other tasks: the headline rows, their mean, and nothing of the other tasks
+    mixed = suite_like_results()
+    mixed["results"] |= other_tasks_results()["results"]
+    assert markdown_table(mixed) == markdown_table(suite_like_results())
+
+
 def test_compare_rejects_a_file_without_results(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"config": {}}))
@@ -546,6 +581,7 @@ def test_occult_eval_writes_lm_eval_layout_and_table(assets, runs, full_task_man
     printed = capsys.readouterr().out  # lm-eval's make_table: header, then a row per task and metric
     assert "| Tasks |Version|Filter|n-shot|" in printed
     assert any(line.startswith("|occ_mc") and "|acc" in line.replace(" ", "") for line in printed.splitlines())
+    assert "Headline rows" not in printed and "Average" not in printed  # the paper's table is occult23's alone
 
 
 def test_occult_eval_of_a_directory_occult_hf_saved(assets, runs, local_task_manager, tmp_path, monkeypatch):

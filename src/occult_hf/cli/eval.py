@@ -9,9 +9,10 @@ lm-eval's flags keep lm-eval's spellings (`--output_path`, `--batch_size`, `--mo
 `--num_fewshot`, `--bootstrap_iters`, `--include_path`, `--log_samples`, `--trust_remote_code`;
 the older dashed spellings are deprecated aliases), and a run writes lm-eval's output layout:
 `<output_path>/<model name>/results_<time>.json` (and `samples_<task>_<time>.jsonl` with
-`--log_samples`), then prints lm-eval's `make_table` and the headline rows (the paper's table, also
-lm-eval's `make_table`, and their mean). Under torchrun only rank 0 writes. `--headline RESULTS`
-prints the headline rows of a finished run and `--compare A B` two runs side by side, each from a
+`--log_samples`), then prints lm-eval's `make_table` and, for an occult23 run, the headline rows (the
+paper's table, also lm-eval's `make_table`, and their mean). Under torchrun only rank 0 writes.
+`--headline RESULTS` prints the headline rows of a finished occult23 run and `--compare A B` two runs
+side by side (the headline rows of two occult23 runs, else every metric), each from a
 `results_*.json` or an `--output_path` folder (its newest `results_*.json`).
 """
 
@@ -33,8 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("pretrained", nargs="?", help="model directory or hub id (not with --compare / --headline)")
     parser.add_argument("--compare", nargs=2, metavar=("A", "B"),
-                        help="print two runs' headline rows side by side with deltas (B - A) and the average; each a results_*.json or an --output_path folder")
-    parser.add_argument("--headline", metavar="RESULTS", help="print one run's headline rows (lm-eval's make_table) and their mean; a results_*.json or an --output_path folder")
+                        help="print two runs side by side with deltas (B - A): occult23's headline rows and their average, else every metric; each a results_*.json or an --output_path folder")
+    parser.add_argument("--headline", metavar="RESULTS", help="print an occult23 run's headline rows (lm-eval's make_table) and their mean; a results_*.json or an --output_path folder")
     parser.add_argument("--labels", nargs=2, metavar=("A", "B"), default=("A", "B"), help="column names for --compare")
     parser.add_argument("--tasks", default="occult23", help="'occult23' or comma-separated lm-eval task names (default: occult23)")
     occult = parser.add_argument_group("Occult settings (either --occult-config or the fields)")
@@ -129,9 +130,10 @@ def _evaluate(args: argparse.Namespace) -> int:
     print(make_table(results))
     if "groups" in results:
         print(make_table(results, "groups"))
-    from occult_hf.eval.report import markdown_table
+    from occult_hf.eval.report import has_suite, markdown_table
 
-    print("Headline rows (occult eval --headline):\n" + markdown_table(results))
+    if has_suite(results):  # the paper's table: only an occult23 run has one
+        print("Headline rows (occult eval --headline):\n" + markdown_table(results))
     print(f"wrote {tracker.date_id} results under {args.output_path}")
     return 0
 
