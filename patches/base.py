@@ -196,6 +196,28 @@ def adapter_for(model_or_config) -> MoEAdapter:
     raise ValueError(f"occult_hf does not support model_type {model_type!r}; supported model types: {supported}")
 
 
+def replace_recorded_router_logits(raw_logits_TE: torch.Tensor, aux_logits_TE: torch.Tensor) -> bool:
+    """Swap `raw_logits_TE` for `aux_logits_TE` in transformers' `router_logits` record of this forward.
+
+    transformers records `router_logits` with a forward hook on the router module into a per-forward
+    collector; the auxiliary loss reads that record. Returns False only when a record is being made
+    but does not hold `raw_logits_TE`; True when it was replaced or nothing records router logits.
+    """
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # a transformers without the collector records nothing we could replace
+        return True
+    collected = _active_collector.get()
+    if collected is None or "router_logits" not in collected:
+        return True
+    record = collected["router_logits"]
+    for position in range(len(record) - 1, -1, -1):
+        if record[position] is raw_logits_TE:
+            record[position] = aux_logits_TE
+            return True
+    return False
+
+
 def _layer_index(module_path: str) -> int:
     """The decoder-layer index in a path like `model.layers.3.mlp`."""
     parts = module_path.split(".")
@@ -205,4 +227,13 @@ def _layer_index(module_path: str) -> int:
     raise ValueError(f"cannot find a decoder-layer index in module path {module_path!r}")
 
 
-__all__ = ["MoEAdapter", "RouterOutput", "config_field", "register_adapter", "registered_adapters", "adapter_for"]
+__all__ = [
+    "ADAPTERS",
+    "MoEAdapter",
+    "RouterOutput",
+    "adapter_for",
+    "config_field",
+    "register_adapter",
+    "registered_adapters",
+    "replace_recorded_router_logits",
+]

@@ -208,6 +208,6 @@ def test_logged_ct_is_the_ct_the_dispatch_served_under_load_aware_replicas():
     batch = tiny_batch(batch=4, seq=16, seed=7)
     logs = _logs_after_one_step(model, [batch])
     blocks = [m for m in model.modules() if isinstance(m, OccultMoE)]
-    served_ct = [float(block.rows_sent.sum()) / batch.numel() for block in blocks]
+    served_ct = [float(block.stats.rows_sent.sum()) / batch.numel() for block in blocks]
     assert logs["occult/ct"] == pytest.approx(sum(served_ct) / len(served_ct), rel=1e-9)
     assert logs["occult/ct/max"] == pytest.approx(max(served_ct), rel=1e-9)

@@ -99,7 +99,9 @@ def _ep_world(rank, world):
 def test_use_dispatcher_keeps_the_layers_replica_choice_and_pin_slack(monkeypatch):
     """The decode's dispatcher routes replicated experts as the layer's own: same `replica_choice` and pin slack
     (before, it fell back to the static rule and the default slack)."""
-    import occult_hf.dispatch
+    from dataclasses import replace
+
+    import occult_hf.hf.decode
     from occult_hf import apply_occult
     from occult_hf.hf.decode import use_dispatcher
     from occult_hf.moe import OccultMoE
@@ -107,14 +109,14 @@ def test_use_dispatcher_keeps_the_layers_replica_choice_and_pin_slack(monkeypatc
     model = tiny_model("olmoe").eval()
     apply_occult(model, {"num_devices": 2, "replica_choice": "load_aware"})
     layers = [m for m in model.modules() if isinstance(m, OccultMoE)]
-    for layer in layers:
-        layer.dispatcher.pin_slack = 0.37
     built = []
-    monkeypatch.setattr(occult_hf.dispatch, "build_dispatcher", lambda name, *args, **kwargs: built.append(kwargs))
+    monkeypatch.setattr(occult_hf.hf.decode, "build_dispatcher", lambda settings, ep, layout, device: built.append((settings, layout)))
     with use_dispatcher(model, "padded"):
         pass
     assert len(built) == len(layers) > 0
-    assert all(kwargs["replica_choice"] == "load_aware" and kwargs["pin_slack"] == 0.37 for kwargs in built)
+    for (settings, layout), layer in zip(built, layers):
+        assert settings == replace(layer.settings, dispatcher="padded") and settings.replica_choice == "load_aware"
+        assert layout is layer.layout
 
 
 @pytest.mark.world_size(2)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from distributed import WorldError, run_world
 from host_reads import no_host_reads
-from occult_hf.dispatch import ExchangeError, ExpertParallelGroup, TokenRouting, build_dispatcher
+from occult_hf.dispatch import DispatchSettings, ExchangeError, ExpertParallelGroup, TokenRouting, build_dispatcher
 from occult_hf.experts import LocalExperts, expert_mlp_grouped_mm, local_experts
 from occult_hf.kernels.expert_mlp_reference import expert_mlp_reference
 from occult_hf.placement import Placement
@@ -71,7 +71,8 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def one_process_dispatcher(device_of_E, num_experts: int, num_devices: int, mode: str):
     ep = ExpertParallelGroup(num_devices=num_devices)
-    return build_dispatcher("auto", ep, list(device_of_E), list(range(num_experts)), num_experts, mode=mode)
+    layout = Placement(num_experts, num_devices, {0: [int(d) for d in device_of_E]}).layout(0)
+    return build_dispatcher(DispatchSettings(mode=mode), ep, layout)
 
 
 def one_process_moe(x_TH, ids_Tk, weights_Tk, gate_up_E2IH, down_EHI, device_of_E, num_devices, mode):
@@ -170,7 +171,7 @@ def test_dedup_equals_per_expert_and_sends_fewer_rows():
 def test_bad_mode_and_backend_are_rejected():
     ep = ExpertParallelGroup(num_devices=2)
     with pytest.raises(ValueError, match="dispatch mode must be one of"):
-        build_dispatcher("auto", ep, [0, 0, 1, 1], range(4), 4, mode="broadcast")
+        DispatchSettings(mode="broadcast")
     gate_up_E2IH, down_EHI = make_experts(4)
     with pytest.raises(ValueError, match=r"OccultConfig.expert_backend must be one of \[.auto., .grouped_mm_fused., .torch., .triton.\], got .cuda."):
         LocalExperts(torch.nn.Parameter(gate_up_E2IH), torch.nn.Parameter(down_EHI), torch.arange(4), F.silu, backend="cuda")
@@ -429,7 +430,7 @@ def _check_ep_against_naive(rank, world_size, mode, top_k, chunks):
     x_TH.requires_grad_()
     weights_Tk.requires_grad_()
 
-    dispatcher = build_dispatcher("auto", ep, WORLD_DEVICE_OF_E, placement.local_slot(0), len(local_ids), mode=mode, chunks=chunks)
+    dispatcher = build_dispatcher(DispatchSettings(mode=mode, chunks=chunks), ep, placement.layout(0, rank))
     assert dispatcher.name == "all_to_all"
     if chunks is None:
         sent = dispatcher.dispatch(x_TH, TokenRouting(ids_Tk, weights_Tk))
@@ -487,9 +488,7 @@ def _replay_trace(rank, world_size, trace_ids_Nk, trace_weights_Nk):
         device_of_E = np.array(placement.device_of(0))
         rows = {}
         for mode in ("dedup", "per_expert"):
-            dispatcher = build_dispatcher(
-                "all_to_all", ep, device_of_E.tolist(), placement.local_slot(0), placement.capacities(0)[rank], mode=mode
-            )
+            dispatcher = build_dispatcher(DispatchSettings("all_to_all", mode=mode), ep, placement.layout(0, rank))
             sent = dispatcher.dispatch(x_TH, TokenRouting(ids_Tk, weights_Tk))
             rows[mode] = sum(sent.plan.send_rows)
             remote = rows[mode] - sent.plan.send_rows[rank]
@@ -532,10 +531,8 @@ def _count_operators(rank, world_size) -> dict:
     ids_Tk = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(128)])
     counts = {}
     for mode in ("dedup", "per_expert"):
-        dispatcher = build_dispatcher(
-            "all_to_all", ep, [e // num_local for e in range(num_experts)], [e % num_local for e in range(num_experts)],
-            num_local, mode=mode,
-        )  # fmt: skip
+        layout = Placement.contiguous(num_experts, world_size, [0]).layout(0, rank)
+        dispatcher = build_dispatcher(DispatchSettings("all_to_all", mode=mode), ep, layout)
         for backward in (False, True):
             x_TH = torch.randn(128, HIDDEN, generator=generator, requires_grad=backward)
             weights_Tk = torch.rand(128, top_k, generator=generator, requires_grad=backward)
@@ -611,7 +608,8 @@ def _stalled_peer_world(rank, world_size):
         time.sleep(6)
         return None
     ep = ExpertParallelGroup.resolve(None, world_size)
-    dispatcher = build_dispatcher("all_to_all", ep, [0, 1], [0, 0], 1, timeout_s=1.5, layer="layer 7")
+    layout = Placement(2, 2, {7: [0, 1]}).layout(7, rank)
+    dispatcher = build_dispatcher(DispatchSettings("all_to_all", timeout_s=1.5), ep, layout)
     x_TH, ids_Tk, weights_Tk = make_routing(4, 2, 1, seed=0)
     started = time.monotonic()
     try:

@@ -42,7 +42,7 @@ def test_one_process_block_makes_no_host_sync(mode, backend):
     hidden = torch.randn(4, 32, model.config.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     block(hidden).float().square().sum().backward()  # warm-up: kernel compilation and autotuning may synchronise
     out = _step_without_sync(block, hidden)
-    assert torch.isfinite(out).all() and int(block.forwards) == 2
+    assert torch.isfinite(out).all() and int(block.stats.forwards) == 2
 
 
 def _step_without_sync(block, hidden):
@@ -95,7 +95,7 @@ def _no_sync_world(rank, world_size):
         hidden = torch.randn(shape, generator=generator, device=f"cuda:{rank}").to(torch.bfloat16).requires_grad_()
         block(hidden).float().square().sum().backward()  # warm-up: communicators, the pinned count buffer
         out = _step_without_sync(block, hidden)
-        checked.append((mode, block.dispatcher.name, bool(torch.isfinite(out).all()), int(block.forwards)))
+        checked.append((mode, block.dispatcher.name, bool(torch.isfinite(out).all()), int(block.stats.forwards)))
     return checked
 
 

@@ -96,9 +96,9 @@ def _ep_world(rank, world_size, checkpoints, out_dir, profile):
         found = {"contiguous": _step(model, ids)}
         apply_occult_ep(model, OccultConfig(placement=shuffled_placement(family)))
         for impl in occult_ep_layers(model).values():
-            impl.reset_counters()
+            impl.stats.reset()
         found["shuffled"] = _step(model, ids)
-        found["rows_sent"] = {layer: impl.rows_sent.tolist() for layer, impl in occult_ep_layers(model).items()}
+        found["rows_sent"] = {layer: impl.stats.rows_sent.tolist() for layer, impl in occult_ep_layers(model).items()}
         model.save_pretrained(os.path.join(out_dir, family))  # collective
         if family == "deepseek_v3":  # the saved occult_config comes back with from_pretrained(distributed_config=...)
             again = _load_ep(os.path.join(out_dir, family), ep_size=2, fsdp_size=2)
@@ -111,10 +111,10 @@ def _ep_world(rank, world_size, checkpoints, out_dir, profile):
             for mode in PRUNE_MODES:
                 apply_occult_ep(model, pruned_config(mode, profile))
                 for impl in occult_ep_layers(model).values():
-                    impl.reset_counters()
+                    impl.stats.reset()
                 with torch.no_grad():
                     found[f"pruned_logits_{mode}"] = model(ids).logits.numpy().copy()
-                found[f"pruned_rows_{mode}"] = {layer: impl.rows_sent.tolist() for layer, impl in occult_ep_layers(model).items()}
+                found[f"pruned_rows_{mode}"] = {layer: impl.stats.rows_sent.tolist() for layer, impl in occult_ep_layers(model).items()}
             # one rank fails its own checks: it raises its error, the other names it instead of waiting for it
             try:
                 apply_occult_ep(model, OccultConfig(num_devices=(None, 4)[rank]))

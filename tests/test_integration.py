@@ -13,7 +13,7 @@ under EP; a rank-0-only save without a snapshot fails with a clear error instead
 for a world size that differs from num_devices.
 
 A 2-rank HF Trainer run (torchrun-like environment, DDP through accelerate, default gradient
-clipping, checkpointing with OccultCheckpointCallback) gives the same per-step losses, gradient
+clipping, checkpointing through the Trainer's own save) gives the same per-step losses, gradient
 norms and final weights as a single-process Trainer run on the same data.
 """
 
@@ -173,9 +173,9 @@ def test_pruning_is_applied_after_routing():
     )
     model(tiny_batch())
     for module in occult_modules(model).values():
-        devices_Tk = module.device_of_E[module.last_topk_ids_Tk]
+        devices_Tk = module.layout.device_of_E[module.last_topk_ids_Tk]
         assert torch.all(devices_Tk == devices_Tk[:, :1])
-        assert int(module.rows_sent.sum()) == module.last_topk_ids_Tk.shape[0]  # one row per token
+        assert int(module.stats.rows_sent.sum()) == module.last_topk_ids_Tk.shape[0]  # one row per token
 
 
 def test_counters_report_rows_pairs_and_bytes():
@@ -187,11 +187,11 @@ def test_counters_report_rows_pairs_and_bytes():
     model(tiny_batch(seed=1))
     for module in occult_modules(model).values():
         hidden, top_k = model.config.hidden_size, model.config.num_experts_per_tok
-        assert int(module.forwards) == 2 and int(module.rows_sent.sum()) == 2 * 32 * top_k
-        assert torch.equal(module.pairs_sent, module.rows_sent)
-        assert torch.equal(module.bytes_sent, module.rows_sent * (hidden * 4 + 1 * (4 + 4)))
+        assert int(module.stats.forwards) == 2 and int(module.stats.rows_sent.sum()) == 2 * 32 * top_k
+        assert torch.equal(module.stats.pairs_sent, module.stats.rows_sent)
+        assert torch.equal(module.stats.bytes_sent, module.stats.rows_sent * (hidden * 4 + 1 * (4 + 4)))
     reset_counters(model)
-    assert all(int(m.rows_sent.sum()) == 0 and int(m.forwards) == 0 for m in occult_modules(model).values())
+    assert all(int(m.stats.rows_sent.sum()) == 0 and int(m.stats.forwards) == 0 for m in occult_modules(model).values())
     # rows of another size (fp64 activations and weights, fields 8-byte aligned) after the first forward's: their
     # bytes are theirs
     from occult_hf.dispatch.base import dispatch_format
@@ -199,13 +199,13 @@ def test_counters_report_rows_pairs_and_bytes():
     model.double()(tiny_batch())
     row_bytes = dispatch_format(hidden, torch.float64, 1, torch.float64).row_bytes
     for module in occult_modules(model).values():
-        assert int(module.forwards) == 1 and torch.equal(module.bytes_sent, module.rows_sent * row_bytes)
+        assert int(module.stats.forwards) == 1 and torch.equal(module.stats.bytes_sent, module.stats.rows_sent * row_bytes)
     # one device: static counts (every token one row in dedup, all pairs), twice the same T (the kept counts)
     model = apply_occult(tiny_model("olmoe", seed=1), OccultConfig(num_devices=1))
     model(tiny_batch())
     model(tiny_batch(seed=1))
     for module in occult_modules(model).values():
-        assert module.rows_sent.tolist() == [2 * 32] and module.pairs_sent.tolist() == [2 * 32 * top_k]
+        assert module.stats.rows_sent.tolist() == [2 * 32] and module.stats.pairs_sent.tolist() == [2 * 32 * top_k]
 
 
 def test_a_bad_occult_config_fails_before_the_checkpoint_is_read(tmp_path):
@@ -348,7 +348,7 @@ def _check_rank0_only_save_fails_clearly(rank, world_size, directory):
     import torch.distributed as dist
 
     from occult_hf import OccultConfig
-    from occult_hf.hf.apply import apply_occult, snapshot_experts
+    from occult_hf import apply_occult, snapshot_experts
 
     model = apply_occult(tiny_model("olmoe", seed=9), OccultConfig())
     snapshot_experts(model)  # what the Trainer save hook (trainer_ep) does on every rank
@@ -438,10 +438,10 @@ def _ep_trainer(rank, world_size, output_dir):
         MASTER_ADDR="127.0.0.1", MASTER_PORT="29511",
     )
     from occult_hf import OccultConfig
-    from occult_hf.hf.apply import OccultCheckpointCallback, apply_occult
+    from occult_hf.hf.apply import apply_occult
 
     model = apply_occult(_trainer_model(), OccultConfig(placement=shuffled_placement("olmoe", 8, world_size)))
-    return _run_trainer(output_dir, 2, model, callbacks=[OccultCheckpointCallback()])
+    return _run_trainer(output_dir, 2, model)
 
 
 @pytest.mark.world_size(2)

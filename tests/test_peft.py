@@ -21,7 +21,7 @@ from tiny_models import tiny_batch, tiny_model
 
 import occult_hf  # noqa: F401
 from occult_hf.config import OccultConfig
-from occult_hf.hf.apply import OccultCheckpointCallback, apply_occult
+from occult_hf.hf.apply import apply_occult
 from occult_hf.hf.peft_support import (
     _place_experts,
     _select_experts,
@@ -199,10 +199,6 @@ def _ep_lora(rank, world_size, adapter_dir, out_dir):
         failures.append("expert adapters are not in the DDP ignore list")
 
     _plain_peft_under_ddp(rank, world_size, config, batches[rank], check, failures)
-
-    # the Trainer hands the PEFT wrapper to callbacks: the checkpoint callback leaves it to PEFT's save
-    control = type("Control", (), {"should_save": True})()
-    OccultCheckpointCallback().on_step_end(None, None, control, model=model)
 
     # one optimizer step on both, then the gathered EP save against the one-process save
     for module in (reference, model):

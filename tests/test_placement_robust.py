@@ -107,9 +107,9 @@ def test_load_aware_rule_over_ranks_equals_one_process_and_balances():
     # without replicas it is the device map; with pruning's visited devices no visited pair moves
     assert torch.equal(load_aware_homes(ids_t, torch.from_numpy(home_table_from(device_of_E, None)), 4), torch.from_numpy(device_of_E[ids]))
     visited = torch.from_numpy(rng.random((640, 4)) < 0.5)
-    static_v = resolve_homes(ids_t, table, 4, visited_TD=visited)
+    static_v = resolve_homes(ids_t, table, 4, devices_TD=visited)
     pinned = replica_preferences(ids_t, table, 4, visited)[1] < 3
-    assert torch.equal(load_aware_homes(ids_t, table, 4, visited_TD=visited)[pinned], static_v[pinned])
+    assert torch.equal(load_aware_homes(ids_t, table, 4, devices_TD=visited)[pinned], static_v[pinned])
     # the study's replay (steps cut into ranks, counts gathered) is the rule on each step's tokens
     from occult_hf.eval.studies.robust_placement_study import replay_load_aware
 
@@ -811,20 +811,18 @@ def test_bench_replicas_rejects_a_count_below_one_at_parse_time(capsys):
 def test_dispatcher_routes_with_its_layers_pin_slack():
     """The load-aware dispatcher passes its layer's pin slack to the rule: with slack 0 it splits a hot replicated
     expert's pinned pairs, with slack 1 it keeps them on the visited home, each as `load_aware_homes` does."""
-    from types import SimpleNamespace
-
-    from occult_hf.dispatch import ExpertParallelGroup, build_dispatcher
+    from occult_hf.dispatch import DispatchSettings, ExpertParallelGroup, TokenRouting, build_dispatcher
+    from occult_hf.placement import Placement
 
     table = home_table_from([0, 1, 1], {0: [1]})  # expert 0 on devices 0 and 1; experts 1, 2 on device 1
-    slots = [[0, 0], [-1, 1], [-1, 2]]
     ids = torch.tensor([[0, 1], [0, 2]] * 8)  # every token visits device 1: expert 0's pairs are pinned there
     routed = {}
     for slack in (0.0, 1.0):
+        placement = Placement(3, 2, {0: [0, 1, 1]}, replicas={0: {0: [1]}}, pin_slack={0: slack})
         dispatcher = build_dispatcher(
-            "local", ExpertParallelGroup(num_devices=2), [0, 1, 1], [0, 1, 2], 3,
-            home_table_EM=table, slot_ED=slots, replica_choice="load_aware", pin_slack=slack,
+            DispatchSettings("local", replica_choice="load_aware"), ExpertParallelGroup(num_devices=2), placement.layout(0)
         )
-        dest, _ = dispatcher.destinations_of(SimpleNamespace(topk_ids_Tk=ids))
+        dest, _ = dispatcher.destinations_of(TokenRouting(ids, torch.ones(ids.shape)))
         assert torch.equal(dest, load_aware_homes(ids, torch.from_numpy(table), 2, pin_slack=slack))
         routed[slack] = int((dest == 0).sum())
     assert routed[1.0] == 0 < routed[0.0]

@@ -91,7 +91,7 @@ def pruned_config(family: str, mode: str, n_d: int, profile_paths, num_devices: 
 
 def devices_per_token(module: OccultMoE) -> torch.Tensor:
     """`[T]` distinct devices of each token's dispatched experts."""
-    device_Tk = module.device_of_E[module.last_topk_ids_Tk]
+    device_Tk = module.layout.device_of_E[module.last_topk_ids_Tk]
     hits_TD = torch.zeros(device_Tk.shape[0], module.ep.num_devices, dtype=torch.bool)
     return hits_TD.scatter_(1, device_Tk, True).sum(1)
 
@@ -222,17 +222,17 @@ def test_pruning_with_replicas_keeps_every_pair_on_n_d_devices(family, profile_p
             routing = adapter_for(model).route(block.original_block, torch.randn(64, 32, generator=torch.Generator().manual_seed(n_d)))
             pruned = block.pruner.route(block.original_block, routing)
             assert pruned.devices_TD is not None and int(pruned.devices_TD.sum(1).max()) <= n_d
-            dest_Tk, _ = destinations(pruned.topk_ids_Tk, *block.dispatcher.placement_on(torch.device("cpu")), visited_TD=pruned.devices_TD)
+            dest_Tk, _ = destinations(pruned.topk_ids_Tk, block.layout.to("cpu"), devices_TD=pruned.devices_TD)
             assert bool(pruned.devices_TD.gather(1, dest_Tk).all()), (mode, n_d)  # every pair on the token's devices
             assert int(torch.zeros(64, NUM_DEVICES, dtype=torch.bool).scatter_(1, dest_Tk, True).sum(1).max()) <= n_d
             # a replica counts: some token's pair is served by a copy that is not its expert's primary home
-            assert bool((dest_Tk != block.device_of_E[pruned.topk_ids_Tk]).any()) or n_d == 1
+            assert bool((dest_Tk != block.layout.device_of_E[pruned.topk_ids_Tk]).any()) or n_d == 1
             model(input_ids=tiny_batch(batch=2, seq=16, seed=1), labels=tiny_batch(batch=2, seq=16, seed=1)).loss.backward()
             # the callback's routing statistics follow the dispatch: no token over N_d devices there either
-            from occult_hf.hf.callback import _DispatchMeter
+            from occult_hf.stats import RoutingMeter
 
-            meter = _DispatchMeter()
-            meter.update(block, None, None)
+            meter = RoutingMeter()
+            meter.update(block)
             tokens, ct_sum = meter.pop(NUM_DEVICES, torch.device("cpu"))[:2].tolist()
             assert block.last_devices_TD is not None and ct_sum <= n_d * tokens
 
@@ -390,11 +390,12 @@ def test_bad_device_limits():
     # E=8 on 4 devices: one device holds 2 experts, fewer than k=4
     with pytest.raises(ValueError, match=r"leaves some tokens of layer 0 only 2 experts .* fewer than top_k=4"):
         apply_occult(tiny_model("olmoe", num_experts=8, top_k=4), OccultConfig(num_devices=4, prune="router", max_devices_per_token=1))
-    pruner = CollaborationPruner("router", adapter_for(model), 0, [0, 0, 1, 1], num_devices=2, top_k=2, max_devices_per_token=1)
+    layout = Placement(4, 2, {0: [0, 0, 1, 1]}).layout(0)
+    pruner = CollaborationPruner("router", adapter_for(model), layout, top_k=2, max_devices_per_token=1)
     with pytest.raises(ValueError, match=r"in \[1, num_devices=2\], got 3"):
         pruner.max_devices_per_token = 3
     with pytest.raises(ValueError, match=r"OccultConfig.prune must be one of \[None, 'router', 'similarity'\], got 'nearest'"):
-        CollaborationPruner("nearest", adapter_for(model), 0, [0, 1], num_devices=2, top_k=1, max_devices_per_token=1)
+        CollaborationPruner("nearest", adapter_for(model), layout, top_k=1, max_devices_per_token=1)
 
 
 def test_similarity_needs_a_profile_of_this_model(profile_paths, tmp_path):
@@ -406,8 +407,9 @@ def test_similarity_needs_a_profile_of_this_model(profile_paths, tmp_path):
 
     def build(profile_path, **sizes):
         config = OccultConfig(num_devices=4, prune="similarity", max_devices_per_token=1, profile=str(profile_path))
-        return build_pruner(config, adapter, block, layer, sizes.get("device_of_E", device_of_E), num_devices=4,
-                            top_k=sizes.get("top_k", TOP_K))
+        devices = sizes.get("device_of_E", device_of_E)
+        layout = Placement(len(devices), 4, {layer: devices}).layout(layer)
+        return build_pruner(config, adapter, layout, top_k=sizes.get("top_k", TOP_K))
 
     with pytest.raises(FileNotFoundError, match="OccultConfig.profile .* is not a file"):
         build(tmp_path / "missing.safetensors")
@@ -435,5 +437,5 @@ def test_pruners_are_found_and_switch_off_at_full_device_limit(profile_paths):
     routing = adapter_for(model).route(block.original_block, torch.randn(5, 32))
     assert block.pruner.active
     block.pruner.max_devices_per_token = NUM_DEVICES
-    weights, ids = block.pruner(block.original_block, routing)
-    assert weights is routing.topk_weights_Tk and ids is routing.topk_ids_Tk
+    pruned = block.pruner.route(block.original_block, routing)
+    assert pruned.topk_weights_Tk is routing.topk_weights_Tk and pruned.topk_ids_Tk is routing.topk_ids_Tk

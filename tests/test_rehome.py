@@ -66,8 +66,8 @@ def _check(family: str, rank: int, distributed: bool) -> None:
     assert float((after - before).abs().max() / before.abs().max()) <= 1e-5, f"{where} outputs changed"
     assert model.config.occult_config["placement"]["replicas"] == replanned.to_dict()["replicas"]
     for path, module in occult_modules(model).items():
-        assert int(module.rows_sent.sum()) == _rows_under_rule(module, replanned, 2), f"{where} rows of {path}"
-        assert module.dispatcher.pin_slack == replanned.pin_slack_of(module.layer_idx) == 0.0, f"{where} pin slack of {path}"
+        assert int(module.stats.rows_sent.sum()) == _rows_under_rule(module, replanned, 2), f"{where} rows of {path}"
+        assert module.dispatcher.layout.pin_slack == replanned.pin_slack_of(module.layer_idx) == 0.0, f"{where} pin slack of {path}"
         if not distributed:
             continue
         experts = module.local_experts

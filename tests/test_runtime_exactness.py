@@ -38,6 +38,7 @@ import pytest
 import torch
 
 from distributed import run_world
+from occult_hf.hf.blocks import place_full_experts
 from tiny_models import FAMILIES, MOE_LAYERS, tiny_batch, tiny_model
 
 TOLERANCE = 1e-5
@@ -162,7 +163,7 @@ def _check_case(
             filled = torch.full((num_experts, *param.shape[1:]), float("nan"))
             filled[local_ids] = (param.grad if param.grad is not None else torch.zeros_like(param)).cpu()
             full.append(filled)
-        for key, grad in module.place_full_experts(*full).items():
+        for key, grad in place_full_experts(module, *full).items():
             known = ~torch.isnan(grad)
             if known.any():
                 name = f"{path}.{key}"
@@ -174,12 +175,12 @@ def _check_case(
             table_EM = torch.from_numpy(placement.home_table(module.layer_idx))
             if load_aware:  # the rule again, from a fresh gather of every rank's counts, with the layer's pin slack
                 slack = placement.pin_slack_of(module.layer_idx)
-                assert module.dispatcher.pin_slack == slack, f"{where} pin slack of {path}"
+                assert module.dispatcher.layout.pin_slack == slack, f"{where} pin slack of {path}"
                 dest_Tk = load_aware_homes(topk_ids_Tk, table_EM, world_size, _gather_all, rank, pin_slack=slack)
             else:
                 dest_Tk = resolve_homes(topk_ids_Tk, table_EM, world_size)
             ct_rows = int((torch.zeros(topk_ids_Tk.shape[0], world_size, dtype=torch.bool).scatter_(1, dest_Tk, True)).sum())
-            assert int(module.rows_sent.sum()) == ct_rows, f"{where} rows sent != CT count"
+            assert int(module.stats.rows_sent.sum()) == ct_rows, f"{where} rows sent != CT count"
 
     # every rank holds only its share of the experts
     dense = full_parameters - sum(num_experts * p[0].numel() for m in modules.values() for p in (m.experts.gate_up_proj, m.experts.down_proj))
@@ -295,7 +296,7 @@ def test_one_process_with_logical_devices_is_exact(family):
     assert rel_err(out.logits, ref["outputs"][0]["logits"]) <= TOLERANCE
     assert rel_err(out.loss, ref["outputs"][0]["loss"]) <= TOLERANCE
     for path, module in occult_modules(model).items():
-        entries = module.place_full_experts(module.experts.gate_up_proj.grad, module.experts.down_proj.grad)
+        entries = place_full_experts(module, module.experts.gate_up_proj.grad, module.experts.down_proj.grad)
         for key, grad in entries.items():
             assert rel_err(grad, ref["grads"][f"{path}.{key}"]) <= TOLERANCE, key
-        assert module.rows_sent.shape == (3,) and int(module.pairs_sent.sum()) == module.last_topk_ids_Tk.numel()
+        assert module.stats.rows_sent.shape == (3,) and int(module.stats.pairs_sent.sum()) == module.last_topk_ids_Tk.numel()

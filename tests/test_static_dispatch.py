@@ -55,14 +55,14 @@ def _vdev_like(dispatcher, block, counts_D, out_rows):
 
 
 def _world(rank, world, cases, device="cpu"):
-    from occult_hf.dispatch import ExpertParallelGroup, TokenRouting, build_dispatcher
+    from occult_hf.dispatch import DispatchSettings, ExpertParallelGroup, TokenRouting, build_dispatcher
     from occult_hf.dispatch import static
     from occult_hf.kernels import expert_mlp_reference
     from occult_hf.placement import Placement
 
     class PackedStandIn(static.StaticDispatcher):  # "symm_mem"'s layout, testable on gloo
         name = ""
-        layout = "packed"
+        row_layout = "packed"
         exchange = _vdev_like
 
     ep = ExpertParallelGroup.resolve(num_devices=world)
@@ -70,12 +70,11 @@ def _world(rank, world, cases, device="cpu"):
     for name, mode, seed, num_tokens, num_experts, top_k in cases:
         x, ids, w, gate_up, down, upstream = (t.to(device) for t in _case(seed, num_tokens, num_experts, top_k, world))
         placement = Placement.contiguous(num_experts, world, [0])
-        device_of_E, local_index_E = placement.device_of(0), placement.local_slot(0)
         mine = torch.tensor(placement.experts_on(0, rank), device=x.device)
         if name == "packed":
-            dispatcher = PackedStandIn(ep, device_of_E, local_index_E, len(mine), mode=mode)
+            dispatcher = PackedStandIn(ep, placement.layout(0, rank), DispatchSettings(mode=mode))
         else:
-            dispatcher = build_dispatcher(name, ep, device_of_E, local_index_E, len(mine), mode=mode, device=x.device)
+            dispatcher = build_dispatcher(DispatchSettings(name, mode=mode), ep, placement.layout(0, rank), device=x.device)
         gate_up_L = gate_up[mine].clone().requires_grad_()
         down_L = down[mine].clone().requires_grad_()
         x_r = x[rank].clone().requires_grad_()

@@ -197,7 +197,7 @@ def measure(model, data, recipe, max_tokens: int) -> dict:
     per_layer = {}
     for layer, chunks in captured.items():
         ids_Nk = torch.cat(chunks).numpy()
-        device_of_E = first.device_of_E.cpu().numpy() if layer not in blocks else blocks[layer].device_of_E.cpu().numpy()
+        device_of_E = first.layout.device_of_E.cpu().numpy() if layer not in blocks else blocks[layer].layout.device_of_E.cpu().numpy()
         volume = communication_volume(ids_Nk, device_of_E, STUDY_DEVICES)
         per_layer[layer] = {"ct": volume.ct_mean, "remote_copies": volume.remote_copies_mean, "ids": ids_Nk}
     hidden = model.config.hidden_size

@@ -8,7 +8,7 @@ Occult as transformers' own expert-parallel implementation `DistributedConfig(ep
 (`occult_hf.hf.native_ep`).
 """
 
-from .hf.callback import OccultCallback, OccultCheckpointCallback
+from .hf.callback import OccultCallback
 from .hf.checkpointing import snapshot_experts
 from .config import OccultConfig
 from .hf.apply import (
@@ -36,7 +36,6 @@ register_ep_implementation()
 __all__ = [
     "LayerRouting",
     "OccultCallback",
-    "OccultCheckpointCallback",
     "OccultConfig",
     "OccultMoE",
     "Placement",

@@ -63,11 +63,10 @@ import numpy as np
 import torch
 
 from occult_hf.dispatch import TokenRouting
-from occult_hf.patches.base import MoEAdapter, RouterOutput
+from occult_hf.patches.base import MoEAdapter, RouterOutput, replace_recorded_router_logits
 
-from .hf.compat import replace_recorded_router_logits
+from .layout import LayerLayout
 from .registry import PRUNING_POLICIES
-from .utils.checks import check_num_devices
 
 # ----- the device set of each token -----------------------------------------------------------
 
@@ -254,51 +253,37 @@ register_pruning_policy("similarity", prune_similarity, needs_similarity=True)
 class CollaborationPruner:
     """Prunes one MoE layer's routing to at most `max_devices_per_token` devices per token.
 
-    `pruner(block, router_output) -> (topk_weights_Tk, topk_ids_Tk)`. `max_devices_per_token` may be
-    changed between steps (the `OccultCallback` schedule does); values `>= min(k, D)` switch pruning
-    off (the router's outputs are returned as they are).
+    `pruner.route(block, router_output) -> TokenRouting`. `max_devices_per_token` may be changed between
+    steps (the `OccultCallback` schedule does); values `>= min(k, D)` switch pruning off (the router's
+    outputs are returned as they are).
 
     Args:
         policy: a registered pruning policy (`pruning_policy_names()`).
         adapter: the model family's adapter.
-        layer_idx: the decoder-layer index (for messages).
-        device_of_E: `[E]` device of every expert at this layer (a list or an int tensor).
-        num_devices: `D`.
+        layout: the layer's `LayerLayout` (its devices; with replicated experts the device walk counts an
+            expert as served by any of its homes, `token_device_sets_replicated`, and `route` returns the
+            token's devices so that the dispatch keeps every pair on them).
         top_k: `k`, experts per token.
         max_devices_per_token: `N_d`.
-        similarity_EE: `[E, E]` similarity table, required by the `similarity` policy.
-        home_table_EM: `[E, M]` homes of each expert when the layer has replicated experts
-            (`Placement.home_table`, M > 1), else None: the device walk then counts an expert as served
-            by any of its homes (`token_device_sets_replicated`), and `route` returns the token's devices
-            so that the dispatch keeps every pair on them.
+        similarity_EE: `[E, E]` similarity table, required by policies that need one (`needs_similarity`).
     """
 
     def __init__(
         self,
         policy: str,
         adapter: MoEAdapter,
-        layer_idx: int,
-        device_of_E,
-        num_devices: int,
+        layout: LayerLayout,
         top_k: int,
         max_devices_per_token: int,
         similarity_EE: torch.Tensor | None = None,
-        home_table_EM=None,
     ) -> None:
         self.policy_name = policy
         self._policy = PRUNING_POLICIES.get(policy)
         self.adapter = adapter
-        self.layer_idx = int(layer_idx)
-        self.device_of_E = torch.as_tensor(device_of_E, dtype=torch.int64)
-        if self.device_of_E.dim() != 1:
-            raise ValueError(f"device_of_E must be a 1-D list of expert devices, got shape {tuple(self.device_of_E.shape)}")
-        num_devices = check_num_devices(num_devices)
-        if self.device_of_E.numel() and not 0 <= int(self.device_of_E.min()) <= int(self.device_of_E.max()) < num_devices:
-            raise ValueError(f"layer {layer_idx}: device_of_E holds device ids outside [0, num_devices={num_devices})")
-        num_experts = self.device_of_E.numel()
+        self.layout = layout
+        num_experts = layout.num_experts
         if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be an integer in [1, E={num_experts}], got {top_k!r}")
-        self.num_devices = num_devices
         self.top_k = top_k
         if needs_similarity(policy):
             if similarity_EE is None:
@@ -308,28 +293,25 @@ class CollaborationPruner:
                 )
             if tuple(similarity_EE.shape) != (num_experts, num_experts):
                 raise ValueError(
-                    f"layer {layer_idx}: similarity table has shape {tuple(similarity_EE.shape)}, "
+                    f"layer {layout.layer}: similarity table has shape {tuple(similarity_EE.shape)}, "
                     f"expected [{num_experts}, {num_experts}]"
                 )
             # an undefined similarity (NaN) ranks below every real one but stays a valid candidate
             similarity_EE = torch.nan_to_num(torch.as_tensor(similarity_EE, dtype=torch.float32), nan=-2.0)
         self.similarity_EE = similarity_EE
-        self.home_table_EM = None
-        if home_table_EM is not None and len(home_table_EM[0]) > 1:
-            self.home_table_EM = torch.as_tensor(np.asarray(home_table_EM), dtype=torch.int64)
-            holds_primary_E = (self.home_table_EM == self.device_of_E[:, None]).any(1)
-            if self.home_table_EM.shape[0] != num_experts or not bool(holds_primary_E.all()):
-                raise ValueError(
-                    f"layer {layer_idx}: home_table_EM must be [E={num_experts}, M] homes that include each expert's "
-                    f"device in device_of_E (Placement.home_table), got shape {tuple(self.home_table_EM.shape)}"
-                )
         # the N_d smallest primary capacities bound the experts any N_d devices hold from below (replicas only add)
-        self._capacity_sorted_D = torch.sort(torch.bincount(self.device_of_E, minlength=num_devices)).values
+        self._capacity_sorted_D = torch.sort(torch.bincount(layout.device_of_E.cpu(), minlength=layout.num_devices)).values
         self.max_devices_per_token = max_devices_per_token
-        self._removed_weight = None  # float64 scalar tensor: sum over tokens of the removed weight fraction
-        self._pruned_tokens = None  # int64 scalar tensor
-        self._tokens = 0
+        self._sums_3 = None  # float64 [3]: tokens, removed weight fraction summed over tokens, pruned tokens
         self._warned_recording = False
+
+    @property
+    def layer_idx(self) -> int:
+        return self.layout.layer
+
+    @property
+    def num_devices(self) -> int:
+        return self.layout.num_devices
 
     # ----- N_d ------------------------------------------------------------------------------
     @property
@@ -358,58 +340,50 @@ class CollaborationPruner:
         return self._max_devices_per_token < min(self.top_k, self.num_devices)
 
     # ----- forward ------------------------------------------------------------------------------
-    def __call__(self, block: torch.nn.Module, routing: RouterOutput) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(topk_weights_Tk, topk_ids_Tk)` to dispatch: at most `N_d` devices per token."""
-        pruned = self.route(block, routing)
-        return pruned.topk_weights_Tk, pruned.topk_ids_Tk
-
-    def route(self, block: torch.nn.Module, routing: RouterOutput):
-        """The `dispatch.TokenRouting` to dispatch: ids and weights, and with replicated experts (while
-        pruning is active) `devices_TD`, each token's devices, on which the dispatch keeps its pairs."""
+    def route(self, block: torch.nn.Module, routing: RouterOutput) -> TokenRouting:
+        """The `TokenRouting` to dispatch: ids and weights of at most `N_d` devices per token, and with replicated
+        experts (while pruning is active) `devices_TD`, each token's devices, on which the dispatch keeps its pairs."""
         if routing.topk_ids_Tk.shape[1] != self.top_k:
             raise ValueError(
                 f"layer {self.layer_idx}: the router chose {routing.topk_ids_Tk.shape[1]} experts per token but the "
                 f"pruner was built for top_k={self.top_k}"
             )
         if not self.active:
-            self._record(routing, None, None)
+            self._record(routing, None)
             return TokenRouting(routing.topk_ids_Tk, routing.topk_weights_Tk)
-        if self.device_of_E.device != routing.topk_ids_Tk.device:  # once: the model moved after building
-            self.device_of_E = self.device_of_E.to(routing.topk_ids_Tk.device)
-            if self.home_table_EM is not None:
-                self.home_table_EM = self.home_table_EM.to(routing.topk_ids_Tk.device)
-        device_of_E = self.device_of_E
-        if self.home_table_EM is None:
-            allowed_TD = token_device_sets(
-                routing.topk_ids_Tk, routing.topk_weights_Tk, device_of_E, self.num_devices, self._max_devices_per_token
+        layout = self.layout.to(routing.topk_ids_Tk.device)
+        if not layout.replicated:
+            devices_TD = token_device_sets(
+                routing.topk_ids_Tk, routing.topk_weights_Tk, layout.device_of_E, self.num_devices, self._max_devices_per_token
             )
-            allowed_TE = allowed_TD.index_select(1, device_of_E)
+            allowed_TE = devices_TD.index_select(1, layout.device_of_E)
         else:
-            allowed_TD = token_device_sets_replicated(
-                routing.topk_ids_Tk, routing.topk_weights_Tk, self.home_table_EM, self.num_devices, self._max_devices_per_token
+            devices_TD = token_device_sets_replicated(
+                routing.topk_ids_Tk, routing.topk_weights_Tk, layout.home_table_EM, self.num_devices, self._max_devices_per_token
             )
-            allowed_TE = allowed_experts(allowed_TD, self.home_table_EM)
+            allowed_TE = allowed_experts(devices_TD, layout.home_table_EM)
         if self.similarity_EE is not None and self.similarity_EE.device != routing.logits_TE.device:
             self.similarity_EE = self.similarity_EE.to(routing.logits_TE.device)
         weights_Tk, ids_Tk, aux_logits_TE = self._policy(self.adapter, block, routing, allowed_TE, self.similarity_EE)
-        self._record(routing, allowed_TE, aux_logits_TE)
-        return TokenRouting(ids_Tk, weights_Tk, None if self.home_table_EM is None else allowed_TD)
+        self._record(routing, allowed_TE)
+        self._record_aux_logits(routing, aux_logits_TE)
+        return TokenRouting(ids_Tk, weights_Tk, devices_TD if layout.replicated else None)
 
     @torch.no_grad()
-    def _record(self, routing: RouterOutput, allowed_TE: torch.Tensor | None, aux_logits_TE) -> None:
-        num_tokens = routing.topk_ids_Tk.shape[0]
-        self._tokens += num_tokens
+    def _record(self, routing: RouterOutput, allowed_TE: torch.Tensor | None) -> None:
+        """Add this forward's tokens, removed routing weight and pruned tokens to `_sums_3` (no host read)."""
+        ids_Tk = routing.topk_ids_Tk
+        if self._sums_3 is None or self._sums_3.device != ids_Tk.device:
+            self._sums_3 = torch.zeros(3, dtype=torch.float64, device=ids_Tk.device)
         if allowed_TE is None:
+            self._sums_3[0] += ids_Tk.shape[0]
             return
         weights_Tk = routing.topk_weights_Tk.detach().double()
-        inside_Tk = allowed_TE.gather(1, routing.topk_ids_Tk)
-        removed_T = (weights_Tk * ~inside_Tk).sum(1) / weights_Tk.sum(1).clamp_min(torch.finfo(torch.float64).tiny)
-        pruned = (~inside_Tk).any(1).sum()
-        if self._removed_weight is None or self._removed_weight.device != removed_T.device:
-            self._removed_weight = torch.zeros((), dtype=torch.float64, device=removed_T.device)
-            self._pruned_tokens = torch.zeros((), dtype=torch.int64, device=removed_T.device)
-        self._removed_weight += removed_T.sum()
-        self._pruned_tokens += pruned
+        outside_Tk = ~allowed_TE.gather(1, ids_Tk)
+        removed_T = (weights_Tk * outside_Tk).sum(1) / weights_Tk.sum(1).clamp_min(torch.finfo(torch.float64).tiny)
+        self._sums_3 += torch.stack([removed_T.new_tensor(ids_Tk.shape[0]), removed_T.sum(), outside_Tk.any(1).sum().double()])
+
+    def _record_aux_logits(self, routing: RouterOutput, aux_logits_TE: torch.Tensor) -> None:
         if not replace_recorded_router_logits(routing.logits_TE, aux_logits_TE) and not self._warned_recording:
             self._warned_recording = True
             warnings.warn(
@@ -424,12 +398,10 @@ class CollaborationPruner:
         `tokens`: tokens routed; `removed_weight_fraction`: mean over tokens of the fraction of routing
         weight on experts outside the token's devices; `pruned_token_fraction`: tokens that lost an expert.
         """
-        tokens = self._tokens
-        removed = float(self._removed_weight) if self._removed_weight is not None else 0.0
-        pruned = int(self._pruned_tokens) if self._pruned_tokens is not None else 0
-        self._tokens, self._removed_weight, self._pruned_tokens = 0, None, None
+        tokens, removed, pruned = (0.0, 0.0, 0.0) if self._sums_3 is None else self._sums_3.tolist()
+        self._sums_3 = None
         return {
-            "tokens": tokens,
+            "tokens": int(tokens),
             "removed_weight_fraction": removed / tokens if tokens else 0.0,
             "pruned_token_fraction": pruned / tokens if tokens else 0.0,
         }
@@ -445,28 +417,17 @@ class CollaborationPruner:
 
 
 def build_pruner(
-    occult_config,
-    adapter: MoEAdapter,
-    block: torch.nn.Module,
-    layer_idx: int,
-    device_of_E,
-    *,
-    num_devices: int,
-    top_k: int,
-    profile=None,
-    home_table_EM=None,
+    occult_config, adapter: MoEAdapter, layout: LayerLayout, *, top_k: int, profile=None
 ) -> CollaborationPruner | None:
     """The pruner of one MoE layer, or None when `occult_config.prune` is None (exact mode).
 
     Args:
         occult_config: the `OccultConfig` (`prune`, `max_devices_per_token`, `profile`).
-        adapter, block, layer_idx: the family adapter, the MoE block and its decoder-layer index.
-        device_of_E: `[E]` device of every expert at this layer (the placement the dispatch uses).
-        num_devices: `D`, the EP group size or the number of logical devices.
+        adapter: the family adapter.
+        layout: the layer's `LayerLayout` (the placement the dispatch uses).
         top_k: `k` of the model.
         profile: a loaded `RoutingProfile` to take the similarity table from; None loads
             `occult_config.profile` (once per file for all layers: `load_pruning_profile` caches it).
-        home_table_EM: `[E, M]` homes of each expert when the layer has replicas (`Placement.home_table`).
     """
     if occult_config.prune is None:
         return None
@@ -474,41 +435,10 @@ def build_pruner(
     if needs_similarity(occult_config.prune):
         if profile is None:  # OccultConfig checked that a policy needing it names one
             profile = load_pruning_profile(occult_config.profile)
-        check_profile_for_pruning(profile, adapter, layer_idx, num_experts=len(device_of_E), top_k=top_k)
-        similarity_EE = torch.as_tensor(profile.similarity(layer_idx), dtype=torch.float32)
-    pruner = CollaborationPruner(
-        occult_config.prune,
-        adapter,
-        layer_idx,
-        device_of_E,
-        num_devices,
-        top_k,
-        occult_config.max_devices_per_token,
-        similarity_EE,
-        home_table_EM,
-    )
-    parameter = next(block.parameters(), None)
-    if parameter is not None and parameter.device.type != "meta":  # else moved at the first forward
-        pruner.device_of_E = pruner.device_of_E.to(parameter.device)
-        if pruner.home_table_EM is not None:
-            pruner.home_table_EM = pruner.home_table_EM.to(parameter.device)
-        if pruner.similarity_EE is not None:
-            pruner.similarity_EE = pruner.similarity_EE.to(parameter.device)
-    return pruner
-
-
-def pruner_for_placement(
-    occult_config, adapter: MoEAdapter, block: torch.nn.Module, layer_idx: int, placement, *, num_devices: int, top_k: int
-) -> CollaborationPruner | None:
-    """`build_pruner` for layer `layer_idx` of `placement` (a `Placement`): its primary devices, and its
-    homes when it replicates experts (a pair then goes to its expert's home among the token's N_d
-    devices); None when `occult_config.prune` is None."""
-    if occult_config.prune is None:
-        return None
-    device_of_E = torch.tensor(placement.device_of(layer_idx), dtype=torch.int64)
-    homes_EM = placement.home_table(layer_idx) if placement.has_replicas else None
-    return build_pruner(
-        occult_config, adapter, block, layer_idx, device_of_E, num_devices=num_devices, top_k=top_k, home_table_EM=homes_EM
+        check_profile_for_pruning(profile, adapter, layout.layer, num_experts=layout.num_experts, top_k=top_k)
+        similarity_EE = torch.as_tensor(profile.similarity(layout.layer), dtype=torch.float32)
+    return CollaborationPruner(
+        occult_config.prune, adapter, layout, top_k, occult_config.max_devices_per_token, similarity_EE
     )
 
 
@@ -565,7 +495,6 @@ def pruners_of(model: torch.nn.Module) -> dict[int, CollaborationPruner]:
 __all__ = [
     "CollaborationPruner",
     "build_pruner",
-    "pruner_for_placement",
     "check_profile_for_pruning",
     "load_pruning_profile",
     "pruners_of",

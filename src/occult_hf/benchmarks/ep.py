@@ -506,10 +506,10 @@ def _measure_layer(layer, x_TH, shape_name, tokens, routing_name, dispatcher: st
         for param in layer.parameters():
             param.grad = None
 
-    layer.reset_counters()
+    layer.stats.reset()
     forward()
-    rows_sent_D = layer.rows_sent.clone()
-    row_bytes = int(layer.bytes_sent.sum().item() // max(int(layer.rows_sent.sum().item()), 1))
+    rows_sent_D = layer.stats.rows_sent.clone()
+    row_bytes = int(layer.stats.bytes_sent.sum().item() // max(int(layer.stats.rows_sent.sum().item()), 1))
     own = layer.ep.rank
     remote_rows = int(rows_sent_D.sum().item() - rows_sent_D[own].item()) if world > 1 else 0
     # dispatch sends rows with metadata; combine returns activations only
@@ -816,7 +816,7 @@ def save_results(rows: list[Row], world: int, dtype, device, out: Path, chunks: 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..cli import positive_int
+    from ..utils.arguments import positive_int
 
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--tokens", nargs="+", type=positive_int, default=[128, 4096, 16384], help="tokens per rank")

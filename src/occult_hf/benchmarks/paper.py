@@ -480,7 +480,7 @@ def _mean_ct(model, world: int) -> float:
     from occult_hf.moe import OccultMoE
 
     values = [
-        mean_ct(m.last_topk_ids_Tk.cpu().numpy(), m.device_of_E.cpu().numpy(), world)
+        mean_ct(m.last_topk_ids_Tk.cpu().numpy(), m.layout.device_of_E.cpu().numpy(), world)
         for m in model.modules()
         if isinstance(m, OccultMoE) and m.last_topk_ids_Tk is not None
     ]
@@ -901,7 +901,7 @@ def save_results(rows: list[PaperRow], args, world: int, device, plot_too: bool 
 
 # ----- command line ----------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..cli import positive_int
+    from ..utils.arguments import positive_int
 
     parser.add_argument("--experiment", default="all", choices=[*EXPERIMENTS, "all"])
     parser.add_argument("--models", nargs="+", default=list(PAPER_MODELS), choices=list(PAPER_MODELS))

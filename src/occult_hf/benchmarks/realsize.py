@@ -189,17 +189,17 @@ def routing_balance(model, ids_BS) -> list[LayerBalance]:
 
     layers = [m for m in model.modules() if isinstance(m, OccultMoE)]
     for layer in layers:
-        layer.reset_counters()
+        layer.stats.reset()
     with torch.no_grad():
         model(input_ids=ids_BS)
-    sent_LD2 = torch.stack([layer.sent_D2 for layer in layers])
+    sent_LD2 = torch.stack([layer.stats.sent_D2 for layer in layers])
     tokens = torch.tensor([ids_BS.numel()], device=sent_LD2.device)
     if dist.is_initialized():
         dist.all_reduce(sent_LD2)
         dist.all_reduce(tokens)
     counts = sent_LD2.tolist()
     for layer in layers:
-        layer.reset_counters()
+        layer.stats.reset()
     return [
         LayerBalance(layer.layer_idx, [p for _, p in per_D], [r for r, _ in per_D], int(tokens.item()))
         for layer, per_D in zip(layers, counts)

@@ -148,7 +148,7 @@ def table(rows: list[dict]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from occult_hf.cli import positive_int
+    from occult_hf.utils.arguments import positive_int
 
     parser.add_argument("--devices", nargs="+", type=positive_int, default=[8, 2], help="logical devices D (the group's ranks)")
     parser.add_argument("--tokens", nargs="+", type=positive_int, default=[16384, 128], help="tokens per rank")

@@ -58,25 +58,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"occult {args.command}: error: {one_line(error)} (--debug shows the traceback)\n")
 
 
-def _int_at_least(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
-        return value
-
-    parse.__name__ = f"integer >= {minimum}"
-    return parse
-
-
-#: argparse types: `--tokens 0` or `--layer -3` is an error at parse time, not a crash or a useless file later
-positive_int = _int_at_least(1)
-non_negative_int = _int_at_least(0)
-
-
 def check_output_dir(path: str, option: str = "--out") -> None:
     """Fail before a long run when the output directory `path` cannot be made (an existing file)."""
     if os.path.exists(path) and not os.path.isdir(path):

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import positive_int
+from ..utils.arguments import positive_int
 from .devices import add_num_devices_argument
 
 #: the demo's text: occult_hf's own `.py` sources frozen at one commit (`snapshot_sources`), lzma-compressed JSON

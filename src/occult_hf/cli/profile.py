@@ -6,7 +6,7 @@ import argparse
 import os
 
 from ..profile import DEFAULT_SAMPLE_SIZE
-from . import non_negative_int
+from ..utils.arguments import non_negative_int
 from .devices import resolve_device
 
 

@@ -32,6 +32,7 @@ from .base import (
     DEFAULT_EXCHANGE_TIMEOUT_S,
     EXCHANGE_TIMEOUT_ENV,
     DispatchPlan,
+    DispatchSettings,
     Dispatched,
     RowFormat,
     TokenDispatcher,
@@ -43,33 +44,16 @@ from .base import (
 )
 from .group import ExpertParallelGroup
 from .local import LocalDispatcher
-from ..replicas.routing import PIN_SLACK
+from ..layout import LayerLayout
 
 
 def build_dispatcher(
-    name: str,
-    ep: ExpertParallelGroup,
-    device_of_E,
-    local_index_E,
-    num_local_experts: int,
-    mode: str = "dedup",
-    chunks: int | None = None,
-    timeout_s: float | None = None,
-    layer: str = "layer",
-    device=None,
-    home_table_EM=None,
-    slot_ED=None,
-    replica_choice: str = "static",
-    hints: AutoHints | None = None,
-    pin_slack: float = PIN_SLACK,
+    settings: DispatchSettings, ep: ExpertParallelGroup, layout: LayerLayout, device=None, label: str | None = None
 ) -> TokenDispatcher:
-    """The dispatcher `name` ("auto" or a registered name) for one layer; see `TokenDispatcher` for the arguments,
-    `auto.AutoHints` for `hints` (what "auto" weighs the padded exchange by; None: by priority alone)."""
-    cls = dispatcher_class(name, ep, device, hints)
-    return cls(
-        ep, device_of_E, local_index_E, num_local_experts, mode=mode, chunks=chunks, timeout_s=timeout_s, layer=layer,
-        home_table_EM=home_table_EM, slot_ED=slot_ED, replica_choice=replica_choice, pin_slack=pin_slack,
-    )
+    """The dispatcher `settings.dispatcher` names ("auto": chosen for `ep` on `device` with the layer's
+    `DispatchSettings.hints`) for the layer of `layout`; `label` names the layer in errors (default "layer <index>")."""
+    cls = dispatcher_class(settings.dispatcher, ep, device, settings.hints(layout))
+    return cls(ep, layout, settings, label)
 
 
 __all__ = [
@@ -79,6 +63,7 @@ __all__ = [
     "EXCHANGE_TIMEOUT_ENV",
     "AllToAllDispatcher",
     "DispatchPlan",
+    "DispatchSettings",
     "Dispatched",
     "ExchangeError",
     "ExpertParallelGroup",

@@ -29,8 +29,9 @@ from ..replicas.pairs_kernel import FUSED_PAIRS
 from ..replicas.routes_kernel import FusedRoutes
 from ..registry import DISPATCHERS
 from ..registry import REPLICA_CHOICES
+from ..layout import LayerLayout
+from ..replicas.routing import load_aware_homes
 from ..utils.checks import check_timeout_s
-from ..replicas.routing import PIN_SLACK, load_aware_homes
 from . import row_sum
 from .auto import AutoHints
 from .group import ExpertParallelGroup
@@ -49,7 +50,7 @@ DEFAULT_EXCHANGE_TIMEOUT_S = 300.0
 
 @dataclass(frozen=True)
 class TokenRouting:
-    """What the router decided (the adapter's `RouterOutput` has the same two fields and also qualifies).
+    """What a layer dispatches: the router's choice, after collaboration pruning when that is on.
 
     Attributes:
         topk_ids_Tk: `[T, k]` int64 expert ids in `[0, E)`.
@@ -187,6 +188,54 @@ def pack_gradients(grads: RowFormat, rows: int, grad_x, grad_weight, device) -> 
     return block
 
 
+@dataclass(frozen=True)
+class DispatchSettings:
+    """How one layer's rows move: the `OccultConfig` fields a dispatcher reads, plus what "auto" weighs.
+
+    Attributes:
+        dispatcher: "auto" or a registered name (`OccultConfig.dispatcher`).
+        mode: "dedup" (one row per (token, destination device)) or "per_expert" (one per (token, expert)).
+        chunks: token chunks per forward (None: `DEFAULT_CHUNKS`); used by implementations that overlap the
+            exchange with the experts.
+        timeout_s: bound on every wait on a peer, seconds (None: `$OCCULT_EXCHANGE_TIMEOUT_S`, else the default).
+        replica_choice: "static" (the routing rule's fixed choice among an expert's homes) or "load_aware"
+            (`replicas.routing.load_aware_homes`: one all-gather of per-expert counts per layer).
+        top_k: experts per token (what "auto" estimates the padded exchange's padding from).
+        pruned: collaboration pruning limits the tokens' devices ("auto" then keeps the exact exchange).
+        expert_backend: `OccultConfig.expert_backend` ("auto" weighs whether it skips empty pairs).
+    """
+
+    dispatcher: str = "auto"
+    mode: str = "dedup"
+    chunks: int | None = None
+    timeout_s: float | None = None
+    replica_choice: str = "static"
+    top_k: int = 1
+    pruned: bool = False
+    expert_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_mode(self.mode)
+        if self.replica_choice not in REPLICA_CHOICES:
+            raise ValueError(f"replica_choice must be one of {REPLICA_CHOICES}, got {self.replica_choice!r}")
+
+    @classmethod
+    def of(cls, occult_config, top_k: int) -> "DispatchSettings":
+        """The settings of every layer of a model run with `occult_config` (an `OccultConfig`)."""
+        return cls(
+            dispatcher=occult_config.dispatcher, mode=occult_config.dispatch, chunks=occult_config.dispatch_chunks,
+            timeout_s=occult_config.exchange_timeout_s, replica_choice=occult_config.replica_choice, top_k=top_k,
+            pruned=occult_config.prune is not None, expert_backend=occult_config.expert_backend,
+        )  # fmt: skip
+
+    def hints(self, layout: LayerLayout) -> AutoHints:
+        """What "auto" weighs the padded exchange by, for a layer of `layout`."""
+        return AutoHints(
+            tuple(layout.primary_devices()), self.top_k, self.mode, self.chunks, pruned=self.pruned,
+            expert_backend=self.expert_backend,
+        )  # fmt: skip
+
+
 class TokenDispatcher:
     """Moves a layer's tokens to the devices of their experts and back (one implementation per registry name).
 
@@ -196,19 +245,11 @@ class TokenDispatcher:
         graph_capturable: a forward reads nothing on the host and keeps every size static, so it can be
             captured in a CUDA graph (class attribute; `occult bench ep` times such layers replayed too).
         ep: the expert-parallel group.
-        mode: "dedup" (one row per (token, destination device)) or "per_expert" (one per (token, expert)).
-        num_local_experts: `L`, experts computed on this rank (E in one process).
-        chunks: token chunks per forward (None: `DEFAULT_CHUNKS`); used by
-            implementations that overlap the exchange with the experts.
-        timeout_s: bound on every wait on a peer, seconds.
-        layer: the layer's name in error messages.
-
-    Construction also takes the layer's placement: `device_of_E` and `local_index_E` (`[E]`: device and
-    slot there of each expert), and with replicated experts `home_table_EM` (`[E, M]` homes, -1 padded)
-    and `slot_ED` (`[E, D]` slot of each expert on each device, -1 where it has no home), which make
-    `plan.destinations` apply the replica routing rule; `replica_choice` "load_aware" replaces its static
-    choice among homes by `replicas.routing.load_aware_homes` (one all-gather of per-expert counts per layer),
-    with the layer's `pin_slack` (`Placement.pin_slack_of`: the planner's choice, else `PIN_SLACK`).
+        layout: the layer's `LayerLayout` for this rank: each expert's device and slot there, and with replicated
+            experts the home and slot tables, which make `plan.destinations` apply the replica routing rule.
+        settings: the `DispatchSettings`.
+        timeout_s: bound on every wait on a peer, seconds (resolved from the settings and the environment).
+        layer: the layer's name in error messages (`label`, else "layer <index>").
     """
 
     name: ClassVar[str] = ""
@@ -216,76 +257,56 @@ class TokenDispatcher:
     graph_capturable: ClassVar[bool] = False
 
     def __init__(
-        self,
-        ep: ExpertParallelGroup,
-        device_of_E: Sequence[int],
-        local_index_E: Sequence[int],
-        num_local_experts: int,
-        mode: str = "dedup",
-        chunks: int | None = None,
-        timeout_s: float | None = None,
-        layer: str = "layer",
-        home_table_EM: Sequence[Sequence[int]] | None = None,
-        slot_ED: Sequence[Sequence[int]] | None = None,
-        replica_choice: str = "static",
-        pin_slack: float = PIN_SLACK,
+        self, ep: ExpertParallelGroup, layout: LayerLayout, settings: DispatchSettings, label: str | None = None
     ) -> None:
-        check_mode(mode)
-        if replica_choice not in REPLICA_CHOICES:
-            raise ValueError(f"replica_choice must be one of {REPLICA_CHOICES}, got {replica_choice!r}")
-        self.replica_choice = replica_choice
-        self.pin_slack = float(pin_slack)
-        self._routes = FusedRoutes()  # the load-aware rule's per-expert half: one Triton launch on a GPU
+        if layout.num_devices != ep.num_devices:
+            raise ValueError(
+                f"layer {layout.layer}: the placement is for num_devices={layout.num_devices} but the expert-parallel "
+                f"group has {ep.num_devices} devices"
+            )
         self.ep = ep
-        self.mode = mode
-        self.num_local_experts = int(num_local_experts)
-        self.chunks = chunks
-        self.timeout_s = resolve_timeout(timeout_s)
-        self.layer = layer
-        self._device_of_E = torch.as_tensor(list(device_of_E), dtype=torch.int64)
-        self._local_index_E = torch.as_tensor(list(local_index_E), dtype=torch.int64)
-        if (home_table_EM is None) != (slot_ED is None):
-            raise ValueError("a dispatcher with replicated experts needs both home_table_EM and slot_ED")
-        self._replicas = None
-        if home_table_EM is not None:
-            self._replicas = (torch.as_tensor(home_table_EM, dtype=torch.int64), torch.as_tensor(slot_ED, dtype=torch.int64))
-        self._placement_cache: dict[torch.device, tuple] = {}
+        self.layout = layout
+        self.settings = settings
+        self.timeout_s = resolve_timeout(settings.timeout_s)
+        self.layer = label or f"layer {layout.layer}"
+        self._routes = FusedRoutes()  # the load-aware rule's per-expert half: one Triton launch on a GPU
         #: `[T, k]` the device that served each pair of the last dispatch planned through `destinations_of`
         #: (None before one): readers such as the callback's CT meter take it instead of re-deriving it, which
         #: under `replica_choice="load_aware"` would need the count all-gather again
         self.last_destinations_Tk: torch.Tensor | None = None
+
+    @property
+    def mode(self) -> str:
+        return self.settings.mode
+
+    @property
+    def chunks(self) -> int | None:
+        return self.settings.chunks
+
+    @property
+    def num_local_experts(self) -> int:
+        """`L`, experts computed on this rank (E in one process)."""
+        return self.layout.num_local_experts
 
     @classmethod
     def supports(cls, ep: ExpertParallelGroup, device: torch.device | None = None) -> bool:
         """Whether this implementation can serve `ep` on `device` (used by "auto")."""
         raise NotImplementedError
 
-    def placement_on(self, device: torch.device) -> tuple:
-        """`(device_of_E, local_index_E, home_table_EM, slot_ED)` int64 on `device` (copied there once, then
-        cached): the arguments of `plan.destinations`; the last two are None without replicas."""
-        cached = self._placement_cache.get(device)
-        if cached is None:
-            replicas = (None, None) if self._replicas is None else tuple(t.to(device) for t in self._replicas)
-            cached = (self._device_of_E.to(device), self._local_index_E.to(device), *replicas)
-            self._placement_cache[device] = cached
-        return cached
-
-    def destinations_of(self, routing) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(dest_Tk, local_Tk)` of `plan.destinations` for `routing`, with its `devices_TD` when it carries one
-        (a `TokenRouting` from pruning with replicas; the adapter's `RouterOutput` has none)."""
+    def destinations_of(self, routing: TokenRouting) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(dest_Tk, local_Tk)` of `plan.destinations` for `routing`, its `devices_TD` (pruning with replicas)
+        keeping each pair on the token's devices."""
         ids_Tk = routing.topk_ids_Tk
-        placement = self.placement_on(ids_Tk.device)
-        visited_TD = getattr(routing, "devices_TD", None)
-        if self.replica_choice == "static" or placement[2] is None:
-            dest_Tk, local_Tk = destinations(ids_Tk, *placement, visited_TD=visited_TD)
+        layout = self.layout.to(ids_Tk.device)
+        if self.settings.replica_choice == "static" or not layout.replicated:
+            dest_Tk, local_Tk = destinations(ids_Tk, layout, devices_TD=routing.devices_TD)
         else:
-            home_table_EM, slot_ED = placement[2:]
             gather = self._gather_counts if self.ep.is_distributed else None
             dest_Tk = load_aware_homes(
-                ids_Tk, home_table_EM, slot_ED.shape[1], gather, self.ep.rank, visited_TD, self.pin_slack, routes=self._routes,
-                pairs=FUSED_PAIRS,
-            )
-            local_Tk = slot_ED[ids_Tk.long(), dest_Tk]
+                ids_Tk, layout.home_table_EM, layout.num_devices, gather, self.ep.rank, routing.devices_TD,
+                layout.pin_slack, routes=self._routes, pairs=FUSED_PAIRS,
+            )  # fmt: skip
+            local_Tk = layout.slot_ED[ids_Tk.long(), dest_Tk]
         self.last_destinations_Tk = dest_Tk.detach()
         return dest_Tk, local_Tk
 
@@ -353,7 +374,7 @@ class TokenDispatcher:
             return self.combine(out_RH, sent.plan), sent.plan
 
     def extra_repr(self) -> str:
-        return f"{self.name!r}, mode={self.mode!r}, chunks={self.chunks}, timeout_s={self.timeout_s:g}"
+        return f"{self.name!r}, {self.layer}, mode={self.mode!r}, chunks={self.chunks}, timeout_s={self.timeout_s:g}"
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.extra_repr()})"
@@ -444,6 +465,7 @@ __all__ = [
     "DEFAULT_EXCHANGE_TIMEOUT_S",
     "EXCHANGE_TIMEOUT_ENV",
     "DispatchPlan",
+    "DispatchSettings",
     "Dispatched",
     "ExpertsFn",
     "RowFormat",

@@ -30,7 +30,7 @@ class LocalDispatcher(TokenDispatcher):
     def dispatch(self, x_TH: torch.Tensor, routing) -> Dispatched:
         ids_Tk, weights_Tk = routing.topk_ids_Tk, routing.topk_weights_Tk
         num_tokens, top_k = ids_Tk.shape
-        one_device = self.ep.num_devices == 1 and self._identity_slots()
+        one_device = self.ep.num_devices == 1 and self.layout.identity_slots
         if one_device:
             local_Tk = ids_Tk.long()
             counts_D2 = self._one_device_counts(num_tokens if self.mode == "dedup" else num_tokens * top_k, num_tokens * top_k, ids_Tk.device)
@@ -56,14 +56,6 @@ class LocalDispatcher(TokenDispatcher):
             num_pairs=num_tokens * top_k,
         )
         return Dispatched(x_RH=x_RH, segments=segments, pair_weight_N=pair_weight_N, plan=plan)
-
-    def _identity_slots(self) -> bool:
-        """Whether every expert sits in its own slot (`local_index_E[e] == e`, no replicas): decided once."""
-        identity = self.__dict__.get("_identity")
-        if identity is None:
-            index_E = self._local_index_E
-            identity = self._identity = self._replicas is None and torch.equal(index_E, torch.arange(len(index_E)))
-        return identity
 
     def _one_device_counts(self, rows: int, pairs: int, device) -> torch.Tensor:
         """`[1, 2]` int64 `(rows, pairs)` on `device`, kept for the last (rows, pairs) seen (read only: the

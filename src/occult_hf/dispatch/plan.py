@@ -37,6 +37,7 @@ import torch
 
 from occult_hf.kernels.layout import ExpertSegments
 
+from ..layout import LayerLayout
 from ..registry import DISPATCH_MODES
 from ..replicas.routing import resolve_homes
 
@@ -53,27 +54,20 @@ def routing_width(mode: str, top_k: int) -> int:
     return top_k if mode == "dedup" else 1
 
 
-def destinations(
-    topk_ids_Tk: torch.Tensor,
-    device_of_E: torch.Tensor,
-    local_index_E: torch.Tensor,
-    home_table_EM: torch.Tensor | None = None,
-    slot_ED: torch.Tensor | None = None,
-    visited_TD: torch.Tensor | None = None,
-):
+def destinations(topk_ids_Tk: torch.Tensor, layout: LayerLayout, devices_TD: torch.Tensor | None = None):
     """`(dest_Tk, local_Tk)`: `[T, k]` int64 device serving each (token, expert) pair and the expert's slot there.
 
-    Without replicas the expert's one device (`device_of_E`) and slot (`local_index_E`). With replicated
-    experts (`home_table_EM` `[E, M]` homes, `slot_ED` `[E, D]` slot of expert e on device d) each pair
-    goes to the home `replicas.routing.resolve_homes` picks (the one routing rule, shared with the
-    metrics), with the token's position on this rank as its index; `visited_TD` `[T, D]` bool (pruning
-    with replicas: each token's N_d devices) makes a pair take its expert's home among them.
+    `layout` is the layer's `LayerLayout` on the ids' device. Without replicas the expert's one device and its
+    slot there. With replicated experts each pair goes to the home `replicas.routing.resolve_homes` picks (the
+    one routing rule, shared with the metrics), with the token's position on this rank as its index;
+    `devices_TD` `[T, D]` bool (pruning with replicas: each token's N_d devices) makes a pair take its expert's
+    home among them.
     """
     ids_Tk = topk_ids_Tk.long()
-    if home_table_EM is None:
-        return device_of_E[ids_Tk], local_index_E[ids_Tk]
-    dest_Tk = resolve_homes(ids_Tk, home_table_EM, slot_ED.shape[1], visited_TD=visited_TD)
-    return dest_Tk, slot_ED[ids_Tk, dest_Tk]
+    if not layout.replicated:
+        return layout.device_of_E[ids_Tk], layout.local_index_E[ids_Tk]
+    dest_Tk = resolve_homes(ids_Tk, layout.home_table_EM, layout.num_devices, devices_TD=devices_TD)
+    return dest_Tk, layout.slot_ED[ids_Tk, dest_Tk]
 
 
 def chunk_bounds(num_tokens: int, num_chunks: int) -> list[tuple[int, int]]:

@@ -98,7 +98,7 @@ class StaticDispatcher(TokenDispatcher):
     """Common plan and autograd of the static dispatchers; subclasses provide the transport."""
 
     #: "packed": rows to device d start at the exclusive prefix sum of the counts; "padded": at d * C_R / D
-    layout: ClassVar[str] = "packed"
+    row_layout: ClassVar[str] = "packed"
     graph_capturable = True
 
     # ----- capacities ----------------------------------------------------------------------------
@@ -174,14 +174,14 @@ class StaticDispatcher(TokenDispatcher):
     def _send_layout(self, dest_Tk, local_Tk, weights_Tk, group_tokens: int) -> SendLayout:
         """The `C_O`-row send layout: `plan.padded_layout` (a slot of `per_peer_capacity` rows per device) or
         `plan.send_layout` (packed)."""
-        if self.layout == "padded":
+        if self.row_layout == "padded":
             return padded_layout(dest_Tk, local_Tk, weights_Tk, self.ep.num_devices, self.mode, group_tokens)
         return send_layout(dest_Tk, local_Tk, weights_Tk, self.ep.num_devices, self.mode)
 
     # ----- the transport -------------------------------------------------------------------------
     def exchange(self, block: torch.Tensor, counts_D: torch.Tensor, out_rows: int):
         """Move the rows of `[rows, U]` uint8 `block` (`counts_D[d]` rows for device d, laid out as
-        `layout` says); returns `([out_rows, U] received block, [D] received counts or None)`."""
+        `row_layout` says); returns `([out_rows, U] received block, [D] received counts or None)`."""
         raise NotImplementedError
 
 
@@ -254,7 +254,7 @@ class PaddedDispatcher(StaticDispatcher):
 
     name = "padded"
     priority = 1
-    layout = "padded"
+    row_layout = "padded"
 
     @classmethod
     def supports(cls, ep, device=None) -> bool:
@@ -355,7 +355,7 @@ class SymmMemDispatcher(StaticDispatcher):
 
     name = "symm_mem"
     priority = 5  # below "all_to_all" until measurements say otherwise (docs/bench_ep_h200_2gpu.md)
-    layout = "packed"
+    row_layout = "packed"
 
     @classmethod
     def supports(cls, ep, device=None) -> bool:

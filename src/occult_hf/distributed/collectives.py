@@ -4,7 +4,7 @@
   or `unapply_occult`, the experts' PEFT adapter factors): padded to the largest block, one
   `all_gather` (every rank gets every block) or one `gather` to group rank 0, trimmed again.
 - `GradNormCarrier`: the global gradient norm under EP with one all-reduce per backward for all
-  layers (not one per layer). Each `OccultMoE` owns a one-element `ep_grad_norm_carrier` parameter;
+  layers (not one per layer). Each distributed `OccultMoE` owns a one-element `ep_grad_norm_carrier` parameter;
   at the end of every backward its gradient is set to the 2-norm of the OTHER ranks' expert
   gradients of that layer, so that `clip_grad_norm_` over one rank's parameters (replicated
   gradients, which DDP made identical, this rank's experts, and the carriers) sees the global norm,
@@ -12,7 +12,9 @@
 - `sum_replica_grads` (run by `GradNormCarrier` at the end of every backward, before the norms): with
   replicated experts each copy's gradient covers only the pairs it served; one batched all-reduce of
   every layer's per-backward contributions gives each holder the expert's full gradient, so the
-  copies stay identical. The copies count once in the global norm (`copy_weight_L`).
+  copies stay identical (`replicas.gradients.ReplicaGradients` keeps the contributions). The copies count once
+  in the global norm (`LayerLayout.copy_weight_L`).
+- `copy_from_primaries`: new copies of replicated experts, each broadcast from its primary holder.
 """
 
 from __future__ import annotations
@@ -78,24 +80,28 @@ class GradNormCarrier:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.update)
 
+    def on_backward(self, out_TH: torch.Tensor) -> torch.Tensor:
+        """`out_TH` itself, through an identity whose backward queues `update()`: called on a layer's output."""
+        return _OnBackward.apply(out_TH, self.queue)
+
     @torch.no_grad()
     def update(self) -> None:
         self._queued = False
         if not self.layers:
             return
-        sum_replica_grads([layer for layer in self.layers if getattr(layer, "num_replicated", 0)], self.group)
+        sum_replica_grads([layer for layer in self.layers if layer.replica_grads is not None], self.group)
         device = self.layers[0].ep_grad_norm_carrier.device
         local_sq = torch.zeros(len(self.layers), dtype=torch.float32, device=device)
         counted_sq = torch.zeros(len(self.layers), dtype=torch.float32, device=device)
         for index, layer in enumerate(self.layers):
-            weight_L = getattr(layer, "copy_weight_L", None)
+            weight_L = layer.layout.copy_weight_L
             weights = {id(layer.local_experts.gate_up_proj), id(layer.local_experts.down_proj)}
             for param in layer.experts.parameters():  # the expert weights and any PEFT adapters on them
                 if param.grad is not None:
                     square = param.grad.float().square()
                     local_sq[index] += square.sum().to(device)
-                    if weight_L is not None and id(param) in weights:  # a copy counts 1 / its homes
-                        square = square.reshape(len(weight_L), -1).sum(1) * layer.on_device("copy_weight_L", square.device)
+                    if id(param) in weights:  # a copy counts 1 / its homes
+                        square = square.reshape(len(weight_L), -1).sum(1) * layer.layout.to(square.device).copy_weight_L
                     counted_sq[index] += square.sum().to(device)
         total_sq = counted_sq
         dist.all_reduce(total_sq, group=self.group)  # one per backward, all layers
@@ -110,9 +116,9 @@ class GradNormCarrier:
 def sum_replica_grads(layers: list[nn.Module], group) -> None:
     """Give every holder of a replicated expert the gradient of all its copies; one all-reduce for all layers.
 
-    Each layer (an `OccultMoE` with `num_replicated > 0`) recorded in `replica_pending` its copies'
-    gradient contributions of this backward (`[num_replicated, ...]` per expert weight, rows in the
-    layer's replicated-expert order, zero where this rank holds no copy). The all-reduce sums them
+    Each layer (an `OccultMoE` with `replica_grads`) recorded there its copies' gradient contributions of
+    this backward (`[replicated experts, ...]` per expert weight, rows in the layer's replicated-expert order,
+    zero where this rank holds no copy). The all-reduce sums them
     over the group; each holder adds what the OTHER copies contributed to its own `.grad`, so
     gradient accumulation over several backwards stays exact. Collective: every rank calls it once
     per backward with the same layers.
@@ -123,23 +129,57 @@ def sum_replica_grads(layers: list[nn.Module], group) -> None:
     for layer in layers:
         experts = layer.local_experts
         for index, param in enumerate((experts.gate_up_proj, experts.down_proj)):
-            pending = layer.replica_pending[index]
-            if pending is None:
-                pending = torch.zeros((layer.num_replicated, *param.shape[1:]), dtype=torch.float32, device=param.device)
-            blocks.append((layer, index, param, pending))
-    flat = torch.cat([pending.reshape(-1) for _, _, _, pending in blocks])
+            blocks.append((layer, param, layer.replica_grads.take(index, param)))
+    flat = torch.cat([pending.reshape(-1) for _, _, pending in blocks])
     dist.all_reduce(flat, group=group)
     offset = 0
-    for layer, index, param, pending in blocks:
+    for layer, param, pending in blocks:
         total = flat[offset : offset + pending.numel()].view_as(pending)
         offset += pending.numel()
-        layer.replica_pending[index] = None
-        slots, rows = layer.on_device("replica_slots", param.device), layer.on_device("replica_rows", param.device)
-        if len(slots) == 0 or not param.requires_grad:
+        layout = layer.layout.to(param.device)
+        if len(layout.replica_slots) == 0 or not param.requires_grad:
             continue
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-        param.grad.index_add_(0, slots, (total - pending)[rows].to(param.grad.dtype))
+        param.grad.index_add_(0, layout.replica_slots, (total - pending)[layout.replica_rows].to(param.grad.dtype))
 
 
-__all__ = ["GradNormCarrier", "gather_rows", "sum_replica_grads"]
+@torch.no_grad()
+def copy_from_primaries(
+    weights: tuple[torch.Tensor, ...], old_ids: list[int], new_ids: list[int], replicated: list[int], device_of_E, group, rank: int
+) -> list[torch.Tensor]:
+    """This rank's expert weights for new slots `new_ids` (global expert ids in slot order), from its current ones
+    (`weights`, `[len(old_ids), ...]` each, slots `old_ids`): a slot it already held is copied locally; every
+    replicated expert is broadcast from its primary holder (`device_of_E[e]`), every rank joining, in expert
+    order, so each copy equals its primary bit for bit. Collective over `group`."""
+    new = [weight.new_empty((len(new_ids), *weight.shape[1:])) for weight in weights]
+    for slot, expert in enumerate(new_ids):
+        if expert in old_ids:
+            for target, weight in zip(new, weights):
+                target[slot] = weight[old_ids.index(expert)]
+    for expert in replicated:
+        primary = int(device_of_E[expert])
+        source = dist.get_global_rank(group, primary)
+        for target, weight in zip(new, weights):
+            part = weight[old_ids.index(expert)].contiguous() if rank == primary else weight.new_empty(weight.shape[1:])
+            dist.broadcast(part, src=source, group=group)
+            if expert in new_ids:
+                target[new_ids.index(expert)] = part
+    return new
+
+
+class _OnBackward(torch.autograd.Function):
+    """Identity; calls `callback()` when the gradient passes through in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, callback) -> torch.Tensor:
+        ctx.callback = callback
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.callback()
+        return grad, None
+
+
+__all__ = ["GradNormCarrier", "copy_from_primaries", "gather_rows", "sum_replica_grads"]

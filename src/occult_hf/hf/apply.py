@@ -2,12 +2,13 @@
 
 - `apply_occult(model, occult_config, group=None)` replaces every MoE block of a loaded model (one
   model instance; nothing in transformers' classes changes) and `unapply_occult(model)` puts the
-  original blocks back with their (trained) weights.
+  original blocks back with their (trained) weights. The set-up it shares with transformers' own EP
+  (`hf.native_ep.apply_occult_ep`) is `hf.setup`.
 - `install()` / `uninstall()` make `AutoModelForCausalLM.from_pretrained(..., occult_config=...)`
   work and re-apply the setup stored in a checkpoint's config (the wrappers of transformers'
   classmethods live in `hf.compat`), and hook the Trainer's checkpoint save and resume
   (`hf.trainer`).
-- On the replaced model, per instance: `save_pretrained` is `checkpointing.save_pretrained` (a
+- On the replaced model, per instance: `save_pretrained` is `hf.checkpointing.save_pretrained` (a
   vanilla checkpoint plus `occult_placement.json`, gathered from the EP ranks); under EP `generate`
   always runs with `synced_gpus=True`, so ranks that finish early keep stepping (their forwards take
   part in the all-to-alls) until every rank is done.
@@ -19,57 +20,37 @@ one-element `ep_grad_norm_carrier` parameter whose gradient, set at the end of e
 norm of the other ranks' expert gradients of that layer. With it, any per-rank
 `clip_grad_norm_(model.parameters())` (HF Trainer's included) computes the global 2-norm and every
 rank applies the same clipping factor.
-
-The names users import from here stay here: `snapshot_experts` (from `checkpointing`),
-`OccultCheckpointCallback` (from `callback`) and `SAVE_TIMEOUT_ENV` (from `agreement`) are re-exported.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import types
 from dataclasses import replace
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from occult_hf.patches import adapter_for
 
-from .state import STATE_ATTR, OccultState, attach_state, state_of
-from .compat import (
-    UNSET,
-    install_loading_hooks,
-    loading_hooks_installed,
-    uninstall_loading_hooks,
-)
-from ..distributed.agreement import SAVE_TIMEOUT_ENV, fail_together, save_timeout_s
-from .callback import OccultCheckpointCallback
-from .checkpointing import (
-    check_model_ranks_agree,
-    check_ranks_agree,
-    gather_full_experts,
-    new_save_group,
-    save_pretrained,
-    snapshot_experts,
-)
-from ..distributed.collectives import GradNormCarrier
 from ..config import OccultConfig, stored_occult_config
-from .ddp import RankLocalStateNames
 from ..dispatch import ExpertParallelGroup
-from .loading import load_scope
-from .native_ep import apply_on_load  # transformers' own EP (DistributedConfig(ep_implementation="occult"))
-from .launch import check_logical_devices, check_process_group_started
-from ..utils.logging import get_logger
-from ..moe import OccultMoE
+from ..distributed.agreement import save_timeout_s
+from ..distributed.collectives import GradNormCarrier
 from ..placement import Placement
-from ..pruning import load_pruning_profile, needs_similarity, pruner_for_placement
+from ..utils.logging import get_logger
+from .blocks import build_occult_block, restore_block
+from .checkpointing import check_model_ranks_agree, gather_full_experts, new_save_group, save_pretrained
+from .compat import UNSET, install_loading_hooks, loading_hooks_installed, uninstall_loading_hooks
+from .ddp import DDP_IGNORE_ATTR, RankLocalStateNames
+from .launch import check_logical_devices, check_process_group_started
+from .loading import load_scope
+from .native_ep import apply_on_load
+from .setup import agree, build_pruners, model_setup, resolve_config, resolve_placement
+from .state import BLOCKS, STATE_ATTR, OccultState, attach_state, detach_state, state_of
 from .trainer import install_trainer_hooks, uninstall_trainer_hooks
 
 logger = get_logger(__name__)
-
-_DDP_IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
 
 
 # ----- apply / unapply ------------------------------------------------------------------------
@@ -91,48 +72,42 @@ def apply_occult(model: nn.Module, occult_config: OccultConfig | dict | str | No
         check_process_group_started()  # torchrun/accelerate started several processes: each must be a rank
     if getattr(model, STATE_ATTR, None) is not None:
         raise ValueError(f"{type(model).__name__} already has occult_hf applied; call unapply_occult(model) first")
-    try:
-        config, adapter, blocks, ep = _resolve_setup(model, occult_config, group)
-    except Exception as error:
-        ep_group = ExpertParallelGroup.process_group(group)
-        if ep_group is None or dist.get_world_size(ep_group) == 1:
-            raise
-        # the other ranks are on their way to the agreement check: meet them there with the error, so that
-        # they raise at once instead of waiting for this rank until the process group's timeout
-        fail_together(error, new_save_group(ep_group), "apply_occult", save_timeout_s())
-
-    state = OccultState(occult_config=config, ep=ep, block_paths=[path for _, path, _ in blocks])
-    if ep.is_distributed:  # before anything changes: a disagreeing group leaves every model as it was
-        state.save_timeout_s = save_timeout_s()
-        state.save_group = new_save_group(ep.group)
-        # the dispatchers' host-to-host agreements (in program order on every rank, like the saves' gathers)
-        ep = state.ep = replace(ep, host_group=state.save_group)
-        check_ranks_agree(state, _first_expert_weight(blocks[0][2]), "apply_occult", model.config)
-    if config.prune is not None and needs_similarity(config.prune):  # the profile must describe exactly this model's MoE layers
-        load_pruning_profile(config.profile).check_compatible(model)
-    top_k, placement = adapter.top_k(model.config), config.placement
-    pruners = [
-        pruner_for_placement(config, adapter, block, layer, placement, num_devices=ep.num_devices, top_k=top_k)
-        for layer, _, block in blocks
-    ]
+    process_group = ExpertParallelGroup.process_group(group)
+    (config, adapter, blocks, ep), agreement_group = agree(
+        "apply_occult",
+        lambda: _resolve(model, occult_config, group),
+        process_group,
+        lambda: new_save_group(process_group),
+        lambda resolved: model_setup(resolved[0], _paths(resolved[2]), _first_expert_weight(resolved[2][0][2]), model),
+    )
+    state = OccultState(occult_config=config, ep=ep, block_paths=_paths(blocks), front_end=BLOCKS)
+    if ep.is_distributed:
+        # the dispatchers' host-to-host agreements run on the same group (in program order on every rank)
+        state.ep = ep = replace(ep, host_group=agreement_group)
+        state.agreement_group, state.save_timeout_s = agreement_group, save_timeout_s()
+    top_k = adapter.top_k(model.config)
+    rank = ep.rank if ep.is_distributed else None
+    layouts = [config.placement.layout(layer, rank) for layer, _, _ in blocks]
+    pruners = build_pruners(config, adapter, model, layouts, top_k)
     grad_norm = GradNormCarrier(ep.group) if ep.is_distributed else None  # one all-reduce per backward
-    for (layer, path, block), pruner in zip(blocks, pruners):
-        _set_submodule(model, path, OccultMoE(block, adapter, layer, placement, config, ep, pruner, grad_norm, top_k=top_k))
+    for (_, path, block), layout, pruner in zip(blocks, layouts, pruners):
+        module = build_occult_block(block, adapter, layout, config, ep, top_k=top_k, pruner=pruner, grad_norm=grad_norm)
+        _set_submodule(model, path, module)
 
     if ep.is_distributed:
-        state.ddp_ignore_before = getattr(model, _DDP_IGNORE_ATTR, None)
+        state.ddp_ignore_before = getattr(model, DDP_IGNORE_ATTR, None)
         # computed when DDP reads it, so that a later wrapper (plain peft.get_peft_model) is covered too
-        setattr(model, _DDP_IGNORE_ATTR, RankLocalStateNames(model, state.ddp_ignore_before))
+        setattr(model, DDP_IGNORE_ATTR, RankLocalStateNames(model, state.ddp_ignore_before))
         state.instance_methods["generate"] = types.MethodType(_generate_in_lockstep, model)
     state.instance_methods["save_pretrained"] = types.MethodType(save_pretrained, model)
-    attach_state(model, STATE_ATTR, state, config)
+    attach_state(model, state)
     return model
 
 
-def _resolve_setup(model: nn.Module, occult_config, group):
+def _resolve(model: nn.Module, occult_config, group):
     """This rank's own checks of `apply_occult`: `(config resolved, adapter, blocks, ep)`; the resolved config holds
     the `Placement` and the device count."""
-    config = OccultConfig.coerce(OccultConfig() if occult_config is None else occult_config)
+    config = resolve_config(occult_config)
     adapter = adapter_for(model)
     blocks = list(adapter.iter_moe_blocks(model))
     if not blocks:
@@ -140,17 +115,14 @@ def _resolve_setup(model: nn.Module, occult_config, group):
             f"found no MoE block ({', '.join(adapter.block_class_names)}) in {type(model).__name__}; "
             f"is it already replaced or a model without routed experts?"
         )
-    num_experts = adapter.num_experts(model.config)
-    layers = [layer for layer, _, _ in blocks]
     placement = Placement.from_setting(config.placement)
     ep = ExpertParallelGroup.resolve(group, config.num_devices)
     if not ep.is_distributed and config.num_devices is None and placement is not None:
         ep = ExpertParallelGroup(num_devices=placement.num_devices)  # one process: the placement's logical devices
     if not ep.is_distributed:  # a launcher that ran fewer processes than devices: an error unless asked for
         check_logical_devices(ep.num_devices, config.logical_devices)
-    if placement is None:
-        placement = Placement.contiguous(num_experts, ep.num_devices, layers)
-    placement.validate_for(num_experts, layers, ep.num_devices)
+    layers = [layer for layer, _, _ in blocks]
+    placement = resolve_placement(placement, adapter.num_experts(model.config), ep.num_devices, layers)
     return replace(config, placement=placement, num_devices=ep.num_devices), adapter, blocks, ep
 
 
@@ -159,40 +131,40 @@ def unapply_occult(model: nn.Module) -> nn.Module:
 
     Under EP every rank must call it (the experts are all-gathered: every rank gets the full model).
     """
-    state = state_of(model)
+    state = state_of(model, BLOCKS)
     check_model_ranks_agree(model, state, "unapply_occult")
     for path in state.block_paths:
         module = model.get_submodule(path)
         gate_up_E2IH, down_EHI = gather_full_experts(module, state, to_all=True)
-        _set_submodule(model, path, module.restore(gate_up_E2IH, down_EHI))
-    for name in state.instance_methods:
-        model.__dict__.pop(name, None)
+        _set_submodule(model, path, restore_block(module, gate_up_E2IH, down_EHI))
+    detach_state(model)
     if state.ep.is_distributed:
         if state.ddp_ignore_before is None:
-            model.__dict__.pop(_DDP_IGNORE_ATTR, None)
+            model.__dict__.pop(DDP_IGNORE_ATTR, None)
         else:
-            setattr(model, _DDP_IGNORE_ATTR, state.ddp_ignore_before)
-    del model.__dict__[STATE_ATTR]
-    if hasattr(model.config, "occult_config"):
-        del model.config.occult_config
+            setattr(model, DDP_IGNORE_ATTR, state.ddp_ignore_before)
     return model
 
 
-def occult_modules(model: nn.Module) -> dict[str, OccultMoE]:
+def occult_modules(model: nn.Module) -> dict:
     """`{module path: OccultMoE}` of a model with occult_hf applied, in layer order."""
-    state = state_of(model)
+    state = state_of(model, BLOCKS)
     return {path: model.get_submodule(path) for path in state.block_paths}
 
 
 def occult_config_of(model: nn.Module) -> OccultConfig:
-    """The resolved `OccultConfig` of a replaced model (placement as a `Placement`, num_devices set)."""
+    """The resolved `OccultConfig` of a model with occult_hf applied (placement as a `Placement`, num_devices set)."""
     return state_of(model).occult_config
 
 
 def reset_counters(model: nn.Module) -> None:
     """Zero every `OccultMoE`'s rows/pairs/bytes counters."""
     for module in occult_modules(model).values():
-        module.reset_counters()
+        module.stats.reset()
+
+
+def _paths(blocks) -> list[str]:
+    return [path for _, path, _ in blocks]
 
 
 def _first_expert_weight(block: nn.Module) -> torch.Tensor:
@@ -287,11 +259,8 @@ __all__ = [
     "occult_modules",
     "occult_config_of",
     "reset_counters",
-    "snapshot_experts",
     "install",
     "uninstall",
     "is_installed",
     "lockstep_managed_by_caller",
-    "OccultCheckpointCallback",
-    "SAVE_TIMEOUT_ENV",
 ]

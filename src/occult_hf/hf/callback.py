@@ -39,26 +39,16 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-from ..dispatch.plan import destinations
-from ..metrics import ct_and_remote_T, device_hits_TD, evaluate_placement, load_balance, token_ranks_T
+from ..metrics import evaluate_placement, load_balance
 from ..moe import OccultMoE
 from ..placement import Placement, get_planner, plan_placement
 from ..profile import ProfileCollector, RoutingProfile
 from ..pruning import pruners_of
+from ..stats import RoutingMeter
 
 RECENT_PROFILE_FILENAME = "occult_recent_profile.safetensors"
 REPLANNED_PLACEMENT_FILENAME = "occult_placement_replanned.json"
 LOG_PREFIX = "occult/"
-
-
-class OccultCheckpointCallback(TrainerCallback):
-    """Kept for compatibility; checkpoints under expert parallelism no longer need a callback.
-
-    It used to gather the experts for rank 0's save when `control.should_save` was set, which failed
-    when it ran before `DefaultFlowCallback` (`OccultCallback.attach` put it there). Importing
-    occult_hf now hooks the Trainer's save and resume themselves (`occult_hf.hf.trainer`), on every
-    rank, whatever the callbacks and their order.
-    """
 
 
 # ----- the N_d schedule --------------------------------------------------------------------------
@@ -95,53 +85,16 @@ class DeviceLimitSchedule:
         return self.target + math.ceil((self.start - self.target) * remaining - 1e-9)
 
 
-# ----- per-window routing statistics of the dispatched routing -------------------------------------
-
-
-class _DispatchMeter:
-    """On-device sums over the forwards of one `OccultMoE` since the last read (no host sync).
-
-    Fed by a forward hook with `OccultMoE.last_topk_ids_Tk`, the routing actually dispatched.
-    """
-
-    def __init__(self) -> None:
-        self.tokens = 0
-        self._sums = None  # float64 [2 + D]: CT sum, remote-copies sum, then tokens x experts per device
-
-    @torch.no_grad()
-    def update(self, module: OccultMoE, inputs, output) -> None:
-        ids_Tk = module.last_topk_ids_Tk
-        if ids_Tk is None or not module.training:  # evaluation forwards are not training traffic
-            return
-        num_tokens = ids_Tk.shape[0]
-        num_devices = module.ep.num_devices
-        # the device that served each pair, replicas included: as the dispatch recorded it (under
-        # replica_choice="load_aware" only the dispatch knows: its split used the whole group's counts)
-        device_Tk = module.dispatcher.last_destinations_Tk
-        if device_Tk is None or device_Tk.shape != ids_Tk.shape:  # the one-device path plans no destinations
-            device_Tk, _ = destinations(
-                ids_Tk, *module.dispatcher.placement_on(ids_Tk.device), visited_TD=getattr(module, "last_devices_TD", None)
-            )
-        hits_TD = device_hits_TD(device_Tk, num_devices)
-        if module.ep.is_distributed:
-            home_T = torch.full((num_tokens,), module.ep.rank, dtype=torch.int64, device=ids_Tk.device)
-        else:  # contiguous equal chunks of the batch, as EP's data-parallel sharding
-            home_T = token_ranks_T(num_tokens, num_devices, ids_Tk.device)
-        ct_T, remote_T = ct_and_remote_T(hits_TD, home_T)
-        load_D = hits_TD.sum(0)  # tokens x experts per device
-        sums = torch.cat([torch.stack([ct_T.sum(), remote_T.sum()]), load_D]).double()
-        self._sums = sums if self._sums is None else self._sums + sums
-        self.tokens += num_tokens
-
-    def pop(self, num_devices: int, device: torch.device) -> torch.Tensor:
-        """`[3 + D]` float64: tokens, CT sum, remote-copies sum, load per device; then reset."""
-        sums = self._sums if self._sums is not None else torch.zeros(2 + num_devices, dtype=torch.float64)
-        out = torch.cat([torch.tensor([float(self.tokens)], dtype=torch.float64), sums.cpu()]).to(device)
-        self.tokens, self._sums = 0, None
-        return out
-
-
 # ----- the callback --------------------------------------------------------------------------------
+
+
+def _feeding(meter: RoutingMeter):
+    """A forward hook that adds each forward of its `OccultMoE` to `meter`."""
+
+    def hook(module, inputs, output) -> None:
+        meter.update(module)
+
+    return hook
 
 
 def _check_count(setting: str, value, minimum: int, meaning: str = "", why: str = "") -> None:
@@ -151,11 +104,10 @@ def _check_count(setting: str, value, minimum: int, meaning: str = "", why: str 
         raise ValueError(f"OccultCallback {setting} must be an integer >= {minimum}{meaning}, got {value!r}{why}")
 
 
-class OccultCallback(OccultCheckpointCallback):
+class OccultCallback(TrainerCallback):
     """Logging, `N_d` schedule, MoE-only training and drift watch for a model with `OccultMoE` blocks.
 
-    Checkpoints need no callback (see `occult_hf.hf.trainer`); it still extends
-    `OccultCheckpointCallback` so that code passing it where that class is expected keeps working.
+    Checkpoints need no callback (see `occult_hf.hf.trainer`).
 
     Args:
         target_devices_per_token: the final `N_d`; None: the pruners' own value (the model's
@@ -208,7 +160,7 @@ class OccultCallback(OccultCheckpointCallback):
         self.replanned_placement = None
         self._model = None
         self._blocks: dict[int, OccultMoE] = {}
-        self._meters: dict[int, _DispatchMeter] = {}
+        self._meters: dict[int, RoutingMeter] = {}
         self._handles: list = []
         self._collector = None
         self._pending_logs: dict[str, float] = {}
@@ -253,9 +205,9 @@ class OccultCallback(OccultCheckpointCallback):
             )
         self.on_train_end(None, None, None)  # a second train() call re-binds cleanly
         self._model, self._blocks = model, blocks
-        self._meters = {layer: _DispatchMeter() for layer in blocks}
+        self._meters = {layer: RoutingMeter() for layer in blocks}
         for layer, block in blocks.items():
-            self._handles.append(block.register_forward_hook(self._meters[layer].update))
+            self._handles.append(block.register_forward_hook(_feeding(self._meters[layer])))
         self._collector = ProfileCollector(_transformers_model(model), sample_size=self.sample_size).attach()
 
     def _freeze_outside_moe(self, model) -> None:
@@ -371,7 +323,7 @@ class OccultCallback(OccultCheckpointCallback):
         current = Placement(
             num_experts=profile.num_experts,
             num_devices=num_devices,
-            layers={layer: block.device_of_E.tolist() for layer, block in self._blocks.items()},
+            layers={layer: block.layout.primary_devices() for layer, block in self._blocks.items()},
         )
         replanned = plan_placement(profile, num_devices, self.planner, progress=False, **self.planner_options)
         replanned.meta.update({"source": "OccultCallback drift watch", "tokens": profile.meta.get("tokens")})
@@ -429,7 +381,7 @@ def _reduction_device(blocks: dict[int, OccultMoE]) -> torch.device:
     block = next(iter(blocks.values()))
     if block.ep.is_distributed and dist.get_backend(block.ep.group) == "gloo":
         return torch.device("cpu")
-    return block.device_of_E.device
+    return block.local_experts.gate_up_proj.device
 
 
 def _sum_over_ranks(value: int) -> int:

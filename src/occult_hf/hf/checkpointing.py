@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .state import OccultState, state_of
+from .blocks import place_full_experts
+from .state import BLOCKS, OccultState, state_of
 from ..distributed.agreement import check_agreement, effective_setup
 from ..distributed.collectives import gather_rows
 from ..moe import OccultMoE
@@ -62,7 +63,7 @@ def check_ranks_agree(state: OccultState, expert_weight: torch.Tensor, operation
     if not state.ep.is_distributed:
         return
     setup = effective_setup(state.occult_config, state.block_paths, expert_weight, model_config)
-    check_agreement(setup, state.save_group, operation, state.save_timeout_s)
+    check_agreement(setup, state.agreement_group, operation, state.save_timeout_s)
 
 
 def check_model_ranks_agree(model: nn.Module, state: OccultState, operation: str) -> None:
@@ -84,7 +85,7 @@ def gather_full_experts(module: OccultMoE, state: OccultState, to_all: bool):
     gathered = []
     for weight_L in (experts.gate_up_proj, experts.down_proj):
         parts = gather_rows(
-            weight_L.detach().cpu(), 0, placement.capacities(layer), state.save_group, to_all,
+            weight_L.detach().cpu(), 0, placement.capacities(layer), state.agreement_group, to_all,
             what=f"gathering the experts (save_pretrained/unapply_occult) of layer {layer}", timeout_s=state.save_timeout_s,
         )
         if parts is None:  # gathered to EP rank 0
@@ -108,7 +109,7 @@ def save_pretrained(model, save_directory, *args, **kwargs):
     Under EP every rank must call it unless `snapshot_experts(model)` ran since the last weight
     update (what the Trainer hook in `hf.trainer` does); EP rank 0 writes.
     """
-    state = state_of(model)
+    state = state_of(model, BLOCKS)
     if kwargs.get("state_dict") is not None:
         raise ValueError(
             "save_pretrained(state_dict=...) is not supported on an occult_hf model: its state dict holds each "
@@ -202,7 +203,7 @@ def snapshot_experts(model: nn.Module) -> None:
     The snapshot serves `save_pretrained` until the expert weights change (checked with the local
     parameters' version counters).
     """
-    state = state_of(model)
+    state = state_of(model, BLOCKS)
     if not state.ep.is_distributed:
         return
     check_model_ranks_agree(model, state, "snapshot_experts")
@@ -245,7 +246,7 @@ def _vanilla_state_dict(model, state, full_experts) -> dict[str, torch.Tensor]:
         for name in list(state_dict):
             if name.startswith(f"{path}.experts.") or name in runtime_names:
                 del state_dict[name]
-        for key, value in module.place_full_experts(*full_experts[path]).items():
+        for key, value in place_full_experts(module, *full_experts[path]).items():
             state_dict[f"{path}.{key}"] = value
     return state_dict
 

@@ -21,10 +21,11 @@ works; when transformers changes, this is the file to read.
   `unwrap_trainer_methods(names)` puts them back.
 - `cache_keyword(model)`: the keyword a model's forward takes its KV cache by (transformers 5.24 renamed
   `past_key_values` to `cache`; the old name warns and goes in 5.40, and 5.17 knows only the old one).
-- `replace_recorded_router_logits(raw, aux)`: transformers records `router_logits` with a forward
-  hook on the router into a private per-forward collector
-  (`transformers.utils.output_capturing._active_collector`), and the auxiliary loss reads that
-  record; collaboration pruning swaps in the logits of the pruned routing.
+
+One reach lives beside the family adapters instead, since the runtime's pruner (below this wing) needs it:
+`occult_hf.patches.base.replace_recorded_router_logits` swaps collaboration pruning's logits into
+transformers' private per-forward `router_logits` record
+(`transformers.utils.output_capturing._active_collector`), which the auxiliary loss reads.
 
 Every wrapper keeps the original as `__occult_original__`, which is how "installed" is recognised.
 This module imports nothing else from occult_hf: what to do is passed in by the caller.
@@ -209,31 +210,6 @@ def unwrap_trainer_methods(names) -> None:
         original = getattr(Trainer.__dict__[name], "__occult_original__", None)
         if original is not None:
             setattr(Trainer, name, original)
-
-
-# ----- the recorded router logits -------------------------------------------------------------------
-
-
-def replace_recorded_router_logits(raw_logits_TE: torch.Tensor, aux_logits_TE: torch.Tensor) -> bool:
-    """Swap `raw_logits_TE` for `aux_logits_TE` in transformers' `router_logits` record of this forward.
-
-    transformers records `router_logits` with a forward hook on the router module into a per-forward
-    collector; the auxiliary loss reads that record. Returns False only when a record is being made
-    but does not hold `raw_logits_TE`; True when it was replaced or nothing records router logits.
-    """
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # a transformers without the collector records nothing we could replace
-        return True
-    collected = _active_collector.get()
-    if collected is None or "router_logits" not in collected:
-        return True
-    record = collected["router_logits"]
-    for position in range(len(record) - 1, -1, -1):
-        if record[position] is raw_logits_TE:
-            record[position] = aux_logits_TE
-            return True
-    return False
 
 
 # ----- forward keywords -----------------------------------------------------------------------------

@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .compat import cache_keyword
+from ..dispatch import build_dispatcher, dispatcher_class
+from ..moe import OccultMoE
 from ..utils.cuda_graph import capture
+from .compat import cache_keyword
 
 #: aten ops whose result needs a device value on the host (a CUDA synchronisation)
 _HOST_READS = {
@@ -80,22 +82,14 @@ def no_host_sync():
 # ----- dispatchers for decoding ------------------------------------------------------------------
 @contextlib.contextmanager
 def use_dispatcher(model: torch.nn.Module, name: str):
-    """Give every `OccultMoE` of `model` the dispatcher `name` (same group, placement, mode, replica choice and pin
-    slack) inside the block."""
-    from ..dispatch import build_dispatcher
-    from ..moe import OccultMoE
-
+    """Give every `OccultMoE` of `model` the dispatcher `name` (same group, layout and settings otherwise) inside
+    the block."""
     layers = [m for m in model.modules() if isinstance(m, OccultMoE)]
     before = [layer.dispatcher for layer in layers]
     try:
         for layer, old in zip(layers, before):
-            device_of_E, local_index_E, home_table_EM, slot_ED = old.placement_on(torch.device("cpu"))
-            layer.dispatcher = build_dispatcher(
-                name, old.ep, device_of_E.tolist(), local_index_E.tolist(), old.num_local_experts,
-                mode=old.mode, chunks=old.chunks, timeout_s=old.timeout_s, layer=old.layer,
-                device=layer.local_experts.gate_up_proj.device, home_table_EM=home_table_EM, slot_ED=slot_ED,
-                replica_choice=old.replica_choice, pin_slack=old.pin_slack,
-            )  # fmt: skip
+            settings = replace(old.settings, dispatcher=name)
+            layer.dispatcher = build_dispatcher(settings, old.ep, old.layout, layer.local_experts.gate_up_proj.device)
         yield model
     finally:
         for layer, old in zip(layers, before):
@@ -105,9 +99,6 @@ def use_dispatcher(model: torch.nn.Module, name: str):
 def decode_dispatcher_name(model: torch.nn.Module) -> str | None:
     """The static dispatcher for decoding `model` under EP: "symm_mem" where NVSHMEM serves, else "padded";
     None in one process (nothing to exchange)."""
-    from ..dispatch import dispatcher_class
-    from ..moe import OccultMoE
-
     layer = next((m for m in model.modules() if isinstance(m, OccultMoE)), None)
     if layer is None or not layer.ep.is_distributed:
         return None

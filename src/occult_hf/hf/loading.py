@@ -41,7 +41,7 @@ from occult_hf.patches import adapter_for
 from .compat import UNSET, intercept_state_dict_loading, skip_allocator_warmup_for
 from ..config import OccultConfig, stored_occult_config
 from ..utils.logging import get_logger
-from ..moe import LOADED_EXPERTS_ATTR
+from .blocks import LOADED_EXPERTS_ATTR
 from ..placement import Placement
 
 logger = get_logger(__name__)
@@ -330,4 +330,4 @@ class _Unsupported(Exception):
     """This checkpoint or call cannot be loaded per rank; the message is the logged reason."""
 
 
-__all__ = ["load_scope", "ExpertLoader", "LoadReport", "LOADED_EXPERTS_ATTR"]
+__all__ = ["load_scope", "ExpertLoader", "LoadReport"]

@@ -38,8 +38,7 @@ from __future__ import annotations
 
 import functools
 import types
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -47,20 +46,21 @@ from torch import nn
 
 from occult_hf.patches import adapter_for
 
-from .state import attach_state
-from ..distributed.agreement import check_agreement, effective_setup, fail_together, save_timeout_s
 from ..config import OccultConfig
-from ..dispatch import ExpertParallelGroup, TokenDispatcher, TokenRouting, build_dispatcher
+from ..dispatch import DispatchSettings, ExpertParallelGroup, TokenDispatcher, TokenRouting, build_dispatcher
+from ..distributed.agreement import save_timeout_s
 from ..experts import local_experts
 from ..placement import Placement
-from ..pruning import pruner_for_placement
+from ..layout import LayerLayout
+from ..stats import ExchangeStats
+from .setup import agree, build_pruners, model_setup, resolve_config, resolve_placement
+from .state import STATE_ATTR, TRANSFORMERS_EP, OccultState, attach_state, detach_state, state_of
 
 #: the name under which `OccultEP` is registered in transformers' `EPImplementationInterface`
 EP_IMPLEMENTATION_NAME = "occult"
 #: the first transformers release with `EPImplementationInterface`
 MIN_TRANSFORMERS_VERSION = "5.23"
 
-_STATE_ATTR = "_occult_ep_state"
 _EP_ATTR = "_occult_ep"
 _OTHER_PATH = (
     "use the occult_config path instead: from_pretrained(..., occult_config=OccultConfig(...)) without "
@@ -100,13 +100,12 @@ class OccultEP(_ep_base()):
     Attributes:
         ep: the EP mesh dimension as occult_hf's `ExpertParallelGroup`.
         num_experts: `E`.
-        expert_order: `[E]` the expert id stored at each position of the sharded expert dimension
-            (identity until a placement permutes them); rank d holds positions `[d * L, (d + 1) * L)`.
+        layout: the layer's `LayerLayout` for this rank (rank d holds the experts the placement puts on device
+            d, stored in the expert dimension in slot order: transformers' contiguous `Shard(0)`).
         occult_config: the settings it runs with.
         dispatcher: the `TokenDispatcher`, built by the first forward on the batch's device (and again after
             the placement, the settings or the device change).
-        rows_sent, pairs_sent: `[D]` int64 counters (rows and (token, expert) pairs this rank sent to
-            each rank), accumulated without host synchronisation; `reset_counters()` zeroes them.
+        stats: the layer's `ExchangeStats` (rows and (token, expert) pairs this rank sent to each rank).
     """
 
     def __init__(self, experts: nn.Module, ep_mesh, tp_mesh) -> None:
@@ -120,57 +119,35 @@ class OccultEP(_ep_base()):
         self._experts = (experts,)  # a tuple: no module registration, no reference from an nn.Module tree
         self.ep = ExpertParallelGroup(num_devices=ep_mesh.size(), group=ep_mesh.get_group(), rank=ep_mesh.get_local_rank())
         self.num_experts = self.num_local_experts * self.ep.num_devices
-        self.expert_order = list(range(self.num_experts))
-        self.occult_config = OccultConfig()
-        self.layer_name = "experts"
         self.compute = ShardExperts(experts)
         # transformers builds this on the meta device, before the weights load: the dispatcher and the
-        # counters are made on the device of the first batch (and again if the model moves)
+        # statistics are made on the device of the first batch (and again if the model moves)
         self.dispatcher: TokenDispatcher | None = None
-        self.rows_sent = torch.zeros(self.ep.num_devices, dtype=torch.int64)
-        self.pairs_sent = torch.zeros(self.ep.num_devices, dtype=torch.int64)
+        self.stats = ExchangeStats(self.ep.num_devices)
+        self.configure(OccultConfig(), Placement.contiguous(self.num_experts, self.ep.num_devices, [0]).layout(0, self.ep.rank), None)
         setattr(experts, _EP_ATTR, self)  # how `apply_occult_ep` finds the instance transformers built
 
     @property
     def experts(self) -> nn.Module:
         return self._experts[0]
 
-    def device_of_E(self) -> list[int]:
-        """`[E]` the rank that holds each expert (from `expert_order`)."""
-        device_of_E = [0] * self.num_experts
-        for position, expert in enumerate(self.expert_order):
-            device_of_E[expert] = position // self.num_local_experts
-        return device_of_E
+    @property
+    def expert_order(self) -> list[int]:
+        """`[E]` the expert id stored at each position of the sharded expert dimension (`stored_order`)."""
+        return stored_order(self.layout, self.num_local_experts)
 
-    def _build_dispatcher(self, device: torch.device) -> TokenDispatcher:
-        local_index_E = [0] * self.num_experts
-        for position, expert in enumerate(self.expert_order):
-            local_index_E[expert] = position % self.num_local_experts
-        config = self.occult_config
-        self.compute.backend, self.compute.deterministic = config.expert_backend, config.deterministic
-        return build_dispatcher(
-            config.dispatcher,
-            self.ep,
-            self.device_of_E(),
-            local_index_E,
-            self.num_local_experts,
-            mode=config.dispatch,
-            chunks=config.dispatch_chunks,
-            timeout_s=config.exchange_timeout_s,
-            layer=self.layer_name,
-            device=device,
-        )
-
-    def configure(self, occult_config: OccultConfig, expert_order: list[int], layer_name: str) -> None:
-        """Run with these settings and this stored expert order (the weights must already be in it)."""
-        self.occult_config, self.expert_order, self.layer_name = occult_config, list(expert_order), layer_name
+    def configure(self, occult_config: OccultConfig, layout: LayerLayout, label: str | None = "experts") -> None:
+        """Run with these settings and this layout (the weights must already be stored in its order)."""
+        self.occult_config, self.layout, self._label = occult_config, layout, label
+        self.compute.backend, self.compute.deterministic = occult_config.expert_backend, occult_config.deterministic
         self.dispatcher = None  # rebuilt by the next forward
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         device = hidden_states.device
-        if self.dispatcher is None or self.rows_sent.device != device:
-            self.dispatcher = self._build_dispatcher(device)
-            self.rows_sent, self.pairs_sent = self.rows_sent.to(device), self.pairs_sent.to(device)
+        if self.dispatcher is None or self.stats.sent_D2.device != device:
+            settings = DispatchSettings.of(self.occult_config, top_k_index.shape[1])
+            self.dispatcher = build_dispatcher(settings, self.ep, self.layout, device, label=self._label)
+            self.stats.to(device)
         num_tokens, hidden = hidden_states.shape
         sliced = self.tp_mesh.size() > 1
         if sliced:  # the TP group shares the batch: each of its ranks dispatches a disjoint slice of it
@@ -178,16 +155,8 @@ class OccultEP(_ep_base()):
         out_TH, plan = self.dispatcher.run(hidden_states, TokenRouting(top_k_index, top_k_weights), self.compute)
         if sliced:
             out_TH = _tp_gather(out_TH, self.tp_mesh, num_tokens, hidden)
-        with torch.no_grad():
-            rows_D, pairs_D = plan.counts_D2.unbind(1)
-            self.rows_sent.add_(rows_D)
-            self.pairs_sent.add_(pairs_D)
+        self.stats.record(plan.counts_D2, plan.row_bytes)
         return out_TH
-
-    @torch.no_grad()
-    def reset_counters(self) -> None:
-        self.rows_sent.zero_()
-        self.pairs_sent.zero_()
 
 
 class ShardExperts(nn.Module):
@@ -274,21 +243,6 @@ def register_ep_implementation() -> bool:
 # ----- configuring a loaded model ------------------------------------------------------------------
 
 
-@dataclass
-class _OccultEPState:
-    """What `apply_occult_ep` did to one model, kept on it so that it can be undone or redone."""
-
-    occult_config: OccultConfig  # placement resolved to a `Placement`
-    blocks: list[tuple[int, str, nn.Module, OccultEP]]
-    agreement_group: Any = None  # a gloo group of the whole world for the configuration check
-    hooks: list[Any] = field(default_factory=list)
-    instance_methods: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def placement(self) -> Placement:
-        return self.occult_config.placement
-
-
 def uses_occult_ep(model: nn.Module) -> bool:
     """Whether transformers built `OccultEP` for `model`'s experts (`DistributedConfig(ep_implementation="occult")`)."""
     return any(isinstance(getattr(m, _EP_ATTR, None), OccultEP) for m in model.modules())
@@ -316,10 +270,10 @@ def _ep_blocks(model: nn.Module) -> list[tuple[int, str, nn.Module, OccultEP]]:
     return blocks
 
 
-def _resolve_ep_setup(model: nn.Module, occult_config):
+def _resolve(model: nn.Module, occult_config):
     """This rank's own checks of `apply_occult_ep`: `(config resolved, blocks)`; the resolved config holds the
     `Placement` and the device count."""
-    config = OccultConfig.coerce(OccultConfig() if occult_config is None else occult_config)
+    config = resolve_config(occult_config)
     blocks = _ep_blocks(model)
     first = blocks[0][3]
     ep, num_experts, per_rank = first.ep, first.num_experts, first.num_local_experts
@@ -328,14 +282,9 @@ def _resolve_ep_setup(model: nn.Module, occult_config):
             f"OccultConfig.num_devices ({config.num_devices}) must equal DistributedConfig.ep_size ({ep.num_devices})"
         )
     layers = [layer for layer, _, _, _ in blocks]
-    placement = _resolve_placement(config.placement, num_experts, ep.num_devices, layers)
+    placement = resolve_placement(Placement.from_setting(config.placement), num_experts, ep.num_devices, layers)
     _check_equal_capacities(placement, layers, per_rank)
     return replace(config, placement=placement, num_devices=ep.num_devices), blocks
-
-
-def _agreement_group(state):
-    """A gloo group of the whole world for the configuration check: the one made at the first `apply_occult_ep`."""
-    return state.agreement_group if state is not None else dist.new_group(backend="gloo", use_local_synchronization=True)
 
 
 def apply_occult_ep(model: nn.Module, occult_config: OccultConfig | dict | str | None = None) -> nn.Module:
@@ -349,40 +298,41 @@ def apply_occult_ep(model: nn.Module, occult_config: OccultConfig | dict | str |
     all-to-all per expert tensor and layer); calling it again with another placement moves them again.
     `save_pretrained` writes them in original order.
     """
-    state = getattr(model, _STATE_ATTR, None)
-    try:
-        config, blocks = _resolve_ep_setup(model, occult_config)
-    except Exception as error:
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            raise
-        # the other ranks are on their way to the agreement check: meet them there with the error (apply_occult)
-        fail_together(error, _agreement_group(state), "apply_occult_ep", save_timeout_s())
-    first = blocks[0][3]
-    ep, layers = first.ep, [layer for layer, _, _, _ in blocks]
-    # before anything changes: ranks that disagree would exchange rows for different placements
-    group = _agreement_group(state)
-    setup = effective_setup(config, [path for _, path, _, _ in blocks], _local(first.experts.gate_up_proj), model.config)
-    check_agreement(setup, group, "apply_occult_ep", save_timeout_s())
+    state = getattr(model, STATE_ATTR, None)
+    if state is not None and state.front_end != TRANSFORMERS_EP:
+        raise ValueError(f"{type(model).__name__} already has occult_hf applied by apply_occult; it cannot also run inside transformers' EP")
+    # one gloo group of the world for every configuration check of this model: made at the first call
+    group = state.agreement_group if state is not None else None
+    (config, blocks), group = agree(
+        "apply_occult_ep",
+        lambda: _resolve(model, occult_config),
+        dist.group.WORLD if dist.is_available() and dist.is_initialized() else None,
+        lambda: group or dist.new_group(backend="gloo", use_local_synchronization=True),
+        lambda resolved: model_setup(
+            resolved[0], [path for _, path, _, _ in resolved[1]], _local(resolved[1][0][3].experts.gate_up_proj), model
+        ),
+    )
+    ep = blocks[0][3].ep
     adapter, placement = adapter_for(model), config.placement
-    orders = {layer: [e for d in range(ep.num_devices) for e in placement.experts_on(layer, d)] for layer in layers}
-    if any(orders[layer] != impl.expert_order for layer, _, _, impl in blocks):
-        _check_rows_movable(model, first)
-    top_k = adapter.top_k(model.config)
-    pruners = [
-        pruner_for_placement(config, adapter, block, layer, placement, num_devices=ep.num_devices, top_k=top_k)
-        for layer, _, block, _ in blocks
-    ]
+    layouts = [placement.layout(layer, ep.rank) for layer, _, _, _ in blocks]
+    orders = [stored_order(layout, impl.num_local_experts) for layout, (_, _, _, impl) in zip(layouts, blocks)]
+    if any(order != impl.expert_order for order, (_, _, _, impl) in zip(orders, blocks)):
+        _check_rows_movable(model, blocks[0][3])
+    pruners = build_pruners(config, adapter, model, layouts, adapter.top_k(model.config))
     if state is not None:  # every check passed: replace the previous configuration
-        _remove_hooks(model, state)
-    new_state = _OccultEPState(occult_config=config, blocks=blocks, agreement_group=group)
-    for (layer, _, block, impl), pruner in zip(blocks, pruners):
-        if orders[layer] != impl.expert_order:
-            _move_expert_rows(impl, orders[layer])
-        impl.configure(config, orders[layer], f"layer {layer}")
+        detach_state(model)
+    new_state = OccultState(
+        occult_config=config, ep=ep, block_paths=[path for _, path, _, _ in blocks], front_end=TRANSFORMERS_EP,
+        agreement_group=group, save_timeout_s=save_timeout_s(),
+    )  # fmt: skip
+    for (layer, _, block, impl), layout, order, pruner in zip(blocks, layouts, orders, pruners):
+        if order != impl.expert_order:
+            _move_expert_rows(impl, order)
+        impl.configure(config, layout, f"layer {layer}")
         if pruner is not None:
             new_state.hooks.append(adapter.router(block).register_forward_hook(_pruning_hook(block, adapter, pruner)))
     new_state.instance_methods["gather_sharded_state_dict_for_save"] = types.MethodType(_gather_in_original_order, model)
-    attach_state(model, _STATE_ATTR, new_state, config)
+    attach_state(model, new_state)
     return model
 
 
@@ -406,43 +356,31 @@ def apply_on_load(model: nn.Module, occult_config) -> nn.Module | None:
 
 def remove_occult_ep(model: nn.Module) -> nn.Module:
     """Undo `apply_occult_ep`: experts back in original order (collective), no pruning, default settings."""
-    state = getattr(model, _STATE_ATTR, None)
-    if state is None:
+    state = getattr(model, STATE_ATTR, None)
+    if state is None or state.front_end != TRANSFORMERS_EP:
         raise ValueError(f"{type(model).__name__} has no apply_occult_ep configuration to remove")
-    _remove_hooks(model, state)
-    for layer, _, _, impl in state.blocks:
-        identity = list(range(impl.num_experts))
-        if impl.expert_order != identity:
-            _move_expert_rows(impl, identity)
-        impl.configure(OccultConfig(), identity, f"layer {layer}")
-    del model.__dict__[_STATE_ATTR]
-    if hasattr(model.config, "occult_config"):
-        del model.config.occult_config
+    detach_state(model)
+    for layer, _, _, impl in _ep_blocks(model):
+        contiguous = Placement.contiguous(impl.num_experts, impl.ep.num_devices, [layer]).layout(layer, impl.ep.rank)
+        order = stored_order(contiguous, impl.num_local_experts)
+        if impl.expert_order != order:
+            _move_expert_rows(impl, order)
+        impl.configure(OccultConfig(), contiguous, f"layer {layer}")
     return model
 
 
 def occult_ep_config_of(model: nn.Module) -> OccultConfig:
     """The resolved `OccultConfig` (placement as a `Placement`) of a model configured by `apply_occult_ep`."""
-    state = getattr(model, _STATE_ATTR, None)
-    if state is None:
-        raise ValueError(f"{type(model).__name__} has no apply_occult_ep configuration")
-    return state.occult_config
+    return state_of(model, TRANSFORMERS_EP).occult_config
 
 
-def _remove_hooks(model: nn.Module, state: _OccultEPState) -> None:
-    for handle in state.hooks:
-        handle.remove()
-    state.hooks.clear()
-    for name in state.instance_methods:
-        model.__dict__.pop(name, None)
-
-
-def _resolve_placement(value, num_experts: int, num_devices: int, layers: list[int]) -> Placement:
-    placement = Placement.from_setting(value)  # None: contiguous
-    if placement is None:
-        return Placement.contiguous(num_experts, num_devices, layers)
-    placement.validate_for(num_experts, layers, num_devices)
-    return placement
+def stored_order(layout: LayerLayout, per_rank: int) -> list[int]:
+    """`[E]` the expert id stored at each position of transformers' sharded expert dimension for `layout`: rank d
+    holds positions `[d * per_rank, (d + 1) * per_rank)`, its slots in order."""
+    order = [0] * layout.num_experts
+    for expert, (device, slot) in enumerate(zip(layout.primary_devices(), layout.local_index_E.tolist())):
+        order[device * per_rank + slot] = expert
+    return order
 
 
 def _check_equal_capacities(placement: Placement, layers: list[int], per_rank: int) -> None:
@@ -501,7 +439,6 @@ def _move_expert_rows(impl: OccultEP, order: list[int]) -> None:
         dist.all_to_all_single(received, send, recv_splits, send_splits, group=impl.ep.group)
         del send
         local.view(per_rank, -1).index_copy_(0, torch.tensor(recv_order, dtype=torch.int64, device=local.device), received)
-    impl.expert_order = list(order)
 
 
 def _pruning_hook(block: nn.Module, adapter, pruner):
@@ -511,8 +448,8 @@ def _pruning_hook(block: nn.Module, adapter, pruner):
 
     def hook(router, inputs, output):
         logits_TE, topk_weights_Tk, topk_ids_Tk = output
-        weights_Tk, ids_Tk = pruner(block, RouterOutput(logits_TE=logits_TE, topk_weights_Tk=topk_weights_Tk, topk_ids_Tk=topk_ids_Tk))
-        return logits_TE, weights_Tk, ids_Tk
+        pruned = pruner.route(block, RouterOutput(logits_TE=logits_TE, topk_weights_Tk=topk_weights_Tk, topk_ids_Tk=topk_ids_Tk))
+        return logits_TE, pruned.topk_weights_Tk, pruned.topk_ids_Tk
 
     return hook
 
@@ -523,9 +460,8 @@ def _gather_in_original_order(model, model_to_save, state_dict, distributed_conf
     gathered = type(model).gather_sharded_state_dict_for_save(
         model, model_to_save, state_dict, distributed_config, save_on_this_rank=save_on_this_rank
     )
-    state = getattr(model, _STATE_ATTR)
     prefix = _prefix_of(model, model_to_save)
-    for _, path, block, impl in state.blocks:
+    for _, path, _, impl in _ep_blocks(model):
         order_E = torch.tensor(impl.expert_order, dtype=torch.int64)
         if torch.equal(order_E, torch.arange(order_E.numel())):
             continue

@@ -106,7 +106,7 @@ def _place_experts(factor: str, parts: list[torch.Tensor], ids: list[torch.Tenso
 
 def _slice_to_local_experts(module: OccultMoE, state_dict, prefix, *args) -> None:
     """Load pre-hook: factors saved for all E experts are cut to this rank's experts (in place)."""
-    num_experts = module.device_of_E.numel()
+    num_experts = module.layout.device_of_E.numel()
     expert_ids = module.local_experts.expert_ids
     local_shapes = {
         name: param.shape for name, param in module.experts.named_parameters(prefix=f"{prefix}experts")
@@ -165,9 +165,9 @@ def gathered_adapter_state_dict(peft_model: nn.Module) -> dict[str, torch.Tensor
     for name, module, factor, param in _expert_adapter_factors(peft_model):
         if not module.ep.is_distributed:  # one process: all experts, original order already
             continue
-        num_experts, expert_ids = module.device_of_E.numel(), module.local_experts.expert_ids
+        num_experts, expert_ids = module.layout.device_of_E.numel(), module.local_experts.expert_ids
         group, num_devices = module.ep.group, module.ep.num_devices
-        ids = [(module.device_of_E == device).nonzero().flatten() for device in range(num_devices)]
+        ids = [(module.layout.device_of_E == device).nonzero().flatten() for device in range(num_devices)]
         dim, _ = _FACTOR_LAYOUT[factor]
         rank = param.shape[dim] // len(expert_ids)
         lengths = [len(i) * rank for i in ids]

@@ -3,8 +3,9 @@
 `placement.rebalance.replan_replicas` re-chooses a deployed placement's redundant copies from recent
 routing (an unseen domain's hot experts), keeping every primary home. `apply_replicas` puts such a
 placement into a model that occult_hf already runs: each layer's new copies are copied from their
-primary holders (`OccultMoE.set_replicas`), the dispatchers and the replica gradient bookkeeping are
-rebuilt, and the model's saved setup (`config.occult_config`) names the new placement. No expert
+primary holders (`distributed.collectives.copy_from_primaries`), its layout, dispatcher and replica
+gradient bookkeeping are rebuilt (`rehome_layer`), and the model's saved setup (`config.occult_config`)
+names the new placement. No expert
 moves its primary home, so no rank loses weights it alone held, and the outputs do not change: only
 which copy serves a pair does.
 """
@@ -13,11 +14,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
 from torch import nn
 
-from .state import state_of
-from .checkpointing import check_model_ranks_agree
+from ..dispatch import build_dispatcher
+from ..distributed.collectives import copy_from_primaries
+from ..experts import LocalExperts
+from ..moe import OccultMoE
 from ..placement import Placement
+from ..replicas.gradients import ReplicaGradients
+from .checkpointing import check_model_ranks_agree
+from .state import BLOCKS, state_of
 
 
 def apply_replicas(model: nn.Module, placement: Placement) -> nn.Module:
@@ -29,7 +36,7 @@ def apply_replicas(model: nn.Module, placement: Placement) -> nn.Module:
     (its device walk was built for the old homes). The expert parameters become new tensors: rebuild an
     optimizer made before.
     """
-    state = state_of(model)
+    state = state_of(model, BLOCKS)
     old = state.placement
     if state.occult_config.prune is not None:
         raise ValueError(
@@ -52,11 +59,45 @@ def apply_replicas(model: nn.Module, placement: Placement) -> nn.Module:
     if state.ep.is_distributed:
         check_model_ranks_agree(model, new_state, "apply_replicas")
     for path in state.block_paths:
-        model.get_submodule(path).set_replicas(placement)
+        rehome_layer(model.get_submodule(path), placement)
     state.occult_config = new_state.occult_config
     state.snapshot, state.snapshot_versions = None, None
     model.config.occult_config = state.occult_config.to_dict()
     return model
 
 
-__all__ = ["apply_replicas"]
+@torch.no_grad()
+def rehome_layer(module: OccultMoE, placement: Placement) -> None:
+    """Give one layer the replicas of `placement`, whose primary homes must be the layer's. Collective under EP.
+
+    Each rank's new slots are its homes under `placement`; a copy it did not hold is copied from the expert's
+    primary holder. The expert parameters are new tensors: an optimizer built before must be rebuilt.
+    """
+    layer = module.layer_idx
+    if placement.device_of(layer) != module.layout.primary_devices():
+        raise ValueError(
+            f"layer {layer}: the new placement's primary homes {placement.device_of(layer)} differ from the layer's "
+            f"{module.layout.primary_devices()}: only the redundant copies may move (replan_replicas keeps primaries)"
+        )
+    experts = module.experts
+    if not isinstance(experts, LocalExperts):
+        raise ValueError(f"layer {layer}: re-homing replicas does not support adapters (PEFT) on the routed experts")
+    ep = module.ep
+    layout = placement.layout(layer, ep.rank if ep.is_distributed else None).to(experts.gate_up_proj.device)
+    if ep.is_distributed:
+        old_ids, new_ids = module.layout.expert_ids_L.tolist(), layout.expert_ids_L.tolist()
+        replicated = [e for e, homes in enumerate(placement.homes(layer)) if len(homes) > 1]
+        params = (experts.gate_up_proj, experts.down_proj)
+        weights = copy_from_primaries(params, old_ids, new_ids, replicated, layout.primary_devices(), ep.group, ep.rank)
+        experts.gate_up_proj, experts.down_proj = (
+            nn.Parameter(weight, requires_grad=param.requires_grad) for weight, param in zip(weights, params)
+        )
+        experts.expert_ids = layout.expert_ids_L
+        module.replica_grads = (
+            ReplicaGradients(layout, (experts.gate_up_proj, experts.down_proj)) if layout.num_replicated else None
+        )
+    module.layout = layout
+    module.dispatcher = build_dispatcher(module.settings, ep, layout, experts.gate_up_proj.device)
+
+
+__all__ = ["apply_replicas", "rehome_layer"]

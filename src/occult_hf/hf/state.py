@@ -1,8 +1,9 @@
-"""What `apply_occult` did to one model instance, kept on the model so that it can be undone.
+"""What occult_hf did to one model instance, kept on the model so that it can be undone.
 
-Shared by model surgery (`hf.apply`, which creates and removes it), checkpointing
-(`checkpointing`, which saves from it) and the Trainer hooks (`hf.trainer`, which find the model
-inside its wrappers by it).
+One class for both front ends: `hf.apply.apply_occult` (the model's MoE blocks replaced by `OccultMoE`)
+and `hf.native_ep.apply_occult_ep` (transformers' own expert parallelism runs `OccultEP` in its experts
+modules). Model surgery creates and removes it, checkpointing saves from it and the Trainer hooks find the
+model inside its wrappers by it.
 """
 
 from __future__ import annotations
@@ -19,41 +20,74 @@ from ..placement import Placement
 
 #: the attribute of the model instance that holds its `OccultState`
 STATE_ATTR = "_occult_state"
+#: `OccultState.front_end` of a model whose blocks `apply_occult` replaced
+BLOCKS = "blocks"
+#: `OccultState.front_end` of a model configured inside transformers' expert parallelism
+TRANSFORMERS_EP = "transformers_ep"
 
 
 @dataclass
 class OccultState:
-    """What `apply_occult` did to one model, kept on the model so that it can be undone."""
+    """What occult_hf did to one model, kept on the model so that it can be undone.
 
-    occult_config: OccultConfig  # placement resolved to a `Placement`
+    Attributes:
+        occult_config: the resolved `OccultConfig` (placement a `Placement`, `num_devices` set).
+        ep: the expert-parallel group.
+        block_paths: module paths of the MoE blocks, in layer order.
+        front_end: `BLOCKS` or `TRANSFORMERS_EP`.
+        agreement_group: a gloo group of the EP ranks for the agreement check and the experts' gathers (EP only).
+        save_timeout_s: the bound on every wait on that group (EP only).
+        instance_methods: methods put on the model instance (removed on undo).
+        hooks: forward hooks put on modules of the model (removed on undo).
+        ddp_ignore_before: the model's DDP ignore list before `apply_occult` (EP only).
+        snapshot, snapshot_versions: EP rank 0's full experts for a save, and the parameter versions they are of.
+        caller_keeps_lockstep: see `hf.apply.lockstep_managed_by_caller`.
+    """
+
+    occult_config: OccultConfig
     ep: ExpertParallelGroup
     block_paths: list[str]
-    save_group: Any = None  # gloo group of the EP ranks for gathers at save time (EP only)
-    save_timeout_s: float = 0.0  # the save group's bound on every wait (EP only)
-    ddp_ignore_before: list[str] | None = None
-    snapshot: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None  # EP rank 0: path -> full weights
-    snapshot_versions: tuple[int, ...] | None = None
+    front_end: str = BLOCKS
+    agreement_group: Any = None
+    save_timeout_s: float = 0.0
     instance_methods: dict[str, Any] = field(default_factory=dict)
-    caller_keeps_lockstep: bool = False  # see `hf.apply.lockstep_managed_by_caller`
+    hooks: list[Any] = field(default_factory=list)
+    ddp_ignore_before: list[str] | None = None
+    snapshot: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+    snapshot_versions: tuple[int, ...] | None = None
+    caller_keeps_lockstep: bool = False
 
     @property
     def placement(self) -> Placement:
         return self.occult_config.placement
 
 
-def state_of(model: nn.Module) -> OccultState:
-    """The model's `OccultState`; a clear error when occult_hf is not applied to it."""
+def state_of(model: nn.Module, front_end: str | None = None) -> OccultState:
+    """The model's `OccultState`; a clear error when occult_hf is not applied to it (by `front_end`, if given)."""
     state = getattr(model, STATE_ATTR, None)
-    if state is None:
-        raise ValueError(f"{type(model).__name__} does not have occult_hf applied (see occult_hf.apply_occult)")
+    if state is None or (front_end is not None and state.front_end != front_end):
+        how = "occult_hf.apply_occult" if front_end != TRANSFORMERS_EP else "occult_hf.apply_occult_ep"
+        raise ValueError(f"{type(model).__name__} does not have occult_hf applied (see {how})")
     return state
 
 
-def attach_state(model: nn.Module, attr: str, state, occult_config: OccultConfig) -> None:
+def attach_state(model: nn.Module, state: OccultState) -> None:
     """Put `state` and its per-instance methods on the model, and the config on `model.config` as
-    JSON-native data (so that transformers can log and save it). Shared by both ways of applying occult
-    (`apply_occult` and transformers' EP registry), whose states differ but attach alike."""
+    JSON-native data (so that transformers can log and save it)."""
     for name, method in state.instance_methods.items():
         model.__dict__[name] = method
-    model.__dict__[attr] = state
-    model.config.occult_config = occult_config.to_dict()
+    model.__dict__[STATE_ATTR] = state
+    model.config.occult_config = state.occult_config.to_dict()
+
+
+def detach_state(model: nn.Module) -> OccultState:
+    """Take the state, its instance methods and hooks, and the stored config off the model; return the state."""
+    state = model.__dict__.pop(STATE_ATTR)
+    for handle in state.hooks:
+        handle.remove()
+    state.hooks.clear()
+    for name in state.instance_methods:
+        model.__dict__.pop(name, None)
+    if hasattr(model.config, "occult_config"):
+        del model.config.occult_config
+    return state

@@ -34,7 +34,7 @@ import os
 import torch
 from torch import nn
 
-from .state import STATE_ATTR
+from .state import BLOCKS, STATE_ATTR
 from .compat import unwrap_trainer_methods, wrap_trainer_methods
 from .checkpointing import snapshot_experts
 from ..moe import OccultMoE
@@ -44,11 +44,12 @@ _WRAPPED = ("save_model", "_save_optimizer_and_scheduler", "_load_from_checkpoin
 
 
 def _occult_model(model) -> nn.Module | None:
-    """The transformers model with occult_hf applied inside `model` (a DDP/accelerate/PEFT wrapper or itself)."""
+    """The transformers model whose blocks `apply_occult` replaced, inside `model` (a DDP/accelerate/PEFT wrapper or
+    itself); None otherwise (transformers' own EP, `apply_occult_ep`, checkpoints through its own Trainer support)."""
     seen = 0
     while model is not None and seen < 8:
         if STATE_ATTR in vars(model):
-            return model
+            return model if vars(model)[STATE_ATTR].front_end == BLOCKS else None
         model = getattr(model, "module", None) or _peft_base(model)
         seen += 1
     return None

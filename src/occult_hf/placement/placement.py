@@ -23,6 +23,7 @@ from ..utils.atomic import atomic_write_text, json_text, to_json_native
 from ..utils.checks import did_you_mean, shown
 from ..utils.strict_json import read_json_file
 from ..replicas.routing import PIN_SLACK, home_table_from
+from ..layout import LayerLayout
 
 PLACEMENT_FILENAME = "occult_placement.json"
 #: the largest decoder-layer index a placement may name (DeepSeek-V3 has 61 layers)
@@ -331,6 +332,16 @@ class Placement:
         """`[E]` position of each expert among the slots of its primary device."""
         slots_ED = self.slot_table(layer)
         return [int(slots_ED[e, d]) for e, d in enumerate(self.device_of(layer))]
+
+    def layout(self, layer: int, rank: int | None = None):
+        """The `LayerLayout` of `layer` for EP rank `rank` (None: one process, logical devices), built once per
+        (layer, rank) and kept: every consumer of the layer (dispatcher, pruner, statistics) shares it. A
+        `Placement` is not to be changed after its layouts are taken."""
+        cache = self.__dict__.setdefault("_layouts", {})
+        key = (int(layer), rank)
+        if key not in cache:
+            cache[key] = LayerLayout.of(self, layer, rank)
+        return cache[key]
 
     def capacities(self, layer: int) -> list[int]:
         """`[D]` number of expert slots each device uses at `layer` (primary and replica homes)."""

@@ -5,7 +5,7 @@ dispatch plan of the runtime, the metrics, the planner) must agree on which home
 so the rule lives here once, as a pure function on tensors:
 
 1. the token's *visited* devices are the homes of its single-home experts (it goes there anyway),
-   plus any devices the caller says it visits (`visited_TD`: collaboration pruning passes the
+   plus any devices the caller says it visits (`devices_TD`: collaboration pruning passes the
    token's N_d devices, so that every pair stays on them);
 2. a pair whose expert has a home on a visited device goes to the lowest such device (a replica
    on a device the token already visits costs no extra copy of the token: it cuts CT and load);
@@ -36,7 +36,7 @@ def replica_preferences(
     topk_ids_Tk: torch.Tensor,
     home_table_EM: torch.Tensor,
     num_devices: int,
-    visited_TD: torch.Tensor | None = None,
+    devices_TD: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(homes_TkM, pref_Tk)`: each pair's homes (`[T, k, M]` int64, -1 padded) and the index in `[0, M)` of
     its first home on a device the token visits (steps 1 and 2 of the rule), `M` where it has none.
@@ -48,11 +48,11 @@ def replica_preferences(
     homes_TkM = home_table_EM[ids_Tk]
     num_homes_Tk = (homes_TkM >= 0).sum(-1)
     # visited devices: the homes of single-home experts (column D collects the others and is dropped)
-    visited_TD1 = torch.zeros(num_tokens, num_devices + 1, dtype=torch.bool, device=ids_Tk.device)
-    if visited_TD is not None:
-        visited_TD1[:, :num_devices] = visited_TD
-    visited_TD1.scatter_(1, torch.where(num_homes_Tk == 1, homes_TkM[..., 0], num_devices), True)
-    on_visited_TkM = (homes_TkM >= 0) & visited_TD1.gather(
+    devices_TD1 = torch.zeros(num_tokens, num_devices + 1, dtype=torch.bool, device=ids_Tk.device)
+    if devices_TD is not None:
+        devices_TD1[:, :num_devices] = devices_TD
+    devices_TD1.scatter_(1, torch.where(num_homes_Tk == 1, homes_TkM[..., 0], num_devices), True)
+    on_visited_TkM = (homes_TkM >= 0) & devices_TD1.gather(
         1, homes_TkM.clamp_min(0).reshape(num_tokens, -1)
     ).reshape(homes_TkM.shape)
     # the first visited home (homes are in increasing device id), else M
@@ -65,7 +65,7 @@ def resolve_homes(
     home_table_EM: torch.Tensor,
     num_devices: int,
     token_index_T: torch.Tensor | None = None,
-    visited_TD: torch.Tensor | None = None,
+    devices_TD: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`[T, k]` int64 device serving each (token, expert) pair under the replica rule (module docstring).
 
@@ -75,13 +75,13 @@ def resolve_homes(
             (`Placement.home_table`); every row holds at least one home.
         num_devices: `D`.
         token_index_T: `[T]` int64 index of each token for the balanced rule (default `arange(T)`).
-        visited_TD: `[T, D]` bool devices each token visits anyway besides its single-home experts'
+        devices_TD: `[T, D]` bool devices each token visits anyway besides its single-home experts'
             (None: none). A pair whose expert has a home there goes to the lowest such home.
     """
     ids_Tk = topk_ids_Tk.long()
     if home_table_EM.shape[-1] == 1:  # no replicas in this layer: the primary map
         return home_table_EM[ids_Tk][..., 0]
-    homes_TkM, pref_Tk = replica_preferences(ids_Tk, home_table_EM, num_devices, visited_TD)
+    homes_TkM, pref_Tk = replica_preferences(ids_Tk, home_table_EM, num_devices, devices_TD)
     num_homes_Tk = (homes_TkM >= 0).sum(-1)
     if token_index_T is None:
         token_index_T = torch.arange(ids_Tk.shape[0], device=ids_Tk.device)
@@ -199,7 +199,7 @@ def expert_routes(
         all_GEM1: `[G, E, M + 1]` int64 every rank's `preference_counts`, in rank order.
         home_table_EM, num_devices, pin_slack: as `load_aware_homes`.
         rank: this rank's place in the group's line.
-        pinned: True when every visited home must keep its pairs (collaboration pruning's `visited_TD`).
+        pinned: True when every visited home must keep its pairs (collaboration pruning's `devices_TD`).
 
     Returns `(stay_EM, offset_EM, rest_before_E, rest_total_E, cumulative_EM)`: the fraction of each (expert,
     first visited home)'s pairs that stays there; the pairs of that group on the ranks before this one; the
@@ -283,7 +283,7 @@ def load_aware_homes(
     num_devices: int,
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
     rank: int = 0,
-    visited_TD: torch.Tensor | None = None,
+    devices_TD: torch.Tensor | None = None,
     pin_slack: float = PIN_SLACK,
     routes: Callable[..., tuple[torch.Tensor, ...]] = expert_routes,
     pairs: PairHalf | None = None,
@@ -310,7 +310,7 @@ def load_aware_homes(
     few Triton launches on a GPU instead of ~78 torch operators).
 
     Single-home experts go home, so a layer without replicas routes as `device_of_E[topk_ids]`. With
-    collaboration pruning (`visited_TD`: the token's N_d devices) a pair never leaves a visited home (the
+    collaboration pruning (`devices_TD`: the token's N_d devices) a pair never leaves a visited home (the
     pruner keeps every pair on the token's devices), so only pairs that visit none are balanced. The result
     depends only on the routing (integers), never on a value with a gradient: replicas stay exact.
     """
@@ -318,18 +318,18 @@ def load_aware_homes(
     if home_table_EM.shape[-1] == 1:
         return home_table_EM[ids_Tk][..., 0]
     pairs = TORCH_PAIRS if pairs is None else pairs
-    pref_Tk, local_EM1 = pairs.preferences_and_counts(topk_ids_Tk, home_table_EM, num_devices, visited_TD)
+    pref_Tk, local_EM1 = pairs.preferences_and_counts(topk_ids_Tk, home_table_EM, num_devices, devices_TD)
     all_GEM1 = local_EM1[None] if gather is None else gather(local_EM1)
-    tables = routes(all_GEM1, home_table_EM, num_devices, rank, pin_slack, visited_TD is not None)
+    tables = routes(all_GEM1, home_table_EM, num_devices, rank, pin_slack, devices_TD is not None)
     return pairs.assign(topk_ids_Tk, pref_Tk, home_table_EM, tables)
 
 
 def preferences_and_counts(
-    topk_ids_Tk: torch.Tensor, home_table_EM: torch.Tensor, num_devices: int, visited_TD: torch.Tensor | None = None
+    topk_ids_Tk: torch.Tensor, home_table_EM: torch.Tensor, num_devices: int, devices_TD: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(pref_Tk, counts_EM1)`: step 1 of `load_aware_homes`, `replica_preferences`' `pref_Tk` and its
     `preference_counts` (the statistic the group gathers)."""
-    _, pref_Tk = replica_preferences(topk_ids_Tk, home_table_EM, num_devices, visited_TD)
+    _, pref_Tk = replica_preferences(topk_ids_Tk, home_table_EM, num_devices, devices_TD)
     return pref_Tk, preference_counts(topk_ids_Tk, pref_Tk, *home_table_EM.shape)
 
 

@@ -1,0 +1,119 @@
+"""A transformers MoE block into an `OccultMoE` and back: where the experts' weights come from and go.
+
+Shape legend: E routed experts, L local experts, H hidden, I expert width.
+
+`build_occult_block` gives the new block this rank's experts (`[L, 2I, H]`, `[L, H, I]` in the slot order
+of its `LayerLayout`): in one process the block's own fused parameters when the family stores them fused (nothing
+is copied); under EP the rows of its experts, or what `hf.loading` read for this rank alone when the full
+experts were never allocated (meta). Routed-expert parameters of the original block that the new one does
+not share are emptied (their storage released) until `restore_block` refills them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import OccultConfig
+from ..dispatch import DispatchSettings, ExpertParallelGroup
+from ..distributed.collectives import GradNormCarrier
+from ..experts import LocalExperts
+from ..moe import OccultMoE
+from ..layout import LayerLayout
+from ..pruning import CollaborationPruner
+
+#: where `hf.loading` leaves a block's local experts, read per rank: (expert ids, gate_up [L,2I,H], down [L,H,I])
+LOADED_EXPERTS_ATTR = "_occult_loaded_experts"
+
+
+def build_occult_block(
+    block: nn.Module,
+    adapter,
+    layout: LayerLayout,
+    config: OccultConfig,
+    ep: ExpertParallelGroup,
+    *,
+    top_k: int,
+    pruner: CollaborationPruner | None = None,
+    grad_norm: GradNormCarrier | None = None,
+) -> OccultMoE:
+    """The `OccultMoE` replacing `block` (layer `layout.layer`) for this rank, with the settings of `config`."""
+    gate_up_E2IH, down_EHI = adapter.expert_weights(block)
+    if gate_up_E2IH.shape[0] != layout.num_experts:
+        raise ValueError(
+            f"layer {layout.layer} has {gate_up_E2IH.shape[0]} routed experts but the placement is for "
+            f"num_experts={layout.num_experts}"
+        )
+    expert_ids = layout.expert_ids_L.tolist()
+    loaded = block.__dict__.pop(LOADED_EXPERTS_ATTR, None)  # this rank's experts, read per rank at load
+    if gate_up_E2IH.is_meta:
+        if loaded is None or loaded[0] != expert_ids:
+            raise ValueError(
+                f"layer {layout.layer}: the routed experts are on the meta device and the experts read at load "
+                f"({None if loaded is None else loaded[0]}) are not this rank's {expert_ids}: load with "
+                f"from_pretrained(..., occult_config=<the same OccultConfig>) on every rank"
+            )
+        gate_up_L2IH = nn.Parameter(loaded[1], requires_grad=gate_up_E2IH.requires_grad)
+        down_LHI = nn.Parameter(loaded[2], requires_grad=down_EHI.requires_grad)
+    else:
+        gate_up_L2IH = _local_parameter(gate_up_E2IH, expert_ids)
+        down_LHI = _local_parameter(down_EHI, expert_ids)
+    layout = layout.to(gate_up_L2IH.device)
+    experts = LocalExperts(
+        gate_up_L2IH,
+        down_LHI,
+        layout.expert_ids_L,
+        adapter.act_fn(block),
+        backend=config.expert_backend,
+        deterministic=config.deterministic,
+        grad_scale=1.0 / ep.num_devices if ep.is_distributed else 1.0,
+    )
+    settings = DispatchSettings.of(config, top_k)
+    module = OccultMoE(block, adapter, layout, experts, settings, ep, pruner, grad_norm)
+    _release_unshared_expert_storage(module)
+    return module
+
+
+def place_full_experts(module: OccultMoE, gate_up_E2IH: torch.Tensor, down_EHI: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The vanilla state-dict entries (keys relative to the block) of the routed experts, given the
+    full `[E, 2I, H]` / `[E, H, I]` weights in original expert order."""
+    return module.adapter.expert_state_dict(module.original_block, gate_up_E2IH, down_EHI)
+
+
+@torch.no_grad()
+def restore_block(module: OccultMoE, gate_up_E2IH: torch.Tensor, down_EHI: torch.Tensor) -> nn.Module:
+    """The original block of `module` with the given full expert weights written back into its own parameters."""
+    block = module.original_block
+    for key, value in place_full_experts(module, gate_up_E2IH, down_EHI).items():
+        param = block.get_parameter(key)
+        if param is value:
+            continue
+        new = value.detach().to(device=module.local_experts.gate_up_proj.device, dtype=param.dtype).clone()
+        if param.is_meta:  # read per rank at load (`hf.loading`): never allocated, so a new parameter
+            owner_path, _, name = key.rpartition(".")
+            setattr(block.get_submodule(owner_path), name, nn.Parameter(new, requires_grad=param.requires_grad))
+        else:
+            param.data = new
+    return block
+
+
+def _release_unshared_expert_storage(module: OccultMoE) -> None:
+    """Empty the original block's routed-expert parameters that `module.experts` does not share."""
+    block = module.original_block
+    shared = {id(module.experts.gate_up_proj), id(module.experts.down_proj)}
+    for key in place_full_experts(module, *module.adapter.expert_weights(block)):
+        param = block.get_parameter(key)
+        if id(param) not in shared:
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+
+def _local_parameter(weight_E: torch.Tensor, expert_ids: list[int]) -> nn.Parameter:
+    """This rank's experts of a `[E, ...]` expert weight as a parameter; the weight itself when it is
+    already a parameter holding exactly these experts in this order (one process, fused layout)."""
+    if isinstance(weight_E, nn.Parameter) and expert_ids == list(range(weight_E.shape[0])):
+        return weight_E
+    index = torch.tensor(expert_ids, dtype=torch.int64, device=weight_E.device)
+    return nn.Parameter(weight_E.detach().index_select(0, index).clone(), requires_grad=weight_E.requires_grad)
+
+
+__all__ = ["LOADED_EXPERTS_ATTR", "build_occult_block", "place_full_experts", "restore_block"]

@@ -1,0 +1,60 @@
+"""The gradients of a layer's replicated experts under expert parallelism.
+
+Each copy of a replicated expert computes only the (token, expert) pairs routed to it, so after a backward
+each holder has a partial gradient. `ReplicaGradients` keeps, per backward, this rank's contributions to
+every replicated expert of the layer (`[replicated experts, ...]` fp32, zero where this rank holds no copy);
+`occult_hf.distributed.collectives.sum_replica_grads` sums them over the group in one all-reduce for all
+layers and adds the other copies' part to each holder's `.grad`, so the copies stay identical.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+
+from ..layout import LayerLayout
+
+
+class ReplicaGradients:
+    """This rank's per-backward contributions to a layer's replicated experts' gradients.
+
+    Built for a layer whose `layout` (EP, `num_replicated > 0`) and local expert parameters (`[L, ...]`,
+    slot order) are given; registers a gradient hook on each parameter that needs one. `pending[i]` is the
+    contribution to weight `i` (0: gate_up, 1: down) since the last `take(i)`.
+    """
+
+    def __init__(self, layout: LayerLayout, weights: tuple[nn.Parameter, nn.Parameter]) -> None:
+        self.layout = layout
+        self.pending: list[torch.Tensor | None] = [None, None]
+        for index, weight in enumerate(weights):
+            if weight.requires_grad:
+                weight.register_hook(partial(self.record, index))
+
+    @property
+    def num_replicated(self) -> int:
+        return self.layout.num_replicated
+
+    @torch.no_grad()
+    def record(self, index: int, grad_L: torch.Tensor | None) -> None:
+        """Parameter hook: add this backward's part of the replicated copies' gradients. (The pipelined
+        dispatcher's outer Function hands the parameters None: their gradients come from its inner backward,
+        which calls this hook with them.)"""
+        if grad_L is None:
+            return
+        layout = self.layout.to(grad_L.device)
+        part = torch.zeros((self.num_replicated, *grad_L.shape[1:]), dtype=torch.float32, device=grad_L.device)
+        part.index_add_(0, layout.replica_rows, grad_L.detach()[layout.replica_slots].float())
+        pending = self.pending[index]
+        self.pending[index] = part if pending is None else pending + part
+
+    def take(self, index: int, like: torch.Tensor) -> torch.Tensor:
+        """The contribution to weight `index` since the last take (zeros shaped for `like` when none), then reset."""
+        pending, self.pending[index] = self.pending[index], None
+        if pending is None:
+            pending = torch.zeros((self.num_replicated, *like.shape[1:]), dtype=torch.float32, device=like.device)
+        return pending
+
+
+__all__ = ["ReplicaGradients"]
