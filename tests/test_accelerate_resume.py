@@ -10,13 +10,16 @@ checkpoint written under one launcher resumes under the other.
 accelerate's own `--cpu` flag starts one process whatever `--num_processes` says (its CPU path is
 for `--num_cpu_threads_per_process`, or multi-CPU through MPI/oneCCL, neither here), so on a CPU
 machine the EP group comes from `--multi_gpu --num_processes 2` with the script's `--use_cpu`, which
-makes the processes a gloo group: the launch docs/finetune.md gives.
+makes the processes a gloo group: the launch docs/finetune.md gives. The two launches are
+`occult_hf.hf.launch.LAUNCH_COMMANDS` as written, the commands the launch errors suggest (plus a free
+port each, since other runs on this machine may hold the default one).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -35,12 +38,13 @@ def _launch(tmp_path, launcher: str, args: list[str]) -> None:
            "OCCULT_SAVE_TIMEOUT_S": "60"}  # fmt: skip
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    launchers = {
-        "torchrun": ["torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())],
-        "accelerate": ["accelerate.commands.accelerate_cli", "launch", "--multi_gpu", "--num_processes", "2",
-                       "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                       "--main_process_port", str(free_port())],
-    }  # fmt: skip
+    from occult_hf.hf.launch import LAUNCH_COMMANDS
+
+    suggested = {shlex.split(command)[0]: shlex.split(command.format(n=2))[1:] for command in LAUNCH_COMMANDS}
+    launchers = {  # the suggested commands through this interpreter, each on a free port
+        "torchrun": ["torch.distributed.run", *suggested["torchrun"], "--master-port", str(free_port())],
+        "accelerate": ["accelerate.commands.accelerate_cli", *suggested["accelerate"], "--main_process_port", str(free_port())],
+    }
     command = [sys.executable, "-m", *launchers[launcher], "-m", "occult_hf.hf.finetune", *args]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, f"{launcher} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"

@@ -4,7 +4,7 @@
         --output_dir sft_pruned --num_devices 8 --logical_devices --prune router --max_devices_per_token 2 \
         --max_steps 200 --bf16
     torchrun --nproc-per-node 8 -m occult_hf.hf.finetune ... --num_devices 8          # expert parallelism
-    accelerate launch --num_processes 2 --cpu -m occult_hf.hf.finetune ... --num_devices 2 --use_cpu
+    accelerate launch --multi_gpu --num_processes 2 -m occult_hf.hf.finetune ... --num_devices 2 --use_cpu   # CPU
 
 Arguments are parsed by `transformers.HfArgumentParser` into `ModelArguments`, `DataArguments`,
 `OccultArguments` and `TrainingArguments`, so every Trainer flag works (`--learning_rate`,
@@ -13,10 +13,12 @@ both accepted), and a JSON file of them may be given instead (`python -m occult_
 
 The data (`--train_file`: a .txt/.json/.jsonl/.csv/.parquet file, a `save_to_disk` directory, a local
 dataset directory or a hub dataset; `--dataset_config`, `--text_column`) is read with `datasets`,
-tokenised, joined with EOS and cut into `--seq_len` blocks. Under `torchrun` or `accelerate launch` the
-processes form the EP group (`--num_devices` must equal their number); in one process `--num_devices N`
-> 1 needs `--logical_devices` (N logical devices: pruning plans for N devices, no EP runs), so that a
-launch that quietly started one process is an error rather than a run that looks like EP.
+tokenised, joined with EOS and cut into `--seq_len` blocks. Under `torchrun` or `accelerate launch
+--multi_gpu` the processes form the EP group (`--num_devices` must equal their number; on a machine
+without GPUs with `--use_cpu`, else the Trainer counts one process: an error); in one process
+`--num_devices N` > 1 needs `--logical_devices` (N logical devices: pruning plans for N devices, no EP
+runs), so that a launch that quietly started one process (`accelerate launch` without `--multi_gpu`
+on a machine without GPUs) is an error rather than a run that looks like EP (`hf.launch`).
 """
 
 from __future__ import annotations
@@ -116,12 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, Trainer
 
     from .. import OccultCallback, OccultConfig
-    from .launch import check_launch
+    from .launch import check_launch, check_trainer_sees_the_processes
     from .text_data import load_text_dataset
 
     model_args, data_args, occult_args, training_args = parse_arguments(argv)
     # TrainingArguments (built above) has initialised torch.distributed under torchrun/accelerate
     num_devices = check_launch(occult_args.num_devices, occult_args.logical_devices)
+    check_trainer_sees_the_processes(training_args)
     pruned = occult_args.prune != "none"
     occult_config = OccultConfig(
         placement=occult_args.placement,
