@@ -14,9 +14,9 @@ The parent checks that the ranks together covered every parameter of the referen
 Also per case: each rank holds only its own experts (the original block's expert storage is
 released), and in dedup mode the rows sent equal the CT count of the dispatched routing.
 
-World 2 (E=8): 6 families x {dedup, per_expert} x {contiguous with one chunk, shuffled per layer
+World 2 (E=8): every family x {dedup, per_expert} x {contiguous with one chunk, shuffled per layer
 with 3 chunks (the pipelined exchange)}.
-World 4 (E=6, so D does not divide E): 6 families x {(dedup, shuffled, 2 chunks), (per_expert,
+World 4 (E=6, so D does not divide E): every family x {(dedup, shuffled, 2 chunks), (per_expert,
 contiguous, chunks chosen from T)}, on the "all_to_all" dispatcher. The static "padded" dispatcher (no count
 exchange; what `dispatcher="auto"` picks where its padding is cheap): every family in dedup on 2 ranks (shuffled
 and replicated placements alternately, and OLMoE with the load-aware replica choice), and two families on 4 ranks

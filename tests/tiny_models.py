@@ -15,19 +15,24 @@ Conventions (same for every family):
   for DeepSeek-V2, `norm_topk_prob=False`).
 - Routers get decisive random weights (std 1/sqrt(hidden)), so that routing is far from ties and
   does not flip under fp32 reordering; DeepSeek-V3's `e_score_correction_bias` is random and non-zero.
-- Router auxiliary losses are on where the model has one (OLMoE, Qwen2/3-MoE: `output_router_logits=True`
-  and a non-zero `router_aux_loss_coef`; DeepSeek-MoE: `aux_loss_alpha` > 0, in training).
-- `generate()` with a padded `attention_mask` on OLMoE/Qwen2/Qwen3 needs `output_router_logits=False`
-  passed to `generate`: transformers (5.17 and 5.24) computes the load-balancing loss at every
-  decoding step and fails on the mask's shape when router logits are on.
+- Router auxiliary losses are on where the model has one (OLMoE, Qwen2/3-MoE, Qwen3-Next, Mixtral:
+  `output_router_logits=True` and a non-zero `router_aux_loss_coef`; DeepSeek-MoE: `aux_loss_alpha`
+  > 0, in training).
+- `generate()` with a padded `attention_mask` on OLMoE/Qwen2/Qwen3/Qwen3-Next needs
+  `output_router_logits=False` passed to `generate`: transformers (5.17 and 5.24) computes the
+  load-balancing loss at every decoding step and fails on the mask's shape when router logits are on.
 - Attention is transformers' default, so `save_pretrained` -> `from_pretrained` gives identical logits.
 - DeepSeek-V2/V3 use 2 of `n_group` expert groups (`topk_group=2`), `n_group` = 4 for E=8 (3 for
   E=6, else 2) unless given, so group-limited routing really limits.
+- Qwen3-Next's layer 0 mixes tokens with Gated DeltaNet linear attention (transformers' torch path:
+  no kernel package needed), layer 1 with full attention; both are MoE.
 - Dense layers: Qwen2-MoE layer 1 is dense (`mlp_only_layers=[1]`); DeepSeek-V2/V3 and
   DeepSeek-MoE have a dense first layer (`first_k_dense_replace=1`). `MOE_LAYERS[family]` lists the
   decoder layers that hold MoE blocks in the default config.
 
-A family is one `TINY_FAMILIES` entry (config fields, MoE layers, the router's rule); the config
+`FAMILIES` is the families `patches/` registers (the registry is the one list; a registered family
+without an entry here fails every family-driven test with an error naming the missing entry). A
+family here is one `TINY_FAMILIES` entry (config fields, MoE layers, the router's rule); the config
 class comes from its adapter's model type, the override names from the adapter's config fields,
 the routers from the adapter. Adding a family to occult_hf adds `patches/<family>.py` and one
 entry here (docs/models.md).
@@ -59,6 +64,12 @@ _COMMON = dict(
     eos_token_id=2,
     tie_word_embeddings=False,
 )
+
+# OLMoE and the Qwen families: E=8, k=2, the load-balancing loss on
+_QWEN_STYLE_ROUTING = dict(num_experts=8, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02)
+
+# Qwen3-Next's linear attention: 2 key heads and 4 value heads of width 8
+_GATED_DELTANET_HEADS = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
 
 _DEEPSEEK_HF_COMMON = dict(
     num_hidden_layers=3,
@@ -108,59 +119,55 @@ class TinyFamily:
             adapter's `iter_moe_blocks`, so it is written out, not derived).
         routing: the router's rule, for the reference in `test_adapters`.
         derived: fields computed from the others unless given as overrides (e.g. DeepSeek's `n_group`).
+        condition: re-draws weights outside the MoE blocks that transformers' init leaves too
+            ill-conditioned for an fp32 comparison at 1e-5 (Qwen3-Next's linear-attention decays).
     """
 
     config: dict
     moe_layers: tuple[int, ...]
     routing: RoutingRule = RoutingRule()
     derived: Callable[[dict], dict] | None = None
+    condition: Callable[[torch.nn.Module], None] | None = None
 
 
 def _deepseek_groups(fields: dict) -> dict:
     return {"n_group": _expert_groups(fields["n_routed_experts"])}
 
 
+def _moderate_linear_attention_decays(model: torch.nn.Module) -> None:
+    """Gated DeltaNet decay rates `A = exp(A_log)` drawn from [0.01, 0.5], not transformers' [0.01, 16].
+
+    With the fastest heads forgetting within a token, the gradients of `A_log` and `dt_bias` amplify
+    fp32 rounding in their input about 10^4-fold in transformers' own model, so no reordering of the
+    same sums could meet 1e-5 there; with slower decays they are as well-conditioned as the other
+    gradients (docs/models.md, Qwen3-Next)."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            linear_attention = getattr(layer, "linear_attn", None)
+            if linear_attention is not None:
+                linear_attention.A_log.copy_(torch.empty_like(linear_attention.A_log).uniform_(0.01, 0.5).log())
+
+
 # family (= adapter name) -> its tiny config
 TINY_FAMILIES: dict[str, TinyFamily] = {
     "olmoe": TinyFamily(
-        dict(
-            _COMMON,
-            num_hidden_layers=2,
-            num_experts=8,
-            num_experts_per_tok=2,
-            norm_topk_prob=False,
-            output_router_logits=True,
-            router_aux_loss_coef=0.02,
-        ),
+        dict(_COMMON, **_QWEN_STYLE_ROUTING, num_hidden_layers=2, norm_topk_prob=False),
         moe_layers=(0, 1),
     ),
     "qwen2_moe": TinyFamily(
         dict(
             _COMMON,
+            **_QWEN_STYLE_ROUTING,
             num_hidden_layers=3,
             mlp_only_layers=[1],
             moe_intermediate_size=16,
             shared_expert_intermediate_size=32,
-            num_experts=8,
-            num_experts_per_tok=2,
             norm_topk_prob=False,
-            output_router_logits=True,
-            router_aux_loss_coef=0.02,
         ),
         moe_layers=(0, 2),
     ),
     "qwen3_moe": TinyFamily(
-        dict(
-            _COMMON,
-            num_hidden_layers=2,
-            head_dim=8,
-            moe_intermediate_size=16,
-            num_experts=8,
-            num_experts_per_tok=2,
-            norm_topk_prob=True,
-            output_router_logits=True,
-            router_aux_loss_coef=0.02,
-        ),
+        dict(_COMMON, **_QWEN_STYLE_ROUTING, num_hidden_layers=2, head_dim=8, moe_intermediate_size=16, norm_topk_prob=True),
         moe_layers=(0, 1),
     ),
     "deepseek_v2": TinyFamily(
@@ -224,15 +231,48 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
         moe_layers=(0, 1),
         routing=RoutingRule(normalize=True),
     ),
+    # both token mixers: Gated DeltaNet linear attention (layer 0), gated full attention (layer 1)
+    "qwen3_next": TinyFamily(
+        dict(
+            _COMMON,
+            **_QWEN_STYLE_ROUTING,
+            num_hidden_layers=2,
+            layer_types=["linear_attention", "full_attention"],
+            head_dim=8,
+            **_GATED_DELTANET_HEADS,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=32,
+            norm_topk_prob=True,
+        ),
+        moe_layers=(0, 1),
+        condition=_moderate_linear_attention_decays,
+    ),
 }
 
-FAMILIES = tuple(TINY_FAMILIES)
+
+def _registered_families() -> tuple[str, ...]:
+    """Every family `patches/` registers, in this table's order (stable test ids), then any the table lacks.
+
+    The registry is the one list of families: a family registered without an entry here still shows up
+    in every family-driven test, which then fails naming the missing entry (`_check_family`)."""
+    registered = registered_adapters()
+    stale = sorted(set(TINY_FAMILIES) - set(registered))
+    if stale:
+        raise ValueError(f"tests/tiny_models.py has tiny configs for families no adapter in patches/ registers: {stale}")
+    return tuple(TINY_FAMILIES) + tuple(family for family in registered if family not in TINY_FAMILIES)
+
+
+FAMILIES = _registered_families()
 MOE_LAYERS = {family: entry.moe_layers for family, entry in TINY_FAMILIES.items()}
 
 
 def _check_family(family: str) -> None:
     if family not in FAMILIES:
         raise ValueError(f"unknown tiny-model family {family!r}; valid families: {list(FAMILIES)}")
+    if family not in TINY_FAMILIES:
+        raise ValueError(
+            f"family {family!r} is registered (patches/{family}.py) but has no TINY_FAMILIES entry in tests/tiny_models.py"
+        )
 
 
 def _config_fields(family: str, overrides: dict) -> dict:
@@ -274,6 +314,9 @@ def tiny_model(family: str, seed: int = 0, **overrides):
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config)
         _decisive_routers(model, config.hidden_size)
+        condition = TINY_FAMILIES[family].condition
+        if condition is not None:
+            condition(model)
     return model.float().eval()
 
 
