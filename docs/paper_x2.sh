@@ -9,7 +9,7 @@
 #                             # occult_hf's contiguous rows and the baselines beside them, in the same run (limit 420 s)
 # from the checkout's root, with carry=[".devdata/paper"] holding the transformers 5.24 wheel and the Qwen
 # trace as qwen_trace.npz (DATA, default .devdata/paper; the study trace is in docs/quality_results/).
-# Env: EXTRA (more `bench paper` arguments for every run of the call, e.g. "--scale tiny"), MODELS (overrides
+# Env: EXTRA (more `bench paper` arguments for every run of the call, e.g. "--scale tiny --cpu"), MODELS (overrides
 # the models of the call's main run), RERUN_MODELS (call 2's re-run; "" skips it), RERUN_LIMIT (s, default
 # 150), LIMIT (s: the whole call's runs, default 540 / 330), NO_INSTALL=1 (use the installed transformers: the
 # CPU check), ROOT (the checkout, default $PWD), PKG (where the package is assembled, default /tmp/pkg),

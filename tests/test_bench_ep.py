@@ -26,7 +26,7 @@ def test_bench_ep_two_gloo_ranks(tmp_path):
     Placement(60, 2, {0: contiguous.device_of(0)}, replicas={0: {0: [1], 59: [0]}}).save(tmp_path / "replicated.json")
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "occult_hf.cli",
-        "bench", "ep", "--shapes", "qwen1.5-moe-a2.7b", "--tokens", "256", "--hidden", "32",
+        "bench", "ep", "--cpu", "--shapes", "qwen1.5-moe-a2.7b", "--tokens", "256", "--hidden", "32",
         "--intermediate", "16", "--iterations", "1", "--trace", str(TRACE), "--out", str(tmp_path),
         "--modes", *[m.name for m in MODES], TRANSFORMERS_EP, "dedup+replicated", "dedup+replicated+load_aware", "dedup+file",
         "--placement", str(tmp_path / "replicated.json"),

@@ -1,13 +1,19 @@
 """CPU dry runs of `occult bench model` (tiny widths) and the exchange model of `occult bench exchange --model`:
-the harnesses run and their tables say what they are (figures themselves need the GPU)."""
+the harnesses run and their tables say what they are (figures themselves need the GPU); without CUDA
+and without `--cpu` every benchmark fails at once."""
 
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
+
+from occult_hf.cli import main as occult_main
+from occult_hf.cli.bench import BENCHMARKS
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO.parent / "shared/data/routing/qwen15moe_a27b_chat_gptq_int4_gsm8k25_layer0_trace.npz"
@@ -21,7 +27,7 @@ def _occult(*args, cwd):
 
 
 def test_bench_model_dry_run(tmp_path):
-    out = _occult("bench", "model", "--shapes", "olmoe-1b-7b", "--layers", "1", "--batch", "1", "--seq", "8",
+    out = _occult("bench", "model", "--cpu", "--shapes", "olmoe-1b-7b", "--layers", "1", "--batch", "1", "--seq", "8",
                   "--hidden", "32", "--intermediate", "16", "--backends", "auto", "torch", "--profile", "3",
                   "--out", str(tmp_path), cwd=tmp_path)  # fmt: skip
     assert "| olmoe-1b-7b | 8 | 1 | grouped_mm | occult (torch) |" in out
@@ -73,3 +79,15 @@ def test_realsize_routing_balance_counts_every_pair():
         assert 1.0 <= b.ct <= 2.0 and 0.5 <= b.busiest_share <= 1.0
     table = balance_table(balance)
     assert table.count("\n") == len(balance) + 2 and "| mean |" in table
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_a_gpu_benchmark_without_cuda_fails_at_once(name, tmp_path, monkeypatch, capsys):
+    """Issue 32: `occult bench model` on CPU ran over 100 s at the real shapes with no output."""
+    monkeypatch.chdir(tmp_path)  # nothing the benchmark might write lands in the checkout
+    start = time.perf_counter()
+    with pytest.raises(SystemExit) as exited:
+        occult_main(["bench", name])
+    assert time.perf_counter() - start < 5.0 and exited.value.code == 2
+    assert f"occult bench {name}: this run measures a GPU and this machine has no CUDA device" in capsys.readouterr().err

@@ -791,7 +791,7 @@ def test_bench_replicas_times_every_column_and_checks_the_routing_on_cpu(tmp_pat
 
     ids, table = synthetic_case(16, 4, 4, 32, "cpu")
     assert ids.shape == (4, 32, 4) and int((table[:, 1:] >= 0).sum()) == 4
-    args = argparse.Namespace(devices=[4], tokens=[32], iterations=1, device="cpu", out=str(tmp_path))
+    args = argparse.Namespace(devices=[4], tokens=[32], iterations=1, cpu=True, out=str(tmp_path))
     assert run(args) == 0
     rows = json.loads((tmp_path / "bench_replicas_cpu.json").read_text())["rows"]
     assert len(rows) == 2 and set(rows[0]["ms"]) == set(COLUMNS)
@@ -803,7 +803,7 @@ def test_bench_replicas_rejects_a_count_below_one_at_parse_time(capsys):
     from occult_hf.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "replicas", "--device", "cpu", "--tokens", "0"])
+        main(["bench", "replicas", "--cpu", "--tokens", "0"])
     assert exit_info.value.code == 2
     assert "occult bench replicas: error: argument --tokens: expected an integer >= 1, got 0" in capsys.readouterr().err
 

@@ -66,9 +66,11 @@ from occult_hf.expert_shapes import SHAPES, ExpertShape
 from occult_hf.placement import Placement, plan_placement
 from occult_hf.profile import RoutingProfile
 from occult_hf.profile import LayerAccumulator
+from occult_hf.benchmarks import measures_a_gpu
 
 HELP = "expert-parallel MoE layer under torchrun: every dispatcher and dispatch mode vs transformers' EP"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
+needs_cuda = measures_a_gpu
 
 DEFAULT_TRACE = "../shared/data/routing/qwen15moe_a27b_chat_gptq_int4_gsm8k25_layer0_trace.npz"
 BASELINE_MODE = "per_expert+contiguous"

@@ -41,6 +41,11 @@ HELP = "raw exchange between ranks (NCCL all_to_all_single, NVSHMEM all_to_all_v
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
 
+def needs_cuda(args: argparse.Namespace) -> bool:
+    """`--model` models the exchange from a trace, on any machine; a measurement needs the GPUs."""
+    return args.model is None
+
+
 def _slowest_timed(fn, iterations: int, device) -> float:
     """`ep.timed` with three warm-up calls (NCCL's first calls set up channels), the slowest rank's figure."""
     return max_and_mean(timed(fn, iterations, device, warmup=3), device)[0]

@@ -48,9 +48,11 @@ from occult_hf.benchmarks.expert_timing import (
 )  # fmt: skip
 from occult_hf.expert_shapes import SHAPES, ExpertShape  # the one table of model shapes (placement reads it too)
 from occult_hf.kernels import ExpertSegments, expert_mlp_grouped_mm, expert_mlp_reference
+from occult_hf.benchmarks import measures_a_gpu
 
 HELP = "expert kernels: Triton vs PyTorch grouped_mm vs transformers' experts modules vs Liger-Kernel / SonicMoE"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
+needs_cuda = measures_a_gpu
 
 
 @dataclass(frozen=True)

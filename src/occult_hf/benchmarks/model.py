@@ -36,9 +36,11 @@ import torch
 
 from occult_hf.utils.atomic import atomic_write_text
 from occult_hf.experts import expert_backend_names
+from occult_hf.benchmarks import measures_a_gpu
 
 HELP = "a few-layer model at a real MoE shape on one device: occult_hf (one process) vs stock transformers"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
+needs_cuda = measures_a_gpu
 
 #: transformers config of each real model (the MoE layer and attention as in the checkpoint)
 MODEL_SHAPES: dict[str, tuple[str, dict]] = {

@@ -85,9 +85,11 @@ from occult_hf.benchmarks.megablocks import MLP_IMPL, apply_megablocks, megabloc
 from occult_hf.benchmarks.model import MODEL_SHAPES
 from occult_hf.benchmarks.paper_routing import STUDY_TRACE, fit_routing, trace_layer
 from occult_hf.profile.trace import read_trace_ids
+from occult_hf.benchmarks import measures_a_gpu
 
 HELP = "the paper's whole-model prefill and fine-tuning comparisons (OLMoE, Qwen1.5-MoE, DeepSeek-MoE) under torchrun"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
+needs_cuda = measures_a_gpu
 
 PAPER_HARDWARE = "4x A6000 PCIe"
 EXPERIMENTS = ("prefill", "finetune")

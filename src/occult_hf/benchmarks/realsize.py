@@ -50,9 +50,11 @@ import torch.distributed as dist
 
 from occult_hf.utils.atomic import atomic_write_text
 from occult_hf.benchmarks.ep import max_and_mean, profile_steps, timed
+from occult_hf.benchmarks import measures_a_gpu
 
 HELP = "the whole OLMoE-1B-7B model under EP (torchrun) vs a data-parallel replica: fwd, fwd+bwd, decode, memory"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
+needs_cuda = measures_a_gpu
 
 #: the decode target under EP (issue 10), ms per token at batch 1
 DECODE_TARGET_MS = 20.0

@@ -54,9 +54,11 @@ from occult_hf.replicas.routing import (
     replica_preferences,
     resolve_homes,
 )
+from occult_hf.benchmarks import measures_a_gpu
 
 HELP = "the load-aware replica rule per layer on one GPU: eager against its CUDA graph, beside the static rule"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
+needs_cuda = measures_a_gpu
 
 #: (name, E, k) of the routed experts timed
 SHAPES = (("OLMoE", 64, 8), ("Qwen1.5", 60, 4))
@@ -153,12 +155,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", nargs="+", type=positive_int, default=[8, 2], help="logical devices D (the group's ranks)")
     parser.add_argument("--tokens", nargs="+", type=positive_int, default=[16384, 128], help="tokens per rank")
     parser.add_argument("--iterations", type=positive_int, default=30, help="timed calls per cell (the median is shown)")
-    parser.add_argument("--device", default="cuda", help="torch device (cpu: eager columns only, to check the script)")
     parser.add_argument("--out", default="docs", help="folder for bench_replicas_<device>.md / .json")
 
 
 def run(args: argparse.Namespace) -> int:
-    device = torch.device(args.device)
+    device = torch.device("cpu" if args.cpu else "cuda")  # on the CPU the eager columns only, to check the script
     rows = []
     for name, experts, top_k in SHAPES:
         for num_devices in args.devices:

@@ -1,8 +1,13 @@
 """`occult bench <benchmark>`: GPU benchmarks that print a table (and write it, with a plot).
 
 Each benchmark is a module `occult_hf.benchmarks.<name>` with `HELP` (one line), `DESCRIPTION`,
-`add_arguments(parser)` and `run(args) -> int`; adding one means adding that module and its name to
-`BENCHMARKS` below, nothing else.
+`add_arguments(parser)`, `needs_cuda(args) -> bool` (whether this run measures a GPU) and
+`run(args) -> int`; adding one means adding that module and its name to `BENCHMARKS` below, nothing
+else.
+
+A run that measures a GPU fails at once on a machine without CUDA, on every rank under torchrun (at
+the real shapes a CPU run takes minutes and its timings mean nothing); `--cpu` runs it on the CPU
+anyway, as a check of the script at small sizes (what the tests do).
 """
 
 from __future__ import annotations
@@ -26,11 +31,28 @@ def register(subparsers) -> None:
         module = importlib.import_module(f"occult_hf.benchmarks.{name}")
         sub = benchmarks.add_parser(name, help=module.HELP, description=module.DESCRIPTION)
         module.add_arguments(sub)
-        sub.set_defaults(func=_runner(module))
+        sub.add_argument(
+            "--cpu", action="store_true",
+            help="run on the CPU although no CUDA device is there: a check of the script at small sizes, not a measurement",
+        )  # fmt: skip
+        sub.set_defaults(func=_runner(name, module))
 
 
-def _runner(module):
+def check_cuda(name: str, needs_cuda: bool, cpu: bool) -> None:
+    """Fail at once when a benchmark run that measures a GPU starts on a machine without CUDA (unless `--cpu`)."""
+    import torch
+
+    if needs_cuda and not cpu and not torch.cuda.is_available():
+        raise SystemExit(
+            f"occult bench {name}: this run measures a GPU and this machine has no CUDA device "
+            f"(torch.cuda.is_available() is False); --cpu runs it on the CPU anyway, as a check of the script "
+            f"at small sizes (its timings mean nothing)"
+        )
+
+
+def _runner(name: str, module):
     def run(args: argparse.Namespace) -> int:
+        check_cuda(name, module.needs_cuda(args), args.cpu)
         return module.run(args)
 
     return run
