@@ -27,9 +27,9 @@ def check_allowed(allowed_TE: torch.Tensor, logits_TE: torch.Tensor, top_k: int)
         return
     fewest = allowed_TE.sum(dim=-1).min()
     message = f"allowed_TE leaves some token fewer than top_k={top_k} allowed experts (allow more devices or experts per token)"
-    if allowed_TE.is_cuda:
-        # reading `fewest` on the host would stall the stream once per MoE layer and forward: the
-        # device checks it and fails the launch with this message instead
+    if allowed_TE.is_cuda or torch.compiler.is_compiling():
+        # reading `fewest` on the host would stall the stream once per MoE layer and forward (and break a
+        # traced graph): the device checks it and fails the launch with this message instead
         torch._assert_async(fewest >= top_k, message)
     elif int(fewest) < top_k:
         raise ValueError(f"{message}; one token has {int(fewest)}")

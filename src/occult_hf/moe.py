@@ -133,7 +133,7 @@ class OccultMoE(nn.Module):
         shared_TH = shared[0]
         out_TH = routed_TH if shared_TH is None else routed_TH + shared_TH
         if self._grad_norm is not None and torch.is_grad_enabled() and self.ep_grad_norm_carrier.requires_grad:
-            out_TH = self._grad_norm.on_backward(out_TH)
+            out_TH = self._grad_norm.tap(out_TH, self.ep_grad_norm_carrier)
         return out_TH.reshape(shape)
 
     def _apply(self, fn, recurse=True):

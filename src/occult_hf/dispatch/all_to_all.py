@@ -68,6 +68,7 @@ from .base import (
     sum_token_rows,
 )
 from .plan import chunk_bounds, device_match, packed_rows, received_pairs, routing_width
+from .static import PaddedDispatcher
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,12 @@ class AllToAllDispatcher(TokenDispatcher):
     name = "all_to_all"
     priority = 10
 
+    def __init__(self, ep, layout, settings, label=None) -> None:
+        super().__init__(ep, layout, settings, label)
+        # under torch.compile the exchange takes static capacities: the split sizes this one reads on the host
+        # would end the traced graph at every layer (the outputs are the same; more rows travel)
+        self._traced = PaddedDispatcher(ep, layout, settings, label)
+
     @classmethod
     def supports(cls, ep, device=None) -> bool:
         return ep.is_distributed
@@ -140,7 +147,10 @@ class AllToAllDispatcher(TokenDispatcher):
 
     def run(self, x_TH: torch.Tensor, routing, experts: ExpertsFn, concurrent=None) -> tuple[torch.Tensor, DispatchPlan]:
         """Dispatch, experts and combine; with C > 1 chunks, the exchange of one overlapping the experts of another.
-        `concurrent` (see `TokenDispatcher.run`) is issued behind the count exchange (`_plan`)."""
+        `concurrent` (see `TokenDispatcher.run`) is issued behind the count exchange (`_plan`). Compiled, the
+        static-capacity exchange of "padded" runs instead (see `__init__`)."""
+        if torch.compiler.is_compiling():
+            return self._traced.run(x_TH, routing, experts, concurrent)
         num_chunks = self.chunks or DEFAULT_CHUNKS
         if num_chunks == 1:  # three autograd nodes: the exchanges' backward runs in the reverse order by itself
             sent = self.dispatch(x_TH, routing, concurrent)

@@ -61,6 +61,8 @@ class LocalDispatcher(TokenDispatcher):
         """`[1, 2]` int64 `(rows, pairs)` on `device`, kept for the last (rows, pairs) seen (read only: the
         counters add it); made by two fills (no host-to-device copy, so also inside a CUDA graph capture,
         where it is not kept)."""
+        if torch.compiler.is_compiling():  # a traced graph makes its own (and keeps no tensor of a trace)
+            return torch.tensor([[rows, pairs]], dtype=torch.int64, device=device)
         key = (rows, pairs, torch.device(device))
         cached = self.__dict__.get("_counts")
         if cached is not None and cached[0] == key:

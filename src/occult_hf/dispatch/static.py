@@ -58,6 +58,7 @@ from typing import ClassVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from occult_hf.kernels.layout import ExpertSegments
 
@@ -121,7 +122,9 @@ class StaticDispatcher(TokenDispatcher):
         the same on every rank.
         """
         host_group = self.ep.host_group
-        if host_group is None or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        if host_group is None or torch.compiler.is_compiling():  # a traced graph's sizes are its own
+            return num_tokens
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return num_tokens
         tokens = torch.tensor([num_tokens], dtype=torch.int64)
         what = "agreement on the most tokens per rank (the static capacities)"
@@ -261,9 +264,22 @@ class PaddedDispatcher(StaticDispatcher):
         return ep.is_distributed
 
     def exchange(self, block, counts_D, out_rows):
-        out = block.new_empty((out_rows, block.shape[1]))
-        dist.all_to_all_single(out, block.contiguous(), group=self.ep.group)
-        return out, None
+        return torch.ops.occult.exchange_equal_splits(block.contiguous(), out_rows, self.ep.group.group_name), None
+
+
+@torch.library.custom_op("occult::exchange_equal_splits", mutates_args=())
+def _exchange_equal_splits(block_OU: torch.Tensor, out_rows: int, group_name: str) -> torch.Tensor:
+    """`[out_rows, U]`: rank r's `block_OU` rows `[d * O/D, (d + 1) * O/D)` go to rank d (one `all_to_all_single`
+    over the process group named `group_name`). An operator, so that a compiled graph holds the exchange whole
+    (its fake gives the static shape) instead of breaking at the collective."""
+    out_RU = block_OU.new_empty((out_rows, block_OU.shape[1]))
+    dist.all_to_all_single(out_RU, block_OU, group=_resolve_process_group(group_name))
+    return out_RU
+
+
+@_exchange_equal_splits.register_fake
+def _(block_OU: torch.Tensor, out_rows: int, group_name: str) -> torch.Tensor:
+    return block_OU.new_empty((out_rows, block_OU.shape[1]))
 
 
 # ----- "symm_mem": NVSHMEM all-to-all-v with the splits in device memory -------------------------

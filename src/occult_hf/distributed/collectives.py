@@ -60,11 +60,13 @@ def gather_rows(
 class GradNormCarrier:
     """Sets the `ep_grad_norm_carrier` gradients of a model's EP layers with one all-reduce per backward.
 
-    Layers `register()` at construction and call `queue()` when the gradient passes through them in
-    backward; the first call of a backward queues `update()` on the autograd engine, which runs once
-    the backward has finished: the squared norms of every registered layer's local expert gradients
-    go into one vector, one `all_reduce` sums it over the group, and each carrier gets
-    `sqrt(total - local)` of its layer.
+    Layers `register()` at construction. Each layer's forward passes its output through `tap(out_TH,
+    carrier)`, an identity that gives the carrier a zero gradient in backward; the carrier's
+    post-accumulate-grad hook then queues `update()` on the autograd engine (the first layer of a backward
+    does), which runs once the backward has finished: the squared norms of every registered layer's local
+    expert gradients go into one vector, one `all_reduce` sums it over the group, and each carrier gets
+    `sqrt(total - local)` of its layer. The tap is plain tensor code, so a compiled forward and backward
+    trace it; the hook runs in the autograd engine, outside any compiled graph.
     """
 
     def __init__(self, group) -> None:
@@ -73,16 +75,20 @@ class GradNormCarrier:
         self._queued = False
 
     def register(self, layer: nn.Module) -> None:
+        """Add `layer` (its `ep_grad_norm_carrier` set) to the layers whose norms one backward reduces."""
         self.layers.append(layer)
+        layer.ep_grad_norm_carrier.register_post_accumulate_grad_hook(lambda carrier: self.queue())
 
     def queue(self) -> None:
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.update)
 
-    def on_backward(self, out_TH: torch.Tensor) -> torch.Tensor:
-        """`out_TH` itself, through an identity whose backward queues `update()`: called on a layer's output."""
-        return _OnBackward.apply(out_TH, self.queue)
+    @staticmethod
+    def tap(out_TH: torch.Tensor, carrier: torch.Tensor) -> torch.Tensor:
+        """`out_TH` itself, through an identity whose backward gives `carrier` a zero gradient (which fires its
+        hook): called on a layer's output."""
+        return _Tap.apply(out_TH, carrier)
 
     @torch.no_grad()
     def update(self) -> None:
@@ -168,18 +174,17 @@ def copy_from_primaries(
     return new
 
 
-class _OnBackward(torch.autograd.Function):
-    """Identity; calls `callback()` when the gradient passes through in backward."""
+class _Tap(torch.autograd.Function):
+    """Identity on `x`; in backward, `x`'s gradient passes through and `carrier` gets zeros."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, callback) -> torch.Tensor:
-        ctx.callback = callback
+    def forward(ctx, x: torch.Tensor, carrier: torch.Tensor) -> torch.Tensor:
+        ctx.carrier_dtype = carrier.dtype
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        ctx.callback()
-        return grad, None
+        return grad, grad.new_zeros(1, dtype=ctx.carrier_dtype)
 
 
 __all__ = ["GradNormCarrier", "copy_from_primaries", "gather_rows", "sum_replica_grads"]
