@@ -70,11 +70,11 @@ else
   # the package as the wheel lays it out (kernels/, patches/, eval/ are subpackages), from this checkout
   mkdir -p $WORK/pkg && cp -r src/occult_hf $WORK/pkg/ && for d in kernels patches eval; do cp -r $d $WORK/pkg/occult_hf/$d; done
   export PYTHONPATH=$WORK/diag:$WORK/site:$WORK/pkg:$ROOT/tests
-  # the combine's Triton row sum (dispatch.row_sum) is new: if it fails to compile or differs from torch here, the steps
+  # the combine's Triton row sum (kernels.row_sum) is new: if it fails to compile or differs from torch here, the steps
   # run the PyTorch sum instead (said in the log) rather than losing every EP figure of the call
-  python3 -c "import torch; from occult_hf.dispatch import row_sum; x = torch.randn(9, 2048, device='cuda', dtype=torch.bfloat16); i = torch.randint(0, 9, (7, 2), device='cuda'); assert torch.equal(row_sum.sum_rows(x, i), torch.sum(x[i], 1, dtype=x.dtype))" \
+  python3 -c "import torch; from occult_hf.kernels import row_sum; x = torch.randn(9, 2048, device='cuda', dtype=torch.bfloat16); i = torch.randint(0, 9, (7, 2), device='cuda'); assert torch.equal(row_sum.sum_rows(x, i), torch.sum(x[i], 1, dtype=x.dtype))" \
     > $OUT/row_sum_check.txt 2>&1 || { echo "row_sum kernel FAILED its check (row_sum_check.txt): the steps run the PyTorch sum" | tee -a $OUT/row_sum_check.txt
-    sed -i 's/^def available(rows_pad_OH: torch.Tensor) -> bool:$/&\n    return False  # bench_ep_x2.sh: the kernel failed its check on this machine/' $WORK/pkg/occult_hf/dispatch/row_sum.py; }
+    sed -i 's/^def available(rows_pad_OH: torch.Tensor) -> bool:$/&\n    return False  # bench_ep_x2.sh: the kernel failed its check on this machine/' $WORK/pkg/occult_hf/kernels/row_sum.py; }
 fi
 # every Python process (pytest's ranks too) dumps its stacks on SIGUSR1
 mkdir -p $WORK/diag && printf 'import faulthandler, signal\nfaulthandler.register(signal.SIGUSR1, all_threads=True)\n' > $WORK/diag/sitecustomize.py

@@ -1,9 +1,14 @@
 """The expert activations the Triton kernels implement, and the map from a model's `act_fn` to them.
 
-Kept apart from the kernels so that choosing a backend (`occult_hf.experts`) never imports triton.
+Kept apart from the kernels so that choosing a backend (`occult_hf.experts`) never imports triton. The same names
+select the activation of the reference's custom operator (`expert_mlp_reference.expert_mlp_reference_op`), which
+takes a name where eager code takes the model's function: `TORCH_ACTIVATIONS` gives each name's function and its
+derivative as PyTorch's own backward kernels compute it.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +16,15 @@ import torch.nn.functional as F
 #: activation names the Triton kernels implement, forward and derivative (their constexpr code is the
 #: position here: `triton_expert_mlp_kernels.apply_activation`)
 ACTIVATIONS = ("silu", "gelu_tanh")
+
+#: name -> (the activation, its backward: (grad of the output, input) -> grad of the input), by PyTorch's kernels
+TORCH_ACTIVATIONS = {
+    "silu": (F.silu, torch.ops.aten.silu_backward),
+    "gelu_tanh": (
+        functools.partial(F.gelu, approximate="tanh"),
+        functools.partial(torch.ops.aten.gelu_backward, approximate="tanh"),
+    ),
+}
 
 _SILU_CLASSES = ("SiLU", "SiLUActivation")
 # transformers' classes that compute GELU with the tanh approximation (the same function, rounded differently)
@@ -40,4 +54,4 @@ def triton_supports(act_fn) -> bool:
     return True
 
 
-__all__ = ["ACTIVATIONS", "activation_name", "triton_supports"]
+__all__ = ["ACTIVATIONS", "TORCH_ACTIVATIONS", "activation_name", "triton_supports"]

@@ -7,18 +7,24 @@ the gradients (input, both weights, routing weight) that the Triton backward mus
 `expert_mlp_reference` loops over experts (one host sync for the offsets): the specification.
 `expert_mlp_grouped_mm` computes the same function with torch's grouped GEMM (two launches for the
 projections, no host sync): the fast PyTorch path on GPU and the baseline the kernels are timed against.
+
+`torch.compile` traces `expert_mlp_grouped_mm` as it is; the reference's host read of the offsets cannot be traced,
+so `expert_mlp_reference_op` runs it as the custom operator `occult::expert_mlp_reference` (the activation by name,
+`activations.TORCH_ACTIVATIONS`) with a backward operator, `occult::expert_mlp_reference_backward`, that recomputes
+each expert's forward and applies the chain rule by PyTorch's own backward kernels: the gradients autograd gives the
+reference, within fp32 rounding. The forward keeps nothing for the backward beyond its inputs.
 """
 
 from __future__ import annotations
-
-import functools
 
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from .activations import TORCH_ACTIVATIONS
 from .layout import ExpertSegments
+from .op_support import define_expert_operators
 
 
 def expert_mlp_reference(
@@ -48,7 +54,6 @@ def expert_mlp_reference(
     return out_RH.to(x_RH.dtype)
 
 
-@functools.lru_cache(maxsize=1)
 def grouped_mm_op() -> Callable | None:
     """PyTorch's grouped GEMM (`F.grouped_mm`, or `torch._grouped_mm` before it was public), or None."""
     return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -87,4 +92,70 @@ def expert_mlp_grouped_mm(
     return out_RH.index_add(0, segments.pair_row, y_NH)[:num_rows].to(x_RH.dtype)
 
 
-__all__ = ["expert_mlp_grouped_mm", "expert_mlp_reference", "grouped_mm_op"]
+def expert_mlp_reference_op(
+    x_RH: torch.Tensor,
+    segments: ExpertSegments,
+    pair_weight_N: torch.Tensor,
+    gate_up_proj_L2IH: torch.Tensor,
+    down_proj_LHI: torch.Tensor,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """`expert_mlp_reference` as one custom operator, with the activation by name (one of `TORCH_ACTIVATIONS`):
+    what `torch.compile` can trace (the module docstring)."""
+    return torch.ops.occult.expert_mlp_reference(
+        x_RH, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, segments.pair_row, segments.expert_offsets, activation, False
+    )[0]
+
+
+def _operator_forward(x_RH, pair_weight_N, gate_up_L2IH, down_LHI, pair_row_N, expert_offsets, activation, save):
+    segments = ExpertSegments(pair_row_N, expert_offsets, x_RH.shape[0])
+    act_fn = TORCH_ACTIVATIONS[activation][0]
+    return expert_mlp_reference(x_RH, segments, pair_weight_N, gate_up_L2IH, down_LHI, act_fn), None  # keeps nothing
+
+
+def _operator_backward(dout_RH, x_RH, pair_weight_N, gate_up_L2IH, down_LHI, _, pair_row_N, expert_offsets, activation, needs):
+    """The reference's gradients (x, pair weights, gate_up, down; None where `needs` says False): per expert, the
+    forward again and its chain rule, in the reference's dtypes (the weighting and the sum in fp32)."""
+    need_dx, need_dweight, need_dgate_up, need_ddown = needs
+    act_fn, act_backward = TORCH_ACTIVATIONS[activation]
+    dout_RH = dout_RH.float()  # the gradient of the reference's fp32 sum
+    dx_RH = torch.zeros_like(x_RH) if need_dx else None
+    dweight_N = torch.zeros_like(pair_weight_N) if need_dweight else None
+    dgate_up_L2IH = torch.zeros_like(gate_up_L2IH) if need_dgate_up else None
+    ddown_LHI = torch.zeros_like(down_LHI) if need_ddown else None
+    offsets = expert_offsets.tolist()
+    for expert in range(expert_offsets.shape[0] - 1):
+        start, end = offsets[expert], offsets[expert + 1]
+        if start == end:
+            continue
+        rows_n = pair_row_N[start:end]
+        x_nH = x_RH[rows_n]
+        gate_nI, up_nI = F.linear(x_nH, gate_up_L2IH[expert]).chunk(2, dim=-1)
+        act_nI = act_fn(gate_nI)
+        h_nI = act_nI * up_nI
+        g_nH = dout_RH[rows_n]
+        if need_dweight:
+            y_nH = F.linear(h_nI, down_LHI[expert])
+            dweight_N[start:end] = (g_nH * y_nH.float()).sum(1).to(pair_weight_N.dtype)
+        dy_nH = (g_nH * pair_weight_N[start:end, None].float()).to(x_RH.dtype)
+        if need_ddown:
+            ddown_LHI[expert] = dy_nH.t() @ h_nI
+        if not (need_dx or need_dgate_up):
+            continue
+        dh_nI = dy_nH @ down_LHI[expert]
+        dgu_n2I = torch.cat([act_backward(dh_nI * up_nI, gate_nI), dh_nI * act_nI], dim=-1)
+        if need_dx:
+            dx_RH.index_add_(0, rows_n, dgu_n2I @ gate_up_L2IH[expert])
+        if need_dgate_up:
+            dgate_up_L2IH[expert] = dgu_n2I.t() @ x_nH
+    return dx_RH, dweight_N, dgate_up_L2IH, ddown_LHI
+
+
+# occult::expert_mlp_reference and occult::expert_mlp_reference_backward
+define_expert_operators(
+    "expert_mlp_reference", "Tensor pair_row_N, Tensor expert_offsets", "str activation", _operator_forward,
+    _operator_backward, keeps_gu=False,
+)  # fmt: skip
+
+
+__all__ = ["expert_mlp_grouped_mm", "expert_mlp_reference", "expert_mlp_reference_op", "grouped_mm_op"]

@@ -25,6 +25,10 @@ dispatch's empty slots, row R) are skipped by every kernel and get zero weight g
 Runs where `grouped_mm_op()` has a kernel for the operands: CUDA in bf16 (SM >= 8.0, 16-byte rows); on CPU
 PyTorch's fallback runs bf16 and fp32, and the Triton pieces only under `TRITON_INTERPRET=1` (tests).
 Both reductions are in a fixed order, so the result is bitwise repeatable whatever `deterministic` says.
+
+Under `torch.compile` the forward and the backward are the custom operators `occult::expert_mlp_grouped_mm_fused`
+and `occult::expert_mlp_grouped_mm_fused_backward` (registered autograd), as `triton_expert_mlp` does; eager calls
+run the same `_forward` / `_backward` through `_GroupedMMFusedFunction`, without the operator dispatch.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from . import grouped_mm_fused_kernels as _kernels
 from .activations import ACTIVATIONS
 from .expert_mlp_reference import grouped_mm_op
 from .layout import ExpertSegments
-from .triton_expert_mlp import FAST_REDUCE, LaunchPlan, check_inputs, plan_launch, row_sum, run_tuned
+from .op_support import define_expert_operators
+from .triton_expert_mlp import FAST_REDUCE, LaunchPlan, check_inputs, plan_from_tensors, row_index_of, row_sum, run_tuned
 from .triton_launch import launch
 from .triton_support import cdiv
 
@@ -83,42 +88,70 @@ def _act_mul_backward(plan: LaunchPlan, g_NI, gu_N2I, pair_weight_N, write_hw: b
     return dgu_N2I, dweight_N, hw_NI
 
 
+def _forward(plan: LaunchPlan, ends_L, x_RH, pair_weight_N, gate_up_L2IH, down_LHI, save_gu: bool):
+    """(out [R, H], gu [N, 2I] for the backward when `save_gu`, else None); `ends_L`: grouped_mm's int32 offsets."""
+    if plan.num_pairs == 0:  # nothing to launch: every row is served by no pair
+        return torch.zeros_like(x_RH), None
+    grouped_mm = grouped_mm_op()
+    gu_N2I = grouped_mm(_gather_rows(plan, x_RH), gate_up_L2IH.transpose(1, 2), offs=ends_L)
+    y_NH = grouped_mm(_act_mul(plan, gu_N2I, pair_weight_N), down_LHI.transpose(1, 2), offs=ends_L)
+    # the gathered rows and hw are not kept: the backward recomputes them
+    return row_sum(plan, y_NH, x_RH.dtype), gu_N2I if save_gu else None
+
+
+def _backward(plan: LaunchPlan, ends_L, dout_RH, x_RH, pair_weight_N, gate_up_L2IH, down_LHI, gu_N2I, needs) -> tuple:
+    """The gradients with respect to (x, pair weights, gate_up, down), each None where `needs` says False."""
+    need_dx, need_dweight, need_dgate_up, need_ddown = needs
+    if plan.num_pairs == 0:
+        return tuple(torch.zeros_like(t) if need else None for t, need in zip((x_RH, pair_weight_N, gate_up_L2IH, down_LHI), needs))
+    grouped_mm = grouped_mm_op()
+    dy_NH = _gather_rows(plan, dout_RH.contiguous())
+    g_NI = grouped_mm(dy_NH, down_LHI, offs=ends_L)
+    dgu_N2I, dweight_N, hw_NI = _act_mul_backward(plan, g_NI, gu_N2I, pair_weight_N, write_hw=need_ddown)
+    del g_NI
+    dweight = dweight_N if need_dweight else None
+    dx = dgate_up = ddown = None
+    if need_dx:
+        dx = row_sum(plan, grouped_mm(dgu_N2I, gate_up_L2IH, offs=ends_L), x_RH.dtype)
+    if need_dgate_up:  # [L, 2I, H]: segment e of d gu^T times segment e of the gathered rows
+        dgate_up = grouped_mm(dgu_N2I.t(), _gather_rows(plan, x_RH), offs=ends_L)
+    del dgu_N2I  # [N, 2I]: freed before the last GEMM, which lowers the backward's peak
+    if need_ddown:
+        ddown = grouped_mm(dy_NH.t(), hw_NI, offs=ends_L)
+    return dx, dweight, dgate_up, ddown
+
+
 class _GroupedMMFusedFunction(torch.autograd.Function):
+    """`_forward` / `_backward` for eager calls."""
+
     @staticmethod
     def forward(ctx, x_RH, pair_weight_N, gate_up_L2IH, down_LHI, plan: LaunchPlan, ends_L, save_for_backward: bool):
         ctx.plan, ctx.ends_L = plan, ends_L
-        if plan.num_pairs == 0:  # nothing to launch: every row is served by no pair
-            ctx.save_for_backward(x_RH, pair_weight_N, gate_up_L2IH, down_LHI)
-            return torch.zeros_like(x_RH)
-        grouped_mm = grouped_mm_op()
-        gu_N2I = grouped_mm(_gather_rows(plan, x_RH), gate_up_L2IH.transpose(1, 2), offs=ends_L)
-        y_NH = grouped_mm(_act_mul(plan, gu_N2I, pair_weight_N), down_LHI.transpose(1, 2), offs=ends_L)
-        if save_for_backward:  # the gathered rows and hw are not kept: the backward recomputes them
+        out_RH, gu_N2I = _forward(plan, ends_L, x_RH, pair_weight_N, gate_up_L2IH, down_LHI, save_for_backward)
+        if save_for_backward:
             ctx.save_for_backward(x_RH, pair_weight_N, gate_up_L2IH, down_LHI, gu_N2I)
-        return row_sum(plan, y_NH, x_RH.dtype)
+        return out_RH
 
     @staticmethod
     def backward(ctx, dout_RH):
-        plan: LaunchPlan = ctx.plan
-        if plan.num_pairs == 0:
-            return tuple(torch.zeros_like(t) if need else None for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad)) + (None,) * 3
-        need_dx, need_dweight, need_dgate_up, need_ddown = ctx.needs_input_grad[:4]
-        x_RH, pair_weight_N, gate_up_L2IH, down_LHI, gu_N2I = ctx.saved_tensors
-        grouped_mm, ends_L = grouped_mm_op(), ctx.ends_L
-        dy_NH = _gather_rows(plan, dout_RH.contiguous())
-        g_NI = grouped_mm(dy_NH, down_LHI, offs=ends_L)
-        dgu_N2I, dweight_N, hw_NI = _act_mul_backward(plan, g_NI, gu_N2I, pair_weight_N, write_hw=need_ddown)
-        del g_NI
-        dweight = dweight_N if need_dweight else None
-        dx = dgate_up = ddown = None
-        if need_dx:
-            dx = row_sum(plan, grouped_mm(dgu_N2I, gate_up_L2IH, offs=ends_L), x_RH.dtype)
-        if need_dgate_up:  # [L, 2I, H]: segment e of d gu^T times segment e of the gathered rows
-            dgate_up = grouped_mm(dgu_N2I.t(), _gather_rows(plan, x_RH), offs=ends_L)
-        del dgu_N2I  # [N, 2I]: freed before the last GEMM, which lowers the backward's peak
-        if need_ddown:
-            ddown = grouped_mm(dy_NH.t(), hw_NI, offs=ends_L)
-        return dx, dweight, dgate_up, ddown, None, None, None
+        return *_backward(ctx.plan, ctx.ends_L, dout_RH, *ctx.saved_tensors, ctx.needs_input_grad[:4]), None, None, None
+
+
+def _operator_forward(x_RH, pair_weight_N, gate_up_L2IH, down_LHI, pair_row_N, expert_offsets, ends_L, row_pairs_N, row_offsets, activation, save):
+    plan = plan_from_tensors(pair_row_N, expert_offsets, x_RH.shape[0], FAST_REDUCE, activation, row_pairs_N, row_offsets)
+    return _forward(plan, ends_L, x_RH, pair_weight_N, gate_up_L2IH, down_LHI, save)
+
+
+def _operator_backward(dout_RH, x_RH, pair_weight_N, gate_up_L2IH, down_LHI, gu_N2I, pair_row_N, expert_offsets, ends_L, row_pairs_N, row_offsets, activation, needs):
+    plan = plan_from_tensors(pair_row_N, expert_offsets, x_RH.shape[0], FAST_REDUCE, activation, row_pairs_N, row_offsets)
+    return _backward(plan, ends_L, dout_RH, x_RH, pair_weight_N, gate_up_L2IH, down_LHI, gu_N2I, needs)
+
+
+# occult::expert_mlp_grouped_mm_fused and occult::expert_mlp_grouped_mm_fused_backward (ends_L: grouped_mm's offsets)
+define_expert_operators(
+    "expert_mlp_grouped_mm_fused", "Tensor pair_row_N, Tensor expert_offsets, Tensor ends_L, Tensor row_pairs_N, Tensor row_offsets",
+    "str activation", _operator_forward, _operator_backward,
+)  # fmt: skip
 
 
 def expert_mlp_grouped_mm_fused(
@@ -140,13 +173,18 @@ def expert_mlp_grouped_mm_fused(
     if grouped_mm_op() is None:
         raise RuntimeError(f"expert_mlp_grouped_mm_fused needs torch.nn.functional.grouped_mm (torch {torch.__version__} has none)")
     check_inputs(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, caller="expert_mlp_grouped_mm_fused")
-    plan = plan_launch(segments, FAST_REDUCE, activation)
-    ends_L = plan.expert_offsets[1:].to(torch.int32)  # grouped_mm's offsets: the end of each expert's segment
+    row_pairs_N, row_offsets = row_index_of(segments, FAST_REDUCE)
+    ends_L = segments.expert_offsets[1:].to(torch.int32)  # grouped_mm's offsets: the end of each expert's segment
     inputs = (x_RH, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI)
     save = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-    return _GroupedMMFusedFunction.apply(
-        x_RH.contiguous(), pair_weight_N.contiguous(), gate_up_proj_L2IH, down_proj_LHI, plan, ends_L, save
-    )
+    x_RH, pair_weight_N = x_RH.contiguous(), pair_weight_N.contiguous()
+    if torch.compiler.is_compiling():
+        return torch.ops.occult.expert_mlp_grouped_mm_fused(
+            x_RH, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, segments.pair_row, segments.expert_offsets, ends_L,
+            row_pairs_N, row_offsets, activation, save,
+        )[0]  # fmt: skip
+    plan = plan_from_tensors(segments.pair_row, segments.expert_offsets, segments.num_rows, FAST_REDUCE, activation, row_pairs_N, row_offsets)
+    return _GroupedMMFusedFunction.apply(x_RH, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, plan, ends_L, save)
 
 
 __all__ = ["expert_mlp_grouped_mm_fused"]

@@ -35,6 +35,13 @@ when deterministic). No host synchronisation: tile schedules are derived on the 
 
 On CPU the kernels run only under the Triton interpreter (`TRITON_INTERPRET=1` set before triton is
 first imported in the process), which is for tests; use `expert_mlp_reference` otherwise.
+
+Under `torch.compile` the forward and the backward are two custom operators, `occult::expert_mlp_triton` and
+`occult::expert_mlp_triton_backward` (the first's registered autograd formula calls the second), which take the
+layout as tensors: dynamo traces `expert_mlp_triton` without a graph break, and nothing that depends on the number
+of pairs (tile sizes, tuning keys, TMA) is decided in the traced code. Eager calls skip the operator dispatch (tens
+of microseconds a call, against a few for an autograd Function) and run the same two functions
+(`_forward`, `_backward`) through `_ExpertMLPFunction`.
 """
 
 from __future__ import annotations
@@ -52,9 +59,9 @@ from triton.runtime.jit import JITFunction
 
 from . import triton_expert_mlp_kernels as _kernels
 from .activations import ACTIVATIONS, activation_name
-from .layout import ExpertSegments
+from .layout import ExpertSegments, row_index
+from .op_support import define_expert_operators
 from .triton_launch import launch
-from .triton_layout import fits_one_program, sort_by_group
 from .triton_support import cdiv, interpreting, next_power_of_2
 
 
@@ -344,40 +351,64 @@ def _segment_outer(plan: LaunchPlan, a, b, *, gather_a: bool, gather_b: bool, ou
     return c_LQF
 
 
+def _forward(plan: LaunchPlan, x_RH, pair_weight_N, gate_up_L2IH, down_LHI, save_gu: bool):
+    """(out [R, H], gu [N, 2I] for the backward when `save_gu`, else None)."""
+    if plan.num_pairs == 0:  # nothing to launch: every row is served by no pair
+        return torch.zeros_like(x_RH), None
+    hw_NI, gu_N2I = _gate_up(plan, x_RH, gate_up_L2IH, pair_weight_N, save_gu=save_gu)
+    return _scatter_gemm(plan, hw_NI, down_LHI.transpose(1, 2), x_RH.dtype), gu_N2I  # hw is not kept: recomputed
+
+
+def _backward(plan: LaunchPlan, dout_RH, x_RH, pair_weight_N, gate_up_L2IH, down_LHI, gu_N2I, needs) -> tuple:
+    """The gradients with respect to (x, pair weights, gate_up, down), each None where `needs` says False."""
+    need_dx, need_dweight, need_dgate_up, need_ddown = needs
+    if plan.num_pairs == 0:
+        return tuple(torch.zeros_like(t) if need else None for t, need in zip((x_RH, pair_weight_N, gate_up_L2IH, down_LHI), needs))
+    dout_RH = dout_RH.contiguous()
+    dx = dgate_up = ddown = None
+    # one kernel gives d gu (for dx, d gate_up), the pair-weight gradient and hw (for d down)
+    dgu_N2I, dweight, hw_NI = _dgate_up(plan, dout_RH, down_LHI, gu_N2I, pair_weight_N, write_hw=need_ddown, weight_grad=need_dweight)
+    if need_dx:
+        dx = _scatter_gemm(plan, dgu_N2I, gate_up_L2IH, x_RH.dtype)
+    if need_dgate_up:
+        dgate_up = _segment_outer(plan, dgu_N2I, x_RH, gather_a=False, gather_b=True, out_dtype=gate_up_L2IH.dtype)
+    del dgu_N2I
+    if need_ddown:
+        ddown = _segment_outer(plan, dout_RH, hw_NI, gather_a=True, gather_b=False, out_dtype=down_LHI.dtype)
+    return dx, dweight, dgate_up, ddown
+
+
 class _ExpertMLPFunction(torch.autograd.Function):
+    """`_forward` / `_backward` for eager calls."""
+
     @staticmethod
     def forward(ctx, x_RH, pair_weight_N, gate_up_L2IH, down_LHI, plan: LaunchPlan, save_for_backward: bool):
         ctx.plan = plan
-        if plan.num_pairs == 0:  # nothing to launch: every row is served by no pair
-            ctx.save_for_backward(x_RH, pair_weight_N, gate_up_L2IH, down_LHI)
-            return torch.zeros_like(x_RH)
-        hw_NI, gu_N2I = _gate_up(plan, x_RH, gate_up_L2IH, pair_weight_N, save_gu=save_for_backward)
-        out_RH = _scatter_gemm(plan, hw_NI, down_LHI.transpose(1, 2), x_RH.dtype)
-        if save_for_backward:  # hw is not kept: the backward recomputes it from gu
+        out_RH, gu_N2I = _forward(plan, x_RH, pair_weight_N, gate_up_L2IH, down_LHI, save_for_backward)
+        if save_for_backward:
             ctx.save_for_backward(x_RH, pair_weight_N, gate_up_L2IH, down_LHI, gu_N2I)
         return out_RH
 
     @staticmethod
     def backward(ctx, dout_RH):
-        plan: LaunchPlan = ctx.plan
-        need_dx, need_dweight, need_dgate_up, need_ddown = ctx.needs_input_grad[:4]
-        if plan.num_pairs == 0:
-            return tuple(torch.zeros_like(t) if need else None for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad)) + (None, None)
-        x_RH, pair_weight_N, gate_up_L2IH, down_LHI, gu_N2I = ctx.saved_tensors
-        dout_RH = dout_RH.contiguous()
-        dx = dgate_up = ddown = None
-        # one kernel gives d gu (for dx, d gate_up), the pair-weight gradient and hw (for d down)
-        dgu_N2I, dweight, hw_NI = _dgate_up(
-            plan, dout_RH, down_LHI, gu_N2I, pair_weight_N, write_hw=need_ddown, weight_grad=need_dweight
-        )
-        if need_dx:
-            dx = _scatter_gemm(plan, dgu_N2I, gate_up_L2IH, x_RH.dtype)
-        if need_dgate_up:
-            dgate_up = _segment_outer(plan, dgu_N2I, x_RH, gather_a=False, gather_b=True, out_dtype=gate_up_L2IH.dtype)
-        del dgu_N2I
-        if need_ddown:
-            ddown = _segment_outer(plan, dout_RH, hw_NI, gather_a=True, gather_b=False, out_dtype=down_LHI.dtype)
-        return dx, dweight, dgate_up, ddown, None, None
+        return *_backward(ctx.plan, dout_RH, *ctx.saved_tensors, ctx.needs_input_grad[:4]), None, None
+
+
+def _operator_forward(x_RH, pair_weight_N, gate_up_L2IH, down_LHI, pair_row_N, expert_offsets, row_pairs_N, row_offsets, reduce, activation, save):
+    plan = plan_from_tensors(pair_row_N, expert_offsets, x_RH.shape[0], reduce, activation, row_pairs_N, row_offsets)
+    return _forward(plan, x_RH, pair_weight_N, gate_up_L2IH, down_LHI, save)
+
+
+def _operator_backward(dout_RH, x_RH, pair_weight_N, gate_up_L2IH, down_LHI, gu_N2I, pair_row_N, expert_offsets, row_pairs_N, row_offsets, reduce, activation, needs):
+    plan = plan_from_tensors(pair_row_N, expert_offsets, x_RH.shape[0], reduce, activation, row_pairs_N, row_offsets)
+    return _backward(plan, dout_RH, x_RH, pair_weight_N, gate_up_L2IH, down_LHI, gu_N2I, needs)
+
+
+# occult::expert_mlp_triton and occult::expert_mlp_triton_backward (row_pairs_N / row_offsets None: atomic adds)
+define_expert_operators(
+    "expert_mlp_triton", "Tensor pair_row_N, Tensor expert_offsets, Tensor? row_pairs_N, Tensor? row_offsets",
+    "str reduce, str activation", _operator_forward, _operator_backward,
+)  # fmt: skip
 
 
 def check_inputs(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, caller: str = "expert_mlp_triton") -> None:
@@ -424,35 +455,33 @@ def check_inputs(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI
         )
 
 
-def _row_index(pair_row_N: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row -> pairs CSR on the device: pairs sorted by row (stable: pair order within a row) and
-    row_offsets [R + 1] (pairs past the segments, whose row is R, fall outside every row's range).
-    Small layouts in one Triton program (`triton_layout`); else torch's sort, and searchsorted
-    instead of bincount, which would synchronise (32-bit keys sort about twice as fast as 64-bit ones)."""
-    if pair_row_N.shape[0] and fits_one_program(pair_row_N.shape[0], num_rows):
-        row_pairs_N, row_offsets, _ = sort_by_group(pair_row_N, num_rows)
-        return row_pairs_N, row_offsets
-    key_dtype = torch.int32 if num_rows < 2**31 else torch.int64
-    sorted_rows_N, row_pairs_N = torch.sort(pair_row_N.to(key_dtype), stable=True)
-    boundaries = torch.arange(num_rows + 1, dtype=key_dtype, device=pair_row_N.device)
-    return row_pairs_N, torch.searchsorted(sorted_rows_N, boundaries)
-
-
 def plan_launch(segments: ExpertSegments, reduce: str, activation: str = "silu") -> LaunchPlan:
+    """What every launch of one call shares, the row -> pairs index included (`row_index_of`)."""
     if reduce not in REDUCE_MODES:
         raise ValueError(f"reduce mode {reduce!r} is not one of {REDUCE_MODES}")
-    row_pairs_N, row_offsets = segments.row_pairs, segments.row_offsets  # built by the layout, or None
-    if reduce != "atomic" and row_pairs_N is None:
-        row_pairs_N, row_offsets = _row_index(segments.pair_row, segments.num_rows)
+    return plan_from_tensors(segments.pair_row, segments.expert_offsets, segments.num_rows, reduce, activation, *row_index_of(segments, reduce))
+
+
+def row_index_of(segments: ExpertSegments, reduce: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The row -> pairs index the row reductions read: the layout's own where it built one (`from_topk`), else built
+    here (`layout.row_index`); none for atomic adds."""
+    if reduce == "atomic" or segments.row_pairs is not None:
+        return segments.row_pairs, segments.row_offsets
+    return row_index(segments.pair_row, segments.num_rows)
+
+
+def plan_from_tensors(pair_row_N, expert_offsets, num_rows: int, reduce: str, activation: str, row_pairs_N, row_offsets) -> LaunchPlan:
+    """`plan_launch` from the layout's tensors (what the custom operators receive) and the row index."""
+    num_pairs, num_experts = pair_row_N.shape[0], expert_offsets.shape[0] - 1
     return LaunchPlan(
-        pair_row_N=segments.pair_row.contiguous(),
-        expert_offsets=segments.expert_offsets.contiguous(),
-        num_rows=segments.num_rows,
+        pair_row_N=pair_row_N.contiguous(),
+        expert_offsets=expert_offsets.contiguous(),
+        num_rows=num_rows,
         reduce=reduce,
         activation=_kernels.ACTIVATIONS[activation],
-        rows_per_expert=_rows_per_expert_bucket(segments.num_pairs, segments.num_local_experts),
-        tma=segments.num_pairs >= TMA_MIN_ROWS * max(1, segments.num_local_experts),
-        block_experts=next_power_of_2(max(2, segments.num_local_experts)),
+        rows_per_expert=_rows_per_expert_bucket(num_pairs, num_experts),
+        tma=num_pairs >= TMA_MIN_ROWS * max(1, num_experts),
+        block_experts=next_power_of_2(max(2, num_experts)),
         row_pairs_N=row_pairs_N,
         row_offsets=row_offsets,
     )
@@ -496,12 +525,19 @@ def expert_mlp_triton(
     check_inputs(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI)
     if reduce is None:
         reduce = DETERMINISTIC_REDUCE if deterministic else FAST_REDUCE
-    plan = plan_launch(segments, reduce, activation)
+    if reduce not in REDUCE_MODES:
+        raise ValueError(f"reduce mode {reduce!r} is not one of {REDUCE_MODES}")
+    row_pairs_N, row_offsets = row_index_of(segments, reduce)
     inputs = (x_RH, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI)
     save = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-    return _ExpertMLPFunction.apply(
-        x_RH.contiguous(), pair_weight_N.contiguous(), gate_up_proj_L2IH, down_proj_LHI, plan, save
-    )
+    x_RH, pair_weight_N = x_RH.contiguous(), pair_weight_N.contiguous()
+    if torch.compiler.is_compiling():
+        return torch.ops.occult.expert_mlp_triton(
+            x_RH, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, segments.pair_row, segments.expert_offsets,
+            row_pairs_N, row_offsets, reduce, activation, save,
+        )[0]  # fmt: skip
+    plan = plan_from_tensors(segments.pair_row, segments.expert_offsets, segments.num_rows, reduce, activation, row_pairs_N, row_offsets)
+    return _ExpertMLPFunction.apply(x_RH, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, plan, save)
 
 
 def expert_mlp_triton_stages(
@@ -545,11 +581,11 @@ def expert_mlp_triton_stages(
         ),
     }
     if reduce != "atomic":
-        stages = {"row -> pairs index (once per call)": (lambda: _row_index(segments.pair_row, segments.num_rows), 0.0), **stages}
+        stages = {"row -> pairs index (once per call)": (lambda: row_index(segments.pair_row, segments.num_rows), 0.0), **stages}
     return stages
 
 
 __all__ = [
     "ACTIVATIONS", "REDUCE_MODES", "LaunchPlan", "activation_name", "check_inputs", "expert_mlp_triton",
-    "expert_mlp_triton_stages", "plan_launch", "row_sum", "run_tuned",
+    "expert_mlp_triton_stages", "plan_from_tensors", "plan_launch", "row_index_of", "row_sum", "run_tuned",
 ]  # fmt: skip

@@ -9,8 +9,10 @@ key and looks the compiled kernel up, on every call. On the H200 host that is ab
 `launch` keeps the `CompiledKernel` of each specialization in a dict under a key it computes with a few
 comparisons per argument (the same distinctions Triton's own specialization makes, `_specialization`), and
 calls the compiled kernel's launcher directly. The first launch of each key, and every launch under the
-interpreter or while Triton's launch hooks are set (a profiler such as proton), goes through
-`kernel[grid]` as before; so the compiled kernel is always the one Triton would pick.
+interpreter, while Triton's launch hooks are set (a profiler such as proton) or while torch.compile traces, goes
+through `kernel[grid]` as before; so the compiled kernel is always the one Triton would pick. Only a real
+`CompiledKernel` is kept: a launch traced by dynamo returns None from `kernel[grid]`, and a cached None would fail
+every later eager launch of that key.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ def launch(kernel, grid: tuple[int, ...], *args, **constexprs) -> None:
     """`kernel[grid](*args, **constexprs)` for a `triton.jit` function (not an autotuner or heuristics wrapper)
     and a grid of 1-3 ints. `constexprs` may carry options (`num_warps`, `num_stages`) beside the kernel's
     constexpr parameters; every parameter after the positional `args` must be among them."""
-    if knobs is None or interpreting() or _hooks_set():
+    if knobs is None or interpreting() or _hooks_set() or torch.compiler.is_compiling():
         kernel[grid](*args, **constexprs)
         return
     device, stream = _device_and_stream()
@@ -96,7 +98,9 @@ def launch(kernel, grid: tuple[int, ...], *args, **constexprs) -> None:
     if cached is None:
         compiled = kernel[grid](*args, **constexprs)
         tail = tuple(kernel.arg_names[len(args) :])
-        if set(tail) <= set(constexprs):  # else a defaulted parameter: this kernel keeps kernel[grid]
+        # a defaulted parameter keeps kernel[grid] for this kernel; so does a launch that gave no compiled kernel
+        # (a traced call: under dynamo, kernel[grid] records the launch in the graph and returns None)
+        if compiled is not None and set(tail) <= set(constexprs):
             _COMPILED[key] = (compiled, tail, kernel)
         return
     compiled, tail, _ = cached

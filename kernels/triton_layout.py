@@ -5,7 +5,7 @@ or received rows), X the pairs one program of `topk_layout_kernel` places.
 
 The layout of the expert computation sorts pairs twice on the device: by (local expert, row) to make the
 expert segments (`ExpertSegments.from_pairs`), and by row to make the row -> pairs index that the row
-reduction reads (`triton_expert_mlp._row_index`). With torch each is a sort (several kernels), an
+reduction reads (`layout.row_index`). With torch each is a sort (several kernels), an
 arange and a binary search, plus casts: at small T (a few thousand pairs) these launches are a visible
 part of a call that the host's launch rate bounds (docs/bench_experts_h200.md). Up to `MAX_PAIRS` pairs
 one program does the whole of one: it packs each pair's sort key with its index into one int64 (so a
@@ -86,17 +86,29 @@ def sort_by_group_kernel(
     tl.store(offsets_ptr + groups, low.to(tl.int64), mask=groups <= num_groups)
 
 
+def _index_tensors(sizes: tuple[int, ...], device: torch.device, separate: bool) -> list[torch.Tensor]:
+    """int64 tensors of these sizes: consecutive views of one allocation, or (`separate`) one allocation each."""
+    if separate:
+        return [torch.empty(size, dtype=torch.int64, device=device) for size in sizes]
+    index = torch.empty(sum(sizes), dtype=torch.int64, device=device)
+    return list(index.split(sizes))
+
+
 def fits_one_program(num_pairs: int, num_groups: int) -> bool:
     """Whether `sort_by_group` takes this layout (at most `MAX_PAIRS` pairs and fewer groups)."""
     return num_pairs <= MAX_PAIRS and num_groups < MAX_PAIRS
 
 
-def sort_by_group(group_N: torch.Tensor, num_groups: int, minor_N: torch.Tensor | None = None, minor_range: int = 1):
+def sort_by_group(
+    group_N: torch.Tensor, num_groups: int, minor_N: torch.Tensor | None = None, minor_range: int = 1, *, separate: bool = False
+):
     """`(order_N, offsets, minor_sorted_N)`: the stable order of the pairs by (group, minor), the
     `[num_groups + 1]` offsets of each group in it (pairs whose group id is `num_groups` sort after the
     last group, outside every range), and the minor keys in that order (None without `minor_N`).
     One program; only for `fits_one_program` sizes. Group ids must lie in [0, num_groups] and minor keys
-    in [0, minor_range) (not checked: reading them would synchronise)."""
+    in [0, minor_range) (not checked: reading them would synchronise). The outputs are views of one allocation
+    (each `torch.empty` is host time at small T), or, with `separate`, tensors of their own (what a custom
+    operator must return: its outputs may not alias one another)."""
     num_pairs = group_N.shape[0]
     if not fits_one_program(num_pairs, num_groups):
         raise ValueError(
@@ -104,10 +116,10 @@ def sort_by_group(group_N: torch.Tensor, num_groups: int, minor_N: torch.Tensor 
             f"got {num_pairs} pairs and {num_groups} groups"
         )
     block_n = max(16, 1 << (num_pairs - 1).bit_length())
-    # one allocation for the outputs and the scratch (each `torch.empty` is host time at small T)
-    index = torch.empty(3 * num_pairs + num_groups + 1, dtype=torch.int64, device=group_N.device)
-    order_N, group_sorted_N, offsets = index[:num_pairs], index[num_pairs : 2 * num_pairs], index[2 * num_pairs : 2 * num_pairs + num_groups + 1]
-    minor_sorted_N = None if minor_N is None else index[2 * num_pairs + num_groups + 1 :]
+    order_N, group_sorted_N, offsets, minor_sorted_N = _index_tensors(
+        (num_pairs, num_pairs, num_groups + 1, 0 if minor_N is None else num_pairs), group_N.device, separate
+    )
+    minor_sorted_N = None if minor_N is None else minor_sorted_N
     launch(
         sort_by_group_kernel, (1,),
         group_N, group_N if minor_N is None else minor_N, num_pairs, minor_range, num_groups,
@@ -254,11 +266,14 @@ def one_launch(num_pairs: int, block_e: int) -> bool:
     return num_pairs * block_e <= TOPK_ONE_LAUNCH_WORK and block_e <= TOPK_ONE_LAUNCH_BLOCK_E
 
 
-def topk_layout(topk_ids_Tk: torch.Tensor, num_experts: int, topk_weights_Tk: torch.Tensor | None = None):
+def topk_layout(
+    topk_ids_Tk: torch.Tensor, num_experts: int, topk_weights_Tk: torch.Tensor | None = None, *, separate: bool = False
+):
     """`(order_N, pair_row_N, weight_N, expert_offsets, row_pairs_N, row_offsets)` of pairs straight from a
     top-k routing (`topk_layout_kernel`; weight_N is None without weights). One launch where `one_launch`
-    says, three elsewhere; one int64 buffer. At most `TOPK_MAX_EXPERTS` experts and, per
-    token, all k experts in [0, num_experts) (not checked: reading them would synchronise)."""
+    says, three elsewhere; one int64 buffer (with `separate`, a tensor each, as `sort_by_group`). At most
+    `TOPK_MAX_EXPERTS` experts and, per token, all k experts in [0, num_experts) (not checked: reading them would
+    synchronise)."""
     num_tokens, top_k = topk_ids_Tk.shape
     num_pairs = num_tokens * top_k
     if num_experts > TOPK_MAX_EXPERTS:
@@ -269,12 +284,9 @@ def topk_layout(topk_ids_Tk: torch.Tensor, num_experts: int, topk_weights_Tk: to
     block_e = next_power_of_2(num_experts + 1)
     counted = not one_launch(num_pairs, block_e)
     counts_int64 = -(-(num_programs + 1) * block_e // 2) if counted else 0  # int32 counts in int64 slots
-    size = 3 * num_pairs + num_experts + num_tokens + 2 + counts_int64
-    index = torch.empty(size, dtype=torch.int64, device=topk_ids_Tk.device)
-    order_N, pair_row_N, row_pairs_N = index[:num_pairs], index[num_pairs : 2 * num_pairs], index[2 * num_pairs : 3 * num_pairs]
-    offsets = index[3 * num_pairs : 3 * num_pairs + num_experts + 1]
-    row_offsets = index[3 * num_pairs + num_experts + 1 : 3 * num_pairs + num_experts + num_tokens + 2]
-    counts = index[3 * num_pairs + num_experts + num_tokens + 2 :].view(torch.int32) if counted else index
+    sizes = (num_pairs, num_pairs, num_pairs, num_experts + 1, num_tokens + 1, counts_int64)
+    order_N, pair_row_N, row_pairs_N, offsets, row_offsets, counts = _index_tensors(sizes, topk_ids_Tk.device, separate)
+    counts = counts.view(torch.int32) if counted else order_N
     weight_N = None if topk_weights_Tk is None else topk_weights_Tk.new_empty(num_pairs)
     ids = topk_ids_Tk.contiguous()
     shape = dict(TOP_K=top_k, K_BLOCK=next_power_of_2(top_k), ROWS=TOPK_ROWS, BLOCK_E=block_e)

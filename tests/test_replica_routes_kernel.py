@@ -1,4 +1,4 @@
-"""`replicas.routes_kernel` / `replicas.pairs_kernel`: the load-aware rule's per-expert half in one Triton kernel and
+"""`kernels.replica_routes` / `kernels.replica_pairs`: the load-aware rule's per-expert half in one Triton kernel and
 its per-pair half in a few, against the torch version.
 
 On CPU the kernel runs under the Triton interpreter (`TRITON_INTERPRET=1` when the kernel is first made: it uses only
@@ -6,7 +6,9 @@ Triton builtins). The torch version (`replicas.routing.replica_shares` / `expert
 within 1e-9 relative, the integer tables equal, and the routing `load_aware_homes` derives from the tables
 identical, on random and adversarial counts, random routing and the Qwen1.5 trace. The per-pair kernels give the torch
 half's integers exactly (preferences, counts, every pair's device). The `gpu` tests hold the compiled kernels to the
-same on an H200, also inside a CUDA graph capture (graphed decoding).
+same on an H200, also inside a CUDA graph capture (graphed decoding). The custom operators `torch.compile` traces
+(`occult::expert_routes`, `occult::replica_preferences`, `occult::replica_assign`) are checked here with the kernels
+behind them; tests/test_compile_ops.py checks them with the torch half behind them.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from occult_hf.replicas.pairs_kernel import fused_assign, fused_preferences_and_counts
-from occult_hf.replicas.routes_kernel import fused_expert_routes, fused_routes_and_shares
+from occult_hf.kernels.replica_pairs import fused_assign, fused_preferences_and_counts
+from occult_hf.kernels.replica_routes import fused_expert_routes, fused_routes_and_shares
 from occult_hf.replicas.routing import (
     PIN_SLACK,
     TORCH_PAIRS,
@@ -160,6 +162,33 @@ def test_pair_kernels_on_adversarial_routing(interpreted):
     assert int(fused_preferences_and_counts(nowhere, table, 4)[1][0, 3]) == 300
 
 
+def test_operators_with_the_kernels_behind_them(interpreted):
+    """opcheck of the three operators of the rule over the interpreted kernels, and the whole rule as the
+    dispatchers run it (`FusedRoutes`, `FUSED_PAIRS`) compiled with fullgraph: the torch rule's devices, pinned or
+    not."""
+    from torch.library import opcheck
+
+    from occult_hf.kernels.replica_pairs import FUSED_PAIRS
+    from occult_hf.kernels.replica_routes import FusedRoutes
+
+    generator = torch.Generator().manual_seed(8)
+    table = _replicated_table(16, 4, {e: 1 + e % 2 for e in range(0, 16, 3)}, seed=8)
+    ids = torch.stack([torch.randperm(16, generator=generator)[:4] for _ in range(50)])
+    visited = torch.rand(50, 4, generator=generator) < 0.3
+    pref, counts = fused_preferences_and_counts(ids, table, 4)
+    gathered = torch.stack([counts, counts.flip(0)])
+    tables = fused_expert_routes(gathered, table, 4, 1, PIN_SLACK, False)
+    ops = torch.ops.occult
+    opcheck(ops.expert_routes, (gathered, table, 4, 1, PIN_SLACK, False))
+    opcheck(ops.replica_preferences, (ids, table, 4, visited))
+    opcheck(ops.replica_assign, (ids, pref, table, *tables))
+    routes = FusedRoutes()
+    for devices in (None, visited):
+        rule = lambda ids: load_aware_homes(ids, table, 4, None, 0, devices, PIN_SLACK, routes, FUSED_PAIRS)  # noqa: E731
+        compiled = torch.compile(rule, backend="aot_eager", fullgraph=True)
+        assert torch.equal(compiled(ids), load_aware_homes(ids, table, 4, None, 0, devices))
+
+
 def test_pair_kernel_argument_error():
     with pytest.raises(ValueError, match=r"the home table \[4, 1\] has no replicas \(M < 2\)"):
         fused_preferences_and_counts(torch.zeros(2, 2, dtype=torch.int64), torch.zeros(4, 1, dtype=torch.int64), 2)
@@ -184,7 +213,7 @@ def test_compiled_kernel_equals_the_torch_rule_on_the_gpu():
     """Compiled (no fused multiply-adds): the split within 1e-9 of the eager GPU one and the same routing, for
     rank 1 of a gathered group, pinned and not, also launched inside a CUDA graph capture as graphed decoding does."""
     from occult_hf.utils.cuda_graph import capture
-    from occult_hf.replicas.routes_kernel import FusedRoutes
+    from occult_hf.kernels.replica_routes import FusedRoutes
 
     generator = torch.Generator().manual_seed(1)
     ids = torch.stack([torch.randperm(64, generator=generator)[:8] for _ in range(4096)]).cuda()
@@ -204,8 +233,8 @@ def test_compiled_pair_kernels_equal_the_torch_half_on_the_gpu():
     """Compiled: the per-pair kernels give the eager GPU rule's preferences, counts and devices at T = 16384 (1024 scan
     blocks), over 2 ranks, pinned and not, and inside a CUDA graph capture of the whole rule with both halves' kernels."""
     from occult_hf.utils.cuda_graph import capture
-    from occult_hf.replicas.pairs_kernel import FUSED_PAIRS
-    from occult_hf.replicas.routes_kernel import FusedRoutes
+    from occult_hf.kernels.replica_pairs import FUSED_PAIRS
+    from occult_hf.kernels.replica_routes import FusedRoutes
 
     generator = torch.Generator().manual_seed(7)
     popularity_E = 1.0 / (torch.randperm(64, generator=generator).double() + 4.0)

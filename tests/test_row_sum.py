@@ -1,9 +1,11 @@
-"""`dispatch.row_sum`: the Triton kernel that sums each token's returned rows, against `torch.sum` of the gathered rows.
+"""`kernels.row_sum`: the Triton kernel that sums each token's returned rows, against `torch.sum` of the gathered rows.
 
 On CPU the kernel runs under the Triton interpreter (`TRITON_INTERPRET=1` when the kernel is first made: it uses
 only Triton builtins, so this works in a process that imported Triton before). The interpreter rounds fp32 to
 bf16 toward zero where compiled kernels round to nearest even, so in bf16 the interpreted sums are checked within
-one bf16 step of the fp32 sum, and exactly against PyTorch by the `gpu` test.
+one bf16 step of the fp32 sum, and exactly against PyTorch by the `gpu` test. The custom operator
+`occult::sum_rows` (what `torch.compile` traces) is checked here with the kernel behind it (opcheck, and a compiled
+call equal to the eager one); tests/test_compile_ops.py checks it with the torch sum behind it.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from occult_hf.dispatch import row_sum
+from occult_hf.kernels import row_sum
 from occult_hf.dispatch.base import RowFormat
 
 
@@ -72,6 +74,24 @@ def test_bad_output_is_named(interpreted):
         row_sum.sum_rows(x_OH, row_TJ, torch.zeros(2, 5))
     with pytest.raises(ValueError, match="contiguous elements"):
         row_sum.sum_rows(torch.zeros(4, 3).t(), row_TJ)
+
+
+def test_operator_with_the_kernel_behind_it(interpreted):
+    """`occult::sum_rows` over a packed block's strided field: opcheck (its one mutated argument, fake tensors,
+    AOT dispatch), and `sum_rows` compiled (fullgraph) writes what the eager kernel writes into a chunk's slice."""
+    from torch.library import opcheck
+
+    torch.manual_seed(1)
+    x_OH, row_TJ = _problem(torch.float32, hidden=40, rows=9, tokens=6, width=3)
+    opcheck(torch.ops.occult.sum_rows, (x_OH, row_TJ, torch.empty(6, 40)))
+
+    def into_chunk(x_OH, row_TJ, out_TH):
+        row_sum.sum_rows(x_OH, row_TJ, out_TH[2:8])
+        return out_TH
+
+    compiled = torch.compile(into_chunk, backend="aot_eager", fullgraph=True)
+    got, want = (f(x_OH, row_TJ, torch.full((10, 40), float("nan"))) for f in (compiled, into_chunk))
+    assert torch.equal(got[2:8], want[2:8]) and got[:2].isnan().all() and got[8:].isnan().all()
 
 
 @pytest.mark.gpu

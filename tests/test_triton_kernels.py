@@ -259,20 +259,24 @@ def test_direct_launch_passes_every_parameter(tuner):
         assert not meta.get("USE_TMA", False) or config.kwargs.get("USE_TMA")
 
 
-def test_topk_layout_only_where_it_was_run():
-    """`from_topk` takes the Triton layout on CUDA up to `TOPK_MAX_EXPERTS` experts (the most it has run with on
-    a GPU), any number of pairs; torch's sort elsewhere. One launch only for few pairs of few experts."""
+def test_topk_layout_only_where_it_was_run(monkeypatch):
+    """`from_topk` takes the Triton layout on CUDA (and on CPU under the interpreter) up to `TOPK_MAX_EXPERTS`
+    experts (the most it has run with on a GPU), any number of pairs; torch's sort elsewhere. One launch only for
+    few pairs of few experts."""
     from types import SimpleNamespace
 
-    from occult_hf.kernels import layout
+    from occult_hf.kernels import layout, triton_support
     from occult_hf.kernels.triton_layout import TOPK_MAX_EXPERTS, one_launch
 
     def ids(numel, is_cuda=True):
         return SimpleNamespace(is_cuda=is_cuda, numel=lambda: numel)
 
+    monkeypatch.setattr(triton_support, "interpreting", lambda: False)
     assert layout.topk_kernel_applies(ids(1 << 20), TOPK_MAX_EXPERTS)
     assert not layout.topk_kernel_applies(ids(128), TOPK_MAX_EXPERTS + 1)
     assert not layout.topk_kernel_applies(ids(128, is_cuda=False), 8) and not layout.topk_kernel_applies(ids(0), 8)
+    monkeypatch.setattr(triton_support, "interpreting", lambda: True)
+    assert layout.topk_kernel_applies(ids(128, is_cuda=False), 8)
     assert one_launch(8192, 128) and not one_launch(16384, 128)  # 64 experts: T = 1024 / 2048 at k = 8
     assert one_launch(1024, 256) and not one_launch(8192, 256) and not one_launch(1024, 512)
 
@@ -282,7 +286,7 @@ def test_one_program_layout_is_torchs_stable_sort(interpreted, num_pairs):
     """`sort_by_group` (one Triton program) gives what torch's stable sort and a binary search give:
     the expert layout (by expert, then row) with the rows in order, and the row index (by row alone,
     including rows equal to the group count, which sort past every range)."""
-    from occult_hf.kernels.layout import _sort_pairs_torch
+    from occult_hf.kernels.layout import sort_by_group_torch
     from occult_hf.kernels.triton_layout import sort_by_group
 
     generator = torch.Generator().manual_seed(num_pairs)
@@ -290,8 +294,10 @@ def test_one_program_layout_is_torchs_stable_sort(interpreted, num_pairs):
     pair_row = torch.randint(0, rows, (num_pairs,), generator=generator)
     pair_expert = torch.randint(0, experts, (num_pairs,), generator=generator)
     order_N, offsets, pair_row_N = sort_by_group(pair_expert, experts, pair_row, rows)
-    expected = _sort_pairs_torch(pair_row, pair_expert, rows, experts)
-    assert torch.equal(pair_row_N, expected[0]) and torch.equal(offsets, expected[1]) and torch.equal(order_N, expected[2])
+    expected = sort_by_group_torch(pair_expert, experts, pair_row, rows)
+    assert torch.equal(order_N, expected[0]) and torch.equal(offsets, expected[1]) and torch.equal(pair_row_N, expected[2])
+    separate = sort_by_group(pair_expert, experts, pair_row, rows, separate=True)  # the operator's own tensors
+    assert all(torch.equal(a, b) for a, b in zip(separate, expected)) and separate[0].data_ptr() != separate[1].data_ptr()
     row_N = torch.randint(0, rows + 1, (num_pairs,), generator=generator)  # row R: a pair past the segments
     row_pairs_N, row_offsets, _ = sort_by_group(row_N, rows)
     sorted_N, expected_pairs_N = torch.sort(row_N, stable=True)
@@ -314,7 +320,7 @@ def test_topk_layout_is_the_from_pairs_layout(interpreted, monkeypatch, tokens, 
     weights_Tk = torch.rand(tokens, top_k, generator=generator, dtype=torch.float64).requires_grad_()
     row_N = torch.arange(tokens * top_k) // top_k
     expected, order_N = ExpertSegments.from_pairs(row_N, ids_Tk.reshape(-1), tokens, experts)
-    expected_row_pairs_N, expected_row_offsets = triton_expert_mlp._row_index(expected.pair_row, tokens)
+    expected_row_pairs_N, expected_row_offsets = layout.row_index(expected.pair_row, tokens)
     monkeypatch.setattr(layout, "topk_kernel_applies", lambda *args: True)
     monkeypatch.setattr(triton_layout, "TOPK_ONE_LAUNCH_WORK", one_launch_work)
     monkeypatch.setattr(triton_layout, "_SCAN_PROGRAMS", 8)
@@ -518,9 +524,10 @@ def test_bench_experts_harness_on_a_tiny_shape(interpreted, tmp_path, monkeypatc
         assert m.fwd_rel_err <= 1e-5 and m.fwd_ms > 0 and m.fwd_bwd_ms > 0 and m.saved_bytes > 0, m
     # the kernels keep gu [N, 2I] (fp32 here); transformers' grouped_mm keeps several [N, *] tensors more
     pairs = 24 * shape.top_k
-    # (+ what the bench's layout adds: the pair weights in segment order [N] fp32, and the int64 order
-    # that indexing the routing weights saves for its own backward)
-    assert measured["triton_rows_io"].saved_bytes == pairs * (2 * shape.intermediate + 1) * 4 + pairs * 8
+    # (+ what the bench's layout adds: the pair weights in segment order [N] fp32, and the int64 order the
+    # weights' backward reads, a view of the Triton layout's one index buffer: 3N + E + T + 2 entries)
+    index_bytes = (3 * pairs + shape.num_experts + 24 + 2) * 8
+    assert measured["triton_rows_io"].saved_bytes == pairs * (2 * shape.intermediate + 1) * 4 + index_bytes
     assert measured["hf_grouped_mm"].saved_bytes > measured["triton_rows_io"].saved_bytes
     assert measured["grouped_mm_fused"].saved_bytes == measured["triton_rows_io"].saved_bytes  # gu alone too
     # a peer that cannot run here gets a row that says why (SonicMoE is not installable on CPU)
@@ -843,7 +850,7 @@ def test_auto_backend_rule(monkeypatch):
 
     from occult_hf import experts
 
-    monkeypatch.setattr(experts, "_triton_importable", lambda: True)
+    monkeypatch.setattr(experts, "triton_importable", lambda: True)
     supported = {"value": True}
     monkeypatch.setattr(experts, "grouped_mm_supported", lambda *tensors: supported["value"])
     cuda_rows = SimpleNamespace(is_cuda=True)
@@ -890,3 +897,91 @@ def test_grouped_mm_fused_bf16_matches_fp32_reference(shape, tokens):
     assert _auto_backend(x_RH, problem.segments, gate_up, down, F.silu, needs_grad=True) == training  # T = 128: triton
     assert _auto_backend(x_RH, problem.segments, gate_up, down, F.silu, needs_grad=False) == ("triton" if short else "grouped_mm_fused")
     assert _auto_backend(problem.x_RH, problem.segments, problem.gate_up_L2IH, problem.down_LHI, F.silu, True) == "triton"  # fp32
+
+
+def _opcheck_problem():
+    """A small routed problem (16 tokens, 4 experts, k = 2: ragged segments, several tiles) with its layout's tensors."""
+    problem = _routed_problem(16, 24, 16, 4, 2, "cpu")
+    segments = problem.segments
+    row_pairs_N, row_offsets = triton_expert_mlp.row_index_of(segments, "rows_io")
+    return problem, (segments.pair_row, segments.expert_offsets), (row_pairs_N, row_offsets)
+
+
+@pytest.mark.parametrize("backend", ["triton", "grouped_mm_fused"])
+def test_triton_ops_pass_opcheck(interpreted, backend):
+    """opcheck of the expert computation's forward operator (with its registered autograd: every input needs a
+    gradient) and of its backward operator (some gradients not needed), over the interpreted kernels."""
+    importlib.import_module("occult_hf.kernels.grouped_mm_fused")  # defines its operators (imported on first use)
+    problem, layout, row_index = _opcheck_problem()
+    inputs = problem.inputs(torch.float32)
+    dout_RH = torch.randn(problem.x_RH.shape, generator=torch.Generator().manual_seed(2))
+    if backend == "triton":
+        forward, backward = torch.ops.occult.expert_mlp_triton, torch.ops.occult.expert_mlp_triton_backward
+        static, extra = ("rows_io", "silu"), ()
+    else:
+        forward, backward = torch.ops.occult.expert_mlp_grouped_mm_fused, torch.ops.occult.expert_mlp_grouped_mm_fused_backward
+        static, extra = ("silu",), (layout[1][1:].to(torch.int32),)
+    opcheck_args = (*inputs, *layout, *extra, *row_index, *static)
+    torch.library.opcheck(forward, (*opcheck_args, True))
+    gu_N2I = forward(*(t.detach() for t in inputs), *layout, *extra, *row_index, *static, True)[1]
+    detached = [t.detach() for t in inputs]
+    torch.library.opcheck(backward, (dout_RH, *detached, gu_N2I, *layout, *extra, *row_index, *static, [True, True, False, True]))
+
+
+def test_layout_ops_pass_opcheck_over_the_kernels(interpreted):
+    """opcheck of `occult::sort_by_group` (one Triton program: with and without minor keys) and `occult::topk_layout`
+    (its kernels, with the weights' registered gradient)."""
+    generator = torch.Generator().manual_seed(3)
+    group_N = torch.randint(0, 6, (40,), generator=generator)
+    minor_N = torch.randint(0, 9, (40,), generator=generator)
+    torch.library.opcheck(torch.ops.occult.sort_by_group, (group_N, 5, minor_N, 9))
+    torch.library.opcheck(torch.ops.occult.sort_by_group, (group_N, 5, None, 1))
+    ids_Tk = torch.stack([torch.randperm(7, generator=generator)[:3] for _ in range(20)])
+    weights_Tk = torch.rand(20, 3, generator=generator, requires_grad=True)
+    torch.library.opcheck(torch.ops.occult.topk_layout, (ids_Tk, weights_Tk, 7))
+
+
+@pytest.mark.parametrize("backend, layout", [("triton", "pairs"), ("grouped_mm_fused", "topk")])
+def test_triton_backends_compiled_equal_eager(interpreted, backend, layout):
+    """`local_experts` with a Triton backend compiled (aot_eager, fullgraph) behind the layout it is used with: the
+    top-k layout's kernels (`occult::topk_layout`), or `from_pairs` and the row index by the one-program sort
+    (`occult::sort_by_group`); the output and all four gradients equal eager, for two token counts (the first marked
+    dynamic) and one compilation."""
+    import torch._dynamo.testing
+
+    from occult_hf.experts import local_experts
+
+    generator = torch.Generator().manual_seed(4)
+    hidden, inter, experts, top_k = 24, 16, 4, 2
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=generator) / 5).requires_grad_()
+    down = (torch.randn(experts, hidden, inter, generator=generator) / 4).requires_grad_()
+
+    def step(x_TH, ids_Tk, weights_Tk):
+        if layout == "topk":
+            segments, weight_N = ExpertSegments.from_topk(ids_Tk, weights_Tk, experts)
+        else:
+            segments, order_N = ExpertSegments.from_topk_ids(ids_Tk, experts)  # no row index: the kernels sort
+            weight_N = weights_Tk.reshape(-1)[order_N]
+        return local_experts(x_TH, segments, weight_N, gate_up, down, F.silu, backend)
+
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    for tokens in (11, 18):
+        ids_Tk = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
+        results = []
+        for fn in (compiled, step):
+            x_TH = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens)).requires_grad_()
+            weights_Tk = torch.rand(tokens, top_k, generator=torch.Generator().manual_seed(tokens)).requires_grad_()
+            if fn is compiled and tokens == 11:
+                for tensor in (x_TH, ids_Tk, weights_Tk):
+                    torch._dynamo.mark_dynamic(tensor, 0)
+            out = fn(x_TH, ids_Tk, weights_Tk)
+            results.append((out.detach(), torch.autograd.grad(out, (x_TH, weights_Tk, gate_up, down), torch.ones_like(out))))
+        (got, got_grads), (want, want_grads) = results
+        assert rel_err(got, want) <= 1e-5 and all(rel_err(g, w) <= 1e-5 for g, w in zip(got_grads, want_grads)), tokens
+    assert counter.frame_count == 1
+    graph = counter.graphs[0].code
+    assert f"occult.expert_mlp_{backend}" in graph
+    assert ("occult.topk_layout" if layout == "topk" else "occult.sort_by_group") in graph
+    torch._dynamo.reset()

@@ -78,3 +78,31 @@ def test_defaulted_parameter_or_launch_hook_keeps_kernel_grid(compiled_launches,
     for _ in range(2):  # a profiler's hook wants Triton's launch metadata
         triton_launch.launch(kernel, (1,), x, 16, BLOCK=16)
     assert len(kernel.through_jit) == 4 and kernel.launches == []
+
+
+class _TracedKernel(_Kernel):
+    """`kernel[grid](...)` as dynamo traces it while `traced`: the launch goes into the graph and the call returns
+    None instead of a compiled kernel (a stand-in: the real one needs a GPU, where `launch` caches)."""
+
+    traced = True
+
+    def __getitem__(self, grid):
+        run = super().__getitem__(grid)
+        return lambda *args, **kwargs: None if self.traced else run(*args, **kwargs)
+
+
+def test_a_traced_launch_leaves_eager_launches_working(compiled_launches, monkeypatch):
+    """After a traced launch (None from `kernel[grid]`) the same kernel launches eagerly: nothing cached None, whose
+    `.run` failed every later eager launch of that key ("'NoneType' object has no attribute 'run'"). While
+    torch.compile traces, every launch goes through `kernel[grid]`."""
+    kernel, x = _TracedKernel(), torch.zeros(64)
+    triton_launch.launch(kernel, (3,), x, 32, BLOCK=16, num_warps=4)
+    kernel.traced = False
+    for _ in range(2):  # the first compiles through kernel[grid], the second runs the cached compiled kernel
+        triton_launch.launch(kernel, (3,), x, 32, BLOCK=16, num_warps=4)
+    assert len(kernel.through_jit) == 1 and len(kernel.launches) == 1
+    monkeypatch.setattr(triton_launch, "_COMPILED", {})
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    for _ in range(2):
+        triton_launch.launch(kernel, (3,), x, 32, BLOCK=16, num_warps=4)
+    assert len(kernel.through_jit) == 3 and triton_launch._COMPILED == {}

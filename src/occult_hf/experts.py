@@ -10,7 +10,9 @@ only sees local tensors and the `ExpertSegments` layout that `dispatch()` produc
 
 - ``torch``: `grouped_mm` (one grouped GEMM per projection over the contiguous expert segments)
   where PyTorch has a kernel for the dtype and device (CUDA, compute capability >= 8.0, bf16,
-  16-byte aligned rows), else the portable reference `expert_mlp_reference` (one GEMM per expert).
+  16-byte aligned rows), else the portable reference `expert_mlp_reference` (one GEMM per expert;
+  under `torch.compile` its custom operator, `expert_mlp_reference_op`, for the activations it names,
+  `occult_hf.kernels.activations.ACTIVATIONS`; another activation leaves the reference to eager, a graph break).
 - ``triton``: `occult_hf.kernels.triton_expert_mlp.expert_mlp_triton` (fused gather/scatter; the
   model's activation passed by name, for the activations the kernels implement:
   `occult_hf.kernels.activations.ACTIVATIONS`, SiLU and GELU-tanh; any other is refused by name;
@@ -25,11 +27,15 @@ only sees local tensors and the `ExpertSegments` layout that `dispatch()` produc
   grouped GEMM has a kernel (bf16), else ``triton``; ``torch`` off CUDA. On the H200 (docs/kernels.md,
   "Which backend `auto` picks") the Triton kernels' 16- and 32-row tiles stream the expert weights faster
   than CUTLASS's tiles at short segments, and CUTLASS's GEMMs are the faster ones at long segments.
+
+`torch.compile(fullgraph=True)` traces `local_experts` and `LocalExperts` forward and backward: every backend's
+kernels are custom operators (namespace `occult`, see docs/kernels.md), the choice of backend is made on shapes,
+dtypes and devices, and with a dynamic token count only `auto`'s pair-count threshold is a guard (crossing it
+compiles once more, for the other backend).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import torch
@@ -37,8 +43,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from occult_hf.kernels.activations import activation_name, triton_supports
-from occult_hf.kernels.expert_mlp_reference import expert_mlp_grouped_mm, expert_mlp_reference, grouped_mm_op
+from occult_hf.kernels.expert_mlp_reference import (
+    expert_mlp_grouped_mm,
+    expert_mlp_reference,
+    expert_mlp_reference_op,
+    grouped_mm_op,
+)
 from occult_hf.kernels.layout import ExpertSegments
+from occult_hf.kernels.triton_support import require_triton, triton_importable
 
 from .registry import EXPERT_BACKENDS
 
@@ -93,10 +105,22 @@ def local_experts(
 
 
 def _torch_backend(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn, deterministic):
-    """PyTorch's grouped GEMM where it has a kernel, else the portable reference (`deterministic` is Triton's)."""
+    """PyTorch's grouped GEMM where it has a kernel, else the portable reference (`deterministic` is Triton's); under
+    `torch.compile` the reference's operator where it knows the activation, else the reference left to eager."""
     if grouped_mm_supported(x_RH, gate_up_proj_L2IH, down_proj_LHI):
         return expert_mlp_grouped_mm(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn)
-    return expert_mlp_reference(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn)
+    if not torch.compiler.is_compiling():
+        return expert_mlp_reference(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn)
+    if triton_supports(act_fn):
+        activation = activation_name(act_fn)
+        return expert_mlp_reference_op(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, activation)
+    return _eager_reference(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn)
+
+
+#: the reference for an activation its operator does not name: its host read of the offsets cannot be traced
+_eager_reference = torch.compiler.disable(
+    expert_mlp_reference, reason="the expert activation is none of occult_hf.kernels.activations.ACTIVATIONS"
+)
 
 
 def _triton_backend(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn, deterministic):
@@ -118,7 +142,7 @@ def _grouped_mm_fused_backend(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, 
             f">= 8.0, bfloat16 rows and weights, hidden and expert width multiples of 8; got {x_RH.dtype} rows, "
             f"hidden {down_proj_LHI.shape[1]}, width {down_proj_LHI.shape[2]}: use expert_backend='triton' or 'torch'"
         )
-    _triton_expert_mlp()  # ImportError naming triton when it is missing
+    _triton_expert_mlp("grouped_mm_fused")  # ImportError naming triton when it is missing
     from occult_hf.kernels.grouped_mm_fused import expert_mlp_grouped_mm_fused
 
     return expert_mlp_grouped_mm_fused(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, activation=activation)
@@ -135,10 +159,16 @@ def grouped_mm_supported(x_RH: torch.Tensor, gate_up_proj_L2IH: torch.Tensor, do
         return False
     if gate_up_proj_L2IH.dtype != torch.bfloat16 or down_proj_LHI.dtype != torch.bfloat16:
         return False
-    if torch.cuda.get_device_capability(x_RH.device) < (8, 0):
+    if _capability(x_RH.device.index if x_RH.device.index is not None else torch.cuda.current_device()) < (8, 0):
         return False
     hidden, width = down_proj_LHI.shape[1], down_proj_LHI.shape[2]
     return hidden % 8 == 0 and width % 8 == 0  # 16-byte rows in bf16
+
+
+@torch.compiler.assume_constant_result
+def _capability(device_index: int) -> tuple[int, int]:
+    """The GPU's compute capability (a constant to torch.compile, which cannot trace the query)."""
+    return torch.cuda.get_device_capability(device_index)
 
 
 class LocalExperts(nn.Module):
@@ -228,7 +258,7 @@ AUTO_TRITON_TRAIN_BELOW = 128
 
 def _auto_backend(x_RH, segments: ExpertSegments, gate_up_proj_L2IH, down_proj_LHI, act_fn, needs_grad: bool) -> str:
     """What "auto" runs (the module docstring says why)."""
-    if not (x_RH.is_cuda and triton_supports(act_fn) and _triton_importable()):
+    if not (x_RH.is_cuda and triton_supports(act_fn) and triton_importable()):
         return "torch"
     if not grouped_mm_supported(x_RH, gate_up_proj_L2IH, down_proj_LHI):
         return "triton"
@@ -236,24 +266,12 @@ def _auto_backend(x_RH, segments: ExpertSegments, gate_up_proj_L2IH, down_proj_L
     return "triton" if segments.num_pairs < below * max(1, segments.num_local_experts) else "grouped_mm_fused"
 
 
-@functools.lru_cache(maxsize=1)
-def _triton_importable() -> bool:
-    try:
-        _triton_expert_mlp()
-    except ImportError:
-        return False
-    return True
+def _triton_expert_mlp(backend: str = "triton"):
+    """The Triton entry point, imported on first use (Triton is optional and slow to import); an ImportError that
+    names `backend` and how to install Triton where it is missing."""
+    require_triton(f"expert_backend={backend!r} (use expert_backend='torch' without it)")
+    from occult_hf.kernels.triton_expert_mlp import expert_mlp_triton
 
-
-def _triton_expert_mlp():
-    """The Triton entry point, imported on first use (Triton is optional and slow to import)."""
-    try:
-        from occult_hf.kernels.triton_expert_mlp import expert_mlp_triton
-    except ImportError as error:
-        raise ImportError(
-            f"expert_backend='triton' needs the triton package ({error}); install it with `pip install triton` "
-            f"or use expert_backend='torch'"
-        ) from error
     return expert_mlp_triton
 
 

@@ -7,14 +7,14 @@ Under `replica_choice="load_aware"` every layer routes its replicated experts' p
 (`replicas.routing.load_aware_homes`): a per-expert half (`expert_routes`: the split's rounds and the tables,
 about 480 small operators) and a per-pair half (about 80). Session 4 measured the whole rule at 8-16 ms per
 layer on two H200s, about 2x the layer; session 5 replays the per-expert half from one CUDA graph per layer
-(`GraphedRoutes`); session 6 computes it in one Triton kernel (`replicas.routes_kernel`, what the dispatchers
+(`GraphedRoutes`); session 6 computes it in one Triton kernel (`kernels.replica_routes`, what the dispatchers
 launch on a GPU). This times, per layer and in one process, for each case (E, k) x D logical devices x T:
 
 - `static`: the static rule (`resolve_homes`), the baseline every replicated layer pays;
 - `routes eager` / `routes graphed` / `routes kernel`: the per-expert half alone, eager, replayed, one launch;
 - `rule eager` / `rule graphed` / `rule kernel`: the whole rule for rank 0, with each per-expert half and the torch
   per-pair half;
-- `rule all kernels`: both halves in Triton (the per-pair half as `replicas.pairs_kernel`'s few launches), eager:
+- `rule all kernels`: both halves in Triton (the per-pair half as `kernels.replica_pairs`'s few launches), eager:
   what `replica_choice="load_aware"` costs a layer of an eager forward on top of its exchange, as the dispatchers
   run it;
 - `rule in one graph` / `rule kernel in one graph`: the whole rule captured, with the eager or the kernel's
@@ -42,8 +42,8 @@ import torch
 from occult_hf.utils.atomic import atomic_write_json, atomic_write_text
 from occult_hf.benchmarks.ep import timed
 from occult_hf.utils.cuda_graph import capture
-from occult_hf.replicas.pairs_kernel import FUSED_PAIRS
-from occult_hf.replicas.routes_kernel import fused_expert_routes
+from occult_hf.kernels.replica_pairs import FUSED_PAIRS
+from occult_hf.kernels.replica_routes import fused_expert_routes
 from occult_hf.replicas.routing import (
     PIN_SLACK,
     GraphedRoutes,

@@ -23,16 +23,16 @@ from typing import Callable, ClassVar, Sequence
 import torch
 import torch.distributed as dist
 
+from occult_hf.kernels import row_sum
 from occult_hf.kernels.layout import ExpertSegments
+from occult_hf.kernels.replica_pairs import FUSED_PAIRS
+from occult_hf.kernels.replica_routes import FusedRoutes
 
-from ..replicas.pairs_kernel import FUSED_PAIRS
-from ..replicas.routes_kernel import FusedRoutes
 from ..registry import DISPATCHERS
 from ..registry import REPLICA_CHOICES
 from ..layout import LayerLayout
 from ..replicas.routing import load_aware_homes
 from ..utils.checks import check_timeout_s
-from . import row_sum
 from .auto import AutoHints
 from .group import ExpertParallelGroup
 from .plan import check_mode, destinations

@@ -1,4 +1,4 @@
-"""The load-aware replica rule's per-expert half (`replicas.routing.expert_routes`) as ONE Triton kernel.
+"""The load-aware replica rule's per-expert half (`occult_hf.replicas.routing.expert_routes`) as ONE Triton kernel.
 
 Shape legend: see `occult_hf.replicas.routing` (G ranks of the group).
 
@@ -16,6 +16,10 @@ rounded before the sum that uses it, as in PyTorch. Only the order of the per-de
 counts, `offset`, and the per-expert integer sums are exact in any order. The tree is fixed, so every rank
 computes the same bits from the same gathered integers. The torch version stays the reference and the CPU path;
 on CPU tensors this runs under `TRITON_INTERPRET=1` (the tests).
+
+Under `torch.compile`, `FusedRoutes` calls the custom operator `occult::expert_routes` (this kernel where Triton runs
+and the shapes fit, else `expert_routes` eagerly: the CUDA graph of `GraphedRoutes` is for eager calls); its five
+tables have the shapes of the home table `[E, M]` and its experts `[E]`.
 """
 
 from __future__ import annotations
@@ -24,9 +28,9 @@ import functools
 
 import torch
 
-from occult_hf.kernels.triton_support import interpreting, next_power_of_2, triton_importable
+from occult_hf.replicas.routing import SPLIT_ROUNDS, GraphedRoutes, expert_routes
 
-from .routing import SPLIT_ROUNDS, GraphedRoutes
+from .triton_support import interpreting, next_power_of_2, require_triton, triton_runs_on
 
 #: the most homes of one expert and the most experts one program holds (registers: BLOCK_E x BLOCK_M entries)
 MAX_HOMES, MAX_EXPERTS = 8, 256
@@ -35,7 +39,7 @@ MAX_ONEHOT = 16384
 
 
 def unfused_options(interpret: bool, num_warps: int) -> dict:
-    """Launch options of the replica rule's kernels (here and `replicas.pairs_kernel`): no fused multiply-adds, so a
+    """Launch options of the replica rule's kernels (here and `kernels.replica_pairs`): no fused multiply-adds, so a
     product is rounded before the sum that uses it, as in PyTorch (none under the interpreter, which compiles
     nothing)."""
     return {} if interpret else {"enable_fp_fusion": False, "num_warps": num_warps}
@@ -47,7 +51,7 @@ def _kernel(interpret: bool):
     Only Triton builtins: `tl.sum`, `tl.max` and `tl.zeros` are jit functions, which the interpreter cannot run after
     Triton was imported without it (nor a jit helper made here: it reads the module's globals, not closures), so the
     sums are `tl.reduce` with `tl.sum`'s own combine function, the same reduction tree."""
-    import triton
+    triton = require_triton("the load-aware replica rule's kernel (occult_hf.kernels.replica_routes)")
     import triton.language as tl
 
     @triton.jit
@@ -195,7 +199,8 @@ def fused_routes_and_shares(
 class FusedRoutes:
     """The per-expert half as a dispatcher runs it (one instance per layer): this kernel on a GPU with Triton and
     shapes it holds, else `GraphedRoutes` (a CUDA graph on a GPU, eager on CPU). A Triton launch is also
-    captured by an enclosing CUDA graph (graphed decoding), so no case needs the graph when the kernel runs."""
+    captured by an enclosing CUDA graph (graphed decoding), so no case needs the graph when the kernel runs.
+    Under `torch.compile`, the operator `occult::expert_routes`."""
 
     def __init__(self) -> None:
         self._graphed = GraphedRoutes()
@@ -203,10 +208,36 @@ class FusedRoutes:
     def __call__(
         self, all_GEM1: torch.Tensor, home_table_EM: torch.Tensor, num_devices: int, rank: int, pin_slack: float, pinned: bool
     ) -> tuple[torch.Tensor, ...]:
-        num_experts, num_homes = home_table_EM.shape
-        if all_GEM1.is_cuda and triton_importable() and num_experts <= MAX_EXPERTS and num_homes <= MAX_HOMES:
+        if torch.compiler.is_compiling():
+            return torch.ops.occult.expert_routes(all_GEM1, home_table_EM, num_devices, rank, pin_slack, pinned)
+        if _kernel_applies(all_GEM1, home_table_EM):
             return fused_expert_routes(all_GEM1, home_table_EM, num_devices, rank, pin_slack, pinned)
         return self._graphed(all_GEM1, home_table_EM, num_devices, rank, pin_slack, pinned)
+
+
+def _kernel_applies(all_GEM1: torch.Tensor, home_table_EM: torch.Tensor) -> bool:
+    """Whether the kernel runs here (Triton on these tensors) and holds the shapes (`MAX_EXPERTS`, `MAX_HOMES`)."""
+    num_experts, num_homes = home_table_EM.shape
+    return triton_runs_on(all_GEM1) and num_experts <= MAX_EXPERTS and num_homes <= MAX_HOMES
+
+
+@torch.library.custom_op("occult::expert_routes", mutates_args=())
+def _expert_routes_op(
+    all_GEM1: torch.Tensor, home_table_EM: torch.Tensor, num_devices: int, rank: int, pin_slack: float, pinned: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`expert_routes`' five tables as one operator: the kernel where `_kernel_applies`, else the torch version."""
+    if _kernel_applies(all_GEM1, home_table_EM):
+        return fused_expert_routes(all_GEM1, home_table_EM, num_devices, rank, pin_slack, pinned)
+    tables = expert_routes(all_GEM1, home_table_EM, num_devices, rank, pin_slack, pinned)
+    return tuple(table.contiguous() for table in tables)  # one table is a view of a sum: the kernel's are dense
+
+
+@_expert_routes_op.register_fake
+def _(all_GEM1, home_table_EM, num_devices, rank, pin_slack, pinned):
+    num_experts, num_homes = home_table_EM.shape
+    fraction_EM = all_GEM1.new_empty(num_experts, num_homes, dtype=torch.float64)
+    count_E = all_GEM1.new_empty(num_experts, dtype=torch.int64)
+    return fraction_EM, all_GEM1.new_empty(num_experts, num_homes, dtype=torch.int64), count_E, torch.empty_like(count_E), torch.empty_like(fraction_EM)
 
 
 __all__ = ["MAX_EXPERTS", "MAX_HOMES", "FusedRoutes", "fused_expert_routes", "fused_routes_and_shares", "unfused_options"]

@@ -1,4 +1,4 @@
-"""The load-aware replica rule's per-pair half (`replicas.routing.load_aware_homes`, steps 1 and 3) in Triton.
+"""The load-aware replica rule's per-pair half (`occult_hf.replicas.routing.load_aware_homes`, steps 1 and 3) in Triton.
 
 Shape legend: see `occult_hf.replicas.routing` (X blocks of `BLOCK_F` flat entries, local here).
 
@@ -18,7 +18,12 @@ three memsets, whatever T, k, E and M:
 3. the same for the pairs that do not stay (ranked per expert), then the pick among the homes by the cumulative
    fractions, in fp64 with the torch version's formulas and no fused multiply-adds.
 
-The torch version stays the reference and the CPU path; on CPU tensors this runs under `TRITON_INTERPRET=1`.
+The torch version (`replicas.routing.TORCH_PAIRS`) stays the reference and the CPU path; on CPU tensors this runs
+under `TRITON_INTERPRET=1`.
+
+Under `torch.compile`, `FUSED_PAIRS` calls the custom operators `occult::replica_preferences` (`[T, k]` preferences
+and `[E, M + 1]` counts) and `occult::replica_assign` (`[T, k]` devices), which run these kernels where Triton runs
+and the torch half elsewhere: every shape follows from the routing's and the home table's.
 """
 
 from __future__ import annotations
@@ -27,10 +32,10 @@ import functools
 
 import torch
 
-from occult_hf.kernels.triton_support import cdiv, interpreting, next_power_of_2, triton_importable
+from occult_hf.replicas.routing import TORCH_PAIRS, PairHalf
 
-from .routes_kernel import unfused_options
-from .routing import PairHalf, TORCH_PAIRS
+from .replica_routes import unfused_options
+from .triton_support import cdiv, interpreting, next_power_of_2, require_triton, triton_runs_on
 
 #: tokens one `preferences` program holds, and flat entries one block of the scan ranks ([BLOCK_F, BLOCK_F] compares)
 BLOCK_T, BLOCK_F = 64, 128
@@ -43,8 +48,8 @@ STAGE_VISITING, STAGE_REST, STAGE_PICK = 0, 1, 2
 def _kernels(interpret: bool):
     """`(preferences, line)`, made on first use (one pair per mode: `triton.jit` decides at decoration whether it is
     interpreted). Only Triton builtins (sums as `tl.reduce` with `tl.sum`'s combine function), as in
-    `replicas.routes_kernel`: the interpreter cannot run Triton's jit helpers after Triton was imported without it."""
-    import triton
+    `kernels.replica_routes`: the interpreter cannot run Triton's jit helpers after Triton was imported without it."""
+    triton = require_triton("the load-aware replica rule's kernels (occult_hf.kernels.replica_pairs)")
     import triton.language as tl
 
     @triton.jit
@@ -192,24 +197,67 @@ def fused_assign(
     return dest_F.view(topk_ids_Tk.shape)
 
 
-def _on_triton(tensor: torch.Tensor) -> bool:
-    return tensor.is_cuda and triton_importable()
-
-
 def _preferences_and_counts(topk_ids_Tk, home_table_EM, num_devices, visited_TD=None):
-    """The kernel on a GPU with Triton, else the torch reference."""
-    on_triton = _on_triton(topk_ids_Tk)
+    """The kernel where Triton runs, else the torch reference; under `torch.compile` the operator."""
+    if torch.compiler.is_compiling():
+        return torch.ops.occult.replica_preferences(topk_ids_Tk, home_table_EM, num_devices, visited_TD)
+    return _preferences_impl(topk_ids_Tk, home_table_EM, num_devices, visited_TD)
+
+
+def _preferences_impl(topk_ids_Tk, home_table_EM, num_devices, visited_TD):
+    on_triton = triton_runs_on(topk_ids_Tk)
     return (fused_preferences_and_counts if on_triton else TORCH_PAIRS.preferences_and_counts)(
         topk_ids_Tk, home_table_EM, num_devices, visited_TD
     )
 
 
 def _assign(topk_ids_Tk, pref_Tk, home_table_EM, tables):
-    """The kernels on a GPU with Triton, else the torch reference."""
-    return (fused_assign if _on_triton(topk_ids_Tk) else TORCH_PAIRS.assign)(topk_ids_Tk, pref_Tk, home_table_EM, tables)
+    """The kernels where Triton runs, else the torch reference; under `torch.compile` the operator."""
+    if torch.compiler.is_compiling():
+        return torch.ops.occult.replica_assign(topk_ids_Tk, pref_Tk, home_table_EM, *tables)
+    return _assign_impl(topk_ids_Tk, pref_Tk, home_table_EM, tables)
 
 
-#: the per-pair half as the dispatchers run it: these kernels on a GPU with Triton, the torch version elsewhere
+def _assign_impl(topk_ids_Tk, pref_Tk, home_table_EM, tables):
+    return (fused_assign if triton_runs_on(topk_ids_Tk) else TORCH_PAIRS.assign)(topk_ids_Tk, pref_Tk, home_table_EM, tables)
+
+
+@torch.library.custom_op("occult::replica_preferences", mutates_args=())
+def _preferences_op(
+    topk_ids_Tk: torch.Tensor, home_table_EM: torch.Tensor, num_devices: int, visited_TD: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(pref_Tk, counts_EM1)`: step 1 of the rule as one operator."""
+    return _preferences_impl(topk_ids_Tk, home_table_EM, num_devices, visited_TD)
+
+
+@_preferences_op.register_fake
+def _(topk_ids_Tk, home_table_EM, num_devices, visited_TD):
+    num_experts, num_homes = home_table_EM.shape
+    return topk_ids_Tk.new_empty(topk_ids_Tk.shape, dtype=torch.int64), topk_ids_Tk.new_empty(num_experts, num_homes + 1, dtype=torch.int64)
+
+
+@torch.library.custom_op("occult::replica_assign", mutates_args=())
+def _assign_op(
+    topk_ids_Tk: torch.Tensor,
+    pref_Tk: torch.Tensor,
+    home_table_EM: torch.Tensor,
+    stay_EM: torch.Tensor,
+    offset_EM: torch.Tensor,
+    rest_before_E: torch.Tensor,
+    rest_total_E: torch.Tensor,
+    cumulative_EM: torch.Tensor,
+) -> torch.Tensor:
+    """`[T, k]` serving device of each pair: step 3 of the rule as one operator."""
+    tables = (stay_EM, offset_EM, rest_before_E, rest_total_E, cumulative_EM)
+    return _assign_impl(topk_ids_Tk, pref_Tk, home_table_EM, tables)
+
+
+@_assign_op.register_fake
+def _(topk_ids_Tk, pref_Tk, home_table_EM, stay_EM, offset_EM, rest_before_E, rest_total_E, cumulative_EM):
+    return topk_ids_Tk.new_empty(topk_ids_Tk.shape, dtype=torch.int64)
+
+
+#: the per-pair half as the dispatchers run it: these kernels where Triton runs (a GPU), the torch version elsewhere
 FUSED_PAIRS = PairHalf(_preferences_and_counts, _assign)
 
 __all__ = ["FUSED_PAIRS", "fused_assign", "fused_preferences_and_counts"]
