@@ -8,7 +8,7 @@ training forward, against 0.1 ms for the per-expert half's kernel. Here it is fo
 three memsets, whatever T, k, E and M:
 
 1. `preferences`: one program per block of tokens finds each pair's first visited home (the homes of the token's
-   single-home experts, plus the caller's `visited_TD`) and adds it to the `[E, M + 1]` counts with integer
+   single-home experts, plus the caller's `devices_TD`) and adds it to the `[E, M + 1]` counts with integer
    atomics (exact and order-free: the same counts as `preference_counts` in any order);
 2. a pair's place in its group's line ("the g-th pair of (expert, first visited home)") is its position among the
    earlier entries of its group in entry order, computed as a deterministic blocked scan: each block of `BLOCK_F`
@@ -143,7 +143,7 @@ def _kernels(interpret: bool):
 
 
 def fused_preferences_and_counts(
-    topk_ids_Tk: torch.Tensor, home_table_EM: torch.Tensor, num_devices: int, visited_TD: torch.Tensor | None = None
+    topk_ids_Tk: torch.Tensor, home_table_EM: torch.Tensor, num_devices: int, devices_TD: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(pref_Tk, counts_EM1)`: `replica_preferences`' `pref_Tk` and `preference_counts` of it, in one launch (and
     the counts' memset)."""
@@ -154,11 +154,11 @@ def fused_preferences_and_counts(
         raise ValueError(f"fused_preferences_and_counts: the home table [{num_experts}, {num_homes}] has no replicas (M < 2)")
     pref_Tk = torch.empty(num_tokens, top_k, dtype=torch.int64, device=ids_Tk.device)
     counts_EM1 = torch.zeros(num_experts, num_homes + 1, dtype=torch.int64, device=ids_Tk.device)
-    visited = pref_Tk if visited_TD is None else visited_TD.to(torch.bool).contiguous().view(torch.uint8)
+    visited = pref_Tk if devices_TD is None else devices_TD.to(torch.bool).contiguous().view(torch.uint8)
     interpret = interpreting()
     _kernels(interpret)[0][(cdiv(num_tokens, BLOCK_T),)](
         ids_Tk, table_EM, visited, pref_Tk, counts_EM1, num_tokens, num_devices, TOP_K=top_k,
-        BLOCK_K=next_power_of_2(top_k), NUM_HOMES=num_homes, HAS_VISITED=visited_TD is not None, BLOCK=BLOCK_T,
+        BLOCK_K=next_power_of_2(top_k), NUM_HOMES=num_homes, HAS_VISITED=devices_TD is not None, BLOCK=BLOCK_T,
         **unfused_options(interpret, num_warps=4),
     )  # fmt: skip
     return pref_Tk, counts_EM1
@@ -197,17 +197,17 @@ def fused_assign(
     return dest_F.view(topk_ids_Tk.shape)
 
 
-def _preferences_and_counts(topk_ids_Tk, home_table_EM, num_devices, visited_TD=None):
+def _preferences_and_counts(topk_ids_Tk, home_table_EM, num_devices, devices_TD=None):
     """The kernel where Triton runs, else the torch reference; under `torch.compile` the operator."""
     if torch.compiler.is_compiling():
-        return torch.ops.occult.replica_preferences(topk_ids_Tk, home_table_EM, num_devices, visited_TD)
-    return _preferences_impl(topk_ids_Tk, home_table_EM, num_devices, visited_TD)
+        return torch.ops.occult.replica_preferences(topk_ids_Tk, home_table_EM, num_devices, devices_TD)
+    return _preferences_impl(topk_ids_Tk, home_table_EM, num_devices, devices_TD)
 
 
-def _preferences_impl(topk_ids_Tk, home_table_EM, num_devices, visited_TD):
+def _preferences_impl(topk_ids_Tk, home_table_EM, num_devices, devices_TD):
     on_triton = triton_runs_on(topk_ids_Tk)
     return (fused_preferences_and_counts if on_triton else TORCH_PAIRS.preferences_and_counts)(
-        topk_ids_Tk, home_table_EM, num_devices, visited_TD
+        topk_ids_Tk, home_table_EM, num_devices, devices_TD
     )
 
 
@@ -224,14 +224,14 @@ def _assign_impl(topk_ids_Tk, pref_Tk, home_table_EM, tables):
 
 @torch.library.custom_op("occult::replica_preferences", mutates_args=())
 def _preferences_op(
-    topk_ids_Tk: torch.Tensor, home_table_EM: torch.Tensor, num_devices: int, visited_TD: torch.Tensor | None
+    topk_ids_Tk: torch.Tensor, home_table_EM: torch.Tensor, num_devices: int, devices_TD: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(pref_Tk, counts_EM1)`: step 1 of the rule as one operator."""
-    return _preferences_impl(topk_ids_Tk, home_table_EM, num_devices, visited_TD)
+    return _preferences_impl(topk_ids_Tk, home_table_EM, num_devices, devices_TD)
 
 
 @_preferences_op.register_fake
-def _(topk_ids_Tk, home_table_EM, num_devices, visited_TD):
+def _(topk_ids_Tk, home_table_EM, num_devices, devices_TD):
     num_experts, num_homes = home_table_EM.shape
     return topk_ids_Tk.new_empty(topk_ids_Tk.shape, dtype=torch.int64), topk_ids_Tk.new_empty(num_experts, num_homes + 1, dtype=torch.int64)
 
