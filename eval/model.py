@@ -40,6 +40,7 @@ from occult_hf.hf.apply import install, lockstep_managed_by_caller, occult_confi
 from occult_hf.utils.checks import did_you_mean
 from occult_hf.config import OccultConfig
 from occult_hf.utils.logging import get_logger
+from occult_hf.utils.progress import progress_enabled
 
 from .lockstep import ForwardLockstep
 
@@ -258,6 +259,16 @@ class OccultHFLM(HFLM):
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
         with lockstep_managed_by_caller(self.model):
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
+
+    # ----- lm-eval's request bars follow HF's progress-bar switches (and `occult eval --no-progress`) -----
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not progress_enabled())
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm or not progress_enabled())
+
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        return super().generate_until(requests, disable_tqdm=disable_tqdm or not progress_enabled())
 
     def get_model_info(self) -> dict:
         info = super().get_model_info()

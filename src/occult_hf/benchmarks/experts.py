@@ -557,7 +557,7 @@ def run_benchmark(
     progress: bool = True,
 ) -> dict:
     """Measures every (shape, T, implementation); returns the results and the markdown tables."""
-    from tqdm.auto import tqdm
+    from occult_hf.utils.progress import progress_bar
 
     for name in implementations:
         try:
@@ -568,7 +568,7 @@ def run_benchmark(
     measurements: list[Measurement] = []
     breakdowns: dict[str, list] = {}
     cases = [(name, t) for name in shapes for t in tokens]
-    bar = tqdm(cases, desc="occult bench experts", disable=not progress)
+    bar = progress_bar(cases, desc="occult bench experts", enabled=progress)
     log = bar.write if progress else (lambda message: None)
     for shape_name, t in bar:
         shape = shapes[shape_name]

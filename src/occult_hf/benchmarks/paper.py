@@ -957,7 +957,7 @@ def parse_traces(entries: list[str]) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqdm.auto import tqdm
+    from occult_hf.utils.progress import progress_bar
 
     for name, value in SCALE_DEFAULTS[args.scale].items():
         if getattr(args, name) is None:
@@ -968,7 +968,7 @@ def run(args: argparse.Namespace) -> int:
     experiments = EXPERIMENTS if args.experiment == "all" else (args.experiment,)
     per_model = sum(ctx.wants(key) for key, _ in PREFILL_ROWS) if "prefill" in experiments else 0
     per_model += sum(ctx.wants(key) for key, _ in FINETUNE_ROWS) if "finetune" in experiments else 0
-    ctx.progress = tqdm(total=per_model * len(args.models), desc="occult bench paper", disable=rank != 0)
+    ctx.progress = progress_bar(total=per_model * len(args.models), desc="occult bench paper", enabled=rank == 0)
     for name in args.models:
         spec = PAPER_MODELS[name]
         config = spec.config(args.scale)

@@ -43,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = [arg for arg in argv if arg != "--debug"]
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.no_progress:
+        from ..utils.progress import disable_progress_bars
+
+        disable_progress_bars()
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
@@ -56,6 +60,14 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
             parser.exit(2)
         parser.exit(2, f"occult {args.command}: error: {one_line(error)} (--debug shows the traceback)\n")
+
+
+def add_no_progress_argument(parser: argparse.ArgumentParser) -> None:
+    """`--no-progress`, which every subcommand takes: `main` then turns off every progress bar of the run."""
+    parser.add_argument(
+        "--no-progress", action="store_true",
+        help="draw no progress bars (as HF_HUB_DISABLE_PROGRESS_BARS=1 or transformers' disable_progress_bar() do)",
+    )  # fmt: skip
 
 
 def check_output_dir(path: str, option: str = "--out") -> None:

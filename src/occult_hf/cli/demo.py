@@ -25,6 +25,7 @@ import torch
 
 from ..utils.arguments import positive_int
 from .devices import add_num_devices_argument
+from . import add_no_progress_argument
 
 #: the demo's text: occult_hf's own `.py` sources frozen at one commit (`snapshot_sources`), lzma-compressed JSON
 DEMO_SOURCES = "demo_sources.json.xz"
@@ -42,6 +43,7 @@ def register(subparsers) -> None:
     parser.add_argument("--tokens", type=positive_int, default=12_288, help="tokens to profile in each of the plan and held-out halves")
     parser.add_argument("--seed", type=int, default=0, help="seed of the profile's token sample")
     parser.add_argument("--no-plots", action="store_true", help="print the table only")
+    add_no_progress_argument(parser)
     parser.set_defaults(func=run)
 
 

@@ -212,7 +212,7 @@ def plan_profiles(
         num_devices: `D`, devices of the expert-parallel group (1 <= D <= E).
         method: a registered planner name (`available_planners()`); default "refined".
         layers: the profile layers to plan (default: all the profiles share).
-        progress: show a tqdm bar over layers.
+        progress: show a progress bar over layers (`utils.progress`: HF's switches turn it off too).
         **options: the planner's options (e.g. `max_load_ratio=1.1, seed=0` for "refined").
 
     `placement.meta["profile_metrics"]` records, per layer, how the placement scores on the
@@ -220,7 +220,7 @@ def plan_profiles(
     not only means; with several profiles `meta["worst_profile"]` adds each layer's worst
     profile and its balance.
     """
-    from tqdm.auto import tqdm
+    from ..utils.progress import progress_bar
 
     spec = get_planner(method)
     planner_options = spec.make_options(**options)
@@ -228,7 +228,7 @@ def plan_profiles(
     check_device_count(pooled.num_experts, num_devices)
     chosen = sorted(pooled.layers) if layers is None else [int(l) for l in layers]
     maps, replicas, slots, scores, worst, pin_slack = {}, {}, None, {}, {}, {}
-    bar = tqdm(chosen, desc=f"placement {method} D={num_devices}", unit="layer", disable=not progress)
+    bar = progress_bar(chosen, desc=f"placement {method} D={num_devices}", unit="layer", enabled=progress)
     for layer in bar:
         routing = pooled.layer(layer)
         extra = _profile_inputs(items, layer, routing) if spec.multi_profile and len(items) > 1 else {}

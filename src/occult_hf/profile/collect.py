@@ -190,10 +190,10 @@ def collect_routing(
         sample_size: tokens kept per layer in the uniform top-k sample.
         seed: seed of the sample.
         max_tokens: stop after this many tokens (None: all of `data`).
-        progress: show a tqdm bar.
+        progress: show a progress bar (`utils.progress`: HF's switches turn it off too).
         source: what to record as the profile's source (default: a description of `data`).
     """
-    from tqdm.auto import tqdm
+    from ..utils.progress import progress_bar
 
     for name, value in (("batch_size", batch_size), ("max_length", max_length)):
         if not isinstance(value, int) or value < 1:
@@ -208,7 +208,7 @@ def collect_routing(
     was_training = model.training
     model.eval()
     collector = ProfileCollector(base, sample_size=sample_size, seed=seed)
-    bar = tqdm(total=total, unit="doc", desc="profiling routing", disable=not progress)
+    bar = progress_bar(total=total, unit="doc", desc="profiling routing", enabled=progress)
     try:
         with collector, torch.no_grad():
             windows = _windows(documents, tokenizer, max_length, max_tokens, bar, vocab_size)

@@ -2,9 +2,9 @@
 
 The run: seed everything, build the recipe's model, pack the prepared training streams of the
 recipe's domains into `[B, S]` windows, shuffle them with the seed, and train with `Trainer`
-(AdamW, warm-up then cosine decay to 10%, gradient clipping at 1.0, tqdm progress). Under a
-`time_budget_s` the run measures its step time after a few steps and shortens the schedule to the
-steps that fit (the cosine then ends at the last step that runs, rather than being cut). The
+(AdamW, warm-up then cosine decay to 10%, gradient clipping at 1.0, the Trainer's progress bar unless
+HF's switches or `progress=False` turn it off). Under a `time_budget_s` the run measures its step time
+after a few steps and shortens the schedule to the steps that fit (the cosine then ends at the last step that runs, rather than being cut). The
 checkpoint is a plain transformers directory (weights in safetensors, fp32) with the tokenizer,
 `recipe.json`, `train_log.json` (loss per logged step, tokens seen, wall time, held-out perplexity
 per domain) and `loss_curve.png`.
@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..utils.atomic import atomic_save_figure, atomic_write_json, atomic_write_text
+from ..utils.progress import progress_enabled
 from .data import PreparedData, pack
 from .recipes import Recipe
 
@@ -150,7 +151,7 @@ def train(
         bf16=recipe.bf16 and use_cuda,
         use_cpu=not use_cuda,
         dataloader_num_workers=0,
-        disable_tqdm=not progress,
+        disable_tqdm=not progress_enabled(progress),
     )
     trainer = Trainer(
         model=model,
