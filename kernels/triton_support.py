@@ -14,8 +14,7 @@ import os
 
 import torch
 
-#: whether `import triton` works in this process (None: not tried yet); a module global rather than an lru_cache, so
-#: that torch.compile reads it as a constant instead of warning about a cached function
+#: whether `import triton` works in this process (None: not tried yet)
 _IMPORTABLE: bool | None = None
 
 
@@ -24,8 +23,10 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@torch.compiler.assume_constant_result
 def triton_importable() -> bool:
-    """Whether `import triton` works in this process (tried once)."""
+    """Whether `import triton` works in this process (tried once). A constant to torch.compile: traced, the first
+    call's lazy answer would be a guard on the unanswered question, and every first compilation would recompile."""
     global _IMPORTABLE
     if _IMPORTABLE is None:
         try:

@@ -188,6 +188,11 @@ def test_row_sum_compiled_writes_into_a_chunk_of_the_output():
     assert torch.equal(out_TH[2:8], expected_TH) and bool((out_TH[:2] == 7).all()) and bool((out_TH[8:] == 7).all())
 
 
+def _two_ranks(counts_EM1: torch.Tensor) -> torch.Tensor:
+    """A stand-in for the group's all-gather: this rank's counts after another rank's (rank 1 of 2: a line offset)."""
+    return torch.stack([counts_EM1.flip(0), counts_EM1])
+
+
 def _replica_table() -> torch.Tensor:
     """8 experts on 4 devices, experts 0 and 5 with a second home, expert 2 with three."""
     return torch.from_numpy(home_table_from([0, 0, 1, 1, 2, 2, 3, 3], {0: [2], 5: [1], 2: [0, 3]}))
@@ -202,7 +207,7 @@ def test_load_aware_rule_compiled_equals_eager(pinned):
     routes = FusedRoutes()
 
     def rule(ids_Tk, devices_TD):
-        return load_aware_homes(ids_Tk, table_EM, 4, None, 1, devices_TD, PIN_SLACK, routes, FUSED_PAIRS)
+        return load_aware_homes(ids_Tk, table_EM, 4, _two_ranks, 1, devices_TD, PIN_SLACK, routes, FUSED_PAIRS)
 
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(rule, backend=counter, fullgraph=True)
@@ -268,3 +273,16 @@ def _opcheck_cases():
 def test_opcheck_cpu_implementations(case):
     _, op, args = _opcheck_cases()[case]
     opcheck(op, args)
+
+
+def test_the_first_compilation_does_not_recompile_on_the_triton_question(monkeypatch):
+    """`triton_importable` answers lazily; asked first inside a traced function it must be a constant to dynamo, not a
+    guard on the unanswered question (which recompiled the first graph of every process on a GPU)."""
+    from occult_hf.kernels import triton_support
+
+    monkeypatch.setattr(triton_support, "_IMPORTABLE", None)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda x: x + 1 if triton_support.triton_importable() else x - 1, backend=counter, fullgraph=True)
+    for _ in range(3):
+        compiled(torch.zeros(3))
+    assert counter.frame_count == 1

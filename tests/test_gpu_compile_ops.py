@@ -115,6 +115,11 @@ def test_inductor_equals_eager_in_bf16(backend):
             torch.cuda.set_sync_debug_mode("default")
 
 
+def _two_ranks(counts_EM1: torch.Tensor) -> torch.Tensor:
+    """A stand-in for the group's all-gather: this rank's counts after another rank's (rank 1 of 2: a line offset)."""
+    return torch.stack([counts_EM1.flip(0), counts_EM1])
+
+
 def _replica_table() -> torch.Tensor:
     return torch.from_numpy(home_table_from([0, 0, 1, 1, 2, 2, 3, 3], {0: [2], 5: [1], 2: [0, 3]})).cuda()
 
@@ -139,8 +144,8 @@ def test_inductor_over_the_layout_row_sum_and_replica_rule():
     replica_ids_Tk, _ = _routing(777, seed=2, experts=8, top_k=3)
     devices_TD = torch.rand(777, 4, device="cuda") < 0.4
     for devices in (None, devices_TD):
-        rule = lambda ids: load_aware_homes(ids, table_EM, 4, None, 1, devices, PIN_SLACK, routes, FUSED_PAIRS)  # noqa: E731
-        assert torch.equal(torch.compile(rule, fullgraph=True)(replica_ids_Tk), load_aware_homes(replica_ids_Tk, table_EM, 4, None, 1, devices))
+        rule = lambda ids: load_aware_homes(ids, table_EM, 4, _two_ranks, 1, devices, PIN_SLACK, routes, FUSED_PAIRS)  # noqa: E731
+        assert torch.equal(torch.compile(rule, fullgraph=True)(replica_ids_Tk), load_aware_homes(replica_ids_Tk, table_EM, 4, _two_ranks, 1, devices))
 
 
 def test_opcheck_on_gpu():
