@@ -12,6 +12,10 @@ with `--layers` decoder layers (default 4) is built in bf16 on the GPU, then:
   local: the "local" dispatcher), one copy per expert backend in `--backends` (default "auto": Triton on
   CUDA; "torch": PyTorch's grouped GEMMs), so that backends are compared with stock in the same run.
 
+With `--compile`, each model is timed also as `torch.compile(model.model)` (inductor, its default mode: what a
+user gets for one line of code), after a first call that compiles; the table then compares every row with stock
+transformers eager and with stock transformers compiled, the strongest thing a user runs instead.
+
 Timed (`triton.testing.do_bench` medians, CUDA events) on the decoder without the LM head
 (`model.model`, so that the vocabulary's matmul and loss, which both share, do not dilute the
 comparison): forward under `no_grad`, and forward + backward of a random upstream gradient of the
@@ -114,10 +118,12 @@ def _timer(device, warmup_ms: float, rep_ms: float):
     return wall
 
 
-def decoder_steps(model, ids_BS):
-    """`step(backward)` of `model.model` on `ids_BS`: a forward under `no_grad`, or a forward + backward of a fixed
-    random upstream gradient of the last hidden state (gradients cleared after it, so no step pays for accumulation)."""
-    decoder = model.model
+def decoder_steps(model, ids_BS, decoder=None):
+    """`step(backward)` of `model.model` (or `decoder`, its compiled form) on `ids_BS`: a forward under `no_grad`, or
+    a forward + backward of a fixed random upstream gradient of the last hidden state (gradients cleared after it, so
+    no step pays for accumulation)."""
+    parameters = list(model.model.parameters())
+    decoder = model.model if decoder is None else decoder
     hidden = decoder(input_ids=ids_BS).last_hidden_state
     upstream = torch.randn_like(hidden)
     del hidden
@@ -128,7 +134,7 @@ def decoder_steps(model, ids_BS):
                 decoder(input_ids=ids_BS)
             return
         decoder(input_ids=ids_BS).last_hidden_state.backward(upstream)
-        for param in decoder.parameters():
+        for param in parameters:
             param.grad = None
 
     return step
@@ -159,9 +165,11 @@ def moe_block_ranges(model):
             hook.remove()
 
 
-def time_decoder(model, ids_BS, timer) -> tuple[float, float]:
-    """(forward ms, forward+backward ms) of `model.model` on `ids_BS`."""
-    step = decoder_steps(model, ids_BS)
+def time_decoder(model, ids_BS, timer, decoder=None) -> tuple[float, float]:
+    """(forward ms, forward+backward ms) of `model.model` (or `decoder`, its compiled form) on `ids_BS`."""
+    step = decoder_steps(model, ids_BS, decoder)
+    step(False)
+    step(True)  # a compiled decoder compiles its forward and backward graphs here, outside the timing
     return timer(lambda: step(False)), timer(lambda: step(True))
 
 
@@ -191,6 +199,11 @@ def measure(shape: str, args, device, dtype) -> list[ModelRow]:
         fwd, fwd_bwd = time_decoder(model, ids_BS, timer)
         rows.append(ModelRow(shape, args.batch * args.seq, args.layers, name, fwd, fwd_bwd, experts_impl))
         print(f"{shape} {name}: fwd {fwd:.2f} ms, fwd+bwd {fwd_bwd:.2f} ms", flush=True)
+        if args.compile:
+            torch._dynamo.reset()
+            fwd, fwd_bwd = time_decoder(model, ids_BS, timer, torch.compile(model.model))
+            rows.append(ModelRow(shape, args.batch * args.seq, args.layers, f"{name} compiled", fwd, fwd_bwd, experts_impl))
+            print(f"{shape} {name} compiled: fwd {fwd:.2f} ms, fwd+bwd {fwd_bwd:.2f} ms", flush=True)
     del stock, models
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
@@ -203,20 +216,22 @@ def occult_name(backend: str) -> str:
 
 
 def results_table(rows: list[ModelRow]) -> str:
-    """One line per (shape, occult_hf model) against the stock model of the same shape and run."""
-    lines = [
-        "| shape | tokens | layers | stock experts impl. | occult_hf | stock fwd ms | occult fwd ms | fwd speed-up | stock fwd+bwd ms | occult fwd+bwd ms | fwd+bwd speed-up |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    stock_of = {row.shape: row for row in rows if row.implementation == "stock"}
-    for occult in (row for row in rows if row.implementation != "stock"):
-        stock = stock_of[occult.shape]
-        lines.append(
-            f"| {occult.shape} | {stock.tokens} | {stock.layers} | {stock.stock_experts} | {occult.implementation} | {stock.fwd_ms:.2f} | "
-            f"{occult.fwd_ms:.2f} | {stock.fwd_ms / occult.fwd_ms:.2f}x | {stock.fwd_bwd_ms:.2f} | {occult.fwd_bwd_ms:.2f} | "
-            f"{stock.fwd_bwd_ms / occult.fwd_bwd_ms:.2f}x |"
-        )
-    return "\n".join(lines)
+    """One line per (shape, model): its times and its speed-up over stock transformers eager and, where measured,
+    compiled."""
+    from occult_hf.utils.tables import markdown_table
+
+    by = {(row.shape, row.implementation): row for row in rows}
+    compiled = any(row.implementation == "stock compiled" for row in rows)
+    headers = ["shape", "tokens", "layers", "stock experts impl.", "model", "fwd ms", "fwd+bwd ms", "fwd vs stock",
+               "fwd+bwd vs stock"] + (["fwd vs stock compiled", "fwd+bwd vs stock compiled"] if compiled else [])  # fmt: skip
+    lines = []
+    for row in rows:
+        line = [row.shape, row.tokens, row.layers, row.stock_experts, row.implementation, f"{row.fwd_ms:.2f}", f"{row.fwd_bwd_ms:.2f}"]
+        for baseline in ("stock",) + (("stock compiled",) if compiled else ()):
+            base = by[(row.shape, baseline)]
+            line += [f"{base.fwd_ms / row.fwd_ms:.2f}x", f"{base.fwd_bwd_ms / row.fwd_bwd_ms:.2f}x"]
+        lines.append(line)
+    return markdown_table(headers, lines)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -232,6 +247,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backends", nargs="+", default=["auto"], choices=list(expert_backend_names()),
                         help="occult_hf expert backends (OccultConfig.expert_backend), one occult_hf model each")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time every model as torch.compile(model.model) (inductor): the rows a user compares with")
     parser.add_argument("--profile", type=int, default=0,
                         help="print a profile of one forward and one forward+backward of each model (N costliest kernels)")
     parser.add_argument("--out", default="docs", help="directory for bench_model_<device>.md/.json")

@@ -18,7 +18,7 @@ import importlib
 from . import add_no_progress_argument
 
 #: benchmark modules of `occult_hf.benchmarks`, in the order `occult bench --help` lists them
-BENCHMARKS: tuple[str, ...] = ("experts", "ep", "model", "realsize", "exchange", "paper", "replicas")
+BENCHMARKS: tuple[str, ...] = ("experts", "ep", "model", "decode", "realsize", "exchange", "paper", "replicas")
 
 
 def register(subparsers) -> None:

@@ -37,6 +37,10 @@ class ProfileCollector:
     it (activation-checkpoint recomputation during backward, direct calls of sub-modules) are not
     counted twice. Run forwards through `module` itself.
 
+    Under `torch.compile` a hook only keeps what its router decided (the tensors leave the graph as outputs);
+    the accumulation (a growing sample with keys drawn on the host) runs in eager code, the next time the
+    statistics are read or an eager forward counts (`flush`), in the order the forwards ran.
+
     Args:
         module: a supported transformers model (`*ForCausalLM` or its base model).
         sample_size: tokens kept per layer in the uniform top-k sample (0: none).
@@ -65,6 +69,7 @@ class ProfileCollector:
         self._in_forward = False
         self._attention_mask_BS: torch.Tensor | None = None
         self._counted_this_forward: set[int] = set()
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
 
     # ----- hooks --------------------------------------------------------------------------
     def attach(self) -> "ProfileCollector":
@@ -111,18 +116,28 @@ class ProfileCollector:
             self._counted_this_forward.add(layer)
             logits_TE, topk_ids_Tk = self.adapter.observe(router, inputs, output)
             mask_T = _token_mask(self._attention_mask_BS, topk_ids_Tk.shape[0])
-            self.accumulators[layer].update(topk_ids_Tk, logits_TE, mask_T)
+            self._pending.append((layer, topk_ids_Tk.detach(), logits_TE.detach(), mask_T))
+            if not torch.compiler.is_compiling():
+                self.flush()
 
         return hook
+
+    def flush(self) -> None:
+        """Accumulate what the hooks of compiled forwards kept (see the class docstring)."""
+        pending, self._pending = self._pending, []
+        for layer, topk_ids_Tk, logits_TE, mask_T in pending:
+            self.accumulators[layer].update(topk_ids_Tk, logits_TE, mask_T)
 
     # ----- result -------------------------------------------------------------------------
     @property
     def token_count(self) -> int:
         """Tokens counted so far (the same at every layer)."""
+        self.flush()
         return next(iter(self.accumulators.values())).token_count
 
     def routing_fields(self, source: str | None = None, **meta: Any) -> dict[str, Any]:
         """The `RoutingProfile` fields accumulated so far; `source` and `meta` go into its metadata."""
+        self.flush()
         first = next(iter(self.accumulators.values()))
         if first.token_count == 0:
             raise ValueError("ProfileCollector has counted no tokens: run forwards through the module while attached")
