@@ -78,16 +78,21 @@ def _step(experts: LocalExperts):
     return step
 
 
-def _forward_backward(fn, experts, tokens: int, dynamic: bool = False):
+def _inputs(tokens: int):
+    """`(x_TH, ids_Tk, weights_Tk, grad_TH)` on the GPU (made here: a copy from the host synchronises)."""
     ids_Tk, weights_Tk = _routing(tokens, seed=tokens)
     generator = torch.Generator().manual_seed(tokens + 1)
-    x_TH = torch.randn(tokens, HIDDEN, generator=generator).cuda().to(torch.bfloat16).requires_grad_()
-    weights_Tk = weights_Tk.clone().requires_grad_()
+    x_TH = torch.randn(tokens, HIDDEN, generator=generator).cuda().to(torch.bfloat16)
+    return x_TH, ids_Tk, weights_Tk, torch.randn(tokens, HIDDEN, generator=generator).cuda().to(torch.bfloat16)
+
+
+def _forward_backward(fn, experts, inputs, dynamic: bool = False):
+    x_TH, ids_Tk, weights_Tk, grad_TH = inputs
+    x_TH, weights_Tk = x_TH.clone().requires_grad_(), weights_Tk.clone().requires_grad_()
     if dynamic:
         for tensor in (x_TH, ids_Tk, weights_Tk):
             torch._dynamo.mark_dynamic(tensor, 0)
     out_TH = fn(x_TH, ids_Tk, weights_Tk)
-    grad_TH = torch.randn(out_TH.shape, generator=generator).cuda().to(out_TH.dtype)
     grads = torch.autograd.grad(out_TH, (x_TH, weights_Tk, experts.gate_up_proj, experts.down_proj), grad_TH)
     return out_TH.detach(), grads
 
@@ -100,17 +105,19 @@ def test_inductor_equals_eager_in_bf16(backend):
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
     compiled = torch.compile(_step(experts), backend=counter, fullgraph=True)
     for tokens in (300, 1000):
-        got, got_grads = _forward_backward(compiled, experts, tokens, dynamic=tokens == 300)
-        want, want_grads = _forward_backward(_step(experts), experts, tokens)
+        inputs = _inputs(tokens)
+        got, got_grads = _forward_backward(compiled, experts, inputs, dynamic=tokens == 300)
+        want, want_grads = _forward_backward(_step(experts), experts, inputs)
         assert rel_err(got, want) <= 1e-2, (backend, tokens)
         for name, g, w in zip(("x", "routing weights", "gate_up_proj", "down_proj"), got_grads, want_grads):
             assert rel_err(g, w) <= 1e-2, (backend, tokens, name)
     assert counter.frame_count == 1
     if backend != "torch":  # the torch backend's grouped_mm path is PyTorch's, whose syncs are not ours to vouch for
+        inputs = _inputs(1000)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            _forward_backward(compiled, experts, 1000)
+            _forward_backward(compiled, experts, inputs)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
