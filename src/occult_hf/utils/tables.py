@@ -1,5 +1,5 @@
-"""The one way the package writes a results table: markdown, through pytablewriter (which lm-eval, the `eval`
-extra, already installs; imported on first use)."""
+"""The one way the package writes a results table: GitHub markdown through tabulate (installed with the `eval`
+extra's lm-eval, through sacrebleu; imported on first use)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,10 @@ from typing import Any, Sequence
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A GitHub markdown table of `rows` under `headers` (cells as given: format numbers before)."""
-    from pytablewriter import MarkdownTableWriter
-    from pytablewriter.typehint import String
+    """A GitHub markdown table of `rows` under `headers`; cells stay as the caller formatted them."""
+    from tabulate import tabulate
 
-    writer = MarkdownTableWriter(
-        headers=list(headers), value_matrix=[[str(cell) for cell in row] for row in rows], margin=1,
-        type_hints=[String] * len(headers),  # cells stay as the caller formatted them ("1.00" is not "1.0")
-    )  # fmt: skip
-    return writer.dumps().rstrip("\n")
+    return tabulate([[str(cell) for cell in row] for row in rows], headers=list(headers), tablefmt="github", disable_numparse=True)
 
 
 __all__ = ["markdown_table"]
