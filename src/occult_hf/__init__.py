@@ -6,9 +6,13 @@ model's MoE blocks (see `hf.apply.install`; every wrapper this package puts on t
 (DeepSeek-MoE, `model_type "deepseek"`) with transformers' Auto classes, and, on transformers >= 5.23,
 Occult as transformers' own expert-parallel implementation `DistributedConfig(ep_implementation="occult")`
 (`occult_hf.hf.native_ep`).
+
+What needs transformers' Trainer or peft is imported when first used, so that `import occult_hf`
+costs little more than importing transformers' model classes: `occult_hf.OccultCallback` (a
+`TrainerCallback`; transformers' callback module imports peft), and the wrappers on `Trainer` and on
+peft's `PeftModel`, which go on when those modules are imported (`utils.after_import`).
 """
 
-from .hf.callback import OccultCallback
 from .hf.checkpointing import snapshot_experts
 from .config import OccultConfig
 from .hf.apply import (
@@ -28,6 +32,15 @@ from .profile import LayerRouting, RoutingProfile
 from .profile import ProfileCollector
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "OccultCallback":  # imported on first use: its base class's module imports peft (seconds)
+        from .hf.callback import OccultCallback
+
+        return OccultCallback
+    raise AttributeError(f"module 'occult_hf' has no attribute {name!r}")
+
 
 install()
 register_models()

@@ -17,8 +17,8 @@ works; when transformers changes, this is the file to read.
   allocator warmup (it would allocate the full model on a `device_map` device).
 - `wrap_trainer_methods(hooks)`: `Trainer` methods that every rank runs at a save or a resume (some of
   them private: `_save_optimizer_and_scheduler`, `_load_from_checkpoint`, ...) are wrapped so that
-  `hook(original, trainer, ...)` runs instead (`hf.trainer` provides the hooks);
-  `unwrap_trainer_methods(names)` puts them back.
+  `hook(original, trainer, ...)` runs instead (`hf.trainer` provides the hooks), once the Trainer is
+  imported; `unwrap_trainer_methods(names)` puts them back.
 - `cache_keyword(model)`: the keyword a model's forward takes its KV cache by (transformers 5.24 renamed
   `past_key_values` to `cache`; the old name warns and goes in 5.40, and 5.17 knows only the old one).
 
@@ -28,7 +28,8 @@ transformers' private per-forward `router_logits` record
 (`transformers.utils.output_capturing._active_collector`), which the auxiliary loss reads.
 
 Every wrapper keeps the original as `__occult_original__`, which is how "installed" is recognised.
-This module imports nothing else from occult_hf: what to do is passed in by the caller.
+This module imports nothing else from occult_hf but `utils.after_import`: what to do is passed in by
+the caller.
 """
 
 from __future__ import annotations
@@ -36,9 +37,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 from typing import Any, Callable
 
 import torch
+
+from ..utils.after_import import cancel, when_imported
 
 #: `from_pretrained` was called without `occult_config=` (None means: load the vanilla model)
 UNSET: Any = object()
@@ -186,9 +190,16 @@ def _wrap_classmethod(owner, name: str, wrapper) -> None:
 
 
 def wrap_trainer_methods(hooks: dict[str, Callable]) -> None:
-    """Make each `Trainer.<name>` call `hooks[name](original, trainer, ...)`; idempotent per method."""
-    from transformers import Trainer
+    """Make each `Trainer.<name>` call `hooks[name](original, trainer, ...)`; idempotent per method.
 
+    Done once `transformers.trainer` is imported (`utils.after_import`), not before: importing the
+    Trainer costs seconds (it pulls in peft and datasets), which `import occult_hf` should not.
+    """
+    when_imported("transformers.trainer", functools.partial(_wrap_trainer, hooks))
+
+
+def _wrap_trainer(hooks: dict[str, Callable], trainer_module) -> None:
+    Trainer = trainer_module.Trainer
     for name, hook in hooks.items():
         current = Trainer.__dict__[name]
         if getattr(current, "__occult_original__", None) is not None:
@@ -203,13 +214,16 @@ def wrap_trainer_methods(hooks: dict[str, Callable]) -> None:
 
 
 def unwrap_trainer_methods(names) -> None:
-    """Put the original `Trainer.<name>` back for each wrapped name (no-op for the others)."""
-    from transformers import Trainer
-
+    """Put the original `Trainer.<name>` back for each wrapped name (no-op for the others); before the
+    Trainer is imported, forget the wrapping instead."""
+    cancel("transformers.trainer")
+    trainer_module = sys.modules.get("transformers.trainer")
+    if trainer_module is None:
+        return
     for name in names:
-        original = getattr(Trainer.__dict__[name], "__occult_original__", None)
+        original = getattr(trainer_module.Trainer.__dict__[name], "__occult_original__", None)
         if original is not None:
-            setattr(Trainer, name, original)
+            setattr(trainer_module.Trainer, name, original)
 
 
 # ----- forward keywords -----------------------------------------------------------------------------
