@@ -596,7 +596,7 @@ def test_bench_cli_parses_and_refuses_without_cuda(monkeypatch):
     args = build_parser().parse_args(["bench", "experts", "--shapes", "olmoe-1b-7b", "--tokens", "4096", "--breakdown", "none"])
     assert args.shapes == ["olmoe-1b-7b"] and args.tokens == [4096]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+    with pytest.raises(SystemExit, match="this run measures a GPU and this machine has no CUDA device"):
         args.func(args)
 
 
