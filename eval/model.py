@@ -38,7 +38,7 @@ from lm_eval.models.utils_hf import get_dtype
 
 from occult_hf.hf.apply import install, lockstep_managed_by_caller, occult_config_of
 from occult_hf.utils.checks import did_you_mean
-from occult_hf.config import OccultConfig
+from occult_hf.config import OccultConfig, stored_occult_config
 from occult_hf.utils.logging import get_logger
 from occult_hf.utils.progress import progress_enabled
 
@@ -112,8 +112,8 @@ def load_occult_model(
     install()  # idempotent: what `import occult_hf` sets up
     if occult_config is None:
         config_kwargs = {k: load_kwargs[k] for k in ("revision", "trust_remote_code", "subfolder") if k in load_kwargs}
-        saved = getattr(transformers.AutoConfig.from_pretrained(pretrained, **config_kwargs), "occult_config", None)
-        occult_config = OccultConfig.coerce(saved) if saved is not None else OccultConfig()
+        saved = stored_occult_config(transformers.AutoConfig.from_pretrained(pretrained, **config_kwargs))
+        occult_config = saved if saved is not None else OccultConfig()  # a pruned fine-tune runs pruned
     model = transformers.AutoModelForCausalLM.from_pretrained(
         pretrained, occult_config=occult_config, dtype=get_dtype(dtype), device_map={"": str(device)}, **load_kwargs
     )

@@ -387,7 +387,7 @@ def _ep_world(rank, world_size, references, directory):
 
 @pytest.mark.world_size(2)
 def test_generate_save_load_and_errors_on_2_ranks(tmp_path):
-    run_world(_ep_world, 2, _reference_generations(), str(tmp_path), env={"OCCULT_SAVE_TIMEOUT_S": "5"})
+    run_world(_ep_world, 2, _reference_generations(), str(tmp_path), env={"OCCULT_SAVE_TIMEOUT_S": "5", "OCCULT_JOIN_TIMEOUT_S": "5"})
 
 
 # ----- HF Trainer -----------------------------------------------------------------------------------

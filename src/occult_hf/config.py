@@ -83,7 +83,7 @@ class OccultConfig:
         default=None,
         metadata={
             "help": "Seconds any wait on a peer rank in the EP exchange may take before it fails with an error naming "
-            "the layer and the operation (None: $OCCULT_EXCHANGE_TIMEOUT_S, else 300)."
+            "the layer and the operation (None: $OCCULT_EXCHANGE_TIMEOUT_S, else 120; at most 86400)."
         },
     )
     replica_choice: str = field(

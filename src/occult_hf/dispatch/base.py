@@ -45,7 +45,7 @@ class ExchangeError(RuntimeError):
 #: environment variable that bounds every wait on a peer in the exchange (seconds)
 EXCHANGE_TIMEOUT_ENV = "OCCULT_EXCHANGE_TIMEOUT_S"
 #: the bound when neither OccultConfig.exchange_timeout_s nor the environment variable is set
-DEFAULT_EXCHANGE_TIMEOUT_S = 300.0
+DEFAULT_EXCHANGE_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -414,7 +414,7 @@ def stage(name: str):
 
 
 def resolve_timeout(timeout_s: float | None) -> float:
-    """The exchange timeout: the explicit value, else `$OCCULT_EXCHANGE_TIMEOUT_S`, else 300 s (finite, at most a day)."""
+    """The exchange timeout: the explicit value, else `$OCCULT_EXCHANGE_TIMEOUT_S`, else 120 s (docs/failure.md says why; finite, at most a day)."""
     if timeout_s is not None:
         return check_timeout_s(timeout_s, "exchange timeout_s")
     raw = os.environ.get(EXCHANGE_TIMEOUT_ENV)

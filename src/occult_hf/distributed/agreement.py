@@ -20,6 +20,16 @@ Shape legend (docs/conventions.md): D ranks; local to this file: F the digest ve
 by default; under NCCL the watchdog, `TORCH_NCCL_ASYNC_ERROR_HANDLING`, tears the process down
 instead of raising). A peer that never joins, or died, becomes `EPPeerError` naming the operation and the
 layer. See docs/failure.md.
+
+**Arrival.** Before the first collective of an operation the ranks meet in the job's own key-value
+store (`arrive`), which every rank can read without a collective: each rank posts that it arrived
+(or that it failed, and why), then polls for the others. A rank that does not arrive within the bound
+is named (`EPPeerError: ... ranks [1] did not reach save_pretrained within 30 s`), a rank that posted
+a failure is named at once, and a wait that fails leaves no collective half started on the gloo group.
+The bound is `OCCULT_SAVE_TIMEOUT_S` where ranks may legitimately arrive minutes apart (`apply_occult`,
+while they load weights; a Trainer checkpoint, while rank 0 writes the model) and
+`OCCULT_JOIN_TIMEOUT_S` (default 30 s) at the start of a save or gather, where they arrive together
+unless one of them does not call it at all (`if rank == 0: model.save_pretrained(...)`).
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from dataclasses import fields
 from datetime import timedelta
 from typing import Any, Callable, NoReturn
@@ -34,11 +45,24 @@ from typing import Any, Callable, NoReturn
 import torch
 import torch.distributed as dist
 
-from ..utils.checks import check_timeout_s
+from ..utils.checks import check_timeout_s, shown
 
 #: environment variable: seconds a collective save/gather/agreement check waits for the EP peers
 SAVE_TIMEOUT_ENV = "OCCULT_SAVE_TIMEOUT_S"
 DEFAULT_SAVE_TIMEOUT_S = 300.0
+#: environment variable: seconds a collective save or gather waits for every EP rank to join it
+JOIN_TIMEOUT_ENV = "OCCULT_JOIN_TIMEOUT_S"
+DEFAULT_JOIN_TIMEOUT_S = 30.0
+#: the store keys of `arrive`
+_ARRIVAL_PREFIX = "occult_hf/arrival"
+_COLLECTIVE_ADVICE = (
+    "Under expert parallelism apply_occult, save_pretrained, snapshot_experts and unapply_occult are collective: call "
+    "them on every rank, in the same order (EP rank 0 writes; `if rank == 0: model.save_pretrained(...)` leaves the "
+    "others out); with HF Trainer import occult_hf before building the Trainer: it hooks Trainer.save_model. A rank "
+    "that failed or stopped earlier never arrives"
+)
+#: the longest pause between two polls of the store while waiting for the ranks to arrive
+_POLL_S = 0.2
 #: fields in the digest vector (fixed, so that ranks of different versions still compare sizes equal)
 MAX_FIELDS = 48
 #: the setup entry that carries a rank's own failure (`fail_together`), None on a rank that has a setup
@@ -68,6 +92,89 @@ def save_timeout_s() -> float:
     if raw is None or raw == "":
         return DEFAULT_SAVE_TIMEOUT_S
     return check_timeout_s(raw, SAVE_TIMEOUT_ENV)
+
+
+def join_timeout_s() -> float:
+    """`$OCCULT_JOIN_TIMEOUT_S` (finite seconds in (0, `MAX_TIMEOUT_S`]), else 30."""
+    raw = os.environ.get(JOIN_TIMEOUT_ENV)
+    if raw is None or raw == "":
+        return DEFAULT_JOIN_TIMEOUT_S
+    return check_timeout_s(raw, JOIN_TIMEOUT_ENV)
+
+
+def arrive(
+    group, operation: str, timeout_s: float, setting: str, payload: Any = None, failed: Exception | None = None,
+    advice: str | None = None,
+) -> dict[int, Any]:
+    """Collective through the job's store: every rank of `group` (None: the world) posts its arrival at
+    `operation`, with a JSON-able `payload`; returns `{global rank: payload}` of every rank.
+
+    Raises `EPConfigMismatchError` naming a rank that posted a failure (`announce_failure`) as soon as it is
+    seen, and `EPPeerError` naming the ranks that did not arrive within `timeout_s` (`setting` names the
+    bound in the message); a timed-out rank withdraws its arrival, so that a later call of every rank meets
+    again. `failed`: post this rank's own failure and return at once without waiting. `advice` replaces the
+    timeout message's advice (that the operation is collective).
+    """
+    try:
+        return _arrive(group, operation, timeout_s, setting, payload, failed, advice)
+    except dist.DistStoreError as error:  # the store's host (rank 0 under torchrun) is gone
+        raise EPPeerError(
+            f"occult_hf: {operation} on rank {dist.get_rank()}: the job's store did not answer ({' '.join(str(error).split())[:200]}); "
+            f"the rank that holds it (rank 0 under torchrun) may have died"
+        ) from error
+
+
+def _arrive(group, operation, timeout_s, setting, payload, failed, advice) -> dict[int, Any]:
+    store, ranks, me = _store(), dist.get_process_group_ranks(group or dist.group.WORLD), dist.get_rank()
+    prefix = f"{_ARRIVAL_PREFIX}/{hashlib.sha1(','.join(map(str, ranks)).encode()).hexdigest()[:12]}"
+    number = store.add(f"{prefix}/count/{me}", 1)  # this rank's arrivals so far: the same on every rank
+    key = lambda rank: f"{prefix}/{number}/{rank}"  # noqa: E731
+    note = {"operation": operation, "payload": payload, "failed": None if failed is None else _failure_text(failed)}
+    store.set(key(me), json.dumps(note, default=repr))
+    if failed is not None:
+        return {}
+    arrived = {me: payload}
+    deadline, pause = time.monotonic() + timeout_s, 0.005
+    while True:
+        for rank in ranks:
+            if rank not in arrived and store.check([key(rank)]):
+                other = json.loads(store.get(key(rank)))
+                if other["failed"]:
+                    raise EPConfigMismatchError(
+                        f"occult_hf: rank {rank} of the expert-parallel group failed at {other['operation']} "
+                        f"({other['failed']}); rank {me} stops at {operation} instead of waiting for it"
+                    )
+                arrived[rank] = other["payload"]
+        missing = [rank for rank in ranks if rank not in arrived]
+        if not missing:
+            return arrived
+        if time.monotonic() > deadline:
+            store.add(f"{prefix}/count/{me}", -1)
+            store.delete_key(key(me))
+            raise EPPeerError(
+                f"occult_hf: {operation} on rank {me}: EP ranks {shown(missing)} did not reach it within {timeout_s:g} s "
+                f"({setting}). " + (advice or _COLLECTIVE_ADVICE)
+            )
+        time.sleep(pause)
+        pause = min(2 * pause, _POLL_S)
+
+
+def announce_failure(error: Exception, operation: str, group=None) -> None:
+    """Tell the ranks of `group` (None: the world), through the store, that this rank failed at `operation`
+    before it could reach their next `arrive` (e.g. `from_pretrained`'s early check of `occult_config`): they
+    raise at once naming it, instead of waiting for it. A no-op without a process group of several ranks."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        arrive(group, operation, 0.0, "", failed=error)
+
+
+def _store():
+    """The job's key-value store (the default process group's, which every rank reaches)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def _failure_text(error: Exception) -> str:
+    text = " ".join(f"{type(error).__name__}: {error}".split())
+    return text if len(text) <= 2000 else text[:2000] + "..."
 
 
 def bounded(operation: str, layer: int | None, timeout_s: float, start: Callable[[], Any]) -> None:
@@ -101,7 +208,7 @@ def bounded(operation: str, layer: int | None, timeout_s: float, start: Callable
 
 
 def effective_setup(
-    occult_config, block_paths: list[str], expert_weight: torch.Tensor | None, model_config=None
+    occult_config, block_paths: list[str], expert_weight: torch.Tensor | None, model_config=None, model=None
 ) -> dict[str, Any]:
     """The JSON-able facts every EP rank must share, one entry per field compared.
 
@@ -109,7 +216,9 @@ def effective_setup(
     except the placement (its maps, without the free-form `meta`) and the profile (its content's
     digest: ranks may mount it at different paths). `model_config` (a `PretrainedConfig`, given at
     `apply_occult` only: a save changes the writing rank's copy) is compared as one field, without the
-    `_`-private and `RANK_LOCAL_CONFIG_KEYS` keys.
+    `_`-private and `RANK_LOCAL_CONFIG_KEYS` keys. `model` (at `apply_occult` only, before anything
+    changes) adds the weights: a fingerprint of every replicated tensor (`replicated_weights`) and the
+    identity of the checkpoint it was loaded from (`checkpoint`).
     """
     setup: dict[str, Any] = {}
     for f in fields(occult_config):
@@ -127,7 +236,101 @@ def effective_setup(
         setup["model_config"] = {
             k: v for k, v in model_config.to_dict().items() if not k.startswith("_") and k not in RANK_LOCAL_CONFIG_KEYS
         }
+    if model is not None:
+        setup[REPLICATED_WEIGHTS] = replicated_weights(model, block_paths)
+        setup["checkpoint"] = checkpoint_identity(model.config)
     return setup
+
+
+#: the setup field of the replicated tensors' fingerprints: `{name: digest}`
+REPLICATED_WEIGHTS = "replicated_weights"
+#: elements of a tensor fingerprinted at once (bounds the int64 temporaries: 32 MB)
+_CHUNK = 2**22
+#: samples of 4 KiB read from each weight file for its identity, at evenly spaced offsets (256 KiB a file)
+_FILE_SAMPLES = 64
+
+
+def replicated_weights(model, block_paths: list[str]) -> dict[str, str]:
+    """`{name: digest}` of every parameter and buffer of `model` that every rank holds whole: all but the routed
+    experts of the MoE blocks at `block_paths` (rank-local, or not loaded yet), tensors on the meta device and
+    shards of a `DTensor`.
+
+    A digest is two wrapping int64 sums of the tensor's bytes, plain and weighted by position, computed where the
+    tensor lives (a few passes over the dense weights; one host read per tensor): equal weights give equal digests
+    on every rank, and a different checkpoint, a different seed or a permuted row changes them.
+    """
+    from occult_hf.patches import adapter_for
+
+    adapter = adapter_for(model)
+    local = {id(t) for path in block_paths for t in _tensors(adapter.experts_module(model.get_submodule(path)))}
+    digests = {}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if id(tensor) in local or tensor.device.type == "meta":
+            continue
+        whole = _whole_tensor(tensor)
+        if whole is not None:
+            digests[name] = _tensor_digest(whole)
+    return digests
+
+
+def _tensors(module) -> list[torch.Tensor]:
+    return [*module.parameters(), *module.buffers()]
+
+
+def _whole_tensor(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor itself, or a replicated `DTensor`'s local copy; None for a shard (each rank holds another part)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(tensor, DTensor):
+        return tensor.to_local() if all(isinstance(p, Replicate) for p in tensor.placements) else None
+    return tensor
+
+
+@torch.no_grad()
+def _tensor_digest(tensor: torch.Tensor) -> str:
+    """`"<dtype> <shape> <plain sum> <weighted sum>"` of the tensor's bytes read as integers (wrapping int64 sums:
+    the same whatever the reduction order)."""
+    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    words = raw.view(torch.int32) if raw.numel() % 4 == 0 and raw.storage_offset() % 4 == 0 else raw
+    plain = weighted = torch.zeros((), dtype=torch.int64, device=words.device)
+    for start in range(0, words.numel(), _CHUNK):
+        chunk = words[start : start + _CHUNK].to(torch.int64)
+        position = torch.arange(start, start + chunk.numel(), device=chunk.device, dtype=torch.int64) % 65521 + 1
+        plain = plain + chunk.sum()
+        weighted = weighted + (chunk * position).sum()
+    sums = torch.stack([plain, weighted]).tolist()
+    return f"{str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)} {sums[0] & (2**64 - 1):016x}{sums[1] & (2**64 - 1):016x}"
+
+
+def checkpoint_identity(model_config) -> str | None:
+    """What a model was loaded from, the same for equal checkpoints wherever they are mounted: a Hub checkpoint's
+    repository and commit; a local directory's weight files' names, sizes, safetensors headers and 64 samples of
+    4 KiB of each file (256 KiB read a file). Each rank reads only its own experts, so no rank could compare the
+    others'; two checkpoints of different training runs or steps differ in nearly every byte, which the samples
+    see, while an edit confined to a few tensors may fall between them (the replicated weights, routers included,
+    are compared in full). None for a model not loaded from files."""
+    source = getattr(model_config, "_name_or_path", "") or ""
+    if not source:
+        return None
+    if not os.path.isdir(source):
+        commit = getattr(model_config, "_commit_hash", None)
+        return f"{source}@{commit}" if commit else None
+    names = sorted(n for n in os.listdir(source) if n.endswith((".safetensors", ".safetensors.index.json", ".bin")))
+    if not names:
+        return None
+    digest = hashlib.sha256()
+    for name in names:
+        path = os.path.join(source, name)
+        size = os.path.getsize(path)
+        digest.update(f"{name} {size}\n".encode())
+        with open(path, "rb") as f:
+            for offset in sorted({size * i // _FILE_SAMPLES for i in range(_FILE_SAMPLES)} | {0}):
+                f.seek(offset)
+                digest.update(f.read(4096))
+            if name.endswith(".safetensors") and size >= 8:  # the header: every tensor's name, dtype and offsets
+                f.seek(0)
+                digest.update(f.read(min(int.from_bytes(f.read(8), "little"), 2**26)))
+    return f"sha256:{digest.hexdigest()[:24]}"
 
 
 def check_agreement(
@@ -138,7 +341,7 @@ def check_agreement(
     `failed`: this rank's own checks raised it before it had a setup (use `fail_together`); every other
     rank then raises an error naming this rank and its error.
     """
-    setup = {**setup, FAILED: None if failed is None else f"{type(failed).__name__}: {failed}"}
+    setup = {**setup, FAILED: None if failed is None else _failure_text(failed)}
     names = sorted(setup)
     if len(names) + 1 > MAX_FIELDS:
         raise ValueError(f"check_agreement compares at most {MAX_FIELDS - 1} fields, got {len(names)}")
@@ -187,11 +390,16 @@ def _mismatch_message(summaries: list[dict[str, Any]], operation: str) -> str:
         if name == "model_config" and all(isinstance(v, dict) for v in values):
             parts.append(f"the model config ({_config_difference(values)})")
             continue
-        shown = ", ".join(f"rank {r} {v!r}" if not isinstance(v, dict) else f"rank {r} {v}" for r, v in enumerate(values))
-        parts.append(f"{name} ({shown})")
+        if name == REPLICATED_WEIGHTS and all(isinstance(v, dict) for v in values):
+            differ = sorted({k for v in values for k in v if any(w.get(k, _ABSENT) != values[0].get(k, _ABSENT) for w in values)})
+            parts.append(f"the replicated weights (they differ in {shown(differ)}: the ranks loaded different weights)")
+            continue
+        by_rank = ", ".join(f"rank {r} {v!r}" if not isinstance(v, dict) else f"rank {r} {v}" for r, v in enumerate(values))
+        parts.append(f"{name} ({by_rank})")
     return (
         f"occult_hf: the expert-parallel ranks disagree at {operation} on {'; '.join(parts)}. Every rank of the EP "
-        f"group must use the same OccultConfig, placement file, routing profile, model config and dtype; "
+        f"group must use the same OccultConfig, placement file, routing profile, model config, dtype and checkpoint "
+        f"(weights a rank initialises itself need the same seed on every rank); "
         f"rank {_rank()} stops here instead of computing a wrong model"
     )
 
@@ -233,6 +441,8 @@ def _summary(value: Any, name: str = "") -> Any:
         return value[:2000]
     if name == "model_config":
         return {k: _summary(v) for k, v in value.items()}
+    if name == REPLICATED_WEIGHTS:
+        return dict(value)  # per tensor: the error names those that differ
     text = _canonical(value)
     return value if len(text) <= 80 else f"<sha256 {hashlib.sha256(text.encode()).hexdigest()[:12]}>"
 
@@ -264,8 +474,15 @@ __all__ = [
     "SAVE_TIMEOUT_ENV",
     "DEFAULT_SAVE_TIMEOUT_S",
     "save_timeout_s",
+    "JOIN_TIMEOUT_ENV",
+    "DEFAULT_JOIN_TIMEOUT_S",
+    "join_timeout_s",
+    "arrive",
+    "announce_failure",
     "bounded",
     "effective_setup",
+    "replicated_weights",
+    "checkpoint_identity",
     "check_agreement",
     "fail_together",
 ]

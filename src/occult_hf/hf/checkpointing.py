@@ -29,6 +29,7 @@ import re
 import secrets
 import shutil
 import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -36,23 +37,35 @@ from torch import nn
 
 from .blocks import place_full_experts
 from .state import BLOCKS, OccultState, state_of
-from ..distributed.agreement import check_agreement, effective_setup
+from ..distributed.agreement import (
+    JOIN_TIMEOUT_ENV,
+    SAVE_TIMEOUT_ENV,
+    arrive,
+    check_agreement,
+    effective_setup,
+    join_timeout_s,
+    save_timeout_s,
+)
 from ..distributed.collectives import gather_rows
 from ..moe import OccultMoE
 from ..placement import PLACEMENT_FILENAME
-from ..utils.atomic import atomic_write_json
-from ..utils.strict_json import parse_json
+from ..utils.atomic import atomic_write_json, atomic_write_text
+from ..utils.strict_json import parse_json, read_json_file
+from .model_card import CARD_FILENAME, PRUNING_CONFIG_KEY, card_with_pruning, pruning_description, strip_pruning_section
 
 # ----- the EP ranks agree, and the group for gathers ------------------------------------------------
 
 
-def new_save_group(ep_group):
+def new_save_group(ep_group, operation: str = "apply_occult"):
     """A gloo group of the ranks of the process group `ep_group`, for the agreement check and the expert gathers
-    (CPU tensors).
+    (CPU tensors); collective (`operation` names it in errors).
 
-    Its own timeout is the process group's: ranks may reach `apply_occult` minutes apart (loading
-    weights); each wait on it is bounded by `OCCULT_SAVE_TIMEOUT_S` instead (`agreement.bounded`).
+    The ranks first meet in the job's store (`agreement.arrive`), bounded by `OCCULT_SAVE_TIMEOUT_S`: they may
+    reach `apply_occult` minutes apart (loading weights), and one that failed before it (`from_pretrained`'s
+    early check announces it) or never comes is named instead of holding the others until the process
+    group's timeout. Each later wait on the group is bounded the same way (`agreement.bounded`).
     """
+    arrive(ep_group, operation, save_timeout_s(), SAVE_TIMEOUT_ENV)
     ranks = dist.get_process_group_ranks(ep_group)
     return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
 
@@ -67,6 +80,10 @@ def check_ranks_agree(state: OccultState, expert_weight: torch.Tensor, operation
 
 
 def check_model_ranks_agree(model: nn.Module, state: OccultState, operation: str) -> None:
+    """Collective (EP only), the first step of every save or gather: every rank joins within
+    `OCCULT_JOIN_TIMEOUT_S` (else an error naming the ranks that did not), then `check_ranks_agree`."""
+    if state.ep.is_distributed:
+        arrive(state.ep.group, operation, join_timeout_s(), JOIN_TIMEOUT_ENV)
     expert_weight = model.get_submodule(state.block_paths[0]).local_experts.gate_up_proj
     check_ranks_agree(state, expert_weight, operation)
 
@@ -128,10 +145,45 @@ def save_pretrained(model, save_directory, *args, **kwargs):
     try:
         state.placement.save(os.path.join(staging, PLACEMENT_FILENAME))
         result = type(model).save_pretrained(model, staging, *args, state_dict=state_dict, **kwargs)
+        _bundle_profile(state.occult_config, staging)
+        _describe_pruning(state.occult_config, staging, os.fspath(save_directory))
         _publish(staging, os.fspath(save_directory))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return result
+
+
+#: the similarity-pruning profile's name inside a checkpoint
+PROFILE_FILENAME = "occult_profile.safetensors"
+
+
+def _bundle_profile(config, staging: str) -> None:
+    """A similarity-pruned model's routing profile goes into the checkpoint, and its staged config names it there:
+    a relative path in a checkpoint's config names a file of the checkpoint, so the save is whole wherever it
+    is loaded."""
+    config_file = os.path.join(staging, "config.json")
+    if config.profile is None or not os.path.isfile(config_file):
+        return
+    shutil.copyfile(config.profile, os.path.join(staging, PROFILE_FILENAME))
+    saved = read_json_file(config_file, "the staged config")
+    saved["occult_config"] = {**saved["occult_config"], "profile": PROFILE_FILENAME}
+    atomic_write_json(config_file, saved, indent=2, sort_keys=True)
+
+
+def _describe_pruning(config, staging: str, target: str) -> None:
+    """A pruned model's staged `config.json` and model card say so (`hf.model_card`); an exact model's card loses a
+    pruning section an earlier save of the directory left."""
+    description = pruning_description(config)
+    config_file = os.path.join(staging, "config.json")
+    if description is not None and os.path.isfile(config_file):
+        saved = read_json_file(config_file, "the staged config")
+        atomic_write_json(config_file, {**saved, PRUNING_CONFIG_KEY: description}, indent=2, sort_keys=True)
+    card = os.path.join(target, CARD_FILENAME)
+    existing = Path(card).read_text(encoding="utf-8") if os.path.isfile(card) else None
+    if description is not None:
+        atomic_write_text(os.path.join(staging, CARD_FILENAME), card_with_pruning(config, existing))
+    elif existing is not None and strip_pruning_section(existing) != existing:
+        atomic_write_text(os.path.join(staging, CARD_FILENAME), strip_pruning_section(existing))
 
 
 #: weight files of a checkpoint: model.safetensors, shards (under transformers' names or the fresh names `_publish`

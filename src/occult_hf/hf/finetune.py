@@ -62,7 +62,9 @@ class OccultArguments:
     )
     placement: str = field(default="contiguous", metadata={"help": "'contiguous' or an occult_placement.json."})
     prune: str = field(default="router", metadata={"help": "Collaboration pruning: router, similarity or none."})
-    max_devices_per_token: int = field(default=2, metadata={"help": "N_d: the most devices per token when pruning."})
+    max_devices_per_token: int | None = field(
+        default=None, metadata={"help": "N_d: the most devices per token when pruning (default: 2, or num_devices if fewer)."}
+    )
     profile: str | None = field(default=None, metadata={"help": "Routing profile, needed by --prune similarity."})
     schedule_fraction: float = field(
         default=0.25, metadata={"help": "Fraction of max_steps over which N_d eases from no pruning to its target."}
@@ -130,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         placement=occult_args.placement,
         num_devices=num_devices,
         prune=occult_args.prune if pruned else None,
-        max_devices_per_token=occult_args.max_devices_per_token if pruned else None,
+        max_devices_per_token=(occult_args.max_devices_per_token or min(2, num_devices)) if pruned else None,
         profile=occult_args.profile,
         logical_devices=occult_args.logical_devices,
     )

@@ -40,6 +40,7 @@ from occult_hf.patches import adapter_for
 
 from .compat import UNSET, intercept_state_dict_loading, skip_allocator_warmup_for
 from ..config import OccultConfig, stored_occult_config
+from ..distributed.agreement import announce_failure
 from ..utils.logging import get_logger
 from .blocks import LOADED_EXPERTS_ATTR
 from ..placement import Placement
@@ -86,8 +87,12 @@ def load_scope(occult_config, kwargs: dict, model_class: type | None = None):
     global last_report
     last_report = LoadReport()
     if occult_config is not UNSET and occult_config is not None:
-        occult_config = OccultConfig.coerce(occult_config)
-        _check_model_type(kwargs.get("config"), model_class)
+        try:
+            occult_config = OccultConfig.coerce(occult_config)
+            _check_model_type(kwargs.get("config"), model_class)
+        except Exception as error:  # the other ranks will wait at apply_occult: they raise at once, naming this one
+            announce_failure(error, "from_pretrained")
+            raise
     if kwargs.get("distributed_config") is not None:  # transformers' EP reads each rank's share itself
         last_report.fallback_reason = "transformers' EP (distributed_config=) loads the experts"
         return contextlib.nullcontext()

@@ -46,6 +46,7 @@ from torch import nn
 
 from occult_hf.patches import adapter_for
 
+from .checkpointing import new_save_group
 from ..config import OccultConfig
 from ..dispatch import DispatchSettings, ExpertParallelGroup, TokenDispatcher, TokenRouting, build_dispatcher
 from ..distributed.agreement import save_timeout_s
@@ -307,7 +308,7 @@ def apply_occult_ep(model: nn.Module, occult_config: OccultConfig | dict | str |
         "apply_occult_ep",
         lambda: _resolve(model, occult_config),
         dist.group.WORLD if dist.is_available() and dist.is_initialized() else None,
-        lambda: group or dist.new_group(backend="gloo", use_local_synchronization=True),
+        lambda: group or new_save_group(dist.group.WORLD, "apply_occult_ep"),
         lambda resolved: model_setup(
             resolved[0], [path for _, path, _, _ in resolved[1]], _local(resolved[1][0][3].experts.gate_up_proj), model
         ),

@@ -71,8 +71,8 @@ def agree(
 
 
 def model_setup(config: OccultConfig, block_paths: list[str], expert_weight, model: nn.Module) -> dict[str, Any]:
-    """The facts every rank of a model must share (`distributed.agreement.effective_setup`)."""
-    return effective_setup(config, block_paths, expert_weight, model.config)
+    """The facts every rank of a model must share (`distributed.agreement.effective_setup`), its weights included."""
+    return effective_setup(config, block_paths, expert_weight, model.config, model)
 
 
 def build_pruners(

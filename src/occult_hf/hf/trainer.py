@@ -24,12 +24,24 @@ occult_hf applied the wrappers only call the original):
   the same on every rank). A checkpoint written by a different number of EP ranks is an error.
 
 One process (logical devices) uses the same files with `r=0, D=1` (its experts are all experts).
+
+**A checkpoint is complete before anything is rotated.** `_save_checkpoint` (every rank) is wrapped too:
+the checkpoint's first file is `occult_checkpoint.json` saying it is incomplete; the Trainer's own
+rotation of old checkpoints is held back while the files are written; then every EP rank reports its
+rank file (`agreement.arrive`, bounded by `OCCULT_SAVE_TIMEOUT_S`: rank 0 may still be writing the
+model), and only then does rank 0 mark the checkpoint complete and rotate, counting complete
+checkpoints only. A rank that fails, stalls or dies before reporting leaves the checkpoint marked
+incomplete and the others raise naming it, so the older complete checkpoints are never rotated away
+for it. `train(resume_from_checkpoint=True)` resumes from the last complete checkpoint, saying which
+ones it skipped and what they lack; resuming from an incomplete one by path is an error naming what is
+missing.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import shutil
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -38,9 +50,18 @@ from .state import BLOCKS, STATE_ATTR
 from .compat import unwrap_trainer_methods, wrap_trainer_methods
 from .checkpointing import snapshot_experts
 from ..moe import OccultMoE
+from ..utils.logging import get_logger
+from ..utils.strict_json import read_json_file
+
+logger = get_logger(__name__)
 
 RANK_FILE = "occult_rank{rank}-of-{world}.pt"
-_WRAPPED = ("save_model", "_save_optimizer_and_scheduler", "_load_from_checkpoint", "_load_optimizer_and_scheduler")
+#: a Trainer checkpoint's completeness: `{"complete": false, "ranks": D}` while it is written, then `"complete": true`
+CHECKPOINT_STATUS_FILE = "occult_checkpoint.json"
+_WRAPPED = (
+    "train", "_save_checkpoint", "save_model", "_save_optimizer_and_scheduler", "_load_from_checkpoint",
+    "_load_optimizer_and_scheduler",
+)  # fmt: skip
 
 
 def _occult_model(model) -> nn.Module | None:
@@ -113,19 +134,165 @@ def _save_optimizer_and_scheduler(original, trainer, output_dir):
     return result
 
 
+def _save_checkpoint(original, trainer, model, trial=None):
+    """The Trainer's checkpoint, marked incomplete until every EP rank's files are in; rotation only after."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    occult = _occult_model(trainer.model)
+    if occult is None:
+        return original(trainer, model, trial)
+    run_dir = trainer._get_output_dir(trial=trial)
+    output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
+    rank, world = _ep_rank_world(occult)
+    if trainer.args.should_save:
+        _write_status(output_dir, {"complete": False, "ranks": world, "rank_files": not trainer.args.save_only_model})
+    limit, trainer.args.save_total_limit = trainer.args.save_total_limit, None  # no rotation until it is complete
+    try:
+        result = original(trainer, model, trial)
+    except Exception as error:  # the other ranks stop at once instead of waiting for this rank's report
+        _announce(occult, error, output_dir)
+        raise
+    finally:
+        trainer.args.save_total_limit = limit
+    rank_files = _reports(occult, output_dir)
+    if trainer.args.should_save:
+        _write_status(output_dir, {"complete": True, "ranks": world, "rank_files": rank_files})
+        _rotate(run_dir, limit, trainer.state.best_model_checkpoint)
+    return result
+
+
+def _reports(model, output_dir: str) -> dict[str, int]:
+    """Collective (EP): `{rank file: bytes}` of every EP rank's file of this checkpoint (empty without optimizer
+    state), once every rank has written its own; an error naming the ranks that do not report in time."""
+    from ..distributed.agreement import SAVE_TIMEOUT_ENV, arrive, save_timeout_s
+
+    path = _rank_file(output_dir, model)
+    own = {os.path.basename(path): os.path.getsize(path)} if os.path.isfile(path) else {}
+    state = vars(model)[STATE_ATTR]
+    if not state.ep.is_distributed:
+        return own
+    name = os.path.basename(output_dir)
+    reports = arrive(
+        state.ep.group, f"the Trainer checkpoint {name}", save_timeout_s(), SAVE_TIMEOUT_ENV, own,
+        advice=f"{name} stays marked incomplete ({CHECKPOINT_STATUS_FILE}); no older checkpoint was rotated away, and "
+        f"resume_from_checkpoint=True resumes from the last complete one",
+    )  # fmt: skip
+    return {file: size for report in reports.values() for file, size in report.items()}
+
+
+def _announce(model, error: Exception, output_dir: str) -> None:
+    from ..distributed.agreement import announce_failure
+
+    state = vars(model)[STATE_ATTR]
+    if state.ep.is_distributed:
+        announce_failure(error, f"the Trainer checkpoint {os.path.basename(output_dir)}", state.ep.group)
+
+
+def _write_status(checkpoint: str, status: dict) -> None:
+    from ..utils.atomic import atomic_write_json
+
+    os.makedirs(checkpoint, exist_ok=True)
+    atomic_write_json(os.path.join(checkpoint, CHECKPOINT_STATUS_FILE), status)
+
+
+def missing_from(checkpoint: str) -> list[str] | None:
+    """What an incomplete checkpoint lacks (a list naming files, or the save that did not finish), None when it is
+    complete or was not written under occult_hf's hooks (no `occult_checkpoint.json`)."""
+    path = os.path.join(checkpoint, CHECKPOINT_STATUS_FILE)
+    if not os.path.isfile(path):
+        return None
+    status = read_json_file(path, "checkpoint status")
+    if not isinstance(status, dict) or status.get("complete") is True:
+        return None
+    present = set(os.listdir(checkpoint))
+    ranks = status.get("ranks") if isinstance(status.get("ranks"), int) and status.get("rank_files") is not False else 0
+    missing = [name for name in (RANK_FILE.format(rank=r, world=ranks) for r in range(ranks)) if name not in present]
+    if "trainer_state.json" not in present:
+        missing.append("trainer_state.json")
+    if not present & {"model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors"}:
+        missing.append("the model weights")
+    return missing or ["the ranks' confirmation that every file was written (a rank stopped during the save)"]
+
+
+def last_complete_checkpoint(output_dir: str) -> tuple[str | None, dict[str, list[str]]]:
+    """`(the last complete checkpoint-N of output_dir or None, {incomplete checkpoint: what it lacks})`."""
+    from transformers.trainer_utils import sort_checkpoints
+
+    incomplete, last = {}, None
+    for checkpoint in sort_checkpoints(output_dir):  # by step, oldest first
+        missing = missing_from(checkpoint)
+        if missing is None:
+            last = checkpoint
+        else:
+            incomplete[checkpoint] = missing
+    return last, incomplete
+
+
+def _rotate(run_dir: str, limit: int | None, best: str | None) -> None:
+    """transformers' rotation (`trainer_utils.rotate_checkpoints`: keep the newest `limit`, the newest and the best
+    always) over the complete checkpoints only; an incomplete one is neither counted nor removed."""
+    from transformers.trainer_utils import sort_checkpoints
+
+    if limit is None or limit <= 0:
+        return
+    complete = [c for c in sort_checkpoints(run_dir, use_mtime=True) if missing_from(c) is None]
+    protected = {complete[-1], *([str(Path(best))] if best else [])} if complete else set()
+    remaining = len(complete)
+    for checkpoint in complete:
+        if remaining <= max(limit, len(protected)):
+            break
+        if checkpoint not in protected:
+            shutil.rmtree(checkpoint, ignore_errors=True)
+            remaining -= 1
+
+
 # ----- resuming -------------------------------------------------------------------------------------
+
+
+def _train(original, trainer, resume_from_checkpoint=None, *args, **kwargs):
+    """`resume_from_checkpoint=True` resumes from the last complete checkpoint (transformers takes the last one)."""
+    if resume_from_checkpoint is True and _occult_model(trainer.model) is not None:
+        last, incomplete = last_complete_checkpoint(trainer.args.output_dir)
+        for checkpoint, missing in incomplete.items():
+            logger.warning("occult_hf: skipping %s, whose save did not finish: it lacks %s", checkpoint, ", ".join(missing))
+        if last is None:
+            raise ValueError(
+                f"resume_from_checkpoint=True: no complete checkpoint in {trainer.args.output_dir!r}"
+                + (f"; incomplete: {_listing(incomplete)}" if incomplete else "")
+            )
+        resume_from_checkpoint = last
+    return original(trainer, resume_from_checkpoint, *args, **kwargs)
+
+
+def _check_complete(checkpoint: str) -> None:
+    missing = missing_from(checkpoint)
+    if missing is not None:
+        last, _ = last_complete_checkpoint(os.path.dirname(os.path.abspath(checkpoint)))
+        raise ValueError(
+            f"resume_from_checkpoint={checkpoint!r}: the checkpoint is incomplete (its save did not finish): it lacks "
+            f"{', '.join(missing)}; "
+            + (f"resume from {last!r}, the last complete one" if last else "its folder holds no complete checkpoint")
+        )
+
+
+def _listing(incomplete: dict[str, list[str]]) -> str:
+    return "; ".join(f"{os.path.basename(c)} lacks {', '.join(m)}" for c, m in list(incomplete.items())[:8])
+
+
 
 
 def _read_rank_file(checkpoint: str, model: nn.Module) -> dict:
     path = _rank_file(checkpoint, model)
     if not os.path.isfile(path):
-        present = sorted(name for name in os.listdir(checkpoint) if name.startswith("occult_rank"))
+        present = sorted(name for name in os.listdir(checkpoint) if name.startswith("occult_rank") and name.endswith(".pt"))
         rank, world = _ep_rank_world(model)
+        layout = f"-of-{world}.pt"
         raise FileNotFoundError(
             f"resume_from_checkpoint={checkpoint!r}: no {os.path.basename(path)} for EP rank {rank} of {world}; "
-            + (f"the checkpoint holds {present} (written by another EP layout)" if present else
+            + (f"the checkpoint holds {present}: rank {rank}'s save of it did not finish" if any(p.endswith(layout) for p in present) else
+               f"the checkpoint holds {present} (written by another EP layout)" if present else
                "the checkpoint was saved without optimizer state (save_only_model=True) or without occult_hf")
-        )
+        )  # fmt: skip
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
@@ -139,8 +306,7 @@ def _vanilla_weights(checkpoint: str) -> dict[str, torch.Tensor]:
     index = os.path.join(checkpoint, "model.safetensors.index.json")
     if not os.path.isfile(index):
         raise FileNotFoundError(f"resume_from_checkpoint={checkpoint!r} holds no model.safetensors(.index.json)")
-    with open(index) as f:
-        shards = sorted(set(json.load(f)["weight_map"].values()))
+    shards = sorted(set(read_json_file(index, "checkpoint index")["weight_map"].values()))
     weights = {}
     for shard in shards:
         weights.update(load_file(os.path.join(checkpoint, shard)))
@@ -149,6 +315,8 @@ def _vanilla_weights(checkpoint: str) -> dict[str, torch.Tensor]:
 
 def _load_from_checkpoint(original, trainer, resume_from_checkpoint, model=None):
     target = _occult_model(model if model is not None else trainer.model)
+    if target is not None:
+        _check_complete(resume_from_checkpoint)
     if target is None or target is not (model if model is not None else trainer.model):
         return original(trainer, resume_from_checkpoint, model)
     saved = _read_rank_file(resume_from_checkpoint, target)
@@ -188,8 +356,10 @@ def _load_optimizer_and_scheduler(original, trainer, checkpoint):
 
 
 def install_trainer_hooks() -> None:
-    """Wrap the four `Trainer` methods (idempotent; `uninstall_trainer_hooks` puts them back)."""
+    """Wrap the six `Trainer` methods (idempotent; `uninstall_trainer_hooks` puts them back)."""
     wrap_trainer_methods({
+        "train": _train,
+        "_save_checkpoint": _save_checkpoint,
         "save_model": _save_model,
         "_save_optimizer_and_scheduler": _save_optimizer_and_scheduler,
         "_load_from_checkpoint": _load_from_checkpoint,
@@ -201,4 +371,4 @@ def uninstall_trainer_hooks() -> None:
     unwrap_trainer_methods(_WRAPPED)
 
 
-__all__ = ["RANK_FILE", "install_trainer_hooks", "uninstall_trainer_hooks"]
+__all__ = ["RANK_FILE", "CHECKPOINT_STATUS_FILE", "install_trainer_hooks", "last_complete_checkpoint", "missing_from", "uninstall_trainer_hooks"]

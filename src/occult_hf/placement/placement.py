@@ -28,8 +28,8 @@ from ..layout import LayerLayout
 PLACEMENT_FILENAME = "occult_placement.json"
 #: the largest decoder-layer index a placement may name (DeepSeek-V3 has 61 layers)
 MAX_LAYER_INDEX = 65535
-#: the largest placement file read (65536 layers x 256 experts as JSON is about 60 MB)
-MAX_PLACEMENT_BYTES = 64 * 2**20
+#: the largest placement file read (61 layers x 256 experts with replicas and meta is well under 1 MB)
+MAX_PLACEMENT_BYTES = 16 * 2**20
 
 
 def contiguous_devices(num_experts: int, num_devices: int) -> np.ndarray:

@@ -1,0 +1,70 @@
+"""What a checkpoint saved with collaboration pruning says about itself, where any reader sees it.
+
+A pruned model (`OccultConfig.prune`: each token's experts limited to `N_d` devices) is a different
+function from the same weights run with the model's own routing. occult_hf loads (`from_pretrained` with
+occult_hf imported, `occult eval`) read the `occult_config` stored on the saved config and apply the
+pruning again; plain transformers, `lm_eval --model hf` or another machine without occult_hf cannot be
+warned from outside and run the unpruned routing, silently. So `save_pretrained` of a pruned model writes
+it down twice:
+
+- `config.json` gets `occult_pruning`: the mode, `N_d`, the device count, the placement file and a note;
+- `README.md` (the Hub's model card) gets a section at its top, between the `occult_hf:pruning` markers,
+  saying the same in words; a card that is already there (yours, or the Trainer's) is kept below it.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..config import OccultConfig
+from ..placement import PLACEMENT_FILENAME
+
+#: the `config.json` key of a pruned checkpoint's description
+PRUNING_CONFIG_KEY = "occult_pruning"
+CARD_FILENAME = "README.md"
+_BEGIN, _END = "<!-- occult_hf:pruning -->", "<!-- /occult_hf:pruning -->"
+_FRONT_MATTER = re.compile(r"\A---\n.*?\n---\n", re.DOTALL)
+
+
+def pruning_description(config: OccultConfig) -> dict | None:
+    """The `occult_pruning` entry of a pruned model's saved config (None for an exact one)."""
+    if config.prune is None:
+        return None
+    return {
+        "prune": config.prune,
+        "max_devices_per_token": config.max_devices_per_token,
+        "num_devices": config.num_devices,
+        "placement": PLACEMENT_FILENAME,
+        "note": (
+            "saved by occult_hf with collaboration pruning on (fine-tuned with it if it was trained so): occult_hf "
+            "loads apply it; plain transformers runs the unpruned routing, which is not this model"
+        ),
+    }
+
+
+def card_with_pruning(config: OccultConfig, existing: str | None) -> str:
+    """The model card of a pruned checkpoint: its pruning section first (after any YAML front matter), then
+    `existing` without an older pruning section."""
+    body = strip_pruning_section(existing or "")
+    front = _FRONT_MATTER.match(body)
+    head, rest = (front.group(0), body[front.end() :]) if front else ("", body)
+    n_d, devices = config.max_devices_per_token, config.num_devices
+    section = (
+        f"{_BEGIN}\n"
+        f"**Fine-tuned with collaboration pruning (occult_hf).** Each token's routed experts are limited to "
+        f"N_d = {n_d} of {devices} devices (`prune={config.prune!r}`, placement `{PLACEMENT_FILENAME}`). "
+        f"Plain transformers, `lm_eval --model hf` or any load without occult_hf runs the **unpruned** routing, "
+        f"which is not the model as trained: load it with occult_hf imported (`import occult_hf`, then "
+        f"`AutoModelForCausalLM.from_pretrained(...)`) or evaluate it with `occult eval`, which apply the pruning "
+        f"stored in `config.json` (`occult_config`, `{PRUNING_CONFIG_KEY}`).\n"
+        f"{_END}\n\n"
+    )
+    return head + section + rest.lstrip("\n")
+
+
+def strip_pruning_section(card: str) -> str:
+    """`card` without its occult_hf pruning section (a model saved exact over a pruned one's directory)."""
+    return re.sub(re.escape(_BEGIN) + r".*?" + re.escape(_END) + r"\n*", "", card, flags=re.DOTALL)
+
+
+__all__ = ["CARD_FILENAME", "PRUNING_CONFIG_KEY", "card_with_pruning", "pruning_description", "strip_pruning_section"]
