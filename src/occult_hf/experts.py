@@ -126,14 +126,14 @@ _eager_reference = torch.compiler.disable(
 
 def _triton_backend(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn, deterministic):
     """The fused Triton kernels, given the model's activation by name."""
+    activation = activation_name(act_fn)  # ValueError naming an activation the kernels lack
+    expert_mlp_triton = _triton_expert_mlp()  # ImportError naming triton when it is missing
     if not x_RH.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             f"OccultConfig.expert_backend='triton' runs on CUDA, but the experts are on {x_RH.device.type}: use "
             f"expert_backend='auto' (PyTorch off CUDA) or 'torch' (TRITON_INTERPRET=1 runs the kernels on CPU, slowly, "
             f"for tests)"
         )
-    activation = activation_name(act_fn)  # ValueError naming an activation the kernels lack
-    expert_mlp_triton = _triton_expert_mlp()
     return expert_mlp_triton(
         x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, deterministic=deterministic, activation=activation
     )
