@@ -21,12 +21,13 @@ the mean of those rows; `compare_table` is written by the same table writer `mak
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from occult_hf.utils.strict_json import read_json_file
 
 from .suite import SUITE_NAME
 
@@ -62,10 +63,7 @@ def load_results(path: str | os.PathLike) -> dict[str, Any]:
     path = results_file(path)
     if not path.is_file():
         raise FileNotFoundError(f"{os.fspath(path)!r} does not exist")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{os.fspath(path)!r} is not valid JSON: {error}") from None
+    data = read_json_file(path, "lm-eval results", allow_nan=True)  # lm-eval writes NaN where a stderr is undefined
     if not isinstance(data, dict) or "results" not in data:
         raise ValueError(f"{os.fspath(path)!r} is not an lm-eval results file: it has no top-level 'results' key")
     return data

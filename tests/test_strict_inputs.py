@@ -308,3 +308,20 @@ def test_a_full_disk_names_the_file_being_written(tmp_path, monkeypatch):
         Placement.from_dict(PLACEMENT).save(path)
     assert error.value.errno == errno.ENOSPC and str(path) in str(error.value), str(error.value)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_every_json_reader_refuses_a_key_given_twice(tmp_path):
+    """The readers of other JSON the project reads: lm-eval results (NaN allowed: lm-eval writes it), the prepared
+    training data's meta."""
+    from occult_hf.eval.report import load_results
+    from occult_hf.training.data import PreparedData
+
+    results = tmp_path / "results.json"
+    results.write_text('{"results": {"a": {"acc,none": NaN}}, "results": {}}')
+    with pytest.raises(ValueError, match=re.escape(f"lm-eval results {str(results)!r}: key 'results' appears twice")):
+        load_results(results)
+    results.write_text('{"results": {"a": {"acc_stderr,none": NaN}}}')
+    assert np.isnan(load_results(results)["results"]["a"]["acc_stderr,none"])
+    (tmp_path / "data.json").write_text('{"format": "x", "format": "y"}')
+    with pytest.raises(ValueError, match="prepared data .*data.json': key 'format' appears twice"):
+        PreparedData(tmp_path)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..utils.arguments import positive_int
+from ..utils.strict_json import parse_json, read_json_file
 from .devices import add_num_devices_argument
 from . import add_no_progress_argument
 
@@ -57,7 +58,7 @@ def demo_sources() -> list[str]:
     change to the code (held-out CT 2.40 -> 2.50 for `occult`, device load 1.35x -> 1.64x for `refined`
     between two commits of 2026-12-01)."""
     with resources.as_file(resources.files("occult_hf") / "data" / DEMO_SOURCES) as path:
-        snapshot = json.loads(lzma.decompress(Path(path).read_bytes()))
+        snapshot = parse_json(lzma.decompress(Path(path).read_bytes()), f"the demo's sources {DEMO_SOURCES!r}")
     return [text for _, text in snapshot["files"]]
 
 
@@ -83,7 +84,7 @@ def describe_checkpoint(path: str | os.PathLike) -> str:
     recipe_file, log_file = path / "recipe.json", path / "train_log.json"
     if not (recipe_file.is_file() and log_file.is_file()):
         return f"the OLMoE checkpoint {path}"
-    recipe, log = json.loads(recipe_file.read_text()), json.loads(log_file.read_text())
+    recipe, log = read_json_file(recipe_file, "recipe"), read_json_file(log_file, "training log")
     ppl = ", ".join(f"{d} {v:.1f}" for d, v in log.get("heldout_perplexity", {}).items())
     return (
         f"an OlmoeForCausalLM trained from scratch by `occult train --recipe {recipe['name']}` "

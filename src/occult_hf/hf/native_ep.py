@@ -513,16 +513,16 @@ def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, directory
     experts in the order they were saved in: load it from the checkpoint saved with the optimizer
     (`from_pretrained(checkpoint, distributed_config=DistributedConfig(..., ep_implementation="occult"))`
     restores the placement from its `config.json`), or with the same `OccultConfig.placement`."""
-    import json
     import os
 
     from transformers.distributed.checkpoint import load_optimizer_distributed
 
+    from ..utils.strict_json import read_json_file
+
     path = os.path.join(directory, EXPERT_ORDER_FILE)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} is missing: save the optimizer with occult_hf.hf.native_ep.save_optimizer")
-    with open(path) as handle:
-        saved = {int(layer): order for layer, order in json.load(handle).items()}
+    saved = {int(layer): order for layer, order in read_json_file(path, "expert order").items()}
     here = {layer: impl.expert_order for layer, impl in occult_ep_layers(model).items()}
     if saved != here:
         layer = next((l for l in sorted(here) if saved.get(l) != here[l]), None)

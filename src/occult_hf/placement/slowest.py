@@ -27,13 +27,13 @@ Shape legend: N sampled tokens, k experts per token, E experts, D devices.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..expert_shapes import SHAPES
 from ..metrics import token_ranks
+from ..utils.strict_json import read_json_file
 
 
 @dataclass(frozen=True)
@@ -58,8 +58,7 @@ def costs_from_bench(path: str, shape: str | None = None, mode: str = "dedup+ref
     Uses the row of `mode` with the most tokens (of `shape` when given). The shape's k and H come
     from `occult_hf.expert_shapes.SHAPES`, the table the benchmarks time.
     """
-    with open(path) as f:
-        rows = [r for r in json.load(f)["rows"] if r["mode"] == mode and (shape is None or r["shape"] == shape)]
+    rows = [r for r in read_json_file(path, "bench ep results")["rows"] if r["mode"] == mode and (shape is None or r["shape"] == shape)]
     if not rows:
         raise ValueError(f"{path} has no row of mode {mode!r}" + (f" and shape {shape!r}" if shape else ""))
     row = max(rows, key=lambda r: r["tokens_per_rank"])

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..utils.strict_json import parse_json, read_json_file
+
 #: the document separator of the corpus files: a line holding U+001E
 SEPARATOR = "\x1e"
 #: special tokens; their ids 0, 1, 2 are the model config's pad, bos and eos ids
@@ -193,7 +195,7 @@ class PreparedData:
         meta = self.path / "data.json"
         if not meta.is_file():
             raise FileNotFoundError(f"{os.fspath(self.path)!r} is not a prepared data directory (no data.json)")
-        self.meta = json.loads(meta.read_text())
+        self.meta = read_json_file(meta, "prepared data")
         if self.meta.get("format") != DATA_FORMAT:
             raise ValueError(f"{meta}: format {self.meta.get('format')!r} is not {DATA_FORMAT!r}")
 
@@ -217,8 +219,9 @@ class PreparedData:
         return pack(self.stream(split, domain), seq_len, max_tokens)
 
     def heldout_texts(self, domain: str) -> list[str]:
-        with open(self.path / f"heldout_{domain}.jsonl", encoding="utf-8") as f:
-            return [json.loads(line)["text"] for line in f]
+        path = self.path / f"heldout_{domain}.jsonl"
+        with open(path, encoding="utf-8") as f:
+            return [parse_json(line, f"{os.fspath(path)!r} line {number}")["text"] for number, line in enumerate(f, 1)]
 
 
 def pack(stream_N: np.ndarray, seq_len: int, max_tokens: int | None = None) -> np.ndarray:

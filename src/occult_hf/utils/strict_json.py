@@ -32,11 +32,12 @@ class _NotFinite(ValueError):
     pass
 
 
-def parse_json(text: str | bytes, what: str) -> Any:
+def parse_json(text: str | bytes, what: str, allow_nan: bool = False) -> Any:
     """The value of the JSON `text`; `what` names it in errors (e.g. "placement 'p.json'").
 
-    Rejects duplicate keys in one object, `NaN` / `Infinity` / `-Infinity`, nesting deeper than the
-    interpreter allows, integers past Python's digit limit and text that is not UTF-8.
+    Rejects duplicate keys in one object, `NaN` / `Infinity` / `-Infinity` (unless `allow_nan`: files of other
+    tools that write them, lm-eval's results), nesting deeper than the interpreter allows, integers past Python's
+    digit limit and text that is not UTF-8.
     """
     if isinstance(text, bytes):
         try:
@@ -44,7 +45,7 @@ def parse_json(text: str | bytes, what: str) -> Any:
         except UnicodeDecodeError as error:
             raise JSONInputError(f"{what} is not valid JSON: not UTF-8 text ({error.reason} at byte {error.start})") from None
     try:
-        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=None if allow_nan else _no_constant)
     except _Duplicate as error:
         raise JSONInputError(f"{what}: key {str(error)} appears twice in one JSON object") from None
     except _NotFinite as error:
@@ -57,7 +58,7 @@ def parse_json(text: str | bytes, what: str) -> Any:
         raise JSONInputError(f"{what} is not valid JSON: {_bounded(str(error))}") from None
 
 
-def read_json_file(path: str | os.PathLike, what: str, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
+def read_json_file(path: str | os.PathLike, what: str, max_bytes: int = DEFAULT_MAX_BYTES, allow_nan: bool = False) -> Any:
     """`parse_json` of the file at `path`; `what` is the kind of file ("placement"), named with its path.
 
     A file larger than `max_bytes` is refused before it is read; an unreadable file is an `OSError`
@@ -70,7 +71,7 @@ def read_json_file(path: str | os.PathLike, what: str, max_bytes: int = DEFAULT_
         raise JSONInputError(f"{label} is {size} bytes, more than the {max_bytes} a {what} file may have")
     with open(path, "rb") as f:
         data = f.read(max_bytes + 1)
-    return parse_json(data, label)
+    return parse_json(data, label, allow_nan)
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
