@@ -185,3 +185,48 @@ def test_a_failed_compile_leaves_the_eager_model_working():
             torch.compile(model, backend=failing_backend, fullgraph=True)(input_ids=input_ids)
     with torch.no_grad():
         assert torch.equal(model(input_ids=input_ids).logits, before)
+
+
+def _trainer_losses(model, output_dir: str, compile_: bool, callbacks=()):
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    rows = [tiny_batch(batch=1, seq=SEQ, seed=s)[0].tolist() for s in range(16)]
+    args = TrainingArguments(
+        output_dir, per_device_train_batch_size=2, max_steps=6, logging_steps=1, report_to=[], use_cpu=True, seed=0,
+        torch_compile=compile_, torch_compile_backend="aot_eager", save_strategy="no", learning_rate=1e-3, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_dict({"input_ids": rows, "labels": rows}), callbacks=list(callbacks))
+    trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_trainer_with_torch_compile_equals_eager_with_no_graph_break(tmp_path, lora):
+    """`TrainingArguments(torch_compile=True)` (accelerate's dynamo plugin) on an occult model with collaboration
+    pruning, `OccultCallback`'s N_d schedule and its drift watch (the profile collector's router hooks run inside the
+    compiled forward), and with LoRA: the same per-step losses as eager training, and not one graph break.
+    LoRA adapts the attention projections: peft's adapters on fused expert parameters (`target_parameters`, a
+    parametrization that `set_`s the weight) do not compile with `fullgraph` on the stock model either."""
+    import peft
+    from torch._dynamo.utils import counters
+
+    from occult_hf import OccultCallback
+    from occult_hf.hf.peft_support import get_peft_model
+
+    losses = {}
+    for compile_ in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        model = tiny_model("olmoe").train()
+        apply_occult(model, OccultConfig(num_devices=2, prune="router", max_devices_per_token=1))
+        if lora:
+            model = get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+        warm_ids = tiny_batch(batch=1, seq=SEQ, seed=0)
+        model(input_ids=warm_ids, labels=warm_ids)  # transformers' capture hooks are installed at the first call
+        callback = OccultCallback(start_devices_per_token=2, schedule_steps=4, check_every=2)
+        losses[compile_] = _trainer_losses(model, str(tmp_path / str(compile_)), compile_, [callback])
+    assert len(losses[True]) == 6
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5, abs=1e-6)
+    assert counters["stats"]["unique_graphs"] > 0, "the Trainer did not compile the model"
+    assert not counters["graph_break"], f"graph breaks: {list(counters['graph_break'])}"
