@@ -1,5 +1,6 @@
-"""The quality study's machinery on CPU: the worker supervisor (stall, failure, deadline) and the
-study's stages in-process on a generated corpus with the `micro` sizes.
+"""The quality study on CPU: the worker supervisor (stall, failure, deadline), the variant grid, the
+multiple-choice task builders, the whole pipeline at the `micro` size on generated text (base job,
+supervised workers, lm-eval through occult-hf, resuming, the report) and the report's arithmetic.
 
 The supervisor is what keeps the GPU run from hanging silently (the H200 run of 2026-11-30 waited on
 silent workers until the device call's limit): a worker whose log stops growing must be killed and
@@ -8,20 +9,48 @@ named with its last log line, and the deadline must cut every worker so the resu
 
 from __future__ import annotations
 
+import gzip
 import json
-import sys
+import random
+import re
 import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from occult_hf.eval.studies.jobs import Job, run_jobs
+from occult_hf.eval.studies.variants import Variant, study_variants
+from occult_hf.training.data import SEPARATOR
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_training import write_corpus  # noqa: E402  (the generated three-domain corpus)
+NAMES = "value total items offset buffer count index result parser stream handle config".split()
+PROSE = {
+    "python_docs": "the function returns a list of values when called with an argument see also module class".split(),
+    "kernel_docs": "the driver registers a device interrupt memory page kernel module bus clock power".split(),
+}
 
 
+def write_corpus(directory: Path, docs: int = 24, seed: int = 0) -> Path:
+    """Three domains like ../shared/data/corpus: two of prose, one of Python-like code (identifiers for the cloze)."""
+    rng = random.Random(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    for domain in ("python_docs", "python_stdlib_code", "kernel_docs"):
+        documents = []
+        for d in range(docs):
+            if domain == "python_stdlib_code":
+                lines = [f"def compute_{d}({rng.choice(NAMES)}, {rng.choice(NAMES)}):"]
+                for _ in range(rng.randint(8, 14)):
+                    a, b, c = rng.sample(NAMES, 3)
+                    lines.append(rng.choice([f"    {a} = {b} + {c}", f"    if {a} > {b}:", f"        return {c}({a})", f"    {a}.append({b}, {c})"]))
+            else:
+                lines = [f"{domain} document {d}"] + [" ".join(rng.choice(PROSE[domain]) for _ in range(rng.randint(4, 10)))
+                                                      for _ in range(rng.randint(6, 10))]  # fmt: skip
+            documents.append("\n".join(lines))
+        with gzip.open(directory / f"{domain}.txt.gz", "wt", encoding="utf-8") as f:
+            f.write(f"\n{SEPARATOR}\n".join(documents) + "\n")
+    return directory
+
+
+# ----- the supervisor ------------------------------------------------------------------------------
 def _job(tmp_path: Path, name: str, code: str, **kwargs) -> Job:
     return Job(name, ["-c", code], tmp_path / f"log_{name}.txt", **kwargs)
 
@@ -62,51 +91,186 @@ def test_run_jobs_rejects_bad_arguments(tmp_path):
         run_jobs([], [None], deadline=time.time(), stall_s=0.0)
 
 
-def test_quality_stages_in_process_micro(tmp_path):
-    """pretrain -> base -> one pruned fine-tune and one no-fine-tune variant (the worker's own entry)."""
+# ----- the variants ----------------------------------------------------------------------------------
+def test_study_grid_is_the_issues_and_names_round_trip():
+    from occult_hf.eval.studies.quality import variants_of
+
+    grid = variants_of("study")
+    tuned = [v for v in grid if v.fine_tuned]
+    # 3 seeds x (plain + D=4: N_d 1-3 + D=8: N_d 1-4, two modes); base + the 14 pruned base models
+    assert len(tuned) == 3 * (1 + 2 * (3 + 4)) and len(grid) - len(tuned) == 1 + 2 * (3 + 4)
+    assert len({v.name for v in grid}) == len(grid)
+    assert all(Variant.parse(v.name) == v for v in grid)
+    # most wanted first: every seed's plain and N_d=2 at both D, then the cheap ones, then the rest
+    first = grid[: 3 * 5]
+    assert all(v.fine_tuned and (not v.pruned or v.max_devices_per_token == 2) for v in first)
+    assert grid[15] == Variant(False) and all(not v.fine_tuned for v in grid[15:30])
+    assert Variant.parse("d8-similarity-2-s1").reference == Variant.parse("plain-s1")
+    assert Variant.parse("noft-d4-router-3").reference == Variant.parse("base")
+    assert Variant.parse("d8-router-4-s2").row == "router N_d=4"
+
+
+@pytest.mark.parametrize("name, message", [("router-2", "is not base"), ("d4-router-4-s0", r"N_d \(4\) must be in \[1, D=4\)"),
+                                           ("d4-topk-2-s0", "mode 'topk'")])  # fmt: skip
+def test_bad_variant_names_say_what_is_wrong(name, message):
+    with pytest.raises(ValueError, match=message):
+        Variant.parse(name)
+
+
+def test_study_variants_order_for_a_small_grid():
+    names = [v.name for v in study_variants({4: (1, 2)}, ("router",), (0, 1))]
+    assert names == ["plain-s0", "d4-router-2-s0", "plain-s1", "d4-router-2-s1", "base", "noft-d4-router-2",
+                     "noft-d4-router-1", "d4-router-1-s0", "d4-router-1-s1"]  # fmt: skip
+
+
+# ----- the multiple-choice tasks --------------------------------------------------------------------------
+CODE = ["def load(path, mode):\n    handle = open(path, mode)\n    data = handle.read()\n    lines = data.split()\n"
+        f"    count = len(lines)\n    result = lines[count - 1]\n    return result, handle, data\n# doc {d}\n" for d in range(6)]  # fmt: skip
+
+
+def test_nextline_items_hold_the_true_next_line_among_three_lines_of_other_documents():
+    from occult_hf.eval.studies.lmeval_tasks import nextline_items
+
+    texts = [f"document {d}\n" + "\n".join(f"line {i} of document {d} with some words" for i in range(12)) for d in range(5)]
+    items = nextline_items(texts, 20, random.Random(0))
+    assert items == nextline_items(texts, 20, random.Random(0))  # deterministic from the seed
+    for item in items:
+        answer = item["choices"][item["label"]]
+        document = next(t for t in texts if item["context"].rstrip("\n") in t)
+        assert item["context"].rstrip("\n") + "\n" + answer in document  # the true next line
+        assert len(set(item["choices"])) == 4
+        own = re.search(r"of document (\d+)", answer)[1]
+        assert all(re.search(r"of document (\d+)", c)[1] != own for c in item["choices"] if c != answer)
+    assert {item["label"] for item in items} == {0, 1, 2, 3}
+    with pytest.raises(ValueError, match="nextline_items: .* 500 items asked for"):
+        nextline_items(texts, 500, random.Random(0))
+
+
+def test_cloze_items_ask_for_an_identifier_of_the_context_among_three_others_of_it():
+    from occult_hf.eval.studies.lmeval_tasks import cloze_items
+
+    items = cloze_items(CODE, 12, random.Random(1))
+    for item in items:
+        answer = item["choices"][item["label"]]
+        assert re.fullmatch(r"[A-Za-z_]\w{2,}", answer) and answer not in ("def", "return")
+        context_names = set(re.findall(r"\b[A-Za-z_]\w*\b", item["context"]))
+        assert set(item["choices"]) <= context_names and len(set(item["choices"])) == 4
+        assert any(doc.startswith(item["context"]) and doc[len(item["context"]) :].startswith(answer) for doc in CODE)
+    with pytest.raises(ValueError, match="cloze_items: .* 400 items asked for"):
+        cloze_items(CODE, 400, random.Random(0))
+
+
+# ----- the whole pipeline, micro -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def micro_run(tmp_path_factory):
+    """The quality command at `--size micro` on generated text: base job, 2 seeds, D=4, 8-item tasks."""
     from occult_hf.eval.studies import quality
     from occult_hf.training import prepare_data
 
-    torch.set_num_threads(1)
-    data = prepare_data(write_corpus(tmp_path / "corpus"), tmp_path / "data", vocab_size=300, heldout_fraction=0.25,
-                        cache_dir=tmp_path / "hf_cache")  # fmt: skip
-    work = tmp_path / "work"
-    quality.pretrain(data, work, True)
-    quality.base(data, work, True)
-    assert (work / "placement_ft.json").is_file() and len(list((work / "profiles").glob("*.safetensors"))) == 6
-    for name in ("router-1", "noft-router-1"):
-        quality.worker(name, data, work, True, work / "variants" / f"{name}.json")
-    tuned = json.loads((work / "variants" / "router-1.json").read_text())
-    noft = json.loads((work / "variants" / "noft-router-1.json").read_text())
-    assert "error" not in tuned and "error" not in noft
-    for result in (tuned, noft):
-        assert result["ct"] == pytest.approx(1.0)  # N_d = 1: every token on one device
-        assert 0.0 < result["removed_weight"] < 1.0 and result["bytes_per_token"] > 0
-        assert set(result["perplexity"]) == {"python_docs", "python_stdlib_code", "kernel_docs"}
-    assert tuned["train"]["steps"] == quality.settings(True)["ft_steps"] and "drift" in tuned
-    assert not noft["fine_tuned"] and "train" not in noft
-    # a variant that fails reports its error in its result file instead of losing it
-    quality.worker("router-7", data, work, True, work / "variants" / "bad.json")
-    assert "error" in json.loads((work / "variants" / "bad.json").read_text())
+    root = tmp_path_factory.mktemp("quality")
+    data = prepare_data(write_corpus(root / "corpus"), root / "data", vocab_size=300, heldout_fraction=0.25, cache_dir=root / "hf_cache")
+    argv = ["--data", str(data), "--work", str(root / "work"), "--out", str(root / "out"), "--size", "micro", "--budget", "300"]
+    start = time.time()
+    status = quality.main(argv)
+    return root, argv, status, time.time() - start
 
 
-def test_report_compares_fine_tunes_with_plain_and_no_fine_tune_with_the_base():
-    from occult_hf.eval.studies.report_quality import quality_table
+def test_micro_pipeline_runs_every_variant_through_lm_eval(micro_run):
+    root, _, status, _ = micro_run
+    out = root / "out"
+    assert status == 0
+    for name in ("quality_results.json", "loss_curve.png", "profiles_train.tar.gz", "profiles_heldout.tar.gz", "placements.tar.gz",
+                 "tasks.tar.gz", "logs.tar.gz"):
+        assert (out / name).is_file(), name
+    results = json.loads((out / "quality_results.json").read_text())
+    assert results["missing"] == [] and results["problems"] == []
+    assert results["tasks"]["items"] == {"occ_nextline_code": 8, "occ_cloze_code": 8, "occ_nextline_docs": 8}
+    rows = {v["variant"]: v for v in results["variants"]}
+    assert sorted(rows) == sorted(["plain-s0", "plain-s1", "d4-router-2-s0", "d4-router-2-s1", "base", "noft-d4-router-2"])
+    for name, row in rows.items():
+        variant = Variant.parse(name)
+        assert "error" not in row, row
+        assert set(row["perplexity"]) == {"python_docs", "python_stdlib_code", "kernel_docs"}
+        comm = row["communication"]["4"]
+        assert 1.0 <= comm["ct"] <= (2.0 if variant.pruned else 4.0) and comm["bytes_per_token"] > 0
+        assert (row["removed_weight"] > 0) == variant.pruned
+        for task, acc in row["accuracy"].items():
+            assert 0.0 <= acc["acc"] <= 1.0 and acc["acc_stderr"] > 0, (name, task)
+        ran = row["lm_eval_occult_config"]  # lm-eval scored the model as the variant runs
+        assert (ran["prune"], ran["max_devices_per_token"], ran["num_devices"]) == (variant.mode, variant.max_devices_per_token, 4)
+        assert ("train" in row) == variant.fine_tuned and ("drift" in row) == (variant.fine_tuned and not variant.pruned)
+    # the seed is the data order: the two plain fine-tunes differ, a pruned one follows its own seed's
+    assert rows["plain-s0"]["perplexity"]["python_stdlib_code"] != rows["plain-s1"]["perplexity"]["python_stdlib_code"]
+    assert rows["plain-s0"]["train"]["loss_history"][0]["loss"] == pytest.approx(rows["d4-router-2-s0"]["train"]["loss_history"][0]["loss"], rel=0.05)
+    assert not list((root / "work" / "checkpoints").iterdir())  # each fine-tune's checkpoint is gone once scored
 
-    def row(name, ppl_b, fine_tuned, n_d):
-        mode = None if name == "plain" else name.split("-")[-2]
-        return {"variant": name, "mode": mode, "max_devices_per_token": n_d, "fine_tuned": fine_tuned, "ct": 2.0,
-                "remote_copies": 1.5, "bytes_per_token": 100.0, "removed_weight": 0.1,
-                "perplexity": {"python_stdlib_code": ppl_b, "python_docs": 50.0, "kernel_docs": 80.0}}  # fmt: skip
 
-    results = {
-        "base": {"heldout_perplexity": {"python_stdlib_code": 100.0}},
-        "variants": [row("plain", 50.0, True, None), row("router-2", 50.4, True, 2), row("router-1", 52.0, True, 1),
-                     row("noft-router-2", 102.0, False, 2), {"variant": "similarity-2", "error": "stalled"}],
-    }  # fmt: skip
-    table, goals = quality_table(results)
-    cells = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]] for line in table.splitlines()[2:]}
-    assert cells["router-2"][4] == "1.0080" and cells["noft-router-2"][4] == "1.0200"  # vs plain / vs base
-    assert "stalled" in cells["similarity-2"][3]  # a worker that did not deliver is a row that says so
-    assert goals["router N_d=2 fine-tuned within 1% of plain fine-tuning"] == (pytest.approx(1.008), True)
-    assert goals["router N_d=1 fine-tuned within 1% of plain fine-tuning"][1] is False
+def test_micro_pipeline_resumes_without_redoing_finished_work(micro_run):
+    from occult_hf.eval.studies import quality
+
+    root, argv, _, _ = micro_run
+    stamps = {p.name: p.stat().st_mtime_ns for p in (root / "work" / "variants").iterdir()}
+    assert quality.main(argv) == 0
+    assert {p.name: p.stat().st_mtime_ns for p in (root / "work" / "variants").iterdir()} == stamps
+    (root / "work" / "variants" / "d4-router-2-s1.json").unlink()  # a variant the last run did not deliver
+    assert quality.main([*argv, "--variants", "d4-router-2-s1,base"]) == 0
+    assert (root / "work" / "variants" / "d4-router-2-s1.json").is_file()
+    assert (root / "work" / "variants" / "base.json").stat().st_mtime_ns == stamps["base.json"]
+    with pytest.raises(ValueError, match=r"variant\(s\) \['d8-router-2-s0'\] are not part of the micro study"):
+        quality.main([*argv, "--variants", "d8-router-2-s0"])
+    # a worker's variant that raises is a result naming the error (the next run does it again), not a lost job
+    quality.worker(["d8-router-2-s0"], root / "data", root / "work", "micro")
+    assert "is not part of the micro study" in json.loads((root / "work" / "variants" / "d8-router-2-s0.json").read_text())["error"]
+    assert not quality.finished(root / "work", "d8-router-2-s0")
+
+
+def test_micro_report_writes_the_tables_goals_drift_and_transfer(micro_run):
+    from occult_hf.eval.studies import report_quality
+
+    root, _, _, _ = micro_run
+    assert report_quality.main([str(root / "out"), "--out-dir", str(root / "report")]) == 0
+    text = (root / "report" / "quality_tables.md").read_text()
+    for needle in ("### Quality at D=4", "occ_cloze_code acc", "D=4, router N_d=2 + fine-tune within 1% of plain fine-tuning on every seed",
+                   "### Drift (plain fine-tunes)", "Goal (CT on an unseen domain within 10% of the oracle)"):  # fmt: skip
+        assert needle in text, needle
+    for name in ("quality_ppl.png", "transfer.json", "transfer.md", "transfer.png"):
+        assert (root / "report" / name).is_file()
+
+
+# ----- the report's arithmetic ---------------------------------------------------------------------------
+def _row(name: str, ppl_b: float, acc: float = 0.5) -> dict:
+    v = Variant.parse(name)
+    return {"variant": name, "fine_tuned": v.fine_tuned, "seed": v.seed, "mode": v.mode, "devices": v.devices,
+            "max_devices_per_token": v.max_devices_per_token, "removed_weight": 0.1 if v.pruned else 0.0,
+            "perplexity": {"python_stdlib_code": ppl_b, "python_docs": 50.0, "kernel_docs": 80.0},
+            "communication": {"4": {"ct": 2.0, "remote_copies": 1.5, "bytes_per_token": 100.0}},
+            "accuracy": {"occ_nextline_code": {"acc": acc, "acc_stderr": 0.02, "acc_norm": acc, "acc_norm_stderr": 0.02}}}  # fmt: skip
+
+
+def _results(variants: list[dict]) -> dict:
+    return {"settings": {"device_limits": {"4": [1, 2]}, "seeds": [0, 1], "modes": ["router", "similarity"]},
+            "tasks": {"tasks": {"occ_nextline_code": ["nextline", "python_stdlib_code"]}}, "variants": variants}  # fmt: skip
+
+
+def test_report_pairs_each_seed_with_its_own_plain_fine_tune():
+    from occult_hf.eval.studies.report_quality import Study, goals, quality_table
+
+    results = _results([_row("plain-s0", 50.0), _row("plain-s1", 60.0), _row("d4-router-2-s0", 50.4), _row("d4-router-2-s1", 60.9),
+                        _row("d4-similarity-2-s0", 50.2), _row("d4-similarity-2-s1", 60.3), _row("d4-router-1-s0", 52.0, 0.4),
+                        {"variant": "d4-router-1-s1", "error": "stalled"}, _row("base", 100.0), _row("noft-d4-router-2", 102.0)])  # fmt: skip
+    study = Study(results)
+    table = quality_table(study, 4)
+    cells = {(c := [x.strip() for x in line.split("|")[1:-1]])[0] + " " + c[1]: c for line in table.splitlines()[2:]}
+    # paired: seed 0 +0.80%, seed 1 +1.50% (unpaired means would give 55.65 / 55.0 = +1.18%)
+    assert cells["router N_d=2 yes"][3] == "55.650 (50.400-60.900)" and cells["router N_d=2 yes"][4] == "+1.15% (+0.80..+1.50%)"
+    assert cells["router N_d=2 no"][4] == "+2.00%"  # against the base model
+    assert cells["router N_d=1 yes"][2] == "1" and cells["router N_d=1 yes"][6] == "0.400 ±0.020"
+    lines = goals(study)
+    assert "- D=4, router N_d=2 + fine-tune within 1% of plain fine-tuning on every seed: **not met** (seed 0 +0.80%, seed 1 +1.50%)." in lines
+    assert "- D=4, similarity N_d=2 + fine-tune within 1% of plain fine-tuning on every seed: **met** (seed 0 +0.40%, seed 1 +0.50%)." in lines
+    assert any("N_d=2, fine-tuned: similarity against router" in g and "similarity lower on every seed" in g for g in lines)
+    assert any(g.startswith("- N_d=1, D=4, router, fine-tuned: +4.00% against plain fine-tuning (not within 1%)") for g in lines)
+    # a seed that did not deliver leaves the goal open rather than met
+    del study.rows["d4-similarity-2-s1"]
+    assert any("similarity N_d=2 + fine-tune within 1% of plain fine-tuning on every seed: not established (1 of 2 seeds measured)" in g
+               for g in goals(study))  # fmt: skip

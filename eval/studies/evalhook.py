@@ -24,6 +24,7 @@ import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -33,89 +34,28 @@ import torch
 
 from occult_hf.utils.atomic import atomic_write_json, atomic_write_text
 
+from .lmeval_tasks import OFFLINE_ENV, first_lines, nextline_items, run_lm_eval, write_multiple_choice_task, write_perplexity_task
+
 NUM_DEVICES = 2
 PRUNED = {"prune": "router", "max_devices_per_token": 1}
 MAX_LENGTH = 256
-EVAL_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
-def _first_lines(text: str, max_chars: int) -> str:
-    out, total = [], 0
-    for line in text.split("\n"):
-        if total + len(line) + 1 > max_chars and out:
-            break
-        out.append(line)
-        total += len(line) + 1
-    return "\n".join(out)
-
-
-def build_tasks(data, directory: Path, docs_per_domain: int = 12, max_chars: int = 1200, mc_items: int = 20, seed: int = 0) -> list[str]:
-    """Write the local task YAMLs and JSONL files into `directory`; return the task names."""
+def build_tasks(data, directory: Path, docs_per_domain: int = 12, max_chars: int = 1200, mc_items: int = 60, seed: int = 0) -> list[str]:
+    """Write the local task YAMLs and JSONL files into `directory`; return the task names: one
+    perplexity task per domain, and `occ_nextline` with `mc_items` items drawn from every domain."""
     rng = random.Random(seed)
-    directory.mkdir(parents=True, exist_ok=True)
     names, mc = [], []
     for domain in data.domains:
         texts = [t for t in data.heldout_texts(domain) if t.strip()]
-        atomic_write_text(directory / f"ppl_{domain}.jsonl",
-                          "".join(json.dumps({"text": _first_lines(t, max_chars)}) + "\n" for t in texts[:docs_per_domain]))  # fmt: skip
-        name = f"occ_ppl_{domain}"
-        atomic_write_text(
-            directory / f"{name}.yaml",
-            f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {directory / f'ppl_{domain}.jsonl'}\n"
-            "test_split: test\noutput_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
-            "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n"
-        )
-        names.append(name)
-        lines = [l for t in texts for l in t.split("\n") if len(l.strip()) >= 12]
-        for _ in range(mc_items):
-            text = rng.choice(texts).split("\n")
-            spots = [i for i in range(3, len(text)) if len(text[i].strip()) >= 12]
-            if not spots:
-                continue
-            i = rng.choice(spots)
-            context = "\n".join(text[max(0, i - 6) : i])[-400:]
-            choices = [text[i]] + rng.sample([l for l in lines if l != text[i]], 3)
-            order = list(range(4))
-            rng.shuffle(order)
-            mc.append({"context": context, "choices": [choices[j] for j in order], "label": order.index(0)})
-    atomic_write_text(directory / "nextline.jsonl", "".join(json.dumps(item) + "\n" for item in mc))
-    atomic_write_text(
-        directory / "occ_nextline.yaml",
-        f"task: occ_nextline\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {directory / 'nextline.jsonl'}\n"
-        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{context}}\n'\ndoc_to_choice: '{{choices}}'\n"
-        "target_delimiter: ''\ndoc_to_target: label\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n"
-    )
-    return names + ["occ_nextline"]
+        names.append(write_perplexity_task(directory, f"occ_ppl_{domain}", [first_lines(t, max_chars) for t in texts[:docs_per_domain]]))
+        mc += nextline_items(texts, mc_items // len(data.domains), rng)
+    return names + [write_multiple_choice_task(directory, "occ_nextline", mc)]
 
 
-def _offline() -> None:
-    os.environ.update(EVAL_ENV)
-    import lm_eval.evaluator
-
-    lm_eval.evaluator.add_env_info = lambda results: None  # skip `pip list` etc.
-
-
-def run_lm_eval(model_dir: str, tasks_dir: Path, tasks: list[str], occult: dict) -> dict:
-    """lm-eval's `simple_evaluate` with `occult-hf`; {task: numeric metrics}, plus per-doc loglikelihoods."""
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
-    import occult_hf.eval  # noqa: F401  (registers occult-hf)
-
-    _offline()
-    args = {"pretrained": model_dir, "device": "cpu", "dtype": "float32", "max_length": MAX_LENGTH, **occult}
-    results = lm_eval.simple_evaluate(
-        model="occult-hf", model_args=args, tasks=tasks, batch_size=8, log_samples=True, bootstrap_iters=0,
-        task_manager=TaskManager(include_path=str(tasks_dir), include_defaults=False),
-    )  # fmt: skip
-    if results is None:  # ranks other than 0
-        return {}
-    out = {task: {k.split(",")[0]: v for k, v in r.items() if isinstance(v, (int, float))} for task, r in results["results"].items()}
-    for task, samples in results["samples"].items():
-        if task.startswith("occ_ppl_"):
-            out[task]["doc_loglikelihoods"] = [float(s["filtered_resps"][0]) if not isinstance(s["filtered_resps"][0], (list, tuple))
-                                               else float(s["filtered_resps"][0][0]) for s in sorted(samples, key=lambda s: s["doc_id"])]  # fmt: skip
-    return out
+def _run(model_dir: str, tasks_dir: Path, tasks: list[str], occult: dict) -> dict:
+    """One lm-eval run of the tasks on CPU in fp32, with per-document loglikelihoods and no bootstrap."""
+    return run_lm_eval(model_dir, tasks_dir, tasks, occult, max_length=MAX_LENGTH, bootstrap_iters=0, log_samples=True).get("tasks", {})
 
 
 @torch.no_grad()
@@ -145,13 +85,13 @@ def own_perplexity(model_dir: str, tasks_dir: Path, domains: list[str]) -> dict:
     prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     out = {}
     for domain in domains:
-        texts = [json.loads(l)["text"] for l in open(tasks_dir / f"ppl_{domain}.jsonl", encoding="utf-8")]
+        texts = [json.loads(l)["text"] for l in open(tasks_dir / f"occ_ppl_{domain}.jsonl", encoding="utf-8")]
         lls, tokens = [], 0
         for text in texts:
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             tokens += len(ids)
             lls.append(rolling_loglikelihood(model, ids, prefix, MAX_LENGTH))
-        words = sum(len(__import__("re").split(r"\s+", t)) for t in texts)
+        words = sum(len(re.split(r"\s+", t)) for t in texts)
         nbytes = sum(len(t.encode("utf-8")) for t in texts)
         out[f"occ_ppl_{domain}"] = {"doc_loglikelihoods": lls, "word_perplexity": math.exp(-sum(lls) / words),
                                     "byte_perplexity": math.exp(-sum(lls) / nbytes), "token_perplexity": math.exp(-sum(lls) / tokens),
@@ -164,7 +104,7 @@ def _rank_worker(args) -> int:
     tasks = args.tasks.split(",")
     results = {}
     for label, occult in (("exact", {"num_devices": NUM_DEVICES}), ("pruned", {"num_devices": NUM_DEVICES, **PRUNED})):
-        results[label] = run_lm_eval(args.model, args.tasks_dir, tasks, occult)
+        results[label] = _run(args.model, args.tasks_dir, tasks, occult)
     if int(os.environ.get("RANK", "0")) == 0:
         atomic_write_json(args.result, results)
     return 0
@@ -193,13 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     report = {"model": os.path.abspath(args.model), "tasks": tasks, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": {}}
     start = time.perf_counter()
     for label, occult in (("exact", {"num_devices": NUM_DEVICES}), ("pruned", {"num_devices": NUM_DEVICES, **PRUNED})):
-        report["runs"][f"1 process, {label}"] = run_lm_eval(args.model, tasks_dir, tasks, occult)
+        report["runs"][f"1 process, {label}"] = _run(args.model, tasks_dir, tasks, occult)
     if args.ranks:
         result = args.out_dir / "evalhook_ranks.json"
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks), "--master-port", "29533",
                    "-m", "occult_hf.eval.studies.evalhook", "--worker", "--model", args.model, "--tasks-dir", str(tasks_dir),
                    "--tasks", ",".join(tasks), "--result", str(result)]  # fmt: skip
-        env = {**os.environ, **EVAL_ENV, "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": "1"}
         subprocess.run(command, check=True, env=env)
         for label, r in json.loads(result.read_text()).items():
             report["runs"][f"{args.ranks} ranks (gloo EP), {label}"] = r

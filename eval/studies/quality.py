@@ -1,113 +1,126 @@
-"""The quality, drift and transfer runs on a trained MoE (DESIGN.md §9; docs/quality.md).
+"""The quality, drift and accuracy runs on a trained MoE (DESIGN.md §9; docs/quality.md).
 
-One command runs everything that needs the model (on GPUs when there are any; `--micro` runs the
-same code path on CPU in a minute, with the tiny recipe and a few steps, to test it):
+One command runs everything that needs the model, as supervised worker processes on the GPUs (on
+CPU when there are none):
 
-    python -m occult_hf.eval.studies.quality --data DATA --work WORK --out OUT [--micro]
+    python -m occult_hf.eval.studies.quality --data DATA --work WORK --out OUT [--size study|cpu|micro]
 
-1. **pretrain** (GPU 0): the `study` recipe from scratch on python_docs + kernel_docs
-   (`occult_hf.training.train`); python_stdlib_code stays new to the model.
-2. **base** (GPU 0): per domain, routing profiles of the training split (planning) and of the
-   held-out split (measuring) for the transfer study; held-out perplexity; learned-routing
-   structure against a random router; the `refined` placement at D=4 planned on the training
-   profile of the fine-tuning domain B (python_stdlib_code), which every fine-tune below uses.
-3. **variants** (one worker process per variant, several per GPU at once: a fine-tune of this small
-   model is bound by kernel launches, so processes sharing a GPU fill each other's gaps): fine-tune on B, for the same steps, data
-   order and seed: `plain` (exact Occult dispatch at D=4: the same function as the model, with
-   `OccultCallback`'s drift watch), and pruning-aware with `OccultCallback` for `N_d` in {1, 2, 3},
-   `router` and `similarity` modes; and the same pruning with no fine-tuning (`noft-*`). For each:
-   held-out perplexity on B and A (python_docs, forgetting) and C, and on held-out B: CT, remote
-   copies, bytes per token, removed routing weight; for the fine-tuned models also the drift
-   numbers (the placement planned before fine-tuning against one re-planned on the fine-tuned
-   routing, both measured on held-out B) and what the callback's drift watch logged.
+1. **base** (one job, GPU 0): the multiple-choice tasks built from held-out text (`MC_TASKS`),
+   loaded once through lm-eval so that the workers find them prepared; pre-train the study recipe
+   from scratch on python_docs + kernel_docs (`occult_hf.training.train`; python_stdlib_code, B,
+   stays new to the model); per domain, routing profiles of the training split (planning) and of
+   the held-out split (the transfer study); learned-routing structure; at every study D the
+   `refined` placement planned on the training profile of B, which every variant at that D uses.
+2. **variants** (`studies.variants`: `plain` and every pruned fine-tune for each seed, `base` and
+   every pruned base model without fine-tuning), several worker processes per GPU at once (a
+   fine-tune of this model through the Occult blocks is bound by kernel launches, so processes
+   sharing a GPU fill each other's gaps). Each: fine-tune on B (the seed sets the data order;
+   pruned ones with `OccultCallback`'s N_d schedule); held-out perplexity of every domain; on
+   held-out B the dispatched routing's CT, remote copies, bytes per token and removed weight (exact
+   variants under every D's placement); drift for `plain` (`quality_measures.drift`); then the
+   checkpoint through lm-eval's `occult-hf` model type on the multiple-choice tasks, as it runs
+   (its placement, D, pruning), with lm-eval's standard errors.
 
-Every stage runs as a worker process under `occult_hf.eval.studies.jobs.run_jobs`: a worker whose log
-stops growing for `--stall` seconds is killed and reported, and at `--budget` seconds after the start
-every worker still running is killed, so the command always returns with what it made, exits non-zero
-and names each stalled, failed or cut worker with its last log line. (On the H200 run of 2026-11-30
-the fine-tuning workers printed nothing for 200 s and the parent waited on them without a limit; the
-probable cause was the first training step of `expert_backend="auto"`, i.e. the Triton kernels, in
-fp32: every new rows-per-expert bucket autotunes and compiles every Hopper config of the four
-forward and backward kernels, and fp32 IEEE dots compile slowly. That was not confirmed on the GPU.)
+Every job runs under `occult_hf.eval.studies.jobs.run_jobs` (a worker whose log stops growing for
+`--stall` seconds is killed, every job still running at `--budget` seconds is cut). The command is
+**resumable**: a later run with the same `--work` skips the base job once it finished and every
+variant whose result exists, so a study longer than one device call is the same command run again
+until it reports every variant done. Each run writes, in OUT, `quality_results.json` (every result in
+WORK so far), `loss_curve.png`, `profiles_train.tar.gz` and `profiles_heldout.tar.gz` (the transfer
+study's profiles), `placements.tar.gz`, `tasks.tar.gz` (the task files) and `logs.tar.gz`, then exits 0 when every variant is done, 2 when
+some are left for another run, 1 when a job failed or stalled.
 
-The Occult blocks use `expert_backend="torch"` (fp32 weights through PyTorch GEMMs); the
-environment variable `OCCULT_STUDY_EXPERT_BACKEND` selects another backend (`auto`, `triton`).
-
-Results land in OUT: `quality_results.json`, the loss curve, and `profiles.tar.gz` (the transfer
-study's profiles). The CPU side (`python -m occult_hf.eval.studies.report_quality`) turns them into
-the tables and plots of docs/quality.md.
+The Occult blocks use `expert_backend="torch"` (fp32 weights through PyTorch GEMMs, TF32 on GPUs);
+the environment variable `OCCULT_STUDY_EXPERT_BACKEND` selects another backend (`auto`, `triton`).
+The CPU side (`python -m occult_hf.eval.studies.report_quality OUT`) writes the tables and plots.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import random
 import shutil
 import sys
 import tarfile
 import time
 from pathlib import Path
 
-import numpy as np
+from occult_hf.utils.atomic import atomic_path, atomic_write_json
+
+from .jobs import Job, run_jobs
+from .lmeval_tasks import OFFLINE_ENV, cloze_items, nextline_items, run_lm_eval, write_multiple_choice_task
+from .variants import MODES, Variant, study_variants
 
 #: the fine-tuning domain (B), the forgetting domain (A) and the third one (C)
 FT_DOMAIN, FORGET_DOMAIN, THIRD_DOMAIN = "python_stdlib_code", "python_docs", "kernel_docs"
-#: logical devices of the pruning study
-STUDY_DEVICES = 4
-PRUNED = [(mode, n) for n in (2, 1, 3) for mode in ("router", "similarity")]
-#: the `refined` planner's options in every plan of the study (placement, re-plans, drift watch):
+#: the `refined` planner's options in every plan of the study (placements, re-plans, drift watch):
 #: 8 search rounds on 4,096 sampled tokens instead of 40 on 16,384 (measured: 1.5 s instead of 40 s
 #: per E=64 layer on a shared CPU, held-out CT within 1% on a synthetic E=64 k=8 profile)
 REFINED = {"search_rounds": 8, "max_sample_tokens": 4096}
+#: the multiple-choice tasks: name -> (item builder, held-out domain it is built from)
+MC_TASKS = {"occ_nextline_code": ("nextline", FT_DOMAIN), "occ_cloze_code": ("cloze", FT_DOMAIN),
+            "occ_nextline_docs": ("nextline", FORGET_DOMAIN)}  # fmt: skip
+_BUILDERS = {"nextline": nextline_items, "cloze": cloze_items}
+#: the seed of the multiple-choice items (fixed: every variant answers the same items)
+MC_SEED = 0
+
+#: the sizes of a run. `device_limits`: {D: N_d values}; `per_job` / `min_job_s`: (fine-tunes,
+#: variants without fine-tuning) per worker process, and the time a job needs left before the
+#: deadline to start (per variant in it); `slots`: worker processes per GPU (or on the CPU).
+SIZES = {
+    # one H200 (docs/quality.md, "Next run"): the study_long recipe, D=4 and D=8, 3 seeds
+    "study": {"recipe": "study_long", "pretrain": {},
+              "device_limits": {4: (1, 2, 3), 8: (1, 2, 3, 4)}, "modes": MODES, "seeds": (0, 1, 2),
+              "ft_steps": 60, "ft_batch": 32, "ft_lr": 3e-4, "eval_tokens": 32_768, "profile_tokens": 32_768,
+              "drift_tokens": 16_384, "mc_items": 600, "mc_batch": 64,
+              "per_job": (1, 1), "min_job_s": (120.0, 40.0), "slots": 10},
+    # the tiny recipe on the real corpus, on a CPU: a study in minutes (not the study: a check of it)
+    "cpu": {"recipe": "tiny", "pretrain": {},
+            "device_limits": {4: (1, 2)}, "modes": MODES, "seeds": (0, 1),
+            "ft_steps": 30, "ft_batch": 8, "ft_lr": 1e-3, "eval_tokens": 16_384, "profile_tokens": 8192,
+            "drift_tokens": 8192, "mc_items": 100, "mc_batch": 32,
+            "per_job": (2, 5), "min_job_s": (0.0, 0.0), "slots": 2},
+    # a few steps of everything: the CI test of the pipeline
+    "micro": {"recipe": "tiny", "pretrain": {"max_steps": 4, "batch_size": 4, "time_budget_s": None},
+              "device_limits": {4: (2,)}, "modes": ("router",), "seeds": (0, 1),
+              "ft_steps": 3, "ft_batch": 4, "ft_lr": 3e-4, "eval_tokens": 1024, "profile_tokens": 1024,
+              "drift_tokens": 1024, "mc_items": 8, "mc_batch": 8,
+              "per_job": (4, 2), "min_job_s": (0.0, 0.0), "slots": 2},
+}  # fmt: skip
 
 
-def settings(micro: bool | str) -> dict:
-    """Sizes of the run: `study` (GPUs), `cpu` (the tiny recipe, a real but small study on CPU) or
-    `micro` (a few steps: the CPU test of the path); `micro=True` means `micro`.
-
-    `variant_min_s`: a fine-tune / no-fine-tune variant does not start with less time than this left
-    before the budget. The `study` sizes fit the whole command (pretrain, base, 13 variants) into one
-    5-minute call on two H200s: pretraining stops at its time budget; a fine-tune is 60 steps of
-    32 x 512 tokens.
-    """
-    size = "micro" if micro is True else ("study" if micro is False else micro)
-    if size == "micro":
-        return {"recipe": "tiny", "pretrain": {"max_steps": 4, "batch_size": 4, "time_budget_s": None},
-                "ft_steps": 3, "ft_batch": 4, "ft_lr": 3e-4, "eval_tokens": 1024, "profile_tokens": 1024,
-                "drift_tokens": 1024, "drift_every": 3, "variant_min_s": (0.0, 0.0), "size": size}  # fmt: skip
-    if size == "cpu":
-        return {"recipe": "tiny", "pretrain": {"time_budget_s": None},
-                "ft_steps": 60, "ft_batch": 8, "ft_lr": 1e-3, "eval_tokens": 16_384, "profile_tokens": 8192,
-                "drift_tokens": 8192, "drift_every": 60, "variant_min_s": (0.0, 0.0), "size": size}  # fmt: skip
-    return {"recipe": "study", "pretrain": {"time_budget_s": 95.0},
-            "ft_steps": 60, "ft_batch": 32, "ft_lr": 3e-4, "eval_tokens": 32_768, "profile_tokens": 32_768,
-            "drift_tokens": 16_384, "drift_every": 60, "variant_min_s": (60.0, 25.0), "size": size}  # fmt: skip
+def settings(size: str) -> dict:
+    """The sizes of a `study`, `cpu` or `micro` run (`SIZES`), with `size` itself."""
+    if size not in SIZES:
+        raise ValueError(f"quality study: size {size!r} is not one of {sorted(SIZES)}")
+    return {**SIZES[size], "size": size}
 
 
-def _recipe(work: Path, micro: bool):
+def variants_of(size: str) -> list[Variant]:
+    s = settings(size)
+    return study_variants(s["device_limits"], s["modes"], s["seeds"])
+
+
+def study_recipe(size: str):
     from occult_hf.training import get_recipe
 
-    s = settings(micro)
+    s = settings(size)
     recipe = get_recipe(s["recipe"], **s["pretrain"])
-    if s["recipe"] == "tiny":  # the study recipe already leaves the fine-tuning domain out
-        recipe = recipe.replace(train_domains=(FORGET_DOMAIN, THIRD_DOMAIN))
+    if FT_DOMAIN in recipe.train_domains:  # the study recipes already leave B out; the tiny one trains on all three
+        recipe = recipe.replace(train_domains=tuple(d for d in recipe.train_domains if d != FT_DOMAIN))
     return recipe
 
 
-def _write_json(path: Path, data) -> None:
-    from occult_hf.utils.atomic import atomic_write_json
-
-    atomic_write_json(path, data)
+def placement_file(work: Path, devices: int) -> Path:
+    return work / f"placement_d{devices}.json"
 
 
-# ----- 1. pretrain ------------------------------------------------------------------------------
-def pretrain(data: Path, work: Path, micro: bool) -> None:
-    from occult_hf.training import train
-
-    recipe = _recipe(work, micro)
-    log = train(recipe, data, work / "base", eval_tokens=settings(micro)["eval_tokens"], progress=True)
-    print(json.dumps({k: log[k] for k in ("steps", "tokens_seen", "wall_s", "final_loss", "heldout_perplexity")}), flush=True)
+def similarity_profile(work: Path) -> Path:
+    """The routing profile similarity pruning reads: the base model's, on B's training split."""
+    return work / "profiles" / f"train_{FT_DOMAIN}.safetensors"
 
 
 def _load(path: Path):
@@ -121,19 +134,42 @@ def _load(path: Path):
     return model.eval()
 
 
-# ----- 2. base ------------------------------------------------------------------------------------
-def base(data_dir: Path, work: Path, micro: bool) -> None:
+# ----- 1. the base job ---------------------------------------------------------------------------
+def base_parts(work: Path) -> dict[str, Path]:
+    """The base job's parts and the file each writes last (its mark of being done)."""
+    return {"pretrain": work / "base" / "train_log.json", "profiles": work / "base.json", "tasks": work / "tasks" / "tasks.json"}
+
+
+def base_job(data_dir: Path, work: Path, size: str) -> None:
+    """Pre-train, profile and plan, build the tasks: each part skipped when an earlier run finished it."""
+    done = {part: mark.is_file() for part, mark in base_parts(work).items()}
+    if not done["tasks"]:  # first: a machine where lm-eval cannot load them fails in seconds, not after pre-training
+        build_tasks(data_dir, work / "tasks", settings(size)["mc_items"])
+    if not done["pretrain"]:
+        pretrain(data_dir, work, size)
+    if not done["profiles"]:
+        profile_and_plan(data_dir, work, size)
+
+
+def pretrain(data_dir: Path, work: Path, size: str) -> None:
+    from occult_hf.training import train
+
+    print(f"[base] pre-training recipe {study_recipe(size).name}", flush=True)
+    log = train(study_recipe(size), data_dir, work / "base", eval_tokens=settings(size)["eval_tokens"], progress=True)
+    print(json.dumps({k: log[k] for k in ("steps", "tokens_seen", "wall_s", "final_loss", "heldout_perplexity")}), flush=True)
+
+
+def profile_and_plan(data_dir: Path, work: Path, size: str) -> None:
     from occult_hf.placement import plan_placement
     from occult_hf.profile import RoutingProfile
     from occult_hf.training import PreparedData
     from occult_hf.training.evaluate import capture_routing, routing_structure
 
-    s = settings(micro)
+    s = settings(size)
     data = PreparedData(data_dir)
-    recipe = _recipe(work, micro)
+    recipe = study_recipe(size)
     model = _load(work / "base")
-    prof_dir = work / "profiles"
-    prof_dir.mkdir(exist_ok=True)
+    (work / "profiles").mkdir(parents=True, exist_ok=True)
     result = {"structure": {}}
     for domain in data.domains:
         print(f"[base] routing profiles and structure of {domain}", flush=True)
@@ -142,162 +178,157 @@ def base(data_dir: Path, work: Path, micro: bool) -> None:
             profile = RoutingProfile.collect(model, windows.tolist(), batch_size=16, max_length=recipe.seq_len,
                                              sample_size=s["profile_tokens"], progress=False,
                                              source=f"study base model, {split} split of {domain}")  # fmt: skip
-            profile.save(prof_dir / f"{split}_{domain}.safetensors")
+            profile.save(work / "profiles" / f"{split}_{domain}.safetensors")
         routing = capture_routing(model, data.windows("heldout", domain, recipe.seq_len, max_tokens=s["profile_tokens"]))
         result["structure"][domain] = routing_structure(routing, recipe.num_experts)
-    print(f"[base] planning the refined placement (D={STUDY_DEVICES}) on the training split of {FT_DOMAIN}", flush=True)
-    plan_profile = RoutingProfile.load(prof_dir / f"train_{FT_DOMAIN}.safetensors")
-    placement = plan_placement(plan_profile, STUDY_DEVICES, "refined", progress=False, **REFINED)
-    placement.meta["planned_on"] = f"base model, training split of {FT_DOMAIN}"
-    placement.save(work / "placement_ft.json")
-    _write_json(work / "base.json", result)
+    plan_profile = RoutingProfile.load(similarity_profile(work))
+    for devices in s["device_limits"]:
+        print(f"[base] planning the refined placement (D={devices}) on the training split of {FT_DOMAIN}", flush=True)
+        placement = plan_placement(plan_profile, devices, "refined", progress=False, **REFINED)
+        placement.meta["planned_on"] = f"base model, training split of {FT_DOMAIN}"
+        placement.save(placement_file(work, devices))
+    atomic_write_json(work / "base.json", result)
 
 
-# ----- 3. variants --------------------------------------------------------------------------------
-def _occult_model(work: Path, checkpoint: Path, mode: str | None, n_d: int | None):
-    from occult_hf.config import OccultConfig
-    from occult_hf.hf.apply import apply_occult
+def build_tasks(data_dir: Path, tasks_dir: Path, items: int) -> list[str]:
+    """Write `MC_TASKS` (`items` each, from the held-out splits) into `tasks_dir`, load them once through
+    lm-eval (it prepares their datasets in the cache the workers read), then write `tasks.json`."""
+    from occult_hf.training import PreparedData
 
-    model = _load(checkpoint)
-    config = OccultConfig(
-        placement=str(work / "placement_ft.json"),
-        num_devices=STUDY_DEVICES,
-        prune=mode,
-        max_devices_per_token=n_d,
-        profile=str(work / "profiles" / f"train_{FT_DOMAIN}.safetensors") if mode == "similarity" else None,
-        expert_backend=os.environ.get("OCCULT_STUDY_EXPERT_BACKEND", "torch"),
-    )
-    return apply_occult(model, config)
+    from .lmeval_tasks import go_offline, task_manager
+
+    data = PreparedData(data_dir)
+    print(f"[base] building the multiple-choice tasks ({items} items each)", flush=True)
+    for name, (builder, domain) in MC_TASKS.items():
+        texts = [t for t in data.heldout_texts(domain) if t.strip()]
+        write_multiple_choice_task(tasks_dir, name, _BUILDERS[builder](texts, items, random.Random(MC_SEED)))
+    go_offline()
+    loaded = task_manager(tasks_dir).load(list(MC_TASKS))["tasks"]
+    counts = {name: len(task.eval_docs) for name, task in loaded.items()}
+    atomic_write_json(tasks_dir / "tasks.json", {"tasks": MC_TASKS, "items": counts, "seed": MC_SEED})
+    return list(MC_TASKS)
 
 
-def measure(model, data, recipe, max_tokens: int) -> dict:
-    """Perplexity on held-out A, B, C; on held-out B the dispatched routing's CT, remote copies,
-    bytes per token (bf16, one direction, per MoE layer) and removed weight; the dispatched ids."""
-    import torch
+# ----- 2. a variant ------------------------------------------------------------------------------
+def occult_settings(work: Path, variant: Variant, exact_devices: int) -> dict:
+    """The `OccultConfig` fields of `variant` (exact ones at `exact_devices`)."""
+    devices = variant.devices or exact_devices
+    fields = {"placement": str(placement_file(work, devices)), "num_devices": devices,
+              "expert_backend": os.environ.get("OCCULT_STUDY_EXPERT_BACKEND", "torch")}  # fmt: skip
+    if variant.pruned:
+        fields.update(prune=variant.mode, max_devices_per_token=variant.max_devices_per_token)
+        if variant.mode == "similarity":
+            fields["profile"] = str(similarity_profile(work))
+    return fields
 
-    from occult_hf.hf.apply import occult_modules
-    from occult_hf.metrics import communication_volume
-    from occult_hf.pruning import pruners_of
+
+def fine_tune(model, variant: Variant, data_dir: Path, work: Path, size: str) -> dict:
+    """Fine-tune `model` on B in place: `plain` with `OccultCallback`'s logging and its drift watch at
+    the last step, a pruned one with the callback's N_d schedule over the first quarter of the steps."""
+    from occult_hf.hf.callback import OccultCallback
+    from occult_hf.training import train
+
+    s = settings(size)
+    recipe = study_recipe(size)
+    print(f"[{variant.name}] fine-tuning on {FT_DOMAIN}: {s['ft_steps']} steps x {s['ft_batch']} x {recipe.seq_len} tokens, seed {variant.seed}", flush=True)
+    ft = recipe.replace(name=f"{recipe.name}-ft-{variant.name}", max_steps=s["ft_steps"], batch_size=s["ft_batch"],
+                        learning_rate=s["ft_lr"], warmup_steps=max(1, s["ft_steps"] // 10), time_budget_s=None,
+                        bf16=False, seed=variant.seed)  # fmt: skip  (fp32 weights and activations through the Occult blocks)
+    callback = OccultCallback(schedule_steps=s["ft_steps"] // 4 if variant.pruned else 0,
+                              check_every=0 if variant.pruned else s["ft_steps"], per_layer=False, planner_options=REFINED)  # fmt: skip
+    log = train(ft, data_dir, work / "ft" / variant.name, model=model, train_domains=(FT_DOMAIN,),
+                trainer_callbacks=[callback, _step_printer(variant.name, s["ft_steps"])], eval_tokens=s["eval_tokens"],
+                progress=False, save=False, logging_steps=max(1, s["ft_steps"] // 10))  # fmt: skip
+    return {"train": {k: log[k] for k in ("steps", "tokens_seen", "wall_s", "final_loss", "loss_history")},
+            "callback_logs": [{k: v for k, v in h.items() if k.startswith("occult/") or k in ("step", "loss")}
+                              for h in log["log_history"] if any(k.startswith("occult/") for k in h)]}  # fmt: skip
+
+
+def measure(model, variant: Variant, data_dir: Path, work: Path, size: str) -> dict:
+    """Held-out perplexity of every domain; on held-out B the dispatched routing's communication (under
+    its own D's placement, or every D's for an exact variant) and removed weight; drift for `plain`."""
+    from occult_hf.placement import Placement
+    from occult_hf.training import PreparedData
     from occult_hf.training.evaluate import perplexity
 
-    out = {"perplexity": {d: perplexity(model, data.windows("heldout", d, recipe.seq_len, max_tokens=max_tokens)) for d in data.domains}}
-    blocks = {module.layer_idx if hasattr(module, "layer_idx") else i: module for i, module in enumerate(occult_modules(model).values())}
-    captured: dict[int, list] = {layer: [] for layer in blocks}
-    handles = [b.register_forward_hook(lambda m, i, o, layer=layer: captured[layer].append(m.last_topk_ids_Tk.cpu()))
-               for layer, b in blocks.items()]  # fmt: skip
-    for pruner in pruners_of(model).values():
-        pruner.pop_stats()
-    from occult_hf.training.evaluate import mean_nll
+    from .quality_measures import communication, dispatched_routing, drift
 
-    mean_nll(model, data.windows("heldout", FT_DOMAIN, recipe.seq_len, max_tokens=max_tokens))
-    for handle in handles:
-        handle.remove()
-    removed = {layer: p.pop_stats()["removed_weight_fraction"] for layer, p in pruners_of(model).items()}
-    first = next(iter(blocks.values()))
-    per_layer = {}
-    for layer, chunks in captured.items():
-        ids_Nk = torch.cat(chunks).numpy()
-        device_of_E = first.layout.device_of_E.cpu().numpy() if layer not in blocks else blocks[layer].layout.device_of_E.cpu().numpy()
-        volume = communication_volume(ids_Nk, device_of_E, STUDY_DEVICES)
-        per_layer[layer] = {"ct": volume.ct_mean, "remote_copies": volume.remote_copies_mean, "ids": ids_Nk}
-    hidden = model.config.hidden_size
-    out["ct"] = float(np.mean([v["ct"] for v in per_layer.values()]))
-    out["remote_copies"] = float(np.mean([v["remote_copies"] for v in per_layer.values()]))
-    out["bytes_per_token"] = out["remote_copies"] * hidden * 2
-    out["removed_weight"] = float(np.mean(list(removed.values()))) if removed else 0.0
-    out["dispatched_ids"] = {layer: v["ids"] for layer, v in per_layer.items()}
+    s = settings(size)
+    data = PreparedData(data_dir)
+    seq_len, hidden = study_recipe(size).seq_len, model.config.hidden_size
+    out = {"perplexity": {d: perplexity(model, data.windows("heldout", d, seq_len, max_tokens=s["eval_tokens"]))
+                          for d in data.domains}}  # fmt: skip
+    held_ids, out["removed_weight"] = dispatched_routing(model, data.windows("heldout", FT_DOMAIN, seq_len, max_tokens=s["eval_tokens"]))
+    placements = {d: Placement.load(placement_file(work, d)) for d in ([variant.devices] if variant.pruned else s["device_limits"])}
+    out["communication"] = {str(d): communication(held_ids, p, hidden) for d, p in placements.items()}
+    if variant.fine_tuned and not variant.pruned:
+        print(f"[{variant.name}] drift: re-planning on the fine-tuned routing", flush=True)
+        train_ids, _ = dispatched_routing(model, data.windows("train", FT_DOMAIN, seq_len, max_tokens=s["drift_tokens"]))
+        out["drift"] = {str(d): drift(train_ids, held_ids, p, model.config.num_experts, REFINED) for d, p in placements.items()}
     return out
 
 
-def _profile_from_ids(ids_by_layer: dict, num_experts: int, source: str):
+def accuracy(checkpoint: Path, variant: Variant, work: Path, size: str) -> tuple[dict, dict]:
+    """lm-eval through `occult-hf` on `MC_TASKS`: (`{task: {acc, acc_stderr, acc_norm, acc_norm_stderr}}`,
+    the `OccultConfig` lm-eval recorded that the model ran with)."""
     import torch
 
-    from occult_hf.profile import RoutingProfile
-    from occult_hf.profile.stats import LayerAccumulator
-
-    layers = {}
-    for layer, ids_Nk in ids_by_layer.items():
-        acc = LayerAccumulator(num_experts, ids_Nk.shape[1], sample_size=None)
-        acc.update(torch.from_numpy(np.ascontiguousarray(ids_Nk)))
-        layers[int(layer)] = acc.to_layer_routing()
-    return RoutingProfile(num_experts, next(iter(ids_by_layer.values())).shape[1], layers, meta={"source": source})
+    s = settings(size)
+    results = run_lm_eval(checkpoint, work / "tasks", list(MC_TASKS), occult_settings(work, variant, max(s["device_limits"])),
+                          device="cuda" if torch.cuda.is_available() else "cpu", batch_size=s["mc_batch"],
+                          max_length=study_recipe(size).seq_len)  # fmt: skip
+    keys = ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")
+    return {task: {k: results["tasks"][task][k] for k in keys} for task in MC_TASKS}, results["occult_config"]
 
 
-def drift(work: Path, model, data, recipe, measured: dict, max_tokens: int) -> dict:
-    """CT on held-out B of the placement planned before fine-tuning vs one re-planned on the
-    fine-tuned model's routing of B's training split (both by `refined`, D=4)."""
-    from occult_hf.metrics import evaluate_placement
-    from occult_hf.placement import Placement, plan_placement
-
-    before = Placement.load(work / "placement_ft.json")
-    train_ids = measure_ids(model, data.windows("train", FT_DOMAIN, recipe.seq_len, max_tokens=max_tokens))
-    replanned = plan_placement(_profile_from_ids(train_ids, recipe.num_experts, "fine-tuned, B train"), STUDY_DEVICES, "refined", progress=False, **REFINED)
-    held = _profile_from_ids(measured["dispatched_ids"], recipe.num_experts, "fine-tuned, B held-out")
-    result = {}
-    for name, placement in (("before", before), ("replanned", replanned)):
-        metrics = evaluate_placement(held, placement)
-        result[f"ct_{name}"] = float(np.mean([m.ct for m in metrics.values()]))
-        result[f"balance_{name}"] = float(np.mean([m.balance for m in metrics.values()]))
-    return result
-
-
-def measure_ids(model, windows_BS) -> dict:
-    """Dispatched expert ids per layer over `windows_BS` (through the Occult blocks)."""
+def run_variant(name: str, data_dir: Path, work: Path, size: str) -> dict:
+    """One variant: fine-tune (when it is one), measure, score on the tasks through lm-eval."""
     import torch
 
-    from occult_hf.hf.apply import occult_modules
-    from occult_hf.training.evaluate import mean_nll
+    from occult_hf.config import OccultConfig
+    from occult_hf.hf.apply import apply_occult
+    from occult_hf.training import PreparedData
 
-    blocks = list(occult_modules(model).values())
-    captured = {i: [] for i in range(len(blocks))}
-    handles = [b.register_forward_hook(lambda m, i_, o, i=i: captured[i].append(m.last_topk_ids_Tk.cpu())) for i, b in enumerate(blocks)]
-    mean_nll(model, windows_BS)
-    for handle in handles:
-        handle.remove()
-    return {i: torch.cat(c).numpy() for i, c in captured.items()}
-
-
-def variant(name: str, data_dir: Path, work: Path, micro: bool) -> dict:
-    """Run one variant (`plain`, `router-2`, `noft-similarity-1`, ...) and return its numbers."""
-    from occult_hf.hf.callback import OccultCallback
-    from occult_hf.training import PreparedData, train
-
-    s = settings(micro)
-    data = PreparedData(data_dir)
-    recipe = _recipe(work, micro)
-    noft = name.startswith("noft-")
-    spec = name[5:] if noft else name
-    mode, n_d = (None, None) if spec == "plain" else (spec.rsplit("-", 1)[0], int(spec.rsplit("-", 1)[1]))
-    print(f"[{name}] loading the base model (Occult blocks, D={STUDY_DEVICES}, prune={mode}, N_d={n_d})", flush=True)
-    model = _occult_model(work, work / "base", mode, n_d)
-    result = {"variant": name, "mode": mode, "max_devices_per_token": n_d, "fine_tuned": not noft}
+    variant = Variant.parse(name)
+    if variant not in variants_of(size):
+        raise ValueError(f"variant {name!r} is not part of the {size} study")
+    s = settings(size)
+    fields = occult_settings(work, variant, max(s["device_limits"]))
+    print(f"[{name}] loading the base model (Occult blocks: {fields})", flush=True)
+    model = apply_occult(_load(work / "base"), OccultConfig(**fields))
+    result = {"variant": name, "fine_tuned": variant.fine_tuned, "seed": variant.seed, "mode": variant.mode,
+              "devices": variant.devices, "max_devices_per_token": variant.max_devices_per_token, "timings_s": {}}  # fmt: skip
     start = time.perf_counter()
-    if not noft:
-        print(f"[{name}] fine-tuning on {FT_DOMAIN}: {s['ft_steps']} steps x {s['ft_batch']} x {recipe.seq_len} tokens", flush=True)
-        ft = recipe.replace(name=f"{recipe.name}-ft-{spec}", max_steps=s["ft_steps"], batch_size=s["ft_batch"],
-                            learning_rate=s["ft_lr"], warmup_steps=max(1, s["ft_steps"] // 10), time_budget_s=None,
-                            bf16=False)  # fmt: skip  (fp32 weights and activations through the Occult blocks)
-        callback = OccultCallback(schedule_steps=s["ft_steps"] // 4 if mode else 0, check_every=s["drift_every"], per_layer=False,
-                                  planner_options=REFINED)  # fmt: skip
-        log = train(ft, data_dir, work / f"ft_{spec}", model=model, train_domains=(FT_DOMAIN,),
-                    trainer_callbacks=[callback, _step_printer(name, s["ft_steps"])], eval_tokens=s["eval_tokens"], progress=False, save=False,
-                    logging_steps=max(1, s["ft_steps"] // 10))  # fmt: skip
-        result["train"] = {k: log[k] for k in ("steps", "tokens_seen", "wall_s", "final_loss", "loss_history")}
-        result["callback_logs"] = [{k: v for k, v in h.items() if k.startswith("occult/") or k in ("step", "loss")}
-                                   for h in log["log_history"] if any(k.startswith("occult/") for k in h)]  # fmt: skip
+    if variant.fine_tuned:
+        result.update(fine_tune(model, variant, data_dir, work, size))
+        result["timings_s"]["fine_tune"] = round(time.perf_counter() - start, 1)
     print(f"[{name}] measuring perplexity, CT and removed weight", flush=True)
-    measured = measure(model, data, recipe, s["eval_tokens"])
-    if not noft:
-        print(f"[{name}] drift: re-planning on the fine-tuned routing", flush=True)
-        result["drift"] = drift(work, model, data, recipe, measured, s["drift_tokens"])
-    measured.pop("dispatched_ids")
-    result.update(measured)
+    mark = time.perf_counter()
+    result.update(measure(model, variant, data_dir, work, size))
+    result["timings_s"]["measure"] = round(time.perf_counter() - mark, 1)
+    checkpoint = work / "base"
+    if variant.fine_tuned:  # lm-eval loads a checkpoint: this one lives until it is scored
+        checkpoint = work / "checkpoints" / name
+        model.save_pretrained(checkpoint)
+        PreparedData(data_dir).tokenizer().save_pretrained(checkpoint)
+    del model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    print(f"[{name}] multiple-choice tasks through lm-eval (occult-hf)", flush=True)
+    mark = time.perf_counter()
+    result["accuracy"], result["lm_eval_occult_config"] = accuracy(checkpoint, variant, work, size)
+    result["timings_s"]["lm_eval"] = round(time.perf_counter() - mark, 1)
+    if variant.fine_tuned:
+        shutil.rmtree(checkpoint)
     result["wall_s"] = round(time.perf_counter() - start, 1)
+    if torch.cuda.is_available():  # for planning how many workers share a GPU
+        result["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return result
 
 
 def _step_printer(name: str, total: int, every: int | None = None):
-    """A `TrainerCallback` printing `[name] step i/total loss ...` every few steps: the worker's heartbeat."""
+    """A `TrainerCallback` printing `[name] step i/total` every few steps: the worker's heartbeat."""
     from transformers import TrainerCallback
 
     every = every or max(1, total // 12)
@@ -317,143 +348,173 @@ def _step_printer(name: str, total: int, every: int | None = None):
     return StepPrinter()
 
 
-def worker(name: str, data_dir: Path, work: Path, micro: bool, out_file: Path) -> None:
-    """One variant in this process; its result (or its error) goes to `out_file`."""
-    try:
-        result = variant(name, data_dir, work, micro)
-    except Exception as error:  # noqa: BLE001  (the error is the result: the pipeline reports it)
-        import traceback
-
-        traceback.print_exc()
-        result = {"variant": name, "error": f"{type(error).__name__}: {error}"}
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    _write_json(out_file, result)
-    print(f"[{name}] done at {time.strftime('%H:%M:%S')}", flush=True)
+def result_file(work: Path, name: str) -> Path:
+    return work / "variants" / f"{name}.json"
 
 
-# ----- the pipeline ---------------------------------------------------------------------------------
-def variant_names() -> list[str]:
-    """Every variant, in the order they start (most wanted first: a cut-off run keeps those)."""
-    return ["plain"] + [f"{m}-{n}" for m, n in PRUNED] + [f"noft-{m}-{n}" for m, n in PRUNED]
-
-
-def _assemble(data: Path, work: Path, out: Path, micro: bool, timings: dict, variants: list, problems: list[str]) -> None:
-    """Write `quality_results.json` (again after each stage, so that a cut-off run keeps what it made)."""
+def worker(names: list[str], data_dir: Path, work: Path, size: str) -> None:
+    """Variants one after the other in this process; each result (or its error) goes to its result file."""
     import torch
 
+    torch.set_num_threads(1)
+    for name in names:
+        try:
+            result = run_variant(name, data_dir, work, size)
+        except Exception as error:  # noqa: BLE001  (the error is the result: the pipeline reports it)
+            import traceback
+
+            traceback.print_exc()
+            result = {"variant": name, "error": f"{type(error).__name__}: {error}"}
+        result_file(work, name).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(result_file(work, name), result)
+        print(f"[{name}] done at {time.strftime('%H:%M:%S')}", flush=True)
+
+
+# ----- the pipeline --------------------------------------------------------------------------------
+def finished(work: Path, name: str) -> bool:
+    """Whether an earlier job delivered `name` (a result without an error)."""
+    path = result_file(work, name)
+    return path.is_file() and "error" not in json.loads(path.read_text())
+
+
+def pack_jobs(names: list[str], common: list[str], work: Path, size: str) -> list[Job]:
+    """The worker jobs of `names` (in order): `per_job` fine-tunes, or variants without fine-tuning, each."""
+    s = settings(size)
+    jobs, group = [], []
+    for i, name in enumerate(names):
+        group.append(name)
+        tuned = Variant.parse(name).fine_tuned
+        last = i + 1 == len(names) or Variant.parse(names[i + 1]).fine_tuned != tuned
+        if last or len(group) == s["per_job"][0 if tuned else 1]:
+            label = group[0] if len(group) == 1 else f"{group[0]}+{len(group) - 1}"
+            jobs.append(Job(label, [*common, "--stage", "variants", "--names", ",".join(group)], work / "logs" / f"{label}.txt",
+                            min_time_s=len(group) * s["min_job_s"][0 if tuned else 1]))  # fmt: skip
+            group = []
+    return jobs
+
+
+def _tar(path: Path, members: list[tuple[Path, str]]) -> None:
+    with atomic_path(path) as tmp, tarfile.open(tmp, "w:gz") as tar:
+        for source, arcname in members:
+            if source.exists():
+                tar.add(source, arcname=arcname)
+
+
+def write_outputs(data: Path, work: Path, out: Path, size: str, timings: dict, problems: list[str]) -> dict:
+    """`quality_results.json` (every result in `work` of this study's variants) and the archives, in `out`."""
+    import torch
+
+    names = [v.name for v in variants_of(size)]
     base_log = json.loads((work / "base" / "train_log.json").read_text()) if (work / "base" / "train_log.json").is_file() else {}
     base_log.pop("log_history", None)
     results = {
         "base": base_log,
         "base_routing": json.loads((work / "base.json").read_text()) if (work / "base.json").is_file() else None,
-        "variants": variants,
+        "tasks": json.loads((work / "tasks" / "tasks.json").read_text()) if (work / "tasks" / "tasks.json").is_file() else None,
+        "variants": [json.loads(result_file(work, n).read_text()) for n in names if result_file(work, n).is_file()],
+        "missing": [n for n in names if not finished(work, n)],
         "timings_s": timings,
         "problems": problems,
-        "settings": settings(micro),
+        "settings": settings(size),
         "data": json.loads((data / "data.json").read_text()),
         "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] or ["cpu"],
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
-    _write_json(out / "quality_results.json", results)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "quality_results.json", results)
+    if (work / "base" / "loss_curve.png").is_file():
+        shutil.copy(work / "base" / "loss_curve.png", out / "loss_curve.png")
+    for split in ("train", "heldout"):  # two archives: 16 MiB is the most one returned file may hold
+        profiles = [(p, f"profiles/{p.name}") for p in sorted((work / "profiles").glob(f"{split}_*.safetensors"))]
+        _tar(out / f"profiles_{split}.tar.gz", profiles)
+    _tar(out / "placements.tar.gz", [(placement_file(work, d), placement_file(work, d).name) for d in settings(size)["device_limits"]])
+    _tar(out / "tasks.tar.gz", [(work / "tasks", "tasks")])
+    _tar(out / "logs.tar.gz", [(work / "logs", "logs")])
+    return results
 
 
-def pipeline(data: Path, work: Path, out: Path, micro: bool, budget_s: float, stall_s: float = 90.0,
-             per_gpu: int | None = None, names: list[str] | None = None) -> int:  # fmt: skip
-    """The three stages as supervised worker processes (module docstring); returns the exit status.
+def study_env(work: Path) -> dict:
+    """The workers' environment: offline, one datasets cache for all, one CPU thread each, unbuffered."""
+    return {**os.environ, **OFFLINE_ENV, "HF_DATASETS_CACHE": str(work / "hf_datasets"), "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}  # fmt: skip
 
-    `per_gpu` workers share each GPU (default: all variants at once, spread over the GPUs; one on CPU).
-    Raises `SystemExit` naming every stalled, failed or cut worker after writing what was made.
+
+def pipeline(data: Path, work: Path, out: Path, size: str, budget_s: float, stall_s: float = 90.0,
+             slots_per_gpu: int | None = None, names: list[str] | None = None) -> int:  # fmt: skip
+    """The base job, then every variant not yet finished, as supervised workers (module docstring).
+
+    Returns 0 when every variant of the study has its result, 2 when some are left for another run of
+    the same command; raises `SystemExit` (status 1) naming every job that failed or stalled.
     """
     import torch
 
-    from .jobs import Job, run_jobs
-
     start = time.time()
     deadline = start + budget_s
+    try:
+        import occult_hf.eval  # noqa: F401  (every variant is scored through lm-eval: fail now, not after pre-training)
+    except ImportError as error:
+        raise SystemExit(f"quality study: {error} (on a machine without them, carry their wheels: docs/quality.md, 'Next run')") from error
     work.mkdir(parents=True, exist_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
+    s = settings(size)
     gpus = [str(i) for i in range(torch.cuda.device_count())] or [None]
-    s = settings(micro)
-    common = ["-m", "occult_hf.eval.studies.quality", "--data", str(data), "--work", str(work), "--size", s["size"]]
+    env = study_env(work)
+    common = ["-m", "occult_hf.eval.studies.quality", "--data", str(data), "--work", str(work), "--size", size]
     timings: dict[str, float] = {}
-    problems: list[str] = []
-    for stage in ("pretrain", "base"):
-        (outcome,) = run_jobs([Job(stage, [*common, "--stage", stage], out / f"log_{stage}.txt")], [gpus[0]],
-                              deadline=deadline, stall_s=stall_s, prefix="[pipeline]")  # fmt: skip
-        timings[stage] = outcome.wall_s
+    if all(mark.is_file() for mark in base_parts(work).values()):
+        print(f"[pipeline] the base job finished in an earlier run ({work / 'base'})", flush=True)
+    else:
+        (outcome,) = run_jobs([Job("base", [*common, "--stage", "base"], work / "logs" / "base.txt")], [gpus[0]],
+                              deadline=deadline, stall_s=stall_s, env=env, prefix="[pipeline]")  # fmt: skip
+        timings["base"] = outcome.wall_s
         if not outcome.ok:
-            problems.append(outcome.describe())
-            _assemble(data, work, out, micro, timings, [], problems)
-            raise SystemExit(f"quality study: stage {stage} did not finish ({outcome.describe()}); "
-                             f"its log: {out / f'log_{stage}.txt'}")  # fmt: skip
-    _assemble(data, work, out, micro, timings, [], problems)
-    shutil.copy(work / "base" / "loss_curve.png", out / "loss_curve.png")
-    with tarfile.open(out / "profiles.tar.gz", "w:gz") as tar:
-        tar.add(work / "profiles", arcname="profiles")
-        tar.add(work / "placement_ft.json", arcname="profiles/placement_ft.json")
-    names = names or variant_names()
-    unknown = sorted(set(names) - set(variant_names()))
+            write_outputs(data, work, out, size, timings, [outcome.describe()])
+            raise SystemExit(f"quality study: the base job did not finish ({outcome.describe()}); its log: {work / 'logs' / 'base.txt'}")
+    study = [v.name for v in variants_of(size)]
+    unknown = sorted(set(names or []) - set(study))
     if unknown:
-        raise ValueError(f"quality study: unknown variant(s) {unknown}; the variants are {variant_names()}")
-    if per_gpu is None:
-        per_gpu = -(-len(names) // len(gpus)) if gpus[0] is not None else 1
-    slots = [gpu for _ in range(per_gpu) for gpu in gpus]  # interleaved: the first jobs spread over the GPUs
-    min_ft, min_noft = s["variant_min_s"]
-    var_dir = work / "variants"
-    var_dir.mkdir(exist_ok=True)
-    jobs = [Job(name, [*common, "--stage", "variant", "--name", name, "--result", str(var_dir / f"{name}.json")],
-                out / f"log_{name}.txt", min_time_s=min_noft if name.startswith("noft-") else min_ft)
-            for name in names]  # fmt: skip
+        raise ValueError(f"quality study: variant(s) {unknown} are not part of the {size} study; its variants are {study}")
+    todo = [n for n in (names or study) if not finished(work, n)]
+    print(f"[pipeline] {len(study) - len(todo) if names is None else len(names) - len(todo)} variant(s) already done, {len(todo)} to run", flush=True)
+    slots = [gpu for _ in range(slots_per_gpu or s["slots"]) for gpu in gpus]  # interleaved: the first jobs spread over the GPUs
     t = time.time()
-    outcomes = run_jobs(jobs, slots, deadline=deadline, stall_s=stall_s, prefix="[pipeline]")
+    outcomes = run_jobs(pack_jobs(todo, common, work, size), slots, deadline=deadline, stall_s=stall_s, env=env, prefix="[pipeline]")
     timings["variants"] = round(time.time() - t, 1)
-    variants = []
-    for outcome in outcomes:
-        path = var_dir / f"{outcome.name}.json"
-        if outcome.ok and path.is_file():
-            result = json.loads(path.read_text())
-            if "error" in result:
-                problems.append(f"{outcome.name}: {result['error']}")
-            variants.append(result)
-        else:
-            problems.append(outcome.describe())
-            variants.append({"variant": outcome.name, "error": outcome.describe()})
-    _assemble(data, work, out, micro, timings, variants, problems)
-    print(f"[pipeline] done in {time.time() - start:.0f} s; results in {out / 'quality_results.json'}", flush=True)
+    problems = [o.describe() for o in outcomes if o.status in ("failed", "stalled")]
+    problems += [f"{n}: {json.loads(result_file(work, n).read_text())['error']}" for n in todo
+                 if result_file(work, n).is_file() and not finished(work, n)]  # fmt: skip
+    results = write_outputs(data, work, out, size, timings, problems)
+    left = [n for n in results["missing"] if names is None or n in names]
+    print(f"[pipeline] this run took {time.time() - start:.0f} s; {len(study) - len(results['missing'])} of {len(study)} variants done; "
+          f"results in {out / 'quality_results.json'}", flush=True)  # fmt: skip
     if problems:
-        raise SystemExit("quality study: " + str(len(problems)) + " worker(s) did not deliver:\n  " + "\n  ".join(problems))
+        raise SystemExit("quality study: " + str(len(problems)) + " job(s) or variant(s) did not deliver:\n  " + "\n  ".join(problems))
+    if left:
+        print(f"[pipeline] {len(left)} variant(s) left ({', '.join(left)}): run the same command again to continue", flush=True)
+        return 2
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m occult_hf.eval.studies.quality", description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", required=True, type=Path, help="prepared data (occult train --prepare-only)")
-    parser.add_argument("--work", required=True, type=Path, help="scratch directory (checkpoints)")
+    parser.add_argument("--work", required=True, type=Path, help="scratch directory (checkpoints, results; a later run resumes from it)")
     parser.add_argument("--out", type=Path, default=Path("quality_out"), help="results directory")
-    parser.add_argument("--micro", action="store_true", help="tiny sizes on CPU: a test of the path")
-    parser.add_argument("--size", choices=["study", "cpu", "micro"], default=None,
-                        help="study (GPUs, the default), cpu (the tiny recipe on CPU) or micro (= --micro)")
-    parser.add_argument("--budget", type=float, default=280.0,
-                        help="seconds from the start after which every worker still running is killed (the run then "
-                             "writes what it made and exits non-zero)")
-    parser.add_argument("--stall", type=float, default=90.0, help="seconds without a new log line after which a worker is killed")
-    parser.add_argument("--per-gpu", type=int, default=None, help="variant workers sharing one GPU (default: all at once)")
-    parser.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(variant_names())}")
-    parser.add_argument("--stage", choices=["pretrain", "base", "variant"], default=None, help="(internal) one stage")
-    parser.add_argument("--name", default="", help="(internal) the variant of this worker")
-    parser.add_argument("--result", type=Path, default=None, help="(internal) the worker's result file")
+    parser.add_argument("--size", choices=sorted(SIZES), default="study", help="study (GPUs, the default), cpu (the tiny recipe) or micro (the test)")
+    parser.add_argument("--budget", type=float, default=540.0,
+                        help="seconds from the start after which every job still running is cut (its variants are left for the next run)")
+    parser.add_argument("--stall", type=float, default=90.0, help="seconds without a new log line after which a job is killed")
+    parser.add_argument("--per-gpu", type=int, default=None, help="worker processes sharing one GPU (or the CPU); default: the size's")
+    parser.add_argument("--variants", default=None, help="comma-separated subset of the study's variants (default: all)")
+    parser.add_argument("--stage", choices=["base", "variants"], default=None, help="(internal) one job")
+    parser.add_argument("--names", default="", help="(internal) the variants of this worker")
     args = parser.parse_args(argv)
-    if args.size is not None:
-        args.micro = {"study": False, "micro": True}.get(args.size, args.size)
-    if args.stage is None:
-        names = args.variants.split(",") if args.variants else None
-        return pipeline(args.data, args.work, args.out, args.micro, args.budget, args.stall, args.per_gpu, names)
-    if args.stage == "pretrain":
-        pretrain(args.data, args.work, args.micro)
-    elif args.stage == "base":
-        base(args.data, args.work, args.micro)
+    if args.stage == "base":
+        base_job(args.data, args.work, args.size)
+    elif args.stage == "variants":
+        worker(args.names.split(","), args.data, args.work, args.size)
     else:
-        worker(args.name, args.data, args.work, args.micro, args.result)
+        names = args.variants.split(",") if args.variants else None
+        return pipeline(args.data, args.work, args.out, args.size, args.budget, args.stall, args.per_gpu, names)
     return 0
 
 

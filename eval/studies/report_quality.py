@@ -1,9 +1,16 @@
-"""Tables and plots of the quality study from `quality_results.json` (made by `occult_hf.eval.studies.quality`).
+"""Tables and plots of the quality study from its results (made by `occult_hf.eval.studies.quality`).
 
-    python -m occult_hf.eval.studies.report_quality RESULTS_DIR --out-dir docs
+    python -m occult_hf.eval.studies.report_quality RESULTS_DIR --out-dir OUT
 
-writes `quality.md` (the model, the routing-structure table, the quality table with the goals, the
-drift table) and `quality_ppl.png` into `--out-dir`, and prints the markdown.
+reads `quality_results.json` and `profiles_{train,heldout}.tar.gz` in RESULTS_DIR and writes into `--out-dir`:
+`quality_tables.md` (the model, learned routing, one quality table per D, the goals met or not, the
+seed spread, drift, transfer), `quality_ppl.png`, and the transfer study's `transfer.json`,
+`transfer.md`, `transfer.png`; it prints the markdown.
+
+In a quality table every fine-tuned row is the mean over its seeds with the min-max beside it; the
+paired difference divides each seed's perplexity on B by that of `plain` with the same seed (same
+data order), a row without fine-tuning by the base model's. Accuracy is lm-eval's `acc` with its
+standard error (the mean of the seeds' standard errors).
 """
 
 from __future__ import annotations
@@ -11,17 +18,77 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tarfile
+import tempfile
 from pathlib import Path
 
-from occult_hf.utils.atomic import atomic_save_figure, atomic_write_text
-from .quality import FORGET_DOMAIN, FT_DOMAIN
+import numpy as np
+
+from occult_hf.utils.atomic import atomic_save_figure, atomic_write_json, atomic_write_text
+
+from .quality import FORGET_DOMAIN, FT_DOMAIN, REFINED
+from .variants import Variant
+
+#: the pruned fine-tune must stay within this factor of plain fine-tuning (DESIGN.md §9)
+WITHIN = 1.01
+
+
+def _spread(values: list[float], fmt: str = "{:.3f}") -> str:
+    """`mean (min-max)`, or the one value."""
+    if len(values) == 1:
+        return fmt.format(values[0])
+    return f"{fmt.format(np.mean(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+
+def _percent(values: list[float]) -> str:
+    """Ratios as `+0.70% (+0.51..+0.92%)`: the mean difference and its range."""
+    pct = [100 * (v - 1) for v in values]
+    if len(pct) == 1:
+        return f"{pct[0]:+.2f}%"
+    return f"{np.mean(pct):+.2f}% ({min(pct):+.2f}..{max(pct):+.2f}%)"
+
+
+class Study:
+    """The results of one study, indexed by variant."""
+
+    def __init__(self, results: dict) -> None:
+        self.results = results
+        self.settings = results["settings"]
+        self.device_limits = {int(d): tuple(n) for d, n in self.settings["device_limits"].items()}
+        self.seeds = tuple(self.settings["seeds"])
+        self.modes = tuple(self.settings["modes"])
+        self.tasks = list((results.get("tasks") or {}).get("tasks", {}))
+        self.rows = {v["variant"]: v for v in results["variants"] if "error" not in v}
+        self.errors = {v["variant"]: v["error"] for v in results["variants"] if "error" in v}
+
+    def get(self, variant: Variant) -> dict | None:
+        return self.rows.get(variant.name)
+
+    def ppl_b(self, variant: Variant) -> float | None:
+        row = self.get(variant)
+        return row["perplexity"][FT_DOMAIN] if row else None
+
+    def members(self, fine_tuned: bool, mode: str | None, devices: int | None, n_d: int | None) -> list[Variant]:
+        """The variants of one table row: one per seed when fine-tuned, else the one."""
+        pruned = (mode, devices, n_d) if mode else (None, None, None)
+        seeds = self.seeds if fine_tuned else (None,)
+        return [Variant(fine_tuned, s, *pruned) for s in seeds]
+
+    def ratios(self, variants: list[Variant]) -> list[float]:
+        """Perplexity on B of each variant over its reference's (paired by seed), where both exist."""
+        out = []
+        for v in variants:
+            mine, ref = self.ppl_b(v), self.ppl_b(v.reference)
+            if mine is not None and ref is not None:
+                out.append(mine / ref)
+        return out
 
 
 def describe_model(results: dict) -> str:
     base = results["base"]
     r = base["recipe"]
     ppl = ", ".join(f"{d} {v:.2f}" for d, v in base["heldout_perplexity"].items())
-    return (f"`OlmoeForCausalLM` trained from scratch by `occult train --recipe {r['name']}` "
+    return (f"`OlmoeForCausalLM` trained from scratch by recipe `{r['name']}` "
             f"({base['parameters'] / 1e6:.1f}M parameters; E={r['num_experts']} experts of width {r['intermediate_size']}, "
             f"top-{r['top_k']}, {r['num_layers']} layers at hidden {r['hidden_size']}, BPE vocabulary {r['vocab_size']}), "
             f"{base['steps']} steps x {r['batch_size']} x {r['seq_len']} = {base['tokens_seen'] / 1e6:.1f}M tokens of "
@@ -39,110 +106,195 @@ def structure_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def quality_table(results: dict) -> tuple[str, dict]:
-    """The variants' table and the goals `{name: (ratio, met)}`.
+def _accuracy_cell(rows: list[dict], task: str) -> str:
+    accs = [r["accuracy"][task]["acc"] for r in rows if "accuracy" in r]
+    if not accs:
+        return ""
+    stderr = np.mean([r["accuracy"][task]["acc_stderr"] for r in rows if "accuracy" in r])
+    spread = "" if len(accs) == 1 else f" ({min(accs):.3f}-{max(accs):.3f})"
+    return f"{np.mean(accs):.3f} ±{stderr:.3f}{spread}"
 
-    "vs unpruned" compares a fine-tuned variant with the plain fine-tune (same steps, data and seed)
-    and a variant without fine-tuning with the base model itself (its held-out perplexity).
-    """
-    rows = {v["variant"]: v for v in results["variants"]}
-    plain = rows.get("plain", {})
-    plain_ppl = plain.get("perplexity", {}).get(FT_DOMAIN)
-    base_ppl = results.get("base", {}).get("heldout_perplexity", {}).get(FT_DOMAIN)
-    lines = [f"| variant | fine-tuned | N_d | ppl {FT_DOMAIN} (B) | vs unpruned (plain fine-tune / base) | ppl {FORGET_DOMAIN} (A) | CT (held-out B) | remote copies | bytes/token/layer | removed weight |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    order = ["plain"] + sorted((n for n in rows if n != "plain"), key=lambda n: (n.startswith("noft"), n))
-    for name in order:
-        v = rows[name]
-        if "perplexity" not in v:
-            lines.append(f"| {name} | | | {v.get('error') or v.get('skipped')} | | | | | | |")
+
+def quality_table(study: Study, devices: int) -> str:
+    """One row per variant at `devices` (module docstring for the cells)."""
+    tasks = study.tasks
+    head = (f"| variant | fine-tuned | seeds | ppl {FT_DOMAIN} (B) | paired difference (vs plain / base) | ppl {FORGET_DOMAIN} (A) | "
+            + "".join(f"{t} acc | " for t in tasks) + "CT | bytes/token/layer | removed weight |")  # fmt: skip
+    lines = [head, "|---|---|---:|---:|---:|---:|" + "---:|" * len(tasks) + "---:|---:|---:|"]
+    groups = []
+    for fine_tuned in (True, False):
+        groups.append((fine_tuned, None, None))
+        groups += [(fine_tuned, mode, n) for mode in study.modes for n in study.device_limits[devices]]
+    for fine_tuned, mode, n_d in groups:
+        members = study.members(fine_tuned, mode, devices if mode else None, n_d)
+        rows = [study.get(v) for v in members if study.get(v)]
+        label = members[0].row
+        if not rows:
+            missing = "; ".join(study.errors.get(v.name, "not run") for v in members)
+            lines.append(f"| {label} | {'yes' if fine_tuned else 'no'} | 0 | {missing} |" + " |" * (6 + len(tasks)))
             continue
-        ppl_b = v["perplexity"][FT_DOMAIN]
-        reference = plain_ppl if v["fine_tuned"] else base_ppl
-        ratio = f"{ppl_b / reference:.4f}" if reference else ""
-        lines.append(f"| {name} | {'yes' if v['fine_tuned'] else 'no'} | {v['max_devices_per_token'] or '-'} | {ppl_b:.3f} | {ratio} | "
-                     f"{v['perplexity'][FORGET_DOMAIN]:.3f} | {v['ct']:.3f} | {v['remote_copies']:.3f} | {v['bytes_per_token']:.0f} | {v['removed_weight']:.3f} |")  # fmt: skip
-    goals = {}
-    for n_d in (2, 1):
-        for mode in ("router", "similarity"):
-            v = rows.get(f"{mode}-{n_d}", {})
-            if plain_ppl and "perplexity" in v:
-                ratio = v["perplexity"][FT_DOMAIN] / plain_ppl
-                goals[f"{mode} N_d={n_d} fine-tuned within 1% of plain fine-tuning"] = (ratio, ratio <= 1.01)
-    return "\n".join(lines), goals
-
-
-def drift_table(results: dict) -> str:
-    lines = ["| fine-tune | CT, placement planned before (held-out B) | CT, re-planned on fine-tuned routing | before / re-planned | balance before / re-planned | callback drift watch at the last check: ct_current / ct_replanned |",
-             "|---|---:|---:|---:|---|---|"]  # fmt: skip
-    for v in results["variants"]:
-        if "drift" not in v:
-            continue
-        d = v["drift"]
-        watch = [h for h in v.get("callback_logs", []) if "occult/drift/ct_current" in h]
-        w = f"{watch[-1]['occult/drift/ct_current']:.3f} / {watch[-1]['occult/drift/ct_replanned']:.3f} (step {watch[-1].get('step')})" if watch else "no check logged"
-        lines.append(f"| {v['variant']} | {d['ct_before']:.3f} | {d['ct_replanned']:.3f} | {d['ct_before'] / d['ct_replanned']:.3f} | "
-                     f"{d['balance_before']:.2f} / {d['balance_replanned']:.2f} | {w} |")  # fmt: skip
+        comm = [r["communication"][str(devices)] for r in rows]
+        paired = "-" if not mode else _percent(study.ratios(members)) if study.ratios(members) else "no reference"
+        cells = [label, "yes" if fine_tuned else "no", str(len(rows)),
+                 _spread([r["perplexity"][FT_DOMAIN] for r in rows]), paired, _spread([r["perplexity"][FORGET_DOMAIN] for r in rows]),
+                 *(_accuracy_cell(rows, t) for t in tasks),
+                 f"{np.mean([c['ct'] for c in comm]):.3f}", f"{np.mean([c['bytes_per_token'] for c in comm]):.0f}",
+                 f"{np.mean([r['removed_weight'] for r in rows]):.3f}"]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def plot(results: dict, path: Path) -> None:
+def goals(study: Study) -> list[str]:
+    """The issue's goals, each met or not, with the seed spread (module docstring)."""
+    out = []
+    plain = [study.ppl_b(Variant(True, s)) for s in study.seeds if study.ppl_b(Variant(True, s)) is not None]
+    if len(plain) > 1:
+        out.append(f"- Seed spread of plain fine-tuning itself: perplexity on B {min(plain):.3f}-{max(plain):.3f} "
+                   f"({100 * (max(plain) - min(plain)) / np.mean(plain):.2f}% of the mean) over {len(plain)} seeds.")  # fmt: skip
+    for devices in sorted(study.device_limits):
+        for mode in study.modes:
+            if 2 not in study.device_limits[devices]:
+                continue
+            members = study.members(True, mode, devices, 2)
+            ratios = study.ratios(members)
+            per_seed = ", ".join(f"seed {v.seed} {100 * (study.ppl_b(v) / study.ppl_b(v.reference) - 1):+.2f}%"
+                                 for v in members if study.ppl_b(v) is not None and study.ppl_b(v.reference) is not None)  # fmt: skip
+            if len(ratios) < len(study.seeds):
+                verdict = f"not established ({len(ratios)} of {len(study.seeds)} seeds measured)"
+            else:
+                verdict = "**met**" if max(ratios) <= WITHIN else "**not met**"
+            out.append(f"- D={devices}, {mode} N_d=2 + fine-tune within 1% of plain fine-tuning on every seed: {verdict} ({per_seed or 'no seed'}).")
+    for devices in sorted(study.device_limits):
+        for n_d in study.device_limits[devices]:
+            for fine_tuned in (True, False):
+                pairs = []
+                for router, similarity in zip(study.members(fine_tuned, "router", devices, n_d), study.members(fine_tuned, "similarity", devices, n_d)):
+                    if study.ppl_b(router) is not None and study.ppl_b(similarity) is not None:
+                        pairs.append(study.ppl_b(similarity) / study.ppl_b(router))
+                if not pairs:
+                    continue
+                if all(p > 1 for p in pairs):
+                    winner = f"router lower on {'every seed' if fine_tuned else 'the base model'}"
+                elif all(p < 1 for p in pairs):
+                    winner = f"similarity lower on {'every seed' if fine_tuned else 'the base model'}"
+                else:
+                    winner = "mixed: the sign changes between seeds"
+                out.append(f"- D={devices}, N_d={n_d}, {'fine-tuned' if fine_tuned else 'no fine-tune'}: similarity against router "
+                           f"(perplexity on B, paired by seed) {_percent(pairs)}; {winner}.")  # fmt: skip
+    for devices in sorted(study.device_limits):
+        for mode in study.modes:
+            for fine_tuned in (True, False):
+                ratios = study.ratios(study.members(fine_tuned, mode, devices, 1))
+                if ratios:
+                    against = "plain fine-tuning" if fine_tuned else "the base model"
+                    out.append(f"- N_d=1, D={devices}, {mode}, {'fine-tuned' if fine_tuned else 'no fine-tune'}: {_percent(ratios)} against {against}"
+                               f"{'' if max(ratios) <= WITHIN else ' (not within 1%)'}.")  # fmt: skip
+    return out
+
+
+def drift_table(study: Study) -> str:
+    lines = ["| D | CT, placement planned before fine-tuning (held-out B) | CT, re-planned on the fine-tuned routing | before / re-planned | balance before / re-planned | seeds |",
+             "|---:|---:|---:|---:|---|---:|"]  # fmt: skip
+    for devices in sorted(study.device_limits):
+        drifts = [r["drift"][str(devices)] for v in study.members(True, None, None, None) if (r := study.get(v)) and "drift" in r]
+        if not drifts:
+            continue
+        lines.append(f"| {devices} | {_spread([d['ct_before'] for d in drifts])} | {_spread([d['ct_replanned'] for d in drifts])} | "
+                     f"{_spread([d['ct_before'] / d['ct_replanned'] for d in drifts])} | "
+                     f"{np.mean([d['balance_before'] for d in drifts]):.2f} / {np.mean([d['balance_replanned'] for d in drifts]):.2f} | {len(drifts)} |")  # fmt: skip
+    watches = []
+    for v in study.members(True, None, None, None):
+        checks = [h for h in (study.get(v) or {}).get("callback_logs", []) if "occult/drift/ct_current" in h]
+        if checks:
+            watches.append(f"seed {v.seed}: {checks[-1]['occult/drift/ct_current']:.3f} / {checks[-1]['occult/drift/ct_replanned']:.3f} (step {checks[-1].get('step')})")
+    if watches:
+        exact = max(study.device_limits)
+        lines += ["", f"`OccultCallback`'s drift watch at its last check (D={exact}, ct_current / ct_replanned on its training window): " + "; ".join(watches) + "."]
+    return "\n".join(lines)
+
+
+def plot(study: Study, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = {v["variant"]: v for v in results["variants"] if "perplexity" in v}
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
-    for mode, marker in (("router", "o"), ("similarity", "s")):
-        for ft, style in ((True, "-"), (False, ":")):
-            pts = sorted((v["max_devices_per_token"], v["perplexity"][FT_DOMAIN], v["ct"]) for v in rows.values()
-                         if v["mode"] == mode and v["fine_tuned"] == ft)  # fmt: skip
-            if pts:
-                label = f"{mode}, {'fine-tuned' if ft else 'no fine-tune'}"
-                axes[0].plot([p[0] for p in pts], [p[1] for p in pts], style, marker=marker, label=label)
-                axes[1].plot([p[0] for p in pts], [p[2] for p in pts], style, marker=marker, label=label)
-    if "plain" in rows:
-        axes[0].axhline(rows["plain"]["perplexity"][FT_DOMAIN], color="k", lw=1, label="plain fine-tune")
-        axes[0].axhline(1.01 * rows["plain"]["perplexity"][FT_DOMAIN], color="k", lw=0.8, ls="--", label="plain + 1%")
-        axes[1].axhline(rows["plain"]["ct"], color="k", lw=1, label="unpruned")
-    axes[0].set(xlabel="N_d (devices per token, D=4)", ylabel=f"held-out perplexity, {FT_DOMAIN}", yscale="log")
-    axes[1].set(xlabel="N_d (devices per token, D=4)", ylabel="mean CT (held-out)")
-    for ax in axes:
-        ax.set_xticks([1, 2, 3])
+    devices = sorted(study.device_limits)
+    fig, axes = plt.subplots(1, len(devices), figsize=(4.6 * len(devices), 3.4), squeeze=False)
+    for ax, d in zip(axes[0], devices):
+        for mode, marker in (("router", "o"), ("similarity", "s")):
+            for fine_tuned, style in ((True, "-"), (False, ":")):
+                pts = []
+                for n_d in study.device_limits[d]:
+                    values = [study.ppl_b(v) for v in study.members(fine_tuned, mode, d, n_d) if study.ppl_b(v) is not None]
+                    if values:
+                        pts.append((n_d, np.mean(values), np.mean(values) - min(values), max(values) - np.mean(values)))
+                if pts:
+                    x, y, lo, hi = zip(*pts)
+                    ax.errorbar(x, y, yerr=[lo, hi], fmt=style, marker=marker, capsize=3,
+                                label=f"{mode}, {'fine-tuned' if fine_tuned else 'no fine-tune'}")  # fmt: skip
+        plain = [study.ppl_b(v) for v in study.members(True, None, None, None) if study.ppl_b(v) is not None]
+        if plain:
+            ax.axhline(np.mean(plain), color="k", lw=1, label="plain fine-tune (mean)")
+            ax.axhline(WITHIN * np.mean(plain), color="k", lw=0.8, ls="--", label="plain + 1%")
+        ax.set(xlabel=f"N_d (devices per token, D={d})", ylabel=f"held-out perplexity, {FT_DOMAIN}", yscale="log",
+               xticks=list(study.device_limits[d]))  # fmt: skip
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
     atomic_save_figure(fig, path, dpi=110)
 
 
-def render(results: dict) -> str:
-    parts = [
-        f"Model: {describe_model(results)}",
-        f"Devices: {', '.join(results['devices'])}; date {results['date']}; stage times (s): {results['timings_s']}.",
-        "### Learned routing against a random router\n\n" + structure_table(results),
-    ]
-    if any(v["variant"] == "plain" for v in results["variants"]):
-        quality, goals = quality_table(results)
-        goal_lines = "\n".join(f"- {name}: ratio {ratio:.4f} -> {'met' if ok else 'NOT met'}" for name, (ratio, ok) in goals.items())
-        parts += ["### Quality after pruning and fine-tuning\n\n" + quality, "Goals:\n" + goal_lines,
-                  "### Drift\n\n" + drift_table(results)]  # fmt: skip
-    else:
-        parts.append("No fine-tuning variant finished in this run.")
+def transfer(results_dir: Path, out_dir: Path, devices: tuple[int, ...]) -> str:
+    """The transfer study on the base model's profiles (`profiles_{train,heldout}.tar.gz`): its markdown;
+    files in `out_dir`."""
+    from . import transfer as study
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for split in ("train", "heldout"):
+            with tarfile.open(results_dir / f"profiles_{split}.tar.gz") as tar:
+                tar.extractall(tmp, filter="data")
+        train, held = study.load_profiles(Path(tmp) / "profiles")
+        rows = study.transfer_study(train, held, devices=devices)
+    atomic_write_json(out_dir / "transfer.json", rows)
+    table = study.markdown(rows)
+    atomic_write_text(out_dir / "transfer.md", table + "\n")
+    study.plot(rows, out_dir / "transfer.png")
+    return study.summary(rows) + "\n\nEvery pair: `transfer.md`."
+
+
+def render(results: dict, transfer_md: str | None = None) -> str:
+    study = Study(results)
+    parts = [f"Model: {describe_model(results)}",
+             f"Devices: {', '.join(results['devices'])}; date {results['date']}; this run's stage times (s): {results['timings_s']}; "
+             f"variants with results: {len(study.rows)}, missing: {len(results['missing'])}"
+             + (f" ({', '.join(results['missing'])})" if results["missing"] else "") + ".",
+             "### Learned routing against a random router\n\n" + structure_table(results)]  # fmt: skip
+    if results.get("tasks"):
+        items = ", ".join(f"{t} {n}" for t, n in results["tasks"]["items"].items())
+        parts.append(f"Multiple-choice tasks (4 choices, chance 0.25), items: {items}.")
+    for devices in sorted(study.device_limits):
+        parts.append(f"### Quality at D={devices}\n\n" + quality_table(study, devices))
+    parts.append("### Goals\n\n" + "\n".join(goals(study)))
+    parts.append("### Drift (plain fine-tunes)\n\n" + drift_table(study))
+    if transfer_md:
+        parts.append(f"### Transfer (refined with {REFINED})\n\n" + transfer_md)
     return "\n\n".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m occult_hf.eval.studies.report_quality", description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", type=Path, help="directory with quality_results.json")
+    parser.add_argument("results", type=Path, help="directory with quality_results.json and profiles_{train,heldout}.tar.gz")
     parser.add_argument("--out-dir", type=Path, default=Path("."))
+    parser.add_argument("--no-transfer", action="store_true", help="skip the transfer study (minutes of CPU at E=64)")
     args = parser.parse_args(argv)
     results = json.loads((args.results / "quality_results.json").read_text())
-    text = render(results)
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    devices = tuple(sorted(int(d) for d in results["settings"]["device_limits"]))
+    transfer_md = None if args.no_transfer else transfer(args.results, args.out_dir, devices)
+    text = render(results, transfer_md)
     atomic_write_text(args.out_dir / "quality_tables.md", text + "\n")
-    if any(v["variant"] == "plain" for v in results["variants"]):
-        plot(results, args.out_dir / "quality_ppl.png")
+    plot(Study(results), args.out_dir / "quality_ppl.png")
     print(text)
     return 0
 

@@ -84,6 +84,25 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def summary(rows: list[dict]) -> str:
+    """Per (D, method) planned on a profile: CT / oracle on the unseen domains (mean, worst), CT on its
+    own domain, contiguous CT, held-out balance on the unseen domains; then the goal line of `markdown`."""
+    lines = ["| D | method | mean CT / oracle, unseen domains | worst (A -> B) | CT on own domain (mean) | contiguous CT (mean) | held-out balance, unseen (mean) |",
+             "|---:|---|---:|---|---:|---:|---:|"]  # fmt: skip
+    for d in sorted({r["devices"] for r in rows}):
+        contiguous = np.mean([r["ct"] for r in rows if r["devices"] == d and r["method"] == "contiguous"])
+        for m in METHODS[1:]:
+            group = [r for r in rows if r["devices"] == d and r["method"] == m]
+            unseen = [r for r in group if r["source"] != r["target"]]
+            if not unseen:
+                continue
+            worst = max(unseen, key=lambda r: r["ct_ratio"])
+            lines.append(f"| {d} | {m} | {np.mean([r['ct_ratio'] for r in unseen]):.3f} | {worst['ct_ratio']:.3f} ({worst['source']} -> {worst['target']}) | "
+                         f"{np.mean([r['ct'] for r in group if r['source'] == r['target']]):.2f} | {contiguous:.2f} | "
+                         f"{np.mean([r['balance'] for r in unseen]):.2f} |")  # fmt: skip
+    return "\n".join(lines + [""] + markdown(rows).splitlines()[-1:])
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 

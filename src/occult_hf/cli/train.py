@@ -23,7 +23,7 @@ def register(subparsers) -> None:
 
     parser = subparsers.add_parser(
         "train",
-        help="train an OLMoE from scratch with Trainer on local text (recipes: tiny, study)",
+        help=f"train an OLMoE from scratch with Trainer on local text (recipes: {', '.join(RECIPES)})",
         description=__doc__.split("\n\n")[0],
     )
     parser.add_argument("--recipe", choices=sorted(RECIPES), default="tiny", help="recipe (default: tiny)")

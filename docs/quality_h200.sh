@@ -1,0 +1,36 @@
+#!/bin/bash
+# The quality study of issue 34 on one H200 (docs/quality.md, "Next run"): the same command for every device call.
+#   bash docs/quality_h200.sh
+# from the checkout's root, with carry=[".devdata/study_long/data", ".whl"]: the prepared data of the study_long recipe
+# (occult train --prepare-only, without its hf_cache/) and the wheels of lm-eval 0.4.13, datasets 5.2.0, dill 0.4.1 and
+# multiprocess 0.70.19, which the machine's image lacks. Each call runs the pipeline for BUDGET seconds (default 540);
+# the work directory (WORK, default out/quality_work: an ignored path, so it stays on the machine between calls while
+# the machine is held) lets the next call resume: the base job once, then the variants not yet done. The call prints
+# "N of M variants done"; it exits 0 when all are, 2 when some are left for the next call, 1 on a failure.
+# Env: DATA (default .devdata/study_long/data), WORK, BUDGET, SIZE (default study; micro with a micro corpus: a CPU
+# check of the script), PER_GPU (worker processes per GPU, default the size's), NO_INSTALL=1 (use what is installed).
+# Results in $OUT: quality_results.json, loss_curve.png, profiles_{train,heldout}.tar.gz, placements.tar.gz, tasks.tar.gz,
+# logs.tar.gz (7 files: the device tool returns 8 at most, 16 MiB each).
+set -u
+ROOT=${ROOT:-$PWD}
+OUT=${OUT:-/tmp/out}
+DATA=${DATA:-$ROOT/.devdata/study_long/data}
+WORK=${WORK:-$ROOT/out/quality_work}
+PKG=${PKG:-/tmp/pkg}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+cd "$ROOT" || exit 1
+date -u
+if [ -z "${NO_INSTALL:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  # the package as the wheel lays it out (kernels/, patches/, eval/ are subpackages), from this checkout
+  rm -rf "$PKG" && mkdir -p "$PKG" && cp -r src/occult_hf "$PKG"/ && for d in kernels patches eval; do cp -r $d "$PKG"/occult_hf/$d; done
+  export PYTHONPATH=/tmp/site:$PKG
+fi
+nvidia-smi -L 2>/dev/null
+python3 -c "import torch, transformers, pyarrow, datasets, lm_eval, occult_hf.eval; print('torch', torch.__version__, 'transformers', transformers.__version__, 'pyarrow', pyarrow.__version__, 'datasets', datasets.__version__, 'lm_eval', lm_eval.__version__)" || exit 1
+python3 -m occult_hf.eval.studies.quality --data "$DATA" --work "$WORK" --out "$OUT" --size "${SIZE:-study}" --budget "${BUDGET:-540}" \
+  ${PER_GPU:+--per-gpu $PER_GPU}
+STATUS=$?
+df -h "$WORK" | tail -1
+date -u
+exit $STATUS
