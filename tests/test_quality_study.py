@@ -93,9 +93,9 @@ def test_run_jobs_rejects_bad_arguments(tmp_path):
 
 # ----- the variants ----------------------------------------------------------------------------------
 def test_study_grid_is_the_issues_and_names_round_trip():
-    from occult_hf.eval.studies.quality import variants_of
+    from occult_hf.eval.studies import quality
 
-    grid = variants_of("study")
+    grid = quality.variants_of("study")
     tuned = [v for v in grid if v.fine_tuned]
     # 3 seeds x (plain + D=4: N_d 1-3 + D=8: N_d 1-4, two modes); base + the 14 pruned base models
     assert len(tuned) == 3 * (1 + 2 * (3 + 4)) and len(grid) - len(tuned) == 1 + 2 * (3 + 4)
@@ -108,6 +108,10 @@ def test_study_grid_is_the_issues_and_names_round_trip():
     assert Variant.parse("d8-similarity-2-s1").reference == Variant.parse("plain-s1")
     assert Variant.parse("noft-d4-router-3").reference == Variant.parse("base")
     assert Variant.parse("d8-router-4-s2").row == "router N_d=4"
+    # the stronger base model: study's architecture, 42.6M tokens, the fine-tuning domain never in pre-training
+    recipe = quality.study_recipe("study")
+    assert recipe.name == "study_long" and recipe.max_steps * recipe.batch_size * recipe.seq_len == 42_598_400
+    assert quality.FT_DOMAIN not in recipe.train_domains and quality.FT_DOMAIN not in quality.study_recipe("micro").train_domains
 
 
 @pytest.mark.parametrize("name, message", [("router-2", "is not base"), ("d4-router-4-s0", r"N_d \(4\) must be in \[1, D=4\)"),
@@ -237,6 +241,14 @@ def test_micro_report_writes_the_tables_goals_drift_and_transfer(micro_run):
         assert (root / "report" / name).is_file()
 
 
+def test_pipeline_names_a_data_directory_that_is_not_prepared_data(tmp_path):
+    from occult_hf.eval.studies import quality
+
+    with pytest.raises(FileNotFoundError, match=re.escape(f"'{tmp_path / 'nope'}' is not a prepared data directory (no data.json)")):
+        quality.main(["--data", str(tmp_path / "nope"), "--work", str(tmp_path / "w"), "--out", str(tmp_path / "o"), "--size", "micro"])
+    assert not (tmp_path / "w").exists()
+
+
 # ----- the report's arithmetic ---------------------------------------------------------------------------
 def _row(name: str, ppl_b: float, acc: float = 0.5) -> dict:
     v = Variant.parse(name)
@@ -265,6 +277,7 @@ def test_report_pairs_each_seed_with_its_own_plain_fine_tune():
     assert cells["router N_d=2 yes"][3] == "55.650 (50.400-60.900)" and cells["router N_d=2 yes"][4] == "+1.15% (+0.80..+1.50%)"
     assert cells["router N_d=2 no"][4] == "+2.00%"  # against the base model
     assert cells["router N_d=1 yes"][2] == "1" and cells["router N_d=1 yes"][6] == "0.400 ±0.020"
+    assert cells["similarity N_d=1 yes"][2:4] == ["0", "not run; not run"]  # a row with no result says so
     lines = goals(study)
     assert "- D=4, router N_d=2 + fine-tune within 1% of plain fine-tuning on every seed: **not met** (seed 0 +0.80%, seed 1 +1.50%)." in lines
     assert "- D=4, similarity N_d=2 + fine-tune within 1% of plain fine-tuning on every seed: **met** (seed 0 +0.40%, seed 1 +0.50%)." in lines

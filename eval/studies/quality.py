@@ -454,6 +454,9 @@ def pipeline(data: Path, work: Path, out: Path, size: str, budget_s: float, stal
         import occult_hf.eval  # noqa: F401  (every variant is scored through lm-eval: fail now, not after pre-training)
     except ImportError as error:
         raise SystemExit(f"quality study: {error} (on a machine without them, carry their wheels: docs/quality.md, 'Next run')") from error
+    from occult_hf.training import PreparedData
+
+    PreparedData(data)  # a directory that is not prepared data is an error naming it, before any job starts
     work.mkdir(parents=True, exist_ok=True)
     s = settings(size)
     gpus = [str(i) for i in range(torch.cuda.device_count())] or [None]
