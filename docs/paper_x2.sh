@@ -5,7 +5,7 @@
 #                             # (call 1's failed under bf16 autocast), then DeepSeek-MoE-16B, prefill then
 #                             # fine-tuning (limit 330 s: the re-run at most RERUN_LIMIT of it)
 #   bash docs/paper_x2.sh megablocks   # MegaBlocks: installs it (the carried wheels, else built from the carried
-#                             # sdists), runs tests/test_gpu_megablocks.py, then per model the megablocks rows with
+#                             # sdists), runs tests/test_gpu_runtime.py (its MegaBlocks test), then per model the megablocks rows with
 #                             # occult_hf's contiguous rows and the baselines beside them, in the same run (limit 420 s)
 # from the checkout's root, with carry=[".devdata/paper"] holding the transformers 5.24 wheel and the Qwen
 # trace as qwen_trace.npz (DATA, default .devdata/paper; the study trace is in docs/quality_results/).
@@ -19,7 +19,7 @@
 # (everything, progress bars too). Call megablocks: MB_WHEELS (default $DATA/megablocks_whl) holds the wheels of
 # megablocks, stanford-stk and grouped_gemm if built before; otherwise they are built from $DATA/megablocks_src
 # (TORCH_CUDA_ARCH_LIST=9.0) into $OUT/wheels, to carry next time; its .png is left out (the device tool returns
-# 8 files). GPU_TEST=0 skips tests/test_gpu_megablocks.py (default: run it before the rows).
+# 8 files). GPU_TEST=0 skips tests/test_gpu_runtime.py (its MegaBlocks test) (default: run it before the rows).
 set -u
 CALL=${1:?call number: 1 or 2}
 case $CALL in
@@ -97,8 +97,8 @@ bench() {
   elif [ "$CALL" = megablocks ]; then
     megablocks_install
     if [ "${GPU_TEST:-1}" = 1 ]; then
-      echo "== tests/test_gpu_megablocks.py"
-      timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_megablocks.py 2>&1 | tail -15
+      echo "== tests/test_gpu_runtime.py (its MegaBlocks test)"
+      timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_runtime.py -k megablocks 2>&1 | tail -15
     fi
     # MegaBlocks has no placement (experts contiguous): occult_hf's rows beside it use the contiguous one too
     bench "megablocks" "$OUT/paper" "$LIMIT" "$MODELS" --experiment all --placement-method contiguous \

@@ -33,12 +33,10 @@ import triton.language as tl
 from .triton_expert_mlp_kernels import INTERPRETED, apply_activation, bench_config, dgate_up_epilogue
 
 #: (BLOCK_M, BLOCK_N, warps) candidates of the gather, tuned per (H, size class): it moves [N, H], and how many
-#: rows a program holds in flight decides how close it gets to copy speed. H200, OLMoE T = 16384 (2026-12-01):
-#: 0.195 ms with the first of them (04:16 UTC profile), 0.178-0.183 ms with the tuner's 32 x 256 x 4 (04:58)
+#: rows a program holds in flight decides how close it gets to copy speed (docs/kernels.md has the timings)
 _GATHER_HOPPER = [(8, 512, 4), (16, 512, 4), (8, 1024, 4), (16, 1024, 8), (32, 256, 4), (4, 2048, 8)]
-#: the same for `act_mul_kernel`, per (I, size class). H200 (2026-12-01 12:49 UTC, each tile alone) at OLMoE /
-#: Qwen1.5 / DeepSeek T = 16384: 16 x 256 x 4 (the fixed tile before) 0.224 / 0.164 / 0.241 ms, 8 x 512 x 4
-#: 0.214 / 0.158 / 0.232, 4 x 1024 x 4 0.201 / 0.172 / 0.254; wider tiles or 8 warps were slower everywhere
+#: the same for `act_mul_kernel`, per (I, size class): each tile is the fastest at one of the real shapes on the
+#: H200, and wider tiles or 8 warps were slower at all of them (docs/kernels.md)
 _ACT_HOPPER = [(16, 256, 4), (8, 512, 4), (4, 1024, 4)]
 #: (BLOCK_M, BLOCK_N) of the backward's elementwise kernel: 2048 elements a step of its column loop
 ACT_BACKWARD_BLOCK = (4, 16) if INTERPRETED else (16, 128)

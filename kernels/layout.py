@@ -1,4 +1,4 @@
-"""The layout the local expert computation consumes (DESIGN.md §3 step 5).
+"""The layout the local expert computation consumes (docs/design.md §3 step 5).
 
 Shape legend: R received rows, N (row, local expert) pairs, L local experts, H hidden, I expert width.
 

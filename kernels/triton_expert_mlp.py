@@ -1,4 +1,4 @@
-"""The local expert computation in Triton, forward and backward (DESIGN.md §3 step 5).
+"""The local expert computation in Triton, forward and backward (docs/design.md §3 step 5).
 
 Shape legend (docs/conventions.md): R received rows, N (row, local expert) pairs in segment order, L
 local experts, H hidden, I expert width; local to this file: K the reduction length of a GEMM, F its
@@ -211,10 +211,9 @@ def _bind_cuda_context(device: torch.device) -> None:
 
     Triton encodes a host tensor descriptor (`cuTensorMapEncodeTiled`) before its launcher makes the context
     current, and on a thread whose first CUDA work is that launch the encoding fails ("Failed to create tensor
-    map descriptor: invalid device context"). Autograd runs the backward on a thread of its own: seen on the
-    H200 (2026-12-01) in a forward + backward whose dgate_up key had been tuned on the main thread, so the
-    backward's first kernel was a direct launch with a descriptor (a backward that tunes first gets the
-    context from the tuner's timing calls)."""
+    map descriptor: invalid device context"). Autograd runs the backward on a thread of its own, so in a forward +
+    backward whose dgate_up key was tuned on the main thread the backward's first kernel is a direct launch with a
+    descriptor (a backward that tunes first gets the context from the tuner's timing calls)."""
     bound = _BOUND.__dict__.setdefault("devices", set())
     if device.index not in bound:
         torch.cuda.current_stream(device).query()  # a CUDA runtime call: binds the primary context

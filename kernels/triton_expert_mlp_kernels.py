@@ -64,14 +64,13 @@ ACTIVATIONS = {name: code for code, name in enumerate(_ACTIVATION_NAMES)}
 # epilogue holds about five fp32 tiles: the wide tiles only come with EPI_SPLIT = 2. Uncapped, its 128x128
 # tile takes 241 registers a thread (Triton 3.6, sm_90), so one program runs per multiprocessor and nothing
 # overlaps its epilogue (the gu loads, d gu and hw stores); capped at 128 (`maxnreg`, a few hundred bytes of
-# spills) two programs share a multiprocessor and one's epilogue runs beside the other's K loop: on the H200
-# (2026-12-01) 1.694 -> 1.580 ms at OLMoE T = 16384, 1.265 -> 1.103 at Qwen1.5, 0.308 -> 0.252 at OLMoE T = 2048.
+# spills) two programs share a multiprocessor and one's epilogue runs beside the other's K loop (7-18% faster
+# on the H200 at the real shapes: docs/kernels.md).
 # The candidates with BLOCK_M <= `SMALL_M` are for small T (a handful of rows per expert, where streaming the
 # weights is the whole cost): `_prune_by_rows` tunes only the tiles that can win at the call's mean segment
-# length, which also keeps the tuning time of each key down. On the H200 (OLMoE, T = 128,
-# 2026-11-30) the 16- and 32-row tiles streamed the gate/up weights at about 3.6 TB/s (0.150 ms against
-# 0.174 ms for the best 64-row tile); at T = 16384 four stages beat three for the 128x256 GEMM tile
-# (down projection 1.195 vs 1.244 ms, dx 2.08 vs 2.25 ms).
+# length, which also keeps the tuning time of each key down: at a handful of rows the 16- and 32-row tiles stream
+# the gate/up weights near copy speed, faster than any 64-row tile; at long segments four stages beat three for
+# the 128x256 GEMM tile (docs/kernels.md).
 _GATE_UP_HOPPER = [
     (128, 128, 64, 3, 8), (128, 128, 64, 4, 8), (256, 64, 64, 3, 8), (128, 64, 64, 4, 4), (64, 64, 128, 3, 4),
     (16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (32, 128, 64, 4, 4),
@@ -481,9 +480,7 @@ def segment_sum_kernel(
 ):
     # BLOCK_R rows a program, PAIRS pair rows of each loaded before any is added: every program puts
     # BLOCK_R * PAIRS independent row loads in flight after one load of the offsets and one of the pair
-    # indices. On the H200 (2026-12-01 04:58 UTC, OLMoE T = 16384) it moves 4.0 TB/s, a clone of y 4.1: copy
-    # speed, as fast as the one-row-a-program kernel before it at that one's best config (1024 columns, 4
-    # warps). The sum runs pair by pair, in pair order, in fp32, whatever the config: the tuner's choice
+    # indices, which brings it to copy speed (docs/kernels.md). The sum runs pair by pair, in pair order, in fp32, whatever the config: the tuner's choice
     # never changes the bits of the result.
     PAIRS: tl.constexpr = 8
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)

@@ -37,9 +37,8 @@ from .triton_launch import launch
 from .triton_support import next_power_of_2
 
 #: most pairs (and groups) one program sorts; above it the callers use torch's sort. One program runs on one
-#: multiprocessor and a bitonic sort does N log^2 N work: on the H200 (2026-12-01 04:17 UTC, profiler, OLMoE
-#: k = 8) a sort took 17 us at 1024 pairs (T = 128, hidden behind the host's launches) but 275 us at 8192
-#: (T = 1024: 0.55 ms of a 0.92 ms forward, where torch's sort takes tens of microseconds)
+#: multiprocessor and a bitonic sort does N log^2 N work: at 1024 pairs it hides behind the host's launches, at
+#: 8192 it takes several times torch's sort (docs/kernels.md)
 MAX_PAIRS = 1024
 
 
@@ -131,15 +130,14 @@ def sort_by_group(
 
 
 #: most pairs x BLOCK_E for which every program of `topk_layout_kernel` counts all pairs itself (one launch);
-#: beyond it, or above `TOPK_ONE_LAUNCH_BLOCK_E`, `topk_count_kernel` and `topk_scan_kernel` count first. H200
-#: (2026-12-01 13:14 UTC, whole `from_topk` calls, k = 8, interleaved): one launch against the three, in us, at
-#: 64 experts (BLOCK_E 128) 1024 / 8192 / 16384 / 32768 pairs: 48 / 57 / 106 / 328 against 103 / 79 / 88 / 109;
-#: at 128 experts 1024 / 8192 pairs: 21 / 109 against 26 / 26; at 256 experts 1024 pairs: 265 against 49
+#: beyond it, or above `TOPK_ONE_LAUNCH_BLOCK_E`, `topk_count_kernel` and `topk_scan_kernel` count first: every
+#: program counting all pairs costs N^2 work, which the three launches avoid once the pairs times the expert block
+#: pass this (the H200 timings of both ways: docs/kernels.md)
 TOPK_ONE_LAUNCH_WORK = 1 << 20
 #: widest expert block the one launch takes (its [256, BLOCK_E] counting step spills above it)
 TOPK_ONE_LAUNCH_BLOCK_E = 256
-#: most experts `topk_layout` takes: run on a GPU with 60, 64, 128 and 256 experts (2026-12-01); the count kernel
-#: holds [16 k, BLOCK_E] compares a program. Layers with more experts keep torch's sort
+#: most experts `topk_layout` takes (the GPU tests run 60, 64, 128 and 256); the count kernel holds [16 k, BLOCK_E]
+#: compares a program. Layers with more experts keep torch's sort
 TOPK_MAX_EXPERTS = 256
 #: tokens a program of `topk_layout_kernel` places (its pairs are ranked by a [k R, k R] comparison)
 TOPK_ROWS = 16

@@ -205,9 +205,9 @@ def _write_inputs(tmp_path):
 
 # (what the user did, argv with {tmp} for the temporary directory, words the one line must contain)
 CLI_CASES = [
-    ("profile from an empty .safetensors", ["place", "{tmp}/empty.safetensors", "--devices", "2", "--out", "{tmp}/p.json"],
+    ("profile from an empty .safetensors", ["place", "{tmp}/empty.safetensors", "--num-devices", "2", "--out", "{tmp}/p.json"],
      "{tmp}/empty.safetensors"),
-    ("garbage .safetensors profile", ["report", "{tmp}/garbage.safetensors", "--devices", "2", "--no-plots"],
+    ("garbage .safetensors profile", ["report", "{tmp}/garbage.safetensors", "--num-devices", "2", "--no-plots"],
      "{tmp}/garbage.safetensors"),
     ("corrupt .npz trace", ["profile", "--from-trace", "{tmp}/corrupt.npz", "--out", "{tmp}/p.safetensors"],
      "{tmp}/corrupt.npz"),

@@ -102,7 +102,7 @@ def test_profile_command_on_a_saved_model_with_text_and_dataset(tmp_path, capsys
     dataset_dir = tmp_path / "dataset"
     datasets.Dataset.from_dict({"body": documents}).save_to_disk(str(dataset_dir))
     out_ds = tmp_path / "d.safetensors"
-    main(["profile", str(model_dir), "--dataset", str(dataset_dir), "--column", "body", "--out", str(out_ds),
+    main(["profile", str(model_dir), "--dataset", str(dataset_dir), "--text-column", "body", "--out", str(out_ds),
           "--max-length", "4"])
     np.testing.assert_array_equal(RoutingProfile.load(out_ds).layer(1).coactivation, profile.layer(1).coactivation)
     capsys.readouterr()

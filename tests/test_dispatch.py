@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from distributed import WorldError, run_world
 from host_reads import no_host_reads
+from operator_counts import NOT_LAUNCHES, copies, under_aten
 from occult_hf.dispatch import DispatchSettings, ExchangeError, ExpertParallelGroup, TokenRouting, build_dispatcher
 from occult_hf.experts import LocalExperts, expert_mlp_grouped_mm, local_experts
 from occult_hf.kernels.expert_mlp_reference import expert_mlp_reference
@@ -511,13 +512,6 @@ def _replay_trace(rank, world_size, trace_ids_Nk, trace_weights_Nk):
 #: the pair weights by `torch.take` and no materialised zero gradients, 31 / 47 and 28 / 43; with the routing
 #: weights' gradient gathered per pair (D <= k), 31 / 46 and 28 / 42.
 OPERATOR_BUDGET = {"dedup": (34, 49), "per_expert": (31, 45)}
-_NOT_LAUNCHES = {
-    "aten::view", "aten::reshape", "aten::_reshape_alias", "aten::as_strided", "aten::slice", "aten::select", "aten::t",
-    "aten::transpose", "aten::expand", "aten::unsqueeze", "aten::squeeze", "aten::detach", "aten::alias", "aten::permute",
-    "aten::unbind", "aten::split", "aten::narrow", "aten::lift_fresh", "aten::_unsafe_view", "aten::view_as",
-    "aten::contiguous", "aten::empty_like", "aten::empty", "aten::empty_strided", "aten::result_type", "aten::resolve_conj",
-    "aten::resolve_neg",
-}  # fmt: skip
 
 
 def _count_operators(rank, world_size) -> dict:
@@ -545,23 +539,9 @@ def _count_operators(rank, world_size) -> dict:
             step()
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 step()
-            top = [e for e in prof.events() if e.name.startswith("aten::") and not _under_aten(e)]
-            counts[(mode, backward)] = sum(e.name not in _NOT_LAUNCHES or _copies(e) for e in top)
+            top = [e for e in prof.events() if e.name.startswith("aten::") and not under_aten(e)]
+            counts[(mode, backward)] = sum(e.name not in NOT_LAUNCHES or copies(e) for e in top)
     return counts
-
-
-def _copies(event) -> bool:
-    """Whether a view-like call (`reshape`, `contiguous`) copied its input after all (a kernel then)."""
-    return any(child.name in ("aten::copy_", "aten::clone") or _copies(child) for child in event.cpu_children)
-
-
-def _under_aten(event) -> bool:
-    parent = event.cpu_parent
-    while parent is not None:
-        if parent.name.startswith("aten::"):
-            return True
-        parent = parent.cpu_parent
-    return False
 
 
 def _dispatch_world(rank, world_size, trace):

@@ -72,7 +72,6 @@ def _placement(model, kind: str, num_devices: int):
 
 def _world(rank: int, world_size: int, directories: list[str]) -> list[dict]:
     import occult_hf
-    from occult_hf.hf import loading
     from occult_hf.hf.apply import occult_modules, unapply_occult
     from transformers import AutoModelForCausalLM
 
@@ -83,7 +82,7 @@ def _world(rank: int, world_size: int, directories: list[str]) -> list[dict]:
         model = AutoModelForCausalLM.from_pretrained(
             directory, dtype=torch.float32, occult_config=occult_hf.OccultConfig(placement=placement), device_map=device_map
         )
-        report = loading.last_report
+        report = model.occult_load_report
         ids = tiny_batch(seed=300 + rank)
         with torch.no_grad():
             want, got = eager(ids).logits, model(ids).logits
@@ -112,7 +111,7 @@ def _world(rank: int, world_size: int, directories: list[str]) -> list[dict]:
             reloaded = AutoModelForCausalLM.from_pretrained(f"{directory}_ep", dtype=torch.float32)
             with torch.no_grad():
                 reloaded_err = float((reloaded(ids).logits - want).abs().max())
-            saved_report = (loading.last_report.fallback_reason, loading.last_report.experts_read, reloaded_err)
+            saved_report = (reloaded.occult_load_report.fallback_reason, reloaded.occult_load_report.experts_read, reloaded_err)
             del reloaded
         unapply_occult(model)  # collective: every rank gets the full original blocks back
         with torch.no_grad():

@@ -46,3 +46,17 @@ def check_bf16_against_fp32(family: str, convert, label: str):
 def test_bf16_occult_model_tracks_fp32_as_closely_as_transformers_bf16(family, backend):
     config = occult_hf.OccultConfig(num_devices=4, expert_backend=backend)
     check_bf16_against_fp32(family, lambda model: occult_hf.apply_occult(model, config), "occult")
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "deepseek"])
+def test_megablocks_model_tracks_fp32_as_closely_as_transformers_bf16(family):
+    """The MegaBlocks rows' wrapper (`occult bench paper`), one process: OLMoE, Qwen1.5-MoE (its gated shared
+    expert) and DeepSeek-MoE (dense first layer, shared experts, its balance loss) with every MoE block run by
+    MegaBlocks' dMoE, judged as above (its grouped GEMMs compute in bf16 only). Skipped without MegaBlocks built."""
+    from occult_hf.benchmarks.megablocks import MegaBlocksMoE, apply_megablocks, megablocks_missing
+
+    if megablocks_missing() is not None:
+        pytest.skip(megablocks_missing())
+    model = check_bf16_against_fp32(family, apply_megablocks, "MegaBlocks")
+    blocks = [m for m in model.modules() if isinstance(m, MegaBlocksMoE)]
+    assert blocks and all(m.dmoe.experts.mlp.w1.grad.abs().sum() > 0 for m in blocks)  # the experts trained

@@ -311,7 +311,7 @@ def _check_generate(rank, world_size, references):
 
 def _check_save_round_trip(rank, world_size, directory, family, replicated=False):
     """Train a step, save (collective), reload under EP and as the vanilla model, unapply. `replicated`:
-    experts 0 and 1 have a second home (DESIGN.md §6); the step must keep the copies identical, else the
+    experts 0 and 1 have a second home (docs/design.md §6); the step must keep the copies identical, else the
     saved (one copy per expert) model would differ from the trained one on the other copy's tokens."""
     import torch.distributed as dist
 

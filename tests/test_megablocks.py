@@ -1,6 +1,6 @@
 """The MegaBlocks rows' wrapper (`occult_hf.benchmarks.megablocks`) on CPU: transformers' fused expert
 weights mapped into MegaBlocks' GLU layout compute the transformers experts' output (MegaBlocks' own
-kernels need CUDA: tests/test_gpu_megablocks.py runs the whole wrapped model), and without MegaBlocks the
+kernels need CUDA: tests/test_gpu_runtime.py (its MegaBlocks test) runs the whole wrapped model), and without MegaBlocks the
 row says what is missing."""
 
 import pytest

@@ -73,10 +73,6 @@ def test_remote_copies_hand_case():
     assert volume.sent_rows_D.tolist() == [3, 3, 3]
     assert volume.received_rows_D.tolist() == [2, 4, 3]
     assert (volume.max_sent_rows, volume.max_received_rows) == (3, 4)
-    with pytest.warns(FutureWarning, match="sent_rows_D"):  # the names before the one shape legend still read
-        assert volume.sent_rows_R is volume.sent_rows_D
-    with pytest.warns(FutureWarning, match="received_rows_D"):
-        assert volume.received_rows_R is volume.received_rows_D
 
 
 def test_remote_copies_match_a_python_loop():

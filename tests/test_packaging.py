@@ -1,4 +1,4 @@
-"""The wheel maps kernels/, patches/ and eval/ into the occult_hf namespace (DESIGN.md §5)."""
+"""The wheel maps kernels/, patches/ and eval/ into the occult_hf namespace (docs/design.md §5)."""
 
 import shutil
 import subprocess

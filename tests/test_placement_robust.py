@@ -743,7 +743,7 @@ def test_load_aware_rule_operator_budget():
     from torch.profiler import ProfilerActivity, profile
 
     from occult_hf.replicas.routing import expert_routes
-    from test_dispatch import _NOT_LAUNCHES, _copies, _under_aten
+    from operator_counts import NOT_LAUNCHES, copies, under_aten
 
     generator = torch.Generator().manual_seed(0)
     ids = torch.stack([torch.randperm(64, generator=generator)[:8] for _ in range(512)])
@@ -754,8 +754,8 @@ def test_load_aware_rule_operator_budget():
         fn()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             fn()
-        top = [e for e in prof.events() if e.name.startswith("aten::") and not _under_aten(e)]
-        return sum(collections.Counter(e.name for e in top if e.name not in _NOT_LAUNCHES or _copies(e)).values())
+        top = [e for e in prof.events() if e.name.startswith("aten::") and not under_aten(e)]
+        return sum(collections.Counter(e.name for e in top if e.name not in NOT_LAUNCHES or copies(e)).values())
 
     routes = launches(lambda: expert_routes(counts, table, 8, 0, PIN_SLACK, False))
     whole = launches(lambda: load_aware_homes(ids, table, 8))

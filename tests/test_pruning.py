@@ -1,4 +1,4 @@
-"""Collaboration pruning (DESIGN.md §4) on tiny random models of every supported family.
+"""Collaboration pruning (docs/design.md §4) on tiny random models of every supported family.
 
 What each group of tests pins down:
 - `token_device_sets`: the walk in descending weight with ties to the lower device id, against a

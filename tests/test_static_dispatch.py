@@ -216,3 +216,18 @@ def test_auto_training_step_under_ep_reads_nothing_on_the_host():
         assert results["auto"] == ("padded", None) and results["equal"]
         name, read = results["all_to_all"]
         assert name == "all_to_all" and read is not None and "read a tensor on the host" in read
+
+
+@pytest.mark.gpu
+@pytest.mark.world_size(2)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs for a 2-rank NCCL world")
+def test_static_dispatchers_under_nccl_match_one_process():
+    """The cases above on 2 GPUs under NCCL, fp32, within 1e-5: "symm_mem" (NVSHMEM `all_to_all_vdev`, where this
+    torch build has it), "padded" and the packed stand-in."""
+    cases = list(CASES) + [(c[0].replace("packed", "padded"), *c[1:]) for c in CASES if c[0] == "packed"]
+    from occult_hf.dispatch.static import nvshmem_usable
+
+    if nvshmem_usable():
+        cases += [("symm_mem", *c[1:]) for c in CASES]
+    errors = run_world(_world, 2, cases, "cuda", backend="nccl")
+    assert errors == [[], []]

@@ -213,3 +213,71 @@ def test_shape_letters_follow_the_one_legend():
                 if letter not in local or not re.search(rf"\b{letter}\b", legend):
                     wrong.append(f"{path}:{text.count(chr(10), 0, match.start()) + 1}: {match.group(0)} ({letter})")
     assert not wrong, "shape letters in no legend (docs/conventions.md, or the file's own for F/K/Q/X):\n" + "\n".join(wrong)
+
+
+def _imported_names(path: Path, module: str):
+    """`(line, absolute source module, name)` of every `from ... import name` of `path` (module `module`)."""
+    files = _package_files()
+    is_package = path.name == "__init__.py"
+    for node in _runtime_imports(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            source = _absolute(module, is_package, node)
+            for alias in node.names:
+                yield node.lineno, source, alias.name, f"{source}.{alias.name}" in files
+
+
+def test_no_module_imports_its_own_package():
+    """A submodule that imports its package's `__init__` (`from . import name` of a name defined there, or the
+    package by its name) while that `__init__` imports the package's submodules closes a cycle (the import graph
+    leaves these edges out, since Python runs the package first anyway). Import from the submodule that defines
+    the name instead."""
+    graph, files = import_graph(), _package_files()
+    wrong = []
+    for module, path in files.items():
+        if path.name in ("__init__.py", "__main__.py"):  # a `__main__` runs after its package, never from it
+            continue
+        package = module.rpartition(".")[0]
+        loads_submodules = any(target.startswith(package + ".") for target in graph.get(package, ()))
+        for line, source, name, is_module in _imported_names(path, module):
+            if source == package and not is_module and package != "occult_hf" and loads_submodules:
+                wrong.append(f"{path}:{line}: from {source} import {name}")
+    assert not wrong, "submodules importing their own package's __init__:\n" + "\n".join(wrong)
+
+
+#: what `config` may import: the name registry, the input checks, the JSON reader and writer, and the placement data
+#: class it parses
+CONFIG_IMPORTS = {"occult_hf.registry", "occult_hf.utils", "occult_hf.utils.checks", "occult_hf.utils.strict_json",
+                  "occult_hf.utils.atomic", "occult_hf.placement", "occult_hf.placement.placement"}  # fmt: skip
+
+
+def test_config_is_a_leaf():
+    """`OccultConfig` validates names against `occult_hf.registry`'s declarations: it imports no dispatcher, expert
+    backend, pruning policy, replica rule, kernel or the transformers wing."""
+    extra = sorted(import_graph()["occult_hf.config"] - CONFIG_IMPORTS)
+    assert not extra, f"occult_hf.config imports {extra}; it may import only {sorted(CONFIG_IMPORTS)}"
+
+
+def test_no_module_imports_another_packages_private_names():
+    """`from occult_hf.x import _name` outside the package `occult_hf.x` belongs to: a private name is the package's
+    own; what another package needs, it makes public (or moves below both)."""
+    wrong = []
+    for module, path in _package_files().items():
+        for line, source, name, is_module in _imported_names(path, module):
+            if not source.startswith("occult_hf") or not name.startswith("_") or name.startswith("__"):
+                continue
+            owner = source if is_module or source in ROOT_PACKAGES else source.rpartition(".")[0]
+            if not (module == owner or module.startswith(owner + ".")):
+                wrong.append(f"{path}:{line}: from {source} import {name}")
+    assert not wrong, "private names imported across packages:\n" + "\n".join(wrong)
+
+
+def test_no_test_imports_another_test_file():
+    """Shared test code lives in helper modules (`tiny_models`, `distributed`, `corpus_files`, ...), never in a
+    `test_*.py` that another test file imports: pytest would collect its tests twice and the two files' fixtures and
+    marks would mix."""
+    wrong = []
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            wrong += [f"{path.name}:{node.lineno}: imports {name}" for name in names if name.split(".")[0].startswith("test_")]
+    assert not wrong, "test files importing test files:\n" + "\n".join(wrong)

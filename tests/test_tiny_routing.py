@@ -16,7 +16,7 @@ from occult_hf.profile import RoutingProfile
 from occult_hf.eval.studies import placement_study, robust_placement_study, tiny_routing
 from occult_hf.training import tiny_checkpoint_path
 from occult_hf.training.evaluate import load_entropy, top_pair_share
-from test_training import write_corpus  # noqa: E402  (the generated three-domain corpus)
+from corpus_files import write_corpus  # noqa: E402  (the generated three-domain corpus)
 
 
 def test_shipped_trace_matches_the_shipped_checkpoint():

@@ -7,10 +7,8 @@ is checked as it is in the package.
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
-import random
 import re
 from pathlib import Path
 
@@ -18,29 +16,10 @@ import numpy as np
 import pytest
 import torch
 
+from corpus_files import VOCABS, write_corpus
 from occult_hf.training import PreparedData, get_recipe, prepare_data, tiny_checkpoint_path, train
 from occult_hf.training.data import SEPARATOR, split_documents
 from occult_hf.training.evaluate import capture_routing, load_entropy, perplexity, random_topk, removed_weight, routing_structure
-
-VOCABS = {
-    "python_docs": "the function returns a list of values when called with an argument see also module class".split(),
-    "python_stdlib_code": "def return self if else for in import from class None True False raise yield lambda".split(),
-    "kernel_docs": "the driver registers a device interrupt memory page kernel module bus clock power".split(),
-}
-
-
-def write_corpus(directory: Path, docs: int = 24, seed: int = 0, lines: tuple[int, int] = (3, 8)) -> Path:
-    rng = random.Random(seed)
-    directory.mkdir(parents=True, exist_ok=True)
-    for domain, words in VOCABS.items():
-        documents = []
-        for d in range(docs):
-            text = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 10))) for _ in range(rng.randint(*lines))]
-            documents.append(f"{domain} document {d}\n" + "\n".join(text))
-        with gzip.open(directory / f"{domain}.txt.gz", "wt", encoding="utf-8") as f:
-            f.write(f"\n{SEPARATOR}\n".join(documents) + "\n")
-    return directory
-
 
 TINY = dict(max_steps=3, batch_size=2, seq_len=32, vocab_size=300, warmup_steps=1, max_chars_per_domain=None)
 

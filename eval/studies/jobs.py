@@ -1,9 +1,8 @@
 """Run a study's worker processes under a stall watchdog and a deadline.
 
-A study that fans its work out to GPU worker processes must never hang silently: on the H200 run of
-2026-11-30 the quality study's fine-tuning workers printed nothing for 200 s, the parent waited on
-them with a bare `Popen.wait()`, and the run ended only when the device call's time limit killed
-everything. `run_jobs` replaces that wait:
+A study that fans its work out to GPU worker processes must never hang silently: workers that print
+nothing while a parent waits with a bare `Popen.wait()` end only when something outside kills
+everything, with no word of which job stalled. `run_jobs` replaces that wait:
 
 - each job is one process (`python -m ...`) whose stdout and stderr go to its own log file; the log
   growing is the job's heartbeat (workers print a line per phase and per few training steps);

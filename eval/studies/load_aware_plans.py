@@ -1,4 +1,4 @@
-"""Replicas planned for the load-aware runtime rule, replayed on the held-out Qwen half (issue 14's 1.05 goal).
+"""Replicas planned for the load-aware runtime rule, replayed on the held-out Qwen half (the 1.05 goal).
 
     python -m occult_hf.eval.studies.load_aware_plans --routing-dir ../shared/data/routing --out-dir docs
 

@@ -1,4 +1,4 @@
-"""Replicas re-planned online on the held-out Qwen half: issue 14's 1.05 goal under drift, measured causally.
+"""Replicas re-planned online on the held-out Qwen half: the 1.05 goal under drift, measured causally.
 
     python -m occult_hf.eval.studies.online_replicas --routing-dir ../shared/data/routing --out-dir docs
 

@@ -445,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         "in the package (the learned tiny OLMoE on held-out text)",
     )
     parser.add_argument("--out-dir", default=None, help="where placement_study.png goes (default: no figure)")
-    parser.add_argument("--num-devices", "--devices", dest="devices", type=int, nargs="+", default=[4, 8], help="expert-parallel group sizes (--devices: deprecated alias)")
+    parser.add_argument("--num-devices", dest="devices", type=int, nargs="+", default=[4, 8], help="expert-parallel group sizes")
     parser.add_argument("--no-speed", action="store_true", help="skip the planner speed cases")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     args = parser.parse_args(argv)

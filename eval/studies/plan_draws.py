@@ -1,4 +1,4 @@
-"""One plan's held-out figures are a draw: issue 14's D=8 goals seed by seed, restarts chosen on the planning
+"""One plan's held-out figures are a draw: the D=8 goals seed by seed, restarts chosen on the planning
 half, and the held-out half resampled.
 
     python -m occult_hf.eval.studies.plan_draws --routing-dir ../shared/data/routing --out-dir docs

@@ -1,4 +1,4 @@
-"""The quality, drift and accuracy runs on a trained MoE (DESIGN.md §9; docs/quality.md).
+"""The quality, drift and accuracy runs on a trained MoE (docs/design.md §8; docs/quality.md).
 
 One command runs everything that needs the model, as supervised worker processes on the GPUs (on
 CPU when there are none):

@@ -299,7 +299,7 @@ def followup_rows(routing_dir: Path) -> list[dict[str, Any]]:
             }
             if "redundant" in name:
                 bound = [load_aware_split(held_Nk, p.home_table(0), num_devices, 1.05) for p, _ in runs]
-                # the goal of issue 14 for 8 redundant slots: balance <= 1.05 and CT below today's (its seed mean)
+                # the goal for 8 redundant slots: balance <= 1.05 and CT below today's (its seed mean)
                 good = sum(b <= 1.05 + 1e-9 and c < reference for c, b in bound)
                 row["load-aware bound at 1.05: CT mean / balance worst / seeds meeting both goals"] = (
                     f"{np.mean([c for c, _ in bound]):.3f} / {max(b for _, b in bound):.3f} / {good} of {len(bound)}"

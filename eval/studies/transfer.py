@@ -3,7 +3,7 @@
 For every source domain A and method (contiguous, occult, refined) and device count D (4, 8): plan on
 the routing profile of A's training split, then measure mean CT and held-out balance (max / mean
 device load) on the held-out split of every target domain T (`refined` with the quality study's options, `REFINED`). The **oracle** for T is the same method
-planned on T's own training profile, measured on the same held-out T (DESIGN.md §9). The goal: CT on
+planned on T's own training profile, measured on the same held-out T (docs/design.md §8). The goal: CT on
 an unseen domain (T != A) within 10% of the oracle (`CT_transfer <= 1.10 * CT_oracle`).
 
     python -m occult_hf.eval.studies.transfer --profiles DIR --out-dir docs

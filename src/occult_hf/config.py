@@ -90,7 +90,7 @@ class OccultConfig:
         default="static",
         metadata={
             "help": 'Which home of a replicated expert serves a (token, expert) pair: "static" (a home the token '
-            'visits anyway, else round-robin; DESIGN.md §6) or "load_aware" (the same preference, but the batch\'s '
+            'visits anyway, else round-robin; docs/design.md §6) or "load_aware" (the same preference, but the batch\'s '
             "per-expert counts, gathered over the EP group, split each replicated expert's pairs so that the devices "
             "balance: occult_hf.replicas.routing.load_aware_homes). No effect without replicas."
         },

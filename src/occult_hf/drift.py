@@ -3,7 +3,7 @@
 `profile_drift(profile_a, profile_b, D)` plans placements on A and on B and measures both (and
 contiguous placement) on B, per shared layer, beside the co-activation rank correlation of A and B
 (`metrics.coactivation_spearman`). It runs the planners, which import `metrics`, so it lives in
-its own module above both (DESIGN.md §9 defines drift).
+its own module above both (docs/design.md §8 defines drift).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Local expert computation (DESIGN.md §3 step 5) with a backend switch, and the module holding the weights.
+"""Local expert computation (docs/design.md §3 step 5) with a backend switch, and the module holding the weights.
 
 Shape legend: R received rows, N (row, local expert) pairs, L local experts, H hidden, I expert width.
 
@@ -247,19 +247,12 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-#: mean pairs per expert below which "auto" computes a forward without gradient with the ``triton`` kernels. On the
-#: H200 (2026-12-01 10:51-11:03 UTC, docs/bench_experts_h200.md) ``triton``'s plain forward was the faster at every
-#: T = 128 and at Qwen1.5's T = 1024 and 16384 (68 and 1092 pairs: 0.434 vs 0.559, 2.259 vs 2.466 ms), within 4% either
-#: way at T = 1024-2048 (96-256 pairs), and ``grouped_mm_fused``'s the faster at OLMoE's and DeepSeek's T = 16384 (2048
-#: and 1536 pairs: 3.270 vs 3.385, 3.348 vs 3.492 ms): 1280 lies between 1092 and 1536 (it was 1024, which gave
-#: Qwen1.5's T = 16384 to ``grouped_mm_fused``)
+#: mean pairs per expert below which "auto" computes a forward without gradient with the ``triton`` kernels: their
+#: 16- and 32-row tiles stream the expert weights faster than CUTLASS's at short segments, and CUTLASS's GEMMs win at
+#: long ones; the crossing lies between Qwen1.5's 1092 and DeepSeek's 1536 pairs at T = 16384 on the H200
+#: (docs/kernels.md, "Which backend `auto` picks", has the measurements)
 AUTO_TRITON_BELOW = 1280
-#: mean pairs per expert below which "auto" computes a forward + backward with the ``triton`` kernels. Same H200
-#: calls: ``grouped_mm_fused``'s plain forward + backward was 11-16% faster at every T = 2048 (137-256 pairs: OLMoE 1.757
-#: vs 1.961, Qwen1.5 1.619 vs 1.838, DeepSeek 1.900 vs 2.211 ms) and at OLMoE's T = 1024 (128 pairs, 1.487 vs 1.879);
-#: ``triton``'s faster at Qwen1.5's T = 1024 (68 pairs, 1.543 vs 1.970) and within 3% at DeepSeek's T = 1024 (96, 1.450
-#: vs 1.422) and at T = 128 (8-16 pairs; in CUDA-graph replay 0.72-0.95 against 0.98-1.31 ms). It was 256, set before
-#: T = 2048 was measured
+#: the same for a forward + backward, whose crossing lies lower (between 68 and 128 pairs per expert on the H200)
 AUTO_TRITON_TRAIN_BELOW = 128
 
 

@@ -1,4 +1,4 @@
-"""Communication and balance metrics of an expert placement (DESIGN.md §2).
+"""Communication and balance metrics of an expert placement (docs/design.md §2).
 
 Everything here is exact and vectorised over tokens (numpy): a metric reads per-token top-k
 sets (a profile's sample or a trace), per-expert counts or the co-activation matrix, and a
@@ -37,7 +37,6 @@ homes of one expert.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -116,7 +115,7 @@ def served_ct(device_Nk: np.ndarray, num_devices: int) -> float:
 
 
 def mean_ct(topk_ids_Nk: np.ndarray, device_of_E: np.ndarray, num_devices: int) -> float:
-    """Mean CT over tokens (the per-layer number DESIGN.md reports)."""
+    """Mean CT over tokens (the per-layer number docs/design.md reports)."""
     return float(communication_cost(topk_ids_Nk, device_of_E, num_devices).mean())
 
 
@@ -131,11 +130,6 @@ def ct_bounds(top_k: int, capacities_D: np.ndarray) -> tuple[int, int]:
     if capacities.ndim != 1 or len(capacities) == 0 or capacities.min() < 1:
         raise ValueError(f"capacities must be a non-empty [D] array of positive counts, got {capacities.tolist()}")
     return math.ceil(top_k / int(capacities.max())), min(top_k, len(capacities))
-
-
-def _renamed(value, old: str, new: str):
-    warnings.warn(f"CommunicationVolume.{old} is deprecated: use {new} (one shape legend: D is the EP ranks)", FutureWarning, stacklevel=3)
-    return value
 
 
 # ----- remote copies ---------------------------------------------------------------------------
@@ -162,25 +156,12 @@ class CommunicationVolume:
         remote_copies_mean: mean over tokens of copies that leave the token's rank.
         sent_rows_D: `[D]` rows each rank sends to other ranks (combine returns as many).
         received_rows_D: `[D]` rows each rank receives from other ranks.
-
-    `sent_rows_R` / `received_rows_R` (the names before the package's one shape legend, where `R` is
-    received rows) still read the same arrays, with a `FutureWarning`.
     """
 
     ct_mean: float
     remote_copies_mean: float
     sent_rows_D: np.ndarray
     received_rows_D: np.ndarray
-
-    @property
-    def sent_rows_R(self) -> np.ndarray:
-        """Deprecated name of `sent_rows_D`."""
-        return _renamed(self.sent_rows_D, "sent_rows_R", "sent_rows_D")
-
-    @property
-    def received_rows_R(self) -> np.ndarray:
-        """Deprecated name of `received_rows_D`."""
-        return _renamed(self.received_rows_D, "received_rows_R", "received_rows_D")
 
     @property
     def max_sent_rows(self) -> int:

@@ -1,4 +1,4 @@
-"""Collaboration pruning (DESIGN.md §4): limit every token to at most `N_d` devices.
+"""Collaboration pruning (docs/design.md §4): limit every token to at most `N_d` devices.
 
 Shape legend: T tokens, E routed experts, k experts per token, D devices.
 

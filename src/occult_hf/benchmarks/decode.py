@@ -45,7 +45,7 @@ needs_cuda = measures_a_gpu
 
 #: the real models' decoder layer counts (the checkpoints' config.json)
 FULL_LAYERS = {"olmoe-1b-7b": 16, "qwen1.5-moe-a2.7b": 24}
-#: batch 1 targets of the static occult step (issue 31): ms per token
+#: batch 1 targets of the static occult step: ms per token
 TARGET_MS, STRETCH_MS = 3.5, 2.0
 
 

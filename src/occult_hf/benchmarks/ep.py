@@ -101,7 +101,7 @@ MODES = (
     Mode("dedup", "refined", 2),
     Mode("dedup", "refined", 1),
 )
-#: on request (`--modes`): refined with one redundant expert slot per rank (replicated hot experts, issue 14), its
+#: on request (`--modes`): refined with one redundant expert slot per rank (replicated hot experts), its
 #: pairs split over the homes by the static rule or by the batch's loads ("load_aware"), and the placement file
 #: given by `--placement` (replicas allowed)
 EXTRA_MODES = (Mode("dedup", "replicated"), Mode("dedup", "replicated", replica_choice="load_aware"), Mode("dedup", "file"))

@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / "exchange_model.md", text + "\n")
         return 0
-    from occult_hf.dispatch.static import _MIN_BUFFER_BYTES, _enable_group, _row_align, _ensure_nvshmem_backend, all_to_all_vdev, nvshmem_usable, _vdev_takes_in_out_splits
+    from occult_hf.dispatch.static import MIN_BUFFER_BYTES, enable_group, row_align, ensure_nvshmem_backend, all_to_all_vdev, nvshmem_usable, vdev_takes_in_out_splits
 
     from occult_hf.benchmarks.ep import init_from_torchrun
 
@@ -140,18 +140,18 @@ def run(args: argparse.Namespace) -> int:
     def record(name, peer_bytes, ms):
         results.setdefault(name, []).append((peer_bytes, ms))
 
-    row_bytes = -(-args.row_bytes // _row_align(world)) * _row_align(world)
+    row_bytes = -(-args.row_bytes // row_align(world)) * row_align(world)
     symm = None
     if nvshmem_usable():
         try:
             from torch.distributed import _symmetric_memory as symm_mem
 
-            _ensure_nvshmem_backend(device)
-            _enable_group(group_name)
-            max_rows = max(max(args.sizes) * 1024 // row_bytes * world, -(-_MIN_BUFFER_BYTES // row_bytes))
+            ensure_nvshmem_backend(device)
+            enable_group(group_name)
+            max_rows = max(max(args.sizes) * 1024 // row_bytes * world, -(-MIN_BUFFER_BYTES // row_bytes))
             symm = [symm_mem.empty(max_rows, row_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
             splits = symm_mem.empty(world, dtype=torch.int64, device=device)
-            out_splits = symm_mem.empty(3 if _vdev_takes_in_out_splits() else 2, world, dtype=torch.int64, device=device)
+            out_splits = symm_mem.empty(3 if vdev_takes_in_out_splits() else 2, world, dtype=torch.int64, device=device)
             for t in (*symm, splits, out_splits):
                 symm_mem.rendezvous(t, group_name)
         except Exception as error:  # noqa: BLE001 - the probe reports what failed

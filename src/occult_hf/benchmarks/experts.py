@@ -598,9 +598,9 @@ def machine_line(device) -> str:
 
 
 #: (shape, T, forward speed-up, forward + backward speed-up, forward's fraction of the dense rate) that
-#: the default Triton path must reach against BASELINE (issue 15)
+#: the default Triton path must reach against BASELINE
 TARGET = ("olmoe-1b-7b", 16384, 2.0, 1.7, 0.65)
-#: (forward, forward + backward) speed-ups over BASELINE that every measured (shape, T) must reach (issue 15)
+#: (forward, forward + backward) speed-ups over BASELINE that every measured (shape, T) must reach
 EVERY_CASE_TARGET = (1.5, 1.3)
 
 

@@ -1,4 +1,4 @@
-"""MegaBlocks' dMoE inside a transformers model: the `megablocks` rows of `occult bench paper` (issue 19).
+"""MegaBlocks' dMoE inside a transformers model: the `megablocks` rows of `occult bench paper`.
 
 Shape legend: B sequences, S sequence length, T tokens, H hidden, E routed experts, k experts per token,
 I expert width, L local experts of one rank.

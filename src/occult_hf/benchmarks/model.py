@@ -61,7 +61,7 @@ MODEL_SHAPES: dict[str, tuple[str, dict]] = {
     ),
 }  # fmt: skip
 
-#: speed-up occult_hf must reach against stock transformers at 16,384 tokens (issue 10)
+#: speed-up occult_hf must reach against stock transformers at 16,384 tokens
 TARGET_SPEEDUP = 1.4
 
 

@@ -1,4 +1,4 @@
-"""`occult bench paper`: the Occult paper's two whole-model experiments (issue 19), one command.
+"""`occult bench paper`: the Occult paper's two whole-model experiments, one command.
 
 Shape legend: B sequences, S sequence length, T tokens, E routed experts, k experts per token,
 V vocabulary, D ranks.
@@ -27,7 +27,7 @@ stock transformers on one GPU (every GPU its own replica, no communication); sto
 loaded with `device_map="auto"` over all D GPUs in one process (the other ranks wait on the host);
 transformers' own EP (`ep_implementation` "all_to_all" with `ep_size=fsdp_size=D`, each rank its
 batch; "all_reduce" with `tp_size=ep_size=D`, one batch shared by the group; and occult_hf's own
-"occult" implementation of issue 18), on transformers >= 5.23; occult_hf (`apply_occult`) with
+"occult" implementation), on transformers >= 5.23; occult_hf (`apply_occult`) with
 per-expert rows and contiguous placement (the Tutel / Megatron baseline), one row per device
 (dedup) with contiguous placement, with a placement planned on the routing it then runs
 (`--placement-method`), and pruned to N_d = 2 and N_d = 1 devices per token (router mode); and
@@ -198,7 +198,7 @@ PREFILL_ROWS = (
     ("device_map_auto", 'stock transformers, from_pretrained(device_map="auto") over {D} GPUs, one process'),
     ("hf_ep_all_to_all", "transformers EP, ep_implementation='all_to_all' (ep_size=fsdp_size={D}, each rank its batch)"),
     ("hf_ep_all_reduce", "transformers EP, ep_implementation='all_reduce' (tp_size=ep_size={D}, one shared batch)"),
-    ("hf_ep_occult", "transformers EP, ep_implementation='occult' (occult_hf's, issue 18; contiguous)"),
+    ("hf_ep_occult", "transformers EP, ep_implementation='occult' (occult_hf's; contiguous)"),
     ("occult_per_expert", "occult_hf EP, per-expert rows, contiguous (Tutel/Megatron-style baseline)"),
     ("occult_contiguous", "occult_hf EP, one row per device (dedup), contiguous placement"),
     ("occult_placed", "occult_hf EP, dedup, {method} placement"),

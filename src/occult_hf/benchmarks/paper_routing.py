@@ -1,4 +1,4 @@
-"""Real routing for `occult bench paper` (issue 19): which per-token trace drives each model's routers.
+"""Real routing for `occult bench paper`: which per-token trace drives each model's routers.
 
 Shape legend: N trace tokens, L trace layers (MoE layers the trace recorded), k experts per token,
 E routed experts.

@@ -5,10 +5,9 @@ expert, G ranks of the group.
 
 Under `replica_choice="load_aware"` every layer routes its replicated experts' pairs by the batch's loads
 (`replicas.routing.load_aware_homes`): a per-expert half (`expert_routes`: the split's rounds and the tables,
-about 480 small operators) and a per-pair half (about 80). Session 4 measured the whole rule at 8-16 ms per
-layer on two H200s, about 2x the layer; session 5 replays the per-expert half from one CUDA graph per layer
-(`GraphedRoutes`); session 6 computes it in one Triton kernel (`kernels.replica_routes`, what the dispatchers
-launch on a GPU). This times, per layer and in one process, for each case (E, k) x D logical devices x T:
+about 480 small operators) and a per-pair half (about 80). Run eagerly, the rule took about twice the layer on two
+H200s (docs/placement.md); `GraphedRoutes` replays the per-expert half from one CUDA graph per layer, and one Triton
+kernel computes it (`kernels.replica_routes`, what the dispatchers launch on a GPU). This times, per layer and in one process, for each case (E, k) x D logical devices x T:
 
 - `static`: the static rule (`resolve_homes`), the baseline every replicated layer pays;
 - `routes eager` / `routes graphed` / `routes kernel`: the per-expert half alone, eager, replayed, one launch;

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-import warnings
 
 
 def resolve_device(value: str | None) -> str:
@@ -24,25 +22,9 @@ def resolve_device(value: str | None) -> str:
     return requested
 
 
-class _DeprecatedAlias(argparse.Action):
-    """Stores like the new flag and warns that the old spelling is deprecated."""
-
-    def __init__(self, option_strings, dest, new_flag: str, **kwargs):
-        self.new_flag = new_flag
-        super().__init__(option_strings, dest, **kwargs)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        warnings.warn(f"{option_string} is deprecated; use {self.new_flag}", FutureWarning, stacklevel=2)
-        setattr(namespace, self.dest, values)
-
-
 def add_num_devices_argument(parser, help: str, **kwargs) -> None:
-    """`--num-devices` (the name of `OccultConfig.num_devices`), with `--devices` as a deprecated alias."""
+    """`--num-devices` (the name of `OccultConfig.num_devices`; `--num_devices` as transformers' scripts spell it)."""
     parser.add_argument("--num-devices", "--num_devices", dest="num_devices", type=int, help=help, **kwargs)
-    parser.add_argument(
-        "--devices", dest="num_devices", type=int, action=_DeprecatedAlias, new_flag="--num-devices",
-        help=argparse.SUPPRESS,
-    )
 
 
 __all__ = ["add_num_devices_argument", "resolve_device"]

@@ -59,7 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--model_args", "--model-args", dest="model_args", default="", help="more occult-hf/hf model_args as k=v,k=v")
     run.add_argument("--log_samples", "--log-samples", dest="log_samples", action="store_true", help="also write every document's inputs and outputs")
     run.add_argument(
-        "--output_path", "--output-dir", dest="output_path", default="occult_eval",
+        "--output_path", dest="output_path", default="occult_eval",
         help="lm-eval's output folder: results go to OUTPUT_PATH/<model name>/results_<time>.json (default: occult_eval)",
     )
     add_no_progress_argument(parser)

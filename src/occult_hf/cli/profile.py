@@ -34,8 +34,8 @@ def register(subparsers) -> None:
     group.add_argument("--dataset-config", default=None, help="dataset configuration name (hub or local dataset directory)")
     group.add_argument("--split", default="train", help="dataset split (default: train)")
     group.add_argument(
-        "--text-column", "--column", dest="column", default="text",
-        help="dataset column with text or token ids (default: text; --column is a deprecated alias)",
+        "--text-column", dest="column", default="text",
+        help="dataset column with text or token ids (default: text)",
     )
     group.add_argument("--batch-size", type=int, default=8)
     group.add_argument("--max-length", type=int, default=512, help="tokens per window; longer documents are split")

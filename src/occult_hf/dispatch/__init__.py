@@ -1,4 +1,4 @@
-"""Expert-parallel dispatch and combine: the only code that moves tokens between ranks (DESIGN.md §3).
+"""Expert-parallel dispatch and combine: the only code that moves tokens between ranks (docs/design.md §3).
 
 The other collectives (experts gathered for a save, the global gradient norm, the ranks' agreement
 check, the callback's metric reductions) live in `collectives`, `checkpointing`, `agreement` and

@@ -1,4 +1,4 @@
-"""The dispatcher interface (DESIGN.md §3), its frozen results, the wire row format and the registry.
+"""The dispatcher interface (docs/design.md §3), its frozen results, the wire row format and the registry.
 
 Shape legend: see `occult_hf.dispatch.plan`.
 
@@ -380,10 +380,9 @@ class TokenDispatcher:
         return f"{type(self).__name__}({self.extra_repr()})"
 
 
-#: token chunks per forward when `OccultConfig.dispatch_chunks` is None. One: on two H200s (NCCL, bf16,
-#: Qwen1.5 trace, T=16384 per rank, 2026-11-30, `occult bench ep --chunks 1` vs `--chunks 4`, docs/bench_ep_h200_2gpu.md)
-#: four chunks made the dedup layer 1.52x slower in forward and 1.37x in forward+backward: the per-chunk packing and
-#: the smaller grouped GEMMs cost more than the overlap hides. Overlap stays available by setting the field.
+#: token chunks per forward when `OccultConfig.dispatch_chunks` is None. One: the per-chunk packing and the smaller
+#: grouped GEMMs cost more than the overlap of exchange and experts hides (four chunks were 1.37-1.52x slower on two
+#: H200s: docs/bench_ep_h200_2gpu.md). Overlap stays available by setting the field.
 DEFAULT_CHUNKS = 1
 
 
@@ -392,7 +391,7 @@ def sum_token_rows(rows_pad_OH: torch.Tensor, row_TJ: torch.Tensor, out_TH: torc
     accumulated in fp32 and rounded once (torch reduces bf16/fp16 in fp32). `rows_pad_OH` has a zero row
     that a token's absent rows point at (the first in "all_to_all", whose `row_TJ` counts from one; the
     last in the static dispatchers). A gather and a reduction in a fixed order: no atomics (an
-    fp32 `index_add_` of the rows cost 47% of transformers' experts call on the H200, BASELINES.md).
+    fp32 `index_add_` of the rows cost 47% of transformers' experts call on the H200, docs/baselines.md).
     The dtype is explicit because CUDA autocast runs `sum` in fp32 otherwise: a bf16 model under
     `torch.autocast` would get an fp32 block output (the stock block returns its input's dtype), an fp32
     residual stream, and fp32 rows reaching bf16 expert weights in the next layer.

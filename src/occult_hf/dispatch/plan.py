@@ -1,4 +1,4 @@
-"""The dispatch plan (the paper's BRIM, DESIGN.md §3 step 3): pure tensor functions, no communication.
+"""The dispatch plan (the paper's BRIM, docs/design.md §3 step 3): pure tensor functions, no communication.
 
 Shape legend (docs/conventions.md): T tokens on this rank, k experts per token, E routed experts, D
 devices of the EP group, O rows this rank sends, R rows it receives, W routing slots carried per row

@@ -67,14 +67,14 @@ from .base import gradient_format, pack_gradients
 from .plan import SendLayout, _arange, expert_keys, padded_layout, send_layout
 
 #: symmetric row widths are padded to a multiple of this many bytes, and buffers hold at least
-#: `_MIN_BUFFER_BYTES`: the all-to-all-v kernel launches min(ceil(buffer bytes / 64 KiB), 64) blocks,
+#: `MIN_BUFFER_BYTES`: the all-to-all-v kernel launches min(ceil(buffer bytes / 64 KiB), 64) blocks,
 #: splits each peer's bytes evenly over its `blocks / D` blocks and asserts that the division is exact
 #: (torch 2.11), so with 64 blocks every peer's bytes must divide by 64 / D
 _ROW_ALIGN = 64
-_MIN_BUFFER_BYTES = 64 * 64 * 1024
+MIN_BUFFER_BYTES = 64 * 64 * 1024
 
 
-def _row_align(num_devices: int) -> int:
+def row_align(num_devices: int) -> int:
     return math.lcm(_ROW_ALIGN, max(64 // num_devices, 1))
 
 
@@ -297,7 +297,7 @@ def nvshmem_usable() -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def _vdev_takes_in_out_splits() -> bool:
+def vdev_takes_in_out_splits() -> bool:
     """Older torch: `all_to_all_vdev(input, out, in_out_splits[3, D], group)`; newer: separate `in_splits[D]`
     and `out_splits_offsets[2, D]`."""
     return len(torch.ops.symm_mem.all_to_all_vdev.default._schema.arguments) == 4
@@ -306,7 +306,7 @@ def _vdev_takes_in_out_splits() -> bool:
 def all_to_all_vdev(send, recv, in_splits_D, out_splits, group_name: str) -> torch.Tensor:
     """`torch.ops.symm_mem.all_to_all_vdev` on symmetric tensors, either signature: rows `in_splits_D[d]` of
     `send` go to rank d; returns the `[D]` rows received from each rank (a view of `out_splits`)."""
-    if _vdev_takes_in_out_splits():  # out_splits is [3, D]: input splits, output splits, output offsets
+    if vdev_takes_in_out_splits():  # out_splits is [3, D]: input splits, output splits, output offsets
         out_splits[0].copy_(in_splits_D)
         torch.ops.symm_mem.all_to_all_vdev(send, recv, out_splits, group_name)
         return out_splits[1]
@@ -327,7 +327,7 @@ class _SymmetricBuffers:
                 symm_mem.empty(rows, width, dtype=torch.uint8, device=device),
                 symm_mem.empty(rows, width, dtype=torch.uint8, device=device),
                 symm_mem.empty(num_devices, dtype=torch.int64, device=device),  # input splits
-                symm_mem.empty(3 if _vdev_takes_in_out_splits() else 2, num_devices, dtype=torch.int64, device=device),
+                symm_mem.empty(3 if vdev_takes_in_out_splits() else 2, num_devices, dtype=torch.int64, device=device),
             )
             for tensor in tensors:
                 symm_mem.rendezvous(tensor, group_name)
@@ -349,7 +349,7 @@ def release_symmetric_buffers() -> None:
     _BUFFERS.clear()
 
 
-def _ensure_nvshmem_backend(device: torch.device) -> None:
+def ensure_nvshmem_backend(device: torch.device) -> None:
     """Choose NVSHMEM for this process's symmetric memory (torch's default is its own "CUDA" backend, which
     has no all-to-all-v); possible only before the process's first symmetric allocation."""
     from torch.distributed import _symmetric_memory as symm_mem
@@ -391,15 +391,15 @@ class SymmMemDispatcher(StaticDispatcher):
                 f"(NVSHMEM binds one device per process)"
             )
         rows_in, width = block.shape
-        align = _row_align(self.ep.num_devices)
+        align = row_align(self.ep.num_devices)
         padded = -(-width // align) * align
-        rows = max(rows_in, out_rows, -(-_MIN_BUFFER_BYTES // padded))
+        rows = max(rows_in, out_rows, -(-MIN_BUFFER_BYTES // padded))
         group_name = self.ep.group.group_name
         key = (group_name, device, rows, padded)
         buffers = _BUFFERS.get(key)
         if buffers is None:
-            _ensure_nvshmem_backend(device)
-            _enable_group(group_name)
+            ensure_nvshmem_backend(device)
+            enable_group(group_name)
             buffers = _BUFFERS[key] = _SymmetricBuffers(rows, padded, self.ep.num_devices, group_name, device)
         send, recv, in_splits, out_splits = buffers.next()
         send[:rows_in, :width].copy_(block)
@@ -408,7 +408,7 @@ class SymmMemDispatcher(StaticDispatcher):
         return recv[:out_rows, :width].clone(), received_D.clone()
 
 
-def _enable_group(group_name: str) -> None:
+def enable_group(group_name: str) -> None:
     """Older torch needs symmetric memory enabled per group (newer ones deprecate the call as a no-op)."""
     from torch.distributed import _symmetric_memory as symm_mem
 

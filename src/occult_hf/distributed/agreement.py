@@ -1,4 +1,4 @@
-"""The expert-parallel ranks agree on one configuration, and no wait on a peer is unbounded (DESIGN.md §3).
+"""The expert-parallel ranks agree on one configuration, and no wait on a peer is unbounded (docs/design.md §3).
 
 **Agreement.** Ranks that run different placements, dispatch modes or pruning settings do not fail
 on their own: they exchange rows that the receiver reads with another plan and return wrong

@@ -1,4 +1,4 @@
-"""`OccultCallback`: pruning-aware fine-tuning with the Hugging Face `Trainer` (DESIGN.md §4).
+"""`OccultCallback`: pruning-aware fine-tuning with the Hugging Face `Trainer` (docs/design.md §4).
 
 What it does, all optional except the logging:
 

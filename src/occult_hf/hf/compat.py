@@ -66,7 +66,8 @@ def install_loading_hooks(
     "Model config ..." log line, `save_pretrained`). The second wrapper stores
     `config_value(occult_config)` there instead: the caller turns its object into a JSON-native dict,
     as transformers does for `quantization_config`. `load_scope(occult_config, kwargs, cls)`, when given,
-    returns the context manager the original `from_pretrained` runs in (per-rank expert loading).
+    returns the context manager the original `from_pretrained` runs in (per-rank expert loading); what it
+    enters as, when callable, is called with the loaded model before `on_load` (the load's own report).
     """
     from transformers import PreTrainedConfig, PreTrainedModel
 
@@ -76,8 +77,10 @@ def install_loading_hooks(
     def from_pretrained(original, cls, *args, **kwargs):
         occult_config = kwargs.pop("occult_config", UNSET)
         scope = contextlib.nullcontext() if load_scope is None else load_scope(occult_config, kwargs, cls)
-        with scope:
+        with scope as finish:
             model = original(cls, *args, **kwargs)
+        if callable(finish):
+            finish(model)
         return on_load(model, occult_config)
 
     def from_dict(original, cls, *args, **kwargs):

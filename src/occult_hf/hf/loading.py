@@ -65,17 +65,30 @@ class _LayerPlan:
     keys: dict[str, str] = field(default_factory=dict)  # rest of the key ("3.gate_proj.weight") -> full key
 
 
+#: the attribute of a model loaded by `from_pretrained` that holds its `LoadReport`
+REPORT_ATTR = "occult_load_report"
+
+
 @dataclass
 class LoadReport:
-    """What the last per-rank load read: `{layer: expert ids}` and the expert bytes read (on this rank)."""
+    """What one `from_pretrained` read on this rank: `{layer: expert ids}` and the expert bytes read, or why it
+    read the full checkpoint (`fallback_reason`). Kept on the loaded model as `model.occult_load_report`."""
 
     experts_read: dict[int, list[int]] = field(default_factory=dict)
     expert_bytes_read: int = 0
     fallback_reason: str | None = None
 
 
-#: the report of the last `from_pretrained` with `occult_config=` in this process (for tests and benchmarks)
-last_report = LoadReport()
+class _LoadScope(contextlib.ExitStack):
+    """The context one `from_pretrained` runs in; it enters as the function that puts its report on the model."""
+
+    def __init__(self, report: LoadReport) -> None:
+        super().__init__()
+        self.report = report
+
+    def __enter__(self):
+        super().__enter__()
+        return lambda model: model.__dict__.__setitem__(REPORT_ATTR, self.report)
 
 
 def load_scope(occult_config, kwargs: dict, model_class: type | None = None):
@@ -84,8 +97,8 @@ def load_scope(occult_config, kwargs: dict, model_class: type | None = None):
     A given `occult_config` is validated first, and so is the model type (from the config the Auto classes
     pass, else from `model_class`'s config class), so a bad one fails before the checkpoint is read (a real
     checkpoint takes minutes to read; both are checked again when the config is applied)."""
-    global last_report
-    last_report = LoadReport()
+    report = LoadReport()
+    scope = _LoadScope(report)
     if occult_config is not UNSET and occult_config is not None:
         try:
             occult_config = OccultConfig.coerce(occult_config)
@@ -94,17 +107,16 @@ def load_scope(occult_config, kwargs: dict, model_class: type | None = None):
             announce_failure(error, "from_pretrained")
             raise
     if kwargs.get("distributed_config") is not None:  # transformers' EP reads each rank's share itself
-        last_report.fallback_reason = "transformers' EP (distributed_config=) loads the experts"
-        return contextlib.nullcontext()
+        report.fallback_reason = "transformers' EP (distributed_config=) loads the experts"
+        return scope
     reason = _unsupported_call(occult_config, kwargs)
     device, device_reason = device_of_map(kwargs.get("device_map"))
     reason = reason or device_reason
     if reason is not None:
-        _fall_back(reason, occult_config)
-        return contextlib.nullcontext()
+        _fall_back(report, reason, occult_config)
+        return scope
     # UNSET: the checkpoint's config may hold the occult_config (`_apply_on_load` applies it); read there
-    loader = ExpertLoader(occult_config, device)
-    scope = contextlib.ExitStack()
+    loader = ExpertLoader(occult_config, report, device)
     scope.enter_context(intercept_state_dict_loading(loader))
     scope.enter_context(skip_allocator_warmup_for(_routed_expert_filter()))
     return scope
@@ -167,8 +179,8 @@ def _routed_expert_filter():
     return skipped
 
 
-def _fall_back(reason: str, occult_config) -> None:
-    last_report.fallback_reason = reason
+def _fall_back(report: LoadReport, reason: str, occult_config) -> None:
+    report.fallback_reason = reason
     if occult_config is not UNSET and occult_config is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
         logger.warning("occult_hf: every rank loads all experts (per-rank expert loading off: %s)", reason)
 
@@ -205,25 +217,26 @@ def _unsupported_config(config: OccultConfig) -> str | None:
 class ExpertLoader:
     """`intercept(model, state_dict) -> (state_dict, after)` for `intercept_state_dict_loading`."""
 
-    def __init__(self, occult_config: OccultConfig, device: torch.device | None = None) -> None:
+    def __init__(self, occult_config: OccultConfig, report: LoadReport, device: torch.device | None = None) -> None:
         self.occult_config = occult_config
+        self.report = report
         self.device = device  # from `device_map`: where this rank's experts go (None: where the slices are read, CPU)
 
     def __call__(self, model, state_dict, rename):
         if self.occult_config is UNSET:  # no keyword: the occult_config the checkpoint's config stores, if any
             stored = stored_occult_config(model.config)  # strict, relative paths against the checkpoint
             if stored is None:
-                last_report.fallback_reason = "a vanilla load (no occult_config)"
+                self.report.fallback_reason = "a vanilla load (no occult_config)"
                 return state_dict, None
             self.occult_config = stored
             reason = _unsupported_config(self.occult_config)
             if reason is not None:
-                _fall_back(reason, self.occult_config)
+                _fall_back(self.report, reason, self.occult_config)
                 return state_dict, None
         try:
             plans = self._plan(model, state_dict, rename)
         except _Unsupported as error:
-            _fall_back(str(error), self.occult_config)
+            _fall_back(self.report, str(error), self.occult_config)
             return state_dict, None
         skipped = {full for plan in plans for full in plan.keys.values()}
         kept = {key: value for key, value in state_dict.items() if key not in skipped}
@@ -326,9 +339,9 @@ class ExpertLoader:
                 gate_up, down = torch.cat([parts["gate"], parts["up"]], dim=0), parts["down"]
             gate_up_L2IH[slot].copy_(gate_up)
             down_LHI[slot].copy_(down)
-            last_report.expert_bytes_read += gate_up.numel() * gate_up.element_size() + down.numel() * down.element_size()
+            self.report.expert_bytes_read += gate_up.numel() * gate_up.element_size() + down.numel() * down.element_size()
         setattr(plan.block, LOADED_EXPERTS_ATTR, (list(plan.expert_ids), gate_up_L2IH, down_LHI))
-        last_report.experts_read[plan.layer] = list(plan.expert_ids)
+        self.report.experts_read[plan.layer] = list(plan.expert_ids)
 
 
 class _Unsupported(Exception):

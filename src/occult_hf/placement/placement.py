@@ -1,4 +1,4 @@
-"""`Placement`: per MoE layer, which device holds each routed expert (DESIGN.md §2, §6).
+"""`Placement`: per MoE layer, which device holds each routed expert (docs/design.md §2, §6).
 
 An expert has one *primary* home (`layers[l][e]`) and, optionally, extra homes on other devices
 (`replicas[l][e]`, within `slots_per_device`): its *homes* are all of them, in increasing device id.
@@ -181,7 +181,7 @@ class Placement:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str | None = None) -> "Placement":
-        """Parse the JSON form strictly (DESIGN.md §6); errors name `source` (a file) and the JSON path.
+        """Parse the JSON form strictly (docs/design.md §6); errors name `source` (a file) and the JSON path.
 
         Integers only (no floats, no booleans), layer keys in canonical decimal ("0", never "00" or
         " 0"), known top-level keys only. The optional `"replicas"` and `"slots_per_device"` are
@@ -230,7 +230,7 @@ class Placement:
         return cls(num_experts, num_devices, layers, dict(meta), replicas=replicas, slots_per_device=slots, pin_slack=pin_slack)
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON form (DESIGN.md §6); "replicas", "slots_per_device" and "pin_slack" only when set, so that
+        """The JSON form (docs/design.md §6); "replicas", "slots_per_device" and "pin_slack" only when set, so that
         a placement without replicas writes exactly the format of earlier versions."""
         out: dict[str, Any] = {
             "num_experts": self.num_experts,
@@ -357,7 +357,7 @@ class Placement:
     ) -> None:
         """Raise a clear error when this placement does not fit a model (expert count, layers, devices).
 
-        `exact=True` (for a model): the placement names exactly `layers`, no more (DESIGN.md §6: an
+        `exact=True` (for a model): the placement names exactly `layers`, no more (docs/design.md §6: an
         extra layer would be written back on save as if the model had it). `exact=False` (for a
         profile that covers some layers): it covers at least `layers`. `against` names what the
         counts come from in the error ("the routing profile"); the placement's file is named when it
@@ -444,7 +444,7 @@ def _canonical_index(key: str, path: str, maximum: int = MAX_LAYER_INDEX) -> int
 def _parse_replicas(
     data: dict[str, Any], num_experts: int, num_devices: int, layers: dict[int, list[int]]
 ) -> tuple[dict[int, dict[int, list[int]]], int | None]:
-    """Check the optional `"replicas"` / `"slots_per_device"` fields of DESIGN.md §6 for form.
+    """Check the optional `"replicas"` / `"slots_per_device"` fields of docs/design.md §6 for form.
 
     `"replicas": {"<layer>": {"<expert>": [device, ...]}}`: extra homes of an expert beyond its device
     in `"layers"`; `"slots_per_device"`: the capacity the plan assumed. Returns `(replicas with int
@@ -482,7 +482,7 @@ def _parse_replicas(
 
 
 def _parse_pin_slack(data: dict[str, Any], layers: dict[int, list[int]]) -> dict[int, float]:
-    """Check the optional `"pin_slack": {"<layer>": number in [0, 1]}` of DESIGN.md §6 (absent in files of
+    """Check the optional `"pin_slack": {"<layer>": number in [0, 1]}` of docs/design.md §6 (absent in files of
     earlier versions: every layer then uses `replicas.routing.PIN_SLACK`)."""
     raw = data.get("pin_slack", {})
     if not isinstance(raw, dict):

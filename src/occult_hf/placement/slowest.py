@@ -1,4 +1,4 @@
-"""Objective "slowest": minimise the modelled step time of the slowest device (DESIGN.md §2).
+"""Objective "slowest": minimise the modelled step time of the slowest device (docs/design.md §2).
 
 A layer finishes when its slowest device finishes. Per device d, the model of its time is
 

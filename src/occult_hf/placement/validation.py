@@ -2,7 +2,7 @@
 
 `cross_validate` cuts each profile's token sample into K contiguous folds, plans on K - 1 of them
 with the same method and options, and measures on the fold left out: CT, balance and the balance
-floor of the held-out tokens. A placement's promise counts only held out (DESIGN.md §2): on real
+floor of the held-out tokens. A placement's promise counts only held out (docs/design.md §2): on real
 routing a plan at 1.21 on its profile gave 1.44 on the next tokens. Contiguous folds (not random
 tokens) keep documents and batches together, so the estimate includes the drift between parts of
 the data, not only the sampling noise.

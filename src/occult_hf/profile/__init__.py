@@ -1,4 +1,4 @@
-"""Routing profiles: what a model's routers decide, counted per MoE layer (DESIGN.md §2, §6).
+"""Routing profiles: what a model's routers decide, counted per MoE layer (docs/design.md §2, §6).
 
 Modules, in import order (each imports only the ones above it, so the package has no cycle):
 

@@ -1,4 +1,4 @@
-"""Routing profiles: per-layer co-activation statistics of a real router (DESIGN.md §2, §6).
+"""Routing profiles: per-layer co-activation statistics of a real router (docs/design.md §2, §6).
 
 A `RoutingProfile` is made three ways, all through the same `LayerAccumulator` counting:
 `RoutingProfile.collect` (forward hooks on a model's own routers over a text file or a dataset),
@@ -143,7 +143,7 @@ class RoutingProfile:
         return all(r.topk_sample is not None and len(r.topk_sample) > 0 for r in self.layers.values())
 
     def similarity(self, layer: int) -> np.ndarray:
-        """`[E, E]` float64 cosine similarity of the experts' router-logit columns at `layer` (DESIGN.md §2 `S[l]`).
+        """`[E, E]` float64 cosine similarity of the experts' router-logit columns at `layer` (docs/design.md §2 `S[l]`).
 
         From the logit Gram matrix `G`: `S[i, j] = G[i, j] / sqrt(G[i, i] G[j, j])`. An expert whose
         logits were all zero has similarity 0 to every other expert and 1 to itself.

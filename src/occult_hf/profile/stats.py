@@ -1,4 +1,4 @@
-"""Streaming accumulation of one MoE layer's routing statistics (DESIGN.md §2, §6).
+"""Streaming accumulation of one MoE layer's routing statistics (docs/design.md §2, §6).
 
 `LayerAccumulator.update(topk_ids_Tk, logits_TE, token_mask_T)` is the one place where routing
 decisions become profile statistics. Forward hooks (`ProfileCollector`), trace import and a Trainer

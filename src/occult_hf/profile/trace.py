@@ -1,4 +1,4 @@
-"""Routing profiles from recorded trace files (`.npz`, as in `../shared/data/routing/`).
+"""Routing profiles from recorded trace files (`.npz` with per-token expert ids, as routing traces are published).
 
 Two kinds of file are understood:
 

@@ -1,4 +1,4 @@
-"""The replica routing rule (DESIGN.md §6): which home of an expert serves a (token, expert) pair.
+"""The replica routing rule (docs/design.md §6): which home of an expert serves a (token, expert) pair.
 
 With replicated experts a placement gives some experts several homes. Every consumer (the
 dispatch plan of the runtime, the metrics, the planner) must agree on which home serves a pair,
@@ -230,7 +230,7 @@ class GraphedRoutes:
     Its inputs have static shapes (`[G, E, M + 1]` counts, `[E, M]` homes) and it reads nothing on the host,
     so it is captured once per (device, shapes, D, rank, pin slack, pinning) and replayed; the counts and the
     table are copied into the graph's input buffers first, so re-homed copies (`rehome.apply_replicas`) need no
-    new capture. In session 4 these operators cost ~5-13 ms per layer on the GPU (docs/placement.md, "GPU
+    new capture (eager, these small operators cost milliseconds per layer on a GPU: docs/placement.md, "GPU
     rows"). Eager where graphs do not apply: on CPU, and inside an enclosing capture (the outer graph holds
     it then). One instance per layer: the outputs are the graph's own buffers, read by the operators that follow
     in stream order before the next replay of that layer can overwrite them. The dispatchers launch the one-kernel

@@ -1,8 +1,8 @@
 """Corpus -> tokenizer -> packed token streams, through `datasets` and `tokenizers`.
 
 A corpus directory holds one file per domain, `<domain>.txt.gz` (or `.txt`): UTF-8 text whose
-documents are separated by a line holding the single character U+001E (the layout of
-`../shared/data/corpus/`). `prepare_data` reads each file with the `datasets` `text` builder
+documents are separated by a line holding the single character U+001E (the layout of the project's
+development corpora). `prepare_data` reads each file with the `datasets` `text` builder
 (`sample_by="document"`), splits it into documents, holds out the **last** `heldout_fraction` of each
 domain's documents (the files are in a fixed shuffled order, so this is a random sample that every
 run draws the same way), trains a byte-level BPE tokenizer with `tokenizers` on the training

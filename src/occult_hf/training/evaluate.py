@@ -1,4 +1,4 @@
-"""Held-out perplexity and learned-routing statistics of a trained model (DESIGN.md §9).
+"""Held-out perplexity and learned-routing statistics of a trained model (docs/design.md §8).
 
 - `perplexity`: exp of the mean next-token negative log-likelihood over non-overlapping `[B, S]`
   windows of a held-out stream; every token is predicted at most once (the first token of each

@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-#: the corpus domains (`../shared/data/corpus/<name>.txt.gz`), in a fixed order
+#: the corpus domains (`<corpus dir>/<name>.txt.gz`), in a fixed order
 DOMAINS: tuple[str, ...] = ("python_docs", "python_stdlib_code", "kernel_docs")
 
 

@@ -1,4 +1,4 @@
-"""Atomic, validated file writes: every file occult_hf writes goes through here (DESIGN.md §6).
+"""Atomic, validated file writes: every file occult_hf writes goes through here (docs/design.md §6).
 
 A write is (1) serialised completely in memory and validated (JSON is parsed back; a caller may
 pass its own check), (2) written to a temporary file in the target's own directory (same file

@@ -38,7 +38,7 @@ class DeepseekMoeConfig(LlamaConfig):
     # transformers' expert parallelism (`DistributedConfig(ep_size=...)`, transformers >= 5.23): the routed
     # experts are transformers' fused experts class (`DeepseekMoeExperts` is DeepseekV2's) at the same
     # module paths as DeepseekV2's, so its plan applies as is; dense layers and shared experts have no
-    # `experts` and stay replicated (issue 19)
+    # `experts` and stay replicated
     base_model_ep_plan = {
         "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
         "layers.*.mlp.experts.down_proj": "grouped_gemm",
