@@ -150,7 +150,8 @@ def test_static_cache_generate_runs_the_compiled_step_with_eager_tokens():
 
 def _ep_world(rank, world_size):
     """Under EP (2 gloo ranks, different batches per rank) the compiled model equals eager, with each dispatcher
-    that serves torch.distributed ranks (compiled, "all_to_all" exchanges through static capacities)."""
+    that serves torch.distributed ranks (compiled, "all_to_all" exchanges through static capacities); and the ranks
+    decode in lockstep through the compiled static-cache step with the tokens of the one-process model."""
     from occult_hf.placement import Placement
 
     results = {}
@@ -160,12 +161,25 @@ def _ep_world(rank, world_size):
         apply_occult(model, OccultConfig(placement=placement, dispatcher=dispatcher))
         _check_compiled_equals_eager(model, tiny_batch(batch=BATCH, seq=SEQ, seed=10 + rank), f"rank {rank} {dispatcher}")
         results[dispatcher] = type(model.model.layers[0].mlp.dispatcher).__name__
+    # decoding in lockstep: generate() with a static cache through the compiled step, each rank its own prompts
+    from transformers import CompileConfig
+
+    prompt = tiny_batch(batch=2, seq=6, seed=20 + rank)
+    kwargs = dict(max_new_tokens=5, do_sample=False, output_router_logits=False)
+    expected = tiny_model("olmoe").generate(prompt, **kwargs)
+    model = apply_occult(tiny_model("olmoe"), OccultConfig())
+    compile_config = CompileConfig(backend="aot_eager", fullgraph=True, dynamic=False)
+    compile_config._compile_all_devices = True
+    torch._dynamo.reset()
+    tokens = model.generate(prompt, cache_implementation="static", compile_config=compile_config, **kwargs)
+    results["static generate"] = bool(torch.equal(tokens, expected))
     return results
 
 
 @pytest.mark.world_size(2)
 def test_compiled_model_equals_eager_on_2_ranks():
-    assert run_world(_ep_world, 2, timeout_s=600) == [{"all_to_all": "AllToAllDispatcher", "padded": "PaddedDispatcher"}] * 2
+    expected = {"all_to_all": "AllToAllDispatcher", "padded": "PaddedDispatcher", "static generate": True}
+    assert run_world(_ep_world, 2, timeout_s=600) == [expected] * 2
 
 
 def test_a_failed_compile_leaves_the_eager_model_working():
