@@ -18,7 +18,8 @@ works; when transformers changes, this is the file to read.
 - `wrap_trainer_methods(hooks)`: `Trainer` methods that every rank runs at a save or a resume (some of
   them private: `_save_optimizer_and_scheduler`, `_load_from_checkpoint`, ...) are wrapped so that
   `hook(original, trainer, ...)` runs instead (`hf.trainer` provides the hooks), once the Trainer is
-  imported; `unwrap_trainer_methods(names)` puts them back.
+  imported; `unwrap_trainer_methods(names)` puts them back. `wrap_methods(owner, hooks)` is the same
+  for any class (peft's `PeftModel`, in `hf.peft_support`).
 - `cache_keyword(model)`: the keyword a model's forward takes its KV cache by (transformers 5.24 renamed
   `past_key_values` to `cache`; the old name warns and goes in 5.40, and 5.17 knows only the old one).
 
@@ -198,35 +199,39 @@ def wrap_trainer_methods(hooks: dict[str, Callable]) -> None:
     Done once `transformers.trainer` is imported (`utils.after_import`), not before: importing the
     Trainer costs seconds (it pulls in peft and datasets), which `import occult_hf` should not.
     """
-    when_imported("transformers.trainer", functools.partial(_wrap_trainer, hooks))
-
-
-def _wrap_trainer(hooks: dict[str, Callable], trainer_module) -> None:
-    Trainer = trainer_module.Trainer
-    for name, hook in hooks.items():
-        current = Trainer.__dict__[name]
-        if getattr(current, "__occult_original__", None) is not None:
-            continue
-
-        def wrapped(trainer, *args, __hook=hook, __original=current, **kwargs):
-            return __hook(__original, trainer, *args, **kwargs)
-
-        functools.update_wrapper(wrapped, current)
-        wrapped.__occult_original__ = current
-        setattr(Trainer, name, wrapped)
+    when_imported("transformers.trainer", lambda module: wrap_methods(module.Trainer, hooks))
 
 
 def unwrap_trainer_methods(names) -> None:
     """Put the original `Trainer.<name>` back for each wrapped name (no-op for the others); before the
     Trainer is imported, forget the wrapping instead."""
     cancel("transformers.trainer")
-    trainer_module = sys.modules.get("transformers.trainer")
-    if trainer_module is None:
-        return
+    if "transformers.trainer" in sys.modules:
+        unwrap_methods(sys.modules["transformers.trainer"].Trainer, names)
+
+
+def wrap_methods(owner: type, hooks: dict[str, Callable]) -> None:
+    """Make each `owner.<name>` call `hooks[name](original, self, ...)`; idempotent per method (the
+    Trainer's here, peft's `PeftModel`'s in `hf.peft_support`)."""
+    for name, hook in hooks.items():
+        current = owner.__dict__[name]
+        if getattr(current, "__occult_original__", None) is not None:
+            continue
+
+        def wrapped(self, *args, __hook=hook, __original=current, **kwargs):
+            return __hook(__original, self, *args, **kwargs)
+
+        functools.update_wrapper(wrapped, current)
+        wrapped.__occult_original__ = current
+        setattr(owner, name, wrapped)
+
+
+def unwrap_methods(owner: type, names) -> None:
+    """Undo `wrap_methods` for each of `names` (no-op for a method that is not wrapped)."""
     for name in names:
-        original = getattr(trainer_module.Trainer.__dict__[name], "__occult_original__", None)
+        original = getattr(owner.__dict__[name], "__occult_original__", None)
         if original is not None:
-            setattr(trainer_module.Trainer, name, original)
+            setattr(owner, name, original)
 
 
 # ----- forward keywords -----------------------------------------------------------------------------

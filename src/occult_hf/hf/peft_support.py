@@ -29,13 +29,29 @@ what peft cannot know:
   experts down to this rank's experts, so `load_peft_model` (`PeftModel.from_pretrained`) takes
   the same adapter directory in one process and on any EP layout.
 - `save_peft_model` (collective: every rank calls it): gathers the expert adapters of all ranks
-  into original expert order; rank 0 writes a standard peft adapter directory. `OccultCallback`
-  does this at every Trainer checkpoint.
+  into original expert order; rank 0 writes a standard peft adapter directory.
+
+**Plain peft works the same way.** A user who follows peft's own docs calls
+`PeftModel.save_pretrained` and `PeftModel.from_pretrained` / `load_adapter`; left alone, under EP
+the first had every rank write its own experts' adapters into the same files (an adapter that no
+longer loads) and the second refused an adapter of all experts. `install_peft_hooks` (run by
+`import occult_hf`) wraps both once peft is imported (`utils.after_import`):
+
+- `save_pretrained` on a model with rank-local expert adapters is `save_peft_model`: collective,
+  rank 0 writes (unless `is_main_process` says otherwise). Before it gathers, the ranks check that
+  they all joined (`checkpointing.check_model_ranks_agree`, bounded), so a save only rank 0 calls
+  fails instead of waiting. The Trainer saves from rank 0 alone: its `save_model` hook (every rank)
+  first takes `snapshot_adapters`, which rank 0's `save_pretrained` then writes while the adapters
+  are unchanged. A `state_dict=` holding only this rank's experts is refused on every rank before
+  any file is written.
+- `load_adapter` (which `PeftModel.from_pretrained` calls) registers the slicing hooks first, so an
+  adapter of all experts loads on any EP layout.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Iterator
 
 import torch
@@ -43,11 +59,17 @@ import torch.distributed as dist
 from torch import nn
 
 from ..distributed.collectives import gather_rows
-from .ddp import enable_grad_norm_carriers, rank_local_names
 from ..moe import OccultMoE
+from ..utils.after_import import cancel, when_imported
+from .checkpointing import check_model_ranks_agree
+from .compat import unwrap_methods, wrap_methods
+from .ddp import enable_grad_norm_carriers, rank_local_names
+from .state import state_of
 
 _DDP_IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
 _HOOK_ATTR = "_occult_adapter_slicing_hook"
+#: `(parameter versions, gathered state dict)` taken by `snapshot_adapters`, on the PEFT model
+_SNAPSHOT_ATTR = "_occult_adapter_snapshot"
 #: LoRA factors of a `ParamWrapper`: name -> the dimension that holds (expert, rank) pairs, and whether
 #: the expert index is the slower (expert-major) or the faster (expert-minor) of the two
 _FACTOR_LAYOUT = {"lora_A": (0, "expert_major"), "lora_B": (1, "expert_minor")}
@@ -180,10 +202,80 @@ def save_peft_model(peft_model: nn.Module, directory: str | os.PathLike, **kwarg
     """Save the adapters with every expert adapter gathered over the EP ranks (collective under EP:
     call it on every rank); EP rank 0 (the main process in one process) writes a standard peft
     adapter directory that loads in one process, under EP, and into plain transformers + peft."""
-    state_dict = gathered_adapter_state_dict(peft_model)
-    is_main = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-    kwargs.setdefault("is_main_process", is_main)
-    peft_model.save_pretrained(os.fspath(directory), state_dict=state_dict, **kwargs)
+    if has_distributed_expert_adapters(peft_model):
+        kwargs["state_dict"] = _gathered_for_save(peft_model, "save_peft_model")
+        kwargs.setdefault("is_main_process", _is_main_process())
+    peft_model.save_pretrained(os.fspath(directory), **kwargs)
+
+
+def snapshot_adapters(peft_model: nn.Module) -> None:
+    """Collective: gather every rank's expert adapters now, for a later `save_pretrained` that rank 0
+    alone calls (the Trainer's); it serves while no parameter of the model has changed."""
+    if has_distributed_expert_adapters(peft_model):
+        state_dict = _gathered_for_save(peft_model, "snapshot_adapters")
+        peft_model.__dict__[_SNAPSHOT_ATTR] = (_parameter_versions(peft_model), state_dict)
+
+
+def _gathered_for_save(peft_model: nn.Module, operation: str) -> dict[str, torch.Tensor]:
+    """The gathered state dict, after the bounded check that every EP rank has come to `operation`."""
+    model = peft_model.get_base_model()
+    check_model_ranks_agree(model, state_of(model), operation)
+    return gathered_adapter_state_dict(peft_model)
+
+
+def _parameter_versions(peft_model: nn.Module) -> tuple[int, ...]:
+    return tuple(param._version for param in peft_model.parameters())
+
+
+def _is_main_process() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _check_covers_all_experts(peft_model: nn.Module, state_dict: dict) -> None:
+    """A `state_dict` handed to `save_pretrained` under EP must hold every expert's adapters, not this rank's."""
+    for name, module, factor, param in _expert_adapter_factors(peft_model):
+        dim, _ = _FACTOR_LAYOUT[factor]
+        local, total = len(module.local_experts.expert_ids), module.layout.device_of_E.numel()
+        if name in state_dict and state_dict[name].shape[dim] != param.shape[dim] // local * total:
+            raise ValueError(
+                f"PeftModel.save_pretrained(state_dict=...): {name} has shape {tuple(state_dict[name].shape)}, "
+                f"this rank's {local} experts, not all {total}: under expert parallelism call save_pretrained "
+                f"without state_dict on every rank (it gathers every rank's expert adapters; rank 0 writes)"
+            )
+
+
+def _save_pretrained(original, peft_model, save_directory, *args, **kwargs):
+    """`PeftModel.save_pretrained`, under EP with every rank's expert adapters (see the module docstring)."""
+    if has_distributed_expert_adapters(peft_model):
+        if kwargs.get("state_dict") is not None:
+            _check_covers_all_experts(peft_model, kwargs["state_dict"])
+        else:
+            versions, snapshot = peft_model.__dict__.get(_SNAPSHOT_ATTR, (None, None))
+            current = versions == _parameter_versions(peft_model)
+            kwargs["state_dict"] = snapshot if current else _gathered_for_save(peft_model, "PeftModel.save_pretrained")
+        kwargs.setdefault("is_main_process", _is_main_process())
+    return original(peft_model, save_directory, *args, **kwargs)
+
+
+def _load_adapter(original, peft_model, *args, **kwargs):
+    """`PeftModel.load_adapter` (and so `PeftModel.from_pretrained`): an adapter of all experts is cut to this rank's."""
+    _register_slicing_hooks(peft_model)
+    return original(peft_model, *args, **kwargs)
+
+
+_PEFT_HOOKS = {"save_pretrained": _save_pretrained, "load_adapter": _load_adapter}
+
+
+def install_peft_hooks() -> None:
+    """Wrap `PeftModel.save_pretrained` and `load_adapter` once peft is imported (now, if it is); idempotent."""
+    when_imported("peft.peft_model", lambda module: wrap_methods(module.PeftModel, _PEFT_HOOKS))
+
+
+def uninstall_peft_hooks() -> None:
+    """Put peft's own methods back (or forget the wrapping when peft is not imported yet)."""
+    cancel("peft.peft_model")
+    if "peft.peft_model" in sys.modules:
+        unwrap_methods(sys.modules["peft.peft_model"].PeftModel, _PEFT_HOOKS)
 
 
 def has_distributed_expert_adapters(model: nn.Module) -> bool:
@@ -195,7 +287,10 @@ __all__ = [
     "gathered_adapter_state_dict",
     "get_peft_model",
     "has_distributed_expert_adapters",
+    "install_peft_hooks",
     "load_peft_model",
     "prepare_peft_model",
     "save_peft_model",
+    "snapshot_adapters",
+    "uninstall_peft_hooks",
 ]

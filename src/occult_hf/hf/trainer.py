@@ -9,8 +9,8 @@ occult_hf applied the wrappers only call the original):
 - `save_model` (every rank, at each checkpoint and in the user's final `trainer.save_model()`):
   first `snapshot_experts` gathers all experts to rank 0 (collective), so that rank 0's
   `save_pretrained` writes the vanilla checkpoint; for a PEFT model with rank-local expert adapters,
-  after the Trainer's own save `peft_support.save_peft_model` rewrites the adapter with every rank's
-  experts (also collective). This hooks the save itself, so callback order does not matter (a
+  `peft_support.snapshot_adapters` gathers every rank's expert adapters (also collective), which rank
+  0's `PeftModel.save_pretrained` inside the Trainer's save writes. This hooks the save itself, so callback order does not matter (a
   callback keyed on `control.should_save` ran before `DefaultFlowCallback` had set it).
 - `_save_optimizer_and_scheduler` (every rank, checkpoints only, not with `save_only_model`): after
   the Trainer's files, every rank writes `occult_rank{r}-of-{D}.pt` beside them: its rank-local
@@ -105,17 +105,16 @@ def _rank_file(directory: str, model: nn.Module) -> str:
 
 
 def _save_model(original, trainer, output_dir=None, _internal_call=False):
-    from .peft_support import has_distributed_expert_adapters, save_peft_model
+    from .peft_support import snapshot_adapters
 
     model = _occult_model(trainer.model)
     if model is None:
         return original(trainer, output_dir, _internal_call)
-    if model is trainer.model:  # a PEFT model saves its adapters alone: no expert gather
-        snapshot_experts(model)  # collective under EP; a no-op in one process
-    result = original(trainer, output_dir, _internal_call)
-    if model is not trainer.model and has_distributed_expert_adapters(trainer.model):
-        save_peft_model(trainer.model, output_dir if output_dir is not None else trainer.args.output_dir)
-    return result
+    if model is trainer.model:  # collective under EP; a no-op in one process
+        snapshot_experts(model)
+    else:  # a PEFT model saves its adapters alone: every rank's expert adapters, no expert gather
+        snapshot_adapters(trainer.model)
+    return original(trainer, output_dir, _internal_call)
 
 
 def _save_optimizer_and_scheduler(original, trainer, output_dir):
