@@ -1,4 +1,4 @@
-"""What the quality study measures on a model with Occult blocks (DESIGN.md §9; docs/quality.md).
+"""What the quality study measures on a model with Occult blocks (docs/design.md §8; docs/quality.md).
 
 - held-out perplexity of every domain (`occult_hf.training.evaluate.perplexity`);
 - on held-out B, the routing as dispatched (after pruning) and what pruning removed, through one

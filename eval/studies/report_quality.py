@@ -29,7 +29,7 @@ from occult_hf.utils.atomic import atomic_save_figure, atomic_write_json, atomic
 from .quality import FORGET_DOMAIN, FT_DOMAIN, REFINED
 from .variants import Variant
 
-#: the pruned fine-tune must stay within this factor of plain fine-tuning (DESIGN.md §9)
+#: the pruned fine-tune must stay within this factor of plain fine-tuning (docs/design.md §8)
 WITHIN = 1.01
 
 
