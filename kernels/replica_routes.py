@@ -9,7 +9,8 @@ kernels, 1.4-1.7 ms a layer on an H200 against 0.25 ms for the static rule. Here
 launch, a few microseconds of arithmetic.
 
 Same arithmetic as the torch version, in fp64 where it uses fp64, with the same formulas (water-filling level as
-`_fill` computes it, `lerp` at 0.5 as PyTorch evaluates it: `end - (end - start) * 0.5`, exact in its product,
+`_fill` computes it, `lerp` at the step of `split_steps` as PyTorch evaluates it: `end - (end - start) * 0.5` at
+one half, exact in its product, `start + step * (end - start)` below,
 the cumulative fractions summed home by home as `cumsum` does) and `enable_fp_fusion=False`, so a product is
 rounded before the sum that uses it, as in PyTorch. Only the order of the per-device and per-expert sums differs
 (Triton's fixed reduction tree against PyTorch's), which moves the shares by a few ulps, not the integers: the
@@ -90,6 +91,14 @@ def _kernel(interpret: bool):
         shares_EM = tl.where(on_EM, total_E[:, None] / tl.maximum(homes_E, 1)[:, None].to(tl.float64), 0.0)
         slack_total = tl.load(slack_ptr) * tl.reduce(total_E, 0, tl.standard._sum_combine) / num_devices
         cap = tl.reduce(total_E, 0, tl.standard._sum_combine) * 0.0
+        # replicas.routing.split_steps: 1 / sqrt(2 n), n >= 2 the most replicated experts sharing one of its devices
+        sharing_EM = tl.full([BLOCK_E, BLOCK_M], 0.0, tl.float64)
+        for d0 in range(0, num_devices, BLOCK_D):
+            d_D = d0 + tl.arange(0, BLOCK_D)
+            on_EMD = (home_EM[:, :, None] == d_D[None, None, :]) & on_EM[:, :, None]
+            sharing_D = tl.reduce(tl.reduce(on_EMD.to(tl.float64), 0, tl.standard._sum_combine), 0, tl.standard._sum_combine)
+            sharing_EM += tl.reduce(tl.where(on_EMD, sharing_D[None, None, :], 0.0), 2, tl.standard._sum_combine)
+        step_E = 1.0 / tl.sqrt(2.0 * tl.maximum(tl.reduce(sharing_EM, 1, tl.standard._elementwise_max), 2.0))
         for r in range(2 * ROUNDS):
             # every device's load, read back at each home (devices in blocks of BLOCK_D), and the largest
             at_home_EM = tl.full([BLOCK_E, BLOCK_M], 0.0, tl.float64)
@@ -118,7 +127,11 @@ def _kernel(interpret: bool):
                 risen_E = tl.reduce(rises_EM.to(tl.int32), 1, tl.standard._sum_combine).to(tl.float64)
                 level_E = tl.where(on_E, tl.minimum(level_E, (excess_E + started_E) / risen_E), level_E)
             fill_EM = tl.where(on_EM, tl.maximum(start_EM, level_E[:, None]) - other_EM, 0.0)
-            shares_EM = fill_EM - (fill_EM - shares_EM) * 0.5  # torch.lerp(shares, fill, 0.5)
+            # torch.lerp(shares, fill, step) as PyTorch evaluates it (a step is at most one half)
+            step_EM = step_E[:, None] + shares_EM * 0.0
+            shares_EM = tl.where(
+                step_EM < 0.5, shares_EM + step_EM * (fill_EM - shares_EM), fill_EM - (fill_EM - shares_EM) * (1.0 - step_EM)
+            )
         shares_EM = tl.where(on_EM, shares_EM, tl.where(m_M[None, :] == 0, single_E[:, None], 0.0))
         # expert_routes' tables
         if PINNED:
