@@ -287,3 +287,17 @@ def test_replan_keeps_primaries_and_moves_the_copies_to_what_is_hot_now(tmp_path
     with pytest.raises(SystemExit):
         main(["replan", str(deployed_path), str(tmp_path / "other.safetensors"), "--out", str(tmp_path / "x.json")])
     assert "the profile has 8 routed experts but the placement is for num_experts=16" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
+def test_demo_runs_any_supported_family_and_names_it(family, tmp_path, capsys):
+    """Issue 32: `occult demo --model <a Qwen-MoE dir>` failed (`found no MoE blocks in OlmoeModel`: the
+    demo hard-coded OlmoeForCausalLM) and called any model "the shipped tiny OLMoE"."""
+    from tiny_models import save_tiny_tokenizer, tiny_checkpoint
+
+    checkpoint = save_tiny_tokenizer(tiny_checkpoint(family, tmp_path / family))
+    assert main(["demo", "--model", str(checkpoint), "--tokens", "256", "--no-plots", "--num-devices", "4",
+                 "--out", str(tmp_path / "out")]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert f"occult demo: the {family.split('_')[0].capitalize()}" in printed and str(checkpoint) in printed
+    assert "shipped tiny OLMoE" not in printed and "Collaboration pruning to N_d" in printed

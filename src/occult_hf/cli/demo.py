@@ -7,8 +7,9 @@ the same router hooks `occult profile` uses on text the model never trained on (
 Python sources, as a frozen snapshot: the even-numbered files plan, the odd-numbered ones are held out), saves and reloads
 the profile, plans placements with every registered method, and prints per layer the held-out CT,
 bounds, remote copies and device load, then the routing weight that collaboration pruning to each
-`N_d` would remove under each placement. `--model DIR` runs the same on another OLMoE checkpoint
-with a tokenizer (for example one made by `occult train`).
+`N_d` would remove under each placement. `--model DIR` runs the same on any checkpoint of a
+supported family with its tokenizer (loaded through `AutoModelForCausalLM`, vanilla; for example one
+made by `occult train`), and the report names the model it ran.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def register(subparsers) -> None:
     )
     add_num_devices_argument(parser, help="devices D to plan for (default: 8)", default=8)
     parser.add_argument("--out", default="occult_demo", help="directory for profiles, placements and plots")
-    parser.add_argument("--model", default=None, help="an OLMoE checkpoint directory with its tokenizer (default: the shipped tiny model)")
+    parser.add_argument("--model", default=None, help="a checkpoint directory of any supported MoE family, with its tokenizer (default: the shipped tiny OLMoE)")
     parser.add_argument("--tokens", type=positive_int, default=12_288, help="tokens to profile in each of the plan and held-out halves")
     parser.add_argument("--seed", type=int, default=0, help="seed of the profile's token sample")
     parser.add_argument("--no-plots", action="store_true", help="print the table only")
@@ -78,12 +79,18 @@ def snapshot_sources(root: str | os.PathLike, out: str | os.PathLike, commit: st
     atomic_write_bytes(out, lzma.compress(json.dumps({"meta": meta, "files": files}).encode("utf-8")))
 
 
-def describe_checkpoint(path: str | os.PathLike) -> str:
-    """One sentence: what the model is, from its `recipe.json` and `train_log.json` when present."""
+def describe_checkpoint(path: str | os.PathLike, model) -> str:
+    """One sentence: what the model is, from its `recipe.json` and `train_log.json` when present, else its class and shape."""
     path = Path(path)
     recipe_file, log_file = path / "recipe.json", path / "train_log.json"
     if not (recipe_file.is_file() and log_file.is_file()):
-        return f"the OLMoE checkpoint {path}"
+        from ..patches.base import adapter_for
+
+        adapter, config = adapter_for(model.config), model.config
+        return (
+            f"the {type(model).__name__} checkpoint {path} (model_type {config.model_type!r}, "
+            f"E={adapter.num_experts(config)}, k={adapter.top_k(config)}, {config.num_hidden_layers} layers)"
+        )
     recipe, log = read_json_file(recipe_file, "recipe"), read_json_file(log_file, "training log")
     ppl = ", ".join(f"{d} {v:.1f}" for d, v in log.get("heldout_perplexity", {}).items())
     return (
@@ -117,8 +124,9 @@ def _token_windows(texts: list[str], tokenizer, max_tokens: int, seq_len: int = 
 
 
 def _run(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer, OlmoeForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ..patches.base import adapter_for
     from ..placement import available_planners
     from ..profile import RoutingProfile
     from ..training import tiny_checkpoint_path
@@ -132,9 +140,10 @@ def _run(args: argparse.Namespace) -> int:
     with resources.as_file(tiny_checkpoint_path()) if args.model is None else _nullpath(args.model) as path:
         if not (Path(path) / "config.json").is_file():
             raise FileNotFoundError(f"--model {os.fspath(path)!r} is not a checkpoint directory (no config.json)")
-        model = OlmoeForCausalLM.from_pretrained(path).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, occult_config=None).eval()  # vanilla: the routing as trained
         tokenizer = AutoTokenizer.from_pretrained(path)
-        about = describe_checkpoint(path)
+        about = describe_checkpoint(path, model)
+        label = "the shipped tiny OLMoE" if args.model is None else f"the {type(model).__name__} at {path}"
     config = model.config
     sources = demo_sources()
     splits = {"plan": sources[0::2], "held_out": sources[1::2]}
@@ -143,7 +152,7 @@ def _run(args: argparse.Namespace) -> int:
     for name, wins in windows.items():
         profile = RoutingProfile.collect(
             model, wins, batch_size=16, max_length=128, seed=args.seed,
-            source=f"occult demo: the shipped tiny OLMoE on the {'even' if name == 'plan' else 'odd'}-numbered occult_hf source files",
+            source=f"occult demo: {label} on the {'even' if name == 'plan' else 'odd'}-numbered occult_hf source files",
         )  # fmt: skip
         file = os.path.join(args.out, f"profile_{name}.safetensors")
         profile.save(file)
@@ -160,7 +169,7 @@ def _run(args: argparse.Namespace) -> int:
     )
     print_report(profiles["held_out"], placements, None if args.no_plots else args.out)
     routing = capture_routing(model, np.array([w for w in windows["held_out"] if len(w) == 128]))
-    k, num_devices = config.num_experts_per_tok, args.num_devices
+    k, num_devices = adapter_for(config).top_k(config), args.num_devices
     print(f"\nCollaboration pruning to N_d devices per token (D={num_devices}), held-out tokens, mean over layers: "
           f"routing weight removed / tokens that lose an expert")  # fmt: skip
     header = f"{'N_d':>3}  " + "  ".join(f"{m:>17}" for m in placements)

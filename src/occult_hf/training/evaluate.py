@@ -51,27 +51,27 @@ def perplexity(model, windows_BS: np.ndarray, batch_size: int = 16) -> float:
     return float(math.exp(mean_nll(model, windows_BS, batch_size)[0]))
 
 
-def _routers(model) -> dict[int, torch.nn.Module]:
-    """The router module of each decoder layer (`layer.mlp.gate`, OLMoE's layout)."""
-    base = getattr(model, "model", model)
-    return {index: layer.mlp.gate for index, layer in enumerate(base.layers)}
-
-
 @torch.no_grad()
 def capture_routing(model, windows_BS: np.ndarray, batch_size: int = 16) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """Per layer, (`[N, k]` int64 expert ids, `[N, k]` float32 routing weights) of every window token."""
+    """Per MoE layer, (`[N, k]` int64 expert ids, `[N, k]` float32 routing weights) of every window token,
+    for any supported family: the family adapter's view of its router (`patches.base`), the weights by
+    the model's own rule for the chosen experts."""
+    from ..patches.base import adapter_for
+
+    adapter = adapter_for(model.config)
     captured: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     handles = []
 
-    def hook_for(layer: int):
-        def hook(module, inputs, output) -> None:
-            _logits, weights_Nk, ids_Nk = output
-            captured.setdefault(layer, []).append((ids_Nk.detach().cpu(), weights_Nk.detach().float().cpu()))
+    def hook_for(layer: int, block):
+        def hook(router, inputs, output) -> None:
+            logits_TE, ids_Tk = adapter.observe(router, inputs, output)
+            weights_Tk = adapter.renormalize(block, logits_TE, ids_Tk)
+            captured.setdefault(layer, []).append((ids_Tk.detach().cpu(), weights_Tk.detach().float().cpu()))
 
         return hook
 
-    for layer, router in _routers(model).items():
-        handles.append(router.register_forward_hook(hook_for(layer)))
+    for layer, _, block in adapter.iter_moe_blocks(model):
+        handles.append(adapter.router(block).register_forward_hook(hook_for(layer, block)))
     device = _device_of(model)
     was_training = model.training
     model.eval()
