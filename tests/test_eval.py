@@ -621,3 +621,25 @@ def test_lm_eval_command_line_finds_occult_hf(assets, runs, tmp_path, monkeypatc
     (written,) = tmp_path.rglob("results_*.json")
     results = json.loads(written.read_text())
     assert results["results"]["occ_mc"]["acc,none"] == runs("hf", "olmoe")["occ_mc"]["metrics"]["acc,none"]
+
+
+def test_eval_of_a_pruned_checkpoint_applies_its_pruning(tmp_path):
+    """Issue 32: a pruned fine-tune loaded without occult_hf runs unpruned; `occult eval` (the `occult-hf`
+    model with no Occult settings given) must run it with the pruning it was saved with."""
+    from tiny_models import tiny_batch, tiny_model
+
+    from occult_hf import OccultConfig, apply_occult, occult_config_of
+    from occult_hf.eval.model import load_occult_model
+
+    pruned = OccultConfig(num_devices=NUM_DEVICES, prune="router", max_devices_per_token=1)
+    model = apply_occult(tiny_model("olmoe", seed=3), pruned).eval()
+    model.save_pretrained(tmp_path / "pruned")
+    loaded = load_occult_model(str(tmp_path / "pruned"), None, device=torch.device("cpu"), dtype="float32")
+    config = occult_config_of(loaded)
+    assert (config.prune, config.max_devices_per_token, config.num_devices) == ("router", 1, NUM_DEVICES)
+    batch = tiny_batch(batch=2, seq=16, seed=1)
+    with torch.no_grad():
+        expected, got = model(input_ids=batch).logits, loaded(input_ids=batch).logits
+        unpruned = tiny_model("olmoe", seed=3)(input_ids=batch).logits
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(got, unpruned, rtol=1e-3, atol=1e-4)  # the pruning changes the logits: the check can fail
