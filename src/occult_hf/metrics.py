@@ -15,6 +15,10 @@ training device without a host sync.
   devices. Tokens are given to ranks in contiguous equal chunks (`token_ranks`), as expert
   parallelism's data-parallel sharding does; the volume reports every rank's sent and received
   rows, because an all-to-all ends when its largest rank ends.
+* **Nodes** (`node_traffic`): with `G` devices per node (devices `n*G .. n*G + G - 1` form node n),
+  CT_node is the distinct nodes holding a token's experts, what a token costs on the slow inter-node link
+  when it is sent once per (token, node) and forwarded inside the node (the hierarchical exchange); the flat
+  exchange instead sends every (token, device) row whose device is on another node across it.
 * **Device load** (`device_load`, `load_balance`, `load_floor`): tokens x experts routed to a
   device's experts; balance = max / mean over devices; `load_floor` is the smallest max device
   load any placement with these capacities can reach (a giant expert can push it above the mean).
@@ -213,6 +217,67 @@ def communication_volume(
     return CommunicationVolume(float(ct_N.mean()), float(remote_N.mean()), sent_D, received_D)
 
 
+# ----- nodes -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NodeTraffic:
+    """What one MoE layer sends across nodes, with `G` devices per node.
+
+    Attributes:
+        devices_per_node: `G`.
+        ct_node_mean: mean over tokens of the distinct nodes holding its k experts (CT_node).
+        cross_rows_flat: mean rows per token and direction that cross nodes when each (token, device) row is
+            sent directly (the flat exchange): its devices on other nodes than the token's own.
+        cross_rows_hierarchical: the same when one copy per (token, node) crosses (the hierarchical exchange):
+            CT_node minus one when the token's own node is among its nodes.
+        sent_cross_flat_D, sent_cross_hierarchical_D: `[D]` such rows each rank sends (an inter-node link of one
+            GPU carries its rank's rows; the exchange ends with its busiest).
+    """
+
+    devices_per_node: int
+    ct_node_mean: float
+    cross_rows_flat: float
+    cross_rows_hierarchical: float
+    sent_cross_flat_D: np.ndarray
+    sent_cross_hierarchical_D: np.ndarray
+
+
+def node_traffic(
+    topk_ids_Nk: np.ndarray,
+    device_of_E: np.ndarray,
+    num_devices: int,
+    devices_per_node: int,
+    source_rank_N: np.ndarray | None = None,
+    home_table_EM: np.ndarray | None = None,
+) -> NodeTraffic:
+    """CT_node and the rows that cross nodes when dispatching `topk_ids_Nk` (see `NodeTraffic`).
+
+    Tokens sit on ranks as in `communication_volume` (`token_ranks` by default); with replicas the pairs follow
+    the replica rule (`pair_devices`)."""
+    num_experts = len(np.asarray(device_of_E))
+    ids = check_topk_ids(topk_ids_Nk, num_experts)
+    devices = check_device_map(device_of_E, num_experts, num_devices)
+    if isinstance(devices_per_node, bool) or not isinstance(devices_per_node, (int, np.integer)) or devices_per_node < 1 or num_devices % devices_per_node:
+        raise ValueError(f"devices_per_node must be a positive integer dividing num_devices={num_devices}, got {devices_per_node!r}")
+    num_tokens, num_nodes = ids.shape[0], num_devices // int(devices_per_node)
+    if num_tokens == 0:
+        raise ValueError("node_traffic needs at least one token")
+    source_N = token_ranks(num_tokens, num_devices) if source_rank_N is None else np.asarray(source_rank_N, dtype=np.int64)
+    reached_ND = device_hits(ids, devices, num_devices, home_table_EM) > 0
+    reached_NM = reached_ND.reshape(num_tokens, num_nodes, int(devices_per_node)).any(2)  # M: nodes, local here
+    own_node_N = source_N // int(devices_per_node)
+    on_own_node_ND = (np.arange(num_devices) // int(devices_per_node))[None, :] == own_node_N[:, None]
+    flat_N = (reached_ND & ~on_own_node_ND).sum(1)
+    hierarchical_N = reached_NM.sum(1) - reached_NM[np.arange(num_tokens), own_node_N]
+    return NodeTraffic(
+        devices_per_node=int(devices_per_node),
+        ct_node_mean=float(reached_NM.sum(1).mean()),
+        cross_rows_flat=float(flat_N.mean()),
+        cross_rows_hierarchical=float(hierarchical_N.mean()),
+        sent_cross_flat_D=np.bincount(source_N, weights=flat_N, minlength=num_devices).astype(np.int64),
+        sent_cross_hierarchical_D=np.bincount(source_N, weights=hierarchical_N, minlength=num_devices).astype(np.int64),
+    )
+
+
 # ----- load ------------------------------------------------------------------------------------
 def expert_load(topk_ids_Nk: np.ndarray, num_experts: int) -> np.ndarray:
     """`[E]` int64 tokens routed to each expert."""
@@ -341,6 +406,7 @@ class LayerMetrics:
         balance: max / mean of `load_D`.
         balance_floor: `load_floor / mean`: the best balance any placement with these capacities can reach.
         slowest_device: the device with the largest load.
+        nodes: the `NodeTraffic` on the sample when the placement states its devices per node, else None.
     """
 
     ct: float | None
@@ -356,10 +422,13 @@ class LayerMetrics:
     balance: float
     balance_floor: float
     slowest_device: int
+    nodes: NodeTraffic | None = None
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["load_D"] = self.load_D.tolist()
+        if self.nodes is not None:
+            out["nodes"] = {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in out["nodes"].items()}
         return out
 
 
@@ -401,8 +470,10 @@ def evaluate_layer(
     num_devices: int,
     top_k: int,
     home_table_EM: np.ndarray | None = None,
+    devices_per_node: int | None = None,
 ) -> LayerMetrics:
-    """All metrics of `device_of_E` on one profile layer (see `LayerMetrics`).
+    """All metrics of `device_of_E` on one profile layer (see `LayerMetrics`); with `devices_per_node` (and a
+    token sample) also what crosses nodes (`node_traffic`).
 
     With replicas (`home_table_EM` `[E, M]`, `Placement.home_table`) CT, rows and loads follow the
     replica rule; the pairwise cut and intra-device ratio stay those of the primary map, and the
@@ -410,6 +481,7 @@ def evaluate_layer(
     """
     num_experts = len(routing.expert_counts)
     devices = check_device_map(device_of_E, num_experts, num_devices)
+    nodes = None
     replicated = home_table_EM is not None and np.asarray(home_table_EM).shape[1] > 1
     if replicated:
         homes_EM = np.asarray(home_table_EM)
@@ -424,6 +496,8 @@ def evaluate_layer(
         ct, remote = volume.ct_mean, volume.remote_copies_mean
         sent, received = volume.max_sent_rows, volume.max_received_rows
         mean_received = float(volume.received_rows_D.mean())
+        if devices_per_node is not None:
+            nodes = node_traffic(sample, devices, num_devices, devices_per_node, home_table_EM=home_table_EM)
     else:
         sample = None
         load_E = np.asarray(routing.expert_counts)
@@ -444,6 +518,7 @@ def evaluate_layer(
         balance=load_balance(load_D),
         balance_floor=floor / float(load_D.mean()),
         slowest_device=int(load_D.argmax()),
+        nodes=nodes,
     )
 
 
@@ -457,6 +532,7 @@ def evaluate_placement(profile: "RoutingProfile", placement: "Placement") -> dic
             placement.num_devices,
             profile.top_k,
             placement.home_table(layer) if placement.has_replicas else None,
+            placement.devices_per_node,
         )
         for layer, routing in profile.layers.items()
     }
@@ -473,6 +549,15 @@ def summarize(per_layer: dict[int, LayerMetrics]) -> dict[str, float | None]:
         return None if any(v is None for v in values) else float(np.mean(values))
 
     received = [m.max_received_rows for m in metrics]
+    nodes = [m.nodes for m in metrics]
+    if all(n is not None for n in nodes):
+        node_means = {
+            "ct_node": float(np.mean([n.ct_node_mean for n in nodes])),
+            "cross_rows_flat": float(np.mean([n.cross_rows_flat for n in nodes])),
+            "cross_rows_hierarchical": float(np.mean([n.cross_rows_hierarchical for n in nodes])),
+        }
+    else:
+        node_means = dict.fromkeys(("ct_node", "cross_rows_flat", "cross_rows_hierarchical"))
     return {
         "ct": mean_of("ct"),
         "ct_lower": mean_of("ct_lower"),
@@ -483,12 +568,14 @@ def summarize(per_layer: dict[int, LayerMetrics]) -> dict[str, float | None]:
         "worst_balance": float(max(m.balance for m in metrics)),
         "balance_floor": mean_of("balance_floor"),
         "max_received_rows": None if None in received else float(max(received)),
+        **node_means,
     }
 
 
 __all__ = [
     "CommunicationVolume",
     "LayerMetrics",
+    "NodeTraffic",
     "check_device_map",
     "check_topk_ids",
     "coactivation_spearman",
@@ -506,6 +593,7 @@ __all__ = [
     "load_balance",
     "load_floor",
     "mean_ct",
+    "node_traffic",
     "pair_devices",
     "pairwise_cut",
     "replica_device_load",

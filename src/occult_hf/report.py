@@ -3,7 +3,9 @@
 `evaluate_placements` measures named placements on a routing profile (through
 `occult_hf.metrics.evaluate_placement`); `format_table` prints one row per (layer, placement)
 with CT and its bounds, remote copies, load balance against its floor and the slowest device,
-then the means over layers; `plot_cost_by_layer` and `plot_coactivation` draw the per-layer cost
+then the means over layers; `format_node_table` adds, for placements that state their devices per node,
+CT_node, CT and the rows (and, given the hidden size, bytes) per token crossing nodes under the flat and
+the hierarchical exchange; `plot_cost_by_layer` and `plot_coactivation` draw the per-layer cost
 by method and the co-activation matrix in each placement's device order.
 
 Shape legend: E routed experts, D devices.
@@ -136,6 +138,55 @@ def _summary_rows(results: list[PlacementResult]) -> list[str]:
     return rows
 
 
+def bf16_row_bytes(hidden_size: int, top_k: int) -> int:
+    """Bytes of one dispatched bf16 row on the wire (`dispatch.base.dispatch_format`: activations, k int32 slots,
+    k bf16 routing weights); the hierarchical exchange's node copies have the same form."""
+    import torch
+
+    from .dispatch.base import dispatch_format
+
+    return dispatch_format(hidden_size, torch.bfloat16, top_k, torch.bfloat16).row_bytes
+
+
+def format_node_table(profile: RoutingProfile, results: list[PlacementResult], hidden_size: int | None = None) -> str:
+    """What crosses nodes, per layer and placement (those that state `devices_per_node`), then the means: CT_node
+    (distinct nodes per token), CT, and per token and direction the rows that cross nodes when each (token, device)
+    row is sent directly ("flat") and when one copy per (token, node) crosses and is forwarded inside the node
+    ("hier."), with their bytes when `hidden_size` is given (bf16 rows, `bf16_row_bytes`). Empty when no placement
+    states a node layout or the profile has no token sample."""
+    noded = [r for r in results if r.placement.devices_per_node is not None]
+    if not noded or not profile.has_samples:
+        return ""
+    size = None if hidden_size is None else bf16_row_bytes(hidden_size, profile.top_k)
+    header = ["layer", "placement", "D", "G", "CT_node", "CT", "x-node rows flat", "x-node rows hier."]
+    if size is not None:
+        header += ["x-node bytes flat", "x-node bytes hier."]
+    widths = [5, 12, 3, 3, 7, 6, 16, 17, 17, 18][: len(header)]
+
+    def line(cells):
+        return "  ".join(c.rjust(w) if i != 1 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    def cells(label, result, ct_node, ct, flat, hier):
+        row = [label, result.name, str(result.placement.num_devices), str(result.placement.devices_per_node),
+               _fmt(ct_node), _fmt(ct), _fmt(flat), _fmt(hier)]  # fmt: skip
+        if size is not None:
+            row += [f"{flat * size:,.0f}", f"{hier * size:,.0f}"]
+        return line(row)
+
+    lines = [line(header), line(["-" * w for w in widths])]
+    for layer in sorted(profile.layers):
+        for result in noded:
+            m = result.per_layer[layer]
+            lines.append(cells(str(layer), result, m.nodes.ct_node_mean, m.ct, m.nodes.cross_rows_flat, m.nodes.cross_rows_hierarchical))
+    lines.append(line(["-" * w for w in widths]))
+    for result in noded:
+        s = result.summary
+        lines.append(cells("mean", result, s["ct_node"], s["ct"], s["cross_rows_flat"], s["cross_rows_hierarchical"]))
+    if size is not None:
+        lines.append(f"(bytes: rows of {size} B: hidden {hidden_size} in bf16, {profile.top_k} int32 slots and bf16 weights)")
+    return "\n".join(lines)
+
+
 def format_promises(results: list[PlacementResult]) -> str:
     """What each placement's planner promised beyond its profile, from its meta: the expected held-out
     figures by cross-validation, the worst of several profiles, and the replicas. Empty when none."""
@@ -248,13 +299,18 @@ def write_report(
     placements: dict[str, Placement],
     plot_dir: str | os.PathLike | None,
     heatmap_layer: int | None = None,
+    hidden_size: int | None = None,
 ) -> tuple[str, list[str]]:
-    """Evaluate, format the table and (with `plot_dir`) write both plots. Returns `(table, plot paths)`.
+    """Evaluate, format the table (and the node table, `format_node_table`) and (with `plot_dir`) write both plots.
+    Returns `(table, plot paths)`.
 
     The heatmap shows `heatmap_layer` (default: the profile's first layer).
     """
     results = evaluate_placements(profile, placements)
     table = format_table(profile, results)
+    nodes = format_node_table(profile, results, hidden_size)
+    if nodes:
+        table = f"{table}\n{nodes}"
     promises = format_promises(results)
     if promises:
         table = f"{table}\n{promises}"
@@ -270,10 +326,12 @@ def write_report(
 __all__ = [
     "PlacementResult",
     "evaluate_placements",
+    "format_node_table",
     "format_promises",
     "format_summary",
     "format_table",
     "plot_cost_by_layer",
+    "bf16_row_bytes",
     "plot_coactivation",
     "write_report",
 ]

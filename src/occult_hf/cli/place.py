@@ -6,7 +6,7 @@ import argparse
 
 from ..placement import PLACEMENT_FILENAME, available_planners
 from ..utils.strict_json import parse_json
-from .devices import add_num_devices_argument
+from .devices import add_devices_per_node_argument, add_num_devices_argument
 from . import add_no_progress_argument
 
 
@@ -24,6 +24,10 @@ def register(subparsers) -> None:
         "and after a fine-tune) are pooled for CT and refined holds its load limit on each of them",
     )
     add_num_devices_argument(parser, help="devices D in the expert-parallel group (required)")
+    add_devices_per_node_argument(
+        parser, help="devices G per node of the cluster (dividing D): plan node-aware, the nodes per token (CT_node) "
+        "first, then CT within the nodes (refined), and record the layout in the file (default: one node)",
+    )  # fmt: skip
     parser.add_argument(
         "--method", default="refined", choices=available_planners(), help="placement method (default: refined)"
     )
@@ -77,20 +81,25 @@ def run(args: argparse.Namespace) -> int:
     if args.num_devices is None:
         raise SystemExit("occult place: --num-devices D is required (the devices of the expert-parallel group)")
     from ..placement import pool_profiles
-    from ..report import format_promises
+    from ..report import format_node_table, format_promises
 
     profiles = {path: RoutingProfile.load(path) for path in args.profile}
     source = next(iter(profiles.values())) if len(profiles) == 1 else profiles
     placement = plan_placement(
-        source, args.num_devices, args.method, cross_validate=args.cross_validate, **dict(args.option)
-    )
+        source, args.num_devices, args.method, cross_validate=args.cross_validate, devices_per_node=args.devices_per_node,
+        **dict(args.option),
+    )  # fmt: skip
     placement.meta["profile"] = args.profile[0] if len(args.profile) == 1 else list(args.profile)
     placement.save(args.out)
     pooled = pool_profiles(source)[0]
     named = {"contiguous": Placement.contiguous(pooled.num_experts, args.num_devices, sorted(placement.layers))}
+    named["contiguous"].devices_per_node = args.devices_per_node
     named[args.method] = placement
     results = evaluate_placements(pooled, named)
     print(format_summary(results))
+    nodes = format_node_table(pooled, results)
+    if nodes:
+        print(nodes)
     promises = format_promises(results)
     if promises:
         print(promises)

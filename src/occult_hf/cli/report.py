@@ -8,7 +8,7 @@ import os
 
 from ..placement import available_planners
 from .place import add_cross_validate_argument, add_option_argument
-from .devices import add_num_devices_argument
+from .devices import add_devices_per_node_argument, add_num_devices_argument
 from . import add_no_progress_argument
 
 
@@ -28,6 +28,13 @@ def register(subparsers) -> None:
         "--methods",
         default=",".join(available_planners()),
         help=f"comma-separated methods to plan with --num-devices (default: {','.join(available_planners())})",
+    )
+    add_devices_per_node_argument(
+        parser, help="devices G per node: plan node-aware here, and measure every placement on G-device nodes (CT_node, "
+        "rows crossing nodes); a file's own layout is used otherwise",
+    )  # fmt: skip
+    parser.add_argument(
+        "--hidden-size", type=int, default=None, help="the model's hidden size: also print the bytes per token crossing nodes"
     )
     add_option_argument(parser)
     add_cross_validate_argument(parser, default=0)
@@ -52,11 +59,14 @@ def run(args: argparse.Namespace) -> int:
     placements = load_placements(args.placements)
     if args.num_devices is not None:
         planned = plan_methods(
-            profile, args.num_devices, args.methods.split(","), dict(args.option), args.cross_validate
+            profile, args.num_devices, args.methods.split(","), dict(args.option), args.cross_validate, args.devices_per_node
         )
         for name, placement in planned.items():
             placements[_unique(name, placements)] = placement
-    print_report(profile, placements, None if args.no_plots else args.plots, args.heatmap_layer)
+    if args.devices_per_node is not None:
+        for placement in placements.values():
+            placement.devices_per_node = check_devices_per_node(placement.num_devices, args.devices_per_node)
+    print_report(profile, placements, None if args.no_plots else args.plots, args.heatmap_layer, args.hidden_size)
     return 0
 
 
@@ -79,9 +89,18 @@ def _unique(name: str, taken: dict) -> str:
     return name
 
 
-def plan_methods(profile, num_devices: int, methods: list[str], options: dict, cross_validate: int = 0) -> dict:
+def check_devices_per_node(num_devices: int, devices_per_node: int) -> int:
+    """`--devices-per-node` for a placement of `num_devices` (it must divide them)."""
+    from ..placement import check_devices_per_node as check
+
+    return check(devices_per_node, num_devices, "--devices-per-node")
+
+
+def plan_methods(
+    profile, num_devices: int, methods: list[str], options: dict, cross_validate: int = 0, devices_per_node: int | None = None
+) -> dict:
     """Plan with each method; `options` go to the methods that accept them; `cross_validate` K >= 2 adds
-    each plan's expected held-out figures."""
+    each plan's expected held-out figures; `devices_per_node` plans node-aware where a method can."""
     from ..placement import get_planner, plan_placement
 
     valid = {method: {f.name for f in dataclasses.fields(get_planner(method).options_class)} for method in methods}
@@ -90,17 +109,20 @@ def plan_methods(profile, num_devices: int, methods: list[str], options: dict, c
         raise SystemExit(f"occult report: no method in {methods} has option(s) {sorted(unused)}")
     return {
         method: plan_placement(
-            profile, num_devices, method, cross_validate=cross_validate, **{k: v for k, v in options.items() if k in fields}
-        )
+            profile, num_devices, method, cross_validate=cross_validate, devices_per_node=devices_per_node,
+            **{k: v for k, v in options.items() if k in fields},
+        )  # fmt: skip
         for method, fields in valid.items()
     }
 
 
-def print_report(profile, placements: dict, plot_dir: str | None, heatmap_layer: int | None = None) -> None:
+def print_report(
+    profile, placements: dict, plot_dir: str | None, heatmap_layer: int | None = None, hidden_size: int | None = None
+) -> None:
     from ..report import write_report
     from .profile import describe_profile
 
-    table, paths = write_report(profile, placements, plot_dir, heatmap_layer)
+    table, paths = write_report(profile, placements, plot_dir, heatmap_layer, hidden_size)
     print(describe_profile(profile))
     print(table)
     for path in paths:

@@ -7,7 +7,7 @@ once and give hot experts replicas (`occult_hf.replicas.routing.resolve_homes` i
 `validation.cross_validate` estimates what a plan will do on tokens it has not seen.
 """
 
-from .placement import PLACEMENT_FILENAME, Placement
+from .placement import PLACEMENT_FILENAME, Placement, check_devices_per_node
 from .registry import (
     PlannerSpec,
     available_planners,
@@ -31,6 +31,7 @@ __all__ = [
     "PlannerSpec",
     "RefinedOptions",
     "available_planners",
+    "check_devices_per_node",
     "balanced_capacities",
     "get_planner",
     "plan_placement",

@@ -179,4 +179,67 @@ class PairwiseCut:
         self.apply_move(second, first_device, delta)
 
 
-__all__ = ["SampleCT", "PairwiseCut"]
+
+class NodesFirst:
+    """CT_node first, then CT (or the pairwise cut over nodes first, then over devices): what a node-aware plan
+    minimises. `G` devices per node; device d is on node `d // G`.
+
+    One objective of the same kind per level, `devices` over the D devices and `nodes` over the D / G nodes of the
+    same map, combined lexicographically: `cost = weight * nodes.cost + devices.cost` with `weight` above any change
+    of the device cost, so a step that saves a node copy wins over any number of device copies. A move or swap
+    inside one node leaves the node map, and the node cost, as they are.
+    """
+
+    def __init__(self, make, device_of_E: np.ndarray, num_devices: int, devices_per_node: int, weight: float) -> None:
+        """`make(device_of_E, num_devices)`: a `SampleCT` or `PairwiseCut` on the same data."""
+        self.devices_per_node = int(devices_per_node)
+        self.node_of_D = np.arange(num_devices) // self.devices_per_node
+        self.devices = make(device_of_E, num_devices)
+        self.nodes = make(self.node_of_D[np.asarray(device_of_E, dtype=np.int64)], num_devices // self.devices_per_node)
+        self.weight = float(weight)
+        self.name = f"{self.devices.name} after nodes"
+
+    @property
+    def device_of_E(self) -> np.ndarray:
+        return self.devices.device_of_E
+
+    @property
+    def cost(self) -> float:
+        return self.weight * self.nodes.cost + self.devices.cost
+
+    def reset(self, device_of_E: np.ndarray) -> None:
+        self.devices.reset(device_of_E)
+        self.nodes.reset(self.node_of_D[np.asarray(device_of_E, dtype=np.int64)])
+
+    def _node_moves_ED(self) -> np.ndarray:
+        """`[E, D]` change of the node cost if e moves to device d (0 inside e's node)."""
+        node_E = self.nodes.device_of_E
+        moves_ED = self.nodes.move_delta_ED()[:, self.node_of_D]
+        return np.where(self.node_of_D[None, :] == node_E[:, None], 0.0, moves_ED)
+
+    def move_delta_ED(self) -> np.ndarray:
+        return self.devices.move_delta_ED() + self.weight * self._node_moves_ED()
+
+    def swap_correction_EE(self) -> np.ndarray:
+        node_E = self.nodes.device_of_E
+        across_EE = node_E[:, None] != node_E[None, :]
+        return self.devices.swap_correction_EE() + self.weight * np.where(across_EE, self.nodes.swap_correction_EE(), 0.0)
+
+    def apply_move(self, expert: int, device: int, delta: float) -> None:
+        node = int(self.node_of_D[device])
+        if node != self.nodes.device_of_E[expert]:
+            self.nodes.apply_move(expert, node, float(self.nodes.move_delta_ED()[expert, node]))
+        self.devices.apply_move(expert, device, float(self.devices.move_delta_ED()[expert, device]))
+
+    def apply_swap(self, first: int, second: int, delta: float) -> None:
+        node_E, device_E = self.nodes.device_of_E, self.devices.device_of_E
+        if node_E[first] != node_E[second]:
+            moves_EN = self.nodes.move_delta_ED()
+            node_delta = moves_EN[first, node_E[second]] + moves_EN[second, node_E[first]] + self.nodes.swap_correction_EE()[first, second]
+            self.nodes.apply_swap(first, second, float(node_delta))
+        moves_ED = self.devices.move_delta_ED()
+        device_delta = moves_ED[first, device_E[second]] + moves_ED[second, device_E[first]] + self.devices.swap_correction_EE()[first, second]
+        self.devices.apply_swap(first, second, float(device_delta))
+
+
+__all__ = ["NodesFirst", "PairwiseCut", "SampleCT"]

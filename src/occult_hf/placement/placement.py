@@ -32,6 +32,16 @@ MAX_LAYER_INDEX = 65535
 MAX_PLACEMENT_BYTES = 16 * 2**20
 
 
+def check_devices_per_node(value: Any, num_devices: int, what: str) -> int:
+    """`value` as the devices of one node: an integer >= 1 that divides `num_devices` (nodes hold equally many)."""
+    value = _strict_int(value, what, minimum=1)
+    if num_devices % value:
+        raise ValueError(
+            f"{what}={value} does not divide num_devices={num_devices}: every node must hold the same number of devices"
+        )
+    return value
+
+
 def contiguous_devices(num_experts: int, num_devices: int) -> np.ndarray:
     """`[E]` int64 device map `e * D // E`: what every EP framework does (capacities differ by at most one)."""
     return np.arange(num_experts, dtype=np.int64) * num_devices // num_experts
@@ -54,6 +64,10 @@ class Placement:
             [0, 1]: how far above the least max load, as a fraction of the mean device load, a device may
             keep pairs on a home their token visits anyway; `replicas.routing.replica_shares`), as the
             planner chose it for the layer's replicas. A layer without one uses `replicas.routing.PIN_SLACK`.
+        devices_per_node: `G`, the devices of one node of the cluster the plan was made for (devices `n*G .. n*G +
+            G - 1` form node n, as torchrun numbers the ranks of `--nnodes` nodes); it must divide `num_devices`.
+            None: not stated (one node). A node-aware planner minimised the nodes per token first
+            (`plan_placement(devices_per_node=G)`); the metrics then report CT_node and the rows that cross nodes.
         source: the file it was read from (None when built in memory), for errors only: `validate_for` runs far from
             the load (apply_occult, `occult eval`, `occult report`), where the user must still learn which file
             does not fit. Not part of the JSON form nor of equality.
@@ -66,6 +80,7 @@ class Placement:
     replicas: dict[int, dict[int, list[int]]] = field(default_factory=dict)
     slots_per_device: int | None = None
     pin_slack: dict[int, float] = field(default_factory=dict)
+    devices_per_node: int | None = None
     source: str | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -104,6 +119,8 @@ class Placement:
             raise TypeError(f"Placement.meta must be a dict, got {type(self.meta).__name__}")
         self._check_replicas()
         self._check_pin_slack()
+        if self.devices_per_node is not None:
+            self.devices_per_node = check_devices_per_node(self.devices_per_node, self.num_devices, "Placement.devices_per_node")
         self._check_no_empty_device()
 
     def _check_no_empty_device(self) -> None:
@@ -227,7 +244,18 @@ class Placement:
             raise _SchemaError(f"$.meta must be a JSON object, got {_json_type(meta)}")
         replicas, slots = _parse_replicas(data, num_experts, num_devices, layers)
         pin_slack = _parse_pin_slack(data, layers)
-        return cls(num_experts, num_devices, layers, dict(meta), replicas=replicas, slots_per_device=slots, pin_slack=pin_slack)
+        devices_per_node = None
+        if "devices_per_node" in data:
+            devices_per_node = _json_int(data["devices_per_node"], "$.devices_per_node", minimum=1)
+            if num_devices % devices_per_node:
+                raise _SchemaError(
+                    f"$.devices_per_node is {devices_per_node}, which does not divide num_devices={num_devices} "
+                    f"(every node holds the same number of devices)"
+                )
+        return cls(
+            num_experts, num_devices, layers, dict(meta), replicas=replicas, slots_per_device=slots, pin_slack=pin_slack,
+            devices_per_node=devices_per_node,
+        )  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (docs/design.md §6); "replicas", "slots_per_device" and "pin_slack" only when set, so that
@@ -245,6 +273,8 @@ class Placement:
             out["slots_per_device"] = self.slots_per_device
         if self.pin_slack:
             out["pin_slack"] = {str(l): slack for l, slack in sorted(self.pin_slack.items())}
+        if self.devices_per_node is not None:
+            out["devices_per_node"] = self.devices_per_node
         out["meta"] = to_json_native(self.meta, "$.meta")
         return out
 
@@ -295,6 +325,11 @@ class Placement:
             raise KeyError(
                 f"placement has no entry for layer {layer}; it covers layers {shown(sorted(self.layers))}"
             ) from None
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes of the cluster the plan was made for (1 when `devices_per_node` is not stated)."""
+        return 1 if self.devices_per_node is None else self.num_devices // self.devices_per_node
 
     @property
     def has_replicas(self) -> bool:
@@ -387,7 +422,7 @@ class Placement:
 
 
 _REQUIRED_KEYS = frozenset({"num_experts", "num_devices", "layers"})
-_OPTIONAL_KEYS = frozenset({"meta", "replicas", "slots_per_device", "pin_slack"})
+_OPTIONAL_KEYS = frozenset({"meta", "replicas", "slots_per_device", "pin_slack", "devices_per_node"})
 _CANONICAL_INDEX = re.compile(r"(0|[1-9][0-9]*)")
 
 
@@ -500,4 +535,4 @@ def _parse_pin_slack(data: dict[str, Any], layers: dict[int, list[int]]) -> dict
     return parsed
 
 
-__all__ = ["Placement", "PLACEMENT_FILENAME", "contiguous_devices"]
+__all__ = ["Placement", "PLACEMENT_FILENAME", "check_devices_per_node", "contiguous_devices"]

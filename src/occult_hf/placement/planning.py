@@ -25,14 +25,16 @@ def plan_placement(
     layers: Iterable[int] | None = None,
     progress: bool = True,
     cross_validate: int = 0,
+    devices_per_node: int | None = None,
     **options: Any,
 ) -> Placement:
     """Plan a placement for every layer of `profile` (or `layers`) with the named method.
 
     Args:
-        profile, num_devices, method, layers, progress, **options: as `registry.plan_profiles`
-            (one profile or several, `D`, a registered planner name, the layers to plan, a tqdm
-            bar, the planner's options such as `max_load_ratio=1.1, seed=0` for "refined").
+        profile, num_devices, method, layers, progress, devices_per_node, **options: as
+            `registry.plan_profiles` (one profile or several, `D`, a registered planner name, the layers to
+            plan, a tqdm bar, `G` devices per node (node-aware planning: CT_node first, then CT), the
+            planner's options such as `max_load_ratio=1.1, seed=0` for "refined").
         cross_validate: K >= 2: also estimate the held-out figures by K-fold cross-validation on
             the profile's sample (`placement.validation.cross_validate`), kept in
             `meta["expected_held_out"]`; 0: skip.
@@ -41,12 +43,15 @@ def plan_placement(
     profile it was planned on; with several profiles `meta["worst_profile"]` adds each layer's
     worst profile and its balance (`registry.plan_profiles`).
     """
-    placement = plan_profiles(profile, num_devices, method, layers=layers, progress=progress, **options)
+    placement = plan_profiles(
+        profile, num_devices, method, layers=layers, progress=progress, devices_per_node=devices_per_node, **options
+    )
     if cross_validate:
         _, _, items = pool_profiles(profile)
         placement.meta["expected_held_out"] = run_cross_validation(
-            items, num_devices, method, folds=cross_validate, layers=list(placement.layers), **options
-        )
+            items, num_devices, method, folds=cross_validate, layers=list(placement.layers),
+            devices_per_node=devices_per_node, **options,
+        )  # fmt: skip
     return placement
 
 

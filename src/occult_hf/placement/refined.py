@@ -42,12 +42,13 @@ import numpy as np
 import torch
 
 from ..metrics import load_floor
-from .objectives import PairwiseCut, SampleCT
+from .objectives import NodesFirst, PairwiseCut, SampleCT
 from ..registry import REPLICA_CHOICES
 from ..replicas.routing import PIN_SLACK, home_table_from, load_aware_homes, resolve_homes_np
 from .in_time import choose_in_time
 from .shedding import link_groups, single_home_rows
 from .robust import count_scenarios, scenario_loads, shrink_toward_mean, time_window_membership, token_scenarios
+from .placement import check_devices_per_node
 from .registry import balanced_capacities, check_layer_inputs, register_planner
 from .slowest import StepCosts, device_times, slowest_descent
 
@@ -120,6 +121,11 @@ class RefinedOptions:
             the balance within `max_load_ratio` on later tokens, by cross-validation in time on the profile
             (`cross_validated_pin_slack`; the least slack's balance is traded for CT only where it holds); without
             a token sample `replicas.routing.PIN_SLACK`.
+        devices_per_node: `G` devices per node of the cluster (None: one node): the search then minimises the
+            nodes per token first (CT_node, or the co-activations split across nodes without a sample) and CT
+            within the nodes second (`objectives.NodesFirst`), under the same load limits, robust options and
+            replicas; device d is on node `d // G`. Set by `plan_placement(devices_per_node=G)`. Not with
+            objective "slowest".
         pair_cost_s, byte_cost_s, row_bytes: the costs of objective "slowest" (seconds per
             (token, expert) pair, per received byte; bytes per row); `slowest.costs_from_bench` reads
             them from an `occult bench ep` JSON file.
@@ -140,6 +146,7 @@ class RefinedOptions:
     replica_choice: str = "static"
     shed_margin: float | str = 0.15
     pin_slack: float | str = "auto"
+    devices_per_node: int | None = None
     pair_cost_s: float = StepCosts.pair_cost_s
     byte_cost_s: float = StepCosts.byte_cost_s
     row_bytes: int = StepCosts.row_bytes
@@ -170,6 +177,11 @@ class RefinedOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"refined option {name} must be an integer >= 0, got {value!r}")
+        per_node = self.devices_per_node
+        if per_node is not None and (isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1):
+            raise ValueError(f"refined option devices_per_node must be None or an integer >= 1, got {per_node!r}")
+        if per_node is not None and self.objective == "slowest":
+            raise ValueError("refined option objective='slowest' does not model nodes; leave devices_per_node unset or use 'ct'")
         if self.max_sample_tokens is not None and (
             not isinstance(self.max_sample_tokens, int) or self.max_sample_tokens < 1
         ):
@@ -318,7 +330,11 @@ class _Search:
 
 
 def initial_assignment(
-    coactivation_EE: np.ndarray, load_E: np.ndarray, capacities_D: np.ndarray, group_E: np.ndarray | None = None
+    coactivation_EE: np.ndarray,
+    load_E: np.ndarray,
+    capacities_D: np.ndarray,
+    group_E: np.ndarray | None = None,
+    devices_per_node: int | None = None,
 ) -> np.ndarray:
     """Balanced greedy by co-activation: heaviest expert first, to the device it collaborates with most.
 
@@ -327,7 +343,8 @@ def initial_assignment(
     device with room; `repair` fixes it), pick the largest co-activation with the experts already
     there; ties to the lighter, then lower-id device. With zero co-activation this is
     longest-processing-time-first balancing under capacities. `group_E`: items of one group (copies
-    of one expert) go to different devices.
+    of one expert) go to different devices. `devices_per_node`: the co-activation with the experts already on
+    the device's node comes first, then with those on the device.
     """
     load_YE = np.atleast_2d(np.asarray(load_E, dtype=np.float64))
     num_experts, num_devices = load_YE.shape[1], len(capacities_D)
@@ -343,8 +360,12 @@ def initial_assignment(
         fits_D = room_D & (load_YD + load_YE[:, expert : expert + 1] <= 1.0).all(0)
         worst_D = load_YD.max(0)
         if fits_D.any():
-            # lexicographic: most affinity, then least load, then lowest id
-            order = np.lexsort((np.arange(num_devices), worst_D, -affinity_ED[expert]))
+            # lexicographic: most affinity (with the node's experts first), then least load, then lowest id
+            keys = (np.arange(num_devices), worst_D, -affinity_ED[expert])
+            if devices_per_node is not None:
+                node_D = affinity_ED[expert].reshape(-1, devices_per_node).sum(1).repeat(devices_per_node)
+                keys = (*keys, -node_D)
+            order = np.lexsort(keys)
             device = int(next(d for d in order if fits_D[d]))
         else:
             device = int(np.flatnonzero(room_D)[np.argmin(worst_D[room_D])])
@@ -421,13 +442,26 @@ def copy_items(copies_E: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return item_of_EM, np.array(group, dtype=np.int64)
 
 
+def make_objective(sample, coactivation, start_E, num_devices, options):
+    """The search's objective: CT of `sample` (or the pairwise cut of `coactivation` without one, or for objective
+    "cut"), nodes first with `options.devices_per_node` (`objectives.NodesFirst`, weighted above any change of the
+    device cost: tokens x min(k, D), or all co-activations)."""
+    if sample is not None and options.objective != "cut":
+        make = lambda device_of_E, n: SampleCT(sample, device_of_E, n)  # noqa: E731
+        most = float(sample.shape[0] * min(sample.shape[1], num_devices))
+    else:
+        make = lambda device_of_E, n: PairwiseCut(coactivation, device_of_E, n)  # noqa: E731
+        most = float(np.asarray(coactivation, dtype=np.float64).sum())
+    per_node = options.devices_per_node
+    if per_node is None or per_node >= num_devices:
+        return make(start_E, num_devices)
+    return NodesFirst(make, start_E, num_devices, per_node, weight=most + 1.0)
+
+
 def _search(coactivation, sample, scaled_YE, start_E, capacities_D, group_X, num_devices, options, rng):
     """Repair, descent and perturbation rounds from `start_E`; `(best map, its cost, objective name,
     factor the limit had to be raised by (1.0: reached))`."""
-    if sample is not None and options.objective != "cut":
-        objective = SampleCT(sample, start_E, num_devices)
-    else:
-        objective = PairwiseCut(coactivation, start_E, num_devices)
+    objective = make_objective(sample, coactivation, start_E, num_devices, options)
     search = _Search(objective, scaled_YE, capacities_D, group_X)
     factor = 1.0 if search.repair() else search.accept_reached_load()
     search.descend()
@@ -447,18 +481,27 @@ def _homes_of(item_device_X: np.ndarray, group_X: np.ndarray, num_experts: int) 
     return [sorted(item_device_X[group_X == e].tolist()) for e in range(num_experts)]
 
 
-def _rule_items(item_device_X, group_X, sample_Nk, num_devices):
+def _rule_items(item_device_X, group_X, sample_Nk, num_devices, devices_per_node=None):
     """`[N, k]` item serving each pair under the replica rule for the homes of `item_device_X`, and the
-    total CT the rule gives."""
+    total CT the rule gives (with `devices_per_node`: the total CT_node weighted as `objectives.NodesFirst` does,
+    plus the total CT)."""
     num_experts = int(group_X.max()) + 1
     homes = _homes_of(item_device_X, group_X, num_experts)
     table = home_table_from([h[0] for h in homes], {e: h[1:] for e, h in enumerate(homes) if len(h) > 1})
     dest_Nk = resolve_homes_np(sample_Nk, table, num_devices)
     item_at_ED = np.full((num_experts, num_devices), -1, dtype=np.int64)
     item_at_ED[group_X, item_device_X] = np.arange(len(group_X))
-    sorted_Nk = np.sort(dest_Nk, axis=1)
-    ct = float((1 + (sorted_Nk[:, 1:] != sorted_Nk[:, :-1]).sum(1)).sum())
+    ct = _distinct_total(dest_Nk)
+    if devices_per_node is not None and devices_per_node < num_devices:
+        most = float(sample_Nk.shape[0] * min(sample_Nk.shape[1], num_devices))
+        ct += (most + 1.0) * _distinct_total(dest_Nk // devices_per_node)
     return item_at_ED[sample_Nk, dest_Nk], ct
+
+
+def _distinct_total(values_Nk: np.ndarray) -> float:
+    """The distinct values of each row, summed over rows."""
+    sorted_Nk = np.sort(values_Nk, axis=1)
+    return float((1 + (sorted_Nk[:, 1:] != sorted_Nk[:, :-1]).sum(1)).sum())
 
 
 def _replica_rounds(best_X, sample_Nk, scaled_rows_of, group_X, coactivation, capacities_D, num_devices, options, rng):
@@ -468,7 +511,7 @@ def _replica_rounds(best_X, sample_Nk, scaled_rows_of, group_X, coactivation, ca
     (each scaled to its limit 1) when the sample's pairs are served by `items_Nk`."""
 
     def score(item_device_X):
-        items_Nk, ct = _rule_items(item_device_X, group_X, sample_Nk, num_devices)
+        items_Nk, ct = _rule_items(item_device_X, group_X, sample_Nk, num_devices, options.devices_per_node)
         scaled_YX = scaled_rows_of(items_Nk)
         one_hot_XD = np.zeros((len(group_X), num_devices))
         one_hot_XD[np.arange(len(group_X)), item_device_X] = 1.0
@@ -644,6 +687,8 @@ def refine_layer(
     num_experts = len(load_E)
     rng = np.random.default_rng(options.seed)
     capacities_D = balanced_capacities(num_experts, num_devices)
+    if options.devices_per_node is not None:
+        check_devices_per_node(options.devices_per_node, num_devices, "refined option devices_per_node")
     use_sample = options.objective in ("ct", "slowest") or (options.objective == "auto" and sample is not None)
     if use_sample and sample is None:
         raise ValueError(
@@ -717,7 +762,7 @@ def refine_layer(
             )
         single_YX, single_limit_Y = single_home_rows(load_YE, copies_E[group_X], num_devices, shed_margin)
         scaled_YX = np.concatenate([scaled_YX, single_YX / single_limit_Y[:, None]])
-    start_E = initial_assignment(coactivation, scaled_YX, capacities_D, group_X)
+    start_E = initial_assignment(coactivation, scaled_YX, capacities_D, group_X, options.devices_per_node)
     best_E, best_cost, name, factor = _search(
         coactivation, sample, scaled_YX, start_E, capacities_D, group_X, num_devices, options, rng
     )
@@ -730,15 +775,13 @@ def refine_layer(
             best_E, original_sample, rows_of, group_X, coactivation, capacities_D, num_devices, options, rng
         )
     if load_aware:  # one linked group: any device's excess can reach every other through the copies
-        if original_sample is not None and options.objective != "cut":
-            objective = SampleCT(_rule_items(best_E, group_X, original_sample, num_devices)[0], best_E, num_devices)
-        else:
-            objective = PairwiseCut(coactivation, best_E, num_devices)
+        rule_sample = None if original_sample is None else _rule_items(best_E, group_X, original_sample, num_devices)[0]
+        objective = make_objective(rule_sample, coactivation, best_E, num_devices, options)
         search = _Search(objective, scaled_YX / factor, capacities_D, group_X)
         link_groups(search, group_X, num_devices)
         best_E = search.device_of_E.copy()
         if original_sample is not None:
-            best_cost = _rule_items(best_E, group_X, original_sample, num_devices)[1]
+            best_cost = _rule_items(best_E, group_X, original_sample, num_devices, options.devices_per_node)[1]
     if options.objective == "slowest":
         costs = StepCosts(options.pair_cost_s, options.byte_cost_s, options.row_bytes)
         if group_X is None:

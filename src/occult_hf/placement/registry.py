@@ -25,7 +25,7 @@ from ..utils.checks import check_num_devices, check_square, check_topk_ids, did_
 from ..metrics import evaluate_layer
 from ..registry import Registry
 from ..replicas.routing import home_table_from
-from .placement import Placement
+from .placement import Placement, check_devices_per_node
 
 if TYPE_CHECKING:
     from ..profile import RoutingProfile
@@ -47,6 +47,11 @@ class PlannerSpec:
     options_class: type
     description: str
     multi_profile: bool = False
+
+    @property
+    def node_aware(self) -> bool:
+        """Whether the planner takes the cluster's devices per node (its options have `devices_per_node`)."""
+        return any(f.name == "devices_per_node" for f in dataclasses.fields(self.options_class))
 
     def make_options(self, **options: Any):
         """The planner's options dataclass from keyword arguments; unknown names are a clear error."""
@@ -198,6 +203,7 @@ def plan_profiles(
     *,
     layers: Iterable[int] | None = None,
     progress: bool = True,
+    devices_per_node: int | None = None,
     **options: Any,
 ) -> Placement:
     """Plan a placement for every layer of `profile` (or `layers`) with the named method.
@@ -213,6 +219,10 @@ def plan_profiles(
         method: a registered planner name (`available_planners()`); default "refined".
         layers: the profile layers to plan (default: all the profiles share).
         progress: show a progress bar over layers (`utils.progress`: HF's switches turn it off too).
+        devices_per_node: `G`, devices per node of the cluster (must divide D): recorded in the placement (its
+            metrics then report CT_node and the rows crossing nodes), and a node-aware planner (one whose
+            options have `devices_per_node`: "refined") minimises CT_node first, then CT within the nodes.
+            None: one node.
         **options: the planner's options (e.g. `max_load_ratio=1.1, seed=0` for "refined").
 
     `placement.meta["profile_metrics"]` records, per layer, how the placement scores on the
@@ -223,6 +233,10 @@ def plan_profiles(
     from ..utils.progress import progress_bar
 
     spec = get_planner(method)
+    if devices_per_node is not None:
+        devices_per_node = check_devices_per_node(devices_per_node, int(num_devices), "plan_placement devices_per_node")
+        if spec.node_aware:
+            options = {**options, "devices_per_node": devices_per_node}
     planner_options = spec.make_options(**options)
     pooled, names, items = pool_profiles(profile)
     check_device_count(pooled.num_experts, num_devices)
@@ -242,7 +256,9 @@ def plan_profiles(
         if getattr(result, "pin_slack", None) is not None and layer in replicas:
             pin_slack[layer] = float(result.pin_slack)
         home_table = _home_table(device_of_E, replicas.get(layer))
-        scores[str(layer)] = _layer_score(evaluate_layer(routing, device_of_E, num_devices, pooled.top_k, home_table))
+        scores[str(layer)] = _layer_score(
+            evaluate_layer(routing, device_of_E, num_devices, pooled.top_k, home_table, devices_per_node)
+        )
         if len(items) > 1:
             per_profile = {
                 name: evaluate_layer(p.layer(layer), device_of_E, num_devices, pooled.top_k, home_table).balance
@@ -250,7 +266,7 @@ def plan_profiles(
             }
             name = max(per_profile, key=per_profile.get)
             worst[str(layer)] = {"profile": name, "balance": round(per_profile[name], 4)}
-        bar.set_postfix({k: v for k, v in scores[str(layer)].items() if k in ("ct", "cut_per_token", "balance")})
+        bar.set_postfix({k: v for k, v in scores[str(layer)].items() if k in ("ct_node", "ct", "cut_per_token", "balance")})
     meta = {
         "method": method,
         "options": dataclasses.asdict(planner_options),
@@ -261,7 +277,10 @@ def plan_profiles(
     if len(items) > 1:
         meta["profiles"] = names
         meta["worst_profile"] = worst
-    return Placement(pooled.num_experts, int(num_devices), maps, meta, replicas=replicas, slots_per_device=slots, pin_slack=pin_slack)
+    return Placement(
+        pooled.num_experts, int(num_devices), maps, meta, replicas=replicas, slots_per_device=slots, pin_slack=pin_slack,
+        devices_per_node=devices_per_node,
+    )  # fmt: skip
 
 
 def _home_table(device_of_E: np.ndarray, replicas: dict | None) -> np.ndarray | None:
@@ -279,6 +298,7 @@ def _layer_score(m) -> dict[str, float | int | bool | None]:
         "balance_bound_loose": bool(m.balance_floor > 1.0 + 1e-9),
         "slowest_device_load": float(m.load_D.max()),
         "max_received_rows": m.max_received_rows,
+        **({} if m.nodes is None else {"ct_node": round(m.nodes.ct_node_mean, 4), "cross_node_rows": round(m.nodes.cross_rows_flat, 4)}),
     }
 
 

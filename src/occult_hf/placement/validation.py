@@ -56,6 +56,7 @@ def cross_validate(
     *,
     folds: int = 2,
     layers: Iterable[int] | None = None,
+    devices_per_node: int | None = None,
     **options: Any,
 ) -> dict[str, Any]:
     """Expected held-out figures of `plan_profiles(profiles, num_devices, method, **options)`.
@@ -63,7 +64,8 @@ def cross_validate(
     Returns a JSON-safe dict: `folds`; per layer (`"layers"`) the held-out CT (mean over folds;
     None without samples), balance (mean over folds of the worst profile's held-out balance),
     `balance_worst` (the worst fold) and `balance_floor` (held-out floor, mean over folds); and the
-    same averaged over layers (`"mean"`). Without per-token samples nothing can be held out:
+    same averaged over layers (`"mean"`); with `devices_per_node` (planned node-aware) also the held-out
+    CT_node (`"ct_node"`). Without per-token samples nothing can be held out:
     `{"folds": K, "skipped": reason}`.
     """
     from ..metrics import evaluate_layer
@@ -77,18 +79,23 @@ def cross_validate(
     short = min(len(p.layer(l).topk_sample) for p in items for l in chosen)
     if short < 2 * folds:
         return {"folds": folds, "skipped": f"a layer's sample holds {short} tokens, too few for {folds} folds"}
-    per_layer: dict[int, dict[str, list[float]]] = {l: {"ct": [], "balance": [], "balance_floor": []} for l in chosen}
+    per_layer: dict[int, dict[str, list[float]]] = {l: {"ct": [], "ct_node": [], "balance": [], "balance_floor": []} for l in chosen}
     for index in range(folds):
         parts = [_fold(p, chosen, folds, index) for p in items]
-        planned = plan_profiles([t for t, _ in parts], num_devices, method, layers=chosen, progress=False, **options)
+        planned = plan_profiles(
+            [t for t, _ in parts], num_devices, method, layers=chosen, progress=False, devices_per_node=devices_per_node, **options
+        )
         for layer in chosen:
             home_table = planned.home_table(layer) if planned.has_replicas else None
             device_of_E = np.asarray(planned.device_of(layer))
             measured = [
-                evaluate_layer(held.layer(layer), device_of_E, num_devices, held.top_k, home_table) for _, held in parts
+                evaluate_layer(held.layer(layer), device_of_E, num_devices, held.top_k, home_table, devices_per_node)
+                for _, held in parts
             ]
             sizes = [len(held.layer(layer).topk_sample) for _, held in parts]
             per_layer[layer]["ct"].append(float(np.average([m.ct for m in measured], weights=sizes)))
+            if devices_per_node is not None:
+                per_layer[layer]["ct_node"].append(float(np.average([m.nodes.ct_node_mean for m in measured], weights=sizes)))
             worst = max(measured, key=lambda m: m.balance)
             per_layer[layer]["balance"].append(worst.balance)
             per_layer[layer]["balance_floor"].append(worst.balance_floor)
@@ -98,10 +105,12 @@ def cross_validate(
             "balance": round(float(np.mean(v["balance"])), 4),
             "balance_worst": round(float(np.max(v["balance"])), 4),
             "balance_floor": round(float(np.mean(v["balance_floor"])), 4),
+            **({"ct_node": round(float(np.mean(v["ct_node"])), 4)} if v["ct_node"] else {}),
         }
         for layer, v in per_layer.items()
     }
-    mean = {key: round(float(np.mean([row[key] for row in out_layers.values()])), 4) for key in ("ct", "balance", "balance_floor")}
+    keys = ("ct", "balance", "balance_floor") + (("ct_node",) if devices_per_node is not None else ())
+    mean = {key: round(float(np.mean([row[key] for row in out_layers.values()])), 4) for key in keys}
     mean["balance_worst"] = round(float(max(row["balance_worst"] for row in out_layers.values())), 4)
     return {"folds": folds, "layers": out_layers, "mean": mean}
 
