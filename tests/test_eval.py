@@ -643,3 +643,16 @@ def test_eval_of_a_pruned_checkpoint_applies_its_pruning(tmp_path):
         unpruned = tiny_model("olmoe", seed=3)(input_ids=batch).logits
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(got, unpruned, rtol=1e-3, atol=1e-4)  # the pruning changes the logits: the check can fail
+
+
+def test_occult_offline_runs_on_the_shipped_model_without_a_download(full_task_manager, tmp_path, capsys, monkeypatch):
+    """Issue 32: no runnable lm-eval task shipped (occult23 needs the hub). `occult eval --tasks occult_offline`
+    with no model evaluates the shipped tiny OLMoE on text the package ships, offline (EVAL_ENV)."""
+    monkeypatch.setattr(occult_eval, "make_task_manager", lambda include_path: full_task_manager)
+    out = tmp_path / "offline"
+    assert occult_main(["eval", "--tasks", "occult_offline", "--device", "cpu", "--bootstrap_iters", "0",
+                        "--output_path", str(out), "--no-progress"]) == 0  # fmt: skip
+    results = lm_eval_results_file(out)["results"]
+    assert 0.0 <= results["occult_offline_nextline"]["acc,none"] <= 1.0
+    assert results["occult_offline_ppl"]["byte_perplexity,none"] > 1.0
+    assert "evaluating the shipped tiny OLMoE" in capsys.readouterr().out

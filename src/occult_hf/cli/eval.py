@@ -33,12 +33,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("pretrained", nargs="?", help="model directory or hub id (not with --compare / --headline)")
+    parser.add_argument("pretrained", nargs="?", help="model directory or hub id (default: the shipped tiny OLMoE; not with --compare / --headline)")
     parser.add_argument("--compare", nargs=2, metavar=("A", "B"),
                         help="print two runs side by side with deltas (B - A): occult23's headline rows and their average, else every metric; each a results_*.json or an --output_path folder")
     parser.add_argument("--headline", metavar="RESULTS", help="print an occult23 run's headline rows (lm-eval's make_table) and their mean; a results_*.json or an --output_path folder")
     parser.add_argument("--labels", nargs=2, metavar=("A", "B"), default=("A", "B"), help="column names for --compare")
-    parser.add_argument("--tasks", default="occult23", help="'occult23' or comma-separated lm-eval task names (default: occult23)")
+    parser.add_argument("--tasks", default="occult23", help="'occult23', 'occult_offline' (no download) or comma-separated lm-eval task names (default: occult23)")
     occult = parser.add_argument_group("Occult settings (either --occult-config or the fields)")
     occult.add_argument("--occult-config", help="an OccultConfig JSON file")
     occult.add_argument("--placement", help="'contiguous' or an occult_placement.json")
@@ -152,6 +152,13 @@ def main(args: argparse.Namespace) -> int:
             path_a, path_b = args.compare
             print(compare_table(load_results(path_a), load_results(path_b), labels=tuple(args.labels)))
         return 0
-    if not args.pretrained:
-        raise SystemExit("occult eval: give a model directory or hub id, --compare A B or --headline RESULTS")
-    return _evaluate(args)
+    if args.pretrained:
+        return _evaluate(args)
+    from importlib import resources
+
+    from occult_hf.training import tiny_checkpoint_path
+
+    with resources.as_file(tiny_checkpoint_path()) as path:  # no model given: the shipped tiny OLMoE
+        print(f"occult eval: no model given, evaluating the shipped tiny OLMoE ({path})")
+        args.pretrained = str(path)
+        return _evaluate(args)
