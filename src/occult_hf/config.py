@@ -51,6 +51,23 @@ class OccultConfig:
         default=None,
         metadata={"help": "N_d: the most devices one token may use when pruning is on (>= 1)."},
     )
+    max_nodes_per_token: int | None = field(
+        default=None,
+        metadata={
+            "help": "N_n: the most nodes one token may use when pruning is on (>= 1; DeepSeek-V3's node-limited "
+            "routing, for every family), alone or beside max_devices_per_token; needs a node layout "
+            "(devices_per_node, a launch of several nodes, or a placement planned with one)."
+        },
+    )
+    devices_per_node: int | None = field(
+        default=None,
+        metadata={
+            "help": "Devices of one node of the EP group (dividing num_devices; devices n*G .. n*G+G-1 form node n). "
+            'None: $LOCAL_WORLD_SIZE under torch.distributed when smaller than the group, else the placement\'s '
+            'recorded layout, else one node. A group spanning nodes makes dispatcher="auto" take "hierarchical" '
+            "(one copy per (token, node) over the inter-node link) and enables max_nodes_per_token."
+        },
+    )
     profile: str | None = field(
         default=None,
         metadata={"help": "Path to a routing profile (.safetensors); needed by similarity pruning."},
@@ -143,8 +160,25 @@ class OccultConfig:
             )
         if self.prune is not None:
             PRUNING_POLICIES.check(self.prune)
-        if self.prune is not None and self.max_devices_per_token is None:
-            raise ValueError(f"OccultConfig.prune={self.prune!r} needs max_devices_per_token (N_d) to be set")
+        if self.prune is not None and self.max_devices_per_token is None and self.max_nodes_per_token is None:
+            raise ValueError(
+                f"OccultConfig.prune={self.prune!r} needs max_devices_per_token (N_d) or max_nodes_per_token to be set"
+            )
+        if self.devices_per_node is not None:
+            if _not_int(self.devices_per_node) or self.devices_per_node < 1:
+                raise ValueError(f"OccultConfig.devices_per_node must be None or an integer >= 1, got {self.devices_per_node!r}")
+            if self.num_devices is not None and self.num_devices % self.devices_per_node:
+                raise ValueError(
+                    f"OccultConfig.devices_per_node ({self.devices_per_node}) must divide num_devices ({self.num_devices})"
+                )
+        if self.max_nodes_per_token is not None:
+            n_n = self.max_nodes_per_token
+            if _not_int(n_n) or n_n < 1:
+                raise ValueError(f"OccultConfig.max_nodes_per_token must be an integer >= 1, got {n_n!r}")
+            if self.prune is None:
+                raise ValueError(
+                    f"OccultConfig.max_nodes_per_token={n_n} is set but prune is None; choose prune='router' or 'similarity'"
+                )
         if self.max_devices_per_token is not None:
             n_d = self.max_devices_per_token
             if _not_int(n_d) or n_d < 1:

@@ -1,6 +1,7 @@
 """Collaboration pruning (docs/design.md §4): limit every token to at most `N_d` devices.
 
-Shape legend: T tokens, E routed experts, k experts per token, D devices.
+Shape legend: T tokens, E routed experts, k experts per token, D devices, M most homes of one expert; local to
+this file: Q nodes (of `devices_per_node` devices each).
 
 Pruning changes the model (fine-tune afterwards); `OccultMoE` calls the pruner right after the
 model's own router and dispatches what it returns, so one process with `D` logical devices and an
@@ -14,6 +15,14 @@ collected until `N_d` distinct devices are held. *Ties*: experts of equal weight
 increasing device id, so when two devices compete for the last place the lower id wins. In
 vectorised form: a device's score is the largest weight among the token's experts on it, and the
 `N_d` best-scoring devices are kept, equal scores ordered by device id.
+
+**Nodes** (`max_nodes_per_token`, DeepSeek-V3's node-limited routing for every family). With a node layout of
+`G` devices per node (devices `n*G .. n*G + G - 1` form node n), a token may also be limited to `N_n` nodes: the
+same walk over nodes (a node's score is the largest weight among the token's experts on it; ties to the lower
+node id; with replicas an expert is served by a node holding any of its homes), and the token may then use
+every device of its nodes; with `max_devices_per_token` too, the device walk runs among the devices of those
+nodes. DeepSeek-V3 scores a node by the sum of its best `k / N_n` affinities instead; the walk keeps one rule
+for devices and nodes (and a token whose top-k already spans at most `N_n` nodes keeps its routing).
 
 **Policies** (registry `occult_hf.registry.PRUNING_POLICIES`, lowercase names):
 
@@ -77,6 +86,7 @@ def token_device_sets(
     device_of_E: torch.Tensor,
     num_devices: int,
     max_devices_per_token: int,
+    within_TD: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`[T, D]` bool: the devices each token may use, by the walk described in the module docstring.
 
@@ -86,16 +96,23 @@ def token_device_sets(
         device_of_E: `[E]` int64 device of every expert (same device as the ids).
         num_devices: `D`.
         max_devices_per_token: `N_d >= 1`.
+        within_TD: `[T, D]` bool devices the walk may take (the devices of a token's nodes), None: all.
 
-    A row holds at most `N_d` True entries, all among the devices of the token's own top-k experts.
+    A row holds at most `N_d` True entries, all among the devices of the token's own top-k experts (and
+    `within_TD`). Called with nodes for devices (`device_of_E // G`, `D / G`) it is the node walk.
     """
     num_tokens = topk_ids_Tk.shape[0]
     device_Tk = device_of_E[topk_ids_Tk]
+    weights_Tk = topk_weights_Tk.detach().float()
+    if within_TD is not None:  # experts outside the token's nodes take no part in the walk
+        weights_Tk = weights_Tk.masked_fill(~within_TD.gather(1, device_Tk), float("-inf"))
     # a device's score: the largest weight among the token's experts on it (-inf where it has none)
     score_TD = torch.full((num_tokens, num_devices), float("-inf"), dtype=torch.float32, device=topk_ids_Tk.device)
-    score_TD.scatter_reduce_(1, device_Tk, topk_weights_Tk.detach().float(), reduce="amax")
+    score_TD.scatter_reduce_(1, device_Tk, weights_Tk, reduce="amax")
     used_TD = torch.zeros(num_tokens, num_devices, dtype=torch.bool, device=topk_ids_Tk.device)
     used_TD.scatter_(1, device_Tk, True)
+    if within_TD is not None:
+        used_TD &= within_TD
     # a stable descending sort keeps equal scores in increasing device id: the tie rule
     best_TD = torch.sort(score_TD, dim=1, descending=True, stable=True).indices
     keep_TD = torch.zeros_like(used_TD).scatter_(1, best_TD[:, :max_devices_per_token], True)
@@ -108,6 +125,7 @@ def token_device_sets_replicated(
     home_table_EM: torch.Tensor,
     num_devices: int,
     max_devices_per_token: int,
+    within_TD: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`[T, D]` bool: the devices each token may use when some experts have several homes (replicas).
 
@@ -124,11 +142,18 @@ def token_device_sets_replicated(
         home_table_EM: `[E, M]` int64 homes of each expert, increasing, -1 padded (`Placement.home_table`).
         num_devices: `D`.
         max_devices_per_token: `N_d >= 1`.
+        within_TD: `[T, D]` bool devices the walk may take (the devices of a token's nodes): homes elsewhere do not
+            count, and an expert with none there is not served. None: all.
     """
     ids_Tk = topk_ids_Tk.long()
     num_tokens, top_k = ids_Tk.shape
     homes_TkM = home_table_EM[ids_Tk]
     held_TkM = homes_TkM >= 0
+    if within_TD is not None:  # only the homes on the token's nodes, still increasing and first (an expert may have none)
+        held_TkM = held_TkM & within_TD.gather(1, homes_TkM.clamp_min(0).reshape(num_tokens, -1)).view(held_TkM.shape)
+        homes_TkM = torch.sort(torch.where(held_TkM, homes_TkM, num_devices), dim=-1).values
+        held_TkM = homes_TkM < num_devices
+        homes_TkM = torch.where(held_TkM, homes_TkM, -1)
     first_Tk = homes_TkM[..., 0]
     single_Tk = held_TkM.sum(-1) == 1
     weights_Tk = topk_weights_Tk.detach().float()
@@ -150,8 +175,8 @@ def token_device_sets_replicated(
         score_TM = score_TD.gather(1, homes_TM.clamp_min(0)).masked_fill(~held_TM, float("-inf"))
         best_T = score_TM.max(1)
         pick_T = torch.where(best_T.values > float("-inf"), homes_TM.gather(1, best_T.indices[:, None])[:, 0], homes_TM[:, 0])
-        add_T = ~served_T & (count_T < max_devices_per_token)
-        chosen_TD |= torch.nn.functional.one_hot(pick_T, num_devices).bool() & add_T[:, None]
+        add_T = ~served_T & (count_T < max_devices_per_token) & held_TM.any(1)
+        chosen_TD |= torch.nn.functional.one_hot(pick_T.clamp_min(0), num_devices).bool() & add_T[:, None]
         count_T += add_T
     return chosen_TD
 
@@ -251,11 +276,12 @@ register_pruning_policy("similarity", prune_similarity, needs_similarity=True)
 
 
 class CollaborationPruner:
-    """Prunes one MoE layer's routing to at most `max_devices_per_token` devices per token.
+    """Prunes one MoE layer's routing to at most `max_devices_per_token` devices (and `max_nodes_per_token` nodes)
+    per token.
 
-    `pruner.route(block, router_output) -> TokenRouting`. `max_devices_per_token` may be changed between
-    steps (the `OccultCallback` schedule does); values `>= min(k, D)` switch pruning off (the router's
-    outputs are returned as they are).
+    `pruner.route(block, router_output) -> TokenRouting`. `max_devices_per_token` and `max_nodes_per_token` may be
+    changed between steps (the `OccultCallback` schedule does); `N_d >= min(k, D)` and `N_n >= min(k, nodes)` (or
+    None) switch pruning off (the router's outputs are returned as they are).
 
     Args:
         policy: a registered pruning policy (`pruning_policy_names()`).
@@ -264,8 +290,10 @@ class CollaborationPruner:
             expert as served by any of its homes, `token_device_sets_replicated`, and `route` returns the
             token's devices so that the dispatch keeps every pair on them).
         top_k: `k`, experts per token.
-        max_devices_per_token: `N_d`.
+        max_devices_per_token: `N_d` (None: no device limit, only the node limit).
         similarity_EE: `[E, E]` similarity table, required by policies that need one (`needs_similarity`).
+        max_nodes_per_token: `N_n` (None: no node limit); needs `devices_per_node`.
+        devices_per_node: `G`, devices per node of the group (devices `n*G .. n*G + G - 1` are node n), or None.
     """
 
     def __init__(
@@ -274,8 +302,10 @@ class CollaborationPruner:
         adapter: MoEAdapter,
         layout: LayerLayout,
         top_k: int,
-        max_devices_per_token: int,
+        max_devices_per_token: int | None,
         similarity_EE: torch.Tensor | None = None,
+        max_nodes_per_token: int | None = None,
+        devices_per_node: int | None = None,
     ) -> None:
         self.policy_name = policy
         self._policy = PRUNING_POLICIES.get(policy)
@@ -300,8 +330,18 @@ class CollaborationPruner:
             similarity_EE = torch.nan_to_num(torch.as_tensor(similarity_EE, dtype=torch.float32), nan=-2.0)
         self.similarity_EE = similarity_EE
         # the N_d smallest primary capacities bound the experts any N_d devices hold from below (replicas only add)
-        self._capacity_sorted_D = torch.sort(torch.bincount(layout.device_of_E.cpu(), minlength=layout.num_devices)).values
+        capacity_D = torch.bincount(layout.device_of_E.cpu(), minlength=layout.num_devices)
+        self._capacity_sorted_D = torch.sort(capacity_D).values
+        self.devices_per_node = devices_per_node
+        if devices_per_node is not None:
+            if isinstance(devices_per_node, bool) or not isinstance(devices_per_node, int) or devices_per_node < 1 or layout.num_devices % devices_per_node:
+                raise ValueError(
+                    f"devices_per_node must be an integer dividing num_devices={layout.num_devices}, got {devices_per_node!r}"
+                )
+            self._capacity_sorted_Q = torch.sort(capacity_D.view(-1, devices_per_node).sum(1)).values
+            self._node_homes_EM = None if not layout.replicated else _node_home_table(layout.home_table_EM.cpu(), devices_per_node)
         self.max_devices_per_token = max_devices_per_token
+        self.max_nodes_per_token = max_nodes_per_token
         self._sums_3 = None  # float64 [3]: tokens, removed weight fraction summed over tokens, pruned tokens
         self._warned_recording = False
 
@@ -315,29 +355,60 @@ class CollaborationPruner:
 
     # ----- N_d ------------------------------------------------------------------------------
     @property
-    def max_devices_per_token(self) -> int:
+    def num_nodes(self) -> int:
+        return 1 if self.devices_per_node is None else self.num_devices // self.devices_per_node
+
+    @property
+    def max_devices_per_token(self) -> int | None:
         return self._max_devices_per_token
 
     @max_devices_per_token.setter
-    def max_devices_per_token(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= self.num_devices:
+    def max_devices_per_token(self, value: int | None) -> None:
+        self._max_devices_per_token = self._checked_limit(value, "max_devices_per_token", "N_d", "devices", self._capacity_sorted_D)
+
+    @property
+    def max_nodes_per_token(self) -> int | None:
+        return self._max_nodes_per_token
+
+    @max_nodes_per_token.setter
+    def max_nodes_per_token(self, value: int | None) -> None:
+        if value is not None and self.devices_per_node is None:
             raise ValueError(
-                f"max_devices_per_token (N_d) must be an integer in [1, num_devices={self.num_devices}], got {value!r}"
+                f"max_nodes_per_token={value!r} needs a node layout: set OccultConfig.devices_per_node, launch on several "
+                f"nodes (LOCAL_WORLD_SIZE < the group size), or plan the placement with devices_per_node"
             )
-        fewest_experts = int(self._capacity_sorted_D[:value].sum())
-        if value < min(self.top_k, self.num_devices) and fewest_experts < self.top_k:
+        sorted_Q = None if self.devices_per_node is None else self._capacity_sorted_Q
+        self._max_nodes_per_token = self._checked_limit(value, "max_nodes_per_token", "N_n", "nodes", sorted_Q)
+
+    def _checked_limit(self, value, setting: str, symbol: str, unit: str, capacity_sorted) -> int | None:
+        """`value` (None: no limit) if it is an integer in [1, units] that leaves every token at least top_k experts."""
+        if value is None:
+            return None
+        units = len(capacity_sorted)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= units:
+            raise ValueError(f"{setting} ({symbol}) must be an integer in [1, num_{unit}={units}], got {value!r}")
+        fewest_experts = int(capacity_sorted[:value].sum())
+        if value < min(self.top_k, units) and fewest_experts < self.top_k:
             raise ValueError(
-                f"max_devices_per_token (N_d={value}) leaves some tokens of layer {self.layer_idx} only "
-                f"{fewest_experts} experts (the {value} smallest devices of the placement hold "
-                f"{self._capacity_sorted_D[:value].tolist()}), fewer than top_k={self.top_k}; use N_d with at "
-                f"least top_k experts on any N_d devices"
+                f"{setting} ({symbol}={value}) leaves some tokens of layer {self.layer_idx} only {fewest_experts} experts "
+                f"(the {value} smallest {unit} of the placement hold {capacity_sorted[:value].tolist()}), fewer than "
+                f"top_k={self.top_k}; use {symbol} with at least top_k experts on any {symbol} {unit}"
             )
-        self._max_devices_per_token = value
+        return value
+
+    @property
+    def _devices_active(self) -> bool:
+        return self._max_devices_per_token is not None and self._max_devices_per_token < min(self.top_k, self.num_devices)
+
+    @property
+    def _nodes_active(self) -> bool:
+        return self._max_nodes_per_token is not None and self._max_nodes_per_token < min(self.top_k, self.num_nodes)
 
     @property
     def active(self) -> bool:
-        """False when `N_d >= min(k, D)`: no token can span more than `N_d` devices, nothing is pruned."""
-        return self._max_devices_per_token < min(self.top_k, self.num_devices)
+        """False when `N_d >= min(k, D)` and `N_n >= min(k, nodes)` (or unset): no token can span more, nothing is
+        pruned."""
+        return self._devices_active or self._nodes_active
 
     # ----- forward ------------------------------------------------------------------------------
     def route(self, block: torch.nn.Module, routing: RouterOutput) -> TokenRouting:
@@ -352,15 +423,10 @@ class CollaborationPruner:
             self._record(routing, None)
             return TokenRouting(routing.topk_ids_Tk, routing.topk_weights_Tk)
         layout = self.layout.to(routing.topk_ids_Tk.device)
+        devices_TD = self._token_devices(routing.topk_ids_Tk, routing.topk_weights_Tk, layout)
         if not layout.replicated:
-            devices_TD = token_device_sets(
-                routing.topk_ids_Tk, routing.topk_weights_Tk, layout.device_of_E, self.num_devices, self._max_devices_per_token
-            )
             allowed_TE = devices_TD.index_select(1, layout.device_of_E)
         else:
-            devices_TD = token_device_sets_replicated(
-                routing.topk_ids_Tk, routing.topk_weights_Tk, layout.home_table_EM, self.num_devices, self._max_devices_per_token
-            )
             allowed_TE = allowed_experts(devices_TD, layout.home_table_EM)
         if self.similarity_EE is not None and self.similarity_EE.device != routing.logits_TE.device:
             self.similarity_EE = self.similarity_EE.to(routing.logits_TE.device)
@@ -368,6 +434,27 @@ class CollaborationPruner:
         self._record(routing, allowed_TE)
         self._record_aux_logits(routing, aux_logits_TE)
         return TokenRouting(ids_Tk, weights_Tk, devices_TD if layout.replicated else None)
+
+    def _token_devices(self, ids_Tk: torch.Tensor, weights_Tk: torch.Tensor, layout: LayerLayout) -> torch.Tensor:
+        """`[T, D]` bool the devices each token may use: the node walk (nodes as devices, every device of a chosen
+        node), then the device walk among those devices (module docstring)."""
+        within_TD = None
+        if self._nodes_active:
+            per_node, num_nodes = self.devices_per_node, self.num_nodes
+            if not layout.replicated:
+                nodes_TQ = token_device_sets(ids_Tk, weights_Tk, layout.device_of_E // per_node, num_nodes, self._max_nodes_per_token)
+            else:
+                if self._node_homes_EM.device != ids_Tk.device:
+                    self._node_homes_EM = self._node_homes_EM.to(ids_Tk.device)
+                nodes_TQ = token_device_sets_replicated(ids_Tk, weights_Tk, self._node_homes_EM, num_nodes, self._max_nodes_per_token)
+            within_TD = nodes_TQ.repeat_interleave(per_node, dim=1)
+            if not self._devices_active:
+                return within_TD
+        if not layout.replicated:
+            return token_device_sets(ids_Tk, weights_Tk, layout.device_of_E, self.num_devices, self._max_devices_per_token, within_TD)
+        return token_device_sets_replicated(
+            ids_Tk, weights_Tk, layout.home_table_EM, self.num_devices, self._max_devices_per_token, within_TD
+        )
 
     @torch.no_grad()
     def _record(self, routing: RouterOutput, allowed_TE: torch.Tensor | None) -> None:
@@ -407,10 +494,22 @@ class CollaborationPruner:
         }
 
     def __repr__(self) -> str:
+        nodes = "" if self.devices_per_node is None else f", max_nodes_per_token={self._max_nodes_per_token}, devices_per_node={self.devices_per_node}"
         return (
             f"CollaborationPruner(policy={self.policy_name!r}, layer={self.layer_idx}, "
-            f"max_devices_per_token={self._max_devices_per_token}, num_devices={self.num_devices}, top_k={self.top_k})"
+            f"max_devices_per_token={self._max_devices_per_token}{nodes}, num_devices={self.num_devices}, top_k={self.top_k})"
         )
+
+
+def _node_home_table(home_table_EM: torch.Tensor, devices_per_node: int) -> torch.Tensor:
+    """`[E, M]` int64 the distinct nodes holding each expert's homes, increasing, -1 padded (nodes as devices for the
+    replicated walk)."""
+    node_EM = torch.where(home_table_EM >= 0, home_table_EM // devices_per_node, -1)
+    node_EM = torch.sort(torch.where(node_EM >= 0, node_EM, torch.iinfo(torch.int64).max), dim=1).values
+    repeated_EM = torch.cat([torch.zeros_like(node_EM[:, :1], dtype=torch.bool), node_EM[:, 1:] == node_EM[:, :-1]], dim=1)
+    node_EM = torch.where(repeated_EM | (node_EM == torch.iinfo(torch.int64).max), torch.iinfo(torch.int64).max, node_EM)
+    node_EM = torch.sort(node_EM, dim=1).values
+    return torch.where(node_EM == torch.iinfo(torch.int64).max, -1, node_EM)
 
 
 # ----- construction from an OccultConfig ----------------------------------------------------------
@@ -438,8 +537,9 @@ def build_pruner(
         check_profile_for_pruning(profile, adapter, layout.layer, num_experts=layout.num_experts, top_k=top_k)
         similarity_EE = torch.as_tensor(profile.similarity(layout.layer), dtype=torch.float32)
     return CollaborationPruner(
-        occult_config.prune, adapter, layout, top_k, occult_config.max_devices_per_token, similarity_EE
-    )
+        occult_config.prune, adapter, layout, top_k, occult_config.max_devices_per_token, similarity_EE,
+        max_nodes_per_token=occult_config.max_nodes_per_token, devices_per_node=occult_config.devices_per_node,
+    )  # fmt: skip
 
 
 def check_profile_for_pruning(profile, adapter: MoEAdapter, layer_idx: int, num_experts: int, top_k: int) -> None:

@@ -1,9 +1,16 @@
-"""`ExpertParallelGroup`: the devices that hold a layer's experts (real ranks or logical devices)."""
+"""`ExpertParallelGroup`: the devices that hold a layer's experts (real ranks or logical devices), and their nodes.
+
+A group may span nodes: `devices_per_node` G devices each, devices (group ranks) `n*G .. n*G + G - 1` on node n,
+as torchrun numbers the ranks of `--nnodes` nodes of `--nproc-per-node` G. `resolve_devices_per_node` says which
+layout a model runs with; `with_node_groups` makes the two families of subgroups the hierarchical exchange
+(`dispatch.hierarchical`) moves rows in: each node's G ranks, and each *rail*, the ranks of one local index on
+every node (the inter-node links of one GPU each).
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch.distributed as dist
@@ -26,10 +33,36 @@ class ExpertParallelGroup:
     group: Any = None
     rank: int = 0
     host_group: Any = None
+    devices_per_node: int | None = None
+    node_group: Any = None
+    rail_group: Any = None
 
     @property
     def is_distributed(self) -> bool:
         return self.group is not None
+
+    @property
+    def num_nodes(self) -> int:
+        return 1 if self.devices_per_node is None else self.num_devices // self.devices_per_node
+
+    @property
+    def spans_nodes(self) -> bool:
+        """Whether the ranks sit on several nodes and the node and rail groups exist (`with_node_groups`)."""
+        return self.node_group is not None
+
+    def with_node_groups(self, devices_per_node: int | None) -> "ExpertParallelGroup":
+        """This group with its node layout; under torch.distributed, with `devices_per_node` < D, also its node and
+        rail subgroups (collective: every rank of the world calls it, in the same order). One node: itself."""
+        if devices_per_node is None or devices_per_node >= self.num_devices:
+            return self
+        devices_per_node = check_devices_per_node(devices_per_node, self.num_devices)
+        if not self.is_distributed:
+            return replace(self, devices_per_node=devices_per_node)
+        size, nodes = devices_per_node, self.num_devices // devices_per_node
+        world = [dist.get_global_rank(self.group, r) for r in range(self.num_devices)]
+        node_group, _ = dist.new_subgroups_by_enumeration([world[n * size : (n + 1) * size] for n in range(nodes)])
+        rail_group, _ = dist.new_subgroups_by_enumeration([world[g::size] for g in range(size)])
+        return replace(self, devices_per_node=devices_per_node, node_group=node_group, rail_group=rail_group)
 
     @staticmethod
     def process_group(group=None):
@@ -64,4 +97,30 @@ class ExpertParallelGroup:
         return cls(num_devices=1 if num_devices is None else int(num_devices))
 
 
-__all__ = ["ExpertParallelGroup"]
+def check_devices_per_node(value, num_devices: int, setting: str = "OccultConfig.devices_per_node") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or num_devices % value:
+        raise ValueError(f"{setting} must be an integer >= 1 dividing num_devices={num_devices}, got {value!r}")
+    return value
+
+
+#: the launchers' variable for the processes of one node (torchrun's --nproc-per-node)
+LOCAL_WORLD_SIZE_ENV = "LOCAL_WORLD_SIZE"
+
+
+def resolve_devices_per_node(explicit: int | None, num_devices: int, distributed: bool, planned: int | None) -> int | None:
+    """The node layout a model runs with, None for one node: `OccultConfig.devices_per_node` when set; under
+    torch.distributed `$LOCAL_WORLD_SIZE` (the launch's processes per node) when it is smaller than the group;
+    else the placement's recorded layout (`planned`, `Placement.devices_per_node`; in one process the logical
+    devices' nodes). Must divide `num_devices`."""
+    if explicit is not None:
+        value, setting = explicit, "OccultConfig.devices_per_node"
+    elif distributed and os.environ.get(LOCAL_WORLD_SIZE_ENV, "").isdigit():
+        value, setting = int(os.environ[LOCAL_WORLD_SIZE_ENV]), f"${LOCAL_WORLD_SIZE_ENV}"
+    else:
+        value, setting = planned, "the placement's devices_per_node"
+    if value is None or value >= num_devices:
+        return None
+    return check_devices_per_node(value, num_devices, setting)
+
+
+__all__ = ["ExpertParallelGroup", "LOCAL_WORLD_SIZE_ENV", "check_devices_per_node", "resolve_devices_per_node"]

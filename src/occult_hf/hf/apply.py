@@ -35,6 +35,7 @@ from occult_hf.patches import adapter_for
 
 from ..config import OccultConfig, stored_occult_config
 from ..dispatch import ExpertParallelGroup
+from ..dispatch.group import resolve_devices_per_node
 from ..distributed.agreement import save_timeout_s
 from ..distributed.collectives import GradNormCarrier
 from ..placement import Placement
@@ -85,6 +86,7 @@ def apply_occult(model: nn.Module, occult_config: OccultConfig | dict | str | No
         # the dispatchers' host-to-host agreements run on the same group (in program order on every rank)
         state.ep = ep = replace(ep, host_group=agreement_group)
         state.agreement_group, state.save_timeout_s = agreement_group, save_timeout_s()
+    state.ep = ep = ep.with_node_groups(config.devices_per_node)  # several nodes: the hierarchical exchange's groups
     top_k = adapter.top_k(model.config)
     rank = ep.rank if ep.is_distributed else None
     layouts = [config.placement.layout(layer, rank) for layer, _, _ in blocks]
@@ -123,7 +125,8 @@ def _resolve(model: nn.Module, occult_config, group):
         check_logical_devices(ep.num_devices, config.logical_devices)
     layers = [layer for layer, _, _ in blocks]
     placement = resolve_placement(placement, adapter.num_experts(model.config), ep.num_devices, layers)
-    return replace(config, placement=placement, num_devices=ep.num_devices), adapter, blocks, ep
+    per_node = resolve_devices_per_node(config.devices_per_node, ep.num_devices, ep.is_distributed, placement.devices_per_node)
+    return replace(config, placement=placement, num_devices=ep.num_devices, devices_per_node=per_node), adapter, blocks, ep
 
 
 def unapply_occult(model: nn.Module) -> nn.Module:

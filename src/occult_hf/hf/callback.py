@@ -11,7 +11,8 @@ What it does, all optional except the logging:
   reduced over all ranks first.
 - **N_d schedule**: `max_devices_per_token` of every live pruner goes from `start` (default: no
   pruning) to `target` (default: the model's `OccultConfig.max_devices_per_token`) over
-  `schedule_steps` optimizer steps, so the model is eased into the constraint.
+  `schedule_steps` optimizer steps, so the model is eased into the constraint; `max_nodes_per_token` the same
+  way from `start_nodes_per_token` to `target_nodes_per_token` (node-limited pruning).
 - **MoE-only training**: `train_moe_only=True` freezes every parameter outside the MoE blocks
   (the paper fine-tunes only the routers and experts).
 - **Drift watch**: a `ProfileCollector` accumulates a routing profile from the training batches
@@ -113,6 +114,8 @@ class OccultCallback(TrainerCallback):
         target_devices_per_token: the final `N_d`; None: the pruners' own value (the model's
             `OccultConfig.max_devices_per_token`). Needs a model built with `prune` set.
         start_devices_per_token: `N_d` at step 0; None: no pruning (`D`).
+        target_nodes_per_token, start_nodes_per_token: the same for `N_n` (`OccultConfig.max_nodes_per_token`;
+            start None: every node), over the same `schedule_steps`; needs pruners with a node layout.
         schedule_steps: optimizer steps from start to target (0: target from the first step).
         train_moe_only: freeze every parameter outside the MoE blocks.
         check_every: run the drift check every this many optimizer steps (0: only at saves).
@@ -139,6 +142,8 @@ class OccultCallback(TrainerCallback):
         planner_options: dict | None = None,
         sample_size: int = 4096,
         per_layer: bool = False,
+        target_nodes_per_token: int | None = None,
+        start_nodes_per_token: int | None = None,
     ) -> None:
         get_planner(planner).make_options(**(planner_options or {}))  # clear errors now rather than at the first check
         _check_count("sample_size", sample_size, 1, why=": the drift check measures CT on the recent profile's top-k sample")
@@ -146,6 +151,8 @@ class OccultCallback(TrainerCallback):
         _check_count("schedule_steps", schedule_steps, 0)
         self.target_devices_per_token = target_devices_per_token
         self.start_devices_per_token = start_devices_per_token
+        self.target_nodes_per_token = target_nodes_per_token
+        self.start_nodes_per_token = start_nodes_per_token
         self.schedule_steps = schedule_steps
         self.train_moe_only = train_moe_only
         self.check_every = check_every
@@ -156,6 +163,8 @@ class OccultCallback(TrainerCallback):
 
         self.schedule: DeviceLimitSchedule | None = None
         self.current_devices_per_token: int | None = None  # N_d of the pruners now
+        self.node_schedule: DeviceLimitSchedule | None = None
+        self.current_nodes_per_token: int | None = None  # N_n of the pruners now
         self.recent_profile = None
         self.replanned_placement = None
         self._model = None
@@ -221,36 +230,57 @@ class OccultCallback(TrainerCallback):
     # ----- N_d schedule ---------------------------------------------------------------------
     def _setup_schedule(self) -> None:
         pruners = pruners_of(self._model)
-        wants_schedule = self.target_devices_per_token is not None or self.start_devices_per_token is not None
+        wants_schedule = any(
+            v is not None
+            for v in (self.target_devices_per_token, self.start_devices_per_token, self.target_nodes_per_token, self.start_nodes_per_token)
+        )
         if not pruners:
             if wants_schedule:
                 raise ValueError(
                     "OccultCallback got an N_d schedule but the model has no pruners: build it with "
                     "OccultConfig(prune='router' or 'similarity', max_devices_per_token=...)"
                 )
-            self.schedule = None
+            self.schedule = self.node_schedule = None
             return
-        num_devices = max(p.num_devices for p in pruners.values())
-        target = self.target_devices_per_token
+        self.schedule = self._limit_schedule(
+            pruners, "N_d", "num_devices", lambda p: p.num_devices, lambda p: p.max_devices_per_token,
+            self.target_devices_per_token, self.start_devices_per_token, self.schedule,
+        )  # fmt: skip
+        self.node_schedule = self._limit_schedule(
+            pruners, "N_n", "num_nodes", lambda p: p.num_nodes, lambda p: p.max_nodes_per_token,
+            self.target_nodes_per_token, self.start_nodes_per_token, self.node_schedule,
+        )  # fmt: skip
+
+    def _limit_schedule(self, pruners, symbol, units_name, units_of, limit_of, target, start, previous):
+        """The schedule of one limit (`N_d` or `N_n`); None where the pruners have no such limit and none was asked."""
+        units = max(units_of(p) for p in pruners.values())
         if target is None:
-            if self.schedule is not None:  # a second train(): keep the first run's target
-                target = self.schedule.target
+            if previous is not None:  # a second train(): keep the first run's target
+                target = previous.target
             else:
-                target = min(p.max_devices_per_token for p in pruners.values())
-        start = num_devices if self.start_devices_per_token is None else self.start_devices_per_token
-        if target > num_devices or start > num_devices:
-            raise ValueError(
-                f"OccultCallback N_d schedule (start {start}, target {target}) exceeds num_devices={num_devices}"
-            )
-        self.schedule = DeviceLimitSchedule(start=start, target=target, steps=self.schedule_steps)
+                limits = [limit_of(p) for p in pruners.values() if limit_of(p) is not None]
+                if not limits:
+                    if start is not None:
+                        raise ValueError(f"OccultCallback got a start {symbol} but the model's pruners have no {symbol} limit")
+                    return None
+                target = min(limits)
+        start = units if start is None else start
+        if target > units or start > units:
+            raise ValueError(f"OccultCallback {symbol} schedule (start {start}, target {target}) exceeds {units_name}={units}")
+        return DeviceLimitSchedule(start=start, target=target, steps=self.schedule_steps)
 
     def _apply_schedule(self, step: int) -> None:
-        if self.schedule is None:
-            return
-        value = self.schedule.at(step)
-        for pruner in pruners_of(self._model).values():
-            pruner.max_devices_per_token = value
-        self.current_devices_per_token = value
+        pruners = pruners_of(self._model).values() if self._model is not None else ()
+        if self.schedule is not None:
+            value = self.schedule.at(step)
+            for pruner in pruners:
+                pruner.max_devices_per_token = value
+            self.current_devices_per_token = value
+        if self.node_schedule is not None:
+            value = self.node_schedule.at(step)
+            for pruner in pruners:
+                pruner.max_nodes_per_token = value
+            self.current_nodes_per_token = value
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._apply_schedule(state.global_step)
@@ -269,6 +299,8 @@ class OccultCallback(TrainerCallback):
         self._pending_logs = {}
         if self.schedule is not None:
             added[LOG_PREFIX + "max_devices_per_token"] = float(self.current_devices_per_token)
+        if self.node_schedule is not None:
+            added[LOG_PREFIX + "max_nodes_per_token"] = float(self.current_nodes_per_token)
         logs.update(added)
         # the Trainer stored a copy of `logs` in the history before calling on_log
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
