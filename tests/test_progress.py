@@ -8,6 +8,7 @@ import argparse
 
 import sys
 import pytest
+from huggingface_hub.utils import are_progress_bars_disabled
 from transformers.utils import logging as transformers_logging
 
 from occult_hf.cli import build_parser
@@ -34,7 +35,7 @@ def bars_back_on(monkeypatch):
 def test_demo_bars_follow_every_switch(tmp_path, capsys, monkeypatch, bars_back_on):
     assert demo_bar_lines(tmp_path, capsys) > 0  # on by default: the checks below can fail
     assert demo_bar_lines(tmp_path, capsys, "--no-progress") == 0
-    transformers_logging.enable_progress_bar()
+    assert not are_progress_bars_disabled()  # the flag is the run's: the caller's bars are back on after it
     transformers_logging.disable_progress_bar()
     assert demo_bar_lines(tmp_path, capsys) == 0
     transformers_logging.enable_progress_bar()

@@ -260,11 +260,11 @@ class OccultConfig:
         yield from self.to_dict().items()
 
     def __repr__(self) -> str:
-        """`OccultConfig {JSON}` like HF configs, with an inline placement summarised (a placement of
-        many layers x experts would flood a log line)."""
+        """`OccultConfig {JSON}` of the fields that differ from their defaults, as HF configs print, with an
+        inline placement summarised (a placement of many layers x experts would flood a log line)."""
         from .placement import Placement
 
-        data = self.to_dict()
+        data = self.to_diff_dict()
         if isinstance(self.placement, Placement):
             p = self.placement
             layers = sorted(p.layers)

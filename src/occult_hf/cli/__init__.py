@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
 import traceback
+
+from ..utils.progress import progress_bars_off
 
 #: subcommand modules of this package, in the order `occult --help` lists them
 SUBCOMMANDS: tuple[str, ...] = ("demo", "train", "profile", "place", "replan", "report", "eval", "bench")
@@ -43,12 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = [arg for arg in argv if arg != "--debug"]
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.no_progress:
-        from ..utils.progress import disable_progress_bars
-
-        disable_progress_bars()
     try:
-        return int(args.func(args) or 0)
+        with progress_bars_off() if args.no_progress else contextlib.nullcontext():
+            return int(args.func(args) or 0)
     except KeyboardInterrupt:
         raise
     except SystemExit as error:  # a subcommand's usage error (`raise SystemExit("occult x: ...")`): code 2, as argparse's

@@ -84,7 +84,7 @@ def describe_checkpoint(path: str | os.PathLike, model) -> str:
     path = Path(path)
     recipe_file, log_file = path / "recipe.json", path / "train_log.json"
     if not (recipe_file.is_file() and log_file.is_file()):
-        from ..patches.base import adapter_for
+        from occult_hf.patches.base import adapter_for
 
         adapter, config = adapter_for(model.config), model.config
         return (
@@ -126,7 +126,7 @@ def _token_windows(texts: list[str], tokenizer, max_tokens: int, seq_len: int = 
 def _run(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..patches.base import adapter_for
+    from occult_hf.patches.base import adapter_for
     from ..placement import available_planners
     from ..profile import RoutingProfile
     from ..training import tiny_checkpoint_path

@@ -56,7 +56,7 @@ def capture_routing(model, windows_BS: np.ndarray, batch_size: int = 16) -> dict
     """Per MoE layer, (`[N, k]` int64 expert ids, `[N, k]` float32 routing weights) of every window token,
     for any supported family: the family adapter's view of its router (`patches.base`), the weights by
     the model's own rule for the chosen experts."""
-    from ..patches.base import adapter_for
+    from occult_hf.patches.base import adapter_for
 
     adapter = adapter_for(model.config)
     captured: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}

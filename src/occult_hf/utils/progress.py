@@ -5,11 +5,13 @@
 occult_hf draws, as they silence the hub's and transformers' own; `disable_progress_bars("occult_hf")`
 of huggingface_hub silences only occult_hf's. Bars that others draw for us (the Trainer's, lm-eval's)
 take a switch of their own, which `progress_enabled` sets from the same state. `occult ... --no-progress`
-calls `disable_progress_bars` below, which turns off `datasets`' bars too.
+turns every bar off for the command's run (`progress_bars_off`), `datasets`' bars too, and puts the
+switches back afterwards, so an in-process `occult_hf.cli.main([...])` leaves its caller's bars as they were.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -31,16 +33,34 @@ def progress_enabled(requested: bool = True) -> bool:
     return requested and not are_progress_bars_disabled(PROGRESS_GROUP)
 
 
-def disable_progress_bars() -> None:
-    """Turn off every progress bar of this process: huggingface_hub's (occult_hf's with them), transformers'
-    and `datasets`' (through its environment variable when it is not imported yet)."""
+@contextlib.contextmanager
+def progress_bars_off():
+    """Every progress bar of this process off inside the block: huggingface_hub's (occult_hf's with them),
+    transformers' and `datasets`' (through its environment variable when it is not imported yet, since it
+    reads that on import). The switches that were on are turned on again on the way out."""
+    from huggingface_hub.utils import are_progress_bars_disabled
     from transformers.utils import logging
 
+    hub_was_off = are_progress_bars_disabled()
+    datasets_env = os.environ.get("HF_DATASETS_DISABLE_PROGRESS_BARS")
+    # datasets' bars as they are, or as they would be when it is imported inside the block
+    datasets = sys.modules.get("datasets")
+    datasets_was_on = datasets.is_progress_bar_enabled() if datasets else datasets_env is None
     logging.disable_progress_bar()
-    if "datasets" in sys.modules:
-        sys.modules["datasets"].disable_progress_bars()
-    else:
-        os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] = "1"
+    os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] = "1"
+    if datasets:
+        datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not hub_was_off:
+            logging.enable_progress_bar()
+        if datasets_env is None:
+            del os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"]
+        else:
+            os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] = datasets_env
+        if datasets_was_on and "datasets" in sys.modules:
+            sys.modules["datasets"].enable_progress_bars()
 
 
-__all__ = ["PROGRESS_GROUP", "disable_progress_bars", "progress_bar", "progress_enabled"]
+__all__ = ["PROGRESS_GROUP", "progress_bar", "progress_bars_off", "progress_enabled"]
