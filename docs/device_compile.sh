@@ -1,44 +1,55 @@
 #!/bin/bash
-# The GPU half of the compile work and of the restructure on one `nvidia-h200`, in calls under 10 minutes each.
-# STEP (one per call, in this order):
-#   tests    the GPU tests of the compiled paths and of the restructured runtime: tests/test_gpu_compile.py
-#            (inductor fullgraph equals eager in bf16 for every compilable family; static-cache generate with CUDA
-#            graphs gives eager's tokens), tests/test_gpu_compile_ops.py, tests/test_gpu_runtime.py,
-#            tests/test_gpu_dispatch.py -k "not two_ranks", tests/test_triton_kernels.py -m gpu;
-#   decode   `occult bench decode --models olmoe-1b-7b` (batch 1, 8, 32, 64; dynamic and static cache; stock and
-#            occult in one run; the fp32 greedy-token check), then the same for qwen1.5-moe-a2.7b in a second call
-#            (MODEL=qwen1.5-moe-a2.7b);
+# The GPU half of the compile work (issue 31) and of the restructure (issue 30) on one `nvidia-h200`: the steps named
+# in STEPS run in order, each under its own time limit, in one device call of at most 10 minutes.
+#   decode   `occult bench decode --models $MODEL` (batch 1, 8, 32, 64; dynamic and static cache; stock and occult
+#            in one run; the fp32 greedy-token check);
 #   train    `occult bench model --compile` (4 layers at the real OLMoE and Qwen1.5 layer shapes, 16,384 tokens,
-#            forward+backward: stock eager, stock compiled, occult eager, occult compiled);
-#   base     `occult bench model` of main at bb13be5 (the tree before the restructure, from `git archive` carried as
-#            .devdata/base.tar) and of this tree, eager, in one call: the model-level speed before and after.
+#            forward and forward+backward: stock eager, stock compiled, occult eager, occult compiled);
+#   tests    the GPU tests of the compiled paths and of the restructured runtime (tests/test_gpu_compile.py,
+#            test_gpu_compile_ops.py, test_gpu_runtime.py, test_triton_kernels.py -m gpu, test_gpu_dispatch.py
+#            without its two-rank cases);
+#   base     eager `occult bench model` of main at bb13be5 (the tree before the restructure, `git archive bb13be5
+#            src kernels patches eval > .devdata/base.tar`) and of this tree, in one process each, one after the other.
 # It needs the transformers 5.24 wheel in .whl/ (`pip download --no-deps transformers==5.24.0`), e.g.
-#   run(kind="nvidia-h200", carry=[".whl"], timeout_s=590, command="STEP=decode bash docs/device_compile.sh")
-# Results come back under $OUT (log.txt and the benchmarks' .md/.json); docs/runtime.md says where they go.
+#   run(kind="nvidia-h200", carry=[".whl", ".devdata"], timeout_s=600,
+#       command="STEPS='decode:560' MODEL=olmoe-1b-7b bash docs/device_compile.sh")
+# where each STEP:SECONDS gives the step's limit. Every step's tables and logs are packed into $OUT/results.tar.gz
+# after the step (so a call cut short keeps the steps it finished), and the log of every step is $OUT/log.txt.
 set -uo pipefail
-STEP=${STEP:?set STEP to tests, decode, train or base}
+STEPS=${STEPS:?set STEPS to a list of STEP:SECONDS (decode, train, tests, base)}
 MODEL=${MODEL:-olmoe-1b-7b}
+REPO=$PWD
+RESULTS=/tmp/results
+mkdir -p "$RESULTS"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 stage() {  # copy a source tree into $2 as an importable occult_hf (setup.cfg's package_dir mapping by hand)
   mkdir -p "$2/occult_hf" && cp -r "$1"/src/occult_hf/* "$2/occult_hf/" && for d in kernels patches eval; do cp -r "$1/$d" "$2/occult_hf/$d"; done
 }
 stage . /tmp/now
-export PYTHONPATH=/tmp/site:/tmp/now:$PWD/tests PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:/tmp/now:$REPO/tests PYTHONUNBUFFERED=1
 cd /tmp
-case "$STEP" in
-  tests)
-    timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider "$OLDPWD"/tests/test_gpu_compile.py "$OLDPWD"/tests/test_gpu_compile_ops.py \
-      "$OLDPWD"/tests/test_gpu_runtime.py "$OLDPWD"/tests/test_triton_kernels.py "$OLDPWD"/tests/test_gpu_dispatch.py -k "not two_ranks" 2>&1 | tee "$OUT/log.txt" | tail -30 ;;
-  decode)
-    timeout 570 python3 -m occult_hf.cli bench decode --no-progress --models "$MODEL" --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/log.txt" | tail -30 ;;
-  train)
-    timeout 570 python3 -m occult_hf.cli bench model --no-progress --compile --batch 8 --seq 2048 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/log.txt" | tail -30 ;;
-  base)
-    mkdir -p /tmp/base_src && tar -xf "$OLDPWD/.devdata/base.tar" -C /tmp/base_src && stage /tmp/base_src /tmp/base
-    for tree in base now; do
-      echo "== $tree" | tee -a "$OUT/log.txt"
-      PYTHONPATH=/tmp/site:/tmp/$tree timeout 270 python3 -m occult_hf.cli bench model --batch 8 --seq 2048 --out "$OUT/$tree" 2>&1 \
-        | grep -v Warning | tee -a "$OUT/log.txt" | tail -8
-    done ;;
-  *) echo "unknown STEP=$STEP"; exit 2 ;;
-esac
+nvidia-smi -L | tee -a "$OUT/log.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/log.txt"
+for item in $STEPS; do
+  step=${item%%:*} limit=${item##*:}
+  echo "== $step (limit ${limit} s) $(date -u +%H:%M:%S)" | tee -a "$OUT/log.txt"
+  case "$step" in
+    decode)
+      timeout "$limit" python3 -m occult_hf.cli bench decode --no-progress --models "$MODEL" --repeats 2 --out "$RESULTS/decode_$MODEL" 2>&1 | grep -v Warning | tee -a "$OUT/log.txt" ;;
+    train)
+      timeout "$limit" python3 -m occult_hf.cli bench model --no-progress --compile --batch 8 --seq 2048 --out "$RESULTS/train" 2>&1 | grep -v Warning | tee -a "$OUT/log.txt" ;;
+    tests)
+      timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider "$REPO"/tests/test_gpu_compile.py "$REPO"/tests/test_gpu_compile_ops.py \
+        "$REPO"/tests/test_gpu_runtime.py "$REPO"/tests/test_triton_kernels.py "$REPO"/tests/test_gpu_dispatch.py -k "not two_ranks" 2>&1 | tail -40 | tee -a "$OUT/log.txt" ;;
+    base)
+      mkdir -p /tmp/base_src && tar -xf "$REPO/.devdata/base.tar" -C /tmp/base_src && stage /tmp/base_src /tmp/base
+      for tree in base now; do
+        echo "-- $tree" | tee -a "$OUT/log.txt"
+        PYTHONPATH=/tmp/site:/tmp/$tree timeout $((limit / 2)) python3 -m occult_hf.cli bench model --batch 8 --seq 2048 --out "$RESULTS/base_$tree" 2>&1 \
+          | grep -v Warning | tail -8 | tee -a "$OUT/log.txt"
+      done ;;
+    *) echo "unknown step $step" | tee -a "$OUT/log.txt" ;;
+  esac
+  tar -czf "$OUT/results.tar.gz" -C "$RESULTS" .
+done
+echo "== done $(date -u +%H:%M:%S)" | tee -a "$OUT/log.txt"

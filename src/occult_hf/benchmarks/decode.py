@@ -55,8 +55,9 @@ class DecodeRow:
     batch: int
     implementation: str  # "stock" or "occult"
     cache: str  # "dynamic" or "static"
-    ms_per_step: float
+    ms_per_step: float  # NaN where the run failed
     first_call_s: float  # the warm-up run: compile and capture for the static cache
+    error: str | None = None  # why the run failed (the other rows still run)
 
 
 def _generate(model, prompt_BS, new_tokens: int, cache: str):
@@ -142,7 +143,14 @@ def measure(shape: str, args, device) -> tuple[list[DecodeRow], str]:
     for batch in args.batches:
         for cache in args.caches:
             for name, model in models.items():
-                ms, first = time_step(model, prompt[:batch], args.new_tokens, cache, args.repeats)
+                try:
+                    ms, first = time_step(model, prompt[:batch], args.new_tokens, cache, args.repeats)
+                except Exception as error:  # noqa: BLE001 - one failed variant is a row of the table, not the end of the run
+                    why = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+                    rows.append(DecodeRow(shape, batch, name, cache, float("nan"), float("nan"), why))
+                    print(f"{shape} B={batch} {name} {cache}: failed: {why}", flush=True)
+                    torch._dynamo.reset()
+                    continue
                 rows.append(DecodeRow(shape, batch, name, cache, ms, first))
                 print(f"{shape} B={batch} {name} {cache}: {ms:.2f} ms/step (first call {first:.1f} s)", flush=True)
     floor_ms = active_bytes(config, args.dtype) / (args.bandwidth_gbs * 1e6)
@@ -209,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
         rows += shape_rows
         notes.append(note)
     table = results_table(rows)
+    notes += [f"{r.model} B={r.batch} {r.implementation} {r.cache} failed: {r.error}" for r in rows if r.error]
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = (
         f"`occult bench decode`, {str(args.dtype).removeprefix('torch.')}, prompt {args.prompt}, {args.new_tokens} new tokens, "

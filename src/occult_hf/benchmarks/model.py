@@ -201,7 +201,11 @@ def measure(shape: str, args, device, dtype) -> list[ModelRow]:
         print(f"{shape} {name}: fwd {fwd:.2f} ms, fwd+bwd {fwd_bwd:.2f} ms", flush=True)
         if args.compile:
             torch._dynamo.reset()
-            fwd, fwd_bwd = time_decoder(model, ids_BS, timer, torch.compile(model.model))
+            try:
+                fwd, fwd_bwd = time_decoder(model, ids_BS, timer, torch.compile(model.model))
+            except Exception as error:  # noqa: BLE001 - a model that fails to compile is a row, not the end of the run
+                fwd = fwd_bwd = float("nan")
+                print(f"{shape} {name} compiled: failed: {type(error).__name__}: {' '.join(str(error).split())[:300]}", flush=True)
             rows.append(ModelRow(shape, args.batch * args.seq, args.layers, f"{name} compiled", fwd, fwd_bwd, experts_impl))
             print(f"{shape} {name} compiled: fwd {fwd:.2f} ms, fwd+bwd {fwd_bwd:.2f} ms", flush=True)
     del stock, models
