@@ -14,6 +14,8 @@ reference.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -235,7 +237,9 @@ def test_trainer_with_torch_compile_equals_eager_with_no_graph_break(tmp_path, l
         model = tiny_model("olmoe").train()
         apply_occult(model, OccultConfig(num_devices=2, prune="router", max_devices_per_token=1))
         if lora:
-            model = get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+            torch.manual_seed(0)  # the adapters' initialisation: the same in both runs
+            torch.manual_seed(0)  # the adapters' initialisation: the same in both runs
+        model = get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
         warm_ids = tiny_batch(batch=1, seq=SEQ, seed=0)
         model(input_ids=warm_ids, labels=warm_ids)  # transformers' capture hooks are installed at the first call
         callback = OccultCallback(start_devices_per_token=2, schedule_steps=4, check_every=2)
@@ -244,3 +248,111 @@ def test_trainer_with_torch_compile_equals_eager_with_no_graph_break(tmp_path, l
     assert losses[True] == pytest.approx(losses[False], rel=1e-5, abs=1e-6)
     assert counters["stats"]["unique_graphs"] > 0, "the Trainer did not compile the model"
     assert not counters["graph_break"], f"graph breaks: {list(counters['graph_break'])}"
+
+
+#: where DDP's own forward leaves a compiled graph (torch.nn.parallel.distributed)
+DDP_OWN_BREAKS = ("DistributedDataParallel._inside_ddp_forward", "set_runtime_stats_and_log")
+
+
+class _RecordingStreamer:
+    """A `generate()` streamer that keeps what it is given (transformers' `BaseStreamer` protocol)."""
+
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.detach().clone().reshape(-1))
+
+    def end(self):
+        self.ended = True
+
+
+def test_compiled_static_generate_with_sampling_eos_streamer_and_left_padding():
+    """What users pass to `generate()`, through the compiled static-cache step of an occult model with pruning to
+    1 of 2 logical devices, gives the tokens of the same model's eager dynamic-cache `generate()`: left-padded
+    prompts of different lengths at batch 3, greedy and sampled (the same seed), an EOS token that stops one
+    sequence early (it is padded after it, the others go on), and a streamer that receives every new token."""
+    from transformers import CompileConfig
+
+    model = tiny_model("olmoe")
+    apply_occult(model, OccultConfig(num_devices=2, prune="router", max_devices_per_token=1))
+    model.eval()
+    prompt = tiny_batch(batch=3, seq=7, seed=5)
+    mask = torch.ones_like(prompt)
+    mask[1, :3] = 0  # left padding: sequence 1 has 4 tokens, sequence 2 has 6
+    mask[2, :1] = 0
+    prompt = prompt.masked_fill(mask == 0, 0)
+    common = dict(attention_mask=mask, max_new_tokens=6, pad_token_id=0, output_router_logits=False)
+    compile_config = CompileConfig(backend="aot_eager", fullgraph=True, dynamic=False)
+    compile_config._compile_all_devices = True
+
+    def both(**kwargs):
+        """(eager dynamic-cache tokens, compiled static-cache tokens) of the same call, sampling seeded alike."""
+        torch.manual_seed(7)
+        eager = model.generate(prompt, **common, **kwargs)
+        torch.manual_seed(7)
+        compiled = model.generate(prompt, **common, cache_implementation="static", compile_config=compile_config, **kwargs)
+        return eager, compiled
+
+    torch._dynamo.reset()
+    greedy, compiled = both(do_sample=False)
+    assert torch.equal(compiled, greedy)
+    assert getattr(model, "_compiled_call", None) is not None, "generate did not compile the decoding step"
+    sampled, compiled = both(do_sample=True, top_k=0, temperature=1.0)
+    assert torch.equal(compiled, sampled) and not torch.equal(sampled, greedy)
+    # EOS: the token sequence 0 greedily produces at its third step ends it there; padding follows
+    eos = int(greedy[0, prompt.shape[1] + 2])
+    stopped, compiled = both(do_sample=False, eos_token_id=eos)
+    assert torch.equal(compiled, stopped)
+    new = stopped[0, prompt.shape[1] :]
+    first = int((new == eos).nonzero()[0])
+    assert first <= 2 and (new[first + 1 :] == 0).all(), new
+    streamer = _RecordingStreamer()
+    torch.manual_seed(7)
+    streamed = model.generate(prompt, **common, do_sample=False, cache_implementation="static", compile_config=compile_config, streamer=streamer)
+    assert streamer.ended and torch.equal(torch.stack(streamer.chunks[1:], dim=1), streamed[:, prompt.shape[1] :])
+
+
+def _ep_trainer_compiled(rank, world_size, output_dir):
+    """One rank of an EP Trainer run (eager, then `torch_compile=True`) with OccultCallback and LoRA: its losses
+    and the graph breaks of the compiled run."""
+    import peft
+    from torch._dynamo.utils import counters
+
+    from occult_hf import OccultCallback
+    from occult_hf.hf.peft_support import get_peft_model
+    from occult_hf.placement import Placement
+
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT="29512",
+    )
+    losses = {}
+    for compile_ in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        model = tiny_model("olmoe", output_router_logits=False).train()
+        placement = Placement(8, 2, {layer: [(3 * e + layer) % 2 for e in range(8)] for layer in (0, 1)})
+        apply_occult(model, OccultConfig(placement=placement, prune="router", max_devices_per_token=1, dispatcher="padded"))
+        torch.manual_seed(0)  # the adapters' initialisation: the same in both runs
+        model = get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+        warm_ids = tiny_batch(batch=1, seq=SEQ, seed=0)
+        model(input_ids=warm_ids, labels=warm_ids)  # transformers' capture hooks are installed at the first call
+        callback = OccultCallback(start_devices_per_token=2, schedule_steps=4, check_every=2)
+        losses[compile_] = _trainer_losses(model, os.path.join(output_dir, f"{rank}-{compile_}"), compile_, [callback])
+        graphs, breaks = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
+    return losses, graphs, breaks
+
+
+@pytest.mark.world_size(2)
+def test_trainer_with_torch_compile_under_expert_parallelism(tmp_path):
+    """`TrainingArguments(torch_compile=True)` on 2 gloo EP ranks, with OccultCallback's N_d schedule and LoRA: each
+    rank's per-step losses equal its eager run's, the model was compiled, and the only graph breaks are DDP's own
+    (accelerate compiles the DDP wrapper, whose forward dynamo deliberately leaves at `_inside_ddp_forward` and its
+    logger; a stock model under DDP breaks there alike), none inside the model."""
+    for losses, graphs, breaks in run_world(_ep_trainer_compiled, 2, str(tmp_path), timeout_s=600):
+        assert len(losses[True]) == 6
+        assert losses[True] == pytest.approx(losses[False], rel=1e-5, abs=1e-6)
+        assert graphs > 0, "the Trainer did not compile the model"
+        outside_ddp = [reason for reason in breaks if not any(mark in reason for mark in DDP_OWN_BREAKS)]
+        assert not outside_ddp, f"graph breaks: {outside_ddp}"
