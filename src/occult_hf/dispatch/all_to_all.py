@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -84,6 +84,11 @@ class _Chunk:
             rows come back into a block whose row 0 is zero (`plan.PackedRows`).
         dest_Tk: `[T, k]` int64 device serving each pair, for a chunk of every token (None otherwise): where
             the routing weights' gradient is gathered from (`_pair_weight_grads`).
+        num_pairs: (row, local expert) pairs the received rows carry here; None where the received rows are
+            forwarded, not computed (the hierarchical exchange's inter-node hop).
+        group: the process group the rows travel in (None: the EP group; the hierarchical exchange's hops: its rail
+            and node subgroups), `send_splits` and `recv_splits` indexed by its ranks.
+        hop: names the hop in error messages ("" in the flat exchange, e.g. "inter-node " in the hierarchical one).
     """
 
     start: int
@@ -94,8 +99,10 @@ class _Chunk:
     row_TJ: torch.Tensor
     send_splits: tuple[int, ...]
     recv_splits: tuple[int, ...]
-    num_pairs: int
+    num_pairs: int | None
     dest_Tk: torch.Tensor | None = None
+    group: Any = None
+    hop: str = ""
 
     @property
     def num_rows(self) -> int:
@@ -131,10 +138,7 @@ class AllToAllDispatcher(TokenDispatcher):
         with stage("pack"):
             block = _pack_rows(row_format, x_TH, chunk)
         pending = self.exchange(block, chunk.send_splits, chunk.recv_splits, "dispatch")
-        # the routing weights' gradient gathered per pair from the returned rows where each pair's row is known
-        # (not through weight_OW's where and index, whose backward is a zero fill and an accumulating index_put)
-        direct = chunk.dest_Tk is not None and (self.mode == "per_expert" or self.ep.num_devices <= routing.topk_ids_Tk.shape[1])
-        weights = routing.topk_weights_Tk if direct else chunk.weight_OW
+        weights, direct = weights_to_send(chunk, routing.topk_weights_Tk, self.mode, self.ep.num_devices)
         x_RH, slot_RW, weight_RW = _DispatchExchange.apply(x_TH, weights, self, chunk, row_format, pending, direct)
         with stage("received layout"):
             segments, pick_N = received_pairs(slot_RW, chunk.num_pairs, self.num_local_experts)
@@ -251,11 +255,12 @@ class AllToAllDispatcher(TokenDispatcher):
 
     # ----- communication -----------------------------------------------------------------------
     def exchange(
-        self, block: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], what: str, zero_row: bool = False
+        self, block: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], what: str, zero_row: bool = False,
+        group=None,
     ) -> "_Pending":
-        """Start one `all_to_all_single` of `block`'s rows (split along dim 0); `.wait()` gives the received
-        block, with one extra zero row **first** when `zero_row` (what a combine's gather points absent rows at:
-        `_Chunk.row_TJ` counts from one)."""
+        """Start one `all_to_all_single` of `block`'s rows (split along dim 0) over `group` (None: the EP group);
+        `.wait()` gives the received block, with one extra zero row **first** when `zero_row` (what a combine's gather
+        points absent rows at: `_Chunk.row_TJ` counts from one)."""
         rows = sum(recv_splits)
         out = block.new_empty((rows + int(zero_row), *block.shape[1:]))
         if zero_row:
@@ -268,7 +273,7 @@ class AllToAllDispatcher(TokenDispatcher):
             block,
             output_split_sizes=list(recv_splits),
             input_split_sizes=list(send_splits),
-            group=self.ep.group,
+            group=self.ep.group if group is None else group,
             async_op=True,
         )
         return _Pending(self, work, out, block, what, tuple(send_splits), tuple(recv_splits))
@@ -356,6 +361,16 @@ class _Pending:
         return self.out
 
 
+def weights_to_send(chunk: _Chunk, weights_Tk: torch.Tensor, mode: str, num_destinations: int) -> tuple[torch.Tensor, bool]:
+    """`(weights, direct)` for `_DispatchExchange`: the routing weights `[T, k]` themselves where each pair's row is
+    known (`direct`: a chunk of every token, and one row per pair or at most k destinations), their gradient then
+    gathered per pair from the returned rows (`_pair_weight_grads`); else the rows' `weight_OW`, whose backward
+    through their `where` and index is a zero fill and an accumulating `index_put`."""
+    top_k = weights_Tk.shape[1]
+    direct = chunk.dest_Tk is not None and (mode == "per_expert" or num_destinations <= top_k)
+    return (weights_Tk if direct else chunk.weight_OW), direct
+
+
 def _pack_rows(row_format: RowFormat, x_TH: torch.Tensor, chunk: _Chunk) -> torch.Tensor:
     """`[O, U]` uint8: each row's activations gathered straight into its field (one `index_select`, no
     intermediate copy), its local slots and routing weights beside them."""
@@ -391,7 +406,9 @@ class _DispatchExchange(torch.autograd.Function):
         with stage("dispatch backward exchange"):
             device = (grad_x_RH if grad_x_RH is not None else grad_weight_RW).device
             block = pack_gradients(grads, sum(chunk.recv_splits), grad_x_RH, grad_weight_RW, device)
-            back = ctx.dispatcher.exchange(block, chunk.recv_splits, chunk.send_splits, "dispatch backward", zero_row=True).wait()
+            back = ctx.dispatcher.exchange(
+                block, chunk.recv_splits, chunk.send_splits, f"{chunk.hop}dispatch backward", zero_row=True, group=chunk.group
+            ).wait()
         grad_x_pad_OH, grad_weight_pad_OW = grads.unpack(back)
         with stage("dispatch backward sum"):
             grad_x_TH = sum_token_rows(grad_x_pad_OH, chunk.row_TJ) if ctx.needs_input_grad[0] else None
@@ -422,7 +439,7 @@ class _CombineExchange(torch.autograd.Function):
     def forward(ctx, out_RH, dispatcher: AllToAllDispatcher, chunk: _Chunk):
         ctx.dispatcher, ctx.chunk = dispatcher, chunk
         with stage("combine exchange"):
-            back = dispatcher.exchange(out_RH, chunk.recv_splits, chunk.send_splits, "combine", zero_row=True).wait()
+            back = dispatcher.exchange(out_RH, chunk.recv_splits, chunk.send_splits, f"{chunk.hop}combine", zero_row=True, group=chunk.group).wait()
         with stage("combine sum"):
             return sum_token_rows(back, chunk.row_TJ)
 
@@ -431,7 +448,8 @@ class _CombineExchange(torch.autograd.Function):
         chunk = ctx.chunk
         with stage("combine backward exchange"):
             grad_OH = grad_TH.index_select(0, chunk.token_O)
-            return ctx.dispatcher.exchange(grad_OH, chunk.send_splits, chunk.recv_splits, "combine backward").wait(), None, None
+            back = ctx.dispatcher.exchange(grad_OH, chunk.send_splits, chunk.recv_splits, f"{chunk.hop}combine backward", group=chunk.group)
+            return back.wait(), None, None
 
 
 class _Pipeline:
