@@ -135,11 +135,8 @@ class AllToAllDispatcher(TokenDispatcher):
     def dispatch(self, x_TH: torch.Tensor, routing, concurrent=None) -> Dispatched:
         (chunk,), counts_D2 = self._plan(routing, num_chunks=1, max_chunks=1, concurrent=concurrent)
         row_format = self._row_format(x_TH, routing)
-        with stage("pack"):
-            block = _pack_rows(row_format, x_TH, chunk)
-        pending = self.exchange(block, chunk.send_splits, chunk.recv_splits, "dispatch")
         weights, direct = weights_to_send(chunk, routing.topk_weights_Tk, self.mode, self.ep.num_devices)
-        x_RH, slot_RW, weight_RW = _DispatchExchange.apply(x_TH, weights, self, chunk, row_format, pending, direct)
+        x_RH, slot_RW, weight_RW = self._send_rows(x_TH, chunk, row_format, weights, direct)
         with stage("received layout"):
             segments, pick_N = received_pairs(slot_RW, chunk.num_pairs, self.num_local_experts)
             pair_weight_N = torch.take(weight_RW, pick_N)
@@ -171,6 +168,15 @@ class AllToAllDispatcher(TokenDispatcher):
         out_TH = _PipelineFunction.apply(pipeline, x_TH, len(weights), *weights, *params)
         return out_TH, self._result_plan(routing, chunks, counts_D2, row_format)
 
+    def _send_rows(self, x_TH: torch.Tensor, chunk: "_Chunk", row_format: RowFormat, weights: torch.Tensor, direct: bool):
+        """`(x_RH, slot_RW, weight_RW)`: `chunk`'s rows of `x_TH` packed, exchanged over its group and received as views
+        of the received block, through `_DispatchExchange` (whose backward returns their gradients; `weights` and
+        `direct` from `weights_to_send`)."""
+        with stage("pack"):
+            block = _pack_rows(row_format, x_TH, chunk)
+        pending = self.exchange(block, chunk.send_splits, chunk.recv_splits, f"{chunk.hop}dispatch", group=chunk.group)
+        return _DispatchExchange.apply(x_TH, weights, self, chunk, row_format, pending, direct)
+
     def _row_format(self, x_TH: torch.Tensor, routing) -> RowFormat:
         width = routing_width(self.mode, routing.topk_ids_Tk.shape[1])
         return dispatch_format(x_TH.shape[1], x_TH.dtype, width, routing.topk_weights_Tk.dtype)
@@ -195,13 +201,7 @@ class AllToAllDispatcher(TokenDispatcher):
             matches = [
                 device_match(dest_Tk[a:b], num_devices, self.mode, counts_D2=message.counts_D2(c)) for c, (a, b) in enumerate(bounds)
             ]
-        with stage("count exchange"):
-            counts = self._exchange_counts(message)
-        if concurrent is not None:
-            with stage("concurrent"):
-                concurrent()
-        with stage("count exchange"):
-            splits, group_chunks = counts.result()
+        splits, group_chunks = self._read_counts(message, concurrent)
         with stage("plan"):
             chunks = []
             for index, (send_splits, recv_splits, num_pairs) in enumerate(splits):
@@ -220,6 +220,18 @@ class AllToAllDispatcher(TokenDispatcher):
                 )  # fmt: skip
         counts_D2 = matches[0].counts_D2 if len(matches) == 1 else torch.stack([m.counts_D2 for m in matches]).sum(0)
         return chunks, counts_D2
+
+    def _read_counts(self, message, concurrent=None):
+        """`message.splits(...)` of the count exchange of `message` (a `_CountMessage`, or the hierarchical exchange's),
+        read on the host: the layer's one host synchronisation. `concurrent` (work that needs no exchange) is issued
+        once the exchange and its copy to the host are queued, before the host waits for them (see `_plan`)."""
+        with stage("count exchange"):
+            counts = self._exchange_counts(message)
+        if concurrent is not None:
+            with stage("concurrent"):
+                concurrent()
+        with stage("count exchange"):
+            return counts.result()
 
     def _exchange_counts(self, message: "_CountMessage") -> "_PendingCounts":
         """Start one all-to-all of the count message (every chunk's row/pair counts per destination, plus this

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .all_to_all import AllToAllDispatcher, _Chunk, _CombineExchange, _DispatchExchange, _pack_rows, weights_to_send
+from .all_to_all import AllToAllDispatcher, _Chunk, _CombineExchange, weights_to_send
 from .base import DispatchPlan, Dispatched, register_dispatcher, stage
 from .group import ExpertParallelGroup
 from .plan import device_match, packed_rows, received_pairs
@@ -177,13 +177,7 @@ class HierarchicalDispatcher(AllToAllDispatcher):
             counts_D2 = device_match(dest_Tk, ep.num_devices, self.mode, counts_D2=message.flat_counts_D2).counts_D2
             node_match = device_match(node_Tk, ep.num_nodes, self.mode)
             message.fill(node_match.counts_D2[:, 0])
-        with stage("count exchange"):
-            counts = self._exchange_counts(message)
-        if concurrent is not None:
-            with stage("concurrent"):
-                concurrent()
-        with stage("count exchange"):
-            splits = counts.result()
+        splits = self._read_counts(message, concurrent)
         row_format = self._row_format(x_TH, routing)
 
         # inter-node hop: one row per (token, node), each slot's serving device in the node and slot there as one code
@@ -192,13 +186,10 @@ class HierarchicalDispatcher(AllToAllDispatcher):
             rows = packed_rows(node_match, code_Tk, weights_Tk, sum(splits.node_send))
             to_nodes = _Chunk(
                 0, dest_Tk.shape[0], rows.token_O, rows.slot_OW, rows.weight_OW, rows.row_TJ, splits.node_send,
-                splits.node_recv, None, node_Tk, ep.rail_group, INTER_NODE,
+                splits.node_recv, num_pairs=None, dest_Tk=node_Tk, group=ep.rail_group, hop=INTER_NODE,
             )  # fmt: skip
-        with stage("pack"):
-            block = _pack_rows(row_format, x_TH, to_nodes)
-        pending = self.exchange(block, to_nodes.send_splits, to_nodes.recv_splits, f"{INTER_NODE}dispatch", group=ep.rail_group)
         weights, direct = weights_to_send(to_nodes, weights_Tk, self.mode, ep.num_nodes)
-        node_x_RH, code_RW, node_weight_RW = _DispatchExchange.apply(x_TH, weights, self, to_nodes, row_format, pending, direct)
+        node_x_RH, code_RW, node_weight_RW = self._send_rows(x_TH, to_nodes, row_format, weights, direct)
 
         # intra-node hop: the received node rows as the tokens, one row per (node row, device of this node)
         with stage("plan"):
@@ -207,14 +198,9 @@ class HierarchicalDispatcher(AllToAllDispatcher):
             rows = packed_rows(match, code_RW.remainder(num_experts), node_weight_RW, sum(splits.device_send))
             to_devices = _Chunk(
                 0, node_x_RH.shape[0], rows.token_O, rows.slot_OW, rows.weight_OW, rows.row_TJ, splits.device_send,
-                splits.device_recv, splits.num_pairs, None, ep.node_group, INTRA_NODE,
+                splits.device_recv, num_pairs=splits.num_pairs, group=ep.node_group, hop=INTRA_NODE,
             )  # fmt: skip
-        with stage("pack"):
-            block = _pack_rows(row_format, node_x_RH, to_devices)
-        pending = self.exchange(block, to_devices.send_splits, to_devices.recv_splits, f"{INTRA_NODE}dispatch", group=ep.node_group)
-        x_RH, slot_RW, weight_RW = _DispatchExchange.apply(
-            node_x_RH, to_devices.weight_OW, self, to_devices, row_format, pending, False
-        )  # fmt: skip
+        x_RH, slot_RW, weight_RW = self._send_rows(node_x_RH, to_devices, row_format, to_devices.weight_OW, direct=False)
         with stage("received layout"):
             segments, pick_N = received_pairs(slot_RW, splits.num_pairs, self.num_local_experts)
             pair_weight_N = torch.take(weight_RW, pick_N)
