@@ -415,8 +415,8 @@ BAD_SETTING_ERRORS = {
     "$LOCAL_WORLD_SIZE=3": r"\$LOCAL_WORLD_SIZE must be an integer >= 1 dividing num_devices=4, got 3",
     "hierarchical on one node": r"OccultConfig.dispatcher='hierarchical' cannot serve 4 devices .*it needs an expert-parallel "
     r"group that spans nodes: OccultConfig.devices_per_node",
-    "devices_per_node differs": r"devices_per_node",
-    "$LOCAL_WORLD_SIZE differs": r"devices_per_node",
+    "devices_per_node differs": r"disagree at apply_occult on devices_per_node \(rank 0 2, rank 1 2, rank 2 2, rank 3 1\)",
+    "$LOCAL_WORLD_SIZE differs": r"disagree at apply_occult on devices_per_node \(rank 0 1, rank 1 2, rank 2 2, rank 3 2\)",
 }
 
 
