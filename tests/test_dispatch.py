@@ -227,7 +227,7 @@ def test_dispatcher_registry_and_config_errors():
 
     assert {"local", "all_to_all"} <= set(dispatcher_names())
     assert dispatcher_class("auto", ExpertParallelGroup(num_devices=4)).name == "local"
-    with pytest.raises(ValueError, match=r"OccultConfig.dispatcher must be one of \['auto', 'all_to_all', 'local', 'padded', 'symm_mem'\], got"):
+    with pytest.raises(ValueError, match=r"OccultConfig.dispatcher must be one of \['auto', 'all_to_all', 'hierarchical', 'local', 'padded', 'symm_mem'\], got"):
         OccultConfig(dispatcher="nvshmem")
     with pytest.raises(ValueError, match="cannot serve 2 devices in one process"):
         dispatcher_class("all_to_all", ExpertParallelGroup(num_devices=2))

@@ -127,6 +127,7 @@ DISPATCHERS: Registry = Registry(
         "all_to_all": "occult_hf.dispatch.all_to_all",
         "padded": "occult_hf.dispatch.static",
         "symm_mem": "occult_hf.dispatch.static",
+        "hierarchical": "occult_hf.dispatch.hierarchical",
     },
     reserved=("auto",),
 )

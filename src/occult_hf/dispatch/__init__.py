@@ -14,17 +14,20 @@ check, the callback's metric reductions) live in `collectives`, `checkpointing`,
   collective per direction and chunk, chunks overlapping the experts, bounded waits
   (`OccultConfig.exchange_timeout_s` / `$OCCULT_EXCHANGE_TIMEOUT_S`).
 - `static` ("padded", "symm_mem"): static capacities, split sizes on the device: no host read.
+- `hierarchical` ("hierarchical"): a group that spans nodes: one row per (token, node) over the inter-node link, then
+  one per (token, device) inside the node, summed back on the device and on the node (the flat exchange's pieces
+  over the `group.ExpertParallelGroup`'s rail and node subgroups).
 - `auto`: the rule by which "auto" takes "padded" under torch.distributed (its padding estimated from the
   placement and k).
 
-`OccultConfig.dispatcher` names the implementation ("auto": "padded" where `auto.AutoHints.prefers_padded`
-says its padding is cheap, else the supported one of highest priority; chosen when `OccultMoE` is built and
+`OccultConfig.dispatcher` names the implementation ("auto": "hierarchical" where the group spans nodes, else "padded"
+where `auto.AutoHints.prefers_padded` says its padding is cheap, else the supported one of highest priority; chosen when `OccultMoE` is built and
 again when it moves to another device, e.g. `.cuda()`).
 A new implementation is a module here whose class is decorated with `register_dispatcher` and imported
 below; "auto" prefers it where its `supports(ep, device)` is true and its `priority` is higher.
 """
 
-from . import all_to_all, local, static  # noqa: F401  (register the implementations)
+from . import all_to_all, hierarchical, local, static  # noqa: F401  (register the implementations)
 from .all_to_all import AllToAllDispatcher
 from .auto import PADDED_MAX_OVERHEAD, AutoHints
 from .base import (
@@ -43,6 +46,7 @@ from .base import (
     register_dispatcher,
 )
 from .group import ExpertParallelGroup
+from .hierarchical import HierarchicalDispatcher, HierarchicalPlan
 from .local import LocalDispatcher
 from ..layout import LayerLayout
 
@@ -67,6 +71,8 @@ __all__ = [
     "Dispatched",
     "ExchangeError",
     "ExpertParallelGroup",
+    "HierarchicalDispatcher",
+    "HierarchicalPlan",
     "LocalDispatcher",
     "RowFormat",
     "TokenDispatcher",

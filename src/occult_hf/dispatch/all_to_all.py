@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -84,6 +84,11 @@ class _Chunk:
             rows come back into a block whose row 0 is zero (`plan.PackedRows`).
         dest_Tk: `[T, k]` int64 device serving each pair, for a chunk of every token (None otherwise): where
             the routing weights' gradient is gathered from (`_pair_weight_grads`).
+        num_pairs: (row, local expert) pairs the received rows carry here; None where the received rows are
+            forwarded, not computed (the hierarchical exchange's inter-node hop).
+        group: the process group the rows travel in (None: the EP group; the hierarchical exchange's hops: its rail
+            and node subgroups), `send_splits` and `recv_splits` indexed by its ranks.
+        hop: names the hop in error messages ("" in the flat exchange, e.g. "inter-node " in the hierarchical one).
     """
 
     start: int
@@ -94,8 +99,10 @@ class _Chunk:
     row_TJ: torch.Tensor
     send_splits: tuple[int, ...]
     recv_splits: tuple[int, ...]
-    num_pairs: int
+    num_pairs: int | None
     dest_Tk: torch.Tensor | None = None
+    group: Any = None
+    hop: str = ""
 
     @property
     def num_rows(self) -> int:
@@ -128,14 +135,8 @@ class AllToAllDispatcher(TokenDispatcher):
     def dispatch(self, x_TH: torch.Tensor, routing, concurrent=None) -> Dispatched:
         (chunk,), counts_D2 = self._plan(routing, num_chunks=1, max_chunks=1, concurrent=concurrent)
         row_format = self._row_format(x_TH, routing)
-        with stage("pack"):
-            block = _pack_rows(row_format, x_TH, chunk)
-        pending = self.exchange(block, chunk.send_splits, chunk.recv_splits, "dispatch")
-        # the routing weights' gradient gathered per pair from the returned rows where each pair's row is known
-        # (not through weight_OW's where and index, whose backward is a zero fill and an accumulating index_put)
-        direct = chunk.dest_Tk is not None and (self.mode == "per_expert" or self.ep.num_devices <= routing.topk_ids_Tk.shape[1])
-        weights = routing.topk_weights_Tk if direct else chunk.weight_OW
-        x_RH, slot_RW, weight_RW = _DispatchExchange.apply(x_TH, weights, self, chunk, row_format, pending, direct)
+        weights, direct = weights_to_send(chunk, routing.topk_weights_Tk, self.mode, self.ep.num_devices)
+        x_RH, slot_RW, weight_RW = self._send_rows(x_TH, chunk, row_format, weights, direct)
         with stage("received layout"):
             segments, pick_N = received_pairs(slot_RW, chunk.num_pairs, self.num_local_experts)
             pair_weight_N = torch.take(weight_RW, pick_N)
@@ -167,6 +168,15 @@ class AllToAllDispatcher(TokenDispatcher):
         out_TH = _PipelineFunction.apply(pipeline, x_TH, len(weights), *weights, *params)
         return out_TH, self._result_plan(routing, chunks, counts_D2, row_format)
 
+    def _send_rows(self, x_TH: torch.Tensor, chunk: "_Chunk", row_format: RowFormat, weights: torch.Tensor, direct: bool):
+        """`(x_RH, slot_RW, weight_RW)`: `chunk`'s rows of `x_TH` packed, exchanged over its group and received as views
+        of the received block, through `_DispatchExchange` (whose backward returns their gradients; `weights` and
+        `direct` from `weights_to_send`)."""
+        with stage("pack"):
+            block = _pack_rows(row_format, x_TH, chunk)
+        pending = self.exchange(block, chunk.send_splits, chunk.recv_splits, f"{chunk.hop}dispatch", group=chunk.group)
+        return _DispatchExchange.apply(x_TH, weights, self, chunk, row_format, pending, direct)
+
     def _row_format(self, x_TH: torch.Tensor, routing) -> RowFormat:
         width = routing_width(self.mode, routing.topk_ids_Tk.shape[1])
         return dispatch_format(x_TH.shape[1], x_TH.dtype, width, routing.topk_weights_Tk.dtype)
@@ -191,13 +201,7 @@ class AllToAllDispatcher(TokenDispatcher):
             matches = [
                 device_match(dest_Tk[a:b], num_devices, self.mode, counts_D2=message.counts_D2(c)) for c, (a, b) in enumerate(bounds)
             ]
-        with stage("count exchange"):
-            counts = self._exchange_counts(message)
-        if concurrent is not None:
-            with stage("concurrent"):
-                concurrent()
-        with stage("count exchange"):
-            splits, group_chunks = counts.result()
+        splits, group_chunks = self._read_counts(message, concurrent)
         with stage("plan"):
             chunks = []
             for index, (send_splits, recv_splits, num_pairs) in enumerate(splits):
@@ -216,6 +220,18 @@ class AllToAllDispatcher(TokenDispatcher):
                 )  # fmt: skip
         counts_D2 = matches[0].counts_D2 if len(matches) == 1 else torch.stack([m.counts_D2 for m in matches]).sum(0)
         return chunks, counts_D2
+
+    def _read_counts(self, message, concurrent=None):
+        """`message.splits(...)` of the count exchange of `message` (a `_CountMessage`, or the hierarchical exchange's),
+        read on the host: the layer's one host synchronisation. `concurrent` (work that needs no exchange) is issued
+        once the exchange and its copy to the host are queued, before the host waits for them (see `_plan`)."""
+        with stage("count exchange"):
+            counts = self._exchange_counts(message)
+        if concurrent is not None:
+            with stage("concurrent"):
+                concurrent()
+        with stage("count exchange"):
+            return counts.result()
 
     def _exchange_counts(self, message: "_CountMessage") -> "_PendingCounts":
         """Start one all-to-all of the count message (every chunk's row/pair counts per destination, plus this
@@ -251,11 +267,12 @@ class AllToAllDispatcher(TokenDispatcher):
 
     # ----- communication -----------------------------------------------------------------------
     def exchange(
-        self, block: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], what: str, zero_row: bool = False
+        self, block: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], what: str, zero_row: bool = False,
+        group=None,
     ) -> "_Pending":
-        """Start one `all_to_all_single` of `block`'s rows (split along dim 0); `.wait()` gives the received
-        block, with one extra zero row **first** when `zero_row` (what a combine's gather points absent rows at:
-        `_Chunk.row_TJ` counts from one)."""
+        """Start one `all_to_all_single` of `block`'s rows (split along dim 0) over `group` (None: the EP group);
+        `.wait()` gives the received block, with one extra zero row **first** when `zero_row` (what a combine's gather
+        points absent rows at: `_Chunk.row_TJ` counts from one)."""
         rows = sum(recv_splits)
         out = block.new_empty((rows + int(zero_row), *block.shape[1:]))
         if zero_row:
@@ -268,7 +285,7 @@ class AllToAllDispatcher(TokenDispatcher):
             block,
             output_split_sizes=list(recv_splits),
             input_split_sizes=list(send_splits),
-            group=self.ep.group,
+            group=self.ep.group if group is None else group,
             async_op=True,
         )
         return _Pending(self, work, out, block, what, tuple(send_splits), tuple(recv_splits))
@@ -356,6 +373,16 @@ class _Pending:
         return self.out
 
 
+def weights_to_send(chunk: _Chunk, weights_Tk: torch.Tensor, mode: str, num_destinations: int) -> tuple[torch.Tensor, bool]:
+    """`(weights, direct)` for `_DispatchExchange`: the routing weights `[T, k]` themselves where each pair's row is
+    known (`direct`: a chunk of every token, and one row per pair or at most k destinations), their gradient then
+    gathered per pair from the returned rows (`_pair_weight_grads`); else the rows' `weight_OW`, whose backward
+    through their `where` and index is a zero fill and an accumulating `index_put`."""
+    top_k = weights_Tk.shape[1]
+    direct = chunk.dest_Tk is not None and (mode == "per_expert" or num_destinations <= top_k)
+    return (weights_Tk if direct else chunk.weight_OW), direct
+
+
 def _pack_rows(row_format: RowFormat, x_TH: torch.Tensor, chunk: _Chunk) -> torch.Tensor:
     """`[O, U]` uint8: each row's activations gathered straight into its field (one `index_select`, no
     intermediate copy), its local slots and routing weights beside them."""
@@ -391,7 +418,9 @@ class _DispatchExchange(torch.autograd.Function):
         with stage("dispatch backward exchange"):
             device = (grad_x_RH if grad_x_RH is not None else grad_weight_RW).device
             block = pack_gradients(grads, sum(chunk.recv_splits), grad_x_RH, grad_weight_RW, device)
-            back = ctx.dispatcher.exchange(block, chunk.recv_splits, chunk.send_splits, "dispatch backward", zero_row=True).wait()
+            back = ctx.dispatcher.exchange(
+                block, chunk.recv_splits, chunk.send_splits, f"{chunk.hop}dispatch backward", zero_row=True, group=chunk.group
+            ).wait()
         grad_x_pad_OH, grad_weight_pad_OW = grads.unpack(back)
         with stage("dispatch backward sum"):
             grad_x_TH = sum_token_rows(grad_x_pad_OH, chunk.row_TJ) if ctx.needs_input_grad[0] else None
@@ -422,7 +451,7 @@ class _CombineExchange(torch.autograd.Function):
     def forward(ctx, out_RH, dispatcher: AllToAllDispatcher, chunk: _Chunk):
         ctx.dispatcher, ctx.chunk = dispatcher, chunk
         with stage("combine exchange"):
-            back = dispatcher.exchange(out_RH, chunk.recv_splits, chunk.send_splits, "combine", zero_row=True).wait()
+            back = dispatcher.exchange(out_RH, chunk.recv_splits, chunk.send_splits, f"{chunk.hop}combine", zero_row=True, group=chunk.group).wait()
         with stage("combine sum"):
             return sum_token_rows(back, chunk.row_TJ)
 
@@ -431,7 +460,8 @@ class _CombineExchange(torch.autograd.Function):
         chunk = ctx.chunk
         with stage("combine backward exchange"):
             grad_OH = grad_TH.index_select(0, chunk.token_O)
-            return ctx.dispatcher.exchange(grad_OH, chunk.send_splits, chunk.recv_splits, "combine backward").wait(), None, None
+            back = ctx.dispatcher.exchange(grad_OH, chunk.send_splits, chunk.recv_splits, f"{chunk.hop}combine backward", group=chunk.group)
+            return back.wait(), None, None
 
 
 class _Pipeline:

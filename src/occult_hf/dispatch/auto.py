@@ -30,6 +30,12 @@ dispatchers by priority ("all_to_all"). The bound: the host
 read costs about 2.3 ms per layer of GPU idle at real size, while 25% more rows cost 0.14 ms on NVLink (the 134 MB
 of an OLMoE layer at T=16384 took 0.55 ms on the wire, same page) and still under the idle time on a link 8x
 slower; 25% also covers the under-estimate of refined placements at D=2 (23%). Measured on two GPUs: not yet.
+
+**Across nodes.** Where the group spans nodes (`ExpertParallelGroup.spans_nodes`: `OccultConfig.devices_per_node`, or
+`$LOCAL_WORLD_SIZE` under torch.distributed, smaller than the group) "auto" takes "hierarchical"
+(`dispatch.hierarchical`: one row per (token, node) over the inter-node link, about 9x slower than NVLink, instead of
+one per (token, device)), before the padding rule: a fixed slot per device would cross the slow link D times a token.
+On one node nothing changes.
 """
 
 from __future__ import annotations

@@ -244,6 +244,8 @@ class TokenDispatcher:
         priority: "auto" picks the supported implementation of highest priority (class attribute).
         graph_capturable: a forward reads nothing on the host and keeps every size static, so it can be
             captured in a CUDA graph (class attribute; `occult bench ep` times such layers replayed too).
+        requires: what `supports` asks of the group beyond the ranks, in words, for the error when a config names
+            an implementation that cannot serve (class attribute; "" when there is nothing to add).
         ep: the expert-parallel group.
         layout: the layer's `LayerLayout` for this rank: each expert's device and slot there, and with replicated
             experts the home and slot tables, which make `plan.destinations` apply the replica routing rule.
@@ -255,6 +257,7 @@ class TokenDispatcher:
     name: ClassVar[str] = ""
     priority: ClassVar[int] = 0
     graph_capturable: ClassVar[bool] = False
+    requires: ClassVar[str] = ""
 
     def __init__(
         self, ep: ExpertParallelGroup, layout: LayerLayout, settings: DispatchSettings, label: str | None = None
@@ -434,13 +437,15 @@ def dispatcher_names() -> tuple[str, ...]:
 def dispatcher_class(
     name: str, ep: ExpertParallelGroup, device: torch.device | None = None, hints: AutoHints | None = None
 ) -> type[TokenDispatcher]:
-    """The class registered as `name`; "auto": "padded" where `hints` (the layer) make its padding cheap
+    """The class registered as `name`; "auto": on one node "padded" where `hints` (the layer) make its padding cheap
     (`auto.AutoHints.prefers_padded`: no host read per layer) and the ranks can agree on their token count host to
-    host (`ep.host_group`), else the supported one of highest priority for `ep` on `device`."""
+    host (`ep.host_group`), else the supported one of highest priority for `ep` on `device` ("hierarchical" where the
+    group spans nodes)."""
     if name == "auto":
         registered = dict(DISPATCHERS.items())
         padded = registered.get("padded")
-        if hints is not None and ep.host_group is not None and padded is not None and padded.supports(ep, device):
+        one_node = not ep.spans_nodes
+        if hints is not None and one_node and ep.host_group is not None and padded is not None and padded.supports(ep, device):
             device_type = None if device is None else torch.device(device).type
             if hints.prefers_padded(ep.num_devices, device_type):
                 return padded
@@ -452,8 +457,9 @@ def dispatcher_class(
     if not cls.supports(ep, device):
         where = "torch.distributed ranks" if ep.is_distributed else "one process"
         servable = [n for n, c in DISPATCHERS.items() if c.supports(ep, device)]
+        needs = f" (it needs {cls.requires})" if cls.requires else ""
         raise ValueError(
-            f"OccultConfig.dispatcher={name!r} cannot serve {ep.num_devices} devices in {where} on {device}; "
+            f"OccultConfig.dispatcher={name!r} cannot serve {ep.num_devices} devices in {where} on {device}{needs}; "
             f"use 'auto' or one of {servable}"
         )
     return cls
