@@ -68,9 +68,9 @@ def _check_compiled_equals_eager(model, input_ids, where: str, backward: bool = 
 FORWARD_ONLY = {"qwen3_next"}
 
 
-#: per family: one process with one device (exact), and 2 logical devices with router pruning to N_d=1 (the
-#: device walk, masked re-selection, the auxiliary loss's effective logits and the dispatch to logical devices)
-CASES = [(family, 1, None) for family in FAMILIES] + [(family, 2, "router") for family in FAMILIES]
+#: per family: one process with one device, 2 logical devices (the dedup dispatch to logical devices), and 2 logical
+#: devices with router pruning to N_d=1 (the device walk, masked re-selection, the auxiliary loss's effective logits)
+CASES = [(family, num_devices, prune) for num_devices, prune in ((1, None), (2, None), (2, "router")) for family in FAMILIES]
 
 
 @pytest.mark.parametrize(("family", "num_devices", "prune"), CASES, ids=lambda v: str(v))
