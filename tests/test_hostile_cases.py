@@ -247,6 +247,14 @@ def _(tmp_path, capsys):
                     "names layers [7] that are not MoE layers of the routing profile")  # fmt: skip
 
 
+@case("occult replan of a placement with a layer the profile lacks")
+def _(tmp_path, capsys):
+    _profile().save(tmp_path / "profile.safetensors")
+    path = _file(tmp_path / "extra.json", _layers_json([0, 1, 7]))
+    command_refused(capsys, ["replan", path, tmp_path / "profile.safetensors", "--out", tmp_path / "r.json"], path,
+                    tmp_path / "profile.safetensors", "has no routing for layers [7]")  # fmt: skip
+
+
 @case("occult report of a placement with a 20-digit layer key")
 def _(tmp_path, capsys):
     _profile().save(tmp_path / "profile.safetensors")
@@ -604,6 +612,7 @@ def test_hostile_case(name, request):
 #: the bounds in the world: long for waits the cases do not test, short for those they do
 WORLD_ENV = {"OCCULT_SAVE_TIMEOUT_S": "60", "OCCULT_JOIN_TIMEOUT_S": "2", "OCCULT_TEST_COLLECTIVE_TIMEOUT_S": "60"}
 EARLY_CHECK = "a rank that fails from_pretrained's early check"
+LOAD_FAILS = "a rank whose from_pretrained fails reading its copy of the checkpoint"
 USER_CODE = "a rank that fails in the user's code before apply_occult"
 RANK0_SAVE = "save_pretrained on rank 0 only"
 OTHER_CHECKPOINTS = "ranks that loaded different checkpoints"
@@ -634,6 +643,10 @@ def _world(rank, world_size, root):
     # rank 1's from_pretrained fails its early check of occult_config; rank 0 loads and reaches apply_occult
     config = OccultConfig() if rank == 0 else {"num_device": 2}
     seen[EARLY_CHECK] = _outcome(lambda: _load(f"{root}/seed0", occult_config=config))
+    dist.barrier()
+
+    # rank 1's copy of the checkpoint has a truncated weight file
+    seen[LOAD_FAILS] = _outcome(lambda: _load(f"{root}/{('seed0', 'seed0_truncated')[rank]}", occult_config=OccultConfig()))
     dist.barrier()
 
     # rank 1 fails in the user's code before apply_occult and goes on to a barrier
@@ -670,6 +683,13 @@ def _raised(outcome: dict, error: str | None, *words) -> None:
 def _(seen, root):
     _raised(seen[0], "EPConfigMismatchError", "rank 1 of the expert-parallel group failed at from_pretrained (ValueError: OccultConfig got unknown keys ['num_device']")
     _raised(seen[1], "ValueError", "OccultConfig got unknown keys ['num_device']")
+    assert seen[0]["seconds"] < 10, seen[0]  # at once, not after OCCULT_SAVE_TIMEOUT_S (60 s here)
+
+
+@world_case(LOAD_FAILS)
+def _(seen, root):
+    _raised(seen[0], "EPConfigMismatchError", "rank 1 of the expert-parallel group failed at from_pretrained (")
+    assert seen[1]["error"] is not None and seen[1]["message"] in seen[0]["message"], seen
     assert seen[0]["seconds"] < 10, seen[0]  # at once, not after OCCULT_SAVE_TIMEOUT_S (60 s here)
 
 
@@ -718,8 +738,10 @@ def world(tmp_path_factory):
     from safetensors.torch import load_file, save_file
 
     root = tmp_path_factory.mktemp("hostile_world")
-    for name, seed in (("seed0", 0), ("seed1", 1), ("seed0_copy", 0), ("seed0_other_experts", 0)):
+    for name, seed in (("seed0", 0), ("seed1", 1), ("seed0_copy", 0), ("seed0_other_experts", 0), ("seed0_truncated", 0)):
         tiny_checkpoint("olmoe", root / name, seed=seed)
+    truncated = root / "seed0_truncated" / "model.safetensors"
+    truncated.write_bytes(truncated.read_bytes()[: truncated.stat().st_size // 2])
     weights_file = root / "seed0_other_experts" / "model.safetensors"
     weights = load_file(weights_file)
     for name in weights:  # an experts-only fine-tune: every routed expert changed, nothing else
