@@ -617,6 +617,7 @@ USER_CODE = "a rank that fails in the user's code before apply_occult"
 RANK0_SAVE = "save_pretrained on rank 0 only"
 OTHER_CHECKPOINTS = "ranks that loaded different checkpoints"
 OTHER_EXPERTS = "ranks whose checkpoints differ in the routed experts only"
+OTHER_CHECKPOINTS_NATIVE = "ranks that loaded different checkpoints under transformers' EP (apply_occult_ep)"
 EMPTY_ON_RANKS = "a placement that leaves a device without an expert, on 2 ranks"
 SAME_CHECKPOINT = "one checkpoint at two paths"  # the control of the two above: it runs
 
@@ -670,6 +671,15 @@ def _world(rank, world_size, root):
     seen[OTHER_EXPERTS] = _outcome(lambda: load(("seed0", "seed0_other_experts")[rank]))
     seen[SAME_CHECKPOINT] = _outcome(lambda: load(("seed0", "seed0_copy")[rank])(tiny_batch(seed=rank)))
     seen[EMPTY_ON_RANKS] = _outcome(lambda: _load(f"{root}/seed0", occult_config=OccultConfig(placement=f"{root}/empty_device.json")))
+
+    from occult_hf import apply_occult_ep
+    from occult_hf.hf.native_ep import transformers_ep_available
+
+    if transformers_ep_available():
+        from transformers.distributed import DistributedConfig
+
+        native = DistributedConfig(ep_implementation="occult", ep_size=2, fsdp_size=2)
+        seen[OTHER_CHECKPOINTS_NATIVE] = _outcome(lambda: apply_occult_ep(_load(f"{root}/seed{rank}", distributed_config=native), OccultConfig()))
     return seen
 
 
@@ -718,6 +728,14 @@ def _(seen, root):
     for outcome in seen:
         _raised(outcome, "EPConfigMismatchError", "checkpoint (rank 0 'sha256:")
         assert "replicated weights" not in outcome["message"], outcome
+
+
+@world_case(OTHER_CHECKPOINTS_NATIVE)
+def _(seen, root):
+    if not seen:
+        pytest.skip("transformers < 5.23 has no EPImplementationInterface")
+    for outcome in seen:  # FSDP shards the dense weights: the checkpoints' identities differ
+        _raised(outcome, "EPConfigMismatchError", "disagree at apply_occult_ep on", "checkpoint (rank 0 'sha256:")
 
 
 @world_case(SAME_CHECKPOINT)
