@@ -2,7 +2,7 @@
 occult_hf owes (the error's type, and a short message naming the file, the setting or the rank).
 
     pytest tests/test_hostile_cases.py -q -rA      # every case by name: PASSED is fine, FAILED is bad
-    OLD/venv/bin/python -m pytest tests/test_hostile_cases.py -q   # the same cases against another install
+    OTHER/venv/bin/python -m pytest tests/test_hostile_cases.py -q   # another install of the same module layout
 
 The fast cases live here: bad inputs in one process, and the multi-rank faults that end in an error in one
 2-rank gloo world (`_world`, started once for all of them). The faults that need a process killed or a
@@ -18,7 +18,6 @@ import errno
 import inspect
 import json
 import os
-import re
 import time
 
 import numpy as np
