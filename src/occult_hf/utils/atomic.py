@@ -18,6 +18,7 @@ import io
 import json
 import math
 import os
+import shutil
 import tempfile
 from typing import Any, Callable, Iterator
 
@@ -94,14 +95,19 @@ def atomic_save_npz(path: str | os.PathLike, validate: Callable[[bytes], None] |
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     """`torch.save(obj, path)` through `atomic_path`. torch's writer reports a failed write (a full disk) as a
-    `RuntimeError` that names no file ("unexpected pos 704 vs 598"): it becomes an `OSError` naming `path`."""
+    `RuntimeError` that names no file ("unexpected pos 704 vs 598"): it becomes an `OSError` naming `path` and the
+    space left on its file system."""
     import torch
 
     with atomic_path(path) as tmp:
         try:
             torch.save(obj, tmp)
         except RuntimeError as error:
-            raise OSError(f"writing {os.fspath(path)!r} failed: {' '.join(str(error).split())[:300]}") from error
+            free = shutil.disk_usage(os.path.dirname(tmp)).free
+            raise OSError(
+                f"writing {os.fspath(path)!r} failed with {free} bytes left on its file system: "
+                f"{' '.join(str(error).split())[:300]}"
+            ) from error
 
 
 def atomic_save_figure(figure, path: str | os.PathLike, **savefig_kwargs) -> None:
