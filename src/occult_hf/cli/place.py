@@ -61,9 +61,15 @@ def add_cross_validate_argument(parser: argparse.ArgumentParser, default: int) -
     )
 
 
+#: the longest `--option NAME=VALUE` (numbers, words such as "auto"); longer is a usage error, not a long error message
+MAX_OPTION_CHARS = 200
+
+
 def planner_option(pair: str) -> tuple[str, object]:
     """argparse type of `--option`: `"max_load_ratio=1.05"` -> `("max_load_ratio", 1.05)` (JSON, else the text).
     Checked at parse time, so a malformed pair is reported as the subcommand's usage error."""
+    if len(pair) > MAX_OPTION_CHARS:  # no planner option is that long; a planner's error would quote it whole
+        raise argparse.ArgumentTypeError(f"{pair[:40]!r}... has {len(pair)} characters, more than the {MAX_OPTION_CHARS} of any NAME=VALUE")
     name, sep, text = pair.partition("=")
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {pair!r}")

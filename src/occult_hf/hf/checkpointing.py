@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from torch import nn
 
 from .blocks import place_full_experts
@@ -143,10 +144,16 @@ def save_pretrained(model, save_directory, *args, **kwargs):
     os.makedirs(save_directory, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".occult_save-", dir=save_directory)
     try:
-        state.placement.save(os.path.join(staging, PLACEMENT_FILENAME))
-        result = type(model).save_pretrained(model, staging, *args, state_dict=state_dict, **kwargs)
-        _bundle_profile(state.occult_config, staging)
-        _describe_pruning(state.occult_config, staging, os.fspath(save_directory))
+        try:
+            state.placement.save(os.path.join(staging, PLACEMENT_FILENAME))
+            result = type(model).save_pretrained(model, staging, *args, state_dict=state_dict, **kwargs)
+            _bundle_profile(state.occult_config, staging)
+            _describe_pruning(state.occult_config, staging, os.fspath(save_directory))
+        except (OSError, SafetensorError) as error:  # a full disk: safetensors names no file, an OSError a staged one
+            raise OSError(
+                f"save_pretrained {os.fspath(save_directory)!r}: writing the checkpoint failed, and the files already "
+                f"there are unchanged ({' '.join(str(error).split())[:300]})"
+            ) from error
         _publish(staging, os.fspath(save_directory))
     finally:
         shutil.rmtree(staging, ignore_errors=True)

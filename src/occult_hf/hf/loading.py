@@ -80,15 +80,24 @@ class LoadReport:
 
 
 class _LoadScope(contextlib.ExitStack):
-    """The context one `from_pretrained` runs in; it enters as the function that puts its report on the model."""
+    """The context one `from_pretrained` runs in; it enters as the function that puts its report on the model.
 
-    def __init__(self, report: LoadReport) -> None:
+    With `announce` (an `occult_config` was given, so the other ranks will wait for this one at `apply_occult`), a
+    load that fails (a checkpoint file missing or corrupt on this rank's copy) tells them: they raise at once,
+    naming this rank and its error, instead of after `OCCULT_SAVE_TIMEOUT_S`."""
+
+    def __init__(self, report: LoadReport, announce: bool = False) -> None:
         super().__init__()
-        self.report = report
+        self.report, self.announce = report, announce
 
     def __enter__(self):
         super().__enter__()
         return lambda model: model.__dict__.__setitem__(REPORT_ATTR, self.report)
+
+    def __exit__(self, kind, error, traceback):
+        if self.announce and isinstance(error, Exception):
+            announce_failure(error, "from_pretrained")
+        return super().__exit__(kind, error, traceback)
 
 
 def load_scope(occult_config, kwargs: dict, model_class: type | None = None):
@@ -98,8 +107,8 @@ def load_scope(occult_config, kwargs: dict, model_class: type | None = None):
     pass, else from `model_class`'s config class), so a bad one fails before the checkpoint is read (a real
     checkpoint takes minutes to read; both are checked again when the config is applied)."""
     report = LoadReport()
-    scope = _LoadScope(report)
-    if occult_config is not UNSET and occult_config is not None:
+    scope = _LoadScope(report, announce=occult_config is not UNSET and occult_config is not None)
+    if scope.announce:
         try:
             occult_config = OccultConfig.coerce(occult_config)
             _check_model_type(kwargs.get("config"), model_class)

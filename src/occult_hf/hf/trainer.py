@@ -50,6 +50,7 @@ from .state import BLOCKS, STATE_ATTR
 from .compat import unwrap_trainer_methods, wrap_trainer_methods
 from .checkpointing import snapshot_experts
 from ..moe import OccultMoE
+from ..utils.atomic import atomic_torch_save
 from ..utils.logging import get_logger
 from ..utils.strict_json import read_json_file
 
@@ -127,9 +128,7 @@ def _save_optimizer_and_scheduler(original, trainer, output_dir):
     # a PEFT model's weights resume from its (gathered) adapter files; its optimizer state is per rank too
     experts = _expert_state(model) if model is trainer.model else {}
     payload = {"experts": experts, "optimizer": trainer.optimizer.state_dict(), "world": _ep_rank_world(model)}
-    temporary = f"{path}.tmp{os.getpid()}"
-    torch.save(payload, temporary)
-    os.replace(temporary, path)
+    atomic_torch_save(payload, path)
     return result
 
 
@@ -276,8 +275,6 @@ def _check_complete(checkpoint: str) -> None:
 
 def _listing(incomplete: dict[str, list[str]]) -> str:
     return "; ".join(f"{os.path.basename(c)} lacks {', '.join(m)}" for c, m in list(incomplete.items())[:8])
-
-
 
 
 def _read_rank_file(checkpoint: str, model: nn.Module) -> dict:

@@ -103,7 +103,9 @@ class Placement:
                 devices = devices.tolist()
             if not isinstance(devices, (list, tuple)):
                 raise TypeError(f"{where} must be a list of device ids, got {type(devices).__name__}")
-            layers[index] = [_strict_int(d, f"{where}[{e}]") for e, d in enumerate(devices)]
+            layers[index] = list(devices) if all(type(d) is int for d in devices) else [
+                _strict_int(d, f"{where}[{e}]") for e, d in enumerate(devices)
+            ]  # the per-item label only where an item is not an int (formatting it costs most of a large placement)
         self.layers = layers
         for layer, devices in self.layers.items():
             if len(devices) != self.num_experts:
@@ -236,8 +238,9 @@ class Placement:
                 raise _SchemaError(f"{path} must be a list of device ids, got {_json_type(devices)}")
             if len(devices) != num_experts:
                 raise _SchemaError(f"{path} maps {len(devices)} experts, expected num_experts={num_experts}")
-            for e, d in enumerate(devices):
-                _json_int(d, f"{path}[{e}]", minimum=0, below=num_devices, below_name="num_devices")
+            if not all(type(d) is int and 0 <= d < num_devices for d in devices):  # find and name the bad one
+                for e, d in enumerate(devices):
+                    _json_int(d, f"{path}[{e}]", minimum=0, below=num_devices, below_name="num_devices")
             layers[layer] = list(devices)
         meta = data.get("meta", {})
         if not isinstance(meta, dict):

@@ -35,6 +35,7 @@ import numpy as np
 from ..metrics import replica_device_load, served_ct
 from ..registry import REPLICA_CHOICES
 from ..replicas.routing import home_table_from, resolve_homes_np
+from ..utils.checks import shown
 from .placement import Placement
 
 if TYPE_CHECKING:
@@ -210,7 +211,12 @@ def replan_replicas(
     chosen = list(placement.layers) if layers is None else [int(layer) for layer in layers]
     missing = [layer for layer in chosen if layer not in profile.layers]
     if missing:
-        raise ValueError(f"replan_replicas: profile has no routing for layers {missing} (it has {sorted(profile.layers)})")
+        profile_name = f"the routing profile {profile.path!r}" if profile.path else "the routing profile"
+        placement_name = f"the placement {placement.source!r}" if placement.source else "the placement"
+        raise ValueError(
+            f"replan_replicas: {profile_name} has no routing for layers {shown(missing)} of {placement_name} (it has "
+            f"{shown(sorted(profile.layers))})"
+        )
     if profile.num_experts != placement.num_experts:
         raise ValueError(
             f"replan_replicas: the profile has {profile.num_experts} routed experts but the placement is for "

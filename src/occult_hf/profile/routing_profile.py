@@ -75,6 +75,7 @@ class RoutingProfile:
                 raise ValueError(
                     f"RoutingProfile layer {l} topk_sample has shape {r.topk_sample.shape}, expected [N, top_k={self.top_k}]"
                 )
+            _check_magnitude(l, r)
 
     # ----- construction -------------------------------------------------------------------
     @classmethod
@@ -378,6 +379,23 @@ def _check_counts(layer: int, routing: LayerRouting, num_experts: int, top_k: in
         )
     if routing.topk_sample is not None and len(routing.topk_sample) > tokens:
         raise ValueError(f"{where}: topk_sample holds {len(routing.topk_sample)} rows, more than token_count={tokens}")
+
+
+#: the largest sum of one layer's counts: every int64 statistic over them (the pairwise cut sums a subset) stays exact
+MAX_COUNT_SUM = 2**62
+
+
+def _check_magnitude(layer: int, routing: LayerRouting) -> None:
+    """No int64 statistic of the layer can overflow: its co-activation and its expert counts each sum (in
+    magnitude) to at most `MAX_COUNT_SUM`. A profile file is held to more (`_check_counts`); a profile built in
+    memory may hold counts alone, but not counts whose cut would wrap around to a wrong number."""
+    for name, counts in (("coactivation", routing.coactivation), ("expert_counts", routing.expert_counts)):
+        total = float(np.abs(np.asarray(counts, dtype=np.float64)).sum())
+        if total > MAX_COUNT_SUM:
+            raise ValueError(
+                f"RoutingProfile layer {layer} {name} sums to {total:.3g}, past 2^62: statistics over it (the pairwise "
+                f"cut) would overflow int64"
+            )
 
 
 def check_same_model(profiles: "list[RoutingProfile]", names: list[str]) -> None:

@@ -18,6 +18,7 @@ import io
 import json
 import math
 import os
+import shutil
 import tempfile
 from typing import Any, Callable, Iterator
 
@@ -92,6 +93,23 @@ def atomic_save_npz(path: str | os.PathLike, validate: Callable[[bytes], None] |
     atomic_write_bytes(path, buffer.getvalue(), validate=validate)
 
 
+def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
+    """`torch.save(obj, path)` through `atomic_path`. torch's writer reports a failed write (a full disk) as a
+    `RuntimeError` that names no file ("unexpected pos 704 vs 598"): it becomes an `OSError` naming `path` and the
+    space left on its file system."""
+    import torch
+
+    with atomic_path(path) as tmp:
+        try:
+            torch.save(obj, tmp)
+        except RuntimeError as error:
+            free = shutil.disk_usage(os.path.dirname(tmp)).free
+            raise OSError(
+                f"writing {os.fspath(path)!r} failed with {free} bytes left on its file system: "
+                f"{' '.join(str(error).split())[:300]}"
+            ) from error
+
+
 def atomic_save_figure(figure, path: str | os.PathLike, **savefig_kwargs) -> None:
     """`figure.savefig` through `atomic_path` (the format from the target's extension, default PNG)."""
     fmt = os.path.splitext(os.fspath(path))[1].lstrip(".").lower() or "png"
@@ -158,5 +176,6 @@ __all__ = [
     "atomic_write_json",
     "atomic_path",
     "atomic_save_figure",
+    "atomic_torch_save",
     "check_writable_dir",
 ]
