@@ -178,13 +178,14 @@ def test_split_experts_keeps_the_tokens_choices_between_experts():
 
 # ----- the command line ---------------------------------------------------------------------------------------
 def test_plan_cluster_runs_on_the_shipped_study_trace(tmp_path, capsys):
-    argv = ["plan-cluster", "--devices", "8", "16", "--trace-layers", "0", "--methods", "transformers_ep", "fsdp2",
-            "dedup+contiguous", "hierarchical+node_refined", "hierarchical+node_refined+Nn=1", "--no-progress",
-            "--out", str(tmp_path)]  # fmt: skip
+    argv = ["plan-cluster", "--devices", "8", "16", "--tokens-per-rank", "16384", "2048", "--trace-layers", "0",
+            "--methods", "transformers_ep", "fsdp2", "dedup+contiguous", "hierarchical+node_refined",
+            "hierarchical+node_refined+Nn=1", "--no-progress", "--out", str(tmp_path)]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "MODEL, not a measurement" in out and "50 GB/s per GPU with 10 us" in out
     assert "| hierarchical+node_refined+Nn=1" in out and "olmoe-1b-7b, routing study_routing_h200.npz" in out
+    assert "at T = 16384 tokens per GPU" in out and "at T = 2048 tokens per GPU" in out
     assert {p.name for p in tmp_path.iterdir()} == {"plan_cluster.md", "plan_cluster.json", "plan_cluster.png"}
     assert (tmp_path / "plan_cluster.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -3,9 +3,10 @@
     python -m occult_hf.eval.studies.node_traffic_study                                    # the study trace only
     python -m occult_hf.eval.studies.node_traffic_study --routing-dir ../shared/data/routing --out docs/scale_results/node_traffic.md
 
-At D = 16, 32 and 64 GPUs of G = 8 per node, for each per-token trace: placements planned on the first half of
-its tokens (`contiguous`; flat `refined`, which minimises CT; node-aware `refined` with `devices_per_node=G`,
-which minimises CT_node first) and measured on the held-out second half, unpruned and with node-limited pruning
+At D = 16, 32 and 64 GPUs of G = 8 per node, for each per-token trace: placements planned on one half of its
+tokens (`contiguous`; flat `refined`, which minimises CT; node-aware `refined` with `devices_per_node=G`, which
+minimises CT_node first) and measured on the held-out other half (alternate 128-token windows,
+`occult_hf.scale.routing.Routing.halves`), unpruned and with node-limited pruning
 to N_n = 4 and 2 nodes per token (`OccultConfig.max_nodes_per_token`, the library's walk; a limit of at least the
 N = D/G nodes prunes nothing and is left out), with the share of routing weight (and of slots: the study trace
 records no weights) each removes. The traces:
@@ -92,13 +93,14 @@ def run_study(study_trace: str, routing_dir: str | None, devices: tuple[int, ...
     parts = []
     for path, what in traces:
         routing = load_routing(path)
+        plan_tokens, held_tokens = (half.ids_NLk.shape[0] for half in routing.halves())
         started = time.process_time()
         rows = traffic_rows(routing, devices, devices_per_node, progress)
         skipped = [d for d in devices if d > routing.num_experts]
         parts += [
             f"### {routing.source}: {what}",
-            f"Planned on the first {routing.ids_NLk.shape[0] // 2:,} tokens, measured on the held-out "
-            f"{routing.ids_NLk.shape[0] - routing.ids_NLk.shape[0] // 2:,}; G = {devices_per_node}; "
+            f"Planned on {plan_tokens:,} tokens, measured on the held-out {held_tokens:,} (alternate 128-token windows); "
+            f"G = {devices_per_node}; "
             f"{time.process_time() - started:.0f} s of CPU."
             + (f" D = {', '.join(map(str, skipped))}: more devices than its {routing.num_experts} experts, left out." if skipped else ""),
             markdown_table(HEADERS, rows),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from . import add_no_progress_argument, check_output_dir
 
@@ -34,7 +35,8 @@ def register(subparsers) -> None:
     parser.add_argument("--devices", type=int, nargs="+", default=list(DEFAULT_DEVICES), help="GPU counts D (default: %(default)s)")
     parser.add_argument("--devices-per-node", "--devices_per_node", dest="devices_per_node", type=int, default=8,
                         help="GPUs G per node (default: 8)")  # fmt: skip
-    parser.add_argument("--tokens-per-rank", type=int, default=16384, help="tokens T each GPU routes per layer (default: 16384)")
+    parser.add_argument("--tokens-per-rank", type=int, nargs="+", default=[16384],
+                        help="tokens T each GPU routes per layer; several: a table each (default: 16384)")  # fmt: skip
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
                         help="methods: <dispatch>+<placement>[+Nd=n][+Nn=n], transformers_ep, fsdp2 (default: %(default)s)")  # fmt: skip
     parser.add_argument("--internode-gbs", type=float, default=50.0, help="inter-node GB/s per GPU (assumption; default: 50)")
@@ -84,11 +86,20 @@ def _validation(calib, measurements) -> str:
     ])  # fmt: skip
 
 
-def _cases(args: argparse.Namespace) -> list[tuple[str, str]]:
+def default_trace() -> str:
+    """The study model's trace (`benchmarks.paper_routing.STUDY_TRACE`): from the working directory, else from the
+    source checkout this package runs from; a wheel does not hold it (the error says to give --case)."""
     from ..benchmarks.paper_routing import STUDY_TRACE
 
+    checkout = Path(__file__).resolve().parents[3] / STUDY_TRACE
+    if os.path.isfile(STUDY_TRACE) or not checkout.is_file():
+        return STUDY_TRACE
+    return str(checkout)
+
+
+def _cases(args: argparse.Namespace) -> list[tuple[str, str]]:
     cases = []
-    for entry in args.case or [f"olmoe-1b-7b={STUDY_TRACE}"]:
+    for entry in args.case or [f"olmoe-1b-7b={default_trace()}"]:
         model, sep, trace = entry.partition("=")
         if not sep or not model or not trace:
             raise ValueError(f"--case {entry!r} must be MODEL=TRACE")
@@ -107,10 +118,10 @@ def _projections(args: argparse.Namespace, calib, cluster) -> str:
         parse_method(name)
     for count in args.devices:
         check_devices(count, cluster.devices_per_node)
-    if args.tokens_per_rank < 1:
+    if min(args.tokens_per_rank) < 1:
         raise ValueError(f"--tokens-per-rank must be >= 1, got {args.tokens_per_rank}")
     cases = [(model_spec(model), trace) for model, trace in _cases(args)]
-    parts, results = [assumptions(cluster, args.tokens_per_rank)], []
+    parts, results = [assumptions(cluster)], []
     for spec, trace in cases:
         routing = fit_to_model(load_routing(trace), spec)
         if args.trace_layers is not None:
@@ -118,8 +129,11 @@ def _projections(args: argparse.Namespace, calib, cluster) -> str:
         rows = project(calib, spec, routing, args.devices, args.methods, cluster, args.tokens_per_rank, progress=not args.no_progress)
         title = f"{spec.name}, routing {routing.source}"
         results.append((title, rows))
-        parts += [f"## {title}", "MoE layer forward+backward, ms (mean over the model's MoE layers; fastest in bold):",
-                  summary_table(rows), detail_table(rows)]  # fmt: skip
+        parts.append(f"## {title}")
+        for tokens in args.tokens_per_rank:
+            parts += [f"MoE layer forward+backward at T = {tokens} tokens per GPU, ms (mean over the model's MoE layers; "
+                      f"fastest in bold):", summary_table([r for r in rows if r.tokens == tokens])]  # fmt: skip
+        parts.append(detail_table(rows))
     text = "\n\n".join(parts)
     if args.out is not None:
         _write(args.out, text, results, plot_projections)

@@ -3,15 +3,16 @@
 For each D the expert-parallel group is the largest divisor of D that holds at least one expert per device and is
 a whole number of nodes (`ep_group_size`): beyond E devices the experts cannot spread further, and the other
 devices run copies of that group on their own tokens (data parallel), whose expert gradients are all-reduced in
-training. Placements are planned on the first half of the routing's tokens for every trace layer (`contiguous`,
-`occult`, `refined`, and `node_refined` = `refined` with `devices_per_node=G`), and each method's traffic is
-replayed on the held-out second half (`traffic.replay_traffic`) at T tokens per rank; MoE layer i of the model
-replays trace layer `i * L / M` (depth in proportion, as the paper bench does). Times come from `cost`.
+training. Placements are planned on the planning half of the routing's tokens (`routing.Routing.halves`) for every
+trace layer (`contiguous`, `occult`, `refined`, and `node_refined` = `refined` with `devices_per_node=G`), and each
+method's traffic is replayed on the held-out half (`traffic.replay_traffic`) at each T tokens per rank; MoE layer i
+of the model replays trace layer `i * L / M` (depth in proportion, as the paper bench does). Times come from `cost`.
 
 Per method and D: the mean MoE layer's forward and forward+backward, the whole model's prefill (one forward) and
 training step (where its rest of the layer is measured: `cost.rest_ms`), CT and CT_node on the held-out tokens, the
 MB its busiest device sends over its inter-node link per layer and forward, and the routing weight (or slot share)
-pruning moves.
+pruning moves, and the busiest device's pairs over the mean device's (a hot expert's load: the layer waits for
+that device).
 
 Shape legend (docs/conventions.md): E experts, D devices, T tokens per rank.
 """
@@ -41,6 +42,7 @@ class Projected:
 
     devices: int
     ep_devices: int
+    tokens: int
     method: str
     fwd_ms: float | None = None
     fwd_bwd_ms: float | None = None
@@ -49,6 +51,7 @@ class Projected:
     ct: float | None = None
     ct_node: float | None = None
     internode_mb: float | None = None
+    imbalance: float | None = None
     removed_slots: float | None = None
     removed_weight: float | None = None
     note: str = ""
@@ -102,13 +105,17 @@ def project(
     devices: Sequence[int],
     methods: Iterable[str],
     cluster: Cluster,
-    tokens: int,
+    tokens: Sequence[int],
     progress: bool = True,
 ) -> list[Projected]:
-    """Every method at every D (module docstring); `routing` is already fitted to `spec` (`routing.fit_to_model`)."""
+    """Every method at every D and T (module docstring); `routing` is already fitted to `spec` (`routing.fit_to_model`).
+    Rows come D by D, each D's methods in order, T innermost."""
     parsed = [parse_method(name) for name in methods]
     for count in devices:
         check_devices(count, cluster.devices_per_node)
+    bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or t < 1]
+    if bad or not tokens:
+        raise ValueError(f"tokens per rank {list(tokens)} must be positive integers (at least one)")
     plan_half, held_out = routing.halves()
     rows = []
     cases = [(count, method) for count in devices for method in parsed]
@@ -116,7 +123,7 @@ def project(
     for count, method in progress_bar(cases, enabled=progress, desc=f"plan-cluster {spec.name}", unit="case"):
         ep = ep_group_size(count, spec.num_experts, cluster.devices_per_node)
         planner = planners.setdefault(ep, Planner(plan_half, ep, min(ep, cluster.devices_per_node)))
-        rows.append(_project_one(calib, spec, held_out, planner, count, ep, method, cluster, tokens))
+        rows += [_project_one(calib, spec, held_out, planner, count, ep, method, cluster, t) for t in tokens]
     return rows
 
 
@@ -127,7 +134,7 @@ def _project_one(
     if method.name == "fsdp2":
         return _fsdp2(calib, spec, devices, cluster, tokens)
     if method.name == "transformers_ep" and spec.num_experts % ep:
-        return Projected(devices, ep, method.name, note=f"transformers' EP refuses: E={spec.num_experts} experts do not divide over {ep} ranks")
+        return Projected(devices, ep, tokens, method.name, note=f"transformers' EP refuses: E={spec.num_experts} experts do not divide over {ep} ranks")
     group = min(ep, cluster.devices_per_node)
     traffics = [
         replay_traffic(
@@ -148,9 +155,10 @@ def _project_one(
     whole = _whole_model(calib, spec, model[FWD], model[FWD_BWD], tokens, spec.other_params + spec.routed_params / ep, sync)
     weights = [t.removed_weight for t in traffics]
     return Projected(
-        devices, ep, method.name, float(np.mean(model[FWD])), float(np.mean(model[FWD_BWD])), *whole[:2],
+        devices, ep, tokens, method.name, float(np.mean(model[FWD])), float(np.mean(model[FWD_BWD])), *whole[:2],
         ct=float(np.mean([t.ct for t in traffics])), ct_node=float(np.mean([t.ct_node for t in traffics])),
         internode_mb=float(np.mean([t.internode_bytes for t in traffics])) / 1e6,
+        imbalance=float(np.mean([t.imbalance for t in traffics])),
         removed_slots=float(np.mean([t.removed_slots for t in traffics])),
         removed_weight=None if None in weights else float(np.mean(weights)), note=whole[2],
     )  # fmt: skip
@@ -165,7 +173,7 @@ def _fsdp2(calib: Calibration, spec: ModelSpec, devices: int, cluster: Cluster, 
         calib, spec, [layer[FWD]] * spec.moe_layers, [layer[FWD_BWD]] * spec.moe_layers, tokens, spec.params / devices,
         gathered_ms(calib, cluster, rest, devices, FWD_BWD), prefill_extra_ms=gathered_ms(calib, cluster, rest, devices, FWD),
     )  # fmt: skip
-    return Projected(devices, devices, "fsdp2", layer[FWD], layer[FWD_BWD], *whole[:2], note=whole[2])
+    return Projected(devices, devices, tokens, "fsdp2", layer[FWD], layer[FWD_BWD], *whole[:2], imbalance=1.0, note=whole[2])
 
 
 def _whole_model(

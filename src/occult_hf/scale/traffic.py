@@ -57,6 +57,7 @@ class LayerTraffic:
         nvlink_bytes: bytes the busiest device sends or receives over NVLink (dispatch + combine).
         internode_bytes: the same over its inter-node link (0 inside one node).
         ct: mean devices per token; ct_node: mean nodes per token.
+        imbalance: the busiest device's pairs over the mean device's.
         removed_slots: share of (token, expert) slots pruning moved; removed_weight: their share of routing weight
             (None where the routing has no weights).
     """
@@ -69,6 +70,7 @@ class LayerTraffic:
     internode_bytes: float
     ct: float
     ct_node: float
+    imbalance: float = 1.0
     removed_slots: float = 0.0
     removed_weight: float | None = 0.0
 
@@ -172,7 +174,7 @@ def replay_traffic(
     return LayerTraffic(
         dispatch, tokens, pairs=float(pairs_D.max()), rows=float(rows),
         nvlink_bytes=float(nvlink_rows * per_row), internode_bytes=float(internode_rows * per_row),
-        ct=float(reached_ND.sum(1).mean()), ct_node=float(reached_NQ.sum(1).mean()),
+        ct=float(reached_ND.sum(1).mean()), ct_node=float(reached_NQ.sum(1).mean()), imbalance=float(pairs_D.max() / pairs_D.mean()),
         removed_slots=float(pruned_Nk.mean()),
         removed_weight=None if ranked else float((weights * pruned_Nk).sum() / weights.sum()),
     )  # fmt: skip
