@@ -40,7 +40,8 @@ def register(subparsers) -> None:
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
                         help="methods: <dispatch>+<placement>[+Nd=n][+Nn=n], transformers_ep, fsdp2 (default: %(default)s)")  # fmt: skip
     parser.add_argument("--internode-gbs", type=float, default=50.0, help="inter-node GB/s per GPU (assumption; default: 50)")
-    parser.add_argument("--internode-latency-us", type=float, default=10.0, help="inter-node latency per message, us (assumption; default: 10)")
+    parser.add_argument("--internode-latency-us", type=float, default=10.0,
+                        help="inter-node latency per message, us (assumption; default: 10)")  # fmt: skip
     parser.add_argument("--trace-layers", type=int, nargs="+", default=None, help="replay only these trace layers (default: all)")
     parser.add_argument(
         "--measurements", default=None,

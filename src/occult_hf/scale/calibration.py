@@ -119,7 +119,8 @@ def _fit_kernels(points: list[dict], params: list[Parameter]) -> dict[str, Line]
     ):  # fmt: skip
         for direction in (FWD, FWD_BWD):
             gflop = [expert_gflop(model_spec(shape), tokens * model_spec(shape).top_k, direction) for shape, tokens in table]
-            line, error = fit_line(np.array(gflop), np.array([t[direction] for t in table.values()]), f"{family} expert kernel {direction}")
+            times = np.array([t[direction] for t in table.values()])
+            line, error = fit_line(np.array(gflop), times, f"{family} expert kernel {direction}")
             kernels[f"{family}/{direction}"] = line
             params.append(Parameter(
                 f"{family} experts, {direction}", f"{line.intercept_ms:.3f} ms + GFLOP / {1 / line.slope_ms:.0f} TFLOP/s",
@@ -145,7 +146,8 @@ def _dense_tflops(shared: dict, params: list[Parameter]) -> float:
     spec = model_spec(shared["shape"])
     gflop = shared["layers"] * 2 * 3 * spec.hidden * spec.shared_width * shared["tokens"] / 1e9
     tflops = gflop / shared["ms"]
-    params.append(Parameter("dense MLP rate", f"{tflops:.0f} TFLOP/s", f"{shared['source']}: session 6 profile, Qwen1.5 shared experts ({shared['ms']} ms for 4 layers)"))
+    source = f"{shared['source']}: session 6 profile, Qwen1.5 shared experts ({shared['ms']} ms for {shared['layers']} layers)"
+    params.append(Parameter("dense MLP rate", f"{tflops:.0f} TFLOP/s", source))
     return tflops
 
 
@@ -156,7 +158,9 @@ def _rest_per_token(blocks: list[dict], points: list[dict], partial: Calibration
         kernel = [p for p in points if (p["shape"], p["tokens"], p["implementation"], p["transformers"])
                   == (block["shape"], tokens, TRANSFORMERS_KERNEL, TRANSFORMERS_VERSION)]  # fmt: skip
         if not kernel:
-            raise ValueError(f"no transformers {TRANSFORMERS_VERSION} expert timing of {block['shape']} at T={tokens} to split {block['source']}")
+            raise ValueError(
+                f"no transformers {TRANSFORMERS_VERSION} expert timing of {block['shape']} at T={tokens} to split {block['source']}"
+            )
         for direction, column in DIRECTION_KEYS.items():
             per_layer = block[column] / block["layers"] - kernel[0][column] - shared_ms(partial, spec, tokens, direction)
             rest[f"{spec.name}/{direction}"] = per_layer / tokens * 1e3
@@ -195,8 +199,11 @@ def _fit_dispatchers(rows: list[dict], partial: Calibration, params: list[Parame
                     continue
                 spec = model_spec(row["shape"])
                 exchanges = 1 if direction == FWD else 2
-                modelled = (partial.kernels[f"{family}/{direction}"](expert_gflop(spec, traffic.pairs, direction))
-                            + shared_ms(partial, spec, traffic.tokens, direction) + exchanges * exchange_ms(partial, cluster, traffic))  # fmt: skip
+                modelled = (
+                    partial.kernels[f"{family}/{direction}"](expert_gflop(spec, traffic.pairs, direction))
+                    + shared_ms(partial, spec, traffic.tokens, direction)
+                    + exchanges * exchange_ms(partial, cluster, traffic)
+                )
                 krows.append(traffic.rows / 1e3)
                 residual.append(row[column] - modelled)
                 measured.append(row[column])
@@ -233,7 +240,8 @@ def _optimizer_cost(rows: list[dict], partial: Calibration, params: list[Paramet
     if cost <= 0:
         raise ValueError(f"the DDP rows leave {cost:.3g} ms per billion parameters for the optimizer; it must be > 0")
     sources = ", ".join(sorted({f"{row['source']} ({row['model']})" for row in ddp}))
-    params.append(Parameter("optimizer (AdamW, bf16)", f"{cost:.1f} ms per billion parameters held", f"bench paper DDP step: {sources}", len(ddp)))
+    value = f"{cost:.1f} ms per billion parameters held"
+    params.append(Parameter("optimizer (AdamW, bf16)", value, f"bench paper DDP step: {sources}", len(ddp)))
     return cost
 
 

@@ -101,7 +101,9 @@ def exchange_ms(calib: "Calibration", cluster: Cluster, traffic: LayerTraffic) -
     if not traffic.internode_bytes:
         return nvlink
     internode = CALLS * cluster.internode_latency_us / 1e3 + traffic.internode_bytes / (cluster.internode_gbs * 1e6)
-    return nvlink + internode if traffic.dispatch == "hierarchical" else max(nvlink, internode + CALLS * calib.nvlink.intercept_ms)
+    if traffic.dispatch == "hierarchical":
+        return nvlink + internode
+    return max(nvlink, internode + CALLS * calib.nvlink.intercept_ms)
 
 
 def ep_layer_ms(

@@ -88,8 +88,9 @@ def load_measurements(path: str | os.PathLike | None = None) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"measurements {str(path)!r}: no such file or docs/ folder")
     data = read_json_file(path, f"measurements {str(path)!r}")
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ValueError(f"measurements {str(path)!r}: not a {FORMAT} file (its 'format' is {data.get('format') if isinstance(data, dict) else None!r})")
+    found = data.get("format") if isinstance(data, dict) else None
+    if found != FORMAT:
+        raise ValueError(f"measurements {str(path)!r}: not a {FORMAT} file (its 'format' is {found!r})")
     return data
 
 

@@ -68,8 +68,10 @@ def check_devices(devices: int, devices_per_node: int) -> None:
 def ep_group_size(devices: int, num_experts: int, devices_per_node: int) -> int:
     """The largest divisor of `devices` that is at most E and fills whole nodes (or is one node of at most G)."""
     check_devices(devices, devices_per_node)
-    sizes = [d for d in range(1, min(devices, num_experts) + 1) if devices % d == 0 and (d <= devices_per_node or d % devices_per_node == 0)]
-    return max(sizes)
+    def fills_nodes(size: int) -> bool:
+        return devices % size == 0 and (size <= devices_per_node or size % devices_per_node == 0)
+
+    return max(size for size in range(1, min(devices, num_experts) + 1) if fills_nodes(size))
 
 
 class Planner:
@@ -134,7 +136,8 @@ def _project_one(
     if method.name == "fsdp2":
         return _fsdp2(calib, spec, devices, cluster, tokens)
     if method.name == "transformers_ep" and spec.num_experts % ep:
-        return Projected(devices, ep, tokens, method.name, note=f"transformers' EP refuses: E={spec.num_experts} experts do not divide over {ep} ranks")
+        refused = f"transformers' EP refuses: E={spec.num_experts} experts do not divide over {ep} ranks"
+        return Projected(devices, ep, tokens, method.name, note=refused)
     group = min(ep, cluster.devices_per_node)
     traffics = [
         replay_traffic(

@@ -149,8 +149,11 @@ def replay_traffic(
     ids = np.asarray(topk_ids_Nk, dtype=np.int64)
     top_k, num_nodes, group = ids.shape[1], num_devices // devices_per_node, devices_per_node
     ranked = weights_Nk is None
-    weights = np.broadcast_to(np.arange(top_k, 0, -1, dtype=np.float32), ids.shape) if ranked else np.asarray(weights_Nk, dtype=np.float32)
-    device_Nk, pruned_Nk = pruned_routing(ids, weights, device_of_E, num_devices, group, max_devices_per_token, max_nodes_per_token)
+    by_rank_Nk = np.broadcast_to(np.arange(top_k, 0, -1, dtype=np.float32), ids.shape)
+    weights = by_rank_Nk if ranked else np.asarray(weights_Nk, dtype=np.float32)
+    device_Nk, pruned_Nk = pruned_routing(
+        ids, weights, device_of_E, num_devices, group, max_devices_per_token, max_nodes_per_token
+    )
     hits_ND = device_hits(device_Nk, np.arange(num_devices), num_devices)
     reached_ND = hits_ND > 0
     node_of_D = np.arange(num_devices) // group
@@ -161,10 +164,11 @@ def replay_traffic(
     to_own_node_D = (same_node_DD * share_D[None, :]).sum(1) - share_D  # rows a rank sends to its node's others
     if dispatch == "hierarchical":
         share_Q = reached_NQ.mean(0)
-        internode_rows = tokens * np.maximum(share_Q.sum() - share_Q[node_of_D], (num_nodes - 1) * share_Q[node_of_D]).max()
+        node_share_D = share_Q[node_of_D]  # per device: the share of tokens reaching its node
+        internode_rows = tokens * np.maximum(share_Q.sum() - node_share_D, (num_nodes - 1) * node_share_D).max()
         nvlink_rows = tokens * np.maximum(num_nodes * to_own_node_D, num_nodes * (group - 1) * share_D).max()
         # packed per device: one copy per other node, its own node's rows, and the forwarded copies
-        rows = tokens * (share_Q.sum() - share_Q[node_of_D] + share_D + num_nodes * to_own_node_D).max()
+        rows = tokens * (share_Q.sum() - node_share_D + share_D + num_nodes * to_own_node_D).max()
     else:
         to_other_nodes_D = share_D.sum() - to_own_node_D - share_D
         internode_rows = tokens * np.maximum(to_other_nodes_D, (num_devices - group) * share_D).max()
@@ -174,7 +178,8 @@ def replay_traffic(
     return LayerTraffic(
         dispatch, tokens, pairs=float(pairs_D.max()), rows=float(rows),
         nvlink_bytes=float(nvlink_rows * per_row), internode_bytes=float(internode_rows * per_row),
-        ct=float(reached_ND.sum(1).mean()), ct_node=float(reached_NQ.sum(1).mean()), imbalance=float(pairs_D.max() / pairs_D.mean()),
+        ct=float(reached_ND.sum(1).mean()), ct_node=float(reached_NQ.sum(1).mean()),
+        imbalance=float(pairs_D.max() / pairs_D.mean()),
         removed_slots=float(pruned_Nk.mean()),
         removed_weight=None if ranked else float((weights * pruned_Nk).sum() / weights.sum()),
     )  # fmt: skip

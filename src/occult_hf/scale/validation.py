@@ -111,7 +111,8 @@ def _prefill(calib: Calibration, spec: ModelSpec, key: str, ct: float | None) ->
 def _finetune(calib: Calibration, spec: ModelSpec, key: str, ct: float | None) -> float | None:
     cluster, tokens, devices = Cluster(), FINETUNE_TOKENS, PAPER_DEVICES
     if key == "ddp":
-        layer, held, sync = stock_layer_ms(calib, spec, tokens, FWD_BWD), spec.params, allreduce_ms(calib, cluster, spec.params, devices, devices)
+        layer, held = stock_layer_ms(calib, spec, tokens, FWD_BWD), spec.params
+        sync = allreduce_ms(calib, cluster, spec.params, devices, devices)
     elif key == "fsdp2":
         layer, held = stock_layer_ms(calib, spec, tokens, FWD_BWD), spec.params / devices
         sync = gathered_ms(calib, cluster, spec.params, devices, FWD_BWD)  # every decoder layer's, then the root's
