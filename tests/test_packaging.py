@@ -42,7 +42,8 @@ def test_wheel_holds_every_subpackage(wheel):
     assert not missing, f"packages absent from {wheel.name} (add them to setup.cfg): {missing}"
     for module in ("config.py", "kernels/layout.py", "kernels/expert_mlp_reference.py", "patches/base.py", "eval/__init__.py",
                    "data/tiny_olmoe_routing.npz", "data/tiny_olmoe/model.safetensors",  # the studies' default data
-                   "data/demo_sources.json.xz"):  # occult demo's text
+                   "data/demo_sources.json.xz",  # occult demo's text
+                   "scale/h200_measurements.json"):  # occult plan-cluster's calibration
         assert f"occult_hf/{module}" in names, f"occult_hf/{module} missing from {wheel.name}"
     assert not any(n.startswith(("kernels/", "patches/", "eval/", "tests/")) for n in names), "top-level leak"
 

@@ -159,7 +159,7 @@ def test_relative_imports_stay_inside_their_source_folder():
 
 #: the applications on top of the library: commands, benchmarks, studies, the lm-eval hook, the fine-tune
 #: script. They may import the library and each other; no library module imports one of them.
-APPLICATIONS = ("occult_hf.benchmarks", "occult_hf.eval.studies", "occult_hf.cli", "occult_hf.eval", "occult_hf.hf.finetune")
+APPLICATIONS = ("occult_hf.benchmarks", "occult_hf.scale", "occult_hf.eval.studies", "occult_hf.cli", "occult_hf.eval", "occult_hf.hf.finetune")
 
 
 def _is_application(module: str) -> bool:

@@ -12,7 +12,7 @@ import traceback
 from ..utils.progress import progress_bars_off
 
 #: subcommand modules of this package, in the order `occult --help` lists them
-SUBCOMMANDS: tuple[str, ...] = ("demo", "train", "profile", "place", "replan", "report", "eval", "bench")
+SUBCOMMANDS: tuple[str, ...] = ("demo", "train", "profile", "place", "replan", "report", "eval", "bench", "plan_cluster")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -115,6 +115,18 @@ def read_trace_ids(
     return ids_TZk[keep_T], layers, file_meta
 
 
+def read_trace_weights(path: str | os.PathLike, *, layer: int | None = None) -> np.ndarray | None:
+    """`[T, Z, k]` float32 routing weights of the tokens `read_trace_ids` returns (a file's `topk_weights`, its row
+    mask applied), or None when the file has none."""
+    path = os.fspath(path)
+    arrays, _ = _open(path, layer)
+    if "topk_weights" not in arrays:
+        return None
+    _, ids_TZk, _, keep_T = _ids_and_mask(arrays, None, layer, path)
+    weights = np.asarray(arrays["topk_weights"], dtype=np.float32).reshape(ids_TZk.shape)
+    return weights[keep_T]
+
+
 def _check_model_type(model_type) -> None:
     """A model type a profile records must be one occult_hf serves (the error lists them): the profile is
     checked against models of that type, and a misspelt one would match none."""

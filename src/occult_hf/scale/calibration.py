@@ -1,0 +1,248 @@
+"""The cost model's physical parameters, each fitted or read from the H200 measurements (`measurements`).
+
+| parameter | from |
+|---|---|
+| expert kernel lines, ours and transformers' (`kernels`): ms = intercept + GFLOP / rate, forward and forward+backward | `bench experts` on one H200: ours, the faster of our two backends per (shape, T) (what `expert_backend="auto"` is tuned to pick); transformers' `grouped_mm` experts, 5.24 at T = 16384 (the version the two-GPU rows ran) and 5.17 below (5.24 was timed at T = 16384 only) |
+| NVLink all-to-all (`nvlink`): ms = per call + MB / rate | `bench ep`'s wire times on two H200s (the forward's two row exchanges re-issued back to back) against the bytes sent |
+| dense MLP rate (`dense_tflops`) | Qwen1.5's shared experts in session 6's profile (4 layers, 16,384 tokens, one H200) |
+| rest of a decoder layer per token (`rest_ms_per_ktoken`) | `bench model`'s stock 4-layer models (session 6, one H200) less their experts (the measured transformers 5.24 point) and shared experts |
+| dispatcher lines (`dispatchers`): ms = fixed + per 1000 rows, occult_hf's "all_to_all" and transformers' EP | `bench ep`'s session-4 call (docs/bench_ep_h200_2gpu.json, 2026-11-30 20:45 UTC: every mode at T = 128, 4096 and 16384) less the modelled experts, shared experts and exchange |
+| optimizer time per parameter (`optimizer_ms_per_bparam`) | the DDP fine-tuning step of `bench paper` (OLMoE, call 1) less its modelled compute and all-reduce |
+
+Every other measured row (the other `bench ep` calls, every other `bench paper` row) is a prediction
+(`validation`). Fits minimise the relative error (each point weighted by 1 / its time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from .cost import FWD, FWD_BWD, Cluster, allreduce_ms, expert_gflop, shared_ms, stock_layer_ms, exchange_ms, train_step_ms
+from .measurements import EP_LAYER_FILES
+from .specs import model_spec
+from .traffic import measured_traffic
+
+#: `bench ep` modes the model knows ("replicated" modes and the "padded" / "symm_mem" dispatchers it does not)
+MODELLED_DISPATCHERS = ("all_to_all", "transformers_ep")
+OUR_KERNELS = ("triton_rows_io", "grouped_mm_fused")
+TRANSFORMERS_KERNEL = "hf_grouped_mm"
+#: the transformers version the two-GPU rows ran
+TRANSFORMERS_VERSION = "5.24"
+#: `bench paper`'s batches (docs/paper_comparison.md): 4 x 4096 tokens per rank in prefill, 8 x 1024 over two
+#: ranks in fine-tuning
+PREFILL_TOKENS, FINETUNE_TOKENS, PAPER_DEVICES = 16384, 4096, 2
+DIRECTION_KEYS = {FWD: "fwd_ms", FWD_BWD: "fwd_bwd_ms"}
+
+
+@dataclass(frozen=True)
+class Line:
+    """`ms = intercept_ms + slope_ms * x`."""
+
+    intercept_ms: float
+    slope_ms: float
+
+    def __call__(self, x: float) -> float:
+        return self.intercept_ms + self.slope_ms * x
+
+
+@dataclass(frozen=True)
+class Parameter:
+    """One fitted or read parameter, as docs/scale.md lists it."""
+
+    name: str
+    value: str
+    source: str
+    points: int = 1
+    max_error: float | None = None  # the fit's largest relative error over its points
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The parameters (module docstring); `parameters` says where each came from."""
+
+    kernels: Mapping[str, Line]  # "<occult|transformers>/<fwd|fwd_bwd>": ms vs GFLOP
+    dispatchers: Mapping[str, Line]  # "<occult|transformers>/<fwd|fwd_bwd>": ms vs 1000 rows
+    nvlink: Line  # ms per call, ms per MB
+    dense_tflops: float
+    rest_ms_per_ktoken: Mapping[str, float]  # "<model>/<fwd|fwd_bwd>"
+    optimizer_ms_per_bparam: float
+    parameters: tuple[Parameter, ...] = field(default=(), compare=False)
+
+
+def fit_line(x: np.ndarray, y: np.ndarray, what: str) -> tuple[Line, float]:
+    """`(line, largest relative error)` minimising the relative error; a negative coefficient is an error."""
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if len(x) < 2:
+        raise ValueError(f"{what}: a line needs at least 2 measured points, got {len(x)}")
+    design = np.stack([np.ones_like(x), x], 1) / y[:, None]
+    (intercept, slope), *_ = np.linalg.lstsq(design, np.ones_like(y), rcond=None)
+    if intercept < 0 or slope <= 0:
+        raise ValueError(f"{what}: the fit gives intercept {intercept:.4g} and slope {slope:.4g}; both must be positive")
+    line = Line(float(intercept), float(slope))
+    return line, float(np.max(np.abs(line(x) / y - 1)))
+
+
+def calibrate(measurements: Mapping[str, Any]) -> Calibration:
+    """Fit every parameter in order (each step uses the ones before it)."""
+    params: list[Parameter] = []
+    kernels = _fit_kernels(measurements["expert_kernels"], params)
+    nvlink = _fit_nvlink(measurements["ep_layers"], params)
+    dense = _dense_tflops(measurements["shared_expert_ms"], params)
+    partial = Calibration(kernels, {}, nvlink, dense, {}, 0.0)
+    rest = _rest_per_token(measurements["model_blocks"], measurements["expert_kernels"], partial, params)
+    partial = Calibration(kernels, {}, nvlink, dense, rest, 0.0)
+    dispatchers = _fit_dispatchers(measurements["ep_layers"], partial, params)
+    partial = Calibration(kernels, dispatchers, nvlink, dense, rest, 0.0)
+    optimizer = _optimizer_cost(measurements["whole_models"], partial, params)
+    return Calibration(kernels, dispatchers, nvlink, dense, rest, optimizer, tuple(params))
+
+
+def _fit_kernels(points: list[dict], params: list[Parameter]) -> dict[str, Line]:
+    ours: dict[tuple, dict[str, float]] = {}
+    theirs: dict[tuple, dict] = {}
+    for point in points:
+        key = (point["shape"], point["tokens"])
+        if point["implementation"] in OUR_KERNELS:
+            best = ours.setdefault(key, {FWD: np.inf, FWD_BWD: np.inf})
+            for direction, column in DIRECTION_KEYS.items():
+                best[direction] = min(best[direction], point[column])
+        elif point["implementation"] == TRANSFORMERS_KERNEL:  # the version the two-GPU rows ran, where it was timed
+            if key not in theirs or point["transformers"] == TRANSFORMERS_VERSION:
+                theirs[key] = {direction: point[column] for direction, column in DIRECTION_KEYS.items()}
+    kernels = {}
+    for family, table, source in (
+        ("occult", ours, "bench experts (H200): the faster of triton_rows_io and grouped_mm_fused per (shape, T)"),
+        ("transformers", theirs, f"bench experts (H200): hf_grouped_mm, transformers {TRANSFORMERS_VERSION} at T = 16384, 5.17 below"),
+    ):  # fmt: skip
+        for direction in (FWD, FWD_BWD):
+            gflop = [expert_gflop(model_spec(shape), tokens * model_spec(shape).top_k, direction) for shape, tokens in table]
+            times = np.array([t[direction] for t in table.values()])
+            line, error = fit_line(np.array(gflop), times, f"{family} expert kernel {direction}")
+            kernels[f"{family}/{direction}"] = line
+            params.append(Parameter(
+                f"{family} experts, {direction}", f"{line.intercept_ms:.3f} ms + GFLOP / {1 / line.slope_ms:.0f} TFLOP/s",
+                source, len(table), error,
+            ))  # fmt: skip
+    return kernels
+
+
+def _fit_nvlink(rows: list[dict], params: list[Parameter]) -> Line:
+    timed = [row for row in rows if row["wire_ms"] is not None and row["sent_mb_max"] is not None]
+    megabytes = np.array([row["sent_mb_max"] for row in timed])
+    wire = np.array([row["wire_ms"] for row in timed])
+    line, error = fit_line(megabytes, wire, "NVLink wire time")  # intercept: both calls of one forward
+    nvlink = Line(line.intercept_ms / 2, line.slope_ms)
+    params.append(Parameter(
+        "NVLink all-to-all", f"{nvlink.intercept_ms * 1e3:.0f} us per call + MB / {1 / nvlink.slope_ms:.0f} GB/s",
+        "bench ep wire times (2 x H200), every call", len(timed), error,
+    ))  # fmt: skip
+    return nvlink
+
+
+def _dense_tflops(shared: dict, params: list[Parameter]) -> float:
+    spec = model_spec(shared["shape"])
+    gflop = shared["layers"] * 2 * 3 * spec.hidden * spec.shared_width * shared["tokens"] / 1e9
+    tflops = gflop / shared["ms"]
+    source = f"{shared['source']}: session 6 profile, Qwen1.5 shared experts ({shared['ms']} ms for {shared['layers']} layers)"
+    params.append(Parameter("dense MLP rate", f"{tflops:.0f} TFLOP/s", source))
+    return tflops
+
+
+def _rest_per_token(blocks: list[dict], points: list[dict], partial: Calibration, params: list[Parameter]) -> dict[str, float]:
+    rest = {}
+    for block in blocks:
+        spec, tokens = model_spec(block["shape"]), block["tokens"]
+        kernel = [p for p in points if (p["shape"], p["tokens"], p["implementation"], p["transformers"])
+                  == (block["shape"], tokens, TRANSFORMERS_KERNEL, TRANSFORMERS_VERSION)]  # fmt: skip
+        if not kernel:
+            raise ValueError(
+                f"no transformers {TRANSFORMERS_VERSION} expert timing of {block['shape']} at T={tokens} to split {block['source']}"
+            )
+        for direction, column in DIRECTION_KEYS.items():
+            per_layer = block[column] / block["layers"] - kernel[0][column] - shared_ms(partial, spec, tokens, direction)
+            rest[f"{spec.name}/{direction}"] = per_layer / tokens * 1e3
+        params.append(Parameter(
+            f"rest of a layer, {spec.name}",
+            f"{rest[f'{spec.name}/{FWD}']:.3f} / {rest[f'{spec.name}/{FWD_BWD}']:.3f} ms per 1000 tokens (fwd / fwd+bwd)",
+            f"{block['source']}: stock {block['layers']}-layer model at {tokens} tokens, less its experts and shared experts",
+        ))  # fmt: skip
+    return rest
+
+
+def layer_traffic_of(row: dict):
+    """The `LayerTraffic` of a measured `bench ep` row (`traffic.measured_traffic`) and its dispatcher family."""
+    spec = model_spec(row["shape"])
+    if row["dispatcher"] == "transformers_ep":
+        return measured_traffic("per_expert", row["tokens"], float(spec.top_k), spec.top_k, spec.hidden), "transformers"
+    dispatch = "per_expert" if row["mode"].startswith("per_expert") else "dedup"
+    return measured_traffic(dispatch, row["tokens"], row["ct"], spec.top_k, spec.hidden), "occult"
+
+
+def modelled_ep_row(row: dict) -> bool:
+    """Whether the model covers a `bench ep` row (the "all_to_all" dispatcher without replicas, transformers' EP)."""
+    return row["dispatcher"] in MODELLED_DISPATCHERS and "replicated" not in row["mode"] and "file" not in row["mode"]
+
+
+def _fit_dispatchers(rows: list[dict], partial: Calibration, params: list[Parameter]) -> dict[str, Line]:
+    cluster = Cluster()
+    dispatchers = {}
+    fitted = [row for row in rows if row["source"] == EP_LAYER_FILES[0] and modelled_ep_row(row)]
+    for family in ("occult", "transformers"):
+        for direction, column in DIRECTION_KEYS.items():
+            krows, residual, measured = [], [], []
+            for row in fitted:
+                traffic, row_family = layer_traffic_of(row)
+                if row_family != family:
+                    continue
+                spec = model_spec(row["shape"])
+                exchanges = 1 if direction == FWD else 2
+                modelled = (
+                    partial.kernels[f"{family}/{direction}"](expert_gflop(spec, traffic.pairs, direction))
+                    + shared_ms(partial, spec, traffic.tokens, direction)
+                    + exchanges * exchange_ms(partial, cluster, traffic)
+                )
+                krows.append(traffic.rows / 1e3)
+                residual.append(row[column] - modelled)
+                measured.append(row[column])
+            line = _fit_residual(np.array(krows), np.array(residual), np.array(measured), f"{family} dispatcher {direction}")
+            dispatchers[f"{family}/{direction}"] = line
+            params.append(Parameter(
+                f"{family} dispatcher, {direction}", f"{line.intercept_ms:.2f} ms + {line.slope_ms * 1e3:.1f} ns per row",
+                f"bench ep, {EP_LAYER_FILES[0]} (session 4, 2026-11-30 20:45 UTC): layer time less modelled experts, shared experts and exchange",
+                len(krows),
+            ))  # fmt: skip
+    return dispatchers
+
+
+def _fit_residual(x: np.ndarray, residual: np.ndarray, measured: np.ndarray, what: str) -> Line:
+    """`residual ~ a + b x` minimising the error relative to the `measured` times the residual is part of."""
+    design = np.stack([np.ones_like(x), x], 1) / measured[:, None]
+    (intercept, slope), *_ = np.linalg.lstsq(design, residual / measured, rcond=None)
+    if intercept < 0 or slope < 0:
+        raise ValueError(f"{what}: the fit gives {intercept:.4g} ms fixed and {slope:.4g} ms per 1000 rows; both must be >= 0")
+    return Line(float(intercept), float(slope))
+
+
+def _optimizer_cost(rows: list[dict], partial: Calibration, params: list[Parameter]) -> float:
+    ddp = [row for row in rows if row["experiment"] == "finetune" and row["key"] == "ddp"]
+    if not ddp:
+        raise ValueError("no DDP fine-tuning row (bench paper) to fit the optimizer's time per parameter")
+    costs = []
+    for row in ddp:
+        spec = model_spec(row["model"])
+        layers = [stock_layer_ms(partial, spec, FINETUNE_TOKENS, FWD_BWD)] * spec.moe_layers
+        sync = allreduce_ms(partial, Cluster(), spec.params, PAPER_DEVICES, PAPER_DEVICES)
+        costs.append((row["ms"] - train_step_ms(partial, spec, layers, FINETUNE_TOKENS, 0.0, sync)) / (spec.params / 1e9))
+    cost = float(np.mean(costs))
+    if cost <= 0:
+        raise ValueError(f"the DDP rows leave {cost:.3g} ms per billion parameters for the optimizer; it must be > 0")
+    sources = ", ".join(sorted({f"{row['source']} ({row['model']})" for row in ddp}))
+    value = f"{cost:.1f} ms per billion parameters held"
+    params.append(Parameter("optimizer (AdamW, bf16)", value, f"bench paper DDP step: {sources}", len(ddp)))
+    return cost
+
+
+__all__ = ["Calibration", "Line", "Parameter", "calibrate", "fit_line", "layer_traffic_of", "modelled_ep_row"]

@@ -1,0 +1,179 @@
+"""The H200 measurements the cost model is calibrated on, read from the project's benchmark files in docs/.
+
+`read_measurements(docs_dir)` collects, from the files each benchmark wrote (`SOURCES`), the points the
+model needs and nothing else:
+
+* ``expert_kernels``: `occult bench experts` on one H200 (session 9): forward and forward+backward ms of the
+  local expert computation per (shape, T, implementation), transformers' `grouped_mm` experts with the version
+  that ran (5.17 at every T, 5.24 at T = 16384);
+* ``ep_layers``: `occult bench ep` on two NVLink H200s: one MoE layer's forward and forward+backward ms, CT,
+  the bytes sent and the wire time, per (shape, T, dispatcher, mode), with transformers' EP beside them;
+* ``model_blocks``: `occult bench model`'s stock 4-layer models (one H200): what the rest of a decoder layer costs;
+* ``whole_models``: `occult bench paper` on two H200s: whole-model prefill and fine-tuning rows;
+* ``shared_expert_ms``: the Qwen1.5 shared experts' GPU time in session 6's profile (docs text, one number).
+
+The package ships the result as `h200_measurements.json` (`load_measurements()`), so the model runs where docs/
+is absent; `python -m occult_hf.scale.measurements DOCS_DIR` rewrites it after new measurements land, and
+tests/test_scale.py checks that the shipped file equals what docs/ holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from ..utils.atomic import atomic_write_json
+from ..utils.strict_json import read_json_file
+
+FORMAT = "occult_hf.scale.measurements/1"
+SHIPPED = Path(__file__).with_name("h200_measurements.json")
+
+#: the benchmark files read, relative to docs/
+EXPERT_KERNEL_FILES = (
+    "bench_experts_results/session9_2026-12-01/t517_olmoe_qwen.json",
+    "bench_experts_results/session9_2026-12-01/t517_deepseek.json",
+    "bench_experts_results/session9_2026-12-01/t524_16384.json",
+)
+EP_LAYER_FILES = (
+    "bench_ep_h200_2gpu.json",
+    "bench_ep_results/final_2026-11-30/bench_ep_2xcuda.json",
+    "bench_ep_results/session5_2026-12-01/bench_ep_2xcuda.json",
+    "bench_ep_results/symm_mem_2026-11-30/bench_ep_2xcuda.json",
+)
+MODEL_BLOCK_FILE = "bench_ep_results/session6_2026-12-01/bench_model_call2.json"
+PAPER_FILES = (
+    "paper_results/call1/paper_comparison_2xcuda.json",
+    "paper_results/call2/rerun/paper_comparison_2xcuda.json",
+    "paper_results/call2/deepseek/paper_comparison_2xcuda.json",
+    "paper_results/megablocks_call1/paper_comparison_2xcuda.json",
+    "paper_results/megablocks_call2/paper_comparison_2xcuda.json",
+)
+#: call 3 wrote no JSON (its tables are in the log): `[  3 s] prefill deepseek-moe-16b stock_1gpu: ran, 252.5 ms`
+PAPER_LOG = "paper_results/call3/log.txt"
+PROFILE_TEXT = "bench_ep_h200_2gpu.md"
+SOURCES = EXPERT_KERNEL_FILES + EP_LAYER_FILES + (MODEL_BLOCK_FILE,) + PAPER_FILES + (PAPER_LOG, PROFILE_TEXT)
+
+#: call 2's DeepSeek baselines ran transformers' per-expert `eager` loop (docs/paper_comparison.md, call 2):
+#: superseded by call 3, left out
+SUPERSEDED = {("paper_results/call2/deepseek/paper_comparison_2xcuda.json", key)
+              for key in ("stock_1gpu", "device_map_auto", "hf_ep_all_to_all", "hf_ep_all_reduce", "fsdp2", "ddp")}  # fmt: skip
+_LOG_ROW = re.compile(r"^\[\s*\d+ s\] (prefill|finetune) (\S+) (\S+): ran, ([0-9.]+) ms$")
+_SHARED_ROW = re.compile(r"^\| shared experts \| - \| - \| ([0-9.]+) \(the same modules\) \| ([0-9.]+) \|$")
+
+
+def read_measurements(docs_dir: str | os.PathLike) -> dict[str, Any]:
+    """The measured points of every file in `SOURCES` under `docs_dir` (see the module docstring)."""
+    docs = Path(docs_dir)
+    missing = [name for name in SOURCES if not (docs / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"measurement files missing under {str(docs)!r}: {', '.join(missing)}")
+    return {
+        "format": FORMAT,
+        "expert_kernels": [row for name in EXPERT_KERNEL_FILES for row in _expert_kernels(docs, name)],
+        "ep_layers": [row for name in EP_LAYER_FILES for row in _ep_layers(docs, name)],
+        "model_blocks": _model_blocks(docs, MODEL_BLOCK_FILE),
+        "whole_models": [row for name in PAPER_FILES for row in _paper_rows(docs, name)] + _paper_log_rows(docs, PAPER_LOG),
+        "shared_expert_ms": _shared_expert_ms(docs, PROFILE_TEXT),
+    }
+
+
+def load_measurements(path: str | os.PathLike | None = None) -> dict[str, Any]:
+    """The measurements: the shipped file by default, else `path` (a docs/ folder, or a file this module wrote)."""
+    path = SHIPPED if path is None else Path(path)
+    if path.is_dir():
+        return read_measurements(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"measurements {str(path)!r}: no such file or docs/ folder")
+    data = read_json_file(path, f"measurements {str(path)!r}")
+    found = data.get("format") if isinstance(data, dict) else None
+    if found != FORMAT:
+        raise ValueError(f"measurements {str(path)!r}: not a {FORMAT} file (its 'format' is {found!r})")
+    return data
+
+
+def _read(docs: Path, name: str) -> dict:
+    return read_json_file(docs / name, f"benchmark file {str(docs / name)!r}", allow_nan=True)
+
+
+def _finite(value) -> float | None:
+    return None if value is None or value != value else float(value)
+
+
+def _expert_kernels(docs: Path, name: str) -> list[dict]:
+    data = _read(docs, name)
+    version = re.search(r"transformers (\d+\.\d+)", data["machine"])
+    if version is None:
+        raise ValueError(f"{name}: its 'machine' line names no transformers version: {data['machine']!r}")
+    return [
+        {"source": name, "transformers": version.group(1), "shape": row["shape"], "tokens": row["tokens"],
+         "implementation": row["implementation"], "fwd_ms": row["fwd_ms"], "fwd_bwd_ms": row["fwd_bwd_ms"]}
+        for row in data["measurements"]
+        if _finite(row["fwd_ms"]) is not None and _finite(row["fwd_bwd_ms"]) is not None
+    ]  # fmt: skip
+
+
+def _ep_layers(docs: Path, name: str) -> list[dict]:
+    data = _read(docs, name)
+    when = re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC", data["header"])
+    return [
+        {"source": name, "when": when.group(0) if when else "", "shape": row["shape"], "tokens": row["tokens_per_rank"],
+         "routing": row["routing"], "dispatcher": row["dispatcher"], "mode": row["mode"], "ct": _finite(row["ct"]),
+         "sent_mb_max": _finite(row["sent_mb_max"]), "wire_ms": _finite(row.get("wire_ms")),
+         "fwd_ms": row["fwd_ms"], "fwd_bwd_ms": row["fwd_bwd_ms"]}
+        for row in data["rows"]
+    ]  # fmt: skip
+
+
+def _model_blocks(docs: Path, name: str) -> list[dict]:
+    data = _read(docs, name)
+    return [
+        {"source": name, "shape": row["shape"], "tokens": row["tokens"], "layers": row["layers"],
+         "fwd_ms": row["fwd_ms"], "fwd_bwd_ms": row["fwd_bwd_ms"]}
+        for row in data["rows"] if row["implementation"] == "stock"
+    ]  # fmt: skip
+
+
+def _paper_rows(docs: Path, name: str) -> list[dict]:
+    data = _read(docs, name)
+    return [
+        {"source": name, "experiment": row["experiment"], "model": row["model"], "key": row["key"],
+         "ms": row["ms"], "ct": _finite(row["ct"])}
+        for row in data["rows"]
+        if _finite(row["ms"]) is not None and (name, row["key"]) not in SUPERSEDED
+    ]  # fmt: skip
+
+
+def _paper_log_rows(docs: Path, name: str) -> list[dict]:
+    rows = []
+    for line in (docs / name).read_text(encoding="utf-8").splitlines():
+        match = _LOG_ROW.match(line.strip())
+        if match:
+            experiment, model, key, ms = match.groups()
+            rows.append({"source": name, "experiment": experiment, "model": model, "key": key, "ms": float(ms), "ct": None})
+    if not rows:
+        raise ValueError(f"{name}: no row line of the form '[ N s] prefill MODEL KEY: ran, MS ms'")
+    return rows
+
+
+def _shared_expert_ms(docs: Path, name: str) -> dict:
+    for line in (docs / name).read_text(encoding="utf-8").splitlines():
+        match = _SHARED_ROW.match(line.strip())
+        if match:
+            return {"source": name, "shape": "qwen1.5-moe-a2.7b", "tokens": 16384, "layers": 4, "ms": float(match.group(2))}
+    raise ValueError(f"{name}: no profile row '| shared experts | - | - | MS (the same modules) | MS |'")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Rewrite the shipped measurements from a docs/ folder.")
+    parser.add_argument("docs_dir", help="the repository's docs/ folder")
+    parser.add_argument("--out", default=str(SHIPPED), help="where to write (default: the package's shipped file)")
+    args = parser.parse_args(argv)
+    atomic_write_json(args.out, read_measurements(args.docs_dir))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""The cost model's tables (markdown through `utils.tables`) and its plot (PNG): calibration, validation, projections."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..utils.tables import markdown_table
+from .calibration import Calibration
+from .cost import Cluster
+from .projection import Projected
+from .validation import Checked
+
+#: the validation's tolerance (issue 35: within 15% of the measured rows)
+TOLERANCE = 0.15
+
+
+def _ms(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def calibration_table(calib: Calibration) -> str:
+    rows = [[p.name, p.value, p.points, "-" if p.max_error is None else f"{p.max_error:.0%}", p.source] for p in calib.parameters]
+    return markdown_table(["parameter", "value", "points", "fit's largest error", "from"], rows)
+
+
+def validation_table(checked: Sequence[Checked]) -> str:
+    rows = [
+        [c.table, c.source, c.label, f"{c.measured_ms:.2f}", f"{c.predicted_ms:.2f}", f"{c.error:+.0%}",
+         ("fit" if c.calibration else "") + (" **miss**" if abs(c.error) > TOLERANCE else "")]
+        for c in checked
+    ]  # fmt: skip
+    return markdown_table(["table", "measured in", "row", "measured ms", "predicted ms", "error", ""], rows)
+
+
+def validation_summary(checked: Sequence[Checked]) -> str:
+    """One line per table: rows within the tolerance, predictions (not calibration rows) within it, the worst."""
+    lines = []
+    for table in dict.fromkeys(c.table for c in checked):
+        rows = [c for c in checked if c.table == table]
+        held = [c for c in rows if not c.calibration]
+        within = sum(abs(c.error) <= TOLERANCE for c in rows)
+        worst = max(rows, key=lambda c: abs(c.error))
+        line = f"- {table}: {within} of {len(rows)} rows within {TOLERANCE:.0%}"
+        if held and len(held) != len(rows):
+            line += f" ({sum(abs(c.error) <= TOLERANCE for c in held)} of the {len(held)} rows no fit used)"
+        lines.append(f"{line}; largest error {worst.error:+.0%} ({worst.label}, {worst.source})")
+    return "\n".join(lines)
+
+
+def assumptions(cluster: Cluster) -> str:
+    return (
+        f"MODEL, not a measurement. Assumptions: G = {cluster.devices_per_node} GPUs per node joined by NVLink at the "
+        f"two-GPU rates; nodes joined at {cluster.internode_gbs:g} GB/s per GPU with {cluster.internode_latency_us:g} us "
+        f"per message (arguments); no overlap of communication with compute; bf16 rows; replicated experts not modelled."
+    )
+
+
+def summary_table(rows: Sequence[Projected], field: str = "fwd_bwd_ms") -> str:
+    """D down, methods across: `field` per D, the fastest method of each D in bold (rows of one T)."""
+    methods = list(dict.fromkeys(r.method for r in rows))
+    table = []
+    for count in dict.fromkeys(r.devices for r in rows):
+        at = {r.method: getattr(r, field) for r in rows if r.devices == count}
+        ep = next(r.ep_devices for r in rows if r.devices == count and r.method != "fsdp2")
+        best = min((v for v in at.values() if v is not None), default=None)
+        cells = ["-" if at.get(m) is None else (f"**{at[m]:.1f}**" if at[m] == best else f"{at[m]:.1f}") for m in methods]
+        table.append([count, ep, *cells])
+    return markdown_table(["D", "EP group", *methods], table)
+
+
+def detail_table(rows: Sequence[Projected]) -> str:
+    baseline = {(r.devices, r.tokens): r.fwd_bwd_ms for r in rows if r.method == "transformers_ep"}
+    table = []
+    for r in rows:
+        base = baseline.get((r.devices, r.tokens))
+        speedup = "-" if base is None or r.fwd_bwd_ms is None else f"{base / r.fwd_bwd_ms:.2f}x"
+        moved = "-" if r.removed_slots is None else (
+            f"{r.removed_slots:.1%} of slots" + ("" if r.removed_weight is None else f", {r.removed_weight:.1%} of weight")
+        )  # fmt: skip
+        table.append([
+            r.devices, r.tokens, r.method, r.ep_devices, _ms(r.ct), _ms(r.ct_node), _ms(r.internode_mb, 1), moved,
+            _ms(r.imbalance), _ms(r.fwd_ms), _ms(r.fwd_bwd_ms), speedup, _ms(r.prefill_ms, 1), _ms(r.step_ms, 1), r.note,
+        ])  # fmt: skip
+    headers = ["D", "T", "method", "EP group", "CT", "CT_node", "inter-node MB", "pruning moves", "busiest / mean pairs",
+               "layer fwd ms", "layer fwd+bwd ms", "fwd+bwd vs transformers' EP", "prefill ms", "train step ms", "note"]  # fmt: skip
+    return markdown_table(headers, table)
+
+
+def plot_projections(cases: Sequence[tuple[str, Sequence[Projected]]], path: str) -> None:
+    """One panel per case and T: each method's forward+backward per MoE layer against D (log scales)."""
+    from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend alone
+
+    from ..utils.atomic import atomic_save_figure
+
+    import textwrap
+
+    from matplotlib import colormaps
+
+    methods = list(dict.fromkeys(r.method for _, rows in cases for r in rows))
+    colors = dict(zip(methods, colormaps["tab20"].colors))
+    token_counts = list(dict.fromkeys(r.tokens for _, rows in cases for r in rows))
+    figure = Figure(figsize=(6 * len(cases), 4.6 * len(token_counts)))
+    axes = figure.subplots(len(token_counts), len(cases), squeeze=False)
+    for (row, tokens), (column, (title, case_rows)) in ((a, b) for a in enumerate(token_counts) for b in enumerate(cases)):
+        axis, rows = axes[row][column], [r for r in case_rows if r.tokens == tokens]
+        for method in dict.fromkeys(r.method for r in rows):
+            points = [(r.devices, r.fwd_bwd_ms) for r in rows if r.method == method and r.fwd_bwd_ms is not None]
+            if points:
+                style = "--" if method in ("transformers_ep", "fsdp2") else "-"
+                axis.plot(*zip(*points), style, color=colors[method], marker="o", markersize=3, label=method)
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("GPUs D (8 per node)")
+        axis.set_ylabel("MoE layer forward+backward, ms (model)")
+        axis.set_title("\n".join(textwrap.wrap(f"{title}; T = {tokens} tokens per GPU", 60)), fontsize=8)
+        axis.grid(True, which="both", alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    figure.suptitle("occult plan-cluster: projected MoE layer time (a model, not a measurement)", fontsize=10)
+    figure.tight_layout()
+    atomic_save_figure(figure, path, dpi=100)
+
+
+__all__ = ["TOLERANCE", "assumptions", "calibration_table", "detail_table", "plot_projections", "summary_table",
+           "validation_summary", "validation_table"]  # fmt: skip

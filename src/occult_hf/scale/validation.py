@@ -1,0 +1,128 @@
+"""The model's predictions of the measured two-GPU rows, row by row (`bench ep` layers and `bench paper` models).
+
+Each row is predicted from its shape, its T and its recorded CT (`traffic.measured_traffic`) through the same
+equations as the projections (`cost`). Rows of the calibration (`calibration`'s fitting sets: the session-4
+`bench ep` call, the DDP fine-tuning step) are marked, so the rest can be read as predictions.
+
+What the model does not cover, and so leaves out: `bench ep`'s "padded" and "symm_mem" dispatchers and replicated
+experts; `bench paper`'s `hf_ep_all_reduce`, `hf_ep_occult` and MegaBlocks rows.
+
+Prediction of a `bench paper` row (T per rank as the bench ran it: 16,384 in prefill, 4,096 in fine-tuning):
+
+| key | model |
+|---|---|
+| `stock_1gpu`, `device_map_auto` | one GPU: `prefill_ms` with `stock_layer_ms` (device_map runs the GPUs one after the other) |
+| `occult_per_expert`, `occult_contiguous`, `occult_placed`, `occult_nd2`, `occult_nd1` | `ep_layer_ms` (occult_hf) at the row's CT |
+| `hf_ep_all_to_all` | `ep_layer_ms` with transformers' dispatcher and kernels, one row per (token, expert) |
+| `ddp` | stock layers, the optimizer over every parameter, an all-reduce of every gradient |
+| `fsdp2` | stock layers, the optimizer over 1/D of the parameters, every decoder layer's and the root's parameters gathered |
+| `occult_exact`, `occult_pruned` | EP layers at the row's CT, the optimizer over the rank's parameters, an all-reduce of the replicated ones |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .calibration import (
+    FINETUNE_TOKENS, PAPER_DEVICES, PREFILL_TOKENS, Calibration, layer_traffic_of, modelled_ep_row,
+)  # fmt: skip
+from .cost import FWD, FWD_BWD, Cluster, allreduce_ms, ep_layer_ms, gathered_ms, prefill_ms, stock_layer_ms, train_step_ms
+from .measurements import EP_LAYER_FILES
+from .specs import ModelSpec, model_spec
+from .traffic import measured_traffic
+
+PREFILL_EP_KEYS = {"occult_per_expert": "per_expert", "occult_contiguous": "dedup", "occult_placed": "dedup",
+                   "occult_nd2": "dedup", "occult_nd1": "dedup"}  # fmt: skip
+ONE_GPU_KEYS = ("stock_1gpu", "device_map_auto")
+FINETUNE_KEYS = ("ddp", "fsdp2", "occult_exact", "occult_pruned")
+
+
+@dataclass(frozen=True)
+class Checked:
+    """One measured row against its prediction."""
+
+    table: str  # "bench ep fwd", "bench ep fwd+bwd", "bench paper prefill", "bench paper fine-tuning"
+    source: str
+    label: str
+    measured_ms: float
+    predicted_ms: float
+    calibration: bool  # the row was part of a fit
+
+    @property
+    def error(self) -> float:
+        """(predicted - measured) / measured."""
+        return self.predicted_ms / self.measured_ms - 1
+
+
+def validate(calib: Calibration, measurements: Mapping[str, Any]) -> list[Checked]:
+    """Every modelled measured row with its prediction (module docstring)."""
+    return _ep_rows(calib, measurements["ep_layers"]) + _paper_rows(calib, measurements["whole_models"])
+
+
+def _ep_rows(calib: Calibration, rows: list[dict]) -> list[Checked]:
+    checked = []
+    cluster = Cluster()
+    for row in rows:
+        if not modelled_ep_row(row):
+            continue
+        traffic, family = layer_traffic_of(row)
+        spec = model_spec(row["shape"])
+        label = f"{row['shape']} T={row['tokens']} {row['routing']}: {row['dispatcher']} {row['mode']}"
+        if family == "occult":
+            label += f" (CT {row['ct']:.2f})"
+        for direction, column, name in ((FWD, "fwd_ms", "fwd"), (FWD_BWD, "fwd_bwd_ms", "fwd+bwd")):
+            predicted = ep_layer_ms(calib, cluster, spec, traffic, direction, family)
+            checked.append(Checked(f"bench ep {name}", f"{row['source']} ({row['when']})", label, row[column], predicted,
+                                   row["source"] == EP_LAYER_FILES[0]))  # fmt: skip
+    return checked
+
+
+def _paper_rows(calib: Calibration, rows: list[dict]) -> list[Checked]:
+    recorded_ct = {(r["experiment"], r["model"], r["key"]): r["ct"] for r in rows if r["ct"] is not None}
+    checked = []
+    for row in rows:
+        spec = model_spec(row["model"])
+        ct = row["ct"] if row["ct"] is not None else recorded_ct.get((row["experiment"], row["model"], row["key"]))
+        predicted = (_prefill(calib, spec, row["key"], ct) if row["experiment"] == "prefill"
+                     else _finetune(calib, spec, row["key"], ct))  # fmt: skip
+        if predicted is None:
+            continue
+        table = "bench paper prefill" if row["experiment"] == "prefill" else "bench paper fine-tuning"
+        label = f"{row['model']} {row['key']}" + (f" (CT {ct:.2f})" if ct is not None else "")
+        checked.append(Checked(table, row["source"], label, row["ms"], predicted, row["key"] == "ddp"))
+    return checked
+
+
+def _prefill(calib: Calibration, spec: ModelSpec, key: str, ct: float | None) -> float | None:
+    cluster, tokens = Cluster(), PREFILL_TOKENS
+    if key in ONE_GPU_KEYS:
+        layer = stock_layer_ms(calib, spec, tokens, FWD)
+    elif key in PREFILL_EP_KEYS:
+        layer = ep_layer_ms(calib, cluster, spec, measured_traffic(PREFILL_EP_KEYS[key], tokens, ct, spec.top_k, spec.hidden), FWD)
+    elif key == "hf_ep_all_to_all":
+        traffic = measured_traffic("per_expert", tokens, float(spec.top_k), spec.top_k, spec.hidden)
+        layer = ep_layer_ms(calib, cluster, spec, traffic, FWD, "transformers")
+    else:
+        return None
+    return prefill_ms(calib, spec, [layer] * spec.moe_layers, tokens)
+
+
+def _finetune(calib: Calibration, spec: ModelSpec, key: str, ct: float | None) -> float | None:
+    cluster, tokens, devices = Cluster(), FINETUNE_TOKENS, PAPER_DEVICES
+    if key == "ddp":
+        layer, held = stock_layer_ms(calib, spec, tokens, FWD_BWD), spec.params
+        sync = allreduce_ms(calib, cluster, spec.params, devices, devices)
+    elif key == "fsdp2":
+        layer, held = stock_layer_ms(calib, spec, tokens, FWD_BWD), spec.params / devices
+        sync = gathered_ms(calib, cluster, spec.params, devices, FWD_BWD)  # every decoder layer's, then the root's
+    elif key in ("occult_exact", "occult_pruned"):
+        layer = ep_layer_ms(calib, cluster, spec, measured_traffic("dedup", tokens, ct, spec.top_k, spec.hidden), FWD_BWD)
+        held = spec.other_params + spec.routed_params / devices
+        sync = allreduce_ms(calib, cluster, spec.other_params, devices, devices)
+    else:
+        return None
+    return train_step_ms(calib, spec, [layer] * spec.moe_layers, tokens, held, sync)
+
+
+__all__ = ["Checked", "validate"]
