@@ -88,6 +88,11 @@ def test_any_directory_of_text_and_jsonl_files_is_a_corpus(tmp_path, capsys):
         main(["train", "--corpus-dir", str(corpus), "--separator", "\\x1e", "--out", str(out), "--prepare-only"])
     assert exit_info.value.code == 2
     assert "was prepared with other settings: separator 'blank-line' (asked: '\\x1e'); text_field 'body' (asked: 'text')" in capsys.readouterr().err
+    # without --corpus-dir a prepared directory is reused on the recipe's settings alone (a GPU machine has no corpus)
+    assert main(["train", "--data-dir", str(out / "data"), "--out", str(tmp_path / "elsewhere"), "--prepare-only"]) == 0
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--out", str(tmp_path / "nothing"), "--prepare-only"])
+    assert exit_info.value.code == 2 and "holds no prepared data (data.json): give --corpus-dir to prepare it" in capsys.readouterr().err
 
 
 def test_a_corpus_read_with_the_wrong_settings_is_named(tmp_path):

@@ -63,11 +63,10 @@ def run(args: argparse.Namespace) -> int:
     overrides = (("seed", args.seed), ("max_steps", args.max_steps), ("time_budget_s", args.time_budget), ("train_domains", args.train_domains))
     recipe = get_recipe(args.recipe, **{k: v for k, v in overrides if v is not None})
     data_dir = args.data_dir or os.path.join(args.out, "data")
-    settings = preparation_settings(args.corpus_dir or ".", recipe.vocab_size, recipe.heldout_fraction, recipe.max_chars_per_domain,
-                                    args.separator, args.text_field)  # fmt: skip
-    if os.path.isfile(os.path.join(data_dir, "data.json")):  # without --corpus-dir: the recipe's settings only
-        corpus_keys = () if args.corpus_dir else ("corpus_dir", "separator", "text_field")
-        PreparedData(data_dir).check_settings({k: v for k, v in settings.items() if k not in corpus_keys})
+    if os.path.isfile(os.path.join(data_dir, "data.json")):
+        settings = preparation_settings(args.corpus_dir, recipe.vocab_size, recipe.heldout_fraction, recipe.max_chars_per_domain,
+                                        args.separator, args.text_field)  # fmt: skip
+        PreparedData(data_dir).check_settings(settings)
     elif args.corpus_dir is None:
         raise SystemExit(f"occult train: {data_dir!r} holds no prepared data (data.json): give --corpus-dir to prepare it")
     else:

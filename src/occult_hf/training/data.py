@@ -46,7 +46,7 @@ from ..utils.strict_json import parse_json, read_json_file
 
 #: the default `separator`: documents are the blocks between blank lines
 BLANK_LINE = "blank-line"
-#: the separator of the project's development corpora (a line holding U+001E, the ASCII record separator)
+#: U+001E, the ASCII record separator: it separates the documents of the project's development corpora
 RECORD_SEPARATOR = "\x1e"
 #: corpus file suffixes -> the `datasets` builder that reads them
 CORPUS_SUFFIXES = {".txt": "text", ".txt.gz": "text", ".jsonl": "json", ".jsonl.gz": "json"}
@@ -64,6 +64,11 @@ def is_datasets_available() -> bool:
     return True
 
 
+def _corpus_suffix(name: str) -> str | None:
+    """The `CORPUS_SUFFIXES` entry `name` ends with (the longest), None for another file."""
+    return next((s for s in sorted(CORPUS_SUFFIXES, key=len, reverse=True) if name.endswith(s)), None)
+
+
 def corpus_files(corpus_dir: str | os.PathLike) -> dict[str, Path]:
     """`{domain: file}` of the corpus files in `corpus_dir` (`CORPUS_SUFFIXES`), in domain-name order."""
     root = Path(corpus_dir)
@@ -71,7 +76,7 @@ def corpus_files(corpus_dir: str | os.PathLike) -> dict[str, Path]:
         raise FileNotFoundError(f"corpus directory {os.fspath(corpus_dir)!r} does not exist")
     files: dict[str, Path] = {}
     for path in sorted(p for p in root.iterdir() if p.is_file() and not p.name.startswith(".")):
-        suffix = next((s for s in sorted(CORPUS_SUFFIXES, key=len, reverse=True) if path.name.endswith(s)), None)
+        suffix = _corpus_suffix(path.name)
         if suffix is None:
             continue
         domain = path.name[: -len(suffix)]
@@ -96,8 +101,7 @@ def _read_domain(path: Path, separator: str, text_field: str, cache_dir):
     """One domain's documents: a `datasets.Dataset` with column `text`, one row per document."""
     from datasets import load_dataset
 
-    suffix = next(s for s in sorted(CORPUS_SUFFIXES, key=len, reverse=True) if path.name.endswith(s))
-    if CORPUS_SUFFIXES[suffix] == "json":
+    if CORPUS_SUFFIXES[_corpus_suffix(path.name)] == "json":
         records = load_dataset("json", data_files=str(path), split="train", cache_dir=cache_dir)
         if text_field not in records.column_names:
             raise ValueError(f"corpus file {os.fspath(path)!r} has no field {text_field!r} (its fields: {records.column_names}); set text_field")
@@ -108,7 +112,7 @@ def _read_domain(path: Path, separator: str, text_field: str, cache_dir):
             documents = documents.rename_column(text_field, "text")
         return documents.filter(lambda row: bool((row["text"] or "").strip()))
     raw = load_dataset("text", data_files=str(path), split="train", sample_by="document", cache_dir=cache_dir)
-    if separator == BLANK_LINE and any("\x1e" in text for text in raw["text"]):
+    if separator == BLANK_LINE and any(RECORD_SEPARATOR in text for text in raw["text"]):
         raise ValueError(
             f"corpus file {os.fspath(path)!r} holds U+001E record separators but is read as blank-line blocks: "
             f"if they separate its documents (as in the project's corpora), pass separator '\\x1e' (occult train --separator '\\x1e')"
@@ -248,9 +252,12 @@ def prepare_data(
 
 
 def preparation_settings(corpus_dir, vocab_size, heldout_fraction, max_chars_per_domain, separator, text_field) -> dict:
-    """The settings of a preparation, as `data.json` records them (`PreparedData.check_settings`)."""
-    return {"corpus_dir": os.path.realpath(corpus_dir), "vocab_size": vocab_size, "heldout_fraction": heldout_fraction,
-            "max_chars_per_domain": max_chars_per_domain, "separator": separator, "text_field": text_field}  # fmt: skip
+    """The settings of a preparation, as `data.json` records them (`PreparedData.check_settings`); without a
+    `corpus_dir` (a directory prepared elsewhere, its corpus not at hand) only the recipe's."""
+    settings = {"vocab_size": vocab_size, "heldout_fraction": heldout_fraction, "max_chars_per_domain": max_chars_per_domain}
+    if corpus_dir is not None:
+        settings |= {"corpus_dir": os.path.realpath(corpus_dir), "separator": separator, "text_field": text_field}
+    return settings
 
 
 @dataclass
