@@ -13,8 +13,8 @@ perplexities and accuracies would mean nothing, so a table with any other metric
 
 Both tables are generated from results files, the lm-eval way: `markdown_table` is lm-eval's own
 `make_table` over a results dict cut down to the headline rows (`headline_results`), followed by
-the mean of those rows; `compare_table` is written by the same table writer `make_table` uses
-(pytablewriter's `MarkdownTableWriter`), with values as lm-eval prints them (4 decimals, 0-1 scale).
+the mean of those rows; `compare_table` is written by the package's table helper
+(`occult_hf.utils.tables.markdown_table`), with values as lm-eval prints them (4 decimals, 0-1 scale).
 `occult eval --headline RESULTS` and `occult eval --compare A B` print them; RESULTS may be a
 `results_*.json` or an lm-eval output folder (its newest `results_*.json`).
 """
@@ -185,7 +185,7 @@ def compare_table(a: dict[str, Any], b: dict[str, Any], labels: tuple[str, str] 
     """Two runs side by side: per row A, B and B - A, then the average over the rows both runs have
     (when those are all fractions). The rows are the headline rows when both runs are `occult23` runs,
     else every metric of every task."""
-    from pytablewriter import MarkdownTableWriter
+    from occult_hf.utils.tables import markdown_table as table
 
     rows_of = headline_scores if has_suite(a) and has_suite(b) else every_score
     scores_a = {(s.task, s.metric): s for s in rows_of(a)}
@@ -202,16 +202,7 @@ def compare_table(a: dict[str, Any], b: dict[str, Any], labels: tuple[str, str] 
     mean_b = mean_of_fractions([scores_b[k] for k in shared])
     if mean_a is not None:
         values.append([f"Average ({len(shared)} shared rows)", "", _value(mean_a), _value(mean_b), _value(mean_b - mean_a, signed=True)])
-    writer = MarkdownTableWriter()
-    writer.headers = ["Tasks", "Metric", label_a, label_b, f"Δ ({label_b} − {label_a})"]
-    writer.value_matrix = values
-    return writer.dumps().rstrip("\n")
-
-
-def table_rows(table: str) -> list[list[str]]:
-    """The cells of a markdown table's body rows, stripped (for tests and scripts reading our tables)."""
-    lines = [line for line in table.splitlines() if line.startswith("|")]
-    return [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines[2:]]
+    return table(["Tasks", "Metric", label_a, label_b, f"Δ ({label_b} − {label_a})"], values, align="llrrr")
 
 
 __all__ = [
@@ -228,5 +219,4 @@ __all__ = [
     "markdown_table",
     "mean_of_fractions",
     "results_file",
-    "table_rows",
 ]

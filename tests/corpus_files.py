@@ -1,5 +1,6 @@
-"""A generated three-domain corpus in the layout `occult train` reads (`<domain>.txt.gz`, documents separated by
-the training data's separator line), small and deterministic, for the training and study tests."""
+"""A generated three-domain corpus in the layout of the project's corpora (`<domain>.txt.gz`, documents separated by
+a line holding U+001E: read with `separator=RECORD_SEPARATOR`), small and deterministic, for the training and study
+tests."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import gzip
 import random
 from pathlib import Path
 
-from occult_hf.training.data import SEPARATOR
+from occult_hf.training.data import RECORD_SEPARATOR
 
 VOCABS = {
     "python_docs": "the function returns a list of values when called with an argument see also module class".split(),
@@ -25,5 +26,5 @@ def write_corpus(directory: Path, docs: int = 24, seed: int = 0, lines: tuple[in
             text = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 10))) for _ in range(rng.randint(*lines))]
             documents.append(f"{domain} document {d}\n" + "\n".join(text))
         with gzip.open(directory / f"{domain}.txt.gz", "wt", encoding="utf-8") as f:
-            f.write(f"\n{SEPARATOR}\n".join(documents) + "\n")
+            f.write(f"\n{RECORD_SEPARATOR}\n".join(documents) + "\n")
     return directory

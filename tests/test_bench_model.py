@@ -36,8 +36,9 @@ def test_bench_model_dry_run(tmp_path):
     assert [r["implementation"] for r in rows] == ["stock", "occult", "occult (torch)"]
     # a profile of each model: where the host's time goes, the whole MoE block in every model (stock too), and the
     # block's stages in the occult_hf models
-    assert out.count("| host operator | calls | self host ms |") == 2 * 3 and out.count("| moe block | 1 |") == 2 * 3
-    assert out.count("| route | 1 |") == 2 * 2
+    count = lambda *cells: len(re.findall(r"\| " + r" +\| ".join(map(re.escape, cells)) + r" +\|", out))  # noqa: E731
+    assert count("host operator", "calls", "self host ms") == 2 * 3 and count("moe block", "1") == 2 * 3
+    assert count("route", "1") == 2 * 2
 
 
 @pytest.mark.skipif(not TRACE.is_file(), reason=f"real routing trace {TRACE} not present")
@@ -45,8 +46,8 @@ def test_exchange_model_is_labelled_and_dedup_sends_less(tmp_path):
     out = _occult("bench", "exchange", "--model", str(TRACE), "--model-devices", "2", "4", "--tokens", "512",
                   "--out", str(tmp_path), cwd=tmp_path)  # fmt: skip
     assert out.startswith("MODEL, not a measurement")
-    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| 2 ") or line.startswith("| 4 ")]
-    sent = {(r[0].strip("| "), r[1], r[2]): int(r[4]) for r in rows}
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in out.splitlines() if re.match(r"\| [24] +\|", line)]
+    sent = {(r[0], r[1], r[2]): int(r[4]) for r in rows}
     for devices in ("2", "4"):
         for placement in ("contiguous", "refined"):
             assert sent[(devices, placement, "dedup")] < sent[(devices, placement, "per_expert")]
@@ -79,7 +80,7 @@ def test_realsize_routing_balance_counts_every_pair():
         assert b.rows_D == [int((home_Tk == d).any(1).sum()) for d in range(2)]
         assert 1.0 <= b.ct <= 2.0 and 0.5 <= b.busiest_share <= 1.0
     table = balance_table(balance)
-    assert table.count("\n") == len(balance) + 2 and "| mean |" in table
+    assert table.count("\n") == len(balance) + 2 and re.search(r"\| mean +\|", table)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")

@@ -24,6 +24,11 @@ def is_png(path: Path) -> bool:
     return path.is_file() and path.read_bytes()[:8] == PNG_MAGIC
 
 
+def table_rows(printed: str) -> list[list[str]]:
+    """The cells of every markdown table line the command printed (headers and separator rows included)."""
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in printed.splitlines() if line.startswith("|")]
+
+
 @pytest.mark.skipif(not QWEN_TRACE.is_file(), reason=f"real routing data the project does not ship: {QWEN_TRACE} not present")
 def test_trace_to_profile_to_placement_to_report(tmp_path, capsys):
     profile_path, placement_path = tmp_path / "qwen.safetensors", tmp_path / "occult_placement.json"
@@ -37,13 +42,13 @@ def test_trace_to_profile_to_placement_to_report(tmp_path, capsys):
     assert placement.num_devices == 8 and placement.meta["method"] == "occult"
     assert sorted(placement.capacities(0)) == [7, 7, 7, 7, 8, 8, 8, 8]  # E=60 on 8 devices
     printed = capsys.readouterr().out
-    assert " mean  contiguous " in printed and " mean  occult " in printed
+    assert {row[1] for row in table_rows(printed) if row[0] == "mean"} == {"contiguous", "occult"}
 
     plots = tmp_path / "plots"
     assert main(["report", str(profile_path), str(placement_path), "--num-devices", "8", "--methods", "contiguous,refined",
                  "--option", "max_load_ratio=1.2", "--plots", str(plots)]) == 0
     printed = capsys.readouterr().out
-    rows = {line.split()[1]: line.split() for line in printed.splitlines() if line.startswith("    0  ")}
+    rows = {row[1]: row for row in table_rows(printed) if row[0] == "0"}
     assert sorted(rows) == ["contiguous", "occult", "refined"]
     ct = {name: float(row[3]) for name, row in rows.items()}
     assert ct["refined"] < ct["contiguous"] and ct["occult"] < ct["contiguous"]  # real routing has structure
@@ -58,7 +63,7 @@ def test_pair_count_profile_reports_cut_without_ct(tmp_path, capsys):
     assert "pair counts only" in capsys.readouterr().out
     main(["report", str(profile_path), "--num-devices", "4", "--methods", "contiguous,occult", "--no-plots"])
     printed = capsys.readouterr().out
-    layer_rows = [line.split() for line in printed.splitlines() if line.split()[:1] == ["15"]]
+    layer_rows = [row for row in table_rows(printed) if row[0] == "15"]
     assert [row[1] for row in layer_rows] == ["contiguous", "occult"]
     assert all(row[3] == "-" and float(row[6]) > 0 for row in layer_rows)  # CT unknown, cut per token known
 
@@ -191,24 +196,25 @@ def test_demo_main_job_runs_end_to_end(tmp_path, capsys):
     assert main(["demo", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     cli_doc, readme = (REPO / "docs" / "cli.md").read_text(), (REPO / "README.md").read_text()
-    quoted = [line for line in printed.splitlines() if line.startswith(" mean ") or (" / " in line and line[:5].strip().isdigit())]
+    first_cell = lambda line: line.strip("|").split("|")[0].strip()  # noqa: E731
+    quoted = [line for line in printed.splitlines() if line.startswith("|") and (first_cell(line) == "mean" or " / " in line and first_cell(line).isdigit())]
     assert len(quoted) == 3 + 4 and all(line in cli_doc for line in quoted), quoted  # the mean rows, the pruning rows
     figures = re.search(
         r"held-out CT is ([\d.]+) \(contiguous\), ([\d.]+) \(occult\) and ([\d.]+) \(refined, which keeps device load at "
         r"([\d.]+)x the mean where occult reaches ([\d.]+)x\)", " ".join(readme.split())
     )
-    mean_of = {row.split()[1]: row.split() for row in quoted if row.startswith(" mean ")}
+    mean_of = {row[1]: row for row in table_rows(printed) if row[0] == "mean"}
     assert figures.groups() == (
         mean_of["contiguous"][3], mean_of["occult"][3], mean_of["refined"][3], mean_of["refined"][7], mean_of["occult"][7]
     )
     assert "occult demo: an OlmoeForCausalLM trained from scratch by `occult train --recipe tiny`" in printed
     assert "text it never trained on" in printed
     methods = ("contiguous", "occult", "refined")
-    rows = [r for r in (line.split() for line in printed.splitlines()) if len(r) > 5 and r[0].isdigit() and r[1] in methods]
+    rows = [r for r in table_rows(printed) if len(r) > 5 and r[0].isdigit() and r[1] in methods]
     assert sorted({(int(r[0]), r[1]) for r in rows}) == [
         (layer, method) for layer in range(4) for method in ("contiguous", "occult", "refined")
     ]
-    means = {line.split()[1]: line.split() for line in printed.splitlines() if line.startswith(" mean ")}
+    means = {row[1]: row for row in table_rows(printed) if row[0] == "mean"}
     ct = {name: float(row[3]) for name, row in means.items()}
     # learned routing has co-activation structure: the collaboration-aware planners beat contiguous held out
     assert ct["occult"] < ct["contiguous"] and ct["refined"] < ct["contiguous"]
@@ -265,7 +271,7 @@ def test_replan_keeps_primaries_and_moves_the_copies_to_what_is_hot_now(tmp_path
     capsys.readouterr()
     assert main(["replan", str(deployed_path), str(paths["recent"]), "--out", str(replanned_path)]) == 0
     printed = capsys.readouterr().out
-    assert " mean  deployed " in printed and " mean  replanned " in printed
+    assert {row[1] for row in table_rows(printed) if row[0] == "mean"} == {"deployed", "replanned"}
     deployed, replanned = Placement.load(deployed_path), Placement.load(replanned_path)
     assert replanned.device_of(0) == deployed.device_of(0)  # primaries kept
     copies = sum(map(len, replanned.replicas[0].values()))

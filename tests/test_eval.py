@@ -277,14 +277,15 @@ def test_headline_rows_expand_metricless_groups_only():
 def test_headline_table_is_lm_evals_make_table_of_the_headline_rows(tmp_path, capsys):
     from lm_eval.utils import make_table
 
-    from occult_hf.eval.report import headline_results, table_rows
+    from occult_hf.eval.report import headline_results
+    from occult_hf.utils.tables import markdown_rows
 
     cut = headline_results(suite_like_results())
     assert set(cut["results"]) == {"winogrande", "mmlu", "qasper_bool", "coqa", "gsm8k_like"}  # no groups, no members of mmlu
     assert cut["results"]["gsm8k_like"] == {"exact_match,flexible-extract": 0.2}  # only the filter the row reads
     table = markdown_table(suite_like_results())
     assert table.startswith(make_table(cut).rstrip("\n"))  # lm-eval's own table
-    rows = {(r[0] or "coqa", r[4]): (r[6], r[8]) for r in table_rows(table.split("\n\n")[0])}
+    rows = {(r[0] or "coqa", r[4]): (r[6], r[8]) for r in markdown_rows(table.split("\n\n")[0])}
     assert rows[("winogrande", "acc")] == ("0.60", "0.010") and rows[("coqa", "f1")][0] == "0.65"
     assert len(rows) == 6 and table.endswith("Average over the 6 headline rows: 0.5333")
     # the command, on an lm-eval output folder: its newest results_*.json
@@ -298,7 +299,7 @@ def test_headline_table_is_lm_evals_make_table_of_the_headline_rows(tmp_path, ca
 
 
 def test_compare_prints_deltas_and_average(tmp_path, capsys):
-    from occult_hf.eval.report import table_rows
+    from occult_hf.utils.tables import markdown_rows
 
     path_a, path_b = tmp_path / "a.json", tmp_path / "b.json"
     path_a.write_text(json.dumps(suite_like_results()))
@@ -307,11 +308,11 @@ def test_compare_prints_deltas_and_average(tmp_path, capsys):
     printed = capsys.readouterr().out
     header = [cell.strip() for cell in printed.splitlines()[0].strip("|").split("|")]
     assert header == ["Tasks", "Metric", "standard", "pruned", "Δ (pruned − standard)"]
-    rows = {(r[0], r[1]): [float(v) for v in r[2:]] for r in table_rows(printed)}
+    rows = {(r[0], r[1]): [float(v) for v in r[2:]] for r in markdown_rows(printed)}
     assert rows[("winogrande", "acc")] == pytest.approx([0.60, 0.57, -0.03])
     assert rows[("coqa", "f1")] == pytest.approx([0.65, 0.65, 0.0])
     assert rows[("Average (6 shared rows)", "")] == pytest.approx([0.5333, 0.5233, -0.01], abs=1e-4)  # two of six rows moved
-    missing = table_rows(compare_table(suite_like_results(), {"results": {}}))
+    missing = markdown_rows(compare_table(suite_like_results(), {"results": {}}))
     assert sum(row.count("–") for row in missing) >= 6
     with pytest.raises(SystemExit):
         occult_main(["eval", "--compare", str(path_a), str(path_b), "--headline", str(path_a)])
@@ -335,7 +336,7 @@ def other_tasks_results(shift: float = 0.0) -> dict:
 def test_headline_rows_and_averages_are_only_for_occult23(tmp_path, capsys):
     """Issue 32: a run of other tasks printed its whole table again as "headline rows", then a mean of
     perplexities and accuracies (371193052874.1066)."""
-    from occult_hf.eval.report import table_rows
+    from occult_hf.utils.tables import markdown_rows
 
     with pytest.raises(ValueError, match="the results hold no occult23 run \\(tasks: wikitext, arc_easy\\)"):
         markdown_table(other_tasks_results())
@@ -347,7 +348,7 @@ def test_headline_rows_and_averages_are_only_for_occult23(tmp_path, capsys):
     assert "the results hold no occult23 run" in capsys.readouterr().err
     # two runs of other tasks compare on every metric, with no mean across metric kinds
     assert occult_main(["eval", "--compare", str(path_a), str(path_b)]) == 0
-    rows = {(r[0], r[1]): [float(v) for v in r[2:]] for r in table_rows(capsys.readouterr().out)}
+    rows = {(r[0], r[1]): [float(v) for v in r[2:]] for r in markdown_rows(capsys.readouterr().out)}
     assert set(rows) == {("wikitext", m) for m in ("word_perplexity", "byte_perplexity", "bits_per_byte")} | {
         ("arc_easy", "acc"), ("arc_easy", "acc_norm")}
     assert rows[("arc_easy", "acc")] == pytest.approx([0.25, 0.75, 0.5])

@@ -56,6 +56,7 @@ def test_wheel_declares_console_script_and_extras(wheel):
     assert "occult = occult_hf.cli:main" in entry_points
     assert "Requires-Dist: transformers<6,>=5.17" in metadata
     assert 'Provides-Extra: eval' in metadata
+    assert "Requires-Dist: tabulate>=0.9" in metadata  # every table occult_hf prints (occult demo's too)
     # triton only for the interpreter tests (issue 32: a hard dependency cost a CPU user 999 MB); a CUDA torch brings its own
     triton = [line for line in metadata.splitlines() if line.startswith("Requires-Dist: triton")]
     assert triton and all('extra == "test"' in line for line in triton), triton

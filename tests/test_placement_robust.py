@@ -797,7 +797,7 @@ def test_bench_replicas_times_every_column_and_checks_the_routing_on_cpu(tmp_pat
     rows = json.loads((tmp_path / "bench_replicas_cpu.json").read_text())["rows"]
     assert len(rows) == 2 and set(rows[0]["ms"]) == set(COLUMNS)
     assert all(row["ms"]["rule graphed"] is None and row["ms"]["rule eager"] > 0 for row in rows)
-    assert "| OLMoE (64, 8) | 4 | 32 |" in (tmp_path / "bench_replicas_cpu.md").read_text()
+    assert re.search(r"\| OLMoE \(64, 8\) +\| 4 +\| 32 +\|", (tmp_path / "bench_replicas_cpu.md").read_text())
 
 
 def test_bench_replicas_rejects_a_count_below_one_at_parse_time(capsys):

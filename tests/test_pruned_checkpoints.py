@@ -82,3 +82,22 @@ def test_a_similarity_pruned_checkpoint_holds_its_profile(tmp_path, monkeypatch)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint")
     assert occult_config_of(loaded).profile == str(tmp_path / "checkpoint" / "occult_profile.safetensors")
     assert torch.allclose(loaded(tiny_batch(seed=3)).logits, expected, atol=1e-6)
+
+
+def test_a_node_limited_checkpoint_states_its_node_limit(tmp_path):
+    """Node-limited pruning alone (N_n, no N_d): the card and `occult_pruning` name the node limit and layout."""
+    from transformers import AutoModelForCausalLM
+
+    from occult_hf import OccultConfig, apply_occult, occult_config_of
+    from occult_hf.hf.apply import install
+
+    install()
+    config = OccultConfig(num_devices=4, devices_per_node=2, prune="router", max_nodes_per_token=1)
+    pruned = apply_occult(tiny_model("olmoe", seed=4), config)
+    pruned.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())["occult_pruning"]
+    assert (saved["max_nodes_per_token"], saved["devices_per_node"], saved["max_devices_per_token"]) == (1, 2, None)
+    assert "limited to N_n = 1 of 2 nodes (2 devices each) (`prune='router'`" in (tmp_path / "README.md").read_text()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert occult_config_of(loaded).max_nodes_per_token == 1
+    assert torch.allclose(loaded(tiny_batch(seed=3)).logits, pruned(tiny_batch(seed=3)).logits, atol=1e-6)

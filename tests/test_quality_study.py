@@ -20,7 +20,7 @@ import pytest
 
 from occult_hf.eval.studies.jobs import Job, run_jobs
 from occult_hf.eval.studies.variants import Variant, study_variants
-from occult_hf.training.data import SEPARATOR
+from occult_hf.training.data import RECORD_SEPARATOR
 
 NAMES = "value total items offset buffer count index result parser stream handle config".split()
 PROSE = {
@@ -46,7 +46,7 @@ def write_corpus(directory: Path, docs: int = 24, seed: int = 0) -> Path:
                                                       for _ in range(rng.randint(6, 10))]  # fmt: skip
             documents.append("\n".join(lines))
         with gzip.open(directory / f"{domain}.txt.gz", "wt", encoding="utf-8") as f:
-            f.write(f"\n{SEPARATOR}\n".join(documents) + "\n")
+            f.write(f"\n{RECORD_SEPARATOR}\n".join(documents) + "\n")
     return directory
 
 
@@ -172,7 +172,8 @@ def micro_run(tmp_path_factory):
     from occult_hf.training import prepare_data
 
     root = tmp_path_factory.mktemp("quality")
-    data = prepare_data(write_corpus(root / "corpus"), root / "data", vocab_size=300, heldout_fraction=0.25, cache_dir=root / "hf_cache")
+    data = prepare_data(write_corpus(root / "corpus"), root / "data", vocab_size=300, heldout_fraction=0.25,
+                        separator=RECORD_SEPARATOR, cache_dir=root / "hf_cache")  # fmt: skip
     argv = ["--data", str(data), "--work", str(root / "work"), "--out", str(root / "out"), "--size", "micro", "--budget", "300"]
     start = time.time()
     status = quality.main(argv)

@@ -51,7 +51,7 @@ def test_shipped_trace_is_a_trace_occult_profile_reads(tmp_path):
 def test_record_is_the_models_routing_of_held_out_text(tmp_path):
     from transformers import AutoTokenizer, OlmoeForCausalLM
 
-    from occult_hf.training.data import load_documents, split_heldout
+    from occult_hf.training.data import RECORD_SEPARATOR, load_documents, split_heldout
     from occult_hf.training.evaluate import capture_routing
 
     corpus = write_corpus(tmp_path / "corpus", docs=60, lines=(20, 30))
@@ -64,7 +64,7 @@ def test_record_is_the_models_routing_of_held_out_text(tmp_path):
     # the first window of the first domain is the first held-out document's tokens, routed by the model
     model = OlmoeForCausalLM.from_pretrained(str(tiny_checkpoint_path())).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_checkpoint_path()))
-    _, heldout = split_heldout(load_documents(corpus, ["python_docs"])["python_docs"], 0.05, 400_000)
+    _, heldout = split_heldout(load_documents(corpus, ["python_docs"], separator=RECORD_SEPARATOR)["python_docs"], 0.05, 400_000)
     first = tokenizer(heldout["text"][0], verbose=False)["input_ids"][:64]
     assert len(first) == 64
     with torch.no_grad():

@@ -1,12 +1,13 @@
 """`occult train` and the learned-routing studies on CPU: a generated three-domain corpus, a few steps.
 
 The always-on tests use text generated here (three domains with different vocabularies, documents
-separated by U+001E lines, gzip-compressed like ../shared/data/corpus); the shipped tiny checkpoint
-is checked as it is in the package.
+separated by U+001E lines, gzip-compressed like ../shared/data/corpus; and a directory of a user's own
+`.txt` and `.jsonl` files); the shipped tiny checkpoint is checked as it is in the package.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import re
@@ -18,7 +19,7 @@ import torch
 
 from corpus_files import VOCABS, write_corpus
 from occult_hf.training import PreparedData, get_recipe, prepare_data, tiny_checkpoint_path, train
-from occult_hf.training.data import SEPARATOR, split_documents
+from occult_hf.training.data import RECORD_SEPARATOR, split_documents
 from occult_hf.training.evaluate import capture_routing, load_entropy, perplexity, random_topk, removed_weight, routing_structure
 
 TINY = dict(max_steps=3, batch_size=2, seq_len=32, vocab_size=300, warmup_steps=1, max_chars_per_domain=None)
@@ -29,7 +30,8 @@ def prepared(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("training")
     corpus = write_corpus(root / "corpus")
     recipe = get_recipe("tiny", **TINY)
-    return prepare_data(corpus, root / "data", vocab_size=recipe.vocab_size, heldout_fraction=0.25, cache_dir=root / "hf_cache")
+    return prepare_data(corpus, root / "data", vocab_size=recipe.vocab_size, heldout_fraction=0.25, separator=RECORD_SEPARATOR,
+                        cache_dir=root / "hf_cache")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -40,22 +42,77 @@ def trained(prepared, tmp_path_factory) -> tuple[Path, dict]:
     return out, log
 
 
-def test_documents_split_on_the_record_separator_line():
-    assert split_documents(f"a\nb\n{SEPARATOR}\nc\n{SEPARATOR}\n\n{SEPARATOR}\nd x\n") == ["a\nb", "c", "d x"]
+def test_documents_are_blank_line_blocks_or_split_on_the_separator():
+    assert split_documents("a\nb\n\n\nc\n  \t\nd x\n\n") == ["a\nb", "c", "d x"]  # the default: blank lines
+    assert split_documents(f"a\nb\n{RECORD_SEPARATOR}\nc\n{RECORD_SEPARATOR}\n\n{RECORD_SEPARATOR}\nd x\n", RECORD_SEPARATOR) == ["a\nb", "c", "d x"]
+    # a bare U+001E, not on a line of its own (issue 32: this was one document, "cannot be split")
+    assert split_documents("a\n\nb\x1ec d\x1e\x1ee", RECORD_SEPARATOR) == ["a\n\nb", "c d", "e"]
 
 
-@pytest.mark.parametrize("make_dir, message", [(False, "does not exist"), (True, "holds none of")])
+@pytest.mark.parametrize("make_dir, message", [(False, "does not exist"), (True, "holds no corpus file")])
 def test_prepare_data_says_whether_the_corpus_directory_is_missing_or_empty(tmp_path, make_dir, message):
     corpus = tmp_path / "corpus"
     if make_dir:
         corpus.mkdir()
+        (corpus / "README.md").write_text("not a corpus file\n")
     with pytest.raises(FileNotFoundError, match=re.escape(f"corpus directory '{corpus}' {message}")):
         prepare_data(corpus, tmp_path / "data", vocab_size=64, heldout_fraction=0.25)
 
 
+def _own_corpus(directory: Path) -> Path:
+    """A user's corpus: prose in blank-line blocks (`notes.txt`), JSON lines (`chat.jsonl.gz`, text in `body`), a README."""
+    directory.mkdir()
+    notes = [f"note {d}\n" + "\n".join(f"line {i} of note {d} about kernels and drivers" for i in range(3)) for d in range(8)]
+    (directory / "notes.txt").write_text("\n\n".join(notes) + "\n\n\n")
+    with gzip.open(directory / "chat.jsonl.gz", "wt", encoding="utf-8") as f:
+        for d in range(8):
+            f.write(json.dumps({"id": d, "body": f"message {d}: what does the function return when called twice?"}) + "\n")
+    (directory / "README.md").write_text("# my corpus\n\nnot read\n")
+    return directory
+
+
+def test_any_directory_of_text_and_jsonl_files_is_a_corpus(tmp_path, capsys):
+    """One domain per file, named by it; `.txt` in blank-line blocks, `.jsonl` one record a document (issue 32)."""
+    from occult_hf.cli import main
+
+    corpus, out = _own_corpus(tmp_path / "mine"), tmp_path / "run"
+    assert main(["train", "--corpus-dir", str(corpus), "--text-field", "body", "--out", str(out), "--prepare-only"]) == 0
+    data = PreparedData(out / "data")
+    assert data.domains == ["chat", "notes"]
+    assert [(data.meta["domains"][d]["train"]["documents"], data.meta["domains"][d]["heldout"]["documents"]) for d in data.domains] == [(7, 1)] * 2
+    assert data.heldout_texts("notes") == ["note 7\n" + "\n".join(f"line {i} of note 7 about kernels and drivers" for i in range(3))]
+    assert data.heldout_texts("chat") == ["message 7: what does the function return when called twice?"]  # the tiny recipe holds out 5%
+    assert data.meta["settings"]["separator"] == "blank-line" and data.meta["settings"]["text_field"] == "body"
+    # the prepared directory is reused only with the settings it was made with
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--corpus-dir", str(corpus), "--separator", "\\x1e", "--out", str(out), "--prepare-only"])
+    assert exit_info.value.code == 2
+    assert "was prepared with other settings: separator 'blank-line' (asked: '\\x1e'); text_field 'body' (asked: 'text')" in capsys.readouterr().err
+    # without --corpus-dir a prepared directory is reused on the recipe's settings alone (a GPU machine has no corpus)
+    assert main(["train", "--data-dir", str(out / "data"), "--out", str(tmp_path / "elsewhere"), "--prepare-only"]) == 0
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--out", str(tmp_path / "nothing"), "--prepare-only"])
+    assert exit_info.value.code == 2 and "holds no prepared data (data.json): give --corpus-dir to prepare it" in capsys.readouterr().err
+
+
+def test_a_corpus_read_with_the_wrong_settings_is_named(tmp_path):
+    project_format = write_corpus(tmp_path / "project", docs=4)
+    with pytest.raises(ValueError, match=re.escape("kernel_docs.txt.gz' holds U+001E record separators but is read as blank-line blocks")):
+        prepare_data(project_format, tmp_path / "data", vocab_size=64, heldout_fraction=0.25)
+    with pytest.raises(ValueError, match=re.escape("chat.jsonl.gz' has no field 'text' (its fields: ['id', 'body']); set text_field")):
+        prepare_data(_own_corpus(tmp_path / "mine"), tmp_path / "data", vocab_size=64, heldout_fraction=0.25)
+    (tmp_path / "mine" / "notes.jsonl").write_text('{"text": "a"}\n')
+    with pytest.raises(ValueError, match="domain 'notes' has two files, notes.jsonl and notes.txt"):
+        prepare_data(tmp_path / "mine", tmp_path / "data", vocab_size=64, heldout_fraction=0.25)
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "essay.txt").write_text("one document without blank lines\nand a second line\n")
+    with pytest.raises(ValueError, match="essay has 1 document\\(s\\), too few to split with heldout_fraction 0.25"):
+        prepare_data(tmp_path / "one", tmp_path / "data", vocab_size=64, heldout_fraction=0.25)
+
+
 def test_prepared_data_holds_out_the_last_documents_of_every_domain(prepared):
     data = PreparedData(prepared)
-    assert data.domains == list(VOCABS)
+    assert data.domains == sorted(VOCABS)
     for domain in VOCABS:
         row = data.meta["domains"][domain]
         assert (row["train"]["documents"], row["heldout"]["documents"]) == (18, 6)  # the last ceil(24 * 0.25)
@@ -116,9 +173,11 @@ def test_occult_train_command_prepares_trains_and_writes_its_files(tmp_path):
 
     corpus = write_corpus(tmp_path / "corpus", docs=40, lines=(20, 30))  # 2 held-out documents: > 128 tokens
     out = tmp_path / "ckpt"
-    assert main(["train", "--recipe", "tiny", "--corpus-dir", str(corpus), "--out", str(out), "--max-steps", "2"]) == 0
+    argv = ["train", "--recipe", "tiny", "--corpus-dir", str(corpus), "--separator", "\\x1e", "--out", str(out), "--max-steps", "2"]
+    assert main(argv) == 0  # the separator as a shell passes it: backslash, x, 1, e
     for name in ("model.safetensors", "tokenizer.json", "recipe.json", "train_log.json", "loss_curve.png", "data/data.json"):
         assert (out / name).is_file(), name
+    assert json.loads((out / "recipe.json").read_text())["train_domains"] == sorted(VOCABS)  # tiny: every domain, named
     with pytest.raises(SystemExit):
         main(["train", "--recipe", "nope", "--out", str(out)])
 
@@ -129,7 +188,8 @@ def test_shipped_tiny_checkpoint_is_small_self_describing_and_learned():
     path = Path(str(tiny_checkpoint_path()))
     assert sum(f.stat().st_size for f in path.iterdir()) <= 8 * 2**20
     recipe = json.loads((path / "recipe.json").read_text())
-    assert recipe == get_recipe("tiny").to_dict()  # made by the tiny recipe as it stands
+    assert sorted(recipe["train_domains"]) == sorted(VOCABS)  # the project corpus's three domains
+    assert recipe == get_recipe("tiny", train_domains=recipe["train_domains"]).to_dict()  # made by the tiny recipe as it stands
     log = json.loads((path / "train_log.json").read_text())
     assert log["steps"] == recipe["max_steps"]
     model = OlmoeForCausalLM.from_pretrained(path).eval()

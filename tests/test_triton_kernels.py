@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -533,7 +534,7 @@ def test_bench_experts_harness_on_a_tiny_shape(interpreted, tmp_path, monkeypatc
     # a peer that cannot run here gets a row that says why (SonicMoE is not installable on CPU)
     assert measured["sonic_moe"].fwd_ms is None and "sonic-moe" in measured["sonic_moe"].note
     table = result["tables"]["results"]
-    assert "| tiny (32/16/4/2) | 24 | triton_rows_fp32 |" in table and "- note 1: sonic_moe: " in table
+    assert re.search(r"\| tiny \(32/16/4/2\) +\| 24 +\| triton_rows_fp32 +\|", table) and "- note 1: sonic_moe: " in table
     assert set(result["breakdowns"]) == {"rows_io", "rows_fp32"}
     assert "bwd: d down_proj" in result["tables"]["reduce=rows_io"]
     assert "row -> pairs index" in result["tables"]["reduce=rows_fp32"]
@@ -586,7 +587,7 @@ def test_bench_candidate_comparison_restores_the_tuners(interpreted, monkeypatch
     for name, (configs, cache) in before.items():
         assert getattr(kernels, name).configs is configs and getattr(kernels, name).cache is cache
     table = bench.comparison_table(rows)
-    assert table.splitlines()[0] == "| ms | " + " | ".join(bench.CANDIDATE_SETS) + " |"
+    assert [cell.strip() for cell in table.splitlines()[0].strip("|").split("|")] == ["ms", *bench.CANDIDATE_SETS]
     assert module.gate_up_proj.grad is None
 
 

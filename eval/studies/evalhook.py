@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from occult_hf.utils.atomic import atomic_write_json, atomic_write_text
+from occult_hf.utils.tables import markdown_table
 
 from .lmeval_tasks import OFFLINE_ENV, first_lines, nextline_items, run_lm_eval, write_multiple_choice_task, write_perplexity_task
 
@@ -164,17 +165,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def markdown(report: dict) -> str:
     tasks = report["tasks"]
-    head = "| run | " + " | ".join(f"{t} {'acc / acc_norm' if t == 'occ_nextline' else 'word ppl'}" for t in tasks) + " |"
-    lines = [head, "|---|" + "---:|" * len(tasks)]
-    for run, r in report["runs"].items():
-        cells = [f"{r[t]['acc']:.3f} / {r[t]['acc_norm']:.3f}" if t == "occ_nextline" else f"{r[t]['word_perplexity']:.4g}" for t in tasks]
-        lines.append(f"| {run} | " + " | ".join(cells) + " |")
-    lines += ["", "| task | lm-eval word ppl (1 process, exact) | own word ppl | relative difference | largest per-document loglikelihood difference | own token ppl |",
-              "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for task, a in report["agreement"].items():
-        lines.append(f"| {task} | {a['word_perplexity_lm_eval']:.4f} | {a['word_perplexity_own']:.4f} | {a['relative_difference']:.2e} | "
-                     f"{a['max_doc_loglikelihood_difference']:.2e} | {report['own'][task]['token_perplexity']:.3f} |")  # fmt: skip
-    return "\n".join(lines)
+    header = ["run", *(f"{t} {'acc / acc_norm' if t == 'occ_nextline' else 'word ppl'}" for t in tasks)]
+    runs = [[run, *(f"{r[t]['acc']:.3f} / {r[t]['acc_norm']:.3f}" if t == "occ_nextline" else f"{r[t]['word_perplexity']:.4g}" for t in tasks)]
+            for run, r in report["runs"].items()]  # fmt: skip
+    agreement = [[task, f"{a['word_perplexity_lm_eval']:.4f}", f"{a['word_perplexity_own']:.4f}", f"{a['relative_difference']:.2e}",
+                  f"{a['max_doc_loglikelihood_difference']:.2e}", f"{report['own'][task]['token_perplexity']:.3f}"]
+                 for task, a in report["agreement"].items()]  # fmt: skip
+    agreement_header = ["task", "lm-eval word ppl (1 process, exact)", "own word ppl", "relative difference",
+                        "largest per-document loglikelihood difference", "own token ppl"]  # fmt: skip
+    return "\n\n".join([markdown_table(header, runs, align="l" + "r" * len(tasks)), markdown_table(agreement_header, agreement, align="lrrrrr")])
 
 
 if __name__ == "__main__":

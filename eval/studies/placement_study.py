@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from occult_hf.utils.atomic import atomic_save_figure
+from occult_hf.utils.tables import markdown_table
 from occult_hf.drift import profile_drift
 from occult_hf.metrics import device_load, evaluate_placement, expert_load, load_balance, load_floor, summarize
 from occult_hf.placement import Placement, balanced_capacities, plan_placement
@@ -121,10 +122,7 @@ class StudyResult:
         for title, rows in self.tables.items():
             parts.append(f"### {title}\n")
             columns = list(rows[0])
-            parts.append("| " + " | ".join(columns) + " |")
-            parts.append("|" + "---|" * len(columns))
-            for row in rows:
-                parts.append("| " + " | ".join(_cell(row[c]) for c in columns) + " |")
+            parts.append(markdown_table(columns, [[_cell(row[c]) for c in columns] for row in rows]))
             parts.extend([""] + [f"- {note}" for note in self.notes.get(title, [])] + [""])
         return "\n".join(parts)
 

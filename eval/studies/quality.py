@@ -108,10 +108,8 @@ def study_recipe(size: str):
     from occult_hf.training import get_recipe
 
     s = settings(size)
-    recipe = get_recipe(s["recipe"], **s["pretrain"])
-    if FT_DOMAIN in recipe.train_domains:  # the study recipes already leave B out; the tiny one trains on all three
-        recipe = recipe.replace(train_domains=tuple(d for d in recipe.train_domains if d != FT_DOMAIN))
-    return recipe
+    # the study recipes name these already; the tiny one trains on every domain of the corpus, B included
+    return get_recipe(s["recipe"], **s["pretrain"]).replace(train_domains=(FORGET_DOMAIN, THIRD_DOMAIN))
 
 
 def placement_file(work: Path, devices: int) -> Path:

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from occult_hf.utils.atomic import atomic_save_figure, atomic_write_json, atomic_write_text
+from occult_hf.utils.tables import markdown_table
 
 from .quality import FORGET_DOMAIN, FT_DOMAIN, REFINED
 from .variants import Variant
@@ -97,13 +98,14 @@ def describe_model(results: dict) -> str:
 
 
 def structure_table(results: dict) -> str:
-    lines = ["| held-out domain | load entropy (learned / random router) | top-10% pairs' share of co-activations (learned / random) | hottest expert / mean load |",
-             "|---|---|---|---|"]  # fmt: skip
+    header = ["held-out domain", "load entropy (learned / random router)",
+              "top-10% pairs' share of co-activations (learned / random)", "hottest expert / mean load"]  # fmt: skip
+    rows = []
     for domain, s in results["base_routing"]["structure"].items():
         m = s["mean"]
-        lines.append(f"| {domain} | {m['load_entropy']:.3f} / {m['load_entropy_random']:.3f} | "
-                     f"{m['top10_pair_share']:.3f} / {m['top10_pair_share_random']:.3f} | {m['max_expert_load_over_mean']:.2f} |")  # fmt: skip
-    return "\n".join(lines)
+        rows.append([domain, f"{m['load_entropy']:.3f} / {m['load_entropy_random']:.3f}",
+                     f"{m['top10_pair_share']:.3f} / {m['top10_pair_share_random']:.3f}", f"{m['max_expert_load_over_mean']:.2f}"])  # fmt: skip
+    return markdown_table(header, rows)
 
 
 def _accuracy_cell(rows: list[dict], task: str) -> str:
@@ -118,9 +120,9 @@ def _accuracy_cell(rows: list[dict], task: str) -> str:
 def quality_table(study: Study, devices: int) -> str:
     """One row per variant at `devices` (module docstring for the cells)."""
     tasks = study.tasks
-    head = (f"| variant | fine-tuned | seeds | ppl {FT_DOMAIN} (B) | paired difference (vs plain / base) | ppl {FORGET_DOMAIN} (A) | "
-            + "".join(f"{t} acc | " for t in tasks) + "CT | bytes/token/layer | removed weight |")  # fmt: skip
-    lines = [head, "|---|---|---:|---:|---:|---:|" + "---:|" * len(tasks) + "---:|---:|---:|"]
+    header = ["variant", "fine-tuned", "seeds", f"ppl {FT_DOMAIN} (B)", "paired difference (vs plain / base)", f"ppl {FORGET_DOMAIN} (A)",
+              *(f"{t} acc" for t in tasks), "CT", "bytes/token/layer", "removed weight"]  # fmt: skip
+    lines = []
     groups = []
     for fine_tuned in (True, False):
         groups.append((fine_tuned, None, None))
@@ -131,7 +133,7 @@ def quality_table(study: Study, devices: int) -> str:
         label = members[0].row
         if not rows:
             missing = "; ".join(study.errors.get(v.name, "not run") for v in members)
-            lines.append(f"| {label} | {'yes' if fine_tuned else 'no'} | 0 | {missing} |" + " |" * (6 + len(tasks)))
+            lines.append([label, "yes" if fine_tuned else "no", "0", missing, *([""] * (6 + len(tasks)))])
             continue
         comm = [r["communication"][str(devices)] for r in rows]
         paired = "-" if not mode else _percent(study.ratios(members)) if study.ratios(members) else "no reference"
@@ -140,8 +142,8 @@ def quality_table(study: Study, devices: int) -> str:
                  *(_accuracy_cell(rows, t) for t in tasks),
                  f"{np.mean([c['ct'] for c in comm]):.3f}", f"{np.mean([c['bytes_per_token'] for c in comm]):.0f}",
                  f"{np.mean([r['removed_weight'] for r in rows]):.3f}"]  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        lines.append(cells)
+    return markdown_table(header, lines, align="llrrrr" + "r" * len(tasks) + "rrr")
 
 
 def goals(study: Study) -> list[str]:
@@ -193,15 +195,17 @@ def goals(study: Study) -> list[str]:
 
 
 def drift_table(study: Study) -> str:
-    lines = ["| D | CT, placement planned before fine-tuning (held-out B) | CT, re-planned on the fine-tuned routing | before / re-planned | balance before / re-planned | seeds |",
-             "|---:|---:|---:|---:|---|---:|"]  # fmt: skip
+    header = ["D", "CT, placement planned before fine-tuning (held-out B)", "CT, re-planned on the fine-tuned routing",
+              "before / re-planned", "balance before / re-planned", "seeds"]  # fmt: skip
+    rows = []
     for devices in sorted(study.device_limits):
         drifts = [r["drift"][str(devices)] for v in study.members(True, None, None, None) if (r := study.get(v)) and "drift" in r]
         if not drifts:
             continue
-        lines.append(f"| {devices} | {_spread([d['ct_before'] for d in drifts])} | {_spread([d['ct_replanned'] for d in drifts])} | "
-                     f"{_spread([d['ct_before'] / d['ct_replanned'] for d in drifts])} | "
-                     f"{np.mean([d['balance_before'] for d in drifts]):.2f} / {np.mean([d['balance_replanned'] for d in drifts]):.2f} | {len(drifts)} |")  # fmt: skip
+        rows.append([devices, _spread([d["ct_before"] for d in drifts]), _spread([d["ct_replanned"] for d in drifts]),
+                     _spread([d["ct_before"] / d["ct_replanned"] for d in drifts]),
+                     f"{np.mean([d['balance_before'] for d in drifts]):.2f} / {np.mean([d['balance_replanned'] for d in drifts]):.2f}", len(drifts)])  # fmt: skip
+    lines = [markdown_table(header, rows, align="rrrrlr")]
     watches = []
     for v in study.members(True, None, None, None):
         checks = [h for h in (study.get(v) or {}).get("callback_logs", []) if "occult/drift/ct_current" in h]

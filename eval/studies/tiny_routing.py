@@ -62,18 +62,18 @@ def record(corpus_dir: str | os.PathLike, tokens_per_domain: int = 2048, seq_len
     from transformers import AutoTokenizer, OlmoeForCausalLM
 
     from occult_hf.training import tiny_checkpoint_path
-    from occult_hf.training.data import load_documents, pack, split_heldout
+    from occult_hf.training.data import RECORD_SEPARATOR, load_documents, pack, split_heldout
     from occult_hf.training.evaluate import capture_routing
-    from occult_hf.training.recipes import get_recipe
+    from occult_hf.training.recipes import Recipe
 
     if tokens_per_domain < 2 * seq_len:
         raise ValueError(f"tokens_per_domain={tokens_per_domain} must be at least 2 * seq_len ({2 * seq_len}): one window per half")
     with resources.as_file(tiny_checkpoint_path()) as path:
         model = OlmoeForCausalLM.from_pretrained(path).eval()
         tokenizer = AutoTokenizer.from_pretrained(path)
-        recipe = get_recipe(json.loads((Path(path) / "recipe.json").read_text())["name"])
+        recipe = Recipe.from_dict(json.loads((Path(path) / "recipe.json").read_text()))  # its domains named
     domains = list(recipe.train_domains)
-    documents = load_documents(corpus_dir, domains)
+    documents = load_documents(corpus_dir, domains, separator=RECORD_SEPARATOR)  # the project corpus's format
     ids_parts, weight_parts, domain_parts, split_parts = [], [], [], []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a 4-layer model at hidden 64: thread start-up costs more than it saves

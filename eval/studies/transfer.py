@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from occult_hf.utils.atomic import atomic_save_figure, atomic_write_json, atomic_write_text
+from occult_hf.utils.tables import markdown_table
 
 METHODS = ("contiguous", "occult", "refined")
 DEVICES = (4, 8)
@@ -67,12 +68,13 @@ def transfer_study(train: dict, held: dict, methods=METHODS, devices=DEVICES) ->
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| D | method | profiled on (A) | measured on (B) | CT | CT oracle (planned on B) | CT / oracle | balance | balance oracle |",
-             "|---:|---|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    header = ["D", "method", "profiled on (A)", "measured on (B)", "CT", "CT oracle (planned on B)", "CT / oracle", "balance", "balance oracle"]
+    cells = []
     for r in rows:
         mark = "" if r["source"] == r["target"] else (" ✓" if r["ct_ratio"] <= 1.10 else " ✗")
-        lines.append(f"| {r['devices']} | {r['method']} | {r['source']} | {r['target']} | {r['ct']:.3f} | {r['ct_oracle']:.3f} | "
-                     f"{r['ct_ratio']:.3f}{mark} | {r['balance']:.2f} | {r['balance_oracle']:.2f} |")  # fmt: skip
+        cells.append([r["devices"], r["method"], r["source"], r["target"], f"{r['ct']:.3f}", f"{r['ct_oracle']:.3f}",
+                      f"{r['ct_ratio']:.3f}{mark}", f"{r['balance']:.2f}", f"{r['balance_oracle']:.2f}"])  # fmt: skip
+    lines = [markdown_table(header, cells, align="rlllrrrrr")]
     unseen = [r for r in rows if r["source"] != r["target"] and r["method"] != "contiguous"]
     if unseen:
         worst = max(unseen, key=lambda r: r["ct_ratio"])
@@ -87,8 +89,9 @@ def markdown(rows: list[dict]) -> str:
 def summary(rows: list[dict]) -> str:
     """Per (D, method) planned on a profile: CT / oracle on the unseen domains (mean, worst), CT on its
     own domain, contiguous CT, held-out balance on the unseen domains; then the goal line of `markdown`."""
-    lines = ["| D | method | mean CT / oracle, unseen domains | worst (A -> B) | CT on own domain (mean) | contiguous CT (mean) | held-out balance, unseen (mean) |",
-             "|---:|---|---:|---|---:|---:|---:|"]  # fmt: skip
+    header = ["D", "method", "mean CT / oracle, unseen domains", "worst (A -> B)", "CT on own domain (mean)", "contiguous CT (mean)",
+              "held-out balance, unseen (mean)"]  # fmt: skip
+    cells = []
     for d in sorted({r["devices"] for r in rows}):
         contiguous = np.mean([r["ct"] for r in rows if r["devices"] == d and r["method"] == "contiguous"])
         for m in METHODS[1:]:
@@ -97,10 +100,10 @@ def summary(rows: list[dict]) -> str:
             if not unseen:
                 continue
             worst = max(unseen, key=lambda r: r["ct_ratio"])
-            lines.append(f"| {d} | {m} | {np.mean([r['ct_ratio'] for r in unseen]):.3f} | {worst['ct_ratio']:.3f} ({worst['source']} -> {worst['target']}) | "
-                         f"{np.mean([r['ct'] for r in group if r['source'] == r['target']]):.2f} | {contiguous:.2f} | "
-                         f"{np.mean([r['balance'] for r in unseen]):.2f} |")  # fmt: skip
-    return "\n".join(lines + [""] + markdown(rows).splitlines()[-1:])
+            cells.append([d, m, f"{np.mean([r['ct_ratio'] for r in unseen]):.3f}", f"{worst['ct_ratio']:.3f} ({worst['source']} -> {worst['target']})",
+                          f"{np.mean([r['ct'] for r in group if r['source'] == r['target']]):.2f}", f"{contiguous:.2f}",
+                          f"{np.mean([r['balance'] for r in unseen]):.2f}"])  # fmt: skip
+    return "\n".join([markdown_table(header, cells, align="rlrlrrr"), "", *markdown(rows).splitlines()[-1:]])
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -1,7 +1,7 @@
 """What a placement does to communication and balance, as a table and PNG plots.
 
 `evaluate_placements` measures named placements on a routing profile (through
-`occult_hf.metrics.evaluate_placement`); `format_table` prints one row per (layer, placement)
+`occult_hf.metrics.evaluate_placement`); `format_table` prints, as a markdown table, one row per (layer, placement)
 with CT and its bounds, remote copies, load balance against its floor and the slowest device,
 then the means over layers; `format_node_table` adds, for placements that state their devices per node,
 CT_node, CT and the rows (and, given the hidden size, bytes) per token crossing nodes under the flat and
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .utils.atomic import atomic_save_figure
+from .utils.tables import markdown_table
 from .metrics import LayerMetrics, evaluate_placement, summarize
 from .placement import Placement
 from .profile import RoutingProfile
@@ -49,31 +50,17 @@ def evaluate_placements(profile: RoutingProfile, placements: dict[str, Placement
 
 
 # ----- table -----------------------------------------------------------------------------------
-_COLUMNS = (
-    ("layer", 5),
-    ("placement", 12),
-    ("D", 3),
-    ("CT", 6),
-    ("bound", 5),
-    ("remote", 6),
-    ("cut/tok", 7),
-    ("balance", 7),
-    ("floor", 5),
-    ("slowest", 7),
-    ("max recv", 8),
-)
+_HEADERS = ("layer", "placement", "D", "CT", "bound", "remote", "cut/tok", "balance", "floor", "slowest", "max recv")
+#: numbers right, the placement's name left
+_ALIGN = "rl" + "r" * (len(_HEADERS) - 2)
 
 
 def _fmt(value, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def _row(cells: list[str]) -> str:
-    return "  ".join(cell.rjust(width) if i != 1 else cell.ljust(width) for i, (cell, (_, width)) in enumerate(zip(cells, _COLUMNS)))
-
-
 def format_table(profile: RoutingProfile, results: list[PlacementResult]) -> str:
-    """Per-layer rows for every placement, then the means over layers.
+    """Per-layer rows for every placement, then the means over layers (rows `mean`), as a markdown table.
 
     Columns: CT (mean devices per token, on the profile's token sample; "-" without one), its
     bound `lower-upper` for the placement's capacities, remote copies per token (tokens on ranks in
@@ -81,60 +68,34 @@ def format_table(profile: RoutingProfile, results: list[PlacementResult]) -> str
     and its floor (the best any placement with these capacities can do), the slowest device as
     `d<id>` with its load over the mean, and the rows the busiest receiving rank gets.
     """
-    lines = [_row([name for name, _ in _COLUMNS]), _row(["-" * width for _, width in _COLUMNS])]
+    rows = []
     for layer in sorted(profile.layers):
         for result in results:
             m = result.per_layer[layer]
-            lines.append(
-                _row(
-                    [
-                        str(layer),
-                        result.name,
-                        str(result.placement.num_devices),
-                        _fmt(m.ct),
-                        f"{m.ct_lower}-{m.ct_upper}",
-                        _fmt(m.remote_copies),
-                        _fmt(m.cut_per_token),
-                        _fmt(m.balance),
-                        _fmt(m.balance_floor),
-                        f"d{m.slowest_device} {m.load_D[m.slowest_device] / m.load_D.mean():.2f}",
-                        "-" if m.max_received_rows is None else str(m.max_received_rows),
-                    ]
-                )
-            )
-    lines.append(_row(["-" * width for _, width in _COLUMNS]))
-    lines.extend(_summary_rows(results))
-    return "\n".join(lines)
+            rows.append([
+                layer, result.name, result.placement.num_devices, _fmt(m.ct), f"{m.ct_lower}-{m.ct_upper}",
+                _fmt(m.remote_copies), _fmt(m.cut_per_token), _fmt(m.balance), _fmt(m.balance_floor),
+                f"d{m.slowest_device} {m.load_D[m.slowest_device] / m.load_D.mean():.2f}",
+                "-" if m.max_received_rows is None else m.max_received_rows,
+            ])  # fmt: skip
+    return markdown_table(_HEADERS, rows + _summary_rows(results), align=_ALIGN)
 
 
 def format_summary(results: list[PlacementResult]) -> str:
-    """The table's header and its rows of means over layers (one per placement)."""
-    header = [_row([name for name, _ in _COLUMNS]), _row(["-" * width for _, width in _COLUMNS])]
-    return "\n".join(header + _summary_rows(results))
+    """The table's rows of means over layers (one per placement), as a markdown table."""
+    return markdown_table(_HEADERS, _summary_rows(results), align=_ALIGN)
 
 
-def _summary_rows(results: list[PlacementResult]) -> list[str]:
+def _summary_rows(results: list[PlacementResult]) -> list[list]:
     """Means over layers; the slowest column holds the worst layer's balance."""
     rows = []
     for result in results:
         s = result.summary
-        rows.append(
-            _row(
-                [
-                    "mean",
-                    result.name,
-                    str(result.placement.num_devices),
-                    _fmt(s["ct"]),
-                    _fmt(s["ct_lower"], 1),
-                    _fmt(s["remote_copies"]),
-                    _fmt(s["cut_per_token"]),
-                    _fmt(s["balance"]),
-                    _fmt(s["balance_floor"]),
-                    f"worst {s['worst_balance']:.2f}",
-                    "-" if s["max_received_rows"] is None else str(int(s["max_received_rows"])),
-                ]
-            )
-        )
+        rows.append([
+            "mean", result.name, result.placement.num_devices, _fmt(s["ct"]), _fmt(s["ct_lower"], 1),
+            _fmt(s["remote_copies"]), _fmt(s["cut_per_token"]), _fmt(s["balance"]), _fmt(s["balance_floor"]),
+            f"worst {s['worst_balance']:.2f}", "-" if s["max_received_rows"] is None else int(s["max_received_rows"]),
+        ])  # fmt: skip
     return rows
 
 
@@ -161,27 +122,23 @@ def format_node_table(profile: RoutingProfile, results: list[PlacementResult], h
     header = ["layer", "placement", "D", "G", "CT_node", "CT", "x-node rows flat", "x-node rows hier."]
     if size is not None:
         header += ["x-node bytes flat", "x-node bytes hier."]
-    widths = [5, 12, 3, 3, 7, 6, 16, 17, 17, 18][: len(header)]
-
-    def line(cells):
-        return "  ".join(c.rjust(w) if i != 1 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
     def cells(label, result, ct_node, ct, flat, hier):
-        row = [label, result.name, str(result.placement.num_devices), str(result.placement.devices_per_node),
+        row = [label, result.name, result.placement.num_devices, result.placement.devices_per_node,
                _fmt(ct_node), _fmt(ct), _fmt(flat), _fmt(hier)]  # fmt: skip
         if size is not None:
             row += [f"{flat * size:,.0f}", f"{hier * size:,.0f}"]
-        return line(row)
+        return row
 
-    lines = [line(header), line(["-" * w for w in widths])]
+    rows = []
     for layer in sorted(profile.layers):
         for result in noded:
             m = result.per_layer[layer]
-            lines.append(cells(str(layer), result, m.nodes.ct_node_mean, m.ct, m.nodes.cross_rows_flat, m.nodes.cross_rows_hierarchical))
-    lines.append(line(["-" * w for w in widths]))
+            rows.append(cells(layer, result, m.nodes.ct_node_mean, m.ct, m.nodes.cross_rows_flat, m.nodes.cross_rows_hierarchical))
     for result in noded:
         s = result.summary
-        lines.append(cells("mean", result, s["ct_node"], s["ct"], s["cross_rows_flat"], s["cross_rows_hierarchical"]))
+        rows.append(cells("mean", result, s["ct_node"], s["ct"], s["cross_rows_flat"], s["cross_rows_hierarchical"]))
+    lines = [markdown_table(header, rows, align="rl" + "r" * (len(header) - 2))]
     if size is not None:
         lines.append(f"(bytes: rows of {size} B: hidden {hidden_size} in bf16, {profile.top_k} int32 slots and bf16 weights)")
     return "\n".join(lines)

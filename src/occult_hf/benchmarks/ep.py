@@ -59,6 +59,7 @@ import torch
 import torch.distributed as dist
 
 from occult_hf.utils.atomic import atomic_save_figure, atomic_write_text
+from occult_hf.utils.tables import markdown_table
 from occult_hf.benchmarks.experts import HF_EXPERTS, machine_line
 from occult_hf.config import OccultConfig
 from occult_hf.dispatch import TokenRouting, dispatcher_class
@@ -654,24 +655,22 @@ def profile_summary(prof, name: str, top: int = 14) -> str:
         "",
         "(each stage twice: its host range, and its device-side range with host ms 0)",
         "",
-        "| stage | calls | host ms | device ms (its kernels) |",
-        "|---|---|---|---|",
     ]
     stages = [e for e in prof.key_averages() if e.key.startswith("occult::")]
-    for e in sorted(stages, key=lambda e: -_device_us(e)):
-        lines.append(f"| {e.key[len('occult::'):]} | {e.count} | {e.cpu_time_total / 1e3:.3f} | {_device_us(e) / 1e3:.3f} |")
+    lines.append(markdown_table(["stage", "calls", "host ms", "device ms (its kernels)"], [
+        [e.key[len("occult::"):], e.count, f"{e.cpu_time_total / 1e3:.3f}", f"{_device_us(e) / 1e3:.3f}"]
+        for e in sorted(stages, key=lambda e: -_device_us(e))
+    ]))  # fmt: skip
     by_kernel: dict[str, list[float]] = {}
     for k in kernels:
         by_kernel.setdefault(k.name, []).append(k.time_range.end - k.time_range.start)
-    lines += ["", "| kernel | calls | device ms |", "|---|---|---|"]
-    for kname, times in sorted(by_kernel.items(), key=lambda item: -sum(item[1]))[:top]:
-        lines.append(f"| `{kname[:90]}` | {len(times)} | {sum(times) / 1e3:.3f} |")
+    busiest = sorted(by_kernel.items(), key=lambda item: -sum(item[1]))[:top]
+    lines += ["", markdown_table(["kernel", "calls", "device ms"], [[f"`{k[:90]}`", len(t), f"{sum(t) / 1e3:.3f}"] for k, t in busiest])]
     # where the host's time goes (an operator's own time, its children excluded): the launch and Python overhead
     # that leaves the GPU idle when wall exceeds busy
     host = [e for e in prof.key_averages() if e.self_cpu_time_total > 0 and not e.key.startswith(("bench::", "occult::"))]
-    lines += ["", "| host operator | calls | self host ms |", "|---|---|---|"]
-    for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:top]:
-        lines.append(f"| `{e.key[:90]}` | {e.count} | {e.self_cpu_time_total / 1e3:.3f} |")
+    slowest = sorted(host, key=lambda e: -e.self_cpu_time_total)[:top]
+    lines += ["", markdown_table(["host operator", "calls", "self host ms"], [[f"`{e.key[:90]}`", e.count, f"{e.self_cpu_time_total / 1e3:.3f}"] for e in slowest])]
     return "\n".join(lines)
 
 
@@ -754,7 +753,7 @@ def results_table(rows: list[Row]) -> str:
     header = ["shape", "T/rank", "routing", "dispatcher: mode", "CT", "fwd ms", "fwd ms, CUDA graph", "fwd+bwd ms", "fwd / skipped exch.",
               "fwd+bwd / skipped", "exchange ms", "wire ms", "sent MB mean/max", "exch. GB/s", "wire GB/s", "a2a GB/s same volume",
               "group Mtok/s fwd", "vs per_expert fwd", "fwd+bwd", "vs transformers EP fwd", "fwd+bwd"]  # fmt: skip
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = []
     baselines = {(r.shape, r.tokens_per_rank, r.dispatcher): r for r in rows if r.mode == BASELINE_MODE}
     theirs = {(r.shape, r.tokens_per_rank): r for r in rows if r.dispatcher == TRANSFORMERS_EP}
     for r in rows:
@@ -772,8 +771,8 @@ def results_table(rows: list[Row]) -> str:
                  f"{r.sent_mb_max / r.wire_ms:.0f}", f"{r.peak_gbs:.0f}",
                  f"{r.group_tokens / r.fwd_ms / 1e3:.2f}", ratio(base, False), ratio(base, True),
                  ratio(hf, False), ratio(hf, True)]  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        lines.append(cells)
+    return markdown_table(header, lines)
 
 
 def plot(rows: list[Row], path: Path) -> None:

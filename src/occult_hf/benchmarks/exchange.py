@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from occult_hf.utils.atomic import atomic_write_text
+from occult_hf.utils.tables import markdown_table
 from occult_hf.benchmarks.ep import max_and_mean, timed
 
 from occult_hf.utils.cuda_graph import capture
@@ -95,9 +96,10 @@ def exchange_model(args) -> str:
         f"MODEL, not a measurement: T = {args.tokens} tokens per rank of the trace, H = {shape.hidden}, bf16 rows, "
         f"per call {args.call_ms} ms, {args.gbs} GB/s per rank (2-GPU fit), the same rate assumed at every D.",
         "",
-        "| D | placement | mode | CT | rows to other devices per rank (max) | MB sent per rank per direction (max) | modelled ms, dispatch + combine | fwd+bwd (x2) |",
-        "|---|---|---|---|---|---|---|---|",
     ]
+    header = ["D", "placement", "mode", "CT", "rows to other devices per rank (max)", "MB sent per rank per direction (max)",
+              "modelled ms, dispatch + combine", "fwd+bwd (x2)"]  # fmt: skip
+    cells = []
     for num_devices in args.model_devices:
         placements = {"contiguous": Placement.contiguous(num_experts, num_devices, [0])}
         placements["refined"] = refined_placement(torch.as_tensor(ids_Nk[: args.tokens * num_devices]), shape, num_devices)
@@ -112,10 +114,8 @@ def exchange_model(args) -> str:
                 ms = 2 * args.call_ms + (dispatch_bytes + combine_bytes) / (args.gbs * 1e9) * 1e3
                 dedup_rows = rows_between_devices(ids_Nk, device_of_E, num_devices, args.tokens, "dedup")
                 ct = dedup_rows.sum() / (num_devices * args.tokens)
-                lines.append(
-                    f"| {num_devices} | {name} | {mode} | {ct:.2f} | {int(remote.max())} | {dispatch_bytes / 1e6:.1f} | {ms:.2f} | {2 * ms:.2f} |"
-                )
-    return "\n".join(lines)
+                cells.append([num_devices, name, mode, f"{ct:.2f}", int(remote.max()), f"{dispatch_bytes / 1e6:.1f}", f"{ms:.2f}", f"{2 * ms:.2f}"])
+    return "\n".join([*lines, markdown_table(header, cells)])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -195,8 +195,7 @@ def run(args: argparse.Namespace) -> int:
             except Exception as error:  # noqa: BLE001
                 notes.append(f"symm_mem vdev at {kib} KiB failed: {type(error).__name__}: {error}")
 
-    lines = ["| transport | " + " | ".join(f"{kib} KiB" for kib in args.sizes) + " | per-call ms (fit) | GB/s (fit) |",
-             "|---|" + "---|" * (len(args.sizes) + 2)]  # fmt: skip
+    lines = []
     fits = {}
     for name, points in results.items():
         by_size = {b: t for b, t in points}
@@ -206,8 +205,8 @@ def run(args: argparse.Namespace) -> int:
             cells.append(f"{match[0] * 1e3:.0f} us / {(kib * 1024 * (world - 1)) / (match[0] / 1e3) / 1e9:.0f} GB/s" if match else "-")
         call_ms, rate = fit([(b * (world - 1), t) for b, t in by_size.items()])
         fits[name] = {"per_call_ms": call_ms, "gbs": rate, "points": points}
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {call_ms:.4f} | {rate:.0f} |")
-    table = "\n".join(lines)
+        lines.append([name, *cells, f"{call_ms:.4f}", f"{rate:.0f}"])
+    table = markdown_table(["transport", *(f"{kib} KiB" for kib in args.sizes), "per-call ms (fit)", "GB/s (fit)"], lines)
     if rank == 0:
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         header = f"`occult bench exchange`, {world} ranks, {stamp}, {machine_line(device)}; cells: time / GB/s sent to other ranks per rank"

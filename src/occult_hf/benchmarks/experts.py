@@ -43,6 +43,7 @@ from typing import Callable
 import torch
 
 from occult_hf.utils.atomic import atomic_save_figure, atomic_write_text
+from occult_hf.utils.tables import markdown_table
 from occult_hf.benchmarks.expert_timing import (
     INTERLEAVE_MAX_TOKENS, INTERLEAVE_ROUNDS, cuda_timer, graph_replay_ms, interleaved_ms, wall_timer,
 )  # fmt: skip
@@ -449,7 +450,7 @@ def comparison_table(rows: list[tuple[str, str, float]]) -> str:
     whats = list(dict.fromkeys(what for _, what, _ in rows))
     ms = {(label, what): value for label, what, value in rows}
     cells = [[what] + [_fmt(ms.get((label, what)), ".3f") for label in labels] for what in whats]
-    return _markdown(["ms", *labels], cells)
+    return markdown_table(["ms", *labels], cells)
 
 
 def dense_gemm_tflops(device, dtype, timer, size: int = 8192) -> float:
@@ -460,12 +461,6 @@ def dense_gemm_tflops(device, dtype, timer, size: int = 8192) -> float:
 
 def _fmt(value: float | None, spec: str) -> str:
     return "—" if value is None else format(value, spec)
-
-
-def _markdown(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def results_table(measurements: list[Measurement], shapes: dict[str, ExpertShape], dense_tflops: float) -> str:
@@ -498,7 +493,7 @@ def results_table(measurements: list[Measurement], shapes: dict[str, ExpertShape
               "fwd+bwd ms", "fwd+bwd TFLOP/s", "fwd+bwd % dense", f"fwd+bwd x vs {BASELINE}",
               "fwd rel. err vs fp32", "saved for bwd KiB/token",
               f"CUDA-graph replay fwd ms (x vs {BASELINE})", "CUDA-graph replay fwd+bwd ms (x)", ""]  # fmt: skip
-    table = _markdown(header, rows)
+    table = markdown_table(header, rows)
     if notes:
         table += "\n\n" + "\n".join(f"- note {number}: {text}" for text, number in notes.items())
     return table
@@ -509,7 +504,7 @@ def breakdown_table(rows: list[tuple[str, float, float]], dense_tflops: float) -
     for name, ms, flops in rows:
         tflops = flops / ms / 1e9 if flops else None
         cells.append([name, f"{ms:.3f}", _fmt(tflops, ".0f"), _fmt(None if tflops is None else 100 * tflops / dense_tflops, ".0f")])
-    return _markdown(["stage", "ms", "TFLOP/s", "% dense"], cells)
+    return markdown_table(["stage", "ms", "TFLOP/s", "% dense"], cells)
 
 
 def plot(measurements: list[Measurement], path: Path) -> None:
@@ -698,7 +693,7 @@ def tuned_configs_table() -> str:
             tuner = getattr(sys.modules.get(module_name), name, None)
             for key, config in sorted(getattr(tuner, "cache", {}).items(), key=str):
                 rows.append([name, ", ".join(map(str, key)), str(config)])
-    return _markdown(["kernel", "key", "config"], rows) if rows else ""
+    return markdown_table(["kernel", "key", "config"], rows) if rows else ""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from occult_hf.utils.atomic import atomic_write_text
+from occult_hf.utils.tables import markdown_table
 from occult_hf.benchmarks.ep import build_config, first_moe_block, init_from_torchrun, time_block
 from occult_hf.expert_shapes import SHAPES
 
@@ -105,18 +106,13 @@ def measure_case(case: str, path: str, config, tokens_list, args, device, dtype,
 
 def results_table(rows: list[Row]) -> str:
     base = {r.tokens_per_rank: r for r in rows if r.case == "all_to_all"}
-    lines = [
-        "| case | T/rank | group tokens | fwd ms | fwd+bwd ms | group tokens/s fwd vs all_to_all | fwd+bwd vs all_to_all | note |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    header = ["case", "T/rank", "group tokens", "fwd ms", "fwd+bwd ms", "group tokens/s fwd vs all_to_all", "fwd+bwd vs all_to_all", "note"]
+    lines = []
     for r in rows:
         b = base.get(r.tokens_per_rank)
         ratio = lambda backward: f"{r.tokens_per_s(backward) / b.tokens_per_s(backward):.2f}x" if b else "n/a"  # noqa: E731
-        lines.append(
-            f"| {r.case} | {r.tokens_per_rank} | {r.group_tokens} | {r.fwd_ms:.2f} | {r.fwd_bwd_ms:.2f} | "
-            f"{ratio(False)} | {ratio(True)} | {r.note} |"
-        )
-    return "\n".join(lines)
+        lines.append([r.case, r.tokens_per_rank, r.group_tokens, f"{r.fwd_ms:.2f}", f"{r.fwd_bwd_ms:.2f}", ratio(False), ratio(True), r.note])
+    return markdown_table(header, lines)
 
 
 def main(argv=None) -> int:

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from occult_hf.utils.atomic import atomic_write_text
+from occult_hf.utils.tables import markdown_table
 
 CASES = ("hf_ep_contiguous", "hf_ep_placement", "occult_config", "full_model")
 NUM_EXPERTS, LAYERS, HIDDEN = 16, 2, 256
@@ -157,10 +158,10 @@ def main(argv=None) -> int:
             f"{world} ranks, experts {expert_mb:.0f} MB (fp32), one rank's share {expert_mb / world:.0f} MB, "
             f"checkpoint {sum(f.stat().st_size for f in Path(path).glob('*.safetensors')) / 2**20:.0f} MB",
             "",
-            "| case | host peak during load, MB (max over ranks) | in shares | host resident after: anon / file MB "
-            "| GPU max_memory_allocated during load, MB, per rank | in shares (max) | GPU allocated after, MB, per rank |",
-            "|---|---|---|---|---|---|---|",
         ]
+        header = ["case", "host peak during load, MB (max over ranks)", "in shares", "host resident after: anon / file MB",
+                  "GPU max_memory_allocated during load, MB, per rank", "in shares (max)", "GPU allocated after, MB, per rank"]  # fmt: skip
+        cases = []
         share = expert_mb / world
         for index, case in enumerate(args.cases):
             per_rank = [g[index] for g in gathered]
@@ -175,8 +176,8 @@ def main(argv=None) -> int:
                     f"{max(gpu_peak) / share:.1f}",
                     " / ".join(f"{r['gpu_after_mb']:.0f}" for r in per_rank),
                 ]
-            lines.append(f"| {case} | {peak:.0f} | {peak / share:.1f} | {anon:.0f} / {mapped:.0f} | " + " | ".join(gpu_cells) + " |")
-        text = "\n".join(lines)
+            cases.append([case, f"{peak:.0f}", f"{peak / share:.1f}", f"{anon:.0f} / {mapped:.0f}", *gpu_cells])
+        text = "\n".join([*lines, markdown_table(header, cases)])
         print(text, flush=True)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

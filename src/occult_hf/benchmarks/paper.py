@@ -80,6 +80,7 @@ import torch
 import torch.distributed as dist
 
 from occult_hf.utils.atomic import atomic_save_figure, atomic_write_text
+from occult_hf.utils.tables import markdown_table
 from occult_hf.benchmarks.ep import DEFAULT_TRACE, max_and_mean, init_from_torchrun, timed, trace_logits
 from occult_hf.benchmarks.megablocks import MLP_IMPL, apply_megablocks, megablocks_missing
 from occult_hf.benchmarks.model import MODEL_SHAPES
@@ -839,7 +840,7 @@ def results_tables(rows: list[PaperRow]) -> dict[str, str]:
         header = ["model", "setup", "routing", f"tokens per {unit}", f"ms per {unit}", "tokens/s", f"vs {base_key}", "CT",
                   "max rel. err. vs stock" if experiment == "prefill" else "loss (step 1)", "peak GiB per GPU",
                   f"paper ({PAPER_HARDWARE})", "not run because"]  # fmt: skip
-        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines = []
         for r in chosen:
             base = bases.get(r.model)
             ratio = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base is not None and r.ran else "-"
@@ -848,8 +849,8 @@ def results_tables(rows: list[PaperRow]) -> dict[str, str]:
             cells = [r.model, r.setup, r.routing, str(r.tokens) if r.ran else "-", _cell(r.ms, ".1f"),
                      _cell(r.tokens_per_s, ",.0f"), ratio, _cell(r.ct, ".2f"), check, peaks, r.paper,
                      r.reason.replace("|", "/") or "-"]  # fmt: skip
-            lines.append("| " + " | ".join(cells) + " |")
-        tables[experiment] = "\n".join(lines)
+            lines.append(cells)
+        tables[experiment] = markdown_table(header, lines)
     return tables
 
 

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from occult_hf.utils.atomic import atomic_write_text
+from occult_hf.utils.tables import markdown_table
 from occult_hf.benchmarks.ep import max_and_mean, profile_steps, timed
 from occult_hf.benchmarks import measures_a_gpu
 
@@ -210,17 +211,13 @@ def routing_balance(model, ids_BS) -> list[LayerBalance]:
 
 def balance_table(balance: list[LayerBalance]) -> str:
     ranks = len(balance[0].pairs_D) if balance else 0
-    lines = [
-        "| layer | " + " | ".join(f"pairs to rank {d}" for d in range(ranks)) + " | busiest rank's share | CT |",
-        "|---|" + "---|" * ranks + "---|---|",
-    ]
-    for b in balance:
-        lines.append(f"| {b.layer} | " + " | ".join(str(p) for p in b.pairs_D) + f" | {b.busiest_share:.3f} | {b.ct:.2f} |")
+    header = ["layer", *(f"pairs to rank {d}" for d in range(ranks)), "busiest rank's share", "CT"]
+    lines = [[b.layer, *b.pairs_D, f"{b.busiest_share:.3f}", f"{b.ct:.2f}"] for b in balance]
     if balance:
         mean_share = sum(b.busiest_share for b in balance) / len(balance)
         mean_ct = sum(b.ct for b in balance) / len(balance)
-        lines.append(f"| mean | " + " | ".join("" for _ in range(ranks)) + f" | {mean_share:.3f} | {mean_ct:.2f} |")
-    return "\n".join(lines)
+        lines.append(["mean", *([""] * ranks), f"{mean_share:.3f}", f"{mean_ct:.2f}"])
+    return markdown_table(header, lines)
 
 
 def profile_model(model, ids_BS, device) -> str:
@@ -248,17 +245,14 @@ class _nothing:
 
 
 def results_table(rows: list[RealRow]) -> str:
-    lines = [
-        "| setup | params per GPU | peak memory | fwd ms | fwd+bwd ms | greedy decode, batch 1 | CUDA graph | decode dispatcher | tokens = replica's |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    header = ["setup", "params per GPU", "peak memory", "fwd ms", "fwd+bwd ms", "greedy decode, batch 1", "CUDA graph",
+              "decode dispatcher", "tokens = replica's"]  # fmt: skip
+    lines = []
     for r in rows:
         agree = "-" if r.tokens_agree is None else ("yes" if r.tokens_agree else "NO")
-        lines.append(
-            f"| {r.setup} | {r.params_per_rank:.2f}B | {r.peak_gib:.1f} GiB | {r.fwd_ms:.1f} | {r.fwd_bwd_ms:.1f} | "
-            f"{r.decode_ms_per_token:.2f} ms/token | {'yes' if r.decode_graphed else 'no'} | {r.decode_dispatcher} | {agree} |"
-        )
-    return "\n".join(lines)
+        lines.append([r.setup, f"{r.params_per_rank:.2f}B", f"{r.peak_gib:.1f} GiB", f"{r.fwd_ms:.1f}", f"{r.fwd_bwd_ms:.1f}",
+                      f"{r.decode_ms_per_token:.2f} ms/token", "yes" if r.decode_graphed else "no", r.decode_dispatcher, agree])  # fmt: skip
+    return markdown_table(header, lines)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from occult_hf.utils.atomic import atomic_write_json, atomic_write_text
+from occult_hf.utils.tables import markdown_table
 from occult_hf.benchmarks.ep import timed
 from occult_hf.utils.cuda_graph import capture
 from occult_hf.kernels.replica_pairs import FUSED_PAIRS
@@ -134,7 +135,7 @@ def table(rows: list[dict]) -> str:
         "model (E, k)", "D", "T per rank", *(f"{c} ms" for c in COLUMNS), "rule eager / graphed", "rule graphed / static",
         "rule kernel / static", "rule all kernels / static", "kernel moved pairs",
     ]  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = []
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     for row in rows:
         t = row["ms"]
@@ -144,8 +145,8 @@ def table(rows: list[dict]) -> str:
         all_kernels = "-" if t["rule all kernels"] is None else f"{t['rule all kernels'] / t['static']:.2f}x"
         moved = "-" if row["kernel moved"] is None else str(row["kernel moved"])
         cells = [f"{row['model']} ({row['E']}, {row['k']})", str(row["D"]), str(row["T"]), *(fmt(t[c]) for c in COLUMNS), ratio, over, kernel, all_kernels, moved]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        lines.append(cells)
+    return markdown_table(head, lines)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

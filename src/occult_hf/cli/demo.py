@@ -132,6 +132,7 @@ def _run(args: argparse.Namespace) -> int:
     from ..training import tiny_checkpoint_path
     from ..training.evaluate import capture_routing, removed_weight
     from ..utils.atomic import atomic_write_json
+    from ..utils.tables import markdown_table
     from . import check_output_dir
     from .report import plan_methods, print_report
 
@@ -172,17 +173,16 @@ def _run(args: argparse.Namespace) -> int:
     k, num_devices = adapter_for(config).top_k(config), args.num_devices
     print(f"\nCollaboration pruning to N_d devices per token (D={num_devices}), held-out tokens, mean over layers: "
           f"routing weight removed / tokens that lose an expert")  # fmt: skip
-    header = f"{'N_d':>3}  " + "  ".join(f"{m:>17}" for m in placements)
-    print(header + "\n" + "-" * len(header))
-    pruning = {}
+    pruning, rows = {}, []
     for n_d in range(1, min(k, num_devices) + 1):
         cells = []
         for method, placement in placements.items():
             per_layer = [removed_weight(ids, w, placement.device_of(l), num_devices, n_d) for l, (ids, w) in routing.items()]
             removed, pruned = float(np.mean([r[0] for r in per_layer])), float(np.mean([r[1] for r in per_layer]))
             pruning[f"{method}/N_d={n_d}"] = {"removed_weight": removed, "tokens_pruned": pruned}
-            cells.append(f"{removed:8.3f} / {pruned:6.3f}")
-        print(f"{n_d:>3}  " + "  ".join(f"{c:>17}" for c in cells))
+            cells.append(f"{removed:.3f} / {pruned:.3f}")
+        rows.append([n_d, *cells])
+    print(markdown_table(["N_d", *placements], rows, align="r" * (1 + len(placements))))
     atomic_write_json(os.path.join(args.out, "pruning.json"), pruning)
     print(f"profiles, placements and pruning.json in {args.out}/")
     return 0

@@ -141,6 +141,8 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
+    import occult_hf.eval  # noqa: F401  (first: without the eval extra, its ImportError says what to install)
+
     if args.compare or args.headline:
         if args.pretrained or (args.compare and args.headline):
             raise SystemExit("occult eval: give one of a model to evaluate, --compare A B or --headline RESULTS")

@@ -1,11 +1,13 @@
 """`occult train`: train an `OlmoeForCausalLM` from scratch with `Trainer` on local text domains.
 
-    occult train --recipe tiny --corpus-dir ../shared/data/corpus --out runs/tiny
+    occult train --recipe tiny --corpus-dir my_corpus --out runs/tiny
 
-prepares the data (the `datasets` text builder on the corpus files, documents split on U+001E, a
-held-out split per domain, a BPE tokenizer trained on the training split; cached in
-`<out>/data` or `--data-dir`), trains with tqdm progress and writes the checkpoint, `recipe.json`,
-`train_log.json` and `loss_curve.png` to `--out`.
+`--corpus-dir` holds one file per domain: `<domain>.txt` / `.txt.gz` (documents are the blocks between
+blank lines, or the pieces between `--separator`s) or `<domain>.jsonl` / `.jsonl.gz` (one JSON object per
+document, its text in `--text-field`); docs/quality.md shows the format. The command prepares the data
+(read through `datasets`, a held-out split per domain, a BPE tokenizer trained on the training split; cached
+in `<out>/data` or `--data-dir`, reused only when prepared with the same settings), trains with tqdm progress
+and writes the checkpoint, `recipe.json`, `train_log.json` and `loss_curve.png` to `--out`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,16 @@ import time
 from . import add_no_progress_argument
 
 
+def separator(value: str) -> str:
+    """`--separator`: `blank-line`, or a string with Python's backslash escapes (`'\\x1e'` is U+001E)."""
+    decoded = value.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    if not decoded:
+        raise argparse.ArgumentTypeError("the separator must not be empty")
+    return decoded
+
+
 def register(subparsers) -> None:
+    from ..training.data import BLANK_LINE
     from ..training.recipes import RECIPES
 
     parser = subparsers.add_parser(
@@ -27,7 +38,14 @@ def register(subparsers) -> None:
         description=__doc__.split("\n\n")[0],
     )
     parser.add_argument("--recipe", choices=sorted(RECIPES), default="tiny", help="recipe (default: tiny)")
-    parser.add_argument("--corpus-dir", default="../shared/data/corpus", help="directory of <domain>.txt.gz files")
+    parser.add_argument("--corpus-dir", default=None,
+                        help="directory of one <domain>.txt, .txt.gz, .jsonl or .jsonl.gz file per domain (needed unless --data-dir is prepared)")
+    parser.add_argument("--separator", type=separator, default=BLANK_LINE,
+                        help=f"what ends a document in a text file: {BLANK_LINE} (default) or a string, backslash escapes "
+                             f"decoded ('\\x1e' for the project's corpora in ../shared/data/corpus)")  # fmt: skip
+    parser.add_argument("--text-field", default="text", help="the field of a .jsonl record that holds its text (default: text)")
+    parser.add_argument("--train-domains", type=lambda v: tuple(v.split(",")), default=None,
+                        help="comma-separated domains to train on (default: the recipe's; tiny: every domain)")  # fmt: skip
     parser.add_argument("--data-dir", default=None, help="prepared data (made here when absent; default: OUT/data)")
     parser.add_argument("--out", required=True, help="checkpoint directory")
     parser.add_argument("--seed", type=int, default=None, help="override the recipe's seed")
@@ -39,15 +57,23 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..training import get_recipe, prepare_data, train
+    from ..training import PreparedData, get_recipe, prepare_data, train
+    from ..training.data import preparation_settings
 
-    changes = {k: v for k, v in (("seed", args.seed), ("max_steps", args.max_steps), ("time_budget_s", args.time_budget)) if v is not None}
-    recipe = get_recipe(args.recipe, **changes)
+    overrides = (("seed", args.seed), ("max_steps", args.max_steps), ("time_budget_s", args.time_budget), ("train_domains", args.train_domains))
+    recipe = get_recipe(args.recipe, **{k: v for k, v in overrides if v is not None})
     data_dir = args.data_dir or os.path.join(args.out, "data")
-    if not os.path.isfile(os.path.join(data_dir, "data.json")):
+    if os.path.isfile(os.path.join(data_dir, "data.json")):
+        settings = preparation_settings(args.corpus_dir, recipe.vocab_size, recipe.heldout_fraction, recipe.max_chars_per_domain,
+                                        args.separator, args.text_field)  # fmt: skip
+        PreparedData(data_dir).check_settings(settings)
+    elif args.corpus_dir is None:
+        raise SystemExit(f"occult train: {data_dir!r} holds no prepared data (data.json): give --corpus-dir to prepare it")
+    else:
         start = time.perf_counter()
         prepare_data(args.corpus_dir, data_dir, vocab_size=recipe.vocab_size, heldout_fraction=recipe.heldout_fraction,
-                     max_chars_per_domain=recipe.max_chars_per_domain, cache_dir=os.path.join(data_dir, "hf_cache"))  # fmt: skip
+                     max_chars_per_domain=recipe.max_chars_per_domain, separator=args.separator, text_field=args.text_field,
+                     cache_dir=os.path.join(data_dir, "hf_cache"))  # fmt: skip
         print(f"occult train: prepared {data_dir} in {time.perf_counter() - start:.1f} s")
     if args.prepare_only:
         return 0

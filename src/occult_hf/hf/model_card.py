@@ -7,7 +7,8 @@ pruning again; plain transformers, `lm_eval --model hf` or another machine witho
 warned from outside and run the unpruned routing, silently. So `save_pretrained` of a pruned model writes
 it down twice:
 
-- `config.json` gets `occult_pruning`: the mode, `N_d`, the device count, the placement file and a note;
+- `config.json` gets `occult_pruning`: the mode, `N_d` and/or `N_n` (node-limited), the device count (and
+  devices per node), the placement file and a note;
 - `README.md` (the Hub's model card) gets a section at its top, between the `occult_hf:pruning` markers,
   saying the same in words; a card that is already there (yours, or the Trainer's) is kept below it.
 """
@@ -33,7 +34,9 @@ def pruning_description(config: OccultConfig) -> dict | None:
     return {
         "prune": config.prune,
         "max_devices_per_token": config.max_devices_per_token,
+        "max_nodes_per_token": config.max_nodes_per_token,
         "num_devices": config.num_devices,
+        "devices_per_node": config.devices_per_node,
         "placement": PLACEMENT_FILENAME,
         "note": (
             "saved by occult_hf with collaboration pruning on (fine-tuned with it if it was trained so): occult_hf "
@@ -48,11 +51,10 @@ def card_with_pruning(config: OccultConfig, existing: str | None) -> str:
     body = strip_pruning_section(existing or "")
     front = _FRONT_MATTER.match(body)
     head, rest = (front.group(0), body[front.end() :]) if front else ("", body)
-    n_d, devices = config.max_devices_per_token, config.num_devices
     section = (
         f"{_BEGIN}\n"
         f"**Fine-tuned with collaboration pruning (occult_hf).** Each token's routed experts are limited to "
-        f"N_d = {n_d} of {devices} devices (`prune={config.prune!r}`, placement `{PLACEMENT_FILENAME}`). "
+        f"{_limits(config)} (`prune={config.prune!r}`, placement `{PLACEMENT_FILENAME}`). "
         f"Plain transformers, `lm_eval --model hf` or any load without occult_hf runs the **unpruned** routing, "
         f"which is not the model as trained: load it with occult_hf imported (`import occult_hf`, then "
         f"`AutoModelForCausalLM.from_pretrained(...)`) or evaluate it with `occult eval`, which apply the pruning "
@@ -60,6 +62,18 @@ def card_with_pruning(config: OccultConfig, existing: str | None) -> str:
         f"{_END}\n\n"
     )
     return head + section + rest.lstrip("\n")
+
+
+def _limits(config: OccultConfig) -> str:
+    """The pruning's limits in words: `N_d = 2 of 8 devices`, `N_n = 1 of 4 nodes (2 devices each)`, or both."""
+    limits = []
+    if config.max_devices_per_token is not None:
+        limits.append(f"N_d = {config.max_devices_per_token} of {config.num_devices} devices")
+    if config.max_nodes_per_token is not None:
+        per_node = config.devices_per_node
+        nodes = "" if per_node is None else f" of {config.num_devices // per_node} nodes ({per_node} devices each)"
+        limits.append(f"N_n = {config.max_nodes_per_token}{nodes or ' nodes'}")
+    return " and ".join(limits)
 
 
 def strip_pruning_section(card: str) -> str:

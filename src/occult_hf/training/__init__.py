@@ -1,4 +1,4 @@
-"""Training small OLMoE models from scratch on the project's corpora (`occult train`).
+"""Training small OLMoE models from scratch on a directory of text domains (`occult train`).
 
 `prepare_data` (datasets + tokenizers: documents, held-out split, BPE, token streams), `train`
 (transformers `Trainer`), `perplexity` / `capture_routing` / `routing_structure` (held-out quality
@@ -7,7 +7,7 @@ and learned-routing statistics). Recipes: `RECIPES` (`tiny`, `study`).
 
 from .data import PreparedData, prepare_data
 from .evaluate import capture_routing, perplexity, routing_structure
-from .recipes import DOMAINS, RECIPES, Recipe, get_recipe
+from .recipes import RECIPES, Recipe, get_recipe
 from .train import train
 
 #: the checkpoint that ships in the package (made by `occult train --recipe tiny`), for `occult demo`
@@ -22,7 +22,6 @@ def tiny_checkpoint_path():
 
 
 __all__ = [
-    "DOMAINS",
     "PreparedData",
     "RECIPES",
     "Recipe",

@@ -1,15 +1,23 @@
 """Corpus -> tokenizer -> packed token streams, through `datasets` and `tokenizers`.
 
-A corpus directory holds one file per domain, `<domain>.txt.gz` (or `.txt`): UTF-8 text whose
-documents are separated by a line holding the single character U+001E (the layout of the project's
-development corpora). `prepare_data` reads each file with the `datasets` `text` builder
-(`sample_by="document"`), splits it into documents, holds out the **last** `heldout_fraction` of each
-domain's documents (the files are in a fixed shuffled order, so this is a random sample that every
-run draws the same way), trains a byte-level BPE tokenizer with `tokenizers` on the training
-documents only, and writes, per domain, the token stream of its training and held-out documents
-(each document followed by `<eos>`) as `.npy`, plus the held-out documents' text as JSON lines (for
-the lm-eval tasks). Training, perplexity and profiling read these files, so a machine without
-`datasets` (the GPU machine) trains from a directory prepared elsewhere.
+A corpus directory holds one file per domain, the domain named by the file (`docs.txt` is domain `docs`):
+
+- `<domain>.txt` or `<domain>.txt.gz`: UTF-8 text. By default (`separator=BLANK_LINE`) its documents are the
+  blocks between blank lines; any other `separator` is a string that ends a document wherever it occurs (the
+  project's development corpora in `../shared/data/corpus` separate documents by a line holding U+001E:
+  `separator="\x1e"`, `occult train --separator '\x1e'`). A text file that holds U+001E read with the blank-line
+  default is an error that names it, not a corpus silently cut into paragraphs.
+- `<domain>.jsonl` or `<domain>.jsonl.gz`: one document per line, a JSON object whose `text_field` (default
+  `text`) is the document.
+
+Other files in the directory (a README, say) are not read. `prepare_data` reads each file through `datasets`
+(the `text` builder, `sample_by="document"`, or the `json` builder), splits it into documents, holds out the
+**last** `heldout_fraction` of each domain's documents (files in a fixed shuffled order make this a random sample
+that every run draws the same way), trains a byte-level BPE tokenizer with `tokenizers` on the training documents
+only, and writes, per domain, the token stream of its training and held-out documents (each document followed by
+`<eos>`) as `.npy`, plus the held-out documents' text as JSON lines (for the lm-eval tasks). Training,
+perplexity and profiling read these files, so a machine without `datasets` (the GPU machine) trains from a
+directory prepared elsewhere.
 
 Files in a prepared directory:
 
@@ -28,6 +36,7 @@ import io
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,11 +44,16 @@ import numpy as np
 
 from ..utils.strict_json import parse_json, read_json_file
 
-#: the document separator of the corpus files: a line holding U+001E
-SEPARATOR = "\x1e"
+#: the default `separator`: documents are the blocks between blank lines
+BLANK_LINE = "blank-line"
+#: U+001E, the ASCII record separator: it separates the documents of the project's development corpora
+RECORD_SEPARATOR = "\x1e"
+#: corpus file suffixes -> the `datasets` builder that reads them
+CORPUS_SUFFIXES = {".txt": "text", ".txt.gz": "text", ".jsonl": "json", ".jsonl.gz": "json"}
 #: special tokens; their ids 0, 1, 2 are the model config's pad, bos and eos ids
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
 DATA_FORMAT = "occult_hf.training_data/1"
+_BLANK_LINES = re.compile(r"\n[ \t]*\n")
 
 
 def is_datasets_available() -> bool:
@@ -50,42 +64,98 @@ def is_datasets_available() -> bool:
     return True
 
 
-def corpus_file(corpus_dir: str | os.PathLike, domain: str) -> Path:
-    """The file of `domain` in `corpus_dir` (`.txt.gz` or `.txt`)."""
-    for suffix in (".txt.gz", ".txt"):
-        path = Path(corpus_dir) / f"{domain}{suffix}"
-        if path.is_file():
-            return path
-    raise FileNotFoundError(f"corpus directory {os.fspath(corpus_dir)!r} has no {domain}.txt.gz or {domain}.txt")
+def _corpus_suffix(name: str) -> str | None:
+    """The `CORPUS_SUFFIXES` entry `name` ends with (the longest), None for another file."""
+    return next((s for s in sorted(CORPUS_SUFFIXES, key=len, reverse=True) if name.endswith(s)), None)
 
 
-def split_documents(text: str) -> list[str]:
-    """Documents of one corpus file: split on lines holding U+001E, blank documents dropped."""
-    return [doc.strip("\n") for doc in text.split(f"\n{SEPARATOR}\n") if doc.strip()]
+def corpus_files(corpus_dir: str | os.PathLike) -> dict[str, Path]:
+    """`{domain: file}` of the corpus files in `corpus_dir` (`CORPUS_SUFFIXES`), in domain-name order."""
+    root = Path(corpus_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"corpus directory {os.fspath(corpus_dir)!r} does not exist")
+    files: dict[str, Path] = {}
+    for path in sorted(p for p in root.iterdir() if p.is_file() and not p.name.startswith(".")):
+        suffix = _corpus_suffix(path.name)
+        if suffix is None:
+            continue
+        domain = path.name[: -len(suffix)]
+        if domain in files:
+            raise ValueError(f"corpus directory {os.fspath(corpus_dir)!r}: domain {domain!r} has two files, {files[domain].name} and {path.name}")
+        files[domain] = path
+    if not files:
+        raise FileNotFoundError(
+            f"corpus directory {os.fspath(corpus_dir)!r} holds no corpus file (one per domain: {', '.join('<domain>' + s for s in CORPUS_SUFFIXES)})"
+        )
+    return dict(sorted(files.items()))
 
 
-def load_documents(corpus_dir: str | os.PathLike, domains: list[str], cache_dir: str | os.PathLike | None = None):
-    """A `datasets.DatasetDict` with one split per domain, one row (column `text`) per document."""
-    if not is_datasets_available():
-        raise ImportError("preparing training data needs `datasets`: pip install 'occult_hf[eval]'")
+def split_documents(text: str, separator: str = BLANK_LINE) -> list[str]:
+    """Documents of one text file: the blocks between blank lines (`BLANK_LINE`), or the pieces between
+    occurrences of `separator`; each without its surrounding line breaks, blank ones dropped."""
+    pieces = _BLANK_LINES.split(text) if separator == BLANK_LINE else text.split(separator)
+    return [piece.strip("\n") for piece in pieces if piece.strip()]
+
+
+def _read_domain(path: Path, separator: str, text_field: str, cache_dir):
+    """One domain's documents: a `datasets.Dataset` with column `text`, one row per document."""
     from datasets import load_dataset
 
-    files = {domain: str(corpus_file(corpus_dir, domain)) for domain in domains}
-    raw = load_dataset("text", data_files=files, sample_by="document", cache_dir=cache_dir)
+    if CORPUS_SUFFIXES[_corpus_suffix(path.name)] == "json":
+        records = load_dataset("json", data_files=str(path), split="train", cache_dir=cache_dir)
+        if text_field not in records.column_names:
+            raise ValueError(f"corpus file {os.fspath(path)!r} has no field {text_field!r} (its fields: {records.column_names}); set text_field")
+        if records.features[text_field].dtype != "string":
+            raise ValueError(f"corpus file {os.fspath(path)!r}: field {text_field!r} holds {records.features[text_field]}, not text")
+        documents = records.select_columns([text_field])
+        if text_field != "text":
+            documents = documents.rename_column(text_field, "text")
+        return documents.filter(lambda row: bool((row["text"] or "").strip()))
+    raw = load_dataset("text", data_files=str(path), split="train", sample_by="document", cache_dir=cache_dir)
+    if separator == BLANK_LINE and any(RECORD_SEPARATOR in text for text in raw["text"]):
+        raise ValueError(
+            f"corpus file {os.fspath(path)!r} holds U+001E record separators but is read as blank-line blocks: "
+            f"if they separate its documents (as in the project's corpora), pass separator '\\x1e' (occult train --separator '\\x1e')"
+        )
 
     def to_documents(batch):
-        return {"text": [doc for text in batch["text"] for doc in split_documents(text)]}
+        return {"text": [doc for text in batch["text"] for doc in split_documents(text, separator)]}
 
-    return raw.map(to_documents, batched=True, remove_columns=["text"], desc="splitting documents")
+    return raw.map(to_documents, batched=True, remove_columns=["text"], desc=f"splitting {path.name}")
 
 
-def split_heldout(documents, heldout_fraction: float, max_chars: int | None):
+def load_documents(
+    corpus_dir: str | os.PathLike,
+    domains: list[str] | None = None,
+    *,
+    separator: str = BLANK_LINE,
+    text_field: str = "text",
+    cache_dir: str | os.PathLike | None = None,
+) -> dict:
+    """`{domain: datasets.Dataset}` of `domains` (default: every corpus file) in `corpus_dir`, one row (column
+    `text`) per document (module docstring)."""
+    if not is_datasets_available():
+        raise ImportError("preparing training data needs `datasets`: pip install 'occult_hf[eval]'")
+    if not separator:
+        raise ValueError("separator must be a non-empty string (or 'blank-line')")
+    files = corpus_files(corpus_dir)
+    missing = [d for d in domains or () if d not in files]
+    if missing:
+        raise FileNotFoundError(f"corpus directory {os.fspath(corpus_dir)!r} has no file for domain(s) {missing}; its domains: {list(files)}")
+    cache = None if cache_dir is None else os.fspath(cache_dir)
+    return {domain: _read_domain(files[domain], separator, text_field, cache) for domain in (domains or files)}
+
+
+def split_heldout(documents, heldout_fraction: float, max_chars: int | None, domain: str = "a domain"):
     """(train, held_out) of one domain's documents: the last `ceil(n * fraction)` documents are held out;
     each part is cut to its first `max_chars` characters (whole documents, the last one truncated)."""
     n = len(documents)
     held = max(1, math.ceil(n * heldout_fraction))
     if n - held < 1:
-        raise ValueError(f"a domain with {n} document(s) cannot be split with heldout_fraction {heldout_fraction}")
+        raise ValueError(
+            f"{domain} has {n} document(s), too few to split with heldout_fraction {heldout_fraction} "
+            f"(are its documents separated as the separator says?)"
+        )
     train, heldout = documents.select(range(n - held)), documents.select(range(n - held, n))
     if max_chars is not None:
         train, heldout = _first_chars(train, max_chars), _first_chars(heldout, max_chars)
@@ -146,30 +216,27 @@ def prepare_data(
     heldout_fraction: float,
     max_chars_per_domain: int | None = None,
     domains: tuple[str, ...] | None = None,
+    separator: str = BLANK_LINE,
+    text_field: str = "text",
     cache_dir: str | os.PathLike | None = None,
 ) -> Path:
-    """Write the tokenizer and token streams of every domain in `corpus_dir` to `out_dir` (module docstring).
+    """Write the tokenizer and token streams of `domains` (default: every corpus file) in `corpus_dir` to
+    `out_dir` (module docstring; `separator` and `text_field` as there).
 
     The tokenizer is trained on the training documents of every domain (never on held-out ones), so
     that a domain the model itself does not train on is still tokenized well.
     """
     from ..utils.atomic import atomic_write_bytes, atomic_write_json, atomic_write_text
-    from .recipes import DOMAINS
 
+    per_domain = load_documents(corpus_dir, None if domains is None else list(domains), separator=separator,
+                                text_field=text_field, cache_dir=cache_dir)  # fmt: skip
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if not Path(corpus_dir).is_dir():
-        raise FileNotFoundError(f"corpus directory {os.fspath(corpus_dir)!r} does not exist")
-    if domains is None:
-        domains = tuple(d for d in DOMAINS if any((Path(corpus_dir) / f"{d}{s}").is_file() for s in (".txt.gz", ".txt")))
-        if not domains:
-            raise FileNotFoundError(f"corpus directory {os.fspath(corpus_dir)!r} holds none of {[d + '.txt.gz' for d in DOMAINS]}")
-    per_domain = load_documents(corpus_dir, list(domains), cache_dir=cache_dir)
-    splits = {d: split_heldout(per_domain[d], heldout_fraction, max_chars_per_domain) for d in domains}
-    tokenizer = train_tokenizer((t for d in domains for t in splits[d][0]["text"]), vocab_size)
+    splits = {d: split_heldout(docs, heldout_fraction, max_chars_per_domain, d) for d, docs in per_domain.items()}
+    tokenizer = train_tokenizer((t for train, _ in splits.values() for t in train["text"]), vocab_size)
     tokenizer.save_pretrained(out / "tokenizer")
-    summary = {"format": DATA_FORMAT, "corpus_dir": os.path.abspath(corpus_dir), "vocab_size": len(tokenizer),
-               "heldout_fraction": heldout_fraction, "max_chars_per_domain": max_chars_per_domain, "domains": {}}  # fmt: skip
+    settings = preparation_settings(corpus_dir, vocab_size, heldout_fraction, max_chars_per_domain, separator, text_field)
+    summary = {"format": DATA_FORMAT, "vocab_size": len(tokenizer), "settings": settings, "domains": {}}
     for domain, (train, heldout) in splits.items():
         row = {}
         for split, docs in (("train", train), ("heldout", heldout)):
@@ -182,6 +249,15 @@ def prepare_data(
         summary["domains"][domain] = row
     atomic_write_json(out / "data.json", summary, indent=2)
     return out
+
+
+def preparation_settings(corpus_dir, vocab_size, heldout_fraction, max_chars_per_domain, separator, text_field) -> dict:
+    """The settings of a preparation, as `data.json` records them (`PreparedData.check_settings`); without a
+    `corpus_dir` (a directory prepared elsewhere, its corpus not at hand) only the recipe's."""
+    settings = {"vocab_size": vocab_size, "heldout_fraction": heldout_fraction, "max_chars_per_domain": max_chars_per_domain}
+    if corpus_dir is not None:
+        settings |= {"corpus_dir": os.path.realpath(corpus_dir), "separator": separator, "text_field": text_field}
+    return settings
 
 
 @dataclass
@@ -198,6 +274,19 @@ class PreparedData:
         self.meta = read_json_file(meta, "prepared data")
         if self.meta.get("format") != DATA_FORMAT:
             raise ValueError(f"{meta}: format {self.meta.get('format')!r} is not {DATA_FORMAT!r}")
+
+    def check_settings(self, settings: dict) -> None:
+        """Raise unless this directory was prepared with `settings` (`preparation_settings`): a directory reused
+        after a change of corpus, separator or vocabulary would silently train on the old data."""
+        recorded = self.meta.get("settings")
+        if recorded is None:
+            raise ValueError(f"{os.fspath(self.path)!r} records no preparation settings: remove it to prepare it again")
+        changed = [f"{key} {recorded.get(key)!r} (asked: {value!r})" for key, value in settings.items() if recorded.get(key) != value]
+        if changed:
+            raise ValueError(
+                f"{os.fspath(self.path)!r} was prepared with other settings: {'; '.join(changed)}. Remove it to prepare "
+                f"it again, or give another --data-dir"
+            )
 
     @property
     def domains(self) -> list[str]:

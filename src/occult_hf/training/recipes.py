@@ -1,15 +1,16 @@
 """Training recipes: the model and the run that `occult train --recipe NAME` makes.
 
-A recipe is everything needed to re-make a checkpoint: the `OlmoeConfig` fields, the data settings
-(which corpus domains train, how much text, the held-out fraction, the tokenizer's vocabulary) and
+A recipe is everything needed to re-make a checkpoint from its corpus: the `OlmoeConfig` fields, the data
+settings (which corpus domains train, how much text, the held-out fraction, the tokenizer's vocabulary) and
 the Trainer settings (steps, batch, sequence length, learning rate, seed). It is written next to the
-checkpoint as `recipe.json`, so a shipped checkpoint says how it was made.
+checkpoint as `recipe.json`, its domains named (`train_domains`), so a shipped checkpoint says how it was made.
 
 - `tiny`: a CPU model for the tests and the main job (`occult demo`): E=32 experts, top-4, 4 layers
-  at hidden 64, trained on a slice of each domain in about a minute on 2 cores.
+  at hidden 64, trained on a slice of every domain of the corpus in about a minute on 2 cores.
 - `study`: an OLMoE-like model for one GPU (64 fine-grained experts, top-8, 8 layers at hidden
   512, expert width 256), trained for a fixed time budget on two of the three domains so that the
-  third (Python standard-library code) is new to it when the quality study fine-tunes on it.
+  third (Python standard-library code) is new to it when the quality study fine-tunes on it (the domains
+  of the project's corpus, `../shared/data/corpus`).
 - `study_long`: the same model and data trained for a fixed 1,300 steps x 64 x 512 = 42.6M tokens
   (4.4 passes over the 9.7M training tokens of python_docs + kernel_docs), the quality study's
   stronger base; 218.4M parameters. At the 0.263 s per step `study` took on one H200 (367 steps in
@@ -22,10 +23,6 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
-
-#: the corpus domains (`<corpus dir>/<name>.txt.gz`), in a fixed order
-DOMAINS: tuple[str, ...] = ("python_docs", "python_stdlib_code", "kernel_docs")
-
 
 @dataclass
 class Recipe:
@@ -42,7 +39,9 @@ class Recipe:
     router_aux_loss_coef: float = field(default=0.01, metadata={"help": "weight of the load-balancing loss"})
     # ----- data -----
     vocab_size: int = field(default=2048, metadata={"help": "BPE vocabulary (trained on the training split)"})
-    train_domains: tuple[str, ...] = field(default=DOMAINS, metadata={"help": "domains the model is trained on"})
+    train_domains: tuple[str, ...] | None = field(
+        default=None, metadata={"help": "domains the model is trained on (None: every domain of the prepared data)"}
+    )
     heldout_fraction: float = field(default=0.05, metadata={"help": "last documents of each domain held out"})
     max_chars_per_domain: int | None = field(
         default=None, metadata={"help": "text kept per domain and split (training, held-out), in characters (None: all)"}
@@ -59,10 +58,10 @@ class Recipe:
     seed: int = field(default=0, metadata={"help": "seed of the weights, the data order and the held-out sample"})
 
     def __post_init__(self) -> None:
-        self.train_domains = tuple(self.train_domains)
-        unknown = [d for d in self.train_domains if d not in DOMAINS]
-        if unknown or not self.train_domains:
-            raise ValueError(f"Recipe {self.name}: train_domains {list(self.train_domains)} must be a non-empty subset of {list(DOMAINS)}")
+        if self.train_domains is not None:
+            self.train_domains = tuple(self.train_domains)
+            if not self.train_domains or not all(isinstance(d, str) and d for d in self.train_domains):
+                raise ValueError(f"Recipe {self.name}: train_domains {list(self.train_domains)} must be None or domain names")
         if self.top_k > self.num_experts:
             raise ValueError(f"Recipe {self.name}: top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
         if not 0.0 < self.heldout_fraction < 1.0:
@@ -80,7 +79,7 @@ class Recipe:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        data["train_domains"] = list(self.train_domains)
+        data["train_domains"] = None if self.train_domains is None else list(self.train_domains)
         return data
 
     @classmethod

@@ -49,6 +49,20 @@ def training_windows(data: PreparedData, recipe: Recipe, domains: tuple[str, ...
     return windows_BS[order]
 
 
+def with_data_domains(recipe: Recipe, data: PreparedData) -> Recipe:
+    """`recipe` with its domains named (`recipe.json` then says what trained): every domain of `data` where the
+    recipe names none; a named domain that `data` lacks is an error."""
+    if recipe.train_domains is None:
+        return recipe.replace(train_domains=tuple(data.domains))
+    missing = [d for d in recipe.train_domains if d not in data.domains]
+    if missing:
+        raise ValueError(
+            f"recipe {recipe.name}: train_domains {missing} are not in the prepared data {os.fspath(data.path)!r} "
+            f"(its domains: {data.domains}); give --train-domains"
+        )
+    return recipe
+
+
 class _Schedule:
     """Warm-up then cosine to `floor` of the peak over `total` steps; `total` may shrink during the run."""
 
@@ -117,6 +131,7 @@ def train(
     from transformers import OlmoeForCausalLM, Trainer, TrainingArguments, set_seed
 
     data = PreparedData(data_dir)
+    recipe = with_data_domains(recipe, data)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if data.meta["vocab_size"] > recipe.vocab_size:

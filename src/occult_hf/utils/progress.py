@@ -36,29 +36,25 @@ def progress_enabled(requested: bool = True) -> bool:
 @contextlib.contextmanager
 def progress_bars_off():
     """Every progress bar of this process off inside the block: huggingface_hub's (occult_hf's with them),
-    transformers' and `datasets`' (through its environment variable when it is not imported yet, since it
-    reads that on import). The switches that were on are turned on again on the way out."""
+    transformers' and `datasets`' (at once, or as soon as it is imported inside the block: its environment
+    variable would be read once at import and keep its bars off for the rest of the process). The switches
+    that were on are turned on again on the way out."""
     from huggingface_hub.utils import are_progress_bars_disabled
     from transformers.utils import logging
 
+    from .after_import import cancel, when_imported
+
     hub_was_off = are_progress_bars_disabled()
-    datasets_env = os.environ.get("HF_DATASETS_DISABLE_PROGRESS_BARS")
-    # datasets' bars as they are, or as they would be when it is imported inside the block
     datasets = sys.modules.get("datasets")
-    datasets_was_on = datasets.is_progress_bar_enabled() if datasets else datasets_env is None
+    datasets_was_on = datasets.is_progress_bar_enabled() if datasets else os.environ.get("HF_DATASETS_DISABLE_PROGRESS_BARS") is None
     logging.disable_progress_bar()
-    os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] = "1"
-    if datasets:
-        datasets.disable_progress_bars()
+    when_imported("datasets", lambda module: module.disable_progress_bars())
     try:
         yield
     finally:
+        cancel("datasets")
         if not hub_was_off:
             logging.enable_progress_bar()
-        if datasets_env is None:
-            del os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"]
-        else:
-            os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] = datasets_env
         if datasets_was_on and "datasets" in sys.modules:
             sys.modules["datasets"].enable_progress_bars()
 

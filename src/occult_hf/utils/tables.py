@@ -1,16 +1,33 @@
-"""The one way the package writes a results table: GitHub markdown through tabulate (installed with the `eval`
-extra's lm-eval, through sacrebleu; imported on first use)."""
+"""The one way the package writes a table, to a file or the terminal: GitHub markdown through tabulate (a
+dependency of the package; lm-eval's sacrebleu needs it too), imported on first use."""
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
+_ALIGNMENTS = {"l": "left", "r": "right", "c": "center"}
 
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A GitHub markdown table of `rows` under `headers`; cells stay as the caller formatted them."""
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None = None) -> str:
+    """A GitHub markdown table of `rows` under `headers`; cells stay as the caller formatted them.
+
+    `align`: one letter per column, `l`, `r` or `c` (numbers read best `r`); the separator row then carries
+    markdown's alignment colons. None: every column left, no colons."""
     from tabulate import tabulate
 
-    return tabulate([[str(cell) for cell in row] for row in rows], headers=list(headers), tablefmt="github", disable_numparse=True)
+    cells = [[str(cell) for cell in row] for row in rows]
+    if align is None:
+        return tabulate(cells, headers=list(headers), tablefmt="github", disable_numparse=True)
+    if len(align) != len(headers) or set(align) - set(_ALIGNMENTS):
+        raise ValueError(f"align {align!r} must give one of l, r, c for each of the {len(headers)} columns")
+    colalign = [_ALIGNMENTS[letter] for letter in align]
+    return tabulate(cells, headers=list(headers), tablefmt="pipe", disable_numparse=True, colalign=colalign)
 
 
-__all__ = ["markdown_table"]
+def markdown_rows(table: str) -> list[list[str]]:
+    """The body rows of a markdown table (`markdown_table`'s or lm-eval's), each as its stripped cells."""
+    lines = [line.strip() for line in table.splitlines() if line.strip().startswith("|")]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
+
+
+__all__ = ["markdown_rows", "markdown_table"]
