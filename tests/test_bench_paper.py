@@ -130,7 +130,7 @@ def _check_transformers_ep(rows: dict, available: bool) -> None:
 def test_paper_routing_fits_a_trace_to_the_model_or_says_why():
     import numpy as np
 
-    from occult_hf.benchmarks.paper_routing import fit_routing, trace_layer
+    from occult_hf.profile.replay import fit_routing, trace_layer
     from occult_hf.profile.trace import read_trace_ids
 
     ids_NLk, _, meta = read_trace_ids(STUDY)

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from occult_hf.cli import main
-from occult_hf.scale.calibration import Calibration, Line, calibrate
+from occult_hf.scale.calibration import calibrate
+from occult_hf.scale.parameters import Calibration, Line
 from occult_hf.scale.cost import FWD, FWD_BWD, Cluster, ep_layer_ms, exchange_ms, gathered_ms, stock_layer_ms
 from occult_hf.scale.measurements import load_measurements, read_measurements
 from occult_hf.scale.projection import ep_group_size

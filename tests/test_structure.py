@@ -39,8 +39,9 @@ def _package_files() -> dict[str, Path]:
     return modules
 
 
-def _runtime_imports(tree: ast.Module):
-    """Import statements that run (module level or inside functions), skipping `if TYPE_CHECKING:` blocks."""
+def _runtime_imports(tree: ast.Module, at_import: bool = False):
+    """Import statements that run (module level or inside functions), skipping `if TYPE_CHECKING:` blocks;
+    `at_import=True`: only those that run when the module is imported (outside every function and class)."""
     def visit(node):
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.If) and getattr(child.test, "id", getattr(child.test, "attr", None)) == "TYPE_CHECKING":
@@ -48,7 +49,8 @@ def _runtime_imports(tree: ast.Module):
                 continue
             if isinstance(child, (ast.Import, ast.ImportFrom)):
                 yield child
-            yield from visit(child)
+            if not (at_import and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda))):
+                yield from visit(child)
 
     def visit_stmt(stmt):
         if isinstance(stmt, (ast.Import, ast.ImportFrom)):
@@ -67,13 +69,14 @@ def _absolute(module: str, is_package: bool, node: ast.ImportFrom) -> str:
 
 
 @functools.cache  # parsed once for every test here (read-only)
-def import_graph() -> dict[str, set[str]]:
-    """`{module: modules of the package it imports}`; `from pkg import mod` counts as importing `pkg.mod`."""
+def import_graph(at_import: bool = False) -> dict[str, set[str]]:
+    """`{module: modules of the package it imports}`; `from pkg import mod` counts as importing `pkg.mod`.
+    `at_import=True`: only the imports that run when the module is imported (`_runtime_imports`)."""
     files = _package_files()
     graph: dict[str, set[str]] = {name: set() for name in files}
     for module, path in files.items():
         is_package = path.name == "__init__.py"
-        for node in _runtime_imports(ast.parse(path.read_text(), str(path))):
+        for node in _runtime_imports(ast.parse(path.read_text(), str(path)), at_import):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:
@@ -137,6 +140,45 @@ def test_the_package_has_no_import_cycle():
         " <-> ".join(c) + "\n" + "\n".join(f"    {a} -> {b}" for a in c for b in sorted(graph[a] & set(c))) for c in cycles
     )
     assert not cycles, f"import cycles (lazy imports inside functions count too):\n{detail}"
+
+
+#: the most floors the package's rooms may stand on (issue 30: the token path readable, the house not tall)
+MAX_FLOORS = 8
+
+
+def _room(module: str) -> str:
+    """The room a module stands in: its top-level subpackage (`occult_hf.dispatch`, `occult_hf.kernels`,
+    `occult_hf.eval`: a folder is one room), or itself for a top-level module (`occult_hf.moe`)."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_the_rooms_stand_on_at_most_eight_floors_with_no_cycle_between_them():
+    """Between the package's rooms (top-level subpackages and modules) the imports form no cycle either, and the
+    rooms stand on at most `MAX_FLOORS` floors: a room one floor above the highest room it imports when it is
+    imported (the load order; an import inside a function runs later, and counts for the cycles above). The root
+    package `occult_hf`, which only hands names on, is no floor of its own."""
+    graph = import_graph()
+    rooms: dict[str, set[str]] = {}
+    for module, imported in graph.items():
+        rooms.setdefault(_room(module), set()).update(_room(name) for name in imported if _room(name) != _room(module))
+    cycles = _cycles(rooms)
+    assert not cycles, "rooms that import each other:\n" + "\n".join(
+        f"{a} -> {b}: " + ", ".join(sorted(f"{m} -> {n}" for m, ns in graph.items() for n in ns if _room(m) == a and _room(n) == b))
+        for c in cycles for a in c for b in sorted(rooms[a] & set(c))
+    )  # fmt: skip
+    loaded: dict[str, set[str]] = {}
+    for module, imported in import_graph(at_import=True).items():
+        loaded.setdefault(_room(module), set()).update(_room(name) for name in imported if _room(name) not in (_room(module), "occult_hf"))
+
+    @functools.cache
+    def floor(room: str) -> int:
+        return 1 + max((floor(below) for below in loaded[room]), default=0)
+
+    tallest = max(loaded, key=floor)
+    chain = [tallest]
+    while loaded[chain[-1]]:
+        chain.append(max(loaded[chain[-1]], key=floor))
+    assert floor(tallest) <= MAX_FLOORS, f"{floor(tallest)} floors: " + " -> ".join(chain)
 
 
 def test_relative_imports_stay_inside_their_source_folder():

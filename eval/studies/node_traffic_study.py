@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from occult_hf.benchmarks.paper_routing import STUDY_TRACE
+from occult_hf.profile.replay import STUDY_TRACE
 from occult_hf.scale.projection import Planner
 from occult_hf.scale.routing import Routing, load_routing
 from occult_hf.scale.traffic import replay_traffic, row_bytes

@@ -20,7 +20,7 @@ SEED = 0
 
 
 def _held_out_files() -> list[str]:
-    from occult_hf.cli.demo import demo_sources
+    from occult_hf.training.shipped import demo_sources
 
     return demo_sources()[1::2]
 

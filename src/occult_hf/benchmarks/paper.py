@@ -12,7 +12,7 @@ CPU/gloo in seconds, for the tests).
 
 **Routing.** A random router has no co-activation structure, so placement and pruning rows need real
 routing. Every router of every row of a model is replayed from a per-token trace (`--trace
-MODEL=PATH`; defaults in `paper_routing`: the real Qwen1.5-MoE-A2.7B GSM8K trace of
+MODEL=PATH`; defaults in `profile.replay`: the real Qwen1.5-MoE-A2.7B GSM8K trace of
 `../shared/data/routing/` for Qwen1.5, the project's `study` model's held-out routing for OLMoE and,
 its top-6, for DeepSeek-MoE; `MODEL=none`: the model's own random router). `TraceReplay`: a forward
 hook on the model's own router module replaces its logits by ones whose top-k is the trace's set,
@@ -84,7 +84,7 @@ from occult_hf.utils.tables import markdown_table
 from occult_hf.benchmarks.ep import DEFAULT_TRACE, max_and_mean, init_from_torchrun, timed, trace_logits
 from occult_hf.benchmarks.megablocks import MLP_IMPL, apply_megablocks, megablocks_missing
 from occult_hf.benchmarks.model import MODEL_SHAPES
-from occult_hf.benchmarks.paper_routing import STUDY_TRACE, fit_routing, trace_layer
+from occult_hf.profile.replay import STUDY_TRACE, fit_routing, trace_layer
 from occult_hf.profile.trace import read_trace_ids
 from occult_hf.benchmarks import measures_a_gpu
 

@@ -15,8 +15,6 @@ made by `occult train`), and the report names the model it ran.
 from __future__ import annotations
 
 import argparse
-import json
-import lzma
 import os
 from importlib import resources
 from pathlib import Path
@@ -25,13 +23,9 @@ import numpy as np
 import torch
 
 from ..utils.arguments import positive_int
-from ..utils.strict_json import parse_json, read_json_file
+from ..utils.strict_json import read_json_file
 from .devices import add_num_devices_argument
 from . import add_no_progress_argument
-
-#: the demo's text: occult_hf's own `.py` sources frozen at one commit (`snapshot_sources`), lzma-compressed JSON
-DEMO_SOURCES = "demo_sources.json.xz"
-
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -47,36 +41,6 @@ def register(subparsers) -> None:
     parser.add_argument("--no-plots", action="store_true", help="print the table only")
     add_no_progress_argument(parser)
     parser.set_defaults(func=run)
-
-
-def demo_sources() -> list[str]:
-    """The demo's documents: this package's own `.py` files, in sorted path order, as frozen in
-    `data/demo_sources.json.xz` (its `meta` names the commit).
-
-    Frozen because the installed sources are not a fixed text: they change with every commit, and an
-    editable install holds `src/occult_hf` only where a wheel also holds `kernels/`, `patches/` and
-    `eval/`. Read live, they moved the demo's figures, which README.md and docs/cli.md quote, with every
-    change to the code (held-out CT 2.40 -> 2.50 for `occult`, device load 1.35x -> 1.64x for `refined`
-    between two commits of 2026-12-01)."""
-    with resources.as_file(resources.files("occult_hf") / "data" / DEMO_SOURCES) as path:
-        snapshot = parse_json(lzma.decompress(Path(path).read_bytes()), f"the demo's sources {DEMO_SOURCES!r}")
-    return [text for _, text in snapshot["files"]]
-
-
-def snapshot_sources(root: str | os.PathLike, out: str | os.PathLike, commit: str) -> None:
-    """Freeze the `.py` files under `root` (a checkout's `src/occult_hf` at `commit`) into `out`, in sorted
-    path order, as `demo_sources` reads them. Made once by
-
-        git archive COMMIT src/occult_hf | tar -x -C /tmp/snap
-        python -c "from occult_hf.cli.demo import snapshot_sources as s; s('/tmp/snap/src/occult_hf', 'src/occult_hf/data/demo_sources.json.xz', 'COMMIT')"
-    """
-    from ..utils.atomic import atomic_write_bytes
-
-    root = Path(root)
-    files = [[path.relative_to(root).as_posix(), path.read_text(encoding="utf-8")]
-             for path in sorted(root.rglob("*.py")) if "__pycache__" not in path.parts]  # fmt: skip
-    meta = {"what": "occult_hf's own .py sources (src/occult_hf), the text of `occult demo`", "commit": commit}
-    atomic_write_bytes(out, lzma.compress(json.dumps({"meta": meta, "files": files}).encode("utf-8")))
 
 
 def describe_checkpoint(path: str | os.PathLike, model) -> str:
@@ -129,7 +93,7 @@ def _run(args: argparse.Namespace) -> int:
     from occult_hf.patches.base import adapter_for
     from ..placement import available_planners
     from ..profile import RoutingProfile
-    from ..training import tiny_checkpoint_path
+    from ..training.shipped import demo_sources, tiny_checkpoint_path
     from ..training.evaluate import capture_routing, removed_weight
     from ..utils.atomic import atomic_write_json
     from ..utils.tables import markdown_table

@@ -12,7 +12,7 @@ DEFAULT_DEVICES = (8, 16, 32, 64, 128, 256)
 
 
 def register(subparsers) -> None:
-    from ..benchmarks.paper_routing import STUDY_TRACE
+    from ..profile.replay import STUDY_TRACE
     from ..scale.methods import DEFAULT_METHODS
 
     parser = subparsers.add_parser(
@@ -88,9 +88,9 @@ def _validation(calib, measurements) -> str:
 
 
 def default_trace() -> str:
-    """The study model's trace (`benchmarks.paper_routing.STUDY_TRACE`): from the working directory, else from the
+    """The study model's trace (`profile.replay.STUDY_TRACE`): from the working directory, else from the
     source checkout this package runs from; a wheel does not hold it (the error says to give --case)."""
-    from ..benchmarks.paper_routing import STUDY_TRACE
+    from ..profile.replay import STUDY_TRACE
 
     checkout = Path(__file__).resolve().parents[3] / STUDY_TRACE
     if os.path.isfile(STUDY_TRACE) or not checkout.is_file():

@@ -9,15 +9,17 @@ Modules, in import order (each imports only those above it):
 * `specs`: the models' dimensions; `synthetic`: a finer routing split from a real one;
 * `measurements`: the measured points, read from docs/ and shipped as `h200_measurements.json`;
 * `traffic`: a layer's rows, bytes and pairs on its busiest device, replayed from routing or from a measured CT;
-* `cost`: the equations; `calibration`: the fitted parameters; `validation`: the measured rows predicted;
+* `parameters`: the parameter set; `cost`: the equations; `calibration`: the parameters fitted;
+  `validation`: the measured rows predicted;
 * `methods`: method names; `routing`: traces fitted to a model, planning and held-out halves;
 * `projection`: every method at every D; `report`: tables and plot.
 """
 
-from .calibration import Calibration, calibrate
+from .calibration import calibrate
 from .cost import Cluster
 from .measurements import load_measurements, read_measurements
 from .methods import DEFAULT_METHODS, parse_method
+from .parameters import Calibration
 from .projection import Projected, project
 from .routing import fit_to_model, load_routing
 from .specs import MODEL_SPECS, model_spec

@@ -15,13 +15,13 @@ Every other measured row (the other `bench ep` calls, every other `bench paper` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import numpy as np
 
 from .cost import FWD, FWD_BWD, Cluster, allreduce_ms, expert_gflop, shared_ms, stock_layer_ms, exchange_ms, train_step_ms
 from .measurements import EP_LAYER_FILES
+from .parameters import Calibration, Line, Parameter
 from .specs import model_spec
 from .traffic import measured_traffic
 
@@ -35,41 +35,6 @@ TRANSFORMERS_VERSION = "5.24"
 #: ranks in fine-tuning
 PREFILL_TOKENS, FINETUNE_TOKENS, PAPER_DEVICES = 16384, 4096, 2
 DIRECTION_KEYS = {FWD: "fwd_ms", FWD_BWD: "fwd_bwd_ms"}
-
-
-@dataclass(frozen=True)
-class Line:
-    """`ms = intercept_ms + slope_ms * x`."""
-
-    intercept_ms: float
-    slope_ms: float
-
-    def __call__(self, x: float) -> float:
-        return self.intercept_ms + self.slope_ms * x
-
-
-@dataclass(frozen=True)
-class Parameter:
-    """One fitted or read parameter, as docs/scale.md lists it."""
-
-    name: str
-    value: str
-    source: str
-    points: int = 1
-    max_error: float | None = None  # the fit's largest relative error over its points
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """The parameters (module docstring); `parameters` says where each came from."""
-
-    kernels: Mapping[str, Line]  # "<occult|transformers>/<fwd|fwd_bwd>": ms vs GFLOP
-    dispatchers: Mapping[str, Line]  # "<occult|transformers>/<fwd|fwd_bwd>": ms vs 1000 rows
-    nvlink: Line  # ms per call, ms per MB
-    dense_tflops: float
-    rest_ms_per_ktoken: Mapping[str, float]  # "<model>/<fwd|fwd_bwd>"
-    optimizer_ms_per_bparam: float
-    parameters: tuple[Parameter, ...] = field(default=(), compare=False)
 
 
 def fit_line(x: np.ndarray, y: np.ndarray, what: str) -> tuple[Line, float]:

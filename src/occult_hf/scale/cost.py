@@ -35,13 +35,11 @@ Shape legend (docs/conventions.md): H hidden, I expert width, T tokens per rank,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
+from .parameters import Calibration
 from .specs import ModelSpec
 from .traffic import LayerTraffic
-
-if TYPE_CHECKING:
-    from .calibration import Calibration
 
 FWD, FWD_BWD = "fwd", "fwd_bwd"
 DIRECTIONS = (FWD, FWD_BWD)
@@ -80,22 +78,22 @@ def expert_gflop(spec: ModelSpec, pairs: float, direction: str) -> float:
     return FLOPS_PER_WEIGHT[direction] * spec.expert_params * pairs / 1e9
 
 
-def dense_ms(calib: "Calibration", weights: float, tokens: float, direction: str) -> float:
+def dense_ms(calib: Calibration, weights: float, tokens: float, direction: str) -> float:
     """A dense layer of `weights` parameters over `tokens` tokens at the dense rate."""
     return FLOPS_PER_WEIGHT[direction] * weights * tokens / (calib.dense_tflops * 1e9)
 
 
-def shared_ms(calib: "Calibration", spec: ModelSpec, tokens: float, direction: str) -> float:
+def shared_ms(calib: Calibration, spec: ModelSpec, tokens: float, direction: str) -> float:
     """The shared experts of one layer."""
     return dense_ms(calib, 3 * spec.hidden * spec.shared_width, tokens, direction)
 
 
-def experts_ms(calib: "Calibration", implementation: str, spec: ModelSpec, pairs: float, direction: str) -> float:
+def experts_ms(calib: Calibration, implementation: str, spec: ModelSpec, pairs: float, direction: str) -> float:
     """The routed experts of one device (`implementation`: "occult" or "transformers")."""
     return calib.kernels[f"{implementation}/{direction}"](expert_gflop(spec, pairs, direction))
 
 
-def exchange_ms(calib: "Calibration", cluster: Cluster, traffic: LayerTraffic) -> float:
+def exchange_ms(calib: Calibration, cluster: Cluster, traffic: LayerTraffic) -> float:
     """One forward's dispatch and combine (the equations in the module docstring)."""
     nvlink = CALLS * calib.nvlink.intercept_ms + traffic.nvlink_bytes / 1e6 * calib.nvlink.slope_ms
     if not traffic.internode_bytes:
@@ -107,7 +105,7 @@ def exchange_ms(calib: "Calibration", cluster: Cluster, traffic: LayerTraffic) -
 
 
 def ep_layer_ms(
-    calib: "Calibration", cluster: Cluster, spec: ModelSpec, traffic: LayerTraffic, direction: str, family: str = "occult"
+    calib: Calibration, cluster: Cluster, spec: ModelSpec, traffic: LayerTraffic, direction: str, family: str = "occult"
 ) -> float:
     """An expert-parallel MoE layer (`family`: "occult" or "transformers", whose dispatcher and kernels it uses)."""
     _check_direction(direction)
@@ -121,19 +119,19 @@ def ep_layer_ms(
     )
 
 
-def stock_layer_ms(calib: "Calibration", spec: ModelSpec, tokens: float, direction: str) -> float:
+def stock_layer_ms(calib: Calibration, spec: ModelSpec, tokens: float, direction: str) -> float:
     """One GPU's MoE layer as transformers runs it (every expert local)."""
     _check_direction(direction)
     return experts_ms(calib, "transformers", spec, tokens * spec.top_k, direction) + shared_ms(calib, spec, tokens, direction)
 
 
-def collective_gbs(calib: "Calibration", cluster: Cluster, devices: int) -> float:
+def collective_gbs(calib: Calibration, cluster: Cluster, devices: int) -> float:
     """GB/s of a large all-gather / reduce-scatter / all-reduce over `devices` GPUs (module docstring)."""
     nvlink = 1e3 / calib.nvlink.slope_ms / 1e3
     return nvlink if devices <= cluster.devices_per_node else min(nvlink, cluster.devices_per_node * cluster.internode_gbs)
 
 
-def gathered_ms(calib: "Calibration", cluster: Cluster, params: float, devices: int, direction: str) -> float:
+def gathered_ms(calib: Calibration, cluster: Cluster, params: float, devices: int, direction: str) -> float:
     """FSDP2's traffic for `params` parameters sharded over `devices` (module docstring)."""
     if devices == 1:
         return 0.0
@@ -141,14 +139,14 @@ def gathered_ms(calib: "Calibration", cluster: Cluster, params: float, devices: 
     return collectives * params * BF16 * (devices - 1) / devices / (collective_gbs(calib, cluster, devices) * 1e6)
 
 
-def allreduce_ms(calib: "Calibration", cluster: Cluster, params: float, replicas: int, span: int) -> float:
+def allreduce_ms(calib: Calibration, cluster: Cluster, params: float, replicas: int, span: int) -> float:
     """A ring all-reduce of `params` bf16 gradients over `replicas` copies spread over `span` devices."""
     if replicas <= 1:
         return 0.0
     return 2 * (replicas - 1) / replicas * params * BF16 / (collective_gbs(calib, cluster, span) * 1e6)
 
 
-def rest_ms(calib: "Calibration", spec: ModelSpec, tokens: float, direction: str) -> float:
+def rest_ms(calib: Calibration, spec: ModelSpec, tokens: float, direction: str) -> float:
     """Every decoder layer's attention, norms and router, and the dense layers' MLPs, over `tokens` tokens."""
     if spec.rest_like is None:
         raise ValueError(
@@ -160,14 +158,14 @@ def rest_ms(calib: "Calibration", spec: ModelSpec, tokens: float, direction: str
     return spec.layers * per_token * tokens + dense
 
 
-def prefill_ms(calib: "Calibration", spec: ModelSpec, moe_layers_ms: Sequence[float], tokens: float) -> float:
+def prefill_ms(calib: Calibration, spec: ModelSpec, moe_layers_ms: Sequence[float], tokens: float) -> float:
     """A forward of the whole model: its MoE layers (one time each) and the rest (the LM head keeps one position)."""
     _check_layers(spec, moe_layers_ms)
     return sum(moe_layers_ms) + rest_ms(calib, spec, tokens, FWD)
 
 
 def train_step_ms(
-    calib: "Calibration", spec: ModelSpec, moe_layers_ms: Sequence[float], tokens: float, params_per_rank: float,
+    calib: Calibration, spec: ModelSpec, moe_layers_ms: Sequence[float], tokens: float, params_per_rank: float,
     sync_ms: float,
 ) -> float:
     """A training step: forward+backward of every layer, the LM head, the optimizer over the rank's parameters

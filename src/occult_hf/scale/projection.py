@@ -24,11 +24,11 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from ..benchmarks.paper_routing import trace_layer
+from ..profile.replay import trace_layer
 from ..placement import plan_placement
 from ..placement.placement import contiguous_devices
 from ..utils.progress import progress_bar
-from .calibration import Calibration
+from .parameters import Calibration
 from .cost import FWD, FWD_BWD, Cluster, allreduce_ms, ep_layer_ms, gathered_ms, prefill_ms, stock_layer_ms, train_step_ms
 from .methods import Method, parse_method
 from .routing import Routing

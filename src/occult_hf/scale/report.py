@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..utils.tables import markdown_table
-from .calibration import Calibration
+from .parameters import Calibration
 from .cost import Cluster
 from .projection import Projected
 from .validation import Checked

@@ -4,7 +4,7 @@
 where it has them). `fit_to_model` adapts it to the model's E and k:
 
 * the same E and k: as recorded;
-* the same E, a larger k in a score-ordered file: each token's first k (`benchmarks.paper_routing.fit_routing`, as
+* the same E, a larger k in a score-ordered file: each token's first k (`profile.replay.fit_routing`, as
   the paper bench replays the study trace for DeepSeek-MoE-16B);
 * E a multiple m of the trace's, the same k: `synthetic.split_experts` (each expert split into m; how DeepSeek-V3's
   256-expert routing is made from the study model's 64).
@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..benchmarks.paper_routing import fit_routing
+from ..profile.replay import fit_routing
 from ..placement.validation import profile_from_sample
 from ..profile.trace import read_trace_ids, read_trace_weights
 from .specs import ModelSpec

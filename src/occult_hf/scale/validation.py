@@ -25,10 +25,11 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .calibration import (
-    FINETUNE_TOKENS, PAPER_DEVICES, PREFILL_TOKENS, Calibration, layer_traffic_of, modelled_ep_row,
+    FINETUNE_TOKENS, PAPER_DEVICES, PREFILL_TOKENS, layer_traffic_of, modelled_ep_row,
 )  # fmt: skip
 from .cost import FWD, FWD_BWD, Cluster, allreduce_ms, ep_layer_ms, gathered_ms, prefill_ms, stock_layer_ms, train_step_ms
 from .measurements import EP_LAYER_FILES
+from .parameters import Calibration
 from .specs import ModelSpec, model_spec
 from .traffic import measured_traffic
 

@@ -8,18 +8,8 @@ and learned-routing statistics). Recipes: `RECIPES` (`tiny`, `study`).
 from .data import PreparedData, prepare_data
 from .evaluate import capture_routing, perplexity, routing_structure
 from .recipes import RECIPES, Recipe, get_recipe
+from .shipped import TINY_CHECKPOINT, demo_sources, tiny_checkpoint_path
 from .train import train
-
-#: the checkpoint that ships in the package (made by `occult train --recipe tiny`), for `occult demo`
-TINY_CHECKPOINT = "tiny_olmoe"
-
-
-def tiny_checkpoint_path():
-    """The path of the shipped tiny checkpoint (a directory inside the installed package)."""
-    from importlib import resources
-
-    return resources.files("occult_hf") / "data" / TINY_CHECKPOINT
-
 
 __all__ = [
     "PreparedData",
@@ -27,6 +17,7 @@ __all__ = [
     "Recipe",
     "TINY_CHECKPOINT",
     "capture_routing",
+    "demo_sources",
     "get_recipe",
     "perplexity",
     "prepare_data",

@@ -1,4 +1,5 @@
-"""Real routing for `occult bench paper`: which per-token trace drives each model's routers.
+"""Recorded routing replayed on a model: which per-token trace stands in for each model's routers (`occult bench
+paper` drives the routers with it; the cost model, `occult_hf.scale`, replays it at D devices).
 
 Shape legend: N trace tokens, L trace layers (MoE layers the trace recorded), k experts per token,
 E routed experts.
@@ -23,7 +24,7 @@ the model's own router (`paper.TraceReplay`). The sources, per model (docs/paper
   `torch.topk` of the study model's router): the top-6 that router would choose. A different model's
   routing with k adapted, and the label says so.
 
-`python -m occult_hf.benchmarks.paper_routing --profiles DIR --out PATH` makes `STUDY_TRACE` from the
+`python -m occult_hf.profile.replay --profiles DIR --out PATH` makes `STUDY_TRACE` from the
 quality study's `profiles/heldout_<domain>.safetensors` (its `profiles.tar.gz`).
 """
 
@@ -87,7 +88,7 @@ def pack_study_trace(profiles_dir: str, tokens_per_domain: int) -> tuple[np.ndar
         "text": f"held-out split, first {tokens_per_domain} tokens of each domain {list(STUDY_DOMAINS)}",
         "score_ordered": True,
         "rows": "row n of every layer is the same token (one profile stream per domain, the same sample seed)",
-        "made_by": f"python -m occult_hf.benchmarks.paper_routing --profiles {profiles_dir} --tokens-per-domain {tokens_per_domain}",
+        "made_by": f"python -m occult_hf.profile.replay --profiles {profiles_dir} --tokens-per-domain {tokens_per_domain}",
     }
     return ids_NLk.astype(np.uint8), meta
 
