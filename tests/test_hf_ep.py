@@ -46,13 +46,13 @@ def rank_batch(rank: int) -> torch.Tensor:
     return tiny_batch(seed=700 + rank)
 
 
-def shuffled_placement(family: str, num_devices: int = 2):
+def shuffled_placement(family: str, num_devices: int = 2, devices_per_node: int | None = None):
     """An equal-capacity placement that moves experts across devices in every MoE layer."""
     from occult_hf import Placement
 
     base = np.arange(NUM_EXPERTS) * num_devices // NUM_EXPERTS
     maps = {layer: np.random.default_rng(31 + layer).permutation(base).tolist() for layer in MOE_LAYERS[family]}
-    return Placement(NUM_EXPERTS, num_devices, maps, {"method": "shuffled"})
+    return Placement(NUM_EXPERTS, num_devices, maps, {"method": "shuffled"}, devices_per_node=devices_per_node)
 
 
 def _load_ep(path, **distributed):
@@ -370,6 +370,109 @@ def test_occult_ep_with_data_parallel_replicas(tmp_path):
         ref = _reference(path, world_size=4)
         for rank, found in enumerate(r[family] for r in results):
             check_equal_to_reference(found, ref, rank, f"{family}, dp_replicate_size=2")
+
+
+# ----- several nodes: the node layout and the two-level exchange --------------------------------------------
+
+
+def _dispatchers(model) -> set[str]:
+    from occult_hf.hf.native_ep import occult_ep_layers
+
+    return {impl.dispatcher.name for impl in occult_ep_layers(model).values()}
+
+
+def _nodes_world(rank, world_size, path):
+    """4 ranks launched as 2 nodes of 2 (`$LOCAL_WORLD_SIZE=2`, set for the world): `ep_size=4` takes the node
+    layout from the launch and "auto" the hierarchical exchange; then node-limited pruning, an explicit
+    `devices_per_node` and the placement's recorded one without `$LOCAL_WORLD_SIZE`; then two EP groups of 2 ranks
+    (`dp_replicate_size=2`), each as 2 nodes of 1 (every group's subgroups made on every rank)."""
+    import os
+
+    from occult_hf import OccultConfig, apply_occult_ep
+    from occult_hf.hf.native_ep import occult_ep_config_of, occult_ep_layers
+
+    ids, placement = rank_batch(rank), shuffled_placement("olmoe", 4)
+    model = _load_ep(path, ep_size=4, fsdp_size=4)  # no occult_config: the mesh's group as it is, one node
+    with torch.no_grad():
+        model(ids)  # builds each layer's dispatcher
+    found = {"unconfigured": _dispatchers(model)}
+    apply_occult_ep(model, OccultConfig(placement=placement))
+    found["layout"] = ({impl.ep.devices_per_node for impl in occult_ep_layers(model).values()}, occult_ep_config_of(model).devices_per_node)
+    found["shuffled"] = _step(model, ids)
+    found["dispatchers"] = _dispatchers(model)
+    for mode, limits in NODE_PRUNING:
+        apply_occult_ep(model, OccultConfig(placement=placement, prune=mode, **limits))
+        with torch.no_grad():
+            found[f"pruned_{mode}_{sorted(limits)}"] = model(ids).logits.numpy().copy()
+    del os.environ["LOCAL_WORLD_SIZE"]
+    for label, config in (("explicit", OccultConfig(placement=placement, devices_per_node=2)),
+                          ("planned", OccultConfig(placement=shuffled_placement("olmoe", 4, devices_per_node=2))),
+                          ("flat", OccultConfig(placement=placement))):  # fmt: skip
+        apply_occult_ep(model, config)
+        with torch.no_grad():
+            found[f"{label}_logits"] = model(ids).logits.numpy().copy()
+        found[f"{label}_dispatchers"] = _dispatchers(model)
+    replicated = _load_ep(path, dp_replicate_size=2, fsdp_size=2, ep_size=2)  # EP groups {0, 1} and {2, 3}
+    apply_occult_ep(replicated, OccultConfig(placement=shuffled_placement("olmoe"), devices_per_node=1))
+    found["replicated"] = _step(replicated, ids)
+    found["replicated_dispatchers"] = _dispatchers(replicated)
+    found["replicated_rails"] = [dist_ranks(impl.ep.rail_group) for impl in occult_ep_layers(replicated).values()][:1]
+    return found
+
+
+def dist_ranks(group) -> list[int]:
+    import torch.distributed as dist
+
+    return dist.get_process_group_ranks(group)
+
+
+#: node-limited pruning under transformers' EP: N_n alone, and with N_d (k=2: one device within one node)
+NODE_PRUNING = (("router", dict(max_nodes_per_token=1)), ("router", dict(max_nodes_per_token=1, max_devices_per_token=1)))
+
+
+@pytest.mark.world_size(4)
+def test_occult_ep_across_nodes_takes_the_node_layout(tmp_path):
+    """`ep_implementation="occult"` on 4 gloo ranks as 2 nodes x 2 devices: the node layout from `$LOCAL_WORLD_SIZE`,
+    `devices_per_node` or the placement, "auto" takes "hierarchical", each rank's logits, loss and every gradient
+    equal the single-process model on the ranks' batches (also two EP groups as 2 nodes of 1 each); node-limited
+    pruning equals the `occult_config` path in one process with the same placement and layout; one node stays flat."""
+    from transformers import AutoModelForCausalLM
+
+    path = str(tiny_checkpoint("olmoe", tmp_path / "olmoe", seed=7, num_experts=NUM_EXPERTS))
+    results = run_world(_nodes_world, 4, path, timeout_s=300, env={"LOCAL_WORLD_SIZE": "2"})
+    ref = _reference(path, world_size=4)
+    for rank, found in enumerate(results):
+        assert found["unconfigured"] in ({"all_to_all"}, {"padded"}), found["unconfigured"]
+        assert found["layout"] == ({2}, 2) and found["dispatchers"] == {"hierarchical"}, (found["layout"], found["dispatchers"])
+        check_equal_to_reference(found, ref, rank, "2 nodes x 2 devices")
+        check_equal_to_reference({"shuffled": found["replicated"]}, ref, rank, "dp_replicate_size=2, 2 nodes x 1 device each")
+        assert found["replicated_dispatchers"] == {"hierarchical"}
+        assert found["replicated_rails"] == [[0, 1] if rank < 2 else [2, 3]], found["replicated_rails"]
+        for label in ("explicit", "planned"):
+            assert found[f"{label}_dispatchers"] == {"hierarchical"} and rel_err(found[f"{label}_logits"], ref["logits"][rank]) <= TOLERANCE, label
+        assert found["flat_dispatchers"] == {"all_to_all"} and rel_err(found["flat_logits"], ref["logits"][rank]) <= TOLERANCE
+    from occult_hf import OccultConfig
+
+    for mode, limits in NODE_PRUNING:
+        config = OccultConfig(placement=shuffled_placement("olmoe", 4), prune=mode, devices_per_node=2, **limits)
+        single = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, occult_config=config)
+        for rank, found in enumerate(results):
+            with torch.no_grad():
+                expected = single(rank_batch(rank)).logits
+            assert rel_err(found[f"pruned_{mode}_{sorted(limits)}"], expected) <= TOLERANCE, (mode, limits, rank)
+            assert rel_err(expected, ref["logits"][rank]) > TOLERANCE  # pruning changed the model
+
+
+def test_a_launch_that_splits_the_ep_group_unevenly_over_nodes_is_an_error(monkeypatch):
+    from occult_hf.dispatch.group import resolve_devices_per_node
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # global ranks 2..5 of an EP group on nodes 0, 1, 1, 1
+    with pytest.raises(ValueError, match=r"\$LOCAL_WORLD_SIZE=3 puts the expert-parallel group's ranks \(global ranks "
+                                         r"\[2, 3, 4, 5\]\) on nodes \[0, 1, 1, 1\].*set OccultConfig.devices_per_node"):
+        resolve_devices_per_node(None, 4, True, None, ranks=[2, 3, 4, 5])
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert resolve_devices_per_node(None, 4, True, None, ranks=[4, 5, 6, 7]) == 2  # the second EP group of 8 ranks
+    assert resolve_devices_per_node(None, 2, True, None, ranks=[2, 3]) is None  # one node
 
 
 TRAIN_STEPS = 2

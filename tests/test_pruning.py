@@ -364,11 +364,36 @@ def _ep_matches_one_process(rank, world_size, profile_paths_by_family):
                 error = float((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30))
                 if error > RTOL:
                     failures.append(f"{family} {mode} {make_placement.__name__} {what}: {error:.3g}")
-    return failures
+    return failures + _zero_tokens_on_the_last_rank(rank, world_size, one_process_groups[rank])
+
+
+def _zero_tokens_on_the_last_rank(rank, world_size, alone) -> list[str]:
+    """Pruning with replicas under both limits (each rank a node: the device walk within the token's nodes) while the
+    last rank passes no tokens: every rank's block output and input gradient equal one process's."""
+    config = OccultConfig(
+        placement=replicated_placement("olmoe", world_size), prune="router", max_devices_per_token=1,
+        max_nodes_per_token=1, devices_per_node=1,
+    )  # fmt: skip
+    num_tokens = 0 if rank == world_size - 1 else 6
+    x_TH = torch.randn(num_tokens, 32, generator=torch.Generator().manual_seed(40 + rank))
+    outputs = []
+    for group in (alone, None):  # one process with D logical devices, then the EP group
+        block = next(m for m in apply_occult(tiny_model("olmoe", **SIZES).train(), config, group=group).modules() if isinstance(m, OccultMoE))
+        x = x_TH.clone().requires_grad_()
+        out_TH = block(x)
+        if group is None or num_tokens:  # an empty rank takes part in the backward's exchange (one process: no graph)
+            out_TH.pow(2).sum().backward()
+        outputs.append((out_TH.detach(), x.grad))
+    (expected, expected_grad), (actual, actual_grad) = outputs
+    if actual.shape != (num_tokens, 32) or not num_tokens:
+        return [] if actual.shape == (num_tokens, 32) else [f"zero tokens: output shape {tuple(actual.shape)}"]
+    errors = [float((a - e).abs().max() / e.abs().max()) for a, e in ((actual, expected), (actual_grad, expected_grad))]
+    return [f"zero tokens on rank {world_size - 1}: rank {rank} relative errors {errors}"] if max(errors) > RTOL else []
 
 
 @pytest.mark.world_size(2)
 def test_pruned_expert_parallel_equals_one_process(profile_paths):
+    """Also a rank with zero tokens under pruning with replicas and both limits (`_zero_tokens_on_the_last_rank`)."""
     families = ("olmoe", "deepseek_v3")
     paths = {family: profile_paths(family) for family in families}
     for failures in run_world(_ep_matches_one_process, 2, paths):

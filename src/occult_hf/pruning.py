@@ -20,9 +20,16 @@ vectorised form: a device's score is the largest weight among the token's expert
 `G` devices per node (devices `n*G .. n*G + G - 1` form node n), a token may also be limited to `N_n` nodes: the
 same walk over nodes (a node's score is the largest weight among the token's experts on it; ties to the lower
 node id; with replicas an expert is served by a node holding any of its homes), and the token may then use
-every device of its nodes; with `max_devices_per_token` too, the device walk runs among the devices of those
-nodes. DeepSeek-V3 scores a node by the sum of its best `k / N_n` affinities instead; the walk keeps one rule
-for devices and nodes (and a token whose top-k already spans at most `N_n` nodes keeps its routing).
+every device of its nodes. DeepSeek-V3 scores a node by the sum of its best `k / N_n` affinities instead; the walk
+keeps one rule for devices and nodes (and a token whose top-k already spans at most `N_n` nodes keeps its routing).
+
+**Both limits** compose: node pruning, then device pruning of its result. The device walk runs on the routing the
+policy gives under the node limit alone (router: the model's top-k among the experts of the token's nodes, as
+DeepSeek-V3 selects; similarity: the experts off those nodes replaced), k experts all on the token's nodes, so it
+keeps taking devices until it holds all k or `N_d` devices: either way they hold at least k experts (any `N_d`
+devices do, by the `N_d` check), and no token is left short. (Walking only the token's own experts left on its
+nodes could stop at fewer than k: E=8 on 2 nodes of 2 devices, k=3, N_d=2, N_n=1, a token whose best node holds one
+of its experts.) The policy then runs once on the router's own routing with those devices.
 
 **Policies** (registry `occult_hf.registry.PRUNING_POLICIES`, lowercase names):
 
@@ -150,7 +157,7 @@ def token_device_sets_replicated(
     homes_TkM = home_table_EM[ids_Tk]
     held_TkM = homes_TkM >= 0
     if within_TD is not None:  # only the homes on the token's nodes, still increasing and first (an expert may have none)
-        held_TkM = held_TkM & within_TD.gather(1, homes_TkM.clamp_min(0).reshape(num_tokens, -1)).view(held_TkM.shape)
+        held_TkM = held_TkM & within_TD.gather(1, homes_TkM.clamp_min(0).flatten(1)).view(held_TkM.shape)
         homes_TkM = torch.sort(torch.where(held_TkM, homes_TkM, num_devices), dim=-1).values
         held_TkM = homes_TkM < num_devices
         homes_TkM = torch.where(held_TkM, homes_TkM, -1)
@@ -423,21 +430,20 @@ class CollaborationPruner:
             self._record(routing, None)
             return TokenRouting(routing.topk_ids_Tk, routing.topk_weights_Tk)
         layout = self.layout.to(routing.topk_ids_Tk.device)
-        devices_TD = self._token_devices(routing.topk_ids_Tk, routing.topk_weights_Tk, layout)
-        if not layout.replicated:
-            allowed_TE = devices_TD.index_select(1, layout.device_of_E)
-        else:
-            allowed_TE = allowed_experts(devices_TD, layout.home_table_EM)
         if self.similarity_EE is not None and self.similarity_EE.device != routing.logits_TE.device:
             self.similarity_EE = self.similarity_EE.to(routing.logits_TE.device)
+        devices_TD = self._token_devices(block, routing, layout)
+        allowed_TE = _experts_on(devices_TD, layout)
         weights_Tk, ids_Tk, aux_logits_TE = self._policy(self.adapter, block, routing, allowed_TE, self.similarity_EE)
         self._record(routing, allowed_TE)
         self._record_aux_logits(routing, aux_logits_TE)
         return TokenRouting(ids_Tk, weights_Tk, devices_TD if layout.replicated else None)
 
-    def _token_devices(self, ids_Tk: torch.Tensor, weights_Tk: torch.Tensor, layout: LayerLayout) -> torch.Tensor:
+    def _token_devices(self, block: torch.nn.Module, routing: RouterOutput, layout: LayerLayout) -> torch.Tensor:
         """`[T, D]` bool the devices each token may use: the node walk (nodes as devices, every device of a chosen
-        node), then the device walk among those devices (module docstring)."""
+        node); with a device limit too, the device walk on the routing the policy gives under the node limit alone,
+        which holds k experts on the token's nodes (module docstring)."""
+        ids_Tk, weights_Tk = routing.topk_ids_Tk, routing.topk_weights_Tk
         within_TD = None
         if self._nodes_active:
             per_node, num_nodes = self.devices_per_node, self.num_nodes
@@ -450,6 +456,8 @@ class CollaborationPruner:
             within_TD = nodes_TQ.repeat_interleave(per_node, dim=1)
             if not self._devices_active:
                 return within_TD
+            with torch.no_grad():  # only its ids and weights' order are read
+                weights_Tk, ids_Tk, _ = self._policy(self.adapter, block, routing, _experts_on(within_TD, layout), self.similarity_EE)
         if not layout.replicated:
             return token_device_sets(ids_Tk, weights_Tk, layout.device_of_E, self.num_devices, self._max_devices_per_token, within_TD)
         return token_device_sets_replicated(
@@ -499,6 +507,13 @@ class CollaborationPruner:
             f"CollaborationPruner(policy={self.policy_name!r}, layer={self.layer_idx}, "
             f"max_devices_per_token={self._max_devices_per_token}{nodes}, num_devices={self.num_devices}, top_k={self.top_k})"
         )
+
+
+def _experts_on(devices_TD: torch.Tensor, layout: LayerLayout) -> torch.Tensor:
+    """`[T, E]` bool: the experts with a home on one of each token's devices."""
+    if not layout.replicated:
+        return devices_TD.index_select(1, layout.device_of_E)
+    return allowed_experts(devices_TD, layout.home_table_EM)
 
 
 def _node_home_table(home_table_EM: torch.Tensor, devices_per_node: int) -> torch.Tensor:

@@ -50,18 +50,29 @@ class ExpertParallelGroup:
         """Whether the ranks sit on several nodes and the node and rail groups exist (`with_node_groups`)."""
         return self.node_group is not None
 
-    def with_node_groups(self, devices_per_node: int | None) -> "ExpertParallelGroup":
+    @property
+    def global_ranks(self) -> tuple[int, ...]:
+        """The world rank of each group rank, in group order (one process: the logical devices 0..D-1)."""
+        if not self.is_distributed:
+            return tuple(range(self.num_devices))
+        return tuple(dist.get_global_rank(self.group, r) for r in range(self.num_devices))
+
+    def with_node_groups(self, devices_per_node: int | None, every_group=None) -> "ExpertParallelGroup":
         """This group with its node layout; under torch.distributed, with `devices_per_node` < D, also its node and
-        rail subgroups (collective: every rank of the world calls it, in the same order). One node: itself."""
+        rail subgroups (collective: every rank of the world calls it, in the same order). One node: itself.
+
+        `every_group`: the global ranks of every EP group of the world, this one among them, where the world holds
+        several (transformers' `dp_replicate_size`): each rank makes every group's subgroups, as `new_group` is
+        collective over the world, and keeps its own. None: this group is the only one."""
         if devices_per_node is None or devices_per_node >= self.num_devices:
             return self
         devices_per_node = check_devices_per_node(devices_per_node, self.num_devices)
         if not self.is_distributed:
             return replace(self, devices_per_node=devices_per_node)
         size, nodes = devices_per_node, self.num_devices // devices_per_node
-        world = [dist.get_global_rank(self.group, r) for r in range(self.num_devices)]
-        node_group, _ = dist.new_subgroups_by_enumeration([world[n * size : (n + 1) * size] for n in range(nodes)])
-        rail_group, _ = dist.new_subgroups_by_enumeration([world[g::size] for g in range(size)])
+        groups = [list(self.global_ranks)] if every_group is None else [list(ranks) for ranks in every_group]
+        node_group, _ = dist.new_subgroups_by_enumeration([ranks[n * size : (n + 1) * size] for ranks in groups for n in range(nodes)])
+        rail_group, _ = dist.new_subgroups_by_enumeration([ranks[g::size] for ranks in groups for g in range(size)])
         return replace(self, devices_per_node=devices_per_node, node_group=node_group, rail_group=rail_group)
 
     @staticmethod
@@ -107,20 +118,49 @@ def check_devices_per_node(value, num_devices: int, setting: str = "OccultConfig
 LOCAL_WORLD_SIZE_ENV = "LOCAL_WORLD_SIZE"
 
 
-def resolve_devices_per_node(explicit: int | None, num_devices: int, distributed: bool, planned: int | None) -> int | None:
+def resolve_devices_per_node(
+    explicit: int | None, num_devices: int, distributed: bool, planned: int | None, ranks=None
+) -> int | None:
     """The node layout a model runs with, None for one node: `OccultConfig.devices_per_node` when set; under
-    torch.distributed `$LOCAL_WORLD_SIZE` (the launch's processes per node) when it is smaller than the group;
-    else the placement's recorded layout (`planned`, `Placement.devices_per_node`; in one process the logical
-    devices' nodes). Must divide `num_devices`."""
+    torch.distributed the layout `$LOCAL_WORLD_SIZE` gives the group's ranks (`_launch_layout`); else the placement's
+    recorded layout (`planned`, `Placement.devices_per_node`; in one process the logical devices' nodes). Must divide
+    `num_devices`. `ranks`: the group's global ranks in group order (`ExpertParallelGroup.global_ranks`; None: the
+    world, 0..D-1)."""
     if explicit is not None:
         value, setting = explicit, "OccultConfig.devices_per_node"
     elif distributed and os.environ.get(LOCAL_WORLD_SIZE_ENV, "").isdigit():
-        value, setting = int(os.environ[LOCAL_WORLD_SIZE_ENV]), f"${LOCAL_WORLD_SIZE_ENV}"
+        return _launch_layout(int(os.environ[LOCAL_WORLD_SIZE_ENV]), range(num_devices) if ranks is None else ranks)
     else:
         value, setting = planned, "the placement's devices_per_node"
     if value is None or value >= num_devices:
         return None
     return check_devices_per_node(value, num_devices, setting)
+
+
+def _launch_layout(per_node_launched: int, ranks) -> int | None:
+    """How many of a group's ranks share a node when the launcher ran `per_node_launched` processes on every node
+    (`$LOCAL_WORLD_SIZE`; global rank g on node g // it), None when they all do. `ranks`: the group's global ranks in
+    group order; they must sit on their nodes in equal, consecutive runs (torchrun's numbering gives that to the
+    world, and to transformers' `ep` mesh dimension, whose ranks are consecutive)."""
+    ranks = list(ranks)
+    setting = f"${LOCAL_WORLD_SIZE_ENV}"
+    if per_node_launched < 1:
+        return check_devices_per_node(per_node_launched, len(ranks), setting)
+    nodes = [rank // per_node_launched for rank in ranks]
+    value = nodes.count(nodes[0])
+    if value >= len(ranks):
+        return None
+    if value != per_node_launched:
+        setting = f"the group's ranks on one node under ${LOCAL_WORLD_SIZE_ENV}={per_node_launched}"
+    check_devices_per_node(value, len(ranks), setting)
+    runs = [nodes[start : start + value] for start in range(0, len(ranks), value)]
+    if any(len(set(run)) != 1 for run in runs) or len({run[0] for run in runs}) != len(runs):
+        raise ValueError(
+            f"${LOCAL_WORLD_SIZE_ENV}={per_node_launched} puts the expert-parallel group's ranks (global ranks {ranks}) "
+            f"on nodes {nodes}: the two-level exchange and max_nodes_per_token need as many of them on every node, "
+            f"consecutive in group order; set OccultConfig.devices_per_node for another layout"
+        )
+    return value
 
 
 __all__ = ["ExpertParallelGroup", "LOCAL_WORLD_SIZE_ENV", "check_devices_per_node", "resolve_devices_per_node"]

@@ -125,7 +125,7 @@ def _resolve(model: nn.Module, occult_config, group):
         check_logical_devices(ep.num_devices, config.logical_devices)
     layers = [layer for layer, _, _ in blocks]
     placement = resolve_placement(placement, adapter.num_experts(model.config), ep.num_devices, layers)
-    per_node = resolve_devices_per_node(config.devices_per_node, ep.num_devices, ep.is_distributed, placement.devices_per_node)
+    per_node = resolve_devices_per_node(config.devices_per_node, ep.num_devices, ep.is_distributed, placement.devices_per_node, ep.global_ranks)
     return replace(config, placement=placement, num_devices=ep.num_devices, devices_per_node=per_node), adapter, blocks, ep
 
 

@@ -32,6 +32,12 @@ original order on the gathered state dict, so checkpoints stay vanilla. Collabor
 (`OccultConfig.prune`) acts on the router's output through the family adapter (a forward hook on the
 router module, removed by `remove_occult_ep`). Placements with unequal capacities or replicated
 experts need the `occult_config` path, which serves them; here they are a clear error.
+
+**Nodes.** `apply_occult_ep` resolves the EP group's node layout as `apply_occult` does
+(`dispatch.group.resolve_devices_per_node`: `OccultConfig.devices_per_node`, the launch's `$LOCAL_WORLD_SIZE` applied to
+the `ep` dimension's global ranks, the placement's layout) and makes its node and rail subgroups once for every layer
+(`ExpertParallelGroup.with_node_groups`, every EP group's on every rank), so that "auto" takes the hierarchical
+exchange across nodes and node-limited pruning knows the nodes. A model never configured runs the mesh's group flat.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from occult_hf.patches import adapter_for
 from .checkpointing import new_save_group
 from ..config import OccultConfig
 from ..dispatch import DispatchSettings, ExpertParallelGroup, TokenDispatcher, TokenRouting, build_dispatcher
+from ..dispatch.group import resolve_devices_per_node
 from ..distributed.agreement import save_timeout_s
 from ..experts import local_experts
 from ..placement import Placement
@@ -99,7 +106,9 @@ class OccultEP(_ep_base()):
     with `OccultConfig()`'s defaults (dedup dispatch).
 
     Attributes:
-        ep: the EP mesh dimension as occult_hf's `ExpertParallelGroup`.
+        mesh_ep: the EP mesh dimension as occult_hf's `ExpertParallelGroup` (one node as far as it knows).
+        ep: the group the dispatcher runs over: `mesh_ep`, with its node layout and subgroups once `apply_occult_ep`
+            has resolved one (the hierarchical exchange where the group spans nodes).
         num_experts: `E`.
         layout: the layer's `LayerLayout` for this rank (rank d holds the experts the placement puts on device
             d, stored in the expert dimension in slot order: transformers' contiguous `Shard(0)`).
@@ -118,14 +127,15 @@ class OccultEP(_ep_base()):
         super().__init__(experts, ep_mesh, tp_mesh)
         _check_fused_layout(experts)
         self._experts = (experts,)  # a tuple: no module registration, no reference from an nn.Module tree
-        self.ep = ExpertParallelGroup(num_devices=ep_mesh.size(), group=ep_mesh.get_group(), rank=ep_mesh.get_local_rank())
-        self.num_experts = self.num_local_experts * self.ep.num_devices
+        self.mesh_ep = ExpertParallelGroup(num_devices=ep_mesh.size(), group=ep_mesh.get_group(), rank=ep_mesh.get_local_rank())
+        self.num_experts = self.num_local_experts * self.mesh_ep.num_devices
         self.compute = ShardExperts(experts)
         # transformers builds this on the meta device, before the weights load: the dispatcher and the
         # statistics are made on the device of the first batch (and again if the model moves)
         self.dispatcher: TokenDispatcher | None = None
-        self.stats = ExchangeStats(self.ep.num_devices)
-        self.configure(OccultConfig(), Placement.contiguous(self.num_experts, self.ep.num_devices, [0]).layout(0, self.ep.rank), None)
+        self.stats = ExchangeStats(self.mesh_ep.num_devices)
+        contiguous = Placement.contiguous(self.num_experts, self.mesh_ep.num_devices, [0]).layout(0, self.mesh_ep.rank)
+        self.configure(OccultConfig(), contiguous, None)
         setattr(experts, _EP_ATTR, self)  # how `apply_occult_ep` finds the instance transformers built
 
     @property
@@ -137,9 +147,13 @@ class OccultEP(_ep_base()):
         """`[E]` the expert id stored at each position of the sharded expert dimension (`stored_order`)."""
         return stored_order(self.layout, self.num_local_experts)
 
-    def configure(self, occult_config: OccultConfig, layout: LayerLayout, label: str | None = "experts") -> None:
-        """Run with these settings and this layout (the weights must already be stored in its order)."""
+    def configure(
+        self, occult_config: OccultConfig, layout: LayerLayout, label: str | None = "experts", ep: ExpertParallelGroup | None = None
+    ) -> None:
+        """Run with these settings and this layout (the weights must already be stored in its order), over `ep`: the
+        mesh's EP group with its node layout and subgroups (`ExpertParallelGroup.with_node_groups`), None: `mesh_ep`."""
         self.occult_config, self.layout, self._label = occult_config, layout, label
+        self.ep = self.mesh_ep if ep is None else ep
         self.compute.backend, self.compute.deterministic = occult_config.expert_backend, occult_config.deterministic
         self.dispatcher = None  # rebuilt by the next forward
 
@@ -277,7 +291,7 @@ def _resolve(model: nn.Module, occult_config):
     config = resolve_config(occult_config)
     blocks = _ep_blocks(model)
     first = blocks[0][3]
-    ep, num_experts, per_rank = first.ep, first.num_experts, first.num_local_experts
+    ep, num_experts, per_rank = first.mesh_ep, first.num_experts, first.num_local_experts
     if config.num_devices not in (None, ep.num_devices):
         raise ValueError(
             f"OccultConfig.num_devices ({config.num_devices}) must equal DistributedConfig.ep_size ({ep.num_devices})"
@@ -285,7 +299,8 @@ def _resolve(model: nn.Module, occult_config):
     layers = [layer for layer, _, _, _ in blocks]
     placement = resolve_placement(Placement.from_setting(config.placement), num_experts, ep.num_devices, layers)
     _check_equal_capacities(placement, layers, per_rank)
-    return replace(config, placement=placement, num_devices=ep.num_devices), blocks
+    per_node = resolve_devices_per_node(config.devices_per_node, ep.num_devices, ep.is_distributed, placement.devices_per_node, ep.global_ranks)
+    return replace(config, placement=placement, num_devices=ep.num_devices, devices_per_node=per_node), blocks
 
 
 def apply_occult_ep(model: nn.Module, occult_config: OccultConfig | dict | str | None = None) -> nn.Module:
@@ -313,7 +328,9 @@ def apply_occult_ep(model: nn.Module, occult_config: OccultConfig | dict | str |
             resolved[0], [path for _, path, _, _ in resolved[1]], _local(resolved[1][0][3].experts.gate_up_proj), model
         ),
     )
-    ep = blocks[0][3].ep
+    ep = blocks[0][3].mesh_ep
+    if config.devices_per_node is not None:  # several nodes: the hierarchical exchange's subgroups, shared by the layers
+        ep = ep.with_node_groups(config.devices_per_node, _every_ep_group(ep, group))
     adapter, placement = adapter_for(model), config.placement
     layouts = [placement.layout(layer, ep.rank) for layer, _, _, _ in blocks]
     orders = [stored_order(layout, impl.num_local_experts) for layout, (_, _, _, impl) in zip(layouts, blocks)]
@@ -329,12 +346,20 @@ def apply_occult_ep(model: nn.Module, occult_config: OccultConfig | dict | str |
     for (layer, _, block, impl), layout, order, pruner in zip(blocks, layouts, orders, pruners):
         if order != impl.expert_order:
             _move_expert_rows(impl, order)
-        impl.configure(config, layout, f"layer {layer}")
+        impl.configure(config, layout, f"layer {layer}", ep)
         if pruner is not None:
             new_state.hooks.append(adapter.router(block).register_forward_hook(_pruning_hook(block, adapter, pruner)))
     new_state.instance_methods["gather_sharded_state_dict_for_save"] = types.MethodType(_gather_in_original_order, model)
     attach_state(model, new_state)
     return model
+
+
+def _every_ep_group(ep: ExpertParallelGroup, group) -> list[tuple[int, ...]]:
+    """The global ranks of every EP group of the world (transformers' mesh has one per data-parallel replica and
+    pipeline stage), in the same order on every rank: collective over `group`, a group of the whole world."""
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, ep.global_ranks, group=group)
+    return sorted(set(gathered))
 
 
 def apply_on_load(model: nn.Module, occult_config) -> nn.Module | None:
