@@ -238,8 +238,7 @@ def test_trainer_with_torch_compile_equals_eager_with_no_graph_break(tmp_path, l
         apply_occult(model, OccultConfig(num_devices=2, prune="router", max_devices_per_token=1))
         if lora:
             torch.manual_seed(0)  # the adapters' initialisation: the same in both runs
-            torch.manual_seed(0)  # the adapters' initialisation: the same in both runs
-        model = get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+            model = get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
         warm_ids = tiny_batch(batch=1, seq=SEQ, seed=0)
         model(input_ids=warm_ids, labels=warm_ids)  # transformers' capture hooks are installed at the first call
         callback = OccultCallback(start_devices_per_token=2, schedule_steps=4, check_every=2)

@@ -53,7 +53,7 @@ def replica_preferences(
         devices_TD1[:, :num_devices] = devices_TD
     devices_TD1.scatter_(1, torch.where(num_homes_Tk == 1, homes_TkM[..., 0], num_devices), True)
     on_visited_TkM = (homes_TkM >= 0) & devices_TD1.gather(
-        1, homes_TkM.clamp_min(0).flatten(1)  # [T, k * M], also for T = 0
+        1, homes_TkM.clamp_min(0).reshape(num_tokens, homes_TkM.shape[1] * homes_TkM.shape[2])  # [T, k * M], also for T = 0
     ).reshape(homes_TkM.shape)
     # the first visited home (homes are in increasing device id), else M
     pref_Tk = torch.where(on_visited_TkM.any(-1), on_visited_TkM.int().argmax(-1), homes_TkM.shape[-1])
