@@ -25,6 +25,8 @@ from tiny_models import FAMILIES, tiny_batch, tiny_model
 from occult_hf import OccultConfig, apply_occult
 
 BATCH, SEQ = 2, 12
+#: Trainer steps of the compiled-training tests: N_d moves from 2 to 1 within them, and the drift watch runs once
+TRAIN_STEPS = 4
 
 
 def _loss_logits_grads(model, input_ids, call=None):
@@ -209,7 +211,7 @@ def _trainer_losses(model, output_dir: str, compile_: bool, callbacks=()):
 
     rows = [tiny_batch(batch=1, seq=SEQ, seed=s)[0].tolist() for s in range(16)]
     args = TrainingArguments(
-        output_dir, per_device_train_batch_size=2, max_steps=6, logging_steps=1, report_to=[], use_cpu=True, seed=0,
+        output_dir, per_device_train_batch_size=2, max_steps=TRAIN_STEPS, logging_steps=1, report_to=[], use_cpu=True, seed=0,
         torch_compile=compile_, torch_compile_backend="aot_eager", save_strategy="no", learning_rate=1e-3, disable_tqdm=True,
     )  # fmt: skip
     trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_dict({"input_ids": rows, "labels": rows}), callbacks=list(callbacks))
@@ -241,9 +243,9 @@ def test_trainer_with_torch_compile_equals_eager_with_no_graph_break(tmp_path, l
             model = get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
         warm_ids = tiny_batch(batch=1, seq=SEQ, seed=0)
         model(input_ids=warm_ids, labels=warm_ids)  # transformers' capture hooks are installed at the first call
-        callback = OccultCallback(start_devices_per_token=2, schedule_steps=4, check_every=2)
+        callback = OccultCallback(start_devices_per_token=2, schedule_steps=2, check_every=2)
         losses[compile_] = _trainer_losses(model, str(tmp_path / str(compile_)), compile_, [callback])
-    assert len(losses[True]) == 6
+    assert len(losses[True]) == TRAIN_STEPS
     assert losses[True] == pytest.approx(losses[False], rel=1e-5, abs=1e-6)
     assert counters["stats"]["unique_graphs"] > 0, "the Trainer did not compile the model"
     assert not counters["graph_break"], f"graph breaks: {list(counters['graph_break'])}"
@@ -337,7 +339,7 @@ def _ep_trainer_compiled(rank, world_size, output_dir):
         model = get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
         warm_ids = tiny_batch(batch=1, seq=SEQ, seed=0)
         model(input_ids=warm_ids, labels=warm_ids)  # transformers' capture hooks are installed at the first call
-        callback = OccultCallback(start_devices_per_token=2, schedule_steps=4, check_every=2)
+        callback = OccultCallback(start_devices_per_token=2, schedule_steps=2, check_every=2)
         losses[compile_] = _trainer_losses(model, os.path.join(output_dir, f"{rank}-{compile_}"), compile_, [callback])
         graphs, breaks = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
     return losses, graphs, breaks
@@ -350,7 +352,7 @@ def test_trainer_with_torch_compile_under_expert_parallelism(tmp_path):
     (accelerate compiles the DDP wrapper, whose forward dynamo deliberately leaves at `_inside_ddp_forward` and its
     logger; a stock model under DDP breaks there alike), none inside the model."""
     for losses, graphs, breaks in run_world(_ep_trainer_compiled, 2, str(tmp_path), timeout_s=600):
-        assert len(losses[True]) == 6
+        assert len(losses[True]) == TRAIN_STEPS
         assert losses[True] == pytest.approx(losses[False], rel=1e-5, abs=1e-6)
         assert graphs > 0, "the Trainer did not compile the model"
         outside_ddp = [reason for reason in breaks if not any(mark in reason for mark in DDP_OWN_BREAKS)]
