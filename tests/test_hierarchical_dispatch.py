@@ -456,11 +456,7 @@ def test_two_nodes_of_two_devices_every_family_exact():
 
 
 @pytest.mark.world_size(8)
-def test_two_nodes_of_four_devices():
-    cases = [
-        dict(family="olmoe", mode="dedup", replicas=True, per_node=4),
-        dict(family="deepseek_v3", mode="dedup", replicas=False, prune="router", n_d=2, n_n=1, per_node=4),
-        dict(family="qwen2_moe", mode="per_expert", replicas=True, prune="similarity", n_n=1, per_node=4),
-    ]
-    profiles = profiles_for(["qwen2_moe"], 8)
+def test_two_nodes_of_four_devices_every_family_exact():
+    cases = family_cases(per_node=4)
+    profiles = profiles_for({c["family"] for c in cases if c.get("prune") == "similarity"}, 8)
     run_world(_eight_rank_world, 8, cases, profiles, timeout_s=300)
