@@ -7,10 +7,11 @@ the H200 measurements, checked against every measured two-GPU row, then applied 
 Modules, in import order (each imports only those above it):
 
 * `specs`: the models' dimensions; `synthetic`: a finer routing split from a real one;
-* `measurements`: the measured points, read from docs/ and shipped as `h200_measurements.json`;
 * `traffic`: a layer's rows, bytes and pairs on its busiest device, replayed from routing or from a measured CT;
+* `paper_replay`: how a `bench paper` row's pairs split over its ranks, redone from the trace it replayed;
+* `measurements`: the measured points, read from docs/ and shipped as `h200_measurements.json`;
 * `parameters`: the parameter set; `cost`: the equations; `calibration`: the parameters fitted;
-  `validation`: the measured rows predicted;
+  `validation`: the measured rows predicted; `spread`: the other measurements of each row's work;
 * `methods`: method names; `routing`: traces fitted to a model, planning and held-out halves;
 * `projection`: every method at every D; `report`: tables and plot.
 """

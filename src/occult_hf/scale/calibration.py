@@ -6,7 +6,7 @@
 | NVLink all-to-all (`nvlink`): ms = per call + MB / rate | `bench ep`'s wire times on two H200s (the forward's two row exchanges re-issued back to back) against the bytes sent |
 | dense MLP rate (`dense_tflops`) | Qwen1.5's shared experts in session 6's profile (4 layers, 16,384 tokens, one H200) |
 | rest of a decoder layer per token (`rest_ms_per_ktoken`) | `bench model`'s stock 4-layer models (session 6, one H200) less their experts (the measured transformers 5.24 point) and shared experts |
-| dispatcher lines (`dispatchers`): ms = fixed + per 1000 rows, occult_hf's "all_to_all" and transformers' EP | `bench ep`'s session-4 call (docs/bench_ep_h200_2gpu.json, 2026-11-30 20:45 UTC: every mode at T = 128, 4096 and 16384) less the modelled experts, shared experts and exchange |
+| dispatchers (`dispatchers`, `parameters.HostOverlap`): layer ms = max(host, gap + per-row cost x rows + device work), occult_hf's "all_to_all" and transformers' EP | `bench ep`'s session-4 call (docs/bench_ep_h200_2gpu.json, 2026-11-30 20:45 UTC: every mode at T = 128, 4096 and 16384) against the modelled experts, shared experts and exchange (`fit_host_overlap`) |
 | optimizer time per parameter (`optimizer_ms_per_bparam`) | the DDP fine-tuning step of `bench paper` (OLMoE, call 1) less its modelled compute and all-reduce |
 
 Every other measured row (the other `bench ep` calls, every other `bench paper` row) is a prediction
@@ -19,9 +19,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .cost import FWD, FWD_BWD, Cluster, allreduce_ms, expert_gflop, shared_ms, stock_layer_ms, exchange_ms, train_step_ms
-from .measurements import EP_LAYER_FILES
-from .parameters import Calibration, Line, Parameter
+from .cost import FWD, FWD_BWD, Cluster, allreduce_ms, ep_device_ms, expert_gflop, shared_ms, stock_layer_ms, train_step_ms
+from .measurements import EP_LAYER_FILES, FINETUNE_TOKENS, PAPER_DEVICES
+from .parameters import Calibration, HostOverlap, Line, Parameter
 from .specs import model_spec
 from .traffic import measured_traffic
 
@@ -31,9 +31,6 @@ OUR_KERNELS = ("triton_rows_io", "grouped_mm_fused")
 TRANSFORMERS_KERNEL = "hf_grouped_mm"
 #: the transformers version the two-GPU rows ran
 TRANSFORMERS_VERSION = "5.24"
-#: `bench paper`'s batches (docs/paper_comparison.md): 4 x 4096 tokens per rank in prefill, 8 x 1024 over two
-#: ranks in fine-tuning
-PREFILL_TOKENS, FINETUNE_TOKENS, PAPER_DEVICES = 16384, 4096, 2
 DIRECTION_KEYS = {FWD: "fwd_ms", FWD_BWD: "fwd_bwd_ms"}
 
 
@@ -151,44 +148,78 @@ def modelled_ep_row(row: dict) -> bool:
     return row["dispatcher"] in MODELLED_DISPATCHERS and "replicated" not in row["mode"] and "file" not in row["mode"]
 
 
-def _fit_dispatchers(rows: list[dict], partial: Calibration, params: list[Parameter]) -> dict[str, Line]:
+def _fit_dispatchers(rows: list[dict], partial: Calibration, params: list[Parameter]) -> dict[str, HostOverlap]:
     cluster = Cluster()
     dispatchers = {}
     fitted = [row for row in rows if row["source"] == EP_LAYER_FILES[0] and modelled_ep_row(row)]
     for family in ("occult", "transformers"):
         for direction, column in DIRECTION_KEYS.items():
-            krows, residual, measured = [], [], []
+            krows, device, measured = [], [], []
             for row in fitted:
                 traffic, row_family = layer_traffic_of(row)
-                if row_family != family:
-                    continue
-                spec = model_spec(row["shape"])
-                exchanges = 1 if direction == FWD else 2
-                modelled = (
-                    partial.kernels[f"{family}/{direction}"](expert_gflop(spec, traffic.pairs, direction))
-                    + shared_ms(partial, spec, traffic.tokens, direction)
-                    + exchanges * exchange_ms(partial, cluster, traffic)
-                )
-                krows.append(traffic.rows / 1e3)
-                residual.append(row[column] - modelled)
-                measured.append(row[column])
-            line = _fit_residual(np.array(krows), np.array(residual), np.array(measured), f"{family} dispatcher {direction}")
+                if row_family == family:
+                    krows.append(traffic.rows / 1e3)
+                    device.append(ep_device_ms(partial, cluster, model_spec(row["shape"]), traffic, direction, family))
+                    measured.append(row[column])
+            what = f"{family} dispatcher {direction}"
+            line, error = fit_host_overlap(np.array(krows), np.array(device), np.array(measured), what)
             dispatchers[f"{family}/{direction}"] = line
             params.append(Parameter(
-                f"{family} dispatcher, {direction}", f"{line.intercept_ms:.2f} ms + {line.slope_ms * 1e3:.1f} ns per row",
-                f"bench ep, {EP_LAYER_FILES[0]} (session 4, 2026-11-30 20:45 UTC): layer time less modelled experts, shared experts and exchange",
-                len(krows),
+                f"{family} dispatcher, {direction}",
+                f"max({line.host_ms:.2f} ms, {line.gap_ms:.2f} ms + {line.per_krow_ms * 1e3:.1f} ns per row + work)",
+                f"bench ep, {EP_LAYER_FILES[0]} (session 4, 2026-11-30 20:45 UTC): layer times against the modelled "
+                f"experts, shared experts and exchange",
+                len(krows), error,
             ))  # fmt: skip
     return dispatchers
 
 
-def _fit_residual(x: np.ndarray, residual: np.ndarray, measured: np.ndarray, what: str) -> Line:
-    """`residual ~ a + b x` minimising the error relative to the `measured` times the residual is part of."""
-    design = np.stack([np.ones_like(x), x], 1) / measured[:, None]
-    (intercept, slope), *_ = np.linalg.lstsq(design, residual / measured, rcond=None)
-    if intercept < 0 or slope < 0:
-        raise ValueError(f"{what}: the fit gives {intercept:.4g} ms fixed and {slope:.4g} ms per 1000 rows; both must be >= 0")
-    return Line(float(intercept), float(slope))
+def fit_host_overlap(krows: np.ndarray, device_ms: np.ndarray, measured: np.ndarray, what: str) -> tuple[HostOverlap, float]:
+    """`(HostOverlap, largest relative error)`: `measured ~ max(host, gap + per_krow * krows + device_ms)`, least
+    squares on the relative error.
+
+    For a given split of the points into host-bound and device-bound ones the fit is linear (the host time a weighted
+    mean of the first, the gap and per-row cost a line through the second); every split that puts the j points of
+    least device work on the host (1 <= j <= n - 2) is refined until each point lies on the side the fit puts it,
+    and the best is kept. A negative gap or per-row cost is no fit.
+    """
+    x, device, y = (np.asarray(a, dtype=np.float64) for a in (krows, device_ms, measured))
+    if len(y) < 3:
+        raise ValueError(f"{what}: the host-overlap fit needs at least 3 measured points, got {len(y)}")
+    best: tuple[float, HostOverlap] | None = None
+    for bound in range(1, len(y) - 1):
+        on_host = np.zeros(len(y), dtype=bool)
+        on_host[np.argsort(device)[:bound]] = True
+        for _ in range(len(y)):
+            line = _fit_split(x, device, y, on_host)
+            if line is None:
+                break
+            split = line.host_ms >= line.gap_ms + line.per_krow_ms * x + device
+            if (split == on_host).all() or split.all() or not split.any():
+                break
+            on_host = split
+        if line is None or line.gap_ms < 0 or line.per_krow_ms < 0:
+            continue
+        predicted = np.array([line(k, d) for k, d in zip(x, device)])
+        loss = float(np.sum((predicted / y - 1) ** 2))
+        if best is None or loss < best[0]:
+            best = (loss, line)
+    if best is None:
+        raise ValueError(f"{what}: no split of the {len(y)} points gives a gap and a per-row cost >= 0")
+    line = best[1]
+    return line, float(max(abs(line(k, d) / m - 1) for k, d, m in zip(x, device, y)))
+
+
+def _fit_split(x: np.ndarray, device: np.ndarray, y: np.ndarray, on_host: np.ndarray) -> HostOverlap | None:
+    """The host-overlap line of one split (`fit_host_overlap`), or None when a side has too few points."""
+    if not on_host.any() or (~on_host).sum() < 2:
+        return None
+    host_y = y[on_host]
+    host = float(np.sum(1 / host_y) / np.sum(1 / host_y**2))
+    gpu_x, gpu_device, gpu_y = x[~on_host], device[~on_host], y[~on_host]
+    design = np.stack([np.ones_like(gpu_x), gpu_x], 1) / gpu_y[:, None]
+    (gap, per_krow), *_ = np.linalg.lstsq(design, (gpu_y - gpu_device) / gpu_y, rcond=None)
+    return HostOverlap(host, float(gap), float(per_krow))
 
 
 def _optimizer_cost(rows: list[dict], partial: Calibration, params: list[Parameter]) -> float:
@@ -210,4 +241,7 @@ def _optimizer_cost(rows: list[dict], partial: Calibration, params: list[Paramet
     return cost
 
 
-__all__ = ["Calibration", "Line", "Parameter", "calibrate", "fit_line", "layer_traffic_of", "modelled_ep_row"]
+__all__ = [
+    "Calibration", "HostOverlap", "Line", "Parameter", "calibrate", "fit_host_overlap", "fit_line", "layer_traffic_of",
+    "modelled_ep_row",
+]  # fmt: skip

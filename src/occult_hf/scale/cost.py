@@ -3,8 +3,8 @@
 All times are milliseconds on one device; a layer ends when its busiest device ends (`LayerTraffic` holds that
 device's work). Per MoE layer, forward:
 
-    expert-parallel layer = dispatcher fixed cost + per-row cost x rows + experts(pairs) + shared experts(T)
-                            + exchange
+    expert-parallel layer = max(host time, gap + per-row cost x rows + device work)
+    device work           = experts(pairs) + shared experts(T) + exchange
     exchange (flat)       = 2 calls x NVLink call cost + max(NVLink bytes / NVLink rate,
                                                              inter-node bytes / inter-node rate + 2 x latency)
     exchange (hierarchical) = 2 x (NVLink call cost + latency) + inter-node bytes / inter-node rate
@@ -12,8 +12,10 @@ device's work). Per MoE layer, forward:
     experts(pairs)        = kernel intercept + 6 H I pairs / kernel rate     (18 H I pairs forward+backward)
     shared experts(T)     = 6 H I_shared T / dense rate
 
-and forward+backward uses the forward+backward fixed, per-row and kernel figures with the exchange twice (the
-backward sends the same rows back). The flat exchange's two links run at once (an all-to-all over NVLink and
+and forward+backward uses the forward+backward host, gap, per-row and kernel figures with the exchange twice (the
+backward sends the same rows back). The host time and the gap are the layer's host synchronisation
+(`parameters.HostOverlap`): the host issues the layer while the GPU works, except after the count exchange, where
+the GPU waits for the host; a small batch's layer is the host's issue time, a large one's the gap plus the work. The flat exchange's two links run at once (an all-to-all over NVLink and
 the network together); the hierarchical one's stages follow each other. The baselines:
 
     one GPU (stock)       = experts of transformers (its kernel line) on T k pairs + shared experts
@@ -104,19 +106,25 @@ def exchange_ms(calib: Calibration, cluster: Cluster, traffic: LayerTraffic) -> 
     return max(nvlink, internode + CALLS * calib.nvlink.intercept_ms)
 
 
+def ep_device_ms(
+    calib: Calibration, cluster: Cluster, spec: ModelSpec, traffic: LayerTraffic, direction: str, family: str = "occult"
+) -> float:
+    """The GPU work of an expert-parallel MoE layer besides its dispatcher's: experts, shared experts, exchange."""
+    _check_direction(direction)
+    exchanges = 1 if direction == FWD else 2
+    return (
+        experts_ms(calib, family, spec, traffic.pairs, direction)
+        + shared_ms(calib, spec, traffic.tokens, direction)
+        + exchanges * exchange_ms(calib, cluster, traffic)
+    )
+
+
 def ep_layer_ms(
     calib: Calibration, cluster: Cluster, spec: ModelSpec, traffic: LayerTraffic, direction: str, family: str = "occult"
 ) -> float:
     """An expert-parallel MoE layer (`family`: "occult" or "transformers", whose dispatcher and kernels it uses)."""
-    _check_direction(direction)
-    dispatcher = calib.dispatchers[f"{family}/{direction}"]
-    exchanges = 1 if direction == FWD else 2
-    return (
-        dispatcher(traffic.rows / 1e3)
-        + experts_ms(calib, family, spec, traffic.pairs, direction)
-        + shared_ms(calib, spec, traffic.tokens, direction)
-        + exchanges * exchange_ms(calib, cluster, traffic)
-    )
+    device = ep_device_ms(calib, cluster, spec, traffic, direction, family)
+    return calib.dispatchers[f"{family}/{direction}"](traffic.rows / 1e3, device)
 
 
 def stock_layer_ms(calib: Calibration, spec: ModelSpec, tokens: float, direction: str) -> float:
@@ -182,7 +190,7 @@ def _check_layers(spec: ModelSpec, moe_layers_ms: Sequence[float]) -> None:
 
 
 __all__ = [
-    "CALLS", "DIRECTIONS", "FWD", "FWD_BWD", "Cluster", "allreduce_ms", "collective_gbs", "dense_ms", "ep_layer_ms",
+    "CALLS", "DIRECTIONS", "FWD", "FWD_BWD", "Cluster", "allreduce_ms", "collective_gbs", "dense_ms", "ep_device_ms", "ep_layer_ms",
     "exchange_ms", "expert_gflop", "experts_ms", "gathered_ms", "prefill_ms", "rest_ms", "shared_ms", "stock_layer_ms",
     "train_step_ms",
 ]  # fmt: skip

@@ -9,12 +9,16 @@ model needs and nothing else:
 * ``ep_layers``: `occult bench ep` on two NVLink H200s: one MoE layer's forward and forward+backward ms, CT,
   the bytes sent and the wire time, per (shape, T, dispatcher, mode), with transformers' EP beside them;
 * ``model_blocks``: `occult bench model`'s stock 4-layer models (one H200): what the rest of a decoder layer costs;
-* ``whole_models``: `occult bench paper` on two H200s: whole-model prefill and fine-tuning rows;
-* ``shared_expert_ms``: the Qwen1.5 shared experts' GPU time in session 6's profile (docs text, one number).
+* ``whole_models``: `occult bench paper` on two H200s: whole-model prefill and fine-tuning rows, with the placement
+  (contiguous or refined), N_d and the trace each row replayed;
+* ``shared_expert_ms``: the Qwen1.5 shared experts' GPU time in session 6's profile (docs text, one number);
+* ``replayed_splits`` (`replayed_splits`, not `read_measurements`: it plans placements, seconds of CPU): how each
+  expert-parallel `bench paper` configuration's pairs split over its two ranks, redone from the trace it replayed
+  (`paper_replay`); a configuration whose trace is absent (the Qwen1.5 trace lives in ../shared) has none.
 
 The package ships the result as `h200_measurements.json` (`load_measurements()`), so the model runs where docs/
-is absent; `python -m occult_hf.scale.measurements DOCS_DIR` rewrites it after new measurements land, and
-tests/test_scale.py checks that the shipped file equals what docs/ holds.
+is absent; `python -m occult_hf.scale.measurements DOCS_DIR --routing-dir ../shared/data/routing` rewrites it after
+new measurements land, and tests/test_scale.py checks that the shipped file equals what docs/ holds.
 """
 
 from __future__ import annotations
@@ -25,8 +29,11 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ..benchmarks.ep import DEFAULT_TRACE
+from ..profile.replay import STUDY_TRACE
 from ..utils.atomic import atomic_write_json
 from ..utils.strict_json import read_json_file
+from .paper_replay import replayed_split
 
 FORMAT = "occult_hf.scale.measurements/1"
 SHIPPED = Path(__file__).with_name("h200_measurements.json")
@@ -51,6 +58,9 @@ PAPER_FILES = (
     "paper_results/megablocks_call1/paper_comparison_2xcuda.json",
     "paper_results/megablocks_call2/paper_comparison_2xcuda.json",
 )
+#: `bench paper`'s batches (docs/paper_comparison.md): 4 x 4096 tokens per rank in prefill, 8 x 1024 over two
+#: ranks in fine-tuning
+PREFILL_TOKENS, FINETUNE_TOKENS, PAPER_DEVICES = 16384, 4096, 2
 #: call 3 wrote no JSON (its tables are in the log): `[  3 s] prefill deepseek-moe-16b stock_1gpu: ran, 252.5 ms`
 PAPER_LOG = "paper_results/call3/log.txt"
 PROFILE_TEXT = "bench_ep_h200_2gpu.md"
@@ -61,6 +71,15 @@ SOURCES = EXPERT_KERNEL_FILES + EP_LAYER_FILES + (MODEL_BLOCK_FILE,) + PAPER_FIL
 SUPERSEDED = {("paper_results/call2/deepseek/paper_comparison_2xcuda.json", key)
               for key in ("stock_1gpu", "device_map_auto", "hf_ep_all_to_all", "hf_ep_all_reduce", "fsdp2", "ddp")}  # fmt: skip
 _LOG_ROW = re.compile(r"^\[\s*\d+ s\] (prefill|finetune) (\S+) (\S+): ran, ([0-9.]+) ms$")
+#: the log's own tables: `| model | setup | routing | tokens | ms | ... | CT | ...` under `### prefill` / `### finetune`
+_LOG_SECTION = re.compile(r"^### (prefill|finetune)$")
+#: the traces `bench paper` rows name in their routing label, by file name: where each is found
+STUDY_TRACE_NAME, QWEN_TRACE_NAME = os.path.basename(STUDY_TRACE), "qwen_trace.npz"
+#: N_d of the pruned rows (`occult_nd2` at D = 2 prunes nothing but runs the walk)
+PRUNED_KEYS = {"occult_nd1": 1, "occult_nd2": 2, "occult_pruned": 1}
+#: the expert-parallel rows whose pairs split over the two ranks (the others run every expert on one GPU)
+EP_KEYS = ("occult_per_expert", "occult_contiguous", "occult_placed", "occult_nd2", "occult_nd1", "occult_exact",
+           "occult_pruned", "hf_ep_all_to_all")  # fmt: skip
 _SHARED_ROW = re.compile(r"^\| shared experts \| - \| - \| ([0-9.]+) \(the same modules\) \| ([0-9.]+) \|$")
 
 
@@ -140,22 +159,81 @@ def _paper_rows(docs: Path, name: str) -> list[dict]:
     data = _read(docs, name)
     return [
         {"source": name, "experiment": row["experiment"], "model": row["model"], "key": row["key"],
-         "ms": row["ms"], "ct": _finite(row["ct"])}
+         "ms": row["ms"], "ct": _finite(row["ct"]), **_paper_setup(row["key"], row["setup"], row["routing"])}
         for row in data["rows"]
         if _finite(row["ms"]) is not None and (name, row["key"]) not in SUPERSEDED
     ]  # fmt: skip
 
 
+def _paper_setup(key: str, setup: str, routing: str) -> dict:
+    """The row's placement (transformers' EP: its contiguous experts), N_d and replayed trace (file name or None)."""
+    named = re.search(r"\b(contiguous|refined)\b", setup)
+    trace = re.match(r"trace (\S+)", routing)
+    placement = None
+    if key == "hf_ep_all_to_all":
+        placement = "contiguous"
+    elif named is not None and key in EP_KEYS:
+        placement = named.group(1)
+    return {
+        "placement": placement,
+        "max_devices_per_token": PRUNED_KEYS.get(key),
+        "trace": trace.group(1) if trace else None,
+    }  # fmt: skip
+
+
 def _paper_log_rows(docs: Path, name: str) -> list[dict]:
+    """The `[ N s] EXPERIMENT MODEL KEY: ran, MS ms` lines, with the setup, routing and CT of the log's table row of
+    the same experiment, model and ms (a row the log printed no table for has none)."""
+    lines = (docs / name).read_text(encoding="utf-8").splitlines()
+    tables, section = {}, None
+    for line in lines:
+        header = _LOG_SECTION.match(line.strip())
+        section = header.group(1) if header else section
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if section and len(cells) > 7 and re.fullmatch(r"[0-9.]+", cells[4]):
+            tables[(section, cells[0], cells[4])] = cells
     rows = []
-    for line in (docs / name).read_text(encoding="utf-8").splitlines():
+    for line in lines:
         match = _LOG_ROW.match(line.strip())
         if match:
             experiment, model, key, ms = match.groups()
-            rows.append({"source": name, "experiment": experiment, "model": model, "key": key, "ms": float(ms), "ct": None})
+            cells = tables.get((experiment, model, ms))
+            setup, routing, ct = (cells[1], cells[2], _number(cells[7])) if cells else ("", "", None)
+            rows.append({"source": name, "experiment": experiment, "model": model, "key": key, "ms": float(ms), "ct": ct,
+                         **_paper_setup(key, setup, routing)})  # fmt: skip
     if not rows:
         raise ValueError(f"{name}: no row line of the form '[ N s] prefill MODEL KEY: ran, MS ms'")
     return rows
+
+
+def _number(text: str) -> float | None:
+    return float(text) if re.fullmatch(r"[0-9.]+", text) else None
+
+
+def replayed_splits(measurements: dict, docs_dir: str | os.PathLike, routing_dir: str | os.PathLike | None) -> list[dict]:
+    """`paper_replay.replayed_split` of every expert-parallel `bench paper` configuration whose trace is found: the
+    study trace in docs/ (`STUDY_TRACE`), the Qwen1.5 trace in `routing_dir` (`benchmarks.ep.DEFAULT_TRACE`'s file)."""
+    paths = {STUDY_TRACE_NAME: Path(docs_dir) / Path(STUDY_TRACE).relative_to("docs")}
+    if routing_dir is not None:
+        paths[QWEN_TRACE_NAME] = Path(routing_dir) / os.path.basename(DEFAULT_TRACE)
+    configurations = sorted({
+        (row["model"], row["trace"], paper_tokens(row), row["placement"], row["max_devices_per_token"] or 0)
+        for row in measurements["whole_models"]
+        if row["placement"] is not None and row["trace"] in paths and paths[row["trace"]].is_file()
+    })  # fmt: skip
+    splits = []
+    for model, trace, tokens, placement, limit in configurations:
+        split = replayed_split(paths[trace], model, tokens, placement, limit or None)
+        splits.append({
+            "model": model, "trace": trace, "tokens": tokens, "placement": placement, "max_devices_per_token": limit or None,
+            "busiest_share": split.busiest_share, "ct": split.ct,
+        })  # fmt: skip
+    return splits
+
+
+def paper_tokens(row: dict) -> int:
+    """Tokens per rank of a `bench paper` row."""
+    return PREFILL_TOKENS if row["experiment"] == "prefill" else FINETUNE_TOKENS
 
 
 def _shared_expert_ms(docs: Path, name: str) -> dict:
@@ -169,10 +247,13 @@ def _shared_expert_ms(docs: Path, name: str) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Rewrite the shipped measurements from a docs/ folder.")
     parser.add_argument("docs_dir", help="the repository's docs/ folder")
+    parser.add_argument("--routing-dir", default=None, help="the folder of the Qwen1.5 trace (../shared/data/routing)")
     parser.add_argument("--out", default=str(SHIPPED), help="where to write (default: the package's shipped file)")
     args = parser.parse_args(argv)
-    atomic_write_json(args.out, read_measurements(args.docs_dir))
-    print(f"wrote {args.out}")
+    measurements = read_measurements(args.docs_dir)
+    measurements["replayed_splits"] = replayed_splits(measurements, args.docs_dir, args.routing_dir)
+    atomic_write_json(args.out, measurements)
+    print(f"wrote {args.out} ({len(measurements['replayed_splits'])} replayed splits)")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from ..utils.tables import markdown_table
 from .parameters import Calibration
 from .cost import Cluster
 from .projection import Projected
+from .spread import Spread, spreads
 from .validation import Checked
 
 #: the validation's tolerance (issue 35: within 15% of the measured rows)
@@ -25,15 +26,24 @@ def calibration_table(calib: Calibration) -> str:
 
 def validation_table(checked: Sequence[Checked]) -> str:
     rows = [
-        [c.table, c.source, c.label, f"{c.measured_ms:.2f}", f"{c.predicted_ms:.2f}", f"{c.error:+.0%}",
+        [c.table, c.source, c.label, f"{c.measured_ms:.2f}", f"{c.predicted_ms:.2f}", f"{c.error:+.0%}", _others(spread),
          ("fit" if c.calibration else "") + (" **miss**" if abs(c.error) > TOLERANCE else "")]
-        for c in checked
+        for c, spread in zip(checked, spreads(checked))
     ]  # fmt: skip
-    return markdown_table(["table", "measured in", "row", "measured ms", "predicted ms", "error", ""], rows)
+    headers = ["table", "measured in", "row", "measured ms", "predicted ms", "error",
+               "the same work measured elsewhere, ms (spread)", ""]  # fmt: skip
+    return markdown_table(headers, rows)
+
+
+def _others(spread: Spread) -> str:
+    parts = [f"{label} {', '.join(f'{ms:.2f}' for _, ms in values)}"
+             for label, values in (("repeats", spread.repeats), ("same work", spread.same_work)) if values]  # fmt: skip
+    return "-" if not parts else "; ".join(parts) + f" ({spread.spread:.0%})"
 
 
 def validation_summary(checked: Sequence[Checked]) -> str:
-    """One line per table: rows within the tolerance, predictions (not calibration rows) within it, the worst."""
+    """One line per table: rows within the tolerance, predictions (not calibration rows) within it, the worst; then
+    every miss against the other measurements of its work (`spread`)."""
     lines = []
     for table in dict.fromkeys(c.table for c in checked):
         rows = [c for c in checked if c.table == table]
@@ -44,6 +54,20 @@ def validation_summary(checked: Sequence[Checked]) -> str:
         if held and len(held) != len(rows):
             line += f" ({sum(abs(c.error) <= TOLERANCE for c in held)} of the {len(held)} rows no fit used)"
         lines.append(f"{line}; largest error {worst.error:+.0%} ({worst.label}, {worst.source})")
+    misses = [(c, spread) for c, spread in zip(checked, spreads(checked)) if abs(c.error) > TOLERANCE]
+    lines += ["", f"{len(misses)} of {len(checked)} rows miss {TOLERANCE:.0%}; each against the other measurements of its "
+              f"work (`scale.spread`: the same configuration in other calls; rows of its call the model gives the same "
+              f"work):", ""]  # fmt: skip
+    lines.append(markdown_table(
+        ["table", "row", "measured in", "error", "other measurements of the same work, ms", "spread",
+         "prediction against the nearest of them", f"a measurement of the same work within {TOLERANCE:.0%}"],
+        [[c.table, c.label, c.source + (" (fit)" if c.calibration else ""), f"{c.error:+.1%}",
+          "; ".join(f"{ms:.2f} ({where})" for where, ms in spread.others) or "none",
+          "-" if spread.spread is None else f"{spread.spread:.0%}",
+          "-" if spread.nearest_error is None else f"{spread.nearest_error:+.1%}",
+          "none measured" if spread.nearest_error is None else ("yes" if abs(spread.nearest_error) <= TOLERANCE else "no")]
+         for c, spread in misses],
+    ))  # fmt: skip
     return "\n".join(lines)
 
 

@@ -20,9 +20,9 @@ The cost model (`cost`) turns a `LayerTraffic` into time. Two ways to get one:
     (`pruning.token_device_sets`: nodes first, then devices among the kept nodes' devices), on the routing
     weights (the trace's, else its score order); a pruned expert's pair moves to the token's best kept device
     (as the router / similarity policies re-select on the kept devices), so pairs per token stay k.
-* `measured_traffic`: a measured two-GPU row, which records CT but not its per-rank split: tokens and pairs
-  evenly over the two ranks, each token sending `CT * (D - 1) / D` rows (its own device is one of its CT
-  devices with probability CT / D).
+* `measured_traffic`: a measured two-GPU row, which records CT but not its per-rank split: each token sends
+  `CT * (D - 1) / D` rows (its own device is one of its CT devices with probability CT / D), and the pairs split
+  evenly over the ranks unless the replayed split of the row's trace says otherwise (`paper_replay`).
 
 Bytes per row: a dispatch row is the token's H bf16 values plus 6 bytes per pair it carries (an int32 slot
 and a bf16 weight: k in `dedup`, one in `per_expert`); the combine row returns H bf16 values.
@@ -85,13 +85,18 @@ def row_bytes(dispatch: str, hidden: int, top_k: int) -> int:
     return 2 * hidden + 6 * pairs_per_row + 2 * hidden
 
 
-def measured_traffic(dispatch: str, tokens: int, ct: float, top_k: int, hidden: int, num_devices: int = 2) -> LayerTraffic:
-    """The traffic of a measured row on `num_devices` GPUs of one node from its recorded CT (module docstring)."""
+def measured_traffic(
+    dispatch: str, tokens: int, ct: float, top_k: int, hidden: int, num_devices: int = 2, busiest_share: float | None = None
+) -> LayerTraffic:
+    """The traffic of a measured row on `num_devices` GPUs of one node from its recorded CT (module docstring); the
+    busiest device computes `busiest_share` of the group's pairs (None: an even split)."""
+    share = 1 / num_devices if busiest_share is None else busiest_share
     rows_per_token = top_k if dispatch == "per_expert" else ct
     remote_rows = tokens * rows_per_token * (num_devices - 1) / num_devices
     return LayerTraffic(
-        dispatch, tokens, pairs=float(tokens * top_k), rows=float(tokens * rows_per_token),
+        dispatch, tokens, pairs=float(tokens * num_devices * top_k * share), rows=float(tokens * rows_per_token),
         nvlink_bytes=remote_rows * row_bytes(dispatch, hidden, top_k), internode_bytes=0.0, ct=ct, ct_node=1.0,
+        imbalance=share * num_devices,
     )  # fmt: skip
 
 
