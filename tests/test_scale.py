@@ -24,7 +24,7 @@ from occult_hf.scale.calibration import calibrate, fit_host_overlap
 from occult_hf.scale.parameters import Calibration, HostOverlap, Line
 from occult_hf.scale.cost import FWD, FWD_BWD, Cluster, ep_layer_ms, exchange_ms, gathered_ms, stock_layer_ms
 from occult_hf.scale.measurements import STUDY_TRACE_NAME, load_measurements, paper_tokens, read_measurements
-from occult_hf.scale.paper_replay import replayed_split
+from occult_hf.benchmarks.paper_replay import replayed_split
 from occult_hf.scale.projection import ep_group_size
 from occult_hf.scale.specs import MODEL_SPECS, ModelSpec
 from occult_hf.scale.synthetic import split_experts

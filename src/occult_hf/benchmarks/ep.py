@@ -68,12 +68,12 @@ from occult_hf.placement import Placement, plan_placement
 from occult_hf.profile import RoutingProfile
 from occult_hf.profile import LayerAccumulator
 from occult_hf.benchmarks import measures_a_gpu
+from occult_hf.profile.replay import QWEN15_TRACE
 
 HELP = "expert-parallel MoE layer under torchrun: every dispatcher and dispatch mode vs transformers' EP"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 needs_cuda = measures_a_gpu
 
-DEFAULT_TRACE = "../shared/data/routing/qwen15moe_a27b_chat_gptq_int4_gsm8k25_layer0_trace.npz"
 BASELINE_MODE = "per_expert+contiguous"
 TRANSFORMERS_EP = "transformers_ep"
 DISPATCHERS = ("all_to_all", "symm_mem", "padded")
@@ -837,7 +837,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--trace",
         default=None,
         help=f"routing trace (.npz, topk_ids [T, k]) replayed for the shape with its E and k "
-        f"(default: {DEFAULT_TRACE} when present, else every shape uses its router)",
+        f"(default: {QWEN15_TRACE} when present, else every shape uses its router)",
     )
     parser.add_argument(
         "--chunks", type=positive_int, default=None, help="OccultConfig.dispatch_chunks for every layer (default: chosen from T per rank)"
@@ -881,11 +881,11 @@ def run(args: argparse.Namespace) -> int:
         if rank == 0:
             print(message, flush=True)
 
-    if args.trace is None and not os.path.isfile(DEFAULT_TRACE):
-        log(f"no routing trace at {DEFAULT_TRACE}: every shape routes with its own (random) router")
+    if args.trace is None and not os.path.isfile(QWEN15_TRACE):
+        log(f"no routing trace at {QWEN15_TRACE}: every shape routes with its own (random) router")
         trace = None
     else:
-        trace = load_trace(args.trace or DEFAULT_TRACE)
+        trace = load_trace(args.trace or QWEN15_TRACE)
     rows = []
     for tokens in args.tokens:  # every shape at the first T first: a run cut short keeps whole comparisons
         for shape_name in args.shapes:

@@ -81,10 +81,10 @@ import torch.distributed as dist
 
 from occult_hf.utils.atomic import atomic_save_figure, atomic_write_text
 from occult_hf.utils.tables import markdown_table
-from occult_hf.benchmarks.ep import DEFAULT_TRACE, max_and_mean, init_from_torchrun, timed, trace_logits
+from occult_hf.benchmarks.ep import max_and_mean, init_from_torchrun, timed, trace_logits
 from occult_hf.benchmarks.megablocks import MLP_IMPL, apply_megablocks, megablocks_missing
 from occult_hf.benchmarks.model import MODEL_SHAPES
-from occult_hf.profile.replay import STUDY_TRACE, fit_routing, trace_layer
+from occult_hf.profile.replay import QWEN15_TRACE, STUDY_TRACE, fit_routing, trace_layer
 from occult_hf.profile.trace import read_trace_ids
 from occult_hf.benchmarks import measures_a_gpu
 
@@ -913,7 +913,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trace", action="append", default=[], metavar="MODEL=PATH",
         help=f"replay a per-token routing trace (.npz topk_ids [N, k] or [N, L, k]) in MODEL's routers (defaults, when "
-        f"present: qwen1.5-moe-a2.7b={DEFAULT_TRACE}, olmoe-1b-7b and deepseek-moe-16b={STUDY_TRACE}); MODEL=none "
+        f"present: qwen1.5-moe-a2.7b={QWEN15_TRACE}, olmoe-1b-7b and deepseek-moe-16b={STUDY_TRACE}); MODEL=none "
         "routes MODEL with its own router",
     )  # fmt: skip
     parser.add_argument(
@@ -943,7 +943,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def parse_traces(entries: list[str]) -> dict[str, str]:
     """`{model: trace path}` from `MODEL=PATH` entries over the defaults; `MODEL=none` removes one."""
-    traces = {"qwen1.5-moe-a2.7b": DEFAULT_TRACE} if os.path.isfile(DEFAULT_TRACE) else {}
+    traces = {"qwen1.5-moe-a2.7b": QWEN15_TRACE} if os.path.isfile(QWEN15_TRACE) else {}
     if os.path.isfile(STUDY_TRACE):
         traces.update({"olmoe-1b-7b": STUDY_TRACE, "deepseek-moe-16b": STUDY_TRACE})
     for entry in entries:

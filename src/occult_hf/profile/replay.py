@@ -36,7 +36,10 @@ import os
 
 import numpy as np
 
-#: the study model's held-out routing, per token and layer (relative to the repository root, like DEFAULT_TRACE)
+#: the real Qwen1.5-MoE-A2.7B GSM8K trace (MoE layer 0) of the session's recorded routing data, relative to the
+#: repository root (it lies beside the repository, not in it)
+QWEN15_TRACE = "../shared/data/routing/qwen15moe_a27b_chat_gptq_int4_gsm8k25_layer0_trace.npz"
+#: the study model's held-out routing, per token and layer (relative to the repository root, like QWEN15_TRACE)
 STUDY_TRACE = "docs/quality_results/study_routing_h200.npz"
 STUDY_DOMAINS = ("python_docs", "python_stdlib_code", "kernel_docs")
 

@@ -8,7 +8,6 @@ Modules, in import order (each imports only those above it):
 
 * `specs`: the models' dimensions; `synthetic`: a finer routing split from a real one;
 * `traffic`: a layer's rows, bytes and pairs on its busiest device, replayed from routing or from a measured CT;
-* `paper_replay`: how a `bench paper` row's pairs split over its ranks, redone from the trace it replayed;
 * `measurements`: the measured points, read from docs/ and shipped as `h200_measurements.json`;
 * `parameters`: the parameter set; `cost`: the equations; `calibration`: the parameters fitted;
   `validation`: the measured rows predicted; `spread`: the other measurements of each row's work;

@@ -12,28 +12,24 @@ model needs and nothing else:
 * ``whole_models``: `occult bench paper` on two H200s: whole-model prefill and fine-tuning rows, with the placement
   (contiguous or refined), N_d and the trace each row replayed;
 * ``shared_expert_ms``: the Qwen1.5 shared experts' GPU time in session 6's profile (docs text, one number);
-* ``replayed_splits`` (`replayed_splits`, not `read_measurements`: it plans placements, seconds of CPU): how each
-  expert-parallel `bench paper` configuration's pairs split over its two ranks, redone from the trace it replayed
-  (`paper_replay`); a configuration whose trace is absent (the Qwen1.5 trace lives in ../shared) has none.
+* ``replayed_splits`` (not `read_measurements`'s: `benchmarks.paper_replay` adds them, planning placements for
+  seconds of CPU): how each expert-parallel `bench paper` configuration's pairs split over its two ranks, redone
+  from the trace it replayed; a configuration whose trace is absent (the Qwen1.5 trace lives in ../shared) has none.
 
 The package ships the result as `h200_measurements.json` (`load_measurements()`), so the model runs where docs/
-is absent; `python -m occult_hf.scale.measurements DOCS_DIR --routing-dir ../shared/data/routing` rewrites it after
+is absent; `python -m occult_hf.benchmarks.paper_replay DOCS_DIR --routing-dir ../shared/data/routing` rewrites it after
 new measurements land, and tests/test_scale.py checks that the shipped file equals what docs/ holds.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 from pathlib import Path
 from typing import Any
 
-from ..benchmarks.ep import DEFAULT_TRACE
 from ..profile.replay import STUDY_TRACE
-from ..utils.atomic import atomic_write_json
 from ..utils.strict_json import read_json_file
-from .paper_replay import replayed_split
 
 FORMAT = "occult_hf.scale.measurements/1"
 SHIPPED = Path(__file__).with_name("h200_measurements.json")
@@ -210,27 +206,6 @@ def _number(text: str) -> float | None:
     return float(text) if re.fullmatch(r"[0-9.]+", text) else None
 
 
-def replayed_splits(measurements: dict, docs_dir: str | os.PathLike, routing_dir: str | os.PathLike | None) -> list[dict]:
-    """`paper_replay.replayed_split` of every expert-parallel `bench paper` configuration whose trace is found: the
-    study trace in docs/ (`STUDY_TRACE`), the Qwen1.5 trace in `routing_dir` (`benchmarks.ep.DEFAULT_TRACE`'s file)."""
-    paths = {STUDY_TRACE_NAME: Path(docs_dir) / Path(STUDY_TRACE).relative_to("docs")}
-    if routing_dir is not None:
-        paths[QWEN_TRACE_NAME] = Path(routing_dir) / os.path.basename(DEFAULT_TRACE)
-    configurations = sorted({
-        (row["model"], row["trace"], paper_tokens(row), row["placement"], row["max_devices_per_token"] or 0)
-        for row in measurements["whole_models"]
-        if row["placement"] is not None and row["trace"] in paths and paths[row["trace"]].is_file()
-    })  # fmt: skip
-    splits = []
-    for model, trace, tokens, placement, limit in configurations:
-        split = replayed_split(paths[trace], model, tokens, placement, limit or None)
-        splits.append({
-            "model": model, "trace": trace, "tokens": tokens, "placement": placement, "max_devices_per_token": limit or None,
-            "busiest_share": split.busiest_share, "ct": split.ct,
-        })  # fmt: skip
-    return splits
-
-
 def paper_tokens(row: dict) -> int:
     """Tokens per rank of a `bench paper` row."""
     return PREFILL_TOKENS if row["experiment"] == "prefill" else FINETUNE_TOKENS
@@ -242,19 +217,3 @@ def _shared_expert_ms(docs: Path, name: str) -> dict:
         if match:
             return {"source": name, "shape": "qwen1.5-moe-a2.7b", "tokens": 16384, "layers": 4, "ms": float(match.group(2))}
     raise ValueError(f"{name}: no profile row '| shared experts | - | - | MS (the same modules) | MS |'")
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Rewrite the shipped measurements from a docs/ folder.")
-    parser.add_argument("docs_dir", help="the repository's docs/ folder")
-    parser.add_argument("--routing-dir", default=None, help="the folder of the Qwen1.5 trace (../shared/data/routing)")
-    parser.add_argument("--out", default=str(SHIPPED), help="where to write (default: the package's shipped file)")
-    args = parser.parse_args(argv)
-    measurements = read_measurements(args.docs_dir)
-    measurements["replayed_splits"] = replayed_splits(measurements, args.docs_dir, args.routing_dir)
-    atomic_write_json(args.out, measurements)
-    print(f"wrote {args.out} ({len(measurements['replayed_splits'])} replayed splits)")
-
-
-if __name__ == "__main__":
-    main()

@@ -22,7 +22,7 @@ The cost model (`cost`) turns a `LayerTraffic` into time. Two ways to get one:
     (as the router / similarity policies re-select on the kept devices), so pairs per token stay k.
 * `measured_traffic`: a measured two-GPU row, which records CT but not its per-rank split: each token sends
   `CT * (D - 1) / D` rows (its own device is one of its CT devices with probability CT / D), and the pairs split
-  evenly over the ranks unless the replayed split of the row's trace says otherwise (`paper_replay`).
+  evenly over the ranks unless the replayed split of the row's trace says otherwise (`benchmarks.paper_replay`, shipped with the measurements).
 
 Bytes per row: a dispatch row is the token's H bf16 values plus 6 bytes per pair it carries (an int32 slot
 and a bf16 weight: k in `dedup`, one in `per_expert`); the combine row returns H bf16 values.

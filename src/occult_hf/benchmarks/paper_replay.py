@@ -10,25 +10,32 @@ more than the other. `replayed_split` redoes the replay with the bench's own fun
 and returns the busiest device's share of the pairs (mean over MoE layers: a step sums its layers) and the mean CT,
 which equals the CT the row recorded when the replay is the bench's (tests/test_scale.py checks it).
 
+`python -m occult_hf.benchmarks.paper_replay DOCS_DIR --routing-dir ../shared/data/routing` rewrites the cost model's
+shipped measurements (`occult_hf.scale.measurements`) with these splits added, after new measurements land.
+
 Shape legend (docs/conventions.md): N trace tokens, L trace layers, k experts per token, E experts, T tokens per rank.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..benchmarks.ep import trace_logits
-from ..benchmarks.paper import PAPER_MODELS, PLAN_TOKENS, RoutingRecorder, planned_placement
-from ..placement.placement import contiguous_devices
-from ..profile.replay import fit_routing, trace_layer
-from ..profile.trace import read_trace_ids
-from .specs import model_spec
-from .traffic import pruned_routing
+from occult_hf.benchmarks.ep import trace_logits
+from occult_hf.benchmarks.paper import PAPER_MODELS, PLAN_TOKENS, RoutingRecorder, planned_placement
+from occult_hf.placement.placement import contiguous_devices
+from occult_hf.profile.replay import QWEN15_TRACE, STUDY_TRACE, fit_routing, trace_layer
+from occult_hf.profile.trace import read_trace_ids
+from occult_hf.scale.measurements import QWEN_TRACE_NAME, SHIPPED, STUDY_TRACE_NAME, paper_tokens, read_measurements
+from occult_hf.scale.specs import model_spec
+from occult_hf.scale.traffic import pruned_routing
+from occult_hf.utils.atomic import atomic_write_json
 
 #: the placements `bench paper` runs: the planner its rows name (`--placement-method`, refined in every call) or none
 PLACEMENTS = ("contiguous", "refined")
@@ -98,3 +105,40 @@ def _planned(path: str, model: str, num_devices: int) -> dict[int, np.ndarray]:
 
 
 __all__ = ["PLACEMENTS", "ReplayedSplit", "replayed_split"]
+
+
+def replayed_splits(measurements: dict, docs_dir: str | os.PathLike, routing_dir: str | os.PathLike | None) -> list[dict]:
+    """`replayed_split` of every expert-parallel `bench paper` configuration whose trace is found: the study trace in
+    docs/ (`STUDY_TRACE`), the Qwen1.5 trace in `routing_dir` (`QWEN15_TRACE`'s file)."""
+    paths = {STUDY_TRACE_NAME: Path(docs_dir) / Path(STUDY_TRACE).relative_to("docs")}
+    if routing_dir is not None:
+        paths[QWEN_TRACE_NAME] = Path(routing_dir) / os.path.basename(QWEN15_TRACE)
+    configurations = sorted({
+        (row["model"], row["trace"], paper_tokens(row), row["placement"], row["max_devices_per_token"] or 0)
+        for row in measurements["whole_models"]
+        if row["placement"] is not None and row["trace"] in paths and paths[row["trace"]].is_file()
+    })  # fmt: skip
+    splits = []
+    for model, trace, tokens, placement, limit in configurations:
+        split = replayed_split(paths[trace], model, tokens, placement, limit or None)
+        splits.append({
+            "model": model, "trace": trace, "tokens": tokens, "placement": placement, "max_devices_per_token": limit or None,
+            "busiest_share": split.busiest_share, "ct": split.ct,
+        })  # fmt: skip
+    return splits
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Rewrite the cost model's shipped measurements from a docs/ folder.")
+    parser.add_argument("docs_dir", help="the repository's docs/ folder")
+    parser.add_argument("--routing-dir", default=None, help="the folder of the Qwen1.5 trace (../shared/data/routing)")
+    parser.add_argument("--out", default=str(SHIPPED), help="where to write (default: the package's shipped file)")
+    args = parser.parse_args(argv)
+    measurements = read_measurements(args.docs_dir)
+    measurements["replayed_splits"] = replayed_splits(measurements, args.docs_dir, args.routing_dir)
+    atomic_write_json(args.out, measurements)
+    print(f"wrote {args.out} ({len(measurements['replayed_splits'])} replayed splits)")
+
+
+if __name__ == "__main__":
+    main()
