@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from occult_hf.benchmarks import measures_a_gpu
+from occult_hf.benchmarks import failure_text, measures_a_gpu
 from occult_hf.benchmarks.model import MODEL_SHAPES, build_model, model_config
 from occult_hf.utils.atomic import atomic_write_text
 
@@ -146,7 +146,7 @@ def measure(shape: str, args, device) -> tuple[list[DecodeRow], str]:
                 try:
                     ms, first = time_step(model, prompt[:batch], args.new_tokens, cache, args.repeats)
                 except Exception as error:  # noqa: BLE001 - one failed variant is a row of the table, not the end of the run
-                    why = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+                    why = failure_text(error)
                     rows.append(DecodeRow(shape, batch, name, cache, float("nan"), float("nan"), why))
                     print(f"{shape} B={batch} {name} {cache}: failed: {why}", flush=True)
                     torch._dynamo.reset()

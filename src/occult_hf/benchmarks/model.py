@@ -40,7 +40,7 @@ import torch
 
 from occult_hf.utils.atomic import atomic_write_text
 from occult_hf.experts import expert_backend_names
-from occult_hf.benchmarks import measures_a_gpu
+from occult_hf.benchmarks import failure_text, measures_a_gpu
 
 HELP = "a few-layer model at a real MoE shape on one device: occult_hf (one process) vs stock transformers"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
@@ -205,7 +205,7 @@ def measure(shape: str, args, device, dtype) -> list[ModelRow]:
                 fwd, fwd_bwd = time_decoder(model, ids_BS, timer, torch.compile(model.model))
             except Exception as error:  # noqa: BLE001 - a model that fails to compile is a row, not the end of the run
                 fwd = fwd_bwd = float("nan")
-                print(f"{shape} {name} compiled: failed: {type(error).__name__}: {' '.join(str(error).split())[:300]}", flush=True)
+                print(f"{shape} {name} compiled: failed: {failure_text(error)}", flush=True)
             rows.append(ModelRow(shape, args.batch * args.seq, args.layers, f"{name} compiled", fwd, fwd_bwd, experts_impl))
             print(f"{shape} {name} compiled: fwd {fwd:.2f} ms, fwd+bwd {fwd_bwd:.2f} ms", flush=True)
     del stock, models

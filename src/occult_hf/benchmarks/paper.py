@@ -86,7 +86,7 @@ from occult_hf.benchmarks.megablocks import MLP_IMPL, apply_megablocks, megabloc
 from occult_hf.benchmarks.model import MODEL_SHAPES
 from occult_hf.profile.replay import QWEN15_TRACE, STUDY_TRACE, fit_routing, trace_layer
 from occult_hf.profile.trace import read_trace_ids
-from occult_hf.benchmarks import measures_a_gpu
+from occult_hf.benchmarks import failure_text, measures_a_gpu
 
 HELP = "the paper's whole-model prefill and fine-tuning comparisons (OLMoE, Qwen1.5-MoE, DeepSeek-MoE) under torchrun"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
@@ -428,10 +428,6 @@ class Context:
         return max_and_mean(value, self.device)[0]
 
 
-def _error_text(error: BaseException) -> str:
-    return f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
-
-
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |actual - expected| / max |expected| (fp32)."""
     actual, expected = actual.float(), expected.float()
@@ -560,7 +556,7 @@ def prefill(ctx: Context, spec: PaperModel, config, trace_NLk, routing: str) -> 
             return row(key, tokens=tokens * world, ms=ms, tokens_per_s=tokens * world / ms * 1e3,
                        peak_gib=ctx.peaks(set_aside_gib=stock_gib), ct=ct, max_rel_err=error)  # fmt: skip
         except Exception as error:  # noqa: BLE001 - a row that fails says why; the run goes on
-            return row(key, reason=_error_text(error))
+            return row(key, reason=failure_text(error))
         finally:
             converted = None
             ctx.free()
@@ -639,7 +635,7 @@ def _device_map_row(ctx, row, checkpoint, dtype, ids_BS, reference, hooked, last
         _detach(handles)
         del model
     except Exception as error:  # noqa: BLE001
-        result = row("device_map_auto", reason=_error_text(error))
+        result = row("device_map_auto", reason=failure_text(error))
     ctx.add(result)
     ctx.free()
 
@@ -666,7 +662,7 @@ def _transformers_ep_row(ctx, row, key, implementation, sizes, shared, checkpoin
         del model
     except Exception as error:  # noqa: BLE001
         ok.zero_()
-        result = row(key, reason=_error_text(error))
+        result = row(key, reason=failure_text(error))
     if dist.is_initialized():  # every rank reports the same: a row that failed anywhere failed
         reasons = [None] * ctx.world
         dist.all_gather_object(reasons, result.reason)
@@ -792,7 +788,7 @@ def finetune(ctx: Context, spec: PaperModel, config, trace_NLk, routing: str) ->
             ctx.add(result)
             del optimizer
         except Exception as error:  # noqa: BLE001
-            ctx.add(row(key, reason=_error_text(error)))
+            ctx.add(row(key, reason=failure_text(error)))
         finally:
             del model, wrapped
             ctx.free()
@@ -978,8 +974,8 @@ def run(args: argparse.Namespace) -> int:
             try:
                 (prefill if experiment == "prefill" else finetune)(ctx, spec, config, trace_NLk, routing)
             except Exception as error:  # noqa: BLE001 - the next model still runs
-                ctx.log(f"{experiment} {name} stopped: {_error_text(error)}")
-                ctx.add(PaperRow(experiment, name, "all", "(the rows not yet reported)", routing, reason=_error_text(error)))
+                ctx.log(f"{experiment} {name} stopped: {failure_text(error)}")
+                ctx.add(PaperRow(experiment, name, "all", "(the rows not yet reported)", routing, reason=failure_text(error)))
             ctx.free()
         ctx.save()
     ctx.progress.close()

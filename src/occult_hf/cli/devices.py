@@ -27,9 +27,9 @@ def add_num_devices_argument(parser, help: str, **kwargs) -> None:
     parser.add_argument("--num-devices", "--num_devices", dest="num_devices", type=int, help=help, **kwargs)
 
 
-def add_devices_per_node_argument(parser, help: str) -> None:
+def add_devices_per_node_argument(parser, help: str, default: int | None = None) -> None:
     """`--devices-per-node G` (`OccultConfig.devices_per_node`, `plan_placement(devices_per_node=G)`)."""
-    parser.add_argument("--devices-per-node", "--devices_per_node", dest="devices_per_node", type=int, default=None, help=help)
+    parser.add_argument("--devices-per-node", "--devices_per_node", dest="devices_per_node", type=int, default=default, help=help)
 
 
 __all__ = ["add_devices_per_node_argument", "add_num_devices_argument", "resolve_device"]

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from . import add_no_progress_argument, check_output_dir
+from .devices import add_devices_per_node_argument
 
 DEFAULT_DEVICES = (8, 16, 32, 64, 128, 256)
 
@@ -33,8 +34,7 @@ def register(subparsers) -> None:
         f"study trace: occult_hf.scale.synthetic)",
     )  # fmt: skip
     parser.add_argument("--devices", type=int, nargs="+", default=list(DEFAULT_DEVICES), help="GPU counts D (default: %(default)s)")
-    parser.add_argument("--devices-per-node", "--devices_per_node", dest="devices_per_node", type=int, default=8,
-                        help="GPUs G per node (default: 8)")  # fmt: skip
+    add_devices_per_node_argument(parser, help="GPUs G per node (default: 8)", default=8)
     parser.add_argument("--tokens-per-rank", type=int, nargs="+", default=[16384],
                         help="tokens T each GPU routes per layer; several: a table each (default: 16384)")  # fmt: skip
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
