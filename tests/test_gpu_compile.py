@@ -1,7 +1,10 @@
 """GPU checks of whole occult models under torch.compile (skipped without CUDA): inductor and CUDA graphs.
 
 - a tiny occult model (every family, one device and 2 logical devices with pruning) compiled with inductor,
-  `fullgraph=True`, equals eager in bf16 within 1e-2: logits, loss and every gradient;
+  `fullgraph=True`, in bf16 tracks the fp32 eager model as closely as the bf16 eager model does (within 2x its
+  error, or 1e-2): logits, loss and every gradient. Inductor fuses and rounds differently from eager, so bf16
+  compiled against bf16 eager differs by bf16's own noise (an embedding gradient 1.0-1.1% apart on the H200);
+  the fp32 model is the reference both must answer to;
 - `generate(cache_implementation="static")` with transformers' default compile config (inductor,
   `mode="reduce-overhead"`: CUDA graphs) gives eager's greedy tokens in fp32, and its decoding steps compile once.
 
@@ -34,21 +37,28 @@ def _step(model, call, input_ids):
     return out.loss.detach(), out.logits.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _named(step) -> dict[str, torch.Tensor]:
+    loss, logits, grads = step
+    return {"loss": loss, "logits": logits} | grads
+
+
 @pytest.mark.parametrize("family", COMPILABLE)
 @pytest.mark.parametrize(("num_devices", "prune"), [(1, None), (2, "router")])
-def test_inductor_compiled_model_equals_eager_in_bf16(family, num_devices, prune):
-    model = tiny_model(family).to("cuda", torch.bfloat16).train()
+def test_inductor_compiled_model_tracks_fp32_as_closely_as_eager_bf16(family, num_devices, prune):
     settings = {"num_devices": num_devices} | ({"prune": prune, "max_devices_per_token": 1} if prune else {})
-    apply_occult(model, OccultConfig(**settings))
     input_ids = tiny_batch(batch=4, seq=32, seed=1).cuda()
-    loss, logits, grads = _step(model, model, input_ids)
+
+    def occult_model(dtype):
+        return apply_occult(tiny_model(family).to("cuda", dtype).train(), OccultConfig(**settings))
+
+    reference = _step(fp32 := occult_model(torch.float32), fp32, input_ids)
+    eager = _step(bf16 := occult_model(torch.bfloat16), bf16, input_ids)
     torch._dynamo.reset()
-    compiled = torch.compile(model, fullgraph=True)
-    c_loss, c_logits, c_grads = _step(model, compiled, input_ids)
-    assert _relative(c_logits, logits) <= 1e-2 and _relative(c_loss, loss) <= 1e-2
-    assert c_grads.keys() == grads.keys()
-    for name, grad in grads.items():
-        assert _relative(c_grads[name], grad) <= 1e-2, name
+    compiled = _step(bf16, torch.compile(bf16, fullgraph=True), input_ids)
+    assert compiled[2].keys() == reference[2].keys()
+    for name, expected in _named(reference).items():
+        error, eager_error = _relative(_named(compiled)[name], expected), _relative(_named(eager)[name], expected)
+        assert error <= max(1e-2, 2 * eager_error), f"{name}: compiled bf16 {error:.2e} vs eager bf16 {eager_error:.2e}"
 
 
 def test_static_cache_generate_with_cuda_graphs_gives_eager_tokens():

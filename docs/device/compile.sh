@@ -8,16 +8,17 @@
 #   tests    the GPU tests of the compiled paths and of the restructured runtime (tests/test_gpu_compile.py,
 #            test_gpu_compile_ops.py, test_gpu_runtime.py, test_triton_kernels.py -m gpu, test_gpu_dispatch.py
 #            without its two-rank cases);
+#   profile  docs/device/profile_decode.py: the host's time and synchronisations in a batch-1 dynamic-cache step;
 #   base     eager `occult bench model` of main at bb13be5 (the tree before the restructure, `git archive bb13be5
 #            src kernels patches eval > .devdata/base.tar`) and of this tree, in one process each, one after the other.
 # It needs the transformers 5.24 wheel in .whl/ (`pip download --no-deps transformers==5.24.0`), e.g.
 #   run(kind="nvidia-h200", carry=[".whl", ".devdata"], timeout_s=600,
-#       command="STEPS='decode:560' MODEL=olmoe-1b-7b bash docs/device_compile.sh")
+#       command="STEPS='decode:560' MODEL=olmoe-1b-7b bash docs/device/compile.sh")
 # where each STEP:SECONDS gives the step's limit. Every step's tables and logs are packed into $OUT/results.tar.gz
 # after the step (so a call cut short keeps the steps it finished), and the log of every step is $OUT/log.txt.
 set -uo pipefail
-STEPS=${STEPS:?set STEPS to a list of STEP:SECONDS (decode, train, tests, base)}
-MODEL=${MODEL:-olmoe-1b-7b}
+STEPS=${STEPS:?set STEPS to a list of STEP:SECONDS (decode, train, tests, profile, base)}
+MODEL=${MODEL:-olmoe-1b-7b}  # BATCHES (decode) defaults to "1 8 32 64"
 REPO=$PWD
 RESULTS=/tmp/results
 mkdir -p "$RESULTS"
@@ -35,12 +36,15 @@ for item in $STEPS; do
   echo "== $step (limit ${limit} s) $(date -u +%H:%M:%S)" | tee -a "$OUT/log.txt"
   case "$step" in
     decode)
-      timeout "$limit" python3 -m occult_hf.cli bench decode --no-progress --models "$MODEL" --repeats 2 --out "$RESULTS/decode_$MODEL" 2>&1 | grep -v Warning | tee -a "$OUT/log.txt" ;;
+      timeout "$limit" python3 -m occult_hf.cli bench decode --no-progress --models "$MODEL" --batches ${BATCHES:-1 8 32 64} --repeats 2 --out "$RESULTS/decode_$MODEL" 2>&1 | grep -v Warning | tee -a "$OUT/log.txt" ;;
     train)
       timeout "$limit" python3 -m occult_hf.cli bench model --no-progress --compile --batch 8 --seq 2048 --out "$RESULTS/train" 2>&1 | grep -v Warning | tee -a "$OUT/log.txt" ;;
     tests)
-      timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider "$REPO"/tests/test_gpu_compile.py "$REPO"/tests/test_gpu_compile_ops.py \
-        "$REPO"/tests/test_gpu_runtime.py "$REPO"/tests/test_triton_kernels.py "$REPO"/tests/test_gpu_dispatch.py -k "not two_ranks" 2>&1 | tail -40 | tee -a "$OUT/log.txt" ;;
+      timeout "$limit" python3 -m pytest -q -rf --tb=short --maxfail=${MAXFAIL:-3} -m gpu -p no:cacheprovider "$REPO"/tests/test_gpu_compile.py \
+        "$REPO"/tests/test_gpu_compile_ops.py "$REPO"/tests/test_gpu_runtime.py "$REPO"/tests/test_triton_kernels.py "$REPO"/tests/test_gpu_dispatch.py \
+        -k "not two_ranks" > "$RESULTS/tests.txt" 2>&1; tail -60 "$RESULTS/tests.txt" | tee -a "$OUT/log.txt" ;;
+    profile)
+      timeout "$limit" python3 "$REPO/docs/device/profile_decode.py" > "$RESULTS/profile.txt" 2>&1; grep -v Warning "$RESULTS/profile.txt" | head -150 | tee -a "$OUT/log.txt" ;;
     base)
       mkdir -p /tmp/base_src && tar -xf "$REPO/.devdata/base.tar" -C /tmp/base_src && stage /tmp/base_src /tmp/base
       for tree in base now; do
