@@ -8,7 +8,8 @@
 #   tests    the GPU tests of the compiled paths and of the restructured runtime (tests/test_gpu_compile.py,
 #            test_gpu_compile_ops.py, test_gpu_runtime.py, test_triton_kernels.py -m gpu, test_gpu_dispatch.py
 #            without its two-rank cases);
-#   profile  docs/device/profile_decode.py: the host's time and synchronisations in a batch-1 dynamic-cache step;
+#   profile  docs/device/profile_decode.py $PROFILE (default "dynamic static"): where a batch-1 step of generate() spends
+#            its time (dynamic: host functions and synchronisations; static: GPU busy time against wall, top kernels);
 #   base     eager `occult bench model` of main at bb13be5 (the tree before the restructure, `git archive bb13be5
 #            src kernels patches eval > .devdata/base.tar`) and of this tree, in one process each, one after the other.
 # It needs the transformers 5.24 wheel in .whl/ (`pip download --no-deps transformers==5.24.0`), e.g.
@@ -44,7 +45,7 @@ for item in $STEPS; do
         "$REPO"/tests/test_gpu_compile_ops.py "$REPO"/tests/test_gpu_runtime.py "$REPO"/tests/test_triton_kernels.py "$REPO"/tests/test_gpu_dispatch.py \
         -k "not two_ranks" > "$RESULTS/tests.txt" 2>&1; tail -60 "$RESULTS/tests.txt" | tee -a "$OUT/log.txt" ;;
     profile)
-      timeout "$limit" python3 "$REPO/docs/device/profile_decode.py" > "$RESULTS/profile.txt" 2>&1; grep -v Warning "$RESULTS/profile.txt" | head -150 | tee -a "$OUT/log.txt" ;;
+      timeout "$limit" python3 "$REPO/docs/device/profile_decode.py" ${PROFILE:-dynamic static} > "$RESULTS/profile.txt" 2>&1; grep -v Warning "$RESULTS/profile.txt" | head -150 | tee -a "$OUT/log.txt" ;;
     base)
       mkdir -p /tmp/base_src && tar -xf "$REPO/.devdata/base.tar" -C /tmp/base_src && stage /tmp/base_src /tmp/base
       for tree in base now; do

@@ -1,9 +1,15 @@
-"""Where the host's time goes in one dynamic-cache `generate()` step at batch 1, stock against occult (issue 31).
+"""Where the time of one `generate()` step at batch 1 goes, stock against occult (issue 31).
 
-One H200, the real OLMoE-1B-7B configuration (16 layers), random weights, bf16. Per model: CUDA-event time per
-step, the host functions that take the most of it (cProfile over `generate(max_new_tokens=32)`), and how many
-host synchronisations one step makes (`torch.cuda.set_sync_debug_mode("warn")` counts each as a warning).
-Run by docs/device/compile.sh's `profile` step; prints to stdout.
+One H200, the real OLMoE-1B-7B configuration (16 layers), random weights, bf16, a 128-token prompt.
+
+- `dynamic` (the default cache, eager): the host functions that take the most of a step (cProfile over
+  `generate(max_new_tokens=33)`), and each host synchronisation of a prefill and one step, with where it came from
+  (`torch.cuda.set_sync_debug_mode("warn")`).
+- `static` (`cache_implementation="static"`: transformers compiles the step, CUDA graphs): the GPU's busy time per
+  step (the kernels' durations from `torch.profiler`) against the wall time per step, and the kernels that take most.
+  Where wall exceeds busy, the step waits on the host (generate's own loop), not on the GPU.
+
+Run by docs/device/compile.sh's `profile` step (`PROFILE` names the caches); prints to stdout.
 """
 
 import collections
@@ -11,6 +17,7 @@ import copy
 import cProfile
 import io
 import pstats
+import sys
 import time
 import traceback
 import warnings
@@ -20,54 +27,97 @@ import torch
 from occult_hf import apply_occult
 from occult_hf.benchmarks.model import build_model, model_config
 
+STEPS = 33
 
-def generate(model, prompt, new_tokens):
+
+def generate(model, prompt, new_tokens, cache):
+    extra = {"cache_implementation": "static"} if cache == "static" else {}
     return model.generate(prompt, attention_mask=torch.ones_like(prompt), pad_token_id=0, max_new_tokens=new_tokens,
-                          min_new_tokens=new_tokens, do_sample=False, output_router_logits=False)
+                          min_new_tokens=new_tokens, do_sample=False, output_router_logits=False, **extra)
+
+
+def ms_per_step(model, prompt, cache) -> float:
+    def wall(new_tokens):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        generate(model, prompt, new_tokens, cache)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    generate(model, prompt, 8, cache)
+    return (min(wall(STEPS) for _ in range(2)) - min(wall(1) for _ in range(2))) * 1e3 / (STEPS - 1)
+
+
+def host_syncs(model, prompt) -> list[str]:
+    sites = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename][-3:]
+            sites.append(" <- ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}" for f in reversed(frames)))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        generate(model, prompt, 2, "dynamic")
+        torch.cuda.set_sync_debug_mode(0)
+    return sites
+
+
+def profile_dynamic(name, model, prompt):
+    sites = host_syncs(model, prompt)
+    print(f"{name}: {len(sites)} host synchronisations in a 2-token generate (prefill + 1 step)", flush=True)
+    for site, count in collections.Counter(sites).most_common(12):
+        print(f"  {count} x {site}", flush=True)
+    profile = cProfile.Profile()
+    profile.enable()
+    generate(model, prompt, STEPS, "dynamic")
+    torch.cuda.synchronize()
+    profile.disable()
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats(order).print_stats(28)
+        print(f"-- {name} by {order}\n" + text.getvalue().split("ncalls", 1)[1], flush=True)
+
+
+def profile_static(name, model, prompt, wall_ms):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as run:
+        generate(model, prompt, STEPS, "static")
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prefill:
+        generate(model, prompt, 1, "static")
+        torch.cuda.synchronize()
+
+    def kernel_us(result):
+        totals = collections.Counter()
+        for event in result.key_averages():
+            if event.device_time_total > 0 and event.device_type == torch.autograd.DeviceType.CUDA:
+                totals[event.key] += event.device_time_total
+        return totals
+
+    per_step = kernel_us(run)
+    per_step.subtract(kernel_us(prefill))
+    busy_ms = sum(per_step.values()) / 1e3 / (STEPS - 1)
+    print(f"{name} static: GPU busy {busy_ms:.2f} ms of {wall_ms:.2f} ms per step", flush=True)
+    for kernel, us in per_step.most_common(12):
+        print(f"  {us / (STEPS - 1):8.1f} us/step  {kernel[:110]}", flush=True)
 
 
 def main():
+    caches = sys.argv[1:] or ["dynamic", "static"]
     device = torch.device("cuda")
     config = model_config("olmoe-1b-7b", 16)
     stock = build_model(config, device, torch.bfloat16)
     models = {"stock": stock, "occult": apply_occult(copy.deepcopy(stock), {"num_devices": 1})}
     prompt = torch.randint(0, config.vocab_size, (1, 128), device=device)
-    for name, model in models.items():
-        generate(model, prompt, 8)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        generate(model, prompt, 33)
-        torch.cuda.synchronize()
-        long = time.perf_counter() - start
-        start = time.perf_counter()
-        generate(model, prompt, 1)
-        torch.cuda.synchronize()
-        print(f"== {name}: {(long - (time.perf_counter() - start)) * 1e3 / 32:.2f} ms per step", flush=True)
-        sites = []
-
-        def record(message, category, filename, lineno, file=None, line=None):
-            if "synchroniz" in str(message):
-                frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename][-3:]
-                sites.append(" <- ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}" for f in reversed(frames)))
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            torch.cuda.set_sync_debug_mode("warn")
-            generate(model, prompt, 2)
-            torch.cuda.set_sync_debug_mode(0)
-        print(f"{name}: {len(sites)} host synchronisations in a 2-token generate (prefill + 1 step)", flush=True)
-        for site, count in collections.Counter(sites).most_common(12):
-            print(f"  {count} x {site}", flush=True)
-        profile = cProfile.Profile()
-        profile.enable()
-        generate(model, prompt, 33)
-        torch.cuda.synchronize()
-        profile.disable()
-        for order in ("tottime", "cumulative"):
-            text = io.StringIO()
-            pstats.Stats(profile, stream=text).sort_stats(order).print_stats(28)
-            print(f"-- {name} by {order}\n" + text.getvalue().split("ncalls", 1)[1], flush=True)
+    for cache in caches:
+        for name, model in models.items():
+            wall_ms = ms_per_step(model, prompt, cache)
+            print(f"== {name} {cache}: {wall_ms:.2f} ms per step", flush=True)
+            (profile_dynamic(name, model, prompt) if cache == "dynamic" else profile_static(name, model, prompt, wall_ms))
 
 
 if __name__ == "__main__":
