@@ -15,6 +15,7 @@ reference.
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -49,12 +50,18 @@ def _assert_same(reference, compiled, where: str) -> None:
 
 
 def _check_compiled_equals_eager(model, input_ids, where: str, backward: bool = True) -> None:
+    """Compiled equals eager, and tracing warns about nothing in occult_hf's code (dynamo's warnings name the file)."""
     torch._dynamo.reset()
     model.train()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     if backward:
         reference = _loss_logits_grads(model, input_ids)
-        _assert_same(reference, _loss_logits_grads(model, input_ids, compiled), where)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = _loss_logits_grads(model, input_ids, compiled)
+        _assert_same(reference, result, where)
+        ours = [str(w.message).splitlines()[0] for w in caught if "occult_hf" in str(w.message) or "occult_hf" in w.filename]
+        assert not ours, f"{where}: tracing warned: {ours}"
         return
     with torch.no_grad():
         reference = model(input_ids=input_ids, labels=input_ids)

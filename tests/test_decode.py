@@ -119,6 +119,28 @@ def test_use_dispatcher_keeps_the_layers_replica_choice_and_pin_slack(monkeypatc
         assert layout is layer.layout
 
 
+def _ep_static_generate(rank, world):
+    from occult_hf import apply_occult
+    from occult_hf.hf.decode import use_dispatcher
+
+    model = tiny_model("olmoe").eval()
+    prompt_length, new_tokens = (5, NEW_TOKENS) if rank == 0 else (3, 2)
+    prompt = torch.randint(0, model.config.vocab_size, (2, prompt_length), generator=torch.Generator().manual_seed(rank))
+    expected = _generate(model, prompt)[:, :new_tokens]
+    apply_occult(model)
+    with use_dispatcher(model, "padded"):
+        tokens = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, cache_implementation="static", output_router_logits=False)
+    return torch.equal(tokens[:, prompt_length:], expected)
+
+
+@pytest.mark.world_size(2)
+def test_static_cache_generate_under_ep_with_different_lengths_per_rank():
+    """Ranks with different prompt lengths and token counts decode in lockstep with transformers' static cache on
+    the static-capacity dispatcher: each gets its own greedy tokens (the rank that stops first keeps stepping for
+    the other, so every rank's cache is sized for the longest; before, its cache overflowed in transformers)."""
+    assert run_world(_ep_static_generate, 2) == [True, True]
+
+
 @pytest.mark.world_size(2)
 def test_static_decoder_under_ep_padded_dispatcher():
     assert run_world(_ep_world, 2) == [(True, True), (True, True)]

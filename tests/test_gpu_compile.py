@@ -1,10 +1,10 @@
 """GPU checks of whole occult models under torch.compile (skipped without CUDA): inductor and CUDA graphs.
 
 - a tiny occult model (every family, one device and 2 logical devices with pruning) compiled with inductor,
-  `fullgraph=True`, in bf16 tracks the fp32 eager model as closely as the bf16 eager model does (within 2x its
-  error, or 1e-2): logits, loss and every gradient. Inductor fuses and rounds differently from eager, so bf16
-  compiled against bf16 eager differs by bf16's own noise (an embedding gradient 1.0-1.1% apart on the H200);
-  the fp32 model is the reference both must answer to;
+  `fullgraph=True`, equals eager in fp32 within 1e-4: logits, loss and every gradient (the same Triton kernels run
+  in both; inductor's own code for the rest reorders reductions, 1e-6 on the CPU). In bf16 the two differ by bf16's
+  rounding, and on a tiny model one token whose pruned or top-k routing sits on a tie moves between experts (a 5%
+  change of one expert's gradient, measured): bf16 against fp32 is `test_gpu_runtime.py`'s check;
 - `generate(cache_implementation="static")` with transformers' default compile config (inductor,
   `mode="reduce-overhead"`: CUDA graphs) gives eager's greedy tokens in fp32, and its decoding steps compile once.
 
@@ -44,22 +44,16 @@ def _named(step) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("family", COMPILABLE)
 @pytest.mark.parametrize(("num_devices", "prune"), [(1, None), (2, "router")])
-def test_inductor_compiled_model_tracks_fp32_as_closely_as_eager_bf16(family, num_devices, prune):
+def test_inductor_compiled_model_equals_eager_in_fp32(family, num_devices, prune):
     settings = {"num_devices": num_devices} | ({"prune": prune, "max_devices_per_token": 1} if prune else {})
+    model = apply_occult(tiny_model(family).cuda().train(), OccultConfig(**settings))
     input_ids = tiny_batch(batch=4, seq=32, seed=1).cuda()
-
-    def occult_model(dtype, **backend):
-        return apply_occult(tiny_model(family).to("cuda", dtype).train(), OccultConfig(**settings, **backend))
-
-    # the reference's experts in plain torch: exact in fp32, and no Triton autotuning for shapes used once
-    reference = _step(fp32 := occult_model(torch.float32, expert_backend="torch"), fp32, input_ids)
-    eager = _step(bf16 := occult_model(torch.bfloat16), bf16, input_ids)
+    eager = _named(_step(model, model, input_ids))
     torch._dynamo.reset()
-    compiled = _step(bf16, torch.compile(bf16, fullgraph=True), input_ids)
-    assert compiled[2].keys() == reference[2].keys()
-    for name, expected in _named(reference).items():
-        error, eager_error = _relative(_named(compiled)[name], expected), _relative(_named(eager)[name], expected)
-        assert error <= max(1e-2, 2 * eager_error), f"{name}: compiled bf16 {error:.2e} vs eager bf16 {eager_error:.2e}"
+    compiled = _named(_step(model, torch.compile(model, fullgraph=True), input_ids))
+    assert compiled.keys() == eager.keys()
+    for name, expected in eager.items():
+        assert _relative(compiled[name], expected) <= 1e-4, f"{name}: {_relative(compiled[name], expected):.2e}"
 
 
 def test_static_cache_generate_with_cuda_graphs_gives_eager_tokens():

@@ -726,6 +726,15 @@ def _bf16_matches_fp32_and_repeats(problem: Problem) -> None:
     assert torch.equal(out, again[0]) and all(torch.equal(a, b) for a, b in zip(grads, again[1]))
 
 
+def _torch_sort_layout(rows_N: torch.Tensor, ids_N: torch.Tensor, num_experts: int):
+    """`(pair_row_N, expert_offsets, order_N)` of the pairs by torch's stable sort (`sort_by_group_torch`): the
+    layout the Triton kernels must give."""
+    from occult_hf.kernels.layout import sort_by_group_torch
+
+    order_N, offsets, _ = sort_by_group_torch(ids_N, num_experts)
+    return rows_N[order_N], offsets, order_N
+
+
 @gpu
 @needs_cuda
 def test_bf16_small_t_matches_fp32_reference():
@@ -733,12 +742,10 @@ def test_bf16_small_t_matches_fp32_reference():
     short-reduction candidates are tuned; the layout and the row index sorted by one Triton program),
     the default mode; the second call, which launches the tuned configs directly (`run_tuned`), gives
     the same bits."""
-    from occult_hf.kernels.layout import _sort_pairs_torch
-
     rows_N = torch.arange(128, device="cuda").repeat_interleave(8)
     ids_N = torch.randint(0, 64, (1024,), device="cuda")
     segments, order_N = ExpertSegments.from_pairs(rows_N, ids_N, 128, 64)  # one Triton program at this size
-    expected = _sort_pairs_torch(rows_N, ids_N, 128, 64)
+    expected = _torch_sort_layout(rows_N, ids_N, 64)
     assert torch.equal(segments.pair_row, expected[0]) and torch.equal(segments.expert_offsets, expected[1])
     assert torch.equal(order_N, expected[2])
     _bf16_matches_fp32_and_repeats(_routed_problem(128, 2048, 1024, 64, 8, "cuda", seed=3))
@@ -756,14 +763,12 @@ def test_topk_layout_on_gpu_is_the_sort_layout(tokens, top_k, experts):
     """`ExpertSegments.from_topk`'s Triton layout (compiled; one launch for few pairs of few experts, else three:
     count, scan over up to 1024 programs in steps of 256, place; 4099 tokens make a ragged last step) gives
     torch's stable-sort layout, the row index torch's sort gives, and the weights in that order."""
-    from occult_hf.kernels.layout import _sort_pairs_torch
-
     generator = torch.Generator(device="cuda").manual_seed(tokens + top_k)
     logits_TE = torch.randn(tokens, experts, generator=generator, device="cuda")
     weights_Tk, ids_Tk = logits_TE.softmax(dim=-1).topk(top_k, dim=-1)
     segments, weight_N = ExpertSegments.from_topk(ids_Tk, weights_Tk, experts)
     rows_N = torch.arange(tokens * top_k, device="cuda") // top_k
-    pair_row_N, offsets, order_N = _sort_pairs_torch(rows_N, ids_Tk.reshape(-1), tokens, experts)
+    pair_row_N, offsets, order_N = _torch_sort_layout(rows_N, ids_Tk.reshape(-1), experts)
     assert torch.equal(segments.pair_row, pair_row_N) and torch.equal(segments.expert_offsets, offsets)
     assert torch.equal(weight_N, weights_Tk.reshape(-1)[order_N])
     sorted_rows_N, row_pairs_N = torch.sort(pair_row_N, stable=True)

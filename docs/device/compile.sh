@@ -41,9 +41,9 @@ for item in $STEPS; do
     train)
       timeout "$limit" python3 -m occult_hf.cli bench model --no-progress --compile --batch 8 --seq 2048 --out "$RESULTS/train" 2>&1 | grep -v Warning | tee -a "$OUT/log.txt" ;;
     tests)
-      timeout "$limit" python3 -m pytest -q -rf --tb=short --maxfail=${MAXFAIL:-3} -n ${WORKERS:-8} -m gpu -p no:cacheprovider "$REPO"/tests/test_gpu_compile.py \
+      timeout "$limit" python3 -m pytest -v -rf --tb=short --timeout=${TEST_TIMEOUT:-120} --maxfail=${MAXFAIL:-3} -n ${WORKERS:-8} -m gpu -p no:cacheprovider "$REPO"/tests/test_gpu_compile.py \
         "$REPO"/tests/test_gpu_compile_ops.py "$REPO"/tests/test_gpu_runtime.py "$REPO"/tests/test_triton_kernels.py "$REPO"/tests/test_gpu_dispatch.py \
-        -k "not two_ranks" > "$RESULTS/tests.txt" 2>&1; tail -60 "$RESULTS/tests.txt" | tee -a "$OUT/log.txt" ;;
+        -k "not two_ranks" > "$RESULTS/tests.txt" 2>&1; grep -E "PASSED|FAILED|ERROR|SKIPPED|^E |passed|failed" "$RESULTS/tests.txt" | tail -120 | tee -a "$OUT/log.txt" ;;
     profile)
       timeout "$limit" python3 "$REPO/docs/device/profile_decode.py" ${PROFILE:-dynamic static} > "$RESULTS/profile.txt" 2>&1; grep -v Warning "$RESULTS/profile.txt" | head -150 | tee -a "$OUT/log.txt" ;;
     base)

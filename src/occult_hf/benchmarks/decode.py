@@ -126,7 +126,8 @@ def check_tokens(shape: str, args, device) -> str:
     return f"{shape}: greedy tokens (fp32, {args.check_layers} layers, B=4, 16 new, static cache) occult == stock: {equal}"
 
 
-def measure(shape: str, args, device) -> tuple[list[DecodeRow], str]:
+def measure(shape: str, args, device) -> tuple[list[DecodeRow], str, float]:
+    """The rows of `shape`, a note (the logits' difference, the floor) and the batch-1 floor in ms per step."""
     from occult_hf import apply_occult
 
     config = model_config(shape, args.layers or FULL_LAYERS[shape], args.hidden, args.intermediate)
@@ -157,7 +158,7 @@ def measure(shape: str, args, device) -> tuple[list[DecodeRow], str]:
     del stock, occult, models
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return rows, f"{note}; floor at batch 1 (active parameters at {args.bandwidth_gbs:.0f} GB/s) {floor_ms:.2f} ms/step"
+    return rows, f"{note}; floor at batch 1 (active parameters at {args.bandwidth_gbs:.0f} GB/s) {floor_ms:.2f} ms/step", floor_ms
 
 
 def results_table(rows: list[DecodeRow]) -> str:
@@ -184,6 +185,33 @@ def results_table(rows: list[DecodeRow]) -> str:
     return markdown_table(headers, lines)
 
 
+def plot(rows: list[DecodeRow], floors_ms: dict[str, float], path: Path) -> None:
+    """ms per step against the batch, one panel per model: each implementation and cache, and the batch-1 floor."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from occult_hf.utils.atomic import atomic_save_figure
+
+    models = list(dict.fromkeys(r.model for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for implementation, cache in dict.fromkeys((r.implementation, r.cache) for r in rows if r.model == model):
+            line = sorted((r.batch, r.ms_per_step) for r in rows if (r.model, r.implementation, r.cache) == (model, implementation, cache))
+            ax.plot(*zip(*line), marker="o", linestyle="-" if implementation == "occult" else "--", label=f"{implementation}, {cache} cache")
+        ax.axhline(floors_ms[model], color="grey", linestyle=":", label="floor at batch 1 (memory)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch (sequences)")
+        ax.set_ylabel("ms per step (log)")
+        ax.set_title(f"{model}: generate() per step")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    atomic_save_figure(fig, path, dpi=120)
+    plt.close(fig)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", default=list(FULL_LAYERS), choices=list(MODEL_SHAPES))
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the real model's)")
@@ -197,7 +225,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check-layers", type=int, default=2, help="layers of the fp32 greedy-token check (0: skip)")
     parser.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth for the floor (default: measured)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="docs", help="directory for bench_decode_<device>.md/.json")
+    parser.add_argument("--out", default="docs", help="directory for bench_decode_<device>.md/.json/.png")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -211,9 +239,9 @@ def run(args: argparse.Namespace) -> int:
     notes = [check_tokens(shape, args, device) for shape in args.models] if args.check_layers else []
     for note in notes:
         print(note, flush=True)
-    rows = []
+    rows, floors_ms = [], {}
     for shape in args.models:
-        shape_rows, note = measure(shape, args, device)
+        shape_rows, note, floors_ms[shape] = measure(shape, args, device)
         rows += shape_rows
         notes.append(note)
     table = results_table(rows)
@@ -228,5 +256,6 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / f"bench_decode_{device.type}.md", text + "\n")
+    plot(rows, floors_ms, out / f"bench_decode_{device.type}.png")
     atomic_write_text(out / f"bench_decode_{device.type}.json", json.dumps({"header": header, "notes": notes, "rows": [asdict(r) for r in rows]}, indent=1))
     return 0

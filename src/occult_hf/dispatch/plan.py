@@ -237,9 +237,16 @@ def expert_keys(slot_RW: torch.Tensor, num_local_experts: int) -> torch.Tensor:
     return key_F.to(torch.uint8) if num_local_experts < 256 else key_F
 
 
-@functools.lru_cache(maxsize=64)
 def _arange(n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """`torch.arange(n)`, made once per (n, device, dtype): read only (an operator call saved per use)."""
+    """`torch.arange(n)`, made once per (n, device, dtype) in eager: read only (an operator call saved per use). A
+    traced graph makes its own: dynamo would trace through the cache anyway, with a warning to the user."""
+    if torch.compiler.is_compiling():
+        return torch.arange(n, device=device, dtype=dtype)
+    return _cached_arange(n, device, dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_arange(n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return torch.arange(n, device=device, dtype=dtype)
 
 

@@ -25,6 +25,7 @@ rank applies the same clipping factor.
 from __future__ import annotations
 
 import contextlib
+import copy
 import types
 from dataclasses import replace
 
@@ -36,7 +37,7 @@ from occult_hf.patches import adapter_for
 from ..config import OccultConfig, stored_occult_config
 from ..dispatch import ExpertParallelGroup
 from ..dispatch.group import resolve_devices_per_node
-from ..distributed.agreement import save_timeout_s
+from ..distributed.agreement import SAVE_TIMEOUT_ENV, arrive, save_timeout_s
 from ..distributed.collectives import GradNormCarrier
 from ..placement import Placement
 from ..utils.logging import get_logger
@@ -247,13 +248,39 @@ def lockstep_managed_by_caller(model: nn.Module):
 
 
 def _generate_in_lockstep(model, *args, **kwargs):
-    """`generate` with `synced_gpus=True`: every forward of an EP model is a collective."""
-    if state_of(model).caller_keeps_lockstep:
+    """`generate` with `synced_gpus=True`: every forward of an EP model is a collective.
+
+    A rank that is done keeps stepping until every rank is, so with a static cache each rank's cache must hold
+    the longest rank's sequence: the ranks agree on it first (a bounded wait, `OCCULT_SAVE_TIMEOUT_S`), and
+    transformers sizes every rank's cache to it (`max_cache_len`), which also gives every rank the same shapes.
+    """
+    state = state_of(model)
+    if state.caller_keeps_lockstep:
         return type(model).generate(model, *args, **kwargs)
     if kwargs.get("synced_gpus") is False:
         logger.warning("occult_hf: generate(synced_gpus=False) would hang under expert parallelism; using True")
     kwargs["synced_gpus"] = True
+    own_length = _static_cache_length(model, args, kwargs)
+    if own_length is not None:
+        lengths = arrive(state.agreement_group, "generate with a static cache", state.save_timeout_s, SAVE_TIMEOUT_ENV, own_length)
+        kwargs["max_cache_len"] = max(lengths.values())
     return type(model).generate(model, *args, **kwargs)
+
+
+def _static_cache_length(model: nn.Module, args: tuple, kwargs: dict) -> int | None:
+    """The length of the static cache this `generate(*args, **kwargs)` allocates (transformers' rule: the
+    longest sequence less one, at least `max_cache_len`); None without a static cache."""
+    from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
+
+    config = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
+    config.update(**{key: value for key, value in kwargs.items() if hasattr(config, key)})
+    if config.cache_implementation not in ALL_STATIC_CACHE_IMPLEMENTATIONS:
+        return None
+    candidates = (*args[:1], kwargs.get("input_ids"), kwargs.get("inputs"), kwargs.get("inputs_embeds"))
+    prompt = next((value for value in candidates if value is not None), None)
+    prompt_length = 1 if prompt is None else prompt.shape[1]  # no prompt: generate starts from one BOS token
+    longest = config.max_length if config.max_new_tokens is None else prompt_length + config.max_new_tokens
+    return max(longest - 1, config.max_cache_len or 0)
 
 
 __all__ = [
