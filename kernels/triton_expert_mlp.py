@@ -536,6 +536,8 @@ def expert_mlp_triton(
             row_pairs_N, row_offsets, reduce, activation, save,
         )[0]  # fmt: skip
     plan = plan_from_tensors(segments.pair_row, segments.expert_offsets, segments.num_rows, reduce, activation, row_pairs_N, row_offsets)
+    if not save:  # nothing to differentiate (decoding): the autograd function's host time would be the only effect
+        return _forward(plan, x_RH, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, save_gu=False)[0]
     return _ExpertMLPFunction.apply(x_RH, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, plan, save)
 
 
