@@ -25,7 +25,6 @@ rank applies the same clipping factor.
 from __future__ import annotations
 
 import contextlib
-import copy
 import types
 from dataclasses import replace
 
@@ -43,7 +42,7 @@ from ..placement import Placement
 from ..utils.logging import get_logger
 from .blocks import build_occult_block, restore_block
 from .checkpointing import check_model_ranks_agree, gather_full_experts, new_save_group, save_pretrained
-from .compat import UNSET, install_loading_hooks, loading_hooks_installed, uninstall_loading_hooks
+from .compat import UNSET, install_loading_hooks, loading_hooks_installed, static_cache_length, uninstall_loading_hooks
 from .ddp import DDP_IGNORE_ATTR, RankLocalStateNames
 from .launch import check_logical_devices, check_process_group_started
 from .loading import load_scope
@@ -260,27 +259,11 @@ def _generate_in_lockstep(model, *args, **kwargs):
     if kwargs.get("synced_gpus") is False:
         logger.warning("occult_hf: generate(synced_gpus=False) would hang under expert parallelism; using True")
     kwargs["synced_gpus"] = True
-    own_length = _static_cache_length(model, args, kwargs)
+    own_length = static_cache_length(model, args, kwargs)
     if own_length is not None:
         lengths = arrive(state.agreement_group, "generate with a static cache", state.save_timeout_s, SAVE_TIMEOUT_ENV, own_length)
         kwargs["max_cache_len"] = max(lengths.values())
     return type(model).generate(model, *args, **kwargs)
-
-
-def _static_cache_length(model: nn.Module, args: tuple, kwargs: dict) -> int | None:
-    """The length of the static cache this `generate(*args, **kwargs)` allocates (transformers' rule: the
-    longest sequence less one, at least `max_cache_len`); None without a static cache."""
-    from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
-
-    config = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
-    config.update(**{key: value for key, value in kwargs.items() if hasattr(config, key)})
-    if config.cache_implementation not in ALL_STATIC_CACHE_IMPLEMENTATIONS:
-        return None
-    candidates = (*args[:1], kwargs.get("input_ids"), kwargs.get("inputs"), kwargs.get("inputs_embeds"))
-    prompt = next((value for value in candidates if value is not None), None)
-    prompt_length = 1 if prompt is None else prompt.shape[1]  # no prompt: generate starts from one BOS token
-    longest = config.max_length if config.max_new_tokens is None else prompt_length + config.max_new_tokens
-    return max(longest - 1, config.max_cache_len or 0)
 
 
 __all__ = [

@@ -22,6 +22,9 @@ works; when transformers changes, this is the file to read.
   for any class (peft's `PeftModel`, in `hf.peft_support`).
 - `cache_keyword(model)`: the keyword a model's forward takes its KV cache by (transformers 5.24 renamed
   `past_key_values` to `cache`; the old name warns and goes in 5.40, and 5.17 knows only the old one).
+- `static_cache_length(model, args, kwargs)`: the length of the static cache a `generate(*args, **kwargs)` call
+  allocates, by generate's own rule (its generation config's `max_length`, or the prompt plus `max_new_tokens`,
+  less one; at least `max_cache_len`): EP ranks agree on the longest before they decode in lockstep.
 
 One reach lives beside the family adapters instead, since the runtime's pruner (below this wing) needs it:
 `occult_hf.patches.base.replace_recorded_router_logits` swaps collaboration pruning's logits into
@@ -36,6 +39,7 @@ the caller.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
 import sys
@@ -241,3 +245,18 @@ def cache_keyword(model: torch.nn.Module) -> str:
     """`"cache"` where the model's forward takes its KV cache by that name (transformers >= 5.24: its
     `deprecate_kwarg` wrapper keeps the signature, so `inspect` sees the new name), else `"past_key_values"`."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def static_cache_length(model: torch.nn.Module, args: tuple, kwargs: dict) -> int | None:
+    """The length of the static cache `model.generate(*args, **kwargs)` allocates; None without a static cache."""
+    from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
+
+    config = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
+    config.update(**{key: value for key, value in kwargs.items() if hasattr(config, key)})
+    if config.cache_implementation not in ALL_STATIC_CACHE_IMPLEMENTATIONS:
+        return None
+    candidates = (*args[:1], kwargs.get("input_ids"), kwargs.get("inputs"), kwargs.get("inputs_embeds"))
+    prompt = next((value for value in candidates if value is not None), None)
+    prompt_length = 1 if prompt is None else prompt.shape[1]  # no prompt: generate starts from one BOS token
+    longest = config.max_length if config.max_new_tokens is None else prompt_length + config.max_new_tokens
+    return max(longest - 1, config.max_cache_len or 0)
