@@ -1,4 +1,4 @@
-"""CPU dry runs of `occult bench model` (tiny widths) and the exchange model of `occult bench exchange --model`:
+"""CPU dry runs of `occult bench model` and `occult bench decode` (tiny widths) and the exchange model of `occult bench exchange --model`:
 the harnesses run and their tables say what they are (figures themselves need the GPU); without CUDA
 and without `--cpu` every benchmark fails at once."""
 
@@ -39,6 +39,19 @@ def test_bench_model_dry_run(tmp_path):
     count = lambda *cells: len(re.findall(r"\| " + r" +\| ".join(map(re.escape, cells)) + r" +\|", out))  # noqa: E731
     assert count("host operator", "calls", "self host ms") == 2 * 3 and count("moe block", "1") == 2 * 3
     assert count("route", "1") == 2 * 2
+
+
+def test_bench_decode_dry_run(tmp_path):
+    """Every variant (dynamic and static `generate()`, `GreedyDecoder`'s graph) of stock and occult runs and has its
+    row, the fp32 greedy tokens of both are checked equal, and the table and the plot are written."""
+    out = _occult("bench", "decode", "--cpu", "--models", "olmoe-1b-7b", "--layers", "1", "--hidden", "32", "--intermediate", "16",
+                  "--batches", "1", "2", "--prompt", "4", "--new-tokens", "3", "--repeats", "1", "--check-layers", "1",
+                  "--out", str(tmp_path), cwd=tmp_path)  # fmt: skip
+    rows = json.loads((tmp_path / "bench_decode_cpu.json").read_text())["rows"]
+    variants = {(r["batch"], r["implementation"], r["cache"]) for r in rows if r["error"] is None}
+    assert variants == {(b, i, c) for b in (1, 2) for i in ("stock", "occult") for c in ("dynamic", "static", "graph")}, rows
+    assert "occult == stock: True" in out and "| occult graph vs stock static" in out
+    assert (tmp_path / "bench_decode_cpu.png").stat().st_size > 0
 
 
 @pytest.mark.skipif(not TRACE.is_file(), reason=f"real routing trace {TRACE} not present")

@@ -10,10 +10,14 @@ stops early):
 
 - **dynamic**: the default dynamic cache, eager;
 - **static**: `cache_implementation="static"`: transformers compiles the decoding step (its default
-  `CompileConfig`: inductor, `mode="reduce-overhead"`, so CUDA graphs) and the prompt runs eagerly.
+  `CompileConfig`: inductor, `mode="reduce-overhead"`, so CUDA graphs) and the prompt runs eagerly;
+- **graph**: not `generate()` but `occult_hf.hf.decode.GreedyDecoder`: the same static cache, the whole eager step
+  captured as one CUDA graph and replayed from a plain loop, so no `generate()` loop runs on the host between steps
+  (what that loop costs a step, next to the compiled static one).
 
 The time per step is `(t(N) - t(1)) / (N - 1)` for the wall times `t(n)` of a whole `generate(max_new_tokens=n)`
 (the median of `--repeats` runs, after one run that compiles and captures): the prefill and generate's set-up cancel.
+For **graph** it is the replayed steps' wall time over N - 1 (the decoder times them without the prefill).
 Tokens per second are `B / step`. The floor is the step's bytes at the GPU's memory bandwidth: the active
 parameters (attention, routers, shared experts, k of E experts per layer, embeddings and head) read once in bf16.
 
@@ -45,6 +49,8 @@ needs_cuda = measures_a_gpu
 
 #: the real models' decoder layer counts (the checkpoints' config.json)
 FULL_LAYERS = {"olmoe-1b-7b": 16, "qwen1.5-moe-a2.7b": 24}
+#: how a variant decodes (the module docstring says what each is)
+CACHES = ("dynamic", "static", "graph")
 #: batch 1 targets of the static occult step: ms per token
 TARGET_MS, STRETCH_MS = 3.5, 2.0
 
@@ -54,7 +60,7 @@ class DecodeRow:
     model: str
     batch: int
     implementation: str  # "stock" or "occult"
-    cache: str  # "dynamic" or "static"
+    cache: str  # "dynamic", "static" or "graph"
     ms_per_step: float  # NaN where the run failed
     first_call_s: float  # the warm-up run: compile and capture for the static cache
     error: str | None = None  # why the run failed (the other rows still run)
@@ -78,12 +84,22 @@ def _wall(fn) -> float:
 
 
 def time_step(model, prompt_BS, new_tokens: int, cache: str, repeats: int) -> tuple[float, float]:
-    """`(ms per step, seconds of the first call)` of `generate()` on `prompt_BS` with `cache`."""
+    """`(ms per step, seconds of the first call)` of `generate()` on `prompt_BS` with `cache` (or `GreedyDecoder`'s)."""
+    if cache == "graph":
+        return _time_graphed_step(model, prompt_BS, new_tokens, repeats)
     first = _wall(lambda: _generate(model, prompt_BS, new_tokens, cache))
     _generate(model, prompt_BS, 1, cache)
     long = statistics.median(_wall(lambda: _generate(model, prompt_BS, new_tokens, cache)) for _ in range(repeats))
     short = statistics.median(_wall(lambda: _generate(model, prompt_BS, 1, cache)) for _ in range(repeats))
     return (long - short) * 1e3 / (new_tokens - 1), first
+
+
+def _time_graphed_step(model, prompt_BS, new_tokens: int, repeats: int) -> tuple[float, float]:
+    from occult_hf.hf.decode import GreedyDecoder
+
+    decoder = GreedyDecoder(model, batch_size=prompt_BS.shape[0], max_length=prompt_BS.shape[1] + new_tokens)
+    first = _wall(lambda: decoder.generate(prompt_BS, new_tokens))  # captures the step's graph
+    return statistics.median(decoder.generate(prompt_BS, new_tokens).ms_per_token for _ in range(repeats)), first
 
 
 def active_bytes(config, dtype: torch.dtype) -> int:
@@ -166,11 +182,12 @@ def results_table(rows: list[DecodeRow]) -> str:
     from occult_hf.utils.tables import markdown_table
 
     by = {(r.model, r.batch, r.implementation, r.cache): r for r in rows}
-    caches = sorted({r.cache for r in rows})
+    caches = [cache for cache in CACHES if cache in {r.cache for r in rows}]
     headers = ["model", "B"]
     for cache in caches:
         headers += [f"stock {cache} ms", f"occult {cache} ms", f"occult {cache} tok/s"]
-    headers += [f"occult {c} vs stock {s}" for c in caches for s in caches]
+    instead = [cache for cache in caches if cache != "graph"]  # what a user runs instead: generate() itself
+    headers += [f"occult {c} vs stock {s}" for c in caches for s in instead]
     lines = []
     for model, batch in sorted({(r.model, r.batch) for r in rows}):
         line = [model, batch]
@@ -179,7 +196,7 @@ def results_table(rows: list[DecodeRow]) -> str:
             line += [f"{stock.ms_per_step:.2f}", f"{occult.ms_per_step:.2f}", f"{batch * 1e3 / occult.ms_per_step:.0f}"]
         line += [
             f"{by[(model, batch, 'stock', s)].ms_per_step / by[(model, batch, 'occult', c)].ms_per_step:.1f}x"
-            for c in caches for s in caches
+            for c in caches for s in instead
         ]  # fmt: skip
         lines.append(line)
     return markdown_table(headers, lines)
@@ -218,7 +235,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=None, help="override H (CPU dry runs)")
     parser.add_argument("--intermediate", type=int, default=None, help="override the expert/MLP widths (CPU dry runs)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
-    parser.add_argument("--caches", nargs="+", default=["dynamic", "static"], choices=["dynamic", "static"])
+    parser.add_argument("--caches", nargs="+", default=list(CACHES), choices=CACHES)
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens (S)")
     parser.add_argument("--new-tokens", type=int, default=64, help="new tokens per generate (N)")
     parser.add_argument("--repeats", type=int, default=3)
