@@ -437,6 +437,12 @@ def check_inputs(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI
             raise ValueError(f"{name} dtype {tensor.dtype} differs from x_RH dtype {x_RH.dtype}; cast one of them")
     if x_RH.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"x_RH dtype must be float32, bfloat16 or float16, got {x_RH.dtype}")
+    if x_RH.dtype == torch.bfloat16 and interpreting():
+        raise ValueError(
+            f"{caller}: Triton's interpreter (TRITON_INTERPRET=1) multiplies bfloat16 matrices wrongly (a 16 x 16 tl.dot "
+            "is off by a factor of 1e9: numpy has no bfloat16), so its result would be meaningless; use float32 or "
+            "float16 under the interpreter, or expert_backend='torch'"
+        )
     for name, tensor in (("segments.pair_row", segments.pair_row), ("segments.expert_offsets", segments.expert_offsets)):
         if tensor.dtype != torch.int64:
             raise ValueError(f"{name} must be int64, got {tensor.dtype}")

@@ -530,6 +530,15 @@ def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
         expert_mlp_triton(*_args(make_problem(rows, hidden, inter, experts, pairs)))
 
 
+def test_bfloat16_under_the_interpreter_is_refused(interpreted):
+    """Triton's interpreter multiplies bf16 matrices wrongly (a 16 x 16 `tl.dot` is off by 1e9, measured with Triton
+    3.9), so an interpreted bf16 call would return garbage silently: it is refused, naming the interpreter."""
+    rows, hidden, inter, experts, pairs = CASES["single_row"]
+    x, segments, weight, gate_up, down = _args(make_problem(rows, hidden, inter, experts, pairs))
+    with pytest.raises(ValueError, match="interpreter .* bfloat16"):
+        expert_mlp_triton(x.bfloat16(), segments, weight, gate_up.bfloat16(), down.bfloat16())
+
+
 def test_bench_experts_harness_on_a_tiny_shape(interpreted, tmp_path, monkeypatch):
     """`occult bench experts` end to end on CPU (wall-clock timer, interpreted kernels): every
     implementation computes the same function, and the tables and plot come out. One timed call each and
