@@ -111,7 +111,7 @@ def main():
     device = torch.device("cuda")
     config = model_config("olmoe-1b-7b", 16)
     stock = build_model(config, device, torch.bfloat16)
-    models = {"stock": stock, "occult": apply_occult(copy.deepcopy(stock), {"num_devices": 1})}
+    models = {"occult": apply_occult(copy.deepcopy(stock), {"num_devices": 1}), "stock": stock}  # occult first: a cut run keeps it
     prompt = torch.randint(0, config.vocab_size, (1, 128), device=device)
     for cache in caches:
         for name, model in models.items():
