@@ -18,34 +18,16 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 import traceback
 import warnings
 
 import torch
 
 from occult_hf import apply_occult
+from occult_hf.benchmarks.decode import generate_greedy, time_step
 from occult_hf.benchmarks.model import build_model, model_config
 
 STEPS = 33
-
-
-def generate(model, prompt, new_tokens, cache):
-    extra = {"cache_implementation": "static"} if cache == "static" else {}
-    return model.generate(prompt, attention_mask=torch.ones_like(prompt), pad_token_id=0, max_new_tokens=new_tokens,
-                          min_new_tokens=new_tokens, do_sample=False, output_router_logits=False, **extra)
-
-
-def ms_per_step(model, prompt, cache) -> float:
-    def wall(new_tokens):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        generate(model, prompt, new_tokens, cache)
-        torch.cuda.synchronize()
-        return time.perf_counter() - start
-
-    generate(model, prompt, 8, cache)
-    return (min(wall(STEPS) for _ in range(2)) - min(wall(1) for _ in range(2))) * 1e3 / (STEPS - 1)
 
 
 def host_syncs(model, prompt) -> list[str]:
@@ -60,7 +42,7 @@ def host_syncs(model, prompt) -> list[str]:
         warnings.simplefilter("always")
         warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
-        generate(model, prompt, 2, "dynamic")
+        generate_greedy(model, prompt, 2, "dynamic")
         torch.cuda.set_sync_debug_mode(0)
     return sites
 
@@ -72,7 +54,7 @@ def profile_dynamic(name, model, prompt):
         print(f"  {count} x {site}", flush=True)
     profile = cProfile.Profile()
     profile.enable()
-    generate(model, prompt, STEPS, "dynamic")
+    generate_greedy(model, prompt, STEPS, "dynamic")
     torch.cuda.synchronize()
     profile.disable()
     for order in ("tottime", "cumulative"):
@@ -85,10 +67,10 @@ def profile_static(name, model, prompt, wall_ms):
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as run:
-        generate(model, prompt, STEPS, "static")
+        generate_greedy(model, prompt, STEPS, "static")
         torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prefill:
-        generate(model, prompt, 1, "static")
+        generate_greedy(model, prompt, 1, "static")
         torch.cuda.synchronize()
 
     def kernel_us(result):
@@ -115,7 +97,7 @@ def main():
     prompt = torch.randint(0, config.vocab_size, (1, 128), device=device)
     for cache in caches:
         for name, model in models.items():
-            wall_ms = ms_per_step(model, prompt, cache)
+            wall_ms, _ = time_step(model, prompt, STEPS, cache, repeats=2)
             print(f"== {name} {cache}: {wall_ms:.2f} ms per step", flush=True)
             (profile_dynamic(name, model, prompt) if cache == "dynamic" else profile_static(name, model, prompt, wall_ms))
 

@@ -66,7 +66,8 @@ class DecodeRow:
     error: str | None = None  # why the run failed (the other rows still run)
 
 
-def _generate(model, prompt_BS, new_tokens: int, cache: str):
+def generate_greedy(model, prompt_BS, new_tokens: int, cache: str):
+    """`model.generate()` of exactly `new_tokens` greedy tokens with the `"dynamic"` or `"static"` cache."""
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, output_router_logits=False)
     if cache == "static":
         kwargs["cache_implementation"] = "static"
@@ -87,10 +88,10 @@ def time_step(model, prompt_BS, new_tokens: int, cache: str, repeats: int) -> tu
     """`(ms per step, seconds of the first call)` of `generate()` on `prompt_BS` with `cache` (or `GreedyDecoder`'s)."""
     if cache == "graph":
         return _time_graphed_step(model, prompt_BS, new_tokens, repeats)
-    first = _wall(lambda: _generate(model, prompt_BS, new_tokens, cache))
-    _generate(model, prompt_BS, 1, cache)
-    long = statistics.median(_wall(lambda: _generate(model, prompt_BS, new_tokens, cache)) for _ in range(repeats))
-    short = statistics.median(_wall(lambda: _generate(model, prompt_BS, 1, cache)) for _ in range(repeats))
+    first = _wall(lambda: generate_greedy(model, prompt_BS, new_tokens, cache))
+    generate_greedy(model, prompt_BS, 1, cache)
+    long = statistics.median(_wall(lambda: generate_greedy(model, prompt_BS, new_tokens, cache)) for _ in range(repeats))
+    short = statistics.median(_wall(lambda: generate_greedy(model, prompt_BS, 1, cache)) for _ in range(repeats))
     return (long - short) * 1e3 / (new_tokens - 1), first
 
 
@@ -134,7 +135,7 @@ def check_tokens(shape: str, args, device) -> str:
 
     occult = apply_occult(copy.deepcopy(stock), {"num_devices": 1})
     prompt = torch.randint(0, config.vocab_size, (4, args.prompt), device=device, generator=torch.Generator(device).manual_seed(1))
-    tokens = {name: _generate(model, prompt, 16, "static") for name, model in (("stock", stock), ("occult", occult))}
+    tokens = {name: generate_greedy(model, prompt, 16, "static") for name, model in (("stock", stock), ("occult", occult))}
     equal = torch.equal(tokens["stock"], tokens["occult"])
     del stock, occult
     if device.type == "cuda":
