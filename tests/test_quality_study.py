@@ -89,6 +89,25 @@ def test_run_jobs_rejects_bad_arguments(tmp_path):
         run_jobs([], [], deadline=time.time(), stall_s=1.0)
     with pytest.raises(ValueError, match="stall_s"):
         run_jobs([], [None], deadline=time.time(), stall_s=0.0)
+    with pytest.raises(ValueError, match=r"\['huge'\] need more GPU memory"):
+        run_jobs([_job(tmp_path, "huge", "print(1)", memory_gib=12.0)], ["0"], deadline=time.time() + 10, stall_s=1.0,
+                 capacity_gib={"0": 10.0})  # fmt: skip
+
+
+def test_run_jobs_starts_a_job_only_where_its_gpu_memory_fits(tmp_path):
+    """Three free slots on one 10 GiB GPU: two 6 GiB jobs never run together; the 3 GiB job behind the second
+    waits its turn (jobs start in order), then runs beside it."""
+    spans = tmp_path / "spans"
+    spans.mkdir()
+    code = "import sys, time; s = time.time(); time.sleep(0.8); open(sys.argv[1], 'w').write(f'{s} {time.time()}')"
+    jobs = [_job(tmp_path, name, code, memory_gib=gib) for name, gib in (("a", 6.0), ("b", 6.0), ("c", 3.0))]
+    for job in jobs:
+        job.argv.append(str(spans / job.name))
+    outcomes = run_jobs(jobs, ["0", "0", "0"], deadline=time.time() + 60, stall_s=30.0, poll_s=0.05, capacity_gib={"0": 10.0})
+    assert all(o.ok for o in outcomes)
+    (a0, a1), (b0, b1), (c0, c1) = (map(float, (spans / n).read_text().split()) for n in "abc")
+    assert b0 >= a1 and c0 >= a1  # b did not fit beside a, and c did not overtake b
+    assert c0 < b1  # c fits beside b
 
 
 # ----- the variants ----------------------------------------------------------------------------------
@@ -266,7 +285,7 @@ def _results(variants: list[dict]) -> dict:
 
 
 def test_report_pairs_each_seed_with_its_own_plain_fine_tune():
-    from occult_hf.eval.studies.report_quality import Study, goals, quality_table
+    from occult_hf.eval.studies.report_quality import Study, failures, goals, quality_table
 
     results = _results([_row("plain-s0", 50.0), _row("plain-s1", 60.0), _row("d4-router-2-s0", 50.4), _row("d4-router-2-s1", 60.9),
                         _row("d4-similarity-2-s0", 50.2), _row("d4-similarity-2-s1", 60.3), _row("d4-router-1-s0", 52.0, 0.4),
@@ -278,7 +297,13 @@ def test_report_pairs_each_seed_with_its_own_plain_fine_tune():
     assert cells["router N_d=2 yes"][3] == "55.650 (50.400-60.900)" and cells["router N_d=2 yes"][4] == "+1.15% (+0.80..+1.50%)"
     assert cells["router N_d=2 no"][4] == "+2.00%"  # against the base model
     assert cells["router N_d=1 yes"][2] == "1" and cells["router N_d=1 yes"][6] == "0.400 ±0.020"
-    assert cells["similarity N_d=1 yes"][2:4] == ["0", "not run; not run"]  # a row with no result says so
+    assert cells["similarity N_d=1 yes"][2:4] == ["0", "not run"]  # a row with no result says so
+    results["variants"].append({"variant": "d4-similarity-1-s0", "error": "OutOfMemoryError: CUDA out of memory. " + "Process 1 has 19 GiB. " * 40})
+    failed = quality_table(Study(results), 4).splitlines()
+    assert next(line for line in failed if line.startswith("| similarity N_d=1 ") and "| yes " in line).split("|")[4].strip() == (
+        "failed (OutOfMemoryError), not run")  # the error's kind in the table; the whole error in the report's list
+    assert failures(Study(results)).splitlines()[:2] == ["- d4-router-1-s1: stalled", "- d4-similarity-1-s0: OutOfMemoryError: CUDA out of memory. "
+                                                          + ("Process 1 has 19 GiB. " * 40)[:262]]  # fmt: skip
     lines = goals(study)
     assert "- D=4, router N_d=2 + fine-tune within 1% of plain fine-tuning on every seed: **not met** (seed 0 +0.80%, seed 1 +1.50%)." in lines
     assert "- D=4, similarity N_d=2 + fine-tune within 1% of plain fine-tuning on every seed: **met** (seed 0 +0.40%, seed 1 +0.50%)." in lines

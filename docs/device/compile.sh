@@ -7,7 +7,9 @@
 #            forward and forward+backward: stock eager, stock compiled, occult eager, occult compiled);
 #   tests    the GPU tests of the compiled paths and of the restructured runtime (tests/test_gpu_compile.py,
 #            test_gpu_compile_ops.py, test_gpu_runtime.py, test_triton_kernels.py -m gpu, test_gpu_dispatch.py
-#            without its two-rank cases);
+#            without its two-rank cases); a test's own limit is TEST_TIMEOUT (default 600 s: a worker's first test
+#            compiles and tunes every kernel, 8 workers at once), and the step's limit interrupts pytest (SIGINT)
+#            so that a cut run still prints the failures' tracebacks;
 #   profile  docs/device/profile_decode.py $PROFILE (default "dynamic static"): where a batch-1 step of generate() spends
 #            its time (dynamic: host functions and synchronisations; static: GPU busy time against wall, top kernels);
 #   base     eager `occult bench model` of main at bb13be5 (the tree before the restructure, `git archive bb13be5
@@ -41,7 +43,7 @@ for item in $STEPS; do
     train)
       timeout "$limit" python3 -m occult_hf.cli bench model --no-progress --compile --batch 8 --seq 2048 --out "$RESULTS/train" 2>&1 | grep -v Warning | tee -a "$OUT/log.txt" ;;
     tests)
-      timeout "$limit" python3 -m pytest -v -rf --tb=short --timeout=${TEST_TIMEOUT:-120} --maxfail=${MAXFAIL:-3} -n ${WORKERS:-8} -m gpu -p no:cacheprovider "$REPO"/tests/test_gpu_compile.py \
+      timeout -s INT "$limit" python3 -m pytest -v -rf --tb=short --durations=20 --timeout=${TEST_TIMEOUT:-600} --maxfail=${MAXFAIL:-3} -n ${WORKERS:-8} -m gpu -p no:cacheprovider "$REPO"/tests/test_gpu_compile.py \
         "$REPO"/tests/test_gpu_compile_ops.py "$REPO"/tests/test_gpu_runtime.py "$REPO"/tests/test_triton_kernels.py "$REPO"/tests/test_gpu_dispatch.py \
         -k "not two_ranks" > "$RESULTS/tests.txt" 2>&1; grep -E "PASSED|FAILED|ERROR|SKIPPED|^E |passed|failed" "$RESULTS/tests.txt" | tail -120 | tee -a "$OUT/log.txt" ;;
     profile)

@@ -12,6 +12,10 @@ everything, with no word of which job stalled. `run_jobs` replaces that wait:
   left is below its `min_time_s` (reported `not_started`), so the caller always gets its results
   back before an outer time limit;
 - jobs run `slots` at a time, each slot pinned to one GPU (`CUDA_VISIBLE_DEVICES`) or to none (CPU);
+- given each GPU's memory (`capacity_gib`), a job starts only where the memory the running jobs on that GPU
+  hold at their peak (`Job.memory_gib`) leaves room for its own: a slot count alone puts as many of the
+  biggest jobs on a GPU as of the smallest, and ten 19 GiB fine-tunes on a 140 GiB GPU end in
+  out-of-memory errors, not in a slower run;
 - a status line is printed every `status_every_s`, so the caller's own log shows progress too.
 
 The caller decides what a stalled or failed job means for the whole run (`JobOutcome.ok`).
@@ -36,6 +40,7 @@ class Job:
     argv: list[str] = field(metadata={"help": "arguments after `python` (e.g. ['-m', 'pkg.mod', '--x', '1'])"})
     log: Path = field(metadata={"help": "file receiving the job's stdout and stderr (appended)"})
     min_time_s: float = field(default=0.0, metadata={"help": "do not start when less time is left before the deadline"})
+    memory_gib: float = field(default=0.0, metadata={"help": "GPU memory the job's process holds at its peak (with `capacity_gib`)"})
 
 
 @dataclass
@@ -112,6 +117,10 @@ class _Running:
                           last_line(self.job.log))  # fmt: skip
 
 
+def _held_gib(running: list[_Running], slot: str | None) -> float:
+    return sum(r.job.memory_gib for r in running if r.slot == slot)
+
+
 def run_jobs(
     jobs: list[Job],
     slots: list[str | None],
@@ -122,6 +131,7 @@ def run_jobs(
     status_every_s: float = 20.0,
     env: dict | None = None,
     prefix: str = "[jobs]",
+    capacity_gib: dict[str, float] | None = None,
 ) -> list[JobOutcome]:
     """Run `jobs` in order, `len(slots)` at a time; return one outcome per job, in the jobs' order.
 
@@ -131,11 +141,17 @@ def run_jobs(
             or None (the environment as given).
         deadline: epoch seconds after which running jobs are killed (`cut`) and none starts.
         stall_s: a running job whose log has not grown for this long is killed (`stalled`).
+        capacity_gib: GPU index -> GiB its jobs may hold together; the next job waits until a free slot's GPU
+            has room for its `memory_gib` (jobs start in order: a big job is not overtaken by smaller ones).
     """
     if not slots:
         raise ValueError("run_jobs: slots must hold at least one entry (a GPU index or None)")
     if stall_s <= 0:
         raise ValueError(f"run_jobs: stall_s ({stall_s}) must be > 0")
+    capacity_gib = capacity_gib or {}
+    too_big = [j.name for j in jobs if all(j.memory_gib > capacity_gib.get(slot, float("inf")) for slot in set(slots))]
+    if too_big:
+        raise ValueError(f"run_jobs: job(s) {too_big} need more GPU memory than any GPU has for jobs ({capacity_gib} GiB)")
     base_env = dict(os.environ if env is None else env)
     pending = list(jobs)
     free = list(slots)
@@ -145,11 +161,16 @@ def run_jobs(
     while pending or running:
         now = time.time()
         while pending and free:
-            job = pending.pop(0)
+            job = pending[0]
             if deadline - now < job.min_time_s:
-                outcomes[job.name] = JobOutcome(job.name, "not_started")
+                outcomes[pending.pop(0).name] = JobOutcome(job.name, "not_started")
                 continue
-            slot = free.pop(0)
+            fitting = [s for s in free if _held_gib(running, s) + job.memory_gib <= capacity_gib.get(s, float("inf"))]
+            if not fitting:
+                break
+            slot = fitting[0]
+            pending.pop(0)
+            free.remove(slot)
             job_env = dict(base_env)
             if slot is not None:
                 job_env["CUDA_VISIBLE_DEVICES"] = slot

@@ -69,26 +69,28 @@ MC_SEED = 0
 
 #: the sizes of a run. `device_limits`: {D: N_d values}; `per_job` / `min_job_s`: (fine-tunes,
 #: variants without fine-tuning) per worker process, and the time a job needs left before the
-#: deadline to start (per variant in it); `slots`: worker processes per GPU (or on the CPU).
+#: deadline to start (per variant in it); `slots`: worker processes per GPU (or on the CPU); `job_gib`:
+#: (fine-tunes, variants without fine-tuning) the GPU memory one worker process holds at its peak, which
+#: decides how many share a GPU (`run_jobs`' `capacity_gib`).
 SIZES = {
     # one H200 (docs/quality.md, "Next run"): the study_long recipe, D=4 and D=8, 3 seeds
     "study": {"recipe": "study_long", "pretrain": {},
               "device_limits": {4: (1, 2, 3), 8: (1, 2, 3, 4)}, "modes": MODES, "seeds": (0, 1, 2),
               "ft_steps": 60, "ft_batch": 32, "ft_lr": 3e-4, "eval_tokens": 32_768, "profile_tokens": 32_768,
               "drift_tokens": 16_384, "mc_items": 600, "mc_batch": 64,
-              "per_job": (1, 1), "min_job_s": (120.0, 40.0), "slots": 10},
+              "per_job": (1, 1), "min_job_s": (120.0, 40.0), "slots": 10, "job_gib": (20.0, 4.0)},
     # the tiny recipe on the real corpus, on a CPU: a study in minutes (not the study: a check of it)
     "cpu": {"recipe": "tiny", "pretrain": {},
             "device_limits": {4: (1, 2)}, "modes": MODES, "seeds": (0, 1),
             "ft_steps": 30, "ft_batch": 8, "ft_lr": 1e-3, "eval_tokens": 16_384, "profile_tokens": 8192,
             "drift_tokens": 8192, "mc_items": 100, "mc_batch": 32,
-            "per_job": (2, 5), "min_job_s": (0.0, 0.0), "slots": 2},
+            "per_job": (2, 5), "min_job_s": (0.0, 0.0), "slots": 2, "job_gib": (0.0, 0.0)},
     # a few steps of everything: the CI test of the pipeline
     "micro": {"recipe": "tiny", "pretrain": {"max_steps": 4, "batch_size": 4, "time_budget_s": None},
               "device_limits": {4: (2,)}, "modes": ("router",), "seeds": (0, 1),
               "ft_steps": 3, "ft_batch": 4, "ft_lr": 3e-4, "eval_tokens": 1024, "profile_tokens": 1024,
               "drift_tokens": 1024, "mc_items": 8, "mc_batch": 8,
-              "per_job": (4, 2), "min_job_s": (0.0, 0.0), "slots": 2},
+              "per_job": (4, 2), "min_job_s": (0.0, 0.0), "slots": 2, "job_gib": (0.0, 0.0)},
 }  # fmt: skip
 
 
@@ -386,7 +388,7 @@ def pack_jobs(names: list[str], common: list[str], work: Path, size: str) -> lis
         if last or len(group) == s["per_job"][0 if tuned else 1]:
             label = group[0] if len(group) == 1 else f"{group[0]}+{len(group) - 1}"
             jobs.append(Job(label, [*common, "--stage", "variants", "--names", ",".join(group)], work / "logs" / f"{label}.txt",
-                            min_time_s=len(group) * s["min_job_s"][0 if tuned else 1]))  # fmt: skip
+                            min_time_s=len(group) * s["min_job_s"][0 if tuned else 1], memory_gib=s["job_gib"][0 if tuned else 1]))  # fmt: skip
             group = []
     return jobs
 
@@ -437,6 +439,17 @@ def study_env(work: Path) -> dict:
             "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}  # fmt: skip
 
 
+#: the share of a GPU's memory the study's workers may hold together (the rest: allocator fragmentation)
+GPU_MEMORY_SHARE = 0.95
+
+
+def gpu_capacity_gib(gpus: list[str | None]) -> dict[str, float]:
+    """GPU index -> the GiB the study's workers may hold on it together (none on the CPU)."""
+    import torch
+
+    return {gpu: GPU_MEMORY_SHARE * torch.cuda.get_device_properties(int(gpu)).total_memory / 2**30 for gpu in gpus if gpu is not None}
+
+
 def pipeline(data: Path, work: Path, out: Path, size: str, budget_s: float, stall_s: float = 90.0,
              slots_per_gpu: int | None = None, names: list[str] | None = None) -> int:  # fmt: skip
     """The base job, then every variant not yet finished, as supervised workers (module docstring).
@@ -478,7 +491,8 @@ def pipeline(data: Path, work: Path, out: Path, size: str, budget_s: float, stal
     print(f"[pipeline] {len(study) - len(todo) if names is None else len(names) - len(todo)} variant(s) already done, {len(todo)} to run", flush=True)
     slots = [gpu for _ in range(slots_per_gpu or s["slots"]) for gpu in gpus]  # interleaved: the first jobs spread over the GPUs
     t = time.time()
-    outcomes = run_jobs(pack_jobs(todo, common, work, size), slots, deadline=deadline, stall_s=stall_s, env=env, prefix="[pipeline]")
+    outcomes = run_jobs(pack_jobs(todo, common, work, size), slots, deadline=deadline, stall_s=stall_s, env=env, prefix="[pipeline]",
+                        capacity_gib=gpu_capacity_gib(gpus))  # fmt: skip
     timings["variants"] = round(time.time() - t, 1)
     problems = [o.describe() for o in outcomes if o.status in ("failed", "stalled")]
     problems += [f"{n}: {json.loads(result_file(work, n).read_text())['error']}" for n in todo

@@ -132,7 +132,8 @@ def quality_table(study: Study, devices: int) -> str:
         rows = [study.get(v) for v in members if study.get(v)]
         label = members[0].row
         if not rows:
-            missing = "; ".join(study.errors.get(v.name, "not run") for v in members)
+            missing = ", ".join(sorted({f"failed ({study.errors[v.name].split(':')[0]})" if v.name in study.errors else "not run"
+                                        for v in members}))  # the whole errors: the report's list of failed variants
             lines.append([label, "yes" if fine_tuned else "no", "0", missing, *([""] * (6 + len(tasks)))])
             continue
         comm = [r["communication"][str(devices)] for r in rows]
@@ -267,6 +268,11 @@ def transfer(results_dir: Path, out_dir: Path, devices: tuple[int, ...]) -> str:
     return study.summary(rows) + "\n\nEvery pair: `transfer.md`."
 
 
+def failures(study: Study) -> str:
+    """One line per variant whose worker recorded an error, with the error (the table cells name only its kind)."""
+    return "\n".join(f"- {name}: {error[:300]}" for name, error in sorted(study.errors.items()))
+
+
 def render(results: dict, transfer_md: str | None = None) -> str:
     study = Study(results)
     parts = [f"Model: {describe_model(results)}",
@@ -281,6 +287,8 @@ def render(results: dict, transfer_md: str | None = None) -> str:
         parts.append(f"### Quality at D={devices}\n\n" + quality_table(study, devices))
     parts.append("### Goals\n\n" + "\n".join(goals(study)))
     parts.append("### Drift (plain fine-tunes)\n\n" + drift_table(study))
+    if study.errors:
+        parts.append("### Variants that failed (run again to retry them)\n\n" + failures(study))
     if transfer_md:
         parts.append(f"### Transfer (refined with {REFINED})\n\n" + transfer_md)
     return "\n\n".join(parts)
