@@ -392,16 +392,16 @@ def test_shrunk_loads_keep_totals_and_reliability_by_hand():
 def test_auto_reliability_is_chosen_by_cross_validation_on_the_profile():
     """"auto" plans on the first half of the profile's tokens and keeps the factor that holds on the second:
     steady loads keep 1.0 (no shrinkage); loads whose hot experts cool down inside the profile are shrunk."""
-    from occult_hf.placement.refined import AUTO_RELIABILITIES, cross_validated_reliability
+    from occult_hf.placement.refined import AUTO_RELIABILITIES, cross_validated
 
     one = np.ones((1, 800), dtype=bool)
     steady = structured_topk(800, 16, 4, 4, popularity_E=np.linspace(1, 3, 16), seed=3)
-    assert cross_validated_reliability(steady, one, 16, 4, RefinedOptions(**FAST)) == 1.0
+    assert cross_validated("load_reliability", steady, one, 16, 4, RefinedOptions(**FAST)) == 1.0
     hot = np.ones(16)
     hot[:4] = 4.0
     first, later = structured_topk(600, 16, 4, 4, popularity_E=hot, seed=3), structured_topk(600, 16, 4, 4, seed=4)
     cooling = np.concatenate([first[:400], later[:400]])
-    chosen = cross_validated_reliability(cooling, one, 16, 4, RefinedOptions(**FAST))
+    chosen = cross_validated("load_reliability", cooling, one, 16, 4, RefinedOptions(**FAST))
     assert chosen < 1.0 and chosen in AUTO_RELIABILITIES
     routing = profile_from_sample({0: cooling}, 16, "t").layer(0)
     plan = refine_layer(routing.coactivation, routing.expert_counts, cooling, 4, RefinedOptions(load_reliability="auto", **FAST))
@@ -599,7 +599,7 @@ def test_auto_shed_margin_is_chosen_in_time_under_the_load_aware_rule():
     made for the load-aware rule records none."""
     from dataclasses import replace
 
-    from occult_hf.placement.refined import AUTO_SHED_MARGINS, cross_validated_margin
+    from occult_hf.placement.refined import AUTO_SHED_MARGINS, cross_validated
 
     ids = structured_topk(600, 16, 4, 4, popularity_E=np.linspace(3.0, 1.0, 16), seed=8)
     one_hot = np.zeros((600, 16))
@@ -608,7 +608,7 @@ def test_auto_shed_margin_is_chosen_in_time_under_the_load_aware_rule():
     options = RefinedOptions(num_redundant_experts=4, replica_choice="load_aware", shed_margin="auto", pin_slack=PIN_SLACK, **FAST)
     plan = refine_layer(coactivation, counts, ids, 4, options)
     assert plan.shed_margin in AUTO_SHED_MARGINS and plan.replicas
-    assert cross_validated_margin(ids[:10], np.ones((1, 10), dtype=bool), 16, 4, options) == AUTO_SHED_MARGINS[0]
+    assert cross_validated("shed_margin", ids[:10], np.ones((1, 10), dtype=bool), 16, 4, options) == AUTO_SHED_MARGINS[0]
     assert refine_layer(coactivation, counts, ids, 4, replace(options, replica_choice="static")).shed_margin is None
     # max_load_ratio="auto" the same way: the limit reported is the chosen ratio x the floor, one of the candidates
     from occult_hf.placement.refined import AUTO_LOAD_RATIOS
@@ -686,7 +686,7 @@ def test_in_time_choice_judges_a_windowed_plan_on_its_last_window(monkeypatch):
     assert refined.cross_validated_pin_slack(ids, np.ones((1, 240), dtype=bool), 16, 4, options) in refined.AUTO_PIN_SLACKS
     assert trial_windows == [2] * len(refined.AUTO_SEEDS)  # one trial plan per seed, with the earlier two windows
     trial_windows.clear()
-    refined.cross_validated_margin(ids, np.ones((1, 240), dtype=bool), 16, 4, replace(options, time_windows=1))
+    refined.cross_validated("shed_margin", ids, np.ones((1, 240), dtype=bool), 16, 4, replace(options, time_windows=1))
     assert set(trial_windows) == {1}
 
 

@@ -7,7 +7,7 @@ as two profiles): the robust plan made for the static rule (the best of the earl
 mode made for the load-aware rule (`replica_choice="load_aware"`: single-home load within `1 - shed_margin` of
 the mean on every device, copies linked into one group: `placement.shedding`) with the margin at 0.15 (the
 default), 0.20 and "auto" (chosen for each plan by cross-validation in time on the planning half,
-`refined.cross_validated_margin`), and with `max_load_ratio="auto"` too (`refined.cross_validated_ratio`).
+`refined.cross_validated("shed_margin", ...)`), and with `max_load_ratio="auto"` too (`refined.cross_validated("max_load_ratio", ...)`).
 Each is replayed on the held-out half under the static rule and under the runtime's load-aware rule at pin
 slack 0.02 (the default), 0.01 and 0 (`robust_placement_study.replay_load_aware`, steps of 2,192 tokens cut
 into D ranks). Two more plans leave the pin slack to the planner (`pin_slack="auto"`, margins 0.15 and 0.20)

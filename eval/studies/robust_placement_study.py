@@ -584,7 +584,7 @@ def add_followup(result: StudyResult, routing_dir: Path) -> None:
     result.notes[title] = [
         "shrunk loads: each profile's expert loads pulled halfway toward their mean (load_reliability=0.5) and the "
         "limit tightened to 1.06; 'auto' chooses the factor per layer by cross-validation in time on the planning "
-        "half alone (refined.cross_validated_reliability)",
+        "half alone (refined.cross_validated('load_reliability', ...))",
         "load-aware bound: the cheapest re-routing of replicated pairs (to another home of the expert) that brings "
         "every device under 1.05x the mean on the held-out tokens; an offline bound, not the runtime's rule",
     ]

@@ -17,8 +17,7 @@ last. Trial plans that cut their part into W windows again would bound windows s
 on the Qwen trace (D=4, two windows) they read 1.074-1.095 on the later halves (the mean of trial seeds 0-2 at
 pin slacks 0-0.02) where trial plans on whole halves read 1.027-1.044, so every slack failed the limit.
 
-The planner and the measure come from the caller (`refined.cross_validated_reliability`,
-`refined.cross_validated_margin`), so this module imports no planner.
+The planner and the measure come from the caller (`refined.cross_validated`), so this module imports no planner.
 
 Shape legend (docs/conventions.md): N sampled tokens, k experts per token, E experts, P profiles.
 """

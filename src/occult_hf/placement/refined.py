@@ -71,7 +71,7 @@ class RefinedOptions:
 
     Attributes:
         max_load_ratio: largest allowed max device load / max(mean load, load floor) (>= 1); "auto": chosen
-            per layer among `AUTO_LOAD_RATIOS` by cross-validation in time (`cross_validated_ratio`, under the
+            per layer among `AUTO_LOAD_RATIOS` by cross-validation in time (`cross_validated`, under the
             rule the replicas are planned for; the default 1.10 without a token sample).
         seed: seed of the perturbations (same inputs and seed -> same placement).
         objective: "ct" (exact CT on the sample), "cut" (pairwise cut of co-activation counts),
@@ -94,7 +94,7 @@ class RefinedOptions:
             the limit is held (`robust.shrink_toward_mean`), so the limit bounds the loads expected
             on new tokens rather than the sample's noise (an expert that looks hot in a finite
             sample is less hot later). 1.0 (default): no shrinkage; "auto": chosen per layer from the
-            profile alone by cross-validation in time (`cross_validated_reliability`: plan on the first
+            profile alone by cross-validation in time (`cross_validated`: plan on the first
             half of each profile's tokens with each of `AUTO_RELIABILITIES`, keep the one whose plan is
             best balanced on the second halves). Needs a token sample (ignored for pair counts).
         num_redundant_experts: R redundant expert slots (as DeepSeek's EPLB): R extra homes of hot
@@ -112,7 +112,7 @@ class RefinedOptions:
         shed_margin: with replica_choice "load_aware", the fraction of the mean device load kept free of
             single-home experts on every device, for the drift of loads on tokens the plan has not seen;
             "auto": chosen per layer from the profile alone by cross-validation in time under the load-aware
-            rule (`cross_validated_margin`, among `AUTO_SHED_MARGINS`). Needs a token sample ("auto" is the
+            rule (`cross_validated`, among `AUTO_SHED_MARGINS`). Needs a token sample ("auto" is the
             default 0.15 without one).
         pin_slack: with replica_choice "load_aware", the pin slack the runtime's rule uses in this layer (how far
             above the least max load, as a fraction of the mean device load, a device keeps pairs on a home their
@@ -602,45 +602,29 @@ def _served_balance(plan, later_Nk: np.ndarray, num_devices: int, replica_choice
     return float(load_D.max() / load_D.mean())
 
 
-def cross_validated_reliability(
-    sample_Nk: np.ndarray, membership_PN: np.ndarray, num_experts: int, num_devices: int, options: "RefinedOptions"
+#: the options chosen among candidates by cross-validation in time (`cross_validated`): option -> (its
+#: candidates, the replica rule the plans' later tokens are served under; None: the options' `replica_choice`)
+CROSS_VALIDATED = {
+    "load_reliability": (AUTO_RELIABILITIES, "static"),
+    "max_load_ratio": (AUTO_LOAD_RATIOS, None),
+    "shed_margin": (AUTO_SHED_MARGINS, "load_aware"),
+}
+
+
+def cross_validated(
+    option: str, sample_Nk: np.ndarray, membership_PN: np.ndarray, num_experts: int, num_devices: int, options: "RefinedOptions"
 ) -> float:
-    """The `load_reliability` of `AUTO_RELIABILITIES` whose plan holds best on later tokens, from the profile alone
-    (`in_time.choose_in_time`: plans on the first half of each profile's tokens, measured on the second halves
-    under the static replica rule; the largest factor within `AUTO_MARGIN` of the best wins)."""
-
-    plan_on = _trial_planner(options, num_devices, "load_reliability")
+    """The value of `option` among its candidates (`CROSS_VALIDATED`) whose plan holds best on later tokens, from the
+    profile alone (`in_time.choose_in_time`: plans on the first half of each profile's tokens, measured on the second
+    halves, each routed as one batch under the option's replica rule; the largest value within `AUTO_MARGIN` of the
+    best wins). The load reliability is measured under the static rule, the load ratio under the rule the replicas
+    are planned for (without replicas both are the map), the shed margin under the load-aware one
+    (`replicas.routing.load_aware_homes`)."""
+    candidates, rule = CROSS_VALIDATED[option]
+    rule = rule or options.replica_choice
     return choose_in_time(
-        sample_Nk, membership_PN, num_experts, AUTO_RELIABILITIES, plan_on,
-        lambda plan, later_Nk: _served_balance(plan, later_Nk, num_devices, "static"), AUTO_SEEDS, AUTO_MARGIN,
-        windows=options.time_windows,
-    )
-
-
-def cross_validated_ratio(
-    sample_Nk: np.ndarray, membership_PN: np.ndarray, num_experts: int, num_devices: int, options: "RefinedOptions"
-) -> float:
-    """The `max_load_ratio` of `AUTO_LOAD_RATIOS` whose plan holds best on later tokens (`in_time.choose_in_time`),
-    measured under the rule the replicas are planned for (`replica_choice`; without replicas both are the map)."""
-
-    plan_on = _trial_planner(options, num_devices, "max_load_ratio")
-    return choose_in_time(
-        sample_Nk, membership_PN, num_experts, AUTO_LOAD_RATIOS, plan_on,
-        lambda plan, later_Nk: _served_balance(plan, later_Nk, num_devices, options.replica_choice), AUTO_SEEDS, AUTO_MARGIN,
-        windows=options.time_windows,
-    )
-
-
-def cross_validated_margin(
-    sample_Nk: np.ndarray, membership_PN: np.ndarray, num_experts: int, num_devices: int, options: "RefinedOptions"
-) -> float:
-    """The `shed_margin` of `AUTO_SHED_MARGINS` whose plan holds best on later tokens under the load-aware rule
-    (`in_time.choose_in_time`, each second half routed as one batch by `replicas.routing.load_aware_homes`)."""
-
-    plan_on = _trial_planner(options, num_devices, "shed_margin")
-    return choose_in_time(
-        sample_Nk, membership_PN, num_experts, AUTO_SHED_MARGINS, plan_on,
-        lambda plan, later_Nk: _served_balance(plan, later_Nk, num_devices, "load_aware"), AUTO_SEEDS, AUTO_MARGIN,
+        sample_Nk, membership_PN, num_experts, candidates, _trial_planner(options, num_devices, option),
+        lambda plan, later_Nk: _served_balance(plan, later_Nk, num_devices, rule), AUTO_SEEDS, AUTO_MARGIN,
         windows=options.time_windows,
     )
 
@@ -707,11 +691,11 @@ def refine_layer(
         weights_YN = token_scenarios(windows_PN, options.robust_resamples, options.robust_blocks, rng)
         reliability = options.load_reliability
         if reliability == "auto":
-            reliability = cross_validated_reliability(sample, membership_PN, num_experts, num_devices, options)
+            reliability = cross_validated("load_reliability", sample, membership_PN, num_experts, num_devices, options)
         reliability_Y = np.full(len(weights_YN), float(reliability))
         ratio = options.max_load_ratio
         if ratio == "auto":
-            ratio = cross_validated_ratio(sample, membership_PN, num_experts, num_devices, replace(options, load_reliability=reliability))
+            ratio = cross_validated("max_load_ratio", sample, membership_PN, num_experts, num_devices, replace(options, load_reliability=reliability))
         options = replace(options, max_load_ratio=ratio, load_reliability=reliability)  # what was chosen, from here on
 
         def loads_of(items_Nk: np.ndarray, num_items: int) -> np.ndarray:
@@ -751,8 +735,8 @@ def refine_layer(
     if load_aware:  # the even split within the limit, and room on every device to shed through copies
         shed_margin = options.shed_margin
         if shed_margin == "auto":
-            shed_margin = RefinedOptions.shed_margin if original_sample is None else cross_validated_margin(
-                original_sample, membership_PN, num_experts, num_devices, replace(options, load_reliability=reliability)
+            shed_margin = RefinedOptions.shed_margin if original_sample is None else cross_validated(
+                "shed_margin", original_sample, membership_PN, num_experts, num_devices, replace(options, load_reliability=reliability)
             )
         pin_slack = options.pin_slack
         if pin_slack == "auto":

@@ -23,7 +23,7 @@ With `load_reliability` the planner also corrects for regression to the mean: an
 in a finite profile is, on average, less hot on later tokens. Each profile's loads are pulled toward
 their mean by a reliability factor (`shrink_toward_mean`): how much of the spread between experts
 persists on new tokens, given, or chosen by the planner from the profile alone ("auto":
-`refined.cross_validated_reliability` plans on the first half of each profile's tokens with several
+`refined.cross_validated` plans on the first half of each profile's tokens with several
 factors and keeps the one that holds best on the second half). `split_half_reliability` (the
 correlation of the expert loads of the two halves, stepped up by Spearman-Brown) was the earlier
 estimate; it is kept as a diagnostic: on the Qwen trace it shrank too little (held-out 1.181 at D=8).
