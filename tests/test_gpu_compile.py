@@ -59,14 +59,14 @@ def test_inductor_compiled_model_equals_eager_in_fp32(family, num_devices, prune
 def test_a_call_that_tunes_the_kernels_equals_a_call_that_launches_them_directly_in_fp32(monkeypatch):
     """With the Triton tuning caches emptied, the first eager forward+backward of an occult model tunes every kernel
     (the autotuner times each candidate on the call's own tensors) and the second launches the chosen configs
-    directly (`run_tuned`): the two agree within 1e-5 (fp32; candidates differ only in their reduction blocks). On
-    the H200 the inductor test above failed exactly on each worker's first case (cut before its traceback): this
-    test tells a first-call difference from a timeout."""
+    directly (`run_tuned`): the two agree within 1e-5 (fp32; candidates differ only in their reduction blocks). A
+    tuning call that differed would make the first step of every run wrong, and the other tests, whose caches are
+    warm after a worker's first test, would not see it."""
     from occult_hf.kernels import grouped_mm_fused_kernels, triton_expert_mlp_kernels
     from triton.runtime.autotuner import Autotuner
 
     for module in (triton_expert_mlp_kernels, grouped_mm_fused_kernels):
-        for name, tuner in vars(module).items():
+        for tuner in vars(module).values():
             if isinstance(tuner, Autotuner):
                 monkeypatch.setattr(tuner, "cache", {})
     model = apply_occult(tiny_model("olmoe").cuda().train(), OccultConfig(num_devices=2, prune="router", max_devices_per_token=1))
