@@ -96,7 +96,7 @@ def test_run_jobs_rejects_bad_arguments(tmp_path):
 
 def test_run_jobs_starts_a_job_only_where_its_gpu_memory_fits(tmp_path):
     """Three free slots on one 10 GiB GPU: two 6 GiB jobs never run together; the 3 GiB job behind the second
-    waits its turn (jobs start in order), then runs beside it."""
+    starts in the room the first leaves."""
     spans = tmp_path / "spans"
     spans.mkdir()
     code = "import sys, time; s = time.time(); time.sleep(0.8); open(sys.argv[1], 'w').write(f'{s} {time.time()}')"
@@ -106,8 +106,8 @@ def test_run_jobs_starts_a_job_only_where_its_gpu_memory_fits(tmp_path):
     outcomes = run_jobs(jobs, ["0", "0", "0"], deadline=time.time() + 60, stall_s=30.0, poll_s=0.05, capacity_gib={"0": 10.0})
     assert all(o.ok for o in outcomes)
     (a0, a1), (b0, b1), (c0, c1) = (map(float, (spans / n).read_text().split()) for n in "abc")
-    assert b0 >= a1 and c0 >= a1  # b did not fit beside a, and c did not overtake b
-    assert c0 < b1  # c fits beside b
+    assert b0 >= a1  # b did not fit beside a
+    assert c0 < a1  # c did, without waiting for b
 
 
 # ----- the variants ----------------------------------------------------------------------------------

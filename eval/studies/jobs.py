@@ -141,8 +141,9 @@ def run_jobs(
             or None (the environment as given).
         deadline: epoch seconds after which running jobs are killed (`cut`) and none starts.
         stall_s: a running job whose log has not grown for this long is killed (`stalled`).
-        capacity_gib: GPU index -> GiB its jobs may hold together; the next job waits until a free slot's GPU
-            has room for its `memory_gib` (jobs start in order: a big job is not overtaken by smaller ones).
+        capacity_gib: GPU index -> GiB its jobs may hold together; a job waits until a free slot's GPU has room
+            for its `memory_gib`, and smaller jobs behind it may start in the room left (a job that fits always
+            starts before those behind it, so freed room goes to the first waiting job that fits).
     """
     if not slots:
         raise ValueError("run_jobs: slots must hold at least one entry (a GPU index or None)")
@@ -160,16 +161,18 @@ def run_jobs(
     last_status = time.time()
     while pending or running:
         now = time.time()
-        while pending and free:
-            job = pending[0]
+        for job in list(pending):  # in order; a job that does not fit (memory) lets the ones behind it try
+            if not free:
+                break
             if deadline - now < job.min_time_s:
-                outcomes[pending.pop(0).name] = JobOutcome(job.name, "not_started")
+                pending.remove(job)
+                outcomes[job.name] = JobOutcome(job.name, "not_started")
                 continue
             fitting = [s for s in free if _held_gib(running, s) + job.memory_gib <= capacity_gib.get(s, float("inf"))]
             if not fitting:
-                break
+                continue
             slot = fitting[0]
-            pending.pop(0)
+            pending.remove(job)
             free.remove(slot)
             job_env = dict(base_env)
             if slot is not None:
