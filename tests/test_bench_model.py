@@ -54,6 +54,29 @@ def test_bench_decode_dry_run(tmp_path):
     assert (tmp_path / "bench_decode_cpu.png").stat().st_size > 0
 
 
+def test_bench_decode_cut_short_keeps_the_batches_it_finished(tmp_path, monkeypatch):
+    """A run killed during batch 2 (a KeyboardInterrupt from inside its timing) leaves batch 1's table and rows."""
+    from occult_hf.benchmarks import decode
+    from occult_hf.cli import build_parser
+
+    timed = decode.time_step
+
+    def cut_at_batch_2(model, prompt_BS, *rest):
+        if prompt_BS.shape[0] == 2:
+            raise KeyboardInterrupt
+        return timed(model, prompt_BS, *rest)
+
+    monkeypatch.setattr(decode, "time_step", cut_at_batch_2)
+    args = build_parser().parse_args(["bench", "decode", "--cpu", "--models", "olmoe-1b-7b", "--layers", "1", "--hidden", "32",
+                                      "--intermediate", "16", "--batches", "1", "2", "--prompt", "4", "--new-tokens", "3",
+                                      "--repeats", "1", "--check-layers", "0", "--caches", "dynamic", "--out", str(tmp_path)])  # fmt: skip
+    with pytest.raises(KeyboardInterrupt):
+        decode.run(args)
+    rows = json.loads((tmp_path / "bench_decode_cpu.json").read_text())["rows"]
+    assert {(r["batch"], r["implementation"]) for r in rows} == {(1, "stock"), (1, "occult")}
+    assert "| olmoe-1b-7b | 1 " in (tmp_path / "bench_decode_cpu.md").read_text()
+
+
 @pytest.mark.skipif(not TRACE.is_file(), reason=f"real routing trace {TRACE} not present")
 def test_exchange_model_is_labelled_and_dedup_sends_less(tmp_path):
     out = _occult("bench", "exchange", "--model", str(TRACE), "--model-devices", "2", "4", "--tokens", "512",

@@ -24,6 +24,9 @@ parameters (attention, routers, shared experts, k of E experts per layer, embedd
 Correctness in the same run: greedy tokens of occult and stock with the static cache in fp32 (`--check-layers`
 decoder layers, fp32: ties that bf16 rounding breaks differently cannot change a token there), and the largest
 difference of the first step's logits at the full configuration, in the timed dtype.
+
+The table, its plot and the JSON rows are rewritten after every batch size, so a run cut at a time limit keeps the
+batches it finished.
 """
 
 from __future__ import annotations
@@ -31,9 +34,11 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import functools
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -143,11 +148,14 @@ def check_tokens(shape: str, args, device) -> str:
     return f"{shape}: greedy tokens (fp32, {args.check_layers} layers, B=4, 16 new, static cache) occult == stock: {equal}"
 
 
-def measure(shape: str, args, device) -> tuple[list[DecodeRow], str, float]:
-    """The rows of `shape`, a note (the logits' difference, the floor) and the batch-1 floor in ms per step."""
+def measure(shape: str, args, device, done: Callable[[list[DecodeRow], str, float], None]) -> None:
+    """Time every variant of `shape`; after each batch size, `done(rows so far, note, floor)`: the note (the logits'
+    difference, the floor) and the batch-1 floor in ms per step, so that a run cut short keeps the batches it
+    finished."""
     from occult_hf import apply_occult
 
     config = model_config(shape, args.layers or FULL_LAYERS[shape], args.hidden, args.intermediate)
+    floor_ms = active_bytes(config, args.dtype) / (args.bandwidth_gbs * 1e6)
     stock = build_model(config, device, args.dtype, args.seed)
     occult = apply_occult(copy.deepcopy(stock), {"num_devices": 1})
     models = {"stock": stock, "occult": occult}
@@ -157,6 +165,7 @@ def measure(shape: str, args, device) -> tuple[list[DecodeRow], str, float]:
         logits = {name: model(input_ids=prompt[:1]).logits[:, -1].float() for name, model in models.items()}
     note = f"{shape}: max |occult - stock| of the first step's logits ({str(args.dtype).removeprefix('torch.')}) = {(logits['occult'] - logits['stock']).abs().max().item():.3g}"
     print(note, flush=True)
+    note += f"; floor at batch 1 (active parameters at {args.bandwidth_gbs:.0f} GB/s) {floor_ms:.2f} ms/step"
     rows = []
     for batch in args.batches:
         for cache in args.caches:
@@ -171,11 +180,10 @@ def measure(shape: str, args, device) -> tuple[list[DecodeRow], str, float]:
                     continue
                 rows.append(DecodeRow(shape, batch, name, cache, ms, first))
                 print(f"{shape} B={batch} {name} {cache}: {ms:.2f} ms/step (first call {first:.1f} s)", flush=True)
-    floor_ms = active_bytes(config, args.dtype) / (args.bandwidth_gbs * 1e6)
+        done(rows, note, floor_ms)
     del stock, occult, models
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return rows, f"{note}; floor at batch 1 (active parameters at {args.bandwidth_gbs:.0f} GB/s) {floor_ms:.2f} ms/step", floor_ms
 
 
 def results_table(rows: list[DecodeRow]) -> str:
@@ -257,23 +265,26 @@ def run(args: argparse.Namespace) -> int:
     notes = [check_tokens(shape, args, device) for shape in args.models] if args.check_layers else []
     for note in notes:
         print(note, flush=True)
-    rows, floors_ms = [], {}
-    for shape in args.models:
-        shape_rows, note, floors_ms[shape] = measure(shape, args, device)
-        rows += shape_rows
-        notes.append(note)
-    table = results_table(rows)
-    notes += [f"{r.model} B={r.batch} {r.implementation} {r.cache} failed: {r.error}" for r in rows if r.error]
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = (
         f"`occult bench decode`, {str(args.dtype).removeprefix('torch.')}, prompt {args.prompt}, {args.new_tokens} new tokens, "
         f"{stamp}, {machine_line(device)}"
     )
-    text = f"{header}\n\n{table}\n\n" + "\n".join(f"- {note}" for note in notes)
-    print(f"\n{text}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / f"bench_decode_{device.type}.md", text + "\n")
-    plot(rows, floors_ms, out / f"bench_decode_{device.type}.png")
-    atomic_write_text(out / f"bench_decode_{device.type}.json", json.dumps({"header": header, "notes": notes, "rows": [asdict(r) for r in rows]}, indent=1))
+    rows_of, notes_of, floors_ms = {}, {}, {}
+
+    def write(shape: str, rows: list[DecodeRow], note: str, floor_ms: float) -> None:
+        """The table, notes, plot and JSON of every batch finished so far (rewritten after each one)."""
+        rows_of[shape], notes_of[shape], floors_ms[shape] = list(rows), note, floor_ms
+        every = [r for shape_rows in rows_of.values() for r in shape_rows]
+        lines = notes + list(notes_of.values()) + [f"{r.model} B={r.batch} {r.implementation} {r.cache} failed: {r.error}" for r in every if r.error]
+        text = f"{header}\n\n{results_table(every)}\n\n" + "\n".join(f"- {line}" for line in lines)
+        atomic_write_text(out / f"bench_decode_{device.type}.md", text + "\n")
+        plot(every, floors_ms, out / f"bench_decode_{device.type}.png")
+        atomic_write_text(out / f"bench_decode_{device.type}.json", json.dumps({"header": header, "notes": lines, "rows": [asdict(r) for r in every]}, indent=1))
+
+    for shape in args.models:
+        measure(shape, args, device, functools.partial(write, shape))
+    print("\n" + (out / f"bench_decode_{device.type}.md").read_text())
     return 0
