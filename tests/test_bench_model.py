@@ -41,6 +41,18 @@ def test_bench_model_dry_run(tmp_path):
     assert count("route", "1") == 2 * 2
 
 
+def test_bench_model_compiled_dry_run_profiles_the_compiled_models(tmp_path):
+    """With --compile and --profile, each model is timed and profiled also as torch.compile(model.model) (inductor on
+    the CPU here): four rows, and a profile of each compiled model's forward and forward+backward."""
+    out = _occult("bench", "model", "--cpu", "--compile", "--shapes", "olmoe-1b-7b", "--layers", "1", "--batch", "1", "--seq", "8",
+                  "--hidden", "32", "--intermediate", "16", "--backends", "auto", "--profile", "3", "--out", str(tmp_path), cwd=tmp_path)  # fmt: skip
+    rows = json.loads((tmp_path / "bench_model_cpu.json").read_text())["rows"]
+    assert [r["implementation"] for r in rows] == ["stock", "stock compiled", "occult", "occult compiled"]
+    assert all(r["fwd_bwd_ms"] == r["fwd_bwd_ms"] for r in rows), rows  # none failed (NaN)
+    for name in ("stock compiled", "occult compiled"):
+        assert f"### olmoe-1b-7b, {name}, 8 tokens" in out
+
+
 def test_bench_decode_dry_run(tmp_path):
     """Every variant (dynamic and static `generate()`, `GreedyDecoder`'s graph) of stock and occult runs and has its
     row, the fp32 greedy tokens of both are checked equal, and the table and the plot are written."""

@@ -4,7 +4,8 @@
 #   decode   `occult bench decode --models $MODEL` (batch 1, 8, 32, 64; dynamic and static cache, GreedyDecoder's graph; stock and occult
 #            in one run; the fp32 greedy-token check);
 #   train    `occult bench model --compile` (4 layers at the real OLMoE and Qwen1.5 layer shapes, 16,384 tokens,
-#            forward and forward+backward: stock eager, stock compiled, occult eager, occult compiled);
+#            forward and forward+backward: stock eager, stock compiled, occult eager, occult compiled); TRAIN_PROFILE=N
+#            adds each model's profile, compiled ones included (GPU busy against wall, the N costliest kernels);
 #   tests    the GPU tests of the compiled paths and of the restructured runtime (tests/test_gpu_compile.py,
 #            test_gpu_compile_ops.py, test_gpu_runtime.py, test_triton_kernels.py -m gpu, test_gpu_dispatch.py
 #            without its two-rank cases); a test's own limit is TEST_TIMEOUT (default 600 s: a worker's first test
@@ -41,7 +42,8 @@ for item in $STEPS; do
     decode)
       timeout "$limit" python3 -m occult_hf.cli bench decode --no-progress --models "$MODEL" --batches ${BATCHES:-1 8 32 64} --repeats 2 --out "$RESULTS/decode_$MODEL" 2>&1 | grep -v Warning | tee -a "$OUT/log.txt" ;;
     train)
-      timeout "$limit" python3 -m occult_hf.cli bench model --no-progress --compile --batch 8 --seq 2048 --out "$RESULTS/train" 2>&1 | grep -v Warning | tee -a "$OUT/log.txt" ;;
+      timeout "$limit" python3 -m occult_hf.cli bench model --no-progress --compile --batch 8 --seq 2048 ${TRAIN_PROFILE:+--profile $TRAIN_PROFILE} \
+        --out "$RESULTS/train" 2>&1 | grep -v Warning | tee -a "$OUT/log.txt" ;;
     tests)
       timeout -s INT "$limit" python3 -m pytest -v -rf --tb=short --durations=20 --timeout=${TEST_TIMEOUT:-600} --maxfail=${MAXFAIL:-3} -n ${WORKERS:-8} -m gpu -p no:cacheprovider "$REPO"/tests/test_gpu_compile.py \
         "$REPO"/tests/test_gpu_compile_ops.py "$REPO"/tests/test_gpu_runtime.py "$REPO"/tests/test_triton_kernels.py "$REPO"/tests/test_gpu_dispatch.py \

@@ -23,7 +23,8 @@ last hidden state. The models compute the same function (same weights, same rout
 table gives each one's time and the speed-up. `--profile N` adds, per model, a `torch.profiler` summary of one
 forward and one forward+backward (`ep.profile_steps`: wall against GPU busy time, device time per `occult::`
 stage, with the whole MoE block of either model as `moe block`, the N costliest kernels and host operators), which
-says where a layer's time goes.
+says where a layer's time goes; with `--compile`, of each compiled model too (its kernels: the named stages and
+blocks are not recorded inside a compiled graph).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import contextlib
 import copy
 import datetime
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -201,13 +203,17 @@ def measure(shape: str, args, device, dtype) -> list[ModelRow]:
         print(f"{shape} {name}: fwd {fwd:.2f} ms, fwd+bwd {fwd_bwd:.2f} ms", flush=True)
         if args.compile:
             torch._dynamo.reset()
+            compiled = torch.compile(model.model)
             try:
-                fwd, fwd_bwd = time_decoder(model, ids_BS, timer, torch.compile(model.model))
+                fwd, fwd_bwd = time_decoder(model, ids_BS, timer, compiled)
             except Exception as error:  # noqa: BLE001 - a model that fails to compile is a row, not the end of the run
                 fwd = fwd_bwd = float("nan")
                 print(f"{shape} {name} compiled: failed: {failure_text(error)}", flush=True)
             rows.append(ModelRow(shape, args.batch * args.seq, args.layers, f"{name} compiled", fwd, fwd_bwd, experts_impl))
             print(f"{shape} {name} compiled: fwd {fwd:.2f} ms, fwd+bwd {fwd_bwd:.2f} ms", flush=True)
+            if args.profile and not math.isnan(fwd):  # the compiled graph's kernels (no block ranges: hooks inside it would break it)
+                summary = profile_steps(decoder_steps(model, ids_BS, compiled), device, warm=True, top=args.profile)
+                print(f"### {shape}, {name} compiled, {args.batch * args.seq} tokens\n\n{summary}\n", flush=True)
     del stock, models
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
