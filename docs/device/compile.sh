@@ -49,7 +49,7 @@ for item in $STEPS; do
         "$REPO"/tests/test_gpu_compile_ops.py "$REPO"/tests/test_gpu_runtime.py "$REPO"/tests/test_triton_kernels.py "$REPO"/tests/test_gpu_dispatch.py \
         -k "not two_ranks" > "$RESULTS/tests.txt" 2>&1; grep -E "PASSED|FAILED|ERROR|SKIPPED|^E |passed|failed" "$RESULTS/tests.txt" | tail -120 | tee -a "$OUT/log.txt" ;;
     profile)
-      timeout "$limit" python3 "$REPO/docs/device/profile_decode.py" ${PROFILE:-dynamic static} > "$RESULTS/profile.txt" 2>&1; grep -v Warning "$RESULTS/profile.txt" | head -150 | tee -a "$OUT/log.txt" ;;
+      timeout "$limit" python3 "$REPO/docs/device/profile_decode.py" ${PROFILE:-dynamic static} > "$RESULTS/profile.txt" 2>&1; grep -v Warning "$RESULTS/profile.txt" | head -400 | tee -a "$OUT/log.txt" ;;
     base)
       mkdir -p /tmp/base_src && tar -xf "$REPO/.devdata/base.tar" -C /tmp/base_src && stage /tmp/base_src /tmp/base
       for tree in base now; do

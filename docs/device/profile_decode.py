@@ -7,7 +7,8 @@ One H200, the real OLMoE-1B-7B configuration (16 layers), random weights, bf16, 
   (`torch.cuda.set_sync_debug_mode("warn")`).
 - `static` (`cache_implementation="static"`: transformers compiles the step, CUDA graphs): the GPU's busy time per
   step (the kernels' durations from `torch.profiler`) against the wall time per step, and the kernels that take most.
-  Where wall exceeds busy, the step waits on the host (generate's own loop), not on the GPU.
+  Where wall exceeds busy, the step waits on the host, not on the GPU: inductor's cudagraph counters and a cProfile of
+  the same `generate()` say where that host time goes.
 
 Run by docs/device/compile.sh's `profile` step (`PROFILE` names the caches); prints to stdout.
 """
@@ -52,15 +53,20 @@ def profile_dynamic(name, model, prompt):
     print(f"{name}: {len(sites)} host synchronisations in a 2-token generate (prefill + 1 step)", flush=True)
     for site, count in collections.Counter(sites).most_common(12):
         print(f"  {count} x {site}", flush=True)
+    host_profile(name, model, prompt, "dynamic")
+
+
+def host_profile(name, model, prompt, cache):
+    """The host functions of a whole `generate()` with `cache` under cProfile, by own and by cumulative time."""
     profile = cProfile.Profile()
     profile.enable()
-    generate_greedy(model, prompt, STEPS, "dynamic")
+    generate_greedy(model, prompt, STEPS, cache)
     torch.cuda.synchronize()
     profile.disable()
     for order in ("tottime", "cumulative"):
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats(order).print_stats(28)
-        print(f"-- {name} by {order}\n" + text.getvalue().split("ncalls", 1)[1], flush=True)
+        print(f"-- {name} {cache} by {order}\n" + text.getvalue().split("ncalls", 1)[1], flush=True)
 
 
 def profile_static(name, model, prompt, wall_ms):
@@ -86,6 +92,10 @@ def profile_static(name, model, prompt, wall_ms):
     print(f"{name} static: GPU busy {busy_ms:.2f} ms of {wall_ms:.2f} ms per step", flush=True)
     for kernel, us in per_step.most_common(12):
         print(f"  {us / (STEPS - 1):8.1f} us/step  {kernel[:110]}", flush=True)
+    from torch._dynamo.utils import counters
+
+    print(f"{name} static: inductor counters " + str({k: v for k, v in counters["inductor"].items() if "graph" in k}), flush=True)
+    host_profile(name, model, prompt, "static")
 
 
 def main():
