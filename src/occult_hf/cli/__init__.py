@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMANDS:
         importlib.import_module(f"{__name__}.{name}").register(subparsers)
+    _add_no_progress_argument(parser)
     return parser
 
 
@@ -62,12 +63,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"occult {args.command}: error: {one_line(error)} (--debug shows the traceback)\n")
 
 
-def add_no_progress_argument(parser: argparse.ArgumentParser) -> None:
-    """`--no-progress`, which every subcommand takes: `main` then turns off every progress bar of the run."""
-    parser.add_argument(
-        "--no-progress", action="store_true",
-        help="draw no progress bars (as HF_HUB_DISABLE_PROGRESS_BARS=1 or transformers' disable_progress_bar() do)",
-    )  # fmt: skip
+def _add_no_progress_argument(parser: argparse.ArgumentParser) -> None:
+    """`--no-progress` on every leaf subcommand below `parser` (one place, so that no subcommand can lack it): `main`
+    then turns off every progress bar of the run."""
+    subcommands = [action for action in parser._actions if isinstance(action, argparse._SubParsersAction)]
+    for action in subcommands:
+        for sub in action.choices.values():
+            _add_no_progress_argument(sub)
+    if not subcommands:
+        parser.add_argument(
+            "--no-progress", action="store_true",
+            help="draw no progress bars (as HF_HUB_DISABLE_PROGRESS_BARS=1 or transformers' disable_progress_bar() do)",
+        )  # fmt: skip
 
 
 def check_output_dir(path: str, option: str = "--out") -> None:

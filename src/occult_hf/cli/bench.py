@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from . import add_no_progress_argument
 
 #: benchmark modules of `occult_hf.benchmarks`, in the order `occult bench --help` lists them
 BENCHMARKS: tuple[str, ...] = ("experts", "ep", "model", "decode", "realsize", "exchange", "paper", "replicas")
@@ -37,7 +36,6 @@ def register(subparsers) -> None:
             "--cpu", action="store_true",
             help="run on the CPU although no CUDA device is there: a check of the script at small sizes, not a measurement",
         )  # fmt: skip
-        add_no_progress_argument(sub)
         sub.set_defaults(func=_runner(name, module))
 
 

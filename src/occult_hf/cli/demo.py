@@ -25,7 +25,6 @@ import torch
 from ..utils.arguments import positive_int
 from ..utils.strict_json import read_json_file
 from .devices import add_num_devices_argument
-from . import add_no_progress_argument
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -39,7 +38,6 @@ def register(subparsers) -> None:
     parser.add_argument("--tokens", type=positive_int, default=12_288, help="tokens to profile in each of the plan and held-out halves")
     parser.add_argument("--seed", type=int, default=0, help="seed of the profile's token sample")
     parser.add_argument("--no-plots", action="store_true", help="print the table only")
-    add_no_progress_argument(parser)
     parser.set_defaults(func=run)
 
 

@@ -23,7 +23,6 @@ import argparse
 from occult_hf.registry import DISPATCH_MODES
 from occult_hf.pruning import pruning_policy_names
 from .devices import add_num_devices_argument
-from . import add_no_progress_argument
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -62,7 +61,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--output_path", dest="output_path", default="occult_eval",
         help="lm-eval's output folder: results go to OUTPUT_PATH/<model name>/results_<time>.json (default: occult_eval)",
     )
-    add_no_progress_argument(parser)
     parser.set_defaults(func=main)
 
 

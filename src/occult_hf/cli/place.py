@@ -7,7 +7,6 @@ import argparse
 from ..placement import PLACEMENT_FILENAME, available_planners
 from ..utils.strict_json import parse_json
 from .devices import add_devices_per_node_argument, add_num_devices_argument
-from . import add_no_progress_argument
 
 
 def register(subparsers) -> None:
@@ -34,7 +33,6 @@ def register(subparsers) -> None:
     add_option_argument(parser)
     add_cross_validate_argument(parser, default=2)
     parser.add_argument("--out", default=PLACEMENT_FILENAME, help=f"output path (default: {PLACEMENT_FILENAME})")
-    add_no_progress_argument(parser)
     parser.set_defaults(func=run)
 
 

@@ -6,7 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
-from . import add_no_progress_argument, check_output_dir
+from . import check_output_dir
 from .devices import add_devices_per_node_argument
 
 DEFAULT_DEVICES = (8, 16, 32, 64, 128, 256)
@@ -49,7 +49,6 @@ def register(subparsers) -> None:
     )  # fmt: skip
     parser.add_argument("--validate", action="store_true", help="print the calibration and its predictions of the measured two-GPU rows")
     parser.add_argument("--out", default=None, help="also write plan_cluster.md/.json/.png (or plan_cluster_validation.md) here")
-    add_no_progress_argument(parser)
     parser.set_defaults(func=run)
 
 

@@ -8,7 +8,6 @@ import os
 from ..profile import DEFAULT_SAMPLE_SIZE
 from ..utils.arguments import non_negative_int
 from .devices import resolve_device
-from . import add_no_progress_argument
 
 
 def register(subparsers) -> None:
@@ -53,7 +52,6 @@ def register(subparsers) -> None:
         help=f"tokens kept per layer in the top-k sample (default: {DEFAULT_SAMPLE_SIZE} for models, all for traces)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the token sample")
-    add_no_progress_argument(parser)
     parser.set_defaults(func=run)
 
 

@@ -6,7 +6,6 @@ import argparse
 
 from ..placement import PLACEMENT_FILENAME
 from ..registry import REPLICA_CHOICES
-from . import add_no_progress_argument
 
 
 def register(subparsers) -> None:
@@ -35,7 +34,6 @@ def register(subparsers) -> None:
         "loads that rule gives; load_aware the best split of the copies' loads, then the least CT (default: static)",
     )
     parser.add_argument("--out", default=PLACEMENT_FILENAME, help=f"output path (default: {PLACEMENT_FILENAME})")
-    add_no_progress_argument(parser)
     parser.set_defaults(func=run)
 
 

@@ -9,7 +9,6 @@ import os
 from ..placement import available_planners
 from .place import add_cross_validate_argument, add_option_argument
 from .devices import add_devices_per_node_argument, add_num_devices_argument
-from . import add_no_progress_argument
 
 
 def register(subparsers) -> None:
@@ -41,7 +40,6 @@ def register(subparsers) -> None:
     parser.add_argument("--plots", default="occult_report", help="directory for the PNG plots (default: occult_report)")
     parser.add_argument("--no-plots", action="store_true", help="print the table only")
     parser.add_argument("--heatmap-layer", type=int, default=None, help="layer of the co-activation heatmap")
-    add_no_progress_argument(parser)
     parser.set_defaults(func=run)
 
 

@@ -17,7 +17,6 @@ import json
 import os
 import time
 
-from . import add_no_progress_argument
 
 
 def separator(value: str) -> str:
@@ -52,7 +51,6 @@ def register(subparsers) -> None:
     parser.add_argument("--max-steps", type=int, default=None, help="override the recipe's steps")
     parser.add_argument("--time-budget", type=float, default=None, help="override the recipe's time budget (s)")
     parser.add_argument("--prepare-only", action="store_true", help="prepare the data and stop")
-    add_no_progress_argument(parser)
     parser.set_defaults(func=run)
 
 
