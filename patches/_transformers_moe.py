@@ -38,6 +38,11 @@ class FusedExpertsAdapter(MoEAdapter):
         logits_TE, _, topk_ids_Tk = output
         return logits_TE, topk_ids_Tk
 
+    def shared_output(self, block: nn.Module, x_TH: torch.Tensor) -> torch.Tensor | None:
+        """The block's `shared_experts` module on every token (the DeepSeek families' name), when it has one."""
+        shared = getattr(block, "shared_experts", None)
+        return None if shared is None else shared(x_TH)
+
     def select(self, block, logits_TE, allowed_TE):
         router = self.router(block)
         check_allowed(allowed_TE, logits_TE, router.top_k)

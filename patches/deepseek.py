@@ -50,11 +50,6 @@ class DeepseekAdapter(FusedExpertsAdapter):
             return routed_TH
         return AddAuxiliaryLoss.apply(routed_TH, aux_loss)
 
-    def shared_output(self, block, x_TH):
-        if block.shared_experts is None:
-            return None
-        return block.shared_experts(x_TH)
-
 
 ADAPTER = register_adapter(
     DeepseekAdapter(name="deepseek", block_class_names=("DeepseekMoeBlock",), num_experts_field="n_routed_experts")

@@ -38,9 +38,6 @@ class DeepseekV2Adapter(FusedExpertsAdapter):
         probs_TE = logits_TE.softmax(dim=-1, dtype=torch.float32)
         return probs_TE.gather(1, topk_ids_Tk) * router.routed_scaling_factor
 
-    def shared_output(self, block, x_TH):
-        return block.shared_experts(x_TH)
-
 
 ADAPTER = register_adapter(
     DeepseekV2Adapter(

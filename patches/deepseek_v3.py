@@ -38,9 +38,6 @@ class DeepseekV3Adapter(FusedExpertsAdapter):
             weights_Tk = weights_Tk / (weights_Tk.sum(dim=-1, keepdim=True) + 1e-20)
         return weights_Tk * router.routed_scaling_factor
 
-    def shared_output(self, block, x_TH):
-        return block.shared_experts(x_TH)
-
 
 ADAPTER = register_adapter(
     DeepseekV3Adapter(
