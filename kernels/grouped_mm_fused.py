@@ -39,7 +39,7 @@ from . import grouped_mm_fused_kernels as _kernels
 from .activations import ACTIVATIONS
 from .expert_mlp_reference import grouped_mm_op
 from .layout import ExpertSegments
-from .op_support import define_expert_operators
+from .op_support import EagerExpertFunction, define_expert_operators
 from .triton_expert_mlp import FAST_REDUCE, LaunchPlan, check_inputs, plan_from_tensors, row_index_of, row_sum, run_tuned
 from .triton_launch import launch
 from .triton_support import cdiv
@@ -121,20 +121,8 @@ def _backward(plan: LaunchPlan, ends_L, dout_RH, x_RH, pair_weight_N, gate_up_L2
     return dx, dweight, dgate_up, ddown
 
 
-class _GroupedMMFusedFunction(torch.autograd.Function):
+class _GroupedMMFusedFunction(EagerExpertFunction):
     """`_forward` / `_backward` for eager calls."""
-
-    @staticmethod
-    def forward(ctx, x_RH, pair_weight_N, gate_up_L2IH, down_LHI, plan: LaunchPlan, ends_L, save_for_backward: bool):
-        ctx.plan, ctx.ends_L = plan, ends_L
-        out_RH, gu_N2I = _forward(plan, ends_L, x_RH, pair_weight_N, gate_up_L2IH, down_LHI, save_for_backward)
-        if save_for_backward:
-            ctx.save_for_backward(x_RH, pair_weight_N, gate_up_L2IH, down_LHI, gu_N2I)
-        return out_RH
-
-    @staticmethod
-    def backward(ctx, dout_RH):
-        return *_backward(ctx.plan, ctx.ends_L, dout_RH, *ctx.saved_tensors, ctx.needs_input_grad[:4]), None, None, None
 
 
 def _operator_forward(x_RH, pair_weight_N, gate_up_L2IH, down_LHI, pair_row_N, expert_offsets, ends_L, row_pairs_N, row_offsets, activation, save):
@@ -184,7 +172,7 @@ def expert_mlp_grouped_mm_fused(
             row_pairs_N, row_offsets, activation, save,
         )[0]  # fmt: skip
     plan = plan_from_tensors(segments.pair_row, segments.expert_offsets, segments.num_rows, FAST_REDUCE, activation, row_pairs_N, row_offsets)
-    return _GroupedMMFusedFunction.apply(x_RH, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, plan, ends_L, save)
+    return _GroupedMMFusedFunction.apply(_forward, _backward, (plan, ends_L), save, x_RH, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI)
 
 
 __all__ = ["expert_mlp_grouped_mm_fused"]

@@ -81,4 +81,23 @@ def define_expert_operators(
     forward_op.register_autograd(formula, setup_context=setup_context)
 
 
-__all__ = ["define_expert_operators"]
+class EagerExpertFunction(torch.autograd.Function):
+    """A backend's `forward` / `backward` as an autograd function for eager calls, without the operator dispatch:
+    `forward(*statics, x, w, gate_up, down, save)` and `backward(*statics, dout, x, w, gate_up, down, gu, needs)`,
+    `statics` the launch state the backend computed once (its plan). Each backend subclasses it, so that profiles name
+    its own autograd node."""
+
+    @staticmethod
+    def forward(ctx, forward, backward, statics: tuple, save: bool, x_RH, pair_weight_N, gate_up_L2IH, down_LHI):
+        ctx.backward, ctx.statics = backward, statics
+        out_RH, gu_N2I = forward(*statics, x_RH, pair_weight_N, gate_up_L2IH, down_LHI, save)
+        if save:
+            ctx.save_for_backward(x_RH, pair_weight_N, gate_up_L2IH, down_LHI, gu_N2I)
+        return out_RH
+
+    @staticmethod
+    def backward(ctx, dout_RH):
+        return None, None, None, None, *ctx.backward(*ctx.statics, dout_RH, *ctx.saved_tensors, ctx.needs_input_grad[4:])
+
+
+__all__ = ["EagerExpertFunction", "define_expert_operators"]

@@ -60,7 +60,7 @@ from triton.runtime.jit import JITFunction
 from . import triton_expert_mlp_kernels as _kernels
 from .activations import ACTIVATIONS, activation_name
 from .layout import ExpertSegments, row_index
-from .op_support import define_expert_operators
+from .op_support import EagerExpertFunction, define_expert_operators
 from .triton_launch import launch
 from .triton_support import cdiv, interpreting, next_power_of_2
 
@@ -377,20 +377,8 @@ def _backward(plan: LaunchPlan, dout_RH, x_RH, pair_weight_N, gate_up_L2IH, down
     return dx, dweight, dgate_up, ddown
 
 
-class _ExpertMLPFunction(torch.autograd.Function):
+class _ExpertMLPFunction(EagerExpertFunction):
     """`_forward` / `_backward` for eager calls."""
-
-    @staticmethod
-    def forward(ctx, x_RH, pair_weight_N, gate_up_L2IH, down_LHI, plan: LaunchPlan, save_for_backward: bool):
-        ctx.plan = plan
-        out_RH, gu_N2I = _forward(plan, x_RH, pair_weight_N, gate_up_L2IH, down_LHI, save_for_backward)
-        if save_for_backward:
-            ctx.save_for_backward(x_RH, pair_weight_N, gate_up_L2IH, down_LHI, gu_N2I)
-        return out_RH
-
-    @staticmethod
-    def backward(ctx, dout_RH):
-        return *_backward(ctx.plan, dout_RH, *ctx.saved_tensors, ctx.needs_input_grad[:4]), None, None
 
 
 def _operator_forward(x_RH, pair_weight_N, gate_up_L2IH, down_LHI, pair_row_N, expert_offsets, row_pairs_N, row_offsets, reduce, activation, save):
@@ -544,7 +532,7 @@ def expert_mlp_triton(
     plan = plan_from_tensors(segments.pair_row, segments.expert_offsets, segments.num_rows, reduce, activation, row_pairs_N, row_offsets)
     if not save:  # nothing to differentiate (decoding): the autograd function's host time would be the only effect
         return _forward(plan, x_RH, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, save_gu=False)[0]
-    return _ExpertMLPFunction.apply(x_RH, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, plan, save)
+    return _ExpertMLPFunction.apply(_forward, _backward, (plan,), save, x_RH, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI)
 
 
 def expert_mlp_triton_stages(
