@@ -411,8 +411,8 @@ def bad_node_settings(rank, world_size) -> dict[str, tuple[str, float]]:
 
 #: what each rank's error must say, by bad setting
 BAD_SETTING_ERRORS = {
-    "devices_per_node=3": r"OccultConfig.devices_per_node must be an integer >= 1 dividing num_devices=4, got 3",
-    "$LOCAL_WORLD_SIZE=3": r"\$LOCAL_WORLD_SIZE must be an integer >= 1 dividing num_devices=4, got 3",
+    "devices_per_node=3": r"OccultConfig.devices_per_node=3 does not divide num_devices=4",
+    "$LOCAL_WORLD_SIZE=3": r"\$LOCAL_WORLD_SIZE=3 does not divide num_devices=4",
     "hierarchical on one node": r"OccultConfig.dispatcher='hierarchical' cannot serve 4 devices .*it needs an expert-parallel "
     r"group that spans nodes: OccultConfig.devices_per_node",
     "devices_per_node differs": r"disagree at apply_occult on devices_per_node \(rank 0 2, rank 1 2, rank 2 2, rank 3 1\)",

@@ -91,7 +91,7 @@ def test_node_traffic_matches_a_literal_loop():
     assert traffic.cross_rows_hierarchical == pytest.approx(np.mean(hierarchical))
     assert traffic.sent_cross_flat_D.tolist() == sent_flat.tolist()
     assert traffic.sent_cross_hierarchical_D.tolist() == sent_hier.tolist()
-    with pytest.raises(ValueError, match="devices_per_node must be a positive integer dividing num_devices=8"):
+    with pytest.raises(ValueError, match="devices_per_node=3 does not divide num_devices=8"):
         node_traffic(ids_Nk, device_of_E, num_devices, 3)
 
 

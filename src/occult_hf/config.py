@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .registry import DISPATCH_MODES, DISPATCHERS, EXPERT_BACKENDS, PRUNING_POLICIES, REPLICA_CHOICES
-from .utils.checks import check_num_devices, check_timeout_s, did_you_mean
+from .utils.checks import check_devices_per_node, check_num_devices, check_timeout_s, did_you_mean
 from .utils.strict_json import read_json_file
 _MISSING = object()
 
@@ -165,12 +165,7 @@ class OccultConfig:
                 f"OccultConfig.prune={self.prune!r} needs max_devices_per_token (N_d) or max_nodes_per_token to be set"
             )
         if self.devices_per_node is not None:
-            if _not_int(self.devices_per_node) or self.devices_per_node < 1:
-                raise ValueError(f"OccultConfig.devices_per_node must be None or an integer >= 1, got {self.devices_per_node!r}")
-            if self.num_devices is not None and self.num_devices % self.devices_per_node:
-                raise ValueError(
-                    f"OccultConfig.devices_per_node ({self.devices_per_node}) must divide num_devices ({self.num_devices})"
-                )
+            check_devices_per_node(self.devices_per_node, self.num_devices or self.devices_per_node, "OccultConfig.devices_per_node")  # no D: >= 1 only
         if self.max_nodes_per_token is not None:
             n_n = self.max_nodes_per_token
             if _not_int(n_n) or n_n < 1:

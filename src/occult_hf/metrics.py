@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .utils.checks import check_device_map, check_square, check_topk_ids
+from .utils.checks import check_device_map, check_devices_per_node, check_square, check_topk_ids
 from .replicas.routing import resolve_homes_np
 
 if TYPE_CHECKING:  # annotations only: the planners import this module, so it imports no planner
@@ -256,8 +256,7 @@ def node_traffic(
     num_experts = len(np.asarray(device_of_E))
     ids = check_topk_ids(topk_ids_Nk, num_experts)
     devices = check_device_map(device_of_E, num_experts, num_devices)
-    if isinstance(devices_per_node, bool) or not isinstance(devices_per_node, (int, np.integer)) or devices_per_node < 1 or num_devices % devices_per_node:
-        raise ValueError(f"devices_per_node must be a positive integer dividing num_devices={num_devices}, got {devices_per_node!r}")
+    check_devices_per_node(devices_per_node, num_devices)
     num_tokens, num_nodes = ids.shape[0], num_devices // int(devices_per_node)
     if num_tokens == 0:
         raise ValueError("node_traffic needs at least one token")

@@ -83,6 +83,7 @@ from occult_hf.patches.base import MoEAdapter, RouterOutput, replace_recorded_ro
 
 from .layout import LayerLayout
 from .registry import PRUNING_POLICIES
+from .utils.checks import check_devices_per_node
 
 # ----- the device set of each token -----------------------------------------------------------
 
@@ -341,10 +342,7 @@ class CollaborationPruner:
         self._capacity_sorted_D = torch.sort(capacity_D).values
         self.devices_per_node = devices_per_node
         if devices_per_node is not None:
-            if isinstance(devices_per_node, bool) or not isinstance(devices_per_node, int) or devices_per_node < 1 or layout.num_devices % devices_per_node:
-                raise ValueError(
-                    f"devices_per_node must be an integer dividing num_devices={layout.num_devices}, got {devices_per_node!r}"
-                )
+            check_devices_per_node(devices_per_node, layout.num_devices)
             self._capacity_sorted_Q = torch.sort(capacity_D.view(-1, devices_per_node).sum(1)).values
             self._node_homes_EM = None if not layout.replicated else _node_home_table(layout.home_table_EM.cpu(), devices_per_node)
         self.max_devices_per_token = max_devices_per_token

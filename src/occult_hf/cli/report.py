@@ -7,6 +7,7 @@ import dataclasses
 import os
 
 from ..placement import available_planners
+from ..utils.checks import check_devices_per_node
 from .place import add_cross_validate_argument, add_option_argument
 from .devices import add_devices_per_node_argument, add_num_devices_argument
 
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
             placements[_unique(name, placements)] = placement
     if args.devices_per_node is not None:
         for placement in placements.values():
-            placement.devices_per_node = check_devices_per_node(placement.num_devices, args.devices_per_node)
+            placement.devices_per_node = check_devices_per_node(args.devices_per_node, placement.num_devices, "--devices-per-node")
     print_report(profile, placements, None if args.no_plots else args.plots, args.heatmap_layer, args.hidden_size)
     return 0
 
@@ -85,13 +86,6 @@ def _unique(name: str, taken: dict) -> str:
     while name in taken:
         name = f"{name}'"
     return name
-
-
-def check_devices_per_node(num_devices: int, devices_per_node: int) -> int:
-    """`--devices-per-node` for a placement of `num_devices` (it must divide them)."""
-    from ..placement import check_devices_per_node as check
-
-    return check(devices_per_node, num_devices, "--devices-per-node")
 
 
 def plan_methods(

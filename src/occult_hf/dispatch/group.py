@@ -15,6 +15,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..utils.checks import check_devices_per_node
+
 
 @dataclass(frozen=True)
 class ExpertParallelGroup:
@@ -66,7 +68,7 @@ class ExpertParallelGroup:
         collective over the world, and keeps its own. None: this group is the only one."""
         if devices_per_node is None or devices_per_node >= self.num_devices:
             return self
-        devices_per_node = check_devices_per_node(devices_per_node, self.num_devices)
+        devices_per_node = check_devices_per_node(devices_per_node, self.num_devices, "OccultConfig.devices_per_node")
         if not self.is_distributed:
             return replace(self, devices_per_node=devices_per_node)
         size, nodes = devices_per_node, self.num_devices // devices_per_node
@@ -106,12 +108,6 @@ class ExpertParallelGroup:
                 )
             return cls(num_devices=size, group=group, rank=dist.get_rank(group))
         return cls(num_devices=1 if num_devices is None else int(num_devices))
-
-
-def check_devices_per_node(value, num_devices: int, setting: str = "OccultConfig.devices_per_node") -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or num_devices % value:
-        raise ValueError(f"{setting} must be an integer >= 1 dividing num_devices={num_devices}, got {value!r}")
-    return value
 
 
 #: the launchers' variable for the processes of one node (torchrun's --nproc-per-node)

@@ -20,7 +20,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from ..utils.atomic import atomic_write_text, json_text, to_json_native
-from ..utils.checks import did_you_mean, shown
+from ..utils.checks import check_devices_per_node, did_you_mean, shown
 from ..utils.strict_json import read_json_file
 from ..replicas.routing import PIN_SLACK, home_table_from
 from ..layout import LayerLayout
@@ -30,16 +30,6 @@ PLACEMENT_FILENAME = "occult_placement.json"
 MAX_LAYER_INDEX = 65535
 #: the largest placement file read (61 layers x 256 experts with replicas and meta is well under 1 MB)
 MAX_PLACEMENT_BYTES = 16 * 2**20
-
-
-def check_devices_per_node(value: Any, num_devices: int, what: str) -> int:
-    """`value` as the devices of one node: an integer >= 1 that divides `num_devices` (nodes hold equally many)."""
-    value = _strict_int(value, what, minimum=1)
-    if num_devices % value:
-        raise ValueError(
-            f"{what}={value} does not divide num_devices={num_devices}: every node must hold the same number of devices"
-        )
-    return value
 
 
 def contiguous_devices(num_experts: int, num_devices: int) -> np.ndarray:

@@ -69,6 +69,18 @@ def check_num_devices(num_devices, setting: str = "num_devices") -> int:
     return int(num_devices)
 
 
+def check_devices_per_node(value: Any, num_devices: int, setting: str = "devices_per_node") -> int:
+    """Return `value` as an int or raise naming `setting`: the devices of one node, an integer >= 1 (Python or numpy,
+    not a bool) that divides `num_devices`, since every node holds as many devices (devices n*G .. n*G+G-1: node n)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{setting} must be an integer >= 1, got {value!r}")
+    if num_devices % value:
+        raise ValueError(
+            f"{setting}={value} does not divide num_devices={num_devices}: every node must hold the same number of devices"
+        )
+    return int(value)
+
+
 def check_topk_ids(topk_ids_Nk: np.ndarray, num_experts: int, name: str = "topk_ids") -> np.ndarray:
     """Return `topk_ids_Nk` as int64 `[N, k]` or raise: integer, 2-D, ids in [0, E), distinct per row."""
     ids = np.asarray(topk_ids_Nk)
@@ -116,4 +128,4 @@ def check_square(matrix_EE: np.ndarray, num_experts: int, name: str = "coactivat
     return matrix
 
 
-__all__ = ["check_topk_ids", "check_device_map", "check_square", "check_timeout_s", "shown", "MAX_TIMEOUT_S"]
+__all__ = ["check_devices_per_node", "check_topk_ids", "check_device_map", "check_square", "check_timeout_s", "shown", "MAX_TIMEOUT_S"]
