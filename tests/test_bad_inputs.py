@@ -117,7 +117,7 @@ def test_a_placement_that_does_not_fit_names_its_file_and_what_it_was_checked_ag
     [
         ({"num_devices": True}, ValueError, "num_devices must be a positive integer, got True"),
         ({"num_devices": 2.0}, ValueError, "num_devices must be a positive integer, got 2.0"),
-        ({"prune": "router", "max_devices_per_token": True}, ValueError, "max_devices_per_token (N_d) must be an integer"),
+        ({"prune": "router", "max_devices_per_token": True}, ValueError, "max_devices_per_token must be an integer >= 1 or None, got True"),
         ({"deterministic": "no"}, TypeError, "OccultConfig.deterministic must be True or False, got str 'no'"),
         ({"deterministic": 1}, TypeError, "OccultConfig.deterministic must be True or False"),
         ({"profile": 3}, TypeError, "OccultConfig.profile must be None or a path"),

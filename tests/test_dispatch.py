@@ -231,7 +231,7 @@ def test_dispatcher_registry_and_config_errors():
         OccultConfig(dispatcher="nvshmem")
     with pytest.raises(ValueError, match="cannot serve 2 devices in one process"):
         dispatcher_class("all_to_all", ExpertParallelGroup(num_devices=2))
-    with pytest.raises(ValueError, match="dispatch_chunks must be None or an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match="dispatch_chunks must be an integer >= 1 or None, got 0"):
         OccultConfig(dispatch_chunks=0)
     with pytest.raises(ValueError, match=r"OccultConfig.exchange_timeout_s=-1 must be a number of seconds in \(0, 86400\]"):
         OccultConfig(exchange_timeout_s=-1)

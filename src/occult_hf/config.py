@@ -164,52 +164,36 @@ class OccultConfig:
             raise ValueError(
                 f"OccultConfig.prune={self.prune!r} needs max_devices_per_token (N_d) or max_nodes_per_token to be set"
             )
+        for name in ("max_devices_per_token", "max_nodes_per_token", "dispatch_chunks"):
+            value = getattr(self, name)
+            if value is not None and (_not_int(value) or value < 1):
+                raise ValueError(f"OccultConfig.{name} must be an integer >= 1 or None, got {value!r}")
+        for name in ("logical_devices", "deterministic"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"OccultConfig.{name} must be True or False, got {type(value).__name__} {value!r}")
         if self.devices_per_node is not None:
             check_devices_per_node(self.devices_per_node, self.num_devices or self.devices_per_node, "OccultConfig.devices_per_node")  # no D: >= 1 only
-        if self.max_nodes_per_token is not None:
-            n_n = self.max_nodes_per_token
-            if _not_int(n_n) or n_n < 1:
-                raise ValueError(f"OccultConfig.max_nodes_per_token must be an integer >= 1, got {n_n!r}")
-            if self.prune is None:
+        n_d = self.max_devices_per_token
+        if n_d is not None and self.num_devices is not None and n_d > self.num_devices:
+            raise ValueError(f"OccultConfig.max_devices_per_token (N_d={n_d}) cannot exceed num_devices ({self.num_devices})")
+        for name in ("max_nodes_per_token", "max_devices_per_token"):
+            if getattr(self, name) is not None and self.prune is None:
                 raise ValueError(
-                    f"OccultConfig.max_nodes_per_token={n_n} is set but prune is None; choose prune='router' or 'similarity'"
+                    f"OccultConfig.{name}={getattr(self, name)} is set but prune is None; choose prune='router' or 'similarity'"
                 )
-        if self.max_devices_per_token is not None:
-            n_d = self.max_devices_per_token
-            if _not_int(n_d) or n_d < 1:
-                raise ValueError(f"OccultConfig.max_devices_per_token (N_d) must be an integer >= 1, got {n_d!r}")
-            if self.num_devices is not None and n_d > self.num_devices:
-                raise ValueError(
-                    f"OccultConfig.max_devices_per_token (N_d={n_d}) cannot exceed num_devices ({self.num_devices})"
-                )
-            if self.prune is None:
-                raise ValueError(
-                    f"OccultConfig.max_devices_per_token={n_d} is set but prune is None; "
-                    f"choose prune='router' or 'similarity'"
-                )
-        if not isinstance(self.logical_devices, bool):
-            raise TypeError(f"OccultConfig.logical_devices must be True or False, got {self.logical_devices!r}")
         if self.prune is not None and PRUNING_POLICIES.trait(self.prune, "needs_similarity") and self.profile is None:
             raise ValueError(f"OccultConfig.prune={self.prune!r} needs a routing profile: set OccultConfig.profile")
         if self.dispatch not in DISPATCH_MODES:
             raise ValueError(f"OccultConfig.dispatch must be one of {DISPATCH_MODES}, got {self.dispatch!r}")
         if self.dispatcher != "auto":
             DISPATCHERS.check(self.dispatcher)
-        if self.dispatch_chunks is not None and (
-            not isinstance(self.dispatch_chunks, int) or isinstance(self.dispatch_chunks, bool) or self.dispatch_chunks < 1
-        ):
-            raise ValueError(f"OccultConfig.dispatch_chunks must be None or an integer >= 1, got {self.dispatch_chunks!r}")
         if self.exchange_timeout_s is not None and isinstance(self.exchange_timeout_s, str):
             raise ValueError(f"OccultConfig.exchange_timeout_s must be None or a number, got str {self.exchange_timeout_s!r}")
         if self.exchange_timeout_s is not None:
             check_timeout_s(self.exchange_timeout_s, "OccultConfig.exchange_timeout_s")
         if self.replica_choice not in REPLICA_CHOICES:
             raise ValueError(f"OccultConfig.replica_choice must be one of {REPLICA_CHOICES}, got {self.replica_choice!r}")
-        if not isinstance(self.deterministic, bool):
-            raise TypeError(
-                f"OccultConfig.deterministic must be True or False, got {type(self.deterministic).__name__} "
-                f"{self.deterministic!r}"
-            )
         if isinstance(self.profile, os.PathLike):
             self.profile = os.fspath(self.profile)
         if self.profile is not None and not isinstance(self.profile, str):
