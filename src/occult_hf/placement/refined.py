@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from ..metrics import load_floor
+from ..metrics import communication_cost, load_floor
 from .objectives import NodesFirst, PairwiseCut, SampleCT
 from ..registry import REPLICA_CHOICES
 from ..replicas.routing import PIN_SLACK, home_table_from, load_aware_homes, resolve_homes_np
@@ -52,12 +52,6 @@ from .placement import check_devices_per_node
 from .registry import balanced_capacities, check_layer_inputs, register_planner
 from .slowest import StepCosts, device_times, slowest_descent
 
-
-def metrics_ct_total(sample_Nk: np.ndarray, device_of_E: np.ndarray, num_devices: int) -> float:
-    """Total CT of the sample under `device_of_E`."""
-    from ..metrics import communication_cost
-
-    return float(communication_cost(sample_Nk, device_of_E, num_devices).sum())
 
 #: objective values are integers held in float64: a step must gain at least this much
 _MIN_GAIN = 0.5
@@ -152,23 +146,20 @@ class RefinedOptions:
     row_bytes: int = StepCosts.row_bytes
 
     def __post_init__(self) -> None:
-        ratio = self.max_load_ratio
-        if ratio != "auto" and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio >= 1.0):
-            raise ValueError(f"refined option max_load_ratio must be a number >= 1.0 or 'auto', got {ratio!r}")
+        for name, rule, holds in (
+            ("max_load_ratio", ">= 1.0", lambda v: v >= 1.0),
+            ("shed_margin", "in [0, 1)", lambda v: 0.0 <= v < 1.0),
+            ("pin_slack", "in [0, 1]", lambda v: 0.0 <= v <= 1.0),
+            ("load_reliability", "in [0, 1]", lambda v: 0.0 <= v <= 1.0),
+        ):
+            value = getattr(self, name)
+            if value != "auto" and (isinstance(value, bool) or not isinstance(value, (int, float)) or not holds(value)):
+                raise ValueError(f"refined option {name} must be a number {rule} or 'auto', got {value!r}")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"refined option objective must be one of {OBJECTIVES}, got {self.objective!r}")
         StepCosts(self.pair_cost_s, self.byte_cost_s, self.row_bytes)  # validates the costs
         if self.replica_choice not in REPLICA_CHOICES:
             raise ValueError(f"refined option replica_choice must be one of {REPLICA_CHOICES}, got {self.replica_choice!r}")
-        margin = self.shed_margin
-        if margin != "auto" and (isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0.0 <= margin < 1.0):
-            raise ValueError(f"refined option shed_margin must be a number in [0, 1) or 'auto', got {margin!r}")
-        slack = self.pin_slack
-        if slack != "auto" and (isinstance(slack, bool) or not isinstance(slack, (int, float)) or not 0.0 <= slack <= 1.0):
-            raise ValueError(f"refined option pin_slack must be a number in [0, 1] or 'auto', got {slack!r}")
-        value = self.load_reliability
-        if value != "auto" and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0):
-            raise ValueError(f"refined option load_reliability must be a number in [0, 1] or 'auto', got {value!r}")
         for name in ("robust_blocks", "time_windows"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -770,7 +761,7 @@ def refine_layer(
         costs = StepCosts(options.pair_cost_s, options.byte_cost_s, options.row_bytes)
         if group_X is None:
             best_E = slowest_descent(sample, best_E, num_devices, costs, load_YE / (limit_Y[:, None] * factor))
-            best_cost = float(metrics_ct_total(sample, best_E, num_devices))
+            best_cost = float(communication_cost(sample, best_E, num_devices).sum())  # the sample's total CT
         else:
             best_E, best_cost = _slowest_with_replicas(
                 best_E, original_sample, loads_of, group_X, limit_Y * factor, costs, num_devices
