@@ -138,6 +138,29 @@ def test_a_changing_token_count_compiles_once_more_not_every_step():
     assert len(compiles) == 2, f"{len(compiles)} compilations for 5 steps of different token counts"
 
 
+def test_profiling_a_compiled_model_does_not_compile_it_again():
+    """The occult blocks' profiler ranges read the profiler's state only in eager code: a compiled model run under
+    `torch.profiler` is the graph compiled without it (one compilation), and its output is the same."""
+    model = tiny_model("olmoe")
+    apply_occult(model, OccultConfig(num_devices=2))
+    input_ids = tiny_batch(batch=2, seq=8, seed=0)
+    model(input_ids=input_ids)  # transformers installs its output-capturing hooks on the first call, eagerly
+    torch._dynamo.reset()
+    compiles = []
+
+    def counting_backend(graph, example_inputs):
+        compiles.append(len(example_inputs))
+        return graph.forward
+
+    compiled = torch.compile(model, backend=counting_backend, fullgraph=True)
+    with torch.no_grad():
+        plain = compiled(input_ids=input_ids).logits
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+            profiled = compiled(input_ids=input_ids).logits
+    assert len(compiles) == 1, f"{len(compiles)} compilations: the profiler's state is guarded on"
+    torch.testing.assert_close(profiled, plain, rtol=0, atol=0)
+
+
 def test_static_cache_generate_runs_the_compiled_step_with_eager_tokens():
     """`generate(cache_implementation="static")` with a compile config (on the CPU transformers compiles only
     when asked: `_compile_all_devices`) decodes through the compiled forward: the same greedy tokens as eager

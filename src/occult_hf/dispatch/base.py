@@ -409,8 +409,10 @@ def stage(name: str):
     """A named range (`occult::<name>`) around one step of the exchange, for `torch.profiler` traces
     (`occult bench ep --profile` sums the device time of each). Only while a profiler runs: a
     `record_function` costs an operator call even without one (37 us against 2 us for the check, on the
-    development CPU; a forward opens about ten)."""
-    if not torch.autograd.profiler._is_profiler_enabled:
+    development CPU; a forward opens about ten). Never while dynamo traces: it drops `record_function` from the
+    graph anyway, and reading the profiler's state there would make it guard on that state, so that profiling a
+    compiled model compiled it again (a different graph from the one being measured)."""
+    if torch.compiler.is_compiling() or not torch.autograd.profiler._is_profiler_enabled:
         return contextlib.nullcontext()
     return torch.profiler.record_function(f"occult::{name}")
 
