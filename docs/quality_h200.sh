@@ -3,8 +3,10 @@
 #   bash docs/quality_h200.sh
 # from the checkout's root, with carry=[".devdata/study_long/data", ".whl"]: the prepared data of the study_long recipe
 # (occult train --prepare-only, without its hf_cache/) and the wheels of lm-eval 0.4.13, datasets 5.2.0, dill 0.4.1 and
-# multiprocess 0.70.19, which the machine's image lacks. Each call runs the pipeline for BUDGET seconds (default 540);
-# the work directory (WORK, default out/quality_work: an ignored path, so it stays on the machine between calls while
+# multiprocess 0.70.19, which the machine's image lacks. Each call runs the pipeline for BUDGET seconds (default 480:
+# the packages' install takes about 25 s before it and collecting and archiving the outputs about 70 s after it, so
+# 540 overran the device tool's 600 s limit on 2026-12-02); the work directory (WORK, default out/quality_work: an
+# ignored path, so it stays on the machine between calls while
 # the machine is held) lets the next call resume: the base job once, then the variants not yet done. The call prints
 # "N of M variants done"; it exits 0 when all are, 2 when some are left for the next call, 1 on a failure.
 # Env: DATA (default .devdata/study_long/data), WORK, BUDGET, SIZE (default study; micro with a micro corpus: a CPU
@@ -28,7 +30,7 @@ if [ -z "${NO_INSTALL:-}" ]; then
 fi
 nvidia-smi -L 2>/dev/null
 python3 -c "import torch, transformers, pyarrow, datasets, lm_eval, occult_hf.eval; print('torch', torch.__version__, 'transformers', transformers.__version__, 'pyarrow', pyarrow.__version__, 'datasets', datasets.__version__, 'lm_eval', lm_eval.__version__)" || exit 1
-python3 -m occult_hf.eval.studies.quality --data "$DATA" --work "$WORK" --out "$OUT" --size "${SIZE:-study}" --budget "${BUDGET:-540}" \
+python3 -m occult_hf.eval.studies.quality --data "$DATA" --work "$WORK" --out "$OUT" --size "${SIZE:-study}" --budget "${BUDGET:-480}" \
   ${PER_GPU:+--per-gpu $PER_GPU}
 STATUS=$?
 df -h "$WORK" | tail -1
