@@ -84,6 +84,13 @@ def test_run_jobs_cuts_at_the_deadline_and_does_not_start_what_cannot_finish(tmp
     assert "step" in outcomes[0].last_line and "deadline" in outcomes[0].describe()
 
 
+def test_run_jobs_status_counts_a_job_left_for_lack_of_time_apart_from_finished_ones(tmp_path, capsys):
+    busy = "import time\nfor i in range(1000):\n    print('step', i, flush=True); time.sleep(0.2)"
+    jobs = [_job(tmp_path, "long", busy), _job(tmp_path, "queued", "print(1)", min_time_s=100.0)]
+    run_jobs(jobs, [None, None], deadline=time.time() + 1.5, stall_s=30.0, poll_s=0.2, status_every_s=0.3)
+    assert "0 finished, 1 left for lack of time, 0 waiting, running: long" in capsys.readouterr().out
+
+
 def test_run_jobs_rejects_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="slots"):
         run_jobs([], [], deadline=time.time(), stall_s=1.0)

@@ -200,5 +200,7 @@ def run_jobs(
         if running and now - last_status >= status_every_s:
             last_status = now
             states = "; ".join(f"{r.job.name} {now - r.start:.0f} s: {last_line(r.job.log)[:80]}" for r in running)
-            print(f"{prefix} {len(outcomes)} finished, {len(pending)} waiting, running: {states}", flush=True)
+            skipped = sum(o.status == "not_started" for o in outcomes.values())
+            print(f"{prefix} {len(outcomes) - skipped} finished, {skipped} left for lack of time, {len(pending)} waiting, "
+                  f"running: {states}", flush=True)  # fmt: skip
     return [outcomes[job.name] for job in jobs]
