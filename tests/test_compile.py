@@ -118,12 +118,10 @@ def test_compiled_model_with_similarity_pruning_and_exact_logical_devices(tmp_pa
         _check_compiled_equals_eager(model, tiny_batch(batch=BATCH, seq=SEQ, seed=2), f"olmoe {settings}")
 
 
-def test_a_changing_token_count_compiles_once_more_not_every_step():
-    """Token counts of 24, 36, 16, 40 and 28: the first two compile (the second with the token dimension marked
-    dynamic, as dynamo does on a changed size), the rest reuse that graph."""
-    model = tiny_model("qwen2_moe")
-    apply_occult(model, OccultConfig(num_devices=2))
-    model(input_ids=tiny_batch(batch=2, seq=8, seed=0))
+def _compiled_counting_compilations(model, input_ids):
+    """`(compiled model, list that grows by one entry per compilation)`, `fullgraph=True`. The model runs eagerly on
+    `input_ids` first: transformers installs its output-capturing hooks on the first call, which dynamo cannot trace."""
+    model(input_ids=input_ids)
     torch._dynamo.reset()
     compiles = []
 
@@ -131,7 +129,15 @@ def test_a_changing_token_count_compiles_once_more_not_every_step():
         compiles.append(len(example_inputs))
         return graph.forward
 
-    compiled = torch.compile(model, backend=counting_backend, fullgraph=True)
+    return torch.compile(model, backend=counting_backend, fullgraph=True), compiles
+
+
+def test_a_changing_token_count_compiles_once_more_not_every_step():
+    """Token counts of 24, 36, 16, 40 and 28: the first two compile (the second with the token dimension marked
+    dynamic, as dynamo does on a changed size), the rest reuse that graph."""
+    model = tiny_model("qwen2_moe")
+    apply_occult(model, OccultConfig(num_devices=2))
+    compiled, compiles = _compiled_counting_compilations(model, tiny_batch(batch=2, seq=8, seed=0))
     with torch.no_grad():
         for seq in (12, 18, 8, 20, 14):
             compiled(input_ids=tiny_batch(batch=2, seq=seq, seed=seq))
@@ -144,15 +150,7 @@ def test_profiling_a_compiled_model_does_not_compile_it_again():
     model = tiny_model("olmoe")
     apply_occult(model, OccultConfig(num_devices=2))
     input_ids = tiny_batch(batch=2, seq=8, seed=0)
-    model(input_ids=input_ids)  # transformers installs its output-capturing hooks on the first call, eagerly
-    torch._dynamo.reset()
-    compiles = []
-
-    def counting_backend(graph, example_inputs):
-        compiles.append(len(example_inputs))
-        return graph.forward
-
-    compiled = torch.compile(model, backend=counting_backend, fullgraph=True)
+    compiled, compiles = _compiled_counting_compilations(model, input_ids)
     with torch.no_grad():
         plain = compiled(input_ids=input_ids).logits
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
