@@ -125,14 +125,14 @@ def test_a_job_needs_as_long_as_the_longest_variant_of_its_kind_took(tmp_path):
     results = tmp_path / "variants"
     results.mkdir()
     for name, tuned, wall, error in (("plain-s0", True, 170.0, None), ("plain-s1", True, 150.0, None),
-                                     ("noft-d4-router-2", False, 60.0, None), ("d4-router-2-s0", True, 900.0, "oom")):
+                                     ("noft-d4-router-2", False, 150.0, None), ("d4-router-2-s0", True, 900.0, "oom")):
         (results / f"{name}.json").write_text(json.dumps({"fine_tuned": tuned, "wall_s": wall, **({"error": error} if error else {})}))
     assert variant_need_s(tmp_path, True, 120.0) == 170.0
-    assert variant_need_s(tmp_path, False, 40.0) == 60.0
-    assert variant_need_s(tmp_path, False, 90.0) == 90.0
+    assert variant_need_s(tmp_path, False, 40.0) == 150.0
+    assert variant_need_s(tmp_path, False, 200.0) == 200.0
     assert variant_need_s(tmp_path / "fresh", True, 120.0) == 120.0  # nothing measured yet: the floor
     jobs = pack_jobs(["plain-s2", "noft-d4-router-1"], ["-m", "x"], tmp_path, "study")
-    assert [j.min_time_s for j in jobs] == [JOB_START_S + 170.0, JOB_START_S + 60.0]
+    assert [j.min_time_s for j in jobs] == [JOB_START_S + 170.0, JOB_START_S + 150.0]  # above the study size's floors
 
 
 # ----- the variants ----------------------------------------------------------------------------------
