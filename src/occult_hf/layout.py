@@ -41,6 +41,9 @@ class LayerLayout:
         num_replicated: replicated experts of the layer whose copies' gradients are summed (EP only, else 0).
         pin_slack: the load-aware replica rule's pin slack at this layer.
         identity_slots: every expert in its own slot with one home: the routing ids are the local slots themselves.
+        num_experts: `E` and num_local_experts: `L`, host ints made once from the tensors' lengths: a forward
+            reads them, and a compiled one then guards on an int instead of on a tensor's metadata (dynamo
+            re-checks its guards before every call: at batch 1 they are a visible share of a decode step).
     """
 
     layer: int
@@ -58,6 +61,12 @@ class LayerLayout:
     pin_slack: float
     identity_slots: bool
     _on_device: dict = field(default_factory=dict, repr=False)
+    num_experts: int = field(init=False)
+    num_local_experts: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "num_experts", self.device_of_E.numel())
+        object.__setattr__(self, "num_local_experts", self.expert_ids_L.numel())
 
     @classmethod
     def of(cls, placement, layer: int, rank: int | None = None) -> "LayerLayout":
@@ -100,14 +109,6 @@ class LayerLayout:
             pin_slack=placement.pin_slack_of(layer),
             identity_slots=not replicated and local_index == list(range(num_experts)),
         )
-
-    @property
-    def num_experts(self) -> int:
-        return self.device_of_E.numel()
-
-    @property
-    def num_local_experts(self) -> int:
-        return self.expert_ids_L.numel()
 
     @property
     def replicated(self) -> bool:

@@ -9,7 +9,7 @@ Shape legend (docs/conventions.md): T tokens, k experts per token, D devices.
 - `RoutingMeter`: the callback's per-window sums of the routing a layer actually dispatched: CT, remote
   copies and tokens x experts per device, from the devices that served each pair.
 
-Both only add into their own buffers under `no_grad`; reductions across ranks and decisions happen in the
+Both only add into their own buffers (integers, or under `no_grad`); reductions across ranks and decisions happen in the
 callback or the CLI, never in a forward.
 """
 
@@ -39,9 +39,11 @@ class ExchangeStats(nn.Module):
         self.register_buffer("forwards", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
         self._row_bytes = 0
 
-    @torch.no_grad()
     def record(self, counts_D2: torch.Tensor, row_bytes: int) -> None:
-        """Add one dispatch: its `[D, 2]` int64 (rows, pairs) per device and the bytes of one of its rows."""
+        """Add one dispatch: its `[D, 2]` int64 (rows, pairs) per device and the bytes of one of its rows.
+
+        Integer tensors never join autograd, so no `no_grad` is needed; a compiled forward would guard on the
+        decorator's closure, and its guards are re-checked before every call."""
         if not self._row_bytes:
             self._row_bytes = row_bytes
         elif row_bytes != self._row_bytes:

@@ -249,7 +249,8 @@ class TokenDispatcher:
         ep: the expert-parallel group.
         layout: the layer's `LayerLayout` for this rank: each expert's device and slot there, and with replicated
             experts the home and slot tables, which make `plan.destinations` apply the replica routing rule.
-        settings: the `DispatchSettings`.
+        settings: the `DispatchSettings`; `mode` and `chunks` are its fields, copied.
+        num_local_experts: `L`, experts computed on this rank (E in one process).
         timeout_s: bound on every wait on a peer, seconds (resolved from the settings and the environment).
         layer: the layer's name in error messages (`label`, else "layer <index>").
     """
@@ -272,24 +273,14 @@ class TokenDispatcher:
         self.settings = settings
         self.timeout_s = resolve_timeout(settings.timeout_s)
         self.layer = label or f"layer {layout.layer}"
+        # plain copies of what every forward reads: a compiled model guards on each as one value (a property
+        # costs dynamo a guard chain on the class), and its guards are re-checked before every call
+        self.mode, self.chunks, self.num_local_experts = settings.mode, settings.chunks, layout.num_local_experts
         self._routes = FusedRoutes()  # the load-aware rule's per-expert half: one Triton launch on a GPU
         #: `[T, k]` the device that served each pair of the last dispatch planned through `destinations_of`
         #: (None before one): readers such as the callback's CT meter take it instead of re-deriving it, which
         #: under `replica_choice="load_aware"` would need the count all-gather again
         self.last_destinations_Tk: torch.Tensor | None = None
-
-    @property
-    def mode(self) -> str:
-        return self.settings.mode
-
-    @property
-    def chunks(self) -> int | None:
-        return self.settings.chunks
-
-    @property
-    def num_local_experts(self) -> int:
-        """`L`, experts computed on this rank (E in one process)."""
-        return self.layout.num_local_experts
 
     @classmethod
     def supports(cls, ep: ExpertParallelGroup, device: torch.device | None = None) -> bool:

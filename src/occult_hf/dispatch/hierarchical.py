@@ -154,15 +154,11 @@ class HierarchicalDispatcher(AllToAllDispatcher):
                 f"{'is one node' if ep.is_distributed else 'is one process'} (devices_per_node={ep.devices_per_node})"
             )
         super().__init__(ep, layout, settings, label)
+        self.chunks = 1  # the hops are not pipelined (`OccultConfig.dispatch_chunks` overlaps the flat exchange only)
 
     @classmethod
     def supports(cls, ep, device=None) -> bool:
         return ep.is_distributed and ep.spans_nodes
-
-    @property
-    def chunks(self) -> int:
-        """One: the hops are not pipelined (`OccultConfig.dispatch_chunks` overlaps the flat exchange only)."""
-        return 1
 
     def dispatch(self, x_TH: torch.Tensor, routing, concurrent=None) -> Dispatched:
         """Both hops (see the module docstring); `concurrent` (see `TokenDispatcher.run`) is issued behind the count
