@@ -208,6 +208,24 @@ def test_counters_report_rows_pairs_and_bytes():
         assert module.stats.rows_sent.tolist() == [2 * 32] and module.stats.pairs_sent.tolist() == [2 * 32 * top_k]
 
 
+def test_untracked_forwards_keep_no_routing_and_count_nothing_with_the_same_output():
+    from occult_hf import OccultConfig, track_routing
+    from occult_hf.hf.apply import apply_occult, occult_modules
+
+    model = apply_occult(tiny_model("olmoe", seed=1), OccultConfig(num_devices=4, prune="router", max_devices_per_token=2))
+    tracked = model(tiny_batch()).logits
+    kept = {name: module.last_topk_ids_Tk for name, module in occult_modules(model).items()}
+    track_routing(model, False)
+    untracked = model(tiny_batch(seed=1)).logits
+    assert not torch.equal(untracked, tracked) and torch.equal(model(tiny_batch()).logits, tracked)
+    for name, module in occult_modules(model).items():
+        assert module.last_topk_ids_Tk is kept[name] and int(module.stats.forwards) == 1
+    track_routing(model)
+    model(tiny_batch(seed=1))
+    for name, module in occult_modules(model).items():
+        assert module.last_topk_ids_Tk is not kept[name] and int(module.stats.forwards) == 2
+
+
 def test_a_bad_occult_config_fails_before_the_checkpoint_is_read(tmp_path):
     """from_pretrained(occult_config=<bad>) must not read a whole checkpoint (minutes for a real one) and
     only then reject the config: here the weights file is garbage, so reading it first would fail on it."""

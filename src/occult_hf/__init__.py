@@ -21,6 +21,7 @@ from .hf.apply import (
     occult_config_of,
     occult_modules,
     reset_counters,
+    track_routing,
     uninstall,
     unapply_occult,
 )
@@ -66,6 +67,7 @@ __all__ = [
     "plan_placement",
     "reset_counters",
     "snapshot_experts",
+    "track_routing",
     "unapply_occult",
     "uninstall",
 ]

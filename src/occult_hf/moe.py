@@ -45,7 +45,9 @@ class OccultMoE(nn.Module):
     After each forward: `last_topk_ids_Tk` (`[T, k]` int64, detached) is the routing actually dispatched
     (after pruning) and `last_devices_TD` (`[T, D]` bool or None) the devices pruning limited each token to
     when the layer has replicated experts; `stats` has added what the dispatch sent. In one process the
-    destinations are the logical devices.
+    destinations are the logical devices. Both only while `track` is true (the default; `track_routing(model,
+    False)` clears it): a compiled forward returns the stored routing as an extra output and re-checks guards
+    on the stores and the counters before every call, which at batch 1 is a visible share of a decode step.
     """
 
     def __init__(
@@ -68,6 +70,7 @@ class OccultMoE(nn.Module):
         self.pruner = pruner
         self.last_topk_ids_Tk: torch.Tensor | None = None
         self.last_devices_TD: torch.Tensor | None = None
+        self.track = True
         experts_module = adapter.experts_module(block)
         for name, child in block.named_children():
             if child is not experts_module:
@@ -111,7 +114,7 @@ class OccultMoE(nn.Module):
         return experts
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        block = self.original_block
+        block = self._original[0]  # not the property: a compiled forward guards on a property's class chain
         shape = hidden_states.shape
         x_TH = hidden_states.reshape(-1, shape[-1])
         with stage("route"):
@@ -120,14 +123,16 @@ class OccultMoE(nn.Module):
             dispatched = TokenRouting(routing.topk_ids_Tk, routing.topk_weights_Tk)
         else:  # may also limit each token's devices (with replicas: which home serves a pair)
             dispatched = self.pruner.route(block, routing)
-        self.last_topk_ids_Tk = dispatched.topk_ids_Tk.detach()
-        self.last_devices_TD = dispatched.devices_TD
+        if self.track:
+            self.last_topk_ids_Tk = dispatched.topk_ids_Tk.detach()
+            self.last_devices_TD = dispatched.devices_TD
 
         shared = []  # the shared experts need no exchange: the dispatcher issues them while its rows are on the wire
         routed_TH, plan = self.dispatcher.run(
             x_TH, dispatched, self.experts, concurrent=lambda: shared.append(self.adapter.shared_output(block, x_TH))
         )
-        self.stats.record(plan.counts_D2, plan.row_bytes)
+        if self.track:
+            self.stats.record(plan.counts_D2, plan.row_bytes)
 
         routed_TH = self.adapter.attach_aux_loss(block, routed_TH, routing.aux_loss)
         shared_TH = shared[0]

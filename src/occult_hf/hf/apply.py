@@ -166,6 +166,14 @@ def reset_counters(model: nn.Module) -> None:
         module.stats.reset()
 
 
+def track_routing(model: nn.Module, enabled: bool = True) -> None:
+    """Whether every `OccultMoE` keeps its last routing and adds to its counters in each forward (on by
+    default). Serving needs neither: off, a compiled decode step has one graph output and a few hundred guards
+    fewer per call (docs/runtime.md, "Counters")."""
+    for module in occult_modules(model).values():
+        module.track = bool(enabled)
+
+
 def _paths(blocks) -> list[str]:
     return [path for _, path, _ in blocks]
 
@@ -272,6 +280,7 @@ __all__ = [
     "occult_modules",
     "occult_config_of",
     "reset_counters",
+    "track_routing",
     "install",
     "uninstall",
     "is_installed",

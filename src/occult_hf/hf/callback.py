@@ -212,6 +212,12 @@ class OccultCallback(TrainerCallback):
                 f"OccultCallback found no OccultMoE blocks in {type(model).__name__}: load the model with "
                 f"occult_config=... or call occult_hf.apply_occult(model, config) first"
             )
+        untracked = sorted(layer for layer, block in blocks.items() if not block.track)
+        if untracked:  # the meters read each forward's routing: stale routing would be counted again, silently
+            raise ValueError(
+                f"OccultCallback meters the routing of each forward, but layers {untracked} do not keep it: "
+                f"call occult_hf.track_routing(model) before training"
+            )
         self.on_train_end(None, None, None)  # a second train() call re-binds cleanly
         self._model, self._blocks = model, blocks
         self._meters = {layer: RoutingMeter() for layer in blocks}
