@@ -10,6 +10,10 @@ One H200, the real OLMoE-1B-7B configuration (16 layers), random weights, bf16, 
   Where wall exceeds busy, the step waits on the host, not on the GPU: inductor's cudagraph counters and a cProfile of
   the same `generate()` say where that host time goes.
 
+- `host` (the static cache again, three models in one process: occult, occult with `track_routing(model, False)`,
+  stock): the wall time per step, three times each in turns, and the host ranges of a step that the profiler
+  names: dynamo's guard check (`TorchDynamo Cache Lookup`), the compiled region, the graph launch.
+
 Run by docs/device/compile.sh's `profile` step (`PROFILE` names the caches); prints to stdout.
 """
 
@@ -24,7 +28,7 @@ import warnings
 
 import torch
 
-from occult_hf import apply_occult
+from occult_hf import apply_occult, track_routing
 from occult_hf.benchmarks.decode import generate_greedy, time_step
 from occult_hf.benchmarks.model import build_model, model_config
 
@@ -98,6 +102,31 @@ def profile_static(name, model, prompt, wall_ms):
     host_profile(name, model, prompt, "static")
 
 
+HOST_RANGES = ("TorchDynamo Cache Lookup", "Torch-Compiled Region", "cudaGraphLaunch")
+
+
+def profile_host(models, prompt):
+    untracked = apply_occult(copy.deepcopy(models["stock"]), {"num_devices": 1})
+    track_routing(untracked, False)
+    models = {"occult": models["occult"], "occult untracked": untracked, "stock": models["stock"]}
+    walls = collections.defaultdict(list)
+    for _ in range(3):  # in turns, so that a slower minute of the shared host does not fall on one model
+        for name, model in models.items():
+            walls[name].append(time_step(model, prompt, STEPS, "static", repeats=2)[0])
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, model in models.items():
+        with profile(activities=[ProfilerActivity.CPU]) as run:
+            generate_greedy(model, prompt, STEPS, "static")
+            torch.cuda.synchronize()
+        events = {event.key: event for event in run.key_averages()}
+        ranges = ", ".join(
+            f"{key} {events[key].cpu_time_total / events[key].count / 1e3:.3f} ms x {events[key].count}"
+            for key in HOST_RANGES if key in events
+        )  # fmt: skip
+        print(f"host {name}: {' / '.join(f'{w:.2f}' for w in walls[name])} ms per step; {ranges}", flush=True)
+
+
 def main():
     caches = sys.argv[1:] or ["dynamic", "static"]
     device = torch.device("cuda")
@@ -105,6 +134,8 @@ def main():
     stock = build_model(config, device, torch.bfloat16)
     models = {"occult": apply_occult(copy.deepcopy(stock), {"num_devices": 1}), "stock": stock}  # occult first: a cut run keeps it
     prompt = torch.randint(0, config.vocab_size, (1, 128), device=device)
+    if caches == ["host"]:
+        return profile_host(models, prompt)
     for cache in caches:
         for name, model in models.items():
             wall_ms, _ = time_step(model, prompt, STEPS, cache, repeats=2)
