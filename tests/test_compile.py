@@ -234,14 +234,19 @@ def test_a_failed_compile_leaves_the_eager_model_working():
 
 
 def _trainer_losses(model, output_dir: str, compile_: bool, callbacks=()):
+    """The per-step losses of a Trainer run, compiled with `aot_eager` or eager. The backend is passed only with
+    `compile_`: `TrainingArguments` turns `torch_compile` on whenever a backend is named, so the eager reference
+    would be compiled too (and compared with itself)."""
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
 
     rows = [tiny_batch(batch=1, seq=SEQ, seed=s)[0].tolist() for s in range(16)]
     args = TrainingArguments(
         output_dir, per_device_train_batch_size=2, max_steps=TRAIN_STEPS, logging_steps=1, report_to=[], use_cpu=True, seed=0,
-        torch_compile=compile_, torch_compile_backend="aot_eager", save_strategy="no", learning_rate=1e-3, disable_tqdm=True,
+        torch_compile=compile_, torch_compile_backend="aot_eager" if compile_ else None, save_strategy="no", learning_rate=1e-3,
+        disable_tqdm=True,
     )  # fmt: skip
+    assert args.torch_compile == compile_
     trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_dict({"input_ids": rows, "labels": rows}), callbacks=list(callbacks))
     trainer.train()
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
