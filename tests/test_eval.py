@@ -48,6 +48,8 @@ MC_DOCS, GEN_DOCS = 10, 7  # 7 generation prompts: 4 and 3 per rank, so lm-eval 
 BATCH_SIZE = 4
 NUM_DEVICES = 2  # logical devices in one process, real ranks under EP
 EVAL_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+#: one pytest worker runs this module, so its module-scoped checkpoints, task index, evaluations and EP world are made once
+pytestmark = pytest.mark.xdist_group("eval")
 
 
 def build_tokenizer(directory: Path) -> None:

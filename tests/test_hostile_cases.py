@@ -36,6 +36,8 @@ EMPTY_DEVICE = {"num_experts": 8, "num_devices": 2, "layers": {"0": [0] * 8, "1"
 CASES = {}
 #: multi-rank cases: name -> check(each rank's outcome, the world's directory)
 WORLD_CASES = {}
+#: one pytest worker runs this module, so the multi-rank cases share one world (`world`)
+pytestmark = pytest.mark.xdist_group("hostile_cases")
 
 
 def _registrar(table: dict):

@@ -22,6 +22,9 @@ from occult_hf.eval.studies.jobs import Job, run_jobs
 from occult_hf.eval.studies.variants import Variant, study_variants
 from occult_hf.training.data import RECORD_SEPARATOR
 
+#: one pytest worker runs this module, so the micro pipeline (`micro_run`, about a minute) runs once
+pytestmark = pytest.mark.xdist_group("quality_study")
+
 NAMES = "value total items offset buffer count index result parser stream handle config".split()
 PROSE = {
     "python_docs": "the function returns a list of values when called with an argument see also module class".split(),

@@ -14,7 +14,6 @@ unwritten element shows up as NaN.
 
 from __future__ import annotations
 
-import atexit
 import importlib
 import math
 import os
@@ -40,38 +39,22 @@ GROUPED_MM = expert_mlp_reference_module.grouped_mm_op()  # the real one, before
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 REPO = Path(__file__).resolve().parents[1]
 
-#: the child pytest that runs this file's kernel tests under the Triton interpreter, once started
-_INTERPRETED_RUN: dict[str, object] = {}
+#: seconds the child pytest of the interpreted kernel tests may run
 INTERPRETED_TIMEOUT_S = 600
-
-
-def start_interpreted_run() -> None:
-    """Start this file's CPU tests under `TRITON_INTERPRET=1` in a child pytest (conftest starts it when the suite is
-    collected, to run beside the other tests); its output goes to temporary files, which no pipe can fill."""
-    if INTERPRETING or _INTERPRETED_RUN:
-        return
-    import tempfile
-
-    output = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-    command = [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-m", "not gpu", "-p", "no:cacheprovider"]
-    process = subprocess.Popen(command, cwd=REPO, env={**os.environ, "TRITON_INTERPRET": "1"}, stdout=output[0], stderr=output[1], text=True)
-    atexit.register(process.kill)  # a suite that stops before the test leaves no child behind
-    _INTERPRETED_RUN.update(process=process, output=output)
 
 
 @pytest.mark.skipif(INTERPRETING, reason="this process already interprets the kernels")
 def test_interpreted_kernels_in_child_process():
-    start_interpreted_run()
-    process, (stdout_file, stderr_file) = _INTERPRETED_RUN["process"], _INTERPRETED_RUN["output"]
+    """This file's CPU tests in a child pytest under `TRITON_INTERPRET=1`, in one process (`-n 0`: the worker that
+    runs this test waits on it, so the child takes that worker's core)."""
+    command = [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-m", "not gpu", "-p", "no:cacheprovider", "-n", "0"]
     try:
-        process.wait(timeout=INTERPRETED_TIMEOUT_S)
+        done = subprocess.run(command, cwd=REPO, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
+                              timeout=INTERPRETED_TIMEOUT_S)  # fmt: skip
     except subprocess.TimeoutExpired:
-        process.kill()
         pytest.fail(f"the interpreted kernel tests ran past {INTERPRETED_TIMEOUT_S} s")
-    stdout_file.seek(0), stderr_file.seek(0)
-    stdout, stderr = stdout_file.read(), stderr_file.read()
-    assert process.returncode == 0, f"interpreted kernel tests failed (exit {process.returncode}):\n{stdout[-6000:]}\n{stderr[-3000:]}"
-    assert " passed" in stdout and " failed" not in stdout
+    assert done.returncode == 0, f"interpreted kernel tests failed (exit {done.returncode}):\n{done.stdout[-6000:]}\n{done.stderr[-3000:]}"
+    assert " passed" in done.stdout and " failed" not in done.stdout
 
 
 @dataclass(frozen=True)
