@@ -1,6 +1,7 @@
 """Where the time of one `generate()` step at batch 1 goes, stock against occult (issue 31).
 
-One H200, the real OLMoE-1B-7B configuration (16 layers), random weights, bf16, a 128-token prompt.
+One H200, the real configuration of `MODEL` (default olmoe-1b-7b; qwen1.5-moe-a2.7b), all its layers, random
+weights, bf16, a 128-token prompt.
 
 - `dynamic` (the default cache, eager): the host functions that take the most of a step (cProfile over
   `generate(max_new_tokens=33)`), and each host synchronisation of a prefill and one step, with where it came from
@@ -21,6 +22,7 @@ import collections
 import copy
 import cProfile
 import io
+import os
 import pstats
 import sys
 import traceback
@@ -29,7 +31,7 @@ import warnings
 import torch
 
 from occult_hf import apply_occult, track_routing
-from occult_hf.benchmarks.decode import generate_greedy, time_step
+from occult_hf.benchmarks.decode import FULL_LAYERS, generate_greedy, time_step
 from occult_hf.benchmarks.model import build_model, model_config
 
 STEPS = 33
@@ -130,7 +132,8 @@ def profile_host(models, prompt):
 def main():
     caches = sys.argv[1:] or ["dynamic", "static"]
     device = torch.device("cuda")
-    config = model_config("olmoe-1b-7b", 16)
+    name = os.environ.get("MODEL", "olmoe-1b-7b")
+    config = model_config(name, FULL_LAYERS[name])
     stock = build_model(config, device, torch.bfloat16)
     models = {"occult": apply_occult(copy.deepcopy(stock), {"num_devices": 1}), "stock": stock}  # occult first: a cut run keeps it
     prompt = torch.randint(0, config.vocab_size, (1, 128), device=device)

@@ -56,6 +56,8 @@ needs_cuda = measures_a_gpu
 FULL_LAYERS = {"olmoe-1b-7b": 16, "qwen1.5-moe-a2.7b": 24}
 #: how a variant decodes (the module docstring says what each is)
 CACHES = ("dynamic", "static", "graph")
+#: the plot's name of each variant
+CACHE_LABELS = {"dynamic": "generate(), dynamic cache", "static": "generate(), static cache", "graph": "GreedyDecoder's CUDA graph"}
 #: batch 1 targets of the static occult step: ms per token
 TARGET_MS, STRETCH_MS = 3.5, 2.0
 
@@ -225,7 +227,7 @@ def plot(rows: list[DecodeRow], floors_ms: dict[str, float], path: Path) -> None
     for ax, model in zip(axes[0], models):
         for implementation, cache in dict.fromkeys((r.implementation, r.cache) for r in rows if r.model == model):
             line = sorted((r.batch, r.ms_per_step) for r in rows if (r.model, r.implementation, r.cache) == (model, implementation, cache))
-            ax.plot(*zip(*line), marker="o", linestyle="-" if implementation == "occult" else "--", label=f"{implementation}, {cache} cache")
+            ax.plot(*zip(*line), marker="o", linestyle="-" if implementation == "occult" else "--", label=f"{implementation}, {CACHE_LABELS[cache]}")
         ax.axhline(floors_ms[model], color="grey", linestyle=":", label="floor at batch 1 (memory)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
