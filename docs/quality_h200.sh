@@ -9,8 +9,13 @@
 # ignored path, so it stays on the machine between calls while
 # the machine is held) lets the next call resume: the base job once, then the variants not yet done. The call prints
 # "N of M variants done"; it exits 0 when all are, 2 when some are left for the next call, 1 on a failure.
+# The workers share the GPU through CUDA MPS when the machine has its control daemon (started here, stopped at the end):
+# without it every process takes its turn in time slices, and lm-eval, which reads the GPU twice per request, waits
+# out every other worker's slice (docs/device/mps_probe.py on the H200: a scorer beside six trainers, 38 requests/s
+# without MPS, 239 with it; 12,700 alone).
 # Env: DATA (default .devdata/study_long/data), WORK, BUDGET, SIZE (default study; micro with a micro corpus: a CPU
-# check of the script), PER_GPU (worker processes per GPU, default the size's), NO_INSTALL=1 (use what is installed).
+# check of the script), PER_GPU (worker processes per GPU, default the size's), NO_INSTALL=1 (use what is installed),
+# NO_MPS=1 (time slices, as before MPS).
 # Results in $OUT: quality_results.json, loss_curve.png, profiles_{train,heldout}.tar.gz, placements.tar.gz, tasks.tar.gz,
 # logs.tar.gz (7 files: the device tool returns 8 at most, 16 MiB each).
 set -u
@@ -29,6 +34,14 @@ if [ -z "${NO_INSTALL:-}" ]; then
   export PYTHONPATH=/tmp/site:$PKG
 fi
 nvidia-smi -L 2>/dev/null
+if [ -z "${NO_MPS:-}" ] && command -v nvidia-cuda-mps-control >/dev/null; then
+  if nvidia-cuda-mps-control -d; then
+    echo "CUDA MPS: daemon started"
+    trap 'echo quit | nvidia-cuda-mps-control' EXIT
+  else
+    echo "CUDA MPS: the daemon did not start (time slices)"
+  fi
+fi
 python3 -c "import torch, transformers, pyarrow, datasets, lm_eval, occult_hf.eval; print('torch', torch.__version__, 'transformers', transformers.__version__, 'pyarrow', pyarrow.__version__, 'datasets', datasets.__version__, 'lm_eval', lm_eval.__version__)" || exit 1
 python3 -m occult_hf.eval.studies.quality --data "$DATA" --work "$WORK" --out "$OUT" --size "${SIZE:-study}" --budget "${BUDGET:-480}" \
   ${PER_GPU:+--per-gpu $PER_GPU}
