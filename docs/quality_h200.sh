@@ -35,11 +35,16 @@ if [ -z "${NO_INSTALL:-}" ]; then
 fi
 nvidia-smi -L 2>/dev/null
 if [ -z "${NO_MPS:-}" ] && command -v nvidia-cuda-mps-control >/dev/null; then
-  if nvidia-cuda-mps-control -d; then
+  # the directories of docs/device/mps_probe.py's run; a daemon whose server cannot serve CUDA is stopped again
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if nvidia-cuda-mps-control -d && python3 -c "import torch; torch.ones(1, device='cuda').sum().item()"; then
     echo "CUDA MPS: daemon started"
     trap 'echo quit | nvidia-cuda-mps-control' EXIT
   else
-    echo "CUDA MPS: the daemon did not start (time slices)"
+    echo quit | nvidia-cuda-mps-control 2>/dev/null
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    echo "CUDA MPS: not serving (time slices)"
   fi
 fi
 python3 -c "import torch, transformers, pyarrow, datasets, lm_eval, occult_hf.eval; print('torch', torch.__version__, 'transformers', transformers.__version__, 'pyarrow', pyarrow.__version__, 'datasets', datasets.__version__, 'lm_eval', lm_eval.__version__)" || exit 1
