@@ -121,21 +121,23 @@ def test_run_jobs_starts_a_job_only_where_its_gpu_memory_fits(tmp_path):
 
 
 def test_a_job_needs_as_long_as_the_longest_variant_of_its_kind_took(tmp_path):
-    """The time a job needs left to start is learnt from the work directory's results, per kind, above the floor;
-    a failed variant's time does not count."""
+    """The time a job needs left to start is learnt from the work directory's results, per kind, above or below the
+    size's figure, which serves until a variant of the kind finished; a failed variant's time does not count."""
     from occult_hf.eval.studies.quality import JOB_START_S, pack_jobs, variant_need_s
 
     results = tmp_path / "variants"
     results.mkdir()
     for name, tuned, wall, error in (("plain-s0", True, 170.0, None), ("plain-s1", True, 150.0, None),
-                                     ("noft-d4-router-2", False, 150.0, None), ("d4-router-2-s0", True, 900.0, "oom")):
+                                     ("noft-d4-router-2", False, 100.0, None), ("d4-router-2-s0", True, 900.0, "oom")):
         (results / f"{name}.json").write_text(json.dumps({"fine_tuned": tuned, "wall_s": wall, **({"error": error} if error else {})}))
     assert variant_need_s(tmp_path, True, 120.0) == 170.0
-    assert variant_need_s(tmp_path, False, 40.0) == 150.0
-    assert variant_need_s(tmp_path, False, 200.0) == 200.0
-    assert variant_need_s(tmp_path / "fresh", True, 120.0) == 120.0  # nothing measured yet: the floor
+    assert variant_need_s(tmp_path, False, 40.0) == 100.0
+    assert variant_need_s(tmp_path, False, 200.0) == 100.0  # measured shorter than the size's figure: the measurement
+    assert variant_need_s(tmp_path / "fresh", True, 120.0) == 120.0  # nothing measured yet: the size's figure
     jobs = pack_jobs(["plain-s2", "noft-d4-router-1"], ["-m", "x"], tmp_path, "study")
-    assert [j.min_time_s for j in jobs] == [JOB_START_S + 170.0, JOB_START_S + 150.0]  # above the study size's floors
+    assert [j.min_time_s for j in jobs] == [JOB_START_S + 170.0, JOB_START_S + 100.0]  # the study size's 135 s gives way
+    fresh = pack_jobs(["plain-s2", "noft-d4-router-1"], ["-m", "x"], tmp_path / "fresh", "study")
+    assert [j.min_time_s for j in fresh] == [JOB_START_S + 165.0, JOB_START_S + 135.0]
 
 
 # ----- the variants ----------------------------------------------------------------------------------

@@ -69,7 +69,8 @@ MC_SEED = 0
 
 #: the sizes of a run. `device_limits`: {D: N_d values}; `per_job` / `min_job_s`: (fine-tunes,
 #: variants without fine-tuning) per worker process, and the time a job needs left before the
-#: deadline to start (per variant in it); `slots`: worker processes per GPU (or on the CPU); `job_gib`:
+#: deadline to start (per variant in it) until a variant of its kind has finished in the work directory
+#: (`variant_need_s`); `slots`: worker processes per GPU (or on the CPU); `job_gib`:
 #: (fine-tunes, variants without fine-tuning) the GPU memory one worker process holds at its peak, which
 #: decides how many share a GPU (`run_jobs`' `capacity_gib`).
 SIZES = {
@@ -381,17 +382,18 @@ def finished(work: Path, name: str) -> bool:
 JOB_START_S = 20.0
 
 
-def variant_need_s(work: Path, fine_tuned: bool, floor_s: float) -> float:
-    """Seconds one variant of this kind needs: the longest one of its kind took in `work`, at least `floor_s`.
+def variant_need_s(work: Path, fine_tuned: bool, unmeasured_s: float) -> float:
+    """Seconds one variant of this kind needs: the longest one of its kind took in `work`, `unmeasured_s` until one did.
 
-    Workers share a GPU, so a variant takes as long as its neighbours let it (the `study` size's floor is what
-    an H200 shared by nine workers measured: 159-164 s a fine-tune, up to 131 s a variant without one). The
-    measurement is read when the jobs are packed, at a call's start: starting only what the time left can
-    finish lets a call end early instead of spending its last minutes on work that the deadline throws away.
+    Workers share a GPU, so a variant takes as long as its neighbours let it: what this work directory measured
+    (read when the jobs are packed, at a call's start) is the best guess, above or below the size's figure (the
+    `study` size's is what an H200 shared by nine workers on time slices measured, 159-164 s a fine-tune and up to
+    131 s a variant without one; under MPS it was not measured). Starting only what the time left can finish lets
+    a call end early instead of spending its last minutes on work that the deadline throws away.
     """
     walls = [result.get("wall_s", 0.0) for path in (work / "variants").glob("*.json")
              if "error" not in (result := json.loads(path.read_text())) and bool(result.get("fine_tuned")) == fine_tuned]  # fmt: skip
-    return max([floor_s, *walls])
+    return max(walls) if walls else unmeasured_s
 
 
 def pack_jobs(names: list[str], common: list[str], work: Path, size: str) -> list[Job]:
