@@ -28,7 +28,11 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 cd "$ROOT" || exit 1
 date -u
 if [ -z "${NO_INSTALL:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  # a later call on the same machine finds the wheels installed (about 25 s saved a call)
+  if [ "$(ls .whl)" != "$(cat /tmp/site/.wheels 2>/dev/null)" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    ls .whl > /tmp/site/.wheels
+  fi
   # the package as the wheel lays it out (kernels/, patches/, eval/ are subpackages), from this checkout
   rm -rf "$PKG" && mkdir -p "$PKG" && cp -r src/occult_hf "$PKG"/ && for d in kernels patches eval; do cp -r $d "$PKG"/occult_hf/$d; done
   export PYTHONPATH=/tmp/site:$PKG
