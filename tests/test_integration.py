@@ -105,8 +105,18 @@ def test_from_pretrained_accepts_occult_config(tmp_path, form):
     assert not is_replaced(vanilla)
 
 
+@pytest.fixture
+def reinstalled():
+    """A test that uninstalls occult_hf's hooks gets them back at its end, passed or failed: the tests after it in
+    the same process (a pytest-xdist worker runs whichever it is given) load through them."""
+    from occult_hf.hf.apply import install
+
+    yield
+    install()
+
+
 @pytest.mark.parametrize("family", ["qwen2_moe", "deepseek"])
-def test_save_reload_round_trip_one_process(tmp_path, family):
+def test_save_reload_round_trip_one_process(tmp_path, family, reinstalled):
     """Fused experts with transformers' checkpoint conversion (Qwen2-MoE) and with occult_hf's own (DeepSeek-MoE)."""
     from occult_hf import OccultConfig, Placement
     from occult_hf.hf.apply import apply_occult, occult_config_of, uninstall
@@ -281,7 +291,7 @@ def test_clear_errors(tmp_path):
         load(tiny_checkpoint("olmoe", tmp_path / "c"), occult_config=str(tmp_path / "nope.json"))
 
 
-def test_install_is_reversible(tmp_path):
+def test_install_is_reversible(tmp_path, reinstalled):
     """Without the wrapper transformers rejects the keyword; install() twice wraps once; uninstall() undoes it."""
     from transformers import OlmoeForCausalLM, PreTrainedModel
 
