@@ -15,7 +15,9 @@
 # without MPS, 239 with it; 12,700 alone).
 # Env: DATA (default .devdata/study_long/data), WORK, BUDGET, SIZE (default study; micro with a micro corpus: a CPU
 # check of the script), PER_GPU (worker processes per GPU, default the size's), NO_INSTALL=1 (use what is installed),
-# NO_MPS=1 (time slices, as before MPS).
+# NO_MPS=1 (time slices, as before MPS), EARLIER (an earlier session's quality_results.json, or several separated by spaces,
+# carried with the data: its variants join this run's when this machine pre-trained the same base model, which the
+# repeatable base job does on the same GPU kind and software; the pipeline checks the base checkpoint's SHA-256).
 # Results in $OUT: quality_results.json, loss_curve.png, profiles_{train,heldout}.tar.gz, placements.tar.gz, tasks.tar.gz,
 # logs.tar.gz (7 files: the device tool returns 8 at most, 16 MiB each).
 set -u
@@ -52,8 +54,10 @@ if [ -z "${NO_MPS:-}" ] && command -v nvidia-cuda-mps-control >/dev/null; then
   fi
 fi
 python3 -c "import torch, transformers, pyarrow, datasets, lm_eval, occult_hf.eval; print('torch', torch.__version__, 'transformers', transformers.__version__, 'pyarrow', pyarrow.__version__, 'datasets', datasets.__version__, 'lm_eval', lm_eval.__version__)" || exit 1
+EARLIER_ARGS=()
+for results in ${EARLIER:-}; do EARLIER_ARGS+=(--earlier "$results"); done
 python3 -m occult_hf.eval.studies.quality --data "$DATA" --work "$WORK" --out "$OUT" --size "${SIZE:-study}" --budget "${BUDGET:-480}" \
-  ${PER_GPU:+--per-gpu $PER_GPU}
+  ${PER_GPU:+--per-gpu $PER_GPU} ${EARLIER_ARGS[@]+"${EARLIER_ARGS[@]}"}
 STATUS=$?
 df -h "$WORK" | tail -1
 date -u

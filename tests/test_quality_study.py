@@ -291,6 +291,44 @@ def test_micro_report_writes_the_tables_goals_drift_and_transfer(micro_run):
         assert (root / "report" / name).is_file()
 
 
+def test_micro_base_job_repeats_bit_for_bit_and_another_run_takes_the_earlier_variants(micro_run, tmp_path):
+    """A second machine's run (a new work directory) trains the very same base model and, given the first run's results,
+    takes its variants instead of running them."""
+    from occult_hf.eval.studies import quality
+
+    root, _, _, _ = micro_run
+    earlier = root / "out" / "quality_results.json"
+    first = json.loads(earlier.read_text())
+    argv = ["--data", str(root / "data"), "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"), "--size", "micro",
+            "--budget", "300", "--earlier", str(earlier)]  # fmt: skip
+    assert quality.main(argv) == 0
+    assert quality.base_fingerprint(tmp_path / "work") == quality.base_fingerprint(root / "work") == first["base_fingerprint"]
+    again = json.loads((tmp_path / "out" / "quality_results.json").read_text())
+    assert again["missing"] == [] and again["variants"] == first["variants"]
+    assert [p.name for p in (tmp_path / "work" / "logs").iterdir()] == ["base.txt"]  # no variant ran
+
+
+def test_earlier_results_join_only_the_same_study_on_the_same_base_model(tmp_path):
+    from occult_hf.eval.studies.quality import adopt, read_earlier
+
+    (tmp_path / "work" / "base").mkdir(parents=True)
+    (tmp_path / "work" / "base" / "fingerprint.txt").write_text("a" * 64)
+    row = {"variant": "plain-s0", "base_fingerprint": "a" * 64}
+    path = tmp_path / "quality_results.json"
+    for results, message in (({"variants": [row], "settings": {"size": "cpu"}, "base_fingerprint": "a" * 64}, "is a 'cpu' study's results, this is the 'micro' study"),
+                             ({"variants": [row], "settings": {"size": "micro"}, "base_fingerprint": None}, "names no base model"),
+                             ({"variants": {}, "settings": {"size": "micro"}}, "is not a quality_results.json")):  # fmt: skip
+        path.write_text(json.dumps(results))
+        with pytest.raises(ValueError, match=re.escape(message)):
+            read_earlier(path, "micro")
+    path.write_text(json.dumps({"variants": [row, {**row, "variant": "plain-s1", "error": "oom"}], "settings": {"size": "micro"}, "base_fingerprint": "b" * 64}))
+    with pytest.raises(ValueError, match=f"was run on another base model \\(fingerprint {'b' * 16}, this work directory's {'a' * 16}\\)"):
+        adopt(read_earlier(path, "micro"), path, tmp_path / "work", "micro")
+    path.write_text(json.dumps({"variants": [row, {**row, "variant": "plain-s1", "error": "oom"}], "settings": {"size": "micro"}, "base_fingerprint": "a" * 64}))
+    assert adopt(read_earlier(path, "micro"), path, tmp_path / "work", "micro") == ["plain-s0"]  # a failed variant runs again
+    assert json.loads((tmp_path / "work" / "variants" / "plain-s0.json").read_text()) == row
+
+
 def test_pipeline_names_a_data_directory_that_is_not_prepared_data(tmp_path):
     from occult_hf.eval.studies import quality
 

@@ -25,7 +25,10 @@ Every job runs under `occult_hf.eval.studies.jobs.run_jobs` (a worker whose log 
 `--stall` seconds is killed, every job still running at `--budget` seconds is cut). The command is
 **resumable**: a later run with the same `--work` skips the base job once it finished and every
 variant whose result exists, so a study longer than one device call is the same command run again
-until it reports every variant done. Each run writes, in OUT, `quality_results.json` (every result in
+until it reports every variant done. A study that outlives its machine goes on on another: the base job is
+bitwise repeatable (deterministic algorithms), so the next machine trains the same base model again, and
+`--earlier OUT/quality_results.json` takes the variants the first machine finished (matched by the base
+checkpoint's SHA-256, `base_fingerprint`). Each run writes, in OUT, `quality_results.json` (every result in
 WORK so far), `loss_curve.png`, `profiles_train.tar.gz` and `profiles_heldout.tar.gz` (the transfer
 study's profiles), `placements.tar.gz`, `tasks.tar.gz` (the task files) and `logs.tar.gz`, then exits 0 when every variant is done, 2 when
 some are left for another run, 1 when a job failed or stalled.
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import os
 import random
@@ -48,7 +52,7 @@ import tarfile
 import time
 from pathlib import Path
 
-from occult_hf.utils.atomic import atomic_path, atomic_write_json
+from occult_hf.utils.atomic import atomic_path, atomic_write_json, atomic_write_text
 
 from .jobs import Job, run_jobs
 from .lmeval_tasks import OFFLINE_ENV, cloze_items, nextline_items, run_lm_eval, write_multiple_choice_task
@@ -142,7 +146,9 @@ def base_parts(work: Path) -> dict[str, Path]:
 
 
 def base_job(data_dir: Path, work: Path, size: str) -> None:
-    """Pre-train, profile and plan, build the tasks: each part skipped when an earlier run finished it."""
+    """Pre-train, profile and plan, build the tasks: each part skipped when an earlier run finished it; bitwise
+    repeatable (`repeatable`), so that another machine trains the very same base model (`base_fingerprint`)."""
+    repeatable()
     done = {part: mark.is_file() for part, mark in base_parts(work).items()}
     if not done["tasks"]:  # first: a machine where lm-eval cannot load them fails in seconds, not after pre-training
         build_tasks(data_dir, work / "tasks", settings(size)["mc_items"])
@@ -150,6 +156,35 @@ def base_job(data_dir: Path, work: Path, size: str) -> None:
         pretrain(data_dir, work, size)
     if not done["profiles"]:
         profile_and_plan(data_dir, work, size)
+
+
+def repeatable() -> None:
+    """Make this process's GPU work bitwise repeatable (call it before any CUDA work: cuBLAS reads its workspace setting
+    when it starts).
+
+    The base model lives on the machine that trained it, so a study longer than one session's device time goes on
+    on another machine by training it again, and the variants of both runs join only if it is the very same model.
+    On the H200 two pre-trainings of the study model with PyTorch's default kernels differ after 8 steps; with
+    deterministic algorithms they are equal bit for bit, at about 1.35x the step time (docs/device/determinism_probe.py).
+    """
+    import torch
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+
+
+def base_fingerprint(work: Path) -> str:
+    """SHA-256 of the base checkpoint's weight files, the identity of the pre-trained model: computed once (the
+    pipeline does it after the base job), then read from `base/fingerprint.txt`."""
+    mark = work / "base" / "fingerprint.txt"
+    if not mark.is_file():
+        digest = hashlib.sha256()
+        for path in sorted((work / "base").glob("*.safetensors")):
+            with path.open("rb") as weights:
+                for block in iter(lambda: weights.read(1 << 24), b""):
+                    digest.update(block)
+        atomic_write_text(mark, digest.hexdigest())
+    return mark.read_text().strip()
 
 
 def pretrain(data_dir: Path, work: Path, size: str) -> None:
@@ -298,7 +333,8 @@ def run_variant(name: str, data_dir: Path, work: Path, size: str) -> dict:
     print(f"[{name}] loading the base model (Occult blocks: {fields})", flush=True)
     model = apply_occult(_load(work / "base"), OccultConfig(**fields))
     result = {"variant": name, "fine_tuned": variant.fine_tuned, "seed": variant.seed, "mode": variant.mode,
-              "devices": variant.devices, "max_devices_per_token": variant.max_devices_per_token, "timings_s": {}}  # fmt: skip
+              "devices": variant.devices, "max_devices_per_token": variant.max_devices_per_token,
+              "base_fingerprint": base_fingerprint(work), "timings_s": {}}  # fmt: skip
     start = time.perf_counter()
     if variant.fine_tuned:
         result.update(fine_tune(model, variant, data_dir, work, size))
@@ -432,6 +468,7 @@ def write_outputs(data: Path, work: Path, out: Path, size: str, timings: dict, p
     base_log.pop("log_history", None)
     results = {
         "base": base_log,
+        "base_fingerprint": base_fingerprint(work) if base_log else None,
         "base_routing": json.loads((work / "base.json").read_text()) if (work / "base.json").is_file() else None,
         "tasks": json.loads((work / "tasks" / "tasks.json").read_text()) if (work / "tasks" / "tasks.json").is_file() else None,
         "variants": [json.loads(result_file(work, n).read_text()) for n in names if result_file(work, n).is_file()],
@@ -473,9 +510,47 @@ def gpu_capacity_gib(gpus: list[str | None]) -> dict[str, float]:
     return {gpu: GPU_MEMORY_SHARE * torch.cuda.get_device_properties(int(gpu)).total_memory / 2**30 for gpu in gpus if gpu is not None}
 
 
+def read_earlier(path: Path, size: str) -> dict:
+    """An earlier run's `quality_results.json` to take variants from (`adopt`), checked before any job starts: the
+    same study size, and a base model that it names."""
+    from occult_hf.utils.strict_json import read_json_file
+
+    results = read_json_file(path, "an earlier quality study's results")
+    if not isinstance(results, dict) or not isinstance(results.get("variants"), list):
+        raise ValueError(f"quality study: {path} is not a quality_results.json (no list of variants)")
+    theirs = results.get("settings", {}).get("size") if isinstance(results.get("settings"), dict) else None
+    if theirs != size:
+        raise ValueError(f"quality study: {path} is a {theirs!r} study's results, this is the {size!r} study")
+    if not results.get("base_fingerprint"):
+        raise ValueError(f"quality study: {path} names no base model (base_fingerprint): its variants cannot be matched to this study's")
+    return results
+
+
+def adopt(results: dict, path: Path, work: Path, size: str) -> list[str]:
+    """Take the finished variants of an earlier run (`read_earlier`) into `work` when it trained the same base model
+    (`base_fingerprint`), else a ValueError naming both; variants `work` has already are kept. Returns the names taken."""
+    ours = base_fingerprint(work)
+    if results["base_fingerprint"] != ours:
+        raise ValueError(
+            f"quality study: {path} was run on another base model (fingerprint {results['base_fingerprint'][:16]}, this work "
+            f"directory's {ours[:16]}): its variants cannot join this study. The base job is repeatable on one GPU kind and "
+            f"software: pre-train from the same prepared data there, or leave --earlier out and run every variant here"
+        )
+    study = {v.name for v in variants_of(size)}
+    taken = []
+    for row in results["variants"]:
+        name = row.get("variant")
+        if name in study and "error" not in row and row.get("base_fingerprint") == ours and not finished(work, name):
+            result_file(work, name).parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(result_file(work, name), row)
+            taken.append(name)
+    return taken
+
+
 def pipeline(data: Path, work: Path, out: Path, size: str, budget_s: float, stall_s: float = 90.0,
-             slots_per_gpu: int | None = None, names: list[str] | None = None) -> int:  # fmt: skip
-    """The base job, then every variant not yet finished, as supervised workers (module docstring).
+             slots_per_gpu: int | None = None, names: list[str] | None = None, earlier: list[Path] = ()) -> int:  # fmt: skip
+    """The base job, then every variant not yet finished, as supervised workers (module docstring); `earlier`: results
+    of earlier runs on the same base model whose variants this one takes instead of running them (`adopt`).
 
     Returns 0 when every variant of the study has its result, 2 when some are left for another run of
     the same command; raises `SystemExit` (status 1) naming every job that failed or stalled.
@@ -491,6 +566,7 @@ def pipeline(data: Path, work: Path, out: Path, size: str, budget_s: float, stal
     from occult_hf.training import PreparedData
 
     PreparedData(data)  # a directory that is not prepared data is an error naming it, before any job starts
+    earlier_results = {path: read_earlier(path, size) for path in earlier}
     work.mkdir(parents=True, exist_ok=True)
     s = settings(size)
     gpus = [str(i) for i in range(torch.cuda.device_count())] or [None]
@@ -506,6 +582,10 @@ def pipeline(data: Path, work: Path, out: Path, size: str, budget_s: float, stal
         if not outcome.ok:
             write_outputs(data, work, out, size, timings, [outcome.describe()])
             raise SystemExit(f"quality study: the base job did not finish ({outcome.describe()}); its log: {work / 'logs' / 'base.txt'}")
+    print(f"[pipeline] base model {base_fingerprint(work)[:16]}", flush=True)
+    for path, results in earlier_results.items():
+        taken = adopt(results, path, work, size)
+        print(f"[pipeline] took {len(taken)} variant(s) of {path} (the same base model)", flush=True)
     study = [v.name for v in variants_of(size)]
     unknown = sorted(set(names or []) - set(study))
     if unknown:
@@ -543,6 +623,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stall", type=float, default=90.0, help="seconds without a new log line after which a job is killed")
     parser.add_argument("--per-gpu", type=int, default=None, help="worker processes sharing one GPU (or the CPU); default: the size's")
     parser.add_argument("--variants", default=None, help="comma-separated subset of the study's variants (default: all)")
+    parser.add_argument("--earlier", type=Path, action="append", default=[],
+                        help="an earlier run's quality_results.json (another machine's): its variants join this run's when both "
+                             "trained the same base model (repeatable; checked by its fingerprint); repeatable")
     parser.add_argument("--stage", choices=["base", "variants"], default=None, help="(internal) one job")
     parser.add_argument("--names", default="", help="(internal) the variants of this worker")
     args = parser.parse_args(argv)
@@ -552,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
         worker(args.names.split(","), args.data, args.work, args.size)
     else:
         names = args.variants.split(",") if args.variants else None
-        return pipeline(args.data, args.work, args.out, args.size, args.budget, args.stall, args.per_gpu, names)
+        return pipeline(args.data, args.work, args.out, args.size, args.budget, args.stall, args.per_gpu, names, args.earlier)
     return 0
 
 
