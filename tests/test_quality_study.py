@@ -160,6 +160,7 @@ def test_study_grid_is_the_issues_and_names_round_trip():
     # the stronger base model: study's architecture, 42.6M tokens, the fine-tuning domain never in pre-training
     recipe = quality.study_recipe("study")
     assert recipe.name == "study_long" and recipe.max_steps * recipe.batch_size * recipe.seq_len == 42_598_400
+    assert all(quality.study_recipe(size).time_budget_s is None for size in quality.SIZES)  # steps, not the machine's speed
     assert quality.FT_DOMAIN not in recipe.train_domains and quality.FT_DOMAIN not in quality.study_recipe("micro").train_domains
 
 

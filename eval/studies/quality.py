@@ -91,7 +91,7 @@ SIZES = {
             "drift_tokens": 8192, "mc_items": 100, "mc_batch": 32,
             "per_job": (2, 5), "min_job_s": (0.0, 0.0), "slots": 2, "job_gib": (0.0, 0.0)},
     # a few steps of everything: the CI test of the pipeline
-    "micro": {"recipe": "tiny", "pretrain": {"max_steps": 4, "batch_size": 4, "time_budget_s": None},
+    "micro": {"recipe": "tiny", "pretrain": {"max_steps": 4, "batch_size": 4},
               "device_limits": {4: (2,)}, "modes": ("router",), "seeds": (0, 1),
               "ft_steps": 3, "ft_batch": 4, "ft_lr": 3e-4, "eval_tokens": 1024, "profile_tokens": 1024,
               "drift_tokens": 1024, "mc_items": 8, "mc_batch": 8,
@@ -115,8 +115,9 @@ def study_recipe(size: str):
     from occult_hf.training import get_recipe
 
     s = settings(size)
-    # the study recipes name these already; the tiny one trains on every domain of the corpus, B included
-    return get_recipe(s["recipe"], **s["pretrain"]).replace(train_domains=(FORGET_DOMAIN, THIRD_DOMAIN))
+    # the study recipes name these domains already; the tiny one trains on every domain of the corpus, B included.
+    # A fixed number of steps, never a time budget: the base model must not depend on the machine's speed (`repeatable`)
+    return get_recipe(s["recipe"], **s["pretrain"]).replace(train_domains=(FORGET_DOMAIN, THIRD_DOMAIN), time_budget_s=None)
 
 
 def placement_file(work: Path, devices: int) -> Path:
