@@ -310,9 +310,11 @@ def test_micro_base_job_repeats_bit_for_bit_and_another_run_takes_the_earlier_va
 
 
 def test_earlier_results_join_only_the_same_study_on_the_same_base_model(tmp_path):
-    from occult_hf.eval.studies.quality import adopt, read_earlier
+    from occult_hf.eval.studies.quality import adopt, base_parts, read_earlier
 
-    (tmp_path / "work" / "base").mkdir(parents=True)
+    for mark in base_parts(tmp_path / "work").values():  # a finished base job, its fingerprint known
+        mark.parent.mkdir(parents=True, exist_ok=True)
+        mark.write_text("{}")
     (tmp_path / "work" / "base" / "fingerprint.txt").write_text("a" * 64)
     row = {"variant": "plain-s0", "base_fingerprint": "a" * 64}
     path = tmp_path / "quality_results.json"

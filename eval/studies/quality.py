@@ -146,6 +146,10 @@ def base_parts(work: Path) -> dict[str, Path]:
     return {"pretrain": work / "base" / "train_log.json", "profiles": work / "base.json", "tasks": work / "tasks" / "tasks.json"}
 
 
+def base_done(work: Path) -> bool:
+    return all(mark.is_file() for mark in base_parts(work).values())
+
+
 def base_job(data_dir: Path, work: Path, size: str) -> None:
     """Pre-train, profile and plan, build the tasks: each part skipped when an earlier run finished it; bitwise
     repeatable (`repeatable`), so that another machine trains the very same base model (`base_fingerprint`)."""
@@ -175,15 +179,27 @@ def repeatable() -> None:
 
 
 def base_fingerprint(work: Path) -> str:
-    """SHA-256 of the base checkpoint's weight files, the identity of the pre-trained model: computed once (the
-    pipeline does it after the base job), then read from `base/fingerprint.txt`."""
+    """SHA-256 of what every variant builds on: the base checkpoint's weight files, the placements, the similarity
+    profile's tensors and the task items (not the files' paths, which the profile and the task YAML name). Computed
+    once (the pipeline does it after the base job), then read from `base/fingerprint.txt`."""
+    from safetensors import safe_open
+
+    if not base_done(work):
+        raise RuntimeError(f"quality study: the base job in {work} has not finished: no fingerprint of its outputs yet")
     mark = work / "base" / "fingerprint.txt"
     if not mark.is_file():
         digest = hashlib.sha256()
-        for path in sorted((work / "base").glob("*.safetensors")):
-            with path.open("rb") as weights:
-                for block in iter(lambda: weights.read(1 << 24), b""):
+        files = [*sorted((work / "base").glob("*.safetensors")), *sorted(work.glob("placement_d*.json")),
+                 *sorted((work / "tasks").glob("*.jsonl"))]  # fmt: skip
+        for path in files:
+            digest.update(path.name.encode())
+            with path.open("rb") as content:
+                for block in iter(lambda: content.read(1 << 24), b""):
                     digest.update(block)
+        with safe_open(similarity_profile(work), "pt") as profile:
+            for name in sorted(profile.keys()):
+                digest.update(name.encode())
+                digest.update(profile.get_tensor(name).numpy().tobytes())
         atomic_write_text(mark, digest.hexdigest())
     return mark.read_text().strip()
 
@@ -469,7 +485,7 @@ def write_outputs(data: Path, work: Path, out: Path, size: str, timings: dict, p
     base_log.pop("log_history", None)
     results = {
         "base": base_log,
-        "base_fingerprint": base_fingerprint(work) if base_log else None,
+        "base_fingerprint": base_fingerprint(work) if base_done(work) else None,
         "base_routing": json.loads((work / "base.json").read_text()) if (work / "base.json").is_file() else None,
         "tasks": json.loads((work / "tasks" / "tasks.json").read_text()) if (work / "tasks" / "tasks.json").is_file() else None,
         "variants": [json.loads(result_file(work, n).read_text()) for n in names if result_file(work, n).is_file()],
@@ -574,7 +590,7 @@ def pipeline(data: Path, work: Path, out: Path, size: str, budget_s: float, stal
     env = study_env(work)
     common = ["-m", "occult_hf.eval.studies.quality", "--data", str(data), "--work", str(work), "--size", size]
     timings: dict[str, float] = {}
-    if all(mark.is_file() for mark in base_parts(work).values()):
+    if base_done(work):
         print(f"[pipeline] the base job finished in an earlier run ({work / 'base'})", flush=True)
     else:
         (outcome,) = run_jobs([Job("base", [*common, "--stage", "base"], work / "logs" / "base.txt")], [gpus[0]],
