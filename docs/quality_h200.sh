@@ -17,7 +17,7 @@
 # check of the script), PER_GPU (worker processes per GPU, default the size's), NO_INSTALL=1 (use what is installed),
 # NO_MPS=1 (time slices, as before MPS), EARLIER (an earlier session's quality_results.json, or several separated by spaces,
 # carried with the data: its variants join this run's when this machine pre-trained the same base model, which the
-# repeatable base job does on the same GPU kind and software; the pipeline checks the base checkpoint's SHA-256).
+# repeatable base job does on the same GPU kind and software; the pipeline checks a SHA-256 of the base job's outputs).
 # Results in $OUT: quality_results.json, loss_curve.png, profiles_{train,heldout}.tar.gz, placements.tar.gz, tasks.tar.gz,
 # logs.tar.gz (7 files: the device tool returns 8 at most, 16 MiB each).
 set -u

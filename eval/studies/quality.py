@@ -27,8 +27,8 @@ Every job runs under `occult_hf.eval.studies.jobs.run_jobs` (a worker whose log 
 variant whose result exists, so a study longer than one device call is the same command run again
 until it reports every variant done. A study that outlives its machine goes on on another: the base job is
 bitwise repeatable (deterministic algorithms), so the next machine trains the same base model again, and
-`--earlier OUT/quality_results.json` takes the variants the first machine finished (matched by the base
-checkpoint's SHA-256, `base_fingerprint`). Each run writes, in OUT, `quality_results.json` (every result in
+`--earlier OUT/quality_results.json` takes the variants the first machine finished (matched by a SHA-256
+of the base job's outputs, `base_fingerprint`). Each run writes, in OUT, `quality_results.json` (every result in
 WORK so far), `loss_curve.png`, `profiles_train.tar.gz` and `profiles_heldout.tar.gz` (the transfer
 study's profiles), `placements.tar.gz`, `tasks.tar.gz` (the task files) and `logs.tar.gz`, then exits 0 when every variant is done, 2 when
 some are left for another run, 1 when a job failed or stalled.
