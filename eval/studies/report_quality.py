@@ -94,7 +94,14 @@ def describe_model(results: dict) -> str:
             f"top-{r['top_k']}, {r['num_layers']} layers at hidden {r['hidden_size']}, BPE vocabulary {r['vocab_size']}), "
             f"{base['steps']} steps x {r['batch_size']} x {r['seq_len']} = {base['tokens_seen'] / 1e6:.1f}M tokens of "
             f"{' + '.join(r['train_domains'])} in {base['wall_s']:.0f} s on {base['device']}; final training loss "
-            f"{base['final_loss']:.3f}; held-out perplexity {ppl}.")  # fmt: skip
+            f"{base['final_loss']:.3f}; held-out perplexity {ppl}.{_fingerprint(results)}")  # fmt: skip
+
+
+def _fingerprint(results: dict) -> str:
+    """The sentence naming the base job's outputs every variant ran on (runs before the fingerprint have none)."""
+    if not results.get("base_fingerprint"):
+        return ""
+    return f" Base job outputs (weights, placements, profile, tasks) SHA-256 {results['base_fingerprint'][:16]}: every variant below ran on them."
 
 
 def structure_table(results: dict) -> str:
