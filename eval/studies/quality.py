@@ -147,6 +147,7 @@ def base_parts(work: Path) -> dict[str, Path]:
 
 
 def base_done(work: Path) -> bool:
+    """Whether every part of the base job has finished (each part's mark, `base_parts`, exists)."""
     return all(mark.is_file() for mark in base_parts(work).values())
 
 
@@ -565,7 +566,7 @@ def adopt(results: dict, path: Path, work: Path, size: str) -> list[str]:
 
 
 def pipeline(data: Path, work: Path, out: Path, size: str, budget_s: float, stall_s: float = 90.0,
-             slots_per_gpu: int | None = None, names: list[str] | None = None, earlier: list[Path] = ()) -> int:  # fmt: skip
+             slots_per_gpu: int | None = None, names: list[str] | None = None, earlier: tuple[Path, ...] = ()) -> int:  # fmt: skip
     """The base job, then every variant not yet finished, as supervised workers (module docstring); `earlier`: results
     of earlier runs on the same base model whose variants this one takes instead of running them (`adopt`).
 
@@ -652,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
         worker(args.names.split(","), args.data, args.work, args.size)
     else:
         names = args.variants.split(",") if args.variants else None
-        return pipeline(args.data, args.work, args.out, args.size, args.budget, args.stall, args.per_gpu, names, args.earlier)
+        return pipeline(args.data, args.work, args.out, args.size, args.budget, args.stall, args.per_gpu, names, tuple(args.earlier))
     return 0
 
 
