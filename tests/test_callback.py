@@ -28,7 +28,7 @@ from occult_hf.hf.callback import (
     OccultCallback,
 )
 from occult_hf.config import OccultConfig
-from occult_hf.hf.apply import apply_occult
+from occult_hf.hf.apply import apply_occult, track_routing
 from occult_hf.moe import OccultMoE
 from occult_hf.placement import Placement
 from occult_hf.profile import RoutingProfile
@@ -69,8 +69,6 @@ def test_schedule_and_callback_validation():
     pruned = apply_occult(tiny_model("olmoe", **SIZES), OccultConfig(num_devices=4, prune="router", max_devices_per_token=2))
     with pytest.raises(ValueError, match=r"exceeds num_devices=4"):
         OccultCallback(start_devices_per_token=5).on_train_begin(None, _State(), None, model=pruned)
-    from occult_hf import track_routing
-
     track_routing(exact, False)
     with pytest.raises(ValueError, match=r"layers \[0, 1\] do not keep it: call occult_hf.track_routing\(model\)"):
         OccultCallback().on_train_begin(None, _State(), None, model=exact)
