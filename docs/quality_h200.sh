@@ -13,7 +13,7 @@
 # without it every process takes its turn in time slices, and lm-eval, which reads the GPU twice per request, waits
 # out every other worker's slice (docs/device/mps_probe.py on the H200: a scorer beside six trainers, 38 requests/s
 # without MPS, 239 with it; 12,700 alone).
-# Env: DATA (default .devdata/study_long/data), WORK, BUDGET, SIZE (default study; micro with a micro corpus: a CPU
+# Env: DATA (default .devdata/study_long/data), WORK, BUDGET (default 540 while the base job is to run, else 480), SIZE (default study; micro with a micro corpus: a CPU
 # check of the script), PER_GPU (worker processes per GPU, default the size's), NO_INSTALL=1 (use what is installed),
 # NO_MPS=1 (time slices, as before MPS), EARLIER (an earlier session's quality_results.json, or several separated by spaces,
 # carried with the data: its variants join this run's when this machine pre-trained the same base model, which the
@@ -54,9 +54,16 @@ if [ -z "${NO_MPS:-}" ] && command -v nvidia-cuda-mps-control >/dev/null; then
   fi
 fi
 python3 -c "import torch, transformers, pyarrow, datasets, lm_eval, occult_hf.eval; print('torch', torch.__version__, 'transformers', transformers.__version__, 'pyarrow', pyarrow.__version__, 'datasets', datasets.__version__, 'lm_eval', lm_eval.__version__)" || exit 1
+# a call that still has the base job to run (a fresh machine) needs 540 s: the repeatable pre-training alone took
+# 482 s on 2026-12-02, and a 480 s budget cut it at step 1,253 of 1,300
+if [ -z "${BUDGET:-}" ]; then
+  python3 -c "import sys; from pathlib import Path; from occult_hf.eval.studies.quality import base_done; sys.exit(not base_done(Path(sys.argv[1])))" "$WORK" \
+    && BUDGET=480 || BUDGET=540
+  echo "BUDGET=$BUDGET"
+fi
 EARLIER_ARGS=()
 for results in ${EARLIER:-}; do EARLIER_ARGS+=(--earlier "$results"); done
-python3 -m occult_hf.eval.studies.quality --data "$DATA" --work "$WORK" --out "$OUT" --size "${SIZE:-study}" --budget "${BUDGET:-480}" \
+python3 -m occult_hf.eval.studies.quality --data "$DATA" --work "$WORK" --out "$OUT" --size "${SIZE:-study}" --budget "$BUDGET" \
   ${PER_GPU:+--per-gpu $PER_GPU} ${EARLIER_ARGS[@]+"${EARLIER_ARGS[@]}"}
 STATUS=$?
 df -h "$WORK" | tail -1
