@@ -3,9 +3,11 @@
 #   bash docs/quality_h200.sh
 # from the checkout's root, with carry=[".devdata/study_long/data", ".whl"]: the prepared data of the study_long recipe
 # (occult train --prepare-only, without its hf_cache/) and the wheels of lm-eval 0.4.13, datasets 5.2.0, dill 0.4.1 and
-# multiprocess 0.70.19, which the machine's image lacks. Each call runs the pipeline for BUDGET seconds (default 480:
-# the packages' install takes about 25 s before it and collecting and archiving the outputs about 70 s after it, so
-# 540 overran the device tool's 600 s limit on 2026-12-02); the work directory (WORK, default out/quality_work: an
+# multiprocess 0.70.19, which the machine's image lacks. Each call runs the pipeline for BUDGET seconds (default 480
+# once the work directory's base job is done: the packages' install takes about 25 s before it and collecting and
+# archiving the variants' outputs about 70 s after it, so 540 overran the device tool's 600 s limit on 2026-12-02;
+# 540 while the base job is to run: it took 482 s (pre-training 455 s) on 2026-12-02, and 480 cut it at step 1,253 of
+# 1,300; its outputs archive in seconds); the work directory (WORK, default out/quality_work: an
 # ignored path, so it stays on the machine between calls while
 # the machine is held) lets the next call resume: the base job once, then the variants not yet done. The call prints
 # "N of M variants done"; it exits 0 when all are, 2 when some are left for the next call, 1 on a failure.
@@ -13,7 +15,7 @@
 # without it every process takes its turn in time slices, and lm-eval, which reads the GPU twice per request, waits
 # out every other worker's slice (docs/device/mps_probe.py on the H200: a scorer beside six trainers, 38 requests/s
 # without MPS, 239 with it; 12,700 alone).
-# Env: DATA (default .devdata/study_long/data), WORK, BUDGET (default 540 while the base job is to run, else 480), SIZE (default study; micro with a micro corpus: a CPU
+# Env: DATA (default .devdata/study_long/data), WORK, BUDGET, SIZE (default study; micro with a micro corpus: a CPU
 # check of the script), PER_GPU (worker processes per GPU, default the size's), NO_INSTALL=1 (use what is installed),
 # NO_MPS=1 (time slices, as before MPS), EARLIER (an earlier session's quality_results.json, or several separated by spaces,
 # carried with the data: its variants join this run's when this machine pre-trained the same base model, which the
@@ -54,8 +56,7 @@ if [ -z "${NO_MPS:-}" ] && command -v nvidia-cuda-mps-control >/dev/null; then
   fi
 fi
 python3 -c "import torch, transformers, pyarrow, datasets, lm_eval, occult_hf.eval; print('torch', torch.__version__, 'transformers', transformers.__version__, 'pyarrow', pyarrow.__version__, 'datasets', datasets.__version__, 'lm_eval', lm_eval.__version__)" || exit 1
-# a call that still has the base job to run (a fresh machine) needs 540 s: the repeatable pre-training alone took
-# 482 s on 2026-12-02, and a 480 s budget cut it at step 1,253 of 1,300
+# the default budget (header): 540 s while the base job is to run, 480 s once it is done
 if [ -z "${BUDGET:-}" ]; then
   python3 -c "import sys; from pathlib import Path; from occult_hf.eval.studies.quality import base_done; sys.exit(not base_done(Path(sys.argv[1])))" "$WORK" \
     && BUDGET=480 || BUDGET=540

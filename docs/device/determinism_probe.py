@@ -4,7 +4,8 @@ The study's base model (docs/quality.md) lives only on the device machine that t
 session's device time cannot go on in the next session unless the next session can train the very same model again.
 This probe trains the `study_long` recipe's model (stock `OlmoeForCausalLM`, bf16 autocast, AdamW, as `occult train`
 does) for a few steps on fixed random tokens, twice, each in a fresh process, and compares a hash of every weight:
-first as PyTorch runs by default, then with `torch.use_deterministic_algorithms(True)` (and cuBLAS's fixed workspace).
+first as PyTorch runs by default, then as the study's base job runs (`quality.repeatable`: deterministic algorithms and
+cuBLAS's fixed workspace).
 It prints, per mode, the two hashes, whether they are equal, the ms per step, and an error where an operation has no
 deterministic implementation.
 
@@ -51,7 +52,7 @@ def train_and_hash(steps: int) -> None:
 def run(steps: int, deterministic: bool) -> str:
     env = {**os.environ}
     if deterministic:
-        env.update(OCCULT_PROBE_DETERMINISTIC="1", CUBLAS_WORKSPACE_CONFIG=":4096:8")
+        env.update(OCCULT_PROBE_DETERMINISTIC="1")
     done = subprocess.run([sys.executable, __file__, "--child", str(steps)], env=env, capture_output=True, text=True, timeout=240)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT")]
     if not lines:
@@ -62,9 +63,9 @@ def run(steps: int, deterministic: bool) -> str:
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:
         if os.environ.get("OCCULT_PROBE_DETERMINISTIC"):
-            import torch
+            from occult_hf.eval.studies.quality import repeatable
 
-            torch.use_deterministic_algorithms(True)
+            repeatable()  # the study's own setting, so the probe measures what the base job runs
         return train_and_hash(int(sys.argv[2]))
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 8
     for deterministic in (False, True):
