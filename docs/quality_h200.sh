@@ -9,7 +9,8 @@
 # 540 while the base job is to run: it took 482 s (pre-training 455 s) on 2026-12-02, and 480 cut it at step 1,253 of
 # 1,300; its outputs archive in seconds); the work directory (WORK, default out/quality_work: an
 # ignored path, so it stays on the machine between calls while
-# the machine is held) lets the next call resume: the base job once, then the variants not yet done. The call prints
+# the machine is held) lets the next call resume: the base job once (a pre-training the deadline cut goes on from its
+# last checkpoint, every 300 steps), then the variants not yet done. The call prints
 # "N of M variants done"; it exits 0 when all are, 2 when some are left for the next call, 1 on a failure.
 # The workers share the GPU through CUDA MPS when the machine has its control daemon (started here, stopped at the end):
 # without it every process takes its turn in time slices, and lm-eval, which reads the GPU twice per request, waits

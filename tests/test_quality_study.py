@@ -388,3 +388,30 @@ def test_report_pairs_each_seed_with_its_own_plain_fine_tune():
     # ... but one measured seed already outside 1% decides it
     del study.rows["d4-router-2-s0"]
     assert "- D=4, router N_d=2 + fine-tune within 1% of plain fine-tuning on every seed: **not met** (1 of 2 seeds measured) (seed 1 +1.50%)." in goals(study)
+
+
+def test_micro_base_job_cut_by_the_deadline_resumes_to_the_same_base_model(micro_run, tmp_path):
+    """A call whose deadline cuts the base job asks to be run again (status 2); the next run resumes the pre-training
+    from its last checkpoint and ends at the very base model of an uninterrupted run."""
+    from transformers import TrainerCallback
+
+    from occult_hf.eval.studies import quality
+    from occult_hf.training import train
+
+    class CutAtStep3(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                raise KeyboardInterrupt("the deadline")
+
+    root, _, _, _ = micro_run
+    earlier = root / "out" / "quality_results.json"
+    argv = ["--data", str(root / "data"), "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"), "--size", "micro",
+            "--earlier", str(earlier)]  # fmt: skip
+    assert quality.main([*argv, "--budget", "1"]) == 2
+    assert not quality.base_done(tmp_path / "work") and (tmp_path / "out" / "quality_results.json").is_file()
+    with pytest.raises(KeyboardInterrupt):  # a pre-training cut after its step-2 checkpoint
+        train(quality.study_recipe("micro"), root / "data", tmp_path / "work" / "base", progress=False,
+              checkpoint_steps=quality.settings("micro")["pretrain_checkpoint_steps"], trainer_callbacks=[CutAtStep3()])  # fmt: skip
+    assert quality.main([*argv, "--budget", "300"]) == 0
+    assert "resuming from" in (tmp_path / "work" / "logs" / "base.txt").read_text()
+    assert quality.base_fingerprint(tmp_path / "work") == json.loads(earlier.read_text())["base_fingerprint"]

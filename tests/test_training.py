@@ -159,6 +159,32 @@ def test_tiny_recipe_trains_profiles_and_evaluates(trained, prepared):
     assert removed_weight(*routing[0], placement.device_of(0), 8, 4) == (0.0, 0.0)  # N_d = k: nothing pruned
 
 
+def test_a_cut_run_resumes_from_its_checkpoint_to_the_uninterrupted_runs_weights(prepared, tmp_path):
+    """`checkpoint_steps`: a run stopped after its step-2 checkpoint, run again, ends bit for bit where one run does."""
+    from transformers import OlmoeForCausalLM, TrainerCallback
+
+    class CutAtStep3(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                raise KeyboardInterrupt("the deadline")
+
+    torch.set_num_threads(1)
+    recipe = get_recipe("tiny", **{**TINY, "max_steps": 4})
+    whole = train(recipe, prepared, tmp_path / "whole", eval_tokens=256, progress=False, checkpoint_steps=2)
+    with pytest.raises(KeyboardInterrupt):
+        train(recipe, prepared, tmp_path / "cut", eval_tokens=256, progress=False, checkpoint_steps=2, trainer_callbacks=[CutAtStep3()])
+    assert [p.name for p in (tmp_path / "cut" / "trainer").iterdir()] == ["checkpoint-2"]
+    resumed = train(recipe, prepared, tmp_path / "cut", eval_tokens=256, progress=False, checkpoint_steps=2)
+    assert (whole["resumed_at_step"], resumed["resumed_at_step"]) == (None, 2) and resumed["steps"] == 4
+    assert resumed["loss_history"] == whole["loss_history"]
+    train(recipe, prepared, tmp_path / "plain", eval_tokens=256, progress=False)  # writing checkpoints changes nothing either
+    one, *others = (OlmoeForCausalLM.from_pretrained(tmp_path / d).state_dict() for d in ("whole", "cut", "plain"))
+    assert all(torch.equal(one[name], other[name]) for other in others for name in one)
+    assert not (tmp_path / "cut" / "trainer").exists()  # the checkpoints go once the run has finished
+    with pytest.raises(ValueError, match="checkpoint_steps needs a fixed number of steps; recipe tiny stops after its time budget"):
+        train(recipe.replace(time_budget_s=60.0), prepared, tmp_path / "budget", progress=False, checkpoint_steps=2)
+
+
 def test_routing_structure_of_a_random_router_is_flat():
     ids = random_topk(20_000, 32, 4, seed=1)
     assert load_entropy(ids, 32) > 0.999

@@ -23,7 +23,8 @@ CPU when there are none):
 
 Every job runs under `occult_hf.eval.studies.jobs.run_jobs` (a worker whose log stops growing for
 `--stall` seconds is killed, every job still running at `--budget` seconds is cut). The command is
-**resumable**: a later run with the same `--work` skips the base job once it finished and every
+**resumable**: a later run with the same `--work` skips the base job once it finished (a pre-training the
+deadline cut goes on from its last checkpoint, `pretrain_checkpoint_steps`, to the same weights) and every
 variant whose result exists, so a study longer than one device call is the same command run again
 until it reports every variant done. A study that outlives its machine goes on on another: the base job is
 bitwise repeatable (deterministic algorithms), so the next machine trains the same base model again, and
@@ -79,19 +80,19 @@ MC_SEED = 0
 #: decides how many share a GPU (`run_jobs`' `capacity_gib`).
 SIZES = {
     # one H200 (docs/quality.md, "Next run"): the study_long recipe, D=4 and D=8, 3 seeds
-    "study": {"recipe": "study_long", "pretrain": {},
+    "study": {"recipe": "study_long", "pretrain": {}, "pretrain_checkpoint_steps": 300,
               "device_limits": {4: (1, 2, 3), 8: (1, 2, 3, 4)}, "modes": MODES, "seeds": (0, 1, 2),
               "ft_steps": 60, "ft_batch": 32, "ft_lr": 3e-4, "eval_tokens": 32_768, "profile_tokens": 32_768,
               "drift_tokens": 16_384, "mc_items": 600, "mc_batch": 64,
               "per_job": (1, 1), "min_job_s": (165.0, 135.0), "slots": 10, "job_gib": (20.0, 4.0)},
     # the tiny recipe on the real corpus, on a CPU: a study in minutes (not the study: a check of it)
-    "cpu": {"recipe": "tiny", "pretrain": {},
+    "cpu": {"recipe": "tiny", "pretrain": {}, "pretrain_checkpoint_steps": None,
             "device_limits": {4: (1, 2)}, "modes": MODES, "seeds": (0, 1),
             "ft_steps": 30, "ft_batch": 8, "ft_lr": 1e-3, "eval_tokens": 16_384, "profile_tokens": 8192,
             "drift_tokens": 8192, "mc_items": 100, "mc_batch": 32,
             "per_job": (2, 5), "min_job_s": (0.0, 0.0), "slots": 2, "job_gib": (0.0, 0.0)},
     # a few steps of everything: the CI test of the pipeline
-    "micro": {"recipe": "tiny", "pretrain": {"max_steps": 4, "batch_size": 4},
+    "micro": {"recipe": "tiny", "pretrain": {"max_steps": 4, "batch_size": 4}, "pretrain_checkpoint_steps": 2,
               "device_limits": {4: (2,)}, "modes": ("router",), "seeds": (0, 1),
               "ft_steps": 3, "ft_batch": 4, "ft_lr": 3e-4, "eval_tokens": 1024, "profile_tokens": 1024,
               "drift_tokens": 1024, "mc_items": 8, "mc_batch": 8,
@@ -209,7 +210,9 @@ def pretrain(data_dir: Path, work: Path, size: str) -> None:
     from occult_hf.training import train
 
     print(f"[base] pre-training recipe {study_recipe(size).name}", flush=True)
-    log = train(study_recipe(size), data_dir, work / "base", eval_tokens=settings(size)["eval_tokens"], progress=True)
+    # checkpoints: a pre-training cut by a call's deadline resumes in the next call on the same machine, to the same weights
+    log = train(study_recipe(size), data_dir, work / "base", eval_tokens=settings(size)["eval_tokens"], progress=True,
+                checkpoint_steps=settings(size)["pretrain_checkpoint_steps"])
     print(json.dumps({k: log[k] for k in ("steps", "tokens_seen", "wall_s", "final_loss", "heldout_perplexity")}), flush=True)
 
 
@@ -597,6 +600,10 @@ def pipeline(data: Path, work: Path, out: Path, size: str, budget_s: float, stal
         (outcome,) = run_jobs([Job("base", [*common, "--stage", "base"], work / "logs" / "base.txt")], [gpus[0]],
                               deadline=deadline, stall_s=stall_s, env=env, prefix="[pipeline]")  # fmt: skip
         timings["base"] = outcome.wall_s
+        if outcome.status == "cut":  # its pre-training resumes from its last checkpoint (`pretrain`) in the next run
+            write_outputs(data, work, out, size, timings, [])
+            print(f"[pipeline] the base job was cut by the deadline ({outcome.describe()}): run the same command again to continue", flush=True)
+            return 2
         if not outcome.ok:
             write_outputs(data, work, out, size, timings, [outcome.describe()])
             raise SystemExit(f"quality study: the base job did not finish ({outcome.describe()}); its log: {work / 'logs' / 'base.txt'}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -121,14 +122,22 @@ def train(
     model=None,
     logging_steps: int | None = None,
     save: bool = True,
+    checkpoint_steps: int | None = None,
 ) -> dict:
     """Train `recipe` on the prepared data in `data_dir`; write the checkpoint to `out_dir`; return the log.
 
     `base_model` (or an already built `model`) continues from a checkpoint instead of from scratch
     (the quality study's fine-tunes); `train_domains` overrides the recipe's domains; `save=False`
     writes only the logs and the loss curve.
+
+    `checkpoint_steps` writes a `Trainer` checkpoint (weights, optimizer, schedule, RNG states, step) to
+    `out_dir/trainer` every that many steps, and a call that finds one there resumes from the newest: a run cut by a
+    deadline goes on where it stopped instead of from scratch, to the same weights as one uninterrupted run (the
+    data order is fixed by the recipe's seed; a recipe with a time budget is refused). The checkpoints are removed once
+    the run has finished.
     """
     from transformers import OlmoeForCausalLM, Trainer, TrainingArguments, set_seed
+    from transformers.trainer_utils import get_last_checkpoint
 
     data = PreparedData(data_dir)
     recipe = with_data_domains(recipe, data)
@@ -136,8 +145,20 @@ def train(
     out.mkdir(parents=True, exist_ok=True)
     if data.meta["vocab_size"] > recipe.vocab_size:
         raise ValueError(f"recipe {recipe.name}: vocab_size ({recipe.vocab_size}) is below the prepared tokenizer's ({data.meta['vocab_size']})")
+    if checkpoint_steps and recipe.time_budget_s is not None:
+        raise ValueError(f"train: checkpoint_steps needs a fixed number of steps; recipe {recipe.name} stops after its time budget "
+                         f"({recipe.time_budget_s} s), which shortens the schedule by the machine's speed and a resumed run cannot "
+                         f"reproduce: replace(time_budget_s=None)")  # fmt: skip
     set_seed(recipe.seed)
-    if model is None:
+    checkpoints = out / "trainer"
+    resume_from = get_last_checkpoint(checkpoints) if checkpoint_steps and checkpoints.is_dir() else None
+    if resume_from and model is not None:
+        raise ValueError(f"train: {resume_from} would resume a model built from the checkpoint; pass base_model, not model")
+    if resume_from:
+        # the weights through from_pretrained: Trainer's own resume loads the checkpoint's state dict as saved, whose
+        # per-expert keys leave a transformers 5.x MoE model's fused expert weights as they were (missing keys)
+        model = OlmoeForCausalLM.from_pretrained(resume_from)
+    elif model is None:
         model = OlmoeForCausalLM.from_pretrained(base_model) if base_model is not None else build_model(recipe)
     windows_BS = training_windows(data, recipe, train_domains)
     use_cuda = torch.cuda.is_available()
@@ -153,13 +174,15 @@ def train(
     schedule = _Schedule(recipe.warmup_steps, recipe.max_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     args = TrainingArguments(
-        output_dir=str(out / "trainer"),
+        output_dir=str(checkpoints),
         max_steps=recipe.max_steps,
         per_device_train_batch_size=recipe.batch_size,
         learning_rate=recipe.learning_rate,
         max_grad_norm=1.0,
         logging_steps=logging_steps or max(1, recipe.max_steps // 100),
-        save_strategy="no",
+        save_strategy="steps" if checkpoint_steps else "no",
+        save_steps=checkpoint_steps,
+        save_total_limit=1,
         report_to="none",
         seed=recipe.seed,
         data_seed=recipe.seed,
@@ -178,8 +201,10 @@ def train(
     for callback in trainer_callbacks or []:
         if hasattr(callback, "attach"):
             callback.attach(trainer)
+    if resume_from:
+        print(f"[train] resuming from {resume_from}", flush=True)
     start = time.perf_counter()
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_from)
     wall_s = time.perf_counter() - start
     model = trainer.model
     model.eval()
@@ -196,6 +221,7 @@ def train(
         "log_history": trainer.state.log_history,
         "final_loss": float(np.mean([h["loss"] for h in history[-3:]])) if history else None,
         "parameters": sum(p.numel() for p in model.parameters()),
+        "resumed_at_step": int(Path(resume_from).name.split("-")[-1]) if resume_from else None,
     }
     from .evaluate import perplexity
 
@@ -208,6 +234,8 @@ def train(
     atomic_write_text(out / "recipe.json", recipe.to_json())
     atomic_write_json(out / "train_log.json", log)
     plot_loss_curve(log, out / "loss_curve.png")
+    if checkpoint_steps:
+        shutil.rmtree(checkpoints, ignore_errors=True)
     return log
 
 
