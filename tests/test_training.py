@@ -174,6 +174,9 @@ def test_a_cut_run_resumes_from_its_checkpoint_to_the_uninterrupted_runs_weights
     with pytest.raises(KeyboardInterrupt):
         train(recipe, prepared, tmp_path / "cut", eval_tokens=256, progress=False, checkpoint_steps=2, trainer_callbacks=[CutAtStep3()])
     assert [p.name for p in (tmp_path / "cut" / "trainer").iterdir()] == ["checkpoint-2"]
+    half_saved = tmp_path / "cut" / "trainer" / "checkpoint-3"  # a save the kill cut: weights written, no trainer_state.json
+    half_saved.mkdir()
+    (half_saved / "model.safetensors").write_bytes(b"cut")
     resumed = train(recipe, prepared, tmp_path / "cut", eval_tokens=256, progress=False, checkpoint_steps=2)
     assert (whole["resumed_at_step"], resumed["resumed_at_step"]) == (None, 2) and resumed["steps"] == 4
     assert resumed["loss_history"] == whole["loss_history"]
@@ -183,6 +186,8 @@ def test_a_cut_run_resumes_from_its_checkpoint_to_the_uninterrupted_runs_weights
     assert not (tmp_path / "cut" / "trainer").exists()  # the checkpoints go once the run has finished
     with pytest.raises(ValueError, match="checkpoint_steps needs a fixed number of steps; recipe tiny stops after its time budget"):
         train(recipe.replace(time_budget_s=60.0), prepared, tmp_path / "budget", progress=False, checkpoint_steps=2)
+    with pytest.raises(ValueError, match="checkpoint_steps builds the model itself"):
+        train(recipe, prepared, tmp_path / "built", progress=False, checkpoint_steps=2, model=OlmoeForCausalLM(recipe.model_config()))
 
 
 def test_routing_structure_of_a_random_router_is_flat():

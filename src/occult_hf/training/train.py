@@ -101,6 +101,13 @@ def _time_budget_callback(schedule: _Schedule, budget_s: float | None, probe_ste
     return TimeBudget()
 
 
+def last_saved_checkpoint(folder: Path) -> str | None:
+    """The newest `checkpoint-N` in `folder` whose save finished: the `Trainer` writes `trainer_state.json` after the
+    weights, optimizer, schedule and RNG states, so a save cut by a kill (a call's deadline) has none and is passed by."""
+    saved = [p for p in folder.glob("checkpoint-*") if p.name.split("-")[-1].isdigit() and (p / "trainer_state.json").is_file()]
+    return str(max(saved, key=lambda p: int(p.name.split("-")[-1]))) if saved else None
+
+
 def build_model(recipe: Recipe):
     """A freshly initialised `OlmoeForCausalLM` of the recipe (seeded)."""
     from transformers import OlmoeForCausalLM, set_seed
@@ -137,7 +144,6 @@ def train(
     the run has finished.
     """
     from transformers import OlmoeForCausalLM, Trainer, TrainingArguments, set_seed
-    from transformers.trainer_utils import get_last_checkpoint
 
     data = PreparedData(data_dir)
     recipe = with_data_domains(recipe, data)
@@ -150,10 +156,11 @@ def train(
                          f"({recipe.time_budget_s} s), which shortens the schedule by the machine's speed and a resumed run cannot "
                          f"reproduce: replace(time_budget_s=None)")  # fmt: skip
     set_seed(recipe.seed)
+    if checkpoint_steps and model is not None:
+        raise ValueError("train: checkpoint_steps builds the model itself (from the recipe, base_model or the checkpoint it "
+                         "resumes): pass base_model, not model")  # fmt: skip
     checkpoints = out / "trainer"
-    resume_from = get_last_checkpoint(checkpoints) if checkpoint_steps and checkpoints.is_dir() else None
-    if resume_from and model is not None:
-        raise ValueError(f"train: {resume_from} would resume a model built from the checkpoint; pass base_model, not model")
+    resume_from = last_saved_checkpoint(checkpoints) if checkpoint_steps else None
     if resume_from:
         # the weights through from_pretrained: Trainer's own resume loads the checkpoint's state dict as saved, whose
         # per-expert keys leave a transformers 5.x MoE model's fused expert weights as they were (missing keys)
