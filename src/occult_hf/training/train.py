@@ -105,7 +105,12 @@ def last_saved_checkpoint(folder: Path) -> str | None:
     """The newest `checkpoint-N` in `folder` whose save finished: the `Trainer` writes `trainer_state.json` after the
     weights, optimizer, schedule and RNG states, so a save cut by a kill (a call's deadline) has none and is passed by."""
     saved = [p for p in folder.glob("checkpoint-*") if p.name.split("-")[-1].isdigit() and (p / "trainer_state.json").is_file()]
-    return str(max(saved, key=lambda p: int(p.name.split("-")[-1]))) if saved else None
+    return str(max(saved, key=checkpoint_step)) if saved else None
+
+
+def checkpoint_step(checkpoint: str | os.PathLike) -> int:
+    """The step of a `Trainer` checkpoint directory, `checkpoint-N`."""
+    return int(Path(checkpoint).name.split("-")[-1])
 
 
 def build_model(recipe: Recipe):
@@ -228,7 +233,7 @@ def train(
         "log_history": trainer.state.log_history,
         "final_loss": float(np.mean([h["loss"] for h in history[-3:]])) if history else None,
         "parameters": sum(p.numel() for p in model.parameters()),
-        "resumed_at_step": int(Path(resume_from).name.split("-")[-1]) if resume_from else None,
+        "resumed_at_step": checkpoint_step(resume_from) if resume_from else None,
     }
     from .evaluate import perplexity
 
