@@ -1,9 +1,11 @@
 #!/bin/bash
 # The quality study of issue 34 on one H200 (docs/quality.md, "Next run"): the same command for every device call.
 #   bash docs/quality_h200.sh
-# from the checkout's root, with carry=[".devdata/study_long/data", ".whl"]: the prepared data of the study_long recipe
-# (occult train --prepare-only, without its hf_cache/) and the wheels of lm-eval 0.4.13, datasets 5.2.0, dill 0.4.1 and
-# multiprocess 0.70.19, which the machine's image lacks. Each call runs the pipeline for BUDGET seconds (default 480
+# from the checkout's root, with carry=[".devdata/pack", ".whl"]: the prepared data of the study_long recipe
+# (occult train --prepare-only, without its hf_cache/) as one archive, .devdata/pack/study_long_data.tgz (14 MB; the
+# 29 MB directory with the wheels and the repository passed the device tool's 64 MiB), unpacked here when DATA is
+# absent, and the wheels of lm-eval 0.4.13, datasets 5.2.0, dill 0.4.1 and multiprocess 0.70.19, which the machine's
+# image lacks. Each call runs the pipeline for BUDGET seconds (default 480
 # once the work directory's base job is done: the packages' install takes about 25 s before it and collecting and
 # archiving the variants' outputs about 70 s after it, so 540 overran the device tool's 600 s limit on 2026-12-02;
 # 540 while the base job is to run: it took 482 s (pre-training 455 s) on 2026-12-02, and 480 cut it at step 1,253 of
@@ -16,7 +18,7 @@
 # without it every process takes its turn in time slices, and lm-eval, which reads the GPU twice per request, waits
 # out every other worker's slice (docs/device/mps_probe.py on the H200: a scorer beside six trainers, 38 requests/s
 # without MPS, 239 with it; 12,700 alone).
-# Env: DATA (default .devdata/study_long/data), WORK, BUDGET, SIZE (default study; micro with a micro corpus: a CPU
+# Env: DATA (default .devdata/study_long/data), DATA_ARCHIVE (its .tgz, above), WORK, BUDGET, SIZE (default study; micro with a micro corpus: a CPU
 # check of the script), PER_GPU (worker processes per GPU, default the size's), NO_INSTALL=1 (use what is installed),
 # NO_MPS=1 (time slices, as before MPS), EARLIER (an earlier session's quality_results.json, or several separated by spaces,
 # carried with the data: its variants join this run's when this machine pre-trained the same base model, which the
@@ -27,6 +29,10 @@ set -u
 ROOT=${ROOT:-$PWD}
 OUT=${OUT:-/tmp/out}
 DATA=${DATA:-$ROOT/.devdata/study_long/data}
+DATA_ARCHIVE=${DATA_ARCHIVE:-$ROOT/.devdata/pack/study_long_data.tgz}
+if [ ! -d "$DATA" ] && [ -f "$DATA_ARCHIVE" ]; then
+  tar xzf "$DATA_ARCHIVE" -C "$ROOT/.devdata" || exit 1
+fi
 WORK=${WORK:-$ROOT/out/quality_work}
 PKG=${PKG:-/tmp/pkg}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
