@@ -6,7 +6,7 @@ around them) are imported from their modules, so that importing this package nev
 
 Every kernel is also a custom operator (namespace `occult`, what `torch.compile` traces: docs/kernels.md), defined in
 the module of the function it serves: the layout's, the reference's, the row sum's and the replica rule's on import of
-occult_hf (about 2 ms each), the Triton backends' when their modules are first imported (on first use).
+occult_hf, the Triton backends' when their modules are first imported (on first use).
 
 Installed as `occult_hf.kernels`: setup.cfg's `package_dir` maps this top-level `kernels/` folder
 into the package, so code in `src/occult_hf` imports it as `occult_hf.kernels`, never by a

@@ -36,7 +36,6 @@ from __future__ import annotations
 import torch
 
 from . import grouped_mm_fused_kernels as _kernels
-from .activations import ACTIVATIONS
 from .expert_mlp_reference import grouped_mm_op
 from .layout import ExpertSegments
 from .op_support import EagerExpertFunction, define_expert_operators
@@ -156,11 +155,9 @@ def expert_mlp_grouped_mm_fused(
 
     `[R, H]` in x's dtype; rows served by no pair are zero; differentiable with respect to x, the pair
     weights and both weights. Needs `grouped_mm_op()` with a kernel for the operands (see the module)."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation {activation!r} is not one of the Triton kernels' activations {ACTIVATIONS}")
+    check_inputs(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, "expert_mlp_grouped_mm_fused", activation)
     if grouped_mm_op() is None:
         raise RuntimeError(f"expert_mlp_grouped_mm_fused needs torch.nn.functional.grouped_mm (torch {torch.__version__} has none)")
-    check_inputs(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, caller="expert_mlp_grouped_mm_fused")
     row_pairs_N, row_offsets = row_index_of(segments, FAST_REDUCE)
     ends_L = segments.expert_offsets[1:].to(torch.int32)  # grouped_mm's offsets: the end of each expert's segment
     inputs = (x_RH, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI)

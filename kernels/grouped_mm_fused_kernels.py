@@ -2,10 +2,9 @@
 
 Shape legend: R received rows, N (row, local expert) pairs in segment order, I expert width, H hidden.
 
-`torch._grouped_mm` runs the two projections (and their gradients) with CUTLASS kernels near the dense
-rate; what the PyTorch path around them costs is elementwise and copy work: a gather of the pair rows, the
-chunk of gate and up, `act(gate) * up`, a `.float()` of the pair outputs and an fp32 `index_add`, and in
-backward the autograd of each (docs/kernels.md). These kernels do that work in one pass each:
+Around the grouped GEMMs the PyTorch path costs elementwise and copy work (a gather of the pair rows, the chunk of
+gate and up, `act(gate) * up`, a `.float()` and an fp32 `index_add`, and the autograd of each: docs/kernels.md).
+These kernels do that work in one pass each:
 
 - `gather_rows_kernel`  out[p] = src[index[p]] for the pairs of the segments (rows of pairs past the last
                         segment, whose index is R, stay unwritten: no GEMM reads them);
@@ -19,10 +18,9 @@ backward the autograd of each (docs/kernels.md). These kernels do that work in o
                         epilogue (`dgate_up_epilogue`), so both backends compute the same values.
 
 The per-row sum of the pair outputs is the Triton backend's `segment_sum_kernel` (fp32, pair order).
-The gather's and `act_mul_kernel`'s tiles are tuned per (H or I, size class), the backward's elementwise kernel has
-one fixed tile; like the Triton backend's tuned kernels, the tuned ones run the chosen config directly after the
-first call (`run_tuned`: no tuner's host time per call, which at small T is the call's time). Under
-`TRITON_INTERPRET=1` the tiles are small, so tiny test shapes span several.
+The gather's and `act_mul_kernel`'s tiles are tuned per (H or I, size class) and launched by `run_tuned`; the
+backward's elementwise kernel has one fixed tile. Under `TRITON_INTERPRET=1` the tiles are small, so tiny test
+shapes span several.
 """
 
 from __future__ import annotations
@@ -35,8 +33,7 @@ from .triton_expert_mlp_kernels import INTERPRETED, apply_activation, bench_conf
 #: (BLOCK_M, BLOCK_N, warps) candidates of the gather, tuned per (H, size class): it moves [N, H], and how many
 #: rows a program holds in flight decides how close it gets to copy speed (docs/kernels.md has the timings)
 _GATHER_HOPPER = [(8, 512, 4), (16, 512, 4), (8, 1024, 4), (16, 1024, 8), (32, 256, 4), (4, 2048, 8)]
-#: the same for `act_mul_kernel`, per (I, size class): each tile is the fastest at one of the real shapes on the
-#: H200, and wider tiles or 8 warps were slower at all of them (docs/kernels.md)
+#: the same for `act_mul_kernel`, per (I, size class): each the fastest at one of the real shapes (docs/kernels.md)
 _ACT_HOPPER = [(16, 256, 4), (8, 512, 4), (4, 1024, 4)]
 #: (BLOCK_M, BLOCK_N) of the backward's elementwise kernel: 2048 elements a step of its column loop
 ACT_BACKWARD_BLOCK = (4, 16) if INTERPRETED else (16, 128)

@@ -3,9 +3,8 @@
 Shape legend: see `occult_hf.replicas.routing` (X blocks of `BLOCK_F` flat entries, local here).
 
 In torch the per-pair half is ~78 small operators launched from Python (the preferences, the per-(expert, first
-visited home) counts, `_rank_in_group`'s sorts twice, gathers): 1-2 ms of host launches a layer in an eager
-training forward, against 0.1 ms for the per-expert half's kernel. Here it is four launches plus two cumsums and
-three memsets, whatever T, k, E and M:
+visited home) counts, `_rank_in_group`'s sorts twice, gathers), host time in every eager layer. Here it is four
+launches plus two cumsums and three memsets, whatever T, k, E and M:
 
 1. `preferences`: one program per block of tokens finds each pair's first visited home (the homes of the token's
    single-home experts, plus the caller's `devices_TD`) and adds it to the `[E, M + 1]` counts with integer
@@ -205,10 +204,8 @@ def _preferences_and_counts(topk_ids_Tk, home_table_EM, num_devices, devices_TD=
 
 
 def _preferences_impl(topk_ids_Tk, home_table_EM, num_devices, devices_TD):
-    on_triton = triton_runs_on(topk_ids_Tk)
-    return (fused_preferences_and_counts if on_triton else TORCH_PAIRS.preferences_and_counts)(
-        topk_ids_Tk, home_table_EM, num_devices, devices_TD
-    )
+    step = fused_preferences_and_counts if triton_runs_on(topk_ids_Tk) else TORCH_PAIRS.preferences_and_counts
+    return step(topk_ids_Tk, home_table_EM, num_devices, devices_TD)
 
 
 def _assign(topk_ids_Tk, pref_Tk, home_table_EM, tables):

@@ -2,21 +2,20 @@
 
 Shape legend: see `occult_hf.replicas.routing` (G ranks of the group).
 
-`expert_routes` is about 480 small operators on `[E, M]` tensors (the split's 2 x `SPLIT_ROUNDS` damped
-water-filling rounds, then the per-expert tables); even replayed from a CUDA graph they are ~480 serial
-kernels, 1.4-1.7 ms a layer on an H200 against 0.25 ms for the static rule. Here one program holds the whole
-`[E, M]` problem in registers (E <= 256 and M <= 8 make at most 2048 entries) and runs every round in place: one
-launch, a few microseconds of arithmetic.
+`expert_routes` is hundreds of small operators on `[E, M]` tensors (the split's 2 x `SPLIT_ROUNDS` damped
+water-filling rounds, then the per-expert tables), serial kernels even replayed from a CUDA graph. Here one
+program holds the whole `[E, M]` problem in registers (E <= 256 and M <= 8 make at most 2048 entries) and runs
+every round in place: one launch, a few microseconds of arithmetic.
 
 Same arithmetic as the torch version, in fp64 where it uses fp64, with the same formulas (water-filling level as
 `_fill` computes it, `lerp` at the step of `split_steps` as PyTorch evaluates it: `end - (end - start) * 0.5` at
-one half, exact in its product, `start + step * (end - start)` below,
-the cumulative fractions summed home by home as `cumsum` does) and `enable_fp_fusion=False`, so a product is
-rounded before the sum that uses it, as in PyTorch. Only the order of the per-device and per-expert sums differs
-(Triton's fixed reduction tree against PyTorch's), which moves the shares by a few ulps, not the integers: the
-counts, `offset`, and the per-expert integer sums are exact in any order. The tree is fixed, so every rank
-computes the same bits from the same gathered integers. The torch version stays the reference and the CPU path;
-on CPU tensors this runs under `TRITON_INTERPRET=1` (the tests).
+one half, exact in its product, `start + step * (end - start)` below, the cumulative fractions summed home by home
+as `cumsum` does) and `enable_fp_fusion=False`, so a product is rounded before the sum that uses it, as in PyTorch.
+Only the order of the per-device and per-expert sums differs (Triton's fixed reduction tree against PyTorch's),
+which moves the shares by a few ulps, not the integers: the counts, `offset`, and the per-expert integer sums are
+exact in any order. The tree is fixed, so every rank computes the same bits from the same gathered integers. The
+torch version stays the reference and the CPU path; on CPU tensors this runs under `TRITON_INTERPRET=1` (the
+tests).
 
 Under `torch.compile`, `FusedRoutes` calls the custom operator `occult::expert_routes` (this kernel where Triton runs
 and the shapes fit, else `expert_routes` eagerly: the CUDA graph of `GraphedRoutes` is for eager calls); its five

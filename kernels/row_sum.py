@@ -4,12 +4,10 @@ Shape legend: see `occult_hf.dispatch.plan` (O rows of a padded block, J rows pe
 
 `dispatch.base.sum_token_rows` adds up, for every token, the rows its `row_TJ` points at. In PyTorch
 (`sum_rows_torch`, the specification) that is a gather into a `[T, J, H]` temporary and a reduction of it: the rows
-are written once more and read twice. Here one
-program per (token, block of H) loads the token's J rows, adds them in fp32 in the order j = 0, 1, ... and
-stores the sum rounded to nearest even: every row byte is read once and the output written once (at T = 16384,
-H = 2048, J = 2 in bf16, 201 MB moved instead of 470 MB). A fixed order and no atomics: the result is
-repeatable; it equals PyTorch's for J <= 2 (the "dedup" combine at D = 2) and within fp32 rounding for more rows,
-which PyTorch may add in another order.
+are written once more and read twice. Here one program per (token, block of H) loads the token's J rows, adds them
+in fp32 in the order j = 0, 1, ... and stores the sum rounded to nearest even: every row byte is read once and the
+output written once. A fixed order and no atomics: the result is repeatable; it equals PyTorch's for J <= 2 (the
+"dedup" combine at D = 2) and within fp32 rounding for more rows, which PyTorch may add in another order.
 
 Only for rows that need no gradient (inside the exchanges' autograd Functions, where the rows are what a
 collective returned); the caller keeps the differentiable PyTorch path otherwise. Runs on CUDA tensors, and
@@ -27,7 +25,7 @@ import math
 
 import torch
 
-from .triton_support import interpreting, require_triton, triton_runs_on
+from .triton_support import cdiv, interpreting, next_power_of_2, require_triton, triton_runs_on
 
 
 def available(rows_pad_OH: torch.Tensor) -> bool:
@@ -97,10 +95,10 @@ def _launch(rows_pad_OH: torch.Tensor, row_TJ: torch.Tensor, out_TH: torch.Tenso
     hidden = rows_pad_OH.shape[1]
     if num_tokens == 0 or hidden == 0:
         return
-    block_h = min(1 << (hidden - 1).bit_length(), 1024)  # the next power of two
+    block_h = min(next_power_of_2(hidden), 1024)
     # the largest power of two (at most 16 bytes of elements) dividing every row start: what the loads may vectorise by
     row_align = math.gcd(rows_pad_OH.stride(0), max(16 // rows_pad_OH.element_size(), 1))
-    grid = (num_tokens, -(-hidden // block_h))
+    grid = (num_tokens, cdiv(hidden, block_h))
     _kernel(interpreting())[grid](
         rows_pad_OH, rows_pad_OH.stride(0), row_TJ, row_TJ.stride(0), row_TJ.stride(1), out_TH, out_TH.stride(0), hidden,
         J=width, ROW_ALIGN=row_align, BLOCK_H=block_h, num_warps=4,

@@ -28,10 +28,10 @@ expert segment, so weight gradients are deterministic in both modes).
 Memory kept for the backward: the pre-activations gu [N, 2I] in x's dtype (plus the inputs, which
 autograd keeps anyway, and the layout's index tensors); nothing else. hw [N, I], which the down_proj
 gradient needs, is recomputed by the backward's first kernel from gu (an extra [N, I] store there)
-instead of being kept from the forward: with k = 8, I = 1024, bf16 that is 16 KiB per token less.
-The forward's transient buffers: hw [N, I], and during each row reduction y [N, H] (x's dtype, or fp32
-when deterministic). No host synchronisation: tile schedules are derived on the device from
-`expert_offsets` inside each kernel (only the first call per shape autotunes, which syncs).
+instead of being kept from the forward. The forward's transient buffers: hw [N, I], and during each row
+reduction y [N, H] (x's dtype, or fp32 when deterministic). No host synchronisation: tile schedules are
+derived on the device from `expert_offsets` inside each kernel (only the first call per shape autotunes,
+which syncs).
 
 On CPU the kernels run only under the Triton interpreter (`TRITON_INTERPRET=1` set before triton is
 first imported in the process), which is for tests; use `expert_mlp_reference` otherwise.
@@ -61,14 +61,8 @@ from . import triton_expert_mlp_kernels as _kernels
 from .activations import ACTIVATIONS, activation_name
 from .layout import ExpertSegments, row_index
 from .op_support import EagerExpertFunction, define_expert_operators
-from .triton_launch import launch
+from .triton_launch import TensorDescriptor, launch  # TensorDescriptor None: older Triton, no TMA configs tuned
 from .triton_support import cdiv, interpreting, next_power_of_2
-
-
-try:  # Hopper's tensor memory accelerator through host-made descriptors (Triton >= 3.4)
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - older Triton: the TMA configs are never tuned
-    TensorDescriptor = None
 
 #: allocator of every buffer the kernels must fill completely (tests swap in a NaN-filled one)
 _empty = torch.empty
@@ -119,9 +113,8 @@ def _dot_precision(dtype: torch.dtype) -> str:
 REDUCE_MODES = ("atomic", "rows_fp32", "rows_io")
 #: reduce mode of `deterministic=True`: fp32 pair outputs, fixed order
 DETERMINISTIC_REDUCE = "rows_fp32"
-#: reduce mode of `deterministic=False`: on the H200 (docs/bench_experts_h200.md) rows_io was as fast
-#: as or faster than atomics at T >= 16384 (1.88x vs 1.72x transformers' grouped_mm forward on
-#: OLMoE, T=16384) and within 6% at T=4096; it is repeatable as well.
+#: reduce mode of `deterministic=False`: as fast as atomics or faster at large T, and repeatable as well
+#: (docs/bench_experts_h200.md)
 FAST_REDUCE = "rows_io"
 
 
@@ -305,9 +298,8 @@ def _dgate_up(plan: LaunchPlan, dout_RH, down_LHI, gu_N2I, pair_weight_N, write_
     intermediate = down_LHI.shape[2]
     dgu_N2I = _empty(gu_N2I.shape, dtype=gu_N2I.dtype, device=gu_N2I.device)
     hw_NI = _empty(plan.num_pairs, intermediate, dtype=gu_N2I.dtype, device=gu_N2I.device) if write_hw else None
-    # One partial sum per N tile; sized for the smallest BLOCK_N any config may pick. The config that ran
-    # fills the columns of its own N tiles for every pair; only those are summed (no zero fill needed).
-    # (`DGATE_UP_MIN_BLOCK_N`: over all candidates, so a subset of them, as `--compare-candidates` tunes, fits too)
+    # One partial sum per N tile of the narrowest candidate (`DGATE_UP_MIN_BLOCK_N`: any subset of the candidates
+    # fits); the config that ran fills its own tiles' columns for every pair, and only those are summed (no zero fill).
     partial_NP = _empty(plan.num_pairs, cdiv(intermediate, _kernels.DGATE_UP_MIN_BLOCK_N), dtype=torch.float32, device=dout_RH.device)
     b_desc, _ = _expert_matrix(down_LHI) if plan.tma else (None, 0)
     grid = lambda meta: (plan.m_tiles_bound(meta["BLOCK_M"]) * cdiv(intermediate, meta["BLOCK_N"]),)  # noqa: E731
@@ -398,9 +390,13 @@ define_expert_operators(
 )  # fmt: skip
 
 
-def check_inputs(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, caller: str = "expert_mlp_triton") -> None:
-    """Shapes, dtypes and devices (never values: reading them would synchronise with the device); `caller`
-    is the entry point the errors name."""
+def check_inputs(
+    x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, caller: str = "expert_mlp_triton", activation: str = "silu"
+) -> None:
+    """The activation's name, shapes, dtypes and devices (never values: reading them would synchronise with the
+    device); `caller` is the entry point the errors name."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} is not one of the Triton kernels' activations {ACTIVATIONS}")
     if x_RH.dim() != 2:
         raise ValueError(f"x_RH must be [R, H], got shape {tuple(x_RH.shape)}")
     rows, hidden = x_RH.shape
@@ -513,9 +509,7 @@ def expert_mlp_triton(
         `[R, H]` in x's dtype; rows served by no pair are zero. Differentiable with respect to x,
         pair_weight and both weights (Triton backward kernels).
     """
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation {activation!r} is not one of the Triton kernels' activations {ACTIVATIONS}")
-    check_inputs(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI)
+    check_inputs(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, activation=activation)
     if reduce is None:
         reduce = DETERMINISTIC_REDUCE if deterministic else FAST_REDUCE
     if reduce not in REDUCE_MODES:

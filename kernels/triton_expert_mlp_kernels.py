@@ -11,29 +11,24 @@ three row-major grouped GEMMs share one K loop (`_gemm_k_loop`); they differ onl
 their operands and in their epilogues. The weight gradients' K loop runs along a segment (`_outer_k_loop`):
 once over the whole blocks through TMA where descriptors exist, once by masked pointers over the rest.
 
-Kernels:
+Kernels (`triton_expert_mlp.py` says why the work is split so):
 - `gate_up_kernel`     hw[p] = w[p] * act(x[row p] @ gate_e^T) * (x[row p] @ up_e^T), gathering rows
-                       of x (the pair weight w is a per-row scalar, so applying it here instead of
-                       after the down projection leaves both later GEMMs plain); optionally saves the
-                       pre-activations gu[p] = [gate, up] for the backward. Gate and up columns are
-                       interleaved in one [BK, 2 BN] weight tile, so one dot computes both and the
-                       epilogue splits them without moving data between threads.
+                       of x; optionally saves the pre-activations gu[p] = [gate, up] for the backward.
+                       Gate and up columns share one [BK, 2 BN] weight tile: one dot computes both.
 - `scatter_gemm_kernel` y[p] = a[p] @ B_e, either atomically added in fp32 into
                        out[row p] (`reduce="atomic"`) or written per pair for `segment_sum_kernel`.
 - `segment_sum_kernel` out[r] = sum of y over the pairs of row r, in pair order (deterministic); rows
                        served by no pair get zeros. Several rows a program, 8 pair rows of each in flight.
 - `dgate_up_kernel`    backward of the gate/up/activation stage: g[p] = dout[row p] @ down_e, then
                        d gu[p] from g, the pair weight and the saved pre-activations, the pair
-                       weight's gradient partial sums <h[p], g[p]> per N tile, and hw[p] again (the
-                       down_proj gradient's operand: recomputed here from gu instead of being kept
-                       from the forward). `EPI_SPLIT = 2` runs this epilogue on two column halves of
-                       the tile one after the other, so fewer fp32 tiles are live at once and a
-                       wider tile fits the registers.
+                       weight's gradient partial sums <h[p], g[p]> per N tile, and hw[p] again.
+                       `EPI_SPLIT = 2` runs this epilogue on two column halves of the tile one after
+                       the other, so fewer fp32 tiles are live at once and a wider tile fits the registers.
 - `pair_weight_grad_kernel` the pair weight's gradient from `dgate_up_kernel`'s partial sums (zero for
                        pairs past the segments), in the weights' dtype.
-- `segment_outer_kernel` weight gradients: C_e = sum over the pairs p of expert e of
-                       A[row_a(p)]^T B[row_b(p)]; one program
-                       owns one output tile and the whole reduction, so it is deterministic.
+- `segment_outer_kernel` weight gradients: C_e = sum over the pairs p of expert e of A[row_a(p)]^T
+                       B[row_b(p)]; one program owns one output tile and the whole reduction, so it is
+                       deterministic.
 
 Activations (`ACTIVATIONS`, a constexpr code in every kernel that applies one): SiLU and GELU with
 the tanh approximation, each with its derivative for the backward.
@@ -61,16 +56,12 @@ ACTIVATIONS = {name: code for code, name in enumerate(_ACTIVATION_NAMES)}
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps[, extra constexprs]) candidates for Hopper, tuned
 # per (H, I, rows per expert). Every candidate is valid for every shape (masks cover ragged edges); the
 # tuner only picks. gate_up's BLOCK_N counts twice (gate and up columns share one tile). dgate_up's
-# epilogue holds about five fp32 tiles: the wide tiles only come with EPI_SPLIT = 2. Uncapped, its 128x128
-# tile takes 241 registers a thread (Triton 3.6, sm_90), so one program runs per multiprocessor and nothing
-# overlaps its epilogue (the gu loads, d gu and hw stores); capped at 128 (`maxnreg`, a few hundred bytes of
-# spills) two programs share a multiprocessor and one's epilogue runs beside the other's K loop (7-18% faster
-# on the H200 at the real shapes: docs/kernels.md).
+# epilogue holds about five fp32 tiles: the wide tiles only come with EPI_SPLIT = 2. Its 128x128 tile capped at
+# 128 registers (`maxnreg`, a few spills) lets two programs share a multiprocessor, so that one's epilogue (the gu
+# loads, d gu and hw stores) runs beside the other's K loop (docs/kernels.md).
 # The candidates with BLOCK_M <= `SMALL_M` are for small T (a handful of rows per expert, where streaming the
 # weights is the whole cost): `_prune_by_rows` tunes only the tiles that can win at the call's mean segment
-# length, which also keeps the tuning time of each key down: at a handful of rows the 16- and 32-row tiles stream
-# the gate/up weights near copy speed, faster than any 64-row tile; at long segments four stages beat three for
-# the 128x256 GEMM tile (docs/kernels.md).
+# length, which also keeps the tuning time of each key down (docs/kernels.md).
 _GATE_UP_HOPPER = [
     (128, 128, 64, 3, 8), (128, 128, 64, 4, 8), (256, 64, 64, 3, 8), (128, 64, 64, 4, 4), (64, 64, 128, 3, 4),
     (16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (32, 128, 64, 4, 4),
@@ -101,8 +92,7 @@ _OUTER_HOPPER = [
     (128, 256, 64, 3, 8, _TMA), (128, 256, 64, 4, 8, _TMA), (128, 128, 64, 4, 8, _TMA), (256, 128, 64, 3, 8, _TMA),
 ]  # fmt: skip
 # (BLOCK_R, BLOCK_H, warps) of the row sum: 2048-4096 elements a load step, so that a thread's share of
-# every pair row is one or two 16-byte loads, and 8 pair rows of each of BLOCK_R rows in flight (tuned at
-# OLMoE on the H200: 1 x 2048 x 4 at T = 16384, 4 x 512 x 4 at T = 1024, 2 x 1024 x 4 at T = 128)
+# every pair row is one or two 16-byte loads, and 8 pair rows of each of BLOCK_R rows in flight
 _SEGMENT_SUM_HOPPER = [(1, 2048, 4), (2, 1024, 4), (4, 512, 4), (8, 256, 4), (4, 1024, 8), (8, 512, 8), (16, 256, 8)]
 #: row tiles of at most this many rows are small-T candidates
 SMALL_M = 32
@@ -474,14 +464,14 @@ def segment_sum_kernel(
     H,
     stride_y_row,
     stride_out_row,
-    ROWS_PER_EXPERT,  # autotuning key only: the call's size class (a tile that wins at T = 128 may lose at 16384)
+    ROWS_PER_EXPERT,  # autotuning key only: the call's size class (a tile that wins at small T may lose at large T)
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     # BLOCK_R rows a program, PAIRS pair rows of each loaded before any is added: every program puts
     # BLOCK_R * PAIRS independent row loads in flight after one load of the offsets and one of the pair
-    # indices, which brings it to copy speed (docs/kernels.md). The sum runs pair by pair, in pair order, in fp32, whatever the config: the tuner's choice
-    # never changes the bits of the result.
+    # indices, which brings it to copy speed (docs/kernels.md). The sum runs pair by pair, in pair order, in
+    # fp32, whatever the config: the tuner's choice never changes the bits of the result.
     PAIRS: tl.constexpr = 8
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = offs_r < num_rows
@@ -617,8 +607,7 @@ def pair_weight_grad_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_P: tl.constexpr,  # >= tiles
 ):
-    # One launch for what were four operators after `dgate_up_kernel` (a slice sum, a position compare, a
-    # where and a cast): at small T each operator's host time is the call's time, not its device time.
+    # One launch instead of four small operators: at small T each operator's host time is the call's time.
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < num_pairs
     inside_m = mask_m & (offs_m < tl.load(segments_end_ptr))
@@ -674,7 +663,7 @@ def _outer_k_loop(
     """acc += A^T B over the pairs k_first .. k_stop of one segment, BLOCK_K at a time: the K loop of the
     weight gradients (`_outer_block` loads each block; TMA only for whole blocks inside the segment).
     STAGES: the loop's software pipelining depth, None for the config's `num_stages` (1 for the ragged tail
-    after the TMA blocks: at most one step; pipelined, it made d down_proj 1.7-5.5% slower on the H200)."""
+    after the TMA blocks: at most one step, which pipelining only slows)."""
     for k0 in tl.range(k_first, k_stop, BLOCK_K, num_stages=STAGES):
         a, b = _outer_block(
             a_ptr, b_ptr, pair_row_ptr, a_desc, b_desc, k0, segment_end, offs_m, mask_m, offs_n, mask_n,

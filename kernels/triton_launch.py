@@ -2,15 +2,14 @@
 
 `kernel[grid](*args)` binds every argument, works out the specialization of each (dtype and 16-byte alignment
 of a tensor, whether an integer is 1 or a multiple of 16), packs the options, hashes all of that into a cache
-key and looks the compiled kernel up, on every call. On the H200 host that is about 50-70 us per launch
-(docs/bench_experts_h200.md), and at small T the host's time is the call's time: a forward + backward of
-`grouped_mm_fused` at T = 128 took about 2 ms to issue for 0.75-1.0 ms of GPU work.
+key and looks the compiled kernel up, on every call: tens of microseconds of host time per launch, and at small
+T the host's time is the call's time (docs/bench_experts_h200.md).
 
 `launch` keeps the `CompiledKernel` of each specialization in a dict under a key it computes with a few
 comparisons per argument (the same distinctions Triton's own specialization makes, `_specialization`), and
 calls the compiled kernel's launcher directly. The first launch of each key, and every launch under the
 interpreter, while Triton's launch hooks are set (a profiler such as proton) or while torch.compile traces, goes
-through `kernel[grid]` as before; so the compiled kernel is always the one Triton would pick. Only a real
+through `kernel[grid]`; so the compiled kernel is always the one Triton would pick. Only a real
 `CompiledKernel` is kept: a launch traced by dynamo returns None from `kernel[grid]`, and a cached None would fail
 every later eager launch of that key.
 """
@@ -56,7 +55,7 @@ def _specialization(value) -> object:
 
 def _specializations(args: tuple) -> tuple:
     """`_specialization` of every argument, with the integers and plain tensors (most of a GEMM's 15-25
-    arguments) done inline: a Python call per argument was a third of `launch`'s host time."""
+    arguments) done inline: a Python call per argument would be a large share of `launch`'s host time."""
     return tuple(
         [
             (value == 1, value % 16 == 0, -(2**31) <= value < 2**31)

@@ -3,28 +3,24 @@
 Shape legend: N pairs, T tokens, k experts per token, E experts; local to this file: G groups (local experts,
 or received rows), X the pairs one program of `topk_layout_kernel` places.
 
-The layout of the expert computation sorts pairs twice on the device: by (local expert, row) to make the
-expert segments (`ExpertSegments.from_pairs`), and by row to make the row -> pairs index that the row
-reduction reads (`layout.row_index`). With torch each is a sort (several kernels), an
-arange and a binary search, plus casts: at small T (a few thousand pairs) these launches are a visible
-part of a call that the host's launch rate bounds (docs/bench_experts_h200.md). Up to `MAX_PAIRS` pairs
-one program does the whole of one: it packs each pair's sort key with its index into one int64 (so a
-plain bitonic sort is stable and yields the permutation), sorts in registers, and finds every group's
-offset by a binary search of the sorted group ids, all groups at once. Larger layouts keep torch's
-sort, whose throughput one program cannot match.
+The layout of the expert computation sorts pairs twice on the device: by (local expert, row) to make the expert
+segments (`ExpertSegments.from_pairs`), and by row to make the row -> pairs index that the row reduction reads
+(`layout.row_index`). With torch each is a sort (several kernels), an arange and a binary search, plus casts: at
+small T these launches are a visible part of a call that the host's launch rate bounds. Up to `MAX_PAIRS` pairs one
+program does the whole of one: it packs each pair's sort key with its index into one int64 (so a plain bitonic sort
+is stable and yields the permutation), sorts in registers, and finds every group's offset by a binary search of the
+sorted group ids, all groups at once. Larger layouts keep torch's sort, whose throughput one program cannot match.
 
-Routing straight from a top-k (`ExpertSegments.from_topk`: pair i is token i // k's slot i % k, so the pairs
-come in row order) needs no comparison sort: a stable counting sort by expert keeps rows ascending within an
-expert. `topk_layout_kernel` places the pairs of `TOPK_ROWS` tokens a program: it needs, per expert, all its
-pairs (the segment offsets) and those before its own first pair (its start in each segment), ranks its own
-pairs among equal experts, and writes their places, rows and weights in segment order; the row -> pairs index
-needs only each row's k places in ascending order, a sort of k values. Where that is cheap (`one_launch`) each
-program counts those over all pairs itself: one launch (at OLMoE T = 1024, 8192 pairs, that replaces two torch
-sorts, a dozen radix passes and memsets, and about ten small operators around them). Counting all pairs in
-every program grows as N^2 (and as E: one counting step holds [256, E] compares), so elsewhere two small launches
-come first: `topk_count_kernel` counts each program's pairs per expert and `topk_scan_kernel` turns the counts
-into each program's pairs before it (an exclusive prefix over the programs) and the totals, which the placing
-programs then read.
+Routing straight from a top-k (`ExpertSegments.from_topk`: pair i is token i // k's slot i % k, so the pairs come in
+row order) needs no comparison sort: a stable counting sort by expert keeps rows ascending within an expert.
+`topk_layout_kernel` places the pairs of `TOPK_ROWS` tokens a program: it needs, per expert, all its pairs (the
+segment offsets) and those before its own first pair (its start in each segment), ranks its own pairs among equal
+experts, and writes their places, rows and weights in segment order; the row -> pairs index needs only each row's k
+places in ascending order, a sort of k values. Where that is cheap (`one_launch`) each program counts those over all
+pairs itself: one launch. Counting all pairs in every program grows as N^2 (and as E: one counting step holds
+[256, E] compares), so elsewhere two small launches come first: `topk_count_kernel` counts each program's pairs
+per expert and `topk_scan_kernel` turns the counts into each program's pairs before it (an exclusive prefix over
+the programs) and the totals, which the placing programs then read.
 """
 
 from __future__ import annotations
@@ -34,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .triton_launch import launch
-from .triton_support import next_power_of_2
+from .triton_support import cdiv, next_power_of_2
 
 #: most pairs (and groups) one program sorts; above it the callers use torch's sort. One program runs on one
 #: multiprocessor and a bitonic sort does N log^2 N work: at 1024 pairs it hides behind the host's launches, at
@@ -101,20 +97,16 @@ def fits_one_program(num_pairs: int, num_groups: int) -> bool:
 def sort_by_group(
     group_N: torch.Tensor, num_groups: int, minor_N: torch.Tensor | None = None, minor_range: int = 1, *, separate: bool = False
 ):
-    """`(order_N, offsets, minor_sorted_N)`: the stable order of the pairs by (group, minor), the
-    `[num_groups + 1]` offsets of each group in it (pairs whose group id is `num_groups` sort after the
-    last group, outside every range), and the minor keys in that order (None without `minor_N`).
-    One program; only for `fits_one_program` sizes. Group ids must lie in [0, num_groups] and minor keys
-    in [0, minor_range) (not checked: reading them would synchronise). The outputs are views of one allocation
-    (each `torch.empty` is host time at small T), or, with `separate`, tensors of their own (what a custom
-    operator must return: its outputs may not alias one another)."""
+    """`layout.sort_by_group` (same arguments and outputs) in one program; only for `fits_one_program` sizes. The
+    outputs are views of one allocation (each `torch.empty` is host time at small T), or, with `separate`, tensors
+    of their own (what a custom operator must return: its outputs may not alias one another)."""
     num_pairs = group_N.shape[0]
     if not fits_one_program(num_pairs, num_groups):
         raise ValueError(
             f"sort_by_group sorts at most MAX_PAIRS={MAX_PAIRS} pairs into fewer groups in one program; "
             f"got {num_pairs} pairs and {num_groups} groups"
         )
-    block_n = max(16, 1 << (num_pairs - 1).bit_length())
+    block_n = max(16, next_power_of_2(num_pairs))
     order_N, group_sorted_N, offsets, minor_sorted_N = _index_tensors(
         (num_pairs, num_pairs, num_groups + 1, 0 if minor_N is None else num_pairs), group_N.device, separate
     )
@@ -123,7 +115,7 @@ def sort_by_group(
         sort_by_group_kernel, (1,),
         group_N, group_N if minor_N is None else minor_N, num_pairs, minor_range, num_groups,
         order_N, offsets, group_sorted_N if minor_sorted_N is None else minor_sorted_N, group_sorted_N,
-        HAS_MINOR=minor_N is not None, BLOCK_N=block_n, BLOCK_G=max(32, 1 << num_groups.bit_length()),
+        HAS_MINOR=minor_N is not None, BLOCK_N=block_n, BLOCK_G=max(32, next_power_of_2(num_groups + 1)),
         INDEX_BITS=block_n.bit_length() - 1, num_warps=8 if block_n >= 4096 else 4,
     )  # fmt: skip
     return order_N, offsets, minor_sorted_N
@@ -131,8 +123,7 @@ def sort_by_group(
 
 #: most pairs x BLOCK_E for which every program of `topk_layout_kernel` counts all pairs itself (one launch);
 #: beyond it, or above `TOPK_ONE_LAUNCH_BLOCK_E`, `topk_count_kernel` and `topk_scan_kernel` count first: every
-#: program counting all pairs costs N^2 work, which the three launches avoid once the pairs times the expert block
-#: pass this (the H200 timings of both ways: docs/kernels.md)
+#: program counting all pairs costs N^2 work, which the three launches avoid (docs/kernels.md)
 TOPK_ONE_LAUNCH_WORK = 1 << 20
 #: widest expert block the one launch takes (its [256, BLOCK_E] counting step spills above it)
 TOPK_ONE_LAUNCH_BLOCK_E = 256
@@ -196,12 +187,12 @@ def topk_scan_kernel(
 @triton.jit(do_not_specialize=["num_tokens"])  # read as a tensor value, never as the constant 1
 def topk_layout_kernel(
     ids_ptr,  # [T * k] expert of each pair (pair i: token i // k), in [0, num_experts)
-    weights_ptr,  # [T * k] routing weight of each pair (HAS_WEIGHTS)
+    weights_ptr,  # [T * k] routing weight of each pair
     num_tokens,
     num_experts,
     order_ptr,  # [N] int64 out: the pair (index into ids) at each place of the segment order
     pair_row_ptr,  # [N] int64 out: its token
-    weight_out_ptr,  # [N] out: its weight (HAS_WEIGHTS)
+    weight_out_ptr,  # [N] out: its weight
     offsets_ptr,  # [num_experts + 1] int64 out: each expert's first place
     row_pairs_ptr,  # [N] int64 out: each token's k places, ascending
     row_offsets_ptr,  # [T + 1] int64 out: token t's places are row_pairs[t k : t k + k]
@@ -211,7 +202,6 @@ def topk_layout_kernel(
     ROWS: tl.constexpr,
     BLOCK_E: tl.constexpr,  # power of two > num_experts
     COUNT_BLOCK: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr,
     COUNTED: tl.constexpr,  # each program's pairs before it and the totals are given (`counts_ptr`)
 ):
     PAIRS_X: tl.constexpr = ROWS * K_BLOCK
@@ -245,8 +235,7 @@ def topk_layout_kernel(
     place_X = place_X.to(tl.int64)
     tl.store(order_ptr + place_X, pair_X, mask=valid_X)
     tl.store(pair_row_ptr + place_X, pair_X // TOP_K, mask=valid_X)
-    if HAS_WEIGHTS:
-        tl.store(weight_out_ptr + place_X, tl.load(weights_ptr + pair_X, mask=valid_X), mask=valid_X)
+    tl.store(weight_out_ptr + place_X, tl.load(weights_ptr + pair_X, mask=valid_X), mask=valid_X)
     # row index: each token's places in ascending order (invalid slots sort last and are not stored)
     place_Tk = tl.sort(tl.where(valid_Tk, tl.reshape(place_X, (ROWS, K_BLOCK)), 0x7FFFFFFFFFFFFFFF), dim=1)
     tl.store(row_pairs_ptr + pair_Tk, place_Tk, mask=valid_Tk)
@@ -264,28 +253,25 @@ def one_launch(num_pairs: int, block_e: int) -> bool:
     return num_pairs * block_e <= TOPK_ONE_LAUNCH_WORK and block_e <= TOPK_ONE_LAUNCH_BLOCK_E
 
 
-def topk_layout(
-    topk_ids_Tk: torch.Tensor, num_experts: int, topk_weights_Tk: torch.Tensor | None = None, *, separate: bool = False
-):
+def topk_layout(topk_ids_Tk: torch.Tensor, num_experts: int, topk_weights_Tk: torch.Tensor, *, separate: bool = False):
     """`(order_N, pair_row_N, weight_N, expert_offsets, row_pairs_N, row_offsets)` of pairs straight from a
-    top-k routing (`topk_layout_kernel`; weight_N is None without weights). One launch where `one_launch`
-    says, three elsewhere; one int64 buffer (with `separate`, a tensor each, as `sort_by_group`). At most
-    `TOPK_MAX_EXPERTS` experts and, per token, all k experts in [0, num_experts) (not checked: reading them would
-    synchronise)."""
+    top-k routing (`topk_layout_kernel`). One launch where `one_launch` says, three elsewhere; one int64 buffer
+    (with `separate`, a tensor each, as `sort_by_group`). At most `TOPK_MAX_EXPERTS` experts and, per token, all k
+    experts in [0, num_experts) (not checked: reading them would synchronise)."""
     num_tokens, top_k = topk_ids_Tk.shape
     num_pairs = num_tokens * top_k
     if num_experts > TOPK_MAX_EXPERTS:
         raise ValueError(
             f"topk_layout places the pairs of at most TOPK_MAX_EXPERTS={TOPK_MAX_EXPERTS} experts; got {num_experts}"
         )
-    num_programs = max(1, -(-num_tokens // TOPK_ROWS))
+    num_programs = max(1, cdiv(num_tokens, TOPK_ROWS))
     block_e = next_power_of_2(num_experts + 1)
     counted = not one_launch(num_pairs, block_e)
-    counts_int64 = -(-(num_programs + 1) * block_e // 2) if counted else 0  # int32 counts in int64 slots
+    counts_int64 = cdiv((num_programs + 1) * block_e, 2) if counted else 0  # int32 counts in int64 slots
     sizes = (num_pairs, num_pairs, num_pairs, num_experts + 1, num_tokens + 1, counts_int64)
     order_N, pair_row_N, row_pairs_N, offsets, row_offsets, counts = _index_tensors(sizes, topk_ids_Tk.device, separate)
     counts = counts.view(torch.int32) if counted else order_N
-    weight_N = None if topk_weights_Tk is None else topk_weights_Tk.new_empty(num_pairs)
+    weight_N = topk_weights_Tk.new_empty(num_pairs)
     ids = topk_ids_Tk.contiguous()
     shape = dict(TOP_K=top_k, K_BLOCK=next_power_of_2(top_k), ROWS=TOPK_ROWS, BLOCK_E=block_e)
     if counted:
@@ -296,10 +282,9 @@ def topk_layout(
             BLOCK_E=block_e, SCAN_PROGRAMS=_SCAN_PROGRAMS, SCAN_EXPERTS=scan_experts, num_warps=4,
         )  # fmt: skip
     launch(
-        topk_layout_kernel, (num_programs,),
-        ids, ids if weight_N is None else topk_weights_Tk.contiguous(), num_tokens, num_experts,
-        order_N, pair_row_N, pair_row_N if weight_N is None else weight_N, offsets, row_pairs_N, row_offsets, counts,
-        **shape, COUNT_BLOCK=_COUNT_BLOCK, HAS_WEIGHTS=weight_N is not None, COUNTED=counted, num_warps=4,
+        topk_layout_kernel, (num_programs,), ids, topk_weights_Tk.contiguous(), num_tokens, num_experts,
+        order_N, pair_row_N, weight_N, offsets, row_pairs_N, row_offsets, counts,
+        **shape, COUNT_BLOCK=_COUNT_BLOCK, COUNTED=counted, num_warps=4,
     )  # fmt: skip
     return order_N, pair_row_N, weight_N, offsets, row_pairs_N, row_offsets
 

@@ -31,10 +31,9 @@ def triton_importable() -> bool:
     if _IMPORTABLE is None:
         try:
             import triton  # noqa: F401
+            _IMPORTABLE = True
         except ImportError:
             _IMPORTABLE = False
-        else:
-            _IMPORTABLE = True
     return _IMPORTABLE
 
 
