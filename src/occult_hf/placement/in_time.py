@@ -13,9 +13,8 @@ tokens a placement serves come later, and a drift inside the profile is what the
 A plan made with W time windows per profile (`RefinedOptions.time_windows`) is judged the way it is planned:
 each profile's tokens are cut into W windows (two when W = 1), the trial plans are made on all windows but the
 last, each bounded as a profile of its own (the caller plans them with W - 1 windows), and measured on the
-last. Trial plans that cut their part into W windows again would bound windows smaller than the final plan's:
-on the Qwen trace (D=4, two windows) they read 1.074-1.095 on the later halves (the mean of trial seeds 0-2 at
-pin slacks 0-0.02) where trial plans on whole halves read 1.027-1.044, so every slack failed the limit.
+last. Trial plans that cut their part into W windows again would bound windows smaller than the final plan's,
+and balance worse on the later tokens than the final plan will.
 
 The planner and the measure come from the caller (`refined.cross_validated`), so this module imports no planner.
 

@@ -59,27 +59,24 @@ class SampleCT:
             self.num_tokens, self.num_devices
         )
         self.cost = float((self.hits_ND > 0).sum())
-        self.zero_ED, self.lonely_ED, self.lonely_pair_EE = self._tables(np.arange(self.num_tokens))
+        self.zero_ED, self.lonely_ED, self.lonely_pair_EE = self._tables()
 
-    def _tables(self, rows_X: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Contribution of tokens `rows_X` to `zero_ED`, `lonely_ED` and `lonely_pair_EE`."""
-        E, D, k = self.num_experts, self.num_devices, self.top_k
-        ids_Xk = self.ids_Nk[rows_X]
-        hits_XD = self.hits_ND[rows_X]
+    def _tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`zero_ED`, `lonely_ED` and `lonely_pair_EE` of the current hit table (module docstring)."""
+        E, D, N, k = self.num_experts, self.num_devices, self.num_tokens, self.top_k
+        ids_Nk = self.ids_Nk
         # every (expert slot, device) pair: index e * D + b, weight from the token's row
-        slot_device = (ids_Xk[:, :, None] * D + np.arange(D)).reshape(-1)
-        zero_ED = np.bincount(
-            slot_device, weights=np.broadcast_to((hits_XD == 0)[:, None, :], (len(rows_X), k, D)).reshape(-1), minlength=E * D
-        ).reshape(E, D)
-        lonely_XD = hits_XD == 1
-        lonely_ED = np.bincount(
-            slot_device, weights=np.broadcast_to(lonely_XD[:, None, :], (len(rows_X), k, D)).reshape(-1), minlength=E * D
-        ).reshape(E, D)
+        slot_device = (ids_Nk[:, :, None] * D + np.arange(D)).reshape(-1)
+        lonely_ND = self.hits_ND == 1
+        zero_ED, lonely_ED = (
+            np.bincount(slot_device, weights=np.broadcast_to(flag_ND[:, None, :], (N, k, D)).reshape(-1), minlength=E * D).reshape(E, D)
+            for flag_ND in (self.hits_ND == 0, lonely_ND)
+        )
         # e alone on its own device in the token, paired with every expert f of the token
-        alone_Xk = np.take_along_axis(lonely_XD, self.device_of_E[ids_Xk], axis=1)
-        pair = (ids_Xk[:, :, None] * E + ids_Xk[:, None, :]).reshape(-1)
+        alone_Nk = np.take_along_axis(lonely_ND, self.device_of_E[ids_Nk], axis=1)
+        pair = (ids_Nk[:, :, None] * E + ids_Nk[:, None, :]).reshape(-1)
         lonely_pair_EE = np.bincount(
-            pair, weights=np.broadcast_to(alone_Xk[:, :, None], (len(rows_X), k, k)).reshape(-1), minlength=E * E
+            pair, weights=np.broadcast_to(alone_Nk[:, :, None], (N, k, k)).reshape(-1), minlength=E * E
         ).reshape(E, E)
         return zero_ED, lonely_ED, lonely_pair_EE
 
@@ -232,14 +229,16 @@ class NodesFirst:
         self.devices.apply_move(expert, device, float(self.devices.move_delta_ED()[expert, device]))
 
     def apply_swap(self, first: int, second: int, delta: float) -> None:
-        node_E, device_E = self.nodes.device_of_E, self.devices.device_of_E
+        node_E = self.nodes.device_of_E
         if node_E[first] != node_E[second]:
-            moves_EN = self.nodes.move_delta_ED()
-            node_delta = moves_EN[first, node_E[second]] + moves_EN[second, node_E[first]] + self.nodes.swap_correction_EE()[first, second]
-            self.nodes.apply_swap(first, second, float(node_delta))
-        moves_ED = self.devices.move_delta_ED()
-        device_delta = moves_ED[first, device_E[second]] + moves_ED[second, device_E[first]] + self.devices.swap_correction_EE()[first, second]
-        self.devices.apply_swap(first, second, float(device_delta))
+            self.nodes.apply_swap(first, second, _swap_delta(self.nodes, first, second))
+        self.devices.apply_swap(first, second, _swap_delta(self.devices, first, second))
+
+
+def _swap_delta(objective, first: int, second: int) -> float:
+    """The cost change of swapping `first` and `second` (on different devices) under `objective` (module docstring)."""
+    device_E, moves_ED = objective.device_of_E, objective.move_delta_ED()
+    return float(moves_ED[first, device_E[second]] + moves_ED[second, device_E[first]] + objective.swap_correction_EE()[first, second])
 
 
 __all__ = ["NodesFirst", "PairwiseCut", "SampleCT"]

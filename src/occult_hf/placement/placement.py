@@ -521,10 +521,7 @@ def _parse_pin_slack(data: dict[str, Any], layers: dict[int, list[int]]) -> dict
         layer = _canonical_index(key, path)
         if layer not in layers:
             raise _SchemaError(f"{path}: layer {layer} is not in $.layers")
-        try:
-            parsed[layer] = _fraction(slack, path)
-        except ValueError as error:
-            raise _SchemaError(str(error)) from None
+        parsed[layer] = _fraction(slack, path)
     return parsed
 
 

@@ -1,12 +1,11 @@
 """Re-plan only the replicas of a placement from recent routing: the runtime answer to an unseen domain.
 
-A placement planned before deployment cannot know which experts an unseen domain makes hot: on the
-six OLMoE-0924 domains, a plan made on five with 8 redundant slots leaves the sixth at 1.13-2.03x
-the mean load, and no split of *its* replicas fixes most of those cases (docs/placement.md). The
-statistics that do know are the ones the runtime collects while serving (`OccultCallback`'s window
-profile, `occult profile` on recent traffic). Re-planning the whole placement moves most experts;
-re-planning only the redundant copies keeps every primary home where it is and moves at most R
-expert copies (R = the redundant slots), which is cheap enough to do online.
+A placement planned before deployment cannot know which experts an unseen domain makes hot, and no
+split of *its* replicas fixes most of those cases (docs/placement.md). The statistics that do know
+are the ones the runtime collects while serving (`OccultCallback`'s window profile, `occult profile`
+on recent traffic). Re-planning the whole placement moves most experts; re-planning only the
+redundant copies keeps every primary home where it is and moves at most R expert copies (R = the
+redundant slots), which is cheap enough to do online.
 
 `replan_replicas` keeps each layer's primary map and chooses the extra homes greedily: R times, the
 copy whose addition lowers the max device load the most (ties: the lower sum of squared loads, then
@@ -18,10 +17,8 @@ homes for counts-only profiles), so the figure it optimises is the one `occult r
 Under the load-aware rule (`replica_choice="load_aware"`) those static-rule loads are the wrong target: the rule
 splits a copied expert's pairs over its homes by load, keeping a pair on a home its token visits within the pin
 slack. There the greedy adds the copy that lowers the fluid bound the most (the least max device load any split
-of the copies' loads reaches, `fluid_set_loads`), and among equal bounds the one with the least CT on the sample.
-On the held-out Qwen half re-planned every 274-1096 tokens (seeds 0-9, docs/placement.md) the static-rule greedy's
-copies read 1.054-1.090 held-out balance at D=8 at CT up to 1.9% above today's refined, worse than not re-planning;
-these read 1.046-1.056 at CT 0.7-1.3% below it (D=4: 1.026-1.034, 10 of 10 seeds within 1.05 at W=274).
+of the copies' loads reaches, `fluid_set_loads`), and among equal bounds the one with the least CT on the sample
+(the static-rule greedy's copies balanced held-out tokens worse than not re-planning at all: docs/placement.md).
 
 Shape legend: E experts, D devices, M most homes of one expert, N sampled tokens, k experts per token, F sets of devices (local letter: the cuts of the fluid bound).
 """
@@ -157,11 +154,11 @@ def _replan_for_load_aware(
         table_EM = home_table_from(device_of_E, copies) if copies else device_of_E[:, None]
         return served_ct(resolve_homes_np(topk_sample_Nk, table_EM, num_devices), num_devices)
 
-    inside_EF = experts_inside(held_ED, sets_FD)
     bound, current_ct = float(fluid_set_loads(load_E, held_ED, sets_FD).max()), ct(held_ED)
     tolerance = 1e-9 * max(float(load_E.sum()), 1.0)
     for _ in range(num_redundant):
         # a copy of e on d takes e out of every set that lacks d: [E, D, F] set loads after each copy
+        inside_EF = experts_inside(held_ED, sets_FD)
         base_F = load_E @ inside_EF
         leaves_EDF = inside_EF[:, None, :] & ~sets_FD.T[None]
         trial_EDF = (base_F[None, None] - load_E[:, None, None] * leaves_EDF) / sets_FD.sum(1)
@@ -181,7 +178,6 @@ def _replan_for_load_aware(
         if least >= bound - tolerance and trial_ct >= current_ct - 1e-12:
             break  # neither the bound nor the CT improves: keep the slots free
         held_ED, bound, current_ct = trial_ED, least, trial_ct
-        inside_EF = experts_inside(held_ED, sets_FD)
         free_D[device] -= 1
         extra.setdefault(expert, []).append(device)
     return {expert: sorted(devices) for expert, devices in extra.items()}

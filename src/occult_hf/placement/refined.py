@@ -92,8 +92,7 @@ class RefinedOptions:
             half of each profile's tokens with each of `AUTO_RELIABILITIES`, keep the one whose plan is
             best balanced on the second halves). Needs a token sample (ignored for pair counts).
         num_redundant_experts: R redundant expert slots (as DeepSeek's EPLB): R extra homes of hot
-            experts, `ceil((E + R) / D)` slots per device, placed jointly with the others (see
-            "Replicas" in the module docstring).
+            experts, `ceil((E + R) / D)` slots per device, placed jointly with the others.
         replica_rounds: with replicas and a token sample, re-plan the copies this many times on the
             loads the replica rule really gives (tokens use a copy on a device they already visit).
         replica_choice: the runtime rule the replicas are planned for (`OccultConfig.replica_choice`).
@@ -160,14 +159,13 @@ class RefinedOptions:
         StepCosts(self.pair_cost_s, self.byte_cost_s, self.row_bytes)  # validates the costs
         if self.replica_choice not in REPLICA_CHOICES:
             raise ValueError(f"refined option replica_choice must be one of {REPLICA_CHOICES}, got {self.replica_choice!r}")
-        for name in ("robust_blocks", "time_windows"):
+        for name, minimum in (
+            ("robust_blocks", 1), ("time_windows", 1), ("seed", 0), ("search_rounds", 0), ("kick_swaps", 0),
+            ("robust_resamples", 0), ("num_redundant_experts", 0), ("replica_rounds", 0),
+        ):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"refined option {name} must be an integer >= 1, got {value!r}")
-        for name in ("seed", "search_rounds", "kick_swaps", "robust_resamples", "num_redundant_experts", "replica_rounds"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"refined option {name} must be an integer >= 0, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise ValueError(f"refined option {name} must be an integer >= {minimum}, got {value!r}")
         per_node = self.devices_per_node
         if per_node is not None and (isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1):
             raise ValueError(f"refined option devices_per_node must be None or an integer >= 1, got {per_node!r}")
@@ -468,8 +466,11 @@ def _search(coactivation, sample, scaled_YE, start_E, capacities_D, group_X, num
     return best_E, best_cost, objective.name, factor
 
 
-def _homes_of(item_device_X: np.ndarray, group_X: np.ndarray, num_experts: int) -> list[list[int]]:
-    return [sorted(item_device_X[group_X == e].tolist()) for e in range(num_experts)]
+def _homes_of(item_device_X: np.ndarray, group_X: np.ndarray) -> tuple[list[int], dict[int, list[int]]]:
+    """`(primary device of each expert, {expert: [extra devices]})` of the items' devices: an expert's lowest
+    device is its primary one."""
+    homes = [sorted(item_device_X[group_X == e].tolist()) for e in range(int(group_X.max()) + 1)]
+    return [h[0] for h in homes], {e: h[1:] for e, h in enumerate(homes) if len(h) > 1}
 
 
 def _rule_items(item_device_X, group_X, sample_Nk, num_devices, devices_per_node=None):
@@ -477,8 +478,7 @@ def _rule_items(item_device_X, group_X, sample_Nk, num_devices, devices_per_node
     total CT the rule gives (with `devices_per_node`: the total CT_node weighted as `objectives.NodesFirst` does,
     plus the total CT)."""
     num_experts = int(group_X.max()) + 1
-    homes = _homes_of(item_device_X, group_X, num_experts)
-    table = home_table_from([h[0] for h in homes], {e: h[1:] for e, h in enumerate(homes) if len(h) > 1})
+    table = home_table_from(*_homes_of(item_device_X, group_X))
     dest_Nk = resolve_homes_np(sample_Nk, table, num_devices)
     item_at_ED = np.full((num_experts, num_devices), -1, dtype=np.int64)
     item_at_ED[group_X, item_device_X] = np.arange(len(group_X))
@@ -523,12 +523,10 @@ def _slowest_with_replicas(item_device_X, sample_Nk, loads_of, group_X, limit_Y,
     """Objective "slowest" with replicas: descend on the copies, each pair on the copy the replica rule serves it
     on now; keep the result when the rule's own times confirm a lower slowest device and the rule's loads stay
     within the limits (or no further above them than before). Returns `(item devices, total CT under the rule)`."""
-    num_experts = int(group_X.max()) + 1
 
     def under_rule(devices_X):
         items_Nk, total_ct = _rule_items(devices_X, group_X, sample_Nk, num_devices)
-        homes = _homes_of(devices_X, group_X, num_experts)
-        table = home_table_from([h[0] for h in homes], {e: h[1:] for e, h in enumerate(homes) if len(h) > 1})
+        table = home_table_from(*_homes_of(devices_X, group_X))
         load_YD = loads_of(items_Nk, len(group_X)) @ np.eye(num_devices)[devices_X]
         slowest = float(device_times(sample_Nk, table[:, 0], num_devices, costs, table).max())
         return items_Nk, total_ct, slowest, float((load_YD / limit_Y[:, None]).max())
@@ -641,6 +639,12 @@ def cross_validated_pin_slack(
     )
 
 
+@register_planner(
+    "refined",
+    RefinedOptions,
+    "exact CT (or pairwise cut) by local search under a load-balance limit, robust and replicated on request (default)",
+    multi_profile=True,
+)
 def refine_layer(
     coactivation_EE: np.ndarray,
     expert_counts_E: np.ndarray,
@@ -669,25 +673,20 @@ def refine_layer(
         raise ValueError(
             f"refined option objective={options.objective!r} needs a profile layer with a top-k sample; use 'cut' or 'auto'"
         )
+    loads_of = None
     if sample is not None:
         membership_PN = np.ones((1, len(sample)), dtype=bool) if membership_PN is None else np.asarray(membership_PN, dtype=bool)
         if membership_PN.ndim != 2 or membership_PN.shape[1] != len(sample):
             raise ValueError(f"membership_PN must be [P, N={len(sample)}], got shape {list(membership_PN.shape)}")
-    if sample is not None and options.max_sample_tokens is not None and len(sample) > options.max_sample_tokens:
-        keep = np.sort(rng.choice(len(sample), options.max_sample_tokens, replace=False))
-        sample, membership_PN = sample[keep], membership_PN[:, keep]
-    loads_of = None
-    if sample is not None:
+        if options.max_sample_tokens is not None and len(sample) > options.max_sample_tokens:
+            keep = np.sort(rng.choice(len(sample), options.max_sample_tokens, replace=False))
+            sample, membership_PN = sample[keep], membership_PN[:, keep]
         windows_PN = time_window_membership(membership_PN, options.time_windows)
         weights_YN = token_scenarios(windows_PN, options.robust_resamples, options.robust_blocks, rng)
-        reliability = options.load_reliability
-        if reliability == "auto":
-            reliability = cross_validated("load_reliability", sample, membership_PN, num_experts, num_devices, options)
-        reliability_Y = np.full(len(weights_YN), float(reliability))
-        ratio = options.max_load_ratio
-        if ratio == "auto":
-            ratio = cross_validated("max_load_ratio", sample, membership_PN, num_experts, num_devices, replace(options, load_reliability=reliability))
-        options = replace(options, max_load_ratio=ratio, load_reliability=reliability)  # what was chosen, from here on
+        for name in ("load_reliability", "max_load_ratio"):  # what is chosen holds from here on
+            if getattr(options, name) == "auto":
+                options = replace(options, **{name: cross_validated(name, sample, membership_PN, num_experts, num_devices, options)})
+        reliability_Y = np.full(len(weights_YN), float(options.load_reliability))
 
         def loads_of(items_Nk: np.ndarray, num_items: int) -> np.ndarray:
             """`[Y, X]` scenario loads of the items serving the sample's pairs (shrunk on request)."""
@@ -727,13 +726,12 @@ def refine_layer(
         shed_margin = options.shed_margin
         if shed_margin == "auto":
             shed_margin = RefinedOptions.shed_margin if original_sample is None else cross_validated(
-                "shed_margin", original_sample, membership_PN, num_experts, num_devices, replace(options, load_reliability=reliability)
+                "shed_margin", original_sample, membership_PN, num_experts, num_devices, options
             )
         pin_slack = options.pin_slack
         if pin_slack == "auto":
             pin_slack = PIN_SLACK if original_sample is None else cross_validated_pin_slack(
-                original_sample, membership_PN, num_experts, num_devices,
-                replace(options, load_reliability=reliability, shed_margin=shed_margin),
+                original_sample, membership_PN, num_experts, num_devices, replace(options, shed_margin=shed_margin)
             )
         single_YX, single_limit_Y = single_home_rows(load_YE, copies_E[group_X], num_devices, shed_margin)
         scaled_YX = np.concatenate([scaled_YX, single_YX / single_limit_Y[:, None]])
@@ -777,10 +775,9 @@ def refine_layer(
             f"{factor:.3f}x the limits ({limit:.6g} on the profile, balance {limit / mean_Y[0]:.3f}), as the limit",
             stacklevel=2,
         )
-    if group_X is not None:  # items -> homes: the lowest device is the primary one
-        homes = _homes_of(best_E, group_X, num_experts)
-        best_E = np.array([h[0] for h in homes], dtype=np.int64)
-        replicas = {e: h[1:] for e, h in enumerate(homes) if len(h) > 1}
+    if group_X is not None:  # items -> homes
+        primary, replicas = _homes_of(best_E, group_X)
+        best_E = np.array(primary, dtype=np.int64)
     return LayerPlan(
         device_of_E=best_E,
         objective=name,
@@ -792,25 +789,7 @@ def refine_layer(
         replicas=replicas,
         slots_per_device=slots,
         scenarios=len(load_YE),
-        load_reliability=float(reliability) if sample is not None else 1.0,
+        load_reliability=float(options.load_reliability) if sample is not None else 1.0,
         shed_margin=shed_margin,
         pin_slack=None if pin_slack is None else float(pin_slack),
     )
-
-
-@register_planner(
-    "refined",
-    RefinedOptions,
-    "exact CT (or pairwise cut) by local search under a load-balance limit, robust and replicated on request (default)",
-    multi_profile=True,
-)
-def plan_refined_layer(
-    coactivation_EE: np.ndarray,
-    expert_counts_E: np.ndarray,
-    topk_sample_Nk: np.ndarray | None,
-    num_devices: int,
-    options: RefinedOptions,
-    **profiles,
-) -> LayerPlan:
-    """The `LayerPlan` of `refine_layer` (its `device_of_E` and, with redundant slots, its replicas)."""
-    return refine_layer(coactivation_EE, expert_counts_E, topk_sample_Nk, num_devices, options, **profiles)

@@ -255,7 +255,7 @@ def plan_profiles(
             slots = max(slots or 0, int(result.slots_per_device))
         if getattr(result, "pin_slack", None) is not None and layer in replicas:
             pin_slack[layer] = float(result.pin_slack)
-        home_table = _home_table(device_of_E, replicas.get(layer))
+        home_table = home_table_from(device_of_E, replicas[layer]) if layer in replicas else None
         scores[str(layer)] = _layer_score(
             evaluate_layer(routing, device_of_E, num_devices, pooled.top_k, home_table, devices_per_node)
         )
@@ -281,10 +281,6 @@ def plan_profiles(
         pooled.num_experts, int(num_devices), maps, meta, replicas=replicas, slots_per_device=slots, pin_slack=pin_slack,
         devices_per_node=devices_per_node,
     )  # fmt: skip
-
-
-def _home_table(device_of_E: np.ndarray, replicas: dict | None) -> np.ndarray | None:
-    return home_table_from(device_of_E, replicas) if replicas else None
 
 
 def _layer_score(m) -> dict[str, float | int | bool | None]:

@@ -8,9 +8,8 @@ vector of expert loads with its own limit (`max_load_ratio` x its own load floor
 * the profile itself, or each of several profiles (domains, prefill and decode, before and after
   a fine-tune): the worst of them is bounded, not their pooled mean;
 * with `time_windows` W > 1, each profile's tokens in sample order cut into W consecutive windows
-  (`time_window_membership`), each bounded as a profile of its own: a profile collected over time drifts
-  (on the Qwen trace, batched prefill and then decode steps, each part drifting within itself), and the
-  pooled mean of a part hides a drift its windows show;
+  (`time_window_membership`), each bounded as a profile of its own: a profile collected over time drifts,
+  and the pooled mean of a part hides a drift its windows show;
 * `robust_resamples` block-bootstrap resamples of each of them (`block_bootstrap_weights`): the
   sample's tokens are cut into `robust_blocks` contiguous blocks (tokens of one document or batch
   are correlated: resampling single tokens would understate the variation), and Q resamples draw
@@ -25,8 +24,8 @@ their mean by a reliability factor (`shrink_toward_mean`): how much of the sprea
 persists on new tokens, given, or chosen by the planner from the profile alone ("auto":
 `refined.cross_validated` plans on the first half of each profile's tokens with several
 factors and keeps the one that holds best on the second half). `split_half_reliability` (the
-correlation of the expert loads of the two halves, stepped up by Spearman-Brown) was the earlier
-estimate; it is kept as a diagnostic: on the Qwen trace it shrank too little (held-out 1.181 at D=8).
+correlation of the expert loads of the two halves, stepped up by Spearman-Brown) is a diagnostic only:
+it shrinks too little.
 
 A scenario is a row of token weights `[Y, N]` over the pooled sample when there is one (so the
 replica rule can be applied per token), else a row of expert loads `[Y, E]`.

@@ -2,9 +2,7 @@
 
 Under `replica_choice="load_aware"` the runtime splits each replicated expert's pairs over its homes by the
 batch's own loads (`replicas.routing.load_aware_homes`), so a device's load is at least what its single-home
-experts bring: no split moves those pairs. A plan made for the static rule does not bound that part: on the
-Qwen trace (D=8, 8 redundant slots) one seed's plan left a device with 1.20x the mean held-out load in
-single-home experts and no copy, and the load-aware rule could not go below 1.20 there.
+experts bring: no split moves those pairs. A plan made for the static rule does not bound that part.
 
 The planner (`refined`, `replica_choice="load_aware"`) therefore holds two kinds of load rows:
 
@@ -19,8 +17,7 @@ A device can shed load only to the other homes of its copies' experts, and those
 fall into *linked groups* (devices joined by a replicated expert with homes on both), and a group's load can
 only be moved within it. After the search, `link_groups` therefore swaps copies, cheapest in CT first and
 within the load rows, until every device is in one group, so that the excess of any device can reach every
-other (on the Qwen trace a plan of two groups read 1.066 where its busiest device held 0.98x the mean in
-single-home experts: one group as a whole ran hot).
+other (a group as a whole can run hot while no device in it holds much single-home load).
 
 The rows are load rows of the search's usual form (`[Y, X]` item loads, each row with its limit), so the local
 search, the repair and the co-activation objective handle them unchanged: which experts get copies and

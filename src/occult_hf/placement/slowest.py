@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..expert_shapes import SHAPES
-from ..metrics import token_ranks
+from ..metrics import pair_devices, token_ranks
 from ..utils.strict_json import read_json_file
 
 
@@ -132,8 +132,6 @@ def device_times(
     replicas (`home_table_EM` `[E, M]`) under the replica rule (`metrics.pair_devices`)."""
     ids_Nk = np.ascontiguousarray(ids_Nk, dtype=np.int64)
     if home_table_EM is not None and np.asarray(home_table_EM).shape[1] > 1:
-        from ..metrics import pair_devices
-
         # one pseudo-expert per (token, slot) pair, on the device the rule serves it on
         device_Nk = pair_devices(ids_Nk, np.asarray(device_of_E), num_devices, home_table_EM)
         ids_Nk, device_of_E = np.arange(device_Nk.size).reshape(device_Nk.shape), device_Nk.ravel()
@@ -195,12 +193,8 @@ def _groups_apart(moves: list[tuple[int, int]], device_of_E: np.ndarray, group_E
     for item, target in moves:
         after_E[item] = target
     touched = np.isin(group_E, [group_E[item] for item, _ in moves])
-    pairs = set()
-    for group, device in zip(group_E[touched].tolist(), after_E[touched].tolist()):
-        if (group, device) in pairs:
-            return False
-        pairs.add((group, device))
-    return True
+    pairs = list(zip(group_E[touched].tolist(), after_E[touched].tolist()))
+    return len(set(pairs)) == len(pairs)
 
 
 __all__ = ["StepCosts", "costs_from_bench", "device_times", "slowest_descent"]

@@ -2,8 +2,8 @@
 
 `cross_validate` cuts each profile's token sample into K contiguous folds, plans on K - 1 of them
 with the same method and options, and measures on the fold left out: CT, balance and the balance
-floor of the held-out tokens. A placement's promise counts only held out (docs/design.md §2): on real
-routing a plan at 1.21 on its profile gave 1.44 on the next tokens. Contiguous folds (not random
+floor of the held-out tokens. A placement's promise counts only held out (docs/design.md §2): a plan
+well balanced on its profile can be far less so on the next tokens. Contiguous folds (not random
 tokens) keep documents and batches together, so the estimate includes the drift between parts of
 the data, not only the sampling noise.
 
@@ -17,14 +17,14 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
+from ..metrics import evaluate_layer
 from ..profile import RoutingProfile
+from ..profile.stats import LayerAccumulator
 from .registry import plan_profiles
 
 
 def profile_from_sample(layers_topk: dict[int, np.ndarray], num_experts: int, source: str) -> RoutingProfile:
     """A `RoutingProfile` holding every given token (as its sample) per layer, counted by `LayerAccumulator`."""
-    from ..profile.stats import LayerAccumulator
-
     layers = {}
     top_k = None
     for layer, ids_Nk in layers_topk.items():
@@ -68,8 +68,6 @@ def cross_validate(
     CT_node (`"ct_node"`). Without per-token samples nothing can be held out:
     `{"folds": K, "skipped": reason}`.
     """
-    from ..metrics import evaluate_layer
-
     items = [profiles] if isinstance(profiles, RoutingProfile) else list(profiles)
     if not isinstance(folds, int) or folds < 2:
         raise ValueError(f"cross_validate folds must be an integer >= 2, got {folds!r}")

@@ -14,6 +14,7 @@ Shape legend: B batch, S sequence, T = B*S tokens as routers see them, E experts
 from __future__ import annotations
 
 import inspect
+import itertools
 import os
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -298,13 +299,7 @@ def _windows(
 
 
 def _batches(windows: Iterator[list[int]], batch_size: int) -> Iterator[list[list[int]]]:
-    batch: list[list[int]] = []
-    for window in windows:
-        batch.append(window)
-        if len(batch) == batch_size:
-            yield batch
-            batch = []
-    if batch:
+    while batch := list(itertools.islice(windows, batch_size)):
         yield batch
 
 
