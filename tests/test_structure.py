@@ -323,3 +323,36 @@ def test_no_test_imports_another_test_file():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             wrong += [f"{path.name}:{node.lineno}: imports {name}" for name in names if name.split(".")[0].startswith("test_")]
     assert not wrong, "test files importing test files:\n" + "\n".join(wrong)
+
+
+def _module_level_names(tree: ast.Module) -> set[str]:
+    """Names a module binds when it runs: definitions, assignments and imports outside functions and classes."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    return names
+
+
+def test_every_exported_name_exists():
+    """Each name in a module's `__all__` is bound in it (modules with a lazy `__getattr__` aside): a name left there
+    after its definition went makes `from module import *` raise AttributeError."""
+    missing = []
+    for module, path in _package_files().items():
+        tree = ast.parse(path.read_text(), str(path))
+        exported = [
+            element.value
+            for node in tree.body
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets)
+            for element in getattr(node.value, "elts", ())
+            if isinstance(element, ast.Constant)
+        ]
+        if exported and "__getattr__" not in _module_level_names(tree):
+            bound = _module_level_names(tree)
+            missing += [f"{module}: {name}" for name in exported if name not in bound]
+    assert not missing, "names in __all__ that the module does not define:\n" + "\n".join(missing)

@@ -88,18 +88,17 @@ class EPPeerError(RuntimeError):
 
 def save_timeout_s() -> float:
     """`$OCCULT_SAVE_TIMEOUT_S` (finite seconds in (0, `MAX_TIMEOUT_S`]), else 300."""
-    raw = os.environ.get(SAVE_TIMEOUT_ENV)
-    if raw is None or raw == "":
-        return DEFAULT_SAVE_TIMEOUT_S
-    return check_timeout_s(raw, SAVE_TIMEOUT_ENV)
+    return _timeout_from_env(SAVE_TIMEOUT_ENV, DEFAULT_SAVE_TIMEOUT_S)
 
 
 def join_timeout_s() -> float:
     """`$OCCULT_JOIN_TIMEOUT_S` (finite seconds in (0, `MAX_TIMEOUT_S`]), else 30."""
-    raw = os.environ.get(JOIN_TIMEOUT_ENV)
-    if raw is None or raw == "":
-        return DEFAULT_JOIN_TIMEOUT_S
-    return check_timeout_s(raw, JOIN_TIMEOUT_ENV)
+    return _timeout_from_env(JOIN_TIMEOUT_ENV, DEFAULT_JOIN_TIMEOUT_S)
+
+
+def _timeout_from_env(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    return default if raw is None or raw == "" else check_timeout_s(raw, name)
 
 
 def arrive(
@@ -262,7 +261,8 @@ def replicated_weights(model, block_paths: list[str]) -> dict[str, str]:
     from occult_hf.patches import adapter_for
 
     adapter = adapter_for(model)
-    local = {id(t) for path in block_paths for t in _tensors(adapter.experts_module(model.get_submodule(path)))}
+    experts = [adapter.experts_module(model.get_submodule(path)) for path in block_paths]
+    local = {id(t) for module in experts for t in [*module.parameters(), *module.buffers()]}
     digests = {}
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if id(tensor) in local or tensor.device.type == "meta":
@@ -271,10 +271,6 @@ def replicated_weights(model, block_paths: list[str]) -> dict[str, str]:
         if whole is not None:
             digests[name] = _tensor_digest(whole)
     return digests
-
-
-def _tensors(module) -> list[torch.Tensor]:
-    return [*module.parameters(), *module.buffers()]
 
 
 def _whole_tensor(tensor: torch.Tensor) -> torch.Tensor | None:
@@ -384,18 +380,16 @@ def _mismatch_message(summaries: list[dict[str, Any]], operation: str) -> str:
         values = [s.get(name, "<absent: another occult_hf version?>") for s in summaries]
         if all(v == values[0] for v in values):
             continue
-        if name == "placement" and all(isinstance(v, dict) for v in values):
+        dicts = all(isinstance(v, dict) for v in values)
+        if name == "placement" and dicts:
             parts.append(f"placement ({_placement_difference(values)})")
-            continue
-        if name == "model_config" and all(isinstance(v, dict) for v in values):
+        elif name == "model_config" and dicts:
             parts.append(f"the model config ({_config_difference(values)})")
-            continue
-        if name == REPLICATED_WEIGHTS and all(isinstance(v, dict) for v in values):
-            differ = sorted({k for v in values for k in v if any(w.get(k, _ABSENT) != values[0].get(k, _ABSENT) for w in values)})
-            parts.append(f"the replicated weights (they differ in {shown(differ)}: the ranks loaded different weights)")
-            continue
-        by_rank = ", ".join(f"rank {r} {v!r}" if not isinstance(v, dict) else f"rank {r} {v}" for r, v in enumerate(values))
-        parts.append(f"{name} ({by_rank})")
+        elif name == REPLICATED_WEIGHTS and dicts:
+            parts.append(f"the replicated weights (they differ in {shown(_differing_keys(values))}: the ranks loaded different weights)")
+        else:
+            by_rank = ", ".join(f"rank {r} {v!r}" if not isinstance(v, dict) else f"rank {r} {v}" for r, v in enumerate(values))
+            parts.append(f"{name} ({by_rank})")
     return (
         f"occult_hf: the expert-parallel ranks disagree at {operation} on {'; '.join(parts)}. Every rank of the EP "
         f"group must use the same OccultConfig, placement file, routing profile, model config, dtype and checkpoint "
@@ -422,8 +416,13 @@ def _placement_difference(values: list[dict[str, Any]]) -> str:
 _ABSENT = "<absent>"
 
 
+def _differing_keys(values: list[dict[str, Any]]) -> list[str]:
+    """The keys whose value (or absence) is not the same in every rank's dict, sorted."""
+    return sorted({k for v in values for k in v if any(w.get(k, _ABSENT) != values[0].get(k, _ABSENT) for w in values)})
+
+
 def _config_difference(values: list[dict[str, Any]]) -> str:
-    keys = sorted({k for v in values for k in v if any(w.get(k, _ABSENT) != values[0].get(k, _ABSENT) for w in values)})
+    keys = _differing_keys(values)
     return "; ".join(f"{k}: " + ", ".join(f"rank {r} {v.get(k, _ABSENT)!r}" for r, v in enumerate(values)) for k in keys)
 
 

@@ -109,9 +109,8 @@ class GradNormCarrier:
                     if id(param) in weights:  # a copy counts 1 / its homes
                         square = square.reshape(len(weight_L), -1).sum(1) * layer.layout.to(square.device).copy_weight_L
                     counted_sq[index] += square.sum().to(device)
-        total_sq = counted_sq
-        dist.all_reduce(total_sq, group=self.group)  # one per backward, all layers
-        other = (total_sq - local_sq).clamp_min(0).sqrt()
+        dist.all_reduce(counted_sq, group=self.group)  # one per backward, all layers: the global sums
+        other = (counted_sq - local_sq).clamp_min(0).sqrt()
         for index, layer in enumerate(self.layers):
             carrier = layer.ep_grad_norm_carrier
             if carrier.requires_grad:

@@ -36,7 +36,7 @@ from occult_hf.patches import adapter_for
 from ..config import OccultConfig, stored_occult_config
 from ..dispatch import ExpertParallelGroup
 from ..dispatch.group import resolve_devices_per_node
-from ..distributed.agreement import SAVE_TIMEOUT_ENV, arrive, save_timeout_s
+from ..distributed.agreement import SAVE_TIMEOUT_ENV, arrive, effective_setup, save_timeout_s
 from ..distributed.collectives import GradNormCarrier
 from ..placement import Placement
 from ..utils.logging import get_logger
@@ -47,7 +47,7 @@ from .ddp import DDP_IGNORE_ATTR, RankLocalStateNames
 from .launch import check_logical_devices, check_process_group_started
 from .loading import load_scope
 from .native_ep import apply_on_load
-from .setup import agree, build_pruners, model_setup, resolve_config, resolve_placement
+from .setup import agree, build_pruners, resolve_config, resolve_placement
 from .state import BLOCKS, STATE_ATTR, OccultState, attach_state, detach_state, state_of
 from .trainer import install_trainer_hooks, uninstall_trainer_hooks
 
@@ -79,7 +79,7 @@ def apply_occult(model: nn.Module, occult_config: OccultConfig | dict | str | No
         lambda: _resolve(model, occult_config, group),
         process_group,
         lambda: new_save_group(process_group),
-        lambda resolved: model_setup(resolved[0], _paths(resolved[2]), _first_expert_weight(resolved[2][0][2]), model),
+        lambda resolved: effective_setup(resolved[0], _paths(resolved[2]), _first_expert_weight(resolved[2][0][2]), model.config, model),
     )
     state = OccultState(occult_config=config, ep=ep, block_paths=_paths(blocks), front_end=BLOCKS)
     if ep.is_distributed:

@@ -55,6 +55,13 @@ LOG_PREFIX = "occult/"
 # ----- the N_d schedule --------------------------------------------------------------------------
 
 
+def _check_count(setting: str, value, minimum: int, meaning: str = "", why: str = "") -> None:
+    """Raise unless `value` is an `int` >= `minimum` (a bool is not a count): `<setting> must be an
+    integer >= <minimum><meaning>, got <value><why>`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{setting} must be an integer >= {minimum}{meaning}, got {value!r}{why}")
+
+
 @dataclass(frozen=True)
 class DeviceLimitSchedule:
     """`N_d` as a function of the optimizer step: `start` at step 0, `target` from `steps` on.
@@ -68,16 +75,13 @@ class DeviceLimitSchedule:
     steps: int
 
     def __post_init__(self) -> None:
-        for name in ("start", "target"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"N_d schedule {name} must be an integer >= 1, got {value!r}")
+        _check_count("N_d schedule start", self.start, 1)
+        _check_count("N_d schedule target", self.target, 1)
         if self.start < self.target:
             raise ValueError(
                 f"N_d schedule start ({self.start}) must be >= target ({self.target}): the schedule tightens the limit"
             )
-        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
-            raise ValueError(f"N_d schedule steps must be an integer >= 0, got {self.steps!r}")
+        _check_count("N_d schedule steps", self.steps, 0)
 
     def at(self, step: int) -> int:
         if step >= self.steps:
@@ -96,13 +100,6 @@ def _feeding(meter: RoutingMeter):
         meter.update(module)
 
     return hook
-
-
-def _check_count(setting: str, value, minimum: int, meaning: str = "", why: str = "") -> None:
-    """Raise unless `value` is an `int` >= `minimum` (a bool is not a count): `OccultCallback <setting> must be an
-    integer >= <minimum><meaning>, got <value><why>`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"OccultCallback {setting} must be an integer >= {minimum}{meaning}, got {value!r}{why}")
 
 
 class OccultCallback(TrainerCallback):
@@ -146,9 +143,11 @@ class OccultCallback(TrainerCallback):
         start_nodes_per_token: int | None = None,
     ) -> None:
         get_planner(planner).make_options(**(planner_options or {}))  # clear errors now rather than at the first check
-        _check_count("sample_size", sample_size, 1, why=": the drift check measures CT on the recent profile's top-k sample")
-        _check_count("check_every", check_every, 0, meaning=" (0: only at saves)")
-        _check_count("schedule_steps", schedule_steps, 0)
+        _check_count(
+            "OccultCallback sample_size", sample_size, 1, why=": the drift check measures CT on the recent profile's top-k sample"
+        )
+        _check_count("OccultCallback check_every", check_every, 0, meaning=" (0: only at saves)")
+        _check_count("OccultCallback schedule_steps", schedule_steps, 0)
         self.target_devices_per_token = target_devices_per_token
         self.start_devices_per_token = start_devices_per_token
         self.target_nodes_per_token = target_nodes_per_token
@@ -249,22 +248,23 @@ class OccultCallback(TrainerCallback):
             self.schedule = self.node_schedule = None
             return
         self.schedule = self._limit_schedule(
-            pruners, "N_d", "num_devices", lambda p: p.num_devices, lambda p: p.max_devices_per_token,
-            self.target_devices_per_token, self.start_devices_per_token, self.schedule,
+            pruners, "N_d", "num_devices", "max_devices_per_token", self.target_devices_per_token,
+            self.start_devices_per_token, self.schedule,
         )  # fmt: skip
         self.node_schedule = self._limit_schedule(
-            pruners, "N_n", "num_nodes", lambda p: p.num_nodes, lambda p: p.max_nodes_per_token,
-            self.target_nodes_per_token, self.start_nodes_per_token, self.node_schedule,
+            pruners, "N_n", "num_nodes", "max_nodes_per_token", self.target_nodes_per_token,
+            self.start_nodes_per_token, self.node_schedule,
         )  # fmt: skip
 
-    def _limit_schedule(self, pruners, symbol, units_name, units_of, limit_of, target, start, previous):
-        """The schedule of one limit (`N_d` or `N_n`); None where the pruners have no such limit and none was asked."""
-        units = max(units_of(p) for p in pruners.values())
+    def _limit_schedule(self, pruners, symbol, units_name, limit_name, target, start, previous):
+        """The schedule of one limit (`N_d` or `N_n`: the pruners' `limit_name` out of `units_name`); None where the
+        pruners have no such limit and none was asked."""
+        units = max(getattr(p, units_name) for p in pruners.values())
         if target is None:
             if previous is not None:  # a second train(): keep the first run's target
                 target = previous.target
             else:
-                limits = [limit_of(p) for p in pruners.values() if limit_of(p) is not None]
+                limits = [getattr(p, limit_name) for p in pruners.values() if getattr(p, limit_name) is not None]
                 if not limits:
                     if start is not None:
                         raise ValueError(f"OccultCallback got a start {symbol} but the model's pruners have no {symbol} limit")
@@ -278,15 +278,13 @@ class OccultCallback(TrainerCallback):
     def _apply_schedule(self, step: int) -> None:
         pruners = pruners_of(self._model).values() if self._model is not None else ()
         if self.schedule is not None:
-            value = self.schedule.at(step)
+            self.current_devices_per_token = self.schedule.at(step)
             for pruner in pruners:
-                pruner.max_devices_per_token = value
-            self.current_devices_per_token = value
+                pruner.max_devices_per_token = self.current_devices_per_token
         if self.node_schedule is not None:
-            value = self.node_schedule.at(step)
+            self.current_nodes_per_token = self.node_schedule.at(step)
             for pruner in pruners:
-                pruner.max_nodes_per_token = value
-            self.current_nodes_per_token = value
+                pruner.max_nodes_per_token = self.current_nodes_per_token
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._apply_schedule(state.global_step)
@@ -368,23 +366,23 @@ class OccultCallback(TrainerCallback):
         self.recent_profile, self.replanned_placement = profile, replanned
         current_metrics = evaluate_placement(profile, current)
         replanned_metrics = evaluate_placement(profile, replanned)
-        logs = {
+        return {
             LOG_PREFIX + "drift/ct_current": float(np.mean([m.ct for m in current_metrics.values()])),
             LOG_PREFIX + "drift/ct_replanned": float(np.mean([m.ct for m in replanned_metrics.values()])),
             LOG_PREFIX + "drift/balance_current": float(np.mean([m.balance for m in current_metrics.values()])),
             LOG_PREFIX + "drift/balance_replanned": float(np.mean([m.balance for m in replanned_metrics.values()])),
         }
-        return logs
 
     def _recent_window_profile(self):
         """The profile of the training tokens since the last check (all ranks), then a fresh window."""
         collector = self._collector
         local_tokens = collector.token_count
-        total_tokens = _sum_over_ranks(local_tokens)
+        total_tokens = sum(_over_ranks(int(local_tokens)))
         if total_tokens == 0:
             return None
         profile = RoutingProfile.from_collector(collector, source="OccultCallback training window") if local_tokens else None
-        profile = _merge_profiles_over_ranks(profile)
+        profiles = _over_ranks(profile)  # the ranks' counts and Gram matrices summed, their samples pooled
+        profile = profiles[0] if len(profiles) == 1 else RoutingProfile.merge([p for p in profiles if p is not None])
         profile.meta["tokens"] = int(total_tokens)
         collector.detach()
         self._collector = ProfileCollector(_transformers_model(self._model), sample_size=self.sample_size).attach()
@@ -422,21 +420,13 @@ def _reduction_device(blocks: dict[int, OccultMoE]) -> torch.device:
     return block.local_experts.gate_up_proj.device
 
 
-def _sum_over_ranks(value: int) -> int:
+def _over_ranks(value) -> list:
+    """`value` of every rank (`all_gather_object`), or `[value]` without several ranks."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return int(value)
+        return [value]
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, int(value))
-    return int(sum(gathered))
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
-def _merge_profiles_over_ranks(profile):
-    """Sum the ranks' window profiles (counts, Gram matrices) and pool their samples."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return profile
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, profile)
-    return RoutingProfile.merge([p for p in gathered if p is not None])
-
-
-__all__ = ["OccultCallback", "OccultCheckpointCallback", "DeviceLimitSchedule", "RECENT_PROFILE_FILENAME", "REPLANNED_PLACEMENT_FILENAME"]
+__all__ = ["OccultCallback", "DeviceLimitSchedule", "RECENT_PROFILE_FILENAME", "REPLANNED_PLACEMENT_FILENAME"]

@@ -5,7 +5,7 @@
   `occult_placement.json`, with `occult_config` on the config.
 - `snapshot_experts(model)` gathers the experts ahead of a rank-0-only save.
 - `gather_full_experts` (save, `unapply_occult`) and the EP configuration check
-  (`check_ranks_agree`) run on a gloo group of the EP ranks made by `new_save_group`.
+  (`check_model_ranks_agree`) run on a gloo group of the EP ranks made by `new_save_group`.
 
 Saving under EP is collective: `save_pretrained` gathers the experts to EP rank 0, which writes. HF
 Trainer calls `save_pretrained` on rank 0 only; `occult_hf.hf.trainer` (installed with `install()`)
@@ -71,22 +71,16 @@ def new_save_group(ep_group, operation: str = "apply_occult"):
     return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
 
 
-def check_ranks_agree(state: OccultState, expert_weight: torch.Tensor, operation: str, model_config=None) -> None:
-    """Collective (EP only): every rank holds the same effective EP setup (and `model_config`, when given),
-    else an error on every rank."""
-    if not state.ep.is_distributed:
-        return
-    setup = effective_setup(state.occult_config, state.block_paths, expert_weight, model_config)
-    check_agreement(setup, state.agreement_group, operation, state.save_timeout_s)
-
-
 def check_model_ranks_agree(model: nn.Module, state: OccultState, operation: str) -> None:
     """Collective (EP only), the first step of every save or gather: every rank joins within
-    `OCCULT_JOIN_TIMEOUT_S` (else an error naming the ranks that did not), then `check_ranks_agree`."""
-    if state.ep.is_distributed:
-        arrive(state.ep.group, operation, join_timeout_s(), JOIN_TIMEOUT_ENV)
+    `OCCULT_JOIN_TIMEOUT_S` (else an error naming the ranks that did not), then every rank holds the same
+    effective EP setup, else an error on every rank."""
+    if not state.ep.is_distributed:
+        return
+    arrive(state.ep.group, operation, join_timeout_s(), JOIN_TIMEOUT_ENV)
     expert_weight = model.get_submodule(state.block_paths[0]).local_experts.gate_up_proj
-    check_ranks_agree(state, expert_weight, operation)
+    setup = effective_setup(state.occult_config, state.block_paths, expert_weight)
+    check_agreement(setup, state.agreement_group, operation, state.save_timeout_s)
 
 
 @torch.no_grad()
@@ -106,16 +100,12 @@ def gather_full_experts(module: OccultMoE, state: OccultState, to_all: bool):
             weight_L.detach().cpu(), 0, placement.capacities(layer), state.agreement_group, to_all,
             what=f"gathering the experts (save_pretrained/unapply_occult) of layer {layer}", timeout_s=state.save_timeout_s,
         )
-        if parts is None:  # gathered to EP rank 0
-            gathered.append(None)
-            continue
-        full = torch.empty((placement.num_experts, *weight_L.shape[1:]), dtype=weight_L.dtype)
-        for device, part in enumerate(parts):
-            full[placement.experts_on(layer, device)] = part
-        gathered.append(full)
-    if gathered[0] is None:
-        return None
-    return gathered[0], gathered[1]
+        if parts is not None:  # None: gathered to EP rank 0, not this rank
+            full = torch.empty((placement.num_experts, *weight_L.shape[1:]), dtype=weight_L.dtype)
+            for device, part in enumerate(parts):
+                full[placement.experts_on(layer, device)] = part
+            gathered.append(full)
+    return tuple(gathered) if gathered else None
 
 
 # ----- saving -----------------------------------------------------------------------------------
@@ -266,26 +256,23 @@ def snapshot_experts(model: nn.Module) -> None:
     if not state.ep.is_distributed:
         return
     check_model_ranks_agree(model, state, "snapshot_experts")
-    snapshot = {}
-    for path in state.block_paths:
-        weights = gather_full_experts(model.get_submodule(path), state, to_all=False)
-        if weights is not None:
-            snapshot[path] = weights
-    state.snapshot = snapshot if state.ep.rank == 0 else None
+    state.snapshot = _gather_experts(model, state)
     state.snapshot_versions = _expert_versions(model, state)
 
 
 def _full_experts_for_save(model, state) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
     """`{path: (gate_up [E, 2I, H], down [E, H, I])}` on the writing rank (EP rank 0), None elsewhere."""
-    if not state.ep.is_distributed:
-        return {path: gather_full_experts(model.get_submodule(path), state, to_all=False) for path in state.block_paths}
-    if state.snapshot_versions is not None and state.snapshot_versions == _expert_versions(model, state):
-        return state.snapshot
-    check_model_ranks_agree(model, state, "save_pretrained")
-    full = {}
-    for path in state.block_paths:
-        full[path] = gather_full_experts(model.get_submodule(path), state, to_all=False)
-    return full if state.ep.rank == 0 else None
+    if state.ep.is_distributed:
+        if state.snapshot_versions == _expert_versions(model, state):
+            return state.snapshot
+        check_model_ranks_agree(model, state, "save_pretrained")
+    return _gather_experts(model, state)
+
+
+def _gather_experts(model, state) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
+    """Collective (EP): every layer's full experts on EP rank 0 (one process: this one), None on the other ranks."""
+    full = {path: gather_full_experts(model.get_submodule(path), state, to_all=False) for path in state.block_paths}
+    return full if not state.ep.is_distributed or state.ep.rank == 0 else None
 
 
 def _expert_versions(model, state) -> tuple[int, ...]:

@@ -8,7 +8,7 @@ they must be listed, under their names *relative to the module DDP wraps*.
 A static list written by `apply_occult` goes stale when the model is wrapped afterwards: plain
 `peft.get_peft_model(model, config)` moves the experts under `base_model.model.` and (with
 `target_parameters`) under `...experts.base_layer.`, and `PeftModel` forwards the attribute read to
-the inner model, so DDP used to get names that match nothing and broadcast rank 0's experts over
+the inner model, so DDP would get names that match nothing and broadcast rank 0's experts over
 every other rank's, silently. `RankLocalStateNames` is therefore computed when DDP reads it: the
 current names of every rank-local tensor, as seen from the transformers model and from a `PeftModel`
 around it. peft also freezes every parameter that is not an adapter, including each layer's
@@ -72,10 +72,7 @@ class RankLocalStateNames:
         return iter(sorted(names))
 
     def __len__(self) -> int:
-        return len(list(iter(self)))
-
-    def __contains__(self, name) -> bool:
-        return name in set(iter(self))
+        return len(list(self))
 
     def __repr__(self) -> str:
         return f"RankLocalStateNames({list(self)!r})"

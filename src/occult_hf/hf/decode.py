@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..dispatch import build_dispatcher, dispatcher_class
+from ..dispatch import build_dispatcher
 from ..moe import OccultMoE
 from ..utils.cuda_graph import capture
 from .compat import cache_keyword
@@ -94,22 +94,6 @@ def use_dispatcher(model: torch.nn.Module, name: str):
     finally:
         for layer, old in zip(layers, before):
             layer.dispatcher = old
-
-
-def decode_dispatcher_name(model: torch.nn.Module) -> str | None:
-    """The static dispatcher for decoding `model` under EP: "symm_mem" where NVSHMEM serves, else "padded";
-    None in one process (nothing to exchange)."""
-    layer = next((m for m in model.modules() if isinstance(m, OccultMoE)), None)
-    if layer is None or not layer.ep.is_distributed:
-        return None
-    device = layer.local_experts.gate_up_proj.device
-    for name in ("symm_mem", "padded"):
-        try:
-            dispatcher_class(name, layer.ep, device)
-            return name
-        except ValueError:
-            continue
-    return None
 
 
 # ----- the decoder -------------------------------------------------------------------------------
@@ -221,4 +205,4 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-__all__ = ["DecodeResult", "GreedyDecoder", "HostSyncError", "decode_dispatcher_name", "no_host_sync", "use_dispatcher"]
+__all__ = ["DecodeResult", "GreedyDecoder", "HostSyncError", "no_host_sync", "use_dispatcher"]

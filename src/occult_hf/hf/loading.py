@@ -300,12 +300,13 @@ class ExpertLoader:
                 if renamed.startswith(key_prefix):
                     plan.keys[renamed[len(key_prefix) :]] = key
                     break
-        for layer, plan in zip(layers, plans):
-            self._check_layout(layer, plan, adapter, num_experts, state_dict)
+        for plan in plans:
+            self._check_layout(plan, adapter, num_experts, state_dict)
         return plans
 
     @staticmethod
-    def _check_layout(layer, plan: _LayerPlan, adapter, num_experts: int, state_dict) -> None:
+    def _check_layout(plan: _LayerPlan, adapter, num_experts: int, state_dict) -> None:
+        layer = plan.layer
         gate_up_E2IH, down_EHI = adapter.expert_weights(plan.block)
         want = {"gate": (gate_up_E2IH.shape[1] // 2, gate_up_E2IH.shape[2]), "down": tuple(down_EHI.shape[1:])}
         want["up"] = want["gate"]

@@ -43,6 +43,7 @@ exchange across nodes and node-limited pruning knows the nodes. A model never co
 from __future__ import annotations
 
 import functools
+import os
 import types
 from dataclasses import replace
 
@@ -50,18 +51,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from occult_hf.patches import adapter_for
+from occult_hf.patches import RouterOutput, adapter_for
 
 from .checkpointing import new_save_group
 from ..config import OccultConfig
 from ..dispatch import DispatchSettings, ExpertParallelGroup, TokenDispatcher, TokenRouting, build_dispatcher
 from ..dispatch.group import resolve_devices_per_node
-from ..distributed.agreement import save_timeout_s
+from ..distributed.agreement import effective_setup, save_timeout_s
 from ..experts import local_experts
 from ..placement import Placement
 from ..layout import LayerLayout
 from ..stats import ExchangeStats
-from .setup import agree, build_pruners, model_setup, resolve_config, resolve_placement
+from ..utils.atomic import atomic_write_json
+from ..utils.strict_json import read_json_file
+from .setup import agree, build_pruners, resolve_config, resolve_placement
 from .state import STATE_ATTR, TRANSFORMERS_EP, OccultState, attach_state, detach_state, state_of
 
 #: the name under which `OccultEP` is registered in transformers' `EPImplementationInterface`
@@ -324,9 +327,10 @@ def apply_occult_ep(model: nn.Module, occult_config: OccultConfig | dict | str |
         lambda: _resolve(model, occult_config),
         dist.group.WORLD if dist.is_available() and dist.is_initialized() else None,
         lambda: group or new_save_group(dist.group.WORLD, "apply_occult_ep"),
-        lambda resolved: model_setup(
-            resolved[0], [path for _, path, _, _ in resolved[1]], _local(resolved[1][0][3].experts.gate_up_proj), model
-        ),
+        lambda resolved: effective_setup(
+            resolved[0], [path for _, path, _, _ in resolved[1]], _local(resolved[1][0][3].experts.gate_up_proj),
+            model.config, model,
+        ),  # fmt: skip
     )
     ep = blocks[0][3].mesh_ep
     if config.devices_per_node is not None:  # several nodes: the hierarchical exchange's subgroups, shared by the layers
@@ -348,7 +352,7 @@ def apply_occult_ep(model: nn.Module, occult_config: OccultConfig | dict | str |
             _move_expert_rows(impl, order)
         impl.configure(config, layout, f"layer {layer}", ep)
         if pruner is not None:
-            new_state.hooks.append(adapter.router(block).register_forward_hook(_pruning_hook(block, adapter, pruner)))
+            new_state.hooks.append(adapter.router(block).register_forward_hook(_pruning_hook(block, pruner)))
     new_state.instance_methods["gather_sharded_state_dict_for_save"] = types.MethodType(_gather_in_original_order, model)
     attach_state(model, new_state)
     return model
@@ -467,11 +471,9 @@ def _move_expert_rows(impl: OccultEP, order: list[int]) -> None:
         local.view(per_rank, -1).index_copy_(0, torch.tensor(recv_order, dtype=torch.int64, device=local.device), received)
 
 
-def _pruning_hook(block: nn.Module, adapter, pruner):
+def _pruning_hook(block: nn.Module, pruner):
     """A forward hook on the router: its `(logits, weights, ids)` with the routing pruned to N_d devices
     (the logits unchanged, so `router_logits` capture and auxiliary losses see the router's own output)."""
-    from occult_hf.patches import RouterOutput
-
     def hook(router, inputs, output):
         logits_TE, topk_weights_Tk, topk_ids_Tk = output
         pruned = pruner.route(block, RouterOutput(logits_TE=logits_TE, topk_weights_Tk=topk_weights_Tk, topk_ids_Tk=topk_ids_Tk))
@@ -492,9 +494,8 @@ def _gather_in_original_order(model, model_to_save, state_dict, distributed_conf
         if torch.equal(order_E, torch.arange(order_E.numel())):
             continue
         original_E = torch.argsort(order_E)  # stored position of each original expert
-        experts_path = f"{path}.experts"
         for name in ("gate_up_proj", "down_proj"):
-            key = f"{prefix}{experts_path}.{name}"
+            key = f"{prefix}{path}.experts.{name}"
             if key in gathered:
                 value = gathered[key]
                 gathered[key] = value.index_select(0, original_E.to(value.device))
@@ -518,11 +519,7 @@ def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, directory
     the order is written beside it (`occult_expert_order.json`, `{layer: [expert id at each stored
     position]}`) and `load_optimizer` checks it, so that state is never loaded into another placement.
     """
-    import os
-
     from transformers.distributed.checkpoint import save_optimizer_distributed
-
-    from ..utils.atomic import atomic_write_json
 
     reshard(model)
     save_optimizer_distributed(model, optimizer, str(directory))
@@ -538,11 +535,7 @@ def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, directory
     experts in the order they were saved in: load it from the checkpoint saved with the optimizer
     (`from_pretrained(checkpoint, distributed_config=DistributedConfig(..., ep_implementation="occult"))`
     restores the placement from its `config.json`), or with the same `OccultConfig.placement`."""
-    import os
-
     from transformers.distributed.checkpoint import load_optimizer_distributed
-
-    from ..utils.strict_json import read_json_file
 
     path = os.path.join(directory, EXPERT_ORDER_FILE)
     if not os.path.isfile(path):
@@ -576,8 +569,6 @@ def reshard(model: nn.Module) -> nn.Module:
 
 def _prefix_of(model: nn.Module, model_to_save: nn.Module) -> str:
     """Key prefix of `model`'s modules in `model_to_save`'s state dict ('' when they are the same model)."""
-    if model_to_save is model:
-        return ""
     for name, module in model_to_save.named_modules():
         if module is model:
             return f"{name}." if name else ""

@@ -51,7 +51,6 @@ longer loads) and the second refused an adapter of all experts. `install_peft_ho
 from __future__ import annotations
 
 import os
-import sys
 from typing import Iterator
 
 import torch
@@ -60,13 +59,12 @@ from torch import nn
 
 from ..distributed.collectives import gather_rows
 from ..moe import OccultMoE
-from ..utils.after_import import cancel, when_imported
+from ..utils.after_import import when_imported
 from .checkpointing import check_model_ranks_agree
-from .compat import unwrap_methods, wrap_methods
-from .ddp import enable_grad_norm_carriers, rank_local_names
+from .compat import wrap_methods
+from .ddp import DDP_IGNORE_ATTR, enable_grad_norm_carriers, rank_local_names
 from .state import state_of
 
-_DDP_IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
 _HOOK_ATTR = "_occult_adapter_slicing_hook"
 #: `(parameter versions, gathered state dict)` taken by `snapshot_adapters`, on the PEFT model
 _SNAPSHOT_ATTR = "_occult_adapter_snapshot"
@@ -156,10 +154,10 @@ def prepare_peft_model(peft_model: nn.Module) -> nn.Module:
     buffers of every `OccultMoE`'s experts, adapters included, and the runtime's own state, under
     their names in the PEFT model) and makes the grad-norm carriers trainable.
     """
-    ignore = set(peft_model.__dict__.get(_DDP_IGNORE_ATTR) or []) | set(rank_local_names(peft_model))
+    ignore = set(peft_model.__dict__.get(DDP_IGNORE_ATTR) or []) | set(rank_local_names(peft_model))
     enable_grad_norm_carriers(peft_model)
     if ignore:
-        peft_model.__dict__[_DDP_IGNORE_ATTR] = sorted(ignore)
+        peft_model.__dict__[DDP_IGNORE_ATTR] = sorted(ignore)
     return peft_model
 
 
@@ -270,14 +268,6 @@ def install_peft_hooks() -> None:
     """Wrap `PeftModel.save_pretrained` and `load_adapter` once peft is imported (now, if it is); idempotent."""
     when_imported("peft.peft_model", lambda module: wrap_methods(module.PeftModel, _PEFT_HOOKS))
 
-
-def uninstall_peft_hooks() -> None:
-    """Put peft's own methods back (or forget the wrapping when peft is not imported yet)."""
-    cancel("peft.peft_model")
-    if "peft.peft_model" in sys.modules:
-        unwrap_methods(sys.modules["peft.peft_model"].PeftModel, _PEFT_HOOKS)
-
-
 def has_distributed_expert_adapters(model: nn.Module) -> bool:
     """True when `model` carries LoRA factors on the experts of an EP (distributed) `OccultMoE`."""
     return any(module.ep.is_distributed for _, module, _, _ in _expert_adapter_factors(model))
@@ -292,5 +282,4 @@ __all__ = [
     "prepare_peft_model",
     "save_peft_model",
     "snapshot_adapters",
-    "uninstall_peft_hooks",
 ]

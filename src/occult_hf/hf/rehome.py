@@ -56,8 +56,7 @@ def apply_replicas(model: nn.Module, placement: Placement) -> nn.Module:
             f"move (placement.rebalance.replan_replicas keeps the primaries); re-apply with apply_occult to move primaries"
         )
     new_state = replace(state, occult_config=replace(state.occult_config, placement=placement))
-    if state.ep.is_distributed:
-        check_model_ranks_agree(model, new_state, "apply_replicas")
+    check_model_ranks_agree(model, new_state, "apply_replicas")  # a no-op in one process
     for path in state.block_paths:
         rehome_layer(model.get_submodule(path), placement)
     state.occult_config = new_state.occult_config

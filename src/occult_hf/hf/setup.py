@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import OccultConfig
-from ..distributed.agreement import check_agreement, effective_setup, fail_together, save_timeout_s
+from ..distributed.agreement import check_agreement, fail_together, save_timeout_s
 from ..placement import Placement
 from ..layout import LayerLayout
 from ..pruning import CollaborationPruner, build_pruner, load_pruning_profile, needs_similarity
@@ -70,11 +70,6 @@ def agree(
     return resolved, group
 
 
-def model_setup(config: OccultConfig, block_paths: list[str], expert_weight, model: nn.Module) -> dict[str, Any]:
-    """The facts every rank of a model must share (`distributed.agreement.effective_setup`), its weights included."""
-    return effective_setup(config, block_paths, expert_weight, model.config, model)
-
-
 def build_pruners(
     config: OccultConfig, adapter, model: nn.Module, layouts: list[LayerLayout], top_k: int
 ) -> list[CollaborationPruner | None]:
@@ -88,4 +83,4 @@ def build_pruners(
     return [build_pruner(config, adapter, layout, top_k=top_k, profile=profile) for layout in layouts]
 
 
-__all__ = ["agree", "build_pruners", "model_setup", "resolve_config", "resolve_placement"]
+__all__ = ["agree", "build_pruners", "resolve_config", "resolve_placement"]

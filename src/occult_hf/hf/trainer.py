@@ -49,8 +49,10 @@ from torch import nn
 from .state import BLOCKS, STATE_ATTR
 from .compat import unwrap_trainer_methods, wrap_trainer_methods
 from .checkpointing import snapshot_experts
+from .peft_support import snapshot_adapters
+from ..distributed.agreement import SAVE_TIMEOUT_ENV, announce_failure, arrive, save_timeout_s
 from ..moe import OccultMoE
-from ..utils.atomic import atomic_torch_save
+from ..utils.atomic import atomic_torch_save, atomic_write_json
 from ..utils.logging import get_logger
 from ..utils.strict_json import read_json_file
 
@@ -59,10 +61,6 @@ logger = get_logger(__name__)
 RANK_FILE = "occult_rank{rank}-of-{world}.pt"
 #: a Trainer checkpoint's completeness: `{"complete": false, "ranks": D}` while it is written, then `"complete": true`
 CHECKPOINT_STATUS_FILE = "occult_checkpoint.json"
-_WRAPPED = (
-    "train", "_save_checkpoint", "save_model", "_save_optimizer_and_scheduler", "_load_from_checkpoint",
-    "_load_optimizer_and_scheduler",
-)  # fmt: skip
 
 
 def _occult_model(model) -> nn.Module | None:
@@ -106,8 +104,6 @@ def _rank_file(directory: str, model: nn.Module) -> str:
 
 
 def _save_model(original, trainer, output_dir=None, _internal_call=False):
-    from .peft_support import snapshot_adapters
-
     model = _occult_model(trainer.model)
     if model is None:
         return original(trainer, output_dir, _internal_call)
@@ -124,11 +120,10 @@ def _save_optimizer_and_scheduler(original, trainer, output_dir):
     if model is None:
         return result
     os.makedirs(output_dir, exist_ok=True)
-    path = _rank_file(output_dir, model)
     # a PEFT model's weights resume from its (gathered) adapter files; its optimizer state is per rank too
     experts = _expert_state(model) if model is trainer.model else {}
     payload = {"experts": experts, "optimizer": trainer.optimizer.state_dict(), "world": _ep_rank_world(model)}
-    atomic_torch_save(payload, path)
+    atomic_torch_save(payload, _rank_file(output_dir, model))
     return result
 
 
@@ -162,8 +157,6 @@ def _save_checkpoint(original, trainer, model, trial=None):
 def _reports(model, output_dir: str) -> dict[str, int]:
     """Collective (EP): `{rank file: bytes}` of every EP rank's file of this checkpoint (empty without optimizer
     state), once every rank has written its own; an error naming the ranks that do not report in time."""
-    from ..distributed.agreement import SAVE_TIMEOUT_ENV, arrive, save_timeout_s
-
     path = _rank_file(output_dir, model)
     own = {os.path.basename(path): os.path.getsize(path)} if os.path.isfile(path) else {}
     state = vars(model)[STATE_ATTR]
@@ -179,16 +172,12 @@ def _reports(model, output_dir: str) -> dict[str, int]:
 
 
 def _announce(model, error: Exception, output_dir: str) -> None:
-    from ..distributed.agreement import announce_failure
-
     state = vars(model)[STATE_ATTR]
     if state.ep.is_distributed:
         announce_failure(error, f"the Trainer checkpoint {os.path.basename(output_dir)}", state.ep.group)
 
 
 def _write_status(checkpoint: str, status: dict) -> None:
-    from ..utils.atomic import atomic_write_json
-
     os.makedirs(checkpoint, exist_ok=True)
     atomic_write_json(os.path.join(checkpoint, CHECKPOINT_STATUS_FILE), status)
 
@@ -310,33 +299,27 @@ def _vanilla_weights(checkpoint: str) -> dict[str, torch.Tensor]:
 
 
 def _load_from_checkpoint(original, trainer, resume_from_checkpoint, model=None):
-    target = _occult_model(model if model is not None else trainer.model)
+    loaded = model if model is not None else trainer.model
+    target = _occult_model(loaded)
     if target is not None:
         _check_complete(resume_from_checkpoint)
-    if target is None or target is not (model if model is not None else trainer.model):
+    if target is None or target is not loaded:
         return original(trainer, resume_from_checkpoint, model)
-    saved = _read_rank_file(resume_from_checkpoint, target)
-    experts = saved["experts"]
+    experts = _read_rank_file(resume_from_checkpoint, target)["experts"]
     own = target.state_dict()
     dense = {k: v for k, v in _vanilla_weights(resume_from_checkpoint).items() if k in own and k not in experts and own[k].shape == v.shape}
-    missing_experts = sorted(k for k in own if k not in experts and ".experts." in k and k.startswith(_expert_prefixes(target)))
+    blocks = {path: module for path, module in target.named_modules() if isinstance(module, OccultMoE)}
+    prefixes = tuple(f"{path}.experts." for path in blocks)
+    missing_experts = sorted(k for k in own if k not in experts and k.startswith(prefixes))
     if missing_experts:
         raise ValueError(f"resume_from_checkpoint={resume_from_checkpoint!r}: the rank file lacks {missing_experts[:3]}")
     result = target.load_state_dict({**dense, **experts}, strict=False)
-    runtime = _runtime_names(target)
+    runtime = {f"{path}.{name}" for path, module in blocks.items() for name in module.runtime_state_names()}
     unexpected_missing = [k for k in result.missing_keys if k not in runtime and k not in dense and k not in experts]
     if unexpected_missing:
         raise ValueError(
             f"resume_from_checkpoint={resume_from_checkpoint!r}: the checkpoint does not hold {unexpected_missing[:5]}"
         )
-
-
-def _expert_prefixes(model) -> tuple[str, ...]:
-    return tuple(f"{path}.experts." for path, module in model.named_modules() if isinstance(module, OccultMoE))
-
-
-def _runtime_names(model) -> set[str]:
-    return {f"{path}.{name}" for path, m in model.named_modules() if isinstance(m, OccultMoE) for name in m.runtime_state_names()}
 
 
 def _load_optimizer_and_scheduler(original, trainer, checkpoint):
@@ -351,20 +334,23 @@ def _load_optimizer_and_scheduler(original, trainer, checkpoint):
 # ----- install ----------------------------------------------------------------------------------------
 
 
+_HOOKS = {
+    "train": _train,
+    "_save_checkpoint": _save_checkpoint,
+    "save_model": _save_model,
+    "_save_optimizer_and_scheduler": _save_optimizer_and_scheduler,
+    "_load_from_checkpoint": _load_from_checkpoint,
+    "_load_optimizer_and_scheduler": _load_optimizer_and_scheduler,
+}
+
+
 def install_trainer_hooks() -> None:
     """Wrap the six `Trainer` methods (idempotent; `uninstall_trainer_hooks` puts them back)."""
-    wrap_trainer_methods({
-        "train": _train,
-        "_save_checkpoint": _save_checkpoint,
-        "save_model": _save_model,
-        "_save_optimizer_and_scheduler": _save_optimizer_and_scheduler,
-        "_load_from_checkpoint": _load_from_checkpoint,
-        "_load_optimizer_and_scheduler": _load_optimizer_and_scheduler,
-    })
+    wrap_trainer_methods(_HOOKS)
 
 
 def uninstall_trainer_hooks() -> None:
-    unwrap_trainer_methods(_WRAPPED)
+    unwrap_trainer_methods(_HOOKS)
 
 
 __all__ = ["RANK_FILE", "CHECKPOINT_STATUS_FILE", "install_trainer_hooks", "last_complete_checkpoint", "missing_from", "uninstall_trainer_hooks"]
