@@ -41,8 +41,8 @@ homes of one expert.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -398,7 +398,6 @@ class LayerMetrics:
         ct_lower, ct_upper: `ct_bounds` for this placement's capacities.
         remote_copies: mean remote copies per token (tokens on ranks as `token_ranks`).
         max_sent_rows, max_received_rows: rows of the slowest sending and receiving rank.
-        mean_received_rows: mean over ranks of received rows.
         cut_per_token: split co-activation pairs per token (`pairwise_cut / token_count`).
         intra_device_ratio: fraction of co-activations kept on one device.
         load_D: `[D]` device loads.
@@ -414,7 +413,6 @@ class LayerMetrics:
     remote_copies: float | None
     max_sent_rows: int | None
     max_received_rows: int | None
-    mean_received_rows: float | None
     cut_per_token: float
     intra_device_ratio: float
     load_D: np.ndarray
@@ -422,13 +420,6 @@ class LayerMetrics:
     balance_floor: float
     slowest_device: int
     nodes: NodeTraffic | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["load_D"] = self.load_D.tolist()
-        if self.nodes is not None:
-            out["nodes"] = {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in out["nodes"].items()}
-        return out
 
 
 def replica_device_load(
@@ -494,13 +485,12 @@ def evaluate_layer(
         load_E = expert_load(sample, num_experts)
         ct, remote = volume.ct_mean, volume.remote_copies_mean
         sent, received = volume.max_sent_rows, volume.max_received_rows
-        mean_received = float(volume.received_rows_D.mean())
         if devices_per_node is not None:
             nodes = node_traffic(sample, devices, num_devices, devices_per_node, home_table_EM=home_table_EM)
     else:
         sample = None
         load_E = np.asarray(routing.expert_counts)
-        ct = remote = sent = received = mean_received = None
+        ct = remote = sent = received = None
     load_D = replica_device_load(sample, load_E, devices, num_devices, home_table_EM)
     floor = float(load_D.mean()) if replicated else load_floor(load_E, capacities_D)
     return LayerMetrics(
@@ -510,7 +500,6 @@ def evaluate_layer(
         remote_copies=remote,
         max_sent_rows=sent,
         max_received_rows=received,
-        mean_received_rows=mean_received,
         cut_per_token=pairwise_cut(routing.coactivation, devices, num_devices) / max(int(routing.token_count), 1),
         intra_device_ratio=intra_device_ratio(routing.coactivation, devices, num_devices),
         load_D=load_D,

@@ -258,7 +258,6 @@ class AllToAllDispatcher(TokenDispatcher):
             row_bytes=row_format.row_bytes,
             ep=self.ep,
             layer=self.layer,
-            token_of_row_O=None if chunk is None else chunk.token_O,
             send_splits=tuple(map(sum, zip(*(c.send_splits for c in chunks)))),
             recv_splits=tuple(map(sum, zip(*(c.recv_splits for c in chunks)))),
             num_pairs=sum(c.num_pairs for c in chunks),

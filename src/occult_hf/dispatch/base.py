@@ -77,7 +77,6 @@ class DispatchPlan:
             entries, aligned as `RowFormat` packs them.
         ep: the group the rows were exchanged in.
         layer: the layer's name in error messages (e.g. "layer 3").
-        token_of_row_O: `[O]` int64 source token of each sent row (distributed), None in one process.
         send_splits: rows sent to each rank (host ints; distributed only, else None).
         recv_splits: rows received from each rank (host ints; distributed only, else None).
         num_pairs: `N`, (received row, local expert) pairs computed here (host int, or None in one
@@ -90,7 +89,6 @@ class DispatchPlan:
     row_bytes: int
     ep: ExpertParallelGroup
     layer: str = "layer"
-    token_of_row_O: torch.Tensor | None = None
     send_splits: tuple[int, ...] | None = None
     recv_splits: tuple[int, ...] | None = None
     num_pairs: int | None = None

@@ -1,4 +1,4 @@
-"""`HierarchicalDispatcher` ("hierarchical"): the two-level exchange of an EP group that spans nodes (issue 35).
+"""`HierarchicalDispatcher` ("hierarchical"): the two-level exchange of an EP group that spans nodes.
 
 Shape legend: see `occult_hf.dispatch.plan`; in addition, local to this file, Q nodes of the group, K devices of one
 node (`ExpertParallelGroup.devices_per_node`), X the entries of one rank's count message (`3 + K`).
@@ -202,7 +202,7 @@ class HierarchicalDispatcher(AllToAllDispatcher):
             pair_weight_N = torch.take(weight_RW, pick_N)
         plan = HierarchicalPlan(
             mode=self.mode, num_tokens=dest_Tk.shape[0], counts_D2=counts_D2, row_bytes=row_format.row_bytes, ep=ep,
-            layer=self.layer, token_of_row_O=to_nodes.token_O, num_pairs=splits.num_pairs, to_nodes=to_nodes,
+            layer=self.layer, num_pairs=splits.num_pairs, to_nodes=to_nodes,
             to_devices=to_devices,
         )  # fmt: skip
         return Dispatched(x_RH=x_RH, segments=segments, pair_weight_N=pair_weight_N, plan=plan)

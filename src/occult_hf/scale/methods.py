@@ -40,10 +40,6 @@ class Method:
     max_nodes_per_token: int | None = None
 
     @property
-    def baseline(self) -> bool:
-        return self.name in BASELINES
-
-    @property
     def family(self) -> str:
         """Whose dispatcher and kernels run it: "transformers" or "occult"."""
         return "transformers" if self.name == "transformers_ep" else "occult"

@@ -11,7 +11,7 @@ from .projection import Projected
 from .spread import Spread, spreads
 from .validation import Checked
 
-#: the validation's tolerance (issue 35: within 15% of the measured rows)
+#: the validation's tolerance: a prediction within 15% of the measured row
 TOLERANCE = 0.15
 
 

@@ -13,8 +13,7 @@ checkpoint as `recipe.json`, its domains named (`train_domains`), so a shipped c
   of the project's corpus, `../shared/data/corpus`).
 - `study_long`: the same model and data trained for a fixed 1,300 steps x 64 x 512 = 42.6M tokens
   (4.4 passes over the 9.7M training tokens of python_docs + kernel_docs), the quality study's
-  stronger base; 218.4M parameters. At the 0.263 s per step `study` took on one H200 (367 steps in
-  96.4 s) that is about 340 s; the 400 s time budget only shortens the schedule on a slower GPU.
+  stronger base; 218.4M parameters. Its 400 s time budget only shortens the schedule on a GPU slower than an H200.
 """
 
 from __future__ import annotations

@@ -31,9 +31,8 @@ def demo_sources() -> list[str]:
 
     Frozen because the installed sources are not a fixed text: they change with every commit, and an
     editable install holds `src/occult_hf` only where a wheel also holds `kernels/`, `patches/` and
-    `eval/`. Read live, they moved the demo's figures, which README.md and docs/cli.md quote, with every
-    change to the code (held-out CT 2.40 -> 2.50 for `occult`, device load 1.35x -> 1.64x for `refined`
-    between two commits of 2026-12-01)."""
+    `eval/`. Read live, they would move the demo's figures, which README.md and docs/cli.md quote, with every
+    change to the code."""
     with resources.as_file(resources.files("occult_hf") / "data" / DEMO_SOURCES) as path:
         snapshot = parse_json(lzma.decompress(Path(path).read_bytes()), f"the demo's sources {DEMO_SOURCES!r}")
     return [text for _, text in snapshot["files"]]
