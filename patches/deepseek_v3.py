@@ -15,8 +15,6 @@ added until they do.
 
 from __future__ import annotations
 
-import torch
-
 from ._routing import allowed_group_scores, check_groups, kept_groups_expert_mask, topk_ids_among_allowed
 from ._transformers_moe import FusedExpertsAdapter
 from .base import register_adapter

@@ -247,10 +247,8 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-#: mean pairs per expert below which "auto" computes a forward without gradient with the ``triton`` kernels: their
-#: 16- and 32-row tiles stream the expert weights faster than CUTLASS's at short segments, and CUTLASS's GEMMs win at
-#: long ones; the crossing lies between Qwen1.5's 1092 and DeepSeek's 1536 pairs at T = 16384 on the H200
-#: (docs/kernels.md, "Which backend `auto` picks", has the measurements)
+#: mean pairs per expert below which "auto" computes a forward without gradient with the ``triton`` kernels (the
+#: module docstring says why; docs/kernels.md, "Which backend `auto` picks", has the measurements)
 AUTO_TRITON_BELOW = 1280
 #: the same for a forward + backward, whose crossing lies lower (between 68 and 128 pairs per expert on the H200)
 AUTO_TRITON_TRAIN_BELOW = 128

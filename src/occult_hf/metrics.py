@@ -538,14 +538,11 @@ def summarize(per_layer: dict[int, LayerMetrics]) -> dict[str, float | None]:
 
     received = [m.max_received_rows for m in metrics]
     nodes = [m.nodes for m in metrics]
-    if all(n is not None for n in nodes):
-        node_means = {
-            "ct_node": float(np.mean([n.ct_node_mean for n in nodes])),
-            "cross_rows_flat": float(np.mean([n.cross_rows_flat for n in nodes])),
-            "cross_rows_hierarchical": float(np.mean([n.cross_rows_hierarchical for n in nodes])),
-        }
-    else:
-        node_means = dict.fromkeys(("ct_node", "cross_rows_flat", "cross_rows_hierarchical"))
+    node_fields = {"ct_node": "ct_node_mean", "cross_rows_flat": "cross_rows_flat", "cross_rows_hierarchical": "cross_rows_hierarchical"}
+    node_means = {
+        key: None if any(n is None for n in nodes) else float(np.mean([getattr(n, field) for n in nodes]))
+        for key, field in node_fields.items()
+    }
     return {
         "ct": mean_of("ct"),
         "ct_lower": mean_of("ct_lower"),

@@ -75,7 +75,6 @@ import os
 import warnings
 from typing import Callable
 
-import numpy as np
 import torch
 
 from occult_hf.dispatch import TokenRouting

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .utils.atomic import atomic_save_figure
-from .utils.tables import markdown_table
+from .utils.tables import markdown_table, number_cell
 from .metrics import LayerMetrics, evaluate_placement, summarize
 from .placement import Placement
 from .profile import RoutingProfile
@@ -55,10 +55,6 @@ _HEADERS = ("layer", "placement", "D", "CT", "bound", "remote", "cut/tok", "bala
 _ALIGN = "rl" + "r" * (len(_HEADERS) - 2)
 
 
-def _fmt(value, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
 def format_table(profile: RoutingProfile, results: list[PlacementResult]) -> str:
     """Per-layer rows for every placement, then the means over layers (rows `mean`), as a markdown table.
 
@@ -73,8 +69,8 @@ def format_table(profile: RoutingProfile, results: list[PlacementResult]) -> str
         for result in results:
             m = result.per_layer[layer]
             rows.append([
-                layer, result.name, result.placement.num_devices, _fmt(m.ct), f"{m.ct_lower}-{m.ct_upper}",
-                _fmt(m.remote_copies), _fmt(m.cut_per_token), _fmt(m.balance), _fmt(m.balance_floor),
+                layer, result.name, result.placement.num_devices, number_cell(m.ct), f"{m.ct_lower}-{m.ct_upper}",
+                number_cell(m.remote_copies), number_cell(m.cut_per_token), number_cell(m.balance), number_cell(m.balance_floor),
                 f"d{m.slowest_device} {m.load_D[m.slowest_device] / m.load_D.mean():.2f}",
                 "-" if m.max_received_rows is None else m.max_received_rows,
             ])  # fmt: skip
@@ -92,8 +88,8 @@ def _summary_rows(results: list[PlacementResult]) -> list[list]:
     for result in results:
         s = result.summary
         rows.append([
-            "mean", result.name, result.placement.num_devices, _fmt(s["ct"]), _fmt(s["ct_lower"], 1),
-            _fmt(s["remote_copies"]), _fmt(s["cut_per_token"]), _fmt(s["balance"]), _fmt(s["balance_floor"]),
+            "mean", result.name, result.placement.num_devices, number_cell(s["ct"]), number_cell(s["ct_lower"], 1),
+            number_cell(s["remote_copies"]), number_cell(s["cut_per_token"]), number_cell(s["balance"]), number_cell(s["balance_floor"]),
             f"worst {s['worst_balance']:.2f}", "-" if s["max_received_rows"] is None else int(s["max_received_rows"]),
         ])  # fmt: skip
     return rows
@@ -125,7 +121,7 @@ def format_node_table(profile: RoutingProfile, results: list[PlacementResult], h
 
     def cells(label, result, ct_node, ct, flat, hier):
         row = [label, result.name, result.placement.num_devices, result.placement.devices_per_node,
-               _fmt(ct_node), _fmt(ct), _fmt(flat), _fmt(hier)]  # fmt: skip
+               number_cell(ct_node), number_cell(ct), number_cell(flat), number_cell(hier)]  # fmt: skip
         if size is not None:
             row += [f"{flat * size:,.0f}", f"{hier * size:,.0f}"]
         return row
@@ -157,8 +153,8 @@ def format_promises(results: list[PlacementResult]) -> str:
             m = expected["mean"]
             lines.append(
                 f"{result.name}: expected held-out ({expected['folds']}-fold cross-validation on its profile, mean over "
-                f"layers): CT {_fmt(m['ct'])}, balance {_fmt(m['balance'])} (worst fold and layer "
-                f"{_fmt(m['balance_worst'])}; held-out floor {_fmt(m['balance_floor'])})"
+                f"layers): CT {number_cell(m['ct'])}, balance {number_cell(m['balance'])} (worst fold and layer "
+                f"{number_cell(m['balance_worst'])}; held-out floor {number_cell(m['balance_floor'])})"
             )
         worst = meta.get("worst_profile")
         if worst:

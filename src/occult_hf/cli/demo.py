@@ -15,6 +15,7 @@ made by `occult train`), and the report names the model it ran.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from importlib import resources
 from pathlib import Path
@@ -100,7 +101,7 @@ def _run(args: argparse.Namespace) -> int:
 
     check_output_dir(args.out)
     os.makedirs(args.out, exist_ok=True)
-    with resources.as_file(tiny_checkpoint_path()) if args.model is None else _nullpath(args.model) as path:
+    with resources.as_file(tiny_checkpoint_path()) if args.model is None else contextlib.nullcontext(args.model) as path:
         if not (Path(path) / "config.json").is_file():
             raise FileNotFoundError(f"--model {os.fspath(path)!r} is not a checkpoint directory (no config.json)")
         model = AutoModelForCausalLM.from_pretrained(path, occult_config=None).eval()  # vanilla: the routing as trained
@@ -149,15 +150,3 @@ def _run(args: argparse.Namespace) -> int:
     print(f"profiles, placements and pruning.json in {args.out}/")
     return 0
 
-
-class _nullpath:
-    """`with` over a plain path (the same shape as `resources.as_file`)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __enter__(self) -> str:
-        return self.path
-
-    def __exit__(self, *exc) -> None:
-        return None

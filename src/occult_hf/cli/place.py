@@ -78,14 +78,12 @@ def planner_option(pair: str) -> tuple[str, object]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..placement import Placement, plan_placement
+    from ..placement import Placement, plan_placement, pool_profiles
     from ..profile import RoutingProfile
-    from ..report import evaluate_placements, format_summary
+    from ..report import evaluate_placements, format_node_table, format_promises, format_summary
 
     if args.num_devices is None:
         raise SystemExit("occult place: --num-devices D is required (the devices of the expert-parallel group)")
-    from ..placement import pool_profiles
-    from ..report import format_node_table, format_promises
 
     profiles = {path: RoutingProfile.load(path) for path in args.profile}
     source = next(iter(profiles.values())) if len(profiles) == 1 else profiles

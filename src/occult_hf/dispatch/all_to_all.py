@@ -32,15 +32,12 @@ Activation checkpointing (non-reentrant, and reentrant) recomputes the layer, ex
 every rank alike; a second backward through one chunked forward (`retain_graph=True`) is refused with
 an error.
 
-**Bounded waits.** Every wait on a peer finishes or fails within the exchange timeout
-(`OccultConfig.exchange_timeout_s`, else the environment variable `OCCULT_EXCHANGE_TIMEOUT_S`, else
-300 s) with an `ExchangeError` naming the layer and the operation. The count exchange, which every
-rank reaches at every layer before any row moves, always waits with that bound on the host (its
-result is read there anyway; on CUDA by spinning on the copy's event until the deadline), so a
-stalled, dead or desynchronised peer is reported there. Row
-exchanges of CPU tensors (gloo) also wait with the bound; on CUDA they only make the compute
-stream wait for the communication stream (a host wait would cost the overlap), and a peer that
-dies in the middle of one is caught by the process group's own timeout (NCCL watchdog).
+**Bounded waits.** Every wait on a peer finishes or fails within the exchange timeout (`base.resolve_timeout`)
+with an `ExchangeError` naming the layer and the operation. The count exchange, which every rank reaches at every
+layer before any row moves, always waits with that bound on the host (on CUDA by spinning on the copy's event), so a
+stalled, dead or desynchronised peer is reported there. Row exchanges of CPU tensors (gloo) also wait with the
+bound; on CUDA they only make the compute stream wait for the communication stream (a host wait would cost the
+overlap), and a peer that dies in the middle of one is caught by the process group's own timeout (NCCL watchdog).
 """
 
 from __future__ import annotations
@@ -188,9 +185,8 @@ class AllToAllDispatcher(TokenDispatcher):
         sizes (the one host read) and lay out each chunk's rows. Returns the chunks and the `[D, 2]` counts.
 
         `concurrent` (work that needs no exchange) is issued after the count exchange and its copy to the host are
-        queued, before the host waits for them: the GPU computes it while the host waits and then lays out and
-        sends the rows (with nothing queued there, the GPU idled: 2.3 ms per layer of OLMoE-1B-7B at real size,
-        docs/bench_ep_h200_2gpu.md). Its kernels queue behind the copy, so they do not delay the counts."""
+        queued, before the host waits for them: the GPU computes it while the host waits instead of idling. Its
+        kernels queue behind the copy, so they do not delay the counts."""
         ids_Tk, weights_Tk = routing.topk_ids_Tk, routing.topk_weights_Tk
         num_tokens = ids_Tk.shape[0]
         num_devices = self.ep.num_devices

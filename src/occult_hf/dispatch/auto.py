@@ -4,14 +4,13 @@ Shape legend: see `occult_hf.dispatch.plan`.
 
 "all_to_all" sends exactly the rows the routing needs but learns their count on the host: one read per layer,
 which in a training step at real size leaves the GPU idle while the host waits and then issues the rest of the
-layer (36 ms of a 191 ms OLMoE-1B-7B forward at D=2, 2.3 ms per layer, docs/bench_ep_h200_2gpu.md). "padded"
+layer (docs/bench_ep_h200_2gpu.md). "padded"
 (`static.PaddedDispatcher`) reads nothing on the host: each rank sends every peer a fixed slot of `T` rows in
 dedup (a token sends at most one row per device), filled or not. Its cost is the padding: `D * T` rows on the
 wire and through the receiver's layout instead of the `T * CT` the routing needs (CT: devices a token visits).
 Also, whatever the padding, the received pairs are all `R * k` (row, slot) entries, about D times the pairs a
 rank computes, the empty ones sorted past the last expert: the expert kernels skip them (no work), but the
-backends' per-pair buffers are sized for all of them (memory: "grouped_mm_fused" keeps `[N, 2I]` for the backward,
-about 0.5 GB more per OLMoE-1B-7B layer at D=2 and T=16384 than with "all_to_all"'s exact count).
+backends' per-pair buffers are sized for all of them (memory: "grouped_mm_fused" keeps `[N, 2I]` for the backward).
 
 The padding is estimated from the placement alone, for routing that picks each token's k experts uniformly at
 random: device d, holding `n_d` of the E experts, is visited with probability `1 - C(E - n_d, k) / C(E, k)`, so
@@ -26,10 +25,8 @@ which a fixed slot would not), with an expert backend that skips a static layout
 "torch" on CUDA, whose grouped GEMM path gathers and masks every slot, empty or not), where the ranks can agree on the most tokens any of
 them passes host to host (`ExpertParallelGroup.host_group`, a gloo group `apply_occult` makes: ranks may then pass
 different T), and when the estimated overhead is at most `PADDED_MAX_OVERHEAD` (25%); otherwise the registered
-dispatchers by priority ("all_to_all"). The bound: the host
-read costs about 2.3 ms per layer of GPU idle at real size, while 25% more rows cost 0.14 ms on NVLink (the 134 MB
-of an OLMoE layer at T=16384 took 0.55 ms on the wire, same page) and still under the idle time on a link 8x
-slower; 25% also covers the under-estimate of refined placements at D=2 (23%). Measured on two GPUs: not yet.
+dispatchers by priority ("all_to_all"). The bound: the GPU idle of the host read costs more than 25% more rows on
+NVLink, and still more on a link 8x slower; 25% also covers the under-estimate of refined placements at D=2 (23%).
 
 **Across nodes.** Where the group spans nodes (`ExpertParallelGroup.spans_nodes`: `OccultConfig.devices_per_node`, or
 `$LOCAL_WORLD_SIZE` under torch.distributed, smaller than the group) "auto" takes "hierarchical"

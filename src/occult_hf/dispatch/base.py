@@ -373,8 +373,7 @@ class TokenDispatcher:
 
 
 #: token chunks per forward when `OccultConfig.dispatch_chunks` is None. One: the per-chunk packing and the smaller
-#: grouped GEMMs cost more than the overlap of exchange and experts hides (four chunks were 1.37-1.52x slower on two
-#: H200s: docs/bench_ep_h200_2gpu.md). Overlap stays available by setting the field.
+#: grouped GEMMs cost more than the overlap of exchange and experts hides (docs/bench_ep_h200_2gpu.md).
 DEFAULT_CHUNKS = 1
 
 
@@ -383,7 +382,7 @@ def sum_token_rows(rows_pad_OH: torch.Tensor, row_TJ: torch.Tensor, out_TH: torc
     accumulated in fp32 and rounded once (torch reduces bf16/fp16 in fp32). `rows_pad_OH` has a zero row
     that a token's absent rows point at (the first in "all_to_all", whose `row_TJ` counts from one; the
     last in the static dispatchers). A gather and a reduction in a fixed order: no atomics (an
-    fp32 `index_add_` of the rows cost 47% of transformers' experts call on the H200, docs/baselines.md).
+    fp32 `index_add_` of the rows is far slower, docs/baselines.md).
     The dtype is explicit because CUDA autocast runs `sum` in fp32 otherwise: a bf16 model under
     `torch.autocast` would get an fp32 block output (the stock block returns its input's dtype), an fp32
     residual stream, and fp32 rows reaching bf16 expert weights in the next layer.
@@ -397,8 +396,7 @@ def sum_token_rows(rows_pad_OH: torch.Tensor, row_TJ: torch.Tensor, out_TH: torc
 def stage(name: str):
     """A named range (`occult::<name>`) around one step of the exchange, for `torch.profiler` traces
     (`occult bench ep --profile` sums the device time of each). Only while a profiler runs: a
-    `record_function` costs an operator call even without one (37 us against 2 us for the check, on the
-    development CPU; a forward opens about ten). Never while dynamo traces: it drops `record_function` from the
+    `record_function` costs an operator call even without one. Never while dynamo traces: it drops `record_function` from the
     graph anyway, and reading the profiler's state there would make it guard on that state, so that profiling a
     compiled model compiled it again (a different graph from the one being measured)."""
     if torch.compiler.is_compiling() or not torch.autograd.profiler._is_profiler_enabled:

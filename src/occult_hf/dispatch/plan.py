@@ -127,8 +127,8 @@ def send_layout(dest_Tk: torch.Tensor, local_Tk: torch.Tensor, weights_Tk: torch
     token_Tk = torch.arange(num_tokens, device=device)[:, None]
     if mode == "dedup":
         # one flat device-major mask (entry q = d * T + t): its running count is each row's packed position
-        # (one 1-D scan; a scan down the T axis of a [T, D] tensor runs one thread per column and cost 1.5 ms
-        # at T=16384); every per-row field is then one gather from a per-(device, token) table
+        # (one 1-D scan; a scan down the T axis of a [T, D] tensor runs one thread per column: slow at large T);
+        # every per-row field is then one gather from a per-(device, token) table
         num_entries = num_devices * num_tokens
         hit_Q = torch.zeros(num_entries, dtype=torch.bool, device=device)
         hit_Q.scatter_(0, (dest_Tk * num_tokens + token_Tk).reshape(-1), True)

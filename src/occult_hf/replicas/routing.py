@@ -103,15 +103,13 @@ def resolve_homes_np(
     ).numpy()
 
 
-#: best-response rounds of the load-aware split (each phase; each round is a few dozen small operators: on
-#: the Qwen trace, D=8, 8 redundant slots, 8 rounds read within 0.002 of 12 and 4 within 0.013)
+#: best-response rounds of the load-aware split (each phase; each round is a few dozen small operators)
 SPLIT_ROUNDS = 8
 
 #: how far above the least max load the load-aware split lets a device go to keep a pair on a home its
 #: token visits anyway (a fraction of the mean device load): a little balance buys back most of the CT that
 #: moving pinned pairs costs. The default for a layer whose placement states none (`Placement.pin_slack`: the
-#: planner chooses it per layer, `refined` option `pin_slack`). On the Qwen trace (D=8, seed 0 of the robust + 8 redundant plan, docs/placement.md) 0.01 / 0.02 / 0.03
-#: read about 1.02 / 1.03 / 1.04 balance at CT 2.86 / 2.84 / 2.83 (static rule: 1.111 at 2.832)
+#: planner chooses it per layer, `refined` option `pin_slack`; docs/placement.md weighs the values)
 PIN_SLACK = 0.02
 
 
@@ -149,10 +147,9 @@ def _fill(total_E: torch.Tensor, other_EM: torch.Tensor, floor_EM: torch.Tensor,
 def split_steps(replicated_EM: torch.Tensor, on_EMD: torch.Tensor, home_EM: torch.Tensor) -> torch.Tensor:
     """`[E, 1]` float64 the fraction of the way to its best response each replicated expert moves in a round of
     `replica_shares`: `1 / sqrt(2 n)`, n >= 2 the most replicated experts with a home on one of its devices (one half
-    where no device holds more than two). Of the steps tried on the herding cases of tests/test_replica_split.py and
-    on the OLMoE-0924 plans with 8-32 redundant slots (1/2, 1/n, 2/(n+2), 1/sqrt(2n)), this one came closest to the
-    fluid split in `SPLIT_ROUNDS` rounds: within 1.4% of it on the plans, 1.6-6.4% on 5-14 experts sharing a device;
-    1/n converges too slowly for 8 rounds."""
+    where no device holds more than two). Of the steps tried on the herding cases of tests/test_replica_split.py
+    (1/2, 1/n, 2/(n+2), 1/sqrt(2n)), this one came closest to the fluid split in `SPLIT_ROUNDS` rounds; 1/n
+    converges too slowly."""
     sharing_D = (on_EMD * replicated_EM[..., None]).sum((0, 1))
     most_E = torch.where(replicated_EM, sharing_D[home_EM], 0.0).amax(1, keepdim=True)
     return 1.0 / torch.sqrt(2.0 * most_E.clamp_min(2.0))
@@ -172,9 +169,8 @@ def replica_shares(
        token) as far as its device stays within `pin_slack` x the mean above phase 1's max load.
     An expert moves `split_steps` of the way to its best response each round: half where at most two replicated
     experts share each of its devices, less where more do. All best-responding at once, n experts with a home on a
-    light device each move their excess there and overshoot it n-fold: with a fixed half step the rounds oscillated
-    instead of converging (OLMoE-0924 layer-0 loads, D=8, 16 redundant slots, 9 replicated experts on one device:
-    max load 1.34-1.36x the mean where the fluid split reaches 1.002), so that more copies balanced worse.
+    light device each move their excess there and overshoot it n-fold: a fixed half step oscillates instead of
+    converging, so that more copies balance worse.
     About 20 operators a round on `[E, M]` tensors, whatever E, M and D.
     """
     counts_EM1 = counts_EM1.to(torch.float64)
@@ -223,7 +219,7 @@ def expert_routes(
     first visited home)'s pairs that stays there; the pairs of that group on the ranks before this one; the
     pairs of each expert that do not stay, on the ranks before and in all; and the cumulative fractions of those
     over the homes. Static shapes and no host read: `GraphedRoutes` replays it from a CUDA graph, and
-    `replicas.routes_kernel` computes it in one Triton kernel (what the dispatchers launch on a GPU).
+    `occult_hf.kernels.replica_routes` computes it in one Triton kernel (what the dispatchers launch on a GPU).
     """
     max_homes = home_table_EM.shape[1]
     counts_EM1, before_EM1 = all_GEM1.sum(0), all_GEM1[:rank].sum(0)
@@ -248,12 +244,11 @@ class GraphedRoutes:
     Its inputs have static shapes (`[G, E, M + 1]` counts, `[E, M]` homes) and it reads nothing on the host,
     so it is captured once per (device, shapes, D, rank, pin slack, pinning) and replayed; the counts and the
     table are copied into the graph's input buffers first, so re-homed copies (`rehome.apply_replicas`) need no
-    new capture (eager, these small operators cost milliseconds per layer on a GPU: docs/placement.md, "GPU
-    rows"). Eager where graphs do not apply: on CPU, and inside an enclosing capture (the outer graph holds
-    it then). One instance per layer: the outputs are the graph's own buffers, read by the operators that follow
-    in stream order before the next replay of that layer can overwrite them. The dispatchers launch the one-kernel
-    version instead (`replicas.routes_kernel.FusedRoutes`, 8-12x faster on an H200) and keep this where Triton is
-    missing or the shapes exceed the kernel's.
+    new capture (eager, these small operators cost milliseconds per layer on a GPU). Eager where graphs do not
+    apply: on CPU, and inside an enclosing capture (the outer graph holds it then). One instance per layer: the
+    outputs are the graph's own buffers, read by the operators that follow in stream order before the next replay
+    of that layer can overwrite them. The dispatchers launch the one-kernel version instead
+    (`occult_hf.kernels.replica_routes.FusedRoutes`).
     """
 
     def __init__(self) -> None:
@@ -315,7 +310,7 @@ def load_aware_homes(
        collects every rank's counts (one all-gather of E x (M + 1) integers per rank per layer, `[G, E,
        M + 1]` in rank order; None: this process's tokens are the whole batch, as with logical devices);
     2. every rank derives the same split of each replicated expert's pairs over its homes from their sum
-       (`replica_shares`, within `routes`: `expert_routes`, or the `replicas.routes_kernel.FusedRoutes` the
+       (`replica_shares`, within `routes`: `expert_routes`, or the `occult_hf.kernels.replica_routes.FusedRoutes` the
        dispatchers pass, one Triton launch on a GPU);
     3. the pairs are assigned as if the group's pairs stood in one line, rank by rank (`rank`: this one's
        place; the counts of the ranks before it give its offset), so the split is met to one pair per
@@ -324,7 +319,7 @@ def load_aware_homes(
        evenly spaced); the others and the pairs that visit no home are spread over the homes in
        proportion to what each home's share leaves after its visited pairs.
 
-    Steps 1 and 3 are `pairs` (default `TORCH_PAIRS`; the dispatchers pass `replicas.pairs_kernel.FUSED_PAIRS`, a
+    Steps 1 and 3 are `pairs` (default `TORCH_PAIRS`; the dispatchers pass `occult_hf.kernels.replica_pairs.FUSED_PAIRS`, a
     few Triton launches on a GPU instead of ~78 torch operators).
 
     Single-home experts go home, so a layer without replicas routes as `device_of_E[topk_ids]`. With
@@ -380,7 +375,7 @@ def assign_pairs(
 class PairHalf(NamedTuple):
     """The per-pair half of the load-aware rule, as two functions around the gather and the per-expert half:
     `preferences_and_counts` (step 1) and `assign` (step 3). `TORCH_PAIRS` is the reference (and the CPU path);
-    `replicas.pairs_kernel.FUSED_PAIRS` runs them as a few Triton launches on a GPU."""
+    `occult_hf.kernels.replica_pairs.FUSED_PAIRS` runs them as a few Triton launches on a GPU."""
 
     preferences_and_counts: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     assign: Callable[..., torch.Tensor]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import textwrap
 from typing import Sequence
 
-from ..utils.tables import markdown_table
+from ..utils.atomic import atomic_save_figure
+from ..utils.tables import markdown_table, number_cell
 from .parameters import Calibration
 from .cost import Cluster
 from .projection import Projected
@@ -13,10 +15,6 @@ from .validation import Checked
 
 #: the validation's tolerance: a prediction within 15% of the measured row
 TOLERANCE = 0.15
-
-
-def _ms(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def calibration_table(calib: Calibration) -> str:
@@ -102,8 +100,8 @@ def detail_table(rows: Sequence[Projected]) -> str:
             f"{r.removed_slots:.1%} of slots" + ("" if r.removed_weight is None else f", {r.removed_weight:.1%} of weight")
         )  # fmt: skip
         table.append([
-            r.devices, r.tokens, r.method, r.ep_devices, _ms(r.ct), _ms(r.ct_node), _ms(r.internode_mb, 1), moved,
-            _ms(r.imbalance), _ms(r.fwd_ms), _ms(r.fwd_bwd_ms), speedup, _ms(r.prefill_ms, 1), _ms(r.step_ms, 1), r.note,
+            r.devices, r.tokens, r.method, r.ep_devices, number_cell(r.ct), number_cell(r.ct_node), number_cell(r.internode_mb, 1), moved,
+            number_cell(r.imbalance), number_cell(r.fwd_ms), number_cell(r.fwd_bwd_ms), speedup, number_cell(r.prefill_ms, 1), number_cell(r.step_ms, 1), r.note,
         ])  # fmt: skip
     headers = ["D", "T", "method", "EP group", "CT", "CT_node", "inter-node MB", "pruning moves", "busiest / mean pairs",
                "layer fwd ms", "layer fwd+bwd ms", "fwd+bwd vs transformers' EP", "prefill ms", "train step ms", "note"]  # fmt: skip
@@ -112,13 +110,8 @@ def detail_table(rows: Sequence[Projected]) -> str:
 
 def plot_projections(cases: Sequence[tuple[str, Sequence[Projected]]], path: str) -> None:
     """One panel per case and T: each method's forward+backward per MoE layer against D (log scales)."""
-    from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend alone
-
-    from ..utils.atomic import atomic_save_figure
-
-    import textwrap
-
     from matplotlib import colormaps
+    from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend alone
 
     methods = list(dict.fromkeys(r.method for _, rows in cases for r in rows))
     colors = dict(zip(methods, colormaps["tab20"].colors))

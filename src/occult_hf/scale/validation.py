@@ -37,7 +37,6 @@ from .traffic import measured_traffic
 PREFILL_EP_KEYS = {"occult_per_expert": "per_expert", "occult_contiguous": "dedup", "occult_placed": "dedup",
                    "occult_nd2": "dedup", "occult_nd1": "dedup"}  # fmt: skip
 ONE_GPU_KEYS = ("stock_1gpu", "device_map_auto")
-FINETUNE_KEYS = ("ddp", "fsdp2", "occult_exact", "occult_pruned")
 
 
 @dataclass(frozen=True)

@@ -15,34 +15,39 @@ k experts per token, E experts.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
 import torch
 
 
-def _device_of(model) -> torch.device:
-    return next(model.parameters()).device
+@contextlib.contextmanager
+def _eval_batches(model, windows_BS: np.ndarray, batch_size: int):
+    """The windows as `[B, S]` int64 batches on the model's device, the model in eval mode inside the block (its mode
+    restored after)."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        yield (torch.as_tensor(windows_BS[start : start + batch_size], dtype=torch.long, device=device)
+               for start in range(0, len(windows_BS), batch_size))  # fmt: skip
+    finally:
+        model.train(was_training)
 
 
 @torch.no_grad()
 def mean_nll(model, windows_BS: np.ndarray, batch_size: int = 16) -> tuple[float, int]:
     """(mean next-token NLL in nats, tokens scored) over the windows; the model's mode is restored."""
-    device = _device_of(model)
-    was_training = model.training
-    model.eval()
     total, count = 0.0, 0
-    try:
-        for start in range(0, len(windows_BS), batch_size):
-            ids_BS = torch.as_tensor(windows_BS[start : start + batch_size], dtype=torch.long, device=device)
+    with _eval_batches(model, windows_BS, batch_size) as batches:
+        for ids_BS in batches:
             logits_BSV = model(input_ids=ids_BS, use_cache=False).logits.float()
             nll = torch.nn.functional.cross_entropy(
                 logits_BSV[:, :-1].reshape(-1, logits_BSV.shape[-1]), ids_BS[:, 1:].reshape(-1), reduction="sum"
             )
             total += float(nll)
             count += ids_BS[:, 1:].numel()
-    finally:
-        model.train(was_training)
     return total / max(count, 1), count
 
 
@@ -72,16 +77,12 @@ def capture_routing(model, windows_BS: np.ndarray, batch_size: int = 16) -> dict
 
     for layer, _, block in adapter.iter_moe_blocks(model):
         handles.append(adapter.router(block).register_forward_hook(hook_for(layer, block)))
-    device = _device_of(model)
-    was_training = model.training
-    model.eval()
+    base = getattr(model, "model", model)
     try:
-        base = getattr(model, "model", model)
-        for start in range(0, len(windows_BS), batch_size):
-            ids_BS = torch.as_tensor(windows_BS[start : start + batch_size], dtype=torch.long, device=device)
-            base(input_ids=ids_BS, use_cache=False)
+        with _eval_batches(model, windows_BS, batch_size) as batches:
+            for ids_BS in batches:
+                base(input_ids=ids_BS, use_cache=False)
     finally:
-        model.train(was_training)
         for handle in handles:
             handle.remove()
     return {

@@ -24,10 +24,15 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align:
     return tabulate(cells, headers=list(headers), tablefmt="pipe", disable_numparse=True, colalign=colalign)
 
 
+def number_cell(value: float | None, digits: int = 2) -> str:
+    """`value` with `digits` decimals, "-" for a figure that is missing (None)."""
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
 def markdown_rows(table: str) -> list[list[str]]:
     """The body rows of a markdown table (`markdown_table`'s or lm-eval's), each as its stripped cells."""
     lines = [line.strip() for line in table.splitlines() if line.strip().startswith("|")]
     return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
 
 
-__all__ = ["markdown_rows", "markdown_table"]
+__all__ = ["markdown_rows", "markdown_table", "number_cell"]

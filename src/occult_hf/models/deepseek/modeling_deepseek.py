@@ -84,7 +84,6 @@ class DeepseekMoeTopkRouter(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.num_experts = config.n_routed_experts
         self.norm_topk_prob = config.norm_topk_prob
-        self.scoring_func = config.scoring_func
         self.hidden_dim = config.hidden_size
         self.weight = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim))
 
@@ -201,8 +200,7 @@ class DeepseekMoePreTrainedModel(LlamaPreTrainedModel):
         class's module; this module imports the decorated class instead, so without this override the
         check fails, the experts silently fall back to the per-expert `eager` loop (on a GPU one host sync
         per expert and layer; in training a whole-parameter-sized gradient per expert) and `grouped_mm` is
-        refused. On an H200 that loop took 806 ms per 16,384-token DeepSeek-MoE-16B forward (about 255-330 ms
-        estimated with `grouped_mm`) and 3.6 s per FSDP2 step (docs/paper_comparison.md, Call 2)."""
+        refused."""
         return True
 
     @torch.no_grad()
