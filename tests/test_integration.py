@@ -292,17 +292,27 @@ def test_clear_errors(tmp_path):
 
 
 def test_install_is_reversible(tmp_path, reinstalled):
-    """Without the wrapper transformers rejects the keyword; install() twice wraps once; uninstall() undoes it."""
-    from transformers import OlmoeForCausalLM, PreTrainedModel
+    """Without the wrapper transformers rejects the keyword; install() twice wraps once; uninstall() undoes it, the
+    wrappers on Trainer and on peft's PeftModel included."""
+    from peft import PeftModel
+    from transformers import OlmoeForCausalLM, PreTrainedModel, Trainer
 
     from occult_hf.hf.apply import install, is_installed, uninstall
 
+    def originals():
+        return {f"{owner.__name__}.{name}": getattr(owner.__dict__[name], "__occult_original__", None)
+                for owner, name in [(Trainer, "_save_checkpoint"), (PeftModel, "save_pretrained"), (PeftModel, "load_adapter")]}  # fmt: skip
+
     checkpoint = tiny_checkpoint("olmoe", tmp_path / "ckpt")
     original = PreTrainedModel.__dict__["from_pretrained"].__func__.__occult_original__
+    wrapped = originals()
+    assert all(wrapped.values()), wrapped
     install()
     assert is_installed() and PreTrainedModel.__dict__["from_pretrained"].__func__.__occult_original__ is original
+    assert originals() == wrapped
     uninstall()
     assert not is_installed() and PreTrainedModel.__dict__["from_pretrained"] is original
+    assert originals() == dict.fromkeys(wrapped), "uninstall() left a wrapper on Trainer or PeftModel"
     with pytest.raises(TypeError):
         OlmoeForCausalLM.from_pretrained(checkpoint, occult_config={})
     install()

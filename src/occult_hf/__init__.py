@@ -26,7 +26,6 @@ from .hf.apply import (
     unapply_occult,
 )
 from .hf.native_ep import apply_occult_ep, register_ep_implementation
-from .hf.peft_support import install_peft_hooks
 from .models import register_models
 from .moe import OccultMoE
 from .placement import Placement, available_planners, plan_placement
@@ -45,7 +44,6 @@ def __getattr__(name: str):
 
 
 install()
-install_peft_hooks()  # PeftModel.save_pretrained / load_adapter under EP (hf.peft_support), once peft is imported
 register_models()
 register_ep_implementation()
 

@@ -47,6 +47,7 @@ from .ddp import DDP_IGNORE_ATTR, RankLocalStateNames
 from .launch import check_logical_devices, check_process_group_started
 from .loading import load_scope
 from .native_ep import apply_on_load
+from .peft_support import install_peft_hooks, uninstall_peft_hooks
 from .setup import agree, build_pruners, resolve_config, resolve_placement
 from .state import BLOCKS, STATE_ATTR, OccultState, attach_state, detach_state, state_of
 from .trainer import install_trainer_hooks, uninstall_trainer_hooks
@@ -198,16 +199,19 @@ def install() -> None:
     Idempotent; `uninstall()` puts the original classmethods back. Loading a checkpoint whose config
     holds `occult_config` applies it (pass `occult_config=None` to load the vanilla model). The
     wrappers and why they are needed: `hf.compat.install_loading_hooks`. The Trainer's
-    checkpoint save and resume under EP are hooked too (`hf.trainer.install_trainer_hooks`).
+    checkpoint save and resume under EP are hooked too (`hf.trainer.install_trainer_hooks`), and peft's
+    `PeftModel.save_pretrained` / `load_adapter` once peft is imported (`hf.peft_support.install_peft_hooks`).
     """
     if is_installed():
         return
     install_loading_hooks(_apply_on_load, _json_native, load_scope)
     install_trainer_hooks()  # Trainer checkpoints and resume under EP
+    install_peft_hooks()  # adapters saved and loaded whole under EP
 
 
 def uninstall() -> None:
     """Undo `install()` (no-op when not installed)."""
+    uninstall_peft_hooks()
     uninstall_trainer_hooks()
     uninstall_loading_hooks()
 

@@ -35,7 +35,8 @@ what peft cannot know:
 `PeftModel.save_pretrained` and `PeftModel.from_pretrained` / `load_adapter`; left alone, under EP
 the first had every rank write its own experts' adapters into the same files (an adapter that no
 longer loads) and the second refused an adapter of all experts. `install_peft_hooks` (run by
-`import occult_hf`) wraps both once peft is imported (`utils.after_import`):
+`occult_hf.install()`, which `import occult_hf` calls; `occult_hf.uninstall()` undoes it) wraps both once peft is
+imported (`utils.after_import`):
 
 - `save_pretrained` on a model with rank-local expert adapters is `save_peft_model`: collective,
   rank 0 writes (unless `is_main_process` says otherwise). Before it gathers, the ranks check that
@@ -51,6 +52,7 @@ longer loads) and the second refused an adapter of all experts. `install_peft_ho
 from __future__ import annotations
 
 import os
+import sys
 from typing import Iterator
 
 import torch
@@ -59,9 +61,9 @@ from torch import nn
 
 from ..distributed.collectives import gather_rows
 from ..moe import OccultMoE
-from ..utils.after_import import when_imported
+from ..utils.after_import import cancel, when_imported
 from .checkpointing import check_model_ranks_agree
-from .compat import wrap_methods
+from .compat import unwrap_methods, wrap_methods
 from .ddp import DDP_IGNORE_ATTR, enable_grad_norm_carriers, rank_local_names
 from .state import state_of
 
@@ -268,6 +270,13 @@ def install_peft_hooks() -> None:
     """Wrap `PeftModel.save_pretrained` and `load_adapter` once peft is imported (now, if it is); idempotent."""
     when_imported("peft.peft_model", lambda module: wrap_methods(module.PeftModel, _PEFT_HOOKS))
 
+
+def uninstall_peft_hooks() -> None:
+    """Put peft's own methods back (or forget the wrapping when peft is not imported yet)."""
+    cancel("peft.peft_model")
+    if "peft.peft_model" in sys.modules:
+        unwrap_methods(sys.modules["peft.peft_model"].PeftModel, _PEFT_HOOKS)
+
 def has_distributed_expert_adapters(model: nn.Module) -> bool:
     """True when `model` carries LoRA factors on the experts of an EP (distributed) `OccultMoE`."""
     return any(module.ep.is_distributed for _, module, _, _ in _expert_adapter_factors(model))
@@ -282,4 +291,5 @@ __all__ = [
     "prepare_peft_model",
     "save_peft_model",
     "snapshot_adapters",
+    "uninstall_peft_hooks",
 ]
