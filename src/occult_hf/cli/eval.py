@@ -7,7 +7,7 @@
 
 lm-eval's flags keep lm-eval's spellings (`--output_path`, `--batch_size`, `--model_args`,
 `--num_fewshot`, `--bootstrap_iters`, `--include_path`, `--log_samples`, `--trust_remote_code`;
-the older dashed spellings are deprecated aliases), and a run writes lm-eval's output layout:
+the dashed spellings are aliases, as `HfArgumentParser` accepts both), and a run writes lm-eval's output layout:
 `<output_path>/<model name>/results_<time>.json` (and `samples_<task>_<time>.jsonl` with
 `--log_samples`), then prints lm-eval's `make_table` and, for an occult23 run, the headline rows (the
 paper's table, also lm-eval's `make_table`, and their mean). Under torchrun only rank 0 writes.

@@ -15,11 +15,11 @@ works; when transformers changes, this is the file to read.
   `hf.loading`): transformers has no loading filter a plugin can register.
   `skip_allocator_warmup_for(skipped)` leaves the experts another rank holds out of transformers' CUDA
   allocator warmup (it would allocate the full model on a `device_map` device).
-- `wrap_trainer_methods(hooks)`: `Trainer` methods that every rank runs at a save or a resume (some of
-  them private: `_save_optimizer_and_scheduler`, `_load_from_checkpoint`, ...) are wrapped so that
-  `hook(original, trainer, ...)` runs instead (`hf.trainer` provides the hooks), once the Trainer is
-  imported; `unwrap_trainer_methods(names)` puts them back. `wrap_methods(owner, hooks)` is the same
-  for any class (peft's `PeftModel`, in `hf.peft_support`).
+- `wrap_when_imported(module, class, hooks)`: methods of a class whose module is costly to import are wrapped so
+  that `hook(original, self, ...)` runs instead, once that module is imported: the `Trainer` methods that every
+  rank runs at a save or a resume (some of them private: `_save_optimizer_and_scheduler`,
+  `_load_from_checkpoint`, ...; `hf.trainer` provides the hooks) and peft's `PeftModel.save_pretrained` /
+  `load_adapter` (`hf.peft_support`); `unwrap_when_imported(module, class, names)` puts them back.
 - `cache_keyword(model)`: the keyword a model's forward takes its KV cache by (transformers 5.24 renamed
   `past_key_values` to `cache`; the old name warns and goes in 5.40, and 5.17 knows only the old one).
 - `static_cache_length(model, args, kwargs)`: the length of the static cache a `generate(*args, **kwargs)` call
@@ -197,26 +197,21 @@ def _wrap_classmethod(owner, name: str, wrapper) -> None:
 # ----- Trainer ----------------------------------------------------------------------------------------
 
 
-def wrap_trainer_methods(hooks: dict[str, Callable]) -> None:
-    """Make each `Trainer.<name>` call `hooks[name](original, trainer, ...)`; idempotent per method.
-
-    Done once `transformers.trainer` is imported (`utils.after_import`), not before: importing the
-    Trainer costs seconds (it pulls in peft and datasets), which `import occult_hf` should not.
-    """
-    when_imported("transformers.trainer", lambda module: wrap_methods(module.Trainer, hooks))
+def wrap_when_imported(module_name: str, class_name: str, hooks: dict[str, Callable]) -> None:
+    """`wrap_methods` on `<module_name>.<class_name>` once that module is imported (now, if it is: `utils.after_import`),
+    not before: importing the Trainer or peft costs seconds, which `import occult_hf` should not."""
+    when_imported(module_name, lambda module: wrap_methods(getattr(module, class_name), hooks))
 
 
-def unwrap_trainer_methods(names) -> None:
-    """Put the original `Trainer.<name>` back for each wrapped name (no-op for the others); before the
-    Trainer is imported, forget the wrapping instead."""
-    cancel("transformers.trainer")
-    if "transformers.trainer" in sys.modules:
-        unwrap_methods(sys.modules["transformers.trainer"].Trainer, names)
+def unwrap_when_imported(module_name: str, class_name: str, names) -> None:
+    """Undo `wrap_when_imported`: the original methods back, or, before the module is imported, the wrapping forgotten."""
+    cancel(module_name)
+    if module_name in sys.modules:
+        unwrap_methods(getattr(sys.modules[module_name], class_name), names)
 
 
 def wrap_methods(owner: type, hooks: dict[str, Callable]) -> None:
-    """Make each `owner.<name>` call `hooks[name](original, self, ...)`; idempotent per method (the
-    Trainer's here, peft's `PeftModel`'s in `hf.peft_support`)."""
+    """Make each `owner.<name>` call `hooks[name](original, self, ...)`; idempotent per method."""
     for name, hook in hooks.items():
         current = owner.__dict__[name]
         if getattr(current, "__occult_original__", None) is not None:

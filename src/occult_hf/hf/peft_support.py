@@ -36,7 +36,7 @@ what peft cannot know:
 the first had every rank write its own experts' adapters into the same files (an adapter that no
 longer loads) and the second refused an adapter of all experts. `install_peft_hooks` (run by
 `occult_hf.install()`, which `import occult_hf` calls; `occult_hf.uninstall()` undoes it) wraps both once peft is
-imported (`utils.after_import`):
+imported (`hf.compat.wrap_when_imported`):
 
 - `save_pretrained` on a model with rank-local expert adapters is `save_peft_model`: collective,
   rank 0 writes (unless `is_main_process` says otherwise). Before it gathers, the ranks check that
@@ -52,7 +52,6 @@ imported (`utils.after_import`):
 from __future__ import annotations
 
 import os
-import sys
 from typing import Iterator
 
 import torch
@@ -61,9 +60,8 @@ from torch import nn
 
 from ..distributed.collectives import gather_rows
 from ..moe import OccultMoE
-from ..utils.after_import import cancel, when_imported
 from .checkpointing import check_model_ranks_agree
-from .compat import unwrap_methods, wrap_methods
+from .compat import unwrap_when_imported, wrap_when_imported
 from .ddp import DDP_IGNORE_ATTR, enable_grad_norm_carriers, rank_local_names
 from .state import state_of
 
@@ -268,14 +266,12 @@ _PEFT_HOOKS = {"save_pretrained": _save_pretrained, "load_adapter": _load_adapte
 
 def install_peft_hooks() -> None:
     """Wrap `PeftModel.save_pretrained` and `load_adapter` once peft is imported (now, if it is); idempotent."""
-    when_imported("peft.peft_model", lambda module: wrap_methods(module.PeftModel, _PEFT_HOOKS))
+    wrap_when_imported("peft.peft_model", "PeftModel", _PEFT_HOOKS)
 
 
 def uninstall_peft_hooks() -> None:
     """Put peft's own methods back (or forget the wrapping when peft is not imported yet)."""
-    cancel("peft.peft_model")
-    if "peft.peft_model" in sys.modules:
-        unwrap_methods(sys.modules["peft.peft_model"].PeftModel, _PEFT_HOOKS)
+    unwrap_when_imported("peft.peft_model", "PeftModel", _PEFT_HOOKS)
 
 def has_distributed_expert_adapters(model: nn.Module) -> bool:
     """True when `model` carries LoRA factors on the experts of an EP (distributed) `OccultMoE`."""

@@ -3,7 +3,7 @@
 Under expert parallelism each rank holds only its experts, while the Trainer writes the model, the
 optimizer and the scheduler from rank 0 alone. Three `Trainer` methods that every rank runs at a
 save or a resume are wrapped (by `hf.apply.install()`, through
-`hf.compat.wrap_trainer_methods`, so importing occult_hf is enough; for a model without
+`hf.compat.wrap_when_imported`, so importing occult_hf is enough; for a model without
 occult_hf applied the wrappers only call the original):
 
 - `save_model` (every rank, at each checkpoint and in the user's final `trainer.save_model()`):
@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from .state import BLOCKS, STATE_ATTR
-from .compat import unwrap_trainer_methods, wrap_trainer_methods
+from .compat import unwrap_when_imported, wrap_when_imported
 from .checkpointing import snapshot_experts
 from .peft_support import snapshot_adapters
 from ..distributed.agreement import SAVE_TIMEOUT_ENV, announce_failure, arrive, save_timeout_s
@@ -346,11 +346,11 @@ _HOOKS = {
 
 def install_trainer_hooks() -> None:
     """Wrap the six `Trainer` methods (idempotent; `uninstall_trainer_hooks` puts them back)."""
-    wrap_trainer_methods(_HOOKS)
+    wrap_when_imported("transformers.trainer", "Trainer", _HOOKS)
 
 
 def uninstall_trainer_hooks() -> None:
-    unwrap_trainer_methods(_HOOKS)
+    unwrap_when_imported("transformers.trainer", "Trainer", _HOOKS)
 
 
 __all__ = ["RANK_FILE", "CHECKPOINT_STATUS_FILE", "install_trainer_hooks", "last_complete_checkpoint", "missing_from", "uninstall_trainer_hooks"]
