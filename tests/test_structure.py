@@ -356,3 +356,16 @@ def test_every_exported_name_exists():
             bound = _module_level_names(tree)
             missing += [f"{module}: {name}" for name in exported if name not in bound]
     assert not missing, "names in __all__ that the module does not define:\n" + "\n".join(missing)
+
+
+def test_library_modules_point_at_no_file_outside_the_repository():
+    """A user of the package has only the package: a library module's text names no file beside the repository (the
+    project's development data, design notes). Applications may take such data as arguments or defaults."""
+    wrong = [
+        f"{path}:{number}: {line.strip()[:120]}"
+        for module, path in _package_files().items()
+        if not _is_application(module)
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"\.\./shared\b|\bDESIGN\.md\b|\bBASELINES\.md\b", line)
+    ]
+    assert not wrong, "library modules that point outside the repository:\n" + "\n".join(wrong)

@@ -67,8 +67,7 @@ from occult_hf.expert_shapes import SHAPES, ExpertShape
 from occult_hf.placement import Placement, plan_placement
 from occult_hf.profile import RoutingProfile
 from occult_hf.profile import LayerAccumulator
-from occult_hf.benchmarks import measures_a_gpu
-from occult_hf.profile.replay import QWEN15_TRACE
+from occult_hf.benchmarks import QWEN15_TRACE, measures_a_gpu
 
 HELP = "expert-parallel MoE layer under torchrun: every dispatcher and dispatch mode vs transformers' EP"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]

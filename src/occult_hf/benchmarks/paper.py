@@ -84,9 +84,9 @@ from occult_hf.utils.tables import markdown_table
 from occult_hf.benchmarks.ep import max_and_mean, init_from_torchrun, timed, trace_logits
 from occult_hf.benchmarks.megablocks import MLP_IMPL, apply_megablocks, megablocks_missing
 from occult_hf.benchmarks.model import MODEL_SHAPES
-from occult_hf.profile.replay import QWEN15_TRACE, STUDY_TRACE, fit_routing, trace_layer
+from occult_hf.profile.replay import STUDY_TRACE, fit_routing, trace_layer
 from occult_hf.profile.trace import read_trace_ids
-from occult_hf.benchmarks import failure_text, measures_a_gpu
+from occult_hf.benchmarks import QWEN15_TRACE, failure_text, measures_a_gpu
 
 HELP = "the paper's whole-model prefill and fine-tuning comparisons (OLMoE, Qwen1.5-MoE, DeepSeek-MoE) under torchrun"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]

@@ -30,7 +30,8 @@ import torch
 from occult_hf.benchmarks.ep import trace_logits
 from occult_hf.benchmarks.paper import PAPER_MODELS, PLAN_TOKENS, RoutingRecorder, planned_placement
 from occult_hf.placement.placement import contiguous_devices
-from occult_hf.profile.replay import QWEN15_TRACE, STUDY_TRACE, fit_routing, trace_layer
+from occult_hf.benchmarks import QWEN15_TRACE
+from occult_hf.profile.replay import STUDY_TRACE, fit_routing, trace_layer
 from occult_hf.profile.trace import read_trace_ids
 from occult_hf.scale.measurements import QWEN_TRACE_NAME, SHIPPED, STUDY_TRACE_NAME, paper_tokens, read_measurements
 from occult_hf.scale.specs import model_spec

@@ -41,7 +41,7 @@ def register(subparsers) -> None:
                         help="directory of one <domain>.txt, .txt.gz, .jsonl or .jsonl.gz file per domain (needed unless --data-dir is prepared)")
     parser.add_argument("--separator", type=separator, default=BLANK_LINE,
                         help=f"what ends a document in a text file: {BLANK_LINE} (default) or a string, backslash escapes "
-                             f"decoded ('\\x1e' for the project's corpora in ../shared/data/corpus)")  # fmt: skip
+                             f"decoded ('\\x1e': documents separated by the ASCII record separator)")  # fmt: skip
     parser.add_argument("--text-field", default="text", help="the field of a .jsonl record that holds its text (default: text)")
     parser.add_argument("--train-domains", type=lambda v: tuple(v.split(",")), default=None,
                         help="comma-separated domains to train on (default: the recipe's; tiny: every domain)")  # fmt: skip

@@ -8,17 +8,17 @@ A model with random weights has a random router: no co-activation structure, so 
 on it. The paper's rows that show placement and pruning gains therefore replay real routing through
 the model's own router (`paper.TraceReplay`). The sources, per model (docs/paper_comparison.md):
 
-* **Qwen1.5-MoE-A2.7B** (E=60, k=4): the real checkpoint's GSM8K trace of `../shared/data/routing/`
-  (4,384 tokens, MoE layer 0 only: that layer at every layer).
-* **OLMoE-1B-7B** (E=64, k=8): no per-token trace of the real OLMoE exists here (`../shared` holds
-  its pair counts only). The closest real routing is the project's own `study` model (docs/quality.md:
+* **Qwen1.5-MoE-A2.7B** (E=60, k=4): the real checkpoint's GSM8K trace, third-party data the package does not
+  ship (`benchmarks.QWEN15_TRACE`; 4,384 tokens, MoE layer 0 only: that layer at every layer).
+* **OLMoE-1B-7B** (E=64, k=8): no per-token trace of the real OLMoE was available (only its pair
+  counts). The closest real routing is the project's own `study` model (docs/quality.md:
   an OLMoE-architecture model, E=64 fine-grained experts, top-8, 8 MoE layers, trained on the
   project's corpus in the quality study's GPU run of 2026-11-30). Its held-out routing,
   recorded per token in that run's profiles, ships as `STUDY_TRACE` (all 8 layers; OLMoE's 16
   layers read them in proportion: layer i of M MoE layers reads trace layer i*L//M). Its
   co-activation is about as concentrated as the real OLMoE's (the top 5% of expert pairs carry
-  27-55% of co-activations per layer, median 29%; the real OLMoE-1B-7B-0125's pair counts of
-  `../shared`: 18-34%, median 28%; uniform random top-8: 6%).
+  27-55% of co-activations per layer, median 29%; the real OLMoE-1B-7B-0125's pair counts:
+  18-34%, median 28%; uniform random top-8: 6%).
 * **DeepSeek-MoE-16B** (E=64, k=6): no trace of k=6 exists. The study model's trace again, each
   token's first 6 experts of its score-ordered top-8 (the file says its rows are score-ordered:
   `torch.topk` of the study model's router): the top-6 that router would choose. A different model's
@@ -36,10 +36,7 @@ import os
 
 import numpy as np
 
-#: the real Qwen1.5-MoE-A2.7B GSM8K trace (MoE layer 0) of the session's recorded routing data, relative to the
-#: repository root (it lies beside the repository, not in it)
-QWEN15_TRACE = "../shared/data/routing/qwen15moe_a27b_chat_gptq_int4_gsm8k25_layer0_trace.npz"
-#: the study model's held-out routing, per token and layer (relative to the repository root, like QWEN15_TRACE)
+#: the study model's held-out routing, per token and layer (relative to the repository root)
 STUDY_TRACE = "docs/quality_results/study_routing_h200.npz"
 STUDY_DOMAINS = ("python_docs", "python_stdlib_code", "kernel_docs")
 

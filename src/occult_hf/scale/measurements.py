@@ -14,10 +14,11 @@ model needs and nothing else:
 * ``shared_expert_ms``: the Qwen1.5 shared experts' GPU time in session 6's profile (docs text, one number);
 * ``replayed_splits`` (not `read_measurements`'s: `benchmarks.paper_replay` adds them, planning placements for
   seconds of CPU): how each expert-parallel `bench paper` configuration's pairs split over its two ranks, redone
-  from the trace it replayed; a configuration whose trace is absent (the Qwen1.5 trace lives in ../shared) has none.
+  from the trace it replayed; a configuration whose trace is absent (the Qwen1.5 trace is third-party data, passed
+  as `--routing-dir`) has none.
 
 The package ships the result as `h200_measurements.json` (`load_measurements()`), so the model runs where docs/
-is absent; `python -m occult_hf.benchmarks.paper_replay DOCS_DIR --routing-dir ../shared/data/routing` rewrites it after
+is absent; `python -m occult_hf.benchmarks.paper_replay DOCS_DIR --routing-dir ROUTING_DIR` rewrites it after
 new measurements land, and tests/test_scale.py checks that the shipped file equals what docs/ holds.
 """
 

@@ -3,9 +3,9 @@
 A corpus directory holds one file per domain, the domain named by the file (`docs.txt` is domain `docs`):
 
 - `<domain>.txt` or `<domain>.txt.gz`: UTF-8 text. By default (`separator=BLANK_LINE`) its documents are the
-  blocks between blank lines; any other `separator` is a string that ends a document wherever it occurs (the
-  project's development corpora in `../shared/data/corpus` separate documents by a line holding U+001E:
-  `separator="\x1e"`, `occult train --separator '\x1e'`). A text file that holds U+001E read with the blank-line
+  blocks between blank lines; any other `separator` is a string that ends a document wherever it occurs (a
+  corpus that separates documents by a line holding U+001E, the ASCII record separator: `separator="\x1e"`,
+  `occult train --separator '\x1e'`). A text file that holds U+001E read with the blank-line
   default is an error that names it, not a corpus silently cut into paragraphs.
 - `<domain>.jsonl` or `<domain>.jsonl.gz`: one document per line, a JSON object whose `text_field` (default
   `text`) is the document.

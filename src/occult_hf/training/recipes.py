@@ -10,7 +10,7 @@ checkpoint as `recipe.json`, its domains named (`train_domains`), so a shipped c
 - `study`: an OLMoE-like model for one GPU (64 fine-grained experts, top-8, 8 layers at hidden
   512, expert width 256), trained for a fixed time budget on two of the three domains so that the
   third (Python standard-library code) is new to it when the quality study fine-tunes on it (the domains
-  of the project's corpus, `../shared/data/corpus`).
+  of the project's development corpus: python_docs, kernel_docs, python_stdlib_code).
 - `study_long`: the same model and data trained for a fixed 1,300 steps x 64 x 512 = 42.6M tokens
   (4.4 passes over the 9.7M training tokens of python_docs + kernel_docs), the quality study's
   stronger base; 218.4M parameters. Its 400 s time budget only shortens the schedule on a GPU slower than an H200.
