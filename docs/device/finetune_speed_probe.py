@@ -1,0 +1,115 @@
+"""How fast could the quality study's fine-tunes run? The study's GPU time is mostly its 45 fine-tunes.
+
+The quality study (docs/quality.md) fine-tunes the 218M `study_long` model in fp32 (TF32 matmuls) through the
+`torch` expert backend, six processes at a time on one H200 under CUDA MPS: about 1 s per 32 x 512-token step each.
+This probe times the same step (a pruning-aware fine-tune: `apply_occult` with 8 logical devices, router pruning to
+N_d=2, AdamW, random tokens, random weights: speed does not depend on what the router learned) for each expert
+backend and precision, with K processes at once as the study runs them, and prints a table: seconds per step (median
+over the processes), tokens per second of all K together, and the ratio to the study's own setting (torch, fp32).
+
+    python docs/device/finetune_speed_probe.py [--processes 6] [--steps 12] [--configs torch:fp32,triton:bf16,...]
+    python docs/device/finetune_speed_probe.py --recipe tiny --processes 2 --steps 3 --cpu    # a check of the script
+
+Start CUDA MPS first for K > 1 (docs/quality_h200.sh does, and says why).
+"""
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+CONFIGS = "torch:fp32,torch:bf16,triton:fp32,triton:bf16,auto:bf16"
+
+
+def child(recipe_name: str, backend: str, precision: str, steps: int, device: str) -> None:
+    import torch
+
+    import occult_hf
+    from occult_hf.training import get_recipe
+    from occult_hf.training.train import build_model
+
+    torch.backends.cuda.matmul.allow_tf32 = True  # as the study's fine-tunes
+    recipe = get_recipe(recipe_name)
+    model = build_model(recipe).to(device).train()
+    occult_hf.apply_occult(model, occult_hf.OccultConfig(
+        num_devices=8, prune="router", max_devices_per_token=2, expert_backend=backend,
+    ))  # fmt: skip
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    batch = torch.randint(3, recipe.vocab_size, (32 if device == "cuda" else 2, recipe.seq_len), device=device)
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16")
+    warmup, start = 2, None
+    for step in range(warmup + steps):
+        if step == warmup:
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+        with autocast:
+            loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / steps
+    print(f"RESULT {seconds:.4f} {batch.numel()}", flush=True)
+
+
+def measure(args, backend: str, precision: str) -> tuple[list[float], int, str]:
+    """`(seconds per step of each process, tokens per step of one, the first failure or "")` of K processes at once."""
+    command = [sys.executable, __file__, "--child", args.recipe, backend, precision, str(args.steps), args.device]
+    processes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(args.processes)]
+    seconds, tokens, failure = [], 0, ""
+    for process in processes:
+        try:
+            out, err = process.communicate(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            failure = failure or f"over {args.timeout} s"
+            continue
+        lines = [line.split() for line in out.splitlines() if line.startswith("RESULT")]
+        if lines:
+            seconds.append(float(lines[0][1]))
+            tokens = int(lines[0][2])
+        else:
+            failure = failure or (err.strip().splitlines() or [f"exit {process.returncode}"])[-1][:200]
+    return seconds, tokens, failure
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default="study_long")
+    parser.add_argument("--processes", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--configs", default=CONFIGS, help=f"BACKEND:PRECISION,... (default {CONFIGS})")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds a process may take (autotuning included)")
+    parser.add_argument("--cpu", dest="device", action="store_const", const="cpu", default="cuda")
+    args = parser.parse_args()
+    print(f"{args.recipe}, {args.processes} processes, {args.steps} timed steps each, {args.device}", flush=True)
+    rows, reference = [], None
+    for config in args.configs.split(","):
+        backend, precision = config.split(":")
+        started = time.perf_counter()
+        seconds, tokens, failure = measure(args, backend, precision)
+        if not seconds:
+            rows.append(f"| {backend} | {precision} | - | - | - | {failure} |")
+            continue
+        step = statistics.median(seconds)
+        throughput = args.processes * tokens / step
+        reference = reference or (throughput if (backend, precision) == ("torch", "fp32") else None)
+        ratio = f"{throughput / reference:.2f}x" if reference else "-"
+        note = failure or f"{len(seconds)} processes, {time.perf_counter() - started:.0f} s in all"
+        rows.append(f"| {backend} | {precision} | {step:.3f} | {throughput:,.0f} | {ratio} | {note} |")
+        print(rows[-1], flush=True)
+    print("\n| expert backend | precision | s/step (median) | tokens/s, all processes | vs torch fp32 | note |")
+    print("|---|---|---:|---:|---:|---|")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child"]:
+        name, backend, precision, steps, device = sys.argv[2:7]
+        child(name, backend, precision, int(steps), device)
+    else:
+        main()
