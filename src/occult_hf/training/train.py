@@ -104,8 +104,10 @@ def _time_budget_callback(schedule: _Schedule, budget_s: float | None, probe_ste
 def last_saved_checkpoint(folder: Path) -> str | None:
     """The newest `checkpoint-N` in `folder` whose save finished: the `Trainer` writes `trainer_state.json` after the
     weights, optimizer, schedule and RNG states, so a save cut by a kill (a call's deadline) has none and is passed by."""
-    saved = [p for p in folder.glob("checkpoint-*") if p.name.split("-")[-1].isdigit() and (p / "trainer_state.json").is_file()]
-    return str(max(saved, key=checkpoint_step)) if saved else None
+    from transformers.trainer_utils import sort_checkpoints
+
+    saved = [c for c in sort_checkpoints(str(folder)) if os.path.isfile(os.path.join(c, "trainer_state.json"))]
+    return saved[-1] if saved else None
 
 
 def checkpoint_step(checkpoint: str | os.PathLike) -> int:
