@@ -326,16 +326,23 @@ def test_no_test_imports_another_test_file():
 
 
 def _module_level_names(tree: ast.Module) -> set[str]:
-    """Names a module binds when it runs: definitions, assignments and imports outside functions and classes."""
+    """Names a module binds when it is imported: definitions, assignments and imports outside every function and
+    class body (inside `if`/`try` blocks too)."""
     names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names.update((a.asname or a.name).split(".")[0] for a in node.names)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+
+    def visit(node):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(child.name)
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                names.update((a.asname or a.name).split(".")[0] for a in child.names)
+            elif isinstance(child, (ast.Assign, ast.AnnAssign)):
+                targets = child.targets if isinstance(child, ast.Assign) else [child.target]
+                names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+            visit(child)
+
+    visit(tree)
     return names
 
 
@@ -352,8 +359,8 @@ def test_every_exported_name_exists():
             for element in getattr(node.value, "elts", ())
             if isinstance(element, ast.Constant)
         ]
-        if exported and "__getattr__" not in _module_level_names(tree):
-            bound = _module_level_names(tree)
+        bound = _module_level_names(tree)
+        if exported and "__getattr__" not in bound:
             missing += [f"{module}: {name}" for name in exported if name not in bound]
     assert not missing, "names in __all__ that the module does not define:\n" + "\n".join(missing)
 
