@@ -18,6 +18,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 CONFIGS = "torch:fp32,torch:bf16,triton:fp32,triton:bf16,auto:bf16"
@@ -57,23 +58,31 @@ def child(recipe_name: str, backend: str, precision: str, steps: int, device: st
 
 
 def measure(args, backend: str, precision: str) -> tuple[list[float], int, str]:
-    """`(seconds per step of each process, tokens per step of one, the first failure or "")` of K processes at once."""
+    """`(seconds per step of each process, tokens per step of one, the first failure or "")` of K processes at once.
+
+    Each process writes to files of its own, not to pipes: a pipe read only after the earlier processes end could
+    fill and stall a process inside its timed steps."""
     command = [sys.executable, __file__, "--child", args.recipe, backend, precision, str(args.steps), args.device]
-    processes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(args.processes)]
     seconds, tokens, failure = [], 0, ""
-    for process in processes:
-        try:
-            out, err = process.communicate(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            failure = failure or f"over {args.timeout} s"
-            continue
-        lines = [line.split() for line in out.splitlines() if line.startswith("RESULT")]
-        if lines:
-            seconds.append(float(lines[0][1]))
-            tokens = int(lines[0][2])
-        else:
-            failure = failure or (err.strip().splitlines() or [f"exit {process.returncode}"])[-1][:200]
+    with tempfile.TemporaryDirectory() as folder:
+        logs = [(open(f"{folder}/{i}.out", "w+"), open(f"{folder}/{i}.err", "w+")) for i in range(args.processes)]
+        processes = [subprocess.Popen(command, stdout=out, stderr=err, text=True) for out, err in logs]
+        deadline = time.monotonic() + args.timeout
+        for process, (out, err) in zip(processes, logs):
+            try:
+                process.wait(timeout=max(deadline - time.monotonic(), 0))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+                failure = failure or f"over {args.timeout} s"
+            out.seek(0), err.seek(0)
+            lines = [line.split() for line in out.read().splitlines() if line.startswith("RESULT")]
+            if lines:
+                seconds.append(float(lines[0][1]))
+                tokens = int(lines[0][2])
+            elif not failure:
+                failure = (err.read().strip().splitlines() or [f"exit {process.returncode}"])[-1][:200]
+            out.close(), err.close()
     return seconds, tokens, failure
 
 
@@ -83,7 +92,7 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=6)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--configs", default=CONFIGS, help=f"BACKEND:PRECISION,... (default {CONFIGS})")
-    parser.add_argument("--timeout", type=int, default=300, help="seconds a process may take (autotuning included)")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds the K processes of one configuration may take together (autotuning included)")
     parser.add_argument("--cpu", dest="device", action="store_const", const="cpu", default="cuda")
     args = parser.parse_args()
     print(f"{args.recipe}, {args.processes} processes, {args.steps} timed steps each, {args.device}", flush=True)
