@@ -4,9 +4,8 @@ Shape legend: see `occult_hf.dispatch.plan`.
 
 "all_to_all" sends exactly the rows the routing needs but learns their count on the host: one read per layer,
 which in a training step at real size leaves the GPU idle while the host waits and then issues the rest of the
-layer (docs/bench_ep_h200_2gpu.md). "padded"
-(`static.PaddedDispatcher`) reads nothing on the host: each rank sends every peer a fixed slot of `T` rows in
-dedup (a token sends at most one row per device), filled or not. Its cost is the padding: `D * T` rows on the
+layer (docs/bench_ep_h200_2gpu.md). "padded" (`static.PaddedDispatcher`) reads nothing on the host: each rank
+sends every peer a fixed slot of `T` rows in dedup (a token sends at most one row per device), filled or not. Its cost is the padding: `D * T` rows on the
 wire and through the receiver's layout instead of the `T * CT` the routing needs (CT: devices a token visits).
 Also, whatever the padding, the received pairs are all `R * k` (row, slot) entries, about D times the pairs a
 rank computes, the empty ones sorted past the last expert: the expert kernels skip them (no work), but the

@@ -396,9 +396,9 @@ def sum_token_rows(rows_pad_OH: torch.Tensor, row_TJ: torch.Tensor, out_TH: torc
 def stage(name: str):
     """A named range (`occult::<name>`) around one step of the exchange, for `torch.profiler` traces
     (`occult bench ep --profile` sums the device time of each). Only while a profiler runs: a
-    `record_function` costs an operator call even without one. Never while dynamo traces: it drops `record_function` from the
-    graph anyway, and reading the profiler's state there would make it guard on that state, so that profiling a
-    compiled model compiled it again (a different graph from the one being measured)."""
+    `record_function` costs an operator call even without one. Never while dynamo traces: it drops
+    `record_function` from the graph anyway, and reading the profiler's state there would make it guard on that
+    state, so that profiling a compiled model compiled it again (a different graph from the one being measured)."""
     if torch.compiler.is_compiling() or not torch.autograd.profiler._is_profiler_enabled:
         return contextlib.nullcontext()
     return torch.profiler.record_function(f"occult::{name}")

@@ -273,6 +273,7 @@ def uninstall_peft_hooks() -> None:
     """Put peft's own methods back (or forget the wrapping when peft is not imported yet)."""
     unwrap_when_imported("peft.peft_model", "PeftModel", _PEFT_HOOKS)
 
+
 def has_distributed_expert_adapters(model: nn.Module) -> bool:
     """True when `model` carries LoRA factors on the experts of an EP (distributed) `OccultMoE`."""
     return any(module.ep.is_distributed for _, module, _, _ in _expert_adapter_factors(model))
