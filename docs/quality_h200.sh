@@ -20,7 +20,8 @@
 # without MPS, 239 with it; 12,700 alone).
 # Env: DATA (default .devdata/study_long/data), DATA_ARCHIVE (its .tgz, above), WORK, BUDGET, SIZE (default study; micro with a micro corpus: a CPU
 # check of the script), PER_GPU (worker processes per GPU, default the size's), NO_INSTALL=1 (use what is installed),
-# NO_MPS=1 (time slices, as before MPS), EARLIER (an earlier session's quality_results.json, or several separated by spaces,
+# NO_MPS=1 (time slices, as before MPS), DEFAULT_KERNELS=1 (pre-train with PyTorch's default kernels: faster, not repeatable;
+# for a study run whole on one machine, docs/device/quality_session.sh), EARLIER (an earlier session's quality_results.json, or several separated by spaces,
 # carried with the data: its variants join this run's when this machine pre-trained the same base model, which the
 # repeatable base job does on the same GPU kind and software; the pipeline checks a SHA-256 of the base job's outputs).
 # Results in $OUT: quality_results.json, loss_curve.png, profiles_{train,heldout}.tar.gz, placements.tar.gz, tasks.tar.gz,
@@ -72,7 +73,7 @@ fi
 EARLIER_ARGS=()
 for results in ${EARLIER:-}; do EARLIER_ARGS+=(--earlier "$results"); done
 python3 -m occult_hf.eval.studies.quality --data "$DATA" --work "$WORK" --out "$OUT" --size "${SIZE:-study}" --budget "$BUDGET" \
-  ${PER_GPU:+--per-gpu $PER_GPU} ${EARLIER_ARGS[@]+"${EARLIER_ARGS[@]}"}
+  ${PER_GPU:+--per-gpu $PER_GPU} ${DEFAULT_KERNELS:+--default-kernels} ${EARLIER_ARGS[@]+"${EARLIER_ARGS[@]}"}
 STATUS=$?
 df -h "$WORK" | tail -1
 date -u

@@ -238,7 +238,7 @@ def test_micro_pipeline_runs_every_variant_through_lm_eval(micro_run):
                  "tasks.tar.gz", "logs.tar.gz"):
         assert (out / name).is_file(), name
     results = json.loads((out / "quality_results.json").read_text())
-    assert results["missing"] == [] and results["problems"] == []
+    assert results["missing"] == [] and results["problems"] == [] and results["base_kernels"] == "deterministic"
     assert results["tasks"]["items"] == {"occ_nextline_code": 8, "occ_cloze_code": 8, "occ_nextline_docs": 8}
     rows = {v["variant"]: v for v in results["variants"]}
     assert sorted(rows) == sorted(["plain-s0", "plain-s1", "d4-router-2-s0", "d4-router-2-s1", "base", "noft-d4-router-2"])
@@ -308,6 +308,25 @@ def test_micro_base_job_repeats_bit_for_bit_and_another_run_takes_the_earlier_va
     again = json.loads((tmp_path / "out" / "quality_results.json").read_text())
     assert again["missing"] == [] and again["variants"] == first["variants"]
     assert [p.name for p in (tmp_path / "work" / "logs").iterdir()] == ["base.txt"]  # no variant ran
+
+
+def test_default_kernels_pretrain_a_base_model_of_this_machine_alone(micro_run, tmp_path):
+    """--default-kernels: the base job runs without deterministic algorithms and the results say so; with --earlier
+    (another machine's variants, which need the repeatable base model) it is an error before any job starts; a base
+    job started with one kind of kernels does not go on with the other."""
+    from occult_hf.eval.studies import quality
+
+    root, _, _, _ = micro_run
+    argv = ["--data", str(root / "data"), "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"), "--size", "micro",
+            "--budget", "300", "--default-kernels"]  # fmt: skip
+    with pytest.raises(ValueError, match="leave out --default-kernels or --earlier"):
+        quality.main([*argv, "--earlier", str(root / "out" / "quality_results.json")])
+    assert not (tmp_path / "work").exists()
+    assert quality.main([*argv, "--variants", "base"]) == 0
+    results = json.loads((tmp_path / "out" / "quality_results.json").read_text())
+    assert results["base_kernels"] == "default" and [v["variant"] for v in results["variants"]] == ["base"]
+    with pytest.raises(ValueError, match="started with default kernels; it cannot go on with deterministic ones"):
+        quality.base_job(root / "data", tmp_path / "work", "micro", deterministic=True)
 
 
 def test_earlier_results_join_only_the_same_study_on_the_same_base_model(tmp_path):

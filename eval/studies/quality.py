@@ -29,7 +29,9 @@ variant whose result exists, so a study longer than one device call is the same 
 until it reports every variant done. A study that outlives its machine goes on on another: the base job is
 bitwise repeatable (deterministic algorithms), so the next machine trains the same base model again, and
 `--earlier OUT/quality_results.json` takes the variants the first machine finished (matched by a SHA-256
-of the base job's outputs, `base_fingerprint`). Each run writes, in OUT, `quality_results.json` (every result in
+of the base job's outputs, `base_fingerprint`). A study that fits one machine's lease can pre-train with PyTorch's
+default kernels instead (`--default-kernels`: about 1.35x faster, not repeatable, so every variant runs on that
+machine; `base_kernels` in the results says which). Each run writes, in OUT, `quality_results.json` (every result in
 WORK so far), `loss_curve.png`, `profiles_train.tar.gz` and `profiles_heldout.tar.gz` (the transfer
 study's profiles), `placements.tar.gz`, `tasks.tar.gz` (the task files) and `logs.tar.gz`, then exits 0 when every variant is done, 2 when
 some are left for another run, 1 when a job failed or stalled.
@@ -84,7 +86,7 @@ SIZES = {
               "device_limits": {4: (1, 2, 3), 8: (1, 2, 3, 4)}, "modes": MODES, "seeds": (0, 1, 2),
               "ft_steps": 60, "ft_batch": 32, "ft_lr": 3e-4, "eval_tokens": 32_768, "profile_tokens": 32_768,
               "drift_tokens": 16_384, "mc_items": 600, "mc_batch": 64,
-              "per_job": (1, 1), "min_job_s": (165.0, 135.0), "slots": 10, "job_gib": (20.0, 4.0)},
+              "per_job": (2, 3), "min_job_s": (165.0, 135.0), "slots": 10, "job_gib": (20.0, 4.0)},
     # the tiny recipe on the real corpus, on a CPU: a study in minutes (not the study: a check of it)
     "cpu": {"recipe": "tiny", "pretrain": {}, "pretrain_checkpoint_steps": None,
             "device_limits": {4: (1, 2)}, "modes": MODES, "seeds": (0, 1),
@@ -152,10 +154,18 @@ def base_done(work: Path) -> bool:
     return all(mark.is_file() for mark in base_parts(work).values())
 
 
-def base_job(data_dir: Path, work: Path, size: str) -> None:
+def base_job(data_dir: Path, work: Path, size: str, deterministic: bool = True) -> None:
     """Pre-train, profile and plan, build the tasks: each part skipped when an earlier run finished it; bitwise
-    repeatable (`repeatable`), so that another machine trains the very same base model (`base_fingerprint`)."""
-    repeatable()
+    repeatable (`repeatable`), so that another machine trains the very same base model (`base_fingerprint`), unless
+    `deterministic` is False (PyTorch's default kernels: faster, and the base model lives on this machine alone)."""
+    kernels = "deterministic" if deterministic else "default"
+    kernels_mark = base_kernels_file(work)
+    if kernels_mark.is_file() and kernels_mark.read_text().strip() != kernels:
+        raise ValueError(f"quality study: the base job in {work} started with {kernels_mark.read_text().strip()} kernels; it cannot "
+                         f"go on with {kernels} ones (a pre-training resumed with other kernels is neither model): use a new work directory")
+    atomic_write_text(kernels_mark, kernels)
+    if deterministic:
+        repeatable()
     done = {part: mark.is_file() for part, mark in base_parts(work).items()}
     if not done["tasks"]:  # first: a machine where lm-eval cannot load them fails in seconds, not after pre-training
         build_tasks(data_dir, work / "tasks", settings(size)["mc_items"])
@@ -163,6 +173,11 @@ def base_job(data_dir: Path, work: Path, size: str) -> None:
         pretrain(data_dir, work, size)
     if not done["profiles"]:
         profile_and_plan(data_dir, work, size)
+
+
+def base_kernels_file(work: Path) -> Path:
+    """Which kernels the base job pre-trains with (`base_job`): "deterministic" or "default"."""
+    return work / "base_kernels.txt"
 
 
 def repeatable() -> None:
@@ -490,6 +505,7 @@ def write_outputs(data: Path, work: Path, out: Path, size: str, timings: dict, p
     results = {
         "base": base_log,
         "base_fingerprint": base_fingerprint(work) if base_done(work) else None,
+        "base_kernels": base_kernels_file(work).read_text().strip() if base_kernels_file(work).is_file() else None,
         "base_routing": json.loads((work / "base.json").read_text()) if (work / "base.json").is_file() else None,
         "tasks": json.loads((work / "tasks" / "tasks.json").read_text()) if (work / "tasks" / "tasks.json").is_file() else None,
         "variants": [json.loads(result_file(work, n).read_text()) for n in names if result_file(work, n).is_file()],
@@ -569,15 +585,20 @@ def adopt(results: dict, path: Path, work: Path, size: str) -> list[str]:
 
 
 def pipeline(data: Path, work: Path, out: Path, size: str, budget_s: float, stall_s: float = 90.0,
-             slots_per_gpu: int | None = None, names: list[str] | None = None, earlier: tuple[Path, ...] = ()) -> int:  # fmt: skip
+             slots_per_gpu: int | None = None, names: list[str] | None = None, earlier: tuple[Path, ...] = (),
+             deterministic_base: bool = True) -> int:  # fmt: skip
     """The base job, then every variant not yet finished, as supervised workers (module docstring); `earlier`: results
-    of earlier runs on the same base model whose variants this one takes instead of running them (`adopt`).
+    of earlier runs on the same base model whose variants this one takes instead of running them (`adopt`);
+    `deterministic_base`: False pre-trains with PyTorch's default kernels (`base_job`).
 
     Returns 0 when every variant of the study has its result, 2 when some are left for another run of
     the same command; raises `SystemExit` (status 1) naming every job that failed or stalled.
     """
     import torch
 
+    if earlier and not deterministic_base:
+        raise ValueError("quality study: --earlier takes variants of another machine's run of the same base model, which "
+                         "only the deterministic base job trains again: leave out --default-kernels or --earlier")
     start = time.time()
     deadline = start + budget_s
     try:
@@ -597,7 +618,8 @@ def pipeline(data: Path, work: Path, out: Path, size: str, budget_s: float, stal
     if base_done(work):
         print(f"[pipeline] the base job finished in an earlier run ({work / 'base'})", flush=True)
     else:
-        (outcome,) = run_jobs([Job("base", [*common, "--stage", "base"], work / "logs" / "base.txt")], [gpus[0]],
+        base_args = [*common, "--stage", "base", *([] if deterministic_base else ["--default-kernels"])]
+        (outcome,) = run_jobs([Job("base", base_args, work / "logs" / "base.txt")], [gpus[0]],
                               deadline=deadline, stall_s=stall_s, env=env, prefix="[pipeline]")  # fmt: skip
         timings["base"] = outcome.wall_s
         if outcome.status == "cut":  # its pre-training resumes from its last checkpoint (`pretrain`) in the next run
@@ -651,16 +673,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--earlier", type=Path, action="append", default=[],
                         help="an earlier run's quality_results.json (another machine's): its variants join this run's when both "
                              "trained the same base model (repeatable; checked by its fingerprint); repeatable")
+    parser.add_argument("--default-kernels", action="store_true",
+                        help="pre-train with PyTorch's default kernels: about 1.35x faster than the deterministic ones, but not "
+                             "repeatable, so every variant must run on this machine (no --earlier from another)")
     parser.add_argument("--stage", choices=["base", "variants"], default=None, help="(internal) one job")
     parser.add_argument("--names", default="", help="(internal) the variants of this worker")
     args = parser.parse_args(argv)
     if args.stage == "base":
-        base_job(args.data, args.work, args.size)
+        base_job(args.data, args.work, args.size, deterministic=not args.default_kernels)
     elif args.stage == "variants":
         worker(args.names.split(","), args.data, args.work, args.size)
     else:
         names = args.variants.split(",") if args.variants else None
-        return pipeline(args.data, args.work, args.out, args.size, args.budget, args.stall, args.per_gpu, names, tuple(args.earlier))
+        return pipeline(args.data, args.work, args.out, args.size, args.budget, args.stall, args.per_gpu, names, tuple(args.earlier),
+                        deterministic_base=not args.default_kernels)
     return 0
 
 
