@@ -216,6 +216,8 @@ def plot_coactivation(
 ) -> str:
     """Co-activation per token at `layer`, experts ordered by device (then id) for each placement,
     with device blocks outlined: mass inside the blocks stays on one device. Returns the path."""
+    from matplotlib.patches import Rectangle
+
     routing = profile.layer(layer)
     coactivation_EE = routing.coactivation / max(routing.token_count, 1)
     fig = _figure(3.4 * len(results) + 0.8, 3.7)
@@ -226,10 +228,9 @@ def plot_coactivation(
         order_E = np.lexsort((np.arange(len(device_of_E)), device_of_E))
         image = axes.imshow(coactivation_EE[np.ix_(order_E, order_E)], cmap="viridis", vmin=0, vmax=vmax)
         edges = np.cumsum(np.bincount(device_of_E, minlength=result.placement.num_devices))[:-1] - 0.5
-        start = -0.5
-        for end in list(edges) + [len(device_of_E) - 0.5]:
-            axes.add_patch(_block(start, end))
-            start = end
+        bounds = [-0.5, *edges, len(device_of_E) - 0.5]
+        for start, end in zip(bounds, bounds[1:]):
+            axes.add_patch(Rectangle((start, start), end - start, end - start, fill=False, edgecolor="white", linewidth=1.2))
         m = result.per_layer[layer]
         axes.set_title(f"{result.name}: intra-device {m.intra_device_ratio:.0%}", fontsize=9)
         axes.set_xticks([])
@@ -239,12 +240,6 @@ def plot_coactivation(
     fig.suptitle(f"layer {layer} co-activation ordered by placement", fontsize=10)
     atomic_save_figure(fig, path, dpi=110)
     return os.fspath(path)
-
-
-def _block(start: float, end: float):
-    from matplotlib.patches import Rectangle
-
-    return Rectangle((start, start), end - start, end - start, fill=False, edgecolor="white", linewidth=1.2)
 
 
 def write_report(
@@ -260,13 +255,8 @@ def write_report(
     The heatmap shows `heatmap_layer` (default: the profile's first layer).
     """
     results = evaluate_placements(profile, placements)
-    table = format_table(profile, results)
-    nodes = format_node_table(profile, results, hidden_size)
-    if nodes:
-        table = f"{table}\n{nodes}"
-    promises = format_promises(results)
-    if promises:
-        table = f"{table}\n{promises}"
+    parts = (format_table(profile, results), format_node_table(profile, results, hidden_size), format_promises(results))
+    table = "\n".join(part for part in parts if part)
     paths: list[str] = []
     if plot_dir is not None:
         os.makedirs(plot_dir, exist_ok=True)

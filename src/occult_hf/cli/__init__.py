@@ -50,8 +50,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with progress_bars_off() if args.no_progress else contextlib.nullcontext():
             return int(args.func(args) or 0)
-    except KeyboardInterrupt:
-        raise
     except SystemExit as error:  # a subcommand's usage error (`raise SystemExit("occult x: ...")`): code 2, as argparse's
         if isinstance(error.code, str):
             parser.exit(2, f"{error.code}\n")
@@ -77,13 +75,13 @@ def _add_no_progress_argument(parser: argparse.ArgumentParser) -> None:
         )  # fmt: skip
 
 
-def check_output_dir(path: str, option: str = "--out") -> None:
-    """Fail before a long run when the output directory `path` cannot be made (an existing file)."""
+def check_output_dir(path: str) -> None:
+    """Fail before a long run when the `--out` directory `path` cannot be made (an existing file)."""
     if os.path.exists(path) and not os.path.isdir(path):
-        raise FileExistsError(f"{option} {path!r} is an existing file; give a directory (it is created if missing)")
+        raise FileExistsError(f"--out {path!r} is an existing file; give a directory (it is created if missing)")
 
 
-def check_model_source(name: str, option: str = "MODEL") -> None:
+def check_model_source(name: str) -> None:
     """Fail at once on a local model directory that does not exist, instead of minutes of Hub retries.
 
     `name` is taken as local when it exists, starts with `/`, `.` or `~`, ends with a separator, or
@@ -92,7 +90,7 @@ def check_model_source(name: str, option: str = "MODEL") -> None:
     if os.path.isdir(name):
         return
     if os.path.exists(name):
-        raise NotADirectoryError(f"{option} {name!r} is a file; expected a model directory or a Hub model id")
+        raise NotADirectoryError(f"MODEL {name!r} is a file; expected a model directory or a Hub model id")
     local = name.startswith(("/", ".", "~")) or name.endswith(os.sep)
     if not local:
         from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -102,7 +100,7 @@ def check_model_source(name: str, option: str = "MODEL") -> None:
         except HFValidationError:
             local = True
     if local:
-        raise FileNotFoundError(f"{option} {name!r}: model directory does not exist (and it is not a Hub model id)")
+        raise FileNotFoundError(f"MODEL {name!r}: model directory does not exist (and it is not a Hub model id)")
 
 
 def one_line(error: BaseException) -> str:

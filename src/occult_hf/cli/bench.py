@@ -13,6 +13,7 @@ anyway, as a check of the script at small sizes (what the tests do).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 
 
@@ -36,24 +37,17 @@ def register(subparsers) -> None:
             "--cpu", action="store_true",
             help="run on the CPU although no CUDA device is there: a check of the script at small sizes, not a measurement",
         )  # fmt: skip
-        sub.set_defaults(func=_runner(name, module))
+        sub.set_defaults(func=functools.partial(_run, name, module))
 
 
-def check_cuda(name: str, needs_cuda: bool, cpu: bool) -> None:
-    """Fail at once when a benchmark run that measures a GPU starts on a machine without CUDA (unless `--cpu`)."""
+def _run(name: str, module, args: argparse.Namespace) -> int:
+    """Run benchmark `name`; fail at once when a run that measures a GPU starts on a machine without CUDA (unless `--cpu`)."""
     import torch
 
-    if needs_cuda and not cpu and not torch.cuda.is_available():
+    if module.needs_cuda(args) and not args.cpu and not torch.cuda.is_available():
         raise SystemExit(
             f"occult bench {name}: this run measures a GPU and this machine has no CUDA device "
             f"(torch.cuda.is_available() is False); --cpu runs it on the CPU anyway, as a check of the script "
             f"at small sizes (its timings mean nothing)"
         )
-
-
-def _runner(name: str, module):
-    def run(args: argparse.Namespace) -> int:
-        check_cuda(name, module.needs_cuda(args), args.cpu)
-        return module.run(args)
-
-    return run
+    return module.run(args)

@@ -35,7 +35,7 @@ def register(subparsers) -> None:
     )
     add_num_devices_argument(parser, help="devices D to plan for (default: 8)", default=8)
     parser.add_argument("--out", default="occult_demo", help="directory for profiles, placements and plots")
-    parser.add_argument("--model", default=None, help="a checkpoint directory of any supported MoE family, with its tokenizer (default: the shipped tiny OLMoE)")
+    parser.add_argument("--model", help="a checkpoint directory of any supported MoE family, with its tokenizer (default: the shipped tiny OLMoE)")
     parser.add_argument("--tokens", type=positive_int, default=12_288, help="tokens to profile in each of the plan and held-out halves")
     parser.add_argument("--seed", type=int, default=0, help="seed of the profile's token sample")
     parser.add_argument("--no-plots", action="store_true", help="print the table only")

@@ -22,7 +22,7 @@ import argparse
 
 from occult_hf.registry import DISPATCH_MODES
 from occult_hf.pruning import pruning_policy_names
-from .devices import add_num_devices_argument
+from .devices import add_num_devices_argument, resolve_device
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -50,8 +50,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--batch_size", "--batch-size", dest="batch_size", default="1", help="an integer, or 'auto' in one process (default: 1)")
     run.add_argument("--device", default="auto", help="auto (CUDA when available, else CPU), cuda, cuda:0 or cpu (default: auto; one GPU per rank under torchrun)")
     run.add_argument("--dtype", default="auto", help="model dtype, e.g. bfloat16 (default: the checkpoint's)")
-    run.add_argument("--limit", type=float, default=None, help="documents per task (testing only); < 1 means a fraction")
-    run.add_argument("--num_fewshot", "--num-fewshot", dest="num_fewshot", type=int, default=None, help="few-shot examples (default: each task's own)")
+    run.add_argument("--limit", type=float, help="documents per task (testing only); < 1 means a fraction")
+    run.add_argument("--num_fewshot", "--num-fewshot", dest="num_fewshot", type=int, help="few-shot examples (default: each task's own)")
     run.add_argument("--bootstrap_iters", "--bootstrap-iters", dest="bootstrap_iters", type=int, default=100000, help="bootstrap iterations for stderrs (0: none)")
     run.add_argument("--trust_remote_code", "--trust-remote-code", dest="trust_remote_code", action="store_true", help="allow the checkpoint's own modelling code")
     run.add_argument("--include_path", "--include-path", dest="include_path", help="a folder of extra lm-eval task YAMLs")
@@ -79,17 +79,8 @@ def _batch_size(value: str) -> int | str:
 def _model_args(args: argparse.Namespace) -> dict:
     from lm_eval.utils import simple_parse_args_string
 
-    flags = {
-        "occult_config": args.occult_config,
-        "placement": args.placement,
-        "num_devices": args.num_devices,
-        "prune": args.prune,
-        "max_devices_per_token": args.max_devices_per_token,
-        "profile": args.profile,
-        "dispatch": args.dispatch,
-        "dtype": args.dtype,
-        "trust_remote_code": args.trust_remote_code or None,
-    }
+    names = ("occult_config", "placement", "num_devices", "prune", "max_devices_per_token", "profile", "dispatch", "dtype")
+    flags = {name: getattr(args, name) for name in names} | {"trust_remote_code": args.trust_remote_code or None}
     model_args = {"pretrained": args.pretrained} | {k: v for k, v in flags.items() if v is not None}
     extra = simple_parse_args_string(args.model_args)
     clash = sorted(set(extra) & set(model_args))
@@ -103,7 +94,6 @@ def _evaluate(args: argparse.Namespace) -> int:
     from lm_eval.loggers import EvaluationTracker
     from lm_eval.utils import make_table
 
-    from occult_hf.cli.devices import resolve_device
     from occult_hf.eval import make_task_manager, parse_task_list
 
     tracker = EvaluationTracker(output_path=args.output_path)

@@ -98,12 +98,7 @@ def run(args: argparse.Namespace) -> int:
     named["contiguous"].devices_per_node = args.devices_per_node
     named[args.method] = placement
     results = evaluate_placements(pooled, named)
-    print(format_summary(results))
-    nodes = format_node_table(pooled, results)
-    if nodes:
-        print(nodes)
-    promises = format_promises(results)
-    if promises:
-        print(promises)
+    parts = (format_summary(results), format_node_table(pooled, results), format_promises(results))  # the last two may be empty
+    print("\n".join(part for part in parts if part))
     print(f"wrote {args.out}")
     return 0

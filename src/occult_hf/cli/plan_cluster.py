@@ -42,13 +42,12 @@ def register(subparsers) -> None:
     parser.add_argument("--internode-gbs", type=float, default=50.0, help="inter-node GB/s per GPU (assumption; default: 50)")
     parser.add_argument("--internode-latency-us", type=float, default=10.0,
                         help="inter-node latency per message, us (assumption; default: 10)")  # fmt: skip
-    parser.add_argument("--trace-layers", type=int, nargs="+", default=None, help="replay only these trace layers (default: all)")
+    parser.add_argument("--trace-layers", type=int, nargs="+", help="replay only these trace layers (default: all)")
     parser.add_argument(
-        "--measurements", default=None,
-        help="calibrate on a docs/ folder (its benchmark files) or a measurements JSON instead of the shipped one",
-    )  # fmt: skip
+        "--measurements", help="calibrate on a docs/ folder (its benchmark files) or a measurements JSON instead of the shipped one"
+    )
     parser.add_argument("--validate", action="store_true", help="print the calibration and its predictions of the measured two-GPU rows")
-    parser.add_argument("--out", default=None, help="also write plan_cluster.md/.json/.png (or plan_cluster_validation.md) here")
+    parser.add_argument("--out", help="also write plan_cluster.md/.json/.png (or plan_cluster_validation.md) here")
     parser.set_defaults(func=run)
 
 

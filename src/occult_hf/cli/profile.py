@@ -30,7 +30,7 @@ def register(subparsers) -> None:
     parser.add_argument("--out", required=True, help="output profile path (.safetensors)")
     group = parser.add_argument_group("text and dataset options")
     group.add_argument("--separator", default="\n", help="document separator in --text (default: newline)")
-    group.add_argument("--dataset-config", default=None, help="dataset configuration name (hub or local dataset directory)")
+    group.add_argument("--dataset-config", help="dataset configuration name (hub or local dataset directory)")
     group.add_argument("--split", default="train", help="dataset split (default: train)")
     group.add_argument(
         "--text-column", dest="column", default="text",
@@ -38,17 +38,17 @@ def register(subparsers) -> None:
     )
     group.add_argument("--batch-size", type=int, default=8)
     group.add_argument("--max-length", type=int, default=512, help="tokens per window; longer documents are split")
-    group.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens")
+    group.add_argument("--max-tokens", type=int, help="stop after this many tokens")
     group.add_argument("--device", default="auto", help="auto (CUDA when available, else CPU), cpu or cuda[:N] (default: auto)")
     group.add_argument("--dtype", default="auto", help="torch dtype for the model weights (default: auto)")
     group.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own modelling code (not needed for DeepSeek-MoE: occult_hf has it natively)")
     trace = parser.add_argument_group("trace options")
     trace.add_argument("--trace-key", action="append", help="id array(s) to read (default: topk_ids or *_experts)")
-    trace.add_argument("--layer", type=non_negative_int, default=None, help="decoder-layer index of a single-layer trace (default 0)")
-    trace.add_argument("--num-experts", type=int, default=None, help="E (default: from the file or largest id + 1)")
-    trace.add_argument("--model-type", default=None, help="model_type to record in the profile")
+    trace.add_argument("--layer", type=non_negative_int, help="decoder-layer index of a single-layer trace (default 0)")
+    trace.add_argument("--num-experts", type=int, help="E (default: from the file or largest id + 1)")
+    trace.add_argument("--model-type", help="model_type to record in the profile")
     parser.add_argument(
-        "--sample-size", type=int, default=None,
+        "--sample-size", type=int,
         help=f"tokens kept per layer in the top-k sample (default: {DEFAULT_SAMPLE_SIZE} for models, all for traces)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the token sample")
@@ -56,8 +56,9 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..utils.atomic import check_writable_dir
+    from ..hf.text_data import load_text_dataset
     from ..profile import RoutingProfile
+    from ..utils.atomic import check_writable_dir
     from . import check_model_source
 
     check_writable_dir(args.out, "--out")  # before the run, not after it
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit("occult profile: MODEL is required with --text or --dataset")
         text = _check_plain_text(args.text) if args.text else None  # before the model: loading one takes minutes
         model, tokenizer = _load_model(args)
-        data = text if args.text else _load_dataset(args)
+        data = text if args.text else load_text_dataset(args.dataset, config=args.dataset_config, split=args.split, text_column=args.column)
         profile = RoutingProfile.collect(
             model,
             data,
@@ -137,12 +138,6 @@ def _load_model(args: argparse.Namespace):
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, trust_remote_code=args.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     return model.to(device), tokenizer
-
-
-def _load_dataset(args: argparse.Namespace):
-    from ..hf.text_data import load_text_dataset
-
-    return load_text_dataset(args.dataset, config=args.dataset_config, split=args.split, text_column=args.column)
 
 
 def _check_plain_text(path: str) -> str:

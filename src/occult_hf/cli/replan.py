@@ -22,7 +22,6 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--redundant",
         type=int,
-        default=None,
         metavar="R",
         help="extra homes per layer (default: as many as the placement has, or its free slots when it has none)",
     )

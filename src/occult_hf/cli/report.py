@@ -23,24 +23,22 @@ def register(subparsers) -> None:
     )
     parser.add_argument("profile", nargs="?", help="routing profile (.safetensors from `occult profile`)")
     parser.add_argument("placements", nargs="*", help="occult_placement.json files to measure")
-    add_num_devices_argument(parser, help="plan placements for D devices here", default=None)
+    add_num_devices_argument(parser, help="plan placements for D devices here")
     parser.add_argument(
         "--methods",
         default=",".join(available_planners()),
-        help=f"comma-separated methods to plan with --num-devices (default: {','.join(available_planners())})",
+        help="comma-separated methods to plan with --num-devices (default: %(default)s)",
     )
     add_devices_per_node_argument(
         parser, help="devices G per node: plan node-aware here, and measure every placement on G-device nodes (CT_node, "
         "rows crossing nodes); a file's own layout is used otherwise",
     )  # fmt: skip
-    parser.add_argument(
-        "--hidden-size", type=int, default=None, help="the model's hidden size: also print the bytes per token crossing nodes"
-    )
+    parser.add_argument("--hidden-size", type=int, help="the model's hidden size: also print the bytes per token crossing nodes")
     add_option_argument(parser)
     add_cross_validate_argument(parser, default=0)
     parser.add_argument("--plots", default="occult_report", help="directory for the PNG plots (default: occult_report)")
     parser.add_argument("--no-plots", action="store_true", help="print the table only")
-    parser.add_argument("--heatmap-layer", type=int, default=None, help="layer of the co-activation heatmap")
+    parser.add_argument("--heatmap-layer", type=int, help="layer of the co-activation heatmap")
     parser.set_defaults(func=run)
 
 

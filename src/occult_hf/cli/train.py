@@ -37,19 +37,19 @@ def register(subparsers) -> None:
         description=__doc__.split("\n\n")[0],
     )
     parser.add_argument("--recipe", choices=sorted(RECIPES), default="tiny", help="recipe (default: tiny)")
-    parser.add_argument("--corpus-dir", default=None,
+    parser.add_argument("--corpus-dir",
                         help="directory of one <domain>.txt, .txt.gz, .jsonl or .jsonl.gz file per domain (needed unless --data-dir is prepared)")
     parser.add_argument("--separator", type=separator, default=BLANK_LINE,
                         help=f"what ends a document in a text file: {BLANK_LINE} (default) or a string, backslash escapes "
                              f"decoded ('\\x1e': documents separated by the ASCII record separator)")  # fmt: skip
     parser.add_argument("--text-field", default="text", help="the field of a .jsonl record that holds its text (default: text)")
-    parser.add_argument("--train-domains", type=lambda v: tuple(v.split(",")), default=None,
+    parser.add_argument("--train-domains", type=lambda v: tuple(v.split(",")),
                         help="comma-separated domains to train on (default: the recipe's; tiny: every domain)")  # fmt: skip
-    parser.add_argument("--data-dir", default=None, help="prepared data (made here when absent; default: OUT/data)")
+    parser.add_argument("--data-dir", help="prepared data (made here when absent; default: OUT/data)")
     parser.add_argument("--out", required=True, help="checkpoint directory")
-    parser.add_argument("--seed", type=int, default=None, help="override the recipe's seed")
-    parser.add_argument("--max-steps", type=int, default=None, help="override the recipe's steps")
-    parser.add_argument("--time-budget", type=float, default=None, help="override the recipe's time budget (s)")
+    parser.add_argument("--seed", type=int, help="override the recipe's seed")
+    parser.add_argument("--max-steps", type=int, help="override the recipe's steps")
+    parser.add_argument("--time-budget", type=float, help="override the recipe's time budget (s)")
     parser.add_argument("--prepare-only", action="store_true", help="prepare the data and stop")
     parser.set_defaults(func=run)
 

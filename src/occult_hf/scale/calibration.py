@@ -15,6 +15,7 @@ Every other measured row (the other `bench ep` calls, every other `bench paper` 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Mapping
 
 import numpy as np
@@ -55,11 +56,10 @@ def calibrate(measurements: Mapping[str, Any]) -> Calibration:
     dense = _dense_tflops(measurements["shared_expert_ms"], params)
     partial = Calibration(kernels, {}, nvlink, dense, {}, 0.0)
     rest = _rest_per_token(measurements["model_blocks"], measurements["expert_kernels"], partial, params)
-    partial = Calibration(kernels, {}, nvlink, dense, rest, 0.0)
-    dispatchers = _fit_dispatchers(measurements["ep_layers"], partial, params)
-    partial = Calibration(kernels, dispatchers, nvlink, dense, rest, 0.0)
+    partial = replace(partial, rest_ms_per_ktoken=rest)
+    partial = replace(partial, dispatchers=_fit_dispatchers(measurements["ep_layers"], partial, params))
     optimizer = _optimizer_cost(measurements["whole_models"], partial, params)
-    return Calibration(kernels, dispatchers, nvlink, dense, rest, optimizer, tuple(params))
+    return replace(partial, optimizer_ms_per_bparam=optimizer, parameters=tuple(params))
 
 
 def _fit_kernels(points: list[dict], params: list[Parameter]) -> dict[str, Line]:
@@ -241,7 +241,4 @@ def _optimizer_cost(rows: list[dict], partial: Calibration, params: list[Paramet
     return cost
 
 
-__all__ = [
-    "Calibration", "HostOverlap", "Line", "Parameter", "calibrate", "fit_host_overlap", "fit_line", "layer_traffic_of",
-    "modelled_ep_row",
-]  # fmt: skip
+__all__ = ["calibrate", "fit_host_overlap", "fit_line", "layer_traffic_of", "modelled_ep_row"]

@@ -68,10 +68,8 @@ def check_devices(devices: int, devices_per_node: int) -> None:
 def ep_group_size(devices: int, num_experts: int, devices_per_node: int) -> int:
     """The largest divisor of `devices` that is at most E and fills whole nodes (or is one node of at most G)."""
     check_devices(devices, devices_per_node)
-    def fills_nodes(size: int) -> bool:
-        return devices % size == 0 and (size <= devices_per_node or size % devices_per_node == 0)
-
-    return max(size for size in range(1, min(devices, num_experts) + 1) if fills_nodes(size))
+    return max(size for size in range(1, min(devices, num_experts) + 1)
+               if devices % size == 0 and (size <= devices_per_node or size % devices_per_node == 0))  # fmt: skip
 
 
 class Planner:
@@ -138,10 +136,9 @@ def _project_one(
     if method.name == "transformers_ep" and spec.num_experts % ep:
         refused = f"transformers' EP refuses: E={spec.num_experts} experts do not divide over {ep} ranks"
         return Projected(devices, ep, tokens, method.name, note=refused)
-    group = min(ep, cluster.devices_per_node)
     traffics = [
         replay_traffic(
-            held_out.ids_NLk[:, layer], held_out.weights(layer), device_of_E, ep, group, tokens, method.dispatch,
+            held_out.ids_NLk[:, layer], held_out.weights(layer), device_of_E, ep, planner.devices_per_node, tokens, method.dispatch,
             spec.hidden, method.max_devices_per_token, method.max_nodes_per_token,
         )
         for layer, device_of_E in enumerate(planner.device_maps(method.placement))

@@ -54,25 +54,24 @@ class Routing:
     def layers(self) -> int:
         return self.ids_NLk.shape[1]
 
-    def tokens(self, keep_N: np.ndarray, what: str) -> "Routing":
-        """The tokens `keep_N` selects (a `[N]` bool mask or indices)."""
-        weights = None if self.weights_NLk is None else self.weights_NLk[keep_N]
-        return replace(self, source=f"{self.source}, {what}", ids_NLk=self.ids_NLk[keep_N], weights_NLk=weights)
+    def _select(self, index, what: str) -> "Routing":
+        """The ids (and weights) `index` selects, `what` added to the source."""
+        weights = None if self.weights_NLk is None else self.weights_NLk[index]
+        return replace(self, source=f"{self.source}, {what}", ids_NLk=self.ids_NLk[index], weights_NLk=weights)
 
     def select_layers(self, layers: list[int]) -> "Routing":
         """Only the trace layers `layers` (in that order)."""
         bad = [layer for layer in layers if not 0 <= layer < self.layers]
         if bad or not layers:
             raise ValueError(f"trace layers {layers} of {self.source!r}: each must lie in [0, {self.layers}) and at least one is needed")
-        weights = None if self.weights_NLk is None else self.weights_NLk[:, layers]
-        return replace(self, source=f"{self.source}, layers {layers}", ids_NLk=self.ids_NLk[:, layers], weights_NLk=weights)
+        return self._select((slice(None), layers), f"layers {layers}")
 
     def halves(self, window: int = HALF_WINDOW) -> tuple["Routing", "Routing"]:
         """(the tokens of the even `window`-token windows, to plan on; those of the odd ones, held out)."""
         if self.ids_NLk.shape[0] < 2 * window:
             raise ValueError(f"routing {self.source!r} has {self.ids_NLk.shape[0]} token(s): fewer than two {window}-token windows")
         odd_N = (np.arange(self.ids_NLk.shape[0]) // window) % 2 == 1
-        return self.tokens(~odd_N, "planning half"), self.tokens(odd_N, "held-out half")
+        return self._select(~odd_N, "planning half"), self._select(odd_N, "held-out half")
 
     def profile(self, layer: int):
         """A `RoutingProfile` of one layer's tokens (as its sample) for the planners."""

@@ -29,7 +29,7 @@ class ModelSpec:
         vocab: vocabulary (untied input and output embeddings).
         attention_params: parameters of one layer's attention (projections, biases, norms).
         rest_like: the measured model whose rest-of-layer time per token this model takes
-            (`calibration.Calibration.rest_ms_per_token`), or None where none is comparable.
+            (`parameters.Calibration.rest_ms_per_ktoken`), or None where none is comparable.
     """
 
     name: str

@@ -24,6 +24,7 @@ from typing import Sequence
 
 from .validation import Checked
 
+
 @dataclass(frozen=True)
 class Spread:
     """The other measurements of one row's work: `(where, ms)` pairs, repeats first."""

@@ -156,9 +156,7 @@ def replay_traffic(
     ranked = weights_Nk is None
     by_rank_Nk = np.broadcast_to(np.arange(top_k, 0, -1, dtype=np.float32), ids.shape)
     weights = by_rank_Nk if ranked else np.asarray(weights_Nk, dtype=np.float32)
-    device_Nk, pruned_Nk = pruned_routing(
-        ids, weights, device_of_E, num_devices, group, max_devices_per_token, max_nodes_per_token
-    )
+    device_Nk, pruned_Nk = pruned_routing(ids, weights, device_of_E, num_devices, group, max_devices_per_token, max_nodes_per_token)
     hits_ND = device_hits(device_Nk, np.arange(num_devices), num_devices)
     reached_ND = hits_ND > 0
     node_of_D = np.arange(num_devices) // group
@@ -179,7 +177,7 @@ def replay_traffic(
         internode_rows = tokens * np.maximum(to_other_nodes_D, (num_devices - group) * share_D).max()
         nvlink_rows = tokens * np.maximum(to_own_node_D, (group - 1) * share_D).max()
         rows = tokens * share_D.sum()
-    per_row = row_bytes("per_expert" if dispatch == "per_expert" else "dedup", hidden, top_k)
+    per_row = row_bytes(dispatch, hidden, top_k)
     return LayerTraffic(
         dispatch, tokens, pairs=float(pairs_D.max()), rows=float(rows),
         nvlink_bytes=float(nvlink_rows * per_row), internode_bytes=float(internode_rows * per_row),

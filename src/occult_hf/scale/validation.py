@@ -76,9 +76,9 @@ def _ep_rows(calib: Calibration, rows: list[dict]) -> list[Checked]:
         label = f"{row['shape']} T={row['tokens']} {row['routing']}: {row['dispatcher']} {row['mode']}"
         if family == "occult":
             label += f" (CT {row['ct']:.2f})"
+        configuration = (row["shape"], row["tokens"], row["routing"], row["dispatcher"], row["mode"])
         for direction, column, name in ((FWD, "fwd_ms", "fwd"), (FWD_BWD, "fwd_bwd_ms", "fwd+bwd")):
             predicted = ep_layer_ms(calib, cluster, spec, traffic, direction, family)
-            configuration = (row["shape"], row["tokens"], row["routing"], row["dispatcher"], row["mode"])
             host_bound = predicted == calib.dispatchers[f"{family}/{direction}"].host_ms
             work = (family, "host-bound") if host_bound else (family, traffic.dispatch, round(traffic.ct, 2))
             checked.append(Checked(f"bench ep {name}", f"{row['source']} ({row['when']})", label, row[column], predicted,
