@@ -1,6 +1,8 @@
-"""Greedy decoding on static buffers (`occult_hf.hf.decode`): the tokens of a plain greedy loop, and a
-decode step (one process and 2-rank EP with the static "padded" dispatcher) that never reads the device
-on the host, which is what lets it run as one CUDA graph on the GPU."""
+"""Decoding through transformers' static-cache `generate()` (`occult_hf.hf.decode`): the stock model's greedy
+tokens, with every MoE block of every step (one process, and 2-rank EP on the static "padded" dispatcher) free of host
+reads, which is what lets the compiled step run as CUDA graphs on the GPU."""
+
+import contextlib
 
 import pytest
 import torch
@@ -11,29 +13,48 @@ from tiny_models import tiny_model
 NEW_TOKENS = 6
 
 
-def _decode_checks(model, prompt_BS):
-    """Tokens of the static decoder and of `generate` for `prompt_BS`, and whether a step is free of host reads."""
-    from occult_hf.hf.decode import GreedyDecoder, HostSyncError, no_host_sync
+@contextlib.contextmanager
+def _moe_blocks_under_no_host_sync(model):
+    """Every `OccultMoE` forward of `model` runs inside `no_host_sync()` in the block."""
+    from occult_hf.hf.decode import no_host_sync
+    from occult_hf.moe import OccultMoE
 
-    decoder = GreedyDecoder(model, batch_size=prompt_BS.shape[0], max_length=prompt_BS.shape[1] + NEW_TOKENS + 1, graph=False)
-    ours = decoder.generate(prompt_BS, NEW_TOKENS).tokens
-    decoder.prefill(prompt_BS)
+    layers = [m for m in model.modules() if isinstance(m, OccultMoE)]
+    assert layers
+
+    def checked(forward):
+        def run(*args, **kwargs):
+            with no_host_sync():
+                return forward(*args, **kwargs)
+
+        return run
+
+    for layer in layers:
+        layer.forward = checked(layer.forward)
     try:
-        with torch.no_grad(), no_host_sync():
-            decoder.step()
-        sync_free = True
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward
+
+
+def _static_generate(model, prompt_BS, new_tokens=NEW_TOKENS):
+    """Greedy tokens of `generate(cache_implementation="static")` (exactly `new_tokens`, as `_generate`), every MoE block checked for host reads: the tokens, and True or the `HostSyncError`'s text."""
+    from occult_hf.hf.decode import HostSyncError
+
+    try:
+        with _moe_blocks_under_no_host_sync(model):
+            tokens = model.generate(prompt_BS, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                    cache_implementation="static", output_router_logits=False)  # fmt: skip
     except HostSyncError as error:
-        sync_free = str(error)
-    return ours, sync_free
+        return None, str(error)
+    return tokens[:, prompt_BS.shape[1] :], True
 
 
-@torch.no_grad()
-def _generate(model, prompt_BS):
-    """Greedy tokens recomputing the whole sequence at every step (no cache, no EOS handling)."""
-    sequence = prompt_BS
-    for _ in range(NEW_TOKENS):
-        sequence = torch.cat([sequence, model(sequence).logits[:, -1:].argmax(-1)], dim=1)
-    return sequence[:, prompt_BS.shape[1] :]
+def _generate(model, prompt_BS, new_tokens=NEW_TOKENS):
+    """The stock model's greedy tokens through transformers' default dynamic-cache `generate()` (same stopping rule)."""
+    tokens = model.generate(prompt_BS, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, output_router_logits=False)
+    return tokens[:, prompt_BS.shape[1] :]
 
 
 def test_no_host_sync_catches_host_reads():
@@ -50,37 +71,33 @@ def test_no_host_sync_catches_host_reads():
         torch.where(t > 1, t, 0).cumsum(0)
 
 
-def test_static_decoder_matches_generate_one_process():
+def test_static_generate_matches_greedy_with_host_read_free_moe_blocks():
     from occult_hf import apply_occult
 
     model = tiny_model("olmoe").eval()
     prompt = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(0))
     expected = _generate(model, prompt)
     apply_occult(model, {"num_devices": 2})
-    ours, sync_free = _decode_checks(model, prompt)
-    assert torch.equal(ours, expected)
+    tokens, sync_free = _static_generate(model, prompt)
     assert sync_free is True, sync_free
+    assert torch.equal(tokens, expected)
 
 
-@pytest.mark.parametrize("family", ["olmoe", "deepseek"])
-def test_static_decoder_passes_the_cache_by_the_models_own_keyword(family):
-    """transformers 5.24 renamed forward's `past_key_values` to `cache` (the old name warns, and goes in 5.40);
-    the decoder passes the name the installed version's forward takes, so it neither warns nor breaks later."""
-    import inspect
-    import warnings
+def test_the_host_read_check_sees_a_moe_block_that_reads_the_host(monkeypatch):
+    """The check above can fail: a MoE block that reads a device value on the host is reported."""
+    from occult_hf import apply_occult
+    from occult_hf.moe import OccultMoE
 
-    from occult_hf.hf.compat import cache_keyword
-    from occult_hf.hf.decode import GreedyDecoder
+    model = apply_occult(tiny_model("olmoe").eval(), {"num_devices": 2})
+    original = OccultMoE.forward
 
-    model = tiny_model(family).eval()
-    keyword = cache_keyword(model)
-    assert keyword in inspect.signature(model.forward).parameters
-    decoder = GreedyDecoder(model, batch_size=1, max_length=8)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        decoder.prefill(torch.zeros(1, 3, dtype=torch.long))
-        decoder.step()
-    assert not [w for w in caught if "past_key_values" in str(w.message)], [str(w.message) for w in caught]
+    def reads_the_host(self, hidden_states, *args, **kwargs):
+        hidden_states.sum().item()
+        return original(self, hidden_states, *args, **kwargs)
+
+    monkeypatch.setattr(OccultMoE, "forward", reads_the_host)
+    _, sync_free = _static_generate(model, torch.zeros(1, 3, dtype=torch.long))
+    assert "reads a device value on the host" in sync_free
 
 
 def _ep_world(rank, world):
@@ -92,8 +109,8 @@ def _ep_world(rank, world):
     expected = _generate(model, prompts[rank])
     apply_occult(model)
     with use_dispatcher(model, "padded"):
-        ours, sync_free = _decode_checks(model, prompts[rank])
-    return torch.equal(ours, expected), sync_free
+        tokens, sync_free = _static_generate(model, prompts[rank])
+    return tokens is not None and torch.equal(tokens, expected), sync_free
 
 
 def test_use_dispatcher_keeps_the_layers_replica_choice_and_pin_slack(monkeypatch):
@@ -126,11 +143,11 @@ def _ep_static_generate(rank, world):
     model = tiny_model("olmoe").eval()
     prompt_length, new_tokens = (5, NEW_TOKENS) if rank == 0 else (3, 2)
     prompt = torch.randint(0, model.config.vocab_size, (2, prompt_length), generator=torch.Generator().manual_seed(rank))
-    expected = _generate(model, prompt)[:, :new_tokens]
+    expected = _generate(model, prompt, new_tokens)
     apply_occult(model)
     with use_dispatcher(model, "padded"):
-        tokens = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, cache_implementation="static", output_router_logits=False)
-    return torch.equal(tokens[:, prompt_length:], expected)
+        tokens, sync_free = _static_generate(model, prompt, new_tokens)
+    return sync_free is True and torch.equal(tokens, expected)
 
 
 @pytest.mark.world_size(2)
@@ -142,5 +159,5 @@ def test_static_cache_generate_under_ep_with_different_lengths_per_rank():
 
 
 @pytest.mark.world_size(2)
-def test_static_decoder_under_ep_padded_dispatcher():
+def test_static_generate_under_ep_padded_dispatcher():
     assert run_world(_ep_world, 2) == [(True, True), (True, True)]

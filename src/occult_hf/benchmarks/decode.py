@@ -10,14 +10,10 @@ stops early):
 
 - **dynamic**: the default dynamic cache, eager;
 - **static**: `cache_implementation="static"`: transformers compiles the decoding step (its default
-  `CompileConfig`: inductor, `mode="reduce-overhead"`, so CUDA graphs) and the prompt runs eagerly;
-- **graph**: not `generate()` but `occult_hf.hf.decode.GreedyDecoder`: the same static cache, the whole eager step
-  captured as one CUDA graph and replayed from a plain loop, so no `generate()` loop runs on the host between steps
-  (what that loop costs a step, next to the compiled static one).
+  `CompileConfig`: inductor, `mode="reduce-overhead"`, so CUDA graphs) and the prompt runs eagerly.
 
 The time per step is `(t(N) - t(1)) / (N - 1)` for the wall times `t(n)` of a whole `generate(max_new_tokens=n)`
 (the median of `--repeats` runs, after one run that compiles and captures): the prefill and generate's set-up cancel.
-For **graph** it is the replayed steps' wall time over N - 1 (the decoder times them without the prefill).
 Tokens per second are `B / step`. The floor is the step's bytes at the GPU's memory bandwidth: the active
 parameters (attention, routers, shared experts, k of E experts per layer, embeddings and head) read once in bf16.
 
@@ -55,9 +51,7 @@ needs_cuda = measures_a_gpu
 #: the real models' decoder layer counts (the checkpoints' config.json)
 FULL_LAYERS = {"olmoe-1b-7b": 16, "qwen1.5-moe-a2.7b": 24}
 #: how a variant decodes (the module docstring says what each is)
-CACHES = ("dynamic", "static", "graph")
-#: the plot's name of each variant
-CACHE_LABELS = {"dynamic": "generate(), dynamic cache", "static": "generate(), static cache", "graph": "GreedyDecoder's CUDA graph"}
+CACHES = ("dynamic", "static")
 #: batch 1 targets of the static occult step: ms per token
 TARGET_MS, STRETCH_MS = 3.5, 2.0
 
@@ -67,7 +61,7 @@ class DecodeRow:
     model: str
     batch: int
     implementation: str  # "stock" or "occult"
-    cache: str  # "dynamic", "static" or "graph"
+    cache: str  # "dynamic" or "static"
     ms_per_step: float  # NaN where the run failed
     first_call_s: float  # the warm-up run: compile and capture for the static cache
     error: str | None = None  # why the run failed (the other rows still run)
@@ -92,22 +86,12 @@ def _wall(fn) -> float:
 
 
 def time_step(model, prompt_BS, new_tokens: int, cache: str, repeats: int) -> tuple[float, float]:
-    """`(ms per step, seconds of the first call)` of `generate()` on `prompt_BS` with `cache` (or `GreedyDecoder`'s)."""
-    if cache == "graph":
-        return _time_graphed_step(model, prompt_BS, new_tokens, repeats)
+    """`(ms per step, seconds of the first call)` of `generate()` on `prompt_BS` with `cache`."""
     first = _wall(lambda: generate_greedy(model, prompt_BS, new_tokens, cache))
     generate_greedy(model, prompt_BS, 1, cache)
     long = statistics.median(_wall(lambda: generate_greedy(model, prompt_BS, new_tokens, cache)) for _ in range(repeats))
     short = statistics.median(_wall(lambda: generate_greedy(model, prompt_BS, 1, cache)) for _ in range(repeats))
     return (long - short) * 1e3 / (new_tokens - 1), first
-
-
-def _time_graphed_step(model, prompt_BS, new_tokens: int, repeats: int) -> tuple[float, float]:
-    from occult_hf.hf.decode import GreedyDecoder
-
-    decoder = GreedyDecoder(model, batch_size=prompt_BS.shape[0], max_length=prompt_BS.shape[1] + new_tokens)
-    first = _wall(lambda: decoder.generate(prompt_BS, new_tokens))  # captures the step's graph
-    return statistics.median(decoder.generate(prompt_BS, new_tokens).ms_per_token for _ in range(repeats)), first
 
 
 def active_bytes(config, dtype: torch.dtype) -> int:
@@ -197,8 +181,7 @@ def results_table(rows: list[DecodeRow]) -> str:
     headers = ["model", "B"]
     for cache in caches:
         headers += [f"stock {cache} ms", f"occult {cache} ms", f"occult {cache} tok/s"]
-    instead = [cache for cache in caches if cache != "graph"]  # what a user runs instead: generate() itself
-    headers += [f"occult {c} vs stock {s}" for c in caches for s in instead]
+    headers += [f"occult {c} vs stock {s}" for c in caches for s in caches]
     lines = []
     for model, batch in sorted({(r.model, r.batch) for r in rows}):
         line = [model, batch]
@@ -207,7 +190,7 @@ def results_table(rows: list[DecodeRow]) -> str:
             line += [f"{stock.ms_per_step:.2f}", f"{occult.ms_per_step:.2f}", f"{batch * 1e3 / occult.ms_per_step:.0f}"]
         line += [
             f"{by[(model, batch, 'stock', s)].ms_per_step / by[(model, batch, 'occult', c)].ms_per_step:.1f}x"
-            for c in caches for s in instead
+            for c in caches for s in caches
         ]  # fmt: skip
         lines.append(line)
     return markdown_table(headers, lines)
@@ -227,7 +210,7 @@ def plot(rows: list[DecodeRow], floors_ms: dict[str, float], path: Path) -> None
     for ax, model in zip(axes[0], models):
         for implementation, cache in dict.fromkeys((r.implementation, r.cache) for r in rows if r.model == model):
             line = sorted((r.batch, r.ms_per_step) for r in rows if (r.model, r.implementation, r.cache) == (model, implementation, cache))
-            ax.plot(*zip(*line), marker="o", linestyle="-" if implementation == "occult" else "--", label=f"{implementation}, {CACHE_LABELS[cache]}")
+            ax.plot(*zip(*line), marker="o", linestyle="-" if implementation == "occult" else "--", label=f"{implementation}, generate(), {cache} cache")
         ax.axhline(floors_ms[model], color="grey", linestyle=":", label="floor at batch 1 (memory)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")

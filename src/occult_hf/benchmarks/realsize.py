@@ -18,10 +18,11 @@ parameters; `--layers` shrinks it for dry runs) in bf16, and feeds its own B x S
 
 For each: parameters on this rank, peak memory of the forward+backward, forward and
 forward+backward of `model(input_ids, labels=input_ids).loss` (medians, ranks aligned by a barrier
-before each), and greedy decoding at batch 1 (`--prompt` tokens, then `--new-tokens`) through
-`occult_hf.hf.decode.GreedyDecoder`: a static cache and one CUDA graph per token; under EP the layers
-use the static-capacity dispatcher ("symm_mem" where NVSHMEM serves, else "padded"). The
-replica's tokens and EP's must agree (same weights, same prompt).
+before each), and greedy decoding at batch 1 (`--prompt` tokens, then `--new-tokens`) through transformers'
+`generate(cache_implementation="static")`, which compiles the decoding step and replays it as CUDA graphs
+(`bench decode`'s `time_step`: ms per step from whole generate() calls of N and 1 tokens); under EP the ranks
+decode in lockstep and the compiled step exchanges through static capacities. The replica's tokens and EP's must
+agree (same weights, same prompt).
 
 Why the placement matters here: a randomly initialised model routes very unevenly, and per sequence (the
 tokens of one sequence share a large common component of their hidden states, so the router sends them
@@ -50,6 +51,7 @@ import torch.distributed as dist
 
 from occult_hf.utils.atomic import atomic_write_text
 from occult_hf.utils.tables import markdown_table
+from occult_hf.benchmarks.decode import generate_greedy, time_step
 from occult_hf.benchmarks.ep import max_and_mean, profile_steps, timed
 from occult_hf.benchmarks import measures_a_gpu
 
@@ -76,16 +78,12 @@ class RealRow:
     fwd_ms: float
     fwd_bwd_ms: float
     decode_ms_per_token: float
-    decode_graphed: bool
-    decode_dispatcher: str
     tokens_agree: bool | None = None
 
 
-def measure(model, setup: str, ids_BS, prompt_1P, args, device, decode_with: str | None) -> tuple[RealRow, torch.Tensor]:
-    """Training-step times and memory of `model` as it is, then greedy decoding through the dispatcher
-    `decode_with` (None: no EP, nothing to exchange)."""
-    from occult_hf.hf.decode import GreedyDecoder, use_dispatcher
-
+def measure(model, setup: str, ids_BS, prompt_1P, args, device) -> tuple[RealRow, torch.Tensor]:
+    """Training-step times and memory of `model` as it is, then greedy decoding through the static-cache
+    `generate()`: the row and the decoded tokens."""
     params = sum(p.numel() for p in model.parameters()) / 1e9
 
     def forward():
@@ -103,16 +101,13 @@ def measure(model, setup: str, ids_BS, prompt_1P, args, device, decode_with: str
     fwd_bwd = timed(forward_backward, args.iterations, device)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     fwd = timed(forward, args.iterations, device)
-    with use_dispatcher(model, decode_with) if decode_with else _nothing():
-        decoder = GreedyDecoder(model, 1, prompt_1P.shape[1] + args.new_tokens + 1, graph=None if args.graph else False)
-        result = decoder.generate(prompt_1P, args.new_tokens)
+    decode_ms, _ = time_step(model, prompt_1P, args.new_tokens, "static", args.iterations)
+    tokens = generate_greedy(model, prompt_1P, args.new_tokens, "static")[:, prompt_1P.shape[1] :]
 
     def slowest(value: float) -> float:
         return max_and_mean(value, device)[0]
 
-    row = RealRow(setup, params, slowest(peak), slowest(fwd), slowest(fwd_bwd),
-                  slowest(result.ms_per_token), result.graphed, decode_with or "none")  # fmt: skip
-    return row, result.tokens
+    return RealRow(setup, params, slowest(peak), slowest(fwd), slowest(fwd_bwd), slowest(decode_ms)), tokens
 
 
 def _dispatcher_of(model) -> str:
@@ -236,22 +231,14 @@ def profile_model(model, ids_BS, device) -> str:
     return profile_steps(step, device, warm=False, top=PROFILE_KERNELS)
 
 
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
 def results_table(rows: list[RealRow]) -> str:
-    header = ["setup", "params per GPU", "peak memory", "fwd ms", "fwd+bwd ms", "greedy decode, batch 1", "CUDA graph",
-              "decode dispatcher", "tokens = replica's"]  # fmt: skip
+    header = ["setup", "params per GPU", "peak memory", "fwd ms", "fwd+bwd ms", "greedy decode, batch 1 (static cache)",
+              "tokens = replica's"]  # fmt: skip
     lines = []
     for r in rows:
         agree = "-" if r.tokens_agree is None else ("yes" if r.tokens_agree else "NO")
         lines.append([r.setup, f"{r.params_per_rank:.2f}B", f"{r.peak_gib:.1f} GiB", f"{r.fwd_ms:.1f}", f"{r.fwd_bwd_ms:.1f}",
-                      f"{r.decode_ms_per_token:.2f} ms/token", "yes" if r.decode_graphed else "no", r.decode_dispatcher, agree])  # fmt: skip
+                      f"{r.decode_ms_per_token:.2f} ms/token", agree])  # fmt: skip
     return markdown_table(header, lines)
 
 
@@ -263,7 +250,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens for the decode")
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--no-graph", dest="graph", action="store_false", help="decode without CUDA graphs")
     parser.add_argument("--skip-replica", action="store_true", help="only the EP model (saves memory and time)")
     parser.add_argument(
         "--placements", nargs="+", default=list(PLACEMENTS), choices=PLACEMENTS,
@@ -344,11 +330,10 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.skip_replica:
         setup = "stock transformers, full replica per GPU (no gradient sync timed)"
-        row, replica_tokens = measure(model, setup, ids_BS, prompt_1P, args, device, None)
+        row, replica_tokens = measure(model, setup, ids_BS, prompt_1P, args, device)
         rows.append(row)
         diagnose(setup)
         save()
-    static = "padded" if world > 1 else None  # the NCCL static path first: it needs no NVSHMEM
     for index, (name, placement) in enumerate(placements.items()):
         if index:  # the same weights again (same seed), converted with the next placement
             del model
@@ -362,7 +347,7 @@ def run(args: argparse.Namespace) -> int:
         if rank == 0:
             notes.append(f"Routing under EP, {name} placement (one forward, all ranks' tokens):\n\n{balance_table(balance)}")
         setup = f"occult_hf EP, D={world}, {name} placement (busiest rank {mean_share:.0%} of pairs), dispatcher 'auto' ({_dispatcher_of(model)})"
-        row, tokens = measure(model, setup, ids_BS, prompt_1P, args, device, static)
+        row, tokens = measure(model, setup, ids_BS, prompt_1P, args, device)
         row.tokens_agree = agree(tokens)
         rows.append(row)
         diagnose(setup)
@@ -370,7 +355,7 @@ def run(args: argparse.Namespace) -> int:
         for other in args.dispatchers if world > 1 and index == 0 else []:  # training step and decode through another dispatcher
             try:
                 with use_dispatcher(model, other):
-                    row, tokens = measure(model, f"occult_hf EP, D={world}, {name} placement, dispatcher {other!r}", ids_BS, prompt_1P, args, device, other)
+                    row, tokens = measure(model, f"occult_hf EP, D={world}, {name} placement, dispatcher {other!r}", ids_BS, prompt_1P, args, device)
                 row.tokens_agree = agree(tokens)
                 rows.append(row)
                 save()

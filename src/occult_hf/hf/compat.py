@@ -20,8 +20,6 @@ works; when transformers changes, this is the file to read.
   rank runs at a save or a resume (some of them private: `_save_optimizer_and_scheduler`,
   `_load_from_checkpoint`, ...; `hf.trainer` provides the hooks) and peft's `PeftModel.save_pretrained` /
   `load_adapter` (`hf.peft_support`); `unwrap_when_imported(module, class, names)` puts them back.
-- `cache_keyword(model)`: the keyword a model's forward takes its KV cache by (transformers 5.24 renamed
-  `past_key_values` to `cache`; the old name warns and goes in 5.40, and 5.17 knows only the old one).
 - `static_cache_length(model, args, kwargs)`: the length of the static cache a `generate(*args, **kwargs)` call
   allocates, by generate's own rule (its generation config's `max_length`, or the prompt plus `max_new_tokens`,
   less one; at least `max_cache_len`): EP ranks agree on the longest before they decode in lockstep.
@@ -41,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import inspect
 import sys
 from typing import Any, Callable
 
@@ -233,13 +230,7 @@ def unwrap_methods(owner: type, names) -> None:
             setattr(owner, name, original)
 
 
-# ----- forward keywords -----------------------------------------------------------------------------
-
-
-def cache_keyword(model: torch.nn.Module) -> str:
-    """`"cache"` where the model's forward takes its KV cache by that name (transformers >= 5.24: its
-    `deprecate_kwarg` wrapper keeps the signature, so `inspect` sees the new name), else `"past_key_values"`."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+# ----- generate --------------------------------------------------------------------------------------
 
 
 def static_cache_length(model: torch.nn.Module, args: tuple, kwargs: dict) -> int | None:

@@ -1,9 +1,9 @@
 """Capture a step once as a CUDA graph, the way `torch.cuda.graph` asks for it.
 
 The warm-up runs on a side stream first (lazy initialisation, the caching allocator, Triton's autotuning,
-communicators), so that the capture records only the step's kernels. One helper for the three steps the
-package replays: the greedy decoder's token (`decode.GreedyDecoder`), the load-aware replica rule's
-per-expert tables (`replicas.routing.GraphedRoutes`) and the benchmarks' small-batch rows.
+communicators), so that the capture records only the step's kernels. One helper for the steps the package
+replays: the load-aware replica rule's per-expert tables (`replicas.routing.GraphedRoutes`) and the benchmarks'
+small-batch rows.
 """
 
 from __future__ import annotations
