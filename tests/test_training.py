@@ -213,6 +213,22 @@ def test_occult_train_command_prepares_trains_and_writes_its_files(tmp_path):
         main(["train", "--recipe", "nope", "--out", str(out)])
 
 
+def test_occult_train_compile_flag_reaches_the_recipe(tmp_path, monkeypatch):
+    """`--compile` trains through torch.compile (`Recipe.torch_compile`, which `train` hands to `TrainingArguments`);
+    without it the recipe's own setting stands."""
+    import occult_hf.training
+    from occult_hf.cli import main
+
+    corpus = write_corpus(tmp_path / "corpus", docs=40, lines=(20, 30))
+    trained = []
+    log = dict.fromkeys(("steps", "tokens_seen", "wall_s", "final_loss", "heldout_perplexity", "parameters"))
+    monkeypatch.setattr(occult_hf.training, "train", lambda recipe, data_dir, out: trained.append(recipe) or log)
+    for extra in (["--compile"], []):
+        argv = ["train", "--recipe", "tiny", "--corpus-dir", str(corpus), "--separator", "\\x1e", "--out", str(tmp_path / "ckpt"), *extra]
+        assert main(argv) == 0
+    assert [recipe.torch_compile for recipe in trained] == [True, False]
+
+
 def test_shipped_tiny_checkpoint_is_small_self_describing_and_learned():
     from transformers import AutoTokenizer, OlmoeForCausalLM
 

@@ -50,6 +50,8 @@ def register(subparsers) -> None:
     parser.add_argument("--seed", type=int, help="override the recipe's seed")
     parser.add_argument("--max-steps", type=int, help="override the recipe's steps")
     parser.add_argument("--time-budget", type=float, help="override the recipe's time budget (s)")
+    parser.add_argument("--compile", dest="torch_compile", action="store_true", default=None,
+                        help="train through torch.compile (the recipe's torch_compile): faster on a GPU, not bitwise repeatable")  # fmt: skip
     parser.add_argument("--prepare-only", action="store_true", help="prepare the data and stop")
     parser.set_defaults(func=run)
 
@@ -58,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
     from ..training import PreparedData, get_recipe, prepare_data, train
     from ..training.data import preparation_settings
 
-    overrides = (("seed", args.seed), ("max_steps", args.max_steps), ("time_budget_s", args.time_budget), ("train_domains", args.train_domains))
+    overrides = (("seed", args.seed), ("max_steps", args.max_steps), ("time_budget_s", args.time_budget), ("train_domains", args.train_domains),
+                 ("torch_compile", args.torch_compile))  # fmt: skip
     recipe = get_recipe(args.recipe, **{k: v for k, v in overrides if v is not None})
     data_dir = args.data_dir or os.path.join(args.out, "data")
     if os.path.isfile(os.path.join(data_dir, "data.json")):

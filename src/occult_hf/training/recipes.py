@@ -54,6 +54,11 @@ class Recipe:
     lr_scheduler: str = field(default="cosine", metadata={"help": "transformers scheduler name"})
     time_budget_s: float | None = field(default=None, metadata={"help": "stop training after this many seconds"})
     bf16: bool = field(default=False, metadata={"help": "bf16 mixed precision (GPU)"})
+    torch_compile: bool = field(
+        default=False,
+        metadata={"help": "compile the model for training (TrainingArguments(torch_compile=True)): faster on a GPU after a "
+                  "compile of about a minute, and not bitwise repeatable (inductor picks its kernels by timing them)"},
+    )
     seed: int = field(default=0, metadata={"help": "seed of the weights, the data order and the held-out sample"})
 
     def __post_init__(self) -> None:

@@ -201,6 +201,7 @@ def train(
         seed=recipe.seed,
         data_seed=recipe.seed,
         bf16=recipe.bf16 and use_cuda,
+        torch_compile=recipe.torch_compile,
         use_cpu=not use_cuda,
         dataloader_num_workers=0,
         disable_tqdm=not progress_enabled(progress),
