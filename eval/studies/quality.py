@@ -30,8 +30,8 @@ until it reports every variant done. A study that outlives its machine goes on o
 bitwise repeatable (deterministic algorithms), so the next machine trains the same base model again, and
 `--earlier OUT/quality_results.json` takes the variants the first machine finished (matched by a SHA-256
 of the base job's outputs, `base_fingerprint`). A study that fits one machine's lease can pre-train with PyTorch's
-default kernels instead, compiled (`--default-kernels`: about 1.35x faster, and `torch.compile` 1.28x on top, not
-repeatable, so every variant runs on that machine; `base_kernels` in the results says which). Each run writes, in OUT, `quality_results.json` (every result in
+default kernels instead (`--default-kernels`: about 1.35x faster, not repeatable, so every variant runs on that
+machine; `base_kernels` in the results says which). Each run writes, in OUT, `quality_results.json` (every result in
 WORK so far), `loss_curve.png`, `profiles_train.tar.gz` and `profiles_heldout.tar.gz` (the transfer
 study's profiles), `placements.tar.gz`, `tasks.tar.gz` (the task files) and `logs.tar.gz`, then exits 0 when every variant is done, 2 when
 some are left for another run, 1 when a job failed or stalled.
@@ -170,7 +170,7 @@ def base_job(data_dir: Path, work: Path, size: str, deterministic: bool = True) 
     if not done["tasks"]:  # first: a machine where lm-eval cannot load them fails in seconds, not after pre-training
         build_tasks(data_dir, work / "tasks", settings(size)["mc_items"])
     if not done["pretrain"]:
-        pretrain(data_dir, work, size, compiled=not deterministic)
+        pretrain(data_dir, work, size)
     if not done["profiles"]:
         profile_and_plan(data_dir, work, size)
 
@@ -221,15 +221,12 @@ def base_fingerprint(work: Path) -> str:
     return mark.read_text().strip()
 
 
-def pretrain(data_dir: Path, work: Path, size: str, compiled: bool) -> None:
-    """Pre-train the base model; `compiled`: through `torch.compile` (`Recipe.torch_compile`: 1.28x the step on the H200,
-    docs/quality.md; not bitwise repeatable, so only with PyTorch's default kernels)."""
+def pretrain(data_dir: Path, work: Path, size: str) -> None:
     from occult_hf.training import train
 
-    recipe = study_recipe(size).replace(torch_compile=compiled)
-    print(f"[base] pre-training recipe {recipe.name}{', compiled' if compiled else ''}", flush=True)
+    print(f"[base] pre-training recipe {study_recipe(size).name}", flush=True)
     # checkpoints: a pre-training cut by a call's deadline resumes in the next call on the same machine, to the same weights
-    log = train(recipe, data_dir, work / "base", eval_tokens=settings(size)["eval_tokens"], progress=True,
+    log = train(study_recipe(size), data_dir, work / "base", eval_tokens=settings(size)["eval_tokens"], progress=True,
                 checkpoint_steps=settings(size)["pretrain_checkpoint_steps"])
     print(json.dumps({k: log[k] for k in ("steps", "tokens_seen", "wall_s", "final_loss", "heldout_perplexity")}), flush=True)
 
@@ -677,9 +674,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="an earlier run's quality_results.json (another machine's): its variants join this run's when both "
                              "trained the same base model (repeatable; checked by its fingerprint); repeatable")
     parser.add_argument("--default-kernels", action="store_true",
-                        help="pre-train with PyTorch's default kernels, compiled: about 1.35x faster than the deterministic ones "
-                             "and 1.28x from torch.compile, but not repeatable, so every variant must run on this machine (no "
-                             "--earlier from another)")
+                        help="pre-train with PyTorch's default kernels: about 1.35x faster than the deterministic ones, but not "
+                             "repeatable, so every variant must run on this machine (no --earlier from another)")
     parser.add_argument("--stage", choices=["base", "variants"], default=None, help="(internal) one job")
     parser.add_argument("--names", default="", help="(internal) the variants of this worker")
     args = parser.parse_args(argv)
