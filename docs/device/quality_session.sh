@@ -2,9 +2,8 @@
 # The whole quality study (issue 34) as ONE run on one H200 that outlives the device tool's 10-minute calls:
 #   call 1:   bash docs/device/quality_session.sh start     carry [".devdata/pack", ".whl"]
 #   call 2..: bash docs/device/quality_session.sh wait      issued as soon as the last returns (the machine stays held
-#                                                           30 s after a call; a released machine ends the run: on
-#                                                           2026-12-03 a gap on our side lost a run 10 minutes in, so
-#                                                           put nothing, no tool call, no edit, between the calls)
+#                                                           30 s after a call; a released machine ends the run, so
+#                                                           nothing, no other tool call, goes between the calls)
 # `start` copies what the run reads into $RUN (the checkout's scripts and package, the wheels, the data archive: the
 # tool copies the checkout again at every call, under a running script), starts docs/quality_h200.sh in a process
 # session of its own (setsid: the tool ends a call's other processes when the call returns) with its own OUT and WORK
