@@ -159,6 +159,25 @@ def test_tiny_recipe_trains_profiles_and_evaluates(trained, prepared):
     assert removed_weight(*routing[0], placement.device_of(0), 8, 4) == (0.0, 0.0)  # N_d = k: nothing pruned
 
 
+def test_trainer_steps_do_not_wait_for_the_loss_on_the_host(prepared, tmp_path, monkeypatch):
+    """`train` leaves the host free to run ahead of the GPU: Trainer's loop does not test the loss's truth value after
+    every step (its `logging_nan_inf_filter` asks `torch.isnan(loss) or torch.isinf(loss)`: a host read, so a wait
+    for the GPU, at every step)."""
+    import sys
+
+    truth_tests = []
+    original = torch.Tensor.__bool__
+
+    def counted(self):
+        if sys._getframe(1).f_code.co_filename.endswith("transformers/trainer.py"):
+            truth_tests.append(sys._getframe(1).f_lineno)
+        return original(self)
+
+    monkeypatch.setattr(torch.Tensor, "__bool__", counted)
+    log = train(get_recipe("tiny", **TINY), prepared, tmp_path / "out", eval_tokens=256, progress=False, save=False)
+    assert log["steps"] == 3 and truth_tests == []
+
+
 def test_a_cut_run_resumes_from_its_checkpoint_to_the_uninterrupted_runs_weights(prepared, tmp_path):
     """`checkpoint_steps`: a run stopped after its step-2 checkpoint, run again, ends bit for bit where one run does."""
     from transformers import OlmoeForCausalLM, TrainerCallback

@@ -89,6 +89,8 @@ def _time_budget_callback(schedule: _Schedule, budget_s: float | None, probe_ste
         def on_step_end(self, args, state, control, **kwargs):
             if budget_s is None:
                 return
+            if state.global_step in (1, 1 + probe_steps) and torch.cuda.is_available():
+                torch.cuda.synchronize()  # the host runs ahead of the GPU: time the steps the GPU has done
             if state.global_step == 1:
                 self.start = time.perf_counter()  # after the first (compiling, warming) step
             elif state.global_step == 1 + probe_steps:
@@ -202,6 +204,9 @@ def train(
         data_seed=recipe.seed,
         bf16=recipe.bf16 and use_cuda,
         torch_compile=recipe.torch_compile,
+        # the filter reads the loss on the host after every step (`torch.isnan(loss) or ...`), so the host waits for the
+        # GPU at every step; a NaN loss is then logged as NaN, and the weights are the same
+        logging_nan_inf_filter=False,
         use_cpu=not use_cuda,
         dataloader_num_workers=0,
         disable_tqdm=not progress_enabled(progress),
