@@ -39,13 +39,14 @@ def _moe_blocks_under_no_host_sync(model):
 
 
 def _static_generate(model, prompt_BS, new_tokens=NEW_TOKENS):
-    """Greedy tokens of `generate(cache_implementation="static")` (exactly `new_tokens`, as `_generate`), every MoE block checked for host reads: the tokens, and True or the `HostSyncError`'s text."""
+    """Exactly `new_tokens` greedy tokens of `generate(cache_implementation="static")`, every MoE block checked for host
+    reads: the tokens, and True or the `HostSyncError`'s text."""
+    from occult_hf.benchmarks.decode import generate_greedy
     from occult_hf.hf.decode import HostSyncError
 
     try:
         with _moe_blocks_under_no_host_sync(model):
-            tokens = model.generate(prompt_BS, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                    cache_implementation="static", output_router_logits=False)  # fmt: skip
+            tokens = generate_greedy(model, prompt_BS, new_tokens, "static")
     except HostSyncError as error:
         return None, str(error)
     return tokens[:, prompt_BS.shape[1] :], True
@@ -53,8 +54,9 @@ def _static_generate(model, prompt_BS, new_tokens=NEW_TOKENS):
 
 def _generate(model, prompt_BS, new_tokens=NEW_TOKENS):
     """The stock model's greedy tokens through transformers' default dynamic-cache `generate()` (same stopping rule)."""
-    tokens = model.generate(prompt_BS, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, output_router_logits=False)
-    return tokens[:, prompt_BS.shape[1] :]
+    from occult_hf.benchmarks.decode import generate_greedy
+
+    return generate_greedy(model, prompt_BS, new_tokens, "dynamic")[:, prompt_BS.shape[1] :]
 
 
 def test_no_host_sync_catches_host_reads():
@@ -100,19 +102,6 @@ def test_the_host_read_check_sees_a_moe_block_that_reads_the_host(monkeypatch):
     assert "reads a device value on the host" in sync_free
 
 
-def _ep_world(rank, world):
-    from occult_hf import apply_occult
-    from occult_hf.hf.decode import use_dispatcher
-
-    model = tiny_model("olmoe").eval()
-    prompts = torch.randint(0, model.config.vocab_size, (world, 1, 4), generator=torch.Generator().manual_seed(1))
-    expected = _generate(model, prompts[rank])
-    apply_occult(model)
-    with use_dispatcher(model, "padded"):
-        tokens, sync_free = _static_generate(model, prompts[rank])
-    return tokens is not None and torch.equal(tokens, expected), sync_free
-
-
 def test_use_dispatcher_keeps_the_layers_replica_choice_and_pin_slack(monkeypatch):
     """The decode's dispatcher routes replicated experts as the layer's own: same `replica_choice` and pin slack
     (before, it fell back to the static rule and the default slack)."""
@@ -136,18 +125,20 @@ def test_use_dispatcher_keeps_the_layers_replica_choice_and_pin_slack(monkeypatc
         assert layout is layer.layout
 
 
-def _ep_static_generate(rank, world):
+def _ep_static_generate(rank, world, batch, lengths):
+    """Rank r decodes `lengths[r]` = (prompt length, new tokens) of its own prompts on the "padded" dispatcher: whether
+    its tokens equal the one-process stock model's, and True or the host read its MoE blocks made."""
     from occult_hf import apply_occult
     from occult_hf.hf.decode import use_dispatcher
 
     model = tiny_model("olmoe").eval()
-    prompt_length, new_tokens = (5, NEW_TOKENS) if rank == 0 else (3, 2)
-    prompt = torch.randint(0, model.config.vocab_size, (2, prompt_length), generator=torch.Generator().manual_seed(rank))
+    prompt_length, new_tokens = lengths[rank]
+    prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_length), generator=torch.Generator().manual_seed(rank))
     expected = _generate(model, prompt, new_tokens)
     apply_occult(model)
     with use_dispatcher(model, "padded"):
         tokens, sync_free = _static_generate(model, prompt, new_tokens)
-    return sync_free is True and torch.equal(tokens, expected)
+    return tokens is not None and torch.equal(tokens, expected), sync_free
 
 
 @pytest.mark.world_size(2)
@@ -155,9 +146,9 @@ def test_static_cache_generate_under_ep_with_different_lengths_per_rank():
     """Ranks with different prompt lengths and token counts decode in lockstep with transformers' static cache on
     the static-capacity dispatcher: each gets its own greedy tokens (the rank that stops first keeps stepping for
     the other, so every rank's cache is sized for the longest; before, its cache overflowed in transformers)."""
-    assert run_world(_ep_static_generate, 2) == [True, True]
+    assert run_world(_ep_static_generate, 2, 2, [(5, NEW_TOKENS), (3, 2)]) == [(True, True), (True, True)]
 
 
 @pytest.mark.world_size(2)
 def test_static_generate_under_ep_padded_dispatcher():
-    assert run_world(_ep_world, 2) == [(True, True), (True, True)]
+    assert run_world(_ep_static_generate, 2, 1, [(4, NEW_TOKENS)] * 2) == [(True, True), (True, True)]
