@@ -9,8 +9,8 @@
 # session of its own (setsid: the tool ends a call's other processes when the call returns) with its own OUT and WORK
 # in $RUN, DEFAULT_KERNELS=1 and BUDGET (default 1500 s, the run's own deadline), then waits as `wait` does.
 # `wait` prints the run's pipeline lines as they come, for WAIT seconds (default 560), and exits 3 while the run goes
-# on; once the run has ended it copies the run's outputs (quality_results.json and the six archives and plots) and its
-# log into $OUT and exits with the run's status (0: every variant done, 2: some left, 1: a failure).
+# on (with a snapshot of the results so far, so_far.tar.gz); once the run has ended it copies the run's outputs
+# (quality_results.json and the six archives and plots) and its log into $OUT and exits with the run's status (0: every variant done, 2: some left, 1: a failure).
 # Env passed on to the run: BUDGET, DEFAULT_KERNELS (default 1; 0 for the repeatable base job), SIZE, DATA (with SIZE=micro
 # a CPU check: NO_INSTALL=1 NO_MPS=1 DATA=... SIZE=micro OUT=/tmp/o bash docs/device/quality_session.sh start).
 set -u
@@ -45,7 +45,12 @@ while [ ! -f "$RUN/status" ] && [ $SECONDS -lt "$end" ]; do
 done
 show
 if [ ! -f "$RUN/status" ]; then
-  echo "still running at $(date -u +%H:%M:%S): call wait again"
+  # what the run has so far (the variants' results, the base job's log, plans, tasks, logs; no weights), so that a
+  # machine released before the run's end does not lose it all
+  (cd "$RUN" && find work/variants work/base/train_log.json work/base/fingerprint.txt work/base.json work/base_kernels.txt \
+    work/placement_d*.json work/tasks/tasks.json work/logs -maxdepth 1 -type f 2>/dev/null | tar czf "$OUT/so_far.tar.gz" -T -)
+  cp "$RUN/log.txt" "$OUT/run_log_so_far.txt"
+  echo "still running at $(date -u +%H:%M:%S): call wait again ($OUT/so_far.tar.gz: the results so far)"
   exit 3
 fi
 cp "$RUN"/out/* "$OUT"/ 2>/dev/null
