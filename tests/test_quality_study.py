@@ -122,11 +122,14 @@ def test_run_jobs_starts_a_job_only_where_its_gpu_memory_fits(tmp_path):
 
 def test_a_job_needs_as_long_as_the_longest_variant_of_its_kind_took(tmp_path):
     """The time a job needs left to start is learnt from the work directory's results, per kind, above or below the
-    size's figure, which serves until a variant of the kind finished; a failed variant's time does not count."""
+    size's figure, which serves until a variant of the kind finished; a failed variant's time does not count. The
+    estimate is made when the job could start, so a run learns from the variants it finished itself."""
     from occult_hf.eval.studies.quality import JOB_START_S, pack_jobs, variant_need_s
 
     results = tmp_path / "variants"
     results.mkdir()
+    jobs = pack_jobs(["plain-s2", "noft-d4-router-1"], ["-m", "x"], tmp_path, "study")
+    assert [j.time_needed() for j in jobs] == [JOB_START_S + 110.0, JOB_START_S + 50.0]  # nothing measured yet
     for name, tuned, wall, error in (("plain-s0", True, 170.0, None), ("plain-s1", True, 150.0, None),
                                      ("noft-d4-router-2", False, 100.0, None), ("d4-router-2-s0", True, 900.0, "oom")):
         (results / f"{name}.json").write_text(json.dumps({"fine_tuned": tuned, "wall_s": wall, **({"error": error} if error else {})}))
@@ -134,10 +137,20 @@ def test_a_job_needs_as_long_as_the_longest_variant_of_its_kind_took(tmp_path):
     assert variant_need_s(tmp_path, False, 40.0) == 100.0
     assert variant_need_s(tmp_path, False, 200.0) == 100.0  # measured shorter than the size's figure: the measurement
     assert variant_need_s(tmp_path / "fresh", True, 120.0) == 120.0  # nothing measured yet: the size's figure
-    jobs = pack_jobs(["plain-s2", "noft-d4-router-1"], ["-m", "x"], tmp_path, "study")
-    assert [j.min_time_s for j in jobs] == [JOB_START_S + 170.0, JOB_START_S + 100.0]  # the study size's 135 s gives way
-    fresh = pack_jobs(["plain-s2", "noft-d4-router-1"], ["-m", "x"], tmp_path / "fresh", "study")
-    assert [j.min_time_s for j in fresh] == [JOB_START_S + 165.0, JOB_START_S + 135.0]
+    assert [j.time_needed() for j in jobs] == [JOB_START_S + 170.0, JOB_START_S + 100.0]  # the same jobs, learnt since
+    pairs = pack_jobs(["plain-s2", "d4-router-2-s1"], ["-m", "x"], tmp_path, "study")
+    assert [j.time_needed() for j in pairs] == [JOB_START_S + 2 * 170.0]
+
+
+def test_run_jobs_asks_a_job_for_the_time_it_needs_when_it_could_start(tmp_path):
+    """A job whose estimate grows while it waits for a slot is left for lack of time; one whose estimate shrinks
+    starts."""
+    needs = {"grows": 0.0, "shrinks": 100.0}
+    first = _job(tmp_path, "first", "import time; time.sleep(0.6); print(1)")
+    waiting = [_job(tmp_path, name, "print(1)", min_time_s=lambda n=name: needs[n]) for name in needs]
+    needs.update(grows=100.0, shrinks=0.0)  # what the first job's result would teach
+    outcomes = run_jobs([first, *waiting], [None], deadline=time.time() + 30, stall_s=30.0, poll_s=0.1)
+    assert [o.status for o in outcomes] == ["done", "not_started", "done"]
 
 
 # ----- the variants ----------------------------------------------------------------------------------

@@ -9,8 +9,8 @@ everything, with no word of which job stalled. `run_jobs` replaces that wait:
 - a job whose log has not grown for `stall_s` seconds is killed and reported `stalled`, with the
   phase it was in (its last log line);
 - at `deadline` every running job is killed and reported `cut`; a job is not started when the time
-  left is below its `min_time_s` (reported `not_started`), so the caller always gets its results
-  back before an outer time limit;
+  left is below its `min_time_s` (reported `not_started`; a function gives an estimate that learns from the
+  jobs finished so far), so the caller always gets its results back before an outer time limit;
 - jobs run `slots` at a time, each slot pinned to one GPU (`CUDA_VISIBLE_DEVICES`) or to none (CPU);
 - given each GPU's memory (`capacity_gib`), a job starts only where the memory the running jobs on that GPU
   hold at their peak (`Job.memory_gib`) leaves room for its own: a slot count alone puts as many of the
@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,8 +40,14 @@ class Job:
     name: str = field(metadata={"help": "the job's name in status lines and outcomes"})
     argv: list[str] = field(metadata={"help": "arguments after `python` (e.g. ['-m', 'pkg.mod', '--x', '1'])"})
     log: Path = field(metadata={"help": "file receiving the job's stdout and stderr (appended)"})
-    min_time_s: float = field(default=0.0, metadata={"help": "do not start when less time is left before the deadline"})
+    min_time_s: float | Callable[[], float] = field(
+        default=0.0, metadata={"help": "do not start when less time is left before the deadline: seconds, or a function asked "
+                                       "when the job could start (an estimate that learns from the jobs finished by then)"})  # fmt: skip
     memory_gib: float = field(default=0.0, metadata={"help": "GPU memory the job's process holds at its peak (with `capacity_gib`)"})
+
+    def time_needed(self) -> float:
+        """Seconds this job needs left before the deadline to start, now."""
+        return self.min_time_s() if callable(self.min_time_s) else self.min_time_s
 
 
 @dataclass
@@ -164,7 +171,7 @@ def run_jobs(
         for job in list(pending):  # in order; a job that does not fit (memory) lets the ones behind it try
             if not free:
                 break
-            if deadline - now < job.min_time_s:
+            if deadline - now < job.time_needed():
                 pending.remove(job)
                 outcomes[job.name] = JobOutcome(job.name, "not_started")
                 continue

@@ -53,6 +53,7 @@ import shutil
 import sys
 import tarfile
 import time
+from functools import partial
 from pathlib import Path
 
 from occult_hf.utils.atomic import atomic_path, atomic_write_json, atomic_write_text
@@ -86,7 +87,7 @@ SIZES = {
               "device_limits": {4: (1, 2, 3), 8: (1, 2, 3, 4)}, "modes": MODES, "seeds": (0, 1, 2),
               "ft_steps": 60, "ft_batch": 32, "ft_lr": 3e-4, "eval_tokens": 32_768, "profile_tokens": 32_768,
               "drift_tokens": 16_384, "mc_items": 600, "mc_batch": 64,
-              "per_job": (2, 3), "min_job_s": (165.0, 135.0), "slots": 10, "job_gib": (20.0, 4.0)},
+              "per_job": (2, 3), "min_job_s": (110.0, 50.0), "slots": 10, "job_gib": (20.0, 4.0)},
     # the tiny recipe on the real corpus, on a CPU: a study in minutes (not the study: a check of it)
     "cpu": {"recipe": "tiny", "pretrain": {}, "pretrain_checkpoint_steps": None,
             "device_limits": {4: (1, 2)}, "modes": MODES, "seeds": (0, 1),
@@ -457,33 +458,40 @@ JOB_START_S = 20.0
 def variant_need_s(work: Path, fine_tuned: bool, unmeasured_s: float) -> float:
     """Seconds one variant of this kind needs: the longest one of its kind took in `work`, `unmeasured_s` until one did.
 
-    Workers share a GPU, so a variant takes as long as its neighbours let it: what this work directory measured
-    (read when the jobs are packed, at a call's start) is the best guess, above or below the size's figure (the
-    `study` size's is what an H200 shared by nine workers on time slices measured, 159-164 s a fine-tune and up to
-    131 s a variant without one; under MPS it was not measured). Starting only what the time left can finish lets
-    a call end early instead of spending its last minutes on work that the deadline throws away.
+    Workers share a GPU, so a variant takes as long as its neighbours let it: what this work directory measured (read
+    each time a job could start, so a run learns from its own first variants) is the best guess, above or below the
+    size's figure (the `study` size's is what one H200 under CUDA MPS measured with nine workers on 2026-12-03: 62-102 s
+    a fine-tune, 21-45 s a variant without one). Starting only what the time left can finish lets a call end early
+    instead of spending its last minutes on work that the deadline throws away.
     """
     walls = [result.get("wall_s", 0.0) for path in (work / "variants").glob("*.json")
              if "error" not in (result := json.loads(path.read_text())) and bool(result.get("fine_tuned")) == fine_tuned]  # fmt: skip
     return max(walls) if walls else unmeasured_s
 
 
+def job_need_s(work: Path, fine_tuned: bool, variants: int, unmeasured_s: float) -> float:
+    """Seconds a worker job of `variants` variants of one kind needs left before the deadline to start: its own start
+    and `variant_need_s` per variant."""
+    return JOB_START_S + variants * variant_need_s(work, fine_tuned, unmeasured_s)
+
+
 def pack_jobs(names: list[str], common: list[str], work: Path, size: str) -> list[Job]:
     """The worker jobs of `names` (in order): `per_job` fine-tunes, or variants without fine-tuning, each.
 
-    A job does not start with less time left than its variants need (`variant_need_s`) and its start.
+    A job does not start with less time left than `job_need_s`, estimated when its slot frees up.
     """
     s = settings(size)
-    need_s = {tuned: variant_need_s(work, tuned, s["min_job_s"][0 if tuned else 1]) for tuned in (True, False)}
     jobs, group = [], []
     for i, name in enumerate(names):
         group.append(name)
         tuned = Variant.parse(name).fine_tuned
         last = i + 1 == len(names) or Variant.parse(names[i + 1]).fine_tuned != tuned
         if last or len(group) == s["per_job"][0 if tuned else 1]:
+            kind = 0 if tuned else 1
             label = group[0] if len(group) == 1 else f"{group[0]}+{len(group) - 1}"
             jobs.append(Job(label, [*common, "--stage", "variants", "--names", ",".join(group)], work / "logs" / f"{label}.txt",
-                            min_time_s=JOB_START_S + len(group) * need_s[tuned], memory_gib=s["job_gib"][0 if tuned else 1]))  # fmt: skip
+                            min_time_s=partial(job_need_s, work, tuned, len(group), s["min_job_s"][kind]),
+                            memory_gib=s["job_gib"][kind]))  # fmt: skip
             group = []
     return jobs
 
