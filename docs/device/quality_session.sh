@@ -10,7 +10,8 @@
 # in $RUN, DEFAULT_KERNELS=1 and BUDGET (default 1500 s, the run's own deadline), then waits as `wait` does.
 # `wait` prints the run's pipeline lines as they come, for WAIT seconds (default 560), and exits 3 while the run goes
 # on (with a snapshot of the results so far, so_far.tar.gz); once the run has ended it copies the run's outputs
-# (quality_results.json and the six archives and plots) and its log into $OUT and exits with the run's status (0: every variant done, 2: some left, 1: a failure).
+# (quality_results.json and the six archives and plots) and its log into $OUT and exits with the run's status (0: every
+# variant done, 2: some left, 1: a failure).
 # Env passed on to the run: BUDGET, DEFAULT_KERNELS (default 1; 0 for the repeatable base job), SIZE, DATA (with SIZE=micro
 # a CPU check: NO_INSTALL=1 NO_MPS=1 DATA=... SIZE=micro OUT=/tmp/o bash docs/device/quality_session.sh start).
 set -u
