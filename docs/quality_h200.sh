@@ -1,5 +1,5 @@
 #!/bin/bash
-# The quality study of issue 34 on one H200 (docs/quality.md, "Next run"): the same command for every device call.
+# The quality study of issue 34 on one H200 (docs/quality.md, "How the study of the stronger model runs on one H200"): the same command for every device call.
 #   bash docs/quality_h200.sh
 # from the checkout's root, with carry=[".devdata/pack", ".whl"]: the prepared data of the study_long recipe
 # (occult train --prepare-only, without its hf_cache/) as one archive, .devdata/pack/study_long_data.tgz (14 MB; the

@@ -82,7 +82,7 @@ MC_SEED = 0
 #: (fine-tunes, variants without fine-tuning) the GPU memory one worker process holds at its peak, which
 #: decides how many share a GPU (`run_jobs`' `capacity_gib`).
 SIZES = {
-    # one H200 (docs/quality.md, "Next run"): the study_long recipe, D=4 and D=8, 3 seeds
+    # one H200 (docs/quality.md, the stronger model): the study_long recipe, D=4 and D=8, 3 seeds
     "study": {"recipe": "study_long", "pretrain": {}, "pretrain_checkpoint_steps": 300,
               "device_limits": {4: (1, 2, 3), 8: (1, 2, 3, 4)}, "modes": MODES, "seeds": (0, 1, 2),
               "ft_steps": 60, "ft_batch": 32, "ft_lr": 3e-4, "eval_tokens": 32_768, "profile_tokens": 32_768,
@@ -612,7 +612,7 @@ def pipeline(data: Path, work: Path, out: Path, size: str, budget_s: float, stal
     try:
         import occult_hf.eval  # noqa: F401  (every variant is scored through lm-eval: fail now, not after pre-training)
     except ImportError as error:
-        raise SystemExit(f"quality study: {error} (on a machine without them, carry their wheels: docs/quality.md, 'Next run')") from error
+        raise SystemExit(f"quality study: {error} (on a machine without them, carry their wheels: docs/quality.md, 'Before the device calls')") from error
     from occult_hf.training import PreparedData
 
     PreparedData(data)  # a directory that is not prepared data is an error naming it, before any job starts
