@@ -178,6 +178,23 @@ def test_trainer_steps_do_not_wait_for_the_loss_on_the_host(prepared, tmp_path, 
     assert log["steps"] == 3 and truth_tests == []
 
 
+def test_trainer_moves_each_batch_to_the_device_without_waiting(prepared, tmp_path, monkeypatch):
+    """A blocking host-to-device copy synchronises the stream, so the host would wait for the GPU's previous step
+    before enqueueing the next one: `train` has accelerate move every batch with `non_blocking=True`."""
+    import accelerate.data_loader
+
+    flags = []
+    original = accelerate.data_loader.send_to_device
+
+    def recorded(tensor, device, non_blocking=False, **kwargs):
+        flags.append(non_blocking)
+        return original(tensor, device, non_blocking=non_blocking, **kwargs)
+
+    monkeypatch.setattr(accelerate.data_loader, "send_to_device", recorded)
+    log = train(get_recipe("tiny", **TINY), prepared, tmp_path / "out", eval_tokens=256, progress=False, save=False)
+    assert log["steps"] == 3 and len(flags) >= 3 and all(flags)
+
+
 def test_a_cut_run_resumes_from_its_checkpoint_to_the_uninterrupted_runs_weights(prepared, tmp_path):
     """`checkpoint_steps`: a run stopped after its step-2 checkpoint, run again, ends bit for bit where one run does."""
     from transformers import OlmoeForCausalLM, TrainerCallback

@@ -207,6 +207,9 @@ def train(
         # the filter reads the loss on the host after every step (`torch.isnan(loss) or ...`), so the host waits for the
         # GPU at every step; a NaN loss is then logged as NaN, and the weights are the same
         logging_nan_inf_filter=False,
+        # a blocking copy of a batch to the GPU synchronises the stream, so the host would wait for the previous step
+        # to end before it enqueues the next; the batches are pinned (Trainer's default), so they copy without waiting
+        accelerator_config={"non_blocking": True},
         use_cpu=not use_cuda,
         dataloader_num_workers=0,
         disable_tqdm=not progress_enabled(progress),
