@@ -63,7 +63,6 @@ if [ -z "${NO_MPS:-}" ] && command -v nvidia-cuda-mps-control >/dev/null; then
     echo "CUDA MPS: not serving (time slices)"
   fi
 fi
-python3 -c "import torch, transformers, pyarrow, datasets, lm_eval, occult_hf.eval; print('torch', torch.__version__, 'transformers', transformers.__version__, 'pyarrow', pyarrow.__version__, 'datasets', datasets.__version__, 'lm_eval', lm_eval.__version__)" || exit 1
 # the default budget (header): 540 s while the base job is to run, 480 s once it is done
 if [ -z "${BUDGET:-}" ]; then
   python3 -c "import sys; from pathlib import Path; from occult_hf.eval.studies.quality import base_done; sys.exit(not base_done(Path(sys.argv[1])))" "$WORK" \

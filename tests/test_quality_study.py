@@ -252,6 +252,7 @@ def test_micro_pipeline_runs_every_variant_through_lm_eval(micro_run):
         assert (out / name).is_file(), name
     results = json.loads((out / "quality_results.json").read_text())
     assert results["missing"] == [] and results["problems"] == [] and results["base_kernels"] == "deterministic"
+    assert set(results["software"]) == {"torch", "transformers", "pyarrow", "datasets", "lm_eval"}
     assert results["tasks"]["items"] == {"occ_nextline_code": 8, "occ_cloze_code": 8, "occ_nextline_docs": 8}
     rows = {v["variant"]: v for v in results["variants"]}
     assert sorted(rows) == sorted(["plain-s0", "plain-s1", "d4-router-2-s0", "d4-router-2-s1", "base", "noft-d4-router-2"])
