@@ -1,15 +1,14 @@
 #!/bin/bash
-# The quality study of issue 34 on one H200 (docs/quality.md, "How the study of the stronger model runs on one H200"): the same command for every device call.
+# The quality study of issue 34 on one H200 (docs/quality.md, "How the study of the stronger model runs"): the same
+# command for every device call.
 #   bash docs/quality_h200.sh
 # from the checkout's root, with carry=[".devdata/pack", ".whl"]: the prepared data of the study_long recipe
 # (occult train --prepare-only, without its hf_cache/) as one archive, .devdata/pack/study_long_data.tgz (14 MB; the
 # 29 MB directory with the wheels and the repository passed the device tool's 64 MiB), unpacked here when DATA is
 # absent, and the wheels of lm-eval 0.4.13, datasets 5.2.0, dill 0.4.1 and multiprocess 0.70.19, which the machine's
-# image lacks. Each call runs the pipeline for BUDGET seconds (default 480
-# once the work directory's base job is done: the packages' install takes about 25 s before it and collecting and
-# archiving the variants' outputs about 70 s after it, so 540 overran the device tool's 600 s limit on 2026-12-02;
-# 540 while the base job is to run: it took 482 s (pre-training 455 s) on 2026-12-02, and 480 cut it at step 1,253 of
-# 1,300; its outputs archive in seconds); the work directory (WORK, default out/quality_work: an
+# image lacks. Each call runs the pipeline for BUDGET seconds (default 540 while the base job is to run, 480 once it is
+# done: the installs take about 25 s before the pipeline, and the pre-training with deterministic kernels 455-494 s of
+# the base job); the work directory (WORK, default out/quality_work: an
 # ignored path, so it stays on the machine between calls while
 # the machine is held) lets the next call resume: the base job once (a pre-training the deadline cut goes on from its
 # last checkpoint, every 300 steps), then the variants not yet done. The call prints
