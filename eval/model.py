@@ -43,6 +43,7 @@ from occult_hf.utils.logging import get_logger
 from occult_hf.utils.progress import progress_enabled
 
 from .lockstep import ForwardLockstep
+from .scoring import score_requests
 
 logger = get_logger(__name__)
 
@@ -259,6 +260,13 @@ class OccultHFLM(HFLM):
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
         with lockstep_managed_by_caller(self.model):
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
+        """HFLM's scoring with one host read per batch instead of four per request (`scoring.score_requests`); HFLM's
+        own for what that does not cover (an `auto` batch size)."""
+        if self.backend != "causal" or not isinstance(self.batch_size, int) or override_bs is not None:
+            return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
+        return score_requests(self, requests, disable_tqdm=disable_tqdm)
 
     # ----- lm-eval's request bars follow HF's progress-bar switches (and `occult eval --no-progress`) -----
     def loglikelihood(self, requests, disable_tqdm: bool = False):

@@ -509,6 +509,64 @@ def test_batch_size_is_honoured(assets, local_task_manager):
     assert max(sizes["occult-hf", BATCH_SIZE]) == BATCH_SIZE and set(sizes["occult-hf", 1]) == {1}
 
 
+def test_occult_hf_scores_a_batch_with_one_host_read_and_the_right_answers(assets):
+    """`occult-hf` scores all requests of a batch on the device and reads them back once (`eval/scoring.py`), where
+    HFLM reads four times per request. Its answers equal one forward per request, and HFLM's own loop on the same
+    batches, for requests that share an input (HFLM's one-token-continuation cache), that lm-eval truncates from the
+    left, that are the model's greedy continuation, and of mixed lengths. One case differs from HFLM, where HFLM is
+    wrong: a cached request whose continuation is shorter than its group's longest (a shorter context with the same
+    tokens) is scored by HFLM at the group's first continuation positions instead of its own last ones."""
+    from lm_eval.models.huggingface import HFLM
+
+    lm = get_model("occult-hf").create_from_arg_obj(model_args(assets, "olmoe", num_devices=NUM_DEVICES, max_length=12),
+                                                    {"batch_size": 3})  # fmt: skip
+    rng = random.Random(0)
+    tokens = lambda n: [rng.randrange(3, 60) for _ in range(n)]  # noqa: E731
+
+    def reference(context: list[int], continuation: list[int]) -> tuple[float, bool]:
+        inputs = (context + continuation)[-(lm.max_length + 1) :][:-1]
+        with torch.no_grad():
+            log_probs = torch.log_softmax(lm.model(torch.tensor([inputs])).logits[0, -len(continuation) :].float(), dim=-1)
+        picked = log_probs[torch.arange(len(continuation)), torch.tensor(continuation)]
+        return float(picked.sum()), log_probs.argmax(dim=-1).tolist() == continuation
+
+    def greedy_continuation(context: list[int], length: int) -> list[int]:
+        sequence = list(context)
+        for _ in range(length):
+            with torch.no_grad():
+                sequence.append(int(lm.model(torch.tensor([sequence])).logits[0, -1].argmax()))
+        return sequence[len(context) :]
+
+    cached, shorter_cached, greedy_context = tokens(5), tokens(5), tokens(4)
+    pairs = [(cached, [7]), (cached, [9]), (shorter_cached, [8]), (shorter_cached[:3], shorter_cached[3:] + [11]),
+             (tokens(20), tokens(3)), (tokens(15), [4]), (greedy_context, greedy_continuation(greedy_context, 2)),
+             *[(tokens(rng.randrange(1, 9)), tokens(rng.randrange(1, 5))) for _ in range(8)]]  # fmt: skip
+    requests = [((f"context {i}", f"continuation {i}"), context, continuation) for i, (context, continuation) in enumerate(pairs)]
+
+    forwards = forward_batch_sizes(lm)
+    reads = []
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("tolist", "item", "__float__", "__bool__"):
+
+            def counted(self, *args, _original=getattr(torch.Tensor, name), _name=name):
+                if sys._getframe(1).f_code.co_filename.endswith("scoring.py"):
+                    reads.append(_name)
+                return _original(self, *args)
+
+            patch.setattr(torch.Tensor, name, counted)
+        ours = lm._loglikelihood_tokens(requests)
+    batches = len(forwards)
+    theirs = HFLM._loglikelihood_tokens(lm, requests)
+    hflm_forwards = forwards[batches:]
+    expected = [reference(context, continuation) for context, continuation in pairs]
+    assert [greedy for _, greedy in ours] == [greedy for _, greedy in expected] and ours[6][1]
+    assert [ll for ll, _ in ours] == pytest.approx([ll for ll, _ in expected], rel=1e-5, abs=1e-5)
+    hflm_right = [i for i in range(len(pairs)) if i != 2]
+    assert [ours[i] for i in hflm_right] == pytest.approx([theirs[i] for i in hflm_right], rel=1e-6, abs=1e-6)
+    assert hflm_forwards == forwards[:batches]  # the same batches as HFLM's
+    assert reads == ["tolist"] * batches and batches < len(requests)
+
+
 # ----- the same under 2-rank gloo expert parallelism -----------------------------------------------------
 
 
