@@ -262,8 +262,8 @@ class OccultHFLM(HFLM):
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
-        """HFLM's scoring with one host read per batch instead of four per request (`scoring.score_requests`); HFLM's
-        own for what that does not cover (an `auto` batch size)."""
+        """HFLM's scoring with one wait for the device per batch instead of four per request (`scoring.score_requests`);
+        HFLM's own for what that does not cover (an `auto` batch size)."""
         if self.backend != "causal" or not isinstance(self.batch_size, int) or override_bs is not None:
             return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
         return score_requests(self, requests, disable_tqdm=disable_tqdm)

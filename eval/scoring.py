@@ -5,8 +5,8 @@ input and the continuation as device tensors from Python lists (a blocking copy 
 greedy match back as Python values, four host synchronisations per request. On a GPU that other processes keep busy
 (the quality study's workers under CUDA MPS) each one waits behind their kernels, and scoring runs at a few hundred
 requests a second. `score_requests` makes the same forwards on the same batches (lm-eval's `Collator`, with HFLM's
-order, batch size and one-token-continuation cache) and computes every request's answer of a batch on the device at
-once, then reads them back together.
+order, batch size and one-token-continuation cache), copies to the device without waiting, and computes every
+request's answer of a batch on the device at once, then reads them back together: one wait a batch.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from lm_eval.models.utils import Collator
+from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 from occult_hf.utils.logging import get_logger
@@ -52,10 +53,10 @@ def score_requests(lm, requests: list[Request], disable_tqdm: bool = False) -> l
                 logger.warning(f"context ({len(context)}) and continuation ({len(continuation)}) exceed the model's "
                                f"maximum length ({lm.max_length}): truncated from the left")  # fmt: skip
             inputs.append((context + continuation)[-(lm.max_length + 1) :][:-1])
-        padded_BS = torch.zeros(len(inputs), max(map(len, inputs)), dtype=torch.long)
-        for row, tokens in enumerate(inputs):
-            padded_BS[row, : len(tokens)] = torch.tensor(tokens)
-        log_probs_BSV = F.log_softmax(lm._model_call(padded_BS.to(lm.device)), dim=-1, dtype=lm.softmax_dtype)
+        # right-padded with token 0, as HFLM pads; the copies to the device do not wait for the GPU
+        padded_BS = pad_sequence([torch.tensor(tokens) for tokens in inputs], batch_first=True)
+        logits_BSV = lm._model_call(padded_BS.to(lm.device, non_blocking=True))
+        log_probs_BSV = F.log_softmax(logits_BSV, dim=-1, dtype=lm.softmax_dtype)
 
         # every scored token of the batch: its row, position and token, and the request (in the cache's order) it is in
         rows, positions, tokens, owners, keys = [], [], [], [], []
@@ -68,7 +69,7 @@ def score_requests(lm, requests: list[Request], disable_tqdm: bool = False) -> l
                 tokens += cont
                 owners += [len(keys)] * len(cont)
                 keys.append(key)
-        index = torch.tensor([rows, positions, tokens, owners]).to(lm.device)
+        index = torch.tensor([rows, positions, tokens, owners]).to(lm.device, non_blocking=True)
         selected_NV = log_probs_BSV[index[0], index[1]]
         scored_N = selected_NV.gather(1, index[2].unsqueeze(1)).squeeze(1)
         missed_N = (selected_NV.argmax(dim=-1) != index[2]).to(scored_N.dtype)

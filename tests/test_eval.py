@@ -567,6 +567,13 @@ def test_occult_hf_scores_a_batch_with_one_host_read_and_the_right_answers(asset
     assert reads == ["tolist"] * batches and batches < len(requests)
 
 
+def test_occult_hf_names_a_request_it_cannot_score(assets):
+    lm = get_model("occult-hf").create_from_arg_obj(model_args(assets, "olmoe", max_length=12), {"batch_size": 2})
+    for context, continuation in (([], [5]), ([5], []), ([5], list(range(3, 16)))):
+        with pytest.raises(ValueError, match="a request needs a context and a continuation of at most 12 tokens"):
+            lm._loglikelihood_tokens([(("context", "continuation"), context, continuation)])
+
+
 # ----- the same under 2-rank gloo expert parallelism -----------------------------------------------------
 
 
