@@ -485,9 +485,9 @@ def pack_jobs(names: list[str], common: list[str], work: Path, size: str) -> lis
     for i, name in enumerate(names):
         group.append(name)
         tuned = Variant.parse(name).fine_tuned
+        kind = 0 if tuned else 1  # the index of the settings' (fine-tunes, variants without) pairs
         last = i + 1 == len(names) or Variant.parse(names[i + 1]).fine_tuned != tuned
-        if last or len(group) == s["per_job"][0 if tuned else 1]:
-            kind = 0 if tuned else 1
+        if last or len(group) == s["per_job"][kind]:
             label = group[0] if len(group) == 1 else f"{group[0]}+{len(group) - 1}"
             jobs.append(Job(label, [*common, "--stage", "variants", "--names", ",".join(group)], work / "logs" / f"{label}.txt",
                             min_time_s=partial(job_need_s, work, tuned, len(group), s["min_job_s"][kind]),
