@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, Trainer
 
-    from .. import OccultCallback, OccultConfig
+    from ..config import OccultConfig
+    from .callback import OccultCallback
     from .launch import check_launch, check_trainer_sees_the_processes
     from .text_data import load_text_dataset
 
