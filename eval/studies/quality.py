@@ -497,9 +497,9 @@ def pack_jobs(names: list[str], common: list[str], work: Path, size: str) -> lis
 
 
 def _tar(path: Path, members: list[tuple[Path, str]]) -> None:
-    """A gzipped tar of `members` ((source, name in the archive)) at `path`, at gzip's fastest level: at tarfile's
-    default (9) the two archives of three 17 MB routing profiles each held the end of a GPU run for about a minute;
-    level 1 takes under a second for archives 1.4x larger (about 9 MB, within the device tool's 16 MiB a file)."""
+    """A gzipped tar of `members` ((source, name in the archive)) at `path`, at gzip's fastest level: the archives
+    hold routing profiles written at the end of a GPU run, where tarfile's default level costs far more time than
+    its smaller archives save (docs/quality.md); they stay within the device tool's 16 MiB a file."""
     with atomic_path(path) as tmp, tarfile.open(tmp, "w:gz", compresslevel=1) as tar:
         for source, arcname in members:
             if source.exists():
