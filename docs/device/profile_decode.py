@@ -14,6 +14,11 @@ weights, bf16, a 128-token prompt.
 - `host` (the static cache again, three models in one process: occult, occult with `track_routing(model, False)`,
   stock): the wall time per step, three times each in turns, and the host ranges of a step that the profiler
   names: dynamo's guard check (`TorchDynamo Cache Lookup`), the compiled region, the graph launch.
+- `block` (eager, no gradient, one MoE block of the first layer at decode sizes: T = 1, 8, 64 tokens): the host's
+  time to issue one call of stock's block, occult's, and occult's with `track_routing(model, False)`, each against
+  its wall time per call (host time above wall's share means the call is host-bound); then for occult's and stock's
+  block the profiler's operator table (own CPU time, calls, kernel launches per call) and occult's cProfile by own
+  time, which say where its extra host time goes.
 
 Run by docs/device/compile.sh's `profile` step (`PROFILE` names the caches); prints to stdout.
 """
@@ -25,6 +30,7 @@ import io
 import os
 import pstats
 import sys
+import time
 import traceback
 import warnings
 
@@ -129,6 +135,66 @@ def profile_host(models, prompt):
         print(f"host {name}: {' / '.join(f'{w:.2f}' for w in walls[name])} ms per step; {ranges}", flush=True)
 
 
+BLOCK_TOKENS = (1, 8, 64)
+BLOCK_CALLS = 300
+
+
+def issue_and_wall_us(block, x):
+    """`(host µs to issue one call, wall µs per call)`: the best of 5 rounds of `BLOCK_CALLS` calls each."""
+    issue, wall = [], []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(BLOCK_CALLS):
+            block(x)
+        issued = time.perf_counter()
+        torch.cuda.synchronize()
+        issue.append((issued - start) / BLOCK_CALLS * 1e6)
+        wall.append((time.perf_counter() - start) / BLOCK_CALLS * 1e6)
+    return min(issue), min(wall)
+
+
+def profile_block(models):
+    from torch.profiler import ProfilerActivity, profile
+
+    from occult_hf.hf.apply import occult_modules
+
+    untracked = apply_occult(copy.deepcopy(models["stock"]), {"num_devices": 1})
+    track_routing(untracked, False)
+    stock_block = models["stock"].model.layers[0].mlp
+    blocks = {
+        "stock": stock_block,
+        "occult": next(iter(occult_modules(models["occult"]).values())),
+        "occult untracked": next(iter(occult_modules(untracked).values())),
+    }
+    hidden = models["stock"].config.hidden_size
+    with torch.no_grad():
+        for tokens in BLOCK_TOKENS:
+            x = torch.randn(tokens, 1, hidden, device="cuda", dtype=torch.bfloat16)
+            for block in blocks.values():  # tune and warm every kernel first
+                for _ in range(20):
+                    block(x)
+            for name, block in blocks.items():
+                issue_us, wall_us = issue_and_wall_us(block, x)
+                print(f"block T={tokens} {name}: issue {issue_us:.1f} us, wall {wall_us:.1f} us per call", flush=True)
+            for name in ("occult", "stock"):
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as run:
+                    for _ in range(100):
+                        blocks[name](x)
+                    torch.cuda.synchronize()
+                table = run.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+                print(f"-- block T={tokens} {name}: profiler over 100 calls\n{table}", flush=True)
+            stats = cProfile.Profile()
+            stats.enable()
+            for _ in range(100):
+                blocks["occult"](x)
+            torch.cuda.synchronize()
+            stats.disable()
+            text = io.StringIO()
+            pstats.Stats(stats, stream=text).sort_stats("tottime").print_stats(30)
+            print(f"-- block T={tokens} occult: cProfile over 100 calls by own time\n" + text.getvalue().split("ncalls", 1)[1], flush=True)
+
+
 def main():
     caches = sys.argv[1:] or ["dynamic", "static"]
     device = torch.device("cuda")
@@ -139,6 +205,8 @@ def main():
     prompt = torch.randint(0, config.vocab_size, (1, 128), device=device)
     if caches == ["host"]:
         return profile_host(models, prompt)
+    if caches == ["block"]:
+        return profile_block(models)
     for cache in caches:
         for name, model in models.items():
             wall_ms, _ = time_step(model, prompt, STEPS, cache, repeats=2)
