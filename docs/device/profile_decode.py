@@ -15,10 +15,10 @@ weights, bf16, a 128-token prompt.
   stock): the wall time per step, three times each in turns, and the host ranges of a step that the profiler
   names: dynamo's guard check (`TorchDynamo Cache Lookup`), the compiled region, the graph launch.
 - `block` (eager, no gradient, one MoE block of the first layer at decode sizes: T = 1, 8, 64 tokens): the host's
-  time to issue one call of stock's block, occult's, and occult's with `track_routing(model, False)`, each against
-  its wall time per call (host time above wall's share means the call is host-bound); then for occult's and stock's
-  block the profiler's operator table (own CPU time, calls, kernel launches per call) and occult's cProfile by own
-  time, which say where its extra host time goes.
+  time to issue one call of stock's block, occult's, and occult's with `track_routing(model, False)`, against each
+  one's wall time per call, five rounds in turns; the profiler's operator table of occult's and stock's block (own
+  CPU time, calls, kernel launches); then the whole models' dynamic-cache `generate()` step at each batch of
+  `BATCHES` (default 1), five rounds in turns.
 
 Run by docs/device/compile.sh's `profile` step (`PROFILE` names the caches); prints to stdout.
 """
@@ -137,36 +137,39 @@ def profile_host(models, prompt):
 
 BLOCK_TOKENS = (1, 8, 64)
 BLOCK_CALLS = 300
+ROUNDS = 5
 
 
 def issue_and_wall_us(block, x):
-    """`(host µs to issue one call, wall µs per call)`: the best of 5 rounds of `BLOCK_CALLS` calls each."""
-    issue, wall = [], []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(BLOCK_CALLS):
-            block(x)
-        issued = time.perf_counter()
-        torch.cuda.synchronize()
-        issue.append((issued - start) / BLOCK_CALLS * 1e6)
-        wall.append((time.perf_counter() - start) / BLOCK_CALLS * 1e6)
-    return min(issue), min(wall)
+    """`(host µs to issue one call, wall µs per call)` over `BLOCK_CALLS` calls."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(BLOCK_CALLS):
+        block(x)
+    issued = time.perf_counter()
+    torch.cuda.synchronize()
+    return (issued - start) / BLOCK_CALLS * 1e6, (time.perf_counter() - start) / BLOCK_CALLS * 1e6
 
 
-def profile_block(models):
+def in_turns(candidates: dict, measure) -> dict:
+    """`measure(candidate)` for each candidate `ROUNDS` times, in turns (so that a slower minute of the shared host
+    falls on every candidate alike), as `{name: [results of each round]}`."""
+    results = collections.defaultdict(list)
+    for _ in range(ROUNDS):
+        for name, candidate in candidates.items():
+            results[name].append(measure(candidate))
+    return results
+
+
+def profile_block(models, prompt):
     from torch.profiler import ProfilerActivity, profile
 
     from occult_hf.hf.apply import occult_modules
 
     untracked = apply_occult(copy.deepcopy(models["stock"]), {"num_devices": 1})
     track_routing(untracked, False)
-    stock_block = models["stock"].model.layers[0].mlp
-    blocks = {
-        "stock": stock_block,
-        "occult": next(iter(occult_modules(models["occult"]).values())),
-        "occult untracked": next(iter(occult_modules(untracked).values())),
-    }
+    models = {"stock": models["stock"], "occult": models["occult"], "occult untracked": untracked}
+    blocks = {name: model.model.layers[0].mlp for name, model in models.items()}
     hidden = models["stock"].config.hidden_size
     with torch.no_grad():
         for tokens in BLOCK_TOKENS:
@@ -174,9 +177,10 @@ def profile_block(models):
             for block in blocks.values():  # tune and warm every kernel first
                 for _ in range(20):
                     block(x)
-            for name, block in blocks.items():
-                issue_us, wall_us = issue_and_wall_us(block, x)
-                print(f"block T={tokens} {name}: issue {issue_us:.1f} us, wall {wall_us:.1f} us per call", flush=True)
+            for name, rounds in in_turns(blocks, lambda block: issue_and_wall_us(block, x)).items():
+                issue = " ".join(f"{i:.0f}" for i, _ in rounds)
+                wall = " ".join(f"{w:.0f}" for _, w in rounds)
+                print(f"block T={tokens} {name}: issue {issue} us, wall {wall} us per call ({ROUNDS} rounds in turns)", flush=True)
             for name in ("occult", "stock"):
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as run:
                     for _ in range(100):
@@ -184,15 +188,11 @@ def profile_block(models):
                     torch.cuda.synchronize()
                 table = run.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
                 print(f"-- block T={tokens} {name}: profiler over 100 calls\n{table}", flush=True)
-            stats = cProfile.Profile()
-            stats.enable()
-            for _ in range(100):
-                blocks["occult"](x)
-            torch.cuda.synchronize()
-            stats.disable()
-            text = io.StringIO()
-            pstats.Stats(stats, stream=text).sort_stats("tottime").print_stats(30)
-            print(f"-- block T={tokens} occult: cProfile over 100 calls by own time\n" + text.getvalue().split("ncalls", 1)[1], flush=True)
+    for batch in [int(b) for b in os.environ.get("BATCHES", "1").split()]:
+        prompt_BS = prompt[:1].expand(batch, -1).contiguous()
+        rounds = in_turns(models, lambda model: time_step(model, prompt_BS, STEPS, "dynamic", repeats=1)[0])
+        for name, walls in rounds.items():
+            print(f"dynamic B={batch} {name}: {' '.join(f'{w:.2f}' for w in walls)} ms per step ({ROUNDS} rounds in turns)", flush=True)
 
 
 def main():
@@ -206,7 +206,7 @@ def main():
     if caches == ["host"]:
         return profile_host(models, prompt)
     if caches == ["block"]:
-        return profile_block(models)
+        return profile_block(models, prompt)
     for cache in caches:
         for name, model in models.items():
             wall_ms, _ = time_step(model, prompt, STEPS, cache, repeats=2)
