@@ -19,6 +19,8 @@ weights, bf16, a 128-token prompt.
   one's wall time per call, five rounds in turns; the profiler's operator table of occult's and stock's block (own
   CPU time, calls, kernel launches); then the whole models' dynamic-cache `generate()` step at each batch of
   `BATCHES` (default 1), five rounds in turns.
+- `layers` (the dynamic cache, eager): the host time of a step in every layer's attention, in its MLP / MoE block
+  and in the rest, and the step's wall time, stock against occult, five rounds in turns at each batch of `BATCHES`.
 
 Run by docs/device/compile.sh's `profile` step (`PROFILE` names the caches); prints to stdout.
 """
@@ -195,6 +197,62 @@ def profile_block(models, prompt):
             print(f"dynamic B={batch} {name}: {' '.join(f'{w:.2f}' for w in walls)} ms per step ({ROUNDS} rounds in turns)", flush=True)
 
 
+def host_ms_by_part(model, prompt_BS) -> dict[str, float]:
+    """Host ms a dynamic-cache decoding step spends in each decoder layer's attention, its MLP / MoE block and the
+    rest (from forward pre- and post-hooks on every layer's `self_attn` and `mlp`: the hooks' own cost falls on
+    every model alike), and the step's wall ms."""
+    spent = collections.Counter()
+    entered = {}
+
+    def enter(part):
+        return lambda module, args: entered.__setitem__(part, time.perf_counter())
+
+    def leave(part):
+        return lambda module, args, output: spent.update({part: time.perf_counter() - entered[part]})
+
+    handles = []
+    for layer in model.model.layers:
+        for part in ("self_attn", "mlp"):
+            module = getattr(layer, part)
+            handles += [module.register_forward_pre_hook(enter(part)), module.register_forward_hook(leave(part))]
+    try:
+        walls = {}
+        for tokens in (1, STEPS):
+            spent.clear()
+            walls[tokens] = _wall_s(lambda: generate_greedy(model, prompt_BS, tokens, "dynamic"))
+            totals = dict(spent)
+            totals["wall"] = walls[tokens]
+            walls[tokens] = totals
+    finally:
+        for handle in handles:
+            handle.remove()
+    per_step = {part: (walls[STEPS][part] - walls[1][part]) * 1e3 / (STEPS - 1) for part in ("self_attn", "mlp", "wall")}
+    per_step["rest"] = per_step["wall"] - per_step["self_attn"] - per_step["mlp"]
+    return per_step
+
+
+def _wall_s(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def profile_layers(models, prompt):
+    """`host_ms_by_part` of stock, occult and occult untracked, five rounds in turns, at each batch of `BATCHES`."""
+    untracked = apply_occult(copy.deepcopy(models["stock"]), {"num_devices": 1})
+    track_routing(untracked, False)
+    models = {"stock": models["stock"], "occult": models["occult"], "occult untracked": untracked}
+    for batch in [int(b) for b in os.environ.get("BATCHES", "1").split()]:
+        prompt_BS = prompt[:1].expand(batch, -1).contiguous()
+        for model in models.values():
+            generate_greedy(model, prompt_BS, STEPS, "dynamic")  # tune and warm
+        for name, rounds in in_turns(models, lambda model: host_ms_by_part(model, prompt_BS)).items():
+            parts = ", ".join(f"{part} {' '.join(f'{r[part]:.2f}' for r in rounds)}" for part in ("wall", "self_attn", "mlp", "rest"))
+            print(f"layers B={batch} {name} (ms per step, {ROUNDS} rounds in turns): {parts}", flush=True)
+
+
 def main():
     caches = sys.argv[1:] or ["dynamic", "static"]
     device = torch.device("cuda")
@@ -207,6 +265,8 @@ def main():
         return profile_host(models, prompt)
     if caches == ["block"]:
         return profile_block(models, prompt)
+    if caches == ["layers"]:
+        return profile_layers(models, prompt)
     for cache in caches:
         for name, model in models.items():
             wall_ms, _ = time_step(model, prompt, STEPS, cache, repeats=2)
