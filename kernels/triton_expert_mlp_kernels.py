@@ -29,6 +29,9 @@ Kernels (`triton_expert_mlp.py` says why the work is split so):
 - `segment_outer_kernel` weight gradients: C_e = sum over the pairs p of expert e of A[row_a(p)]^T
                        B[row_b(p)]; one program owns one output tile and the whole reduction, so it is
                        deterministic.
+- `topk_gate_up_kernel`, `topk_down_kernel` (`triton_topk_mlp.py`): a few tokens' experts straight from the
+                       router's top-k, one program per (pair, tile of I), then per (token, tile of H); matrix-vector
+                       products with fixed blocks, no layout and no tuning: an eager decode step's host time.
 
 Activations (`ACTIVATIONS`, a constexpr code in every kernel that applies one): SiLU and GELU with
 the tanh approximation, each with its derivative for the backward.
@@ -739,3 +742,92 @@ def segment_outer_kernel(
     mask_out = mask_m[:, None] & mask_n[None, :]
     c_ptrs = c_ptr + expert.to(tl.int64) * stride_c_expert + offs_m[:, None] * stride_c_m + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_out)
+
+
+# ----- a few tokens straight from the router's top-k (`triton_topk_mlp.py`): no layout, no tuning ----------------
+
+
+@triton.jit
+def topk_gate_up_kernel(
+    x_ptr,  # [T, H], unit stride along H
+    ids_ptr,  # [T * k] int64: the expert of pair p = token p // k, slot p % k (the top-k, token-major)
+    weights_ptr,  # [T * k] routing weights
+    w_ptr,  # [L, 2I, H]: gate rows, then up rows
+    hw_ptr,  # [T * k, I] out: weight * act(gate) * up
+    H,
+    I,
+    stride_x_row,
+    stride_w_expert,
+    stride_w_out,
+    stride_w_k,
+    TOP_K: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One program per (pair, BLOCK_N columns of I): a matrix-vector product over the pair's expert's gate and up
+    rows (a decode step is bound by reading the weights), rounded and activated as `gate_up_kernel` does."""
+    pair = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + (pair // TOP_K) * stride_x_row + offs_k
+    gate_ptrs = w_ptr + expert * stride_w_expert + offs_n[:, None] * stride_w_out + offs_k[None, :] * stride_w_k
+    up_ptrs = gate_ptrs + I * stride_w_out
+    acc_gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k_start in range(0, H, BLOCK_K):
+        mask_k = offs_k < H - k_start
+        x = tl.load(x_ptrs, mask=mask_k, other=0.0).to(tl.float32)[None, :]
+        mask = mask_n[:, None] & mask_k[None, :]
+        acc_gate += tl.sum(tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32) * x, axis=1)
+        acc_up += tl.sum(tl.load(up_ptrs, mask=mask, other=0.0).to(tl.float32) * x, axis=1)
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K * stride_w_k
+        up_ptrs += BLOCK_K * stride_w_k
+    gate = acc_gate.to(hw_ptr.dtype.element_ty)
+    up = acc_up.to(hw_ptr.dtype.element_ty)
+    act, _ = apply_activation(gate.to(tl.float32), ACTIVATION)
+    h = act * up.to(tl.float32) * tl.load(weights_ptr + pair).to(tl.float32)
+    tl.store(hw_ptr + pair * I + offs_n, h.to(hw_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def topk_down_kernel(
+    hw_ptr,  # [T * k, I] from `topk_gate_up_kernel`
+    ids_ptr,  # [T * k] int64, as there
+    w_ptr,  # [L, H, I]
+    out_ptr,  # [T, H] out
+    H,
+    I,
+    stride_w_expert,
+    stride_w_out,
+    stride_w_k,
+    stride_out_row,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One program per (token, BLOCK_N columns of H): each of the token's k pairs through its expert's down rows,
+    the pair's output rounded to the output dtype (as the reference and the grouped kernels' default "rows_io" do),
+    and the k outputs summed in fp32 in slot order: no atomics, the same bits on every run."""
+    token = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        pair = token * TOP_K + slot
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        hw_ptrs = hw_ptr + pair * I + offs_k
+        w_ptrs = w_ptr + expert * stride_w_expert + offs_n[:, None] * stride_w_out + offs_k[None, :] * stride_w_k
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k_start in range(0, I, BLOCK_K):
+            mask_k = offs_k < I - k_start
+            hw = tl.load(hw_ptrs, mask=mask_k, other=0.0).to(tl.float32)[None, :]
+            acc += tl.sum(tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32) * hw, axis=1)
+            hw_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_w_k
+        total += acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + token * stride_out_row + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)

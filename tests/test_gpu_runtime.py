@@ -60,3 +60,20 @@ def test_megablocks_model_tracks_fp32_as_closely_as_transformers_bf16(family):
     model = check_bf16_against_fp32(family, apply_megablocks, "MegaBlocks")
     blocks = [m for m in model.modules() if isinstance(m, MegaBlocksMoE)]
     assert blocks and all(m.dmoe.experts.mlp.w1.grad.abs().sum() > 0 for m in blocks)  # the experts trained
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_eager_generate_on_one_device_gives_stocks_tokens(family, monkeypatch):
+    """Every family's eager dynamic-cache `generate()` on one device in fp32: each decoding step's experts come
+    straight from the top-k (`LocalExperts.forward_topk`, compiled kernels), and the greedy tokens are stock's."""
+    from occult_hf.kernels import triton_topk_mlp
+
+    calls = []
+    topk_path = triton_topk_mlp.expert_mlp_topk
+    monkeypatch.setattr(triton_topk_mlp, "expert_mlp_topk", lambda *args: calls.append(1) or topk_path(*args))
+    prompt = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(1)).cuda()
+    kwargs = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0, output_router_logits=False)
+    expected = tiny_model(family, seed=2).cuda().generate(prompt, **kwargs)
+    model = occult_hf.apply_occult(tiny_model(family, seed=2).cuda(), occult_hf.OccultConfig(num_devices=1))
+    assert torch.equal(model.generate(prompt, **kwargs), expected)
+    assert calls, "no decoding step went straight from the top-k"

@@ -1009,3 +1009,131 @@ def test_triton_backends_compiled_equal_eager(interpreted, backend, layout):
     assert f"occult.expert_mlp_{backend}" in graph
     assert ("occult.topk_layout" if layout == "topk" else "occult.sort_by_group") in graph
     torch._dynamo.reset()
+
+
+# --- a decode step's experts straight from the top-k (`triton_topk_mlp`, `LocalExperts.forward_topk`) ------------
+
+
+def _topk_problem(tokens, hidden, inter, experts, top_k, seed=0, device="cpu"):
+    """`(x_TH, ids_Tk, weights_Tk, gate_up_L2IH, down_LHI)` in fp32, and the layout of that top-k."""
+    generator = torch.Generator().manual_seed(seed)
+    weights_Tk, ids_Tk = torch.randn(tokens, experts, generator=generator).softmax(-1).topk(top_k, dim=-1)
+    x_TH = torch.randn(tokens, hidden, generator=generator)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=generator) / math.sqrt(hidden)
+    down = torch.randn(experts, hidden, inter, generator=generator) / math.sqrt(inter)
+    tensors = tuple(t.to(device) for t in (x_TH, ids_Tk, weights_Tk, gate_up, down))
+    return tensors, ExpertSegments.from_topk(tensors[1], tensors[2], experts)
+
+
+@pytest.mark.parametrize(
+    "tokens, hidden, inter, experts, top_k",
+    [(1, 40, 24, 3, 1), (1, 32, 16, 8, 8), (3, 40, 24, 8, 2), (5, 33, 17, 4, 3), (2, 16, 48, 16, 4)],
+    ids=["one_pair", "every_expert", "odd_sizes", "shared_experts", "wide"],
+)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_topk_kernels_match_reference(interpreted, tokens, hidden, inter, experts, top_k, activation):
+    """H and I off the 16-wide blocks, several K steps, k = 1 to 8, and tokens sharing an expert (each pair reads it)."""
+    from occult_hf.kernels.triton_topk_mlp import expert_mlp_topk
+
+    (x_TH, ids_Tk, weights_Tk, gate_up, down), (segments, weight_N) = _topk_problem(tokens, hidden, inter, experts, top_k)
+    out = expert_mlp_topk(x_TH, ids_Tk, weights_Tk, gate_up, down, activation)
+    act_fn = F.silu if activation == "silu" else _gelu_tanh
+    expected = expert_mlp_reference(x_TH.double(), segments, weight_N.double(), gate_up.double(), down.double(), act_fn)
+    assert out.dtype == torch.float32 and rel_err(out, expected) <= 1e-5
+
+
+def _local_experts(experts, inter, hidden, backend="triton", seed=0):
+    from occult_hf.experts import LocalExperts
+
+    (_, _, _, gate_up, down), _ = _topk_problem(1, hidden, inter, experts, 1, seed)
+    return LocalExperts(torch.nn.Parameter(gate_up), torch.nn.Parameter(down), torch.arange(experts), F.silu, backend)
+
+
+def test_only_eager_decode_sizes_without_gradient_take_the_topk_path(interpreted, monkeypatch):
+    """At most L pairs, no gradient, a Triton backend, fp32 under the interpreter; each condition broken alone refuses."""
+    experts = _local_experts(8, 16, 24)
+    x_TH = torch.randn(4, 24)
+    ids_Tk = torch.randint(0, 8, (4, 2))
+    weights_Tk = torch.rand(4, 2)
+    with torch.no_grad():
+        assert experts.computes_topk(x_TH, ids_Tk, weights_Tk)
+        assert not experts.computes_topk(x_TH[:0], ids_Tk[:0], weights_Tk[:0])  # nothing to compute
+        assert not experts.computes_topk(torch.randn(5, 24), torch.randint(0, 8, (5, 2)), torch.rand(5, 2))  # 10 pairs > L
+        assert not experts.computes_topk(x_TH.bfloat16(), ids_Tk, weights_Tk)  # not the weights' dtype
+        assert not experts.computes_topk(torch.randn(24, 4).t(), ids_Tk, weights_Tk)  # strided along H
+        assert not _local_experts(8, 16, 24, backend="torch").computes_topk(x_TH, ids_Tk, weights_Tk)
+        assert not _local_experts(8, 16, 24, backend="auto").computes_topk(x_TH, ids_Tk, weights_Tk)  # auto: CUDA only
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert not experts.computes_topk(x_TH, ids_Tk, weights_Tk)
+    monkeypatch.undo()
+    assert not experts.computes_topk(x_TH, ids_Tk, weights_Tk)  # the expert weights need their gradient
+    experts.requires_grad_(False)
+    assert experts.computes_topk(x_TH, ids_Tk, weights_Tk)
+    assert not experts.computes_topk(x_TH, ids_Tk, weights_Tk.requires_grad_())  # the router's gradient
+
+
+def test_eager_generate_decodes_through_the_topk_path_with_stocks_tokens(interpreted, monkeypatch):
+    """An occult model on one device with the Triton experts: `generate()` (eager, dynamic cache) gives stock's greedy
+    tokens; its prefill (12 pairs of 8 experts) goes through the layout, each decoding step (2 pairs) straight from
+    the top-k; the block's counters count every step."""
+    from occult_hf import apply_occult
+    from occult_hf.hf.apply import occult_modules
+    from occult_hf.kernels import triton_topk_mlp
+    from tiny_models import tiny_model
+
+    stock = tiny_model("olmoe", seed=3)
+    model = apply_occult(tiny_model("olmoe", seed=3), {"num_devices": 1, "expert_backend": "triton"})
+    pairs = []
+    topk_path = triton_topk_mlp.expert_mlp_topk
+    monkeypatch.setattr(triton_topk_mlp, "expert_mlp_topk", lambda x, ids, *rest: pairs.append(ids.numel()) or topk_path(x, ids, *rest))
+    prompt = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+    kwargs = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(prompt, **kwargs), stock.generate(prompt, **kwargs))
+    blocks = list(occult_modules(model).values())
+    assert pairs == [2] * 3 * len(blocks)  # 3 decoding steps after the prefill's first token, every layer
+    assert all(int(block.stats.forwards) == 4 for block in blocks)
+    assert all(block.stats.pairs_sent.tolist() == [6 * 2 + 3 * 2] for block in blocks)
+
+
+def test_lora_on_the_experts_keeps_the_layout_path(interpreted, monkeypatch):
+    """peft's LoRA on the fused expert weights wraps `experts` in modules that apply the adapters in their forward: a
+    decode-size forward of that model never goes straight from the top-k, and equals stock's with the same LoRA."""
+    peft = pytest.importorskip("peft")
+    from occult_hf import apply_occult
+    from occult_hf.hf.peft_support import get_peft_model
+    from occult_hf.kernels import triton_topk_mlp
+    from tiny_models import tiny_model
+
+    monkeypatch.setattr(triton_topk_mlp, "expert_mlp_topk", lambda *args: pytest.fail("the top-k path skipped the adapters"))
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    occult = get_peft_model(apply_occult(tiny_model("olmoe", seed=4), {"num_devices": 1, "expert_backend": "triton"}), config)
+    stock = peft.get_peft_model(tiny_model("olmoe", seed=4), config)
+    for model in (occult, stock):  # the same adapters, non-zero (peft starts B at zero), in both
+        generator = torch.Generator().manual_seed(4)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_" in name:
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    input_ids = torch.tensor([[5, 9]])  # 4 pairs of 8 experts: decode size
+    with torch.no_grad():
+        assert rel_err(occult(input_ids=input_ids).logits, stock(input_ids=input_ids).logits) <= 1e-5
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("tokens", [1, 8])
+@pytest.mark.parametrize("shape", [(2048, 1024, 64, 8), (2048, 1408, 60, 4)], ids=["olmoe", "qwen1.5"])
+def test_bf16_topk_kernels_match_fp32_reference_and_the_grouped_kernels(shape, tokens):
+    """Compiled, bf16, at the real shapes and decode sizes: within bf16 rounding of the fp32 reference and of the
+    grouped kernels' result, and the same bits on a second call."""
+    from occult_hf.kernels.triton_topk_mlp import expert_mlp_topk
+
+    hidden, inter, experts, top_k = shape
+    tensors, (segments, weight_N) = _topk_problem(tokens, hidden, inter, experts, top_k, device="cuda")
+    x_TH, ids_Tk, weights_Tk, gate_up, down = (t.bfloat16() if t.is_floating_point() else t for t in tensors)
+    out = expert_mlp_topk(x_TH, ids_Tk, weights_Tk, gate_up, down)
+    assert torch.equal(out, expert_mlp_topk(x_TH, ids_Tk, weights_Tk, gate_up, down))
+    expected = expert_mlp_reference(tensors[0], segments, weight_N, tensors[3], tensors[4])
+    assert rel_err(out, expected) <= 1e-2
+    grouped = expert_mlp_triton(x_TH, segments, weight_N.bfloat16(), gate_up, down)
+    assert rel_err(out, grouped) <= 1e-2

@@ -51,7 +51,7 @@ from occult_hf.kernels.expert_mlp_reference import (
     grouped_mm_op,
 )
 from occult_hf.kernels.layout import ExpertSegments
-from occult_hf.kernels.triton_support import require_triton, triton_importable
+from occult_hf.kernels.triton_support import require_triton, triton_importable, triton_runs_on
 
 from .registry import EXPERT_BACKENDS
 
@@ -227,6 +227,32 @@ class LocalExperts(nn.Module):
             down_LHI = _ScaleGrad.apply(down_LHI, self.grad_scale)
         return local_experts(
             x_RH, segments, pair_weight_N, gate_up_L2IH, down_LHI, self.act_fn, self.backend, self.deterministic
+        )
+
+    def computes_topk(self, x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor, topk_weights_Tk: torch.Tensor) -> bool:
+        """Whether `forward_topk` serves a call on these tokens: an eager forward without gradient of at most `L` (token,
+        expert) pairs (a decode step), with a Triton backend ("auto" on CUDA, or "triton") that implements the
+        activation, x in the weights' dtype with unit stride along H, on CUDA (or fp32 under the interpreter)."""
+        if torch.compiler.is_compiling() or not 0 < topk_ids_Tk.numel() <= self.num_local_experts:
+            return False
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (x_TH, topk_weights_Tk, gate_up, down)):
+            return False
+        if self.backend == "auto":
+            if not (x_TH.is_cuda and triton_importable()):
+                return False
+        elif self.backend != "triton" or not triton_runs_on(x_TH) or not (x_TH.is_cuda or x_TH.dtype == torch.float32):
+            return False
+        same_dtype = x_TH.dtype == gate_up.dtype == down.dtype
+        return same_dtype and x_TH.stride(1) == 1 and triton_supports(self.act_fn)
+
+    def forward_topk(self, x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor, topk_weights_Tk: torch.Tensor) -> torch.Tensor:
+        """`[T, H]`: the forward of a call `computes_topk` accepts, straight from the top-k of these experts' local
+        ids (`occult_hf.kernels.triton_topk_mlp`: two launches, no layout), the same sum as `forward` of its layout."""
+        from occult_hf.kernels.triton_topk_mlp import expert_mlp_topk
+
+        return expert_mlp_topk(
+            x_TH, topk_ids_Tk, topk_weights_Tk, self.gate_up_proj, self.down_proj, activation_name(self.act_fn)
         )
 
     def extra_repr(self) -> str:

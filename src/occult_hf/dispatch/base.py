@@ -121,7 +121,10 @@ class Dispatched:
     plan: DispatchPlan
 
 
-#: the local expert computation: `experts(x_RH, segments, pair_weight_N) -> out_RH`
+#: the local expert computation: `experts(x_RH, segments, pair_weight_N) -> out_RH`. Its class may also define
+#: `computes_topk(x_TH, topk_ids_Tk, topk_weights_Tk) -> bool` and `forward_topk(x_TH, topk_ids_Tk, topk_weights_Tk)
+#: -> out_TH` (`LocalExperts` does): the same sum straight from the top-k, which a dispatcher whose rows are the tokens
+#: themselves and whose ids are the local slots (`LocalDispatcher` with one device) calls where `computes_topk` says.
 ExpertsFn = Callable[[torch.Tensor, ExpertSegments, torch.Tensor], torch.Tensor]
 
 

@@ -6,6 +6,9 @@ Nothing is exchanged and every size is static (`R = T` rows in "dedup", `T * k` 
 same numbers `num_devices` real ranks would send (`plan.device_match`'s counts: no atomics); with one
 device they are static (T or T * k rows, T * k pairs: no kernel), and with the experts in their own order
 (`local_index_E` the identity) the routing ids are the local slots themselves (no gather).
+
+With one device the tokens are the rows ("dedup"), so where the experts can compute straight from the top-k
+(`LocalExperts.computes_topk`: an eager decode step) `run` skips the layout altogether.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from occult_hf.kernels.layout import ExpertSegments, topk_kernel_applies
-from .base import DispatchPlan, Dispatched, TokenDispatcher, dispatch_format, register_dispatcher
+from .base import DispatchPlan, Dispatched, TokenDispatcher, dispatch_format, register_dispatcher, stage
 from .plan import device_match, local_pairs, routing_width
 
 
@@ -26,6 +29,26 @@ class LocalDispatcher(TokenDispatcher):
     @classmethod
     def supports(cls, ep, device=None) -> bool:
         return not ep.is_distributed
+
+    def run(self, x_TH: torch.Tensor, routing, experts, concurrent=None):
+        """`TokenDispatcher.run`; with one device in "dedup" mode and experts that compute this call straight from the
+        top-k (`ExpertsFn`'s optional `computes_topk`, which `LocalExperts` has), no layout: the experts' `forward_topk`,
+        then the shared experts."""
+        ids_Tk, weights_Tk = routing.topk_ids_Tk, routing.topk_weights_Tk
+        if (
+            torch.compiler.is_compiling()  # first: a compiled forward then guards on none of the rest
+            or self.mode != "dedup"
+            or not hasattr(type(experts), "computes_topk")  # the class's: PEFT's wrappers apply their adapters in `forward`
+            or not (self.ep.num_devices == 1 and self.layout.identity_slots)
+            or not experts.computes_topk(x_TH, ids_Tk, weights_Tk)
+        ):
+            return super().run(x_TH, routing, experts, concurrent)
+        with stage("experts"):
+            out_TH = experts.forward_topk(x_TH, ids_Tk, weights_Tk)
+        if concurrent is not None:
+            with stage("concurrent"):
+                concurrent()
+        return out_TH, self._plan(x_TH, routing, self._one_device_counts(ids_Tk.shape[0], ids_Tk.numel(), ids_Tk.device))
 
     def dispatch(self, x_TH: torch.Tensor, routing) -> Dispatched:
         ids_Tk, weights_Tk = routing.topk_ids_Tk, routing.topk_weights_Tk
@@ -45,8 +68,12 @@ class LocalDispatcher(TokenDispatcher):
             pair_weight_N = weights_Tk.reshape(-1)[pick_N]
         # "dedup": the tokens are the rows; "per_expert": row t*k + j is token t's copy for its slot j
         x_RH = x_TH if self.mode == "dedup" else x_TH[:, None].expand(-1, top_k, -1).reshape(-1, x_TH.shape[1])
-        row_format = dispatch_format(x_TH.shape[1], x_TH.dtype, routing_width(self.mode, top_k), weights_Tk.dtype)
-        plan = DispatchPlan(
+        return Dispatched(x_RH=x_RH, segments=segments, pair_weight_N=pair_weight_N, plan=self._plan(x_TH, routing, counts_D2))
+
+    def _plan(self, x_TH: torch.Tensor, routing, counts_D2: torch.Tensor) -> DispatchPlan:
+        num_tokens, top_k = routing.topk_ids_Tk.shape
+        row_format = dispatch_format(x_TH.shape[1], x_TH.dtype, routing_width(self.mode, top_k), routing.topk_weights_Tk.dtype)
+        return DispatchPlan(
             mode=self.mode,
             num_tokens=num_tokens,
             counts_D2=counts_D2,
@@ -55,7 +82,6 @@ class LocalDispatcher(TokenDispatcher):
             layer=self.layer,
             num_pairs=num_tokens * top_k,
         )
-        return Dispatched(x_RH=x_RH, segments=segments, pair_weight_N=pair_weight_N, plan=plan)
 
     def _one_device_counts(self, rows: int, pairs: int, device) -> torch.Tensor:
         """`[1, 2]` int64 `(rows, pairs)` on `device`, kept for the last (rows, pairs) seen (read only: the
