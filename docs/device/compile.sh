@@ -11,7 +11,7 @@
 #            without its two-rank cases); a test's own limit is TEST_TIMEOUT (default 600 s: a worker's first test
 #            compiles and tunes every kernel, 8 workers at once), and the step's limit interrupts pytest (SIGINT)
 #            so that a cut run still prints the failures' tracebacks;
-#   profile  docs/device/profile_decode.py $PROFILE (default "dynamic static"; also "host", "block"): where a batch-1 step of generate() spends
+#   profile  docs/device/profile_decode.py $PROFILE (default "dynamic static"; also "host", "block", "layers"): where a step of generate() spends
 #            its time (dynamic: host functions and synchronisations; static: GPU busy time against wall, top kernels);
 #   base     eager `occult bench model` of main at bb13be5 (the tree before the restructure, `git archive bb13be5
 #            src kernels patches eval > .devdata/base.tar`) and of this tree, in one process each, one after the other.
