@@ -39,7 +39,7 @@ import warnings
 import torch
 
 from occult_hf import apply_occult, track_routing
-from occult_hf.benchmarks.decode import FULL_LAYERS, generate_greedy, time_step
+from occult_hf.benchmarks.decode import FULL_LAYERS, generate_greedy, time_step, wall_s
 from occult_hf.benchmarks.model import build_model, model_config
 
 STEPS = 33
@@ -115,14 +115,26 @@ def profile_static(name, model, prompt, wall_ms):
 HOST_RANGES = ("TorchDynamo Cache Lookup", "Torch-Compiled Region", "cudaGraphLaunch")
 
 
-def profile_host(models, prompt):
+def with_untracked(models) -> dict:
+    """`models` (occult, stock) with a third between them: stock converted again, `track_routing(model, False)`."""
     untracked = apply_occult(copy.deepcopy(models["stock"]), {"num_devices": 1})
     track_routing(untracked, False)
-    models = {"occult": models["occult"], "occult untracked": untracked, "stock": models["stock"]}
-    walls = collections.defaultdict(list)
-    for _ in range(3):  # in turns, so that a slower minute of the shared host does not fall on one model
-        for name, model in models.items():
-            walls[name].append(time_step(model, prompt, STEPS, "static", repeats=2)[0])
+    return {"occult": models["occult"], "occult untracked": untracked, "stock": models["stock"]}
+
+
+def in_turns(candidates: dict, measure, rounds: int) -> dict:
+    """`measure(candidate)` for each candidate `rounds` times, in turns (so that a slower minute of the shared host
+    falls on every candidate alike), as `{name: [results of each round]}`."""
+    results = collections.defaultdict(list)
+    for _ in range(rounds):
+        for name, candidate in candidates.items():
+            results[name].append(measure(candidate))
+    return results
+
+
+def profile_host(models, prompt):
+    models = with_untracked(models)
+    walls = in_turns(models, lambda model: time_step(model, prompt, STEPS, "static", repeats=2)[0], rounds=3)
     from torch.profiler import ProfilerActivity, profile
 
     for name, model in models.items():
@@ -153,24 +165,12 @@ def issue_and_wall_us(block, x):
     return (issued - start) / BLOCK_CALLS * 1e6, (time.perf_counter() - start) / BLOCK_CALLS * 1e6
 
 
-def in_turns(candidates: dict, measure) -> dict:
-    """`measure(candidate)` for each candidate `ROUNDS` times, in turns (so that a slower minute of the shared host
-    falls on every candidate alike), as `{name: [results of each round]}`."""
-    results = collections.defaultdict(list)
-    for _ in range(ROUNDS):
-        for name, candidate in candidates.items():
-            results[name].append(measure(candidate))
-    return results
-
-
 def profile_block(models, prompt):
     from torch.profiler import ProfilerActivity, profile
 
     from occult_hf.hf.apply import occult_modules
 
-    untracked = apply_occult(copy.deepcopy(models["stock"]), {"num_devices": 1})
-    track_routing(untracked, False)
-    models = {"stock": models["stock"], "occult": models["occult"], "occult untracked": untracked}
+    models = with_untracked(models)
     blocks = {name: model.model.layers[0].mlp for name, model in models.items()}
     hidden = models["stock"].config.hidden_size
     with torch.no_grad():
@@ -179,7 +179,7 @@ def profile_block(models, prompt):
             for block in blocks.values():  # tune and warm every kernel first
                 for _ in range(20):
                     block(x)
-            for name, rounds in in_turns(blocks, lambda block: issue_and_wall_us(block, x)).items():
+            for name, rounds in in_turns(blocks, lambda block: issue_and_wall_us(block, x), ROUNDS).items():
                 issue = " ".join(f"{i:.0f}" for i, _ in rounds)
                 wall = " ".join(f"{w:.0f}" for _, w in rounds)
                 print(f"block T={tokens} {name}: issue {issue} us, wall {wall} us per call ({ROUNDS} rounds in turns)", flush=True)
@@ -192,7 +192,7 @@ def profile_block(models, prompt):
                 print(f"-- block T={tokens} {name}: profiler over 100 calls\n{table}", flush=True)
     for batch in [int(b) for b in os.environ.get("BATCHES", "1").split()]:
         prompt_BS = prompt[:1].expand(batch, -1).contiguous()
-        rounds = in_turns(models, lambda model: time_step(model, prompt_BS, STEPS, "dynamic", repeats=1)[0])
+        rounds = in_turns(models, lambda model: time_step(model, prompt_BS, STEPS, "dynamic", repeats=1)[0], ROUNDS)
         for name, walls in rounds.items():
             print(f"dynamic B={batch} {name}: {' '.join(f'{w:.2f}' for w in walls)} ms per step ({ROUNDS} rounds in turns)", flush=True)
 
@@ -219,10 +219,7 @@ def host_ms_by_part(model, prompt_BS) -> dict[str, float]:
         walls = {}
         for tokens in (1, STEPS):
             spent.clear()
-            walls[tokens] = _wall_s(lambda: generate_greedy(model, prompt_BS, tokens, "dynamic"))
-            totals = dict(spent)
-            totals["wall"] = walls[tokens]
-            walls[tokens] = totals
+            walls[tokens] = {"wall": wall_s(lambda: generate_greedy(model, prompt_BS, tokens, "dynamic")), **spent}
     finally:
         for handle in handles:
             handle.remove()
@@ -231,24 +228,14 @@ def host_ms_by_part(model, prompt_BS) -> dict[str, float]:
     return per_step
 
 
-def _wall_s(fn) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
 def profile_layers(models, prompt):
     """`host_ms_by_part` of stock, occult and occult untracked, five rounds in turns, at each batch of `BATCHES`."""
-    untracked = apply_occult(copy.deepcopy(models["stock"]), {"num_devices": 1})
-    track_routing(untracked, False)
-    models = {"stock": models["stock"], "occult": models["occult"], "occult untracked": untracked}
+    models = with_untracked(models)
     for batch in [int(b) for b in os.environ.get("BATCHES", "1").split()]:
         prompt_BS = prompt[:1].expand(batch, -1).contiguous()
         for model in models.values():
             generate_greedy(model, prompt_BS, STEPS, "dynamic")  # tune and warm
-        for name, rounds in in_turns(models, lambda model: host_ms_by_part(model, prompt_BS)).items():
+        for name, rounds in in_turns(models, lambda model: host_ms_by_part(model, prompt_BS), ROUNDS).items():
             parts = ", ".join(f"{part} {' '.join(f'{r[part]:.2f}' for r in rounds)}" for part in ("wall", "self_attn", "mlp", "rest"))
             print(f"layers B={batch} {name} (ms per step, {ROUNDS} rounds in turns): {parts}", flush=True)
 

@@ -75,7 +75,8 @@ def generate_greedy(model, prompt_BS, new_tokens: int, cache: str):
     return model.generate(prompt_BS, attention_mask=torch.ones_like(prompt_BS), pad_token_id=0, **kwargs)
 
 
-def _wall(fn) -> float:
+def wall_s(fn) -> float:
+    """Seconds `fn()` takes, the GPU's queue drained before and after."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -87,10 +88,10 @@ def _wall(fn) -> float:
 
 def time_step(model, prompt_BS, new_tokens: int, cache: str, repeats: int) -> tuple[float, float]:
     """`(ms per step, seconds of the first call)` of `generate()` on `prompt_BS` with `cache`."""
-    first = _wall(lambda: generate_greedy(model, prompt_BS, new_tokens, cache))
+    first = wall_s(lambda: generate_greedy(model, prompt_BS, new_tokens, cache))
     generate_greedy(model, prompt_BS, 1, cache)
-    long = statistics.median(_wall(lambda: generate_greedy(model, prompt_BS, new_tokens, cache)) for _ in range(repeats))
-    short = statistics.median(_wall(lambda: generate_greedy(model, prompt_BS, 1, cache)) for _ in range(repeats))
+    long = statistics.median(wall_s(lambda: generate_greedy(model, prompt_BS, new_tokens, cache)) for _ in range(repeats))
+    short = statistics.median(wall_s(lambda: generate_greedy(model, prompt_BS, 1, cache)) for _ in range(repeats))
     return (long - short) * 1e3 / (new_tokens - 1), first
 
 
