@@ -11,9 +11,40 @@ occult_hf, the Triton backends' when their modules are first imported (on first 
 Installed as `occult_hf.kernels`: setup.cfg's `package_dir` maps this top-level `kernels/` folder
 into the package, so code in `src/occult_hf` imports it as `occult_hf.kernels`, never by a
 relative path (tests/test_structure.py checks).
+
+Imported as a top-level `kernels`, this folder is only there by accident: the repository root is on `sys.path`
+(`python -m ...` or `python -m pytest` run in the clone) ahead of site-packages, where it would hide Hugging Face's
+`kernels` distribution, which transformers (5.25 on) imports with every model. That import gets the installed
+distribution instead (`_installed_hub_kernels`), and this folder stays `occult_hf.kernels` only.
 """
 
-from .expert_mlp_reference import expert_mlp_grouped_mm, expert_mlp_reference
-from .layout import ExpertSegments
+import sys
 
-__all__ = ["ExpertSegments", "expert_mlp_grouped_mm", "expert_mlp_reference"]
+
+def _installed_hub_kernels():
+    """Execute the `kernels` that `sys.path` holds outside this repository into `sys.modules["kernels"]` (the import
+    system returns what that entry holds once this module's code has run)."""
+    import importlib.machinery
+    import importlib.util
+    import os
+
+    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != repo_root]
+    spec = importlib.machinery.PathFinder.find_spec("kernels", path)
+    if spec is None:
+        raise ModuleNotFoundError(
+            f"No module named 'kernels' outside {repo_root} (its kernels/ folder is occult_hf.kernels, not a top-level package)",
+            name="kernels",
+        )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = module
+    spec.loader.exec_module(module)
+
+
+if __name__ == "kernels":
+    _installed_hub_kernels()
+else:
+    from .expert_mlp_reference import expert_mlp_grouped_mm, expert_mlp_reference
+    from .layout import ExpertSegments
+
+    __all__ = ["ExpertSegments", "expert_mlp_grouped_mm", "expert_mlp_reference"]

@@ -62,3 +62,29 @@ def test_wheel_declares_console_script_and_extras(wheel):
     # triton only for the interpreter tests (issue 32: a hard dependency cost a CPU user 999 MB); a CUDA torch brings its own
     triton = [line for line in metadata.splitlines() if line.startswith("Requires-Dist: triton")]
     assert triton and all('extra == "test"' in line for line in triton), triton
+
+
+def test_the_kernels_folder_never_hides_hugging_faces_kernels():
+    """Run in the clone (its root first on `sys.path`, as `python -m pytest` and `python -m occult_hf.cli` put it),
+    `import kernels` is the installed `kernels` distribution, which transformers 5.25 on imports with every model, or
+    no module where none is installed; the folder is `occult_hf.kernels` either way."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        hub = Path(distribution("kernels").locate_file("kernels/__init__.py")).resolve()
+    except PackageNotFoundError:
+        hub = None
+    code = (
+        "import occult_hf.kernels\n"
+        "print(occult_hf.kernels.__file__)\n"
+        "try:\n    import kernels\n    print(kernels.__file__)\n"
+        "except ModuleNotFoundError as error:\n    print(error)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    ours, imported = run.stdout.splitlines()
+    assert Path(ours).resolve() == REPO / "kernels" / "__init__.py"
+    if hub is None:
+        assert imported.startswith("No module named 'kernels' outside") and "occult_hf.kernels" in imported
+    else:
+        assert Path(imported).resolve() == hub
