@@ -10,8 +10,9 @@ of it is what occult adds to transformers' own. Here two launches with fixed blo
 - `topk_gate_up_kernel`: hw[p] = w[p] * act(x[t] @ gate_e^T) * (x[t] @ up_e^T) for pair p = (t, j), e = ids[t, j];
 - `topk_down_kernel`: out[t] = sum over j of hw[(t, j)] @ down_e^T, in fp32 in slot order.
 
-Each pair reads its expert's weights, so two pairs of one expert read them twice: `LocalExperts` takes this path
-only where there are no more pairs than local experts (a decode step; a longer input goes the grouped way). Forward
+Each pair reads its expert's weights, so two pairs of one expert read them twice (concurrent programs find them in
+L2): `LocalExperts` takes this path only up to `TOPK_PAIRS_PER_EXPERT` pairs per local expert (a decode step; a
+longer input goes the grouped way). Forward
 only, no gradient (`generate()` runs under `no_grad`), and eager only: a compiled model keeps the grouped path's
 custom operators (docs/kernels.md, "Decode sizes in eager").
 """
@@ -24,9 +25,11 @@ from . import triton_expert_mlp_kernels as _kernels
 from .triton_launch import launch
 from .triton_support import cdiv, interpreting
 
-#: output columns a program computes, and weights of each row read a step (compiled kernels): one warp row reads
-#: 512 contiguous bytes of bf16 weights; interpreted, 16 x 16, so that the tests' tiny shapes span several blocks
-BLOCK_N, BLOCK_K = 16, 256
+#: output columns a program computes, and weights of each row read a step (compiled kernels, one pipeline stage,
+#: 4 warps): the fastest launch configuration, or within 4% of it, at the OLMoE and Qwen1.5 shapes from 1 to 64
+#: tokens on the H200 (docs/device/topk_sweep.py; docs/kernels.md, "Decode sizes in eager"); interpreted, 8 x 16,
+#: so that the tests' tiny shapes span several blocks
+BLOCK_N, BLOCK_K, NUM_STAGES = 8, 1024, 1
 INTERPRETED_BLOCK_K = 16
 
 
@@ -52,12 +55,12 @@ def expert_mlp_topk(
     launch(
         _kernels.topk_gate_up_kernel, (num_tokens * top_k, cdiv(width, BLOCK_N)),
         x_TH, ids_N, weights_N, gate_up_proj_L2IH, hw_NI, hidden, width, x_TH.stride(0), *gate_up_proj_L2IH.stride(),
-        TOP_K=top_k, ACTIVATION=_kernels.ACTIVATIONS[activation], BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=4,
+        TOP_K=top_k, ACTIVATION=_kernels.ACTIVATIONS[activation], BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=4, num_stages=NUM_STAGES,
     )  # fmt: skip
     launch(
         _kernels.topk_down_kernel, (num_tokens, cdiv(hidden, BLOCK_N)),
         hw_NI, ids_N, down_proj_LHI, out_TH, hidden, width, *down_proj_LHI.stride(), out_TH.stride(0),
-        TOP_K=top_k, BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=4,
+        TOP_K=top_k, BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=4, num_stages=NUM_STAGES,
     )  # fmt: skip
     return out_TH
 

@@ -1050,15 +1050,16 @@ def _local_experts(experts, inter, hidden, backend="triton", seed=0):
 
 
 def test_only_eager_decode_sizes_without_gradient_take_the_topk_path(interpreted, monkeypatch):
-    """At most L pairs, no gradient, a Triton backend, fp32 under the interpreter; each condition broken alone refuses."""
+    """At most 4 L pairs, no gradient, a Triton backend, fp32 under the interpreter; each condition broken alone refuses."""
     experts = _local_experts(8, 16, 24)
     x_TH = torch.randn(4, 24)
     ids_Tk = torch.randint(0, 8, (4, 2))
     weights_Tk = torch.rand(4, 2)
     with torch.no_grad():
         assert experts.computes_topk(x_TH, ids_Tk, weights_Tk)
+        assert experts.computes_topk(torch.randn(16, 24), torch.randint(0, 8, (16, 2)), torch.rand(16, 2))  # 32 pairs = 4 L
         assert not experts.computes_topk(x_TH[:0], ids_Tk[:0], weights_Tk[:0])  # nothing to compute
-        assert not experts.computes_topk(torch.randn(5, 24), torch.randint(0, 8, (5, 2)), torch.rand(5, 2))  # 10 pairs > L
+        assert not experts.computes_topk(torch.randn(17, 24), torch.randint(0, 8, (17, 2)), torch.rand(17, 2))  # 34 > 4 L
         assert not experts.computes_topk(x_TH.bfloat16(), ids_Tk, weights_Tk)  # not the weights' dtype
         assert not experts.computes_topk(torch.randn(24, 4).t(), ids_Tk, weights_Tk)  # strided along H
         assert not _local_experts(8, 16, 24, backend="torch").computes_topk(x_TH, ids_Tk, weights_Tk)
@@ -1074,7 +1075,7 @@ def test_only_eager_decode_sizes_without_gradient_take_the_topk_path(interpreted
 
 def test_eager_generate_decodes_through_the_topk_path_with_stocks_tokens(interpreted, monkeypatch):
     """An occult model on one device with the Triton experts: `generate()` (eager, dynamic cache) gives stock's greedy
-    tokens; its prefill (12 pairs of 8 experts) goes through the layout, each decoding step (2 pairs) straight from
+    tokens; its prefill (40 pairs of 8 experts) goes through the layout, each decoding step (2 pairs) straight from
     the top-k; the block's counters count every step."""
     from occult_hf import apply_occult
     from occult_hf.hf.apply import occult_modules
@@ -1086,13 +1087,13 @@ def test_eager_generate_decodes_through_the_topk_path_with_stocks_tokens(interpr
     pairs = []
     topk_path = triton_topk_mlp.expert_mlp_topk
     monkeypatch.setattr(triton_topk_mlp, "expert_mlp_topk", lambda x, ids, *rest: pairs.append(ids.numel()) or topk_path(x, ids, *rest))
-    prompt = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+    prompt = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(3))
     kwargs = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(prompt, **kwargs), stock.generate(prompt, **kwargs))
     blocks = list(occult_modules(model).values())
     assert pairs == [2] * 3 * len(blocks)  # 3 decoding steps after the prefill's first token, every layer
     assert all(int(block.stats.forwards) == 4 for block in blocks)
-    assert all(block.stats.pairs_sent.tolist() == [6 * 2 + 3 * 2] for block in blocks)
+    assert all(block.stats.pairs_sent.tolist() == [20 * 2 + 3 * 2] for block in blocks)
 
 
 def test_lora_on_the_experts_keeps_the_layout_path(interpreted, monkeypatch):
@@ -1121,7 +1122,7 @@ def test_lora_on_the_experts_keeps_the_layout_path(interpreted, monkeypatch):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("tokens", [1, 8])
+@pytest.mark.parametrize("tokens", [1, 8, 32])
 @pytest.mark.parametrize("shape", [(2048, 1024, 64, 8), (2048, 1408, 60, 4)], ids=["olmoe", "qwen1.5"])
 def test_bf16_topk_kernels_match_fp32_reference_and_the_grouped_kernels(shape, tokens):
     """Compiled, bf16, at the real shapes and decode sizes: within bf16 rounding of the fp32 reference and of the

@@ -13,6 +13,7 @@
 #            so that a cut run still prints the failures' tracebacks;
 #   profile  docs/device/profile_decode.py $PROFILE (default "dynamic static"; also "host", "block", "layers"): where a step of generate() spends
 #            its time (dynamic: host functions and synchronisations; static: GPU busy time against wall, top kernels);
+#   sweep    docs/device/topk_sweep.py: the top-k decode kernels' launch configurations at the OLMoE and Qwen1.5 shapes;
 #   base     eager `occult bench model` of main at bb13be5 (the tree before the restructure, `git archive bb13be5
 #            src kernels patches eval > .devdata/base.tar`) and of this tree, in one process each, one after the other.
 # It needs the transformers 5.24 wheel in .whl/ (`pip download --no-deps transformers==5.24.0`), e.g.
@@ -50,6 +51,8 @@ for item in $STEPS; do
         -k "not two_ranks" > "$RESULTS/tests.txt" 2>&1; grep -E "PASSED|FAILED|ERROR|SKIPPED|^E |passed|failed" "$RESULTS/tests.txt" | tail -120 | tee -a "$OUT/log.txt" ;;
     profile)
       timeout "$limit" python3 "$REPO/docs/device/profile_decode.py" ${PROFILE:-dynamic static} > "$RESULTS/profile.txt" 2>&1; grep -v Warning "$RESULTS/profile.txt" | head -900 | tee -a "$OUT/log.txt" ;;
+    sweep)
+      timeout "$limit" python3 "$REPO/docs/device/topk_sweep.py" > "$RESULTS/sweep.txt" 2>&1; grep -v Warning "$RESULTS/sweep.txt" | grep -v "^[a-z].* T=.*: [A-Z]" | tail -60 | tee -a "$OUT/log.txt" ;;
     base)
       mkdir -p /tmp/base_src && tar -xf "$REPO/.devdata/base.tar" -C /tmp/base_src && stage /tmp/base_src /tmp/base
       for tree in base now; do

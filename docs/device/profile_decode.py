@@ -83,6 +83,15 @@ def host_profile(name, model, prompt, cache):
         print(f"-- {name} {cache} by {order}\n" + text.getvalue().split("ncalls", 1)[1], flush=True)
 
 
+def kernel_us(result) -> collections.Counter:
+    """µs of GPU time per kernel name in a `torch.profiler` run."""
+    totals = collections.Counter()
+    for event in result.key_averages():
+        if event.device_time_total > 0 and event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.key] += event.device_time_total
+    return totals
+
+
 def profile_static(name, model, prompt, wall_ms):
     from torch.profiler import ProfilerActivity, profile
 
@@ -92,13 +101,6 @@ def profile_static(name, model, prompt, wall_ms):
     with profile(activities=[ProfilerActivity.CUDA]) as prefill:
         generate_greedy(model, prompt, 1, "static")
         torch.cuda.synchronize()
-
-    def kernel_us(result):
-        totals = collections.Counter()
-        for event in result.key_averages():
-            if event.device_time_total > 0 and event.device_type == torch.autograd.DeviceType.CUDA:
-                totals[event.key] += event.device_time_total
-        return totals
 
     per_step = kernel_us(run)
     per_step.subtract(kernel_us(prefill))
@@ -197,6 +199,56 @@ def profile_block(models, prompt):
             print(f"dynamic B={batch} {name}: {' '.join(f'{w:.2f}' for w in walls)} ms per step ({ROUNDS} rounds in turns)", flush=True)
 
 
+CROSSOVER_TOKENS = (1, 8, 16, 32, 64, 128, 256)
+
+
+def profile_crossover():
+    """One eager MoE block (no gradient, the first layer of each model) computing its experts from the top-k
+    (`LocalExperts.forward_topk`) and by the grouped path, at each of `CROSSOVER_TOKENS`: the host µs to issue a
+    call, the wall µs per call (five rounds in turns) and the GPU's busy µs per call (the profiler's kernels), the
+    path forced either way through `LocalExperts.computes_topk`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from occult_hf.experts import LocalExperts
+
+    decides = LocalExperts.computes_topk
+    for name in FULL_LAYERS:
+        stock = build_model(model_config(name, 1), torch.device("cuda"), torch.bfloat16)
+        model = apply_occult(stock, {"num_devices": 1})
+        track_routing(model, False)
+        block = model.model.layers[0].mlp
+
+        def path(topk: bool):
+            def run(x):
+                LocalExperts.computes_topk = lambda self, *args: topk and decides(self, *args[:1], args[1][:1], args[2][:1])
+                try:
+                    return block(x)
+                finally:
+                    LocalExperts.computes_topk = decides
+
+            return run
+
+        paths = {"topk": path(True), "grouped": path(False)}
+        with torch.no_grad():
+            for tokens in CROSSOVER_TOKENS:
+                x = torch.randn(tokens, 1, stock.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+                for run in paths.values():  # tune and warm every kernel first
+                    for _ in range(20):
+                        run(x)
+                rounds = in_turns(paths, lambda run: issue_and_wall_us(run, x), ROUNDS)
+                for label, run in paths.items():
+                    with profile(activities=[ProfilerActivity.CUDA]) as traced:
+                        for _ in range(100):
+                            run(x)
+                        torch.cuda.synchronize()
+                    busy = sum(kernel_us(traced).values()) / 100
+                    issue = " ".join(f"{i:.0f}" for i, _ in rounds[label])
+                    wall = " ".join(f"{w:.0f}" for _, w in rounds[label])
+                    print(f"crossover {name} T={tokens} {label}: GPU busy {busy:.0f} us, issue {issue} us, wall {wall} us per call", flush=True)
+        del stock, model, block
+        torch.cuda.empty_cache()
+
+
 def host_ms_by_part(model, prompt_BS) -> dict[str, float]:
     """Host ms a dynamic-cache decoding step spends in each decoder layer's attention, its MLP / MoE block and the
     rest (from forward pre- and post-hooks on every layer's `self_attn` and `mlp`: the hooks' own cost falls on
@@ -242,6 +294,8 @@ def profile_layers(models, prompt):
 
 def main():
     caches = sys.argv[1:] or ["dynamic", "static"]
+    if caches == ["crossover"]:
+        return profile_crossover()
     device = torch.device("cuda")
     name = os.environ.get("MODEL", "olmoe-1b-7b")
     config = model_config(name, FULL_LAYERS[name])

@@ -230,10 +230,11 @@ class LocalExperts(nn.Module):
         )
 
     def computes_topk(self, x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor, topk_weights_Tk: torch.Tensor) -> bool:
-        """Whether `forward_topk` serves a call on these tokens: an eager forward without gradient of at most `L` (token,
-        expert) pairs (a decode step), with a Triton backend ("auto" on CUDA, or "triton") that implements the
-        activation, x in the weights' dtype with unit stride along H, on CUDA (or fp32 under the interpreter)."""
-        if torch.compiler.is_compiling() or not 0 < topk_ids_Tk.numel() <= self.num_local_experts:
+        """Whether `forward_topk` serves a call on these tokens: an eager forward without gradient of at most
+        `TOPK_PAIRS_PER_EXPERT * L` (token, expert) pairs (a decode step), with a Triton backend ("auto" on CUDA, or
+        "triton") that implements the activation, x in the weights' dtype with unit stride along H, on CUDA (or fp32
+        under the interpreter)."""
+        if torch.compiler.is_compiling() or not 0 < topk_ids_Tk.numel() <= TOPK_PAIRS_PER_EXPERT * self.num_local_experts:
             return False
         gate_up, down = self.gate_up_proj, self.down_proj
         if torch.is_grad_enabled() and any(t.requires_grad for t in (x_TH, topk_weights_Tk, gate_up, down)):
@@ -273,6 +274,11 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
+#: pairs per local expert up to which an eager forward without gradient goes straight from the top-k
+#: (`LocalExperts.computes_topk`): each pair reads its expert's weights, and on the H200 the top-k kernels at 4 pairs
+#: per expert still take less wall time than the grouped path's layout and tuned launches (docs/kernels.md, "Decode
+#: sizes in eager")
+TOPK_PAIRS_PER_EXPERT = 4
 #: mean pairs per expert below which "auto" computes a forward without gradient with the ``triton`` kernels (the
 #: module docstring says why; docs/kernels.md, "Which backend `auto` picks", has the measurements)
 AUTO_TRITON_BELOW = 1280
