@@ -15,15 +15,17 @@ relative path (tests/test_structure.py checks).
 Imported as a top-level `kernels`, this folder is only there by accident: the repository root is on `sys.path`
 (`python -m ...` or `python -m pytest` run in the clone) ahead of site-packages, where it would hide Hugging Face's
 `kernels` distribution, which transformers (5.25 on) imports with every model. That import gets the installed
-distribution instead (`_installed_hub_kernels`), and this folder stays `occult_hf.kernels` only.
+distribution instead (`_installed_hub_kernels`); where none is installed it gets an empty module (transformers before
+5.25 probes for `kernels` by importing whatever `sys.path` finds, and reads a module without a version as "not
+installed"). Either way this folder's code runs only as `occult_hf.kernels`.
 """
 
 import sys
 
 
-def _installed_hub_kernels():
-    """Execute the `kernels` that `sys.path` holds outside this repository into `sys.modules["kernels"]` (the import
-    system returns what that entry holds once this module's code has run)."""
+def _installed_hub_kernels() -> None:
+    """Execute the `kernels` that `sys.path` holds outside this repository, if any, into `sys.modules["kernels"]` (the
+    import system returns what that entry holds once this module's code has run)."""
     import importlib.machinery
     import importlib.util
     import os
@@ -32,10 +34,7 @@ def _installed_hub_kernels():
     path = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != repo_root]
     spec = importlib.machinery.PathFinder.find_spec("kernels", path)
     if spec is None:
-        raise ModuleNotFoundError(
-            f"No module named 'kernels' outside {repo_root} (its kernels/ folder is occult_hf.kernels, not a top-level package)",
-            name="kernels",
-        )
+        return
     module = importlib.util.module_from_spec(spec)
     sys.modules["kernels"] = module
     spec.loader.exec_module(module)
