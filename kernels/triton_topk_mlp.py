@@ -26,9 +26,9 @@ from .triton_launch import launch
 from .triton_support import cdiv, interpreting
 
 #: output columns a program computes, and weights of each row read a step (compiled kernels, one pipeline stage,
-#: 4 warps): the fastest launch configuration, or within 4% of it, at the OLMoE and Qwen1.5 shapes from 1 to 64
-#: tokens on the H200 (docs/device/topk_sweep.py; docs/kernels.md, "Decode sizes in eager"); interpreted, 8 x 16,
-#: so that the tests' tiny shapes span several blocks
+#: 4 warps): of 36 launch configurations on the H200, the gate/up kernel's fastest or within 5% of it at the OLMoE
+#: and Qwen1.5 shapes from 1 to 64 tokens, and the down kernel's at batch 1 (docs/kernels.md, "Decode sizes in
+#: eager"); interpreted, 8 x 16, so that the tests' tiny shapes span several blocks
 BLOCK_N, BLOCK_K, NUM_STAGES = 8, 1024, 1
 INTERPRETED_BLOCK_K = 16
 

@@ -11,7 +11,7 @@
 #            without its two-rank cases); a test's own limit is TEST_TIMEOUT (default 600 s: a worker's first test
 #            compiles and tunes every kernel, 8 workers at once), and the step's limit interrupts pytest (SIGINT)
 #            so that a cut run still prints the failures' tracebacks;
-#   profile  docs/device/profile_decode.py $PROFILE (default "dynamic static"; also "host", "block", "layers"): where a step of generate() spends
+#   profile  docs/device/profile_decode.py $PROFILE (default "dynamic static"; also "host", "block", "crossover", "layers"): where a step of generate() spends
 #            its time (dynamic: host functions and synchronisations; static: GPU busy time against wall, top kernels);
 #   sweep    docs/device/topk_sweep.py: the top-k decode kernels' launch configurations at the OLMoE and Qwen1.5 shapes;
 #   base     eager `occult bench model` of main at bb13be5 (the tree before the restructure, `git archive bb13be5
@@ -52,7 +52,7 @@ for item in $STEPS; do
     profile)
       timeout "$limit" python3 "$REPO/docs/device/profile_decode.py" ${PROFILE:-dynamic static} > "$RESULTS/profile.txt" 2>&1; grep -v Warning "$RESULTS/profile.txt" | head -900 | tee -a "$OUT/log.txt" ;;
     sweep)
-      timeout "$limit" python3 "$REPO/docs/device/topk_sweep.py" > "$RESULTS/sweep.txt" 2>&1; grep -v Warning "$RESULTS/sweep.txt" | grep -v "^[a-z].* T=.*: [A-Z]" | tail -60 | tee -a "$OUT/log.txt" ;;
+      timeout "$limit" python3 "$REPO/docs/device/topk_sweep.py" > "$RESULTS/sweep.txt" 2>&1; grep -E "^best|top 5" "$RESULTS/sweep.txt" | tee -a "$OUT/log.txt" ;;
     base)
       mkdir -p /tmp/base_src && tar -xf "$REPO/.devdata/base.tar" -C /tmp/base_src && stage /tmp/base_src /tmp/base
       for tree in base now; do

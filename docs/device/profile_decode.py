@@ -19,6 +19,9 @@ weights, bf16, a 128-token prompt.
   one's wall time per call, five rounds in turns; the profiler's operator table of occult's and stock's block (own
   CPU time, calls, kernel launches); then the whole models' dynamic-cache `generate()` step at each batch of
   `BATCHES` (default 1), five rounds in turns.
+- `crossover` (eager, no gradient, one MoE block of a one-layer model of each configuration at T = 1 to 256 tokens):
+  the experts from the top-k against the grouped path, each forced, the host's issue time and the wall time per
+  call (five rounds in turns) and the GPU's busy time per call: where `TOPK_PAIRS_PER_EXPERT` comes from.
 - `layers` (the dynamic cache, eager): the host time of a step in every layer's attention, in its MLP / MoE block
   and in the rest, and the step's wall time, stock against occult, five rounds in turns at each batch of `BATCHES`.
 

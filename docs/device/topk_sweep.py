@@ -2,19 +2,18 @@
 shapes, bf16, over a grid of launch configurations: GPU µs per launch (`triton.testing.do_bench_cudagraph`, so
 without the host's launch cost) and the weight bytes the pairs read per µs, at each of `TOKENS`.
 
-Prints one line per (model, kernel, T, configuration), then each (model, kernel, T)'s best configuration and the
-shipped one's time. Run on the GPU: `python3 docs/device/topk_sweep.py` (with occult_hf importable).
+Prints one line per (model, kernel, T, configuration), then each (model, kernel, T)'s best configuration, its five
+fastest and the shipped one's time. Run on the GPU: `python3 docs/device/topk_sweep.py` (with occult_hf importable).
 """
 
 import itertools
 
 import torch
-import triton
 from triton.testing import do_bench_cudagraph
 
 from occult_hf.kernels import triton_expert_mlp_kernels as kernels
 from occult_hf.kernels.triton_support import cdiv
-from occult_hf.kernels.triton_topk_mlp import BLOCK_K as SHIPPED_K, BLOCK_N as SHIPPED_N
+from occult_hf.kernels.triton_topk_mlp import BLOCK_K as SHIPPED_K, BLOCK_N as SHIPPED_N, NUM_STAGES as SHIPPED_STAGES
 
 SHAPES = {"olmoe-1b-7b": (64, 2048, 1024, 8), "qwen1.5-moe-a2.7b": (60, 2048, 1408, 4)}  # L, H, I, k
 TOKENS = (1, 8, 16, 32, 64)
@@ -54,7 +53,7 @@ def down_launch(hw, ids, down, out, config, top_k):
 
 
 def main():
-    shipped = (SHIPPED_N, SHIPPED_K, 4, 3)
+    shipped = (SHIPPED_N, SHIPPED_K, 4, SHIPPED_STAGES)
     for model, (experts, hidden, width, top_k) in SHAPES.items():
         for tokens in TOKENS:
             x, ids, weights, gate_up, down, hw, out = inputs(experts, hidden, width, top_k, tokens)
@@ -71,6 +70,7 @@ def main():
                         print(f"{model} {name} T={tokens} {config}: {type(error).__name__}", flush=True)
                         continue
                     results[name][config] = us
+                    print(f"{model} {name} T={tokens} {config}: {us:.1f} us", flush=True)
             for name, times in results.items():
                 best = min(times, key=times.get)
                 gbps = ids.numel() * pair_bytes[name] / times[best] / 1e3
