@@ -12,9 +12,8 @@ of it is what occult adds to transformers' own. Here two launches with fixed blo
 
 Each pair reads its expert's weights, so two pairs of one expert read them twice (concurrent programs find them in
 L2): `LocalExperts` takes this path only up to `TOPK_PAIRS_PER_EXPERT` pairs per local expert (a decode step; a
-longer input goes the grouped way). Forward
-only, no gradient (`generate()` runs under `no_grad`), and eager only: a compiled model keeps the grouped path's
-custom operators (docs/kernels.md, "Decode sizes in eager").
+longer input goes the grouped way). Forward only, no gradient (`generate()` runs under `no_grad`), and eager only: a
+compiled model keeps the grouped path's custom operators (docs/kernels.md, "Decode sizes in eager").
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ import collections
 import copy
 import cProfile
 import io
+import math
 import os
 import pstats
 import sys
@@ -173,8 +174,6 @@ def issue_and_wall_us(block, x):
 def profile_block(models, prompt):
     from torch.profiler import ProfilerActivity, profile
 
-    from occult_hf.hf.apply import occult_modules
-
     models = with_untracked(models)
     blocks = {name: model.model.layers[0].mlp for name, model in models.items()}
     hidden = models["stock"].config.hidden_size
@@ -205,33 +204,35 @@ def profile_block(models, prompt):
 CROSSOVER_TOKENS = (1, 8, 16, 32, 64, 128, 256)
 
 
+def with_topk_bound(block, pairs_per_expert):
+    """`block`'s forward with `occult_hf.experts.TOPK_PAIRS_PER_EXPERT` at `pairs_per_expert` for the call (`math.inf`:
+    the top-k path wherever its other conditions hold; 0: the grouped path)."""
+    import occult_hf.experts as experts_module
+
+    def run(x):
+        shipped = experts_module.TOPK_PAIRS_PER_EXPERT
+        experts_module.TOPK_PAIRS_PER_EXPERT = pairs_per_expert
+        try:
+            return block(x)
+        finally:
+            experts_module.TOPK_PAIRS_PER_EXPERT = shipped
+
+    return run
+
+
 def profile_crossover():
     """One eager MoE block (no gradient, the first layer of each model) computing its experts from the top-k
     (`LocalExperts.forward_topk`) and by the grouped path, at each of `CROSSOVER_TOKENS`: the host µs to issue a
     call, the wall µs per call (five rounds in turns) and the GPU's busy µs per call (the profiler's kernels), the
-    path forced either way through `LocalExperts.computes_topk`."""
+    path forced either way through the bound `LocalExperts.computes_topk` reads (`with_topk_bound`)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from occult_hf.experts import LocalExperts
-
-    decides = LocalExperts.computes_topk
     for name in FULL_LAYERS:
         stock = build_model(model_config(name, 1), torch.device("cuda"), torch.bfloat16)
         model = apply_occult(stock, {"num_devices": 1})
         track_routing(model, False)
         block = model.model.layers[0].mlp
-
-        def path(topk: bool):
-            def run(x):
-                LocalExperts.computes_topk = lambda self, *args: topk and decides(self, *args[:1], args[1][:1], args[2][:1])
-                try:
-                    return block(x)
-                finally:
-                    LocalExperts.computes_topk = decides
-
-            return run
-
-        paths = {"topk": path(True), "grouped": path(False)}
+        paths = {"topk": with_topk_bound(block, math.inf), "grouped": with_topk_bound(block, 0)}
         with torch.no_grad():
             for tokens in CROSSOVER_TOKENS:
                 x = torch.randn(tokens, 1, stock.config.hidden_size, device="cuda", dtype=torch.bfloat16)
@@ -248,7 +249,7 @@ def profile_crossover():
                     issue = " ".join(f"{i:.0f}" for i, _ in rounds[label])
                     wall = " ".join(f"{w:.0f}" for _, w in rounds[label])
                     print(f"crossover {name} T={tokens} {label}: GPU busy {busy:.0f} us, issue {issue} us, wall {wall} us per call", flush=True)
-        del stock, model, block
+        del stock, model, block, paths
         torch.cuda.empty_cache()
 
 
