@@ -170,7 +170,6 @@ def test_dedup_equals_per_expert_and_sends_fewer_rows():
 
 
 def test_bad_mode_and_backend_are_rejected():
-    ep = ExpertParallelGroup(num_devices=2)
     with pytest.raises(ValueError, match="dispatch mode must be one of"):
         DispatchSettings(mode="broadcast")
     gate_up_E2IH, down_EHI = make_experts(4)
@@ -519,7 +518,7 @@ def _count_operators(rank, world_size) -> dict:
     forward+backward, after a warm-up: what each costs in launches and host time on a GPU."""
     from torch.profiler import ProfilerActivity, profile
 
-    num_experts, top_k, num_local = 64, 8, 64 // world_size
+    num_experts, top_k = 64, 8
     ep = ExpertParallelGroup.resolve(None, world_size)
     generator = torch.Generator().manual_seed(rank)
     ids_Tk = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(128)])

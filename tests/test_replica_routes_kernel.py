@@ -23,7 +23,6 @@ from occult_hf.kernels.replica_pairs import fused_assign, fused_preferences_and_
 from occult_hf.kernels.replica_routes import fused_expert_routes, fused_routes_and_shares
 from occult_hf.replicas.routing import (
     PIN_SLACK,
-    TORCH_PAIRS,
     PairHalf,
     expert_routes,
     home_table_from,

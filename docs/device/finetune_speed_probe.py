@@ -19,7 +19,6 @@ Start CUDA MPS first for K > 1 (docs/quality_h200.sh does, and says why).
 """
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys

@@ -45,7 +45,7 @@ import torch
 from occult_hf.utils.atomic import atomic_save_figure, atomic_write_text
 from occult_hf.utils.tables import markdown_table
 from occult_hf.benchmarks.expert_timing import (
-    INTERLEAVE_MAX_TOKENS, INTERLEAVE_ROUNDS, cuda_timer, graph_replay_ms, interleaved_ms, wall_timer,
+    INTERLEAVE_MAX_TOKENS, INTERLEAVE_ROUNDS, cuda_timer, graph_replay_ms, interleaved_ms,
 )  # fmt: skip
 from occult_hf.expert_shapes import SHAPES, ExpertShape  # the one table of model shapes (placement reads it too)
 from occult_hf.kernels import ExpertSegments, expert_mlp_grouped_mm, expert_mlp_reference

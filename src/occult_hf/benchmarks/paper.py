@@ -62,7 +62,6 @@ import argparse
 import copy
 import datetime
 import gc
-import importlib.util
 import json
 import math
 import os

@@ -12,7 +12,6 @@ per domain) and `loss_curve.png`.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
