@@ -528,13 +528,14 @@ def test_bench_experts_harness_on_a_tiny_shape(interpreted, tmp_path, monkeypatc
     no `triton_atomic` row (its reduce mode is checked against the reference above): the interpreter
     takes seconds per call."""
     from occult_hf.benchmarks import experts as bench
+    from occult_hf.benchmarks.expert_timing import wall_timer
 
     shape = bench.ExpertShape(hidden=32, intermediate=16, num_experts=4, top_k=2, family="olmoe")
     ours = [name for name in bench.IMPLEMENTATIONS if name not in bench.PEERS and name != "triton_atomic"]
     monkeypatch.setattr(bench, "INTERLEAVE_ROUNDS", 1)  # interpreted calls take seconds; the rounds: test_interleaved_*
     result = bench.run_benchmark(
         {"tiny": shape}, [24], [*ours, "sonic_moe"], device=torch.device("cpu"), dtype=torch.float32,
-        timer=bench.wall_timer(repeats=1, warmup=False), breakdown=("tiny", 24), dense_size=64, progress=False,
+        timer=wall_timer(repeats=1, warmup=False), breakdown=("tiny", 24), dense_size=64, progress=False,
     )  # fmt: skip
     measured = {m.implementation: m for m in result["measurements"]}
     assert set(measured) == {*ours, "sonic_moe"}
@@ -592,13 +593,14 @@ def test_bench_candidate_comparison_restores_the_tuners(interpreted, monkeypatch
     the kernels with TMA candidates; the kernels' candidates and tuning caches come back as they were.
     One set (the TMA one) to keep the interpreted test short."""
     from occult_hf.benchmarks import experts as bench
+    from occult_hf.benchmarks.expert_timing import wall_timer
 
     monkeypatch.setattr(triton_expert_mlp, "TMA_MIN_ROWS", 0)
     monkeypatch.setattr(bench, "CANDIDATE_SETS", {"TMA loads only": bench.CANDIDATE_SETS["TMA loads only"]})
     shape = bench.ExpertShape(hidden=32, intermediate=16, num_experts=4, top_k=2, family="olmoe")
     module = bench.hf_experts_module(shape, "cpu", torch.float32)
     before = {name: (getattr(kernels, name).configs, getattr(kernels, name).cache) for name in TMA_KERNELS}
-    rows = bench.candidate_comparison(shape, 8, module, bench.wall_timer(repeats=1, warmup=False), seed=0)
+    rows = bench.candidate_comparison(shape, 8, module, wall_timer(repeats=1, warmup=False), seed=0)
     assert {label for label, _, _ in rows} == set(bench.CANDIDATE_SETS)
     assert {what for _, what, _ in rows} >= {"forward", "forward + backward", "bwd: d down_proj", "fwd: down GEMM + row reduce"}
     assert all(ms > 0 for _, _, ms in rows)
