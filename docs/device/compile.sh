@@ -8,7 +8,7 @@
 #            adds each model's profile, compiled ones included (GPU busy against wall, the N costliest kernels);
 #   tests    the GPU tests of the compiled paths and of the restructured runtime (tests/test_gpu_compile.py,
 #            test_gpu_compile_ops.py, test_gpu_runtime.py, test_triton_kernels.py -m gpu, test_gpu_dispatch.py
-#            without its two-rank cases); a test's own limit is TEST_TIMEOUT (default 600 s: a worker's first test
+#            without its two-rank cases; TEST_FILES replaces that list); a test's own limit is TEST_TIMEOUT (default 600 s: a worker's first test
 #            compiles and tunes every kernel, 8 workers at once), and the step's limit interrupts pytest (SIGINT)
 #            so that a cut run still prints the failures' tracebacks;
 #   profile  docs/device/profile_decode.py $PROFILE (default "dynamic static"; also "host", "block", "crossover", "layers"): where a step of generate() spends
@@ -16,7 +16,8 @@
 #   sweep    docs/device/topk_sweep.py: the top-k decode kernels' launch configurations at the OLMoE and Qwen1.5 shapes;
 #   base     eager `occult bench model` of main at bb13be5 (the tree before the restructure, `git archive bb13be5
 #            src kernels patches eval > .devdata/base.tar`) and of this tree, in one process each, one after the other.
-# It needs the transformers 5.24 wheel in .whl/ (`pip download --no-deps transformers==5.24.0`), e.g.
+# It needs the transformers 5.24 wheel in .whl/ (`pip download --no-deps transformers==5.24.0`); WHEELS names another
+# folder of wheels to install instead (a newer transformers with the dependencies the image lacks), e.g.
 #   run(kind="nvidia-h200", carry=[".whl", ".devdata"], timeout_s=600,
 #       command="STEPS='decode:560' MODEL=olmoe-1b-7b bash docs/device/compile.sh")
 # where each STEP:SECONDS gives the step's limit. Every step's tables and logs are packed into $OUT/results.tar.gz
@@ -27,7 +28,7 @@ MODEL=${MODEL:-olmoe-1b-7b}  # BATCHES (decode) defaults to "1 8 32 64"
 REPO=$PWD
 RESULTS=/tmp/results
 mkdir -p "$RESULTS"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${WHEELS:-.whl}"/*.whl || exit 1
 stage() {  # copy a source tree into $2 as an importable occult_hf (setup.cfg's package_dir mapping by hand)
   mkdir -p "$2/occult_hf" && cp -r "$1"/src/occult_hf/* "$2/occult_hf/" && for d in kernels patches eval; do cp -r "$1/$d" "$2/occult_hf/$d"; done
 }
@@ -46,8 +47,8 @@ for item in $STEPS; do
       timeout "$limit" python3 -m occult_hf.cli bench model --no-progress --compile --batch 8 --seq 2048 ${TRAIN_PROFILE:+--profile $TRAIN_PROFILE} \
         --out "$RESULTS/train" 2>&1 | grep -v Warning | tee -a "$OUT/log.txt" ;;
     tests)
-      timeout -s INT "$limit" python3 -m pytest -v -rf --tb=short --durations=20 --timeout=${TEST_TIMEOUT:-600} --maxfail=${MAXFAIL:-3} -n ${WORKERS:-8} -m gpu -p no:cacheprovider "$REPO"/tests/test_gpu_compile.py \
-        "$REPO"/tests/test_gpu_compile_ops.py "$REPO"/tests/test_gpu_runtime.py "$REPO"/tests/test_triton_kernels.py "$REPO"/tests/test_gpu_dispatch.py \
+      timeout -s INT "$limit" python3 -m pytest -v -rf --tb=short --durations=20 --timeout=${TEST_TIMEOUT:-600} --maxfail=${MAXFAIL:-3} -n ${WORKERS:-8} -m gpu -p no:cacheprovider \
+        $(printf "$REPO/%s " ${TEST_FILES:-tests/test_gpu_compile.py tests/test_gpu_compile_ops.py tests/test_gpu_runtime.py tests/test_triton_kernels.py tests/test_gpu_dispatch.py}) \
         -k "not two_ranks" > "$RESULTS/tests.txt" 2>&1; grep -E "PASSED|FAILED|ERROR|SKIPPED|^E |passed|failed" "$RESULTS/tests.txt" | tail -120 | tee -a "$OUT/log.txt" ;;
     profile)
       timeout "$limit" python3 "$REPO/docs/device/profile_decode.py" ${PROFILE:-dynamic static} > "$RESULTS/profile.txt" 2>&1; grep -v Warning "$RESULTS/profile.txt" | head -900 | tee -a "$OUT/log.txt" ;;

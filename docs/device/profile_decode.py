@@ -96,6 +96,31 @@ def kernel_us(result) -> collections.Counter:
     return totals
 
 
+def graph_replays(result, idle_us: float = 30.0) -> str:
+    """The decode steps' graph replays in a `torch.profiler` run, told apart by the GPU idling more than `idle_us`
+    between kernels (a host-bound step leaves a gap): per replay, the kernels' count, their summed time and the span
+    from the first start to the last end. Span over sum is what launching many small kernels costs inside a graph."""
+    kernels = sorted(
+        (event.time_range.start, event.time_range.end)
+        for event in result.events()
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.time_range.end > event.time_range.start
+    )
+    replays, current = [], []
+    for start, end in kernels:
+        if current and start - current[-1][1] > idle_us:
+            replays.append(current)
+            current = []
+        current.append((start, end))
+    replays.append(current)
+    longest = max(len(replay) for replay in replays)
+    replays = [replay for replay in replays if len(replay) >= longest // 2]  # not the loop's own kernels between steps
+    median = lambda values: sorted(values)[len(values) // 2]
+    count = median([len(replay) for replay in replays])
+    busy = median([sum(end - start for start, end in replay) for replay in replays])
+    span = median([replay[-1][1] - replay[0][0] for replay in replays])
+    return f"{len(replays)} graph-sized kernel runs, medians: {count} kernels, {busy / 1e3:.2f} ms of kernels in a {span / 1e3:.2f} ms span"
+
+
 def profile_static(name, model, prompt, wall_ms):
     from torch.profiler import ProfilerActivity, profile
 
@@ -110,6 +135,7 @@ def profile_static(name, model, prompt, wall_ms):
     per_step.subtract(kernel_us(prefill))
     busy_ms = sum(per_step.values()) / 1e3 / (STEPS - 1)
     print(f"{name} static: GPU busy {busy_ms:.2f} ms of {wall_ms:.2f} ms per step", flush=True)
+    print(f"{name} static: {graph_replays(run)}", flush=True)
     for kernel, us in per_step.most_common(12):
         print(f"  {us / (STEPS - 1):8.1f} us/step  {kernel[:110]}", flush=True)
     from torch._dynamo.utils import counters
