@@ -1,0 +1,70 @@
+"""Dynamo's own work per call of a compiled decode forward: stock OLMoE against occult (tracked and untracked).
+
+A tiny 16-layer OLMoE (64 experts, top-8: the real layer count and routing width, toy sizes) decodes one token against a
+static cache through `torch.compile(model.forward, fullgraph=True)` with a backend that returns its first outputs
+without computing again, so each timed call is what dynamo does around a graph (frame evaluation, the guard check,
+the argument and output handling, the replay of attribute stores), not the model. Runs on the CPU
+(`python docs/device/dynamo_call_probe.py`); prints microseconds per call, the least of 5 rounds of 200 calls.
+"""
+
+import copy
+import time
+import warnings
+
+import torch
+from transformers import OlmoeConfig, OlmoeForCausalLM, StaticCache
+
+from occult_hf import apply_occult, track_routing
+
+CALLS, ROUNDS = 200, 5
+
+
+def replay_first_outputs(graph_module, example_inputs):
+    """A dynamo backend whose compiled graph computes once and then returns those outputs."""
+    outputs = None
+
+    def run(*args):
+        nonlocal outputs
+        if outputs is None:
+            outputs = graph_module(*args)
+        return outputs
+
+    return run
+
+
+def us_per_call(model, config) -> float:
+    cache = StaticCache(config=config, max_cache_len=64)
+    input_ids = torch.randint(0, config.vocab_size, (1, 1))
+    torch._dynamo.reset()
+    forward = torch.compile(model.forward, backend=replay_first_outputs, fullgraph=True)
+    call = lambda position: forward(input_ids=input_ids, past_key_values=cache, cache_position=torch.tensor([position]), use_cache=True)
+    rounds = []
+    with torch.no_grad():
+        for position in range(3):
+            call(position)
+        for _ in range(ROUNDS):
+            start = time.perf_counter()
+            for _ in range(CALLS):
+                call(5)
+            rounds.append((time.perf_counter() - start) / CALLS * 1e6)
+    return min(rounds)
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    config = OlmoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=16, num_attention_heads=4,
+        num_key_value_heads=4, num_experts=64, num_experts_per_tok=8, max_position_embeddings=64,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    stock = OlmoeForCausalLM(config).eval()
+    occult = apply_occult(copy.deepcopy(stock), {"num_devices": 1}).eval()
+    untracked = apply_occult(copy.deepcopy(stock), {"num_devices": 1}).eval()
+    track_routing(untracked, False)
+    for name, model in (("stock", stock), ("occult", occult), ("occult untracked", untracked)):
+        print(f"{name}: {us_per_call(model, config):.0f} us per call", flush=True)
+
+
+if __name__ == "__main__":
+    main()
