@@ -18,18 +18,51 @@ compiled model keeps the grouped path's custom operators (docs/kernels.md, "Deco
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from . import triton_expert_mlp_kernels as _kernels
 from .triton_launch import launch
 from .triton_support import cdiv, interpreting
 
-#: output columns a program computes, and weights of each row read a step (compiled kernels, one pipeline stage,
-#: 4 warps): of 36 launch configurations on the H200, the gate/up kernel's fastest or within 5% of it at the OLMoE
-#: and Qwen1.5 shapes from 1 to 64 tokens, and the down kernel's at batch 1 (docs/kernels.md, "Decode sizes in
-#: eager"); interpreted, 8 x 16, so that the tests' tiny shapes span several blocks
-BLOCK_N, BLOCK_K, NUM_STAGES = 8, 1024, 1
-INTERPRETED_BLOCK_K = 16
+
+class TopKTiles(NamedTuple):
+    """A launch configuration of both top-k kernels: output columns a program computes (`block_n`), weights of each
+    row read a step (`block_k`), warps and pipeline stages."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+#: of 36 launch configurations on the H200, the gate/up kernel's fastest or within 5% of it at the OLMoE and Qwen1.5
+#: shapes from 1 to 64 tokens, and the down kernel's at batch 1 (docs/kernels.md, "Decode sizes in eager");
+#: interpreted, 8 x 16, so that the tests' tiny shapes span several blocks
+SHIPPED_TILES = TopKTiles(block_n=8, block_k=1024, num_warps=4, num_stages=1)
+INTERPRETED_TILES = SHIPPED_TILES._replace(block_k=16)
+
+
+def launch_topk_gate_up(x_TH, ids_N, weights_N, gate_up_proj_L2IH, hw_NI, top_k: int, activation: str, tiles: TopKTiles) -> None:
+    """hw_NI[p] = w[p] * act(gate) * up of pair p's expert, one program per (pair, `block_n` columns)."""
+    hidden, width = x_TH.shape[1], hw_NI.shape[1]
+    launch(
+        _kernels.topk_gate_up_kernel, (ids_N.numel(), cdiv(width, tiles.block_n)),
+        x_TH, ids_N, weights_N, gate_up_proj_L2IH, hw_NI, hidden, width, x_TH.stride(0), *gate_up_proj_L2IH.stride(),
+        TOP_K=top_k, ACTIVATION=_kernels.ACTIVATIONS[activation], BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )  # fmt: skip
+
+
+def launch_topk_down(hw_NI, ids_N, down_proj_LHI, out_TH, top_k: int, tiles: TopKTiles) -> None:
+    """out_TH[t] = the sum over token t's k pairs of hw @ down_e^T, one program per (token, `block_n` columns)."""
+    hidden, width = down_proj_LHI.shape[1], down_proj_LHI.shape[2]
+    launch(
+        _kernels.topk_down_kernel, (out_TH.shape[0], cdiv(hidden, tiles.block_n)),
+        hw_NI, ids_N, down_proj_LHI, out_TH, hidden, width, *down_proj_LHI.stride(), out_TH.stride(0),
+        TOP_K=top_k, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )  # fmt: skip
 
 
 def expert_mlp_topk(
@@ -45,23 +78,14 @@ def expert_mlp_topk(
     num_tokens, top_k = topk_ids_Tk.shape
     hidden, width = down_proj_LHI.shape[1], down_proj_LHI.shape[2]
     ids_N = topk_ids_Tk.reshape(-1)
-    weights_N = topk_weights_Tk.reshape(-1)
     hw_NI = torch.empty(num_tokens * top_k, width, dtype=x_TH.dtype, device=x_TH.device)
     out_TH = torch.empty(num_tokens, hidden, dtype=x_TH.dtype, device=x_TH.device)
     if num_tokens == 0 or top_k == 0:
         return out_TH.zero_()
-    block_k = INTERPRETED_BLOCK_K if interpreting() else BLOCK_K
-    launch(
-        _kernels.topk_gate_up_kernel, (num_tokens * top_k, cdiv(width, BLOCK_N)),
-        x_TH, ids_N, weights_N, gate_up_proj_L2IH, hw_NI, hidden, width, x_TH.stride(0), *gate_up_proj_L2IH.stride(),
-        TOP_K=top_k, ACTIVATION=_kernels.ACTIVATIONS[activation], BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=4, num_stages=NUM_STAGES,
-    )  # fmt: skip
-    launch(
-        _kernels.topk_down_kernel, (num_tokens, cdiv(hidden, BLOCK_N)),
-        hw_NI, ids_N, down_proj_LHI, out_TH, hidden, width, *down_proj_LHI.stride(), out_TH.stride(0),
-        TOP_K=top_k, BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=4, num_stages=NUM_STAGES,
-    )  # fmt: skip
+    tiles = INTERPRETED_TILES if interpreting() else SHIPPED_TILES
+    launch_topk_gate_up(x_TH, ids_N, topk_weights_Tk.reshape(-1), gate_up_proj_L2IH, hw_NI, top_k, activation, tiles)
+    launch_topk_down(hw_NI, ids_N, down_proj_LHI, out_TH, top_k, tiles)
     return out_TH
 
 
-__all__ = ["expert_mlp_topk"]
+__all__ = ["SHIPPED_TILES", "TopKTiles", "expert_mlp_topk", "launch_topk_down", "launch_topk_gate_up"]

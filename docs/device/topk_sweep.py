@@ -11,13 +11,11 @@ import itertools
 import torch
 from triton.testing import do_bench_cudagraph
 
-from occult_hf.kernels import triton_expert_mlp_kernels as kernels
-from occult_hf.kernels.triton_support import cdiv
-from occult_hf.kernels.triton_topk_mlp import BLOCK_K as SHIPPED_K, BLOCK_N as SHIPPED_N, NUM_STAGES as SHIPPED_STAGES
+from occult_hf.kernels.triton_topk_mlp import SHIPPED_TILES, TopKTiles, launch_topk_down, launch_topk_gate_up
 
 SHAPES = {"olmoe-1b-7b": (64, 2048, 1024, 8), "qwen1.5-moe-a2.7b": (60, 2048, 1408, 4)}  # L, H, I, k
 TOKENS = (1, 8, 16, 32, 64)
-CONFIGS = list(itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), (1, 3)))  # N, K, warps, stages
+CONFIGS = [TopKTiles(*tiles) for tiles in itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), (1, 3))]
 
 
 def inputs(experts, hidden, width, top_k, tokens):
@@ -32,55 +30,34 @@ def inputs(experts, hidden, width, top_k, tokens):
     return x, ids, weights, gate_up, down, hw, out
 
 
-def gate_up_launch(x, ids, weights, gate_up, hw, config, top_k):
-    block_n, block_k, warps, stages = config
-    width, hidden = hw.shape[1], x.shape[1]
-    grid = (ids.numel(), cdiv(width, block_n))
-    return lambda: kernels.topk_gate_up_kernel[grid](
-        x, ids, weights, gate_up, hw, hidden, width, x.stride(0), *gate_up.stride(),
-        TOP_K=top_k, ACTIVATION=kernels.ACTIVATIONS["silu"], BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-
-
-def down_launch(hw, ids, down, out, config, top_k):
-    block_n, block_k, warps, stages = config
-    hidden, width = down.shape[1], down.shape[2]
-    grid = (out.shape[0], cdiv(hidden, block_n))
-    return lambda: kernels.topk_down_kernel[grid](
-        hw, ids, down, out, hidden, width, *down.stride(), out.stride(0),
-        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-
-
 def main():
-    shipped = (SHIPPED_N, SHIPPED_K, 4, SHIPPED_STAGES)
     for model, (experts, hidden, width, top_k) in SHAPES.items():
         for tokens in TOKENS:
             x, ids, weights, gate_up, down, hw, out = inputs(experts, hidden, width, top_k, tokens)
             pair_bytes = {"gate_up": 2 * width * hidden * 2, "down": hidden * width * 2}
             results = {"gate_up": {}, "down": {}}
             for config in CONFIGS:
-                for name, make in (
-                    ("gate_up", lambda: gate_up_launch(x, ids, weights, gate_up, hw, config, top_k)),
-                    ("down", lambda: down_launch(hw, ids, down, out, config, top_k)),
+                for name, run in (
+                    ("gate_up", lambda: launch_topk_gate_up(x, ids, weights, gate_up, hw, top_k, "silu", config)),
+                    ("down", lambda: launch_topk_down(hw, ids, down, out, top_k, config)),
                 ):
                     try:
-                        us = do_bench_cudagraph(make(), rep=20) * 1e3
+                        us = do_bench_cudagraph(run, rep=20) * 1e3
                     except Exception as error:  # a configuration that does not compile (registers, shared memory)
-                        print(f"{model} {name} T={tokens} {config}: {type(error).__name__}", flush=True)
+                        print(f"{model} {name} T={tokens} {tuple(config)}: {type(error).__name__}", flush=True)
                         continue
                     results[name][config] = us
-                    print(f"{model} {name} T={tokens} {config}: {us:.1f} us", flush=True)
+                    print(f"{model} {name} T={tokens} {tuple(config)}: {us:.1f} us", flush=True)
             for name, times in results.items():
                 best = min(times, key=times.get)
                 gbps = ids.numel() * pair_bytes[name] / times[best] / 1e3
                 print(
-                    f"best {model} {name} T={tokens}: {best} {times[best]:.1f} us ({gbps:.0f} GB/s of pair weights); "
-                    f"shipped {shipped} {times.get(shipped, float('nan')):.1f} us",
+                    f"best {model} {name} T={tokens}: {tuple(best)} {times[best]:.1f} us ({gbps:.0f} GB/s of pair weights); "
+                    f"shipped {tuple(SHIPPED_TILES)} {times.get(SHIPPED_TILES, float('nan')):.1f} us",
                     flush=True,
                 )
                 ranked = sorted(times, key=times.get)[:5]
-                print("   top 5: " + ", ".join(f"{c} {times[c]:.1f}" for c in ranked), flush=True)
+                print("   top 5: " + ", ".join(f"{tuple(c)} {times[c]:.1f}" for c in ranked), flush=True)
 
 
 if __name__ == "__main__":
