@@ -193,7 +193,7 @@ def _reference(path, world_size: int = 2) -> dict:
     outs = [model(rank_batch(r), labels=rank_batch(r)) for r in range(world_size)]
     (sum(o.loss for o in outs) / world_size).backward()
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
-    return {"model": model, "logits": [o.logits.detach() for o in outs], "loss": [float(o.loss) for o in outs], "grads": grads}
+    return {"model": model, "logits": [o.logits.detach() for o in outs], "loss": [float(o.loss.detach()) for o in outs], "grads": grads}
 
 
 def check_equal_to_reference(found: dict, ref: dict, rank: int, what: str) -> None:
