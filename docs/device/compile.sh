@@ -11,7 +11,7 @@
 #            without its two-rank cases; TEST_FILES replaces that list); a test's own limit is TEST_TIMEOUT (default 600 s: a worker's first test
 #            compiles and tunes every kernel, 8 workers at once), and the step's limit interrupts pytest (SIGINT)
 #            so that a cut run still prints the failures' tracebacks;
-#   profile  docs/device/profile_decode.py $PROFILE (default "dynamic static"; also "host", "block", "crossover", "layers"): where a step of generate() spends
+#   profile  docs/device/profile_decode.py $PROFILE (default "dynamic static"; also "host", "block", "crossover", "layers", "filtered"): where a step of generate() spends
 #            its time (dynamic: host functions and synchronisations; static: GPU busy time against wall, top kernels);
 #   sweep    docs/device/topk_sweep.py: the top-k decode kernels' launch configurations at the OLMoE and Qwen1.5 shapes;
 #   base     eager `occult bench model` of main at bb13be5 (the tree before the restructure, `git archive bb13be5

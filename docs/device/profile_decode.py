@@ -24,6 +24,8 @@ weights, bf16, a 128-token prompt.
   call (five rounds in turns) and the GPU's busy time per call: where `TOPK_PAIRS_PER_EXPERT` comes from.
 - `layers` (the dynamic cache, eager): the host time of a step in every layer's attention, in its MLP / MoE block
   and in the rest, and the step's wall time, stock against occult, five rounds in turns at each batch of `BATCHES`.
+- `filtered` (the static cache): each model's step with `generate()`'s default compile settings and with dynamo's
+  guards on modules dropped (`filtered_compile_config`), three rounds each, and whether the greedy tokens agree.
 
 Run by docs/device/compile.sh's `profile` step (`PROFILE` names the caches); prints to stdout.
 """
@@ -162,6 +164,34 @@ def in_turns(candidates: dict, measure, rounds: int) -> dict:
         for name, candidate in candidates.items():
             results[name].append(measure(candidate))
     return results
+
+
+def filtered_compile_config():
+    """`generate()`'s default compile settings (inductor with CUDA graphs) with dynamo's guards on modules dropped:
+    torch refuses `mode` and `options` together, so the CUDA graphs are asked for as the option `mode` sets."""
+    from transformers import CompileConfig
+
+    guard_filter = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+    return CompileConfig(mode=None, options={"triton.cudagraphs": True, "guard_filter_fn": guard_filter})
+
+
+def profile_filtered(models, prompt):
+    """Each model's static step with the default compile settings, then with `filtered_compile_config`, three rounds
+    each, and whether the two give the same greedy tokens. Every model and setting has dynamo's cache to itself
+    (`torch._dynamo.reset()` before each): with the guards on modules dropped, one compiled entry serves every model
+    whose frames share its code, so stock and occult would run each other's graphs (seen on the CPU: occult's graph
+    reading `_original` of stock's blocks). So the rounds are not in turns across models and settings."""
+    for name, model in models.items():
+        tokens = {}
+        for label, config in (("default", None), ("filtered", filtered_compile_config())):
+            torch._dynamo.reset()
+            model.generation_config.compile_config = config
+            walls = [time_step(model, prompt, STEPS, "static", repeats=2)[0] for _ in range(3)]
+            tokens[label] = generate_greedy(model, prompt, 16, "static")
+            print(f"filtered {name} {label}: {' / '.join(f'{w:.2f}' for w in walls)} ms per step (3 rounds)", flush=True)
+        model.generation_config.compile_config = None
+        torch._dynamo.reset()
+        print(f"filtered {name}: 16 greedy tokens equal between the settings: {torch.equal(*tokens.values())}", flush=True)
 
 
 def profile_host(models, prompt):
@@ -334,6 +364,8 @@ def main():
     prompt = torch.randint(0, config.vocab_size, (1, 128), device=device)
     if caches == ["host"]:
         return profile_host(models, prompt)
+    if caches == ["filtered"]:
+        return profile_filtered(models, prompt)
     if caches == ["block"]:
         return profile_block(models, prompt)
     if caches == ["layers"]:
