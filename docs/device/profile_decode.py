@@ -37,6 +37,7 @@ import io
 import math
 import os
 import pstats
+import statistics
 import sys
 import time
 import traceback
@@ -116,11 +117,10 @@ def graph_replays(result, idle_us: float = 30.0) -> str:
     replays.append(current)
     longest = max(len(replay) for replay in replays)
     replays = [replay for replay in replays if len(replay) >= longest // 2]  # not the loop's own kernels between steps
-    median = lambda values: sorted(values)[len(values) // 2]
-    count = median([len(replay) for replay in replays])
-    busy = median([sum(end - start for start, end in replay) for replay in replays])
-    span = median([replay[-1][1] - replay[0][0] for replay in replays])
-    return f"{len(replays)} graph-sized kernel runs, medians: {count} kernels, {busy / 1e3:.2f} ms of kernels in a {span / 1e3:.2f} ms span"
+    count = statistics.median(len(replay) for replay in replays)
+    busy = statistics.median(sum(end - start for start, end in replay) for replay in replays)
+    span = statistics.median(replay[-1][1] - replay[0][0] for replay in replays)
+    return f"{len(replays)} graph-sized kernel runs, medians: {count:.0f} kernels, {busy / 1e3:.2f} ms of kernels in a {span / 1e3:.2f} ms span"
 
 
 def profile_static(name, model, prompt, wall_ms):
@@ -190,7 +190,6 @@ def profile_filtered(models, prompt):
             tokens[label] = generate_greedy(model, prompt, 16, "static")
             print(f"filtered {name} {label}: {' / '.join(f'{w:.2f}' for w in walls)} ms per step (3 rounds)", flush=True)
         model.generation_config.compile_config = None
-        torch._dynamo.reset()
         print(f"filtered {name}: 16 greedy tokens equal between the settings: {torch.equal(*tokens.values())}", flush=True)
 
 
