@@ -89,6 +89,29 @@ def test_bench_decode_cut_short_keeps_the_batches_it_finished(tmp_path, monkeypa
     assert "| olmoe-1b-7b | 1 " in (tmp_path / "bench_decode_cpu.md").read_text()
 
 
+def test_bench_decode_untracked_times_occult_without_routing_records(tmp_path, monkeypatch):
+    """`--untracked` times the occult model as served (`track_routing(model, False)`) and says so in the table."""
+    from occult_hf import occult_modules
+    from occult_hf.benchmarks import decode
+    from occult_hf.cli import build_parser
+
+    timed, tracking = decode.time_step, {}
+
+    def record_tracking(model, *rest):
+        blocks = occult_modules(model)
+        if blocks:
+            tracking.update({name: block.track for name, block in blocks.items()})
+        return timed(model, *rest)
+
+    monkeypatch.setattr(decode, "time_step", record_tracking)
+    args = build_parser().parse_args(["bench", "decode", "--cpu", "--models", "olmoe-1b-7b", "--layers", "1", "--hidden", "32",
+                                      "--intermediate", "16", "--batches", "1", "--prompt", "4", "--new-tokens", "3", "--repeats", "1",
+                                      "--check-layers", "0", "--caches", "dynamic", "--untracked", "--out", str(tmp_path)])  # fmt: skip
+    decode.run(args)
+    assert tracking and not any(tracking.values()), tracking
+    assert "occult untracked (`track_routing(model, False)`)" in (tmp_path / "bench_decode_cpu.md").read_text()
+
+
 @pytest.mark.skipif(not TRACE.is_file(), reason=f"real routing trace {TRACE} not present")
 def test_exchange_model_is_labelled_and_dedup_sends_less(tmp_path):
     out = _occult("bench", "exchange", "--model", str(TRACE), "--model-devices", "2", "4", "--tokens", "512",

@@ -236,6 +236,22 @@ def test_untracked_forwards_keep_no_routing_and_count_nothing_with_the_same_outp
         assert module.last_topk_ids_Tk is not kept[name] and int(module.stats.forwards) == 2
 
 
+def test_track_routing_as_a_context_manager_restores_each_layers_setting():
+    from occult_hf import OccultConfig, track_routing
+    from occult_hf.hf.apply import apply_occult, occult_modules
+
+    model = apply_occult(tiny_model("olmoe", seed=1), OccultConfig(num_devices=2))
+    first, second = occult_modules(model).values()
+    second.track = False  # one layer already off: the block must give it back off
+    with track_routing(model, False):
+        assert not first.track and not second.track
+        model(tiny_batch())
+        assert first.last_topk_ids_Tk is None and int(first.stats.forwards) == 0
+    assert first.track and not second.track
+    model(tiny_batch())
+    assert first.last_topk_ids_Tk is not None and int(first.stats.forwards) == 1 and int(second.stats.forwards) == 0
+
+
 def test_a_bad_occult_config_fails_before_the_checkpoint_is_read(tmp_path):
     """from_pretrained(occult_config=<bad>) must not read a whole checkpoint (minutes for a real one) and
     only then reject the config: here the weights file is garbage, so reading it first would fail on it."""

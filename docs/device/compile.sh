@@ -2,7 +2,7 @@
 # The GPU half of the compile work (issue 31) and of the restructure (issue 30) on one `nvidia-h200`: the steps named
 # in STEPS run in order, each under its own time limit, in one device call of at most 10 minutes.
 #   decode   `occult bench decode --models $MODEL` (batch 1, 8, 32, 64; dynamic and static cache; stock and occult
-#            in one run; the fp32 greedy-token check);
+#            in one run; the fp32 greedy-token check; DECODE_ARGS adds arguments, e.g. --untracked);
 #   train    `occult bench model --compile` (4 layers at the real OLMoE and Qwen1.5 layer shapes, 16,384 tokens,
 #            forward and forward+backward: stock eager, stock compiled, occult eager, occult compiled); TRAIN_PROFILE=N
 #            adds each model's profile, compiled ones included (GPU busy against wall, the N costliest kernels);
@@ -11,7 +11,7 @@
 #            without its two-rank cases; TEST_FILES replaces that list); a test's own limit is TEST_TIMEOUT (default 600 s: a worker's first test
 #            compiles and tunes every kernel, 8 workers at once), and the step's limit interrupts pytest (SIGINT)
 #            so that a cut run still prints the failures' tracebacks;
-#   profile  docs/device/profile_decode.py $PROFILE (default "dynamic static"; also "host", "block", "crossover", "layers", "filtered"): where a step of generate() spends
+#   profile  docs/device/profile_decode.py $PROFILE (default "dynamic static"; also "host", "tracking", "block", "crossover", "layers", "filtered"): where a step of generate() spends
 #            its time (dynamic: host functions and synchronisations; static: GPU busy time against wall, top kernels);
 #   sweep    docs/device/topk_sweep.py: the top-k decode kernels' launch configurations at the OLMoE and Qwen1.5 shapes;
 #   base     eager `occult bench model` of main at bb13be5 (the tree before the restructure, `git archive bb13be5
@@ -42,7 +42,7 @@ for item in $STEPS; do
   echo "== $step (limit ${limit} s) $(date -u +%H:%M:%S)" | tee -a "$OUT/log.txt"
   case "$step" in
     decode)
-      timeout "$limit" python3 -m occult_hf.cli bench decode --no-progress --models "$MODEL" --batches ${BATCHES:-1 8 32 64} --repeats 2 --out "$RESULTS/decode_$MODEL" 2>&1 | grep -v Warning | tee -a "$OUT/log.txt" ;;
+      timeout "$limit" python3 -m occult_hf.cli bench decode --no-progress --models "$MODEL" --batches ${BATCHES:-1 8 32 64} --repeats 2 ${DECODE_ARGS:-} --out "$RESULTS/decode_$MODEL" 2>&1 | grep -v Warning | tee -a "$OUT/log.txt" ;;
     train)
       timeout "$limit" python3 -m occult_hf.cli bench model --no-progress --compile --batch 8 --seq 2048 ${TRAIN_PROFILE:+--profile $TRAIN_PROFILE} \
         --out "$RESULTS/train" 2>&1 | grep -v Warning | tee -a "$OUT/log.txt" ;;

@@ -24,6 +24,9 @@ weights, bf16, a 128-token prompt.
   call (five rounds in turns) and the GPU's busy time per call: where `TOPK_PAIRS_PER_EXPERT` comes from.
 - `layers` (the dynamic cache, eager): the host time of a step in every layer's attention, in its MLP / MoE block
   and in the rest, and the step's wall time, stock against occult, five rounds in turns at each batch of `BATCHES`.
+- `tracking` (the static cache): what `track_routing` costs a step, in its two parts: occult tracked, occult
+  keeping its routing with its counters' `record` made a no-op, occult untracked and stock, seven rounds in turns; then
+  each one's graph replays and the host ranges of a profiled step.
 - `filtered` (the static cache): each model's step with `generate()`'s default compile settings and with dynamo's
   guards on modules dropped (`filtered_compile_config`), three rounds each, and whether the greedy tokens agree.
 
@@ -191,6 +194,32 @@ def profile_filtered(models, prompt):
             print(f"filtered {name} {label}: {' / '.join(f'{w:.2f}' for w in walls)} ms per step (3 rounds)", flush=True)
         model.generation_config.compile_config = None
         print(f"filtered {name}: 16 greedy tokens equal between the settings: {torch.equal(*tokens.values())}", flush=True)
+
+
+def profile_tracking(models, prompt):
+    models = with_untracked(models)
+    routing_only = apply_occult(copy.deepcopy(models["stock"]), {"num_devices": 1})
+    for block in routing_only.modules():
+        if hasattr(block, "stats") and hasattr(block, "track"):
+            block.stats.record = lambda counts_D2, row_bytes: None
+    models = {"occult": models["occult"], "occult routing only": routing_only, **{k: v for k, v in models.items() if k != "occult"}}
+    walls = in_turns(models, lambda model: time_step(model, prompt, STEPS, "static", repeats=2)[0], rounds=7)
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, model in models.items():
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as run:
+            generate_greedy(model, prompt, STEPS, "static")
+            torch.cuda.synchronize()
+        events = {event.key: event for event in run.key_averages()}
+        ranges = ", ".join(
+            f"{key} {events[key].cpu_time_total / events[key].count / 1e3:.3f} ms x {events[key].count}"
+            for key in HOST_RANGES if key in events
+        )  # fmt: skip
+        median = statistics.median(walls[name])
+        print(f"tracking {name}: median {median:.2f} ms per step ({' / '.join(f'{w:.2f}' for w in walls[name])}); {ranges}", flush=True)
+        print(f"tracking {name}: {graph_replays(run)}", flush=True)
+        table = run.key_averages().table(sort_by="self_cpu_time_total", row_limit=14)
+        print(f"-- tracking {name}: profiler over one generate()\n{table}", flush=True)
 
 
 def profile_host(models, prompt):
@@ -363,6 +392,8 @@ def main():
     prompt = torch.randint(0, config.vocab_size, (1, 128), device=device)
     if caches == ["host"]:
         return profile_host(models, prompt)
+    if caches == ["tracking"]:
+        return profile_tracking(models, prompt)
     if caches == ["filtered"]:
         return profile_filtered(models, prompt)
     if caches == ["block"]:

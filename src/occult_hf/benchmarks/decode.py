@@ -4,7 +4,8 @@ Shape legend: B sequences (the batch), S prompt length, N new tokens.
 
 Per model (`--models`: the real OLMoE-1B-7B and Qwen1.5-MoE-A2.7B configurations, all their layers, random
 weights) the stock transformers causal LM is built in bf16 on the GPU, and a copy with
-`apply_occult(model, {"num_devices": 1})`. Each decodes, at every batch size of `--batches`, a random prompt of
+`apply_occult(model, {"num_devices": 1})` (with `--untracked`, also `track_routing(model, False)`: the serving
+setting, which keeps no routing record and no counters). Each decodes, at every batch size of `--batches`, a random prompt of
 `--prompt` tokens with transformers' own `generate()` (greedy, `min_new_tokens` = `max_new_tokens`, so no sequence
 stops early):
 
@@ -119,13 +120,20 @@ def memory_bandwidth_gbs(device) -> float:
     return 2 * source.numel() * source.element_size() / ms / 1e6
 
 
+def occult_copy(stock, args):
+    """`stock` with occult_hf applied on one device, its routing untracked under `--untracked`."""
+    from occult_hf import apply_occult, track_routing
+
+    occult = apply_occult(copy.deepcopy(stock), {"num_devices": 1})
+    track_routing(occult, not args.untracked)
+    return occult
+
+
 def check_tokens(shape: str, args, device) -> str:
     """Greedy tokens of occult and stock, static cache, fp32, `--check-layers` layers: equal or not (a line)."""
     config = model_config(shape, args.check_layers, args.hidden, args.intermediate)
     stock = build_model(config, device, torch.float32, args.seed)
-    from occult_hf import apply_occult
-
-    occult = apply_occult(copy.deepcopy(stock), {"num_devices": 1})
+    occult = occult_copy(stock, args)
     prompt = torch.randint(0, config.vocab_size, (4, args.prompt), device=device, generator=torch.Generator(device).manual_seed(1))
     tokens = {name: generate_greedy(model, prompt, 16, "static") for name, model in (("stock", stock), ("occult", occult))}
     equal = torch.equal(tokens["stock"], tokens["occult"])
@@ -139,12 +147,10 @@ def measure(shape: str, args, device, done: Callable[[list[DecodeRow], str, floa
     """Time every variant of `shape`; after each batch size, `done(rows so far, note, floor)`: the note (the logits'
     difference, the floor) and the batch-1 floor in ms per step, so that a run cut short keeps the batches it
     finished."""
-    from occult_hf import apply_occult
-
     config = model_config(shape, args.layers or FULL_LAYERS[shape], args.hidden, args.intermediate)
     floor_ms = active_bytes(config, args.dtype) / (args.bandwidth_gbs * 1e6)
     stock = build_model(config, device, args.dtype, args.seed)
-    occult = apply_occult(copy.deepcopy(stock), {"num_devices": 1})
+    occult = occult_copy(stock, args)
     models = {"stock": stock, "occult": occult}
     generator = torch.Generator(device).manual_seed(args.seed)
     prompt = torch.randint(0, config.vocab_size, (max(args.batches), args.prompt), device=device, generator=generator)
@@ -236,6 +242,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--check-layers", type=int, default=2, help="layers of the fp32 greedy-token check (0: skip)")
     parser.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth for the floor (default: measured)")
+    parser.add_argument("--untracked", action="store_true", help="occult with track_routing(model, False), as for serving")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="docs", help="directory for bench_decode_<device>.md/.json/.png")
 
@@ -254,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = (
         f"`occult bench decode`, {str(args.dtype).removeprefix('torch.')}, prompt {args.prompt}, {args.new_tokens} new tokens, "
+        f"{'occult untracked (`track_routing(model, False)`), ' if args.untracked else ''}"
         f"{stamp}, {machine_line(device)}"
     )
     out = Path(args.out)

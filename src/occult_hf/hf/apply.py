@@ -167,12 +167,27 @@ def reset_counters(model: nn.Module) -> None:
         module.stats.reset()
 
 
-def track_routing(model: nn.Module, enabled: bool = True) -> None:
+class track_routing:
     """Whether every `OccultMoE` keeps its last routing and adds to its counters in each forward (on by
-    default). Serving needs neither: off, a compiled decode step has one graph output and a few hundred guards
-    fewer per call (docs/runtime.md, "Counters")."""
-    for module in occult_modules(model).values():
-        module.track = bool(enabled)
+    default). Serving needs neither: off, a compiled decode step has one graph output per layer, a few hundred
+    guards and two kernels per layer fewer, and spends less host time per step (docs/runtime.md, "Counters").
+
+    Applies at once, like `torch.set_grad_enabled`; as a context manager it also gives every block back the
+    setting it had before (`with track_routing(model, False): model.generate(...)`). A compiled model traces
+    again the first time it runs with the other setting (the setting is a constant of the graph)."""
+
+    def __init__(self, model: nn.Module, enabled: bool = True) -> None:
+        self._before = {}
+        for module in occult_modules(model).values():
+            self._before[module] = module.track
+            module.track = bool(enabled)
+
+    def __enter__(self) -> "track_routing":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for module, tracked in self._before.items():
+            module.track = tracked
 
 
 def _paths(blocks) -> list[str]:
