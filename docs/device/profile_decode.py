@@ -26,7 +26,7 @@ weights, bf16, a 128-token prompt.
   and in the rest, and the step's wall time, stock against occult, five rounds in turns at each batch of `BATCHES`.
 - `tracking` (the static cache): what `track_routing` costs a step, in its two parts: occult tracked, occult
   keeping its routing with its counters' `record` made a no-op, occult untracked and stock, seven rounds in turns; then
-  each one's graph replays and the host ranges of a profiled step.
+  each one's graph replays and the host ranges of a profiled step, and a cProfile of the tracked and the untracked step.
 - `filtered` (the static cache): each model's step with `generate()`'s default compile settings and with dynamo's
   guards on modules dropped (`filtered_compile_config`), three rounds each, and whether the greedy tokens agree.
 
@@ -196,7 +196,26 @@ def profile_filtered(models, prompt):
         print(f"filtered {name}: 16 greedy tokens equal between the settings: {torch.equal(*tokens.values())}", flush=True)
 
 
+def profiled_static_generate(model, prompt, *activities):
+    """A static-cache `generate()` under `torch.profiler` with `activities`: the run, and the host ranges of a step
+    that the profiler names (`HOST_RANGES`), each as ms per call and calls."""
+    from torch.profiler import profile
+
+    with profile(activities=list(activities)) as run:
+        generate_greedy(model, prompt, STEPS, "static")
+        torch.cuda.synchronize()
+    events = {event.key: event for event in run.key_averages()}
+    ranges = ", ".join(
+        f"{key} {events[key].cpu_time_total / events[key].count / 1e3:.3f} ms x {events[key].count}"
+        for key in HOST_RANGES if key in events
+    )  # fmt: skip
+    return run, ranges
+
+
 def profile_tracking(models, prompt):
+    """Which part of `track_routing`'s work a CUDA-graphed step pays for: the stored routing (a graph output per layer
+    that the block keeps alive) or the counters (two in-place adds per layer), told apart by a variant whose counters'
+    `record` does nothing; then a cProfile of the tracked and the untracked step, where the host time shows."""
     models = with_untracked(models)
     routing_only = apply_occult(copy.deepcopy(models["stock"]), {"num_devices": 1})
     for block in routing_only.modules():
@@ -204,38 +223,26 @@ def profile_tracking(models, prompt):
             block.stats.record = lambda counts_D2, row_bytes: None
     models = {"occult": models["occult"], "occult routing only": routing_only, **{k: v for k, v in models.items() if k != "occult"}}
     walls = in_turns(models, lambda model: time_step(model, prompt, STEPS, "static", repeats=2)[0], rounds=7)
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
     for name, model in models.items():
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as run:
-            generate_greedy(model, prompt, STEPS, "static")
-            torch.cuda.synchronize()
-        events = {event.key: event for event in run.key_averages()}
-        ranges = ", ".join(
-            f"{key} {events[key].cpu_time_total / events[key].count / 1e3:.3f} ms x {events[key].count}"
-            for key in HOST_RANGES if key in events
-        )  # fmt: skip
+        run, ranges = profiled_static_generate(model, prompt, ProfilerActivity.CPU, ProfilerActivity.CUDA)
         median = statistics.median(walls[name])
         print(f"tracking {name}: median {median:.2f} ms per step ({' / '.join(f'{w:.2f}' for w in walls[name])}); {ranges}", flush=True)
         print(f"tracking {name}: {graph_replays(run)}", flush=True)
         table = run.key_averages().table(sort_by="self_cpu_time_total", row_limit=14)
         print(f"-- tracking {name}: profiler over one generate()\n{table}", flush=True)
+    for name in ("occult", "occult untracked"):
+        host_profile(name, models[name], prompt, "static")
 
 
 def profile_host(models, prompt):
     models = with_untracked(models)
     walls = in_turns(models, lambda model: time_step(model, prompt, STEPS, "static", repeats=2)[0], rounds=3)
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
     for name, model in models.items():
-        with profile(activities=[ProfilerActivity.CPU]) as run:
-            generate_greedy(model, prompt, STEPS, "static")
-            torch.cuda.synchronize()
-        events = {event.key: event for event in run.key_averages()}
-        ranges = ", ".join(
-            f"{key} {events[key].cpu_time_total / events[key].count / 1e3:.3f} ms x {events[key].count}"
-            for key in HOST_RANGES if key in events
-        )  # fmt: skip
+        _, ranges = profiled_static_generate(model, prompt, ProfilerActivity.CPU)
         print(f"host {name}: {' / '.join(f'{w:.2f}' for w in walls[name])} ms per step; {ranges}", flush=True)
 
 
