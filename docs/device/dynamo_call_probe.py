@@ -3,11 +3,14 @@
 A tiny 16-layer OLMoE (64 experts, top-8: the real layer count and routing width, toy sizes) decodes one token against a
 static cache through `torch.compile(model.forward, fullgraph=True)` with a backend that returns its first outputs
 without computing again, so each timed call is what dynamo does around a graph (frame evaluation, the guard check,
-the argument and output handling, the replay of attribute stores), not the model. Runs on the CPU
-(`python docs/device/dynamo_call_probe.py`); prints microseconds per call, the least of 5 rounds of 200 calls.
+the argument and output handling, the replay of attribute stores), not the model. With `--aot` the backend is
+AOTAutograd's around the same replay, which adds its runtime wrappers around the graph: the handling of its outputs,
+and copies of mutated buffers back that inductor's inference graphs make inside the graph instead. Runs on the CPU (`python docs/device/dynamo_call_probe.py [--aot]`); prints
+microseconds per call, the least of 5 rounds of 200 calls, for stock, occult tracked and untracked.
 """
 
 import copy
+import sys
 import time
 import warnings
 
@@ -32,11 +35,22 @@ def replay_first_outputs(graph_module, example_inputs):
     return run
 
 
-def us_per_call(model, config) -> float:
+def aot_replay_first_outputs(graph_module, example_inputs):
+    """`replay_first_outputs` behind AOTAutograd: the functionalized graph, replayed by AOT's runtime wrappers."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def compile_replay(graph, inputs):
+        return make_boxed_func(replay_first_outputs(graph, inputs))
+
+    return aot_autograd(fw_compiler=compile_replay)(graph_module, example_inputs)
+
+
+def us_per_call(model, config, backend) -> float:
     cache = StaticCache(config=config, max_cache_len=64)
     input_ids = torch.randint(0, config.vocab_size, (1, 1))
     torch._dynamo.reset()
-    forward = torch.compile(model.forward, backend=replay_first_outputs, fullgraph=True)
+    forward = torch.compile(model.forward, backend=backend, fullgraph=True)
     call = lambda position: forward(input_ids=input_ids, past_key_values=cache, cache_position=torch.tensor([position]), use_cache=True)
     rounds = []
     with torch.no_grad():
@@ -62,8 +76,9 @@ def main() -> None:
     occult = apply_occult(copy.deepcopy(stock), {"num_devices": 1}).eval()
     untracked = apply_occult(copy.deepcopy(stock), {"num_devices": 1}).eval()
     track_routing(untracked, False)
+    backend = aot_replay_first_outputs if "--aot" in sys.argv[1:] else replay_first_outputs
     for name, model in (("stock", stock), ("occult", occult), ("occult untracked", untracked)):
-        print(f"{name}: {us_per_call(model, config):.0f} us per call", flush=True)
+        print(f"{name}: {us_per_call(model, config, backend):.0f} us per call", flush=True)
 
 
 if __name__ == "__main__":
