@@ -1,16 +1,19 @@
 """Dynamo's own work per call of a compiled decode forward: stock OLMoE against occult (tracked and untracked).
 
 A tiny 16-layer OLMoE (64 experts, top-8: the real layer count and routing width, toy sizes) decodes one token against a
-static cache through `torch.compile(model.forward, fullgraph=True)` with a backend that returns its first outputs
-without computing again, so each timed call is what dynamo does around a graph (frame evaluation, the guard check,
-the argument and output handling, the replay of attribute stores), not the model. With `--aot` the backend is
-AOTAutograd's around the same replay, which adds its runtime wrappers around the graph: the handling of its outputs,
-and copies of mutated buffers back that inductor's inference graphs make inside the graph instead. Runs on the CPU (`python docs/device/dynamo_call_probe.py [--aot]`); prints
-microseconds per call, the least of 5 rounds of 200 calls, for stock, occult tracked and untracked.
+static cache through dynamo (`fullgraph`) with a backend that returns its first outputs without computing again, so
+each timed call is what dynamo does around a graph (frame evaluation, the guard check, the argument and output
+handling, the replay of attribute stores), not the model. With `--aot` the backend is AOTAutograd's around the same
+replay, which adds its runtime wrappers around the graph: the handling of its outputs, and copies of mutated buffers
+back that inductor's inference graphs make inside the graph instead. `--drop REGEX` leaves out the guards whose source
+matches REGEX (unsafe: to find which guards cost, e.g. `--drop _original`). Runs on the CPU
+(`python docs/device/dynamo_call_probe.py [--aot] [--drop REGEX]`); prints microseconds per call, the least of 5
+rounds of 200 calls, and the guards kept, for stock, occult tracked and untracked.
 """
 
+import argparse
 import copy
-import sys
+import re
 import time
 import warnings
 
@@ -46,11 +49,20 @@ def aot_replay_first_outputs(graph_module, example_inputs):
     return aot_autograd(fw_compiler=compile_replay)(graph_module, example_inputs)
 
 
-def us_per_call(model, config, backend) -> float:
+def us_per_call(model, config, backend, drop: str | None) -> tuple[float, int, int]:
+    """`(µs per call, guards kept, guards)` of `model.forward` compiled with `backend`, the guards matching `drop`
+    left out."""
     cache = StaticCache(config=config, max_cache_len=64)
     input_ids = torch.randint(0, config.vocab_size, (1, 1))
     torch._dynamo.reset()
-    forward = torch.compile(model.forward, backend=backend, fullgraph=True)
+    kept = []
+
+    def keep_guards(entries):
+        keep = [drop is None or not re.search(drop, entry.name) for entry in entries]
+        kept.extend(keep)
+        return keep
+
+    forward = torch._dynamo.optimize(backend, nopython=True, guard_filter_fn=keep_guards)(model.forward)
     call = lambda position: forward(input_ids=input_ids, past_key_values=cache, cache_position=torch.tensor([position]), use_cache=True)
     rounds = []
     with torch.no_grad():
@@ -61,7 +73,7 @@ def us_per_call(model, config, backend) -> float:
             for _ in range(CALLS):
                 call(5)
             rounds.append((time.perf_counter() - start) / CALLS * 1e6)
-    return min(rounds)
+    return min(rounds), sum(kept), len(kept)
 
 
 def main() -> None:
@@ -76,9 +88,14 @@ def main() -> None:
     occult = apply_occult(copy.deepcopy(stock), {"num_devices": 1}).eval()
     untracked = apply_occult(copy.deepcopy(stock), {"num_devices": 1}).eval()
     track_routing(untracked, False)
-    backend = aot_replay_first_outputs if "--aot" in sys.argv[1:] else replay_first_outputs
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--aot", action="store_true", help="the replaying backend behind AOTAutograd")
+    parser.add_argument("--drop", default=None, help="leave out the guards whose source matches this regex")
+    args = parser.parse_args()
+    backend = aot_replay_first_outputs if args.aot else replay_first_outputs
     for name, model in (("stock", stock), ("occult", occult), ("occult untracked", untracked)):
-        print(f"{name}: {us_per_call(model, config, backend):.0f} us per call", flush=True)
+        us, kept, guards = us_per_call(model, config, backend, args.drop)
+        print(f"{name}: {us:.0f} us per call, {kept} of {guards} guards", flush=True)
 
 
 if __name__ == "__main__":
