@@ -48,7 +48,7 @@ import warnings
 
 import torch
 
-from occult_hf import apply_occult, track_routing
+from occult_hf import apply_occult, occult_modules, track_routing
 from occult_hf.benchmarks.decode import FULL_LAYERS, generate_greedy, time_step, wall_s
 from occult_hf.benchmarks.model import build_model, model_config
 
@@ -218,10 +218,9 @@ def profile_tracking(models, prompt):
     `record` does nothing; then a cProfile of the tracked and the untracked step, where the host time shows."""
     models = with_untracked(models)
     routing_only = apply_occult(copy.deepcopy(models["stock"]), {"num_devices": 1})
-    for block in routing_only.modules():
-        if hasattr(block, "stats") and hasattr(block, "track"):
-            block.stats.record = lambda counts_D2, row_bytes: None
-    models = {"occult": models["occult"], "occult routing only": routing_only, **{k: v for k, v in models.items() if k != "occult"}}
+    for block in occult_modules(routing_only).values():
+        block.stats.record = lambda counts_D2, row_bytes: None
+    models = {"occult": models.pop("occult"), "occult routing only": routing_only, **models}
     walls = in_turns(models, lambda model: time_step(model, prompt, STEPS, "static", repeats=2)[0], rounds=7)
     from torch.profiler import ProfilerActivity
 
