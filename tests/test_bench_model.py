@@ -112,6 +112,44 @@ def test_bench_decode_untracked_times_occult_without_routing_records(tmp_path, m
     assert "occult untracked (`track_routing(model, False)`)" in (tmp_path / "bench_decode_cpu.md").read_text()
 
 
+TINY_DECODE = ["bench", "decode", "--cpu", "--models", "olmoe-1b-7b", "--layers", "1", "--hidden", "32", "--intermediate", "16",
+               "--batches", "1", "2", "--prompt", "4", "--new-tokens", "3", "--repeats", "1", "--check-layers", "0",
+               "--caches", "dynamic"]  # fmt: skip
+
+
+def test_bench_decode_isolate_times_each_implementation_in_a_process_of_its_own(tmp_path, monkeypatch):
+    """`--isolate`: every row comes from a fresh process (this one's `time_step` refuses to run), stock and occult at
+    each batch, and the table says how it was timed."""
+    from occult_hf.benchmarks import decode
+    from occult_hf.cli import build_parser
+
+    def not_here(*_):
+        raise AssertionError("--isolate timed a model in the parent process")
+
+    monkeypatch.setattr(decode, "time_step", not_here)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    decode.run(build_parser().parse_args([*TINY_DECODE, "--isolate", "--untracked", "--out", str(tmp_path)]))
+    rows = json.loads((tmp_path / "bench_decode_cpu.json").read_text())["rows"]
+    assert {(r["batch"], r["implementation"]) for r in rows if r["error"] is None} == {(b, i) for b in (1, 2) for i in ("stock", "occult")}, rows
+    assert all(r["ms_per_step"] > 0 for r in rows)
+    table = (tmp_path / "bench_decode_cpu.md").read_text()
+    assert "in a process of its own (`--isolate`)" in table and "occult untracked" in table and "| olmoe-1b-7b | 2 " in table
+
+
+def test_bench_decode_isolate_reports_a_process_that_dies(tmp_path, monkeypatch):
+    """A timing process that exits with an error leaves a row with its status and last output for every variant it did
+    not time, and the run still writes its table."""
+    from occult_hf.benchmarks import decode
+    from occult_hf.cli import build_parser
+
+    monkeypatch.setattr(decode, "isolated_command", lambda spec: [sys.executable, "-c", "import sys; print('out of memory here'); sys.exit(3)"])
+    decode.run(build_parser().parse_args([*TINY_DECODE, "--isolate", "--out", str(tmp_path)]))
+    rows = json.loads((tmp_path / "bench_decode_cpu.json").read_text())["rows"]
+    assert {(r["batch"], r["implementation"]) for r in rows} == {(b, i) for b in (1, 2) for i in ("stock", "occult")}
+    assert all("exited with status 3: out of memory here" in r["error"] for r in rows), rows
+    assert "| nan " in (tmp_path / "bench_decode_cpu.md").read_text()
+
+
 @pytest.mark.skipif(not TRACE.is_file(), reason=f"real routing trace {TRACE} not present")
 def test_exchange_model_is_labelled_and_dedup_sends_less(tmp_path):
     out = _occult("bench", "exchange", "--model", str(TRACE), "--model-devices", "2", "4", "--tokens", "512",

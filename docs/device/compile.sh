@@ -2,7 +2,7 @@
 # The GPU half of the compile work (issue 31) and of the restructure (issue 30) on one `nvidia-h200`: the steps named
 # in STEPS run in order, each under its own time limit, in one device call of at most 10 minutes.
 #   decode   `occult bench decode --models $MODEL` (batch 1, 8, 32, 64; dynamic and static cache; stock and occult
-#            in one run; the fp32 greedy-token check; DECODE_ARGS adds arguments, e.g. --untracked);
+#            in one run; the fp32 greedy-token check; DECODE_ARGS adds arguments, e.g. --untracked or --isolate);
 #   train    `occult bench model --compile` (4 layers at the real OLMoE and Qwen1.5 layer shapes, 16,384 tokens,
 #            forward and forward+backward: stock eager, stock compiled, occult eager, occult compiled); TRAIN_PROFILE=N
 #            adds each model's profile, compiled ones included (GPU busy against wall, the N costliest kernels);

@@ -18,12 +18,16 @@ The time per step is `(t(N) - t(1)) / (N - 1)` for the wall times `t(n)` of a wh
 Tokens per second are `B / step`. The floor is the step's bytes at the GPU's memory bandwidth: the active
 parameters (attention, routers, shared experts, k of E experts per layer, embeddings and head) read once in bf16.
 
+By default stock and occult are timed in turns in this process. With `--isolate` each implementation is timed in a
+fresh process of its own, as a server holds one model: compiled models in one process share dynamo's caches and the
+device's one CUDA-graph tree manager, which can move a host-bound static step by a millisecond either way.
+
 Correctness in the same run: greedy tokens of occult and stock with the static cache in fp32 (`--check-layers`
 decoder layers, fp32: ties that bf16 rounding breaks differently cannot change a token there), and the largest
 difference of the first step's logits at the full configuration, in the timed dtype.
 
-The table, its plot and the JSON rows are rewritten after every batch size, so a run cut at a time limit keeps the
-batches it finished.
+The table, its plot and the JSON rows are rewritten after every batch size (with `--isolate`: after each process), so a
+run cut at a time limit keeps what it finished.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import copy
 import datetime
 import functools
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -120,11 +125,11 @@ def memory_bandwidth_gbs(device) -> float:
     return 2 * source.numel() * source.element_size() / ms / 1e6
 
 
-def occult_copy(stock, args):
-    """`stock` with occult_hf applied on one device, its routing untracked under `--untracked`."""
+def occult_version(model, args):
+    """`model` with occult_hf applied on one device (in place), its routing untracked under `--untracked`."""
     from occult_hf import apply_occult, track_routing
 
-    occult = apply_occult(copy.deepcopy(stock), {"num_devices": 1})
+    occult = apply_occult(model, {"num_devices": 1})
     track_routing(occult, not args.untracked)
     return occult
 
@@ -133,38 +138,52 @@ def check_tokens(shape: str, args, device) -> str:
     """Greedy tokens of occult and stock, static cache, fp32, `--check-layers` layers: equal or not (a line)."""
     config = model_config(shape, args.check_layers, args.hidden, args.intermediate)
     stock = build_model(config, device, torch.float32, args.seed)
-    occult = occult_copy(stock, args)
+    occult = occult_version(copy.deepcopy(stock), args)
     prompt = torch.randint(0, config.vocab_size, (4, args.prompt), device=device, generator=torch.Generator(device).manual_seed(1))
     tokens = {name: generate_greedy(model, prompt, 16, "static") for name, model in (("stock", stock), ("occult", occult))}
     equal = torch.equal(tokens["stock"], tokens["occult"])
     del stock, occult
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    free_memory(device)
     return f"{shape}: greedy tokens (fp32, {args.check_layers} layers, B=4, 16 new, static cache) occult == stock: {equal}"
 
 
-def measure(shape: str, args, device, done: Callable[[list[DecodeRow], str, float], None]) -> None:
-    """Time every variant of `shape`; after each batch size, `done(rows so far, note, floor)`: the note (the logits'
-    difference, the floor) and the batch-1 floor in ms per step, so that a run cut short keeps the batches it
-    finished."""
-    config = model_config(shape, args.layers or FULL_LAYERS[shape], args.hidden, args.intermediate)
-    floor_ms = active_bytes(config, args.dtype) / (args.bandwidth_gbs * 1e6)
-    stock = build_model(config, device, args.dtype, args.seed)
-    occult = occult_copy(stock, args)
-    models = {"stock": stock, "occult": occult}
+def free_memory(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def full_config(shape: str, args):
+    return model_config(shape, args.layers or FULL_LAYERS[shape], args.hidden, args.intermediate)
+
+
+def decode_prompt(config, args, device) -> torch.Tensor:
+    """`[max batch, --prompt]` random token ids, the same in every process of a run (its own seeded generator)."""
     generator = torch.Generator(device).manual_seed(args.seed)
-    prompt = torch.randint(0, config.vocab_size, (max(args.batches), args.prompt), device=device, generator=generator)
+    return torch.randint(0, config.vocab_size, (max(args.batches), args.prompt), device=device, generator=generator)
+
+
+def stock_and_occult(config, args, device) -> dict:
+    stock = build_model(config, device, args.dtype, args.seed)
+    return {"stock": stock, "occult": occult_version(copy.deepcopy(stock), args)}
+
+
+def first_step_note(shape: str, models: dict, prompt_BS: torch.Tensor, args) -> str:
+    """The largest difference of occult's and stock's last-position logits for the prompt's first sequence."""
     with torch.no_grad():
-        logits = {name: model(input_ids=prompt[:1]).logits[:, -1].float() for name, model in models.items()}
-    note = f"{shape}: max |occult - stock| of the first step's logits ({str(args.dtype).removeprefix('torch.')}) = {(logits['occult'] - logits['stock']).abs().max().item():.3g}"
-    print(note, flush=True)
-    note += f"; floor at batch 1 (active parameters at {args.bandwidth_gbs:.0f} GB/s) {floor_ms:.2f} ms/step"
+        logits = {name: model(input_ids=prompt_BS[:1]).logits[:, -1].float() for name, model in models.items()}
+    difference = (logits["occult"] - logits["stock"]).abs().max().item()
+    return f"{shape}: max |occult - stock| of the first step's logits ({str(args.dtype).removeprefix('torch.')}) = {difference:.3g}"
+
+
+def time_rows(shape: str, models: dict, prompt_BS: torch.Tensor, args, done: Callable[[list[DecodeRow]], None]) -> None:
+    """Time every batch size and cache of each of `models` (implementation name -> model); `done(rows so far)` after
+    each batch size. A variant that fails is a row with its reason, and the others still run."""
     rows = []
     for batch in args.batches:
         for cache in args.caches:
             for name, model in models.items():
                 try:
-                    ms, first = time_step(model, prompt[:batch], args.new_tokens, cache, args.repeats)
+                    ms, first = time_step(model, prompt_BS[:batch], args.new_tokens, cache, args.repeats)
                 except Exception as error:  # noqa: BLE001 - one failed variant is a row of the table, not the end of the run
                     why = failure_text(error)
                     rows.append(DecodeRow(shape, batch, name, cache, float("nan"), float("nan"), why))
@@ -173,17 +192,95 @@ def measure(shape: str, args, device, done: Callable[[list[DecodeRow], str, floa
                     continue
                 rows.append(DecodeRow(shape, batch, name, cache, ms, first))
                 print(f"{shape} B={batch} {name} {cache}: {ms:.2f} ms/step (first call {first:.1f} s)", flush=True)
-        done(rows, note, floor_ms)
-    del stock, occult, models
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+        done(rows)
+
+
+def measure(shape: str, args, device, done: Callable[[list[DecodeRow], str, float], None]) -> None:
+    """Time every variant of `shape`; after each batch size (with `--isolate`: after each implementation's process),
+    `done(rows so far, note, floor)`: the note (the logits' difference, the floor) and the batch-1 floor in ms per
+    step, so that a run cut short keeps what it finished."""
+    config = full_config(shape, args)
+    floor_ms = active_bytes(config, args.dtype) / (args.bandwidth_gbs * 1e6)
+    models, prompt_BS = stock_and_occult(config, args, device), decode_prompt(config, args, device)
+    note = first_step_note(shape, models, prompt_BS, args)
+    print(note, flush=True)
+    note += f"; floor at batch 1 (active parameters at {args.bandwidth_gbs:.0f} GB/s) {floor_ms:.2f} ms/step"
+    if args.isolate:  # the models leave this process before the timed ones start
+        del models
+        free_memory(device)
+        return measure_isolated(shape, args, lambda rows: done(rows, note, floor_ms))
+    time_rows(shape, models, prompt_BS, args, lambda rows: done(rows, note, floor_ms))
+    del models
+    free_memory(device)
+
+
+#: what a process of `--isolate` is given of the run's arguments
+ISOLATED_ARGS = ("layers", "hidden", "intermediate", "batches", "caches", "prompt", "new_tokens", "repeats", "untracked", "seed")
+
+
+def measure_isolated(shape: str, args, done: Callable[[list[DecodeRow]], None]) -> None:
+    """Each implementation of `shape` timed in a fresh Python process of its own (`python -m
+    occult_hf.benchmarks.decode SPEC`), as a server holds one model: compiled models in one process share dynamo's
+    caches and the device's one CUDA-graph tree manager, and on an H200 that moved host-bound static steps by up to
+    1 ms (docs/compile_h200.md, 2026-12-04). `done(rows so far)` after each process; a process that fails or dies
+    leaves a row with its exit status and the end of its output for every variant it did not time."""
+    import subprocess
+    import tempfile
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="occult_decode_") as scratch:
+        for implementation in ("stock", "occult"):
+            spec = Path(scratch) / f"{implementation}.json"
+            rows_path = Path(scratch) / f"{implementation}_rows.json"
+            spec.write_text(json.dumps({"shape": shape, "implementation": implementation, "rows": str(rows_path),
+                                        "dtype": str(args.dtype).removeprefix("torch."),
+                                        "args": {name: getattr(args, name) for name in ISOLATED_ARGS}}))  # fmt: skip
+            result = subprocess.run(isolated_command(spec), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            print(result.stdout, end="", flush=True)
+            timed = [DecodeRow(**row) for row in json.loads(rows_path.read_text())] if rows_path.is_file() else []
+            rows += timed
+            if result.returncode:
+                tail = " ".join(result.stdout.split())[-300:]
+                why = f"its process (one per implementation, --isolate) exited with status {result.returncode}: {tail}"
+                seen = {(r.batch, r.cache) for r in timed}
+                rows += [DecodeRow(shape, batch, implementation, cache, float("nan"), float("nan"), why)
+                         for batch in args.batches for cache in args.caches if (batch, cache) not in seen]  # fmt: skip
+            done(rows)
+
+
+def isolated_command(spec: Path) -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "occult_hf.benchmarks.decode", str(spec)]
+
+
+def time_alone(spec_path: str) -> int:
+    """The process of one implementation under `--isolate`: time its rows and write them after each batch size."""
+    spec = json.loads(Path(spec_path).read_text())
+    args = argparse.Namespace(**spec["args"], dtype=getattr(torch, spec["dtype"]))
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    config = full_config(spec["shape"], args)
+    model = build_model(config, device, args.dtype, args.seed)
+    if spec["implementation"] == "occult":
+        model = occult_version(model, args)
+
+    def write_rows(rows: list[DecodeRow]) -> None:
+        atomic_write_text(Path(spec["rows"]), json.dumps([asdict(r) for r in rows]))
+
+    time_rows(spec["shape"], {spec["implementation"]: model}, decode_prompt(config, args, device), args, write_rows)
+    return 0
 
 
 def results_table(rows: list[DecodeRow]) -> str:
-    """One line per (model, batch): every variant's ms per step and tokens per second, and occult's ratios."""
+    """One line per (model, batch): every variant's ms per step and tokens per second, and occult's ratios (nan where
+    a variant failed or has not run yet)."""
     from occult_hf.utils.tables import markdown_table
 
-    by = {(r.model, r.batch, r.implementation, r.cache): r for r in rows}
+    by = {(r.model, r.batch, r.implementation, r.cache): r.ms_per_step for r in rows}
+
+    def ms(*key) -> float:  # NaN for a variant not timed yet (`--isolate` writes after each implementation)
+        return by.get(key, float("nan"))
+
     caches = [cache for cache in CACHES if cache in {r.cache for r in rows}]
     headers = ["model", "B"]
     for cache in caches:
@@ -193,12 +290,9 @@ def results_table(rows: list[DecodeRow]) -> str:
     for model, batch in sorted({(r.model, r.batch) for r in rows}):
         line = [model, batch]
         for cache in caches:
-            stock, occult = by[(model, batch, "stock", cache)], by[(model, batch, "occult", cache)]
-            line += [f"{stock.ms_per_step:.2f}", f"{occult.ms_per_step:.2f}", f"{batch * 1e3 / occult.ms_per_step:.0f}"]
-        line += [
-            f"{by[(model, batch, 'stock', s)].ms_per_step / by[(model, batch, 'occult', c)].ms_per_step:.1f}x"
-            for c in caches for s in caches
-        ]  # fmt: skip
+            stock, occult = ms(model, batch, "stock", cache), ms(model, batch, "occult", cache)
+            line += [f"{stock:.2f}", f"{occult:.2f}", f"{batch * 1e3 / occult:.0f}"]
+        line += [f"{ms(model, batch, 'stock', s) / ms(model, batch, 'occult', c):.1f}x" for c in caches for s in caches]
         lines.append(line)
     return markdown_table(headers, lines)
 
@@ -215,12 +309,14 @@ def plot(rows: list[DecodeRow], floors_ms: dict[str, float], path: Path) -> None
     models = list(dict.fromkeys(r.model for r in rows))
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models):
-        for implementation, cache in dict.fromkeys((r.implementation, r.cache) for r in rows if r.model == model):
-            line = sorted((r.batch, r.ms_per_step) for r in rows if (r.model, r.implementation, r.cache) == (model, implementation, cache))
+        timed = [r for r in rows if r.model == model and math.isfinite(r.ms_per_step)]  # failed variants have no point
+        for implementation, cache in dict.fromkeys((r.implementation, r.cache) for r in timed):
+            line = sorted((r.batch, r.ms_per_step) for r in timed if (r.implementation, r.cache) == (implementation, cache))
             ax.plot(*zip(*line), marker="o", linestyle="-" if implementation == "occult" else "--", label=f"{implementation}, generate(), {cache} cache")
         ax.axhline(floors_ms[model], color="grey", linestyle=":", label="floor at batch 1 (memory)")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
+        if timed:  # a log axis needs a positive point
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
         ax.set_xlabel("batch (sequences)")
         ax.set_ylabel("ms per step (log)")
         ax.set_title(f"{model}: generate() per step")
@@ -243,6 +339,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check-layers", type=int, default=2, help="layers of the fp32 greedy-token check (0: skip)")
     parser.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth for the floor (default: measured)")
     parser.add_argument("--untracked", action="store_true", help="occult with track_routing(model, False), as for serving")
+    parser.add_argument("--isolate", action="store_true",
+                        help="time stock and occult each in a process of its own (as a server holds one model), not both in this one")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="docs", help="directory for bench_decode_<device>.md/.json/.png")
 
@@ -262,6 +360,7 @@ def run(args: argparse.Namespace) -> int:
     header = (
         f"`occult bench decode`, {str(args.dtype).removeprefix('torch.')}, prompt {args.prompt}, {args.new_tokens} new tokens, "
         f"{'occult untracked (`track_routing(model, False)`), ' if args.untracked else ''}"
+        f"{'each implementation in a process of its own (`--isolate`), ' if args.isolate else ''}"
         f"{stamp}, {machine_line(device)}"
     )
     out = Path(args.out)
@@ -282,3 +381,9 @@ def run(args: argparse.Namespace) -> int:
         measure(shape, args, device, functools.partial(write, shape))
     print("\n" + (out / f"bench_decode_{device.type}.md").read_text())
     return 0
+
+
+if __name__ == "__main__":  # one implementation's process under --isolate
+    import sys
+
+    sys.exit(time_alone(sys.argv[1]))
