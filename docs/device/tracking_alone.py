@@ -4,7 +4,10 @@
 manager (one per device): the outputs a tracked model keeps alive are then live across the other models' replays too.
 Here each process holds one model, so a tracked step is compared with an untracked one without that sharing.
 `python docs/device/tracking_alone.py {tracked,untracked,stock}` (MODEL as in profile_decode.py) prints the ms per step
-of five rounds (each the median of two `generate()` pairs, as `occult bench decode`).
+of five rounds (each the median of two `generate()` pairs, as `occult bench decode`), then the graph replays and the
+host ranges of one profiled `generate()` (`profile_decode.profiled_static_generate`) and the CPUs the process may run
+on: one process's step fell at 2.7-2.8 ms and another's at 3.6-3.8 ms, tracked or not, and these say which part moved
+(run it under `taskset -c N` to pin it).
 """
 
 import copy
@@ -17,6 +20,7 @@ import torch
 from occult_hf import apply_occult, track_routing
 from occult_hf.benchmarks.decode import FULL_LAYERS, time_step
 from occult_hf.benchmarks.model import build_model, model_config
+from profile_decode import graph_replays, profiled_static_generate  # this script's sibling (docs/device/)
 
 STEPS, ROUNDS = 33, 5
 
@@ -33,6 +37,11 @@ def main() -> None:
     walls = [time_step(model, prompt, STEPS, "static", repeats=2)[0] for _ in range(ROUNDS)]
     rounds = " / ".join(f"{w:.2f}" for w in walls)
     print(f"alone {name} {variant}: median {statistics.median(walls):.2f} ms per step ({rounds})", flush=True)
+    from torch.profiler import ProfilerActivity
+
+    run, ranges = profiled_static_generate(model, prompt, ProfilerActivity.CPU, ProfilerActivity.CUDA)
+    cpus = sorted(os.sched_getaffinity(0))
+    print(f"alone {name} {variant}: {graph_replays(run)}; {ranges}; {len(cpus)} CPUs allowed ({cpus[0]}-{cpus[-1]})", flush=True)
 
 
 if __name__ == "__main__":
