@@ -136,18 +136,25 @@ def test_bench_decode_isolate_times_each_implementation_in_a_process_of_its_own(
     assert "in a process of its own (`--isolate`)" in table and "occult untracked" in table and "| olmoe-1b-7b | 2 " in table
 
 
-def test_bench_decode_isolate_reports_a_process_that_dies(tmp_path, monkeypatch):
-    """A timing process that exits with an error leaves a row with its status and last output for every variant it did
-    not time, and the run still writes its table."""
+def test_bench_decode_isolate_keeps_what_a_dying_process_timed_and_says_why_it_died(tmp_path, monkeypatch):
+    """A timing process that writes batch 1's row and then exits with an error: batch 1 keeps its time, batch 2 gets a
+    row with the exit status and the process's last output, and the run still writes its table."""
     from occult_hf.benchmarks import decode
     from occult_hf.cli import build_parser
 
-    monkeypatch.setattr(decode, "isolated_command", lambda spec: [sys.executable, "-c", "import sys; print('out of memory here'); sys.exit(3)"])
+    dies_after_batch_1 = (
+        "import json, sys; spec = json.load(open(sys.argv[1])); "
+        "row = dict(model=spec['shape'], batch=1, implementation=spec['implementation'], cache='dynamic', ms_per_step=1.5, first_call_s=0.1); "
+        "json.dump([row], open(spec['rows'], 'w')); print('out of memory at batch 2'); sys.exit(3)"
+    )  # fmt: skip
+    monkeypatch.setattr(decode, "isolated_command", lambda spec: [sys.executable, "-c", dies_after_batch_1, str(spec)])
     decode.run(build_parser().parse_args([*TINY_DECODE, "--isolate", "--out", str(tmp_path)]))
-    rows = json.loads((tmp_path / "bench_decode_cpu.json").read_text())["rows"]
-    assert {(r["batch"], r["implementation"]) for r in rows} == {(b, i) for b in (1, 2) for i in ("stock", "occult")}
-    assert all("exited with status 3: out of memory here" in r["error"] for r in rows), rows
-    assert "| nan " in (tmp_path / "bench_decode_cpu.md").read_text()
+    rows = {(r["batch"], r["implementation"]): r for r in json.loads((tmp_path / "bench_decode_cpu.json").read_text())["rows"]}
+    assert set(rows) == {(b, i) for b in (1, 2) for i in ("stock", "occult")}
+    assert all(rows[(1, i)]["ms_per_step"] == 1.5 and rows[(1, i)]["error"] is None for i in ("stock", "occult"))
+    assert all("exited with status 3: out of memory at batch 2" in rows[(2, i)]["error"] for i in ("stock", "occult")), rows
+    table = (tmp_path / "bench_decode_cpu.md").read_text()
+    assert "| 1.50 " in table and "| nan " in table
 
 
 @pytest.mark.skipif(not TRACE.is_file(), reason=f"real routing trace {TRACE} not present")

@@ -223,8 +223,8 @@ def measure_isolated(shape: str, args, done: Callable[[list[DecodeRow]], None]) 
     occult_hf.benchmarks.decode SPEC`), as a server holds one model: compiled models in one process share dynamo's
     caches and the device's one CUDA-graph tree manager, and on an H200 that moved host-bound static steps by up to
     1 ms (docs/compile_h200.md, 2026-12-04). `done(rows so far)` after each process; a process that fails or dies
-    leaves a row with its exit status and the end of its output for every variant it did not time."""
-    import subprocess
+    leaves a row with its exit status and the end of its output for every variant it did not time. Each process writes
+    its rows after every batch size, and `done` follows it there too, so a run cut short keeps those batches."""
     import tempfile
 
     rows = []
@@ -235,17 +235,52 @@ def measure_isolated(shape: str, args, done: Callable[[list[DecodeRow]], None]) 
             spec.write_text(json.dumps({"shape": shape, "implementation": implementation, "rows": str(rows_path),
                                         "dtype": str(args.dtype).removeprefix("torch."),
                                         "args": {name: getattr(args, name) for name in ISOLATED_ARGS}}))  # fmt: skip
-            result = subprocess.run(isolated_command(spec), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            print(result.stdout, end="", flush=True)
-            timed = [DecodeRow(**row) for row in json.loads(rows_path.read_text())] if rows_path.is_file() else []
+            written = RowsFile(rows_path)
+            status, tail = run_streaming(isolated_command(spec), lambda: written.changed() and done(rows + written.rows()))
+            timed = written.rows()
             rows += timed
-            if result.returncode:
-                tail = " ".join(result.stdout.split())[-300:]
-                why = f"its process (one per implementation, --isolate) exited with status {result.returncode}: {tail}"
+            if status:
+                why = f"its process (one per implementation, --isolate) exited with status {status}: {tail}"
                 seen = {(r.batch, r.cache) for r in timed}
                 rows += [DecodeRow(shape, batch, implementation, cache, float("nan"), float("nan"), why)
                          for batch in args.batches for cache in args.caches if (batch, cache) not in seen]  # fmt: skip
             done(rows)
+
+
+class RowsFile:
+    """The rows an `--isolate` process has written so far (a JSON list of `DecodeRow`s), and whether they changed."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self._seen = path, None
+
+    def changed(self) -> bool:
+        stamp = self.path.stat().st_mtime_ns if self.path.is_file() else None
+        changed, self._seen = stamp != self._seen, stamp
+        return changed
+
+    def rows(self) -> list[DecodeRow]:
+        return [DecodeRow(**row) for row in json.loads(self.path.read_text())] if self.path.is_file() else []
+
+
+def run_streaming(command: list[str], after_each_line: Callable[[], object]) -> tuple[int, str]:
+    """Run `command`, echoing its output (stderr merged) as it comes and calling `after_each_line()` after each line;
+    `(exit status, its last 300 characters on one line)`. Interrupted here (a time limit, Ctrl-C), the process is
+    killed with this one rather than left on the GPU."""
+    import collections
+    import subprocess
+
+    last_lines = collections.deque(maxlen=20)
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as process:
+        try:
+            for line in process.stdout:
+                print(line, end="", flush=True)
+                last_lines.append(line)
+                after_each_line()
+            status = process.wait()
+        except BaseException:
+            process.kill()
+            raise
+    return status, " ".join("".join(last_lines).split())[-300:]
 
 
 def isolated_command(spec: Path) -> list[str]:
