@@ -13,6 +13,9 @@
 #            so that a cut run still prints the failures' tracebacks;
 #   profile  docs/device/profile_decode.py $PROFILE (default "dynamic static"; also "host", "tracking", "block", "crossover", "layers", "filtered"): where a step of generate() spends
 #            its time (dynamic: host functions and synchronisations; static: GPU busy time against wall, top kernels);
+#   alone    docs/device/tracking_alone.py: each of ALONE_VARIANTS (default "tracked untracked stock") in a fresh process,
+#            ALONE_ROUNDS times (default 2), each round once unpinned and once under `taskset -c 2` (here SECONDS is
+#            each process's limit, not the step's);
 #   sweep    docs/device/topk_sweep.py: the top-k decode kernels' launch configurations at the OLMoE and Qwen1.5 shapes;
 #   base     eager `occult bench model` of main at bb13be5 (the tree before the restructure, `git archive bb13be5
 #            src kernels patches eval > .devdata/base.tar`) and of this tree, in one process each, one after the other.
@@ -23,7 +26,7 @@
 # where each STEP:SECONDS gives the step's limit. Every step's tables and logs are packed into $OUT/results.tar.gz
 # after the step (so a call cut short keeps the steps it finished), and the log of every step is $OUT/log.txt.
 set -uo pipefail
-STEPS=${STEPS:?set STEPS to a list of STEP:SECONDS (decode, train, tests, profile, base)}
+STEPS=${STEPS:?set STEPS to a list of STEP:SECONDS (decode, train, tests, profile, alone, sweep, base)}
 MODEL=${MODEL:-olmoe-1b-7b}  # BATCHES (decode) defaults to "1 8 32 64"
 REPO=$PWD
 RESULTS=/tmp/results
@@ -52,6 +55,15 @@ for item in $STEPS; do
         -k "not two_ranks" > "$RESULTS/tests.txt" 2>&1; grep -E "PASSED|FAILED|ERROR|SKIPPED|^E |passed|failed" "$RESULTS/tests.txt" | tail -120 | tee -a "$OUT/log.txt" ;;
     profile)
       timeout "$limit" python3 "$REPO/docs/device/profile_decode.py" ${PROFILE:-dynamic static} > "$RESULTS/profile.txt" 2>&1; grep -v Warning "$RESULTS/profile.txt" | head -900 | tee -a "$OUT/log.txt" ;;
+    alone)
+      for round in $(seq "${ALONE_ROUNDS:-2}"); do
+        for variant in ${ALONE_VARIANTS:-tracked untracked stock}; do
+          for pin in "" "taskset -c 2"; do
+            echo "-- round $round, $variant, ${pin:-unpinned}" | tee -a "$OUT/log.txt"
+            timeout "$limit" $pin python3 "$REPO/docs/device/tracking_alone.py" "$variant" 2>&1 | grep "^alone" | tee -a "$OUT/log.txt"
+          done
+        done
+      done ;;
     sweep)
       timeout "$limit" python3 "$REPO/docs/device/topk_sweep.py" > "$RESULTS/sweep.txt" 2>&1; grep -E "^best|top 5" "$RESULTS/sweep.txt" | tee -a "$OUT/log.txt" ;;
     base)
