@@ -232,9 +232,9 @@ def measure_isolated(shape: str, args, done: Callable[[list[DecodeRow]], None]) 
         for implementation in ("stock", "occult"):
             spec = Path(scratch) / f"{implementation}.json"
             rows_path = Path(scratch) / f"{implementation}_rows.json"
-            spec.write_text(json.dumps({"shape": shape, "implementation": implementation, "rows": str(rows_path),
-                                        "dtype": str(args.dtype).removeprefix("torch."),
-                                        "args": {name: getattr(args, name) for name in ISOLATED_ARGS}}))  # fmt: skip
+            atomic_write_text(spec, json.dumps({"shape": shape, "implementation": implementation, "rows": str(rows_path),
+                                                "dtype": str(args.dtype).removeprefix("torch."),
+                                                "args": {name: getattr(args, name) for name in ISOLATED_ARGS}}))  # fmt: skip
             written = RowsFile(rows_path)
             status, tail = run_streaming(isolated_command(spec), lambda: written.changed() and done(rows + written.rows()))
             timed = written.rows()
