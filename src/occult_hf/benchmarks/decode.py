@@ -26,19 +26,23 @@ Correctness in the same run: greedy tokens of occult and stock with the static c
 decoder layers, fp32: ties that bf16 rounding breaks differently cannot change a token there), and the largest
 difference of the first step's logits at the full configuration, in the timed dtype.
 
-The table, its plot and the JSON rows are rewritten after every batch size (with `--isolate`: after each process), so a
-run cut at a time limit keeps what it finished.
+The table, its plot and the JSON rows are rewritten after every batch size (with `--isolate` too: each process writes
+its rows after each one), so a run cut at a time limit keeps the batches it finished.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import datetime
 import functools
 import json
 import math
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -225,8 +229,6 @@ def measure_isolated(shape: str, args, done: Callable[[list[DecodeRow]], None]) 
     1 ms (docs/compile_h200.md, 2026-12-04). `done(rows so far)` after each process; a process that fails or dies
     leaves a row with its exit status and the end of its output for every variant it did not time. Each process writes
     its rows after every batch size, and `done` follows it there too, so a run cut short keeps those batches."""
-    import tempfile
-
     rows = []
     with tempfile.TemporaryDirectory(prefix="occult_decode_") as scratch:
         for implementation in ("stock", "occult"):
@@ -266,9 +268,6 @@ def run_streaming(command: list[str], after_each_line: Callable[[], object]) -> 
     """Run `command`, echoing its output (stderr merged) as it comes and calling `after_each_line()` after each line;
     `(exit status, its last 300 characters on one line)`. Interrupted here (a time limit, Ctrl-C), the process is
     killed with this one rather than left on the GPU."""
-    import collections
-    import subprocess
-
     last_lines = collections.deque(maxlen=20)
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as process:
         try:
@@ -284,8 +283,6 @@ def run_streaming(command: list[str], after_each_line: Callable[[], object]) -> 
 
 
 def isolated_command(spec: Path) -> list[str]:
-    import sys
-
     return [sys.executable, "-m", "occult_hf.benchmarks.decode", str(spec)]
 
 
@@ -313,7 +310,7 @@ def results_table(rows: list[DecodeRow]) -> str:
 
     by = {(r.model, r.batch, r.implementation, r.cache): r.ms_per_step for r in rows}
 
-    def ms(*key) -> float:  # NaN for a variant not timed yet (`--isolate` writes after each implementation)
+    def ms(*key) -> float:  # NaN for a variant not timed yet (under `--isolate`, occult's rows come after stock's)
         return by.get(key, float("nan"))
 
     caches = [cache for cache in CACHES if cache in {r.cache for r in rows}]
@@ -419,6 +416,4 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":  # one implementation's process under --isolate
-    import sys
-
     sys.exit(time_alone(sys.argv[1]))
