@@ -5,9 +5,10 @@ manager (one per device): the outputs a tracked model keeps alive are then live 
 Here each process holds one model, so a tracked step is compared with an untracked one without that sharing.
 `python docs/device/tracking_alone.py {tracked,untracked,stock}` (MODEL as in profile_decode.py) prints the ms per step
 of five rounds (each the median of two `generate()` pairs, as `occult bench decode`), then the graph replays and the
-host ranges of one profiled `generate()` (`profile_decode.profiled_static_generate`) and the CPUs the process may run
-on: one process's step fell at 2.7-2.8 ms and another's at 3.6-3.8 ms, tracked or not, and these say which part moved
-(run it under `taskset -c N` to pin it).
+host ranges of one profiled `generate()` (`profile_decode.profiled_static_generate`), the CPUs the process may run
+on and the configs occult's autotuned expert kernels chose in it (each process tunes its own): one process's step fell
+at 2.7-2.8 ms and another's at 3.6-3.8 ms, tracked or not, and these say which part moved (kernel time, if the tuner
+chose differently; the GPU's idle time, if the host did; run it under `taskset -c N` to pin it).
 """
 
 import copy
@@ -20,6 +21,7 @@ import torch
 from occult_hf import apply_occult, track_routing
 from occult_hf.benchmarks.decode import FULL_LAYERS, time_step
 from occult_hf.benchmarks.model import build_model, model_config
+from occult_hf.kernels.triton_expert_mlp import _CHOSEN  # the configs this process's autotuner chose
 from profile_decode import graph_replays, profiled_static_generate  # this script's sibling (docs/device/)
 
 STEPS, ROUNDS = 33, 5
@@ -42,6 +44,8 @@ def main() -> None:
     run, ranges = profiled_static_generate(model, prompt, ProfilerActivity.CPU, ProfilerActivity.CUDA)
     cpus = sorted(os.sched_getaffinity(0))
     print(f"alone {name} {variant}: {graph_replays(run)}; {ranges}; {len(cpus)} CPUs allowed ({cpus[0]}-{cpus[-1]})", flush=True)
+    for (kernel, key), (_, config, _) in _CHOSEN.items():
+        print(f"alone {name} {variant}: tuned {kernel.base_fn.__name__} {key} -> {config}", flush=True)
 
 
 if __name__ == "__main__":
