@@ -170,7 +170,8 @@ def reset_counters(model: nn.Module) -> None:
 class track_routing:
     """Whether every `OccultMoE` keeps its last routing and adds to its counters in each forward (on by
     default). Serving needs neither: off, a compiled decode step has one graph output, about 50 guards and two
-    kernels per layer fewer, and spends less host time per step (docs/runtime.md, "Counters").
+    kernels per layer fewer (what that saves a step was within the spread between processes on an H200:
+    docs/runtime.md, "Counters").
 
     Applies at once, like `torch.set_grad_enabled`; as a context manager it also gives every block back the
     setting it had before (`with track_routing(model, False): model.generate(...)`). A compiled model traces
