@@ -1,11 +1,11 @@
 """The statistics of a layer's exchange, for every front end and the callback.
 
-Shape legend (docs/conventions.md): T tokens, k experts per token, D devices.
+Shape legend (docs/conventions.md): T tokens, k experts per token, D devices; here X the D + 1 rows of the tally.
 
 - `ExchangeStats`: what a layer's dispatches sent, per destination device (rows, the (token, expert) pairs
-  they carried, their bytes), and the forwards counted; accumulated on the device with no host read (two
-  kernels a forward), read when a report asks. `OccultMoE` and transformers' EP adapter (`OccultEP`) each
-  keep one per layer.
+  they carried, their bytes), and the forwards counted; accumulated on the device in one buffer with no host
+  read (one kernel a compiled forward), read when a report asks. `OccultMoE` and transformers' EP adapter
+  (`OccultEP`) each keep one per layer.
 - `RoutingMeter`: the callback's per-window sums of the routing a layer actually dispatched: CT, remote
   copies and tokens x experts per device, from the devices that served each pair.
 
@@ -16,6 +16,7 @@ callback or the CLI, never in a forward.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .dispatch.plan import destinations
@@ -25,18 +26,19 @@ from .metrics import ct_and_remote_T, device_hits_TD, token_ranks_T
 class ExchangeStats(nn.Module):
     """Per-destination counters of one layer's dispatches since `reset()`.
 
-    A forward adds the dispatch plan's `[D, 2]` counts to one buffer (`sent_D2`) and one to `forwards`;
-    `rows_sent` and `pairs_sent` are views of it, and `bytes_sent` is made from it when read. The row size is
-    the first forward's; a forward with rows of another size (another activation dtype) adds the difference
-    of its bytes to `bytes_offset_D` itself (two kernels more), so a CUDA graph that captured it replays that
-    too. All buffers are non-persistent: they are not part of a checkpoint.
+    One buffer holds them all, so a forward adds to it in one kernel (one guarded tensor a layer in a compiled
+    forward): `tally_X2` is `[D + 1, 2]` int64, row d < D the (rows, pairs) sent to device d, row D (forwards,
+    forwards). `rows_sent`, `pairs_sent` and `forwards` are views of it, and `bytes_sent` is made from it when
+    read. The row size is the first forward's; a forward with rows of another size (another activation dtype)
+    adds the difference of its bytes to `bytes_offset_D` itself (two kernels more), so a CUDA graph that
+    captured it replays that too. All buffers are non-persistent: they are not part of a checkpoint.
     """
 
     def __init__(self, num_devices: int, device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.register_buffer("sent_D2", torch.zeros(num_devices, 2, dtype=torch.int64, device=device), persistent=False)
+        self.num_devices = num_devices
+        self.register_buffer("tally_X2", torch.zeros(num_devices + 1, 2, dtype=torch.int64, device=device), persistent=False)
         self.register_buffer("bytes_offset_D", torch.zeros(num_devices, dtype=torch.int64, device=device), persistent=False)
-        self.register_buffer("forwards", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
         self._row_bytes = 0
 
     def record(self, counts_D2: torch.Tensor, row_bytes: int) -> None:
@@ -48,27 +50,36 @@ class ExchangeStats(nn.Module):
             self._row_bytes = row_bytes
         elif row_bytes != self._row_bytes:
             self.bytes_offset_D.add_(counts_D2[:, 0] * (row_bytes - self._row_bytes))
-        self.sent_D2.add_(counts_D2)
-        self.forwards.add_(1)
+        self.tally_X2.add_(F.pad(counts_D2, (0, 0, 0, 1), value=1))  # the padded row counts the forward
+
+    @property
+    def sent_D2(self) -> torch.Tensor:
+        """`[D, 2]` int64 (a view of `tally_X2`): rows and pairs sent to each device."""
+        return self.tally_X2[: self.num_devices]
 
     @property
     def rows_sent(self) -> torch.Tensor:
-        """`[D]` int64 (a view of `sent_D2`): rows sent to each device."""
+        """`[D]` int64 (a view of `tally_X2`): rows sent to each device."""
         return self.sent_D2[:, 0]
 
     @property
     def pairs_sent(self) -> torch.Tensor:
-        """`[D]` int64 (a view of `sent_D2`): (token, expert) pairs those rows carried."""
+        """`[D]` int64 (a view of `tally_X2`): (token, expert) pairs those rows carried."""
         return self.sent_D2[:, 1]
+
+    @property
+    def forwards(self) -> torch.Tensor:
+        """`[]` int64 (a view of `tally_X2`): forwards recorded."""
+        return self.tally_X2[self.num_devices, 0]
 
     @property
     def bytes_sent(self) -> torch.Tensor:
         """`[D]` int64: bytes of those rows (activations and routing metadata), made when read."""
-        return self.bytes_offset_D + self.sent_D2[:, 0] * self._row_bytes
+        return self.bytes_offset_D + self.rows_sent * self._row_bytes
 
     @torch.no_grad()
     def reset(self) -> None:
-        for buffer in (self.sent_D2, self.bytes_offset_D, self.forwards):
+        for buffer in (self.tally_X2, self.bytes_offset_D):
             buffer.zero_()
 
     def buffer_names(self) -> list[str]:
