@@ -16,6 +16,8 @@
 #   alone    docs/device/tracking_alone.py: each of ALONE_VARIANTS (default "tracked untracked stock") in a fresh process,
 #            ALONE_ROUNDS times (default 2), each round once unpinned and once under `taskset -c 2` (here SECONDS is
 #            each process's limit, not the step's);
+#   order    docs/device/isolate_order.py: occult's `--isolate` process at batch 1, static only against dynamic then
+#            static, ORDER_ROUNDS times (default 2), each in a fresh process;
 #   sweep    docs/device/topk_sweep.py: the top-k decode kernels' launch configurations at the OLMoE and Qwen1.5 shapes;
 #   base     eager `occult bench model` of main at bb13be5 (the tree before the restructure, `git archive bb13be5
 #            src kernels patches eval > .devdata/base.tar`) and of this tree, in one process each, one after the other.
@@ -26,7 +28,7 @@
 # where each STEP:SECONDS gives the step's limit. Every step's tables and logs are packed into $OUT/results.tar.gz
 # after the step (so a call cut short keeps the steps it finished), and the log of every step is $OUT/log.txt.
 set -uo pipefail
-STEPS=${STEPS:?set STEPS to a list of STEP:SECONDS (decode, train, tests, profile, alone, sweep, base)}
+STEPS=${STEPS:?set STEPS to a list of STEP:SECONDS (decode, train, tests, profile, alone, order, sweep, base)}
 MODEL=${MODEL:-olmoe-1b-7b}  # BATCHES (decode) defaults to "1 8 32 64"
 REPO=$PWD
 RESULTS=/tmp/results
@@ -64,6 +66,8 @@ for item in $STEPS; do
           done
         done
       done ;;
+    order)
+      timeout "$limit" python3 "$REPO/docs/device/isolate_order.py" "${ORDER_ROUNDS:-2}" 2>&1 | grep "^order" | tee -a "$OUT/log.txt" ;;
     sweep)
       timeout "$limit" python3 "$REPO/docs/device/topk_sweep.py" > "$RESULTS/sweep.txt" 2>&1; grep -E "^best|top 5" "$RESULTS/sweep.txt" | tee -a "$OUT/log.txt" ;;
     base)
