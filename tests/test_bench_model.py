@@ -157,6 +157,41 @@ def test_bench_decode_isolate_keeps_what_a_dying_process_timed_and_says_why_it_d
     assert "| 1.50 " in table and "| nan " in table
 
 
+def test_bench_decode_isolate_terminated_keeps_the_batch_its_process_wrote_and_kills_it(tmp_path):
+    """`timeout`'s SIGTERM while a timing process is in batch 2, silent since it wrote batch 1's row: the run ends
+    with status 143, batch 1 in its table, and the timing process killed rather than left on the device."""
+    import signal
+
+    marker = tmp_path / "child_wrote_batch_1"
+    writes_batch_1_then_hangs = (
+        "import json, os, sys, time; spec = json.load(open(sys.argv[1])); "
+        "row = dict(model=spec['shape'], batch=1, implementation=spec['implementation'], cache='dynamic', ms_per_step=1.5, first_call_s=0.1); "
+        f"print('batch 1', flush=True); json.dump([row], open(spec['rows'], 'w')); open({str(marker)!r}, 'w').write(str(os.getpid())); "
+        "time.sleep(120)"
+    )  # fmt: skip
+    parent = (
+        "import sys; from occult_hf.benchmarks import decode; from occult_hf.cli import main; "
+        f"decode.isolated_command = lambda spec: [sys.executable, '-c', {writes_batch_1_then_hangs!r}, str(spec)]; "
+        f"sys.exit(main({[*TINY_DECODE, '--isolate', '--out', str(tmp_path)]!r}))"
+    )  # fmt: skip
+    run = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not (marker.is_file() and marker.read_text()) and run.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.is_file(), run.communicate(timeout=60)[0][-3000:]
+    run.send_signal(signal.SIGTERM)
+    output = run.communicate(timeout=60)[0]
+    assert run.returncode == 143, output[-3000:]
+    rows = json.loads((tmp_path / "bench_decode_cpu.json").read_text())["rows"]
+    assert [(r["batch"], r["implementation"], r["ms_per_step"]) for r in rows] == [(1, "stock", 1.5)], rows
+    child = Path(f"/proc/{marker.read_text()}")
+    deadline = time.monotonic() + 10
+    while child.exists() and "zombie" not in (child / "status").read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not child.exists() or "zombie" in (child / "status").read_text()
+
+
 @pytest.mark.skipif(not TRACE.is_file(), reason=f"real routing trace {TRACE} not present")
 def test_exchange_model_is_labelled_and_dedup_sends_less(tmp_path):
     out = _occult("bench", "exchange", "--model", str(TRACE), "--model-devices", "2", "4", "--tokens", "512",

@@ -39,12 +39,15 @@ import datetime
 import functools
 import json
 import math
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -228,9 +231,10 @@ def measure_isolated(shape: str, args, done: Callable[[list[DecodeRow]], None]) 
     caches and the device's one CUDA-graph tree manager, and on an H200 that moved host-bound static steps by up to
     1 ms (docs/compile_h200.md, 2026-12-04). `done(rows so far)` after each process; a process that fails or dies
     leaves a row with its exit status and the end of its output for every variant it did not time. Each process writes
-    its rows after every batch size, and `done` follows it there too, so a run cut short keeps those batches."""
+    its rows after every batch size, and `done` follows it there too, so a run cut short (Ctrl-C, or `timeout`'s
+    SIGTERM) keeps those batches."""
     rows = []
-    with tempfile.TemporaryDirectory(prefix="occult_decode_") as scratch:
+    with tempfile.TemporaryDirectory(prefix="occult_decode_") as scratch, terminate_raises():
         for implementation in ("stock", "occult"):
             spec = Path(scratch) / f"{implementation}.json"
             rows_path = Path(scratch) / f"{implementation}_rows.json"
@@ -238,7 +242,11 @@ def measure_isolated(shape: str, args, done: Callable[[list[DecodeRow]], None]) 
                                                 "dtype": str(args.dtype).removeprefix("torch."),
                                                 "args": {name: getattr(args, name) for name in ISOLATED_ARGS}}))  # fmt: skip
             written = RowsFile(rows_path)
-            status, tail = run_streaming(isolated_command(spec), lambda: written.changed() and done(rows + written.rows()))
+            try:
+                status, tail = run_streaming(isolated_command(spec), lambda: written.changed() and done(rows + written.rows()))
+            except BaseException:  # cut short: the batches the process wrote since its last line of output count too
+                done(rows + written.rows())
+                raise
             timed = written.rows()
             rows += timed
             if status:
@@ -247,6 +255,25 @@ def measure_isolated(shape: str, args, done: Callable[[list[DecodeRow]], None]) 
                 rows += [DecodeRow(shape, batch, implementation, cache, float("nan"), float("nan"), why)
                          for batch in args.batches for cache in args.caches if (batch, cache) not in seen]  # fmt: skip
             done(rows)
+
+
+@contextmanager
+def terminate_raises():
+    """SIGTERM (what `timeout` and job schedulers send) raises `SystemExit(143)` in this process while inside, so the
+    timing process is killed and the rows so far are written, where by default Python would end at once and leave
+    both undone. Only the main thread can handle signals; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def leave(signum, frame):
+        raise SystemExit(128 + signum)
+
+    before = signal.signal(signal.SIGTERM, leave)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 class RowsFile:
