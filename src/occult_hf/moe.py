@@ -46,9 +46,8 @@ class OccultMoE(nn.Module):
     (after pruning) and `last_devices_TD` (`[T, D]` bool or None) the devices pruning limited each token to
     when the layer has replicated experts; `stats` has added what the dispatch sent. In one process the
     destinations are the logical devices. Both only while `track` is true (the default; `track_routing(model,
-    False)` clears it): a compiled forward then returns the stored routing as an extra output and guards on the
-    counters; with one model in a process the step's time did not separate from an untracked one's on an H200
-    (docs/compile_h200.md, 2026-12-04).
+    False)` clears it): a compiled forward then returns the stored routing as an extra output and adds to the
+    counters' one buffer, a kernel and a guarded tensor a layer (docs/runtime.md, "Counters").
     """
 
     def __init__(
