@@ -162,7 +162,7 @@ class OccultEP(_ep_base()):
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         device = hidden_states.device
-        if self.dispatcher is None or self.stats.tally_X2.device != device:
+        if self.dispatcher is None or self.stats.sent_D2.device != device:
             settings = DispatchSettings.of(self.occult_config, top_k_index.shape[1])
             self.dispatcher = build_dispatcher(settings, self.ep, self.layout, device, label=self._label)
             self.stats.to(device)
