@@ -234,7 +234,7 @@ def measure_isolated(shape: str, args, done: Callable[[list[DecodeRow]], None]) 
     its rows after every batch size, and `done` follows it there too, so a run cut short (Ctrl-C, or `timeout`'s
     SIGTERM) keeps those batches."""
     rows = []
-    with tempfile.TemporaryDirectory(prefix="occult_decode_") as scratch, terminate_raises():
+    with tempfile.TemporaryDirectory(prefix="occult_decode_") as scratch:
         for implementation in ("stock", "occult"):
             spec = Path(scratch) / f"{implementation}.json"
             rows_path = Path(scratch) / f"{implementation}_rows.json"
@@ -242,38 +242,18 @@ def measure_isolated(shape: str, args, done: Callable[[list[DecodeRow]], None]) 
                                                 "dtype": str(args.dtype).removeprefix("torch."),
                                                 "args": {name: getattr(args, name) for name in ISOLATED_ARGS}}))  # fmt: skip
             written = RowsFile(rows_path)
-            try:
-                status, tail = run_streaming(isolated_command(spec), lambda: written.changed() and done(rows + written.rows()))
-            except BaseException:  # cut short: the batches the process wrote since its last line of output count too
-                done(rows + written.rows())
-                raise
+            status, tail, stopped_by = run_streaming(isolated_command(spec), lambda: written.changed() and done(rows + written.rows()))
             timed = written.rows()
             rows += timed
+            if stopped_by is not None:  # the batches the process wrote since its last line of output count too
+                done(rows)
+                raise KeyboardInterrupt if stopped_by == signal.SIGINT else SystemExit(128 + stopped_by)
             if status:
                 why = f"its process (one per implementation, --isolate) exited with status {status}: {tail}"
                 seen = {(r.batch, r.cache) for r in timed}
                 rows += [DecodeRow(shape, batch, implementation, cache, float("nan"), float("nan"), why)
                          for batch in args.batches for cache in args.caches if (batch, cache) not in seen]  # fmt: skip
             done(rows)
-
-
-@contextmanager
-def terminate_raises():
-    """SIGTERM (what `timeout` and job schedulers send) raises `SystemExit(143)` in this process while inside, so the
-    timing process is killed and the rows so far are written, where by default Python would end at once and leave
-    both undone. Only the main thread can handle signals; elsewhere this does nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def leave(signum, frame):
-        raise SystemExit(128 + signum)
-
-    before = signal.signal(signal.SIGTERM, leave)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, before)
 
 
 class RowsFile:
@@ -291,22 +271,43 @@ class RowsFile:
         return [DecodeRow(**row) for row in json.loads(self.path.read_text())] if self.path.is_file() else []
 
 
-def run_streaming(command: list[str], after_each_line: Callable[[], object]) -> tuple[int, str]:
+def run_streaming(command: list[str], after_each_line: Callable[[], object]) -> tuple[int, str, int | None]:
     """Run `command`, echoing its output (stderr merged) as it comes and calling `after_each_line()` after each line;
-    `(exit status, its last 300 characters on one line)`. Interrupted here (a time limit, Ctrl-C), the process is
-    killed with this one rather than left on the GPU."""
-    last_lines = collections.deque(maxlen=20)
+    `(exit status, its last 300 characters on one line, the signal that stopped this run or None)`. A SIGTERM
+    (`timeout`'s) or Ctrl-C here kills the process rather than leave it on the GPU, and this returns once its output
+    is read, so that the caller can keep what it wrote before raising; any other interruption kills it too."""
+    last_lines, stopped_by = collections.deque(maxlen=20), []
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as process:
-        try:
-            for line in process.stdout:
-                print(line, end="", flush=True)
-                last_lines.append(line)
-                after_each_line()
-            status = process.wait()
-        except BaseException:
+
+        def stop(signum, frame):
+            stopped_by.append(signum)
             process.kill()
-            raise
-    return status, " ".join("".join(last_lines).split())[-300:]
+
+        with signals_handled_by(stop, signal.SIGTERM, signal.SIGINT):
+            try:
+                for line in process.stdout:
+                    print(line, end="", flush=True)
+                    last_lines.append(line)
+                    after_each_line()
+                status = process.wait()
+            except BaseException:
+                process.kill()
+                raise
+    return status, " ".join("".join(last_lines).split())[-300:], stopped_by[0] if stopped_by else None
+
+
+@contextmanager
+def signals_handled_by(handler, *signums):
+    """`handler` for `signums` while inside (only the main thread can handle signals; elsewhere this does nothing)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {signum: signal.signal(signum, handler) for signum in signums}
+    try:
+        yield
+    finally:
+        for signum, previous in before.items():
+            signal.signal(signum, previous)
 
 
 def isolated_command(spec: Path) -> list[str]:
