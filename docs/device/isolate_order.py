@@ -7,12 +7,16 @@ for occult at batch 1, alternately with the caches `static` and `dynamic static`
 each process's rows. `python docs/device/isolate_order.py [ROUNDS]` (MODEL as in profile_decode.py).
 """
 
-import json
+import argparse
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import torch
+
+from occult_hf.benchmarks.decode import RowsFile, isolated_command, write_isolated_spec
 
 ORDERS = (["static"], ["dynamic", "static"])
 
@@ -24,14 +28,12 @@ def main() -> None:
         for round_ in range(rounds):
             for caches in ORDERS:
                 spec, rows = Path(scratch) / "spec.json", Path(scratch) / f"rows_{round_}_{len(caches)}.json"
-                args = dict(layers=None, hidden=None, intermediate=None, batches=[1], caches=caches, prompt=128,
-                            new_tokens=64, repeats=2, untracked=False, seed=0)  # fmt: skip
-                spec.write_text(json.dumps({"shape": shape, "implementation": "occult", "rows": str(rows),
-                                            "dtype": "bfloat16", "args": args}))  # fmt: skip
-                subprocess.run([sys.executable, "-m", "occult_hf.benchmarks.decode", str(spec)], check=False,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-                timed = json.loads(rows.read_text()) if rows.is_file() else []
-                cells = ", ".join(f"{r['cache']} {r['ms_per_step']:.2f} ms" for r in timed) or "no rows"
+                args = argparse.Namespace(layers=None, hidden=None, intermediate=None, batches=[1], caches=caches,
+                                          prompt=128, new_tokens=64, repeats=2, untracked=False, seed=0,
+                                          dtype=torch.bfloat16)  # fmt: skip
+                write_isolated_spec(spec, shape, "occult", rows, args)
+                subprocess.run(isolated_command(spec), check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                cells = ", ".join(f"{r.cache} {r.ms_per_step:.2f} ms" for r in RowsFile(rows).rows()) or "no rows"
                 print(f"order {shape} round {round_ + 1} caches {' '.join(caches)}: {cells}", flush=True)
 
 

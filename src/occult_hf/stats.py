@@ -36,7 +36,6 @@ class ExchangeStats(nn.Module):
 
     def __init__(self, num_devices: int, device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.num_devices = num_devices
         self.register_buffer("tally_X2", torch.zeros(num_devices + 1, 2, dtype=torch.int64, device=device), persistent=False)
         self.register_buffer("bytes_offset_D", torch.zeros(num_devices, dtype=torch.int64, device=device), persistent=False)
         self._row_bytes = 0
@@ -55,7 +54,7 @@ class ExchangeStats(nn.Module):
     @property
     def sent_D2(self) -> torch.Tensor:
         """`[D, 2]` int64 (a view of `tally_X2`): rows and pairs sent to each device."""
-        return self.tally_X2[: self.num_devices]
+        return self.tally_X2[:-1]
 
     @property
     def rows_sent(self) -> torch.Tensor:
@@ -70,7 +69,7 @@ class ExchangeStats(nn.Module):
     @property
     def forwards(self) -> torch.Tensor:
         """`[]` int64 (a view of `tally_X2`): forwards recorded."""
-        return self.tally_X2[self.num_devices, 0]
+        return self.tally_X2[-1, 0]
 
     @property
     def bytes_sent(self) -> torch.Tensor:

@@ -238,9 +238,7 @@ def measure_isolated(shape: str, args, done: Callable[[list[DecodeRow]], None]) 
         for implementation in ("stock", "occult"):
             spec = Path(scratch) / f"{implementation}.json"
             rows_path = Path(scratch) / f"{implementation}_rows.json"
-            atomic_write_text(spec, json.dumps({"shape": shape, "implementation": implementation, "rows": str(rows_path),
-                                                "dtype": str(args.dtype).removeprefix("torch."),
-                                                "args": {name: getattr(args, name) for name in ISOLATED_ARGS}}))  # fmt: skip
+            write_isolated_spec(spec, shape, implementation, rows_path, args)
             written = RowsFile(rows_path)
             status, tail, stopped_by = run_streaming(isolated_command(spec), lambda: written.changed() and done(rows + written.rows()))
             timed = written.rows()
@@ -308,6 +306,13 @@ def signals_handled_by(handler, *signums):
     finally:
         for signum, previous in before.items():
             signal.signal(signum, previous)
+
+
+def write_isolated_spec(spec: Path, shape: str, implementation: str, rows_path: Path, args) -> None:
+    """What `time_alone` reads: the model, the implementation, where to write its rows, and the run's arguments."""
+    atomic_write_text(spec, json.dumps({"shape": shape, "implementation": implementation, "rows": str(rows_path),
+                                        "dtype": str(args.dtype).removeprefix("torch."),
+                                        "args": {name: getattr(args, name) for name in ISOLATED_ARGS}}))  # fmt: skip
 
 
 def isolated_command(spec: Path) -> list[str]:
