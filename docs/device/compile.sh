@@ -16,6 +16,8 @@
 #   alone    docs/device/tracking_alone.py: each of ALONE_VARIANTS (default "tracked untracked stock") in a fresh process,
 #            ALONE_ROUNDS times (default 2), each round once unpinned and once under `taskset -c 2` (here SECONDS is
 #            each process's limit, not the step's);
+#   warmup   docs/device/warmup_rounds.py: each of WARMUP_VARIANTS (default "tracked untracked stock") in a fresh process, eight
+#            rounds of a 64-token and a 1-token static-cache generate() and an eager prefill, each timed (SECONDS per process);
 #   order    docs/device/isolate_order.py: occult's `--isolate` process at batch 1, static only against dynamic then
 #            static, ORDER_ROUNDS times (default 2), each in a fresh process;
 #   sweep    docs/device/topk_sweep.py: the top-k decode kernels' launch configurations at the OLMoE and Qwen1.5 shapes;
@@ -28,7 +30,7 @@
 # where each STEP:SECONDS gives the step's limit. Every step's tables and logs are packed into $OUT/results.tar.gz
 # after the step (so a call cut short keeps the steps it finished), and the log of every step is $OUT/log.txt.
 set -uo pipefail
-STEPS=${STEPS:?set STEPS to a list of STEP:SECONDS (decode, train, tests, profile, alone, order, sweep, base)}
+STEPS=${STEPS:?set STEPS to a list of STEP:SECONDS (decode, train, tests, profile, alone, warmup, order, sweep, base)}
 MODEL=${MODEL:-olmoe-1b-7b}  # BATCHES (decode) defaults to "1 8 32 64"
 REPO=$PWD
 RESULTS=/tmp/results
@@ -65,6 +67,10 @@ for item in $STEPS; do
             timeout "$limit" $pin python3 "$REPO/docs/device/tracking_alone.py" "$variant" 2>&1 | grep "^alone" | tee -a "$OUT/log.txt"
           done
         done
+      done ;;
+    warmup)
+      for variant in ${WARMUP_VARIANTS:-tracked untracked stock}; do
+        timeout "$limit" python3 "$REPO/docs/device/warmup_rounds.py" "$variant" 2>&1 | grep "^warmup" | tee -a "$OUT/log.txt"
       done ;;
     order)
       timeout "$limit" python3 "$REPO/docs/device/isolate_order.py" "${ORDER_ROUNDS:-2}" 2>&1 | grep "^order" | tee -a "$OUT/log.txt" ;;

@@ -189,7 +189,7 @@ def profile_filtered(models, prompt):
         for label, config in (("default", None), ("filtered", filtered_compile_config())):
             torch._dynamo.reset()
             model.generation_config.compile_config = config
-            walls = [time_step(model, prompt, STEPS, "static", repeats=2)[0] for _ in range(3)]
+            walls = [time_step(model, prompt, STEPS, "static", repeats=2).ms_per_step for _ in range(3)]
             tokens[label] = generate_greedy(model, prompt, 16, "static")
             print(f"filtered {name} {label}: {' / '.join(f'{w:.2f}' for w in walls)} ms per step (3 rounds)", flush=True)
         model.generation_config.compile_config = None
@@ -221,7 +221,7 @@ def profile_tracking(models, prompt):
     for block in occult_modules(routing_only).values():
         block.stats.record = lambda counts_D2, row_bytes: None
     models = {"occult": models.pop("occult"), "occult routing only": routing_only, **models}
-    walls = in_turns(models, lambda model: time_step(model, prompt, STEPS, "static", repeats=2)[0], rounds=7)
+    walls = in_turns(models, lambda model: time_step(model, prompt, STEPS, "static", repeats=2).ms_per_step, rounds=7)
     from torch.profiler import ProfilerActivity
 
     for name, model in models.items():
@@ -237,7 +237,7 @@ def profile_tracking(models, prompt):
 
 def profile_host(models, prompt):
     models = with_untracked(models)
-    walls = in_turns(models, lambda model: time_step(model, prompt, STEPS, "static", repeats=2)[0], rounds=3)
+    walls = in_turns(models, lambda model: time_step(model, prompt, STEPS, "static", repeats=2).ms_per_step, rounds=3)
     from torch.profiler import ProfilerActivity
 
     for name, model in models.items():
@@ -286,7 +286,7 @@ def profile_block(models, prompt):
                 print(f"-- block T={tokens} {name}: profiler over 100 calls\n{table}", flush=True)
     for batch in [int(b) for b in os.environ.get("BATCHES", "1").split()]:
         prompt_BS = prompt[:1].expand(batch, -1).contiguous()
-        rounds = in_turns(models, lambda model: time_step(model, prompt_BS, STEPS, "dynamic", repeats=1)[0], ROUNDS)
+        rounds = in_turns(models, lambda model: time_step(model, prompt_BS, STEPS, "dynamic", repeats=1).ms_per_step, ROUNDS)
         for name, walls in rounds.items():
             print(f"dynamic B={batch} {name}: {' '.join(f'{w:.2f}' for w in walls)} ms per step ({ROUNDS} rounds in turns)", flush=True)
 
@@ -408,7 +408,7 @@ def main():
         return profile_layers(models, prompt)
     for cache in caches:
         for name, model in models.items():
-            wall_ms, _ = time_step(model, prompt, STEPS, cache, repeats=2)
+            wall_ms = time_step(model, prompt, STEPS, cache, repeats=2).ms_per_step
             print(f"== {name} {cache}: {wall_ms:.2f} ms per step", flush=True)
             (profile_dynamic(name, model, prompt) if cache == "dynamic" else profile_static(name, model, prompt, wall_ms))
 

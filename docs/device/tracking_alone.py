@@ -36,7 +36,7 @@ def main() -> None:
         model = apply_occult(copy.deepcopy(model), {"num_devices": 1})
         track_routing(model, variant == "tracked")
     prompt = torch.randint(0, config.vocab_size, (1, 128), device="cuda")
-    walls = [time_step(model, prompt, STEPS, "static", repeats=2)[0] for _ in range(ROUNDS)]
+    walls = [time_step(model, prompt, STEPS, "static", repeats=2).ms_per_step for _ in range(ROUNDS)]
     rounds = " / ".join(f"{w:.2f}" for w in walls)
     print(f"alone {name} {variant}: median {statistics.median(walls):.2f} ms per step ({rounds})", flush=True)
     from torch.profiler import ProfilerActivity

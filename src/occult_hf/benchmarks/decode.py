@@ -14,7 +14,10 @@ stops early):
   `CompileConfig`: inductor, `mode="reduce-overhead"`, so CUDA graphs) and the prompt runs eagerly.
 
 The time per step is `(t(N) - t(1)) / (N - 1)` for the wall times `t(n)` of a whole `generate(max_new_tokens=n)`
-(the median of `--repeats` runs, after one run that compiles and captures): the prefill and generate's set-up cancel.
+(the median of `--repeats` runs): the prefill and generate's set-up cancel. Before them run one call that compiles
+and captures, then untimed pairs of calls until a pair records no new CUDA graph (`graph_settling`: each static-cache
+`generate()` makes a new cache, and CUDA-graph trees record again wherever it lands at new addresses); the notes say
+how many graphs each variant recorded after its first call.
 Tokens per second are `B / step`. The floor is the step's bytes at the GPU's memory bandwidth: the active
 parameters (attention, routers, shared experts, k of E experts per layer, embeddings and head) read once in bf16.
 
@@ -54,6 +57,7 @@ from pathlib import Path
 import torch
 
 from occult_hf.benchmarks import failure_text, measures_a_gpu
+from occult_hf.benchmarks.graph_settling import counting_graph_recordings, settle
 from occult_hf.benchmarks.model import MODEL_SHAPES, build_model, model_config
 from occult_hf.utils.atomic import atomic_write_text
 
@@ -78,6 +82,17 @@ class DecodeRow:
     ms_per_step: float  # NaN where the run failed
     first_call_s: float  # the warm-up run: compile and capture for the static cache
     error: str | None = None  # why the run failed (the other rows still run)
+    settling_calls: int = 0  # `StepTiming`'s
+    graphs_settling: int = 0
+    graphs_timed: int = 0
+
+    def settling_note(self) -> str | None:
+        """What CUDA-graph trees recorded after the compiling call, where they recorded anything."""
+        if not (self.graphs_settling or self.graphs_timed):
+            return None
+        note = (f"{self.model} B={self.batch} {self.implementation} {self.cache}: {self.graphs_settling} CUDA graphs recorded "
+                f"in {self.settling_calls} untimed generate() pairs after the compiling call")  # fmt: skip
+        return note + (f", {self.graphs_timed} while timed (its step includes them)" if self.graphs_timed else "")
 
 
 def generate_greedy(model, prompt_BS, new_tokens: int, cache: str):
@@ -99,13 +114,35 @@ def wall_s(fn) -> float:
     return time.perf_counter() - start
 
 
-def time_step(model, prompt_BS, new_tokens: int, cache: str, repeats: int) -> tuple[float, float]:
-    """`(ms per step, seconds of the first call)` of `generate()` on `prompt_BS` with `cache`."""
-    first = wall_s(lambda: generate_greedy(model, prompt_BS, new_tokens, cache))
-    generate_greedy(model, prompt_BS, 1, cache)
-    long = statistics.median(wall_s(lambda: generate_greedy(model, prompt_BS, new_tokens, cache)) for _ in range(repeats))
-    short = statistics.median(wall_s(lambda: generate_greedy(model, prompt_BS, 1, cache)) for _ in range(repeats))
-    return (long - short) * 1e3 / (new_tokens - 1), first
+@dataclass(frozen=True)
+class StepTiming:
+    """What `time_step` measured: ms per step, and how the static step came to be a replay (`graph_settling`)."""
+
+    ms_per_step: float
+    first_call_s: float  # the call that compiles (with the static cache, also the first CUDA graph's recording)
+    settling_calls: int  # untimed (1-token, N-token) call pairs after it, until a pair recorded no CUDA graph
+    graphs_settling: int  # the CUDA graphs those pairs recorded
+    graphs_timed: int  # CUDA graphs recorded while timed: 0 once settled, else the step includes recordings
+
+
+def time_step(model, prompt_BS, new_tokens: int, cache: str, repeats: int) -> StepTiming:
+    """`generate()` on `prompt_BS` with `cache`: one call that compiles, untimed pairs of calls until CUDA-graph trees
+    stop recording (`graph_settling.settle`), then `repeats` timed pairs: the medians of the calls of 1 and of
+    `new_tokens` tokens."""
+
+    def call_s(tokens: int) -> float:
+        return wall_s(lambda: generate_greedy(model, prompt_BS, tokens, cache))
+
+    def pair() -> tuple[float, float]:  # the same calls in the same order settling and timed: the same allocations
+        return call_s(1), call_s(new_tokens)
+
+    first = call_s(new_tokens)
+    with counting_graph_recordings() as recorded:
+        pairs, settling = settle(pair, recorded, prompt_BS.device)
+        before = recorded[0]
+        short, long = (statistics.median(walls) for walls in zip(*(pair() for _ in range(repeats))))
+        timed = recorded[0] - before
+    return StepTiming((long - short) * 1e3 / (new_tokens - 1), first, pairs, settling, timed)
 
 
 def active_bytes(config, dtype: torch.dtype) -> int:
@@ -190,15 +227,19 @@ def time_rows(shape: str, models: dict, prompt_BS: torch.Tensor, args, done: Cal
         for cache in args.caches:
             for name, model in models.items():
                 try:
-                    ms, first = time_step(model, prompt_BS[:batch], args.new_tokens, cache, args.repeats)
+                    timing = time_step(model, prompt_BS[:batch], args.new_tokens, cache, args.repeats)
                 except Exception as error:  # noqa: BLE001 - one failed variant is a row of the table, not the end of the run
                     why = failure_text(error)
                     rows.append(DecodeRow(shape, batch, name, cache, float("nan"), float("nan"), why))
                     print(f"{shape} B={batch} {name} {cache}: failed: {why}", flush=True)
                     torch._dynamo.reset()
                     continue
-                rows.append(DecodeRow(shape, batch, name, cache, ms, first))
-                print(f"{shape} B={batch} {name} {cache}: {ms:.2f} ms/step (first call {first:.1f} s)", flush=True)
+                row = DecodeRow(shape, batch, name, cache, timing.ms_per_step, timing.first_call_s, None,
+                                timing.settling_calls, timing.graphs_settling, timing.graphs_timed)  # fmt: skip
+                rows.append(row)
+                print(f"{shape} B={batch} {name} {cache}: {row.ms_per_step:.2f} ms/step (first call {row.first_call_s:.1f} s)", flush=True)
+                if row.settling_note():
+                    print(row.settling_note(), flush=True)
         done(rows)
 
 
@@ -437,6 +478,7 @@ def run(args: argparse.Namespace) -> int:
         rows_of[shape], notes_of[shape], floors_ms[shape] = list(rows), note, floor_ms
         every = [r for shape_rows in rows_of.values() for r in shape_rows]
         lines = notes + list(notes_of.values()) + [f"{r.model} B={r.batch} {r.implementation} {r.cache} failed: {r.error}" for r in every if r.error]
+        lines += [note for note in map(DecodeRow.settling_note, every) if note]
         text = f"{header}\n\n{results_table(every)}\n\n" + "\n".join(f"- {line}" for line in lines)
         atomic_write_text(out / f"bench_decode_{device.type}.md", text + "\n")
         plot(every, floors_ms, out / f"bench_decode_{device.type}.png")

@@ -101,7 +101,7 @@ def measure(model, setup: str, ids_BS, prompt_1P, args, device) -> tuple[RealRow
     fwd_bwd = timed(forward_backward, args.iterations, device)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     fwd = timed(forward, args.iterations, device)
-    decode_ms, _ = time_step(model, prompt_1P, args.new_tokens, "static", args.iterations)
+    decode_ms = time_step(model, prompt_1P, args.new_tokens, "static", args.iterations).ms_per_step
     tokens = generate_greedy(model, prompt_1P, args.new_tokens, "static")[:, prompt_1P.shape[1] :]
 
     def slowest(value: float) -> float:

@@ -1,0 +1,81 @@
+"""Which part of occult's static-cache `generate()` is slow in a process's first rounds: the decode steps or the prefill.
+
+`tracking_alone.py` found occult's first round of five slower than the rest in most processes (3.47 against
+2.64-2.77 ms a step, 4.70 against 3.46-3.61) and stock's not, and `occult bench decode` times one round per variant.
+`python docs/device/warmup_rounds.py {tracked,untracked,stock}` (MODEL as in profile_decode.py) builds one model,
+makes the compiling first call, then times ROUNDS rounds of a 64-token `generate()` ("long"), a 1-token one ("short":
+the prefill and the loop's set-up) and one eager forward of the prompt ("prefill"), each once per round, and prints
+them with the step `occult bench decode` derives from them, (long - short) / 63, and what CUDA-graph trees did in each
+call (their "cudagraphs" log: warm-up runs, recordings, re-recordings with their reasons, eager runs).
+"""
+
+import collections
+import copy
+import logging
+import os
+import sys
+
+import torch
+
+from occult_hf import apply_occult, track_routing
+from occult_hf.benchmarks.decode import FULL_LAYERS, generate_greedy, wall_s
+from occult_hf.benchmarks.model import build_model, model_config
+
+NEW_TOKENS, ROUNDS = 64, int(os.environ.get("ROUNDS", 8))
+
+
+class GraphTreeEvents(logging.Handler):
+    """Counts the CUDA-graph trees' log records by kind, and keeps the re-recording reasons."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.counts, self.reasons = collections.Counter(), collections.Counter()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        kind = str(record.msg).removeprefix("[%s] ").split(" function")[0]
+        self.counts[kind] += 1
+        if kind == "Re-recording":
+            self.reasons[str(record.args[-1])[:700]] += 1
+
+    def take(self) -> str:
+        text = ", ".join(f"{kind} {n}" for kind, n in sorted(self.counts.items())) or "replays only"
+        self.counts.clear()
+        return text
+
+
+def watch_graph_trees() -> GraphTreeEvents:
+    torch._logging.set_logs(cudagraphs=True)
+    logger = logging.getLogger("torch._inductor.cudagraph_trees.__cudagraphs")
+    logger.propagate = False
+    events = GraphTreeEvents()
+    logger.addHandler(events)
+    return events
+
+
+def main() -> None:
+    variant = sys.argv[1]
+    name = os.environ.get("MODEL", "olmoe-1b-7b")
+    config = model_config(name, FULL_LAYERS[name])
+    model = build_model(config, torch.device("cuda"), torch.bfloat16)
+    if variant != "stock":
+        model = apply_occult(copy.deepcopy(model), {"num_devices": 1})
+        track_routing(model, variant == "tracked")
+    prompt = torch.randint(0, config.vocab_size, (1, 128), device="cuda")
+    events = watch_graph_trees()
+    first = wall_s(lambda: generate_greedy(model, prompt, NEW_TOKENS, "static"))
+    print(f"warmup {name} {variant}: first call {first:.1f} s ({events.take()})", flush=True)
+    for round_ in range(ROUNDS):
+        long = wall_s(lambda: generate_greedy(model, prompt, NEW_TOKENS, "static")) * 1e3
+        in_long = events.take()
+        short = wall_s(lambda: generate_greedy(model, prompt, 1, "static")) * 1e3
+        with torch.no_grad():
+            prefill = wall_s(lambda: model(input_ids=prompt)) * 1e3
+        step = (long - short) / (NEW_TOKENS - 1)
+        print(f"warmup {name} {variant} round {round_}: long {long:.1f} ms, short {short:.1f} ms, "
+              f"prefill {prefill:.1f} ms, step {step:.2f} ms; graph trees in the long call: {in_long}, then: {events.take()}", flush=True)
+    for reason, n in events.reasons.most_common(5):
+        print(f"warmup {name} {variant}: re-recorded {n} times: {reason}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
