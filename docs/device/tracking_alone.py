@@ -27,15 +27,21 @@ from profile_decode import graph_replays, profiled_static_generate  # this scrip
 STEPS, ROUNDS = 33, 5
 
 
-def main() -> None:
-    variant = sys.argv[1]
+def one_model(variant: str):
+    """`(name, model, prompt)`: MODEL's full configuration in bf16 on the GPU as `variant` ("tracked", "untracked" or
+    "stock") and a batch-1 prompt of 128 random tokens."""
     name = os.environ.get("MODEL", "olmoe-1b-7b")
     config = model_config(name, FULL_LAYERS[name])
     model = build_model(config, torch.device("cuda"), torch.bfloat16)
     if variant != "stock":
         model = apply_occult(copy.deepcopy(model), {"num_devices": 1})
         track_routing(model, variant == "tracked")
-    prompt = torch.randint(0, config.vocab_size, (1, 128), device="cuda")
+    return name, model, torch.randint(0, config.vocab_size, (1, 128), device="cuda")
+
+
+def main() -> None:
+    variant = sys.argv[1]
+    name, model, prompt = one_model(variant)
     walls = [time_step(model, prompt, STEPS, "static", repeats=2).ms_per_step for _ in range(ROUNDS)]
     rounds = " / ".join(f"{w:.2f}" for w in walls)
     print(f"alone {name} {variant}: median {statistics.median(walls):.2f} ms per step ({rounds})", flush=True)

@@ -10,16 +10,14 @@ call (their "cudagraphs" log: warm-up runs, recordings, re-recordings with their
 """
 
 import collections
-import copy
 import logging
 import os
 import sys
 
 import torch
 
-from occult_hf import apply_occult, track_routing
-from occult_hf.benchmarks.decode import FULL_LAYERS, generate_greedy, wall_s
-from occult_hf.benchmarks.model import build_model, model_config
+from occult_hf.benchmarks.decode import generate_greedy, wall_s
+from tracking_alone import one_model  # this script's sibling (docs/device/)
 
 NEW_TOKENS, ROUNDS = 64, int(os.environ.get("ROUNDS", 8))
 
@@ -54,13 +52,7 @@ def watch_graph_trees() -> GraphTreeEvents:
 
 def main() -> None:
     variant = sys.argv[1]
-    name = os.environ.get("MODEL", "olmoe-1b-7b")
-    config = model_config(name, FULL_LAYERS[name])
-    model = build_model(config, torch.device("cuda"), torch.bfloat16)
-    if variant != "stock":
-        model = apply_occult(copy.deepcopy(model), {"num_devices": 1})
-        track_routing(model, variant == "tracked")
-    prompt = torch.randint(0, config.vocab_size, (1, 128), device="cuda")
+    name, model, prompt = one_model(variant)
     events = watch_graph_trees()
     first = wall_s(lambda: generate_greedy(model, prompt, NEW_TOKENS, "static"))
     print(f"warmup {name} {variant}: first call {first:.1f} s ({events.take()})", flush=True)
