@@ -6,7 +6,9 @@
 makes the compiling first call, then times ROUNDS rounds of a 64-token `generate()` ("long"), a 1-token one ("short":
 the prefill and the loop's set-up) and one eager forward of the prompt ("prefill"), each once per round, and prints
 them with the step `occult bench decode` derives from them, (long - short) / 63, and what CUDA-graph trees did in each
-call (their "cudagraphs" log: warm-up runs, recordings, re-recordings with their reasons, eager runs).
+call (their "cudagraphs" log: warm-up runs, recordings, re-recordings with their reasons, eager runs), with where the
+64-token call's static cache put its first layer's keys and the caching allocator's segments after it: a recording
+whose reason is "static input data pointer changed" should come with keys at an address no earlier call had.
 """
 
 import collections
@@ -56,15 +58,25 @@ def main() -> None:
     events = watch_graph_trees()
     first = wall_s(lambda: generate_greedy(model, prompt, NEW_TOKENS, "static"))
     print(f"warmup {name} {variant}: first call {first:.1f} s ({events.take()})", flush=True)
+    where = {}
+
+    def long_call() -> None:  # the output (and the cache in it) is dropped on return, as generate() drops it otherwise
+        output = generate_greedy(model, prompt, NEW_TOKENS, "static", return_dict_in_generate=True)
+        where["keys"] = output.past_key_values.layers[0].keys.data_ptr()
+
     for round_ in range(ROUNDS):
-        long = wall_s(lambda: generate_greedy(model, prompt, NEW_TOKENS, "static")) * 1e3
+        long = wall_s(long_call) * 1e3
         in_long = events.take()
+        stats = torch.cuda.memory_stats()
+        allocator = (f"keys at {where['keys']:#x}, {stats['segment.all.current']} segments, "
+                     f"{stats['reserved_bytes.all.current'] / 2**20:.0f} MiB reserved")  # fmt: skip
         short = wall_s(lambda: generate_greedy(model, prompt, 1, "static")) * 1e3
         with torch.no_grad():
             prefill = wall_s(lambda: model(input_ids=prompt)) * 1e3
         step = (long - short) / (NEW_TOKENS - 1)
         print(f"warmup {name} {variant} round {round_}: long {long:.1f} ms, short {short:.1f} ms, "
-              f"prefill {prefill:.1f} ms, step {step:.2f} ms; graph trees in the long call: {in_long}, then: {events.take()}", flush=True)
+              f"prefill {prefill:.1f} ms, step {step:.2f} ms; graph trees in the long call: {in_long}, then: {events.take()}; "
+              f"{allocator}", flush=True)
     for reason, n in events.reasons.most_common(5):
         print(f"warmup {name} {variant}: re-recorded {n} times: {reason}", flush=True)
 

@@ -95,9 +95,10 @@ class DecodeRow:
         return note + (f", {self.graphs_timed} while timed (its step includes them)" if self.graphs_timed else "")
 
 
-def generate_greedy(model, prompt_BS, new_tokens: int, cache: str):
-    """`model.generate()` of exactly `new_tokens` greedy tokens with the `"dynamic"` or `"static"` cache."""
-    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, output_router_logits=False)
+def generate_greedy(model, prompt_BS, new_tokens: int, cache: str, **generate_kwargs):
+    """`model.generate()` of exactly `new_tokens` greedy tokens with the `"dynamic"` or `"static"` cache (and any
+    other `generate_kwargs`)."""
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, output_router_logits=False, **generate_kwargs)
     if cache == "static":
         kwargs["cache_implementation"] = "static"
     return model.generate(prompt_BS, attention_mask=torch.ones_like(prompt_BS), pad_token_id=0, **kwargs)
