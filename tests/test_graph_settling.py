@@ -1,6 +1,7 @@
 """`occult bench decode` times a static-cache step only after CUDA-graph trees stopped recording
 (`benchmarks.graph_settling`): recordings are counted from torch's own callbacks, untimed pairs of calls run until one
-records nothing (all ranks agreeing under EP), and the rows say what was recorded."""
+records nothing (all ranks agreeing under EP), and the rows say what was recorded. The two GPU tests (`-m gpu`) check the
+count against real CUDA-graph trees."""
 
 import pytest
 import torch
@@ -79,3 +80,42 @@ def _ranks_settle(rank, world_size):
 @pytest.mark.world_size(2)
 def test_ranks_settle_together():
     assert run_world(_ranks_settle, 2, timeout_s=120) == [(3, 2), (3, 0)]
+
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_real_graph_trees_recordings_are_counted():
+    """torch's CUDA-graph trees (`mode="reduce-overhead"`) announce each recording through the callback counted here:
+    the first call warms up, the second records, the third replays; a parameter moved to new memory records again."""
+    torch._dynamo.reset()
+    layer = torch.nn.Linear(16, 16).cuda()
+    compiled = torch.compile(layer, mode="reduce-overhead")
+    x = torch.randn(4, 16, device="cuda")
+    with counting_graph_recordings() as recorded:
+        with torch.no_grad():
+            for _ in range(3):
+                compiled(x)
+            assert recorded == [1]
+            layer.weight.data = layer.weight.data.clone()
+            for _ in range(2):
+                compiled(x)
+    assert recorded == [2]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_static_step_is_timed_after_the_graphs_settled():
+    """`time_step` on a tiny occult model's static-cache `generate()` (CUDA graphs): no graph recorded while timed."""
+    from tiny_models import tiny_batch, tiny_model
+
+    from occult_hf import OccultConfig, apply_occult
+
+    torch._dynamo.reset()
+    model = apply_occult(tiny_model("olmoe").cuda().eval(), OccultConfig(num_devices=1))
+    timing = decode.time_step(model, tiny_batch(batch=1, seq=8, seed=0).cuda(), 8, "static", repeats=2)
+    assert timing.graphs_timed == 0, timing
+    assert timing.settling_calls < MAX_SETTLING_PAIRS and timing.ms_per_step > 0, timing

@@ -7,7 +7,7 @@
 #            forward and forward+backward: stock eager, stock compiled, occult eager, occult compiled); TRAIN_PROFILE=N
 #            adds each model's profile, compiled ones included (GPU busy against wall, the N costliest kernels);
 #   tests    the GPU tests of the compiled paths and of the restructured runtime (tests/test_gpu_compile.py,
-#            test_gpu_compile_ops.py, test_gpu_runtime.py, test_triton_kernels.py -m gpu, test_gpu_dispatch.py
+#            test_gpu_compile_ops.py, test_gpu_runtime.py, test_triton_kernels.py -m gpu, test_graph_settling.py -m gpu, test_gpu_dispatch.py
 #            without its two-rank cases; TEST_FILES replaces that list); a test's own limit is TEST_TIMEOUT (default 600 s: a worker's first test
 #            compiles and tunes every kernel, 8 workers at once), and the step's limit interrupts pytest (SIGINT)
 #            so that a cut run still prints the failures' tracebacks;
@@ -55,7 +55,7 @@ for item in $STEPS; do
         --out "$RESULTS/train" 2>&1 | grep -v Warning | tee -a "$OUT/log.txt" ;;
     tests)
       timeout -s INT "$limit" python3 -m pytest -v -rf --tb=short --durations=20 --timeout=${TEST_TIMEOUT:-600} --maxfail=${MAXFAIL:-3} -n ${WORKERS:-8} -m gpu -p no:cacheprovider \
-        $(printf "$REPO/%s " ${TEST_FILES:-tests/test_gpu_compile.py tests/test_gpu_compile_ops.py tests/test_gpu_runtime.py tests/test_triton_kernels.py tests/test_gpu_dispatch.py}) \
+        $(printf "$REPO/%s " ${TEST_FILES:-tests/test_gpu_compile.py tests/test_gpu_compile_ops.py tests/test_gpu_runtime.py tests/test_triton_kernels.py tests/test_gpu_dispatch.py tests/test_graph_settling.py}) \
         -k "not two_ranks" > "$RESULTS/tests.txt" 2>&1; grep -E "PASSED|FAILED|ERROR|SKIPPED|^E |passed|failed" "$RESULTS/tests.txt" | tail -120 | tee -a "$OUT/log.txt" ;;
     profile)
       timeout "$limit" python3 "$REPO/docs/device/profile_decode.py" ${PROFILE:-dynamic static} > "$RESULTS/profile.txt" 2>&1; grep -v Warning "$RESULTS/profile.txt" | head -900 | tee -a "$OUT/log.txt" ;;
