@@ -82,7 +82,7 @@ class DecodeRow:
     ms_per_step: float  # NaN where the run failed
     first_call_s: float  # the warm-up run: compile and capture for the static cache
     error: str | None = None  # why the run failed (the other rows still run)
-    settling_calls: int = 0  # `StepTiming`'s
+    settling_calls: int = 0  # these three: the `StepTiming` fields of the same names
     graphs_settling: int = 0
     graphs_timed: int = 0
 
