@@ -9,6 +9,7 @@ them with the step `occult bench decode` derives from them, (long - short) / 63,
 call (their "cudagraphs" log: warm-up runs, recordings, re-recordings with their reasons, eager runs), with where the
 64-token call's static cache put its first layer's keys and the caching allocator's segments after it: a recording
 whose reason is "static input data pointer changed" should come with keys at an address no earlier call had.
+REUSE_CACHE=1 passes one `StaticCache` to every call instead (reset before each): one address, so one recording.
 """
 
 import collections
@@ -17,6 +18,7 @@ import os
 import sys
 
 import torch
+from transformers import StaticCache
 
 from occult_hf.benchmarks.decode import generate_greedy, wall_s
 from tracking_alone import one_model  # this script's sibling (docs/device/)
@@ -52,17 +54,38 @@ def watch_graph_trees() -> GraphTreeEvents:
     return events
 
 
+def static_call(model, prompt, cache):
+    """`generate_call(tokens)`: a static-cache `generate()` of `tokens` tokens returning where its cache put the first
+    layer's keys. With `cache` (REUSE_CACHE=1, one `StaticCache` for every call, reset before each, as a server can
+    keep one per batch shape) every call's cache is that one; without, transformers makes a new one per call, and the
+    output (the cache in it) is dropped on return, as `generate()` drops it otherwise."""
+
+    def generate_call(tokens: int) -> int:
+        if cache is None:
+            output = generate_greedy(model, prompt, tokens, "static", return_dict_in_generate=True)
+            return output.past_key_values.layers[0].keys.data_ptr()
+        cache.reset()  # (a cache passed in excludes `cache_implementation`: generate_greedy's "static" would set it)
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), pad_token_id=0, max_new_tokens=tokens,
+                       min_new_tokens=tokens, do_sample=False, output_router_logits=False, past_key_values=cache)  # fmt: skip
+        return cache.layers[0].keys.data_ptr()
+
+    return generate_call
+
+
 def main() -> None:
     variant = sys.argv[1]
     name, model, prompt = one_model(variant)
+    reused = os.environ.get("REUSE_CACHE") == "1"
+    cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + NEW_TOKENS) if reused else None
+    generate_call = static_call(model, prompt, cache)
+    variant += ", one StaticCache reused" if reused else ""
     events = watch_graph_trees()
-    first = wall_s(lambda: generate_greedy(model, prompt, NEW_TOKENS, "static"))
+    first = wall_s(lambda: generate_call(NEW_TOKENS))
     print(f"warmup {name} {variant}: first call {first:.1f} s ({events.take()})", flush=True)
     where = {}
 
-    def long_call() -> None:  # the output (and the cache in it) is dropped on return, as generate() drops it otherwise
-        output = generate_greedy(model, prompt, NEW_TOKENS, "static", return_dict_in_generate=True)
-        where["keys"] = output.past_key_values.layers[0].keys.data_ptr()
+    def long_call() -> None:
+        where["keys"] = generate_call(NEW_TOKENS)
 
     for round_ in range(ROUNDS):
         long = wall_s(long_call) * 1e3
@@ -70,7 +93,7 @@ def main() -> None:
         stats = torch.cuda.memory_stats()
         allocator = (f"keys at {where['keys']:#x}, {stats['segment.all.current']} segments, "
                      f"{stats['reserved_bytes.all.current'] / 2**20:.0f} MiB reserved")  # fmt: skip
-        short = wall_s(lambda: generate_greedy(model, prompt, 1, "static")) * 1e3
+        short = wall_s(lambda: generate_call(1)) * 1e3
         with torch.no_grad():
             prefill = wall_s(lambda: model(input_ids=prompt)) * 1e3
         step = (long - short) / (NEW_TOKENS - 1)
