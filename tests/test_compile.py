@@ -183,6 +183,42 @@ def test_static_cache_generate_runs_the_compiled_step_with_eager_tokens():
     assert getattr(model, "_compiled_call", None) is not None, "generate did not compile the decoding step"
 
 
+def test_one_static_cache_passed_to_every_call_keeps_the_compiled_step_at_one_address():
+    """docs/runtime.md's serving recipe: one `StaticCache` passed to every `generate()` (reset before each) decodes
+    through the compiled step with the tokens of `cache_implementation="static"`, and the step's cache inputs sit at
+    one address in every call, where `cache_implementation="static"` makes a new cache per call (on a GPU, a call
+    whose cache lands at new addresses records another CUDA graph)."""
+    from transformers import CompileConfig, StaticCache
+
+    keys_seen = []  # the first layer's keys tensor at each compiled step, held so that no address is reused
+
+    def recording_backend(graph, example_inputs, **_):
+        names = [node.name for node in graph.graph.nodes if node.op == "placeholder"]
+        keys = next(i for i, name in enumerate(names) if name.endswith("layers_0_keys"))
+
+        def run(*args):
+            keys_seen.append(args[keys])
+            return graph(*args)
+
+        return run
+
+    model = apply_occult(tiny_model("olmoe"), OccultConfig(num_devices=2))
+    prompt = tiny_batch(batch=1, seq=6, seed=3)
+    compile_config = CompileConfig(backend=recording_backend, fullgraph=True, dynamic=False)
+    compile_config._compile_all_devices = True
+    kwargs = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, output_router_logits=False, compile_config=compile_config)
+    torch._dynamo.reset()
+    expected = model.generate(prompt, cache_implementation="static", **kwargs)
+    assert torch.equal(model.generate(prompt, cache_implementation="static", **kwargs), expected)
+    assert keys_seen[0].data_ptr() != keys_seen[-1].data_ptr(), "transformers kept its static cache: the recipe is moot"
+    keys_seen.clear()
+    cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + 5)
+    for _ in range(3):
+        cache.reset()
+        assert torch.equal(model.generate(prompt, past_key_values=cache, **kwargs), expected)
+    assert len(keys_seen) == 3 * 4 and {keys.data_ptr() for keys in keys_seen} == {cache.layers[0].keys.data_ptr()}
+
+
 def _ep_world(rank, world_size):
     """Under EP (2 gloo ranks, different batches per rank) the compiled model equals eager, with each dispatcher
     that serves torch.distributed ranks (compiled, "all_to_all" exchanges through static capacities); and the ranks
