@@ -82,7 +82,6 @@ def test_ranks_settle_together():
     assert run_world(_ranks_settle, 2, timeout_s=120) == [(3, 2), (3, 0)]
 
 
-
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 

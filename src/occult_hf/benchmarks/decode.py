@@ -82,7 +82,7 @@ class DecodeRow:
     ms_per_step: float  # NaN where the run failed
     first_call_s: float  # the warm-up run: compile and capture for the static cache
     error: str | None = None  # why the run failed (the other rows still run)
-    settling_calls: int = 0  # these three: the `StepTiming` fields of the same names
+    settling_calls: int = 0  # these three: the `StepTiming` fields of the same names (a row is made from one)
     graphs_settling: int = 0
     graphs_timed: int = 0
 
@@ -235,12 +235,10 @@ def time_rows(shape: str, models: dict, prompt_BS: torch.Tensor, args, done: Cal
                     print(f"{shape} B={batch} {name} {cache}: failed: {why}", flush=True)
                     torch._dynamo.reset()
                     continue
-                row = DecodeRow(shape, batch, name, cache, timing.ms_per_step, timing.first_call_s, None,
-                                timing.settling_calls, timing.graphs_settling, timing.graphs_timed)  # fmt: skip
-                rows.append(row)
-                print(f"{shape} B={batch} {name} {cache}: {row.ms_per_step:.2f} ms/step (first call {row.first_call_s:.1f} s)", flush=True)
-                if row.settling_note():
-                    print(row.settling_note(), flush=True)
+                rows.append(DecodeRow(shape, batch, name, cache, **asdict(timing)))
+                print(f"{shape} B={batch} {name} {cache}: {timing.ms_per_step:.2f} ms/step (first call {timing.first_call_s:.1f} s)", flush=True)
+                if note := rows[-1].settling_note():
+                    print(note, flush=True)
         done(rows)
 
 
