@@ -54,16 +54,44 @@ def test_bench_model_compiled_dry_run_profiles_the_compiled_models(tmp_path):
 
 
 def test_bench_decode_dry_run(tmp_path):
-    """Every variant (dynamic and static `generate()`) of stock and occult runs and has its
+    """Every variant (dynamic, static and static-reused `generate()`) of stock and occult runs and has its
     row, the fp32 greedy tokens of both are checked equal, and the table and the plot are written."""
     out = _occult("bench", "decode", "--cpu", "--models", "olmoe-1b-7b", "--layers", "1", "--hidden", "32", "--intermediate", "16",
                   "--batches", "1", "2", "--prompt", "4", "--new-tokens", "3", "--repeats", "1", "--check-layers", "1",
                   "--out", str(tmp_path), cwd=tmp_path)  # fmt: skip
     rows = json.loads((tmp_path / "bench_decode_cpu.json").read_text())["rows"]
     variants = {(r["batch"], r["implementation"], r["cache"]) for r in rows if r["error"] is None}
-    assert variants == {(b, i, c) for b in (1, 2) for i in ("stock", "occult") for c in ("dynamic", "static")}, rows
-    assert "occult == stock: True" in out and "| occult static vs stock dynamic" in out
+    assert variants == {(b, i, c) for b in (1, 2) for i in ("stock", "occult") for c in ("dynamic", "static", "static-reused")}, rows
+    assert "occult == stock: True" in out and "| occult static vs stock dynamic" in out and "| stock static-reused ms" in out
     assert (tmp_path / "bench_decode_cpu.png").stat().st_size > 0
+
+
+def test_static_reused_passes_one_reset_cache_to_every_call_and_decodes_the_static_tokens(monkeypatch):
+    """The `static-reused` variant hands `generate()` the same `StaticCache` in every call, reset before each (the
+    serving recipe), where `static` lets transformers make a new one per call; both decode the same greedy tokens."""
+    from tiny_models import tiny_batch, tiny_model
+    from transformers import StaticCache
+
+    from occult_hf import OccultConfig, apply_occult
+    from occult_hf.benchmarks import decode
+
+    model = apply_occult(tiny_model("olmoe").eval(), OccultConfig(num_devices=1))
+    prompt = tiny_batch(batch=2, seq=5, seed=0)
+    generate, seen = model.generate, []
+
+    def watched(*args, **kwargs):
+        cache = kwargs.get("past_key_values")
+        seen.append(None if cache is None else (id(cache), all(not layer.keys.any() for layer in cache.layers if layer.is_initialized)))
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", watched)
+    decode.time_step(model, prompt, 3, "static-reused", repeats=1)
+    assert len(seen) == 1 + 2 * 2 and len({cache_id for cache_id, _ in seen}) == 1, seen  # compiling call, settling, timed
+    assert all(was_reset for _, was_reset in seen), seen
+    reused = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + 3)
+    expected = decode.generate_greedy(model, prompt, 3, "static")
+    assert torch.equal(decode.generate_greedy(model, prompt, 3, reused), expected)
+    assert torch.equal(decode.generate_greedy(model, prompt, 3, reused), expected)
 
 
 def test_bench_decode_cut_short_keeps_the_batches_it_finished(tmp_path, monkeypatch):

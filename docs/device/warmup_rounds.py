@@ -64,9 +64,7 @@ def static_call(model, prompt, cache):
         if cache is None:
             output = generate_greedy(model, prompt, tokens, "static", return_dict_in_generate=True)
             return output.past_key_values.layers[0].keys.data_ptr()
-        cache.reset()  # (a cache passed in excludes `cache_implementation`: generate_greedy's "static" would set it)
-        model.generate(prompt, attention_mask=torch.ones_like(prompt), pad_token_id=0, max_new_tokens=tokens,
-                       min_new_tokens=tokens, do_sample=False, output_router_logits=False, past_key_values=cache)  # fmt: skip
+        generate_greedy(model, prompt, tokens, cache)  # (resets it first)
         return cache.layers[0].keys.data_ptr()
 
     return generate_call

@@ -11,7 +11,10 @@ stops early):
 
 - **dynamic**: the default dynamic cache, eager;
 - **static**: `cache_implementation="static"`: transformers compiles the decoding step (its default
-  `CompileConfig`: inductor, `mode="reduce-overhead"`, so CUDA graphs) and the prompt runs eagerly.
+  `CompileConfig`: inductor, `mode="reduce-overhead"`, so CUDA graphs) and the prompt runs eagerly;
+- **static-reused**: the same compiled step with one `StaticCache` per batch size, reset and passed to every call
+  (`past_key_values=`), as a server keeps one per batch shape (docs/runtime.md): its tensors stay at one address, so
+  CUDA-graph trees keep one graph where a new cache per call can make them record one per address they see.
 
 The time per step is `(t(N) - t(1)) / (N - 1)` for the wall times `t(n)` of a whole `generate(max_new_tokens=n)`
 (the median of `--repeats` runs): the prefill and generate's set-up cancel. Before them run one call that compiles
@@ -55,6 +58,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from transformers import Cache, StaticCache
 
 from occult_hf.benchmarks import failure_text, measures_a_gpu
 from occult_hf.benchmarks.graph_settling import counting_graph_recordings, settle
@@ -68,7 +72,7 @@ needs_cuda = measures_a_gpu
 #: the real models' decoder layer counts (the checkpoints' config.json)
 FULL_LAYERS = {"olmoe-1b-7b": 16, "qwen1.5-moe-a2.7b": 24}
 #: how a variant decodes (the module docstring says what each is)
-CACHES = ("dynamic", "static")
+CACHES = ("dynamic", "static", "static-reused")
 #: batch 1 targets of the static occult step: ms per token
 TARGET_MS, STRETCH_MS = 3.5, 2.0
 
@@ -78,7 +82,7 @@ class DecodeRow:
     model: str
     batch: int
     implementation: str  # "stock" or "occult"
-    cache: str  # "dynamic" or "static"
+    cache: str  # one of CACHES
     ms_per_step: float  # NaN where the run failed
     first_call_s: float  # the warm-up run: compile and capture for the static cache
     error: str | None = None  # why the run failed (the other rows still run)
@@ -95,11 +99,14 @@ class DecodeRow:
         return note + (f", {self.graphs_timed} while timed (its step includes them)" if self.graphs_timed else "")
 
 
-def generate_greedy(model, prompt_BS, new_tokens: int, cache: str, **generate_kwargs):
-    """`model.generate()` of exactly `new_tokens` greedy tokens with the `"dynamic"` or `"static"` cache (and any
-    other `generate_kwargs`)."""
+def generate_greedy(model, prompt_BS, new_tokens: int, cache: str | Cache, **generate_kwargs):
+    """`model.generate()` of exactly `new_tokens` greedy tokens with the `"dynamic"` or `"static"` cache, or with the
+    `Cache` given (reset first: the serving recipe), and any other `generate_kwargs`."""
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, output_router_logits=False, **generate_kwargs)
-    if cache == "static":
+    if isinstance(cache, Cache):
+        cache.reset()
+        kwargs["past_key_values"] = cache
+    elif cache == "static":
         kwargs["cache_implementation"] = "static"
     return model.generate(prompt_BS, attention_mask=torch.ones_like(prompt_BS), pad_token_id=0, **kwargs)
 
@@ -129,7 +136,9 @@ class StepTiming:
 def time_step(model, prompt_BS, new_tokens: int, cache: str, repeats: int) -> StepTiming:
     """`generate()` on `prompt_BS` with `cache`: one call that compiles, untimed pairs of calls until CUDA-graph trees
     stop recording (`graph_settling.settle`), then `repeats` timed pairs: the medians of the calls of 1 and of
-    `new_tokens` tokens."""
+    `new_tokens` tokens. `"static-reused"` makes its one `StaticCache` here, sized as `"static"` sizes each call's."""
+    if cache == "static-reused":
+        cache = StaticCache(config=model.config, max_cache_len=prompt_BS.shape[1] + new_tokens)
 
     def call_s(tokens: int) -> float:
         return wall_s(lambda: generate_greedy(model, prompt_BS, tokens, cache))
