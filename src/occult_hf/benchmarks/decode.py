@@ -13,8 +13,9 @@ stops early):
 - **static**: `cache_implementation="static"`: transformers compiles the decoding step (its default
   `CompileConfig`: inductor, `mode="reduce-overhead"`, so CUDA graphs) and the prompt runs eagerly;
 - **static-reused**: the same compiled step with one `StaticCache` per batch size, reset and passed to every call
-  (`past_key_values=`), as a server keeps one per batch shape (docs/runtime.md): its tensors stay at one address, so
-  CUDA-graph trees keep one graph where a new cache per call can make them record one per address they see.
+  (`past_key_values=`, the name transformers 5.17-5.23 know), as a server keeps one per batch shape (docs/runtime.md):
+  its tensors stay at one address, so CUDA-graph trees keep one graph where a new cache per call can make them record
+  one per address they see.
 
 The time per step is `(t(N) - t(1)) / (N - 1)` for the wall times `t(n)` of a whole `generate(max_new_tokens=n)`
 (the median of `--repeats` runs): the prefill and generate's set-up cancel. Before them run one call that compiles
