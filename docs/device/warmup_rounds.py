@@ -15,6 +15,7 @@ REUSE_CACHE=1 passes one `StaticCache` to every call instead (reset before each)
 import collections
 import logging
 import os
+import re
 import sys
 
 import torch
@@ -27,7 +28,10 @@ NEW_TOKENS, ROUNDS = 64, int(os.environ.get("ROUNDS", 8))
 
 
 class GraphTreeEvents(logging.Handler):
-    """Counts the CUDA-graph trees' log records by kind, and keeps the re-recording reasons."""
+    """Counts the CUDA-graph trees' log records by kind, and keeps the re-recording reasons on one line each: the
+    status and the names of the inputs that moved (the reason's "input name: ..." lines, without their stack traces).
+    torch logs "Re-recording" for every kept graph whose check fails at a step, so after the recordings stop the
+    count is (kept graphs that do not match) x (steps); "Recording" counts the recordings themselves."""
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
@@ -37,7 +41,9 @@ class GraphTreeEvents(logging.Handler):
         kind = str(record.msg).removeprefix("[%s] ").split(" function")[0]
         self.counts[kind] += 1
         if kind == "Re-recording":
-            self.reasons[str(record.args[-1])[:700]] += 1
+            reason = str(record.args[-1])
+            moved = re.findall(r"input name: ([^.\s]+)", reason)
+            self.reasons[reason.split("\n")[0] + (f" inputs moved: {', '.join(moved)}" if moved else "")] += 1
 
     def take(self) -> str:
         text = ", ".join(f"{kind} {n}" for kind, n in sorted(self.counts.items())) or "replays only"
