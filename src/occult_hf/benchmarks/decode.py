@@ -66,7 +66,7 @@ from occult_hf.benchmarks.graph_settling import counting_graph_recordings, settl
 from occult_hf.benchmarks.model import MODEL_SHAPES, build_model, model_config
 from occult_hf.utils.atomic import atomic_write_text
 
-HELP = "model.generate() per step at batch 1-64, dynamic and static cache: occult_hf vs stock transformers"
+HELP = "model.generate() per step at batch 1-64, dynamic, static and reused static cache: occult_hf vs stock transformers"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 needs_cuda = measures_a_gpu
 
