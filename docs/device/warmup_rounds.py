@@ -7,10 +7,11 @@ makes the compiling first call, then times ROUNDS rounds of a 64-token `generate
 the prefill and the loop's set-up) and one eager forward of the prompt ("prefill"), each once per round, and prints
 them with the step `occult bench decode` derives from them, (long - short) / 63, and what CUDA-graph trees did in each
 call (their "cudagraphs" log: warm-up runs, recordings, re-recordings with their reasons, eager runs), with where the
-64-token call's static cache put its first layer's keys and the caching allocator's segments after it: a recording
-whose reason is "static input data pointer changed" should come with keys at an address no earlier call had.
+64-token call's static cache put its first layer's keys and the caching allocator's segments after it (a recording
+for "static input data pointer changed" need not move those keys: occult's stayed put on 2026-12-04 while its first
+calls recorded, and the reasons now name the inputs that moved).
 REUSE_CACHE=1 passes one `StaticCache` to every call instead (reset before each): one address, so one recording.
-"""
+ROUNDS (default 8) sets the rounds, BATCH (default 1) the batch: BATCH copies of the prompt."""
 
 import collections
 import logging
@@ -24,7 +25,7 @@ from transformers import StaticCache
 from occult_hf.benchmarks.decode import generate_greedy, wall_s
 from tracking_alone import one_model  # this script's sibling (docs/device/)
 
-NEW_TOKENS, ROUNDS = 64, int(os.environ.get("ROUNDS", 8))
+NEW_TOKENS, ROUNDS, BATCH = 64, int(os.environ.get("ROUNDS", 8)), int(os.environ.get("BATCH", 1))
 
 
 class GraphTreeEvents(logging.Handler):
@@ -79,10 +80,11 @@ def static_call(model, prompt, cache):
 def main() -> None:
     variant = sys.argv[1]
     name, model, prompt = one_model(variant)
+    prompt = prompt.repeat(BATCH, 1)  # BATCH copies of the one prompt: the cache and the step at that batch
     reused = os.environ.get("REUSE_CACHE") == "1"
     cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + NEW_TOKENS) if reused else None
     generate_call = static_call(model, prompt, cache)
-    variant += ", one StaticCache reused" if reused else ""
+    variant += f", batch {BATCH}" + (", one StaticCache reused" if reused else "")
     events = watch_graph_trees()
     first = wall_s(lambda: generate_call(NEW_TOKENS))
     print(f"warmup {name} {variant}: first call {first:.1f} s ({events.take()})", flush=True)
