@@ -63,16 +63,13 @@ def watch_graph_trees() -> GraphTreeEvents:
 
 def static_call(model, prompt, cache):
     """`generate_call(tokens)`: a static-cache `generate()` of `tokens` tokens returning where its cache put the first
-    layer's keys. With `cache` (REUSE_CACHE=1, one `StaticCache` for every call, reset before each, as a server can
-    keep one per batch shape) every call's cache is that one; without, transformers makes a new one per call, and the
-    output (the cache in it) is dropped on return, as `generate()` drops it otherwise."""
+    layer's keys. `cache` is `"static"` (transformers makes a new cache per call, and the output, the cache in it, is
+    dropped on return, as `generate()` drops it otherwise) or, with REUSE_CACHE=1, the one `StaticCache` of every call
+    (`generate_greedy` resets it first), as a server can keep one per batch shape."""
 
     def generate_call(tokens: int) -> int:
-        if cache is None:
-            output = generate_greedy(model, prompt, tokens, "static", return_dict_in_generate=True)
-            return output.past_key_values.layers[0].keys.data_ptr()
-        generate_greedy(model, prompt, tokens, cache)  # (resets it first)
-        return cache.layers[0].keys.data_ptr()
+        output = generate_greedy(model, prompt, tokens, cache, return_dict_in_generate=True)
+        return output.past_key_values.layers[0].keys.data_ptr()
 
     return generate_call
 
@@ -82,7 +79,7 @@ def main() -> None:
     name, model, prompt = one_model(variant)
     prompt = prompt.repeat(BATCH, 1)  # BATCH copies of the one prompt: the cache and the step at that batch
     reused = os.environ.get("REUSE_CACHE") == "1"
-    cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + NEW_TOKENS) if reused else None
+    cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + NEW_TOKENS) if reused else "static"
     generate_call = static_call(model, prompt, cache)
     variant += f", batch {BATCH}" + (", one StaticCache reused" if reused else "")
     events = watch_graph_trees()
