@@ -11,7 +11,12 @@ call (their "cudagraphs" log: warm-up runs, recordings, re-recordings with their
 for "static input data pointer changed" need not move those keys: occult's stayed put on 2026-12-04 while its first
 calls recorded, and the reasons now name the inputs that moved).
 REUSE_CACHE=1 passes one `StaticCache` to every call instead (reset before each): one address, so one recording.
-ROUNDS (default 8) sets the rounds, BATCH (default 1) the batch: BATCH copies of the prompt."""
+EARLY_INIT=1 passes a new `StaticCache` to every call, as `generate()` makes one, but with its tensors allocated before
+the prefill (`early_initialization`) instead of inside it: whether the moving static inputs (each layer's
+`cumulative_length`, keys and values, 2026-12-04) move because the prefill's own allocations come between them.
+ROUNDS (default 8) sets the rounds, BATCH (default 1) the batch: BATCH distinct random prompts of 128 tokens (copies of
+one prompt would route every row alike, which made occult's batch-64 step 1.5-2.5 ms shorter than the bench's on
+2026-12-04)."""
 
 import collections
 import logging
@@ -64,24 +69,42 @@ def watch_graph_trees() -> GraphTreeEvents:
 def static_call(model, prompt, cache):
     """`generate_call(tokens)`: a static-cache `generate()` of `tokens` tokens returning where its cache put the first
     layer's keys. `cache` is `"static"` (transformers makes a new cache per call, and the output, the cache in it, is
-    dropped on return, as `generate()` drops it otherwise) or, with REUSE_CACHE=1, the one `StaticCache` of every call
-    (`generate_greedy` resets it first), as a server can keep one per batch shape."""
+    dropped on return, as `generate()` drops it otherwise), with REUSE_CACHE=1 the one `StaticCache` of every call
+    (`generate_greedy` resets it first), as a server can keep one per batch shape, or with EARLY_INIT=1 a callable
+    making each call's new cache, initialised before the call."""
 
     def generate_call(tokens: int) -> int:
-        output = generate_greedy(model, prompt, tokens, cache, return_dict_in_generate=True)
+        output = generate_greedy(model, prompt, tokens, cache() if callable(cache) else cache, return_dict_in_generate=True)
         return output.past_key_values.layers[0].keys.data_ptr()
 
     return generate_call
 
 
+def new_cache(model, prompt, initialised: bool = False) -> StaticCache:
+    """A `StaticCache` for `prompt` and NEW_TOKENS more, as `generate()` sizes its own; `initialised`: its tensors
+    allocated now (`early_initialization`, as transformers does for a chunked prefill) rather than in the prefill."""
+    config = model.config
+    cache = StaticCache(config=config, max_cache_len=prompt.shape[1] + NEW_TOKENS)
+    if initialised:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        cache.early_initialization(prompt.shape[0], config.num_key_value_heads, head_dim, model.dtype, prompt.device)
+    return cache
+
+
 def main() -> None:
     variant = sys.argv[1]
     name, model, prompt = one_model(variant)
-    prompt = prompt.repeat(BATCH, 1)  # BATCH copies of the one prompt: the cache and the step at that batch
-    reused = os.environ.get("REUSE_CACHE") == "1"
-    cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + NEW_TOKENS) if reused else "static"
+    if BATCH > 1:  # distinct rows, seeded: the bench's prompts route like these, copies of one row would not
+        generator = torch.Generator(prompt.device).manual_seed(0)
+        prompt = torch.randint(0, model.config.vocab_size, (BATCH, prompt.shape[1]), device=prompt.device, generator=generator)
+    reused, early = os.environ.get("REUSE_CACHE") == "1", os.environ.get("EARLY_INIT") == "1"
+    cache = "static"
+    if reused:
+        cache = new_cache(model, prompt)
+    elif early:
+        cache = lambda: new_cache(model, prompt, initialised=True)  # noqa: E731
     generate_call = static_call(model, prompt, cache)
-    variant += f", batch {BATCH}" + (", one StaticCache reused" if reused else "")
+    variant += f", batch {BATCH}" + (", one StaticCache reused" if reused else ", a new early-initialised StaticCache a call" if early else "")
     events = watch_graph_trees()
     first = wall_s(lambda: generate_call(NEW_TOKENS))
     print(f"warmup {name} {variant}: first call {first:.1f} s ({events.take()})", flush=True)
