@@ -27,7 +27,7 @@ import sys
 import torch
 from transformers import StaticCache
 
-from occult_hf.benchmarks.decode import generate_greedy, wall_s
+from occult_hf.benchmarks.decode import generate_greedy, static_cache_for, wall_s
 from tracking_alone import one_model  # this script's sibling (docs/device/)
 
 NEW_TOKENS, ROUNDS, BATCH = 64, int(os.environ.get("ROUNDS", 8)), int(os.environ.get("BATCH", 1))
@@ -84,7 +84,7 @@ def new_cache(model, prompt, initialised: bool = False) -> StaticCache:
     """A `StaticCache` for `prompt` and NEW_TOKENS more, as `generate()` sizes its own; `initialised`: its tensors
     allocated now (`early_initialization`, as transformers does for a chunked prefill) rather than in the prefill."""
     config = model.config
-    cache = StaticCache(config=config, max_cache_len=prompt.shape[1] + NEW_TOKENS)
+    cache = static_cache_for(model, prompt, NEW_TOKENS)
     if initialised:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         cache.early_initialization(prompt.shape[0], config.num_key_value_heads, head_dim, model.dtype, prompt.device)

@@ -112,6 +112,12 @@ def generate_greedy(model, prompt_BS, new_tokens: int, cache: str | Cache, **gen
     return model.generate(prompt_BS, attention_mask=torch.ones_like(prompt_BS), pad_token_id=0, **kwargs)
 
 
+def static_cache_for(model, prompt_BS, new_tokens: int) -> StaticCache:
+    """A `StaticCache` for `prompt_BS` and `new_tokens` more, sized as `generate(cache_implementation="static")` sizes
+    the one it makes (the serving recipe keeps one per batch shape)."""
+    return StaticCache(config=model.config, max_cache_len=prompt_BS.shape[1] + new_tokens)
+
+
 def wall_s(fn) -> float:
     """Seconds `fn()` takes, the GPU's queue drained before and after."""
     if torch.cuda.is_available():
@@ -139,7 +145,7 @@ def time_step(model, prompt_BS, new_tokens: int, cache: str, repeats: int) -> St
     stop recording (`graph_settling.settle`), then `repeats` timed pairs: the medians of the calls of 1 and of
     `new_tokens` tokens. `"static-reused"` makes its one `StaticCache` here, sized as `"static"` sizes each call's."""
     if cache == "static-reused":
-        cache = StaticCache(config=model.config, max_cache_len=prompt_BS.shape[1] + new_tokens)
+        cache = static_cache_for(model, prompt_BS, new_tokens)
 
     def call_s(tokens: int) -> float:
         return wall_s(lambda: generate_greedy(model, prompt_BS, tokens, cache))
