@@ -272,3 +272,23 @@ def test_a_gpu_benchmark_without_cuda_fails_at_once(name, tmp_path, monkeypatch,
         occult_main(["bench", name])
     assert time.perf_counter() - start < 5.0 and exited.value.code == 2
     assert f"occult bench {name}: this run measures a GPU and this machine has no CUDA device" in capsys.readouterr().err
+
+
+def test_a_model_larger_than_the_free_memory_fails_before_anything_is_allocated(tmp_path, monkeypatch, capsys):
+    """`occult bench decode --cpu` at the real sizes held stock and occult (2 x 25.8 GiB in fp32) on a 24 GiB machine:
+    the kernel killed it after a minute, exit status 137 and no message. Now the parameters are counted on the meta
+    device first, and a run whose models cannot fit ends at once with an error that names the sizes and the flags."""
+    import occult_hf.benchmarks.model as bench_model
+
+    monkeypatch.setattr(bench_model, "free_bytes", lambda device: 4 * 2**30)
+    monkeypatch.chdir(tmp_path)
+    start = time.perf_counter()
+    with pytest.raises(SystemExit) as exited:
+        occult_main(["bench", "decode", "--cpu", "--no-progress", "--models", "olmoe-1b-7b", "--check-layers", "0"])
+    error = capsys.readouterr().err
+    assert time.perf_counter() - start < 30.0 and exited.value.code == 2
+    assert "MemoryError: 2 x 25.8 GiB of parameters (olmoe, 6.92B parameters in float32, 16 layers" in error, error
+    assert "do not fit in the 4.0 GiB the cpu has free: pass --layers, --hidden or --intermediate" in error
+    # what fits is built as before
+    model = bench_model.build_model(bench_model.model_config("olmoe-1b-7b", 1, 32, 16), "cpu", torch.float32, copies=2)
+    assert sum(p.numel() for p in model.parameters()) < 4 * 2**30 // 8

@@ -198,7 +198,7 @@ def occult_version(model, args):
 def check_tokens(shape: str, args, device) -> str:
     """Greedy tokens of occult and stock, static cache, fp32, `--check-layers` layers: equal or not (a line)."""
     config = model_config(shape, args.check_layers, args.hidden, args.intermediate)
-    stock = build_model(config, device, torch.float32, args.seed)
+    stock = build_model(config, device, torch.float32, args.seed, copies=2)
     occult = occult_version(copy.deepcopy(stock), args)
     prompt = torch.randint(0, config.vocab_size, (4, args.prompt), device=device, generator=torch.Generator(device).manual_seed(1))
     tokens = {name: generate_greedy(model, prompt, 16, "static") for name, model in (("stock", stock), ("occult", occult))}
@@ -224,7 +224,7 @@ def decode_prompt(config, args, device) -> torch.Tensor:
 
 
 def stock_and_occult(config, args, device) -> dict:
-    stock = build_model(config, device, args.dtype, args.seed)
+    stock = build_model(config, device, args.dtype, args.seed, copies=2)
     return {"stock": stock, "occult": occult_version(copy.deepcopy(stock), args)}
 
 

@@ -82,14 +82,45 @@ def model_config(shape: str, layers: int, hidden: int | None = None, intermediat
     return getattr(transformers, class_name)(**kwargs)
 
 
-def build_model(config, device, dtype, seed: int = 0):
-    """A randomly initialised causal LM of `config` (std 0.02 for every weight, 1/sqrt(fan-in) for experts)."""
+def build_model(config, device, dtype, seed: int = 0, copies: int = 1):
+    """A randomly initialised causal LM of `config` (std 0.02 for every weight, 1/sqrt(fan-in) for experts).
+    `copies`: how many tensors of this model's size the caller holds at once (stock, its occult copies, the
+    gradients of the one in a backward), checked against the device's free memory first (`require_memory`)."""
     from transformers import AutoModelForCausalLM
 
+    require_memory(config, device, dtype, copies)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
+
+
+def require_memory(config, device, dtype, copies: int) -> None:
+    """A MemoryError, naming the sizes and the flags that shrink the model, where `copies` times the parameters of
+    `config` in `dtype` do not fit in what `device` has free; before anything is allocated, since on the CPU the
+    kernel kills a process that runs out (exit status 137, no message) and on a GPU an allocation fails midway
+    through building. Parameters only: activations come on top, so passing is no promise."""
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device(device)
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    one, free = parameters * dtype.itemsize, free_bytes(device)
+    if copies * one > free:
+        raise MemoryError(
+            f"{copies} x {one / 2**30:.1f} GiB of parameters ({config.model_type}, {parameters / 1e9:.2f}B parameters in "
+            f"{str(dtype).removeprefix('torch.')}, {config.num_hidden_layers} layers, hidden {config.hidden_size}) do not fit "
+            f"in the {free / 2**30:.1f} GiB the {device.type} has free: pass --layers, --hidden or --intermediate for a smaller model"
+        )
+
+
+def free_bytes(device: torch.device) -> int:
+    """What `device` has free now: the GPU's free memory, or the memory the OS can give this process."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil  # an accelerate dependency
+
+    return psutil.virtual_memory().available
 
 
 @dataclass
@@ -180,7 +211,7 @@ def measure(shape: str, args, device, dtype) -> list[ModelRow]:
     from occult_hf.benchmarks.ep import profile_steps
 
     config = model_config(shape, args.layers, args.hidden, args.intermediate)
-    stock = build_model(config, device, dtype, args.seed)
+    stock = build_model(config, device, dtype, args.seed, copies=2 + len(args.backends))  # stock, its copies, one's gradients
     experts_impl = str(getattr(stock.config, "_experts_implementation", None) or "default")
     generator = torch.Generator(device=device).manual_seed(args.seed)
     ids_BS = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator, device=device)
