@@ -15,7 +15,7 @@ EARLY_INIT=1 passes a new `StaticCache` to every call, as `generate()` makes one
 the prefill (`early_initialization`) instead of inside it: whether the moving static inputs (each layer's
 `cumulative_length`, keys and values, 2026-12-04) move because the prefill's own allocations come between them.
 ROUNDS (default 8) sets the rounds, BATCH (default 1) the batch: BATCH distinct random prompts of 128 tokens (copies of
-one prompt would route every row alike, which made occult's batch-64 step 1.5-2.5 ms shorter than the bench's on
+one prompt would route every row alike, which made occult's batch-64 step 2.7-3.2 ms shorter than the bench's on
 2026-12-04)."""
 
 import collections
