@@ -70,7 +70,6 @@ def test_static_reused_passes_one_reset_cache_to_every_call_and_decodes_the_stat
     """The `static-reused` variant hands `generate()` the same `StaticCache` in every call, reset before each (the
     serving recipe), where `static` lets transformers make a new one per call; both decode the same greedy tokens."""
     from tiny_models import tiny_batch, tiny_model
-    from transformers import StaticCache
 
     from occult_hf import OccultConfig, apply_occult
     from occult_hf.benchmarks import decode
@@ -88,7 +87,7 @@ def test_static_reused_passes_one_reset_cache_to_every_call_and_decodes_the_stat
     decode.time_step(model, prompt, 3, "static-reused", repeats=1)
     assert len(seen) == 1 + 2 * 2 and len({cache_id for cache_id, _ in seen}) == 1, seen  # compiling call, settling, timed
     assert all(was_reset for _, was_reset in seen), seen
-    reused = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + 3)
+    reused = decode.static_cache_for(model, prompt, 3)
     expected = decode.generate_greedy(model, prompt, 3, "static")
     assert torch.equal(decode.generate_greedy(model, prompt, 3, reused), expected)
     assert torch.equal(decode.generate_greedy(model, prompt, 3, reused), expected)
