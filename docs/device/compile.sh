@@ -19,7 +19,8 @@
 #   warmup   docs/device/warmup_rounds.py: each of WARMUP_VARIANTS (default "tracked untracked stock") in a fresh process, eight
 #            rounds of a 64-token and a 1-token static-cache generate() and an eager prefill, each timed (SECONDS per process;
 #            REUSE_CACHE=1: one StaticCache for every call; EARLY_INIT=1: a new one a call, allocated before the prefill;
-#            ROUNDS, BATCH: the rounds (8) and the batch (1), BATCH distinct prompts);
+#            ROUNDS, BATCH: the rounds (8) and the batch (1), BATCH distinct prompts; SNAPSHOT=1: the allocator's blocks
+#            that came or went each round, by allocating frame, STACK of them);
 #   order    docs/device/isolate_order.py: occult's `--isolate` process at batch 1, static only against dynamic then
 #            static, ORDER_ROUNDS times (default 2), each in a fresh process;
 #   sweep    docs/device/topk_sweep.py: the top-k decode kernels' launch configurations at the OLMoE and Qwen1.5 shapes;

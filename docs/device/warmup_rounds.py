@@ -16,7 +16,9 @@ the prefill (`early_initialization`) instead of inside it: whether the moving st
 `cumulative_length`, keys and values, 2026-12-04) move because the prefill's own allocations come between them.
 ROUNDS (default 8) sets the rounds, BATCH (default 1) the batch: BATCH distinct random prompts of 128 tokens (copies of
 one prompt would route every row alike, which made occult's batch-64 step 2.7-3.2 ms shorter than the bench's on
-2026-12-04)."""
+2026-12-04). SNAPSHOT=1 records the caching allocator's history and prints, after each round's long call, the blocks of
+the default pool that came or went since the round before, by the frame that allocated them: what outlives a call and
+so moves where the next call's cache lands (with EARLY_INIT=1 occult's kept moving for eight calls, stock's for one)."""
 
 import collections
 import logging
@@ -31,6 +33,7 @@ from occult_hf.benchmarks.decode import generate_greedy, static_cache_for, wall_
 from tracking_alone import one_model  # this script's sibling (docs/device/)
 
 NEW_TOKENS, ROUNDS, BATCH = 64, int(os.environ.get("ROUNDS", 8)), int(os.environ.get("BATCH", 1))
+STACK = int(os.environ.get("STACK", 1))  # SNAPSHOT=1: the frames named per block, innermost first
 
 
 class GraphTreeEvents(logging.Handler):
@@ -64,6 +67,36 @@ def watch_graph_trees() -> GraphTreeEvents:
     events = GraphTreeEvents()
     logger.addHandler(events)
     return events
+
+
+def live_blocks() -> collections.Counter:
+    """The default pool's allocated blocks as a multiset of (address, size, allocating frames): the STACK innermost
+    frames of occult_hf, transformers or this script, else of all frames recorded."""
+    blocks = collections.Counter()
+    for segment in torch.cuda.memory._snapshot()["segments"]:
+        if tuple(segment["segment_pool_id"]) != (0, 0):
+            continue  # a CUDA-graph pool: the recordings' memory, not where a cache lands
+        for block in segment["blocks"]:
+            if block["state"] != "active_allocated":
+                continue
+            frames = block.get("frames") or [{"filename": "?", "line": 0, "name": "?"}]
+            ours = [f for f in frames if re.search(r"occult_hf|transformers|warmup_rounds", f["filename"])]
+            where = " < ".join(f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}" for f in (ours or frames)[:STACK])
+            blocks[(block["address"], block["size"], where)] += 1
+    return blocks
+
+
+def block_changes(before: collections.Counter, after: collections.Counter) -> str:
+    """The blocks that came and went between two `live_blocks`, as counts and MiB by allocating frame."""
+    parts = []
+    for sign, changed in (("+", after - before), ("-", before - after)):
+        by_frame = collections.defaultdict(lambda: [0, 0])
+        for (_, size, where), n in changed.items():
+            by_frame[where][0] += n
+            by_frame[where][1] += n * size
+        ranked = sorted(by_frame.items(), key=lambda item: -item[1][1])[:6]
+        parts += [f"{sign}{n} ({size / 2**20:.2f} MiB) {where}" for where, (n, size) in ranked]
+    return "; ".join(parts) or "none"
 
 
 def static_call(model, prompt, cache):
@@ -106,9 +139,12 @@ def main() -> None:
     generate_call = static_call(model, prompt, cache)
     variant += f", batch {BATCH}" + (", one StaticCache reused" if reused else ", a new early-initialised StaticCache a call" if early else "")
     events = watch_graph_trees()
+    snapshot = os.environ.get("SNAPSHOT") == "1"
+    if snapshot:
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=200_000)
     first = wall_s(lambda: generate_call(NEW_TOKENS))
     print(f"warmup {name} {variant}: first call {first:.1f} s ({events.take()})", flush=True)
-    where = {}
+    where, blocks = {}, live_blocks() if snapshot else None
 
     def long_call() -> None:
         where["keys"] = generate_call(NEW_TOKENS)
@@ -126,6 +162,10 @@ def main() -> None:
         print(f"warmup {name} {variant} round {round_}: long {long:.1f} ms, short {short:.1f} ms, "
               f"prefill {prefill:.1f} ms, step {step:.2f} ms; graph trees in the long call: {in_long}, then: {events.take()}; "
               f"{allocator}", flush=True)
+        if snapshot:
+            now = live_blocks()
+            print(f"warmup {name} {variant} round {round_}: default-pool blocks since the round before: {block_changes(blocks, now)}", flush=True)
+            blocks = now
     for reason, n in events.reasons.most_common(5):
         print(f"warmup {name} {variant}: re-recorded {n} times: {reason}", flush=True)
 
