@@ -291,3 +291,24 @@ def test_a_model_larger_than_the_free_memory_fails_before_anything_is_allocated(
     # what fits is built as before
     model = bench_model.build_model(bench_model.model_config("olmoe-1b-7b", 1, 32, 16), "cpu", torch.float32, copies=2)
     assert sum(p.numel() for p in model.parameters()) < 4 * 2**30 // 8
+
+
+def test_a_cpu_run_that_outgrows_the_free_memory_ends_in_an_error_not_a_kill(tmp_path):
+    """`occult bench model --cpu` at its real shapes passed the parameter check (3 x 7.1 GiB against 22.8 GiB free) and
+    was then killed by the kernel while its forward+backward built activations: exit status 137 and no message, after
+    80 s. A CPU run may now grow by what the machine had free and no more (`utils.host_memory`). Here 1 GiB is made to
+    look free: the models fit, 16,384 tokens of forward+backward do not, and the run ends in seconds with an error that
+    names the benchmark and where its size flags are."""
+    script = (
+        "import collections, sys, psutil\n"
+        "psutil.virtual_memory = lambda: collections.namedtuple('Memory', 'available')(1 << 30)\n"
+        "from occult_hf.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    args = ["bench", "model", "--cpu", "--no-progress", "--shapes", "olmoe-1b-7b", "--layers", "1", "--hidden", "256",
+            "--intermediate", "256", "--batch", "8", "--seq", "2048", "--backends", "auto", "--out", str(tmp_path)]  # fmt: skip
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert time.perf_counter() - start < 120 and done.returncode == 2, (done.returncode, done.stderr[-3000:])
+    assert "occult bench model: ran out of memory: the 0.8 GiB this machine had free at the start were not enough" in done.stderr
+    assert "can't allocate memory" in done.stderr and "(`occult bench model --help` lists them)" in done.stderr

@@ -41,13 +41,29 @@ def register(subparsers) -> None:
 
 
 def _run(name: str, module, args: argparse.Namespace) -> int:
-    """Run benchmark `name`; fail at once when a run that measures a GPU starts on a machine without CUDA (unless `--cpu`)."""
+    """Run benchmark `name`; fail at once when a run that measures a GPU starts on a machine without CUDA (unless `--cpu`).
+    On the CPU the run may use what the machine has free and no more: one that needs more ends in an error naming the
+    benchmark and its size flags, where the kernel would kill it with no message (`utils.host_memory`)."""
     import torch
 
-    if module.needs_cuda(args) and not args.cpu and not torch.cuda.is_available():
+    from ..utils.host_memory import capped_at_free_memory, is_out_of_memory
+
+    if not args.cpu and torch.cuda.is_available():
+        return module.run(args)
+    if module.needs_cuda(args) and not args.cpu:
         raise SystemExit(
             f"occult bench {name}: this run measures a GPU and this machine has no CUDA device "
             f"(torch.cuda.is_available() is False); --cpu runs it on the CPU anyway, as a check of the script "
             f"at small sizes (its timings mean nothing)"
         )
-    return module.run(args)
+    with capped_at_free_memory() as growth:
+        try:
+            return module.run(args)
+        except (RuntimeError, MemoryError) as error:
+            if growth is None or not is_out_of_memory(error):
+                raise
+            raise SystemExit(
+                f"occult bench {name}: ran out of memory: the {growth / 2**30:.1f} GiB this machine had free at the start "
+                f"were not enough ({str(error).strip().splitlines()[-1]}); pass smaller sizes (`occult bench {name} --help` "
+                f"lists them)"
+            ) from error
