@@ -116,11 +116,10 @@ def static_call(model, prompt, cache):
 def new_cache(model, prompt, initialised: bool = False) -> StaticCache:
     """A `StaticCache` for `prompt` and NEW_TOKENS more, as `generate()` sizes its own; `initialised`: its tensors
     allocated now (`early_initialization`, as transformers does for a chunked prefill) rather than in the prefill."""
-    config = model.config
     cache = static_cache_for(model, prompt, NEW_TOKENS)
-    if initialised:
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        cache.early_initialization(prompt.shape[0], config.num_key_value_heads, head_dim, model.dtype, prompt.device)
+    if initialised:  # with the shape transformers gives its own early-initialised caches (a chunked prefill's)
+        heads, head_dim = model._get_static_cache_init_shape()
+        cache.early_initialization(prompt.shape[0], heads, head_dim, model.dtype, prompt.device)
     return cache
 
 
