@@ -312,3 +312,30 @@ def test_a_cpu_run_that_outgrows_the_free_memory_ends_in_an_error_not_a_kill(tmp
     assert time.perf_counter() - start < 120 and done.returncode == 2, (done.returncode, done.stderr[-3000:])
     assert "occult bench model: ran out of memory: the 0.8 GiB this machine had free at the start were not enough" in done.stderr
     assert "can't allocate memory" in done.stderr and "(`occult bench model --help` lists them)" in done.stderr
+
+
+@pytest.mark.parametrize("error", [MemoryError(), RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes")])
+def test_an_allocation_that_fails_on_the_cpu_names_the_benchmark(error, capsys):
+    """The interpreter's own `MemoryError` has no message, torch's allocator's is a `RuntimeError`: both end in the
+    benchmark's one line; a `MemoryError` that already says what did not fit, and any other error, pass unchanged."""
+    import argparse
+
+    from occult_hf.cli.bench import _run
+
+    class Failing:
+        def __init__(self, raised: BaseException) -> None:
+            self.raised = raised
+
+        def needs_cuda(self, args) -> bool:
+            return False
+
+        def run(self, args) -> int:
+            raise self.raised
+
+    with pytest.raises(SystemExit) as exited:
+        _run("model", Failing(error), argparse.Namespace(cpu=True))
+    assert str(exited.value.code).startswith("occult bench model: ran out of memory: the ")
+    assert str(exited.value.code).endswith(f"({str(error) or 'MemoryError'}); pass smaller sizes (`occult bench model --help` lists them)")
+    for passing in (MemoryError("2 x 25.8 GiB of parameters do not fit"), RuntimeError("shapes do not match")):
+        with pytest.raises(type(passing), match=str(passing)):
+            _run("model", Failing(passing), argparse.Namespace(cpu=True))

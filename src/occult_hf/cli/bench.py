@@ -64,6 +64,6 @@ def _run(name: str, module, args: argparse.Namespace) -> int:
                 raise
             raise SystemExit(
                 f"occult bench {name}: ran out of memory: the {growth / 2**30:.1f} GiB this machine had free at the start "
-                f"were not enough ({str(error).strip().splitlines()[-1]}); pass smaller sizes (`occult bench {name} --help` "
+                f"were not enough ({(str(error).strip() or type(error).__name__).splitlines()[-1]}); pass smaller sizes (`occult bench {name} --help` "
                 f"lists them)"
             ) from error
