@@ -163,7 +163,8 @@ def test_profile_reads_local_files_and_dataset_configs_through_datasets(tmp_path
         (["profile", "--text", "docs.txt", "--out", "x"], "MODEL is required with --text or --dataset"),
     ],
 )
-def test_command_line_errors_say_what_to_do(argv, message, tmp_path, capsys):
+def test_command_line_errors_say_what_to_do(argv, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the relative paths name nothing: an `x` directory where pytest runs is another error
     argv = [str(tmp_path / "p.safetensors") if a == "PROFILE" else a for a in argv]
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
