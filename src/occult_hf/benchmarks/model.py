@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from occult_hf.utils.atomic import atomic_write_text
+from occult_hf.utils.host_memory import available_bytes
 from occult_hf.experts import expert_backend_names
 from occult_hf.benchmarks import failure_text, measures_a_gpu
 
@@ -118,9 +119,7 @@ def free_bytes(device: torch.device) -> int:
     """What `device` has free now: the GPU's free memory, or the memory the OS can give this process."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    import psutil  # an accelerate dependency
-
-    return psutil.virtual_memory().available
+    return available_bytes()
 
 
 @dataclass

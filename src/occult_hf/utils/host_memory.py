@@ -10,7 +10,6 @@ the sizes to shrink.
 from __future__ import annotations
 
 import contextlib
-import resource
 import sys
 from collections.abc import Iterator
 
@@ -26,10 +25,10 @@ def capped_at_free_memory(margin_bytes: int = MARGIN_BYTES) -> Iterator[int | No
     if not sys.platform.startswith("linux"):
         yield None
         return
-    import psutil  # an accelerate dependency
+    import resource  # Unix only: this module is imported everywhere the benchmarks are
 
     soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    growth = max(psutil.virtual_memory().available - margin_bytes, 0)
+    growth = max(available_bytes() - margin_bytes, 0)
     cap = data_segment_bytes() + growth
     for limit in (soft, hard):
         if limit != resource.RLIM_INFINITY:
@@ -39,6 +38,13 @@ def capped_at_free_memory(margin_bytes: int = MARGIN_BYTES) -> Iterator[int | No
         yield growth
     finally:
         resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+
+
+def available_bytes() -> int:
+    """The memory the OS can give this process now (psutil's `available`: free memory and reclaimable caches)."""
+    import psutil  # an accelerate dependency
+
+    return psutil.virtual_memory().available
 
 
 def data_segment_bytes() -> int:
