@@ -293,6 +293,31 @@ def test_a_model_larger_than_the_free_memory_fails_before_anything_is_allocated(
     assert sum(p.numel() for p in model.parameters()) < 4 * 2**30 // 8
 
 
+def test_a_run_whose_expert_activations_cannot_fit_fails_before_building(tmp_path, monkeypatch, capsys):
+    """`occult bench model --cpu` at its real shapes passed the parameter check (3 x 7.0 GiB) and spent 98 s building
+    models before its forward+backward ran out of memory. The experts' kept pre-activations (4 layers x 16,384 tokens x
+    8 experts x 2I) are now counted with the parameters, so such a run ends in seconds and names both."""
+    import occult_hf.benchmarks.model as bench_model
+
+    monkeypatch.setattr(bench_model, "free_bytes", lambda device: 24 * 2**30)
+    monkeypatch.chdir(tmp_path)
+    start = time.perf_counter()
+    with pytest.raises(SystemExit) as exited:
+        occult_main(["bench", "model", "--cpu", "--no-progress", "--shapes", "olmoe-1b-7b", "--batch", "8", "--seq", "2048"])
+    error = capsys.readouterr().err
+    assert time.perf_counter() - start < 30.0 and exited.value.code == 2
+    assert "3 x 7.0 GiB of parameters (olmoe, 1.88B parameters in float32, 4 layers, hidden 2048) and 4.0 GiB of expert " \
+        "activations for a backward of 16384 tokens do not fit in the 24.0 GiB the cpu has free" in error, error
+    assert "or --batch, --seq for fewer tokens" in error
+    # the floor is the experts' gate and up rows: layers x tokens x k x 2I elements
+    config = bench_model.model_config("olmoe-1b-7b", 3, 64, 32)
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(config)
+    assert bench_model.kept_expert_activations(model, 100) == 3 * 100 * 8 * 64
+
+
 def test_a_cpu_run_that_outgrows_the_free_memory_ends_in_an_error_not_a_kill(tmp_path):
     """`occult bench model --cpu` at its real shapes passed the parameter check (3 x 7.1 GiB against 22.8 GiB free) and
     was then killed by the kernel while its forward+backward built activations: exit status 137 and no message, after

@@ -24,6 +24,10 @@
 #   order    docs/device/isolate_order.py: occult's `--isolate` process at batch 1, static only against dynamic then
 #            static, ORDER_ROUNDS times (default 2), each in a fresh process;
 #   sweep    docs/device/topk_sweep.py: the top-k decode kernels' launch configurations at the OLMoE and Qwen1.5 shapes;
+#   idle     docs/device/train_idle.py $IDLE_MODELS (default "stock occult"): where the GPU idles in a compiled
+#            forward+backward of `bench model`'s OLMoE shape, and the host ranges it waits on;
+#   gemms    docs/device/grouped_mm_kinds.py: the six grouped GEMMs of a training step at OLMoE's expert shape, each
+#            against a dense GEMM of the same sizes;
 #   base     eager `occult bench model` of main at bb13be5 (the tree before the restructure, `git archive bb13be5
 #            src kernels patches eval > .devdata/base.tar`) and of this tree, in one process each, one after the other.
 # It needs the transformers 5.24 wheel in .whl/ (`pip download --no-deps transformers==5.24.0`); WHEELS names another
@@ -33,7 +37,7 @@
 # where each STEP:SECONDS gives the step's limit. Every step's tables and logs are packed into $OUT/results.tar.gz
 # after the step (so a call cut short keeps the steps it finished), and the log of every step is $OUT/log.txt.
 set -uo pipefail
-STEPS=${STEPS:?set STEPS to a list of STEP:SECONDS (decode, train, tests, profile, alone, warmup, order, sweep, base)}
+STEPS=${STEPS:?set STEPS to a list of STEP:SECONDS (decode, train, tests, profile, alone, warmup, order, sweep, idle, gemms, base)}
 MODEL=${MODEL:-olmoe-1b-7b}  # BATCHES (decode) defaults to "1 8 32 64"
 REPO=$PWD
 RESULTS=/tmp/results
@@ -79,6 +83,10 @@ for item in $STEPS; do
       timeout "$limit" python3 "$REPO/docs/device/isolate_order.py" "${ORDER_ROUNDS:-2}" 2>&1 | grep "^order" | tee -a "$OUT/log.txt" ;;
     sweep)
       timeout "$limit" python3 "$REPO/docs/device/topk_sweep.py" > "$RESULTS/sweep.txt" 2>&1; grep -E "^best|top 5" "$RESULTS/sweep.txt" | tee -a "$OUT/log.txt" ;;
+    idle)
+      timeout "$limit" python3 "$REPO/docs/device/train_idle.py" ${IDLE_MODELS:-stock occult} > "$RESULTS/idle.txt" 2>&1; grep -v Warning "$RESULTS/idle.txt" | tail -300 | tee -a "$OUT/log.txt" ;;
+    gemms)
+      timeout "$limit" python3 "$REPO/docs/device/grouped_mm_kinds.py" 2>&1 | grep -v Warning | tee -a "$OUT/log.txt" ;;
     base)
       mkdir -p /tmp/base_src && tar -xf "$REPO/.devdata/base.tar" -C /tmp/base_src && stage /tmp/base_src /tmp/base
       for tree in base now; do

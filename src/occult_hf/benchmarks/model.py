@@ -83,36 +83,54 @@ def model_config(shape: str, layers: int, hidden: int | None = None, intermediat
     return getattr(transformers, class_name)(**kwargs)
 
 
-def build_model(config, device, dtype, seed: int = 0, copies: int = 1):
+def build_model(config, device, dtype, seed: int = 0, copies: int = 1, backward_tokens: int = 0):
     """A randomly initialised causal LM of `config` (std 0.02 for every weight, 1/sqrt(fan-in) for experts).
     `copies`: how many tensors of this model's size the caller holds at once (stock, its occult copies, the
-    gradients of the one in a backward), checked against the device's free memory first (`require_memory`)."""
+    gradients of the one in a backward), and `backward_tokens`: the tokens of the forward+backward it will run, both
+    checked against the device's free memory first (`require_memory`)."""
     from transformers import AutoModelForCausalLM
 
-    require_memory(config, device, dtype, copies)
+    require_memory(config, device, dtype, copies, backward_tokens)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
 
 
-def require_memory(config, device, dtype, copies: int) -> None:
+def require_memory(config, device, dtype, copies: int, backward_tokens: int = 0) -> None:
     """A MemoryError, naming the sizes and the flags that shrink the model, where `copies` times the parameters of
-    `config` in `dtype` do not fit in what `device` has free; before anything is allocated, since on the CPU the
-    kernel kills a process that runs out (exit status 137, no message) and on a GPU an allocation fails midway
-    through building. Parameters only: activations come on top, so passing is no promise."""
+    `config` in `dtype`, plus what a forward+backward of `backward_tokens` tokens must keep (`kept_expert_activations`),
+    do not fit in what `device` has free; before anything is allocated, since on the CPU the kernel kills a process
+    that runs out (exit status 137, no message) and on a GPU an allocation fails midway through building. Both are
+    floors (the other activations come on top), so passing is no promise: it rules out in a second the runs that
+    cannot fit."""
     from transformers import AutoModelForCausalLM
 
     device = torch.device(device)
     with torch.device("meta"):
-        parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        model = AutoModelForCausalLM.from_config(config)
+    parameters = sum(p.numel() for p in model.parameters())
     one, free = parameters * dtype.itemsize, free_bytes(device)
-    if copies * one > free:
+    kept = kept_expert_activations(model, backward_tokens) * dtype.itemsize
+    if copies * one + kept > free:
+        activations = f" and {kept / 2**30:.1f} GiB of expert activations for a backward of {backward_tokens} tokens" if kept else ""
         raise MemoryError(
             f"{copies} x {one / 2**30:.1f} GiB of parameters ({config.model_type}, {parameters / 1e9:.2f}B parameters in "
-            f"{str(dtype).removeprefix('torch.')}, {config.num_hidden_layers} layers, hidden {config.hidden_size}) do not fit "
-            f"in the {free / 2**30:.1f} GiB the {device.type} has free: pass --layers, --hidden or --intermediate for a smaller model"
+            f"{str(dtype).removeprefix('torch.')}, {config.num_hidden_layers} layers, hidden {config.hidden_size}){activations} "
+            f"do not fit in the {free / 2**30:.1f} GiB the {device.type} has free: pass --layers, --hidden or --intermediate "
+            f"for a smaller model{' or --batch, --seq for fewer tokens' if kept else ''}"
         )
+
+
+def kept_expert_activations(model, tokens: int) -> int:
+    """Elements that a forward+backward of `tokens` tokens keeps for the backward in the routed experts alone: each MoE
+    layer's gate and up projections of every (token, expert) pair, `tokens * k` rows of `2I`, which stock
+    transformers' experts (every implementation) and occult_hf's backends all keep for the activation's gradient."""
+    from occult_hf.patches import adapter_for
+
+    adapter = adapter_for(model)
+    top_k = model.config.num_experts_per_tok
+    return sum(tokens * top_k * adapter.expert_weights(block)[0].shape[1] for _, _, block in adapter.iter_moe_blocks(model))
 
 
 def free_bytes(device: torch.device) -> int:
@@ -210,7 +228,7 @@ def measure(shape: str, args, device, dtype) -> list[ModelRow]:
     from occult_hf.benchmarks.ep import profile_steps
 
     config = model_config(shape, args.layers, args.hidden, args.intermediate)
-    stock = build_model(config, device, dtype, args.seed, copies=2 + len(args.backends))  # stock, its copies, one's gradients
+    stock = build_model(config, device, dtype, args.seed, copies=2 + len(args.backends), backward_tokens=args.batch * args.seq)  # stock, its copies, one's gradients
     experts_impl = str(getattr(stock.config, "_experts_implementation", None) or "default")
     generator = torch.Generator(device=device).manual_seed(args.seed)
     ids_BS = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator, device=device)
