@@ -310,11 +310,10 @@ def test_a_run_whose_expert_activations_cannot_fit_fails_before_building(tmp_pat
         "activations for a backward of 16384 tokens do not fit in the 24.0 GiB the cpu has free" in error, error
     assert "or --batch, --seq for fewer tokens" in error
     # the floor is the experts' gate and up rows: layers x tokens x k x 2I elements
-    config = bench_model.model_config("olmoe-1b-7b", 3, 64, 32)
-    with torch.device("meta"):
-        from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_config(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(bench_model.model_config("olmoe-1b-7b", 3, 64, 32))
     assert bench_model.kept_expert_activations(model, 100) == 3 * 100 * 8 * 64
 
 
