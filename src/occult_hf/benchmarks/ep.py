@@ -623,6 +623,24 @@ def profile_steps(step, device, *, warm: bool, top: int = 14) -> str:
     return "\n\n".join(sections)
 
 
+def busy_time(intervals: list[tuple[float, float]]) -> tuple[float, float, int]:
+    """(busy, span, gaps) of device `intervals` (start, end): the length of their union, the time from the first start
+    to the last end, and how many idle gaps lie between. `span - busy` is what the device idled within the step, which
+    says whether a step is host-bound where wall against busy cannot: the wall also counts the host's time before the
+    first kernel and the profiler's own."""
+    busy, gaps, first, last = 0.0, 0, None, None
+    for start, end in sorted(intervals):
+        if last is None or start > last:
+            gaps += last is not None
+            first = start if first is None else first
+            busy += end - start
+            last = end
+        elif end > last:
+            busy += end - last
+            last = end
+    return busy, (0.0 if first is None else last - first), gaps
+
+
 def _device_us(event) -> float:
     return float(getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0) or 0.0)
 
@@ -638,19 +656,13 @@ def profile_summary(prof, name: str, top: int = 14) -> str:
         and not getattr(e, "is_user_annotation", False)
         and not e.name.startswith(("bench::", "occult::", "nccl:"))
     ]  # fmt: skip
-    spans = sorted((k.time_range.start, k.time_range.end) for k in kernels)
-    busy, last = 0.0, None
-    for start, end in spans:
-        if last is None or start > last:
-            busy += end - start
-            last = end
-        elif end > last:
-            busy += end - last
-            last = end
+    busy, span, gaps = busy_time([(k.time_range.start, k.time_range.end) for k in kernels])
     wall = next((e.cpu_time_total for e in events if e.name == f"bench::{name}"), float("nan"))
     lines = [
         f"**{name}**: wall {wall / 1e3:.2f} ms (host, to the last kernel), GPU busy {busy / 1e3:.2f} ms "
-        f"(union of kernel intervals, all streams), {len(kernels)} kernels, {sum(k.time_range.end - k.time_range.start for k in kernels) / 1e3:.2f} ms summed",
+        f"(union of kernel intervals, all streams) of the {span / 1e3:.2f} ms from the first kernel to the last (idle "
+        f"{(span - busy) / 1e3:.2f} ms in {gaps} gaps), {len(kernels)} kernels, "
+        f"{sum(k.time_range.end - k.time_range.start for k in kernels) / 1e3:.2f} ms summed",
         "",
         "(each stage twice: its host range, and its device-side range with host ms 0)",
         "",
