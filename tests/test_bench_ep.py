@@ -70,8 +70,9 @@ def test_bench_ep_two_gloo_ranks(tmp_path):
 
 def test_busy_time_is_the_union_of_the_device_intervals_and_counts_the_idle_gaps():
     """A profile's GPU busy time overlaps concurrent kernels once, and the idle time within the step is the span from
-    the first kernel to the last less that union: at 58750c0 a compiled training step's wall (65.6 ms) against its busy
-    time (62.6) read as 3 ms of idle GPU where the device idled 0.65 ms (docs/compile_h200.md, 2026-12-04 19:32 UTC)."""
+    the first kernel to the last less that union. At 58750c0 a compiled training step's time (65.6 ms) against its
+    profile's busy time (62.6) read as 3 ms of idle GPU; measured within the step, the device idled 0.65 ms
+    (docs/compile_h200.md, 2026-12-04 19:32 UTC)."""
     from occult_hf.benchmarks.ep import busy_time
 
     # two overlapping kernels (10-30, 20-40), one inside them (25-28), a gap, one kernel (50-60), a gap, a last one
