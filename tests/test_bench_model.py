@@ -53,6 +53,28 @@ def test_bench_model_compiled_dry_run_profiles_the_compiled_models(tmp_path):
         assert f"### olmoe-1b-7b, {name}, 8 tokens" in out
 
 
+def test_roofline_counts_every_matrix_product_of_the_decoder():
+    """The roofline's FLOPs, counted by hand for a tiny OLMoE (hidden 32, 4 heads of 8, 64 experts of width 16, top-8)
+    and a tiny Qwen1.5-MoE (its shared expert of width 16 and their one-column gate too): projections, router, the k
+    routed experts a token, causal attention."""
+    from transformers import AutoModelForCausalLM
+
+    from occult_hf.benchmarks.model import decoder_matmul_flops, model_config
+
+    batch, seq, hidden, width, layers = 3, 10, 32, 16, 2
+    tokens = batch * seq
+    attention = 4 * hidden * hidden * 2 * tokens + 2 * batch * 4 * seq * seq * 8
+    expected = {
+        "olmoe-1b-7b": attention + 2 * tokens * (64 * hidden + 8 * 3 * hidden * width),
+        # router, 4 routed experts, the shared expert and its gate (q, k and v's biases are additions, not products)
+        "qwen1.5-moe-a2.7b": attention + 2 * tokens * (60 * hidden + 4 * 3 * hidden * width + 3 * hidden * width + hidden),
+    }
+    for shape, per_layer in expected.items():
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(model_config(shape, layers, hidden, width))
+        assert decoder_matmul_flops(model, batch, seq) == layers * per_layer, shape
+
+
 def test_bench_decode_dry_run(tmp_path):
     """Every variant (dynamic, static and static-reused `generate()`) of stock and occult runs and has its
     row, the fp32 greedy tokens of both are checked equal, and the table and the plot are written."""

@@ -20,7 +20,9 @@ Timed (`triton.testing.do_bench` medians, CUDA events) on the decoder without th
 (`model.model`, so that the vocabulary's matmul and loss, which both share, do not dilute the
 comparison): forward under `no_grad`, and forward + backward of a random upstream gradient of the
 last hidden state. The models compute the same function (same weights, same routing), and the
-table gives each one's time and the speed-up. `--profile N` adds, per model, a `torch.profiler` summary of one
+table gives each one's time, the speed-up, and the share of the roofline it reaches: the decoder's matrix products
+(`decoder_matmul_flops`: projections, router, the routed experts a token runs, shared experts, causal attention; three
+times as many with the backward) at the dense GEMM rate measured at the start of the run. `--profile N` adds, per model, a `torch.profiler` summary of one
 forward and one forward+backward (`ep.profile_steps`: wall against GPU busy time, device time per `occult::`
 stage, with the whole MoE block of either model as `moe block`, the N costliest kernels and host operators), which
 says where a layer's time goes; with `--compile`, of each compiled model too (its kernels: the named stages and
@@ -64,8 +66,8 @@ MODEL_SHAPES: dict[str, tuple[str, dict]] = {
     ),
 }  # fmt: skip
 
-#: speed-up occult_hf must reach against stock transformers at 16,384 tokens
-TARGET_SPEEDUP = 1.4
+#: the square matmul whose rate is the roofline's (as `occult bench experts` measures it)
+DENSE_GEMM_SIZE = 8192
 
 
 def model_config(shape: str, layers: int, hidden: int | None = None, intermediate: int | None = None):
@@ -133,6 +135,30 @@ def kept_expert_activations(model, tokens: int) -> int:
     return sum(tokens * top_k * adapter.expert_weights(block)[0].shape[1] for _, _, block in adapter.iter_moe_blocks(model))
 
 
+def decoder_matmul_flops(model, batch: int, seq: int) -> float:
+    """FLOPs of the matrix products in one forward of `model.model` (the decoder, as timed here) on `batch` sequences
+    of `seq` tokens: every `nn.Linear` (attention's projections, shared experts, dense MLPs), each MoE block's router
+    and its `k` routed experts per token, and causal attention (its two `S x S` products, half of them masked). The
+    backward's products are twice these, so a forward+backward does three times as many. At the dense GEMM rate they
+    are the step's compute roofline: the norms, rotary and gathers come on top."""
+    from occult_hf.patches import adapter_for
+
+    decoder, config = model.model, model.config
+    tokens = batch * seq
+    flops = sum(2.0 * tokens * m.weight.numel() for m in decoder.modules() if isinstance(m, torch.nn.Linear))
+    adapter = adapter_for(model)
+    for _, _, block in adapter.iter_moe_blocks(decoder):
+        router = adapter.router(block)
+        if not isinstance(router, torch.nn.Linear):  # transformers 5's routers hold a bare [E, H] weight
+            flops += 2.0 * tokens * router.weight.numel()
+        gate_up_E2IH, down_EHI = adapter.expert_weights(block)
+        flops += 2.0 * tokens * config.num_experts_per_tok * (gate_up_E2IH[0].numel() + down_EHI[0].numel())
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    flops += config.num_hidden_layers * 2.0 * batch * heads * seq * seq * head_dim  # QK^T and PV, causal: half of 2 x 2BhS^2d
+    return flops
+
+
 def free_bytes(device: torch.device) -> int:
     """What `device` has free now: the GPU's free memory, or the memory the OS can give this process."""
     if device.type == "cuda":
@@ -149,6 +175,8 @@ class ModelRow:
     fwd_ms: float
     fwd_bwd_ms: float
     stock_experts: str
+    roofline_fwd_ms: float  # the decoder's matrix products at the dense GEMM rate measured in the same run
+    roofline_fwd_bwd_ms: float
 
 
 def _timer(device, warmup_ms: float, rep_ms: float):
@@ -223,13 +251,17 @@ def time_decoder(model, ids_BS, timer, decoder=None) -> tuple[float, float]:
     return timer(lambda: step(False)), timer(lambda: step(True))
 
 
-def measure(shape: str, args, device, dtype) -> list[ModelRow]:
+def measure(shape: str, args, device, dtype, dense_tflops: float) -> list[ModelRow]:
     from occult_hf import apply_occult
     from occult_hf.benchmarks.ep import profile_steps
 
     config = model_config(shape, args.layers, args.hidden, args.intermediate)
     stock = build_model(config, device, dtype, args.seed, copies=2 + len(args.backends), backward_tokens=args.batch * args.seq)  # stock, its copies, one's gradients
     experts_impl = str(getattr(stock.config, "_experts_implementation", None) or "default")
+    fwd_flops = decoder_matmul_flops(stock, args.batch, args.seq)
+    roofline_ms = (fwd_flops / dense_tflops / 1e9, 3 * fwd_flops / dense_tflops / 1e9)
+    print(f"{shape}: {fwd_flops / 1e12:.2f} TFLOP of matrix products a forward, {3 * fwd_flops / 1e12:.2f} a forward+backward; "
+          f"at the dense GEMM rate of this run ({dense_tflops:.3g} TFLOP/s) {roofline_ms[0]:.2f} / {roofline_ms[1]:.2f} ms", flush=True)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     ids_BS = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator, device=device)
     timer = _timer(device, args.warmup_ms, args.rep_ms)
@@ -247,7 +279,7 @@ def measure(shape: str, args, device, dtype) -> list[ModelRow]:
                 summary = profile_steps(decoder_steps(model, ids_BS), device, warm=True, top=args.profile)
             print(f"### {shape}, {name}, {args.batch * args.seq} tokens\n\n{summary}\n", flush=True)
         fwd, fwd_bwd = time_decoder(model, ids_BS, timer)
-        rows.append(ModelRow(shape, args.batch * args.seq, args.layers, name, fwd, fwd_bwd, experts_impl))
+        rows.append(ModelRow(shape, args.batch * args.seq, args.layers, name, fwd, fwd_bwd, experts_impl, *roofline_ms))
         print(f"{shape} {name}: fwd {fwd:.2f} ms, fwd+bwd {fwd_bwd:.2f} ms", flush=True)
         if args.compile:
             torch._dynamo.reset()
@@ -257,7 +289,7 @@ def measure(shape: str, args, device, dtype) -> list[ModelRow]:
             except Exception as error:  # noqa: BLE001 - a model that fails to compile is a row, not the end of the run
                 fwd = fwd_bwd = float("nan")
                 print(f"{shape} {name} compiled: failed: {failure_text(error)}", flush=True)
-            rows.append(ModelRow(shape, args.batch * args.seq, args.layers, f"{name} compiled", fwd, fwd_bwd, experts_impl))
+            rows.append(ModelRow(shape, args.batch * args.seq, args.layers, f"{name} compiled", fwd, fwd_bwd, experts_impl, *roofline_ms))
             print(f"{shape} {name} compiled: fwd {fwd:.2f} ms, fwd+bwd {fwd_bwd:.2f} ms", flush=True)
             if args.profile and not math.isnan(fwd):  # the compiled graph's kernels (no block ranges: hooks inside it would break it)
                 summary = profile_steps(decoder_steps(model, ids_BS, compiled), device, warm=True, top=args.profile)
@@ -281,13 +313,15 @@ def results_table(rows: list[ModelRow]) -> str:
     by = {(row.shape, row.implementation): row for row in rows}
     compiled = any(row.implementation == "stock compiled" for row in rows)
     headers = ["shape", "tokens", "layers", "stock experts impl.", "model", "fwd ms", "fwd+bwd ms", "fwd vs stock",
-               "fwd+bwd vs stock"] + (["fwd vs stock compiled", "fwd+bwd vs stock compiled"] if compiled else [])  # fmt: skip
+               "fwd+bwd vs stock"] + (["fwd vs stock compiled", "fwd+bwd vs stock compiled"] if compiled else []) + [
+               "fwd % roofline", "fwd+bwd % roofline"]  # fmt: skip
     lines = []
     for row in rows:
         line = [row.shape, row.tokens, row.layers, row.stock_experts, row.implementation, f"{row.fwd_ms:.2f}", f"{row.fwd_bwd_ms:.2f}"]
         for baseline in ("stock",) + (("stock compiled",) if compiled else ()):
             base = by[(row.shape, baseline)]
             line += [f"{base.fwd_ms / row.fwd_ms:.2f}x", f"{base.fwd_bwd_ms / row.fwd_bwd_ms:.2f}x"]
+        line += [f"{100 * row.roofline_fwd_ms / row.fwd_ms:.0f}%", f"{100 * row.roofline_fwd_bwd_ms / row.fwd_bwd_ms:.0f}%"]
         lines.append(line)
     return markdown_table(headers, lines)
 
@@ -313,16 +347,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from occult_hf.benchmarks.experts import machine_line
+    from occult_hf.benchmarks.experts import dense_gemm_tflops, machine_line
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dense_size = DENSE_GEMM_SIZE if device.type == "cuda" else 1024  # the CPU's rate only needs to be of the right order
+    dense_tflops = dense_gemm_tflops(device, dtype, _timer(device, args.warmup_ms, args.rep_ms), dense_size)
     rows = []
     for shape in args.shapes:
-        rows.extend(measure(shape, args, device, dtype))
+        rows.extend(measure(shape, args, device, dtype, dense_tflops))
     table = results_table(rows)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    header = f"`occult bench model`, one process, {dtype}, {stamp}, {machine_line(device)}"
+    header = (f"`occult bench model`, one process, {dtype}, {stamp}, {machine_line(device)}; roofline: the decoder's matrix "
+              f"products at the dense GEMM rate of this run ({dense_tflops:.3g} TFLOP/s, a {dense_size}^3 matmul)")
     print(f"\n{header}\n\n{table}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
