@@ -25,6 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from occult_hf import apply_occult
+from occult_hf.benchmarks.ep import idle_gaps
 from occult_hf.benchmarks.model import build_model, decoder_steps, model_config
 
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -44,19 +45,6 @@ def traced_step(step, stack: bool, label: str) -> tuple[list[dict], str]:
     prof.export_chrome_trace(path)
     with open(path) as f:
         return [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"], path
-
-
-def idle_gaps(device_events) -> list[tuple[float, float, dict, dict]]:
-    """(start, end, event before, event after) of every interval between the first and last device event in which no
-    device event runs."""
-    gaps, last_end, last = [], None, None
-    for event in sorted(device_events, key=lambda e: e["ts"]):
-        end = event["ts"] + event["dur"]
-        if last_end is not None and event["ts"] > last_end:
-            gaps.append((last_end, event["ts"], last, event))
-        if last_end is None or end > last_end:
-            last_end, last = end, event
-    return gaps
 
 
 def self_intervals(host_events) -> list[tuple[str, float, float]]:
@@ -100,7 +88,7 @@ def report(name: str, events: list[dict]) -> None:
     launches = {e["args"].get("correlation"): e for e in host if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
     start = min(e["ts"] for e in device)
     end = max(e["ts"] + e["dur"] for e in device)
-    gaps = idle_gaps(device)
+    gaps = [(a, b, device[i], device[j]) for a, b, i, j in idle_gaps([(e["ts"], e["ts"] + e["dur"]) for e in device])]
     idle = sum(b - a for a, b, _, _ in gaps)
     print(f"== {name}: device span {(end - start) / 1e3:.2f} ms, busy {(end - start - idle) / 1e3:.2f} ms, idle {idle / 1e3:.2f} ms "
           f"in {len(gaps)} gaps ({sum(1 for a, b, _, _ in gaps if b - a > 20)} over 20 us), {len(device)} device events")

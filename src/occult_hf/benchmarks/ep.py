@@ -623,22 +623,30 @@ def profile_steps(step, device, *, warm: bool, top: int = 14) -> str:
     return "\n\n".join(sections)
 
 
+def idle_gaps(intervals: list[tuple[float, float]]) -> list[tuple[float, float, int, int]]:
+    """`(start, end, before, after)` of every stretch between the first of the device `intervals` (start, end) and the
+    last in which none runs: `before` indexes the interval that ran last before it (the one reaching furthest), `after`
+    the one that ends it."""
+    gaps, last_end, last = [], None, None
+    for i in sorted(range(len(intervals)), key=lambda i: intervals[i][0]):
+        start, end = intervals[i]
+        if last_end is not None and start > last_end:
+            gaps.append((last_end, start, last, i))
+        if last_end is None or end > last_end:
+            last_end, last = end, i
+    return gaps
+
+
 def busy_time(intervals: list[tuple[float, float]]) -> tuple[float, float, int]:
     """(busy, span, gaps) of device `intervals` (start, end): the length of their union, the time from the first start
-    to the last end, and how many idle gaps lie between. `span - busy` is what the device idled within the step, which
-    says whether a step is host-bound where wall against busy cannot: the wall also counts the host's time before the
-    first kernel and the profiler's own."""
-    busy, gaps, first, last = 0.0, 0, None, None
-    for start, end in sorted(intervals):
-        if last is None or start > last:
-            gaps += last is not None
-            first = start if first is None else first
-            busy += end - start
-            last = end
-        elif end > last:
-            busy += end - last
-            last = end
-    return busy, (0.0 if first is None else last - first), gaps
+    to the last end, and how many idle gaps lie between (`idle_gaps`). `span - busy` is what the device idled within
+    the step, which says whether a step is host-bound where wall against busy cannot: the wall also counts the host's
+    time before the first kernel and the profiler's own."""
+    if not intervals:
+        return 0.0, 0.0, 0
+    span = max(end for _, end in intervals) - min(start for start, _ in intervals)
+    gaps = idle_gaps(intervals)
+    return span - sum(end - start for start, end, _, _ in gaps), span, len(gaps)
 
 
 def _device_us(event) -> float:

@@ -453,7 +453,11 @@ def comparison_table(rows: list[tuple[str, str, float]]) -> str:
     return markdown_table(["ms", *labels], cells)
 
 
-def dense_gemm_tflops(device, dtype, timer, size: int = 8192) -> float:
+#: the side of the square matmul whose rate the benchmarks' "% dense" and roofline figures are against
+DENSE_GEMM_SIZE = 8192
+
+
+def dense_gemm_tflops(device, dtype, timer, size: int = DENSE_GEMM_SIZE) -> float:
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
     return 2.0 * size**3 / timer(lambda: a @ b) / 1e9
@@ -548,7 +552,7 @@ def run_benchmark(
     eager_max_tokens: int = 16384,
     breakdown: tuple[str, int] | None = None,
     seed: int = 0,
-    dense_size: int = 8192,
+    dense_size: int = DENSE_GEMM_SIZE,
     progress: bool = True,
 ) -> dict:
     """Measures every (shape, T, implementation); returns the results and the markdown tables."""

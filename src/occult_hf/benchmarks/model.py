@@ -66,8 +66,6 @@ MODEL_SHAPES: dict[str, tuple[str, dict]] = {
     ),
 }  # fmt: skip
 
-#: the square matmul whose rate is the roofline's (as `occult bench experts` measures it)
-DENSE_GEMM_SIZE = 8192
 
 
 def model_config(shape: str, layers: int, hidden: int | None = None, intermediate: int | None = None):
@@ -347,7 +345,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from occult_hf.benchmarks.experts import dense_gemm_tflops, machine_line
+    from occult_hf.benchmarks.experts import DENSE_GEMM_SIZE, dense_gemm_tflops, machine_line
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
