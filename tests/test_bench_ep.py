@@ -73,9 +73,11 @@ def test_busy_time_is_the_union_of_the_device_intervals_and_counts_the_idle_gaps
     the first kernel to the last less that union. At 58750c0 a compiled training step's time (65.6 ms) against its
     profile's busy time (62.6) read as 3 ms of idle GPU; measured within the step, the device idled 0.65 ms
     (docs/compile_h200.md, 2026-12-04 19:32 UTC)."""
-    from occult_hf.benchmarks.ep import busy_time
+    from occult_hf.benchmarks.ep import busy_time, idle_gaps
 
     # two overlapping kernels (10-30, 20-40), one inside them (25-28), a gap, one kernel (50-60), a gap, a last one
-    assert busy_time([(50.0, 60.0), (10.0, 30.0), (20.0, 40.0), (25.0, 28.0), (70.0, 71.0)]) == (41.0, 61.0, 2)
+    intervals = [(50.0, 60.0), (10.0, 30.0), (20.0, 40.0), (25.0, 28.0), (70.0, 71.0)]
+    assert busy_time(intervals) == (41.0, 61.0, 2)
+    assert idle_gaps(intervals) == [(40.0, 50.0, 2, 0), (60.0, 70.0, 0, 4)]  # each gap with the kernels around it
     assert busy_time([(0.0, 5.0), (5.0, 7.0)]) == (7.0, 7.0, 0)  # back to back: no gap
     assert busy_time([]) == (0.0, 0.0, 0)
