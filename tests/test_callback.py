@@ -12,8 +12,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 
+import numpy as np
 import pytest
 import torch
 from transformers import TrainerControl
@@ -154,7 +156,7 @@ def test_trainer_run_with_schedule_drift_and_moe_only_training(tmp_path):
     assert changed and changed <= moe_names, sorted(changed - moe_names)
     assert any(name.endswith("mlp.gate.weight") for name in changed), "the routers must receive gradients"
 
-    for step in (6, 12):
+    for step, limit in ((6, 2), (12, 1)):  # step 6 ran at N_d = 2 (logged above)
         checkpoint = tmp_path / f"checkpoint-{step}"
         profile = RoutingProfile.load(checkpoint / RECENT_PROFILE_FILENAME)
         assert profile.num_experts == 16 and sorted(profile.layers) == [0, 1]
@@ -162,6 +164,31 @@ def test_trainer_run_with_schedule_drift_and_moe_only_training(tmp_path):
         placement = Placement.load(checkpoint / REPLANNED_PLACEMENT_FILENAME)
         assert placement.num_devices == 4 and sorted(placement.layers) == [0, 1]
         assert os.path.isfile(checkpoint / "occult_placement.json")
+        # the checkpoint records the N_d its step ran at, not the model's starting config
+        assert json.loads((checkpoint / "config.json").read_text())["occult_config"]["max_devices_per_token"] == limit
+    from transformers import AutoModelForCausalLM
+
+    ids = NextTokenData(4).input_ids
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-12")
+    assert torch.allclose(reloaded.eval()(ids).logits, model.eval()(ids).logits, atol=1e-5)
+
+
+def test_drift_checks_at_every_save_by_default(tmp_path):
+    """`check_every=0`: each save checks the window since the previous save and writes that window's profile."""
+    from transformers import Trainer, TrainingArguments
+
+    model = apply_occult(tiny_model("olmoe", **SIZES).train(), OccultConfig(num_devices=4))
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, logging_steps=1, save_steps=2,
+        save_only_model=True, report_to=[], use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=NextTokenData(16))
+    OccultCallback(sample_size=1024).attach(trainer)
+    trainer.train()
+    assert sum("occult/drift/ct_current" in entry for entry in trainer.state.log_history) == 2
+    windows = [RoutingProfile.load(tmp_path / f"checkpoint-{step}" / RECENT_PROFILE_FILENAME).layer(0) for step in (2, 4)]
+    assert [window.token_count for window in windows] == [2 * 4 * 16] * 2  # each: the 2 steps since the previous save
+    assert not np.array_equal(windows[0].coactivation, windows[1].coactivation)  # two windows, not one saved twice
 
 
 def _logs_after_one_step(model, batches, check_every: int = 1) -> dict[str, float]:

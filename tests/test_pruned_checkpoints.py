@@ -43,6 +43,15 @@ def test_a_pruned_checkpoint_says_so_and_occult_hf_loads_apply_the_pruning(tmp_p
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)  # occult_hf imported: the stored pruning applies
     assert occult_config_of(loaded).prune == "router" and torch.allclose(loaded(ids).logits, expected, atol=1e-6)
 
+    # loaded without the pruning, the model is not pruned, and its saves must not say it is
+    unpruned = AutoModelForCausalLM.from_pretrained(tmp_path, occult_config=OccultConfig(num_devices=4))
+    for model, directory in ((vanilla, tmp_path / "vanilla"), (unpruned, tmp_path / "unpruned")):
+        assert not hasattr(model.config, "occult_pruning")
+        model.save_pretrained(directory)
+        assert "occult_pruning" not in json.loads((directory / "config.json").read_text())
+        assert not (directory / "README.md").exists()
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "unpruned").config.occult_config["prune"] is None
+
     exact = apply_occult(tiny_model("olmoe", seed=4), OccultConfig(num_devices=4))
     exact.save_pretrained(tmp_path)  # the same directory saved exact: the card and config say nothing of pruning
     assert card.read_text() == "---\nlicense: apache-2.0\n---\n# my fine-tune\n\nnotes of my own\n"
@@ -82,6 +91,12 @@ def test_a_similarity_pruned_checkpoint_holds_its_profile(tmp_path, monkeypatch)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint")
     assert occult_config_of(loaded).profile == str(tmp_path / "checkpoint" / "occult_profile.safetensors")
     assert torch.allclose(loaded(tiny_batch(seed=3)).logits, expected, atol=1e-6)
+
+    # the profile a model was built from is saved from memory: its file may be gone by the next save (a checkpoint
+    # rotated away under a run that resumed from it)
+    model.save_pretrained(tmp_path / "saved_after_the_profile_went")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "saved_after_the_profile_went")
+    assert torch.allclose(again(tiny_batch(seed=3)).logits, expected, atol=1e-6)
 
 
 def test_a_node_limited_checkpoint_states_its_node_limit(tmp_path):

@@ -49,7 +49,7 @@ from .loading import load_scope
 from .native_ep import apply_on_load
 from .peft_support import install_peft_hooks, uninstall_peft_hooks
 from .setup import agree, build_pruners, resolve_config, resolve_placement
-from .state import BLOCKS, STATE_ATTR, OccultState, attach_state, detach_state, state_of
+from .state import BLOCKS, STATE_ATTR, OccultState, attach_state, detach_state, forget_saved_description, state_of
 from .trainer import install_trainer_hooks, uninstall_trainer_hooks
 
 logger = get_logger(__name__)
@@ -91,7 +91,7 @@ def apply_occult(model: nn.Module, occult_config: OccultConfig | dict | str | No
     top_k = adapter.top_k(model.config)
     rank = ep.rank if ep.is_distributed else None
     layouts = [config.placement.layout(layer, rank) for layer, _, _ in blocks]
-    pruners = build_pruners(config, adapter, model, layouts, top_k)
+    pruners, state.pruning_profile = build_pruners(config, adapter, model, layouts, top_k)
     grad_norm = GradNormCarrier(ep.group) if ep.is_distributed else None  # one all-reduce per backward
     for (_, path, block), layout, pruner in zip(blocks, layouts, pruners):
         module = build_occult_block(block, adapter, layout, config, ep, top_k=top_k, pruner=pruner, grad_norm=grad_norm)
@@ -248,8 +248,7 @@ def _apply_on_load(model, occult_config):
     if occult_config is UNSET:
         occult_config = stored_occult_config(model.config)  # strict, relative paths against the checkpoint
     if occult_config is None:
-        if hasattr(model.config, "occult_config"):
-            del model.config.occult_config
+        forget_saved_description(model.config)
         return model
     configured = apply_on_load(model, occult_config)
     return apply_occult(model, occult_config) if configured is None else configured

@@ -394,7 +394,7 @@ class OccultCallback(TrainerCallback):
         if self._model is None:
             return
         checkpoint_dir = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        if self.recent_profile is None:
+        if self.check_every == 0 or self.recent_profile is None:  # 0: each save checks the window since the last
             self._pending_logs.update(self._drift_check())
         if self.recent_profile is None or not state.is_world_process_zero:
             return

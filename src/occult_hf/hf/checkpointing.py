@@ -29,6 +29,7 @@ import re
 import secrets
 import shutil
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -50,6 +51,7 @@ from ..distributed.agreement import (
 from ..distributed.collectives import gather_rows
 from ..moe import OccultMoE
 from ..placement import PLACEMENT_FILENAME
+from ..pruning import pruners_of
 from ..utils.atomic import atomic_write_json, atomic_write_text
 from ..utils.strict_json import parse_json, read_json_file
 from .model_card import CARD_FILENAME, PRUNING_CONFIG_KEY, card_with_pruning, pruning_description, strip_pruning_section
@@ -125,6 +127,7 @@ def save_pretrained(model, save_directory, *args, **kwargs):
         )
     kwargs.pop("state_dict", None)
     is_main_process = kwargs.pop("is_main_process", True)
+    record_running_limits(model, state)
     full_experts = _full_experts_for_save(model, state)
     if full_experts is None or not is_main_process:
         return None
@@ -137,7 +140,7 @@ def save_pretrained(model, save_directory, *args, **kwargs):
         try:
             state.placement.save(os.path.join(staging, PLACEMENT_FILENAME))
             result = type(model).save_pretrained(model, staging, *args, state_dict=state_dict, **kwargs)
-            _bundle_profile(state.occult_config, staging)
+            _bundle_profile(state.pruning_profile, staging)
             _describe_pruning(state.occult_config, staging, os.fspath(save_directory))
         except (OSError, SafetensorError) as error:  # a full disk: safetensors names no file, an OSError a staged one
             raise OSError(
@@ -154,14 +157,33 @@ def save_pretrained(model, save_directory, *args, **kwargs):
 PROFILE_FILENAME = "occult_profile.safetensors"
 
 
-def _bundle_profile(config, staging: str) -> None:
-    """A similarity-pruned model's routing profile goes into the checkpoint, and its staged config names it there:
-    a relative path in a checkpoint's config names a file of the checkpoint, so the save is whole wherever it
-    is loaded."""
-    config_file = os.path.join(staging, "config.json")
-    if config.profile is None or not os.path.isfile(config_file):
+def record_running_limits(model, state: OccultState) -> None:
+    """Put the `N_d` / `N_n` the pruners run at on the state and `model.config`, so that a save describes the model
+    as it runs: `OccultCallback`'s schedule (and a user's `pruner.max_devices_per_token = n`) changes the pruners,
+    not the config they were built from."""
+    limits = {(p.max_devices_per_token, p.max_nodes_per_token) for p in pruners_of(model).values()}
+    if not limits:
         return
-    shutil.copyfile(config.profile, os.path.join(staging, PROFILE_FILENAME))
+    if len(limits) > 1:
+        raise ValueError(
+            f"save_pretrained: the pruned layers run different limits (N_d, N_n) {sorted(limits, key=str)}, which one "
+            "OccultConfig cannot describe; set the same max_devices_per_token / max_nodes_per_token on every pruner"
+        )
+    ((max_devices, max_nodes),) = limits
+    config = state.occult_config
+    if (config.max_devices_per_token, config.max_nodes_per_token) != (max_devices, max_nodes):
+        state.occult_config = replace(config, max_devices_per_token=max_devices, max_nodes_per_token=max_nodes)
+        model.config.occult_config = state.occult_config.to_dict()
+
+
+def _bundle_profile(profile, staging: str) -> None:
+    """A similarity-pruned model's routing profile (the one its pruners were built from, kept in memory: its file
+    may be gone) goes into the checkpoint, and its staged config names it there: a relative path in a
+    checkpoint's config names a file of the checkpoint, so the save is whole wherever it is loaded."""
+    config_file = os.path.join(staging, "config.json")
+    if profile is None or not os.path.isfile(config_file):
+        return
+    profile.save(os.path.join(staging, PROFILE_FILENAME))
     saved = read_json_file(config_file, "the staged config")
     saved["occult_config"] = {**saved["occult_config"], "profile": PROFILE_FILENAME}
     atomic_write_json(config_file, saved, indent=2, sort_keys=True)
@@ -169,7 +191,8 @@ def _bundle_profile(config, staging: str) -> None:
 
 def _describe_pruning(config, staging: str, target: str) -> None:
     """A pruned model's staged `config.json` and model card say so (`hf.model_card`); an exact model's card loses a
-    pruning section an earlier save of the directory left."""
+    pruning section an earlier save of the directory left (its config lost the loaded description at
+    `hf.state.attach_state`)."""
     description = pruning_description(config)
     config_file = os.path.join(staging, "config.json")
     if description is not None and os.path.isfile(config_file):

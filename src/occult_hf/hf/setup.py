@@ -14,7 +14,7 @@ transformers' own: where the blocks and the EP group come from, and what is put 
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import torch.distributed as dist
 from torch import nn
@@ -24,6 +24,9 @@ from ..distributed.agreement import check_agreement, fail_together, save_timeout
 from ..placement import Placement
 from ..layout import LayerLayout
 from ..pruning import CollaborationPruner, build_pruner, load_pruning_profile, needs_similarity
+
+if TYPE_CHECKING:
+    from ..profile import RoutingProfile
 
 Resolved = TypeVar("Resolved")
 
@@ -72,15 +75,16 @@ def agree(
 
 def build_pruners(
     config: OccultConfig, adapter, model: nn.Module, layouts: list[LayerLayout], top_k: int
-) -> list[CollaborationPruner | None]:
-    """Each layer's pruner (all None in exact mode); a similarity profile must describe exactly the model's MoE layers."""
+) -> tuple[list[CollaborationPruner | None], RoutingProfile | None]:
+    """Each layer's pruner (all None in exact mode), and the similarity profile they were built from (None
+    unless similarity pruning), which must describe exactly the model's MoE layers."""
     if config.prune is None:
-        return [None] * len(layouts)
+        return [None] * len(layouts), None
     profile = None
     if needs_similarity(config.prune):
         profile = load_pruning_profile(config.profile)
         profile.check_compatible(model)
-    return [build_pruner(config, adapter, layout, top_k=top_k, profile=profile) for layout in layouts]
+    return [build_pruner(config, adapter, layout, top_k=top_k, profile=profile) for layout in layouts], profile
 
 
 __all__ = ["agree", "build_pruners", "resolve_config", "resolve_placement"]

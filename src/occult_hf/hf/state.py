@@ -17,6 +17,7 @@ from torch import nn
 from ..config import OccultConfig
 from ..dispatch import ExpertParallelGroup
 from ..placement import Placement
+from .model_card import PRUNING_CONFIG_KEY
 
 #: the attribute of the model instance that holds its `OccultState`
 STATE_ATTR = "_occult_state"
@@ -41,6 +42,8 @@ class OccultState:
         hooks: forward hooks put on modules of the model (removed on undo).
         ddp_ignore_before: the model's DDP ignore list before `apply_occult` (EP only).
         snapshot, snapshot_versions: EP rank 0's full experts for a save, and the parameter versions they are of.
+        pruning_profile: the routing profile similarity pruning was built from (None otherwise), kept so that a save
+            can bundle it after its file has moved or a checkpoint rotation removed it.
         caller_keeps_lockstep: see `hf.apply.lockstep_managed_by_caller`.
     """
 
@@ -55,6 +58,7 @@ class OccultState:
     ddp_ignore_before: list[str] | None = None
     snapshot: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
     snapshot_versions: tuple[int, ...] | None = None
+    pruning_profile: Any = None
     caller_keeps_lockstep: bool = False
 
     @property
@@ -73,10 +77,12 @@ def state_of(model: nn.Module, front_end: str | None = None) -> OccultState:
 
 def attach_state(model: nn.Module, state: OccultState) -> None:
     """Put `state` and its per-instance methods on the model, and the config on `model.config` as
-    JSON-native data (so that transformers can log and save it)."""
+    JSON-native data (so that transformers can log and save it). A pruning description the loaded
+    `config.json` carried goes: each save writes it anew from the config the model runs."""
     for name, method in state.instance_methods.items():
         model.__dict__[name] = method
     model.__dict__[STATE_ATTR] = state
+    forget_saved_description(model.config)
     model.config.occult_config = state.occult_config.to_dict()
 
 
@@ -88,6 +94,13 @@ def detach_state(model: nn.Module) -> OccultState:
     state.hooks.clear()
     for name in state.instance_methods:
         model.__dict__.pop(name, None)
-    if hasattr(model.config, "occult_config"):
-        del model.config.occult_config
+    forget_saved_description(model.config)
     return state
+
+
+def forget_saved_description(config) -> None:
+    """Take occult_hf's entries (`occult_config`, `occult_pruning`) off a transformers config: a model that no longer
+    runs what they describe must not save them again."""
+    for key in ("occult_config", PRUNING_CONFIG_KEY):
+        if hasattr(config, key):
+            delattr(config, key)
