@@ -340,12 +340,12 @@ def apply_occult_ep(model: nn.Module, occult_config: OccultConfig | dict | str |
     orders = [stored_order(layout, impl.num_local_experts) for layout, (_, _, _, impl) in zip(layouts, blocks)]
     if any(order != impl.expert_order for order, (_, _, _, impl) in zip(orders, blocks)):
         _check_rows_movable(model, blocks[0][3])
-    pruners, pruning_profile = build_pruners(config, adapter, model, layouts, adapter.top_k(model.config))
+    pruners, _ = build_pruners(config, adapter, model, layouts, adapter.top_k(model.config))
     if state is not None:  # every check passed: replace the previous configuration
         detach_state(model)
     new_state = OccultState(
         occult_config=config, ep=ep, block_paths=[path for _, path, _, _ in blocks], front_end=TRANSFORMERS_EP,
-        agreement_group=group, save_timeout_s=save_timeout_s(), pruning_profile=pruning_profile,
+        agreement_group=group, save_timeout_s=save_timeout_s(),
     )  # fmt: skip
     for (layer, _, block, impl), layout, order, pruner in zip(blocks, layouts, orders, pruners):
         if order != impl.expert_order:

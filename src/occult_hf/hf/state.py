@@ -42,8 +42,8 @@ class OccultState:
         hooks: forward hooks put on modules of the model (removed on undo).
         ddp_ignore_before: the model's DDP ignore list before `apply_occult` (EP only).
         snapshot, snapshot_versions: EP rank 0's full experts for a save, and the parameter versions they are of.
-        pruning_profile: the routing profile similarity pruning was built from (None otherwise), kept so that a save
-            can bundle it after its file has moved or a checkpoint rotation removed it.
+        pruning_profile: the routing profile `apply_occult`'s similarity pruning was built from (None otherwise),
+            kept so that a save can bundle it after its file has moved or a checkpoint rotation removed it.
         caller_keeps_lockstep: see `hf.apply.lockstep_managed_by_caller`.
     """
 
