@@ -6,8 +6,28 @@ import argparse
 import os
 
 from ..profile import DEFAULT_SAMPLE_SIZE
-from ..utils.arguments import non_negative_int
+from ..utils.arguments import non_negative_int, positive_int, separator
 from .devices import resolve_device
+
+#: options that apply to some sources only (`text`, `dataset`, `trace`): dest -> (flag, sources, default). Their
+#: parser default is None, so that one given where it cannot apply is an error instead of being ignored
+_SOURCE_OPTIONS = {
+    "separator": ("--separator", {"text"}, "\n"),
+    "dataset_config": ("--dataset-config", {"dataset"}, None),
+    "split": ("--split", {"dataset"}, "train"),
+    "column": ("--text-column", {"dataset"}, "text"),
+    "batch_size": ("--batch-size", {"text", "dataset"}, 8),
+    "max_length": ("--max-length", {"text", "dataset"}, 512),
+    "max_tokens": ("--max-tokens", {"text", "dataset"}, None),
+    "device": ("--device", {"text", "dataset"}, "auto"),
+    "dtype": ("--dtype", {"text", "dataset"}, "auto"),
+    "trust_remote_code": ("--trust-remote-code", {"text", "dataset"}, False),
+    "trace_key": ("--trace-key", {"trace"}, None),
+    "layer": ("--layer", {"trace"}, None),
+    "num_experts": ("--num-experts", {"trace"}, None),
+    "model_type": ("--model-type", {"trace"}, None),
+}
+_SOURCE_FLAGS = {"text": "--text", "dataset": "--dataset", "trace": "--from-trace"}
 
 
 def register(subparsers) -> None:
@@ -29,23 +49,25 @@ def register(subparsers) -> None:
     source.add_argument("--from-trace", metavar="TRACE", help="routing trace .npz (topk_ids [T,k] or pair counts)")
     parser.add_argument("--out", required=True, help="output profile path (.safetensors)")
     group = parser.add_argument_group("text and dataset options")
-    group.add_argument("--separator", default="\n", help="document separator in --text (default: newline)")
-    group.add_argument("--dataset-config", help="dataset configuration name (hub or local dataset directory)")
-    group.add_argument("--split", default="train", help="dataset split (default: train)")
     group.add_argument(
-        "--text-column", dest="column", default="text",
-        help="dataset column with text or token ids (default: text)",
+        "--separator", type=separator,
+        help="document separator in --text, backslash escapes decoded ('\\x1e': the ASCII record separator; default: newline)",
     )
-    group.add_argument("--batch-size", type=int, default=8)
-    group.add_argument("--max-length", type=int, default=512, help="tokens per window; longer documents are split")
-    group.add_argument("--max-tokens", type=int, help="stop after this many tokens")
-    group.add_argument("--device", default="auto", help="auto (CUDA when available, else CPU), cpu or cuda[:N] (default: auto)")
-    group.add_argument("--dtype", default="auto", help="torch dtype for the model weights (default: auto)")
-    group.add_argument("--trust-remote-code", action="store_true", help="allow the checkpoint's own modelling code (not needed for DeepSeek-MoE: occult_hf has it natively)")
+    group.add_argument("--dataset-config", help="dataset configuration name (hub or local dataset directory)")
+    group.add_argument("--split", help="dataset split (default: train)")
+    group.add_argument(
+        "--text-column", dest="column", help="dataset column with text or token ids (default: text)",
+    )
+    group.add_argument("--batch-size", type=positive_int, help="sequences per forward (default: 8)")
+    group.add_argument("--max-length", type=positive_int, help="tokens per window; longer documents are split (default: 512)")
+    group.add_argument("--max-tokens", type=positive_int, help="stop after this many tokens")
+    group.add_argument("--device", help="auto (CUDA when available, else CPU), cpu or cuda[:N] (default: auto)")
+    group.add_argument("--dtype", help="torch dtype for the model weights, e.g. bfloat16 (default: auto)")
+    group.add_argument("--trust-remote-code", action="store_true", default=None, help="allow the checkpoint's own modelling code (not needed for DeepSeek-MoE: occult_hf has it natively)")
     trace = parser.add_argument_group("trace options")
     trace.add_argument("--trace-key", action="append", help="id array(s) to read (default: topk_ids or *_experts)")
-    trace.add_argument("--layer", type=non_negative_int, help="decoder-layer index of a single-layer trace (default 0)")
-    trace.add_argument("--num-experts", type=int, help="E (default: from the file or largest id + 1)")
+    trace.add_argument("--layer", type=non_negative_int, help="decoder-layer index of a single-layer id trace (default 0)")
+    trace.add_argument("--num-experts", type=positive_int, help="E (default: from the file or largest id + 1)")
     trace.add_argument("--model-type", help="model_type to record in the profile")
     parser.add_argument(
         "--sample-size", type=int,
@@ -64,9 +86,13 @@ def run(args: argparse.Namespace) -> int:
     check_writable_dir(args.out, "--out")  # before the run, not after it
     if args.model:
         check_model_source(args.model)
-    if args.from_trace:
-        if args.model:
-            raise SystemExit("occult profile: give MODEL or --from-trace, not both")
+    source = _source(args)
+    if source == "trace" and args.model:
+        raise SystemExit("occult profile: give MODEL or --from-trace, not both")
+    if source != "trace" and not args.model:
+        raise SystemExit("occult profile: MODEL is required with --text or --dataset")
+    _check_options(args, source)
+    if source == "trace":
         profile = RoutingProfile.from_trace(
             args.from_trace,
             key=args.trace_key,
@@ -77,11 +103,11 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
         )
     else:
-        if not args.model:
-            raise SystemExit("occult profile: MODEL is required with --text or --dataset")
-        text = _check_plain_text(args.text) if args.text else None  # before the model: loading one takes minutes
-        model, tokenizer = _load_model(args)
-        data = text if args.text else load_text_dataset(args.dataset, config=args.dataset_config, split=args.split, text_column=args.column)
+        # the settings and the data first: loading a model takes minutes
+        text = _check_plain_text(args.text) if source == "text" else None
+        dtype, device = _dtype(args.dtype), resolve_device(args.device)
+        data = text if source == "text" else load_text_dataset(args.dataset, config=args.dataset_config, split=args.split, text_column=args.column)
+        model, tokenizer = _load_model(args, dtype, device)
         profile = RoutingProfile.collect(
             model,
             data,
@@ -99,6 +125,30 @@ def run(args: argparse.Namespace) -> int:
     print(describe_profile(profile))
     print(f"wrote {args.out}")
     return 0
+
+
+def _source(args: argparse.Namespace) -> str:
+    """What the profile is made of: `text`, `dataset` or `trace` (argparse lets exactly one be given)."""
+    return "text" if args.text is not None else "dataset" if args.dataset is not None else "trace"
+
+
+def _check_options(args: argparse.Namespace, source: str) -> None:
+    """Refuse an option given where it cannot apply (it would be ignored), then fill in the defaults of the others."""
+    from ..profile.trace import is_pair_count_trace
+
+    for dest, (flag, sources, default) in _SOURCE_OPTIONS.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
+        elif source not in sources:
+            applies = " and ".join(_SOURCE_FLAGS[s] for s in _SOURCE_FLAGS if s in sources)
+            raise SystemExit(f"occult profile: {flag} does not apply with {_SOURCE_FLAGS[source]} (only with {applies})")
+    if source == "trace" and is_pair_count_trace(args.from_trace, args.trace_key):
+        for flag, value in (("--layer", args.layer), ("--sample-size", args.sample_size)):
+            if value is not None:
+                raise SystemExit(
+                    f"occult profile: {flag} does not apply to {args.from_trace!r}, a pair-count trace ('coact', 'freq'): "
+                    f"it holds no single-layer ids and no tokens to sample"
+                )
 
 
 def describe_profile(profile) -> str:
@@ -127,23 +177,31 @@ def _ranges(values: list[int]) -> str:
     return "[" + ", ".join(parts) + "]"
 
 
-def _load_model(args: argparse.Namespace):
+def _dtype(name: str):
+    """`--dtype`: "auto" or the name of a torch dtype (`torch.float16`, not any attribute of torch such as `nn`)."""
     import torch
+
+    dtype = name if name == "auto" else getattr(torch, name, None)
+    if name != "auto" and not isinstance(dtype, torch.dtype):
+        raise SystemExit(f"occult profile: --dtype {name!r} is not a torch dtype (e.g. float32, bfloat16)")
+    return dtype
+
+
+def _load_model(args: argparse.Namespace, dtype, device):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype, None)
-    if dtype is None:
-        raise SystemExit(f"occult profile: --dtype {args.dtype!r} is not a torch dtype (e.g. float32, bfloat16)")
-    device = resolve_device(args.device)  # before the model: loading one takes minutes
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, trust_remote_code=args.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     return model.to(device), tokenizer
 
 
 def _check_plain_text(path: str) -> str:
-    """`--text` reads raw lines: a structured file there would be profiled as raw JSON/CSV text."""
+    """`--text` reads raw lines: a structured file there would be profiled as raw JSON/CSV text, and bytes that are
+    not UTF-8 would stop the run after the model loaded."""
     from ..hf.text_data import data_file_builder
 
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"--text {path!r} is a directory; give a plain text file")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--text {path!r} does not exist")
     builder = data_file_builder(path)
@@ -152,4 +210,33 @@ def _check_plain_text(path: str) -> str:
             f"--text {path!r} is a {builder} file, which --text would read as raw lines; "
             f"use --dataset {path} --text-column COLUMN"
         )
+    _check_utf8(path)
     return path
+
+
+def _check_utf8(path: str, chunk_bytes: int = 2**20) -> None:
+    """Decode the file in chunks (a corpus may be larger than memory): the first byte that is not UTF-8 is an error
+    naming the file and its offset."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0  # of the chunk's first byte; the decoder may still hold the start of a character before it
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(chunk_bytes), b""):
+            _decode(decoder, chunk, offset, path)
+            offset += len(chunk)
+        _decode(decoder, b"", offset, path)
+
+
+def _decode(decoder, chunk: bytes, offset: int, path: str) -> None:
+    """Feed `chunk` (file offset `offset`; empty: the end of the file) to `decoder`; an error counts the bytes the
+    decoder held back from the previous chunk, where a character cut by the chunk boundary starts."""
+    held = decoder.getstate()[0]
+    try:
+        decoder.decode(chunk, final=not chunk)
+    except UnicodeDecodeError as error:
+        data = held + chunk
+        raise ValueError(
+            f"--text {path!r} is not UTF-8: byte {offset - len(held) + error.start} (0x{data[error.start]:02x}) "
+            f"{error.reason}"
+        ) from None

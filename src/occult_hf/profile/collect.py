@@ -18,6 +18,7 @@ import itertools
 import os
 from typing import Any, Iterable, Iterator, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -142,6 +143,13 @@ class ProfileCollector:
         first = next(iter(self.accumulators.values()))
         if first.token_count == 0:
             raise ValueError("ProfileCollector has counted no tokens: run forwards through the module while attached")
+        empty = [index for index, acc in self.accumulators.items() if acc.token_count == 0]
+        if empty:  # a profile layer without tokens can be neither planned on nor loaded
+            raise ValueError(
+                f"ProfileCollector has counted no tokens at MoE layers {empty} but some at layer "
+                f"{next(iter(self.accumulators))}: a forward that stopped partway (an error inside the model) leaves "
+                f"the later layers uncounted"
+            )
         return dict(
             num_experts=first.num_experts,
             top_k=first.top_k,
@@ -227,7 +235,7 @@ def collect_routing(
     bar = progress_bar(total=total, unit="doc", desc="profiling routing", enabled=progress)
     try:
         with collector, torch.no_grad():
-            windows = _windows(documents, tokenizer, max_length, max_tokens, bar, vocab_size)
+            windows = _windows(documents, tokenizer, max_length, max_tokens, bar, vocab_size, _holder(data, text_column))
             for batch in _batches(windows, batch_size):
                 input_ids_BS, attention_mask_BS = _pad(batch, pad_id)
                 base(input_ids=input_ids_BS.to(device), attention_mask=attention_mask_BS.to(device), use_cache=False)
@@ -251,8 +259,9 @@ def _documents(data, text_column: str, separator: str) -> tuple[Iterable, int | 
         path = os.fspath(data)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"text file {path!r} is not a file")
-        with open(path, encoding="utf-8") as f:
-            documents = [doc for doc in f.read().split(separator) if doc.strip()]
+        if not isinstance(separator, str) or not separator:
+            raise ValueError(f"separator must be a non-empty string, got {separator!r}")
+        documents = [doc for doc in _read_utf8(path).split(separator) if doc.strip()]
         if not documents:
             raise ValueError(f"text file {path!r} holds no non-blank document (separator {separator!r})")
         return documents, len(documents)
@@ -266,11 +275,24 @@ def _documents(data, text_column: str, separator: str) -> tuple[Iterable, int | 
     return data, (len(data) if hasattr(data, "__len__") else None)
 
 
+def _read_utf8(path: str) -> str:
+    """The file's text; bytes that are not UTF-8 are an error naming the file and the byte's offset."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"text file {path!r} is not UTF-8: byte {error.start} (0x{raw[error.start]:02x}) {error.reason}"
+        ) from None
+
+
 def _windows(
-    documents: Iterable, tokenizer, max_length: int, max_tokens: int | None, bar, vocab_size: int
+    documents: Iterable, tokenizer, max_length: int, max_tokens: int | None, bar, vocab_size: int, holder: str
 ) -> Iterator[list[int]]:
     """Token-id windows of at most `max_length`, in document order, stopping at `max_tokens`; every id
-    in [0, vocab_size) (ids from another tokenizer would fail inside the embedding, unnamed)."""
+    in [0, vocab_size) (ids from another tokenizer would fail inside the embedding, unnamed). `holder` names
+    what holds the documents, for errors."""
     remaining = max_tokens
     for index, document in enumerate(documents):
         if isinstance(document, str):
@@ -278,7 +300,7 @@ def _windows(
                 raise ValueError("the data holds text: pass tokenizer= (or give token-id sequences)")
             ids = tokenizer(document, verbose=False)["input_ids"]
         else:
-            ids = [int(i) for i in document]
+            ids = _token_ids(document, f"document {index} of {holder}")
         if ids and not (0 <= min(ids) and max(ids) < vocab_size):
             position, token = next((p, t) for p, t in enumerate(ids) if not 0 <= t < vocab_size)
             raise ValueError(
@@ -298,6 +320,31 @@ def _windows(
         bar.update(1)
 
 
+def _token_ids(document, name: str) -> list[int]:
+    """A document given as token ids, as a list of ints. Only integers are ids: a float would be cut to
+    another id, a bool taken for 0 or 1, and a number or None is no sequence at all."""
+    values = document.tolist() if isinstance(document, (np.ndarray, torch.Tensor)) else document
+    if not isinstance(values, Sequence) or isinstance(values, (bytes, bytearray)):
+        raise ValueError(f"{name} is {_shown(document)}; expected a string or a sequence of integer token ids")
+    if all(type(value) is int for value in values):
+        return list(values)
+    for position, value in enumerate(values):
+        if type(value) is not int and not isinstance(value, np.integer):
+            raise ValueError(
+                f"{name} holds {_shown(value)} at position {position}; expected a string or a sequence of integer "
+                f"token ids"
+            )
+    return [int(value) for value in values]
+
+
+def _shown(value) -> str:
+    """`value` for an error: its type and a repr of at most 60 characters."""
+    if value is None:
+        return "None"
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
 def _batches(windows: Iterator[list[int]], batch_size: int) -> Iterator[list[list[int]]]:
     while batch := list(itertools.islice(windows, batch_size)):
         yield batch
@@ -312,6 +359,11 @@ def _pad(batch: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
         input_ids_BS[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         attention_mask_BS[row, : len(ids)] = 1
     return input_ids_BS, attention_mask_BS
+
+
+def _holder(data, text_column: str) -> str:
+    """What holds the documents of `data`, for errors about one of them."""
+    return f"column {text_column!r}" if getattr(data, "column_names", None) is not None else "the data"
 
 
 def _describe(data, text_column: str) -> str:

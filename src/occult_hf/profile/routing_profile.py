@@ -335,6 +335,7 @@ class RoutingProfile:
                     topk_sample=sample,
                 )
                 _check_counts(l, layers[int(l)], num_experts, top_k)
+        _check_samples_everywhere(layers)
         return cls(num_experts=num_experts, top_k=top_k, layers=layers, model_type=model_type, meta=dict(meta))
 
 
@@ -355,15 +356,18 @@ MAX_PROFILE_TOKENS = 2**48
 
 def _check_counts(layer: int, routing: LayerRouting, num_experts: int, top_k: int) -> None:
     """The counts of one layer of a profile file agree with each other, as counting real top-k sets makes them:
-    `token_count` within `MAX_PROFILE_TOKENS`, every count at most `token_count`, `sum(expert_counts) = top_k *
-    token_count`, a symmetric co-activation with a zero diagonal whose rows sum to `expert_counts * (top_k - 1)`,
-    and a top-k sample of at most `token_count` rows."""
+    `token_count` in [1, `MAX_PROFILE_TOKENS`] (no maker leaves a layer without tokens, and no plan can be made on
+    one), every count at most `token_count`, `sum(expert_counts) = top_k * token_count`, a symmetric co-activation
+    with a zero diagonal whose rows sum to `expert_counts * (top_k - 1)`, and a top-k sample of at most
+    `token_count` rows."""
     tokens, counts_E, coact_EE = routing.token_count, routing.expert_counts, routing.coactivation
     where = f"layer {layer}"
     if not 0 <= tokens <= MAX_PROFILE_TOKENS or tokens * top_k * top_k > MAX_PROFILE_TOKENS * 2**14:
         raise ValueError(f"{where}: token_count {tokens} is outside [0, 2^48] (with top_k^2 = {top_k * top_k}: 2^62)")
     if counts_E.size and (counts_E.max() > tokens or (coact_EE.size and coact_EE.max() > tokens)):
         raise ValueError(f"{where}: a count exceeds token_count={tokens} (no expert or pair is chosen by more tokens than exist)")
+    if tokens == 0:
+        raise ValueError(f"{where} counts no tokens")
     if int(counts_E.sum()) != top_k * tokens:
         raise ValueError(
             f"{where}: expert_counts sum to {int(counts_E.sum())}, but token_count={tokens} tokens with top_k={top_k} "
@@ -379,6 +383,22 @@ def _check_counts(layer: int, routing: LayerRouting, num_experts: int, top_k: in
         )
     if routing.topk_sample is not None and len(routing.topk_sample) > tokens:
         raise ValueError(f"{where}: topk_sample holds {len(routing.topk_sample)} rows, more than token_count={tokens}")
+
+
+def _check_samples_everywhere(layers: dict[int, LayerRouting]) -> None:
+    """Every layer of a profile file holds top-k sample rows, or none does (sample_size=0, pair counts): a profile's
+    makers sample every layer alike, and one layer without rows would turn exact CT off for all of them."""
+    with_rows = [l for l, r in layers.items() if r.topk_sample is not None and len(r.topk_sample)]
+    without = [l for l in layers if l not in with_rows]
+    if with_rows and without:
+        raise ValueError(
+            f"layers {_listed(without)} hold no top-k sample rows but layers {_listed(with_rows)} do; a profile samples "
+            f"every layer or none"
+        )
+
+
+def _listed(values: list[int]) -> str:
+    return str(values) if len(values) <= 8 else f"{str(values[:8])[:-1]}, ... ({len(values)} in all)]"
 
 
 #: the largest sum of one layer's counts: every int64 statistic over them (the pairwise cut sums a subset) stays exact

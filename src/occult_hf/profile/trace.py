@@ -30,6 +30,15 @@ from .stats import LayerAccumulator, LayerRouting
 #: row-mask keys: name -> True when the mask marks rows to keep (False: rows to drop)
 ROW_MASK_KEYS = {"is_warmup_dummy": False, "valid": True, "mask": True, "row_mask": True}
 
+#: an `E` read off the largest id (no --num-experts, no `n_experts` in the file) is taken up to this many experts,
+#: and past it only when most of the ids below it occur: a stray large id (9999 among ids < 10) would otherwise
+#: make an E x E profile of it (800 MB per layer) that no model has
+MAX_INFERRED_EXPERTS = 1024
+
+#: the most bytes of co-activation counts (E x E int64 per layer) a trace is turned into: 4096 experts over 64
+#: layers, far past any model (DeepSeek-V3: 256 experts over 58 layers, 30 MB)
+MAX_COUNT_BYTES = 2**33
+
 _EXPECTED_KEYS = (
     "'topk_ids' [T, k] or [T, Z, k] (optional [T] row mask: "
     + ", ".join(repr(k) for k in ROW_MASK_KEYS)
@@ -53,12 +62,14 @@ def read_trace(
     Args:
         path: the `.npz` file.
         key: the id array(s) to read (default: `topk_ids`, else every `*_experts` array).
-        layer: decoder-layer index of a single-layer `[T, k]` trace (default 0).
+        layer: decoder-layer index of a single-layer `[T, k]` trace (default 0; an error for pair counts).
         num_experts: `E`; default: the meta JSON's `n_experts`, else the largest id + 1 (recorded
-            in `meta["num_experts_inferred"]`: an expert never chosen in the trace would be missed).
+            in `meta["num_experts_inferred"]`: an expert never chosen in the trace would be missed; an
+            implausible one is an error, `_inferred_num_experts`). Counts past `MAX_COUNT_BYTES` are refused.
         top_k: `k` of a pair-count file without a meta JSON (id traces take it from their shape).
         model_type: recorded in the profile (traces do not say which transformers class made them).
-        sample_size: keep a uniform sample of this many tokens per layer (default None: all).
+        sample_size: keep a uniform sample of this many tokens per layer (default None: all; an error for
+            pair counts, which hold no tokens).
         seed: seed of that sample.
     """
     path = os.fspath(path)
@@ -66,8 +77,14 @@ def read_trace(
         _check_model_type(model_type)
     arrays, file_meta = _open(path, layer)
     source = {"source": f"trace:{os.path.basename(path)}"}
-    if key is None and "coact" in arrays and "freq" in arrays:
-        return _from_pair_counts(arrays, file_meta, num_experts, top_k, model_type, source)
+    if _holds_pair_counts(arrays, key):
+        for name, value in (("layer", layer), ("sample_size", sample_size)):
+            if value is not None:
+                raise ValueError(
+                    f"trace file {path!r} holds pair counts ('coact', 'freq'), not per-token expert ids: {name}={value!r} "
+                    f"does not apply to it"
+                )
+        return _from_pair_counts(arrays, file_meta, num_experts, top_k, model_type, source, path)
     keys, ids_TZk, layers, keep_T = _ids_and_mask(arrays, key, layer, path)
     usable_Z = (keep_T[:, None] & (ids_TZk >= 0).all(axis=2)).sum(axis=0)
     if ids_TZk.shape[0] == 0 or not usable_Z.all():
@@ -82,7 +99,8 @@ def read_trace(
             raise ValueError(f"trace file {path!r}: meta 'n_experts' must be an integer >= 1, got {num_experts!r}")
     inferred = num_experts is None
     if inferred:
-        num_experts = int(ids_TZk.max()) + 1
+        num_experts = _inferred_num_experts(ids_TZk, path)
+    _check_count_bytes(num_experts, len(layers), path)
     _check_ids(ids_TZk, num_experts, path)
     k = ids_TZk.shape[2]
     result_layers, dropped = {}, {}
@@ -102,6 +120,20 @@ def read_trace(
         "num_experts_inferred": inferred,
     }
     return dict(num_experts=num_experts, top_k=k, layers=result_layers, model_type=model_type, meta=meta)
+
+
+def is_pair_count_trace(path: str | os.PathLike, key: str | list[str] | None = None) -> bool:
+    """Whether `read_trace(path, key=key)` reads the file as pair counts (a profile without tokens, so without
+    layer choice or sample), from the archive's names alone; False for a file that is no `.npz` archive (reading
+    it is the error)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(os.fspath(path)) as archive:
+            names = {name.removesuffix(".npy") for name in archive.namelist()}
+    except (OSError, zipfile.BadZipFile):
+        return False
+    return _holds_pair_counts(names, key)
 
 
 def read_trace_ids(
@@ -125,6 +157,37 @@ def read_trace_weights(path: str | os.PathLike, *, layer: int | None = None) -> 
     _, ids_TZk, _, keep_T = _ids_and_mask(arrays, None, layer, path)
     weights = np.asarray(arrays["topk_weights"], dtype=np.float32).reshape(ids_TZk.shape)
     return weights[keep_T]
+
+
+def _holds_pair_counts(names, key) -> bool:
+    """Whether a file of arrays `names` is read as pair counts: unless `key` names id arrays to read instead."""
+    return key is None and "coact" in names and "freq" in names
+
+
+def _inferred_num_experts(ids_TZk: np.ndarray, path: str) -> int:
+    """`E` as the largest id + 1, refused when implausible: past `MAX_INFERRED_EXPERTS` with most ids below it
+    never chosen (a real model's trace chooses most of its experts)."""
+    num_experts = int(ids_TZk.max()) + 1
+    if num_experts > MAX_INFERRED_EXPERTS:
+        distinct = len(np.unique(ids_TZk[ids_TZk >= 0]))
+        if 2 * distinct < num_experts:
+            raise ValueError(
+                f"trace file {path!r}: its largest expert id is {num_experts - 1} but only {distinct} distinct ids occur, "
+                f"so E = largest id + 1 = {num_experts} is not a plausible expert count; pass --num-experts "
+                f"(num_experts=) or put n_experts in the file's meta"
+            )
+    return num_experts
+
+
+def _check_count_bytes(num_experts: int, num_layers: int, path: str) -> None:
+    """Refuse before allocating a profile whose E x E co-activation counts would pass `MAX_COUNT_BYTES`."""
+    count_bytes = 8 * num_experts * num_experts * num_layers
+    if count_bytes > MAX_COUNT_BYTES:
+        raise ValueError(
+            f"trace file {path!r}: a profile of E={num_experts} experts over {num_layers} "
+            f"layer{'s' * (num_layers != 1)} needs {count_bytes / 2**30:.3g} GiB of co-activation counts (E x E int64 per layer), past the "
+            f"{MAX_COUNT_BYTES / 2**30:g} GiB limit; check num_experts (--num-experts, the meta's n_experts)"
+        )
 
 
 def _check_model_type(model_type) -> None:
@@ -206,6 +269,9 @@ def _stack_ids(arrays, keys: list[str], layer: int | None, path: str) -> tuple[n
                 f"trace array {name!r} in {path!r} must be integer [T, k] or [T, Z, k], "
                 f"got {arrays[name].dtype} {list(shape)}"
             )
+        if 0 in shape[1:]:
+            missing = "expert per token (k = 0)" if shape[-1] == 0 else "layer (Z = 0)"
+            raise ValueError(f"trace array {name!r} in {path!r} has shape {list(shape)}: it holds no {missing}")
     if len({shape[1:] for shape in shapes.values()}) != 1:
         raise ValueError(f"trace arrays {keys} in {path!r} disagree on their [Z, k] shape: {shapes}")
     ids = np.concatenate([arrays[k] for k in keys]).astype(np.int64)
@@ -247,38 +313,43 @@ def _check_ids(ids_TZk: np.ndarray, num_experts: int, path: str) -> None:
         )
 
 
-def _from_pair_counts(arrays, file_meta, num_experts, top_k, model_type, source) -> dict:
+def _from_pair_counts(arrays, file_meta, num_experts, top_k, model_type, source, path: str) -> dict:
+    where = f"pair-count trace {path!r}"
     coact_ZEE, freq_ZE = arrays["coact"].astype(np.int64), arrays["freq"].astype(np.int64)
     if coact_ZEE.ndim != 3 or freq_ZE.shape != coact_ZEE.shape[:2] or coact_ZEE.shape[1] != coact_ZEE.shape[2]:
         raise ValueError(
-            f"pair-count trace needs 'coact' [Z, E, E] and 'freq' [Z, E], got {list(coact_ZEE.shape)} and "
+            f"{where} needs 'coact' [Z, E, E] and 'freq' [Z, E], got {list(coact_ZEE.shape)} and "
             f"{list(freq_ZE.shape)}"
         )
     file_experts = coact_ZEE.shape[1]
     if num_experts is not None and num_experts != file_experts:
-        raise ValueError(f"num_experts={num_experts} given but the pair counts are for E={file_experts}")
+        raise ValueError(f"{where}: num_experts={num_experts} given but the pair counts are for E={file_experts}")
     if top_k is None:
         if "top_k" not in file_meta:
-            raise ValueError("pair-count trace has no 'top_k' in its meta JSON; pass top_k=")
+            raise ValueError(f"{where} has no 'top_k' in its meta JSON; pass top_k=")
         top_k = file_meta["top_k"]
         if type(top_k) is not int or not 1 <= top_k <= file_experts:
-            raise ValueError(f"pair-count trace: meta 'top_k' must be an integer in [1, {file_experts}], got {top_k!r}")
+            raise ValueError(f"{where}: meta 'top_k' must be an integer in [1, {file_experts}], got {top_k!r}")
     valid_Z = arrays["layer_valid"].astype(bool) if "layer_valid" in arrays else np.ones(len(freq_ZE), dtype=bool)
     layers = {}
     for l in np.flatnonzero(valid_Z):
         coact, freq = coact_ZEE[l], freq_ZE[l]
         if not (coact == coact.T).all() or np.diagonal(coact).any():
-            raise ValueError(f"pair counts of layer {l} are not symmetric with a zero diagonal")
+            raise ValueError(f"{where}: pair counts of layer {l} are not symmetric with a zero diagonal")
         if not (coact.sum(axis=1) == freq * (top_k - 1)).all():
             raise ValueError(
-                f"pair counts of layer {l} disagree with top_k={top_k}: each expert's row of 'coact' must sum to "
-                f"freq * (top_k - 1)"
+                f"{where}: pair counts of layer {l} disagree with top_k={top_k}: each expert's row of 'coact' must sum "
+                f"to freq * (top_k - 1)"
             )
         if freq.sum() % top_k:
-            raise ValueError(f"'freq' of layer {l} sums to {int(freq.sum())}, not a multiple of top_k={top_k}")
+            raise ValueError(f"{where}: 'freq' of layer {l} sums to {int(freq.sum())}, not a multiple of top_k={top_k}")
+        if not freq.any():
+            raise ValueError(f"{where}: layer {l} counts no tokens ('freq' is all zero); mark it False in 'layer_valid'")
         layers[int(l)] = LayerRouting(coactivation=coact, expert_counts=freq, token_count=int(freq.sum()) // top_k)
+    if not layers:
+        raise ValueError(f"{where}: no layer is valid ('layer_valid' is all False)")
     meta = {**source, "file_meta": file_meta, "invalid_layers_skipped": np.flatnonzero(~valid_Z).tolist()}
     return dict(num_experts=file_experts, top_k=top_k, layers=layers, model_type=model_type, meta=meta)
 
 
-__all__ = ["read_trace", "read_trace_ids", "ROW_MASK_KEYS"]
+__all__ = ["read_trace", "read_trace_ids", "is_pair_count_trace", "ROW_MASK_KEYS"]

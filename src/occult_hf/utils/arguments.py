@@ -25,4 +25,16 @@ positive_int = _int_at_least(1)
 non_negative_int = _int_at_least(0)
 
 
-__all__ = ["non_negative_int", "positive_int"]
+def separator(text: str) -> str:
+    """`--separator`: a non-empty string with Python's backslash escapes decoded, since a shell passes `'\\x1e'`
+    as four characters (decoded: U+001E, the ASCII record separator)."""
+    try:
+        decoded = text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    except UnicodeDecodeError as error:
+        raise argparse.ArgumentTypeError(f"{text!r} holds a broken backslash escape ({error.reason})") from None
+    if not decoded:
+        raise argparse.ArgumentTypeError("the separator must not be empty")
+    return decoded
+
+
+__all__ = ["non_negative_int", "positive_int", "separator"]
