@@ -11,6 +11,8 @@ the dashed spellings are aliases, as `HfArgumentParser` accepts both), and a run
 `<output_path>/<model name>/results_<time>.json` (and `samples_<task>_<time>.jsonl` with
 `--log_samples`), then prints lm-eval's `make_table` and, for an occult23 run, the headline rows (the
 paper's table, also lm-eval's `make_table`, and their mean). Under torchrun only rank 0 writes.
+`--output_path` is checked before the evaluation starts (a folder, made if missing, that a file can be written
+in), and a results file lm-eval did not write is an error after the tables.
 `--headline RESULTS` prints the headline rows of a finished occult23 run and `--compare A B` two runs
 side by side (the headline rows of two occult23 runs, else every metric), each from a
 `results_*.json` or an `--output_path` folder (its newest `results_*.json`).
@@ -19,6 +21,9 @@ side by side (the headline rows of two occult23 runs, else every metric), each f
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
+from pathlib import Path
 
 from occult_hf.registry import DISPATCH_MODES
 from occult_hf.pruning import pruning_policy_names
@@ -49,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run = parser.add_argument_group("lm-eval settings")
     run.add_argument("--batch_size", "--batch-size", dest="batch_size", default="1", help="an integer, or 'auto' in one process (default: 1)")
     run.add_argument("--device", default="auto", help="auto (CUDA when available, else CPU), cuda, cuda:0 or cpu (default: auto; one GPU per rank under torchrun)")
-    run.add_argument("--dtype", default="auto", help="model dtype, e.g. bfloat16 (default: the checkpoint's)")
+    run.add_argument("--dtype", type=dtype_name, default="auto", help="model dtype, e.g. bfloat16 (default: auto, the checkpoint's)")
     run.add_argument("--limit", type=float, help="documents per task (testing only); < 1 means a fraction")
     run.add_argument("--num_fewshot", "--num-fewshot", dest="num_fewshot", type=int, help="few-shot examples (default: each task's own)")
     run.add_argument("--bootstrap_iters", "--bootstrap-iters", dest="bootstrap_iters", type=int, default=100000, help="bootstrap iterations for stderrs (0: none)")
@@ -62,6 +67,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="lm-eval's output folder: results go to OUTPUT_PATH/<model name>/results_<time>.json (default: occult_eval)",
     )
     parser.set_defaults(func=main)
+
+
+def dtype_name(value: str) -> str:
+    """`--dtype`: `auto` or a torch dtype's name; lm-eval passes `getattr(torch, value)` on, so another name of torch's
+    (`nn`) would fail deep in the run (`cannot pickle 'module' object`), far from the flag."""
+    if value == "auto":
+        return value
+    import torch
+
+    if not isinstance(getattr(torch, value, None), torch.dtype):
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a torch dtype name (float32, bfloat16, float16), got {value!r}")
+    return value
 
 
 def _batch_size(value: str) -> int | str:
@@ -89,7 +106,39 @@ def _model_args(args: argparse.Namespace) -> dict:
     return model_args | extra
 
 
+def check_output_path(output_path: str) -> None:
+    """Fail before the evaluation when `--output_path` cannot take its results: lm-eval logs a failed write
+    ("Could not save results aggregated") and carries on, so an hours-long run would end with nothing written."""
+    if not output_path:
+        raise SystemExit("occult eval: --output_path must not be empty")
+    path = Path(output_path)
+    folder = path.parent if path.suffix == ".json" else path  # lm-eval writes beside a .json path, else into it
+    if folder.exists() and not folder.is_dir():
+        raise SystemExit(f"occult eval: --output_path {output_path!r} is an existing file; give a folder (it is made if missing)")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".occult_eval_probe-"):
+            pass
+    except OSError as error:
+        raise SystemExit(f"occult eval: --output_path {output_path!r}: cannot write there ({error.strerror or error})") from None
+
+
+def _written_files(tracker, output_path: str, tasks: list[str]) -> list[Path]:
+    """The results file, then the samples file of each of `tasks`, that `tracker`'s saves write (lm-eval's layout,
+    mirrored here because lm-eval only logs a save that fails)."""
+    date_id = getattr(tracker, "date_id", "<time>")  # set by the save itself, unset when it failed early
+    path = Path(output_path)
+    if path.suffix == ".json":
+        folder, results = path.parent, path.with_name(f"{path.stem}_{date_id}.json")
+    else:
+        folder = path / str(tracker.general_config_tracker.model_name_sanitized)
+        results = folder / f"results_{date_id}.json"
+    return [results, *(folder / f"samples_{task}_{date_id}.jsonl" for task in tasks)]
+
+
 def _evaluate(args: argparse.Namespace) -> int:
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun only rank 0 writes
+        check_output_path(args.output_path)
     import lm_eval
     from lm_eval.loggers import EvaluationTracker
     from lm_eval.utils import make_table
@@ -114,9 +163,9 @@ def _evaluate(args: argparse.Namespace) -> int:
         return 0
     samples = results.pop("samples", None)
     tracker.save_results_aggregated(results=results, samples=samples)
-    if args.log_samples and samples:
-        for task_name in results["configs"]:
-            tracker.save_results_samples(task_name=task_name, samples=samples[task_name])
+    sample_tasks = list(results["configs"]) if args.log_samples and samples else []
+    for task_name in sample_tasks:
+        tracker.save_results_samples(task_name=task_name, samples=samples[task_name])
     print(make_table(results))
     if "groups" in results:
         print(make_table(results, "groups"))
@@ -124,7 +173,12 @@ def _evaluate(args: argparse.Namespace) -> int:
 
     if has_suite(results):  # the paper's table: only an occult23 run has one
         print("Headline rows (occult eval --headline):\n" + markdown_table(results))
-    print(f"wrote {tracker.date_id} results under {args.output_path}")
+    written = _written_files(tracker, args.output_path, sample_tasks)
+    missing = [os.fspath(path) for path in written if not path.is_file()]
+    if missing:  # the tables above are the run's only record then
+        raise SystemExit(f"occult eval: lm-eval could not write {missing[0]!r} (--output_path {args.output_path!r}; its "
+                         f"warning above says why): the tables above are this run's only results")  # fmt: skip
+    print(f"wrote {os.fspath(written[0])}" + (f" and {len(written) - 1} samples file(s)" if len(written) > 1 else ""))
     return 0
 
 

@@ -6,25 +6,30 @@
 blank lines, or the pieces between `--separator`s) or `<domain>.jsonl` / `.jsonl.gz` (one JSON object per
 document, its text in `--text-field`); docs/quality.md shows the format. The command prepares the data
 (read through `datasets`, a held-out split per domain, a BPE tokenizer trained on the training split; cached
-in `<out>/data` or `--data-dir`, reused only when prepared with the same settings), trains with tqdm progress
-and writes the checkpoint, `recipe.json`, `train_log.json` and `loss_curve.png` to `--out`.
+in `<out>/data` or `--data-dir`, reused only when prepared from the same corpus files with the same settings),
+trains with tqdm progress and writes the checkpoint, `recipe.json`, `train_log.json` and `loss_curve.png` to `--out`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 
+from ..utils.arguments import positive_int, separator
 
 
-def separator(value: str) -> str:
-    """`--separator`: `blank-line`, or a string with Python's backslash escapes (`'\\x1e'` is U+001E)."""
-    decoded = value.encode("latin-1", "backslashreplace").decode("unicode_escape")
-    if not decoded:
-        raise argparse.ArgumentTypeError("the separator must not be empty")
-    return decoded
+def seconds(value: str) -> float:
+    """`--time-budget`: a finite number of seconds > 0 (the budget schedules the steps that fit in it)."""
+    try:
+        budget = float(value)
+    except ValueError:
+        budget = math.nan
+    if not (math.isfinite(budget) and budget > 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {value!r}")
+    return budget
 
 
 def register(subparsers) -> None:
@@ -48,8 +53,8 @@ def register(subparsers) -> None:
     parser.add_argument("--data-dir", help="prepared data (made here when absent; default: OUT/data)")
     parser.add_argument("--out", required=True, help="checkpoint directory")
     parser.add_argument("--seed", type=int, help="override the recipe's seed")
-    parser.add_argument("--max-steps", type=int, help="override the recipe's steps")
-    parser.add_argument("--time-budget", type=float, help="override the recipe's time budget (s)")
+    parser.add_argument("--max-steps", type=positive_int, help="override the recipe's steps (>= 1)")
+    parser.add_argument("--time-budget", type=seconds, help="override the recipe's time budget (s, > 0)")
     parser.add_argument("--compile", dest="torch_compile", action="store_true", default=None,
                         help="train through torch.compile (the recipe's torch_compile): faster on a GPU, not bitwise repeatable")  # fmt: skip
     parser.add_argument("--prepare-only", action="store_true", help="prepare the data and stop")
@@ -68,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
         settings = preparation_settings(args.corpus_dir, recipe.vocab_size, recipe.heldout_fraction, recipe.max_chars_per_domain,
                                         args.separator, args.text_field)  # fmt: skip
         PreparedData(data_dir).check_settings(settings)
+        checked = "its corpus files and settings unchanged" if args.corpus_dir else "no --corpus-dir: only the recipe's settings checked"
+        print(f"occult train: reusing the data prepared in {data_dir} ({checked})")
     elif args.corpus_dir is None:
         raise SystemExit(f"occult train: {data_dir!r} holds no prepared data (data.json): give --corpus-dir to prepare it")
     else:

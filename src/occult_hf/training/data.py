@@ -25,23 +25,27 @@ Files in a prepared directory:
     train_<domain>.npy         [N] uint16/uint32 token ids of the training documents
     heldout_<domain>.npy       [M] token ids of the held-out documents
     heldout_<domain>.jsonl     {"text": ...} per held-out document
-    data.json                  documents, characters and tokens per split and domain; the settings
+    data.json                  documents, characters and tokens per split and domain; the settings, with each
+                               corpus file's name, size and modification time
 
 Shape legend (docs/conventions.md): N tokens of a stream, B windows (sequences), S sequence length.
 """
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import math
 import os
 import re
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ..utils.checks import shown
 from ..utils.strict_json import parse_json, read_json_file
 
 #: the default `separator`: documents are the blocks between blank lines
@@ -101,8 +105,10 @@ def _read_domain(path: Path, separator: str, text_field: str, cache_dir):
     """One domain's documents: a `datasets.Dataset` with column `text`, one row per document."""
     from datasets import load_dataset
 
+    if _reading(path, lambda: _is_empty(path)):
+        raise ValueError(f"corpus file {os.fspath(path)!r} is empty")
     if CORPUS_SUFFIXES[_corpus_suffix(path.name)] == "json":
-        records = load_dataset("json", data_files=str(path), split="train", cache_dir=cache_dir)
+        records = _reading(path, lambda: load_dataset("json", data_files=str(path), split="train", cache_dir=cache_dir))
         if text_field not in records.column_names:
             raise ValueError(f"corpus file {os.fspath(path)!r} has no field {text_field!r} (its fields: {records.column_names}); set text_field")
         if records.features[text_field].dtype != "string":
@@ -110,8 +116,8 @@ def _read_domain(path: Path, separator: str, text_field: str, cache_dir):
         documents = records.select_columns([text_field])
         if text_field != "text":
             documents = documents.rename_column(text_field, "text")
-        return documents.filter(lambda row: bool((row["text"] or "").strip()))
-    raw = load_dataset("text", data_files=str(path), split="train", sample_by="document", cache_dir=cache_dir)
+        return _reading(path, lambda: documents.filter(lambda row: bool((row["text"] or "").strip())))  # decodes the text
+    raw = _reading(path, lambda: load_dataset("text", data_files=str(path), split="train", sample_by="document", cache_dir=cache_dir))
     if separator == BLANK_LINE and any(RECORD_SEPARATOR in text for text in raw["text"]):
         raise ValueError(
             f"corpus file {os.fspath(path)!r} holds U+001E record separators but is read as blank-line blocks: "
@@ -122,6 +128,28 @@ def _read_domain(path: Path, separator: str, text_field: str, cache_dir):
         return {"text": [doc for text in batch["text"] for doc in split_documents(text, separator)]}
 
     return raw.map(to_documents, batched=True, remove_columns=["text"], desc=f"splitting {path.name}")
+
+
+def _reading(path: Path, read):
+    """`read()`, a step that reads the corpus file `path`; what it raises on a file that is not gzip, cut short, not
+    UTF-8 or not JSON Lines becomes a `ValueError` naming the file and the cause (`datasets`' own errors name no file)."""
+    from datasets.exceptions import DatasetGenerationError
+
+    try:
+        return read()
+    except (DatasetGenerationError, ValueError, EOFError, gzip.BadGzipFile, zlib.error) as error:
+        cause = error.__cause__ if isinstance(error, DatasetGenerationError) and error.__cause__ else error
+        reason = " ".join(str(cause).split())
+        raise ValueError(f"corpus file {os.fspath(path)!r} cannot be read: {type(cause).__name__}: {reason}") from error
+
+
+def _is_empty(path: Path) -> bool:
+    """Whether the file holds no bytes (a `.gz` one: none once decompressed); `datasets` reads an empty `.jsonl` with a
+    bare `StopIteration`."""
+    if path.name.endswith(".gz"):
+        with gzip.open(path, "rb") as f:
+            return not f.read(1)
+    return path.stat().st_size == 0
 
 
 def load_documents(
@@ -228,6 +256,8 @@ def prepare_data(
     """
     from ..utils.atomic import atomic_write_bytes, atomic_write_json, atomic_write_text
 
+    # the corpus files as they are before the read: one edited during it differs from the record next time
+    settings = preparation_settings(corpus_dir, vocab_size, heldout_fraction, max_chars_per_domain, separator, text_field)
     per_domain = load_documents(corpus_dir, None if domains is None else list(domains), separator=separator,
                                 text_field=text_field, cache_dir=cache_dir)  # fmt: skip
     out = Path(out_dir)
@@ -235,7 +265,6 @@ def prepare_data(
     splits = {d: split_heldout(docs, heldout_fraction, max_chars_per_domain, d) for d, docs in per_domain.items()}
     tokenizer = train_tokenizer((t for train, _ in splits.values() for t in train["text"]), vocab_size)
     tokenizer.save_pretrained(out / "tokenizer")
-    settings = preparation_settings(corpus_dir, vocab_size, heldout_fraction, max_chars_per_domain, separator, text_field)
     summary = {"format": DATA_FORMAT, "vocab_size": len(tokenizer), "settings": settings, "domains": {}}
     for domain, (train, heldout) in splits.items():
         row = {}
@@ -253,11 +282,31 @@ def prepare_data(
 
 def preparation_settings(corpus_dir, vocab_size, heldout_fraction, max_chars_per_domain, separator, text_field) -> dict:
     """The settings of a preparation, as `data.json` records them (`PreparedData.check_settings`); without a
-    `corpus_dir` (a directory prepared elsewhere, its corpus not at hand) only the recipe's."""
+    `corpus_dir` (a directory prepared elsewhere, its corpus not at hand) only the recipe's.
+
+    The corpus is its directory and each corpus file's name, size and modification time (`corpus_file_stats`), so a
+    file added, removed or edited since makes the prepared data stale without hashing gigabytes of text."""
     settings = {"vocab_size": vocab_size, "heldout_fraction": heldout_fraction, "max_chars_per_domain": max_chars_per_domain}
     if corpus_dir is not None:
-        settings |= {"corpus_dir": os.path.realpath(corpus_dir), "separator": separator, "text_field": text_field}
+        settings |= {"corpus_dir": os.path.realpath(corpus_dir), "separator": separator, "text_field": text_field,
+                     "corpus_files": corpus_file_stats(corpus_dir)}  # fmt: skip
     return settings
+
+
+def corpus_file_stats(corpus_dir: str | os.PathLike) -> dict[str, dict[str, int]]:
+    """`{file name: {"size": bytes, "mtime_ns": modification time}}` of the corpus files in `corpus_dir`."""
+    stats = {path.name: path.stat() for path in corpus_files(corpus_dir).values()}
+    return {name: {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns} for name, stat in sorted(stats.items())}
+
+
+def _corpus_change(recorded: dict | None, current: dict) -> str:
+    """What differs between two `corpus_file_stats`, in words."""
+    if not isinstance(recorded, dict):
+        return "its corpus files are not recorded"
+    added, removed = sorted(current.keys() - recorded.keys()), sorted(recorded.keys() - current.keys())
+    modified = sorted(name for name in current.keys() & recorded.keys() if current[name] != recorded[name])
+    changes = (("added", added), ("removed", removed), ("modified (size or modification time)", modified))
+    return "corpus files changed since it was prepared: " + ", ".join(f"{what} {shown(names)}" for what, names in changes if names)
 
 
 @dataclass
@@ -281,11 +330,15 @@ class PreparedData:
         recorded = self.meta.get("settings")
         if recorded is None:
             raise ValueError(f"{os.fspath(self.path)!r} records no preparation settings: remove it to prepare it again")
-        changed = [f"{key} {recorded.get(key)!r} (asked: {value!r})" for key, value in settings.items() if recorded.get(key) != value]
+        changed = [
+            _corpus_change(recorded.get(key), value) if key == "corpus_files" else f"{key} {recorded.get(key)!r} (asked: {value!r})"
+            for key, value in settings.items()
+            if recorded.get(key) != value
+        ]
         if changed:
             raise ValueError(
                 f"{os.fspath(self.path)!r} was prepared with other settings: {'; '.join(changed)}. Remove it to prepare "
-                f"it again, or give another --data-dir"
+                f"it again, or give another --data-dir (or --out)"
             )
 
     @property

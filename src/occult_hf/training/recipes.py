@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +71,11 @@ class Recipe:
             raise ValueError(f"Recipe {self.name}: top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
         if not 0.0 < self.heldout_fraction < 1.0:
             raise ValueError(f"Recipe {self.name}: heldout_fraction ({self.heldout_fraction}) must be in (0, 1)")
+        if isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int) or self.max_steps < 1:
+            raise ValueError(f"Recipe {self.name}: max_steps ({self.max_steps!r}) must be an integer >= 1")
+        budget = self.time_budget_s
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget < math.inf):
+            raise ValueError(f"Recipe {self.name}: time_budget_s ({budget!r}) must be None or a finite number of seconds > 0")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"Recipe {self.name}: hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads})")
 

@@ -1,0 +1,186 @@
+"""`occult eval` and `occult train` given inputs they cannot use: an output path that cannot take the results, a
+dtype that is no dtype, a step count or time budget that schedules nothing, a corpus changed since its data was
+prepared, and corpus files `datasets` cannot read. Each must end in one line naming the flag or file (exit code 2),
+never a success that wrote nothing or trained on stale data.
+
+The evaluations replace lm-eval's `simple_evaluate` with a fake that returns a one-task result at once; lm-eval's
+own `EvaluationTracker` writes (or fails to write) the files, as in a real run.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+from pathlib import Path
+
+import pytest
+
+from occult_hf.cli import main
+from occult_hf.training import get_recipe
+
+
+def _exit_message(argv: list[str], capsys) -> str:
+    """stderr of an `occult` command that must fail with exit code 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+# ----- occult eval ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_lm_eval(monkeypatch):
+    """`lm_eval.simple_evaluate` replaced by a one-task result named as lm-eval names it (model `tiny`); the
+    `model_args` of each call are recorded."""
+    pytest.importorskip("lm_eval", reason="occult eval needs the eval extra: pip install 'occult_hf[eval]'")
+    import lm_eval
+
+    import occult_hf.eval as occult_eval
+
+    calls = []
+
+    def simple_evaluate(*, model_args, evaluation_tracker, **kwargs):
+        calls.append(model_args)
+        evaluation_tracker.general_config_tracker.model_name_sanitized = "tiny"
+        sample = {"doc_id": 0, "arguments": [["a", " b"]], "resps": [["x"]], "filtered_resps": ["x"], "target": "b",
+                  "doc_hash": "d", "prompt_hash": "p", "target_hash": "t"}  # fmt: skip
+        return {"results": {"task": {"alias": "task", "acc,none": 0.5}}, "versions": {"task": 1}, "n-shot": {"task": 0},
+                "higher_is_better": {"task": {"acc": True}}, "configs": {"task": {}}, "samples": {"task": [sample]}}  # fmt: skip
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", simple_evaluate)
+    monkeypatch.setattr(occult_eval, "make_task_manager", lambda include_path: None)  # indexing lm-eval's tasks takes seconds
+    return calls
+
+
+def _eval(output_path, *extra: str) -> list[str]:
+    return ["eval", "--tasks", "occult_offline", "--device", "cpu", "--output_path", str(output_path), *extra]
+
+
+def test_eval_writes_its_results_and_says_where(fake_lm_eval, tmp_path, capsys):
+    out = tmp_path / "runs" / "offline"
+    assert main(_eval(out, "--log_samples")) == 0
+    (results,) = (out / "tiny").glob("results_*.json")
+    assert len(list((out / "tiny").glob("samples_task_*.jsonl"))) == 1
+    assert f"wrote {results} and 1 samples file(s)" in capsys.readouterr().out
+    assert [name for name in os.listdir(out) if name.startswith(".")] == []  # the write probe left nothing
+
+
+def test_eval_refuses_an_output_path_it_cannot_write_before_it_starts(fake_lm_eval, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("afile").touch()
+    cases = [("afile", "--output_path 'afile' is an existing file; give a folder"),
+             ("afile/sub", "--output_path 'afile/sub': cannot write there (Not a directory)")]  # fmt: skip
+    if os.path.isdir("/proc"):  # a folder nobody can create a file in, even root
+        cases.append(("/proc/occult_eval_out", "--output_path '/proc/occult_eval_out': cannot write there"))
+    for output_path, message in cases:
+        assert message in _exit_message(_eval(output_path), capsys), output_path
+    assert fake_lm_eval == []  # refused before the evaluation
+    assert Path("afile").read_bytes() == b""
+
+
+def test_eval_fails_when_lm_eval_could_not_write_the_results(fake_lm_eval, tmp_path, capsys):
+    """lm-eval logs a failed save and carries on: the run must not end in "wrote ..." and exit code 0."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "tiny").touch()  # lm-eval's model folder is a file: its save fails after the write probe passed
+    err = _exit_message(_eval(out), capsys)
+    assert f"lm-eval could not write '{out}/tiny/results_" in err and "the tables above are this run's only results" in err
+
+
+def test_eval_fails_when_lm_eval_could_not_write_the_samples(fake_lm_eval, tmp_path, capsys, monkeypatch):
+    from lm_eval.loggers import EvaluationTracker
+
+    monkeypatch.setattr(EvaluationTracker, "save_results_samples", lambda self, task_name, samples: None)  # as one that failed
+    out = tmp_path / "run"
+    err = _exit_message(_eval(out, "--log_samples"), capsys)
+    assert f"lm-eval could not write '{out}/tiny/samples_task_" in err
+    assert len(list((out / "tiny").glob("results_*.json"))) == 1
+
+
+def test_eval_dtype_must_name_a_torch_dtype(fake_lm_eval, tmp_path, capsys):
+    err = _exit_message(_eval(tmp_path / "run", "--dtype", "nn"), capsys)
+    assert "argument --dtype: expected 'auto' or a torch dtype name (float32, bfloat16, float16), got 'nn'" in err
+    assert fake_lm_eval == []
+    for dtype in ("auto", "bfloat16"):
+        assert main(_eval(tmp_path / "run", "--dtype", dtype)) == 0
+    assert [call["dtype"] for call in fake_lm_eval] == ["auto", "bfloat16"]
+
+
+# ----- occult train --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "flag, value", [("--max-steps", "0"), ("--max-steps", "-3"), ("--time-budget", "0"), ("--time-budget", "-1"),
+                    ("--time-budget", "inf"), ("--time-budget", "nan")],  # fmt: skip
+)
+def test_train_steps_and_time_budget_must_schedule_something(flag, value, tmp_path, capsys):
+    err = _exit_message(["train", "--out", str(tmp_path / "t"), flag, value], capsys)
+    assert f"argument {flag}: expected " in err
+
+
+def test_recipe_steps_and_time_budget_must_schedule_something():
+    for changes, message in [({"max_steps": 0}, "max_steps (0) must be an integer >= 1"),
+                             ({"max_steps": 2.5}, "max_steps (2.5) must be an integer >= 1"),
+                             ({"time_budget_s": -1.0}, "time_budget_s (-1.0) must be None or a finite number of seconds > 0"),
+                             ({"time_budget_s": float("inf")}, "time_budget_s (inf) must be"),
+                             ({"time_budget_s": float("nan")}, "time_budget_s (nan) must be"),
+                             ({"time_budget_s": 0}, "time_budget_s (0) must be")]:  # fmt: skip
+        with pytest.raises(ValueError, match=r"Recipe tiny: " + message.replace("(", r"\(").replace(")", r"\)")):
+            get_recipe("tiny", **changes)
+    assert get_recipe("tiny", max_steps=1, time_budget_s=0.5).time_budget_s == 0.5
+
+
+def _two_domain_corpus(directory: Path) -> Path:
+    directory.mkdir()
+    for domain in ("alpha", "gamma"):
+        docs = [f"{domain} document {d}\nwith a second line about {domain} things" for d in range(6)]
+        (directory / f"{domain}.txt").write_text("\n\n".join(docs) + "\n")
+    return directory
+
+
+def test_train_refuses_prepared_data_whose_corpus_changed(tmp_path, capsys):
+    pytest.importorskip("datasets", reason="preparing training data needs the eval extra")
+    corpus, out = _two_domain_corpus(tmp_path / "corp"), tmp_path / "trn1"
+    argv = ["train", "--corpus-dir", str(corpus), "--out", str(out), "--prepare-only"]
+    assert main(argv) == 0
+    assert main(argv) == 0  # the same corpus: reused, and said so
+    assert f"occult train: reusing the data prepared in {out / 'data'} (its corpus files and settings unchanged)" in capsys.readouterr().out
+    (corpus / "beta.txt").write_text("beta one\n\nbeta two\n")
+    alpha = corpus / "alpha.txt"
+    stat = alpha.stat()
+    alpha.write_text(alpha.read_text().replace("alpha document 0", "alpha document X"))  # same size: its time tells
+    os.utime(alpha, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    (corpus / "gamma.txt").unlink()
+    err = _exit_message(argv, capsys)
+    assert (f"'{out / 'data'}' was prepared with other settings: corpus files changed since it was prepared: added ['beta.txt'], "
+            f"removed ['gamma.txt'], modified (size or modification time) ['alpha.txt']. Remove it to prepare it again, or give "
+            f"another --data-dir (or --out)") in err  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name, content, cause",
+    [
+        ("a.txt.gz", b"garbage", "BadGzipFile: Not a gzipped file"),
+        ("a.txt.gz", gzip.compress(b"one\n\ntwo\n" * 200)[:40], "EOFError: Compressed file ended before the end-of-stream marker"),
+        ("a.jsonl.gz", b"garbage", "BadGzipFile: Not a gzipped file"),
+        ("a.jsonl", b"", "is empty"),
+        ("a.jsonl.gz", gzip.compress(b""), "is empty"),
+        ("a.txt", b"", "is empty"),
+        ("a.txt", "caf\xe9\n\nau lait\n".encode("latin-1"), "UnicodeDecodeError: 'utf-8' codec can't decode byte 0xe9"),
+        ("a.jsonl", b'{"text": "caf\xe9"}\n{"text": "x"}\n', "UnicodeDecodeError: 'utf-8' codec can't decode byte 0xe9"),
+        ("a.jsonl", b'{"text": "a"\n', "ArrowInvalid: JSON parse error"),
+    ],
+    ids=["not-gzip", "gzip-cut-short", "jsonl-not-gzip", "empty-jsonl", "empty-once-decompressed", "empty-txt", "txt-not-utf8",
+         "jsonl-not-utf8", "not-json"],  # fmt: skip
+)
+def test_a_corpus_file_that_cannot_be_read_is_named(name, content, cause, tmp_path, capsys):
+    pytest.importorskip("datasets", reason="preparing training data needs the eval extra")
+    corpus = tmp_path / "corp"
+    corpus.mkdir()
+    (corpus / name).write_bytes(content)
+    (corpus / "b.txt").write_text("one\n\ntwo\n\nthree\n")
+    err = _exit_message(["train", "--corpus-dir", str(corpus), "--out", str(tmp_path / "t"), "--prepare-only", "--no-progress"], capsys)
+    assert f"corpus file '{corpus / name}' " in err and cause in err, err
+    assert len(err.strip().splitlines()) == 1, err
