@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from .registry import DISPATCH_MODES, DISPATCHERS, EXPERT_BACKENDS, PRUNING_POLICIES, REPLICA_CHOICES
@@ -225,10 +225,19 @@ class OccultConfig:
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
     def to_json_file(self, json_file_path: str | os.PathLike, use_diff: bool = False) -> None:
-        """Write `to_json_string` to a file atomically (temporary file, rename; HF's name for `save`)."""
+        """Write `to_json_string` to a file atomically (temporary file, rename; HF's name for `save`).
+
+        `load` reads a relative `placement` or `profile` path as a file beside the JSON file, while this config's
+        relative paths name files from the working directory: the file gets each such path relative to its own
+        directory when the file lies below it (the two move together), else absolute, so that `load` finds the
+        same file.
+        """
         from .utils.atomic import atomic_write_text
 
-        atomic_write_text(json_file_path, self.to_json_string(use_diff=use_diff))
+        directory = os.path.dirname(os.path.abspath(json_file_path))
+        paths = {key: getattr(self, key) for key in _PATH_FIELDS}
+        paths = _with_paths_resolved(paths, lambda name: _path_from(directory, name))
+        atomic_write_text(json_file_path, replace(self, **paths).to_json_string(use_diff=use_diff))
 
     @classmethod
     def from_json_file(cls, json_file_path: str | os.PathLike) -> "OccultConfig":
@@ -351,6 +360,13 @@ def _with_paths_resolved(data: dict, resolve) -> dict:
         if isinstance(value, str) and value != "contiguous" and not os.path.isabs(value):
             out[key] = resolve(value)
     return out
+
+
+def _path_from(directory: str, path: str) -> str:
+    """`path` (relative to the working directory) as `directory` + the returned path names it: relative below
+    `directory`, else absolute."""
+    relative = os.path.relpath(os.path.abspath(path), directory)
+    return os.path.abspath(path) if relative.split(os.sep)[0] == os.pardir else relative
 
 
 def _checkpoint_file(checkpoint: str, revision: str | None, name: str, label: str) -> str:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .utils.atomic import atomic_save_figure
+from .utils.checks import shown
 from .utils.tables import markdown_table, number_cell
 from .metrics import LayerMetrics, evaluate_placement, summarize
 from .placement import Placement
@@ -242,6 +243,36 @@ def plot_coactivation(
     return os.fspath(path)
 
 
+def check_heatmap_layer(profile: RoutingProfile, layer: int | None, setting: str = "heatmap_layer") -> int:
+    """The heatmap's layer (default: the profile's first), or raise naming `setting` when the profile lacks it: checked
+    before the placements are measured, not after the first plot is written."""
+    if layer is None:
+        return min(profile.layers)
+    if layer not in profile.layers:
+        raise ValueError(
+            f"{setting} {layer} is not a layer of the routing profile (it has {shown(sorted(profile.layers))})"
+        )
+    return int(layer)
+
+
+def format_report(profile: RoutingProfile, results: list[PlacementResult], hidden_size: int | None = None) -> str:
+    """The table, then the node table (`format_node_table`) and the plans' promises (`format_promises`) where they
+    have rows."""
+    parts = (format_table(profile, results), format_node_table(profile, results, hidden_size), format_promises(results))
+    return "\n".join(part for part in parts if part)
+
+
+def write_plots(
+    profile: RoutingProfile, results: list[PlacementResult], plot_dir: str | os.PathLike, layer: int
+) -> list[str]:
+    """Both plots in `plot_dir` (made if missing), the heatmap at `layer`. Returns their paths."""
+    os.makedirs(plot_dir, exist_ok=True)
+    return [
+        plot_cost_by_layer(profile, results, os.path.join(plot_dir, "ct_by_layer.png")),
+        plot_coactivation(profile, results, layer, os.path.join(plot_dir, f"coactivation_layer{layer}.png")),
+    ]
+
+
 def write_report(
     profile: RoutingProfile,
     placements: dict[str, Placement],
@@ -249,21 +280,15 @@ def write_report(
     heatmap_layer: int | None = None,
     hidden_size: int | None = None,
 ) -> tuple[str, list[str]]:
-    """Evaluate, format the table (and the node table, `format_node_table`) and (with `plot_dir`) write both plots.
+    """Evaluate, format the report (`format_report`) and (with `plot_dir`) write both plots (`write_plots`).
     Returns `(table, plot paths)`.
 
     The heatmap shows `heatmap_layer` (default: the profile's first layer).
     """
+    layer = check_heatmap_layer(profile, heatmap_layer)
     results = evaluate_placements(profile, placements)
-    parts = (format_table(profile, results), format_node_table(profile, results, hidden_size), format_promises(results))
-    table = "\n".join(part for part in parts if part)
-    paths: list[str] = []
-    if plot_dir is not None:
-        os.makedirs(plot_dir, exist_ok=True)
-        layer = min(profile.layers) if heatmap_layer is None else int(heatmap_layer)
-        paths.append(plot_cost_by_layer(profile, results, os.path.join(plot_dir, "ct_by_layer.png")))
-        paths.append(plot_coactivation(profile, results, layer, os.path.join(plot_dir, f"coactivation_layer{layer}.png")))
-    return table, paths
+    table = format_report(profile, results, hidden_size)
+    return table, [] if plot_dir is None else write_plots(profile, results, plot_dir, layer)
 
 
 __all__ = [
@@ -275,6 +300,9 @@ __all__ = [
     "format_table",
     "plot_cost_by_layer",
     "bf16_row_bytes",
+    "check_heatmap_layer",
+    "format_report",
     "plot_coactivation",
+    "write_plots",
     "write_report",
 ]

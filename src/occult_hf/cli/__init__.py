@@ -75,10 +75,17 @@ def _add_no_progress_argument(parser: argparse.ArgumentParser) -> None:
         )  # fmt: skip
 
 
-def check_output_dir(path: str) -> None:
-    """Fail before a long run when the `--out` directory `path` cannot be made (an existing file)."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise FileExistsError(f"--out {path!r} is an existing file; give a directory (it is created if missing)")
+def check_output_dir(path: str, flag: str = "--out") -> None:
+    """Fail before a long run when the output directory `path` of `flag` cannot be made or written in: it is an
+    existing file, a file stands where one of its parents would be, or its nearest existing parent is read-only."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        where = "is an existing file" if existing == os.path.abspath(path) else f"lies under the file {existing!r}"
+        raise FileExistsError(f"{flag} {path!r} {where}; give a directory (it is created if missing)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(f"{flag} {path!r}: directory {existing!r} is not writable")
 
 
 def check_model_source(name: str) -> None:
@@ -104,8 +111,19 @@ def check_model_source(name: str) -> None:
 
 
 def one_line(error: BaseException) -> str:
-    """The error's message on one line; its type name too unless it is an ordinary input error."""
-    raw = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
+    """The error's message on one line; its type name too unless it is an ordinary input error.
+
+    A `KeyError` of a lookup holds the key alone, and a bare `name` tells the user nothing: it reads
+    "missing key 'name'"; one raised with a message (a sentence, with spaces) keeps it.
+    """
+    raw = _key_error_text(error) if isinstance(error, KeyError) else str(error)
     text = " ".join(raw.split()) or repr(error)
     return text if isinstance(error, INPUT_ERRORS) else f"{type(error).__name__}: {text}"
 
+
+def _key_error_text(error: KeyError) -> str:
+    """The message of a `KeyError` raised with one (a string holding a space), else "missing key <key>"."""
+    key = error.args[0] if error.args else None
+    if isinstance(key, str) and " " in key.strip():
+        return key
+    return f"missing key {key!r}" if error.args else ""

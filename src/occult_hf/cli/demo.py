@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..utils.arguments import positive_int
+from ..utils.checks import check_num_devices
 from ..utils.strict_json import read_json_file
 from .devices import add_num_devices_argument
 
@@ -43,18 +44,27 @@ def register(subparsers) -> None:
 
 
 def describe_checkpoint(path: str | os.PathLike, model) -> str:
-    """One sentence: what the model is, from its `recipe.json` and `train_log.json` when present, else its class and shape."""
+    """One sentence: what the model is, from its `recipe.json` and `train_log.json` when both are present and hold
+    what `occult train` writes, else its class and shape (another tool's files of those names describe no occult
+    training)."""
     path = Path(path)
     recipe_file, log_file = path / "recipe.json", path / "train_log.json"
-    if not (recipe_file.is_file() and log_file.is_file()):
-        from occult_hf.patches.base import adapter_for
+    if recipe_file.is_file() and log_file.is_file():  # broken JSON is still an error naming the file
+        recipe, log = read_json_file(recipe_file, "recipe"), read_json_file(log_file, "training log")
+        with contextlib.suppress(KeyError, TypeError, ValueError, AttributeError):
+            return _trained_description(recipe, log)
+    from occult_hf.patches.base import adapter_for
 
-        adapter, config = adapter_for(model.config), model.config
-        return (
-            f"the {type(model).__name__} checkpoint {path} (model_type {config.model_type!r}, "
-            f"E={adapter.num_experts(config)}, k={adapter.top_k(config)}, {config.num_hidden_layers} layers)"
-        )
-    recipe, log = read_json_file(recipe_file, "recipe"), read_json_file(log_file, "training log")
+    adapter, config = adapter_for(model.config), model.config
+    return (
+        f"the {type(model).__name__} checkpoint {path} (model_type {config.model_type!r}, "
+        f"E={adapter.num_experts(config)}, k={adapter.top_k(config)}, {config.num_hidden_layers} layers)"
+    )
+
+
+def _trained_description(recipe: dict, log: dict) -> str:
+    """The sentence about a model `occult train` made, from its recipe and training log; raises when a field is
+    missing or of another type."""
     ppl = ", ".join(f"{d} {v:.1f}" for d, v in log.get("heldout_perplexity", {}).items())
     return (
         f"an OlmoeForCausalLM trained from scratch by `occult train --recipe {recipe['name']}` "
@@ -99,6 +109,7 @@ def _run(args: argparse.Namespace) -> int:
     from . import check_output_dir
     from .report import plan_methods, print_report
 
+    check_num_devices(args.num_devices, "--num-devices")
     check_output_dir(args.out)
     os.makedirs(args.out, exist_ok=True)
     with resources.as_file(tiny_checkpoint_path()) if args.model is None else contextlib.nullcontext(args.model) as path:

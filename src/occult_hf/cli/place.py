@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from ..placement import PLACEMENT_FILENAME, available_planners
+from ..utils.atomic import check_writable_dir
+from ..utils.checks import check_devices_per_node, check_num_devices
 from ..utils.strict_json import parse_json
 from .devices import add_devices_per_node_argument, add_num_devices_argument
 
@@ -51,12 +54,32 @@ def add_option_argument(parser: argparse.ArgumentParser) -> None:
 def add_cross_validate_argument(parser: argparse.ArgumentParser, default: int) -> None:
     parser.add_argument(
         "--cross-validate",
-        type=int,
+        type=cross_validate_folds,
         default=default,
         metavar="K",
         help=f"estimate held-out CT and balance by K-fold cross-validation on the profile's token sample, "
         f"K >= 2 (re-plans K times); 0 skips (default: {default})",
     )
+
+
+def cross_validate_folds(text: str) -> int:
+    """argparse type of `--cross-validate`: 0 or K >= 2, checked at parse time (the planner checks K only after the
+    plan)."""
+    try:
+        folds = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 0 or an integer >= 2, got {text!r}") from None
+    if folds < 0 or folds == 1:
+        raise argparse.ArgumentTypeError(f"expected 0 or an integer >= 2, got {folds}")
+    return folds
+
+
+def placement_output(path: str) -> str:
+    """The file `--out` names, checked before planning (a missing directory fails at once, not after the plan): a
+    directory gets `occult_placement.json` inside it, as `Placement.save` writes it."""
+    if os.path.isdir(path):
+        path = os.path.join(path, PLACEMENT_FILENAME)
+    return check_writable_dir(path, "--out")
 
 
 #: the longest `--option NAME=VALUE` (numbers, words such as "auto"); longer is a usage error, not a long error message
@@ -84,6 +107,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.num_devices is None:
         raise SystemExit("occult place: --num-devices D is required (the devices of the expert-parallel group)")
+    check_num_devices(args.num_devices, "--num-devices")
+    if args.devices_per_node is not None:
+        check_devices_per_node(args.devices_per_node, args.num_devices, "--devices-per-node")
+    out = placement_output(args.out)
 
     profiles = {path: RoutingProfile.load(path) for path in args.profile}
     source = next(iter(profiles.values())) if len(profiles) == 1 else profiles
@@ -92,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         **dict(args.option),
     )  # fmt: skip
     placement.meta["profile"] = args.profile[0] if len(args.profile) == 1 else list(args.profile)
-    placement.save(args.out)
+    placement.save(out)
     pooled = pool_profiles(source)[0]
     named = {"contiguous": Placement.contiguous(pooled.num_experts, args.num_devices, sorted(placement.layers))}
     named["contiguous"].devices_per_node = args.devices_per_node
@@ -100,5 +127,5 @@ def run(args: argparse.Namespace) -> int:
     results = evaluate_placements(pooled, named)
     parts = (format_summary(results), format_node_table(pooled, results), format_promises(results))  # the last two may be empty
     print("\n".join(part for part in parts if part))
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
     return 0

@@ -6,6 +6,7 @@ import argparse
 
 from ..placement import PLACEMENT_FILENAME
 from ..registry import REPLICA_CHOICES
+from ..utils.arguments import non_negative_int
 
 
 def register(subparsers) -> None:
@@ -21,7 +22,7 @@ def register(subparsers) -> None:
     parser.add_argument("profile", help="recent routing profile (.safetensors from `occult profile` or the callback)")
     parser.add_argument(
         "--redundant",
-        type=int,
+        type=non_negative_int,
         metavar="R",
         help="extra homes per layer (default: as many as the placement has, or its free slots when it has none)",
     )
@@ -41,10 +42,12 @@ def run(args: argparse.Namespace) -> int:
     from ..placement.rebalance import replan_replicas
     from ..profile import RoutingProfile
     from ..report import evaluate_placements, format_summary
+    from .place import placement_output
 
+    out = placement_output(args.out)
     deployed, recent = Placement.load(args.placement), RoutingProfile.load(args.profile)
     replanned = replan_replicas(deployed, recent, num_redundant=args.redundant, replica_choice=args.replica_choice)
-    replanned.save(args.out)
+    replanned.save(out)
     print(format_summary(evaluate_placements(recent, {"deployed": deployed, "replanned": replanned})))
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
     return 0

@@ -7,7 +7,8 @@ import dataclasses
 import os
 
 from ..placement import available_planners
-from ..utils.checks import check_devices_per_node
+from ..utils.arguments import non_negative_int, positive_int
+from ..utils.checks import check_devices_per_node, check_num_devices
 from .place import add_cross_validate_argument, add_option_argument
 from .devices import add_devices_per_node_argument, add_num_devices_argument
 
@@ -33,17 +34,19 @@ def register(subparsers) -> None:
         parser, help="devices G per node: plan node-aware here, and measure every placement on G-device nodes (CT_node, "
         "rows crossing nodes); a file's own layout is used otherwise",
     )  # fmt: skip
-    parser.add_argument("--hidden-size", type=int, help="the model's hidden size: also print the bytes per token crossing nodes")
+    parser.add_argument("--hidden-size", type=positive_int, help="the model's hidden size: also print the bytes per token crossing nodes")
     add_option_argument(parser)
     add_cross_validate_argument(parser, default=0)
     parser.add_argument("--plots", default="occult_report", help="directory for the PNG plots (default: occult_report)")
     parser.add_argument("--no-plots", action="store_true", help="print the table only")
-    parser.add_argument("--heatmap-layer", type=int, help="layer of the co-activation heatmap")
+    parser.add_argument("--heatmap-layer", type=non_negative_int, help="layer of the co-activation heatmap")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from ..profile import RoutingProfile
+    from ..report import check_heatmap_layer
+    from . import check_output_dir
 
     if args.profile is None:
         raise SystemExit(
@@ -52,17 +55,24 @@ def run(args: argparse.Namespace) -> int:
         )
     if not args.placements and args.num_devices is None:
         raise SystemExit("occult report: give placement files, or --num-devices D to plan placements here")
+    if args.num_devices is not None:
+        check_num_devices(args.num_devices, "--num-devices")
+    if args.devices_per_node is not None:  # against --num-devices here, against each file's D once it is read
+        check_devices_per_node(args.devices_per_node, args.num_devices or args.devices_per_node, "--devices-per-node")
+    if not args.no_plots:
+        check_output_dir(args.plots, "--plots")
     profile = RoutingProfile.load(args.profile)
+    check_heatmap_layer(profile, args.heatmap_layer, "--heatmap-layer")
     placements = load_placements(args.placements)
+    if args.devices_per_node is not None:  # the planned ones record it themselves
+        for placement in placements.values():
+            placement.devices_per_node = check_devices_per_node(args.devices_per_node, placement.num_devices, "--devices-per-node")
     if args.num_devices is not None:
         planned = plan_methods(
             profile, args.num_devices, args.methods.split(","), dict(args.option), args.cross_validate, args.devices_per_node
         )
         for name, placement in planned.items():
             placements[_unique(name, placements)] = placement
-    if args.devices_per_node is not None:
-        for placement in placements.values():
-            placement.devices_per_node = check_devices_per_node(args.devices_per_node, placement.num_devices, "--devices-per-node")
     print_report(profile, placements, None if args.no_plots else args.plots, args.heatmap_layer, args.hidden_size)
     return 0
 
@@ -109,11 +119,14 @@ def plan_methods(
 def print_report(
     profile, placements: dict, plot_dir: str | None, heatmap_layer: int | None = None, hidden_size: int | None = None
 ) -> None:
-    from ..report import write_report
+    """Print the profile's description and the report, then (with `plot_dir`) write the plots: the table is out
+    before a plot can fail."""
+    from ..report import check_heatmap_layer, evaluate_placements, format_report, write_plots
     from .profile import describe_profile
 
-    table, paths = write_report(profile, placements, plot_dir, heatmap_layer, hidden_size)
+    layer = check_heatmap_layer(profile, heatmap_layer, "--heatmap-layer")
+    results = evaluate_placements(profile, placements)
     print(describe_profile(profile))
-    print(table)
-    for path in paths:
+    print(format_report(profile, results, hidden_size))
+    for path in [] if plot_dir is None else write_plots(profile, results, plot_dir, layer):
         print(f"wrote {path}")
