@@ -70,7 +70,7 @@ def test_place_and_replan_name_the_file_written_into_an_out_directory(command, f
     [
         (["--num-devices", "4", "--cross-validate", "1"], "argument --cross-validate: expected 0 or an integer >= 2, got 1"),
         (["--num-devices", "4", "--cross-validate", "-2"], "argument --cross-validate: expected 0 or an integer >= 2, got -2"),
-        (["--num-devices", "0"], "--num-devices must be a positive integer, got 0"),
+        (["--num-devices", "0"], "argument --num-devices/--num_devices: expected an integer >= 1, got 0"),
         (["--num-devices", "4", "--devices-per-node", "3"], "--devices-per-node=3 does not divide num_devices=4"),
     ],
 )
@@ -86,8 +86,8 @@ def test_place_checks_its_numbers_before_planning(flags, message, files, tmp_pat
         (["--hidden-size", "-5000", "--devices-per-node", "2"], "argument --hidden-size: expected an integer >= 1, got -5000"),
         (["--heatmap-layer", "-1"], "argument --heatmap-layer: expected an integer >= 0, got -1"),
         (["--heatmap-layer", "99"], "--heatmap-layer 99 is not a layer of the routing profile (it has [0, 1])"),
-        (["--num-devices", "0"], "--num-devices must be a positive integer, got 0"),
-        (["--num-devices", "4", "--devices-per-node", "0"], "--devices-per-node must be an integer >= 1, got 0"),
+        (["--num-devices", "0"], "argument --num-devices/--num_devices: expected an integer >= 1, got 0"),
+        (["--num-devices", "4", "--devices-per-node", "0"], "argument --devices-per-node/--devices_per_node: expected an integer >= 1, got 0"),
     ],
 )
 def test_report_checks_its_numbers_before_any_work(flags, message, files, tmp_path, capsys, monkeypatch):
@@ -122,7 +122,7 @@ def test_demo_checks_num_devices_before_profiling(tmp_path, capsys, monkeypatch)
     monkeypatch.setattr("occult_hf.profile.RoutingProfile.collect", _never("RoutingProfile.collect"))
     out = tmp_path / "demo"
     err = refused(["demo", "--num-devices", "0", "--tokens", "256", "--no-plots", "--out", str(out)], capsys)
-    assert "occult demo: error: --num-devices must be a positive integer, got 0" in err
+    assert "occult demo: error: argument --num-devices/--num_devices: expected an integer >= 1, got 0" in err
     assert not out.exists()
 
 

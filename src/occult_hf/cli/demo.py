@@ -24,7 +24,6 @@ import numpy as np
 import torch
 
 from ..utils.arguments import positive_int
-from ..utils.checks import check_num_devices
 from ..utils.strict_json import read_json_file
 from .devices import add_num_devices_argument
 
@@ -109,7 +108,6 @@ def _run(args: argparse.Namespace) -> int:
     from . import check_output_dir
     from .report import plan_methods, print_report
 
-    check_num_devices(args.num_devices, "--num-devices")
     check_output_dir(args.out)
     os.makedirs(args.out, exist_ok=True)
     with resources.as_file(tiny_checkpoint_path()) if args.model is None else contextlib.nullcontext(args.model) as path:

@@ -1,7 +1,9 @@
-"""Flags every `occult` command spells the same way: `--device` (with `auto`) and `--num-devices`."""
+"""Flags every `occult` command spells the same way: `--device` (with `auto`), `--num-devices` and
+`--devices-per-node` (positive integers, checked at parse time, before any work)."""
 
 from __future__ import annotations
 
+from ..utils.arguments import positive_int
 
 
 def resolve_device(value: str | None) -> str:
@@ -24,12 +26,12 @@ def resolve_device(value: str | None) -> str:
 
 def add_num_devices_argument(parser, help: str, **kwargs) -> None:
     """`--num-devices` (the name of `OccultConfig.num_devices`; `--num_devices` as transformers' scripts spell it)."""
-    parser.add_argument("--num-devices", "--num_devices", dest="num_devices", type=int, help=help, **kwargs)
+    parser.add_argument("--num-devices", "--num_devices", dest="num_devices", type=positive_int, help=help, **kwargs)
 
 
 def add_devices_per_node_argument(parser, help: str, default: int | None = None) -> None:
     """`--devices-per-node G` (`OccultConfig.devices_per_node`, `plan_placement(devices_per_node=G)`)."""
-    parser.add_argument("--devices-per-node", "--devices_per_node", dest="devices_per_node", type=int, default=default, help=help)
+    parser.add_argument("--devices-per-node", "--devices_per_node", dest="devices_per_node", type=positive_int, default=default, help=help)
 
 
 __all__ = ["add_devices_per_node_argument", "add_num_devices_argument", "resolve_device"]

@@ -7,7 +7,7 @@ import os
 
 from ..placement import PLACEMENT_FILENAME, available_planners
 from ..utils.atomic import check_writable_dir
-from ..utils.checks import check_devices_per_node, check_num_devices
+from ..utils.checks import check_devices_per_node
 from ..utils.strict_json import parse_json
 from .devices import add_devices_per_node_argument, add_num_devices_argument
 
@@ -107,7 +107,6 @@ def run(args: argparse.Namespace) -> int:
 
     if args.num_devices is None:
         raise SystemExit("occult place: --num-devices D is required (the devices of the expert-parallel group)")
-    check_num_devices(args.num_devices, "--num-devices")
     if args.devices_per_node is not None:
         check_devices_per_node(args.devices_per_node, args.num_devices, "--devices-per-node")
     out = placement_output(args.out)
