@@ -227,6 +227,35 @@ def test_logs_under_expert_parallelism_equal_one_process():
             assert logs[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
 
 
+def _scheduled_training_under_ep(rank, world_size, output_dir, port):
+    from transformers import Trainer, TrainingArguments
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    model = apply_occult(tiny_model("olmoe", **SIZES).train(), OccultConfig(prune="router", max_devices_per_token=1))
+    args = TrainingArguments(
+        output_dir=output_dir, max_steps=4, per_device_train_batch_size=2, save_steps=1, save_only_model=True,
+        report_to=[], use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=NextTokenData(16))
+    OccultCallback(start_devices_per_token=2, target_devices_per_token=1, schedule_steps=2).attach(trainer)
+    trainer.train()
+
+
+@pytest.mark.world_size(2)
+def test_checkpoints_under_expert_parallelism_record_the_scheduled_limit(tmp_path):
+    """Under EP the Trainer's rank 0 alone writes each checkpoint: the N_d it records must be recorded on every rank
+    alike, or the next save's agreement check sees ranks that differ."""
+    from distributed import free_port
+
+    run_world(_scheduled_training_under_ep, 2, str(tmp_path), free_port())
+    recorded = [
+        json.loads((tmp_path / f"checkpoint-{step}" / "config.json").read_text())["occult_config"]["max_devices_per_token"]
+        for step in (1, 2, 3, 4)
+    ]
+    assert recorded == [2, 2, 1, 1]
+
+
 def test_logged_ct_is_the_ct_the_dispatch_served_under_load_aware_replicas():
     """With `replica_choice="load_aware"` a replicated expert's pairs go where the batch's counts send them, not
     where the static rule would: the logged CT must be the one the dispatch served (its rows, in dedup mode)."""

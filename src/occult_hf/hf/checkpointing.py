@@ -74,9 +74,11 @@ def new_save_group(ep_group, operation: str = "apply_occult"):
 
 
 def check_model_ranks_agree(model: nn.Module, state: OccultState, operation: str) -> None:
-    """Collective (EP only), the first step of every save or gather: every rank joins within
-    `OCCULT_JOIN_TIMEOUT_S` (else an error naming the ranks that did not), then every rank holds the same
-    effective EP setup, else an error on every rank."""
+    """Collective (EP only), the first step of every save or gather: the pruners' limits in force are put on the
+    config (`record_running_limits`, on every rank alike: the Trainer's rank-0-only save must not record them on one
+    rank), every rank joins within `OCCULT_JOIN_TIMEOUT_S` (else an error naming the ranks that did not), then every
+    rank holds the same effective EP setup, else an error on every rank."""
+    record_running_limits(model, state)
     if not state.ep.is_distributed:
         return
     arrive(state.ep.group, operation, join_timeout_s(), JOIN_TIMEOUT_ENV)
@@ -127,7 +129,6 @@ def save_pretrained(model, save_directory, *args, **kwargs):
         )
     kwargs.pop("state_dict", None)
     is_main_process = kwargs.pop("is_main_process", True)
-    record_running_limits(model, state)
     full_experts = _full_experts_for_save(model, state)
     if full_experts is None or not is_main_process:
         return None
@@ -284,11 +285,11 @@ def snapshot_experts(model: nn.Module) -> None:
 
 
 def _full_experts_for_save(model, state) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
-    """`{path: (gate_up [E, 2I, H], down [E, H, I])}` on the writing rank (EP rank 0), None elsewhere."""
-    if state.ep.is_distributed:
-        if state.snapshot_versions == _expert_versions(model, state):
-            return state.snapshot
-        check_model_ranks_agree(model, state, "save_pretrained")
+    """`{path: (gate_up [E, 2I, H], down [E, H, I])}` on the writing rank (EP rank 0), None elsewhere; a current
+    snapshot (EP) is written with the limits it recorded."""
+    if state.ep.is_distributed and state.snapshot_versions == _expert_versions(model, state):
+        return state.snapshot
+    check_model_ranks_agree(model, state, "save_pretrained")
     return _gather_experts(model, state)
 
 
