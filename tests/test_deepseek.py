@@ -240,6 +240,10 @@ def test_balance_loss_trains_when_the_model_is_converted_in_eval_mode():
         ({"num_experts_per_tok": None}, "set both"),
         ({"num_experts_per_tok": 9}, "num_experts_per_tok=9 must be between 1 and n_routed_experts=8"),
         ({"moe_layer_freq": 0}, "moe_layer_freq=0"),
+        ({"moe_intermediate_size": 0}, "moe_intermediate_size=0 must be >= 1"),
+        # the field types are checked as transformers' own configs check theirs: a string "false" is not False
+        ({"norm_topk_prob": "false"}, "Field 'norm_topk_prob' expected bool, got str"),
+        ({"num_experts_per_tok": 2.0}, "Field 'num_experts_per_tok' with value 2.0"),
     ],
 )
 def test_config_rejects_what_the_published_code_cannot_build(fields, message):

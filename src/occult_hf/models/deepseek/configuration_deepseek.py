@@ -6,9 +6,10 @@ published attention, norms and rotary embedding are Llama's), so this class exte
 the published `rope_theta` / `rope_scaling` become transformers 5's `rope_parameters` on load, and
 `to_dict` writes them back beside it so that a saved `config.json` also configures the published
 remote code correctly.
-"""
 
-from __future__ import annotations
+No `from __future__ import annotations` here: `@strict` checks each field against its annotation only when the
+annotation is a type, not a string, and without the checks `norm_topk_prob="false"` would be true.
+"""
 
 from huggingface_hub.dataclasses import strict
 from transformers import LlamaConfig
@@ -79,6 +80,8 @@ class DeepseekMoeConfig(LlamaConfig):
                 f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and "
                 f"n_routed_experts={self.n_routed_experts}"
             )
+        if self.moe_intermediate_size < 1:
+            raise ValueError(f"moe_intermediate_size={self.moe_intermediate_size} must be >= 1")
         if self.moe_layer_freq < 1:
             raise ValueError(f"moe_layer_freq={self.moe_layer_freq} must be >= 1")
         if self.first_k_dense_replace < 0:
