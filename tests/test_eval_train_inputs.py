@@ -108,6 +108,12 @@ def test_eval_dtype_must_name_a_torch_dtype(fake_lm_eval, tmp_path, capsys):
     assert [call["dtype"] for call in fake_lm_eval] == ["auto", "bfloat16"]
 
 
+def test_eval_takes_the_dtype_from_model_args_when_the_flag_is_not_given(fake_lm_eval, tmp_path):
+    """lm-eval's own CLI takes `dtype=` in `--model_args`; only `--dtype` given as well is a clash."""
+    assert main(_eval(tmp_path / "run", "--model_args", "dtype=bfloat16")) == 0
+    assert fake_lm_eval[-1]["dtype"] == "bfloat16"
+
+
 # ----- occult train --------------------------------------------------------------------------------------------
 
 

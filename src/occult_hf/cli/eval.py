@@ -54,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run = parser.add_argument_group("lm-eval settings")
     run.add_argument("--batch_size", "--batch-size", dest="batch_size", default="1", help="an integer, or 'auto' in one process (default: 1)")
     run.add_argument("--device", default="auto", help="auto (CUDA when available, else CPU), cuda, cuda:0 or cpu (default: auto; one GPU per rank under torchrun)")
-    run.add_argument("--dtype", type=dtype_name, default="auto", help="model dtype, e.g. bfloat16 (default: auto, the checkpoint's)")
+    run.add_argument("--dtype", type=dtype_name, help="model dtype, e.g. bfloat16 (default: the model's `dtype` in --model_args, else auto: the checkpoint's)")
     run.add_argument("--limit", type=float, help="documents per task (testing only); < 1 means a fraction")
     run.add_argument("--num_fewshot", "--num-fewshot", dest="num_fewshot", type=int, help="few-shot examples (default: each task's own)")
     run.add_argument("--bootstrap_iters", "--bootstrap-iters", dest="bootstrap_iters", type=int, default=100000, help="bootstrap iterations for stderrs (0: none)")
