@@ -289,6 +289,17 @@ def test_shipped_tiny_checkpoint_is_small_self_describing_and_learned():
     s = routing_structure(capture_routing(model, windows), model.config.num_experts)["mean"]
     assert s["top10_pair_share"] > 1.5 * s["top10_pair_share_random"]
 
+    # saved for inference: a batched, left-padded generate runs (router logits in the outputs would break it) and
+    # gives each prompt the tokens it gets alone
+    assert model.config.output_router_logits is False
+    tokenizer.padding_side = "left"
+    prompts = ["def main", "The kernel schedules each task"]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    together = model.generate(**batch, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)[:, -4:]
+    for prompt, tokens in zip(prompts, together):
+        alone = model.generate(**tokenizer(prompt, return_tensors="pt"), max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        assert alone[0, -4:].tolist() == tokens.tolist()
+
 
 def test_transfer_study_on_the_tiny_models_profiles(trained, prepared):
     from transformers import OlmoeForCausalLM

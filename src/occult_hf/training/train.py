@@ -251,6 +251,9 @@ def train(
         d: perplexity(model, data.windows("heldout", d, recipe.seq_len, max_tokens=eval_tokens)) for d in data.domains
     }
     if save:
+        # saved for inference, as released MoE checkpoints are: router logits in every output would also break
+        # transformers' batched, padded generate (its balance loss on the padded mask)
+        model.config.output_router_logits = False
         model.save_pretrained(out)
         data.tokenizer().save_pretrained(out)
     atomic_write_text(out / "recipe.json", recipe.to_json())
