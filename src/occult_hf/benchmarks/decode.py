@@ -63,7 +63,8 @@ from transformers import Cache, StaticCache
 
 from occult_hf.benchmarks import failure_text, measures_a_gpu
 from occult_hf.benchmarks.graph_settling import counting_graph_recordings, settle
-from occult_hf.benchmarks.model import MODEL_SHAPES, build_model, model_config
+from occult_hf.benchmarks.model import MODEL_SHAPES, build_model, dry_run_hidden, model_config
+from occult_hf.utils.arguments import non_negative_int, positive_int
 from occult_hf.utils.atomic import atomic_write_text
 
 HELP = "model.generate() per step at batch 1-64, dynamic, static and reused static cache: occult_hf vs stock transformers"
@@ -449,15 +450,15 @@ def plot(rows: list[DecodeRow], floors_ms: dict[str, float], path: Path) -> None
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", default=list(FULL_LAYERS), choices=list(MODEL_SHAPES))
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the real model's)")
-    parser.add_argument("--hidden", type=int, default=None, help="override H (CPU dry runs)")
-    parser.add_argument("--intermediate", type=int, default=None, help="override the expert/MLP widths (CPU dry runs)")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--layers", type=positive_int, default=None, help="decoder layers (default: the real model's)")
+    parser.add_argument("--hidden", type=dry_run_hidden, default=None, help="override H (CPU dry runs)")
+    parser.add_argument("--intermediate", type=positive_int, default=None, help="override the expert/MLP widths (CPU dry runs)")
+    parser.add_argument("--batches", type=positive_int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--caches", nargs="+", default=list(CACHES), choices=CACHES)
-    parser.add_argument("--prompt", type=int, default=128, help="prompt tokens (S)")
-    parser.add_argument("--new-tokens", type=int, default=64, help="new tokens per generate (N)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--check-layers", type=int, default=2, help="layers of the fp32 greedy-token check (0: skip)")
+    parser.add_argument("--prompt", type=positive_int, default=128, help="prompt tokens (S)")
+    parser.add_argument("--new-tokens", type=positive_int, default=64, help="new tokens per generate (N)")
+    parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--check-layers", type=non_negative_int, default=2, help="layers of the fp32 greedy-token check (0: skip)")
     parser.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth for the floor (default: measured)")
     parser.add_argument("--untracked", action="store_true", help="occult with track_routing(model, False), as for serving")
     parser.add_argument("--isolate", action="store_true",

@@ -408,8 +408,10 @@ def measure(shape_name: str, tokens: int, trace, args, device, dtype, rank: int,
     """Every case of one shape and T; `saved(rows)` (optional) after each case, so that a run cut short (a
     hung collective, the call's time limit) keeps the cases measured before it."""
     shape = SHAPES[shape_name]
-    if args.hidden or args.intermediate:  # shrink the matrices, keep E, k and the routing
-        shape = replace(shape, hidden=args.hidden or shape.hidden, intermediate=args.intermediate or shape.intermediate)
+    if args.hidden is not None:  # shrink the matrices, keep E, k and the routing
+        shape = replace(shape, hidden=args.hidden)
+    if args.intermediate is not None:
+        shape = replace(shape, intermediate=args.intermediate)
     config = build_config(shape)
     model = build_model(config, device, dtype, args.seed)
     generator = torch.Generator(device=device).manual_seed(args.seed + 7 * rank)
@@ -869,8 +871,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--expert-backend", default="auto", choices=["auto", "triton", "torch"])
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default: bf16 on GPU, fp32 on CPU")
-    parser.add_argument("--hidden", type=int, default=None, help="override H (CPU dry runs), keeping E, k and routing")
-    parser.add_argument("--intermediate", type=int, default=None, help="override I (CPU dry runs)")
+    parser.add_argument("--hidden", type=positive_int, default=None, help="override H (CPU dry runs), keeping E, k and routing")
+    parser.add_argument("--intermediate", type=positive_int, default=None, help="override I (CPU dry runs)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="docs", help="directory for bench_ep.md/.json/.png (rank 0)")
 

@@ -118,6 +118,16 @@ def exchange_model(args) -> str:
     return "\n".join([*lines, markdown_table(header, cells)])
 
 
+def require_process_group() -> None:
+    """Exit with the launch line when no process group is set up: the exchange is between ranks, so a plain
+    `occult bench exchange` (no torchrun) has nothing to measure and would fail on the missing group."""
+    if not dist.is_initialized():
+        raise SystemExit(
+            "occult bench exchange: no process group: launch it under `torchrun --nproc-per-node D -m occult_hf.cli "
+            "bench exchange`, or pass --model TRACE to model the exchange without one"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     from occult_hf.benchmarks.experts import machine_line
 
@@ -133,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
     from occult_hf.benchmarks.ep import init_from_torchrun
 
     rank, world, device = init_from_torchrun()
+    require_process_group()
     group_name = dist.group.WORLD.group_name
     results: dict[str, list[tuple[int, float]]] = {}
     notes = []

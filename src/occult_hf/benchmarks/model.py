@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from occult_hf.utils.arguments import positive_int
 from occult_hf.utils.atomic import atomic_write_text
 from occult_hf.utils.host_memory import available_bytes
 from occult_hf.experts import expert_backend_names
@@ -66,6 +67,19 @@ MODEL_SHAPES: dict[str, tuple[str, dict]] = {
     ),
 }  # fmt: skip
 
+#: attention heads of a model whose width `--hidden` overrides (the real shapes' 16 would leave too few columns each)
+DRY_RUN_HEADS = 4
+
+
+def dry_run_hidden(text: str) -> int:
+    """`--hidden`: a positive multiple of 2 * DRY_RUN_HEADS, checked at parse time, since rotary embeddings need heads
+    of even width and a width that does not split into them fails deep inside the first forward."""
+    value = positive_int(text)
+    if value % (2 * DRY_RUN_HEADS):
+        raise argparse.ArgumentTypeError(
+            f"expected a multiple of {2 * DRY_RUN_HEADS} ({DRY_RUN_HEADS} attention heads of even width), got {value}"
+        )
+    return value
 
 
 def model_config(shape: str, layers: int, hidden: int | None = None, intermediate: int | None = None):
@@ -74,9 +88,9 @@ def model_config(shape: str, layers: int, hidden: int | None = None, intermediat
 
     class_name, kwargs = MODEL_SHAPES[shape]
     kwargs = dict(kwargs, num_hidden_layers=layers)
-    if hidden:
-        kwargs.update(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=4)
-    if intermediate:
+    if hidden is not None:
+        kwargs.update(hidden_size=hidden, num_attention_heads=DRY_RUN_HEADS, num_key_value_heads=DRY_RUN_HEADS)
+    if intermediate is not None:
         for key in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
             if key in kwargs:
                 kwargs[key] = intermediate
@@ -326,11 +340,12 @@ def results_table(rows: list[ModelRow]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", nargs="+", default=list(MODEL_SHAPES), choices=list(MODEL_SHAPES))
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=4, help="sequences (B)")
-    parser.add_argument("--seq", type=int, default=4096, help="sequence length (S); T = B*S tokens")
-    parser.add_argument("--hidden", type=int, default=None, help="override H (CPU dry runs)")
-    parser.add_argument("--intermediate", type=int, default=None, help="override the expert/MLP widths (CPU dry runs)")
+    parser.add_argument("--layers", type=positive_int, default=4)
+    parser.add_argument("--batch", type=positive_int, default=4, help="sequences (B)")
+    parser.add_argument("--seq", type=positive_int, default=4096, help="sequence length (S); T = B*S tokens")
+    parser.add_argument("--hidden", type=dry_run_hidden, default=None,
+                        help=f"override H (CPU dry runs; a multiple of {2 * DRY_RUN_HEADS}, {DRY_RUN_HEADS} attention heads)")
+    parser.add_argument("--intermediate", type=positive_int, default=None, help="override the expert/MLP widths (CPU dry runs)")
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default: bf16 on GPU, fp32 on CPU")
     parser.add_argument("--warmup-ms", type=float, default=100.0)
     parser.add_argument("--rep-ms", type=float, default=500.0)
@@ -346,7 +361,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from occult_hf.benchmarks.experts import DENSE_GEMM_SIZE, dense_gemm_tflops, machine_line
+    from occult_hf.cli import check_output_dir
 
+    check_output_dir(args.out)  # before the run, not after its minutes of measuring
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     dense_size = DENSE_GEMM_SIZE if device.type == "cuda" else 1024  # the CPU's rate only needs to be of the right order

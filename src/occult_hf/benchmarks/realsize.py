@@ -243,8 +243,11 @@ def results_table(rows: list[RealRow]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: OLMoE-1B-7B's 16)")
-    parser.add_argument("--hidden", type=int, default=None, help="override H (CPU dry runs)")
+    from occult_hf.benchmarks.model import dry_run_hidden
+    from occult_hf.utils.arguments import positive_int
+
+    parser.add_argument("--layers", type=positive_int, default=16, help="decoder layers (default: OLMoE-1B-7B's 16)")
+    parser.add_argument("--hidden", type=dry_run_hidden, default=None, help="override H (CPU dry runs; I = H/2)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--iterations", type=int, default=5)
@@ -284,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
     rank, world, device = init_from_torchrun()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     # OLMoE-1B-7B's own config.json values (newer transformers changed OlmoeConfig's defaults)
-    config = model_config("olmoe-1b-7b", args.layers or 16, args.hidden, args.hidden // 2 if args.hidden else None)
+    config = model_config("olmoe-1b-7b", args.layers, args.hidden, args.hidden // 2 if args.hidden is not None else None)
     generator = torch.Generator(device=device).manual_seed(args.seed + rank)
     ids_BS = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=generator, device=device)
     prompt_1P = torch.randint(0, config.vocab_size, (1, args.prompt), generator=generator, device=device)

@@ -2,12 +2,12 @@
 
 Each benchmark is a module `occult_hf.benchmarks.<name>` with `HELP` (one line), `DESCRIPTION`,
 `add_arguments(parser)`, `needs_cuda(args) -> bool` (whether this run measures a GPU) and
-`run(args) -> int`; adding one means adding that module and its name to `BENCHMARKS` below, nothing
-else.
+`run(args) -> int`, and `CPU_CHECK = False` where it cannot run on the CPU at all (then it has no `--cpu`);
+adding one means adding that module and its name to `BENCHMARKS` below, nothing else.
 
 A run that measures a GPU fails at once on a machine without CUDA, on every rank under torchrun (at
 the real shapes a CPU run takes minutes and its timings mean nothing); `--cpu` runs it on the CPU
-anyway, as a check of the script at small sizes (what the tests do).
+anyway, as a check of the script at small sizes (what the tests do), in every benchmark but `experts`.
 """
 
 from __future__ import annotations
@@ -33,11 +33,18 @@ def register(subparsers) -> None:
         module = importlib.import_module(f"occult_hf.benchmarks.{name}")
         sub = benchmarks.add_parser(name, help=module.HELP, description=module.DESCRIPTION)
         module.add_arguments(sub)
-        sub.add_argument(
-            "--cpu", action="store_true",
-            help="run on the CPU although no CUDA device is there: a check of the script at small sizes, not a measurement",
-        )  # fmt: skip
-        sub.set_defaults(func=functools.partial(_run, name, module))
+        if _has_cpu_check(module):
+            sub.add_argument(
+                "--cpu", action="store_true",
+                help="run on the CPU although no CUDA device is there: a check of the script at small sizes, not a measurement",
+            )  # fmt: skip
+        sub.set_defaults(cpu=False, func=functools.partial(_run, name, module))
+
+
+def _has_cpu_check(module) -> bool:
+    """Whether benchmark `module` offers `--cpu`: all but those whose kernels need CUDA (`CPU_CHECK = False`), so that
+    the help does not offer a flag the run refuses."""
+    return getattr(module, "CPU_CHECK", True)
 
 
 def _run(name: str, module, args: argparse.Namespace) -> int:
@@ -51,10 +58,11 @@ def _run(name: str, module, args: argparse.Namespace) -> int:
     if not args.cpu and torch.cuda.is_available():
         return module.run(args)
     if module.needs_cuda(args) and not args.cpu:
+        hint = ("--cpu runs it on the CPU anyway, as a check of the script at small sizes (its timings mean nothing)"
+                if _has_cpu_check(module) else "it has no --cpu check: its kernels need CUDA")  # fmt: skip
         raise SystemExit(
             f"occult bench {name}: this run measures a GPU and this machine has no CUDA device "
-            f"(torch.cuda.is_available() is False); --cpu runs it on the CPU anyway, as a check of the script "
-            f"at small sizes (its timings mean nothing)"
+            f"(torch.cuda.is_available() is False); {hint}"
         )
     with capped_at_free_memory() as growth:
         try:
