@@ -263,8 +263,15 @@ class OccultHFLM(HFLM):
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
         """HFLM's scoring with one wait for the device per batch instead of four per request (`scoring.score_requests`);
-        HFLM's own for what that does not cover (an `auto` batch size)."""
-        if self.backend != "causal" or not isinstance(self.batch_size, int) or override_bs is not None:
+        HFLM's own for what that does not cover (an `auto` batch size).
+
+        `loglikelihood_rolling` (perplexity) calls this once per batch of windows with `override_bs` (the batch's
+        length) and its bar forced on. With an integer batch size HFLM ignores `override_bs` (the batch is one
+        chunk of at most `batch_size` windows either way), so the batched scorer serves those calls too; the bar
+        follows HF's progress switches here because lm-eval does not pass its caller's `disable_tqdm` down.
+        """
+        disable_tqdm = disable_tqdm or not progress_enabled()
+        if self.backend != "causal" or not isinstance(self.batch_size, int):
             return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
         return score_requests(self, requests, disable_tqdm=disable_tqdm)
 

@@ -724,3 +724,42 @@ def test_occult_offline_runs_on_the_shipped_model_without_a_download(full_task_m
     assert 0.0 <= results["occult_offline_nextline"]["acc,none"] <= 1.0
     assert results["occult_offline_ppl"]["byte_perplexity,none"] > 1.0
     assert "evaluating the shipped tiny OLMoE" in capsys.readouterr().out
+
+
+def test_rolling_loglikelihood_uses_the_batched_scorer_and_hides_its_bars(assets, capsys, monkeypatch):
+    """Perplexity tasks: lm-eval's `loglikelihood_rolling` scores each batch of windows through
+    `_loglikelihood_tokens(..., disable_tqdm=False, override_bs=...)`. `occult-hf` scores them with its batched
+    scorer too (not HFLM's per-request loop), draws no request bar when HF's progress switches are off
+    (`occult eval --no-progress`), and its perplexities equal stock `hf`'s."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    import occult_hf.eval.model as occult_model
+    from occult_hf.eval.scoring import score_requests
+    from occult_hf.utils.progress import progress_bars_off
+
+    rng = random.Random(1)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(length)) for length in (30, 17, 25)]
+    requests = [Instance("loglikelihood_rolling", {}, (text,), idx) for idx, text in enumerate(texts)]
+    create = lambda model, **occult: get_model(model).create_from_arg_obj(  # noqa: E731
+        model_args(assets, "olmoe", max_length=12, **occult), {"batch_size": BATCH_SIZE})
+    expected = create("hf").loglikelihood_rolling(requests, disable_tqdm=True)
+    lm = create("occult-hf", num_devices=NUM_DEVICES)
+    calls = {"batched": 0, "per_request": 0}
+
+    def counted(kind, scorer):
+        def call(*args, **kwargs):
+            calls[kind] += 1
+            return scorer(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(occult_model, "score_requests", counted("batched", score_requests))
+    monkeypatch.setattr(HFLM, "_loglikelihood_tokens", counted("per_request", HFLM._loglikelihood_tokens))
+    capsys.readouterr()
+    with progress_bars_off():
+        got = lm.loglikelihood_rolling(requests)
+    bars = capsys.readouterr().err
+    assert got == pytest.approx(expected, rel=1e-5, abs=1e-5)
+    assert calls["batched"] > 1 and calls["per_request"] == 0  # several batches of windows, none in HFLM's loop
+    assert "Running loglikelihood requests" not in bars and "%|" not in bars
