@@ -77,13 +77,16 @@ def load_text_dataset(source: str | os.PathLike, config: str | None = None, spli
         raise ValueError(
             f"text column {text_column!r} is not in {path!r}; its columns are {data.column_names} (set --text-column)"
         )
-    _check_column(data, text_column, path)
+    if os.path.exists(path) and not is_save_to_disk_directory(path):  # parsed from local files just now
+        _check_column(data, text_column, path)
     return data
 
 
 def _check_column(data, text_column: str, path: str) -> None:
     """pyarrow's JSON reader keeps strings that are not UTF-8 (a Latin-1 `.jsonl`), which fail only when read, after
-    the model loaded: one validating pass over the column (in Arrow, no Python strings) finds them now."""
+    the model loaded: one validating pass over the column (in Arrow, no Python strings) finds them now. Only for
+    local files just parsed (a pass no longer than the parse): a hub or `save_to_disk` dataset was written by Arrow,
+    and reading all of a large one would cost what `--max-tokens` saves."""
     import pyarrow
 
     try:
