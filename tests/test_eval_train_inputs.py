@@ -127,8 +127,13 @@ def test_train_steps_and_time_budget_must_schedule_something(flag, value, tmp_pa
 
 
 def test_recipe_steps_and_time_budget_must_schedule_something():
-    for changes, message in [({"max_steps": 0}, "max_steps (0) must be an integer >= 1"),
-                             ({"max_steps": 2.5}, "max_steps (2.5) must be an integer >= 1"),
+    for changes, message in [({"max_steps": 0}, "max_steps must be an integer >= 1, got 0"),
+                             ({"max_steps": 2.5}, "max_steps must be an integer >= 1, got 2.5"),
+                             ({"batch_size": 0}, "batch_size must be an integer >= 1, got 0"),
+                             ({"seq_len": -8}, "seq_len must be an integer >= 1, got -8"),
+                             ({"warmup_steps": -1}, "warmup_steps must be an integer >= 0, got -1"),
+                             ({"seed": True}, "seed must be an integer >= 0, got True"),
+                             ({"top_k": "4"}, "top_k must be an integer >= 1, got '4'"),
                              ({"time_budget_s": -1.0}, "time_budget_s (-1.0) must be None or a finite number of seconds > 0"),
                              ({"time_budget_s": float("inf")}, "time_budget_s (inf) must be"),
                              ({"time_budget_s": float("nan")}, "time_budget_s (nan) must be"),

@@ -46,6 +46,7 @@ from ..placement import Placement, get_planner, plan_placement
 from ..profile import ProfileCollector, RoutingProfile
 from ..pruning import pruners_of
 from ..stats import RoutingMeter
+from ..utils.checks import check_count
 
 RECENT_PROFILE_FILENAME = "occult_recent_profile.safetensors"
 REPLANNED_PLACEMENT_FILENAME = "occult_placement_replanned.json"
@@ -53,13 +54,6 @@ LOG_PREFIX = "occult/"
 
 
 # ----- the N_d schedule --------------------------------------------------------------------------
-
-
-def _check_count(setting: str, value, minimum: int, meaning: str = "", why: str = "") -> None:
-    """Raise unless `value` is an `int` >= `minimum` (a bool is not a count): `<setting> must be an
-    integer >= <minimum><meaning>, got <value><why>`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{setting} must be an integer >= {minimum}{meaning}, got {value!r}{why}")
 
 
 @dataclass(frozen=True)
@@ -75,13 +69,13 @@ class DeviceLimitSchedule:
     steps: int
 
     def __post_init__(self) -> None:
-        _check_count("N_d schedule start", self.start, 1)
-        _check_count("N_d schedule target", self.target, 1)
+        check_count("N_d schedule start", self.start, 1)
+        check_count("N_d schedule target", self.target, 1)
         if self.start < self.target:
             raise ValueError(
                 f"N_d schedule start ({self.start}) must be >= target ({self.target}): the schedule tightens the limit"
             )
-        _check_count("N_d schedule steps", self.steps, 0)
+        check_count("N_d schedule steps", self.steps, 0)
 
     def at(self, step: int) -> int:
         if step >= self.steps:
@@ -143,11 +137,11 @@ class OccultCallback(TrainerCallback):
         start_nodes_per_token: int | None = None,
     ) -> None:
         get_planner(planner).make_options(**(planner_options or {}))  # clear errors now rather than at the first check
-        _check_count(
+        check_count(
             "OccultCallback sample_size", sample_size, 1, why=": the drift check measures CT on the recent profile's top-k sample"
         )
-        _check_count("OccultCallback check_every", check_every, 0, meaning=" (0: only at saves)")
-        _check_count("OccultCallback schedule_steps", schedule_steps, 0)
+        check_count("OccultCallback check_every", check_every, 0, meaning=" (0: only at saves)")
+        check_count("OccultCallback schedule_steps", schedule_steps, 0)
         self.target_devices_per_token = target_devices_per_token
         self.start_devices_per_token = start_devices_per_token
         self.target_nodes_per_token = target_nodes_per_token

@@ -24,6 +24,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..utils.checks import check_count
+
+#: the Recipe fields that are counts, and their least values (a bool is not a count)
+_COUNT_MINIMA = {
+    "num_experts": 1, "top_k": 1, "hidden_size": 1, "intermediate_size": 1, "num_layers": 1, "num_heads": 1,
+    "vocab_size": 1, "seq_len": 1, "max_steps": 1, "batch_size": 1, "warmup_steps": 0, "seed": 0,
+}  # fmt: skip
+
+
 @dataclass
 class Recipe:
     """How one model is trained (see the module docstring for the two recipes)."""
@@ -63,6 +72,8 @@ class Recipe:
     seed: int = field(default=0, metadata={"help": "seed of the weights, the data order and the held-out sample"})
 
     def __post_init__(self) -> None:
+        for name, minimum in _COUNT_MINIMA.items():
+            check_count(f"Recipe {self.name}: {name}", getattr(self, name), minimum)
         if self.train_domains is not None:
             self.train_domains = tuple(self.train_domains)
             if not self.train_domains or not all(isinstance(d, str) and d for d in self.train_domains):
@@ -71,8 +82,6 @@ class Recipe:
             raise ValueError(f"Recipe {self.name}: top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
         if not 0.0 < self.heldout_fraction < 1.0:
             raise ValueError(f"Recipe {self.name}: heldout_fraction ({self.heldout_fraction}) must be in (0, 1)")
-        if isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int) or self.max_steps < 1:
-            raise ValueError(f"Recipe {self.name}: max_steps ({self.max_steps!r}) must be an integer >= 1")
         budget = self.time_budget_s
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget < math.inf):
             raise ValueError(f"Recipe {self.name}: time_budget_s ({budget!r}) must be None or a finite number of seconds > 0")
