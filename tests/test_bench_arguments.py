@@ -28,6 +28,8 @@ def _refused(argv, capsys) -> str:
         ["ep", "--intermediate", "0"],
         ["realsize", "--hidden", "0"],
         ["realsize", "--layers", "0"],
+        ["realsize", "--seq", "0"],
+        ["realsize", "--iterations", "0"],
         ["decode", "--hidden", "0"],
         ["decode", "--batches", "1", "0"],
         ["decode", "--new-tokens", "0"],

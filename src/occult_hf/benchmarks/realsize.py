@@ -248,11 +248,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--layers", type=positive_int, default=16, help="decoder layers (default: OLMoE-1B-7B's 16)")
     parser.add_argument("--hidden", type=dry_run_hidden, default=None, help="override H (CPU dry runs; I = H/2)")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--iterations", type=int, default=5)
-    parser.add_argument("--prompt", type=int, default=32, help="prompt tokens for the decode")
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--batch", type=positive_int, default=4)
+    parser.add_argument("--seq", type=positive_int, default=4096)
+    parser.add_argument("--iterations", type=positive_int, default=5)
+    parser.add_argument("--prompt", type=positive_int, default=32, help="prompt tokens for the decode")
+    parser.add_argument("--new-tokens", type=positive_int, default=64)
     parser.add_argument("--skip-replica", action="store_true", help="only the EP model (saves memory and time)")
     parser.add_argument(
         "--placements", nargs="+", default=list(PLACEMENTS), choices=PLACEMENTS,
