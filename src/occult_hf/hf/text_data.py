@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 
+from ..utils.dataset_errors import parsed
+
 #: file extension -> the `datasets` packaged builder that reads it
 DATA_FILE_BUILDERS = {
     ".txt": "text",
@@ -61,7 +63,7 @@ def load_text_dataset(source: str | os.PathLike, config: str | None = None, spli
         _no_config(config, path, "a single data file")
         if os.path.getsize(path) == 0:
             raise ValueError(f"data file {path!r} is empty")
-        data = _parsed(lambda: datasets.load_dataset(builder, data_files={split: path}, split=split), f"data file {path!r}")
+        data = parsed(lambda: datasets.load_dataset(builder, data_files={split: path}, split=split), f"data file {path!r}")
     elif is_save_to_disk_directory(path):
         _no_config(config, path, "a save_to_disk directory")
         data = datasets.load_from_disk(path)
@@ -72,7 +74,7 @@ def load_text_dataset(source: str | os.PathLike, config: str | None = None, spli
     else:
         if not os.path.isdir(path) and os.path.splitext(path)[1].lower() in DATA_FILE_BUILDERS:
             raise FileNotFoundError(f"data file {path!r} does not exist")
-        data = _parsed(lambda: datasets.load_dataset(path, config, split=split), f"dataset {path!r}")
+        data = parsed(lambda: datasets.load_dataset(path, config, split=split), f"dataset {path!r}")
     if text_column not in data.column_names:
         raise ValueError(
             f"text column {text_column!r} is not in {path!r}; its columns are {data.column_names} (set --text-column)"
@@ -93,22 +95,6 @@ def _check_column(data, text_column: str, path: str) -> None:
         data.data.column(text_column).validate(full=True)
     except pyarrow.ArrowInvalid as error:
         raise ValueError(f"text column {text_column!r} of {path!r} cannot be read ({' '.join(str(error).split())[:300]})") from None
-
-
-def _parsed(load, name: str):
-    """`load()`; data that `datasets` cannot parse (broken JSON, bytes that are not UTF-8, a compressed empty file) is
-    a ValueError naming `name` and the parser's own error, which datasets' DatasetGenerationError only chains."""
-    import pyarrow
-    from datasets.exceptions import DatasetGenerationError
-
-    try:
-        return load()
-    except (DatasetGenerationError, pyarrow.ArrowException, StopIteration) as error:
-        cause = error
-        while isinstance(cause, DatasetGenerationError) and (cause.__cause__ or cause.__context__):
-            cause = cause.__cause__ or cause.__context__
-        reason = "it holds no records" if isinstance(cause, StopIteration) else f"{type(cause).__name__}: {cause}"
-        raise ValueError(f"{name} cannot be read ({' '.join(reason.split())[:300]})") from error
 
 
 def _no_config(config: str | None, path: str, what: str) -> None:

@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from ..utils.checks import shown
+from ..utils.dataset_errors import parsed
 from ..utils.strict_json import parse_json, read_json_file
 
 #: the default `separator`: documents are the blocks between blank lines
@@ -131,16 +132,9 @@ def _read_domain(path: Path, separator: str, text_field: str, cache_dir):
 
 
 def _reading(path: Path, read):
-    """`read()`, a step that reads the corpus file `path`; what it raises on a file that is not gzip, cut short, not
-    UTF-8 or not JSON Lines becomes a `ValueError` naming the file and the cause (`datasets`' own errors name no file)."""
-    from datasets.exceptions import DatasetGenerationError
-
-    try:
-        return read()
-    except (DatasetGenerationError, ValueError, EOFError, gzip.BadGzipFile, zlib.error) as error:
-        cause = error.__cause__ if isinstance(error, DatasetGenerationError) and error.__cause__ else error
-        reason = " ".join(str(cause).split())
-        raise ValueError(f"corpus file {os.fspath(path)!r} cannot be read: {type(cause).__name__}: {reason}") from error
+    """`read()`, a step that reads the corpus file `path`: a file that is not gzip, cut short, not UTF-8 or not JSON
+    Lines is a `ValueError` naming it and the cause (`utils.dataset_errors.parsed`)."""
+    return parsed(read, f"corpus file {os.fspath(path)!r}", also=(ValueError, EOFError, gzip.BadGzipFile, zlib.error))
 
 
 def _is_empty(path: Path) -> bool:

@@ -1,0 +1,31 @@
+"""A data file that `datasets` cannot read, as one error that names it.
+
+`datasets` wraps what its parsers raise (pyarrow's JSON errors, a `UnicodeDecodeError`, a gzip error) in a
+`DatasetGenerationError` that names no file, and reads an empty JSON Lines file into a bare `StopIteration`;
+`occult profile --dataset` and `occult train`'s corpora both read files through it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+Loaded = TypeVar("Loaded")
+
+
+def parsed(load: Callable[[], Loaded], name: str, also: tuple[type[BaseException], ...] = ()) -> Loaded:
+    """`load()`; what `datasets` (and `also`) raise on data it cannot parse is a `ValueError` naming `name` and the
+    parser's own error, found down the chain of `DatasetGenerationError`s."""
+    import pyarrow
+    from datasets.exceptions import DatasetGenerationError
+
+    try:
+        return load()
+    except (DatasetGenerationError, pyarrow.ArrowException, StopIteration, *also) as error:
+        cause = error
+        while isinstance(cause, DatasetGenerationError) and (cause.__cause__ or cause.__context__):
+            cause = cause.__cause__ or cause.__context__
+        reason = "it holds no records" if isinstance(cause, StopIteration) else f"{type(cause).__name__}: {cause}"
+        raise ValueError(f"{name} cannot be read ({' '.join(reason.split())[:300]})") from error
+
+
+__all__ = ["parsed"]
