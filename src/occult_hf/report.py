@@ -273,24 +273,6 @@ def write_plots(
     ]
 
 
-def write_report(
-    profile: RoutingProfile,
-    placements: dict[str, Placement],
-    plot_dir: str | os.PathLike | None,
-    heatmap_layer: int | None = None,
-    hidden_size: int | None = None,
-) -> tuple[str, list[str]]:
-    """Evaluate, format the report (`format_report`) and (with `plot_dir`) write both plots (`write_plots`).
-    Returns `(table, plot paths)`.
-
-    The heatmap shows `heatmap_layer` (default: the profile's first layer).
-    """
-    layer = check_heatmap_layer(profile, heatmap_layer)
-    results = evaluate_placements(profile, placements)
-    table = format_report(profile, results, hidden_size)
-    return table, [] if plot_dir is None else write_plots(profile, results, plot_dir, layer)
-
-
 __all__ = [
     "PlacementResult",
     "evaluate_placements",
@@ -304,5 +286,4 @@ __all__ = [
     "format_report",
     "plot_coactivation",
     "write_plots",
-    "write_report",
 ]
