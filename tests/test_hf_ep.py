@@ -88,6 +88,7 @@ def _ep_world(rank, world_size, checkpoints, out_dir, profile):
 
     from occult_hf import OccultConfig, apply_occult_ep
     from occult_hf.hf.native_ep import occult_ep_layers
+    from occult_hf.pruning import pruners_of
 
     results = {}
     for family, path in checkpoints.items():
@@ -115,6 +116,7 @@ def _ep_world(rank, world_size, checkpoints, out_dir, profile):
                 with torch.no_grad():
                     found[f"pruned_logits_{mode}"] = model(ids).logits.numpy().copy()
                 found[f"pruned_rows_{mode}"] = {layer: impl.stats.rows_sent.tolist() for layer, impl in occult_ep_layers(model).items()}
+                found[f"pruned_layers_{mode}"] = sorted(pruners_of(model))
             # one rank fails its own checks: it raises its error, the other names it instead of waiting for it
             try:
                 apply_occult_ep(model, OccultConfig(num_devices=(None, 4)[rank]))
@@ -129,6 +131,7 @@ def _ep_world(rank, world_size, checkpoints, out_dir, profile):
                 found["config_differs"] = f"{type(error).__name__}: {error}"
             model.config.norm_topk_prob = before
             apply_occult_ep(model, OccultConfig(placement=shuffled_placement(family)))
+            found["pruned_layers_after"] = sorted(pruners_of(model))  # the pruners went with the pruning
             found["resume"] = _resume(model, rank, os.path.join(out_dir, "resume"))
         results[family] = found
     return results
@@ -266,6 +269,8 @@ def test_occult_ep_equals_the_single_process_model(tmp_path):
                     assert rel_err(found[f"pruned_logits_{mode}"], expected) <= TOLERANCE, mode
                     tokens = rank_batch(rank).numel()  # N_d = 1: one row per token
                     assert all(sum(rows) == tokens for rows in found[f"pruned_rows_{mode}"].values()), mode
+                    assert found[f"pruned_layers_{mode}"] == list(MOE_LAYERS[family]), mode
+                    assert found["pruned_layers_after"] == [], mode
             failed = "OccultConfig.num_devices (4) must equal DistributedConfig.ep_size (2)"
             assert results[0][family]["one_rank_fails"].startswith(
                 f"EPConfigMismatchError: occult_hf: rank 1 of the expert-parallel group failed at apply_occult_ep "
@@ -294,6 +299,57 @@ def _similarity_profile(path, out):
     documents = [tiny_batch(batch=1, seq=32, seed=s)[0].tolist() for s in range(2)]
     RoutingProfile.collect(model, documents, progress=False).save(out)
     return out
+
+
+#: N_d goes 2, 2, 1, 1 over the steps (`OccultCallback(target_devices_per_token=1, schedule_steps=2)` from no pruning)
+CALLBACK_STEPS = 4
+CALLBACK_KEYS = ("loss", "grad_norm", "occult/ct", "occult/load_balance", "occult/removed_weight", "occult/max_devices_per_token",
+                 "occult/drift/ct_current")  # fmt: skip
+
+
+def _callback_trainer(rank, world_size, path, out_dir, native: bool):
+    """Pruning-aware training with `OccultCallback` (router pruning built at N_d = D = 2, the schedule to N_d = 1, a drift
+    check every step): on 2 ranks inside transformers' EP (`native`), or in one process on 2 logical devices. The
+    logs of each step, and the `max_devices_per_token` the final checkpoint records."""
+    import json
+    import os
+
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    from occult_hf import OccultCallback, OccultConfig
+
+    if native:
+        os.environ.update(
+            RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT="29519",
+        )  # fmt: skip
+    occult = OccultConfig(placement=shuffled_placement("olmoe"), prune="router", max_devices_per_token=2, num_devices=2)
+    distributed = {"distributed_config": DistributedConfig(ep_size=2, fsdp_size=2, ep_implementation="occult")} if native else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, occult_config=occult, **distributed)
+    callback = OccultCallback(target_devices_per_token=1, schedule_steps=2, check_every=1)
+    out = os.path.join(out_dir, "native" if native else "logical")
+    logs = _train(model, out, per_device_batch=2 if native else 4, steps=CALLBACK_STEPS, callbacks=[callback])
+    with open(os.path.join(out, "final", "config.json")) as saved:
+        return logs, json.load(saved)["occult_config"]["max_devices_per_token"]
+
+
+@pytest.mark.world_size(2)
+def test_occult_callback_inside_transformers_ep_equals_the_occult_config_path(tmp_path):
+    """`OccultCallback` on a model inside transformers' EP: its N_d schedule reaches the pruners (the losses follow
+    it), its CT, load balance, removed weight and drift logs, and the N_d the final checkpoint records equal the same
+    training on the `occult_config` path in one process (2 logical devices, the same global batches)."""
+    path = str(tiny_checkpoint("olmoe", tmp_path / "olmoe", seed=11, num_experts=NUM_EXPERTS, output_router_logits=False))
+    ((reference, reference_saved),) = run_world(_callback_trainer, 1, path, str(tmp_path), False)
+    found = run_world(_callback_trainer, 2, path, str(tmp_path), True, timeout_s=400)
+    assert found[0] == found[1]
+    logs, saved = found[0]
+    assert [log["occult/max_devices_per_token"] for log in reference] == [2.0, 2.0, 1.0, 1.0]
+    assert reference_saved == saved == 1
+    for ref, ep in zip(reference, logs, strict=True):
+        for key in CALLBACK_KEYS:
+            assert abs(ep[key] - ref[key]) <= TOLERANCE * max(abs(ref[key]), 1e-6), (key, reference, logs)
+    assert reference[-1]["occult/removed_weight"] > 0  # pruned at N_d = 1
 
 
 def test_placements_transformers_cannot_shard_are_errors_that_name_the_other_path():
@@ -478,22 +534,22 @@ def test_a_launch_that_splits_the_ep_group_unevenly_over_nodes_is_an_error(monke
 TRAIN_STEPS = 2
 
 
-def _train(model, output_dir: str, per_device_batch: int):
-    """`Trainer` for TRAIN_STEPS SGD steps on 8 fixed rows; the logged (loss, grad_norm) per step; final save."""
+def _train(model, output_dir: str, per_device_batch: int, steps: int = 2, callbacks=()) -> list[dict]:
+    """`Trainer` for `steps` SGD steps on fixed rows (4 a step); the log of each step; final save."""
     import os
 
     from transformers import Trainer, TrainingArguments
 
-    rows = tiny_batch(batch=4 * TRAIN_STEPS, seq=16, seed=90)
+    rows = tiny_batch(batch=4 * steps, seq=16, seed=90)
     args = TrainingArguments(
-        output_dir=output_dir, per_device_train_batch_size=per_device_batch, max_steps=TRAIN_STEPS, learning_rate=0.05,
+        output_dir=output_dir, per_device_train_batch_size=per_device_batch, max_steps=steps, learning_rate=0.05,
         optim="sgd", logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0, disable_tqdm=True,
         dataloader_num_workers=0,
     )  # fmt: skip
-    trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in rows])
+    trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in rows], callbacks=list(callbacks))
     trainer.train()
     trainer.save_model(os.path.join(output_dir, "final"))  # every rank: FSDP2 gathers, rank 0 writes
-    return [(log["loss"], log["grad_norm"]) for log in trainer.state.log_history if "loss" in log]
+    return [log for log in trainer.state.log_history if "loss" in log]
 
 
 def _trainer_world(rank, world_size, path, out_dir):
@@ -513,7 +569,7 @@ def _trainer_world(rank, world_size, path, out_dir):
         path, dtype=torch.float32, distributed_config=config,
         occult_config=OccultConfig(placement=shuffled_placement("olmoe")),
     )  # fmt: skip
-    return _train(model, os.path.join(out_dir, "occult"), per_device_batch=2)
+    return _train(model, os.path.join(out_dir, "occult"), per_device_batch=2, steps=TRAIN_STEPS)
 
 
 def _single_trainer(rank, world_size, path, out_dir):
@@ -522,7 +578,7 @@ def _single_trainer(rank, world_size, path, out_dir):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, occult_config=None)
-    return _train(model, os.path.join(out_dir, "single"), per_device_batch=4)
+    return _train(model, os.path.join(out_dir, "single"), per_device_batch=4, steps=TRAIN_STEPS)
 
 
 @pytest.mark.world_size(2)
@@ -536,8 +592,9 @@ def test_trainer_with_occult_ep_equals_single_process_training(tmp_path):
     (reference,) = run_world(_single_trainer, 1, path, str(tmp_path))
     ep_logs = run_world(_trainer_world, 2, path, str(tmp_path), timeout_s=400)
     assert len(reference) == TRAIN_STEPS and all(logs == ep_logs[0] for logs in ep_logs)
-    for (loss, norm), (ep_loss, ep_norm) in zip(reference, ep_logs[0]):
-        assert abs(ep_loss - loss) <= TOLERANCE * abs(loss) and abs(ep_norm - norm) <= TOLERANCE * norm, (reference, ep_logs)
+    for ref, ep in zip(reference, ep_logs[0]):
+        for key in ("loss", "grad_norm"):
+            assert abs(ep[key] - ref[key]) <= TOLERANCE * abs(ref[key]), (reference, ep_logs)
     single = AutoModelForCausalLM.from_pretrained(tmp_path / "single" / "final", occult_config=None)
     trained = AutoModelForCausalLM.from_pretrained(tmp_path / "occult" / "final", occult_config=None)
     reference_weights = dict(single.named_parameters())

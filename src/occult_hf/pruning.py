@@ -595,7 +595,8 @@ def _load_profile_cached(path: str, mtime_ns: int, size: int):
 
 
 def pruners_of(model: torch.nn.Module) -> dict[int, CollaborationPruner]:
-    """Decoder-layer index -> the `CollaborationPruner` of every pruned MoE block of `model`."""
+    """Decoder-layer index -> the `CollaborationPruner` of every pruned MoE block of `model`: an `OccultMoE`'s, or the
+    one `apply_occult_ep` puts on a transformers block it prunes."""
     found = {}
     for module in model.modules():
         pruner = getattr(module, "pruner", None)

@@ -100,7 +100,8 @@ class RoutingMeter:
 
     @torch.no_grad()
     def update(self, module) -> None:
-        """Add the last forward of `module` (an `OccultMoE`) if it was a training forward."""
+        """Add the last forward of `module` (an `OccultMoE`, or an `OccultEP` under transformers' EP) if it was a training
+        forward."""
         ids_Tk = module.last_topk_ids_Tk
         if ids_Tk is None or not module.training:  # evaluation forwards are not training traffic
             return

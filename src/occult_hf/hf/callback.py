@@ -34,10 +34,12 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 from transformers import TrainerCallback
 
 from ..metrics import evaluate_placement, load_balance
@@ -47,6 +49,7 @@ from ..profile import ProfileCollector, RoutingProfile
 from ..pruning import pruners_of
 from ..stats import RoutingMeter
 from ..utils.checks import check_count
+from .native_ep import ep_blocks, uses_occult_ep
 
 RECENT_PROFILE_FILENAME = "occult_recent_profile.safetensors"
 REPLANNED_PLACEMENT_FILENAME = "occult_placement_replanned.json"
@@ -87,17 +90,43 @@ class DeviceLimitSchedule:
 # ----- the callback --------------------------------------------------------------------------------
 
 
-def _feeding(meter: RoutingMeter):
-    """A forward hook that adds each forward of its `OccultMoE` to `meter`."""
+@dataclass(frozen=True)
+class MoELayer:
+    """One MoE layer as the callback reads it, on either front end.
+
+    Attributes:
+        routing: what the meter reads after each forward (`last_topk_ids_Tk`, `dispatcher`, `ep`, `layout`): the
+            `OccultMoE` (the `occult_config` path) or the `OccultEP` (transformers' EP, `ep_implementation="occult"`).
+        fed_by: the module whose forward hook feeds the meter: the `OccultMoE`, or the experts module through which
+            transformers calls the `OccultEP`.
+        block: the MoE block, whose parameters (router, experts, shared experts) `train_moe_only` keeps trainable.
+    """
+
+    routing: Any
+    fed_by: nn.Module
+    block: nn.Module
+
+
+def moe_layers(model) -> dict[int, MoELayer]:
+    """Decoder layer -> `MoELayer` of every occult MoE layer of `model` (either front end; none: empty)."""
+    layers = {m.layer_idx: MoELayer(m, m, m) for m in model.modules() if isinstance(m, OccultMoE)}
+    if layers or not uses_occult_ep(model):
+        return layers
+    return {layer: MoELayer(impl, impl.experts, block) for layer, _, block, impl in ep_blocks(_transformers_model(model))}
+
+
+def _feeding(meter: RoutingMeter, routing):
+    """A forward hook that adds each forward's routing (`routing`: an `OccultMoE` or an `OccultEP`) to `meter`."""
 
     def hook(module, inputs, output) -> None:
-        meter.update(module)
+        meter.update(routing)
 
     return hook
 
 
 class OccultCallback(TrainerCallback):
-    """Logging, `N_d` schedule, MoE-only training and drift watch for a model with `OccultMoE` blocks.
+    """Logging, `N_d` schedule, MoE-only training and drift watch for a model with `OccultMoE` blocks, or one that
+    runs inside transformers' EP with `ep_implementation="occult"`.
 
     Checkpoints need no callback (see `occult_hf.hf.trainer`).
 
@@ -161,7 +190,7 @@ class OccultCallback(TrainerCallback):
         self.recent_profile = None
         self.replanned_placement = None
         self._model = None
-        self._blocks: dict[int, OccultMoE] = {}
+        self._layers: dict[int, MoELayer] = {}
         self._meters: dict[int, RoutingMeter] = {}
         self._handles: list = []
         self._collector = None
@@ -199,27 +228,28 @@ class OccultCallback(TrainerCallback):
             self._collector = None
 
     def _bind(self, model) -> None:
-        blocks = {m.layer_idx: m for m in model.modules() if isinstance(m, OccultMoE)}
-        if not blocks:
+        layers = moe_layers(model)
+        if not layers:
             raise ValueError(
                 f"OccultCallback found no OccultMoE blocks in {type(model).__name__}: load the model with "
-                f"occult_config=... or call occult_hf.apply_occult(model, config) first"
+                f"occult_config=... (or inside transformers' EP with ep_implementation='occult') or call "
+                f"occult_hf.apply_occult(model, config) first"
             )
-        untracked = sorted(layer for layer, block in blocks.items() if not block.track)
+        untracked = sorted(layer for layer, moe in layers.items() if not moe.routing.track)
         if untracked:  # the meters read each forward's routing: stale routing would be counted again, silently
             raise ValueError(
                 f"OccultCallback meters the routing of each forward, but layers {untracked} do not keep it: "
                 f"call occult_hf.track_routing(model) before training"
             )
         self.on_train_end(None, None, None)  # a second train() call re-binds cleanly
-        self._model, self._blocks = model, blocks
-        self._meters = {layer: RoutingMeter() for layer in blocks}
-        for layer, block in blocks.items():
-            self._handles.append(block.register_forward_hook(_feeding(self._meters[layer])))
+        self._model, self._layers = model, layers
+        self._meters = {layer: RoutingMeter() for layer in layers}
+        for layer, moe in layers.items():
+            self._handles.append(moe.fed_by.register_forward_hook(_feeding(self._meters[layer], moe.routing)))
         self._collector = ProfileCollector(_transformers_model(model), sample_size=self.sample_size).attach()
 
     def _freeze_outside_moe(self, model) -> None:
-        moe_parameters = {id(p) for m in model.modules() if isinstance(m, OccultMoE) for p in m.parameters()}
+        moe_parameters = {id(p) for moe in moe_layers(model).values() for p in moe.block.parameters()}
         if not moe_parameters:
             raise ValueError("OccultCallback(train_moe_only=True) found no OccultMoE blocks to train")
         for parameter in model.parameters():
@@ -308,8 +338,8 @@ class OccultCallback(TrainerCallback):
         """Per-layer and mean CT, remote copies, load balance and removed weight since the last log."""
         pruners = pruners_of(self._model)
         layers = sorted(self._meters)
-        num_devices = next(iter(self._blocks.values())).ep.num_devices
-        reduce_device = _reduction_device(self._blocks)
+        ep = next(iter(self._layers.values())).routing.ep
+        num_devices, reduce_device = ep.num_devices, _reduction_device(ep, self._model)
         rows = []
         for layer in layers:
             meter_row = self._meters[layer].pop(num_devices, reduce_device)
@@ -349,11 +379,11 @@ class OccultCallback(TrainerCallback):
         profile = self._recent_window_profile()
         if profile is None:
             return {}
-        num_devices = next(iter(self._blocks.values())).ep.num_devices
+        num_devices = next(iter(self._layers.values())).routing.ep.num_devices
         current = Placement(
             num_experts=profile.num_experts,
             num_devices=num_devices,
-            layers={layer: block.layout.primary_devices() for layer, block in self._blocks.items()},
+            layers={layer: moe.routing.layout.primary_devices() for layer, moe in self._layers.items()},
         )
         replanned = plan_placement(profile, num_devices, self.planner, progress=False, **self.planner_options)
         replanned.meta.update({"source": "OccultCallback drift watch", "tokens": profile.meta.get("tokens")})
@@ -406,12 +436,12 @@ def _transformers_model(model):
     return get_base_model() if callable(get_base_model) else model
 
 
-def _reduction_device(blocks: dict[int, OccultMoE]) -> torch.device:
-    """Where cross-rank reductions run: the blocks' device (CUDA under NCCL, CPU under gloo)."""
-    block = next(iter(blocks.values()))
-    if block.ep.is_distributed and dist.get_backend(block.ep.group) == "gloo":
+def _reduction_device(ep, model) -> torch.device:
+    """Where cross-rank reductions over the EP group `ep` run: CPU under gloo, else the model's device (CUDA under
+    NCCL)."""
+    if ep.is_distributed and dist.get_backend(ep.group) == "gloo":
         return torch.device("cpu")
-    return block.local_experts.gate_up_proj.device
+    return next(model.parameters()).device
 
 
 def _over_ranks(value) -> list:
@@ -423,4 +453,4 @@ def _over_ranks(value) -> list:
     return gathered
 
 
-__all__ = ["OccultCallback", "DeviceLimitSchedule", "RECENT_PROFILE_FILENAME", "REPLANNED_PLACEMENT_FILENAME"]
+__all__ = ["OccultCallback", "DeviceLimitSchedule", "MoELayer", "moe_layers", "RECENT_PROFILE_FILENAME", "REPLANNED_PLACEMENT_FILENAME"]

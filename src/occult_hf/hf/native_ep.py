@@ -53,7 +53,7 @@ from torch import nn
 
 from occult_hf.patches import RouterOutput, adapter_for
 
-from .checkpointing import new_save_group
+from .checkpointing import new_save_group, record_running_limits
 from ..config import OccultConfig
 from ..dispatch import DispatchSettings, ExpertParallelGroup, TokenDispatcher, TokenRouting, build_dispatcher
 from ..dispatch.group import resolve_devices_per_node
@@ -119,7 +119,13 @@ class OccultEP(_ep_base()):
         dispatcher: the `TokenDispatcher`, built by the first forward on the batch's device (and again after
             the placement, the settings or the device change).
         stats: the layer's `ExchangeStats` (rows and (token, expert) pairs this rank sent to each rank).
+        last_topk_ids_Tk: `[T, k]` the routing the last call dispatched (after pruning; this rank's TP slice), what
+            `OccultCallback`'s meters read, as they read `OccultMoE`'s (a reference, no copy: `track` stays True);
+            `last_devices_TD` is always None (no replicas on this path).
     """
+
+    track = True
+    last_devices_TD = None
 
     def __init__(self, experts: nn.Module, ep_mesh, tp_mesh) -> None:
         if not transformers_ep_available():
@@ -137,6 +143,7 @@ class OccultEP(_ep_base()):
         # statistics are made on the device of the first batch (and again if the model moves)
         self.dispatcher: TokenDispatcher | None = None
         self.stats = ExchangeStats(self.mesh_ep.num_devices)
+        self.last_topk_ids_Tk: torch.Tensor | None = None
         contiguous = Placement.contiguous(self.num_experts, self.mesh_ep.num_devices, [0]).layout(0, self.mesh_ep.rank)
         self.configure(OccultConfig(), contiguous, None)
         setattr(experts, _EP_ATTR, self)  # how `apply_occult_ep` finds the instance transformers built
@@ -144,6 +151,11 @@ class OccultEP(_ep_base()):
     @property
     def experts(self) -> nn.Module:
         return self._experts[0]
+
+    @property
+    def training(self) -> bool:
+        """Whether the experts module is in training mode (the meters count training forwards only)."""
+        return self.experts.training
 
     @property
     def expert_order(self) -> list[int]:
@@ -170,6 +182,7 @@ class OccultEP(_ep_base()):
         sliced = self.tp_mesh.size() > 1
         if sliced:  # the TP group shares the batch: each of its ranks dispatches a disjoint slice of it
             hidden_states, top_k_index, top_k_weights = (_tp_slice(t, self.tp_mesh) for t in (hidden_states, top_k_index, top_k_weights))
+        self.last_topk_ids_Tk = top_k_index.detach()
         out_TH, plan = self.dispatcher.run(hidden_states, TokenRouting(top_k_index, top_k_weights), self.compute)
         if sliced:
             out_TH = _tp_gather(out_TH, self.tp_mesh, num_tokens, hidden)
@@ -268,10 +281,12 @@ def uses_occult_ep(model: nn.Module) -> bool:
 
 def occult_ep_layers(model: nn.Module) -> dict[int, OccultEP]:
     """`{decoder layer: OccultEP}` of a model loaded with `ep_implementation="occult"`, in layer order."""
-    return {layer: impl for layer, _, _, impl in _ep_blocks(model)}
+    return {layer: impl for layer, _, _, impl in ep_blocks(model)}
 
 
-def _ep_blocks(model: nn.Module) -> list[tuple[int, str, nn.Module, OccultEP]]:
+def ep_blocks(model: nn.Module) -> list[tuple[int, str, nn.Module, OccultEP]]:
+    """`(decoder layer, module path, MoE block, its OccultEP)` of every MoE block of a model loaded with
+    `ep_implementation="occult"`, in layer order; an error naming the block that another implementation serves."""
     adapter = adapter_for(model)
     blocks = []
     for layer, path, block in adapter.iter_moe_blocks(model):
@@ -292,7 +307,7 @@ def _resolve(model: nn.Module, occult_config):
     """This rank's own checks of `apply_occult_ep`: `(config resolved, blocks)`; the resolved config holds the
     `Placement` and the device count."""
     config = resolve_config(occult_config)
-    blocks = _ep_blocks(model)
+    blocks = ep_blocks(model)
     first = blocks[0][3]
     ep, num_experts, per_rank = first.mesh_ep, first.num_experts, first.num_local_experts
     if config.num_devices not in (None, ep.num_devices):
@@ -351,9 +366,12 @@ def apply_occult_ep(model: nn.Module, occult_config: OccultConfig | dict | str |
         if order != impl.expert_order:
             _move_expert_rows(impl, order)
         impl.configure(config, layout, f"layer {layer}", ep)
-        if pruner is not None:
+        if pruner is not None:  # on the block, as `OccultMoE.pruner`: where `pruning.pruners_of` finds it
+            block.pruner = pruner
+            new_state.module_attributes.append((block, "pruner"))
             new_state.hooks.append(adapter.router(block).register_forward_hook(_pruning_hook(block, pruner)))
     new_state.instance_methods["gather_sharded_state_dict_for_save"] = types.MethodType(_gather_in_original_order, model)
+    new_state.instance_methods["save_pretrained"] = types.MethodType(_save_with_running_limits, model)
     attach_state(model, new_state)
     return model
 
@@ -390,7 +408,7 @@ def remove_occult_ep(model: nn.Module) -> nn.Module:
     if state is None or state.front_end != TRANSFORMERS_EP:
         raise ValueError(f"{type(model).__name__} has no apply_occult_ep configuration to remove")
     detach_state(model)
-    for layer, _, _, impl in _ep_blocks(model):
+    for layer, _, _, impl in ep_blocks(model):
         contiguous = Placement.contiguous(impl.num_experts, impl.ep.num_devices, [layer]).layout(layer, impl.ep.rank)
         order = stored_order(contiguous, impl.num_local_experts)
         if impl.expert_order != order:
@@ -482,6 +500,13 @@ def _pruning_hook(block: nn.Module, pruner):
     return hook
 
 
+def _save_with_running_limits(model, *args, **kwargs):
+    """transformers' `save_pretrained`, with the pruners' limits in force (`OccultCallback`'s N_d schedule changes them)
+    on the config it writes first; every rank calls it (FSDP2's gather), so every rank records them alike."""
+    record_running_limits(model, state_of(model, TRANSFORMERS_EP))
+    return type(model).save_pretrained(model, *args, **kwargs)
+
+
 def _gather_in_original_order(model, model_to_save, state_dict, distributed_config, *, save_on_this_rank=True):
     """transformers' gather of the sharded state dict for `save_pretrained`, with every layer's experts put
     back in original expert order (so the checkpoint is vanilla)."""
@@ -489,7 +514,7 @@ def _gather_in_original_order(model, model_to_save, state_dict, distributed_conf
         model, model_to_save, state_dict, distributed_config, save_on_this_rank=save_on_this_rank
     )
     prefix = _prefix_of(model, model_to_save)
-    for _, path, _, impl in _ep_blocks(model):
+    for _, path, _, impl in ep_blocks(model):
         order_E = torch.tensor(impl.expert_order, dtype=torch.int64)
         if torch.equal(order_E, torch.arange(order_E.numel())):
             continue
@@ -580,6 +605,7 @@ __all__ = [
     "MIN_TRANSFORMERS_VERSION",
     "OccultEP",
     "ShardExperts",
+    "ep_blocks",
     "apply_occult_ep",
     "apply_on_load",
     "occult_ep_config_of",

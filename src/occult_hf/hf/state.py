@@ -40,6 +40,7 @@ class OccultState:
         save_timeout_s: the bound on every wait on that group (EP only).
         instance_methods: methods put on the model instance (removed on undo).
         hooks: forward hooks put on modules of the model (removed on undo).
+        module_attributes: `(module, name)` of attributes put on modules of the model (removed on undo).
         ddp_ignore_before: the model's DDP ignore list before `apply_occult` (EP only).
         snapshot, snapshot_versions: EP rank 0's full experts for a save, and the parameter versions they are of.
         pruning_profile: the routing profile `apply_occult`'s similarity pruning was built from (None otherwise),
@@ -55,6 +56,7 @@ class OccultState:
     save_timeout_s: float = 0.0
     instance_methods: dict[str, Any] = field(default_factory=dict)
     hooks: list[Any] = field(default_factory=list)
+    module_attributes: list[tuple[nn.Module, str]] = field(default_factory=list)
     ddp_ignore_before: list[str] | None = None
     snapshot: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
     snapshot_versions: tuple[int, ...] | None = None
@@ -87,11 +89,15 @@ def attach_state(model: nn.Module, state: OccultState) -> None:
 
 
 def detach_state(model: nn.Module) -> OccultState:
-    """Take the state, its instance methods and hooks, and the stored config off the model; return the state."""
+    """Take the state, its instance methods, hooks and module attributes, and the stored config off the model; return
+    the state."""
     state = model.__dict__.pop(STATE_ATTR)
     for handle in state.hooks:
         handle.remove()
     state.hooks.clear()
+    for module, name in state.module_attributes:
+        module.__dict__.pop(name, None)
+    state.module_attributes.clear()
     for name in state.instance_methods:
         model.__dict__.pop(name, None)
     forget_saved_description(model.config)

@@ -80,7 +80,9 @@ class ProfileCollector:
         self._handles.append(self.module.register_forward_pre_hook(self._on_forward_start, with_kwargs=True))
         self._handles.append(self.module.register_forward_hook(self._on_forward_end, always_call=True))
         for index, router in self._routers.items():
-            self._handles.append(router.register_forward_hook(self._router_hook(index)))
+            # first among the router's hooks: it records the router's own decisions, before a pruning hook
+            # (`apply_occult_ep`'s) rewrites them
+            self._handles.append(router.register_forward_hook(self._router_hook(index), prepend=True))
         return self
 
     def detach(self) -> None:
