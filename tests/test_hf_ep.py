@@ -18,6 +18,8 @@ checkpoint + `hf_ep.load_optimizer`, then step 2: the same loss and weights as t
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -117,6 +119,7 @@ def _ep_world(rank, world_size, checkpoints, out_dir, profile):
                     found[f"pruned_logits_{mode}"] = model(ids).logits.numpy().copy()
                 found[f"pruned_rows_{mode}"] = {layer: impl.stats.rows_sent.tolist() for layer, impl in occult_ep_layers(model).items()}
                 found[f"pruned_layers_{mode}"] = sorted(pruners_of(model))
+            model.save_pretrained(os.path.join(out_dir, "similarity_pruned"))  # its profile bundled, as on the other path
             # one rank fails its own checks: it raises its error, the other names it instead of waiting for it
             try:
                 apply_occult_ep(model, OccultConfig(num_devices=(None, 4)[rank]))
@@ -280,6 +283,15 @@ def test_occult_ep_equals_the_single_process_model(tmp_path):
                 assert found["config_differs"].startswith(
                     "EPConfigMismatchError: occult_hf: the expert-parallel ranks disagree at apply_occult_ep on the "
                     "model config (norm_topk_prob: rank 0 False, rank 1 True)"), found
+            # the saved similarity-pruned model: the profile inside, its config naming it and the pruning; loaded in one
+            # process (2 logical devices) it gives the pruned logits
+            saved = tmp_path / "saved" / "similarity_pruned"
+            occult_config = json.loads((saved / "config.json").read_text())["occult_config"]
+            assert occult_config["profile"] == "occult_profile.safetensors" and (saved / "occult_profile.safetensors").is_file()
+            assert "occult_pruning" in json.loads((saved / "config.json").read_text())
+            again = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
+            with torch.no_grad():
+                assert rel_err(again(rank_batch(0)).logits, results[0][family]["pruned_logits_similarity"]) <= TOLERANCE
             for rank, found in enumerate(r[family]["resume"] for r in results):
                 assert abs(found["resumed_loss"] - found["loss"]) <= TOLERANCE * abs(found["loss"]), (rank, found)
                 assert rel_err(found["resumed_logits"], found["logits"]) <= TOLERANCE, rank

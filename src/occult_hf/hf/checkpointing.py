@@ -141,8 +141,7 @@ def save_pretrained(model, save_directory, *args, **kwargs):
         try:
             state.placement.save(os.path.join(staging, PLACEMENT_FILENAME))
             result = type(model).save_pretrained(model, staging, *args, state_dict=state_dict, **kwargs)
-            _bundle_profile(state.pruning_profile, staging)
-            _describe_pruning(state.occult_config, staging, os.fspath(save_directory))
+            add_pruning_files(state, staging, os.fspath(save_directory))
         except (OSError, SafetensorError) as error:  # a full disk: safetensors names no file, an OSError a staged one
             raise OSError(
                 f"save_pretrained {os.fspath(save_directory)!r}: writing the checkpoint failed, and the files already "
@@ -175,6 +174,14 @@ def record_running_limits(model, state: OccultState) -> None:
     if (config.max_devices_per_token, config.max_nodes_per_token) != (max_devices, max_nodes):
         state.occult_config = replace(config, max_devices_per_token=max_devices, max_nodes_per_token=max_nodes)
         model.config.occult_config = state.occult_config.to_dict()
+
+
+def add_pruning_files(state: OccultState, staging: str, target: str) -> None:
+    """What a pruned model's save adds to the files transformers wrote in `staging` (bound for `target`; the same
+    directory where a save writes in place): its similarity profile (`_bundle_profile`), and the pruning description
+    in `config.json` and the model card (`_describe_pruning`)."""
+    _bundle_profile(state.pruning_profile, staging)
+    _describe_pruning(state.occult_config, staging, target)
 
 
 def _bundle_profile(profile, staging: str) -> None:

@@ -53,7 +53,7 @@ from torch import nn
 
 from occult_hf.patches import RouterOutput, adapter_for
 
-from .checkpointing import new_save_group, record_running_limits
+from .checkpointing import add_pruning_files, new_save_group, record_running_limits
 from ..config import OccultConfig
 from ..dispatch import DispatchSettings, ExpertParallelGroup, TokenDispatcher, TokenRouting, build_dispatcher
 from ..dispatch.group import resolve_devices_per_node
@@ -355,12 +355,12 @@ def apply_occult_ep(model: nn.Module, occult_config: OccultConfig | dict | str |
     orders = [stored_order(layout, impl.num_local_experts) for layout, (_, _, _, impl) in zip(layouts, blocks)]
     if any(order != impl.expert_order for order, (_, _, _, impl) in zip(orders, blocks)):
         _check_rows_movable(model, blocks[0][3])
-    pruners, _ = build_pruners(config, adapter, model, layouts, adapter.top_k(model.config))
+    pruners, pruning_profile = build_pruners(config, adapter, model, layouts, adapter.top_k(model.config))
     if state is not None:  # every check passed: replace the previous configuration
         detach_state(model)
     new_state = OccultState(
         occult_config=config, ep=ep, block_paths=[path for _, path, _, _ in blocks], front_end=TRANSFORMERS_EP,
-        agreement_group=group, save_timeout_s=save_timeout_s(),
+        agreement_group=group, save_timeout_s=save_timeout_s(), pruning_profile=pruning_profile,
     )  # fmt: skip
     for (layer, _, block, impl), layout, order, pruner in zip(blocks, layouts, orders, pruners):
         if order != impl.expert_order:
@@ -371,7 +371,7 @@ def apply_occult_ep(model: nn.Module, occult_config: OccultConfig | dict | str |
             new_state.module_attributes.append((block, "pruner"))
             new_state.hooks.append(adapter.router(block).register_forward_hook(_pruning_hook(block, pruner)))
     new_state.instance_methods["gather_sharded_state_dict_for_save"] = types.MethodType(_gather_in_original_order, model)
-    new_state.instance_methods["save_pretrained"] = types.MethodType(_save_with_running_limits, model)
+    new_state.instance_methods["save_pretrained"] = types.MethodType(_save_pruned, model)
     attach_state(model, new_state)
     return model
 
@@ -500,11 +500,17 @@ def _pruning_hook(block: nn.Module, pruner):
     return hook
 
 
-def _save_with_running_limits(model, *args, **kwargs):
+def _save_pruned(model, save_directory, *args, **kwargs):
     """transformers' `save_pretrained`, with the pruners' limits in force (`OccultCallback`'s N_d schedule changes them)
-    on the config it writes first; every rank calls it (FSDP2's gather), so every rank records them alike."""
-    record_running_limits(model, state_of(model, TRANSFORMERS_EP))
-    return type(model).save_pretrained(model, *args, **kwargs)
+    on the config it writes first (every rank calls it, for FSDP2's gather, so every rank records them alike); then the
+    writing rank adds a pruned model's files, as the `occult_config` path's save does: the similarity profile (its
+    source file may be gone by then) and the pruning description (`checkpointing.add_pruning_files`)."""
+    state = state_of(model, TRANSFORMERS_EP)
+    record_running_limits(model, state)
+    result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
+    if kwargs.get("is_main_process", True) and not (dist.is_initialized() and dist.get_rank() != 0):  # transformers' writer
+        add_pruning_files(state, os.fspath(save_directory), os.fspath(save_directory))
+    return result
 
 
 def _gather_in_original_order(model, model_to_save, state_dict, distributed_config, *, save_on_this_rank=True):
