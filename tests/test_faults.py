@@ -8,6 +8,8 @@ in-process save test:
   clear error on both ranks at `apply_occult` naming the field (the layers whose placement differs, the
   model-config keys that differ); a rank that fails its own checks there: its error, and on the other
   rank an error naming it, at once;
+- ranks that cast the model to different dtypes after `apply_occult`: an `ExchangeError` on both at the first
+  layer's count exchange, naming the two row formats;
 - a peer that raises and stays alive while the other saves, and a peer that stops after the
   configuration check of a save and goes on to a barrier: an error naming the operation and the
   layer within the timeout, not after the process group's 30 minutes; the same two faults while the
@@ -165,6 +167,33 @@ def _stalled_exchange_cases(rank):
         dist.barrier()  # "stops early": rank 1 is here while rank 0 is in its forward
 
 
+def _cast_apart_cases(rank):
+    """Ranks that cast the model apart after `apply_occult`: both raise at the first layer's count exchange, naming
+    the two row formats, before any row moves (the same row size, bfloat16 against float16, read the other's rows
+    in the wrong dtype before; different row sizes crashed gloo); cast alike again, the same group runs on. In the
+    flat exchange with one chunk and with two (another count message)."""
+    import torch.distributed as dist
+
+    from occult_hf import OccultConfig
+    from occult_hf.dispatch.all_to_all import ExchangeError
+    from occult_hf.hf.apply import apply_occult
+
+    hidden = tiny_model("olmoe").config.hidden_size
+    group = dist.new_group([0, 1])
+    for chunks in (1, 2):
+        model = apply_occult(tiny_model("olmoe", seed=4), OccultConfig(placement=_shuffled(), dispatch_chunks=chunks), group=group)
+        for dtypes in ((torch.bfloat16, torch.float16), (torch.float32, torch.bfloat16)):
+            model.to(dtypes[rank])
+            mine, other = (str(dtype).removeprefix("torch.") for dtype in (dtypes[rank], dtypes[1 - rank]))
+            with pytest.raises(ExchangeError, match=(
+                rf"layer 0: EP rank {1 - rank} sends rows of format \[{other} x {hidden}, int32 x \d+, {other} x \d+\] .* "
+                rf"and this rank \[{mine} x {hidden}, .*different dtypes"
+            )):  # fmt: skip
+                model(tiny_batch(seed=rank))
+        model.to(torch.bfloat16)
+        assert model(tiny_batch(seed=rank)).logits.dtype == torch.bfloat16, chunks
+
+
 def _killed_peer_case(rank, report_file):
     """Last: rank 1 dies (exit code 17) between two MoE layers of a forward; rank 0 must fail fast."""
     from occult_hf import OccultConfig
@@ -190,6 +219,7 @@ def _fault_world(rank, world_size, directory):
 
     install()
     _mismatch_cases(rank)
+    _cast_apart_cases(rank)
     _stalled_peer_cases(rank, directory)
     _stalled_exchange_cases(rank)
     _killed_peer_case(rank, os.path.join(directory, "rank0.txt"))

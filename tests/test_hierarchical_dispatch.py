@@ -420,6 +420,22 @@ BAD_SETTING_ERRORS = {
 }
 
 
+def rows_of_another_format(rank, world_size) -> str:
+    """The error each rank raises when rank 3 dispatches float64 rows and the others float32: at the count exchange
+    of both hops, before any row moves."""
+    from occult_hf.dispatch import DispatchSettings, ExchangeError, ExpertParallelGroup, TokenRouting, build_dispatcher
+
+    placement = naive_placement(world_size, replicas=False)
+    ep = ExpertParallelGroup.resolve(None, world_size).with_node_groups(2)
+    dispatcher = build_dispatcher(DispatchSettings(), ep, placement.layout(0, rank), label="layer 0")
+    x_TH, ids_Tk, weights_Tk = naive_inputs(rank, world_size, 2)
+    try:
+        dispatcher.dispatch(x_TH.double() if rank == 3 else x_TH, TokenRouting(ids_Tk, weights_Tk))
+    except ExchangeError as error:
+        return str(error)
+    return "no error"
+
+
 def _four_rank_world(rank, world_size, cases, profiles):
     import torch.distributed as dist
 
@@ -427,7 +443,10 @@ def _four_rank_world(rank, world_size, cases, profiles):
     dispatcher_cases(rank, world_size, 2)
     for case in cases:
         check_family_case(rank, world_size, case, profiles, alone)
-    return check_one_node(rank, world_size), check_compiled_layer(rank, world_size), bad_node_settings(rank, world_size)
+    return (
+        check_one_node(rank, world_size), check_compiled_layer(rank, world_size), bad_node_settings(rank, world_size),
+        rows_of_another_format(rank, world_size),
+    )  # fmt: skip
 
 
 def _eight_rank_world(rank, world_size, cases, profiles):
@@ -447,8 +466,11 @@ def test_two_nodes_of_two_devices_every_family_exact():
     cases.append(dict(family="qwen3_moe", mode="dedup", replicas=True, launched="2"))
     profiles = profiles_for({c["family"] for c in cases if c.get("prune") == "similarity"}, 4)
     results = run_world(_four_rank_world, 4, cases, profiles, timeout_s=300)
-    for one_node, compiled, errors in results:
+    for rank, (one_node, compiled, errors, format_error) in enumerate(results):
         assert one_node in ("padded", "all_to_all") and compiled == "PaddedDispatcher"
+        other, mine = ("float64", "float32") if rank < 3 else ("float32", "float64")
+        assert format_error.startswith(f"layer 0: EP rank {3 if rank < 3 else 0} sends rows of format [{other} x {HIDDEN}, "), format_error
+        assert f"and this rank [{mine} x {HIDDEN}, " in format_error, format_error
         for label, pattern in BAD_SETTING_ERRORS.items():
             message, seconds = errors[label]
             assert re.search(pattern, message), (label, message)

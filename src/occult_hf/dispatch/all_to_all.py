@@ -1,13 +1,14 @@
 """`AllToAllDispatcher` ("all_to_all"): all-to-all-v over `torch.distributed` (NCCL on GPUs, gloo on CPU).
 
 Shape legend: see `occult_hf.dispatch.plan`; in addition X the entries of one rank's count message
-(rows and pairs of each chunk, then the chunk count: `2 * max_chunks + 1`).
+(rows and pairs of each chunk, then the chunk count: `2 * max_chunks + 1`; then the row format's stamp, S entries).
 
 Per layer and forward:
 1. **Counts** on the tokens' device (`plan.device_match`: which device serves each (token, slot), and
    the rows and pairs per device, written straight into the count message): four kernels.
 2. **Count exchange**: one small all-to-all of the `[D, 2]` row/pair counts (with C > 1 chunks, every
-   chunk's, and each rank's chunk count, so ranks with different T agree on C), copied to pinned host
+   chunk's, and each rank's chunk count, so ranks with different T agree on C) and of the sender's row format
+   (`RowFormat.stamp`: dtypes and widths; ranks whose rows differ fail here, naming the formats), copied to pinned host
    memory behind it and read once (the layer's only host synchronisation: the split sizes; the host
    spins on that copy's event rather than `Work.wait(timeout)`, which sleeps in 1 ms steps).
    Then the send layout with the row count known (`plan.packed_rows`: rows by destination device, then
@@ -57,6 +58,7 @@ from .base import (
     ExpertsFn,
     RowFormat,
     TokenDispatcher,
+    check_stamps,
     dispatch_format,
     gradient_format,
     pack_gradients,
@@ -130,8 +132,8 @@ class AllToAllDispatcher(TokenDispatcher):
 
     # ----- the interface ---------------------------------------------------------------------
     def dispatch(self, x_TH: torch.Tensor, routing, concurrent=None) -> Dispatched:
-        (chunk,), counts_D2 = self._plan(routing, num_chunks=1, max_chunks=1, concurrent=concurrent)
         row_format = self._row_format(x_TH, routing)
+        (chunk,), counts_D2 = self._plan(routing, row_format, num_chunks=1, max_chunks=1, concurrent=concurrent)
         weights, direct = weights_to_send(chunk, routing.topk_weights_Tk, self.mode, self.ep.num_devices)
         x_RH, slot_RW, weight_RW = self._send_rows(x_TH, chunk, row_format, weights, direct)
         with stage("received layout"):
@@ -155,8 +157,8 @@ class AllToAllDispatcher(TokenDispatcher):
             with stage("experts"):
                 out_RH = experts(sent.x_RH, sent.segments, sent.pair_weight_N)
             return self.combine(out_RH, sent.plan), sent.plan
-        chunks, counts_D2 = self._plan(routing, num_chunks, num_chunks, concurrent=concurrent)
         row_format = self._row_format(x_TH, routing)
+        chunks, counts_D2 = self._plan(routing, row_format, num_chunks, num_chunks, concurrent=concurrent)
         weights = [chunk.weight_OW for chunk in chunks]
         grad = torch.is_grad_enabled()
         params = [p for p in _parameters_of(experts) if p.requires_grad] if grad else []
@@ -179,10 +181,11 @@ class AllToAllDispatcher(TokenDispatcher):
         return dispatch_format(x_TH.shape[1], x_TH.dtype, width, routing.topk_weights_Tk.dtype)
 
     # ----- planning ------------------------------------------------------------------------------
-    def _plan(self, routing, num_chunks: int, max_chunks: int, concurrent=None) -> tuple[list[_Chunk], torch.Tensor]:
+    def _plan(self, routing, row_format: RowFormat, num_chunks: int, max_chunks: int, concurrent=None) -> tuple[list[_Chunk], torch.Tensor]:
         """Split the tokens into (at most) `num_chunks` chunks, count each chunk's rows per device on the device,
-        agree with the group on the chunk count (at most `max_chunks`, the same on every rank), learn the split
-        sizes (the one host read) and lay out each chunk's rows. Returns the chunks and the `[D, 2]` counts.
+        agree with the group on the chunk count (at most `max_chunks`, the same on every rank) and on the row format,
+        learn the split sizes (the one host read) and lay out each chunk's rows. Returns the chunks and the `[D, 2]`
+        counts.
 
         `concurrent` (work that needs no exchange) is issued after the count exchange and its copy to the host are
         queued, before the host waits for them: the GPU computes it while the host waits instead of idling. Its
@@ -193,7 +196,7 @@ class AllToAllDispatcher(TokenDispatcher):
         with stage("plan"):
             dest_Tk, local_Tk = self.destinations_of(routing)
             bounds = chunk_bounds(num_tokens, min(num_chunks, max_chunks))
-            message = _CountMessage(num_devices, len(bounds), max_chunks, ids_Tk.device)
+            message = _CountMessage(num_devices, len(bounds), max_chunks, self._stamp(row_format, ids_Tk.device))
             matches = [
                 device_match(dest_Tk[a:b], num_devices, self.mode, counts_D2=message.counts_D2(c)) for c, (a, b) in enumerate(bounds)
             ]
@@ -237,6 +240,16 @@ class AllToAllDispatcher(TokenDispatcher):
         send_DX, recv_DX = message.both_2DX.unbind(0)
         work = self._collective("count exchange", dist.all_to_all_single, recv_DX, send_DX, group=self.ep.group, async_op=True)
         return _PendingCounts(self, work, message)
+
+    def _stamp(self, row_format: RowFormat, device) -> tuple[tuple[int, ...], torch.Tensor]:
+        """`row_format`'s stamp, on the host and as an `[S]` int64 tensor on `device` (kept per dispatcher: a count
+        message copies it in, one small kernel, not one per entry)."""
+        stamp = row_format.stamp()
+        tensors = self.__dict__.setdefault("_stamps", {})
+        key = (stamp, torch.device(device))
+        if key not in tensors:
+            tensors[key] = torch.tensor(stamp, dtype=torch.int64, device=device)
+        return stamp, tensors[key]
 
     def _pinned(self, shape) -> torch.Tensor:
         """A pinned host buffer of `shape` (int64) for the count message, kept per dispatcher and shape."""
@@ -288,16 +301,20 @@ class AllToAllDispatcher(TokenDispatcher):
 
 class _CountMessage:
     """The count exchange's buffer, `[2, D, X]` int64 (what this rank sends, then what it receives): with one
-    chunk `X = 2` (rows, pairs per destination); with up to `max_chunks` chunks, every chunk's two counts
-    and then this rank's chunk count (`X = 2 * max_chunks + 1`)."""
+    chunk `X = 2 + S` (rows, pairs per destination); with up to `max_chunks` chunks, every chunk's two counts
+    and then this rank's chunk count (`X = 2 * max_chunks + 1 + S`); last the S entries of the row format's stamp
+    (`stamped`: its host tuple and device tensor, from `AllToAllDispatcher._stamp`), checked by `_PendingCounts`."""
 
-    def __init__(self, num_devices: int, num_chunks: int, max_chunks: int, device) -> None:
+    def __init__(self, num_devices: int, num_chunks: int, max_chunks: int, stamped: tuple[tuple[int, ...], torch.Tensor]) -> None:
         self.max_chunks = max_chunks
+        self.stamp, stamp_S = stamped
+        width, device = len(self.stamp), stamp_S.device
         if max_chunks == 1:
-            self.both_2DX = torch.empty(2, num_devices, 2, dtype=torch.int64, device=device)
+            self.both_2DX = torch.empty(2, num_devices, 2 + width, dtype=torch.int64, device=device)
         else:
-            self.both_2DX = torch.zeros(2, num_devices, 2 * max_chunks + 1, dtype=torch.int64, device=device)
-            self.both_2DX[0, :, -1] = num_chunks
+            self.both_2DX = torch.zeros(2, num_devices, 2 * max_chunks + 1 + width, dtype=torch.int64, device=device)
+            self.both_2DX[0, :, 2 * max_chunks] = num_chunks
+        self.both_2DX[0, :, -width:] = stamp_S
 
     def counts_D2(self, chunk: int) -> torch.Tensor:
         """The `[D, 2]` slot of chunk `chunk`'s counts in the send half (written by `plan.device_match`)."""
@@ -307,7 +324,7 @@ class _CountMessage:
         """Per chunk `(send_splits, recv_splits, recv_pairs)` and the group's chunk count, from the host copy."""
         send, recv = both
         num_devices = len(send)
-        group_chunks = 1 if self.max_chunks == 1 else max(row[-1] for row in recv)
+        group_chunks = 1 if self.max_chunks == 1 else max(row[2 * self.max_chunks] for row in recv)
         splits = [
             (
                 tuple(send[p][2 * c] for p in range(num_devices)),
@@ -351,6 +368,8 @@ class _PendingCounts:
             else:
                 d._wait(self.work, "count exchange", on_host=True)
                 both = self.message.both_2DX.tolist()
+            width = len(self.message.stamp)
+            check_stamps(d.layer, [row[-width:] for row in both[1]], self.message.stamp)
             self._result = self.message.splits(both)
         return self._result
 

@@ -165,6 +165,45 @@ class RowFormat:
         )
 
 
+    def stamp(self) -> tuple[int, ...]:
+        """The format as ints, two per field (its dtype's code, its width): what the count exchange carries beside the
+        counts, so that ranks about to send rows of different formats fail before any row moves (`check_stamps`)."""
+        return tuple(value for dtype, width in self.fields for value in (_dtype_code(dtype), width))
+
+
+#: dtypes by their code in a `RowFormat.stamp` (the same on every rank; -1: another dtype)
+_STAMP_DTYPES = (
+    torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int64, torch.float8_e4m3fn,
+    torch.float8_e5m2,
+)  # fmt: skip
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return _STAMP_DTYPES.index(dtype) if dtype in _STAMP_DTYPES else -1
+
+
+def _describe_stamp(stamp: Sequence[int]) -> str:
+    """`[bfloat16 x 64, int32 x 2, bfloat16 x 2]`: the fields of a `RowFormat.stamp`."""
+    names = [str(_STAMP_DTYPES[code]).removeprefix("torch.") if 0 <= code < len(_STAMP_DTYPES) else "other" for code in stamp[::2]]
+    return "[" + ", ".join(f"{name} x {width}" for name, width in zip(names, stamp[1::2])) + "]"
+
+
+def check_stamps(layer: str, received: Sequence[Sequence[int]], own: Sequence[int]) -> None:
+    """Raise an `ExchangeError` naming the first EP rank whose received `RowFormat.stamp` (`received[p]`, from rank p)
+    differs from this rank's (`own`): its rows would be read in this rank's format, silently wrong where only the
+    dtype differs (bfloat16 against float16), and a collective of mismatched sizes where the row size differs. Every
+    rank of such a group raises (each sees another's stamp differ)."""
+    own = tuple(own)
+    for rank, stamp in enumerate(received):
+        if tuple(stamp) != own:
+            raise ExchangeError(
+                f"{layer}: EP rank {rank} sends rows of format {_describe_stamp(stamp)} (activations, slots, routing "
+                f"weights) and this rank {_describe_stamp(own)}: the ranks run the MoE layer in different dtypes or "
+                f"shapes (the model cast differently on some ranks after loading, or autocast on some ranks only); "
+                f"every rank must run the same model in the same dtype"
+            )
+
+
 def dispatch_format(hidden: int, x_dtype: torch.dtype, width: int, weight_dtype: torch.dtype) -> RowFormat:
     """The forward row: activations, W int32 local slots, W routing weights."""
     return RowFormat([(x_dtype, hidden), (torch.int32, width), (weight_dtype, width)])
@@ -468,6 +507,7 @@ __all__ = [
     "RowFormat",
     "TokenDispatcher",
     "TokenRouting",
+    "check_stamps",
     "dispatch_format",
     "dispatcher_class",
     "dispatcher_names",

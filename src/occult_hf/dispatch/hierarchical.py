@@ -101,14 +101,18 @@ class _HopSplits:
 
 class _NodeCountMessage:
     """The count exchange of both hops: `[2, D, X]` int64 (what this rank sends to each device, then what it receives
-    from each), `X = 3 + K`. To device d a rank sends `[0:2]` its flat (rows, pairs) on d (what reaches d through its
-    node's forwarders: d's receive splits and pair count), `[2]` its rows to d's node (read by its rail's rank there:
-    that rank's inter-node receive split) and `[3:]` its rows to each device of d's node (read by its rail's rank
-    there: what that rank forwards)."""
+    from each), `X = 3 + K + S`. To device d a rank sends `[0:2]` its flat (rows, pairs) on d (what reaches d through
+    its node's forwarders: d's receive splits and pair count), `[2]` its rows to d's node (read by its rail's rank
+    there: that rank's inter-node receive split), `[3:3 + K]` its rows to each device of d's node (read by its rail's
+    rank there: what that rank forwards) and last its row format's stamp (`stamped`, as in the flat exchange's
+    message)."""
 
-    def __init__(self, ep: ExpertParallelGroup, device) -> None:
+    def __init__(self, ep: ExpertParallelGroup, stamped: tuple[tuple[int, ...], torch.Tensor]) -> None:
         self.ep = ep
-        self.both_2DX = torch.empty(2, ep.num_devices, 3 + ep.devices_per_node, dtype=torch.int64, device=device)
+        self.stamp, stamp_S = stamped
+        width = len(self.stamp)
+        self.both_2DX = torch.empty(2, ep.num_devices, 3 + ep.devices_per_node + width, dtype=torch.int64, device=stamp_S.device)
+        self.both_2DX[0, :, -width:] = stamp_S
 
     @property
     def flat_counts_D2(self) -> torch.Tensor:
@@ -119,7 +123,7 @@ class _NodeCountMessage:
         """Write the node entries of the send half from `[Q]` rows per node and the flat counts already written."""
         send_DX, per_node = self.both_2DX[0], self.ep.devices_per_node
         send_DX[:, 2] = node_rows_Q.repeat_interleave(per_node)
-        send_DX[:, 3:] = send_DX[:, 0].reshape(self.ep.num_nodes, per_node).repeat_interleave(per_node, dim=0)
+        send_DX[:, 3 : 3 + per_node] = send_DX[:, 0].reshape(self.ep.num_nodes, per_node).repeat_interleave(per_node, dim=0)
 
     def splits(self, both: list) -> _HopSplits:
         """This rank's `_HopSplits` from the host copy of the exchanged message."""
@@ -169,12 +173,12 @@ class HierarchicalDispatcher(AllToAllDispatcher):
         with stage("plan"):
             dest_Tk, local_Tk = self.destinations_of(routing)
             node_Tk = torch.div(dest_Tk, per_node, rounding_mode="floor")
-            message = _NodeCountMessage(ep, dest_Tk.device)
+            row_format = self._row_format(x_TH, routing)
+            message = _NodeCountMessage(ep, self._stamp(row_format, dest_Tk.device))
             counts_D2 = device_match(dest_Tk, ep.num_devices, self.mode, counts_D2=message.flat_counts_D2).counts_D2
             node_match = device_match(node_Tk, ep.num_nodes, self.mode)
             message.fill(node_match.counts_D2[:, 0])
         splits = self._read_counts(message, concurrent)
-        row_format = self._row_format(x_TH, routing)
 
         # inter-node hop: one row per (token, node), each slot's serving device in the node and slot there as one code
         with stage("plan"):
