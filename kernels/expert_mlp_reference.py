@@ -42,6 +42,7 @@ def expert_mlp_reference(
     """
     out_RH = torch.zeros(segments.num_rows, x_RH.shape[1], dtype=torch.float32, device=x_RH.device)
     offsets = segments.expert_offsets.tolist()
+    computed = False
     for expert in range(segments.num_local_experts):
         start, end = offsets[expert], offsets[expert + 1]
         if start == end:
@@ -51,7 +52,17 @@ def expert_mlp_reference(
         y_nH = F.linear(act_fn(gate) * up, down_proj_LHI[expert])
         y_nH = y_nH.float() * pair_weight_N[start:end, None].float()
         out_RH = out_RH.index_add(0, rows_n, y_nH)
+        computed = True
+    if not computed:  # no pair: zeros still connected to the inputs, as the kernels' output is (zero gradients)
+        out_RH = out_RH + _empty_sum(x_RH, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI)
     return out_RH.to(x_RH.dtype)
+
+
+def _empty_sum(*tensors: torch.Tensor) -> torch.Tensor:
+    """Exactly 0, with a (zero) gradient for each of `tensors`: the sum of an empty slice of each (never `0 * x`,
+    which is NaN where x holds a static dispatch's stale rows). An expert computation that received no pair on one
+    rank must still take part in the backward: the exchanges' backward on the other ranks waits for this one's."""
+    return sum(tensor[:0].sum(dtype=torch.float32) for tensor in tensors)
 
 
 def grouped_mm_op() -> Callable | None:

@@ -102,6 +102,46 @@ class ExpertSegments:
         return cls(pair_row_N, offsets, topk_ids_Tk.shape[0], row_pairs_N, row_offsets), weight_N
 
 
+def check_expert_shapes(
+    x_RH: torch.Tensor, segments: ExpertSegments, pair_weight_N: torch.Tensor, gate_up_proj_L2IH: torch.Tensor, down_proj_LHI: torch.Tensor
+) -> None:
+    """The shapes, dtypes and devices of an expert computation's inputs agree (never values: reading them would
+    synchronise with the device), else a `ValueError` naming the input and the shape it must have: every backend
+    checks this, the Triton ones with more (`triton_expert_mlp.check_inputs`)."""
+    if x_RH.dim() != 2:
+        raise ValueError(f"x_RH must be [R, H], got shape {tuple(x_RH.shape)}")
+    rows, hidden = x_RH.shape
+    if rows != segments.num_rows:
+        raise ValueError(f"x_RH has {rows} rows but segments.num_rows is {segments.num_rows}; they must be equal")
+    if gate_up_proj_L2IH.dim() != 3 or gate_up_proj_L2IH.shape[2] != hidden or gate_up_proj_L2IH.shape[1] % 2:
+        raise ValueError(f"gate_up_proj must be [L, 2I, H={hidden}], got shape {tuple(gate_up_proj_L2IH.shape)}")
+    num_experts, intermediate = gate_up_proj_L2IH.shape[0], gate_up_proj_L2IH.shape[1] // 2
+    if tuple(down_proj_LHI.shape) != (num_experts, hidden, intermediate):
+        raise ValueError(
+            f"down_proj must be [L, H, I] = {[num_experts, hidden, intermediate]} to match gate_up_proj, "
+            f"got {list(down_proj_LHI.shape)}"
+        )
+    if segments.num_local_experts != num_experts:
+        raise ValueError(
+            f"segments.expert_offsets describes {segments.num_local_experts} local experts but the weights hold {num_experts}"
+        )
+    if tuple(pair_weight_N.shape) != (segments.num_pairs,):
+        raise ValueError(f"pair_weight_N must be [N={segments.num_pairs}], got shape {tuple(pair_weight_N.shape)}")
+    for name, tensor in (("gate_up_proj", gate_up_proj_L2IH), ("down_proj", down_proj_LHI)):
+        if tensor.dtype != x_RH.dtype:
+            raise ValueError(f"{name} dtype {tensor.dtype} differs from x_RH dtype {x_RH.dtype}; cast one of them")
+    for name, tensor in (("segments.pair_row", segments.pair_row), ("segments.expert_offsets", segments.expert_offsets)):
+        if tensor.dtype != torch.int64:
+            raise ValueError(f"{name} must be int64, got {tensor.dtype}")
+    tensors = {
+        "x_RH": x_RH, "pair_weight_N": pair_weight_N, "gate_up_proj": gate_up_proj_L2IH, "down_proj": down_proj_LHI,
+        "segments.pair_row": segments.pair_row, "segments.expert_offsets": segments.expert_offsets,
+    }  # fmt: skip
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) != 1:
+        raise ValueError(f"all inputs must be on one device, got {devices}")
+
+
 def sort_by_group(group_N: torch.Tensor, num_groups: int, minor_N: torch.Tensor | None = None, minor_range: int = 1):
     """`(order_N, offsets, minor_sorted_N)`: the stable order of the pairs by (group, minor), the `[num_groups + 1]`
     offsets of each group in it (pairs whose group id is `num_groups` sort after the last group, outside every

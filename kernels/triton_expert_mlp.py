@@ -59,7 +59,7 @@ from triton.runtime.jit import JITFunction
 
 from . import triton_expert_mlp_kernels as _kernels
 from .activations import ACTIVATIONS, activation_name
-from .layout import ExpertSegments, row_index
+from .layout import ExpertSegments, check_expert_shapes, row_index
 from .op_support import EagerExpertFunction, define_expert_operators
 from .triton_launch import TensorDescriptor, launch  # TensorDescriptor None: older Triton, no TMA configs tuned
 from .triton_support import cdiv, interpreting, next_power_of_2
@@ -394,31 +394,10 @@ def check_inputs(
     x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, caller: str = "expert_mlp_triton", activation: str = "silu"
 ) -> None:
     """The activation's name, shapes, dtypes and devices (never values: reading them would synchronise with the
-    device); `caller` is the entry point the errors name."""
+    device; `layout.check_expert_shapes` and what the kernels add); `caller` is the entry point the errors name."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} is not one of the Triton kernels' activations {ACTIVATIONS}")
-    if x_RH.dim() != 2:
-        raise ValueError(f"x_RH must be [R, H], got shape {tuple(x_RH.shape)}")
-    rows, hidden = x_RH.shape
-    if rows != segments.num_rows:
-        raise ValueError(f"x_RH has {rows} rows but segments.num_rows is {segments.num_rows}; they must be equal")
-    if gate_up_proj_L2IH.dim() != 3 or gate_up_proj_L2IH.shape[2] != hidden or gate_up_proj_L2IH.shape[1] % 2:
-        raise ValueError(f"gate_up_proj must be [L, 2I, H={hidden}], got shape {tuple(gate_up_proj_L2IH.shape)}")
-    num_experts, intermediate = gate_up_proj_L2IH.shape[0], gate_up_proj_L2IH.shape[1] // 2
-    if tuple(down_proj_LHI.shape) != (num_experts, hidden, intermediate):
-        raise ValueError(
-            f"down_proj must be [L, H, I] = {[num_experts, hidden, intermediate]} to match gate_up_proj, "
-            f"got {list(down_proj_LHI.shape)}"
-        )
-    if segments.num_local_experts != num_experts:
-        raise ValueError(
-            f"segments.expert_offsets describes {segments.num_local_experts} local experts but the weights hold {num_experts}"
-        )
-    if tuple(pair_weight_N.shape) != (segments.num_pairs,):
-        raise ValueError(f"pair_weight_N must be [N={segments.num_pairs}], got shape {tuple(pair_weight_N.shape)}")
-    for name, tensor in (("gate_up_proj", gate_up_proj_L2IH), ("down_proj", down_proj_LHI)):
-        if tensor.dtype != x_RH.dtype:
-            raise ValueError(f"{name} dtype {tensor.dtype} differs from x_RH dtype {x_RH.dtype}; cast one of them")
+    check_expert_shapes(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI)
     if x_RH.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"x_RH dtype must be float32, bfloat16 or float16, got {x_RH.dtype}")
     if x_RH.dtype == torch.bfloat16 and interpreting():
@@ -427,16 +406,6 @@ def check_inputs(
             "is off by a factor of 1e9: numpy has no bfloat16), so its result would be meaningless; use float32 or "
             "float16 under the interpreter, or expert_backend='torch'"
         )
-    for name, tensor in (("segments.pair_row", segments.pair_row), ("segments.expert_offsets", segments.expert_offsets)):
-        if tensor.dtype != torch.int64:
-            raise ValueError(f"{name} must be int64, got {tensor.dtype}")
-    tensors = {
-        "x_RH": x_RH, "pair_weight_N": pair_weight_N, "gate_up_proj": gate_up_proj_L2IH, "down_proj": down_proj_LHI,
-        "segments.pair_row": segments.pair_row, "segments.expert_offsets": segments.expert_offsets,
-    }  # fmt: skip
-    devices = {name: t.device for name, t in tensors.items()}
-    if len(set(devices.values())) != 1:
-        raise ValueError(f"all inputs must be on one device, got {devices}")
     if x_RH.device.type != "cuda" and not interpreting():
         raise ValueError(
             f"{caller} runs on CUDA tensors (got {x_RH.device}); on CPU set TRITON_INTERPRET=1 "

@@ -179,6 +179,55 @@ def test_bad_mode_and_backend_are_rejected():
         LocalExperts(torch.nn.Parameter(gate_up_E2IH), torch.nn.Parameter(down_EHI), torch.arange(4), F.gelu, backend="triton")
 
 
+def _expert_inputs(rows=5, hidden=8, width=4, experts=3, pairs=((0, 0), (1, 0), (2, 1), (4, 2))):
+    """`local_experts`' arguments: `pairs` (row, local expert) in expert order, random fp32 tensors."""
+    from occult_hf.kernels.layout import ExpertSegments
+
+    generator = torch.Generator().manual_seed(5)
+    pair_row = torch.tensor([row for row, _ in pairs], dtype=torch.int64)
+    counts = torch.bincount(torch.tensor([e for _, e in pairs], dtype=torch.int64), minlength=experts)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    return [
+        torch.randn(rows, hidden, generator=generator), ExpertSegments(pair_row, offsets, rows),
+        torch.rand(len(pairs), generator=generator), torch.randn(experts, 2 * width, hidden, generator=generator),
+        torch.randn(experts, hidden, width, generator=generator),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "spoil, message",
+    [
+        (lambda a: a.__setitem__(0, a[0][None]), r"x_RH must be \[R, H\], got shape \(1, 5, 8\)"),
+        (lambda a: a.__setitem__(0, torch.randn(7, 8)), "x_RH has 7 rows but segments.num_rows is 5"),
+        (lambda a: (a.__setitem__(3, torch.randn(4, 8, 8)), a.__setitem__(4, torch.randn(4, 8, 4))),
+         "segments.expert_offsets describes 3 local experts but the weights hold 4"),
+        (lambda a: a.__setitem__(4, torch.randn(3, 8, 3)), r"down_proj must be \[L, H, I\] = \[3, 8, 4\]"),
+        (lambda a: a.__setitem__(2, torch.rand(5)), r"pair_weight_N must be \[N=4\], got shape \(5,\)"),
+        (lambda a: a.__setitem__(3, a[3].double()), "gate_up_proj dtype torch.float64 differs from x_RH dtype torch.float32"),
+    ],
+    ids=["x-3d", "x-more-rows", "weights-one-more-expert", "down-width", "pair-weights-too-long", "weights-dtype"],
+)
+def test_the_torch_backend_names_inputs_of_the_wrong_shape(spoil, message):
+    """What the Triton backends refuse, the portable one refuses too, naming the input (it had run some of these
+    without an error: rows past num_rows dropped, a fourth expert or extra pair weights ignored)."""
+    args = _expert_inputs()
+    spoil(args)
+    with pytest.raises(ValueError, match=message):
+        local_experts(*args, backend="torch")
+
+
+@pytest.mark.parametrize("rows", [0, 3])
+def test_an_expert_computation_with_no_pair_still_has_a_gradient(rows):
+    """No (row, expert) pair: the output is zeros connected to every input, whose gradients are zeros, as the Triton
+    kernels give. Under EP the exchanges' backward must run on the rank whose experts got nothing."""
+    x_RH, segments, pair_weight_N, gate_up, down = _expert_inputs(rows=rows, pairs=())
+    inputs = [t.requires_grad_() for t in (x_RH, pair_weight_N, gate_up, down)]
+    out_RH = local_experts(x_RH, segments, pair_weight_N, gate_up, down, backend="torch")
+    assert out_RH.shape == (rows, 8) and not out_RH.any() and out_RH.requires_grad
+    out_RH.sum().backward()
+    assert all(t.grad is not None and not t.grad.any() for t in inputs)
+
+
 def test_grouped_mm_path_matches_reference_forward():
     """The grouped-GEMM path (used on CUDA/bf16) computes the reference function (CPU forward, fp32)."""
     if getattr(torch.nn.functional, "grouped_mm", None) is None and getattr(torch, "_grouped_mm", None) is None:

@@ -13,7 +13,8 @@ in-process save test:
 - a peer that raises and stays alive while the other saves, and a peer that stops after the
   configuration check of a save and goes on to a barrier: an error naming the operation and the
   layer within the timeout, not after the process group's 30 minutes; the same two faults while the
-  other rank is in a forward: the EP exchange's `ExchangeError` naming the layer;
+  other rank is in a forward: the EP exchange's `ExchangeError` naming the layer; a peer that skips the backward
+  under "padded": the same, from the padded row exchange;
 - a peer killed in the middle of a forward: the other rank fails within seconds;
 - a save interrupted while writing each of its files, or killed outright: the previous checkpoint is
   byte-for-byte unchanged, loads, and equals the original model.
@@ -165,6 +166,19 @@ def _stalled_exchange_cases(rank):
             except RuntimeError:
                 time.sleep(6)  # alive, busy elsewhere, never joins the forward
         dist.barrier()  # "stops early": rank 1 is here while rank 0 is in its forward
+    # "padded" on CPU: its row exchanges wait with the same bound; rank 1 runs the forward and skips the backward
+    model = apply_occult(
+        tiny_model("olmoe", seed=4), OccultConfig(placement=_shuffled(), dispatcher="padded"), group=dist.new_group([0, 1])
+    )
+    loss = model(tiny_batch(seed=rank), labels=tiny_batch(seed=rank)).loss
+    start = time.monotonic()
+    if rank == 0:
+        with pytest.raises(ExchangeError, match=r"layer 1: the padded exchange failed or did not finish within 3 s"):
+            loss.backward()
+        assert time.monotonic() - start < 30
+    else:
+        time.sleep(6)  # alive, never joins the backward
+    dist.barrier()
 
 
 def _cast_apart_cases(rank):

@@ -524,13 +524,28 @@ def _():
     assert "'padded'" not in message
 
 
-@case("expert_backend='triton' on CPU")
+@case("expert_backend='triton' or 'grouped_mm_fused' on CPU")
 def _(monkeypatch):
     from occult_hf import OccultConfig, apply_occult
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    model = apply_occult(tiny_model("olmoe"), OccultConfig(num_devices=2, expert_backend="triton"))
-    refused(ValueError, lambda: model(tiny_batch()), "OccultConfig.expert_backend='triton' runs on CUDA, but the experts are on cpu: use expert_backend='auto'")
+    for backend in ("triton", "grouped_mm_fused"):
+        model = apply_occult(tiny_model("olmoe"), OccultConfig(num_devices=2, expert_backend=backend))
+        refused(ValueError, lambda: model(tiny_batch()), f"OccultConfig.expert_backend={backend!r} runs on CUDA, but the experts are on cpu: use expert_backend='auto'")
+
+
+@case("a config whose fields were set after it was built")
+def _():
+    from occult_hf import OccultConfig, apply_occult
+
+    for name, value, message in (
+        ("num_devices", 3.5, "OccultConfig.num_devices must be a positive integer, got 3.5"),
+        ("placement", None, "OccultConfig.placement must be 'contiguous', a path, a Placement or a dict, got NoneType"),
+        ("dispatcher", ["local"], "OccultConfig.dispatcher must be one of ['auto', 'all_to_all', 'hierarchical', 'local', 'padded', 'symm_mem'], got ['local']"),
+    ):  # fmt: skip
+        config = OccultConfig()
+        setattr(config, name, value)
+        refused((ValueError, TypeError), lambda: apply_occult(tiny_model("olmoe"), config), message)
 
 
 @case("occult place usage errors exit 2")

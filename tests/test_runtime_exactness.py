@@ -270,6 +270,60 @@ def test_exact_on_2_ranks_all_families_modes_and_placements():
     _run(2, 8, cases)
 
 
+STARVED_EXPERT = 7
+
+
+def _starved_model():
+    """Tiny DeepSeek-V3 whose routers never choose expert 7 (its selection bias -100), in training mode."""
+    model = tiny_model("deepseek_v3", seed=SEED).train()
+    with torch.no_grad():
+        for layer in MOE_LAYERS["deepseek_v3"]:
+            model.model.layers[layer].mlp.gate.e_score_correction_bias[STARVED_EXPERT] = -100.0
+    return model
+
+
+def _starved_rank_world(rank, world_size):
+    """Rank 1 holds only the expert no token chooses: its expert computation gets no pair, in every layer."""
+    from occult_hf import OccultConfig, Placement
+    from occult_hf.hf.apply import apply_occult
+
+    homes = [int(expert == STARVED_EXPERT) for expert in range(8)]
+    placement = Placement(8, 2, {layer: homes for layer in MOE_LAYERS["deepseek_v3"]})
+    found = {}
+    for dispatcher in ("all_to_all", "padded"):
+        model = apply_occult(_starved_model(), OccultConfig(placement=placement, dispatcher=dispatcher))
+        ids = rank_batch(rank)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()  # before the fix rank 1 skipped the backward's exchanges: its peer waited for it
+        # numpy: tensors through the result queue need the child alive
+        grads = {name: p.grad.numpy().copy() for name, p in model.named_parameters() if p.grad is not None and "experts" not in name and "carrier" not in name}
+        found[dispatcher] = (float(loss.detach()), grads)
+    return found
+
+
+@pytest.mark.world_size(2)
+def test_a_rank_whose_experts_get_no_token_joins_the_backward():
+    """A rank whose local experts receive no (row, expert) pair in a step (the portable PyTorch backend) still takes
+    part in the backward's exchanges, under "all_to_all" and "padded": losses and the dense gradients equal one process."""
+    model = _starved_model()
+    losses, world_size = [], 2
+    for rank in range(world_size):
+        ids = rank_batch(rank)
+        out = model(input_ids=ids, labels=ids)
+        (out.loss / world_size).backward()
+        losses.append(float(out.loss.detach()))
+    expected = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    results = run_world(_starved_rank_world, world_size, env={"OCCULT_EXCHANGE_TIMEOUT_S": "20"}, timeout_s=200)
+    for dispatcher in ("all_to_all", "padded"):
+        for rank, found in enumerate(results):
+            loss, grads = found[dispatcher]
+            assert abs(loss - losses[rank]) <= 1e-5 * abs(losses[rank]), (dispatcher, rank)
+        # the dense part's gradients, averaged over the ranks (DDP's job, done here), equal one process's
+        for name in results[0][dispatcher][1]:
+            mean = torch.from_numpy(results[0][dispatcher][1][name] + results[1][dispatcher][1][name]) / world_size
+            assert rel_err(mean, expected[name]) <= 1e-5, (dispatcher, name)
+
+
 @pytest.mark.world_size(4)
 def test_exact_on_4_ranks_with_uneven_expert_counts():
     """E=6 on 4 ranks: two ranks hold 2 experts, two hold 1."""

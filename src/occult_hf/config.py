@@ -289,9 +289,10 @@ class OccultConfig:
 
     @classmethod
     def coerce(cls, value: "OccultConfig | dict | str | os.PathLike") -> "OccultConfig":
-        """Accept what `from_pretrained(occult_config=...)` accepts: a config, a dict or a JSON file path."""
+        """Accept what `from_pretrained(occult_config=...)` accepts: a config, a dict or a JSON file path. A config is
+        checked again (a copy through `__post_init__`): its fields may have been set after it was built."""
         if isinstance(value, cls):
-            return value
+            return replace(value)
         if isinstance(value, dict):
             return cls.from_dict(value)
         if isinstance(value, (str, os.PathLike)):

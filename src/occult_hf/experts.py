@@ -50,7 +50,7 @@ from occult_hf.kernels.expert_mlp_reference import (
     expert_mlp_reference_op,
     grouped_mm_op,
 )
-from occult_hf.kernels.layout import ExpertSegments
+from occult_hf.kernels.layout import ExpertSegments, check_expert_shapes
 from occult_hf.kernels.triton_support import require_triton, triton_importable, triton_runs_on
 
 from .registry import EXPERT_BACKENDS
@@ -107,7 +107,10 @@ def local_experts(
 
 def _torch_backend(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn, deterministic):
     """PyTorch's grouped GEMM where it has a kernel, else the portable reference (`deterministic` is Triton's); under
-    `torch.compile` the reference's operator where it knows the activation, else the reference left to eager."""
+    `torch.compile` the reference's operator where it knows the activation, else the reference left to eager. Eager
+    calls check the inputs' shapes first (compiled ones meet the operators' fake implementations)."""
+    if not torch.compiler.is_compiling():
+        check_expert_shapes(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI)
     if grouped_mm_supported(x_RH, gate_up_proj_L2IH, down_proj_LHI):
         return expert_mlp_grouped_mm(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn)
     if not torch.compiler.is_compiling():
@@ -128,28 +131,34 @@ def _triton_backend(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_
     """The fused Triton kernels, given the model's activation by name."""
     activation = activation_name(act_fn)  # ValueError naming an activation the kernels lack
     expert_mlp_triton = _triton_expert_mlp()  # ImportError naming triton when it is missing
-    if not x_RH.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            f"OccultConfig.expert_backend='triton' runs on CUDA, but the experts are on {x_RH.device.type}: use "
-            f"expert_backend='auto' (PyTorch off CUDA) or 'torch' (TRITON_INTERPRET=1 runs the kernels on CPU, slowly, "
-            f"for tests)"
-        )
+    _check_on_cuda("triton", x_RH)
     return expert_mlp_triton(
         x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, deterministic=deterministic, activation=activation
     )
+
+
+def _check_on_cuda(backend: str, x_RH: torch.Tensor) -> None:
+    """A Triton backend's rows off CUDA (outside the interpreter) are an error naming the setting to change."""
+    if not x_RH.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"OccultConfig.expert_backend={backend!r} runs on CUDA, but the experts are on {x_RH.device.type}: use "
+            f"expert_backend='auto' (PyTorch off CUDA) or 'torch' (TRITON_INTERPRET=1 runs the kernels on CPU, slowly, "
+            f"for tests)"
+        )
 
 
 def _grouped_mm_fused_backend(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn, deterministic):
     """PyTorch's grouped GEMMs with the Triton kernels around them (both reductions fixed-order: repeatable
     whatever `deterministic` says)."""
     activation = activation_name(act_fn)  # ValueError naming an activation the kernels lack
+    _triton_expert_mlp("grouped_mm_fused")  # ImportError naming triton when it is missing
+    _check_on_cuda("grouped_mm_fused", x_RH)
     if x_RH.is_cuda and not grouped_mm_supported(x_RH, gate_up_proj_L2IH, down_proj_LHI):
         raise ValueError(
             f"expert_backend='grouped_mm_fused' needs PyTorch's grouped GEMM kernel: CUDA with compute capability "
             f">= 8.0, bfloat16 rows and weights, hidden and expert width multiples of 8; got {x_RH.dtype} rows, "
             f"hidden {down_proj_LHI.shape[1]}, width {down_proj_LHI.shape[2]}: use expert_backend='triton' or 'torch'"
         )
-    _triton_expert_mlp("grouped_mm_fused")  # ImportError naming triton when it is missing
     from occult_hf.kernels.grouped_mm_fused import expert_mlp_grouped_mm_fused
 
     return expert_mlp_grouped_mm_fused(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, activation=activation)

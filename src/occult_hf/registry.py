@@ -85,7 +85,7 @@ class Registry(Generic[Entry]):
 
     def check(self, name: str) -> str:
         """Return `name` if it is valid, else raise the registry's `ValueError` (imports nothing)."""
-        if name not in self:
+        if not isinstance(name, str) or name not in self:
             self._unknown(name)
         return name
 

@@ -48,6 +48,15 @@ EXCHANGE_TIMEOUT_ENV = "OCCULT_EXCHANGE_TIMEOUT_S"
 DEFAULT_EXCHANGE_TIMEOUT_S = 120.0
 
 
+def exchange_timeout_error(layer: str, what: str, timeout_s: float, error) -> ExchangeError:
+    """The error of a collective of `layer`'s exchange (`what`) that failed or outlived the exchange timeout."""
+    return ExchangeError(
+        f"{layer}: the {what} failed or did not finish within {timeout_s:g} s "
+        f"(OccultConfig.exchange_timeout_s or $OCCULT_EXCHANGE_TIMEOUT_S): a peer rank is stalled, "
+        f"dead or running a different model: {error}"
+    )
+
+
 @dataclass(frozen=True)
 class TokenRouting:
     """What a layer dispatches: the router's choice, after collaboration pruning when that is on.
@@ -362,11 +371,7 @@ class TokenDispatcher:
             raise ExchangeError(f"{self.layer}: the {what} could not start: {error}") from error
 
     def _timeout_error(self, what: str, error) -> ExchangeError:
-        return ExchangeError(
-            f"{self.layer}: the {what} failed or did not finish within {self.timeout_s:g} s "
-            f"(OccultConfig.exchange_timeout_s or $OCCULT_EXCHANGE_TIMEOUT_S): a peer rank is stalled, "
-            f"dead or running a different model: {error}"
-        )
+        return exchange_timeout_error(self.layer, what, self.timeout_s, error)
 
     def _wait(self, work, what: str, on_host: bool) -> None:
         """Wait for a collective: with the exchange timeout on the host for CPU tensors; on CUDA a
@@ -511,6 +516,7 @@ __all__ = [
     "dispatch_format",
     "dispatcher_class",
     "dispatcher_names",
+    "exchange_timeout_error",
     "gradient_format",
     "pack_gradients",
     "register_dispatcher",

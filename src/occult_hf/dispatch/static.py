@@ -54,6 +54,7 @@ import functools
 import math
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import ClassVar
 
 import torch
@@ -63,7 +64,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from occult_hf.kernels.layout import ExpertSegments
 
 from .base import DispatchPlan, Dispatched, RowFormat, TokenDispatcher, dispatch_format, register_dispatcher, sum_token_rows
-from .base import gradient_format, pack_gradients
+from .base import exchange_timeout_error, gradient_format, pack_gradients
 from .plan import SendLayout, _arange, expert_keys, padded_layout, send_layout
 
 #: symmetric row widths are padded to a multiple of this many bytes, and buffers hold at least
@@ -264,21 +265,28 @@ class PaddedDispatcher(StaticDispatcher):
         return ep.is_distributed
 
     def exchange(self, block, counts_D, out_rows):
-        return torch.ops.occult.exchange_equal_splits(block.contiguous(), out_rows, self.ep.group.group_name), None
+        exchanged = torch.ops.occult.exchange_equal_splits(block.contiguous(), out_rows, self.ep.group.group_name, self.timeout_s, self.layer)
+        return exchanged, None
 
 
 @torch.library.custom_op("occult::exchange_equal_splits", mutates_args=())
-def _exchange_equal_splits(block_OU: torch.Tensor, out_rows: int, group_name: str) -> torch.Tensor:
+def _exchange_equal_splits(block_OU: torch.Tensor, out_rows: int, group_name: str, timeout_s: float, layer: str) -> torch.Tensor:
     """`[out_rows, U]`: rank r's `block_OU` rows `[d * O/D, (d + 1) * O/D)` go to rank d (one `all_to_all_single`
     over the process group named `group_name`). An operator, so that a compiled graph holds the exchange whole
-    (its fake gives the static shape) instead of breaking at the collective."""
+    (its fake gives the static shape) instead of breaking at the collective. CPU rows (gloo) wait at most
+    `timeout_s` on the host, else an `ExchangeError` naming `layer`; CUDA rows wait on the stream (the flat exchange's
+    rule, `TokenDispatcher._wait`)."""
     out_RU = block_OU.new_empty((out_rows, block_OU.shape[1]))
-    dist.all_to_all_single(out_RU, block_OU, group=_resolve_process_group(group_name))
+    work = dist.all_to_all_single(out_RU, block_OU, group=_resolve_process_group(group_name), async_op=True)
+    try:
+        work.wait(**({} if block_OU.is_cuda else {"timeout": timedelta(seconds=timeout_s)}))
+    except RuntimeError as error:
+        raise exchange_timeout_error(layer, "padded exchange", timeout_s, error) from error
     return out_RU
 
 
 @_exchange_equal_splits.register_fake
-def _(block_OU: torch.Tensor, out_rows: int, group_name: str) -> torch.Tensor:
+def _(block_OU: torch.Tensor, out_rows: int, group_name: str, timeout_s: float, layer: str) -> torch.Tensor:
     return block_OU.new_empty((out_rows, block_OU.shape[1]))
 
 
