@@ -52,6 +52,9 @@ def test_place_and_replan_check_out_before_planning(command, files, tmp_path, ca
     out = tmp_path / "missing" / "x.json"
     err = refused([command, *inputs, "--out", str(out)], capsys)
     assert f"occult {command}: error: --out {str(out)!r}: directory {str(out.parent)!r} does not exist" in err
+    if os.path.isdir("/proc"):  # a folder nobody can create a file in, even root
+        err = refused([command, *inputs, "--out", "/proc/x.json"], capsys)
+        assert f"occult {command}: error: --out '/proc/x.json': cannot write in directory '/proc' (" in err, err
 
 
 @pytest.mark.parametrize("command", ["place", "replan"])

@@ -118,13 +118,20 @@ def atomic_save_figure(figure, path: str | os.PathLike, **savefig_kwargs) -> Non
 
 
 def check_writable_dir(path: str | os.PathLike, what: str = "output") -> str:
-    """Raise `FileNotFoundError` naming `path` when its directory does not exist (check before long runs)."""
+    """Raise an `OSError` naming `path` when it cannot be written: its directory does not exist, or takes no new
+    file (a probe file made and removed: read-only mounts, permissions, /proc), or `path` is a directory. Checked
+    before long runs."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"{what} {path!r}: directory {directory!r} does not exist")
     if os.path.isdir(path):
         raise IsADirectoryError(f"{what} {path!r} is a directory, expected a file path")
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".occult_probe-"):
+            pass
+    except OSError as error:
+        raise PermissionError(f"{what} {path!r}: cannot write in directory {directory!r} ({error.strerror or error})") from None
     return path
 
 
