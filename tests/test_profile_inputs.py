@@ -118,6 +118,7 @@ def test_pair_count_trace_refuses_layer_sample_size_and_empty_layers(tmp_path, c
     [
         ("empty.jsonl", b"", "data file {path!r} is empty"),
         ("broken.jsonl", b'{"text": "hello"\n', "data file {path!r} cannot be read (ArrowInvalid: JSON parse error"),
+        ("blank.jsonl", b"\n\n\n", "data file {path!r} cannot be read (ValueError: Instruction \"train\" corresponds to no data!)"),
         ("latin1.txt", b"hello \xff\xfe world\n",
          "data file {path!r} cannot be read (UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff"),
         ("latin1.jsonl", b'{"text": "hello \xff\xfe world"}\n',

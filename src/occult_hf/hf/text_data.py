@@ -63,7 +63,8 @@ def load_text_dataset(source: str | os.PathLike, config: str | None = None, spli
         _no_config(config, path, "a single data file")
         if os.path.getsize(path) == 0:
             raise ValueError(f"data file {path!r} is empty")
-        data = parsed(lambda: datasets.load_dataset(builder, data_files={split: path}, split=split), f"data file {path!r}")
+        # one local file: a ValueError of the read is about it (a file of blank lines: "... corresponds to no data")
+        data = parsed(lambda: datasets.load_dataset(builder, data_files={split: path}, split=split), f"data file {path!r}", also=(ValueError,))
     elif is_save_to_disk_directory(path):
         _no_config(config, path, "a save_to_disk directory")
         data = datasets.load_from_disk(path)
