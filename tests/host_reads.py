@@ -2,8 +2,8 @@
 `torch.cuda.set_sync_debug_mode("error")`: on a GPU each such read waits for the device).
 
 Two frames may read: `expert_mlp_reference`, the CPU specification of the expert kernels, reads its segment offsets
-on purpose (the GPU kernels do not); `StaticDispatcher.group_tokens` reads the ranks' token count agreed over the
-host (gloo) group, a CPU tensor that is never on a device.
+on purpose (the GPU kernels do not); `StaticDispatcher.group_tokens` reads the ranks' token counts and row formats
+gathered over the host (gloo) group, CPU tensors that are never on a device.
 """
 
 from __future__ import annotations

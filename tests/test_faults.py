@@ -185,7 +185,8 @@ def _cast_apart_cases(rank):
     """Ranks that cast the model apart after `apply_occult`: both raise at the first layer's count exchange, naming
     the two row formats, before any row moves (the same row size, bfloat16 against float16, read the other's rows
     in the wrong dtype before; different row sizes crashed gloo); cast alike again, the same group runs on. In the
-    flat exchange with one chunk and with two (another count message)."""
+    flat exchange with one chunk and with two (another count message), and in "padded" (its agreement on the
+    static capacities carries the formats)."""
     import torch.distributed as dist
 
     from occult_hf import OccultConfig
@@ -194,8 +195,8 @@ def _cast_apart_cases(rank):
 
     hidden = tiny_model("olmoe").config.hidden_size
     group = dist.new_group([0, 1])
-    for chunks in (1, 2):
-        model = apply_occult(tiny_model("olmoe", seed=4), OccultConfig(placement=_shuffled(), dispatch_chunks=chunks), group=group)
+    for settings in ({"dispatch_chunks": 1}, {"dispatch_chunks": 2}, {"dispatcher": "padded"}):
+        model = apply_occult(tiny_model("olmoe", seed=4), OccultConfig(placement=_shuffled(), **settings), group=group)
         for dtypes in ((torch.bfloat16, torch.float16), (torch.float32, torch.bfloat16)):
             model.to(dtypes[rank])
             mine, other = (str(dtype).removeprefix("torch.") for dtype in (dtypes[rank], dtypes[1 - rank]))
@@ -205,7 +206,7 @@ def _cast_apart_cases(rank):
             )):  # fmt: skip
                 model(tiny_batch(seed=rank))
         model.to(torch.bfloat16)
-        assert model(tiny_batch(seed=rank)).logits.dtype == torch.bfloat16, chunks
+        assert model(tiny_batch(seed=rank)).logits.dtype == torch.bfloat16, settings
 
 
 def _killed_peer_case(rank, report_file):

@@ -120,16 +120,16 @@ def _check_case(
         out = ddp(input_ids=ids, labels=ids)
     with _counting_collectives() as backward_calls:
         out.loss.backward()
-    # per MoE layer: one count exchange ("padded": none, but the ranks' most tokens agreed host to host, one all-reduce
-    # on the gloo host group), then one exchange per direction and chunk (rows and their metadata packed together);
-    # backward one per direction and chunk; one grad-norm all-reduce per backward
+    # per MoE layer: one count exchange ("padded": none, but the ranks' most tokens and row formats gathered host to
+    # host, one all-gather on the gloo host group), then one exchange per direction and chunk (rows and their metadata
+    # packed together); backward one per direction and chunk; one grad-norm all-reduce per backward
     layers, group_chunks = len(occult_modules(model)), chunks or 1
     padded = dispatcher == "padded"
     # load-aware replica choice: one all-gather of the per-expert counts per layer
+    gathers = layers * (int(load_aware) + int(padded))
     expected_calls = {
         "all_to_all_single": layers * (int(not padded) + 2 * group_chunks),
-        **({"all_gather": layers} if load_aware else {}),
-        **({"all_reduce": layers} if padded else {}),
+        **({"all_gather": gathers} if gathers else {}),
     }
     assert forward_calls == expected_calls, f"{where} {forward_calls}"
     # with replicas one more all-reduce per backward: the copies' gradients summed among holders, all layers at once

@@ -64,8 +64,8 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from occult_hf.kernels.layout import ExpertSegments
 
 from .base import DispatchPlan, Dispatched, RowFormat, TokenDispatcher, dispatch_format, register_dispatcher, sum_token_rows
-from .base import exchange_timeout_error, gradient_format, pack_gradients
-from .plan import SendLayout, _arange, expert_keys, padded_layout, send_layout
+from .base import check_stamps, exchange_timeout_error, gradient_format, pack_gradients
+from .plan import SendLayout, _arange, expert_keys, padded_layout, routing_width, send_layout
 
 #: symmetric row widths are padded to a multiple of this many bytes, and buffers hold at least
 #: `MIN_BUFFER_BYTES`: the all-to-all-v kernel launches min(ceil(buffer bytes / 64 KiB), 64) blocks,
@@ -112,33 +112,39 @@ class StaticDispatcher(TokenDispatcher):
         """`C_R`."""
         return self.ep.num_devices * self.per_peer_capacity(group_tokens, top_k)
 
-    def group_tokens(self, num_tokens: int) -> int:
+    def group_tokens(self, num_tokens: int, row_format: RowFormat) -> int:
         """The most tokens any rank of the group passes to this layer now: the static capacities' T.
 
         Agreed over `ep.host_group` (a gloo group of the same ranks, made by `apply_occult`): a host-to-host
-        all-reduce of one integer, bounded by the exchange timeout, which waits for the peers' hosts to reach this
-        layer but for no device work (nothing drains from the GPU's queue). So ranks may pass different T (the last
-        batch, per-rank dynamic padding). Without a host group, and inside a CUDA graph capture (whose replays could
-        not repeat it: a captured step's sizes are fixed on every rank alike), each rank's own T, which must then be
-        the same on every rank.
+        all-gather of each rank's T and row format (`RowFormat.stamp`: ranks whose rows differ, a model cast apart,
+        fail here naming both formats, `check_stamps`), bounded by the exchange timeout, which waits for the peers'
+        hosts to reach this layer but for no device work (nothing drains from the GPU's queue). So ranks may pass
+        different T (the last batch, per-rank dynamic padding). Without a host group, and inside a CUDA graph capture
+        (whose replays could not repeat it: a captured step's sizes are fixed on every rank alike), each rank's own T,
+        which must then be the same on every rank, and no format check.
         """
         host_group = self.ep.host_group
         if host_group is None or torch.compiler.is_compiling():  # a traced graph's sizes are its own
             return num_tokens
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return num_tokens
-        tokens = torch.tensor([num_tokens], dtype=torch.int64)
+        stamp = row_format.stamp()
+        mine = torch.tensor([num_tokens, *stamp], dtype=torch.int64)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(host_group))]
         what = "agreement on the most tokens per rank (the static capacities)"
-        work = self._collective(what, dist.all_reduce, tokens, op=dist.ReduceOp.MAX, group=host_group, async_op=True)
+        work = self._collective(what, dist.all_gather, every, mine, group=host_group, async_op=True)
         self._wait(work, what, on_host=True)
-        return tokens.tolist()[0]  # a CPU tensor of the host group: no device read
+        rows = torch.stack(every).tolist()  # CPU tensors of the host group: no device read
+        check_stamps(self.layer, [row[1:] for row in rows], stamp)
+        return max(row[0] for row in rows)
 
     # ----- the interface -------------------------------------------------------------------------
     def dispatch(self, x_TH: torch.Tensor, routing) -> Dispatched:
         ids_Tk, weights_Tk = routing.topk_ids_Tk, routing.topk_weights_Tk
         num_tokens, top_k = ids_Tk.shape
         hidden = x_TH.shape[1]
-        group_tokens = self.group_tokens(num_tokens)
+        row_format = dispatch_format(hidden, x_TH.dtype, routing_width(self.mode, top_k), weights_Tk.dtype)
+        group_tokens = self.group_tokens(num_tokens, row_format)
         dest_Tk, local_Tk = self.destinations_of(routing)
         layout = self._send_layout(dest_Tk, local_Tk, weights_Tk, group_tokens)
         counts_D2 = layout.counts_D2
@@ -146,8 +152,6 @@ class StaticDispatcher(TokenDispatcher):
         token_O, slot_OW, weight_OW = layout.token_O, layout.slot_OW, layout.weight_OW
         x_pad_TH = torch.cat([x_TH, x_TH.new_zeros(1, hidden)])  # row T: the phantom rows' source
         x_OH = x_pad_TH[token_O]
-        width = slot_OW.shape[1]
-        row_format = dispatch_format(hidden, x_TH.dtype, width, weights_Tk.dtype)
         capacity_R = self.recv_capacity(group_tokens, top_k)
         x_RH, slot_RW, weight_RW, recv_counts_D = _StaticDispatchExchange.apply(
             x_OH, weight_OW, slot_OW, self, row_format, send_counts_D, capacity_R
