@@ -140,6 +140,30 @@ def test_trainer_checkpoints_with_attach_and_resume_equals_uninterrupted_run(tmp
         assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 8
 
 
+def test_a_model_whose_saved_keys_transformers_renames_resumes(tmp_path):
+    """Mixtral's checkpoints name its routers `block_sparse_moe.gate` (transformers reverts its renaming on save): the
+    resume hook reads them under the model's own names (it had refused the checkpoint, naming `mlp.gate` as missing)
+    and the resumed steps and weights equal the uninterrupted run's (one process, 2 logical devices)."""
+    from transformers import Trainer
+
+    from occult_hf import OccultConfig, apply_occult
+
+    def model():
+        return apply_occult(tiny_model("mixtral", seed=11, output_router_logits=False), OccultConfig(num_devices=2))
+
+    data = [{"input_ids": row, "labels": row} for row in tiny_batch(batch=2 * RESUME_STEPS, seq=16, seed=5)]
+    full_model, resumed_model = model(), model()
+    full = Trainer(model=full_model, args=_trainer_args(f"{tmp_path}/full"), train_dataset=data)
+    full.train()
+    resumed = Trainer(model=resumed_model, args=_trainer_args(f"{tmp_path}/resumed"), train_dataset=data)
+    resumed.train(resume_from_checkpoint=f"{tmp_path}/full/checkpoint-{SAVE_STEPS}")
+    for step in (3, 4):
+        assert _losses(resumed)[step] == pytest.approx(_losses(full)[step], rel=1e-6), step
+    full_weights = dict(full_model.named_parameters())
+    for name, param in resumed_model.named_parameters():
+        assert torch.equal(param, full_weights[name]), name
+
+
 # ----- the fine-tune entry point (HfArgumentParser, datasets, launcher checks) ---------------------------
 
 

@@ -20,6 +20,8 @@ works; when transformers changes, this is the file to read.
   rank runs at a save or a resume (some of them private: `_save_optimizer_and_scheduler`,
   `_load_from_checkpoint`, ...; `hf.trainer` provides the hooks) and peft's `PeftModel.save_pretrained` /
   `load_adapter` (`hf.peft_support`); `unwrap_when_imported(module, class, names)` puts them back.
+- `checkpoint_key_renamer(model)`: a saved checkpoint's keys as the model names them (transformers' renamings, which
+  `save_pretrained` reverts), for the Trainer resume hook that reads a checkpoint's safetensors itself.
 - `static_cache_length(model, args, kwargs)`: the length of the static cache a `generate(*args, **kwargs)` call
   allocates, by generate's own rule (its generation config's `max_length`, or the prompt plus `max_new_tokens`,
   less one; at least `max_cache_len`): EP ranks agree on the longest before they decode in lockstep.
@@ -155,11 +157,23 @@ def skip_allocator_warmup_for(skipped: Callable[[Any, str], bool]):
 
 def _renamer(load_config) -> Callable[[str], str]:
     """`rename(key)`: transformers' `WeightRenaming`s of this load applied to a checkpoint key."""
-    from transformers.core_model_loading import WeightRenaming, apply_renamings
+    return _applying_renamings(getattr(load_config, "weight_mapping", None) or [])
 
-    mapping = getattr(load_config, "weight_mapping", None) or []
+
+def checkpoint_key_renamer(model) -> Callable[[str], str]:
+    """`rename(key)`: a key as `save_pretrained` stores it (transformers reverts its renamings on save: Mixtral's
+    router is `block_sparse_moe.gate`) as `model` names it (`mlp.gate`), by the renamings `from_pretrained` applies."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    return _applying_renamings(get_model_conversion_mapping(model))
+
+
+def _applying_renamings(mapping) -> Callable[[str], str]:
+    """`rename(key)` by the `WeightRenaming`s of `mapping` (its converters, which merge tensors, are left out)."""
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
     renamings = [entry for entry in mapping if isinstance(entry, WeightRenaming)]
-    return lambda key: apply_renamings(key, renamings)
+    return lambda key: rename_source_key(key, renamings, [])[0]
 
 
 def uninstall_loading_hooks() -> None:

@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from .state import BLOCKS, STATE_ATTR
-from .compat import unwrap_when_imported, wrap_when_imported
+from .compat import checkpoint_key_renamer, unwrap_when_imported, wrap_when_imported
 from .checkpointing import snapshot_experts
 from .peft_support import snapshot_adapters
 from ..distributed.agreement import SAVE_TIMEOUT_ENV, announce_failure, arrive, save_timeout_s
@@ -307,7 +307,9 @@ def _load_from_checkpoint(original, trainer, resume_from_checkpoint, model=None)
         return original(trainer, resume_from_checkpoint, model)
     experts = _read_rank_file(resume_from_checkpoint, target)["experts"]
     own = target.state_dict()
-    dense = {k: v for k, v in _vanilla_weights(resume_from_checkpoint).items() if k in own and k not in experts and own[k].shape == v.shape}
+    rename = checkpoint_key_renamer(target)  # saved keys are transformers' original names (Mixtral: block_sparse_moe)
+    saved = {rename(key): value for key, value in _vanilla_weights(resume_from_checkpoint).items()}
+    dense = {k: v for k, v in saved.items() if k in own and k not in experts and own[k].shape == v.shape}
     blocks = {path: module for path, module in target.named_modules() if isinstance(module, OccultMoE)}
     prefixes = tuple(f"{path}.experts." for path in blocks)
     missing_experts = sorted(k for k in own if k not in experts and k.startswith(prefixes))
