@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 from distributed import run_world
@@ -115,6 +117,36 @@ def test_lora_one_process_matches_stock_trains_saves_and_reloads(tmp_path):
     with torch.no_grad():
         assert relative_error(reloaded(input_ids=input_ids).logits, trained_logits) <= RTOL
         assert relative_error(stock_reloaded(input_ids=input_ids).logits, trained_logits) <= RTOL
+
+
+@pytest.mark.parametrize(
+    "family, targets, saved",
+    [("olmoe", ["q_proj"], ["gate"]), ("qwen2_moe", ["q_proj", "shared_expert_gate"], ["shared_expert"])],
+    ids=["router-copy", "shared-expert-gate-lora-and-copies"],
+)
+def test_peft_on_modules_of_the_block_itself_reaches_the_forward(family, targets, saved):
+    """peft's `modules_to_save` copies of the router and shared expert, and LoRA on a linear of the block itself
+    (`shared_expert_gate`), replace children of the `OccultMoE`: they run in its forward (they had been bypassed: no
+    gradient, the loss of the frozen originals), with the loss and gradients of stock peft."""
+    input_ids = tiny_batch(batch=2, seq=16, seed=4)
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=targets, modules_to_save=saved)
+    found = {}
+    for kind in ("stock", "occult"):
+        base = tiny_model(family, seed=3).train()
+        model = peft.get_peft_model(apply_occult(base, OccultConfig(num_devices=2)) if kind == "occult" else base, config)
+        with torch.no_grad():  # the adapters drawn, the trainable copies moved from the frozen originals, alike by name
+            for name, param in model.named_parameters():
+                if param.requires_grad:
+                    noise = torch.randn(param.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))) * 0.1
+                    param.copy_(noise if "lora_" in name else param + noise)
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        found[kind] = (loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.requires_grad})
+    (stock_loss, stock_grads), (occult_loss, occult_grads) = found["stock"], found["occult"]
+    assert relative_error(occult_loss, stock_loss) <= RTOL
+    assert any("modules_to_save" in name for name in stock_grads) and set(occult_grads) == set(stock_grads)
+    for name, grad in stock_grads.items():
+        assert occult_grads[name] is not None and relative_error(occult_grads[name], grad) <= RTOL, name
 
 
 # ----- expert parallelism -------------------------------------------------------------------------

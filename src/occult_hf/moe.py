@@ -72,9 +72,9 @@ class OccultMoE(nn.Module):
         self.last_devices_TD: torch.Tensor | None = None
         self.track = True
         experts_module = adapter.experts_module(block)
-        for name, child in block.named_children():
-            if child is not experts_module:
-                self.add_module(name, child)
+        self._block_children = frozenset(name for name, child in block.named_children() if child is not experts_module)
+        for name in self._block_children:
+            self.add_module(name, getattr(block, name))
         for name, param in block.named_parameters(recurse=False):
             self.register_parameter(name, param)
         for name, buffer in block.named_buffers(recurse=False):
@@ -94,6 +94,14 @@ class OccultMoE(nn.Module):
             if self._grad_norm is None:  # a model's layers share one: one all-reduce per backward for all
                 self._grad_norm = GradNormCarrier(ep.group)
             self._grad_norm.register(self)
+
+    def __setattr__(self, name: str, value) -> None:
+        """A child of the block replaced here (peft's `modules_to_save` copy of the router or shared expert, a LoRA layer
+        on a linear of the block itself) is replaced in the block too: the family adapter runs the block's own children.
+        """
+        super().__setattr__(name, value)
+        if isinstance(value, nn.Module) and name in self.__dict__.get("_block_children", ()):
+            self._original[0]._modules[name] = value
 
     @property
     def layer_idx(self) -> int:
