@@ -57,6 +57,26 @@ def test_place_and_replan_check_out_before_planning(command, files, tmp_path, ca
         assert f"occult {command}: error: --out '/proc/x.json': cannot write in directory '/proc' (" in err, err
 
 
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        ("devices_per_node=2", "occult place: give devices_per_node as --devices-per-node, not as --option"),
+        ("cross_validate=3", "occult place: give cross_validate as --cross-validate, not as --option"),
+        ("method=occult", "occult place: give method as --method, not as --option"),
+        ("layers=[0]", "placement method 'refined' has no option(s) ['layers']; its options are ['max_load_ratio'"),
+        ("progress=true", "placement method 'refined' has no option(s) ['progress']"),
+    ],
+)
+def test_place_refuses_options_that_are_not_the_planners_before_planning(option, message, files, tmp_path, capsys, monkeypatch):
+    """Such names had reached plan_placement's own keywords: Python's "got multiple values" error, or (`layers`) a
+    one-layer placement written before the error, or (`progress`) nothing said."""
+    monkeypatch.setattr("occult_hf.placement.plan_placement", _never("plan_placement"))
+    profile, _ = files
+    out = tmp_path / "o.json"
+    err = refused(["place", str(profile), "--num-devices", "4", "--option", option, "--out", str(out)], capsys)
+    assert message in err and not out.exists(), err
+
+
 @pytest.mark.parametrize("command", ["place", "replan"])
 def test_place_and_replan_name_the_file_written_into_an_out_directory(command, files, tmp_path, capsys):
     profile, placement = files

@@ -285,6 +285,11 @@ def test_several_profiles_bound_the_worst_not_the_mean():
     assert worst == pytest.approx(both.meta["worst_profile"]["0"]["balance"], abs=1e-4)
     only_pooled = plan_placement(pooled, 4, progress=False, **FAST)
     assert worst <= max(metrics.evaluate_placement(p, only_pooled)[0].balance for p in profiles.values())
+    # a list of profiles of one source: named apart by their place (the later one's balance had overwritten the worst's)
+    same_source = plan_placement([_counts_profile(b, "x"), _counts_profile(a, "x")], 4, "contiguous", progress=False)
+    balances = [metrics.evaluate_placement(_counts_profile(c, "x"), same_source)[0].balance for c in (b, a)]
+    assert same_source.meta["profiles"] == ["x [0]", "x [1]"]
+    assert same_source.meta["worst_profile"]["0"] == {"profile": f"x [{int(np.argmax(balances))}]", "balance": round(max(balances), 4)}
 
 
 # ----- cross-validation ----------------------------------------------------------------------------

@@ -221,6 +221,8 @@ def test_plan_placement_over_a_profile(tmp_path):
     assert Placement.load(tmp_path).layers == placement.layers
     only = plan_placement(profile, 4, "occult", layers=[7], progress=False)
     assert list(only.layers) == [7]
+    with pytest.raises(ValueError, match=r"plan_placement layers=\[\] selects no layer"):
+        plan_placement(profile, 4, layers=[], progress=False)  # was a placement of no layer, which save then refused
 
 
 # ----- real routing ------------------------------------------------------------------------------

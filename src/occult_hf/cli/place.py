@@ -100,6 +100,22 @@ def planner_option(pair: str) -> tuple[str, object]:
         return name, text
 
 
+#: settings that are flags of `occult place`, not `--option`s of a planner
+_FLAGS = {"method": "--method", "cross_validate": "--cross-validate", "devices_per_node": "--devices-per-node"}
+
+
+def planner_options(method: str, options: dict) -> dict:
+    """`options` (the `--option NAME=VALUE` pairs) if `method`'s planner takes them all, checked before any planning;
+    else an error naming the flag to use or the planner's options (`layers`, `progress`: not options)."""
+    from ..placement import get_planner
+
+    flagged = sorted(name for name in options if name in _FLAGS)
+    if flagged:
+        raise SystemExit(f"occult place: give {', '.join(f'{name} as {_FLAGS[name]}' for name in flagged)}, not as --option")
+    get_planner(method).make_options(**options)  # a ValueError naming the planner's options
+    return options
+
+
 def run(args: argparse.Namespace) -> int:
     from ..placement import Placement, plan_placement, pool_profiles
     from ..profile import RoutingProfile
@@ -110,12 +126,13 @@ def run(args: argparse.Namespace) -> int:
     if args.devices_per_node is not None:
         check_devices_per_node(args.devices_per_node, args.num_devices, "--devices-per-node")
     out = placement_output(args.out)
+    options = planner_options(args.method, dict(args.option))
 
     profiles = {path: RoutingProfile.load(path) for path in args.profile}
     source = next(iter(profiles.values())) if len(profiles) == 1 else profiles
     placement = plan_placement(
         source, args.num_devices, args.method, cross_validate=args.cross_validate, devices_per_node=args.devices_per_node,
-        **dict(args.option),
+        **options,
     )  # fmt: skip
     placement.meta["profile"] = args.profile[0] if len(args.profile) == 1 else list(args.profile)
     placement.save(out)

@@ -200,8 +200,9 @@ def replan_replicas(
         layers: layers to re-plan (default: all of the placement's; others keep their replicas).
         replica_choice: the runtime's replica rule, which the copies are chosen for (`replan_layer_replicas`).
 
-    The result keeps `slots_per_device` (default `ceil((E + R) / D)`) and the deployed layers' `pin_slack` (the
-    load-aware rule's setting, not chosen again here), and records in `meta["replicas_replanned_on"]` the
+    The result keeps `slots_per_device` (default `ceil((E + R) / D)`, and at least what the layers left alone hold),
+    `devices_per_node` and the deployed layers' `pin_slack` (the load-aware rule's setting, not chosen again here), and
+    records in `meta["replicas_replanned_on"]` the
     profile's source.
     """
     chosen = list(placement.layers) if layers is None else [int(layer) for layer in layers]
@@ -236,11 +237,15 @@ def replan_replicas(
             placement.num_devices, redundant, layer_slots, replica_choice,
         )
         final_slots = layer_slots if slots is not None else max(final_slots or 0, layer_slots)
+    if slots is None:  # the slots the result states hold the layers left alone as they are
+        kept = [max(placement.capacities(layer)) for layer in placement.layers if layer not in chosen]
+        final_slots = max([final_slots or 0, *kept]) or None
     meta = {**placement.meta, "replicas_replanned_on": profile.meta.get("source", "profile")}
     return Placement(
         placement.num_experts, placement.num_devices, dict(placement.layers), meta,
         {layer: extra for layer, extra in replicas.items() if extra}, final_slots,
         pin_slack={layer: slack for layer, slack in placement.pin_slack.items() if replicas.get(layer)},
+        devices_per_node=placement.devices_per_node,
     )
 
 

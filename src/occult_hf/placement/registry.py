@@ -158,6 +158,8 @@ def pool_profiles(profiles) -> tuple["RoutingProfile", list[str], list["RoutingP
     else:
         items = list(profiles)
         names = [str(p.meta.get("source") or f"profile {i}") for i, p in enumerate(items)]
+        if len(set(names)) < len(names):  # profiles of one source: told apart by their place in the list
+            names = [f"{name} [{i}]" for i, name in enumerate(names)]
     if not items or not all(isinstance(p, RoutingProfile) for p in items):
         raise ValueError("plan_placement needs a RoutingProfile, or a non-empty list or dict of RoutingProfiles")
     if len(items) == 1:
@@ -241,6 +243,8 @@ def plan_profiles(
     pooled, names, items = pool_profiles(profile)
     check_device_count(pooled.num_experts, num_devices)
     chosen = sorted(pooled.layers) if layers is None else [int(l) for l in layers]
+    if not chosen:
+        raise ValueError(f"plan_placement layers={layers!r} selects no layer; leave it None to plan every layer of the profile")
     maps, replicas, slots, scores, worst, pin_slack = {}, {}, None, {}, {}, {}
     bar = progress_bar(chosen, desc=f"placement {method} D={num_devices}", unit="layer", enabled=progress)
     for layer in bar:
