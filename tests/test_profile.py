@@ -3,6 +3,7 @@ collection through the real routers of every supported family, compatibility err
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 from pathlib import Path
@@ -471,3 +472,97 @@ def test_real_mixtral_routing_fits_the_8x7b_architecture_and_its_placement_is_ex
     with torch.no_grad():
         actual = occult(input_ids=input_ids).logits
     assert float((actual - expected).norm() / expected.norm()) <= 1e-5
+
+
+# ----- merges, and files save refuses or load misreads ----------------------------------------
+def _stream_profile(topk_Tk: torch.Tensor, sample_size: int | None, source: str) -> RoutingProfile:
+    """A one-layer E=8, k=2 profile of a token stream, sampled as a collector samples it."""
+    acc = LayerAccumulator(8, 2, sample_size=sample_size, seed=0)
+    acc.update(topk_Tk)
+    return RoutingProfile(8, 2, {0: acc.to_layer_routing()}, model_type="olmoe", meta={"source": source})
+
+
+def test_merge_samples_the_union_of_streams_by_their_tokens():
+    """Pooling the streams' sample rows made a stream of 200 tokens half the sample of 20200 (its CT of 2 pulled the
+    sample's CT up), and a stream without a sample left the sample to the others' tokens alone."""
+    small = _stream_profile(torch.tensor([[0, 1]]).repeat(200, 1), None, "small")
+    order = torch.argsort(torch.rand(20000, 6, generator=torch.Generator().manual_seed(0)), dim=1)
+    large = _stream_profile(order[:, :2] + 2, 200, "large")
+    merged = RoutingProfile.merge([small, large])
+    sample = merged.layer(0).topk_sample
+    assert merged.layer(0).token_count == 20200 and len(sample) == 202  # the largest sample the large stream's rows allow
+    assert int((sample < 2).all(axis=1).sum()) == 2  # the small stream's share of the tokens: 200 / 20200
+    np.testing.assert_array_equal(RoutingProfile.merge([small, large]).layer(0).topk_sample, sample)  # seeded
+    assert merged.meta["source"] == "merged: small, large"
+    counts_only = RoutingProfile(8, 2, {0: dataclasses.replace(large.layer(0), topk_sample=None)}, "olmoe")
+    assert RoutingProfile.merge([small, counts_only]).layer(0).topk_sample is None
+    # streams equal in tokens and rows (a job's ranks) keep every row, in order
+    ranks = [_stream_profile(order[r * 100 : (r + 1) * 100, :2], 50, "window") for r in range(2)]
+    pooled = RoutingProfile.merge(ranks)
+    np.testing.assert_array_equal(pooled.layer(0).topk_sample, np.concatenate([r.layer(0).topk_sample for r in ranks]))
+    assert pooled.meta["source"] == "window"
+
+
+@pytest.mark.parametrize(
+    "layer, change, rule",
+    [
+        (1, {"coactivation": np.zeros((6, 6), dtype=np.int64)}, r"layer 1: coactivation row \d+ sums to 0"),
+        (3, {"topk_sample": None}, r"layers \[3\] hold no top-k sample rows but layers \[1\] do"),
+        (1, {"token_count": 0}, r"layer 1: a count exceeds token_count=0"),
+    ],
+)
+def test_save_refuses_a_profile_load_would_refuse_and_leaves_the_file(tmp_path, layer, change, rule):
+    """Such a profile plans in memory and was written, and every load then refused the file."""
+    path = tmp_path / "p.safetensors"
+    good = make_profile()
+    good.save(path)
+    before = path.read_bytes()
+    bad = RoutingProfile(6, 2, {**good.layers, layer: dataclasses.replace(good.layer(layer), **change)}, "olmoe")
+    refused = rf"routing profile {re.escape(repr(str(path)))} not written: RoutingProfile.load would refuse it: {rule}"
+    with pytest.raises(ValueError, match=refused):
+        bad.save(path)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["p.safetensors"]
+
+
+@pytest.mark.parametrize(
+    "name, shape, expected",
+    [
+        ("expert_counts", (7,), r"has shape \[7\], expected \[E\] = \[6\]"),
+        ("coactivation", (6, 5), r"has shape \[6, 5\], expected \[E, E\] = \[6, 6\]"),
+        ("coactivation", (6,), r"has shape \[6\], expected \[E, E\] = \[6, 6\]"),
+        ("topk_sample", (30,), r"has shape \[30\], expected \[N, k\] = \[N, 2\]"),
+    ],
+)
+def test_load_names_a_misshapen_tensor_before_its_counts(tmp_path, name, shape, expected):
+    """A count rule ran first and failed in numpy ("operands could not be broadcast", "diag requires an array of at
+    least two dimensions"), naming neither the tensor nor the rule."""
+    from safetensors import safe_open
+    from safetensors.numpy import load_file, save_file
+
+    path = tmp_path / "p.safetensors"
+    make_profile().save(path)
+    tensors = load_file(str(path))
+    with safe_open(str(path), "np") as f:
+        metadata = f.metadata()
+    tensors[f"layer.1.{name}"] = np.zeros(shape, dtype=np.int64)
+    save_file(tensors, str(path), metadata=metadata)
+    with pytest.raises(ValueError, match=rf"tensor 'layer.1.{name}' {expected} \(num_experts=6, top_k=2 in the header\)"):
+        RoutingProfile.load(path)
+
+
+def test_trace_reader_names_a_profile_given_for_a_trace(tmp_path):
+    """numpy read any file that is no zip archive as a pickle: "This file contains pickled (object) data ...
+    allow_pickle=", naming neither the file nor what was expected (`occult plan-cluster --case M=p.safetensors`)."""
+    from occult_hf.profile.trace import read_trace_ids
+
+    profile = tmp_path / "p.safetensors"
+    make_profile().save(profile)
+    text = tmp_path / "t.npz"
+    text.write_text("not an archive")
+    a_profile = rf"{re.escape(repr(str(profile)))} is a safetensors file \(a routing profile\?\), not a per-token trace: "
+    no_archive = rf"{re.escape(repr(str(text)))} is not an .npz archive \(it does not begin as a zip file\); expected 'topk_ids'"
+    for read in (RoutingProfile.from_trace, read_trace_ids):
+        with pytest.raises(ValueError, match=a_profile + r".* give the .npz trace, holding 'topk_ids'"):
+            read(profile)
+        with pytest.raises(ValueError, match=no_archive):
+            read(text)

@@ -99,11 +99,14 @@ class RoutingProfile:
         return cls(**read_trace(path, **options))
 
     @classmethod
-    def merge(cls, profiles: "list[RoutingProfile]") -> "RoutingProfile":
-        """One profile of the union of disjoint token streams: counts and Gram matrices summed, samples pooled.
+    def merge(cls, profiles: "list[RoutingProfile]", seed: int = 0) -> "RoutingProfile":
+        """One profile of the union of disjoint token streams: counts and Gram matrices summed, samples resampled.
 
-        The profiles must agree on `num_experts`, `top_k` and layers; the first one's `model_type`
-        and `meta` are kept. A layer's Gram matrix survives only when every profile has one.
+        The profiles must agree on `num_experts`, `top_k` and layers. A layer's Gram matrix survives only when
+        every profile has one; the top-k samples only when every profile has them (`has_samples`), since rows
+        of some streams alone would stand for all the tokens. Each layer's sample is `_pooled_sample`'s (drawn
+        with `seed`), each stream's rows in proportion to its tokens. The model type is the one the profiles
+        name, the meta the first one's with a `source` naming every input's.
         """
         profiles = list(profiles)
         if not profiles:
@@ -117,19 +120,20 @@ class RoutingProfile:
                     f"{first.num_experts}/{first.top_k}/{sorted(first.layers)} vs "
                     f"{other.num_experts}/{other.top_k}/{sorted(other.layers)}"
                 )
+        with_samples = all(p.has_samples for p in profiles)
         layers = {}
         for layer in first.layers:
             parts = [p.layer(layer) for p in profiles]
-            samples = [r.topk_sample for r in parts if r.topk_sample is not None]
             grams = [r.logit_gram for r in parts]
             layers[layer] = LayerRouting(
                 coactivation=sum(r.coactivation for r in parts),
                 expert_counts=sum(r.expert_counts for r in parts),
                 token_count=sum(r.token_count for r in parts),
                 logit_gram=None if any(g is None for g in grams) else sum(grams),
-                topk_sample=np.concatenate(samples) if samples else None,
+                topk_sample=_pooled_sample(parts, seed) if with_samples else None,
             )
-        return cls(first.num_experts, first.top_k, layers, first.model_type, dict(first.meta))
+        model_type = next((p.model_type for p in profiles if p.model_type is not None), None)
+        return cls(first.num_experts, first.top_k, layers, model_type, {**first.meta, "source": _merged_source(profiles)})
 
     # ----- queries ------------------------------------------------------------------------
     def layer(self, layer: int) -> LayerRouting:
@@ -210,8 +214,10 @@ class RoutingProfile:
     def save(self, path: str | os.PathLike) -> None:
         """Write the profile as safetensors (format in the module docstring), atomically.
 
-        The file is serialised in memory, read back (header and tensors) and then written through a
-        temporary file and a rename: a failure leaves the previous file whole.
+        The file is serialised in memory, read back (header and tensors) through the checks `load` runs, and
+        then written through a temporary file and a rename: a profile built in memory may break a rule a file
+        is held to (counts alone, a sample at some layers only), and one that `load` would refuse is refused
+        here, naming the rule, with the previous file left whole.
         """
         from safetensors.numpy import load as load_bytes
         from safetensors.numpy import save as save_bytes
@@ -236,15 +242,16 @@ class RoutingProfile:
             "source": self.meta.get("source"),
             "meta": self.meta,
         }
-        data = save_bytes(tensors, metadata={PROFILE_METADATA_KEY: json_text(header, indent=None).strip()})
-        atomic_write_bytes(path, data, validate=lambda b: load_bytes(b))
+        header_text = json_text(header, indent=None).strip()
+        data = save_bytes(tensors, metadata={PROFILE_METADATA_KEY: header_text})
+        atomic_write_bytes(path, data, validate=lambda data: _check_loads_back(path, header_text, load_bytes(data)))
 
     @classmethod
     def load(cls, path: str | os.PathLike, model=None, trust_remote_code: bool = False) -> "RoutingProfile":
         """Read a profile written by `save`; with `model` (or its config) also `check_compatible`.
 
         Every error names the file: not a safetensors file (empty, truncated, garbage), no or a bad
-        occult header, missing, unexpected or ill-typed tensors, negative counts.
+        occult header, missing, unexpected, ill-typed or ill-shaped tensors, counts that disagree.
         """
         path = os.fspath(path)
         if not os.path.isfile(path):
@@ -254,8 +261,7 @@ class RoutingProfile:
         try:
             profile = cls._read(path)
         except (ValueError, TypeError, KeyError, SafetensorError) as error:
-            message = error.args[0] if isinstance(error, KeyError) and error.args else error
-            raise ValueError(f"routing profile {path!r}: {message}") from None
+            raise ValueError(f"routing profile {path!r}: {_reader_message(error)}") from None
         profile.path = path
         if model is not None:
             profile.check_compatible(model, trust_remote_code=trust_remote_code)
@@ -270,73 +276,124 @@ class RoutingProfile:
         except (SafetensorError, OSError, ValueError) as error:
             raise ValueError(f"not a readable safetensors file ({' '.join(str(error).split())})") from None
         with handle as f:
-            header_text = (f.metadata() or {}).get(PROFILE_METADATA_KEY)
-            if header_text is None:
-                raise ValueError(
-                    f"not an occult_hf routing profile: its safetensors metadata lacks the "
-                    f"{PROFILE_METADATA_KEY!r} entry (make one with `occult profile`)"
-                )
-            header = parse_json(header_text, f"metadata {PROFILE_METADATA_KEY!r}")
-            if not isinstance(header, dict):
-                raise ValueError(f"metadata {PROFILE_METADATA_KEY!r} must be a JSON object")
-            if header.get("format") != PROFILE_FORMAT:
-                raise ValueError(f"profile format {header.get('format')!r}, expected {PROFILE_FORMAT!r}")
-            num_experts = _header_int(header, "num_experts", 1)
-            top_k = _header_int(header, "top_k", 1)
-            layer_list = header.get("layers")
-            if not isinstance(layer_list, list) or not layer_list:
-                raise ValueError("header 'layers' must be a non-empty list of layer indices")
-            for l in layer_list:
-                if type(l) is not int or l < 0:
-                    raise ValueError(f"header 'layers' holds {l!r}; layer indices are integers >= 0")
-            if len(set(layer_list)) != len(layer_list):
-                raise ValueError(f"header 'layers' repeats a layer: {layer_list}")
-            meta = header.get("meta") or {}
-            if not isinstance(meta, dict):
-                raise ValueError("header 'meta' must be a JSON object")
-            model_type = header.get("model_type")
-            if model_type is not None and not isinstance(model_type, str):
-                raise ValueError(f"header 'model_type' must be a string or null, got {model_type!r}")
-            names = set(f.keys())
-            expected = {f"layer.{l}.{n}" for l in layer_list for n in _TENSOR_DTYPES}
-            unexpected = sorted(names - expected)
-            if unexpected:
-                raise ValueError(f"holds tensors {unexpected[:5]} of no layer listed in its header {layer_list}")
-            layers = {}
-            for l in layer_list:
-                def get(name: str, l=l):
-                    key = f"layer.{l}.{name}"
-                    if key not in names:
-                        return None
-                    tensor = f.get_tensor(key)
-                    if tensor.dtype != _TENSOR_DTYPES[name]:
-                        raise ValueError(f"tensor {key!r} has dtype {tensor.dtype}, expected {_TENSOR_DTYPES[name]}")
-                    if name != "logit_gram" and tensor.size and tensor.min() < 0:
-                        raise ValueError(f"tensor {key!r} holds negative values")
-                    return tensor
+            return cls._parse((f.metadata() or {}).get(PROFILE_METADATA_KEY), set(f.keys()), f.get_tensor)
 
-                for required in ("coactivation", "expert_counts", "token_count"):
-                    if get(required) is None:
-                        raise ValueError(f"lacks tensor 'layer.{l}.{required}'")
-                token_count = get("token_count")
-                if token_count.shape != ():
-                    raise ValueError(f"tensor 'layer.{l}.token_count' must be a scalar, got shape {list(token_count.shape)}")
-                sample = get("topk_sample")
-                if sample is not None and sample.ndim == 2:  # real top-k sets: ids in [0, E), distinct per row
-                    check_topk_ids(sample, num_experts, f"tensor 'layer.{l}.topk_sample'")
-                gram = get("logit_gram")
-                if gram is not None and not np.isfinite(gram).all():
-                    raise ValueError(f"tensor 'layer.{l}.logit_gram' holds non-finite values")
-                layers[int(l)] = LayerRouting(
-                    coactivation=get("coactivation"),
-                    expert_counts=get("expert_counts"),
-                    token_count=int(token_count),
-                    logit_gram=gram,
-                    topk_sample=sample,
-                )
-                _check_counts(l, layers[int(l)], num_experts, top_k)
+    @classmethod
+    def _parse(cls, header_text: str | None, names: set[str], get_tensor) -> "RoutingProfile":
+        """The profile of a file's header text and its tensors (`names`, read by `get_tensor(name)`), held to every
+        rule of a profile file: `load` reads a file through it and `save` checks what it is about to write."""
+        num_experts, top_k, layer_list, model_type, meta = _parse_header(header_text)
+        expected = {f"layer.{l}.{n}" for l in layer_list for n in _TENSOR_DTYPES}
+        unexpected = sorted(names - expected)
+        if unexpected:
+            raise ValueError(f"holds tensors {unexpected[:5]} of no layer listed in its header {layer_list}")
+        layers = {int(l): _parse_layer(l, names, get_tensor, num_experts, top_k) for l in layer_list}
         _check_samples_everywhere(layers)
         return cls(num_experts=num_experts, top_k=top_k, layers=layers, model_type=model_type, meta=dict(meta))
+
+
+def _reader_message(error: Exception) -> str:
+    """What a profile reader's error says: a `KeyError`'s message without the quotes `str` adds."""
+    return str(error.args[0] if isinstance(error, KeyError) and error.args else error)
+
+
+def _check_loads_back(path: str | os.PathLike, header_text: str, tensors: dict[str, np.ndarray]) -> None:
+    """Raise, naming the rule, when `RoutingProfile.load` would refuse a file of this header and these tensors
+    (what `save` is about to write): a file written and then refused is work lost."""
+    try:
+        RoutingProfile._parse(header_text, set(tensors), tensors.__getitem__)
+    except (ValueError, TypeError, KeyError) as error:
+        raise ValueError(
+            f"routing profile {os.fspath(path)!r} not written: RoutingProfile.load would refuse it: {_reader_message(error)}"
+        ) from None
+
+
+def _parse_header(header_text: str | None) -> tuple[int, int, list[int], str | None, dict]:
+    """`(num_experts, top_k, layers, model_type, meta)` of a profile file's metadata entry."""
+    if header_text is None:
+        raise ValueError(
+            f"not an occult_hf routing profile: its safetensors metadata lacks the "
+            f"{PROFILE_METADATA_KEY!r} entry (make one with `occult profile`)"
+        )
+    header = parse_json(header_text, f"metadata {PROFILE_METADATA_KEY!r}")
+    if not isinstance(header, dict):
+        raise ValueError(f"metadata {PROFILE_METADATA_KEY!r} must be a JSON object")
+    if header.get("format") != PROFILE_FORMAT:
+        raise ValueError(f"profile format {header.get('format')!r}, expected {PROFILE_FORMAT!r}")
+    num_experts = _header_int(header, "num_experts", 1)
+    top_k = _header_int(header, "top_k", 1)
+    layer_list = header.get("layers")
+    if not isinstance(layer_list, list) or not layer_list:
+        raise ValueError("header 'layers' must be a non-empty list of layer indices")
+    for l in layer_list:
+        if type(l) is not int or l < 0:
+            raise ValueError(f"header 'layers' holds {l!r}; layer indices are integers >= 0")
+    if len(set(layer_list)) != len(layer_list):
+        raise ValueError(f"header 'layers' repeats a layer: {layer_list}")
+    meta = header.get("meta") or {}
+    if not isinstance(meta, dict):
+        raise ValueError("header 'meta' must be a JSON object")
+    model_type = header.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):
+        raise ValueError(f"header 'model_type' must be a string or null, got {model_type!r}")
+    return num_experts, top_k, layer_list, model_type, meta
+
+
+def _parse_layer(layer: int, names: set[str], get_tensor, num_experts: int, top_k: int) -> LayerRouting:
+    """One layer of a profile file: its tensors' dtypes and signs, then their shapes, then the rest of its rules."""
+    tensors = {}
+    for name, dtype in _TENSOR_DTYPES.items():
+        key = f"layer.{layer}.{name}"
+        if key not in names:
+            continue
+        tensor = get_tensor(key)
+        if tensor.dtype != dtype:
+            raise ValueError(f"tensor {key!r} has dtype {tensor.dtype}, expected {dtype}")
+        if name != "logit_gram" and tensor.size and tensor.min() < 0:
+            raise ValueError(f"tensor {key!r} holds negative values")
+        tensors[name] = tensor
+    for required in ("coactivation", "expert_counts", "token_count"):
+        if required not in tensors:
+            raise ValueError(f"lacks tensor 'layer.{layer}.{required}'")
+    _check_tensor_shapes(layer, tensors, num_experts, top_k)
+    sample, gram = tensors.get("topk_sample"), tensors.get("logit_gram")
+    if sample is not None:  # real top-k sets: ids in [0, E), distinct per row
+        check_topk_ids(sample, num_experts, f"tensor 'layer.{layer}.topk_sample'")
+    if gram is not None and not np.isfinite(gram).all():
+        raise ValueError(f"tensor 'layer.{layer}.logit_gram' holds non-finite values")
+    routing = LayerRouting(
+        coactivation=tensors["coactivation"],
+        expert_counts=tensors["expert_counts"],
+        token_count=int(tensors["token_count"]),
+        logit_gram=gram,
+        topk_sample=sample,
+    )
+    _check_counts(layer, routing, num_experts, top_k)
+    return routing
+
+
+def _check_tensor_shapes(layer: int, tensors: dict[str, np.ndarray], num_experts: int, top_k: int) -> None:
+    """Each tensor of a profile file's layer has the shape its header's E and k give it, checked before any rule
+    over its values: numpy would report a count rule over a misshapen tensor as a broadcast error, naming neither
+    the tensor nor the rule."""
+    square = (f"[E, E] = [{num_experts}, {num_experts}]", (num_experts, num_experts))
+    shapes = {
+        "coactivation": square,
+        "expert_counts": (f"[E] = [{num_experts}]", (num_experts,)),
+        "token_count": ("[] (a scalar)", ()),
+        "logit_gram": square,
+    }
+    for name, tensor in tensors.items():
+        if name == "topk_sample":
+            expected, fits = f"[N, k] = [N, {top_k}]", tensor.ndim == 2 and tensor.shape[1] == top_k
+        else:
+            expected, shape = shapes[name]
+            fits = tensor.shape == shape
+        if not fits:
+            raise ValueError(
+                f"tensor 'layer.{layer}.{name}' has shape {list(tensor.shape)}, expected {expected} "
+                f"(num_experts={num_experts}, top_k={top_k} in the header)"
+            )
 
 
 #: the tensors of one profile layer and their dtypes
@@ -427,6 +484,49 @@ def check_same_model(profiles: "list[RoutingProfile]", names: list[str]) -> None
             "routing profiles of different models cannot be pooled: "
             + ", ".join(f"{name} is of model_type {model_type!r}" for name, model_type in list(types.items())[:8])
         )
+
+
+def _pooled_sample(parts: list[LayerRouting], seed: int) -> np.ndarray | None:
+    """A uniform sample of the union of disjoint token streams, from each stream's own uniform sample.
+
+    A stream gives rows in proportion to the tokens it counted (not to the rows it kept): its share of the sample is
+    its share of the tokens, as in a sample of the union. The size is the largest such sample the streams' rows
+    allow (no share past its stream's rows), at most all of them: the streams of a job's ranks, equal in tokens and
+    rows, keep every row. Each stream's rows are drawn (without replacement, kept in stream order) by a generator
+    seeded with `seed`, so layers whose streams agree in tokens and rows keep the same tokens. None when no stream
+    counted a token: rows of no tokens have no weight.
+    """
+    tokens = [int(r.token_count) for r in parts]
+    rows = [len(r.topk_sample) for r in parts]
+    total = sum(tokens)
+    if total == 0:
+        return None
+    size = min([sum(rows)] + [n * total // t for n, t in zip(rows, tokens) if t])
+    generator = np.random.default_rng(seed)
+    picked = [
+        r.topk_sample[np.sort(generator.choice(n, share, replace=False))]
+        for r, n, share in zip(parts, rows, _apportioned(size, tokens))
+    ]
+    return np.concatenate(picked)
+
+
+def _apportioned(size: int, weights: list[int]) -> list[int]:
+    """`size` split into integers in proportion to `weights`, each the floor or the ceiling of its exact share (the
+    largest remainders round up, the earlier on a tie)."""
+    total = sum(weights)
+    shares = [size * w // total for w in weights]
+    by_remainder = sorted(range(len(weights)), key=lambda i: -(size * weights[i] % total))
+    for i in by_remainder[: size - sum(shares)]:
+        shares[i] += 1
+    return shares
+
+
+def _merged_source(profiles: "list[RoutingProfile]") -> str | None:
+    """The `source` of a merge: its inputs' distinct sources in order, or their one source (a job's ranks share it)."""
+    sources = list(dict.fromkeys(str(p.meta["source"]) for p in profiles if p.meta.get("source") is not None))
+    if len(sources) <= 1:
+        return sources[0] if sources else None
+    return "merged: " + ", ".join(sources)
 
 
 def _header_int(header: dict, key: str, minimum: int) -> int:

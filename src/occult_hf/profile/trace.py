@@ -39,6 +39,9 @@ MAX_INFERRED_EXPERTS = 1024
 #: layers, far past any model (DeepSeek-V3: 256 experts over 58 layers, 30 MB)
 MAX_COUNT_BYTES = 2**33
 
+#: how an `.npz` archive (a zip file) and a single `.npy` array begin; numpy reads any other file as a pickle
+_NPZ_SIGNATURES = (b"PK\x03\x04", b"PK\x05\x06", b"\x93NUMPY")
+
 _EXPECTED_KEYS = (
     "'topk_ids' [T, k] or [T, Z, k] (optional [T] row mask: "
     + ", ".join(repr(k) for k in ROW_MASK_KEYS)
@@ -224,6 +227,7 @@ def _load_arrays(path: str) -> dict[str, np.ndarray]:
     import zipfile
     import zlib
 
+    _check_npz_signature(path)
     try:
         npz = np.load(path, allow_pickle=False)
         if not isinstance(npz, np.lib.npyio.NpzFile):
@@ -232,6 +236,22 @@ def _load_arrays(path: str) -> dict[str, np.ndarray]:
             return {name: npz[name] for name in npz.files}
     except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, KeyError) as error:
         raise ValueError(f"trace file {path!r} is not a readable .npz archive ({' '.join(str(error).split())})") from None
+
+
+def _check_npz_signature(path: str) -> None:
+    """Refuse a file that does not begin as an `.npz` archive, saying what it is: numpy would read it as a pickle
+    and answer with advice on `allow_pickle=`, naming neither the file nor what was expected. A safetensors file
+    there is most likely a routing profile given where its trace belongs."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if head.startswith(_NPZ_SIGNATURES):
+        return
+    if len(head) == 9 and head[8:] == b"{":  # safetensors: an 8-byte header length, then the JSON header
+        raise ValueError(
+            f"trace file {path!r} is a safetensors file (a routing profile?), not a per-token trace: a routing profile "
+            f"(.safetensors) holds counts, not each token's experts; give the .npz trace, holding {_EXPECTED_KEYS}"
+        )
+    raise ValueError(f"trace file {path!r} is not an .npz archive (it does not begin as a zip file); expected {_EXPECTED_KEYS}")
 
 
 def _file_meta(arrays: dict[str, np.ndarray], path: str) -> dict:
