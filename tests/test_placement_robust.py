@@ -832,3 +832,41 @@ def test_dispatcher_routes_with_its_layers_pin_slack():
         assert torch.equal(dest, load_aware_homes(ids, torch.from_numpy(table), 2, pin_slack=slack))
         routed[slack] = int((dest == 0).sum())
     assert routed[1.0] == 0 < routed[0.0]
+
+
+def test_replicas_hold_the_limit_on_the_loads_the_metrics_measure():
+    """With redundant slots the load limit holds on the device loads the static replica rule gives (what
+    `evaluate_placement` and `occult report` measure), or the plan says it does not (a warning and
+    `limit_reached=False`). The search counts pair n of a c-copy expert on copy `n mod c`, but the rule serves it
+    on a home its token visits anyway: on these profiles that loaded one device 1.2-1.3x the mean under a 1.10
+    limit. A replicated plan that misses the limit is never balanced worse than the plan without replicas."""
+    import warnings
+
+    cases = [(400, 8, 1.10, seed) for seed in range(3)] + [(200, 4, 1.02, 2)]  # tokens, R, max_load_ratio, seed
+    for tokens, redundant, ratio, seed in cases:
+        ids = structured_topk(tokens, 16, 4, 4, seed=seed)
+        profile = profile_from_sample({0: ids}, 16, "t")
+        routing, options = profile.layer(0), {"max_load_ratio": ratio, **FAST}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            plan = refine_layer(
+                routing.coactivation, routing.expert_counts, ids, 8, RefinedOptions(num_redundant_experts=redundant, **options)
+            )
+            placement = plan_placement(profile, 8, progress=False, num_redundant_experts=redundant, **options)
+            plain = plan_placement(profile, 8, progress=False, **options)
+        assert np.array_equal(placement.home_table(0), home_table_from(plan.device_of_E, plan.replicas))
+        load_D = metrics.evaluate_placement(profile, placement)[0].load_D
+        warned = any("could not bring every device under max_load_ratio" in str(w.message) for w in caught)
+        assert warned == (not plan.limit_reached)
+        assert load_D.max() <= plan.load_limit + 1e-9  # the limit asked for, or the one it says it was raised to
+        if plan.limit_reached:
+            assert plan.load_limit == pytest.approx(ratio * plan.balance_bound * load_D.mean())
+        else:
+            assert load_D.max() <= metrics.evaluate_placement(profile, plain)[0].load_D.max()
+
+
+def test_max_sample_tokens_refuses_a_bool_by_name():
+    """A bool is an int to Python: `max_sample_tokens=True` is refused with the option's name, as the other
+    integer options are, rather than reaching numpy's sampler."""
+    with pytest.raises(ValueError, match=re.escape("refined option max_sample_tokens must be None or an integer >= 1, got True")):
+        RefinedOptions(max_sample_tokens=True)

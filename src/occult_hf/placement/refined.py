@@ -49,6 +49,7 @@ from .in_time import choose_in_time
 from .shedding import link_groups, single_home_rows
 from .robust import count_scenarios, scenario_loads, shrink_toward_mean, time_window_membership, token_scenarios
 from .placement import check_devices_per_node
+from .rebalance import replan_layer_replicas
 from .registry import balanced_capacities, check_layer_inputs, register_planner
 from .slowest import StepCosts, device_times, slowest_descent
 
@@ -97,7 +98,10 @@ class RefinedOptions:
             loads the replica rule really gives (tokens use a copy on a device they already visit).
         replica_choice: the runtime rule the replicas are planned for (`OccultConfig.replica_choice`).
             "static": the load limit holds on the loads the static rule gives (pairs pinned to a visited
-            home, else round-robin). "load_aware": the runtime splits a replicated expert's pairs by the
+            home, else round-robin): after the rounds, swaps and moves scored under the rule bring the devices
+            under it; where they cannot, the plan without redundant slots, alone or with the copies that lower its
+            busiest device (`rebalance.replan_layer_replicas`), is kept when it is less overloaded.
+            "load_aware": the runtime splits a replicated expert's pairs by the
             batch's loads, so what bounds a device is the load no split can move, its single-home
             experts': the limit holds on the even split of the replicas, and each device's single-home
             load must also stay within `1 - shed_margin` x the mean (`shedding.single_home_rows`), so
@@ -172,7 +176,7 @@ class RefinedOptions:
         if per_node is not None and self.objective == "slowest":
             raise ValueError("refined option objective='slowest' does not model nodes; leave devices_per_node unset or use 'ct'")
         if self.max_sample_tokens is not None and (
-            not isinstance(self.max_sample_tokens, int) or self.max_sample_tokens < 1
+            not isinstance(self.max_sample_tokens, int) or isinstance(self.max_sample_tokens, bool) or self.max_sample_tokens < 1
         ):
             raise ValueError(f"refined option max_sample_tokens must be None or an integer >= 1, got {self.max_sample_tokens!r}")
 
@@ -275,21 +279,28 @@ class _Search:
     def overload(load: np.ndarray) -> np.ndarray:
         return np.maximum(load - 1.0, 0.0)
 
+    def overload_steps(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """`(swap_EE, swap_relief_EE, move_ED, move_relief_ED)`: the objective deltas of swaps and moves
+        (`swap_deltas`, `move_deltas`) and the change of the total overload (over scenarios) above the limits
+        each brings, infinite where the step is not allowed."""
+        swap_EE, load_a_YEE, load_b_YEE = self.swap_deltas()
+        before_YE = self.overload(self.load_YD[:, self.device_of_E])
+        swap_relief_EE = (
+            self.overload(load_a_YEE) + self.overload(load_b_YEE) - before_YE[:, :, None] - before_YE[:, None, :]
+        ).sum(0)
+        swap_relief_EE[~np.isfinite(swap_EE)] = np.inf
+        move_ED, target_load_YED, source_load_YE = self.move_deltas()
+        move_relief_ED = (
+            self.overload(target_load_YED) - self.overload(self.load_YD)[:, None, :]
+            + (self.overload(source_load_YE) - before_YE)[:, :, None]
+        ).sum(0)
+        move_relief_ED[~np.isfinite(move_ED)] = np.inf
+        return swap_EE, swap_relief_EE, move_ED, move_relief_ED
+
     def repair(self) -> bool:
         """Reduce the total overload (over scenarios) above the limits; True when no device is left over one."""
         while self.overload(self.load_YD).sum() > 0:
-            swap_EE, load_a_YEE, load_b_YEE = self.swap_deltas()
-            before_YE = self.overload(self.load_YD[:, self.device_of_E])
-            swap_relief_EE = (
-                self.overload(load_a_YEE) + self.overload(load_b_YEE) - before_YE[:, :, None] - before_YE[:, None, :]
-            ).sum(0)
-            swap_relief_EE[~np.isfinite(swap_EE)] = np.inf
-            move_ED, target_load_YED, source_load_YE = self.move_deltas()
-            move_relief_ED = (
-                self.overload(target_load_YED) - self.overload(self.load_YD)[:, None, :]
-                + (self.overload(source_load_YE) - before_YE)[:, :, None]
-            ).sum(0)
-            move_relief_ED[~np.isfinite(move_ED)] = np.inf
+            swap_EE, swap_relief_EE, move_ED, move_relief_ED = self.overload_steps()
             best_relief = min(swap_relief_EE.min(), move_relief_ED.min())
             if best_relief >= -1e-12:
                 return False
@@ -378,7 +389,8 @@ class LayerPlan:
         load_limit: the max device load allowed (raised when the requested one was not reached).
         balance_bound: max(mean, load_floor) / mean: the best balance any placement can reach.
         balance_bound_loose: True when a giant expert makes `balance_bound` exceed 1 (the mean is unattainable).
-        limit_reached: False when repair could not bring every device under the requested limit.
+        limit_reached: False when repair could not bring every device under the requested limit (with replicas
+            for the static rule and a token sample: under the loads that rule gives, as the metrics measure them).
         replicas: `{expert: [extra devices]}` chosen for the redundant slots (empty without them).
         slots_per_device: expert slots per device the plan assumed (None without redundant slots).
         scenarios: load scenarios the limit was held on (profiles x (1 + resamples)).
@@ -495,28 +507,108 @@ def _distinct_total(values_Nk: np.ndarray) -> float:
     return float((1 + (sorted_Nk[:, 1:] != sorted_Nk[:, :-1]).sum(1)).sum())
 
 
+def _rule_score(item_device_X, group_X, sample_Nk, scaled_rows_of, num_devices, devices_per_node):
+    """`((worst overload, total overload, CT), items_Nk, scaled_YX)` of the item devices under the replica rule:
+    the rule's `[N, k]` serving items, their `[Y, X]` load rows `scaled_rows_of(items_Nk, X)` (each scaled to its
+    limit 1), how far the busiest device of the worst row ends above 1 and the sum of every device's excess over
+    the rows (0: every limit holds), and the CT (`_rule_items`)."""
+    items_Nk, ct = _rule_items(item_device_X, group_X, sample_Nk, num_devices, devices_per_node)
+    scaled_YX = scaled_rows_of(items_Nk, len(group_X))
+    one_hot_XD = np.zeros((len(group_X), num_devices))
+    one_hot_XD[np.arange(len(group_X)), item_device_X] = 1.0
+    excess_YD = np.maximum(scaled_YX @ one_hot_XD - 1.0, 0.0)
+    return (round(float(excess_YD.max()), 9), round(float(excess_YD.sum()), 9), ct), items_Nk, scaled_YX
+
+
 def _replica_rounds(best_X, sample_Nk, scaled_rows_of, group_X, coactivation, capacities_D, num_devices, options, rng):
     """Re-plan the copies on the loads the replica rule really gives (a token goes to a copy on a device it
     already visits, not to copy `n mod copies`), `replica_rounds` times; keep the map with the lowest
-    worst-row overload, then the lowest CT, under the rule. `scaled_rows_of(items_Nk)`: the `[Y, X]` load rows
-    (each scaled to its limit 1) when the sample's pairs are served by `items_Nk`."""
-
-    def score(item_device_X):
-        items_Nk, ct = _rule_items(item_device_X, group_X, sample_Nk, num_devices, options.devices_per_node)
-        scaled_YX = scaled_rows_of(items_Nk)
-        one_hot_XD = np.zeros((len(group_X), num_devices))
-        one_hot_XD[np.arange(len(group_X)), item_device_X] = 1.0
-        over = float(np.maximum(scaled_YX @ one_hot_XD - 1.0, 0.0).max())
-        return (round(over, 9), ct), items_Nk, scaled_YX
-
-    best_key, items_Nk, scaled_YX = score(best_X)
+    overload, then the lowest CT, under the rule. Returns `(item devices, its `_rule_score` key)`."""
+    best_key, items_Nk, scaled_YX = _rule_score(best_X, group_X, sample_Nk, scaled_rows_of, num_devices, options.devices_per_node)
     current = best_X
     for _ in range(options.replica_rounds):
         current, _, _, _ = _search(coactivation, items_Nk, scaled_YX, current, capacities_D, group_X, num_devices, options, rng)
-        key, items_Nk, scaled_YX = score(current)
+        key, items_Nk, scaled_YX = _rule_score(current, group_X, sample_Nk, scaled_rows_of, num_devices, options.devices_per_node)
         if key < best_key:
             best_key, best_X = key, current
-    return best_X, best_key[1]
+    return best_X, best_key
+
+
+#: steps each `_rule_repair` round scores under the replica rule: those the copy model ranks best
+RULE_REPAIR_TRIES = 32
+
+
+def _stepped(item_device_X: np.ndarray, step: int, num_swaps: int, num_devices: int) -> np.ndarray:
+    """The item devices after `step`: an index into the flattened `[X, X]` swaps, then the `[X, D]` moves."""
+    trial_X = item_device_X.copy()
+    if step < num_swaps:
+        first, second = divmod(step, len(trial_X))
+        trial_X[first], trial_X[second] = item_device_X[second], item_device_X[first]
+    else:
+        item, device = divmod(step - num_swaps, num_devices)
+        trial_X[item] = device
+    return trial_X
+
+
+def _rule_repair(item_device_X, group_X, sample_Nk, scaled_rows_of, coactivation, capacities_D, num_devices, options):
+    """Swaps and moves that lower the overload of the loads the replica rule gives, until no device is over its
+    limit or no step lowers it: each round the `RULE_REPAIR_TRIES` steps the copy model ranks best (most relief of
+    the total overload with the pairs on the copies that serve them now, then the best objective) are scored under
+    the rule, and the best of them (`_rule_score`: worst overload, total overload, CT) is taken if it lowers the
+    overload. The model alone misleads: a moved copy changes the devices its tokens visit, and the rule moves
+    their pairs with it. Returns `(item devices, key)`."""
+
+    def score(trial_X):
+        return _rule_score(trial_X, group_X, sample_Nk, scaled_rows_of, num_devices, options.devices_per_node)
+
+    current = score(item_device_X)
+    while current[0][0] > 0:
+        key, items_Nk, scaled_YX = current
+        objective = make_objective(items_Nk, coactivation, item_device_X, num_devices, options)
+        swap_EE, swap_relief_EE, move_ED, move_relief_ED = _Search(objective, scaled_YX, capacities_D, group_X).overload_steps()
+        swap_relief_EE[np.tril_indices_from(swap_relief_EE)] = np.inf  # each swap once
+        relief = np.concatenate([swap_relief_EE.ravel(), move_relief_ED.ravel()])
+        delta = np.concatenate([swap_EE.ravel(), move_ED.ravel()])
+        steps = [step for step in np.lexsort((delta, relief))[:RULE_REPAIR_TRIES] if np.isfinite(relief[step])]
+        trials = (_stepped(item_device_X, step, swap_EE.size, num_devices) for step in steps)
+        best = min(((score(trial_X), trial_X) for trial_X in trials), key=lambda pair: pair[0][0], default=None)
+        if best is None or best[0][0][:2] >= key[:2]:
+            break
+        current, item_device_X = best
+    return item_device_X, current[0]
+
+
+def _items_of(device_of_E: np.ndarray, replicas: dict[int, list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """`([X] device of each item, [X] expert of each item)` of a primary map plus extra homes: item e is expert
+    e's primary home, the copies follow (as `copy_items` orders them)."""
+    extra = [(expert, device) for expert, devices in sorted(replicas.items()) for device in devices]
+    device_X = np.array([*device_of_E, *(device for _, device in extra)], dtype=np.int64)
+    group_X = np.array([*range(len(device_of_E)), *(expert for expert, _ in extra)], dtype=np.int64)
+    return device_X, group_X
+
+
+def _rule_fallback(best_X, group_X, key, inputs, scaled_rows_of, num_devices, slots, options):
+    """`(item devices, expert of each item, key)`: the replicated map when the rule's loads on it hold the limit,
+    else the least overloaded, then lowest-CT, of it and two fallbacks: the plan without redundant slots, and
+    that plan plus the copies that lower its busiest device under the rule (`rebalance.replan_layer_replicas`,
+    on the loads the metrics measure; added only while each lowers it, they never balance the plan worse than
+    it is without them). `inputs`: the layer's `(coactivation_EE, counts_E, sample_Nk, membership_PN)`."""
+    if key[0] == 0:
+        return best_X, group_X, key
+    coactivation_EE, counts_E, sample_Nk, membership_PN = inputs
+    without = replace(options, num_redundant_experts=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its own limit is not the one judged here
+        primary_E = refine_layer(
+            coactivation_EE, counts_E, sample_Nk, num_devices, without, membership_PN=membership_PN
+        ).device_of_E
+    copies = replan_layer_replicas(primary_E, counts_E, sample_Nk, num_devices, options.num_redundant_experts, slots)
+    candidates = [(best_X, group_X, key)]
+    for replicas in ({}, copies):
+        device_X, expert_X = _items_of(primary_E, replicas)
+        score = _rule_score(device_X, expert_X, sample_Nk, scaled_rows_of, num_devices, options.devices_per_node)[0]
+        candidates.append((device_X, expert_X, score))
+    return min(candidates, key=lambda candidate: candidate[2])
 
 
 def _slowest_with_replicas(item_device_X, sample_Nk, loads_of, group_X, limit_Y, costs, num_devices):
@@ -741,12 +833,20 @@ def refine_layer(
     )
     if group_X is not None and original_sample is not None:
         if load_aware:  # the rows do not depend on which copy serves a pair: the runtime splits by load
-            rows_of = lambda items_Nk: scaled_YX  # noqa: E731
+            rows_of = lambda items_Nk, num_items: scaled_YX  # noqa: E731
         else:
-            rows_of = lambda items_Nk: loads_of(items_Nk, len(group_X)) / limit_Y[:, None]  # noqa: E731
-        best_E, best_cost = _replica_rounds(
+            rows_of = lambda items_Nk, num_items: loads_of(items_Nk, num_items) / limit_Y[:, None]  # noqa: E731
+        best_E, rule_key = _replica_rounds(
             best_E, original_sample, rows_of, group_X, coactivation, capacities_D, num_devices, options, rng
         )
+        if not load_aware:  # the limit holds on the loads the static rule gives, as the metrics measure them
+            best_E, rule_key = _rule_repair(
+                best_E, group_X, original_sample, rows_of, coactivation, capacities_D, num_devices, options
+            )
+            inputs = (coactivation_EE, expert_counts_E, original_sample, membership_PN)
+            best_E, group_X, rule_key = _rule_fallback(best_E, group_X, rule_key, inputs, rows_of, num_devices, slots, options)
+            factor = 1.0 + rule_key[0]
+        best_cost = rule_key[2]
     if load_aware:  # one linked group: any device's excess can reach every other through the copies
         rule_sample = None if original_sample is None else _rule_items(best_E, group_X, original_sample, num_devices)[0]
         objective = make_objective(rule_sample, coactivation, best_E, num_devices, options)
