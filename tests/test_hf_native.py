@@ -164,6 +164,29 @@ def test_a_model_whose_saved_keys_transformers_renames_resumes(tmp_path):
         assert torch.equal(param, full_weights[name]), name
 
 
+def test_load_best_model_at_end_restores_the_best_checkpoint_experts_included(tmp_path):
+    """`load_best_model_at_end`: the model ends with the best checkpoint's weights, experts included (transformers
+    reads the saved, per-expert expert keys under their saved names and leaves the experts at their last values)."""
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from occult_hf import OccultConfig, apply_occult
+
+    model = apply_occult(tiny_model("olmoe", seed=11, output_router_logits=False), OccultConfig(num_devices=2))
+    rows = [{"input_ids": row, "labels": row} for row in tiny_batch(batch=8, seq=16, seed=5)]
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=4, learning_rate=0.3, optim="sgd",
+        eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1, load_best_model_at_end=True,
+        metric_for_best_model="loss", greater_is_better=False, report_to="none", use_cpu=True, disable_tqdm=True,
+    )  # fmt: skip  (a large step: the later weights differ from the best's)
+    trainer = Trainer(model=model, args=args, train_dataset=rows, eval_dataset=[rows[0]])
+    trainer.train()
+    best = AutoModelForCausalLM.from_pretrained(trainer.state.best_model_checkpoint, occult_config=OccultConfig(num_devices=2))
+    assert trainer.state.best_model_checkpoint != f"{tmp_path}/checkpoint-4"
+    best_weights = dict(best.named_parameters())
+    for name, param in model.named_parameters():
+        assert torch.equal(param, best_weights[name]), name
+
+
 # ----- the fine-tune entry point (HfArgumentParser, datasets, launcher checks) ---------------------------
 
 

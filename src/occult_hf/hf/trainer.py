@@ -1,8 +1,8 @@
 """HF `Trainer` checkpoints and `resume_from_checkpoint` for occult models, with or without a callback.
 
 Under expert parallelism each rank holds only its experts, while the Trainer writes the model, the
-optimizer and the scheduler from rank 0 alone. Three `Trainer` methods that every rank runs at a
-save or a resume are wrapped (by `hf.apply.install()`, through
+optimizer and the scheduler from rank 0 alone. The `Trainer` methods that every rank runs at a
+save, a resume or the end's load of the best model are wrapped (by `hf.apply.install()`, through
 `hf.compat.wrap_when_imported`, so importing occult_hf is enough; for a model without
 occult_hf applied the wrappers only call the original):
 
@@ -22,6 +22,9 @@ occult_hf applied the wrappers only call the original):
   `resume_from_checkpoint`): the model's non-expert weights come from the vanilla checkpoint, the
   experts and the optimizer state from this rank's file; the scheduler is the Trainer's own (it is
   the same on every rank). A checkpoint written by a different number of EP ranks is an error.
+- `_load_best_model` (`load_best_model_at_end`): the best checkpoint is loaded as a resume loads one. transformers
+  reads its safetensors under the saved keys, whose experts are the converted per-expert ones, so (for stock models
+  too) the experts would keep their last values.
 
 One process (logical devices) uses the same files with `r=0, D=1` (its experts are all experts).
 
@@ -324,6 +327,16 @@ def _load_from_checkpoint(original, trainer, resume_from_checkpoint, model=None)
         )
 
 
+def _load_best_model(original, trainer):
+    """`load_best_model_at_end`: transformers loads the best checkpoint's safetensors under their saved keys, which for
+    fused experts are the converted per-expert ones, so the experts keep their last values (it only warns about the
+    keys). A model with `apply_occult`'s blocks (not a PEFT one: transformers loads its adapter) loads the checkpoint
+    as a resume does (`_load_from_checkpoint`): the dense part under the model's names, each rank its experts."""
+    if _occult_model(trainer.model) is not trainer.model:
+        return original(trainer)
+    _load_from_checkpoint(None, trainer, trainer.state.best_model_checkpoint)
+
+
 def _load_optimizer_and_scheduler(original, trainer, checkpoint):
     result = original(trainer, checkpoint)
     model = _occult_model(trainer.model)
@@ -342,12 +355,13 @@ _HOOKS = {
     "save_model": _save_model,
     "_save_optimizer_and_scheduler": _save_optimizer_and_scheduler,
     "_load_from_checkpoint": _load_from_checkpoint,
+    "_load_best_model": _load_best_model,
     "_load_optimizer_and_scheduler": _load_optimizer_and_scheduler,
 }
 
 
 def install_trainer_hooks() -> None:
-    """Wrap the six `Trainer` methods (idempotent; `uninstall_trainer_hooks` puts them back)."""
+    """Wrap the seven `Trainer` methods (idempotent; `uninstall_trainer_hooks` puts them back)."""
     wrap_when_imported("transformers.trainer", "Trainer", _HOOKS)
 
 
