@@ -120,6 +120,8 @@ def _ep_world(rank, world_size, checkpoints, out_dir, profile):
                 found[f"pruned_rows_{mode}"] = {layer: impl.stats.rows_sent.tolist() for layer, impl in occult_ep_layers(model).items()}
                 found[f"pruned_layers_{mode}"] = sorted(pruners_of(model))
             model.save_pretrained(os.path.join(out_dir, "similarity_pruned"))  # its profile bundled, as on the other path
+            with open(os.path.join(out_dir, "similarity_pruned", "config.json")) as saved:  # whole on every rank's return
+                found["pruning_described_on_return"] = "occult_pruning" in json.load(saved)
             # one rank fails its own checks: it raises its error, the other names it instead of waiting for it
             try:
                 apply_occult_ep(model, OccultConfig(num_devices=(None, 4)[rank]))
@@ -274,7 +276,11 @@ def test_occult_ep_equals_the_single_process_model(tmp_path):
                     assert all(sum(rows) == tokens for rows in found[f"pruned_rows_{mode}"].values()), mode
                     assert found[f"pruned_layers_{mode}"] == list(MOE_LAYERS[family]), mode
                     assert found["pruned_layers_after"] == [], mode
-            failed = "OccultConfig.num_devices (4) must equal DistributedConfig.ep_size (2)"
+            failed = (
+                "OccultConfig.num_devices (4) must equal DistributedConfig.ep_size (2); a checkpoint saved by occult_hf "
+                "holds the occult_config it ran with, which from_pretrained applies: pass occult_config=OccultConfig(...) "
+                "to load it at another ep_size, or occult_config=None"
+            )
             assert results[0][family]["one_rank_fails"].startswith(
                 f"EPConfigMismatchError: occult_hf: rank 1 of the expert-parallel group failed at apply_occult_ep "
                 f"(ValueError: {failed})"), results[0][family]
@@ -289,6 +295,7 @@ def test_occult_ep_equals_the_single_process_model(tmp_path):
             occult_config = json.loads((saved / "config.json").read_text())["occult_config"]
             assert occult_config["profile"] == "occult_profile.safetensors" and (saved / "occult_profile.safetensors").is_file()
             assert "occult_pruning" in json.loads((saved / "config.json").read_text())
+            assert all(r[family]["pruning_described_on_return"] for r in results)  # a reload right after reads it all
             again = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
             with torch.no_grad():
                 assert rel_err(again(rank_batch(0)).logits, results[0][family]["pruned_logits_similarity"]) <= TOLERANCE

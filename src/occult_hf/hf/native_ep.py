@@ -57,7 +57,7 @@ from .checkpointing import add_pruning_files, new_save_group, record_running_lim
 from ..config import OccultConfig
 from ..dispatch import DispatchSettings, ExpertParallelGroup, TokenDispatcher, TokenRouting, build_dispatcher
 from ..dispatch.group import resolve_devices_per_node
-from ..distributed.agreement import effective_setup, save_timeout_s
+from ..distributed.agreement import bounded, effective_setup, save_timeout_s
 from ..experts import local_experts
 from ..placement import Placement
 from ..layout import LayerLayout
@@ -312,7 +312,9 @@ def _resolve(model: nn.Module, occult_config):
     ep, num_experts, per_rank = first.mesh_ep, first.num_experts, first.num_local_experts
     if config.num_devices not in (None, ep.num_devices):
         raise ValueError(
-            f"OccultConfig.num_devices ({config.num_devices}) must equal DistributedConfig.ep_size ({ep.num_devices})"
+            f"OccultConfig.num_devices ({config.num_devices}) must equal DistributedConfig.ep_size ({ep.num_devices}); "
+            f"a checkpoint saved by occult_hf holds the occult_config it ran with, which from_pretrained applies: pass "
+            f"occult_config=OccultConfig(...) to load it at another ep_size, or occult_config=None"
         )
     layers = [layer for layer, _, _, _ in blocks]
     placement = resolve_placement(Placement.from_setting(config.placement), num_experts, ep.num_devices, layers)
@@ -371,7 +373,7 @@ def apply_occult_ep(model: nn.Module, occult_config: OccultConfig | dict | str |
             new_state.module_attributes.append((block, "pruner"))
             new_state.hooks.append(adapter.router(block).register_forward_hook(_pruning_hook(block, pruner)))
     new_state.instance_methods["gather_sharded_state_dict_for_save"] = types.MethodType(_gather_in_original_order, model)
-    new_state.instance_methods["save_pretrained"] = types.MethodType(_save_pruned, model)
+    new_state.instance_methods["save_pretrained"] = types.MethodType(_save_described, model)
     attach_state(model, new_state)
     return model
 
@@ -500,16 +502,21 @@ def _pruning_hook(block: nn.Module, pruner):
     return hook
 
 
-def _save_pruned(model, save_directory, *args, **kwargs):
+def _save_described(model, save_directory, *args, **kwargs):
     """transformers' `save_pretrained`, with the pruners' limits in force (`OccultCallback`'s N_d schedule changes them)
     on the config it writes first (every rank calls it, for FSDP2's gather, so every rank records them alike); then the
     writing rank adds a pruned model's files, as the `occult_config` path's save does: the similarity profile (its
-    source file may be gone by then) and the pruning description (`checkpointing.add_pruning_files`)."""
+    source file may be gone by then) and the pruning description (`checkpointing.add_pruning_files`). The ranks
+    return together, once the writing rank is done (bounded by `OCCULT_SAVE_TIMEOUT_S`): a reload right after the save
+    reads the same, whole files on every rank."""
     state = state_of(model, TRANSFORMERS_EP)
     record_running_limits(model, state)
     result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
     if kwargs.get("is_main_process", True) and not (dist.is_initialized() and dist.get_rank() != 0):  # transformers' writer
         add_pruning_files(state, os.fspath(save_directory), os.fspath(save_directory))
+    if state.agreement_group is not None:
+        start = functools.partial(dist.barrier, group=state.agreement_group, async_op=True)
+        bounded("save_pretrained (the ranks waiting for the writing rank's files)", None, state.save_timeout_s, start)
     return result
 
 
