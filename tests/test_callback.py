@@ -74,6 +74,11 @@ def test_schedule_and_callback_validation():
     track_routing(exact, False)
     with pytest.raises(ValueError, match=r"layers \[0, 1\] do not keep it: call occult_hf.track_routing\(model\)"):
         OccultCallback().on_train_begin(None, _State(), None, model=exact)
+    # LoRA on attention only with train_moe_only: nothing left to train (was torch's error at the first backward)
+    peft = pytest.importorskip("peft")
+    attention_only = peft.get_peft_model(pruned, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match="train_moe_only=True\) left no parameter to train"):
+        OccultCallback(train_moe_only=True).on_init_end(None, _State(), None, model=attention_only)
 
 
 class _State:

@@ -255,6 +255,12 @@ class OccultCallback(TrainerCallback):
         for parameter in model.parameters():
             if id(parameter) not in moe_parameters:
                 parameter.requires_grad_(False)
+        if not any(parameter.requires_grad for parameter in model.parameters()):  # else torch's error at the backward
+            raise ValueError(
+                "OccultCallback(train_moe_only=True) left no parameter to train: the MoE blocks' parameters are frozen "
+                "(a PEFT model trains its adapters only) and nothing trainable is inside them; put the adapters on the "
+                "experts or the routers (LoRA target_parameters, modules_to_save) or drop train_moe_only"
+            )
 
     # ----- N_d schedule ---------------------------------------------------------------------
     def _setup_schedule(self) -> None:
