@@ -283,7 +283,9 @@ def test_replan_keeps_primaries_and_moves_the_copies_to_what_is_hot_now(tmp_path
     assert after.balance < before.balance, (before.balance, after.balance)
     # --replica-choice load_aware: copies chosen for the load-aware rule (fluid bound, then CT), as the library does
     aware_path = tmp_path / "aware.json"
+    capsys.readouterr()
     assert main(["replan", str(deployed_path), str(paths["recent"]), "--replica-choice", "load_aware", "--out", str(aware_path)]) == 0
+    assert "(both measured under the static replica rule; the copies were chosen for the load-aware rule" in capsys.readouterr().out
     from occult_hf.placement.rebalance import replan_replicas
 
     aware = Placement.load(aware_path)

@@ -49,5 +49,8 @@ def run(args: argparse.Namespace) -> int:
     replanned = replan_replicas(deployed, recent, num_redundant=args.redundant, replica_choice=args.replica_choice)
     replanned.save(out)
     print(format_summary(evaluate_placements(recent, {"deployed": deployed, "replanned": replanned})))
+    if args.replica_choice == "load_aware":  # the metrics route pairs by the static rule; the runtime will split by load
+        print("(both measured under the static replica rule; the copies were chosen for the load-aware rule, which "
+              "splits a replicated expert's pairs by each batch's loads: their balance under it is not shown here)")
     print(f"wrote {out}")
     return 0
