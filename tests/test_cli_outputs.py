@@ -127,6 +127,9 @@ def test_report_plots_that_cannot_be_a_directory_are_named_before_any_work(plots
     (tmp_path / "afile").write_text("")
     err = refused(["report", *map(str, files), "--plots", str(tmp_path / plots)], capsys)
     assert f"occult report: error: --plots {str(tmp_path / plots)!r} {message}" in err
+    if plots == "afile" and os.path.isdir("/proc"):  # a folder nobody can create a file in, even root (os.access says yes)
+        err = refused(["report", *map(str, files), "--plots", "/proc/plots"], capsys)
+        assert "occult report: error: --plots '/proc/plots': directory '/proc' is not writable" in err, err
 
 
 def test_report_prints_its_table_before_a_plot_fails(files, tmp_path, capsys, monkeypatch):

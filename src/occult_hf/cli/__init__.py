@@ -77,15 +77,20 @@ def _add_no_progress_argument(parser: argparse.ArgumentParser) -> None:
 
 def check_output_dir(path: str, flag: str = "--out") -> None:
     """Fail before a long run when the output directory `path` of `flag` cannot be made or written in: it is an
-    existing file, a file stands where one of its parents would be, or its nearest existing parent is read-only."""
+    existing file, a file stands where one of its parents would be, or its nearest existing parent takes no new file
+    (`utils.atomic.probe_directory`)."""
     existing = os.path.abspath(path)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         where = "is an existing file" if existing == os.path.abspath(path) else f"lies under the file {existing!r}"
         raise FileExistsError(f"{flag} {path!r} {where}; give a directory (it is created if missing)")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise PermissionError(f"{flag} {path!r}: directory {existing!r} is not writable")
+    from ..utils.atomic import probe_directory
+
+    try:
+        probe_directory(existing)
+    except OSError:
+        raise PermissionError(f"{flag} {path!r}: directory {existing!r} is not writable") from None
 
 
 def check_model_source(name: str) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 from pathlib import Path
 
 from occult_hf.registry import DISPATCH_MODES
@@ -109,6 +108,8 @@ def _model_args(args: argparse.Namespace) -> dict:
 def check_output_path(output_path: str) -> None:
     """Fail before the evaluation when `--output_path` cannot take its results: lm-eval logs a failed write
     ("Could not save results aggregated") and carries on, so an hours-long run would end with nothing written."""
+    from occult_hf.utils.atomic import probe_directory
+
     if not output_path:
         raise SystemExit("occult eval: --output_path must not be empty")
     path = Path(output_path)
@@ -117,8 +118,7 @@ def check_output_path(output_path: str) -> None:
         raise SystemExit(f"occult eval: --output_path {output_path!r} is an existing file; give a folder (it is made if missing)")
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".occult_eval_probe-"):
-            pass
+        probe_directory(folder)
     except OSError as error:
         raise SystemExit(f"occult eval: --output_path {output_path!r}: cannot write there ({error.strerror or error})") from None
 

@@ -128,11 +128,17 @@ def check_writable_dir(path: str | os.PathLike, what: str = "output") -> str:
     if os.path.isdir(path):
         raise IsADirectoryError(f"{what} {path!r} is a directory, expected a file path")
     try:
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".occult_probe-"):
-            pass
+        probe_directory(directory)
     except OSError as error:
         raise PermissionError(f"{what} {path!r}: cannot write in directory {directory!r} ({error.strerror or error})") from None
     return path
+
+
+def probe_directory(directory: str | os.PathLike) -> None:
+    """Make and remove a file in `directory`; the `OSError` of one that takes no new file (a read-only mount, its
+    permissions, /proc), which `os.access` does not report for root."""
+    with tempfile.NamedTemporaryFile(dir=directory, prefix=".occult_probe-"):
+        pass
 
 
 @contextlib.contextmanager
@@ -185,4 +191,5 @@ __all__ = [
     "atomic_save_figure",
     "atomic_torch_save",
     "check_writable_dir",
+    "probe_directory",
 ]
