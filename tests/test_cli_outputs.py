@@ -77,6 +77,12 @@ def test_place_refuses_options_that_are_not_the_planners_before_planning(option,
     assert message in err and not out.exists(), err
 
 
+def test_report_refuses_an_option_that_is_its_own_flag(files, capsys):
+    """`occult report --option devices_per_node=2` had reached plan_placement twice: Python's "got multiple values"."""
+    err = refused(["report", str(files[0]), "--num-devices", "4", "--option", "devices_per_node=2", "--no-plots"], capsys)
+    assert "occult report: give devices_per_node as --devices-per-node, not as --option" in err, err
+
+
 @pytest.mark.parametrize("command", ["place", "replan"])
 def test_place_and_replan_name_the_file_written_into_an_out_directory(command, files, tmp_path, capsys):
     profile, placement = files

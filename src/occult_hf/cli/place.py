@@ -100,8 +100,16 @@ def planner_option(pair: str) -> tuple[str, object]:
         return name, text
 
 
-#: settings that are flags of `occult place`, not `--option`s of a planner
-_FLAGS = {"method": "--method", "cross_validate": "--cross-validate", "devices_per_node": "--devices-per-node"}
+#: `plan_placement`'s own settings, flags of the commands that plan: given as `--option` too, they would reach it twice
+PLANNING_FLAGS = {"cross_validate": "--cross-validate", "devices_per_node": "--devices-per-node"}
+
+
+def refuse_flag_options(command: str, options: dict, flags: dict[str, str] = PLANNING_FLAGS) -> None:
+    """An error naming the flag to use for each `--option NAME=VALUE` that sets one of `flags` (Python's "got
+    multiple values" error otherwise, after the profile loaded)."""
+    flagged = sorted(name for name in options if name in flags)
+    if flagged:
+        raise SystemExit(f"occult {command}: give {', '.join(f'{name} as {flags[name]}' for name in flagged)}, not as --option")
 
 
 def planner_options(method: str, options: dict) -> dict:
@@ -109,9 +117,7 @@ def planner_options(method: str, options: dict) -> dict:
     else an error naming the flag to use or the planner's options (`layers`, `progress`: not options)."""
     from ..placement import get_planner
 
-    flagged = sorted(name for name in options if name in _FLAGS)
-    if flagged:
-        raise SystemExit(f"occult place: give {', '.join(f'{name} as {_FLAGS[name]}' for name in flagged)}, not as --option")
+    refuse_flag_options("place", options, {"method": "--method", **PLANNING_FLAGS})
     get_planner(method).make_options(**options)  # a ValueError naming the planner's options
     return options
 

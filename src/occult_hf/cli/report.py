@@ -9,7 +9,7 @@ import os
 from ..placement import available_planners
 from ..utils.arguments import non_negative_int, positive_int
 from ..utils.checks import check_devices_per_node
-from .place import add_cross_validate_argument, add_option_argument
+from .place import add_cross_validate_argument, add_option_argument, refuse_flag_options
 from .devices import add_devices_per_node_argument, add_num_devices_argument
 
 
@@ -55,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if not args.placements and args.num_devices is None:
         raise SystemExit("occult report: give placement files, or --num-devices D to plan placements here")
+    refuse_flag_options("report", dict(args.option))
     if args.devices_per_node is not None:  # against --num-devices here, against each file's D once it is read
         check_devices_per_node(args.devices_per_node, args.num_devices or args.devices_per_node, "--devices-per-node")
     if not args.no_plots:
