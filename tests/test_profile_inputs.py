@@ -159,17 +159,17 @@ def test_text_file_that_is_no_utf8_file_is_refused_before_the_model_loads(tmp_pa
 
 
 def test_utf8_check_reads_in_chunks_and_counts_bytes_across_them(tmp_path):
-    from occult_hf.cli.profile import _check_utf8
+    from occult_hf.utils.text_files import check_utf8
 
     path = tmp_path / "t.txt"
     path.write_bytes("abé€𝄞\n".encode() * 3)  # characters of 2, 3 and 4 bytes across 4-byte chunks
-    _check_utf8(str(path), chunk_bytes=4)
+    check_utf8(str(path), "t.txt", chunk_bytes=4)
     path.write_bytes("abé€".encode() + b"x\xc3(")  # a 2-byte character cut by "(" at byte 8
     with pytest.raises(ValueError, match=r"is not UTF-8: byte 8 \(0xc3\) invalid continuation byte"):
-        _check_utf8(str(path), chunk_bytes=4)
+        check_utf8(str(path), "t.txt", chunk_bytes=4)
     path.write_bytes("abcd€".encode()[:-1])  # the file ends inside a character that starts at byte 4
     with pytest.raises(ValueError, match=r"is not UTF-8: byte 4 \(0xe2\) unexpected end of data"):
-        _check_utf8(str(path), chunk_bytes=4)
+        check_utf8(str(path), "t.txt", chunk_bytes=4)
 
 
 def test_collect_names_a_text_file_that_is_no_utf8_file(tmp_path):

@@ -199,6 +199,7 @@ def _check_plain_text(path: str) -> str:
     """`--text` reads raw lines: a structured file there would be profiled as raw JSON/CSV text, and bytes that are
     not UTF-8 would stop the run after the model loaded."""
     from ..hf.text_data import data_file_builder
+    from ..utils.text_files import check_utf8
 
     if os.path.isdir(path):
         raise IsADirectoryError(f"--text {path!r} is a directory; give a plain text file")
@@ -210,33 +211,5 @@ def _check_plain_text(path: str) -> str:
             f"--text {path!r} is a {builder} file, which --text would read as raw lines; "
             f"use --dataset {path} --text-column COLUMN"
         )
-    _check_utf8(path)
+    check_utf8(path, f"--text {path!r}")
     return path
-
-
-def _check_utf8(path: str, chunk_bytes: int = 2**20) -> None:
-    """Decode the file in chunks (a corpus may be larger than memory): the first byte that is not UTF-8 is an error
-    naming the file and its offset."""
-    import codecs
-
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    offset = 0  # of the chunk's first byte; the decoder may still hold the start of a character before it
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(chunk_bytes), b""):
-            _decode(decoder, chunk, offset, path)
-            offset += len(chunk)
-        _decode(decoder, b"", offset, path)
-
-
-def _decode(decoder, chunk: bytes, offset: int, path: str) -> None:
-    """Feed `chunk` (file offset `offset`; empty: the end of the file) to `decoder`; an error counts the bytes the
-    decoder held back from the previous chunk, where a character cut by the chunk boundary starts."""
-    held = decoder.getstate()[0]
-    try:
-        decoder.decode(chunk, final=not chunk)
-    except UnicodeDecodeError as error:
-        data = held + chunk
-        raise ValueError(
-            f"--text {path!r} is not UTF-8: byte {offset - len(held) + error.start} (0x{data[error.start]:02x}) "
-            f"{error.reason}"
-        ) from None

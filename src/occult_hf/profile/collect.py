@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..utils.text_files import check_utf8
 from .stats import LayerAccumulator
 
 DEFAULT_SAMPLE_SIZE = 8192
@@ -263,7 +264,9 @@ def _documents(data, text_column: str, separator: str) -> tuple[Iterable, int | 
             raise FileNotFoundError(f"text file {path!r} is not a file")
         if not isinstance(separator, str) or not separator:
             raise ValueError(f"separator must be a non-empty string, got {separator!r}")
-        documents = [doc for doc in _read_utf8(path).split(separator) if doc.strip()]
+        check_utf8(path, f"text file {path!r}")
+        with open(path, encoding="utf-8", newline="") as f:  # the text as written, "\r\n" included
+            documents = [doc for doc in f.read().split(separator) if doc.strip()]
         if not documents:
             raise ValueError(f"text file {path!r} holds no non-blank document (separator {separator!r})")
         return documents, len(documents)
@@ -275,18 +278,6 @@ def _documents(data, text_column: str, separator: str) -> tuple[Iterable, int | 
     if isinstance(data, torch.Tensor):
         raise TypeError("pass token ids as a list of sequences (e.g. tensor.tolist()), not one tensor")
     return data, (len(data) if hasattr(data, "__len__") else None)
-
-
-def _read_utf8(path: str) -> str:
-    """The file's text; bytes that are not UTF-8 are an error naming the file and the byte's offset."""
-    with open(path, "rb") as f:
-        raw = f.read()
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise ValueError(
-            f"text file {path!r} is not UTF-8: byte {error.start} (0x{raw[error.start]:02x}) {error.reason}"
-        ) from None
 
 
 def _windows(
