@@ -237,7 +237,7 @@ def test_dtype_must_be_a_torch_dtype(tmp_path, capsys):
     text = tmp_path / "docs.txt"
     text.write_text("hello world\n")
     refused(capsys, ["profile", TINY_OLMOE, "--text", text, "--dtype", "nn", "--out", tmp_path / "p.safetensors"],
-            "--dtype 'nn' is not a torch dtype")  # fmt: skip
+            "argument --dtype: expected 'auto' or a torch dtype name (float32, bfloat16, float16), got 'nn'")  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from occult_hf.registry import DISPATCH_MODES
 from occult_hf.pruning import pruning_policy_names
+from ..utils.arguments import torch_dtype_name
 from .devices import add_num_devices_argument, resolve_device
 
 
@@ -53,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run = parser.add_argument_group("lm-eval settings")
     run.add_argument("--batch_size", "--batch-size", dest="batch_size", default="1", help="an integer, or 'auto' in one process (default: 1)")
     run.add_argument("--device", default="auto", help="auto (CUDA when available, else CPU), cuda, cuda:0 or cpu (default: auto; one GPU per rank under torchrun)")
-    run.add_argument("--dtype", type=dtype_name, help="model dtype, e.g. bfloat16 (default: the model's `dtype` in --model_args, else auto: the checkpoint's)")
+    run.add_argument("--dtype", type=torch_dtype_name, help="model dtype, e.g. bfloat16 (default: the model's `dtype` in --model_args, else auto: the checkpoint's)")
     run.add_argument("--limit", type=float, help="documents per task (testing only); < 1 means a fraction")
     run.add_argument("--num_fewshot", "--num-fewshot", dest="num_fewshot", type=int, help="few-shot examples (default: each task's own)")
     run.add_argument("--bootstrap_iters", "--bootstrap-iters", dest="bootstrap_iters", type=int, default=100000, help="bootstrap iterations for stderrs (0: none)")
@@ -66,18 +67,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="lm-eval's output folder: results go to OUTPUT_PATH/<model name>/results_<time>.json (default: occult_eval)",
     )
     parser.set_defaults(func=main)
-
-
-def dtype_name(value: str) -> str:
-    """`--dtype`: `auto` or a torch dtype's name; lm-eval passes `getattr(torch, value)` on, so another name of torch's
-    (`nn`) would fail deep in the run (`cannot pickle 'module' object`), far from the flag."""
-    if value == "auto":
-        return value
-    import torch
-
-    if not isinstance(getattr(torch, value, None), torch.dtype):
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a torch dtype name (float32, bfloat16, float16), got {value!r}")
-    return value
 
 
 def _batch_size(value: str) -> int | str:

@@ -6,7 +6,7 @@ import argparse
 import os
 
 from ..profile import DEFAULT_SAMPLE_SIZE
-from ..utils.arguments import non_negative_int, positive_int, separator
+from ..utils.arguments import non_negative_int, positive_int, separator, torch_dtype_name
 from .devices import resolve_device
 
 #: options that apply to some sources only (`text`, `dataset`, `trace`): dest -> (flag, sources, default). Their
@@ -62,7 +62,7 @@ def register(subparsers) -> None:
     group.add_argument("--max-length", type=positive_int, help="tokens per window; longer documents are split (default: 512)")
     group.add_argument("--max-tokens", type=positive_int, help="stop after this many tokens")
     group.add_argument("--device", help="auto (CUDA when available, else CPU), cpu or cuda[:N] (default: auto)")
-    group.add_argument("--dtype", help="torch dtype for the model weights, e.g. bfloat16 (default: auto)")
+    group.add_argument("--dtype", type=torch_dtype_name, help="torch dtype for the model weights, e.g. bfloat16 (default: auto)")
     group.add_argument("--trust-remote-code", action="store_true", default=None, help="allow the checkpoint's own modelling code (not needed for DeepSeek-MoE: occult_hf has it natively)")
     trace = parser.add_argument_group("trace options")
     trace.add_argument("--trace-key", action="append", help="id array(s) to read (default: topk_ids or *_experts)")
@@ -105,7 +105,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         # the settings and the data first: loading a model takes minutes
         text = _check_plain_text(args.text) if source == "text" else None
-        dtype, device = _dtype(args.dtype), resolve_device(args.device)
+        import torch
+
+        dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
+        device = resolve_device(args.device)
         data = text if source == "text" else load_text_dataset(args.dataset, config=args.dataset_config, split=args.split, text_column=args.column)
         model, tokenizer = _load_model(args, dtype, device)
         profile = RoutingProfile.collect(
@@ -175,16 +178,6 @@ def _ranges(values: list[int]) -> str:
             parts.append(str(start) if start == v else f"{start}-{v}")
             start = None
     return "[" + ", ".join(parts) + "]"
-
-
-def _dtype(name: str):
-    """`--dtype`: "auto" or the name of a torch dtype (`torch.float16`, not any attribute of torch such as `nn`)."""
-    import torch
-
-    dtype = name if name == "auto" else getattr(torch, name, None)
-    if name != "auto" and not isinstance(dtype, torch.dtype):
-        raise SystemExit(f"occult profile: --dtype {name!r} is not a torch dtype (e.g. float32, bfloat16)")
-    return dtype
 
 
 def _load_model(args: argparse.Namespace, dtype, device):

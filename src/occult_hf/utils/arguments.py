@@ -37,4 +37,16 @@ def separator(text: str) -> str:
     return decoded
 
 
-__all__ = ["non_negative_int", "positive_int", "separator"]
+def torch_dtype_name(text: str) -> str:
+    """`--dtype`: "auto" or the name of a torch dtype; another attribute of torch (`nn`) would otherwise fail far from
+    the flag, after the model loaded (lm-eval: "cannot pickle 'module' object")."""
+    if text == "auto":
+        return text
+    import torch
+
+    if not isinstance(getattr(torch, text, None), torch.dtype):
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a torch dtype name (float32, bfloat16, float16), got {text!r}")
+    return text
+
+
+__all__ = ["non_negative_int", "positive_int", "separator", "torch_dtype_name"]
