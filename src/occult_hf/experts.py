@@ -109,11 +109,12 @@ def _torch_backend(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_L
     """PyTorch's grouped GEMM where it has a kernel, else the portable reference (`deterministic` is Triton's); under
     `torch.compile` the reference's operator where it knows the activation, else the reference left to eager. Eager
     calls check the inputs' shapes first (compiled ones meet the operators' fake implementations)."""
-    if not torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
         check_expert_shapes(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI)
     if grouped_mm_supported(x_RH, gate_up_proj_L2IH, down_proj_LHI):
         return expert_mlp_grouped_mm(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn)
-    if not torch.compiler.is_compiling():
+    if not compiling:
         return expert_mlp_reference(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn)
     if triton_supports(act_fn):
         activation = activation_name(act_fn)
