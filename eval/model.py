@@ -38,7 +38,7 @@ from lm_eval.models.utils_hf import get_dtype
 
 from occult_hf.hf.apply import install, lockstep_managed_by_caller, occult_config_of
 from occult_hf.utils.checks import did_you_mean
-from occult_hf.config import OccultConfig, stored_occult_config
+from occult_hf.config import OccultConfig
 from occult_hf.utils.logging import get_logger
 from occult_hf.utils.progress import progress_enabled
 
@@ -111,12 +111,13 @@ def load_occult_model(
     torch.distributed the EP group is the default group (every rank loads, each keeps its experts).
     """
     install()  # idempotent: what `import occult_hf` sets up
-    if occult_config is None:
+    keyword = {"occult_config": occult_config}
+    if occult_config is None:  # the checkpoint's own, applied by the load (a pruned fine-tune runs pruned), else the default
         config_kwargs = {k: load_kwargs[k] for k in ("revision", "trust_remote_code", "subfolder") if k in load_kwargs}
-        saved = stored_occult_config(transformers.AutoConfig.from_pretrained(pretrained, **config_kwargs))
-        occult_config = saved if saved is not None else OccultConfig()  # a pruned fine-tune runs pruned
+        stores_one = getattr(transformers.AutoConfig.from_pretrained(pretrained, **config_kwargs), "occult_config", None) is not None
+        keyword = {} if stores_one else {"occult_config": OccultConfig()}
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        pretrained, occult_config=occult_config, dtype=get_dtype(dtype), device_map={"": str(device)}, **load_kwargs
+        pretrained, **keyword, dtype=get_dtype(dtype), device_map={"": str(device)}, **load_kwargs
     )
     return model.eval()
 

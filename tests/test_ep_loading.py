@@ -194,3 +194,39 @@ def test_allocator_warmup_leaves_out_the_routed_experts(monkeypatch):
     routed = {name for name in names if ".mlp.experts." in name}
     assert routed and set(seen[0]) == set(names) - routed and seen[1] == names
     assert any("shared_expert" in name for name in seen[0])
+
+
+def _base_model_and_stored_count(rank: int, world_size: int, head_checkpoint: str, one_process_save: str) -> dict:
+    import occult_hf  # noqa: F401  (from_pretrained takes occult_config=)
+    from transformers import AutoModel
+
+    base = AutoModel.from_pretrained(head_checkpoint, dtype=torch.float32, occult_config={"num_devices": world_size})
+    eager = AutoModel.from_pretrained(head_checkpoint, dtype=torch.float32, occult_config=None)
+    ids = tiny_batch(seed=40 + rank)
+    with torch.no_grad():
+        err = float((base(ids).last_hidden_state - eager(ids).last_hidden_state).abs().max())
+    report = base.occult_load_report
+    try:
+        AutoModel.from_pretrained(one_process_save, dtype=torch.float32)
+        stored_error = None
+    except ValueError as error:
+        stored_error = str(error)
+    return dict(fallback=report.fallback_reason, read=report.experts_read, err=err, stored_error=stored_error)
+
+
+@pytest.mark.world_size(2)
+def test_a_base_model_reads_per_rank_and_a_stored_device_count_is_checked_first(tmp_path):
+    """`AutoModel` (the base model, whose module paths lack the head's `model.` prefix) of a `*ForCausalLM`
+    checkpoint reads only this rank's experts (it had read every expert, reporting "0 per-expert tensors"); a
+    checkpoint saved in one process (stored num_devices 1) loaded on 2 ranks is refused before any expert is read,
+    naming the stored config and the way out (it had failed in apply_occult after every rank read every expert)."""
+    from occult_hf import OccultConfig, apply_occult
+    from tiny_models import tiny_model
+
+    head = tiny_checkpoint("olmoe", tmp_path / "olmoe")
+    apply_occult(tiny_model("olmoe", seed=1), OccultConfig()).save_pretrained(tmp_path / "one_process")
+    for rank, result in enumerate(run_world(_base_model_and_stored_count, 2, str(head), str(tmp_path / "one_process"))):
+        assert result["fallback"] is None and result["read"] == {0: [4 * rank + e for e in range(4)], 1: [4 * rank + e for e in range(4)]}, result
+        assert result["err"] <= 1e-5, result
+        assert "the occult_config the checkpoint stores (config.json) has num_devices (1) must equal the expert-parallel group size (2)" in result["stored_error"], result
+        assert "occult_config=None" in result["stored_error"], result

@@ -14,6 +14,7 @@ import json
 import pytest
 import torch
 
+from distributed import run_world
 from tiny_models import tiny_batch, tiny_model
 
 
@@ -116,3 +117,96 @@ def test_a_node_limited_checkpoint_states_its_node_limit(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert occult_config_of(loaded).max_nodes_per_token == 1
     assert torch.allclose(loaded(tiny_batch(seed=3)).logits, pruned(tiny_batch(seed=3)).logits, atol=1e-6)
+
+
+class _FakeHub:
+    """`transformers.utils.hub.hf_api()` without a network: records each commit's files with their contents."""
+
+    def __init__(self) -> None:
+        self.commits: list[tuple[str, dict[str, bytes]]] = []
+
+    def create_repo(self, repo_id, **kwargs):
+        return type("RepoUrl", (), {"repo_id": repo_id})()
+
+    def create_commit(self, repo_id, operations, **kwargs):
+        files = {}
+        for operation in operations:
+            with open(operation.path_or_fileobj, "rb") as f:
+                files[operation.path_in_repo] = f.read()
+        self.commits.append((repo_id, files))
+
+
+@pytest.fixture
+def fake_hub(monkeypatch):
+    """The Hub calls of transformers' pushes, answered here; the card transformers writes for a push is a template."""
+    return _fake_hub_installed(monkeypatch.setattr)
+
+
+def _fake_hub_installed(monkeypatch_target) -> _FakeHub:
+    import transformers.utils.hub as hub
+    from huggingface_hub import ModelCard
+
+    fake = _FakeHub()
+    monkeypatch_target(hub, "hf_api", lambda: fake)
+    monkeypatch_target(hub, "create_and_tag_model_card", lambda repo_id, tags=None, token=None: ModelCard("# Model Card for Model ID\n"))
+    return fake
+
+
+def _pushed_description(files: dict[str, bytes]) -> tuple[dict | None, str]:
+    return json.loads(files["config.json"]).get("occult_pruning"), files["README.md"].decode()
+
+
+def test_pushes_to_the_hub_carry_the_pruning_description(tmp_path, fake_hub):
+    """`save_pretrained(dir, push_to_hub=True)` pushes `dir` under its name with the description (it had pushed the
+    staging folder under `.occult_save-<random>`, before the description was written); `push_to_hub` keeps the
+    section above the card transformers writes over `README.md` (it had been lost)."""
+    from occult_hf import OccultConfig, apply_occult
+
+    pruned = apply_occult(tiny_model("olmoe", seed=4), OccultConfig(num_devices=4, prune="router", max_devices_per_token=1))
+    pruned.save_pretrained(tmp_path / "my-model", push_to_hub=True, commit_message="first")
+    pruned.push_to_hub("me/my-model")
+    (first, files), (second, pushed) = fake_hub.commits
+    assert first == "my-model" and {"config.json", "README.md", "occult_placement.json", "model.safetensors"} <= set(files)
+    assert not any(name.startswith(".occult_save") for name in files)
+    for name, uploaded in (("save_pretrained", files), ("push_to_hub", pushed)):
+        description, card = _pushed_description(uploaded)
+        assert description["max_devices_per_token"] == 1, name
+        assert card.startswith("---\n{}\n---\n<!-- occult_hf:pruning -->"), name  # below the card's front matter
+        assert card.endswith("<!-- /occult_hf:pruning -->\n\n# Model Card for Model ID\n"), name
+    assert second == "me/my-model" and (tmp_path / "my-model" / "README.md").read_text() == pushed["README.md"].decode()
+
+
+def test_the_trainers_model_card_keeps_the_pruning_section(tmp_path):
+    """`Trainer.push_to_hub` saves, writes the Trainer's card over `README.md` (`create_model_card`), and uploads the
+    folder: the section goes back above the Trainer's card."""
+    from transformers import Trainer, TrainingArguments
+
+    from occult_hf import OccultConfig, apply_occult
+
+    pruned = apply_occult(tiny_model("olmoe", seed=4), OccultConfig(num_devices=4, prune="router", max_devices_per_token=1))
+    trainer = Trainer(model=pruned, args=TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True))
+    trainer.save_model()
+    trainer.create_model_card(model_name="tiny")
+    card = (tmp_path / "README.md").read_text()
+    assert "<!-- occult_hf:pruning -->" in card and "N_d = 1 of 4 devices" in card and "tiny" in card
+
+
+def _push_on_ranks(rank: int, world_size: int, directory: str) -> list:
+    from occult_hf import OccultConfig, apply_occult
+
+    fake = _fake_hub_installed(setattr)
+    pruned = apply_occult(tiny_model("olmoe", seed=4), OccultConfig(prune="router", max_devices_per_token=1))
+    pruned.push_to_hub("me/ep-model")  # collective, as the save inside it
+    pruned.save_pretrained(directory, push_to_hub=True)
+    return [(repo_id, sorted(files), _pushed_description(files)[0]) for repo_id, files in fake.commits]
+
+
+@pytest.mark.world_size(2)
+def test_under_ep_the_writing_rank_alone_pushes(tmp_path):
+    """Under EP both pushes are collective; EP rank 0, which wrote the files, uploads them (whole, described), and
+    rank 1, whose folder holds nothing but transformers' card, uploads nothing."""
+    rank0, rank1 = run_world(_push_on_ranks, 2, str(tmp_path / "ep-model"))
+    assert rank1 == [] and [repo_id for repo_id, _, _ in rank0] == ["me/ep-model", "ep-model"]
+    for _, files, description in rank0:
+        assert {"config.json", "README.md", "model.safetensors", "occult_placement.json"} <= set(files)
+        assert description["num_devices"] == 2 and description["max_devices_per_token"] == 1

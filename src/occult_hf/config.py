@@ -304,20 +304,20 @@ class OccultConfig:
         )
 
 
-def stored_occult_config(model_config) -> "OccultConfig | None":
+def stored_occult_config(model_config, subfolder: str = "") -> "OccultConfig | None":
     """The `occult_config` a loaded checkpoint's config stores, None when it stores none.
 
     transformers reads `config.json` leniently (a key given twice keeps its last value), so a checkpoint
     directory's `config.json` is read again strictly. A relative `placement` or `profile` path in it
-    names a file of the checkpoint (the directory, or the Hub repository at the same revision), never
-    one in the working directory.
+    names a file of the checkpoint (the directory, or the Hub repository at the same revision; below
+    `subfolder`, `from_pretrained`'s keyword), never one in the working directory.
     """
     stored = getattr(model_config, "occult_config", None)
     if stored is None or isinstance(stored, OccultConfig):
         return stored
     checkpoint = getattr(model_config, "_name_or_path", "") or ""
     revision = getattr(model_config, "_commit_hash", None)
-    config_file = _checkpoint_config_file(checkpoint, revision)
+    config_file = _checkpoint_config_file(checkpoint, revision, subfolder)
     if config_file is None or _lenient_occult_config(config_file) != stored:  # given as a keyword, not read
         return OccultConfig.coerce(stored)
     label = f"checkpoint config {config_file!r}"
@@ -325,20 +325,21 @@ def stored_occult_config(model_config) -> "OccultConfig | None":
     if not isinstance(stored, dict):
         raise ValueError(f"{label}: occult_config must be a JSON object, got {type(stored).__name__}")
     try:
-        return OccultConfig.from_dict(_with_paths_resolved(stored, lambda name: _checkpoint_file(checkpoint, revision, name, label)))
+        return OccultConfig.from_dict(_with_paths_resolved(stored, lambda name: _checkpoint_file(checkpoint, revision, subfolder, name, label)))
     except (TypeError, ValueError) as error:
         raise ValueError(f"{label}: {error}") from None
 
 
-def _checkpoint_config_file(checkpoint: str, revision: str | None) -> str | None:
-    """The local `config.json` of a checkpoint directory or of a Hub checkpoint in the cache, else None."""
+def _checkpoint_config_file(checkpoint: str, revision: str | None, subfolder: str) -> str | None:
+    """The local `config.json` of a checkpoint directory or of a Hub checkpoint in the cache (below `subfolder`),
+    else None."""
     if os.path.isdir(checkpoint):
-        path = os.path.join(checkpoint, "config.json")
+        path = os.path.join(checkpoint, subfolder, "config.json")
         return path if os.path.isfile(path) else None
     from huggingface_hub import try_to_load_from_cache
 
     try:
-        path = try_to_load_from_cache(checkpoint, "config.json", revision=revision)
+        path = try_to_load_from_cache(checkpoint, f"{subfolder}/config.json" if subfolder else "config.json", revision=revision)
     except ValueError:  # not a Hub id
         return None
     return path if isinstance(path, str) else None
@@ -370,17 +371,19 @@ def _path_from(directory: str, path: str) -> str:
     return os.path.abspath(path) if relative.split(os.sep)[0] == os.pardir else relative
 
 
-def _checkpoint_file(checkpoint: str, revision: str | None, name: str, label: str) -> str:
-    """The local path of file `name` of the checkpoint `checkpoint` (a directory, or a Hub id at `revision`)."""
+def _checkpoint_file(checkpoint: str, revision: str | None, subfolder: str, name: str, label: str) -> str:
+    """The local path of file `name` of the checkpoint `checkpoint` (a directory, or a Hub id at `revision`; below
+    `subfolder`)."""
     if os.path.isdir(checkpoint):
-        path = os.path.join(checkpoint, name)
+        directory = os.path.join(checkpoint, subfolder)
+        path = os.path.join(directory, name)
         if not os.path.exists(path):
-            raise FileNotFoundError(f"{label} names {name!r}, which is not in the checkpoint directory {checkpoint!r}")
+            raise FileNotFoundError(f"{label} names {name!r}, which is not in the checkpoint directory {directory!r}")
         return path
     from transformers.utils import cached_file
 
     try:
-        return cached_file(checkpoint, name, _commit_hash=revision)
+        return cached_file(checkpoint, name, subfolder=subfolder, _commit_hash=revision)
     except OSError as error:
         raise FileNotFoundError(f"{label} names {name!r}, which the checkpoint {checkpoint!r} does not hold ({error})") from None
 

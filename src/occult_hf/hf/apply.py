@@ -9,7 +9,8 @@
   classmethods live in `hf.compat`), and hook the Trainer's checkpoint save and resume
   (`hf.trainer`).
 - On the replaced model, per instance: `save_pretrained` is `hf.checkpointing.save_pretrained` (a
-  vanilla checkpoint plus `occult_placement.json`, gathered from the EP ranks); under EP `generate`
+  vanilla checkpoint plus `occult_placement.json`, gathered from the EP ranks) and pushes to the Hub
+  through `hf.hub` (`_upload_modified_files` too, so that `push_to_hub` uploads what a save writes); under EP `generate`
   always runs with `synced_gpus=True`, so ranks that finish early keep stepping (their forwards take
   part in the all-to-alls) until every rank is done.
 
@@ -25,6 +26,7 @@ rank applies the same clipping factor.
 from __future__ import annotations
 
 import contextlib
+import os
 import types
 from dataclasses import replace
 
@@ -41,9 +43,10 @@ from ..distributed.collectives import GradNormCarrier
 from ..placement import Placement
 from ..utils.logging import get_logger
 from .blocks import build_occult_block, restore_block
-from .checkpointing import check_model_ranks_agree, gather_full_experts, new_save_group, save_pretrained
+from .checkpointing import check_model_ranks_agree, gather_full_experts, new_save_group
 from .compat import UNSET, install_loading_hooks, loading_hooks_installed, static_cache_length, uninstall_loading_hooks
 from .ddp import DDP_IGNORE_ATTR, RankLocalStateNames
+from .hub import save_and_push, upload_described
 from .launch import check_logical_devices, check_process_group_started
 from .loading import load_scope
 from .native_ep import apply_on_load
@@ -102,7 +105,8 @@ def apply_occult(model: nn.Module, occult_config: OccultConfig | dict | str | No
         # computed when DDP reads it, so that a later wrapper (plain peft.get_peft_model) is covered too
         setattr(model, DDP_IGNORE_ATTR, RankLocalStateNames(model, state.ddp_ignore_before))
         state.instance_methods["generate"] = types.MethodType(_generate_in_lockstep, model)
-    state.instance_methods["save_pretrained"] = types.MethodType(save_pretrained, model)
+    state.instance_methods["save_pretrained"] = types.MethodType(save_and_push, model)
+    state.instance_methods["_upload_modified_files"] = types.MethodType(upload_described, model)
     attach_state(model, state)
     return model
 
@@ -236,17 +240,47 @@ def is_installed() -> bool:
     return loading_hooks_installed()
 
 
-def _json_native(occult_config):
-    """What the config stores for an `occult_config=` keyword: an `OccultConfig` as its dict, anything else as given."""
-    return occult_config.to_dict() if isinstance(occult_config, OccultConfig) else occult_config
+def _json_native(occult_config, stored=None):
+    """What the config stores for an `occult_config=` keyword that the Auto classes hand to a checkpoint's config
+    holding `stored` (transformers JSON-dumps the config in a log line at any verbosity): `_as_json` of it. Not
+    checked here: `hf.loading.load_scope` checks it where a failure reaches the other ranks."""
+    occult_config = _as_json(occult_config)
+    _note_override(stored, occult_config)
+    return occult_config
 
 
-def _apply_on_load(model, occult_config):
+def _as_json(value):
+    """`value` with every `OccultConfig` and `Placement` in it as its dict and every path as a string."""
+    if isinstance(value, (OccultConfig, Placement)):
+        return value.to_dict()
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, dict):
+        return {key: _as_json(item) for key, item in value.items()}
+    return value
+
+
+def _note_override(stored, given) -> None:
+    """Say when a given `occult_config` replaces the one the checkpoint stores: whole, not merged (a stored pruning
+    the given one leaves out is off), as transformers says for a given `quantization_config`."""
+    given = _as_json(given)
+    if stored is None or given is None or given is UNSET or stored == given:
+        return
+    logger.warning(
+        "occult_hf: from_pretrained(occult_config=...) replaces the occult_config the checkpoint stores, whole (no "
+        "setting of it is kept); stored: %s",
+        {name: value for name, value in stored.items() if name != "placement"} if isinstance(stored, dict) else stored,
+    )
+
+
+def _apply_on_load(model, occult_config, subfolder: str = ""):
     """Apply `occult_config`, else the config's stored `occult_config` (AutoModel passes a keyword that
     names an existing config attribute to the config, so both routes end here): through `apply_occult`,
     or, for a model whose experts transformers' own EP sharded, `hf.native_ep.apply_on_load`."""
     if occult_config is UNSET:
-        occult_config = stored_occult_config(model.config)  # strict, relative paths against the checkpoint
+        occult_config = stored_occult_config(model.config, subfolder)  # strict, relative paths against the checkpoint
+    else:
+        _note_override(getattr(model.config, "occult_config", None), occult_config)
     if occult_config is None:
         forget_saved_description(model.config)
         return model

@@ -191,8 +191,10 @@ def _bundle_profile(profile, staging: str) -> None:
     config_file = os.path.join(staging, "config.json")
     if profile is None or not os.path.isfile(config_file):
         return
-    profile.save(os.path.join(staging, PROFILE_FILENAME))
     saved = read_json_file(config_file, "the staged config")
+    if not isinstance(saved.get("occult_config"), dict):  # a folder this model's save did not write
+        return
+    profile.save(os.path.join(staging, PROFILE_FILENAME))
     saved["occult_config"] = {**saved["occult_config"], "profile": PROFILE_FILENAME}
     atomic_write_json(config_file, saved, indent=2, sort_keys=True)
 

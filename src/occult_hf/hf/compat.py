@@ -8,7 +8,7 @@ works; when transformers changes, this is the file to read.
   wrapper of that classmethod pops `occult_config=`, calls the original and hands the loaded model to
   `on_load` (`hf.apply.install` registers the function that applies the config), inside an
   optional `load_scope` context. A second
-  wrapper, of `PreTrainedConfig.from_dict`, stores `config_value(occult_config)` (JSON-native) when
+  wrapper, of `PreTrainedConfig.from_dict`, stores `config_value(occult_config, stored)` (JSON-native) when
   the Auto classes pass the keyword to the config. `uninstall_loading_hooks()` puts the originals back.
 - `intercept_state_dict_loading(intercept)`: for one `from_pretrained`, the lazily opened checkpoint
   state dict passes through `intercept` before transformers loads it (per-rank expert loading,
@@ -56,20 +56,20 @@ UNSET: Any = object()
 
 
 def install_loading_hooks(
-    on_load: Callable[[Any, Any], Any],
-    config_value: Callable[[Any], Any],
+    on_load: Callable[[Any, Any, str], Any],
+    config_value: Callable[[Any, Any], Any],
     load_scope: Callable[[Any, dict, type], Any] | None = None,
 ) -> None:
     """Let `PreTrainedModel.from_pretrained` take `occult_config=`; idempotent.
 
     Two classmethods are wrapped: `PreTrainedModel.from_pretrained` (pops the keyword, `UNSET` when
-    absent, calls the original and returns `on_load(model, occult_config)`) and
+    absent, calls the original and returns `on_load(model, occult_config, subfolder)`) and
     `PreTrainedConfig.from_dict`. The Auto classes load the config first and hand it every keyword
     that names one of its attributes, so for a checkpoint that occult_hf saved,
     `occult_config=<OccultConfig>` lands on the config, which transformers then JSON-dumps (its
     "Model config ..." log line, `save_pretrained`). The second wrapper stores
-    `config_value(occult_config)` there instead: the caller turns its object into a JSON-native dict,
-    as transformers does for `quantization_config`. `load_scope(occult_config, kwargs, cls)`, when given,
+    `config_value(occult_config, stored)` there instead (`stored`: what the checkpoint's config held): the
+    caller turns its object into a JSON-native dict, as transformers does for `quantization_config`. `load_scope(occult_config, kwargs, cls)`, when given,
     returns the context manager the original `from_pretrained` runs in (per-rank expert loading); what it
     enters as, when callable, is called with the loaded model before `on_load` (the load's own report).
     """
@@ -82,14 +82,17 @@ def install_loading_hooks(
         occult_config = kwargs.pop("occult_config", UNSET)
         scope = contextlib.nullcontext() if load_scope is None else load_scope(occult_config, kwargs, cls)
         with scope as finish:
-            model = original(cls, *args, **kwargs)
+            loaded = original(cls, *args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded  # output_loading_info=True: (model, info)
         if callable(finish):
             finish(model)
-        return on_load(model, occult_config)
+        model = on_load(model, occult_config, kwargs.get("subfolder") or "")
+        return (model, *loaded[1:]) if isinstance(loaded, tuple) else model
 
     def from_dict(original, cls, *args, **kwargs):
         if "occult_config" in kwargs:
-            kwargs["occult_config"] = config_value(kwargs["occult_config"])
+            stored = args[0].get("occult_config") if args and isinstance(args[0], dict) else None
+            kwargs["occult_config"] = config_value(kwargs["occult_config"], stored)
         return original(cls, *args, **kwargs)
 
     _wrap_classmethod(PreTrainedModel, "from_pretrained", from_pretrained)

@@ -112,6 +112,8 @@ def load_scope(occult_config, kwargs: dict, model_class: type | None = None):
         try:
             occult_config = OccultConfig.coerce(occult_config)
             _check_model_type(kwargs.get("config"), model_class)
+            if _distributed() and kwargs.get("distributed_config") is None:
+                _check_world_size(occult_config, "OccultConfig.num_devices")
         except Exception as error:  # the other ranks will wait at apply_occult: they raise at once, naming this one
             announce_failure(error, "from_pretrained")
             raise
@@ -125,7 +127,7 @@ def load_scope(occult_config, kwargs: dict, model_class: type | None = None):
         _fall_back(report, reason, occult_config)
         return scope
     # UNSET: the checkpoint's config may hold the occult_config (`_apply_on_load` applies it); read there
-    loader = ExpertLoader(occult_config, report, device)
+    loader = ExpertLoader(occult_config, report, device, kwargs.get("subfolder") or "")
     scope.enter_context(intercept_state_dict_loading(loader))
     scope.enter_context(skip_allocator_warmup_for(_routed_expert_filter()))
     return scope
@@ -190,7 +192,7 @@ def _routed_expert_filter():
 
 def _fall_back(report: LoadReport, reason: str, occult_config) -> None:
     report.fallback_reason = reason
-    if occult_config is not UNSET and occult_config is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+    if occult_config is not UNSET and occult_config is not None and _distributed():
         logger.warning("occult_hf: every rank loads all experts (per-rank expert loading off: %s)", reason)
 
 
@@ -207,41 +209,55 @@ def _check_model_type(config, model_class: type | None) -> None:
 def _unsupported_call(occult_config, kwargs: dict) -> str | None:
     if occult_config is None:
         return "occult_config=None"
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+    if not _distributed():
         return "torch.distributed is not initialised"
     if torch.distributed.get_world_size() < 2:
         return "one rank"
     for name in ("tp_plan", "device_mesh", "state_dict", "quantization_config"):
         if kwargs.get(name) is not None:
             return f"from_pretrained({name}=...) is given"
-    return None if occult_config is UNSET else _unsupported_config(occult_config)
-
-
-def _unsupported_config(config: OccultConfig) -> str | None:
-    if config.num_devices not in (None, torch.distributed.get_world_size()):
-        return f"OccultConfig.num_devices={config.num_devices} differs from the world size"
     return None
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _check_world_size(config: OccultConfig, source: str, fix: str = "") -> None:
+    """Under torch.distributed (2 ranks or more) the EP group of a load is the world, one rank a device: a config for
+    another device count is an error before any weight is read (`apply_occult` would raise it after every rank read
+    every expert)."""
+    world = torch.distributed.get_world_size()
+    if world > 1 and config.num_devices not in (None, world):
+        raise ValueError(
+            f"{source} ({config.num_devices}) must equal the expert-parallel group size ({world}): every rank of the "
+            f"group holds the experts of one device{fix}"
+        )
 
 
 class ExpertLoader:
     """`intercept(model, state_dict) -> (state_dict, after)` for `intercept_state_dict_loading`."""
 
-    def __init__(self, occult_config: OccultConfig, report: LoadReport, device: torch.device | None = None) -> None:
+    def __init__(
+        self, occult_config: OccultConfig, report: LoadReport, device: torch.device | None = None, subfolder: str = ""
+    ) -> None:
         self.occult_config = occult_config
         self.report = report
         self.device = device  # from `device_map`: where this rank's experts go (None: where the slices are read, CPU)
+        self.subfolder = subfolder  # from_pretrained's: the checkpoint's config.json and files lie below it
 
     def __call__(self, model, state_dict, rename):
         if self.occult_config is UNSET:  # no keyword: the occult_config the checkpoint's config stores, if any
-            stored = stored_occult_config(model.config)  # strict, relative paths against the checkpoint
+            stored = stored_occult_config(model.config, self.subfolder)  # strict, relative paths against the checkpoint
             if stored is None:
                 self.report.fallback_reason = "a vanilla load (no occult_config)"
                 return state_dict, None
             self.occult_config = stored
-            reason = _unsupported_config(self.occult_config)
-            if reason is not None:
-                _fall_back(self.report, reason, self.occult_config)
-                return state_dict, None
+            _check_world_size(
+                stored, "the occult_config the checkpoint stores (config.json) has num_devices",
+                "; load it with an occult_config= of this job's device count (it replaces the stored one whole: repeat "
+                "any pruning) or occult_config=None for the model without occult_hf",
+            )
         try:
             plans = self._plan(model, state_dict, rename)
         except _Unsupported as error:
@@ -292,8 +308,10 @@ class ExpertLoader:
             plan = _LayerPlan(block, adapter, layer, f"{path}.{child}", placement.experts_on(layer, rank))
             plans.append(plan)
             by_prefix[plan.model_prefix + "."] = plan
-            if plan.model_prefix.startswith(prefix):
+            if plan.model_prefix.startswith(prefix):  # a head model reading a base model's checkpoint
                 by_prefix[plan.model_prefix[len(prefix) :] + "."] = plan
+            else:  # a base model (`AutoModel`) reading a head model's checkpoint
+                by_prefix[prefix + plan.model_prefix + "."] = plan
         for key in state_dict:
             renamed = rename(key)  # e.g. Mixtral's `block_sparse_moe.experts.0.w1` -> `mlp.experts.0.w1`
             for key_prefix, plan in by_prefix.items():

@@ -24,7 +24,8 @@ from ..placement import PLACEMENT_FILENAME
 PRUNING_CONFIG_KEY = "occult_pruning"
 CARD_FILENAME = "README.md"
 _BEGIN, _END = "<!-- occult_hf:pruning -->", "<!-- /occult_hf:pruning -->"
-_FRONT_MATTER = re.compile(r"\A---\n.*?\n---\n", re.DOTALL)
+#: YAML front matter, which the Hub reads only at the very top of the card (a byte-order mark and CRLF lines allowed)
+_FRONT_MATTER = re.compile(r"\A\ufeff?---\r?\n.*?\r?\n---\r?\n", re.DOTALL)
 
 
 def pruning_description(config: OccultConfig) -> dict | None:
@@ -61,7 +62,8 @@ def card_with_pruning(config: OccultConfig, existing: str | None) -> str:
         f"stored in `config.json` (`occult_config`, `{PRUNING_CONFIG_KEY}`).\n"
         f"{_END}\n\n"
     )
-    return head + section + rest.lstrip("\n")
+    blank = rest[: len(rest) - len(rest.lstrip("\r\n"))]  # kept before the section: stripping it gives `body` back
+    return head + blank + section + rest[len(blank) :]
 
 
 def _limits(config: OccultConfig) -> str:

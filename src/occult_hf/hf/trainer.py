@@ -51,7 +51,7 @@ from torch import nn
 
 from .state import BLOCKS, STATE_ATTR
 from .compat import checkpoint_key_renamer, unwrap_when_imported, wrap_when_imported
-from .checkpointing import snapshot_experts
+from .checkpointing import add_pruning_files, snapshot_experts
 from .peft_support import snapshot_adapters
 from ..distributed.agreement import SAVE_TIMEOUT_ENV, announce_failure, arrive, save_timeout_s
 from ..moe import OccultMoE
@@ -69,10 +69,16 @@ CHECKPOINT_STATUS_FILE = "occult_checkpoint.json"
 def _occult_model(model) -> nn.Module | None:
     """The transformers model whose blocks `apply_occult` replaced, inside `model` (a DDP/accelerate/PEFT wrapper or
     itself); None otherwise (transformers' own EP, `apply_occult_ep`, checkpoints through its own Trainer support)."""
+    model = _configured_model(model)
+    return model if model is not None and vars(model)[STATE_ATTR].front_end == BLOCKS else None
+
+
+def _configured_model(model) -> nn.Module | None:
+    """The transformers model occult_hf configured (either front end) inside `model` (a wrapper or itself), else None."""
     seen = 0
     while model is not None and seen < 8:
         if STATE_ATTR in vars(model):
-            return model if vars(model)[STATE_ATTR].front_end == BLOCKS else None
+            return model
         model = getattr(model, "module", None) or _peft_base(model)
         seen += 1
     return None
@@ -346,6 +352,19 @@ def _load_optimizer_and_scheduler(original, trainer, checkpoint):
     return result
 
 
+# ----- the Hub ----------------------------------------------------------------------------------------
+
+
+def _create_model_card(original, trainer, *args, **kwargs):
+    """`Trainer.push_to_hub` writes the Trainer's card over the output folder's `README.md` after the model's save,
+    then uploads the folder itself: a pruned model's section goes back above the Trainer's card (`hf.hub`)."""
+    result = original(trainer, *args, **kwargs)
+    model = _configured_model(trainer.model)
+    if model is not None and trainer.is_world_process_zero() and model is trainer.model:
+        add_pruning_files(vars(model)[STATE_ATTR], trainer.args.output_dir, trainer.args.output_dir)
+    return result
+
+
 # ----- install ----------------------------------------------------------------------------------------
 
 
@@ -357,11 +376,12 @@ _HOOKS = {
     "_load_from_checkpoint": _load_from_checkpoint,
     "_load_best_model": _load_best_model,
     "_load_optimizer_and_scheduler": _load_optimizer_and_scheduler,
+    "create_model_card": _create_model_card,
 }
 
 
 def install_trainer_hooks() -> None:
-    """Wrap the seven `Trainer` methods (idempotent; `uninstall_trainer_hooks` puts them back)."""
+    """Wrap the eight `Trainer` methods (idempotent; `uninstall_trainer_hooks` puts them back)."""
     wrap_when_imported("transformers.trainer", "Trainer", _HOOKS)
 
 
