@@ -231,6 +231,19 @@ def test_demo_main_job_runs_end_to_end(tmp_path, capsys):
     assert is_png(out / "ct_by_layer.png") and is_png(out / "coactivation_layer0.png")
 
 
+def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):
+    """`occult demo | head -1`: the command stops when its reader closes the pipe, with no error line (it had printed
+    "error: [Errno 32] Broken pipe" and exit code 2)."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "occult_hf.cli", "demo", "--no-progress", "--no-plots", "--out", str(tmp_path)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
+    assert process.stdout.readline().startswith(b"occult demo:")
+    process.stdout.close()
+    assert (process.wait(timeout=300), process.stderr.read()) == (1, b"")
+
+
 def test_place_several_profiles_with_replicas_prints_the_promises(tmp_path, capsys):
     from occult_hf.placement.validation import profile_from_sample
     from occult_hf.eval.studies.placement_study import structured_topk

@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(error.code, str):
             parser.exit(2, f"{error.code}\n")
         raise
+    except BrokenPipeError:  # the reader went away (`occult report ... | head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush of stdout must not fail again
+        return 1
     except Exception as error:  # noqa: BLE001 - every error becomes one line unless --debug
         if debug:
             traceback.print_exc()
