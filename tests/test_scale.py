@@ -14,6 +14,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +28,10 @@ from occult_hf.scale.parameters import Calibration, HostOverlap, Line
 from occult_hf.scale.cost import FWD, FWD_BWD, Cluster, ep_layer_ms, exchange_ms, gathered_ms, stock_layer_ms
 from occult_hf.scale.measurements import STUDY_TRACE_NAME, load_measurements, paper_tokens, read_measurements
 from occult_hf.benchmarks.paper_replay import replayed_split
+from occult_hf.placement.placement import contiguous_devices
+from occult_hf.scale import report
 from occult_hf.scale.projection import ep_group_size
+from occult_hf.scale.routing import fit_to_model, load_routing
 from occult_hf.scale.specs import MODEL_SPECS, ModelSpec
 from occult_hf.scale.synthetic import split_experts
 from occult_hf.scale.traffic import LayerTraffic, replay_traffic, row_bytes
@@ -84,12 +90,26 @@ def test_the_host_overlap_fit_recovers_the_parameters_that_made_its_points():
         fit_host_overlap(krows[:2], device[:2], measured[:2], "toy")
 
 
-def test_the_hierarchical_exchange_runs_its_stages_in_turn_and_the_flat_one_its_links_at_once():
+def test_the_hierarchical_exchange_pays_its_four_calls_and_runs_its_hops_in_turn_and_the_flat_one_its_links_at_once():
     cluster = Cluster(devices_per_node=4, internode_gbs=50.0, internode_latency_us=10.0)
     slow = dict(tokens=1000, pairs=2000, rows=1500, nvlink_bytes=20e6, internode_bytes=50e6, ct=2.0, ct_node=2.0)
-    # inter-node 1.0 ms + 2 x 10 us; NVLink 0.1 ms + 2 x 0.05 ms
-    assert exchange_ms(ROUND, cluster, LayerTraffic("dedup", **slow)) == pytest.approx(max(0.2, 1.02 + 0.1))
-    assert exchange_ms(ROUND, cluster, LayerTraffic("hierarchical", **slow)) == pytest.approx(0.2 + 1.02)
+    # flat: one all-to-all per direction, 2 calls x 0.05 ms; NVLink 0.1 ms of bytes, inter-node 1.0 ms + 2 x 10 us
+    assert exchange_ms(ROUND, cluster, LayerTraffic("dedup", **slow)) == pytest.approx(0.1 + max(0.1, 1.02))
+    # hierarchical (dispatch/hierarchical.py): the inter-node hop's all-to-all and the intra-node hop's, in dispatch
+    # and in combine: 4 calls x 0.05 ms, the inter-node pair's latency, both hops' bytes in turn
+    assert exchange_ms(ROUND, cluster, LayerTraffic("hierarchical", **slow)) == pytest.approx(4 * 0.05 + 0.02 + 1.0 + 0.1)
+
+
+def test_one_node_sends_no_inter_node_byte_and_pays_no_inter_node_latency():
+    """At D = G every flat row stays on NVLink: exactly 0 bytes (not a float residue), so the network settings cannot
+    change a one-node figure."""
+    ids = load_routing(STUDY_TRACE).ids_NLk[:, 0]
+    spec = MODEL_SPECS["olmoe-1b-7b"]
+    for dispatch in ("dedup", "per_expert", "hierarchical"):
+        traffic = replay_traffic(ids, None, contiguous_devices(64, 8), 8, 8, tokens=16, dispatch=dispatch, hidden=spec.hidden)
+        assert traffic.internode_bytes == 0.0, dispatch
+        near, far = (Cluster(internode_latency_us=us) for us in (10.0, 1000.0))
+        assert exchange_ms(ROUND, near, traffic) == exchange_ms(ROUND, far, traffic), dispatch
 
 
 def test_fsdp2_gathers_its_parameters_once_forward_and_three_times_forward_and_backward():
@@ -269,6 +289,13 @@ def test_plan_cluster_validate_prints_the_calibration_and_the_rows(capsys):
         (["--case", "mixtral=x.npz"], "unknown model 'mixtral'"),
         (["--measurements", "NOPE.json"], "measurements 'NOPE.json': no such file"),
         (["--case", f"qwen1.5-moe-a2.7b={STUDY_TRACE}"], "does not fit qwen1.5-moe-a2.7b"),
+        (["--case", f"olmoe-1b-7b={DOCS}"], f"routing trace '{DOCS}' is a directory"),
+        (["--case", f"olmoe-1b-7b={STUDY_TRACE}", "--case", f"olmoe-1b-7b={STUDY_TRACE}"], "repeats --case"),
+        (["--internode-latency-us", "inf"], "internode_latency_us must be a finite number >= 0, got inf"),
+        (["--validate"], "--validate takes no projection argument, got --devices, --trace-layers"),
+        (["--devices", "16", "16"], "--devices repeats 16: give each once"),
+        (["--methods", "dedup+refined+Nd=100"], "N_d prunes nothing at any --devices (at D=8: N_d=100 >= min(GPUs=8, k=8)"),
+        (["--devices", "16", "--methods", "hierarchical+node_refined+Nn=50"], "N_n prunes nothing at any --devices"),
     ],
 )  # fmt: skip
 def test_plan_cluster_bad_input_ends_in_one_clear_line(argv, message, capsys):
@@ -277,3 +304,172 @@ def test_plan_cluster_bad_input_ends_in_one_clear_line(argv, message, capsys):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and message in err and err.startswith("occult plan-cluster: error:")
     assert len(err.strip().splitlines()) == 1
+
+
+def _plan(argv: list[str], capsys) -> tuple[int, str]:
+    """`occult plan-cluster` on the study trace's first layer, no progress bar: (exit code, stdout)."""
+    code = main(["plan-cluster", "--no-progress", "--trace-layers", "0", *argv])
+    return code, capsys.readouterr().out
+
+
+@pytest.fixture
+def saved_figures(monkeypatch) -> list:
+    """The figures `occult plan-cluster --out` saves, kept instead of written."""
+    figures = []
+    monkeypatch.setattr(report, "atomic_save_figure", lambda figure, path, **_: figures.append(figure))
+    return figures
+
+
+def test_the_plot_names_the_gpus_per_node_it_ran_with(tmp_path, capsys, saved_figures):
+    argv = ["--devices", "4", "8", "--devices-per-node", "4", "--tokens-per-rank", "2048", "--methods", "fsdp2",
+            "dedup+contiguous", "--out", str(tmp_path)]  # fmt: skip
+    assert _plan(argv, capsys)[0] == 0
+    assert {axis.get_xlabel() for axis in saved_figures[0].axes} == {"GPUs D (4 per node)"}
+
+
+def _legend_labels(figure) -> list[str]:
+    return [text.get_text() for legend in figure.legends + [a.get_legend() for a in figure.axes if a.get_legend()]
+            for text in legend.get_texts()]  # fmt: skip
+
+
+def test_the_plot_legend_holds_every_method_drawn_in_any_panel(tmp_path, capsys, saved_figures):
+    """transformers' EP refuses Qwen1.5's 60 experts over 8 GPUs: drawn in OLMoE's panel only, it is in the legend."""
+    rng = np.random.default_rng(0)
+    qwen = tmp_path / "qwen.npz"
+    np.savez(qwen, topk_ids=np.stack([rng.choice(60, 4, replace=False) for _ in range(512)]).astype(np.int16))
+    argv = ["--case", f"olmoe-1b-7b={STUDY_TRACE}", "--case", f"qwen1.5-moe-a2.7b={qwen}", "--devices", "8",
+            "--tokens-per-rank", "2048", "--methods", "transformers_ep", "fsdp2", "--out", str(tmp_path / "out")]  # fmt: skip
+    assert _plan(argv, capsys)[0] == 0
+    assert sorted(_legend_labels(saved_figures[0])) == ["fsdp2", "transformers_ep"]
+
+
+def test_the_plot_draws_any_number_of_methods_each_in_its_own_style(tmp_path, capsys, saved_figures):
+    methods = ["transformers_ep", "fsdp2", "dedup+contiguous"] + [
+        f"{dispatch}+contiguous+Nd={n}" for dispatch in ("dedup", "per_expert", "hierarchical") for n in range(1, 8)
+    ]
+    argv = ["--devices", "8", "--tokens-per-rank", "256", "--methods", *methods, "--out", str(tmp_path)]
+    assert _plan(argv, capsys)[0] == 0
+    lines = {line.get_label(): line for axis in saved_figures[0].axes for line in axis.get_lines()}
+    assert sorted(lines) == sorted(methods) and sorted(_legend_labels(saved_figures[0])) == sorted(methods)
+    styles = {(line.get_color(), line.get_marker(), line.get_linestyle()) for line in lines.values()}
+    assert len(styles) == len(methods) == 24
+
+
+def test_plan_cluster_prints_its_tables_before_it_writes_its_files(tmp_path, capsys, monkeypatch):
+    def full_disk(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(report, "atomic_save_figure", full_disk)
+    argv = ["plan-cluster", "--no-progress", "--trace-layers", "0", "--devices", "8", "--tokens-per-rank", "2048",
+            "--methods", "fsdp2", "dedup+contiguous", "--out", str(tmp_path)]  # fmt: skip
+    with pytest.raises(SystemExit):
+        main(argv)
+    captured = capsys.readouterr()
+    assert "| D   | EP group   | fsdp2" in captured.out and "No space left on device" in captured.err
+
+
+def test_plan_cluster_projects_fsdp2_alone(capsys):
+    code, out = _plan(["--devices", "8", "16", "--methods", "fsdp2"], capsys)
+    assert code == 0 and "| 8   | 8          |" in out and "| 16  | 16         |" in out
+
+
+def _detail_rows(out: str) -> list[list[str]]:
+    """The cells of the detail table's rows (D, T, method, ..., note)."""
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in out.splitlines()
+            if line.startswith("| ") and line.count("|") == 16 and not line.startswith("| D ")]  # fmt: skip
+
+
+def test_an_ep_group_of_one_gpu_is_marked_not_modelled(capsys):
+    code, out = _plan(["--devices", "1", "8", "--tokens-per-rank", "2048", "--methods", "fsdp2", "dedup+contiguous"], capsys)
+    rows = {(row[0], row[2]): row for row in _detail_rows(out)}
+    assert code == 0 and rows[("1", "fsdp2")][10] != "-" and rows[("8", "dedup+contiguous")][10] != "-"
+    assert rows[("1", "dedup+contiguous")][10] == "-" and "an EP group of one GPU is no expert parallelism" in rows[("1", "dedup+contiguous")][-1]
+
+
+def test_a_limit_that_cannot_bind_at_some_d_is_noted(capsys):
+    argv = ["--devices", "8", "16", "32", "--tokens-per-rank", "256", "--methods", "hierarchical+contiguous+Nn=2"]
+    code, out = _plan(argv, capsys)
+    notes = {row[0]: row[-1] for row in _detail_rows(out)}
+    assert code == 0 and notes == {"8": "N_n=2 >= min(nodes=1, k=8): prunes nothing",
+                                   "16": "N_n=2 >= min(nodes=2, k=8): prunes nothing", "32": ""}  # fmt: skip
+
+
+def test_cases_whose_traces_share_a_file_name_keep_their_own_titles(tmp_path, capsys):
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "trace.npz").write_bytes(STUDY_TRACE.read_bytes())
+    first, second = tmp_path / "a" / "trace.npz", tmp_path / "b" / "trace.npz"
+    argv = ["--case", f"olmoe-1b-7b={first}", "--case", f"olmoe-1b-7b={second}", "--devices", "8", "--tokens-per-rank",
+            "2048", "--methods", "dedup+contiguous", "--out", str(tmp_path / "out")]  # fmt: skip
+    assert _plan(argv, capsys)[0] == 0
+    written = json.loads((tmp_path / "out" / "plan_cluster.json").read_text())
+    assert list(written) == [f"olmoe-1b-7b, routing {trace}, layers [0]" for trace in (first, second)]
+
+
+def test_plan_cluster_checks_every_case_before_the_first_projection(capsys, monkeypatch):
+    def project(*args, **kwargs):
+        raise AssertionError("a projection ran before every case was checked")
+
+    monkeypatch.setattr("occult_hf.scale.projection.project", project)
+    argv = ["--case", f"olmoe-1b-7b={STUDY_TRACE}", "--case", "qwen1.5-moe-a2.7b=NOPE.npz", "--devices", "8"]
+    with pytest.raises(SystemExit):
+        _plan(argv, capsys)
+    err = capsys.readouterr().err
+    assert "routing trace 'NOPE.npz' not found" in err and "wheel" not in err
+
+
+def test_a_malformed_measurements_file_is_refused_naming_its_field(tmp_path):
+    shipped = load_measurements()
+    null_time = json.loads(json.dumps(shipped))
+    null_time["ep_layers"][3]["fwd_ms"] = None
+    text_time = json.loads(json.dumps(shipped))
+    text_time["expert_kernels"][0]["fwd_ms"] = "0.3"
+    for name, data, message in (
+        ("null.json", null_time, "ep_layers[3].fwd_ms is None; expected a finite number > 0"),
+        ("text.json", text_time, "expert_kernels[0].fwd_ms is '0.3'; expected a finite number > 0"),
+        ("empty.json", {"format": shipped["format"]}, "no 'expert_kernels' part"),
+    ):  # fmt: skip
+        path = tmp_path / name
+        path.write_text(json.dumps(data))
+        with pytest.raises(ValueError) as error:
+            load_measurements(path)
+        assert str(error.value).startswith(f"measurements {str(path)!r}: ") and message in str(error.value)
+    broken = tmp_path / "broken.json"
+    broken.write_text("{nope")
+    with pytest.raises(ValueError) as error:
+        load_measurements(broken)
+    assert str(error.value).count(str(broken)) == 1
+
+
+def test_a_trace_without_tokens_or_with_an_inferred_e_says_so(tmp_path):
+    empty, short_of_e = tmp_path / "empty.npz", tmp_path / "e63.npz"
+    np.savez(empty, topk_ids=np.zeros((0, 8), dtype=np.int16))
+    np.savez(short_of_e, topk_ids=np.stack([np.arange(8) + 8 * (i % 7) for i in range(300)]).astype(np.int16))
+    with pytest.raises(ValueError, match="holds no routed token"):
+        load_routing(empty)
+    with pytest.raises(ValueError, match="E is its largest expert id \\+ 1: its file records no n_experts"):
+        fit_to_model(load_routing(short_of_e), MODEL_SPECS["olmoe-1b-7b"])
+
+
+def test_validate_on_a_docs_folder_says_its_splits_are_even(capsys):
+    assert main(["plan-cluster", "--no-progress", "--validate", "--measurements", str(DOCS)]) == 0
+    assert "these measurements hold no replayed splits" in capsys.readouterr().out
+
+
+def test_plan_cluster_help_describes_the_held_out_split_and_the_latency(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan-cluster", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "alternate 128-token windows" in text and "first half" not in text
+    assert "latency per collective call that crosses nodes" in text and "per message" not in text
+
+
+def test_plan_cluster_into_a_closed_pipe_ends_quietly(tmp_path):
+    """`occult plan-cluster ... | head`: the reader closes the pipe; no error line, the status a shell gives a tool
+    that SIGPIPE ended, and the files --out asks for still written."""
+    argv = [sys.executable, "-m", "occult_hf.cli", "plan-cluster", "--no-progress", "--trace-layers", "0", "--devices", "8",
+            "--methods", "fsdp2", "--out", str(tmp_path)]  # fmt: skip
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
+    process.stdout.close()
+    assert process.wait(timeout=120) == 141 and process.stderr.read() == b""
+    assert (tmp_path / "plan_cluster.md").is_file()

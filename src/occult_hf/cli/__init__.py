@@ -55,13 +55,23 @@ def main(argv: list[str] | None = None) -> int:
             parser.exit(2, f"{error.code}\n")
         raise
     except BrokenPipeError:  # the reader went away (`occult report ... | head`): stop quietly, as Unix tools do
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush of stdout must not fail again
-        return 1
+        return reader_gone()
     except Exception as error:  # noqa: BLE001 - every error becomes one line unless --debug
         if debug:
             traceback.print_exc()
             parser.exit(2)
         parser.exit(2, f"occult {args.command}: error: {one_line(error)} (--debug shows the traceback)\n")
+
+
+#: the exit status of a command whose reader closed the pipe early (`| head`): a shell's 128 + SIGPIPE, as other tools
+EXIT_BROKEN_PIPE = 141
+
+
+def reader_gone() -> int:
+    """After a `BrokenPipeError` on stdout: point stdout at /dev/null (the interpreter's last flush must not fail
+    again) and return `EXIT_BROKEN_PIPE`."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return EXIT_BROKEN_PIPE
 
 
 def _add_no_progress_argument(parser: argparse.ArgumentParser) -> None:

@@ -7,8 +7,8 @@ device's work). Per MoE layer, forward:
     device work           = experts(pairs) + shared experts(T) + exchange
     exchange (flat)       = 2 calls x NVLink call cost + max(NVLink bytes / NVLink rate,
                                                              inter-node bytes / inter-node rate + 2 x latency)
-    exchange (hierarchical) = 2 x (NVLink call cost + latency) + inter-node bytes / inter-node rate
-                                                               + NVLink bytes / NVLink rate    (the two stages in turn)
+    exchange (hierarchical) = 2 calls x (NVLink call cost + latency) + inter-node bytes / inter-node rate
+                              + 2 calls x NVLink call cost + NVLink bytes / NVLink rate        (the two hops in turn)
     experts(pairs)        = kernel intercept + 6 H I pairs / kernel rate     (18 H I pairs forward+backward)
     shared experts(T)     = 6 H I_shared T / dense rate
 
@@ -16,7 +16,9 @@ and forward+backward uses the forward+backward host, gap, per-row and kernel fig
 backward sends the same rows back). The host time and the gap are the layer's host synchronisation
 (`parameters.HostOverlap`): the host issues the layer while the GPU works, except after the count exchange, where
 the GPU waits for the host; a small batch's layer is the host's issue time, a large one's the gap plus the work. The flat exchange's two links run at once (an all-to-all over NVLink and
-the network together); the hierarchical one's stages follow each other. The baselines:
+the network together); the hierarchical one's hops follow each other, each its own all-to-all in dispatch and in
+combine (`dispatch.hierarchical`: four calls per forward, each at the call cost; the inter-node pair also at the
+latency). Inside one node there is no inter-node hop: every dispatch is the flat exchange. The baselines:
 
     one GPU (stock)       = experts of transformers (its kernel line) on T k pairs + shared experts
     transformers' EP      = the same layer equation with transformers' own dispatcher and kernel lines,
@@ -36,6 +38,7 @@ Shape legend (docs/conventions.md): H hidden, I expert width, T tokens per rank,
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -55,7 +58,8 @@ BF16 = 2
 @dataclass(frozen=True)
 class Cluster:
     """The machines: `devices_per_node` GPUs joined by NVLink (rates from the calibration) per node, the nodes by a
-    network of `internode_gbs` GB/s per GPU and `internode_latency_us` per message (assumptions: arguments)."""
+    network of `internode_gbs` GB/s per GPU and `internode_latency_us` per collective call that crosses it
+    (assumptions: arguments)."""
 
     devices_per_node: int = 8
     internode_gbs: float = 50.0
@@ -66,8 +70,8 @@ class Cluster:
             raise ValueError(f"devices_per_node must be a positive integer, got {self.devices_per_node!r}")
         if not self.internode_gbs > 0:
             raise ValueError(f"internode_gbs must be > 0, got {self.internode_gbs!r}")
-        if not self.internode_latency_us >= 0:
-            raise ValueError(f"internode_latency_us must be >= 0, got {self.internode_latency_us!r}")
+        if not 0 <= self.internode_latency_us < math.inf:
+            raise ValueError(f"internode_latency_us must be a finite number >= 0, got {self.internode_latency_us!r}")
 
 
 def _check_direction(direction: str) -> None:
@@ -96,14 +100,16 @@ def experts_ms(calib: Calibration, implementation: str, spec: ModelSpec, pairs: 
 
 
 def exchange_ms(calib: Calibration, cluster: Cluster, traffic: LayerTraffic) -> float:
-    """One forward's dispatch and combine (the equations in the module docstring)."""
-    nvlink = CALLS * calib.nvlink.intercept_ms + traffic.nvlink_bytes / 1e6 * calib.nvlink.slope_ms
+    """One forward's dispatch and combine (the equations in the module docstring). No inter-node byte means one
+    node (`traffic.replay_traffic` gives exactly 0 there): no inter-node hop, no latency."""
+    calls = CALLS * calib.nvlink.intercept_ms
+    nvlink = calls + traffic.nvlink_bytes / 1e6 * calib.nvlink.slope_ms
     if not traffic.internode_bytes:
         return nvlink
-    internode = CALLS * cluster.internode_latency_us / 1e3 + traffic.internode_bytes / (cluster.internode_gbs * 1e6)
+    internode = calls + CALLS * cluster.internode_latency_us / 1e3 + traffic.internode_bytes / (cluster.internode_gbs * 1e6)
     if traffic.dispatch == "hierarchical":
         return nvlink + internode
-    return max(nvlink, internode + CALLS * calib.nvlink.intercept_ms)
+    return max(nvlink, internode)
 
 
 def ep_device_ms(

@@ -24,6 +24,7 @@ new measurements land, and tests/test_scale.py checks that the shipped file equa
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -97,17 +98,75 @@ def read_measurements(docs_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def load_measurements(path: str | os.PathLike | None = None) -> dict[str, Any]:
-    """The measurements: the shipped file by default, else `path` (a docs/ folder, or a file this module wrote)."""
+    """The measurements: the shipped file by default, else `path` (a docs/ folder, or a file this module wrote),
+    checked field by field (`check_measurements`) so that a bad one is refused before any fit, naming the field."""
     path = SHIPPED if path is None else Path(path)
     if path.is_dir():
-        return read_measurements(path)
+        return check_measurements(read_measurements(path), f"measurements read from {str(path)!r}")
     if not path.is_file():
         raise FileNotFoundError(f"measurements {str(path)!r}: no such file or docs/ folder")
-    data = read_json_file(path, f"measurements {str(path)!r}")
+    data = read_json_file(path, "measurements")
     found = data.get("format") if isinstance(data, dict) else None
     if found != FORMAT:
         raise ValueError(f"measurements {str(path)!r}: not a {FORMAT} file (its 'format' is {found!r})")
+    return check_measurements(data, f"measurements {str(path)!r}")
+
+
+#: the fields the calibration and validation read, per part: "text", "count" (an integer >= 1), "ms" (a finite
+#: number > 0), "number" (finite); a trailing "?" also allows null. "replayed_splits" may be absent.
+FIELDS: dict[str, dict[str, str]] = {
+    "expert_kernels": {"shape": "text", "tokens": "count", "implementation": "text", "transformers": "text",
+                       "fwd_ms": "ms", "fwd_bwd_ms": "ms"},
+    "ep_layers": {"source": "text", "when": "text", "shape": "text", "tokens": "count", "routing": "text",
+                  "dispatcher": "text", "mode": "text", "ct": "number?", "sent_mb_max": "number?", "wire_ms": "ms?",
+                  "fwd_ms": "ms", "fwd_bwd_ms": "ms"},
+    "model_blocks": {"source": "text", "shape": "text", "tokens": "count", "layers": "count", "fwd_ms": "ms", "fwd_bwd_ms": "ms"},
+    "whole_models": {"source": "text", "experiment": "text", "model": "text", "key": "text", "ms": "ms", "ct": "number?",
+                     "placement": "text?", "max_devices_per_token": "count?", "trace": "text?"},
+    "shared_expert_ms": {"source": "text", "shape": "text", "tokens": "count", "layers": "count", "ms": "ms"},
+    "replayed_splits": {"model": "text", "trace": "text", "tokens": "count", "placement": "text",
+                        "max_devices_per_token": "count?", "busiest_share": "number", "ct": "number"},
+}  # fmt: skip
+_KINDS = {"text": "a string", "count": "an integer >= 1", "ms": "a finite number > 0", "number": "a finite number"}
+_SINGLE_PARTS = ("shared_expert_ms",)
+_OPTIONAL_PARTS = ("replayed_splits",)
+
+
+def check_measurements(data: dict[str, Any], label: str) -> dict[str, Any]:
+    """Return `data` or raise naming `label` and the first part, row and field that is missing or of the wrong kind
+    (`FIELDS`): a null or text time would otherwise fail inside a fit, far from its cause."""
+    for part, fields in FIELDS.items():
+        if part not in data:
+            if part in _OPTIONAL_PARTS:
+                continue
+            raise ValueError(f"{label}: no {part!r} part (it needs {', '.join(p for p in FIELDS if p not in _OPTIONAL_PARTS)})")
+        rows = [data[part]] if part in _SINGLE_PARTS else data[part]
+        if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+            kind = "an object" if part in _SINGLE_PARTS else "a list of objects"
+            raise ValueError(f"{label}: {part!r} must be {kind}")
+        for index, row in enumerate(rows):
+            where = part if part in _SINGLE_PARTS else f"{part}[{index}]"
+            for name, kind in fields.items():
+                if name not in row:
+                    raise ValueError(f"{label}: {where} has no {name!r}")
+                if not _of_kind(row[name], kind):
+                    raise ValueError(f"{label}: {where}.{name} is {row[name]!r}; expected {_KINDS[kind.rstrip('?')]}"
+                                     + (" or null" if kind.endswith("?") else ""))  # fmt: skip
     return data
+
+
+def _of_kind(value: Any, kind: str) -> bool:
+    """Whether `value` is of `kind` (`FIELDS`); a bool is no number (JSON's true is not a time)."""
+    if value is None:
+        return kind.endswith("?")
+    kind = kind.rstrip("?")
+    if kind == "text":
+        return isinstance(value, str)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if kind == "count":
+        return isinstance(value, int) and value >= 1
+    return math.isfinite(value) and (kind == "number" or value > 0)
 
 
 def _read(docs: Path, name: str) -> dict:

@@ -133,6 +133,9 @@ def _project_one(
 ) -> Projected:
     if method.name == "fsdp2":
         return _fsdp2(calib, spec, devices, cluster, tokens)
+    if ep == 1:
+        alone = "an EP group of one GPU is no expert parallelism: each GPU runs every expert (see fsdp2)"
+        return Projected(devices, ep, tokens, method.name, note=alone)
     if method.name == "transformers_ep" and spec.num_experts % ep:
         refused = f"transformers' EP refuses: E={spec.num_experts} experts do not divide over {ep} ranks"
         return Projected(devices, ep, tokens, method.name, note=refused)
@@ -160,8 +163,24 @@ def _project_one(
         internode_mb=float(np.mean([t.internode_bytes for t in traffics])) / 1e6,
         imbalance=float(np.mean([t.imbalance for t in traffics])),
         removed_slots=float(np.mean([t.removed_slots for t in traffics])),
-        removed_weight=None if None in weights else float(np.mean(weights)), note=whole[2],
+        removed_weight=None if None in weights else float(np.mean(weights)),
+        note="; ".join(filter(None, [_idle_note(method, ep, planner.devices_per_node, spec.top_k), whole[2]])),
     )  # fmt: skip
+
+
+def idle_limits(method: Method, ep: int, devices_per_node: int, top_k: int) -> dict[str, str]:
+    """`{"N_d" / "N_n": why}` for each of the method's limits that cannot bind in an EP group of `ep` GPUs, G per node:
+    at least the most devices (nodes) a token reaches, min(the group's, k); such a row is the unpruned method's."""
+    nodes = ep // devices_per_node if ep > devices_per_node else 1
+    limits = (("N_d", method.max_devices_per_token, ep, "GPUs"), ("N_n", method.max_nodes_per_token, nodes, "nodes"))
+    return {name: f"{name}={limit} >= min({unit}={count}, k={top_k})" for name, limit, count, unit in limits
+            if limit is not None and limit >= min(count, top_k)}  # fmt: skip
+
+
+def _idle_note(method: Method, ep: int, devices_per_node: int, top_k: int) -> str:
+    """The row's note on `idle_limits`: why its figures equal the unpruned method's."""
+    idle = idle_limits(method, ep, devices_per_node, top_k)
+    return f"{', '.join(idle.values())}: prunes nothing" if idle else ""
 
 
 def _fsdp2(calib: Calibration, spec: ModelSpec, devices: int, cluster: Cluster, tokens: int) -> Projected:
@@ -187,4 +206,4 @@ def _whole_model(
     return prefill, train_step_ms(calib, spec, fwd_bwd, tokens, params_per_rank, sync_ms), ""
 
 
-__all__ = ["Planner", "Projected", "check_devices", "ep_group_size", "project"]
+__all__ = ["Planner", "Projected", "check_devices", "ep_group_size", "idle_limits", "project"]

@@ -73,17 +73,19 @@ def assumptions(cluster: Cluster) -> str:
     return (
         f"MODEL, not a measurement. Assumptions: G = {cluster.devices_per_node} GPUs per node joined by NVLink at the "
         f"two-GPU rates; nodes joined at {cluster.internode_gbs:g} GB/s per GPU with {cluster.internode_latency_us:g} us "
-        f"per message (arguments); no overlap of communication with compute; bf16 rows; replicated experts not modelled."
+        f"per collective call that crosses them (arguments); no overlap of communication with compute; bf16 rows; "
+        f"replicated experts not modelled."
     )
 
 
 def summary_table(rows: Sequence[Projected], field: str = "fwd_bwd_ms") -> str:
-    """D down, methods across: `field` per D, the fastest method of each D in bold (rows of one T)."""
+    """D down, methods across: `field` per D, the fastest method of each D in bold (rows of one T). The EP group is
+    the expert-parallel methods' (FSDP2's "group" is every GPU), or D where only FSDP2 ran."""
     methods = list(dict.fromkeys(r.method for r in rows))
     table = []
     for count in dict.fromkeys(r.devices for r in rows):
         at = {r.method: getattr(r, field) for r in rows if r.devices == count}
-        ep = next(r.ep_devices for r in rows if r.devices == count and r.method != "fsdp2")
+        ep = next((r.ep_devices for r in rows if r.devices == count and r.method != "fsdp2"), count)
         best = min((v for v in at.values() if v is not None), default=None)
         cells = ["-" if at.get(m) is None else (f"**{at[m]:.1f}**" if at[m] == best else f"{at[m]:.1f}") for m in methods]
         table.append([count, ep, *cells])
@@ -108,34 +110,63 @@ def detail_table(rows: Sequence[Projected]) -> str:
     return markdown_table(headers, table)
 
 
-def plot_projections(cases: Sequence[tuple[str, Sequence[Projected]]], path: str) -> None:
-    """One panel per case and T: each method's forward+backward per MoE layer against D (log scales)."""
+#: a method's colour is tab10's (ten distinct hues; tab20's come in light/dark pairs of one hue, hard to tell apart),
+#: cycled, and its marker one of these per round of ten methods: any number of methods stays apart
+PLOT_MARKERS = "osD^vPX*"
+BASELINE_STYLE = "--"
+#: the width the legend takes right of the panels
+LEGEND_INCHES = 2.6
+
+
+def method_styles(methods: Sequence[str]) -> dict[str, dict]:
+    """Each method's line style (colour, marker, dashes for the baselines): as many methods as given, each its own."""
     from matplotlib import colormaps
+
+    palette = colormaps["tab10"].colors
+    return {
+        method: {"color": palette[i % len(palette)], "marker": PLOT_MARKERS[i // len(palette) % len(PLOT_MARKERS)],
+                 "linestyle": BASELINE_STYLE if method in ("transformers_ep", "fsdp2") else "-"}
+        for i, method in enumerate(methods)
+    }  # fmt: skip
+
+
+def projection_figure(cases: Sequence[tuple[str, Sequence[Projected]]], devices_per_node: int):
+    """One panel per case and T: each method's forward+backward per MoE layer against D (log scales); one legend of
+    every method drawn in any panel (a method one case refuses still has its line in another)."""
     from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend alone
+    from matplotlib.lines import Line2D
 
     methods = list(dict.fromkeys(r.method for _, rows in cases for r in rows))
-    colors = dict(zip(methods, colormaps["tab20"].colors))
+    styles = method_styles(methods)
+    drawn: set[str] = set()
     token_counts = list(dict.fromkeys(r.tokens for _, rows in cases for r in rows))
-    figure = Figure(figsize=(6 * len(cases), 4.6 * len(token_counts)))
+    figure = Figure(figsize=(6 * len(cases) + LEGEND_INCHES, 4.6 * len(token_counts)))
     axes = figure.subplots(len(token_counts), len(cases), squeeze=False)
     for (row, tokens), (column, (title, case_rows)) in ((a, b) for a in enumerate(token_counts) for b in enumerate(cases)):
         axis, rows = axes[row][column], [r for r in case_rows if r.tokens == tokens]
         for method in dict.fromkeys(r.method for r in rows):
             points = [(r.devices, r.fwd_bwd_ms) for r in rows if r.method == method and r.fwd_bwd_ms is not None]
             if points:
-                style = "--" if method in ("transformers_ep", "fsdp2") else "-"
-                axis.plot(*zip(*points), style, color=colors[method], marker="o", markersize=3, label=method)
+                axis.plot(*zip(*points), markersize=3, label=method, **styles[method])
+                drawn.add(method)
         axis.set_xscale("log", base=2)
         axis.set_yscale("log")
-        axis.set_xlabel("GPUs D (8 per node)")
+        axis.set_xlabel(f"GPUs D ({devices_per_node} per node)")
         axis.set_ylabel("MoE layer forward+backward, ms (model)")
         axis.set_title("\n".join(textwrap.wrap(f"{title}; T = {tokens} tokens per GPU", 60)), fontsize=8)
         axis.grid(True, which="both", alpha=0.3)
-    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    figure.suptitle("occult plan-cluster: projected MoE layer time (a model, not a measurement)", fontsize=10)
-    figure.tight_layout()
-    atomic_save_figure(figure, path, dpi=100)
+    handles = [Line2D([], [], markersize=3, label=m, **styles[m]) for m in methods if m in drawn]
+    panels = 1 - LEGEND_INCHES / figure.get_figwidth()  # the share of the width left of the legend
+    figure.suptitle("occult plan-cluster: projected MoE layer time (a model, not a measurement)", x=panels / 2, fontsize=10)
+    figure.tight_layout(rect=(0, 0, panels, 1))
+    figure.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(panels, 0.95))
+    return figure
 
 
-__all__ = ["TOLERANCE", "assumptions", "calibration_table", "detail_table", "plot_projections", "summary_table",
-           "validation_summary", "validation_table"]  # fmt: skip
+def plot_projections(cases: Sequence[tuple[str, Sequence[Projected]]], path: str, devices_per_node: int) -> None:
+    """`projection_figure` as a PNG at `path`."""
+    atomic_save_figure(projection_figure(cases, devices_per_node), path, dpi=100)
+
+
+__all__ = ["TOLERANCE", "assumptions", "calibration_table", "detail_table", "method_styles", "plot_projections",
+           "projection_figure", "summary_table", "validation_summary", "validation_table"]  # fmt: skip

@@ -45,6 +45,7 @@ class Routing:
     weights_NLk: np.ndarray | None
     num_experts: int
     score_ordered: bool = False  # each row in its router's score order (what orders pruning without weights)
+    experts_inferred: bool = False  # E is the largest id + 1 (the file records no n_experts)
 
     @property
     def top_k(self) -> int:
@@ -66,10 +67,14 @@ class Routing:
             raise ValueError(f"trace layers {layers} of {self.source!r}: each must lie in [0, {self.layers}) and at least one is needed")
         return self._select((slice(None), layers), f"layers {layers}")
 
-    def halves(self, window: int = HALF_WINDOW) -> tuple["Routing", "Routing"]:
-        """(the tokens of the even `window`-token windows, to plan on; those of the odd ones, held out)."""
+    def check_halves(self, window: int = HALF_WINDOW) -> None:
+        """Raise unless the routing holds two `window`-token windows (`halves`): checked before any projection runs."""
         if self.ids_NLk.shape[0] < 2 * window:
             raise ValueError(f"routing {self.source!r} has {self.ids_NLk.shape[0]} token(s): fewer than two {window}-token windows")
+
+    def halves(self, window: int = HALF_WINDOW) -> tuple["Routing", "Routing"]:
+        """(the tokens of the even `window`-token windows, to plan on; those of the odd ones, held out)."""
+        self.check_halves(window)
         odd_N = (np.arange(self.ids_NLk.shape[0]) // window) % 2 == 1
         return self._select(~odd_N, "planning half"), self._select(odd_N, "held-out half")
 
@@ -81,19 +86,23 @@ class Routing:
         return None if self.weights_NLk is None else self.weights_NLk[:, layer]
 
 
-def load_routing(path: str | os.PathLike) -> Routing:
-    """A per-token trace file as `Routing` (E: its largest id + 1, or its meta's `n_experts`)."""
+def load_routing(path: str | os.PathLike, name: str | None = None) -> Routing:
+    """A per-token trace file as `Routing` (E: its meta's `n_experts`, else its largest id + 1), called `name` in
+    titles and errors (default: the file's name)."""
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"routing trace {path!r} is a directory; give a per-token trace file")
     if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"routing trace {path!r} not found (the study trace ships in the repository's docs/, not in the wheel: give "
-            f"a per-token trace with --case MODEL=TRACE)"
-        )
+        raise FileNotFoundError(f"routing trace {path!r} not found")
     ids_NLk, _, meta = read_trace_ids(path)
+    if not ids_NLk.size:
+        raise ValueError(f"routing trace {path!r} holds no routed token (ids of shape {list(ids_NLk.shape)})")
     if (ids_NLk < 0).any():
         raise ValueError(f"routing trace {path!r} has missing (negative) expert ids; the cost model needs complete rows")
-    num_experts = int(meta.get("n_experts", ids_NLk.max() + 1))
-    return Routing(os.path.basename(path), ids_NLk, read_trace_weights(path), num_experts, bool(meta.get("score_ordered")))
+    inferred = "n_experts" not in meta
+    num_experts = int(ids_NLk.max() + 1 if inferred else meta["n_experts"])
+    return Routing(os.path.basename(path) if name is None else name, ids_NLk, read_trace_weights(path), num_experts,
+                   bool(meta.get("score_ordered")), inferred)  # fmt: skip
 
 
 def fit_to_model(routing: Routing, spec: ModelSpec, seed: int = 0) -> Routing:
@@ -107,9 +116,10 @@ def fit_to_model(routing: Routing, spec: ModelSpec, seed: int = 0) -> Routing:
         return replace(routing, source=f"{routing.source} ({how})", ids_NLk=np.ascontiguousarray(ids), weights_NLk=weights)
     factor, rest = divmod(spec.num_experts, routing.num_experts)
     if rest or factor < 2 or routing.top_k != spec.top_k:
+        inferred = " (the trace's E is its largest expert id + 1: its file records no n_experts)" if routing.experts_inferred else ""
         raise ValueError(
             f"routing {routing.source!r} (E={routing.num_experts}, k={routing.top_k}) does not fit {spec.name} "
-            f"(E={spec.num_experts}, k={spec.top_k}): the model's E must equal the trace's, or be a multiple of it with the same k"
+            f"(E={spec.num_experts}, k={spec.top_k}): the model's E must equal the trace's, or be a multiple of it with the same k{inferred}"
         )
     ids = split_experts(routing.ids_NLk, routing.num_experts, factor, seed=seed)
     source = f"{routing.source}, each expert split into {factor} (synthetic, scale.synthetic)"

@@ -164,7 +164,10 @@ def replay_traffic(
     pairs_D = tokens * num_devices * hits_ND.mean(0)
     share_D = (hits_ND if dispatch == "per_expert" else reached_ND).mean(0)  # rows per token to each device
     same_node_DD = node_of_D[:, None] == node_of_D[None, :]
-    to_own_node_D = (same_node_DD * share_D[None, :]).sum(1) - share_D  # rows a rank sends to its node's others
+    # each sum over the devices it names (not a total less the others): exactly 0 where it names none, so that
+    # one node sends no inter-node byte and pays no inter-node latency
+    to_own_node_D = ((same_node_DD & ~np.eye(num_devices, dtype=bool)) * share_D[None, :]).sum(1)  # to its node's others
+    to_other_nodes_D = (~same_node_DD * share_D[None, :]).sum(1)
     if dispatch == "hierarchical":
         share_Q = reached_NQ.mean(0)
         node_share_D = share_Q[node_of_D]  # per device: the share of tokens reaching its node
@@ -173,7 +176,6 @@ def replay_traffic(
         # packed per device: one copy per other node, its own node's rows, and the forwarded copies
         rows = tokens * (share_Q.sum() - node_share_D + share_D + num_nodes * to_own_node_D).max()
     else:
-        to_other_nodes_D = share_D.sum() - to_own_node_D - share_D
         internode_rows = tokens * np.maximum(to_other_nodes_D, (num_devices - group) * share_D).max()
         nvlink_rows = tokens * np.maximum(to_own_node_D, (group - 1) * share_D).max()
         rows = tokens * share_D.sum()
