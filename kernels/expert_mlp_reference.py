@@ -1,7 +1,7 @@
 """PyTorch reference for the local expert computation: the specification the Triton kernels match.
 
 gather rows by local expert -> x @ gate_up^T -> act(gate) * up -> @ down^T -> * routing weight ->
-fp32 accumulation into one output row per received row. Autograd through plain PyTorch ops gives
+fp32 accumulation (fp64 for fp64 rows: `summing_dtype`) into one output row per received row. Autograd through plain PyTorch ops gives
 the gradients (input, both weights, routing weight) that the Triton backward must reproduce.
 
 `expert_mlp_reference` loops over experts (one host sync for the offsets): the specification.
@@ -40,7 +40,8 @@ def expert_mlp_reference(
     `gate_up_proj_L2IH` is `[L, 2I, H]` (gate rows first, then up, as transformers 5 stores it);
     `down_proj_LHI` is `[L, H, I]`; `pair_weight_N` is `[N]` in segment order.
     """
-    out_RH = torch.zeros(segments.num_rows, x_RH.shape[1], dtype=torch.float32, device=x_RH.device)
+    sum_dtype = summing_dtype(x_RH.dtype)
+    out_RH = torch.zeros(segments.num_rows, x_RH.shape[1], dtype=sum_dtype, device=x_RH.device)
     offsets = segments.expert_offsets.tolist()
     computed = False
     for expert in range(segments.num_local_experts):
@@ -50,12 +51,18 @@ def expert_mlp_reference(
         rows_n = segments.pair_row[start:end]
         gate, up = F.linear(x_RH[rows_n], gate_up_proj_L2IH[expert]).chunk(2, dim=-1)
         y_nH = F.linear(act_fn(gate) * up, down_proj_LHI[expert])
-        y_nH = y_nH.float() * pair_weight_N[start:end, None].float()
+        y_nH = y_nH.to(sum_dtype) * pair_weight_N[start:end, None].to(sum_dtype)
         out_RH = out_RH.index_add(0, rows_n, y_nH)
         computed = True
     if not computed:  # no pair: zeros still connected to the inputs, as the kernels' output is (zero gradients)
         out_RH = out_RH + _empty_sum(x_RH, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI)
     return out_RH.to(x_RH.dtype)
+
+
+def summing_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the weighting and the sum of the experts' outputs run in: fp32 for bf16/fp16/fp32 rows (one rounding
+    to the rows' dtype at the end), fp64 for fp64 rows (a float64 model keeps its precision, as stock's does)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _empty_sum(*tensors: torch.Tensor) -> torch.Tensor:
@@ -98,7 +105,7 @@ def expert_mlp_grouped_mm(
     gu_N2I = torch.where(in_segment_N1, grouped_mm(x_NH, gate_up_proj_L2IH.transpose(1, 2), offs=offsets_L), 0)
     gate_NI, up_NI = gu_N2I.chunk(2, dim=-1)
     y_NH = torch.where(in_segment_N1, grouped_mm(act_fn(gate_NI) * up_NI, down_proj_LHI.transpose(1, 2), offs=offsets_L), 0)
-    y_NH = y_NH.float() * pair_weight_N[:, None].float()
+    y_NH = y_NH.float() * pair_weight_N[:, None].float()  # bf16 only (`grouped_mm_supported`)
     out_RH = torch.zeros(num_rows + 1, x_RH.shape[1], dtype=torch.float32, device=x_RH.device)  # row R: empty slots
     return out_RH.index_add(0, segments.pair_row, y_NH)[:num_rows].to(x_RH.dtype)
 
@@ -126,10 +133,11 @@ def _operator_forward(x_RH, pair_weight_N, gate_up_L2IH, down_LHI, pair_row_N, e
 
 def _operator_backward(dout_RH, x_RH, pair_weight_N, gate_up_L2IH, down_LHI, _, pair_row_N, expert_offsets, activation, needs):
     """The reference's gradients (x, pair weights, gate_up, down; None where `needs` says False): per expert, the
-    forward again and its chain rule, in the reference's dtypes (the weighting and the sum in fp32)."""
+    forward again and its chain rule, in the reference's dtypes (the weighting and the sum in `summing_dtype`)."""
     need_dx, need_dweight, need_dgate_up, need_ddown = needs
     act_fn, act_backward = TORCH_ACTIVATIONS[activation]
-    dout_RH = dout_RH.float()  # the gradient of the reference's fp32 sum
+    sum_dtype = summing_dtype(x_RH.dtype)
+    dout_RH = dout_RH.to(sum_dtype)  # the gradient of the reference's sum
     dx_RH = torch.zeros_like(x_RH) if need_dx else None
     dweight_N = torch.zeros_like(pair_weight_N) if need_dweight else None
     dgate_up_L2IH = torch.zeros_like(gate_up_L2IH) if need_dgate_up else None
@@ -147,8 +155,8 @@ def _operator_backward(dout_RH, x_RH, pair_weight_N, gate_up_L2IH, down_LHI, _, 
         g_nH = dout_RH[rows_n]
         if need_dweight:
             y_nH = F.linear(h_nI, down_LHI[expert])
-            dweight_N[start:end] = (g_nH * y_nH.float()).sum(1).to(pair_weight_N.dtype)
-        dy_nH = (g_nH * pair_weight_N[start:end, None].float()).to(x_RH.dtype)
+            dweight_N[start:end] = (g_nH * y_nH.to(sum_dtype)).sum(1).to(pair_weight_N.dtype)
+        dy_nH = (g_nH * pair_weight_N[start:end, None].to(sum_dtype)).to(x_RH.dtype)
         if need_ddown:
             ddown_LHI[expert] = dy_nH.t() @ h_nI
         if not (need_dx or need_dgate_up):
@@ -169,4 +177,4 @@ define_expert_operators(
 )  # fmt: skip
 
 
-__all__ = ["expert_mlp_grouped_mm", "expert_mlp_reference", "expert_mlp_reference_op", "grouped_mm_op"]
+__all__ = ["expert_mlp_grouped_mm", "expert_mlp_reference", "expert_mlp_reference_op", "grouped_mm_op", "summing_dtype"]

@@ -29,8 +29,9 @@ from .triton_support import cdiv, interpreting, next_power_of_2, require_triton,
 
 
 def available(rows_pad_OH: torch.Tensor) -> bool:
-    """Whether the kernel can sum these rows: Triton is installed, and they are on a GPU (or the interpreter runs)."""
-    return triton_runs_on(rows_pad_OH)
+    """Whether the kernel can sum these rows: Triton is installed, they are on a GPU (or the interpreter runs), and
+    they are not fp64 (the kernel adds in fp32; PyTorch adds fp64 rows in fp64)."""
+    return rows_pad_OH.dtype != torch.float64 and triton_runs_on(rows_pad_OH)
 
 
 def sum_rows_torch(rows_pad_OH: torch.Tensor, row_TJ: torch.Tensor, out_TH: torch.Tensor | None = None) -> torch.Tensor:

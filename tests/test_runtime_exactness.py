@@ -356,6 +356,34 @@ def test_one_process_with_logical_devices_is_exact(family):
         assert module.stats.rows_sent.shape == (3,) and int(module.stats.pairs_sent.sum()) == module.last_topk_ids_Tk.numel()
 
 
+@pytest.mark.parametrize("family, dispatch", [("olmoe", "dedup"), ("qwen2_moe", "per_expert"), ("deepseek_v3", "dedup")])
+def test_a_float64_model_keeps_float64_precision(family, dispatch):
+    """In fp64 the experts' outputs are weighted and summed in fp64, as stock's eager experts do (they were summed in
+    fp32: 1e-7 off stock, where two stock expert implementations agree exactly)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from occult_hf import OccultConfig
+    from occult_hf.hf.apply import apply_occult, occult_modules
+
+    built = tiny_model(family, seed=SEED, num_experts=8)
+    stock = AutoModelForCausalLM.from_config(built.config, experts_implementation="eager")
+    stock.load_state_dict(built.state_dict())
+    stock = stock.double().train()
+    model = apply_occult(copy.deepcopy(stock), OccultConfig(placement=placement_for(family, 8, 4, "shuffled"), dispatch=dispatch))
+    ids = rank_batch(0)
+    want, got = stock(input_ids=ids, labels=ids), model(input_ids=ids, labels=ids)
+    want.loss.backward()
+    got.loss.backward()
+    assert got.logits.dtype == torch.float64 and rel_err(got.logits, want.logits) <= 1e-12
+    stock_grads = dict(stock.named_parameters())
+    for path, module in occult_modules(model).items():
+        entries = place_full_experts(module, module.experts.gate_up_proj.grad, module.experts.down_proj.grad)
+        for key, grad in entries.items():
+            assert rel_err(grad, stock_grads[f"{path}.{key}"].grad) <= 1e-12, key
+
+
 @pytest.mark.gpu
 @pytest.mark.world_size(2)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs for a 2-rank NCCL world")

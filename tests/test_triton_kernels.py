@@ -871,7 +871,7 @@ def test_grouped_mm_fused_backend_no_pairs_and_refusals(interpreted):
 def test_auto_backend_rule(monkeypatch):
     """`expert_backend="auto"` on a (stand-in) CUDA device: triton over short segments (shorter ones when a
     gradient is needed), grouped_mm_fused over long ones, triton where grouped_mm has no kernel, torch for an
-    activation the kernels lack."""
+    activation the kernels lack and for fp64 rows."""
     from types import SimpleNamespace
 
     from occult_hf import experts
@@ -879,17 +879,17 @@ def test_auto_backend_rule(monkeypatch):
     monkeypatch.setattr(experts, "triton_importable", lambda: True)
     supported = {"value": True}
     monkeypatch.setattr(experts, "grouped_mm_supported", lambda *tensors: supported["value"])
-    cuda_rows = SimpleNamespace(is_cuda=True)
 
-    def pick(pairs_per_expert, needs_grad, act_fn=F.silu):
+    def pick(pairs_per_expert, needs_grad, act_fn=F.silu, dtype=torch.bfloat16):
         segments = ExpertSegments(torch.zeros(4 * pairs_per_expert, dtype=torch.int64), torch.zeros(5, dtype=torch.int64), 1)
-        return experts._auto_backend(cuda_rows, segments, None, None, act_fn, needs_grad)
+        return experts._auto_backend(SimpleNamespace(is_cuda=True, dtype=dtype), segments, None, None, act_fn, needs_grad)
 
     assert pick(experts.AUTO_TRITON_TRAIN_BELOW, needs_grad=True) == pick(4096, needs_grad=False) == "grouped_mm_fused"
     assert pick(16, needs_grad=False) == pick(experts.AUTO_TRITON_BELOW - 1, needs_grad=False) == "triton"
     assert pick(16, needs_grad=True) == pick(experts.AUTO_TRITON_TRAIN_BELOW - 1, needs_grad=True) == "triton"
     assert pick(experts.AUTO_TRITON_BELOW, needs_grad=False) == "grouped_mm_fused"
     assert pick(16, needs_grad=True, act_fn=torch.relu) == "torch"
+    assert pick(16, needs_grad=True, dtype=torch.float64) == "torch"  # the reference sums fp64 in fp64, the kernels in fp32
     supported["value"] = False
     assert pick(4096, needs_grad=True) == "triton"
 

@@ -241,8 +241,8 @@ class LocalExperts(nn.Module):
 
     def computes_topk(self, x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor, topk_weights_Tk: torch.Tensor) -> bool:
         """Whether `forward_topk` serves a call on these tokens: an eager forward without gradient of at most
-        `TOPK_PAIRS_PER_EXPERT * L` (token, expert) pairs (a decode step), with a Triton backend ("auto" on CUDA, or
-        "triton") that implements the activation, x in the weights' dtype with unit stride along H, on CUDA (or fp32
+        `TOPK_PAIRS_PER_EXPERT * L` (token, expert) pairs (a decode step), with a Triton backend ("auto" on CUDA and
+        not fp64, or "triton") that implements the activation, x in the weights' dtype with unit stride along H, on CUDA (or fp32
         under the interpreter)."""
         if torch.compiler.is_compiling() or not 0 < topk_ids_Tk.numel() <= TOPK_PAIRS_PER_EXPERT * self.num_local_experts:
             return False
@@ -250,7 +250,7 @@ class LocalExperts(nn.Module):
         if torch.is_grad_enabled() and any(t.requires_grad for t in (x_TH, topk_weights_Tk, gate_up, down)):
             return False
         if self.backend == "auto":
-            if not (x_TH.is_cuda and triton_importable()):
+            if not (x_TH.is_cuda and triton_importable()) or x_TH.dtype == torch.float64:
                 return False
         elif self.backend != "triton" or not triton_runs_on(x_TH) or not (x_TH.is_cuda or x_TH.dtype == torch.float32):
             return False
@@ -297,8 +297,8 @@ AUTO_TRITON_TRAIN_BELOW = 128
 
 
 def _auto_backend(x_RH, segments: ExpertSegments, gate_up_proj_L2IH, down_proj_LHI, act_fn, needs_grad: bool) -> str:
-    """What "auto" runs (the module docstring says why)."""
-    if not (x_RH.is_cuda and triton_supports(act_fn) and triton_importable()):
+    """What "auto" runs (the module docstring says why); fp64 rows run the PyTorch reference, which sums in fp64."""
+    if x_RH.dtype == torch.float64 or not (x_RH.is_cuda and triton_supports(act_fn) and triton_importable()):
         return "torch"
     if not grouped_mm_supported(x_RH, gate_up_proj_L2IH, down_proj_LHI):
         return "triton"

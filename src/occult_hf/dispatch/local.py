@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from occult_hf.kernels.expert_mlp_reference import summing_dtype
 from occult_hf.kernels.layout import ExpertSegments, topk_kernel_applies
 from .base import DispatchPlan, Dispatched, TokenDispatcher, dispatch_format, register_dispatcher, stage
 from .plan import device_match, local_pairs, routing_width
@@ -101,11 +102,11 @@ class LocalDispatcher(TokenDispatcher):
         return counts_D2
 
     def combine(self, out_RH: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-        if plan.mode == "dedup":  # one row per token: the expert kernel already summed its k experts in fp32
+        if plan.mode == "dedup":  # one row per token: the expert kernel already summed its k experts
             return out_RH
         num_tokens, hidden = plan.num_tokens, out_RH.shape[1]
         top_k = plan.num_pairs // num_tokens if num_tokens else 1
-        return out_RH.reshape(num_tokens, top_k, hidden).float().sum(1).to(out_RH.dtype)
+        return out_RH.reshape(num_tokens, top_k, hidden).sum(1, dtype=summing_dtype(out_RH.dtype)).to(out_RH.dtype)
 
 
 __all__ = ["LocalDispatcher"]
