@@ -74,8 +74,10 @@ def resolve_occult_config(occult_config: Any, fields: dict[str, Any]) -> OccultC
     return OccultConfig(**given) if given else None
 
 
-def _ep_world(device: str | None) -> tuple[int, int]:
-    """(rank, world size) of the expert-parallel group: the default process group, started here under torchrun."""
+def ep_world(device: str | None) -> tuple[int, int]:
+    """(rank, world size) of the expert-parallel group: the default process group, started here when a launcher set
+    `WORLD_SIZE > 1` (torchrun, srun, mpirun), and joined as it is when the caller started it (`occult eval` does,
+    before its checks, so that a rank whose checks fail can tell the others)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         backend = "nccl" if str(device or "cuda").startswith("cuda") and torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend=backend)
@@ -188,7 +190,7 @@ class OccultHFLM(HFLM):
         settings = {name: kwargs.pop(name, None) for name in OCCULT_FIELDS}
         requested_config = resolve_occult_config(occult_config, settings)
 
-        rank, world_size = _ep_world(device)
+        rank, world_size = ep_world(device)
         batch_size = kwargs.get("batch_size", 1)
         if world_size > 1 and str(batch_size).startswith("auto"):
             raise ValueError(
@@ -293,4 +295,4 @@ class OccultHFLM(HFLM):
         return info
 
 
-__all__ = ["OccultHFLM", "OCCULT_FIELDS", "UNSUPPORTED_HF_ARGS", "resolve_occult_config", "load_occult_model"]
+__all__ = ["OccultHFLM", "OCCULT_FIELDS", "UNSUPPORTED_HF_ARGS", "ep_world", "resolve_occult_config", "load_occult_model"]

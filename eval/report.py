@@ -12,11 +12,14 @@ A mean over rows is printed only where every row is a fraction of documents scor
 perplexities and accuracies would mean nothing, so a table with any other metric has no mean.
 
 Both tables are generated from results files, the lm-eval way: `markdown_table` is lm-eval's own
-`make_table` over a results dict cut down to the headline rows (`headline_results`), followed by
-the mean of those rows; `compare_table` is written by the package's table helper
+`make_table` over a results dict cut down to the headline rows (`headline_results`), in the suite's
+order, followed by the mean of those rows; `compare_table` is written by the package's table helper
 (`occult_hf.utils.tables.markdown_table`), with values as lm-eval prints them (4 decimals, 0-1 scale).
 `occult eval --headline RESULTS` and `occult eval --compare A B` print them; RESULTS may be a
-`results_*.json` or an lm-eval output folder (its newest `results_*.json`).
+`results_*.json` or an lm-eval output folder (its newest `results_*.json`). Neither table says how a
+run was made, so `partial_run_warnings` (a run that scored only part of its documents) and
+`comparison_warnings` (two runs with different `--limit`, documents scored or n-shot, or no task in
+common) give the lines the command prints on stderr beside them.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from occult_hf.utils.checks import shown
 from occult_hf.utils.strict_json import read_json_file
 
 from .suite import SUITE_NAME
@@ -66,7 +70,34 @@ def load_results(path: str | os.PathLike) -> dict[str, Any]:
     data = read_json_file(path, "lm-eval results", allow_nan=True)  # lm-eval writes NaN where a stderr is undefined
     if not isinstance(data, dict) or "results" not in data:
         raise ValueError(f"{os.fspath(path)!r} is not an lm-eval results file: it has no top-level 'results' key")
+    _check_results(data["results"], os.fspath(path))
     return data
+
+
+def _check_results(results: Any, path: str) -> None:
+    """Raise naming `path` unless `results` is lm-eval's `{task: {"metric,filter": number, ...}}` with a task (a
+    metric may be null, shown as a dash; stderrs may be "N/A"): a malformed file would otherwise fail deep in the
+    table code, or print a table of dashes as if the runs had nothing to report."""
+    if not isinstance(results, dict) or not results:
+        raise ValueError(f"{path!r}: 'results' must map each task to its metrics, got {_short(results)}")
+    for task, metrics in results.items():
+        if not isinstance(metrics, dict):
+            raise ValueError(f"{path!r}: results[{task!r}] must map metric names to values, got {_short(metrics)}")
+        for key, value in metrics.items():
+            metric, sep, _ = key.partition(",")
+            if sep and not metric.endswith("_stderr") and value is not None and not _is_number(value):
+                raise ValueError(f"{path!r}: results[{task!r}][{key!r}] must be a number, got {_short(value)}")
+
+
+def _is_number(value: Any) -> bool:
+    """A metric value: an int or float, not a bool (JSON's true would otherwise read as 1)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _short(value: Any) -> str:
+    """`repr(value)` cut to 60 characters, for an error message about a file that may hold megabytes."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _reported_metrics(task_results: dict[str, Any]) -> dict[str, tuple[float, float | None]]:
@@ -74,7 +105,7 @@ def _reported_metrics(task_results: dict[str, Any]) -> dict[str, tuple[float, fl
     found: dict[str, tuple[float, float | None]] = {}
     for key, value in task_results.items():
         metric, sep, filter_name = key.partition(",")
-        if not sep or metric.endswith("_stderr") or not isinstance(value, (int, float)) or isinstance(value, bool):
+        if not sep or metric.endswith("_stderr") or not _is_number(value):
             continue
         if metric in found and filter_name != "none":
             continue
@@ -170,13 +201,24 @@ def headline_results(results: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _keyed_in_order(cut: dict[str, Any]) -> dict[str, Any]:
+    """`cut` (`headline_results`) with each task keyed by its position and shown by its alias: lm-eval's `make_table`
+    prints rows sorted by key, and the headline rows belong in the suite's order (the paper's)."""
+    key = {task: f"{position:03d}" for position, task in enumerate(cut["results"])}
+    fields = ("versions", "n-shot", "higher_is_better")
+    return {
+        "results": {key[task]: {"alias": task} | row for task, row in cut["results"].items()},
+        **{field: {key[task]: value for task, value in cut[field].items()} for field in fields},
+    }
+
+
 def markdown_table(results: dict[str, Any]) -> str:
-    """One `occult23` run's headline rows: lm-eval's `make_table`, then the mean over the rows (when they
-    are all fractions, as occult23's are)."""
+    """One `occult23` run's headline rows in the suite's order: lm-eval's `make_table`, then the mean over the rows
+    (when they are all fractions, as occult23's are)."""
     from lm_eval.utils import make_table
 
     scores = headline_scores(results)
-    table = make_table(headline_results(results)).rstrip("\n")
+    table = make_table(_keyed_in_order(headline_results(results))).rstrip("\n")
     mean = mean_of_fractions(scores)
     return table if mean is None else f"{table}\n\nAverage over the {len(scores)} headline rows: {_value(mean)}"
 
@@ -205,12 +247,53 @@ def compare_table(a: dict[str, Any], b: dict[str, Any], labels: tuple[str, str] 
     return table(["Tasks", "Metric", label_a, label_b, f"Δ ({label_b} − {label_a})"], values, align="llrrr")
 
 
+def partial_run_warnings(results: dict[str, Any], name: str) -> list[str]:
+    """A line when the run `name` scored only part of its tasks' documents (`--limit`, or lm-eval's `samples`):
+    its numbers are then comparable neither with a full run nor with the paper's."""
+    limit = (results.get("config") or {}).get("limit")
+    partial = [f"{task} {counts['effective']} of {counts['original']}" for task, counts in _scored_documents(results).items()
+               if counts["effective"] != counts["original"]]  # fmt: skip
+    how = ([f"--limit {limit}"] if limit is not None else []) + ([f"documents {shown(partial)}"] if partial else [])
+    if not how:
+        return []
+    return [f"{name} scored only part of its documents ({', '.join(how)}): not comparable with a full run or the paper's numbers"]
+
+
+def comparison_warnings(a: dict[str, Any], b: dict[str, Any], labels: tuple[str, str] = ("A", "B")) -> list[str]:
+    """One line per way the runs `a` and `b` were not run alike (`--limit`; documents scored and n-shot, each
+    listing the tasks both ran that differ), or one saying they share no task: a delta between such runs
+    measures the settings, not the models."""
+    label_a, label_b = labels
+    if not set(a["results"]) & set(b["results"]):
+        return [f"{label_a} and {label_b} share no task: no row has values from both"]
+    lines = []
+    limits = [(run.get("config") or {}).get("limit") for run in (a, b)]
+    if limits[0] != limits[1]:
+        lines.append(f"the runs differ in --limit: {label_a} {limits[0]}, {label_b} {limits[1]}")
+    documents_a, documents_b = _scored_documents(a), _scored_documents(b)
+    counts = {task: (documents_a[task]["effective"], documents_b[task]["effective"]) for task in documents_a if task in documents_b}
+    shots_a, shots_b = a.get("n-shot") or {}, b.get("n-shot") or {}
+    shots = {task: (shots_a[task], shots_b[task]) for task in shots_a if task in shots_b}
+    for what, pairs in (("documents scored", counts), ("n-shot", shots)):
+        differing = [f"{task}: {label_a} {x}, {label_b} {y}" for task, (x, y) in pairs.items() if x != y]
+        if differing:
+            lines.append(f"the runs differ in {what}: {shown(differing)}")
+    return lines
+
+
+def _scored_documents(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """lm-eval's `n-samples`: per task, `{"original": documents in the task, "effective": documents scored}`."""
+    return {task: counts for task, counts in (results.get("n-samples") or {}).items()
+            if isinstance(counts, dict) and {"original", "effective"} <= set(counts)}  # fmt: skip
+
+
 __all__ = [
     "Score",
     "FRACTION_METRICS",
     "HEADLINE_METRICS",
     "PREFERRED_METRICS",
     "compare_table",
+    "comparison_warnings",
     "every_score",
     "has_suite",
     "headline_results",
@@ -218,5 +301,6 @@ __all__ = [
     "load_results",
     "markdown_table",
     "mean_of_fractions",
+    "partial_run_warnings",
     "results_file",
 ]

@@ -71,9 +71,11 @@ def score_requests(lm, requests: list[Request], disable_tqdm: bool = False) -> l
                 keys.append(key)
         index = torch.tensor([rows, positions, tokens, owners]).to(lm.device, non_blocking=True)
         selected_NV = log_probs_BSV[index[0], index[1]]
-        scored_N = selected_NV.gather(1, index[2].unsqueeze(1)).squeeze(1)
-        missed_N = (selected_NV.argmax(dim=-1) != index[2]).to(scored_N.dtype)
-        totals_2K = torch.zeros(2, len(keys), dtype=scored_N.dtype, device=scored_N.device)
+        # summed in float64 whatever the model's dtype: `index_add_` rounds its running sum to the output dtype after
+        # every token, so a bfloat16 sum drifts by nats and stops growing near -2048 (HFLM's `sum()` rounds once)
+        scored_N = selected_NV.gather(1, index[2].unsqueeze(1)).squeeze(1).double()
+        missed_N = (selected_NV.argmax(dim=-1) != index[2]).double()
+        totals_2K = torch.zeros(2, len(keys), dtype=torch.float64, device=scored_N.device)
         totals_2K[0].index_add_(0, index[3], scored_N)
         totals_2K[1].index_add_(0, index[3], missed_N)
         sums, misses = totals_2K.tolist()  # the batch's one read back

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import socket
 import sys
 import time
 from pathlib import Path
@@ -286,7 +287,8 @@ def test_headline_table_is_lm_evals_make_table_of_the_headline_rows(tmp_path, ca
     assert set(cut["results"]) == {"winogrande", "mmlu", "qasper_bool", "coqa", "gsm8k_like"}  # no groups, no members of mmlu
     assert cut["results"]["gsm8k_like"] == {"exact_match,flexible-extract": 0.2}  # only the filter the row reads
     table = markdown_table(suite_like_results())
-    assert table.startswith(make_table(cut).rstrip("\n"))  # lm-eval's own table
+    lm_eval_table = make_table(cut).rstrip("\n").splitlines()  # lm-eval's own table, whose rows it sorts by name
+    assert table.splitlines()[:2] == lm_eval_table[:2] and sorted(table.splitlines()[2:8]) == sorted(lm_eval_table[2:])
     rows = {(r[0] or "coqa", r[4]): (r[6], r[8]) for r in markdown_rows(table.split("\n\n")[0])}
     assert rows[("winogrande", "acc")] == ("0.60", "0.010") and rows[("coqa", "f1")][0] == "0.65"
     assert len(rows) == 6 and table.endswith("Average over the 6 headline rows: 0.5333")
@@ -298,6 +300,71 @@ def test_headline_table_is_lm_evals_make_table_of_the_headline_rows(tmp_path, ca
     (run / "results_2026-01-02T00-00-00.json").write_text(json.dumps(suite_like_results()))
     assert occult_main(["eval", "--headline", str(tmp_path / "out")]) == 0
     assert capsys.readouterr().out.strip() == table
+
+
+def test_headline_table_lists_the_rows_in_the_suites_order():
+    """docs/eval.md shows the paper's order (winogrande first, coqa last) and `headline_scores` reads the rows in it;
+    lm-eval's `make_table` sorted them by name (coqa first)."""
+    from occult_hf.utils.tables import markdown_rows
+
+    printed = [row[0] for row in markdown_rows(markdown_table(suite_like_results()).split("\n\n")[0]) if row[0]]
+    assert printed == ["winogrande", "mmlu", "qasper_bool", "coqa", "gsm8k_like"]
+    assert printed == list(dict.fromkeys(score.task for score in headline_scores(suite_like_results())))
+
+
+def limited(results: dict, limit: float, scored: int, shots: int = 0) -> dict:
+    """`results` as a run with `--limit limit` that scored `scored` of each task's 10 documents with `shots` shots."""
+    tasks = [task for task in results["results"] if task != "occult23"]
+    return results | {"config": {"limit": limit}, "n-shot": {task: shots for task in tasks},
+                      "n-samples": {task: {"original": 10, "effective": scored} for task in tasks}}  # fmt: skip
+
+
+def test_compare_and_headline_warn_when_runs_are_not_comparable(tmp_path, capsys):
+    """A run over 1 document of 13 compared with a full one printed deltas, and `--headline` of it an average, with no
+    sign that the runs differed; two runs with no task in common printed a table of dashes."""
+    full, part = tmp_path / "full.json", tmp_path / "part.json"
+    full.write_text(json.dumps(limited(suite_like_results(), None, scored=10)))
+    part.write_text(json.dumps(limited(suite_like_results(acc_shift=-0.03), 0.1, scored=1, shots=5)))
+    assert occult_main(["eval", "--compare", str(full), str(part), "--labels", "full", "part"]) == 0
+    captured = capsys.readouterr()
+    assert "| winogrande" in captured.out and "warning" not in captured.out
+    assert captured.err.splitlines() == [
+        "occult eval: warning: the runs differ in --limit: full None, part 0.1",
+        "occult eval: warning: the runs differ in documents scored: ['winogrande: full 10, part 1', 'mmlu: full 10, part 1', "
+        "'mmlu_stem: full 10, part 1', 'qasper_bool: full 10, part 1', 'coqa: full 10, part 1', 'gsm8k_like: full 10, part 1']",
+        "occult eval: warning: the runs differ in n-shot: ['winogrande: full 0, part 5', 'mmlu: full 0, part 5', "
+        "'mmlu_stem: full 0, part 5', 'qasper_bool: full 0, part 5', 'coqa: full 0, part 5', 'gsm8k_like: full 0, part 5']",
+    ]  # fmt: skip
+    assert occult_main(["eval", "--compare", str(full), str(full)]) == 0
+    assert capsys.readouterr().err == ""  # runs made alike: no warning
+    assert occult_main(["eval", "--headline", str(part)]) == 0
+    assert capsys.readouterr().err == (
+        f"occult eval: warning: {part} scored only part of its documents (--limit 0.1, documents ['winogrande 1 of 10', "
+        f"'mmlu 1 of 10', 'mmlu_stem 1 of 10', 'qasper_bool 1 of 10', 'coqa 1 of 10', 'gsm8k_like 1 of 10']): not "
+        f"comparable with a full run or the paper's numbers\n"
+    )  # fmt: skip
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(other_tasks_results()))
+    assert occult_main(["eval", "--compare", str(full), str(other)]) == 0
+    assert capsys.readouterr().err == "occult eval: warning: A and B share no task: no row has values from both\n"
+
+
+def test_malformed_results_files_are_named(tmp_path, capsys):
+    """`{"results": []}` failed with "'list' object has no attribute 'items'"; `{"results": {}}` and metrics that are
+    strings were compared as a table of dashes."""
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(suite_like_results()))
+    for name, results, message in [
+        ("list", [], "'results' must map each task to its metrics, got []"),
+        ("empty", {}, "'results' must map each task to its metrics, got {}"),
+        ("number", {"t": 5}, "results['t'] must map metric names to values, got 5"),
+        ("text", {"t": {"acc,none": "0.5"}}, "results['t']['acc,none'] must be a number, got '0.5'"),
+    ]:  # fmt: skip
+        bad = tmp_path / f"{name}.json"
+        bad.write_text(json.dumps({"results": results}))
+        with pytest.raises(SystemExit):
+            occult_main(["eval", "--compare", str(good), str(bad)])
+        assert f"occult eval: error: '{bad}': {message}" in capsys.readouterr().err
 
 
 def test_compare_prints_deltas_and_average(tmp_path, capsys):
@@ -562,9 +629,35 @@ def test_occult_hf_scores_a_batch_with_one_host_read_and_the_right_answers(asset
     assert [greedy for _, greedy in ours] == [greedy for _, greedy in expected] and ours[6][1]
     assert [ll for ll, _ in ours] == pytest.approx([ll for ll, _ in expected], rel=1e-5, abs=1e-5)
     hflm_right = [i for i in range(len(pairs)) if i != 2]
-    assert [ours[i] for i in hflm_right] == pytest.approx([theirs[i] for i in hflm_right], rel=1e-6, abs=1e-6)
+    assert [ours[i][0] for i in hflm_right] == pytest.approx([theirs[i][0] for i in hflm_right], rel=1e-6, abs=1e-6)
+    assert [ours[i][1] for i in hflm_right] == [theirs[i][1] for i in hflm_right]
     assert hflm_forwards == forwards[:batches]  # the same batches as HFLM's
     assert reads == ["tolist"] * batches and batches < len(requests)
+
+
+def test_bfloat16_log_likelihoods_are_summed_in_full_precision(assets):
+    """Each request's sum of token log-probabilities was accumulated in the model's dtype (`index_add_` rounds after
+    every token): in bfloat16 a 60-token sum drifted by nats from the exact sum, and a 1024-token window's stopped near
+    -2048, halving perplexities. The sum must be the float64 sum of the same bfloat16 token log-probabilities, within
+    HFLM's one rounding of its total to bfloat16."""
+    from lm_eval.models.huggingface import HFLM
+
+    args = model_args(assets, "olmoe", num_devices=NUM_DEVICES) | {"dtype": "bfloat16"}
+    lm = get_model("occult-hf").create_from_arg_obj(args, {"batch_size": 1})  # forwards of [1, S], as the reference's
+    rng = random.Random(4)
+    pairs = [([rng.randrange(3, 60) for _ in range(4)], [rng.randrange(3, 60) for _ in range(56 + i)]) for i in range(3)]
+    requests = [((f"context {i}", f"continuation {i}"), context, continuation) for i, (context, continuation) in enumerate(pairs)]
+    ours = [total for total, _ in lm._loglikelihood_tokens(requests)]
+    exact = []
+    for context, continuation in pairs:
+        with torch.no_grad():
+            logits = lm._model_call(torch.tensor([(context + continuation)[:-1]]))[0, -len(continuation) :]
+        token_log_probs = torch.log_softmax(logits, dim=-1)[torch.arange(len(continuation)), torch.tensor(continuation)]
+        assert token_log_probs.dtype == torch.bfloat16
+        exact.append(float(token_log_probs.double().sum()))
+    assert ours == pytest.approx(exact, rel=1e-9, abs=1e-9)
+    theirs = [total for total, _ in HFLM._loglikelihood_tokens(lm, requests)]
+    assert all(abs(o - t) <= abs(t) * 2**-8 for o, t in zip(ours, theirs)), (ours, theirs)
 
 
 def test_occult_hf_names_a_request_it_cannot_score(assets):
@@ -595,13 +688,52 @@ def ep_world(rank: int, world_size: int, assets: dict) -> dict:
                 "forwards": (lm._lockstep.real_forwards, lm._lockstep.idle_forwards),
                 "world": (lm.rank, lm.world_size),
             }
+    report["command checks"] = command_checks(rank, world_size, assets)  # last: it forms the world anew
     return report
+
+
+def command_checks(rank: int, world_size: int, assets: dict) -> list[tuple]:
+    """`occult eval` on this rank as a launcher that sets RANK and WORLD_SIZE itself starts it (srun, mpirun: no
+    torchrun agent ends the others when one exits), so the command forms the EP group; per case, its (exit code,
+    stderr, seconds). lm-eval's evaluation (the model load) must start only where every rank's checks passed."""
+    import contextlib
+    import io
+    import os
+
+    dist.destroy_process_group()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(assets["port"]), RANK=str(rank), WORLD_SIZE=str(world_size))
+    node = Path(assets["checks"]) / f"node{rank}"
+    node.mkdir(parents=True)
+    os.chdir(node)
+    if rank == 0:
+        (node / "out").touch()  # --output_path out: a file on rank 0's node only, the one rank that writes
+    task_manager = TaskManager(include_path=str(assets["tasks"]), include_defaults=False)
+    occult_eval.make_task_manager = lambda include_path: task_manager
+
+    def evaluation(**kwargs):
+        raise AssertionError("the evaluation started")
+
+    lm_eval.simple_evaluate = evaluation
+    command = ["eval", str(assets["models"]["olmoe"]), "--tasks", "occ_mc", "--device", "cpu"]
+    outcomes = []
+    for extra in (["--output_path", "out"], ["--output_path", "run", "--limit", "1"], ["--output_path", "run"]):
+        stderr, start = io.StringIO(), time.monotonic()
+        with contextlib.redirect_stderr(stderr):
+            try:
+                code = occult_main([*command, *extra])
+            except SystemExit as exit_:
+                code = exit_.code
+        outcomes.append((code, stderr.getvalue(), time.monotonic() - start))
+    return outcomes
 
 
 @pytest.fixture(scope="module")
 def ep_reports(assets) -> list[dict]:
     """One spawned 2-rank gloo world (starting one costs seconds) for all EP checks; per-rank reports."""
-    paths = {"tasks": assets["tasks"], "models": assets["models"]}
+    with socket.socket() as probe:  # a free port for the world `command_checks` forms
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    paths = {"tasks": assets["tasks"], "models": assets["models"], "checks": assets["root"] / "command_checks", "port": port}
     env = {**EVAL_ENV, "HF_DATASETS_CACHE": str(assets["cache"])}
     return run_world(ep_world, NUM_DEVICES, paths, env=env, timeout_s=240)
 
@@ -619,6 +751,23 @@ def test_expert_parallel_results_equal_one_process(ep_reports, runs):
             assert sum(first["forwards"]) == sum(second["forwards"]), (family, label)
             idle_forwards += first["forwards"][1] + second["forwards"][1]
     assert idle_forwards > 0  # the ranks' own forward counts did differ, so the lockstep was needed
+
+
+@pytest.mark.world_size(NUM_DEVICES)  # ep_reports runs the EP world
+def test_a_check_that_fails_on_one_rank_stops_every_rank_before_the_model_loads(ep_reports):
+    """Rank 0 refused an --output_path (a file on its node only) before the process group existed and exited; the
+    other ranks waited for it in `init_process_group` until its 30-minute timeout. Every rank must fail within
+    seconds with the reason; a --limit below the world size (a rank without documents, which lm-eval found only
+    after the model loaded) is refused on every rank; checks that pass on every rank let the evaluation start."""
+    (file0, limit0, passed0), (file1, limit1, passed1) = (report["command checks"] for report in ep_reports)
+    assert file0[0] == 2 and "occult eval: --output_path 'out' is an existing file; give a folder" in file0[1]
+    assert file1[0] == 2 and "rank 0 of the expert-parallel group failed at occult eval's checks before the model loads" in file1[1]
+    assert "--output_path 'out' is an existing file" in file1[1]
+    for code, err, _ in (limit0, limit1):
+        assert code == 2 and "occult eval: --limit 1 leaves ranks [1] of the 2 without a document" in err
+    for code, err, _ in (passed0, passed1):
+        assert code == 2 and "AssertionError: the evaluation started" in err
+    assert max(seconds for outcome in (file0, file1, limit0, limit1) for *_, seconds in [outcome]) < 30
 
 
 # ----- the command lines ----------------------------------------------------------------------------------
@@ -723,7 +872,9 @@ def test_occult_offline_runs_on_the_shipped_model_without_a_download(full_task_m
     results = lm_eval_results_file(out)["results"]
     assert 0.0 <= results["occult_offline_nextline"]["acc,none"] <= 1.0
     assert results["occult_offline_ppl"]["byte_perplexity,none"] > 1.0
-    assert "evaluating the shipped tiny OLMoE" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "evaluating the shipped tiny OLMoE" in captured.out
+    assert "%|" not in captured.err  # no bar: lm-eval's request building draws one per task unless told
 
 
 def test_rolling_loglikelihood_uses_the_batched_scorer_and_hides_its_bars(assets, capsys, monkeypatch):

@@ -33,16 +33,17 @@ def _exit_message(argv: list[str], capsys) -> str:
 @pytest.fixture
 def fake_lm_eval(monkeypatch):
     """`lm_eval.simple_evaluate` replaced by a one-task result named as lm-eval names it (model `tiny`); the
-    `model_args` of each call are recorded."""
+    arguments of each call are recorded. The task index holds occult_hf's own tasks only (lm-eval's take seconds)."""
     pytest.importorskip("lm_eval", reason="occult eval needs the eval extra: pip install 'occult_hf[eval]'")
     import lm_eval
+    from lm_eval.tasks import TaskManager
 
     import occult_hf.eval as occult_eval
 
     calls = []
 
-    def simple_evaluate(*, model_args, evaluation_tracker, **kwargs):
-        calls.append(model_args)
+    def simple_evaluate(*, evaluation_tracker, **kwargs):
+        calls.append(kwargs)
         evaluation_tracker.general_config_tracker.model_name_sanitized = "tiny"
         sample = {"doc_id": 0, "arguments": [["a", " b"]], "resps": [["x"]], "filtered_resps": ["x"], "target": "b",
                   "doc_hash": "d", "prompt_hash": "p", "target_hash": "t"}  # fmt: skip
@@ -50,7 +51,8 @@ def fake_lm_eval(monkeypatch):
                 "higher_is_better": {"task": {"acc": True}}, "configs": {"task": {}}, "samples": {"task": [sample]}}  # fmt: skip
 
     monkeypatch.setattr(lm_eval, "simple_evaluate", simple_evaluate)
-    monkeypatch.setattr(occult_eval, "make_task_manager", lambda include_path: None)  # indexing lm-eval's tasks takes seconds
+    own_tasks = TaskManager(include_path=str(occult_eval.TASKS_DIR), include_defaults=False)
+    monkeypatch.setattr(occult_eval, "make_task_manager", lambda include_path: own_tasks)
     return calls
 
 
@@ -70,8 +72,12 @@ def test_eval_writes_its_results_and_says_where(fake_lm_eval, tmp_path, capsys):
 def test_eval_refuses_an_output_path_it_cannot_write_before_it_starts(fake_lm_eval, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     Path("afile").touch()
+    Path("adir.json").mkdir()
     cases = [("afile", "--output_path 'afile' is an existing file; give a folder"),
-             ("afile/sub", "--output_path 'afile/sub': cannot write there (Not a directory)")]  # fmt: skip
+             ("afile/sub", "--output_path 'afile/sub' lies under the file 'afile'; give a folder"),
+             ("afile/res.json", "--output_path 'afile/res.json' lies under the file 'afile'; give a folder"),
+             ("adir.json", "--output_path 'adir.json' is a folder, but a path ending in .json names the results file "
+                           "(lm-eval writes adir_<time>.json beside it)")]  # fmt: skip
     if os.path.isdir("/proc"):  # a folder nobody can create a file in, even root
         cases.append(("/proc/occult_eval_out", "--output_path '/proc/occult_eval_out': cannot write there"))
     for output_path, message in cases:
@@ -105,13 +111,118 @@ def test_eval_dtype_must_name_a_torch_dtype(fake_lm_eval, tmp_path, capsys):
     assert fake_lm_eval == []
     for dtype in ("auto", "bfloat16"):
         assert main(_eval(tmp_path / "run", "--dtype", dtype)) == 0
-    assert [call["dtype"] for call in fake_lm_eval] == ["auto", "bfloat16"]
+    assert [call["model_args"]["dtype"] for call in fake_lm_eval] == ["auto", "bfloat16"]
 
 
 def test_eval_takes_the_dtype_from_model_args_when_the_flag_is_not_given(fake_lm_eval, tmp_path):
     """lm-eval's own CLI takes `dtype=` in `--model_args`; only `--dtype` given as well is a clash."""
     assert main(_eval(tmp_path / "run", "--model_args", "dtype=bfloat16")) == 0
-    assert fake_lm_eval[-1]["dtype"] == "bfloat16"
+    assert fake_lm_eval[-1]["model_args"]["dtype"] == "bfloat16"
+
+
+def test_eval_takes_batch_size_and_device_from_model_args_or_names_the_clash(fake_lm_eval, tmp_path, capsys):
+    """`--model_args batch_size=2` (or `device=cpu`) reached the model beside the flag's default: "got multiple values
+    for keyword argument 'batch_size'". Given once it is used; given both ways it is the usual clash."""
+    argv = ["eval", "--tasks", "occult_offline", "--output_path", str(tmp_path / "run")]
+    assert main([*argv, "--model_args", "batch_size=2,device=cpu"]) == 0
+    call = fake_lm_eval[-1]
+    assert (call["batch_size"], call["device"]) == (2, "cpu") and not {"batch_size", "device"} & set(call["model_args"])
+    for flags, name in ((["--batch_size", "3", "--model_args", "batch_size=2"], "batch_size"),
+                        (["--device", "cpu", "--model_args", "device=cpu"], "device")):  # fmt: skip
+        assert f"occult eval: ['{name}'] given both as options and in --model_args; give each once" in _exit_message([*argv, *flags], capsys)
+    assert "--model_args batch_size: expected a positive integer, 'auto' or 'auto:N'" in _exit_message([*argv, "--model_args", "batch_size=0"], capsys)
+    assert len(fake_lm_eval) == 1
+
+
+def test_eval_batch_size_and_limit_are_checked_at_parse_time(fake_lm_eval, tmp_path, capsys):
+    """`autox` ran as `auto`, `auto:0` divided by zero; `--limit 1.5` ran one document without a word and -1, nan and
+    inf failed after the model loaded, with errors that did not name the flag."""
+    for value in ("autox", "auto:0", "0", "1.5"):
+        err = _exit_message(_eval(tmp_path / "run", "--batch_size", value), capsys)
+        assert f"argument --batch_size/--batch-size: expected a positive integer, 'auto' or 'auto:N' (N >= 1), got '{value}'" in err
+    for value in ("-1", "0", "nan", "inf", "1.5", "x"):
+        err = _exit_message(_eval(tmp_path / "run", "--limit", value), capsys)
+        assert f"argument --limit: expected a positive integer or a fraction in (0, 1), got '{value}'" in err
+    assert fake_lm_eval == []
+    for value, limit in (("auto:2", None), ("4", "0.5"), ("auto", "3")):
+        assert main(_eval(tmp_path / "run", "--batch_size", value, *(["--limit", limit] if limit else []))) == 0
+    assert [(call["batch_size"], call["limit"]) for call in fake_lm_eval] == [("auto:2", None), (4, 0.5), ("auto", 3)]
+
+
+def test_eval_names_limit_when_lm_eval_finds_no_document(fake_lm_eval, tmp_path, capsys, monkeypatch):
+    """A fractional --limit that leaves a rank no document is known only once lm-eval counted the documents; its error
+    then said only "task.build_requests() did not find any docs!"."""
+    import lm_eval
+
+    def no_documents(**kwargs):
+        raise ValueError("task.build_requests() did not find any docs!")
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", no_documents)
+    err = _exit_message(_eval(tmp_path / "run", "--limit", "0.01"), capsys)
+    assert "occult eval: --limit 0.01 leaves rank 0 without a document of a task; give a larger --limit" in err
+
+
+def test_eval_checks_the_task_names_and_model_before_the_model_loads(fake_lm_eval, tmp_path, capsys):
+    """lm-eval resolves the task list after it loaded the model (minutes for a real checkpoint, on every rank)."""
+    err = _exit_message(_eval(tmp_path / "run", "--tasks", "occult_offline,occult_ofline"), capsys)
+    assert "--tasks ['occult_ofline']: no such lm-eval task, group or tag (did you mean 'occult_offline'?)" in err
+    missing = tmp_path / "no_model"
+    err = _exit_message(["eval", str(missing), "--tasks", "occult_offline", "--output_path", str(tmp_path / "run")], capsys)
+    assert f"MODEL '{missing}': model directory does not exist" in err
+    assert fake_lm_eval == []
+
+
+def test_eval_flags_take_both_spellings():
+    """`--output-path` was refused while `--batch-size` was taken, and `--num_devices` taken while
+    `--max_devices_per_token` and `--occult_config` were refused."""
+    from occult_hf.cli import build_parser
+
+    (subcommands,) = [action for action in build_parser()._actions if action.choices and "eval" in action.choices]
+    eval_parser = subcommands.choices["eval"]
+    spellings = {flag for action in eval_parser._actions for flag in action.option_strings}
+    one_way = [flag for flag in spellings if "_" in flag or "-" in flag[2:]
+               if {flag.replace("_", "-"), "--" + flag[2:].replace("-", "_")} - spellings]  # fmt: skip
+    assert one_way == ["--no-progress"]  # every occult command's own flag (occult_hf.cli), spelt one way everywhere
+    args = eval_parser.parse_args(["--output-path", "o", "--max_devices_per_token", "1", "--occult_config", "c.json"])
+    assert (args.output_path, args.max_devices_per_token, args.occult_config) == ("o", 1, "c.json")
+
+
+def test_eval_refuses_options_that_would_be_ignored(fake_lm_eval, tmp_path, capsys):
+    """`--compare`/`--headline` ignored `--tasks`, `--limit` and every run option, and a run ignored `--labels`."""
+    results = tmp_path / "results_x.json"
+    results.write_text('{"results": {"task": {"acc,none": 0.5}}}')
+    for extra, named in ((["--limit", "2"], "--limit"), (["--num-devices", "2", "--tasks", "x"], "--tasks, --num-devices"),
+                         (["--batch-size", "4"], "--batch_size"), (["--output-path", "o"], "--output_path")):  # fmt: skip
+        err = _exit_message(["eval", "--compare", str(results), str(results), *extra], capsys)
+        assert f"--compare and --headline read finished runs and take no evaluation options, got {named}\n" in err
+    assert "--headline read finished runs and take no evaluation options, got --log_samples" in _exit_message(
+        ["eval", "--headline", str(results), "--log_samples"], capsys)
+    for argv in (["eval", "--headline", str(results), "--labels", "a", "b"], _eval(tmp_path / "run", "--labels", "a", "b")):
+        assert "occult eval: --labels names the two columns of --compare" in _exit_message(argv, capsys)
+    glob_matched_three = ["eval", "--compare", str(results), str(results), str(results)]
+    assert "--compare takes two runs, A and B, and" in _exit_message(glob_matched_three, capsys)
+    assert fake_lm_eval == []
+
+
+def test_eval_no_progress_hides_lm_evals_request_bars(fake_lm_eval, tmp_path, capsys, monkeypatch):
+    """lm-eval's `Task.build_requests` draws a bar per task (`tqdm` in lm_eval.api.task, no switch of its own), which
+    `--no-progress` did not hide; the bars come back after the command."""
+    import lm_eval
+    import lm_eval.api.task as task_module
+
+    record = fake_lm_eval.append
+
+    def build_requests(**kwargs):
+        record(kwargs)
+        for _ in task_module.tqdm(range(3)):  # as Task.build_requests draws them
+            pass
+        return None  # as on a rank other than 0: nothing to write
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", build_requests)
+    assert main(_eval(tmp_path / "run", "--no-progress")) == 0
+    assert "3/3" not in capsys.readouterr().err
+    assert main(_eval(tmp_path / "run")) == 0
+    assert "3/3" in capsys.readouterr().err
 
 
 # ----- occult train --------------------------------------------------------------------------------------------

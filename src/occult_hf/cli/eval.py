@@ -6,28 +6,40 @@
     occult eval --compare runs/standard runs/pruned --labels standard pruned
 
 lm-eval's flags keep lm-eval's spellings (`--output_path`, `--batch_size`, `--model_args`,
-`--num_fewshot`, `--bootstrap_iters`, `--include_path`, `--log_samples`, `--trust_remote_code`;
-the dashed spellings are aliases, as `HfArgumentParser` accepts both), and a run writes lm-eval's output layout:
+`--num_fewshot`, `--bootstrap_iters`, `--include_path`, `--log_samples`, `--trust_remote_code`) and
+Occult's flags theirs (`--num-devices`, `--max-devices-per-token`, `--occult-config`); every flag takes
+both spellings, with underscores or dashes, as `HfArgumentParser` does. A run writes lm-eval's output layout:
 `<output_path>/<model name>/results_<time>.json` (and `samples_<task>_<time>.jsonl` with
 `--log_samples`), then prints lm-eval's `make_table` and, for an occult23 run, the headline rows (the
-paper's table, also lm-eval's `make_table`, and their mean). Under torchrun only rank 0 writes.
-`--output_path` is checked before the evaluation starts (a folder, made if missing, that a file can be written
-in), and a results file lm-eval did not write is an error after the tables.
+paper's table, also lm-eval's `make_table`, in the suite's order, and their mean). Under torchrun only rank 0 writes.
+Before the model loads, every rank checks what it can (the task names, `--limit` against the world size, the
+model directory) and rank 0 checks `--output_path` (a folder, made if missing, that a file can be written
+in); under expert parallelism the ranks then agree, so a check that fails on one rank stops every rank
+at once, naming it. A results file lm-eval did not write is an error after the tables.
 `--headline RESULTS` prints the headline rows of a finished occult23 run and `--compare A B` two runs
 side by side (the headline rows of two occult23 runs, else every metric), each from a
-`results_*.json` or an `--output_path` folder (its newest `results_*.json`).
+`results_*.json` or an `--output_path` folder (its newest `results_*.json`); both warn on stderr where the
+numbers are not comparable (a `--limit` run, or two runs with different `--limit`, documents or n-shot).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import math
 import os
+import sys
 from pathlib import Path
 
 from occult_hf.registry import DISPATCH_MODES
 from occult_hf.pruning import pruning_policy_names
 from ..utils.arguments import torch_dtype_name
 from .devices import add_num_devices_argument, resolve_device
+from .eval_checks import check_before_loading, no_documents_message
+
+#: the options that read finished runs; every other option configures an evaluation
+_RESULTS_OPTIONS = frozenset({"help", "compare", "headline", "labels"})
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -41,21 +53,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--compare", nargs=2, metavar=("A", "B"),
                         help="print two runs side by side with deltas (B - A): occult23's headline rows and their average, else every metric; each a results_*.json or an --output_path folder")
     parser.add_argument("--headline", metavar="RESULTS", help="print an occult23 run's headline rows (lm-eval's make_table) and their mean; a results_*.json or an --output_path folder")
-    parser.add_argument("--labels", nargs=2, metavar=("A", "B"), default=("A", "B"), help="column names for --compare")
+    parser.add_argument("--labels", nargs=2, metavar=("A", "B"), help="column names for --compare (default: A B)")
     parser.add_argument("--tasks", default="occult23", help="'occult23', 'occult_offline' (no download) or comma-separated lm-eval task names (default: occult23)")
     occult = parser.add_argument_group("Occult settings (either --occult-config or the fields)")
-    occult.add_argument("--occult-config", help="an OccultConfig JSON file")
+    occult.add_argument("--occult-config", "--occult_config", dest="occult_config", help="an OccultConfig JSON file")
     occult.add_argument("--placement", help="'contiguous' or an occult_placement.json")
     add_num_devices_argument(occult, help="devices in the EP group (logical devices in one process)")
     occult.add_argument("--prune", choices=pruning_policy_names(), help="collaboration pruning mode")
-    occult.add_argument("--max-devices-per-token", type=int, help="N_d for pruning")
+    occult.add_argument("--max-devices-per-token", "--max_devices_per_token", dest="max_devices_per_token", type=int, help="N_d for pruning")
     occult.add_argument("--profile", help="routing profile (.safetensors), for similarity pruning")
     occult.add_argument("--dispatch", choices=DISPATCH_MODES, help="EP dispatch mode")
     run = parser.add_argument_group("lm-eval settings")
-    run.add_argument("--batch_size", "--batch-size", dest="batch_size", default="1", help="an integer, or 'auto' in one process (default: 1)")
-    run.add_argument("--device", default="auto", help="auto (CUDA when available, else CPU), cuda, cuda:0 or cpu (default: auto; one GPU per rank under torchrun)")
+    run.add_argument("--batch_size", "--batch-size", dest="batch_size", type=batch_size_setting,
+                     help="a positive integer, 'auto' or 'auto:N' (N >= 1; auto only in one process) (default: batch_size in --model_args, else 1)")
+    run.add_argument("--device", help="auto (CUDA when available, else CPU), cuda, cuda:0 or cpu (default: device in --model_args, else auto; one GPU per rank under torchrun)")
     run.add_argument("--dtype", type=torch_dtype_name, help="model dtype, e.g. bfloat16 (default: the model's `dtype` in --model_args, else auto: the checkpoint's)")
-    run.add_argument("--limit", type=float, help="documents per task (testing only); < 1 means a fraction")
+    run.add_argument("--limit", type=limit_setting,
+                     help="documents per task (testing only): a positive integer, or a fraction of each task in (0, 1); under EP at least one per rank")
     run.add_argument("--num_fewshot", "--num-fewshot", dest="num_fewshot", type=int, help="few-shot examples (default: each task's own)")
     run.add_argument("--bootstrap_iters", "--bootstrap-iters", dest="bootstrap_iters", type=int, default=100000, help="bootstrap iterations for stderrs (0: none)")
     run.add_argument("--trust_remote_code", "--trust-remote-code", dest="trust_remote_code", action="store_true", help="allow the checkpoint's own modelling code")
@@ -63,28 +77,59 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--model_args", "--model-args", dest="model_args", default="", help="more occult-hf/hf model_args as k=v,k=v")
     run.add_argument("--log_samples", "--log-samples", dest="log_samples", action="store_true", help="also write every document's inputs and outputs")
     run.add_argument(
-        "--output_path", dest="output_path", default="occult_eval",
-        help="lm-eval's output folder: results go to OUTPUT_PATH/<model name>/results_<time>.json (default: occult_eval)",
-    )
-    parser.set_defaults(func=main)
+        "--output_path", "--output-path", dest="output_path", default="occult_eval",
+        help="lm-eval's output folder, made if missing: results go to OUTPUT_PATH/<model name>/results_<time>.json; a path "
+        "ending in .json names the results file instead (lm-eval's rule): DIR/NAME.json writes DIR/NAME_<time>.json "
+        "(default: occult_eval)",
+    )  # fmt: skip
+    parser.set_defaults(func=main, run_options=_run_options(parser))
 
 
-def _batch_size(value: str) -> int | str:
-    if value.startswith("auto"):
-        return value
+def _run_options(parser: argparse.ArgumentParser) -> dict[str, tuple[str, object]]:
+    """`{dest: (flag, default)}` of every option that configures an evaluation, which `--compare` and `--headline`
+    would ignore."""
+    return {action.dest: (action.option_strings[0], action.default) for action in parser._actions
+            if action.option_strings and action.dest not in _RESULTS_OPTIONS}  # fmt: skip
+
+
+def batch_size_setting(text: str) -> int | str:
+    """`--batch_size` (and `batch_size=` in `--model_args`): a positive integer, `auto`, or `auto:N` (lm-eval picks the
+    size again N times), checked at parse time: lm-eval takes anything starting with "auto" (`autox` ran as `auto`)
+    and divides by N (`auto:0`)."""
+    count = text.removeprefix("auto:")
+    if text == "auto" or (count != text and count.isdigit() and int(count) >= 1):
+        return text
     try:
-        size = int(value)
+        size = int(text)
     except ValueError:
         size = 0
     if size < 1:
-        raise SystemExit(f"occult eval: --batch_size must be a positive integer or 'auto', got {value!r}")
+        raise argparse.ArgumentTypeError(f"expected a positive integer, 'auto' or 'auto:N' (N >= 1), got {text!r}")
     return size
 
 
+def limit_setting(text: str) -> int | float:
+    """`--limit`: documents per task, a positive integer, or a fraction of each task's documents in (0, 1) (lm-eval
+    reads a value below 1 as a fraction), checked at parse time: lm-eval truncates 1.5 to 1 without a word and fails
+    on -1, nan or inf with errors that do not name the flag, after the model loaded."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if 0 < value < 1:
+        return value
+    if math.isfinite(value) and value >= 1 and value.is_integer():
+        return int(value)
+    raise argparse.ArgumentTypeError(f"expected a positive integer or a fraction in (0, 1), got {text!r}")
+
+
 def _model_args(args: argparse.Namespace) -> dict:
+    """The run's `occult-hf` model_args: the Occult flags, `--dtype`, `--batch_size`, `--device` and
+    `--trust_remote_code` that were given, and `--model_args`; a setting given both ways is an error naming it."""
     from lm_eval.utils import simple_parse_args_string
 
-    names = ("occult_config", "placement", "num_devices", "prune", "max_devices_per_token", "profile", "dispatch", "dtype")
+    names = ("occult_config", "placement", "num_devices", "prune", "max_devices_per_token", "profile", "dispatch", "dtype",
+             "batch_size", "device")  # fmt: skip
     flags = {name: getattr(args, name) for name in names} | {"trust_remote_code": args.trust_remote_code or None}
     model_args = {"pretrained": args.pretrained} | {k: v for k, v in flags.items() if v is not None}
     extra = simple_parse_args_string(args.model_args)
@@ -94,22 +139,30 @@ def _model_args(args: argparse.Namespace) -> dict:
     return model_args | extra
 
 
-def check_output_path(output_path: str) -> None:
-    """Fail before the evaluation when `--output_path` cannot take its results: lm-eval logs a failed write
-    ("Could not save results aggregated") and carries on, so an hours-long run would end with nothing written."""
-    from occult_hf.utils.atomic import probe_directory
-
-    if not output_path:
-        raise SystemExit("occult eval: --output_path must not be empty")
-    path = Path(output_path)
-    folder = path.parent if path.suffix == ".json" else path  # lm-eval writes beside a .json path, else into it
-    if folder.exists() and not folder.is_dir():
-        raise SystemExit(f"occult eval: --output_path {output_path!r} is an existing file; give a folder (it is made if missing)")
+def _batch_size_and_device(model_args: dict) -> tuple[int | str, str]:
+    """Take `batch_size` and `device` out of `model_args`: lm-eval hands them to the model beside the model_args, and
+    the model takes each once. The batch size from `--model_args` gets `--batch_size`'s check."""
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe_directory(folder)
-    except OSError as error:
-        raise SystemExit(f"occult eval: --output_path {output_path!r}: cannot write there ({error.strerror or error})") from None
+        batch_size = batch_size_setting(str(model_args.pop("batch_size", 1)))
+    except argparse.ArgumentTypeError as error:
+        raise SystemExit(f"occult eval: --model_args batch_size: {error}") from None
+    return batch_size, resolve_device(model_args.pop("device", None))
+
+
+@contextlib.contextmanager
+def _request_building_bars(enabled: bool):
+    """lm-eval's `Task.build_requests` draws a bar per task with no switch of its own: with `enabled` False (HF's
+    progress switches, which `--no-progress` turns off) lm-eval's task module draws them disabled inside the block,
+    and as before after it."""
+    import lm_eval.api.task as task_module
+
+    drawn = task_module.tqdm
+    if not enabled:
+        task_module.tqdm = functools.partial(drawn, disable=True)
+    try:
+        yield
+    finally:
+        task_module.tqdm = drawn
 
 
 def _written_files(tracker, output_path: str, tasks: list[str]) -> list[Path]:
@@ -126,28 +179,37 @@ def _written_files(tracker, output_path: str, tasks: list[str]) -> list[Path]:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun only rank 0 writes
-        check_output_path(args.output_path)
     import lm_eval
     from lm_eval.loggers import EvaluationTracker
     from lm_eval.utils import make_table
 
-    from occult_hf.eval import make_task_manager, parse_task_list
+    from occult_hf.eval.model import ep_world
+    from occult_hf.utils.progress import progress_enabled
 
+    model_args = _model_args(args)
+    batch_size, device = _batch_size_and_device(model_args)
+    rank, world_size = ep_world(device)  # under EP the group forms first, so that a failed check reaches every rank
+    names, task_manager = check_before_loading(args, rank, world_size)
     tracker = EvaluationTracker(output_path=args.output_path)
-    results = lm_eval.simple_evaluate(
-        model="occult-hf",
-        model_args=_model_args(args),
-        tasks=parse_task_list(args.tasks),
-        batch_size=_batch_size(args.batch_size),
-        device=str(resolve_device(args.device)),
-        limit=args.limit,
-        num_fewshot=args.num_fewshot,
-        bootstrap_iters=args.bootstrap_iters,
-        log_samples=args.log_samples,
-        task_manager=make_task_manager(args.include_path),
-        evaluation_tracker=tracker,
-    )
+    try:
+        with _request_building_bars(progress_enabled()):
+            results = lm_eval.simple_evaluate(
+                model="occult-hf",
+                model_args=model_args,
+                tasks=names,
+                batch_size=batch_size,
+                device=device,
+                limit=args.limit,
+                num_fewshot=args.num_fewshot,
+                bootstrap_iters=args.bootstrap_iters,
+                log_samples=args.log_samples,
+                task_manager=task_manager,
+                evaluation_tracker=tracker,
+            )
+    except ValueError as error:
+        if "did not find any docs" not in str(error):
+            raise
+        raise SystemExit(no_documents_message(args.limit, rank, world_size)) from error
     if results is None:  # ranks other than 0 under torchrun
         return 0
     samples = results.pop("samples", None)
@@ -158,10 +220,11 @@ def _evaluate(args: argparse.Namespace) -> int:
     print(make_table(results))
     if "groups" in results:
         print(make_table(results, "groups"))
-    from occult_hf.eval.report import has_suite, markdown_table
+    from occult_hf.eval.report import has_suite, markdown_table, partial_run_warnings
 
     if has_suite(results):  # the paper's table: only an occult23 run has one
         print("Headline rows (occult eval --headline):\n" + markdown_table(results))
+        _warn(partial_run_warnings(results, "this run"))
     written = _written_files(tracker, args.output_path, sample_tasks)
     missing = [os.fspath(path) for path in written if not path.is_file()]
     if missing:  # the tables above are the run's only record then
@@ -171,20 +234,47 @@ def _evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _warn(lines: list[str]) -> None:
+    """Print `lines` as warnings on stderr, so that the tables on stdout stay what a pipe reads."""
+    for line in lines:
+        print(f"occult eval: warning: {line}", file=sys.stderr)
+
+
+def _report(args: argparse.Namespace) -> int:
+    """`--headline` or `--compare`: tables of finished runs, and on stderr why their numbers may not compare."""
+    if args.compare and args.headline:
+        raise SystemExit("occult eval: give one of a model to evaluate, --compare A B or --headline RESULTS")
+    if args.pretrained:
+        extra = "--compare takes two runs, A and B" if args.compare else "--headline takes one run"
+        raise SystemExit(f"occult eval: {extra}, and {args.pretrained!r} was given as well (a glob that matched "
+                         f"several results files? give the --output_path folders: each one's newest results_*.json is read)")  # fmt: skip
+    given = [flag for dest, (flag, default) in args.run_options.items() if getattr(args, dest) != default]
+    if given:
+        raise SystemExit(f"occult eval: --compare and --headline read finished runs and take no evaluation options, got "
+                         f"{', '.join(given)}")  # fmt: skip
+    from occult_hf.eval.report import (
+        compare_table, comparison_warnings, load_results, markdown_table, partial_run_warnings,
+    )  # fmt: skip
+
+    if args.headline:
+        results = load_results(args.headline)
+        print(markdown_table(results))
+        _warn(partial_run_warnings(results, args.headline))
+    else:
+        a, b = (load_results(path) for path in args.compare)
+        labels = tuple(args.labels or ("A", "B"))
+        print(compare_table(a, b, labels=labels))
+        _warn(comparison_warnings(a, b, labels))
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     import occult_hf.eval  # noqa: F401  (first: without the eval extra, its ImportError says what to install)
 
+    if args.labels and not args.compare:
+        raise SystemExit("occult eval: --labels names the two columns of --compare")
     if args.compare or args.headline:
-        if args.pretrained or (args.compare and args.headline):
-            raise SystemExit("occult eval: give one of a model to evaluate, --compare A B or --headline RESULTS")
-        from occult_hf.eval.report import compare_table, load_results, markdown_table
-
-        if args.headline:
-            print(markdown_table(load_results(args.headline)))
-        else:
-            path_a, path_b = args.compare
-            print(compare_table(load_results(path_a), load_results(path_b), labels=tuple(args.labels)))
-        return 0
+        return _report(args)
     if args.pretrained:
         return _evaluate(args)
     from importlib import resources

@@ -1,0 +1,99 @@
+"""`occult eval`'s checks before the model loads: a typo in `--tasks`, a `--limit` that leaves an EP rank without a
+document or an `--output_path` nothing can be written in is an error within seconds, on every rank, instead of after
+minutes of loading (lm-eval loads the model before it resolves the tasks) or, on the ranks that did not check, after
+the process group's timeout."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from ..utils.checks import did_you_mean, shown
+from . import check_model_source
+
+#: what the EP ranks' agreement on the checks before the model loads is called in its errors
+CHECKS = "occult eval's checks before the model loads"
+
+
+def check_output_path(output_path: str) -> None:
+    """Fail before the evaluation when `--output_path` cannot take its results: lm-eval logs a failed write
+    ("Could not save results aggregated") and carries on, so an hours-long run would end with nothing written."""
+    from occult_hf.utils.atomic import probe_directory
+
+    if not output_path:
+        raise SystemExit("occult eval: --output_path must not be empty")
+    path = Path(output_path)
+    if path.suffix == ".json" and path.is_dir():
+        raise SystemExit(f"occult eval: --output_path {output_path!r} is a folder, but a path ending in .json names the "
+                         f"results file (lm-eval writes {path.stem}_<time>.json beside it); give a path without .json")  # fmt: skip
+    folder = path.parent if path.suffix == ".json" else path  # lm-eval writes beside a .json path, else into it
+    existing = folder
+    while not existing.exists():  # the nearest existing folder on the way names what is in the way
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "is an existing file" if existing == path else f"lies under the file {os.fspath(existing)!r}"
+        raise SystemExit(f"occult eval: --output_path {output_path!r} {where}; give a folder (it is made if missing)")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe_directory(folder)
+    except OSError as error:
+        raise SystemExit(f"occult eval: --output_path {output_path!r}: cannot write there ({error.strerror or error})") from None
+
+
+def check_task_names(names: list[str], task_manager) -> None:
+    """Fail naming the `--tasks` entries that `task_manager` does not know: lm-eval resolves the task list only after
+    it has loaded the model (minutes for a real checkpoint, on every rank)."""
+    unknown = [name for name in names if name not in task_manager.task_index and not Path(name).is_file()]
+    if unknown:
+        raise SystemExit(
+            f"occult eval: --tasks {shown(unknown)}: no such lm-eval task, group or tag{did_you_mean(unknown, task_manager.all_tasks)}; "
+            f"known are lm-eval's tasks, occult23, occult_offline, the tasks under --include_path and task YAML files"
+        )  # fmt: skip
+
+
+def check_limit_for_ranks(limit: int | float | None, world_size: int) -> None:
+    """Fail when an integer `--limit` leaves an EP rank without documents: lm-eval gives rank r the documents r, r + W,
+    ... of the first `limit`, and a rank with none fails in lm-eval after the model loaded, taking the others down."""
+    if isinstance(limit, int) and limit < world_size:
+        raise SystemExit(f"occult eval: --limit {limit} leaves ranks {shown(range(limit, world_size))} of the {world_size} "
+                         f"without a document (lm-eval gives rank r documents r, r + {world_size}, ... of the first "
+                         f"{limit}); give --limit {world_size} or more")  # fmt: skip
+
+
+def no_documents_message(limit: int | float | None, rank: int, world_size: int) -> str:
+    """lm-eval's "task.build_requests() did not find any docs!", said with its cause: a fractional `--limit` (known only
+    once the task's documents are counted) or a task with fewer documents than ranks."""
+    split = f" (lm-eval gives rank r of {world_size} documents r, r + {world_size}, ...)" if world_size > 1 else ""
+    if limit is not None:
+        return f"occult eval: --limit {limit} leaves rank {rank} without a document of a task{split}; give a larger --limit"
+    return f"occult eval: a task has no document for rank {rank}{split}"
+
+
+def check_before_loading(args: argparse.Namespace, rank: int, world_size: int):
+    """`(task names, TaskManager)` of the run, after every check that needs no model. Under EP each rank checks what
+    it can see (rank 0 the `--output_path` it will write), then the ranks agree on a gloo group (bounded by
+    `OCCULT_SAVE_TIMEOUT_S`): a failed check stops every rank at once with its reason, instead of leaving the others
+    waiting for a rank that has gone, up to the process group's timeout (30 min)."""
+    import torch.distributed as dist
+
+    from occult_hf.distributed.agreement import check_agreement, fail_together, save_timeout_s
+    from occult_hf.eval import make_task_manager, parse_task_list
+
+    group = dist.new_group(backend="gloo") if world_size > 1 else None  # every rank, before any check can fail
+    try:
+        names = parse_task_list(args.tasks)
+        check_limit_for_ranks(args.limit, world_size)
+        check_model_source(args.pretrained)
+        if rank == 0:  # the one rank that writes
+            check_output_path(args.output_path)
+        task_manager = make_task_manager(args.include_path)
+        check_task_names(names, task_manager)
+    except (Exception, SystemExit) as error:  # a usage error too: the other ranks must hear of it
+        if group is None:
+            raise
+        fail_together(error, group, CHECKS, save_timeout_s())
+    if group is not None:
+        check_agreement({}, group, CHECKS, save_timeout_s())
+        dist.destroy_process_group(group)
+    return names, task_manager
