@@ -81,3 +81,20 @@ def test_busy_time_is_the_union_of_the_device_intervals_and_counts_the_idle_gaps
     assert idle_gaps(intervals) == [(40.0, 50.0, 2, 0), (60.0, 70.0, 0, 4)]  # each gap with the kernels around it
     assert busy_time([(0.0, 5.0), (5.0, 7.0)]) == (7.0, 7.0, 0)  # back to back: no gap
     assert busy_time([]) == (0.0, 0.0, 0)
+
+
+def test_bench_ep_on_one_rank_runs_the_local_dispatcher(tmp_path, capsys):
+    """One rank (one GPU's share of the layer, no exchange): the cases run on "local", the one dispatcher that
+    serves it (every default dispatcher was skipped, and the run ended in matplotlib's "Number of rows must be a
+    positive integer"); asking only for dispatchers that cannot serve it is refused before any model is built."""
+    from occult_hf.cli import main
+
+    common = ["bench", "ep", "--cpu", "--no-progress", "--shapes", "olmoe-1b-7b", "--tokens", "32", "--hidden", "32",
+              "--intermediate", "16", "--iterations", "1", "--out", str(tmp_path), "--modes", "per_expert+contiguous", "dedup+contiguous"]  # fmt: skip
+    assert main(common) == 0
+    rows = json.loads((tmp_path / "bench_ep_1xcpu.json").read_text())["rows"]
+    assert {(r["dispatcher"], r["mode"]) for r in rows} == {("local", "per_expert+contiguous"), ("local", "dedup+contiguous")}
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main([*common, "--dispatchers", "all_to_all", "padded"])
+    assert "no dispatcher of --dispatchers all_to_all padded serves 1 rank(s)" in capsys.readouterr().err

@@ -387,6 +387,20 @@ class ExchangeRecorder:
 
 
 # ----- one case --------------------------------------------------------------------------------
+def serving_dispatchers(requested: list[str] | None, world: int, device: torch.device) -> list[str]:
+    """`--dispatchers` (None: `DISPATCHERS` on several ranks, "local" on one), refused before any model is built when
+    none of them serves this group (each case would be skipped, and the run would end with an empty table)."""
+    requested = requested or (list(DISPATCHERS) if world > 1 else ["local"])
+    reasons = []
+    for name in requested:
+        try:
+            dispatcher_class(name, _group_of(world), device if device.type == "cuda" else None)
+            return requested
+        except ValueError as error:
+            reasons.append(str(error))
+    raise ValueError(f"bench ep: no dispatcher of --dispatchers {' '.join(requested)} serves {world} rank(s): {'; '.join(reasons)}")
+
+
 def cases(args, world: int) -> list[tuple[str, Mode]]:
     """(dispatcher, mode) pairs to run: every mode on every requested dispatcher that serves this group."""
     chosen = []
@@ -843,7 +857,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--tokens", nargs="+", type=positive_int, default=[128, 4096, 16384], help="tokens per rank")
     parser.add_argument(
-        "--dispatchers", nargs="+", default=list(DISPATCHERS), help=f"registered torch.distributed dispatchers (default: {DISPATCHERS})"
+        "--dispatchers", nargs="+",
+        help=f"registered dispatchers (default: {' '.join(DISPATCHERS)}; on one rank 'local', the only one that serves it)",
     )
     parser.add_argument(
         "--modes", nargs="+", default=[m.name for m in MODES] + [TRANSFORMERS_EP],
@@ -897,6 +912,7 @@ def init_from_torchrun(timeout: datetime.timedelta | None = None) -> tuple[int, 
 def run(args: argparse.Namespace) -> int:
     rank, world, device = init_from_torchrun()
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    args.dispatchers = serving_dispatchers(args.dispatchers, world, device)
 
     def log(message: str) -> None:
         if rank == 0:
