@@ -356,6 +356,28 @@ def test_one_process_with_logical_devices_is_exact(family):
         assert module.stats.rows_sent.shape == (3,) and int(module.stats.pairs_sent.sum()) == module.last_topk_ids_Tk.numel()
 
 
+def test_parameter_order_is_the_same_in_every_process():
+    """An occult model's parameters come in one order whatever the process's string hashing (`PYTHONHASHSEED`): DDP
+    matches parameters across ranks by position, and an optimizer's state is saved and loaded by position. The block's
+    children had been registered in a set's order, which differs between processes."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "from occult_hf import OccultConfig, apply_occult; from tiny_models import tiny_model; "
+        "print([name for name, _ in apply_occult(tiny_model('qwen2_moe'), OccultConfig(num_devices=2)).named_parameters()])"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    processes = [
+        subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                         env={**env, "PYTHONHASHSEED": str(seed)})
+        for seed in range(6)
+    ]  # fmt: skip
+    orders = {process.communicate(timeout=300)[0] for process in processes}
+    assert len(orders) == 1 and "mlp.gate.weight', 'model.layers.0.mlp.shared_expert.gate_proj.weight" in orders.pop()
+
+
 @pytest.mark.parametrize("family, dispatch", [("olmoe", "dedup"), ("qwen2_moe", "per_expert"), ("deepseek_v3", "dedup")])
 def test_a_float64_model_keeps_float64_precision(family, dispatch):
     """In fp64 the experts' outputs are weighted and summed in fp64, as stock's eager experts do (they were summed in

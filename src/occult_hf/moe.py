@@ -72,8 +72,9 @@ class OccultMoE(nn.Module):
         self.last_devices_TD: torch.Tensor | None = None
         self.track = True
         experts_module = adapter.experts_module(block)
-        self._block_children = frozenset(name for name, child in block.named_children() if child is not experts_module)
-        for name in self._block_children:
+        children = [name for name, child in block.named_children() if child is not experts_module]
+        self._block_children = frozenset(children)
+        for name in children:  # in the block's order: parameter order is what DDP, optimizers and their states go by
             self.add_module(name, getattr(block, name))
         for name, param in block.named_parameters(recurse=False):
             self.register_parameter(name, param)
