@@ -44,7 +44,7 @@ from ..placement import Placement
 from ..utils.logging import get_logger
 from .blocks import build_occult_block, restore_block
 from .checkpointing import check_model_ranks_agree, gather_full_experts, new_save_group
-from .compat import UNSET, install_loading_hooks, loading_hooks_installed, static_cache_length, uninstall_loading_hooks
+from .compat import PUSH_UPLOAD_METHOD, UNSET, install_loading_hooks, loading_hooks_installed, static_cache_length, uninstall_loading_hooks
 from .ddp import DDP_IGNORE_ATTR, RankLocalStateNames
 from .hub import save_and_push, upload_described
 from .launch import check_logical_devices, check_process_group_started
@@ -106,7 +106,7 @@ def apply_occult(model: nn.Module, occult_config: OccultConfig | dict | str | No
         setattr(model, DDP_IGNORE_ATTR, RankLocalStateNames(model, state.ddp_ignore_before))
         state.instance_methods["generate"] = types.MethodType(_generate_in_lockstep, model)
     state.instance_methods["save_pretrained"] = types.MethodType(save_and_push, model)
-    state.instance_methods["_upload_modified_files"] = types.MethodType(upload_described, model)
+    state.instance_methods[PUSH_UPLOAD_METHOD] = types.MethodType(upload_described, model)
     attach_state(model, state)
     return model
 

@@ -22,6 +22,10 @@ works; when transformers changes, this is the file to read.
   `load_adapter` (`hf.peft_support`); `unwrap_when_imported(module, class, names)` puts them back.
 - `checkpoint_key_renamer(model)`: a saved checkpoint's keys as the model names them (transformers' renamings, which
   `save_pretrained` reverts), for the Trainer resume hook that reads a checkpoint's safetensors itself.
+- `push_upload(model, ...)` and `files_timestamps(model, directory)`: transformers' push path
+  (`PushToHubMixin._upload_modified_files`, `_get_files_timestamps`, both private) has no hook between the card it
+  writes and the upload: `hf.hub` binds a method of the upload's name on the instance, which describes the folder
+  and then calls `push_upload`, and pushes a published save the way `save_pretrained(push_to_hub=True)` does.
 - `static_cache_length(model, args, kwargs)`: the length of the static cache a `generate(*args, **kwargs)` call
   allocates, by generate's own rule (its generation config's `max_length`, or the prompt plus `max_new_tokens`,
   less one; at least `max_cache_len`): EP ranks agree on the longest before they decode in lockstep.
@@ -248,6 +252,20 @@ def unwrap_methods(owner: type, names) -> None:
 
 
 # ----- generate --------------------------------------------------------------------------------------
+
+
+#: the method both of transformers' pushes upload a folder through
+PUSH_UPLOAD_METHOD = "_upload_modified_files"
+
+
+def push_upload(model, working_dir, repo_id, *args, **kwargs):
+    """transformers' upload of a push's folder (the class's `PUSH_UPLOAD_METHOD`, past the instance's own)."""
+    return getattr(type(model), PUSH_UPLOAD_METHOD)(model, working_dir, repo_id, *args, **kwargs)
+
+
+def files_timestamps(model, directory: str) -> dict[str, float]:
+    """The modification times transformers compares a push's folder against (`_get_files_timestamps`)."""
+    return model._get_files_timestamps(directory)
 
 
 def static_cache_length(model: torch.nn.Module, args: tuple, kwargs: dict) -> int | None:

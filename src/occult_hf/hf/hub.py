@@ -25,6 +25,7 @@ import os
 import torch.distributed as dist
 
 from .checkpointing import add_pruning_files, save_pretrained
+from .compat import PUSH_UPLOAD_METHOD, files_timestamps, push_upload
 from .state import BLOCKS, OccultState, state_of
 
 #: `save_pretrained(push_to_hub=True)`'s keywords for the push itself (the rest of the ones `save_pretrained` does not
@@ -48,7 +49,7 @@ def upload_described(model, working_dir, repo_id, *args, **kwargs):
         return None
     working_dir = os.fspath(working_dir)
     add_pruning_files(state, working_dir, working_dir)
-    return type(model)._upload_modified_files(model, working_dir, repo_id, *args, **kwargs)
+    return push_upload(model, working_dir, repo_id, *args, **kwargs)
 
 
 def save_and_push(model, save_directory, *args, **kwargs):
@@ -59,7 +60,7 @@ def save_and_push(model, save_directory, *args, **kwargs):
     if push is None:
         return save_pretrained(model, save_directory, *args, **kwargs)
     save_directory = os.fspath(save_directory)
-    before = model._get_files_timestamps(save_directory) if os.path.isdir(save_directory) else {}
+    before = files_timestamps(model, save_directory) if os.path.isdir(save_directory) else {}
     result = save_pretrained(model, save_directory, *args, **kwargs)
     if kwargs.get("is_main_process", True) and writes_files(state_of(model)):
         _push(model, save_directory, before, **push)
@@ -78,18 +79,17 @@ def _take_push_keywords(model, kwargs: dict) -> dict | None:
     return push
 
 
-def _push(model, save_directory: str, files_timestamps: dict, repo_id=None, commit_message=None, create_pr=False,
+def _push(model, save_directory: str, timestamps: dict, repo_id=None, commit_message=None, create_pr=False,
           token=None, repo_kwargs=None):
-    """Upload the files of `save_directory` that changed since `files_timestamps`, as transformers'
+    """Upload the files of `save_directory` that changed since `timestamps`, as transformers'
     `save_pretrained(push_to_hub=True)` does after its save."""
     from transformers.utils.hub import create_and_tag_model_card, hf_api
 
     repo_id = repo_id or os.path.basename(os.path.normpath(save_directory))
     repo_id = hf_api().create_repo(repo_id, exist_ok=True, token=token, **repo_kwargs).repo_id
     create_and_tag_model_card(repo_id, model.model_tags, token=token).save(os.path.join(save_directory, "README.md"))
-    return model._upload_modified_files(
-        save_directory, repo_id, files_timestamps, commit_message=commit_message, token=token, create_pr=create_pr
-    )
+    upload = getattr(model, PUSH_UPLOAD_METHOD)  # the instance's: `upload_described`
+    return upload(save_directory, repo_id, timestamps, commit_message=commit_message, token=token, create_pr=create_pr)
 
 
 __all__ = ["save_and_push", "upload_described", "writes_files"]

@@ -54,6 +54,7 @@ from torch import nn
 from occult_hf.patches import RouterOutput, adapter_for
 
 from .checkpointing import add_pruning_files, new_save_group, record_running_limits
+from .compat import PUSH_UPLOAD_METHOD
 from .hub import upload_described
 from ..config import OccultConfig
 from ..dispatch import DispatchSettings, ExpertParallelGroup, TokenDispatcher, TokenRouting, build_dispatcher
@@ -375,7 +376,7 @@ def apply_occult_ep(model: nn.Module, occult_config: OccultConfig | dict | str |
             new_state.hooks.append(adapter.router(block).register_forward_hook(_pruning_hook(block, pruner)))
     new_state.instance_methods["gather_sharded_state_dict_for_save"] = types.MethodType(_gather_in_original_order, model)
     new_state.instance_methods["save_pretrained"] = types.MethodType(_save_described, model)
-    new_state.instance_methods["_upload_modified_files"] = types.MethodType(upload_described, model)
+    new_state.instance_methods[PUSH_UPLOAD_METHOD] = types.MethodType(upload_described, model)
     attach_state(model, new_state)
     return model
 
