@@ -31,7 +31,7 @@ from tiny_models import FAMILIES, MOE_LAYERS, tiny_batch, tiny_model
 
 import occult_hf  # noqa: F401  (registers the adapters)
 from occult_hf.config import OccultConfig
-from occult_hf.hf.apply import apply_occult
+from occult_hf.hf.apply import apply_occult, occult_modules
 from occult_hf.moe import OccultMoE
 from occult_hf.patches import adapter_for
 from occult_hf.patches.base import RouterOutput
@@ -421,6 +421,23 @@ def test_bad_device_limits():
         pruner.max_devices_per_token = 3
     with pytest.raises(ValueError, match=r"OccultConfig.prune must be one of \[None, 'router', 'similarity'\], got 'nearest'"):
         CollaborationPruner("nearest", adapter_for(model), layout, top_k=1, max_devices_per_token=1)
+
+
+def test_replicas_count_toward_the_experts_a_device_limit_leaves():
+    """E=8, k=2 on 4 devices whose primaries leave devices 0-2 one expert each, but whose replicas give every device
+    at least 3: N_d=1 runs (it had been refused, counting primaries only), and every token keeps to one device; the
+    same primaries without the replicas are refused, the message naming what the emptiest device holds."""
+    primaries = {layer: [0, 1, 2, 3, 3, 3, 3, 3] for layer in (0, 1)}
+    replicated = Placement(8, 4, primaries, replicas={layer: {3: [0, 1, 2], 4: [0], 7: [1, 2]} for layer in (0, 1)})
+    model = apply_occult(tiny_model("olmoe", num_experts=8, top_k=2), OccultConfig(placement=replicated, prune="router", max_devices_per_token=1))
+    model(tiny_batch(seed=3))
+    for module in occult_modules(model).values():
+        assert int(module.last_devices_TD.sum(1).max()) == 1
+    with pytest.raises(ValueError, match=r"only 1 experts \(the 1 smallest devices of the placement hold \[1\] primary experts\)"):
+        apply_occult(tiny_model("olmoe", num_experts=8, top_k=2), OccultConfig(placement=Placement(8, 4, primaries), prune="router", max_devices_per_token=1))
+    three_homes = Placement(8, 4, primaries, replicas={layer: {3: [0, 1, 2]} for layer in (0, 1)})
+    with pytest.raises(ValueError, match=r"only 2 experts .* primary experts; with its replicas the emptiest holds 2\), fewer than top_k=4"):
+        apply_occult(tiny_model("olmoe", num_experts=8, top_k=4), OccultConfig(placement=three_homes, prune="router", max_devices_per_token=1))
 
 
 def test_similarity_needs_a_profile_of_this_model(profile_paths, tmp_path):

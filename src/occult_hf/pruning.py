@@ -336,14 +336,17 @@ class CollaborationPruner:
             # an undefined similarity (NaN) ranks below every real one but stays a valid candidate
             similarity_EE = torch.nan_to_num(torch.as_tensor(similarity_EE, dtype=torch.float32), nan=-2.0)
         self.similarity_EE = similarity_EE
-        # the N_d smallest primary capacities bound the experts any N_d devices hold from below (replicas only add)
+        # the N_d smallest primary capacities bound the experts any N_d devices hold from below, and so does the
+        # fewest experts one device holds with its replicas (`_fewest_held`)
         capacity_D = torch.bincount(layout.device_of_E.cpu(), minlength=layout.num_devices)
         self._capacity_sorted_D = torch.sort(capacity_D).values
+        self._fewest_held_D = _fewest_held(layout.home_table_EM, layout.num_devices)
         self.devices_per_node = devices_per_node
         if devices_per_node is not None:
             check_devices_per_node(devices_per_node, layout.num_devices)
             self._capacity_sorted_Q = torch.sort(capacity_D.view(-1, devices_per_node).sum(1)).values
             self._node_homes_EM = None if not layout.replicated else _node_home_table(layout.home_table_EM.cpu(), devices_per_node)
+            self._fewest_held_Q = _fewest_held(self._node_homes_EM, layout.num_devices // devices_per_node)
         self.max_devices_per_token = max_devices_per_token
         self.max_nodes_per_token = max_nodes_per_token
         self._sums_3 = None  # float64 [3]: tokens, removed weight fraction summed over tokens, pruned tokens
@@ -368,7 +371,9 @@ class CollaborationPruner:
 
     @max_devices_per_token.setter
     def max_devices_per_token(self, value: int | None) -> None:
-        self._max_devices_per_token = self._checked_limit(value, "max_devices_per_token", "N_d", "devices", self._capacity_sorted_D)
+        self._max_devices_per_token = self._checked_limit(
+            value, "max_devices_per_token", "N_d", "devices", self._capacity_sorted_D, self._fewest_held_D
+        )
 
     @property
     def max_nodes_per_token(self) -> int | None:
@@ -381,22 +386,29 @@ class CollaborationPruner:
                 f"max_nodes_per_token={value!r} needs a node layout: set OccultConfig.devices_per_node, launch on several "
                 f"nodes (LOCAL_WORLD_SIZE < the group size), or plan the placement with devices_per_node"
             )
-        sorted_Q = None if self.devices_per_node is None else self._capacity_sorted_Q
-        self._max_nodes_per_token = self._checked_limit(value, "max_nodes_per_token", "N_n", "nodes", sorted_Q)
+        if self.devices_per_node is None:
+            self._max_nodes_per_token = self._checked_limit(value, "max_nodes_per_token", "N_n", "nodes", None, 0)
+        else:
+            self._max_nodes_per_token = self._checked_limit(
+                value, "max_nodes_per_token", "N_n", "nodes", self._capacity_sorted_Q, self._fewest_held_Q
+            )
 
-    def _checked_limit(self, value, setting: str, symbol: str, unit: str, capacity_sorted) -> int | None:
-        """`value` (None: no limit) if it is an integer in [1, units] that leaves every token at least top_k experts."""
+    def _checked_limit(self, value, setting: str, symbol: str, unit: str, capacity_sorted, fewest_held: int) -> int | None:
+        """`value` (None: no limit) if it is an integer in [1, units] that leaves every token at least top_k experts:
+        any `value` units hold at least the sum of the `value` smallest primary capacities and at least the
+        `fewest_held` experts the emptiest unit holds with its replicas."""
         if value is None:
             return None
         units = len(capacity_sorted)
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= units:
             raise ValueError(f"{setting} ({symbol}) must be an integer in [1, num_{unit}={units}], got {value!r}")
-        fewest_experts = int(capacity_sorted[:value].sum())
+        fewest_experts = max(int(capacity_sorted[:value].sum()), fewest_held)
         if value < min(self.top_k, units) and fewest_experts < self.top_k:
+            replicas = f"; with its replicas the emptiest holds {fewest_held}" if fewest_held else ""
             raise ValueError(
                 f"{setting} ({symbol}={value}) leaves some tokens of layer {self.layer_idx} only {fewest_experts} experts "
-                f"(the {value} smallest {unit} of the placement hold {capacity_sorted[:value].tolist()}), fewer than "
-                f"top_k={self.top_k}; use {symbol} with at least top_k experts on any {symbol} {unit}"
+                f"(the {value} smallest {unit} of the placement hold {capacity_sorted[:value].tolist()} primary experts"
+                f"{replicas}), fewer than top_k={self.top_k}; use {symbol} with at least top_k experts on any {symbol} {unit}"
             )
         return value
 
@@ -511,6 +523,15 @@ def _experts_on(devices_TD: torch.Tensor, layout: LayerLayout) -> torch.Tensor:
     if not layout.replicated:
         return devices_TD.index_select(1, layout.device_of_E)
     return allowed_experts(devices_TD, layout.home_table_EM)
+
+
+def _fewest_held(homes_EM: torch.Tensor | None, units: int) -> int:
+    """The fewest distinct experts any one unit (device or node) holds, replicas included, from the `[E, M]` table of
+    each expert's distinct homes (-1 padded); 0 without replicas (the primary capacities say it then)."""
+    if homes_EM is None:
+        return 0
+    homes_EM = homes_EM.cpu()
+    return int(torch.bincount(homes_EM[homes_EM >= 0], minlength=units).min())
 
 
 def _node_home_table(home_table_EM: torch.Tensor, devices_per_node: int) -> torch.Tensor:
