@@ -550,6 +550,27 @@ def test_a_launch_that_splits_the_ep_group_unevenly_over_nodes_is_an_error(monke
     assert resolve_devices_per_node(None, 2, True, None, ranks=[2, 3]) is None  # one node
 
 
+def test_a_configured_layout_against_the_launch_is_said_and_a_bad_launch_variable_refused(monkeypatch):
+    """`OccultConfig.devices_per_node` that describes other nodes than `$LOCAL_WORLD_SIZE` is used, with a warning
+    (rows may cross the slow link where the plan did not expect it); a `$LOCAL_WORLD_SIZE` that is no integer is an
+    error (it had been taken for one node, silently)."""
+    import warnings
+
+    from occult_hf.dispatch.group import resolve_devices_per_node
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    for explicit, used in ((4, None), (1, 1)):
+        with pytest.warns(UserWarning, match=rf"devices_per_node={explicit} differs from the launch \(\$LOCAL_WORLD_SIZE=2: 2 of "
+                                             r"the group's 4 ranks per node\); the configured layout is used"):  # fmt: skip
+            assert resolve_devices_per_node(explicit, 4, True, None) == used
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_devices_per_node(2, 4, True, None) == 2  # as launched: nothing to say
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "abc")
+    with pytest.raises(ValueError, match=r"\$LOCAL_WORLD_SIZE='abc' is not an integer"):
+        resolve_devices_per_node(None, 4, True, None)
+
+
 TRAIN_STEPS = 2
 
 

@@ -10,6 +10,7 @@ every node (the inter-node links of one GPU each).
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -117,20 +118,54 @@ LOCAL_WORLD_SIZE_ENV = "LOCAL_WORLD_SIZE"
 def resolve_devices_per_node(
     explicit: int | None, num_devices: int, distributed: bool, planned: int | None, ranks=None
 ) -> int | None:
-    """The node layout a model runs with, None for one node: `OccultConfig.devices_per_node` when set; under
-    torch.distributed the layout `$LOCAL_WORLD_SIZE` gives the group's ranks (`_launch_layout`); else the placement's
-    recorded layout (`planned`, `Placement.devices_per_node`; in one process the logical devices' nodes). Must divide
-    `num_devices`. `ranks`: the group's global ranks in group order (`ExpertParallelGroup.global_ranks`; None: the
-    world, 0..D-1)."""
+    """The node layout a model runs with, None for one node: `OccultConfig.devices_per_node` when set (a warning
+    when the launcher's `$LOCAL_WORLD_SIZE` says otherwise); under torch.distributed the layout `$LOCAL_WORLD_SIZE`
+    gives the group's ranks (`_launch_layout`); else the placement's recorded layout (`planned`,
+    `Placement.devices_per_node`; in one process the logical devices' nodes). A layout of fewer devices than
+    `num_devices` must divide it; one of as many or more is one node. `ranks`: the group's global ranks in group order
+    (`ExpertParallelGroup.global_ranks`; None: the world, 0..D-1)."""
+    launched = _launched_per_node() if distributed else None
+    ranks = range(num_devices) if ranks is None else ranks
     if explicit is not None:
         value, setting = explicit, "OccultConfig.devices_per_node"
-    elif distributed and os.environ.get(LOCAL_WORLD_SIZE_ENV, "").isdigit():
-        return _launch_layout(int(os.environ[LOCAL_WORLD_SIZE_ENV]), range(num_devices) if ranks is None else ranks)
+        if launched is not None:
+            _warn_if_not_launched_so(explicit, num_devices, launched, ranks)
+    elif launched is not None:
+        return _launch_layout(launched, ranks)
     else:
         value, setting = planned, "the placement's devices_per_node"
     if value is None or value >= num_devices:
         return None
     return check_devices_per_node(value, num_devices, setting)
+
+
+def _launched_per_node() -> int | None:
+    """`$LOCAL_WORLD_SIZE` as an integer, None where it is unset or empty; anything else is an error naming it (a
+    value that is no number had been taken for one node, silently)."""
+    text = os.environ.get(LOCAL_WORLD_SIZE_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"${LOCAL_WORLD_SIZE_ENV}={os.environ[LOCAL_WORLD_SIZE_ENV]!r} is not an integer (the processes of one node)") from None
+
+
+def _warn_if_not_launched_so(explicit: int, num_devices: int, launched: int, ranks) -> None:
+    """Say when `OccultConfig.devices_per_node` describes other nodes than the launcher ran: it is used (it is how a
+    user overrides the launch layout), but rows then cross the slow link where the plan thought they would not, and
+    `max_nodes_per_token` limits other groups of devices than the machines."""
+    try:
+        launch = _launch_layout(launched, ranks)
+    except ValueError:  # a launch layout occult cannot use: the explicit one is the way around it
+        return
+    if (None if explicit >= num_devices else explicit) != launch:
+        warnings.warn(
+            f"OccultConfig.devices_per_node={explicit} differs from the launch (${LOCAL_WORLD_SIZE_ENV}={launched}: "
+            f"{'all' if launch is None else launch} of the group's {num_devices} ranks per node); the configured layout "
+            f"is used",
+            stacklevel=2,
+        )
 
 
 def _launch_layout(per_node_launched: int, ranks) -> int | None:
