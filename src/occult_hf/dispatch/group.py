@@ -102,13 +102,19 @@ class ExpertParallelGroup:
             )
         size = dist.get_world_size(group) if group is not None else 1
         if size > 1:
-            if num_devices is not None and num_devices != size:
-                raise ValueError(
-                    f"OccultConfig.num_devices ({num_devices}) must equal the expert-parallel group size "
-                    f"({size}): every rank of the group holds the experts of one device"
-                )
+            check_group_size(num_devices, size)
             return cls(num_devices=size, group=group, rank=dist.get_rank(group))
         return cls(num_devices=1 if num_devices is None else int(num_devices))
+
+
+def check_group_size(num_devices: int | None, size: int, setting: str = "OccultConfig.num_devices", fix: str = "") -> None:
+    """Under EP every rank of a group of `size` > 1 ranks holds the experts of one device: a device count `setting`
+    other than `size` (None: take the group's) is an error, ending with `fix` (how to get past it)."""
+    if size > 1 and num_devices not in (None, size):
+        raise ValueError(
+            f"{setting} ({num_devices}) must equal the expert-parallel group size ({size}): every rank of the group "
+            f"holds the experts of one device{fix}"
+        )
 
 
 #: the launchers' variable for the processes of one node (torchrun's --nproc-per-node)

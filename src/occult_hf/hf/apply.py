@@ -261,9 +261,8 @@ def _as_json(value):
 
 
 def _note_override(stored, given) -> None:
-    """Say when a given `occult_config` replaces the one the checkpoint stores: whole, not merged (a stored pruning
-    the given one leaves out is off), as transformers says for a given `quantization_config`."""
-    given = _as_json(given)
+    """Say when a given `occult_config` (`_as_json` of it) replaces the one the checkpoint stores: whole, not merged (a
+    stored pruning the given one leaves out is off), as transformers says for a given `quantization_config`."""
     if stored is None or given is None or given is UNSET or stored == given:
         return
     logger.warning(
@@ -280,7 +279,7 @@ def _apply_on_load(model, occult_config, subfolder: str = ""):
     if occult_config is UNSET:
         occult_config = stored_occult_config(model.config, subfolder)  # strict, relative paths against the checkpoint
     else:
-        _note_override(getattr(model.config, "occult_config", None), occult_config)
+        _note_override(getattr(model.config, "occult_config", None), _as_json(occult_config))
     if occult_config is None:
         forget_saved_description(model.config)
         return model

@@ -191,10 +191,8 @@ def _bundle_profile(profile, staging: str) -> None:
     config_file = os.path.join(staging, "config.json")
     if profile is None or not os.path.isfile(config_file):
         return
-    saved = read_json_file(config_file, "the staged config")
-    if not isinstance(saved.get("occult_config"), dict):  # a folder this model's save did not write
-        return
     profile.save(os.path.join(staging, PROFILE_FILENAME))
+    saved = read_json_file(config_file, "the staged config")
     saved["occult_config"] = {**saved["occult_config"], "profile": PROFILE_FILENAME}
     atomic_write_json(config_file, saved, indent=2, sort_keys=True)
 
@@ -208,9 +206,15 @@ def _describe_pruning(config, staging: str, target: str) -> None:
     if description is not None and os.path.isfile(config_file):
         saved = read_json_file(config_file, "the staged config")
         atomic_write_json(config_file, {**saved, PRUNING_CONFIG_KEY: description}, indent=2, sort_keys=True)
+    describe_in_card(config, staging, target)
+
+
+def describe_in_card(config, staging: str, target: str) -> None:
+    """The model card of `target` (written to `staging`) with a pruned model's section (`hf.model_card`), or without
+    an older one for an exact model: a save's card, and the card a Trainer writes over a saved model's."""
     card = os.path.join(target, CARD_FILENAME)
     existing = Path(card).read_text(encoding="utf-8") if os.path.isfile(card) else None
-    if description is not None:
+    if config.prune is not None:
         atomic_write_text(os.path.join(staging, CARD_FILENAME), card_with_pruning(config, existing))
     elif existing is not None and strip_pruning_section(existing) != existing:
         atomic_write_text(os.path.join(staging, CARD_FILENAME), strip_pruning_section(existing))

@@ -251,7 +251,7 @@ def unwrap_methods(owner: type, names) -> None:
             setattr(owner, name, original)
 
 
-# ----- generate --------------------------------------------------------------------------------------
+# ----- the Hub ---------------------------------------------------------------------------------------
 
 
 #: the method both of transformers' pushes upload a folder through
@@ -266,6 +266,9 @@ def push_upload(model, working_dir, repo_id, *args, **kwargs):
 def files_timestamps(model, directory: str) -> dict[str, float]:
     """The modification times transformers compares a push's folder against (`_get_files_timestamps`)."""
     return model._get_files_timestamps(directory)
+
+
+# ----- generate --------------------------------------------------------------------------------------
 
 
 def static_cache_length(model: torch.nn.Module, args: tuple, kwargs: dict) -> int | None:

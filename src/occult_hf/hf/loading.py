@@ -40,6 +40,7 @@ from occult_hf.patches import adapter_for
 
 from .compat import UNSET, intercept_state_dict_loading, skip_allocator_warmup_for
 from ..config import OccultConfig, stored_occult_config
+from ..dispatch.group import check_group_size
 from ..distributed.agreement import announce_failure
 from ..utils.logging import get_logger
 from .blocks import LOADED_EXPERTS_ATTR
@@ -112,8 +113,9 @@ def load_scope(occult_config, kwargs: dict, model_class: type | None = None):
         try:
             occult_config = OccultConfig.coerce(occult_config)
             _check_model_type(kwargs.get("config"), model_class)
-            if _distributed() and kwargs.get("distributed_config") is None:
-                _check_world_size(occult_config, "OccultConfig.num_devices")
+            if _distributed() and kwargs.get("distributed_config") is None:  # the EP group of a load is the world:
+                # a device count it cannot run fails here, not in apply_occult after every rank read every expert
+                check_group_size(occult_config.num_devices, torch.distributed.get_world_size())
         except Exception as error:  # the other ranks will wait at apply_occult: they raise at once, naming this one
             announce_failure(error, "from_pretrained")
             raise
@@ -223,18 +225,6 @@ def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def _check_world_size(config: OccultConfig, source: str, fix: str = "") -> None:
-    """Under torch.distributed (2 ranks or more) the EP group of a load is the world, one rank a device: a config for
-    another device count is an error before any weight is read (`apply_occult` would raise it after every rank read
-    every expert)."""
-    world = torch.distributed.get_world_size()
-    if world > 1 and config.num_devices not in (None, world):
-        raise ValueError(
-            f"{source} ({config.num_devices}) must equal the expert-parallel group size ({world}): every rank of the "
-            f"group holds the experts of one device{fix}"
-        )
-
-
 class ExpertLoader:
     """`intercept(model, state_dict) -> (state_dict, after)` for `intercept_state_dict_loading`."""
 
@@ -253,8 +243,9 @@ class ExpertLoader:
                 self.report.fallback_reason = "a vanilla load (no occult_config)"
                 return state_dict, None
             self.occult_config = stored
-            _check_world_size(
-                stored, "the occult_config the checkpoint stores (config.json) has num_devices",
+            check_group_size(  # before any expert is read, as for a given config
+                stored.num_devices, torch.distributed.get_world_size(),
+                "the occult_config the checkpoint stores (config.json) has num_devices",
                 "; load it with an occult_config= of this job's device count (it replaces the stored one whole: repeat "
                 "any pruning) or occult_config=None for the model without occult_hf",
             )

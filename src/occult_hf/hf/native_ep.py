@@ -55,7 +55,7 @@ from occult_hf.patches import RouterOutput, adapter_for
 
 from .checkpointing import add_pruning_files, new_save_group, record_running_limits
 from .compat import PUSH_UPLOAD_METHOD
-from .hub import upload_described
+from .hub import upload_described, writes_files
 from ..config import OccultConfig
 from ..dispatch import DispatchSettings, ExpertParallelGroup, TokenDispatcher, TokenRouting, build_dispatcher
 from ..dispatch.group import resolve_devices_per_node
@@ -515,7 +515,7 @@ def _save_described(model, save_directory, *args, **kwargs):
     state = state_of(model, TRANSFORMERS_EP)
     record_running_limits(model, state)
     result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
-    if kwargs.get("is_main_process", True) and not (dist.is_initialized() and dist.get_rank() != 0):  # transformers' writer
+    if kwargs.get("is_main_process", True) and writes_files(state):
         add_pruning_files(state, os.fspath(save_directory), os.fspath(save_directory))
     if state.agreement_group is not None:
         start = functools.partial(dist.barrier, group=state.agreement_group, async_op=True)

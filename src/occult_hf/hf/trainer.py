@@ -51,7 +51,7 @@ from torch import nn
 
 from .state import BLOCKS, STATE_ATTR
 from .compat import checkpoint_key_renamer, unwrap_when_imported, wrap_when_imported
-from .checkpointing import add_pruning_files, snapshot_experts
+from .checkpointing import describe_in_card, snapshot_experts
 from .peft_support import snapshot_adapters
 from ..distributed.agreement import SAVE_TIMEOUT_ENV, announce_failure, arrive, save_timeout_s
 from ..moe import OccultMoE
@@ -359,9 +359,9 @@ def _create_model_card(original, trainer, *args, **kwargs):
     """`Trainer.push_to_hub` writes the Trainer's card over the output folder's `README.md` after the model's save,
     then uploads the folder itself: a pruned model's section goes back above the Trainer's card (`hf.hub`)."""
     result = original(trainer, *args, **kwargs)
-    model = _configured_model(trainer.model)
-    if model is not None and trainer.is_world_process_zero() and model is trainer.model:
-        add_pruning_files(vars(model)[STATE_ATTR], trainer.args.output_dir, trainer.args.output_dir)
+    if _configured_model(trainer.model) is trainer.model and trainer.is_world_process_zero():
+        config, output_dir = vars(trainer.model)[STATE_ATTR].occult_config, trainer.args.output_dir
+        describe_in_card(config, output_dir, output_dir)  # the model's save wrote the rest of its description
     return result
 
 
