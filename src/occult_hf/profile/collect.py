@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..utils.text_files import check_utf8
+from ..utils.text_files import read_utf8
 from .stats import LayerAccumulator
 
 DEFAULT_SAMPLE_SIZE = 8192
@@ -264,9 +264,7 @@ def _documents(data, text_column: str, separator: str) -> tuple[Iterable, int | 
             raise FileNotFoundError(f"text file {path!r} is not a file")
         if not isinstance(separator, str) or not separator:
             raise ValueError(f"separator must be a non-empty string, got {separator!r}")
-        check_utf8(path, f"text file {path!r}")
-        with open(path, encoding="utf-8", newline="") as f:  # the text as written, "\r\n" included
-            documents = [doc for doc in f.read().split(separator) if doc.strip()]
+        documents = [doc for doc in read_utf8(path, f"text file {path!r}").split(separator) if doc.strip()]
         if not documents:
             raise ValueError(f"text file {path!r} holds no non-blank document (separator {separator!r})")
         return documents, len(documents)

@@ -1,6 +1,7 @@
-"""One UTF-8 check for the text files users hand to profiling (`occult profile --text`, `RoutingProfile.collect`):
-a byte that is not UTF-8 is an error naming the file and the byte's offset before any model runs on the text,
-not a `UnicodeDecodeError` from deep inside tokenisation."""
+"""One UTF-8 error for the text files users hand to profiling: a byte that is not UTF-8 names the file and the byte's
+offset before any model runs on the text, not a `UnicodeDecodeError` from deep inside tokenisation. `check_utf8`
+decodes in chunks (`occult profile --text`, before the model loads); `read_utf8` reads the text once, whole
+(`RoutingProfile.collect`, which keeps it all)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,17 @@ def check_utf8(path: str, named: str, chunk_bytes: int = 2**20) -> None:
         _decode(decoder, b"", offset, named)
 
 
+def read_utf8(path: str, named: str) -> str:
+    """The text of the file `path`, read once and whole (for a caller that keeps it all), "\r\n" as written; a byte
+    that is not UTF-8 raises `check_utf8`'s error."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise _not_utf8(named, error.start, raw[error.start], error.reason) from None
+
+
 def _decode(decoder, chunk: bytes, offset: int, named: str) -> None:
     """Feed `chunk` (file offset `offset`; empty: the end of the file) to `decoder`; an error counts the bytes the
     decoder held back from the previous chunk, where a character cut by the chunk boundary starts."""
@@ -26,7 +38,8 @@ def _decode(decoder, chunk: bytes, offset: int, named: str) -> None:
     try:
         decoder.decode(chunk, final=not chunk)
     except UnicodeDecodeError as error:
-        data = held + chunk
-        raise ValueError(
-            f"{named} is not UTF-8: byte {offset - len(held) + error.start} (0x{data[error.start]:02x}) {error.reason}"
-        ) from None
+        raise _not_utf8(named, offset - len(held) + error.start, (held + chunk)[error.start], error.reason) from None
+
+
+def _not_utf8(named: str, offset: int, byte: int, reason: str) -> ValueError:
+    return ValueError(f"{named} is not UTF-8: byte {offset} (0x{byte:02x}) {reason}")
