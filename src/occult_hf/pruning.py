@@ -386,12 +386,9 @@ class CollaborationPruner:
                 f"max_nodes_per_token={value!r} needs a node layout: set OccultConfig.devices_per_node, launch on several "
                 f"nodes (LOCAL_WORLD_SIZE < the group size), or plan the placement with devices_per_node"
             )
-        if self.devices_per_node is None:
-            self._max_nodes_per_token = self._checked_limit(value, "max_nodes_per_token", "N_n", "nodes", None, 0)
-        else:
-            self._max_nodes_per_token = self._checked_limit(
-                value, "max_nodes_per_token", "N_n", "nodes", self._capacity_sorted_Q, self._fewest_held_Q
-            )
+        self._max_nodes_per_token = None if value is None else self._checked_limit(
+            value, "max_nodes_per_token", "N_n", "nodes", self._capacity_sorted_Q, self._fewest_held_Q
+        )
 
     def _checked_limit(self, value, setting: str, symbol: str, unit: str, capacity_sorted, fewest_held: int) -> int | None:
         """`value` (None: no limit) if it is an integer in [1, units] that leaves every token at least top_k experts:

@@ -92,13 +92,12 @@ def check_output_dir(path: str, flag: str = "--out") -> None:
     """Fail before a long run when the output directory `path` of `flag` cannot be made or written in: it is an
     existing file, a file stands where one of its parents would be, or its nearest existing parent takes no new file
     (`utils.atomic.probe_directory`)."""
-    existing = os.path.abspath(path)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
+    from ..utils.atomic import nearest_existing, probe_directory
+
+    existing = os.fspath(nearest_existing(os.path.abspath(path)))
     if not os.path.isdir(existing):
         where = "is an existing file" if existing == os.path.abspath(path) else f"lies under the file {existing!r}"
         raise FileExistsError(f"{flag} {path!r} {where}; give a directory (it is created if missing)")
-    from ..utils.atomic import probe_directory
 
     try:
         probe_directory(existing)

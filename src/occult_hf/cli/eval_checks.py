@@ -19,7 +19,7 @@ CHECKS = "occult eval's checks before the model loads"
 def check_output_path(output_path: str) -> None:
     """Fail before the evaluation when `--output_path` cannot take its results: lm-eval logs a failed write
     ("Could not save results aggregated") and carries on, so an hours-long run would end with nothing written."""
-    from occult_hf.utils.atomic import probe_directory
+    from occult_hf.utils.atomic import nearest_existing, probe_directory
 
     if not output_path:
         raise SystemExit("occult eval: --output_path must not be empty")
@@ -28,9 +28,7 @@ def check_output_path(output_path: str) -> None:
         raise SystemExit(f"occult eval: --output_path {output_path!r} is a folder, but a path ending in .json names the "
                          f"results file (lm-eval writes {path.stem}_<time>.json beside it); give a path without .json")  # fmt: skip
     folder = path.parent if path.suffix == ".json" else path  # lm-eval writes beside a .json path, else into it
-    existing = folder
-    while not existing.exists():  # the nearest existing folder on the way names what is in the way
-        existing = existing.parent
+    existing = nearest_existing(folder)  # a file there names what is in the way
     if not existing.is_dir():
         where = "is an existing file" if existing == path else f"lies under the file {os.fspath(existing)!r}"
         raise SystemExit(f"occult eval: --output_path {output_path!r} {where}; give a folder (it is made if missing)")

@@ -20,6 +20,7 @@ import math
 import os
 import shutil
 import tempfile
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -134,6 +135,15 @@ def check_writable_dir(path: str | os.PathLike, what: str = "output") -> str:
     return path
 
 
+def nearest_existing(path: str | os.PathLike) -> Path:
+    """`path`, else its nearest ancestor that exists (a relative path's walk ends at "."): a file there is what stands
+    in the way of making `path` a directory, a directory where it would be made."""
+    existing = Path(path)
+    while not existing.exists():
+        existing = existing.parent
+    return existing
+
+
 def probe_directory(directory: str | os.PathLike) -> None:
     """Make and remove a file in `directory`; the `OSError` of one that takes no new file (a read-only mount, its
     permissions, /proc), which `os.access` does not report for root."""
@@ -191,5 +201,6 @@ __all__ = [
     "atomic_save_figure",
     "atomic_torch_save",
     "check_writable_dir",
+    "nearest_existing",
     "probe_directory",
 ]
