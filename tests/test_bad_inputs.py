@@ -123,6 +123,10 @@ def test_a_placement_that_does_not_fit_names_its_file_and_what_it_was_checked_ag
         ({"profile": 3}, TypeError, "OccultConfig.profile must be None or a path"),
         ({"placement": {"num_experts": 4, "num_devices": 2.0, "layers": {"0": [0, 0, 1, 1]}}}, ValueError,
          "$.num_devices must be an integer, got float 2.0"),
+        ({"dispatcher": "hierarchical", "dispatch_chunks": 2}, ValueError,
+         "OccultConfig.dispatch_chunks=2 needs a dispatcher that overlaps chunks (['all_to_all']); "
+         "dispatcher='hierarchical' runs one chunk"),
+        ({"dispatcher": "padded", "dispatch_chunks": 4}, ValueError, "dispatcher='padded' runs one chunk"),
     ],
 )
 def test_occult_config_rejects_lenient_values(kwargs, error, message):

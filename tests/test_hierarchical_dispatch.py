@@ -436,6 +436,27 @@ def rows_of_another_format(rank, world_size) -> str:
     return "no error"
 
 
+def unused_chunks_warnings(rank, world_size) -> list[str]:
+    """What occult_hf logs when "auto" takes "hierarchical" (one chunk) for two layers with `chunks=2`."""
+    import logging
+
+    from occult_hf.dispatch import DispatchSettings, ExpertParallelGroup, build_dispatcher
+    from occult_hf.utils.logging import get_logger
+
+    placement = naive_placement(world_size, replicas=False)
+    ep = ExpertParallelGroup.resolve(None, world_size).with_node_groups(2)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    get_logger().addHandler(handler)
+    try:
+        names = [build_dispatcher(DispatchSettings(chunks=2), ep, placement.layout(0, rank)).name for _ in range(2)]
+    finally:
+        get_logger().removeHandler(handler)
+    assert names == ["hierarchical", "hierarchical"], names
+    return [record.getMessage() for record in records]
+
+
 def _four_rank_world(rank, world_size, cases, profiles):
     import torch.distributed as dist
 
@@ -445,7 +466,7 @@ def _four_rank_world(rank, world_size, cases, profiles):
         check_family_case(rank, world_size, case, profiles, alone)
     return (
         check_one_node(rank, world_size), check_compiled_layer(rank, world_size), bad_node_settings(rank, world_size),
-        rows_of_another_format(rank, world_size),
+        rows_of_another_format(rank, world_size), unused_chunks_warnings(rank, world_size),
     )  # fmt: skip
 
 
@@ -466,8 +487,12 @@ def test_two_nodes_of_two_devices_every_family_exact():
     cases.append(dict(family="qwen3_moe", mode="dedup", replicas=True, launched="2"))
     profiles = profiles_for({c["family"] for c in cases if c.get("prune") == "similarity"}, 4)
     results = run_world(_four_rank_world, 4, cases, profiles, timeout_s=300)
-    for rank, (one_node, compiled, errors, format_error) in enumerate(results):
+    for rank, (one_node, compiled, errors, format_error, chunk_warnings) in enumerate(results):
         assert one_node in ("padded", "all_to_all") and compiled == "PaddedDispatcher"
+        assert chunk_warnings == [
+            "OccultConfig.dispatch_chunks=2 is unused: dispatcher='auto' chose 'hierarchical' for this group, which runs "
+            "one chunk (only ['all_to_all'] overlap chunks)"
+        ], chunk_warnings
         other, mine = ("float64", "float32") if rank < 3 else ("float32", "float64")
         assert format_error.startswith(f"layer 0: EP rank {3 if rank < 3 else 0} sends rows of format [{other} x {HIDDEN}, "), format_error
         assert f"and this rank [{mine} x {HIDDEN}, " in format_error, format_error

@@ -92,8 +92,9 @@ class OccultConfig:
         default=None,
         metadata={
             "help": "Chunks a rank's tokens are split into so that the exchange of one chunk overlaps the experts of "
-            "another (torch.distributed dispatchers; None: occult_hf.dispatch.DEFAULT_CHUNKS, which is 1: on two H200s "
-            "4 chunks measured slower than 1, see docs/bench_ep_h200_2gpu.md)."
+            "another (dispatcher 'all_to_all' only: a config naming another with dispatch_chunks > 1 is refused, and "
+            "'auto' choosing another logs a warning; None: occult_hf.dispatch.DEFAULT_CHUNKS, which is 1: on two "
+            "H200s 4 chunks measured slower than 1, see docs/bench_ep_h200_2gpu.md)."
         },
     )
     exchange_timeout_s: float | None = field(
@@ -188,6 +189,12 @@ class OccultConfig:
             raise ValueError(f"OccultConfig.dispatch must be one of {DISPATCH_MODES}, got {self.dispatch!r}")
         if self.dispatcher != "auto":
             DISPATCHERS.check(self.dispatcher)
+            if (self.dispatch_chunks or 1) > 1 and not DISPATCHERS.trait(self.dispatcher, "overlaps_chunks"):
+                overlapping = [name for name in DISPATCHERS.names() if DISPATCHERS.trait(name, "overlaps_chunks")]
+                raise ValueError(
+                    f"OccultConfig.dispatch_chunks={self.dispatch_chunks} needs a dispatcher that overlaps chunks "
+                    f"({overlapping}); dispatcher={self.dispatcher!r} runs one chunk: leave dispatch_chunks at None"
+                )
         if self.exchange_timeout_s is not None and isinstance(self.exchange_timeout_s, str):
             raise ValueError(f"OccultConfig.exchange_timeout_s must be None or a number, got str {self.exchange_timeout_s!r}")
         if self.exchange_timeout_s is not None:

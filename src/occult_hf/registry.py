@@ -118,7 +118,7 @@ DISPATCH_MODES = ("dedup", "per_expert")
 #: `OccultConfig.replica_choice`: which home serves a pair of a replicated expert (`occult_hf.replicas.routing`)
 REPLICA_CHOICES = ("static", "load_aware")
 
-#: token dispatchers (`occult_hf.dispatch.register_dispatcher`); "auto" picks one per layer
+#: token dispatchers (`occult_hf.dispatch.register_dispatcher`); "auto" picks one per layer; trait `overlaps_chunks`
 DISPATCHERS: Registry = Registry(
     "dispatcher",
     "OccultConfig.dispatcher",
@@ -130,6 +130,7 @@ DISPATCHERS: Registry = Registry(
         "hierarchical": "occult_hf.dispatch.hierarchical",
     },
     reserved=("auto",),
+    traits={"all_to_all": {"overlaps_chunks": True}},  # `OccultConfig.dispatch_chunks` > 1 means something only here
 )
 #: local expert computations (`occult_hf.experts.register_expert_backend`); "auto" picks one per call
 EXPERT_BACKENDS: Registry = Registry(

@@ -67,6 +67,7 @@ from occult_hf.expert_shapes import SHAPES, ExpertShape
 from occult_hf.placement import Placement, plan_placement
 from occult_hf.profile import RoutingProfile
 from occult_hf.profile import LayerAccumulator
+from occult_hf.registry import DISPATCHERS as REGISTERED_DISPATCHERS
 from occult_hf.benchmarks import QWEN15_TRACE, measures_a_gpu
 
 HELP = "expert-parallel MoE layer under torchrun: every dispatcher and dispatch mode vs transformers' EP"
@@ -468,7 +469,7 @@ def measure(shape_name: str, tokens: int, trace, args, device, dtype, rank: int,
             prune="router" if mode.max_devices_per_token else None,
             max_devices_per_token=mode.max_devices_per_token,
             expert_backend=args.expert_backend,
-            dispatch_chunks=args.chunks,
+            dispatch_chunks=args.chunks if REGISTERED_DISPATCHERS.trait(dispatcher, "overlaps_chunks") else None,
             replica_choice=mode.replica_choice,
         )
         converted, layer = occult_layer(model, occult_config, logits_TE)
@@ -839,7 +840,7 @@ def save_results(rows: list[Row], world: int, dtype, device, out: Path, chunks: 
     table = results_table(rows)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = (
-        f"`occult bench ep`, {world} rank(s), {dtype}, dispatch_chunks={chunks or 'auto'}, {stamp}, {machine_line(device)}"
+        f"`occult bench ep`, {world} rank(s), {dtype}, dispatch_chunks={chunks or 'default'} (all_to_all), {stamp}, {machine_line(device)}"
     )
     if final:
         print(f"\n{header}\n\n{table}", flush=True)
@@ -876,7 +877,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default: {QWEN15_TRACE} when present, else every shape uses its router)",
     )
     parser.add_argument(
-        "--chunks", type=positive_int, default=None, help="OccultConfig.dispatch_chunks for every layer (default: chosen from T per rank)"
+        "--chunks", type=positive_int, default=None, help="OccultConfig.dispatch_chunks of every layer run by a dispatcher that overlaps chunks (all_to_all; default: "
+        "occult_hf.dispatch.DEFAULT_CHUNKS)"
     )
     parser.add_argument("--iterations", type=positive_int, default=20)
     parser.add_argument(

@@ -27,6 +27,8 @@ A new implementation is a module here whose class is decorated with `register_di
 below; "auto" prefers it where its `supports(ep, device)` is true and its `priority` is higher.
 """
 
+import functools
+
 from . import all_to_all, hierarchical, local, static  # noqa: F401  (register the implementations)
 from .all_to_all import AllToAllDispatcher
 from .auto import PADDED_MAX_OVERHEAD, AutoHints
@@ -49,6 +51,8 @@ from .group import ExpertParallelGroup
 from .hierarchical import HierarchicalDispatcher, HierarchicalPlan
 from .local import LocalDispatcher
 from ..layout import LayerLayout
+from ..registry import DISPATCHERS
+from ..utils.logging import get_logger
 
 
 def build_dispatcher(
@@ -57,7 +61,19 @@ def build_dispatcher(
     """The dispatcher `settings.dispatcher` names ("auto": chosen for `ep` on `device` with the layer's
     `DispatchSettings.hints`) for the layer of `layout`; `label` names the layer in errors (default "layer <index>")."""
     cls = dispatcher_class(settings.dispatcher, ep, device, settings.hints(layout))
+    if ep.is_distributed and (settings.chunks or 1) > 1 and not cls.overlaps_chunks:
+        _warn_chunks_unused(cls.name, settings.chunks)
     return cls(ep, layout, settings, label)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_chunks_unused(name: str, chunks: int) -> None:
+    """Once per process and choice: "auto" took a dispatcher that runs one chunk, so `dispatch_chunks` is unused
+    (a config that names such a dispatcher is refused by `OccultConfig` instead)."""
+    get_logger(__name__).warning(
+        f"OccultConfig.dispatch_chunks={chunks} is unused: dispatcher='auto' chose {name!r} for this group, which runs "
+        f"one chunk (only {[n for n, c in DISPATCHERS.items() if c.overlaps_chunks]} overlap chunks)"
+    )
 
 
 __all__ = [

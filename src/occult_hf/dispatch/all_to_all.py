@@ -119,6 +119,7 @@ class AllToAllPlan(DispatchPlan):
 class AllToAllDispatcher(TokenDispatcher):
     name = "all_to_all"
     priority = 10
+    overlaps_chunks = True
 
     def __init__(self, ep, layout, settings, label=None) -> None:
         super().__init__(ep, layout, settings, label)

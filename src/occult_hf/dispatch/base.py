@@ -295,6 +295,9 @@ class TokenDispatcher:
             captured in a CUDA graph (class attribute; `occult bench ep` times such layers replayed too).
         requires: what `supports` asks of the group beyond the ranks, in words, for the error when a config names
             an implementation that cannot serve (class attribute; "" when there is nothing to add).
+        overlaps_chunks: splits a forward's tokens into `settings.chunks` chunks whose exchanges overlap the experts
+            (class attribute); the others run one chunk, so a config that names one with `dispatch_chunks > 1` is
+            refused, and "auto" choosing one warns.
         ep: the expert-parallel group.
         layout: the layer's `LayerLayout` for this rank: each expert's device and slot there, and with replicated
             experts the home and slot tables, which make `plan.destinations` apply the replica routing rule.
@@ -308,6 +311,7 @@ class TokenDispatcher:
     priority: ClassVar[int] = 0
     graph_capturable: ClassVar[bool] = False
     requires: ClassVar[str] = ""
+    overlaps_chunks: ClassVar[bool] = False
 
     def __init__(
         self, ep: ExpertParallelGroup, layout: LayerLayout, settings: DispatchSettings, label: str | None = None
@@ -461,8 +465,9 @@ def resolve_timeout(timeout_s: float | None) -> float:
 
 # ----- registry ---------------------------------------------------------------------------------
 def register_dispatcher(cls: type[TokenDispatcher]) -> type[TokenDispatcher]:
-    """Class decorator: register `cls` under `cls.name` in `occult_hf.registry.DISPATCHERS`."""
-    return DISPATCHERS.register(cls.name, cls)
+    """Class decorator: register `cls` under `cls.name` in `occult_hf.registry.DISPATCHERS` (with its
+    `overlaps_chunks`, which `OccultConfig` checks `dispatch_chunks` against)."""
+    return DISPATCHERS.register(cls.name, cls, overlaps_chunks=cls.overlaps_chunks)
 
 
 def dispatcher_names() -> tuple[str, ...]:

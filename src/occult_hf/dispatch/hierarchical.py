@@ -145,6 +145,7 @@ class HierarchicalDispatcher(AllToAllDispatcher):
     """The flat exchange's transport and autograd, twice: over the rail between nodes, then inside the node."""
 
     name = "hierarchical"
+    overlaps_chunks = False
     priority = 20  # above "all_to_all": where the group spans nodes (only there it serves) "auto" takes it
     requires = (
         "an expert-parallel group that spans nodes: OccultConfig.devices_per_node (or $LOCAL_WORLD_SIZE under "
@@ -158,7 +159,7 @@ class HierarchicalDispatcher(AllToAllDispatcher):
                 f"{'is one node' if ep.is_distributed else 'is one process'} (devices_per_node={ep.devices_per_node})"
             )
         super().__init__(ep, layout, settings, label)
-        self.chunks = 1  # the hops are not pipelined (`OccultConfig.dispatch_chunks` overlaps the flat exchange only)
+        self.chunks = 1  # the hops are not pipelined (`overlaps_chunks`)
 
     @classmethod
     def supports(cls, ep, device=None) -> bool:
