@@ -155,6 +155,22 @@ def _checkpoint_shapes(directory: Path) -> dict[str, tuple]:
     return shapes
 
 
+def test_torch_save_and_load_keep_occult_methods(tmp_path):
+    """`torch.save(model)` / `torch.load` of an occult model (pickle): the loaded model has occult's `save_pretrained`
+    bound to itself, and its save holds the experts in transformers' order (stock transformers loads the logits)."""
+    from occult_hf import OccultConfig
+    from occult_hf.hf.apply import apply_occult
+
+    model = apply_occult(tiny_model("olmoe", seed=2), OccultConfig(placement=shuffled_placement("olmoe", 8, 3)))
+    torch.save(model, tmp_path / "model.pt")  # before a forward: transformers' output hooks do not pickle
+    ids = tiny_batch(seed=4)
+    expected = model(ids).logits
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert loaded.save_pretrained.__self__ is loaded and rel_err(loaded(ids).logits, expected) == 0
+    loaded.save_pretrained(tmp_path / "saved")
+    assert rel_err(load(tmp_path / "saved", occult_config=None)(ids).logits, expected) <= TOLERANCE
+
+
 @pytest.mark.parametrize("family", ["olmoe", "deepseek"])
 def test_unapply_returns_the_trained_original_blocks(family):
     from occult_hf import OccultConfig

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import types
 from dataclasses import replace
 
 import torch
@@ -104,9 +103,9 @@ def apply_occult(model: nn.Module, occult_config: OccultConfig | dict | str | No
         state.ddp_ignore_before = getattr(model, DDP_IGNORE_ATTR, None)
         # computed when DDP reads it, so that a later wrapper (plain peft.get_peft_model) is covered too
         setattr(model, DDP_IGNORE_ATTR, RankLocalStateNames(model, state.ddp_ignore_before))
-        state.instance_methods["generate"] = types.MethodType(_generate_in_lockstep, model)
-    state.instance_methods["save_pretrained"] = types.MethodType(save_and_push, model)
-    state.instance_methods[PUSH_UPLOAD_METHOD] = types.MethodType(upload_described, model)
+        state.instance_methods["generate"] = _generate_in_lockstep
+    state.instance_methods["save_pretrained"] = save_and_push
+    state.instance_methods[PUSH_UPLOAD_METHOD] = upload_described
     attach_state(model, state)
     return model
 

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import functools
 import os
-import types
 from dataclasses import replace
 
 import torch
@@ -374,9 +373,9 @@ def apply_occult_ep(model: nn.Module, occult_config: OccultConfig | dict | str |
             block.pruner = pruner
             new_state.module_attributes.append((block, "pruner"))
             new_state.hooks.append(adapter.router(block).register_forward_hook(_pruning_hook(block, pruner)))
-    new_state.instance_methods["gather_sharded_state_dict_for_save"] = types.MethodType(_gather_in_original_order, model)
-    new_state.instance_methods["save_pretrained"] = types.MethodType(_save_described, model)
-    new_state.instance_methods[PUSH_UPLOAD_METHOD] = types.MethodType(upload_described, model)
+    new_state.instance_methods["gather_sharded_state_dict_for_save"] = _gather_in_original_order
+    new_state.instance_methods["save_pretrained"] = _save_described
+    new_state.instance_methods[PUSH_UPLOAD_METHOD] = upload_described
     attach_state(model, new_state)
     return model
 

@@ -9,7 +9,7 @@ model inside its wrappers by it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -38,7 +38,8 @@ class OccultState:
         front_end: `BLOCKS` or `TRANSFORMERS_EP`.
         agreement_group: a gloo group of the EP ranks for the agreement check and the experts' gathers (EP only).
         save_timeout_s: the bound on every wait on that group (EP only).
-        instance_methods: methods put on the model instance (removed on undo).
+        instance_methods: name -> module-level function put on the model instance as a `ModelMethod` (removed on
+            undo).
         hooks: forward hooks put on modules of the model (removed on undo).
         module_attributes: `(module, name)` of attributes put on modules of the model (removed on undo).
         ddp_ignore_before: the model's DDP ignore list before `apply_occult` (EP only).
@@ -54,7 +55,7 @@ class OccultState:
     front_end: str = BLOCKS
     agreement_group: Any = None
     save_timeout_s: float = 0.0
-    instance_methods: dict[str, Any] = field(default_factory=dict)
+    instance_methods: dict[str, Callable] = field(default_factory=dict)
     hooks: list[Any] = field(default_factory=list)
     module_attributes: list[tuple[nn.Module, str]] = field(default_factory=list)
     ddp_ignore_before: list[str] | None = None
@@ -66,6 +67,27 @@ class OccultState:
     @property
     def placement(self) -> Placement:
         return self.occult_config.placement
+
+
+class ModelMethod:
+    """A function bound to one model and put on the instance, like `types.MethodType`, but pickled as the function
+    and the model: a bound method pickles as `getattr(model, function name)`, which the unpickler calls before the
+    model has its attributes, so `torch.save(model)` of an occult model wrote a file that `torch.load` either could not
+    read or read back with transformers' own `save_pretrained` in place of occult's."""
+
+    __slots__ = ("__func__", "__self__")
+
+    def __init__(self, function: Callable, model: nn.Module) -> None:
+        self.__func__, self.__self__ = function, model
+
+    def __call__(self, *args, **kwargs):
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    def __reduce__(self):
+        return ModelMethod, (self.__func__, self.__self__)
+
+    def __repr__(self) -> str:
+        return f"<occult_hf method {self.__func__.__qualname__} of {type(self.__self__).__name__}>"
 
 
 def state_of(model: nn.Module, front_end: str | None = None) -> OccultState:
@@ -81,8 +103,8 @@ def attach_state(model: nn.Module, state: OccultState) -> None:
     """Put `state` and its per-instance methods on the model, and the config on `model.config` as
     JSON-native data (so that transformers can log and save it). A pruning description the loaded
     `config.json` carried goes: each save writes it anew from the config the model runs."""
-    for name, method in state.instance_methods.items():
-        model.__dict__[name] = method
+    for name, function in state.instance_methods.items():
+        model.__dict__[name] = ModelMethod(function, model)
     model.__dict__[STATE_ATTR] = state
     forget_saved_description(model.config)
     model.config.occult_config = state.occult_config.to_dict()
