@@ -204,25 +204,32 @@ def test_eval_refuses_options_that_would_be_ignored(fake_lm_eval, tmp_path, caps
     assert fake_lm_eval == []
 
 
-def test_eval_no_progress_hides_lm_evals_request_bars(fake_lm_eval, tmp_path, capsys, monkeypatch):
-    """lm-eval's `Task.build_requests` draws a bar per task (`tqdm` in lm_eval.api.task, no switch of its own), which
-    `--no-progress` did not hide; the bars come back after the command."""
+def test_eval_no_progress_hides_lm_evals_request_and_bootstrap_bars(fake_lm_eval, tmp_path, capsys, monkeypatch):
+    """lm-eval's `Task.build_requests` draws a bar per task (`tqdm` in lm_eval.api.task) and its bootstrap a bar per
+    metric (`tqdm.tqdm`, imported when it runs), neither with a switch of its own, which `--no-progress` did not hide;
+    the bars come back after the command."""
     import lm_eval
     import lm_eval.api.task as task_module
 
     record = fake_lm_eval.append
 
-    def build_requests(**kwargs):
+    def evaluate(**kwargs):
         record(kwargs)
         for _ in task_module.tqdm(range(3)):  # as Task.build_requests draws them
             pass
+        from tqdm import tqdm
+
+        for _ in tqdm(range(5)):  # as api.metrics.bootstrap_stderr draws them
+            pass
         return None  # as on a rank other than 0: nothing to write
 
-    monkeypatch.setattr(lm_eval, "simple_evaluate", build_requests)
+    monkeypatch.setattr(lm_eval, "simple_evaluate", evaluate)
     assert main(_eval(tmp_path / "run", "--no-progress")) == 0
-    assert "3/3" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "3/3" not in err and "5/5" not in err
     assert main(_eval(tmp_path / "run")) == 0
-    assert "3/3" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "3/3" in err and "5/5" in err
 
 
 # ----- occult train --------------------------------------------------------------------------------------------

@@ -150,19 +150,29 @@ def _batch_size_and_device(model_args: dict) -> tuple[int | str, str]:
 
 
 @contextlib.contextmanager
-def _request_building_bars(enabled: bool):
-    """lm-eval's `Task.build_requests` draws a bar per task with no switch of its own: with `enabled` False (HF's
-    progress switches, which `--no-progress` turns off) lm-eval's task module draws them disabled inside the block,
-    and as before after it."""
+def _lm_eval_bars(enabled: bool):
+    """lm-eval draws bars that have no switch of its own: one per task in `Task.build_requests` (the `tqdm` its task
+    module imported) and one per bootstrapped metric (`api.metrics.bootstrap_stderr` imports `tqdm.tqdm` when it
+    runs). With `enabled` False (HF's progress switches, which `--no-progress` turns off) both are drawn disabled
+    inside the block, and as before after it."""
+    import tqdm
+
     import lm_eval.api.task as task_module
 
-    drawn = task_module.tqdm
-    if not enabled:
-        task_module.tqdm = functools.partial(drawn, disable=True)
+    if enabled:
+        yield
+        return
+
+    class Disabled(tqdm.tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "disable": True})
+
+    drawn = task_module.tqdm, tqdm.tqdm
+    task_module.tqdm = tqdm.tqdm = Disabled
     try:
         yield
     finally:
-        task_module.tqdm = drawn
+        task_module.tqdm, tqdm.tqdm = drawn
 
 
 def _written_files(tracker, output_path: str, tasks: list[str]) -> list[Path]:
@@ -192,7 +202,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     names, task_manager = check_before_loading(args, rank, world_size)
     tracker = EvaluationTracker(output_path=args.output_path)
     try:
-        with _request_building_bars(progress_enabled()):
+        with _lm_eval_bars(progress_enabled()):
             results = lm_eval.simple_evaluate(
                 model="occult-hf",
                 model_args=model_args,
