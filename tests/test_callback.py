@@ -60,6 +60,13 @@ def test_schedule_and_callback_validation():
     # first check with numpy's "unsupported operand type(s) for +: 'NoneType'"
     with pytest.raises(ValueError, match="OccultCallback sample_size must be an integer >= 1, got 0"):
         OccultCallback(sample_size=0)
+    # the limits now, not at train() (a str was Python's "'>' not supported between instances of 'str' and 'int'")
+    with pytest.raises(ValueError, match="OccultCallback target_devices_per_token must be an integer >= 1, got '2'"):
+        OccultCallback(target_devices_per_token="2")
+    with pytest.raises(ValueError, match="OccultCallback start_nodes_per_token must be an integer >= 1, got 0"):
+        OccultCallback(start_nodes_per_token=0)
+    with pytest.raises(ValueError, match=r"start_devices_per_token \(1\) must be >= target_devices_per_token \(2\)"):
+        OccultCallback(start_devices_per_token=1, target_devices_per_token=2)
     with pytest.raises(ValueError, match=r"no option\(s\) \['max_load_ration'\]"):  # now, not at the first check
         OccultCallback(planner_options={"max_load_ration": 1.1})
     exact = apply_occult(tiny_model("olmoe", **SIZES), OccultConfig(num_devices=4))
@@ -194,6 +201,41 @@ def test_drift_checks_at_every_save_by_default(tmp_path):
     windows = [RoutingProfile.load(tmp_path / f"checkpoint-{step}" / RECENT_PROFILE_FILENAME).layer(0) for step in (2, 4)]
     assert [window.token_count for window in windows] == [2 * 4 * 16] * 2  # each: the 2 steps since the previous save
     assert not np.array_equal(windows[0].coactivation, windows[1].coactivation)  # two windows, not one saved twice
+
+
+def _run_with_evaluations(tmp_path, eval_steps: int | None):
+    """Four steps of router pruning (N_d=2) logged at step 4, evaluating 256 tokens every `eval_steps` (None: never):
+    the Trainer's log history and the callback's last drift window."""
+    from transformers import Trainer, TrainingArguments
+
+    model = apply_occult(tiny_model("olmoe", **SIZES).train(), OccultConfig(num_devices=4, prune="router", max_devices_per_token=2))
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2, per_device_eval_batch_size=8, logging_steps=4,
+        eval_strategy="no" if eval_steps is None else "steps", eval_steps=eval_steps, save_strategy="no", report_to=[],
+        use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
+    )  # fmt: skip
+    callback = OccultCallback(check_every=4)
+    trainer = Trainer(model=model, args=args, train_dataset=NextTokenData(8), eval_dataset=NextTokenData(16))
+    callback.attach(trainer)
+    trainer.train()
+    return trainer.state.log_history, callback.recent_profile
+
+
+def test_evaluations_between_logs_change_no_training_number(tmp_path):
+    """The routing numbers of a training log line are those of the training forwards since the previous one, whether
+    or not the Trainer evaluated in between; an evaluation's log line carries none, and the drift window holds the
+    training tokens only. An evaluation's line used to take the training numbers (leaving the next training line a
+    part of them), the pruners counted the evaluation's tokens in `removed_weight`, and the drift profile held them."""
+    plain, plain_window = _run_with_evaluations(tmp_path / "plain", None)
+    evaluated, window = _run_with_evaluations(tmp_path / "evaluated", 1)
+    occult = lambda entry: {k: v for k, v in entry.items() if k.startswith("occult/")}  # noqa: E731
+    (expected,) = [occult(entry) for entry in plain if "loss" in entry]
+    (logged,) = [occult(entry) for entry in evaluated if "loss" in entry]
+    assert expected.keys() >= {"occult/ct", "occult/removed_weight", "occult/drift/ct_current"} and expected["occult/removed_weight"] > 0
+    assert logged == pytest.approx(expected, rel=1e-12)
+    evaluations = [entry for entry in evaluated if "eval_loss" in entry]
+    assert len(evaluations) == 4 and not any(occult(entry) for entry in evaluations)
+    assert window.meta["tokens"] == plain_window.meta["tokens"] == 4 * 2 * 16
 
 
 def _logs_after_one_step(model, batches, check_every: int = 1) -> dict[str, float]:

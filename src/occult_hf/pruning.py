@@ -62,7 +62,8 @@ probability term is the router's distribution restricted to the token's devices;
 keep their raw logits. DeepSeek-MoE computes its balance loss from its own router's choice (the
 adapter's `route`), before pruning: there it sees the unpruned top-k.
 
-**Statistics.** Under `no_grad` and without host synchronisation each pruner accumulates the
+**Statistics.** Under `no_grad` and without host synchronisation each pruner accumulates, over the
+forwards its block runs in training mode (an evaluation's tokens are not the fine-tuning's), the
 fraction of routing weight that lay on experts outside the token's devices (what pruning removes or
 hands to a replacement) and the number of pruned tokens; `OccultCallback` reads them with
 `pop_stats()`.
@@ -433,7 +434,7 @@ class CollaborationPruner:
                 f"pruner was built for top_k={self.top_k}"
             )
         if not self.active:
-            self._record(routing, None)
+            self._record(block, routing, None)
             return TokenRouting(routing.topk_ids_Tk, routing.topk_weights_Tk)
         layout = self.layout.to(routing.topk_ids_Tk.device)
         if self.similarity_EE is not None and self.similarity_EE.device != routing.logits_TE.device:
@@ -441,7 +442,7 @@ class CollaborationPruner:
         devices_TD = self._token_devices(block, routing, layout)
         allowed_TE = _experts_on(devices_TD, layout)
         weights_Tk, ids_Tk, aux_logits_TE = self._policy(self.adapter, block, routing, allowed_TE, self.similarity_EE)
-        self._record(routing, allowed_TE)
+        self._record(block, routing, allowed_TE)
         self._record_aux_logits(routing, aux_logits_TE)
         return TokenRouting(ids_Tk, weights_Tk, devices_TD if layout.replicated else None)
 
@@ -471,8 +472,10 @@ class CollaborationPruner:
         )
 
     @torch.no_grad()
-    def _record(self, routing: RouterOutput, allowed_TE: torch.Tensor | None) -> None:
-        """Add this forward's tokens, removed routing weight and pruned tokens to `_sums_3` (no host read)."""
+    def _record(self, block: torch.nn.Module, routing: RouterOutput, allowed_TE: torch.Tensor | None) -> None:
+        """Add a training forward's tokens, removed routing weight and pruned tokens to `_sums_3` (no host read)."""
+        if not block.training:
+            return
         ids_Tk = routing.topk_ids_Tk
         if self._sums_3 is None or self._sums_3.device != ids_Tk.device:
             self._sums_3 = torch.zeros(3, dtype=torch.float64, device=ids_Tk.device)
@@ -494,7 +497,8 @@ class CollaborationPruner:
             )
 
     def pop_stats(self) -> dict[str, float]:
-        """Statistics since the last call, then reset (reads device tensors: call at logging time).
+        """Statistics of the training forwards since the last call, then reset (reads device tensors: call at logging
+        time).
 
         `tokens`: tokens routed; `removed_weight_fraction`: mean over tokens of the fraction of routing
         weight on experts outside the token's devices; `pruned_token_fraction`: tokens that lost an expert.

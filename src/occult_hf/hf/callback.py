@@ -171,6 +171,16 @@ class OccultCallback(TrainerCallback):
         )
         check_count("OccultCallback check_every", check_every, 0, meaning=" (0: only at saves)")
         check_count("OccultCallback schedule_steps", schedule_steps, 0)
+        for symbol, start, target in (("devices", start_devices_per_token, target_devices_per_token),
+                                      ("nodes", start_nodes_per_token, target_nodes_per_token)):  # fmt: skip
+            for end, value in (("start", start), ("target", target)):
+                if value is not None:
+                    check_count(f"OccultCallback {end}_{symbol}_per_token", value, 1)
+            if start is not None and target is not None and start < target:
+                raise ValueError(
+                    f"OccultCallback start_{symbol}_per_token ({start}) must be >= target_{symbol}_per_token ({target}): "
+                    f"the schedule tightens the limit"
+                )
         self.target_devices_per_token = target_devices_per_token
         self.start_devices_per_token = start_devices_per_token
         self.target_nodes_per_token = target_nodes_per_token
@@ -246,7 +256,11 @@ class OccultCallback(TrainerCallback):
         self._meters = {layer: RoutingMeter() for layer in layers}
         for layer, moe in layers.items():
             self._handles.append(moe.fed_by.register_forward_hook(_feeding(self._meters[layer], moe.routing)))
-        self._collector = ProfileCollector(_transformers_model(model), sample_size=self.sample_size).attach()
+        self._collector = self._new_collector()
+
+    def _new_collector(self) -> ProfileCollector:
+        """A drift window's collector, attached: the training forwards' routing (not the evaluations')."""
+        return ProfileCollector(_transformers_model(self._model), sample_size=self.sample_size, training_only=True).attach()
 
     def _freeze_outside_moe(self, model) -> None:
         moe_parameters = {id(p) for moe in moe_layers(model).values() for p in moe.block.parameters()}
@@ -326,7 +340,9 @@ class OccultCallback(TrainerCallback):
 
     # ----- logging --------------------------------------------------------------------------
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs is None or self._model is None:
+        """Add the routing numbers to a training log line; an evaluation's line (the model in eval mode: the Trainer
+        logs its metrics before training resumes) takes none, so that they stay for the next training line."""
+        if logs is None or self._model is None or not self._model.training:
             return
         added = self._routing_logs()
         added.update(self._pending_logs)
@@ -415,7 +431,7 @@ class OccultCallback(TrainerCallback):
         profile = profiles[0] if len(profiles) == 1 else RoutingProfile.merge([p for p in profiles if p is not None])
         profile.meta["tokens"] = int(total_tokens)
         collector.detach()
-        self._collector = ProfileCollector(_transformers_model(self._model), sample_size=self.sample_size).attach()
+        self._collector = self._new_collector()
         return profile
 
     def on_save(self, args, state, control, **kwargs):

@@ -48,9 +48,13 @@ class ProfileCollector:
         module: a supported transformers model (`*ForCausalLM` or its base model).
         sample_size: tokens kept per layer in the uniform top-k sample (0: none).
         seed: seed of that sample; the same token stream and seed give the same profile.
+        training_only: count only forwards that `module` runs in training mode (`OccultCallback`'s window is the
+            fine-tuning's tokens, not those of the evaluations between its steps).
     """
 
-    def __init__(self, module: nn.Module, sample_size: int = DEFAULT_SAMPLE_SIZE, seed: int = 0) -> None:
+    def __init__(
+        self, module: nn.Module, sample_size: int = DEFAULT_SAMPLE_SIZE, seed: int = 0, training_only: bool = False
+    ) -> None:
         from occult_hf.patches.base import adapter_for
 
         self.module = module
@@ -66,7 +70,7 @@ class ProfileCollector:
         self.accumulators = {
             index: LayerAccumulator(num_experts, top_k, sample_size=sample_size, seed=seed) for index in self._routers
         }
-        self.sample_size, self.seed = sample_size, seed
+        self.sample_size, self.seed, self.training_only = sample_size, seed, training_only
         self._forward_signature = inspect.signature(module.forward)
         self._handles: list = []
         self._in_forward = False
@@ -108,7 +112,7 @@ class ProfileCollector:
             )
         self._attention_mask_BS = mask
         self._counted_this_forward = set()
-        self._in_forward = True
+        self._in_forward = module.training or not self.training_only
 
     def _on_forward_end(self, module, args, output) -> None:
         self._in_forward = False
