@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from torch.autograd.function import once_differentiable
 
 _DIFFERENTIABLE = "Tensor x_RH, Tensor pair_weight_N, Tensor gate_up_L2IH, Tensor down_LHI"
 
@@ -96,6 +97,7 @@ class EagerExpertFunction(torch.autograd.Function):
         return out_RH
 
     @staticmethod
+    @once_differentiable  # the kernels' backward has no backward: a double backward is an error, not a silent zero
     def backward(ctx, dout_RH):
         return None, None, None, None, *ctx.backward(*ctx.statics, dout_RH, *ctx.saved_tensors, ctx.needs_input_grad[4:])
 

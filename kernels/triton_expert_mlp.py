@@ -399,7 +399,10 @@ def check_inputs(
         raise ValueError(f"activation {activation!r} is not one of the Triton kernels' activations {ACTIVATIONS}")
     check_expert_shapes(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI)
     if x_RH.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"x_RH dtype must be float32, bfloat16 or float16, got {x_RH.dtype}")
+        raise ValueError(
+            f"{caller}: x_RH dtype must be float32, bfloat16 or float16 (the Triton kernels' dtypes), got {x_RH.dtype}: "
+            f"use expert_backend='torch' for {x_RH.dtype}"
+        )
     if x_RH.dtype == torch.bfloat16 and interpreting():
         raise ValueError(
             f"{caller}: Triton's interpreter (TRITON_INTERPRET=1) multiplies bfloat16 matrices wrongly (a 16 x 16 tl.dot "

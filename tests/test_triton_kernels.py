@@ -506,6 +506,23 @@ def test_bad_inputs_name_the_problem(mutate, message):
         expert_mlp_triton(**mutate(args))
 
 
+def test_double_backward_is_an_error_not_a_silent_zero(interpreted):
+    """The kernels' backward has no backward of its own: a gradient taken with `create_graph=True` (a gradient
+    penalty) used to come back without a graph, so the penalty's term was silently missing from the weights'
+    gradients; the second backward is refused instead."""
+    x, segments, weight, gate_up, down = _args(make_problem(*CASES["single_row"]))
+    x.requires_grad_(), gate_up.requires_grad_()
+    (dx,) = torch.autograd.grad(expert_mlp_triton(x, segments, weight, gate_up, down).pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        dx.pow(2).sum().backward()
+
+
+def test_float64_is_refused_naming_the_backend_that_runs_it(interpreted):
+    x, segments, weight, gate_up, down = _args(make_problem(*CASES["single_row"]))
+    with pytest.raises(ValueError, match="got torch.float64: use expert_backend='torch' for torch.float64"):
+        expert_mlp_triton(x.double(), segments, weight.double(), gate_up.double(), down.double())
+
+
 def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     rows, hidden, inter, experts, pairs = CASES["single_row"]
@@ -866,6 +883,9 @@ def test_grouped_mm_fused_backend_no_pairs_and_refusals(interpreted):
     empty = make_problem(4, 16, 16, 2, [])
     out, grads = run_with_grads(_grouped_mm_fused, empty, torch.float32, torch.ones(4, 16))
     assert torch.equal(out, torch.zeros(4, 16)) and all(torch.count_nonzero(g) == 0 for g in grads)
+    unaligned = _args(make_problem(4, 20, 13, 2, [(0, 0), (1, 1)]))  # torch's "strides should be multiple of 16 bytes"
+    with pytest.raises(ValueError, match="16-byte rows: hidden and expert width multiples of 4 in torch.float32; got hidden 20, width 13"):
+        local_experts(*unaligned, backend="grouped_mm_fused")
 
 
 def test_auto_backend_rule(monkeypatch):

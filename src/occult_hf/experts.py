@@ -160,6 +160,12 @@ def _grouped_mm_fused_backend(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, 
             f">= 8.0, bfloat16 rows and weights, hidden and expert width multiples of 8; got {x_RH.dtype} rows, "
             f"hidden {down_proj_LHI.shape[1]}, width {down_proj_LHI.shape[2]}: use expert_backend='triton' or 'torch'"
         )
+    if not x_RH.is_cuda and any(size * x_RH.element_size() % 16 for size in down_proj_LHI.shape[1:]):
+        raise ValueError(
+            f"expert_backend='grouped_mm_fused' off CUDA (TRITON_INTERPRET=1) needs PyTorch's grouped GEMM on 16-byte "
+            f"rows: hidden and expert width multiples of {16 // x_RH.element_size()} in {x_RH.dtype}; got hidden "
+            f"{down_proj_LHI.shape[1]}, width {down_proj_LHI.shape[2]}: use expert_backend='triton' or 'torch'"
+        )
     from occult_hf.kernels.grouped_mm_fused import expert_mlp_grouped_mm_fused
 
     return expert_mlp_grouped_mm_fused(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, activation=activation)
