@@ -135,6 +135,7 @@ def test_checkpoint_uses_the_published_layout_and_round_trips(tmp_path):
 
     saved_config = json.loads((tmp_path / "saved" / "config.json").read_text())
     assert saved_config["model_type"] == "deepseek" and saved_config["rope_theta"] == model.config.rope_parameters["rope_theta"]
+    assert saved_config["architectures"] == ["DeepseekForCausalLM"]  # the published class, by which vLLM picks its model
 
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
     for (name, ours), (_, theirs) in zip(model.state_dict().items(), reloaded.state_dict().items()):
@@ -249,6 +250,29 @@ def test_balance_loss_trains_when_the_model_is_converted_in_eval_mode():
 def test_config_rejects_what_the_published_code_cannot_build(fields, message):
     with pytest.raises(Exception, match=message):
         tiny_config("deepseek", **fields)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [({"scoring_func": "sigmoid"}, "scoring_func='sigmoid' is not supported"),
+     ({"num_experts_per_tok": 20}, "num_experts_per_tok=20 must be between 1 and n_routed_experts=8")],  # fmt: skip
+)
+def test_loading_keywords_are_validated_before_the_model_is_built(tmp_path, override, message):
+    """A keyword of `from_pretrained` is set on the config after it validated itself: "sigmoid" was taken and routed
+    with softmax, k=20 of 8 experts failed inside torch.topk at the first forward."""
+    tiny_model("deepseek", seed=2).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path, occult_config=None, **override)
+
+
+def test_zero_shared_experts_is_none_as_in_the_published_code():
+    """The published code builds a zero-width shared MLP for `n_shared_experts=0`, which adds nothing."""
+    batch = tiny_batch(seed=3)
+    none, zero = (tiny_model("deepseek", seed=2, n_shared_experts=n) for n in (None, 0))
+    assert zero.model.layers[1].mlp.shared_experts is None
+    assert torch.equal(zero(batch).logits, none(batch).logits)
+    with pytest.raises(Exception, match=r"n_shared_experts=-1 must be >= 0 or None"):
+        tiny_config("deepseek", n_shared_experts=-1)
 
 
 # ----- equivalence with the published modeling_deepseek.py -----------------------------------------

@@ -15,6 +15,10 @@ from huggingface_hub.dataclasses import strict
 from transformers import LlamaConfig
 
 
+#: this package's DeepSeek-MoE classes -> the published `modeling_deepseek.py`'s
+PUBLISHED_CLASS_NAMES = {"DeepseekMoeForCausalLM": "DeepseekForCausalLM", "DeepseekMoeModel": "DeepseekModel"}
+
+
 @strict
 class DeepseekMoeConfig(LlamaConfig):
     r"""DeepSeek-MoE: a Llama decoder whose MLPs are, from layer `first_k_dense_replace` on and then
@@ -25,7 +29,8 @@ class DeepseekMoeConfig(LlamaConfig):
         n_routed_experts: routed experts per MoE layer (E); None makes every layer dense.
         num_experts_per_tok: experts per token (k); required when `n_routed_experts` is set.
         n_shared_experts: shared experts, fused into one MLP of width
-            `n_shared_experts * moe_intermediate_size`; None for none.
+            `n_shared_experts * moe_intermediate_size`; None or 0 for none (the published code builds a zero-width
+            MLP for 0, which adds nothing).
         first_k_dense_replace: the first layers that stay dense.
         moe_layer_freq: layer i >= first_k_dense_replace is MoE iff i % moe_layer_freq == 0.
         norm_topk_prob: divide the k softmax probabilities by their sum (only when k > 1).
@@ -86,8 +91,8 @@ class DeepseekMoeConfig(LlamaConfig):
             raise ValueError(f"moe_layer_freq={self.moe_layer_freq} must be >= 1")
         if self.first_k_dense_replace < 0:
             raise ValueError(f"first_k_dense_replace={self.first_k_dense_replace} must be >= 0")
-        if self.n_shared_experts is not None and self.n_shared_experts < 1:
-            raise ValueError(f"n_shared_experts={self.n_shared_experts} must be >= 1 or None (no shared experts)")
+        if self.n_shared_experts is not None and self.n_shared_experts < 0:
+            raise ValueError(f"n_shared_experts={self.n_shared_experts} must be >= 0 or None (0, None: no shared experts)")
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether decoder layer `layer_idx` holds a MoE block (the published rule)."""
@@ -99,8 +104,11 @@ class DeepseekMoeConfig(LlamaConfig):
 
     def to_dict(self) -> dict:
         """transformers' dict plus the published `rope_theta` / `rope_scaling`, which the published
-        `configuration_deepseek.py` reads (it knows no `rope_parameters`)."""
+        `configuration_deepseek.py` reads (it knows no `rope_parameters`), and the published class names in
+        `architectures` (`save_pretrained` writes this class's; servers such as vLLM choose their model by it)."""
         output = super().to_dict()
+        if output.get("architectures"):
+            output["architectures"] = [PUBLISHED_CLASS_NAMES.get(name, name) for name in output["architectures"]]
         rope = dict(output.get("rope_parameters") or {})
         if "rope_theta" in rope:
             output["rope_theta"] = rope["rope_theta"]

@@ -149,7 +149,7 @@ class DeepseekMoeBlock(nn.Module):
         self.experts = DeepseekMoeExperts(config)
         self.shared_experts = (
             DeepseekMoeMLP(config, intermediate_size=config.moe_intermediate_size * config.n_shared_experts)
-            if config.n_shared_experts is not None
+            if config.n_shared_experts
             else None
         )
 
@@ -218,6 +218,9 @@ class DeepseekMoeModel(DeepseekMoePreTrainedModel, LlamaModel):
     """Llama's decoder stack (and its forward) over DeepSeek-MoE layers."""
 
     def __init__(self, config: DeepseekMoeConfig):
+        # again: a keyword of `from_pretrained` / `AutoConfig.from_pretrained` (scoring_func="sigmoid") is set after
+        # the config validated itself, and the layers would ignore it or fail deep inside a forward
+        config.validate_architecture()
         PreTrainedModel.__init__(self, config)  # not Llama's __init__: it would build Llama layers first
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
