@@ -1,6 +1,7 @@
 """`occult bench` refuses bad flags at once, naming the flag, instead of running at other sizes, failing deep in the
 first forward, or failing after the whole run. Parsing and early refusals only: nothing here builds a model."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -69,6 +70,26 @@ def test_bench_exchange_outside_torchrun_says_how_to_launch_it(monkeypatch, caps
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     err = _refused(["bench", "exchange", "--cpu"], capsys)
     assert "torchrun --nproc-per-node D" in err and "group_name" not in err, err
+
+
+@pytest.mark.parametrize(
+    "flag, value, rule",
+    [("--gbs", "0", "a finite number > 0"), ("--gbs", "-1", "a finite number > 0"), ("--call-ms", "-0.1", "a finite number >= 0"),
+     ("--tokens", "0", "an integer >= 1"), ("--model-devices", "0", "an integer >= 1")],  # fmt: skip
+)
+def test_bench_exchange_model_checks_its_numbers_at_parse_time(flag, value, rule, capsys):
+    """`--gbs 0` printed infinite times and `--gbs -1` negative ones with exit code 0; the counts failed deep inside
+    without naming the flag."""
+    err = _refused(["bench", "exchange", "--model", "t.npz", flag, value], capsys)
+    assert f"argument {flag}: expected {rule}, got " in err, err
+
+
+def test_bench_exchange_model_names_the_shapes_it_knows(tmp_path, capsys):
+    """A trace of another (E, k) than the known shapes was a bare StopIteration."""
+    trace = tmp_path / "t.npz"
+    np.savez(trace, topk_ids=np.stack([np.arange(32) % 32, (np.arange(32) + 1) % 32], axis=1))
+    err = _refused(["bench", "exchange", "--model", str(trace), "--out", str(tmp_path)], capsys)
+    assert "its E=32, k=2 is none of the expert shapes whose row width is known: olmoe-1b-7b (E=64, k=8)" in err, err
 
 
 def test_bench_experts_does_not_offer_cpu(monkeypatch, capsys):

@@ -311,6 +311,22 @@ def test_replan_keeps_primaries_and_moves_the_copies_to_what_is_hot_now(tmp_path
     assert "the profile has 8 routed experts but the placement is for num_experts=16" in capsys.readouterr().err
 
 
+def test_demo_measures_pruning_on_every_held_out_token(tmp_path, capsys, monkeypatch):
+    """The pruning table took the full 128-token windows only: `--tokens 100` gave NaN cells and then a crash
+    writing pruning.json, `--tokens 200` measured 128 of the 200 tokens."""
+    from occult_hf.training import evaluate
+
+    captured, capture = [], evaluate.capture_routing
+    monkeypatch.setattr(evaluate, "capture_routing", lambda model, windows_BS: captured.append(windows_BS.size) or capture(model, windows_BS))
+    for tokens in (100, 200):
+        captured.clear()
+        assert main(["demo", "--tokens", str(tokens), "--no-plots", "--out", str(tmp_path / str(tokens))]) == 0
+        assert sum(captured) == tokens
+        pruning = json.loads((tmp_path / str(tokens) / "pruning.json").read_text())
+        assert all(0.0 <= cell[key] <= 1.0 for cell in pruning.values() for key in ("removed_weight", "tokens_pruned"))
+    capsys.readouterr()
+
+
 @pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
 def test_demo_runs_any_supported_family_and_names_it(family, tmp_path, capsys):
     """Issue 32: `occult demo --model <a Qwen-MoE dir>` failed (`found no MoE blocks in OlmoeModel`: the

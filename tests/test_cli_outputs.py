@@ -57,6 +57,53 @@ def test_place_and_replan_check_out_before_planning(command, files, tmp_path, ca
         assert f"occult {command}: error: --out '/proc/x.json': cannot write in directory '/proc' (" in err, err
 
 
+@pytest.mark.parametrize("command", ["place", "replan", "profile"])
+def test_an_out_path_ending_in_a_separator_is_refused_before_any_work(command, files, tmp_path, capsys, monkeypatch):
+    """`--out newdir/` passed the check (abspath drops the separator) and failed after the work with a bare
+    "[Errno 20] Not a directory"."""
+    monkeypatch.setattr("occult_hf.placement.plan_placement", _never("plan_placement"))
+    monkeypatch.setattr("occult_hf.placement.rebalance.replan_replicas", _never("replan_replicas"))
+    monkeypatch.setattr("occult_hf.profile.RoutingProfile.from_trace", _never("RoutingProfile.from_trace"))
+    profile, placement = files
+    inputs = {"place": [str(profile), "--num-devices", "4"], "replan": [str(placement), str(profile)],
+              "profile": ["--from-trace", str(tmp_path / "t.npz")]}[command]  # fmt: skip
+    out = f"{tmp_path / 'newdir'}{os.sep}"
+    err = refused([command, *inputs, "--out", out], capsys)
+    expected = "ends with a separator: a directory, expected a file path" if command == "profile" else f"directory {out!r} does not exist"
+    assert f"occult {command}: error: --out {out!r}" in err and expected in err, err
+
+
+def test_an_out_path_that_is_an_input_is_refused_before_any_work(files, tmp_path, capsys, monkeypatch):
+    """Each wrote over its input with exit code 0: the trace or profile was gone. `replan` over its PLACEMENT is the
+    documented use and stays allowed."""
+    monkeypatch.setattr("occult_hf.placement.plan_placement", _never("plan_placement"))
+    profile, placement = files
+    trace = tmp_path / "t.npz"
+    np.savez(trace, topk_ids=np.arange(8).reshape(4, 2))
+    before = {path: path.read_bytes() for path in (profile, trace)}
+    cases = [(["profile", "--from-trace", str(trace), "--out", str(trace)], f"occult profile: --out {str(trace)!r} is the --from-trace {str(trace)!r}"),
+             (["place", str(profile), "--num-devices", "4", "--out", str(profile)], f"occult place: --out {str(profile)!r} is the PROFILE"),
+             (["replan", str(placement), str(profile), "--out", str(profile)], f"occult replan: --out {str(profile)!r} is the PROFILE")]  # fmt: skip
+    for argv, message in cases:
+        err = refused(argv, capsys)
+        assert message in err and "writing there would replace it" in err, err
+    assert {path: path.read_bytes() for path in before} == before
+    assert main(["replan", str(placement), str(profile), "--out", str(placement)]) == 0
+    assert "the replicas are unchanged" in capsys.readouterr().out  # a contiguous placement has no slot for one
+
+
+def test_no_progress_and_debug_anywhere_and_ctrl_c_in_one_line(files, tmp_path, capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("occult_hf.placement.plan_placement", interrupted)
+    argv = ["--no-progress", "place", str(files[0]), "--num-devices", "4", "--out", str(tmp_path / "o.json")]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 130
+    assert capsys.readouterr().err == "occult place: interrupted\n"
+
+
 @pytest.mark.parametrize(
     "option, message",
     [
@@ -75,6 +122,11 @@ def test_place_refuses_options_that_are_not_the_planners_before_planning(option,
     out = tmp_path / "o.json"
     err = refused(["place", str(profile), "--num-devices", "4", "--option", option, "--out", str(out)], capsys)
     assert message in err and not out.exists(), err
+
+
+def test_report_suggests_the_option_a_typo_meant(files, capsys):
+    err = refused(["report", str(files[0]), "--num-devices", "4", "--option", "max_load_raito=1.1", "--no-plots"], capsys)
+    assert "no method in" in err and "has option(s) ['max_load_raito'] (did you mean 'max_load_ratio'?)" in err, err
 
 
 def test_report_refuses_an_option_that_is_its_own_flag(files, capsys):

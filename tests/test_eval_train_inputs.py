@@ -244,6 +244,24 @@ def test_train_steps_and_time_budget_must_schedule_something(flag, value, tmp_pa
     assert f"argument {flag}: expected " in err
 
 
+def test_train_names_an_out_or_corpus_dir_that_is_a_file(tmp_path, capsys):
+    """`--out FILE` was "[Errno 20] Not a directory: 'FILE/data'"; `--corpus-dir FILE` said the directory "does not
+    exist"."""
+    file = tmp_path / "afile"
+    file.write_text("")
+    err = _exit_message(["train", "--corpus-dir", str(tmp_path), "--out", str(file)], capsys)
+    assert f"--out {str(file)!r} is an existing file; give a directory" in err, err
+    err = _exit_message(["train", "--corpus-dir", str(file), "--out", str(tmp_path / "o")], capsys)
+    assert f"corpus directory {str(file)!r} is a file; give the directory that holds the corpus files" in err, err
+
+
+@pytest.mark.parametrize("flag", ["--num_fewshot", "--bootstrap_iters"])
+def test_eval_counts_below_zero_are_refused_at_parse_time(flag, tmp_path, capsys):
+    """`--num_fewshot -1` ran and recorded "n-shot -1"; `--bootstrap_iters -5` ran."""
+    err = _exit_message(_eval(tmp_path / "run", flag, "-1"), capsys)
+    assert "expected an integer >= 0, got -1" in err, err
+
+
 def test_recipe_steps_and_time_budget_must_schedule_something():
     for changes, message in [({"max_steps": 0}, "max_steps must be an integer >= 1, got 0"),
                              ({"max_steps": 2.5}, "max_steps must be an integer >= 1, got 2.5"),

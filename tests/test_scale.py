@@ -291,7 +291,6 @@ def test_plan_cluster_validate_prints_the_calibration_and_the_rows(capsys):
         (["--case", f"qwen1.5-moe-a2.7b={STUDY_TRACE}"], "does not fit qwen1.5-moe-a2.7b"),
         (["--case", f"olmoe-1b-7b={DOCS}"], f"routing trace '{DOCS}' is a directory"),
         (["--case", f"olmoe-1b-7b={STUDY_TRACE}", "--case", f"olmoe-1b-7b={STUDY_TRACE}"], "repeats --case"),
-        (["--internode-latency-us", "inf"], "internode_latency_us must be a finite number >= 0, got inf"),
         (["--validate"], "--validate takes no projection argument, got --devices, --trace-layers"),
         (["--devices", "16", "16"], "--devices repeats 16: give each once"),
         (["--methods", "dedup+refined+Nd=100"], "N_d prunes nothing at any --devices (at D=8: N_d=100 >= min(GPUs=8, k=8)"),
@@ -304,6 +303,17 @@ def test_plan_cluster_bad_input_ends_in_one_clear_line(argv, message, capsys):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and message in err and err.startswith("occult plan-cluster: error:")
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "flag, value, rule", [("--internode-latency-us", "inf", ">= 0"), ("--internode-gbs", "inf", "> 0"), ("--internode-gbs", "0", "> 0")]
+)
+def test_plan_cluster_network_assumptions_are_finite_numbers_at_parse_time(flag, value, rule, capsys):
+    """`--internode-gbs inf` was taken (a network of no cost)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan-cluster", flag, value])
+    assert exit_info.value.code == 2
+    assert f"occult plan-cluster: error: argument {flag}: expected a finite number {rule}, got {value!r}" in capsys.readouterr().err
 
 
 def _plan(argv: list[str], capsys) -> tuple[int, str]:

@@ -62,11 +62,10 @@ probability term is the router's distribution restricted to the token's devices;
 keep their raw logits. DeepSeek-MoE computes its balance loss from its own router's choice (the
 adapter's `route`), before pruning: there it sees the unpruned top-k.
 
-**Statistics.** Under `no_grad` and without host synchronisation each pruner accumulates, over the
-forwards its block runs in training mode (an evaluation's tokens are not the fine-tuning's), the
+**Statistics.** Under `no_grad` and without host synchronisation each pruner accumulates the
 fraction of routing weight that lay on experts outside the token's devices (what pruning removes or
-hands to a replacement) and the number of pruned tokens; `OccultCallback` reads them with
-`pop_stats()`.
+hands to a replacement) and the number of pruned tokens; `pop_stats()` reads them, and `OccultCallback`
+takes them on the device after each training step (`take_sums()`), so that evaluations in between do not count.
 """
 
 from __future__ import annotations
@@ -434,7 +433,7 @@ class CollaborationPruner:
                 f"pruner was built for top_k={self.top_k}"
             )
         if not self.active:
-            self._record(block, routing, None)
+            self._record(routing, None)
             return TokenRouting(routing.topk_ids_Tk, routing.topk_weights_Tk)
         layout = self.layout.to(routing.topk_ids_Tk.device)
         if self.similarity_EE is not None and self.similarity_EE.device != routing.logits_TE.device:
@@ -442,7 +441,7 @@ class CollaborationPruner:
         devices_TD = self._token_devices(block, routing, layout)
         allowed_TE = _experts_on(devices_TD, layout)
         weights_Tk, ids_Tk, aux_logits_TE = self._policy(self.adapter, block, routing, allowed_TE, self.similarity_EE)
-        self._record(block, routing, allowed_TE)
+        self._record(routing, allowed_TE)
         self._record_aux_logits(routing, aux_logits_TE)
         return TokenRouting(ids_Tk, weights_Tk, devices_TD if layout.replicated else None)
 
@@ -472,10 +471,8 @@ class CollaborationPruner:
         )
 
     @torch.no_grad()
-    def _record(self, block: torch.nn.Module, routing: RouterOutput, allowed_TE: torch.Tensor | None) -> None:
-        """Add a training forward's tokens, removed routing weight and pruned tokens to `_sums_3` (no host read)."""
-        if not block.training:
-            return
+    def _record(self, routing: RouterOutput, allowed_TE: torch.Tensor | None) -> None:
+        """Add this forward's tokens, removed routing weight and pruned tokens to `_sums_3` (no host read)."""
         ids_Tk = routing.topk_ids_Tk
         if self._sums_3 is None or self._sums_3.device != ids_Tk.device:
             self._sums_3 = torch.zeros(3, dtype=torch.float64, device=ids_Tk.device)
@@ -496,15 +493,20 @@ class CollaborationPruner:
                 stacklevel=3,
             )
 
+    def take_sums(self) -> torch.Tensor | None:
+        """`[3]` float64 on the forwards' device, since the last take: tokens routed, their summed fractions of routing
+        weight removed, tokens that lost an expert (None: no forward); then reset. No host read."""
+        sums, self._sums_3 = self._sums_3, None
+        return sums
+
     def pop_stats(self) -> dict[str, float]:
-        """Statistics of the training forwards since the last call, then reset (reads device tensors: call at logging
-        time).
+        """Statistics since the last call, then reset (reads device tensors: call at logging time).
 
         `tokens`: tokens routed; `removed_weight_fraction`: mean over tokens of the fraction of routing
         weight on experts outside the token's devices; `pruned_token_fraction`: tokens that lost an expert.
         """
-        tokens, removed, pruned = (0.0, 0.0, 0.0) if self._sums_3 is None else self._sums_3.tolist()
-        self._sums_3 = None
+        sums = self.take_sums()
+        tokens, removed, pruned = (0.0, 0.0, 0.0) if sums is None else sums.tolist()
         return {
             "tokens": int(tokens),
             "removed_weight_fraction": removed / tokens if tokens else 0.0,

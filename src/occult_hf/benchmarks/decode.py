@@ -64,7 +64,7 @@ from transformers import Cache, StaticCache
 from occult_hf.benchmarks import failure_text, measures_a_gpu
 from occult_hf.benchmarks.graph_settling import counting_graph_recordings, settle
 from occult_hf.benchmarks.model import MODEL_SHAPES, build_model, dry_run_hidden, model_config
-from occult_hf.utils.arguments import non_negative_int, positive_int
+from occult_hf.utils.arguments import non_negative_int, positive_float, positive_int
 from occult_hf.utils.atomic import atomic_write_text
 
 HELP = "model.generate() per step at batch 1-64, dynamic, static and reused static cache: occult_hf vs stock transformers"
@@ -459,12 +459,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=positive_int, default=64, help="new tokens per generate (N)")
     parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--check-layers", type=non_negative_int, default=2, help="layers of the fp32 greedy-token check (0: skip)")
-    parser.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth for the floor (default: measured)")
+    parser.add_argument("--bandwidth-gbs", type=positive_float, default=None, help="memory bandwidth for the floor (default: measured)")
     parser.add_argument("--untracked", action="store_true", help="occult with track_routing(model, False), as for serving")
     parser.add_argument("--isolate", action="store_true",
                         help="time stock and occult each in a process of its own (as a server holds one model), not both in this one")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="docs", help="directory for bench_decode_<device>.md/.json/.png")
+    parser.add_argument("--out", default="docs", help="directory for bench_decode_<device>.md/.json/.png (default: ./docs)")
 
 
 def run(args: argparse.Namespace) -> int:

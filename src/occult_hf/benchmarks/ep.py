@@ -891,7 +891,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=positive_int, default=None, help="override H (CPU dry runs), keeping E, k and routing")
     parser.add_argument("--intermediate", type=positive_int, default=None, help="override I (CPU dry runs)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="docs", help="directory for bench_ep.md/.json/.png (rank 0)")
+    parser.add_argument("--out", default="docs", help="directory for bench_ep.md/.json/.png (rank 0) (default: ./docs)")
 
 
 def init_from_torchrun(timeout: datetime.timedelta | None = None) -> tuple[int, int, torch.device]:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from occult_hf.utils.atomic import atomic_write_text
 from occult_hf.utils.tables import markdown_table
+from occult_hf.utils.arguments import non_negative_float, positive_float, positive_int
 from occult_hf.benchmarks.ep import max_and_mean, timed
 
 from occult_hf.utils.cuda_graph import capture
@@ -91,7 +92,10 @@ def exchange_model(args) -> str:
 
     ids_Nk = load_trace(args.model)
     top_k, num_experts = ids_Nk.shape[1], int(ids_Nk.max()) + 1
-    shape = next(s for s in SHAPES.values() if (s.num_experts, s.top_k) == (num_experts, top_k))
+    shape = next((s for s in SHAPES.values() if (s.num_experts, s.top_k) == (num_experts, top_k)), None)
+    if shape is None:  # the rows' width H comes from the model the trace was recorded on
+        known = ", ".join(f"{name} (E={s.num_experts}, k={s.top_k})" for name, s in SHAPES.items())
+        raise ValueError(f"--model {args.model!r}: its E={num_experts}, k={top_k} is none of the expert shapes whose row width is known: {known}")
     lines = [
         f"MODEL, not a measurement: T = {args.tokens} tokens per rank of the trace, H = {shape.hidden}, bf16 rows, "
         f"per call {args.call_ms} ms, {args.gbs} GB/s per rank (2-GPU fit), the same rate assumed at every D.",
@@ -232,12 +236,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sizes", nargs="+", type=int, default=[4, 64, 1024, 16384, 131072], help="KiB sent to each other rank")
-    parser.add_argument("--row-bytes", type=int, default=4160, help="row width of the symm_mem exchange")
-    parser.add_argument("--iterations", type=int, default=20)
-    parser.add_argument("--out", default="docs")
+    parser.add_argument("--sizes", nargs="+", type=positive_int, default=[4, 64, 1024, 16384, 131072], help="KiB sent to each other rank (default: %(default)s)")
+    parser.add_argument("--row-bytes", type=positive_int, default=4160, help="row width of the symm_mem exchange (default: %(default)s)")
+    parser.add_argument("--iterations", type=positive_int, default=20, help="timed exchanges per size (default: %(default)s)")
+    parser.add_argument("--out", default="docs", help="folder of the tables, made if missing (default: ./docs)")
     parser.add_argument("--model", default=None, metavar="TRACE", help="model (no GPU) the exchange at --model-devices from a routing trace")
-    parser.add_argument("--model-devices", nargs="+", type=int, default=[2, 4, 8])
-    parser.add_argument("--tokens", type=int, default=16384, help="tokens per rank (--model)")
-    parser.add_argument("--call-ms", type=float, default=0.056, help="per-call cost (--model; the NCCL fit)")
-    parser.add_argument("--gbs", type=float, default=290.0, help="per-rank GB/s (--model; the NCCL fit)")
+    parser.add_argument("--model-devices", nargs="+", type=positive_int, default=[2, 4, 8], help="device counts of --model (default: %(default)s)")
+    parser.add_argument("--tokens", type=positive_int, default=16384, help="tokens per rank (--model; default: %(default)s)")
+    parser.add_argument("--call-ms", type=non_negative_float, default=0.056, help="per-call cost (--model; the NCCL fit; default: %(default)s)")
+    parser.add_argument("--gbs", type=positive_float, default=290.0, help="per-rank GB/s (--model; the NCCL fit; default: %(default)s)")

@@ -44,6 +44,7 @@ import torch
 
 from occult_hf.utils.atomic import atomic_save_figure, atomic_write_text
 from occult_hf.utils.tables import markdown_table
+from occult_hf.utils.arguments import positive_float
 from occult_hf.benchmarks.expert_timing import (
     INTERLEAVE_MAX_TOKENS, INTERLEAVE_ROUNDS, cuda_timer, graph_replay_ms, interleaved_ms,
 )  # fmt: skip
@@ -723,9 +724,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="SHAPE:T at which the Triton kernels are also tuned and timed with each candidate set "
         "(pointer loads only, TMA only, all), or 'none' (default)",
     )  # fmt: skip
-    parser.add_argument("--out", default="occult_bench", help="directory for experts.md, experts.json, experts.png")
-    parser.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up (ms)")
-    parser.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition time (ms)")
+    parser.add_argument("--out", default="occult_bench", help="directory for experts.md, experts.json, experts.png (default: ./occult_bench)")
+    parser.add_argument("--warmup-ms", type=positive_float, default=25.0, help="do_bench warm-up (ms)")
+    parser.add_argument("--rep-ms", type=positive_float, default=100.0, help="do_bench repetition time (ms)")
     parser.add_argument("--seed", type=int, default=0)
 
 

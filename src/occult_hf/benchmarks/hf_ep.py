@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="occult_bench", help="directory for hf_ep.md and hf_ep.json")
+    parser.add_argument("--out", default="occult_bench", help="directory for hf_ep.md and hf_ep.json (default: ./occult_bench)")
     args = parser.parse_args(argv)
 
     import occult_hf  # noqa: F401  (registers ep_implementation="occult")

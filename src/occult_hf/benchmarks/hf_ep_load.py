@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from occult_hf.utils.atomic import atomic_write_text
+from occult_hf.utils.arguments import positive_float
 from occult_hf.utils.tables import markdown_table
 
 CASES = ("hf_ep_contiguous", "hf_ep_placement", "occult_config", "full_model")
@@ -136,9 +137,9 @@ def measure(case: str, path: str, world: int) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
-    parser.add_argument("--expert-mb", type=float, default=384.0, help="fp32 size of all routed experts")
+    parser.add_argument("--expert-mb", type=positive_float, default=384.0, help="fp32 size of all routed experts")
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
-    parser.add_argument("--out", default="occult_bench")
+    parser.add_argument("--out", default="occult_bench", help="directory for hf_ep_load.md and hf_ep_load.json (default: ./occult_bench)")
     args = parser.parse_args(argv)
 
     import occult_hf  # noqa: F401  (registers ep_implementation="occult")

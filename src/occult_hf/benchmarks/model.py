@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from occult_hf.utils.arguments import positive_int
+from occult_hf.utils.arguments import positive_float, positive_int
 from occult_hf.utils.atomic import atomic_write_text
 from occult_hf.utils.host_memory import available_bytes
 from occult_hf.experts import expert_backend_names
@@ -347,8 +347,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"override H (CPU dry runs; a multiple of {2 * DRY_RUN_HEADS}, {DRY_RUN_HEADS} attention heads)")
     parser.add_argument("--intermediate", type=positive_int, default=None, help="override the expert/MLP widths (CPU dry runs)")
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default: bf16 on GPU, fp32 on CPU")
-    parser.add_argument("--warmup-ms", type=float, default=100.0)
-    parser.add_argument("--rep-ms", type=float, default=500.0)
+    parser.add_argument("--warmup-ms", type=positive_float, default=100.0, help="do_bench warm-up (ms; default: %(default)s)")
+    parser.add_argument("--rep-ms", type=positive_float, default=500.0, help="do_bench repetition time (ms; default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backends", nargs="+", default=["auto"], choices=list(expert_backend_names()),
                         help="occult_hf expert backends (OccultConfig.expert_backend), one occult_hf model each")
@@ -356,7 +356,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also time every model as torch.compile(model.model) (inductor): the rows a user compares with")
     parser.add_argument("--profile", type=int, default=0,
                         help="print a profile of one forward and one forward+backward of each model (N costliest kernels)")
-    parser.add_argument("--out", default="docs", help="directory for bench_model_<device>.md/.json")
+    parser.add_argument("--out", default="docs", help="directory for bench_model_<device>.md/.json (default: ./docs)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -933,7 +933,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="bound on every collective: a rank that died (out of memory) ends the run after this, not after torch's 10 minutes",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="docs", help="directory for paper_comparison_<D>x<device>.md/.json/.png (rank 0)")
+    parser.add_argument("--out", default="docs", help="directory for paper_comparison_<D>x<device>.md/.json/.png (rank 0) (default: ./docs)")
 
 
 def parse_traces(entries: list[str]) -> dict[str, str]:

@@ -274,7 +274,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also time the EP training step with these dispatchers (besides 'auto'); a failing one is reported",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="docs", help="directory for bench_realsize_<D>x<device>.md/.json (rank 0)")
+    parser.add_argument("--out", default="docs", help="directory for bench_realsize_<D>x<device>.md/.json (rank 0) (default: ./docs)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -155,7 +155,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", nargs="+", type=positive_int, default=[8, 2], help="logical devices D (the group's ranks)")
     parser.add_argument("--tokens", nargs="+", type=positive_int, default=[16384, 128], help="tokens per rank")
     parser.add_argument("--iterations", type=positive_int, default=30, help="timed calls per cell (the median is shown)")
-    parser.add_argument("--out", default="docs", help="folder for bench_replicas_<device>.md / .json")
+    parser.add_argument("--out", default="docs", help="folder for bench_replicas_<device>.md / .json (default: ./docs)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -44,9 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("OCCULT_DEBUG", "") not in ("", "0")
-    argv = [arg for arg in argv if arg != "--debug"]
+    no_progress = "--no-progress" in argv  # anywhere, as --debug: `occult --no-progress demo` too
+    argv = [arg for arg in argv if arg not in ("--debug", "--no-progress")]
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.no_progress = no_progress
     try:
         with progress_bars_off() if args.no_progress else contextlib.nullcontext():
             return int(args.func(args) or 0)
@@ -56,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         raise
     except BrokenPipeError:  # the reader went away (`occult report ... | head`): stop quietly, as Unix tools do
         return reader_gone()
+    except KeyboardInterrupt:  # Ctrl-C: one line and the shell's 128 + SIGINT, not a traceback (outputs are atomic)
+        if debug:
+            traceback.print_exc()
+        parser.exit(EXIT_INTERRUPTED, f"occult {args.command}: interrupted\n")
     except Exception as error:  # noqa: BLE001 - every error becomes one line unless --debug
         if debug:
             traceback.print_exc()
@@ -65,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
 
 #: the exit status of a command whose reader closed the pipe early (`| head`): a shell's 128 + SIGPIPE, as other tools
 EXIT_BROKEN_PIPE = 141
+#: the exit status of a command stopped by Ctrl-C: a shell's 128 + SIGINT
+EXIT_INTERRUPTED = 130
 
 
 def reader_gone() -> int:
@@ -75,8 +83,9 @@ def reader_gone() -> int:
 
 
 def _add_no_progress_argument(parser: argparse.ArgumentParser) -> None:
-    """`--no-progress` on every leaf subcommand below `parser` (one place, so that no subcommand can lack it): `main`
-    then turns off every progress bar of the run."""
+    """`--no-progress` in the help of every leaf subcommand below `parser` (one place, so that no subcommand can lack
+    it); `main` takes it from anywhere on the command line, as `--debug`, and turns off every progress bar of the
+    run."""
     subcommands = [action for action in parser._actions if isinstance(action, argparse._SubParsersAction)]
     for action in subcommands:
         for sub in action.choices.values():
@@ -84,7 +93,8 @@ def _add_no_progress_argument(parser: argparse.ArgumentParser) -> None:
     if not subcommands:
         parser.add_argument(
             "--no-progress", action="store_true",
-            help="draw no progress bars (as HF_HUB_DISABLE_PROGRESS_BARS=1 or transformers' disable_progress_bar() do)",
+            help="draw no progress bars, huggingface_hub's, transformers', datasets' and lm-eval's (anywhere on the "
+            "command line; HF_HUB_DISABLE_PROGRESS_BARS=1 turns off all but datasets')",
         )  # fmt: skip
 
 
@@ -103,6 +113,16 @@ def check_output_dir(path: str, flag: str = "--out") -> None:
         probe_directory(existing)
     except OSError:
         raise PermissionError(f"{flag} {path!r}: directory {existing!r} is not writable") from None
+
+
+def check_output_is_not_an_input(command: str, out: str, inputs: list[tuple[str, str | None]]) -> None:
+    """Fail before any work when the output file `out` is one of the command's input files (`inputs`: (what, path)):
+    the write would replace the input (a trace or profile overwritten by the result, with exit code 0)."""
+    if not os.path.isfile(out):
+        return
+    for what, path in inputs:
+        if path is not None and os.path.isfile(path) and os.path.samefile(out, path):
+            raise SystemExit(f"occult {command}: --out {out!r} is the {what} {path!r}; writing there would replace it: give another path")
 
 
 def check_model_source(name: str) -> None:

@@ -34,10 +34,10 @@ def register(subparsers) -> None:
         description=__doc__.split("\n\n")[0],
     )
     add_num_devices_argument(parser, help="devices D to plan for (default: 8)", default=8)
-    parser.add_argument("--out", default="occult_demo", help="directory for profiles, placements and plots")
+    parser.add_argument("--out", default="occult_demo", help="directory for profiles, placements and plots (default: ./occult_demo)")
     parser.add_argument("--model", help="a checkpoint directory of any supported MoE family, with its tokenizer (default: the shipped tiny OLMoE)")
-    parser.add_argument("--tokens", type=positive_int, default=12_288, help="tokens to profile in each of the plan and held-out halves")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the profile's token sample")
+    parser.add_argument("--tokens", type=positive_int, default=12_288, help="tokens to profile in each of the plan and held-out halves (default: 12288)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the profile's token sample (default: 0)")
     parser.add_argument("--no-plots", action="store_true", help="print the table only")
     parser.set_defaults(func=run)
 
@@ -95,6 +95,15 @@ def _token_windows(texts: list[str], tokenizer, max_tokens: int, seq_len: int = 
     return [stream[i : i + seq_len] for i in range(0, len(stream), seq_len)]
 
 
+def _routing_of_every_token(model, windows: list[list[int]], capture_routing) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """`capture_routing` of every window, the shorter last one too (it batches windows of one length)."""
+    by_length: dict[int, list[list[int]]] = {}
+    for window in windows:
+        by_length.setdefault(len(window), []).append(window)
+    parts = [capture_routing(model, np.array(group)) for group in by_length.values()]
+    return {layer: tuple(np.concatenate([part[layer][i] for part in parts]) for i in (0, 1)) for layer in parts[0]}
+
+
 def _run(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -141,7 +150,7 @@ def _run(args: argparse.Namespace) -> int:
         f"{tokens['held_out']} held-out tokens (odd-numbered files)."
     )
     print_report(profiles["held_out"], placements, None if args.no_plots else args.out)
-    routing = capture_routing(model, np.array([w for w in windows["held_out"] if len(w) == 128]))
+    routing = _routing_of_every_token(model, windows["held_out"], capture_routing)
     k, num_devices = adapter_for(config).top_k(config), args.num_devices
     print(f"\nCollaboration pruning to N_d devices per token (D={num_devices}), held-out tokens, mean over layers: "
           f"routing weight removed / tokens that lose an expert")  # fmt: skip

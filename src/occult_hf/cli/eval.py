@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import math
 import os
 import sys
@@ -34,7 +33,7 @@ from pathlib import Path
 
 from occult_hf.registry import DISPATCH_MODES
 from occult_hf.pruning import pruning_policy_names
-from ..utils.arguments import torch_dtype_name
+from ..utils.arguments import non_negative_int, torch_dtype_name
 from .devices import add_num_devices_argument, resolve_device
 from .eval_checks import check_before_loading, no_documents_message
 
@@ -70,8 +69,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--dtype", type=torch_dtype_name, help="model dtype, e.g. bfloat16 (default: the model's `dtype` in --model_args, else auto: the checkpoint's)")
     run.add_argument("--limit", type=limit_setting,
                      help="documents per task (testing only): a positive integer, or a fraction of each task in (0, 1); under EP at least one per rank")
-    run.add_argument("--num_fewshot", "--num-fewshot", dest="num_fewshot", type=int, help="few-shot examples (default: each task's own)")
-    run.add_argument("--bootstrap_iters", "--bootstrap-iters", dest="bootstrap_iters", type=int, default=100000, help="bootstrap iterations for stderrs (0: none)")
+    run.add_argument("--num_fewshot", "--num-fewshot", dest="num_fewshot", type=non_negative_int, help="few-shot examples (default: each task's own)")
+    run.add_argument("--bootstrap_iters", "--bootstrap-iters", dest="bootstrap_iters", type=non_negative_int, default=100000, help="bootstrap iterations for stderrs (0: none)")
     run.add_argument("--trust_remote_code", "--trust-remote-code", dest="trust_remote_code", action="store_true", help="allow the checkpoint's own modelling code")
     run.add_argument("--include_path", "--include-path", dest="include_path", help="a folder of extra lm-eval task YAMLs")
     run.add_argument("--model_args", "--model-args", dest="model_args", default="", help="more occult-hf/hf model_args as k=v,k=v")

@@ -9,6 +9,7 @@ from ..placement import PLACEMENT_FILENAME, available_planners
 from ..utils.atomic import check_writable_dir
 from ..utils.checks import check_devices_per_node
 from ..utils.strict_json import parse_json
+from . import check_output_is_not_an_input
 from .devices import add_devices_per_node_argument, add_num_devices_argument
 
 
@@ -76,9 +77,12 @@ def cross_validate_folds(text: str) -> int:
 
 def placement_output(path: str) -> str:
     """The file `--out` names, checked before planning (a missing directory fails at once, not after the plan): a
-    directory gets `occult_placement.json` inside it, as `Placement.save` writes it."""
+    directory gets `occult_placement.json` inside it, as `Placement.save` writes it; a path ending in a separator
+    names a directory, which must exist."""
     if os.path.isdir(path):
         path = os.path.join(path, PLACEMENT_FILENAME)
+    elif path.endswith(tuple(sep for sep in (os.sep, os.altsep) if sep)):
+        raise FileNotFoundError(f"--out {path!r}: directory {path!r} does not exist")
     return check_writable_dir(path, "--out")
 
 
@@ -132,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
     if args.devices_per_node is not None:
         check_devices_per_node(args.devices_per_node, args.num_devices, "--devices-per-node")
     out = placement_output(args.out)
+    check_output_is_not_an_input("place", out, [("PROFILE", path) for path in args.profile])
     options = planner_options(args.method, dict(args.option))
 
     profiles = {path: RoutingProfile.load(path) for path in args.profile}

@@ -6,7 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
-from ..utils.arguments import positive_int
+from ..utils.arguments import non_negative_float, positive_float, positive_int
 from . import check_output_dir, reader_gone
 from .devices import add_devices_per_node_argument
 
@@ -56,8 +56,8 @@ def register(subparsers) -> None:
     parser.add_argument("--methods", nargs="+",
                         help=f"methods: <dispatch>+<placement>[+Nd=n][+Nn=n], transformers_ep, fsdp2; an N_d or N_n that "
                         f"prunes nothing at every D is refused (default: {' '.join(DEFAULT_METHODS)})")  # fmt: skip
-    parser.add_argument("--internode-gbs", type=float, help="inter-node GB/s per GPU (assumption; default: 50)")
-    parser.add_argument("--internode-latency-us", type=float,
+    parser.add_argument("--internode-gbs", type=positive_float, help="inter-node GB/s per GPU (assumption; default: 50)")
+    parser.add_argument("--internode-latency-us", type=non_negative_float,
                         help="inter-node latency per collective call that crosses nodes, us (assumption; default: 10)")  # fmt: skip
     parser.add_argument("--trace-layers", type=int, nargs="+", help="replay only these trace layers (default: all)")
     parser.add_argument(

@@ -42,13 +42,18 @@ def run(args: argparse.Namespace) -> int:
     from ..placement.rebalance import replan_replicas
     from ..profile import RoutingProfile
     from ..report import evaluate_placements, format_summary
+    from . import check_output_is_not_an_input
     from .place import placement_output
 
     out = placement_output(args.out)
+    check_output_is_not_an_input("replan", out, [("PROFILE", args.profile)])  # over PLACEMENT: the documented use
     deployed, recent = Placement.load(args.placement), RoutingProfile.load(args.profile)
     replanned = replan_replicas(deployed, recent, num_redundant=args.redundant, replica_choice=args.replica_choice)
     replanned.save(out)
     print(format_summary(evaluate_placements(recent, {"deployed": deployed, "replanned": replanned})))
+    if replanned.replicas == deployed.replicas:
+        print("(the replicas are unchanged: the deployed ones are still the best choice, or the placement has no slot "
+              "for a replica; --redundant N asks for N per layer)")
     if args.replica_choice == "load_aware":  # the metrics route pairs by the static rule; the runtime will split by load
         print("(both measured under the static replica rule; the copies were chosen for the load-aware rule, which "
               "splits a replicated expert's pairs by each batch's loads: their balance under it is not shown here)")

@@ -8,7 +8,7 @@ import os
 
 from ..placement import available_planners
 from ..utils.arguments import non_negative_int, positive_int
-from ..utils.checks import check_devices_per_node
+from ..utils.checks import check_devices_per_node, did_you_mean
 from .place import add_cross_validate_argument, add_option_argument, refuse_flag_options
 from .devices import add_devices_per_node_argument, add_num_devices_argument
 
@@ -105,7 +105,8 @@ def plan_methods(
     valid = {method: {f.name for f in dataclasses.fields(get_planner(method).options_class)} for method in methods}
     unused = set(options) - set().union(*valid.values())
     if unused:
-        raise SystemExit(f"occult report: no method in {methods} has option(s) {sorted(unused)}")
+        hint = did_you_mean(sorted(unused), sorted(set().union(*valid.values())))
+        raise SystemExit(f"occult report: no method in {methods} has option(s) {sorted(unused)}{hint}")
     return {
         method: plan_placement(
             profile, num_devices, method, cross_validate=cross_validate, devices_per_node=devices_per_node,

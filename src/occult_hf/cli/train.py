@@ -64,7 +64,9 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..training import PreparedData, get_recipe, prepare_data, train
     from ..training.data import preparation_settings
+    from . import check_output_dir
 
+    check_output_dir(args.out)
     overrides = (("seed", args.seed), ("max_steps", args.max_steps), ("time_budget_s", args.time_budget), ("train_domains", args.train_domains),
                  ("torch_compile", args.torch_compile))  # fmt: skip
     recipe = get_recipe(args.recipe, **{k: v for k, v in overrides if v is not None})

@@ -7,8 +7,8 @@ What it does, all optional except the logging:
   per token of the routing actually dispatched), remote copies (CT minus one when the token's own
   device is among them: its EP rank, or in one process the `metrics.token_ranks` convention),
   device load balance (max / mean of tokens x experts per device) and the fraction of routing weight
-  that pruning removed (`CollaborationPruner.pop_stats`). Under torch.distributed the sums are
-  reduced over all ranks first.
+  that pruning removed (`CollaborationPruner.take_sums` after each training step: evaluations in between
+  do not count). Under torch.distributed the sums are reduced over all ranks first.
 - **N_d schedule**: `max_devices_per_token` of every live pruner goes from `start` (default: no
   pruning) to `target` (default: the model's `OccultConfig.max_devices_per_token`) over
   `schedule_steps` optimizer steps, so the model is eased into the constraint; `max_nodes_per_token` the same
@@ -205,6 +205,7 @@ class OccultCallback(TrainerCallback):
         self._handles: list = []
         self._collector = None
         self._pending_logs: dict[str, float] = {}
+        self._pruned_sums: dict[int, torch.Tensor] = {}  # layer -> the pruner's sums over the training steps since the last log
 
     def attach(self, trainer) -> "OccultCallback":
         """Register this callback first in `trainer`, so that reporting integrations see its numbers."""
@@ -254,6 +255,7 @@ class OccultCallback(TrainerCallback):
         self.on_train_end(None, None, None)  # a second train() call re-binds cleanly
         self._model, self._layers = model, layers
         self._meters = {layer: RoutingMeter() for layer in layers}
+        self._pruned_sums = {}
         for layer, moe in layers.items():
             self._handles.append(moe.fed_by.register_forward_hook(_feeding(self._meters[layer], moe.routing)))
         self._collector = self._new_collector()
@@ -332,11 +334,20 @@ class OccultCallback(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._apply_schedule(state.global_step)
+        self._take_pruner_sums(keep=False)  # the forwards since the last step ended: an evaluation's, not training
 
     def on_step_end(self, args, state, control, **kwargs):
         super().on_step_end(args, state, control, **kwargs)
+        self._take_pruner_sums(keep=True)
         if self.check_every and state.global_step % self.check_every == 0:
             self._pending_logs.update(self._drift_check())
+
+    def _take_pruner_sums(self, keep: bool) -> None:
+        """Take every pruner's sums (on the device); add them to the training step's (`keep`) or drop them."""
+        for layer, pruner in (pruners_of(self._model).items() if self._model is not None else ()):
+            sums = pruner.take_sums()
+            if keep and sums is not None:
+                self._pruned_sums[layer] = sums if layer not in self._pruned_sums else self._pruned_sums[layer] + sums
 
     # ----- logging --------------------------------------------------------------------------
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -365,9 +376,9 @@ class OccultCallback(TrainerCallback):
         rows = []
         for layer in layers:
             meter_row = self._meters[layer].pop(num_devices, reduce_device)
-            stats = pruners[layer].pop_stats() if layer in pruners else None
-            removed = [stats["removed_weight_fraction"] * stats["tokens"], float(stats["tokens"])] if stats else [0.0, 0.0]
-            rows.append(torch.cat([meter_row, torch.tensor(removed, dtype=torch.float64, device=reduce_device)]))
+            sums = self._pruned_sums.pop(layer, None)  # tokens, removed weight, pruned tokens
+            removed_2 = torch.zeros(2, dtype=torch.float64) if sums is None else sums[[1, 0]]
+            rows.append(torch.cat([meter_row, removed_2.to(reduce_device)]))
         table = torch.stack(rows)  # [layers, 3 + D + 2]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(table)

@@ -72,8 +72,8 @@ class OccultState:
 class ModelMethod:
     """A function bound to one model and put on the instance, like `types.MethodType`, but pickled as the function
     and the model: a bound method pickles as `getattr(model, function name)`, which the unpickler calls before the
-    model has its attributes, so `torch.save(model)` of an occult model wrote a file that `torch.load` either could not
-    read or read back with transformers' own `save_pretrained` in place of occult's."""
+    model has its attributes, so an occult model pickled whole (torch's save of the model object) could either not be
+    loaded back or came back with transformers' own `save_pretrained` in place of occult's."""
 
     __slots__ = ("__func__", "__self__")
 

@@ -77,6 +77,8 @@ def _corpus_suffix(name: str) -> str | None:
 def corpus_files(corpus_dir: str | os.PathLike) -> dict[str, Path]:
     """`{domain: file}` of the corpus files in `corpus_dir` (`CORPUS_SUFFIXES`), in domain-name order."""
     root = Path(corpus_dir)
+    if root.exists() and not root.is_dir():
+        raise NotADirectoryError(f"corpus directory {os.fspath(corpus_dir)!r} is a file; give the directory that holds the corpus files")
     if not root.is_dir():
         raise FileNotFoundError(f"corpus directory {os.fspath(corpus_dir)!r} does not exist")
     files: dict[str, Path] = {}

@@ -4,6 +4,7 @@ crash or a useless file later."""
 from __future__ import annotations
 
 import argparse
+import math
 
 
 def _int_at_least(minimum: int):
@@ -23,6 +24,27 @@ def _int_at_least(minimum: int):
 #: `--tokens 0` or `--layer -3` is refused by argparse with the rule it broke
 positive_int = _int_at_least(1)
 non_negative_int = _int_at_least(0)
+
+
+def _float_above(minimum: float, inclusive: bool):
+    rule = f"a finite number {'>=' if inclusive else '>'} {minimum:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {rule}, got {text!r}") from None
+        if not (math.isfinite(value) and (value >= minimum if inclusive else value > minimum)):
+            raise argparse.ArgumentTypeError(f"expected {rule}, got {text!r}")
+        return value
+
+    parse.__name__ = rule
+    return parse
+
+
+#: a rate or a size (`--gbs 0` would print infinite times) and a cost that may be nothing (`--call-ms 0`)
+positive_float = _float_above(0.0, inclusive=False)
+non_negative_float = _float_above(0.0, inclusive=True)
 
 
 def separator(text: str) -> str:
@@ -49,4 +71,4 @@ def torch_dtype_name(text: str) -> str:
     return text
 
 
-__all__ = ["non_negative_int", "positive_int", "separator", "torch_dtype_name"]
+__all__ = ["non_negative_float", "non_negative_int", "positive_float", "positive_int", "separator", "torch_dtype_name"]

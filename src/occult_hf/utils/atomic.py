@@ -123,6 +123,8 @@ def check_writable_dir(path: str | os.PathLike, what: str = "output") -> str:
     file (a probe file made and removed: read-only mounts, permissions, /proc), or `path` is a directory. Checked
     before long runs."""
     path = os.fspath(path)
+    if path.endswith(tuple(sep for sep in (os.sep, os.altsep) if sep)):  # abspath would drop it, and the write fail
+        raise IsADirectoryError(f"{what} {path!r} ends with a separator: a directory, expected a file path")
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"{what} {path!r}: directory {directory!r} does not exist")
