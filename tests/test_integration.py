@@ -171,6 +171,27 @@ def test_torch_save_and_load_keep_occult_methods(tmp_path):
     assert rel_err(load(tmp_path / "saved", occult_config=None)(ids).logits, expected) <= TOLERANCE
 
 
+def test_a_converted_model_moves_to_meta_and_refuses_a_jit_trace():
+    """`.to("meta")` failed half-way ("Cannot copy out of meta tensor": the dispatcher's choice read the moved
+    layout); a `torch.jit.trace` recorded one batch's dispatch and was wrong on any other batch of the same shape."""
+    from occult_hf import OccultConfig
+    from occult_hf.hf.apply import apply_occult
+
+    model = apply_occult(tiny_model("qwen2_moe", seed=2), OccultConfig(placement=shuffled_placement("qwen2_moe", 8, 2)))
+    class Logits(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids):
+            return self.model(ids, use_cache=False).logits
+
+    with pytest.raises(RuntimeError, match="torch.jit.trace cannot record an occult MoE block"):
+        torch.jit.trace(Logits(model), (tiny_batch(seed=4),), strict=False, check_trace=False)
+    model.to("meta")
+    assert all(p.is_meta for p in model.parameters())
+
+
 @pytest.mark.parametrize("family", ["olmoe", "deepseek"])
 def test_unapply_returns_the_trained_original_blocks(family):
     from occult_hf import OccultConfig

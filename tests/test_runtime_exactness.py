@@ -31,6 +31,7 @@ the rule recomputed from a fresh gather), on 2 ranks in dedup and on 4 in the ot
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 
 import numpy as np
@@ -322,6 +323,46 @@ def test_a_rank_whose_experts_get_no_token_joins_the_backward():
         for name in results[0][dispatcher][1]:
             mean = torch.from_numpy(results[0][dispatcher][1][name] + results[1][dispatcher][1][name]) / world_size
             assert rel_err(mean, expected[name]) <= 1e-5, (dispatcher, name)
+
+
+def _experts_unfrozen_after_apply_world(rank, world_size):
+    """The model frozen whole after `apply_occult`, then only its routed experts unfrozen (fine-tuning the experts):
+    the norm `clip_grad_norm_` sees, and the flags `unapply_occult` leaves on the original experts."""
+    from occult_hf import OccultConfig, unapply_occult
+    from occult_hf.hf.apply import apply_occult, occult_modules
+
+    model = apply_occult(tiny_model("qwen2_moe", seed=SEED).train(), OccultConfig(placement=placement_for("qwen2_moe", 8, 2, "shuffled")))
+    model.requires_grad_(False)
+    for module in occult_modules(model).values():
+        module.experts.requires_grad_(True)
+    try:
+        copy.deepcopy(model)
+        copied = "no error"
+    except TypeError as error:  # was pickle's "cannot pickle 'ProcessGroup'"
+        copied = str(error)
+    ids = rank_batch(rank)
+    model(input_ids=ids, labels=ids).loss.backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+    local_sq = sum(float(p.grad.square().sum()) for m in occult_modules(model).values() for p in m.experts.parameters())
+    first = next(iter(occult_modules(model).values()))
+    first.experts.requires_grad_(False)  # frozen while converted: unapply must not bring back the flags of apply time
+    unapply_occult(model)
+    flags = {name: p.requires_grad for name, p in model.named_parameters() if ".experts." in name}
+    return norm, local_sq, flags, copied
+
+
+@pytest.mark.world_size(2)
+def test_experts_unfrozen_after_apply_are_clipped_by_the_global_norm():
+    """The grad-norm carrier followed the experts' `requires_grad` of build time: experts unfrozen afterwards were
+    clipped by each rank's own norm (0.0615 and 0.0658 where the global one is 0.0901); and `unapply_occult` gave the
+    original experts back the flags they had before `apply_occult`. A deep copy is refused by name."""
+    results = run_world(_experts_unfrozen_after_apply_world, 2, timeout_s=200)
+    (norm_0, local_0, flags_0, copied), (norm_1, local_1, flags_1, _) = results
+    assert copied.startswith("copy.deepcopy of a model whose experts are spread over an expert-parallel group of 2 ranks"), copied
+    assert abs(norm_0 - norm_1) <= 1e-6 * norm_0 and abs(norm_0**2 - (local_0 + local_1)) <= 1e-5 * norm_0**2
+    for flags in (flags_0, flags_1):
+        first_layer = min(MOE_LAYERS["qwen2_moe"])
+        assert flags and all(trains == (f"layers.{first_layer}." not in name) for name, trains in flags.items()), flags
 
 
 @pytest.mark.world_size(4)

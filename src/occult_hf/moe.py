@@ -83,6 +83,7 @@ class OccultMoE(nn.Module):
         self.experts = experts
         device = experts.gate_up_proj.device
         self.dispatcher: TokenDispatcher = build_dispatcher(settings, ep, layout, device)
+        self._hints = settings.hints(layout)  # read on the host now: `.to("meta")` leaves nothing to read them from
         self.stats = ExchangeStats(ep.num_devices, device)
         self.replica_grads = None
         self._grad_norm = grad_norm if ep.is_distributed else None
@@ -123,6 +124,11 @@ class OccultMoE(nn.Module):
         return experts
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_tracing():  # a trace records this batch's sizes and orders: other batches would be wrong
+            raise RuntimeError(
+                "torch.jit.trace cannot record an occult MoE block: its dispatch depends on the routing of the traced "
+                "batch; use torch.export.export(..., strict=False) or torch.compile"
+            )
         block = self._original[0]  # not the property: a compiled forward guards on a property's class chain
         shape = hidden_states.shape
         x_TH = hidden_states.reshape(-1, shape[-1])
@@ -146,9 +152,19 @@ class OccultMoE(nn.Module):
         routed_TH = self.adapter.attach_aux_loss(block, routed_TH, routing.aux_loss)
         shared_TH = shared[0]
         out_TH = routed_TH if shared_TH is None else routed_TH + shared_TH
-        if self._grad_norm is not None and torch.is_grad_enabled() and self.ep_grad_norm_carrier.requires_grad:
+        if self._grad_norm is not None and torch.is_grad_enabled() and self._experts_train():
             out_TH = self._grad_norm.tap(out_TH, self.ep_grad_norm_carrier)
         return out_TH.reshape(shape)
+
+    def _experts_train(self) -> bool:
+        """Whether this forward's expert gradients count in the global norm: the experts (or adapters on them) train
+        now, and the carrier follows them, which it did only as they were at build time, so that experts unfrozen
+        later (`model.requires_grad_(False)`, then the experts' back on) were clipped by each rank's own norm."""
+        trains = any(param.requires_grad for param in self.experts.parameters())
+        carrier = self.ep_grad_norm_carrier
+        if trains and not carrier.requires_grad and not torch.compiler.is_compiling():
+            carrier.requires_grad_(True)
+        return trains and carrier.requires_grad
 
     def _apply(self, fn, recurse=True):
         """`.to()`/`.cuda()`: with `dispatcher="auto"`, choose again for the new device (a model is often
@@ -157,7 +173,7 @@ class OccultMoE(nn.Module):
         device = self.local_experts.gate_up_proj.device
         self.layout = self.layout.to(device)
         if self.settings.dispatcher == "auto":
-            chosen = dispatcher_class("auto", self.ep, device, self.settings.hints(self.layout))
+            chosen = dispatcher_class("auto", self.ep, device, self._hints)
             if not isinstance(self.dispatcher, chosen):
                 self.dispatcher = chosen(self.ep, self.layout, self.settings)
         return module

@@ -40,6 +40,18 @@ class ExpertParallelGroup:
     node_group: Any = None
     rail_group: Any = None
 
+    def __deepcopy__(self, memo) -> "ExpertParallelGroup":
+        """Itself in one process (it is frozen). Under torch.distributed a copy of the model would share the process
+        groups and the per-backward gradient-norm exchange of the original: an error naming what to do instead, not
+        pickle's "cannot pickle 'ProcessGroup'" from deep inside."""
+        if self.is_distributed:
+            raise TypeError(
+                f"copy.deepcopy of a model whose experts are spread over an expert-parallel group of {self.num_devices} "
+                f"ranks is not supported: load a second model for a reference or EMA copy (from_pretrained(..., "
+                f"occult_config=...)), or call occult_hf.unapply_occult first"
+            )
+        return self
+
     @property
     def is_distributed(self) -> bool:
         return self.group is not None

@@ -82,18 +82,22 @@ def place_full_experts(module: OccultMoE, gate_up_E2IH: torch.Tensor, down_EHI: 
 
 @torch.no_grad()
 def restore_block(module: OccultMoE, gate_up_E2IH: torch.Tensor, down_EHI: torch.Tensor) -> nn.Module:
-    """The original block of `module` with the given full expert weights written back into its own parameters."""
+    """The original block of `module` with the given full expert weights written back into its own parameters, which
+    train as the local experts did (frozen or unfrozen since `apply_occult`: the flags the block had then are stale)."""
     block = module.original_block
+    local = module.local_experts
+    trains = local.gate_up_proj.requires_grad or local.down_proj.requires_grad
     for key, value in place_full_experts(module, gate_up_E2IH, down_EHI).items():
         param = block.get_parameter(key)
         if param is value:
             continue
-        new = value.detach().to(device=module.local_experts.gate_up_proj.device, dtype=param.dtype).clone()
+        new = value.detach().to(device=local.gate_up_proj.device, dtype=param.dtype).clone()
         if param.is_meta:  # read per rank at load (`hf.loading`): never allocated, so a new parameter
             owner_path, _, name = key.rpartition(".")
-            setattr(block.get_submodule(owner_path), name, nn.Parameter(new, requires_grad=param.requires_grad))
+            setattr(block.get_submodule(owner_path), name, nn.Parameter(new, requires_grad=trains))
         else:
             param.data = new
+            param.requires_grad_(trains)
     return block
 
 
