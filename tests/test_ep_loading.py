@@ -161,6 +161,21 @@ def test_each_rank_reads_only_its_experts_and_equals_the_eager_model(tmp_path):
                     assert fallback is None and read == result["want_read"] and err <= 1e-5, case
             else:  # a layout it does not know: the full load, with the reason logged
                 assert result["fallback"] and not result["meta_only"] and not result["experts_read"], case
+    # the save under EP keeps the layout it was loaded from (the published per-expert keys), as one process does: it
+    # was written fused, transformers' expert conversions being dropped when occult_hf read the experts' keys
+    assert _tensor_shapes(f"{directories[0]}_ep") == _tensor_shapes(directories[0])
+
+
+def _tensor_shapes(directory: str) -> dict[str, tuple[int, ...]]:
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            shapes.update({key: tuple(f.get_slice(key).get_shape()) for key in f.keys()})
+    return shapes
 
 
 def test_device_maps_that_put_the_model_on_one_device_are_read_per_rank():

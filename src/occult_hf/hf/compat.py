@@ -133,6 +133,27 @@ def intercept_state_dict_loading(intercept: Callable[[Any, dict], tuple[dict, An
         modeling_utils.convert_and_load_state_dict_in_model = original
 
 
+def keep_expert_conversions(model) -> None:
+    """Add the model's routed-expert weight converters (per-expert checkpoint keys -> fused `experts.gate_up_proj` /
+    `experts.down_proj`) to those transformers keeps for `save_pretrained` to revert (`model._weight_conversions`).
+
+    transformers keeps only the conversions that matched a key it read; on the per-rank path the experts' keys are
+    read by occult_hf instead, so without this a checkpoint loaded in the published per-expert layout was saved
+    fused, where one process saves it as it was loaded."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    kept = list(getattr(model, "_weight_conversions", None) or [])
+    known = {(tuple(c.source_patterns), tuple(c.target_patterns)) for c in kept}
+    for conversion in get_model_conversion_mapping(model, add_legacy=False):
+        patterns = (tuple(conversion.source_patterns), tuple(conversion.target_patterns))
+        fuses_experts = any(t.endswith(("experts.gate_up_proj", "experts.down_proj")) for t in conversion.target_patterns)
+        if isinstance(conversion, WeightConverter) and fuses_experts and patterns not in known:
+            kept.append(conversion)
+            known.add(patterns)
+    model._weight_conversions = kept
+
+
 @contextlib.contextmanager
 def skip_allocator_warmup_for(skipped: Callable[[Any, str], bool]):
     """Within the block, transformers' CUDA caching-allocator warmup leaves out the parameters for which

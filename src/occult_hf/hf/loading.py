@@ -38,7 +38,7 @@ import torch
 
 from occult_hf.patches import adapter_for
 
-from .compat import UNSET, intercept_state_dict_loading, skip_allocator_warmup_for
+from .compat import UNSET, intercept_state_dict_loading, keep_expert_conversions, skip_allocator_warmup_for
 from ..config import OccultConfig, stored_occult_config
 from ..dispatch.group import check_group_size
 from ..distributed.agreement import announce_failure
@@ -260,6 +260,8 @@ class ExpertLoader:
         def after(model, loading_info) -> None:
             for plan in plans:
                 self._read_local(plan, state_dict)
+            if any(set(plan.keys) != set(_FUSED) for plan in plans):  # the published per-expert layout: saved so again
+                keep_expert_conversions(model)
             prefixes = tuple(plan.model_prefix + "." for plan in plans)
             for name, param in model.named_parameters():
                 if name.startswith(prefixes):
