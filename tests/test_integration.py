@@ -20,6 +20,7 @@ norms and final weights as a single-process Trainer run on the same data.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -169,6 +170,26 @@ def test_torch_save_and_load_keep_occult_methods(tmp_path):
     assert loaded.save_pretrained.__self__ is loaded and rel_err(loaded(ids).logits, expected) == 0
     loaded.save_pretrained(tmp_path / "saved")
     assert rel_err(load(tmp_path / "saved", occult_config=None)(ids).logits, expected) <= TOLERANCE
+
+
+def test_hooks_on_a_replaced_block_are_named_in_a_warning(caplog):
+    """Hooks a user put on the MoE block or its experts module stop running once the block is replaced (an
+    output-changing one silently stopped applying)."""
+    from occult_hf import OccultConfig
+    from occult_hf.hf.apply import apply_occult
+
+    model = tiny_model("olmoe", seed=2)
+    block = model.model.layers[0].mlp
+    block.register_forward_hook(lambda module, args, out: out * 2)
+    block.experts.register_forward_pre_hook(lambda module, args: None)
+    occult_logger = logging.getLogger("occult_hf")  # under transformers' root logger, which does not propagate
+    occult_logger.addHandler(caplog.handler)
+    try:
+        apply_occult(model, OccultConfig(num_devices=2))
+    finally:
+        occult_logger.removeHandler(caplog.handler)
+    (message,) = [r.getMessage() for r in caplog.records if "will not run" in r.getMessage()]
+    assert message.startswith("layer 0 (OlmoeSparseMoeBlock): 1 forward hook(s) on the block, 1 forward pre-hook(s) on its experts module will not run")
 
 
 def test_a_converted_model_moves_to_meta_and_refuses_a_jit_trace():

@@ -21,6 +21,9 @@ from ..experts import LocalExperts
 from ..moe import OccultMoE
 from ..layout import LayerLayout
 from ..pruning import CollaborationPruner
+from ..utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 #: where `hf.loading` leaves a block's local experts, read per rank: (expert ids, gate_up [L,2I,H], down [L,H,I])
 LOADED_EXPERTS_ATTR = "_occult_loaded_experts"
@@ -38,6 +41,7 @@ def build_occult_block(
     grad_norm: GradNormCarrier | None = None,
 ) -> OccultMoE:
     """The `OccultMoE` replacing `block` (layer `layout.layer`) for this rank, with the settings of `config`."""
+    _warn_of_hooks_left_behind(block, adapter, layout.layer)
     gate_up_E2IH, down_EHI = adapter.expert_weights(block)
     if gate_up_E2IH.shape[0] != layout.num_experts:
         raise ValueError(
@@ -72,6 +76,24 @@ def build_occult_block(
     module = OccultMoE(block, adapter, layout, experts, settings, ep, pruner, grad_norm)
     _release_unshared_expert_storage(module)
     return module
+
+
+def _warn_of_hooks_left_behind(block: nn.Module, adapter, layer: int) -> None:
+    """A warning naming the forward hooks (and accelerate's `_hf_hook`) on `block` or its experts module: the new block
+    routes with the block's router and computes its own experts, so neither module's forward runs, nor its hooks."""
+    experts = adapter.experts_module(block)
+    modules = (("the block", block), ("its experts module", experts))
+    found = [
+        f"{len(hooks)} {kind} on {what}"
+        for what, module in modules
+        for kind, hooks in (("forward hook(s)", module._forward_hooks), ("forward pre-hook(s)", module._forward_pre_hooks))
+        if hooks
+    ] + [f"accelerate's hook on {what}" for what, module in modules if hasattr(module, "_hf_hook")]
+    if found:
+        logger.warning(
+            "layer %d (%s): %s will not run: occult_hf's block replaces it (the router's hooks still run); register "
+            "them on the OccultMoE at the same path after apply_occult", layer, type(block).__name__, ", ".join(found),
+        )
 
 
 def place_full_experts(module: OccultMoE, gate_up_E2IH: torch.Tensor, down_EHI: torch.Tensor) -> dict[str, torch.Tensor]:
