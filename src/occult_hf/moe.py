@@ -72,15 +72,18 @@ class OccultMoE(nn.Module):
         self.last_devices_TD: torch.Tensor | None = None
         self.track = True
         experts_module = adapter.experts_module(block)
-        children = [name for name, child in block.named_children() if child is not experts_module]
-        self._block_children = frozenset(children)
-        for name in children:  # in the block's order: parameter order is what DDP, optimizers and their states go by
-            self.add_module(name, getattr(block, name))
+        self._block_children = frozenset(name for name, child in block.named_children() if child is not experts_module)
+        # in the block's order, the experts at theirs: parameter order is what DDP, optimizers and their states go by,
+        # so an optimizer state of the stock model loads into this one and back
+        for name, child in block.named_children():
+            if child is experts_module:
+                self.experts = experts
+            else:
+                self.add_module(name, child)
         for name, param in block.named_parameters(recurse=False):
             self.register_parameter(name, param)
         for name, buffer in block.named_buffers(recurse=False):
             self.register_buffer(name, buffer, persistent=name not in block._non_persistent_buffers_set)
-        self.experts = experts
         device = experts.gate_up_proj.device
         self.dispatcher: TokenDispatcher = build_dispatcher(settings, ep, layout, device)
         self._hints = settings.hints(layout)  # read on the host now: `.to("meta")` leaves nothing to read them from
