@@ -42,6 +42,7 @@ exchange across nodes and node-limited pruning knows the nodes. A model never co
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import replace
@@ -467,12 +468,12 @@ def _check_rows_movable(model: nn.Module, impl: OccultEP) -> None:
 
 
 @torch.no_grad()
-def _move_expert_rows(impl: OccultEP, order: list[int]) -> None:
-    """Store the experts in `order` (stored position -> expert id) instead of `impl.expert_order`,
+def _move_expert_rows(impl: OccultEP, order: list[int], stored: list[int] | None = None) -> None:
+    """Store the experts in `order` (stored position -> expert id) instead of `stored` (default: `impl.expert_order`),
     moving rows between the EP ranks: rank r sends each rank q the rows q needs from r's share, in one
     `all_to_all_single` per expert tensor. Collective over the EP group."""
     per_rank, rank, num_devices = impl.num_local_experts, impl.ep.rank, impl.ep.num_devices
-    position_of = {e: p for p, e in enumerate(impl.expert_order)}
+    position_of = {e: p for p, e in enumerate(impl.expert_order if stored is None else stored)}
     send_rows, send_splits, recv_splits, recv_order = [], [], [], []
     for q in range(num_devices):  # what q needs from r, in q's slot order
         wanted = [position_of[e] for e in order[q * per_rank : (q + 1) * per_rank]]
@@ -513,13 +514,33 @@ def _save_described(model, save_directory, *args, **kwargs):
     reads the same, whole files on every rank."""
     state = state_of(model, TRANSFORMERS_EP)
     record_running_limits(model, state)
-    result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
+    with _stored_in_original_order(model) if kwargs.get("distributed_checkpoint") else contextlib.nullcontext():
+        result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
     if kwargs.get("is_main_process", True) and writes_files(state):
         add_pruning_files(state, os.fspath(save_directory), os.fspath(save_directory))
     if state.agreement_group is not None:
         start = functools.partial(dist.barrier, group=state.agreement_group, async_op=True)
         bounded("save_pretrained (the ranks waiting for the writing rank's files)", None, state.save_timeout_s, start)
     return result
+
+
+@contextlib.contextmanager
+def _stored_in_original_order(model):
+    """Within the block every layer's experts are stored in original expert order, then in the placement's again
+    (rows moved between the ranks, in place, both ways): transformers' distributed checkpoint writes the shards as
+    stored, and a load moves them from original order into the placement's, so a checkpoint of rows in placement
+    order came back permuted twice."""
+    moved = []
+    try:
+        for _, _, _, impl in ep_blocks(model):
+            order, original = impl.expert_order, list(range(impl.num_experts))
+            if order != original:
+                _move_expert_rows(impl, original)
+                moved.append((impl, order))
+        yield
+    finally:
+        for impl, order in moved:
+            _move_expert_rows(impl, order, stored=list(range(impl.num_experts)))
 
 
 def _gather_in_original_order(model, model_to_save, state_dict, distributed_config, *, save_on_this_rank=True):
