@@ -77,11 +77,11 @@ def _trainer_args(output_dir: str):
     )  # fmt: skip  (AdamW and a linear schedule: resuming must restore both)
 
 
-def _ep_model(world_size: int):
+def _ep_model(world_size: int, contiguous: bool = False):
     from occult_hf import OccultConfig, Placement, apply_occult
 
     layers = {0: [1, 0, 0, 1, 1, 0, 1, 0], 1: [0, 1, 1, 0, 0, 1, 0, 1]}  # not contiguous: slots != expert ids
-    placement = Placement(8, world_size, layers)
+    placement = Placement.contiguous(8, world_size, [0, 1]) if contiguous else Placement(8, world_size, layers)
     return apply_occult(tiny_model("olmoe", seed=11, output_router_logits=False), OccultConfig(placement=placement))
 
 
@@ -112,12 +112,18 @@ def _resume_world(rank, world_size, root):
     resumed_model = _ep_model(world_size)
     resumed = Trainer(model=resumed_model, args=_trainer_args(f"{root}/resumed"), train_dataset=data)
     resumed.train(resume_from_checkpoint=f"{root}/full/checkpoint-{SAVE_STEPS}")
+    other = Trainer(model=_ep_model(world_size, contiguous=True), args=_trainer_args(f"{root}/other"), train_dataset=data)
+    try:  # another placement: its experts' weights and optimizer state would load into other experts' slots
+        other.train(resume_from_checkpoint=f"{root}/full/checkpoint-{SAVE_STEPS}")
+        other_placement = "no error"
+    except ValueError as error:
+        other_placement = str(error)
     full_weights = dict(full_model.named_parameters())
     weight_errors = {  # (the grad-norm carriers' values are never read: only their gradients are)
         name: float((param.detach() - full_weights[name].detach()).abs().max())
         for name, param in resumed_model.named_parameters() if not name.endswith("ep_grad_norm_carrier")
     }
-    return {"full": _losses(trainer), "resumed": _losses(resumed), "weight_errors": weight_errors}
+    return {"full": _losses(trainer), "resumed": _losses(resumed), "weight_errors": weight_errors, "other_placement": other_placement}
 
 
 @pytest.mark.world_size(2)
@@ -134,6 +140,7 @@ def test_trainer_checkpoints_with_attach_and_resume_equals_uninterrupted_run(tmp
             assert resumed[step] == pytest.approx(full[step], rel=1e-6), (rank, step, full, resumed)
         worst = max(report["weight_errors"].items(), key=lambda item: item[1])
         assert worst[1] <= 1e-6, (rank, worst)
+        assert "was written with another placement: at model.layers.0.mlp this rank held experts" in report["other_placement"], report
     # the checkpoints are vanilla: plain transformers loads all 8 experts of every layer
     for directory in (tmp_path / "full" / f"checkpoint-{SAVE_STEPS}", tmp_path / "resumed" / f"checkpoint-{RESUME_STEPS}"):
         model = AutoModelForCausalLM.from_pretrained(directory, occult_config=None)
@@ -159,6 +166,12 @@ def test_a_model_whose_saved_keys_transformers_renames_resumes(tmp_path):
     resumed.train(resume_from_checkpoint=f"{tmp_path}/full/checkpoint-{SAVE_STEPS}")
     for step in (3, 4):
         assert _losses(resumed)[step] == pytest.approx(_losses(full)[step], rel=1e-6), step
+    other = Trainer(model=_ep_model(world_size, contiguous=True), args=_trainer_args(f"{root}/other"), train_dataset=data)
+    try:  # another placement: its experts' weights and optimizer state would load into other experts' slots
+        other.train(resume_from_checkpoint=f"{root}/full/checkpoint-{SAVE_STEPS}")
+        other_placement = "no error"
+    except ValueError as error:
+        other_placement = str(error)
     full_weights = dict(full_model.named_parameters())
     for name, param in resumed_model.named_parameters():
         assert torch.equal(param, full_weights[name]), name

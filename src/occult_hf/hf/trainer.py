@@ -104,6 +104,11 @@ def _expert_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
+def _held_experts(model: nn.Module) -> dict[str, list[int]]:
+    """Every `OccultMoE`'s local experts (the global id in each slot): what a rank file's tensors are of."""
+    return {path: module.local_experts.expert_ids.tolist() for path, module in model.named_modules() if isinstance(module, OccultMoE)}
+
+
 def _rank_file(directory: str, model: nn.Module) -> str:
     rank, world = _ep_rank_world(model)
     return os.path.join(directory, RANK_FILE.format(rank=rank, world=world))
@@ -131,7 +136,8 @@ def _save_optimizer_and_scheduler(original, trainer, output_dir):
     os.makedirs(output_dir, exist_ok=True)
     # a PEFT model's weights resume from its (gathered) adapter files; its optimizer state is per rank too
     experts = _expert_state(model) if model is trainer.model else {}
-    payload = {"experts": experts, "optimizer": trainer.optimizer.state_dict(), "world": _ep_rank_world(model)}
+    payload = {"experts": experts, "optimizer": trainer.optimizer.state_dict(), "world": _ep_rank_world(model),
+               "held_experts": _held_experts(model)}  # fmt: skip
     atomic_torch_save(payload, _rank_file(output_dir, model))
     return result
 
@@ -287,7 +293,16 @@ def _read_rank_file(checkpoint: str, model: nn.Module) -> dict:
                f"the checkpoint holds {present} (written by another EP layout)" if present else
                "the checkpoint was saved without optimizer state (save_only_model=True) or without occult_hf")
         )  # fmt: skip
-    return torch.load(path, map_location="cpu", weights_only=True)
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    held, saved = _held_experts(model), payload.get("held_experts")
+    if saved != held:  # its experts' weights and optimizer state would load into other experts' slots
+        layer = next((path for path in held if (saved or {}).get(path) != held[path]), None)
+        raise ValueError(
+            f"resume_from_checkpoint={checkpoint!r} was written with another placement: at {layer} this rank held experts "
+            f"{None if saved is None else saved.get(layer)} and now holds {held.get(layer)}; resume with the checkpoint's "
+            f"own occult_config (its config.json), or start a new run from its weights (from_pretrained)"
+        )
+    return payload
 
 
 def _vanilla_weights(checkpoint: str) -> dict[str, torch.Tensor]:
