@@ -45,6 +45,22 @@ def test_schedule_eases_from_start_to_target():
     assert DeviceLimitSchedule(start=4, target=2, steps=0).at(0) == 2
 
 
+def test_schedule_fraction_spans_the_runs_steps_epochs_included():
+    """`python -m occult_hf.hf.finetune --num_train_epochs N` had no schedule: it took a fraction of `max_steps`
+    (-1 there), and N_d dropped to its target at the first step. The fraction is now taken of the Trainer's
+    `state.max_steps` when training begins."""
+    pruned = apply_occult(tiny_model("olmoe", **SIZES), OccultConfig(num_devices=4, prune="router", max_devices_per_token=1))
+    callback = OccultCallback(schedule_fraction=0.5)
+    state = _State()
+    state.max_steps = 12
+    callback.on_train_begin(None, state, None, model=pruned)
+    assert callback.schedule == DeviceLimitSchedule(start=4, target=1, steps=6)
+    with pytest.raises(ValueError, match="schedule_steps or schedule_fraction, not both"):
+        OccultCallback(schedule_steps=3, schedule_fraction=0.5)
+    with pytest.raises(ValueError, match=r"schedule_fraction must be a number in \[0, 1\] or None, got 2"):
+        OccultCallback(schedule_fraction=2)
+
+
 def test_schedule_and_callback_validation():
     with pytest.raises(ValueError, match=r"start \(1\) must be >= target \(2\)"):
         DeviceLimitSchedule(start=1, target=2, steps=3)

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -203,7 +204,7 @@ def test_load_best_model_at_end_restores_the_best_checkpoint_experts_included(tm
 # ----- the fine-tune entry point (HfArgumentParser, datasets, launcher checks) ---------------------------
 
 
-def test_finetune_entry_point_parses_trainer_flags_and_checks_data_and_launch(tmp_path, monkeypatch):
+def test_finetune_entry_point_parses_trainer_flags_and_checks_data_and_launch(tmp_path, monkeypatch, capsys):
     import datasets
     from transformers import AutoConfig
 
@@ -217,10 +218,20 @@ def test_finetune_entry_point_parses_trainer_flags_and_checks_data_and_launch(tm
               "--report_to", "none", "--disable_tqdm", "true", "--max_steps", "2", "--save_steps", "1",
               "--learning-rate", "1e-3", "--check_every", "0"]  # fmt: skip
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    with pytest.raises(ValueError, match="num_devices=2 but this launch runs 1 process.*--logical_devices"):
-        finetune([*common, "--output_dir", str(tmp_path / "x"), "--num_devices", "2"])
-    with pytest.raises(ValueError, match=r"holds \d+ tokens, shorter than one sequence of --seq_len 100000"):
-        finetune([*common, "--output_dir", str(tmp_path / "x"), "--num_devices", "2", "--logical_devices", "--seq_len", "100000"])
+    refusals = [  # one line each, exit code 2 (they were tracebacks of 12-78 lines)
+        (["--num_devices", "2"], r"num_devices=2 but this launch runs 1 process.*--logical_devices"),
+        (["--num_devices", "2", "--logical_devices", "--seq_len", "100000"], r"holds \d+ tokens, shorter than one sequence of --seq_len 100000"),
+        (["--max_devices_per_token", "0"], r"--max_devices_per_token must be an integer >= 1, got 0"),  # was taken as 2
+        (["--seq_len", "0"], r"--seq_len must be an integer >= 1, got 0"),  # was "range\(\) arg 3 must not be zero"
+    ]  # fmt: skip
+    capsys.readouterr()
+    for flags, message in refusals:
+        assert finetune([*common, "--output_dir", str(tmp_path / "x"), *flags]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("occult_hf.hf.finetune: error: "), err
+        assert re.search(message, err[0]), err
+    missing = ["--model_name_or_path", str(tmp_path / "no_model"), *common[2:], "--output_dir", str(tmp_path / "x")]
+    assert finetune(missing) == 2 and "model directory does not exist" in capsys.readouterr().err  # not the Hub's retries
     out = tmp_path / "out"
     assert finetune([*common, "--output_dir", str(out), "--num_devices", "2", "--logical_devices",
                      "--max_devices_per_token", "1"]) == 0  # fmt: skip

@@ -137,6 +137,8 @@ class OccultCallback(TrainerCallback):
         target_nodes_per_token, start_nodes_per_token: the same for `N_n` (`OccultConfig.max_nodes_per_token`;
             start None: every node), over the same `schedule_steps`; needs pruners with a node layout.
         schedule_steps: optimizer steps from start to target (0: target from the first step).
+        schedule_fraction: instead of `schedule_steps`, this fraction of the run's optimizer steps (the Trainer's
+            `state.max_steps` when training begins, so a run by epochs is eased too).
         train_moe_only: freeze every parameter outside the MoE blocks.
         check_every: run the drift check every this many optimizer steps (0: only at saves).
         planner: placement method for the re-planned placement (`placement.available_planners()`).
@@ -164,6 +166,7 @@ class OccultCallback(TrainerCallback):
         per_layer: bool = False,
         target_nodes_per_token: int | None = None,
         start_nodes_per_token: int | None = None,
+        schedule_fraction: float | None = None,
     ) -> None:
         get_planner(planner).make_options(**(planner_options or {}))  # clear errors now rather than at the first check
         check_count(
@@ -171,6 +174,10 @@ class OccultCallback(TrainerCallback):
         )
         check_count("OccultCallback check_every", check_every, 0, meaning=" (0: only at saves)")
         check_count("OccultCallback schedule_steps", schedule_steps, 0)
+        if schedule_fraction is not None and not (isinstance(schedule_fraction, (int, float)) and 0 <= schedule_fraction <= 1):
+            raise ValueError(f"OccultCallback schedule_fraction must be a number in [0, 1] or None, got {schedule_fraction!r}")
+        if schedule_fraction is not None and schedule_steps:
+            raise ValueError("OccultCallback takes schedule_steps or schedule_fraction, not both")
         for symbol, start, target in (("devices", start_devices_per_token, target_devices_per_token),
                                       ("nodes", start_nodes_per_token, target_nodes_per_token)):  # fmt: skip
             for end, value in (("start", start), ("target", target)):
@@ -186,6 +193,7 @@ class OccultCallback(TrainerCallback):
         self.target_nodes_per_token = target_nodes_per_token
         self.start_nodes_per_token = start_nodes_per_token
         self.schedule_steps = schedule_steps
+        self.schedule_fraction = schedule_fraction
         self.train_moe_only = train_moe_only
         self.check_every = check_every
         self.planner = planner
@@ -226,6 +234,8 @@ class OccultCallback(TrainerCallback):
         self._bind(model)
         if self.train_moe_only:
             self._freeze_outside_moe(model)
+        if self.schedule_fraction is not None:
+            self.schedule_steps = int(state.max_steps * self.schedule_fraction)
         self._setup_schedule()
         self._apply_schedule(state.global_step)
 

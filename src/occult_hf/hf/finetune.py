@@ -23,10 +23,12 @@ on a machine without GPUs) is an error rather than a run that looks like EP (`hf
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass, field
 
 from ..pruning import pruning_policy_names
+from ..utils.checks import check_count
 
 
 @dataclass
@@ -49,6 +51,9 @@ class DataArguments:
     text_column: str = field(default="text", metadata={"help": "Column holding the text."})
     seq_len: int = field(default=1024, metadata={"help": "Tokens per training sequence (documents are packed)."})
 
+    def __post_init__(self) -> None:
+        check_count("--seq_len", self.seq_len, 1)
+
 
 @dataclass
 class OccultArguments:
@@ -67,7 +72,8 @@ class OccultArguments:
     )
     profile: str | None = field(default=None, metadata={"help": "Routing profile, needed by --prune similarity."})
     schedule_fraction: float = field(
-        default=0.25, metadata={"help": "Fraction of max_steps over which N_d eases from no pruning to its target."}
+        default=0.25,
+        metadata={"help": "Fraction of the run's optimizer steps (max_steps, or those of num_train_epochs) over which N_d eases from no pruning to its target."},
     )
     check_every: int = field(default=100, metadata={"help": "Drift watch every this many steps (0: only at saves)."})
     lora: bool = field(default=False, metadata={"help": "LoRA on attention and the fused experts (else MoE-only full FT)."})
@@ -79,6 +85,10 @@ class OccultArguments:
             raise ValueError(f"--prune must be one of {(*pruning_policy_names(), 'none')}, got {self.prune!r}")
         if not 0.0 <= self.schedule_fraction <= 1.0:
             raise ValueError(f"--schedule_fraction must be in [0, 1], got {self.schedule_fraction}")
+        if self.max_devices_per_token is not None:
+            check_count("--max_devices_per_token", self.max_devices_per_token, 1)
+        check_count("--check_every", self.check_every, 0, meaning=" (0: only at saves)")
+        check_count("--lora_rank", self.lora_rank, 1)
 
 
 def parse_arguments(argv: list[str] | None = None):
@@ -116,6 +126,34 @@ def packed_dataset(data, tokenizer, seq_len: int, text_column: str, training_arg
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the fine-tuning; an error ends in one line on stderr and exit code 2 (`OCCULT_DEBUG=1`: the traceback), as
+    the `occult` commands do, on every rank under a launcher."""
+    import os
+    import traceback
+
+    from ..cli import one_line
+
+    try:
+        return _finetune(argv)
+    except Exception as error:  # noqa: BLE001 - every error becomes one line unless OCCULT_DEBUG
+        if os.environ.get("OCCULT_DEBUG", "") not in ("", "0"):
+            traceback.print_exc()
+        else:
+            print(f"occult_hf.hf.finetune: error: {one_line(error)} (OCCULT_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return 2
+
+
+def _finetune(argv: list[str] | None) -> int:
+    from ..cli import check_model_source
+    from ..utils.progress import progress_bars_off
+
+    model_args, data_args, occult_args, training_args = parse_arguments(argv)
+    check_model_source(model_args.model_name_or_path)  # a missing directory at once, not after the Hub's retries
+    with progress_bars_off() if training_args.disable_tqdm else contextlib.nullcontext():  # every bar, not the Trainer's alone
+        return _train(model_args, data_args, occult_args, training_args)
+
+
+def _train(model_args, data_args, occult_args, training_args) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, Trainer
 
@@ -124,7 +162,6 @@ def main(argv: list[str] | None = None) -> int:
     from .launch import check_launch, check_trainer_sees_the_processes
     from .text_data import load_text_dataset
 
-    model_args, data_args, occult_args, training_args = parse_arguments(argv)
     # TrainingArguments (built above) has initialised torch.distributed under torchrun/accelerate
     num_devices = check_launch(occult_args.num_devices, occult_args.logical_devices)
     check_trainer_sees_the_processes(training_args)
@@ -133,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         placement=occult_args.placement,
         num_devices=num_devices,
         prune=occult_args.prune if pruned else None,
-        max_devices_per_token=(occult_args.max_devices_per_token or min(2, num_devices)) if pruned else None,
+        max_devices_per_token=(min(2, num_devices) if occult_args.max_devices_per_token is None else occult_args.max_devices_per_token)
+        if pruned else None,
         profile=occult_args.profile,
         logical_devices=occult_args.logical_devices,
     )
@@ -162,9 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                 target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
             ),
         )  # fmt: skip
-    steps = max(training_args.max_steps, 0)
     callback = OccultCallback(
-        schedule_steps=int(steps * occult_args.schedule_fraction) if pruned else 0,
+        schedule_fraction=occult_args.schedule_fraction if pruned else None,
         train_moe_only=not occult_args.lora,
         check_every=occult_args.check_every,
         per_layer=occult_args.per_layer_metrics,
