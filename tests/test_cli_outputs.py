@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from occult_hf import OccultConfig
-from occult_hf.cli import main, one_line
+from occult_hf.cli import main
+from occult_hf.utils.errors import one_line
 from occult_hf.placement import PLACEMENT_FILENAME, Placement
 from occult_hf.placement.validation import profile_from_sample
 

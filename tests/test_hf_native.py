@@ -167,12 +167,6 @@ def test_a_model_whose_saved_keys_transformers_renames_resumes(tmp_path):
     resumed.train(resume_from_checkpoint=f"{tmp_path}/full/checkpoint-{SAVE_STEPS}")
     for step in (3, 4):
         assert _losses(resumed)[step] == pytest.approx(_losses(full)[step], rel=1e-6), step
-    other = Trainer(model=_ep_model(world_size, contiguous=True), args=_trainer_args(f"{root}/other"), train_dataset=data)
-    try:  # another placement: its experts' weights and optimizer state would load into other experts' slots
-        other.train(resume_from_checkpoint=f"{root}/full/checkpoint-{SAVE_STEPS}")
-        other_placement = "no error"
-    except ValueError as error:
-        other_placement = str(error)
     full_weights = dict(full_model.named_parameters())
     for name, param in resumed_model.named_parameters():
         assert torch.equal(param, full_weights[name]), name

@@ -9,6 +9,7 @@ import os
 import sys
 import traceback
 
+from ..utils.errors import one_line
 from ..utils.progress import progress_bars_off
 
 #: subcommand modules of this package, in the order `occult --help` lists them
@@ -30,10 +31,6 @@ def build_parser() -> argparse.ArgumentParser:
         importlib.import_module(f"{__name__}.{name}").register(subparsers)
     _add_no_progress_argument(parser)
     return parser
-
-
-#: errors that mean "bad input" (a wrong file, setting or model): reported without their type name
-INPUT_ERRORS = (ValueError, TypeError, KeyError, OSError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,44 +120,3 @@ def check_output_is_not_an_input(command: str, out: str, inputs: list[tuple[str,
     for what, path in inputs:
         if path is not None and os.path.isfile(path) and os.path.samefile(out, path):
             raise SystemExit(f"occult {command}: --out {out!r} is the {what} {path!r}; writing there would replace it: give another path")
-
-
-def check_model_source(name: str) -> None:
-    """Fail at once on a local model directory that does not exist, instead of minutes of Hub retries.
-
-    `name` is taken as local when it exists, starts with `/`, `.` or `~`, ends with a separator, or
-    is not a valid Hub id (`org/name`); a valid Hub id that is not a directory is left to transformers.
-    """
-    if os.path.isdir(name):
-        return
-    if os.path.exists(name):
-        raise NotADirectoryError(f"MODEL {name!r} is a file; expected a model directory or a Hub model id")
-    local = name.startswith(("/", ".", "~")) or name.endswith(os.sep)
-    if not local:
-        from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-        try:
-            validate_repo_id(name)
-        except HFValidationError:
-            local = True
-    if local:
-        raise FileNotFoundError(f"MODEL {name!r}: model directory does not exist (and it is not a Hub model id)")
-
-
-def one_line(error: BaseException) -> str:
-    """The error's message on one line; its type name too unless it is an ordinary input error.
-
-    A `KeyError` of a lookup holds the key alone, and a bare `name` tells the user nothing: it reads
-    "missing key 'name'"; one raised with a message (a sentence, with spaces) keeps it.
-    """
-    raw = _key_error_text(error) if isinstance(error, KeyError) else str(error)
-    text = " ".join(raw.split()) or repr(error)
-    return text if isinstance(error, INPUT_ERRORS) else f"{type(error).__name__}: {text}"
-
-
-def _key_error_text(error: KeyError) -> str:
-    """The message of a `KeyError` raised with one (a string holding a space), else "missing key <key>"."""
-    key = error.args[0] if error.args else None
-    if isinstance(key, str) and " " in key.strip():
-        return key
-    return f"missing key {key!r}" if error.args else ""

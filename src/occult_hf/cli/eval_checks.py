@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from ..utils.checks import did_you_mean, shown
-from . import check_model_source
+from ..utils.checks import check_model_source
 
 #: what the EP ranks' agreement on the checks before the model loads is called in its errors
 CHECKS = "occult eval's checks before the model loads"

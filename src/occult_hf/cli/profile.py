@@ -81,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
     from ..hf.text_data import load_text_dataset
     from ..profile import RoutingProfile
     from ..utils.atomic import check_writable_dir
-    from . import check_model_source, check_output_is_not_an_input
+    from ..utils.checks import check_model_source
+    from . import check_output_is_not_an_input
 
     check_writable_dir(args.out, "--out")  # before the run, not after it
     check_output_is_not_an_input("profile", args.out, [("--text", args.text), ("--dataset", args.dataset), ("--from-trace", args.from_trace)])

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     import os
     import traceback
 
-    from ..cli import one_line
+    from ..utils.errors import one_line
 
     try:
         return _finetune(argv)
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _finetune(argv: list[str] | None) -> int:
-    from ..cli import check_model_source
+    from ..utils.checks import check_model_source
     from ..utils.progress import progress_bars_off
 
     model_args, data_args, occult_args, training_args = parse_arguments(argv)

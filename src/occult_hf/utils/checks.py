@@ -1,5 +1,5 @@
-"""Input checks for routing arrays and the device count, shared by the metrics, the planners, the
-pruner, the config and the launcher.
+"""Input checks for routing arrays, the device count and a model's source, shared by the metrics, the planners, the
+pruner, the config, the launcher and the commands.
 
 Each returns its input as the array type the callers compute with, or raises a `ValueError` that
 names the input, what it holds and the rule it broke.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 from typing import Any, Iterable
 
 import numpy as np
@@ -136,4 +137,29 @@ def check_square(matrix_EE: np.ndarray, num_experts: int, name: str = "coactivat
     return matrix
 
 
-__all__ = ["check_devices_per_node", "check_topk_ids", "check_device_map", "check_square", "check_timeout_s", "shown", "MAX_TIMEOUT_S"]
+def check_model_source(name: str) -> None:
+    """Fail at once on a local model directory that does not exist, instead of minutes of Hub retries.
+
+    `name` is taken as local when it exists, starts with `/`, `.` or `~`, ends with a separator, or
+    is not a valid Hub id (`org/name`); a valid Hub id that is not a directory is left to transformers.
+    """
+    if os.path.isdir(name):
+        return
+    if os.path.exists(name):
+        raise NotADirectoryError(f"MODEL {name!r} is a file; expected a model directory or a Hub model id")
+    local = name.startswith(("/", ".", "~")) or name.endswith(os.sep)
+    if not local:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(name)
+        except HFValidationError:
+            local = True
+    if local:
+        raise FileNotFoundError(f"MODEL {name!r}: model directory does not exist (and it is not a Hub model id)")
+
+
+__all__ = [
+    "check_model_source", "check_devices_per_node", "check_topk_ids", "check_device_map", "check_square", "check_timeout_s",
+    "shown", "MAX_TIMEOUT_S",
+]

@@ -1,0 +1,29 @@
+"""One line for an error, as every command of occult_hf prints it (`occult`, `python -m occult_hf.hf.finetune`): the
+library's errors name the file, setting or rank at fault, so the line is what the user needs."""
+
+from __future__ import annotations
+
+#: errors that mean "bad input" (a wrong file, setting or model): reported without their type name
+INPUT_ERRORS = (ValueError, TypeError, KeyError, OSError)
+
+
+def one_line(error: BaseException) -> str:
+    """The error's message on one line; its type name too unless it is an ordinary input error.
+
+    A `KeyError` of a lookup holds the key alone, and a bare `name` tells the user nothing: it reads
+    "missing key 'name'"; one raised with a message (a sentence, with spaces) keeps it.
+    """
+    raw = _key_error_text(error) if isinstance(error, KeyError) else str(error)
+    text = " ".join(raw.split()) or repr(error)
+    return text if isinstance(error, INPUT_ERRORS) else f"{type(error).__name__}: {text}"
+
+
+def _key_error_text(error: KeyError) -> str:
+    """The message of a `KeyError` raised with one (a string holding a space), else "missing key <key>"."""
+    key = error.args[0] if error.args else None
+    if isinstance(key, str) and " " in key.strip():
+        return key
+    return f"missing key {key!r}" if error.args else ""
+
+
+__all__ = ["INPUT_ERRORS", "one_line"]
