@@ -145,6 +145,19 @@ def test_dataset_file_that_cannot_be_parsed_is_named(tmp_path, capsys, monkeypat
     assert exit_.value.code == 2 and last.startswith(f"occult profile: error: {words}"), last
 
 
+def test_a_local_data_path_that_does_not_exist_is_named_at_once(tmp_path):
+    """A path without a data file's extension went to the Hub and ended, after 30 s of retries, in its connection
+    error."""
+    import time
+
+    from occult_hf.hf.text_data import load_text_dataset
+
+    start = time.monotonic()
+    with pytest.raises(FileNotFoundError, match=r"data '.*/no_such_data' does not exist \(and it is not a Hub dataset name\)"):
+        load_text_dataset(tmp_path / "no_such_data")
+    assert time.monotonic() - start < 5
+
+
 def test_text_file_that_is_no_utf8_file_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
     """Was "'utf-8' codec can't decode byte 0xff ..." after the model loaded, naming no file; a directory was said not to
     exist."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 
+from ..utils.checks import names_a_local_path
 from ..utils.dataset_errors import parsed
 
 #: file extension -> the `datasets` packaged builder that reads it
@@ -75,6 +76,8 @@ def load_text_dataset(source: str | os.PathLike, config: str | None = None, spli
     else:
         if not os.path.isdir(path) and os.path.splitext(path)[1].lower() in DATA_FILE_BUILDERS:
             raise FileNotFoundError(f"data file {path!r} does not exist")
+        if not os.path.isdir(path) and names_a_local_path(path):  # at once, not after the Hub's retries
+            raise FileNotFoundError(f"data {path!r} does not exist (and it is not a Hub dataset name)")
         data = parsed(lambda: datasets.load_dataset(path, config, split=split), f"dataset {path!r}")
     if text_column not in data.column_names:
         raise ValueError(

@@ -147,19 +147,25 @@ def check_model_source(name: str) -> None:
         return
     if os.path.exists(name):
         raise NotADirectoryError(f"MODEL {name!r} is a file; expected a model directory or a Hub model id")
-    local = name.startswith(("/", ".", "~")) or name.endswith(os.sep)
-    if not local:
-        from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-        try:
-            validate_repo_id(name)
-        except HFValidationError:
-            local = True
-    if local:
+    if names_a_local_path(name):
         raise FileNotFoundError(f"MODEL {name!r}: model directory does not exist (and it is not a Hub model id)")
 
 
+def names_a_local_path(name: str) -> bool:
+    """Whether `name` can only mean a local path: it starts with `/`, `.` or `~`, ends with a separator, or is not a
+    valid Hub id (`org/name`), so that looking it up on the Hub would end, after its retries, in a connection error."""
+    if name.startswith(("/", ".", "~")) or name.endswith(os.sep):
+        return True
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return True
+    return False
+
+
 __all__ = [
-    "check_model_source", "check_devices_per_node", "check_topk_ids", "check_device_map", "check_square", "check_timeout_s",
+    "check_model_source", "names_a_local_path", "check_devices_per_node", "check_topk_ids", "check_device_map", "check_square", "check_timeout_s",
     "shown", "MAX_TIMEOUT_S",
 ]
