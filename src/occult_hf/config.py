@@ -190,10 +190,10 @@ class OccultConfig:
         if self.dispatcher != "auto":
             DISPATCHERS.check(self.dispatcher)
             if (self.dispatch_chunks or 1) > 1 and not DISPATCHERS.trait(self.dispatcher, "overlaps_chunks"):
-                overlapping = [name for name in DISPATCHERS.names() if DISPATCHERS.trait(name, "overlaps_chunks")]
                 raise ValueError(
                     f"OccultConfig.dispatch_chunks={self.dispatch_chunks} needs a dispatcher that overlaps chunks "
-                    f"({overlapping}); dispatcher={self.dispatcher!r} runs one chunk: leave dispatch_chunks at None"
+                    f"({list(DISPATCHERS.names_with('overlaps_chunks'))}); dispatcher={self.dispatcher!r} runs one chunk: "
+                    f"leave dispatch_chunks at None"
                 )
         if self.exchange_timeout_s is not None and isinstance(self.exchange_timeout_s, str):
             raise ValueError(f"OccultConfig.exchange_timeout_s must be None or a number, got str {self.exchange_timeout_s!r}")

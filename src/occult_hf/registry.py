@@ -83,6 +83,10 @@ class Registry(Generic[Entry]):
         """A fact about `name` known without importing it (`traits`), else `default`."""
         return self._traits.get(name, {}).get(key, default)
 
+    def names_with(self, key: str) -> tuple[str, ...]:
+        """The valid names whose trait `key` is true (known without importing them), sorted."""
+        return tuple(name for name in self.names() if self.trait(name, key))
+
     def check(self, name: str) -> str:
         """Return `name` if it is valid, else raise the registry's `ValueError` (imports nothing)."""
         if not isinstance(name, str) or name not in self:

@@ -9,7 +9,7 @@ import os
 import sys
 import traceback
 
-from ..utils.errors import one_line
+from ..utils.errors import debug_requested, one_line
 from ..utils.progress import progress_bars_off
 
 #: subcommand modules of this package, in the order `occult --help` lists them
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     `--debug` (accepted anywhere on the command line) re-raises with the full traceback.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv or os.environ.get("OCCULT_DEBUG", "") not in ("", "0")
+    debug = "--debug" in argv or debug_requested()
     no_progress = "--no-progress" in argv  # anywhere, as --debug: `occult --no-progress demo` too
     argv = [arg for arg in argv if arg not in ("--debug", "--no-progress")]
     parser = build_parser()

@@ -7,7 +7,7 @@ import os
 
 from ..placement import PLACEMENT_FILENAME, available_planners
 from ..utils.atomic import check_writable_dir
-from ..utils.checks import check_devices_per_node
+from ..utils.checks import check_devices_per_node, ends_with_separator
 from ..utils.strict_json import parse_json
 from . import check_output_is_not_an_input
 from .devices import add_devices_per_node_argument, add_num_devices_argument
@@ -81,7 +81,7 @@ def placement_output(path: str) -> str:
     names a directory, which must exist."""
     if os.path.isdir(path):
         path = os.path.join(path, PLACEMENT_FILENAME)
-    elif path.endswith(tuple(sep for sep in (os.sep, os.altsep) if sep)):
+    elif ends_with_separator(path):
         raise FileNotFoundError(f"--out {path!r}: directory {path!r} does not exist")
     return check_writable_dir(path, "--out")
 

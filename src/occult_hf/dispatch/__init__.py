@@ -72,7 +72,7 @@ def _warn_chunks_unused(name: str, chunks: int) -> None:
     (a config that names such a dispatcher is refused by `OccultConfig` instead)."""
     get_logger(__name__).warning(
         f"OccultConfig.dispatch_chunks={chunks} is unused: dispatcher='auto' chose {name!r} for this group, which runs "
-        f"one chunk (only {[n for n, c in DISPATCHERS.items() if c.overlaps_chunks]} overlap chunks)"
+        f"one chunk (only {list(DISPATCHERS.names_with('overlaps_chunks'))} overlap chunks)"
     )
 
 

@@ -25,6 +25,8 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from .checks import ends_with_separator
+
 
 def to_json_native(value: Any, where: str = "$") -> Any:
     """`value` with numpy scalars/arrays, tuples and path-likes turned into JSON's own types.
@@ -123,7 +125,7 @@ def check_writable_dir(path: str | os.PathLike, what: str = "output") -> str:
     file (a probe file made and removed: read-only mounts, permissions, /proc), or `path` is a directory. Checked
     before long runs."""
     path = os.fspath(path)
-    if path.endswith(tuple(sep for sep in (os.sep, os.altsep) if sep)):  # abspath would drop it, and the write fail
+    if ends_with_separator(path):  # abspath would drop it, and the write fail
         raise IsADirectoryError(f"{what} {path!r} ends with a separator: a directory, expected a file path")
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):

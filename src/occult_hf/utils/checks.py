@@ -151,10 +151,16 @@ def check_model_source(name: str) -> None:
         raise FileNotFoundError(f"MODEL {name!r}: model directory does not exist (and it is not a Hub model id)")
 
 
+def ends_with_separator(path: str) -> bool:
+    """Whether `path` ends with a path separator (`/`, and `\\` where the system has it): it names a directory, which
+    `os.path.abspath` and `dirname` would silently turn into its parent's entry."""
+    return path.endswith(tuple(sep for sep in (os.sep, os.altsep) if sep))
+
+
 def names_a_local_path(name: str) -> bool:
     """Whether `name` can only mean a local path: it starts with `/`, `.` or `~`, ends with a separator, or is not a
     valid Hub id (`org/name`), so that looking it up on the Hub would end, after its retries, in a connection error."""
-    if name.startswith(("/", ".", "~")) or name.endswith(os.sep):
+    if name.startswith(("/", ".", "~")) or ends_with_separator(name):
         return True
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -166,6 +172,6 @@ def names_a_local_path(name: str) -> bool:
 
 
 __all__ = [
-    "check_model_source", "names_a_local_path", "check_devices_per_node", "check_topk_ids", "check_device_map", "check_square", "check_timeout_s",
+    "check_model_source", "ends_with_separator", "names_a_local_path", "check_devices_per_node", "check_topk_ids", "check_device_map", "check_square", "check_timeout_s",
     "shown", "MAX_TIMEOUT_S",
 ]

@@ -3,6 +3,11 @@ library's errors name the file, setting or rank at fault, so the line is what th
 
 from __future__ import annotations
 
+import os
+
+#: the environment variable that asks every command for the full traceback instead of the one line
+DEBUG_ENV = "OCCULT_DEBUG"
+
 #: errors that mean "bad input" (a wrong file, setting or model): reported without their type name
 INPUT_ERRORS = (ValueError, TypeError, KeyError, OSError)
 
@@ -26,4 +31,9 @@ def _key_error_text(error: KeyError) -> str:
     return f"missing key {key!r}" if error.args else ""
 
 
-__all__ = ["INPUT_ERRORS", "one_line"]
+def debug_requested() -> bool:
+    """Whether `$OCCULT_DEBUG` asks for tracebacks (set, and not "0")."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+__all__ = ["DEBUG_ENV", "INPUT_ERRORS", "debug_requested", "one_line"]
