@@ -100,7 +100,7 @@ def test_schedule_and_callback_validation():
     # LoRA on attention only with train_moe_only: nothing left to train (was torch's error at the first backward)
     peft = pytest.importorskip("peft")
     attention_only = peft.get_peft_model(pruned, peft.LoraConfig(r=2, target_modules=["q_proj"]))
-    with pytest.raises(ValueError, match="train_moe_only=True\) left no parameter to train"):
+    with pytest.raises(ValueError, match=r"train_moe_only=True\) left no parameter to train"):
         OccultCallback(train_moe_only=True).on_init_end(None, _State(), None, model=attention_only)
 
 

@@ -20,7 +20,6 @@ norms and final weights as a single-process Trainer run on the same data.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 from pathlib import Path
@@ -29,6 +28,7 @@ import pytest
 import torch
 
 from distributed import run_world
+from occult_logs import occult_records
 from tiny_models import FAMILIES, MOE_LAYERS, tiny_batch, tiny_checkpoint, tiny_model
 
 TOLERANCE = 1e-5
@@ -172,7 +172,7 @@ def test_torch_save_and_load_keep_occult_methods(tmp_path):
     assert rel_err(load(tmp_path / "saved", occult_config=None)(ids).logits, expected) <= TOLERANCE
 
 
-def test_hooks_on_a_replaced_block_are_named_in_a_warning(caplog):
+def test_hooks_on_a_replaced_block_are_named_in_a_warning():
     """Hooks a user put on the MoE block or its experts module stop running once the block is replaced (an
     output-changing one silently stopped applying)."""
     from occult_hf import OccultConfig
@@ -182,13 +182,9 @@ def test_hooks_on_a_replaced_block_are_named_in_a_warning(caplog):
     block = model.model.layers[0].mlp
     block.register_forward_hook(lambda module, args, out: out * 2)
     block.experts.register_forward_pre_hook(lambda module, args: None)
-    occult_logger = logging.getLogger("occult_hf")  # under transformers' root logger, which does not propagate
-    occult_logger.addHandler(caplog.handler)
-    try:
+    with occult_records() as records:
         apply_occult(model, OccultConfig(num_devices=2))
-    finally:
-        occult_logger.removeHandler(caplog.handler)
-    (message,) = [r.getMessage() for r in caplog.records if "will not run" in r.getMessage()]
+    (message,) = [r.getMessage() for r in records if "will not run" in r.getMessage()]
     assert message.startswith("layer 0 (OlmoeSparseMoeBlock): 1 forward hook(s) on the block, 1 forward pre-hook(s) on its experts module will not run")
 
 

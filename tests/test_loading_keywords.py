@@ -10,12 +10,12 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
 import torch
 
+from occult_logs import occult_records
 from tiny_models import tiny_batch, tiny_checkpoint, tiny_model
 
 
@@ -60,25 +60,22 @@ def test_path_forms_of_occult_config_load_a_checkpoint_that_stores_one(tmp_path)
         assert torch.allclose(model(ids).logits, want, atol=1e-5), given
 
 
-def test_a_given_config_replacing_the_stored_one_is_said(tmp_path, caplog):
+def test_a_given_config_replacing_the_stored_one_is_said(tmp_path):
     from transformers import AutoModelForCausalLM, OlmoeForCausalLM
 
     from occult_hf import OccultConfig, apply_occult, occult_config_of
 
     config = OccultConfig(num_devices=2, prune="router", max_devices_per_token=1)
     apply_occult(tiny_model("olmoe", seed=1), config).save_pretrained(tmp_path)
-    occult_logger = logging.getLogger("occult_hf")  # under transformers' root logger, which does not propagate
-    occult_logger.addHandler(caplog.handler)
-    try:
+    with occult_records() as records:
         AutoModelForCausalLM.from_pretrained(tmp_path)  # the stored config: nothing to say
-        assert "replaces" not in caplog.text
-        for load in (AutoModelForCausalLM.from_pretrained, OlmoeForCausalLM.from_pretrained):  # to the config, to the model
-            caplog.clear()
+    assert not [r for r in records if "replaces" in r.getMessage()]
+    for load in (AutoModelForCausalLM.from_pretrained, OlmoeForCausalLM.from_pretrained):  # to the config, to the model
+        with occult_records() as records:
             model = load(tmp_path, occult_config={"num_devices": 2})
-            assert occult_config_of(model).prune is None  # replaced whole: the stored pruning is off
-            assert "replaces the occult_config the checkpoint stores, whole" in caplog.text and "'prune': 'router'" in caplog.text
-    finally:
-        occult_logger.removeHandler(caplog.handler)
+        assert occult_config_of(model).prune is None  # replaced whole: the stored pruning is off
+        (message,) = [r.getMessage() for r in records if "replaces" in r.getMessage()]
+        assert "replaces the occult_config the checkpoint stores, whole" in message and "'prune': 'router'" in message
 
 
 def test_a_stored_profile_is_read_from_the_subfolder(tmp_path, monkeypatch):
