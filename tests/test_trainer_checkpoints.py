@@ -122,9 +122,9 @@ def test_a_rank_that_stalls_and_dies_while_saving_leaves_the_last_complete_check
     assert "checkpoint-4 stays marked incomplete (occult_checkpoint.json); no older checkpoint was rotated away" in rank0["error"]
     from occult_hf.hf.trainer import last_complete_checkpoint
 
-    last, incomplete = last_complete_checkpoint(str(output_dir))
+    last, unusable = last_complete_checkpoint(str(output_dir))
     assert last == str(output_dir / "checkpoint-2")
-    assert "occult_rank1-of-2.pt" in incomplete[str(output_dir / "checkpoint-4")]
+    assert "occult_rank1-of-2.pt" in unusable[str(output_dir / "checkpoint-4")]
 
 
 @pytest.mark.world_size(2)
@@ -138,7 +138,7 @@ def test_a_rank_that_fails_while_saving_is_named_at_once_and_the_run_resumes(tmp
 
     reports = run_world(_resumed_run, 2, str(output_dir), str(tmp_path / "reference"), env=ENV, timeout_s=300)
     for rank, report in enumerate(reports):
-        assert "checkpoint-4': the checkpoint is incomplete (its save did not finish)" in report["by_path"], report["by_path"]
+        assert "checkpoint-4': the checkpoint cannot be resumed, its save did not finish" in report["by_path"], report["by_path"]
         assert "it lacks occult_rank1-of-2.pt" in report["by_path"] and "checkpoint-2', the last complete one" in report["by_path"]
         reference, resumed = report["reference"], report["resumed"]
         assert sorted(resumed) == list(range(1, STEPS + 1)), (rank, resumed)  # steps 1-2 restored from checkpoint-2

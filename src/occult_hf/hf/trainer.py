@@ -35,9 +35,10 @@ rank file (`agreement.arrive`, bounded by `OCCULT_SAVE_TIMEOUT_S`: rank 0 may st
 model), and only then does rank 0 mark the checkpoint complete and rotate, counting complete
 checkpoints only. A rank that fails, stalls or dies before reporting leaves the checkpoint marked
 incomplete and the others raise naming it, so the older complete checkpoints are never rotated away
-for it. `train(resume_from_checkpoint=True)` resumes from the last complete checkpoint, saying which
-ones it skipped and what they lack; resuming from an incomplete one by path is an error naming what is
-missing.
+for it. The complete status lists each rank file with its size, so a rank file removed or truncated
+after the save makes the checkpoint unusable too. `train(resume_from_checkpoint=True)` resumes from the
+last whole checkpoint, saying which ones it skipped and why; resuming from an unusable one by path is an
+error naming what is missing or changed.
 """
 
 from __future__ import annotations
@@ -197,15 +198,18 @@ def _write_status(checkpoint: str, status: dict) -> None:
     atomic_write_json(os.path.join(checkpoint, CHECKPOINT_STATUS_FILE), status)
 
 
-def missing_from(checkpoint: str) -> list[str] | None:
-    """What an incomplete checkpoint lacks (a list naming files, or the save that did not finish), None when it is
-    complete or was not written under occult_hf's hooks (no `occult_checkpoint.json`)."""
+def unusable_because(checkpoint: str) -> str | None:
+    """Why a checkpoint cannot be resumed ("its save did not finish: it lacks ..." or "its rank files changed after
+    the save: ..."), None when it is whole or was not written under occult_hf's hooks (no `occult_checkpoint.json`)."""
     path = os.path.join(checkpoint, CHECKPOINT_STATUS_FILE)
     if not os.path.isfile(path):
         return None
     status = read_json_file(path, "checkpoint status")
-    if not isinstance(status, dict) or status.get("complete") is True:
+    if not isinstance(status, dict):
         return None
+    if status.get("complete") is True:
+        changed = _changed_since_saved(checkpoint, status.get("rank_files"))
+        return f"its rank files changed after the save: {', '.join(changed)}" if changed else None
     present = set(os.listdir(checkpoint))
     ranks = status.get("ranks") if isinstance(status.get("ranks"), int) and status.get("rank_files") is not False else 0
     missing = [name for name in (RANK_FILE.format(rank=r, world=ranks) for r in range(ranks)) if name not in present]
@@ -213,21 +217,35 @@ def missing_from(checkpoint: str) -> list[str] | None:
         missing.append("trainer_state.json")
     if not present & {"model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors"}:
         missing.append("the model weights")
-    return missing or ["the ranks' confirmation that every file was written (a rank stopped during the save)"]
+    missing = missing or ["the ranks' confirmation that every file was written (a rank stopped during the save)"]
+    return f"its save did not finish: it lacks {', '.join(missing)}"
 
 
-def last_complete_checkpoint(output_dir: str) -> tuple[str | None, dict[str, list[str]]]:
-    """`(the last complete checkpoint-N of output_dir or None, {incomplete checkpoint: what it lacks})`."""
+def _changed_since_saved(checkpoint: str, rank_files) -> list[str]:
+    """The rank files a complete checkpoint's status lists (`{file: bytes}`) that are gone or of another size now:
+    removed or truncated after the save, they would fail the resume half-way."""
+    changed = []
+    for name, size in (rank_files.items() if isinstance(rank_files, dict) else ()):
+        file = os.path.join(checkpoint, name)
+        if not os.path.isfile(file):
+            changed.append(f"{name} is gone (the save wrote {size} bytes)")
+        elif os.path.getsize(file) != size:
+            changed.append(f"{name} has {os.path.getsize(file)} bytes (the save wrote {size})")
+    return changed
+
+
+def last_complete_checkpoint(output_dir: str) -> tuple[str | None, dict[str, str]]:
+    """`(the last whole checkpoint-N of output_dir or None, {unusable checkpoint: why})`."""
     from transformers.trainer_utils import sort_checkpoints
 
-    incomplete, last = {}, None
+    unusable, last = {}, None
     for checkpoint in sort_checkpoints(output_dir):  # by step, oldest first
-        missing = missing_from(checkpoint)
-        if missing is None:
+        why = unusable_because(checkpoint)
+        if why is None:
             last = checkpoint
         else:
-            incomplete[checkpoint] = missing
-    return last, incomplete
+            unusable[checkpoint] = why
+    return last, unusable
 
 
 def _rotate(run_dir: str, limit: int | None, best: str | None) -> None:
@@ -237,7 +255,7 @@ def _rotate(run_dir: str, limit: int | None, best: str | None) -> None:
 
     if limit is None or limit <= 0:
         return
-    complete = [c for c in sort_checkpoints(run_dir, use_mtime=True) if missing_from(c) is None]
+    complete = [c for c in sort_checkpoints(run_dir, use_mtime=True) if unusable_because(c) is None]
     protected = {complete[-1], *([str(Path(best))] if best else [])} if complete else set()
     remaining = len(complete)
     for checkpoint in complete:
@@ -254,31 +272,30 @@ def _rotate(run_dir: str, limit: int | None, best: str | None) -> None:
 def _train(original, trainer, resume_from_checkpoint=None, *args, **kwargs):
     """`resume_from_checkpoint=True` resumes from the last complete checkpoint (transformers takes the last one)."""
     if resume_from_checkpoint is True and _occult_model(trainer.model) is not None:
-        last, incomplete = last_complete_checkpoint(trainer.args.output_dir)
-        for checkpoint, missing in incomplete.items():
-            logger.warning("occult_hf: skipping %s, whose save did not finish: it lacks %s", checkpoint, ", ".join(missing))
+        last, unusable = last_complete_checkpoint(trainer.args.output_dir)
+        for checkpoint, why in unusable.items():
+            logger.warning("occult_hf: skipping %s: %s", checkpoint, why)
         if last is None:
             raise ValueError(
                 f"resume_from_checkpoint=True: no complete checkpoint in {trainer.args.output_dir!r}"
-                + (f"; incomplete: {_listing(incomplete)}" if incomplete else "")
+                + (f"; {_listing(unusable)}" if unusable else "")
             )
         resume_from_checkpoint = last
     return original(trainer, resume_from_checkpoint, *args, **kwargs)
 
 
 def _check_complete(checkpoint: str) -> None:
-    missing = missing_from(checkpoint)
-    if missing is not None:
+    why = unusable_because(checkpoint)
+    if why is not None:
         last, _ = last_complete_checkpoint(os.path.dirname(os.path.abspath(checkpoint)))
         raise ValueError(
-            f"resume_from_checkpoint={checkpoint!r}: the checkpoint is incomplete (its save did not finish): it lacks "
-            f"{', '.join(missing)}; "
+            f"resume_from_checkpoint={checkpoint!r}: the checkpoint cannot be resumed, {why}; "
             + (f"resume from {last!r}, the last complete one" if last else "its folder holds no complete checkpoint")
         )
 
 
-def _listing(incomplete: dict[str, list[str]]) -> str:
-    return "; ".join(f"{os.path.basename(c)} lacks {', '.join(m)}" for c, m in list(incomplete.items())[:8])
+def _listing(unusable: dict[str, str]) -> str:
+    return "; ".join(f"{os.path.basename(c)}: {why}" for c, why in list(unusable.items())[:8])
 
 
 def _read_rank_file(checkpoint: str, model: nn.Module) -> dict:
@@ -404,4 +421,4 @@ def uninstall_trainer_hooks() -> None:
     unwrap_when_imported("transformers.trainer", "Trainer", _HOOKS)
 
 
-__all__ = ["RANK_FILE", "CHECKPOINT_STATUS_FILE", "install_trainer_hooks", "last_complete_checkpoint", "missing_from", "uninstall_trainer_hooks"]
+__all__ = ["RANK_FILE", "CHECKPOINT_STATUS_FILE", "install_trainer_hooks", "last_complete_checkpoint", "unusable_because", "uninstall_trainer_hooks"]
