@@ -207,6 +207,8 @@ class LocalExperts(nn.Module):
         gate_up_proj: `[L, 2I, H]` parameter (gate rows first).
         down_proj: `[L, H, I]` parameter.
         expert_ids: `[L]` int64 non-persistent buffer, the global id of each local expert.
+        replaced_module: the family's experts module these stand for (not a child), or None; transformers'
+            weight initialisation recognises experts by that module's class (`hf.weight_init`).
     """
 
     def __init__(
@@ -218,8 +220,10 @@ class LocalExperts(nn.Module):
         backend: str = "auto",
         deterministic: bool = False,
         grad_scale: float = 1.0,
+        replaces: nn.Module | None = None,
     ) -> None:
         super().__init__()
+        self._replaces = (replaces,)  # a tuple hides the module from nn.Module registration
         if backend != "auto":
             EXPERT_BACKENDS.check(backend)
         if backend in ("triton", "grouped_mm_fused"):
@@ -235,6 +239,10 @@ class LocalExperts(nn.Module):
     @property
     def num_local_experts(self) -> int:
         return self.gate_up_proj.shape[0]
+
+    @property
+    def replaced_module(self) -> nn.Module | None:
+        return self._replaces[0]
 
     def forward(self, x_RH: torch.Tensor, segments: ExpertSegments, pair_weight_N: torch.Tensor) -> torch.Tensor:
         gate_up_L2IH, down_LHI = self.gate_up_proj, self.down_proj

@@ -53,6 +53,7 @@ from .peft_support import install_peft_hooks, uninstall_peft_hooks
 from .setup import agree, build_pruners, resolve_config, resolve_placement
 from .state import BLOCKS, STATE_ATTR, OccultState, attach_state, detach_state, forget_saved_description, state_of
 from .trainer import install_trainer_hooks, uninstall_trainer_hooks
+from .weight_init import install_expert_init
 
 logger = get_logger(__name__)
 
@@ -106,6 +107,7 @@ def apply_occult(model: nn.Module, occult_config: OccultConfig | dict | str | No
         state.instance_methods["generate"] = _generate_in_lockstep
     state.instance_methods["save_pretrained"] = save_and_push
     state.instance_methods[PUSH_UPLOAD_METHOD] = upload_described
+    install_expert_init(model, state)
     attach_state(model, state)
     return model
 

@@ -71,6 +71,7 @@ def build_occult_block(
         backend=config.expert_backend,
         deterministic=config.deterministic,
         grad_scale=1.0 / ep.num_devices if ep.is_distributed else 1.0,
+        replaces=adapter.experts_module(block),
     )
     settings = DispatchSettings.of(config, top_k)
     module = OccultMoE(block, adapter, layout, experts, settings, ep, pruner, grad_norm)
