@@ -209,6 +209,13 @@ class LocalExperts(nn.Module):
         expert_ids: `[L]` int64 non-persistent buffer, the global id of each local expert.
         replaced_module: the family's experts module these stand for (not a child), or None; transformers'
             weight initialisation recognises experts by that module's class (`hf.weight_init`).
+
+    The rows of both parameters are experts in this rank's local-slot order, which depends on the placement
+    (also in one process): a state dict of another placement has the same shapes and would load its experts
+    into the wrong slots without a word. `state_dict()` therefore records the slot order in the state dict's
+    metadata (`EXPERT_IDS_METADATA`, kept by `torch.save`), and `load_state_dict` refuses one recorded for
+    another order, or a stock experts module's (original order) when the slots are not in original order. A
+    state dict without metadata (rebuilt as a plain dict, read from safetensors) cannot be checked.
     """
 
     def __init__(
@@ -224,6 +231,7 @@ class LocalExperts(nn.Module):
     ) -> None:
         super().__init__()
         self._replaces = (replaces,)  # a tuple hides the module from nn.Module registration
+        self.register_state_dict_post_hook(_record_slot_order)
         if backend != "auto":
             EXPERT_BACKENDS.check(backend)
         if backend in ("triton", "grouped_mm_fused"):
@@ -243,6 +251,13 @@ class LocalExperts(nn.Module):
     @property
     def replaced_module(self) -> nn.Module | None:
         return self._replaces[0]
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        mismatch = _slot_order_mismatch(self, state_dict.get(prefix + "gate_up_proj"), local_metadata)
+        if mismatch:
+            error_msgs.append(f"{prefix[:-1] or 'the experts'}: {mismatch}")
+            return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
     def forward(self, x_RH: torch.Tensor, segments: ExpertSegments, pair_weight_N: torch.Tensor) -> torch.Tensor:
         gate_up_L2IH, down_LHI = self.gate_up_proj, self.down_proj
@@ -296,6 +311,38 @@ class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad * ctx.scale, None
+
+
+#: the state-dict metadata entry (per `LocalExperts` prefix) holding the global expert id of each local slot
+EXPERT_IDS_METADATA = "occult_expert_ids"
+
+
+def _record_slot_order(module: LocalExperts, state_dict, prefix: str, local_metadata: dict) -> None:
+    if not module.expert_ids.is_meta:
+        local_metadata[EXPERT_IDS_METADATA] = module.expert_ids.tolist()
+
+
+def _slot_order_mismatch(module: LocalExperts, gate_up, local_metadata: dict) -> str | None:
+    """Why a state dict whose metadata for this module is `local_metadata` (and whose `gate_up_proj` entry is
+    `gate_up`) holds other experts' rows, or None."""
+    if not local_metadata or module.expert_ids.is_meta:
+        return None
+    held = module.expert_ids.tolist()
+    saved = local_metadata.get(EXPERT_IDS_METADATA)
+    if saved is None:  # a module without the record: a family's experts module, all experts in original order
+        if gate_up is None or held == list(range(gate_up.shape[0])):
+            return None
+        return (
+            f"the state dict holds routed experts in their original order (a model without occult_hf's blocks?) "
+            f"but this model's local slots hold experts {held}; load it into the original model, or use "
+            f"from_pretrained(..., occult_config=...), which places them"
+        )
+    if saved != held:
+        return (
+            f"the state dict was saved with another placement: its local slots held experts {saved}, this model's "
+            f"hold {held}; load it into a model with the same placement (occult_config) and rank"
+        )
+    return None
 
 
 #: pairs per local expert up to which an eager forward without gradient goes straight from the top-k

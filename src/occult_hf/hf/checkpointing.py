@@ -321,8 +321,9 @@ def _expert_versions(model, state) -> tuple[int, ...]:
 
 
 def _vanilla_state_dict(model, state, full_experts) -> dict[str, torch.Tensor]:
-    """`model.state_dict()` with each block's local experts replaced by the family's vanilla entries."""
-    state_dict = model.state_dict()
+    """`model.state_dict()` with each block's local experts replaced by the family's vanilla entries (a plain dict:
+    the metadata's local slot orders describe the replaced entries)."""
+    state_dict = dict(model.state_dict())
     for path in state.block_paths:
         module = model.get_submodule(path)
         runtime_names = {f"{path}.{name}" for name in module.runtime_state_names()}
