@@ -41,7 +41,7 @@ from ..distributed.agreement import SAVE_TIMEOUT_ENV, arrive, effective_setup, s
 from ..distributed.collectives import GradNormCarrier
 from ..placement import Placement
 from ..utils.logging import get_logger
-from .blocks import build_occult_block, restore_block
+from .blocks import LOADED_EXPERTS_ATTR, build_occult_block, check_experts_resident, restore_block, retire_original_block
 from .checkpointing import check_model_ranks_agree, gather_full_experts, new_save_group
 from .compat import PUSH_UPLOAD_METHOD, UNSET, install_loading_hooks, loading_hooks_installed, static_cache_length, uninstall_loading_hooks
 from .ddp import DDP_IGNORE_ATTR, RankLocalStateNames
@@ -96,9 +96,13 @@ def apply_occult(model: nn.Module, occult_config: OccultConfig | dict | str | No
     layouts = [config.placement.layout(layer, rank) for layer, _, _ in blocks]
     pruners, state.pruning_profile = build_pruners(config, adapter, model, layouts, top_k)
     grad_norm = GradNormCarrier(ep.group) if ep.is_distributed else None  # one all-reduce per backward
-    for (_, path, block), layout, pruner in zip(blocks, layouts, pruners):
-        module = build_occult_block(block, adapter, layout, config, ep, top_k=top_k, pruner=pruner, grad_norm=grad_norm)
+    modules = [  # every block built before any is swapped in: a layer that fails leaves the model as it was
+        build_occult_block(block, adapter, layout, config, ep, top_k=top_k, pruner=pruner, grad_norm=grad_norm)
+        for (_, _, block), layout, pruner in zip(blocks, layouts, pruners)
+    ]
+    for (_, path, _), module in zip(blocks, modules):
         _set_submodule(model, path, module)
+        retire_original_block(module)
 
     if ep.is_distributed:
         state.ddp_ignore_before = getattr(model, DDP_IGNORE_ATTR, None)
@@ -123,6 +127,7 @@ def _resolve(model: nn.Module, occult_config, group):
             f"found no MoE block ({', '.join(adapter.block_class_names)}) in {type(model).__name__}; "
             f"is it already replaced or a model without routed experts?"
         )
+    check_experts_resident(adapter, blocks)
     placement = Placement.from_setting(config.placement)
     ep = ExpertParallelGroup.resolve(group, config.num_devices)
     if not ep.is_distributed and config.num_devices is None and placement is not None:
@@ -201,8 +206,10 @@ def _paths(blocks) -> list[str]:
 
 
 def _first_expert_weight(block: nn.Module) -> torch.Tensor:
-    """A routed-expert weight of `block` (its dtype and device are part of the setup the ranks compare)."""
-    return next(getattr(block, "experts", block).parameters())
+    """A routed-expert weight of `block` (its dtype and device are part of the setup the ranks compare): the one read
+    for this rank at load when the block's own are still on the meta device."""
+    loaded = block.__dict__.get(LOADED_EXPERTS_ATTR)
+    return loaded[1] if loaded is not None else next(getattr(block, "experts", block).parameters())
 
 
 def _set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:

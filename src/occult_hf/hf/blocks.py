@@ -5,8 +5,9 @@ Shape legend: E routed experts, L local experts, H hidden, I expert width.
 `build_occult_block` gives the new block this rank's experts (`[L, 2I, H]`, `[L, H, I]` in the slot order
 of its `LayerLayout`): in one process the block's own fused parameters when the family stores them fused (nothing
 is copied); under EP the rows of its experts, or what `hf.loading` read for this rank alone when the full
-experts were never allocated (meta). Routed-expert parameters of the original block that the new one does
-not share are emptied (their storage released) until `restore_block` refills them.
+experts were never allocated (meta). Building changes nothing of `block`, so `apply_occult` builds every block
+before it swaps any in; then `retire_original_block` empties the original block's routed-expert parameters that
+the new one does not share (their storage released) until `restore_block` refills them.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def build_occult_block(
             f"num_experts={layout.num_experts}"
         )
     expert_ids = layout.expert_ids_L.tolist()
-    loaded = block.__dict__.pop(LOADED_EXPERTS_ATTR, None)  # this rank's experts, read per rank at load
+    loaded = block.__dict__.get(LOADED_EXPERTS_ATTR)  # this rank's experts, read per rank at load
     if gate_up_E2IH.is_meta:
         if loaded is None or loaded[0] != expert_ids:
             raise ValueError(
@@ -74,9 +75,23 @@ def build_occult_block(
         replaces=adapter.experts_module(block),
     )
     settings = DispatchSettings.of(config, top_k)
-    module = OccultMoE(block, adapter, layout, experts, settings, ep, pruner, grad_norm)
-    _release_unshared_expert_storage(module)
-    return module
+    return OccultMoE(block, adapter, layout, experts, settings, ep, pruner, grad_norm)
+
+
+def check_experts_resident(adapter, blocks) -> None:
+    """Refuse, before anything changes, MoE blocks whose routed experts are not in memory and were not read for this
+    rank at load: accelerate's offload (`device_map` with "disk", or a CPU offload of a device map) leaves them on the
+    meta device and loads them per forward in hooks on the block, which the new block's forward does not run."""
+    for layer, path, block in blocks:
+        if adapter.expert_weights(block)[0].is_meta and LOADED_EXPERTS_ATTR not in block.__dict__:
+            offloaded = any(hasattr(m, "_hf_hook") for m in (block, adapter.experts_module(block)))
+            raise ValueError(
+                f"layer {layer} ({path}): the routed experts are not in memory (on the meta device"
+                + (", offloaded by accelerate's device_map" if offloaded else "")
+                + "); occult_hf's blocks compute with the experts' own weights, so the MoE layers must be resident: "
+                "load with a device_map that keeps them on one device (device_map='cpu', {'': 'cuda:0'}) or give "
+                "that device enough max_memory"
+            )
 
 
 def _warn_of_hooks_left_behind(block: nn.Module, adapter, layer: int) -> None:
@@ -124,9 +139,11 @@ def restore_block(module: OccultMoE, gate_up_E2IH: torch.Tensor, down_EHI: torch
     return block
 
 
-def _release_unshared_expert_storage(module: OccultMoE) -> None:
-    """Empty the original block's routed-expert parameters that `module.experts` does not share."""
+def retire_original_block(module: OccultMoE) -> None:
+    """Once `module` is in the model: drop the experts read for it at load from its original block, and empty the
+    block's routed-expert parameters that `module.experts` does not share."""
     block = module.original_block
+    block.__dict__.pop(LOADED_EXPERTS_ATTR, None)
     shared = {id(module.experts.gate_up_proj), id(module.experts.down_proj)}
     for key in place_full_experts(module, *module.adapter.expert_weights(block)):
         param = block.get_parameter(key)
@@ -143,4 +160,4 @@ def _local_parameter(weight_E: torch.Tensor, expert_ids: list[int]) -> nn.Parame
     return nn.Parameter(weight_E.detach().index_select(0, index).clone(), requires_grad=weight_E.requires_grad)
 
 
-__all__ = ["LOADED_EXPERTS_ATTR", "build_occult_block", "place_full_experts", "restore_block"]
+__all__ = ["LOADED_EXPERTS_ATTR", "build_occult_block", "check_experts_resident", "place_full_experts", "restore_block", "retire_original_block"]
