@@ -123,9 +123,9 @@ def sum_replica_grads(layers: list[nn.Module], group) -> None:
 
     Each layer (an `OccultMoE` with `replica_grads`) recorded there its copies' gradient contributions of
     this backward (`[replicated experts, ...]` per expert weight, rows in the layer's replicated-expert order,
-    zero where this rank holds no copy). The all-reduce sums them
-    over the group; each holder adds what the OTHER copies contributed to its own `.grad`, so
-    gradient accumulation over several backwards stays exact. Collective: every rank calls it once
+    zero where this rank holds no copy), held back from `.grad`. The all-reduce sums them over the group; each
+    holder adds the sum to its `.grad` rows, which hold the same earlier gradient on every holder, so the
+    copies' gradients are the same bits, also over several backwards. Collective: every rank calls it once
     per backward with the same layers.
     """
     if not layers:
@@ -146,7 +146,7 @@ def sum_replica_grads(layers: list[nn.Module], group) -> None:
             continue
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-        param.grad.index_add_(0, layout.replica_slots, (total - pending)[layout.replica_rows].to(param.grad.dtype))
+        param.grad.index_add_(0, layout.replica_slots, total[layout.replica_rows].to(param.grad.dtype))
 
 
 @torch.no_grad()

@@ -2,9 +2,12 @@
 
 Each copy of a replicated expert computes only the (token, expert) pairs routed to it, so after a backward
 each holder has a partial gradient. `ReplicaGradients` keeps, per backward, this rank's contributions to
-every replicated expert of the layer (`[replicated experts, ...]` fp32, zero where this rank holds no copy);
+every replicated expert of the layer (`[replicated experts, ...]` fp32, zero where this rank holds no copy)
+and holds them back from `.grad` (its parameter hook returns the gradient with the replicated slots zeroed);
 `occult_hf.distributed.collectives.sum_replica_grads` sums them over the group in one all-reduce for all
-layers and adds the other copies' part to each holder's `.grad`, so the copies stay identical.
+layers and adds the sum to each holder's `.grad`. Every holder then computes the same `earlier + sum` from
+the same bits, also over several backwards (gradient accumulation) and with more than two copies: adding the
+other copies' part to its own, as before, rounded differently on each rank and the copies drifted apart.
 """
 
 from __future__ import annotations
@@ -37,17 +40,18 @@ class ReplicaGradients:
         return self.layout.num_replicated
 
     @torch.no_grad()
-    def record(self, index: int, grad_L: torch.Tensor | None) -> None:
-        """Parameter hook: add this backward's part of the replicated copies' gradients. (The pipelined
-        dispatcher's outer Function hands the parameters None: their gradients come from its inner backward,
-        which calls this hook with them.)"""
+    def record(self, index: int, grad_L: torch.Tensor | None) -> torch.Tensor | None:
+        """Parameter hook: keep this backward's part of the replicated copies' gradients, and return the gradient
+        without it (zero in the replicated slots) for `.grad`. (The pipelined dispatcher's outer Function hands the
+        parameters None: their gradients come from its inner backward, which runs this hook on them.)"""
         if grad_L is None:
-            return
+            return None
         layout = self.layout.to(grad_L.device)
         part = torch.zeros((self.num_replicated, *grad_L.shape[1:]), dtype=torch.float32, device=grad_L.device)
         part.index_add_(0, layout.replica_rows, grad_L.detach()[layout.replica_slots].float())
         pending = self.pending[index]
         self.pending[index] = part if pending is None else pending + part
+        return grad_L.index_fill(0, layout.replica_slots, 0)
 
     def take(self, index: int, like: torch.Tensor) -> torch.Tensor:
         """The contribution to weight `index` since the last take (zeros shaped for `like` when none), then reset."""

@@ -1,0 +1,60 @@
+"""The copies of a replicated expert keep the same gradient bits, and so the same weights, through training.
+
+Every expert has a copy on every rank; DDP, AdamW, 3 steps. Before, each holder added the other copies' part of
+the gradient to its own, a sum every rank rounded differently: with 3 homes (fp32) or 2 micro-batches (bf16) the
+copies' gradients differed by rounding (4.7e-10 / 3.1e-5) and their weights drifted apart (1.1e-7 / 1.2e-3 after 3
+steps), so a pair's output depended on which copy served it. Now every holder adds the same all-reduced sum to the
+same earlier gradient.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from distributed import run_world
+from tiny_models import MOE_LAYERS, tiny_batch, tiny_model
+
+NUM_EXPERTS, STEPS = 8, 3
+
+
+def _copies_spread(rank, world_size, dtype_name, micro_batches):
+    """Per step and layer: the largest difference between ranks of the local experts' gradients and weights (every
+    rank holds every expert, in the same slot order)."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from occult_hf import OccultConfig, Placement, apply_occult
+    from occult_hf.hf.apply import occult_modules
+
+    layers = MOE_LAYERS["olmoe"]
+    primary = (np.arange(NUM_EXPERTS) * world_size // NUM_EXPERTS).tolist()
+    everywhere = {layer: {e: [d for d in range(world_size) if d != primary[e]] for e in range(NUM_EXPERTS)} for layer in layers}
+    placement = Placement(NUM_EXPERTS, world_size, {layer: list(primary) for layer in layers}, {}, replicas=everywhere)
+    model = tiny_model("olmoe", seed=3, num_experts=NUM_EXPERTS).to(getattr(torch, dtype_name)).train()
+    apply_occult(model, OccultConfig(placement=placement))
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    spreads = []
+    for step in range(STEPS):
+        for micro in range(micro_batches):
+            ids = tiny_batch(seed=500 + rank + 10 * step + 100 * micro)
+            ddp(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        for path, module in occult_modules(model).items():
+            experts = module.local_experts
+            for name, tensor in (("grad", experts.gate_up_proj.grad), ("weight", experts.gate_up_proj.detach())):
+                gathered = [torch.empty_like(tensor) for _ in range(world_size)]
+                dist.all_gather(gathered, tensor.contiguous())
+                spreads.append((step, path, name, max(float((gathered[0] - other).abs().max()) for other in gathered)))
+        optimizer.zero_grad()
+    return spreads
+
+
+@pytest.mark.world_size(3)
+@pytest.mark.parametrize("world_size, dtype_name, micro_batches", [(3, "float32", 1), (2, "bfloat16", 2)])
+def test_copies_of_replicated_experts_stay_identical(world_size, dtype_name, micro_batches):
+    for rank, spreads in enumerate(run_world(_copies_spread, world_size, dtype_name, micro_batches, timeout_s=300)):
+        assert len(spreads) == STEPS * len(MOE_LAYERS["olmoe"]) * 2
+        assert [entry for entry in spreads if entry[3] != 0.0] == [], (rank, spreads)
