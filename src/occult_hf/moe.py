@@ -164,6 +164,13 @@ class OccultMoE(nn.Module):
         now, and the carrier follows them, which it did only as they were at build time, so that experts unfrozen
         later (`model.requires_grad_(False)`, then the experts' back on) were clipped by each rank's own norm."""
         trains = any(param.requires_grad for param in self.experts.parameters())
+        if trains and self.layout.num_replicated and not isinstance(self.experts, LocalExperts):
+            raise NotImplementedError(
+                f"layer {self.layer_idx}: adapters (PEFT) on the routed experts cannot train with replicated experts "
+                f"({self.layout.num_replicated} in this layer's placement): each copy's adapter would get only the "
+                f"gradient of the pairs it served and the copies would drift apart; train them on a placement "
+                f"without replicas and load the adapter into this one (loading is exact), or target other modules"
+            )
         carrier = self.ep_grad_norm_carrier
         if trains and not carrier.requires_grad and not torch.compiler.is_compiling():
             carrier.requires_grad_(True)
