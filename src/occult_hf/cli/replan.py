@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from ..placement.rebalance import replan_replicas
     from ..profile import RoutingProfile
     from ..report import evaluate_placements, format_summary
+    from ..utils.checks import shown
     from . import check_output_is_not_an_input
     from .place import placement_output
 
@@ -51,9 +52,12 @@ def run(args: argparse.Namespace) -> int:
     replanned = replan_replicas(deployed, recent, num_redundant=args.redundant, replica_choice=args.replica_choice)
     replanned.save(out)
     print(format_summary(evaluate_placements(recent, {"deployed": deployed, "replanned": replanned})))
+    kept = replanned.meta["replicas_kept_in_layers"]
     if replanned.replicas == deployed.replicas:
         print("(the replicas are unchanged: the deployed ones are still the best choice, or the placement has no slot "
               "for a replica; --redundant N asks for N per layer)")
+    elif kept:
+        print(f"(layers {shown(kept)} keep their deployed replicas: the re-plan found none that balance this profile better)")
     if args.replica_choice == "load_aware":  # the metrics route pairs by the static rule; the runtime will split by load
         print("(both measured under the static replica rule; the copies were chosen for the load-aware rule, which "
               "splits a replicated expert's pairs by each batch's loads: their balance under it is not shown here)")

@@ -91,11 +91,36 @@ def replan_layer_replicas(
                 key = (float(trial_D.max()), float((trial_D**2).sum()), expert, device)
                 if best is None or key < best[0]:
                     best = (key, trial, trial_D, device)
-        if best is None or best[0][0] >= float(load_D.max()) - 1e-9:
-            break  # no copy lowers the busiest device: keep the slots free
+        if best is None or best[0][:2] >= _balance_key(load_D):
+            break  # no copy lowers the busiest device, or on a tie of busiest devices the spread: keep the slots free
         _, extra, load_D, device = best
         used_D[device] += 1
     return extra
+
+
+def _layer_score(device_of_E: np.ndarray, routing, num_devices: int, replicas: dict, replica_choice: str) -> tuple[float, float]:
+    """What the re-plan of `replica_choice` lowers, for one layer's copies on its profile routing (lower is better):
+    static, the busiest device's load then the sum of squared loads; load-aware, the fluid bound then CT."""
+    load_E = np.asarray(routing.expert_counts, dtype=np.float64)
+    table_EM = home_table_from(device_of_E, replicas) if replicas else None
+    if replica_choice == "static":
+        load_D = replica_device_load(routing.topk_sample, load_E, device_of_E, num_devices, table_EM)
+        return float(load_D.max()), float((load_D**2).sum())
+    held_ED = np.zeros((len(device_of_E), num_devices), dtype=bool)
+    held_ED[np.arange(len(device_of_E)), device_of_E] = True
+    for expert, devices in replicas.items():
+        held_ED[expert, devices] = True
+    bound = float(fluid_set_loads(load_E, held_ED, device_subsets(num_devices)).max())
+    if routing.topk_sample is None:
+        return bound, 0.0
+    homes = resolve_homes_np(routing.topk_sample, table_EM if table_EM is not None else device_of_E[:, None], num_devices)
+    return bound, served_ct(homes, num_devices)
+
+
+def _balance_key(load_D: np.ndarray) -> tuple[float, float]:
+    """What the static-rule greedy lowers: the busiest device's load, then (where several devices share it, so no
+    one copy lowers it) the sum of squared loads, less a tolerance that stops it on rounding."""
+    return float(load_D.max()) - 1e-9, float((load_D**2).sum()) * (1 - 1e-12)
 
 
 #: the most devices whose subsets the load-aware re-plan enumerates (2^D - 1 of them)
@@ -202,8 +227,10 @@ def replan_replicas(
 
     The result keeps `slots_per_device` (default `ceil((E + R) / D)`, and at least what the layers left alone hold),
     `devices_per_node` and the deployed layers' `pin_slack` (the load-aware rule's setting, not chosen again here), and
-    records in `meta["replicas_replanned_on"]` the
-    profile's source.
+    records in `meta["replicas_replanned_on"]` the profile's source. A layer whose deployed copies fit the budget
+    and score no worse on the profile than the re-planned ones (`_layer_score`: the greedy adds one copy at a
+    time and can stop where only several copies together help) keeps them, listed in
+    `meta["replicas_kept_in_layers"]`: the re-plan never balances the profile worse than what is deployed.
     """
     chosen = list(placement.layers) if layers is None else [int(layer) for layer in layers]
     missing = [layer for layer in chosen if layer not in profile.layers]
@@ -220,6 +247,7 @@ def replan_replicas(
             f"num_experts={placement.num_experts}: a profile of another model"
         )
     replicas = {layer: dict(extra) for layer, extra in placement.replicas.items()}
+    kept: list[int] = []
     slots = placement.slots_per_device
     final_slots = slots
     for layer in chosen:
@@ -232,15 +260,26 @@ def replan_replicas(
             raise ValueError(f"replan_replicas num_redundant must be an integer >= 0, got {redundant!r}")
         layer_slots = slots if slots is not None else -(-(placement.num_experts + redundant) // placement.num_devices)
         routing = profile.layer(layer)
-        replicas[layer] = replan_layer_replicas(
-            np.asarray(placement.device_of(layer)), routing.expert_counts, routing.topk_sample,
-            placement.num_devices, redundant, layer_slots, replica_choice,
+        device_of_E = np.asarray(placement.device_of(layer))
+        replanned = replan_layer_replicas(
+            device_of_E, routing.expert_counts, routing.topk_sample, placement.num_devices, redundant, layer_slots, replica_choice,
         )
+        deployed = placement.replicas.get(layer, {})
+        if (
+            deployed
+            and sum(len(d) for d in deployed.values()) <= redundant
+            and max(placement.capacities(layer)) <= layer_slots
+            and _layer_score(device_of_E, routing, placement.num_devices, deployed, replica_choice)
+            <= _layer_score(device_of_E, routing, placement.num_devices, replanned, replica_choice)
+        ):
+            replanned = dict(deployed)  # the greedy (one copy at a time) found nothing better than what is deployed
+            kept.append(layer)
+        replicas[layer] = replanned
         final_slots = layer_slots if slots is not None else max(final_slots or 0, layer_slots)
     if slots is None:  # the slots the result states hold the layers left alone as they are
         kept = [max(placement.capacities(layer)) for layer in placement.layers if layer not in chosen]
         final_slots = max([final_slots or 0, *kept]) or None
-    meta = {**placement.meta, "replicas_replanned_on": profile.meta.get("source", "profile")}
+    meta = {**placement.meta, "replicas_replanned_on": profile.meta.get("source", "profile"), "replicas_kept_in_layers": kept}
     return Placement(
         placement.num_experts, placement.num_devices, dict(placement.layers), meta,
         {layer: extra for layer, extra in replicas.items() if extra}, final_slots,
