@@ -123,7 +123,7 @@ def test_replica_format_round_trip_and_backward_compatible(tmp_path):
     plain = Placement(4, 2, {0: [0, 0, 1, 1]})
     assert "replicas" not in plain.to_dict() and "slots_per_device" not in plain.to_dict()
     assert plain.homes(0) == [[0], [0], [1], [1]] and not plain.has_replicas
-    placement = Placement(4, 2, {0: [0, 0, 1, 1], 3: [1, 1, 0, 0]}, replicas={0: {"2": [0]}}, slots_per_device=3)
+    placement = Placement(4, 2, {0: [0, 0, 1, 1], 3: [1, 1, 0, 0]}, replicas={0: {2: [0]}}, slots_per_device=3)
     path = tmp_path / "p.json"
     placement.save(path)
     data = json.loads(path.read_text())
@@ -170,6 +170,22 @@ def test_pin_slack_format_errors(value, message):
 def test_replica_format_errors(replicas, slots, message):
     with pytest.raises(ValueError, match=message):
         Placement(4, 2, {0: [0, 0, 1, 1]}, replicas=replicas, slots_per_device=slots)
+
+
+@pytest.mark.parametrize(
+    "replicas, message",
+    [  # were read as devices [1, 3], expert 2 on device 1, device 1, and errors that named nothing
+        ({0: {2: "10"}}, r"Placement.replicas\[0\]\[2\] must be a list of device ids, got str '10'"),
+        ({0: {2.9: [0]}}, r"Placement.replicas\[0\] key must be an integer, got float 2.9"),
+        ({0: {2: [True]}}, r"Placement.replicas\[0\]\[2\] entry must be an integer, got bool True"),
+        ({0: {2: [0.9]}}, r"Placement.replicas\[0\]\[2\] entry must be an integer, got float 0.9"),
+        ({0: {2: 0}}, r"Placement.replicas\[0\]\[2\] must be a list of device ids, got int 0"),
+        ({"x": {2: [0]}}, r"Placement.replicas key must be an integer, got str 'x'"),
+    ],
+)
+def test_replica_entries_are_strict_integers_in_python_too(replicas, message):
+    with pytest.raises(TypeError, match=message):
+        Placement(4, 2, {0: [0, 0, 1, 1]}, replicas=replicas)
 
 
 # ----- metrics with replicas ---------------------------------------------------------------------

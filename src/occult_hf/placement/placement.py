@@ -146,19 +146,22 @@ class Placement:
             raise ValueError(f"Placement.replicas must map layer -> {{expert: [devices]}}, got {type(self.replicas).__name__}")
         normalised = {}
         for layer, extra in self.replicas.items():
-            layer = int(layer)
+            layer = _strict_int(layer, "Placement.replicas key", minimum=0)
             if layer not in self.layers:
                 raise ValueError(f"Placement replicas name layer {layer}, which is not among its layers {shown(sorted(self.layers))}")
             if not isinstance(extra, dict):
                 raise ValueError(f"Placement replicas of layer {layer} must map expert -> [devices], got {type(extra).__name__}")
             homes = {}
             for expert, devices in extra.items():
-                expert = int(expert)
+                expert = _strict_int(expert, f"Placement.replicas[{layer}] key")
                 if not 0 <= expert < self.num_experts:
                     raise ValueError(
                         f"Placement replicas of layer {layer} name expert {expert} outside [0, num_experts={self.num_experts})"
                     )
-                devices = sorted(int(d) for d in devices)
+                where = f"Placement.replicas[{layer}][{expert}]"
+                if not isinstance(devices, (list, tuple, np.ndarray)):
+                    raise TypeError(f"{where} must be a list of device ids, got {type(devices).__name__} {devices!r}")
+                devices = sorted(_strict_int(d, f"{where} entry") for d in devices)
                 primary = self.layers[layer][expert]
                 if len(set(devices)) != len(devices) or primary in devices or not all(0 <= d < self.num_devices for d in devices):
                     raise ValueError(
