@@ -68,6 +68,9 @@ def _mismatch_cases(rank):
     placements = [Placement.contiguous(8, 2, [0, 1]), _shuffled()]
     _expect_mismatch(rank, lambda r: OccultConfig(placement=placements[r]), olmoe,
                      "disagree at apply_occult on placement (expert -> device maps differ at layers [0, 1])")
+    slack = [Placement(8, 2, placements[0].layers, replicas={0: {0: [1]}}, pin_slack={0: s}) for s in (0.5, 0.0)]
+    _expect_mismatch(rank, lambda r: OccultConfig(placement=slack[r], replica_choice="load_aware"), olmoe,
+                     "disagree at apply_occult on placement (pin_slack differ)")  # was "replicas or slots differ"
     _expect_mismatch(rank, lambda r: OccultConfig(dispatch=("dedup", "per_expert")[r]), olmoe,
                      "dispatch (rank 0 'dedup', rank 1 'per_expert')")
     _expect_mismatch(rank, lambda r: OccultConfig(prune=(None, "router")[r], max_devices_per_token=(None, 1)[r]), olmoe,

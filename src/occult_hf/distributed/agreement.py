@@ -409,7 +409,8 @@ def _placement_difference(values: list[dict[str, Any]]) -> str:
     if layers:
         notes.append(f"expert -> device maps differ at layers [{', '.join(layers)}]")
     if not notes:
-        notes.append("replicas or slots differ")
+        others = [key for key in _differing_keys(values) if key not in ("num_experts", "num_devices", "layers")]
+        notes.append(f"{', '.join(others) or 'the placements'} differ")
     return "; ".join(notes)
 
 
@@ -427,15 +428,15 @@ def _config_difference(values: list[dict[str, Any]]) -> str:
 
 
 def _summary(value: Any, name: str = "") -> Any:
-    """What the error shows of a field: short values as they are, a placement per layer, the model config's
+    """What the error shows of a field: short values as they are, a placement per layer and field, the model config's
     keys with their short values (else digests), else a digest."""
     if isinstance(value, dict) and "layers" in value:  # the placement
         return {
             "num_experts": value.get("num_experts"),
             "num_devices": value.get("num_devices"),
             "layers": {str(l): f"{_digest(d):016x}" for l, d in value["layers"].items()},
-            "rest": f"{_digest({k: v for k, v in value.items() if k != 'layers'}):016x}",
-        }
+            **{k: f"{_digest(v):016x}" for k, v in value.items() if k not in ("num_experts", "num_devices", "layers")},
+        }  # the other fields (replicas, slots_per_device, pin_slack, ...) one digest each: the error names them
     if name == FAILED and value is not None:
         return value[:2000]
     if name == "model_config":
