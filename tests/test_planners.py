@@ -258,7 +258,7 @@ def test_bad_inputs(method):
     coactivation, counts, sample = layer_inputs(8, 2, 2)
     spec = get_planner(method)
     options = spec.make_options()
-    with pytest.raises(ValueError, match=r"num_devices \(9\) exceeds num_experts \(8\)"):
+    with pytest.raises(ValueError, match=r"num_devices \(9\) exceeds num_experts \(8\): some device would hold no primary expert \(every device needs one; replicas, which could fill the others, do not count\)"):
         spec.plan_layer(coactivation, counts, sample, 9, options)
     with pytest.raises(ValueError, match="num_devices must be a positive integer, got 0"):
         spec.plan_layer(coactivation, counts, sample, 0, options)

@@ -78,8 +78,8 @@ class Placement:
         self.num_devices = _strict_int(self.num_devices, "Placement.num_devices", minimum=1)
         if self.num_devices > self.num_experts:
             raise ValueError(
-                f"Placement.num_devices ({self.num_devices}) exceeds num_experts ({self.num_experts}): "
-                f"some device would hold no expert"
+                f"Placement.num_devices ({self.num_devices}) exceeds num_experts ({self.num_experts}): some device would "
+                f"hold no primary expert (every device needs one; replicas, which could fill the others, do not count)"
             )
         if not isinstance(self.layers, dict):
             raise TypeError(f"Placement.layers must be a dict layer -> device list, got {type(self.layers).__name__}")

@@ -112,7 +112,8 @@ def check_device_count(num_experts: int, num_devices: int) -> None:
     check_num_devices(num_devices)
     if num_devices > num_experts:
         raise ValueError(
-            f"num_devices ({num_devices}) exceeds num_experts ({num_experts}): some device would hold no expert"
+            f"num_devices ({num_devices}) exceeds num_experts ({num_experts}): some device would hold no primary expert "
+            f"(every device needs one; replicas, which could fill the others, do not count)"
         )
 
 
