@@ -114,7 +114,7 @@ def _rank_worker(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m occult_hf.eval.studies.evalhook", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="checkpoint directory with tokenizer (e.g. occult train --recipe tiny)")
-    parser.add_argument("--data", type=Path, help="its prepared data directory (held-out splits)")
+    parser.add_argument("--data", type=Path, required=True, help="its prepared data directory (held-out splits)")
     parser.add_argument("--out-dir", type=Path, default=Path("."))
     parser.add_argument("--docs-per-domain", type=int, default=12)
     parser.add_argument("--ranks", type=int, default=2, help="EP ranks of the torchrun run (0: skip it)")

@@ -56,7 +56,9 @@ def nextline_items(texts: list[str], count: int, rng: random.Random, context_lin
     """`count` next-line items `{context, choices, label}` from the documents `texts` (module docstring).
 
     Each answer line is used once; a distractor is a line of another document whose length is within
-    a factor 1.5 of the answer's (the closest lengths when fewer qualify).
+    a factor 1.5 of the answer's (the closest lengths when fewer qualify); an item's three distractors are
+    distinct texts (a line common to several documents could be drawn twice, and the item was no longer
+    four choices at chance 0.25).
     """
     spots = [(d, i) for d, text in enumerate(texts) for i, line in enumerate(text.split("\n")) if i >= 3 and _is_text_line(line)]
     pool = sorted({(len(line), line, d) for d, text in enumerate(texts) for line in text.split("\n") if _is_text_line(line)})
@@ -71,6 +73,11 @@ def nextline_items(texts: list[str], count: int, rng: random.Random, context_lin
         if len(near) < 3:
             near = sorted(others, key=lambda p: abs(p[0] - len(answer)))[:3]
         distractors = [p[1] for p in rng.sample(near, 3)]
+        if len(set(distractors)) < 3:  # one line text in several documents: draw among distinct texts instead
+            distinct = list({p[1]: p for p in near}.values())
+            if len(distinct) < 3:
+                distinct = list({p[1]: p for p in sorted(others, key=lambda p: abs(p[0] - len(answer)))}.values())[:3]
+            distractors = [p[1] for p in rng.sample(distinct, 3)]
         items.append(_shuffled("\n".join(lines[max(0, i - context_lines) : i])[-max_context_chars:] + "\n", answer, distractors, rng))
     return items
 

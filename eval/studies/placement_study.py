@@ -327,24 +327,29 @@ def speed_study(routing_dir: Path, result: StudyResult, progress: bool, num_devi
 
 
 # ----- figure ------------------------------------------------------------------------------------
+#: each figure series' title by its key's prefix; the rest of the key (a device or expert count) fills the braces
+PANEL_TITLES = {
+    "tiny_ct_D": "learned tiny OLMoE, D={}: held-out CT",
+    "tiny_balance_D": "learned tiny OLMoE, D={}: held-out load balance (max/mean)",
+    "olmoe_cut_D": "OLMoE-0125 pair counts, D={}: split pairs / token",
+    "olmoe_balance_D": "OLMoE-0125, D={}: load balance (max/mean)",
+    "speed_ct_": "E={}, 48 layers (Qwen3 loads, synthetic co-activation), D=8: held-out CT",
+    "speed_balance_": "E={}, 48 layers, D=8: held-out load balance (max/mean)",
+}
+
+
 def plot(result: StudyResult, path: Path) -> None:
-    """Per-layer cut / CT by method, and per-layer load balance beside them, one panel each."""
+    """Per-layer cut / CT by method, and per-layer load balance beside them, one panel per series the study computed
+    (every device count it was given), in `PANEL_TITLES` order; no file when it computed none."""
     from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend alone
 
     panels = [
-        (key, label)
-        for key, label in (
-            ("tiny_ct_D4", "learned tiny OLMoE, D=4: held-out CT"),
-            ("tiny_ct_D8", "learned tiny OLMoE, D=8: held-out CT"),
-            ("tiny_balance_D8", "learned tiny OLMoE, D=8: held-out load balance (max/mean)"),
-            ("olmoe_cut_D4", "OLMoE-0125 pair counts, D=4: split pairs / token"),
-            ("olmoe_cut_D8", "OLMoE-0125 pair counts, D=8: split pairs / token"),
-            ("olmoe_balance_D8", "OLMoE-0125, D=8: load balance (max/mean)"),
-            ("speed_ct_128", "E=128, 48 layers (Qwen3 loads, synthetic co-activation), D=8: held-out CT"),
-            ("speed_balance_128", "E=128, 48 layers, D=8: held-out load balance (max/mean)"),
-        )
-        if key in result.series
+        (key, title.format(key[len(prefix):]))
+        for prefix, title in PANEL_TITLES.items()
+        for key in sorted((k for k in result.series if k.startswith(prefix)), key=lambda k: int(k[len(prefix):]))
     ]
+    if not panels:
+        return
     figure = Figure(figsize=(9, 3.2 * len(panels)))
     for index, (key, label) in enumerate(panels):
         axis = figure.add_subplot(len(panels), 1, index + 1)

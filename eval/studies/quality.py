@@ -176,6 +176,23 @@ def base_job(data_dir: Path, work: Path, size: str, deterministic: bool = True) 
         profile_and_plan(data_dir, work, size)
 
 
+def claim_work_dir(work: Path, size: str, data_settings) -> None:
+    """Record in `work/study.json` the study size and the prepared data's settings on the first run; refuse a later
+    run with others: every result in `work` (the base model, the finished variants) belongs to the first ones, which a
+    resume would silently reuse and report as this study's (a micro base model and 3-step variants as a cpu study)."""
+    mark = work / "study.json"
+    ours = {"size": size, "data_settings": data_settings}
+    if mark.is_file():
+        theirs = json.loads(mark.read_text())
+        changed = [f"{key} {theirs.get(key)!r} (now {value!r})" for key, value in ours.items() if theirs.get(key) != value]
+        if changed:
+            raise SystemExit(f"quality study: the work directory {work} holds a study made with other settings: "
+                             f"{'; '.join(changed)}; use a new --work")  # fmt: skip
+        return
+    work.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(mark, json.dumps(ours, indent=1))
+
+
 def base_kernels_file(work: Path) -> Path:
     """Which kernels the base job pre-trains with (`base_job`): "deterministic" or "default"."""
     return work / "base_kernels.txt"
@@ -631,9 +648,9 @@ def pipeline(data: Path, work: Path, out: Path, size: str, budget_s: float, stal
     from occult_hf.training import PreparedData
 
     print(f"[pipeline] {' '.join(f'{name} {version}' for name, version in software_versions().items())}", flush=True)
-    PreparedData(data)  # a directory that is not prepared data is an error naming it, before any job starts
+    prepared = PreparedData(data)  # a directory that is not prepared data is an error naming it, before any job starts
     earlier_results = {path: read_earlier(path, size) for path in earlier}
-    work.mkdir(parents=True, exist_ok=True)
+    claim_work_dir(work, size, prepared.meta.get("settings"))
     s = settings(size)
     gpus = [str(i) for i in range(torch.cuda.device_count())] or [None]
     env = study_env(work)

@@ -141,7 +141,7 @@ def quality_table(study: Study, devices: int) -> str:
         if not rows:
             missing = ", ".join(sorted({f"failed ({study.errors[v.name].split(':')[0]})" if v.name in study.errors else "not run"
                                         for v in members}))  # the whole errors: the report's list of failed variants
-            lines.append([label, "yes" if fine_tuned else "no", "0", missing, *([""] * (6 + len(tasks)))])
+            lines.append([label, "yes" if fine_tuned else "no", "0", missing, *([""] * (len(header) - 4))])
             continue
         comm = [r["communication"][str(devices)] for r in rows]
         paired = "-" if not mode else _percent(study.ratios(members)) if study.ratios(members) else "no reference"
@@ -260,14 +260,30 @@ def plot(study: Study, path: Path) -> None:
     atomic_save_figure(fig, path, dpi=110)
 
 
+#: the base job's routing profiles, which the transfer study reads
+PROFILE_ARCHIVES = ("profiles_train.tar.gz", "profiles_heldout.tar.gz")
+
+
+def _read_results(results_dir: Path) -> dict:
+    """`quality_results.json` of `results_dir`; a one-line error when it is missing or holds no finished base job."""
+    path = results_dir / "quality_results.json"
+    if not path.is_file():
+        raise SystemExit(f"report_quality: {path} does not exist: give the --out directory of the quality command")
+    results = json.loads(path.read_text())
+    if not results.get("base"):
+        raise SystemExit(f"report_quality: {path}: the base job has not finished (cut by the deadline); run the quality "
+                         f"command again with the same --work to go on; nothing to report yet")  # fmt: skip
+    return results
+
+
 def transfer(results_dir: Path, out_dir: Path, devices: tuple[int, ...]) -> str:
     """The transfer study on the base model's profiles (`profiles_{train,heldout}.tar.gz`): its markdown;
     files in `out_dir`."""
     from . import transfer as study
 
     with tempfile.TemporaryDirectory() as tmp:
-        for split in ("train", "heldout"):
-            with tarfile.open(results_dir / f"profiles_{split}.tar.gz") as tar:
+        for name in PROFILE_ARCHIVES:
+            with tarfile.open(results_dir / name) as tar:
                 tar.extractall(tmp, filter="data")
         train, held = study.load_profiles(Path(tmp) / "profiles")
         rows = study.transfer_study(train, held, devices=devices)
@@ -310,7 +326,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, default=Path("."))
     parser.add_argument("--no-transfer", action="store_true", help="skip the transfer study (minutes of CPU at E=64)")
     args = parser.parse_args(argv)
-    results = json.loads((args.results / "quality_results.json").read_text())
+    results = _read_results(args.results)
+    if not args.no_transfer:
+        missing = [name for name in PROFILE_ARCHIVES if not (args.results / name).is_file()]
+        if missing:
+            raise SystemExit(f"report_quality: {args.results} has no {', '.join(missing)} (the base job's profiles, "
+                             f"which the transfer study reads); copy them beside the results, or pass --no-transfer")  # fmt: skip
     args.out_dir.mkdir(parents=True, exist_ok=True)
     devices = tuple(sorted(int(d) for d in results["settings"]["device_limits"]))
     transfer_md = None if args.no_transfer else transfer(args.results, args.out_dir, devices)

@@ -16,6 +16,9 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align:
     from tabulate import tabulate
 
     cells = [[str(cell) for cell in row] for row in rows]
+    wrong = [index for index, row in enumerate(cells) if len(row) != len(headers)]
+    if wrong:  # tabulate would drop extra cells, or (in the first row) shift every header one column over
+        raise ValueError(f"markdown_table: rows {wrong[:8]} have {len(cells[wrong[0]])} cells, not one per each of the {len(headers)} columns")
     if align is None:
         return tabulate(cells, headers=list(headers), tablefmt="github", disable_numparse=True)
     if len(align) != len(headers) or set(align) - set(_ALIGNMENTS):
