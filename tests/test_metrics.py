@@ -176,6 +176,21 @@ def test_profile_drift_same_and_shifted_routing():
     assert drift.native < drift.transferred  # the placement planned on other routing pays for it
 
 
+def test_profile_drift_refuses_profiles_of_another_top_k_or_model():
+    """Only the expert count was compared: a top-2 profile against a top-4 one (another model) gave a Spearman and costs
+    as if one model's routing had drifted."""
+    import dataclasses
+
+    E, D = 16, 4
+    top4 = profile_from_topk({0: structured_topk(300, E, 4, D, seed=1)}, E, "a")
+    top2 = profile_from_topk({0: structured_topk(300, E, 2, D, seed=1)}, E, "b")
+    with pytest.raises(ValueError, match="profiles differ in top_k: 4 vs 2: drift compares one model's routing"):
+        profile_drift(top4, top2, D, search_rounds=2)
+    olmoe, qwen = (dataclasses.replace(top4, model_type=name) for name in ("olmoe", "qwen3_moe"))
+    with pytest.raises(ValueError, match="profiles differ in model_type: 'olmoe' vs 'qwen3_moe'"):
+        profile_drift(olmoe, qwen, D, search_rounds=2)
+
+
 # ----- evaluation of a placement -----------------------------------------------------------------
 def test_evaluate_placement_at_e128_48_layers_is_consistent():
     E, k, D = 128, 8, 8

@@ -335,8 +335,9 @@ def test_profile_layer_without_sample_rows_is_refused_at_load(tmp_path):
         RoutingProfile.load(path)
 
 
-def test_collector_that_counted_some_layers_only_names_them():
-    """A forward that stopped inside the model left its later layers without tokens, saved as a profile no planner takes."""
+def test_a_forward_that_raised_partway_counts_at_no_layer():
+    """A forward that stopped inside the model (out of memory in a later layer) left its earlier layers' tokens counted:
+    with later forwards the layers described different tokens (32 against 16), saved and planned on without a word."""
     import torch
     from tiny_models import tiny_model
 
@@ -345,14 +346,84 @@ def test_collector_that_counted_some_layers_only_names_them():
 
     model = tiny_model("olmoe")
     blocks = list(adapter_for(model.config).iter_moe_blocks(model))
-    last_index, _, last_block = blocks[-1]
+    last_block = blocks[-1][2]
 
     def stop(module, args):
         raise RuntimeError("out of memory")
 
-    handle = last_block.register_forward_pre_hook(stop)
-    with ProfileCollector(model) as collector, pytest.raises(RuntimeError, match="out of memory"):
+    with ProfileCollector(model) as collector, torch.no_grad():
+        handle = last_block.register_forward_pre_hook(stop)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            model(input_ids=torch.tensor([[1, 2, 3]]))
+        handle.remove()
+        with pytest.raises(ValueError, match="ProfileCollector has counted no tokens"):
+            RoutingProfile.from_collector(collector)
+        model(input_ids=torch.tensor([[4, 5]]))
+    profile = RoutingProfile.from_collector(collector)
+    assert {index: routing.token_count for index, routing in profile.layers.items()} == {index: 2 for index, _, _ in blocks}
+
+
+def test_a_collector_whose_forwards_skipped_a_moe_layer_names_it():
+    import torch
+    from tiny_models import tiny_model
+
+    from occult_hf.profile import ProfileCollector
+
+    model = tiny_model("olmoe")
+    last = model.model.layers[-1]
+    with ProfileCollector(model) as collector, torch.no_grad():
         model(input_ids=torch.tensor([[1, 2, 3]]))
-    handle.remove()
-    with pytest.raises(ValueError, match=rf"counted no tokens at MoE layers \[{last_index}\] but some at layer {blocks[0][0]}"):
+        last.forward = lambda hidden_states, *args, **kwargs: hidden_states  # a forward that skips the last layer
+        model(input_ids=torch.tensor([[4, 5]]))
+    with pytest.raises(ValueError, match=r"counted 5 tokens at MoE layer 0 but \[3\] at layers \[1\]: its forwards did not run every MoE layer"):
         RoutingProfile.from_collector(collector)
+
+
+def test_a_negative_sample_size_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", _no_model_loading)
+    text = tmp_path / "t.txt"
+    text.write_text("some text\n")
+    refused(capsys, ["profile", TINY_OLMOE, "--text", text, "--out", tmp_path / "p.safetensors", "--sample-size", "-3"], "--sample-size", "-3")
+
+
+def test_a_padded_token_id_dataset_is_profiled_without_its_padding():
+    """Its `attention_mask` column was ignored: the pad ids of a dataset padded to a fixed length were profiled as
+    tokens (16 counted, 8 real)."""
+    import datasets
+    from tiny_models import tiny_model
+
+    model = tiny_model("olmoe", seed=1)
+    rows = [[5, 6, 7, 0, 0, 0, 0, 0], [0, 0, 9, 10, 11, 12, 13, 0]]
+    padded = datasets.Dataset.from_dict({"input_ids": rows, "attention_mask": [[int(t != 0) for t in r] for r in rows]})
+    plain = datasets.Dataset.from_dict({"input_ids": [[5, 6, 7], [9, 10, 11, 12, 13]]})
+    profiles = [RoutingProfile.collect(model, data, text_column="input_ids", progress=False) for data in (padded, plain)]
+    for layer in profiles[1].layers:
+        assert profiles[0].layer(layer).token_count == 8
+        assert np.array_equal(profiles[0].layer(layer).expert_counts, profiles[1].layer(layer).expert_counts)
+        assert np.array_equal(profiles[0].layer(layer).coactivation, profiles[1].layer(layer).coactivation)
+    short_mask = datasets.Dataset.from_dict({"input_ids": [[5, 6, 7]], "attention_mask": [[1, 1]]})
+    with pytest.raises(ValueError, match="row 0: column 'input_ids' holds 3 token ids but 'attention_mask' 2 entries"):
+        RoutingProfile.collect(model, short_mask, text_column="input_ids", progress=False)
+
+
+def test_a_training_only_collector_leaves_forwards_it_does_not_count_alone():
+    """`OccultCallback`'s drift window (`training_only=True`) checked the mask of every forward first: an evaluation
+    with a 4-D mask, which stock transformers takes, failed inside the Trainer."""
+    import torch
+    from tiny_models import tiny_model
+
+    from occult_hf.profile import ProfileCollector
+
+    model = tiny_model("olmoe", seed=1, output_router_logits=False).eval()  # the aux loss itself takes only 2-D masks
+    ids = torch.randint(3, 100, (1, 6))
+    mask = torch.tril(torch.ones(6, 6, dtype=torch.bool))[None, None]
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).logits
+        with ProfileCollector(model, training_only=True) as collector:
+            assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, expected)
+    assert collector.accumulators[0].token_count == 0
+    with ProfileCollector(model) as counting, pytest.raises(ValueError, match="needs a 2-D \\[batch, seq\\] attention_mask"):
+        model(input_ids=ids, attention_mask=mask)  # a forward it counts still needs the 2-D mask
+    assert counting.accumulators[0].token_count == 0

@@ -46,8 +46,10 @@ def profile_drift(
     **options: Any,
 ) -> dict[int, LayerDrift]:
     """Per shared layer: co-activation Spearman of A vs B, and B's cost of placements planned on A and on B."""
-    if profile_a.num_experts != profile_b.num_experts:
-        raise ValueError(f"profiles differ in num_experts: {profile_a.num_experts} vs {profile_b.num_experts}")
+    for field in ("num_experts", "top_k", "model_type"):  # drift is one model's routing at two times
+        a, b = getattr(profile_a, field), getattr(profile_b, field)
+        if a != b and not (field == "model_type" and None in (a, b)):
+            raise ValueError(f"profiles differ in {field}: {a!r} vs {b!r}: drift compares one model's routing on two token sets")
     shared = sorted(set(profile_a.layers) & set(profile_b.layers))
     if not shared:
         raise ValueError(f"profiles share no layer: {sorted(profile_a.layers)} vs {sorted(profile_b.layers)}")

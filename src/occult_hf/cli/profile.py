@@ -70,7 +70,7 @@ def register(subparsers) -> None:
     trace.add_argument("--num-experts", type=positive_int, help="E (default: from the file or largest id + 1)")
     trace.add_argument("--model-type", help="model_type to record in the profile")
     parser.add_argument(
-        "--sample-size", type=int,
+        "--sample-size", type=non_negative_int,
         help=f"tokens kept per layer in the top-k sample (default: {DEFAULT_SAMPLE_SIZE} for models, all for traces)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the token sample")

@@ -38,7 +38,9 @@ class ProfileCollector:
     Counting rules: a token counts when the forward's `attention_mask` is 1 for it (no mask: every
     token counts); each MoE layer counts once per forward of `module`, so routers re-run outside
     it (activation-checkpoint recomputation during backward, direct calls of sub-modules) are not
-    counted twice. Run forwards through `module` itself.
+    counted twice; a forward counts only once it has returned, so one that raised partway (an
+    out-of-memory error in a later layer, an interrupt) leaves no layer with tokens the others lack.
+    Run forwards through `module` itself.
 
     Under `torch.compile` a hook only keeps what its router decided (the tensors leave the graph as outputs);
     the accumulation (a growing sample with keys drawn on the host) runs in eager code, the next time the
@@ -76,6 +78,7 @@ class ProfileCollector:
         self._in_forward = False
         self._attention_mask_BS: torch.Tensor | None = None
         self._counted_this_forward: set[int] = set()
+        self._this_forward: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
 
     # ----- hooks --------------------------------------------------------------------------
@@ -83,6 +86,7 @@ class ProfileCollector:
         if self._handles:
             raise RuntimeError("ProfileCollector is already attached")
         self._handles.append(self.module.register_forward_pre_hook(self._on_forward_start, with_kwargs=True))
+        self._handles.append(self.module.register_forward_hook(self._on_forward_returned))
         self._handles.append(self.module.register_forward_hook(self._on_forward_end, always_call=True))
         for index, router in self._routers.items():
             # first among the router's hooks: it records the router's own decisions, before a pruning hook
@@ -103,6 +107,11 @@ class ProfileCollector:
         self.detach()
 
     def _on_forward_start(self, module, args, kwargs) -> None:
+        self._in_forward = module.training or not self.training_only
+        self._counted_this_forward = set()
+        self._this_forward = []
+        if not self._in_forward:  # a forward it does not count may take any mask the model takes
+            return
         bound = self._forward_signature.bind_partial(*args, **kwargs).arguments
         mask = bound.get("attention_mask")
         if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
@@ -111,12 +120,18 @@ class ProfileCollector:
                 f"ProfileCollector needs a 2-D [batch, seq] attention_mask to leave out padding, got {shape}"
             )
         self._attention_mask_BS = mask
-        self._counted_this_forward = set()
-        self._in_forward = module.training or not self.training_only
+
+    def _on_forward_returned(self, module, args, output) -> None:
+        """The forward returned: what its routers decided counts (`_on_forward_end` runs after it, also on errors)."""
+        self._pending.extend(self._this_forward)
+        self._this_forward = []
+        if not torch.compiler.is_compiling():
+            self.flush()
 
     def _on_forward_end(self, module, args, output) -> None:
         self._in_forward = False
         self._attention_mask_BS = None
+        self._this_forward = []  # left only by a forward that raised: none of its layers counts
 
     def _router_hook(self, layer: int):
         def hook(router, inputs, output) -> None:
@@ -125,9 +140,7 @@ class ProfileCollector:
             self._counted_this_forward.add(layer)
             logits_TE, topk_ids_Tk = self.adapter.observe(router, inputs, output)
             mask_T = _token_mask(self._attention_mask_BS, topk_ids_Tk.shape[0])
-            self._pending.append((layer, topk_ids_Tk.detach(), logits_TE.detach(), mask_T))
-            if not torch.compiler.is_compiling():
-                self.flush()
+            self._this_forward.append((layer, topk_ids_Tk.detach(), logits_TE.detach(), mask_T))
 
         return hook
 
@@ -147,15 +160,15 @@ class ProfileCollector:
     def routing_fields(self, source: str | None = None, **meta: Any) -> dict[str, Any]:
         """The `RoutingProfile` fields accumulated so far; `source` and `meta` go into its metadata."""
         self.flush()
-        first = next(iter(self.accumulators.values()))
+        first_index, first = next(iter(self.accumulators.items()))
         if first.token_count == 0:
             raise ValueError("ProfileCollector has counted no tokens: run forwards through the module while attached")
-        empty = [index for index, acc in self.accumulators.items() if acc.token_count == 0]
-        if empty:  # a profile layer without tokens can be neither planned on nor loaded
+        others = [index for index, acc in self.accumulators.items() if acc.token_count != first.token_count]
+        if others:  # the layers' statistics would describe different tokens (and a layer without any cannot load)
             raise ValueError(
-                f"ProfileCollector has counted no tokens at MoE layers {empty} but some at layer "
-                f"{next(iter(self.accumulators))}: a forward that stopped partway (an error inside the model) leaves "
-                f"the later layers uncounted"
+                f"ProfileCollector has counted {first.token_count} tokens at MoE layer {first_index} but "
+                f"{[self.accumulators[i].token_count for i in others]} at layers {others}: its forwards did not run "
+                f"every MoE layer"
             )
         return dict(
             num_experts=first.num_experts,
@@ -212,8 +225,8 @@ def collect_routing(
         model: a supported transformers model; run in eval mode under `torch.no_grad` (its mode is
             restored afterwards). The language-model head is skipped (the base model is run).
         data: a text-file path (documents split by `separator`; blank ones skipped), a `datasets`
-            dataset (column `text_column`, holding strings or token-id lists), or an iterable of
-            strings or of token-id sequences.
+            dataset (column `text_column`, holding strings or token-id lists; a token-id column's padding, where
+            an `attention_mask` column marks it, is left out), or an iterable of strings or of token-id sequences.
         tokenizer: turns strings into token ids (not needed for token-id data).
         batch_size: sequences per forward.
         max_length: a document longer than this is cut into consecutive windows of `max_length`
@@ -276,10 +289,30 @@ def _documents(data, text_column: str, separator: str) -> tuple[Iterable, int | 
     if column_names is not None:  # a datasets.Dataset
         if text_column not in column_names:
             raise KeyError(f"dataset has no column {text_column!r}; its columns are {list(column_names)}")
+        if MASK_COLUMN in column_names and text_column != MASK_COLUMN:
+            return _unpadded(data[text_column], data[MASK_COLUMN], text_column), len(data)
         return data[text_column], len(data)
     if isinstance(data, torch.Tensor):
         raise TypeError("pass token ids as a list of sequences (e.g. tensor.tolist()), not one tensor")
     return data, (len(data) if hasattr(data, "__len__") else None)
+
+
+#: the column of a tokenized dataset that marks its padding (0), as a tokenizer writes it
+MASK_COLUMN = "attention_mask"
+
+
+def _unpadded(documents: Iterable, masks: Iterable, text_column: str) -> Iterator:
+    """The documents of a tokenized dataset without the positions its `attention_mask` column marks as padding: a
+    dataset padded to a fixed length (`padding="max_length"`) would have its pad ids profiled as tokens."""
+    for index, (document, mask) in enumerate(zip(documents, masks)):
+        if isinstance(document, str):
+            yield document
+            continue
+        if len(mask) != len(document):
+            raise ValueError(
+                f"row {index}: column {text_column!r} holds {len(document)} token ids but {MASK_COLUMN!r} {len(mask)} entries"
+            )
+        yield [token for token, keep in zip(document, mask) if keep]
 
 
 def _windows(
