@@ -224,12 +224,13 @@ def markdown_table(results: dict[str, Any]) -> str:
 
 
 def compare_table(a: dict[str, Any], b: dict[str, Any], labels: tuple[str, str] = ("A", "B")) -> str:
-    """Two runs side by side: per row A, B and B - A, then the average over the rows both runs have
-    (when those are all fractions). The rows are the headline rows when both runs are `occult23` runs,
-    else every metric of every task."""
+    """Two runs side by side: per row A, B and B - A. When both runs are `occult23` runs the rows are their headline
+    rows (one metric per task), followed by the average over the rows both have; else every metric of every task,
+    with no average (it would mix metric kinds: a task's acc and acc_norm, a group and its subtasks)."""
     from occult_hf.utils.tables import markdown_table as table
 
-    rows_of = headline_scores if has_suite(a) and has_suite(b) else every_score
+    headline = has_suite(a) and has_suite(b)
+    rows_of = headline_scores if headline else every_score
     scores_a = {(s.task, s.metric): s for s in rows_of(a)}
     scores_b = {(s.task, s.metric): s for s in rows_of(b)}
     keys = list(scores_a) + [k for k in scores_b if k not in scores_a]
@@ -240,8 +241,8 @@ def compare_table(a: dict[str, Any], b: dict[str, Any], labels: tuple[str, str] 
         value_a, value_b = (scores[key].value if key in scores else None for scores in (scores_a, scores_b))
         delta = value_b - value_a if key in shared else None
         values.append([key[0], key[1], _value(value_a), _value(value_b), _value(delta, signed=True)])
-    mean_a = mean_of_fractions([scores_a[k] for k in shared])
-    mean_b = mean_of_fractions([scores_b[k] for k in shared])
+    mean_a = mean_of_fractions([scores_a[k] for k in shared]) if headline else None
+    mean_b = mean_of_fractions([scores_b[k] for k in shared]) if headline else None
     if mean_a is not None:
         values.append([f"Average ({len(shared)} shared rows)", "", _value(mean_a), _value(mean_b), _value(mean_b - mean_a, signed=True)])
     return table(["Tasks", "Metric", label_a, label_b, f"Δ ({label_b} − {label_a})"], values, align="llrrr")

@@ -421,6 +421,9 @@ def test_headline_rows_and_averages_are_only_for_occult23(tmp_path, capsys):
     assert set(rows) == {("wikitext", m) for m in ("word_perplexity", "byte_perplexity", "bits_per_byte")} | {
         ("arc_easy", "acc"), ("arc_easy", "acc_norm")}
     assert rows[("arc_easy", "acc")] == pytest.approx([0.25, 0.75, 0.5])
+    # ... also when every metric is a fraction: arc_easy's acc and acc_norm were averaged together
+    accuracies = {"results": {"arc_easy": {"acc,none": 0.25, "acc_norm,none": 0.3}, "piqa": {"acc,none": 0.6}}}
+    assert not [row for row in markdown_rows(compare_table(accuracies, accuracies)) if row[0].startswith("Average")]
     # an occult23 run next to other tasks: the headline rows, their mean, and nothing of the other tasks
     mixed = suite_like_results()
     mixed["results"] |= other_tasks_results()["results"]
