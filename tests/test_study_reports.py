@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 
 import pytest
 
@@ -103,3 +104,35 @@ def test_nextline_distractors_are_distinct_texts():
     for item in items:
         wrong = [choice for index, choice in enumerate(item["choices"]) if index != item["label"]]
         assert len(set(wrong)) == 3, item["choices"]
+
+
+def test_the_study_commands_end_a_bad_input_in_one_line():
+    """`python -m occult_hf.eval.studies.*` printed a traceback for a bad setting (`--num-devices 0`, a data directory
+    that is not prepared data); now one line and exit status 2, as `occult` does (`OCCULT_DEBUG=1`: the traceback)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {key: value for key, value in os.environ.items() if key != "OCCULT_DEBUG"}
+    done = subprocess.run([sys.executable, "-m", "occult_hf.eval.studies.placement_study", "--num-devices", "0", "--no-progress"],
+                          capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "python -m occult_hf.eval.studies.placement_study: error: num_devices must be a positive integer, got 0 "
+        "(OCCULT_DEBUG=1 shows the traceback)"
+    ]
+
+
+def test_run_command_passes_exits_through_and_shows_the_traceback_on_request(monkeypatch, capsys):
+    from occult_hf.utils.errors import run_command
+
+    def fails():
+        raise FileNotFoundError("'data' is not a prepared data directory")
+
+    assert run_command("study", lambda: 0) == 0 and run_command("study", lambda: None) == 0
+    with pytest.raises(SystemExit):
+        run_command("study", lambda: sys.exit(3))
+    assert run_command("study", fails) == 2
+    assert capsys.readouterr().err == "study: error: 'data' is not a prepared data directory (OCCULT_DEBUG=1 shows the traceback)\n"
+    monkeypatch.setenv("OCCULT_DEBUG", "1")
+    assert run_command("study", fails) == 2 and "Traceback" in capsys.readouterr().err

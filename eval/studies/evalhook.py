@@ -34,6 +34,7 @@ import torch
 
 from occult_hf.utils.atomic import atomic_write_json, atomic_write_text
 from occult_hf.utils.tables import markdown_table
+from occult_hf.utils.errors import run_command
 
 from .lmeval_tasks import OFFLINE_ENV, first_lines, nextline_items, run_lm_eval, write_multiple_choice_task, write_perplexity_task
 
@@ -177,4 +178,4 @@ def markdown(report: dict) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command("python -m occult_hf.eval.studies.evalhook", main))

@@ -24,6 +24,7 @@ Shape legend (docs/conventions.md): N tokens, k experts per token, E experts, D 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,6 +33,7 @@ import numpy as np
 from occult_hf.utils.atomic import atomic_save_figure
 from occult_hf.metrics import evaluate_placement, summarize
 from occult_hf.replicas.routing import PIN_SLACK, resolve_homes_np
+from occult_hf.utils.errors import run_command
 from .placement_study import StudyResult
 from .robust_placement_study import ROBUST, best_replica_split, qwen_parts, replay_load_aware, served_ct_and_balance, timed_plan
 
@@ -195,5 +197,5 @@ __all__ = ["LOAD_AWARE", "ORACLE_PLANS", "PLANS", "goal_axes", "load_aware_plan_
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(run_command("python -m occult_hf.eval.studies.load_aware_plans", main))
 

@@ -32,6 +32,7 @@ Shape legend (docs/conventions.md): D devices, k experts per token.
 from __future__ import annotations
 
 import argparse
+import sys
 import os
 import time
 from pathlib import Path
@@ -45,6 +46,7 @@ from occult_hf.scale.traffic import replay_traffic, row_bytes
 from occult_hf.utils.atomic import atomic_write_text
 from occult_hf.utils.progress import progress_bar
 from occult_hf.utils.tables import markdown_table
+from occult_hf.utils.errors import run_command
 
 QWEN_TRACE = "qwen15moe_a27b_chat_gptq_int4_gsm8k25_layer0_trace.npz"
 PLACEMENTS = {"contiguous": "contiguous", "refined": "flat refined", "node_refined": "node-aware refined"}
@@ -128,4 +130,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command("python -m occult_hf.eval.studies.node_traffic_study", main))

@@ -23,6 +23,8 @@ Shape legend (docs/conventions.md): N tokens, k experts per token, E experts, D 
 
 from __future__ import annotations
 
+import sys
+
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ from occult_hf.metrics import evaluate_placement, load_balance, served_ct, summa
 from occult_hf.placement import Placement
 from occult_hf.placement.rebalance import replan_replicas
 from occult_hf.placement.validation import profile_from_sample
+from occult_hf.utils.errors import run_command
 from .load_aware_plans import GOAL, LOAD_AWARE, SEEDS, goal_axes, main_on_qwen_trace
 from .placement_study import StudyResult
 from .robust_placement_study import qwen_parts, replay_load_aware, step_balances, timed_plan
@@ -193,4 +196,4 @@ __all__ = ["STATIC_PLAN", "VARIANTS", "WINDOWS", "copies_added", "online_replay"
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(run_command("python -m occult_hf.eval.studies.online_replicas", main))

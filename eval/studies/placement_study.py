@@ -31,6 +31,7 @@ Shape legend (docs/conventions.md): N tokens, k experts per token, E experts, D 
 from __future__ import annotations
 
 import argparse
+import sys
 import os
 import time
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from occult_hf.placement import Placement, balanced_capacities, plan_placement
 from occult_hf.placement.refined import initial_assignment
 from occult_hf.placement.validation import profile_from_sample
 from occult_hf.profile import RoutingProfile
+from occult_hf.utils.errors import run_command
 
 QWEN_TRACE = "qwen15moe_a27b_chat_gptq_int4_gsm8k25_layer0_trace.npz"
 OLMOE_PAIRS = "olmoe1b7b0125__runB_2025-03-07__wikitext2_8192tok_coact.npz"
@@ -460,4 +462,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(run_command("python -m occult_hf.eval.studies.placement_study", main))

@@ -27,6 +27,8 @@ local: F plans (one per seed), Q resamples of the held-out half.
 
 from __future__ import annotations
 
+import sys
+
 import time
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,7 @@ from occult_hf.utils.atomic import atomic_save_figure
 from occult_hf.metrics import mean_ct
 from occult_hf.placement.validation import profile_from_sample
 from occult_hf.profile import RoutingProfile
+from occult_hf.utils.errors import run_command
 from .load_aware_plans import GOAL, LOAD_AWARE, goal_axes, main_on_qwen_trace
 from .placement_study import StudyResult
 from .robust_placement_study import qwen_parts, replay_load_aware, served_ct_and_balance, timed_plan
@@ -274,4 +277,4 @@ __all__ = [
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(run_command("python -m occult_hf.eval.studies.plan_draws", main))

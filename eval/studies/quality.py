@@ -57,6 +57,7 @@ from functools import partial
 from pathlib import Path
 
 from occult_hf.utils.atomic import atomic_path, atomic_write_json, atomic_write_text
+from occult_hf.utils.errors import DEBUG_ENV, run_command
 
 from .jobs import Job, run_jobs
 from .lmeval_tasks import OFFLINE_ENV, cloze_items, nextline_items, run_lm_eval, write_multiple_choice_task
@@ -571,9 +572,10 @@ def software_versions() -> dict[str, str]:
 
 
 def study_env(work: Path) -> dict:
-    """The workers' environment: offline, one datasets cache for all, one CPU thread each, unbuffered."""
+    """The workers' environment: offline, one datasets cache for all, one CPU thread each, unbuffered, and a failing
+    worker's whole traceback in its log (`OCCULT_DEBUG`), not one line."""
     return {**os.environ, **OFFLINE_ENV, "HF_DATASETS_CACHE": str(work / "hf_datasets"), "OMP_NUM_THREADS": "1",
-            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}  # fmt: skip
+            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", DEBUG_ENV: "1"}  # fmt: skip
 
 
 #: the share of a GPU's memory the study's workers may hold together (the rest: allocator fragmentation)
@@ -732,4 +734,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command("python -m occult_hf.eval.studies.quality", main))

@@ -26,6 +26,7 @@ import numpy as np
 
 from occult_hf.utils.atomic import atomic_save_figure, atomic_write_json, atomic_write_text
 from occult_hf.utils.tables import markdown_table
+from occult_hf.utils.errors import run_command
 
 from .quality import FORGET_DOMAIN, FT_DOMAIN, REFINED
 from .variants import Variant
@@ -343,4 +344,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command("python -m occult_hf.eval.studies.report_quality", main))

@@ -32,6 +32,7 @@ of one expert.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -45,6 +46,7 @@ from occult_hf.placement import Placement, plan_placement
 from occult_hf.placement.robust import stated_quantile
 from occult_hf.placement.validation import cross_validate, profile_from_sample
 from occult_hf.profile import LayerRouting, RoutingProfile
+from occult_hf.utils.errors import run_command
 from .placement_study import OLMOE_DOMAINS, QWEN_TRACE, StudyResult
 
 ROBUST = {"robust_resamples": 16}
@@ -662,4 +664,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(run_command("python -m occult_hf.eval.studies.robust_placement_study", main))

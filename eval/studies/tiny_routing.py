@@ -29,6 +29,7 @@ Shape legend (docs/conventions.md): T tokens, Z layers, k experts per token, E e
 from __future__ import annotations
 
 import argparse
+import sys
 import io
 import json
 import os
@@ -39,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from occult_hf.profile import RoutingProfile
+from occult_hf.utils.errors import run_command
 
 #: the shipped trace, inside the package's data folder
 TINY_ROUTING = "tiny_olmoe_routing.npz"
@@ -186,4 +188,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(run_command("python -m occult_hf.eval.studies.tiny_routing", main))

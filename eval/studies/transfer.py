@@ -24,6 +24,7 @@ import numpy as np
 
 from occult_hf.utils.atomic import atomic_save_figure, atomic_write_json, atomic_write_text
 from occult_hf.utils.tables import markdown_table
+from occult_hf.utils.errors import run_command
 
 METHODS = ("contiguous", "occult", "refined")
 DEVICES = (4, 8)
@@ -149,4 +150,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command("python -m occult_hf.eval.studies.transfer", main))

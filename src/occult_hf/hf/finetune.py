@@ -128,18 +128,9 @@ def packed_dataset(data, tokenizer, seq_len: int, text_column: str, training_arg
 def main(argv: list[str] | None = None) -> int:
     """Run the fine-tuning; an error ends in one line on stderr and exit code 2 (`OCCULT_DEBUG=1`: the traceback), as
     the `occult` commands do, on every rank under a launcher."""
-    import traceback
+    from ..utils.errors import run_command
 
-    from ..utils.errors import DEBUG_ENV, debug_requested, one_line
-
-    try:
-        return _finetune(argv)
-    except Exception as error:  # noqa: BLE001 - every error becomes one line unless OCCULT_DEBUG
-        if debug_requested():
-            traceback.print_exc()
-        else:
-            print(f"occult_hf.hf.finetune: error: {one_line(error)} ({DEBUG_ENV}=1 shows the traceback)", file=sys.stderr)
-        return 2
+    return run_command("occult_hf.hf.finetune", lambda: _finetune(argv))
 
 
 def _finetune(argv: list[str] | None) -> int:

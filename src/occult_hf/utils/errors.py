@@ -4,6 +4,9 @@ library's errors name the file, setting or rank at fault, so the line is what th
 from __future__ import annotations
 
 import os
+import sys
+import traceback
+from typing import Callable
 
 #: the environment variable that asks every command for the full traceback instead of the one line
 DEBUG_ENV = "OCCULT_DEBUG"
@@ -36,4 +39,18 @@ def debug_requested() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
-__all__ = ["DEBUG_ENV", "INPUT_ERRORS", "debug_requested", "one_line"]
+def run_command(name: str, main: Callable[[], int | None]) -> int:
+    """`main()` as a command named `name` (`python -m ...`): its status, or, when it raises, one line on stderr
+    (`one_line`) and status 2; `$OCCULT_DEBUG` prints the traceback instead. `SystemExit` and `KeyboardInterrupt`
+    pass through (argparse's usage errors, a command's own exit status, Ctrl-C)."""
+    try:
+        return main() or 0
+    except Exception as error:  # noqa: BLE001 - every error becomes one line unless OCCULT_DEBUG
+        if debug_requested():
+            traceback.print_exc()
+        else:
+            print(f"{name}: error: {one_line(error)} ({DEBUG_ENV}=1 shows the traceback)", file=sys.stderr)
+        return 2
+
+
+__all__ = ["DEBUG_ENV", "INPUT_ERRORS", "debug_requested", "one_line", "run_command"]
