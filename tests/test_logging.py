@@ -14,21 +14,13 @@ import pytest
 from transformers.utils import logging as hf_logging
 
 from occult_hf.utils import logging as logging_utils
-
-
-class _Collect(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
+from occult_logs import RecordList
 
 
 @pytest.fixture
 def collected():
     """A handler on transformers' library root logger; restores the verbosities afterwards."""
-    handler = _Collect()
+    handler = RecordList()
     before = hf_logging.get_verbosity()
     hf_logging.add_handler(handler)
     try:
