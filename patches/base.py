@@ -109,6 +109,11 @@ class MoEAdapter(abc.ABC):
         """The router module instance (kept as is so transformers' `router_logits` capture works)."""
 
     # ----- routing ----------------------------------------------------------------------
+    def block_input(self, block: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        """What the block routes and computes its experts on, from its input (identity; Mixtral's training-time
+        jitter noise scales it first, as the model's own block does)."""
+        return hidden_states
+
     @abc.abstractmethod
     def route(self, block: nn.Module, x_TH: torch.Tensor) -> RouterOutput:
         """Run the block's own router module on `[T, H]` tokens (or the block's `[B, S, H]` input).

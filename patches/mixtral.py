@@ -5,9 +5,9 @@ Router (`MixtralTopKRouter`): softmax over all E logits in fp32, top-k of the pr
 to the logits' dtype). No shared experts; every decoder layer is MoE. Experts are transformers 5's
 fused `MixtralExperts` (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`, `act_fn`).
 
-`router_jitter_noise` (0 in the published checkpoints) multiplies the block's input by noise in
-training before both the router and the experts; the replacement block does not reproduce that,
-so training with it is refused.
+`router_jitter_noise` (0 in the published checkpoints) multiplies the block's input by uniform noise
+in `[1 - j, 1 + j]` in training, before both the router and the experts; `block_input` draws it as
+the model's block does (the same call on the same generator: the same noise for the same seed).
 
 Shape legend: T tokens, H hidden, E routed experts, k experts per token.
 """
@@ -17,17 +17,15 @@ from __future__ import annotations
 import torch
 
 from ._transformers_moe import SoftmaxTopKAdapter
-from .base import RouterOutput, register_adapter
+from .base import register_adapter
 
 
 class MixtralAdapter(SoftmaxTopKAdapter):
-    def route(self, block, x_TH) -> RouterOutput:
+    def block_input(self, block, hidden_states):
         if block.training and block.jitter_noise > 0:
-            raise ValueError(
-                f"Mixtral router_jitter_noise={block.jitter_noise} in training is not supported by occult_hf "
-                f"(the noise also scales the experts' input); set config.router_jitter_noise=0"
-            )
-        return super().route(block, x_TH)
+            noise = torch.empty_like(hidden_states).uniform_(1.0 - block.jitter_noise, 1.0 + block.jitter_noise)
+            return hidden_states * noise
+        return hidden_states
 
     def renormalize(self, block, logits_TE, topk_ids_Tk):
         probs_TE = torch.softmax(logits_TE.float(), dim=-1)

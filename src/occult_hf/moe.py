@@ -133,6 +133,7 @@ class OccultMoE(nn.Module):
                 "batch; use torch.export.export(..., strict=False) or torch.compile"
             )
         block = self._original[0]  # not the property: a compiled forward guards on a property's class chain
+        hidden_states = self.adapter.block_input(block, hidden_states)
         shape = hidden_states.shape
         x_TH = hidden_states.reshape(-1, shape[-1])
         with stage("route"):
