@@ -31,8 +31,8 @@ import numpy as np
 from ..utils.checks import check_topk_ids
 from ..utils.strict_json import parse_json
 from .collect import collect_routing
-from .stats import LayerRouting
-from .trace import read_trace
+from .stats import LayerRouting, check_layer_counts
+from .trace import check_model_type, read_trace
 
 #: metadata key and format tag of profile files
 PROFILE_METADATA_KEY = "occult_profile"
@@ -169,8 +169,10 @@ class RoutingProfile:
     def check_compatible(self, model_or_config, require_all_layers: bool = True, trust_remote_code: bool = False) -> None:
         """Raise a clear error when this profile does not describe `model_or_config`'s MoE layers.
 
-        Compares the routed-expert count, top-k and MoE layer set, read through the family adapter
-        (for a config, from a weightless skeleton of the model on the meta device).
+        Compares the model type (when the profile records one: a profile of another model would be planned on as
+        if it were this one's routing, which `merge` and similarity pruning refuse too), the routed-expert count,
+        top-k and MoE layer set, read through the family adapter (for a config, from a weightless skeleton of the
+        model on the meta device).
         `require_all_layers=False` accepts a profile that covers only some of the model's MoE layers.
         `trust_remote_code` is passed to transformers to build that skeleton: only what the caller
         says, never implied by the config's `auto_map` (a checkpoint must not run its code unasked).
@@ -184,6 +186,11 @@ class RoutingProfile:
         model_type = getattr(config, "model_type", None)
         num_experts, top_k = adapter.num_experts(config), adapter.top_k(config)
         profile = f"routing profile {self.path!r}" if self.path else "routing profile"
+        if self.model_type is not None and self.model_type != model_type:
+            raise ValueError(
+                f"{profile} is of model_type {self.model_type!r} but the model is of model_type {model_type!r}: "
+                f"a profile describes the routing of the model it was collected from"
+            )
         if num_experts != self.num_experts:
             raise ValueError(
                 f"{profile} is for num_experts={self.num_experts} but the model ({model_type}) has "
@@ -336,6 +343,11 @@ def _parse_header(header_text: str | None) -> tuple[int, int, list[int], str | N
     model_type = header.get("model_type")
     if model_type is not None and not isinstance(model_type, str):
         raise ValueError(f"header 'model_type' must be a string or null, got {model_type!r}")
+    if model_type is not None:
+        try:
+            check_model_type(model_type)
+        except ValueError as error:
+            raise ValueError(f"header 'model_type': {error}") from None
     return num_experts, top_k, layer_list, model_type, meta
 
 
@@ -359,8 +371,8 @@ def _parse_layer(layer: int, names: set[str], get_tensor, num_experts: int, top_
     sample, gram = tensors.get("topk_sample"), tensors.get("logit_gram")
     if sample is not None:  # real top-k sets: ids in [0, E), distinct per row
         check_topk_ids(sample, num_experts, f"tensor 'layer.{layer}.topk_sample'")
-    if gram is not None and not np.isfinite(gram).all():
-        raise ValueError(f"tensor 'layer.{layer}.logit_gram' holds non-finite values")
+    if gram is not None:
+        _check_gram(f"tensor 'layer.{layer}.logit_gram'", gram)
     routing = LayerRouting(
         coactivation=tensors["coactivation"],
         expert_counts=tensors["expert_counts"],
@@ -368,8 +380,40 @@ def _parse_layer(layer: int, names: set[str], get_tensor, num_experts: int, top_
         logit_gram=gram,
         topk_sample=sample,
     )
-    _check_counts(layer, routing, num_experts, top_k)
+    check_layer_counts(layer, routing, top_k)
     return routing
+
+
+#: how far a logit Gram matrix may be from symmetric, relative to the Cauchy-Schwarz bound sqrt(G[i, i] G[j, j]) of
+#: its entries (which also bounds the sum of |l_i l_j| that rounding is relative to): the float64 matmul of
+#: `LayerAccumulator.update` may sum G[i, j] and G[j, i] in different orders (BLAS / cuBLAS blocking), and chunks,
+#: forwards and merged ranks add their rounding, about eps = 1.1e-16 of the bound per addition; 1e-6 allows ~10^10
+#: such additions, yet moves a cosine similarity by at most 1e-6
+GRAM_SYMMETRY_TOLERANCE = 1e-6
+
+
+def _check_gram(name: str, gram_EE: np.ndarray) -> None:
+    """A logit Gram matrix `sum over tokens of l l^T` as its makers make it: finite, a non-negative diagonal (sums of
+    squares: exact in floating point, since rounding a sum of non-negative terms never makes it negative) and
+    symmetric up to `GRAM_SYMMETRY_TOLERANCE`. Any other turns `similarity` (a cosine) into numbers far outside
+    [-1, 1] or silently zeroes an expert's row, and similarity pruning would act on them."""
+    if not np.isfinite(gram_EE).all():
+        raise ValueError(f"{name} holds non-finite values")
+    diagonal_E = np.diagonal(gram_EE)
+    if (diagonal_E < 0).any():
+        expert = int(np.flatnonzero(diagonal_E < 0)[0])
+        raise ValueError(
+            f"{name} has a negative diagonal entry ([{expert}, {expert}] = {diagonal_E[expert]:.6g}); the diagonal of a "
+            f"Gram matrix holds sums of squared logits"
+        )
+    norms_E = np.sqrt(diagonal_E)
+    asymmetric_EE = np.abs(gram_EE - gram_EE.T) > GRAM_SYMMETRY_TOLERANCE * np.outer(norms_E, norms_E)
+    if asymmetric_EE.any():
+        i, j = (int(v) for v in np.argwhere(asymmetric_EE)[0])
+        raise ValueError(
+            f"{name} is not symmetric ([{i}, {j}] = {gram_EE[i, j]:.6g} but [{j}, {i}] = {gram_EE[j, i]:.6g}, past "
+            f"rounding: a relative tolerance of {GRAM_SYMMETRY_TOLERANCE:g}); a Gram matrix sum of l l^T is symmetric"
+        )
 
 
 def _check_tensor_shapes(layer: int, tensors: dict[str, np.ndarray], num_experts: int, top_k: int) -> None:
@@ -406,42 +450,6 @@ _TENSOR_DTYPES = {
 }
 
 
-#: the most tokens a profile layer may count (2^48, about 3e14): every count and every sum of E of them stays
-#: far inside int64, so no statistic computed from a profile can overflow
-MAX_PROFILE_TOKENS = 2**48
-
-
-def _check_counts(layer: int, routing: LayerRouting, num_experts: int, top_k: int) -> None:
-    """The counts of one layer of a profile file agree with each other, as counting real top-k sets makes them:
-    `token_count` in [1, `MAX_PROFILE_TOKENS`] (no maker leaves a layer without tokens, and no plan can be made on
-    one), every count at most `token_count`, `sum(expert_counts) = top_k * token_count`, a symmetric co-activation
-    with a zero diagonal whose rows sum to `expert_counts * (top_k - 1)`, and a top-k sample of at most
-    `token_count` rows."""
-    tokens, counts_E, coact_EE = routing.token_count, routing.expert_counts, routing.coactivation
-    where = f"layer {layer}"
-    if not 0 <= tokens <= MAX_PROFILE_TOKENS or tokens * top_k * top_k > MAX_PROFILE_TOKENS * 2**14:
-        raise ValueError(f"{where}: token_count {tokens} is outside [0, 2^48] (with top_k^2 = {top_k * top_k}: 2^62)")
-    if counts_E.size and (counts_E.max() > tokens or (coact_EE.size and coact_EE.max() > tokens)):
-        raise ValueError(f"{where}: a count exceeds token_count={tokens} (no expert or pair is chosen by more tokens than exist)")
-    if tokens == 0:
-        raise ValueError(f"{where} counts no tokens")
-    if int(counts_E.sum()) != top_k * tokens:
-        raise ValueError(
-            f"{where}: expert_counts sum to {int(counts_E.sum())}, but token_count={tokens} tokens with top_k={top_k} "
-            f"make {top_k * tokens}"
-        )
-    if not (coact_EE == coact_EE.T).all() or np.diagonal(coact_EE).any():
-        raise ValueError(f"{where}: coactivation must be symmetric with a zero diagonal")
-    if not (coact_EE.sum(axis=1) == counts_E * (top_k - 1)).all():
-        expert = int(np.flatnonzero(coact_EE.sum(axis=1) != counts_E * (top_k - 1))[0])
-        raise ValueError(
-            f"{where}: coactivation row {expert} sums to {int(coact_EE[expert].sum())}, but expert_counts[{expert}]="
-            f"{int(counts_E[expert])} tokens with top_k={top_k} make {int(counts_E[expert]) * (top_k - 1)} pairs"
-        )
-    if routing.topk_sample is not None and len(routing.topk_sample) > tokens:
-        raise ValueError(f"{where}: topk_sample holds {len(routing.topk_sample)} rows, more than token_count={tokens}")
-
-
 def _check_samples_everywhere(layers: dict[int, LayerRouting]) -> None:
     """Every layer of a profile file holds top-k sample rows, or none does (sample_size=0, pair counts): a profile's
     makers sample every layer alike, and one layer without rows would turn exact CT off for all of them."""
@@ -464,7 +472,7 @@ MAX_COUNT_SUM = 2**62
 
 def _check_magnitude(layer: int, routing: LayerRouting) -> None:
     """No int64 statistic of the layer can overflow: its co-activation and its expert counts each sum (in
-    magnitude) to at most `MAX_COUNT_SUM`. A profile file is held to more (`_check_counts`); a profile built in
+    magnitude) to at most `MAX_COUNT_SUM`. A profile file is held to more (`check_layer_counts`); a profile built in
     memory may hold counts alone, but not counts whose cut would wrap around to a wrong number."""
     for name, counts in (("coactivation", routing.coactivation), ("expert_counts", routing.expert_counts)):
         total = float(np.abs(np.asarray(counts, dtype=np.float64)).sum())
@@ -563,4 +571,4 @@ def _check_shape(what: str, array: np.ndarray, expected: tuple[int, ...]) -> Non
         raise ValueError(f"RoutingProfile {what} has shape {tuple(np.shape(array))}, expected {list(expected)}")
 
 
-__all__ = ["LayerRouting", "RoutingProfile", "PROFILE_METADATA_KEY", "PROFILE_FORMAT", "MAX_PROFILE_TOKENS", "check_same_model"]
+__all__ = ["LayerRouting", "RoutingProfile", "PROFILE_METADATA_KEY", "PROFILE_FORMAT", "check_same_model"]

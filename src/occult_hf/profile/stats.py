@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..utils.checks import check_topk_ids
+
 #: tokens per step inside `LayerAccumulator.update` (bounds temporary memory, not the result)
 _CHUNK_TOKENS = 16384
 
@@ -124,7 +126,9 @@ class LayerAccumulator:
         """Add one batch.
 
         Args:
-            topk_ids_Tk: `[T, k]` integer expert ids, distinct within a row.
+            topk_ids_Tk: `[T, k]` integer expert ids in [0, E), distinct within a row (masked-out rows included).
+                Checked when on the CPU (traces, tables built by hand); on an accelerator they are not, to keep
+                the collector's hooks free of a host synchronisation (`_check_host_ids`).
             logits_TE: `[T, E]` router logits (any float dtype), or None when unknown (trace files).
                 Give them for every batch or for none.
             token_mask_T: `[T]` bool, True for tokens to count (padding False), or None for all.
@@ -141,12 +145,11 @@ class LayerAccumulator:
             raise ValueError(
                 f"logits must have shape [T={topk_ids_Tk.shape[0]}, E={self.num_experts}], got {tuple(logits_TE.shape)}"
             )
+        if token_mask_T is not None and token_mask_T.shape != (topk_ids_Tk.shape[0],):
+            raise ValueError(f"token mask must have shape [T={topk_ids_Tk.shape[0]}], got {tuple(token_mask_T.shape)}")
         topk_ids_Tk = topk_ids_Tk.detach().long()
+        _check_host_ids(topk_ids_Tk, self.num_experts)
         if token_mask_T is not None:
-            if token_mask_T.shape != (topk_ids_Tk.shape[0],):
-                raise ValueError(
-                    f"token mask must have shape [T={topk_ids_Tk.shape[0]}], got {tuple(token_mask_T.shape)}"
-                )
             keep_T = token_mask_T.to(device=topk_ids_Tk.device, dtype=torch.bool)
             topk_ids_Tk = topk_ids_Tk[keep_T]
             logits_TE = logits_TE[keep_T.to(logits_TE.device)] if has_logits else None
@@ -198,4 +201,77 @@ class LayerAccumulator:
         )
 
 
-__all__ = ["LayerRouting", "ReservoirSample", "LayerAccumulator"]
+def _check_host_ids(topk_ids_Tk: torch.Tensor, num_experts: int) -> None:
+    """Refuse, as `check_topk_ids` does for files, a row that repeats an expert or an id outside [0, E) when the ids
+    are on the CPU: counting would add a repeated expert's pairs to the diagonal (its count) and an id past E to
+    another expert's pair, silently, or fail inside torch naming neither rule.
+
+    Ids on an accelerator are left unchecked: `ProfileCollector` feeds `update` from its router hooks on every forward,
+    and reading the ids on the host would add a device synchronisation per MoE layer per forward; those ids are the
+    router's own top-k, distinct and in range by construction.
+    """
+    if topk_ids_Tk.device.type == "cpu":
+        check_topk_ids(topk_ids_Tk.numpy(), num_experts)
+
+
+#: the most tokens a profile layer may count (2^48, about 3e14): every count and every sum of E of them stays
+#: far inside int64, so no statistic computed from a profile can overflow
+MAX_PROFILE_TOKENS = 2**48
+
+
+def check_layer_counts(layer: int, routing: LayerRouting, top_k: int) -> None:
+    """The counts of one layer of a profile file or a pair-count trace agree with each other, as counting real top-k
+    sets makes them: `token_count` in [1, `MAX_PROFILE_TOKENS`] (no maker leaves a layer without tokens, and no plan
+    can be made on one), every count at most `token_count`, `sum(expert_counts) = top_k * token_count`, a symmetric
+    co-activation with a zero diagonal whose rows sum to `expert_counts * (top_k - 1)`, and a top-k sample of at most
+    `token_count` rows. Here, not in the profile module, so that the trace reader applies the same rules."""
+    tokens, counts_E, coact_EE = routing.token_count, routing.expert_counts, routing.coactivation
+    where = f"layer {layer}"
+    if not 0 <= tokens <= MAX_PROFILE_TOKENS or tokens * top_k * top_k > MAX_PROFILE_TOKENS * 2**14:
+        raise ValueError(f"{where}: token_count {tokens} is outside [0, 2^48] (with top_k^2 = {top_k * top_k}: 2^62)")
+    if counts_E.size and (counts_E.max() > tokens or (coact_EE.size and coact_EE.max() > tokens)):
+        raise ValueError(f"{where}: a count exceeds token_count={tokens} (no expert or pair is chosen by more tokens than exist)")
+    if tokens == 0:
+        raise ValueError(f"{where} counts no tokens")
+    if int(counts_E.sum()) != top_k * tokens:
+        raise ValueError(
+            f"{where}: expert_counts sum to {int(counts_E.sum())}, but token_count={tokens} tokens with top_k={top_k} "
+            f"make {top_k * tokens}"
+        )
+    if not (coact_EE == coact_EE.T).all() or np.diagonal(coact_EE).any():
+        raise ValueError(f"{where}: coactivation must be symmetric with a zero diagonal")
+    if not (coact_EE.sum(axis=1) == counts_E * (top_k - 1)).all():
+        expert = int(np.flatnonzero(coact_EE.sum(axis=1) != counts_E * (top_k - 1))[0])
+        raise ValueError(
+            f"{where}: coactivation row {expert} sums to {int(coact_EE[expert].sum())}, but expert_counts[{expert}]="
+            f"{int(counts_E[expert])} tokens with top_k={top_k} make {int(counts_E[expert]) * (top_k - 1)} pairs"
+        )
+    if routing.topk_sample is not None and len(routing.topk_sample) > tokens:
+        raise ValueError(f"{where}: topk_sample holds {len(routing.topk_sample)} rows, more than token_count={tokens}")
+
+
+def whole_counts(name: str, values: np.ndarray) -> np.ndarray:
+    """`values` as int64 counts, or raise naming `name`: an integer array, or a float one holding only whole numbers
+    (counts some tools save as floats), none negative (no count is) and none past `MAX_PROFILE_TOKENS`. A bare cast
+    would truncate fractions (normalised frequencies would turn into zeros), make NaN INT64_MIN and wrap huge values."""
+    values = np.asarray(values)
+    if values.dtype.kind not in "iuf":
+        raise ValueError(f"{name} must hold integer counts, got dtype {values.dtype}")
+    if values.dtype.kind == "f":
+        if not np.isfinite(values).all():
+            raise ValueError(f"{name} holds NaN or infinite values; counts are whole numbers")
+        fractional = values != np.floor(values)
+        if fractional.any():
+            first = [int(i) for i in np.argwhere(fractional)[0]]
+            raise ValueError(
+                f"{name} must hold integer counts, got {values.dtype} with fractions (first: {values[tuple(first)]} "
+                f"at {first}); counts are whole numbers (frequencies normalised to fractions are not counts)"
+            )
+    if values.size and values.min() < 0:
+        raise ValueError(f"{name} holds a negative count ({values.min()}); counts are >= 0")
+    if values.size and values.max() > MAX_PROFILE_TOKENS:
+        raise ValueError(f"{name} holds a count past 2^48 ({values.max()}), more tokens than a profile layer may count")
+    return values.astype(np.int64)
+
+
+__all__ = ["MAX_PROFILE_TOKENS", "LayerAccumulator", "LayerRouting", "ReservoirSample", "check_layer_counts", "whole_counts"]

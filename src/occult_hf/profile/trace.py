@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ..utils.strict_json import parse_json
-from .stats import LayerAccumulator, LayerRouting
+from .stats import LayerAccumulator, LayerRouting, check_layer_counts, whole_counts
 
 #: row-mask keys: name -> True when the mask marks rows to keep (False: rows to drop)
 ROW_MASK_KEYS = {"is_warmup_dummy": False, "valid": True, "mask": True, "row_mask": True}
@@ -77,7 +77,7 @@ def read_trace(
     """
     path = os.fspath(path)
     if model_type is not None:
-        _check_model_type(model_type)
+        check_model_type(model_type)
     arrays, file_meta = _open(path, layer)
     source = {"source": f"trace:{os.path.basename(path)}"}
     if _holds_pair_counts(arrays, key):
@@ -193,9 +193,10 @@ def _check_count_bytes(num_experts: int, num_layers: int, path: str) -> None:
         )
 
 
-def _check_model_type(model_type) -> None:
+def check_model_type(model_type) -> None:
     """A model type a profile records must be one occult_hf serves (the error lists them): the profile is
-    checked against models of that type, and a misspelt one would match none."""
+    checked against models of that type, and a misspelt one would match none. The profile loader applies it
+    to a file's header too."""
     from types import SimpleNamespace
 
     from occult_hf.patches import adapter_for
@@ -334,8 +335,11 @@ def _check_ids(ids_TZk: np.ndarray, num_experts: int, path: str) -> None:
 
 
 def _from_pair_counts(arrays, file_meta, num_experts, top_k, model_type, source, path: str) -> dict:
+    """The profile fields of a pair-count file. Its valid layers' counts are held to a profile file's rules
+    (`whole_counts`, `check_layer_counts`), so that what `from_trace` returns is what `load` would accept: a bad count
+    fails here, naming the file, not in a planner or at `save`."""
     where = f"pair-count trace {path!r}"
-    coact_ZEE, freq_ZE = arrays["coact"].astype(np.int64), arrays["freq"].astype(np.int64)
+    coact_ZEE, freq_ZE = arrays["coact"], arrays["freq"]
     if coact_ZEE.ndim != 3 or freq_ZE.shape != coact_ZEE.shape[:2] or coact_ZEE.shape[1] != coact_ZEE.shape[2]:
         raise ValueError(
             f"{where} needs 'coact' [Z, E, E] and 'freq' [Z, E], got {list(coact_ZEE.shape)} and "
@@ -353,7 +357,8 @@ def _from_pair_counts(arrays, file_meta, num_experts, top_k, model_type, source,
     valid_Z = arrays["layer_valid"].astype(bool) if "layer_valid" in arrays else np.ones(len(freq_ZE), dtype=bool)
     layers = {}
     for l in np.flatnonzero(valid_Z):
-        coact, freq = coact_ZEE[l], freq_ZE[l]
+        coact = whole_counts(f"{where}: 'coact' of layer {l}", coact_ZEE[l])
+        freq = whole_counts(f"{where}: 'freq' of layer {l}", freq_ZE[l])
         if not (coact == coact.T).all() or np.diagonal(coact).any():
             raise ValueError(f"{where}: pair counts of layer {l} are not symmetric with a zero diagonal")
         if not (coact.sum(axis=1) == freq * (top_k - 1)).all():
@@ -365,11 +370,20 @@ def _from_pair_counts(arrays, file_meta, num_experts, top_k, model_type, source,
             raise ValueError(f"{where}: 'freq' of layer {l} sums to {int(freq.sum())}, not a multiple of top_k={top_k}")
         if not freq.any():
             raise ValueError(f"{where}: layer {l} counts no tokens ('freq' is all zero); mark it False in 'layer_valid'")
-        layers[int(l)] = LayerRouting(coactivation=coact, expert_counts=freq, token_count=int(freq.sum()) // top_k)
+        layers[int(l)] = _checked_layer(where, int(l), LayerRouting(coact, freq, int(freq.sum()) // top_k), top_k)
     if not layers:
         raise ValueError(f"{where}: no layer is valid ('layer_valid' is all False)")
     meta = {**source, "file_meta": file_meta, "invalid_layers_skipped": np.flatnonzero(~valid_Z).tolist()}
     return dict(num_experts=file_experts, top_k=top_k, layers=layers, model_type=model_type, meta=meta)
+
+
+def _checked_layer(where: str, layer: int, routing: LayerRouting, top_k: int) -> LayerRouting:
+    """`routing` after the profile loader's count rules (`check_layer_counts`), their error naming the file."""
+    try:
+        check_layer_counts(layer, routing, top_k)
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+    return routing
 
 
 __all__ = ["read_trace", "read_trace_ids", "is_pair_count_trace", "ROW_MASK_KEYS"]
