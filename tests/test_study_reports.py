@@ -136,3 +136,20 @@ def test_run_command_passes_exits_through_and_shows_the_traceback_on_request(mon
     assert capsys.readouterr().err == "study: error: 'data' is not a prepared data directory (OCCULT_DEBUG=1 shows the traceback)\n"
     monkeypatch.setenv("OCCULT_DEBUG", "1")
     assert run_command("study", fails) == 2 and "Traceback" in capsys.readouterr().err
+
+
+def test_a_result_of_another_base_model_is_neither_finished_nor_reported(tmp_path):
+    """A variant made before the base job ran again (its base/ removed, pre-trained anew) counted as done and was
+    reported beside the new base model's variants."""
+    from occult_hf.eval.studies import quality
+
+    work = tmp_path / "work"
+    for mark in quality.base_parts(work).values():
+        mark.parent.mkdir(parents=True, exist_ok=True)
+        mark.write_text("{}")
+    (work / "base" / "fingerprint.txt").write_text("new-base")
+    (work / "variants").mkdir()
+    for name, made_on in (("plain-s0", "old-base"), ("plain-s1", "new-base"), ("base", None)):
+        (work / "variants" / f"{name}.json").write_text(json.dumps({"variant": name, "base_fingerprint": made_on}))
+    assert [quality.finished(work, n) for n in ("plain-s0", "plain-s1", "base")] == [False, True, True]
+    assert quality.current_result(work, "plain-s0") is None and quality.current_result(work, "plain-s1")["variant"] == "plain-s1"

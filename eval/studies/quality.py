@@ -456,17 +456,32 @@ def worker(names: list[str], data_dir: Path, work: Path, size: str) -> None:
             import traceback
 
             traceback.print_exc()
-            result = {"variant": name, "error": f"{type(error).__name__}: {error}"}
+            result = {"variant": name, "error": f"{type(error).__name__}: {error}",
+                      "base_fingerprint": base_fingerprint(work) if base_done(work) else None}  # fmt: skip
         result_file(work, name).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(result_file(work, name), result)
         print(f"[{name}] done at {time.strftime('%H:%M:%S')}", flush=True)
 
 
 # ----- the pipeline --------------------------------------------------------------------------------
-def finished(work: Path, name: str) -> bool:
-    """Whether an earlier job delivered `name` (a result without an error)."""
+def current_result(work: Path, name: str) -> dict | None:
+    """`name`'s result file in `work`, None when there is none or it names another base model than the work
+    directory's: one made before the base job was run again (its `base/` removed and pre-trained anew) holds
+    another model's numbers, which a resume would keep and report beside the new ones."""
     path = result_file(work, name)
-    return path.is_file() and "error" not in json.loads(path.read_text())
+    if not path.is_file():
+        return None
+    result = json.loads(path.read_text())
+    made_on = result.get("base_fingerprint")
+    if made_on is not None and base_done(work) and made_on != base_fingerprint(work):
+        return None
+    return result
+
+
+def finished(work: Path, name: str) -> bool:
+    """Whether an earlier job delivered `name` on this base model (`current_result`, without an error)."""
+    result = current_result(work, name)
+    return result is not None and "error" not in result
 
 
 #: a worker's own start before its first variant: imports, the data and the base model (13-18 s on the H200)
@@ -537,7 +552,7 @@ def write_outputs(data: Path, work: Path, out: Path, size: str, timings: dict, p
         "base_kernels": base_kernels_file(work).read_text().strip() if base_kernels_file(work).is_file() else None,
         "base_routing": json.loads((work / "base.json").read_text()) if (work / "base.json").is_file() else None,
         "tasks": json.loads((work / "tasks" / "tasks.json").read_text()) if (work / "tasks" / "tasks.json").is_file() else None,
-        "variants": [json.loads(result_file(work, n).read_text()) for n in names if result_file(work, n).is_file()],
+        "variants": [result for n in names if (result := current_result(work, n)) is not None],
         "missing": [n for n in names if not finished(work, n)],
         "timings_s": timings,
         "problems": problems,
@@ -688,8 +703,7 @@ def pipeline(data: Path, work: Path, out: Path, size: str, budget_s: float, stal
                         capacity_gib=gpu_capacity_gib(gpus))  # fmt: skip
     timings["variants"] = round(time.time() - t, 1)
     problems = [o.describe() for o in outcomes if o.status in ("failed", "stalled")]
-    problems += [f"{n}: {json.loads(result_file(work, n).read_text())['error']}" for n in todo
-                 if result_file(work, n).is_file() and not finished(work, n)]  # fmt: skip
+    problems += [f"{n}: {result['error']}" for n in todo if (result := current_result(work, n)) is not None and "error" in result]
     results = write_outputs(data, work, out, size, timings, problems)
     left = [n for n in results["missing"] if names is None or n in names]
     print(f"[pipeline] this run took {time.time() - start:.0f} s; {len(study) - len(results['missing'])} of {len(study)} variants done; "
