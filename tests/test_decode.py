@@ -147,6 +147,60 @@ def test_static_cache_generate_under_ep_with_different_lengths_per_rank():
     the static-capacity dispatcher: each gets its own greedy tokens (the rank that stops first keeps stepping for
     the other, so every rank's cache is sized for the longest; before, its cache overflowed in transformers)."""
     assert run_world(_ep_static_generate, 2, 2, [(5, NEW_TOKENS), (3, 2)]) == [(True, True), (True, True)]
+    # the longer prompt on one rank, more new tokens on the other: the cache holds the longest prompt plus the most
+    # new tokens (the ranks had agreed on the largest own sum, one rank's cache overflowed with an IndexError)
+    assert run_world(_ep_static_generate, 2, 1, [(9, 2), (2, NEW_TOKENS)]) == [(True, True), (True, True)]
+
+
+def _generate_cases(rank, world):
+    """What `generate` under EP does with a positional generation config, a cache passed in that is too short for the
+    other rank's tokens, an assistant model, and a call only rank 1 makes."""
+    import time
+
+    from transformers import GenerationConfig, StaticCache
+
+    from occult_hf import apply_occult
+
+    model = tiny_model("olmoe").eval()
+    prompt = torch.randint(0, model.config.vocab_size, (1, (6, 3)[rank]), generator=torch.Generator().manual_seed(rank))
+    new_tokens = (2, 5)[rank]
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, cache_implementation="static", eos_token_id=None, pad_token_id=0)
+    expected = model.generate(prompt, config)
+    apply_occult(model)
+    report = {"positional config": torch.equal(model.generate(prompt, config), expected)}  # was an IndexError
+    for case, call in (
+        ("short cache", lambda: model.generate(prompt, max_new_tokens=new_tokens, do_sample=False,
+                                               past_key_values=StaticCache(config=model.config, max_cache_len=8))),
+        ("assistant", lambda: model.generate(prompt, max_new_tokens=2, assistant_model=tiny_model("olmoe"))),
+    ):  # fmt: skip
+        try:
+            call()
+            report[case] = "ran"
+        except ValueError as error:
+            report[case] = str(error)
+    start = time.monotonic()
+    if rank == 1:  # rank 0 never calls it
+        try:
+            model.generate(prompt, max_new_tokens=2, do_sample=False)
+        except Exception as error:  # noqa: BLE001 - what it raises is the point
+            report["alone"] = f"{type(error).__name__}: {error}"
+    report["alone seconds"] = time.monotonic() - start
+    return report
+
+
+@pytest.mark.world_size(2)
+def test_generate_under_ep_sizes_refuses_and_names_what_it_cannot_do():
+    reports = run_world(_generate_cases, 2, env={"OCCULT_JOIN_TIMEOUT_S": "3"}, timeout_s=200)
+    for report in reports:
+        assert report["positional config"] is True
+        assert report["short cache"].startswith(
+            "generate under expert parallelism: a cache passed as past_key_values holds 8 positions, but the ranks decode "
+            "in lockstep until the last is done: 10 (the longest prompt plus the most new tokens of any rank, less one)"
+        ), report["short cache"]
+        assert report["assistant"].startswith("generate(assistant_model=...) under expert parallelism"), report["assistant"]
+    alone = reports[1]
+    assert alone["alone"].startswith("EPPeerError: occult_hf: generate on rank 1: EP ranks [0] did not reach it within 3 s")
+    assert "generate is collective, like every forward: call it on every rank" in alone["alone"] and alone["alone seconds"] < 30
 
 
 @pytest.mark.world_size(2)

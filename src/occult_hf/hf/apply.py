@@ -37,13 +37,13 @@ from occult_hf.patches import adapter_for
 from ..config import OccultConfig, stored_occult_config
 from ..dispatch import ExpertParallelGroup
 from ..dispatch.group import resolve_devices_per_node
-from ..distributed.agreement import SAVE_TIMEOUT_ENV, arrive, effective_setup, save_timeout_s
+from ..distributed.agreement import JOIN_TIMEOUT_ENV, arrive, effective_setup, join_timeout_s, save_timeout_s
 from ..distributed.collectives import GradNormCarrier
 from ..placement import Placement
 from ..utils.logging import get_logger
 from .blocks import LOADED_EXPERTS_ATTR, build_occult_block, check_experts_resident, restore_block, retire_original_block
 from .checkpointing import check_model_ranks_agree, gather_full_experts, new_save_group
-from .compat import PUSH_UPLOAD_METHOD, UNSET, install_loading_hooks, loading_hooks_installed, static_cache_length, uninstall_loading_hooks
+from .compat import PUSH_UPLOAD_METHOD, UNSET, cache_need, install_loading_hooks, loading_hooks_installed, uninstall_loading_hooks
 from .ddp import DDP_IGNORE_ATTR, RankLocalStateNames
 from .hub import save_and_push, upload_described
 from .launch import check_logical_devices, check_process_group_started
@@ -317,21 +317,45 @@ def lockstep_managed_by_caller(model: nn.Module):
 def _generate_in_lockstep(model, *args, **kwargs):
     """`generate` with `synced_gpus=True`: every forward of an EP model is a collective.
 
-    A rank that is done keeps stepping until every rank is, so with a static cache each rank's cache must hold
-    the longest rank's sequence: the ranks agree on it first (a bounded wait, `OCCULT_SAVE_TIMEOUT_S`), and
-    transformers sizes every rank's cache to it (`max_cache_len`), which also gives every rank the same shapes.
+    The ranks meet first (a bounded wait, `OCCULT_JOIN_TIMEOUT_S`), so a `generate` that some rank does not call fails
+    naming it instead of waiting in the first exchange. A rank that is done keeps stepping until every rank is, so
+    each rank's cache must hold the longest prompt plus the most new tokens of any rank: transformers sizes a static
+    cache it allocates to that (`max_cache_len`, which also gives every rank the same shapes), and a fixed-size cache
+    passed in that is shorter is an error on every rank. Assisted decoding (`assistant_model=`) is refused:
+    transformers' own `synced_gpus` handling of it fails once ranks finish at different steps.
     """
     state = state_of(model)
     if state.caller_keeps_lockstep:
         return type(model).generate(model, *args, **kwargs)
+    if kwargs.get("assistant_model") is not None:
+        raise ValueError(
+            "generate(assistant_model=...) under expert parallelism: transformers' assisted decoding with synced_gpus "
+            "(every rank steps until the last is done) fails once the ranks finish at different steps; use greedy, "
+            "sampling, beam search or prompt_lookup_num_tokens"
+        )
     if kwargs.get("synced_gpus") is False:
         logger.warning("occult_hf: generate(synced_gpus=False) would hang under expert parallelism; using True")
     kwargs["synced_gpus"] = True
-    own_length = static_cache_length(model, args, kwargs)
-    if own_length is not None:
-        lengths = arrive(state.agreement_group, "generate with a static cache", state.save_timeout_s, SAVE_TIMEOUT_ENV, own_length)
-        kwargs["max_cache_len"] = max(lengths.values())
+    own = cache_need(model, args, kwargs)
+    needs = list(arrive(state.agreement_group, "generate", join_timeout_s(), JOIN_TIMEOUT_ENV, own, advice=GENERATE_ADVICE).values())
+    longest = max(n["prompt"] for n in needs) + max(n["new_tokens"] for n in needs) - 1
+    short = [n["capacity"] for n in needs if 0 < n["capacity"] < longest]
+    if short:
+        raise ValueError(
+            f"generate under expert parallelism: a cache passed as past_key_values holds {min(short)} positions, but the "
+            f"ranks decode in lockstep until the last is done: {longest} (the longest prompt plus the most new tokens of "
+            f"any rank, less one); pass caches of at least {longest} on every rank"
+        )
+    if own["allocates"]:
+        kwargs["max_cache_len"] = max(longest, *(n["at_least"] for n in needs))
     return type(model).generate(model, *args, **kwargs)
+
+
+#: what a `generate` some EP rank did not join should say
+GENERATE_ADVICE = (
+    "Under expert parallelism generate is collective, like every forward: call it on every rank (each with its own "
+    "prompts), the same number of times"
+)
 
 
 __all__ = [

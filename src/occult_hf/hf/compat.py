@@ -26,9 +26,11 @@ works; when transformers changes, this is the file to read.
   (`PushToHubMixin._upload_modified_files`, `_get_files_timestamps`, both private) has no hook between the card it
   writes and the upload: `hf.hub` binds a method of the upload's name on the instance, which describes the folder
   and then calls `push_upload`, and pushes a published save the way `save_pretrained(push_to_hub=True)` does.
-- `static_cache_length(model, args, kwargs)`: the length of the static cache a `generate(*args, **kwargs)` call
-  allocates, by generate's own rule (its generation config's `max_length`, or the prompt plus `max_new_tokens`,
-  less one; at least `max_cache_len`): EP ranks agree on the longest before they decode in lockstep.
+- `cache_need(model, args, kwargs)`: what the cache of a `generate(*args, **kwargs)` call must hold, by generate's
+  own rule (the prompt, and the new tokens: `max_new_tokens`, or the generation config's `max_length` less the
+  prompt), its generation config given by keyword or second positional argument, and whether generate allocates a
+  static cache or was handed one of a fixed size: EP ranks decode in lockstep until the last is done, so each
+  rank's cache must hold the longest prompt and the most new tokens of any rank.
 
 One reach lives beside the family adapters instead, since the runtime's pruner (below this wing) needs it:
 `occult_hf.patches.base.replace_recorded_router_logits` swaps collaboration pruning's logits into
@@ -292,16 +294,28 @@ def files_timestamps(model, directory: str) -> dict[str, float]:
 # ----- generate --------------------------------------------------------------------------------------
 
 
-def static_cache_length(model: torch.nn.Module, args: tuple, kwargs: dict) -> int | None:
-    """The length of the static cache `model.generate(*args, **kwargs)` allocates; None without a static cache."""
+def cache_need(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, int | bool]:
+    """What the cache of `model.generate(*args, **kwargs)` must hold (module docstring): `{"prompt": tokens,
+    "new_tokens": at most, "allocates": whether generate allocates a static cache, "at_least": its generation
+    config's own `max_cache_len`, "capacity": the length of a fixed-size cache passed as `past_key_values`, else 0}`."""
+    from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 
-    config = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
+    given = kwargs.get("generation_config")
+    if given is None and len(args) > 1 and isinstance(args[1], GenerationConfig):
+        given = args[1]
+    config = copy.deepcopy(given or model.generation_config)
     config.update(**{key: value for key, value in kwargs.items() if hasattr(config, key)})
-    if config.cache_implementation not in ALL_STATIC_CACHE_IMPLEMENTATIONS:
-        return None
     candidates = (*args[:1], kwargs.get("input_ids"), kwargs.get("inputs"), kwargs.get("inputs_embeds"))
     prompt = next((value for value in candidates if value is not None), None)
     prompt_length = 1 if prompt is None else prompt.shape[1]  # no prompt: generate starts from one BOS token
-    longest = config.max_length if config.max_new_tokens is None else prompt_length + config.max_new_tokens
-    return max(longest - 1, config.max_cache_len or 0)
+    new_tokens = config.max_length - prompt_length if config.max_new_tokens is None else config.max_new_tokens
+    cache = kwargs.get("past_key_values")
+    capacity = cache.get_max_length() if hasattr(cache, "get_max_length") else -1
+    return {
+        "prompt": prompt_length,
+        "new_tokens": max(new_tokens, 0),
+        "allocates": cache is None and config.cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS,
+        "at_least": config.max_cache_len or 0,
+        "capacity": max(capacity, 0),
+    }
