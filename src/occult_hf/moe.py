@@ -93,9 +93,9 @@ class OccultMoE(nn.Module):
         if ep.is_distributed:
             if layout.num_replicated:
                 self.replica_grads = ReplicaGradients(layout, (experts.gate_up_proj, experts.down_proj))
-            self.ep_grad_norm_carrier = nn.Parameter(
-                torch.zeros(1, dtype=torch.float32, device=device), requires_grad=experts.gate_up_proj.requires_grad
-            )
+            # trainable from the start, also while the experts are frozen (no gradient reaches it then): an optimizer
+            # built before the experts are unfrozen must hold it, or GradScaler neither unscales nor checks it
+            self.ep_grad_norm_carrier = nn.Parameter(torch.zeros(1, dtype=torch.float32, device=device))
             if self._grad_norm is None:  # a model's layers share one: one all-reduce per backward for all
                 self._grad_norm = GradNormCarrier(ep.group)
             self._grad_norm.register(self)
@@ -162,8 +162,8 @@ class OccultMoE(nn.Module):
 
     def _experts_train(self) -> bool:
         """Whether this forward's expert gradients count in the global norm: the experts (or adapters on them) train
-        now, and the carrier follows them, which it did only as they were at build time, so that experts unfrozen
-        later (`model.requires_grad_(False)`, then the experts' back on) were clipped by each rank's own norm."""
+        now. A carrier frozen since (`model.requires_grad_(False)`, plain `peft.get_peft_model`) is made trainable
+        again, once with a warning: an optimizer built while it was frozen does not hold it (`GradNormCarrier`)."""
         trains = any(param.requires_grad for param in self.experts.parameters())
         if trains and self.layout.num_replicated and not isinstance(self.experts, LocalExperts):
             raise NotImplementedError(
@@ -175,6 +175,7 @@ class OccultMoE(nn.Module):
         carrier = self.ep_grad_norm_carrier
         if trains and not carrier.requires_grad and not torch.compiler.is_compiling():
             carrier.requires_grad_(True)
+            self._grad_norm.warn_of_a_frozen_carrier(self.layer_idx)
         return trains and carrier.requires_grad
 
     def _apply(self, fn, recurse=True):

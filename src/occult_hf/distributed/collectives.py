@@ -26,7 +26,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..utils.logging import get_logger
 from .agreement import bounded, save_timeout_s
+
+logger = get_logger(__name__)
 
 
 def gather_rows(
@@ -73,6 +76,19 @@ class GradNormCarrier:
         self.group = group
         self.layers: list[nn.Module] = []
         self._queued = False
+        self._warned_frozen = False
+
+    def warn_of_a_frozen_carrier(self, layer: int) -> None:
+        """Once per model: a layer's carrier was frozen while its experts train, and is trainable again only now."""
+        if not self._warned_frozen:
+            self._warned_frozen = True
+            logger.warning(
+                "occult_hf: the ep_grad_norm_carrier of layer %d was frozen while its experts train (model.requires_grad_"
+                "(False), or plain peft.get_peft_model, freezes it) and is trainable again from this forward on: an "
+                "optimizer built before does not hold it, so a GradScaler neither unscales nor checks it and "
+                "clip_grad_norm_ sees a scaled norm; build the optimizer after the first forward, or call "
+                "occult_hf.hf.ddp.enable_grad_norm_carriers(model) first (the Trainer does)", layer,
+            )
 
     def register(self, layer: nn.Module) -> None:
         """Add `layer` (its `ep_grad_norm_carrier` set) to the layers whose norms one backward reduces."""

@@ -6,6 +6,8 @@ save, a resume or the end's load of the best model are wrapped (by `hf.apply.ins
 `hf.compat.wrap_when_imported`, so importing occult_hf is enough; for a model without
 occult_hf applied the wrappers only call the original):
 
+- `create_optimizer`: the grad-norm carriers are made trainable first (peft freezes them), so the optimizer holds
+  them and a GradScaler unscales and checks them on every rank.
 - `save_model` (every rank, at each checkpoint and in the user's final `trainer.save_model()`):
   first `snapshot_experts` gathers all experts to rank 0 (collective), so that rank 0's
   `save_pretrained` writes the vanilla checkpoint; for a PEFT model with rank-local expert adapters,
@@ -52,6 +54,7 @@ from torch import nn
 
 from .state import BLOCKS, STATE_ATTR
 from .compat import checkpoint_key_renamer, unwrap_when_imported, wrap_when_imported
+from .ddp import enable_grad_norm_carriers
 from .checkpointing import describe_in_card, snapshot_experts
 from .peft_support import snapshot_adapters
 from ..distributed.agreement import SAVE_TIMEOUT_ENV, announce_failure, arrive, save_timeout_s
@@ -400,8 +403,18 @@ def _create_model_card(original, trainer, *args, **kwargs):
 # ----- install ----------------------------------------------------------------------------------------
 
 
+def _create_optimizer(original, trainer, *args, **kwargs):
+    """The optimizer, built once the grad-norm carriers are trainable: peft freezes them with every non-adapter
+    parameter, and one the optimizer does not hold is neither unscaled nor checked by a GradScaler."""
+    model = _configured_model(trainer.model)
+    if model is not None:
+        enable_grad_norm_carriers(model)
+    return original(trainer, *args, **kwargs)
+
+
 _HOOKS = {
     "train": _train,
+    "create_optimizer": _create_optimizer,
     "_save_checkpoint": _save_checkpoint,
     "save_model": _save_model,
     "_save_optimizer_and_scheduler": _save_optimizer_and_scheduler,
@@ -413,7 +426,7 @@ _HOOKS = {
 
 
 def install_trainer_hooks() -> None:
-    """Wrap the eight `Trainer` methods (idempotent; `uninstall_trainer_hooks` puts them back)."""
+    """Wrap the nine `Trainer` methods (idempotent; `uninstall_trainer_hooks` puts them back)."""
     wrap_when_imported("transformers.trainer", "Trainer", _HOOKS)
 
 
