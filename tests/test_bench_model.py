@@ -208,14 +208,16 @@ def test_bench_decode_isolate_keeps_what_a_dying_process_timed_and_says_why_it_d
 
 def test_bench_decode_isolate_terminated_keeps_the_batch_its_process_wrote_and_kills_it(tmp_path):
     """`timeout`'s SIGTERM while a timing process is in batch 2, silent since it wrote batch 1's row: the run ends
-    with status 143, batch 1 in its table, and the timing process killed rather than left on the device."""
+    with status 143, batch 1 in its table, and the timing process killed rather than left on the device. The stand-in
+    writes its rows as the real one does (whole, by a rename): a file the parent read half-written failed the run."""
     import signal
 
     marker = tmp_path / "child_wrote_batch_1"
     writes_batch_1_then_hangs = (
         "import json, os, sys, time; spec = json.load(open(sys.argv[1])); "
         "row = dict(model=spec['shape'], batch=1, implementation=spec['implementation'], cache='dynamic', ms_per_step=1.5, first_call_s=0.1); "
-        f"print('batch 1', flush=True); json.dump([row], open(spec['rows'], 'w')); open({str(marker)!r}, 'w').write(str(os.getpid())); "
+        "json.dump([row], open(spec['rows'] + '.tmp', 'w')); os.replace(spec['rows'] + '.tmp', spec['rows']); "
+        f"print('batch 1', flush=True); open({str(marker)!r}, 'w').write(str(os.getpid())); "
         "time.sleep(120)"
     )  # fmt: skip
     parent = (
