@@ -7,7 +7,8 @@
 - `gather_full_experts` (save, `unapply_occult`) and the EP configuration check
   (`check_model_ranks_agree`) run on a gloo group of the EP ranks made by `new_save_group`.
 
-Saving under EP is collective: `save_pretrained` gathers the experts to EP rank 0, which writes. HF
+Saving under EP is collective: `save_pretrained` gathers the experts to EP rank 0, which writes, and every rank
+returns once the files are in place. HF
 Trainer calls `save_pretrained` on rank 0 only; `occult_hf.hf.trainer` (installed with `install()`)
 hooks the Trainer's `save_model`, which every rank runs, to gather a snapshot of the experts first,
 and rank 0's `save_pretrained` writes from that snapshot while it is current. A save
@@ -129,9 +130,37 @@ def save_pretrained(model, save_directory, *args, **kwargs):
         )
     kwargs.pop("state_dict", None)
     is_main_process = kwargs.pop("is_main_process", True)
+    every_rank_saves = state.ep.is_distributed and state.snapshot_versions != _expert_versions(model, state)
     full_experts = _full_experts_for_save(model, state)
     if full_experts is None or not is_main_process:
+        if every_rank_saves:
+            _written(state, save_directory)
         return None
+    try:
+        result = _write(model, state, full_experts, save_directory, args, kwargs)
+    except Exception as error:
+        if every_rank_saves:  # the other ranks stop waiting for the files at once, naming the error
+            arrive(state.agreement_group, _WRITTEN, 0.0, SAVE_TIMEOUT_ENV, failed=error)
+        raise
+    if every_rank_saves:
+        _written(state, save_directory)
+    return result
+
+
+#: the arrival that ends a save every rank made: EP rank 0 reaches it once the files are in place
+_WRITTEN = "save_pretrained's files"
+
+
+def _written(state: OccultState, save_directory) -> None:
+    """Every rank of a save they all made returns once EP rank 0 has written the files (or did not write them,
+    `is_main_process=False`): a rank that loads the directory right after its own call then finds it whole. Bounded
+    by `OCCULT_SAVE_TIMEOUT_S` (rank 0 may take minutes to write a large model); rank 0's failure is named at once."""
+    arrive(state.agreement_group, _WRITTEN, state.save_timeout_s, SAVE_TIMEOUT_ENV, os.fspath(save_directory),
+           advice=f"EP rank 0 did not finish writing {os.fspath(save_directory)!r} in time")  # fmt: skip
+
+
+def _write(model, state: OccultState, full_experts, save_directory, args, kwargs):
+    """EP rank 0's part of `save_pretrained`: the vanilla checkpoint and occult_hf's files, staged then published."""
     state_dict = _vanilla_state_dict(model, state, full_experts)
     if os.path.isfile(save_directory):
         raise FileExistsError(f"save_pretrained: {os.fspath(save_directory)!r} is a file, expected a directory")
