@@ -42,5 +42,7 @@ def test_the_replan_never_balances_its_profile_worse_than_the_deployed_copies():
     deployed = plan_placement(profile, 4, progress=False, num_redundant_experts=16, search_rounds=2)
     replanned = replan_replicas(deployed, profile)
     assert replanned.replicas == deployed.replicas and replanned.meta["replicas_kept_in_layers"] == [0]
+    unstated = Placement(16, 4, dict(deployed.layers), replicas=deployed.replicas)  # no slots_per_device stated
+    assert replan_replicas(unstated, profile).meta["replicas_kept_in_layers"] == [0]  # was the slot counts
     balance = {name: metrics.evaluate_placement(profile, p)[0].balance for name, p in (("deployed", deployed), ("replanned", replanned))}
     assert balance["replanned"] <= balance["deployed"] < 1.1, balance

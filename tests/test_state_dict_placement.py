@@ -33,6 +33,13 @@ def _models_and_loads(rank, world_size):
         except RuntimeError as error:
             return str(error)
 
+    def load_assigned(target, state_dict):
+        try:
+            target.load_state_dict(state_dict, assign=True)
+            return "loaded"
+        except RuntimeError as error:
+            return str(error)
+
     saved = io.BytesIO()
     torch.save(contiguous.state_dict(), saved)
     saved.seek(0)
@@ -42,6 +49,7 @@ def _models_and_loads(rank, world_size):
         "another placement, through torch.save": load(other, torch.load(saved, weights_only=True)),
         "a stock model's": load(contiguous, tiny_model("olmoe", seed=1).state_dict()),
         "a plain dict (unchecked)": load(contiguous, dict(contiguous.state_dict())),
+        "a plain dict with assign=True": load_assigned(other, dict(other.state_dict())),  # torch adds a metadata key
     }
 
 
@@ -51,6 +59,7 @@ def test_a_state_dict_loads_only_into_its_own_placement():
         held = {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}[rank]
         other = {0: [1, 2, 5, 7], 1: [0, 3, 4, 6]}[rank]
         assert results["same placement"] == "loaded" and results["a plain dict (unchecked)"] == "loaded", results
+        assert results["a plain dict with assign=True"] == "loaded", results
         for case in ("another placement", "another placement, through torch.save"):
             assert (
                 f"model.layers.0.mlp.experts: the state dict was saved with another placement: its local slots held "

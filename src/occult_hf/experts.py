@@ -325,8 +325,8 @@ def _record_slot_order(module: LocalExperts, state_dict, prefix: str, local_meta
 def _slot_order_mismatch(module: LocalExperts, gate_up, local_metadata: dict) -> str | None:
     """Why a state dict whose metadata for this module is `local_metadata` (and whose `gate_up_proj` entry is
     `gate_up`) holds other experts' rows, or None."""
-    if not local_metadata or module.expert_ids.is_meta:
-        return None
+    if "version" not in local_metadata or module.expert_ids.is_meta:  # no module's record (a plain dict; torch's
+        return None  # `assign=True` adds a key of its own to it)
     held = module.expert_ids.tolist()
     saved = local_metadata.get(EXPERT_IDS_METADATA)
     if saved is None:  # a module without the record: a family's experts module, all experts in original order

@@ -43,7 +43,7 @@ from ..placement import Placement
 from ..utils.logging import get_logger
 from .blocks import LOADED_EXPERTS_ATTR, build_occult_block, check_experts_resident, restore_block, retire_original_block
 from .checkpointing import check_model_ranks_agree, gather_full_experts, new_save_group
-from .compat import PUSH_UPLOAD_METHOD, UNSET, cache_need, install_loading_hooks, loading_hooks_installed, uninstall_loading_hooks
+from .compat import PUSH_UPLOAD_METHOD, UNSET, cache_need, install_loading_hooks, loading_hooks_installed, uninstall_loading_hooks, with_max_cache_len
 from .ddp import DDP_IGNORE_ATTR, RankLocalStateNames
 from .hub import save_and_push, upload_described
 from .launch import check_logical_devices, check_process_group_started
@@ -347,7 +347,7 @@ def _generate_in_lockstep(model, *args, **kwargs):
             f"any rank, less one); pass caches of at least {longest} on every rank"
         )
     if own["allocates"]:
-        kwargs["max_cache_len"] = max(longest, *(n["at_least"] for n in needs))
+        args, kwargs = with_max_cache_len(args, kwargs, max(longest, *(n["at_least"] for n in needs)))
     return type(model).generate(model, *args, **kwargs)
 
 

@@ -26,7 +26,7 @@ works; when transformers changes, this is the file to read.
   (`PushToHubMixin._upload_modified_files`, `_get_files_timestamps`, both private) has no hook between the card it
   writes and the upload: `hf.hub` binds a method of the upload's name on the instance, which describes the folder
   and then calls `push_upload`, and pushes a published save the way `save_pretrained(push_to_hub=True)` does.
-- `cache_need(model, args, kwargs)`: what the cache of a `generate(*args, **kwargs)` call must hold, by generate's
+- `cache_need(model, args, kwargs)` (with `given_generation_config` and `with_max_cache_len`): what the cache of a `generate(*args, **kwargs)` call must hold, by generate's
   own rule (the prompt, and the new tokens: `max_new_tokens`, or the generation config's `max_length` less the
   prompt), its generation config given by keyword or second positional argument, and whether generate allocates a
   static cache or was handed one of a fixed size: EP ranks decode in lockstep until the last is done, so each
@@ -294,17 +294,37 @@ def files_timestamps(model, directory: str) -> dict[str, float]:
 # ----- generate --------------------------------------------------------------------------------------
 
 
-def cache_need(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, int | bool]:
-    """What the cache of `model.generate(*args, **kwargs)` must hold (module docstring): `{"prompt": tokens,
-    "new_tokens": at most, "allocates": whether generate allocates a static cache, "at_least": its generation
-    config's own `max_cache_len`, "capacity": the length of a fixed-size cache passed as `past_key_values`, else 0}`."""
+def given_generation_config(args: tuple, kwargs: dict):
+    """The `GenerationConfig` a `generate(*args, **kwargs)` call was given (by keyword, or as its second positional
+    argument), else None."""
     from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 
     given = kwargs.get("generation_config")
     if given is None and len(args) > 1 and isinstance(args[1], GenerationConfig):
         given = args[1]
-    config = copy.deepcopy(given or model.generation_config)
+    return given
+
+
+def with_max_cache_len(args: tuple, kwargs: dict, length: int) -> tuple[tuple, dict]:
+    """`(args, kwargs)` of a `generate` call whose static cache holds `length` positions: set on a copy of the
+    generation config it was given (transformers deprecates `max_cache_len=` beside one), else as a keyword."""
+    given = given_generation_config(args, kwargs)
+    if given is None:
+        return args, {**kwargs, "max_cache_len": length}
+    config = copy.deepcopy(given)
+    config.max_cache_len = length
+    if kwargs.get("generation_config") is given:
+        return args, {**kwargs, "generation_config": config}
+    return (args[0], config, *args[2:]), kwargs
+
+
+def cache_need(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, int | bool]:
+    """What the cache of `model.generate(*args, **kwargs)` must hold (module docstring): `{"prompt": tokens,
+    "new_tokens": at most, "allocates": whether generate allocates a static cache, "at_least": its generation
+    config's own `max_cache_len`, "capacity": the length of a fixed-size cache passed as `past_key_values`, else 0}`."""
+    from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
+
+    config = copy.deepcopy(given_generation_config(args, kwargs) or model.generation_config)
     config.update(**{key: value for key, value in kwargs.items() if hasattr(config, key)})
     candidates = (*args[:1], kwargs.get("input_ids"), kwargs.get("inputs"), kwargs.get("inputs_embeds"))
     prompt = next((value for value in candidates if value is not None), None)

@@ -247,7 +247,7 @@ def replan_replicas(
             f"num_experts={placement.num_experts}: a profile of another model"
         )
     replicas = {layer: dict(extra) for layer, extra in placement.replicas.items()}
-    kept: list[int] = []
+    kept_layers: list[int] = []
     slots = placement.slots_per_device
     final_slots = slots
     for layer in chosen:
@@ -273,13 +273,13 @@ def replan_replicas(
             <= _layer_score(device_of_E, routing, placement.num_devices, replanned, replica_choice)
         ):
             replanned = dict(deployed)  # the greedy (one copy at a time) found nothing better than what is deployed
-            kept.append(layer)
+            kept_layers.append(layer)
         replicas[layer] = replanned
         final_slots = layer_slots if slots is not None else max(final_slots or 0, layer_slots)
     if slots is None:  # the slots the result states hold the layers left alone as they are
         kept = [max(placement.capacities(layer)) for layer in placement.layers if layer not in chosen]
         final_slots = max([final_slots or 0, *kept]) or None
-    meta = {**placement.meta, "replicas_replanned_on": profile.meta.get("source", "profile"), "replicas_kept_in_layers": kept}
+    meta = {**placement.meta, "replicas_replanned_on": profile.meta.get("source", "profile"), "replicas_kept_in_layers": kept_layers}
     return Placement(
         placement.num_experts, placement.num_devices, dict(placement.layers), meta,
         {layer: extra for layer, extra in replicas.items() if extra}, final_slots,
