@@ -130,8 +130,9 @@ def save_pretrained(model, save_directory, *args, **kwargs):
         )
     kwargs.pop("state_dict", None)
     is_main_process = kwargs.pop("is_main_process", True)
-    every_rank_saves = state.ep.is_distributed and state.snapshot_versions != _expert_versions(model, state)
-    full_experts = _full_experts_for_save(model, state)
+    from_snapshot = _snapshot_is_current(model, state)
+    every_rank_saves = state.ep.is_distributed and not from_snapshot
+    full_experts = state.snapshot if from_snapshot else _gather_for_save(model, state)
     if full_experts is None or not is_main_process:
         if every_rank_saves:
             _written(state, save_directory)
@@ -326,11 +327,15 @@ def snapshot_experts(model: nn.Module) -> None:
     state.snapshot_versions = _expert_versions(model, state)
 
 
-def _full_experts_for_save(model, state) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
-    """`{path: (gate_up [E, 2I, H], down [E, H, I])}` on the writing rank (EP rank 0), None elsewhere; a current
-    snapshot (EP) is written with the limits it recorded."""
-    if state.ep.is_distributed and state.snapshot_versions == _expert_versions(model, state):
-        return state.snapshot
+def _snapshot_is_current(model, state) -> bool:
+    """Whether `save_pretrained` writes the snapshot (EP: taken since the last change of the expert weights, and
+    written with the limits it recorded) rather than gathering the experts, which every rank must join."""
+    return state.ep.is_distributed and state.snapshot_versions == _expert_versions(model, state)
+
+
+def _gather_for_save(model, state) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
+    """Collective (EP): `{path: (gate_up [E, 2I, H], down [E, H, I])}` on the writing rank (EP rank 0), None
+    elsewhere, once the ranks have checked that they agree."""
     check_model_ranks_agree(model, state, "save_pretrained")
     return _gather_experts(model, state)
 
