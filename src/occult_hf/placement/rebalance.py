@@ -25,6 +25,7 @@ Shape legend: E experts, D devices, M most homes of one expert, N sampled tokens
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
@@ -72,11 +73,7 @@ def replan_layer_replicas(
     if replica_choice == "load_aware":
         return _replan_for_load_aware(device_of_E, load_E, topk_sample_Nk, num_devices, num_redundant, slots_per_device - used_D)
     extra: dict[int, list[int]] = {}
-
-    def loads(replicas: dict[int, list[int]]) -> np.ndarray:
-        table_EM = home_table_from(device_of_E, replicas) if replicas else None
-        return replica_device_load(topk_sample_Nk, load_E, device_of_E, num_devices, table_EM)
-
+    loads = functools.partial(_static_loads, device_of_E, load_E, topk_sample_Nk, num_devices)
     load_D = loads(extra)
     for _ in range(num_redundant):
         busiest = int(np.argmax(load_D))
@@ -98,23 +95,41 @@ def replan_layer_replicas(
     return extra
 
 
-def _layer_score(device_of_E: np.ndarray, routing, num_devices: int, replicas: dict, replica_choice: str) -> tuple[float, float]:
-    """What the re-plan of `replica_choice` lowers, for one layer's copies on its profile routing (lower is better):
-    static, the busiest device's load then the sum of squared loads; load-aware, the fluid bound then CT."""
-    load_E = np.asarray(routing.expert_counts, dtype=np.float64)
+def _static_loads(device_of_E, load_E, topk_sample_Nk, num_devices: int, replicas: dict[int, list[int]]) -> np.ndarray:
+    """`[D]` device loads with `replicas` under the static replica rule, as `metrics.replica_device_load` measures them."""
     table_EM = home_table_from(device_of_E, replicas) if replicas else None
-    if replica_choice == "static":
-        load_D = replica_device_load(routing.topk_sample, load_E, device_of_E, num_devices, table_EM)
-        return float(load_D.max()), float((load_D**2).sum())
+    return replica_device_load(topk_sample_Nk, load_E, device_of_E, num_devices, table_EM)
+
+
+def _held(device_of_E: np.ndarray, num_devices: int, replicas: dict[int, list[int]]) -> np.ndarray:
+    """`[E, D]` bool: the devices holding each expert, its primary home and its copies."""
     held_ED = np.zeros((len(device_of_E), num_devices), dtype=bool)
     held_ED[np.arange(len(device_of_E)), device_of_E] = True
     for expert, devices in replicas.items():
         held_ED[expert, devices] = True
+    return held_ED
+
+
+def _load_aware_ct(device_of_E: np.ndarray, topk_sample_Nk, num_devices: int, held_ED: np.ndarray) -> float:
+    """CT on the sample with the experts held as `held_ED`, under the load-aware rule's visited-home preference (0
+    without a sample)."""
+    if topk_sample_Nk is None:
+        return 0.0
+    copies = {e: [int(d) for d in np.flatnonzero(row) if d != device_of_E[e]] for e, row in enumerate(held_ED) if row.sum() > 1}
+    table_EM = home_table_from(device_of_E, copies) if copies else device_of_E[:, None]
+    return served_ct(resolve_homes_np(topk_sample_Nk, table_EM, num_devices), num_devices)
+
+
+def _layer_score(device_of_E: np.ndarray, routing, num_devices: int, replicas: dict, replica_choice: str) -> tuple[float, float]:
+    """What the re-plan of `replica_choice` lowers, for one layer's copies on its profile routing (lower is better):
+    static, the busiest device's load then the sum of squared loads; load-aware, the fluid bound then CT."""
+    load_E = np.asarray(routing.expert_counts, dtype=np.float64)
+    if replica_choice == "static":
+        load_D = _static_loads(device_of_E, load_E, routing.topk_sample, num_devices, replicas)
+        return float(load_D.max()), float((load_D**2).sum())
+    held_ED = _held(device_of_E, num_devices, replicas)
     bound = float(fluid_set_loads(load_E, held_ED, device_subsets(num_devices)).max())
-    if routing.topk_sample is None:
-        return bound, 0.0
-    homes = resolve_homes_np(routing.topk_sample, table_EM if table_EM is not None else device_of_E[:, None], num_devices)
-    return bound, served_ct(homes, num_devices)
+    return bound, _load_aware_ct(device_of_E, routing.topk_sample, num_devices, held_ED)
 
 
 def _balance_key(load_D: np.ndarray) -> tuple[float, float]:
@@ -167,17 +182,10 @@ def _replan_for_load_aware(
     A balance-only greedy on the static rule's loads is the wrong target here: the load-aware rule splits a
     copied expert's pairs by load, so what bounds it is the fluid split, not the static rule's counts."""
     sets_FD = device_subsets(num_devices)
-    held_ED = np.zeros((len(device_of_E), num_devices), dtype=bool)
-    held_ED[np.arange(len(device_of_E)), device_of_E] = True
+    held_ED = _held(device_of_E, num_devices, {})
     free_D = free_D.copy()
     extra: dict[int, list[int]] = {}
-
-    def ct(trial_ED: np.ndarray) -> float:
-        if topk_sample_Nk is None:
-            return 0.0
-        copies = {e: [int(d) for d in np.flatnonzero(row) if d != device_of_E[e]] for e, row in enumerate(trial_ED) if row.sum() > 1}
-        table_EM = home_table_from(device_of_E, copies) if copies else device_of_E[:, None]
-        return served_ct(resolve_homes_np(topk_sample_Nk, table_EM, num_devices), num_devices)
+    ct = functools.partial(_load_aware_ct, device_of_E, topk_sample_Nk, num_devices)
 
     bound, current_ct = float(fluid_set_loads(load_E, held_ED, sets_FD).max()), ct(held_ED)
     tolerance = 1e-9 * max(float(load_E.sum()), 1.0)
