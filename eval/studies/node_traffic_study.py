@@ -32,8 +32,8 @@ Shape legend (docs/conventions.md): D devices, k experts per token.
 from __future__ import annotations
 
 import argparse
-import sys
 import os
+import sys
 import time
 from pathlib import Path
 

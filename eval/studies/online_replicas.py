@@ -24,7 +24,6 @@ Shape legend (docs/conventions.md): N tokens, k experts per token, E experts, D 
 from __future__ import annotations
 
 import sys
-
 from pathlib import Path
 from typing import Any
 

@@ -31,8 +31,8 @@ Shape legend (docs/conventions.md): N tokens, k experts per token, E experts, D 
 from __future__ import annotations
 
 import argparse
-import sys
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -28,7 +28,6 @@ local: F plans (one per seed), Q resamples of the held-out half.
 from __future__ import annotations
 
 import sys
-
 import time
 from pathlib import Path
 from typing import Any

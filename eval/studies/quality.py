@@ -543,7 +543,7 @@ def write_outputs(data: Path, work: Path, out: Path, size: str, timings: dict, p
     """`quality_results.json` (every result in `work` of this study's variants) and the archives, in `out`."""
     import torch
 
-    names = [v.name for v in variants_of(size)]
+    current = {v.name: current_result(work, v.name) for v in variants_of(size)}  # each result file read once
     base_log = json.loads((work / "base" / "train_log.json").read_text()) if (work / "base" / "train_log.json").is_file() else {}
     base_log.pop("log_history", None)
     results = {
@@ -552,8 +552,8 @@ def write_outputs(data: Path, work: Path, out: Path, size: str, timings: dict, p
         "base_kernels": base_kernels_file(work).read_text().strip() if base_kernels_file(work).is_file() else None,
         "base_routing": json.loads((work / "base.json").read_text()) if (work / "base.json").is_file() else None,
         "tasks": json.loads((work / "tasks" / "tasks.json").read_text()) if (work / "tasks" / "tasks.json").is_file() else None,
-        "variants": [result for n in names if (result := current_result(work, n)) is not None],
-        "missing": [n for n in names if not finished(work, n)],
+        "variants": [result for result in current.values() if result is not None],
+        "missing": [n for n, result in current.items() if result is None or "error" in result],
         "timings_s": timings,
         "problems": problems,
         "settings": settings(size),
