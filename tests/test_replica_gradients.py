@@ -58,3 +58,39 @@ def test_copies_of_replicated_experts_stay_identical(world_size, dtype_name, mic
     for rank, spreads in enumerate(run_world(_copies_spread, world_size, dtype_name, micro_batches, timeout_s=300)):
         assert len(spreads) == STEPS * len(MOE_LAYERS["olmoe"]) * 2
         assert [entry for entry in spreads if entry[3] != 0.0] == [], (rank, spreads)
+
+
+def _expert_grads(rank, world_size, how):
+    """The local experts' gradients of one backward, every expert held on every rank, taken in way `how`."""
+    import torch
+
+    from occult_hf import OccultConfig, Placement, apply_occult
+    from occult_hf.hf.apply import occult_modules
+
+    layers = MOE_LAYERS["olmoe"]
+    primary = (np.arange(NUM_EXPERTS) * world_size // NUM_EXPERTS).tolist()
+    everywhere = {layer: {e: [d for d in range(world_size) if d != primary[e]] for e in range(NUM_EXPERTS)} for layer in layers}
+    placement = Placement(NUM_EXPERTS, world_size, {layer: list(primary) for layer in layers}, {}, replicas=everywhere)
+    model = apply_occult(tiny_model("olmoe", seed=3, num_experts=NUM_EXPERTS).train(), OccultConfig(placement=placement))
+    modules = list(occult_modules(model).values())
+    weights = [w for module in modules for w in (module.local_experts.gate_up_proj, module.local_experts.down_proj)]
+    ids = tiny_batch(seed=500 + rank)
+    if how == "frozen carrier, compiled":
+        for module in modules:
+            module.ep_grad_norm_carrier.requires_grad_(False)
+        model = torch.compile(model, backend="aot_eager")
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward(inputs=weights) if how == "backward(inputs=)" else loss.backward()
+    return [weight.grad.numpy().copy() for weight in weights]
+
+
+@pytest.mark.parametrize("how", ["backward(inputs=)", "frozen carrier, compiled"])
+def test_copies_get_the_whole_gradient_without_the_grad_norm_carrier(how):
+    """The copies' gradients are summed over the ranks also in a backward that gives the grad-norm carrier no
+    gradient (its hook is what started the sum): before, the replicated slots kept a zero gradient, silently."""
+    plain = run_world(_expert_grads, 2, "plain", timeout_s=300)
+    taken = run_world(_expert_grads, 2, how, timeout_s=300)
+    for rank in range(2):
+        assert all(np.abs(grad).max() > 0 for grad in plain[rank])
+        for expected, got in zip(plain[rank], taken[rank]):
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)

@@ -91,14 +91,16 @@ class OccultMoE(nn.Module):
         self.replica_grads = None
         self._grad_norm = grad_norm if ep.is_distributed else None
         if ep.is_distributed:
-            if layout.num_replicated:
-                self.replica_grads = ReplicaGradients(layout, (experts.gate_up_proj, experts.down_proj))
             # trainable from the start, also while the experts are frozen (no gradient reaches it then): an optimizer
             # built before the experts are unfrozen must hold it, or GradScaler neither unscales nor checks it
             self.ep_grad_norm_carrier = nn.Parameter(torch.zeros(1, dtype=torch.float32, device=device))
             if self._grad_norm is None:  # a model's layers share one: one all-reduce per backward for all
                 self._grad_norm = GradNormCarrier(ep.group)
             self._grad_norm.register(self)
+            if layout.num_replicated:
+                self.replica_grads = ReplicaGradients(
+                    layout, (experts.gate_up_proj, experts.down_proj), self._grad_norm.queue
+                )
 
     def __setattr__(self, name: str, value) -> None:
         """A child of the block replaced here (peft's `modules_to_save` copy of the router or shared expert, a LoRA layer

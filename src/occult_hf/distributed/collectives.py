@@ -76,6 +76,7 @@ class GradNormCarrier:
         self.group = group
         self.layers: list[nn.Module] = []
         self._queued = False
+        self._norms_due = False
         self._warned_frozen = False
 
     def warn_of_a_frozen_carrier(self, layer: int) -> None:
@@ -93,9 +94,13 @@ class GradNormCarrier:
     def register(self, layer: nn.Module) -> None:
         """Add `layer` (its `ep_grad_norm_carrier` set) to the layers whose norms one backward reduces."""
         self.layers.append(layer)
-        layer.ep_grad_norm_carrier.register_post_accumulate_grad_hook(lambda carrier: self.queue())
+        layer.ep_grad_norm_carrier.register_post_accumulate_grad_hook(lambda carrier: self.queue(norms=True))
 
-    def queue(self) -> None:
+    def queue(self, norms: bool = False) -> None:
+        """Run `update` once this backward has finished: called by a carrier's hook (`norms`: the carriers get their
+        gradients) and by a replicated expert's gradient hook (its copies' sum is due even in a backward that gives
+        the carriers none: `backward(inputs=...)`, or a compiled forward that left a frozen carrier out)."""
+        self._norms_due |= norms
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.update)
@@ -108,10 +113,12 @@ class GradNormCarrier:
 
     @torch.no_grad()
     def update(self) -> None:
-        self._queued = False
-        if not self.layers:
-            return
+        norms_due, self._queued, self._norms_due = self._norms_due, False, False
         sum_replica_grads([layer for layer in self.layers if layer.replica_grads is not None], self.group)
+        if norms_due:
+            self._set_carrier_grads()
+
+    def _set_carrier_grads(self) -> None:
         device = self.layers[0].ep_grad_norm_carrier.device
         local_sq = torch.zeros(len(self.layers), dtype=torch.float32, device=device)
         counted_sq = torch.zeros(len(self.layers), dtype=torch.float32, device=device)

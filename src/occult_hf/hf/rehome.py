@@ -93,7 +93,9 @@ def rehome_layer(module: OccultMoE, placement: Placement) -> None:
         )
         experts.expert_ids = layout.expert_ids_L
         module.replica_grads = (
-            ReplicaGradients(layout, (experts.gate_up_proj, experts.down_proj)) if layout.num_replicated else None
+            ReplicaGradients(layout, (experts.gate_up_proj, experts.down_proj), module._grad_norm.queue)
+            if layout.num_replicated
+            else None
         )
     module.layout = layout
     module.dispatcher = build_dispatcher(module.settings, ep, layout, experts.gate_up_proj.device)

@@ -4,15 +4,19 @@ Each copy of a replicated expert computes only the (token, expert) pairs routed 
 each holder has a partial gradient. `ReplicaGradients` keeps, per backward, this rank's contributions to
 every replicated expert of the layer (`[replicated experts, ...]` fp32, zero where this rank holds no copy)
 and holds them back from `.grad` (its parameter hook returns the gradient with the replicated slots zeroed);
-`occult_hf.distributed.collectives.sum_replica_grads` sums them over the group in one all-reduce for all
-layers and adds the sum to each holder's `.grad`. Every holder then computes the same `earlier + sum` from
-the same bits, also over several backwards (gradient accumulation) and with more than two copies: adding the
-other copies' part to its own, as before, rounded differently on each rank and the copies drifted apart.
+`occult_hf.distributed.collectives.sum_replica_grads`, which the hook queues for the end of the backward, sums
+them over the group in one all-reduce for all layers and adds the sum to each holder's `.grad`. Every holder
+then computes the same `earlier + sum` from the same bits, also over several backwards (gradient accumulation)
+and with more than two copies, where adding the other copies' part to each rank's own would round differently
+on each rank and the copies would drift apart.
+
+`torch.autograd.grad` does not fill `.grad`: the gradients it returns lack the replicated slots.
 """
 
 from __future__ import annotations
 
 from functools import partial
+from typing import Callable
 
 import torch
 from torch import nn
@@ -24,12 +28,16 @@ class ReplicaGradients:
     """This rank's per-backward contributions to a layer's replicated experts' gradients.
 
     Built for a layer whose `layout` (EP, `num_replicated > 0`) and local expert parameters (`[L, ...]`,
-    slot order) are given; registers a gradient hook on each parameter that needs one. `pending[i]` is the
-    contribution to weight `i` (0: gate_up, 1: down) since the last `take(i)`.
+    slot order) are given; registers a gradient hook on each parameter that needs one, which also calls
+    `queue_sum` (the model's `GradNormCarrier.queue`: the sum over ranks once the backward has finished).
+    `pending[i]` is the contribution to weight `i` (0: gate_up, 1: down) since the last `take(i)`.
     """
 
-    def __init__(self, layout: LayerLayout, weights: tuple[nn.Parameter, nn.Parameter]) -> None:
+    def __init__(
+        self, layout: LayerLayout, weights: tuple[nn.Parameter, nn.Parameter], queue_sum: Callable[[], None]
+    ) -> None:
         self.layout = layout
+        self.queue_sum = queue_sum
         self.pending: list[torch.Tensor | None] = [None, None]
         for index, weight in enumerate(weights):
             if weight.requires_grad:
@@ -51,6 +59,7 @@ class ReplicaGradients:
         part.index_add_(0, layout.replica_rows, grad_L.detach()[layout.replica_slots].float())
         pending = self.pending[index]
         self.pending[index] = part if pending is None else pending + part
+        self.queue_sum()
         return grad_L.index_fill(0, layout.replica_slots, 0)
 
     def take(self, index: int, like: torch.Tensor) -> torch.Tensor:
