@@ -15,6 +15,8 @@ in-process save test:
   layer within the timeout, not after the process group's 30 minutes; the same two faults while the
   other rank is in a forward: the EP exchange's `ExchangeError` naming the layer; a peer that skips the backward
   under "padded": the same, from the padded row exchange;
+- ranks at different collective operations (`save_pretrained` and `unapply_occult`), and a rank whose own checks
+  fail at `apply_replicas`: an error on both at once, naming the operations or the failed rank's error;
 - a peer killed in the middle of a forward: the other rank fails within seconds;
 - a save interrupted while writing each of its files, or killed outright: the previous checkpoint is
   byte-for-byte unchanged, loads, and equals the original model.
@@ -212,6 +214,33 @@ def _cast_apart_cases(rank):
         assert model(tiny_batch(seed=rank)).logits.dtype == torch.bfloat16, settings
 
 
+def _different_operation_cases(rank):
+    """Ranks at different collective operations, or one that fails its own checks before the agreement of
+    `apply_replicas`: both raise at once, naming the operations or the failed rank's error. Before, the first
+    paired up their gathers wrongly and both waited out the save timeout with an error naming neither
+    operation; in the second the healthy rank waited out the join timeout and said its peer "did not reach" it."""
+    from occult_hf import OccultConfig, Placement
+    from occult_hf.distributed.agreement import EPConfigMismatchError
+    from occult_hf.hf.apply import apply_occult, unapply_occult
+    from occult_hf.hf.rehome import apply_replicas
+
+    model = apply_occult(tiny_model("olmoe", seed=5), OccultConfig(placement=_shuffled()))
+    operations = ("save_pretrained", "unapply_occult")
+    with pytest.raises(EPConfigMismatchError, match=(
+        f"rank {rank} is at {operations[rank]} while EP rank {1 - rank} is at {operations[1 - rank]}: every rank"
+    )):  # fmt: skip
+        model.save_pretrained("/nonexistent/never-written") if rank == 0 else unapply_occult(model)
+    placement = _shuffled()
+    other_primaries = Placement(8, 2, {layer: [1 - d for d in placement.device_of(layer)] for layer in (0, 1)})
+    if rank == 1:
+        with pytest.raises(ValueError, match=r"the primary homes of layers \[0, 1\] differ"):
+            apply_replicas(model, other_primaries)
+    else:
+        with pytest.raises(EPConfigMismatchError, match=r"rank 1 of the expert-parallel group failed at apply_replicas \(ValueError: apply_replicas: the primary homes"):
+            apply_replicas(model, placement)
+    assert model(tiny_batch(seed=rank)).logits.isfinite().all()  # both ranks go on with the same model
+
+
 def _killed_peer_case(rank, report_file):
     """Last: rank 1 dies (exit code 17) between two MoE layers of a forward; rank 0 must fail fast."""
     from occult_hf import OccultConfig
@@ -240,6 +269,7 @@ def _fault_world(rank, world_size, directory):
     _cast_apart_cases(rank)
     _stalled_peer_cases(rank, directory)
     _stalled_exchange_cases(rank)
+    _different_operation_cases(rank)
     _killed_peer_case(rank, os.path.join(directory, "rank0.txt"))
 
 

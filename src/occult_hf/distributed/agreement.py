@@ -108,10 +108,10 @@ def arrive(
     """Collective through the job's store: every rank of `group` (None: the world) posts its arrival at
     `operation`, with a JSON-able `payload`; returns `{global rank: payload}` of every rank.
 
-    Raises `EPConfigMismatchError` naming a rank that posted a failure (`announce_failure`) as soon as it is
-    seen, and `EPPeerError` naming the ranks that did not arrive within `timeout_s` (`setting` names the
-    bound in the message); a timed-out rank withdraws its arrival, so that a later call of every rank meets
-    again. `failed`: post this rank's own failure and return at once without waiting. `advice` replaces the
+    Raises `EPConfigMismatchError` naming a rank that posted a failure (`announce_failure`), or its arrival at
+    another operation, as soon as it is seen, and `EPPeerError` naming the ranks that did not arrive within
+    `timeout_s` (`setting` names the bound in the message); a timed-out rank withdraws its arrival, so that a
+    later call of every rank meets again. `failed`: post this rank's own failure and return at once without waiting. `advice` replaces the
     timeout message's advice (that the operation is collective).
     """
     try:
@@ -142,6 +142,12 @@ def _arrive(group, operation, timeout_s, setting, payload, failed, advice) -> di
                     raise EPConfigMismatchError(
                         f"occult_hf: rank {rank} of the expert-parallel group failed at {other['operation']} "
                         f"({other['failed']}); rank {me} stops at {operation} instead of waiting for it"
+                    )
+                if other["operation"] != operation:  # the collectives that follow would pair up wrongly
+                    raise EPConfigMismatchError(
+                        f"occult_hf: rank {me} is at {operation} while EP rank {rank} is at {other['operation']}: "
+                        f"every rank of the expert-parallel group must call the same collective operations "
+                        f"(save_pretrained, unapply_occult, snapshot_experts, generate, ...) in the same order"
                     )
                 arrived[rank] = other["payload"]
         missing = [rank for rank in ranks if rank not in arrived]

@@ -18,13 +18,14 @@ import torch
 from torch import nn
 
 from ..dispatch import build_dispatcher
+from ..distributed.agreement import announce_failure
 from ..distributed.collectives import copy_from_primaries
 from ..experts import LocalExperts
 from ..moe import OccultMoE
 from ..placement import Placement
 from ..replicas.gradients import ReplicaGradients
 from .checkpointing import check_model_ranks_agree
-from .state import BLOCKS, state_of
+from .state import BLOCKS, OccultState, state_of
 
 
 def apply_replicas(model: nn.Module, placement: Placement) -> nn.Module:
@@ -37,6 +38,25 @@ def apply_replicas(model: nn.Module, placement: Placement) -> nn.Module:
     optimizer made before.
     """
     state = state_of(model, BLOCKS)
+    try:
+        _check_replicas_only(state, placement)
+    except Exception as error:  # the other ranks are at the agreement below: tell them instead of letting them wait
+        if state.ep.is_distributed:
+            announce_failure(error, "apply_replicas", state.ep.group)
+        raise
+    new_state = replace(state, occult_config=replace(state.occult_config, placement=placement))
+    check_model_ranks_agree(model, new_state, "apply_replicas")  # a no-op in one process
+    for path in state.block_paths:
+        rehome_layer(model.get_submodule(path), placement)
+    state.occult_config = new_state.occult_config
+    state.snapshot, state.snapshot_versions = None, None
+    model.config.occult_config = state.occult_config.to_dict()
+    return model
+
+
+def _check_replicas_only(state: OccultState, placement: Placement) -> None:
+    """Raise unless `placement` fits the model of `state` and differs from its placement only in the redundant
+    copies, without pruning (whose device walk was built for the old homes)."""
     old = state.placement
     if state.occult_config.prune is not None:
         raise ValueError(
@@ -55,14 +75,6 @@ def apply_replicas(model: nn.Module, placement: Placement) -> nn.Module:
             f"apply_replicas: the primary homes of layers {moved} differ from the model's: only the redundant copies may "
             f"move (placement.rebalance.replan_replicas keeps the primaries); re-apply with apply_occult to move primaries"
         )
-    new_state = replace(state, occult_config=replace(state.occult_config, placement=placement))
-    check_model_ranks_agree(model, new_state, "apply_replicas")  # a no-op in one process
-    for path in state.block_paths:
-        rehome_layer(model.get_submodule(path), placement)
-    state.occult_config = new_state.occult_config
-    state.snapshot, state.snapshot_versions = None, None
-    model.config.occult_config = state.occult_config.to_dict()
-    return model
 
 
 @torch.no_grad()
