@@ -374,6 +374,37 @@ def test_slowest_objective_lowers_the_slowest_device_and_keeps_the_limit(tmp_pat
     assert read.pair_cost_s == pytest.approx(4e-3 / 4000) and read.byte_cost_s == pytest.approx(1e-11)
 
 
+def test_costs_from_bench_reads_what_bench_ep_writes_and_names_a_bad_field(tmp_path):
+    """The bench writes NaN for what a run did not measure: the shipped two-GPU result was refused as a whole (strict
+    JSON), and hand-damaged rows gave KeyError, TypeError, ZeroDivisionError or a silent zero cost."""
+    from pathlib import Path
+
+    from occult_hf.placement.slowest import costs_from_bench
+
+    shipped = Path(__file__).resolve().parents[1] / "docs" / "bench_ep_h200_2gpu.json"
+    costs = costs_from_bench(str(shipped), shape="qwen1.5-moe-a2.7b")
+    assert 1e-9 < costs.pair_cost_s < 1e-6 and 0 < costs.byte_cost_s < 1e-9 and costs.row_bytes == 4096
+    good = {"shape": "qwen1.5-moe-a2.7b", "mode": "dedup+refined", "tokens_per_rank": 1000, "fwd_ms": 5.0,
+            "exchange_ms": 1.0, "bandwidth_gbs": float("nan")}  # fmt: skip
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"rows": [good]}))
+    assert costs_from_bench(str(bench)).byte_cost_s == pytest.approx(2.5e-12)  # not measured: the default
+    for change, message in [
+        ({"shape": "olmoe"}, r"rows\[0\]: shape 'olmoe' is none of the benchmark shapes"),
+        ({"tokens_per_rank": 0}, r"rows\[0\]: tokens_per_rank is 0; expected an integer >= 1"),
+        ({"fwd_ms": "5"}, r"rows\[0\]: fwd_ms is '5'; expected a finite number >= 0"),
+        ({"fwd_ms": 0.5}, r"rows\[0\]: fwd_ms 0.5 is not above exchange_ms 1.0"),
+        ({"bandwidth_gbs": True}, r"rows\[0\]: bandwidth_gbs is True; expected a number > 0"),
+        ({"bandwidth_gbs": -3.0}, r"rows\[0\]: bandwidth_gbs is -3.0"),
+    ]:
+        bench.write_text(json.dumps({"rows": [{**good, **change}]}))
+        with pytest.raises(ValueError, match=rf"bench ep results '{bench}': {message}"):
+            costs_from_bench(str(bench))
+    bench.write_text(json.dumps({"results": []}))
+    with pytest.raises(ValueError, match="not an `occult bench ep` result"):
+        costs_from_bench(str(bench))
+
+
 def test_best_replica_split_by_hand():
     """The fluid bound the study reports for a domain left out of planning: the best any split of the
     replicated experts' loads over their homes can do (single-home experts stay put)."""

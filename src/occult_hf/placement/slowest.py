@@ -56,17 +56,56 @@ def costs_from_bench(path: str, shape: str | None = None, mode: str = "dedup+ref
     rank's pairs; per byte, 1 / the exchange's achieved bandwidth (when it was measured, else the default).
 
     Uses the row of `mode` with the most tokens (of `shape` when given). The shape's k and H come
-    from `occult_hf.expert_shapes.SHAPES`, the table the benchmarks time.
+    from `occult_hf.expert_shapes.SHAPES`, the table the benchmarks time. The bench writes NaN for what
+    it did not measure (a one-GPU run has no wire time), so NaN is read; the fields used are checked,
+    and an error names the file, the row and the field.
     """
-    rows = [r for r in read_json_file(path, "bench ep results")["rows"] if r["mode"] == mode and (shape is None or r["shape"] == shape)]
+    label = f"bench ep results {str(path)!r}"
+    data = read_json_file(path, "bench ep results", allow_nan=True)
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        raise ValueError(f"{label}: not an `occult bench ep` result (an object with a 'rows' list)")
+    rows = [
+        (index, row) for index, row in enumerate(data["rows"])
+        if isinstance(row, dict) and row.get("mode") == mode and (shape is None or row.get("shape") == shape)
+    ]  # fmt: skip
     if not rows:
-        raise ValueError(f"{path} has no row of mode {mode!r}" + (f" and shape {shape!r}" if shape else ""))
-    row = max(rows, key=lambda r: r["tokens_per_rank"])
+        raise ValueError(f"{label} has no row of mode {mode!r}" + (f" and shape {shape!r}" if shape else ""))
+    for index, row in rows:
+        _check_bench_row(row, f"{label}: rows[{index}]")
+    row = max((row for _, row in rows), key=lambda r: r["tokens_per_rank"])
     spec = SHAPES[row["shape"]]
-    pair_cost = max(row["fwd_ms"] - row["exchange_ms"], 0.0) * 1e-3 / (row["tokens_per_rank"] * spec.top_k)
+    pair_cost = (row["fwd_ms"] - row["exchange_ms"]) * 1e-3 / (row["tokens_per_rank"] * spec.top_k)
     bandwidth = row.get("bandwidth_gbs")
-    byte_cost = StepCosts.byte_cost_s if not bandwidth or not np.isfinite(bandwidth) else 1.0 / (bandwidth * 1e9)
+    byte_cost = StepCosts.byte_cost_s if bandwidth is None or not np.isfinite(bandwidth) else 1.0 / (bandwidth * 1e9)
     return StepCosts(pair_cost_s=pair_cost, byte_cost_s=byte_cost, row_bytes=spec.hidden * 2)
+
+
+def _check_bench_row(row: dict, where: str) -> None:
+    """Raise naming `where` and the field unless the fields `costs_from_bench` reads are usable: a known shape,
+    tokens a positive integer, the times finite and the forward longer than its exchange (else no compute time
+    is left to model), the bandwidth positive or not measured (absent, null or NaN)."""
+    if row.get("shape") not in SHAPES:
+        raise ValueError(f"{where}: shape {row.get('shape')!r} is none of the benchmark shapes {sorted(SHAPES)}")
+    tokens = row.get("tokens_per_rank")
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+        raise ValueError(f"{where}: tokens_per_rank is {tokens!r}; expected an integer >= 1")
+    for name in ("fwd_ms", "exchange_ms"):
+        value = row.get(name)
+        if not _is_number(value) or not np.isfinite(value) or value < 0:
+            raise ValueError(f"{where}: {name} is {value!r}; expected a finite number >= 0")
+    if row["fwd_ms"] <= row["exchange_ms"]:
+        raise ValueError(
+            f"{where}: fwd_ms {row['fwd_ms']} is not above exchange_ms {row['exchange_ms']}: no compute time is left "
+            f"for the per-pair cost"
+        )
+    bandwidth = row.get("bandwidth_gbs")
+    if bandwidth is not None and not (_is_number(bandwidth) and (np.isnan(bandwidth) or 0 < bandwidth < np.inf)):
+        raise ValueError(f"{where}: bandwidth_gbs is {bandwidth!r}; expected a number > 0, or null/NaN when not measured")
+
+
+def _is_number(value) -> bool:
+    """A JSON number (true and false are no numbers)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class _Times:
