@@ -144,6 +144,18 @@ def test_occult_config_files(tmp_path):
         OccultConfig.coerce(str(path))
 
 
+def test_json_readers_refuse_what_is_not_a_regular_file(tmp_path):
+    """`OccultConfig.load` blocked forever on a FIFO, and gave a bare OSError for a directory or a symlink loop."""
+    import os
+
+    fifo, loop = tmp_path / "fifo.json", tmp_path / "loop.json"
+    os.mkfifo(fifo)
+    loop.symlink_to(loop)
+    for path in (fifo, loop, tmp_path):
+        with pytest.raises(FileNotFoundError, match=re.escape(f"occult_config {str(path)!r} is not a file")):
+            OccultConfig.load(path)
+
+
 # ----- atomic writes ------------------------------------------------------------------------------
 
 

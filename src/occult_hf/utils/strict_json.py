@@ -61,11 +61,14 @@ def parse_json(text: str | bytes, what: str, allow_nan: bool = False) -> Any:
 def read_json_file(path: str | os.PathLike, what: str, max_bytes: int = DEFAULT_MAX_BYTES, allow_nan: bool = False) -> Any:
     """`parse_json` of the file at `path`; `what` is the kind of file ("placement"), named with its path.
 
-    A file larger than `max_bytes` is refused before it is read; an unreadable file is an `OSError`
-    that names it.
+    A file larger than `max_bytes` is refused before it is read; so is anything but a regular file (a FIFO
+    would block the read forever, a directory or a symlink loop give an `OSError` that names no kind of file);
+    an unreadable file is an `OSError` that names it.
     """
     path = os.fspath(path)
     label = f"{what} {path!r}"
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{label} is not a file")
     size = os.path.getsize(path)
     if size > max_bytes:
         raise JSONInputError(f"{label} is {size} bytes, more than the {max_bytes} a {what} file may have")
