@@ -156,6 +156,21 @@ def test_json_readers_refuse_what_is_not_a_regular_file(tmp_path):
             OccultConfig.load(path)
 
 
+
+@pytest.mark.parametrize("text, message", [
+    ("[[0, 1]]", "must hold an object {layer: [expert ids]}, got list"),
+    ('{"a": [0, 1]}', "entry 'a': [0, 1] is not a layer number with a list of expert ids"),
+    ('{"0": [0, "1"]}', "entry '0': [0, '1'] is not a layer number"),
+])  # fmt: skip
+def test_a_damaged_expert_order_beside_a_native_ep_optimizer_is_named(tmp_path, text, message):
+    """A damaged `occult_expert_order.json` gave a bare AttributeError or int() ValueError naming no file."""
+    from occult_hf.hf.native_ep import EXPERT_ORDER_FILE, load_optimizer
+
+    (tmp_path / EXPERT_ORDER_FILE).write_text(text)
+    with pytest.raises(ValueError, match=re.escape(f"expert order {str(tmp_path / EXPERT_ORDER_FILE)!r}") + ".*" + re.escape(message)):
+        load_optimizer(None, None, tmp_path)
+
+
 # ----- atomic writes ------------------------------------------------------------------------------
 
 

@@ -425,7 +425,7 @@ def test_other_unsupported_combinations_are_errors_that_name_the_alternative():
     with pytest.raises(ValueError, match="set ep_implementation='occult'.*or pass occult_config=None"):
         apply_on_load(model, {"placement": "contiguous"})
     with pytest.raises(NotImplementedError, match=r"efsdp_size = 2\) is not supported.*placement='contiguous'.*occult_config path"):
-        _check_rows_movable(model, None)
+        _check_rows_movable(model)
 
 
 def test_apply_occult_ep_needs_a_model_loaded_with_the_occult_implementation():

@@ -358,7 +358,7 @@ def apply_occult_ep(model: nn.Module, occult_config: OccultConfig | dict | str |
     layouts = [placement.layout(layer, ep.rank) for layer, _, _, _ in blocks]
     orders = [stored_order(layout, impl.num_local_experts) for layout, (_, _, _, impl) in zip(layouts, blocks)]
     if any(order != impl.expert_order for order, (_, _, _, impl) in zip(orders, blocks)):
-        _check_rows_movable(model, blocks[0][3])
+        _check_rows_movable(model)
     pruners, pruning_profile = build_pruners(config, adapter, model, layouts, adapter.top_k(model.config))
     if state is not None:  # every check passed: replace the previous configuration
         detach_state(model)
@@ -455,7 +455,7 @@ def _check_equal_capacities(placement: Placement, layers: list[int], per_rank: i
             )
 
 
-def _check_rows_movable(model: nn.Module, impl: OccultEP) -> None:
+def _check_rows_movable(model: nn.Module) -> None:
     """Moving expert rows between EP ranks needs each EP rank to hold its whole `[L, ...]` share."""
     distributed_config = getattr(model.config, "distributed_config", None)
     efsdp = getattr(distributed_config, "efsdp_size", 1)
@@ -598,10 +598,7 @@ def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, directory
     restores the placement from its `config.json`), or with the same `OccultConfig.placement`."""
     from transformers.distributed.checkpoint import load_optimizer_distributed
 
-    path = os.path.join(directory, EXPERT_ORDER_FILE)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} is missing: save the optimizer with occult_hf.hf.native_ep.save_optimizer")
-    saved = {int(layer): order for layer, order in read_json_file(path, "expert order").items()}
+    saved = _read_expert_orders(os.path.join(directory, EXPERT_ORDER_FILE))
     here = {layer: impl.expert_order for layer, impl in occult_ep_layers(model).items()}
     if saved != here:
         layer = next((l for l in sorted(here) if saved.get(l) != here[l]), None)
@@ -613,6 +610,24 @@ def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, directory
         )
     reshard(model)
     load_optimizer_distributed(model, optimizer, str(directory))
+
+
+def _read_expert_orders(path: str) -> dict[int, list[int]]:
+    """`{layer: stored position -> expert id}` from the file `save_optimizer` wrote beside the optimizer state,
+    checked: an error naming the file, not a bare AttributeError or int() failure on a damaged one."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing: save the optimizer with occult_hf.hf.native_ep.save_optimizer")
+    data = read_json_file(path, "expert order")
+    if not isinstance(data, dict):
+        raise ValueError(f"expert order {path!r} must hold an object {{layer: [expert ids]}}, got {type(data).__name__}")
+    orders = {}
+    for layer, order in data.items():
+        if not layer.isdecimal() or not isinstance(order, list) or not all(
+            isinstance(e, int) and not isinstance(e, bool) for e in order
+        ):
+            raise ValueError(f"expert order {path!r}: entry {layer!r}: {order!r} is not a layer number with a list of expert ids")
+        orders[int(layer)] = order
+    return orders
 
 
 def reshard(model: nn.Module) -> nn.Module:
