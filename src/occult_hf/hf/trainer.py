@@ -38,13 +38,16 @@ model), and only then does rank 0 mark the checkpoint complete and rotate, count
 checkpoints only. A rank that fails, stalls or dies before reporting leaves the checkpoint marked
 incomplete and the others raise naming it, so the older complete checkpoints are never rotated away
 for it. The complete status lists each rank file with its size, so a rank file removed or truncated
-after the save makes the checkpoint unusable too. `train(resume_from_checkpoint=True)` resumes from the
-last whole checkpoint, saying which ones it skipped and why; resuming from an unusable one by path is an
-error naming what is missing or changed.
+after the save makes the checkpoint unusable too, and so does a status file that cannot be read or is
+malformed. `train(resume_from_checkpoint=True)` resumes from the last whole checkpoint, saying which ones
+it skipped and why; resuming from an unusable one by path is an error naming what is missing or changed.
+Each rank file records the step it was saved at: one copied from another checkpoint, or one that
+`torch.load` cannot read, is an error at the resume naming the file and the checkpoint.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -141,7 +144,7 @@ def _save_optimizer_and_scheduler(original, trainer, output_dir):
     # a PEFT model's weights resume from its (gathered) adapter files; its optimizer state is per rank too
     experts = _expert_state(model) if model is trainer.model else {}
     payload = {"experts": experts, "optimizer": trainer.optimizer.state_dict(), "world": _ep_rank_world(model),
-               "held_experts": _held_experts(model)}  # fmt: skip
+               "held_experts": _held_experts(model), "global_step": trainer.state.global_step}  # fmt: skip
     atomic_torch_save(payload, _rank_file(output_dir, model))
     return result
 
@@ -202,19 +205,25 @@ def _write_status(checkpoint: str, status: dict) -> None:
 
 
 def unusable_because(checkpoint: str) -> str | None:
-    """Why a checkpoint cannot be resumed ("its save did not finish: it lacks ..." or "its rank files changed after
-    the save: ..."), None when it is whole or was not written under occult_hf's hooks (no `occult_checkpoint.json`)."""
+    """Why a checkpoint cannot be resumed ("its save did not finish: it lacks ...", "its rank files changed after
+    the save: ..." or "its status file ..." when that cannot be read or is malformed), None when it is whole or was
+    not written under occult_hf's hooks (no `occult_checkpoint.json`). Never raises: a damaged checkpoint is one
+    that `resume_from_checkpoint=True` skips, not one that stops it from finding the last whole one."""
     path = os.path.join(checkpoint, CHECKPOINT_STATUS_FILE)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         return None
-    status = read_json_file(path, "checkpoint status")
-    if not isinstance(status, dict):
-        return None
-    if status.get("complete") is True:
+    try:
+        status = read_json_file(path, "status file")
+    except (OSError, ValueError) as error:  # unreadable, not a file, not JSON (JSONInputError is a ValueError)
+        return f"its status file cannot be read: {error}"
+    problem = _status_problem(status)
+    if problem is not None:
+        return f"its status file {CHECKPOINT_STATUS_FILE} is malformed: {problem}"
+    if status["complete"]:
         changed = _changed_since_saved(checkpoint, status.get("rank_files"))
         return f"its rank files changed after the save: {', '.join(changed)}" if changed else None
     present = set(os.listdir(checkpoint))
-    ranks = status.get("ranks") if isinstance(status.get("ranks"), int) and status.get("rank_files") is not False else 0
+    ranks = status["ranks"] if status.get("rank_files") is not False else 0
     missing = [name for name in (RANK_FILE.format(rank=r, world=ranks) for r in range(ranks)) if name not in present]
     if "trainer_state.json" not in present:
         missing.append("trainer_state.json")
@@ -224,11 +233,50 @@ def unusable_because(checkpoint: str) -> str | None:
     return f"its save did not finish: it lacks {', '.join(missing)}"
 
 
+def _status_problem(status) -> str | None:
+    """What in a parsed status file is not as `_save_checkpoint` writes it (a hand edit, a damaged copy), else None:
+    `{"complete": bool, "ranks": D >= 1, "rank_files": {file: bytes}}` once complete, with `rank_files` a bool (rank
+    files expected) while incomplete; `rank_files` may be absent (older occult_hf listed no sizes)."""
+    if not isinstance(status, dict):
+        return f"it holds {_json_kind(status)}, not an object"
+    complete, ranks, rank_files = status.get("complete"), status.get("ranks"), status.get("rank_files")
+    if not isinstance(complete, bool):
+        return f'"complete" is {_field(status, "complete")}, not true or false'
+    if type(ranks) is not int or ranks < 1:
+        return f'"ranks" is {_field(status, "ranks")}, not a positive number of EP ranks'
+    if not complete:
+        expected = rank_files is None or isinstance(rank_files, bool)
+        return None if expected else f'"rank_files" is {_field(status, "rank_files")}, not true or false'
+    if "rank_files" not in status:
+        return None
+    if not isinstance(rank_files, dict):
+        return f'"rank_files" is {_field(status, "rank_files")}, not an object of rank files and their bytes'
+    for name, size in rank_files.items():
+        if type(size) is not int or size < 0:
+            return f'"rank_files" gives {name} {_field(rank_files, name)} bytes, not a number of bytes'
+    return None
+
+
+def _json_kind(value) -> str:
+    """A parsed JSON value's kind in JSON's words ("an array"), for a message about a file."""
+    kinds = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    kinds[type(None)] = "null"
+    return kinds.get(type(value), "an object")
+
+
+def _field(parsed: dict, key: str) -> str:
+    """`parsed[key]` as the file spells it, cut short (a message quotes a field, not the whole file), or "missing"."""
+    if key not in parsed:
+        return "missing"
+    text = json.dumps(parsed[key])
+    return text if len(text) <= 60 else f"{text[:60]}..."
+
+
 def _changed_since_saved(checkpoint: str, rank_files) -> list[str]:
     """The rank files a complete checkpoint's status lists (`{file: bytes}`) that are gone or of another size now:
     removed or truncated after the save, they would fail the resume half-way."""
     changed = []
-    for name, size in (rank_files.items() if isinstance(rank_files, dict) else ()):
+    for name, size in (rank_files or {}).items():
         file = os.path.join(checkpoint, name)
         if not os.path.isfile(file):
             changed.append(f"{name} is gone (the save wrote {size} bytes)")
@@ -290,11 +338,21 @@ def _train(original, trainer, resume_from_checkpoint=None, *args, **kwargs):
 def _check_complete(checkpoint: str) -> None:
     why = unusable_because(checkpoint)
     if why is not None:
-        last, _ = last_complete_checkpoint(os.path.dirname(os.path.abspath(checkpoint)))
-        raise ValueError(
-            f"resume_from_checkpoint={checkpoint!r}: the checkpoint cannot be resumed, {why}; "
-            + (f"resume from {last!r}, the last complete one" if last else "its folder holds no complete checkpoint")
-        )
+        advice = _resume_instead(checkpoint)
+        raise ValueError(f"resume_from_checkpoint={checkpoint!r}: the checkpoint cannot be resumed, {why}; {advice}")
+
+
+def _resume_instead(checkpoint: str) -> str:
+    """What to do when `checkpoint` cannot be resumed: resume from the last complete checkpoint beside it (another
+    one: a checkpoint whose status is whole can still hold a rank file that is not its own)."""
+    from transformers.trainer_utils import sort_checkpoints
+
+    output_dir = os.path.dirname(os.path.abspath(checkpoint))
+    own = os.path.realpath(checkpoint)
+    complete = [c for c in sort_checkpoints(output_dir) if os.path.realpath(c) != own and unusable_because(c) is None]
+    if not complete:
+        return "its folder holds no other complete checkpoint"
+    return f"resume from {complete[-1]!r}, the last complete one"
 
 
 def _listing(unusable: dict[str, str]) -> str:
@@ -313,7 +371,8 @@ def _read_rank_file(checkpoint: str, model: nn.Module) -> dict:
                f"the checkpoint holds {present} (written by another EP layout)" if present else
                "the checkpoint was saved without optimizer state (save_only_model=True) or without occult_hf")
         )  # fmt: skip
-    payload = torch.load(path, map_location="cpu", weights_only=True)
+    payload = _load_rank_payload(path, checkpoint)
+    _check_step(path, checkpoint, payload)
     held, saved = _held_experts(model), payload.get("held_experts")
     if saved != held:  # its experts' weights and optimizer state would load into other experts' slots
         layer = next((path for path in held if (saved or {}).get(path) != held[path]), None)
@@ -323,6 +382,56 @@ def _read_rank_file(checkpoint: str, model: nn.Module) -> dict:
             f"own occult_config (its config.json), or start a new run from its weights (from_pretrained)"
         )
     return payload
+
+
+def _load_rank_payload(path: str, checkpoint: str) -> dict:
+    """A rank file's payload. A file that torch.load cannot read (damaged in a copy, of the size the status lists) or
+    that holds something else is an error naming the file and the checkpoint: torch's own names neither, and for
+    some damage advises `weights_only=False`, which runs whatever the file holds."""
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - a damaged file raises RuntimeError, EOFError, IndexError, KeyError...
+        problem = f"torch.load cannot read it ({_torch_error(error)})"
+    else:
+        if isinstance(payload, dict) and {"experts", "optimizer"} <= payload.keys():
+            return payload
+        kind = "dict without 'experts' and 'optimizer'" if isinstance(payload, dict) else type(payload).__name__
+        problem = f"it holds a {kind}, not the experts and optimizer state of an EP rank"
+    raise ValueError(
+        f"resume_from_checkpoint={checkpoint!r}: rank file {os.path.basename(path)} is damaged: {problem}; "
+        f"{_resume_instead(checkpoint)}"
+    )
+
+
+def _torch_error(error: Exception) -> str:
+    """The error's type and its first sentence, which is dropped where it is about `weights_only` (the file is damaged,
+    loading it unsafely is no cure)."""
+    first = str(error).split(". ")[0].splitlines()[0][:160] if str(error).strip() else ""
+    return f"{type(error).__name__}: {first}" if first and "weights_only" not in first else type(error).__name__
+
+
+def _check_step(path: str, checkpoint: str, payload: dict) -> None:
+    """A rank file holds the step it was saved at; the checkpoint's `trainer_state.json` the step the Trainer resumes
+    at. A rank file copied from another checkpoint of the run (a hand sync, a partial rsync) has a plausible size
+    and placement, and would resume another step's experts and optimizer state, silently. Rank files saved without
+    a step (older occult_hf) and checkpoints without a trainer_state.json (the Trainer then restarts at step 0) are
+    not compared."""
+    saved, step = payload.get("global_step"), _checkpoint_step(checkpoint)
+    if saved is not None and step is not None and saved != step:
+        raise ValueError(
+            f"resume_from_checkpoint={checkpoint!r}: rank file {os.path.basename(path)} belongs to another checkpoint: "
+            f"it holds step {saved}'s experts and optimizer state, the checkpoint is step {step} (trainer_state.json); "
+            f"put back {os.path.basename(os.path.normpath(checkpoint))}'s own {os.path.basename(path)}, or "
+            f"{_resume_instead(checkpoint)}"
+        )
+
+
+def _checkpoint_step(checkpoint: str) -> int | None:
+    """The `global_step` of the checkpoint's `trainer_state.json`, the step the Trainer resumes at; None without one
+    (the Trainer then starts at step 0 and the Trainer's own load reports a malformed one)."""
+    path = os.path.join(checkpoint, "trainer_state.json")
+    state = read_json_file(path, "trainer state") if os.path.isfile(path) else None
+    return state.get("global_step") if isinstance(state, dict) else None
 
 
 def _vanilla_weights(checkpoint: str) -> dict[str, torch.Tensor]:
