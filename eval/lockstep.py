@@ -77,11 +77,6 @@ class ForwardLockstep:
         finally:
             self._draining = False
 
-    @property
-    def total_forwards(self) -> int:
-        """Real plus idle forwards: equal on every rank after a `drain()`."""
-        return self.real_forwards + self.idle_forwards
-
     def remove(self) -> None:
         self._handle.remove()
 

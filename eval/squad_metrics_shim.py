@@ -1,4 +1,4 @@
-"""A stand-in for `transformers.data.metrics.squad_metrics`, which transformers 5 removed.
+"""A stand-in for `transformers.data.metrics.squad_metrics`, a module transformers 5 does not have.
 
 lm-eval 0.4.13's CoQA task (`lm_eval/tasks/coqa/utils.py`) does
 `import transformers.data.metrics.squad_metrics as squad_metrics` and calls `compute_exact` and
@@ -10,8 +10,8 @@ lower-case, drop punctuation, drop the articles a/an/the, collapse whitespace; F
 normalised tokens, with an empty answer scoring 1 only against an empty answer) and
 `install_squad_metrics_shim()` makes it importable under the old name. The install is scoped:
 it adds a finder at the *end* of `sys.meta_path` that answers only for the two missing module
-names, so a transformers that still ships the real module (4.x) keeps using its own, and nothing
-inside transformers' own modules is reassigned.
+names, so it never shadows a real module of those names, and nothing inside transformers' own
+modules is reassigned.
 """
 
 from __future__ import annotations
@@ -89,10 +89,10 @@ class _SquadMetricsFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def install_squad_metrics_shim() -> None:
-    """Make `import transformers.data.metrics.squad_metrics` work on transformers 5 (idempotent).
+    """Make `import transformers.data.metrics.squad_metrics` work, for lm-eval's CoQA task (idempotent).
 
-    The finder goes last on `sys.meta_path`: it is consulted only when no real module of that name
-    exists, so on transformers 4.x this changes nothing.
+    The finder goes last on `sys.meta_path`: it is consulted only when no other finder provides that
+    name, so it never shadows a real module.
     """
     if not any(isinstance(finder, _SquadMetricsFinder) for finder in sys.meta_path):
         sys.meta_path.append(_SquadMetricsFinder())

@@ -51,6 +51,6 @@ class DeepseekAdapter(FusedExpertsAdapter):
         return AddAuxiliaryLoss.apply(routed_TH, aux_loss)
 
 
-ADAPTER = register_adapter(
+register_adapter(
     DeepseekAdapter(name="deepseek", block_class_names=("DeepseekMoeBlock",), num_experts_field="n_routed_experts")
 )

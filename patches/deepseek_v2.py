@@ -39,7 +39,7 @@ class DeepseekV2Adapter(FusedExpertsAdapter):
         return probs_TE.gather(1, topk_ids_Tk) * router.routed_scaling_factor
 
 
-ADAPTER = register_adapter(
+register_adapter(
     DeepseekV2Adapter(
         name="deepseek_v2",
         block_class_names=("DeepseekV2Moe",),

@@ -37,7 +37,7 @@ class DeepseekV3Adapter(FusedExpertsAdapter):
         return weights_Tk * router.routed_scaling_factor
 
 
-ADAPTER = register_adapter(
+register_adapter(
     DeepseekV3Adapter(
         name="deepseek_v3",
         block_class_names=("DeepseekV3MoE",),

@@ -33,6 +33,6 @@ class MixtralAdapter(SoftmaxTopKAdapter):
         return weights_Tk / weights_Tk.sum(dim=-1, keepdim=True)
 
 
-ADAPTER = register_adapter(
+register_adapter(
     MixtralAdapter(name="mixtral", block_class_names=("MixtralSparseMoeBlock",), num_experts_field="num_local_experts")
 )

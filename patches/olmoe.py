@@ -3,6 +3,6 @@
 from ._transformers_moe import SoftmaxTopKAdapter
 from .base import register_adapter
 
-ADAPTER = register_adapter(
+register_adapter(
     SoftmaxTopKAdapter(name="olmoe", block_class_names=("OlmoeSparseMoeBlock",), num_experts_field="num_experts")
 )

@@ -15,7 +15,7 @@ class Qwen2MoeAdapter(SoftmaxTopKAdapter):
         return torch.sigmoid(block.shared_expert_gate(x_TH)) * block.shared_expert(x_TH)
 
 
-ADAPTER = register_adapter(
+register_adapter(
     Qwen2MoeAdapter(
         name="qwen2_moe",
         block_class_names=("Qwen2MoeSparseMoeBlock",),

@@ -4,6 +4,6 @@ shared experts; layers in `mlp_only_layers` or off the `decoder_sparse_step` are
 from ._transformers_moe import SoftmaxTopKAdapter
 from .base import register_adapter
 
-ADAPTER = register_adapter(
+register_adapter(
     SoftmaxTopKAdapter(name="qwen3_moe", block_class_names=("Qwen3MoeSparseMoeBlock",), num_experts_field="num_experts")
 )

@@ -11,6 +11,6 @@ and stay the model's own.
 from .base import register_adapter
 from .qwen2_moe import Qwen2MoeAdapter
 
-ADAPTER = register_adapter(
+register_adapter(
     Qwen2MoeAdapter(name="qwen3_next", block_class_names=("Qwen3NextSparseMoeBlock",), num_experts_field="num_experts")
 )

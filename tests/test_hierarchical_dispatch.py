@@ -167,7 +167,6 @@ def check_hop_rows(rank, world_size, per_node, mode, ids_Tk, dest_Tk, plan, layo
     received = tuple(sum(rows_of(q * per_node + j, {rank}) for q in range(nodes)) for j in range(per_node))
     assert to_devices.recv_splits == received, f"{where} received rows"
     assert sum(received) == sum(rows_of(source, {rank}) for source in range(world_size)), f"{where} rows received"
-    assert plan.rows_from_other_nodes == sum(s for q, s in enumerate(to_nodes.recv_splits) if q != node)
 
 
 def dispatcher_cases(rank, world_size, per_node) -> None:

@@ -346,14 +346,13 @@ def _slot_order_mismatch(module: LocalExperts, gate_up, local_metadata: dict) ->
 
 
 #: pairs per local expert up to which an eager forward without gradient goes straight from the top-k
-#: (`LocalExperts.computes_topk`): each pair reads its expert's weights, and on the H200 the top-k kernels at 4 pairs
-#: per expert still take less wall time than the grouped path's layout and tuned launches (docs/kernels.md, "Decode
-#: sizes in eager")
+#: (`LocalExperts.computes_topk`): each pair reads its expert's weights, which at these sizes takes less wall time than
+#: the grouped path's layout and tuned launches (docs/kernels.md, "Decode sizes in eager", has the measurements)
 TOPK_PAIRS_PER_EXPERT = 4
 #: mean pairs per expert below which "auto" computes a forward without gradient with the ``triton`` kernels (the
 #: module docstring says why; docs/kernels.md, "Which backend `auto` picks", has the measurements)
 AUTO_TRITON_BELOW = 1280
-#: the same for a forward + backward, whose crossing lies lower (between 68 and 128 pairs per expert on the H200)
+#: the same for a forward + backward, whose crossing lies lower (docs/kernels.md, "Which backend `auto` picks")
 AUTO_TRITON_TRAIN_BELOW = 128
 
 

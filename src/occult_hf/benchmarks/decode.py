@@ -75,8 +75,6 @@ needs_cuda = measures_a_gpu
 FULL_LAYERS = {"olmoe-1b-7b": 16, "qwen1.5-moe-a2.7b": 24}
 #: how a variant decodes (the module docstring says what each is)
 CACHES = ("dynamic", "static", "static-reused")
-#: batch 1 targets of the static occult step: ms per token
-TARGET_MS, STRETCH_MS = 3.5, 2.0
 
 
 @dataclass
@@ -285,8 +283,8 @@ ISOLATED_ARGS = ("layers", "hidden", "intermediate", "batches", "caches", "promp
 def measure_isolated(shape: str, args, done: Callable[[list[DecodeRow]], None]) -> None:
     """Each implementation of `shape` timed in a fresh Python process of its own (`python -m
     occult_hf.benchmarks.decode SPEC`), as a server holds one model: compiled models in one process share dynamo's
-    caches and the device's one CUDA-graph tree manager, and on an H200 that moved host-bound static steps by up to
-    1 ms (docs/compile_h200.md, 2026-12-04). `done(rows so far)` after each process; a process that fails or dies
+    caches and the device's one CUDA-graph tree manager, which moves host-bound static steps (docs/compile_h200.md,
+    "2026-12-04, 08:41-09:16 UTC"). `done(rows so far)` after each process; a process that fails or dies
     leaves a row with its exit status and the end of its output for every variant it did not time. Each process writes
     its rows after every batch size, and `done` follows it there too, so a run cut short (Ctrl-C, or `timeout`'s
     SIGTERM) keeps those batches."""

@@ -353,7 +353,7 @@ class ExchangeRecorder:
 
         return method
 
-    def wire(self, device):
+    def wire(self):
         """A function that re-issues, back to back, the row exchanges recorded (`all_to_all_single` with the
         same split sizes and bytes, buffers allocated once; "padded": its equal-split blocks, padding included):
         the wire time of the layer's exchanges alone."""
@@ -557,7 +557,7 @@ def _measure_layer(layer, x_TH, shape_name, tokens, routing_name, dispatcher: st
         fn()  # recorded
         _synchronize(device)
         if fn is forward and world > 1:
-            wire = recorder.wire(device)
+            wire = recorder.wire()
             if wire is not None:
                 wire_ms = timed(wire, args.iterations, device)
 

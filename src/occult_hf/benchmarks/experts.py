@@ -96,8 +96,8 @@ IMPLEMENTATIONS = (
 DEFAULT_IMPLEMENTATIONS = tuple(name for name in IMPLEMENTATIONS if name != "triton_atomic")
 BASELINE = "hf_grouped_mm"
 DEFAULT_TOKENS = (128, 1024, 4096, 16384, 65536)
-#: SonicMoE's pinned CuTe DSL runtime as this project found it on PyPI (2026-11-30): why its row is missing
-#: on the device machine, whose calls carry at most 64 MiB of files and which has torch 2.11
+#: why SonicMoE's row is missing on the device machine: its pinned CuTe DSL runtime (docs/bench_experts_h200.md,
+#: "SonicMoE, re-checked")
 SONIC_MOE_NEEDS = (
     "sonic-moe 0.1.2.post1 pins nvidia-cutlass-dsl==4.4.2, whose nvidia-cutlass-dsl-libs-base wheel "
     "(cp312, manylinux_2_28 x86_64) is 74.4 MB, over the 64 MiB a device call carries, and pins torch<=2.9.1"

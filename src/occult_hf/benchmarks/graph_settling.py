@@ -6,8 +6,7 @@ prefill. Its tensors are static inputs of the compiled decoding step, and CUDA-g
 whose cache lands at addresses no recorded graph has records a new one (a warm-up run and a capture, tens of
 milliseconds), which a step derived from whole `generate()` calls would count, and each later step checks the graphs
 recorded before until one matches. Once the caching allocator hands back addresses that a recorded graph has, calls
-replay only. On an H200 occult's OLMoE process recorded three more graphs after its compiling call (docs/compile_h200.md,
-2026-12-04, 13:55 UTC), which put 0.5-0.6 ms on each step of a benchmark that timed the calls in between.
+replay only; docs/compile_h200.md ("2026-12-04, 13:32-14:01 UTC") measures what timing the calls in between cost.
 
 `settle` runs untimed pairs of calls until one pair records nothing (every rank agreeing under EP, whose ranks call
 `generate()` in lockstep), and `counting_graph_recordings` counts the recordings, as torch announces each through

@@ -59,8 +59,6 @@ HELP = "the whole OLMoE-1B-7B model under EP (torchrun) vs a data-parallel repli
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 needs_cuda = measures_a_gpu
 
-#: the decode target under EP, ms per token at batch 1
-DECODE_TARGET_MS = 20.0
 #: the expert placements an EP setup can use (`--placements`)
 PLACEMENTS = ("contiguous", "refined", "oracle")
 #: the calibration profile's token sample (the planner's CT objective; the loads count every token) and search rounds

@@ -104,13 +104,8 @@ class DispatchPlan:
 
     @property
     def send_rows(self) -> tuple[int, ...]:
-        """Rows sent to each device (reads the device counts on the host: for tests and reports)."""
+        """Rows sent to each device: `counts_D2[:, 0]` read on the host (waits for the device)."""
         return tuple(int(v) for v in self.counts_D2[:, 0].tolist())
-
-    @property
-    def send_pairs(self) -> tuple[int, ...]:
-        """(token, expert) pairs sent to each device (a host read, like `send_rows`)."""
-        return tuple(int(v) for v in self.counts_D2[:, 1].tolist())
 
 
 @dataclass(frozen=True)

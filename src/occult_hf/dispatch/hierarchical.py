@@ -73,12 +73,6 @@ class HierarchicalPlan(DispatchPlan):
         own = self.ep.rank // self.ep.devices_per_node
         return sum(rows for node, rows in enumerate(self.to_nodes.send_splits) if node != own)
 
-    @property
-    def rows_from_other_nodes(self) -> int:
-        """Rows this rank received over the inter-node link (to forward inside its node)."""
-        own = self.ep.rank // self.ep.devices_per_node
-        return sum(rows for node, rows in enumerate(self.to_nodes.recv_splits) if node != own)
-
 
 @dataclass(frozen=True)
 class _HopSplits:

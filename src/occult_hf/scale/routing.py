@@ -13,8 +13,7 @@ Placements are planned on one half of the tokens and every figure is measured on
 alternate windows of 128 tokens, so that both halves hold every part of the trace (the study trace's three text
 domains, one after the other in the file; the Qwen trace's prompts and then its decoding) and a plan never scores
 the tokens it was planned on. (Split into first and second half instead, the halves differ in kind: a plan made
-on two domains and measured on the third balances worse held out, e.g. 1.94x against 1.26x the mean device load
-at D=16 on the study trace.)
+on two domains and measured on the third balances worse held out: docs/scale.md, "The model".)
 
 Shape legend (docs/conventions.md): N tokens, k experts per token, E experts; local to this file: L trace layers.
 """
