@@ -171,6 +171,7 @@ def _write(model, state: OccultState, full_experts, save_directory, args, kwargs
         try:
             state.placement.save(os.path.join(staging, PLACEMENT_FILENAME))
             result = type(model).save_pretrained(model, staging, *args, state_dict=state_dict, **kwargs)
+            _name_in_staged_config(staging, placement=PLACEMENT_FILENAME)
             add_pruning_files(state, staging, os.fspath(save_directory))
         except (OSError, SafetensorError) as error:  # a full disk: safetensors names no file, an OSError a staged one
             raise OSError(
@@ -218,13 +219,20 @@ def _bundle_profile(profile, staging: str) -> None:
     """A similarity-pruned model's routing profile (the one its pruners were built from, kept in memory: its file
     may be gone) goes into the checkpoint, and its staged config names it there: a relative path in a
     checkpoint's config names a file of the checkpoint, so the save is whole wherever it is loaded."""
+    if profile is not None:
+        profile.save(os.path.join(staging, PROFILE_FILENAME))
+        _name_in_staged_config(staging, profile=PROFILE_FILENAME)
+
+
+def _name_in_staged_config(staging: str, **files: str) -> None:
+    """The staged `config.json`'s `occult_config` names these files of the checkpoint (field -> file name) instead of
+    holding their content: a relative path in a checkpoint's config names a file of the checkpoint, so the file a
+    user reads or edits beside the weights is the one that loads, and the save is whole wherever it is loaded."""
     config_file = os.path.join(staging, "config.json")
-    if profile is None or not os.path.isfile(config_file):
-        return
-    profile.save(os.path.join(staging, PROFILE_FILENAME))
-    saved = read_json_file(config_file, "the staged config")
-    saved["occult_config"] = {**saved["occult_config"], "profile": PROFILE_FILENAME}
-    atomic_write_json(config_file, saved, indent=2, sort_keys=True)
+    if os.path.isfile(config_file):  # transformers wrote one (a save with another save_function may not)
+        saved = read_json_file(config_file, "the staged config")
+        saved["occult_config"] = {**saved["occult_config"], **files}
+        atomic_write_json(config_file, saved, indent=2, sort_keys=True)
 
 
 def _describe_pruning(config, staging: str, target: str) -> None:
