@@ -244,12 +244,24 @@ def _ep_world(rank, world_size):
     torch._dynamo.reset()
     tokens = model.generate(prompt, cache_implementation="static", compile_config=compile_config, **kwargs)
     results["static generate"] = bool(torch.equal(tokens, expected))
+    # ranks that pass different token counts to a compiled step: an error on both, not gloo aborting the processes
+    from occult_hf.dispatch.base import ExchangeError
+
+    model = apply_occult(tiny_model("olmoe"), OccultConfig(placement=placement))
+    model(tiny_batch(batch=2, seq=SEQ, seed=30))  # the first call eager (transformers' hooks)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    compiled(tiny_batch(batch=2, seq=SEQ, seed=31))
+    try:
+        compiled(tiny_batch(batch=2, seq=(SEQ, SEQ - 2)[rank], seed=32))
+    except ExchangeError as error:
+        results["unequal tokens"] = "a compiled forward under expert parallelism needs the same number of tokens" in str(error)
     return results
 
 
 @pytest.mark.world_size(2)
 def test_compiled_model_equals_eager_on_2_ranks():
-    expected = {"all_to_all": "AllToAllDispatcher", "padded": "PaddedDispatcher", "static generate": True}
+    expected = {"all_to_all": "AllToAllDispatcher", "padded": "PaddedDispatcher", "static generate": True, "unequal tokens": True}
     assert run_world(_ep_world, 2, timeout_s=600) == [expected] * 2
 
 

@@ -64,7 +64,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from occult_hf.kernels.layout import ExpertSegments
 
 from .base import DispatchPlan, Dispatched, RowFormat, TokenDispatcher, dispatch_format, register_dispatcher, sum_token_rows
-from .base import check_stamps, exchange_timeout_error, gradient_format, pack_gradients
+from .base import ExchangeError, check_stamps, exchange_timeout_error, gradient_format, pack_gradients
 from .plan import SendLayout, _arange, expert_keys, padded_layout, routing_width, send_layout
 
 #: symmetric row widths are padded to a multiple of this many bytes, and buffers hold at least
@@ -187,9 +187,11 @@ class StaticDispatcher(TokenDispatcher):
         return send_layout(dest_Tk, local_Tk, weights_Tk, self.ep.num_devices, self.mode)
 
     # ----- the transport -------------------------------------------------------------------------
-    def exchange(self, block: torch.Tensor, counts_D: torch.Tensor, out_rows: int):
+    def exchange(self, block: torch.Tensor, counts_D: torch.Tensor, out_rows: int, agree: bool = False):
         """Move the rows of `[rows, U]` uint8 `block` (`counts_D[d]` rows for device d, laid out as
-        `row_layout` says); returns `([out_rows, U] received block, [D] received counts or None)`."""
+        `row_layout` says); returns `([out_rows, U] received block, [D] received counts or None)`. `agree`: the
+        forward dispatch of a step whose capacities no agreement sized (`group_tokens` under compile): first check
+        that every rank's `out_rows` is the same, where the transport can."""
         raise NotImplementedError
 
 
@@ -216,7 +218,10 @@ class _StaticDispatchExchange(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_OH, weight_OW, slot_OW, dispatcher: StaticDispatcher, row_format: RowFormat, send_counts_D, capacity_R):
-        block_RU, recv_counts_D = dispatcher.exchange(row_format.pack(x_OH, slot_OW, weight_OW), send_counts_D, capacity_R)
+        agree = torch.compiler.is_compiling()  # traced: each rank's own T sized the capacities (`group_tokens`)
+        block_RU, recv_counts_D = dispatcher.exchange(
+            row_format.pack(x_OH, slot_OW, weight_OW), send_counts_D, capacity_R, agree=agree
+        )
         x_RH, slot_RW, weight_RW = row_format.unpack(block_RU)
         ctx.dispatcher, ctx.row_format, ctx.rows_O = dispatcher, row_format, x_OH.shape[0]
         ctx.recv_counts_D = recv_counts_D
@@ -268,18 +273,26 @@ class PaddedDispatcher(StaticDispatcher):
     def supports(cls, ep, device=None) -> bool:
         return ep.is_distributed
 
-    def exchange(self, block, counts_D, out_rows):
-        exchanged = torch.ops.occult.exchange_equal_splits(block.contiguous(), out_rows, self.ep.group.group_name, self.timeout_s, self.layer)
+    def exchange(self, block, counts_D, out_rows, agree=False):
+        host_group = self.ep.host_group.group_name if agree and self.ep.host_group is not None else ""
+        exchanged = torch.ops.occult.exchange_equal_splits(
+            block.contiguous(), out_rows, self.ep.group.group_name, host_group, self.timeout_s, self.layer
+        )
         return exchanged, None
 
 
 @torch.library.custom_op("occult::exchange_equal_splits", mutates_args=())
-def _exchange_equal_splits(block_OU: torch.Tensor, out_rows: int, group_name: str, timeout_s: float, layer: str) -> torch.Tensor:
+def _exchange_equal_splits(
+    block_OU: torch.Tensor, out_rows: int, group_name: str, host_group_name: str, timeout_s: float, layer: str
+) -> torch.Tensor:
     """`[out_rows, U]`: rank r's `block_OU` rows `[d * O/D, (d + 1) * O/D)` go to rank d (one `all_to_all_single`
     over the process group named `group_name`). An operator, so that a compiled graph holds the exchange whole
     (its fake gives the static shape) instead of breaking at the collective. CPU rows (gloo) wait at most
     `timeout_s` on the host, else an `ExchangeError` naming `layer`; CUDA rows wait on the stream (the flat exchange's
-    rule, `TokenDispatcher._wait`)."""
+    rule, `TokenDispatcher._wait`). With `host_group_name` (a gloo group of the same ranks), the ranks first compare
+    their `out_rows` there (`_check_equal_capacity`)."""
+    if host_group_name and not (block_OU.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _check_equal_capacity(out_rows, _resolve_process_group(host_group_name), timeout_s, layer)
     out_RU = block_OU.new_empty((out_rows, block_OU.shape[1]))
     work = dist.all_to_all_single(out_RU, block_OU, group=_resolve_process_group(group_name), async_op=True)
     try:
@@ -290,8 +303,31 @@ def _exchange_equal_splits(block_OU: torch.Tensor, out_rows: int, group_name: st
 
 
 @_exchange_equal_splits.register_fake
-def _(block_OU: torch.Tensor, out_rows: int, group_name: str, timeout_s: float, layer: str) -> torch.Tensor:
+def _(block_OU: torch.Tensor, out_rows: int, group_name: str, host_group_name: str, timeout_s: float, layer: str) -> torch.Tensor:
     return block_OU.new_empty((out_rows, block_OU.shape[1]))
+
+
+def _check_equal_capacity(out_rows: int, host_group, timeout_s: float, layer: str) -> None:
+    """Raise on every rank unless all pass the same receive capacity, before the equal-split exchange: a compiled
+    step sizes it from the rank's own token count, and ranks whose counts differ would post exchanges of different
+    sizes, which gloo answers by aborting the process and NCCL by reading past the rows sent. Host to host (the
+    ranks' gloo group): no device synchronisation; the capture of a CUDA graph skips it (its replays could not
+    repeat it)."""
+    mine = torch.tensor([out_rows], dtype=torch.int64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(host_group))]
+    work = dist.all_gather(every, mine, group=host_group, async_op=True)
+    try:
+        work.wait(timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as error:
+        raise exchange_timeout_error(layer, "check of the compiled step's capacities", timeout_s, error) from error
+    rows = [int(row) for row in torch.cat(every).tolist()]
+    if len(set(rows)) > 1:
+        raise ExchangeError(
+            f"{layer}: a compiled forward under expert parallelism needs the same number of tokens on every EP rank "
+            f"(its exchange is sized from the rank's own count when traced), but the ranks' capacities differ: "
+            f"{rows} rows; pad every rank's batch to one shape (equal batch sizes, a fixed max_length or "
+            f"pad_to_multiple_of, drop_last), or run the model eagerly, where ranks may pass different counts"
+        )
 
 
 # ----- "symm_mem": NVSHMEM all-to-all-v with the splits in device memory -------------------------
@@ -394,7 +430,7 @@ class SymmMemDispatcher(StaticDispatcher):
             and nvshmem_usable()
         )
 
-    def exchange(self, block, counts_D, out_rows):
+    def exchange(self, block, counts_D, out_rows, agree=False):  # `agree` unchecked: see docs/runtime.md
         device = block.device
         if torch.cuda.current_device() != device.index:
             raise RuntimeError(
