@@ -7,7 +7,8 @@ blank lines, or the pieces between `--separator`s) or `<domain>.jsonl` / `.jsonl
 document, its text in `--text-field`); docs/quality.md shows the format. The command prepares the data
 (read through `datasets`, a held-out split per domain, a BPE tokenizer trained on the training split; cached
 in `<out>/data` or `--data-dir`, reused only when prepared from the same corpus files with the same settings),
-trains with tqdm progress and writes the checkpoint, `recipe.json`, `train_log.json` and `loss_curve.png` to `--out`.
+trains with tqdm progress and writes the checkpoint, `recipe.json`, `loss_curve.png` and, last, `train_log.json` to
+`--out`. An `--out` that holds a finished run (its `train_log.json`) is refused unless `--overwrite` is given.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def register(subparsers) -> None:
                         help="comma-separated domains to train on (default: the recipe's; tiny: every domain)")  # fmt: skip
     parser.add_argument("--data-dir", help="prepared data (made here when absent; default: OUT/data)")
     parser.add_argument("--out", required=True, help="checkpoint directory")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the finished run (train_log.json) in --out; without it such an --out is refused")  # fmt: skip
     parser.add_argument("--seed", type=int, help="override the recipe's seed")
     parser.add_argument("--max-steps", type=positive_int, help="override the recipe's steps (>= 1)")
     parser.add_argument("--time-budget", type=seconds, help="override the recipe's time budget (s, > 0)")
@@ -61,12 +64,24 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
+def refuse_finished_run(out: str) -> None:
+    """Stop before any data preparation or training when `out` holds a finished run: a run starts from scratch, so
+    it would replace the earlier model (the data directory is likewise reused only when it matches)."""
+    from ..training.train import finished_run
+
+    finished = finished_run(out)
+    if finished is not None:
+        raise SystemExit(f"occult train: --out {out!r} holds a finished run ({finished}); give --overwrite to replace it, or another --out")
+
+
 def run(args: argparse.Namespace) -> int:
     from ..training import PreparedData, get_recipe, prepare_data, train
     from ..training.data import preparation_settings
     from . import check_output_dir
 
     check_output_dir(args.out)
+    if not (args.prepare_only or args.overwrite):
+        refuse_finished_run(args.out)
     overrides = (("seed", args.seed), ("max_steps", args.max_steps), ("time_budget_s", args.time_budget), ("train_domains", args.train_domains),
                  ("torch_compile", args.torch_compile))  # fmt: skip
     recipe = get_recipe(args.recipe, **{k: v for k, v in overrides if v is not None})

@@ -317,8 +317,7 @@ class PreparedData:
         if not meta.is_file():
             raise FileNotFoundError(f"{os.fspath(self.path)!r} is not a prepared data directory (no data.json)")
         self.meta = read_json_file(meta, "prepared data")
-        if self.meta.get("format") != DATA_FORMAT:
-            raise ValueError(f"{meta}: format {self.meta.get('format')!r} is not {DATA_FORMAT!r}")
+        _check_meta(self.meta, meta)
 
     def check_settings(self, settings: dict) -> None:
         """Raise unless this directory was prepared with `settings` (`preparation_settings`): a directory reused
@@ -350,7 +349,17 @@ class PreparedData:
         """`[N]` int64 token ids of one split (`train`, `heldout`) of one domain."""
         if domain not in self.meta["domains"]:
             raise KeyError(f"domain {domain!r} is not in {os.fspath(self.path)!r}; it has {self.domains}")
-        return np.load(self.path / f"{split}_{domain}.npy").astype(np.int64)
+        return read_stream(self.path / f"{split}_{domain}.npy", self.meta["vocab_size"], self._recorded_tokens(split, domain))
+
+    def _recorded_tokens(self, split: str, domain: str) -> int:
+        """The length of a stream as `data.json` records it: a stream of another length is not the one prepared."""
+        row = self.meta["domains"][domain]
+        counts = row.get(split) if isinstance(row, dict) else None
+        tokens = counts.get("tokens") if isinstance(counts, dict) else None
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+            meta = os.fspath(self.path / "data.json")
+            raise ValueError(f"prepared data {meta!r} records no token count for the {split} split of {domain}")
+        return tokens
 
     def windows(self, split: str, domain: str, seq_len: int, max_tokens: int | None = None) -> np.ndarray:
         """`[B, S]` non-overlapping windows of the stream (the remainder shorter than S dropped)."""
@@ -360,6 +369,47 @@ class PreparedData:
         path = self.path / f"heldout_{domain}.jsonl"
         with open(path, encoding="utf-8") as f:
             return [parse_json(line, f"{os.fspath(path)!r} line {number}")["text"] for number, line in enumerate(f, 1)]
+
+
+def _check_meta(meta, path: Path) -> None:
+    """Raise unless `data.json` (`meta`, read from `path`) is an object of this format with the fields the streams are
+    checked against: a hand-edited or foreign file would otherwise fail later in an error that does not name it."""
+    label = f"prepared data {os.fspath(path)!r}"
+    if not isinstance(meta, dict):
+        raise ValueError(f"{label} is not a JSON object (it holds a {type(meta).__name__})")
+    if meta.get("format") != DATA_FORMAT:
+        raise ValueError(f"{label}: format {meta.get('format')!r} is not {DATA_FORMAT!r}")
+    vocab_size = meta.get("vocab_size")
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
+        raise ValueError(f"{label}: vocab_size {vocab_size!r} is not a positive integer")
+    if not isinstance(meta.get("domains"), dict):
+        raise ValueError(f"{label}: domains is not a JSON object")
+
+
+def read_stream(path: Path, vocab_size: int, tokens: int) -> np.ndarray:
+    """`[N]` int64 token ids of the prepared stream `path`, checked to be what `prepare_data` wrote: a 1-D integer
+    array of the `tokens` ids `data.json` records, each in `[0, vocab_size)`. A float array would be truncated to ids,
+    and an id outside the vocabulary fails deep in the embedding without naming the file (the streams are copied
+    between machines: docs/quality.md)."""
+    label = f"prepared token stream {os.fspath(path)!r}"
+    try:
+        ids_N = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{label} does not exist: prepare the data again") from None
+    except (OSError, ValueError, EOFError) as error:
+        raise ValueError(f"{label} is not a readable .npy file ({error}): prepare the data again") from None
+    if not isinstance(ids_N, np.ndarray):
+        raise ValueError(f"{label} is not a readable .npy file (it holds an archive of arrays): prepare the data again")
+    if ids_N.ndim != 1:
+        raise ValueError(f"{label} is a {ids_N.ndim}-D array of shape {ids_N.shape}, not a 1-D stream of token ids")
+    if ids_N.dtype.kind not in "iu":
+        raise ValueError(f"{label} holds {ids_N.dtype} values, not integer token ids")
+    if len(ids_N) != tokens:
+        raise ValueError(f"{label} holds {len(ids_N)} token ids; data.json records {tokens}")
+    outside = ids_N[(ids_N < 0) | (ids_N >= vocab_size)]
+    if len(outside):
+        raise ValueError(f"{label} holds token id {outside[0]}, outside [0, {vocab_size}) (the vocabulary in data.json)")
+    return ids_N.astype(np.int64)
 
 
 def pack(stream_N: np.ndarray, seq_len: int, max_tokens: int | None = None) -> np.ndarray:

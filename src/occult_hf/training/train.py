@@ -23,6 +23,7 @@ import torch
 
 from ..utils.atomic import atomic_save_figure, atomic_write_json, atomic_write_text
 from ..utils.progress import progress_enabled
+from ..utils.strict_json import read_json_file
 from .data import PreparedData, pack
 from .recipes import Recipe
 
@@ -150,6 +151,9 @@ def train(
     deadline goes on where it stopped instead of from scratch, to the same weights as one uninterrupted run (the
     data order is fixed by the recipe's seed; a recipe with a time budget is refused). The checkpoints are removed once
     the run has finished.
+
+    A finished run already in `out_dir` is replaced (`publish`): the quality study re-runs a variant's fine-tune into
+    its directory. `occult train` refuses one unless given `--overwrite` (`finished_run`).
     """
     from transformers import OlmoeForCausalLM, Trainer, TrainingArguments, set_seed
 
@@ -250,18 +254,49 @@ def train(
     log["heldout_perplexity"] = {
         d: perplexity(model, data.windows("heldout", d, recipe.seq_len, max_tokens=eval_tokens)) for d in data.domains
     }
-    if save:
+    publish(out, model if save else None, data, recipe, log)
+    if checkpoint_steps:
+        shutil.rmtree(checkpoints, ignore_errors=True)
+    return log
+
+
+def publish(out: Path, model, data: PreparedData, recipe: Recipe, log: dict) -> None:
+    """Write a finished run into `out`: the model and tokenizer (unless `model` is None), `recipe.json`, the loss curve,
+    and `train_log.json` last, after removing the one an earlier run left.
+
+    `train_log.json` is the mark of a finished run (`finished_run`, and the quality study's `base_done`): with the old
+    one gone before the first new file and the new one written last, a crash part-way leaves a directory without a log,
+    never a new model beside the old log. This is simpler than staging the files in a directory and renaming it over
+    `out`, which also holds the prepared data (`OUT/data`) and the `Trainer` checkpoints; and it removes nothing until
+    the training has ended, so a run that fails before then leaves the earlier run whole."""
+    (out / "train_log.json").unlink(missing_ok=True)
+    if model is not None:
         # saved for inference, as released MoE checkpoints are: router logits in every output would also break
         # transformers' batched, padded generate (its balance loss on the padded mask)
         model.config.output_router_logits = False
         model.save_pretrained(out)
         data.tokenizer().save_pretrained(out)
     atomic_write_text(out / "recipe.json", recipe.to_json())
-    atomic_write_json(out / "train_log.json", log)
     plot_loss_curve(log, out / "loss_curve.png")
-    if checkpoint_steps:
-        shutil.rmtree(checkpoints, ignore_errors=True)
-    return log
+    atomic_write_json(out / "train_log.json", log)
+
+
+def finished_run(out_dir: str | os.PathLike) -> str | None:
+    """What the finished run in `out_dir` is, in words ("train_log.json: steps 3, final loss 7.593"), or None when
+    `out_dir` holds none (`publish` writes `train_log.json` last). `occult train` refuses to replace one without
+    `--overwrite`: it trains from scratch, so a re-run would silently throw the earlier model away."""
+    path = Path(out_dir) / "train_log.json"
+    if not path.exists():
+        return None
+    try:
+        log = read_json_file(path, "training log", allow_nan=True)
+    except (OSError, ValueError) as error:
+        return f"train_log.json, not readable: {error}"
+    if not isinstance(log, dict):
+        return "train_log.json, not a JSON object"
+    loss = log.get("final_loss")
+    shown_loss = f"{loss:.3f}" if isinstance(loss, (int, float)) and not isinstance(loss, bool) else repr(loss)
+    return f"train_log.json: steps {log.get('steps')}, final loss {shown_loss}"
 
 
 def plot_loss_curve(log: dict, path: str | os.PathLike) -> None:
