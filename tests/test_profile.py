@@ -566,3 +566,36 @@ def test_trace_reader_names_a_profile_given_for_a_trace(tmp_path):
             read(profile)
         with pytest.raises(ValueError, match=no_archive):
             read(text)
+
+
+def _profile_on_ranks(rank, world_size, documents_per_rank):
+    """Each EP rank profiles its own documents through an occult model; returns its expert counts, or its error."""
+    import time
+
+    from occult_hf import OccultConfig, apply_occult
+
+    documents = [tiny_batch(batch=1, seq=12, seed=10 * rank + i)[0].tolist() for i in range(documents_per_rank[rank])]
+    model = apply_occult(tiny_model("olmoe", seed=4), OccultConfig())
+    start = time.monotonic()
+    try:
+        profile = RoutingProfile.collect(model, documents, batch_size=1, progress=False)
+    except ValueError as error:
+        return {"error": str(error), "seconds": time.monotonic() - start}
+    expected = RoutingProfile.collect(tiny_model("olmoe", seed=4), documents, batch_size=1, progress=False)
+    return {"same as one process": all(
+        np.array_equal(profile.layer(layer).expert_counts, expected.layer(layer).expert_counts) for layer in MOE_LAYERS["olmoe"]
+    )}  # fmt: skip
+
+
+@pytest.mark.world_size(2)
+def test_collect_under_expert_parallelism_keeps_the_ranks_together():
+    """Every forward is collective under EP: with the same number of batches each rank profiles its own documents,
+    and ranks whose data runs out at different batches fail together at once. Before, the rank with more data waited
+    out the exchange timeout in a forward no peer joined, and the other returned a profile without a word."""
+    from distributed import run_world
+
+    env = {"OCCULT_EXCHANGE_TIMEOUT_S": "20"}
+    assert run_world(_profile_on_ranks, 2, (2, 2), env=env, timeout_s=300) == [{"same as one process": True}] * 2
+    for rank, outcome in enumerate(run_world(_profile_on_ranks, 2, (3, 1), env=env, timeout_s=300)):
+        assert "EP ranks [1] have no data after 1 batches while the others have more" in outcome.get("error", ""), (rank, outcome)
+        assert outcome["seconds"] < 10, outcome

@@ -252,14 +252,21 @@ def collect_routing(
     was_training = model.training
     model.eval()
     collector = ProfileCollector(base, sample_size=sample_size, seed=seed)
+    ep = _distributed_ep(model)
     bar = progress_bar(total=total, unit="doc", desc="profiling routing", enabled=progress)
     try:
         with collector, torch.no_grad():
             windows = _windows(documents, tokenizer, max_length, max_tokens, bar, vocab_size, _holder(data, text_column))
+            done = 0
             for batch in _batches(windows, batch_size):
+                if ep is not None:
+                    _all_ranks_have_a_batch(ep, device, True, done)
                 input_ids_BS, attention_mask_BS = _pad(batch, pad_id)
                 base(input_ids=input_ids_BS.to(device), attention_mask=attention_mask_BS.to(device), use_cache=False)
                 bar.set_postfix(tokens=collector.token_count)
+                done += 1
+            if ep is not None:
+                _all_ranks_have_a_batch(ep, device, False, done)
     finally:
         bar.close()
         model.train(was_training)
@@ -271,6 +278,40 @@ def collect_routing(
         max_length=max_length,
         max_tokens=max_tokens,
     )
+
+
+def _distributed_ep(model: nn.Module):
+    """The expert-parallel group of `model`'s occult layers when it spans several ranks, else None."""
+    from ..dispatch.group import ExpertParallelGroup
+
+    for module in model.modules():
+        ep = getattr(module, "ep", None)
+        if isinstance(ep, ExpertParallelGroup) and ep.is_distributed:
+            return ep
+    return None
+
+
+def _all_ranks_have_a_batch(ep, device: torch.device, has_batch: bool, done: int) -> None:
+    """Under expert parallelism every forward is collective: before each batch (`has_batch`) and after the last one,
+    the ranks compare, host to host, whether they have one more. Ranks whose data runs out at different batches
+    raise together, naming them, instead of the ones with more data waiting out the exchange timeout in a forward
+    no peer joins. Over the ranks' gloo group where `apply_occult` made one, else the EP group on `device`."""
+    from ..distributed.agreement import bounded, join_timeout_s
+
+    group = ep.host_group if ep.host_group is not None else ep.group
+    device = "cpu" if ep.host_group is not None else device
+    mine = torch.tensor([int(has_batch)], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(ep.num_devices)]
+    bounded("collect_routing's agreement on the next batch", None, join_timeout_s(),
+            lambda: torch.distributed.all_gather(every, mine, group=group, async_op=True))  # fmt: skip
+    votes = [int(vote) for vote in torch.cat(every).tolist()]
+    if len(set(votes)) > 1:
+        out = [rank for rank, vote in enumerate(votes) if not vote]
+        raise ValueError(
+            f"collect_routing under expert parallelism: EP ranks {out} have no data after {done} batches while the "
+            f"others have more; every forward is collective, so every rank must profile the same number of batches "
+            f"(the same documents and batch_size on every rank, or profile in one process)"
+        )
 
 
 def _documents(data, text_column: str, separator: str) -> tuple[Iterable, int | None]:
