@@ -147,6 +147,25 @@ def test_a_changing_token_count_compiles_once_more_not_every_step():
     assert len(compiles) == 2, f"{len(compiles)} compilations for 5 steps of different token counts"
 
 
+def test_dynamic_compile_does_not_tie_the_expert_count_to_an_input_size():
+    """`dynamic=True` with a first sequence as long as the experts are many (8): the placement's tensors were symbolic,
+    so dynamo tied E to the sequence length and compiled once more than stock; now as often as stock."""
+    counts = {}
+    for name in ("stock", "occult"):
+        model = tiny_model("olmoe")
+        if name == "occult":
+            apply_occult(model, OccultConfig(num_devices=2))
+        model(input_ids=tiny_batch(batch=2, seq=8, seed=0))
+        torch._dynamo.reset()
+        compiles = []
+        compiled = torch.compile(model, backend=lambda graph, _: compiles.append(1) or graph.forward, fullgraph=True, dynamic=True)
+        with torch.no_grad():
+            for batch, seq in ((2, 8), (3, 11), (2, 16)):
+                compiled(input_ids=tiny_batch(batch=batch, seq=seq, seed=seq))
+        counts[name] = len(compiles)
+    assert counts["occult"] == counts["stock"], counts
+
+
 def test_profiling_a_compiled_model_does_not_compile_it_again():
     """The occult blocks' profiler ranges read the profiler's state only in eager code: a compiled model run under
     `torch.profiler` is the graph compiled without it (one compilation), and its output is the same."""

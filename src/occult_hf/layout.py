@@ -67,6 +67,9 @@ class LayerLayout:
     def __post_init__(self) -> None:
         object.__setattr__(self, "num_experts", self.device_of_E.numel())
         object.__setattr__(self, "num_local_experts", self.expert_ids_L.numel())
+        for tensor in self._tensors().values():  # sizes fixed by the placement: never symbolic in a compiled graph,
+            if tensor is not None:  # where `dynamic=True` would tie E to any input size that happened to equal it
+                torch._dynamo.mark_static(tensor)
 
     @classmethod
     def of(cls, placement, layer: int, rank: int | None = None) -> "LayerLayout":
