@@ -43,6 +43,15 @@ def test_a_pruned_checkpoint_says_so_and_occult_hf_loads_apply_the_pruning(tmp_p
     assert not torch.allclose(vanilla(ids).logits, expected, atol=1e-4)  # the pruning matters on this model
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)  # occult_hf imported: the stored pruning applies
     assert occult_config_of(loaded).prune == "router" and torch.allclose(loaded(ids).logits, expected, atol=1e-6)
+    # an edit of the description alone was ignored without a word (and the next save wrote it back): refused
+    (tmp_path / "edited").mkdir()
+    for name in ("config.json", "occult_placement.json", "model.safetensors"):
+        (tmp_path / "edited" / name).write_bytes((tmp_path / name).read_bytes())
+    edited = json.loads((tmp_path / "config.json").read_text())
+    edited["occult_pruning"]["max_devices_per_token"] = 2
+    (tmp_path / "edited" / "config.json").write_text(json.dumps(edited))
+    with pytest.raises(ValueError, match="occult_pruning.max_devices_per_token is 2 but occult_config.max_devices_per_token is 1"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "edited")
 
     # loaded without the pruning, the model is not pruned, and its saves must not say it is
     unpruned = AutoModelForCausalLM.from_pretrained(tmp_path, occult_config=OccultConfig(num_devices=4))

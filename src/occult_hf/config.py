@@ -328,13 +328,39 @@ def stored_occult_config(model_config, subfolder: str = "") -> "OccultConfig | N
     if config_file is None or _lenient_occult_config(config_file) != stored:  # given as a keyword, not read
         return OccultConfig.coerce(stored)
     label = f"checkpoint config {config_file!r}"
-    stored = read_json_file(config_file, "checkpoint config")["occult_config"]
+    saved = read_json_file(config_file, "checkpoint config")
+    stored = saved["occult_config"]
     if not isinstance(stored, dict):
         raise ValueError(f"{label}: occult_config must be a JSON object, got {type(stored).__name__}")
+    _check_pruning_description(saved.get(PRUNING_CONFIG_KEY), stored, label)
     try:
         return OccultConfig.from_dict(_with_paths_resolved(stored, lambda name: _checkpoint_file(checkpoint, revision, subfolder, name, label)))
     except (TypeError, ValueError) as error:
         raise ValueError(f"{label}: {error}") from None
+
+
+#: the `config.json` key of a pruned checkpoint's description, which `save_pretrained` writes beside `occult_config`
+#: (`hf.model_card`)
+PRUNING_CONFIG_KEY = "occult_pruning"
+_DESCRIBED_FIELDS = ("prune", "max_devices_per_token", "max_nodes_per_token", "num_devices", "devices_per_node")
+
+
+def _check_pruning_description(description, stored: dict, label: str) -> None:
+    """Raise where a checkpoint's `occult_pruning` says other than its `occult_config`: the description is written
+    from the config at each save and never read back, so a hand edit of it would be ignored without a word (and
+    overwritten by the next save)."""
+    if description is None:
+        return
+    if not isinstance(description, dict):
+        raise ValueError(f"{label}: {PRUNING_CONFIG_KEY} must be a JSON object, got {type(description).__name__}")
+    for name in _DESCRIBED_FIELDS:
+        if name in description and description[name] != stored.get(name, OccultConfig.__dataclass_fields__[name].default):
+            raise ValueError(
+                f"{label}: {PRUNING_CONFIG_KEY}.{name} is {description[name]!r} but occult_config.{name} is "
+                f"{stored.get(name)!r}; {PRUNING_CONFIG_KEY} only describes the saved model (save_pretrained writes "
+                f"it from occult_config, which is what loads): edit occult_config, or pass occult_config=... to "
+                f"from_pretrained"
+            )
 
 
 def _checkpoint_config_file(checkpoint: str, revision: str | None, subfolder: str) -> str | None:

@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import re
 
-from ..config import OccultConfig
+from ..config import PRUNING_CONFIG_KEY, OccultConfig
 from ..placement import PLACEMENT_FILENAME
 
-#: the `config.json` key of a pruned checkpoint's description
-PRUNING_CONFIG_KEY = "occult_pruning"
 CARD_FILENAME = "README.md"
 _BEGIN, _END = "<!-- occult_hf:pruning -->", "<!-- /occult_hf:pruning -->"
 #: YAML front matter, which the Hub reads only at the very top of the card (a byte-order mark and CRLF lines allowed)
