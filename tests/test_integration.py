@@ -130,7 +130,7 @@ def test_save_reload_round_trip_one_process(tmp_path, family, reinstalled):
     model.save_pretrained(tmp_path / "saved")
 
     saved_config = json.loads((tmp_path / "saved" / "config.json").read_text())
-    assert saved_config["occult_config"]["placement"] == "occult_placement.json"  # the file beside the weights
+    assert saved_config["occult_config"]["placement"]["layers"] == {str(k): v for k, v in placement.layers.items()}
     assert Placement.load(tmp_path / "saved") == placement
     # the weight files hold exactly what a vanilla model of this class saves
     tiny_model(family, seed=2).save_pretrained(tmp_path / "vanilla")
@@ -139,14 +139,18 @@ def test_save_reload_round_trip_one_process(tmp_path, family, reinstalled):
     with_occult = load(tmp_path / "saved")
     assert is_replaced(with_occult) and occult_config_of(with_occult).placement == placement
     assert rel_err(with_occult(ids).logits, expected) <= TOLERANCE
-    # an edit of the placement file takes effect (it was ignored for a copy inside config.json, and a save wrote
-    # that copy back over the edit), and the next save keeps it
+    # an edit of the placement file alone was ignored without a word (config.json's copy loads): refused, naming
+    # both; the file itself loads when asked for
     edited = Placement(8, 3, {layer: [2 - d for d in placement.device_of(layer)] for layer in placement.layers})
-    edited.save(tmp_path / "saved" / "occult_placement.json")
-    reloaded = load(tmp_path / "saved")
+    (tmp_path / "edited").mkdir()
+    for file in (tmp_path / "saved").iterdir():
+        (tmp_path / "edited" / file.name).write_bytes(file.read_bytes())
+    edited.save(tmp_path / "edited" / "occult_placement.json")
+    with pytest.raises(ValueError, match=r"occult_placement.json' holds another placement than occult_config's own .* "
+                                         r"their expert -> device maps differ at layers \["):
+        load(tmp_path / "edited")
+    reloaded = load(tmp_path / "edited", occult_config={"placement": str(tmp_path / "edited" / "occult_placement.json")})
     assert occult_config_of(reloaded).placement == edited and rel_err(reloaded(ids).logits, expected) <= TOLERANCE
-    reloaded.save_pretrained(tmp_path / "saved")
-    assert Placement.load(tmp_path / "saved") == edited
     without = load(tmp_path / "saved", occult_config=None)
     assert not is_replaced(without) and rel_err(without(ids).logits, expected) <= TOLERANCE
     uninstall()  # plain transformers

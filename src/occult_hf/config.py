@@ -333,6 +333,7 @@ def stored_occult_config(model_config, subfolder: str = "") -> "OccultConfig | N
     if not isinstance(stored, dict):
         raise ValueError(f"{label}: occult_config must be a JSON object, got {type(stored).__name__}")
     _check_pruning_description(saved.get(PRUNING_CONFIG_KEY), stored, label)
+    _check_placement_file(os.path.dirname(config_file), stored.get("placement"), label)
     try:
         return OccultConfig.from_dict(_with_paths_resolved(stored, lambda name: _checkpoint_file(checkpoint, revision, subfolder, name, label)))
     except (TypeError, ValueError) as error:
@@ -361,6 +362,35 @@ def _check_pruning_description(description, stored: dict, label: str) -> None:
                 f"it from occult_config, which is what loads): edit occult_config, or pass occult_config=... to "
                 f"from_pretrained"
             )
+
+
+def _check_placement_file(directory: str, stored, label: str) -> None:
+    """Raise where the checkpoint's `occult_placement.json` holds another placement than the one inline in its
+    `occult_config` (which is what loads, wherever the checkpoint is read from): an edit of the file alone would be
+    ignored without a word, and the next save would write the inline one back over it."""
+    from .placement import PLACEMENT_FILENAME, Placement
+
+    path = os.path.join(directory, PLACEMENT_FILENAME)
+    if not isinstance(stored, dict) or not os.path.isfile(path):
+        return
+    beside, inline = Placement.load(path), Placement.from_dict(stored)
+    if beside != inline:
+        raise ValueError(
+            f"{label}: {path!r} holds another placement than occult_config's own (the one that loads); "
+            f"{_placement_difference(beside, inline)}: put the placement in config.json's occult_config.placement, "
+            f"or pass occult_config={{'placement': {path!r}}} to from_pretrained"
+        )
+
+
+def _placement_difference(beside, inline) -> str:
+    """The first difference of two placements, in words, for the message above."""
+    if (beside.num_experts, beside.num_devices) != (inline.num_experts, inline.num_devices):
+        return (f"the file is for {beside.num_experts} experts on {beside.num_devices} devices, occult_config for "
+                f"{inline.num_experts} on {inline.num_devices}")  # fmt: skip
+    layers = [layer for layer in inline.layers if beside.layers.get(layer) != inline.layers[layer]]
+    if layers or set(beside.layers) != set(inline.layers):
+        return f"their expert -> device maps differ at layers {layers or sorted(set(beside.layers) ^ set(inline.layers))}"
+    return "their replicas or other settings differ"
 
 
 def _checkpoint_config_file(checkpoint: str, revision: str | None, subfolder: str) -> str | None:

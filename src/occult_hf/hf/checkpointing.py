@@ -17,8 +17,8 @@ that needs a gather the other ranks never join fails after `OCCULT_SAVE_TIMEOUT_
 check that they agree on the whole EP configuration (`occult_hf.distributed.agreement`).
 
 A save never tears: every file is first written into a staging directory inside `save_directory` (a
-failure there leaves the previous checkpoint untouched), then published (`_publish`) so that the directory
-loads the previous weights or the new ones whenever the process stops, never a mix: new shards under
+failure there leaves the previous checkpoint untouched), then published (`publish_staged`) so that the
+directory loads the previous weights or the new ones whenever the process stops, never a mix: new shards under
 names no old file has, one file (the index, or a single `model.safetensors`) as the commit point, old
 shards removed after it, `config.json` last.
 """
@@ -171,14 +171,13 @@ def _write(model, state: OccultState, full_experts, save_directory, args, kwargs
         try:
             state.placement.save(os.path.join(staging, PLACEMENT_FILENAME))
             result = type(model).save_pretrained(model, staging, *args, state_dict=state_dict, **kwargs)
-            _name_in_staged_config(staging, placement=PLACEMENT_FILENAME)
             add_pruning_files(state, staging, os.fspath(save_directory))
         except (OSError, SafetensorError) as error:  # a full disk: safetensors names no file, an OSError a staged one
             raise OSError(
                 f"save_pretrained {os.fspath(save_directory)!r}: writing the checkpoint failed, and the files already "
                 f"there are unchanged ({' '.join(str(error).split())[:300]})"
             ) from error
-        _publish(staging, os.fspath(save_directory))
+        publish_staged(staging, os.fspath(save_directory))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return result
@@ -219,20 +218,13 @@ def _bundle_profile(profile, staging: str) -> None:
     """A similarity-pruned model's routing profile (the one its pruners were built from, kept in memory: its file
     may be gone) goes into the checkpoint, and its staged config names it there: a relative path in a
     checkpoint's config names a file of the checkpoint, so the save is whole wherever it is loaded."""
-    if profile is not None:
-        profile.save(os.path.join(staging, PROFILE_FILENAME))
-        _name_in_staged_config(staging, profile=PROFILE_FILENAME)
-
-
-def _name_in_staged_config(staging: str, **files: str) -> None:
-    """The staged `config.json`'s `occult_config` names these files of the checkpoint (field -> file name) instead of
-    holding their content: a relative path in a checkpoint's config names a file of the checkpoint, so the file a
-    user reads or edits beside the weights is the one that loads, and the save is whole wherever it is loaded."""
     config_file = os.path.join(staging, "config.json")
-    if os.path.isfile(config_file):  # transformers wrote one (a save with another save_function may not)
-        saved = read_json_file(config_file, "the staged config")
-        saved["occult_config"] = {**saved["occult_config"], **files}
-        atomic_write_json(config_file, saved, indent=2, sort_keys=True)
+    if profile is None or not os.path.isfile(config_file):
+        return
+    profile.save(os.path.join(staging, PROFILE_FILENAME))
+    saved = read_json_file(config_file, "the staged config")
+    saved["occult_config"] = {**saved["occult_config"], "profile": PROFILE_FILENAME}
+    atomic_write_json(config_file, saved, indent=2, sort_keys=True)
 
 
 def _describe_pruning(config, staging: str, target: str) -> None:
@@ -258,14 +250,14 @@ def describe_in_card(config, staging: str, target: str) -> None:
         atomic_write_text(os.path.join(staging, CARD_FILENAME), strip_pruning_section(existing))
 
 
-#: weight files of a checkpoint: model.safetensors, shards (under transformers' names or the fresh names `_publish`
-#: gives them, `model-<8 hex>-00001-of-00003.safetensors`) and their index
+#: weight files of a checkpoint: model.safetensors, shards (under transformers' names or the fresh names
+#: `publish_staged` gives them, `model-<8 hex>-00001-of-00003.safetensors`) and their index
 _WEIGHT_FILE = re.compile(r"(model|pytorch_model)(-[0-9a-f]{8})?(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?")
 #: the files that decide which weights a directory loads, in transformers' order of preference
 _LOADED_FIRST = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
-def _publish(staging: str, target: str) -> None:
+def publish_staged(staging: str, target: str) -> None:
     """Move a complete save from `staging` into `target` so that `target` loads the old weights or the new ones,
     never a mix, whenever the process stops.
 
