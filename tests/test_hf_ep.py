@@ -397,6 +397,54 @@ def test_a_distributed_checkpoint_loads_back_the_model_that_saved_it(tmp_path):
         assert after == 0.0 and reloaded <= TOLERANCE, (after, reloaded)
 
 
+def _interrupted_save_world(rank, world_size, path, out_dir):
+    """Save twice into `out_dir`; the second time the writing rank fails while writing the weights. Returns rank 0's
+    digests of `out_dir`'s files after the first save and after the failed one, and the logits the directory loads."""
+    import hashlib
+    import os
+
+    import transformers.modeling_utils
+
+    from occult_hf import OccultConfig, apply_occult_ep
+
+    def digests():
+        return {name: hashlib.sha256(open(os.path.join(out_dir, name), "rb").read()).hexdigest()
+                for name in sorted(os.listdir(out_dir)) if os.path.isfile(os.path.join(out_dir, name))}  # fmt: skip
+
+    model = _load_ep(path, ep_size=2, fsdp_size=2)
+    apply_occult_ep(model, OccultConfig(placement=shuffled_placement("olmoe")))
+    model.save_pretrained(out_dir)  # collective
+    found = {"first": digests() if rank == 0 else None}
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.5)  # the second save would write other weights
+    if rank == 0:
+        def full_disk(tensors, filename, *args, **kwargs):  # the disk fills half-way through the weights
+            with open(filename, "wb") as f:
+                f.write(b"\0" * 64)
+            raise OSError(28, "No space left on device")
+
+        transformers.modeling_utils.safe_save_file = full_disk
+    try:
+        model.save_pretrained(out_dir)
+    except Exception as error:  # noqa: BLE001 - what each rank sees is the point
+        found["error"] = type(error).__name__
+    if rank == 0:
+        found["after"] = digests()
+    return found
+
+
+@pytest.mark.world_size(2)
+def test_a_native_ep_save_that_fails_while_writing_leaves_the_earlier_checkpoint_whole(tmp_path):
+    """transformers writes in place: a writer that failed (or died) while writing `model.safetensors` left it truncated
+    beside the new config, and the earlier checkpoint no longer loaded. The save is staged and published."""
+    path = str(tiny_checkpoint("olmoe", tmp_path / "ck", seed=1, num_experts=NUM_EXPERTS))
+    rank0, rank1 = run_world(_interrupted_save_world, 2, path, str(tmp_path / "saved"), env={"OCCULT_SAVE_TIMEOUT_S": "10"},
+                             timeout_s=300)  # fmt: skip
+    assert rank0["error"] == "OSError" and "error" in rank1, (rank0, rank1)
+    assert rank0["after"] == rank0["first"] and "model.safetensors" in rank0["first"]
+
+
 def test_placements_transformers_cannot_shard_are_errors_that_name_the_other_path():
     from occult_hf import Placement
     from occult_hf.hf.native_ep import _check_equal_capacities

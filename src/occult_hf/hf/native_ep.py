@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import shutil
 from dataclasses import replace
 
 import torch
@@ -53,7 +54,7 @@ from torch import nn
 
 from occult_hf.patches import RouterOutput, adapter_for
 
-from .checkpointing import add_pruning_files, new_save_group, record_running_limits
+from .checkpointing import add_pruning_files, new_save_group, publish_staged, record_running_limits
 from .compat import PUSH_UPLOAD_METHOD
 from .hub import upload_described, writes_files
 from ..config import OccultConfig
@@ -514,14 +515,43 @@ def _save_described(model, save_directory, *args, **kwargs):
     reads the same, whole files on every rank."""
     state = state_of(model, TRANSFORMERS_EP)
     record_running_limits(model, state)
-    with _stored_in_original_order(model) if kwargs.get("distributed_checkpoint") else contextlib.nullcontext():
-        result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
-    if kwargs.get("is_main_process", True) and writes_files(state):
-        add_pruning_files(state, os.fspath(save_directory), os.fspath(save_directory))
+    writer = kwargs.get("is_main_process", True) and writes_files(state)
+    if kwargs.get("distributed_checkpoint") or kwargs.get("push_to_hub"):
+        with _stored_in_original_order(model) if kwargs.get("distributed_checkpoint") else contextlib.nullcontext():
+            result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
+        if writer:
+            add_pruning_files(state, os.fspath(save_directory), os.fspath(save_directory))
+    else:
+        result = _save_staged(model, state, os.fspath(save_directory), writer, args, kwargs)
     if state.agreement_group is not None:
         start = functools.partial(dist.barrier, group=state.agreement_group, async_op=True)
         bounded("save_pretrained (the ranks waiting for the writing rank's files)", None, state.save_timeout_s, start)
     return result
+
+
+def _save_staged(model, state, target: str, writer: bool, args, kwargs):
+    """transformers' save into a staging folder inside `target` (every rank joins its gather; the writer writes), then
+    the writer publishes it as the `occult_config` path's save does (`checkpointing.publish_staged`): a process that
+    dies or fails while writing leaves the earlier checkpoint in `target` whole, where transformers writing in place
+    left truncated weights beside a new config. (Sharded `distributed_checkpoint` saves and pushes to the Hub write
+    in place: every rank writes its own shard, and the push uploads the folder it wrote.)"""
+    staging = os.path.join(target, _NATIVE_STAGING)
+    if writer:
+        os.makedirs(target, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)  # a save that died before
+    try:
+        result = type(model).save_pretrained(model, staging, *args, **kwargs)
+        if writer:
+            add_pruning_files(state, staging, target)
+            publish_staged(staging, target)
+    finally:
+        if writer:
+            shutil.rmtree(staging, ignore_errors=True)
+    return result
+
+
+#: the staging folder of a native-EP save inside its target (a dot-folder: no loader reads it)
+_NATIVE_STAGING = ".occult_save-native"
 
 
 @contextlib.contextmanager
