@@ -574,12 +574,15 @@ def _profile_on_ranks(rank, world_size, documents_per_rank):
 
     from occult_hf import OccultConfig, apply_occult
 
-    documents = [tiny_batch(batch=1, seq=12, seed=10 * rank + i)[0].tolist() for i in range(documents_per_rank[rank])]
+    count = documents_per_rank[rank]
+    documents = [tiny_batch(batch=1, seq=12, seed=10 * rank + i)[0].tolist() for i in range(count if count != "bad" else 0)]
+    if count == "bad":
+        documents = [[1, 2, 3], [-5, 6]]  # the second document holds a token id outside the vocabulary
     model = apply_occult(tiny_model("olmoe", seed=4), OccultConfig())
     start = time.monotonic()
     try:
         profile = RoutingProfile.collect(model, documents, batch_size=1, progress=False)
-    except ValueError as error:
+    except (ValueError, RuntimeError) as error:  # RuntimeError: the EP agreement's EPConfigMismatchError
         return {"error": str(error), "seconds": time.monotonic() - start}
     expected = RoutingProfile.collect(tiny_model("olmoe", seed=4), documents, batch_size=1, progress=False)
     return {"same as one process": all(
@@ -597,5 +600,10 @@ def test_collect_under_expert_parallelism_keeps_the_ranks_together():
     env = {"OCCULT_EXCHANGE_TIMEOUT_S": "20"}
     assert run_world(_profile_on_ranks, 2, (2, 2), env=env, timeout_s=300) == [{"same as one process": True}] * 2
     for rank, outcome in enumerate(run_world(_profile_on_ranks, 2, (3, 1), env=env, timeout_s=300)):
-        assert "EP ranks [1] have no data after 1 batches while the others have more" in outcome.get("error", ""), (rank, outcome)
+        assert "ranks [1] have no data after 1 batches while the others have more" in outcome.get("error", ""), (rank, outcome)
         assert outcome["seconds"] < 10, outcome
+    # a rank whose own data fails tells the other, which stops at once naming it
+    rank0, rank1 = run_world(_profile_on_ranks, 2, (3, "bad"), env=env, timeout_s=300)
+    assert "token id -5" in rank1["error"] and rank1["seconds"] < 10, rank1
+    assert "rank 1 of the expert-parallel group failed at collect_routing's next batch" in rank0["error"], rank0
+    assert rank0["seconds"] < 10, rank0

@@ -257,16 +257,12 @@ def collect_routing(
     try:
         with collector, torch.no_grad():
             windows = _windows(documents, tokenizer, max_length, max_tokens, bar, vocab_size, _holder(data, text_column))
-            done = 0
-            for batch in _batches(windows, batch_size):
-                if ep is not None:
-                    _all_ranks_have_a_batch(ep, device, True, done)
+            batches, done = _batches(windows, batch_size), 0
+            while (batch := _next_batch(batches, ep, done)) is not None:
                 input_ids_BS, attention_mask_BS = _pad(batch, pad_id)
                 base(input_ids=input_ids_BS.to(device), attention_mask=attention_mask_BS.to(device), use_cache=False)
                 bar.set_postfix(tokens=collector.token_count)
                 done += 1
-            if ep is not None:
-                _all_ranks_have_a_batch(ep, device, False, done)
     finally:
         bar.close()
         model.train(was_training)
@@ -291,27 +287,35 @@ def _distributed_ep(model: nn.Module):
     return None
 
 
-def _all_ranks_have_a_batch(ep, device: torch.device, has_batch: bool, done: int) -> None:
-    """Under expert parallelism every forward is collective: before each batch (`has_batch`) and after the last one,
-    the ranks compare, host to host, whether they have one more. Ranks whose data runs out at different batches
-    raise together, naming them, instead of the ones with more data waiting out the exchange timeout in a forward
-    no peer joins. Over the ranks' gloo group where `apply_occult` made one, else the EP group on `device`."""
-    from ..distributed.agreement import bounded, join_timeout_s
+#: the ranks' meeting before each batch of `collect_routing` under expert parallelism
+_NEXT_BATCH = "collect_routing's next batch"
 
-    group = ep.host_group if ep.host_group is not None else ep.group
-    device = "cpu" if ep.host_group is not None else device
-    mine = torch.tensor([int(has_batch)], dtype=torch.int64, device=device)
-    every = [torch.empty_like(mine) for _ in range(ep.num_devices)]
-    bounded("collect_routing's agreement on the next batch", None, join_timeout_s(),
-            lambda: torch.distributed.all_gather(every, mine, group=group, async_op=True))  # fmt: skip
-    votes = [int(vote) for vote in torch.cat(every).tolist()]
-    if len(set(votes)) > 1:
-        out = [rank for rank, vote in enumerate(votes) if not vote]
+
+def _next_batch(batches: Iterator, ep, done: int):
+    """The next batch, or None after the last. Under expert parallelism every forward is collective, so the ranks
+    first meet (`distributed.agreement.arrive`, host to host, bounded by `OCCULT_JOIN_TIMEOUT_S`) and compare whether
+    they have one: ranks whose data runs out at different batches raise together, naming them, and a rank whose own
+    data fails (a bad token id, a tokenizer error) tells the others, which raise at once, instead of waiting out the
+    exchange timeout in a forward no peer joins."""
+    from ..distributed.agreement import JOIN_TIMEOUT_ENV, announce_failure, arrive, join_timeout_s
+
+    try:
+        batch = next(batches, None)
+    except Exception as error:
+        if ep is not None:
+            announce_failure(error, _NEXT_BATCH, ep.group)
+        raise
+    if ep is None:
+        return batch
+    votes = arrive(ep.group, _NEXT_BATCH, join_timeout_s(), JOIN_TIMEOUT_ENV, batch is not None)
+    if len(set(votes.values())) > 1:
+        out = [rank for rank, has_batch in sorted(votes.items()) if not has_batch]
         raise ValueError(
-            f"collect_routing under expert parallelism: EP ranks {out} have no data after {done} batches while the "
+            f"collect_routing under expert parallelism: ranks {out} have no data after {done} batches while the "
             f"others have more; every forward is collective, so every rank must profile the same number of batches "
             f"(the same documents and batch_size on every rank, or profile in one process)"
         )
+    return batch
 
 
 def _documents(data, text_column: str, separator: str) -> tuple[Iterable, int | None]:
