@@ -79,15 +79,19 @@ def _expert_grads(rank, world_size, how):
         for module in modules:
             module.ep_grad_norm_carrier.requires_grad_(False)
         model = torch.compile(model, backend="aot_eager")
+    if how == "after autograd.grad":  # fills no .grad, and leaves nothing behind for the next backward
+        torch.autograd.grad(model(input_ids=ids, labels=ids).loss, weights)
+        assert all(weight.grad is None for weight in weights)
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward(inputs=weights) if how == "backward(inputs=)" else loss.backward()
     return [weight.grad.numpy().copy() for weight in weights]
 
 
-@pytest.mark.parametrize("how", ["backward(inputs=)", "frozen carrier, compiled"])
+@pytest.mark.parametrize("how", ["backward(inputs=)", "frozen carrier, compiled", "after autograd.grad"])
 def test_copies_get_the_whole_gradient_without_the_grad_norm_carrier(how):
     """The copies' gradients are summed over the ranks also in a backward that gives the grad-norm carrier no
-    gradient (its hook is what started the sum): before, the replicated slots kept a zero gradient, silently."""
+    gradient (its hook is what started the sum): before, the replicated slots kept a zero gradient, silently. An
+    `autograd.grad` first leaves no `.grad` and nothing for the next backward to add."""
     plain = run_world(_expert_grads, 2, "plain", timeout_s=300)
     taken = run_world(_expert_grads, 2, how, timeout_s=300)
     for rank in range(2):

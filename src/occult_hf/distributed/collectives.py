@@ -157,15 +157,15 @@ def sum_replica_grads(layers: list[nn.Module], group) -> None:
     for layer in layers:
         experts = layer.local_experts
         for index, param in enumerate((experts.gate_up_proj, experts.down_proj)):
-            blocks.append((layer, param, layer.replica_grads.take(index, param)))
-    flat = torch.cat([pending.reshape(-1) for _, _, pending in blocks])
+            blocks.append((layer, param, *layer.replica_grads.take(index, param)))
+    flat = torch.cat([pending.reshape(-1) for _, _, pending, _ in blocks])
     dist.all_reduce(flat, group=group)
     offset = 0
-    for layer, param, pending in blocks:
+    for layer, param, pending, accumulated in blocks:
         total = flat[offset : offset + pending.numel()].view_as(pending)
         offset += pending.numel()
         layout = layer.layout.to(param.device)
-        if len(layout.replica_slots) == 0 or not param.requires_grad:
+        if len(layout.replica_slots) == 0 or not param.requires_grad or not accumulated:  # not: `autograd.grad`
             continue
         if param.grad is None:
             param.grad = torch.zeros_like(param)

@@ -10,7 +10,8 @@ then computes the same `earlier + sum` from the same bits, also over several bac
 and with more than two copies, where adding the other copies' part to each rank's own would round differently
 on each rank and the copies would drift apart.
 
-`torch.autograd.grad` does not fill `.grad`: the gradients it returns lack the replicated slots.
+`torch.autograd.grad` does not fill `.grad`: the gradients it returns lack the replicated slots, and their
+sum over the ranks goes nowhere (a `.grad` only gets it from a backward that accumulated into it).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ class ReplicaGradients:
     Built for a layer whose `layout` (EP, `num_replicated > 0`) and local expert parameters (`[L, ...]`,
     slot order) are given; registers a gradient hook on each parameter that needs one, which also calls
     `queue_sum` (the model's `GradNormCarrier.queue`: the sum over ranks once the backward has finished).
-    `pending[i]` is the contribution to weight `i` (0: gate_up, 1: down) since the last `take(i)`.
+    `pending[i]` is the contribution to weight `i` (0: gate_up, 1: down) since the last `take(i)`, `accumulated[i]`
+    whether a backward accumulated into its `.grad` since then.
     """
 
     def __init__(
@@ -39,9 +41,14 @@ class ReplicaGradients:
         self.layout = layout
         self.queue_sum = queue_sum
         self.pending: list[torch.Tensor | None] = [None, None]
+        self.accumulated = [False, False]
         for index, weight in enumerate(weights):
             if weight.requires_grad:
                 weight.register_hook(partial(self.record, index))
+                weight.register_post_accumulate_grad_hook(partial(self._mark_accumulated, index))
+
+    def _mark_accumulated(self, index: int, weight: nn.Parameter) -> None:
+        self.accumulated[index] = True
 
     @property
     def num_replicated(self) -> int:
@@ -62,12 +69,14 @@ class ReplicaGradients:
         self.queue_sum()
         return grad_L.index_fill(0, layout.replica_slots, 0)
 
-    def take(self, index: int, like: torch.Tensor) -> torch.Tensor:
-        """The contribution to weight `index` since the last take (zeros shaped for `like` when none), then reset."""
+    def take(self, index: int, like: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """`(contribution to weight index since the last take, whether a backward accumulated into its .grad since)`
+        (zeros shaped for `like` when none), then reset."""
         pending, self.pending[index] = self.pending[index], None
+        accumulated, self.accumulated[index] = self.accumulated[index], False
         if pending is None:
             pending = torch.zeros((self.num_replicated, *like.shape[1:]), dtype=torch.float32, device=like.device)
-        return pending
+        return pending, accumulated
 
 
 __all__ = ["ReplicaGradients"]
