@@ -147,6 +147,21 @@ def test_a_changing_token_count_compiles_once_more_not_every_step():
     assert len(compiles) == 2, f"{len(compiles)} compilations for 5 steps of different token counts"
 
 
+def test_cpu_autocast_leaves_the_experts_in_their_dtype_eager_and_compiled_as_stock():
+    """Under `torch.autocast("cpu", bfloat16)` stock's grouped GEMMs and occult's compiled operator run the experts in
+    fp32; eager occult ran the portable reference through autocast, in bf16 (logits up to 4e-3 off stock's)."""
+    input_ids = tiny_batch(batch=2, seq=12, seed=1)
+    stock = tiny_model("olmoe").eval()
+    model = apply_occult(tiny_model("olmoe").eval(), OccultConfig(num_devices=2))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = stock(input_ids=input_ids).logits
+        eager = model(input_ids=input_ids).logits
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)(input_ids=input_ids).logits
+    torch.testing.assert_close(eager, expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-6)
+
+
 def test_dynamic_compile_does_not_tie_the_expert_count_to_an_input_size():
     """`dynamic=True` with a first sequence as long as the experts are many (8): the placement's tensors were symbolic,
     so dynamo tied E to the sequence length and compiled once more than stock; now as often as stock."""

@@ -115,7 +115,8 @@ def _torch_backend(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_L
     if grouped_mm_supported(x_RH, gate_up_proj_L2IH, down_proj_LHI):
         return expert_mlp_grouped_mm(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn)
     if not compiling:
-        return expert_mlp_reference(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn)
+        with torch.autocast(x_RH.device.type, enabled=False):  # as its operator and the grouped GEMMs: no autocast
+            return expert_mlp_reference(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, act_fn)
     if triton_supports(act_fn):
         activation = activation_name(act_fn)
         return expert_mlp_reference_op(x_RH, segments, pair_weight_N, gate_up_proj_L2IH, down_proj_LHI, activation)
