@@ -162,6 +162,23 @@ def test_cpu_autocast_leaves_the_experts_in_their_dtype_eager_and_compiled_as_st
     torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-6)
 
 
+def test_an_exported_pruned_model_runs_at_other_token_counts():
+    """`torch.export` with dynamic batch and sequence of a model with router pruning: the pruner's token tally made
+    a tensor of the traced token count, which fixed it (a guard failed at any other shape)."""
+    from torch.export import Dim
+
+    model = tiny_model("olmoe", output_router_logits=False).eval()
+    apply_occult(model, OccultConfig(num_devices=2, prune="router", max_devices_per_token=1))
+    shapes = {"input_ids": {0: Dim("batch", min=1, max=8), 1: Dim("seq", min=2, max=64)}, "use_cache": None}
+    exported = torch.export.export(
+        model, (), {"input_ids": tiny_batch(batch=2, seq=12, seed=1), "use_cache": False}, strict=False, dynamic_shapes=shapes
+    ).module()
+    input_ids = tiny_batch(batch=3, seq=7, seed=2)
+    with torch.no_grad():
+        expected = model(input_ids=input_ids).logits
+    torch.testing.assert_close(exported(input_ids=input_ids, use_cache=False).logits, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_dynamic_compile_does_not_tie_the_expert_count_to_an_input_size():
     """`dynamic=True` with a first sequence as long as the experts are many (8): the placement's tensors were symbolic,
     so dynamo tied E to the sequence length and compiled once more than stock; now as often as stock."""

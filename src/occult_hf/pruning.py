@@ -482,7 +482,8 @@ class CollaborationPruner:
         weights_Tk = routing.topk_weights_Tk.detach().double()
         outside_Tk = ~allowed_TE.gather(1, ids_Tk)
         removed_T = (weights_Tk * outside_Tk).sum(1) / weights_Tk.sum(1).clamp_min(torch.finfo(torch.float64).tiny)
-        self._sums_3 += torch.stack([removed_T.new_tensor(ids_Tk.shape[0]), removed_T.sum(), outside_Tk.any(1).sum().double()])
+        tokens = torch.ones_like(removed_T).sum()  # not new_tensor(T): a traced T would be fixed at its traced value
+        self._sums_3 += torch.stack([tokens, removed_T.sum(), outside_Tk.any(1).sum().double()])
 
     def _record_aux_logits(self, routing: RouterOutput, aux_logits_TE: torch.Tensor) -> None:
         if not replace_recorded_router_logits(routing.logits_TE, aux_logits_TE) and not self._warned_recording:
