@@ -434,6 +434,56 @@ def _interrupted_save_world(rank, world_size, path, out_dir):
     return found
 
 
+def _interrupted_optimizer_save_world(rank, world_size, path, out_dir):
+    """Save the optimizer after step 1 and again after step 2, rank 1 failing while it writes its shard; returns rank 0's
+    digests of the folder after each, the steps the folder then loads, and what a folder of other files gets."""
+    import hashlib
+    import os
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from occult_hf.hf.native_ep import load_optimizer, reshard, save_optimizer
+
+    def digests():
+        return {name: hashlib.sha256(open(os.path.join(out_dir, name), "rb").read()).hexdigest() for name in sorted(os.listdir(out_dir))}
+
+    model = _load_ep(path, ep_size=2, fsdp_size=2)
+    optimizer = torch.optim.AdamW(reshard(model).parameters(), lr=RESUME_LR)
+    _adamw_step(model, optimizer, tiny_batch(seed=800 + rank))
+    save_optimizer(model, optimizer, out_dir)
+    found = {"first": digests() if rank == 0 else None}
+    _adamw_step(model, optimizer, tiny_batch(seed=900 + rank))
+    if rank == 1:
+        def full_disk(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        FileSystemWriter.write_data = full_disk
+    try:
+        save_optimizer(model, optimizer, out_dir)
+    except BaseException as error:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        found["error"] = type(error).__name__
+    found["after"] = digests() if rank == 0 else None
+    load_optimizer(model, optimizer, out_dir)  # over its own state of step 2
+    found["steps"] = sorted({float(state["step"]) for state in optimizer.state_dict()["state"].values()})
+    try:
+        save_optimizer(model, optimizer, os.path.dirname(path))  # the checkpoint's own folder
+    except ValueError as error:
+        found["own folder"] = str(error)
+    return found
+
+
+@pytest.mark.world_size(2)
+def test_a_native_ep_optimizer_save_that_fails_while_writing_leaves_the_earlier_one_whole(tmp_path):
+    """DCP writes in place: a rank that failed while writing its shard left the other rank's new shard beside its old
+    one and the old metadata, and `load_optimizer` loaded the mix (steps 1 and 2) without a word."""
+    path = str(tiny_checkpoint("olmoe", tmp_path / "ck" / "model", seed=1, num_experts=NUM_EXPERTS))
+    rank0, rank1 = run_world(_interrupted_optimizer_save_world, 2, path, str(tmp_path / "optimizer"), timeout_s=300)
+    assert "error" in rank0 and "error" in rank1, (rank0, rank1)
+    assert rank0["after"] == rank0["first"] and rank0["steps"] == rank1["steps"] == [1.0], (rank0, rank1)
+    for found in (rank0, rank1):
+        assert "save_optimizer replaces" in found["own folder"] and "holds other files" in found["own folder"], found
+
+
 @pytest.mark.world_size(2)
 def test_a_native_ep_save_that_fails_while_writing_leaves_the_earlier_checkpoint_whole(tmp_path):
     """transformers writes in place: a writer that failed (or died) while writing `model.safetensors` left it truncated

@@ -609,16 +609,58 @@ def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, directory
     torch DCP, each rank its shard). The experts' optimizer state is saved as stored, in placement order;
     the order is written beside it (`occult_expert_order.json`, `{layer: [expert id at each stored
     position]}`) and `load_optimizer` checks it, so that state is never loaded into another placement.
+
+    The state is written into `<directory>.occult-staging` and moved in place of `directory` only once every rank has
+    written its shard: a rank that fails or dies while writing leaves an earlier save in `directory` whole, where DCP
+    writing in place left one rank's new shard beside the others' old ones, which loaded as one state. `directory`
+    is replaced whole, so it must hold nothing but an optimizer save.
     """
     from transformers.distributed.checkpoint import save_optimizer_distributed
 
+    directory = os.fspath(directory)
+    staging = f"{directory}.occult-staging"
+    writer = not dist.is_initialized() or dist.get_rank() == 0
+    _check_holds_only_an_optimizer_save(directory)  # on every rank: one that raised alone would leave the others waiting
+    if writer:
+        shutil.rmtree(staging, ignore_errors=True)  # a save that died before
+    _barrier()
     reshard(model)
-    save_optimizer_distributed(model, optimizer, str(directory))
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    save_optimizer_distributed(model, optimizer, staging)
+    if writer:
         orders = {str(layer): impl.expert_order for layer, impl in occult_ep_layers(model).items()}
-        atomic_write_json(os.path.join(directory, EXPERT_ORDER_FILE), orders)
+        atomic_write_json(os.path.join(staging, EXPERT_ORDER_FILE), orders)
+    _barrier()  # every shard is written
+    if writer:
+        _replace_folder(staging, directory)
+    _barrier()
+
+
+def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _check_holds_only_an_optimizer_save(directory: str) -> None:
+    """`save_optimizer` replaces `directory` whole: refuse one that holds anything else (a checkpoint's own folder)."""
+    if not os.path.isdir(directory):
+        return
+    other = sorted(n for n in os.listdir(directory) if not (n.endswith(".distcp") or n in (".metadata", EXPERT_ORDER_FILE)))
+    if other:
+        raise ValueError(
+            f"save_optimizer replaces {directory!r} whole, and it holds other files ({', '.join(other[:5])}): "
+            f"give the optimizer state a folder of its own (e.g. os.path.join(checkpoint, 'optimizer'))"
+        )
+
+
+def _replace_folder(staging: str, directory: str) -> None:
+    """Put the complete save `staging` in place of `directory`: the old folder is moved aside, the new one renamed in,
+    the old one removed (an interruption in between leaves it as `<directory>.occult-replaced`)."""
+    replaced = f"{directory}.occult-replaced"
+    shutil.rmtree(replaced, ignore_errors=True)
+    if os.path.isdir(directory):
+        os.rename(directory, replaced)
+    os.rename(staging, directory)
+    shutil.rmtree(replaced, ignore_errors=True)
 
 
 def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, directory) -> None:
