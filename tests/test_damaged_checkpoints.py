@@ -51,6 +51,19 @@ def _copy(saved_run, tmp_path):
     return tmp_path / "run"
 
 
+def _resume_from_the_last_complete(run):
+    """`train(resume_from_checkpoint=True)` on `run`, checkpoint-1's log marked first so that a resume from it tells
+    from a fresh run; returns the skip warnings logged and the trainer."""
+    state_file = run / "checkpoint-1" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state["log_history"][0]["restored_from"] = "checkpoint-1"
+    state_file.write_text(json.dumps(state))
+    resumed = _trainer(run, steps=2)
+    with occult_records() as records:
+        resumed.train(resume_from_checkpoint=True)
+    return [r.getMessage() for r in records if r.levelno == logging.WARNING and "skipping" in r.getMessage()], resumed
+
+
 @pytest.mark.parametrize("damage", ["removed", "truncated"])
 def test_a_rank_file_changed_after_the_save_makes_the_checkpoint_unusable(saved_run, tmp_path, damage):
     from occult_hf.hf.trainer import last_complete_checkpoint
@@ -72,16 +85,8 @@ def test_a_rank_file_changed_after_the_save_makes_the_checkpoint_unusable(saved_
         _trainer(run, steps=2).train(resume_from_checkpoint=str(run / "checkpoint-2"))
     assert said in str(by_path.value) and "resume from" in str(by_path.value) and "checkpoint-1', the last complete one" in str(by_path.value)
 
-    state_file = run / "checkpoint-1" / "trainer_state.json"
-    state = json.loads(state_file.read_text())
-    state["log_history"][0]["restored_from"] = "checkpoint-1"  # tells a resume from checkpoint-1 from a fresh run
-    state_file.write_text(json.dumps(state))
-    resumed = _trainer(run, steps=2)
-    with occult_records() as records:
-        resumed.train(resume_from_checkpoint=True)
-    assert [r.getMessage() for r in records if r.levelno == logging.WARNING and "skipping" in r.getMessage()] == [
-        f"occult_hf: skipping {run / 'checkpoint-2'}: its rank files changed after the save: {said}"
-    ]
+    skipped, resumed = _resume_from_the_last_complete(run)
+    assert skipped == [f"occult_hf: skipping {run / 'checkpoint-2'}: its rank files changed after the save: {said}"]
     assert [(log["step"], log.get("restored_from")) for log in resumed.state.log_history if "loss" in log] == [(1, "checkpoint-1"), (2, None)]
 
 
@@ -170,13 +175,6 @@ def test_a_run_resumes_past_a_damaged_status_file(saved_run, tmp_path):
     message = _refused_resume(run, "checkpoint-2")
     assert message.startswith(f"resume_from_checkpoint='{run / 'checkpoint-2'}': the checkpoint cannot be resumed, {why}"), message
     assert message.endswith(f"resume from '{run / 'checkpoint-1'}', the last complete one"), message
-    state_file = run / "checkpoint-1" / "trainer_state.json"
-    state = json.loads(state_file.read_text())
-    state["log_history"][0]["restored_from"] = "checkpoint-1"  # tells a resume from checkpoint-1 from a fresh run
-    state_file.write_text(json.dumps(state))
-    resumed = _trainer(run, steps=2)
-    with occult_records() as records:
-        resumed.train(resume_from_checkpoint=True)
-    skipped = [r.getMessage() for r in records if r.levelno == logging.WARNING and "skipping" in r.getMessage()]
+    skipped, resumed = _resume_from_the_last_complete(run)
     assert len(skipped) == 1 and skipped[0].startswith(f"occult_hf: skipping {run / 'checkpoint-2'}: {why}"), skipped
     assert [(log["step"], log.get("restored_from")) for log in resumed.state.log_history if "loss" in log] == [(1, "checkpoint-1"), (2, None)]
