@@ -2,8 +2,8 @@
 `torch.cuda.set_sync_debug_mode("error")`: on a GPU each such read waits for the device).
 
 Two frames may read: `expert_mlp_reference`, the CPU specification of the expert kernels, reads its segment offsets
-on purpose (the GPU kernels do not); `StaticDispatcher.group_tokens` reads the ranks' token counts and row formats
-gathered over the host (gloo) group, CPU tensors that are never on a device.
+on purpose (the GPU kernels do not); the static dispatchers' `_gather_on_host` reads the ranks' token counts and row
+formats gathered over the host (gloo) group, CPU tensors that are never on a device.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 #: the Tensor methods that read a tensor's data on the host
 HOST_READS = ("tolist", "item", "nonzero", "__bool__", "__int__", "__float__")
 #: the functions whose own reads are allowed (see the module docstring)
-ALLOWED_FRAMES = ("expert_mlp_reference", "group_tokens")
+ALLOWED_FRAMES = ("expert_mlp_reference", "_gather_on_host")
 
 
 @contextlib.contextmanager

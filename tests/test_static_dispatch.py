@@ -41,7 +41,7 @@ def _case(seed, num_tokens, num_experts, top_k, world):
     return x, ids, w, gate_up, down, upstream
 
 
-def _vdev_like(dispatcher, block, counts_D, out_rows, agree=False):
+def _vdev_like(dispatcher, block, counts_D, out_rows, agree=None):
     """What `all_to_all_vdev` does, over gloo: split sizes from device memory, rows packed by source,
     the rest of the receive buffer stale (NaN bytes)."""
     recv_counts = torch.empty_like(counts_D)

@@ -129,12 +129,8 @@ class StaticDispatcher(TokenDispatcher):
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return num_tokens
         stamp = row_format.stamp()
-        mine = torch.tensor([num_tokens, *stamp], dtype=torch.int64)
-        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(host_group))]
         what = "agreement on the most tokens per rank (the static capacities)"
-        work = self._collective(what, dist.all_gather, every, mine, group=host_group, async_op=True)
-        self._wait(work, what, on_host=True)
-        rows = torch.stack(every).tolist()  # CPU tensors of the host group: no device read
+        rows = _gather_on_host([num_tokens, *stamp], host_group, self.timeout_s, self.layer, what)
         check_stamps(self.layer, [row[1:] for row in rows], stamp)
         return max(row[0] for row in rows)
 
@@ -187,11 +183,11 @@ class StaticDispatcher(TokenDispatcher):
         return send_layout(dest_Tk, local_Tk, weights_Tk, self.ep.num_devices, self.mode)
 
     # ----- the transport -------------------------------------------------------------------------
-    def exchange(self, block: torch.Tensor, counts_D: torch.Tensor, out_rows: int, agree: bool = False):
+    def exchange(self, block: torch.Tensor, counts_D: torch.Tensor, out_rows: int, agree: list[int] | None = None):
         """Move the rows of `[rows, U]` uint8 `block` (`counts_D[d]` rows for device d, laid out as
         `row_layout` says); returns `([out_rows, U] received block, [D] received counts or None)`. `agree`: the
-        forward dispatch of a step whose capacities no agreement sized (`group_tokens` under compile): first check
-        that every rank's `out_rows` is the same, where the transport can."""
+        row format's stamp, in the forward dispatch of a step whose capacities no agreement sized (`group_tokens`
+        under compile): first check that every rank has the same `out_rows` and format, where the transport can."""
         raise NotImplementedError
 
 
@@ -218,7 +214,8 @@ class _StaticDispatchExchange(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_OH, weight_OW, slot_OW, dispatcher: StaticDispatcher, row_format: RowFormat, send_counts_D, capacity_R):
-        agree = torch.compiler.is_compiling()  # traced: each rank's own T sized the capacities (`group_tokens`)
+        # traced: each rank's own T sized the capacities (`group_tokens`), which the exchange checks with the format
+        agree = list(row_format.stamp()) if torch.compiler.is_compiling() else None
         block_RU, recv_counts_D = dispatcher.exchange(
             row_format.pack(x_OH, slot_OW, weight_OW), send_counts_D, capacity_R, agree=agree
         )
@@ -273,26 +270,28 @@ class PaddedDispatcher(StaticDispatcher):
     def supports(cls, ep, device=None) -> bool:
         return ep.is_distributed
 
-    def exchange(self, block, counts_D, out_rows, agree=False):
-        host_group = self.ep.host_group.group_name if agree and self.ep.host_group is not None else ""
+    def exchange(self, block, counts_D, out_rows, agree=None):
+        check = agree is not None and self.ep.host_group is not None
         exchanged = torch.ops.occult.exchange_equal_splits(
-            block.contiguous(), out_rows, self.ep.group.group_name, host_group, self.timeout_s, self.layer
-        )
+            block.contiguous(), out_rows, self.ep.group.group_name, self.ep.host_group.group_name if check else "",
+            agree if check else [], self.timeout_s, self.layer,
+        )  # fmt: skip
         return exchanged, None
 
 
 @torch.library.custom_op("occult::exchange_equal_splits", mutates_args=())
 def _exchange_equal_splits(
-    block_OU: torch.Tensor, out_rows: int, group_name: str, host_group_name: str, timeout_s: float, layer: str
+    block_OU: torch.Tensor, out_rows: int, group_name: str, host_group_name: str, stamp: list[int], timeout_s: float,
+    layer: str,
 ) -> torch.Tensor:
     """`[out_rows, U]`: rank r's `block_OU` rows `[d * O/D, (d + 1) * O/D)` go to rank d (one `all_to_all_single`
     over the process group named `group_name`). An operator, so that a compiled graph holds the exchange whole
     (its fake gives the static shape) instead of breaking at the collective. CPU rows (gloo) wait at most
     `timeout_s` on the host, else an `ExchangeError` naming `layer`; CUDA rows wait on the stream (the flat exchange's
     rule, `TokenDispatcher._wait`). With `host_group_name` (a gloo group of the same ranks), the ranks first compare
-    their `out_rows` there (`_check_equal_capacity`)."""
+    their `out_rows` and row format (`stamp`) there (`_check_equal_capacity`)."""
     if host_group_name and not (block_OU.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _check_equal_capacity(out_rows, _resolve_process_group(host_group_name), timeout_s, layer)
+        _check_equal_capacity(out_rows, stamp, _resolve_process_group(host_group_name), timeout_s, layer)
     out_RU = block_OU.new_empty((out_rows, block_OU.shape[1]))
     work = dist.all_to_all_single(out_RU, block_OU, group=_resolve_process_group(group_name), async_op=True)
     try:
@@ -303,24 +302,37 @@ def _exchange_equal_splits(
 
 
 @_exchange_equal_splits.register_fake
-def _(block_OU: torch.Tensor, out_rows: int, group_name: str, host_group_name: str, timeout_s: float, layer: str) -> torch.Tensor:
+def _(
+    block_OU: torch.Tensor, out_rows: int, group_name: str, host_group_name: str, stamp: list[int], timeout_s: float,
+    layer: str,
+) -> torch.Tensor:
     return block_OU.new_empty((out_rows, block_OU.shape[1]))
 
 
-def _check_equal_capacity(out_rows: int, host_group, timeout_s: float, layer: str) -> None:
-    """Raise on every rank unless all pass the same receive capacity, before the equal-split exchange: a compiled
-    step sizes it from the rank's own token count, and ranks whose counts differ would post exchanges of different
-    sizes, which gloo answers by aborting the process and NCCL by reading past the rows sent. Host to host (the
-    ranks' gloo group): no device synchronisation; the capture of a CUDA graph skips it (its replays could not
-    repeat it)."""
-    mine = torch.tensor([out_rows], dtype=torch.int64)
+def _gather_on_host(values: list[int], host_group, timeout_s: float, layer: str, what: str) -> list[list[int]]:
+    """Every rank's `values` (ints), all-gathered over the ranks' gloo group `host_group`: host to host, no device
+    synchronisation; `ExchangeError` naming `layer` and `what` when it cannot start or outlives `timeout_s`."""
+    mine = torch.tensor(values, dtype=torch.int64)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(host_group))]
-    work = dist.all_gather(every, mine, group=host_group, async_op=True)
+    try:
+        work = dist.all_gather(every, mine, group=host_group, async_op=True)
+    except RuntimeError as error:
+        raise ExchangeError(f"{layer}: the {what} could not start: {error}") from error
     try:
         work.wait(timeout=timedelta(seconds=timeout_s))
     except RuntimeError as error:
-        raise exchange_timeout_error(layer, "check of the compiled step's capacities", timeout_s, error) from error
-    rows = [int(row) for row in torch.cat(every).tolist()]
+        raise exchange_timeout_error(layer, what, timeout_s, error) from error
+    return torch.stack(every).tolist()
+
+
+def _check_equal_capacity(out_rows: int, stamp: list[int], host_group, timeout_s: float, layer: str) -> None:
+    """Raise on every rank unless all pass the same receive capacity and row format, before the equal-split exchange:
+    a compiled step sizes it from the rank's own token count, and ranks whose counts differ would post exchanges of
+    different sizes, which gloo answers by aborting the process and NCCL by reading past the rows sent. The
+    capture of a CUDA graph skips it (its replays could not repeat it)."""
+    gathered = _gather_on_host([out_rows, *stamp], host_group, timeout_s, layer, "check of the compiled step's capacities")
+    check_stamps(layer, [row[1:] for row in gathered], stamp)
+    rows = [row[0] for row in gathered]
     if len(set(rows)) > 1:
         raise ExchangeError(
             f"{layer}: a compiled forward under expert parallelism needs the same number of tokens on every EP rank "
@@ -430,7 +442,7 @@ class SymmMemDispatcher(StaticDispatcher):
             and nvshmem_usable()
         )
 
-    def exchange(self, block, counts_D, out_rows, agree=False):  # `agree` unchecked: see docs/runtime.md
+    def exchange(self, block, counts_D, out_rows, agree=None):  # `agree` unchecked: see docs/runtime.md
         device = block.device
         if torch.cuda.current_device() != device.index:
             raise RuntimeError(
