@@ -286,10 +286,11 @@ def test_no_module_imports_its_own_package():
     assert not wrong, "submodules importing their own package's __init__:\n" + "\n".join(wrong)
 
 
-#: what `config` may import: the name registry, the input checks, the JSON reader and writer, and the placement data
-#: class it parses
+#: what `config` may import: the name registry, the input checks, the JSON reader and writer, the package's logger,
+#: and the placement data class it parses
 CONFIG_IMPORTS = {"occult_hf.registry", "occult_hf.utils", "occult_hf.utils.checks", "occult_hf.utils.strict_json",
-                  "occult_hf.utils.atomic", "occult_hf.placement", "occult_hf.placement.placement"}  # fmt: skip
+                  "occult_hf.utils.atomic", "occult_hf.utils.logging", "occult_hf.placement",
+                  "occult_hf.placement.placement"}  # fmt: skip
 
 
 def test_config_is_a_leaf():

@@ -17,7 +17,10 @@ from typing import Any
 
 from .registry import DISPATCH_MODES, DISPATCHERS, EXPERT_BACKENDS, PRUNING_POLICIES, REPLICA_CHOICES
 from .utils.checks import check_devices_per_node, check_num_devices, check_timeout_s, did_you_mean
+from .utils.logging import get_logger
 from .utils.strict_json import read_json_file
+
+logger = get_logger(__name__)
 _MISSING = object()
 
 
@@ -365,9 +368,10 @@ def _check_pruning_description(description, stored: dict, label: str) -> None:
 
 
 def _check_placement_file(directory: str, stored, label: str) -> None:
-    """Raise where the checkpoint's `occult_placement.json` holds another placement than the one inline in its
-    `occult_config` (which is what loads, wherever the checkpoint is read from): an edit of the file alone would be
-    ignored without a word, and the next save would write the inline one back over it."""
+    """Warn where the checkpoint's `occult_placement.json` holds another placement than the one inline in its
+    `occult_config`, which is what loads: a hand edit of the file alone would otherwise be ignored without a word (and
+    the next save would write the inline one back over it). A warning, not an error: a save interrupted while it
+    publishes leaves the new file beside the old config for a moment, and that checkpoint must still load."""
     from .placement import PLACEMENT_FILENAME, Placement
 
     path = os.path.join(directory, PLACEMENT_FILENAME)
@@ -375,10 +379,10 @@ def _check_placement_file(directory: str, stored, label: str) -> None:
         return
     beside, inline = Placement.load(path), Placement.from_dict(stored)
     if beside != inline:
-        raise ValueError(
-            f"{label}: {path!r} holds another placement than occult_config's own (the one that loads); "
-            f"{_placement_difference(beside, inline)}: put the placement in config.json's occult_config.placement, "
-            f"or pass occult_config={{'placement': {path!r}}} to from_pretrained"
+        logger.warning(
+            "occult_hf: %s: %r holds another placement than occult_config's own, which is the one that loads (%s); to "
+            "run the file's, put it in config.json's occult_config.placement or pass occult_config={'placement': %r} "
+            "to from_pretrained", label, path, _placement_difference(beside, inline), path,
         )
 
 
