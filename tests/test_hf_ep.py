@@ -453,6 +453,7 @@ def _interrupted_optimizer_save_world(rank, world_size, path, out_dir):
     save_optimizer(model, optimizer, out_dir)
     found = {"first": digests() if rank == 0 else None}
     _adamw_step(model, optimizer, tiny_batch(seed=900 + rank))
+    write_data = FileSystemWriter.write_data
     if rank == 1:
         def full_disk(*args, **kwargs):
             raise OSError(28, "No space left on device")
@@ -462,9 +463,15 @@ def _interrupted_optimizer_save_world(rank, world_size, path, out_dir):
         save_optimizer(model, optimizer, out_dir)
     except BaseException as error:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         found["error"] = type(error).__name__
+    FileSystemWriter.write_data = write_data
     found["after"] = digests() if rank == 0 else None
     load_optimizer(model, optimizer, out_dir)  # over its own state of step 2
     found["steps"] = sorted({float(state["step"]) for state in optimizer.state_dict()["state"].values()})
+    _adamw_step(model, optimizer, tiny_batch(seed=950 + rank))
+    save_optimizer(model, optimizer, out_dir + "/")  # a trailing slash put the staging folder inside the folder
+    load_optimizer(model, optimizer, out_dir)
+    found["steps after a save to a path with a slash"] = sorted({float(v["step"]) for v in optimizer.state_dict()["state"].values()})
+    found["folders beside"] = sorted(os.listdir(os.path.dirname(out_dir)))
     try:
         save_optimizer(model, optimizer, os.path.dirname(path))  # the checkpoint's own folder
     except ValueError as error:
@@ -480,6 +487,7 @@ def test_a_native_ep_optimizer_save_that_fails_while_writing_leaves_the_earlier_
     rank0, rank1 = run_world(_interrupted_optimizer_save_world, 2, path, str(tmp_path / "optimizer"), timeout_s=300)
     assert "error" in rank0 and "error" in rank1, (rank0, rank1)
     assert rank0["after"] == rank0["first"] and rank0["steps"] == rank1["steps"] == [1.0], (rank0, rank1)
+    assert rank0["steps after a save to a path with a slash"] == [2.0] and rank0["folders beside"] == ["ck", "optimizer"], rank0
     for found in (rank0, rank1):
         assert "save_optimizer replaces" in found["own folder"] and "holds other files" in found["own folder"], found
 

@@ -60,7 +60,7 @@ from .hub import upload_described, writes_files
 from ..config import OccultConfig
 from ..dispatch import DispatchSettings, ExpertParallelGroup, TokenDispatcher, TokenRouting, build_dispatcher
 from ..dispatch.group import resolve_devices_per_node
-from ..distributed.agreement import bounded, effective_setup, save_timeout_s
+from ..distributed.agreement import SAVE_TIMEOUT_ENV, announce_failure, arrive, bounded, effective_setup, save_timeout_s
 from ..experts import local_experts
 from ..placement import Placement
 from ..layout import LayerLayout
@@ -617,27 +617,31 @@ def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, directory
     """
     from transformers.distributed.checkpoint import save_optimizer_distributed
 
-    directory = os.fspath(directory)
+    directory = os.path.normpath(os.fspath(directory))  # "opt/" would put the staging folder inside "opt"
     staging = f"{directory}.occult-staging"
     writer = not dist.is_initialized() or dist.get_rank() == 0
     _check_holds_only_an_optimizer_save(directory)  # on every rank: one that raised alone would leave the others waiting
     if writer:
         shutil.rmtree(staging, ignore_errors=True)  # a save that died before
-    _barrier()
-    reshard(model)
-    save_optimizer_distributed(model, optimizer, staging)
-    if writer:
-        orders = {str(layer): impl.expert_order for layer, impl in occult_ep_layers(model).items()}
-        atomic_write_json(os.path.join(staging, EXPERT_ORDER_FILE), orders)
-    _barrier()  # every shard is written
-    if writer:
-        _replace_folder(staging, directory)
-    _barrier()
-
-
-def _barrier() -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier()  # nobody writes into the staging folder before it is empty
+    reshard(model)
+    save_optimizer_distributed(model, optimizer, staging)  # collective: it returns once every rank has written
+    if writer:
+        try:
+            orders = {str(layer): impl.expert_order for layer, impl in occult_ep_layers(model).items()}
+            atomic_write_json(os.path.join(staging, EXPERT_ORDER_FILE), orders)
+            _replace_folder(staging, directory)
+        except Exception as error:  # the other ranks wait below: tell them
+            if dist.is_initialized():
+                announce_failure(error, _OPTIMIZER_PUBLISHED)
+            raise
+    if dist.is_initialized():
+        arrive(None, _OPTIMIZER_PUBLISHED, save_timeout_s(), SAVE_TIMEOUT_ENV)
+
+
+#: the ranks' meeting once the writing rank has put an optimizer save in place
+_OPTIMIZER_PUBLISHED = "save_optimizer's folder"
 
 
 def _check_holds_only_an_optimizer_save(directory: str) -> None:
