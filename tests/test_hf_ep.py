@@ -375,6 +375,7 @@ def _distributed_checkpoint_world(rank, world_size, path, out_dir):
     """Logits of a shuffled-placement model before and after `save_pretrained(distributed_checkpoint=True)`, and of the
     model loaded back from it."""
     from occult_hf import OccultConfig, apply_occult_ep
+    from occult_hf.hf.native_ep import reshard
 
     model = _load_ep(path, ep_size=2, fsdp_size=2)
     apply_occult_ep(model, OccultConfig(placement=shuffled_placement("qwen2_moe")))
@@ -384,17 +385,24 @@ def _distributed_checkpoint_world(rank, world_size, path, out_dir):
         model.save_pretrained(out_dir, distributed_checkpoint=True)  # collective
         after = model(ids).logits
         reloaded = _load_ep(out_dir, ep_size=2, fsdp_size=2)(ids).logits
-    return rel_err(after, before), rel_err(reloaded, before)
+        for param in reshard(model).parameters():
+            param.add_(0.01)  # other weights, saved plainly over the distributed checkpoint
+        changed = model(ids).logits
+        model.save_pretrained(out_dir)
+        replaced = _load_ep(out_dir, ep_size=2, fsdp_size=2)(ids).logits
+    return rel_err(after, before), rel_err(reloaded, before), rel_err(replaced, changed)
 
 
 @pytest.mark.world_size(2)
 def test_a_distributed_checkpoint_loads_back_the_model_that_saved_it(tmp_path):
     """transformers' distributed checkpoint wrote the expert shards in placement order and its load moved them into
     the placement's again: the experts came back permuted twice (logits 0.08-0.5 off on qwen2_moe, olmoe,
-    deepseek_v3). They are stored in original order for the save, then in the placement's again."""
+    deepseek_v3). They are stored in original order for the save, then in the placement's again. A plain save over
+    it then loads its own weights: the distributed checkpoint's rank shards, which transformers loads first, stayed
+    beside it (logits 0.09 off)."""
     path = str(tiny_checkpoint("qwen2_moe", tmp_path / "ck", seed=1))
-    for after, reloaded in run_world(_distributed_checkpoint_world, 2, path, str(tmp_path / "dcp"), timeout_s=300):
-        assert after == 0.0 and reloaded <= TOLERANCE, (after, reloaded)
+    for after, reloaded, replaced in run_world(_distributed_checkpoint_world, 2, path, str(tmp_path / "dcp"), timeout_s=300):
+        assert after == 0.0 and reloaded <= TOLERANCE and replaced <= TOLERANCE, (after, reloaded, replaced)
 
 
 def _interrupted_save_world(rank, world_size, path, out_dir):

@@ -253,6 +253,9 @@ def describe_in_card(config, staging: str, target: str) -> None:
 #: weight files of a checkpoint: model.safetensors, shards (under transformers' names or the fresh names
 #: `publish_staged` gives them, `model-<8 hex>-00001-of-00003.safetensors`) and their index
 _WEIGHT_FILE = re.compile(r"(model|pytorch_model)(-[0-9a-f]{8})?(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?")
+#: the rank shards of transformers' `save_pretrained(distributed_checkpoint=True)`, which its loader prefers to every
+#: other weight file of the directory (`transformers.distributed.checkpoint.is_sharded_checkpoint`)
+_DISTRIBUTED_SHARD = re.compile(r"shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors")
 #: the files that decide which weights a directory loads, in transformers' order of preference
 _LOADED_FIRST = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -265,7 +268,8 @@ def publish_staged(staging: str, target: str) -> None:
        and the staged index is rewritten to name them.
     2. The other files (`occult_placement.json` first).
     3. The commit: the one file that decides what loads (`_LOADED_FIRST`: a single `model.safetensors`, else
-       the index) is renamed over the old one, and an old file that would still be preferred to it is removed.
+       the index) is renamed over the old one, and an old file that would still be preferred to it is removed
+       (a distributed checkpoint's rank shards among them).
     4. `config.json` (which holds the placement inline).
     5. The old weight files no longer named by the new save are removed.
 
@@ -284,6 +288,9 @@ def publish_staged(staging: str, target: str) -> None:
     for earlier in _LOADED_FIRST[: _LOADED_FIRST.index(commit)]:  # an old single file would still load first
         if os.path.isfile(os.path.join(target, earlier)):
             os.remove(os.path.join(target, earlier))
+    for name in os.listdir(target):  # transformers loads a distributed checkpoint's shards before anything else
+        if _DISTRIBUTED_SHARD.fullmatch(name):
+            os.remove(os.path.join(target, name))
     if "config.json" in staged:
         _replace(os.path.join(staging, "config.json"), os.path.join(target, "config.json"))
     for name in os.listdir(target):
