@@ -111,8 +111,8 @@ def arrive(
     Raises `EPConfigMismatchError` naming a rank that posted a failure (`announce_failure`), or its arrival at
     another operation, as soon as it is seen, and `EPPeerError` naming the ranks that did not arrive within
     `timeout_s` (`setting` names the bound in the message); a timed-out rank withdraws its arrival, so that a
-    later call of every rank meets again. `failed`: post this rank's own failure and return at once without waiting. `advice` replaces the
-    timeout message's advice (that the operation is collective).
+    later call of every rank meets again. `failed`: post this rank's own failure and return at once without
+    waiting. `advice` replaces the timeout message's advice (that the operation is collective).
     """
     try:
         return _arrive(group, operation, timeout_s, setting, payload, failed, advice)
