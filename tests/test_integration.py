@@ -149,7 +149,7 @@ def test_save_reload_round_trip_one_process(tmp_path, family, reinstalled):
     with occult_records() as records:
         assert occult_config_of(load(tmp_path / "edited")).placement == placement
     said = [r.getMessage() for r in records if "holds another placement than occult_config's own" in r.getMessage()]
-    assert len(said) == 1 and "their expert -> device maps differ at layers [" in said[0], said
+    assert len(said) == 1 and "(expert -> device maps differ at layers [" in said[0], said
     reloaded = load(tmp_path / "edited", occult_config={"placement": str(tmp_path / "edited" / "occult_placement.json")})
     assert occult_config_of(reloaded).placement == edited and rel_err(reloaded(ids).logits, expected) <= TOLERANCE
     without = load(tmp_path / "saved", occult_config=None)

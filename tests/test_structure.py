@@ -287,9 +287,9 @@ def test_no_module_imports_its_own_package():
 
 
 #: what `config` may import: the name registry, the input checks, the JSON reader and writer, the package's logger,
-#: and the placement data class it parses
+#: the words for a difference of placements, and the placement data class it parses
 CONFIG_IMPORTS = {"occult_hf.registry", "occult_hf.utils", "occult_hf.utils.checks", "occult_hf.utils.strict_json",
-                  "occult_hf.utils.atomic", "occult_hf.utils.logging", "occult_hf.placement",
+                  "occult_hf.utils.atomic", "occult_hf.utils.logging", "occult_hf.utils.differences", "occult_hf.placement",
                   "occult_hf.placement.placement"}  # fmt: skip
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from .registry import DISPATCH_MODES, DISPATCHERS, EXPERT_BACKENDS, PRUNING_POLICIES, REPLICA_CHOICES
 from .utils.checks import check_devices_per_node, check_num_devices, check_timeout_s, did_you_mean
+from .utils.differences import placement_differences
 from .utils.logging import get_logger
 from .utils.strict_json import read_json_file
 
@@ -382,19 +383,8 @@ def _check_placement_file(directory: str, stored, label: str) -> None:
         logger.warning(
             "occult_hf: %s: %r holds another placement than occult_config's own, which is the one that loads (%s); to "
             "run the file's, put it in config.json's occult_config.placement or pass occult_config={'placement': %r} "
-            "to from_pretrained", label, path, _placement_difference(beside, inline), path,
+            "to from_pretrained", label, path, placement_differences({"the file": beside.to_dict(), "occult_config": inline.to_dict()}), path,
         )
-
-
-def _placement_difference(beside, inline) -> str:
-    """The first difference of two placements, in words, for the message above."""
-    if (beside.num_experts, beside.num_devices) != (inline.num_experts, inline.num_devices):
-        return (f"the file is for {beside.num_experts} experts on {beside.num_devices} devices, occult_config for "
-                f"{inline.num_experts} on {inline.num_devices}")  # fmt: skip
-    layers = [layer for layer in inline.layers if beside.layers.get(layer) != inline.layers[layer]]
-    if layers or set(beside.layers) != set(inline.layers):
-        return f"their expert -> device maps differ at layers {layers or sorted(set(beside.layers) ^ set(inline.layers))}"
-    return "their replicas or other settings differ"
 
 
 def _checkpoint_config_file(checkpoint: str, revision: str | None, subfolder: str) -> str | None:

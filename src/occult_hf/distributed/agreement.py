@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ..utils.checks import check_timeout_s, shown
+from ..utils.differences import ABSENT, differing_keys, placement_differences
 
 #: environment variable: seconds a collective save/gather/agreement check waits for the EP peers
 SAVE_TIMEOUT_ENV = "OCCULT_SAVE_TIMEOUT_S"
@@ -388,11 +389,11 @@ def _mismatch_message(summaries: list[dict[str, Any]], operation: str) -> str:
             continue
         dicts = all(isinstance(v, dict) for v in values)
         if name == "placement" and dicts:
-            parts.append(f"placement ({_placement_difference(values)})")
+            parts.append(f"placement ({placement_differences({f'rank {r}': v for r, v in enumerate(values)})})")
         elif name == "model_config" and dicts:
             parts.append(f"the model config ({_config_difference(values)})")
         elif name == REPLICATED_WEIGHTS and dicts:
-            parts.append(f"the replicated weights (they differ in {shown(_differing_keys(values))}: the ranks loaded different weights)")
+            parts.append(f"the replicated weights (they differ in {shown(differing_keys(values))}: the ranks loaded different weights)")
         else:
             by_rank = ", ".join(f"rank {r} {v!r}" if not isinstance(v, dict) else f"rank {r} {v}" for r, v in enumerate(values))
             parts.append(f"{name} ({by_rank})")
@@ -404,33 +405,9 @@ def _mismatch_message(summaries: list[dict[str, Any]], operation: str) -> str:
     )
 
 
-def _placement_difference(values: list[dict[str, Any]]) -> str:
-    first = values[0]
-    notes = []
-    for key in ("num_experts", "num_devices"):
-        seen = [v.get(key) for v in values]
-        if any(s != seen[0] for s in seen):
-            notes.append(f"{key} " + ", ".join(f"rank {r} {s}" for r, s in enumerate(seen)))
-    layers = sorted({l for v in values for l in v.get("layers", {}) if v["layers"].get(l) != first["layers"].get(l)}, key=int)
-    if layers:
-        notes.append(f"expert -> device maps differ at layers [{', '.join(layers)}]")
-    if not notes:
-        others = [key for key in _differing_keys(values) if key not in ("num_experts", "num_devices", "layers")]
-        notes.append(f"{', '.join(others) or 'the placements'} differ")
-    return "; ".join(notes)
-
-
-_ABSENT = "<absent>"
-
-
-def _differing_keys(values: list[dict[str, Any]]) -> list[str]:
-    """The keys whose value (or absence) is not the same in every rank's dict, sorted."""
-    return sorted({k for v in values for k in v if any(w.get(k, _ABSENT) != values[0].get(k, _ABSENT) for w in values)})
-
-
 def _config_difference(values: list[dict[str, Any]]) -> str:
-    keys = _differing_keys(values)
-    return "; ".join(f"{k}: " + ", ".join(f"rank {r} {v.get(k, _ABSENT)!r}" for r, v in enumerate(values)) for k in keys)
+    keys = differing_keys(values)
+    return "; ".join(f"{k}: " + ", ".join(f"rank {r} {v.get(k, ABSENT)!r}" for r, v in enumerate(values)) for k in keys)
 
 
 def _summary(value: Any, name: str = "") -> Any:
