@@ -12,7 +12,8 @@ in-process save test:
   layer's count exchange, naming the two row formats;
 - a peer that raises and stays alive while the other saves, and a peer that stops after the
   configuration check of a save and goes on to a barrier: an error naming the operation and the
-  layer within the timeout, not after the process group's 30 minutes; the same two faults while the
+  layer within the timeout, not after the process group's 30 minutes; a peer that stops after the
+  first layer's gather of `unapply_occult`: the same error, the other rank's model left as it was; the same two faults while the
   other rank is in a forward: the EP exchange's `ExchangeError` naming the layer; a peer that skips the backward
   under "padded": the same, from the padded row exchange;
 - ranks at different collective operations (`save_pretrained` and `unapply_occult`), and a rank whose own checks
@@ -136,6 +137,25 @@ def _stalled_peer_cases(rank, directory):
     rank0_saves(3, "stopped", r"gathering the experts \(save_pretrained/unapply_occult\) of layer 0 failed on rank 0",
                 lambda model: check_model_ranks_agree(model, state_of(model), "save_pretrained"))
     assert not (Path(directory) / "stopped" / "config.json").exists()
+
+    # a peer that stops after the first layer's gather of `unapply_occult`: the other rank's model stays whole (it
+    # restored layer 0's block before it found that layer 1's gather failed)
+    from occult_hf.hf.apply import unapply_occult
+    from occult_hf.hf.checkpointing import gather_full_experts
+
+    model = apply_occult(tiny_model("olmoe", seed=6), OccultConfig(placement=_shuffled(seed=6)))
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    if rank == 0:
+        with pytest.raises(EPPeerError, match=r"gathering the experts \(save_pretrained/unapply_occult\) of layer 1 failed"):
+            unapply_occult(model)
+        blocks = {path: type(model.get_submodule(path)).__name__ for path in ("model.layers.0.mlp", "model.layers.1.mlp")}
+        assert blocks == dict.fromkeys(blocks, "OccultMoE"), blocks
+        after = model.state_dict()
+        assert after.keys() == before.keys() and all(torch.equal(after[name], before[name]) for name in before)
+    else:
+        check_model_ranks_agree(model, state_of(model), "unapply_occult")
+        gather_full_experts(model.get_submodule("model.layers.0.mlp"), state_of(model), to_all=True)
+    dist.barrier()
 
     # the shared padded gather (PEFT adapters, saves) is bounded the same way
     from occult_hf.distributed.collectives import gather_rows

@@ -143,14 +143,14 @@ def _resolve(model: nn.Module, occult_config, group):
 def unapply_occult(model: nn.Module) -> nn.Module:
     """Put the original MoE blocks back, with the current expert weights of all ranks; return `model`.
 
-    Under EP every rank must call it (the experts are all-gathered: every rank gets the full model).
+    Under EP every rank must call it (the experts are all-gathered: every rank gets the full model). Every layer is
+    gathered before any block is put back, so a gather that fails (a peer dies or stalls) leaves the model as it was.
     """
     state = state_of(model, BLOCKS)
     check_model_ranks_agree(model, state, "unapply_occult")
-    for path in state.block_paths:
-        module = model.get_submodule(path)
-        gate_up_E2IH, down_EHI = gather_full_experts(module, state, to_all=True)
-        _set_submodule(model, path, restore_block(module, gate_up_E2IH, down_EHI))
+    gathered = {path: gather_full_experts(model.get_submodule(path), state, to_all=True) for path in state.block_paths}
+    for path, (gate_up_E2IH, down_EHI) in gathered.items():
+        _set_submodule(model, path, restore_block(model.get_submodule(path), gate_up_E2IH, down_EHI))
     detach_state(model)
     if state.ep.is_distributed:
         if state.ddp_ignore_before is None:
