@@ -13,7 +13,8 @@ in-process save test:
 - a peer that raises and stays alive while the other saves, and a peer that stops after the
   configuration check of a save and goes on to a barrier: an error naming the operation and the
   layer within the timeout, not after the process group's 30 minutes; a peer that stops after the
-  first layer's gather of `unapply_occult`: the same error, the other rank's model left as it was; the same two faults while the
+  first layer's gather of `unapply_occult` or its copies of `apply_replicas`: the same error, the other rank's
+  model left as it was; the same two faults while the
   other rank is in a forward: the EP exchange's `ExchangeError` naming the layer; a peer that skips the backward
   under "padded": the same, from the padded row exchange;
 - ranks at different collective operations (`save_pretrained` and `unapply_occult`), and a rank whose own checks
@@ -140,7 +141,7 @@ def _stalled_peer_cases(rank, directory):
 
     # a peer that stops after the first layer's gather of `unapply_occult`: the other rank's model stays whole (it
     # restored layer 0's block before it found that layer 1's gather failed)
-    from occult_hf.hf.apply import unapply_occult
+    from occult_hf.hf.apply import occult_config_of, unapply_occult
     from occult_hf.hf.checkpointing import gather_full_experts
 
     model = apply_occult(tiny_model("olmoe", seed=6), OccultConfig(placement=_shuffled(seed=6)))
@@ -155,6 +156,30 @@ def _stalled_peer_cases(rank, directory):
     else:
         check_model_ranks_agree(model, state_of(model), "unapply_occult")
         gather_full_experts(model.get_submodule("model.layers.0.mlp"), state_of(model), to_all=True)
+    dist.barrier()
+
+    # the same at `apply_replicas`, after the first layer's copies: an error naming it (not the process group's 30
+    # minutes), and the other rank's model as it was (it had rebuilt layer 0 before layer 1's copies hung). On an EP
+    # group of its own: the copies travel on it, and a timed-out one leaves it unusable
+    from dataclasses import replace
+
+    from occult_hf.hf.rehome import apply_replicas, new_homes
+
+    deployed = _shuffled(seed=7)
+    replanned = replace(deployed, replicas={layer: {5: [1 - deployed.device_of(layer)[5]]} for layer in (0, 1)})
+    model = apply_occult(tiny_model("olmoe", seed=7), OccultConfig(placement=deployed), group=dist.new_group([0, 1]))
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    if rank == 0:
+        with pytest.raises(EPPeerError, match=r"copying the replicated experts .*\(apply_replicas\) of layer 1 failed"):
+            apply_replicas(model, replanned)
+        assert occult_config_of(model).placement == deployed
+        assert model.get_submodule("model.layers.0.mlp").layout.num_replicated == 0
+        after = model.state_dict()
+        assert after.keys() == before.keys() and all(torch.equal(after[name], before[name]) for name in before)
+    else:
+        new_state = replace(state_of(model), occult_config=replace(state_of(model).occult_config, placement=replanned))
+        check_model_ranks_agree(model, new_state, "apply_replicas")
+        new_homes(model.get_submodule("model.layers.0.mlp"), replanned)
     dist.barrier()
 
     # the shared padded gather (PEFT adapters, saves) is bounded the same way

@@ -204,8 +204,8 @@ def bounded(operation: str, layer: int | None, timeout_s: float, start: Callable
         )
         raise EPPeerError(
             f"occult_hf: {operation}{where} failed on rank {_rank()}: {cause} [{text[:300]}]. Under expert parallelism "
-            f"apply_occult, save_pretrained, snapshot_experts and unapply_occult are collective: call them on every "
-            f"rank, in the same order; with HF Trainer (which saves on rank 0 only) import occult_hf before "
+            f"apply_occult, apply_replicas, save_pretrained, snapshot_experts and unapply_occult are collective: call "
+            f"them on every rank, in the same order; with HF Trainer (which saves on rank 0 only) import occult_hf before "
             f"building the Trainer: it hooks Trainer.save_model"
         ) from error
 

@@ -174,12 +174,14 @@ def sum_replica_grads(layers: list[nn.Module], group) -> None:
 
 @torch.no_grad()
 def copy_from_primaries(
-    weights: tuple[torch.Tensor, ...], old_ids: list[int], new_ids: list[int], replicated: list[int], device_of_E, group, rank: int
+    weights: tuple[torch.Tensor, ...], old_ids: list[int], new_ids: list[int], replicated: list[int], device_of_E, group, rank: int,
+    layer: int,
 ) -> list[torch.Tensor]:
     """This rank's expert weights for new slots `new_ids` (global expert ids in slot order), from its current ones
     (`weights`, `[len(old_ids), ...]` each, slots `old_ids`): a slot it already held is copied locally; every
     replicated expert is broadcast from its primary holder (`device_of_E[e]`), every rank joining, in expert
-    order, so each copy equals its primary bit for bit. Collective over `group`."""
+    order, so each copy equals its primary bit for bit. Collective over `group`; each wait bounded like a save's
+    (`EPPeerError` naming `layer`)."""
     new = [weight.new_empty((len(new_ids), *weight.shape[1:])) for weight in weights]
     for slot, expert in enumerate(new_ids):
         if expert in old_ids:
@@ -190,7 +192,8 @@ def copy_from_primaries(
         source = dist.get_global_rank(group, primary)
         for target, weight in zip(new, weights):
             part = weight[old_ids.index(expert)].contiguous() if rank == primary else weight.new_empty(weight.shape[1:])
-            dist.broadcast(part, src=source, group=group)
+            start = functools.partial(dist.broadcast, part, src=source, group=group, async_op=True)
+            bounded("copying the replicated experts from their primary holders (apply_replicas)", layer, save_timeout_s(), start)
             if expert in new_ids:
                 target[new_ids.index(expert)] = part
     return new

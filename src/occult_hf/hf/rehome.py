@@ -4,7 +4,7 @@
 routing (an unseen domain's hot experts), keeping every primary home. `apply_replicas` puts such a
 placement into a model that occult_hf already runs: each layer's new copies are copied from their
 primary holders (`distributed.collectives.copy_from_primaries`), its layout, dispatcher and replica
-gradient bookkeeping are rebuilt (`rehome_layer`), and the model's saved setup (`config.occult_config`)
+gradient bookkeeping are rebuilt (`new_homes`, then `rehome_layer` once every layer's copies are made), and the model's saved setup (`config.occult_config`)
 names the new placement. No expert
 moves its primary home, so no rank loses weights it alone held, and the outputs do not change: only
 which copy serves a pair does.
@@ -21,6 +21,7 @@ from ..dispatch import build_dispatcher
 from ..distributed.agreement import announce_failure
 from ..distributed.collectives import copy_from_primaries
 from ..experts import LocalExperts
+from ..layout import LayerLayout
 from ..moe import OccultMoE
 from ..placement import Placement
 from ..replicas.gradients import ReplicaGradients
@@ -46,8 +47,10 @@ def apply_replicas(model: nn.Module, placement: Placement) -> nn.Module:
         raise
     new_state = replace(state, occult_config=replace(state.occult_config, placement=placement))
     check_model_ranks_agree(model, new_state, "apply_replicas")  # a no-op in one process
-    for path in state.block_paths:
-        rehome_layer(model.get_submodule(path), placement)
+    modules = [model.get_submodule(path) for path in state.block_paths]
+    homes = [new_homes(module, placement) for module in modules]  # every collective copy before any layer changes
+    for module, (layout, weights) in zip(modules, homes):
+        rehome_layer(module, layout, weights)
     state.occult_config = new_state.occult_config
     state.snapshot, state.snapshot_versions = None, None
     model.config.occult_config = state.occult_config.to_dict()
@@ -78,12 +81,11 @@ def _check_replicas_only(state: OccultState, placement: Placement) -> None:
 
 
 @torch.no_grad()
-def rehome_layer(module: OccultMoE, placement: Placement) -> None:
-    """Give one layer the replicas of `placement`, whose primary homes must be the layer's. Collective under EP.
-
-    Each rank's new slots are its homes under `placement`; a copy it did not hold is copied from the expert's
-    primary holder. The expert parameters are new tensors: an optimizer built before must be rebuilt.
-    """
+def new_homes(module: OccultMoE, placement: Placement) -> tuple[LayerLayout, tuple[torch.Tensor, torch.Tensor] | None]:
+    """`(layout, weights)` of one layer under `placement`, whose primary homes must be the layer's; the layer is not
+    changed. Collective under EP: each rank's new slots are its homes under `placement`, and a copy it did not hold
+    is copied from the expert's primary holder (`weights`: the new `(gate_up, down)`; None in one process, where the
+    layer holds every expert already)."""
     layer = module.layer_idx
     if placement.device_of(layer) != module.layout.primary_devices():
         raise ValueError(
@@ -95,11 +97,22 @@ def rehome_layer(module: OccultMoE, placement: Placement) -> None:
         raise ValueError(f"layer {layer}: re-homing replicas does not support adapters (PEFT) on the routed experts")
     ep = module.ep
     layout = placement.layout(layer, ep.rank if ep.is_distributed else None).to(experts.gate_up_proj.device)
-    if ep.is_distributed:
-        old_ids, new_ids = module.layout.expert_ids_L.tolist(), layout.expert_ids_L.tolist()
-        replicated = [e for e, homes in enumerate(placement.homes(layer)) if len(homes) > 1]
+    if not ep.is_distributed:
+        return layout, None
+    old_ids, new_ids = module.layout.expert_ids_L.tolist(), layout.expert_ids_L.tolist()
+    replicated = [e for e, homes in enumerate(placement.homes(layer)) if len(homes) > 1]
+    params = (experts.gate_up_proj, experts.down_proj)
+    return layout, copy_from_primaries(
+        params, old_ids, new_ids, replicated, layout.primary_devices(), ep.group, ep.rank, layer
+    )
+
+
+def rehome_layer(module: OccultMoE, layout: LayerLayout, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """Give one layer what `new_homes` made: its expert weights (new parameters: an optimizer built before must be
+    rebuilt), layout, replica gradient bookkeeping and dispatcher. Local: no rank waits on another here."""
+    experts = module.experts
+    if weights is not None:
         params = (experts.gate_up_proj, experts.down_proj)
-        weights = copy_from_primaries(params, old_ids, new_ids, replicated, layout.primary_devices(), ep.group, ep.rank)
         experts.gate_up_proj, experts.down_proj = (
             nn.Parameter(weight, requires_grad=param.requires_grad) for weight, param in zip(weights, params)
         )
@@ -110,7 +123,7 @@ def rehome_layer(module: OccultMoE, placement: Placement) -> None:
             else None
         )
     module.layout = layout
-    module.dispatcher = build_dispatcher(module.settings, ep, layout, experts.gate_up_proj.device)
+    module.dispatcher = build_dispatcher(module.settings, module.ep, layout, experts.gate_up_proj.device)
 
 
-__all__ = ["apply_replicas", "rehome_layer"]
+__all__ = ["apply_replicas", "new_homes", "rehome_layer"]
