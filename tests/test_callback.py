@@ -333,3 +333,29 @@ def test_logged_ct_is_the_ct_the_dispatch_served_under_load_aware_replicas():
     served_ct = [float(block.stats.rows_sent.sum()) / batch.numel() for block in blocks]
     assert logs["occult/ct"] == pytest.approx(sum(served_ct) / len(served_ct), rel=1e-9)
     assert logs["occult/ct/max"] == pytest.approx(max(served_ct), rel=1e-9)
+
+
+def test_drift_check_compares_the_placement_the_model_runs_copies_included(tmp_path):
+    """The drift check's current CT and balance are those of the model's placement, its copies included: read
+    from the primary homes alone they were another placement's (here a worse CT than the one the model serves)."""
+    from transformers import Trainer, TrainingArguments
+
+    from occult_hf.metrics import evaluate_placement
+
+    num_experts, num_devices = SIZES["num_experts"], 4
+    device_of_E = [e * num_devices // num_experts for e in range(num_experts)]
+    replicas = {e: [(device_of_E[e] + 1) % num_devices, (device_of_E[e] + 2) % num_devices] for e in range(0, num_experts, 2)}
+    placement = Placement(num_experts, num_devices, {0: device_of_E, 1: device_of_E}, {"method": "test"}, replicas={0: replicas, 1: replicas})
+    model = apply_occult(tiny_model("olmoe", **SIZES).train(), OccultConfig(placement=placement))
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, logging_steps=2, save_strategy="no",
+        report_to=[], use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
+    )  # fmt: skip
+    callback = OccultCallback(check_every=2)
+    trainer = Trainer(model=model, args=args, train_dataset=NextTokenData(8))
+    callback.attach(trainer)
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "occult/drift/ct_current" in entry][-1]
+    metrics = evaluate_placement(callback.recent_profile, placement).values()
+    assert logged["occult/drift/ct_current"] == pytest.approx(np.mean([m.ct for m in metrics]), rel=1e-9)
+    assert logged["occult/drift/balance_current"] == pytest.approx(np.mean([m.balance for m in metrics]), rel=1e-9)

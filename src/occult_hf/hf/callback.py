@@ -423,11 +423,7 @@ class OccultCallback(TrainerCallback):
         if profile is None:
             return {}
         num_devices = next(iter(self._layers.values())).routing.ep.num_devices
-        current = Placement(
-            num_experts=profile.num_experts,
-            num_devices=num_devices,
-            layers={layer: moe.routing.layout.primary_devices() for layer, moe in self._layers.items()},
-        )
+        current = self._running_placement(profile.num_experts, num_devices)
         replanned = plan_placement(profile, num_devices, self.planner, progress=False, **self.planner_options)
         replanned.meta.update({"source": "OccultCallback drift watch", "tokens": profile.meta.get("tokens")})
         self.recent_profile, self.replanned_placement = profile, replanned
@@ -439,6 +435,19 @@ class OccultCallback(TrainerCallback):
             LOG_PREFIX + "drift/balance_current": float(np.mean([m.balance for m in current_metrics.values()])),
             LOG_PREFIX + "drift/balance_replanned": float(np.mean([m.balance for m in replanned_metrics.values()])),
         }
+
+    def _running_placement(self, num_experts: int, num_devices: int) -> Placement:
+        """The placement the model runs, read from its layers' layouts: the primary homes and the copies (without
+        these the current CT and balance would be those of another placement)."""
+        layers, replicas = {}, {}
+        for layer, moe in self._layers.items():
+            layout = moe.routing.layout
+            layers[layer] = layout.primary_devices()
+            if layout.replicated:
+                homes_EM = layout.home_table_EM.tolist()
+                extra = {e: [d for d in homes if d >= 0 and d != layers[layer][e]] for e, homes in enumerate(homes_EM)}
+                replicas[layer] = {e: devices for e, devices in extra.items() if devices}
+        return Placement(num_experts, num_devices, layers, replicas=replicas)
 
     def _recent_window_profile(self):
         """The profile of the training tokens since the last check (all ranks), then a fresh window."""
