@@ -158,8 +158,11 @@ class OccultMoE(nn.Module):
         routed_TH = self.adapter.attach_aux_loss(block, routed_TH, routing.aux_loss)
         shared_TH = shared[0]
         out_TH = routed_TH if shared_TH is None else routed_TH + shared_TH
-        if self._grad_norm is not None and torch.is_grad_enabled() and self._experts_train():
-            out_TH = self._grad_norm.tap(out_TH, self.ep_grad_norm_carrier)
+        if self._grad_norm is not None and torch.is_grad_enabled():
+            if self._experts_train():
+                out_TH = self._grad_norm.tap(out_TH, self.ep_grad_norm_carrier)
+            if self._adapters_on_replicas_trainable():
+                out_TH.register_hook(self._refuse_adapters_on_replicas)
         return out_TH.reshape(shape)
 
     def _experts_train(self) -> bool:
@@ -167,18 +170,31 @@ class OccultMoE(nn.Module):
         now. A carrier frozen since (`model.requires_grad_(False)`, plain `peft.get_peft_model`) is made trainable
         again, once with a warning: an optimizer built while it was frozen does not hold it (`GradNormCarrier`)."""
         trains = any(param.requires_grad for param in self.experts.parameters())
-        if trains and self.layout.num_replicated and not isinstance(self.experts, LocalExperts):
-            raise NotImplementedError(
-                f"layer {self.layer_idx}: adapters (PEFT) on the routed experts cannot train with replicated experts "
-                f"({self.layout.num_replicated} in this layer's placement): each copy's adapter would get only the "
-                f"gradient of the pairs it served and the copies would drift apart; train them on a placement "
-                f"without replicas and load the adapter into this one (loading is exact), or target other modules"
-            )
         carrier = self.ep_grad_norm_carrier
         if trains and not carrier.requires_grad and not torch.compiler.is_compiling():
             carrier.requires_grad_(True)
             self._grad_norm.warn_of_a_frozen_carrier(self.layer_idx)
         return trains and carrier.requires_grad
+
+    def _adapters_on_replicas_trainable(self) -> bool:
+        """Whether adapters (PEFT) that require grad sit on this layer's routed experts, some of them replicated."""
+        return (
+            bool(self.layout.num_replicated)
+            and not isinstance(self.experts, LocalExperts)
+            and any(param.requires_grad for param in self.experts.parameters())
+        )
+
+    def _refuse_adapters_on_replicas(self, grad_TH: torch.Tensor) -> None:
+        """Backward hook on the output of a layer whose replicated experts carry trainable adapters: nothing sums
+        the adapters' gradients over an expert's copies, so a backward that would reach them stops here, at the
+        layer's first backward step and before any `.grad` of it is written. On the backward, not the forward: an
+        evaluation (eval mode, a metric, `generate` without `torch.no_grad`) uses the adapters exactly."""
+        raise NotImplementedError(
+            f"layer {self.layer_idx}: adapters (PEFT) on the routed experts cannot train with replicated experts "
+            f"({self.layout.num_replicated} in this layer's placement): each copy's adapter would get only the "
+            f"gradient of the pairs it served and the copies would drift apart; train them on a placement "
+            f"without replicas and load the adapter into this one (loading is exact), or target other modules"
+        )
 
     def _apply(self, fn, recurse=True):
         """`.to()`/`.cuda()`: with `dispatcher="auto"`, choose again for the new device (a model is often

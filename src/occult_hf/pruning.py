@@ -70,6 +70,7 @@ takes them on the device after each training step (`take_sums()`), so that evalu
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import warnings
@@ -604,12 +605,14 @@ def check_profile_for_pruning(profile, adapter: MoEAdapter, layer_idx: int, num_
 
 
 def load_pruning_profile(path: str | os.PathLike):
-    """Load a routing profile once per file version: every layer's pruner shares the same object."""
+    """A routing profile read once per file version, handed out as a copy of its own: the caller (a model, whose
+    layers' pruners share it, and which bundles it into its checkpoints) may change it without changing what a
+    later model loaded from the same file sees."""
     path = os.path.realpath(os.fspath(path))
     if not os.path.isfile(path):
         raise FileNotFoundError(f"OccultConfig.profile {path!r} is not a file")
     stat = os.stat(path)
-    return _load_profile_cached(path, stat.st_mtime_ns, stat.st_size)
+    return copy.deepcopy(_load_profile_cached(path, stat.st_mtime_ns, stat.st_size))
 
 
 @functools.lru_cache(maxsize=4)
