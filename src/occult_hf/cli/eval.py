@@ -12,10 +12,11 @@ both spellings, with underscores or dashes, as `HfArgumentParser` does. A run wr
 `<output_path>/<model name>/results_<time>.json` (and `samples_<task>_<time>.jsonl` with
 `--log_samples`), then prints lm-eval's `make_table` and, for an occult23 run, the headline rows (the
 paper's table, also lm-eval's `make_table`, in the suite's order, and their mean). Under torchrun only rank 0 writes.
-Before the model loads, every rank checks what it can (the task names, `--limit` against the world size, the
-model directory) and rank 0 checks `--output_path` (a folder, made if missing, that a file can be written
-in); under expert parallelism the ranks then agree, so a check that fails on one rank stops every rank
-at once, naming it. A results file lm-eval did not write is an error after the tables.
+Before the model loads, every rank checks what it can (the task names, `--limit` against the world size (a
+fraction under EP: against each task's document count), the model directory) and rank 0 checks `--output_path`
+(a folder, made if missing, that a file can be written in); under expert parallelism the ranks then agree, so a
+check that fails on one rank stops every rank at once, naming it. A results file lm-eval did not write is an
+error after the tables.
 `--headline RESULTS` prints the headline rows of a finished occult23 run and `--compare A B` two runs
 side by side (the headline rows of two occult23 runs, else every metric), each from a
 `results_*.json` or an `--output_path` folder (its newest `results_*.json`); both warn on stderr where the
@@ -68,7 +69,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--device", help="auto (CUDA when available, else CPU), cuda, cuda:0 or cpu (default: device in --model_args, else auto; one GPU per rank under torchrun)")
     run.add_argument("--dtype", type=torch_dtype_name, help="model dtype, e.g. bfloat16 (default: the model's `dtype` in --model_args, else auto: the checkpoint's)")
     run.add_argument("--limit", type=limit_setting,
-                     help="documents per task (testing only): a positive integer, or a fraction of each task in (0, 1); under EP at least one per rank")
+                     help="documents per task (testing only): a positive integer, or a fraction of each task in (0, 1); under EP at least one per rank of every task")
     run.add_argument("--num_fewshot", "--num-fewshot", dest="num_fewshot", type=non_negative_int, help="few-shot examples (default: each task's own)")
     run.add_argument("--bootstrap_iters", "--bootstrap-iters", dest="bootstrap_iters", type=non_negative_int, default=100000, help="bootstrap iterations for stderrs (0: none)")
     run.add_argument("--trust_remote_code", "--trust-remote-code", dest="trust_remote_code", action="store_true", help="allow the checkpoint's own modelling code")

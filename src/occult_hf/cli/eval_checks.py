@@ -6,6 +6,7 @@ the process group's timeout."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 
@@ -59,9 +60,41 @@ def check_limit_for_ranks(limit: int | float | None, world_size: int) -> None:
                          f"{limit}); give --limit {world_size} or more")  # fmt: skip
 
 
+def task_sizes(names: list[str], task_manager) -> dict[str, int]:
+    """`{task: documents}` of every task that `names` resolve to, counted as lm-eval counts them (`eval_docs`) without
+    the model: a fractional `--limit` gives each task its own number of documents, known only from these."""
+    return {name: len(task.eval_docs) for name, task in task_manager.load(names)["tasks"].items()}
+
+
+def check_fraction_for_ranks(limit: float, world_size: int, sizes: dict[str, int]) -> None:
+    """Fail when a fractional `--limit` leaves an EP rank without documents of a task: lm-eval scores the first
+    ceil(documents x limit) of each task and gives rank r the documents r, r + W, ... of those, so a task with fewer
+    than W of them leaves the last ranks none, and lm-eval fails there after the model loaded."""
+    scored = {name: math.ceil(size * limit) for name, size in sizes.items()}
+    short = {name: size for name, size in sizes.items() if scored[name] < world_size}
+    if short:
+        named = ", ".join(f"{name} ({scored[name]} of {size} documents scored)" for name, size in sorted(short.items()))
+        idle = range(min(scored[name] for name in short), world_size)
+        raise SystemExit(f"occult eval: --limit {limit} leaves ranks {shown(idle)} of the {world_size} without a "
+                         f"document of {named} (lm-eval scores the first ceil(documents x {limit}) of each task and "
+                         f"gives rank r documents r, r + {world_size}, ... of them); {_limit_fix(world_size, short)}")  # fmt: skip
+
+
+def _limit_fix(world_size: int, sizes: dict[str, int]) -> str:
+    """What makes every rank get a document of each of the tasks of `sizes` (`{task: documents}`): the smallest
+    fraction, rounded up, that scores `world_size` documents of each, else an integer `--limit`; or, for a task with
+    fewer documents than ranks, which no `--limit` helps, leaving it out."""
+    too_small = sorted(name for name, size in sizes.items() if size < world_size)
+    if too_small:
+        return f"{shown(too_small)} have fewer documents than ranks: leave them out of --tasks or run on fewer ranks"
+    fraction = math.ceil(world_size / min(sizes.values()) * 1000) / 1000
+    either = f"--limit {fraction} or more, or " if fraction < 1 else ""
+    return f"give {either}an integer --limit {world_size} or more"
+
+
 def no_documents_message(limit: int | float | None, rank: int, world_size: int) -> str:
-    """lm-eval's "task.build_requests() did not find any docs!", said with its cause: a fractional `--limit` (known only
-    once the task's documents are counted) or a task with fewer documents than ranks."""
+    """lm-eval's "task.build_requests() did not find any docs!", said with its cause: a task with fewer documents than
+    ranks (checked before the load only for a fractional `--limit` under EP), or none at all."""
     split = f" (lm-eval gives rank r of {world_size} documents r, r + {world_size}, ...)" if world_size > 1 else ""
     if limit is not None:
         return f"occult eval: --limit {limit} leaves rank {rank} without a document of a task{split}; give a larger --limit"
@@ -87,6 +120,8 @@ def check_before_loading(args: argparse.Namespace, rank: int, world_size: int):
             check_output_path(args.output_path)
         task_manager = make_task_manager(args.include_path)
         check_task_names(names, task_manager)
+        if world_size > 1 and isinstance(args.limit, float):
+            check_fraction_for_ranks(args.limit, world_size, task_sizes(names, task_manager))
     except (Exception, SystemExit) as error:  # a usage error too: the other ranks must hear of it
         if group is None:
             raise
