@@ -16,11 +16,13 @@ from __future__ import annotations
 import inspect
 import itertools
 import os
+import weakref
 from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 from torch import nn
+from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from ..utils.text_files import read_utf8
 from .stats import LayerAccumulator
@@ -36,11 +38,12 @@ class ProfileCollector:
         profile = RoutingProfile.from_collector(collector, source="my data")
 
     Counting rules: a token counts when the forward's `attention_mask` is 1 for it (no mask: every
-    token counts); each MoE layer counts once per forward of `module`, so routers re-run outside
-    it (activation-checkpoint recomputation during backward, direct calls of sub-modules) are not
-    counted twice; a forward counts only once it has returned, so one that raised partway (an
-    out-of-memory error in a later layer, an interrupt) leaves no layer with tokens the others lack.
-    Run forwards through `module` itself.
+    token counts) and, under `module.generate` (greedy or sampling), its sequence has not stopped yet
+    (`_FinishedRows`: attach to the model whose `generate` you call); each MoE layer counts once per
+    forward of `module`, so routers re-run outside it (activation-checkpoint recomputation during
+    backward, direct calls of sub-modules) are not counted twice; a forward counts only once it has
+    returned, so one that raised partway (an out-of-memory error in a later layer, an interrupt)
+    leaves no layer with tokens the others lack. Run forwards through `module` itself.
 
     Under `torch.compile` a hook only keeps what its router decided (the tensors leave the graph as outputs);
     the accumulation (a growing sample with keys drawn on the host) runs in eager code, the next time the
@@ -77,6 +80,9 @@ class ProfileCollector:
         self._handles: list = []
         self._in_forward = False
         self._attention_mask_BS: torch.Tensor | None = None
+        self._finished_B: torch.Tensor | None = None
+        self._generation = None  # weakref to the `_FinishedRows` of the `generate` under way
+        self._stopping_criteria_entry = None  # (what `attach` put on the module, what it replaced)
         self._counted_this_forward: set[int] = set()
         self._this_forward: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
@@ -92,6 +98,10 @@ class ProfileCollector:
             # first among the router's hooks: it records the router's own decisions, before a pruning hook
             # (`apply_occult_ep`'s) rewrites them
             self._handles.append(router.register_forward_hook(self._router_hook(index), prepend=True))
+        if hasattr(self.module, STOPPING_CRITERIA) and not self.training_only:
+            entry = self._recording_stopping_criteria(getattr(self.module, STOPPING_CRITERIA))
+            self._stopping_criteria_entry = entry, self.module.__dict__.get(STOPPING_CRITERIA)
+            self.module.__dict__[STOPPING_CRITERIA] = entry
         return self
 
     def detach(self) -> None:
@@ -99,6 +109,15 @@ class ProfileCollector:
             handle.remove()
         self._handles.clear()
         self._in_forward = False
+        if self._stopping_criteria_entry is not None:
+            entry, replaced = self._stopping_criteria_entry
+            if self.module.__dict__.get(STOPPING_CRITERIA) is entry:
+                if replaced is None:
+                    del self.module.__dict__[STOPPING_CRITERIA]
+                else:
+                    self.module.__dict__[STOPPING_CRITERIA] = replaced
+            self._stopping_criteria_entry = None
+        self._generation = None
 
     def __enter__(self) -> "ProfileCollector":
         return self.attach()
@@ -120,6 +139,23 @@ class ProfileCollector:
                 f"ProfileCollector needs a 2-D [batch, seq] attention_mask to leave out padding, got {shape}"
             )
         self._attention_mask_BS = mask
+        rows = self._generation() if self._generation is not None else None
+        self._finished_B = None if rows is None else rows.finished_B
+
+    def _recording_stopping_criteria(self, get_stopping_criteria):
+        """`module._get_stopping_criteria` (which `generate` calls once, before its first forward) returning the
+        criteria as a `_FinishedRows` this collector reads. Beam search runs the criteria on candidate beams, not on
+        the rows it feeds: its criteria are left as they are."""
+
+        def recording(generation_config, *args, **kwargs):
+            criteria = get_stopping_criteria(generation_config, *args, **kwargs)
+            if getattr(generation_config, "num_beams", 1) not in (None, 1):
+                return criteria
+            rows = _FinishedRows(criteria)
+            self._generation = weakref.ref(rows)  # dead once `generate` returns
+            return rows
+
+        return recording
 
     def _on_forward_returned(self, module, args, output) -> None:
         """The forward returned: what its routers decided counts (`_on_forward_end` runs after it, also on errors)."""
@@ -130,7 +166,7 @@ class ProfileCollector:
 
     def _on_forward_end(self, module, args, output) -> None:
         self._in_forward = False
-        self._attention_mask_BS = None
+        self._attention_mask_BS = self._finished_B = None
         self._this_forward = []  # left only by a forward that raised: none of its layers counts
 
     def _router_hook(self, layer: int):
@@ -139,7 +175,7 @@ class ProfileCollector:
                 return
             self._counted_this_forward.add(layer)
             logits_TE, topk_ids_Tk = self.adapter.observe(router, inputs, output)
-            mask_T = _token_mask(self._attention_mask_BS, topk_ids_Tk.shape[0])
+            mask_T = _token_mask(self._attention_mask_BS, self._finished_B, topk_ids_Tk.shape[0])
             self._this_forward.append((layer, topk_ids_Tk.detach(), logits_TE.detach(), mask_T))
 
         return hook
@@ -185,22 +221,52 @@ class ProfileCollector:
         )
 
 
-def _token_mask(attention_mask_BS: torch.Tensor | None, num_tokens: int) -> torch.Tensor | None:
-    """`[T]` bool mask of the tokens a router saw, from the forward's `[B, L]` attention mask.
+class _FinishedRows(StoppingCriteriaList):
+    """`generate`'s stopping criteria, keeping which rows have stopped (`finished_B`, None before the first step).
+
+    In batch generation a row that has stopped (emitted EOS) goes on being fed pad tokens until every row has, under
+    an attention mask that transformers extends with ones for every row; those positions are no text, and only the
+    criteria's results tell them apart. A row's own last token is not fed back, as when it is generated alone.
+    """
+
+    def __init__(self, criteria: StoppingCriteriaList) -> None:
+        super().__init__(criteria)
+        self.finished_B: torch.Tensor | None = None
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        done_B = super().__call__(input_ids, scores, **kwargs)
+        self.finished_B = done_B if self.finished_B is None else self.finished_B | done_B
+        return done_B
+
+
+#: the `GenerationMixin` method whose criteria `ProfileCollector` records
+STOPPING_CRITERIA = "_get_stopping_criteria"
+
+
+def _token_mask(
+    attention_mask_BS: torch.Tensor | None, finished_B: torch.Tensor | None, num_tokens: int
+) -> torch.Tensor | None:
+    """`[T]` bool mask of the tokens a router saw, from the forward's `[B, L]` attention mask and the `[B]` rows
+    that `generate` has stopped.
 
     A router sees the `B * S` tokens of this forward; with a KV cache the mask also covers the `L - S`
     cached positions, which are its first columns.
     """
-    if attention_mask_BS is None:
-        return None
-    batch, length = attention_mask_BS.shape
-    if num_tokens == batch * length:
-        return attention_mask_BS.reshape(-1).bool()
-    if num_tokens % batch == 0 and num_tokens // batch <= length:
-        return attention_mask_BS[:, length - num_tokens // batch :].reshape(-1).bool()
-    raise ValueError(
-        f"router saw {num_tokens} tokens, which does not fit the attention_mask of shape [{batch}, {length}]"
-    )
+    mask_T = None
+    if attention_mask_BS is not None:
+        batch, length = attention_mask_BS.shape
+        if num_tokens == batch * length:
+            mask_T = attention_mask_BS.reshape(-1).bool()
+        elif num_tokens % batch == 0 and num_tokens // batch <= length:
+            mask_T = attention_mask_BS[:, length - num_tokens // batch :].reshape(-1).bool()
+        else:
+            raise ValueError(
+                f"router saw {num_tokens} tokens, which does not fit the attention_mask of shape [{batch}, {length}]"
+            )
+    if finished_B is None:
+        return mask_T
+    running_T = (~finished_B).repeat_interleave(num_tokens // finished_B.shape[0])
+    return running_T if mask_T is None else mask_T & running_T
 
 
 # ----- driving a model over data ------------------------------------------------------------
