@@ -8,6 +8,7 @@ model inside its wrappers by it.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -101,13 +102,27 @@ def state_of(model: nn.Module, front_end: str | None = None) -> OccultState:
 
 def attach_state(model: nn.Module, state: OccultState) -> None:
     """Put `state` and its per-instance methods on the model, and the config on `model.config` as
-    JSON-native data (so that transformers can log and save it). A pruning description the loaded
-    `config.json` carried goes: each save writes it anew from the config the model runs."""
+    JSON-native data (so that transformers can log and save it), on a config of the model's own
+    (`_own_config`). A pruning description the loaded `config.json` carried goes: each save writes it
+    anew from the config the model runs."""
     for name, function in state.instance_methods.items():
         model.__dict__[name] = ModelMethod(function, model)
     model.__dict__[STATE_ATTR] = state
+    _own_config(model)
     forget_saved_description(model.config)
     model.config.occult_config = state.occult_config.to_dict()
+
+
+def _own_config(model: nn.Module) -> None:
+    """Give `model` and its modules a copy of their transformers config (sub-configs included): models built from one
+    config object (`from_config(config)` twice) share it, and the setup stored there would otherwise be the last
+    converted model's on all of them, which each one's save would write, and each one's `unapply_occult` take off."""
+    copies: dict[int, Any] = {}  # id of each object of the config -> its copy (deepcopy's memo)
+    copy.deepcopy(model.config, copies)
+    for module in model.modules():
+        config = module.__dict__.get("config")
+        if config is not None and id(config) in copies:
+            module.config = copies[id(config)]
 
 
 def detach_state(model: nn.Module) -> OccultState:
