@@ -48,7 +48,7 @@ from .ddp import DDP_IGNORE_ATTR, RankLocalStateNames
 from .hub import save_and_push, upload_described
 from .launch import check_logical_devices, check_process_group_started
 from .loading import load_scope
-from .native_ep import apply_on_load
+from .native_ep import apply_on_load, ep_blocks
 from .peft_support import install_peft_hooks, uninstall_peft_hooks
 from .setup import agree, build_pruners, resolve_config, resolve_placement
 from .state import BLOCKS, STATE_ATTR, OccultState, attach_state, detach_state, forget_saved_description, state_of
@@ -161,9 +161,14 @@ def unapply_occult(model: nn.Module) -> nn.Module:
 
 
 def occult_modules(model: nn.Module) -> dict:
-    """`{module path: OccultMoE}` of a model with occult_hf applied, in layer order."""
-    state = state_of(model, BLOCKS)
-    return {path: model.get_submodule(path) for path in state.block_paths}
+    """`{module path: occult layer}` of a model with occult_hf applied, in layer order: the `OccultMoE` that
+    `apply_occult` put in place of each MoE block, or, in a model loaded with transformers' EP
+    (`ep_implementation="occult"`), the `OccultEP` that serves each block's experts. Both keep the counters that
+    `reset_counters` zeroes and the `track` setting of `track_routing`."""
+    state = state_of(model)
+    if state.front_end == BLOCKS:
+        return {path: model.get_submodule(path) for path in state.block_paths}
+    return {path: impl for _, path, _, impl in ep_blocks(model)}
 
 
 def occult_config_of(model: nn.Module) -> OccultConfig:
@@ -172,14 +177,14 @@ def occult_config_of(model: nn.Module) -> OccultConfig:
 
 
 def reset_counters(model: nn.Module) -> None:
-    """Zero every `OccultMoE`'s rows/pairs/bytes counters."""
+    """Zero every occult layer's rows/pairs/bytes counters (`occult_modules`)."""
     for module in occult_modules(model).values():
         module.stats.reset()
 
 
 class track_routing:
-    """Whether every `OccultMoE` keeps its last routing and adds to its counters in each forward (on by
-    default). Serving needs neither: off, a compiled decode step has one graph output, one kernel and a few
+    """Whether every occult layer (`occult_modules`) keeps its last routing and adds to its counters in each forward
+    (on by default). Serving needs neither: off, a compiled decode step has one graph output, one kernel and a few
     guards per layer fewer (on an H200, about 0.09 ms of guards and graph launch a step for OLMoE:
     docs/runtime.md, "Counters").
 

@@ -123,8 +123,9 @@ class OccultEP(_ep_base()):
             the placement, the settings or the device change).
         stats: the layer's `ExchangeStats` (rows and (token, expert) pairs this rank sent to each rank).
         last_topk_ids_Tk: `[T, k]` the routing the last call dispatched (after pruning; this rank's TP slice), what
-            `OccultCallback`'s meters read, as they read `OccultMoE`'s (a reference, no copy: `track` stays True);
-            `last_devices_TD` is always None (no replicas on this path).
+            `OccultCallback`'s meters read, as they read `OccultMoE`'s (a reference, no copy); `last_devices_TD` is
+            always None (no replicas on this path).
+        track: whether each call keeps `last_topk_ids_Tk` and adds to `stats` (`track_routing`), as in `OccultMoE`.
     """
 
     track = True
@@ -185,11 +186,13 @@ class OccultEP(_ep_base()):
         sliced = self.tp_mesh.size() > 1
         if sliced:  # the TP group shares the batch: each of its ranks dispatches a disjoint slice of it
             hidden_states, top_k_index, top_k_weights = (_tp_slice(t, self.tp_mesh) for t in (hidden_states, top_k_index, top_k_weights))
-        self.last_topk_ids_Tk = top_k_index.detach()
+        if self.track:
+            self.last_topk_ids_Tk = top_k_index.detach()
         out_TH, plan = self.dispatcher.run(hidden_states, TokenRouting(top_k_index, top_k_weights), self.compute)
         if sliced:
             out_TH = _tp_gather(out_TH, self.tp_mesh, num_tokens, hidden)
-        self.stats.record(plan.counts_D2, plan.row_bytes)
+        if self.track:
+            self.stats.record(plan.counts_D2, plan.row_bytes)
         return out_TH
 
 
