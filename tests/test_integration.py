@@ -398,6 +398,7 @@ def test_install_is_reversible(tmp_path, reinstalled):
     assert originals() == wrapped
     uninstall()
     assert not is_installed() and PreTrainedModel.__dict__["from_pretrained"] is original
+    assert not hasattr(PreTrainedModel.__dict__["_from_config"].__func__, "__occult_original__")
     assert originals() == dict.fromkeys(wrapped), "uninstall() left a wrapper on Trainer or PeftModel"
     with pytest.raises(TypeError):
         OlmoeForCausalLM.from_pretrained(checkpoint, occult_config={})

@@ -42,3 +42,16 @@ def test_models_built_from_one_config_keep_their_own_setups(tmp_path):
     assert (occult_config_of(reloaded).num_devices, occult_config_of(reloaded).prune) == (2, None)
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, first(ids).logits)
+
+
+def test_a_model_built_from_a_converted_models_config_is_plain_and_saves_plain(tmp_path):
+    """`from_config(converted.config)` (same architecture, new weights) builds a plain model: it saved the converted
+    model's setup, and its reload ran that setup (pruning: logits 0.088 off the model that was saved)."""
+    converted = apply_occult(_model(tiny_config("olmoe"), 0), OccultConfig(num_devices=4, prune="router", max_devices_per_token=1))
+    built = _model(converted.config, 1)
+    assert not hasattr(built.config, "occult_config") and converted.config.occult_config["num_devices"] == 4
+    built.save_pretrained(tmp_path / "built")
+    assert "occult_config" not in json.loads((tmp_path / "built" / "config.json").read_text())
+    ids = tiny_batch(seed=3)
+    with torch.no_grad():
+        assert torch.equal(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "built")(ids).logits, built(ids).logits)

@@ -51,7 +51,9 @@ from .loading import load_scope
 from .native_ep import apply_on_load, ep_blocks
 from .peft_support import install_peft_hooks, uninstall_peft_hooks
 from .setup import agree, build_pruners, resolve_config, resolve_placement
-from .state import BLOCKS, STATE_ATTR, OccultState, attach_state, detach_state, forget_saved_description, state_of
+from .state import (
+    BLOCKS, STATE_ATTR, OccultState, attach_state, config_without_setup, detach_state, forget_saved_description, state_of,
+)
 from .trainer import install_trainer_hooks, uninstall_trainer_hooks
 from .weight_init import install_expert_init
 
@@ -237,7 +239,7 @@ def install() -> None:
     """
     if is_installed():
         return
-    install_loading_hooks(_apply_on_load, _json_native, load_scope)
+    install_loading_hooks(_apply_on_load, _json_native, config_without_setup, load_scope)
     install_trainer_hooks()  # Trainer checkpoints and resume under EP
     install_peft_hooks()  # adapters saved and loaded whole under EP
 

@@ -9,7 +9,10 @@ works; when transformers changes, this is the file to read.
   `on_load` (`hf.apply.install` registers the function that applies the config), inside an
   optional `load_scope` context. A second
   wrapper, of `PreTrainedConfig.from_dict`, stores `config_value(occult_config, stored)` (JSON-native) when
-  the Auto classes pass the keyword to the config. `uninstall_loading_hooks()` puts the originals back.
+  the Auto classes pass the keyword to the config. A third, of `PreTrainedModel._from_config` (what
+  `from_config` calls), builds the model on `plain_config(config)`: a converted model's config describes its
+  occult setup, which a model built from that config does not run. `uninstall_loading_hooks()` puts the
+  originals back.
 - `intercept_state_dict_loading(intercept)`: for one `from_pretrained`, the lazily opened checkpoint
   state dict passes through `intercept` before transformers loads it (per-rank expert loading,
   `hf.loading`): transformers has no loading filter a plugin can register.
@@ -64,6 +67,7 @@ UNSET: Any = object()
 def install_loading_hooks(
     on_load: Callable[[Any, Any, str], Any],
     config_value: Callable[[Any, Any], Any],
+    plain_config: Callable[[Any], Any],
     load_scope: Callable[[Any, dict, type], Any] | None = None,
 ) -> None:
     """Let `PreTrainedModel.from_pretrained` take `occult_config=`; idempotent.
@@ -101,8 +105,12 @@ def install_loading_hooks(
             kwargs["occult_config"] = config_value(kwargs["occult_config"], stored)
         return original(cls, *args, **kwargs)
 
+    def from_config(original, cls, config, *args, **kwargs):
+        return original(cls, plain_config(config), *args, **kwargs)
+
     _wrap_classmethod(PreTrainedModel, "from_pretrained", from_pretrained)
     _wrap_classmethod(PreTrainedConfig, "from_dict", from_dict)
+    _wrap_classmethod(PreTrainedModel, "_from_config", from_config)
 
 
 @contextlib.contextmanager
@@ -210,7 +218,7 @@ def uninstall_loading_hooks() -> None:
     """Undo `install_loading_hooks` (no-op when not installed)."""
     from transformers import PreTrainedConfig, PreTrainedModel
 
-    for owner, name in ((PreTrainedModel, "from_pretrained"), (PreTrainedConfig, "from_dict")):
+    for owner, name in ((PreTrainedModel, "from_pretrained"), (PreTrainedConfig, "from_dict"), (PreTrainedModel, "_from_config")):
         original = getattr(owner.__dict__[name].__func__, "__occult_original__", None)
         if original is not None:
             setattr(owner, name, original)

@@ -141,6 +141,17 @@ def detach_state(model: nn.Module) -> OccultState:
     return state
 
 
+def config_without_setup(config):
+    """`config`, or where it holds occult_hf's entries (a converted model's config) a copy without them: what
+    `from_config` builds a model on. That model is plain (`apply_occult` converts it), and with the entries it would
+    save an occult setup it never ran, which its reload would apply."""
+    if not any(hasattr(config, key) for key in ("occult_config", PRUNING_CONFIG_KEY)):
+        return config
+    plain = copy.deepcopy(config)
+    forget_saved_description(plain)
+    return plain
+
+
 def forget_saved_description(config) -> None:
     """Take occult_hf's entries (`occult_config`, `occult_pruning`) off a transformers config: a model that no longer
     runs what they describe must not save them again."""
