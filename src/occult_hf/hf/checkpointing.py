@@ -53,6 +53,7 @@ from ..distributed.collectives import gather_rows
 from ..moe import OccultMoE
 from ..placement import PLACEMENT_FILENAME
 from ..pruning import pruners_of
+from ..utils.checks import shown
 from ..utils.atomic import atomic_write_json, atomic_write_text
 from ..utils.strict_json import parse_json, read_json_file
 from .model_card import CARD_FILENAME, PRUNING_CONFIG_KEY, card_with_pruning, pruning_description, strip_pruning_section
@@ -251,13 +252,29 @@ def describe_in_card(config, staging: str, target: str) -> None:
 
 
 #: weight files of a checkpoint: model.safetensors, shards (under transformers' names or the fresh names
-#: `publish_staged` gives them, `model-<8 hex>-00001-of-00003.safetensors`) and their index
-_WEIGHT_FILE = re.compile(r"(model|pytorch_model)(-[0-9a-f]{8})?(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?")
+#: `publish_staged` gives them, `model-<8 hex>-00001-of-00003.safetensors`) and their index, of any variant
+#: (`save_pretrained(variant="fp16")`: `model.fp16.safetensors`, `model.fp16-00001-of-00003.safetensors`,
+#: `model.safetensors.index.fp16.json`)
+_WEIGHT_FILE = re.compile(
+    r"(?:model|pytorch_model)(?:\.(?P<variant>[^.-]+))?(?:-[0-9a-f]{8})?(?:-\d{5}-of-\d{5})?\.(?:safetensors|bin)"
+    r"|(?:model\.safetensors|pytorch_model\.bin)\.index(?:\.(?P<index_variant>[^.]+))?\.json"
+)
 #: the rank shards of transformers' `save_pretrained(distributed_checkpoint=True)`, which its loader prefers to every
 #: other weight file of the directory (`transformers.distributed.checkpoint.is_sharded_checkpoint`)
 _DISTRIBUTED_SHARD = re.compile(r"shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors")
-#: the files that decide which weights a directory loads, in transformers' order of preference
-_LOADED_FIRST = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def _variant_of(weight_file: str) -> str | None:
+    """The variant of a `_WEIGHT_FILE` name ("fp16"), None for the plain weights."""
+    match = _WEIGHT_FILE.fullmatch(weight_file)
+    return match["variant"] or match["index_variant"]
+
+
+def _loaded_first(variant: str | None) -> tuple[str, ...]:
+    """The files that decide which weights of `variant` a directory loads, in transformers' order of preference."""
+    tag = f".{variant}" if variant else ""
+    return (f"model{tag}.safetensors", f"model.safetensors.index{tag}.json", f"pytorch_model{tag}.bin",
+            f"pytorch_model.bin.index{tag}.json")  # fmt: skip
 
 
 def publish_staged(staging: str, target: str) -> None:
@@ -267,25 +284,34 @@ def publish_staged(staging: str, target: str) -> None:
     1. New shards go in under names no file in `target` has (the old index still names the old shards),
        and the staged index is rewritten to name them.
     2. The other files (`occult_placement.json` first).
-    3. The commit: the one file that decides what loads (`_LOADED_FIRST`: a single `model.safetensors`, else
+    3. The commit: the one file that decides what loads (`_loaded_first`: a single `model.safetensors`, else
        the index) is renamed over the old one, and an old file that would still be preferred to it is removed
        (a distributed checkpoint's rank shards among them).
     4. `config.json` (which holds the placement inline).
-    5. The old weight files no longer named by the new save are removed.
+    5. The old weight files of the save's variant no longer named by the new save are removed (another variant's
+       stay: a directory may hold the plain weights and an "fp16" variant, as Hub repositories do).
 
     Every file is whole before the first rename, so a failure while writing leaves `target` as it was.
     """
     staged = sorted(os.listdir(staging))
     weights = [n for n in staged if _WEIGHT_FILE.fullmatch(n)]
-    commit = next(n for n in _LOADED_FIRST if n in weights)  # transformers always writes one of them
+    variants = {_variant_of(n) for n in weights}
+    loaded_first = _loaded_first(next(iter(variants))) if len(variants) == 1 else ()
+    commit = next((n for n in loaded_first if n in weights), None)
+    if commit is None:
+        raise RuntimeError(
+            f"save_pretrained: occult_hf cannot publish the weight files transformers wrote ({shown(staged)} in "
+            f"{staging!r}): it knows one variant of model.safetensors, its shards and index, or pytorch_model.bin; "
+            f"the previous checkpoint in {target!r} is unchanged"
+        )
     kept = {commit}
-    for index in (n for n in weights if n.endswith(".index.json")):
+    for index in (n for n in weights if n.endswith(".json")):  # the index, of any variant
         kept |= {index, *_move_shards(staging, target, index)}
     rest = [n for n in staged if n not in weights and n != "config.json"]
     for name in sorted(rest, key=lambda n: n != PLACEMENT_FILENAME):
         _replace(os.path.join(staging, name), os.path.join(target, name))
     _replace(os.path.join(staging, commit), os.path.join(target, commit))
-    for earlier in _LOADED_FIRST[: _LOADED_FIRST.index(commit)]:  # an old single file would still load first
+    for earlier in loaded_first[: loaded_first.index(commit)]:  # an old single file would still load first
         if os.path.isfile(os.path.join(target, earlier)):
             os.remove(os.path.join(target, earlier))
     for name in os.listdir(target):  # transformers loads a distributed checkpoint's shards before anything else
@@ -294,7 +320,8 @@ def publish_staged(staging: str, target: str) -> None:
     if "config.json" in staged:
         _replace(os.path.join(staging, "config.json"), os.path.join(target, "config.json"))
     for name in os.listdir(target):
-        if _WEIGHT_FILE.fullmatch(name) and name not in kept and os.path.isfile(os.path.join(target, name)):
+        stale = _WEIGHT_FILE.fullmatch(name) and _variant_of(name) in variants and name not in kept
+        if stale and os.path.isfile(os.path.join(target, name)):
             os.remove(os.path.join(target, name))
 
 
