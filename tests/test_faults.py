@@ -151,6 +151,8 @@ def _stalled_peer_cases(rank, directory):
             unapply_occult(model)
         blocks = {path: type(model.get_submodule(path)).__name__ for path in ("model.layers.0.mlp", "model.layers.1.mlp")}
         assert blocks == dict.fromkeys(blocks, "OccultMoE"), blocks
+        held_aside = model.get_submodule("model.layers.0.mlp").original_block.experts  # filled by the gather, emptied again
+        assert all(param.numel() == 0 for param in held_aside.parameters())
         after = model.state_dict()
         assert after.keys() == before.keys() and all(torch.equal(after[name], before[name]) for name in before)
     else:

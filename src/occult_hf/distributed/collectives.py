@@ -14,7 +14,7 @@
   every layer's per-backward contributions gives each holder the expert's full gradient, so the
   copies stay identical (`replicas.gradients.ReplicaGradients` keeps the contributions). The copies count once
   in the global norm (`LayerLayout.copy_weight_L`).
-- `copy_from_primaries`: new copies of replicated experts, each broadcast from its primary holder.
+- `copies_from_primaries`: new copies of replicated experts, each broadcast from its primary holder.
 """
 
 from __future__ import annotations
@@ -173,30 +173,26 @@ def sum_replica_grads(layers: list[nn.Module], group) -> None:
 
 
 @torch.no_grad()
-def copy_from_primaries(
-    weights: tuple[torch.Tensor, ...], old_ids: list[int], new_ids: list[int], replicated: list[int], device_of_E, group, rank: int,
-    layer: int,
-) -> list[torch.Tensor]:
-    """This rank's expert weights for new slots `new_ids` (global expert ids in slot order), from its current ones
-    (`weights`, `[len(old_ids), ...]` each, slots `old_ids`): a slot it already held is copied locally; every
-    replicated expert is broadcast from its primary holder (`device_of_E[e]`), every rank joining, in expert
-    order, so each copy equals its primary bit for bit. Collective over `group`; each wait bounded like a save's
-    (`EPPeerError` naming `layer`)."""
-    new = [weight.new_empty((len(new_ids), *weight.shape[1:])) for weight in weights]
-    for slot, expert in enumerate(new_ids):
-        if expert in old_ids:
-            for target, weight in zip(new, weights):
-                target[slot] = weight[old_ids.index(expert)]
+def copies_from_primaries(
+    weights: tuple[torch.Tensor, ...], old_ids: list[int], new_ids: list[int], replicated: list[int], device_of_E, group,
+    rank: int, layer: int,
+) -> dict[int, list[torch.Tensor]]:
+    """`{expert: [its row of each of `weights`]}` for the replicated experts among this rank's new slots `new_ids`, each
+    broadcast from its primary holder (`device_of_E[e]`; `weights` are `[len(old_ids), ...]`, slots `old_ids`), so
+    that every copy equals its primary bit for bit. Only these rows: the caller builds the new weights from them and
+    its own rows one layer at a time, never holding a second copy of all its experts. Collective over `group`, every
+    replicated expert in expert order; each wait bounded like a save's (`EPPeerError` naming `layer`)."""
+    copies: dict[int, list[torch.Tensor]] = {}
     for expert in replicated:
         primary = int(device_of_E[expert])
         source = dist.get_global_rank(group, primary)
-        for target, weight in zip(new, weights):
+        for weight in weights:
             part = weight[old_ids.index(expert)].contiguous() if rank == primary else weight.new_empty(weight.shape[1:])
             start = functools.partial(dist.broadcast, part, src=source, group=group, async_op=True)
             bounded("copying the replicated experts from their primary holders (apply_replicas)", layer, save_timeout_s(), start)
             if expert in new_ids:
-                target[new_ids.index(expert)] = part
-    return new
+                copies.setdefault(expert, []).append(part)
+    return copies
 
 
 class _Tap(torch.autograd.Function):
@@ -212,4 +208,4 @@ class _Tap(torch.autograd.Function):
         return grad, grad.new_zeros(1, dtype=ctx.carrier_dtype)
 
 
-__all__ = ["GradNormCarrier", "copy_from_primaries", "gather_rows", "sum_replica_grads"]
+__all__ = ["GradNormCarrier", "copies_from_primaries", "gather_rows", "sum_replica_grads"]

@@ -145,14 +145,25 @@ def _resolve(model: nn.Module, occult_config, group):
 def unapply_occult(model: nn.Module) -> nn.Module:
     """Put the original MoE blocks back, with the current expert weights of all ranks; return `model`.
 
-    Under EP every rank must call it (the experts are all-gathered: every rank gets the full model). Every layer is
-    gathered before any block is put back, so a gather that fails (a peer dies or stalls) leaves the model as it was.
+    Under EP every rank must call it (the experts are all-gathered: every rank gets the full model). Each layer's
+    gather fills its original block (held aside, one layer's gather on the host at a time), and the blocks go back
+    into the model only once every layer's has: a gather that fails (a peer dies or stalls) leaves the model as it
+    was, its filled blocks emptied again.
     """
     state = state_of(model, BLOCKS)
     check_model_ranks_agree(model, state, "unapply_occult")
-    gathered = {path: gather_full_experts(model.get_submodule(path), state, to_all=True) for path in state.block_paths}
-    for path, (gate_up_E2IH, down_EHI) in gathered.items():
-        _set_submodule(model, path, restore_block(model.get_submodule(path), gate_up_E2IH, down_EHI))
+    modules = {path: model.get_submodule(path) for path in state.block_paths}
+    filled = []
+    try:
+        for module in modules.values():
+            filled.append(module)
+            restore_block(module, *gather_full_experts(module, state, to_all=True))
+    except BaseException:
+        for module in filled:
+            retire_original_block(module)
+        raise
+    for path, module in modules.items():
+        _set_submodule(model, path, module.original_block)
     detach_state(model)
     if state.ep.is_distributed:
         if state.ddp_ignore_before is None:

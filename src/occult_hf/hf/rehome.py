@@ -3,9 +3,9 @@
 `placement.rebalance.replan_replicas` re-chooses a deployed placement's redundant copies from recent
 routing (an unseen domain's hot experts), keeping every primary home. `apply_replicas` puts such a
 placement into a model that occult_hf already runs: each layer's new copies are copied from their
-primary holders (`distributed.collectives.copy_from_primaries`), its layout, dispatcher and replica
-gradient bookkeeping are rebuilt (`new_homes`, then `rehome_layer` once every layer's copies are made), and the model's saved setup (`config.occult_config`)
-names the new placement. No expert
+primary holders (`new_homes`, through `distributed.collectives.copies_from_primaries`), and once every
+layer's are made its weights, layout, dispatcher and replica gradient bookkeeping are rebuilt
+(`rehome_layer`), and the model's saved setup (`config.occult_config`) names the new placement. No expert
 moves its primary home, so no rank loses weights it alone held, and the outputs do not change: only
 which copy serves a pair does.
 """
@@ -19,7 +19,7 @@ from torch import nn
 
 from ..dispatch import build_dispatcher
 from ..distributed.agreement import announce_failure
-from ..distributed.collectives import copy_from_primaries
+from ..distributed.collectives import copies_from_primaries
 from ..experts import LocalExperts
 from ..layout import LayerLayout
 from ..moe import OccultMoE
@@ -81,11 +81,11 @@ def _check_replicas_only(state: OccultState, placement: Placement) -> None:
 
 
 @torch.no_grad()
-def new_homes(module: OccultMoE, placement: Placement) -> tuple[LayerLayout, tuple[torch.Tensor, torch.Tensor] | None]:
-    """`(layout, weights)` of one layer under `placement`, whose primary homes must be the layer's; the layer is not
-    changed. Collective under EP: each rank's new slots are its homes under `placement`, and a copy it did not hold
-    is copied from the expert's primary holder (`weights`: the new `(gate_up, down)`; None in one process, where the
-    layer holds every expert already)."""
+def new_homes(module: OccultMoE, placement: Placement) -> tuple[LayerLayout, dict[int, list[torch.Tensor]] | None]:
+    """`(layout, copies)` of one layer under `placement`, whose primary homes must be the layer's; the layer is not
+    changed. Collective under EP: each rank's new slots are its homes under `placement`, and `copies` holds the rows
+    of the replicated experts among them, from their primary holders (`copies_from_primaries`); None in one process,
+    where the layer holds every expert already."""
     layer = module.layer_idx
     if placement.device_of(layer) != module.layout.primary_devices():
         raise ValueError(
@@ -102,17 +102,21 @@ def new_homes(module: OccultMoE, placement: Placement) -> tuple[LayerLayout, tup
     old_ids, new_ids = module.layout.expert_ids_L.tolist(), layout.expert_ids_L.tolist()
     replicated = [e for e, homes in enumerate(placement.homes(layer)) if len(homes) > 1]
     params = (experts.gate_up_proj, experts.down_proj)
-    return layout, copy_from_primaries(
-        params, old_ids, new_ids, replicated, layout.primary_devices(), ep.group, ep.rank, layer
-    )
+    return layout, copies_from_primaries(params, old_ids, new_ids, replicated, layout.primary_devices(), ep.group, ep.rank, layer)
 
 
-def rehome_layer(module: OccultMoE, layout: LayerLayout, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-    """Give one layer what `new_homes` made: its expert weights (new parameters: an optimizer built before must be
-    rebuilt), layout, replica gradient bookkeeping and dispatcher. Local: no rank waits on another here."""
+def rehome_layer(module: OccultMoE, layout: LayerLayout, copies: dict[int, list[torch.Tensor]] | None) -> None:
+    """Give one layer what `new_homes` made: its expert weights in the new slots (its own rows and `copies`; new
+    parameters: an optimizer built before must be rebuilt), layout, replica gradient bookkeeping and dispatcher.
+    Local: no rank waits on another here."""
     experts = module.experts
-    if weights is not None:
+    if copies is not None:
+        old_ids, new_ids = module.layout.expert_ids_L.tolist(), layout.expert_ids_L.tolist()
         params = (experts.gate_up_proj, experts.down_proj)
+        weights = [param.new_empty((len(new_ids), *param.shape[1:])) for param in params]
+        for slot, expert in enumerate(new_ids):
+            for index, (weight, param) in enumerate(zip(weights, params)):
+                weight[slot] = copies[expert][index] if expert in copies else param[old_ids.index(expert)]
         experts.gate_up_proj, experts.down_proj = (
             nn.Parameter(weight, requires_grad=param.requires_grad) for weight, param in zip(weights, params)
         )
