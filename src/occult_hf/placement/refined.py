@@ -485,24 +485,6 @@ def _homes_of(item_device_X: np.ndarray, group_X: np.ndarray) -> tuple[list[int]
     return [h[0] for h in homes], {e: h[1:] for e, h in enumerate(homes) if len(h) > 1}
 
 
-def _primaries_on_every_device(item_device_X, group_X, num_devices):
-    """`(primary device of each expert, {expert: [extra devices]})` of the items' devices: an expert's lowest
-    home, except that a device no expert has as its lowest home takes the primary of a replicated expert it holds
-    (from the device with the most primaries, which keeps one). Code that reads the primaries without the copies
-    (`OccultCallback`'s drift check) needs them to be a valid placement, every device holding an expert."""
-    lowest, replicas = _homes_of(item_device_X, group_X)
-    primary_E = np.array(lowest, dtype=np.int64)
-    for device in range(num_devices):
-        count_D = np.bincount(primary_E, minlength=num_devices)
-        held = [e for e, devices in replicas.items() if device in devices and count_D[primary_E[e]] > 1]
-        if count_D[device] or not held:
-            continue
-        expert = max(held, key=lambda e: (count_D[primary_E[e]], -e))
-        replicas[expert] = sorted({*replicas[expert], int(primary_E[expert])} - {device})
-        primary_E[expert] = device
-    return primary_E.tolist(), replicas
-
-
 def _rule_items(item_device_X, group_X, sample_Nk, num_devices, devices_per_node=None):
     """`[N, k]` item serving each pair under the replica rule for the homes of `item_device_X`, and the
     total CT the rule gives (with `devices_per_node`: the total CT_node weighted as `objectives.NodesFirst` does,
@@ -894,7 +876,7 @@ def refine_layer(
             stacklevel=2,
         )
     if group_X is not None:  # items -> homes
-        primary, replicas = _primaries_on_every_device(best_E, group_X, num_devices)
+        primary, replicas = _homes_of(best_E, group_X)
         best_E = np.array(primary, dtype=np.int64)
     return LayerPlan(
         device_of_E=best_E,
