@@ -22,6 +22,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 from torch import nn
+from transformers.generation import GenerationMixin
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from ..utils.text_files import read_utf8
@@ -81,8 +82,7 @@ class ProfileCollector:
         self._in_forward = False
         self._attention_mask_BS: torch.Tensor | None = None
         self._finished_B: torch.Tensor | None = None
-        self._generation = None  # weakref to the `_FinishedRows` of the `generate` under way
-        self._stopping_criteria_entry = None  # (what `attach` put on the module, what it replaced)
+        self._generation: _GenerationWatch | None = None  # the rows that `generate` has stopped, while attached
         self._counted_this_forward: set[int] = set()
         self._this_forward: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
@@ -98,10 +98,8 @@ class ProfileCollector:
             # first among the router's hooks: it records the router's own decisions, before a pruning hook
             # (`apply_occult_ep`'s) rewrites them
             self._handles.append(router.register_forward_hook(self._router_hook(index), prepend=True))
-        if hasattr(self.module, STOPPING_CRITERIA) and not self.training_only:
-            entry = self._recording_stopping_criteria(getattr(self.module, STOPPING_CRITERIA))
-            self._stopping_criteria_entry = entry, self.module.__dict__.get(STOPPING_CRITERIA)
-            self.module.__dict__[STOPPING_CRITERIA] = entry
+        if not self.training_only:
+            self._generation = _GenerationWatch.on(self.module)
         return self
 
     def detach(self) -> None:
@@ -109,15 +107,9 @@ class ProfileCollector:
             handle.remove()
         self._handles.clear()
         self._in_forward = False
-        if self._stopping_criteria_entry is not None:
-            entry, replaced = self._stopping_criteria_entry
-            if self.module.__dict__.get(STOPPING_CRITERIA) is entry:
-                if replaced is None:
-                    del self.module.__dict__[STOPPING_CRITERIA]
-                else:
-                    self.module.__dict__[STOPPING_CRITERIA] = replaced
-            self._stopping_criteria_entry = None
-        self._generation = None
+        if self._generation is not None:
+            self._generation.release()
+            self._generation = None
 
     def __enter__(self) -> "ProfileCollector":
         return self.attach()
@@ -139,23 +131,7 @@ class ProfileCollector:
                 f"ProfileCollector needs a 2-D [batch, seq] attention_mask to leave out padding, got {shape}"
             )
         self._attention_mask_BS = mask
-        rows = self._generation() if self._generation is not None else None
-        self._finished_B = None if rows is None else rows.finished_B
-
-    def _recording_stopping_criteria(self, get_stopping_criteria):
-        """`module._get_stopping_criteria` (which `generate` calls once, before its first forward) returning the
-        criteria as a `_FinishedRows` this collector reads. Beam search runs the criteria on candidate beams, not on
-        the rows it feeds: its criteria are left as they are."""
-
-        def recording(generation_config, *args, **kwargs):
-            criteria = get_stopping_criteria(generation_config, *args, **kwargs)
-            if getattr(generation_config, "num_beams", 1) not in (None, 1):
-                return criteria
-            rows = _FinishedRows(criteria)
-            self._generation = weakref.ref(rows)  # dead once `generate` returns
-            return rows
-
-        return recording
+        self._finished_B = None if self._generation is None else self._generation.finished_B()
 
     def _on_forward_returned(self, module, args, output) -> None:
         """The forward returned: what its routers decided counts (`_on_forward_end` runs after it, also on errors)."""
@@ -241,6 +217,58 @@ class _FinishedRows(StoppingCriteriaList):
 
 #: the `GenerationMixin` method whose criteria `ProfileCollector` records
 STOPPING_CRITERIA = "_get_stopping_criteria"
+
+
+class _GenerationWatch:
+    """On the model whose `generate` runs (the `GenerationMixin` in a collector's module: the module itself, or the
+    transformers model inside a peft model), `_get_stopping_criteria` returns its criteria as `_FinishedRows`, which
+    every collector attached there reads. One per model, whatever the number of collectors (each would otherwise
+    wrap the last one's wrapper, and the inner one's rows would never be called); gone when the last detaches.
+    Beam search runs the criteria on candidate beams, not on the rows it feeds: its criteria stay as they are."""
+
+    ATTR = "_occult_generation_watch"
+
+    def __init__(self, generator: nn.Module) -> None:
+        self.generator, self.users, self._rows = generator, 0, None
+        self._replaced = generator.__dict__.get(STOPPING_CRITERIA)
+        get_stopping_criteria = getattr(generator, STOPPING_CRITERIA)
+
+        def recording(generation_config, *args, **kwargs):
+            criteria = get_stopping_criteria(generation_config, *args, **kwargs)
+            if getattr(generation_config, "num_beams", 1) not in (None, 1):
+                return criteria
+            rows = _FinishedRows(criteria)
+            self._rows = weakref.ref(rows)  # dead once `generate` returns
+            return rows
+
+        generator.__dict__[STOPPING_CRITERIA] = recording
+        generator.__dict__[self.ATTR] = self
+
+    @classmethod
+    def on(cls, module: nn.Module) -> "_GenerationWatch | None":
+        """The watch of the model whose `generate` runs `module`'s forwards, one more collector counted; None where
+        `module` holds no `GenerationMixin` (a base model: its parent's `generate` is not seen)."""
+        generator = next((m for m in module.modules() if isinstance(m, GenerationMixin)), None)
+        if generator is None or not hasattr(generator, STOPPING_CRITERIA):
+            return None
+        watch = generator.__dict__.get(cls.ATTR) or cls(generator)
+        watch.users += 1
+        return watch
+
+    def finished_B(self) -> torch.Tensor | None:
+        """`[B]` the rows the `generate` under way has stopped; None outside one (or before its first step)."""
+        rows = self._rows() if self._rows is not None else None
+        return None if rows is None else rows.finished_B
+
+    def release(self) -> None:
+        """One collector fewer; the last puts back what the model had."""
+        self.users -= 1
+        if self.users == 0:
+            del self.generator.__dict__[self.ATTR]
+            if self._replaced is None:
+                del self.generator.__dict__[STOPPING_CRITERIA]
+            else:
+                self.generator.__dict__[STOPPING_CRITERIA] = self._replaced
 
 
 def _token_mask(
