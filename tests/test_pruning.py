@@ -467,8 +467,12 @@ def test_similarity_needs_a_profile_of_this_model(profile_paths, tmp_path):
     with pytest.raises(ValueError, match=rf"has no MoE layer {layer}; it covers layers \[1\]"):
         build(tmp_path / "partial.safetensors")
     # one read serves every model while the file is unchanged, each with a copy of its own (tests/test_pruning_profile_cache.py)
+    from occult_hf.pruning import _load_profile_cached
+
     assert build(profile_paths("olmoe")).similarity_EE.shape == (NUM_EXPERTS, NUM_EXPERTS)
-    assert load_pruning_profile(profile_paths("olmoe")) is not load_pruning_profile(profile_paths("olmoe"))
+    _load_profile_cached.cache_clear()
+    first, second = load_pruning_profile(profile_paths("olmoe")), load_pruning_profile(profile_paths("olmoe"))
+    assert first is not second and _load_profile_cached.cache_info().misses == 1
 
 
 def test_pruners_are_found_and_switch_off_at_full_device_limit(profile_paths):

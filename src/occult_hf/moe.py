@@ -161,7 +161,7 @@ class OccultMoE(nn.Module):
         if self._grad_norm is not None and torch.is_grad_enabled():
             if self._experts_train():
                 out_TH = self._grad_norm.tap(out_TH, self.ep_grad_norm_carrier)
-            if self._adapters_on_replicas_trainable():
+            if out_TH.requires_grad and self._adapters_on_replicas_trainable():
                 out_TH.register_hook(self._refuse_adapters_on_replicas)
         return out_TH.reshape(shape)
 

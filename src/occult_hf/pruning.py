@@ -563,8 +563,9 @@ def build_pruner(
         adapter: the family adapter.
         layout: the layer's `LayerLayout` (the placement the dispatch uses).
         top_k: `k` of the model.
-        profile: a loaded `RoutingProfile` to take the similarity table from; None loads
-            `occult_config.profile` (once per file for all layers: `load_pruning_profile` caches it).
+        profile: a loaded `RoutingProfile` to take the similarity table from (a model's layers share the one
+            `build_pruners` loads); None loads `occult_config.profile` (`load_pruning_profile`: a copy of the file
+            read once).
     """
     if occult_config.prune is None:
         return None

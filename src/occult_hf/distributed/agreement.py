@@ -57,8 +57,8 @@ DEFAULT_JOIN_TIMEOUT_S = 30.0
 #: the store keys of `arrive`
 _ARRIVAL_PREFIX = "occult_hf/arrival"
 _COLLECTIVE_ADVICE = (
-    "Under expert parallelism apply_occult, save_pretrained, snapshot_experts and unapply_occult are collective: call "
-    "them on every rank, in the same order (EP rank 0 writes; `if rank == 0: model.save_pretrained(...)` leaves the "
+    "Under expert parallelism apply_occult, apply_replicas, save_pretrained, snapshot_experts and unapply_occult are "
+    "collective: call them on every rank, in the same order (EP rank 0 writes; `if rank == 0: model.save_pretrained(...)` leaves the "
     "others out); with HF Trainer import occult_hf before building the Trainer: it hooks Trainer.save_model. A rank "
     "that failed or stopped earlier never arrives"
 )
@@ -203,10 +203,7 @@ def bounded(operation: str, layer: int | None, timeout_s: float, start: Callable
             f"an EP peer did not join within {timeout_s:g} s ({SAVE_TIMEOUT_ENV})"
         )
         raise EPPeerError(
-            f"occult_hf: {operation}{where} failed on rank {_rank()}: {cause} [{text[:300]}]. Under expert parallelism "
-            f"apply_occult, apply_replicas, save_pretrained, snapshot_experts and unapply_occult are collective: call "
-            f"them on every rank, in the same order; with HF Trainer (which saves on rank 0 only) import occult_hf before "
-            f"building the Trainer: it hooks Trainer.save_model"
+            f"occult_hf: {operation}{where} failed on rank {_rank()}: {cause} [{text[:300]}]. {_COLLECTIVE_ADVICE}"
         ) from error
 
 

@@ -72,9 +72,9 @@ def install_loading_hooks(
 ) -> None:
     """Let `PreTrainedModel.from_pretrained` take `occult_config=`; idempotent.
 
-    Two classmethods are wrapped: `PreTrainedModel.from_pretrained` (pops the keyword, `UNSET` when
-    absent, calls the original and returns `on_load(model, occult_config, subfolder)`) and
-    `PreTrainedConfig.from_dict`. The Auto classes load the config first and hand it every keyword
+    Three classmethods are wrapped: `PreTrainedModel.from_pretrained` (pops the keyword, `UNSET` when
+    absent, calls the original and returns `on_load(model, occult_config, subfolder)`),
+    `PreTrainedConfig.from_dict`, and `PreTrainedModel._from_config` (builds on `plain_config(config)`). The Auto classes load the config first and hand it every keyword
     that names one of its attributes, so for a checkpoint that occult_hf saved,
     `occult_config=<OccultConfig>` lands on the config, which transformers then JSON-dumps (its
     "Model config ..." log line, `save_pretrained`). The second wrapper stores
