@@ -74,13 +74,14 @@ def install_loading_hooks(
 
     Three classmethods are wrapped: `PreTrainedModel.from_pretrained` (pops the keyword, `UNSET` when
     absent, calls the original and returns `on_load(model, occult_config, subfolder)`),
-    `PreTrainedConfig.from_dict`, and `PreTrainedModel._from_config` (builds on `plain_config(config)`). The Auto classes load the config first and hand it every keyword
-    that names one of its attributes, so for a checkpoint that occult_hf saved,
-    `occult_config=<OccultConfig>` lands on the config, which transformers then JSON-dumps (its
-    "Model config ..." log line, `save_pretrained`). The second wrapper stores
-    `config_value(occult_config, stored)` there instead (`stored`: what the checkpoint's config held): the
-    caller turns its object into a JSON-native dict, as transformers does for `quantization_config`. `load_scope(occult_config, kwargs, cls)`, when given,
-    returns the context manager the original `from_pretrained` runs in (per-rank expert loading); what it
+    `PreTrainedConfig.from_dict`, and `PreTrainedModel._from_config` (builds on `plain_config(config)`).
+    The Auto classes load the config first and hand it every keyword that names one of its attributes, so
+    for a checkpoint that occult_hf saved, `occult_config=<OccultConfig>` lands on the config, which
+    transformers then JSON-dumps (its "Model config ..." log line, `save_pretrained`). The second wrapper
+    stores `config_value(occult_config, stored)` there instead (`stored`: what the checkpoint's config
+    held): the caller turns its object into a JSON-native dict, as transformers does for
+    `quantization_config`. `load_scope(occult_config, kwargs, cls)`, when given, returns the context
+    manager the original `from_pretrained` runs in (per-rank expert loading); what it
     enters as, when callable, is called with the loaded model before `on_load` (the load's own report).
     """
     from transformers import PreTrainedConfig, PreTrainedModel
