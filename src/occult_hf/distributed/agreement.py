@@ -196,15 +196,18 @@ def bounded(operation: str, layer: int | None, timeout_s: float, start: Callable
     except RuntimeError as error:
         if isinstance(error, (EPConfigMismatchError, EPPeerError)):
             raise
-        where = f" of layer {layer}" if layer is not None else ""
-        text = " ".join(str(error).split())
-        lost = any(word in text.lower() for word in ("closed", "reset", "broken pipe", "connection"))
-        cause = "an EP peer died or left the group" if lost else (
-            f"an EP peer did not join within {timeout_s:g} s ({SAVE_TIMEOUT_ENV})"
-        )
-        raise EPPeerError(
-            f"occult_hf: {operation}{where} failed on rank {_rank()}: {cause} [{text[:300]}]. {_COLLECTIVE_ADVICE}"
-        ) from error
+        raise peer_error(operation + (f" of layer {layer}" if layer is not None else ""), timeout_s, error) from error
+
+
+def peer_error(operation: str, timeout_s: float, error: RuntimeError) -> EPPeerError:
+    """The `EPPeerError` of a collective of `operation` that the backend ended with `error`: whether a peer died or did
+    not join within `timeout_s`, the backend's words, and the rule that collective operations follow."""
+    text = " ".join(str(error).split())
+    lost = any(word in text.lower() for word in ("closed", "reset", "broken pipe", "connection"))
+    cause = "an EP peer died or left the group" if lost else (
+        f"an EP peer did not join within {timeout_s:g} s ({SAVE_TIMEOUT_ENV})"
+    )
+    return EPPeerError(f"occult_hf: {operation} failed on rank {_rank()}: {cause} [{text[:300]}]. {_COLLECTIVE_ADVICE}")
 
 
 # ----- agreement ---------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ import functools
 import os
 import shutil
 from dataclasses import replace
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -60,7 +61,10 @@ from .hub import upload_described, writes_files
 from ..config import OccultConfig
 from ..dispatch import DispatchSettings, ExpertParallelGroup, TokenDispatcher, TokenRouting, build_dispatcher
 from ..dispatch.group import resolve_devices_per_node
-from ..distributed.agreement import SAVE_TIMEOUT_ENV, announce_failure, arrive, bounded, effective_setup, save_timeout_s
+from ..distributed.agreement import (
+    JOIN_TIMEOUT_ENV, SAVE_TIMEOUT_ENV, EPPeerError, announce_failure, arrive, effective_setup, join_timeout_s, peer_error,
+    save_timeout_s,
+)
 from ..experts import local_experts
 from ..placement import Placement
 from ..layout import LayerLayout
@@ -380,6 +384,7 @@ def apply_occult_ep(model: nn.Module, occult_config: OccultConfig | dict | str |
             new_state.hooks.append(adapter.router(block).register_forward_hook(_pruning_hook(block, pruner)))
     new_state.instance_methods["gather_sharded_state_dict_for_save"] = _gather_in_original_order
     new_state.instance_methods["save_pretrained"] = _save_described
+    new_state.instance_methods["barrier_after_gathered_checkpoint_save"] = _writer_awaited_by_save_described
     new_state.instance_methods[PUSH_UPLOAD_METHOD] = upload_described
     attach_state(model, new_state)
     return model
@@ -513,23 +518,102 @@ def _save_described(model, save_directory, *args, **kwargs):
     """transformers' `save_pretrained`, with the pruners' limits in force (`OccultCallback`'s N_d schedule changes them)
     on the config it writes first (every rank calls it, for FSDP2's gather, so every rank records them alike); then the
     writing rank adds a pruned model's files, as the `occult_config` path's save does: the similarity profile (its
-    source file may be gone by then) and the pruning description (`checkpointing.add_pruning_files`). The ranks
-    return together, once the writing rank is done (bounded by `OCCULT_SAVE_TIMEOUT_S`): a reload right after the save
-    reads the same, whole files on every rank."""
+    source file may be gone by then) and the pruning description (`checkpointing.add_pruning_files`).
+
+    Every wait on a peer is bounded, as on the `occult_config` path: the ranks meet first (`OCCULT_JOIN_TIMEOUT_S`: a
+    rank that never calls the save is named), transformers' gathers run under `peer_waits_bounded`
+    (`OCCULT_SAVE_TIMEOUT_S`), and the ranks return together once the writing rank is done (the same bound; a rank that
+    failed is named at once), so a reload right after the save reads the same, whole files on every rank."""
     state = state_of(model, TRANSFORMERS_EP)
+    together = state.agreement_group is not None
+    if together:
+        arrive(state.agreement_group, _SAVE_OPERATION, join_timeout_s(), JOIN_TIMEOUT_ENV)
+    try:
+        with peer_waits_bounded(_SAVE_GATHER, state.save_timeout_s):
+            result = _save_with_transformers(model, state, save_directory, args, kwargs)
+    except Exception as error:  # the other ranks meet below: tell them
+        if together:
+            with contextlib.suppress(EPPeerError):  # the store died with its host: this rank's own error says more
+                announce_failure(error, _SAVE_WRITTEN, state.agreement_group)
+        raise
+    if together:
+        arrive(state.agreement_group, _SAVE_WRITTEN, state.save_timeout_s, SAVE_TIMEOUT_ENV)
+    return result
+
+
+#: the operation a native-EP save names in its errors, and its ranks' meeting once the writing rank is done
+_SAVE_OPERATION = "save_pretrained"
+_SAVE_GATHER = "save_pretrained (transformers' gather of the sharded weights)"
+_SAVE_WRITTEN = "save_pretrained's files"
+
+
+def _save_with_transformers(model, state, save_directory, args, kwargs):
+    """transformers' save as `_save_described` runs it: staged (`_save_staged`), or in place for a sharded
+    `distributed_checkpoint` (experts stored in original order meanwhile) or a push to the Hub."""
     record_running_limits(model, state)
     writer = kwargs.get("is_main_process", True) and writes_files(state)
-    if kwargs.get("distributed_checkpoint") or kwargs.get("push_to_hub"):
-        with _stored_in_original_order(model) if kwargs.get("distributed_checkpoint") else contextlib.nullcontext():
-            result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
-        if writer:
-            add_pruning_files(state, os.fspath(save_directory), os.fspath(save_directory))
-    else:
-        result = _save_staged(model, state, os.fspath(save_directory), writer, args, kwargs)
-    if state.agreement_group is not None:
-        start = functools.partial(dist.barrier, group=state.agreement_group, async_op=True)
-        bounded("save_pretrained (the ranks waiting for the writing rank's files)", None, state.save_timeout_s, start)
+    if not (kwargs.get("distributed_checkpoint") or kwargs.get("push_to_hub")):
+        return _save_staged(model, state, os.fspath(save_directory), writer, args, kwargs)
+    with _stored_in_original_order(model) if kwargs.get("distributed_checkpoint") else contextlib.nullcontext():
+        result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
+    if writer:
+        add_pruning_files(state, os.fspath(save_directory), os.fspath(save_directory))
     return result
+
+
+def _writer_awaited_by_save_described(model, distributed_config) -> None:
+    """In place of transformers' barrier at the end of its save (on the job's group, bounded by its timeout only, and
+    before the writing rank publishes the staged save): `_save_described`'s bounded meeting after the publish."""
+
+
+@contextlib.contextmanager
+def peer_waits_bounded(operation: str, timeout_s: float):
+    """Within the block every gloo collective of this rank's process groups times out after `timeout_s` (their own
+    timeouts are restored after it), and the backend's timeout or lost-peer error becomes `EPPeerError` naming
+    `operation`. transformers' save runs its gathers (FSDP2's full state dict, DCP) on the mesh's groups with plain
+    blocking collectives, which no `async_op` wait can bound from here. NCCL groups keep their timeout: its
+    watchdog tears the process down instead of raising."""
+    saved = _gloo_timeouts()
+    for backend, _ in saved:
+        backend._set_default_timeout(timedelta(seconds=timeout_s))
+    try:
+        yield
+    except RuntimeError as error:
+        if isinstance(error, EPPeerError) or not _peer_failure(error):
+            raise
+        raise peer_error(operation, timeout_s, error) from error
+    finally:
+        for backend, timeout in saved:
+            backend._set_default_timeout(timeout)
+
+
+def _gloo_timeouts() -> list:
+    """`(backend, its timeout)` of the gloo backend of every process group this rank belongs to (the job's,
+    transformers' mesh's, occult_hf's), through torch's private registry of groups: none where a torch release lacks
+    it (the save then waits as long as the groups' own timeouts allow, as it would without occult_hf)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return []
+    backends = {}
+    try:
+        for group in list(dist.distributed_c10d._world.pg_map):
+            for device in group._device_types:
+                backend = group._get_backend(device)
+                if isinstance(backend, dist.ProcessGroupGloo) and hasattr(backend, "_set_default_timeout"):
+                    backends[id(backend)] = (backend, backend.options._timeout)
+    except AttributeError:
+        return []
+    return list(backends.values())
+
+
+#: words of gloo's errors for a collective that timed out or lost its peer
+_PEER_FAILURE_WORDS = ("timed out", "timeout", "closed", "reset", "broken pipe", "connection")
+
+
+def _peer_failure(error: RuntimeError) -> bool:
+    """Whether `error` is the backend's timeout or lost peer (not, e.g., a shape error of the gather)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    return isinstance(error, dist.DistError) or any(word in str(error).lower() for word in _PEER_FAILURE_WORDS)
 
 
 def _save_staged(model, state, target: str, writer: bool, args, kwargs):
@@ -626,10 +710,11 @@ def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, directory
     _check_holds_only_an_optimizer_save(directory)  # on every rank: one that raised alone would leave the others waiting
     if writer:
         shutil.rmtree(staging, ignore_errors=True)  # a save that died before
-    if dist.is_initialized():
-        dist.barrier()  # nobody writes into the staging folder before it is empty
+    if dist.is_initialized():  # nobody writes into the staging folder before it is empty
+        arrive(None, _OPTIMIZER_SAVE, join_timeout_s(), JOIN_TIMEOUT_ENV)
     reshard(model)
-    save_optimizer_distributed(model, optimizer, staging)  # collective: it returns once every rank has written
+    with peer_waits_bounded(f"{_OPTIMIZER_SAVE} (torch DCP's save of the shards)", save_timeout_s()):
+        save_optimizer_distributed(model, optimizer, staging)  # collective: it returns once every rank has written
     if writer:
         try:
             orders = {str(layer): impl.expert_order for layer, impl in occult_ep_layers(model).items()}
@@ -643,7 +728,8 @@ def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, directory
         arrive(None, _OPTIMIZER_PUBLISHED, save_timeout_s(), SAVE_TIMEOUT_ENV)
 
 
-#: the ranks' meeting once the writing rank has put an optimizer save in place
+#: the operation an optimizer save names in its errors, and its ranks' meeting once the writing rank has put it in place
+_OPTIMIZER_SAVE = "save_optimizer"
 _OPTIMIZER_PUBLISHED = "save_optimizer's folder"
 
 
