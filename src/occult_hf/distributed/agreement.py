@@ -112,8 +112,9 @@ def arrive(
     Raises `EPConfigMismatchError` naming a rank that posted a failure (`announce_failure`), or its arrival at
     another operation, as soon as it is seen, and `EPPeerError` naming the ranks that did not arrive within
     `timeout_s` (`setting` names the bound in the message); a timed-out rank withdraws its arrival, so that a
-    later call of every rank meets again. `failed`: post this rank's own failure and return at once without
-    waiting. `advice` replaces the timeout message's advice (that the operation is collective).
+    later call of every rank meets again; a rank that completes an arrival deletes its note of the one before (every
+    rank has read it by then), so the store holds at most two per rank. `failed`: post this rank's own failure and
+    return at once without waiting. `advice` replaces the timeout message's advice (that the operation is collective).
     """
     try:
         return _arrive(group, operation, timeout_s, setting, payload, failed, advice)
@@ -153,6 +154,8 @@ def _arrive(group, operation, timeout_s, setting, payload, failed, advice) -> di
                 arrived[rank] = other["payload"]
         missing = [rank for rank in ranks if rank not in arrived]
         if not missing:
+            if number > 1:  # every rank has posted this arrival, so each has read the notes of the one before
+                store.delete_key(f"{prefix}/{number - 1}/{me}")
             return arrived
         if time.monotonic() > deadline:
             store.add(f"{prefix}/count/{me}", -1)
@@ -183,12 +186,13 @@ def _failure_text(error: Exception) -> str:
     return text if len(text) <= 2000 else text[:2000] + "..."
 
 
-def bounded(operation: str, layer: int | None, timeout_s: float, start: Callable[[], Any]) -> None:
-    """Start the collective (`start()` calls it with `async_op=True`) and wait at most `timeout_s` for it.
+def bounded(operation: str, layer: int | None, timeout_s: float, start: Callable[[], Any], group=None) -> None:
+    """Start the collective (`start()` calls it with `async_op=True`, on `group`) and wait at most `timeout_s` for it.
 
     The bound is on the wait, not on the group, so that creating the group (every rank arriving at
     `apply_occult`, maybe minutes apart while loading weights) is bounded by the process-group
-    timeout only. The backend's timeout or peer-loss error becomes `EPPeerError`.
+    timeout only. The backend's timeout or peer-loss error becomes `EPPeerError`, and `group` counts as
+    failed (`failed_on`): a collective that did not finish leaves its group unusable.
     """
     try:
         work = start()
@@ -196,7 +200,18 @@ def bounded(operation: str, layer: int | None, timeout_s: float, start: Callable
     except RuntimeError as error:
         if isinstance(error, (EPConfigMismatchError, EPPeerError)):
             raise
+        if group is not None:
+            _failed_groups.append(group)
         raise peer_error(operation + (f" of layer {layer}" if layer is not None else ""), timeout_s, error) from error
+
+
+#: the process groups a bounded wait failed on in this process
+_failed_groups: list = []
+
+
+def failed_on(group) -> bool:
+    """Whether a bounded wait on `group` has failed in this process (the group is not to be used again)."""
+    return any(group is failed for failed in _failed_groups)
 
 
 def peer_error(operation: str, timeout_s: float, error: RuntimeError) -> EPPeerError:
@@ -354,7 +369,8 @@ def check_agreement(
         digests_F[i + 1] = _digest(setup[name])
     world = dist.get_world_size(group)
     table = [torch.empty_like(digests_F) for _ in range(world)]
-    bounded(f"the configuration check at {operation}", None, timeout_s, lambda: dist.all_gather(table, digests_F, group=group, async_op=True))
+    start = lambda: dist.all_gather(table, digests_F, group=group, async_op=True)  # noqa: E731
+    bounded(f"the configuration check at {operation}", None, timeout_s, start, group)
     rows_DF = torch.stack(table)
     if bool((rows_DF == rows_DF[0]).all()):
         return
@@ -463,6 +479,8 @@ __all__ = [
     "arrive",
     "announce_failure",
     "bounded",
+    "failed_on",
+    "peer_error",
     "effective_setup",
     "replicated_weights",
     "checkpoint_identity",

@@ -54,7 +54,7 @@ def gather_rows(
         start = functools.partial(dist.all_gather, parts, padded, group=group, async_op=True)
     else:
         start = functools.partial(dist.gather, padded, parts, dst=dist.get_global_rank(group, 0), group=group, async_op=True)
-    bounded(what, None, save_timeout_s() if timeout_s is None else timeout_s, start)  # EPPeerError on a stall
+    bounded(what, None, save_timeout_s() if timeout_s is None else timeout_s, start, group)  # EPPeerError on a stall
     if parts is None:
         return None
     return [part.narrow(dim, 0, length) for part, length in zip(parts, lengths)]
@@ -189,7 +189,8 @@ def copies_from_primaries(
         for weight in weights:
             part = weight[old_ids.index(expert)].contiguous() if rank == primary else weight.new_empty(weight.shape[1:])
             start = functools.partial(dist.broadcast, part, src=source, group=group, async_op=True)
-            bounded("copying the replicated experts from their primary holders (apply_replicas)", layer, save_timeout_s(), start)
+            what = "copying the replicated experts from their primary holders (apply_replicas)"
+            bounded(what, layer, save_timeout_s(), start, group)
             if expert in new_ids:
                 copies.setdefault(expert, []).append(part)
     return copies

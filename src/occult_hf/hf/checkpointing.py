@@ -46,6 +46,7 @@ from ..distributed.agreement import (
     arrive,
     check_agreement,
     effective_setup,
+    failed_on,
     join_timeout_s,
     save_timeout_s,
 )
@@ -69,10 +70,25 @@ def new_save_group(ep_group, operation: str = "apply_occult"):
     reach `apply_occult` minutes apart (loading weights), and one that failed before it (`from_pretrained`'s
     early check announces it) or never comes is named instead of holding the others until the process
     group's timeout. Each later wait on the group is bounded the same way (`agreement.bounded`).
+
+    One group serves every model of the same ranks: a process group is freed only when all its ranks destroy it
+    together, so a group per model would keep its sockets and threads for good (5 descriptors and 3 threads a
+    conversion at 2 ranks). The ranks reuse it where each holds the same one, by the generation they announce at the
+    meeting, and make a new one where some rank does not, or a wait on it failed (`agreement.failed_on`).
     """
-    arrive(ep_group, operation, save_timeout_s(), SAVE_TIMEOUT_ENV)
-    ranks = dist.get_process_group_ranks(ep_group)
-    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+    ranks = tuple(dist.get_process_group_ranks(ep_group))
+    generation, group = _SAVE_GROUPS.get(ranks, (0, None))
+    usable = group is not None and not failed_on(group)
+    held = list(arrive(ep_group, operation, save_timeout_s(), SAVE_TIMEOUT_ENV, payload=generation if usable else None).values())
+    if usable and all(other == generation for other in held):
+        return group
+    group = dist.new_group(ranks=list(ranks), backend="gloo", use_local_synchronization=True)
+    _SAVE_GROUPS[ranks] = (max(other or 0 for other in held) + 1, group)
+    return group
+
+
+#: `{EP ranks: (generation, gloo group)}` of `new_save_group`
+_SAVE_GROUPS: dict[tuple[int, ...], tuple[int, object]] = {}
 
 
 def check_model_ranks_agree(model: nn.Module, state: OccultState, operation: str) -> None:
