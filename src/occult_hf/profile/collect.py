@@ -48,7 +48,10 @@ class ProfileCollector:
 
     Under `torch.compile` a hook only keeps what its router decided (the tensors leave the graph as outputs);
     the accumulation (a growing sample with keys drawn on the host) runs in eager code, the next time the
-    statistics are read or an eager forward counts (`flush`), in the order the forwards ran.
+    statistics are read or an eager forward counts (`flush`), in the order the forwards ran. Until then the kept
+    tensors pile up, and each compiled forward guards on how many there are: it compiles again every forward, so
+    under `fullgraph=True` (where dynamo's recompile limit, 8, is an error) call `flush()` at least every 8 compiled
+    forwards (`OccultCallback` reads its window every `check_every` steps).
 
     Args:
         module: a supported transformers model (`*ForCausalLM` or its base model).
