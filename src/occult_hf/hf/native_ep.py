@@ -384,7 +384,6 @@ def apply_occult_ep(model: nn.Module, occult_config: OccultConfig | dict | str |
             new_state.hooks.append(adapter.router(block).register_forward_hook(_pruning_hook(block, pruner)))
     new_state.instance_methods["gather_sharded_state_dict_for_save"] = _gather_in_original_order
     new_state.instance_methods["save_pretrained"] = _save_described
-    new_state.instance_methods["barrier_after_gathered_checkpoint_save"] = _writer_awaited_by_save_described
     new_state.instance_methods[PUSH_UPLOAD_METHOD] = upload_described
     attach_state(model, new_state)
     return model
@@ -521,7 +520,7 @@ def _save_described(model, save_directory, *args, **kwargs):
     source file may be gone by then) and the pruning description (`checkpointing.add_pruning_files`).
 
     Every wait on a peer is bounded, as on the `occult_config` path: the ranks meet first (`OCCULT_JOIN_TIMEOUT_S`: a
-    rank that never calls the save is named), transformers' gathers run under `peer_waits_bounded`
+    rank that never calls the save is named), transformers' gathers and its closing barrier run under `peer_waits_bounded`
     (`OCCULT_SAVE_TIMEOUT_S`), and the ranks return together once the writing rank is done (the same bound; a rank that
     failed is named at once), so a reload right after the save reads the same, whole files on every rank."""
     state = state_of(model, TRANSFORMERS_EP)
@@ -559,11 +558,6 @@ def _save_with_transformers(model, state, save_directory, args, kwargs):
     if writer:
         add_pruning_files(state, os.fspath(save_directory), os.fspath(save_directory))
     return result
-
-
-def _writer_awaited_by_save_described(model, distributed_config) -> None:
-    """In place of transformers' barrier at the end of its save (on the job's group, bounded by its timeout only, and
-    before the writing rank publishes the staged save): `_save_described`'s bounded meeting after the publish."""
 
 
 @contextlib.contextmanager
