@@ -64,7 +64,7 @@ from ..distributed.agreement import SAVE_TIMEOUT_ENV, announce_failure, arrive, 
 from ..moe import OccultMoE
 from ..utils.atomic import atomic_torch_save, atomic_write_json
 from ..utils.logging import get_logger
-from ..utils.strict_json import read_json_file
+from ..utils.strict_json import json_kind, read_json_file
 
 logger = get_logger(__name__)
 
@@ -238,7 +238,7 @@ def _status_problem(status) -> str | None:
     `{"complete": bool, "ranks": D >= 1, "rank_files": {file: bytes}}` once complete, with `rank_files` a bool (rank
     files expected) while incomplete; `rank_files` may be absent (older occult_hf listed no sizes)."""
     if not isinstance(status, dict):
-        return f"it holds {_json_kind(status)}, not an object"
+        return f"it holds {json_kind(status)}, not an object"
     complete, ranks, rank_files = status.get("complete"), status.get("ranks"), status.get("rank_files")
     if not isinstance(complete, bool):
         return f'"complete" is {_field(status, "complete")}, not true or false'
@@ -255,13 +255,6 @@ def _status_problem(status) -> str | None:
         if type(size) is not int or size < 0:
             return f'"rank_files" gives {name} {_field(rank_files, name)} bytes, not a number of bytes'
     return None
-
-
-def _json_kind(value) -> str:
-    """A parsed JSON value's kind in JSON's words ("an array"), for a message about a file."""
-    kinds = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
-    kinds[type(None)] = "null"
-    return kinds.get(type(value), "an object")
 
 
 def _field(parsed: dict, key: str) -> str:

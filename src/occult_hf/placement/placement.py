@@ -21,7 +21,7 @@ import numpy as np
 
 from ..utils.atomic import atomic_write_text, json_text, to_json_native
 from ..utils.checks import check_devices_per_node, did_you_mean, shown
-from ..utils.strict_json import read_json_file
+from ..utils.strict_json import json_kind, read_json_file
 from ..replicas.routing import PIN_SLACK, home_table_from
 from ..layout import LayerLayout
 
@@ -210,7 +210,7 @@ class Placement:
     @classmethod
     def _from_dict(cls, data: Any) -> "Placement":
         if not isinstance(data, dict):
-            raise _SchemaError(f"$ must be a JSON object, got {_json_type(data)}")
+            raise _SchemaError(f"$ must be a JSON object, got {json_kind(data)}")
         missing = sorted(_REQUIRED_KEYS - set(data))
         if missing:
             raise _SchemaError(f"$ lacks keys {missing}")
@@ -222,13 +222,13 @@ class Placement:
         num_devices = _json_int(data["num_devices"], "$.num_devices", minimum=1)
         raw_layers = data["layers"]
         if not isinstance(raw_layers, dict) or not raw_layers:
-            raise _SchemaError(f"$.layers must be a non-empty JSON object, got {_json_type(raw_layers)}")
+            raise _SchemaError(f"$.layers must be a non-empty JSON object, got {json_kind(raw_layers)}")
         layers = {}
         for key, devices in raw_layers.items():
             path = f"$.layers[{_key_repr(key)}]"
             layer = _canonical_index(key, path)
             if not isinstance(devices, list):
-                raise _SchemaError(f"{path} must be a list of device ids, got {_json_type(devices)}")
+                raise _SchemaError(f"{path} must be a list of device ids, got {json_kind(devices)}")
             if len(devices) != num_experts:
                 raise _SchemaError(f"{path} maps {len(devices)} experts, expected num_experts={num_experts}")
             if not all(type(d) is int and 0 <= d < num_devices for d in devices):  # find and name the bad one
@@ -237,7 +237,7 @@ class Placement:
             layers[layer] = list(devices)
         meta = data.get("meta", {})
         if not isinstance(meta, dict):
-            raise _SchemaError(f"$.meta must be a JSON object, got {_json_type(meta)}")
+            raise _SchemaError(f"$.meta must be a JSON object, got {json_kind(meta)}")
         replicas, slots = _parse_replicas(data, num_experts, num_devices, layers)
         pin_slack = _parse_pin_slack(data, layers)
         devices_per_node = None
@@ -426,16 +426,10 @@ class _SchemaError(ValueError):
     """A placement file that breaks the schema; the message starts with the JSON path."""
 
 
-def _json_type(value: Any) -> str:
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
-        type(value), f"{type(value).__name__} {value!r}"
-    )
-
-
 def _json_int(value: Any, path: str, minimum: int | None = None, below: int | None = None, below_name: str = "") -> int:
     """A JSON integer: `int` but not `bool` (json gives 1.0 as float, true as bool: both rejected)."""
     if type(value) is not int:
-        raise _SchemaError(f"{path} must be an integer, got {_json_type(value)}")
+        raise _SchemaError(f"{path} must be an integer, got {json_kind(value)}")
     if minimum is not None and value < minimum:
         raise _SchemaError(f"{path} must be >= {minimum}, got {value}")
     if below is not None and value >= below:
@@ -488,7 +482,7 @@ def _parse_replicas(
     if replicas is None:
         return {}, slots
     if not isinstance(replicas, dict):
-        raise _SchemaError(f"$.replicas must be a JSON object, got {_json_type(replicas)}")
+        raise _SchemaError(f"$.replicas must be a JSON object, got {json_kind(replicas)}")
     parsed: dict[int, dict[int, list[int]]] = {}
     for key, experts in replicas.items():
         path = f"$.replicas[{_key_repr(key)}]"
@@ -496,14 +490,14 @@ def _parse_replicas(
         if layer not in layers:
             raise _SchemaError(f"{path}: layer {layer} is not in $.layers")
         if not isinstance(experts, dict):
-            raise _SchemaError(f"{path} must be a JSON object expert -> devices, got {_json_type(experts)}")
+            raise _SchemaError(f"{path} must be a JSON object expert -> devices, got {json_kind(experts)}")
         for expert_key, homes in experts.items():
             expert_path = f"{path}[{_key_repr(expert_key)}]"
             expert = _canonical_index(expert_key, expert_path)
             if expert >= num_experts:
                 raise _SchemaError(f"{expert_path}: expert {expert} is outside [0, num_experts={num_experts})")
             if not isinstance(homes, list) or not homes:
-                raise _SchemaError(f"{expert_path} must be a non-empty list of device ids, got {_json_type(homes)}")
+                raise _SchemaError(f"{expert_path} must be a non-empty list of device ids, got {json_kind(homes)}")
             for i, d in enumerate(homes):
                 _json_int(d, f"{expert_path}[{i}]", minimum=0, below=num_devices, below_name="num_devices")
             if len(set(homes)) != len(homes) or layers[layer][expert] in homes:
@@ -517,7 +511,7 @@ def _parse_pin_slack(data: dict[str, Any], layers: dict[int, list[int]]) -> dict
     earlier versions: every layer then uses `replicas.routing.PIN_SLACK`)."""
     raw = data.get("pin_slack", {})
     if not isinstance(raw, dict):
-        raise _SchemaError(f"$.pin_slack must be a JSON object layer -> number, got {_json_type(raw)}")
+        raise _SchemaError(f"$.pin_slack must be a JSON object layer -> number, got {json_kind(raw)}")
     parsed = {}
     for key, slack in raw.items():
         path = f"$.pin_slack[{_key_repr(key)}]"

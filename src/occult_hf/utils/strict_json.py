@@ -86,6 +86,14 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def json_kind(value: Any) -> str:
+    """A parsed JSON value's kind in JSON's words ("an array", "null"), a number with its value ("int 3"): what an
+    error about a file's structure says it found."""
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), f"{type(value).__name__} {value!r}"
+    )
+
+
 def _no_constant(name: str):
     raise _NotFinite(name)
 
@@ -94,4 +102,4 @@ def _bounded(text: str) -> str:
     return text if len(text) <= _MAX_DETAIL else f"{text[:_MAX_DETAIL]}... ({len(text)} characters)"
 
 
-__all__ = ["DEFAULT_MAX_BYTES", "JSONInputError", "parse_json", "read_json_file"]
+__all__ = ["DEFAULT_MAX_BYTES", "JSONInputError", "json_kind", "parse_json", "read_json_file"]
