@@ -58,9 +58,9 @@ DEFAULT_JOIN_TIMEOUT_S = 30.0
 _ARRIVAL_PREFIX = "occult_hf/arrival"
 _COLLECTIVE_ADVICE = (
     "Under expert parallelism apply_occult, apply_replicas, save_pretrained, snapshot_experts and unapply_occult are "
-    "collective: call them on every rank, in the same order (EP rank 0 writes; `if rank == 0: model.save_pretrained(...)` leaves the "
-    "others out); with HF Trainer import occult_hf before building the Trainer: it hooks Trainer.save_model. A rank "
-    "that failed or stopped earlier never arrives"
+    "collective: call them on every rank, in the same order (EP rank 0 writes; `if rank == 0: "
+    "model.save_pretrained(...)` leaves the others out); with HF Trainer import occult_hf before building the "
+    "Trainer: it hooks Trainer.save_model. A rank that failed or stopped earlier never arrives"
 )
 #: the longest pause between two polls of the store while waiting for the ranks to arrive
 _POLL_S = 0.2
@@ -214,11 +214,24 @@ def failed_on(group) -> bool:
     return any(group is failed for failed in _failed_groups)
 
 
+#: words of the backends' errors for a peer that died or left the group
+_LOST_PEER_WORDS = ("closed", "reset", "broken pipe", "connection")
+
+
+def is_peer_failure(error: RuntimeError) -> bool:
+    """Whether `error`, raised by a collective of several ranks, is the backend's timeout or lost peer (not, e.g., a
+    shape error), which `peer_error` describes."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    text = str(error).lower()
+    return isinstance(error, dist.DistError) or any(word in text for word in ("timed out", "timeout", *_LOST_PEER_WORDS))
+
+
 def peer_error(operation: str, timeout_s: float, error: RuntimeError) -> EPPeerError:
     """The `EPPeerError` of a collective of `operation` that the backend ended with `error`: whether a peer died or did
     not join within `timeout_s`, the backend's words, and the rule that collective operations follow."""
     text = " ".join(str(error).split())
-    lost = any(word in text.lower() for word in ("closed", "reset", "broken pipe", "connection"))
+    lost = any(word in text.lower() for word in _LOST_PEER_WORDS)
     cause = "an EP peer died or left the group" if lost else (
         f"an EP peer did not join within {timeout_s:g} s ({SAVE_TIMEOUT_ENV})"
     )
@@ -480,6 +493,7 @@ __all__ = [
     "announce_failure",
     "bounded",
     "failed_on",
+    "is_peer_failure",
     "peer_error",
     "effective_setup",
     "replicated_weights",

@@ -62,8 +62,8 @@ from ..config import OccultConfig
 from ..dispatch import DispatchSettings, ExpertParallelGroup, TokenDispatcher, TokenRouting, build_dispatcher
 from ..dispatch.group import resolve_devices_per_node
 from ..distributed.agreement import (
-    JOIN_TIMEOUT_ENV, SAVE_TIMEOUT_ENV, EPPeerError, announce_failure, arrive, effective_setup, join_timeout_s, peer_error,
-    save_timeout_s,
+    JOIN_TIMEOUT_ENV, SAVE_TIMEOUT_ENV, EPPeerError, announce_failure, arrive, effective_setup, is_peer_failure,
+    join_timeout_s, peer_error, save_timeout_s,
 )
 from ..experts import local_experts
 from ..placement import Placement
@@ -573,7 +573,7 @@ def peer_waits_bounded(operation: str, timeout_s: float):
     try:
         yield
     except RuntimeError as error:
-        if isinstance(error, EPPeerError) or not _peer_failure(error):
+        if isinstance(error, EPPeerError) or not is_peer_failure(error):
             raise
         raise peer_error(operation, timeout_s, error) from error
     finally:
@@ -597,17 +597,6 @@ def _gloo_timeouts() -> list:
     except AttributeError:
         return []
     return list(backends.values())
-
-
-#: words of gloo's errors for a collective that timed out or lost its peer
-_PEER_FAILURE_WORDS = ("timed out", "timeout", "closed", "reset", "broken pipe", "connection")
-
-
-def _peer_failure(error: RuntimeError) -> bool:
-    """Whether `error` is the backend's timeout or lost peer (not, e.g., a shape error of the gather)."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return False
-    return isinstance(error, dist.DistError) or any(word in str(error).lower() for word in _PEER_FAILURE_WORDS)
 
 
 def _save_staged(model, state, target: str, writer: bool, args, kwargs):
