@@ -48,6 +48,11 @@ EXCHANGE_TIMEOUT_ENV = "OCCULT_EXCHANGE_TIMEOUT_S"
 DEFAULT_EXCHANGE_TIMEOUT_S = 120.0
 
 
+def exchange_start_error(layer: str, what: str, error) -> ExchangeError:
+    """The error of a collective of `layer`'s exchange (`what`) that the backend refused to start."""
+    return ExchangeError(f"{layer}: the {what} could not start: {error}")
+
+
 def exchange_timeout_error(layer: str, what: str, timeout_s: float, error) -> ExchangeError:
     """The error of a collective of `layer`'s exchange (`what`) that failed or outlived the exchange timeout."""
     return ExchangeError(
@@ -367,7 +372,7 @@ class TokenDispatcher:
         try:
             return fn(*args, **kwargs)
         except RuntimeError as error:
-            raise ExchangeError(f"{self.layer}: the {what} could not start: {error}") from error
+            raise exchange_start_error(self.layer, what, error) from error
 
     def _timeout_error(self, what: str, error) -> ExchangeError:
         return exchange_timeout_error(self.layer, what, self.timeout_s, error)

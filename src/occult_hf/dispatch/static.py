@@ -64,7 +64,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from occult_hf.kernels.layout import ExpertSegments
 
 from .base import DispatchPlan, Dispatched, RowFormat, TokenDispatcher, dispatch_format, register_dispatcher, sum_token_rows
-from .base import ExchangeError, check_stamps, exchange_timeout_error, gradient_format, pack_gradients
+from .base import ExchangeError, check_stamps, exchange_start_error, exchange_timeout_error, gradient_format, pack_gradients
 from .plan import SendLayout, _arange, expert_keys, padded_layout, routing_width, send_layout
 
 #: symmetric row widths are padded to a multiple of this many bytes, and buffers hold at least
@@ -317,7 +317,7 @@ def _gather_on_host(values: list[int], host_group, timeout_s: float, layer: str,
     try:
         work = dist.all_gather(every, mine, group=host_group, async_op=True)
     except RuntimeError as error:
-        raise ExchangeError(f"{layer}: the {what} could not start: {error}") from error
+        raise exchange_start_error(layer, what, error) from error
     try:
         work.wait(timeout=timedelta(seconds=timeout_s))
     except RuntimeError as error:
