@@ -98,3 +98,28 @@ def test_bench_ep_on_one_rank_runs_the_local_dispatcher(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([*common, "--dispatchers", "all_to_all", "padded"])
     assert "no dispatcher of --dispatchers all_to_all padded serves 1 rank(s)" in capsys.readouterr().err
+
+
+def test_bench_ep_on_one_rank_runs_pruning_on_local_and_says_which_modes_have_no_row(tmp_path, capsys):
+    """A pruned mode ran only on "all_to_all", so on one rank ("local") `--modes dedup+refined+Nd=1` left no row and
+    no word; a mode that prunes to more devices than there are ranks is named before the run."""
+    from occult_hf.cli import main
+
+    argv = ["bench", "ep", "--cpu", "--no-progress", "--shapes", "olmoe-1b-7b", "--tokens", "32", "--hidden", "32",
+            "--intermediate", "16", "--iterations", "1", "--out", str(tmp_path),
+            "--modes", "dedup+refined+Nd=1", "dedup+refined+Nd=2"]  # fmt: skip
+    assert main(argv) == 0
+    rows = json.loads((tmp_path / "bench_ep_1xcpu.json").read_text())["rows"]
+    assert {(r["dispatcher"], r["mode"]) for r in rows} == {("local", "dedup+refined+Nd=1")}
+    assert "--modes dedup+refined+Nd=2: prunes to 2 devices per token, more than the 1 rank(s): no row" in capsys.readouterr().out
+
+
+def test_bench_ep_refuses_modes_that_leave_no_case_before_building_a_model(tmp_path, capsys):
+    from occult_hf.cli import main
+
+    argv = ["bench", "ep", "--cpu", "--no-progress", "--shapes", "olmoe-1b-7b", "--tokens", "32", "--hidden", "32",
+            "--intermediate", "16", "--iterations", "1", "--out", str(tmp_path), "--modes", "dedup+refined+Nd=2"]  # fmt: skip
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert "no requested mode runs on 1 rank(s): dedup+refined+Nd=2: prunes to 2 devices" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

@@ -19,7 +19,8 @@ dispatcher ("all_to_all": host-read splits, packed rows, chunked overlap; "symm_
 all-to-all-v, splits on the device; "padded": static equal-split all-to-all) with `per_expert` +
 contiguous placement (one row per (token, expert), the baseline of transformers' all-to-all EP,
 Tutel and Megatron), `dedup` + contiguous, `dedup` + refined placement (planned on the first half of
-the replayed routing) and `dedup` + refined pruned to N_d devices; on request (`--modes`) `dedup` +
+the replayed routing) and `dedup` + refined pruned to N_d devices (on "all_to_all" when asked for, else the first
+dispatcher: pruning changes the routing, not the transport); on request (`--modes`) `dedup` +
 replicated (refined with one redundant expert slot per rank: hot experts get a second home; `+load_aware`: a
 replicated expert's pairs split over its homes by the batch's loads, `OccultConfig.replica_choice`) and
 `dedup` + file (`--placement occult_placement.json`, replicas allowed). `transformers_ep`: transformers'
@@ -404,6 +405,7 @@ def serving_dispatchers(requested: list[str] | None, world: int, device: torch.d
 
 def cases(args, world: int) -> list[tuple[str, Mode]]:
     """(dispatcher, mode) pairs to run: every mode on every requested dispatcher that serves this group."""
+    pruning_on = "all_to_all" if "all_to_all" in args.dispatchers else args.dispatchers[0]
     chosen = []
     for name in args.dispatchers:
         for mode in MODES + EXTRA_MODES:
@@ -411,12 +413,26 @@ def cases(args, world: int) -> list[tuple[str, Mode]]:
                 continue
             if mode.placement == "file" and getattr(args, "placement", None) is None:
                 raise ValueError("bench ep mode dedup+file needs --placement FILE (an occult_placement.json)")
-            if mode.max_devices_per_token and name != "all_to_all":
+            if mode.max_devices_per_token and name != pruning_on:
                 continue  # pruning changes the routing, not the transport: one dispatcher shows it
             if name in ("padded", "symm_mem") and mode.name != "dedup+refined":
                 continue  # the static dispatchers (the small-batch, CUDA-graph path): one row per shape and T
             chosen.append((name, mode))
     return chosen
+
+
+def modes_without_cases(args, world: int) -> list[str]:
+    """Why each requested mode runs in no case (said before the run, not left to a table that lacks its rows)."""
+    running = {mode.name for _, mode in cases(args, world)}
+    reasons = []
+    for mode in MODES + EXTRA_MODES:
+        if mode.name not in args.modes or mode.name in running:
+            continue
+        if (mode.max_devices_per_token or 0) > world:
+            reasons.append(f"{mode.name}: prunes to {mode.max_devices_per_token} devices per token, more than the {world} rank(s)")
+        else:
+            reasons.append(f"{mode.name}: --dispatchers {' '.join(args.dispatchers)} run only dedup+refined")
+    return reasons
 
 
 def measure(shape_name: str, tokens: int, trace, args, device, dtype, rank: int, world: int, log, saved=None) -> list[Row]:
@@ -919,6 +935,12 @@ def run(args: argparse.Namespace) -> int:
     def log(message: str) -> None:
         if rank == 0:
             print(message, flush=True)
+
+    left_out = modes_without_cases(args, world)
+    if not cases(args, world) and TRANSFORMERS_EP not in args.modes:
+        raise ValueError(f"bench ep: no requested mode runs on {world} rank(s): {'; '.join(left_out)}")
+    for reason in left_out:
+        log(f"--modes {reason}: no row")
 
     if args.trace is None and not os.path.isfile(QWEN15_TRACE):
         log(f"no routing trace at {QWEN15_TRACE}: every shape routes with its own (random) router")
