@@ -280,6 +280,14 @@ _WEIGHT_FILE = re.compile(
 _DISTRIBUTED_SHARD = re.compile(r"shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors")
 
 
+def weight_files(directory: str) -> list[str]:
+    """Every file of `directory` that transformers' loaders may read as weights: model files, shards and indexes of
+    any variant, and a distributed checkpoint's rank shards (none where the directory does not exist)."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(n for n in os.listdir(directory) if _WEIGHT_FILE.fullmatch(n) or _DISTRIBUTED_SHARD.fullmatch(n))
+
+
 def _variant_of(weight_file: str) -> str | None:
     """The variant of a `_WEIGHT_FILE` name ("fp16"), None for the plain weights."""
     match = _WEIGHT_FILE.fullmatch(weight_file)

@@ -55,7 +55,7 @@ from torch import nn
 
 from occult_hf.patches import RouterOutput, adapter_for
 
-from .checkpointing import add_pruning_files, new_save_group, publish_staged, record_running_limits
+from .checkpointing import add_pruning_files, new_save_group, publish_staged, record_running_limits, weight_files
 from .compat import PUSH_UPLOAD_METHOD
 from .hub import upload_described, writes_files
 from ..config import OccultConfig
@@ -553,11 +553,32 @@ def _save_with_transformers(model, state, save_directory, args, kwargs):
     writer = kwargs.get("is_main_process", True) and writes_files(state)
     if not (kwargs.get("distributed_checkpoint") or kwargs.get("push_to_hub")):
         return _save_staged(model, state, os.fspath(save_directory), writer, args, kwargs)
+    if kwargs.get("distributed_checkpoint"):
+        _clear_earlier_weights(state, os.fspath(save_directory))
     with _stored_in_original_order(model) if kwargs.get("distributed_checkpoint") else contextlib.nullcontext():
         result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
     if writer:
         add_pruning_files(state, os.fspath(save_directory), os.fspath(save_directory))
     return result
+
+
+def _clear_earlier_weights(state, target: str) -> None:
+    """Before a `distributed_checkpoint` save writes its rank shards into `target`, transformers' writer (global rank
+    0) removes the weight files an earlier save left there, and the ranks wait for it: transformers' loader reads every
+    `.safetensors` file of a directory that holds rank shards as one checkpoint (torch's `HuggingFaceStorageReader`), so
+    an earlier plain save's `model.safetensors` (or its shards, of any variant) or the rank shards of a save at more
+    ranks would load mixed with the new shards, without an error. A save that fails after this leaves in `target` the
+    rank shards it wrote and none of the earlier weights."""
+    if writes_files(state):
+        for name in weight_files(target):
+            os.remove(os.path.join(target, name))
+    if state.agreement_group is not None:
+        advice = f"transformers' writer (rank 0) did not clear the earlier weights of {target!r} in time"
+        arrive(state.agreement_group, _SAVE_CLEARED, state.save_timeout_s, SAVE_TIMEOUT_ENV, advice=advice)
+
+
+#: the ranks' meeting once the writer has removed the earlier weights from a distributed checkpoint's directory
+_SAVE_CLEARED = "save_pretrained's removal of the earlier weights"
 
 
 @contextlib.contextmanager
