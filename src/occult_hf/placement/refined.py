@@ -41,15 +41,19 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from ..metrics import communication_cost, load_floor
+from ..metrics import communication_cost
 from .objectives import NodesFirst, PairwiseCut, SampleCT
 from ..registry import REPLICA_CHOICES
 from ..replicas.routing import PIN_SLACK, home_table_from, load_aware_homes, resolve_homes_np
 from .in_time import choose_in_time
-from .shedding import link_groups, single_home_rows
-from .robust import count_scenarios, scenario_loads, shrink_toward_mean, time_window_membership, token_scenarios
+from .shedding import link_groups
+from .robust import time_window_membership, token_scenarios
 from .placement import check_devices_per_node
 from .rebalance import replan_layer_replicas
+from .refined_scenarios import (
+    Limits, Scenarios, checked_membership, counts_scenarios, load_limits, planned_tokens, sample_scenarios,
+    with_single_home_rows,
+)
 from .registry import balanced_capacities, check_layer_inputs, register_planner
 from .slowest import StepCosts, device_times, slowest_descent
 
@@ -731,6 +735,192 @@ def cross_validated_pin_slack(
     )
 
 
+@dataclass(frozen=True)
+class _Items:
+    """What the search places, kept apart from the experts because redundant slots make each copy an item of its
+    own: the experts themselves (`group_X` None) or their copies (`copy_items`)."""
+
+    coactivation_XX: np.ndarray
+    load_YX: np.ndarray
+    sample_Nk: np.ndarray | None  # the item serving each pair (copy n mod copies of its expert)
+    capacities_D: np.ndarray
+    group_X: np.ndarray | None = None  # expert of each item
+    copies_X: np.ndarray | None = None  # copies of each item's expert
+    slots: int | None = None  # item slots per device
+
+
+def _check_layer_options(sample_Nk: np.ndarray | None, num_devices: int, options: RefinedOptions) -> None:
+    """Reject the options this layer cannot serve before any work is done on it."""
+    if options.devices_per_node is not None:
+        check_devices_per_node(options.devices_per_node, num_devices, "refined option devices_per_node")
+    use_sample = options.objective in ("ct", "slowest") or (options.objective == "auto" and sample_Nk is not None)
+    if use_sample and sample_Nk is None:
+        raise ValueError(
+            f"refined option objective={options.objective!r} needs a profile layer with a top-k sample; "
+            "use 'cut' or 'auto'"
+        )
+
+
+def _sample_scenarios(sample_Nk, membership_PN, num_experts, num_devices, options, rng):
+    """Load scenarios from the token sample, per time window and bootstrap resample, with the "auto" load
+    reliability and ratio chosen on them by cross-validation; `(scenarios, options with those chosen)`."""
+    membership_PN = checked_membership(membership_PN, len(sample_Nk))
+    sample_Nk, membership_PN = planned_tokens(sample_Nk, membership_PN, options.max_sample_tokens, rng)
+    windows_PN = time_window_membership(membership_PN, options.time_windows)
+    weights_YN = token_scenarios(windows_PN, options.robust_resamples, options.robust_blocks, rng)
+    for name in ("load_reliability", "max_load_ratio"):  # what is chosen holds from here on
+        if getattr(options, name) == "auto":
+            chosen = cross_validated(name, sample_Nk, membership_PN, num_experts, num_devices, options)
+            options = replace(options, **{name: chosen})
+    reliability = float(options.load_reliability)
+    return sample_scenarios(sample_Nk, membership_PN, weights_YN, reliability, num_experts), options
+
+
+def _placed_items(
+    coactivation_EE: np.ndarray, scenarios: Scenarios, num_devices: int, options: RefinedOptions
+) -> _Items:
+    """The experts, or with redundant slots their copies with the loads and co-activation shared among them, since
+    the search places items, not experts."""
+    sample_Nk, load_YE, redundant = scenarios.sample_Nk, scenarios.load_YE, options.num_redundant_experts
+    num_experts = load_YE.shape[1]
+    if not redundant:
+        return _Items(coactivation_EE, load_YE, sample_Nk, balanced_capacities(num_experts, num_devices))
+    if redundant > num_experts * (num_devices - 1):  # at most one home per device
+        raise ValueError(
+            f"refined option num_redundant_experts={redundant} exceeds the "
+            f"{num_experts * (num_devices - 1)} redundant copies {num_experts} experts can have on "
+            f"{num_devices} devices"
+        )
+    copies_E = replication_counts(load_YE, redundant, num_devices)
+    item_of_EM, group_X = copy_items(copies_E)
+    if sample_Nk is not None:
+        # copy (n mod copies) of an expert serves token n: the rule's balanced pick, up to the order of homes
+        sample_Nk = item_of_EM[sample_Nk, np.arange(len(sample_Nk))[:, None] % copies_E[sample_Nk]]
+        load_YX = scenarios.loads_of(sample_Nk, len(group_X))
+    else:
+        load_YX = load_YE[:, group_X] / copies_E[group_X]
+    coactivation_XX = coactivation_EE[np.ix_(group_X, group_X)] / np.outer(copies_E[group_X], copies_E[group_X])
+    capacities_D = balanced_capacities(len(group_X), num_devices)
+    slots = -(-(num_experts + redundant) // num_devices)
+    return _Items(coactivation_XX, load_YX, sample_Nk, capacities_D, group_X, copies_E[group_X], slots)
+
+
+def _load_aware_settings(scenarios: Scenarios, num_devices: int, options: RefinedOptions) -> tuple[float, float]:
+    """`(shed_margin, pin_slack)` of the load-aware rule, each "auto" chosen by cross-validation in time on the sample
+    (the defaults without one), since the plan is made for and recorded with them."""
+    sample_Nk, membership_PN, num_experts = scenarios.sample_Nk, scenarios.membership_PN, scenarios.load_YE.shape[1]
+    shed_margin = options.shed_margin
+    if shed_margin == "auto":
+        shed_margin = RefinedOptions.shed_margin if sample_Nk is None else cross_validated(
+            "shed_margin", sample_Nk, membership_PN, num_experts, num_devices, options
+        )
+    pin_slack = options.pin_slack
+    if pin_slack == "auto":
+        pin_slack = PIN_SLACK if sample_Nk is None else cross_validated_pin_slack(
+            sample_Nk, membership_PN, num_experts, num_devices, replace(options, shed_margin=shed_margin)
+        )
+    return shed_margin, pin_slack
+
+
+def _load_limits(items: _Items, scenarios: Scenarios, num_devices: int, options: RefinedOptions) -> Limits:
+    """The limits on the items' loads (`refined_scenarios.load_limits`), and with the load-aware rule also on each
+    device's single-home load, so that every device keeps room to shed load through its copies."""
+    limits = load_limits(items.load_YX, items.capacities_D, options.max_load_ratio, num_devices)
+    if items.group_X is None or options.replica_choice != "load_aware":
+        return limits
+    shed_margin, pin_slack = _load_aware_settings(scenarios, num_devices, options)
+    return with_single_home_rows(limits, items.load_YX, items.copies_X, num_devices, shed_margin, pin_slack)
+
+
+def _under_replica_rule(best_X, factor, items, scenarios, limits, inputs, num_devices, options, rng):
+    """Re-plan the copies on the loads the replica rule really gives, and for the static rule bring the devices
+    under the limit on them (falling back to fewer copies where they cannot be): the copy model alone misjudges
+    them. `inputs`: the layer's `(coactivation_EE, counts_E)`. Returns `(item devices, expert of each item, cost,
+    factor the limit is raised by)`; the load-aware rule keeps the search's `factor`."""
+    sample_Nk, group_X, limit_Y = scenarios.sample_Nk, items.group_X, limits.limit_Y
+    coactivation, capacities_D, load_aware = items.coactivation_XX, items.capacities_D, limits.shed_margin is not None
+    if load_aware:  # the rows do not depend on which copy serves a pair: the runtime splits by load
+        rows_of = lambda items_Nk, num_items: limits.scaled_YX  # noqa: E731
+    else:
+        rows_of = lambda items_Nk, num_items: scenarios.loads_of(items_Nk, num_items) / limit_Y[:, None]  # noqa: E731
+    best_X, rule_key = _replica_rounds(
+        best_X, sample_Nk, rows_of, group_X, coactivation, capacities_D, num_devices, options, rng
+    )
+    if load_aware:
+        return best_X, group_X, rule_key[2], factor
+    # the limit holds on the loads the static rule gives, as the metrics measure them
+    best_X, rule_key = _rule_repair(
+        best_X, group_X, sample_Nk, rows_of, coactivation, capacities_D, num_devices, options
+    )
+    layer = (*inputs, sample_Nk, scenarios.membership_PN)
+    best_X, group_X, rule_key = _rule_fallback(
+        best_X, group_X, rule_key, layer, rows_of, num_devices, items.slots, options
+    )
+    return best_X, group_X, rule_key[2], 1.0 + rule_key[0]
+
+
+def _linked(best_X, best_cost, items, sample_Nk, scaled_YX, num_devices, options):
+    """The load-aware plan with its copies joined into one linked group (`shedding.link_groups`), so that any
+    device's excess can reach every other through them; `(item devices, cost)`."""
+    group_X = items.group_X
+    rule_sample = None if sample_Nk is None else _rule_items(best_X, group_X, sample_Nk, num_devices)[0]
+    objective = make_objective(rule_sample, items.coactivation_XX, best_X, num_devices, options)
+    search = _Search(objective, scaled_YX, items.capacities_D, group_X)
+    link_groups(search, group_X, num_devices)
+    best_X = search.device_of_E.copy()
+    if sample_Nk is not None:
+        best_cost = _rule_items(best_X, group_X, sample_Nk, num_devices, options.devices_per_node)[1]
+    return best_X, best_cost
+
+
+def _slowest_of(best_X, group_X, items, scenarios, limit_Y, num_devices, options):
+    """Objective "slowest": the CT plan descended on the slowest device's modelled time, within the limits it
+    reached; `(item devices, total CT of the sample)`."""
+    costs = StepCosts(options.pair_cost_s, options.byte_cost_s, options.row_bytes)
+    sample_Nk = scenarios.sample_Nk
+    if group_X is None:
+        best_X = slowest_descent(sample_Nk, best_X, num_devices, costs, items.load_YX / limit_Y[:, None])
+        return best_X, float(communication_cost(sample_Nk, best_X, num_devices).sum())  # the sample's total CT
+    return _slowest_with_replicas(best_X, sample_Nk, scenarios.loads_of, group_X, limit_Y, costs, num_devices)
+
+
+def _place(items, scenarios, limits, inputs, num_devices, options, rng):
+    """The search's phases in order: greedy start, local search, the replica rule's rounds and repair, the linking
+    of the load-aware copies, the slowest-device descent. Returns `(item devices, expert of each item (None: the
+    items are the experts), cost, objective name, factor the limit had to be raised by (1.0: reached))`."""
+    coactivation, capacities_D, group_X = items.coactivation_XX, items.capacities_D, items.group_X
+    start_X = initial_assignment(coactivation, limits.scaled_YX, capacities_D, group_X, options.devices_per_node)
+    best_X, best_cost, name, factor = _search(
+        coactivation, items.sample_Nk, limits.scaled_YX, start_X, capacities_D, group_X, num_devices, options, rng
+    )
+    if group_X is not None and scenarios.sample_Nk is not None:
+        best_X, group_X, best_cost, factor = _under_replica_rule(
+            best_X, factor, items, scenarios, limits, inputs, num_devices, options, rng
+        )
+    if limits.shed_margin is not None:  # the load-aware rule
+        scaled_YX = limits.scaled_YX / factor
+        best_X, best_cost = _linked(best_X, best_cost, items, scenarios.sample_Nk, scaled_YX, num_devices, options)
+    if options.objective == "slowest":
+        limit_Y = limits.limit_Y * factor
+        best_X, best_cost = _slowest_of(best_X, group_X, items, scenarios, limit_Y, num_devices, options)
+        name = "slowest"
+    return best_X, group_X, best_cost, name, factor
+
+
+def _warn_limit_raised(factor: float, limit: float, limits: Limits, options: RefinedOptions) -> None:
+    """Say that the requested limit was out of reach and which one the plan holds instead (attributed to the
+    caller of `refine_layer`)."""
+    single_rule = "" if limits.shed_margin is None else (
+        f" and its single-home load under (1 - shed_margin) x the mean (shed_margin={limits.shed_margin})"
+    )
+    warnings.warn(
+        f"refined placement: could not bring every device under max_load_ratio={options.max_load_ratio} x the "
+        f"load floor{single_rule} in all {len(limits.limit_Y)} load scenario(s); keeping the max load reached, "
+        f"{factor:.3f}x the limits ({limit:.6g} on the profile, balance {limit / limits.mean_Y[0]:.3f}), as the limit",
+        stacklevel=3,
+    )
+
+
 @register_planner(
     "refined",
     RefinedOptions,
@@ -755,141 +945,38 @@ def refine_layer(
     their resamples), not only for the pooled mean.
     """
     coactivation, load_E, sample = check_layer_inputs(coactivation_EE, expert_counts_E, topk_sample_Nk, num_devices)
-    num_experts = len(load_E)
+    _check_layer_options(sample, num_devices, options)
     rng = np.random.default_rng(options.seed)
-    capacities_D = balanced_capacities(num_experts, num_devices)
-    if options.devices_per_node is not None:
-        check_devices_per_node(options.devices_per_node, num_devices, "refined option devices_per_node")
-    use_sample = options.objective in ("ct", "slowest") or (options.objective == "auto" and sample is not None)
-    if use_sample and sample is None:
-        raise ValueError(
-            f"refined option objective={options.objective!r} needs a profile layer with a top-k sample; use 'cut' or 'auto'"
-        )
-    loads_of = None
     if sample is not None:
-        membership_PN = np.ones((1, len(sample)), dtype=bool) if membership_PN is None else np.asarray(membership_PN, dtype=bool)
-        if membership_PN.ndim != 2 or membership_PN.shape[1] != len(sample):
-            raise ValueError(f"membership_PN must be [P, N={len(sample)}], got shape {list(membership_PN.shape)}")
-        if options.max_sample_tokens is not None and len(sample) > options.max_sample_tokens:
-            keep = np.sort(rng.choice(len(sample), options.max_sample_tokens, replace=False))
-            sample, membership_PN = sample[keep], membership_PN[:, keep]
-        windows_PN = time_window_membership(membership_PN, options.time_windows)
-        weights_YN = token_scenarios(windows_PN, options.robust_resamples, options.robust_blocks, rng)
-        for name in ("load_reliability", "max_load_ratio"):  # what is chosen holds from here on
-            if getattr(options, name) == "auto":
-                options = replace(options, **{name: cross_validated(name, sample, membership_PN, num_experts, num_devices, options)})
-        reliability_Y = np.full(len(weights_YN), float(options.load_reliability))
-
-        def loads_of(items_Nk: np.ndarray, num_items: int) -> np.ndarray:
-            """`[Y, X]` scenario loads of the items serving the sample's pairs (shrunk on request)."""
-            return shrink_toward_mean(scenario_loads(items_Nk, weights_YN, num_items), reliability_Y)
-
-        load_YE = loads_of(sample, num_experts)
+        scenarios, options = _sample_scenarios(sample, membership_PN, len(load_E), num_devices, options, rng)
     else:
-        load_YE = count_scenarios(load_E if counts_PE is None else counts_PE, options.robust_resamples, rng)
+        scenarios = counts_scenarios(load_E, counts_PE, membership_PN, options.robust_resamples, rng)
         if options.max_load_ratio == "auto":  # nothing to cross-validate on
             options = replace(options, max_load_ratio=RefinedOptions.max_load_ratio)
-    original_sample, replicas, slots, group_X = sample, {}, None, None
-    if options.num_redundant_experts:
-        if options.num_redundant_experts > num_experts * (num_devices - 1):  # at most one home per device
-            raise ValueError(
-                f"refined option num_redundant_experts={options.num_redundant_experts} exceeds the "
-                f"{num_experts * (num_devices - 1)} redundant copies {num_experts} experts can have on {num_devices} devices"
-            )
-        copies_E = replication_counts(load_YE, options.num_redundant_experts, num_devices)
-        slots = -(-(num_experts + options.num_redundant_experts) // num_devices)
-        item_of_EM, group_X = copy_items(copies_E)
-        if sample is not None:
-            # copy (n mod copies) of an expert serves token n: the rule's balanced pick, up to the order of homes
-            sample = item_of_EM[sample, np.arange(len(sample))[:, None] % copies_E[sample]]
-            load_YE = loads_of(sample, len(group_X))
-        else:
-            load_YE = load_YE[:, group_X] / copies_E[group_X]
-        coactivation = coactivation[np.ix_(group_X, group_X)] / np.outer(copies_E[group_X], copies_E[group_X])
-        capacities_D = balanced_capacities(len(group_X), num_devices)
-    mean_Y = load_YE.sum(1) / num_devices
-    attainable_Y = np.array([load_floor(row, capacities_D) for row in load_YE])
-    balance_bound = float(attainable_Y[0] / mean_Y[0]) if mean_Y[0] > 0 else 1.0
-    limit_Y = np.where(attainable_Y > 0, options.max_load_ratio * attainable_Y, 1.0)  # no load: any map is balanced
-    scaled_YX = load_YE / limit_Y[:, None]
-    load_aware = group_X is not None and options.replica_choice == "load_aware"
-    shed_margin = pin_slack = None
-    if load_aware:  # the even split within the limit, and room on every device to shed through copies
-        shed_margin = options.shed_margin
-        if shed_margin == "auto":
-            shed_margin = RefinedOptions.shed_margin if original_sample is None else cross_validated(
-                "shed_margin", original_sample, membership_PN, num_experts, num_devices, options
-            )
-        pin_slack = options.pin_slack
-        if pin_slack == "auto":
-            pin_slack = PIN_SLACK if original_sample is None else cross_validated_pin_slack(
-                original_sample, membership_PN, num_experts, num_devices, replace(options, shed_margin=shed_margin)
-            )
-        single_YX, single_limit_Y = single_home_rows(load_YE, copies_E[group_X], num_devices, shed_margin)
-        scaled_YX = np.concatenate([scaled_YX, single_YX / single_limit_Y[:, None]])
-    start_E = initial_assignment(coactivation, scaled_YX, capacities_D, group_X, options.devices_per_node)
-    best_E, best_cost, name, factor = _search(
-        coactivation, sample, scaled_YX, start_E, capacities_D, group_X, num_devices, options, rng
-    )
-    if group_X is not None and original_sample is not None:
-        if load_aware:  # the rows do not depend on which copy serves a pair: the runtime splits by load
-            rows_of = lambda items_Nk, num_items: scaled_YX  # noqa: E731
-        else:
-            rows_of = lambda items_Nk, num_items: loads_of(items_Nk, num_items) / limit_Y[:, None]  # noqa: E731
-        best_E, rule_key = _replica_rounds(
-            best_E, original_sample, rows_of, group_X, coactivation, capacities_D, num_devices, options, rng
-        )
-        if not load_aware:  # the limit holds on the loads the static rule gives, as the metrics measure them
-            best_E, rule_key = _rule_repair(
-                best_E, group_X, original_sample, rows_of, coactivation, capacities_D, num_devices, options
-            )
-            inputs = (coactivation_EE, expert_counts_E, original_sample, membership_PN)
-            best_E, group_X, rule_key = _rule_fallback(best_E, group_X, rule_key, inputs, rows_of, num_devices, slots, options)
-            factor = 1.0 + rule_key[0]
-        best_cost = rule_key[2]
-    if load_aware:  # one linked group: any device's excess can reach every other through the copies
-        rule_sample = None if original_sample is None else _rule_items(best_E, group_X, original_sample, num_devices)[0]
-        objective = make_objective(rule_sample, coactivation, best_E, num_devices, options)
-        search = _Search(objective, scaled_YX / factor, capacities_D, group_X)
-        link_groups(search, group_X, num_devices)
-        best_E = search.device_of_E.copy()
-        if original_sample is not None:
-            best_cost = _rule_items(best_E, group_X, original_sample, num_devices, options.devices_per_node)[1]
-    if options.objective == "slowest":
-        costs = StepCosts(options.pair_cost_s, options.byte_cost_s, options.row_bytes)
-        if group_X is None:
-            best_E = slowest_descent(sample, best_E, num_devices, costs, load_YE / (limit_Y[:, None] * factor))
-            best_cost = float(communication_cost(sample, best_E, num_devices).sum())  # the sample's total CT
-        else:
-            best_E, best_cost = _slowest_with_replicas(
-                best_E, original_sample, loads_of, group_X, limit_Y * factor, costs, num_devices
-            )
-        name = "slowest"
+    items = _placed_items(coactivation, scenarios, num_devices, options)
+    limits = _load_limits(items, scenarios, num_devices, options)
+    inputs = (coactivation_EE, expert_counts_E)
+    best_X, group_X, cost, name, factor = _place(items, scenarios, limits, inputs, num_devices, options, rng)
     limit_reached = factor == 1.0
-    limit = float(limit_Y[0]) * factor
+    limit = float(limits.limit_Y[0]) * factor
     if not limit_reached:
-        single_rule = f" and its single-home load under (1 - shed_margin) x the mean (shed_margin={shed_margin})" if load_aware else ""
-        warnings.warn(
-            f"refined placement: could not bring every device under max_load_ratio={options.max_load_ratio} x the "
-            f"load floor{single_rule} in all {len(load_YE)} load scenario(s); keeping the max load reached, "
-            f"{factor:.3f}x the limits ({limit:.6g} on the profile, balance {limit / mean_Y[0]:.3f}), as the limit",
-            stacklevel=2,
-        )
+        _warn_limit_raised(factor, limit, limits, options)
+    replicas = {}
     if group_X is not None:  # items -> homes
-        primary, replicas = _homes_of(best_E, group_X)
-        best_E = np.array(primary, dtype=np.int64)
+        primary, replicas = _homes_of(best_X, group_X)
+        best_X = np.array(primary, dtype=np.int64)
     return LayerPlan(
-        device_of_E=best_E,
+        device_of_E=best_X,
         objective=name,
-        cost=float(best_cost),
+        cost=float(cost),
         load_limit=float(limit),
-        balance_bound=float(balance_bound),
-        balance_bound_loose=bool(balance_bound > 1.0 + 1e-12),
+        balance_bound=float(limits.balance_bound),
+        balance_bound_loose=bool(limits.balance_bound > 1.0 + 1e-12),
         limit_reached=limit_reached,
         replicas=replicas,
-        slots_per_device=slots,
-        scenarios=len(load_YE),
+        slots_per_device=items.slots,
+        scenarios=len(items.load_YX),
         load_reliability=float(options.load_reliability) if sample is not None else 1.0,
-        shed_margin=shed_margin,
-        pin_slack=None if pin_slack is None else float(pin_slack),
+        shed_margin=limits.shed_margin,
+        pin_slack=None if limits.pin_slack is None else float(limits.pin_slack),
     )
