@@ -3,7 +3,8 @@
 `ProfileCollector` hooks every MoE router that the model family's adapter names and feeds what
 each router decided to one `LayerAccumulator` per layer. It works around any forward you run
 (profiling text, evaluation, training batches) without changing the model's outputs. Padding
-is excluded through the `attention_mask` the forward receives. `collect_routing` drives it over
+is excluded through the 2-D `attention_mask` the forward receives, or under `generate` the one that
+`generate` holds (a static cache has it hand the forward a 4-D mask). `collect_routing` drives it over
 a text file, a list of documents or a `datasets` column, with a tqdm bar. Both give the fields
 of a `RoutingProfile` (`RoutingProfile.collect` and `RoutingProfile.from_collector` build it), so
 this module does not depend on the profile class.
@@ -38,10 +39,12 @@ class ProfileCollector:
             model(input_ids=ids_BS, attention_mask=mask_BS)   # any number of forwards
         profile = RoutingProfile.from_collector(collector, source="my data")
 
-    Counting rules: a token counts when the forward's `attention_mask` is 1 for it (no mask: every
+    Counting rules: a token counts when the forward's 2-D `attention_mask` is 1 for it (no mask: every
     token counts) and, under `module.generate` (greedy or sampling), its sequence has not stopped yet
-    (`_FinishedRows`: attach to the model whose `generate` you call); each MoE layer counts once per
-    forward of `module`, so routers re-run outside it (activation-checkpoint recomputation during
+    (`_FinishedRows`: attach to the model whose `generate` you call). There the padding mask is the 2-D one
+    `generate` prepared the forward from, so a static cache (`cache_implementation="static"`, whose forwards get a
+    4-D mask) counts the tokens a dynamic one does; outside `generate` a forward's mask must be 2-D. Each MoE layer
+    counts once per forward of `module`, so routers re-run outside it (activation-checkpoint recomputation during
     backward, direct calls of sub-modules) are not counted twice; a forward counts only once it has
     returned, so one that raised partway (an out-of-memory error in a later layer, an interrupt)
     leaves no layer with tokens the others lack. Run forwards through `module` itself.
@@ -51,7 +54,8 @@ class ProfileCollector:
     statistics are read or an eager forward counts (`flush`), in the order the forwards ran. Until then the kept
     tensors pile up, and each compiled forward guards on how many there are: it compiles again every forward, so
     under `fullgraph=True` (where dynamo's recompile limit, 8, is an error) call `flush()` at least every 8 compiled
-    forwards (`OccultCallback` reads its window every `check_every` steps).
+    forwards (`OccultCallback` reads its window every `check_every` steps). Under `generate` it is flushed before
+    every forward `generate` prepares, so a compiled decoding step compiles once.
 
     Args:
         module: a supported transformers model (`*ForCausalLM` or its base model).
@@ -102,7 +106,7 @@ class ProfileCollector:
             # (`apply_occult_ep`'s) rewrites them
             self._handles.append(router.register_forward_hook(self._router_hook(index), prepend=True))
         if not self.training_only:
-            self._generation = _GenerationWatch.on(self.module)
+            self._generation = _GenerationWatch.on(self)
         return self
 
     def detach(self) -> None:
@@ -111,7 +115,7 @@ class ProfileCollector:
         self._handles.clear()
         self._in_forward = False
         if self._generation is not None:
-            self._generation.release()
+            self._generation.release(self)
             self._generation = None
 
     def __enter__(self) -> "ProfileCollector":
@@ -129,12 +133,22 @@ class ProfileCollector:
         bound = self._forward_signature.bind_partial(*args, **kwargs).arguments
         mask = bound.get("attention_mask")
         if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
-            shape = list(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
-            raise ValueError(
-                f"ProfileCollector needs a 2-D [batch, seq] attention_mask to leave out padding, got {shape}"
-            )
+            mask = self._generate_padding_mask(mask)
         self._attention_mask_BS = mask
         self._finished_B = None if self._generation is None else self._generation.finished_B()
+
+    def _generate_padding_mask(self, mask) -> torch.Tensor | None:
+        """The 2-D padding mask `generate` prepared this forward from, for a forward whose own `mask` is not one (a
+        static cache has `generate` build a 4-D mask, or one for the cache's attention, from it)."""
+        prepared, padding_mask_BL = (False, None) if self._generation is None else self._generation.padding_mask_BL()
+        if not prepared:
+            shape = list(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise ValueError(
+                f"ProfileCollector needs a 2-D [batch, seq] attention_mask to leave out padding, got {shape}: pass "
+                f"the padding mask itself (1 = token, 0 = padding); only under the model's `generate` does it read "
+                f"the 2-D mask `generate` holds"
+            )
+        return padding_mask_BL
 
     def _on_forward_returned(self, module, args, output) -> None:
         """The forward returned: what its routers decided counts (`_on_forward_end` runs after it, also on errors)."""
@@ -201,77 +215,125 @@ class ProfileCollector:
 
 
 class _FinishedRows(StoppingCriteriaList):
-    """`generate`'s stopping criteria, keeping which rows have stopped (`finished_B`, None before the first step).
+    """`generate`'s stopping criteria, keeping which rows have stopped (`finished_B`, None before the first step, and
+    throughout beam search, which runs the criteria on candidate beams, not on the rows it feeds: `fed_rows` False).
 
     In batch generation a row that has stopped (emitted EOS) goes on being fed pad tokens until every row has, under
     an attention mask that transformers extends with ones for every row; those positions are no text, and only the
     criteria's results tell them apart. A row's own last token is not fed back, as when it is generated alone.
+
+    It lives as long as its `generate`, so the watch also keeps here the columns of the 2-D padding mask that
+    `generate` last prepared a forward from which that forward feeds (`[B, S]`, None: no padding; `prepared`: once
+    it has).
     """
 
-    def __init__(self, criteria: StoppingCriteriaList) -> None:
+    def __init__(self, criteria: StoppingCriteriaList, fed_rows: bool) -> None:
         super().__init__(criteria)
-        self.finished_B: torch.Tensor | None = None
+        self.fed_rows, self.finished_B = fed_rows, None
+        self.prepared, self.padding_mask_BL = False, None
 
     def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
         done_B = super().__call__(input_ids, scores, **kwargs)
-        self.finished_B = done_B if self.finished_B is None else self.finished_B | done_B
+        if self.fed_rows:
+            self.finished_B = done_B if self.finished_B is None else self.finished_B | done_B
         return done_B
 
 
-#: the `GenerationMixin` method whose criteria `ProfileCollector` records
-STOPPING_CRITERIA = "_get_stopping_criteria"
+#: the `GenerationMixin` methods whose results `ProfileCollector` records: the stopping criteria, and the inputs of
+#: each forward (the 2-D padding mask they are prepared from)
+STOPPING_CRITERIA, PREPARE_INPUTS = "_get_stopping_criteria", "prepare_inputs_for_generation"
 
 
 class _GenerationWatch:
     """On the model whose `generate` runs (the `GenerationMixin` in a collector's module: the module itself, or the
     transformers model inside a peft model), `_get_stopping_criteria` returns its criteria as `_FinishedRows`, which
-    every collector attached there reads. One per model, whatever the number of collectors (each would otherwise
-    wrap the last one's wrapper, and the inner one's rows would never be called); gone when the last detaches.
-    Beam search runs the criteria on candidate beams, not on the rows it feeds: its criteria stay as they are."""
+    every collector attached there reads, and `prepare_inputs_for_generation` keeps there the 2-D padding mask it
+    prepares each forward from (with a static cache the forward itself gets a 4-D mask). One per model, whatever the
+    number of collectors (each would otherwise wrap the last one's wrapper, and the inner one's rows would never be
+    called); gone when the last detaches.
+
+    Before each forward it prepares, the collectors accumulate what compiled forwards kept (`flush`): the compiled
+    decoding step of a static cache would otherwise guard on their growing pile, and on a mask one column longer each
+    step, and compile again every step (an error past dynamo's recompile limit under `fullgraph=True`)."""
 
     ATTR = "_occult_generation_watch"
 
     def __init__(self, generator: nn.Module) -> None:
-        self.generator, self.users, self._rows = generator, 0, None
-        self._replaced = generator.__dict__.get(STOPPING_CRITERIA)
+        self.generator, self.collectors, self._rows = generator, [], None
+        self._replaced = {name: generator.__dict__.get(name) for name in (STOPPING_CRITERIA, PREPARE_INPUTS)}
         get_stopping_criteria = getattr(generator, STOPPING_CRITERIA)
+        prepare_inputs = getattr(generator, PREPARE_INPUTS)
 
         def recording(generation_config, *args, **kwargs):
             criteria = get_stopping_criteria(generation_config, *args, **kwargs)
-            if getattr(generation_config, "num_beams", 1) not in (None, 1):
-                return criteria
-            rows = _FinishedRows(criteria)
+            rows = _FinishedRows(criteria, fed_rows=getattr(generation_config, "num_beams", 1) in (None, 1))
             self._rows = weakref.ref(rows)  # dead once `generate` returns
             return rows
 
-        generator.__dict__[STOPPING_CRITERIA] = recording
+        def preparing(*args, **kwargs):
+            for collector in self.collectors:
+                collector.flush()
+            model_inputs = prepare_inputs(*args, **kwargs)
+            rows = self._current()
+            if rows is not None:  # `generate` passes its model kwargs, the 2-D mask among them, by name
+                rows.prepared, rows.padding_mask_BL = True, _fed_columns(kwargs.get("attention_mask"), model_inputs)
+            return model_inputs
+
+        self._wrappers = {STOPPING_CRITERIA: recording, PREPARE_INPUTS: preparing}
+        generator.__dict__.update(self._wrappers)
         generator.__dict__[self.ATTR] = self
 
     @classmethod
-    def on(cls, module: nn.Module) -> "_GenerationWatch | None":
-        """The watch of the model whose `generate` runs `module`'s forwards, one more collector counted; None where
-        `module` holds no `GenerationMixin` (a base model: its parent's `generate` is not seen)."""
-        generator = next((m for m in module.modules() if isinstance(m, GenerationMixin)), None)
+    def on(cls, collector: ProfileCollector) -> "_GenerationWatch | None":
+        """The watch of the model whose `generate` runs the forwards of `collector`'s module, `collector` among its
+        collectors; None where the module holds no `GenerationMixin` (a base model: its parent's `generate` is not
+        seen)."""
+        generator = next((m for m in collector.module.modules() if isinstance(m, GenerationMixin)), None)
         if generator is None or not hasattr(generator, STOPPING_CRITERIA):
             return None
         watch = generator.__dict__.get(cls.ATTR) or cls(generator)
-        watch.users += 1
+        watch.collectors.append(collector)
         return watch
+
+    def _current(self) -> _FinishedRows | None:
+        """The criteria of the `generate` under way; None outside one."""
+        return self._rows() if self._rows is not None else None
 
     def finished_B(self) -> torch.Tensor | None:
         """`[B]` the rows the `generate` under way has stopped; None outside one (or before its first step)."""
-        rows = self._rows() if self._rows is not None else None
+        rows = self._current()
         return None if rows is None else rows.finished_B
 
-    def release(self) -> None:
-        """One collector fewer; the last puts back what the model had."""
-        self.users -= 1
-        if self.users == 0:
+    def padding_mask_BL(self) -> tuple[bool, torch.Tensor | None]:
+        """Whether the `generate` under way has prepared a forward, and the 2-D padding mask it prepared it from
+        (None: no padding)."""
+        rows = self._current()
+        return (False, None) if rows is None else (rows.prepared, rows.padding_mask_BL)
+
+    def release(self, collector: ProfileCollector) -> None:
+        """`collector` detached; the last puts back what the model had (a wrapper that something else replaced since,
+        as peft replaces `prepare_inputs_for_generation` around it, stays replaced)."""
+        self.collectors.remove(collector)
+        if not self.collectors:
             del self.generator.__dict__[self.ATTR]
-            if self._replaced is None:
-                del self.generator.__dict__[STOPPING_CRITERIA]
-            else:
-                self.generator.__dict__[STOPPING_CRITERIA] = self._replaced
+            for name, replaced in self._replaced.items():
+                if self.generator.__dict__.get(name) is not self._wrappers[name]:
+                    continue
+                if replaced is None:
+                    del self.generator.__dict__[name]
+                else:
+                    self.generator.__dict__[name] = replaced
+
+
+def _fed_columns(attention_mask_BL: torch.Tensor | None, model_inputs: dict) -> torch.Tensor | None:
+    """`[B, S]` the columns of `generate`'s padding mask that the prepared forward feeds (its last S, the new
+    positions), contiguous: a compiled decoding step reading the whole mask, or a slice of its strides, would be
+    compiled again every step."""
+    fed = next((model_inputs[key] for key in ("input_ids", "inputs_embeds") if model_inputs.get(key) is not None), None)
+    if attention_mask_BL is None or fed is None:
+        return attention_mask_BL
+    columns_BS = attention_mask_BL[:, attention_mask_BL.shape[1] - fed.shape[1] :]
+    return columns_BS.clone(memory_format=torch.contiguous_format)
 
 
 def _token_mask(
