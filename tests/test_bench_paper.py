@@ -57,7 +57,7 @@ def _rows(out: Path) -> dict:
 @pytest.mark.world_size(2)
 def test_paper_bench_tiny_every_row_runs_or_says_why(tmp_path):
     from occult_hf.benchmarks.megablocks import megablocks_missing
-    from occult_hf.benchmarks.paper import FINETUNE_ROWS, PREFILL_ROWS
+    from occult_hf.benchmarks.paper_rows import FINETUNE_ROWS, PREFILL_ROWS
     from occult_hf.hf.native_ep import transformers_ep_available
 
     trace = str(TRACE) if TRACE.is_file() else None

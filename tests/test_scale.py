@@ -234,7 +234,7 @@ def test_the_spread_finds_the_same_configuration_in_other_calls_and_the_same_wor
 
 
 def test_the_model_specs_are_the_benchmarked_configurations():
-    from occult_hf.benchmarks.paper import PAPER_MODELS
+    from occult_hf.benchmarks.paper_models import PAPER_MODELS
 
     for name, model in PAPER_MODELS.items():
         spec, config = MODEL_SPECS[name], model.config("full")

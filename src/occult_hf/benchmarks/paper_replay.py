@@ -1,8 +1,8 @@
 """How a `bench paper` row's (token, expert) pairs split over its two ranks, redone on the CPU from the trace it replayed.
 
-`bench paper` drives every router with a routing trace (`benchmarks.paper.TraceReplay`): rank r's T tokens are the
+`bench paper` drives every router with a routing trace (`paper_routing.TraceReplay`): rank r's T tokens are the
 trace's tokens r*T.. (tiled, `benchmarks.ep.trace_logits`), the refined placement is planned on rank 0's first
-`benchmarks.paper.PLAN_TOKENS` tokens (`benchmarks.paper.planned_placement`), and N_d pruning keeps each token's best
+`paper_routing.PLAN_TOKENS` tokens (`paper_routing.planned_placement`), and N_d pruning keeps each token's best
 devices. A row records the mean CT, not how the pairs split; the cost model's layer waits for the busier rank, and a
 replayed trace with hot experts (the study model's) or one confined to one device per token (N_d = 1) loads one rank
 more than the other. `replayed_split` redoes the replay with the bench's own functions and the library's pruning walk
@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from occult_hf.benchmarks.ep import trace_logits
-from occult_hf.benchmarks.paper import PAPER_MODELS, PLAN_TOKENS, RoutingRecorder, planned_placement
+from occult_hf.benchmarks.paper_models import PAPER_MODELS
+from occult_hf.benchmarks.paper_routing import PLAN_TOKENS, RoutingRecorder, planned_placement
 from occult_hf.placement.placement import contiguous_devices
 from occult_hf.benchmarks import QWEN15_TRACE
 from occult_hf.profile.replay import STUDY_TRACE, fit_routing, trace_layer

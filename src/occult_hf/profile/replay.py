@@ -6,7 +6,7 @@ E routed experts.
 
 A model with random weights has a random router: no co-activation structure, so placement cannot gain
 on it. The paper's rows that show placement and pruning gains therefore replay real routing through
-the model's own router (`paper.TraceReplay`). The sources, per model (docs/paper_comparison.md):
+the model's own router (`benchmarks.paper_routing.TraceReplay`). The sources, per model (docs/paper_comparison.md):
 
 * **Qwen1.5-MoE-A2.7B** (E=60, k=4): the real checkpoint's GSM8K trace, third-party data the package does not
   ship (`benchmarks.QWEN15_TRACE`; 4,384 tokens, MoE layer 0 only: that layer at every layer).

@@ -1,6 +1,6 @@
 """The models the cost model predicts: the dimensions that set their FLOPs, bytes and parameter counts.
 
-The three measured models are the configurations `occult bench paper` builds (`benchmarks.paper.PAPER_MODELS`,
+The three measured models are the configurations `occult bench paper` builds (`benchmarks.paper_models.PAPER_MODELS`,
 checked equal in tests/test_scale.py); DeepSeek-V3 is the checkpoint's `config.json` (61 layers, the first 3
 dense, 256 routed experts of width 2048, top-8, one shared expert, MLA attention), the shape the issue asks to
 project past one node. Parameter counts are computed from the dimensions (OLMoE-1B-7B 6.92B, Qwen1.5-MoE-A2.7B
