@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from distributed import run_world
-from test_hf_ep import TOLERANCE, _load_ep, _similarity_profile, rank_batch, rel_err, shuffled_placement
+from native_ep_models import TOLERANCE, load_ep, similarity_profile, rank_batch, rel_err, shuffled_placement
 from tiny_models import tiny_checkpoint
 
 from occult_hf.hf.native_ep import transformers_ep_available
@@ -36,14 +36,14 @@ def _saved_then_loaded(model, directory, ids, **save) -> tuple[float, list]:
         param.add_(0.02)
     expected = model(ids).logits
     model.save_pretrained(directory, **save)  # collective
-    return rel_err(_load_ep(directory, ep_size=2, fsdp_size=2)(ids).logits, expected), expected.tolist()
+    return rel_err(load_ep(directory, ep_size=2, fsdp_size=2)(ids).logits, expected), expected.tolist()
 
 
 def _distributed_save_at_4(rank, world_size, path, directory):
     """A distributed checkpoint of 4 ranks: 4 rank shards."""
     from occult_hf import OccultConfig, apply_occult_ep
 
-    model = _load_ep(path, ep_size=4, fsdp_size=4)
+    model = load_ep(path, ep_size=4, fsdp_size=4)
     apply_occult_ep(model, OccultConfig(placement="contiguous"))
     model.save_pretrained(directory, distributed_checkpoint=True)  # collective
 
@@ -53,7 +53,7 @@ def _saves_world(rank, world_size, path, profile, root):
     there already): a distributed save at 2 ranks, then a plain one."""
     from occult_hf import OccultConfig, apply_occult_ep
 
-    model = _load_ep(path, ep_size=2, fsdp_size=2)
+    model = load_ep(path, ep_size=2, fsdp_size=2)
     pruned = {"prune": "similarity", "max_devices_per_token": 1, "profile": profile}
     apply_occult_ep(model, OccultConfig(placement=shuffled_placement("olmoe"), **pruned))
     ids, errors = rank_batch(rank), {}
@@ -71,7 +71,7 @@ def test_a_distributed_checkpoint_over_an_earlier_save_loads_the_last_saved_mode
     from transformers import AutoModelForCausalLM
 
     path = str(tiny_checkpoint("olmoe", tmp_path / "ck", seed=4))
-    profile = _similarity_profile(path, str(tmp_path / "profile.safetensors"))
+    profile = similarity_profile(path, str(tmp_path / "profile.safetensors"))
     run_world(_distributed_save_at_4, 4, path, str(tmp_path / "over_dcp"), timeout_s=400)
     reports = run_world(_saves_world, 2, path, profile, str(tmp_path), timeout_s=400)
     for rank, report in enumerate(reports):

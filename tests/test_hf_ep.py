@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from distributed import run_world
+from native_ep_models import NUM_EXPERTS, TOLERANCE, load_ep, rank_batch, rel_err, shuffled_placement, similarity_profile
 from tiny_models import MOE_LAYERS, tiny_batch, tiny_checkpoint
 
 from occult_hf.hf.native_ep import transformers_ep_available
@@ -33,36 +34,7 @@ pytestmark = pytest.mark.skipif(
     not transformers_ep_available(), reason="transformers < 5.23 has no EPImplementationInterface"
 )
 
-TOLERANCE = 1e-5
 EP_FAMILIES = ("olmoe", "qwen2_moe", "deepseek_v3")
-NUM_EXPERTS = 8
-
-
-def rel_err(actual, expected: torch.Tensor) -> float:
-    actual, expected = torch.as_tensor(actual), torch.as_tensor(expected)
-    actual, expected = actual.detach().double().cpu(), expected.detach().double().cpu()
-    return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-12))
-
-
-def rank_batch(rank: int) -> torch.Tensor:
-    return tiny_batch(seed=700 + rank)
-
-
-def shuffled_placement(family: str, num_devices: int = 2, devices_per_node: int | None = None):
-    """An equal-capacity placement that moves experts across devices in every MoE layer."""
-    from occult_hf import Placement
-
-    base = np.arange(NUM_EXPERTS) * num_devices // NUM_EXPERTS
-    maps = {layer: np.random.default_rng(31 + layer).permutation(base).tolist() for layer in MOE_LAYERS[family]}
-    return Placement(NUM_EXPERTS, num_devices, maps, {"method": "shuffled"}, devices_per_node=devices_per_node)
-
-
-def _load_ep(path, **distributed):
-    from transformers import AutoModelForCausalLM
-    from transformers.distributed import DistributedConfig
-
-    config = DistributedConfig(ep_implementation="occult", **distributed)
-    return AutoModelForCausalLM.from_pretrained(path, distributed_config=config, dtype=torch.float32)
 
 
 def _step(model, ids: torch.Tensor) -> dict:
@@ -94,7 +66,7 @@ def _ep_world(rank, world_size, checkpoints, out_dir, profile):
 
     results = {}
     for family, path in checkpoints.items():
-        model = _load_ep(path, ep_size=2, fsdp_size=2)
+        model = load_ep(path, ep_size=2, fsdp_size=2)
         ids = rank_batch(rank)
         found = {"contiguous": _step(model, ids)}
         apply_occult_ep(model, OccultConfig(placement=shuffled_placement(family)))
@@ -104,7 +76,7 @@ def _ep_world(rank, world_size, checkpoints, out_dir, profile):
         found["rows_sent"] = {layer: impl.stats.rows_sent.tolist() for layer, impl in occult_ep_layers(model).items()}
         model.save_pretrained(os.path.join(out_dir, family))  # collective
         if family == "deepseek_v3":  # the saved occult_config comes back with from_pretrained(distributed_config=...)
-            again = _load_ep(os.path.join(out_dir, family), ep_size=2, fsdp_size=2)
+            again = load_ep(os.path.join(out_dir, family), ep_size=2, fsdp_size=2)
             found["reloaded_order"] = {layer: impl.expert_order for layer, impl in occult_ep_layers(again).items()}
             with torch.no_grad():
                 found["reloaded_logits"] = again(ids).logits.numpy().copy()
@@ -179,7 +151,7 @@ def _resume(model, rank: int, checkpoint: str) -> dict:
     model.save_pretrained(checkpoint)
     save_optimizer(model, optimizer, os.path.join(checkpoint, "optimizer"))
     found = {"loss": _adamw_step(model, optimizer, batches[1])}
-    resumed = _load_ep(checkpoint, ep_size=2, fsdp_size=2)
+    resumed = load_ep(checkpoint, ep_size=2, fsdp_size=2)
     resumed_optimizer = torch.optim.AdamW(resumed.parameters(), lr=RESUME_LR)
     load_optimizer(resumed, resumed_optimizer, os.path.join(checkpoint, "optimizer"))
     found["resumed_loss"] = _adamw_step(resumed, resumed_optimizer, batches[1])
@@ -244,7 +216,7 @@ def test_occult_ep_equals_the_single_process_model(tmp_path):
     from transformers import AutoModelForCausalLM
 
     checkpoints = {family: str(tiny_checkpoint(family, tmp_path / family, seed=4, num_experts=NUM_EXPERTS)) for family in EP_FAMILIES}
-    profile = str(_similarity_profile(checkpoints["olmoe"], tmp_path / "olmoe_profile.safetensors"))
+    profile = str(similarity_profile(checkpoints["olmoe"], tmp_path / "olmoe_profile.safetensors"))
     results = run_world(_ep_world, 2, checkpoints, str(tmp_path / "saved"), profile, timeout_s=400)
     for family, path in checkpoints.items():
         ref = _reference(path)
@@ -308,18 +280,6 @@ def test_occult_ep_equals_the_single_process_model(tmp_path):
             assert rel_err(plain(rank_batch(0)).logits, ref["logits"][0]) <= TOLERANCE, family
 
 
-def _similarity_profile(path, out):
-    """A routing profile (router-logit Gram matrices for the similarity table) of the checkpoint's model."""
-    from transformers import AutoModelForCausalLM
-
-    from occult_hf import RoutingProfile
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, occult_config=None)
-    documents = [tiny_batch(batch=1, seq=32, seed=s)[0].tolist() for s in range(2)]
-    RoutingProfile.collect(model, documents, progress=False).save(out)
-    return out
-
-
 #: N_d goes 2, 2, 1, 1 over the steps (`OccultCallback(target_devices_per_token=1, schedule_steps=2)` from no pruning)
 CALLBACK_STEPS = 4
 CALLBACK_KEYS = ("loss", "grad_norm", "occult/ct", "occult/load_balance", "occult/removed_weight", "occult/max_devices_per_token",
@@ -377,19 +337,19 @@ def _distributed_checkpoint_world(rank, world_size, path, out_dir):
     from occult_hf import OccultConfig, apply_occult_ep
     from occult_hf.hf.native_ep import reshard
 
-    model = _load_ep(path, ep_size=2, fsdp_size=2)
+    model = load_ep(path, ep_size=2, fsdp_size=2)
     apply_occult_ep(model, OccultConfig(placement=shuffled_placement("qwen2_moe")))
     ids = rank_batch(rank)
     with torch.no_grad():
         before = model(ids).logits
         model.save_pretrained(out_dir, distributed_checkpoint=True)  # collective
         after = model(ids).logits
-        reloaded = _load_ep(out_dir, ep_size=2, fsdp_size=2)(ids).logits
+        reloaded = load_ep(out_dir, ep_size=2, fsdp_size=2)(ids).logits
         for param in reshard(model).parameters():
             param.add_(0.01)  # other weights, saved plainly over the distributed checkpoint
         changed = model(ids).logits
         model.save_pretrained(out_dir)
-        replaced = _load_ep(out_dir, ep_size=2, fsdp_size=2)(ids).logits
+        replaced = load_ep(out_dir, ep_size=2, fsdp_size=2)(ids).logits
     return rel_err(after, before), rel_err(reloaded, before), rel_err(replaced, changed)
 
 
@@ -419,7 +379,7 @@ def _interrupted_save_world(rank, world_size, path, out_dir):
         return {name: hashlib.sha256(open(os.path.join(out_dir, name), "rb").read()).hexdigest()
                 for name in sorted(os.listdir(out_dir)) if os.path.isfile(os.path.join(out_dir, name))}  # fmt: skip
 
-    model = _load_ep(path, ep_size=2, fsdp_size=2)
+    model = load_ep(path, ep_size=2, fsdp_size=2)
     apply_occult_ep(model, OccultConfig(placement=shuffled_placement("olmoe")))
     model.save_pretrained(out_dir)  # collective
     found = {"first": digests() if rank == 0 else None}
@@ -455,7 +415,7 @@ def _interrupted_optimizer_save_world(rank, world_size, path, out_dir):
     def digests():
         return {name: hashlib.sha256(open(os.path.join(out_dir, name), "rb").read()).hexdigest() for name in sorted(os.listdir(out_dir))}
 
-    model = _load_ep(path, ep_size=2, fsdp_size=2)
+    model = load_ep(path, ep_size=2, fsdp_size=2)
     optimizer = torch.optim.AdamW(reshard(model).parameters(), lr=RESUME_LR)
     _adamw_step(model, optimizer, tiny_batch(seed=800 + rank))
     save_optimizer(model, optimizer, out_dir)
@@ -565,7 +525,7 @@ def _replicas_world(rank, world_size, checkpoints):
 
     results = {}
     for family, path in checkpoints.items():
-        model = _load_ep(path, dp_replicate_size=2, fsdp_size=2, ep_size=2)  # two EP groups, {0, 1} and {2, 3}
+        model = load_ep(path, dp_replicate_size=2, fsdp_size=2, ep_size=2)  # two EP groups, {0, 1} and {2, 3}
         found = {}
         if family == "olmoe":  # the contiguous placement once (the 2-rank worlds run it for every family)
             found["contiguous"] = _step(model, rank_batch(rank))
@@ -607,7 +567,7 @@ def _nodes_world(rank, world_size, path):
     from occult_hf.hf.native_ep import occult_ep_config_of, occult_ep_layers
 
     ids, placement = rank_batch(rank), shuffled_placement("olmoe", 4)
-    model = _load_ep(path, ep_size=4, fsdp_size=4)  # no occult_config: the mesh's group as it is, one node
+    model = load_ep(path, ep_size=4, fsdp_size=4)  # no occult_config: the mesh's group as it is, one node
     with torch.no_grad():
         model(ids)  # builds each layer's dispatcher
     found = {"unconfigured": _dispatchers(model)}
@@ -627,7 +587,7 @@ def _nodes_world(rank, world_size, path):
         with torch.no_grad():
             found[f"{label}_logits"] = model(ids).logits.numpy().copy()
         found[f"{label}_dispatchers"] = _dispatchers(model)
-    replicated = _load_ep(path, dp_replicate_size=2, fsdp_size=2, ep_size=2)  # EP groups {0, 1} and {2, 3}
+    replicated = load_ep(path, dp_replicate_size=2, fsdp_size=2, ep_size=2)  # EP groups {0, 1} and {2, 3}
     apply_occult_ep(replicated, OccultConfig(placement=shuffled_placement("olmoe"), devices_per_node=1))
     found["replicated"] = _step(replicated, ids)
     found["replicated_dispatchers"] = _dispatchers(replicated)
@@ -817,7 +777,7 @@ def _tensor_parallel_world(rank, world_size, checkpoints):
 
     results = {}
     for family, path in checkpoints.items():
-        model = _load_ep(path, tp_size=2, tp_plan="auto", ep_size=2)  # the TP group is the EP group: one shared batch
+        model = load_ep(path, tp_size=2, tp_plan="auto", ep_size=2)  # the TP group is the EP group: one shared batch
         found = {"contiguous": _step(model, rank_batch(0))}
         apply_occult_ep(model, OccultConfig(placement=shuffled_placement(family)))
         found["shuffled"] = _step(model, rank_batch(0))

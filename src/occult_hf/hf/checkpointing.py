@@ -276,8 +276,9 @@ _WEIGHT_FILE = re.compile(
     r"|(?:model\.safetensors|pytorch_model\.bin)\.index(?:\.(?P<index_variant>[^.]+))?\.json"
 )
 #: the rank shards of transformers' `save_pretrained(distributed_checkpoint=True)`, which its loader prefers to every
-#: other weight file of the directory (`transformers.distributed.checkpoint.is_sharded_checkpoint`)
-_DISTRIBUTED_SHARD = re.compile(r"shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors")
+#: other weight file of the directory (`transformers.distributed.checkpoint.is_sharded_checkpoint`): torch DCP's name
+#: of rank R + 1's file F of the N each rank writes
+RANK_SHARD = re.compile(r"shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors")
 
 
 def weight_files(directory: str) -> list[str]:
@@ -285,7 +286,7 @@ def weight_files(directory: str) -> list[str]:
     any variant, and a distributed checkpoint's rank shards (none where the directory does not exist)."""
     if not os.path.isdir(directory):
         return []
-    return sorted(n for n in os.listdir(directory) if _WEIGHT_FILE.fullmatch(n) or _DISTRIBUTED_SHARD.fullmatch(n))
+    return sorted(n for n in os.listdir(directory) if _WEIGHT_FILE.fullmatch(n) or RANK_SHARD.fullmatch(n))
 
 
 def _variant_of(weight_file: str) -> str | None:
@@ -339,7 +340,7 @@ def publish_staged(staging: str, target: str) -> None:
         if os.path.isfile(os.path.join(target, earlier)):
             os.remove(os.path.join(target, earlier))
     for name in os.listdir(target):  # transformers loads a distributed checkpoint's shards before anything else
-        if _DISTRIBUTED_SHARD.fullmatch(name):
+        if RANK_SHARD.fullmatch(name):
             os.remove(os.path.join(target, name))
     if "config.json" in staged:
         _replace(os.path.join(staging, "config.json"), os.path.join(target, "config.json"))

@@ -18,6 +18,9 @@ works; when transformers changes, this is the file to read.
   `hf.loading`): transformers has no loading filter a plugin can register.
   `skip_allocator_warmup_for(skipped)` leaves the experts another rank holds out of transformers' CUDA
   allocator warmup (it would allocate the full model on a `device_map` device).
+- `check_distributed_checkpoint_loading(check)`: for one `from_pretrained`, `check(model, directory)` runs before
+  transformers reads a distributed checkpoint (the rank shards of `save_pretrained(distributed_checkpoint=True)`)
+  into the model (`hf.loading.check_rank_shards`): transformers has no hook there either.
 - `wrap_when_imported(module, class, hooks)`: methods of a class whose module is costly to import are wrapped so
   that `hook(original, self, ...)` runs instead, once that module is imported: the `Trainer` methods that every
   rank runs at a save or a resume (some of them private: `_save_optimizer_and_scheduler`,
@@ -178,20 +181,56 @@ def skip_allocator_warmup_for(skipped: Callable[[Any, str], bool]):
     """
     import transformers.modeling_utils as modeling_utils
 
-    original = getattr(modeling_utils, "caching_allocator_warmup", None)
-    if original is None:  # a transformers without the warmup
+    def wrap(original):
+        def wrapped(model, expanded_device_map, *args, **kwargs):
+            kept = {name: device for name, device in expanded_device_map.items() if not skipped(model, name)}
+            return original(model, kept, *args, **kwargs)
+
+        return wrapped
+
+    with _swapped(modeling_utils, "caching_allocator_warmup", wrap):  # absent: a transformers without the warmup
+        yield
+
+
+@contextlib.contextmanager
+def check_distributed_checkpoint_loading(check: Callable[[Any, str], None]):
+    """Within the block, transformers' load of a distributed checkpoint's rank shards into a model calls
+    `check(model, directory)` first.
+
+    `from_pretrained` of a directory that holds rank shards builds the model, materialises it and reads every
+    `.safetensors` file of the directory through torch DCP (`distributed.mixin._load_model_checkpoint_distributed`),
+    with no hook in between; this swaps that module-level name for the block's duration. A transformers without
+    distributed checkpoints leaves the block unchanged.
+    """
+    try:
+        import transformers.distributed.mixin as mixin
+    except ImportError:
+        mixin = None
+
+    def wrap(original):
+        def wrapped(model, checkpoint_dir, *args, **kwargs):
+            check(model, str(checkpoint_dir))
+            return original(model, checkpoint_dir, *args, **kwargs)
+
+        return wrapped
+
+    with _swapped(mixin, "_load_model_checkpoint_distributed", wrap):
+        yield
+
+
+@contextlib.contextmanager
+def _swapped(module, name: str, wrap: Callable[[Callable], Callable]):
+    """Within the block `module.name` is `wrap(original)`: transformers' module-level functions that a load looks up
+    by name when it calls them. A module (or a transformers) without `name` is left as it is."""
+    original = getattr(module, name, None)
+    if original is None:
         yield
         return
-
-    def wrapped(model, expanded_device_map, *args, **kwargs):
-        kept = {name: device for name, device in expanded_device_map.items() if not skipped(model, name)}
-        return original(model, kept, *args, **kwargs)
-
-    modeling_utils.caching_allocator_warmup = wrapped
+    setattr(module, name, wrap(original))
     try:
         yield
     finally:
-        modeling_utils.caching_allocator_warmup = original
+        setattr(module, name, original)
 
 
 def _renamer(load_config) -> Callable[[str], str]:

@@ -25,12 +25,18 @@ of every parameter on the device) leaves the routed experts out. Anything else (
 the model or offloads it, another layout or key, shapes that disagree with the model, `tp_plan`/no process
 group, a `.bin` checkpoint) falls back to the full load with a logged reason: never a silently wrong model.
 
+Every `from_pretrained` with occult_hf installed also checks a distributed checkpoint (the rank shards of
+`save_pretrained(distributed_checkpoint=True)`, which transformers prefers to any other weight file) before torch DCP
+reads it: `check_rank_shards` refuses one whose shards hold only part of a tensor, naming the missing shard files.
+
 Shape legend: E routed experts, L local experts (slots), I expert width, H hidden.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -38,7 +44,14 @@ import torch
 
 from occult_hf.patches import adapter_for
 
-from .compat import UNSET, intercept_state_dict_loading, keep_expert_conversions, skip_allocator_warmup_for
+from .checkpointing import RANK_SHARD
+from .compat import (
+    UNSET,
+    check_distributed_checkpoint_loading,
+    intercept_state_dict_loading,
+    keep_expert_conversions,
+    skip_allocator_warmup_for,
+)
 from ..config import OccultConfig, stored_occult_config
 from ..dispatch.group import check_group_size
 from ..distributed.agreement import announce_failure
@@ -119,6 +132,7 @@ def load_scope(occult_config, kwargs: dict, model_class: type | None = None):
         except Exception as error:  # the other ranks will wait at apply_occult: they raise at once, naming this one
             announce_failure(error, "from_pretrained")
             raise
+    scope.enter_context(check_distributed_checkpoint_loading(check_rank_shards))
     if kwargs.get("distributed_config") is not None:  # transformers' EP reads each rank's share itself
         report.fallback_reason = "transformers' EP (distributed_config=) loads the experts"
         return scope
@@ -133,6 +147,61 @@ def load_scope(occult_config, kwargs: dict, model_class: type | None = None):
     scope.enter_context(intercept_state_dict_loading(loader))
     scope.enter_context(skip_allocator_warmup_for(_routed_expert_filter()))
     return scope
+
+
+def check_rank_shards(model, directory: str) -> None:
+    """Raise `FileNotFoundError` naming the missing rank shards when the distributed checkpoint in `directory` holds
+    only part of one of `model`'s tensors.
+
+    torch DCP takes a tensor's size from the chunks it finds and reads only the chunks there are: without the last
+    rank's shard it fails on a size mismatch that names no file, and without any other rank's shard it loads, the
+    rows that shard held left as the uninitialised memory the model was materialised into (NaN logits). The shard
+    names do not say how many ranks saved (`-of-N` counts one rank's files), so the check is the chunks' elements
+    against the model's tensor; a rank whose save plan was empty writes no file, so a gap in the numbering alone
+    is no error. Tensors the checkpoint lacks are left to DCP's own "Missing key" error."""
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    stored = HuggingFaceStorageReader(directory).read_metadata().state_dict_metadata
+    short = {}
+    for key, tensor in get_model_state_dict(model).items():
+        entry = stored.get(key)
+        if not isinstance(entry, TensorStorageMetadata) or not isinstance(tensor, torch.Tensor):
+            continue
+        chunks = {(tuple(chunk.offsets), tuple(chunk.sizes)) for chunk in entry.chunks}
+        held, total = sum(math.prod(sizes) for _, sizes in chunks), tensor.numel()
+        if held < total:
+            short[key] = (held, total)
+    if not short:
+        return
+    key, (held, total) = next(iter(short.items()))
+    more = f" and only part of {len(short) - 1} more tensors" if len(short) > 1 else ""
+    raise FileNotFoundError(
+        f"the distributed checkpoint in {os.path.normpath(directory)} is incomplete: its rank shards hold {held} of "
+        f"the {total} elements of {key}{more}; {_missing_rank_shards(os.listdir(directory))}. A rank died in "
+        "save_pretrained(distributed_checkpoint=True), a copy was cut short or a file was deleted: copy the missing "
+        "files from the complete checkpoint or save the model again (loading it would leave the missing rows "
+        "uninitialised)"
+    )
+
+
+def _missing_rank_shards(names: list[str]) -> str:
+    """The rank shards missing from a directory of `names` (transformers found one there at least), in words: the
+    gaps in the rank numbering, else the files of the rank after the last present (a trailing rank's absence shows
+    in no name)."""
+    present = {tuple(int(part) for part in match.groups()) for match in map(RANK_SHARD.fullmatch, names) if match}
+    last, counts = max(rank for rank, _, _ in present), sorted({count for _, _, count in present})
+    expected = [(rank, file, count) for rank in range(1, last + 1) for count in counts for file in range(1, count + 1)]
+    missing = [_rank_shard_name(*shard) for shard in expected if shard not in present]
+    if missing:
+        return "missing rank shard files: " + ", ".join(missing)
+    after = ", ".join(_rank_shard_name(last + 1, file, count) for count in counts for file in range(1, count + 1))
+    return f"the rank shards after shard-{last:05d} are missing (from {after} on)"
+
+
+def _rank_shard_name(rank: int, file: int, count: int) -> str:
+    return f"shard-{rank:05d}-model-{file:05d}-of-{count:05d}.safetensors"
 
 
 def device_of_map(device_map) -> tuple[torch.device | None, str | None]:
@@ -369,4 +438,4 @@ class _Unsupported(Exception):
     """This checkpoint or call cannot be loaded per rank; the message is the logged reason."""
 
 
-__all__ = ["load_scope", "ExpertLoader", "LoadReport"]
+__all__ = ["load_scope", "check_rank_shards", "ExpertLoader", "LoadReport"]
