@@ -36,7 +36,7 @@ def test_a_pruned_checkpoint_says_so_and_occult_hf_loads_apply_the_pruning(tmp_p
     assert saved["occult_pruning"]["prune"] == "router" and saved["occult_pruning"]["max_devices_per_token"] == 1
     assert saved["occult_pruning"]["num_devices"] == 4 and saved["occult_pruning"]["placement"] == "occult_placement.json"
     text = card.read_text()
-    assert text.startswith("---\nlicense: apache-2.0\n---\n<!-- occult_hf:pruning -->\n**Fine-tuned with collaboration pruning")
+    assert text.startswith("---\nlicense: apache-2.0\n---\n<!-- occult_hf:pruning -->\n**Saved with collaboration pruning")
     assert "N_d = 1 of 4 devices" in text and "runs the **unpruned** routing" in text and text.endswith("notes of my own\n")
 
     vanilla = AutoModelForCausalLM.from_pretrained(tmp_path, occult_config=None)  # what plain transformers runs

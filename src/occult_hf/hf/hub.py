@@ -12,7 +12,8 @@ and each then writes a model card of its own (the Hub repository's, else a templ
 - the `occult_config` path's `save_pretrained` (`checkpointing.save_pretrained`) writes through a staging folder,
   which transformers would push under the staging folder's name before the description is added: `save_and_push`,
   bound on the model as its `save_pretrained`, saves with `push_to_hub` taken out, then pushes the published
-  directory as transformers would have.
+  directory as transformers would have, except that a card the directory already held is pushed where the Hub
+  repository has none (transformers' template would replace it, in the directory too).
 - `Trainer.push_to_hub` writes the Trainer's card and uploads the output folder itself: `hf.trainer` puts the
   section back after the Trainer's `create_model_card`.
 """
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 from .checkpointing import add_pruning_files, save_pretrained
 from .compat import PUSH_UPLOAD_METHOD, files_timestamps, push_upload
+from .model_card import CARD_FILENAME
 from .state import BLOCKS, OccultState, state_of
 
 #: `save_pretrained(push_to_hub=True)`'s keywords for the push itself (the rest of the ones `save_pretrained` does not
@@ -82,14 +84,30 @@ def _take_push_keywords(model, kwargs: dict) -> dict | None:
 def _push(model, save_directory: str, timestamps: dict, repo_id=None, commit_message=None, create_pr=False,
           token=None, repo_kwargs=None):
     """Upload the files of `save_directory` that changed since `timestamps`, as transformers'
-    `save_pretrained(push_to_hub=True)` does after its save."""
+    `save_pretrained(push_to_hub=True)` does after its save. The card is the Hub repository's, else the one the
+    directory held before the save (yours, or the Trainer's), else transformers' template; tagged as transformers
+    tags it."""
     from transformers.utils.hub import create_and_tag_model_card, hf_api
 
     repo_id = repo_id or os.path.basename(os.path.normpath(save_directory))
     repo_id = hf_api().create_repo(repo_id, exist_ok=True, token=token, **repo_kwargs).repo_id
-    create_and_tag_model_card(repo_id, model.model_tags, token=token).save(os.path.join(save_directory, "README.md"))
+    card = os.path.join(save_directory, CARD_FILENAME)
+    source = card if CARD_FILENAME in timestamps and not _hub_has_card(repo_id, token) else repo_id
+    create_and_tag_model_card(source, model.model_tags, token=token).save(card)
     upload = getattr(model, PUSH_UPLOAD_METHOD)  # the instance's: `upload_described`
     return upload(save_directory, repo_id, timestamps, commit_message=commit_message, token=token, create_pr=create_pr)
+
+
+def _hub_has_card(repo_id: str, token) -> bool:
+    """Whether the Hub repository `repo_id` has a model card (`ModelCard.load`, as transformers' push asks)."""
+    from huggingface_hub import ModelCard
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        ModelCard.load(repo_id, token=token)
+    except EntryNotFoundError:
+        return False
+    return True
 
 
 __all__ = ["save_and_push", "upload_described", "writes_files"]

@@ -22,8 +22,9 @@ from ..placement import PLACEMENT_FILENAME
 
 CARD_FILENAME = "README.md"
 _BEGIN, _END = "<!-- occult_hf:pruning -->", "<!-- /occult_hf:pruning -->"
-#: YAML front matter, which the Hub reads only at the very top of the card (a byte-order mark and CRLF lines allowed)
-_FRONT_MATTER = re.compile(r"\A\ufeff?---\r?\n.*?\r?\n---\r?\n", re.DOTALL)
+#: YAML front matter, which the Hub reads only at the top of the card: as huggingface_hub's `REGEX_YAML_BLOCK` finds
+#: it (blank space before it, blanks after the closing `---`, which may end the file), after a byte-order mark
+_FRONT_MATTER = re.compile(r"\A\ufeff?\s*---(?:\r\n|\r|\n)[\S\s]*?(?:\r\n|\r|\n)---[ \t]*(?:\r\n|\n|\Z)")
 
 
 def pruning_description(config: OccultConfig) -> dict | None:
@@ -50,13 +51,16 @@ def card_with_pruning(config: OccultConfig, existing: str | None) -> str:
     body = strip_pruning_section(existing or "")
     front = _FRONT_MATTER.match(body)
     head, rest = (front.group(0), body[front.end() :]) if front else ("", body)
+    if head and not head.endswith("\n"):  # the closing `---` ended the card: the section starts on a line of its own
+        head += "\r\n" if "\r\n" in head else "\n"
     section = (
         f"{_BEGIN}\n"
-        f"**Fine-tuned with collaboration pruning (occult_hf).** Each token's routed experts are limited to "
+        f"**Saved with collaboration pruning (occult_hf).** Each token's routed experts are limited to "
         f"{_limits(config)} (`prune={config.prune!r}`, placement `{PLACEMENT_FILENAME}`). "
         f"Plain transformers, `lm_eval --model hf` or any load without occult_hf runs the **unpruned** routing, "
-        f"which is not the model as trained: load it with occult_hf imported (`import occult_hf`, then "
-        f"`AutoModelForCausalLM.from_pretrained(...)`) or evaluate it with `occult eval`, which apply the pruning "
+        f"which is not this model's (nor, after pruning-aware fine-tuning, the one trained): load it with occult_hf "
+        f"imported (`import occult_hf`, then `AutoModelForCausalLM.from_pretrained(...)`) or evaluate it with "
+        f"`occult eval`, which apply the pruning "
         f"stored in `config.json` (`occult_config`, `{PRUNING_CONFIG_KEY}`).\n"
         f"{_END}\n\n"
     )
