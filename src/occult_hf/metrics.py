@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .utils.checks import check_device_map, check_devices_per_node, check_square, check_topk_ids
+from .utils.checks import check_device_map, check_devices_per_node, check_square, check_topk_ids, shown
 from .replicas.routing import resolve_homes_np
 
 if TYPE_CHECKING:  # annotations only: the planners import this module, so it imports no planner
@@ -110,9 +110,16 @@ def communication_cost(topk_ids_Nk: np.ndarray, device_of_E: np.ndarray, num_dev
     return (device_hits(ids, devices, num_devices) > 0).sum(axis=1)
 
 
+def _check_has_tokens(num_tokens: int, what: str) -> None:
+    """Raise for a mean over no tokens: numpy would return NaN with only a warning, a number a table prints."""
+    if num_tokens == 0:
+        raise ValueError(f"{what} needs at least one token (a mean CT over no tokens is undefined)")
+
+
 def served_ct(device_Nk: np.ndarray, num_devices: int) -> float:
     """Mean CT of tokens whose k pairs are served by the devices `device_Nk` `[N, k]` (a replica rule's choice, or
     `pair_devices`): the number of distinct devices in each row, averaged."""
+    _check_has_tokens(len(device_Nk), "served_ct")
     reached_ND = np.zeros((len(device_Nk), num_devices), dtype=bool)
     np.put_along_axis(reached_ND, np.asarray(device_Nk, dtype=np.int64), True, axis=1)
     return float(reached_ND.sum(1).mean())
@@ -120,7 +127,19 @@ def served_ct(device_Nk: np.ndarray, num_devices: int) -> float:
 
 def mean_ct(topk_ids_Nk: np.ndarray, device_of_E: np.ndarray, num_devices: int) -> float:
     """Mean CT over tokens (the per-layer number docs/design.md reports)."""
+    _check_has_tokens(len(np.asarray(topk_ids_Nk)), "mean_ct")
     return float(communication_cost(topk_ids_Nk, device_of_E, num_devices).mean())
+
+
+def _check_capacities(capacities_D: np.ndarray) -> np.ndarray:
+    """Return `capacities_D` as an array or raise: a non-empty `[D]` of positive integer counts (every device holds an
+    expert; a zero would make the bounds and the load floor reason about a device that holds none)."""
+    capacities = np.asarray(capacities_D)
+    if capacities.ndim != 1 or len(capacities) == 0 or capacities.dtype.kind not in "iu" or capacities.min() < 1:
+        raise ValueError(
+            f"capacities must be a non-empty [D] integer array of positive counts, got {shown(capacities.tolist())}"
+        )
+    return capacities
 
 
 def ct_bounds(top_k: int, capacities_D: np.ndarray) -> tuple[int, int]:
@@ -130,13 +149,30 @@ def ct_bounds(top_k: int, capacities_D: np.ndarray) -> tuple[int, int]:
     (the paper's `ceil(k*D/E)` for equal groups); `upper = min(k, D)`. A bound over all
     placements, not a promise for one: report it beside what a placement achieves.
     """
-    capacities = np.asarray(capacities_D)
-    if capacities.ndim != 1 or len(capacities) == 0 or capacities.min() < 1:
-        raise ValueError(f"capacities must be a non-empty [D] array of positive counts, got {capacities.tolist()}")
+    capacities = _check_capacities(capacities_D)
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or not 1 <= top_k <= capacities.sum():
+        raise ValueError(
+            f"top_k must be an integer in [1, {int(capacities.sum())}] (the experts the devices hold), got {top_k!r}"
+        )
     return math.ceil(top_k / int(capacities.max())), min(top_k, len(capacities))
 
 
 # ----- remote copies ---------------------------------------------------------------------------
+def _source_ranks(source_rank_N: np.ndarray | None, num_tokens: int, num_devices: int) -> np.ndarray:
+    """`[N]` int64 rank of each token: `token_ranks` when None, else `source_rank_N` checked (integers, one per
+    token, in `[0, D)`): a float rank would be truncated to another rank and a rank past D index another node."""
+    if source_rank_N is None:
+        return token_ranks(num_tokens, num_devices)
+    ranks = np.asarray(source_rank_N)
+    if ranks.shape != (num_tokens,) or ranks.dtype.kind not in "iu" or ranks.min() < 0 or ranks.max() >= num_devices:
+        shown_range = f"in [{ranks.min()}, {ranks.max()}]" if ranks.size else "empty"
+        raise ValueError(
+            f"source_rank_N must be an integer array [N={num_tokens}] of ranks in [0, {num_devices}), "
+            f"got {ranks.dtype} with shape {list(ranks.shape)}, {shown_range}"
+        )
+    return ranks.astype(np.int64, copy=False)
+
+
 def token_ranks_T(num_tokens: int, num_ranks: int, device: torch.device | str | None = None) -> torch.Tensor:
     """`[T]` int64 source rank of each token: contiguous equal chunks (sizes differ by at most one), rank 0 first.
 
@@ -203,11 +239,7 @@ def communication_volume(
     num_tokens = ids.shape[0]
     if num_tokens == 0:
         raise ValueError("communication_volume needs at least one token")
-    if source_rank_N is None:
-        source_rank_N = token_ranks(num_tokens, num_devices)
-    source_rank_N = np.asarray(source_rank_N, dtype=np.int64)
-    if source_rank_N.shape != (num_tokens,) or source_rank_N.min() < 0 or source_rank_N.max() >= num_devices:
-        raise ValueError(f"source_rank_N must be [N={num_tokens}] ranks in [0, {num_devices}), got shape {list(source_rank_N.shape)}")
+    source_rank_N = _source_ranks(source_rank_N, num_tokens, num_devices)
     hits_ND = torch.from_numpy(device_hits(ids, devices, num_devices, home_table_EM))
     ct_N, remote_N = (t.numpy() for t in ct_and_remote_T(hits_ND, torch.from_numpy(source_rank_N)))
     sent_D = np.bincount(source_rank_N, weights=remote_N, minlength=num_devices).astype(np.int64)
@@ -260,7 +292,7 @@ def node_traffic(
     num_tokens, num_nodes = ids.shape[0], num_devices // int(devices_per_node)
     if num_tokens == 0:
         raise ValueError("node_traffic needs at least one token")
-    source_N = token_ranks(num_tokens, num_devices) if source_rank_N is None else np.asarray(source_rank_N, dtype=np.int64)
+    source_N = _source_ranks(source_rank_N, num_tokens, num_devices)
     reached_ND = device_hits(ids, devices, num_devices, home_table_EM) > 0
     reached_NM = reached_ND.reshape(num_tokens, num_nodes, int(devices_per_node)).any(2)  # M: nodes, local here
     own_node_N = source_N // int(devices_per_node)
@@ -291,9 +323,20 @@ def device_load(expert_load_E: np.ndarray, device_of_E: np.ndarray, num_devices:
     return np.bincount(devices, weights=load, minlength=num_devices)
 
 
+def _check_loads(loads: np.ndarray, what: str, name: str) -> np.ndarray:
+    """Return `loads` as float64 or raise: a non-empty 1-D array of finite, non-negative numbers. NaN would pass every
+    comparison and come out as a NaN balance or floor; a negative load makes max / mean meaningless."""
+    load = np.asarray(loads, dtype=np.float64)
+    if load.ndim != 1 or len(load) == 0 or not np.isfinite(load).all() or (load < 0).any():
+        raise ValueError(
+            f"{what} needs a non-empty 1-D array of finite, non-negative {name}, got {shown(load.tolist())}"
+        )
+    return load
+
+
 def load_balance(load_D: np.ndarray) -> float:
     """max / mean of `[D]` device loads (1.0 = perfectly even; a device at 2.0 takes twice as long)."""
-    load = np.asarray(load_D, dtype=np.float64)
+    load = _check_loads(load_D, "load_balance", "device loads")
     mean = load.mean()
     if mean <= 0:
         raise ValueError("load_balance needs a positive total load")
@@ -309,8 +352,8 @@ def load_floor(expert_load_E: np.ndarray, capacities_D: np.ndarray) -> float:
     a giant, or E % D devices must take one expert more of nearly equal ones, this floor exceeds
     the mean: `load_floor / mean` is then the best balance any placement can reach.
     """
-    load = np.sort(np.asarray(expert_load_E, dtype=np.float64))
-    capacities = np.asarray(capacities_D)
+    load = np.sort(_check_loads(expert_load_E, "load_floor", "expert loads"))
+    capacities = _check_capacities(capacities_D)
     if int(capacities.sum()) != len(load):
         raise ValueError(f"capacities sum to {int(capacities.sum())} but there are {len(load)} experts")
     mean = load.sum() / len(capacities)
@@ -320,6 +363,22 @@ def load_floor(expert_load_E: np.ndarray, capacities_D: np.ndarray) -> float:
 
 
 # ----- co-activation metrics ------------------------------------------------------------------
+def _check_coactivation(coactivation_EE: np.ndarray, num_experts: int) -> np.ndarray:
+    """Return `coactivation_EE` as an array or raise: `[E, E]`, finite, non-negative and symmetric, as a profile's
+    co-activation counts are. The cut halves the off-device sum of both triangles, which is `sum_{i<j}` only for a
+    symmetric matrix (one triangle alone would be halved), and a NaN would be cast to a garbage integer."""
+    coactivation = check_square(coactivation_EE, num_experts)
+    if not np.isfinite(coactivation).all() or (coactivation < 0).any():
+        raise ValueError("coactivation must hold finite, non-negative counts")
+    if not np.array_equal(coactivation, coactivation.T):
+        i, j = (int(v) for v in np.argwhere(coactivation != coactivation.T)[0])
+        raise ValueError(
+            f"coactivation must be symmetric (C[i, j] counts the tokens holding both i and j), but "
+            f"C[{i}, {j}] = {coactivation[i, j]} and C[{j}, {i}] = {coactivation[j, i]}"
+        )
+    return coactivation
+
+
 def _same_device_EE(device_of_E: np.ndarray) -> np.ndarray:
     return device_of_E[:, None] == device_of_E[None, :]
 
@@ -332,14 +391,14 @@ def pairwise_cut(coactivation_EE: np.ndarray, device_of_E: np.ndarray, num_devic
     count for split pairs per token.
     """
     devices = check_device_map(device_of_E, len(device_of_E), num_devices)
-    coactivation = check_square(coactivation_EE, len(devices))
+    coactivation = _check_coactivation(coactivation_EE, len(devices))
     return int(np.asarray(coactivation, dtype=np.int64)[~_same_device_EE(devices)].sum() // 2)
 
 
 def intra_device_ratio(coactivation_EE: np.ndarray, device_of_E: np.ndarray, num_devices: int) -> float:
     """Fraction of all co-activations whose two experts share a device (the paper's intra-device collaboration)."""
     devices = check_device_map(device_of_E, len(device_of_E), num_devices)
-    coactivation = np.asarray(check_square(coactivation_EE, len(devices)), dtype=np.float64)
+    coactivation = np.asarray(_check_coactivation(coactivation_EE, len(devices)), dtype=np.float64)
     total = coactivation.sum() - np.trace(coactivation)
     if total <= 0:
         return 0.0

@@ -143,31 +143,54 @@ def format_node_table(profile: RoutingProfile, results: list[PlacementResult], h
 
 def format_promises(results: list[PlacementResult]) -> str:
     """What each placement's planner promised beyond its profile, from its meta: the expected held-out
-    figures by cross-validation, the worst of several profiles, and the replicas. Empty when none."""
+    figures by cross-validation, the worst of several profiles, and the replicas. Empty when none.
+
+    A placement's meta is free-form (docs/design.md §6): an entry not in the form the planners write (a hand edit,
+    another tool) is named in a line of its own instead of ending the report whose table is already measured."""
     lines = []
     for result in results:
-        placement, meta = result.placement, result.placement.meta
-        expected = meta.get("expected_held_out")
-        if expected and "skipped" in expected:
-            lines.append(f"{result.name}: no held-out estimate ({expected['skipped']})")
-        elif expected:
-            m = expected["mean"]
-            lines.append(
-                f"{result.name}: expected held-out ({expected['folds']}-fold cross-validation on its profile, mean over "
-                f"layers): CT {number_cell(m['ct'])}, balance {number_cell(m['balance'])} (worst fold and layer "
-                f"{number_cell(m['balance_worst'])}; held-out floor {number_cell(m['balance_floor'])})"
-            )
-        worst = meta.get("worst_profile")
-        if worst:
-            cells = ", ".join(f"layer {l} {w['profile']} {w['balance']:.2f}" for l, w in worst.items())
-            lines.append(f"{result.name}: worst of {len(meta.get('profiles', []))} profiles: {cells}")
-        if placement.has_replicas:
-            extra = {l: sum(len(d) for d in r.values()) for l, r in placement.replicas.items()}
-            lines.append(
-                f"{result.name}: replicas in {len(extra)} layers ({min(extra.values())}-{max(extra.values())} extra homes "
-                f"per layer), {placement.slots_per_device or '-'} slots per device"
-            )
+        meta = result.placement.meta
+        for key, describe in (("expected_held_out", _held_out_line), ("worst_profile", _worst_profile_line)):
+            if meta.get(key):
+                lines.append(f"{result.name}: {_meta_line(key, meta, describe)}")
+        if result.placement.has_replicas:
+            lines.append(f"{result.name}: {_replicas_line(result.placement)}")
     return "\n".join(lines)
+
+
+def _meta_line(key: str, meta: dict, describe) -> str:
+    """`describe(meta)`, or a line naming the meta entry `key` and why it cannot be read."""
+    try:
+        return describe(meta)
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        return f"meta {key!r} is not in the form the planners write ({type(error).__name__}: {error}); not shown"
+
+
+def _held_out_line(meta: dict) -> str:
+    """The cross-validation estimate `placement.validation.run_cross_validation` writes (or why it was skipped)."""
+    expected = meta["expected_held_out"]
+    if "skipped" in expected:
+        return f"no held-out estimate ({expected['skipped']})"
+    m = expected["mean"]
+    return (
+        f"expected held-out ({expected['folds']}-fold cross-validation on its profile, mean over layers): CT "
+        f"{number_cell(m['ct'])}, balance {number_cell(m['balance'])} (worst fold and layer "
+        f"{number_cell(m['balance_worst'])}; held-out floor {number_cell(m['balance_floor'])})"
+    )
+
+
+def _worst_profile_line(meta: dict) -> str:
+    """Each layer's worst profile and its balance, as `placement.registry` writes them for several profiles."""
+    cells = ", ".join(f"layer {l} {w['profile']} {float(w['balance']):.2f}" for l, w in meta["worst_profile"].items())
+    return f"worst of {len(meta.get('profiles', []))} profiles: {cells}"
+
+
+def _replicas_line(placement: Placement) -> str:
+    extra = {l: sum(len(d) for d in r.values()) for l, r in placement.replicas.items()}
+    return (
+        f"replicas in {len(extra)} layers ({min(extra.values())}-{max(extra.values())} extra homes per layer), "
+        f"{placement.slots_per_device or '-'} slots per device"
+    )
 
 
 # ----- plots -----------------------------------------------------------------------------------
