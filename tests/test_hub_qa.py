@@ -13,8 +13,9 @@ import json
 import os
 
 import pytest
+import torch
 
-from tiny_models import tiny_model
+from tiny_models import tiny_batch, tiny_model
 
 
 class _MemoryHub:
@@ -47,12 +48,20 @@ class _MemoryHub:
         call = self._record("create_commit", *args, **kwargs)
         if self.commit_error is not None:
             raise self.commit_error
-        files = {}
+        from huggingface_hub import CommitOperationDelete
+
+        tree = self.repos[call["repo_id"]].setdefault(call.get("revision") or "main", {})
         for operation in call["operations"]:
+            if isinstance(operation, CommitOperationDelete):
+                del tree[operation.path_in_repo]
+                continue
             with open(operation.path_or_fileobj, "rb") as f:
-                files[operation.path_in_repo] = f.read()
-        self.repos[call["repo_id"]].setdefault(call.get("revision") or "main", {}).update(files)
+                tree[operation.path_in_repo] = f.read()
         return "https://huggingface.co/commit"
+
+    def list_repo_files(self, *args, **kwargs):
+        call = self._record("list_repo_files", *args, **kwargs)
+        return sorted(self.repos[call["repo_id"]].get(call.get("revision") or "main", {}))
 
     def card(self, repo_id: str):
         from huggingface_hub import ModelCard
@@ -163,7 +172,10 @@ def test_push_keywords_reach_the_hub(tmp_path, hub):
     model.push_to_hub("me/model", revision="dev", commit_message="m", commit_description="d", private=True)
     model.save_pretrained(tmp_path / "local", push_to_hub=True, repo_id="me/other", variant="fp16", private=True,
                           create_pr=True, token="t", commit_message="n")  # fmt: skip
-    (_, repo), (_, branch), (_, commit), (_, other_repo), (_, other_commit) = hub.calls
+    listed = [call for name, call in hub.calls if name == "list_repo_files"]  # the replaced weights' removal
+    calls = [(name, call) for name, call in hub.calls if name != "list_repo_files"]
+    (_, repo), (_, branch), (_, commit), (_, other_repo), (_, other_commit) = calls
+    assert [(call["revision"], call["token"]) for call in listed] == [("dev", None), (None, "t")]
     assert repo["private"] is True and branch["branch"] == "dev"
     assert (commit["revision"], commit["commit_message"], commit["commit_description"]) == ("dev", "m", "d")
     assert "README.md" in hub.repos["me/model"]["dev"]
@@ -182,3 +194,30 @@ def test_a_failed_upload_leaves_the_local_save_whole(tmp_path, hub):
     assert not [name for name in (tmp_path / "model").iterdir() if name.name.startswith(".occult_save")]
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
     assert loaded.config.occult_config["max_devices_per_token"] == 1
+
+
+def test_a_sharded_push_over_a_single_file_loads_the_new_weights(tmp_path, hub):
+    """A push of a sharded save to a repository an earlier push gave one `model.safetensors`: the old file stayed on
+    the Hub beside the new index, and transformers, which prefers it, loaded the earlier model from the repository.
+    The weight files the new save replaces are removed after the upload; another variant's stay."""
+    from transformers import AutoModelForCausalLM
+
+    first, second = _pruned(), _pruned()
+    with torch.no_grad():
+        for param in second.parameters():
+            param.add_(0.01)
+        expected = second(tiny_batch(seed=3)).logits
+    first.push_to_hub("me/model")
+    first.save_pretrained(tmp_path / "fp16", push_to_hub=True, repo_id="me/model", variant="fp16")
+    second.push_to_hub("me/model", max_shard_size="200KB")
+    files = hub.repos["me/model"]["main"]
+    assert "model.safetensors" not in files and "model.fp16.safetensors" in files
+    assert "model.safetensors.index.json" in files
+    shards = json.loads(files["model.safetensors.index.json"])["weight_map"].values()
+    assert len(set(shards)) >= 2 and {name for name in files if "-of-" in name} == set(shards)
+    (tmp_path / "hub").mkdir()
+    for name, data in files.items():
+        (tmp_path / "hub" / name).write_bytes(data)
+    with torch.no_grad():
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hub")(tiny_batch(seed=3)).logits
+    assert torch.allclose(loaded, expected, atol=1e-6)

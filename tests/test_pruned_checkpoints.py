@@ -144,6 +144,9 @@ class _FakeHub:
                 files[operation.path_in_repo] = f.read()
         self.commits.append((repo_id, files))
 
+    def list_repo_files(self, repo_id, **kwargs):
+        return sorted({name for repo, files in self.commits if repo == repo_id for name in files})
+
 
 @pytest.fixture
 def fake_hub(monkeypatch):

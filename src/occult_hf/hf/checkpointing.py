@@ -289,6 +289,22 @@ def weight_files(directory: str) -> list[str]:
     return sorted(n for n in os.listdir(directory) if _WEIGHT_FILE.fullmatch(n) or RANK_SHARD.fullmatch(n))
 
 
+def replaced_weight_files(current: list[str], earlier: list[str]) -> list[str]:
+    """The names of `earlier` (a directory's or a Hub repository's files) that a save whose weight files are `current`
+    replaces: beside rank shards every other weight file (transformers reads every `.safetensors` file of such a
+    directory as one checkpoint); else rank shards (loaded before anything else), and the weight files of the
+    variants `current` holds that it does not name (an old single file loads before a new index). Another variant's
+    files stay."""
+    current_set = set(current)
+    if any(RANK_SHARD.fullmatch(n) for n in current_set):
+        return sorted(n for n in earlier if n not in current_set and (_WEIGHT_FILE.fullmatch(n) or RANK_SHARD.fullmatch(n)))
+    variants = {_variant_of(n) for n in current_set if _WEIGHT_FILE.fullmatch(n)}
+    return sorted(
+        n for n in earlier
+        if n not in current_set and (RANK_SHARD.fullmatch(n) or (_WEIGHT_FILE.fullmatch(n) and _variant_of(n) in variants))
+    )  # fmt: skip
+
+
 def _variant_of(weight_file: str) -> str | None:
     """The variant of a `_WEIGHT_FILE` name ("fp16"), None for the plain weights."""
     match = _WEIGHT_FILE.fullmatch(weight_file)

@@ -8,7 +8,8 @@ and each then writes a model card of its own (the Hub repository's, else a templ
   description back into the folder (`checkpointing.add_pruning_files`: the pruning section above the card
   transformers wrote, `occult_pruning` in `config.json`, the similarity profile). Under EP only the rank that wrote
   the files uploads: `push_to_hub` is collective there, like the save inside it, and the other ranks' folders hold
-  nothing but the card.
+  nothing but the card. After the upload it deletes from the repository the weight files the save replaced, which
+  transformers leaves there (an earlier single `model.safetensors` loads before a new sharded save).
 - the `occult_config` path's `save_pretrained` (`checkpointing.save_pretrained`) writes through a staging folder,
   which transformers would push under the staging folder's name before the description is added: `save_and_push`,
   bound on the model as its `save_pretrained`, saves with `push_to_hub` taken out, then pushes the published
@@ -25,7 +26,7 @@ import os
 
 import torch.distributed as dist
 
-from .checkpointing import add_pruning_files, save_pretrained
+from .checkpointing import add_pruning_files, replaced_weight_files, save_pretrained, weight_files
 from .compat import PUSH_UPLOAD_METHOD, files_timestamps, push_upload
 from .model_card import CARD_FILENAME
 from .state import BLOCKS, OccultState, state_of
@@ -51,7 +52,27 @@ def upload_described(model, working_dir, repo_id, *args, **kwargs):
         return None
     working_dir = os.fspath(working_dir)
     add_pruning_files(state, working_dir, working_dir)
-    return push_upload(model, working_dir, repo_id, *args, **kwargs)
+    commit = push_upload(model, working_dir, repo_id, *args, **kwargs)
+    _remove_replaced_weights(working_dir, repo_id, commit, kwargs.get("token"), kwargs.get("revision"))
+    return commit
+
+
+def _remove_replaced_weights(working_dir: str, repo_id: str, commit, token, revision) -> None:
+    """Delete from the Hub repository, in a commit after the upload, the weight files the pushed save replaces
+    (`checkpointing.replaced_weight_files`), as the save removes them from a local directory: an earlier push's
+    `model.safetensors` beside a new sharded save loaded in its place (transformers prefers it to an index), and an
+    earlier save's shards beside a new index were dead weight. On the pull request the upload opened, if it did."""
+    from huggingface_hub import CommitOperationDelete
+    from transformers.utils.hub import hf_api
+
+    api, target = hf_api(), getattr(commit, "pr_revision", None) or revision
+    remote = [name for name in api.list_repo_files(repo_id, revision=target, token=token) if "/" not in name]
+    stale = replaced_weight_files(weight_files(working_dir), remote)
+    if stale:
+        api.create_commit(
+            repo_id=repo_id, operations=[CommitOperationDelete(path_in_repo=name) for name in stale], token=token,
+            commit_message=f"Remove the weight files this upload replaced: {', '.join(stale)}", revision=target,
+        )  # fmt: skip
 
 
 def save_and_push(model, save_directory, *args, **kwargs):
