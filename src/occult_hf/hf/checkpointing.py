@@ -183,7 +183,7 @@ def _write(model, state: OccultState, full_experts, save_directory, args, kwargs
     if os.path.isfile(save_directory):
         raise FileExistsError(f"save_pretrained: {os.fspath(save_directory)!r} is a file, expected a directory")
     os.makedirs(save_directory, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".occult_save-", dir=save_directory)
+    staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=save_directory)
     try:
         try:
             state.placement.save(os.path.join(staging, PLACEMENT_FILENAME))
@@ -266,6 +266,10 @@ def describe_in_card(config, staging: str, target: str) -> None:
     elif existing is not None and strip_pruning_section(existing) != existing:
         atomic_write_text(os.path.join(staging, CARD_FILENAME), strip_pruning_section(existing))
 
+
+#: the prefix of the staging folders occult_hf's saves write into inside the save's directory (this module's, and
+#: `native_ep`'s `.occult_save-native`); one that a killed save left stays there
+STAGING_PREFIX = ".occult_save-"
 
 #: weight files of a checkpoint: model.safetensors, shards (under transformers' names or the fresh names
 #: `publish_staged` gives them, `model-<8 hex>-00001-of-00003.safetensors`) and their index, of any variant

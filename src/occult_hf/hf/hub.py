@@ -53,11 +53,11 @@ def upload_described(model, working_dir, repo_id, *args, **kwargs):
     working_dir = os.fspath(working_dir)
     add_pruning_files(state, working_dir, working_dir)
     commit = push_upload(model, working_dir, repo_id, *args, **kwargs)
-    _remove_replaced_weights(working_dir, repo_id, commit, kwargs.get("token"), kwargs.get("revision"))
+    remove_replaced_weights(working_dir, repo_id, commit, kwargs.get("token"), kwargs.get("revision"))
     return commit
 
 
-def _remove_replaced_weights(working_dir: str, repo_id: str, commit, token, revision) -> None:
+def remove_replaced_weights(working_dir: str, repo_id: str, commit, token, revision) -> None:
     """Delete from the Hub repository, in a commit after the upload, the weight files the pushed save replaces
     (`checkpointing.replaced_weight_files`), as the save removes them from a local directory: an earlier push's
     `model.safetensors` beside a new sharded save loaded in its place (transformers prefers it to an index), and an
@@ -131,4 +131,4 @@ def _hub_has_card(repo_id: str, token) -> bool:
     return True
 
 
-__all__ = ["save_and_push", "upload_described", "writes_files"]
+__all__ = ["save_and_push", "upload_described", "remove_replaced_weights", "writes_files"]

@@ -55,7 +55,9 @@ from torch import nn
 
 from occult_hf.patches import RouterOutput, adapter_for
 
-from .checkpointing import add_pruning_files, new_save_group, publish_staged, record_running_limits, weight_files
+from .checkpointing import (
+    STAGING_PREFIX, add_pruning_files, new_save_group, publish_staged, record_running_limits, weight_files,
+)
 from .compat import PUSH_UPLOAD_METHOD
 from .hub import upload_described, writes_files
 from ..config import OccultConfig
@@ -642,7 +644,7 @@ def _save_staged(model, state, target: str, writer: bool, args, kwargs):
 
 
 #: the staging folder of a native-EP save inside its target (a dot-folder: no loader reads it)
-_NATIVE_STAGING = ".occult_save-native"
+_NATIVE_STAGING = STAGING_PREFIX + "native"
 
 
 @contextlib.contextmanager

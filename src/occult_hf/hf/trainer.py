@@ -30,6 +30,12 @@ occult_hf applied the wrappers only call the original):
 
 One process (logical devices) uses the same files with `r=0, D=1` (its experts are all experts).
 
+**Pushes to the Hub** (`push_to_hub`, `_push_from_checkpoint` and `create_model_card` are wrapped for models of
+either front end): the Trainer uploads its output folder whole, so a killed save's staging folder is removed first,
+the repository's weight files the new save replaced are deleted after the upload (as `hf.hub` does for
+`model.push_to_hub`), and a push during training (`hub_strategy`) carries occult_hf's files and the card's section,
+and, for `hub_strategy="checkpoint"`, a checkpoint already marked complete.
+
 **A checkpoint is complete before anything is rotated.** `_save_checkpoint` (every rank) is wrapped too:
 the checkpoint's first file is `occult_checkpoint.json` saying it is incomplete; the Trainer's own
 rotation of old checkpoints is held back while the files are written; then every EP rank reports its
@@ -47,6 +53,7 @@ Each rank file records the step it was saved at: one copied from another checkpo
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
@@ -58,10 +65,14 @@ from torch import nn
 from .state import BLOCKS, STATE_ATTR
 from .compat import checkpoint_key_renamer, unwrap_when_imported, wrap_when_imported
 from .ddp import enable_grad_norm_carriers
-from .checkpointing import describe_in_card, snapshot_experts
+from .checkpointing import (
+    PROFILE_FILENAME, STAGING_PREFIX, describe_in_card, replaced_weight_files, snapshot_experts, weight_files,
+)
+from .hub import remove_replaced_weights
 from .peft_support import snapshot_adapters
 from ..distributed.agreement import SAVE_TIMEOUT_ENV, announce_failure, arrive, save_timeout_s
 from ..moe import OccultMoE
+from ..placement import PLACEMENT_FILENAME
 from ..utils.atomic import atomic_torch_save, atomic_write_json
 from ..utils.logging import get_logger
 from ..utils.strict_json import json_kind, read_json_file
@@ -162,16 +173,20 @@ def _save_checkpoint(original, trainer, model, trial=None):
     if trainer.args.should_save:
         _write_status(output_dir, {"complete": False, "ranks": world, "rank_files": not trainer.args.save_only_model})
     limit, trainer.args.save_total_limit = trainer.args.save_total_limit, None  # no rotation until it is complete
+    push, trainer.args.push_to_hub = trainer.args.push_to_hub, False  # no push of it either
     try:
         result = original(trainer, model, trial)
     except Exception as error:  # the other ranks stop at once instead of waiting for this rank's report
         _announce(occult, error, output_dir)
         raise
     finally:
-        trainer.args.save_total_limit = limit
+        trainer.args.save_total_limit, trainer.args.push_to_hub = limit, push
     rank_files = _reports(occult, output_dir)
     if trainer.args.should_save:
         _write_status(output_dir, {"complete": True, "ranks": world, "rank_files": rank_files})
+    if push:  # `hub_strategy="checkpoint"` uploads the checkpoint too: a resume from it needs the complete status
+        trainer._push_from_checkpoint(output_dir)
+    if trainer.args.should_save:
         _rotate(run_dir, limit, trainer.state.best_model_checkpoint)
     return result
 
@@ -491,6 +506,91 @@ def _load_optimizer_and_scheduler(original, trainer, checkpoint):
 
 # ----- the Hub ----------------------------------------------------------------------------------------
 
+def _push_to_hub(original, trainer, *args, **kwargs):
+    """`Trainer.push_to_hub` saves into the output folder and uploads all of it (`upload_folder`, which skips only
+    `_*` and `checkpoint-*`). Before it, the staging folders a killed save left there are removed (an upload would carry
+    them, weights and all); after the upload, the repository's weight files the save replaced are deleted, as
+    `model.push_to_hub` deletes them (`hf.hub`): an earlier push's `model.safetensors` loads before a new index."""
+    if _configured_model(trainer.model) is None:
+        return original(trainer, *args, **kwargs)
+    call = inspect.signature(original).bind(trainer, *args, **kwargs)
+    call.apply_defaults()
+    if trainer.is_world_process_zero():
+        _remove_leftover_staging(trainer.args.output_dir)
+    result = original(*call.args, **call.kwargs)
+    if result is None:  # a rank that does not push
+        return result
+    token = call.arguments["token"] if call.arguments["token"] is not None else trainer.args.hub_token
+    revision = call.arguments["revision"] or trainer.args.hub_revision
+    cleanup = (trainer.args.output_dir, trainer.hub_model_id, token, revision)
+    if call.arguments["blocking"]:
+        return _after_upload(result, *cleanup)
+    from transformers.utils.hub import hf_api
+
+    return hf_api().run_as_future(_after_upload, result, *cleanup)  # the Hub client's one worker: after the upload
+
+
+def _after_upload(upload, output_dir: str, repo_id: str, token, revision):
+    """The upload's commit (`upload`: it, or the future of a non-blocking upload), once the weight files it replaced
+    are deleted from the repository."""
+    commit = upload.result() if hasattr(upload, "result") else upload
+    remove_replaced_weights(output_dir, repo_id, commit, token, revision)
+    return commit
+
+
+def _push_from_checkpoint(original, trainer, checkpoint_folder):
+    """`hub_strategy` "every_save"/"checkpoint"/"all_checkpoints": transformers copies the checkpoint's config and
+    weights into the output folder and uploads that folder. What it does not copy or remove is put right first:
+    occult_hf's files (`occult_placement.json`, the similarity profile that `config.json` names: without it the
+    repository does not load), the card's pruning section, the output folder's weight files the checkpoint's replace
+    (an older `model.safetensors` beside copied shards loads in their place), and a killed save's staging folders.
+    The repository's replaced weight files are deleted after the upload, in the same queue."""
+    configured = _configured_model(trainer.model)
+    if configured is None or not _pushes_now(trainer):
+        return original(trainer, checkpoint_folder)
+    output_dir = trainer.args.output_dir
+    for folder in (output_dir, checkpoint_folder):
+        _remove_leftover_staging(folder)
+    for name in replaced_weight_files(weight_files(checkpoint_folder), weight_files(output_dir)):
+        os.remove(os.path.join(output_dir, name))
+    for name in (PLACEMENT_FILENAME, PROFILE_FILENAME):
+        if os.path.isfile(os.path.join(checkpoint_folder, name)):
+            shutil.copy(os.path.join(checkpoint_folder, name), os.path.join(output_dir, name))
+    if configured is trainer.model:  # a PEFT model's card is its adapter's
+        describe_in_card(vars(configured)[STATE_ATTR].occult_config, output_dir, output_dir)
+    result = original(trainer, checkpoint_folder)
+    from transformers.utils.hub import hf_api
+
+    args = trainer.args
+    cleanup = hf_api().run_as_future(remove_replaced_weights, output_dir, trainer.hub_model_id, None, args.hub_token,
+                                     args.hub_revision)  # fmt: skip
+    trainer.push_in_progress.jobs.append(cleanup)
+    return result
+
+
+def _pushes_now(trainer) -> bool:
+    """Whether `Trainer._push_from_checkpoint` copies and uploads now: transformers' own condition (process zero, a
+    strategy that pushes saves, no push still running unless `hub_always_push`). The output folder must not change
+    under an upload still reading it."""
+    from transformers.trainer_utils import HubStrategy
+
+    if not trainer.is_world_process_zero() or trainer.args.hub_strategy == HubStrategy.END:
+        return False
+    running = trainer.push_in_progress is not None and not trainer.push_in_progress.is_done()
+    return trainer.args.hub_always_push or not running
+
+
+def _remove_leftover_staging(directory: str) -> None:
+    """Remove the staging folders (`.occult_save-*`) in `directory` that saves killed before their cleanup left: an
+    upload of the folder would carry them, and the process's own saves have finished (or not begun) here."""
+    if not os.path.isdir(directory):
+        return
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if name.startswith(STAGING_PREFIX) and os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 
 def _create_model_card(original, trainer, *args, **kwargs):
     """`Trainer.push_to_hub` writes the Trainer's card over the output folder's `README.md` after the model's save,
@@ -524,11 +624,13 @@ _HOOKS = {
     "_load_best_model": _load_best_model,
     "_load_optimizer_and_scheduler": _load_optimizer_and_scheduler,
     "create_model_card": _create_model_card,
+    "push_to_hub": _push_to_hub,
+    "_push_from_checkpoint": _push_from_checkpoint,
 }
 
 
 def install_trainer_hooks() -> None:
-    """Wrap the nine `Trainer` methods (idempotent; `uninstall_trainer_hooks` puts them back)."""
+    """Wrap the eleven `Trainer` methods (idempotent; `uninstall_trainer_hooks` puts them back)."""
     wrap_when_imported("transformers.trainer", "Trainer", _HOOKS)
 
 
