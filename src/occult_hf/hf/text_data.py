@@ -55,6 +55,8 @@ def load_text_dataset(source: str | os.PathLike, config: str | None = None, spli
     import datasets
 
     path = os.fspath(source)
+    if os.path.exists(path) and not (os.path.isfile(path) or os.path.isdir(path)):
+        raise ValueError(f"data {path!r} is not a regular file or a directory (a pipe or a device?); give a data file")
     if os.path.isfile(path):
         builder = data_file_builder(path)
         if builder is None:
@@ -66,6 +68,8 @@ def load_text_dataset(source: str | os.PathLike, config: str | None = None, spli
             raise ValueError(f"data file {path!r} is empty")
         # one local file: a ValueError of the read is about it (a file of blank lines: "... corresponds to no data")
         data = parsed(lambda: datasets.load_dataset(builder, data_files={split: path}, split=split), f"data file {path!r}", also=(ValueError,))
+        if builder == "text":
+            data = _without_byte_order_mark(data)
     elif is_save_to_disk_directory(path):
         _no_config(config, path, "a save_to_disk directory")
         data = datasets.load_from_disk(path)
@@ -83,9 +87,50 @@ def load_text_dataset(source: str | os.PathLike, config: str | None = None, spli
         raise ValueError(
             f"text column {text_column!r} is not in {path!r}; its columns are {data.column_names} (set --text-column)"
         )
+    _check_column_type(data, text_column, path)
     if os.path.exists(path) and not is_save_to_disk_directory(path):  # parsed from local files just now
         _check_column(data, text_column, path)
     return data
+
+
+def _without_byte_order_mark(data):
+    """A text file's lines without the byte-order mark a file saved on Windows starts with: the text builder keeps it
+    as the first line's first character (its `encoding="utf-8-sig"` is not applied to a `.gz` file), and the json
+    and csv builders drop it. Only such a file pays for the rewrite."""
+    if not len(data) or not data[0]["text"].startswith("\ufeff"):
+        return data
+    return data.map(lambda row, index: {"text": row["text"].removeprefix("\ufeff") if index == 0 else row["text"]},
+                    with_indices=True, desc="dropping the byte-order mark")  # fmt: skip
+
+
+def _check_column_type(data, text_column: str, path: str) -> None:
+    """Raise unless the column holds what profiling and fine-tuning read, text (or lists of integer token ids), in
+    every row: numbers, records or a missing value would fail only when read, after the model loaded. The Arrow
+    type and null count are metadata, cheap for a dataset of any size."""
+    import pyarrow
+    import pyarrow.compute
+
+    column = data.data.column(text_column)
+    kind = column.type
+    is_text = pyarrow.types.is_string(kind) or pyarrow.types.is_large_string(kind)
+    is_ids = _is_list(kind) and pyarrow.types.is_integer(kind.value_type)
+    if not (is_text or is_ids):
+        raise ValueError(
+            f"text column {text_column!r} of {path!r} holds {data.features[text_column]}, not text or token-id lists; "
+            f"its columns are {data.column_names} (set --text-column)"
+        )
+    if column.null_count:
+        row = pyarrow.compute.index(pyarrow.compute.is_null(column), True).as_py()
+        raise ValueError(
+            f"text column {text_column!r} of {path!r} is null (no value) in {column.null_count} row(s), the first "
+            f"of them row {row}: drop or fill those rows"
+        )
+
+
+def _is_list(kind) -> bool:
+    import pyarrow
+
+    return pyarrow.types.is_list(kind) or pyarrow.types.is_large_list(kind) or pyarrow.types.is_fixed_size_list(kind)
 
 
 def _check_column(data, text_column: str, path: str) -> None:

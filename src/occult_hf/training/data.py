@@ -82,10 +82,12 @@ def corpus_files(corpus_dir: str | os.PathLike) -> dict[str, Path]:
     if not root.is_dir():
         raise FileNotFoundError(f"corpus directory {os.fspath(corpus_dir)!r} does not exist")
     files: dict[str, Path] = {}
-    for path in sorted(p for p in root.iterdir() if p.is_file() and not p.name.startswith(".")):
+    for path in sorted(p for p in root.iterdir() if not p.name.startswith(".")):
         suffix = _corpus_suffix(path.name)
         if suffix is None:
             continue
+        if not path.is_file():  # a pipe would hang the read; skipped, its domain would silently not train
+            raise ValueError(f"corpus file {os.fspath(path)!r} is not a regular file (a directory, pipe or device?)")
         domain = path.name[: -len(suffix)]
         if domain in files:
             raise ValueError(f"corpus directory {os.fspath(corpus_dir)!r}: domain {domain!r} has two files, {files[domain].name} and {path.name}")
@@ -99,7 +101,10 @@ def corpus_files(corpus_dir: str | os.PathLike) -> dict[str, Path]:
 
 def split_documents(text: str, separator: str = BLANK_LINE) -> list[str]:
     """Documents of one text file: the blocks between blank lines (`BLANK_LINE`), or the pieces between
-    occurrences of `separator`; each without its surrounding line breaks, blank ones dropped."""
+    occurrences of `separator`; each without its surrounding line breaks, blank ones dropped. A leading byte-order
+    mark (a file saved on Windows) is dropped, as the JSON Lines reader drops it: kept, it would open the first
+    document and take a token of the vocabulary."""
+    text = text.removeprefix("\ufeff")
     pieces = _BLANK_LINES.split(text) if separator == BLANK_LINE else text.split(separator)
     return [piece.strip("\n") for piece in pieces if piece.strip()]
 
@@ -173,6 +178,7 @@ def load_documents(
 def split_heldout(documents, heldout_fraction: float, max_chars: int | None, domain: str = "a domain"):
     """(train, held_out) of one domain's documents: the last `ceil(n * fraction)` documents are held out;
     each part is cut to its first `max_chars` characters (whole documents, the last one truncated)."""
+    _check_limit("max_chars", max_chars, "characters of each split")
     n = len(documents)
     held = max(1, math.ceil(n * heldout_fraction))
     if n - held < 1:
@@ -222,6 +228,8 @@ def train_tokenizer(texts, vocab_size: int):
 def token_stream(documents, tokenizer) -> np.ndarray:
     """`[N]` token ids of `documents` (a dataset with column `text`), each followed by `<eos>`."""
     eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("the tokenizer has no eos_token to end each document with (train_tokenizer's has one)")
 
     def encode(batch):
         return {"input_ids": [ids + [eos] for ids in tokenizer(batch["text"], verbose=False)["input_ids"]]}
@@ -252,6 +260,7 @@ def prepare_data(
     """
     from ..utils.atomic import atomic_write_bytes, atomic_write_json, atomic_write_text
 
+    _check_limit("max_chars_per_domain", max_chars_per_domain, "characters of each domain")
     # the corpus files as they are before the read: one edited during it differs from the record next time
     settings = preparation_settings(corpus_dir, vocab_size, heldout_fraction, max_chars_per_domain, separator, text_field)
     per_domain = load_documents(corpus_dir, None if domains is None else list(domains), separator=separator,
@@ -413,10 +422,21 @@ def read_stream(path: Path, vocab_size: int, tokens: int) -> np.ndarray:
 
 
 def pack(stream_N: np.ndarray, seq_len: int, max_tokens: int | None = None) -> np.ndarray:
-    """`[B, S]` consecutive windows of `stream_N` (B = N // S, or fewer under `max_tokens`)."""
+    """`[B, S]` consecutive windows of `stream_N` (B = N // S, or fewer under `max_tokens`: at least one window)."""
+    _check_limit("max_tokens", max_tokens, "tokens")
     count = len(stream_N) // seq_len
     if max_tokens is not None:
         count = min(count, max(1, max_tokens // seq_len))
     if count == 0:
-        raise ValueError(f"a stream of {len(stream_N)} tokens holds no window of seq_len {seq_len}")
+        raise ValueError(
+            f"a stream of {len(stream_N)} tokens holds no window of seq_len {seq_len}: give the domain more text, or "
+            f"train with a smaller seq_len"
+        )
     return np.ascontiguousarray(stream_N[: count * seq_len].reshape(count, seq_len))
+
+
+def _check_limit(name: str, value, what: str) -> None:
+    """Raise unless `value` is None (no limit) or a positive integer: 0 or a negative limit would silently give empty
+    token streams (found only when training packs them) or round up to a whole window."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be None (no limit) or a positive integer number of {what}, got {value!r}")

@@ -1,7 +1,9 @@
 """One UTF-8 error for the text files users hand to profiling: a byte that is not UTF-8 names the file and the byte's
 offset before any model runs on the text, not a `UnicodeDecodeError` from deep inside tokenisation. `check_utf8`
 decodes in chunks (`occult profile --text`, before the model loads); `read_utf8` reads the text once, whole
-(`RoutingProfile.collect`, which keeps it all)."""
+(`RoutingProfile.collect`, which keeps it all), as Python's text mode and `datasets`' text builder read it: a file
+saved on Windows (a byte-order mark, "\r\n" line ends) then gives the same documents and tokens as the same text saved
+elsewhere, and `occult profile --text` the same as `--dataset`."""
 
 from __future__ import annotations
 
@@ -21,14 +23,16 @@ def check_utf8(path: str, named: str, chunk_bytes: int = 2**20) -> None:
 
 
 def read_utf8(path: str, named: str) -> str:
-    """The text of the file `path`, read once and whole (for a caller that keeps it all), "\r\n" as written; a byte
-    that is not UTF-8 raises `check_utf8`'s error."""
+    """The text of the file `path`, read once and whole (for a caller that keeps it all): a leading byte-order mark
+    dropped and "\r\n" or "\r" read as "\n" (universal newlines), or a "\r" would end every line's document as one
+    more token; a byte that is not UTF-8 raises `check_utf8`'s error."""
     with open(path, "rb") as f:
         raw = f.read()
     try:
-        return raw.decode("utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
         raise _not_utf8(named, error.start, raw[error.start], error.reason) from None
+    return text.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
 
 
 def _decode(decoder, chunk: bytes, offset: int, named: str) -> None:
