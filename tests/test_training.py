@@ -321,3 +321,25 @@ def test_transfer_study_on_the_tiny_models_profiles(trained, prepared):
             assert r["ct_ratio"] == pytest.approx(1.0)  # the oracle itself; contiguous ignores the profile
         assert 1.0 <= r["ct"] <= 4.0 and r["balance"] >= 1.0
     assert "Goal (CT on an unseen domain within 10% of the oracle)" in markdown(rows)
+
+
+def test_tokens_seen_counts_the_windows_fed_past_an_epochs_short_last_batch(trained, prepared, tmp_path):
+    """`tokens_seen` was `steps * batch_size * seq_len`: an epoch ends in a short batch of the windows left, which
+    that counted as whole (9 windows at batch 8 logged 1,024 tokens where 576 were fed). Counted against the
+    `input_ids` the model received."""
+    from transformers import TrainerCallback
+
+    class CountFed(TrainerCallback):
+        tokens = 0
+
+        def attach(self, trainer):
+            trainer.model.register_forward_pre_hook(self.count, with_kwargs=True)
+
+        def count(self, module, args, kwargs):
+            if module.training:
+                type(self).tokens += kwargs["input_ids"].numel()
+
+    windows = trained[1]["train_windows"]
+    recipe = get_recipe("tiny", **{**TINY, "batch_size": windows - 1, "max_steps": 3})  # 2 steps an epoch, 1 window short
+    log = train(recipe, prepared, tmp_path, eval_tokens=64, progress=False, save=False, trainer_callbacks=[CountFed()])
+    assert log["tokens_seen"] == CountFed.tokens == (windows + windows - 1) * TINY["seq_len"]

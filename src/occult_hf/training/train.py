@@ -125,6 +125,17 @@ def build_model(recipe: Recipe):
     return OlmoeForCausalLM(recipe.model_config())
 
 
+
+def windows_fed(steps: int, num_windows: int, batch_size: int) -> int:
+    """Training windows the Trainer fed in `steps` steps of `batch_size`: each epoch ends in a short batch of the
+    windows left (its dataloader keeps the last batch), so `steps * batch_size` over-counts whenever `num_windows` is
+    not a multiple of the batch. Counted here rather than by the Trainer, which reads a count back from the device
+    every step."""
+    steps_per_epoch = -(-num_windows // batch_size)
+    epochs, steps_in_last = divmod(steps, steps_per_epoch)
+    return epochs * num_windows + min(steps_in_last * batch_size, num_windows)
+
+
 def train(
     recipe: Recipe,
     data_dir: str | os.PathLike,
@@ -239,7 +250,7 @@ def train(
     log = {
         "recipe": recipe.to_dict(),
         "steps": steps,
-        "tokens_seen": steps * recipe.batch_size * recipe.seq_len,
+        "tokens_seen": windows_fed(steps, len(windows_BS), recipe.batch_size) * recipe.seq_len,
         "train_windows": int(len(windows_BS)),
         "wall_s": round(wall_s, 1),
         "device": torch.cuda.get_device_name() if use_cuda else "cpu",
