@@ -273,7 +273,10 @@ def test_recipe_steps_and_time_budget_must_schedule_something():
                              ({"time_budget_s": -1.0}, "time_budget_s (-1.0) must be None or a finite number of seconds > 0"),
                              ({"time_budget_s": float("inf")}, "time_budget_s (inf) must be"),
                              ({"time_budget_s": float("nan")}, "time_budget_s (nan) must be"),
-                             ({"time_budget_s": 0}, "time_budget_s (0) must be")]:  # fmt: skip
+                             ({"time_budget_s": 0}, "time_budget_s (0) must be"),
+                             # a recipe file's string: a bare TypeError from the comparison; split into letters
+                             ({"heldout_fraction": "0.1"}, "heldout_fraction (0.1) must be in (0, 1)"),
+                             ({"train_domains": "kernel_docs"}, "train_domains 'kernel_docs' must be None or a list")]:  # fmt: skip
         with pytest.raises(ValueError, match=r"Recipe tiny: " + message.replace("(", r"\(").replace(")", r"\)")):
             get_recipe("tiny", **changes)
     assert get_recipe("tiny", max_steps=1, time_budget_s=0.5).time_budget_s == 0.5

@@ -74,13 +74,16 @@ class Recipe:
     def __post_init__(self) -> None:
         for name, minimum in _COUNT_MINIMA.items():
             check_count(f"Recipe {self.name}: {name}", getattr(self, name), minimum)
+        if isinstance(self.train_domains, str):  # tuple() would split it into one-letter domains
+            raise ValueError(f"Recipe {self.name}: train_domains {self.train_domains!r} must be None or a list of domain names")
         if self.train_domains is not None:
             self.train_domains = tuple(self.train_domains)
             if not self.train_domains or not all(isinstance(d, str) and d for d in self.train_domains):
                 raise ValueError(f"Recipe {self.name}: train_domains {list(self.train_domains)} must be None or domain names")
         if self.top_k > self.num_experts:
             raise ValueError(f"Recipe {self.name}: top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
-        if not 0.0 < self.heldout_fraction < 1.0:
+        fraction = self.heldout_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 < fraction < 1.0:
             raise ValueError(f"Recipe {self.name}: heldout_fraction ({self.heldout_fraction}) must be in (0, 1)")
         budget = self.time_budget_s
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget < math.inf):
