@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import resource
 from pathlib import Path
 
@@ -169,6 +170,9 @@ def test_text_file_that_is_no_utf8_file_is_refused_before_the_model_loads(tmp_pa
     out = tmp_path / "p.safetensors"
     refused(capsys, ["profile", TINY_OLMOE, "--text", latin1, "--out", out], f"--text {str(latin1)!r} is not UTF-8: byte 6 (0xff)")
     refused(capsys, ["profile", TINY_OLMOE, "--text", tmp_path, "--out", out], f"--text {str(tmp_path)!r} is a directory")
+    fifo = tmp_path / "pipe.txt"  # said not to exist
+    os.mkfifo(fifo)
+    refused(capsys, ["profile", TINY_OLMOE, "--text", fifo, "--out", out], f"--text {str(fifo)!r} is not a regular file")
 
 
 def test_utf8_check_reads_in_chunks_and_counts_bytes_across_them(tmp_path):

@@ -198,6 +198,8 @@ def _check_plain_text(path: str) -> str:
 
     if os.path.isdir(path):
         raise IsADirectoryError(f"--text {path!r} is a directory; give a plain text file")
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise ValueError(f"--text {path!r} is not a regular file (a pipe or a device?); give a plain text file")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--text {path!r} does not exist")
     builder = data_file_builder(path)
