@@ -216,6 +216,35 @@ def _replan_for_load_aware(
     return {expert: sorted(devices) for expert, devices in extra.items()}
 
 
+#: the meta entries in which a planner scores its placement, replicas included (`occult report` prints them): a
+#: re-plan that changes the replicas drops them rather than carry figures of copies it removed
+PLAN_SCORES = ("profile_metrics", "expected_held_out", "worst_profile")
+
+
+def _unstated_slots(placement: Placement, layer: int, redundant: int) -> int:
+    """The slots per device a placement that states none has for `layer`: `ceil((E + R) / D)`, or the most experts
+    one device holds there now when more (the deployment shows its devices hold them: fewer would refuse uneven
+    primaries, or drop deployed copies for worse ones)."""
+    even = -(-(placement.num_experts + redundant) // placement.num_devices)
+    return max(even, *placement.capacities(layer))
+
+
+def _check_recent_routing(routing, layer: int) -> None:
+    """Raise unless the layer's recent routing holds tokens counted as finite, non-negative numbers: on no tokens
+    every choice of copies scores the same, and NaN or negative counts choose copies on garbage, both silently."""
+    counts_E = np.asarray(routing.expert_counts, dtype=np.float64)
+    if not np.isfinite(counts_E).all() or (counts_E < 0).any():
+        raise ValueError(
+            f"replan_replicas: layer {layer} of the routing profile has expert counts that are not finite, "
+            f"non-negative numbers ({shown(counts_E.tolist())}): re-profile the recent routing"
+        )
+    if int(routing.token_count) < 1 or counts_E.sum() <= 0:
+        raise ValueError(
+            f"replan_replicas: layer {layer} of the routing profile holds no tokens, so there is nothing to re-plan "
+            f"the replicas on: profile a window that saw traffic"
+        )
+
+
 def replan_replicas(
     placement: Placement,
     profile: "RoutingProfile",
@@ -233,9 +262,10 @@ def replan_replicas(
         layers: layers to re-plan (default: all of the placement's; others keep their replicas).
         replica_choice: the runtime's replica rule, which the copies are chosen for (`replan_layer_replicas`).
 
-    The result keeps `slots_per_device` (default `ceil((E + R) / D)`, and at least what the layers left alone hold),
+    The result keeps `slots_per_device` (default `ceil((E + R) / D)`, and at least what any layer holds now),
     `devices_per_node` and the deployed layers' `pin_slack` (the load-aware rule's setting, not chosen again here), and
-    records in `meta["replicas_replanned_on"]` the profile's source. A layer whose deployed copies fit the budget
+    records in `meta["replicas_replanned_on"]` the profile's source; when the replicas change it drops the plan's
+    scores (`PLAN_SCORES`), which describe the copies it replaced. A layer whose deployed copies fit the budget
     and score no worse on the profile than the re-planned ones (`_layer_score`: the greedy adds one copy at a
     time and can stop where only several copies together help) keeps them, listed in
     `meta["replicas_kept_in_layers"]`: the re-plan never balances the profile worse than what is deployed.
@@ -264,10 +294,12 @@ def replan_replicas(
             redundant = sum(len(d) for d in placement.replicas.get(layer, {}).values())
             if not redundant and slots is not None:
                 redundant = slots * placement.num_devices - placement.num_experts
-        if not isinstance(redundant, int) or isinstance(redundant, bool) or redundant < 0:
+        if not isinstance(redundant, (int, np.integer)) or isinstance(redundant, bool) or redundant < 0:
             raise ValueError(f"replan_replicas num_redundant must be an integer >= 0, got {redundant!r}")
-        layer_slots = slots if slots is not None else -(-(placement.num_experts + redundant) // placement.num_devices)
+        redundant = int(redundant)
+        layer_slots = slots if slots is not None else _unstated_slots(placement, layer, redundant)
         routing = profile.layer(layer)
+        _check_recent_routing(routing, layer)
         device_of_E = np.asarray(placement.device_of(layer))
         replanned = replan_layer_replicas(
             device_of_E, routing.expert_counts, routing.topk_sample, placement.num_devices, redundant, layer_slots, replica_choice,
@@ -287,10 +319,13 @@ def replan_replicas(
     if slots is None:  # the slots the result states hold the layers left alone as they are
         kept = [max(placement.capacities(layer)) for layer in placement.layers if layer not in chosen]
         final_slots = max([final_slots or 0, *kept]) or None
-    meta = {**placement.meta, "replicas_replanned_on": profile.meta.get("source", "profile"), "replicas_kept_in_layers": kept_layers}
+    replicas = {layer: extra for layer, extra in replicas.items() if extra}
+    stale = PLAN_SCORES if replicas != placement.replicas else ()  # figures of the copies no longer deployed
+    meta = {key: value for key, value in placement.meta.items() if key not in stale}
+    meta["replicas_replanned_on"] = profile.meta.get("source", "profile")
+    meta["replicas_kept_in_layers"] = kept_layers
     return Placement(
-        placement.num_experts, placement.num_devices, dict(placement.layers), meta,
-        {layer: extra for layer, extra in replicas.items() if extra}, final_slots,
+        placement.num_experts, placement.num_devices, dict(placement.layers), meta, replicas, final_slots,
         pin_slack={layer: slack for layer, slack in placement.pin_slack.items() if replicas.get(layer)},
         devices_per_node=placement.devices_per_node,
     )
