@@ -60,7 +60,10 @@ class _MemoryHub:
 
     def run_as_future(self, fn, *args, **kwargs):
         future = Future()
-        future.set_result(fn(*args, **kwargs))
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except Exception as error:  # the client's worker keeps a job's error in its future, as here
+            future.set_exception(error)
         return future
 
     def upload_folder(self, *args, **kwargs):
@@ -217,3 +220,24 @@ def test_the_checkpoint_pushed_for_hub_strategy_checkpoint_resumes(tmp_path, hub
     resumed = _trainer(_pruned(), tmp_path / "resumed", max_steps=6)
     resumed.train(resume_from_checkpoint=os.fspath(checkpoint))
     assert resumed.state.global_step == 6
+
+
+def test_a_failed_upload_during_training_leaves_the_repositorys_weights(tmp_path, hub):
+    """The deletion of the replaced weight files ran after a `hub_strategy` upload that had failed, and deleted the
+    repository's only weights (the earlier push's) while training went on: it now runs only once the upload landed."""
+    from concurrent.futures import Future
+
+    model = _pruned()
+    _trainer(model, tmp_path / "out").push_to_hub()
+    working = hub.upload_folder
+
+    def failing(*args, **kwargs):  # the network is down for the pushes during training
+        if not kwargs.get("run_as_future"):
+            return working(*args, **kwargs)
+        future = Future()
+        future.set_exception(ConnectionError("network down"))
+        return future
+
+    hub.upload_folder = failing
+    _training(_sharded(model), tmp_path / "out", "every_save").train()
+    assert "model.safetensors" in hub.repos["me/model"]["main"]

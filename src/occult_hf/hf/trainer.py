@@ -558,12 +558,15 @@ def _push_from_checkpoint(original, trainer, checkpoint_folder):
             shutil.copy(os.path.join(checkpoint_folder, name), os.path.join(output_dir, name))
     if configured is trainer.model:  # a PEFT model's card is its adapter's
         describe_in_card(vars(configured)[STATE_ATTR].occult_config, output_dir, output_dir)
+    running = trainer.push_in_progress
+    earlier = [] if running is None or running.is_done() else list(running.jobs)
     result = original(trainer, checkpoint_folder)
     from transformers.utils.hub import hf_api
 
+    upload = next(job for job in trainer.push_in_progress.jobs if job not in earlier)  # the output folder's, first
     args = trainer.args
-    cleanup = hf_api().run_as_future(remove_replaced_weights, output_dir, trainer.hub_model_id, None, args.hub_token,
-                                     args.hub_revision)  # fmt: skip
+    cleanup = hf_api().run_as_future(_after_upload, upload, output_dir, trainer.hub_model_id, args.hub_token,
+                                     args.hub_revision)  # fmt: skip: only once the upload succeeded
     trainer.push_in_progress.jobs.append(cleanup)
     return result
 
@@ -588,7 +591,7 @@ def _remove_leftover_staging(directory: str) -> None:
     for name in os.listdir(directory):
         path = os.path.join(directory, name)
         if name.startswith(STAGING_PREFIX) and os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(path)  # one left behind would be uploaded: its error is this push's
 
 
 
