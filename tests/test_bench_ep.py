@@ -123,3 +123,19 @@ def test_bench_ep_refuses_modes_that_leave_no_case_before_building_a_model(tmp_p
         main(argv)
     assert "no requested mode runs on 1 rank(s): dedup+refined+Nd=2: prunes to 2 devices" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_pruned_modes_run_on_the_first_dispatcher_that_is_not_static():
+    """`--dispatchers padded hierarchical` gave no pruned rows (they went to "padded", which runs only dedup+refined)
+    where `hierarchical padded` gave them."""
+    from argparse import Namespace
+
+    from occult_hf.benchmarks.ep import cases, modes_without_cases
+
+    modes = ["dedup+refined", "dedup+refined+Nd=1"]
+    for order in (["padded", "hierarchical"], ["hierarchical", "padded"]):
+        chosen = {(name, mode.name) for name, mode in cases(Namespace(dispatchers=order, modes=modes), world=2)}
+        assert chosen == {("padded", "dedup+refined"), ("hierarchical", "dedup+refined"),
+                          ("hierarchical", "dedup+refined+Nd=1")}
+    only_static = Namespace(dispatchers=["padded"], modes=modes)
+    assert modes_without_cases(only_static, 2) == ["dedup+refined+Nd=1: --dispatchers padded run only dedup+refined"]

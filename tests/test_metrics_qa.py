@@ -136,3 +136,14 @@ def test_report_prints_its_table_when_a_placement_meta_is_hand_made(tmp_path, ca
     printed = capsys.readouterr().out
     assert "| worst " in printed and f"handmade: meta {named!r} is not in the form the planners write" in printed
     json.loads((tmp_path / "place.json").read_text())  # the file itself is untouched and valid
+
+
+def test_whole_counts_held_as_floats_are_capacities():
+    """The capacity check took only integer arrays: `ct_bounds(2, [4.0, 4.0])` and `load_floor` of float counts,
+    which worked before it, were refused."""
+    from occult_hf.metrics import ct_bounds, load_floor
+
+    assert ct_bounds(2, np.array([4.0, 4.0])) == (1, 2)
+    assert load_floor(np.ones(8), np.array([4.0, 4.0])) == 4.0
+    with pytest.raises(ValueError, match="integer array of positive counts"):
+        ct_bounds(2, np.array([4.5, 3.5]))

@@ -343,3 +343,14 @@ def test_tokens_seen_counts_the_windows_fed_past_an_epochs_short_last_batch(trai
     recipe = get_recipe("tiny", **{**TINY, "batch_size": windows - 1, "max_steps": 3})  # 2 steps an epoch, 1 window short
     log = train(recipe, prepared, tmp_path, eval_tokens=64, progress=False, save=False, trainer_callbacks=[CountFed()])
     assert log["tokens_seen"] == CountFed.tokens == (windows + windows - 1) * TINY["seq_len"]
+
+
+def test_a_bad_eval_tokens_is_refused_before_training(prepared, tmp_path):
+    """`eval_tokens` is read after training, to pack the held-out windows: 0 trained to the end and then raised,
+    with nothing saved. numpy integers are counts too."""
+    with pytest.raises(ValueError, match="train eval_tokens must be an integer >= 1 .*, got 0"):
+        train(get_recipe("tiny", **TINY), prepared, tmp_path / "zero", eval_tokens=0, progress=False)
+    assert not (tmp_path / "zero").exists()
+    from occult_hf.training.data import pack
+
+    assert pack(np.arange(100), 10, max_tokens=np.int64(50)).shape == (5, 10)

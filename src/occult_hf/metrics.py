@@ -132,9 +132,11 @@ def mean_ct(topk_ids_Nk: np.ndarray, device_of_E: np.ndarray, num_devices: int) 
 
 
 def _check_capacities(capacities_D: np.ndarray) -> np.ndarray:
-    """Return `capacities_D` as an array or raise: a non-empty `[D]` of positive integer counts (every device holds an
-    expert; a zero would make the bounds and the load floor reason about a device that holds none)."""
+    """Return `capacities_D` as an integer array or raise: a non-empty `[D]` of positive whole counts (every device
+    holds an expert; a zero would make the bounds and the load floor reason about a device that holds none)."""
     capacities = np.asarray(capacities_D)
+    if capacities.dtype.kind == "f" and np.isfinite(capacities).all() and (capacities == np.round(capacities)).all():
+        capacities = capacities.astype(np.int64)  # whole counts held as floats (4.0)
     if capacities.ndim != 1 or len(capacities) == 0 or capacities.dtype.kind not in "iu" or capacities.min() < 1:
         raise ValueError(
             f"capacities must be a non-empty [D] integer array of positive counts, got {shown(capacities.tolist())}"

@@ -20,7 +20,7 @@ all-to-all-v, splits on the device; "padded": static equal-split all-to-all) wit
 contiguous placement (one row per (token, expert), the baseline of transformers' all-to-all EP,
 Tutel and Megatron), `dedup` + contiguous, `dedup` + refined placement (planned on the first half of
 the replayed routing) and `dedup` + refined pruned to N_d devices (on "all_to_all" when asked for, else the first
-dispatcher: pruning changes the routing, not the transport); on request (`--modes`) `dedup` +
+dispatcher other than the static ones: pruning changes the routing, not the transport); on request (`--modes`) `dedup` +
 replicated (refined with one redundant expert slot per rank: hot experts get a second home; `+load_aware`: a
 replicated expert's pairs split over its homes by the batch's loads, `OccultConfig.replica_choice`) and
 `dedup` + file (`--placement occult_placement.json`, replicas allowed). `transformers_ep`: transformers'
@@ -403,9 +403,14 @@ def serving_dispatchers(requested: list[str] | None, world: int, device: torch.d
     raise ValueError(f"bench ep: no dispatcher of --dispatchers {' '.join(requested)} serves {world} rank(s): {'; '.join(reasons)}")
 
 
+#: the dispatchers of the small-batch, CUDA-graph path, which run one mode (dedup+refined)
+STATIC_DISPATCHERS = ("padded", "symm_mem")
+
+
 def cases(args, world: int) -> list[tuple[str, Mode]]:
     """(dispatcher, mode) pairs to run: every mode on every requested dispatcher that serves this group."""
-    pruning_on = "all_to_all" if "all_to_all" in args.dispatchers else args.dispatchers[0]
+    dynamic = [name for name in args.dispatchers if name not in STATIC_DISPATCHERS]
+    pruning_on = "all_to_all" if "all_to_all" in dynamic else next(iter(dynamic), None)
     chosen = []
     for name in args.dispatchers:
         for mode in MODES + EXTRA_MODES:
@@ -415,7 +420,7 @@ def cases(args, world: int) -> list[tuple[str, Mode]]:
                 raise ValueError("bench ep mode dedup+file needs --placement FILE (an occult_placement.json)")
             if mode.max_devices_per_token and name != pruning_on:
                 continue  # pruning changes the routing, not the transport: one dispatcher shows it
-            if name in ("padded", "symm_mem") and mode.name != "dedup+refined":
+            if name in STATIC_DISPATCHERS and mode.name != "dedup+refined":
                 continue  # the static dispatchers (the small-batch, CUDA-graph path): one row per shape and T
             chosen.append((name, mode))
     return chosen
@@ -429,7 +434,8 @@ def modes_without_cases(args, world: int) -> list[str]:
         if mode.name not in args.modes or mode.name in running:
             continue
         if (mode.max_devices_per_token or 0) > world:
-            reasons.append(f"{mode.name}: prunes to {mode.max_devices_per_token} devices per token, more than the {world} rank(s)")
+            limit = mode.max_devices_per_token
+            reasons.append(f"{mode.name}: prunes to {limit} devices per token, more than the {world} rank(s)")
         else:
             reasons.append(f"{mode.name}: --dispatchers {' '.join(args.dispatchers)} run only dedup+refined")
     return reasons

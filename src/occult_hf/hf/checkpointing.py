@@ -300,13 +300,15 @@ def replaced_weight_files(current: list[str], earlier: list[str]) -> list[str]:
     variants `current` holds that it does not name (an old single file loads before a new index). Another variant's
     files stay."""
     current_set = set(current)
-    if any(RANK_SHARD.fullmatch(n) for n in current_set):
-        return sorted(n for n in earlier if n not in current_set and (_WEIGHT_FILE.fullmatch(n) or RANK_SHARD.fullmatch(n)))
+    beside_rank_shards = any(RANK_SHARD.fullmatch(n) for n in current_set)
     variants = {_variant_of(n) for n in current_set if _WEIGHT_FILE.fullmatch(n)}
-    return sorted(
-        n for n in earlier
-        if n not in current_set and (RANK_SHARD.fullmatch(n) or (_WEIGHT_FILE.fullmatch(n) and _variant_of(n) in variants))
-    )  # fmt: skip
+
+    def replaced(name: str) -> bool:
+        if name in current_set or not (_WEIGHT_FILE.fullmatch(name) or RANK_SHARD.fullmatch(name)):
+            return False
+        return beside_rank_shards or RANK_SHARD.fullmatch(name) is not None or _variant_of(name) in variants
+
+    return sorted(filter(replaced, earlier))
 
 
 def _variant_of(weight_file: str) -> str | None:

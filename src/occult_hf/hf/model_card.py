@@ -23,7 +23,8 @@ from ..placement import PLACEMENT_FILENAME
 CARD_FILENAME = "README.md"
 _BEGIN, _END = "<!-- occult_hf:pruning -->", "<!-- /occult_hf:pruning -->"
 #: YAML front matter, which the Hub reads only at the top of the card: as huggingface_hub's `REGEX_YAML_BLOCK` finds
-#: it (blank space before it, blanks after the closing `---`, which may end the file), after a byte-order mark
+#: it (blank space before it, blanks after the closing `---`, which may end the file); a byte-order mark before it
+#: (which that pattern does not allow) is kept in front of it, where the section would hide the front matter too
 _FRONT_MATTER = re.compile(r"\A\ufeff?\s*---(?:\r\n|\r|\n)[\S\s]*?(?:\r\n|\r|\n)---[ \t]*(?:\r\n|\n|\Z)")
 
 

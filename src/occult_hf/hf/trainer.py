@@ -594,7 +594,6 @@ def _remove_leftover_staging(directory: str) -> None:
             shutil.rmtree(path)  # one left behind would be uploaded: its error is this push's
 
 
-
 def _create_model_card(original, trainer, *args, **kwargs):
     """`Trainer.push_to_hub` writes the Trainer's card over the output folder's `README.md` after the model's save,
     then uploads the folder itself: a pruned model's section goes back above the Trainer's card (`hf.hub`)."""

@@ -438,5 +438,5 @@ def pack(stream_N: np.ndarray, seq_len: int, max_tokens: int | None = None) -> n
 def _check_limit(name: str, value, what: str) -> None:
     """Raise unless `value` is None (no limit) or a positive integer: 0 or a negative limit would silently give empty
     token streams (found only when training packs them) or round up to a whole window."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
         raise ValueError(f"{name} must be None (no limit) or a positive integer number of {what}, got {value!r}")

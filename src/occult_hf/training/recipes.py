@@ -75,7 +75,9 @@ class Recipe:
         for name, minimum in _COUNT_MINIMA.items():
             check_count(f"Recipe {self.name}: {name}", getattr(self, name), minimum)
         if isinstance(self.train_domains, str):  # tuple() would split it into one-letter domains
-            raise ValueError(f"Recipe {self.name}: train_domains {self.train_domains!r} must be None or a list of domain names")
+            raise ValueError(
+                f"Recipe {self.name}: train_domains {self.train_domains!r} must be None or a list of domain names"
+            )
         if self.train_domains is not None:
             self.train_domains = tuple(self.train_domains)
             if not self.train_domains or not all(isinstance(d, str) and d for d in self.train_domains):

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..utils.atomic import atomic_save_figure, atomic_write_json, atomic_write_text
+from ..utils.checks import check_count
 from ..utils.progress import progress_enabled
 from ..utils.strict_json import read_json_file
 from .data import PreparedData, pack
@@ -125,7 +126,6 @@ def build_model(recipe: Recipe):
     return OlmoeForCausalLM(recipe.model_config())
 
 
-
 def windows_fed(steps: int, num_windows: int, batch_size: int) -> int:
     """Training windows the Trainer fed in `steps` steps of `batch_size`: each epoch ends in a short batch of the
     windows left (its dataloader keeps the last batch), so `steps * batch_size` over-counts whenever `num_windows` is
@@ -168,6 +168,8 @@ def train(
     """
     from transformers import OlmoeForCausalLM, Trainer, TrainingArguments, set_seed
 
+    # read only after training: checked before it
+    eval_tokens = check_count("train eval_tokens", eval_tokens, 1, " (held-out tokens per domain)")
     data = PreparedData(data_dir)
     recipe = with_data_domains(recipe, data)
     out = Path(out_dir)
