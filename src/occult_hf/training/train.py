@@ -168,8 +168,9 @@ def train(
     """
     from transformers import OlmoeForCausalLM, Trainer, TrainingArguments, set_seed
 
-    # read only after training: checked before it
-    eval_tokens = check_count("train eval_tokens", eval_tokens, 1, " (held-out tokens per domain)")
+    # read only after training: checked before it (a numpy integer, as a script computes it, is a count too)
+    eval_tokens = int(eval_tokens) if isinstance(eval_tokens, np.integer) else eval_tokens
+    check_count("train eval_tokens", eval_tokens, 1, " (held-out tokens per domain)")
     data = PreparedData(data_dir)
     recipe = with_data_domains(recipe, data)
     out = Path(out_dir)

@@ -61,11 +61,11 @@ def check_timeout_s(value: Any, setting: str) -> float:
 
 
 def check_count(setting: str, value: Any, minimum: int, meaning: str = "", why: str = "") -> int:
-    """Return `value` as an `int` or raise unless it is an integer (Python or numpy; a bool is not a count) >=
-    `minimum`: `<setting> must be an integer >= <minimum><meaning>, got <value><why>`."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+    """Return `value` or raise unless it is an `int` >= `minimum` (a bool is not a count): `<setting> must be an
+    integer >= <minimum><meaning>, got <value><why>`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{setting} must be an integer >= {minimum}{meaning}, got {value!r}{why}")
-    return int(value)
+    return value
 
 
 def check_num_devices(num_devices, setting: str = "num_devices") -> int:
