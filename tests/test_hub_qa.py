@@ -1,6 +1,6 @@
 """Pushes of occult models to the Hub, and the model card they carry, checked against a Hub kept in memory.
 
-`_MemoryHub` answers transformers' Hub calls (`hf_api()` and `ModelCard.load`) with a repository of branches and
+`MemoryHub` answers transformers' Hub calls (`hf_api()` and `ModelCard.load`) with a repository of branches and
 files, and checks each call's keywords against huggingface_hub's own `HfApi` signatures, so a keyword the real
 client would refuse fails here too. The card's YAML front matter is read back with huggingface_hub's `ModelCard`,
 the parser the Hub's clients use.
@@ -8,76 +8,21 @@ the parser the Hub's clients use.
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 
 import pytest
 import torch
 
+from memory_hub import MemoryHub
 from tiny_models import tiny_batch, tiny_model
 
 
-class _MemoryHub:
-    """Repositories in memory: `repos[repo_id][branch][path] = bytes`; every call is recorded in `calls`."""
-
-    def __init__(self) -> None:
-        self.repos: dict[str, dict[str, dict[str, bytes]]] = {}
-        self.calls: list[tuple[str, dict]] = []
-        self.commit_error: Exception | None = None
-
-    def _record(self, name: str, *args, **kwargs) -> dict:
-        from huggingface_hub import HfApi
-
-        bound = inspect.signature(getattr(HfApi, name)).bind(None, *args, **kwargs).arguments
-        bound.pop("self")
-        self.calls.append((name, bound))
-        return bound
-
-    def create_repo(self, *args, **kwargs):
-        repo_id = self._record("create_repo", *args, **kwargs)["repo_id"]
-        self.repos.setdefault(repo_id, {"main": {}})
-        return type("RepoUrl", (), {"repo_id": repo_id})()
-
-    def create_branch(self, *args, **kwargs):
-        call = self._record("create_branch", *args, **kwargs)
-        branches = self.repos[call["repo_id"]]
-        branches.setdefault(call["branch"], dict(branches["main"]))
-
-    def create_commit(self, *args, **kwargs):
-        call = self._record("create_commit", *args, **kwargs)
-        if self.commit_error is not None:
-            raise self.commit_error
-        from huggingface_hub import CommitOperationDelete
-
-        tree = self.repos[call["repo_id"]].setdefault(call.get("revision") or "main", {})
-        for operation in call["operations"]:
-            if isinstance(operation, CommitOperationDelete):
-                del tree[operation.path_in_repo]
-                continue
-            with open(operation.path_or_fileobj, "rb") as f:
-                tree[operation.path_in_repo] = f.read()
-        return "https://huggingface.co/commit"
-
-    def list_repo_files(self, *args, **kwargs):
-        call = self._record("list_repo_files", *args, **kwargs)
-        return sorted(self.repos[call["repo_id"]].get(call.get("revision") or "main", {}))
-
-    def card(self, repo_id: str):
-        from huggingface_hub import ModelCard
-        from huggingface_hub.errors import EntryNotFoundError
-
-        text = self.repos.get(repo_id, {}).get("main", {}).get("README.md")
-        if text is None:
-            raise EntryNotFoundError(f"{repo_id} has no README.md")
-        return ModelCard(text.decode())
-
-
 @pytest.fixture
-def hub(monkeypatch) -> _MemoryHub:
+def hub(monkeypatch) -> MemoryHub:
     import transformers.utils.hub as transformers_hub
 
-    memory = _MemoryHub()
+    memory = MemoryHub()
     monkeypatch.setattr(transformers_hub, "hf_api", lambda: memory)
     from_file = transformers_hub.ModelCard.load.__func__  # a card on disk: read as huggingface_hub reads it
 

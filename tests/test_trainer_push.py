@@ -1,103 +1,31 @@
 """`Trainer.push_to_hub` and the Trainer's pushes during training (`hub_strategy`) of occult models, checked against a
-Hub kept in memory.
+Hub kept in memory (`memory_hub`).
 
 The Trainer uploads its output folder whole with huggingface_hub's `upload_folder` (skipping `_*` and
-`checkpoint-*`), unlike `model.push_to_hub`, which uploads a fresh save. `_MemoryHub.upload_folder` picks the files
-as huggingface_hub does (`filter_repo_objects` with its default ignore patterns), and every call's keywords are
-checked against huggingface_hub's own `HfApi` signatures. `run_as_future` runs the job at once, as the client's one
-worker would run it before the next job: an upload reads the folder as it is when it is queued.
+`checkpoint-*`), unlike `model.push_to_hub`, which uploads a fresh save; an upload reads the folder as it is when it
+is queued.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import json
 import os
-from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 import torch
 
+from memory_hub import MemoryHub
 from tiny_models import tiny_batch, tiny_model
 
 
-class _MemoryHub:
-    """Repositories in memory: `repos[repo_id][branch][path] = bytes`."""
-
-    def __init__(self) -> None:
-        self.repos: dict[str, dict[str, dict[str, bytes]]] = {}
-
-    @staticmethod
-    def _bound(name: str, *args, **kwargs) -> dict:
-        from huggingface_hub import HfApi
-
-        bound = inspect.signature(getattr(HfApi, name)).bind(None, *args, **kwargs).arguments
-        bound.pop("self")
-        return bound
-
-    def create_repo(self, *args, **kwargs):
-        repo_id = self._bound("create_repo", *args, **kwargs)["repo_id"]
-        self.repos.setdefault(repo_id, {"main": {}})
-        return type("RepoUrl", (), {"repo_id": repo_id})()
-
-    def create_commit(self, *args, **kwargs):
-        from huggingface_hub import CommitOperationDelete
-
-        call = self._bound("create_commit", *args, **kwargs)
-        tree = self.repos[call["repo_id"]].setdefault(call.get("revision") or "main", {})
-        for operation in call["operations"]:
-            if isinstance(operation, CommitOperationDelete):
-                del tree[operation.path_in_repo]
-            else:
-                tree[operation.path_in_repo] = Path(operation.path_or_fileobj).read_bytes()
-        return type("CommitInfo", (), {"pr_revision": None})()
-
-    def list_repo_files(self, *args, **kwargs):
-        call = self._bound("list_repo_files", *args, **kwargs)
-        return sorted(self.repos[call["repo_id"]].get(call.get("revision") or "main", {}))
-
-    def run_as_future(self, fn, *args, **kwargs):
-        future = Future()
-        try:
-            future.set_result(fn(*args, **kwargs))
-        except Exception as error:  # the client's worker keeps a job's error in its future, as here
-            future.set_exception(error)
-        return future
-
-    def upload_folder(self, *args, **kwargs):
-        from huggingface_hub import CommitOperationAdd
-        from huggingface_hub.utils import filter_repo_objects
-        from huggingface_hub.utils._paths import DEFAULT_IGNORE_PATTERNS
-
-        call = self._bound("upload_folder", *args, **kwargs)
-        if call.pop("run_as_future", False):
-            return self.run_as_future(self.upload_folder, **call)
-        root = Path(call["folder_path"]).resolve()
-        files = [path.relative_to(root).as_posix() for path in sorted(root.glob("**/*")) if path.is_file()]
-        ignored = [*(call.get("ignore_patterns") or []), *DEFAULT_IGNORE_PATTERNS]
-        chosen = filter_repo_objects(files, allow_patterns=call.get("allow_patterns"), ignore_patterns=ignored)
-        prefix = f"{call['path_in_repo'].strip('/')}/" if call.get("path_in_repo") else ""
-        operations = [CommitOperationAdd(path_or_fileobj=str(root / n), path_in_repo=prefix + n) for n in chosen]
-        return self.create_commit(repo_id=call["repo_id"], operations=operations, token=call.get("token"),
-                                  commit_message=call.get("commit_message") or "Upload folder",
-                                  revision=call.get("revision"))  # fmt: skip
-
-    def download(self, repo_id: str, directory: Path) -> Path:
-        """The repository's main branch written to `directory`, for `from_pretrained`."""
-        for name, data in self.repos[repo_id]["main"].items():
-            (directory / name).parent.mkdir(parents=True, exist_ok=True)
-            (directory / name).write_bytes(data)
-        return directory
-
-
 @pytest.fixture
-def hub(monkeypatch) -> _MemoryHub:
+def hub(monkeypatch) -> MemoryHub:
     import transformers.trainer as transformers_trainer
     import transformers.utils.hub as transformers_hub
 
-    memory = _MemoryHub()
+    memory = MemoryHub()
     monkeypatch.setattr(transformers_hub, "hf_api", lambda: memory)
     monkeypatch.setattr(transformers_trainer, "hf_api", lambda: memory)
     return memory
@@ -137,7 +65,7 @@ def _logits(model) -> torch.Tensor:
         return model(tiny_batch(seed=3)).logits
 
 
-def _loaded(hub: _MemoryHub, directory: Path) -> torch.Tensor:
+def _loaded(hub: MemoryHub, directory: Path) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
     return _logits(AutoModelForCausalLM.from_pretrained(hub.download("me/model", directory)))
