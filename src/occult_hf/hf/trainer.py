@@ -466,6 +466,28 @@ def _load_from_checkpoint(original, trainer, resume_from_checkpoint, model=None)
         _check_complete(resume_from_checkpoint)
     if target is None or target is not loaded:
         return original(trainer, resume_from_checkpoint, model)
+    _with_the_ranks(target, f"resume_from_checkpoint {os.path.basename(os.path.normpath(resume_from_checkpoint))}",
+                    lambda: _load_own_share(resume_from_checkpoint, target))  # fmt: skip
+
+
+def _with_the_ranks(model: nn.Module, operation: str, work) -> None:
+    """`work()`, this rank's part of a collective step, then a bounded meeting of the EP ranks: a rank whose part failed
+    (a rank file written with another placement, or missing) is named on every rank at once, where the others would
+    train on into an exchange their peer never reaches and die there of a lost connection naming nothing."""
+    state = vars(model)[STATE_ATTR]
+    if not state.ep.is_distributed:
+        return work()
+    try:
+        work()
+    except Exception as error:
+        announce_failure(error, operation, state.ep.group)
+        raise
+    arrive(state.ep.group, operation, save_timeout_s(), SAVE_TIMEOUT_ENV)
+
+
+def _load_own_share(resume_from_checkpoint: str, target: nn.Module) -> None:
+    """This rank's share of a checkpoint into `target`: the dense weights from the checkpoint's safetensors, its own
+    experts from its rank file."""
     experts = _read_rank_file(resume_from_checkpoint, target)["experts"]
     own = target.state_dict()
     rename = checkpoint_key_renamer(target)  # saved keys are transformers' original names (Mixtral: block_sparse_moe)
