@@ -15,7 +15,10 @@ import shutil
 import pytest
 import torch
 
-from tiny_models import tiny_model
+from tiny_models import tiny_batch, tiny_model
+
+from occult_hf.hf.apply import install
+from occult_hf.hf.checkpointing import PUBLISHING_FILENAME
 
 SHARD = "150KB"  # the tiny OLMoE (453 kB in fp32) in 4 shards
 
@@ -72,8 +75,6 @@ def _crash_at(monkeypatch, target, step: int) -> list[int]:
     ids=["sharded over sharded", "sharded over one file", "one file over sharded", "6 shards over 4"],
 )
 def test_a_save_interrupted_between_its_renames_loads_old_or_new_never_mixed(tmp_path, monkeypatch, old_shards, new_shards):
-    from occult_hf.hf.apply import install
-
     install()
     pristine, target = tmp_path / "pristine", tmp_path / "checkpoint"
     _saved(1, pristine, old_shards)
@@ -96,6 +97,10 @@ def test_a_save_interrupted_between_its_renames_loads_old_or_new_never_mixed(tmp
             _crash_at(patch, target, step)
             with pytest.raises(_Crash):
                 new_model.save_pretrained(target, **({} if new_shards is None else {"max_shard_size": new_shards}))
+        if (target / PUBLISHING_FILENAME).exists():  # files of both saves may be there: occult_hf refuses them
+            with pytest.raises(RuntimeError, match=f"{PUBLISHING_FILENAME} is there"):
+                _loaded_weights(target, occult=True)
+            os.remove(target / PUBLISHING_FILENAME)  # the weight files alone are one save's
         for occult in (False, True):
             loaded = _loaded_weights(target, occult)
             from_old = {name for name in distinct if torch.equal(loaded[name], old[name])}
@@ -106,3 +111,36 @@ def test_a_save_interrupted_between_its_renames_loads_old_or_new_never_mixed(tmp
                 f"{len(distinct) - len(from_old) - len(from_new)} of neither; files {sorted(os.listdir(target))}"
             )
         shutil.rmtree(target)
+
+
+def test_a_save_stopped_while_publishing_is_refused_until_one_completes(tmp_path, monkeypatch):
+    """A pruned save over an unpruned one, stopped before its `config.json` replaced the old one: the directory held
+    the new weights beside the old config, and occult_hf ran them unpruned (0.113 off the model saved, 1.55 off the
+    earlier one) without a word. The load is refused, naming the unfinished save, until a save completes."""
+    from transformers import AutoModelForCausalLM
+
+    from occult_hf import OccultConfig, apply_occult
+
+    install()
+    target = tmp_path / "checkpoint"
+    apply_occult(tiny_model("olmoe", seed=1), OccultConfig(num_devices=2)).save_pretrained(target)
+    pruned = apply_occult(tiny_model("olmoe", seed=2), OccultConfig(num_devices=2, prune="router", max_devices_per_token=1))
+    real_replace = os.replace
+
+    def stop_at_the_config(source, destination):
+        if os.path.basename(destination) == "config.json" and os.path.dirname(destination) == str(target):
+            raise _Crash("stopped before config.json")
+        return real_replace(source, destination)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "replace", stop_at_the_config)
+        with pytest.raises(_Crash):
+            pruned.save_pretrained(target)
+    for keywords in ({}, {"occult_config": None}):
+        with pytest.raises(RuntimeError, match=f"stopped while it replaced the files of the earlier save \\({PUBLISHING_FILENAME}"):
+            AutoModelForCausalLM.from_pretrained(target, **keywords)
+    pruned.save_pretrained(target)
+    ids = tiny_batch(seed=5)
+    with torch.no_grad():
+        assert torch.allclose(AutoModelForCausalLM.from_pretrained(target)(ids).logits, pruned(ids).logits, atol=1e-6)
+    assert not (target / PUBLISHING_FILENAME).exists()

@@ -271,6 +271,10 @@ def describe_in_card(config, staging: str, target: str) -> None:
 #: `native_ep`'s `.occult_save-native`); one that a killed save left stays there
 STAGING_PREFIX = ".occult_save-"
 
+#: in a checkpoint directory while `publish_staged` replaces an earlier save's files by a new one's
+#: (`check_publish_finished`)
+PUBLISHING_FILENAME = "occult_publishing.json"
+
 #: weight files of a checkpoint: model.safetensors, shards (under transformers' names or the fresh names
 #: `publish_staged` gives them, `model-<8 hex>-00001-of-00003.safetensors`) and their index, of any variant
 #: (`save_pretrained(variant="fp16")`: `model.fp16.safetensors`, `model.fp16-00001-of-00003.safetensors`,
@@ -325,8 +329,8 @@ def _loaded_first(variant: str | None) -> tuple[str, ...]:
 
 
 def publish_staged(staging: str, target: str) -> None:
-    """Move a complete save from `staging` into `target` so that `target` loads the old weights or the new ones,
-    never a mix, whenever the process stops.
+    """Move a complete save from `staging` into `target` so that `target` loads the old save or the new one, never a
+    mix, whenever the process stops.
 
     1. New shards go in under names no file in `target` has (the old index still names the old shards),
        and the staged index is rewritten to name them.
@@ -338,7 +342,10 @@ def publish_staged(staging: str, target: str) -> None:
     5. The old weight files of the save's variant no longer named by the new save are removed (another variant's
        stay: a directory may hold the plain weights and an "fp16" variant, as Hub repositories do).
 
-    Every file is whole before the first rename, so a failure while writing leaves `target` as it was.
+    Every file is whole before the first rename, so a failure while writing leaves `target` as it was. From step 2
+    to the end `target` holds `PUBLISHING_FILENAME`: a process that stops there leaves files of both saves (the new
+    weights beside the old `config.json`, whose `occult_config` would run them pruned or placed as the old save was),
+    and `check_publish_finished` makes `from_pretrained` refuse the directory until a save into it completes.
     """
     staged = sorted(os.listdir(staging))
     weights = [n for n in staged if _WEIGHT_FILE.fullmatch(n)]
@@ -355,6 +362,8 @@ def publish_staged(staging: str, target: str) -> None:
     for index in (n for n in weights if n.endswith(".json")):  # the index, of any variant
         kept |= {index, *_move_shards(staging, target, index)}
     rest = [n for n in staged if n not in weights and n != "config.json"]
+    marker = os.path.join(target, PUBLISHING_FILENAME)
+    atomic_write_json(marker, {"staging": os.path.basename(os.path.normpath(staging))})
     for name in sorted(rest, key=lambda n: n != PLACEMENT_FILENAME):
         _replace(os.path.join(staging, name), os.path.join(target, name))
     _replace(os.path.join(staging, commit), os.path.join(target, commit))
@@ -370,6 +379,19 @@ def publish_staged(staging: str, target: str) -> None:
         stale = _WEIGHT_FILE.fullmatch(name) and _variant_of(name) in variants and name not in kept
         if stale and os.path.isfile(os.path.join(target, name)):
             os.remove(os.path.join(target, name))
+    os.remove(marker)
+
+
+def check_publish_finished(directory: str) -> None:
+    """Raise when a save into the checkpoint directory `directory` stopped while `publish_staged` moved it in
+    (`PUBLISHING_FILENAME` is there): its files may come from two saves, and occult_hf would run the new weights with
+    the old save's placement and pruning, silently."""
+    if os.path.isfile(os.path.join(directory, PUBLISHING_FILENAME)):
+        raise RuntimeError(
+            f"checkpoint {os.path.normpath(directory)!r}: a save_pretrained into it stopped while it replaced the "
+            f"files of the earlier save ({PUBLISHING_FILENAME} is there), so it may hold the new weights beside the "
+            f"old config.json; save the model into it again, or load a copy of either save"
+        )
 
 
 def _move_shards(staging: str, target: str, index: str) -> set[str]:

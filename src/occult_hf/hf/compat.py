@@ -83,7 +83,7 @@ def install_loading_hooks(
     transformers then JSON-dumps (its "Model config ..." log line, `save_pretrained`). The second wrapper
     stores `config_value(occult_config, stored)` there instead (`stored`: what the checkpoint's config
     held): the caller turns its object into a JSON-native dict, as transformers does for
-    `quantization_config`. `load_scope(occult_config, kwargs, cls)`, when given, returns the context
+    `quantization_config`. `load_scope(occult_config, kwargs, cls, checkpoint)`, when given, returns the context
     manager the original `from_pretrained` runs in (per-rank expert loading); what it
     enters as, when callable, is called with the loaded model before `on_load` (the load's own report).
     """
@@ -94,7 +94,8 @@ def install_loading_hooks(
 
     def from_pretrained(original, cls, *args, **kwargs):
         occult_config = kwargs.pop("occult_config", UNSET)
-        scope = contextlib.nullcontext() if load_scope is None else load_scope(occult_config, kwargs, cls)
+        checkpoint = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        scope = contextlib.nullcontext() if load_scope is None else load_scope(occult_config, kwargs, cls, checkpoint)
         with scope as finish:
             loaded = original(cls, *args, **kwargs)
         model = loaded[0] if isinstance(loaded, tuple) else loaded  # output_loading_info=True: (model, info)

@@ -44,7 +44,7 @@ import torch
 
 from occult_hf.patches import adapter_for
 
-from .checkpointing import RANK_SHARD
+from .checkpointing import RANK_SHARD, check_publish_finished
 from .compat import (
     UNSET,
     check_distributed_checkpoint_loading,
@@ -114,12 +114,15 @@ class _LoadScope(contextlib.ExitStack):
         return super().__exit__(kind, error, traceback)
 
 
-def load_scope(occult_config, kwargs: dict, model_class: type | None = None):
+def load_scope(occult_config, kwargs: dict, model_class: type | None = None, checkpoint=None):
     """The context `from_pretrained` runs in: per-rank expert loading when it applies, else nothing.
 
     A given `occult_config` is validated first, and so is the model type (from the config the Auto classes
     pass, else from `model_class`'s config class), so a bad one fails before the checkpoint is read (a real
-    checkpoint takes minutes to read; both are checked again when the config is applied)."""
+    checkpoint takes minutes to read; both are checked again when the config is applied). A local `checkpoint`
+    directory that a save stopped publishing into is refused first (`checkpointing.check_publish_finished`)."""
+    if isinstance(checkpoint, (str, os.PathLike)):
+        check_publish_finished(os.path.join(checkpoint, kwargs.get("subfolder") or ""))
     report = LoadReport()
     scope = _LoadScope(report, announce=occult_config is not UNSET and occult_config is not None)
     if scope.announce:
