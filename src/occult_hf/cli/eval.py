@@ -15,8 +15,8 @@ paper's table, also lm-eval's `make_table`, in the suite's order, and their mean
 Before the model loads, every rank checks what it can (the task names, `--limit` against the world size (a
 fraction under EP: against each task's document count), the model directory) and rank 0 checks `--output_path`
 (a folder, made if missing, that a file can be written in); under expert parallelism the ranks then agree, so a
-check that fails on one rank stops every rank at once, naming it. A results file lm-eval did not write is an
-error after the tables.
+check that fails on one rank stops every rank at once, naming it. A results or samples file lm-eval did not
+write, or wrote only in part (a full disk), is an error after the tables.
 `--headline RESULTS` prints the headline rows of a finished occult23 run and `--compare A B` two runs
 side by side (the headline rows of two occult23 runs, else every metric), each from a
 `results_*.json` or an `--output_path` folder (its newest `results_*.json`); both warn on stderr where the
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import sys
@@ -188,6 +189,31 @@ def _written_files(tracker, output_path: str, tasks: list[str]) -> list[Path]:
     return [results, *(folder / f"samples_{task}_{date_id}.jsonl" for task in tasks)]
 
 
+def _unwritten(results: Path, samples: dict[Path, int]) -> tuple[Path, str] | None:
+    """The first of the run's files that lm-eval did not write whole, and why: `results` and the samples files with
+    their sample counts. lm-eval logs a failed write and carries on, and a write that fails part-way (a full disk)
+    leaves a file cut short that would pass for the run's record."""
+    if not results.is_file():
+        return results, "missing"
+    try:
+        json.loads(results.read_text(encoding="utf-8"))
+    except ValueError:  # a cut-short JSON text: any proper prefix of lm-eval's object fails to parse
+        return results, "cut short: not valid JSON"
+    for path, count in samples.items():
+        if not path.is_file():
+            return path, "missing"
+        lines = _line_count(path)
+        if lines != count:
+            return path, f"cut short: {lines} of the {count} samples"
+    return None
+
+
+def _line_count(path: Path) -> int:
+    """Newlines in `path`, read in blocks: a samples file holds one JSON line per document and may be gigabytes."""
+    with path.open("rb") as file:
+        return sum(block.count(b"\n") for block in iter(lambda: file.read(1 << 20), b""))
+
+
 def _evaluate(args: argparse.Namespace) -> int:
     import lm_eval
     from lm_eval.loggers import EvaluationTracker
@@ -236,10 +262,12 @@ def _evaluate(args: argparse.Namespace) -> int:
         print("Headline rows (occult eval --headline):\n" + markdown_table(results))
         _warn(partial_run_warnings(results, "this run"))
     written = _written_files(tracker, args.output_path, sample_tasks)
-    missing = [os.fspath(path) for path in written if not path.is_file()]
-    if missing:  # the tables above are the run's only record then
-        raise SystemExit(f"occult eval: lm-eval could not write {missing[0]!r} (--output_path {args.output_path!r}; its "
-                         f"warning above says why): the tables above are this run's only results")  # fmt: skip
+    unwritten = _unwritten(written[0], dict(zip(written[1:], (len(samples[task]) for task in sample_tasks))))
+    if unwritten:  # the tables above are the run's only record then
+        path, why = unwritten
+        raise SystemExit(f"occult eval: lm-eval could not write {os.fspath(path)!r} whole ({why}; --output_path "
+                         f"{args.output_path!r}; its warning above says why): the tables above are this run's only "
+                         f"results; make room there (or fix its permissions), delete any part-written file and run again")  # fmt: skip
     print(f"wrote {os.fspath(written[0])}" + (f" and {len(written) - 1} samples file(s)" if len(written) > 1 else ""))
     return 0
 
