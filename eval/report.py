@@ -52,12 +52,20 @@ class Score:
 
 
 def results_file(path: str | os.PathLike) -> Path:
-    """`path` itself, or for a folder (lm-eval's `--output_path`) its newest `results_*.json`, at any depth."""
+    """`path` itself, or for a folder (lm-eval's `--output_path`) its newest `results_*.json`, at any depth, when
+    they all lie in one folder: lm-eval writes each model's runs into a folder of its own, and the newest file of
+    several models' would be whichever model ran last."""
     path = Path(path)
     if path.is_dir():
         found = sorted(path.rglob("results_*.json"), key=lambda p: (p.stat().st_mtime, p.name))
         if not found:
             raise FileNotFoundError(f"{os.fspath(path)!r} holds no results_*.json (lm-eval's output layout)")
+        folders = sorted({os.fspath(p.parent) for p in found})
+        if len(folders) > 1:
+            raise ValueError(
+                f"{os.fspath(path)!r} holds the results of {len(folders)} models' runs ({', '.join(folders)}): give "
+                f"one of those folders, or a results_*.json"
+            )
         return found[-1]
     return path
 

@@ -367,6 +367,20 @@ def test_malformed_results_files_are_named(tmp_path, capsys):
         assert f"occult eval: error: '{bad}': {message}" in capsys.readouterr().err
 
 
+def test_a_folder_of_several_models_runs_is_refused_and_the_file_read_is_named(tmp_path, capsys):
+    """`--compare DIR` read the newest results file anywhere under DIR: with two models' runs there (lm-eval writes each
+    model's into a folder of its own), whichever model ran last, silently."""
+    runs = tmp_path / "runs"
+    for model, shift in (("model_a", 0.0), ("model_b", -0.03)):
+        (runs / model).mkdir(parents=True)
+        (runs / model / "results_2026-12-05T10-00-00.json").write_text(json.dumps(suite_like_results(acc_shift=shift)))
+    with pytest.raises(SystemExit):
+        occult_main(["eval", "--compare", str(runs), str(runs / "model_b")])
+    assert f"holds the results of 2 models' runs ({runs / 'model_a'}, {runs / 'model_b'})" in capsys.readouterr().err
+    assert occult_main(["eval", "--compare", str(runs / "model_a"), str(runs / "model_b")]) == 0
+    assert f"reading {runs / 'model_a' / 'results_2026-12-05T10-00-00.json'}, its newest" in capsys.readouterr().err
+
+
 def test_compare_prints_deltas_and_average(tmp_path, capsys):
     from occult_hf.utils.tables import markdown_rows
 

@@ -291,9 +291,13 @@ def _report(args: argparse.Namespace) -> int:
         raise SystemExit(f"occult eval: --compare and --headline read finished runs and take no evaluation options, got "
                          f"{', '.join(given)}")  # fmt: skip
     from occult_hf.eval.report import (
-        compare_table, comparison_warnings, load_results, markdown_table, partial_run_warnings,
+        compare_table, comparison_warnings, load_results, markdown_table, partial_run_warnings, results_file,
     )  # fmt: skip
 
+    for path in [args.headline] if args.headline else args.compare:  # a folder: which of its runs is read
+        if os.path.isdir(path):
+            newest = os.fspath(results_file(path))
+            print(f"occult eval: {path}: reading {newest}, its newest results file", file=sys.stderr)
     if args.headline:
         results = load_results(args.headline)
         print(markdown_table(results))
