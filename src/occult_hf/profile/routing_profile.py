@@ -498,11 +498,12 @@ def _pooled_sample(parts: list[LayerRouting], seed: int) -> np.ndarray | None:
     """A uniform sample of the union of disjoint token streams, from each stream's own uniform sample.
 
     A stream gives rows in proportion to the tokens it counted (not to the rows it kept): its share of the sample is
-    its share of the tokens, as in a sample of the union. The size is the largest such sample the streams' rows
-    allow (no share past its stream's rows), at most all of them: the streams of a job's ranks, equal in tokens and
-    rows, keep every row. Each stream's rows are drawn (without replacement, kept in stream order) by a generator
-    seeded with `seed`, so layers whose streams agree in tokens and rows keep the same tokens. None when no stream
-    counted a token: rows of no tokens have no weight.
+    its share of the tokens, as in a sample of the union, rounded at random (`_apportioned`) so that every token of
+    every stream is drawn with the same probability. The size is the largest such sample the streams' rows allow
+    (no share past its stream's rows), at most all of them: the streams of a job's ranks, equal in tokens and rows,
+    keep every row. The shares and each stream's rows (without replacement, kept in stream order) are drawn by a
+    generator seeded with `seed`, so layers whose streams agree in tokens and rows keep the same tokens. None when
+    no stream counted a token: rows of no tokens have no weight.
     """
     tokens = [int(r.token_count) for r in parts]
     rows = [len(r.topk_sample) for r in parts]
@@ -513,20 +514,36 @@ def _pooled_sample(parts: list[LayerRouting], seed: int) -> np.ndarray | None:
     generator = np.random.default_rng(seed)
     picked = [
         r.topk_sample[np.sort(generator.choice(n, share, replace=False))]
-        for r, n, share in zip(parts, rows, _apportioned(size, tokens))
+        for r, n, share in zip(parts, rows, _apportioned(size, tokens, generator))
     ]
     return np.concatenate(picked)
 
 
-def _apportioned(size: int, weights: list[int]) -> list[int]:
-    """`size` split into integers in proportion to `weights`, each the floor or the ceiling of its exact share (the
-    largest remainders round up, the earlier on a tie)."""
+def _apportioned(size: int, weights: list[int], generator: np.random.Generator) -> list[int]:
+    """`size` split into integers in proportion to `weights`, each the floor or the ceiling of its exact share, the
+    ceiling with probability the share's fraction: each share is its exact one in expectation, so a stream whose share
+    is a fraction of a row is drawn as often as its tokens say. A rule fixed in advance (largest remainders, ties to
+    the earlier) would round up the same streams at every seed and leave the others' tokens out of every sample.
+
+    Systematic sampling over the fractions in a random order of the streams, in exact integer arithmetic: the
+    fractions, laid end to end, span as many rows as are left over; points one row apart from a random start pick
+    exactly that many streams, each with probability its fraction (every fraction is below one row).
+    """
     total = sum(weights)
     shares = [size * w // total for w in weights]
-    by_remainder = sorted(range(len(weights)), key=lambda i: -(size * weights[i] % total))
-    for i in by_remainder[: size - sum(shares)]:
-        shares[i] += 1
+    if sum(shares) == size:  # whole shares (a job's ranks): nothing to round, and the generator left as it was
+        return shares
+    start = int(generator.integers(total))  # in units of 1/total of a row
+    end = 0
+    for i in generator.permutation(len(weights)).tolist():
+        begin, end = end, end + size * weights[i] % total
+        shares[i] += _points_below(end, start, total) - _points_below(begin, start, total)
     return shares
+
+
+def _points_below(x: int, start: int, step: int) -> int:
+    """How many of the points `start + j * step` (j = 0, 1, ...) lie below `x`."""
+    return max(0, -((start - x) // step))
 
 
 def _merged_source(profiles: "list[RoutingProfile]") -> str | None:
