@@ -53,8 +53,9 @@ class Score:
 
 def results_file(path: str | os.PathLike) -> Path:
     """`path` itself, or for a folder (lm-eval's `--output_path`) its newest `results_*.json`, at any depth, when
-    they all lie in one folder: lm-eval writes each model's runs into a folder of its own, and the newest file of
-    several models' would be whichever model ran last."""
+    they all lie in one folder: lm-eval writes each checkpoint's runs into a folder of its own, and the newest file
+    of several checkpoints' would be whichever ran last. (Runs of one checkpoint under other occult settings share its
+    folder: `occult eval` names the file it reads.)"""
     path = Path(path)
     if path.is_dir():
         found = sorted(path.rglob("results_*.json"), key=lambda p: (p.stat().st_mtime, p.name))

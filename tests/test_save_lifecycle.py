@@ -104,7 +104,8 @@ def test_many_saves_into_one_directory_each_load_the_model_saved(tmp_path, confi
         for loaded_variant, (occult, plain) in expected.items():
             where = f"save {step} ({shard}, {variant}), loading variant {loaded_variant}"
             chosen = {} if loaded_variant is None else {"variant": loaded_variant}
-            _assert_close(_logits(transformers.AutoModelForCausalLM.from_pretrained(directory, **chosen)), occult, where)
+            loaded = transformers.AutoModelForCausalLM.from_pretrained(directory, **chosen)
+            _assert_close(_logits(loaded), occult, where)
             unreplaced = transformers.AutoModelForCausalLM.from_pretrained(directory, occult_config=None, **chosen)
             _assert_close(_logits(unreplaced), plain, f"{where}, occult_config=None")
         if config is EXACT and step in (1, len(SAVES) - 1):

@@ -18,7 +18,7 @@ import torch
 from tiny_models import tiny_batch, tiny_model
 
 from occult_hf.hf.apply import install
-from occult_hf.hf.checkpointing import PUBLISHING_FILENAME
+from occult_hf.hf.checkpointing import PUBLISHING_FILENAME, check_publish_finished
 
 SHARD = "150KB"  # the tiny OLMoE (453 kB in fp32) in 4 shards
 
@@ -97,10 +97,7 @@ def test_a_save_interrupted_between_its_renames_loads_old_or_new_never_mixed(tmp
             _crash_at(patch, target, step)
             with pytest.raises(_Crash):
                 new_model.save_pretrained(target, **({} if new_shards is None else {"max_shard_size": new_shards}))
-        if (target / PUBLISHING_FILENAME).exists():  # files of both saves may be there: occult_hf refuses them
-            with pytest.raises(RuntimeError, match=f"{PUBLISHING_FILENAME} is there"):
-                _loaded_weights(target, occult=True)
-            os.remove(target / PUBLISHING_FILENAME)  # the weight files alone are one save's
+        check_publish_finished(str(target))  # refused only where the save changes config.json (not here)
         for occult in (False, True):
             loaded = _loaded_weights(target, occult)
             from_old = {name for name in distinct if torch.equal(loaded[name], old[name])}
@@ -124,7 +121,8 @@ def test_a_save_stopped_while_publishing_is_refused_until_one_completes(tmp_path
     install()
     target = tmp_path / "checkpoint"
     apply_occult(tiny_model("olmoe", seed=1), OccultConfig(num_devices=2)).save_pretrained(target)
-    pruned = apply_occult(tiny_model("olmoe", seed=2), OccultConfig(num_devices=2, prune="router", max_devices_per_token=1))
+    pruning = OccultConfig(num_devices=2, prune="router", max_devices_per_token=1)
+    pruned = apply_occult(tiny_model("olmoe", seed=2), pruning)
     real_replace = os.replace
 
     def stop_at_the_config(source, destination):
@@ -136,11 +134,18 @@ def test_a_save_stopped_while_publishing_is_refused_until_one_completes(tmp_path
         patch.setattr(os, "replace", stop_at_the_config)
         with pytest.raises(_Crash):
             pruned.save_pretrained(target)
+    refused = f"stopped while it replaced the files of the earlier save \\({PUBLISHING_FILENAME} is there"
     for keywords in ({}, {"occult_config": None}):
-        with pytest.raises(RuntimeError, match=f"stopped while it replaced the files of the earlier save \\({PUBLISHING_FILENAME}"):
+        with pytest.raises(RuntimeError, match=refused):
             AutoModelForCausalLM.from_pretrained(target, **keywords)
+    copy = tmp_path / "copy"
+    shutil.copytree(target, copy)
     pruned.save_pretrained(target)
     ids = tiny_batch(seed=5)
     with torch.no_grad():
         assert torch.allclose(AutoModelForCausalLM.from_pretrained(target)(ids).logits, pruned(ids).logits, atol=1e-6)
     assert not (target / PUBLISHING_FILENAME).exists()
+    plain = tiny_model("olmoe", seed=3)  # a save of any kind, in place, makes the copy whole again
+    plain.save_pretrained(copy)
+    with torch.no_grad():
+        assert torch.allclose(AutoModelForCausalLM.from_pretrained(copy)(ids).logits, plain(ids).logits, atol=1e-6)

@@ -19,7 +19,8 @@ check that fails on one rank stops every rank at once, naming it. A results or s
 write, or wrote only in part (a full disk), is an error after the tables.
 `--headline RESULTS` prints the headline rows of a finished occult23 run and `--compare A B` two runs
 side by side (the headline rows of two occult23 runs, else every metric), each from a
-`results_*.json` or an `--output_path` folder (its newest `results_*.json`); both warn on stderr where the
+`results_*.json` or an `--output_path` folder (its newest `results_*.json`, named on stderr; a folder holding
+several checkpoints' runs is refused); both warn on stderr where the
 numbers are not comparable (a `--limit` run, or two runs with different `--limit`, documents or n-shot).
 """
 
@@ -267,7 +268,8 @@ def _evaluate(args: argparse.Namespace) -> int:
         path, why = unwritten
         raise SystemExit(f"occult eval: lm-eval could not write {os.fspath(path)!r} whole ({why}; --output_path "
                          f"{args.output_path!r}; its warning above says why): the tables above are this run's only "
-                         f"results; make room there (or fix its permissions), delete any part-written file and run again")  # fmt: skip
+                         f"results; make room there (or fix its permissions), delete any part-written file and run "
+                         f"again")  # fmt: skip
     print(f"wrote {os.fspath(written[0])}" + (f" and {len(written) - 1} samples file(s)" if len(written) > 1 else ""))
     return 0
 

@@ -25,6 +25,7 @@ shards removed after it, `config.json` last.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import secrets
@@ -343,9 +344,10 @@ def publish_staged(staging: str, target: str) -> None:
        stay: a directory may hold the plain weights and an "fp16" variant, as Hub repositories do).
 
     Every file is whole before the first rename, so a failure while writing leaves `target` as it was. From step 2
-    to the end `target` holds `PUBLISHING_FILENAME`: a process that stops there leaves files of both saves (the new
-    weights beside the old `config.json`, whose `occult_config` would run them pruned or placed as the old save was),
-    and `check_publish_finished` makes `from_pretrained` refuse the directory until a save into it completes.
+    to step 4 `target` holds `PUBLISHING_FILENAME`, with digests of the old and the new `config.json`: a process that
+    stops there leaves files of both saves (the new weights beside the old `config.json`, whose `occult_config`
+    would run them pruned or placed as the old save was), and `check_publish_finished` refuses the directory while
+    its `config.json` is still the old one.
     """
     staged = sorted(os.listdir(staging))
     weights = [n for n in staged if _WEIGHT_FILE.fullmatch(n)]
@@ -363,7 +365,9 @@ def publish_staged(staging: str, target: str) -> None:
         kept |= {index, *_move_shards(staging, target, index)}
     rest = [n for n in staged if n not in weights and n != "config.json"]
     marker = os.path.join(target, PUBLISHING_FILENAME)
-    atomic_write_json(marker, {"staging": os.path.basename(os.path.normpath(staging))})
+    before = _digest(os.path.join(target, "config.json"))
+    after = _digest(os.path.join(staging, "config.json")) if "config.json" in staged else before
+    atomic_write_json(marker, {"config_before": before, "config_after": after})
     for name in sorted(rest, key=lambda n: n != PLACEMENT_FILENAME):
         _replace(os.path.join(staging, name), os.path.join(target, name))
     _replace(os.path.join(staging, commit), os.path.join(target, commit))
@@ -375,23 +379,42 @@ def publish_staged(staging: str, target: str) -> None:
             os.remove(os.path.join(target, name))
     if "config.json" in staged:
         _replace(os.path.join(staging, "config.json"), os.path.join(target, "config.json"))
+    os.remove(marker)  # the new save loads whole from here on
     for name in os.listdir(target):
         stale = _WEIGHT_FILE.fullmatch(name) and _variant_of(name) in variants and name not in kept
         if stale and os.path.isfile(os.path.join(target, name)):
             os.remove(os.path.join(target, name))
-    os.remove(marker)
 
 
 def check_publish_finished(directory: str) -> None:
-    """Raise when a save into the checkpoint directory `directory` stopped while `publish_staged` moved it in
-    (`PUBLISHING_FILENAME` is there): its files may come from two saves, and occult_hf would run the new weights with
-    the old save's placement and pruning, silently."""
-    if os.path.isfile(os.path.join(directory, PUBLISHING_FILENAME)):
+    """Raise when a save into the checkpoint directory `directory` stopped while `publish_staged` moved it in: the
+    marker it left is there and `config.json` is still the old save's, so its files may come from two saves and
+    occult_hf would run the new weights with the old save's placement and pruning, silently. A marker whose save
+    changed no `config.json`, or whose directory holds another `config.json` since (a later save of any kind, in
+    place), or one that cannot be read, says nothing about the files and is ignored."""
+    marker = os.path.join(directory, PUBLISHING_FILENAME)
+    if not os.path.isfile(marker):
+        return
+    try:
+        configs = read_json_file(marker, "publish marker")
+        before, after = configs["config_before"], configs["config_after"]
+    except (ValueError, TypeError, KeyError):  # written atomically: not ours, or edited since
+        return
+    if before != after and _digest(os.path.join(directory, "config.json")) == before:
         raise RuntimeError(
             f"checkpoint {os.path.normpath(directory)!r}: a save_pretrained into it stopped while it replaced the "
-            f"files of the earlier save ({PUBLISHING_FILENAME} is there), so it may hold the new weights beside the "
-            f"old config.json; save the model into it again, or load a copy of either save"
+            f"files of the earlier save ({PUBLISHING_FILENAME} is there and config.json is still the earlier one), so "
+            f"it may hold the new weights beside the old config.json; save the model into it again, or load a copy "
+            f"of either save"
         )
+
+
+def _digest(path: str) -> str | None:
+    """The sha256 of a file's bytes, None where there is no file."""
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
 
 
 def _move_shards(staging: str, target: str, index: str) -> set[str]:

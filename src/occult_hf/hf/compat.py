@@ -71,7 +71,7 @@ def install_loading_hooks(
     on_load: Callable[[Any, Any, str], Any],
     config_value: Callable[[Any, Any], Any],
     plain_config: Callable[[Any], Any],
-    load_scope: Callable[[Any, dict, type], Any] | None = None,
+    load_scope: Callable[[Any, dict, type, Any], Any] | None = None,
 ) -> None:
     """Let `PreTrainedModel.from_pretrained` take `occult_config=`; idempotent.
 

@@ -462,32 +462,38 @@ def _vanilla_weights(checkpoint: str) -> dict[str, torch.Tensor]:
 def _load_from_checkpoint(original, trainer, resume_from_checkpoint, model=None):
     loaded = model if model is not None else trainer.model
     target = _occult_model(loaded)
-    if target is not None:
-        _check_complete(resume_from_checkpoint)
     if target is None or target is not loaded:
+        if target is not None:
+            _check_complete(resume_from_checkpoint)
         return original(trainer, resume_from_checkpoint, model)
+    # every rank reads the whole checkpoint before the meeting: it may wait as long as the ranks' first collective would
+    ddp_bound = (float(trainer.args.ddp_timeout), "TrainingArguments.ddp_timeout")
+    bound = max((save_timeout_s(), SAVE_TIMEOUT_ENV), ddp_bound)
     _with_the_ranks(target, f"resume_from_checkpoint {os.path.basename(os.path.normpath(resume_from_checkpoint))}",
-                    lambda: _load_own_share(resume_from_checkpoint, target))  # fmt: skip
+                    bound, lambda: _load_own_share(resume_from_checkpoint, target))  # fmt: skip
 
 
-def _with_the_ranks(model: nn.Module, operation: str, work) -> None:
-    """`work()`, this rank's part of a collective step, then a bounded meeting of the EP ranks: a rank whose part failed
-    (a rank file written with another placement, or missing) is named on every rank at once, where the others would
-    train on into an exchange their peer never reaches and die there of a lost connection naming nothing."""
+def _with_the_ranks(model: nn.Module, operation: str, bound: tuple[float, str], work) -> None:
+    """`work()`, this rank's part of a collective step, then a meeting of the EP ranks (`bound`: its seconds and the
+    setting that gives them): a rank whose part failed (an incomplete checkpoint, a rank file written with another
+    placement, or missing) is named on every rank at once, where the others would train on into an exchange their
+    peer never reaches and die there of a lost connection naming nothing."""
     state = vars(model)[STATE_ATTR]
     if not state.ep.is_distributed:
-        return work()
+        work()
+        return
     try:
         work()
     except Exception as error:
         announce_failure(error, operation, state.ep.group)
         raise
-    arrive(state.ep.group, operation, save_timeout_s(), SAVE_TIMEOUT_ENV)
+    arrive(state.ep.group, operation, *bound)
 
 
 def _load_own_share(resume_from_checkpoint: str, target: nn.Module) -> None:
     """This rank's share of a checkpoint into `target`: the dense weights from the checkpoint's safetensors, its own
     experts from its rank file."""
+    _check_complete(resume_from_checkpoint)
     experts = _read_rank_file(resume_from_checkpoint, target)["experts"]
     own = target.state_dict()
     rename = checkpoint_key_renamer(target)  # saved keys are transformers' original names (Mixtral: block_sparse_moe)
