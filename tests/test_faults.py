@@ -419,11 +419,14 @@ def test_interrupted_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeyp
     assert {name: digest for name, digest in _tree_digest(tmp_path).items() if name != left[0]} == before
     shutil.rmtree(tmp_path / left[0])
 
-    # Interrupted among the renames (placement and weights new, config old): every file is whole, and the
-    # checkpoint loads with the setup its config names (weights are in the original expert order).
+    # Interrupted among the renames (placement and weights new, config old): every file is whole, but they come
+    # from two saves, and the load is refused (`occult_publishing.json`) until a save completes.
     with monkeypatch.context() as patch:
         _fail_on(patch, "rename of config.json")
         with pytest.raises(OSError, match="injected failure renaming config.json"):
             changed.save_pretrained(tmp_path)
-    assert set(_tree_digest(tmp_path)) == set(before)
-    assert occult_config_of(AutoModelForCausalLM.from_pretrained(tmp_path)).placement == occult_config_of(original).placement
+    assert set(_tree_digest(tmp_path)) == set(before) | {"occult_publishing.json"}
+    with pytest.raises(RuntimeError, match="stopped while it replaced the files of the earlier save"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    changed.save_pretrained(tmp_path)
+    assert occult_config_of(AutoModelForCausalLM.from_pretrained(tmp_path)).placement == occult_config_of(changed).placement

@@ -200,12 +200,12 @@ def _window_world(rank, world_size):
     from occult_hf.config import OccultConfig
     from occult_hf.hf.apply import apply_occult
     from occult_hf.hf.callback import OccultCallback
-    from test_callback import _State
+    from transformers import TrainerState
 
     model = apply_occult(tiny_model("olmoe", **SIZES).train(), OccultConfig(num_devices=world_size))
     counts, masks = _router_counts(model)
     callback = OccultCallback(check_every=1, sample_size=64)
-    state = _State()
+    state = TrainerState()
     callback.on_train_begin(None, state, None, model=model)
     # window 1: both ranks train, rank 1 on a partly padded batch; window 2: rank 1 routes only an evaluation's
     # tokens; window 3: rank 0 does
