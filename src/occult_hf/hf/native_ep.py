@@ -553,11 +553,12 @@ def _save_with_transformers(model, state, save_directory, args, kwargs):
     `distributed_checkpoint` (experts stored in original order meanwhile) or a push to the Hub."""
     record_running_limits(model, state)
     writer = kwargs.get("is_main_process", True) and writes_files(state)
-    if not (kwargs.get("distributed_checkpoint") or kwargs.get("push_to_hub")):
+    sharded = kwargs.get("distributed_checkpoint")
+    if not (sharded or kwargs.get("push_to_hub")):
         return _save_staged(model, state, os.fspath(save_directory), writer, args, kwargs)
-    if kwargs.get("distributed_checkpoint"):
+    if sharded:
         _clear_earlier_weights(state, os.fspath(save_directory))
-    with _stored_in_original_order(model) if kwargs.get("distributed_checkpoint") else contextlib.nullcontext():
+    with _stored_in_original_order(model) if sharded else contextlib.nullcontext():
         result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
     if writer:
         add_pruning_files(state, os.fspath(save_directory), os.fspath(save_directory))

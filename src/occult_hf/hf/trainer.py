@@ -177,7 +177,7 @@ def _save_checkpoint(original, trainer, model, trial=None):
     try:
         result = original(trainer, model, trial)
     except Exception as error:  # the other ranks stop at once instead of waiting for this rank's report
-        _announce(occult, error, output_dir)
+        _announce(occult, error, f"the Trainer checkpoint {os.path.basename(output_dir)}")
         raise
     finally:
         trainer.args.save_total_limit, trainer.args.push_to_hub = limit, push
@@ -208,10 +208,11 @@ def _reports(model, output_dir: str) -> dict[str, int]:
     return {file: size for report in reports.values() for file, size in report.items()}
 
 
-def _announce(model, error: Exception, output_dir: str) -> None:
+def _announce(model, error: Exception, operation: str) -> None:
+    """Tell the other EP ranks, waiting at `operation`'s meeting, that this rank failed at it (no-op in one process)."""
     state = vars(model)[STATE_ATTR]
     if state.ep.is_distributed:
-        announce_failure(error, f"the Trainer checkpoint {os.path.basename(output_dir)}", state.ep.group)
+        announce_failure(error, operation, state.ep.group)
 
 
 def _write_status(checkpoint: str, status: dict) -> None:
@@ -478,16 +479,14 @@ def _with_the_ranks(model: nn.Module, operation: str, bound: tuple[float, str], 
     setting that gives them): a rank whose part failed (an incomplete checkpoint, a rank file written with another
     placement, or missing) is named on every rank at once, where the others would train on into an exchange their
     peer never reaches and die there of a lost connection naming nothing."""
-    state = vars(model)[STATE_ATTR]
-    if not state.ep.is_distributed:
-        work()
-        return
     try:
         work()
     except Exception as error:
-        announce_failure(error, operation, state.ep.group)
+        _announce(model, error, operation)
         raise
-    arrive(state.ep.group, operation, *bound)
+    state = vars(model)[STATE_ATTR]
+    if state.ep.is_distributed:
+        arrive(state.ep.group, operation, *bound)
 
 
 def _load_own_share(resume_from_checkpoint: str, target: nn.Module) -> None:
